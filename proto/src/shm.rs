@@ -1,0 +1,163 @@
+//! The shared-memory side channel: fixed-size frames on a `SOCK_SEQPACKET` Unix socket next to the
+//! gRPC socket (`<socket>.shm`). It carries what gRPC cannot: file descriptors (`SCM_RIGHTS`) of the
+//! shards a client maps read-only, and the client's releases of the batches it is done with.
+//!
+//! Every frame is one [`Frame`] of 64 bytes; a descriptor travels as ancillary data of an
+//! [`KIND_SHARD_FD`] frame. Both sides check [`MAGIC`] and [`LAYOUT_VERSION`] on every frame, so a
+//! client built against another layout gets an error naming both versions instead of misreading.
+//!
+//! ```text
+//!  byte  0        4        6        8                16                24                               64
+//!        ┌────────┬────────┬────────┬────────────────┬────────────────┬────────────────────────────────┐
+//!        │ magic  │version │ kind   │ a (u64)        │ b (u64)        │ payload (40 bytes)             │
+//!        │ u32 LE │ u16 LE │ u16 LE │                │                │                                │
+//!        └────────┴────────┴────────┴────────────────┴────────────────┴────────────────────────────────┘
+//!  kind   direction          a                   b                 payload
+//!  HELLO  client -> daemon   0                   0                 session token (16 bytes), zeros
+//!  ATTACHED daemon -> client 0                   0                 zeros
+//!  SHARD_FD daemon -> client shard slot          shard length      zeros            + SCM_RIGHTS fd
+//!  RELEASE client -> daemon  batch index         0                 zeros
+//!  STREAM_END client->daemon first unreceived   0                 zeros
+//!                            batch index (every outstanding batch from it on is released:
+//!                            the client closed the stream before receiving them)
+//!  ERROR  daemon -> client   error code          0                 UTF-8 message, NUL-padded
+//! ```
+//!
+//! A shard slot is the stream's own number for a shard (0, 1, 2, ... in the order the daemon sent
+//! them); batches refer to shards by slot. Frames are native little-endian on every platform.
+
+/// "SSHM" in little-endian byte order.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"SSHM");
+/// Bumped on any change to [`Frame`] or the meaning of a kind.
+pub const LAYOUT_VERSION: u16 = 1;
+pub const FRAME_BYTES: usize = 64;
+
+pub const KIND_HELLO: u16 = 1;
+pub const KIND_ATTACHED: u16 = 2;
+pub const KIND_SHARD_FD: u16 = 3;
+pub const KIND_RELEASE: u16 = 4;
+pub const KIND_ERROR: u16 = 5;
+pub const KIND_STREAM_END: u16 = 6;
+
+/// Error codes of ERROR frames.
+pub const ERR_UNKNOWN_SESSION: u64 = 1;
+pub const ERR_LAYOUT_VERSION: u64 = 2;
+pub const ERR_NOT_HELD: u64 = 3;
+pub const ERR_MALFORMED: u64 = 4;
+
+/// One side-channel frame.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frame {
+    pub magic: u32,
+    pub version: u16,
+    pub kind: u16,
+    pub a: u64,
+    pub b: u64,
+    pub payload: [u8; 40],
+}
+
+const _: () = assert!(std::mem::size_of::<Frame>() == FRAME_BYTES);
+const _: () = assert!(std::mem::align_of::<Frame>() == 8);
+
+/// Why a received frame cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("side-channel frame of {0} bytes, expected {FRAME_BYTES}")]
+    Size(usize),
+    #[error("side-channel frame has bad magic {0:#010x}")]
+    Magic(u32),
+    #[error("shared-memory layout version {theirs} is not supported (this side speaks version {LAYOUT_VERSION})")]
+    Version { theirs: u16 },
+}
+
+impl Frame {
+    pub fn new(kind: u16, a: u64, b: u64) -> Self {
+        Self { magic: MAGIC, version: LAYOUT_VERSION, kind, a, b, payload: [0; 40] }
+    }
+
+    pub fn hello(token: &[u8; 16]) -> Self {
+        let mut f = Self::new(KIND_HELLO, 0, 0);
+        f.payload[..16].copy_from_slice(token);
+        f
+    }
+
+    pub fn error(code: u64, msg: &str) -> Self {
+        let mut f = Self::new(KIND_ERROR, code, 0);
+        // Cut at a char boundary so the message stays valid UTF-8.
+        let mut end = msg.len().min(f.payload.len());
+        while !msg.is_char_boundary(end) {
+            end -= 1;
+        }
+        f.payload[..end].copy_from_slice(&msg.as_bytes()[..end]);
+        f
+    }
+
+    pub fn token(&self) -> [u8; 16] {
+        let mut t = [0u8; 16];
+        t.copy_from_slice(&self.payload[..16]);
+        t
+    }
+
+    pub fn message(&self) -> String {
+        let end = self.payload.iter().position(|&b| b == 0).unwrap_or(self.payload.len());
+        String::from_utf8_lossy(&self.payload[..end]).into_owned()
+    }
+
+    pub fn encode(&self) -> [u8; FRAME_BYTES] {
+        let mut out = [0u8; FRAME_BYTES];
+        out[0..4].copy_from_slice(&self.magic.to_le_bytes());
+        out[4..6].copy_from_slice(&self.version.to_le_bytes());
+        out[6..8].copy_from_slice(&self.kind.to_le_bytes());
+        out[8..16].copy_from_slice(&self.a.to_le_bytes());
+        out[16..24].copy_from_slice(&self.b.to_le_bytes());
+        out[24..64].copy_from_slice(&self.payload);
+        out
+    }
+
+    /// Decodes and checks magic and layout version.
+    pub fn decode(bytes: &[u8]) -> Result<Self, FrameError> {
+        let b: &[u8; FRAME_BYTES] = bytes.try_into().map_err(|_| FrameError::Size(bytes.len()))?;
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u64_at = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        if magic != MAGIC {
+            return Err(FrameError::Magic(magic));
+        }
+        let version = u16_at(4);
+        if version != LAYOUT_VERSION {
+            return Err(FrameError::Version { theirs: version });
+        }
+        let mut payload = [0u8; 40];
+        payload.copy_from_slice(&b[24..64]);
+        Ok(Self { magic, version, kind: u16_at(6), a: u64_at(8), b: u64_at(16), payload })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_checks_version() {
+        let f = Frame::hello(&[7; 16]);
+        let bytes = f.encode();
+        assert_eq!(&bytes[0..4], b"SSHM");
+        assert_eq!(Frame::decode(&bytes).unwrap(), f);
+        assert_eq!(Frame::decode(&bytes).unwrap().token(), [7; 16]);
+        let mut other = bytes;
+        other[4] = 9;
+        let err = Frame::decode(&other).unwrap_err().to_string();
+        assert!(err.contains("version 9") && err.contains(&format!("version {LAYOUT_VERSION}")), "{err}");
+        assert_eq!(Frame::decode(&bytes[..10]), Err(FrameError::Size(10)));
+        let mut bad = bytes;
+        bad[0] = b'X';
+        assert!(matches!(Frame::decode(&bad), Err(FrameError::Magic(_))));
+        let e = Frame::error(ERR_NOT_HELD, &"é".repeat(40));
+        assert!(e.message().chars().all(|c| c == 'é'));
+    }
+}
