@@ -1,0 +1,82 @@
+//! The bench's "plain client": downloads every `.tar` object under an S3 prefix with N concurrent
+//! ranged GETs straight from aws-sdk-s3, discarding the bytes, and prints
+//! `{"bytes": .., "seconds": .., "mb_per_s": .., "requests": ..}`. What the server can deliver
+//! to one client, so shardstream's cold epoch is quoted as a share of it.
+//!
+//! Usage: `s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES]` with `AWS_ENDPOINT_URL` and
+//! credentials in the environment.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::Semaphore;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let (bucket, prefix) = match (args.get(1), args.get(2)) {
+        (Some(b), Some(p)) => (b.clone(), p.clone()),
+        _ => anyhow::bail!("usage: s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES]"),
+    };
+    let concurrency: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(8);
+    let part: u64 = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(8 << 20);
+    let http = aws_smithy_http_client::Builder::new()
+        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
+            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
+        ))
+        .build_https();
+    let sdk = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http).load().await;
+    let conf = aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build();
+    let client = aws_sdk_s3::Client::from_conf(conf);
+
+    let mut objects = Vec::new();
+    let mut token = None;
+    loop {
+        let page =
+            client.list_objects_v2().bucket(&bucket).prefix(&prefix).set_continuation_token(token).send().await?;
+        for o in page.contents() {
+            if let (Some(k), Some(s)) = (o.key(), o.size())
+                && k.ends_with(".tar")
+            {
+                objects.push((k.to_owned(), s as u64));
+            }
+        }
+        token = page.next_continuation_token().map(str::to_owned);
+        if token.is_none() {
+            break;
+        }
+    }
+    let started = Instant::now();
+    let limit = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (key, size) in objects {
+        let mut at = 0;
+        while at < size {
+            let end = (at + part).min(size);
+            let (client, bucket, key, limit) = (client.clone(), bucket.clone(), key.clone(), limit.clone());
+            tasks.spawn(async move {
+                let _slot = limit.acquire_owned().await?;
+                let resp =
+                    client.get_object().bucket(bucket).key(key).range(format!("bytes={at}-{}", end - 1)).send().await?;
+                let mut body = resp.body;
+                let mut n = 0u64;
+                while let Some(chunk) = body.try_next().await? {
+                    n += chunk.len() as u64;
+                }
+                anyhow::Ok(n)
+            });
+            at = end;
+        }
+    }
+    let (mut bytes, mut requests) = (0u64, 0u64);
+    while let Some(r) = tasks.join_next().await {
+        bytes += r??;
+        requests += 1;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        serde_json::json!({"bytes": bytes, "seconds": seconds, "mb_per_s": bytes as f64 / 1e6 / seconds, "requests": requests})
+    );
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! Filling a cache file from a shard's source: parallel ranged GETs from S3, or a copy from a
+//! local / parallel file system (`cache=copy`). Whatever the source, the bytes are verified
+//! before the cache publishes them: the size always, the CRC-32C when the manifest gives one
+//! (computed while the bytes stream in, so verification costs no second read). A checksum
+//! mismatch is fetched once more (a bit flip in transit should not fail a training run); a
+//! second mismatch is final and names the shard.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::storage::ShardSource;
+use crate::storage::s3::{DownloadObserver, ObjectRef, S3Store};
+use crate::{Error, Result};
+
+/// Read size of a local copy: large enough that syscalls vanish against the copy.
+const COPY_CHUNK: usize = 4 << 20;
+
+/// What to fetch and how to check it.
+#[derive(Debug, Clone)]
+pub struct FetchSpec<'a> {
+    pub source: &'a ShardSource,
+    pub len: u64,
+    pub crc32c: Option<u32>,
+}
+
+/// Writes the shard into `file` (a fresh temporary file at `tmp`) and verifies it.
+pub fn fill(
+    spec: &FetchSpec<'_>,
+    store: Option<&S3Store>,
+    tmp: &Path,
+    file: &File,
+    observer: Arc<dyn DownloadObserver>,
+) -> Result<()> {
+    let url = spec.source.url();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let crc = match spec.source {
+            ShardSource::S3 { bucket, key, etag } => {
+                let store = store.ok_or_else(|| Error::Internal(format!("{url}: no S3 connection")))?;
+                let obj = ObjectRef { bucket: bucket.clone(), key: key.clone(), len: spec.len, etag: etag.clone() };
+                let shared = Arc::new(file.try_clone().map_err(|e| Error::io("cannot reopen", tmp, e))?);
+                store.block_on(store.download(&obj, shared, tmp, observer.clone()))?
+            }
+            ShardSource::Local(path) => copy(path, file, tmp, spec.len)?,
+        };
+        let written = file.metadata().map_err(|e| Error::io("cannot stat", tmp, e))?.len();
+        if written != spec.len {
+            return Err(Error::Shard {
+                shard: url,
+                offset: Some(written),
+                reason: format!("is {written} bytes but {} were expected; refusing to cache it", spec.len),
+            });
+        }
+        match spec.crc32c {
+            Some(expected) if expected != crc && attempt < 2 => {
+                tracing::warn!(shard = %url, "checksum mismatch after download, fetching once more");
+                file.set_len(0).map_err(|e| Error::io("cannot truncate", tmp, e))?;
+            }
+            Some(expected) if expected != crc => {
+                return Err(Error::Shard {
+                    shard: url,
+                    offset: None,
+                    reason: format!(
+                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), also after a re-fetch: \
+                         the object changed after the manifest was written; refusing to serve it"
+                    ),
+                });
+            }
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// Copies a local shard into the cache file, returning the CRC-32C of what was copied.
+fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
+    let mut from = File::open(src).map_err(|e| Error::io("cannot open shard", src, e))?;
+    let mut buf = vec![0u8; COPY_CHUNK];
+    let (mut pos, mut crc) = (0u64, 0u32);
+    loop {
+        let n = from.read(&mut buf).map_err(|e| Error::io("cannot read shard", src, e))?;
+        if n == 0 || pos >= len {
+            break;
+        }
+        // Never copy past the indexed length: a shard that grew is reported by the size check.
+        let n = n.min((len - pos) as usize);
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        file.write_all_at(&buf[..n], pos).map_err(|e| Error::io("cannot write", tmp, e))?;
+        pos += n as u64;
+    }
+    crate::metrics::storage_bytes("local", pos);
+    Ok(crc)
+}

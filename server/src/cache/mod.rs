@@ -1,0 +1,508 @@
+//! The node cache: one directory on the node's fast disk holding shard copies, shared by every
+//! client and every job of the daemon, bounded by a byte capacity.
+//!
+//! - **Single flight**: a shard wanted by eight ranks at once is fetched once; the others wait
+//!   for that fill ([`table::Begin::Wait`]).
+//! - **Never half-visible**: a fill writes `.<key>.tmp.<pid>.<seq>`, the filler verifies it (size,
+//!   checksum), it is fsynced and renamed to `<key>`. Start-up deletes temporary leftovers of a
+//!   crashed daemon and re-adopts complete files.
+//! - **Eviction** by the table's policy (Belady's rule with the prefetcher's knowledge of the
+//!   future, or LRU); a pinned shard (a stream is reading it) or one leased to a client is never
+//!   evicted. Evicted files are unlinked: a reader that still has one open or mapped keeps valid
+//!   bytes, and a re-fetch writes a new file, so nothing anyone reads is ever rewritten.
+//! - **A full disk evicts instead of failing**: when a write hits ENOSPC the capacity is lowered
+//!   to what the disk really holds and the fill is retried once after evicting; only if that
+//!   fails too does the stream get an error naming the cache directory.
+//!
+//! Layout: `<cache-dir>/shards/<key>` where the key is a hash of the shard's source and identity
+//! plus its name (`0123456789abcdef-train-000001.tar`), so a changed object never reuses an old
+//! copy. Lock order: the table mutex is the only lock here, never held across I/O.
+
+pub mod download;
+pub mod table;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use table::{Begin, CacheTable, Eviction, Policy};
+
+use crate::{Error, Result};
+
+/// Subdirectory of the cache directory holding shard copies.
+pub const SHARDS_DIR: &str = "shards";
+
+/// Share of the cache file system's space (free at start-up plus what the cache already holds)
+/// used when no `--cache-size` is given: the rest is headroom for sidecars, logs and other users.
+const DEFAULT_CAPACITY_SHARE: f64 = 0.9;
+
+/// How long a stream waits for pinned shards to be released when the cache is full before it
+/// fails: long enough for other streams to move on from their current shards.
+const SPACE_WAIT: Duration = Duration::from_secs(60);
+
+/// Fills retried after ENOSPC (each after lowering the capacity to what the disk holds): more
+/// than one, because concurrent fills can hit a full disk together.
+const MAX_DISK_FULL_RETRIES: u32 = 5;
+
+/// Free bytes of the file system holding `dir`, for an unprivileged writer.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let vfs = rustix::fs::statvfs(dir).ok()?;
+    Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
+}
+
+/// A cache key: `<hash of source and identity>-<shard name made file-safe>`.
+pub fn key_for(source: &str, identity: &[u8], name: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in source.as_bytes().iter().chain([0u8].iter()).chain(identity) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    let safe: String = name
+        .chars()
+        .rev()
+        .take(96)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') { c } else { '_' })
+        .collect();
+    format!("{h:016x}-{safe}")
+}
+
+/// Counters of the cache since start-up.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CacheStats {
+    pub capacity: u64,
+    pub used: u64,
+    pub shards: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub filled_bytes: u64,
+    /// Largest `used` seen (never above `capacity`).
+    pub high_water: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    evictions: AtomicU64,
+    filled_bytes: AtomicU64,
+    high_water: AtomicU64,
+}
+
+pub struct NodeCache {
+    dir: PathBuf,
+    table: Mutex<CacheTable>,
+    changed: Condvar,
+    eviction: RwLock<Arc<dyn Eviction + Send + Sync>>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for NodeCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeCache").field("dir", &self.dir).finish_non_exhaustive()
+    }
+}
+
+/// A shard held in the cache for as long as the pin lives: it cannot be evicted meanwhile.
+#[derive(Debug)]
+pub struct Pin {
+    cache: Arc<NodeCache>,
+    key: String,
+    path: PathBuf,
+    /// True when this call fetched the shard (a miss).
+    pub filled: bool,
+}
+
+impl Pin {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.cache.lock().unpin(&self.key);
+        self.cache.changed.notify_all();
+    }
+}
+
+/// How a caller wants to be served.
+#[derive(Debug, Clone, Copy)]
+pub struct Want {
+    /// Seconds until the shard is needed (0: a stream waits on it now).
+    pub urgency: f64,
+    /// Wait for another fill or for space (a stream), or give up at once (a prefetch).
+    pub wait: bool,
+}
+
+impl Want {
+    pub const NOW: Want = Want { urgency: 0.0, wait: true };
+}
+
+impl NodeCache {
+    /// Opens the cache in `cache_dir`: deletes temporary leftovers, re-adopts complete shards,
+    /// and evicts down to `capacity` (default: [`DEFAULT_CAPACITY_SHARE`] of the space the file
+    /// system gives it).
+    pub fn open(cache_dir: &Path, capacity: Option<u64>, policy: Policy) -> Result<Arc<Self>> {
+        let dir = cache_dir.join(SHARDS_DIR);
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create cache directory", &dir, e))?;
+        let mut adopted = Vec::new();
+        let mut removed = 0usize;
+        for entry in std::fs::read_dir(&dir).map_err(|e| Error::io("cannot list cache directory", &dir, e))? {
+            let entry = entry.map_err(|e| Error::io("cannot list cache directory", &dir, e))?;
+            let path = entry.path();
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            if crate::storage::local::is_temp_name(&name) {
+                std::fs::remove_file(&path).map_err(|e| Error::io("cannot remove partial download", &path, e))?;
+                removed += 1;
+                continue;
+            }
+            let meta = entry.metadata().map_err(|e| Error::io("cannot stat", &path, e))?;
+            if meta.is_file() {
+                adopted.push((name, meta.len()));
+            }
+        }
+        let held: u64 = adopted.iter().map(|(_, b)| b).sum();
+        let capacity = match capacity {
+            Some(c) => c,
+            None => {
+                let free = free_bytes(&dir).ok_or_else(|| {
+                    Error::invalid(format!("cannot tell the free space of {}; give --cache-size", dir.display()))
+                })?;
+                ((free.saturating_add(held)) as f64 * DEFAULT_CAPACITY_SHARE) as u64
+            }
+        };
+        let mut table = CacheTable::new(capacity, policy);
+        for (name, bytes) in &adopted {
+            table.adopt(name, *bytes);
+        }
+        let over = table.shrink_to(capacity, &());
+        for k in &over {
+            let _ = std::fs::remove_file(dir.join(k));
+        }
+        tracing::info!(
+            dir = %dir.display(), capacity, adopted = adopted.len() - over.len(), removed_partial = removed,
+            evicted = over.len(), ?policy, "node cache opened"
+        );
+        let cache = Arc::new(Self {
+            dir,
+            table: Mutex::new(table),
+            changed: Condvar::new(),
+            eviction: RwLock::new(Arc::new(())),
+            counters: Counters::default(),
+        });
+        cache.publish_gauges();
+        Ok(cache)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CacheTable> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.lock().policy()
+    }
+
+    /// Installs what eviction consults about the future and about leases (the prefetcher).
+    pub fn set_eviction(&self, ev: Arc<dyn Eviction + Send + Sync>) {
+        *self.eviction.write().unwrap_or_else(|p| p.into_inner()) = ev;
+    }
+
+    fn eviction(&self) -> Arc<dyn Eviction + Send + Sync> {
+        self.eviction.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn path_of(&self, key: &str) -> PathBuf {
+        self.dir.join(key)
+    }
+
+    pub fn is_ready(&self, key: &str) -> bool {
+        self.lock().is_ready(key)
+    }
+
+    /// True when the shard is ready or being filled.
+    pub fn is_present(&self, key: &str) -> bool {
+        self.lock().get(key).is_some()
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let t = self.lock();
+        CacheStats {
+            capacity: t.capacity(),
+            used: t.used(),
+            shards: t.len() as u64,
+            hits: self.counters.hits.load(Relaxed),
+            misses: self.counters.misses.load(Relaxed),
+            evictions: self.counters.evictions.load(Relaxed),
+            filled_bytes: self.counters.filled_bytes.load(Relaxed),
+            high_water: self.counters.high_water.load(Relaxed),
+        }
+    }
+
+    fn publish_gauges(&self) {
+        let (used, capacity) = {
+            let t = self.lock();
+            (t.used(), t.capacity())
+        };
+        self.counters.high_water.fetch_max(used, Relaxed);
+        crate::metrics::cache_gauges(used, capacity);
+    }
+
+    /// Returns the shard pinned in the cache, filling it with `fill` on a miss. `fill` writes
+    /// the shard into the temporary file it is given and verifies it; it runs without any lock
+    /// held. Blocking. `Ok(None)` only when `want.wait` is false and the shard is being filled by
+    /// someone else or does not fit without evicting sooner-needed shards.
+    pub fn get(
+        self: &Arc<Self>,
+        key: &str,
+        bytes: u64,
+        want: Want,
+        fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
+    ) -> Result<Option<Pin>> {
+        let mut disk_full_retries = 0;
+        let started = Instant::now();
+        loop {
+            let ev = self.eviction();
+            let begun = {
+                let mut t = self.lock();
+                loop {
+                    match t.begin(key, bytes, want.urgency, ev.as_ref()) {
+                        Begin::Wait if want.wait => {
+                            t = self
+                                .changed
+                                .wait_timeout(t, Duration::from_millis(200))
+                                .unwrap_or_else(|p| p.into_inner())
+                                .0;
+                        }
+                        Begin::NoSpace { needed, evictable } if want.wait => {
+                            if needed > t.capacity() {
+                                return Err(Error::CacheFull(format!(
+                                    "shard {key} ({needed} bytes) is larger than the node cache ({} bytes in {}); raise --cache-size",
+                                    t.capacity(),
+                                    self.dir.display()
+                                )));
+                            }
+                            if started.elapsed() > SPACE_WAIT {
+                                return Err(Error::CacheFull(format!(
+                                    "node cache {} is full: {} of {} bytes are pinned by active streams or leased \
+                                     to clients and {needed} more are needed (only {evictable} could be freed); \
+                                     raise --cache-size or run fewer jobs on this node",
+                                    self.dir.display(),
+                                    t.pinned_bytes(),
+                                    t.capacity()
+                                )));
+                            }
+                            t = self
+                                .changed
+                                .wait_timeout(t, Duration::from_millis(200))
+                                .unwrap_or_else(|p| p.into_inner())
+                                .0;
+                        }
+                        other => break other,
+                    }
+                }
+            };
+            let evicted = match begun {
+                Begin::Hit => {
+                    self.counters.hits.fetch_add(1, Relaxed);
+                    crate::metrics::cache_hit();
+                    return Ok(Some(Pin {
+                        cache: self.clone(),
+                        key: key.to_owned(),
+                        path: self.path_of(key),
+                        filled: false,
+                    }));
+                }
+                Begin::Wait | Begin::NoSpace { .. } => return Ok(None),
+                Begin::Fill { evicted } => evicted,
+            };
+            self.remove_evicted(&evicted);
+            self.counters.misses.fetch_add(1, Relaxed);
+            crate::metrics::cache_miss();
+            self.publish_gauges();
+            match self.fill_one(key, fill) {
+                Ok(()) => {
+                    self.lock().finish(key, true);
+                    self.changed.notify_all();
+                    self.counters.filled_bytes.fetch_add(bytes, Relaxed);
+                    return Ok(Some(Pin {
+                        cache: self.clone(),
+                        key: key.to_owned(),
+                        path: self.path_of(key),
+                        filled: true,
+                    }));
+                }
+                Err(e) => {
+                    let disk_full = is_disk_full(&e);
+                    // Measured after the failed fill's file is gone: what the disk can still take.
+                    let free = disk_full.then(|| free_bytes(&self.dir)).flatten();
+                    let fits_after_evicting = {
+                        let mut t = self.lock();
+                        t.finish(key, false);
+                        if let Some(free) = free {
+                            // The disk holds less than the capacity promised (other users, a small
+                            // file system): from now on account for what really fits. Fills still
+                            // in flight may use some of `free`; if so the next ENOSPC lowers it again.
+                            // Never below what other fills have already reserved: they were
+                            // admitted and will finish (or fail and lower it again).
+                            let real = (t.ready_bytes() + free).max(t.used()).min(t.capacity());
+                            tracing::warn!(dir = %self.dir.display(), capacity = real, "cache disk full, lowering capacity");
+                            t.set_capacity(real);
+                        }
+                        bytes <= t.capacity()
+                    };
+                    self.changed.notify_all();
+                    self.publish_gauges();
+                    if disk_full && fits_after_evicting && disk_full_retries < MAX_DISK_FULL_RETRIES {
+                        disk_full_retries += 1;
+                        continue;
+                    }
+                    if disk_full {
+                        return Err(Error::CacheFull(format!(
+                            "node cache {} ran out of disk space writing shard {key} ({bytes} bytes) even after \
+                             evicting; free space there or lower --cache-size",
+                            self.dir.display()
+                        )));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn remove_evicted(&self, evicted: &[String]) {
+        for k in evicted {
+            let p = self.path_of(k);
+            if let Err(e) = std::fs::remove_file(&p)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %p.display(), error = %e, "cannot delete evicted shard");
+            }
+            self.counters.evictions.fetch_add(1, Relaxed);
+            crate::metrics::cache_eviction();
+        }
+    }
+
+    /// Writes one fill to a temporary file, syncs it and renames it into place.
+    fn fill_one(&self, key: &str, fill: &mut dyn FnMut(&Path, &File) -> Result<()>) -> Result<()> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let tmp = self.dir.join(format!(".{key}.tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, Relaxed)));
+        let result = (|| {
+            let file = File::options()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(|e| Error::io("cannot create cache file", &tmp, e))?;
+            fill(&tmp, &file)?;
+            file.sync_all().map_err(|e| Error::io("cannot sync cache file", &tmp, e))?;
+            let dest = self.path_of(key);
+            std::fs::rename(&tmp, &dest).map_err(|e| Error::io("cannot publish cache file", &dest, e))?;
+            File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| Error::io("cannot sync cache directory", &self.dir, e))
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
+    }
+}
+
+fn is_disk_full(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) || source.raw_os_error() == Some(libc::EDQUOT))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn write(bytes: &'static [u8]) -> impl FnMut(&Path, &File) -> Result<()> {
+        move |_, mut f: &File| f.write_all(bytes).map_err(|e| Error::io("write", "x", e))
+    }
+
+    #[test]
+    fn fills_once_hits_after_and_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        let pin = cache.get("k1", 5, Want::NOW, &mut write(b"hello")).unwrap().unwrap();
+        assert!(pin.filled);
+        assert_eq!(std::fs::read(pin.path()).unwrap(), b"hello");
+        let again = cache.get("k1", 5, Want::NOW, &mut |_, _| panic!("filled twice")).unwrap().unwrap();
+        assert!(!again.filled);
+        drop((pin, again));
+        // A crashed daemon's partial download, then a restart: the partial file goes, the
+        // complete one is adopted.
+        std::fs::write(dir.path().join("shards/.k2.tmp.1.0"), b"par").unwrap();
+        drop(cache);
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        assert!(!dir.path().join("shards/.k2.tmp.1.0").exists());
+        assert!(cache.is_ready("k1"));
+        assert_eq!(cache.stats().used, 5);
+    }
+
+    #[test]
+    fn a_failed_fill_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        let err = cache
+            .get("k", 5, Want::NOW, &mut |_, mut f: &File| {
+                f.write_all(b"ha").unwrap();
+                Err(Error::Shard { shard: "s3://b/k".into(), offset: None, reason: "checksum".into() })
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("s3://b/k"));
+        assert_eq!(std::fs::read_dir(dir.path().join("shards")).unwrap().count(), 0);
+        assert_eq!(cache.stats().used, 0);
+    }
+
+    #[test]
+    fn eviction_keeps_the_cache_under_capacity_and_spares_pinned_shards() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(10), Policy::Lru).unwrap();
+        let a = cache.get("a", 5, Want::NOW, &mut write(b"aaaaa")).unwrap().unwrap();
+        drop(cache.get("b", 5, Want::NOW, &mut write(b"bbbbb")).unwrap().unwrap());
+        drop(cache.get("c", 5, Want::NOW, &mut write(b"ccccc")).unwrap().unwrap());
+        assert!(cache.is_ready("a") && !cache.is_ready("b") && cache.is_ready("c"), "b evicted, a pinned");
+        assert!(!dir.path().join("shards/b").exists());
+        // A reader holding an evicted file still reads valid bytes.
+        let f = File::open(a.path()).unwrap();
+        drop(a);
+        drop(cache.get("d", 10, Want::NOW, &mut write(b"dddddddddd")).unwrap().unwrap());
+        assert_eq!(std::io::read_to_string(f).unwrap(), "aaaaa");
+        let s = cache.stats();
+        assert!(s.high_water <= 10 && s.evictions == 3, "{s:?}");
+        let err = cache.get("huge", 11, Want::NOW, &mut write(b"")).unwrap_err().to_string();
+        assert!(err.contains("larger than the node cache"), "{err}");
+    }
+
+    #[test]
+    fn a_prefetch_does_not_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(5), Policy::Lru).unwrap();
+        let _a = cache.get("a", 5, Want::NOW, &mut write(b"aaaaa")).unwrap().unwrap();
+        let later = Want { urgency: 1.0, wait: false };
+        assert!(cache.get("b", 5, later, &mut write(b"bbbbb")).unwrap().is_none());
+    }
+
+    #[test]
+    fn keys_are_file_safe_and_depend_on_identity() {
+        let k = key_for("s3://b/p/", b"len=3;etag=x", "dir/../a b.tar");
+        assert!(k.ends_with("-dir_.._a_b.tar") && !k.contains('/'), "{k}");
+        assert_ne!(k, key_for("s3://b/p/", b"len=3;etag=y", "dir/../a b.tar"));
+    }
+}

@@ -1,0 +1,398 @@
+//! The cache table: which shards the node cache holds, in which state, and what to evict. A pure
+//! state machine (no I/O, no clock, no locks): the caller holds it under a mutex, performs the
+//! file operations its answers ask for, and reports back.
+//!
+//! ```text
+//!            begin() -> Fill                 finish(ok)
+//!  Absent ─────────────────────► Filling ─────────────────► Ready ──┐ pin()/unpin()
+//!    ▲                             │ finish(failed)            │ ◄──┘
+//!    └─────────────────────────────┘◄──────────────────────────┘ evicted (only with no pins)
+//! ```
+//!
+//! Space is accounted when a fill begins (its full size is reserved), so concurrent fills can
+//! never overshoot the capacity together. A pinned entry (a stream reads it, or a client holds a
+//! lease on it) is never chosen for eviction.
+
+use std::collections::HashMap;
+
+/// How victims are chosen when space is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Evict the shard whose next use is farthest in the future (Belady's rule); shards no active
+    /// consumer will need go first. Possible because every consumer's order is known in advance.
+    Belady,
+    /// Evict the least recently used shard (what other loaders do; kept for comparison).
+    Lru,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "belady" | "clairvoyant" => Ok(Policy::Belady),
+            "lru" => Ok(Policy::Lru),
+            other => Err(format!("unknown cache policy {other:?} (expected belady or lru)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Filling,
+    Ready,
+}
+
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub state: State,
+    pub bytes: u64,
+    pub pins: u32,
+    /// Logical time of the last pin (for LRU).
+    pub last_used: u64,
+}
+
+/// The answer to [`CacheTable::begin`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Begin {
+    /// Ready: the entry is now pinned for the caller.
+    Hit,
+    /// Someone else is filling it: wait for `finish` and ask again.
+    Wait,
+    /// The caller fills it (the entry is reserved and pinned); first delete these evicted files.
+    Fill { evicted: Vec<String> },
+    /// It does not fit now without evicting what may not be evicted.
+    NoSpace { needed: u64, evictable: u64 },
+}
+
+/// How the caller ranks and protects entries when space is needed.
+pub trait Eviction {
+    /// Seconds until the shard is next needed by an active consumer; `None`: not needed.
+    fn next_use(&self, key: &str) -> Option<f64>;
+    /// True while a client holds a lease on the shard (checked in addition to pins).
+    fn leased(&self, key: &str) -> bool;
+}
+
+/// Nothing known about the future, nothing leased.
+impl Eviction for () {
+    fn next_use(&self, _: &str) -> Option<f64> {
+        None
+    }
+    fn leased(&self, _: &str) -> bool {
+        false
+    }
+}
+
+#[derive(Debug)]
+pub struct CacheTable {
+    entries: HashMap<String, Entry>,
+    capacity: u64,
+    /// Bytes of Ready entries plus reservations of Filling ones.
+    used: u64,
+    clock: u64,
+    policy: Policy,
+}
+
+impl CacheTable {
+    pub fn new(capacity: u64, policy: Policy) -> Self {
+        Self { entries: HashMap::new(), capacity, used: 0, clock: 0, policy }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Changes the capacity (a disk that holds less than promised); the next fills evict down
+    /// to it.
+    pub fn set_capacity(&mut self, capacity: u64) {
+        self.capacity = capacity;
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Entry> {
+        self.entries.get(key)
+    }
+
+    pub fn is_ready(&self, key: &str) -> bool {
+        self.entries.get(key).is_some_and(|e| e.state == State::Ready)
+    }
+
+    /// Bytes of complete (Ready) entries.
+    pub fn ready_bytes(&self) -> u64 {
+        self.entries.values().filter(|e| e.state == State::Ready).map(|e| e.bytes).sum()
+    }
+
+    /// Bytes pinned (being read or filled) right now.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.entries.values().filter(|e| e.pins > 0).map(|e| e.bytes).sum()
+    }
+
+    /// Registers a file found complete in the cache directory at start-up (Ready, unpinned).
+    pub fn adopt(&mut self, key: &str, bytes: u64) {
+        if self.entries.contains_key(key) {
+            return;
+        }
+        self.used += bytes;
+        self.entries.insert(key.to_owned(), Entry { state: State::Ready, bytes, pins: 0, last_used: 0 });
+    }
+
+    /// Asks for `key` (of `bytes`). `urgency`: seconds until the caller needs it (0 for a
+    /// stream waiting on it now); with [`Policy::Belady`] only shards needed later than that may
+    /// be evicted for it, so a prefetch never pushes out something needed sooner.
+    pub fn begin(&mut self, key: &str, bytes: u64, urgency: f64, ev: &dyn Eviction) -> Begin {
+        self.clock += 1;
+        if let Some(e) = self.entries.get_mut(key) {
+            return match e.state {
+                State::Ready => {
+                    e.pins += 1;
+                    e.last_used = self.clock;
+                    Begin::Hit
+                }
+                State::Filling => Begin::Wait,
+            };
+        }
+        let free = self.capacity.saturating_sub(self.used);
+        let mut evicted = Vec::new();
+        if bytes > free {
+            let mut candidates: Vec<(&String, &Entry, f64)> = self
+                .entries
+                .iter()
+                .filter(|(k, e)| e.state == State::Ready && e.pins == 0 && !ev.leased(k))
+                .map(|(k, e)| (k, e, ev.next_use(k).unwrap_or(f64::INFINITY)))
+                .filter(|(_, _, next)| self.policy == Policy::Lru || *next > urgency)
+                .collect();
+            let evictable: u64 = candidates.iter().map(|(_, e, _)| e.bytes).sum();
+            if bytes > free + evictable {
+                return Begin::NoSpace { needed: bytes, evictable: free + evictable };
+            }
+            match self.policy {
+                // Farthest next use first; among equals (e.g. never needed again), least recent.
+                Policy::Belady => candidates
+                    .sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.last_used.cmp(&b.1.last_used)).then(a.0.cmp(b.0))),
+                Policy::Lru => candidates.sort_by(|a, b| a.1.last_used.cmp(&b.1.last_used).then(a.0.cmp(b.0))),
+            }
+            let mut freed = free;
+            for (k, e, _) in candidates {
+                if freed >= bytes {
+                    break;
+                }
+                freed += e.bytes;
+                evicted.push(k.clone());
+            }
+            for k in &evicted {
+                if let Some(e) = self.entries.remove(k) {
+                    self.used -= e.bytes;
+                }
+            }
+        }
+        self.used += bytes;
+        self.entries.insert(key.to_owned(), Entry { state: State::Filling, bytes, pins: 1, last_used: self.clock });
+        Begin::Fill { evicted }
+    }
+
+    /// Ends a fill begun by [`begin`](Self::begin): the entry becomes Ready (still pinned by the
+    /// filler), or disappears and frees its reservation.
+    pub fn finish(&mut self, key: &str, ok: bool) {
+        if ok {
+            if let Some(e) = self.entries.get_mut(key) {
+                e.state = State::Ready;
+            }
+        } else if let Some(e) = self.entries.remove(key) {
+            self.used -= e.bytes;
+        }
+    }
+
+    pub fn unpin(&mut self, key: &str) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+
+    /// Evicts unpinned, unleased Ready entries until `used <= target` (a lowered capacity, or a
+    /// disk that filled up under us); returns the keys whose files to delete.
+    pub fn shrink_to(&mut self, target: u64, ev: &dyn Eviction) -> Vec<String> {
+        let mut candidates: Vec<(String, u64, f64, u64)> = self
+            .entries
+            .iter()
+            .filter(|(k, e)| e.state == State::Ready && e.pins == 0 && !ev.leased(k))
+            .map(|(k, e)| (k.clone(), e.bytes, ev.next_use(k).unwrap_or(f64::INFINITY), e.last_used))
+            .collect();
+        match self.policy {
+            Policy::Belady => candidates.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.3.cmp(&b.3))),
+            Policy::Lru => candidates.sort_by_key(|c| c.3),
+        }
+        let mut out = Vec::new();
+        for (k, bytes, _, _) in candidates {
+            if self.used <= target {
+                break;
+            }
+            self.entries.remove(&k);
+            self.used -= bytes;
+            out.push(k);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{HashMap as Map, HashSet};
+
+    struct Future(Map<String, f64>, HashSet<String>);
+    impl Eviction for Future {
+        fn next_use(&self, key: &str) -> Option<f64> {
+            self.0.get(key).copied()
+        }
+        fn leased(&self, key: &str) -> bool {
+            self.1.contains(key)
+        }
+    }
+
+    fn fill(t: &mut CacheTable, key: &str, bytes: u64, ev: &dyn Eviction) -> Vec<String> {
+        match t.begin(key, bytes, 0.0, ev) {
+            Begin::Fill { evicted } => {
+                t.finish(key, true);
+                t.unpin(key);
+                evicted
+            }
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn hit_wait_fill_and_single_flight() {
+        let mut t = CacheTable::new(100, Policy::Lru);
+        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Fill { evicted: vec![] });
+        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Wait, "a second reader waits for the first fill");
+        t.finish("a", true);
+        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Hit);
+        assert_eq!(t.get("a").unwrap().pins, 2);
+        assert_eq!(t.used(), 10);
+        assert_eq!(t.begin("b", 20, 0.0, &()), Begin::Fill { evicted: vec![] });
+        t.finish("b", false);
+        assert!(t.get("b").is_none());
+        assert_eq!(t.used(), 10, "a failed fill frees its reservation");
+    }
+
+    #[test]
+    fn belady_evicts_the_farthest_next_use_and_never_a_sooner_one() {
+        let mut t = CacheTable::new(30, Policy::Belady);
+        let future = Future([("a".into(), 5.0), ("b".into(), 50.0), ("c".into(), 1.0)].into(), HashSet::new());
+        for k in ["a", "b", "c"] {
+            fill(&mut t, k, 10, &future);
+        }
+        assert_eq!(fill(&mut t, "d", 10, &future), vec!["b".to_string()]);
+        // A prefetch of a shard needed in 10 s may not push out a (5 s), c (1 s) or d (2 s).
+        let future = Future([("a".into(), 5.0), ("c".into(), 1.0), ("d".into(), 2.0)].into(), HashSet::new());
+        assert_eq!(t.begin("e", 10, 10.0, &future), Begin::NoSpace { needed: 10, evictable: 0 });
+        // Shards nobody needs go first of all.
+        let future = Future([("a".into(), 5.0), ("c".into(), 1.0)].into(), HashSet::new());
+        assert_eq!(fill(&mut t, "e", 10, &future), vec!["d".to_string()]);
+    }
+
+    #[test]
+    fn lru_evicts_the_least_recently_used() {
+        let mut t = CacheTable::new(30, Policy::Lru);
+        for k in ["a", "b", "c"] {
+            fill(&mut t, k, 10, &());
+        }
+        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Hit);
+        t.unpin("a");
+        assert_eq!(fill(&mut t, "d", 10, &()), vec!["b".to_string()]);
+    }
+
+    #[test]
+    fn pinned_and_leased_entries_are_never_evicted() {
+        let mut t = CacheTable::new(20, Policy::Belady);
+        let leased = Future(Map::new(), ["b".to_string()].into());
+        assert!(matches!(t.begin("a", 10, 0.0, &leased), Begin::Fill { .. }));
+        t.finish("a", true); // still pinned by its filler
+        fill(&mut t, "b", 10, &leased);
+        assert_eq!(t.begin("c", 10, 0.0, &leased), Begin::NoSpace { needed: 10, evictable: 0 });
+        t.unpin("a");
+        assert_eq!(t.begin("c", 10, 0.0, &leased), Begin::Fill { evicted: vec!["a".to_string()] });
+        assert!(t.shrink_to(0, &leased).is_empty(), "c is pinned, b leased");
+    }
+
+    #[test]
+    fn a_shard_larger_than_the_capacity_never_fits() {
+        let mut t = CacheTable::new(10, Policy::Lru);
+        assert_eq!(t.begin("big", 11, 0.0, &()), Begin::NoSpace { needed: 11, evictable: 10 });
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Begin(u8, u64, bool),
+        Finish(u8, bool),
+        Unpin(u8),
+        Shrink(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..12, 1u64..40, any::<bool>()).prop_map(|(k, b, u)| Op::Begin(k, b, u)),
+            (0u8..12, any::<bool>()).prop_map(|(k, ok)| Op::Finish(k, ok)),
+            (0u8..12).prop_map(Op::Unpin),
+            (0u64..100).prop_map(Op::Shrink),
+        ]
+    }
+
+    proptest! {
+        /// Whatever happens, used bytes equal the sum of entries and never exceed the capacity,
+        /// and a pinned or leased entry is never evicted.
+        #[test]
+        fn accounting_holds_and_protected_entries_survive(
+            ops in prop::collection::vec(op(), 1..200), lru in any::<bool>(),
+        ) {
+            let policy = if lru { Policy::Lru } else { Policy::Belady };
+            let mut t = CacheTable::new(100, policy);
+            let future = Future((0u8..12).map(|k| (k.to_string(), f64::from(k))).collect(), ["3".to_string()].into());
+            let mut filling: HashSet<String> = HashSet::new();
+            for op in ops {
+                let protected: HashSet<String> = t.entries.iter()
+                    .filter(|(k, e)| e.pins > 0 || future.leased(k))
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                match op {
+                    Op::Begin(k, b, urgent) => {
+                        let k = k.to_string();
+                        let urgency = if urgent { 0.0 } else { 6.0 };
+                        if let Begin::Fill { evicted } = t.begin(&k, b, urgency, &future) {
+                            filling.insert(k);
+                            for v in evicted { prop_assert!(!protected.contains(&v), "evicted protected {v}"); }
+                        }
+                    }
+                    Op::Finish(k, ok) => {
+                        let k = k.to_string();
+                        if filling.remove(&k) { t.finish(&k, ok); }
+                    }
+                    Op::Unpin(k) => {
+                        let k = k.to_string();
+                        if !filling.contains(&k) { t.unpin(&k); }
+                    }
+                    Op::Shrink(target) => {
+                        for v in t.shrink_to(target, &future) { prop_assert!(!protected.contains(&v)); }
+                    }
+                }
+                prop_assert_eq!(t.used(), t.entries.values().map(|e| e.bytes).sum::<u64>());
+                prop_assert!(t.used() <= t.capacity());
+            }
+        }
+    }
+}

@@ -1,0 +1,814 @@
+//! The dataset index: which shards a dataset has, how many samples each holds, and — only for
+//! the shards in use — their member tables.
+//!
+//! Memory is kept compact on purpose. The dataset-wide part is one prefix sum of sample counts
+//! (8 bytes per shard), so a sample id maps to its shard by binary search. A shard's member table
+//! (8 bytes per sample: the byte offset where each sample starts) is loaded when a stream first
+//! needs the shard — from its sidecar, or by scanning the shard's headers — and dropped again when
+//! more than [`MAX_RESIDENT_TABLES`] tables are resident. Sample keys are never held: they are in
+//! the TAR headers read with each sample anyway.
+//!
+//! Shards listed in a manifest are verified (size and CRC-32C) the first time they are used, before
+//! any of their bytes is served.
+//!
+//! Where the bytes are read from depends on the dataset's [`CacheMode`]: in place (`direct`, the
+//! default for local and parallel file systems) or from a copy in the node cache (`copy`, always
+//! for S3). A cached shard in use is pinned ([`ResidentShard`] holds the pin), so the cache never
+//! evicts what a stream is reading. Open shards are shared between streams through weak
+//! references: a shard closes (and unpins) when the last stream that uses it moves on; each
+//! stream keeps its own working set alive with a [`Working`] set.
+
+pub mod build;
+pub mod manifest;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use crate::cache::download::{self, FetchSpec};
+use crate::cache::{NodeCache, Pin, Want};
+use crate::format::{ShardTable, sidecar, tar};
+use crate::storage::local::{self, ShardFile};
+use crate::storage::s3::{S3Options, S3Store};
+use crate::storage::{DatasetUrl, ShardSource};
+use crate::{Error, Result};
+use manifest::Manifest;
+
+/// Member tables kept resident at most, per dataset. A consumer needs about `window + 1` shards at
+/// a time; 8 ranks x 8 workers with a window of 8 shards need ~600, so 4096 leaves room for many
+/// jobs while bounding memory (4096 shards x 1000 samples x 8 bytes = 32 MiB).
+pub const MAX_RESIDENT_TABLES: usize = 4096;
+
+/// Threads that scan shard headers when a dataset without manifest is opened. Header scans are
+/// latency-bound on a parallel file system (one small read per member), so a few in parallel help
+/// even on 2 cores.
+const SCAN_THREADS: usize = 8;
+
+/// How a dataset's shards reach the reader.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheMode {
+    /// Read in place (local and parallel file systems).
+    Direct,
+    /// Read from a verified copy in the node cache (always for S3; on request for a PFS whose
+    /// metadata or bandwidth is the bottleneck).
+    Copy,
+}
+
+impl CacheMode {
+    /// Parses the mode a client asked for ("", "auto", "direct", "copy") for `url`.
+    pub fn resolve(requested: &str, url: &DatasetUrl) -> Result<Self> {
+        match (requested, url) {
+            ("" | "auto" | "copy", DatasetUrl::S3 { .. }) => Ok(CacheMode::Copy),
+            ("direct", DatasetUrl::S3 { .. }) => Err(Error::invalid(format!(
+                "cache=\"direct\" needs a file system path; {} is read through the node cache",
+                url.base()
+            ))),
+            ("" | "auto" | "direct", DatasetUrl::Local { .. }) => Ok(CacheMode::Direct),
+            ("copy", DatasetUrl::Local { .. }) => Ok(CacheMode::Copy),
+            (other, _) => Err(Error::invalid(format!("cache mode {other:?} must be \"direct\", \"copy\" or \"auto\""))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheMode::Direct => "direct",
+            CacheMode::Copy => "copy",
+        }
+    }
+}
+
+/// One shard as the dataset knows it.
+#[derive(Debug, Clone)]
+pub struct ShardMeta {
+    pub name: String,
+    pub source: ShardSource,
+    pub len: u64,
+    pub samples: u64,
+    /// CRC-32C from the manifest; checked before first use.
+    pub crc32c: Option<u32>,
+    pub mtime_ns: Option<i64>,
+    /// Sidecar path named by the manifest, if any.
+    pub sidecar: Option<PathBuf>,
+}
+
+impl ShardMeta {
+    /// Identity the sidecar and the cache copy of this shard are keyed by: nothing made from
+    /// other bytes is ever used for it.
+    pub fn identity(&self) -> Vec<u8> {
+        let etag = match &self.source {
+            ShardSource::S3 { etag: Some(e), .. } => Some(e.as_str()),
+            _ => None,
+        };
+        match (self.crc32c, etag, self.mtime_ns) {
+            (Some(crc), _, _) => format!("len={};crc32c={crc:08x}", self.len).into_bytes(),
+            (None, Some(e), _) => format!("len={};etag={e}", self.len).into_bytes(),
+            (None, None, Some(m)) => format!("len={};mtime_ns={m}", self.len).into_bytes(),
+            (None, None, None) => format!("len={}", self.len).into_bytes(),
+        }
+    }
+
+    /// The shard as errors name it (path or `s3://` URL).
+    pub fn url(&self) -> String {
+        self.source.url()
+    }
+}
+
+/// A shard in use: its open file and member table, and (for a cached shard) the pin that keeps
+/// the cache from evicting it.
+#[derive(Debug)]
+pub struct ResidentShard {
+    pub file: ShardFile,
+    pub table: Arc<ShardTable>,
+    _pin: Option<Pin>,
+}
+
+/// What the daemon's datasets share: the node cache and the S3 connection (made on first use).
+#[derive(Debug)]
+pub struct Backends {
+    pub cache: Option<Arc<NodeCache>>,
+    s3_options: S3Options,
+    s3: OnceLock<S3Store>,
+    /// The runtime S3 requests run on (blocking callers enter it with `block_on`).
+    rt: Option<tokio::runtime::Handle>,
+}
+
+impl Backends {
+    pub fn new(cache: Option<Arc<NodeCache>>, s3_options: S3Options, rt: Option<tokio::runtime::Handle>) -> Self {
+        Self { cache, s3_options, s3: OnceLock::new(), rt }
+    }
+
+    /// Local datasets only (tools and tests without a runtime or a cache).
+    pub fn local() -> Self {
+        Self::new(None, S3Options::default(), None)
+    }
+
+    /// The S3 connection, made on first use. Blocking.
+    pub fn s3(&self) -> Result<&S3Store> {
+        if let Some(s) = self.s3.get() {
+            return Ok(s);
+        }
+        let rt = self.rt.as_ref().ok_or_else(|| Error::invalid("S3 datasets need the daemon (no runtime here)"))?;
+        let store = rt.block_on(S3Store::connect(self.s3_options.clone()))?;
+        Ok(self.s3.get_or_init(|| store))
+    }
+}
+
+/// A stream's working set: the shards it used in its last batches, kept open (and pinned) so a
+/// windowed shuffle that hops between a dozen shards per batch opens each once, not per sample.
+#[derive(Debug, Default)]
+pub struct Working {
+    shards: HashMap<usize, (Arc<ResidentShard>, u64)>,
+    batch: u64,
+    /// Time spent waiting for shards to be fetched (cache misses), since the last `take_wait`.
+    waited: Duration,
+}
+
+/// Shards of one batch fetched at once when none of them is cached yet (a cold start): each is
+/// itself a set of parallel ranged GETs, bounded daemon-wide.
+const PRELOAD_THREADS: usize = 8;
+
+/// Batches a shard stays in a working set after its last use: the shuffle window makes a shard
+/// reappear within a batch or two, or not at all.
+const WORKING_BATCHES: u64 = 2;
+
+impl Working {
+    pub fn get(&mut self, ds: &Dataset, i: usize) -> Result<&Arc<ResidentShard>> {
+        let batch = self.batch;
+        if !self.shards.contains_key(&i) {
+            let started = Instant::now();
+            let (s, fetched) = ds.shard_fetched(i)?;
+            if fetched {
+                self.waited += started.elapsed();
+            }
+            self.shards.insert(i, (s, batch));
+        }
+        let entry = self.shards.get_mut(&i).ok_or_else(|| Error::Internal("working set lost a shard".into()))?;
+        entry.1 = batch;
+        Ok(&entry.0)
+    }
+
+    /// Fetches, in parallel, the shards of a batch (`ids`: its sample ids) that are neither in
+    /// the working set nor ready locally: a batch drawing on a dozen shards then waits for the
+    /// slowest download, not for the sum of them. Datasets read in place skip this.
+    pub fn preload(&mut self, ds: &Dataset, ids: &[u64]) -> Result<()> {
+        if ds.mode == CacheMode::Direct {
+            return Ok(());
+        }
+        let mut missing: Vec<usize> = ids
+            .iter()
+            .filter_map(|&id| ds.locate(id).map(|(s, _)| s))
+            .filter(|s| !self.shards.contains_key(s))
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        missing.retain(|&s| !ds.is_local(s));
+        if missing.len() < 2 {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| ds.shard_fetched(s))?;
+        self.waited += started.elapsed();
+        for (s, (shard, _)) in missing.into_iter().zip(got) {
+            self.shards.insert(s, (shard, self.batch));
+        }
+        Ok(())
+    }
+
+    /// Ends a batch: shards unused for [`WORKING_BATCHES`] batches are let go.
+    pub fn end_batch(&mut self) {
+        self.batch += 1;
+        let keep_from = self.batch.saturating_sub(WORKING_BATCHES);
+        self.shards.retain(|_, (_, used)| *used >= keep_from);
+    }
+
+    pub fn take_wait(&mut self) -> Duration {
+        std::mem::take(&mut self.waited)
+    }
+}
+
+/// An opened dataset.
+#[derive(Debug)]
+pub struct Dataset {
+    pub url: String,
+    pub mode: CacheMode,
+    pub shards: Vec<ShardMeta>,
+    /// prefix[i] = id of shard i's first sample; prefix[len] = total samples.
+    prefix: Vec<u64>,
+    pub fields: Vec<String>,
+    pub fingerprint: String,
+    pub from_manifest: bool,
+    /// When this dataset's shard list was discovered.
+    opened: Instant,
+    /// Where the daemon keeps sidecars of shards that came without one.
+    sidecar_cache: Option<PathBuf>,
+    backends: Arc<Backends>,
+    /// Node-cache key of each shard (`copy` mode only).
+    keys: Vec<String>,
+    tables: Mutex<TableCache>,
+    /// One lock per shard so that a shard needed by many streams at once is loaded (and verified)
+    /// once, while loads of different shards proceed in parallel.
+    load_locks: Vec<Mutex<()>>,
+    verified: Vec<AtomicBool>,
+}
+
+#[derive(Debug, Default)]
+struct TableCache {
+    resident: HashMap<usize, (Arc<ShardTable>, u64)>,
+    /// Shards some stream has open right now (shared, never kept alive from here).
+    open: HashMap<usize, Weak<ResidentShard>>,
+    clock: u64,
+    bytes: usize,
+}
+
+impl Dataset {
+    /// Opens a local dataset read in place: one read of `manifest.json`, or one listing plus a
+    /// header scan of each shard that has no valid sidecar in `cache_dir`. Blocking.
+    pub fn open(url: &str, cache_dir: Option<&Path>) -> Result<Self> {
+        let backends = Arc::new(Backends::local());
+        Self::build(Discovered::discover(url, &backends)?, CacheMode::Direct, cache_dir, backends)
+    }
+
+    fn build(found: Discovered, mode: CacheMode, cache_dir: Option<&Path>, backends: Arc<Backends>) -> Result<Self> {
+        let sidecar_cache = cache_dir.map(|c| c.join("index"));
+        let Discovered { url, base, mut shards, manifest_fields } = found;
+        if mode == CacheMode::Copy && backends.cache.is_none() {
+            return Err(Error::invalid(format!("{url} is read through the node cache, and this server has none")));
+        }
+        let keys: Vec<String> = match mode {
+            CacheMode::Direct => Vec::new(),
+            CacheMode::Copy => shards.iter().map(|m| crate::cache::key_for(&m.url(), &m.identity(), &m.name)).collect(),
+        };
+        if let Some(fields) = manifest_fields {
+            return Ok(Self::assemble(&url, mode, base, shards, fields, true, sidecar_cache, backends, keys));
+        }
+        let tables = scan_all(&shards, &keys, &backends, sidecar_cache.as_deref())?;
+        let mut fields = std::collections::BTreeSet::new();
+        for (meta, table) in shards.iter_mut().zip(&tables) {
+            meta.samples = table.num_samples();
+            fields.extend(table.fields().iter().cloned());
+        }
+        let ds = Self::assemble(
+            &url,
+            mode,
+            base,
+            shards,
+            fields.into_iter().collect(),
+            false,
+            sidecar_cache,
+            backends,
+            keys,
+        );
+        // The scan just built every table: keep as many resident as the cache allows.
+        for (i, table) in tables.into_iter().enumerate().take(MAX_RESIDENT_TABLES) {
+            ds.insert_table(i, Arc::new(table));
+        }
+        Ok(ds)
+    }
+
+    /// True when `found` describes exactly the shards this dataset was built from.
+    fn same_shards(&self, found: &Discovered) -> bool {
+        self.from_manifest == found.manifest_fields.is_some()
+            && self.shards.len() == found.shards.len()
+            && self.shards.iter().zip(&found.shards).all(|(a, b)| a.name == b.name && a.identity() == b.identity())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        url: &str,
+        mode: CacheMode,
+        _base: String,
+        shards: Vec<ShardMeta>,
+        fields: Vec<String>,
+        from_manifest: bool,
+        sidecar_cache: Option<PathBuf>,
+        backends: Arc<Backends>,
+        keys: Vec<String>,
+    ) -> Self {
+        let mut prefix = Vec::with_capacity(shards.len() + 1);
+        let mut total = 0u64;
+        prefix.push(0);
+        for s in &shards {
+            total = total.saturating_add(s.samples);
+            prefix.push(total);
+        }
+        let fingerprint = fingerprint(&shards);
+        let n = shards.len();
+        Self {
+            url: url.to_owned(),
+            mode,
+            shards,
+            prefix,
+            fields,
+            fingerprint,
+            from_manifest,
+            opened: Instant::now(),
+            sidecar_cache,
+            backends,
+            keys,
+            tables: Mutex::new(TableCache::default()),
+            load_locks: (0..n).map(|_| Mutex::new(())).collect(),
+            verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    pub fn num_samples(&self) -> u64 {
+        self.prefix.last().copied().unwrap_or(0)
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.len).sum()
+    }
+
+    /// Per-shard sample counts, in shard order (the plan's input).
+    pub fn shard_samples(&self) -> Vec<u64> {
+        self.shards.iter().map(|s| s.samples).collect()
+    }
+
+    /// Maps a global sample id to (shard, sample within shard).
+    pub fn locate(&self, id: u64) -> Option<(usize, u64)> {
+        if id >= self.num_samples() {
+            return None;
+        }
+        // First shard whose end is past `id`; empty shards are skipped naturally.
+        let shard = self.prefix.partition_point(|&start| start <= id) - 1;
+        Some((shard, id - self.prefix[shard]))
+    }
+
+    /// (resident tables, their bytes).
+    pub fn resident(&self) -> (usize, usize) {
+        let t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        (t.resident.len(), t.bytes)
+    }
+
+    /// The shard's open file and member table, loading (and verifying, or fetching into the node
+    /// cache) it on first use. Blocking: call from a blocking thread.
+    pub fn shard(&self, i: usize) -> Result<Arc<ResidentShard>> {
+        self.shard_fetched(i).map(|(s, _)| s)
+    }
+
+    /// As [`shard`](Self::shard), and whether this call had to fetch or wait for the bytes.
+    pub fn shard_fetched(&self, i: usize) -> Result<(Arc<ResidentShard>, bool)> {
+        if let Some(s) = self.open_shard(i) {
+            return Ok((s, false));
+        }
+        let lock = self.load_locks.get(i).ok_or_else(|| Error::Internal(format!("shard {i} out of range")))?;
+        let _loading = lock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = self.open_shard(i) {
+            return Ok((s, false));
+        }
+        let meta = &self.shards[i];
+        let (file, pin) = match (&meta.source, self.mode) {
+            (ShardSource::Local(path), CacheMode::Direct) => {
+                if let Some(expected) = meta.crc32c
+                    && !self.verified[i].load(Ordering::Acquire)
+                {
+                    verify(path, meta, expected)?;
+                    self.verified[i].store(true, Ordering::Release);
+                }
+                (ShardFile::open(path.clone(), meta.len)?, None)
+            }
+            _ => {
+                let pin = self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+                (ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?, Some(pin))
+            }
+        };
+        let fetched = pin.as_ref().is_some_and(|p| p.filled);
+        let table = match self.table(i) {
+            Some(t) => t,
+            None => {
+                let t = Arc::new(load_table(meta, &file, self.sidecar_cache.as_deref())?);
+                self.insert_table(i, t.clone());
+                t
+            }
+        };
+        if self.from_manifest && table.num_samples() != meta.samples {
+            return Err(Error::Shard {
+                shard: meta.url(),
+                offset: None,
+                reason: format!("holds {} samples but manifest.json says {}", table.num_samples(), meta.samples),
+            });
+        }
+        let resident = Arc::new(ResidentShard { file, table, _pin: pin });
+        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        if t.open.len() > 2 * MAX_RESIDENT_TABLES {
+            t.open.retain(|_, w| w.strong_count() > 0);
+        }
+        t.open.insert(i, Arc::downgrade(&resident));
+        Ok((resident, fetched))
+    }
+
+    /// Node-cache key of shard `i` (`copy` mode).
+    pub fn cache_key(&self, i: usize) -> Option<&str> {
+        self.keys.get(i).map(String::as_str)
+    }
+
+    /// True when shard `i` can be read without fetching (read in place, or ready in the cache).
+    pub fn is_local(&self, i: usize) -> bool {
+        match (self.cache_key(i), &self.backends.cache) {
+            (Some(k), Some(c)) => c.is_ready(k),
+            _ => true,
+        }
+    }
+
+    /// True when the node cache has free room for shard `i` without evicting anything.
+    pub fn has_room_for(&self, i: usize) -> bool {
+        self.backends.cache.as_ref().is_some_and(|c| {
+            let s = c.stats();
+            s.capacity.saturating_sub(s.used) >= self.shards[i].len
+        })
+    }
+
+    /// Fetches shard `i` into the node cache (or pins it there). `Ok(None)`: a prefetch that did
+    /// not wait (someone else is fetching it, or it does not fit without evicting sooner-needed
+    /// shards). Blocking.
+    pub fn fetch(&self, i: usize, want: Want) -> Result<Option<Pin>> {
+        let (Some(key), Some(cache)) = (self.keys.get(i), &self.backends.cache) else {
+            return Err(Error::Internal(format!("{}: shard {i} is not read through the cache", self.url)));
+        };
+        fetch_into(cache, &self.backends, &self.shards[i], key, want)
+    }
+
+    fn open_shard(&self, i: usize) -> Option<Arc<ResidentShard>> {
+        let t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        t.open.get(&i).and_then(Weak::upgrade)
+    }
+
+    fn table(&self, i: usize) -> Option<Arc<ShardTable>> {
+        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        t.clock += 1;
+        let clock = t.clock;
+        t.resident.get_mut(&i).map(|(s, used)| {
+            *used = clock;
+            s.clone()
+        })
+    }
+
+    fn insert_table(&self, i: usize, table: Arc<ShardTable>) {
+        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        t.clock += 1;
+        let clock = t.clock;
+        t.bytes += table.heap_bytes();
+        if let Some((old, _)) = t.resident.insert(i, (table, clock)) {
+            t.bytes -= old.heap_bytes();
+        }
+        while t.resident.len() > MAX_RESIDENT_TABLES {
+            // Linear scan: runs only when a table is loaded past the cap, never per sample.
+            let Some(victim) = t.resident.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| *k) else { break };
+            if let Some((old, _)) = t.resident.remove(&victim) {
+                t.bytes -= old.heap_bytes();
+            }
+        }
+    }
+}
+
+/// Fetches one shard into the node cache with its verification.
+fn fetch_into(
+    cache: &Arc<NodeCache>,
+    backends: &Backends,
+    meta: &ShardMeta,
+    key: &str,
+    want: Want,
+) -> Result<Option<Pin>> {
+    let store = match meta.source {
+        ShardSource::S3 { .. } => Some(backends.s3()?),
+        ShardSource::Local(_) => None,
+    };
+    let spec = FetchSpec { source: &meta.source, len: meta.len, crc32c: meta.crc32c };
+    cache.get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
+}
+
+/// A dataset's shard list as found by one manifest read or one listing, before any shard is
+/// scanned.
+struct Discovered {
+    url: String,
+    /// Location prefix a shard name is appended to (a directory or `s3://bucket/prefix/`).
+    base: String,
+    shards: Vec<ShardMeta>,
+    /// Some(fields) when the list came from manifest.json (sample counts are then known).
+    manifest_fields: Option<Vec<String>>,
+}
+
+/// Where the shards of a dataset are, for building their [`ShardSource`].
+enum Place<'a> {
+    Dir(&'a Path),
+    Bucket { bucket: &'a str, prefix: &'a str },
+}
+
+impl Place<'_> {
+    fn source(&self, name: &str, etag: Option<String>) -> ShardSource {
+        match self {
+            Place::Dir(dir) => ShardSource::Local(dir.join(name)),
+            Place::Bucket { bucket, prefix } => {
+                ShardSource::S3 { bucket: (*bucket).to_owned(), key: format!("{prefix}{name}"), etag }
+            }
+        }
+    }
+}
+
+impl Discovered {
+    fn discover(url: &str, backends: &Backends) -> Result<Self> {
+        let parsed = DatasetUrl::parse(url)?;
+        let base = parsed.base();
+        match &parsed {
+            DatasetUrl::Local { dir, names } => {
+                let place = Place::Dir(dir);
+                if let Some(manifest) = Manifest::read(dir)? {
+                    return Self::from_manifest(url, base, &place, names.as_deref(), manifest);
+                }
+                let shards = local::list_shards(dir, names.as_deref())?
+                    .into_iter()
+                    .map(|l| ShardMeta {
+                        source: place.source(&l.name, None),
+                        name: l.name,
+                        len: l.len,
+                        samples: 0,
+                        crc32c: None,
+                        mtime_ns: Some(l.mtime_ns),
+                        sidecar: None,
+                    })
+                    .collect();
+                Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
+            }
+            DatasetUrl::S3 { bucket, prefix, names } => {
+                let store = backends.s3()?;
+                let place = Place::Bucket { bucket, prefix };
+                let manifest_key = format!("{prefix}{}", manifest::MANIFEST_FILE);
+                if let Some(bytes) = store.block_on(store.get_small(bucket, &manifest_key))? {
+                    let m = Manifest::parse(&bytes, &format!("s3://{bucket}/{manifest_key}"))?;
+                    return Self::from_manifest(url, base, &place, names.as_deref(), m);
+                }
+                let listed = crate::storage::s3::shards_in_listing(
+                    store.block_on(store.list(bucket, prefix))?,
+                    bucket,
+                    prefix,
+                    names.as_deref(),
+                )?;
+                let shards = listed
+                    .into_iter()
+                    .map(|(name, o)| ShardMeta {
+                        source: place.source(&name, o.etag.clone()),
+                        name,
+                        len: o.size,
+                        samples: 0,
+                        crc32c: None,
+                        mtime_ns: None,
+                        sidecar: None,
+                    })
+                    .collect();
+                Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
+            }
+        }
+    }
+
+    fn from_manifest(
+        url: &str,
+        base: String,
+        place: &Place<'_>,
+        names: Option<&[String]>,
+        m: Manifest,
+    ) -> Result<Self> {
+        let to_meta = |s: &manifest::ManifestShard| ShardMeta {
+            name: s.name.clone(),
+            source: place.source(&s.name, None),
+            len: s.bytes,
+            samples: s.samples,
+            crc32c: s.crc(),
+            mtime_ns: None,
+            // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
+            // from its cache copy (headers only, already in the page cache).
+            sidecar: match place {
+                Place::Dir(dir) => s.index.as_ref().map(|i| dir.join(i)),
+                Place::Bucket { .. } => None,
+            },
+        };
+        let shards: Vec<ShardMeta> = match names {
+            None => m.shards.iter().map(to_meta).collect(),
+            Some(names) => {
+                let by_name: HashMap<&str, &manifest::ManifestShard> =
+                    m.shards.iter().map(|s| (s.name.as_str(), s)).collect();
+                names
+                    .iter()
+                    .map(|n| {
+                        by_name.get(n.as_str()).map(|s| to_meta(s)).ok_or_else(|| Error::NotFound {
+                            what: "shard (in manifest.json)",
+                            path: format!("{base}{n}"),
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+        };
+        if shards.is_empty() {
+            return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
+        }
+        Ok(Self { url: url.to_owned(), base, shards, manifest_fields: Some(m.fields) })
+    }
+}
+
+/// Hash of the shards' names, sizes and checksums (or mtimes): a stable identity of the content.
+fn fingerprint(shards: &[ShardMeta]) -> String {
+    // FNV-1a, 64 bit: stable across builds and machines (unlike std's RandomState).
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for s in shards {
+        feed(s.name.as_bytes());
+        feed(&[0]);
+        feed(&s.identity());
+        feed(&s.samples.to_le_bytes());
+    }
+    format!("{h:016x}")
+}
+
+fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
+    let (len, crc) = local::file_crc32c(path).map_err(|e| match e {
+        Error::NotFound { .. } => Error::NotFound { what: "shard", path: path.display().to_string() },
+        other => other,
+    })?;
+    if len != meta.len || crc != expected {
+        return Err(Error::Shard {
+            shard: path.display().to_string(),
+            offset: None,
+            reason: format!(
+                "does not match manifest.json (size {len} vs {}, crc32c {crc:08x} vs {expected:08x}); refusing to serve it",
+                meta.len
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
+    // Keyed by the shard's location (path or URL); the identity inside the file guards against
+    // reuse for other bytes.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in meta.url().as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    cache.join(format!("{h:016x}-{}.idx", meta.name))
+}
+
+/// The shard's member table: from the manifest's sidecar, the daemon's sidecar cache, or a
+/// header scan (whose result is then saved in the sidecar cache).
+fn load_table(meta: &ShardMeta, file: &ShardFile, cache: Option<&Path>) -> Result<ShardTable> {
+    let identity = meta.identity();
+    let candidates = meta.sidecar.clone().into_iter().chain(cache.map(|c| cache_sidecar_path(c, meta)));
+    for path in candidates {
+        match sidecar::read(&path, &identity) {
+            // A sidecar with a valid checksum could still describe ranges past the shard's end:
+            // never trust it further than the shard's real length.
+            Ok(Some(index)) if index.fits_shard(meta.len) => return Ok(ShardTable::Tar(index)),
+            Ok(Some(_)) => tracing::warn!(sidecar = %path.display(), "sidecar does not fit its shard, rescanning"),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(sidecar = %path.display(), error = %e, "ignoring unreadable sidecar, rescanning"),
+        }
+    }
+    // Unbuffered: a buffer would read 8 KiB around every 512-byte header.
+    let index = tar::index_tar(&file.file, meta.len).map_err(|e| crate::format::shard_error(file, 0, e))?;
+    if let Some(cache) = cache {
+        let path = cache_sidecar_path(cache, meta);
+        let saved = std::fs::create_dir_all(cache).and_then(|()| sidecar::write_atomic(&path, &identity, &index));
+        if let Err(e) = saved {
+            tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
+        }
+    }
+    Ok(ShardTable::Tar(index))
+}
+
+/// Loads every shard's table, in parallel (a dataset opened without manifest). Shards read
+/// through the node cache are fetched first, unless the daemon's sidecar cache already knows
+/// them: a restarted daemon reopens an S3 dataset without downloading it again.
+fn scan_all(
+    shards: &[ShardMeta],
+    keys: &[String],
+    backends: &Backends,
+    cache: Option<&Path>,
+) -> Result<Vec<ShardTable>> {
+    let indexed: Vec<usize> = (0..shards.len()).collect();
+    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| {
+        let meta = &shards[i];
+        match (keys.get(i), &backends.cache) {
+            (Some(key), Some(node)) => {
+                if let Some(cache) = cache
+                    && let Ok(Some(index)) = sidecar::read(&cache_sidecar_path(cache, meta), &meta.identity())
+                    && index.fits_shard(meta.len)
+                {
+                    return Ok(ShardTable::Tar(index));
+                }
+                let pin = fetch_into(node, backends, meta, key, Want::NOW)?
+                    .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+                let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
+                load_table(meta, &file, cache)
+            }
+            _ => {
+                let ShardSource::Local(path) = &meta.source else {
+                    return Err(Error::Internal(format!("{} needs the node cache", meta.url())));
+                };
+                let file = ShardFile::open(path.clone(), meta.len)?;
+                load_table(meta, &file, cache)
+            }
+        }
+    })
+}
+
+/// How long an S3 dataset's shard list is trusted before the next open lists (or reads the
+/// manifest) again: a minute keeps requests per epoch close to the number of shards, whatever
+/// the number of ranks and workers, and still notices a replaced dataset between two runs.
+pub const REMOTE_REDISCOVERY: Duration = Duration::from_secs(60);
+
+/// The daemon's open datasets, keyed by URL and cache mode. An open re-reads the manifest (or
+/// re-lists) and reuses the cached dataset when nothing changed, so replaced shards are noticed.
+#[derive(Debug)]
+pub struct Registry {
+    datasets: Mutex<HashMap<(String, CacheMode), Arc<Dataset>>>,
+    cache_dir: Option<PathBuf>,
+    backends: Arc<Backends>,
+}
+
+impl Registry {
+    pub fn new(cache_dir: Option<PathBuf>, backends: Arc<Backends>) -> Self {
+        Self { datasets: Mutex::default(), cache_dir, backends }
+    }
+
+    pub fn backends(&self) -> &Arc<Backends> {
+        &self.backends
+    }
+
+    /// Opens (or reuses) a dataset; `mode`: what the client asked for ("", "auto", "direct",
+    /// "copy"). Blocking.
+    pub fn open(&self, url: &str, mode: &str) -> Result<Arc<Dataset>> {
+        let parsed = DatasetUrl::parse(url)?;
+        let mode = CacheMode::resolve(mode, &parsed)?;
+        let key = (url.to_owned(), mode);
+        let existing = self.datasets.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
+        // Every rank and worker opens the dataset at every epoch: for S3 that would be a listing
+        // (or manifest GET) each time, so a recent open is reused instead.
+        if let Some(existing) = &existing
+            && matches!(parsed, DatasetUrl::S3 { .. })
+            && existing.opened.elapsed() < REMOTE_REDISCOVERY
+        {
+            return Ok(existing.clone());
+        }
+        let found = Discovered::discover(url, &self.backends)?;
+        if let Some(existing) = existing
+            && existing.same_shards(&found)
+        {
+            return Ok(existing);
+        }
+        // Built without the registry lock held: a scan can take long and other datasets must
+        // stay available meanwhile.
+        let ds = Arc::new(Dataset::build(found, mode, self.cache_dir.as_deref(), self.backends.clone())?);
+        self.datasets.lock().unwrap_or_else(|p| p.into_inner()).insert(key, ds.clone());
+        Ok(ds)
+    }
+
+    pub fn all(&self) -> Vec<Arc<Dataset>> {
+        self.datasets.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+    }
+}

@@ -1,0 +1,50 @@
+//! shardstream: a per-node daemon that serves training data to the trainers on its node.
+//!
+//! Data flows one way, and the modules are named after the step they own:
+//!
+//! ```text
+//!  storage ──► format ──► index ──► plan ──► transport ──► service ──► client
+//!  (where shard  (what a    (dataset   (who gets  (how bytes    (gRPC: open,
+//!   bytes live)   shard      manifest,  which      reach the     stream,
+//!                 looks      shard      sample,    trainer)      status)
+//!                 like)      tables)    when)
+//! ```
+//!
+//! - [`storage`]: dataset URLs, listing shards, reading byte ranges (local / parallel file system,
+//!   S3 with retries).
+//! - [`cache`]: the node cache of shard copies (single flight, verified, Belady or LRU eviction).
+//! - [`prefetch`]: merges every active consumer's future order and fetches shards ahead of need.
+//! - [`format`]: shard formats (WebDataset TAR today): index a shard, locate and parse a sample.
+//! - [`index`]: the dataset manifest (`manifest.json`) and the in-memory sample index: per-shard
+//!   sample counts for the whole dataset, member tables only for the shards in use.
+//! - [`plan`]: the deterministic, exactly-once epoch plan (pure functions, no I/O).
+//! - [`transport`]: how a batch's bytes travel to the consumer (inline in gRPC messages today).
+//! - [`service`]: the gRPC service and the per-consumer stream producer.
+//! - [`daemon`]: binding a listener and serving until shutdown (used by `serve` and by the Python
+//!   package's embedded server alike).
+//! - [`pack`]: `shardstream pack`, turning a tree of small files into shards with a manifest.
+//! - [`cli`]: the `shardstream` command line.
+//!
+//! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
+//! consumers -> node cache table. No lock is held across an `.await` or a disk read.
+
+pub mod cache;
+pub mod cli;
+pub mod daemon;
+pub mod error;
+pub mod format;
+pub mod index;
+pub mod metrics;
+pub mod pack;
+pub mod parallel;
+pub mod plan;
+pub mod prefetch;
+pub mod service;
+pub mod shutdown;
+pub mod storage;
+pub mod transport;
+
+pub use error::{Error, Result};
+
+/// This build's version, reported by `status` and written into manifests.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,155 @@
+//! Daemon-wide counters, in one place. Updated per batch, per request or per shard, never per
+//! sample, with relaxed atomics: they are statistics, not synchronisation. `status` reads the
+//! atomics; `serve --metrics-addr` exports the same numbers to Prometheus through the `metrics`
+//! facade (without an exporter installed those calls cost next to nothing).
+//!
+//! Names follow `shardstream_<what>_<unit>[_total]`; labels are bounded sets (backend, request
+//! kind, rank and worker of a consumer on this node), never keys, paths or error texts.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// Storage counters since start-up (also exported): bytes, requests and retries to S3.
+pub static STORAGE_BYTES: AtomicU64 = AtomicU64::new(0);
+pub static STORAGE_REQUESTS: AtomicU64 = AtomicU64::new(0);
+pub static STORAGE_RETRIES: AtomicU64 = AtomicU64::new(0);
+
+/// Starts the Prometheus endpoint (`GET /metrics` on `addr`). Needs a tokio runtime.
+pub fn install_exporter(addr: SocketAddr) -> crate::Result<()> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| crate::Error::Unavailable(format!("cannot serve metrics on {addr}: {e}")))?;
+    describe();
+    Ok(())
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge};
+    describe_counter!("shardstream_storage_bytes_total", Unit::Bytes, "bytes read from remote storage");
+    describe_counter!("shardstream_storage_requests_total", "requests sent to remote storage");
+    describe_counter!("shardstream_storage_retries_total", "remote storage requests retried");
+    describe_counter!("shardstream_cache_hits_total", "shard lookups served from the node cache");
+    describe_counter!("shardstream_cache_misses_total", "shard lookups that had to fetch the shard");
+    describe_counter!("shardstream_cache_evictions_total", "shards evicted from the node cache");
+    describe_gauge!("shardstream_cache_bytes", Unit::Bytes, "bytes held by the node cache");
+    describe_gauge!("shardstream_cache_capacity_bytes", Unit::Bytes, "capacity of the node cache");
+    describe_gauge!(
+        "shardstream_prefetch_horizon_seconds",
+        Unit::Seconds,
+        "seconds of data cached ahead of the slowest-served consumer"
+    );
+    // A gauge only because the facade's counters are integers; it only ever grows.
+    describe_gauge!(
+        "shardstream_consumer_wait_seconds_total",
+        Unit::Seconds,
+        "time a consumer's stream waited for data (GPU stall)"
+    );
+    describe_counter!("shardstream_samples_served_total", "samples delivered to consumers");
+    describe_counter!("shardstream_bytes_served_total", Unit::Bytes, "payload bytes delivered to consumers");
+}
+
+pub fn storage_request(backend: &'static str, kind: &'static str) {
+    STORAGE_REQUESTS.fetch_add(1, Relaxed);
+    metrics::counter!("shardstream_storage_requests_total", "backend" => backend, "kind" => kind).increment(1);
+}
+
+pub fn storage_retry(backend: &'static str) {
+    STORAGE_RETRIES.fetch_add(1, Relaxed);
+    metrics::counter!("shardstream_storage_retries_total", "backend" => backend).increment(1);
+}
+
+pub fn storage_bytes(backend: &'static str, n: u64) {
+    STORAGE_BYTES.fetch_add(n, Relaxed);
+    metrics::counter!("shardstream_storage_bytes_total", "backend" => backend).increment(n);
+}
+
+pub fn cache_hit() {
+    metrics::counter!("shardstream_cache_hits_total").increment(1);
+}
+
+pub fn cache_miss() {
+    metrics::counter!("shardstream_cache_misses_total").increment(1);
+}
+
+pub fn cache_eviction() {
+    metrics::counter!("shardstream_cache_evictions_total").increment(1);
+}
+
+pub fn cache_gauges(used: u64, capacity: u64) {
+    metrics::gauge!("shardstream_cache_bytes").set(used as f64);
+    metrics::gauge!("shardstream_cache_capacity_bytes").set(capacity as f64);
+}
+
+pub fn prefetch_horizon(seconds: f64) {
+    metrics::gauge!("shardstream_prefetch_horizon_seconds").set(seconds);
+}
+
+/// Time one consumer's stream waited for shard bytes (labels: its rank and DataLoader worker).
+pub fn consumer_wait(rank: u32, worker: u32, seconds: f64) {
+    metrics::gauge!("shardstream_consumer_wait_seconds_total", "rank" => rank.to_string(), "worker" => worker.to_string())
+        .increment(seconds);
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    started: Instant,
+    /// shardstream_streams_active
+    pub streams_active: AtomicU64,
+    /// shardstream_streams_total
+    pub streams_total: AtomicU64,
+    /// shardstream_samples_served_total
+    pub samples_served: AtomicU64,
+    /// shardstream_bytes_served_total
+    pub bytes_served: AtomicU64,
+    /// shardstream_read_wait_seconds_total (stored in microseconds)
+    pub read_wait_us: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            started: Instant::now(),
+            streams_active: AtomicU64::new(0),
+            streams_total: AtomicU64::new(0),
+            samples_served: AtomicU64::new(0),
+            bytes_served: AtomicU64::new(0),
+            read_wait_us: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn uptime_ms(&self) -> u64 {
+        self.started.elapsed().as_millis().try_into().unwrap_or(u64::MAX)
+    }
+
+    pub fn batch_served(&self, samples: u64, bytes: u64) {
+        self.samples_served.fetch_add(samples, Relaxed);
+        self.bytes_served.fetch_add(bytes, Relaxed);
+        metrics::counter!("shardstream_samples_served_total").increment(samples);
+        metrics::counter!("shardstream_bytes_served_total").increment(bytes);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Relaxed)
+    }
+}
+
+/// Counts a stream as active for as long as the guard lives (also when its task is cancelled).
+pub struct ActiveStream<'a>(&'a Metrics);
+
+impl<'a> ActiveStream<'a> {
+    pub fn new(m: &'a Metrics) -> Self {
+        m.streams_active.fetch_add(1, Relaxed);
+        m.streams_total.fetch_add(1, Relaxed);
+        Self(m)
+    }
+}
+
+impl Drop for ActiveStream<'_> {
+    fn drop(&mut self) {
+        self.0.streams_active.fetch_sub(1, Relaxed);
+    }
+}

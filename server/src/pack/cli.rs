@@ -1,0 +1,302 @@
+//! The `shardstream pack` command line: its flags (with their `--help`), size parsing, and the
+//! progress display (a bar with files/s, MB/s and ETA on a terminal, bad inputs named on stderr,
+//! one summary line on stdout at the end).
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::parquet::DEFAULT_ROW_GROUP_ROWS;
+use super::{
+    BadInput, DEFAULT_PREFIX, FileList, PackOptions, PackProgress, ParquetCompression, ShardFormat, default_threads,
+    pack,
+};
+
+/// How often the rate figures of the progress bar are recomputed.
+const RATE_REFRESH: Duration = Duration::from_millis(250);
+/// Ignored files named individually on stderr; the rest are only counted.
+const IGNORED_SHOWN: u64 = 10;
+
+/// Arguments of `shardstream pack`.
+#[derive(Debug, Clone, clap::Args)]
+#[command(after_help = "\
+Examples:
+  shardstream pack /data/imagenet/train --output /data/imagenet-wds/train --label-from-dir --shuffle --seed 1
+  find /data/raw -name '*.jpg' -o -name '*.json' | shardstream pack /data/raw --files-from - --output /data/shards
+  shardstream pack /data/raw --output /data/pq --format parquet --row-group-size 512
+
+Samples: files with the same directory and name up to the first dot form one sample (WebDataset
+convention): a/x.jpg and a/x.json are sample a/x with fields jpg and json. Hidden files and files
+without an extension are ignored. Output: DEST/PREFIX-000000.tar ..., DEST/_shardstream/*.idx
+(member tables) and DEST/manifest.json, written last. An interrupted pack (Ctrl-C, crash) is
+finished by running the same command with --resume; the result is byte-identical.")]
+pub struct PackArgs {
+    /// Directory of files to pack. Keys are paths relative to it.
+    #[arg(value_name = "SRC")]
+    pub src: PathBuf,
+
+    /// Output directory (created if needed; file:// URLs accepted). It must be empty, or hold an
+    /// earlier pack of the same input and options. s3:// output needs the S3 backend, which this
+    /// build does not have yet.
+    #[arg(short, long, value_name = "DEST")]
+    pub output: String,
+
+    /// Pack the files named in LIST (one path per line, relative to SRC or absolute inside it; `-`
+    /// reads standard input) instead of walking SRC: no directory listing, no stat per file.
+    #[arg(long, value_name = "LIST")]
+    pub files_from: Option<String>,
+
+    /// The --files-from list is NUL-separated (as `find -print0` writes it).
+    #[arg(short = '0', long = "null", requires = "files_from")]
+    pub null: bool,
+
+    /// Shard format: WebDataset TAR (served by the daemon) or Parquet (one row per sample).
+    #[arg(long, value_enum, default_value_t = ShardFormat::Webdataset)]
+    pub format: ShardFormat,
+
+    /// Largest shard, e.g. 512MiB, 1G, 2GB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB
+    /// powers of 1000). A sample larger than this gets a shard of its own. The 1 GiB default keeps a
+    /// multi-TB dataset to a few thousand shards read at full bandwidth, while a node cache still
+    /// holds many and a re-packed or re-downloaded shard costs seconds.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    pub shard_size: u64,
+
+    /// Most samples per shard; a shard ends at whichever of this and --shard-size comes first.
+    #[arg(long, value_name = "N")]
+    pub samples_per_shard: Option<u64>,
+
+    /// Shard names: PREFIX-000000.tar, PREFIX-000001.tar, ...
+    #[arg(long, default_value = DEFAULT_PREFIX)]
+    pub prefix: String,
+
+    /// Derive keys with a regex over the path relative to SRC: the group `key` (or the first
+    /// group) is the key, the group `field` (or the second) the field, else what follows the match.
+    /// Example: `'^(?P<key>.*/img_\d+)_(?P<field>\w+\.png)$'`. Files it does not match are ignored.
+    #[arg(long, value_name = "REGEX")]
+    pub key_regex: Option<String>,
+
+    /// Add a `cls` field with the index of each sample's parent directory name among all of them,
+    /// sorted (as torchvision's ImageFolder), and write DEST/classes.json mapping names to indices.
+    #[arg(long)]
+    pub label_from_dir: bool,
+
+    /// Pack samples in a seeded random order instead of key order (so that shard-level shuffling
+    /// later mixes classes).
+    #[arg(long)]
+    pub shuffle: bool,
+
+    /// Seed of --shuffle: the same seed gives the same order on every machine.
+    #[arg(long, default_value_t = 0, requires = "shuffle")]
+    pub seed: u64,
+
+    /// Rows per Parquet row group (--format parquet); a row group is also cut at 128 MiB.
+    #[arg(long, value_name = "ROWS", default_value_t = DEFAULT_ROW_GROUP_ROWS)]
+    pub row_group_size: usize,
+
+    /// Compression of Parquet pages (--format parquet). Images and audio are already compressed,
+    /// so the default is none.
+    #[arg(long, value_enum, default_value_t = ParquetCompression::None)]
+    pub parquet_compression: ParquetCompression,
+
+    /// Reader threads (default: twice the cores, at most 32; more help on a parallel file system).
+    #[arg(long, default_value_t = default_threads())]
+    pub threads: usize,
+
+    /// Continue an interrupted pack of the same input and options into DEST: complete shards are
+    /// kept, the rest is packed again; the result is the same as an uninterrupted run.
+    #[arg(long)]
+    pub resume: bool,
+
+    /// Stop at the first bad input (unreadable, vanished, non-UTF-8 name, symlink leaving SRC,
+    /// duplicate key, ...) instead of skipping it and counting it in the summary.
+    #[arg(long)]
+    pub strict: bool,
+}
+
+impl PackArgs {
+    pub fn to_options(&self) -> PackOptions {
+        let files_from = self.files_from.as_ref().map(|f| match f.as_str() {
+            "-" => FileList::Stdin,
+            p => FileList::Path(PathBuf::from(p)),
+        });
+        PackOptions {
+            src: self.src.clone(),
+            files_from,
+            null_separated: self.null,
+            dest: self.output.clone(),
+            format: self.format,
+            shard_size: self.shard_size,
+            samples_per_shard: self.samples_per_shard,
+            prefix: self.prefix.clone(),
+            key_regex: self.key_regex.clone(),
+            label_from_dir: self.label_from_dir,
+            shuffle: self.shuffle,
+            seed: self.seed,
+            row_group_rows: self.row_group_size,
+            compression: self.parquet_compression,
+            threads: self.threads,
+            resume: self.resume,
+            strict: self.strict,
+        }
+    }
+}
+
+/// Parses a size: bytes, or a number with a unit (see `--shard-size`).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let mult: u64 = match unit.as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(format!("unknown size unit {unit:?} in {s:?} (use e.g. 512MiB, 1G, 2GB)")),
+    };
+    let value: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (use e.g. 512MiB, 1G, 2GB)"))?;
+    let bytes = value * mult as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("size {s:?} is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+/// The terminal progress display.
+struct Display {
+    bar: indicatif::ProgressBar,
+    started: Instant,
+    files: AtomicU64,
+    bytes: AtomicU64,
+    shards: AtomicU64,
+    ignored: AtomicU64,
+    last_refresh: Mutex<Instant>,
+}
+
+impl Display {
+    fn new() -> Self {
+        // indicatif draws nothing when stderr is not a terminal.
+        let bar = indicatif::ProgressBar::new(0).with_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {elapsed_precise} [{bar:30}] {human_pos}/{human_len} files  {msg}  ETA {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_message("listing files");
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Self {
+            bar,
+            started: Instant::now(),
+            files: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            shards: AtomicU64::new(0),
+            ignored: AtomicU64::new(0),
+            last_refresh: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn refresh(&self, force: bool) {
+        let now = Instant::now();
+        {
+            let mut last = self.last_refresh.lock().unwrap_or_else(|p| p.into_inner());
+            if !force && now.duration_since(*last) < RATE_REFRESH {
+                return;
+            }
+            *last = now;
+        }
+        let secs = now.duration_since(self.started).as_secs_f64().max(1e-9);
+        self.bar.set_message(format!(
+            "{:.0} files/s  {:.0} MB/s  {} shards",
+            self.files.load(Ordering::Relaxed) as f64 / secs,
+            self.bytes.load(Ordering::Relaxed) as f64 / 1e6 / secs,
+            self.shards.load(Ordering::Relaxed),
+        ));
+    }
+}
+
+impl PackProgress for Display {
+    fn planned(&self, files: u64, _samples: u64, done_files: u64) {
+        self.bar.set_length(files);
+        self.bar.set_position(done_files);
+        self.bar.reset_eta();
+        self.refresh(true);
+    }
+
+    fn sample_written(&self, files: u64, bytes: u64) {
+        self.files.fetch_add(files, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.bar.inc(files);
+        self.refresh(false);
+    }
+
+    fn shard_done(&self, _name: &str, _bytes: u64) {
+        self.shards.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn bad_input(&self, bad: &BadInput) {
+        self.bar.suspend(|| eprintln!("shardstream pack: skipped {bad}"));
+    }
+
+    fn ignored(&self, path: &str, why: &str) {
+        let n = self.ignored.fetch_add(1, Ordering::Relaxed);
+        if n < IGNORED_SHOWN {
+            self.bar.suspend(|| eprintln!("shardstream pack: ignored {path} ({why})"));
+        } else if n == IGNORED_SHOWN {
+            self.bar.suspend(|| eprintln!("shardstream pack: further ignored files are only counted"));
+        }
+    }
+}
+
+/// Runs `shardstream pack`.
+pub fn run_cli(args: PackArgs) -> anyhow::Result<()> {
+    let display = Display::new();
+    let result = pack(&args.to_options(), &display);
+    display.bar.finish_and_clear();
+    let summary = result?;
+    println!("{}", summary.line());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("2GB").unwrap(), 2_000_000_000);
+        assert_eq!(parse_size("512mib").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5K").unwrap(), 1536);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        for bad in ["", "0", "G", "1Q", "-1G", "1e30T"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn flags_parse() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct T {
+            #[command(flatten)]
+            a: PackArgs,
+        }
+        let t =
+            T::try_parse_from(["x", "src", "-o", "out", "--shuffle", "--seed", "3", "--shard-size", "64M"]).unwrap();
+        let o = t.a.to_options();
+        assert_eq!((o.shuffle, o.seed, o.shard_size), (true, 3, 64 << 20));
+        assert!(T::try_parse_from(["x", "src", "-o", "out", "--seed", "3"]).is_err());
+        assert!(T::try_parse_from(["x", "src", "-o", "out", "--null"]).is_err());
+        let t = T::try_parse_from(["x", "src", "-o", "out", "--files-from", "-", "-0", "--format", "parquet"]).unwrap();
+        let o = t.a.to_options();
+        assert_eq!((o.files_from, o.null_separated, o.format), (Some(FileList::Stdin), true, ShardFormat::Parquet));
+    }
+}

@@ -1,0 +1,244 @@
+//! The pack journal (`_shardstream/pack-journal.jsonl` in DEST): what a pack has made durable so
+//! far, so that `--resume` skips it, and whose dataset DEST holds.
+//!
+//! JSON lines, appended and fsynced one per completed shard, after the shard and its sidecar are
+//! durable:
+//!
+//! ```text
+//! {"journal":"shardstream-pack","version":1,"fingerprint":"9c0f...","created_by":"shardstream 0.1.0"}
+//! {"shard":0,"name":"shard-000000.tar","first":0,"end":51234,"bytes":...,"samples":51230,...}
+//! {"shard":1,...}
+//! ```
+//!
+//! The fingerprint is a hash of everything that decides the output bytes: this build, the
+//! options that shape shards, and the packing order of (key, field, path, class). A pack whose
+//! fingerprint differs from the journal's is a different dataset and is refused; one that matches
+//! may resume. Entries must be consecutive from shard 0, each starting where the previous ended; a
+//! torn last line (a crash mid-append) and anything after a broken entry are ignored, which only
+//! means re-packing a shard.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::group::Catalog;
+use crate::{Error, Result};
+
+pub const JOURNAL_FILE: &str = "pack-journal.jsonl";
+const JOURNAL_MAGIC: &str = "shardstream-pack";
+const JOURNAL_VERSION: u32 = 1;
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    journal: String,
+    version: u32,
+    fingerprint: String,
+    created_by: String,
+}
+
+/// One completed shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardRecord {
+    pub shard: u64,
+    pub name: String,
+    /// Positions `first..end` of the packing order.
+    pub first: u64,
+    pub end: u64,
+    pub bytes: u64,
+    pub samples: u64,
+    pub files: u64,
+    pub payload: u64,
+    pub crc32c: String,
+    pub fields: Vec<String>,
+    pub bad_inputs: u64,
+}
+
+/// A journal read back: its fingerprint and its valid prefix of shard records.
+#[derive(Debug)]
+pub struct PriorJournal {
+    pub fingerprint: String,
+    pub shards: Vec<ShardRecord>,
+}
+
+/// FNV-1a, 64 bit: a stable hash (unlike std's, whose algorithm may change between releases).
+struct Fnv(u64);
+
+impl Fnv {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+
+    fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 = (self.0 ^ u64::from(x)).wrapping_mul(Self::PRIME);
+        }
+        // A separator no path contains, so ("ab","c") and ("a","bc") differ.
+        self.0 = self.0.wrapping_mul(Self::PRIME);
+    }
+}
+
+/// The dataset fingerprint: `options` (a canonical description of the shaping options) and the
+/// packing order. Two independent 64-bit hashes (forward and with a salt) make 128 bits.
+pub fn fingerprint(options: &str, catalog: &Catalog, order: &[u32]) -> String {
+    let mut a = Fnv(Fnv::OFFSET);
+    let mut b = Fnv(Fnv::OFFSET ^ 0x5bd1_e995_5bd1_e995);
+    let mut feed = |x: &[u8]| {
+        a.bytes(x);
+        b.bytes(x);
+        b.0 = b.0.rotate_left(17);
+    };
+    feed(crate::VERSION.as_bytes());
+    feed(options.as_bytes());
+    for &i in order {
+        let Some(s) = catalog.sample(i as usize) else { continue };
+        feed(s.key().as_bytes());
+        for m in s.members() {
+            feed(m.field.as_bytes());
+            feed(m.path.as_bytes());
+        }
+        match s.class() {
+            Some(c) => feed(&c.to_le_bytes()),
+            None => feed(b"-"),
+        }
+    }
+    format!("{:016x}{:016x}", a.0, b.0)
+}
+
+pub fn journal_path(dest: &Path) -> PathBuf {
+    dest.join(crate::index::manifest::SIDECAR_DIR).join(JOURNAL_FILE)
+}
+
+/// Reads a journal; `Ok(None)` when there is none.
+pub fn load(path: &Path) -> Result<Option<PriorJournal>> {
+    let text = match std::fs::read(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("cannot read pack journal", path, e)),
+    };
+    let mut lines = text.split(|&b| b == b'\n');
+    let header: Header = lines
+        .next()
+        .and_then(|l| serde_json::from_slice(l).ok())
+        .ok_or_else(|| Error::invalid(format!("{} is not a shardstream pack journal", path.display())))?;
+    if header.journal != JOURNAL_MAGIC || header.version != JOURNAL_VERSION {
+        return Err(Error::invalid(format!(
+            "{}: journal {:?} version {} is not one this build reads ({JOURNAL_MAGIC:?} version {JOURNAL_VERSION})",
+            path.display(),
+            header.journal,
+            header.version
+        )));
+    }
+    let mut shards: Vec<ShardRecord> = Vec::new();
+    for line in lines {
+        let Ok(rec) = serde_json::from_slice::<ShardRecord>(line) else { break };
+        let expected_first = shards.last().map_or(0, |p| p.end);
+        if rec.shard != shards.len() as u64 || rec.first != expected_first || rec.end < rec.first {
+            break;
+        }
+        shards.push(rec);
+    }
+    Ok(Some(PriorJournal { fingerprint: header.fingerprint, shards }))
+}
+
+/// A journal open for appending.
+pub struct Journal {
+    file: File,
+    path: PathBuf,
+}
+
+impl Journal {
+    /// Starts a journal holding `fingerprint` and the shards kept from an earlier run, replacing
+    /// any journal at `path` atomically.
+    pub fn create(path: &Path, fingerprint: &str, kept: &[ShardRecord]) -> Result<Self> {
+        let header = Header {
+            journal: JOURNAL_MAGIC.into(),
+            version: JOURNAL_VERSION,
+            fingerprint: fingerprint.into(),
+            created_by: format!("shardstream {}", crate::VERSION),
+        };
+        let mut text = serde_json::to_vec(&header).map_err(|e| Error::Internal(e.to_string()))?;
+        text.push(b'\n');
+        for r in kept {
+            text.extend(serde_json::to_vec(r).map_err(|e| Error::Internal(e.to_string()))?);
+            text.push(b'\n');
+        }
+        crate::storage::local::write_atomic(path, &text)?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| Error::io("cannot open pack journal", path, e))?;
+        Ok(Self { file, path: path.to_owned() })
+    }
+
+    /// Appends a shard record durably.
+    pub fn append(&mut self, rec: &ShardRecord) -> Result<()> {
+        let mut line = serde_json::to_vec(rec).map_err(|e| Error::Internal(e.to_string()))?;
+        line.push(b'\n');
+        self.file
+            .write_all(&line)
+            .and_then(|()| self.file.sync_data())
+            .map_err(|e| Error::io("cannot write pack journal", &self.path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::group::GroupOptions;
+    use crate::pack::report::Reporter;
+
+    fn rec(shard: u64, first: u64, end: u64) -> ShardRecord {
+        ShardRecord {
+            shard,
+            name: format!("s-{shard:06}.tar"),
+            first,
+            end,
+            bytes: 10240,
+            samples: end - first,
+            files: end - first,
+            payload: 100,
+            crc32c: "0000abcd".into(),
+            fields: vec!["jpg".into()],
+            bad_inputs: 0,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(JOURNAL_FILE);
+        assert!(load(&path).unwrap().is_none());
+        let mut j = Journal::create(&path, "fp", &[rec(0, 0, 5)]).unwrap();
+        j.append(&rec(1, 5, 9)).unwrap();
+        j.append(&rec(2, 9, 12)).unwrap();
+        drop(j);
+        let prior = load(&path).unwrap().unwrap();
+        assert_eq!(prior.fingerprint, "fp");
+        assert_eq!(prior.shards, [rec(0, 0, 5), rec(1, 5, 9), rec(2, 9, 12)]);
+        // A torn append: the last line is cut.
+        let mut text = std::fs::read(&path).unwrap();
+        text.truncate(text.len() - 7);
+        std::fs::write(&path, &text).unwrap();
+        assert_eq!(load(&path).unwrap().unwrap().shards.len(), 2);
+        // A gap ends the valid prefix.
+        let mut j = Journal::create(&path, "fp", &[rec(0, 0, 5)]).unwrap();
+        j.append(&rec(1, 6, 9)).unwrap();
+        assert_eq!(load(&path).unwrap().unwrap().shards.len(), 1);
+        std::fs::write(&path, b"not json\n").unwrap();
+        assert!(load(&path).is_err());
+    }
+
+    #[test]
+    fn fingerprint_tracks_order_options_and_names() {
+        let r = Reporter::new(false, &());
+        let cat = Catalog::build(vec!["a.jpg".into(), "b.jpg".into()], GroupOptions::default(), &r).unwrap();
+        let other = Catalog::build(vec!["a.jpg".into(), "c.jpg".into()], GroupOptions::default(), &r).unwrap();
+        let f = fingerprint("x", &cat, &[0, 1]);
+        assert_eq!(f, fingerprint("x", &cat, &[0, 1]));
+        assert_ne!(f, fingerprint("y", &cat, &[0, 1]));
+        assert_ne!(f, fingerprint("x", &cat, &[1, 0]));
+        assert_ne!(f, fingerprint("x", &other, &[0, 1]));
+        assert_eq!(f.len(), 32);
+    }
+}

@@ -1,0 +1,133 @@
+//! Bad inputs and ignored files: what kinds there are, how each is described (always with its
+//! path), and the one place that decides what happens to them: with `--strict` the first one
+//! ends the pack with an error; otherwise it is reported, skipped and counted for the summary.
+//!
+//! Ignored files are not errors: hidden files and files without a field extension are not
+//! samples by the WebDataset convention (the `webdataset` reader would skip them too), nor are
+//! files a `--key-regex` does not match. They are counted and the first few are named.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use super::PackProgress;
+use crate::{Error, Result};
+
+/// What is wrong with an input. The order is the order of the summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BadKind {
+    /// Exists but cannot be opened or read (permissions, I/O error).
+    Unreadable,
+    /// Listed or walked, but gone by the time it was opened.
+    Vanished,
+    /// A name that is not valid UTF-8 (a key must be text).
+    NotUtf8,
+    /// A symbolic link whose target lies outside SRC.
+    SymlinkOutside,
+    /// A `--files-from` entry with a `..` component, or an absolute path outside SRC.
+    OutsideSrc,
+    /// Not a regular file (directory behind a symlink, FIFO, socket, device).
+    NotAFile,
+    /// Two files giving the same key and field (or a `cls` file next to `--label-from-dir`).
+    DuplicateKey,
+    /// A key or field that cannot be stored so that it reads back the same (from `--key-regex`),
+    /// or a sample without a class directory under `--label-from-dir`.
+    BadKey,
+    /// A payload the output format cannot hold (Parquet values are limited to 2 GiB).
+    TooLarge,
+}
+
+impl BadKind {
+    pub fn describe(self) -> &'static str {
+        match self {
+            BadKind::Unreadable => "unreadable",
+            BadKind::Vanished => "vanished",
+            BadKind::NotUtf8 => "name not UTF-8",
+            BadKind::SymlinkOutside => "symlink outside SRC",
+            BadKind::OutsideSrc => "path outside SRC",
+            BadKind::NotAFile => "not a regular file",
+            BadKind::DuplicateKey => "duplicate key",
+            BadKind::BadKey => "unusable key",
+            BadKind::TooLarge => "too large",
+        }
+    }
+}
+
+/// One bad input: its kind, its path (relative to SRC where there is one, lossily decoded when
+/// it is not UTF-8) and what exactly went wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadInput {
+    pub kind: BadKind,
+    pub path: String,
+    pub detail: String,
+}
+
+impl BadInput {
+    pub fn new(kind: BadKind, path: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self { kind, path: path.into(), detail: detail.into() }
+    }
+}
+
+impl std::fmt::Display for BadInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}: {}", self.path, self.kind.describe(), self.detail)
+    }
+}
+
+/// Counts bad inputs by kind and applies `--strict`.
+pub struct Reporter<'a> {
+    strict: bool,
+    progress: &'a dyn PackProgress,
+    counts: Mutex<BTreeMap<BadKind, u64>>,
+    ignored: Mutex<u64>,
+}
+
+impl<'a> Reporter<'a> {
+    pub fn new(strict: bool, progress: &'a dyn PackProgress) -> Self {
+        Self { strict, progress, counts: Mutex::default(), ignored: Mutex::default() }
+    }
+
+    /// Reports a bad input: an error under `--strict`, else counted and passed to the progress
+    /// display.
+    pub fn bad(&self, bad: BadInput) -> Result<()> {
+        if self.strict {
+            return Err(Error::invalid(format!("bad input (--strict): {bad}")));
+        }
+        *self.counts.lock().unwrap_or_else(|p| p.into_inner()).entry(bad.kind).or_default() += 1;
+        self.progress.bad_input(&bad);
+        Ok(())
+    }
+
+    /// Notes a file that is not part of any sample by convention.
+    pub fn ignored(&self, path: &str, why: &str) {
+        *self.ignored.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.progress.ignored(path, why);
+    }
+
+    pub fn counts(&self) -> BTreeMap<BadKind, u64> {
+        self.counts.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn ignored_count(&self) -> u64 {
+        *self.ignored.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strict_fails_and_lenient_counts() {
+        let bad = BadInput::new(BadKind::Vanished, "a/b.jpg", "no such file");
+        assert_eq!(bad.to_string(), "a/b.jpg: vanished: no such file");
+        let strict = Reporter::new(true, &());
+        let err = strict.bad(bad.clone()).unwrap_err().to_string();
+        assert!(err.contains("a/b.jpg") && err.contains("--strict"), "{err}");
+        let lenient = Reporter::new(false, &());
+        lenient.bad(bad.clone()).unwrap();
+        lenient.bad(bad).unwrap();
+        lenient.ignored("README", "no extension");
+        assert_eq!(lenient.counts().get(&BadKind::Vanished), Some(&2));
+        assert_eq!(lenient.ignored_count(), 1);
+    }
+}

@@ -1,0 +1,535 @@
+//! The shard writer: takes read samples in packing order, decides where shards end, appends each
+//! sample to the open shard, and hands every completed shard (a closed local file with its size,
+//! CRC-32C and member table) to the sink thread.
+//!
+//! Shard boundaries are decided here and only here, in packing order, so they are the same
+//! whatever the number of readers: a shard ends before the sample that would take it past
+//! `--shard-size` (the TAR trailer included) or past `--samples-per-shard`. A sample is never
+//! split, and a sample larger than the shard size is alone in its shard.
+//!
+//! Shard `k` covers the positions `first..end` of the packing order; samples in that range that
+//! had bad inputs are left out and counted with it. The journal records these ranges, so a
+//! resumed pack restarts exactly at the first position of the first incomplete shard.
+//!
+//! One writer thread is enough: for TAR it only appends buffers the readers prepared (headers,
+//! payloads and padding laid out as in the shard) and runs the CRC-32C over them, a
+//! memory-bandwidth job at several GB/s, well above what reading small files delivers. The fsync and rename of a
+//! completed shard (and, later, its upload) run on the sink thread, overlapping with the next
+//! shard.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+use std::sync::mpsc::SyncSender;
+
+use super::parquet::{ParquetOptions, ParquetShard};
+use super::read::{Loaded, LoadedSample, Window};
+use super::report::{BadInput, BadKind, Reporter};
+use super::{PackProgress, ShardFormat, ustar};
+use crate::format::tar::TarIndex;
+use crate::{Error, Result};
+
+/// Sample buffers gathered into one `writev`: a few hundred KB per call, so syscalls are rare,
+/// and no copy into a staging buffer (each sample's buffer goes to the kernel as it is).
+const GATHER_BYTES: usize = 1 << 20;
+/// Most buffers in one `writev` (Linux accepts 1024).
+const GATHER_BUFFERS: usize = 256;
+/// Chunk in which streamed (large) members are copied.
+const COPY_CHUNK: usize = 1 << 20;
+/// Every this many bytes written, the writer asks the kernel to start writing them back
+/// (`sync_file_range`, asynchronous). The shard's final fsync then waits only for the tail
+/// instead of the whole 1 GiB, and dirty pages do not pile up (RocksDB's `bytes_per_sync`).
+const WRITEBACK_EVERY: u64 = 32 << 20;
+
+/// A file being written, with its running length and CRC-32C. Appended buffers are gathered and
+/// written with one `writev` per [`GATHER_BYTES`].
+pub struct CrcFile {
+    file: File,
+    path: PathBuf,
+    /// Buffers appended but not yet written, and their total length.
+    pending: Vec<Vec<u8>>,
+    pending_bytes: usize,
+    len: u64,
+    crc: u32,
+    /// Bytes handed to writeback so far.
+    written_back: u64,
+}
+
+impl CrcFile {
+    pub fn create(path: PathBuf) -> Result<Self> {
+        let file = File::create(&path).map_err(|e| Error::io("cannot create shard", &path, e))?;
+        Ok(Self { file, path, pending: Vec::new(), pending_bytes: 0, len: 0, crc: 0, written_back: 0 })
+    }
+
+    /// Bytes appended so far.
+    pub fn written(&self) -> u64 {
+        self.len
+    }
+
+    fn io(&self, e: std::io::Error) -> Error {
+        Error::io("cannot write shard", &self.path, e)
+    }
+
+    /// Appends a buffer, taking it over (no copy).
+    fn append_owned(&mut self, data: Vec<u8>) -> Result<()> {
+        self.crc = crc32c::crc32c_append(self.crc, &data);
+        self.len += data.len() as u64;
+        self.pending_bytes += data.len();
+        self.pending.push(data);
+        if self.pending_bytes >= GATHER_BYTES || self.pending.len() >= GATHER_BUFFERS {
+            self.flush_pending().map_err(|e| self.io(e))?;
+        }
+        Ok(())
+    }
+
+    fn append(&mut self, data: &[u8]) -> Result<()> {
+        self.append_owned(data.to_vec())
+    }
+
+    /// Writes the gathered buffers.
+    fn flush_pending(&mut self) -> std::io::Result<()> {
+        let mut slices: Vec<std::io::IoSlice<'_>> = self.pending.iter().map(|b| std::io::IoSlice::new(b)).collect();
+        let mut rest = &mut slices[..];
+        while !rest.is_empty() {
+            match self.file.write_vectored(rest) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => std::io::IoSlice::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.pending.clear();
+        self.pending_bytes = 0;
+        self.start_writeback();
+        Ok(())
+    }
+
+    /// Starts writeback of what reached the file since the last call, every [`WRITEBACK_EVERY`]
+    /// bytes. A hint: errors are left to the fsync that makes the shard durable.
+    fn start_writeback(&mut self) {
+        use std::os::fd::AsRawFd;
+        let in_file = self.len - self.pending_bytes as u64;
+        if in_file - self.written_back < WRITEBACK_EVERY {
+            return;
+        }
+        let (Ok(from), Ok(len)) = (i64::try_from(self.written_back), i64::try_from(in_file - self.written_back)) else {
+            return;
+        };
+        // SAFETY: a syscall on a descriptor we own; no memory is passed.
+        unsafe { libc::sync_file_range(self.file.as_raw_fd(), from, len, libc::SYNC_FILE_RANGE_WRITE) };
+        self.written_back = in_file;
+    }
+
+    /// Cuts the file back to `len` bytes with CRC `crc` (undoing a sample that failed midway).
+    fn rollback(&mut self, len: u64, crc: u32) -> Result<()> {
+        self.flush_pending().map_err(|e| self.io(e))?;
+        let f = &mut self.file;
+        f.set_len(len).and_then(|()| f.seek(SeekFrom::Start(len)).map(drop)).map_err(|e| self.io(e))?;
+        self.len = len;
+        self.crc = crc;
+        self.written_back = self.written_back.min(len);
+        Ok(())
+    }
+
+    /// Writes what is pending and returns the file, its length and CRC-32C.
+    pub fn finish(mut self) -> Result<(File, u64, u32)> {
+        self.flush_pending().map_err(|e| self.io(e))?;
+        Ok((self.file, self.len, self.crc))
+    }
+}
+
+impl Write for CrcFile {
+    /// Unbuffered (the Parquet writer buffers its own output).
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if !self.pending.is_empty() {
+            self.flush_pending()?;
+        }
+        let n = self.file.write(buf)?;
+        self.crc = crc32c::crc32c_append(self.crc, &buf[..n]);
+        self.len += n as u64;
+        self.start_writeback();
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.flush_pending()
+    }
+}
+
+/// A completed shard, closed but not yet durable: the sink makes it so.
+#[derive(Debug)]
+pub struct FinishedShard {
+    /// Shard number (its position in the manifest).
+    pub number: u64,
+    pub name: String,
+    /// Where the writer produced it.
+    pub scratch: PathBuf,
+    pub file: File,
+    pub bytes: u64,
+    pub crc: u32,
+    pub samples: u64,
+    pub files: u64,
+    /// Payload bytes of its samples (what the user's files held).
+    pub payload: u64,
+    /// Positions `first..end` of the packing order it covers.
+    pub first: u64,
+    pub end: u64,
+    /// Bad inputs among the samples of its range.
+    pub bad_inputs: u64,
+    pub fields: Vec<String>,
+    /// Its member table, for the sidecar (TAR only).
+    pub tar_index: Option<TarIndex>,
+}
+
+impl FinishedShard {
+    /// The identity a sidecar of this shard is keyed by (as `shardstream index` writes it).
+    pub fn identity(&self) -> String {
+        format!("len={};crc32c={:08x}", self.bytes, self.crc)
+    }
+}
+
+struct TarShard {
+    out: CrcFile,
+    boundaries: Vec<u64>,
+    copy_buf: Vec<u8>,
+}
+
+impl TarShard {
+    /// Appends a sample; Ok(false) when one of its streamed files failed (reported, rolled back).
+    fn add(&mut self, s: &mut LoadedSample<'_>, reporter: &Reporter) -> Result<bool> {
+        let (start, start_crc) = (self.out.len, self.out.crc);
+        if s.streams.is_empty() {
+            self.out.append_owned(std::mem::take(&mut s.buf))?;
+            self.boundaries.push(start);
+            return Ok(true);
+        }
+        let mut prev = 0;
+        for st in &mut s.streams {
+            self.out.append(&s.buf[prev..st.at])?;
+            prev = st.at;
+            if let Err(bad) = copy_member(&mut self.out, st, &mut self.copy_buf)? {
+                self.out.rollback(start, start_crc)?;
+                reporter.bad(bad)?;
+                return Ok(false);
+            }
+        }
+        self.out.append(&s.buf[prev..])?;
+        self.boundaries.push(start);
+        Ok(true)
+    }
+
+    fn finish(mut self) -> Result<(File, u64, u32, TarIndex)> {
+        if !self.boundaries.is_empty() {
+            self.boundaries.push(self.out.len);
+        }
+        self.out.append(&ustar::TRAILER)?;
+        let (file, len, crc) = self.out.finish()?;
+        Ok((file, len, crc, TarIndex { boundaries: self.boundaries, fields: Vec::new() }))
+    }
+}
+
+/// Copies a streamed member; the inner Err is a bad input (the file changed under us).
+fn copy_member(out: &mut CrcFile, st: &mut super::read::Streamed, chunk: &mut Vec<u8>) -> Result<Result<(), BadInput>> {
+    chunk.resize(COPY_CHUNK, 0);
+    let mut left = st.len;
+    while left > 0 {
+        let want = left.min(COPY_CHUNK as u64) as usize;
+        let n = match st.file.read(&mut chunk[..want]) {
+            Ok(0) => {
+                return Ok(Err(BadInput::new(
+                    BadKind::Unreadable,
+                    st.path.as_str(),
+                    format!("shrank from {} to {} bytes while being packed", st.len, st.len - left),
+                )));
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Ok(Err(BadInput::new(BadKind::Unreadable, st.path.as_str(), format!("read failed: {e}"))));
+            }
+        };
+        out.append(&chunk[..n])?;
+        left -= n as u64;
+    }
+    Ok(Ok(()))
+}
+
+enum Shard<'a> {
+    Tar(TarShard),
+    Parquet(Box<ParquetShard<'a>>),
+}
+
+struct OpenShard<'a> {
+    number: u64,
+    name: String,
+    scratch: PathBuf,
+    shard: Shard<'a>,
+    first: u64,
+    samples: u64,
+    files: u64,
+    payload: u64,
+    /// Bytes the shard holds so far (TAR: exact; Parquet: payload and keys, an estimate).
+    bytes: u64,
+    fields: BTreeSet<String>,
+}
+
+/// How shards are cut and named.
+pub struct WriterConfig<'a> {
+    pub format: ShardFormat,
+    pub shard_size: u64,
+    pub samples_per_shard: Option<u64>,
+    pub prefix: &'a str,
+    pub parquet: ParquetOptions<'a>,
+}
+
+impl WriterConfig<'_> {
+    pub fn shard_name(&self, number: u64) -> String {
+        format!("{}-{number:06}.{}", self.prefix, self.format.extension())
+    }
+}
+
+/// What one writer run did.
+#[derive(Debug, Default)]
+pub struct WriterStats {
+    pub samples: u64,
+    pub files: u64,
+    pub payload: u64,
+    pub shards: u64,
+}
+
+impl<'a> OpenShard<'a> {
+    fn full_for(&self, s: &LoadedSample<'_>, cfg: &WriterConfig<'_>) -> bool {
+        if self.samples == 0 {
+            return false;
+        }
+        if cfg.samples_per_shard.is_some_and(|n| self.samples >= n) {
+            return true;
+        }
+        let next = match self.shard {
+            Shard::Tar(_) => s.encoded_len() + ustar::TRAILER.len() as u64,
+            Shard::Parquet(_) => s.payload + s.key.len() as u64,
+        };
+        self.bytes.saturating_add(next) > cfg.shard_size
+    }
+}
+
+/// Writes shards from the window's samples until it is exhausted; completed shards go to `done`.
+/// `start` is the first position of the order this run packs, `first_shard` its shard number.
+// Nine arguments, each owned by a different part of `pack` (window, sink, reporter, progress): a
+// struct bundling them would only rename them.
+#[allow(clippy::too_many_arguments)]
+pub fn write_shards<'a>(
+    cfg: &WriterConfig<'a>,
+    window: &Window<'a>,
+    start: u64,
+    end: u64,
+    first_shard: u64,
+    scratch: &dyn Fn(&str) -> PathBuf,
+    done: SyncSender<FinishedShard>,
+    reporter: &Reporter,
+    progress: &dyn PackProgress,
+) -> Result<WriterStats> {
+    let mut stats = WriterStats::default();
+    let mut open: Option<OpenShard<'a>> = None;
+    let mut next_number = first_shard;
+    let mut range_start = start;
+    let mut pending_bad = 0u64;
+    let mut pos = start;
+    let close = |sh: OpenShard<'a>, end: u64, bad: u64| -> Result<FinishedShard> {
+        let fields: Vec<String> = sh.fields.into_iter().collect();
+        let (file, bytes, crc, tar_index) = match sh.shard {
+            Shard::Tar(t) => {
+                let (file, len, crc, mut ix) = t.finish()?;
+                ix.fields = fields.clone();
+                (file, len, crc, Some(ix))
+            }
+            Shard::Parquet(p) => {
+                let (file, len, crc) = p.finish()?;
+                (file, len, crc, None)
+            }
+        };
+        Ok(FinishedShard {
+            number: sh.number,
+            name: sh.name,
+            scratch: sh.scratch,
+            file,
+            bytes,
+            crc,
+            samples: sh.samples,
+            files: sh.files,
+            payload: sh.payload,
+            first: sh.first,
+            end,
+            bad_inputs: bad,
+            fields,
+            tar_index,
+        })
+    };
+    let send =
+        |f: FinishedShard| done.send(f).map_err(|_| Error::Internal("the shard sink stopped before the writer".into()));
+    for loaded in window.ordered() {
+        let this = pos;
+        pos += 1;
+        if progress.stop_requested() {
+            return Err(Error::Unavailable(format!("pack interrupted at position {this}; rerun with --resume")));
+        }
+        let mut s = match loaded {
+            Loaded::Failed(e) => return Err(e),
+            Loaded::Skipped { bad, files } => {
+                pending_bad += bad;
+                progress.sample_written(files, 0);
+                continue;
+            }
+            Loaded::Sample(s) => s,
+        };
+        if let Some(sh) = &open
+            && sh.full_for(&s, cfg)
+        {
+            let sh = open.take().ok_or_else(|| Error::Internal("open shard vanished".into()))?;
+            send(close(sh, this, pending_bad)?)?;
+            stats.shards += 1;
+            pending_bad = 0;
+            range_start = this;
+        }
+        let sh = match &mut open {
+            Some(sh) => sh,
+            None => {
+                let name = cfg.shard_name(next_number);
+                let path = scratch(&name);
+                let out = CrcFile::create(path.clone())?;
+                let shard = match cfg.format {
+                    ShardFormat::Webdataset => {
+                        Shard::Tar(TarShard { out, boundaries: Vec::new(), copy_buf: Vec::new() })
+                    }
+                    ShardFormat::Parquet => Shard::Parquet(Box::new(ParquetShard::new(out, &cfg.parquet)?)),
+                };
+                next_number += 1;
+                open.insert(OpenShard {
+                    number: next_number - 1,
+                    name,
+                    scratch: path,
+                    shard,
+                    first: range_start,
+                    samples: 0,
+                    files: 0,
+                    payload: 0,
+                    bytes: 0,
+                    fields: BTreeSet::new(),
+                })
+            }
+        };
+        let added = match &mut sh.shard {
+            Shard::Tar(t) => t.add(&mut s, reporter)?,
+            Shard::Parquet(p) => {
+                p.add(&s)?;
+                true
+            }
+        };
+        if !added {
+            pending_bad += 1;
+            progress.sample_written(s.files, 0);
+            continue;
+        }
+        sh.samples += 1;
+        sh.files += s.files;
+        sh.payload += s.payload;
+        sh.bytes = match &sh.shard {
+            Shard::Tar(t) => t.out.written(),
+            Shard::Parquet(_) => sh.bytes + s.payload + s.key.len() as u64,
+        };
+        for (field, _) in &s.members {
+            if !sh.fields.contains(*field) {
+                sh.fields.insert((*field).to_owned());
+            }
+        }
+        stats.samples += 1;
+        stats.files += s.files;
+        stats.payload += s.payload;
+        progress.sample_written(s.files, s.payload);
+    }
+    if pos != end {
+        return Err(Error::Unavailable("pack stopped before the last sample".into()));
+    }
+    // Without an open shard, every sample since `start` was bad: no shard covers them, so a
+    // resumed run reads them again.
+    if let Some(sh) = open {
+        send(close(sh, end, pending_bad)?)?;
+        stats.shards += 1;
+    }
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Cursor;
+    use std::path::Path;
+
+    use super::*;
+    use crate::format::tar::{index_tar, parse_sample};
+    use crate::pack::read::Streamed;
+
+    fn sample<'a>(key: &'a str, payload: &[u8]) -> LoadedSample<'a> {
+        let mut buf = Vec::new();
+        ustar::write_header(&mut buf, &format!("{key}.bin"), payload.len() as u64);
+        let start = buf.len();
+        buf.extend_from_slice(payload);
+        buf.resize(buf.len() + ustar::padding(payload.len() as u64), 0);
+        LoadedSample {
+            key,
+            buf,
+            members: vec![("bin", start..start + payload.len())],
+            streams: Vec::new(),
+            files: 1,
+            payload: payload.len() as u64,
+        }
+    }
+
+    /// A sample whose payload is copied from `file`, claiming `len` bytes.
+    fn streamed<'a>(key: &'a str, file: &Path, len: u64) -> LoadedSample<'a> {
+        let mut buf = Vec::new();
+        ustar::write_header(&mut buf, &format!("{key}.bin"), len);
+        let at = buf.len();
+        buf.resize(at + ustar::padding(len), 0);
+        let streams = vec![Streamed { at, file: File::open(file).unwrap(), len, path: file.display().to_string() }];
+        LoadedSample { key, buf, members: vec![("bin", at..at)], streams, files: 1, payload: len }
+    }
+
+    #[test]
+    fn streamed_members_and_rollback_of_a_file_that_shrank() {
+        let dir = tempfile::tempdir().unwrap();
+        let big: Vec<u8> = (0..3 * COPY_CHUNK + 17).map(|i| (i % 251) as u8).collect();
+        let big_path = dir.path().join("big");
+        std::fs::write(&big_path, &big).unwrap();
+        let out = CrcFile::create(dir.path().join("shard.tar")).unwrap();
+        let mut shard = TarShard { out, boundaries: Vec::new(), copy_buf: Vec::new() };
+        let reporter = Reporter::new(false, &());
+        assert!(shard.add(&mut sample("a", b"first"), &reporter).unwrap());
+        assert!(shard.add(&mut streamed("b", &big_path, big.len() as u64), &reporter).unwrap());
+        // Claims more bytes than the file holds: rolled back, reported, the shard stays valid.
+        assert!(!shard.add(&mut streamed("c", &big_path, big.len() as u64 + 4096), &reporter).unwrap());
+        assert_eq!(reporter.counts().get(&BadKind::Unreadable), Some(&1));
+        assert!(shard.add(&mut sample("d", b"last"), &reporter).unwrap());
+        let (_, len, crc, ix) = shard.finish().unwrap();
+        let bytes = std::fs::read(dir.path().join("shard.tar")).unwrap();
+        assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (len, crc));
+        let scanned = index_tar(Cursor::new(&bytes), len).unwrap();
+        assert_eq!(scanned.boundaries, ix.boundaries);
+        let keys: Vec<String> = (0..scanned.num_samples())
+            .map(|i| {
+                let r = scanned.sample_range(i).unwrap();
+                let buf = &bytes[r.start as usize..r.end as usize];
+                let v = parse_sample(buf).unwrap();
+                if v.key == "b" {
+                    assert_eq!(&buf[v.members[0].data.clone()], &big[..]);
+                }
+                v.key.to_string()
+            })
+            .collect();
+        assert_eq!(keys, ["a", "b", "d"]);
+        let strict = Reporter::new(true, &());
+        let out = CrcFile::create(dir.path().join("strict.tar")).unwrap();
+        let mut shard = TarShard { out, boundaries: Vec::new(), copy_buf: Vec::new() };
+        assert!(shard.add(&mut streamed("c", &big_path, big.len() as u64 + 1), &strict).is_err());
+    }
+}

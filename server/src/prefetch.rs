@@ -1,0 +1,391 @@
+//! Clairvoyant prefetch: every consumer's sample order is a pure function of its parameters, so
+//! the daemon knows, for every shard, when each active consumer will next need it. The
+//! prefetcher merges those futures and
+//!
+//! - fetches shards into the node cache in order of first future use, as far ahead as a horizon
+//!   measured in *seconds of consumption* (each consumer's measured samples/s turns its sample
+//!   positions into time, so a fast consumer is served further ahead than a slow one);
+//! - tells the cache, when it must evict, how far away each shard's next use is, so it evicts
+//!   the one needed farthest in the future (Belady's rule) and never one needed sooner than the
+//!   shard it is making room for;
+//! - looks one epoch beyond the current one (a trainer that finishes epoch `e` asks for `e + 1`
+//!   with the same parameters), which is what keeps the right half of a too-small cache across
+//!   the epoch boundary.
+//!
+//! With the LRU policy (kept for comparison) the prefetcher only reads ahead each consumer's next
+//! [`MIN_AHEAD`] shards, like a streaming loader without knowledge of the future would.
+//!
+//! One thread runs the loop; fetches run on up to `parallel` threads of their own. Lock order:
+//! consumers -> (released) -> node cache table; the snapshot lock is never held with another.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use crate::cache::table::{Eviction, Policy};
+use crate::cache::{NodeCache, Want};
+use crate::index::Dataset;
+use crate::transport::shm::ShmHub;
+
+/// Shards each consumer always has fetched ahead, whatever its rate: the shuffle window draws on
+/// a few shards at once, so the next two must be there before the window reaches them.
+pub const MIN_AHEAD: usize = 2;
+
+/// Assumed consumption rate before a consumer's first batches are measured (samples/s): only
+/// orders consumers against each other until real figures arrive.
+const DEFAULT_RATE: f64 = 1000.0;
+
+/// How often the plan is recomputed without an event (new consumer, fetch done, progress).
+const TICK: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Clone)]
+pub struct PrefetchConfig {
+    /// How far ahead of each consumer to fetch, in seconds of its consumption.
+    pub horizon: Duration,
+    /// Shards fetched at once (each with its own parallel ranged GETs).
+    pub parallel: usize,
+}
+
+impl Default for PrefetchConfig {
+    fn default() -> Self {
+        // 60 s covers S3's worst first-byte latencies and a restart of the store several times
+        // over; 4 shards x 8 ranged GETs saturate a 25 Gb/s NIC at ~100 MB/s per connection.
+        Self { horizon: Duration::from_secs(60), parallel: 4 }
+    }
+}
+
+/// One shard's span in a consumer's order: the positions (in samples of its rank sequence) of
+/// its first and last sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardUse {
+    pub shard: u32,
+    pub first: u64,
+    pub last: u64,
+}
+
+/// The spans of the shards `seq` (sample ids) draws on, ordered by first use; positions are
+/// offset by `offset`.
+pub fn shard_uses(ds: &Dataset, seq: &[u64], offset: u64) -> Vec<ShardUse> {
+    let mut by_shard: HashMap<u32, ShardUse> = HashMap::new();
+    let mut last_shard: Option<(usize, u64, u64)> = None;
+    for (p, &id) in seq.iter().enumerate() {
+        let pos = offset + p as u64;
+        // Consecutive samples often share a shard: skip the binary search then.
+        let shard = match last_shard {
+            Some((s, lo, hi)) if id >= lo && id < hi => s,
+            _ => match ds.locate(id) {
+                Some((s, local)) => {
+                    let lo = id - local;
+                    last_shard = Some((s, lo, lo + ds.shards[s].samples));
+                    s
+                }
+                None => continue,
+            },
+        };
+        let e = by_shard.entry(shard as u32).or_insert(ShardUse { shard: shard as u32, first: pos, last: pos });
+        e.last = pos;
+    }
+    let mut uses: Vec<ShardUse> = by_shard.into_values().collect();
+    uses.sort_by_key(|u| (u.first, u.shard));
+    uses
+}
+
+/// One active stream as the prefetcher sees it.
+#[derive(Debug)]
+pub struct Consumer {
+    dataset: Arc<Dataset>,
+    uses: Vec<ShardUse>,
+    /// Samples of its rank sequence consumed so far (where its next batch starts).
+    position: AtomicU64,
+    rate: Mutex<Rate>,
+    pub rank: u32,
+    pub worker: u32,
+    /// Time this stream waited for shards to arrive (microseconds).
+    pub waited_us: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Rate {
+    samples_per_s: f64,
+    last: Option<(Instant, u64)>,
+    measured: bool,
+}
+
+impl Consumer {
+    /// Records that the stream delivered everything before `position` and waited `waited` for
+    /// data while producing it.
+    pub fn advance(&self, position: u64, waited: Duration) {
+        self.position.store(position, Relaxed);
+        if !waited.is_zero() {
+            self.waited_us.fetch_add(waited.as_micros() as u64, Relaxed);
+            crate::metrics::consumer_wait(self.rank, self.worker, waited.as_secs_f64());
+        }
+        let now = Instant::now();
+        let mut r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, pos)) = r.last {
+            let dt = now.duration_since(at).as_secs_f64();
+            if dt > 0.0 && position > pos {
+                let measured = (position - pos) as f64 / dt;
+                // EWMA: follows a change of pace within a few batches, ignores a single hiccup.
+                r.samples_per_s = if r.measured { 0.7 * r.samples_per_s + 0.3 * measured } else { measured };
+                r.measured = true;
+            }
+        }
+        r.last = Some((now, position));
+    }
+
+    fn rate(&self) -> f64 {
+        self.rate.lock().unwrap_or_else(|p| p.into_inner()).samples_per_s.max(1.0)
+    }
+}
+
+/// Unregisters its consumer when the stream ends, however it ends.
+#[derive(Debug)]
+pub struct ConsumerGuard {
+    prefetcher: Weak<Prefetcher>,
+    id: u64,
+    pub consumer: Arc<Consumer>,
+}
+
+impl Drop for ConsumerGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.prefetcher.upgrade() {
+            p.lock_consumers().remove(&self.id);
+            p.wake();
+        }
+    }
+}
+
+/// What `status` reports about prefetching.
+#[derive(Debug, Clone, Default)]
+pub struct PrefetchStatus {
+    pub consumers: Vec<ConsumerStatus>,
+    /// Seconds of data ready ahead of the least-served consumer.
+    pub horizon_s: f64,
+    pub inflight: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConsumerStatus {
+    pub dataset: String,
+    pub rank: u32,
+    pub worker: u32,
+    pub position: u64,
+    pub samples_per_s: f64,
+    pub waited_s: f64,
+}
+
+pub struct Prefetcher {
+    cache: Arc<NodeCache>,
+    shm: Option<Arc<ShmHub>>,
+    config: PrefetchConfig,
+    consumers: Mutex<HashMap<u64, Arc<Consumer>>>,
+    next_id: AtomicU64,
+    /// Cache key -> seconds until its next use by any consumer (as of the last tick).
+    next_use: RwLock<HashMap<String, f64>>,
+    inflight: Mutex<HashSet<String>>,
+    wake: (Mutex<bool>, Condvar),
+    horizon_s: Mutex<f64>,
+    stopped: AtomicBool,
+}
+
+impl std::fmt::Debug for Prefetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prefetcher").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+/// The cache asks the prefetcher about the future and about leases.
+struct Oracle(Weak<Prefetcher>);
+
+impl Eviction for Oracle {
+    fn next_use(&self, key: &str) -> Option<f64> {
+        let p = self.0.upgrade()?;
+        p.next_use.read().unwrap_or_else(|e| e.into_inner()).get(key).copied()
+    }
+
+    fn leased(&self, key: &str) -> bool {
+        let Some(p) = self.0.upgrade() else { return false };
+        p.shm.as_ref().is_some_and(|hub| hub.is_leased(&p.cache.path_of(key)))
+    }
+}
+
+impl Prefetcher {
+    /// Starts the prefetch thread and installs itself as the cache's eviction oracle.
+    pub fn start(cache: Arc<NodeCache>, shm: Option<Arc<ShmHub>>, config: PrefetchConfig) -> crate::Result<Arc<Self>> {
+        let p = Arc::new(Self {
+            cache: cache.clone(),
+            shm,
+            config,
+            consumers: Mutex::default(),
+            next_id: AtomicU64::new(0),
+            next_use: RwLock::default(),
+            inflight: Mutex::default(),
+            wake: (Mutex::new(false), Condvar::new()),
+            horizon_s: Mutex::new(0.0),
+            stopped: AtomicBool::new(false),
+        });
+        cache.set_eviction(Arc::new(Oracle(Arc::downgrade(&p))));
+        let weak = Arc::downgrade(&p);
+        std::thread::Builder::new()
+            .name("prefetch".into())
+            .spawn(move || run(weak))
+            .map_err(|e| crate::Error::Unavailable(format!("cannot start the prefetch thread: {e}")))?;
+        Ok(p)
+    }
+
+    pub fn stop(&self) {
+        self.stopped.store(true, Relaxed);
+        self.wake();
+    }
+
+    fn lock_consumers(&self) -> MutexGuard<'_, HashMap<u64, Arc<Consumer>>> {
+        self.consumers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn wake(&self) {
+        *self.wake.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.wake.1.notify_one();
+    }
+
+    /// Registers a stream's future. `uses`: its shard spans from the rank sequence's start, this
+    /// epoch and (offset by this epoch's length) the next; `position`: where it starts.
+    pub fn register(
+        self: &Arc<Self>,
+        dataset: Arc<Dataset>,
+        uses: Vec<ShardUse>,
+        position: u64,
+        rank: u32,
+        worker: u32,
+    ) -> ConsumerGuard {
+        let consumer = Arc::new(Consumer {
+            dataset,
+            uses,
+            position: AtomicU64::new(position),
+            rate: Mutex::new(Rate { samples_per_s: DEFAULT_RATE, last: None, measured: false }),
+            rank,
+            worker,
+            waited_us: AtomicU64::new(0),
+        });
+        let id = self.next_id.fetch_add(1, Relaxed);
+        self.lock_consumers().insert(id, consumer.clone());
+        // Plan at once, so the first shards are on their way before the first batch asks.
+        self.tick();
+        self.wake();
+        ConsumerGuard { prefetcher: Arc::downgrade(self), id, consumer }
+    }
+
+    pub fn status(&self) -> PrefetchStatus {
+        let consumers = self
+            .lock_consumers()
+            .values()
+            .map(|c| ConsumerStatus {
+                dataset: c.dataset.url.clone(),
+                rank: c.rank,
+                worker: c.worker,
+                position: c.position.load(Relaxed),
+                samples_per_s: c.rate(),
+                waited_s: c.waited_us.load(Relaxed) as f64 / 1e6,
+            })
+            .collect();
+        PrefetchStatus {
+            consumers,
+            horizon_s: *self.horizon_s.lock().unwrap_or_else(|p| p.into_inner()),
+            inflight: self.inflight.lock().unwrap_or_else(|p| p.into_inner()).len(),
+        }
+    }
+
+    /// One planning round: recompute every cached shard's next use, start fetches, measure the
+    /// horizon.
+    fn tick(self: &Arc<Self>) {
+        let consumers: Vec<Arc<Consumer>> = self.lock_consumers().values().cloned().collect();
+        let clairvoyant = self.cache.policy() == Policy::Belady;
+        let horizon = self.config.horizon.as_secs_f64();
+        // key -> (seconds until next use, dataset, shard)
+        let mut next: HashMap<String, (f64, Arc<Dataset>, usize)> = HashMap::new();
+        let mut wanted: Vec<(f64, String)> = Vec::new();
+        let mut horizon_s = f64::INFINITY;
+        for c in &consumers {
+            let (pos, rate) = (c.position.load(Relaxed), c.rate());
+            let mut ahead = 0usize;
+            let mut ready_until: Option<f64> = None;
+            for u in c.uses.iter().filter(|u| u.last >= pos) {
+                let shard = u.shard as usize;
+                let Some(key) = c.dataset.cache_key(shard) else { continue };
+                let secs = u.first.saturating_sub(pos) as f64 / rate;
+                let e = next.entry(key.to_owned()).or_insert((secs, c.dataset.clone(), shard));
+                if secs < e.0 {
+                    *e = (secs, c.dataset.clone(), shard);
+                }
+                if ready_until.is_none() && !self.cache.is_ready(key) {
+                    ready_until = Some(secs);
+                }
+                let within = if clairvoyant { secs <= horizon || ahead < MIN_AHEAD } else { ahead < MIN_AHEAD };
+                if within {
+                    wanted.push((secs, key.to_owned()));
+                }
+                ahead += 1;
+            }
+            // All of its future is cached: the horizon is the rest of its order.
+            let ready =
+                ready_until.unwrap_or_else(|| c.uses.last().map_or(0.0, |u| u.last.saturating_sub(pos) as f64 / rate));
+            horizon_s = horizon_s.min(ready);
+        }
+        let horizon_s = if horizon_s.is_finite() { horizon_s } else { 0.0 };
+        *self.horizon_s.lock().unwrap_or_else(|p| p.into_inner()) = horizon_s;
+        crate::metrics::prefetch_horizon(horizon_s);
+        *self.next_use.write().unwrap_or_else(|p| p.into_inner()) =
+            next.iter().map(|(k, (s, _, _))| (k.clone(), *s)).collect();
+
+        wanted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        wanted.dedup_by(|a, b| a.1 == b.1);
+        for (secs, key) in wanted {
+            if self.cache.is_present(&key) {
+                continue;
+            }
+            {
+                let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+                if inflight.len() >= self.config.parallel.max(1) {
+                    break;
+                }
+                if !inflight.insert(key.clone()) {
+                    continue;
+                }
+            }
+            let Some((_, ds, shard)) = next.get(&key).cloned() else { continue };
+            let me = self.clone();
+            let spawned = std::thread::Builder::new().name("prefetch-fetch".into()).spawn(move || {
+                // A prefetch never waits and never evicts a shard needed sooner than this one.
+                match ds.fetch(shard, Want { urgency: secs, wait: false }) {
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(dataset = %ds.url, shard = %ds.shards[shard].name, error = %e, "prefetch failed")
+                    }
+                }
+                me.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+                me.wake();
+            });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "cannot start a prefetch thread");
+                break;
+            }
+        }
+    }
+}
+
+fn run(weak: Weak<Prefetcher>) {
+    loop {
+        let Some(p) = weak.upgrade() else { return };
+        if p.stopped.load(Relaxed) {
+            return;
+        }
+        p.tick();
+        let (lock, cv) = &p.wake;
+        let mut woken = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if !*woken {
+            woken = cv.wait_timeout(woken, TICK).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        *woken = false;
+    }
+}

@@ -1,0 +1,481 @@
+//! The gRPC service: open a dataset, stream one consumer's batches, report status.
+//!
+//! Each stream is produced by its own task that builds batches on the blocking pool and sends
+//! them through a small bounded channel: a slow client fills its own channel and waits, never
+//! anyone else; a client that disconnects makes the next send fail, and the task stops at once.
+
+mod stage;
+pub mod status;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use shardstream_proto::shardstream_server::Shardstream;
+use shardstream_proto::{
+    CacheStatus, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PrefetchProgress, PrefetchRequest, ShmBatch,
+    StatusReply, StatusRequest, StreamHeader, StreamMessage, StreamRequest, Transport, stream_message,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::index::{CacheMode, Dataset, Registry, Working};
+use crate::metrics::{ActiveStream, Metrics};
+use crate::plan::{self, EpochParams, WorkerParams};
+use crate::prefetch::{ConsumerGuard, Prefetcher};
+use crate::transport::shm::{DEFAULT_CREDITS, Session, ShmHub};
+use crate::transport::{self, inline::InlineBatchBuilder};
+use crate::{Error, Result};
+pub use status::to_status;
+
+/// Batches queued per stream ahead of the client: two keeps the socket busy while the next batch
+/// is read, and bounds a slow client's footprint to two batches.
+const STREAM_QUEUE: usize = 2;
+
+/// Largest batch accepted. Bigger batches than this are a unit mistake (samples vs bytes).
+pub const MAX_BATCH_SIZE: u32 = 1 << 20;
+
+/// Largest worker count per rank (DataLoader workers).
+pub const MAX_WORKERS: u32 = 1024;
+
+/// Shuffle window, in shards, when the client does not choose one: a consumer then needs about
+/// nine shards at a time, and the shuffle mixes samples of eight shards.
+pub const DEFAULT_SHUFFLE_WINDOW: u32 = 8;
+
+pub struct Service {
+    registry: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    cache_dir: String,
+    /// The shared-memory side channel, when the daemon listens on a Unix socket.
+    shm: Option<Arc<ShmHub>>,
+    prefetch: Option<Arc<Prefetcher>>,
+}
+
+impl Service {
+    pub fn new(
+        registry: Arc<Registry>,
+        metrics: Arc<Metrics>,
+        shutdown: CancellationToken,
+        cache_dir: String,
+        shm: Option<Arc<ShmHub>>,
+        prefetch: Option<Arc<Prefetcher>>,
+    ) -> Self {
+        Self { registry, metrics, shutdown, cache_dir, shm, prefetch }
+    }
+
+    async fn open(&self, url: String, cache: String) -> Result<Arc<Dataset>> {
+        let registry = self.registry.clone();
+        blocking(move || registry.open(&url, &cache)).await
+    }
+}
+
+/// Runs blocking work (disk reads, scans, plan computation) on the blocking pool.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Error::Internal(format!("worker task failed: {e}")))?
+}
+
+fn dataset_info(ds: &Dataset) -> DatasetInfo {
+    DatasetInfo {
+        fingerprint: ds.fingerprint.clone(),
+        num_samples: ds.num_samples(),
+        num_shards: ds.shards.len() as u64,
+        total_bytes: ds.total_bytes(),
+        fields: ds.fields.clone(),
+        format: crate::format::WEBDATASET.into(),
+        from_manifest: ds.from_manifest,
+    }
+}
+
+/// A validated stream request.
+struct StreamPlan {
+    dataset: Arc<Dataset>,
+    fields: Vec<String>,
+    all_fields: bool,
+    rank_sequence: Vec<u64>,
+    batches: Vec<std::ops::Range<u64>>,
+    batch_size: u64,
+    header: StreamHeader,
+    session: Option<Arc<Session>>,
+    /// The prefetcher follows this stream while it lives (datasets read through the cache).
+    consumer: Option<ConsumerGuard>,
+}
+
+fn plan_stream(
+    ds: Arc<Dataset>,
+    req: &StreamRequest,
+    shm: Option<&ShmHub>,
+    prefetch: Option<&Arc<Prefetcher>>,
+) -> Result<StreamPlan> {
+    if req.batch_size == 0 || req.batch_size > MAX_BATCH_SIZE {
+        return Err(Error::invalid(format!("batch_size {} must be between 1 and {MAX_BATCH_SIZE}", req.batch_size)));
+    }
+    if req.num_workers > MAX_WORKERS {
+        return Err(Error::invalid(format!("num_workers {} exceeds {MAX_WORKERS}", req.num_workers)));
+    }
+    if !req.expected_fingerprint.is_empty() && req.expected_fingerprint != ds.fingerprint {
+        return Err(Error::invalid(format!(
+            "dataset {} changed since the resume state was saved (fingerprint {} vs {}); \
+             a resume is only exact on the same shards",
+            ds.url, ds.fingerprint, req.expected_fingerprint
+        )));
+    }
+    let fields = if req.fields.is_empty() {
+        ds.fields.clone()
+    } else {
+        for f in &req.fields {
+            if !ds.fields.contains(f) {
+                return Err(Error::invalid(format!(
+                    "field {f:?} is not in dataset {} (fields: {})",
+                    ds.url,
+                    ds.fields.join(", ")
+                )));
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        req.fields.iter().filter(|f| seen.insert(*f)).cloned().collect()
+    };
+    let all_fields = fields.len() == ds.fields.len();
+    let avg_sample = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
+    if u64::from(req.batch_size).saturating_mul(avg_sample) > (shardstream_proto::MAX_MESSAGE_BYTES as u64) / 2 {
+        return Err(Error::invalid(format!(
+            "batch_size {} x ~{avg_sample} bytes per sample exceeds the inline message limit of {} MiB; \
+             use smaller batches",
+            req.batch_size,
+            shardstream_proto::MAX_MESSAGE_BYTES >> 20
+        )));
+    }
+    let params = EpochParams {
+        seed: req.seed,
+        epoch: req.epoch,
+        shuffle: req.shuffle,
+        window_shards: if req.shuffle_window == 0 { DEFAULT_SHUFFLE_WINDOW } else { req.shuffle_window },
+        world_size: req.world_size,
+        rank: req.rank,
+        batch_size: req.batch_size,
+        drop_last: req.drop_last,
+    };
+    let shard_samples = ds.shard_samples();
+    let summary = plan::summarize(&shard_samples, &params)?;
+    let rank_sequence = plan::rank_sequence(&shard_samples, &params)?;
+    let worker = WorkerParams { num_workers: req.num_workers.max(1), worker: req.worker, start_batch: req.start_batch };
+    let batches = plan::worker_batches(rank_sequence.len() as u64, req.batch_size, &worker)?;
+    let consumer = match prefetch {
+        Some(p) if ds.mode == CacheMode::Copy => {
+            // This epoch's future, then the next epoch's (a trainer moves on with the same
+            // parameters), so eviction at the end of this epoch keeps what the next one needs first.
+            let mut uses = crate::prefetch::shard_uses(&ds, &rank_sequence, 0);
+            let next = EpochParams { epoch: params.epoch.wrapping_add(1), ..params };
+            let next_seq = plan::rank_sequence(&shard_samples, &next)?;
+            uses.extend(crate::prefetch::shard_uses(&ds, &next_seq, rank_sequence.len() as u64));
+            let start = batches.first().map_or(rank_sequence.len() as u64, |b| b.start);
+            Some(p.register(ds.clone(), uses, start, req.rank, req.worker))
+        }
+        _ => None,
+    };
+    let transport = transport::negotiate(req.transport, shm.is_some())?;
+    let session = match (transport, shm) {
+        (Transport::Shm, Some(hub)) => Some(hub.new_session(DEFAULT_CREDITS)?),
+        _ => None,
+    };
+    let header = StreamHeader {
+        transport: transport as i32,
+        shm_socket: shm.filter(|_| session.is_some()).map(|h| h.socket.display().to_string()).unwrap_or_default(),
+        shm_token: session.as_ref().map(|s| s.token.to_vec()).unwrap_or_default(),
+        shm_credits: session.as_ref().map_or(0, |s| s.credits),
+        fingerprint: ds.fingerprint.clone(),
+        samples_per_rank: summary.samples_per_rank,
+        batches_per_rank: summary.batches_per_rank,
+        batches_in_stream: batches.len() as u64,
+        padded_samples: summary.padded_samples,
+        dropped_samples: summary.dropped_samples,
+        fields: fields.clone(),
+    };
+    Ok(StreamPlan {
+        dataset: ds,
+        fields,
+        all_fields,
+        rank_sequence,
+        batches,
+        batch_size: req.batch_size.into(),
+        header,
+        session,
+        consumer,
+    })
+}
+
+/// Reads one batch (blocking).
+fn build_batch(
+    ds: &Dataset,
+    working: &mut Working,
+    fields: &[String],
+    all_fields: bool,
+    ids: &[u64],
+    index: u64,
+) -> Result<(StreamMessage, u64)> {
+    let avg = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0) as usize;
+    working.preload(ds, ids)?;
+    let mut b =
+        InlineBatchBuilder::new(fields, all_fields, ids.len(), avg.saturating_mul(ids.len()).saturating_add(4096));
+    // Consecutive samples of a batch mostly come from the same few shards (the shuffle window):
+    // remember the last shard used to skip the table lookup.
+    let mut current: Option<(usize, Arc<crate::index::ResidentShard>)> = None;
+    for &id in ids {
+        let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
+        let resident = match &current {
+            Some((s, r)) if *s == shard => r.clone(),
+            _ => {
+                let r = working.get(ds, shard)?.clone();
+                current = Some((shard, r.clone()));
+                r
+            }
+        };
+        b.add_sample(&resident, local)?;
+    }
+    let bytes = b.payload_bytes();
+    Ok((StreamMessage { kind: Some(stream_message::Kind::InlineBatch(b.finish(index))) }, bytes))
+}
+
+/// Describes one batch for a shm client (blocking: may wait for the client's credits). No sample
+/// byte is read: the client parses the samples in its own mapping.
+fn build_shm_batch(
+    ds: &Dataset,
+    working: &mut Working,
+    session: &Session,
+    ids: &[u64],
+    index: u64,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<(StreamMessage, u64)> {
+    session.wait_ready(cancelled)?;
+    working.preload(ds, ids)?;
+    let mut b = ShmBatch {
+        batch_index: index,
+        slots: Vec::with_capacity(ids.len()),
+        starts: Vec::with_capacity(ids.len()),
+        lengths: Vec::with_capacity(ids.len()),
+    };
+    let mut leased: Vec<std::path::PathBuf> = Vec::new();
+    let mut current: Option<(usize, u32, Arc<crate::index::ResidentShard>)> = None;
+    let mut bytes = 0u64;
+    for &id in ids {
+        let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
+        let (slot, resident) = match &current {
+            Some((s, slot, r)) if *s == shard => (*slot, r.clone()),
+            _ => {
+                let r = working.get(ds, shard)?.clone();
+                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len)?;
+                if !leased.contains(&r.file.path) {
+                    leased.push(r.file.path.clone());
+                }
+                current = Some((shard, slot, r.clone()));
+                (slot, r)
+            }
+        };
+        let range = resident.table.sample_range(local).ok_or_else(|| {
+            Error::Internal(format!("sample {local} out of range in {}", resident.file.path.display()))
+        })?;
+        b.slots.push(slot);
+        b.starts.push(range.start);
+        b.lengths.push(range.end - range.start);
+        bytes += range.end - range.start;
+    }
+    session.lease(index, leased);
+    Ok((StreamMessage { kind: Some(stream_message::Kind::ShmBatch(b)) }, bytes))
+}
+
+#[tonic::async_trait]
+impl Shardstream for Service {
+    async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol_version)?;
+        let ds = self.open(req.url, req.cache).await.map_err(to_status)?;
+        Ok(Response::new(dataset_info(&ds)))
+    }
+
+    type StreamBatchesStream = ReceiverStream<Result<StreamMessage, Status>>;
+
+    async fn stream_batches(
+        &self,
+        request: Request<StreamRequest>,
+    ) -> Result<Response<Self::StreamBatchesStream>, Status> {
+        // Only a client on the Unix socket can be on this host and reach the side channel.
+        let same_host = request.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some();
+        let req = request.into_inner();
+        let ds = self.open(req.url.clone(), req.cache.clone()).await.map_err(to_status)?;
+        let hub = self.shm.clone().filter(|_| same_host);
+        let prefetch = self.prefetch.clone();
+        let plan =
+            blocking(move || plan_stream(ds, &req, hub.as_deref(), prefetch.as_ref())).await.map_err(to_status)?;
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
+        let header = StreamMessage { kind: Some(stream_message::Kind::Header(plan.header.clone())) };
+        tx.send(Ok(header)).await.map_err(|_| Status::cancelled("client went away"))?;
+        let metrics = self.metrics.clone();
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(produce(plan, tx, metrics, shutdown));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn status(&self, _request: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
+        let m = &self.metrics;
+        let prefetch = self.prefetch.as_ref().map(|p| p.status()).unwrap_or_default();
+        let datasets = self
+            .registry
+            .all()
+            .iter()
+            .map(|ds| {
+                let (tables, bytes) = ds.resident();
+                DatasetStatus {
+                    url: ds.url.clone(),
+                    num_samples: ds.num_samples(),
+                    num_shards: ds.shards.len() as u64,
+                    total_bytes: ds.total_bytes(),
+                    resident_shard_tables: tables as u64,
+                    resident_index_bytes: bytes as u64,
+                }
+            })
+            .collect();
+        Ok(Response::new(StatusReply {
+            version: crate::VERSION.into(),
+            uptime_ms: m.uptime_ms(),
+            active_streams: Metrics::get(&m.streams_active) as u32,
+            streams_total: Metrics::get(&m.streams_total),
+            samples_served: Metrics::get(&m.samples_served),
+            bytes_served: Metrics::get(&m.bytes_served),
+            datasets,
+            cache_dir: self.cache_dir.clone(),
+            read_wait_ms: Metrics::get(&m.read_wait_us) / 1000,
+            shm_sessions: self.shm.as_ref().map_or(0, |h| h.counts().0 as u32),
+            leased_shards: self.shm.as_ref().map_or(0, |h| h.counts().1 as u64),
+            cache: self.registry.backends().cache.as_ref().map(|c| {
+                let s = c.stats();
+                CacheStatus {
+                    capacity_bytes: s.capacity,
+                    used_bytes: s.used,
+                    shards: s.shards,
+                    hits: s.hits,
+                    misses: s.misses,
+                    evictions: s.evictions,
+                    filled_bytes: s.filled_bytes,
+                    high_water_bytes: s.high_water,
+                    policy: match c.policy() {
+                        crate::cache::table::Policy::Belady => "belady".into(),
+                        crate::cache::table::Policy::Lru => "lru".into(),
+                    },
+                }
+            }),
+            storage_bytes: crate::metrics::STORAGE_BYTES.load(std::sync::atomic::Ordering::Relaxed),
+            storage_requests: crate::metrics::STORAGE_REQUESTS.load(std::sync::atomic::Ordering::Relaxed),
+            storage_retries: crate::metrics::STORAGE_RETRIES.load(std::sync::atomic::Ordering::Relaxed),
+            consumers: prefetch
+                .consumers
+                .iter()
+                .map(|c| ConsumerStatus {
+                    url: c.dataset.clone(),
+                    rank: c.rank,
+                    worker: c.worker,
+                    position: c.position,
+                    samples_per_s: c.samples_per_s,
+                    wait_s: c.waited_s,
+                })
+                .collect(),
+            prefetch_horizon_s: prefetch.horizon_s,
+            prefetches_in_flight: prefetch.inflight as u32,
+        }))
+    }
+
+    type PrefetchStream = ReceiverStream<Result<PrefetchProgress, Status>>;
+
+    async fn prefetch(&self, request: Request<PrefetchRequest>) -> Result<Response<Self::PrefetchStream>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol_version)?;
+        stage::stage(self.registry.clone(), req).await.map(Response::new)
+    }
+}
+
+fn check_protocol(v: u32) -> Result<(), Status> {
+    if v > shardstream_proto::PROTOCOL_VERSION {
+        return Err(Status::failed_precondition(format!(
+            "client speaks protocol {v}, this daemon only {}; upgrade the daemon",
+            shardstream_proto::PROTOCOL_VERSION
+        )));
+    }
+    Ok(())
+}
+
+/// Builds and sends one stream's batches until done, the client leaves, or shutdown.
+async fn produce(
+    plan: StreamPlan,
+    tx: mpsc::Sender<Result<StreamMessage, Status>>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) {
+    let _active = ActiveStream::new(&metrics);
+    let StreamPlan { dataset, fields, all_fields, rank_sequence, batches, batch_size, session, consumer, .. } = plan;
+    // However this function ends, the session learns the stream is over (its leases stay until
+    // the client releases them or goes away).
+    struct Done(Option<Arc<Session>>);
+    impl Drop for Done {
+        fn drop(&mut self) {
+            if let Some(s) = &self.0 {
+                s.stream_done();
+            }
+        }
+    }
+    let _done = Done(session.clone());
+    let shared = Arc::new((dataset, fields, rank_sequence, session, std::sync::Mutex::new(Working::default())));
+    for range in batches {
+        // Every batch but the rank's last is full, so its index in the rank's order is this.
+        let index = range.start / batch_size;
+        let end = range.end;
+        let job = shared.clone();
+        let started = Instant::now();
+        let (closed, stop) = (tx.clone(), shutdown.clone());
+        let built = tokio::select! {
+            r = blocking(move || {
+                let (ds, fields, seq, session, working) = &*job;
+                let ids = usize::try_from(range.start).ok().zip(usize::try_from(range.end).ok())
+                    .and_then(|(a, b)| seq.get(a..b))
+                    .ok_or_else(|| Error::Internal("batch range outside the rank sequence".into()))?;
+                let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
+                let built = match session {
+                    Some(s) => build_shm_batch(ds, &mut working, s, ids, index, &|| closed.is_closed() || stop.is_cancelled()),
+                    None => build_batch(ds, &mut working, fields, all_fields, ids, index),
+                };
+                working.end_batch();
+                built.map(|b| (b, working.take_wait()))
+            }) => r,
+            _ = shutdown.cancelled() => {
+                // try_send: a client that stopped reading must not hold up the shutdown. If the
+                // queue is full the client still learns: the stream ends short of its header's
+                // batch count.
+                let _ = tx.try_send(Err(Status::unavailable("daemon is shutting down")));
+                return;
+            }
+            _ = tx.closed() => return,
+        };
+        metrics.read_wait_us.fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+        match built {
+            Ok(((msg, bytes), waited)) => {
+                let samples = match &msg.kind {
+                    Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
+                    Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
+                    _ => 0,
+                };
+                if tx.send(Ok(msg)).await.is_err() {
+                    tracing::debug!("client left mid-stream");
+                    return;
+                }
+                metrics.batch_served(samples, bytes);
+                if let Some(c) = &consumer {
+                    c.consumer.advance(end, waited);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(dataset = %shared.0.url, error = %e, "stream failed");
+                let _ = tx.send(Err(to_status(e))).await;
+                return;
+            }
+        }
+    }
+}

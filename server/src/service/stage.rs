@@ -1,0 +1,122 @@
+//! `Prefetch`: stages a dataset into the node cache before training starts (SLURM prologs,
+//! Kubernetes init containers), in the order an epoch will first use its shards, so that even a
+//! partial staging (`max_shards`, or a cache smaller than the dataset) holds what is needed first.
+//! Staging never evicts: it stops when the cache has no free room left, and says so.
+
+use std::sync::Arc;
+
+use shardstream_proto::{PrefetchProgress, PrefetchRequest};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+
+use super::{DEFAULT_SHUFFLE_WINDOW, blocking, to_status};
+use crate::cache::Want;
+use crate::index::{CacheMode, Dataset, Registry};
+use crate::plan::{self, EpochParams};
+use crate::{Error, Result};
+
+/// Shards staged at once: each is itself fetched with parallel ranged GETs, so a few in flight
+/// keep the link busy between one shard's last part and the next shard's first.
+const STAGE_PARALLEL: usize = 4;
+
+/// The dataset's shards in order of first use by an epoch (one consumer, the whole dataset).
+fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
+    let params = EpochParams {
+        seed: req.seed,
+        epoch: req.epoch,
+        shuffle: req.shuffle,
+        window_shards: if req.shuffle_window == 0 { DEFAULT_SHUFFLE_WINDOW } else { req.shuffle_window },
+        world_size: 1,
+        rank: 0,
+        batch_size: 1,
+        drop_last: false,
+    };
+    let seq = plan::rank_sequence(&ds.shard_samples(), &params)?;
+    let mut order: Vec<usize> = crate::prefetch::shard_uses(ds, &seq, 0).iter().map(|u| u.shard as usize).collect();
+    // Shards without samples never appear in an order; stage them last all the same.
+    let mut seen = vec![false; ds.shards.len()];
+    for &i in &order {
+        seen[i] = true;
+    }
+    order.extend((0..ds.shards.len()).filter(|&i| !seen[i]));
+    Ok(order)
+}
+
+pub async fn stage(
+    registry: Arc<Registry>,
+    req: PrefetchRequest,
+) -> Result<ReceiverStream<Result<PrefetchProgress, Status>>, Status> {
+    let (url, mode) = (req.url.clone(), req.cache.clone());
+    let ds = blocking(move || registry.open(&url, &mode)).await.map_err(to_status)?;
+    if ds.mode != CacheMode::Copy {
+        return Err(to_status(Error::invalid(format!(
+            "{} is read in place (cache=\"direct\"); nothing to stage. Stage it with cache=\"copy\" \
+             if trainers read it that way too",
+            ds.url
+        ))));
+    }
+    let job = ds.clone();
+    let mut order = blocking(move || epoch_order(&job, &req).map(|o| (o, req.max_shards))).await.map_err(to_status)?;
+    if order.1 > 0 {
+        order.0.truncate(usize::try_from(order.1).unwrap_or(usize::MAX));
+    }
+    let order = order.0;
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(run(ds, order, tx));
+    Ok(ReceiverStream::new(rx))
+}
+
+async fn run(ds: Arc<Dataset>, order: Vec<usize>, tx: mpsc::Sender<Result<PrefetchProgress, Status>>) {
+    let mut progress = PrefetchProgress {
+        shards_total: order.len() as u64,
+        bytes_total: order.iter().map(|&i| ds.shards[i].len).sum(),
+        ..Default::default()
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut next = order.into_iter();
+    let mut full = false;
+    loop {
+        while !full && tasks.len() < STAGE_PARALLEL {
+            let Some(i) = next.next() else { break };
+            let job = ds.clone();
+            // Room is checked before each fetch starts: staging fills free space, never evicts.
+            let started = blocking(move || {
+                if job.is_local(i) {
+                    return Ok(Some(true));
+                }
+                if !job.has_room_for(i) {
+                    return Ok(None);
+                }
+                job.fetch(i, Want::NOW).map(|_| Some(false))
+            });
+            tasks.spawn(async move { (i, started.await) });
+        }
+        let Some(done) = tasks.join_next().await else { break };
+        let (i, outcome) = match done {
+            Ok(v) => v,
+            Err(e) => (usize::MAX, Err(Error::Internal(format!("staging task failed: {e}")))),
+        };
+        match outcome {
+            Ok(Some(cached)) => {
+                progress.shards_done += 1;
+                progress.bytes_done += ds.shards[i].len;
+                progress.already_cached += u64::from(cached);
+                progress.shard = ds.shards[i].name.clone();
+                if tx.send(Ok(progress.clone())).await.is_err() {
+                    return; // the client left: stop staging
+                }
+            }
+            Ok(None) => full = true,
+            Err(e) => {
+                let _ = tx.send(Err(to_status(e))).await;
+                return;
+            }
+        }
+    }
+    if full {
+        progress.cache_full = true;
+        progress.shard.clear();
+        let _ = tx.send(Ok(progress)).await;
+    }
+}

@@ -1,0 +1,176 @@
+//! Local and parallel-file-system datasets: one directory listing finds the shards, positioned
+//! reads (`pread`) fetch byte ranges. No per-sample `stat` or `open` ever happens here: a shard
+//! file is opened once and kept open by the dataset.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use crate::{Error, Result};
+
+/// A shard found by listing: its file name within the dataset directory, size and mtime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedShard {
+    pub name: String,
+    pub len: u64,
+    pub mtime_ns: i64,
+}
+
+/// File name extensions recognised as shards when a directory is listed.
+pub const SHARD_EXTENSIONS: &[&str] = &[".tar"];
+
+/// Lists the shards of a dataset directory, sorted by name. With `names`, exactly those files (in
+/// the given order) must exist; without, every file with a shard extension is a shard.
+pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedShard>> {
+    let meta = std::fs::metadata(dir).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::NotFound { what: "dataset", path: dir.display().to_string() },
+        _ => Error::io("cannot read dataset directory", dir, e),
+    })?;
+    if !meta.is_dir() {
+        return Err(Error::invalid(format!(
+            "dataset {} is a file, not a directory of shards (name its directory, or use a brace pattern)",
+            dir.display()
+        )));
+    }
+    let mut found = Vec::new();
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+        let wanted = match names {
+            Some(_) => true,
+            None => SHARD_EXTENSIONS.iter().any(|ext| name.ends_with(ext)),
+        };
+        if !wanted {
+            continue;
+        }
+        // DirEntry::metadata follows no symlink; a shard may well be a symlink into a PFS.
+        let path = entry.path();
+        let meta = std::fs::metadata(&path).map_err(|e| Error::io("cannot stat shard", &path, e))?;
+        if meta.is_file() {
+            found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
+        }
+    }
+    let shards = match names {
+        None => {
+            found.sort_by(|a, b| a.name.cmp(&b.name));
+            found
+        }
+        Some(names) => {
+            let mut by_name: std::collections::HashMap<String, ListedShard> =
+                found.into_iter().map(|s| (s.name.clone(), s)).collect();
+            let mut out = Vec::with_capacity(names.len());
+            for name in names {
+                let shard = by_name
+                    .remove(name)
+                    .ok_or_else(|| Error::NotFound { what: "shard", path: dir.join(name).display().to_string() })?;
+                out.push(shard);
+            }
+            out
+        }
+    };
+    if shards.is_empty() {
+        return Err(Error::NotFound {
+            what: "shards (*.tar files)",
+            path: format!("{} (the directory holds none)", dir.display()),
+        });
+    }
+    Ok(shards)
+}
+
+pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
+    meta.mtime().saturating_mul(1_000_000_000).saturating_add(meta.mtime_nsec())
+}
+
+/// An open shard file, read with positioned reads (safe to share between threads).
+#[derive(Debug)]
+pub struct ShardFile {
+    pub path: PathBuf,
+    pub file: File,
+    pub len: u64,
+    /// How errors name the shard: its path, or its `s3://` URL when `path` is a cache copy.
+    pub name: String,
+}
+
+impl ShardFile {
+    pub fn open(path: PathBuf, expected_len: u64) -> Result<Self> {
+        let name = path.display().to_string();
+        Self::open_as(path, expected_len, name)
+    }
+
+    /// Opens a local copy of the shard `name` (a node-cache file of an S3 object).
+    pub fn open_as(path: PathBuf, expected_len: u64, name: String) -> Result<Self> {
+        let file = File::open(&path).map_err(|e| Error::io("cannot open shard", &path, e))?;
+        let len = file.metadata().map_err(|e| Error::io("cannot stat shard", &path, e))?.len();
+        if len != expected_len {
+            return Err(Error::Shard {
+                shard: path.display().to_string(),
+                offset: None,
+                reason: format!(
+                    "is {len} bytes but the dataset index says {expected_len}; it changed since it was indexed"
+                ),
+            });
+        }
+        Ok(Self { path, file, len, name })
+    }
+
+    /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
+    /// after it was indexed and is reported as a shard error naming the offset.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.file.read_exact_at(buf, offset).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => Error::Shard {
+                shard: self.name.clone(),
+                offset: Some(offset),
+                reason: format!("truncated: cannot read {} bytes at offset {offset}", buf.len()),
+            },
+            _ => Error::io("cannot read shard", &self.path, e),
+        })
+    }
+}
+
+/// Writes `bytes` to `path` so that readers see either the old file or the complete new one: a
+/// temporary name in the same directory, fsync, rename, fsync of the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::io("cannot write", path, e));
+    }
+    Ok(())
+}
+
+/// True for the temporary names [`write_atomic`] and the sidecar writer use (`.<name>.tmp` or
+/// `.<name>.tmp.<pid>[.<seq>]`): what a crashed writer leaves behind, safe to delete before the
+/// next write into the same directory.
+pub fn is_temp_name(name: &str) -> bool {
+    name.starts_with('.') && (name.ends_with(".tmp") || name.contains(".tmp."))
+}
+
+/// CRC-32C of a whole file, streamed in large reads.
+pub fn file_crc32c(path: &Path) -> Result<(u64, u32)> {
+    use std::io::Read;
+    /// Large enough that syscall overhead vanishes against the CRC (~20 GB/s), small enough to
+    /// stay in L2 cache.
+    const CHUNK: usize = 1 << 20;
+    let mut f = File::open(path).map_err(|e| Error::io("cannot open", path, e))?;
+    let mut buf = vec![0u8; CHUNK];
+    let (mut crc, mut len) = (0u32, 0u64);
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io("cannot read", path, e))?;
+        if n == 0 {
+            return Ok((len, crc));
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        len += n as u64;
+    }
+}

@@ -1,0 +1,238 @@
+//! Where shard bytes come from: dataset URLs and the backends that list and read them.
+//!
+//! A dataset URL is `file:///dir/`, a plain path to a directory, or a path whose file name is a
+//! brace pattern over shard names (`/data/train-{000000..000099}.tar`, `/data/{a,b}.tar`).
+//! Patterns are only allowed in the file name, never in directories, so a dataset is always one
+//! directory and is found with one listing. `s3://bucket/prefix/` names a prefix of an S3 (or
+//! S3-compatible) bucket, found with one paginated listing (or one manifest GET), with the same
+//! brace patterns in the last component.
+//!
+//! - [`local`]: directories on local disks and parallel file systems, read in place.
+//! - [`s3`]: S3 objects, downloaded into the node cache with parallel ranged GETs.
+//! - [`retry`]: the retry policy every remote request follows.
+
+pub mod local;
+pub mod retry;
+pub mod s3;
+
+use std::path::PathBuf;
+
+use crate::{Error, Result};
+
+/// Largest number of names a brace pattern may expand to: beyond this the pattern is almost
+/// certainly a typo (and the names alone would take gigabytes).
+pub const MAX_PATTERN_NAMES: usize = 10_000_000;
+
+/// Where one shard's bytes live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardSource {
+    /// A file on a local or parallel file system.
+    Local(PathBuf),
+    /// An S3 object; `etag` (from a listing) pins the version every ranged GET reads.
+    S3 { bucket: String, key: String, etag: Option<String> },
+}
+
+impl ShardSource {
+    /// The shard as a user names it in errors: a path or an `s3://` URL.
+    pub fn url(&self) -> String {
+        match self {
+            ShardSource::Local(p) => p.display().to_string(),
+            ShardSource::S3 { bucket, key, .. } => format!("s3://{bucket}/{key}"),
+        }
+    }
+}
+
+/// A parsed dataset location.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DatasetUrl {
+    /// A directory on a local or parallel file system, optionally restricted to the shard names
+    /// a brace pattern expands to.
+    Local { dir: PathBuf, names: Option<Vec<String>> },
+    /// A prefix of an S3 bucket (`prefix` is empty or ends with `/`), optionally restricted to
+    /// the object names (relative to the prefix) a brace pattern expands to.
+    S3 { bucket: String, prefix: String, names: Option<Vec<String>> },
+}
+
+impl DatasetUrl {
+    /// The dataset's location as a URL prefix that a shard name is appended to.
+    pub fn base(&self) -> String {
+        match self {
+            DatasetUrl::Local { dir, .. } => format!("{}/", dir.display().to_string().trim_end_matches('/')),
+            DatasetUrl::S3 { bucket, prefix, .. } => format!("s3://{bucket}/{prefix}"),
+        }
+    }
+
+    pub fn names(&self) -> Option<&[String]> {
+        match self {
+            DatasetUrl::Local { names, .. } | DatasetUrl::S3 { names, .. } => names.as_deref(),
+        }
+    }
+}
+
+/// Parses `s3://bucket[/prefix[/pattern]]`.
+fn parse_s3(url: &str, rest: &str) -> Result<DatasetUrl> {
+    let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty() || bucket.contains('{') {
+        return Err(Error::invalid(format!("S3 URL without a bucket name: {url}")));
+    }
+    let (dir, last) = key.rsplit_once('/').unwrap_or(("", key));
+    if dir.contains('{') {
+        return Err(Error::invalid(format!(
+            "brace patterns are allowed only in the shard file name, not in directories: {url}"
+        )));
+    }
+    let dir_prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
+    if last.contains('{') {
+        let names = expand_braces(last)?;
+        return Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix: dir_prefix, names: Some(names) });
+    }
+    // `s3://b/train` and `s3://b/train/` both name the prefix `train/`: a dataset is a "directory".
+    let prefix = if last.is_empty() { dir_prefix } else { format!("{dir_prefix}{last}/") };
+    Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix, names: None })
+}
+
+impl DatasetUrl {
+    /// Parses a dataset URL as given by a user.
+    pub fn parse(url: &str) -> Result<Self> {
+        let url = url.trim();
+        if url.is_empty() {
+            return Err(Error::invalid("dataset URL is empty"));
+        }
+        if let Some(rest) = url.strip_prefix("s3://") {
+            return parse_s3(url, rest);
+        }
+        let path = match url.strip_prefix("file://") {
+            Some(p) if p.starts_with('/') => p,
+            Some(p) => return Err(Error::invalid(format!("file URL must be absolute: file://{p}"))),
+            None if url.contains("://") => {
+                return Err(Error::invalid(format!("unsupported dataset URL scheme: {url}")));
+            }
+            None => url,
+        };
+        let path = PathBuf::from(path);
+        let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let dir = path.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        if dir.to_string_lossy().contains('{') {
+            return Err(Error::invalid(format!(
+                "brace patterns are allowed only in the shard file name, not in directories: {url}"
+            )));
+        }
+        if file_name.contains('{') {
+            let names = expand_braces(file_name)?;
+            return Ok(DatasetUrl::Local { dir, names: Some(names) });
+        }
+        Ok(DatasetUrl::Local { dir: path, names: None })
+    }
+}
+
+/// Expands `{000..099}` numeric ranges (zero-padded to the width of the first bound) and `{a,b}`
+/// alternatives, left to right, in order.
+pub fn expand_braces(pattern: &str) -> Result<Vec<String>> {
+    let mut out = vec![String::new()];
+    let mut rest = pattern;
+    while let Some(open) = rest.find('{') {
+        let close = rest[open..]
+            .find('}')
+            .map(|c| open + c)
+            .ok_or_else(|| Error::invalid(format!("unclosed '{{' in pattern {pattern}")))?;
+        let literal = &rest[..open];
+        let body = &rest[open + 1..close];
+        if body.contains('{') {
+            return Err(Error::invalid(format!("nested braces are not supported: {pattern}")));
+        }
+        let alternatives = brace_alternatives(body, pattern)?;
+        let total = out.len().saturating_mul(alternatives.len());
+        if total > MAX_PATTERN_NAMES {
+            return Err(Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_NAMES} names")));
+        }
+        let mut next = Vec::with_capacity(total);
+        for prefix in &out {
+            for alt in &alternatives {
+                next.push(format!("{prefix}{literal}{alt}"));
+            }
+        }
+        out = next;
+        rest = &rest[close + 1..];
+    }
+    if rest.contains('}') {
+        return Err(Error::invalid(format!("unmatched '}}' in pattern {pattern}")));
+    }
+    for name in &mut out {
+        name.push_str(rest);
+    }
+    Ok(out)
+}
+
+fn brace_alternatives(body: &str, pattern: &str) -> Result<Vec<String>> {
+    if let Some((lo, hi)) = body.split_once("..") {
+        let bad = || Error::invalid(format!("bad range {{{body}}} in pattern {pattern}"));
+        let (a, b): (u64, u64) = (lo.parse().map_err(|_| bad())?, hi.parse().map_err(|_| bad())?);
+        if a > b {
+            return Err(Error::invalid(format!("empty range {{{body}}} in pattern {pattern}")));
+        }
+        let count = b - a + 1;
+        if count > MAX_PATTERN_NAMES as u64 {
+            return Err(Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_NAMES} names")));
+        }
+        let width = lo.len();
+        return Ok((a..=b).map(|i| format!("{i:0width$}")).collect());
+    }
+    if body.is_empty() {
+        return Err(Error::invalid(format!("empty braces in pattern {pattern}")));
+    }
+    Ok(body.split(',').map(str::to_owned).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_paths_and_file_urls() {
+        assert_eq!(DatasetUrl::parse("/data/x/").unwrap(), DatasetUrl::Local { dir: "/data/x/".into(), names: None });
+        assert_eq!(
+            DatasetUrl::parse("file:///data/x").unwrap(),
+            DatasetUrl::Local { dir: "/data/x".into(), names: None }
+        );
+        assert!(DatasetUrl::parse("file://rel/x").is_err());
+        assert!(DatasetUrl::parse("gs://b/x").is_err());
+    }
+
+    #[test]
+    fn parses_s3_prefixes_and_patterns() {
+        let s3 = |bucket: &str, prefix: &str, names: Option<Vec<&str>>| DatasetUrl::S3 {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+            names: names.map(|n| n.into_iter().map(String::from).collect()),
+        };
+        assert_eq!(DatasetUrl::parse("s3://b/laion/").unwrap(), s3("b", "laion/", None));
+        assert_eq!(DatasetUrl::parse("s3://b/laion").unwrap(), s3("b", "laion/", None));
+        assert_eq!(DatasetUrl::parse("s3://b").unwrap(), s3("b", "", None));
+        assert_eq!(DatasetUrl::parse("s3://b/").unwrap(), s3("b", "", None));
+        assert_eq!(
+            DatasetUrl::parse("s3://b/a/c/t-{1..2}.tar").unwrap(),
+            s3("b", "a/c/", Some(vec!["t-1.tar", "t-2.tar"]))
+        );
+        assert_eq!(DatasetUrl::parse("s3://b/a/").unwrap().base(), "s3://b/a/");
+        for bad in ["s3://", "s3:///x", "s3://b/{a,b}/x.tar"] {
+            assert!(DatasetUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn expands_brace_patterns() {
+        let url = DatasetUrl::parse("/d/train-{000008..000011}.tar").unwrap();
+        let DatasetUrl::Local { dir, names } = url else { panic!("not local") };
+        assert_eq!(dir, PathBuf::from("/d"));
+        assert_eq!(names.unwrap(), ["train-000008.tar", "train-000009.tar", "train-000010.tar", "train-000011.tar"]);
+        assert_eq!(expand_braces("{a,b}-{1..2}.tar").unwrap(), ["a-1.tar", "a-2.tar", "b-1.tar", "b-2.tar"]);
+    }
+
+    #[test]
+    fn rejects_bad_patterns() {
+        for p in ["x-{1..", "x-{2..1}.tar", "x-{}.tar", "x-{a{b}}.tar", "x}.tar", "x-{1..99999999999}"] {
+            assert!(expand_braces(p).is_err(), "{p}");
+        }
+        assert!(DatasetUrl::parse("/d/{a,b}/x.tar").is_err());
+    }
+}

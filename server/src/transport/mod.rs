@@ -1,0 +1,26 @@
+//! How a batch's bytes reach the consumer: [`inline`] (the bytes travel inside the gRPC messages;
+//! works over any connection) or [`shm`] (clients on this host map the shards and receive only
+//! descriptors). The stream's first message names the transport chosen.
+
+pub mod inline;
+pub mod shm;
+
+use shardstream_proto::Transport;
+
+use crate::{Error, Result};
+
+/// Picks the transport for a stream: shared memory when the client asks for it or for "auto" and
+/// sits on this host (it came over the Unix socket, which has a side channel); inline otherwise.
+/// An explicit "shm" that cannot be had is an error, never a silent fallback.
+pub fn negotiate(requested: i32, same_host: bool) -> Result<Transport> {
+    match Transport::try_from(requested) {
+        Ok(Transport::Inline) => Ok(Transport::Inline),
+        Ok(Transport::Auto) => Ok(if same_host { Transport::Shm } else { Transport::Inline }),
+        Ok(Transport::Shm) if same_host => Ok(Transport::Shm),
+        Ok(Transport::Shm) => Err(Error::invalid(
+            "transport \"shm\" needs a client on the daemon's host connected over its Unix socket; \
+             use transport=\"inline\" or \"auto\" over TCP",
+        )),
+        Err(_) => Err(Error::invalid(format!("unknown transport {requested}"))),
+    }
+}

@@ -1,0 +1,385 @@
+//! The shared-memory transport, daemon side: clients on this host map the shards themselves, so
+//! per batch only descriptors travel (slot, offset, length per sample) and no payload byte is
+//! copied between the page cache and the trainer.
+//!
+//! Each shm stream has a [`Session`], announced in the stream header by a random 128-bit token.
+//! The client attaches to the side-channel socket (`<socket>.shm`, `SOCK_SEQPACKET`, mode 0600)
+//! with that token; the daemon then sends each shard's file descriptor once (`SCM_RIGHTS`, frames
+//! of `shardstream_proto::shm`) before the first batch that uses it. A batch holds a **lease** on
+//! its shards until the client releases it (RELEASE frame) or its side channel closes (a crashed
+//! client: the kernel closes the socket at once). Leased shards are never evicted or rewritten
+//! ([`ShmHub::is_leased`] is what the cache asks). A client may hold at most `credits` batches
+//! unreleased; the producer waits beyond, so a client that never releases cannot make the daemon
+//! hold more.
+//!
+//! Threads: one accepting the side channel, one reading each attached session's frames (a session
+//! sends a frame per batch at most, so this is cheap, and blocking I/O keeps fd passing simple).
+//! Lock order: hub sessions -> session state -> hub leases.
+
+use std::collections::HashMap;
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+    SocketAddrUnix, SocketType,
+};
+use shardstream_proto::shm::{self as wire, Frame};
+
+use crate::{Error, Result};
+
+/// Unreleased batches a client may hold. Sixteen covers a DataLoader-style prefetch of several
+/// batches plus the one being trained on; each costs the daemon only its lease records.
+pub const DEFAULT_CREDITS: u32 = 16;
+
+/// How long the producer waits for a client to attach its side channel, and a send on it may
+/// block, before the stream is failed: a healthy client attaches within milliseconds.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Side-channel path for a daemon socket.
+pub fn side_socket_path(socket: &Path) -> PathBuf {
+    let mut p = socket.as_os_str().to_owned();
+    p.push(".shm");
+    PathBuf::from(p)
+}
+
+#[derive(Debug, Default)]
+struct SessionState {
+    sock: Option<Arc<OwnedFd>>,
+    /// Shard path -> slot number sent to the client.
+    sent: HashMap<PathBuf, u32>,
+    /// Batch index -> shards it leases.
+    outstanding: HashMap<u64, Vec<PathBuf>>,
+    closed: bool,
+    stream_done: bool,
+    /// Set by STREAM_END: the client will never receive batches from this index on, so the
+    /// producer's later batches (already in flight) must not take leases.
+    end_from: Option<u64>,
+}
+
+/// One shm stream's state.
+#[derive(Debug)]
+pub struct Session {
+    pub token: [u8; 16],
+    pub credits: u32,
+    state: Mutex<SessionState>,
+    changed: Condvar,
+    hub: Arc<HubShared>,
+}
+
+#[derive(Debug, Default)]
+struct HubShared {
+    sessions: Mutex<HashMap<[u8; 16], Arc<Session>>>,
+    leases: Mutex<HashMap<PathBuf, u32>>,
+}
+
+/// The daemon's side-channel listener and all shm sessions.
+#[derive(Debug)]
+pub struct ShmHub {
+    pub socket: PathBuf,
+    shared: Arc<HubShared>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ShmHub {
+    /// Binds the side-channel socket (owner-only) and starts accepting on a thread.
+    pub fn bind(socket: PathBuf) -> Result<Arc<Self>> {
+        let io = |op, e: rustix::io::Errno| Error::io(op, &socket, e.into());
+        if socket.exists() {
+            std::fs::remove_file(&socket).map_err(|e| Error::io("cannot remove stale socket", &socket, e))?;
+        }
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| io("cannot create side-channel socket", e))?;
+        let addr = SocketAddrUnix::new(&socket).map_err(|e| io("bad socket path", e))?;
+        rustix::net::bind(&fd, &addr).map_err(|e| io("cannot bind", e))?;
+        std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .map_err(|e| Error::io("cannot restrict socket", &socket, e))?;
+        rustix::net::listen(&fd, 128).map_err(|e| io("cannot listen on", e))?;
+        let hub = Arc::new(Self { socket, shared: Arc::default() });
+        let shared = hub.shared.clone();
+        std::thread::Builder::new()
+            .name("shm-accept".into())
+            .spawn(move || accept_loop(fd, shared))
+            .map_err(|e| Error::Unavailable(format!("cannot start the shm listener thread: {e}")))?;
+        Ok(hub)
+    }
+
+    /// Creates a session for a new stream.
+    pub fn new_session(&self, credits: u32) -> Result<Arc<Session>> {
+        let mut token = [0u8; 16];
+        rustix::rand::getrandom(&mut token, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| Error::Unavailable(format!("no randomness for a session token: {e}")))?;
+        let s = Arc::new(Session {
+            token,
+            credits: credits.max(1),
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            hub: self.shared.clone(),
+        });
+        lock(&self.shared.sessions).insert(token, s.clone());
+        Ok(s)
+    }
+
+    /// True while a client holds a batch that uses this shard.
+    pub fn is_leased(&self, shard: &Path) -> bool {
+        lock(&self.shared.leases).get(shard).is_some_and(|&n| n > 0)
+    }
+
+    /// (attached sessions, leased shards).
+    pub fn counts(&self) -> (usize, usize) {
+        let attached = lock(&self.shared.sessions).values().filter(|s| lock(&s.state).sock.is_some()).count();
+        (attached, lock(&self.shared.leases).values().filter(|&&n| n > 0).count())
+    }
+}
+
+impl Drop for ShmHub {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+fn accept_loop(listener: OwnedFd, shared: Arc<HubShared>) {
+    loop {
+        let conn = match rustix::net::accept_with(&listener, rustix::net::SocketFlags::CLOEXEC) {
+            Ok(c) => c,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "shm side channel stopped accepting");
+                return;
+            }
+        };
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new().name("shm-session".into()).spawn(move || serve_conn(conn, shared));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a shm session thread");
+        }
+    }
+}
+
+fn send_frame(sock: &impl AsFd, frame: &Frame, fd: Option<&OwnedFd>) -> std::io::Result<()> {
+    let bytes = frame.encode();
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    let fds;
+    if let Some(fd) = fd {
+        fds = [fd.as_fd()];
+        if !anc.push(SendAncillaryMessage::ScmRights(&fds)) {
+            return Err(std::io::Error::other("ancillary buffer too small"));
+        }
+    }
+    rustix::net::sendmsg(sock, &[IoSlice::new(&bytes)], &mut anc, SendFlags::NOSIGNAL)?;
+    Ok(())
+}
+
+fn recv_frame(sock: &impl AsFd) -> std::io::Result<Option<Vec<u8>>> {
+    let mut buf = [0u8; wire::FRAME_BYTES + 1];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut anc = RecvAncillaryBuffer::new(&mut space);
+    let r = rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut buf)], &mut anc, RecvFlags::CMSG_CLOEXEC)?;
+    // Descriptors a client sends are never wanted: close them.
+    for msg in anc.drain() {
+        if let rustix::net::RecvAncillaryMessage::ScmRights(fds) = msg {
+            fds.for_each(drop);
+        }
+    }
+    if r.bytes == 0 {
+        return Ok(None);
+    }
+    Ok(Some(buf[..r.bytes].to_vec()))
+}
+
+/// Serves one side-channel connection: HELLO, then RELEASE frames until it closes.
+fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>) {
+    let _ = rustix::net::sockopt::set_socket_timeout(&conn, rustix::net::sockopt::Timeout::Send, Some(SEND_TIMEOUT));
+    let _ = rustix::net::sockopt::set_socket_timeout(&conn, rustix::net::sockopt::Timeout::Recv, Some(ATTACH_TIMEOUT));
+    let reject = |conn: &OwnedFd, code, msg: &str| {
+        let _ = send_frame(conn, &Frame::error(code, msg), None);
+    };
+    let hello = match recv_frame(&conn) {
+        Ok(Some(bytes)) => bytes,
+        _ => return,
+    };
+    let frame = match Frame::decode(&hello) {
+        Ok(f) if f.kind == wire::KIND_HELLO => f,
+        Ok(_) => return reject(&conn, wire::ERR_MALFORMED, "expected a HELLO frame"),
+        // The payload holds 40 bytes: say both versions in as few words.
+        Err(wire::FrameError::Version { theirs }) => {
+            let msg = format!("layout version {theirs} != daemon version {}", wire::LAYOUT_VERSION);
+            return reject(&conn, wire::ERR_LAYOUT_VERSION, &msg);
+        }
+        Err(e) => return reject(&conn, wire::ERR_MALFORMED, &e.to_string()),
+    };
+    let Some(session) = lock(&shared.sessions).get(&frame.token()).cloned() else {
+        return reject(&conn, wire::ERR_UNKNOWN_SESSION, "unknown or expired session token");
+    };
+    let conn = Arc::new(conn);
+    {
+        let mut st = lock(&session.state);
+        if st.sock.is_some() || st.closed {
+            drop(st);
+            return reject(&conn, wire::ERR_UNKNOWN_SESSION, "session already attached");
+        }
+        // ATTACHED goes out before the producer can see the socket, so it is the client's first
+        // frame (64 bytes on a fresh socket: this send does not block).
+        if send_frame(&*conn, &Frame::new(wire::KIND_ATTACHED, 0, 0), None).is_err() {
+            drop(st);
+            session.close();
+            return;
+        }
+        st.sock = Some(conn.clone());
+    }
+    session.changed.notify_all();
+    let _ = rustix::net::sockopt::set_socket_timeout(&*conn, rustix::net::sockopt::Timeout::Recv, None);
+    // Ends when the socket closes or fails: the client is gone.
+    while let Ok(Some(bytes)) = recv_frame(&*conn) {
+        match Frame::decode(&bytes) {
+            Ok(f) if f.kind == wire::KIND_STREAM_END => session.release_from(f.a),
+            Ok(f) if f.kind == wire::KIND_RELEASE => {
+                if !session.release(f.a) {
+                    let msg = format!("batch {} is not held by this session", f.a);
+                    let _ = send_frame(&*conn, &Frame::error(wire::ERR_NOT_HELD, &msg), None);
+                }
+            }
+            Ok(f) => {
+                let msg = format!("unexpected frame kind {}", f.kind);
+                let _ = send_frame(&*conn, &Frame::error(wire::ERR_MALFORMED, &msg), None);
+            }
+            Err(e) => {
+                let _ = send_frame(&*conn, &Frame::error(wire::ERR_MALFORMED, &e.to_string()), None);
+            }
+        }
+    }
+    session.close();
+}
+
+impl Session {
+    /// Ends the session: every lease is returned and the producer (if waiting) wakes up.
+    pub fn close(&self) {
+        let mut st = lock(&self.state);
+        st.closed = true;
+        st.sock = None;
+        let held: Vec<PathBuf> = st.outstanding.drain().flat_map(|(_, v)| v).collect();
+        drop(st);
+        self.unlease(&held);
+        lock(&self.hub.sessions).remove(&self.token);
+        self.changed.notify_all();
+    }
+
+    /// The producer is done; the session lives on until the client has released everything.
+    pub fn stream_done(&self) {
+        let mut st = lock(&self.state);
+        st.stream_done = true;
+        let attached = st.sock.is_some();
+        drop(st);
+        if !attached {
+            self.close();
+        }
+    }
+
+    fn release(&self, batch: u64) -> bool {
+        let held = lock(&self.state).outstanding.remove(&batch);
+        let Some(held) = held else { return false };
+        self.unlease(&held);
+        self.changed.notify_all();
+        true
+    }
+
+    /// Releases every outstanding batch with index >= `first`: the client closed its stream
+    /// before receiving them.
+    fn release_from(&self, first: u64) {
+        let mut st = lock(&self.state);
+        st.end_from = Some(st.end_from.map_or(first, |f| f.min(first)));
+        let gone: Vec<u64> = st.outstanding.keys().copied().filter(|&b| b >= first).collect();
+        let held: Vec<PathBuf> = gone.iter().filter_map(|b| st.outstanding.remove(b)).flatten().collect();
+        drop(st);
+        self.unlease(&held);
+        self.changed.notify_all();
+    }
+
+    fn unlease(&self, shards: &[PathBuf]) {
+        let mut leases = lock(&self.hub.leases);
+        for s in shards {
+            if let Some(n) = leases.get_mut(s) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    leases.remove(s);
+                }
+            }
+        }
+    }
+
+    /// Waits (blocking) until the client has attached and holds fewer than `credits` batches.
+    pub fn wait_ready(&self, cancelled: &dyn Fn() -> bool) -> Result<()> {
+        let deadline = Instant::now() + ATTACH_TIMEOUT;
+        let mut st = lock(&self.state);
+        loop {
+            if st.closed {
+                return Err(Error::Unavailable("the client closed its shared-memory side channel".into()));
+            }
+            if cancelled() {
+                return Err(Error::Unavailable("stream cancelled".into()));
+            }
+            if st.sock.is_some() && (st.outstanding.len() as u32) < self.credits {
+                return Ok(());
+            }
+            if st.sock.is_none() && Instant::now() > deadline {
+                return Err(Error::Unavailable(format!(
+                    "the client did not attach to the shared-memory side channel within {} s",
+                    ATTACH_TIMEOUT.as_secs()
+                )));
+            }
+            // Bounded waits so a cancelled stream is noticed even without a notification.
+            st = self
+                .changed
+                .wait_timeout(st, Duration::from_millis(100))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// The slot of `shard` for this client, sending its descriptor first if needed.
+    pub fn slot_for(&self, path: &Path, file: &std::fs::File, len: u64) -> Result<u32> {
+        let mut st = lock(&self.state);
+        if let Some(&slot) = st.sent.get(path) {
+            return Ok(slot);
+        }
+        let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
+        let slot = st.sent.len() as u32;
+        let fd = file.try_clone().map_err(|e| Error::io("cannot duplicate descriptor of", path, e))?;
+        let fd: OwnedFd = fd.into();
+        send_frame(&*sock, &Frame::new(wire::KIND_SHARD_FD, u64::from(slot), len), Some(&fd))
+            .map_err(|e| Error::Unavailable(format!("cannot pass shard descriptor to the client: {e}")))?;
+        st.sent.insert(path.to_owned(), slot);
+        Ok(slot)
+    }
+
+    /// Records that `batch` leases `shards` (called before the batch is sent).
+    pub fn lease(&self, batch: u64, shards: Vec<PathBuf>) {
+        // Check and record under one lock, so a STREAM_END arriving meanwhile either sees this
+        // batch (and releases it) or is seen here (lock order: session state -> hub leases).
+        let mut st = lock(&self.state);
+        if st.end_from.is_some_and(|f| batch >= f) || st.closed {
+            return; // the client will never use this batch
+        }
+        {
+            let mut leases = lock(&self.hub.leases);
+            for s in &shards {
+                *leases.entry(s.clone()).or_default() += 1;
+            }
+        }
+        st.outstanding.insert(batch, shards);
+    }
+}

@@ -1,0 +1,309 @@
+//! The gRPC service in-process, on a temporary Unix socket: streams deliver every sample once with
+//! its bytes, bad requests and bad shards get the documented status codes, a client that leaves is
+//! noticed, and the daemon keeps serving.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use shardstream::daemon::{BoundDaemon, DaemonConfig, ShutdownToken};
+use shardstream_client::{Address, Client};
+use shardstream_proto::{StreamRequest, Transport};
+use tonic::Code;
+
+type Samples = HashMap<String, HashMap<String, Vec<u8>>>;
+
+/// Writes `shards` TARs of `per_shard` samples (fields jpg and cls) with the `tar` crate.
+fn write_shards(dir: &Path, shards: usize, per_shard: usize) -> Samples {
+    let mut samples = Samples::new();
+    for s in 0..shards {
+        let f = std::fs::File::create(dir.join(format!("part-{s:04}.tar"))).unwrap();
+        let mut b = tar::Builder::new(f);
+        for i in 0..per_shard {
+            let key = format!("k{s:02}_{i:04}");
+            let jpg: Vec<u8> = (0..(100 + (i * 37) % 900)).map(|j| (j * 7 + i + s) as u8).collect();
+            let cls = format!("{}", i % 5).into_bytes();
+            for (field, data) in [("jpg", &jpg), ("cls", &cls)] {
+                let mut h = tar::Header::new_gnu();
+                h.set_size(data.len() as u64);
+                h.set_mode(0o644);
+                h.set_cksum();
+                b.append_data(&mut h, format!("{key}.{field}"), data.as_slice()).unwrap();
+            }
+            samples.insert(key, HashMap::from([("jpg".into(), jpg), ("cls".into(), cls)]));
+        }
+        b.finish().unwrap();
+    }
+    samples
+}
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    data: std::path::PathBuf,
+    addr: Address,
+    shutdown: ShutdownToken,
+    server: tokio::task::JoinHandle<shardstream::Result<()>>,
+}
+
+async fn start(shards: usize, per_shard: usize) -> (Fixture, Samples) {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let samples = write_shards(&data, shards, per_shard);
+    let config = DaemonConfig::new(Address::Unix(tmp.path().join("run/sock")), tmp.path().join("cache"));
+    let bound = BoundDaemon::bind(config).await.unwrap();
+    let addr = bound.address();
+    let shutdown = ShutdownToken::new();
+    let server = tokio::spawn(bound.run(shutdown.clone()));
+    (Fixture { _tmp: tmp, data, addr, shutdown, server }, samples)
+}
+
+fn request(url: &Path, batch_size: u32) -> StreamRequest {
+    StreamRequest {
+        url: url.display().to_string(),
+        batch_size,
+        shuffle: true,
+        seed: 1,
+        world_size: 1,
+        num_workers: 1,
+        transport: Transport::Inline as i32,
+        ..Default::default()
+    }
+}
+
+async fn collect(
+    client: &mut Client,
+    req: StreamRequest,
+) -> Result<Vec<(String, HashMap<String, Vec<u8>>)>, tonic::Status> {
+    let mut s = shardstream_client::stream(client, req).await.map_err(status)?;
+    let mut out = Vec::new();
+    while let Some(b) = s.next().await {
+        let b = match b.map_err(status)? {
+            shardstream_client::Batch::Inline(b) => b,
+            shardstream_client::Batch::Shm(_) => panic!("asked for inline batches"),
+        };
+        for (i, key) in b.keys.iter().enumerate() {
+            let mut fields = HashMap::new();
+            for col in &b.fields {
+                if col.missing.contains(&(i as u32)) {
+                    continue;
+                }
+                let (st, len) = (col.starts[i] as usize, col.lengths[i] as usize);
+                fields.insert(col.name.clone(), b.data[st..st + len].to_vec());
+            }
+            out.push((key.clone(), fields));
+        }
+    }
+    Ok(out)
+}
+
+fn status(e: shardstream_client::ClientError) -> tonic::Status {
+    match e {
+        shardstream_client::ClientError::Status(s) => s,
+        other => tonic::Status::unknown(other.to_string()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_every_sample_once_with_its_bytes() {
+    let (fx, samples) = start(5, 37).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let info = shardstream_client::open(&mut client, &fx.data.display().to_string(), "").await.unwrap();
+    assert_eq!((info.num_samples, info.num_shards), (185, 5));
+    assert_eq!(info.fields, ["cls", "jpg"]);
+
+    let mut seen = HashMap::new();
+    for rank in 0..3 {
+        for worker in 0..2 {
+            let req = StreamRequest { rank, world_size: 3, worker, num_workers: 2, ..request(&fx.data, 10) };
+            for (key, fields) in collect(&mut client, req).await.unwrap() {
+                assert_eq!(&fields, &samples[&key], "bytes of {key}");
+                *seen.entry(key).or_insert(0) += 1;
+            }
+        }
+    }
+    assert_eq!(seen.len(), samples.len());
+    // 185 samples over 3 ranks: ceil = 62 per rank, so one sample is repeated as padding.
+    assert_eq!(seen.values().sum::<u32>(), 186);
+
+    // Field selection moves only the wanted payloads.
+    let req = StreamRequest { fields: vec!["cls".into()], ..request(&fx.data, 50) };
+    let got = collect(&mut client, req).await.unwrap();
+    assert_eq!(got.len(), 185);
+    for (key, fields) in got {
+        assert_eq!(fields.len(), 1);
+        assert_eq!(fields["cls"], samples[&key]["cls"]);
+    }
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
+    let (fx, samples) = start(2, 10).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let cases: Vec<(StreamRequest, Code, &str)> = vec![
+        (request(&fx.data.join("missing"), 4), Code::NotFound, "missing"),
+        (request(&fx.data, 0), Code::InvalidArgument, "batch_size"),
+        (StreamRequest { rank: 2, world_size: 2, ..request(&fx.data, 4) }, Code::InvalidArgument, "rank"),
+        (StreamRequest { world_size: 0, ..request(&fx.data, 4) }, Code::InvalidArgument, "world"),
+        (StreamRequest { worker: 3, num_workers: 2, ..request(&fx.data, 4) }, Code::InvalidArgument, "worker"),
+        (StreamRequest { fields: vec!["png".into()], ..request(&fx.data, 4) }, Code::InvalidArgument, "png"),
+        (StreamRequest { start_batch: 1 << 40, ..request(&fx.data, 4) }, Code::InvalidArgument, "batch"),
+        (StreamRequest { url: "gs://b/p/".into(), ..request(&fx.data, 4) }, Code::InvalidArgument, "gs://b/p/"),
+        (StreamRequest { cache: "sometimes".into(), ..request(&fx.data, 4) }, Code::InvalidArgument, "sometimes"),
+        (
+            StreamRequest { url: "s3://b/p/".into(), cache: "direct".into(), ..request(&fx.data, 4) },
+            Code::InvalidArgument,
+            "direct",
+        ),
+    ];
+    for (req, code, needle) in cases {
+        let err = collect(&mut client, req.clone()).await.unwrap_err();
+        assert_eq!(err.code(), code, "{req:?}: {err:?}");
+        assert!(err.message().contains(needle), "{:?} does not mention {needle}", err.message());
+    }
+    assert_eq!(collect(&mut client, request(&fx.data, 7)).await.unwrap().len(), samples.len());
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_shards_are_data_loss_naming_shard_and_offset() {
+    let (fx, _) = start(2, 10).await;
+    let bad = fx.data.parent().unwrap().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    let good = std::fs::read(fx.data.join("part-0001.tar")).unwrap();
+    std::fs::write(bad.join("cut.tar"), &good[..good.len() / 2 + 300]).unwrap();
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let err = collect(&mut client, request(&bad, 4)).await.unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+    let shard = err.metadata().get(shardstream_proto::error_metadata::SHARD).unwrap().to_str().unwrap();
+    assert!(shard.ends_with("cut.tar"));
+    assert!(err.metadata().get(shardstream_proto::error_metadata::OFFSET).is_some());
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_is_noticed() {
+    let (fx, _) = start(4, 50).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let mut s = shardstream_client::stream(&mut client, request(&fx.data, 1)).await.unwrap();
+    s.next().await.unwrap().unwrap();
+    let mut status = client.status(shardstream_proto::StatusRequest {}).await.unwrap().into_inner();
+    assert_eq!(status.active_streams, 1);
+    drop(s);
+    for _ in 0..100 {
+        status = client.status(shardstream_proto::StatusRequest {}).await.unwrap().into_inner();
+        if status.active_streams == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(status.active_streams, 0, "the stream task must stop when its client leaves");
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+/// Reads every sample of a shm stream out of the client's own mappings.
+async fn collect_shm(client: &mut Client, req: StreamRequest) -> Vec<(String, HashMap<String, Vec<u8>>)> {
+    let mut s = shardstream_client::stream(client, req).await.unwrap();
+    assert_eq!(s.header.transport, Transport::Shm as i32);
+    let session = s.shm.clone().expect("shm session attached");
+    let mut out = Vec::new();
+    while let Some(b) = s.next().await {
+        let shardstream_client::Batch::Shm(b) = b.unwrap() else { panic!("expected shm batches") };
+        for i in 0..b.slots.len() {
+            let map = session.mapping(b.slots[i]).unwrap();
+            let bytes = &map.bytes()[b.starts[i] as usize..(b.starts[i] + b.lengths[i]) as usize];
+            let view = shardstream::format::tar::parse_sample(bytes).unwrap();
+            let fields = view.members.iter().map(|m| (m.field.to_string(), bytes[m.data.clone()].to_vec())).collect();
+            out.push((view.key.to_string(), fields));
+        }
+        session.release(b.batch_index);
+    }
+    out
+}
+
+async fn leased(client: &mut Client) -> (u32, u64) {
+    let st = client.status(shardstream_proto::StatusRequest {}).await.unwrap().into_inner();
+    (st.shm_sessions, st.leased_shards)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_views_hold_the_same_bytes_and_leases_are_returned() {
+    let (fx, samples) = start(3, 40).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    // Over the Unix socket, "auto" negotiates shared memory.
+    let req = StreamRequest { transport: Transport::Auto as i32, ..request(&fx.data, 16) };
+    let got = collect_shm(&mut client, req.clone()).await;
+    assert_eq!(got.len(), samples.len());
+    for (key, fields) in &got {
+        assert_eq!(fields, &samples[key], "bytes of {key}");
+    }
+    // Every batch was released: no shard stays leased.
+    for _ in 0..100 {
+        if leased(&mut client).await.1 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(leased(&mut client).await.1, 0);
+
+    // A client that holds batches without releasing stops at its credits, and closing the side
+    // channel (as a crashed process does) returns every lease.
+    let mut s = shardstream_client::stream(&mut client, StreamRequest { batch_size: 1, ..req }).await.unwrap();
+    let credits = s.header.shm_credits as usize;
+    let mut held = 0;
+    while held < credits {
+        s.next().await.unwrap().unwrap();
+        held += 1;
+    }
+    let extra = tokio::time::timeout(Duration::from_millis(500), s.next()).await;
+    assert!(extra.is_err(), "the daemon must not send more than {credits} unreleased batches");
+    assert!(leased(&mut client).await.1 > 0);
+    let session = s.shm.clone().unwrap();
+    // A release of a batch it does not hold is refused with an error; nothing else changes.
+    session.release(1 << 40);
+    for _ in 0..100 {
+        if session.error().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(session.error().unwrap().contains("not held"), "{:?}", session.error());
+    drop(s);
+    drop(session);
+    for _ in 0..200 {
+        if leased(&mut client).await == (0, 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(leased(&mut client).await, (0, 0), "leases of a closed side channel are reclaimed");
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_clients_get_inline_and_cannot_demand_shm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let samples = write_shards(&data, 2, 10);
+    let config = DaemonConfig::new(Address::Tcp("127.0.0.1:0".into()), tmp.path().join("cache"));
+    let bound = BoundDaemon::bind(config).await.unwrap();
+    let addr = bound.address();
+    let shutdown = ShutdownToken::new();
+    let server = tokio::spawn(bound.run(shutdown.clone()));
+    let mut client = shardstream_client::connect(&addr).await.unwrap();
+    let auto = StreamRequest { transport: Transport::Auto as i32, ..request(&data, 4) };
+    assert_eq!(collect(&mut client, auto).await.unwrap().len(), samples.len());
+    let shm = StreamRequest { transport: Transport::Shm as i32, ..request(&data, 4) };
+    let err = collect(&mut client, shm).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("shm"), "{}", err.message());
+    shutdown.cancel();
+    server.await.unwrap().unwrap();
+}
