@@ -1,0 +1,237 @@
+//! The shared-memory transport, client side: attach to the daemon's side channel with the
+//! stream's token, receive each shard's file descriptor once and map it read-only, and release
+//! batches when they are no longer used.
+//!
+//! Safety of the mappings: they are `PROT_READ`, `MAP_SHARED` mappings of files the daemon opened
+//! read-only, so this process can never write into them (nor into daemon memory). Shards in the
+//! daemon's cache are immutable once published and never truncated while leased; a shard of a
+//! dataset read in place must not be truncated by someone else while training runs (the process
+//! would get SIGBUS, as with any mmap-based reader).
+
+use std::io::IoSliceMut;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use memmap2::Mmap;
+use rustix::net::{AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendFlags, SocketType};
+use shardstream_proto::shm::{self as wire, Frame};
+
+use crate::ClientError;
+
+/// How long a batch waits for the descriptor of a shard it references (the daemon sends it
+/// before the batch, so it is normally there already).
+const FD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A mapped shard. Empty files cannot be mapped and have no samples: they map to an empty slice.
+#[derive(Debug)]
+pub struct Mapping(Option<Mmap>);
+
+impl Mapping {
+    pub fn bytes(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or(&[])
+    }
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    maps: Vec<Option<Arc<Mapping>>>,
+    error: Option<String>,
+    closed: bool,
+}
+
+/// What the receiver thread shares with the session's users.
+#[derive(Debug)]
+struct Inner {
+    sock: OwnedFd,
+    slots: Mutex<Slots>,
+    arrived: Condvar,
+}
+
+/// One attached stream session. Dropping the last handle (the stream and every batch that leases
+/// through it) shuts the side channel down: the daemon then returns every lease at once.
+#[derive(Debug)]
+pub struct ShmSession {
+    inner: Arc<Inner>,
+    pid: u32,
+}
+
+impl Drop for ShmSession {
+    fn drop(&mut self) {
+        // Wakes the receiver thread (recvmsg returns 0), which then drops the last reference to
+        // the socket. In a forked child the socket is the parent's: leave it alone.
+        if self.pid == std::process::id() {
+            let _ = rustix::net::shutdown(&self.inner.sock, rustix::net::Shutdown::Both);
+        }
+    }
+}
+
+fn frame_error(e: impl std::fmt::Display) -> ClientError {
+    ClientError::Shm(e.to_string())
+}
+
+impl ShmSession {
+    /// Connects to `socket`, presents `token`, and starts receiving descriptors on a thread.
+    pub fn attach(socket: &Path, token: &[u8]) -> Result<Arc<Self>, ClientError> {
+        let token: [u8; 16] = token.try_into().map_err(|_| frame_error("stream header carries no valid shm token"))?;
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| frame_error(format!("cannot create a socket: {e}")))?;
+        let addr =
+            rustix::net::SocketAddrUnix::new(socket).map_err(|e| frame_error(format!("bad socket path: {e}")))?;
+        rustix::net::connect(&sock, &addr)
+            .map_err(|e| frame_error(format!("cannot connect to the shm side channel {}: {e}", socket.display())))?;
+        send(&sock, &Frame::hello(&token)).map_err(|e| frame_error(format!("cannot attach: {e}")))?;
+        let (first, _) = recv(&sock).map_err(|e| frame_error(format!("cannot attach: {e}")))?;
+        let first = first.ok_or_else(|| frame_error("the daemon closed the shm side channel while attaching"))?;
+        match Frame::decode(&first) {
+            Ok(f) if f.kind == wire::KIND_ATTACHED => {}
+            Ok(f) if f.kind == wire::KIND_ERROR => {
+                return Err(frame_error(format!("daemon refused attach: {}", f.message())));
+            }
+            Ok(f) => return Err(frame_error(format!("unexpected frame kind {} while attaching", f.kind))),
+            Err(e) => return Err(frame_error(e)),
+        }
+        let inner = Arc::new(Inner { sock, slots: Mutex::default(), arrived: Condvar::new() });
+        let reader = inner.clone();
+        std::thread::Builder::new()
+            .name("shardstream-shm".into())
+            .spawn(move || reader.receive_loop())
+            .map_err(|e| frame_error(format!("cannot start the shm receiver thread: {e}")))?;
+        Ok(Arc::new(Self { inner, pid: std::process::id() }))
+    }
+
+    /// The mapping of `slot`, waiting briefly for its descriptor if it is still in flight.
+    pub fn mapping(&self, slot: u32) -> Result<Arc<Mapping>, ClientError> {
+        self.inner.mapping(slot)
+    }
+
+    /// Tells the daemon this batch's shards are no longer used. Never blocks for long: the frame
+    /// is 64 bytes and the daemon reads them as they come.
+    pub fn release(&self, batch: u64) {
+        if self.pid == std::process::id() {
+            let _ = send(&self.inner.sock, &Frame::new(wire::KIND_RELEASE, batch, 0));
+        }
+    }
+
+    /// The stream is closed: batches from `first_unreceived` on will never be used.
+    pub fn stream_end(&self, first_unreceived: u64) {
+        if self.pid == std::process::id() {
+            let _ = send(&self.inner.sock, &Frame::new(wire::KIND_STREAM_END, first_unreceived, 0));
+        }
+    }
+
+    /// Sends a raw frame (for tests of the daemon's checks).
+    pub fn send_raw(&self, frame: &Frame) -> std::io::Result<()> {
+        send(&self.inner.sock, frame)
+    }
+
+    /// The first error the daemon reported on the side channel, if any.
+    pub fn error(&self) -> Option<String> {
+        self.inner.slots.lock().unwrap_or_else(|p| p.into_inner()).error.clone()
+    }
+}
+
+impl Inner {
+    fn receive_loop(&self) {
+        loop {
+            let (bytes, fds) = match recv(&self.sock) {
+                Ok((Some(b), fds)) => (b, fds),
+                Ok((None, _)) | Err(_) => break,
+            };
+            let outcome = match Frame::decode(&bytes) {
+                Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, fds),
+                Ok(f) if f.kind == wire::KIND_ERROR => Err(format!("daemon: {}", f.message())),
+                Ok(f) => Err(format!("unexpected frame kind {}", f.kind)),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = outcome {
+                let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+                s.error.get_or_insert(e);
+                drop(s);
+                self.arrived.notify_all();
+            }
+        }
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
+        self.arrived.notify_all();
+    }
+
+    fn adopt(&self, slot: u64, len: u64, mut fds: Vec<OwnedFd>) -> Result<(), String> {
+        let fd = fds.pop().ok_or("SHARD_FD frame without a descriptor")?;
+        let file = std::fs::File::from(fd);
+        let actual = file.metadata().map_err(|e| format!("cannot stat a passed shard: {e}"))?.len();
+        if actual != len {
+            return Err(format!("shard in slot {slot} is {actual} bytes, the daemon announced {len}"));
+        }
+        let map = if len == 0 {
+            Mapping(None)
+        } else {
+            // SAFETY: a read-only shared mapping of a file opened read-only by the daemon; see the
+            // module docs for why its length does not change while mapped.
+            Mapping(Some(unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map shard slot {slot}: {e}"))?))
+        };
+        let slot = usize::try_from(slot).map_err(|_| "slot out of range".to_string())?;
+        let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if s.maps.len() <= slot {
+            s.maps.resize(slot + 1, None);
+        }
+        s.maps[slot] = Some(Arc::new(map));
+        drop(s);
+        self.arrived.notify_all();
+        Ok(())
+    }
+
+    fn mapping(&self, slot: u32) -> Result<Arc<Mapping>, ClientError> {
+        let deadline = Instant::now() + FD_TIMEOUT;
+        let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(Some(m)) = s.maps.get(slot as usize) {
+                return Ok(m.clone());
+            }
+            if let Some(e) = &s.error {
+                return Err(frame_error(e));
+            }
+            if s.closed {
+                return Err(frame_error(format!("shm side channel closed before shard slot {slot} arrived")));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(frame_error(format!("shard slot {slot} did not arrive within {} s", FD_TIMEOUT.as_secs())));
+            }
+            s = self.arrived.wait_timeout(s, deadline - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+}
+
+fn send(sock: &impl AsFd, frame: &Frame) -> std::io::Result<()> {
+    rustix::net::send(sock, &frame.encode(), SendFlags::NOSIGNAL)?;
+    Ok(())
+}
+
+fn recv(sock: &impl AsFd) -> std::io::Result<(Option<Vec<u8>>, Vec<OwnedFd>)> {
+    let mut buf = [0u8; wire::FRAME_BYTES + 1];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut anc = RecvAncillaryBuffer::new(&mut space);
+    let r = loop {
+        match rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut buf)], &mut anc, RecvFlags::CMSG_CLOEXEC) {
+            Err(rustix::io::Errno::INTR) => continue,
+            other => break other?,
+        }
+    };
+    let mut fds = Vec::new();
+    for msg in anc.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = msg {
+            fds.extend(rights);
+        }
+    }
+    if r.bytes == 0 {
+        return Ok((None, fds));
+    }
+    Ok((Some(buf[..r.bytes].to_vec()), fds))
+}
