@@ -1,0 +1,315 @@
+"""shardstream: node-local data loading for ML training.
+
+A per-node daemon indexes WebDataset shards once, computes a deterministic, exactly-once shuffled
+order for every rank and DataLoader worker, and streams batches to trainer processes. This package
+is its Python client (and ships the ``shardstream`` command line)::
+
+    loader = shardstream.Loader("/data/train/", batch_size=256, shuffle=True, seed=0)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for batch in loader:          # {"__key__": [str], "jpg": [memoryview], "cls": [...]}
+            ...
+    state = loader.state_dict()       # resume exactly here, also after a crash
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from . import _native
+from ._native import ShardError, ShardstreamError
+
+__all__ = ["Batch", "Loader", "ShardError", "ShardstreamError", "resolve_address", "__version__"]
+__version__: str = _native.__version__
+
+STATE_VERSION = 1
+_TRANSPORTS = ("auto", "shm", "inline")
+_CACHE_MODES = ("auto", "direct", "copy")
+
+_embedded_lock = threading.Lock()
+_embedded_addr: str | None = None
+
+
+def _start_embedded() -> str:
+    """Starts a daemon inside this process on a private socket (once per process tree: forked
+    DataLoader workers inherit the address and connect to the parent's server)."""
+    global _embedded_addr
+    with _embedded_lock:
+        if _embedded_addr is None:
+            private = tempfile.mkdtemp(prefix="shardstream-")  # mode 0700
+            cache = os.environ.get("SHARDSTREAM_CACHE_DIR") or os.path.join(private, "cache")
+            _embedded_addr = _native.start_embedded_server(os.path.join(private, "sock"), cache)
+            owner = os.getpid()
+
+            def _cleanup() -> None:
+                if os.getpid() == owner:
+                    shutil.rmtree(private, ignore_errors=True)
+
+            atexit.register(_cleanup)
+        return _embedded_addr
+
+
+def resolve_address(connect: str = "auto") -> str:
+    """Where to reach a daemon: ``connect`` itself if it is an address; for ``"auto"``,
+    ``$SHARDSTREAM_ADDR``, else the node daemon's default socket if one answers there, else an
+    embedded server started in this process."""
+    if connect != "auto":
+        return connect
+    env = os.environ.get("SHARDSTREAM_ADDR")
+    if env:
+        return env
+    default = _native.DEFAULT_SOCKET
+    if os.path.exists(default) and _native.probe("unix://" + default):
+        return "unix://" + default
+    return _start_embedded()
+
+
+def _default_rank_world() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Batch(dict):
+    """One batch: ``"__key__"`` -> list of str, each field -> list of bytes-like objects.
+
+    With the shared-memory transport the values are read-only memoryviews straight into the
+    daemon's shard files, and the batch holds a lease on those shards until every view is gone;
+    ``release()`` returns the lease at once (the views stay readable).
+    """
+
+    __slots__ = ("_native",)
+
+    def release(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is not None:
+            native.release()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crossing a process boundary (DataLoader workers) copies the data; the lease stays here.
+        return (Batch, (dict(self),))
+
+
+class Loader:
+    """Iterates one rank's batches of a dataset, shuffled the same way on every machine.
+
+    Every sample is delivered exactly once per epoch across all ranks (without ``drop_last`` the
+    last ranks get up to one repeated sample each so every rank has the same number of batches; see
+    the README). Batches are dicts: ``"__key__"`` -> list of str, each field -> list of read-only
+    memoryviews (None where a sample lacks the field).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        batch_size: int = 256,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        fields: Sequence[str] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        connect: str = "auto",
+        transport: str = "auto",  # "shm" (same host, Unix socket), "inline", or "auto" (shm when possible)
+        shuffle_window: int = 0,
+        cache: str = "auto",  # "copy" (through the node cache), "direct" (in place), "auto"
+        copy: bool = False,
+        _worker: tuple[int, int] = (0, 1),
+    ) -> None:
+        if isinstance(fields, str):
+            raise ValueError("fields must be a list of field names, e.g. ['jpg', 'cls'], not a string")
+        if cache not in _CACHE_MODES:
+            raise ValueError(f"cache must be one of {_CACHE_MODES}, not {cache!r}")
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be one of {_TRANSPORTS}, not {transport!r}")
+        if rank is None or world_size is None:
+            r, w = _default_rank_world()
+            rank = r if rank is None else rank
+            world_size = w if world_size is None else world_size
+        # Types and wire ranges are checked here; the daemon checks the meaning (rank < world
+        # size, limits) so every client gets the same rules.
+        for name, value, bits in (
+            ("batch_size", batch_size, 32),
+            ("seed", seed, 64),
+            ("rank", rank, 32),
+            ("world_size", world_size, 32),
+            ("shuffle_window", shuffle_window, 32),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << bits:
+                raise ValueError(f"{name} must be an integer from 0 to 2**{bits}-1, not {value!r}")
+        self.url = str(url)
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.fields = list(fields) if fields is not None else []
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = bool(drop_last)
+        self.transport = transport
+        self.shuffle_window = shuffle_window
+        self.cache = cache
+        self.copy = copy
+        self._worker, self._num_workers = _worker
+        self.address = resolve_address(connect)
+        self._conn = _native.Connection(self.address)
+        self.info: dict[str, Any] = self._conn.open(self.url, self.cache)
+        self.epoch = 0
+        self._start_batch = 0  # where the next iteration starts (set by load_state_dict)
+        self._consumed = 0  # batches of the rank consumed in the current epoch
+        self._stream: Any = None
+        self._header: dict[str, Any] = {}
+        self._stats = {"samples": 0, "bytes": 0, "batches": 0, "wait_s": 0.0, "elapsed_s": 0.0}
+        self._first_batch_s: float | None = None
+        self._iter_started: float | None = None
+
+    def __len__(self) -> int:
+        """Batches per rank per epoch (the same on every rank)."""
+        if self._header:
+            return int(self._header["batches_per_rank"])
+        n, w, b = self.info["num_samples"], self.world_size, self.batch_size
+        if self.drop_last:
+            return (n // w) // b
+        per_rank = -(-n // w)  # ceil(n / w): the padding rule
+        return -(-per_rank // b)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch whose order the next iteration follows (like DistributedSampler)."""
+        if epoch != self.epoch:
+            self._start_batch = 0
+            self._consumed = 0
+        self.epoch = int(epoch)
+
+    def _open_stream(self) -> Any:
+        return self._conn.stream(
+            self.url,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=self.epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            worker=self._worker,
+            num_workers=self._num_workers,
+            start_batch=self._start_batch,
+            drop_last=self.drop_last,
+            fields=self.fields,
+            shuffle_window=self.shuffle_window,
+            transport=self.transport,
+            expected_fingerprint=self._expected_fingerprint,
+            cache=self.cache,
+        )
+
+    _expected_fingerprint = ""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._stream is not None:
+            self._stream.close()
+        started = time.perf_counter()
+        self._iter_started = started
+        stream = self._stream = self._open_stream()
+        self._header = stream.header
+        # The position is counted in the rank's batches: a worker's stream delivers every
+        # num_workers-th of them and torch re-interleaves the workers in that order.
+        self._consumed = self._start_batch
+        self._start_batch = 0
+        try:
+            while True:
+                t0 = time.perf_counter()
+                batch = stream.next_batch()
+                t1 = time.perf_counter()
+                self._stats["wait_s"] += t1 - t0
+                if batch is None:
+                    break
+                if self._first_batch_s is None:
+                    self._first_batch_s = t1 - started
+                out = Batch(batch.to_dict(self.copy))
+                self._stats["samples"] += len(batch)
+                self._stats["bytes"] += batch.nbytes
+                self._stats["batches"] += 1
+                self._consumed = batch.index + 1
+                out._native = batch
+                del batch
+                yield out
+        finally:
+            stream.close()
+            if self._stream is stream:
+                self._stream = None
+            self._stats["elapsed_s"] += time.perf_counter() - started
+            self._iter_started = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: pass to ``load_state_dict`` (in a new process too) to continue
+        with the next batch, none lost or repeated."""
+        return {
+            "version": STATE_VERSION,
+            "url": self.url,
+            "fingerprint": self.info["fingerprint"],
+            "epoch": self.epoch,
+            "batches_consumed": self._consumed,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_window": self.shuffle_window,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from a ``state_dict``: the next iteration starts at the following batch."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported state version {state.get('version')!r} (expected {STATE_VERSION})")
+        for key in ("batch_size", "seed", "shuffle", "shuffle_window", "world_size", "drop_last", "rank"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"state was saved with {key}={state[key]!r} but this loader has {getattr(self, key)!r}; "
+                    "the order would differ"
+                )
+        if state["fingerprint"] != self.info["fingerprint"]:
+            raise ValueError(
+                f"state was saved for dataset fingerprint {state['fingerprint']} but {self.url} now has "
+                f"{self.info['fingerprint']}: the shards changed"
+            )
+        self.epoch = int(state["epoch"])
+        consumed = int(state["batches_consumed"])
+        self._start_batch = consumed if consumed < len(self) else 0
+        self._consumed = consumed
+        self._expected_fingerprint = state["fingerprint"]
+
+    def stats(self) -> dict[str, Any]:
+        """Throughput so far: samples/s and bytes/s over the wall time spent iterating, and the
+        time spent waiting for data (``wait_s``: the figure that shows a starving GPU)."""
+        s = dict(self._stats)
+        if self._iter_started is not None:
+            s["elapsed_s"] += time.perf_counter() - self._iter_started
+        busy = max(s["elapsed_s"], 1e-9)
+        s["samples_per_s"] = s["samples"] / busy
+        s["bytes_per_s"] = s["bytes"] / busy
+        s["time_to_first_batch_s"] = self._first_batch_s
+        s["transport"] = self._header.get("transport", "inline")
+        s["address"] = self.address
+        return s
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down modules
+            pass

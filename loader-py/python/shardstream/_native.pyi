@@ -1,0 +1,61 @@
+"""Type stubs of the native module (Rust, PyO3). Use the ``shardstream`` package API instead."""
+
+from typing import Any
+
+__version__: str
+DEFAULT_SOCKET: str
+
+class ShardstreamError(Exception): ...
+
+class ShardError(ShardstreamError):
+    shard: str | None
+    offset: int | None
+
+class Buffer:
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+
+class Batch:
+    @property
+    def index(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...
+    def to_dict(self, copy: bool = False) -> dict[str, list[Any]]: ...
+
+class Stream:
+    @property
+    def header(self) -> dict[str, Any]: ...
+    def next_batch(self) -> Batch | None: ...
+    def close(self) -> None: ...
+
+class Connection:
+    def __init__(self, address: str) -> None: ...
+    @property
+    def address(self) -> str: ...
+    def open(self, url: str, cache: str = "auto") -> dict[str, Any]: ...
+    def status(self) -> dict[str, Any]: ...
+    def stream(
+        self,
+        url: str,
+        *,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        worker: int,
+        num_workers: int,
+        start_batch: int,
+        drop_last: bool,
+        fields: list[str],
+        shuffle_window: int,
+        transport: str,
+        expected_fingerprint: str,
+        cache: str = "auto",
+    ) -> Stream: ...
+
+def start_embedded_server(socket: str, cache_dir: str) -> str: ...
+def probe(address: str) -> bool: ...
+def cli_main(argv: list[str]) -> int: ...

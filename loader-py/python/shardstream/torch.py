@@ -1,0 +1,132 @@
+"""PyTorch integration: a ``torch.utils.data.IterableDataset`` that splits a rank's batches among
+the DataLoader's workers, still exactly once per epoch, and a ``DataLoader`` that can save and
+restore its position.
+
+Worker ``w`` of ``K`` streams the rank's batches ``w, w+K, w+2K, ...``; torch collects workers'
+results round-robin, so the DataLoader yields the rank's batches in exactly the order a single
+``Loader`` would. Use ``batch_size=None`` (batches are already formed by the daemon)::
+
+    ds = shardstream.torch.IterableDataset("/data/train/", batch_size=256, seed=0)
+    dl = shardstream.torch.DataLoader(ds, num_workers=2)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        for batch in dl:
+            ...
+    state = dl.state_dict()
+
+In worker processes, fields arrive as ``bytes`` (batches cross a process boundary by pickling,
+which memoryviews cannot); with ``num_workers=0`` they are zero-copy memoryviews.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch.utils.data
+
+from . import Loader, resolve_address
+
+
+class IterableDataset(torch.utils.data.IterableDataset):
+    """One rank's share of a dataset as batches (dicts), split among DataLoader workers.
+
+    Takes the same arguments as :class:`shardstream.Loader`. Call ``set_epoch`` before iterating a
+    new epoch (with ``persistent_workers=True`` the workers keep the epoch they started with).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        batch_size: int = 256,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        fields: Sequence[str] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        connect: str = "auto",
+        transport: str = "auto",
+        shuffle_window: int = 0,
+        cache: str = "auto",
+    ) -> None:
+        super().__init__()
+        # Resolved here, in the parent: forked or spawned workers then reach the same daemon
+        # (an embedded server, if one was started, lives in the parent).
+        address = resolve_address(connect)
+        self._kwargs: dict[str, Any] = dict(
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            fields=fields,
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+            connect=address,
+            transport=transport,
+            shuffle_window=shuffle_window,
+            cache=cache,
+        )
+        self.url = url
+        probe = Loader(url, **self._kwargs)
+        self._kwargs["rank"], self._kwargs["world_size"] = probe.rank, probe.world_size
+        self._state_template = probe.state_dict()
+        self._batches_per_rank = len(probe)
+        probe.close()
+        self.epoch = 0
+        self.start_batch = 0
+
+    def __len__(self) -> int:
+        return self._batches_per_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start_batch = 0
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        loader = Loader(self.url, copy=info is not None, _worker=(worker, num_workers), **self._kwargs)
+        state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
+        loader.load_state_dict(state)
+        yield from loader
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A ``torch.utils.data.DataLoader`` over a shardstream :class:`IterableDataset` that counts the
+    batches it yields, so ``state_dict()`` / ``load_state_dict()`` resume exactly (also in a new
+    process after a crash). ``batch_size`` is fixed to None: the daemon forms the batches."""
+
+    def __init__(self, dataset: IterableDataset, **kwargs: Any) -> None:
+        if not isinstance(dataset, IterableDataset):
+            raise TypeError("shardstream.torch.DataLoader needs a shardstream.torch.IterableDataset")
+        if kwargs.pop("batch_size", None) is not None:
+            raise ValueError("batch_size is set on the dataset; the DataLoader must use batch_size=None")
+        super().__init__(dataset, batch_size=None, **kwargs)
+        self._ss_dataset = dataset
+        self._consumed = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self._ss_dataset
+        self._consumed = ds.start_batch
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+        ds.start_batch = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        ds = self._ss_dataset
+        return dict(ds._state_template, epoch=ds.epoch, batches_consumed=self._consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ds = self._ss_dataset
+        # Validate against the dataset's parameters the same way a Loader does.
+        check = Loader(ds.url, **ds._kwargs)
+        check.load_state_dict(state)
+        check.close()
+        ds.epoch = int(state["epoch"])
+        consumed = int(state["batches_consumed"])
+        ds.start_batch = consumed if consumed < len(ds) else 0
+        self._consumed = ds.start_batch

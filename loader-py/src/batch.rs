@@ -1,0 +1,332 @@
+//! Batches as Python sees them: a dict of `"__key__"` -> list of str and, per field, a list of
+//! read-only `memoryview`s, or `bytes` objects when a copy is asked for (DataLoader workers must
+//! pickle their batches, and memoryviews cannot be pickled).
+//!
+//! - Inline batches: the views point into one [`Buffer`] that owns the received message bytes.
+//! - Shared-memory batches: the views point straight into the client's read-only mapping of the
+//!   shard (a [`Region`] per shard of the batch): no copy at all between the page cache and the
+//!   trainer. Each region holds the batch's [`Lease`]; when the last view and the batch object are
+//!   gone (or on an explicit `release()`), the lease is returned to the daemon.
+
+use std::ffi::{c_int, c_void};
+use std::ptr;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PySlice, PyString};
+use shardstream_client::shm::{Mapping, ShmSession};
+use shardstream_proto::{InlineBatch, ShmBatch};
+
+use crate::errors::ShardstreamError;
+
+/// Fills a read-only, one-dimensional byte `Py_buffer` over `data`, owned by `owner`.
+///
+/// # Safety
+/// `view` must be the non-null pointer CPython passed to `__getbuffer__`, and `data` must stay
+/// valid and unchanged for as long as `owner` is alive (the view holds a reference to it).
+unsafe fn fill_view(owner: Bound<'_, PyAny>, data: &[u8], view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    if view.is_null() {
+        return Err(PyBufferError::new_err("null view"));
+    }
+    if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+        return Err(PyBufferError::new_err("shardstream buffers are read-only"));
+    }
+    let len = isize::try_from(data.len()).map_err(|_| PyBufferError::new_err("buffer too large"))?;
+    // SAFETY: per this function's contract; every field of the view is initialised, and `obj`
+    // takes a strong reference that CPython releases in PyBuffer_Release.
+    unsafe {
+        (*view).buf = data.as_ptr() as *mut c_void;
+        (*view).len = len;
+        (*view).readonly = 1;
+        (*view).itemsize = 1;
+        (*view).format =
+            if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT { c"B".as_ptr() as *mut _ } else { ptr::null_mut() };
+        (*view).ndim = 1;
+        (*view).shape = if flags & ffi::PyBUF_ND == ffi::PyBUF_ND { &mut (*view).len } else { ptr::null_mut() };
+        (*view).strides =
+            if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES { &mut (*view).itemsize } else { ptr::null_mut() };
+        (*view).suboffsets = ptr::null_mut();
+        (*view).internal = ptr::null_mut();
+        (*view).obj = owner.into_ptr();
+    }
+    Ok(())
+}
+
+/// A batch's hold on its shards; returned to the daemon once, when dropped or released.
+pub struct Lease {
+    session: Arc<ShmSession>,
+    batch: u64,
+    released: AtomicBool,
+}
+
+impl Lease {
+    fn release(&self) {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            self.session.release(self.batch);
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// A shard's mapping as a read-only buffer, holding the lease of the batch that uses it.
+#[pyclass(module = "shardstream._native", frozen)]
+pub struct Region {
+    map: Arc<Mapping>,
+    _lease: Arc<Lease>,
+}
+
+#[pymethods]
+impl Region {
+    fn __len__(&self) -> usize {
+        self.map.bytes().len()
+    }
+
+    /// # Safety
+    /// The mapping is read-only and lives as long as this object (an `Arc` it holds), which the
+    /// view keeps alive; see `shardstream_client::shm` for why its length does not change.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let map = slf.get().map.clone();
+        // SAFETY: `map` is kept alive by `slf`, which the view references.
+        unsafe { fill_view(slf.into_any(), map.bytes(), view, flags) }
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// Read-only bytes owned by Rust, exposed through the buffer protocol.
+#[pyclass(module = "shardstream._native", frozen)]
+pub struct Buffer {
+    data: Bytes,
+}
+
+#[pymethods]
+impl Buffer {
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+
+    /// # Safety
+    /// The pointer handed out stays valid while the view holds its reference to this object:
+    /// `Bytes` never moves or frees its storage while a handle exists, and the object is frozen.
+    /// The buffer is read-only; writable requests are refused.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let data = slf.get().data.clone();
+        // SAFETY: `data` shares storage with the field of `slf`, which the view references.
+        unsafe { fill_view(slf.into_any(), &data, view, flags) }
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// One received batch.
+#[pyclass(module = "shardstream._native", frozen)]
+pub struct Batch {
+    kind: Kind,
+    /// Fields to hand out, in order (the stream's fields).
+    fields: Arc<Vec<String>>,
+    /// Payload bytes of the handed-out fields, known once `to_dict` has parsed a shm batch.
+    payload: std::sync::atomic::AtomicU64,
+}
+
+enum Kind {
+    Inline(InlineBatch),
+    Shm { batch: ShmBatch, session: Arc<ShmSession>, lease: Arc<Lease> },
+}
+
+impl Batch {
+    pub fn new(
+        b: shardstream_client::Batch,
+        session: Option<Arc<ShmSession>>,
+        fields: Arc<Vec<String>>,
+    ) -> PyResult<Self> {
+        let kind = match (b, session) {
+            (shardstream_client::Batch::Inline(b), _) => Kind::Inline(b),
+            (shardstream_client::Batch::Shm(b), Some(session)) => {
+                let lease = Arc::new(Lease {
+                    session: session.clone(),
+                    batch: b.batch_index,
+                    released: AtomicBool::new(false),
+                });
+                Kind::Shm { batch: b, session, lease }
+            }
+            (shardstream_client::Batch::Shm(_), None) => {
+                return Err(ShardstreamError::new_err("shared-memory batch on a stream without a side channel"));
+            }
+        };
+        Ok(Self { kind, fields, payload: std::sync::atomic::AtomicU64::new(u64::MAX) })
+    }
+}
+
+#[pymethods]
+impl Batch {
+    /// Index of this batch in the rank's batch order.
+    #[getter]
+    fn index(&self) -> u64 {
+        match &self.kind {
+            Kind::Inline(b) => b.batch_index,
+            Kind::Shm { batch, .. } => batch.batch_index,
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        match &self.kind {
+            Kind::Inline(b) => b.keys.len(),
+            Kind::Shm { batch, .. } => batch.slots.len(),
+        }
+    }
+
+    /// Payload bytes of the batch's fields (for shm batches: once `to_dict` has run; before,
+    /// the samples' byte ranges, headers included).
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        match &self.kind {
+            Kind::Inline(b) => b.fields.iter().flat_map(|f| f.lengths.iter()).sum(),
+            Kind::Shm { batch, .. } => match self.payload.load(Ordering::Relaxed) {
+                u64::MAX => batch.lengths.iter().sum(),
+                known => known,
+            },
+        }
+    }
+
+    /// Returns the batch's lease now (shm): the daemon may then evict its shards. Views already
+    /// handed out stay readable (the mapping outlives the lease). No-op for inline batches.
+    fn release(&self) {
+        if let Kind::Shm { lease, .. } = &self.kind {
+            lease.release();
+        }
+    }
+
+    /// The batch as a dict. `copy=False`: zero-copy memoryviews; `copy=True`: `bytes` objects
+    /// (picklable). Missing fields are None.
+    #[pyo3(signature = (copy=false))]
+    fn to_dict<'py>(&self, py: Python<'py>, copy: bool) -> PyResult<Bound<'py, PyDict>> {
+        match &self.kind {
+            Kind::Inline(b) => inline_dict(py, b, copy),
+            Kind::Shm { batch, session, lease } => {
+                let (d, payload) = shm_dict(py, batch, session, lease, &self.fields, copy)?;
+                self.payload.store(payload, Ordering::Relaxed);
+                Ok(d)
+            }
+        }
+    }
+}
+
+fn shm_dict<'py>(
+    py: Python<'py>,
+    b: &ShmBatch,
+    session: &ShmSession,
+    lease: &Arc<Lease>,
+    fields: &[String],
+    copy: bool,
+) -> PyResult<(Bound<'py, PyDict>, u64)> {
+    let n = b.slots.len();
+    let mut payload = 0u64;
+    if b.starts.len() != n || b.lengths.len() != n {
+        return Err(ShardstreamError::new_err("malformed shm batch: columns of different lengths"));
+    }
+    let mut keys: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
+    let mut columns: Vec<Vec<Bound<'py, PyAny>>> = fields.iter().map(|_| Vec::with_capacity(n)).collect();
+    // (slot, mapping, memoryview over its region): batches draw on a few shards, so a short list.
+    let mut regions: Vec<(u32, Arc<Mapping>, Option<Bound<'py, PyAny>>)> = Vec::new();
+    for i in 0..n {
+        let slot = b.slots[i];
+        let at = match regions.iter().position(|r| r.0 == slot) {
+            Some(at) => at,
+            None => {
+                let map = session.mapping(slot).map_err(crate::errors::to_pyerr)?;
+                let view = if copy {
+                    None
+                } else {
+                    let region = Bound::new(py, Region { map: map.clone(), _lease: lease.clone() })?;
+                    Some(PyMemoryView::from(&region.into_any())?.into_any())
+                };
+                regions.push((slot, map, view));
+                regions.len() - 1
+            }
+        };
+        let (_, map, view) = &regions[at];
+        let all = map.bytes();
+        let start = usize::try_from(b.starts[i]).unwrap_or(usize::MAX);
+        let end = usize::try_from(b.lengths[i]).ok().and_then(|l| start.checked_add(l)).unwrap_or(usize::MAX);
+        let bytes = all.get(start..end).ok_or_else(|| {
+            ShardstreamError::new_err(format!(
+                "shm descriptor outside its shard: slot {slot}, bytes {}..+{} of {}",
+                b.starts[i],
+                b.lengths[i],
+                all.len()
+            ))
+        })?;
+        let sample = shardstream::format::tar::parse_sample(bytes).map_err(|e| {
+            crate::errors::ShardError::new_err(format!("shard slot {slot}: {}", e.with_base(b.starts[i])))
+        })?;
+        keys.push(PyString::new(py, &sample.key).into_any());
+        for (col, name) in columns.iter_mut().zip(fields) {
+            let item = match sample.members.iter().find(|m| m.field == name.as_str()) {
+                None => py.None().into_bound(py),
+                Some(m) => {
+                    let (a, z) = (start + m.data.start, start + m.data.end);
+                    payload += (z - a) as u64;
+                    match view {
+                        None => PyBytes::new(py, &all[a..z]).into_any(),
+                        Some(mv) => mv.get_item(PySlice::new(py, a as isize, z as isize, 1))?,
+                    }
+                }
+            };
+            col.push(item);
+        }
+    }
+    let d = PyDict::new(py);
+    d.set_item("__key__", PyList::new(py, keys)?)?;
+    for (name, col) in fields.iter().zip(columns) {
+        d.set_item(name, PyList::new(py, col)?)?;
+    }
+    Ok((d, payload))
+}
+
+fn inline_dict<'py>(py: Python<'py>, b: &InlineBatch, copy: bool) -> PyResult<Bound<'py, PyDict>> {
+    let n = b.keys.len();
+    let d = PyDict::new(py);
+    d.set_item("__key__", PyList::new(py, &b.keys)?)?;
+    let view = if copy {
+        None
+    } else {
+        let owner = Bound::new(py, Buffer { data: b.data.clone() })?;
+        Some(PyMemoryView::from(&owner.into_any())?)
+    };
+    for col in &b.fields {
+        let mut items: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
+        let mut missing = col.missing.iter().peekable();
+        for i in 0..n {
+            if missing.peek().is_some_and(|&&m| m as usize == i) {
+                missing.next();
+                items.push(py.None().into_bound(py));
+                continue;
+            }
+            let (start, len) = match (col.starts.get(i), col.lengths.get(i)) {
+                (Some(&s), Some(&l)) => (s as usize, l as usize),
+                _ => return Err(ShardstreamError::new_err("malformed batch: short column")),
+            };
+            let end = start
+                .checked_add(len)
+                .filter(|&e| e <= b.data.len())
+                .ok_or_else(|| ShardstreamError::new_err("malformed batch: field outside the batch buffer"))?;
+            let item = match &view {
+                None => PyBytes::new(py, &b.data[start..end]).into_any(),
+                Some(mv) => mv.get_item(PySlice::new(py, start as isize, end as isize, 1))?,
+            };
+            items.push(item);
+        }
+        d.set_item(&col.name, PyList::new(py, items)?)?;
+    }
+    Ok(d)
+}

@@ -1,0 +1,316 @@
+//! `shardstream._native`: the Rust side of the Python package. Thin on purpose: connect, open,
+//! stream, hand batches to Python, map errors to Python exceptions, and run the CLI and the
+//! embedded daemon. The Python layer (`python/shardstream/`) holds the user-facing API.
+//!
+//! Three rules of this bridge:
+//! - the GIL is released while waiting on the daemon, and signals are checked every
+//!   [`SIGNAL_CHECK`] so Ctrl-C interrupts a blocked iteration;
+//! - the tokio runtime is per process and re-created lazily after `fork` (DataLoader workers): a
+//!   runtime's threads do not survive fork, so a child never touches its parent's runtime;
+//! - batches reach Python without a copy: a [`Buffer`] owns the received bytes and exposes them
+//!   through the buffer protocol; per-sample `memoryview` slices keep it alive.
+
+mod batch;
+mod errors;
+mod runtime;
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use shardstream_client::{Address, BatchStream, Client};
+use shardstream_proto::{StreamRequest, Transport};
+
+use crate::errors::to_pyerr;
+use crate::runtime::{block_on, runtime};
+
+/// How often a blocked call wakes up to let Python handle signals (Ctrl-C).
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// Connects (or reconnects after fork) to a daemon.
+#[pyclass(module = "shardstream._native")]
+struct Connection {
+    address: Address,
+    /// (pid that made the client, client): a client made before fork belongs to the parent's
+    /// runtime and must not be used in the child.
+    client: Mutex<Option<(u32, Client)>>,
+}
+
+impl Connection {
+    fn client(&self, py: Python<'_>) -> PyResult<Client> {
+        let pid = std::process::id();
+        let mut guard = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((owner, c)) = guard.as_ref()
+            && *owner == pid
+        {
+            return Ok(c.clone());
+        }
+        let addr = self.address.clone();
+        let c = block_on(py, async move { shardstream_client::connect(&addr).await })?.map_err(to_pyerr)?;
+        *guard = Some((pid, c.clone()));
+        Ok(c)
+    }
+}
+
+#[pymethods]
+impl Connection {
+    #[new]
+    fn new(py: Python<'_>, address: &str) -> PyResult<Self> {
+        let address: Address = address.parse().map_err(to_pyerr)?;
+        let conn = Self { address, client: Mutex::new(None) };
+        conn.client(py)?;
+        Ok(conn)
+    }
+
+    #[getter]
+    fn address(&self) -> String {
+        self.address.to_string()
+    }
+
+    /// Opens a dataset and returns its description as a dict.
+    #[pyo3(signature = (url, cache = "auto"))]
+    fn open<'py>(&self, py: Python<'py>, url: String, cache: &str) -> PyResult<Bound<'py, PyDict>> {
+        let mut c = self.client(py)?;
+        let cache = cache.to_owned();
+        let info =
+            block_on(py, async move { shardstream_client::open(&mut c, &url, &cache).await })?.map_err(to_pyerr)?;
+        let d = PyDict::new(py);
+        d.set_item("fingerprint", info.fingerprint)?;
+        d.set_item("num_samples", info.num_samples)?;
+        d.set_item("num_shards", info.num_shards)?;
+        d.set_item("total_bytes", info.total_bytes)?;
+        d.set_item("fields", info.fields)?;
+        d.set_item("format", info.format)?;
+        d.set_item("from_manifest", info.from_manifest)?;
+        Ok(d)
+    }
+
+    /// Daemon status as a dict.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut c = self.client(py)?;
+        let r = block_on(py, async move { c.status(shardstream_proto::StatusRequest {}).await })?
+            .map_err(|s| to_pyerr(s.into()))?
+            .into_inner();
+        let d = PyDict::new(py);
+        d.set_item("version", r.version)?;
+        d.set_item("uptime_ms", r.uptime_ms)?;
+        d.set_item("active_streams", r.active_streams)?;
+        d.set_item("streams_total", r.streams_total)?;
+        d.set_item("samples_served", r.samples_served)?;
+        d.set_item("bytes_served", r.bytes_served)?;
+        d.set_item("cache_dir", r.cache_dir)?;
+        d.set_item("shm_sessions", r.shm_sessions)?;
+        d.set_item("leased_shards", r.leased_shards)?;
+        if let Some(c) = r.cache {
+            let cache = PyDict::new(py);
+            cache.set_item("capacity_bytes", c.capacity_bytes)?;
+            cache.set_item("used_bytes", c.used_bytes)?;
+            cache.set_item("shards", c.shards)?;
+            cache.set_item("hits", c.hits)?;
+            cache.set_item("misses", c.misses)?;
+            cache.set_item("evictions", c.evictions)?;
+            cache.set_item("filled_bytes", c.filled_bytes)?;
+            cache.set_item("high_water_bytes", c.high_water_bytes)?;
+            cache.set_item("policy", c.policy)?;
+            d.set_item("cache", cache)?;
+        }
+        d.set_item("storage_bytes", r.storage_bytes)?;
+        d.set_item("storage_requests", r.storage_requests)?;
+        d.set_item("storage_retries", r.storage_retries)?;
+        d.set_item("prefetch_horizon_s", r.prefetch_horizon_s)?;
+        let consumers: Vec<(String, u32, u32, u64, f64, f64)> =
+            r.consumers.into_iter().map(|c| (c.url, c.rank, c.worker, c.position, c.samples_per_s, c.wait_s)).collect();
+        d.set_item("consumers", consumers)?;
+        let datasets: Vec<(String, u64, u64)> =
+            r.datasets.into_iter().map(|ds| (ds.url, ds.resident_shard_tables, ds.resident_index_bytes)).collect();
+        d.set_item("datasets", datasets)?;
+        Ok(d)
+    }
+
+    /// Starts one consumer's stream; errors in the request are raised here.
+    #[pyo3(signature = (url, *, batch_size, shuffle, seed, epoch, rank, world_size, worker, num_workers,
+                        start_batch, drop_last, fields, shuffle_window, transport, expected_fingerprint,
+                        cache = "auto"))]
+    #[allow(clippy::too_many_arguments)]
+    fn stream(
+        &self,
+        py: Python<'_>,
+        url: String,
+        batch_size: u32,
+        shuffle: bool,
+        seed: u64,
+        epoch: u64,
+        rank: u32,
+        world_size: u32,
+        worker: u32,
+        num_workers: u32,
+        start_batch: u64,
+        drop_last: bool,
+        fields: Vec<String>,
+        shuffle_window: u32,
+        transport: &str,
+        expected_fingerprint: String,
+        cache: &str,
+    ) -> PyResult<Stream> {
+        let transport = match transport {
+            "auto" => Transport::Auto,
+            "inline" => Transport::Inline,
+            "shm" => Transport::Shm,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "transport must be \"auto\", \"shm\" or \"inline\", not {other:?}"
+                )));
+            }
+        };
+        let req = StreamRequest {
+            url,
+            fields,
+            batch_size,
+            shuffle,
+            seed,
+            epoch,
+            rank,
+            world_size,
+            worker,
+            num_workers,
+            start_batch,
+            drop_last,
+            shuffle_window,
+            transport: transport as i32,
+            expected_fingerprint,
+            cache: cache.to_owned(),
+        };
+        let mut c = self.client(py)?;
+        let inner = block_on(py, async move { shardstream_client::stream(&mut c, req).await })?.map_err(to_pyerr)?;
+        let fields = std::sync::Arc::new(inner.header.fields.clone());
+        Ok(Stream { inner: Some(inner), pid: std::process::id(), fields })
+    }
+}
+
+/// One consumer's batch stream.
+#[pyclass(module = "shardstream._native", unsendable)]
+struct Stream {
+    inner: Option<BatchStream>,
+    pid: u32,
+    fields: std::sync::Arc<Vec<String>>,
+}
+
+#[pymethods]
+impl Stream {
+    /// The stream header: transport, per-rank totals, fields.
+    #[getter]
+    fn header<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        if let Some(s) = &self.inner {
+            let h = &s.header;
+            let transport = match Transport::try_from(h.transport) {
+                Ok(Transport::Shm) => "shm",
+                _ => "inline",
+            };
+            d.set_item("transport", transport)?;
+            d.set_item("fingerprint", &h.fingerprint)?;
+            d.set_item("samples_per_rank", h.samples_per_rank)?;
+            d.set_item("batches_per_rank", h.batches_per_rank)?;
+            d.set_item("batches_in_stream", h.batches_in_stream)?;
+            d.set_item("padded_samples", h.padded_samples)?;
+            d.set_item("dropped_samples", h.dropped_samples)?;
+            d.set_item("fields", h.fields.clone())?;
+        }
+        Ok(d)
+    }
+
+    /// The next batch, or None at the end. Waits with the GIL released; Ctrl-C interrupts.
+    fn next_batch(&mut self, py: Python<'_>) -> PyResult<Option<batch::Batch>> {
+        if self.pid != std::process::id() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "a shardstream stream cannot be used across fork; start a new iteration in the child",
+            ));
+        }
+        let Some(stream) = self.inner.as_mut() else { return Ok(None) };
+        let next = block_on(py, stream.next())?;
+        match next {
+            None => {
+                self.inner = None;
+                Ok(None)
+            }
+            Some(Ok(b)) => {
+                let session = self.inner.as_ref().and_then(|s| s.shm.clone());
+                Ok(Some(batch::Batch::new(b, session, self.fields.clone())?))
+            }
+            Some(Err(e)) => {
+                self.inner = None;
+                Err(to_pyerr(e))
+            }
+        }
+    }
+
+    /// Ends the stream early (the daemon notices at once and stops reading for it).
+    fn close(&mut self) {
+        if self.pid == std::process::id() {
+            self.inner = None;
+        } else if let Some(s) = self.inner.take() {
+            // The stream's task lives in the parent's runtime: never drop it here.
+            std::mem::forget(s);
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.pid != std::process::id()
+            && let Some(s) = self.inner.take()
+        {
+            std::mem::forget(s);
+        }
+    }
+}
+
+/// Starts a daemon inside this process, listening on `socket` (a path), and returns its address.
+/// It runs on this process's runtime threads until the process exits.
+#[pyfunction]
+fn start_embedded_server(py: Python<'_>, socket: PathBuf, cache_dir: PathBuf) -> PyResult<String> {
+    use shardstream::daemon::{BoundDaemon, DaemonConfig};
+    let config = DaemonConfig::new(Address::Unix(socket), cache_dir);
+    let bound = block_on(py, async move { BoundDaemon::bind(config).await })?.map_err(errors::daemon_error)?;
+    let address = bound.address().to_string();
+    let token = shardstream::daemon::ShutdownToken::new();
+    runtime().spawn(async move {
+        if let Err(e) = bound.run(token).await {
+            eprintln!("shardstream embedded server stopped: {e}");
+        }
+    });
+    Ok(address)
+}
+
+/// True when a daemon answers at `address` (used by connect="auto").
+#[pyfunction]
+fn probe(py: Python<'_>, address: &str) -> PyResult<bool> {
+    let Ok(addr) = address.parse::<Address>() else { return Ok(false) };
+    block_on(py, async move {
+        tokio::time::timeout(Duration::from_secs(2), shardstream_client::connect(&addr)).await.is_ok_and(|r| r.is_ok())
+    })
+}
+
+/// Runs the `shardstream` command line with `argv` (argv[0] included); returns the exit code.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
+    py.detach(|| shardstream::cli::main_with_args(argv))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Connection>()?;
+    m.add_class::<Stream>()?;
+    m.add_class::<batch::Batch>()?;
+    m.add_class::<batch::Buffer>()?;
+    m.add_class::<batch::Region>()?;
+    m.add_function(wrap_pyfunction!(start_embedded_server, m)?)?;
+    m.add_function(wrap_pyfunction!(probe, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    errors::register(m)?;
+    m.add("__version__", shardstream::VERSION)?;
+    m.add("DEFAULT_SOCKET", shardstream_proto::DEFAULT_SOCKET)?;
+    Ok(())
+}
