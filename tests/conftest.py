@@ -1,0 +1,117 @@
+"""End-to-end fixtures: datasets written by the real `webdataset` library, and a real
+`shardstream serve` process (the command installed by the Python package) on a private socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+import shardstream
+
+SHARDSTREAM = str(Path(sys.executable).with_name("shardstream"))
+
+
+def write_dataset(
+    root: Path, n: int, per_shard: int, seed: int = 0, extra_every: int = 0
+) -> dict[str, dict[str, bytes]]:
+    """Writes `n` samples with webdataset.ShardWriter; returns {key: {field: bytes}}."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    samples: dict[str, dict[str, bytes]] = {}
+    with wds.ShardWriter(str(root / "train-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(n):
+            key = f"s{seed}/{i:06d}"
+            size = int(rng.integers(1, 3000))
+            fields = {"jpg": rng.integers(0, 256, size, dtype=np.uint8).tobytes(), "cls": str(i % 7).encode()}
+            if extra_every and i % extra_every == 0:
+                fields["json"] = b'{"i": %d}' % i
+            samples[key] = fields
+            sink.write({"__key__": key, **fields})
+    return samples
+
+
+class Daemon:
+    """`shardstream serve` as a real process. `args`: extra command-line options; `env`: extra
+    environment (the S3 endpoint and credentials); `wrap`: a command to run it under."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
+    ) -> None:
+        self.tmp = tmp
+        self.addr = f"unix://{tmp / 'sock'}"
+        self.cache_dir = tmp / "cache"
+        self.args = args or []
+        self.env = env or {}
+        self.wrap = wrap or []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        cmd = [SHARDSTREAM, "serve", "--listen", self.addr, "--cache-dir", str(self.cache_dir), "--log", "warn"]
+        self.proc = subprocess.Popen([*self.wrap, *cmd, *self.args], env={**os.environ, **self.env})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}")
+            if shardstream._native.probe(self.addr):
+                return self
+            time.sleep(0.02)
+        raise RuntimeError("daemon did not start within 30 s")
+
+    def status(self) -> dict:
+        return shardstream._native.Connection(self.addr).status()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, bytes]]]:
+    root = tmp_path_factory.mktemp("wds")
+    samples = write_dataset(root, n=1003, per_shard=97, extra_every=10)
+    return root, samples
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("daemon")).start()
+    yield d
+    code = d.stop()
+    assert code == 0, f"daemon exited with {code} on SIGTERM (expected a graceful 0)"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_addr(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SHARDSTREAM_ADDR", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,111 @@
+"""Bad input gets an error naming its cause, and the daemon keeps serving everyone else."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import shardstream
+
+
+def assert_still_serves(daemon, dataset) -> None:
+    root, samples = dataset
+    assert daemon.alive()
+    loader = shardstream.Loader(str(root), batch_size=256, connect=daemon.addr)
+    assert sum(len(b["__key__"]) for b in loader) == len(samples)
+
+
+def test_missing_dataset(daemon, dataset, tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        shardstream.Loader(str(missing), connect=daemon.addr)
+    assert_still_serves(daemon, dataset)
+
+
+def test_empty_directory(daemon, dataset, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no"):
+        shardstream.Loader(str(tmp_path), connect=daemon.addr)
+    assert_still_serves(daemon, dataset)
+
+
+def test_not_a_tar(daemon, dataset, tmp_path: Path) -> None:
+    (tmp_path / "x-000000.tar").write_bytes(b"this is not a tar file at all\n" * 100)
+    with pytest.raises(shardstream.ShardError, match="not a TAR") as err:
+        shardstream.Loader(str(tmp_path), connect=daemon.addr)
+    assert err.value.shard.endswith("x-000000.tar")
+    assert_still_serves(daemon, dataset)
+
+
+def test_truncated_tar(daemon, dataset, tmp_path: Path) -> None:
+    root, _ = dataset
+    good = (root / "train-000002.tar").read_bytes()
+    # Cut inside the payload of the member whose header sits at the middle of the shard.
+    headers = [o for o in range(0, len(good) // 2, 512) if good[o + 257 : o + 262] == b"ustar"]
+    cut = headers[-1] + 512  # the header is there, its payload is not
+    (tmp_path / "t-000000.tar").write_bytes(good[:cut])
+    with pytest.raises(shardstream.ShardError) as err:
+        shardstream.Loader(str(tmp_path), connect=daemon.addr)
+    assert err.value.shard.endswith("t-000000.tar")
+    assert err.value.offset is not None and 0 <= err.value.offset < len(good)
+    assert str(err.value.offset) in str(err.value)
+    assert_still_serves(daemon, dataset)
+
+
+def test_member_larger_than_shard(daemon, dataset, tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        info = tarfile.TarInfo("k1.bin")
+        info.size = 100
+        tf.addfile(info, io.BytesIO(b"x" * 100))
+    data = bytearray(buf.getvalue())
+    # Claim 1 GiB in the header's size field and fix its checksum: a lying member.
+    data[124:136] = b"%011o\0" % (1 << 30)
+    data[148:156] = b" " * 8
+    data[148:156] = b"%06o\0 " % sum(data[:512])
+    (tmp_path / "lie-000000.tar").write_bytes(bytes(data))
+    with pytest.raises(shardstream.ShardError, match="lie-000000.tar"):
+        shardstream.Loader(str(tmp_path), connect=daemon.addr)
+    assert_still_serves(daemon, dataset)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": 1 << 30}, "batch_size"),
+        ({"rank": 4, "world_size": 4}, "rank 4"),
+        ({"rank": 0, "world_size": 0}, "world"),
+        ({"rank": 0, "world_size": 1 << 40}, "world"),
+        ({"fields": ["nope"]}, "nope"),
+        ({"fields": "jpg"}, "fields"),
+        ({"seed": -1}, "seed"),
+        ({"transport": "carrier-pigeon"}, "transport"),
+    ],
+)
+def test_invalid_requests(daemon, dataset, kwargs, match) -> None:
+    root, _ = dataset
+    with pytest.raises(ValueError, match=match):
+        loader = shardstream.Loader(str(root), connect=daemon.addr, **kwargs)
+        next(iter(loader))
+    assert_still_serves(daemon, dataset)
+
+
+def test_unreachable_daemon(tmp_path: Path, dataset) -> None:
+    root, _ = dataset
+    with pytest.raises(ConnectionError, match="cannot connect"):
+        shardstream.Loader(str(root), connect=f"unix://{tmp_path}/no.sock")
+    with pytest.raises(ValueError, match="invalid daemon address"):
+        shardstream.Loader(str(root), connect="carrier://pigeon")
+
+
+def test_slow_client_does_not_block_others(daemon, dataset) -> None:
+    root, samples = dataset
+    stalled = shardstream.Loader(str(root), batch_size=8, connect=daemon.addr)
+    it = iter(stalled)
+    next(it)  # opened, then never read again while the others run
+    for _ in range(3):
+        assert_still_serves(daemon, dataset)
+    del it

@@ -1,0 +1,254 @@
+"""`shardstream pack` end to end: the installed command packs a generated ImageNet-style tree, and
+the result is read back through the daemon, by the real `webdataset` library, by GNU `tar -t` and
+(Parquet output) by pyarrow, with identical bytes and keys. Also: resume after `kill -9`, and
+every kind of bad input, reported with its path, skipped, or fatal with `--strict`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+
+import shardstream
+from conftest import SHARDSTREAM
+
+Samples = dict[str, dict[str, bytes]]
+
+
+def make_tree(root: Path, classes: int, per_class: int, seed: int = 0, max_bytes: int = 4000) -> Samples:
+    """`cNNN/xxxxxx.jpg` (+ `xxxxxx.json` for two samples in three); returns {key: {field: bytes}}."""
+    rng = np.random.default_rng(seed)
+    samples: Samples = {}
+    for c in range(classes):
+        d = root / f"c{c:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            n = c * per_class + i
+            key = f"c{c:03d}/{n:06d}"
+            fields = {"jpg": rng.integers(0, 256, int(rng.integers(1, max_bytes)), dtype=np.uint8).tobytes()}
+            if n % 3:
+                fields["json"] = json.dumps({"n": n}).encode()
+            for f, data in fields.items():
+                (root / f"{key}.{f}").write_bytes(data)
+            samples[key] = fields
+    return samples
+
+
+def pack(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([SHARDSTREAM, "pack", *map(str, args)], capture_output=True, text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"pack failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def with_labels(samples: Samples) -> Samples:
+    classes = sorted({k.split("/")[0] for k in samples})
+    return {k: {**v, "cls": str(classes.index(k.split("/")[0])).encode()} for k, v in samples.items()}
+
+
+def tree_bytes(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Samples]:
+    root = tmp_path_factory.mktemp("imagenet")
+    samples = make_tree(root, classes=5, per_class=120)
+    (root / "README").write_text("not a sample")
+    return root, samples
+
+
+@pytest.fixture(scope="module")
+def packed(imagenet: tuple[Path, Samples], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src, _ = imagenet
+    out = tmp_path_factory.mktemp("packed") / "out"
+    p = pack(src, "--output", out, "--label-from-dir", "--samples-per-shard", "70")
+    assert p.stdout.startswith("packed 600 samples (1000 files"), p.stdout
+    assert "ignored 1 file (" in p.stdout and "README" in p.stderr
+    return out
+
+
+def test_read_back_through_the_daemon(daemon, imagenet, packed: Path) -> None:
+    _, samples = imagenet
+    expected = with_labels(samples)
+    loader = shardstream.Loader(str(packed), batch_size=64, shuffle=True, seed=3, connect=daemon.addr)
+    got: Samples = {}
+    for batch in loader:
+        for i, key in enumerate(batch["__key__"]):
+            assert key not in got, f"{key} delivered twice"
+            got[key] = {f: bytes(batch[f][i]) for f in ("jpg", "json", "cls") if batch[f][i] is not None}
+    assert got == expected
+    assert json.loads((packed / "classes.json").read_text()) == {f"c{c:03d}": c for c in range(5)}
+
+
+def test_read_back_with_webdataset_and_tar(imagenet, packed: Path) -> None:
+    _, samples = imagenet
+    expected = with_labels(samples)
+    manifest = json.loads((packed / "manifest.json").read_text())
+    shards = [str(packed / s["name"]) for s in manifest["shards"]]
+    assert shards == sorted(glob.glob(str(packed / "*.tar")))
+    assert [s["samples"] for s in manifest["shards"]] == [70] * 8 + [40]
+    got: Samples = {}
+    for s in wds.WebDataset(shards, shardshuffle=False, empty_check=False):
+        got[s["__key__"]] = {k: v for k, v in s.items() if not k.startswith("__")}
+    assert got == expected
+    keys_in_order = []
+    for shard in shards:
+        names = subprocess.run(["tar", "-tf", shard], capture_output=True, text=True, check=True).stdout.split()
+        keys_in_order += [n.rsplit(".", 1)[0] for n in names if n.endswith(".cls")]
+        for name in names:
+            key, field = name.split(".", 1)
+            assert field in expected[key], name
+        verbose = subprocess.run(["tar", "-tvf", shard], capture_output=True, text=True, check=True).stdout
+        assert all(" 0/0 " in line and "2000-01-01 00:00" in line for line in verbose.splitlines())
+    assert keys_in_order == sorted(expected), "default order is key order"
+
+
+def test_parquet_read_by_pyarrow(imagenet, tmp_path: Path) -> None:
+    src, samples = imagenet
+    out = tmp_path / "pq"
+    p = pack(src, "--output", out, "--format", "parquet", "--samples-per-shard", "250", "--row-group-size", "64")
+    assert "parquet shards" in p.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["shard_format"] == "parquet"
+    files = [out / s["name"] for s in manifest["shards"]]
+    assert [f.name for f in files] == ["shard-000000.parquet", "shard-000001.parquet", "shard-000002.parquet"]
+    got: Samples = {}
+    for f in files:
+        meta = pq.ParquetFile(f).metadata
+        assert meta.num_row_groups == -(-meta.num_rows // 64)
+        table = pq.read_table(f)
+        assert table.column_names == ["__key__", "jpg", "json"]
+        for row in table.to_pylist():
+            got[row["__key__"]] = {k: v for k, v in row.items() if k != "__key__" and v is not None}
+    assert got == samples
+
+
+def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, classes=10, per_class=150, max_bytes=3000)
+    # ~90 shards: every shard is fsynced, so the pack takes long enough to be killed midway.
+    common = ["--samples-per-shard", "16", "--shuffle", "--seed", "11", "--threads", "2"]
+    clean = tmp_path / "clean"
+    pack(src, "--output", clean, *common)
+
+    out = tmp_path / "killed"
+    journal = out / "_shardstream" / "pack-journal.jsonl"
+    proc = subprocess.Popen(
+        [SHARDSTREAM, "pack", str(src), "--output", str(out), *common],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if journal.exists() and journal.read_text().count("\n") > 10:
+            break
+        time.sleep(0.002)
+    assert proc.poll() is None, "pack finished before it could be killed; make the tree larger"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # Nothing presented as complete: no manifest, no shard in DEST itself.
+    assert not (out / "manifest.json").exists()
+    assert not list(out.glob("*.tar"))
+    assert list((out / "_shardstream" / "staging").glob("shard-*.tar"))
+
+    # Without --resume, a different pack into it is refused; with it, the result is identical.
+    p = pack(src, "--output", out, "--samples-per-shard", "9", check=False)
+    assert p.returncode == 1 and "different dataset" in p.stderr and str(out) in p.stderr
+    p = pack(src, "--output", out, *common, "--resume")
+    assert "kept from the interrupted run" in p.stdout
+    assert tree_bytes(out) == tree_bytes(clean)
+
+    # The same seed gives the same bytes, another seed another order.
+    again = tmp_path / "again"
+    pack(src, "--output", again, *common)
+    assert tree_bytes(again) == tree_bytes(clean)
+    other = tmp_path / "other"
+    pack(src, "--output", other, *common[:-4], "--seed", "12", "--threads", "2")
+    assert (other / "shard-000000.tar").read_bytes() != (clean / "shard-000000.tar").read_bytes()
+
+
+def test_bad_inputs_reported_skipped_or_fatal(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, classes=2, per_class=5)
+    outside = tmp_path / "outside.jpg"
+    outside.write_bytes(b"secret")
+    (src / "c000" / "escape.jpg").symlink_to(outside)
+    (src / "c000" / "dangling.jpg").symlink_to(src / "c000" / "nothing")
+    with open(os.path.join(os.fsencode(src / "c001"), b"bad\xffname.jpg"), "wb") as f:
+        f.write(b"x")
+    out = tmp_path / "out"
+    p = pack(src, "--output", out)
+    for path, why in [
+        ("c000/escape.jpg", "symlink outside SRC"),
+        ("c000/dangling.jpg", "vanished"),
+        ("c001/bad\ufffdname.jpg", "name not UTF-8"),
+    ]:
+        assert f"skipped {path}: {why}" in p.stderr, p.stderr
+    assert "skipped 3 bad inputs" in p.stdout
+    assert json.loads((out / "manifest.json").read_text())["total_samples"] == 10
+
+    p = pack(src, "--output", tmp_path / "strict", "--strict", check=False)
+    assert p.returncode == 1 and "--strict" in p.stderr
+    assert any(name in p.stderr for name in ("escape.jpg", "dangling.jpg", "bad\ufffdname.jpg")), p.stderr
+    assert not (tmp_path / "strict" / "manifest.json").exists()
+
+
+def test_bad_entries_in_files_from(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=4)
+    (tmp_path / "outside.jpg").write_bytes(b"o")
+    good = ["c000/000000.jpg", "c000/000001.jpg", "./c000/000002.jpg"]
+    bad = {
+        "../outside.jpg": "path outside SRC",
+        "c000/../c000/000003.jpg": "path outside SRC",
+        "c000/missing.jpg": "vanished",
+        "c000/000000.jpg/x.jpg": "unreadable",  # ENOTDIR: unreadable even when tests run as root
+        "c000/000001.jpg": "duplicate key",  # listed twice
+    }
+    listing = "\n".join(good + list(bad)) + "\n"
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [SHARDSTREAM, "pack", str(src), "--output", str(out), "--files-from", "-"],
+        input=listing,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    for entry, why in bad.items():
+        assert f"skipped {entry}: {why}" in p.stderr, (entry, p.stderr)
+    assert f"skipped {len(bad)} bad inputs" in p.stdout
+    assert json.loads((out / "manifest.json").read_text())["total_samples"] == 3
+
+    for i, entry in enumerate(bad):
+        lst = tmp_path / f"list{i}"
+        lst.write_text(f"c000/000001.jpg\n{entry}\n")
+        p = pack(src, "--output", tmp_path / f"strict{i}", "--files-from", lst, "--strict", check=False)
+        assert p.returncode == 1, (entry, p.stdout)
+        assert "--strict" in p.stderr and (entry in p.stderr or "c000/000001.jpg" in p.stderr), p.stderr
+        assert not (tmp_path / f"strict{i}" / "manifest.json").exists()
+
+
+def test_dest_with_another_dataset_and_s3(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=3)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "train-000000.tar").write_bytes(b"made elsewhere")
+    p = pack(src, "--output", foreign, check=False)
+    assert p.returncode == 1 and "already holds" in p.stderr and "train-000000.tar" in p.stderr
+    p = pack(src, "--output", "s3://bucket/prefix/", check=False)
+    assert p.returncode == 1 and "S3 output needs the S3 storage backend" in p.stderr
+    p = subprocess.run([SHARDSTREAM, "pack", "--help"], capture_output=True, text=True, check=True)
+    for flag in ("--files-from", "--shard-size", "--samples-per-shard", "--key-regex", "--label-from-dir", "--resume"):
+        assert flag in p.stdout

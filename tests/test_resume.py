@@ -1,0 +1,68 @@
+"""Resume mid-epoch after the consumer is killed: the same sequence as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+CONSUMER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import torch.utils.data
+    import shardstream, shardstream.torch as sst
+
+    root, addr, out, mode, stop_after, state_path = sys.argv[1:7]
+    stop_after = int(stop_after)
+    if mode == "loader":
+        loader = shardstream.Loader(root, batch_size=24, seed=9, rank=1, world_size=3, connect=addr)
+        if os.path.exists(state_path):
+            loader.load_state_dict(json.load(open(state_path)))
+        else:
+            loader.set_epoch(2)
+        it, state_of = loader, loader.state_dict
+    else:
+        ds = sst.IterableDataset(root, batch_size=24, seed=9, rank=1, world_size=3, connect=addr)
+        ds.set_epoch(2)
+        dl = sst.DataLoader(ds, num_workers=2)
+        if os.path.exists(state_path):
+            dl.load_state_dict(json.load(open(state_path)))
+        it, state_of = dl, dl.state_dict
+    with open(out, "a") as f:
+        for n, batch in enumerate(it, 1):
+            f.write(json.dumps(batch["__key__"]) + "\\n")
+            f.flush()
+            if n == stop_after:
+                with open(state_path + ".tmp", "w") as s:
+                    json.dump(state_of(), s)
+                os.replace(state_path + ".tmp", state_path)
+                os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def run(root: Path, addr: str, out: Path, mode: str, stop_after: int, state: Path) -> int:
+    return subprocess.run(
+        [sys.executable, "-c", CONSUMER, str(root), addr, str(out), mode, str(stop_after), str(state)],
+        timeout=300,
+    ).returncode
+
+
+@pytest.mark.parametrize("mode", ["loader", "dataloader"])
+def test_resume_after_kill(daemon, dataset, tmp_path: Path, mode: str) -> None:
+    root, _ = dataset
+    full = tmp_path / "full.jsonl"
+    assert run(root, daemon.addr, full, mode, -1, tmp_path / "unused.json") == 0
+    expected = [json.loads(line) for line in full.read_text().splitlines()]
+    assert len(expected) > 8
+
+    resumed, state = tmp_path / "resumed.jsonl", tmp_path / "state.json"
+    assert run(root, daemon.addr, resumed, mode, 5, state) == -9, "first run must be SIGKILLed"
+    assert json.loads(state.read_text())["batches_consumed"] == 5
+    assert run(root, daemon.addr, resumed, mode, -1, state) == 0
+    got = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert got == expected, "resumed sequence differs from the uninterrupted one"

@@ -1,0 +1,319 @@
+"""S3 datasets end to end: a real S3-compatible server (s3s-fs) on 127.0.0.1, shards written by the
+real `webdataset` library into a bucket, a real daemon process with its node cache, and the
+faults the daemon must absorb: the server killed and restarted mid-download, an object altered
+after its manifest was written, a cache smaller than an epoch, the daemon SIGKILLed mid-download,
+and a cache disk that fills up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from s3server import S3Server, free_port
+
+import shardstream
+from conftest import SHARDSTREAM, Daemon, write_dataset
+
+Samples = dict[str, dict[str, bytes]]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def small(s3: S3Server) -> Samples:
+    """11 shards of ~100 samples in s3://data/small/ (no manifest)."""
+    return write_dataset(s3.bucket("data") / "small", n=1003, per_shard=97, extra_every=10)
+
+
+@pytest.fixture(scope="module")
+def indexed(s3: S3Server) -> Samples:
+    """8 shards of 50 samples in s3://data/indexed/, with manifest.json written by `shardstream index`."""
+    samples = write_dataset(s3.bucket("data") / "indexed", n=400, per_shard=50, seed=3)
+    p = index_s3(s3, "s3://data/indexed/")
+    assert "indexed 8 shards, 400 samples" in p.stdout and "s3://data/indexed/manifest.json" in p.stdout
+    return samples
+
+
+def start_daemon(tmp: Path, s3: S3Server, *args: str, **kw) -> Daemon:
+    return Daemon(tmp, args=list(args), env=s3.env(), **kw).start()
+
+
+def epoch(addr: str, url: str, seed: int = 0, epoch: int = 0, world: int = 1, batch_size: int = 32, **kw) -> Samples:
+    """Every rank's share of one epoch; asserts nothing is delivered twice (bar DDP padding)."""
+    got: Samples = {}
+    for rank in range(world):
+        loader = shardstream.Loader(
+            url, batch_size=batch_size, seed=seed, rank=rank, world_size=world, connect=addr, **kw
+        )
+        loader.set_epoch(epoch)
+        for batch in loader:
+            for i, key in enumerate(batch["__key__"]):
+                fields = {f: bytes(v[i]) for f in ("jpg", "cls", "json") if (v := batch.get(f)) and v[i] is not None}
+                if key in got:
+                    assert got[key] == fields  # a padded repeat (at most world - 1 of them)
+                got[key] = fields
+    return got
+
+
+def index_s3(s3: S3Server, url: str) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(
+        [SHARDSTREAM, "index", url], env={**os.environ, **s3.env()}, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_epoch_from_s3_is_exactly_once_with_identical_bytes(tmp_path: Path, s3: S3Server, small: Samples) -> None:
+    d = start_daemon(tmp_path, s3)
+    try:
+        assert epoch(d.addr, "s3://data/small/", world=2) == small
+        st = d.status()
+        # One listing, one manifest probe, then one GET per shard (each smaller than a part).
+        shard_bytes = sum(p.stat().st_size for p in (s3.root / "data/small").glob("*.tar"))
+        assert st["cache"]["misses"] == 11 and st["storage_bytes"] == shard_bytes, st
+        assert 11 <= st["storage_requests"] <= 11 + 4, st
+        # Epoch 2 is served from the node cache: no shard byte is downloaded again.
+        assert epoch(d.addr, "s3://data/small/", epoch=1) == small
+        assert d.status()["storage_bytes"] == st["storage_bytes"]
+    finally:
+        assert d.stop() == 0
+
+
+def test_index_writes_the_manifest_to_the_bucket_and_opening_costs_one_get(
+    tmp_path: Path, s3: S3Server, indexed: Samples
+) -> None:
+    prefix = s3.root / "data/indexed"
+    assert (prefix / "manifest.json").is_file() and len(list((prefix / "_shardstream").glob("*.idx"))) == 8
+    d = start_daemon(tmp_path, s3)
+    try:
+        info = shardstream._native.Connection(d.addr).open("s3://data/indexed/")
+        assert info["from_manifest"] and info["num_samples"] == 400
+        assert d.status()["storage_requests"] == 1, "a dataset with a manifest opens with one GET"
+        assert epoch(d.addr, "s3://data/indexed/", seed=5) == indexed
+        assert d.status()["storage_requests"] == 1 + 8
+    finally:
+        d.stop()
+
+
+def test_prefetch_stages_the_dataset_then_an_epoch_downloads_nothing(
+    tmp_path: Path, s3: S3Server, indexed: Samples
+) -> None:
+    d = start_daemon(tmp_path, s3)
+    try:
+        p = subprocess.run(
+            [SHARDSTREAM, "prefetch", "s3://data/indexed/", "--connect", d.addr, "--shards", "3"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0 and "staged 3 of 3 shards" in p.stdout, (p.stdout, p.stderr)
+        assert d.status()["cache"]["shards"] == 3
+        p = subprocess.run(
+            [SHARDSTREAM, "prefetch", "s3://data/indexed/", "--connect", d.addr],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "staged 8 of 8 shards" in p.stdout and "3 already cached" in p.stdout, p.stdout
+        before = d.status()["storage_bytes"]
+        assert epoch(d.addr, "s3://data/indexed/") == indexed
+        assert d.status()["storage_bytes"] == before
+    finally:
+        d.stop()
+
+
+def test_missing_bucket_prefix_and_bad_credentials_are_named(tmp_path: Path, s3: S3Server, small: Samples) -> None:
+    d = start_daemon(tmp_path, s3)
+    try:
+        with pytest.raises(FileNotFoundError, match="s3://data/nothing-here/"):
+            shardstream.Loader("s3://data/nothing-here/", connect=d.addr)
+        with pytest.raises(FileNotFoundError, match="s3://no-such-bucket/"):
+            shardstream.Loader("s3://no-such-bucket/x/", connect=d.addr)
+        with pytest.raises(ValueError, match="direct"):
+            shardstream.Loader("s3://data/small/", cache="direct", connect=d.addr)
+        # The daemon keeps serving.
+        assert sum(1 for _ in shardstream.Loader("s3://data/small/", batch_size=500, connect=d.addr)) == 3
+    finally:
+        d.stop()
+    bad = Daemon(tmp_path / "bad", env=s3.env(secret="wrong-secret")).start()
+    try:
+        with pytest.raises(PermissionError, match="s3://data/small/"):
+            shardstream.Loader("s3://data/small/", connect=bad.addr)
+    finally:
+        bad.stop()
+
+
+def big_dataset(s3: S3Server, name: str, shards: int = 6, per_shard: int = 8, size: int = 1 << 20) -> Samples:
+    """`shards` shards of `per_shard` samples of `size` random bytes: slow enough to interrupt."""
+    root = s3.bucket("data") / name
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    samples: Samples = {}
+    with wds.ShardWriter(str(root / "train-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(shards * per_shard):
+            key = f"{name}/{i:05d}"
+            samples[key] = {"jpg": rng.integers(0, 256, size, dtype=np.uint8).tobytes(), "cls": str(i).encode()}
+            sink.write({"__key__": key, **samples[key]})
+    return samples
+
+
+def run_epoch_in_thread(addr: str, url: str) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["samples"] = epoch(addr, url)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+# Small parts, one at a time, one shard at a time: a download of ~8 MiB takes many requests, so
+# the faults below land in the middle of one.
+SLOW = ["--s3-part-size", "256KiB", "--s3-concurrency", "1", "--prefetch-parallel", "1"]
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.002)
+
+
+def test_s3_server_killed_mid_download_and_restarted(tmp_path: Path, s3: S3Server) -> None:
+    samples = big_dataset(s3, "restart")
+    d = start_daemon(tmp_path, s3, *SLOW)
+    try:
+        t, out = run_epoch_in_thread(d.addr, "s3://data/restart/")
+        wait_for(lambda: d.status()["storage_bytes"] > 0)
+        s3.stop()
+        time.sleep(1.0)
+        s3.start()
+        t.join(timeout=300)
+        assert not t.is_alive()
+        assert "error" not in out, out.get("error")
+        assert out["samples"] == samples
+        assert d.status()["storage_retries"] > 0, "the kill did not interrupt any request"
+    finally:
+        d.stop()
+
+
+def test_object_altered_after_the_manifest_is_rejected_by_name(tmp_path: Path, s3: S3Server) -> None:
+    samples = write_dataset(s3.bucket("data") / "altered", n=300, per_shard=50, seed=9)
+    index_s3(s3, "s3://data/altered/")
+    victim = s3.root / "data/altered/train-000003.tar"
+    raw = bytearray(victim.read_bytes())
+    raw[2000] ^= 0xFF  # inside the first member's payload: same size, other bytes
+    victim.write_bytes(bytes(raw))
+    d = start_daemon(tmp_path, s3)
+    try:
+        loader = shardstream.Loader("s3://data/altered/", batch_size=10, shuffle=False, connect=d.addr)
+        delivered = 0
+        with pytest.raises(shardstream.ShardError) as err:
+            for batch in loader:
+                for i, key in enumerate(batch["__key__"]):
+                    assert bytes(batch["jpg"][i]) == samples[key]["jpg"], "a corrupt byte reached the trainer"
+                    delivered += 1
+        assert err.value.shard == "s3://data/altered/train-000003.tar"
+        assert "crc32c" in str(err.value) and "re-fetch" in str(err.value)
+        assert delivered == 150, "everything before the altered shard arrives, nothing of it"
+        assert not any(p.name.endswith("train-000003.tar") for p in (d.cache_dir / "shards").iterdir())
+    finally:
+        d.stop()
+
+
+def test_cache_smaller_than_an_epoch_evicts_and_stays_under_capacity(tmp_path: Path, s3: S3Server) -> None:
+    # 40 shards; the cache holds half. A consumer needs a few shards at a time (its shuffle
+    # window, and the batches it holds under lease), far fewer than 20.
+    samples = write_dataset(s3.bucket("data") / "evict", n=1000, per_shard=25, seed=4)
+    total = sum(p.stat().st_size for p in (s3.root / "data/evict").glob("*.tar"))
+    capacity = total // 2
+    d = start_daemon(tmp_path, s3, "--cache-size", str(capacity))
+    try:
+        for e in range(2):
+            assert epoch(d.addr, "s3://data/evict/", epoch=e, world=2, shuffle_window=2) == samples
+        c = d.status()["cache"]
+        assert c["capacity_bytes"] == capacity and c["high_water_bytes"] <= capacity, c
+        assert c["evictions"] > 0, c
+        on_disk = sum(p.stat().st_size for p in (d.cache_dir / "shards").iterdir())
+        assert on_disk <= capacity
+    finally:
+        assert d.stop() == 0
+
+
+def test_daemon_killed_mid_download_never_serves_a_partial_file(tmp_path: Path, s3: S3Server) -> None:
+    samples = big_dataset(s3, "sigkill", shards=4)
+    d = start_daemon(tmp_path, s3, *SLOW)
+    shards_dir = d.cache_dir / "shards"
+    t, out = run_epoch_in_thread(d.addr, "s3://data/sigkill/")
+    wait_for(lambda: any(p.name.startswith(".") for p in shards_dir.iterdir()))
+    d.kill()
+    t.join(timeout=60)
+    assert "error" in out, "the consumer must see the daemon die, not a short epoch"
+    partial = [p for p in shards_dir.iterdir() if p.name.startswith(".")]
+    assert partial, "the kill should have left a partial download behind"
+    d.start()
+    try:
+        assert not any(p.name.startswith(".") for p in shards_dir.iterdir()), "partial download not removed"
+        assert epoch(d.addr, "s3://data/sigkill/") == samples
+    finally:
+        d.stop()
+
+
+def test_a_full_cache_disk_evicts_instead_of_failing(tmp_path: Path, s3: S3Server) -> None:
+    """The cache directory is a 3 MiB tmpfs (in a private mount namespace) while the daemon is
+    told it may use 1 GiB: writes hit ENOSPC, the daemon lowers its capacity and evicts. The
+    dataset (4 MB) does not fit; what one consumer needs at a time (a few 200 kB shards) does."""
+    samples = big_dataset(s3, "diskfull", shards=20, per_shard=1, size=200_000)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    mount = f'mount -t tmpfs -o size=3m tmpfs {cache} && exec "$@"'
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    wrap = ["unshare", *userns, "--mount", "sh", "-c", mount, "sh"]
+    d = Daemon(tmp_path, args=["--cache-size", "1GiB"], env=s3.env(), wrap=wrap)
+    d.start()
+    try:
+        # Inline: a shared-memory client keeps its mappings of evicted shards until its stream
+        # ends, and on tmpfs those still hold the space.
+        got = epoch(d.addr, "s3://data/diskfull/", batch_size=1, shuffle_window=1, transport="inline")
+        assert got == samples
+        c = d.status()["cache"]
+        assert c["capacity_bytes"] < 3 << 20, c
+        assert c["evictions"] > 0, c
+    finally:
+        d.stop()
+
+
+def test_prometheus_metrics(tmp_path: Path, s3: S3Server, small: Samples) -> None:
+    port = free_port()
+    d = start_daemon(tmp_path, s3, "--metrics-addr", f"127.0.0.1:{port}")
+    try:
+        epoch(d.addr, "s3://data/small/")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for name in (
+            "shardstream_storage_bytes_total",
+            "shardstream_storage_requests_total",
+            "shardstream_cache_misses_total",
+            "shardstream_cache_bytes",
+            "shardstream_prefetch_horizon_seconds",
+            "shardstream_samples_served_total",
+        ):
+            assert name in text, name
+    finally:
+        d.stop()

@@ -1,0 +1,172 @@
+"""The shared-memory transport end to end: zero-copy views into the shards, leases that end when
+views are dropped, released, or the client is killed, and the checks on the side channel."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import shardstream
+from conftest import SHARDSTREAM, Daemon
+
+
+def status(addr: str) -> dict:
+    return shardstream._native.Connection(addr).status()
+
+
+def wait_for(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_default_is_shm_with_identical_bytes(daemon, dataset) -> None:
+    root, samples = dataset
+    loader = shardstream.Loader(str(root), batch_size=64, seed=4, connect=daemon.addr)
+    n = 0
+    for batch in loader:
+        assert isinstance(batch, shardstream.Batch)
+        for i, key in enumerate(batch["__key__"]):
+            v = batch["jpg"][i]
+            assert isinstance(v, memoryview) and v.readonly
+            assert type(v.obj).__name__ == "Region"
+            assert np.frombuffer(v, np.uint8).tobytes() == samples[key]["jpg"]
+            extra = batch["json"][i]
+            assert (extra is None) == ("json" not in samples[key])
+            n += 1
+    assert n == len(samples)
+    assert loader.stats()["transport"] == "shm"
+    with pytest.raises((TypeError, BufferError)):
+        batch["jpg"][0][0] = 1  # read-only: a client can never write into a shard
+
+
+def test_inline_on_request(daemon, dataset) -> None:
+    root, samples = dataset
+    loader = shardstream.Loader(str(root), batch_size=64, transport="inline", connect=daemon.addr)
+    keys = [k for b in loader for k in b["__key__"]]
+    assert sorted(keys) == sorted(samples) and loader.stats()["transport"] == "inline"
+
+
+def test_leases_follow_views_and_release(daemon, dataset) -> None:
+    root, _ = dataset
+    gc.collect()
+    assert wait_for(lambda: status(daemon.addr)["leased_shards"] == 0)
+    loader = shardstream.Loader(str(root), batch_size=16, connect=daemon.addr)
+    it = iter(loader)
+    batch = next(it)
+    view = batch["jpg"][0]
+    held = bytes(view)
+    assert status(daemon.addr)["leased_shards"] >= 1
+    batch.release()  # explicit release: the lease ends, the view stays readable
+    del batch
+    it.close()
+    assert wait_for(lambda: status(daemon.addr)["leased_shards"] == 0)
+    assert bytes(view) == held
+
+    it = iter(loader)
+    batch = next(it)
+    views = batch["jpg"]
+    del batch
+    it.close()
+    gc.collect()
+    assert status(daemon.addr)["leased_shards"] >= 1, "live views keep their batch leased"
+    del views
+    gc.collect()
+    assert wait_for(lambda: status(daemon.addr)["leased_shards"] == 0)
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time, shardstream
+    loader = shardstream.Loader(sys.argv[1], batch_size=8, connect=sys.argv[2])
+    it = iter(loader)
+    held = [next(it) for _ in range(3)]
+    print("holding", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_sigkilled_client_is_reclaimed(dataset, tmp_path) -> None:
+    root, _ = dataset
+    d = Daemon(tmp_path).start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), d.addr], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+        s = status(d.addr)
+        assert s["leased_shards"] >= 1 and s["shm_sessions"] >= 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        assert wait_for(lambda: status(d.addr)["leased_shards"] == 0 and status(d.addr)["shm_sessions"] == 0)
+        assert time.monotonic() - t0 < 5
+        # The daemon still serves.
+        loader = shardstream.Loader(str(root), batch_size=256, connect=d.addr)
+        assert sum(len(b["__key__"]) for b in loader) > 0
+    finally:
+        assert d.stop() == 0
+
+
+def frame(version: int, kind: int, token: bytes = b"\0" * 16) -> bytes:
+    return struct.pack("<IHHQQ", int.from_bytes(b"SSHM", "little"), version, kind, 0, 0) + token + b"\0" * 24
+
+
+def side_channel(addr: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(addr.removeprefix("unix://") + ".shm")
+    return s
+
+
+def test_side_channel_refuses_other_layouts_and_unknown_tokens(daemon, dataset) -> None:
+    s = side_channel(daemon.addr)
+    s.send(frame(99, 1))
+    reply = s.recv(128)
+    assert struct.unpack("<H", reply[6:8])[0] == 5  # ERROR
+    msg = reply[24:].rstrip(b"\0").decode()
+    assert "version 99" in msg and "version 1" in msg, msg
+    s = side_channel(daemon.addr)
+    s.send(frame(1, 1, os.urandom(16)))
+    assert b"unknown" in s.recv(128)
+    assert_still_serves = shardstream.Loader(str(dataset[0]), batch_size=512, connect=daemon.addr)
+    assert sum(len(b["__key__"]) for b in assert_still_serves) == len(dataset[1])
+
+
+def test_side_channel_socket_is_private(daemon) -> None:
+    path = daemon.addr.removeprefix("unix://")
+    for p in (path, path + ".shm"):
+        assert os.stat(p).st_mode & 0o077 == 0, f"{p} is accessible to others"
+
+
+def test_tcp_gets_inline_and_refuses_shm(dataset, tmp_path) -> None:
+    root, samples = dataset
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [SHARDSTREAM, "serve", "--listen", addr, "--cache-dir", str(tmp_path / "c"), "--log", "warn"]
+    )
+    try:
+        assert wait_for(lambda: shardstream._native.probe(addr), 30)
+        loader = shardstream.Loader(str(root), batch_size=128, connect=addr)
+        assert sum(len(b["__key__"]) for b in loader) == len(samples)
+        assert loader.stats()["transport"] == "inline"
+        with pytest.raises(ValueError, match="shm"):
+            next(iter(shardstream.Loader(str(root), transport="shm", connect=addr)))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
