@@ -1,0 +1,95 @@
+"""The shardstream daemon as the bench runs it: a separate process on a private Unix socket with
+its own cache directory, started before a shardstream reader and stopped (SIGTERM) after it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0
+POLL_S = 0.1
+
+
+class DaemonError(RuntimeError):
+    pass
+
+
+def executable() -> Path:
+    """The `shardstream` command the package installs next to this interpreter."""
+    beside = Path(sys.executable).with_name("shardstream")
+    if beside.exists():
+        return beside
+    found = shutil.which("shardstream")
+    if found:
+        return Path(found)
+    raise DaemonError(f"no `shardstream` command in {beside.parent} or on PATH: the package is not installed")
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " / ".join(text[-lines:])
+
+
+class Daemon:
+    def __init__(self, proc: subprocess.Popen[bytes], addr: str, log: Path) -> None:
+        self.proc, self.addr, self.log = proc, addr, log
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    def start(cls, workdir: Path) -> Daemon:
+        """Starts `shardstream serve` in workdir and waits until it answers `shardstream status`."""
+        exe = executable()
+        sock = workdir / "sock"
+        addr = f"unix://{sock}"
+        log = workdir / "daemon.log"
+        cmd = [str(exe), "serve", "--listen", addr, "--cache-dir", str(workdir / "cache")]
+        env = {**os.environ, "SHARDSTREAM_LOG": os.environ.get("SHARDSTREAM_LOG", "warn")}
+        try:
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        except OSError as e:
+            raise DaemonError(f"cannot start {exe}: {e}") from e
+        daemon = cls(proc, addr, log)
+        try:
+            daemon._wait_ready(exe, sock)
+        except BaseException:
+            daemon.stop()
+            raise
+        return daemon
+
+    def _wait_ready(self, exe: Path, sock: Path) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        status = [str(exe), "status", "--connect", self.addr]
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DaemonError(f"daemon exited with {self.proc.returncode}: {_tail(self.log)}")
+            if sock.exists() and subprocess.run(status, capture_output=True, check=False).returncode == 0:
+                return
+            time.sleep(POLL_S)
+        raise DaemonError(f"daemon not ready within {READY_TIMEOUT_S:.0f} s: {_tail(self.log)}")
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within STOP_TIMEOUT_S; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_tail(self, lines: int = 3) -> str:
+        return _tail(self.log, lines)

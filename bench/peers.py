@@ -1,0 +1,197 @@
+"""One shuffled epoch of one reader, in a fresh interpreter (the harness runs this as a subprocess)::
+
+    python bench/peers.py READER WORKERS DATASET_DIR SAMPLES [ADDRESS]
+
+Every reader is driven the way its documentation shows, batch size 256, and feeds the same cheap
+consumer: for each sample, touch the payload (`np.frombuffer(v, np.uint8)[::4096].sum()`), take its
+length, and read the sample index the generator wrote after the start marker (so the harness can
+tell "every sample exactly once" from "the right count"). Library imports happen before the clock
+starts: they are not the reader's cost.
+
+Prints one line `RESULT {json}`: samples, bytes, seconds (construction of the loader to the end of
+the epoch), ttfb (construction to the first batch), cpu_before (CPU seconds this process had used
+when the clock started, so the harness can leave imports out), missing/duplicated/out-of-range ids.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import gen
+import numpy as np
+
+BATCH = 256
+SEED = 0
+# Samples in the shuffle buffer of the webdataset peer: the value its documentation uses.
+WDS_SHUFFLE_BUFFER = 1000
+RESULT_PREFIX = "RESULT "
+
+Payloads = Iterable[Any]  # one batch: bytes-like payloads
+Make = Callable[[Path, int, str], Iterator[Payloads]]
+
+
+def as_list(batch: list[Any]) -> list[Any]:
+    """collate_fn that keeps a batch as the list of samples (no tensor conversion)."""
+    return batch
+
+
+class RawFiles:
+    """Map-style dataset over `raw/<label>/<key>.jpg` + `.cls`: what a user writes without a library."""
+
+    def __init__(self, root: Path) -> None:
+        dirs = [d.path for d in os.scandir(root) if d.is_dir()]
+        jpgs = (e.path for d in dirs for e in os.scandir(d) if e.name.endswith(".jpg"))
+        self.stems = sorted(p[: -len(".jpg")] for p in jpgs)
+
+    def __len__(self) -> int:
+        return len(self.stems)
+
+    def __getitem__(self, i: int) -> tuple[bytes, int]:
+        stem = self.stems[i]
+        with open(stem + ".jpg", "rb") as f:
+            jpg = f.read()
+        with open(stem + ".cls", "rb") as f:
+            cls = int(f.read())
+        return jpg, cls
+
+
+def torch_files(data: Path, workers: int, _addr: str) -> Iterator[Payloads]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    generator = torch.Generator().manual_seed(SEED)
+    dl = DataLoader(
+        RawFiles(data / "raw"),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=as_list,
+        generator=generator,
+    )
+    return ([jpg for jpg, _cls in batch] for batch in dl)
+
+
+def webdataset(data: Path, workers: int, _addr: str) -> Iterator[Payloads]:
+    import webdataset as wds
+    from torch.utils.data import DataLoader
+
+    urls = [str(p) for p in sorted((data / "wds").glob("*.tar"))]
+    ds = (
+        wds.WebDataset(urls, shardshuffle=len(urls), seed=SEED, empty_check=False)
+        .shuffle(WDS_SHUFFLE_BUFFER)
+        .to_tuple("jpg", "cls")
+        .batched(BATCH, collation_fn=as_list)
+    )
+    dl = DataLoader(ds, batch_size=None, num_workers=workers)
+    return ([jpg for jpg, _cls in batch] for batch in dl)
+
+
+def mosaicml(data: Path, workers: int, _addr: str) -> Iterator[Payloads]:
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+    from torch.utils.data import DataLoader
+
+    clean_stale_shared_memory()  # a previous run killed by the timeout leaves its segments behind
+    ds = StreamingDataset(local=str(data / "mds"), shuffle=True, shuffle_seed=SEED, batch_size=BATCH)
+    dl = DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=as_list)
+    return ([s["jpg"] for s in batch] for batch in dl)
+
+
+def litdata(data: Path, workers: int, _addr: str) -> Iterator[Payloads]:
+    import litdata as ld
+
+    ds = ld.StreamingDataset(str(data / "litdata"), shuffle=True, seed=SEED)
+    dl = ld.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=as_list)
+    return ([s["jpg"] for s in batch] for batch in dl)
+
+
+def shardstream(data: Path, workers: int, addr: str, transport: str = "auto") -> Iterator[Payloads]:
+    import shardstream as ss
+
+    url = str(data / "wds")
+    if workers == 0:
+        loader = ss.Loader(url, batch_size=BATCH, shuffle=True, seed=SEED, connect=addr, transport=transport)
+        return (batch["jpg"] for batch in loader)
+    from torch.utils.data import DataLoader
+
+    import shardstream.torch as sst
+
+    ds = sst.IterableDataset(url, batch_size=BATCH, shuffle=True, seed=SEED, connect=addr, transport=transport)
+    dl = DataLoader(ds, batch_size=None, num_workers=workers)
+    return (batch["jpg"] for batch in dl)
+
+
+def shardstream_inline(data: Path, workers: int, addr: str) -> Iterator[Payloads]:
+    """shardstream with the bytes inside the gRPC messages (what a remote trainer gets)."""
+    return shardstream(data, workers, addr, transport="inline")
+
+
+# reader -> (dataset format it reads, how to build it, modules imported before the clock starts)
+READERS: dict[str, tuple[str, Make, tuple[str, ...]]] = {
+    "torch-files": ("raw", torch_files, ()),
+    "webdataset": ("wds", webdataset, ("webdataset",)),
+    "mosaicml": ("mds", mosaicml, ("streaming", "streaming.base.util")),
+    "litdata": ("litdata", litdata, ("litdata",)),
+    "shardstream": ("wds", shardstream, ("shardstream", "shardstream.torch")),
+    "shardstream-inline": ("wds", shardstream_inline, ("shardstream", "shardstream.torch")),
+}
+
+
+def cpu_self() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def epoch(make: Make, data: Path, workers: int, addr: str) -> dict[str, Any]:
+    """Runs one epoch through the common consumer and returns what it counted."""
+    cpu_before = cpu_self()
+    t0 = time.perf_counter()
+    ttfb = None
+    n = nbytes = touched = 0
+    ids: list[int] = []
+    for payloads in make(data, workers, addr):
+        if ttfb is None:
+            ttfb = time.perf_counter() - t0
+        for v in payloads:
+            a = np.frombuffer(v, np.uint8)
+            touched += int(a[::4096].sum())
+            nbytes += len(a)
+            ids.append(int.from_bytes(a[gen.ID_OFFSET : gen.ID_OFFSET + gen.ID_BYTES], "little"))
+            n += 1
+    seconds = time.perf_counter() - t0
+    return {"samples": n, "bytes": nbytes, "seconds": seconds, "ttfb": ttfb, "cpu_before": cpu_before,
+            "touched": touched, "ids": ids}
+
+
+def check_ids(ids: list[int], expected: int) -> dict[str, int]:
+    arr = np.asarray(ids, dtype=np.int64)
+    bad = int(((arr < 0) | (arr >= expected)).sum())
+    counts = np.bincount(arr[(arr >= 0) & (arr < expected)], minlength=expected)
+    return {"missing": int((counts == 0).sum()), "duplicated": int((counts > 1).sum()), "out_of_range": bad}
+
+
+def main() -> None:
+    reader, workers, data, expected = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+    addr = sys.argv[5] if len(sys.argv) > 5 else ""
+    _fmt, make, preload = READERS[reader]
+    importlib.import_module("torch.utils.data")
+    for module in preload:
+        importlib.import_module(module)
+    result = epoch(make, data, workers, addr)
+    result.update(check_ids(result.pop("ids"), expected))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    # Some peers' background threads make interpreter teardown slow or hang; the epoch is over.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The Markdown report: a header saying where and how it was measured, the results table, and any
+extra sections (from `--extra-json` files or other scripts calling `append_sections`).
+
+An extra section is a JSON object `{"title": str, "markdown": str}` (text used as is) or
+`{"title": str, "data": {...}}` (rendered as a two-column table), or a list of such objects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PEER_EXCLUDED = "shardstream"  # the reader the peers are compared with
+
+
+@dataclass
+class Row:
+    reader: str
+    workers: int
+    samples: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    ttfb: float | None = None
+    peak_pss_mib: float = 0.0
+    pss_samples: int = 0
+    cpu_s: float = 0.0
+    error: str = ""  # the run failed: no figures
+    mismatch: str = ""  # the run finished but did not deliver the dataset exactly once
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and not self.mismatch
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds else 0.0
+
+
+@dataclass
+class Report:
+    title: str
+    header: list[str]  # Markdown lines under the title
+    rows: list[Row]
+    cat_gbps: float
+    footer: list[str] = field(default_factory=list)
+    sections: list[tuple[str, str]] = field(default_factory=list)  # (title, Markdown body)
+
+    def best_peer(self) -> float:
+        peers = [r.samples_per_s for r in self.rows if not r.reader.startswith(PEER_EXCLUDED) and r.ok]
+        return max(peers, default=0.0)
+
+    def render(self) -> str:
+        lines = [f"# {self.title}", "", *self.header, "", table(self.rows, self.best_peer(), self.cat_gbps)]
+        if self.footer:
+            lines += ["", *self.footer]
+        for title, body in self.sections:
+            lines += ["", f"## {title}", "", body.rstrip()]
+        return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.replace("|", "\\|").split())
+
+
+def _ratio(x: float, of: float, digits: int = 2) -> str:
+    return f"{x / of:.{digits}f}" if of > 0 else "-"
+
+
+COLUMNS = [
+    "reader", "workers", "samples/s", "MB/s", "first batch (s)", "peak PSS (MiB)", "CPU-s/epoch",
+    "samples/s vs best peer", "MB/s vs cat", "check",
+]
+
+
+def table(rows: list[Row], best_peer: float, cat_gbps: float) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for r in rows:
+        if r.error:
+            cells = [r.reader, str(r.workers), "-", "-", "-", f"{r.peak_pss_mib:,.0f}" if r.peak_pss_mib else "-",
+                     "-", "-", "-", f"**failed**: {_cell(r.error)}"]
+        else:
+            ttfb = f"{r.ttfb:.2f}" if r.ttfb is not None else "-"
+            check = f"**MISMATCH**: {_cell(r.mismatch)}" if r.mismatch else "ok"
+            cells = [r.reader, str(r.workers), f"{r.samples_per_s:,.0f}", f"{r.mb_per_s:,.0f}", ttfb,
+                     f"{r.peak_pss_mib:,.0f}", f"{r.cpu_s:.1f}", _ratio(r.samples_per_s, best_peer),
+                     _ratio(r.mb_per_s, cat_gbps * 1e3, 3), check]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _data_table(data: dict[str, Any]) -> str:
+    lines = ["| | |", "|---|---|"]
+    for k, v in data.items():
+        shown = f"{v:,.3f}".rstrip("0").rstrip(".") if isinstance(v, float) else json.dumps(v).strip('"')
+        lines.append(f"| {_cell(str(k))} | {_cell(shown)} |")
+    return "\n".join(lines)
+
+
+def section(obj: dict[str, Any]) -> tuple[str, str]:
+    """(title, Markdown body) of one extra-section object."""
+    title = str(obj.get("title", "Extra"))
+    if "markdown" in obj:
+        return title, str(obj["markdown"])
+    if isinstance(obj.get("data"), dict):
+        return title, _data_table(obj["data"])
+    return title, "```json\n" + json.dumps(obj, indent=1) + "\n```"
+
+
+def sections_from_json(path: Path) -> list[tuple[str, str]]:
+    obj = json.loads(path.read_text())
+    return [section(o) for o in (obj if isinstance(obj, list) else [obj])]
+
+
+def append_sections(path: Path, sections: list[tuple[str, str]]) -> None:
+    """Appends sections to an existing report (for scripts that measure something after run.py)."""
+    text = path.read_text().rstrip("\n") + "\n"
+    for title, body in sections:
+        text += f"\n## {title}\n\n{body.rstrip()}\n"
+    path.write_text(text)

@@ -1,0 +1,414 @@
+"""S3 datasets and the node cache, measured against a real S3-compatible server (s3s-fs, built by
+scripts/s3-server.sh) on 127.0.0.1, in one run, written to bench/S3_RESULTS.md:
+
+1. **cold epoch**: a fresh daemon with an empty cache streams one shuffled epoch of the bench's
+   WebDataset shards from S3; its MB/s against what the same server delivers to a plain client
+   (`s3_fetch`: aws-sdk-s3, N concurrent ranged GETs, bytes discarded) in the same run;
+2. **warm epoch**: the next epoch, served from the node cache;
+3. **time to first batch** on a 10,000-shard dataset with a manifest, and S3 requests per epoch;
+4. **epoch 2 with a cache of half the dataset**: bytes downloaded again, Belady (clairvoyant)
+   against LRU;
+5. **peers on the same server**: the `webdataset` library reading `pipe:curl` URLs (SigV4 by
+   curl) and MosaicML `streaming` with an `s3://` remote (`S3_ENDPOINT_URL`).
+
+Every epoch is checked exactly-once (sample ids written by the generator)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import gen  # noqa: E402
+import measure  # noqa: E402
+from s3server import S3Server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDSTREAM = str(Path(sys.executable).with_name("shardstream"))
+BATCH = 256
+
+
+def daemon(tmp: Path, env: dict[str, str], *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    addr = f"unix://{tmp / 'sock'}"
+    log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
+    cmd = [SHARDSTREAM, "serve", "--listen", addr, "--cache-dir", str(tmp / "cache"), "--log", "warn", *args]
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+    import shardstream
+
+    deadline = time.monotonic() + 30
+    while not shardstream._native.probe(addr):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"daemon did not start: {(tmp / 'daemon.log').read_text()[-2000:]}")
+        time.sleep(0.02)
+    return proc, addr
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def status(addr: str) -> dict[str, Any]:
+    import shardstream
+
+    return shardstream._native.Connection(addr).status()
+
+
+def consume(batches, expected: int | None) -> dict[str, Any]:
+    """The bench's common consumer; returns samples, payload bytes, ttfb, seconds, check."""
+    t0 = time.perf_counter()
+    ttfb = None
+    n = nbytes = 0
+    ids: list[int] = []
+    for payloads in batches:
+        if ttfb is None:
+            ttfb = time.perf_counter() - t0
+        for v in payloads:
+            a = np.frombuffer(v, np.uint8)
+            int(a[::4096].sum())
+            nbytes += len(a)
+            ids.append(int.from_bytes(a[gen.ID_OFFSET : gen.ID_OFFSET + gen.ID_BYTES], "little"))
+            n += 1
+    seconds = time.perf_counter() - t0
+    check = "ok"
+    if expected is not None:
+        counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=expected)
+        if len(ids) != expected or (counts != 1).any():
+            check = f"MISMATCH ({len(ids)} samples, {int((counts == 0).sum())} missing)"
+    return {"samples": n, "bytes": nbytes, "seconds": seconds, "ttfb": ttfb, "check": check}
+
+
+def loader_epoch(addr: str, url: str, epoch: int, expected: int | None) -> dict[str, Any]:
+    import shardstream
+
+    t0 = time.perf_counter()
+    loader = shardstream.Loader(url, batch_size=BATCH, shuffle=True, seed=0, connect=addr)
+    loader.set_epoch(epoch)
+    r = consume((b["jpg"] for b in loader), expected)
+    r["seconds"] = time.perf_counter() - t0  # constructing the loader counts
+    return r
+
+
+def fmt(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """The bench's shards as objects of a bucket: hard links, no copy."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in sorted(src.glob("*.tar")):
+        if not (dst / p.name).exists():
+            os.link(p, dst / p.name)
+
+
+def tiny_shards(d: Path, shards: int, per_shard: int) -> int:
+    """`shards` small TARs of `per_shard` samples each (the time-to-first-batch dataset)."""
+    if (d / ".complete").exists():
+        return shards * per_shard
+    d.mkdir(parents=True, exist_ok=True)
+    payload = bytes(1024)
+    for s in range(shards):
+        with tarfile.open(d / f"shard-{s:06d}.tar", "w") as tf:
+            for i in range(per_shard):
+                for ext, data in (("jpg", payload), ("cls", b"0")):
+                    info = tarfile.TarInfo(f"{s:06d}-{i:03d}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, BytesIO(data))
+    (d / ".complete").write_text("")
+    return shards * per_shard
+
+
+def shardstream_index(path: Path) -> None:
+    if not (path / "manifest.json").exists():
+        subprocess.run([SHARDSTREAM, "index", str(path)], check=True, capture_output=True)
+
+
+def plain_client(env: dict[str, str], bucket: str, prefix: str, concurrency: int) -> dict[str, Any]:
+    exe = ROOT / "target/release/examples/s3_fetch"
+    out = subprocess.run(
+        [str(exe), bucket, prefix, str(concurrency)], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"s3_fetch failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def peer_webdataset(server: S3Server, prefix: str, names: list[str], expected: int) -> dict[str, Any]:
+    import webdataset as wds
+
+    env = server.env()
+    user = f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}"
+    urls = [
+        f"pipe:curl -sf --aws-sigv4 aws:amz:us-east-1:s3 --user {user} {server.endpoint}/bench/{prefix}{n}"
+        for n in names
+    ]
+    t0 = time.perf_counter()
+    ds = wds.WebDataset(urls, shardshuffle=len(urls)).shuffle(1000).to_tuple("jpg").batched(BATCH)
+    r = consume(([x for x in b[0]] for b in ds), expected)
+    r["seconds"] = time.perf_counter() - t0
+    return r
+
+
+def peer_mosaicml(server: S3Server, mds_prefix: str, expected: int) -> dict[str, Any]:
+    env = server.env()
+    saved = dict(os.environ)
+    os.environ.update(
+        {
+            "S3_ENDPOINT_URL": server.endpoint,
+            "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
+            "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+    )
+    try:
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        local = tempfile.mkdtemp(prefix="mds-cache-")
+        t0 = time.perf_counter()
+        ds = StreamingDataset(remote=f"s3://bench/{mds_prefix}", local=local, shuffle=True, batch_size=BATCH)
+        # Iterated, as a training loop does (indexing would bypass its shuffle).
+        it = iter(ds)
+        batches = ([s["jpg"] for s in _take(it, BATCH)] for _ in range(-(-len(ds) // BATCH)))
+        r = consume(batches, expected)
+        r["seconds"] = time.perf_counter() - t0
+        shutil.rmtree(local, ignore_errors=True)
+        return r
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _take(it, n):
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=100_000)
+    ap.add_argument("--tiny-shards", type=int, default=10_000)
+    ap.add_argument("--concurrency", type=int, default=8, help="ranged GETs in flight for the plain client")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/S3_RESULTS.md")
+    ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
+    ap.add_argument("--skip-peers", action="store_true")
+    args = ap.parse_args()
+
+    spec = gen.Spec(samples=args.samples)
+    base = gen.ensure(args.data, spec, ["wds"] + ([] if args.skip_peers else ["mds"]))
+    s3root = args.data / "s3"
+    bucket = s3root / "bench"
+    link_tree(base / "wds", bucket / f"{spec.key()}/wds")
+    shardstream_index(bucket / f"{spec.key()}/wds")
+    if not args.skip_peers:
+        mds_dst = bucket / f"{spec.key()}/mds"
+        if not mds_dst.exists():
+            shutil.copytree(base / "mds", mds_dst, copy_function=os.link)
+    tiny = bucket / f"tiny-{args.tiny_shards}"
+    tiny_samples = tiny_shards(tiny, args.tiny_shards, 4)
+    shardstream_index(tiny)
+    shard_files = sorted((bucket / f"{spec.key()}/wds").glob("*.tar"))
+    shard_bytes = sum(p.stat().st_size for p in shard_files)
+    measure.warm(shard_files)
+
+    server = S3Server(s3root).start()
+    env = server.env()
+    url = f"s3://bench/{spec.key()}/wds/"
+    load_before = os.getloadavg()
+    rows: dict[str, Any] = {}
+    scratch = Path(tempfile.mkdtemp(prefix="s3bench-"))
+    try:
+        # 1. The server's own throughput to a plain client (best of 2).
+        plain = max(
+            (plain_client(env, "bench", f"{spec.key()}/wds/", args.concurrency) for _ in range(2)),
+            key=lambda r: r["mb_per_s"],
+        )
+        rows["plain"] = plain
+        print(f"plain client: {plain['mb_per_s']:.0f} MB/s", flush=True)
+
+        # 2. Cold then warm epoch, cache large enough.
+        d = scratch / "cold"
+        d.mkdir()
+        proc, addr = daemon(d, env)
+        try:
+            cold = loader_epoch(addr, url, 0, spec.samples)
+            st = status(addr)
+            warm = loader_epoch(addr, url, 1, spec.samples)
+            st2 = status(addr)
+        finally:
+            stop(proc)
+        cold["storage_bytes"], cold["requests"] = st["storage_bytes"], st["storage_requests"]
+        warm["downloaded"] = st2["storage_bytes"] - st["storage_bytes"]
+        rows["cold"], rows["warm"] = cold, warm
+        print(f"cold epoch: {shard_bytes / 1e6 / cold['seconds']:.0f} MB/s of shards, {cold['check']}", flush=True)
+
+        # 3. Time to first batch, 10,000 shards with a manifest; requests per epoch.
+        d = scratch / "tiny"
+        d.mkdir()
+        proc, addr = daemon(d, env)
+        try:
+            import shardstream
+
+            t0 = time.perf_counter()
+            loader = shardstream.Loader(f"s3://bench/{tiny.name}/", batch_size=BATCH, seed=0, connect=addr)
+            it = iter(loader)
+            next(it)
+            ttfb = time.perf_counter() - t0
+            n = BATCH + sum(len(b["__key__"]) for b in it)
+            st = status(addr)
+        finally:
+            stop(proc)
+        one_shard = (tiny / "shard-000000.tar").stat().st_size
+        rows["tiny"] = {
+            "ttfb": ttfb,
+            "samples": n,
+            "expected": tiny_samples,
+            "requests": st["storage_requests"],
+            "shards": args.tiny_shards,
+            "shard_bytes": one_shard,
+        }
+        print(f"10k shards: first batch {ttfb:.2f} s, {st['storage_requests']} requests", flush=True)
+
+        # 4. Epoch 2 with a cache of half the dataset: Belady vs LRU.
+        for policy in ("belady", "lru"):
+            d = scratch / policy
+            d.mkdir()
+            proc, addr = daemon(d, env, "--cache-size", str(shard_bytes // 2), "--cache-policy", policy)
+            try:
+                e1 = loader_epoch(addr, url, 0, spec.samples)
+                after1 = status(addr)["storage_bytes"]
+                e2 = loader_epoch(addr, url, 1, spec.samples)
+                after2 = status(addr)
+            finally:
+                stop(proc)
+            rows[policy] = {
+                "epoch1": e1,
+                "epoch2": e2,
+                "redownloaded": after2["storage_bytes"] - after1,
+                "high_water": after2["cache"]["high_water_bytes"],
+                "capacity": after2["cache"]["capacity_bytes"],
+            }
+            print(f"{policy}: epoch 2 downloaded {rows[policy]['redownloaded'] / 1e6:.0f} MB", flush=True)
+
+        # 5. Peers on the same server.
+        if not args.skip_peers:
+            try:
+                rows["webdataset"] = peer_webdataset(
+                    server, f"{spec.key()}/wds/", [p.name for p in shard_files], spec.samples
+                )
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                rows["webdataset"] = {"error": repr(e)}
+            try:
+                rows["mosaicml"] = peer_mosaicml(server, f"{spec.key()}/mds", spec.samples)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                rows["mosaicml"] = {"error": repr(e)}
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    write_report(args, spec, rows, shard_bytes, len(shard_files), load_before)
+
+
+def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -> None:
+    plain, cold, warm, tiny = rows["plain"], rows["cold"], rows["warm"], rows["tiny"]
+    cold_mbps = shard_bytes / 1e6 / cold["seconds"]
+    lines = [
+        "# S3 datasets and the node cache",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `python bench/s3_bench.py"
+        f" --samples {args.samples}` (part of `make bench`).",
+        "",
+        f"- Machine: {os.cpu_count()} CPUs; load average before {' '.join(f'{x:.2f}' for x in load_before)},"
+        f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+        "- Server: s3s-fs 0.14.1 on 127.0.0.1 (SigV4 checked; objects are files, hot in the page cache).",
+        f"- Dataset: {spec.samples:,} samples of 16-20 KiB in {shards} WebDataset shards"
+        f" ({shard_bytes / 1e9:.2f} GB), manifest written by `shardstream index`.",
+        "",
+        "| measurement | value | ratio |",
+        "|---|---|---|",
+        f"| plain client, {args.concurrency} concurrent ranged GETs (`s3_fetch`) |"
+        f" {fmt(plain['mb_per_s'])} MB/s | 1.00 |",
+        f"| shardstream cold epoch (empty cache, shuffled, every sample checked: {cold['check']}) |"
+        f" {fmt(cold_mbps)} MB/s of shards, {fmt(cold['samples'] / cold['seconds'])} samples/s |"
+        f" {cold_mbps / plain['mb_per_s']:.2f} of the plain client |",
+        f"| S3 requests in the cold epoch | {cold['requests']} for {shards} shards |"
+        f" {cold['requests'] / shards:.2f} per shard |",
+        f"| shardstream warm epoch (node cache; {warm['check']}) | {fmt(warm['samples'] / warm['seconds'])} samples/s,"
+        f" {fmt(warm['downloaded'] / 1e6)} MB downloaded |"
+        f" {cold['seconds'] / warm['seconds']:.1f}x the cold epoch's speed |",
+        f"| time to first batch, {tiny['shards']:,} shards with manifest ({tiny['shard_bytes']:,} B each) |"
+        f" {tiny['ttfb']:.2f} s | |",
+        f"| S3 requests for that epoch ({tiny['samples']:,} of {tiny['expected']:,} samples) |"
+        f" {tiny['requests']:,} | {tiny['requests'] / tiny['shards']:.3f} per shard |",
+    ]
+    b, lru = rows["belady"], rows["lru"]
+    lines += [
+        "",
+        "## Epoch 2 with a node cache of half the dataset",
+        "",
+        "Same daemon for epochs 1 and 2 (seed 0, one consumer); bytes fetched from S3 during epoch 2.",
+        "",
+        "| policy | epoch 2 re-downloaded | share of the dataset | cache high water / capacity | epoch 1, 2 check |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in (("belady (clairvoyant)", b), ("lru", lru)):
+        lines.append(
+            f"| {name} | {fmt(r['redownloaded'] / 1e6)} MB | {r['redownloaded'] / shard_bytes:.2f} |"
+            f" {fmt(r['high_water'] / 1e6)} / {fmt(r['capacity'] / 1e6)} MB |"
+            f" {r['epoch1']['check']}, {r['epoch2']['check']} |"
+        )
+    if lru["redownloaded"]:
+        lines.append(f"\nBelady re-downloads {b['redownloaded'] / lru['redownloaded']:.2f}x what LRU does.")
+    if "webdataset" in rows or "mosaicml" in rows:
+        lines += [
+            "",
+            "## Peers on the same server (one cold epoch, 0 workers)",
+            "",
+            "| reader | samples/s | MB/s of payload | first batch (s) | check |",
+            "|---|---|---|---|---|",
+        ]
+        lines.append(
+            f"| shardstream (cold) | {fmt(cold['samples'] / cold['seconds'])} |"
+            f" {fmt(cold['bytes'] / 1e6 / cold['seconds'])} | {cold['ttfb']:.2f} | {cold['check']} |"
+        )
+        for name, how in (("webdataset", "`pipe:curl` with SigV4"), ("mosaicml", "`streaming`, s3:// remote")):
+            r = rows.get(name)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {name} ({how}) | error: {r['error'][:200]} | | | |")
+            else:
+                lines.append(
+                    f"| {name} ({how}) | {fmt(r['samples'] / r['seconds'])} | {fmt(r['bytes'] / 1e6 / r['seconds'])} |"
+                    f" {r['ttfb']:.2f} | {r['check']} |"
+                )
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
