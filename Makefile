@@ -1,0 +1,62 @@
+# shardstream: the two commands a user needs are `make demo` and `make test`.
+# Everything they need is installed by them: the Python environment (.venv, cached outside the
+# clone, see scripts/venv.sh) and the Rust build.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+VENV := .venv
+PY := $(VENV)/bin/python
+CARGO ?= cargo
+export CARGO_TERM_COLOR ?= never
+
+.PHONY: all demo test bench venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+
+help:
+	@echo "make demo   build, generate a small dataset, start a daemon, stream two epochs"
+	@echo "make test   format, lint, Rust unit/property tests, Python end-to-end tests"
+	@echo "make bench  shardstream vs peers on one generated dataset (writes bench/RESULTS.md)"
+
+venv:
+	@bash scripts/venv.sh >/dev/null
+
+venv-bench:
+	@bash scripts/venv.sh --bench >/dev/null
+
+# Builds the Python package (native module + the `shardstream` command) into the venv.
+develop: venv
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --quiet -m loader-py/Cargo.toml
+
+develop-release: venv
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --quiet --release -m loader-py/Cargo.toml
+
+demo: develop-release
+	$(PY) scripts/demo.py
+
+fmt:
+	$(CARGO) fmt --all -- --check
+
+clippy:
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+lint: venv
+	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts
+
+rust-test:
+	$(CARGO) test --workspace
+
+# The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine).
+py-test: develop
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests loader-py/tests
+
+test: venv fmt clippy lint rust-test py-test
+
+BENCH_VENV := .venv-bench
+bench: venv-bench
+	VIRTUAL_ENV=$(abspath $(BENCH_VENV)) $(BENCH_VENV)/bin/maturin develop --quiet --release -m loader-py/Cargo.toml
+	$(CARGO) build --release -p shardstream --bin shardstream --example plan_quality --example index_memory
+	$(BENCH_VENV)/bin/python bench/run.py --out bench/RESULTS.md $(BENCH_ARGS)
+	$(BENCH_VENV)/bin/python bench/pack_bench.py --out bench/PACK_RESULTS.md
+
+clean:
+	$(CARGO) clean
+	rm -rf .demo bench/data
