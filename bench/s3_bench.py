@@ -9,7 +9,8 @@ scripts/s3-server.sh) on 127.0.0.1, in one run, written to bench/S3_RESULTS.md:
 4. **epoch 2 with a cache of half the dataset**: bytes downloaded again, Belady (clairvoyant)
    against LRU;
 5. **peers on the same server**: the `webdataset` library reading `pipe:curl` URLs (SigV4 by
-   curl) and MosaicML `streaming` with an `s3://` remote (`S3_ENDPOINT_URL`).
+   curl), AWS's `s3torchconnector` (custom endpoint, path style) and MosaicML `streaming` with
+   an `s3://` remote (`S3_ENDPOINT_URL`).
 
 Every epoch is checked exactly-once (sample ids written by the generator)."""
 
@@ -165,6 +166,55 @@ def peer_webdataset(server: S3Server, prefix: str, names: list[str], expected: i
     r = consume(([x for x in b[0]] for b in ds), expected)
     r["seconds"] = time.perf_counter() - t0
     return r
+
+
+def peer_s3torchconnector(server: S3Server, prefix: str, names: list[str], expected: int) -> dict[str, Any]:
+    """AWS's connector as its README shows it for WebDataset shards: an `S3IterableDataset` over
+    the shard objects (in a seeded random order), each streamed through `tarfile`, with the same
+    1000-sample shuffle buffer the `webdataset` row uses."""
+    import random
+    import tarfile
+
+    from s3torchconnector import S3ClientConfig, S3IterableDataset
+
+    env = server.env()
+    saved = dict(os.environ)
+    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+    try:
+        uris = [f"s3://bench/{prefix}{n}" for n in names]
+        random.Random(0).shuffle(uris)
+        t0 = time.perf_counter()
+        ds = S3IterableDataset.from_objects(
+            uris,
+            region="us-east-1",
+            endpoint=server.endpoint,
+            s3client_config=S3ClientConfig(force_path_style=True),
+        )
+
+        def samples():
+            rng = random.Random(0)
+            buf: list[bytes] = []
+            for reader in ds:
+                with tarfile.open(fileobj=reader, mode="r|") as tf:
+                    for m in tf:
+                        if m.name.endswith(".jpg"):
+                            f = tf.extractfile(m)
+                            if f is not None:
+                                buf.append(f.read())
+                                if len(buf) >= 1000:
+                                    i = rng.randrange(len(buf))
+                                    buf[i], buf[-1] = buf[-1], buf[i]
+                                    yield buf.pop()
+            rng.shuffle(buf)
+            yield from buf
+
+        it = samples()
+        r = consume(iter(lambda: _take(it, BATCH), []), expected)
+        r["seconds"] = time.perf_counter() - t0
+        return r
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def peer_mosaicml(server: S3Server, mds_prefix: str, expected: int) -> dict[str, Any]:
@@ -323,6 +373,12 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - reported in the table
                 rows["webdataset"] = {"error": repr(e)}
             try:
+                rows["s3torchconnector"] = peer_s3torchconnector(
+                    server, f"{spec.key()}/wds/", [p.name for p in shard_files], spec.samples
+                )
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                rows["s3torchconnector"] = {"error": repr(e)}
+            try:
                 rows["mosaicml"] = peer_mosaicml(server, f"{spec.key()}/mds", spec.samples)
             except Exception as e:  # noqa: BLE001 - reported in the table
                 rows["mosaicml"] = {"error": repr(e)}
@@ -382,7 +438,7 @@ def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -
         )
     if lru["redownloaded"]:
         lines.append(f"\nBelady re-downloads {b['redownloaded'] / lru['redownloaded']:.2f}x what LRU does.")
-    if "webdataset" in rows or "mosaicml" in rows:
+    if any(k in rows for k in ("webdataset", "s3torchconnector", "mosaicml")):
         lines += [
             "",
             "## Peers on the same server (one cold epoch, 0 workers)",
@@ -394,7 +450,11 @@ def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -
             f"| shardstream (cold) | {fmt(cold['samples'] / cold['seconds'])} |"
             f" {fmt(cold['bytes'] / 1e6 / cold['seconds'])} | {cold['ttfb']:.2f} | {cold['check']} |"
         )
-        for name, how in (("webdataset", "`pipe:curl` with SigV4"), ("mosaicml", "`streaming`, s3:// remote")):
+        for name, how in (
+            ("webdataset", "`pipe:curl` with SigV4"),
+            ("s3torchconnector", "`S3IterableDataset` + `tarfile`"),
+            ("mosaicml", "`streaming`, s3:// remote"),
+        ):
             r = rows.get(name)
             if r is None:
                 continue
