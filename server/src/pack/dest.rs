@@ -94,7 +94,7 @@ impl Destination {
             }
             Dest::S3 { bucket, prefix } => {
                 let store = s3.ok_or_else(|| {
-                    Error::invalid(format!("{dest}: S3 output needs an S3 connection (see S3Store::connect)"))
+                    Error::invalid(format!("{dest}: S3 output needs an S3 connection (pack_with and an S3Store)"))
                 })?;
                 let url = format!("s3://{bucket}/{prefix}");
                 let state =
