@@ -270,6 +270,9 @@ def test_dest_with_another_dataset_and_s3(tmp_path: Path, s3: S3Server) -> None:
     assert p.returncode == 1 and "s3://foreign/ds/ already holds a dataset (train-000000.tar)" in p.stderr, p.stderr
     p = pack(src, "--output", "s3://no-such-bucket/ds/", check=False, env=env)
     assert p.returncode == 1 and "not found" in p.stderr and "s3://no-such-bucket/ds/" in p.stderr, p.stderr
+    p = pack(src, "--output", "s3://foreign/new/", check=False, env={**env, **s3.env(secret="wrong")})
+    assert p.returncode == 1 and "access denied to s3://foreign/new/" in p.stderr, p.stderr
+    assert "wrong" not in p.stderr, "credentials never appear in errors"
     for bad in ("s3:///ds/", "s3://b/ds/x-{1..2}.tar"):
         p = pack(src, "--output", bad, check=False, env=env)
         assert p.returncode == 1 and bad in p.stderr, p.stderr
