@@ -7,7 +7,11 @@ random bytes each, 100 classes; generated once and cached), hot in the page cach
   sidecars; every shard fsynced before the manifest is written);
 - `webdataset.ShardWriter` fed by a Python loop over the tree (walk, read, write), the way its
   documentation packs files, with the same 1 GiB shard size;
-- GNU `tar cf` of the same tree into one archive (single-threaded; no fsync).
+- GNU `tar cf` of the same tree into one archive (single-threaded; no fsync);
+- `shardstream pack SRC --output s3://bench/pack/` into a local S3-compatible server (s3s-fs, from
+  scripts/s3-server.sh), next to what the same server accepts from a plain aws-sdk-s3 client in
+  the same run (`server/examples/s3_put.rs`: the same shard bytes as 16 MiB PUTs, 16 in flight).
+  `--no-s3` leaves it out.
 
 tar and ShardWriter return before their output is on disk; `+sync` adds the time of a `sync` run
 right after each, so the last column compares the time until the shards are durable. Files/s and
@@ -15,7 +19,8 @@ MB/s (payload bytes, 10^6) are over the command's wall time, best of `--repeat` 
 
 Usage: `python bench/pack_bench.py [--files 100000] [--repeat 3] [--out bench/pack-results.md]`
 (`--shardstream` defaults to this checkout's `target/release/shardstream`, built with
-`cargo build --release -p shardstream`; the lead merges the table into bench/RESULTS.md).
+`cargo build --release -p shardstream --example s3_put`; the lead merges the table into
+bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from s3server import S3Server  # noqa: E402
+
 # Bump when the generated tree changes (the cache directory name changes with it).
 TREE_VERSION = 1
 CLASSES = 100
@@ -120,6 +129,50 @@ def run_shardwriter(src: Path, out: Path, files: int) -> None:
     assert n == files, n
 
 
+def example(name: str) -> str:
+    """A server example of this checkout, release build preferred."""
+    for profile in ("release", "debug"):
+        path = HERE.parent / "target" / profile / "examples" / name
+        if path.exists():
+            return str(path)
+    sys.exit(f"{name} not found: run `cargo build --release -p shardstream --example {name}`")
+
+
+def run_s3(src: Path, root: Path, files: int, repeat: int) -> tuple[float, dict]:
+    """Best wall time of `pack --output s3://...` into a fresh prefix, and the plain client's PUT
+    throughput (s3_put's JSON) on the same shard bytes, against one s3s-fs on 127.0.0.1."""
+    if root.exists():
+        shutil.rmtree(root)
+    server = S3Server(root / "s3").start()
+    try:
+        env = {**os.environ, **server.env(), "XDG_CACHE_HOME": str(root / "state")}
+        bucket = server.bucket("bench")
+        best = float("inf")
+        for _ in range(repeat):
+            shutil.rmtree(bucket / "pack", ignore_errors=True)
+            shutil.rmtree(root / "state", ignore_errors=True)
+            cmd = [shardstream_cmd(), "pack", str(src), "--output", "s3://bench/pack/"]
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+            wall = time.perf_counter() - t0
+            manifest = json.loads((bucket / "pack" / "manifest.json").read_text())
+            assert manifest["total_samples"] == files, manifest["total_samples"]
+            print(f"  shardstream pack to S3: {wall:.2f} s", file=sys.stderr)
+            best = min(best, wall)
+        # The plain client uploads the very shard files pack produced.
+        put = subprocess.run(
+            [example("s3_put"), str(bucket / "pack"), "bench", "raw/"], env=env, capture_output=True, text=True
+        )
+        if put.returncode != 0:
+            raise RuntimeError(f"s3_put failed: {put.stderr}")
+        raw = json.loads(put.stdout)
+        print(f"  plain PUTs: {raw['mb_per_s']:.0f} MB/s", file=sys.stderr)
+        return best, raw
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run_tar(src: Path, out: Path, files: int) -> None:
     out.mkdir(parents=True)
     # A real file: GNU tar does not even read the inputs when the archive is /dev/null.
@@ -140,6 +193,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=HERE / "data", help="cache directory (default bench/data)")
     ap.add_argument("--out", type=Path, help="also write the Markdown table here")
     ap.add_argument("--shardstream", help="the shardstream binary (default: target/release/shardstream)")
+    ap.add_argument("--no-s3", action="store_true", help="leave out packing into a local S3 server")
     args = ap.parse_args()
     global SHARDSTREAM
     SHARDSTREAM = args.shardstream
@@ -170,6 +224,7 @@ def main() -> None:
             print(f"  {name}: {wall:.2f} s (+{sync:.2f} s sync)", file=sys.stderr)
     if work.exists():
         shutil.rmtree(work)
+    s3_wall, raw_put = (None, None) if args.no_s3 else run_s3(src, root / "s3-run", files, args.repeat)
 
     sw = results["webdataset ShardWriter (Python loop)"][0]
     tar = results["GNU tar cf"][0]
@@ -202,6 +257,21 @@ def main() -> None:
             f"| {name} | {wall:.2f} | {files / wall:,.0f} | {payload / 1e6 / wall:,.0f} | {wall + sync:.2f} "
             f"| {sw / wall:.2f}x | {tar / wall:.2f}x |"
         )
+    if s3_wall is not None and raw_put is not None:
+        mbps = payload / 1e6 / s3_wall
+        lines.append(
+            f"| pack to S3 (local server) | {s3_wall:.2f} | {files / s3_wall:,.0f} | {mbps:,.0f} | n/a "
+            f"| {sw / s3_wall:.2f}x | {tar / s3_wall:.2f}x |"
+        )
+        lines += [
+            "",
+            f"Pack to S3: s3s-fs on 127.0.0.1 (objects written to the same disk); the same server accepted "
+            f"{raw_put['mb_per_s']:,.0f} MB/s from a plain aws-sdk-s3 client in this run "
+            f"(`s3_put`: the pack's {raw_put['bytes'] / 1e6:,.0f} MB of shards as {raw_put['requests']} "
+            f"PUT{'s' if raw_put['requests'] != 1 else ''} of up to 16 MiB, 16 in flight), so pack to S3 ran "
+            f"at {mbps / raw_put['mb_per_s']:.0%} of the server's raw PUT throughput (its MB/s counts payload, "
+            "a little less than the shard bytes).",
+        ]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

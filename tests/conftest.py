@@ -1,5 +1,6 @@
 """End-to-end fixtures: datasets written by the real `webdataset` library, and a real
-`shardstream serve` process (the command installed by the Python package) on a private socket."""
+`shardstream serve` process (the command installed by the Python package, or $SHARDSTREAM_BIN) on a
+private socket."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import webdataset as wds
 
 import shardstream
 
-SHARDSTREAM = str(Path(sys.executable).with_name("shardstream"))
+# SHARDSTREAM_BIN runs the tests against another build of the command (e.g. a worktree's
+# target/debug/shardstream) without installing it into the shared venv.
+SHARDSTREAM = os.environ.get("SHARDSTREAM_BIN") or str(Path(sys.executable).with_name("shardstream"))
 
 
 def write_dataset(

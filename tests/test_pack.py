@@ -1,7 +1,8 @@
 """`shardstream pack` end to end: the installed command packs a generated ImageNet-style tree, and
 the result is read back through the daemon, by the real `webdataset` library, by GNU `tar -t` and
-(Parquet output) by pyarrow, with identical bytes and keys. Also: resume after `kill -9`, and
-every kind of bad input, reported with its path, skipped, or fatal with `--strict`."""
+(Parquet output) by pyarrow, with identical bytes and keys. Also: resume after `kill -9`, every
+kind of bad input, reported with its path, skipped, or fatal with `--strict`, and packing straight
+into a bucket of a real S3 server (s3s-fs), multipart uploads included."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
+from s3server import S3Server
 
 import shardstream
-from conftest import SHARDSTREAM
+from conftest import SHARDSTREAM, Daemon
 
 Samples = dict[str, dict[str, bytes]]
 
@@ -43,8 +46,8 @@ def make_tree(root: Path, classes: int, per_class: int, seed: int = 0, max_bytes
     return samples
 
 
-def pack(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([SHARDSTREAM, "pack", *map(str, args)], capture_output=True, text=True, timeout=300)
+def pack(*args: str | Path, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([SHARDSTREAM, "pack", *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
     if check and p.returncode != 0:
         raise AssertionError(f"pack failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -239,7 +242,19 @@ def test_bad_entries_in_files_from(tmp_path: Path) -> None:
         assert not (tmp_path / f"strict{i}" / "manifest.json").exists()
 
 
-def test_dest_with_another_dataset_and_s3(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.stop()
+
+
+def s3_env(s3: S3Server, home: Path) -> dict[str, str]:
+    """The server's endpoint and credentials, and a private place for the pack's local state."""
+    return {**os.environ, **s3.env(), "XDG_CACHE_HOME": str(home)}
+
+
+def test_dest_with_another_dataset_and_s3(tmp_path: Path, s3: S3Server) -> None:
     src = tmp_path / "src"
     make_tree(src, classes=1, per_class=3)
     foreign = tmp_path / "foreign"
@@ -247,8 +262,111 @@ def test_dest_with_another_dataset_and_s3(tmp_path: Path) -> None:
     (foreign / "train-000000.tar").write_bytes(b"made elsewhere")
     p = pack(src, "--output", foreign, check=False)
     assert p.returncode == 1 and "already holds" in p.stderr and "train-000000.tar" in p.stderr
-    p = pack(src, "--output", "s3://bucket/prefix/", check=False)
-    assert p.returncode == 1 and "S3 output needs the S3 storage backend" in p.stderr
+    # The same refusal for a prefix of a bucket, and errors that name the bucket or URL.
+    (s3.bucket("foreign") / "ds").mkdir()
+    (s3.bucket("foreign") / "ds" / "train-000000.tar").write_bytes(b"made elsewhere")
+    env = s3_env(s3, tmp_path / "cache")
+    p = pack(src, "--output", "s3://foreign/ds/", check=False, env=env)
+    assert p.returncode == 1 and "s3://foreign/ds/ already holds a dataset (train-000000.tar)" in p.stderr, p.stderr
+    p = pack(src, "--output", "s3://no-such-bucket/ds/", check=False, env=env)
+    assert p.returncode == 1 and "not found" in p.stderr and "s3://no-such-bucket/ds/" in p.stderr, p.stderr
+    p = pack(src, "--output", "s3://foreign/new/", check=False, env={**env, **s3.env(secret="wrong")})
+    assert p.returncode == 1 and "access denied to s3://foreign/new/" in p.stderr, p.stderr
+    assert "wrong" not in p.stderr, "credentials never appear in errors"
+    for bad in ("s3:///ds/", "s3://b/ds/x-{1..2}.tar"):
+        p = pack(src, "--output", bad, check=False, env=env)
+        assert p.returncode == 1 and bad in p.stderr, p.stderr
+    p = pack(src, "--output", "s3://foreign/x/", "--s3-part-size", "1MiB", check=False, env=env)
+    assert p.returncode == 1 and "at least 5 MiB" in p.stderr, p.stderr
     p = subprocess.run([SHARDSTREAM, "pack", "--help"], capture_output=True, text=True, check=True)
-    for flag in ("--files-from", "--shard-size", "--samples-per-shard", "--key-regex", "--label-from-dir", "--resume"):
+    for flag in (
+        "--files-from",
+        "--shard-size",
+        "--samples-per-shard",
+        "--key-regex",
+        "--label-from-dir",
+        "--resume",
+        "s3://",
+        "--s3-part-size",
+    ):
         assert flag in p.stdout
+
+
+# ~6 MiB shards, so that every full shard is a multipart upload of a 5 MiB part (S3's smallest)
+# and a last part, and the last shard of a pack a single PUT.
+S3_OPTS = ["--shard-size", "6MiB", "--s3-part-size", "5MiB", "--s3-multipart-threshold", "5MiB", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def s3_tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Samples, Path]:
+    """~36 MB of samples, and the same packed into a local directory (the bytes S3 must hold)."""
+    root = tmp_path_factory.mktemp("s3tree")
+    samples = make_tree(root / "src", classes=4, per_class=300, seed=5, max_bytes=60_000)
+    local = root / "local"
+    pack(root / "src", "--output", local, *S3_OPTS)
+    return root / "src", samples, local
+
+
+def test_pack_to_s3_holds_the_local_bytes_and_streams_back(tmp_path: Path, s3: S3Server, s3_tree) -> None:
+    src, samples, local = s3_tree
+    env = s3_env(s3, tmp_path / "cache")
+    s3.bucket("out")
+    p = pack(src, "--output", "s3://out/wds/", *S3_OPTS, env=env)
+    assert "wrote s3://out/wds/manifest.json" in p.stdout, p.stdout
+    # Objects are files of the server's directory: the bucket holds exactly the local pack's tree
+    # (shards, sidecars, journal, manifest), byte for byte.
+    expected = tree_bytes(local)
+    assert tree_bytes(s3.root / "out" / "wds") == expected
+    shards = json.loads(expected["manifest.json"])["shards"]
+    assert len(shards) >= 5 and max(s["bytes"] for s in shards) > 5 << 20 >= shards[-1]["bytes"]
+    assert not list((tmp_path / "cache").rglob("*.tmp")), "scratch files are deleted once uploaded"
+
+    d = Daemon(tmp_path / "daemon", env=s3.env()).start()
+    try:
+        loader = shardstream.Loader("s3://out/wds/", batch_size=64, shuffle=True, seed=2, connect=d.addr)
+        got: Samples = {}
+        for batch in loader:
+            for i, key in enumerate(batch["__key__"]):
+                assert key not in got, f"{key} delivered twice"
+                got[key] = {f: bytes(batch[f][i]) for f in ("jpg", "json") if batch[f][i] is not None}
+        assert got == samples
+    finally:
+        assert d.stop() == 0
+
+    # A different dataset into the same prefix is refused, also without this machine's journal
+    # (the bucket's copy tells), and the prefix is left as it was.
+    other = tmp_path / "other"
+    make_tree(other, classes=1, per_class=5, seed=9)
+    for home in ("cache", "elsewhere"):
+        p = pack(other, "--output", "s3://out/wds/", *S3_OPTS, check=False, env=s3_env(s3, tmp_path / home))
+        assert p.returncode == 1 and "s3://out/wds/ already holds a complete different dataset" in p.stderr, p.stderr
+    assert tree_bytes(s3.root / "out" / "wds") == expected
+
+
+def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree) -> None:
+    src, _, local = s3_tree
+    env = s3_env(s3, tmp_path / "cache")
+    s3.bucket("out")
+    proc = subprocess.Popen(
+        [SHARDSTREAM, "pack", str(src), "--output", "s3://out/killed/", *S3_OPTS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    deadline = time.monotonic() + 120
+    journal = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        journal = journal or next((tmp_path / "cache").rglob("pack-journal.jsonl"), None)
+        # The header and two uploaded shards: the rest is still being packed or uploaded.
+        if journal and journal.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.002)
+    assert proc.poll() is None, "pack finished before it could be killed; make the tree larger"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    prefix = s3.root / "out" / "killed"
+    assert not (prefix / "manifest.json").exists()
+
+    p = pack(src, "--output", "s3://out/killed/", *S3_OPTS, "--resume", env=env)
+    assert "kept from the interrupted run" in p.stdout, p.stdout
+    assert tree_bytes(prefix) == tree_bytes(local)

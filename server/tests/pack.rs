@@ -510,8 +510,9 @@ fn refusals_with_clear_messages() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     write(&src, "a.jpg", b"a");
+    // S3 output goes through pack_with and a connection (end to end in tests/test_pack.py).
     let err = pack::pack(&PackOptions::new(&src, "s3://bucket/prefix/"), &()).unwrap_err().to_string();
-    assert!(err.contains("S3 output needs the S3 storage backend"), "{err}");
+    assert!(err.contains("s3://bucket/prefix/: S3 output needs an S3 connection"), "{err}");
     let err = pack::pack(&opts(&tmp.path().join("nope"), &tmp.path().join("o")), &()).unwrap_err().to_string();
     assert!(err.contains("nope"), "{err}");
     let empty = tmp.path().join("empty");

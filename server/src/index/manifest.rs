@@ -143,9 +143,12 @@ impl Manifest {
 
     /// Writes the manifest atomically: a temporary file, fsynced, then renamed over the old one.
     pub fn write_atomic(&self, dir: &Path) -> Result<()> {
-        let path = dir.join(MANIFEST_FILE);
-        let json = serde_json::to_vec_pretty(self).map_err(|e| Error::Internal(e.to_string()))?;
-        crate::storage::local::write_atomic(&path, &json)
+        crate::storage::local::write_atomic(&dir.join(MANIFEST_FILE), &self.to_json()?)
+    }
+
+    /// The bytes of `manifest.json`, the same wherever it is written.
+    pub fn to_json(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec_pretty(self).map_err(|e| Error::Internal(e.to_string()))
     }
 }
 

@@ -10,8 +10,10 @@ use std::time::{Duration, Instant};
 use super::parquet::DEFAULT_ROW_GROUP_ROWS;
 use super::{
     BadInput, DEFAULT_PREFIX, FileList, PackOptions, PackProgress, ParquetCompression, ShardFormat, default_threads,
-    pack,
+    pack_with,
 };
+use crate::storage::s3::{S3Options, S3Store};
+use crate::storage::s3_write::UploadOptions;
 
 /// How often the rate figures of the progress bar are recomputed.
 const RATE_REFRESH: Duration = Duration::from_millis(250);
@@ -25,20 +27,26 @@ Examples:
   shardstream pack /data/imagenet/train --output /data/imagenet-wds/train --label-from-dir --shuffle --seed 1
   find /data/raw -name '*.jpg' -o -name '*.json' | shardstream pack /data/raw --files-from - --output /data/shards
   shardstream pack /data/raw --output /data/pq --format parquet --row-group-size 512
+  AWS_ENDPOINT_URL=http://minio:9000 shardstream pack /data/raw --output s3://datasets/raw-wds/
 
 Samples: files with the same directory and name up to the first dot form one sample (WebDataset
 convention): a/x.jpg and a/x.json are sample a/x with fields jpg and json. Hidden files and files
 without an extension are ignored. Output: DEST/PREFIX-000000.tar ..., DEST/_shardstream/*.idx
 (member tables) and DEST/manifest.json, written last. An interrupted pack (Ctrl-C, crash) is
-finished by running the same command with --resume; the result is byte-identical.")]
+finished by running the same command with --resume; the result is byte-identical.
+
+S3 output (s3://bucket/prefix/, credentials and endpoint from the AWS_* environment): each shard is
+written to a scratch file and uploaded as soon as it is complete, while packing goes on; the
+objects are the same as a local pack's files. The resume journal and the scratch files live in
+$XDG_CACHE_HOME/shardstream/pack/ (default ~/.cache/shardstream/pack/), and a copy of the journal
+goes to the bucket, so --resume also works from another machine.")]
 pub struct PackArgs {
     /// Directory of files to pack. Keys are paths relative to it.
     #[arg(value_name = "SRC")]
     pub src: PathBuf,
 
-    /// Output directory (created if needed; file:// URLs accepted). It must be empty, or hold an
-    /// earlier pack of the same input and options. s3:// output needs the S3 backend, which this
-    /// build does not have yet.
+    /// Output directory (created if needed; file:// URLs accepted) or s3://bucket/prefix/. It must
+    /// be empty, or hold an earlier pack of the same input and options.
     #[arg(short, long, value_name = "DEST")]
     pub output: String,
 
@@ -112,6 +120,14 @@ pub struct PackArgs {
     /// duplicate key, ...) instead of skipping it and counting it in the summary.
     #[arg(long)]
     pub strict: bool,
+
+    /// S3 output: bytes per part of a multipart upload (S3 requires at least 5 MiB).
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_size)]
+    pub s3_part_size: u64,
+
+    /// S3 output: shards larger than this are uploaded in parts, smaller ones with one PUT.
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_size)]
+    pub s3_multipart_threshold: u64,
 }
 
 impl PackArgs {
@@ -138,6 +154,7 @@ impl PackArgs {
             threads: self.threads,
             resume: self.resume,
             strict: self.strict,
+            upload: UploadOptions { multipart_threshold: self.s3_multipart_threshold, part_size: self.s3_part_size },
         }
     }
 }
@@ -256,8 +273,18 @@ impl PackProgress for Display {
 
 /// Runs `shardstream pack`.
 pub fn run_cli(args: PackArgs) -> anyhow::Result<()> {
+    let opts = args.to_options();
+    // S3 output: the uploads run on this runtime while the pack's own threads block on it.
+    let s3 = match super::parse_dest(&opts.dest)? {
+        super::Dest::S3 { .. } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let store = rt.block_on(S3Store::connect(S3Options::default()))?;
+            Some((rt, store))
+        }
+        super::Dest::Local(_) => None,
+    };
     let display = Display::new();
-    let result = pack(&args.to_options(), &display);
+    let result = pack_with(&opts, s3.as_ref().map(|(_, store)| store), &display);
     display.bar.finish_and_clear();
     let summary = result?;
     println!("{}", summary.line());
@@ -293,6 +320,7 @@ mod tests {
             T::try_parse_from(["x", "src", "-o", "out", "--shuffle", "--seed", "3", "--shard-size", "64M"]).unwrap();
         let o = t.a.to_options();
         assert_eq!((o.shuffle, o.seed, o.shard_size), (true, 3, 64 << 20));
+        assert_eq!(o.upload, UploadOptions::default(), "the flags' defaults are the sink's");
         assert!(T::try_parse_from(["x", "src", "-o", "out", "--seed", "3"]).is_err());
         assert!(T::try_parse_from(["x", "src", "-o", "out", "--null"]).is_err());
         let t = T::try_parse_from(["x", "src", "-o", "out", "--files-from", "-", "-0", "--format", "parquet"]).unwrap();

@@ -1,5 +1,7 @@
 //! The pack journal (`_shardstream/pack-journal.jsonl` in DEST): what a pack has made durable so
-//! far, so that `--resume` skips it, and whose dataset DEST holds.
+//! far, so that `--resume` skips it, and whose dataset DEST holds. For S3 output the journal is
+//! kept in a local state directory while packing and uploaded next to the shards at the end (see
+//! [`super::dest`]).
 //!
 //! JSON lines, appended and fsynced one per completed shard, after the shard and its sidecar are
 //! durable:
@@ -78,6 +80,13 @@ impl Fnv {
     }
 }
 
+/// A stable 64-bit hash of `bytes` (FNV-1a), e.g. to name a directory after a destination.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    let mut h = Fnv(Fnv::OFFSET);
+    h.bytes(bytes);
+    h.0
+}
+
 /// The dataset fingerprint: `options` (a canonical description of the shaping options) and the
 /// packing order. Two independent 64-bit hashes (forward and with a salt) make 128 bits.
 pub fn fingerprint(options: &str, catalog: &Catalog, order: &[u32]) -> String {
@@ -111,22 +120,24 @@ pub fn journal_path(dest: &Path) -> PathBuf {
 
 /// Reads a journal; `Ok(None)` when there is none.
 pub fn load(path: &Path) -> Result<Option<PriorJournal>> {
-    let text = match std::fs::read(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("cannot read pack journal", path, e)),
-    };
+    match std::fs::read(path) {
+        Ok(text) => parse(&text, &path.display().to_string()).map(Some),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io("cannot read pack journal", path, e)),
+    }
+}
+
+/// Parses the bytes of a journal read from `origin` (a path or URL, for errors).
+pub fn parse(text: &[u8], origin: &str) -> Result<PriorJournal> {
     let mut lines = text.split(|&b| b == b'\n');
     let header: Header = lines
         .next()
         .and_then(|l| serde_json::from_slice(l).ok())
-        .ok_or_else(|| Error::invalid(format!("{} is not a shardstream pack journal", path.display())))?;
+        .ok_or_else(|| Error::invalid(format!("{origin} is not a shardstream pack journal")))?;
     if header.journal != JOURNAL_MAGIC || header.version != JOURNAL_VERSION {
         return Err(Error::invalid(format!(
-            "{}: journal {:?} version {} is not one this build reads ({JOURNAL_MAGIC:?} version {JOURNAL_VERSION})",
-            path.display(),
-            header.journal,
-            header.version
+            "{origin}: journal {:?} version {} is not one this build reads ({JOURNAL_MAGIC:?} version {JOURNAL_VERSION})",
+            header.journal, header.version
         )));
     }
     let mut shards: Vec<ShardRecord> = Vec::new();
@@ -138,7 +149,7 @@ pub fn load(path: &Path) -> Result<Option<PriorJournal>> {
         }
         shards.push(rec);
     }
-    Ok(Some(PriorJournal { fingerprint: header.fingerprint, shards }))
+    Ok(PriorJournal { fingerprint: header.fingerprint, shards })
 }
 
 /// A journal open for appending.

@@ -5,9 +5,9 @@
 //!
 //! ```text
 //!  walk ──► group ──► order ──► read (N threads) ──► writer (1 thread) ──► sink (1 thread) ──► manifest
-//!  names    samples   sorted    files -> sample      cuts shards, appends   fsync, rename,
-//!  only     by key    or seeded buffers, in order    samples                sidecar, journal
-//!                     shuffle   (bounded window)
+//!  names    samples   sorted    files -> sample      cuts shards, appends   fsync, rename (or
+//!  only     by key    or seeded buffers, in order    samples                upload), sidecar,
+//!                     shuffle   (bounded window)                            journal
 //! ```
 //!
 //! - [`walk`]: SRC walked in parallel, or `--files-from`; relative UTF-8 paths, nothing opened.
@@ -15,7 +15,9 @@
 //! - [`read`]: reader threads and the bounded reorder window feeding the writer.
 //! - [`writer`]: shard boundaries and the shard files; [`ustar`] encodes TAR headers,
 //!   [`parquet`] writes Parquet shards.
-//! - [`sink`]: where completed shards become durable (a local directory; S3 later).
+//! - [`dest`]: `--output` parsed, locked, and checked for someone else's dataset.
+//! - [`sink`]: where completed shards become durable: a local directory, or an S3 prefix
+//!   ([`s3_sink`]: uploads overlapping with packing).
 //! - [`journal`]: the resume journal and the dataset fingerprint.
 //! - [`report`]: bad inputs, `--strict`, and what the summary counts.
 //! - [`cli`]: the `shardstream pack` command line and its progress bar.
@@ -27,31 +29,37 @@
 //! `--resume` produces the same bytes as an uninterrupted one.
 
 pub mod cli;
+pub mod dest;
 pub mod group;
 pub mod journal;
 pub mod parquet;
 pub mod read;
 pub mod report;
+pub mod s3_sink;
 pub mod sink;
 pub mod ustar;
 pub mod walk;
 pub mod writer;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub use cli::{PackArgs, run_cli};
+pub use dest::{Dest, parse_dest};
 pub use parquet::ParquetCompression;
 pub use report::{BadInput, BadKind};
 pub use walk::FileList;
 
-use crate::index::manifest::{MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
+use crate::index::manifest::{Manifest, ManifestShard, SIDECAR_DIR};
+use crate::storage::s3::S3Store;
+use crate::storage::s3_write::UploadOptions;
 use crate::{Error, Result};
+use dest::Destination;
 use journal::{Journal, ShardRecord};
 use read::{Layout, ReadContext, Window};
 use report::Reporter;
-use sink::{LocalSink, Sink};
+use sink::Sink;
 use writer::{FinishedShard, WriterConfig};
 
 /// Default shard size: 1 GiB. Large enough that a dataset of a few TB is a few thousand shards
@@ -113,7 +121,7 @@ pub struct PackOptions {
     pub files_from: Option<FileList>,
     /// List entries are NUL-separated (`find -print0`).
     pub null_separated: bool,
-    /// Destination: a directory (`file://` URLs accepted). `s3://` is refused by this build.
+    /// Destination: a directory (`file://` URLs accepted) or `s3://bucket/prefix/`.
     pub dest: String,
     pub format: ShardFormat,
     pub shard_size: u64,
@@ -128,6 +136,8 @@ pub struct PackOptions {
     pub threads: usize,
     pub resume: bool,
     pub strict: bool,
+    /// How shards are uploaded to S3 output (no effect on the bytes).
+    pub upload: UploadOptions,
 }
 
 impl PackOptions {
@@ -151,6 +161,7 @@ impl PackOptions {
             threads: default_threads(),
             resume: false,
             strict: false,
+            upload: UploadOptions::default(),
         }
     }
 
@@ -166,6 +177,12 @@ impl PackOptions {
         }
         if self.threads == 0 {
             return Err(Error::invalid("--threads must be at least 1"));
+        }
+        if self.upload.part_size < s3_sink::MIN_PART_SIZE {
+            return Err(Error::invalid("--s3-part-size must be at least 5 MiB: S3 rejects smaller parts"));
+        }
+        if self.upload.multipart_threshold > s3_sink::MAX_PUT_SIZE {
+            return Err(Error::invalid("--s3-multipart-threshold must be at most 5 GiB: S3's limit for one PUT"));
         }
         let p = &self.prefix;
         if p.is_empty()
@@ -203,27 +220,6 @@ impl PackOptions {
     }
 }
 
-/// Parses a destination: a local directory today.
-pub fn parse_dest(dest: &str) -> Result<PathBuf> {
-    let dest = dest.trim();
-    if dest.starts_with("s3://") {
-        return Err(Error::invalid(format!(
-            "{dest}: S3 output needs the S3 storage backend, which this build does not have yet; \
-             pack to a local directory and upload it (e.g. with `aws s3 sync`)"
-        )));
-    }
-    let path = match dest.strip_prefix("file://") {
-        Some(p) if p.starts_with('/') => p,
-        Some(p) => return Err(Error::invalid(format!("file URL must be absolute: file://{p}"))),
-        None if dest.contains("://") => return Err(Error::invalid(format!("unsupported output URL: {dest}"))),
-        None => dest,
-    };
-    if path.is_empty() {
-        return Err(Error::invalid("--output is empty"));
-    }
-    Ok(PathBuf::from(path))
-}
-
 /// What a pack reports as it goes. Every method has a no-op default; `()` reports nothing.
 pub trait PackProgress: Sync {
     /// The catalog is known: `files` in `samples`, of which `done_files` are in shards kept from
@@ -254,7 +250,10 @@ fn count(n: u64, what: &str) -> String {
 /// The outcome of a pack.
 #[derive(Debug, Clone)]
 pub struct PackSummary {
-    pub dest: PathBuf,
+    /// The destination: a path or an `s3://` URL.
+    pub dest: String,
+    /// Where the manifest was written (path or URL).
+    pub manifest_location: String,
     pub manifest: Manifest,
     /// Files packed, over all shards (kept ones included).
     pub files: u64,
@@ -313,69 +312,33 @@ impl PackSummary {
                 count(self.ignored, "file")
             );
         }
-        s += &format!("; wrote {}", self.dest.join(MANIFEST_FILE).display());
+        s += &format!("; wrote {}", self.manifest_location);
         s
     }
 }
 
-/// Looks for signs of a dataset in DEST that no journal accounts for.
-fn foreign_dataset(dest: &Path) -> Result<Option<String>> {
-    let entries = match std::fs::read_dir(dest) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("cannot list output directory", dest, e)),
-    };
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("cannot list output directory", dest, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name == MANIFEST_FILE || name == SIDECAR_DIR || name.ends_with(".tar") || name.ends_with(".parquet") {
-            return Ok(Some(name));
-        }
-    }
-    Ok(None)
-}
-
-/// Takes an exclusive lock on the output directory for the duration of the pack (released when
-/// the returned handle is dropped, or when the process dies), so two packs never write into one
-/// directory at once.
-fn lock_dest(dest: &Path) -> Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
-    let dir = std::fs::File::open(dest).map_err(|e| Error::io("cannot open output directory", dest, e))?;
-    // SAFETY: flock on a file descriptor we own; no memory is involved.
-    if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(Error::Unavailable(format!("another pack is writing to {}", dest.display())));
-        }
-        return Err(Error::io("cannot lock output directory", dest, e));
-    }
-    Ok(dir)
-}
-
-/// Packs `opts.src` into shards at `opts.dest`.
+/// Packs `opts.src` into shards at `opts.dest`, a local directory.
 pub fn pack(opts: &PackOptions, progress: &dyn PackProgress) -> Result<PackSummary> {
+    pack_with(opts, None, progress)
+}
+
+/// Packs `opts.src` into shards at `opts.dest`; `s3` is the connection for `s3://` output
+/// (blocking calls enter its runtime, so this must not run on one of its workers).
+pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackProgress) -> Result<PackSummary> {
     let started = Instant::now();
     opts.validate()?;
-    let dest = parse_dest(&opts.dest)?;
+    dest::parse_dest(&opts.dest)?;
     let key_regex = opts.key_regex.as_deref().map(group::compile_key_regex).transpose()?;
     let src = std::fs::canonicalize(&opts.src).map_err(|e| Error::io("cannot open source directory", &opts.src, e))?;
     if !src.is_dir() {
         return Err(Error::invalid(format!("source {} is not a directory", opts.src.display())));
     }
-    std::fs::create_dir_all(&dest).map_err(|e| Error::io("cannot create output directory", &dest, e))?;
-    let dest = std::fs::canonicalize(&dest).map_err(|e| Error::io("cannot open output directory", &dest, e))?;
-    if dest == src {
-        return Err(Error::invalid(format!(
-            "output {} is the source directory; pack into another directory (a subdirectory is fine)",
-            dest.display()
-        )));
-    }
-    let _lock = lock_dest(&dest)?;
+    let dest = Destination::open(&opts.dest, &src, s3)?;
     let reporter = Reporter::new(opts.strict, progress);
 
     // 1. Names only: walk or list, group, order.
     let paths = match &opts.files_from {
-        None => walk::walk(&src, Some(&dest), opts.threads, &reporter)?,
+        None => walk::walk(&src, Some(dest.local_dir()), opts.threads, &reporter)?,
         Some(list) => walk::read_list(list, opts.null_separated, &opts.src, &src, &reporter)?,
     };
     let catalog = group::Catalog::build(
@@ -395,40 +358,38 @@ pub fn pack(opts: &PackOptions, progress: &dyn PackProgress) -> Result<PackSumma
     let fingerprint = journal::fingerprint(&opts.shaping(), &catalog, &order);
 
     // 2. Whose DEST is this, and what of it is already done?
-    let journal_path = journal::journal_path(&dest);
-    let kept: Vec<ShardRecord> = match journal::load(&journal_path)? {
-        Some(prior) if prior.fingerprint == fingerprint => {
+    let kept: Vec<ShardRecord> = match dest.load_journal()? {
+        Some((prior, _)) if prior.fingerprint == fingerprint => {
             if opts.resume {
                 prior.shards
             } else {
                 Vec::new()
             }
         }
-        Some(_) => {
-            let state = if dest.join(MANIFEST_FILE).exists() { "a complete" } else { "an unfinished pack of a" };
+        Some((_, journal_at)) => {
+            let state = if dest.has_manifest()? { "a complete" } else { "an unfinished pack of a" };
             return Err(Error::invalid(format!(
                 "output {} already holds {state} different dataset (packed from other files or with other \
-                 options, see {}); pack into an empty directory or remove it first",
-                dest.display(),
-                journal_path.display()
+                 options, see {journal_at}); pack into an empty directory or remove it first",
+                dest.location(),
             )));
         }
         None => {
-            if let Some(what) = foreign_dataset(&dest)? {
+            if let Some(what) = dest.foreign_dataset()? {
                 return Err(Error::invalid(format!(
                     "output {} already holds a dataset ({what}) that was not written by a resumable pack; \
                      pack into an empty directory or remove it first",
-                    dest.display()
+                    dest.location()
                 )));
             }
             Vec::new()
         }
     };
-    let sink = LocalSink::open(&dest)?;
+    let sink = dest.sink(opts.upload)?;
     sink.remove_manifest()?;
     let with_sidecar = opts.format == ShardFormat::Webdataset;
     let kept: Vec<ShardRecord> = kept.into_iter().take_while(|r| sink.has_shard(r, with_sidecar)).collect();
-    let mut journal = Journal::create(&journal_path, &fingerprint, &kept)?;
+    let mut journal = Journal::create(dest.journal_path(), &fingerprint, &kept)?;
 
     let total_files = catalog.num_files() as u64;
     let kept_files: u64 = kept.iter().map(|r| r.files).sum();
@@ -467,14 +428,23 @@ pub fn pack(opts: &PackOptions, progress: &dyn PackProgress) -> Result<PackSumma
                 }
             }
         }
-        let sink_ref: &dyn Sink = &sink;
+        let sink_ref: &dyn Sink = sink.as_ref();
         let journal = &mut journal;
         let sink_thread = std::thread::Builder::new().name("pack-sink".into()).spawn_scoped(
             s,
             move || -> Result<Vec<ShardRecord>> {
                 let mut done = Vec::new();
+                // Handed to the sink, not yet durable: journaled as the sink reports them done.
+                let mut pending = std::collections::VecDeque::new();
+                let mut record = |n: usize, pending: &mut std::collections::VecDeque<ShardRecord>| -> Result<()> {
+                    for rec in pending.drain(..n.min(pending.len())) {
+                        journal.append(&rec)?;
+                        progress.shard_done(&rec.name, rec.bytes);
+                        done.push(rec);
+                    }
+                    Ok(())
+                };
                 for shard in rx {
-                    sink_ref.put_shard(&shard)?;
                     let rec = ShardRecord {
                         shard: shard.number,
                         name: shard.name.clone(),
@@ -488,10 +458,14 @@ pub fn pack(opts: &PackOptions, progress: &dyn PackProgress) -> Result<PackSumma
                         fields: shard.fields.clone(),
                         bad_inputs: shard.bad_inputs,
                     };
-                    journal.append(&rec)?;
-                    progress.shard_done(&rec.name, rec.bytes);
-                    done.push(rec);
+                    pending.push_back(rec);
+                    let n = sink_ref.put_shard(shard)?;
+                    record(n, &mut pending)?;
                 }
+                // The writer is done (or failed): what is in flight still becomes durable, so
+                // that a resumed pack keeps it.
+                let n = sink_ref.flush()?;
+                record(n, &mut pending)?;
                 Ok(done)
             },
         );
@@ -545,7 +519,8 @@ pub fn pack(opts: &PackOptions, progress: &dyn PackProgress) -> Result<PackSumma
     sink.put_manifest(&manifest)?;
 
     Ok(PackSummary {
-        dest,
+        dest: dest.location(),
+        manifest_location: dest.manifest_location(),
         files: all.iter().map(|r| r.files).sum(),
         payload_bytes: all.iter().map(|r| r.payload).sum(),
         resumed_shards: kept.len() as u64,

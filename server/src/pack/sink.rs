@@ -1,8 +1,9 @@
 //! Where completed shards go. The writer produces every shard as a complete local file and hands
 //! it to a [`Sink`], which makes it durable at the destination; the pack publishes the manifest
-//! through the sink last. Today there is one sink, a local (or parallel file system) directory;
-//! an S3 sink (upload each shard as it completes, multipart for large ones, overlapping with
-//! packing) implements the same trait when the S3 backend lands.
+//! through the sink last. Two sinks: [`LocalSink`], a local (or parallel file system) directory,
+//! here; and [`super::s3_sink::S3Sink`], which uploads each shard as it completes while packing
+//! goes on. A sink may make shards durable later than it is handed them (an upload in flight):
+//! it reports how many have become durable, oldest first, and the pack journals only those.
 //!
 //! The local sink stages completed shards in `DEST/_shardstream/staging/` and moves them into
 //! DEST only when every shard is durable, right before the manifest is written. So an interrupted
@@ -41,8 +42,12 @@ pub trait Sink: Send + Sync {
     fn describe(&self) -> String;
     /// Local path where the writer produces shard `name`.
     fn scratch_path(&self, name: &str) -> PathBuf;
-    /// Makes a completed shard (and its sidecar) durable. Called in shard order.
-    fn put_shard(&self, shard: &FinishedShard) -> Result<()>;
+    /// Starts making a completed shard (and its sidecar) durable. Called in shard order. Returns
+    /// how many of the shards handed over so far became durable since the last call (oldest
+    /// first; this one included or not).
+    fn put_shard(&self, shard: FinishedShard) -> Result<usize>;
+    /// Waits until every shard handed over is durable; returns how many became so in this call.
+    fn flush(&self) -> Result<usize>;
     /// True when shard `rec` is already durable at the destination, with its sidecar if `sidecar`.
     fn has_shard(&self, rec: &ShardRecord, sidecar: bool) -> bool;
     /// Writes a small file (e.g. `classes.json`) atomically, relative to the destination.
@@ -67,7 +72,7 @@ fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("cannot sync directory", dir, e))
 }
 
-fn is_ours(name: &str, prefix: &str, ext: &str) -> bool {
+pub(super) fn is_ours(name: &str, prefix: &str, ext: &str) -> bool {
     name.strip_prefix(prefix)
         .and_then(|r| r.strip_prefix('-'))
         .and_then(|r| r.strip_suffix(ext))
@@ -110,7 +115,7 @@ impl Sink for LocalSink {
         self.staging.join(format!(".{name}.tmp"))
     }
 
-    fn put_shard(&self, shard: &FinishedShard) -> Result<()> {
+    fn put_shard(&self, shard: FinishedShard) -> Result<usize> {
         shard.file.sync_all().map_err(|e| Error::io("cannot sync shard", &shard.scratch, e))?;
         let staged = self.staging.join(&shard.name);
         std::fs::rename(&shard.scratch, &staged).map_err(|e| Error::io("cannot rename shard", &shard.scratch, e))?;
@@ -121,7 +126,11 @@ impl Sink for LocalSink {
                 .map_err(|e| Error::io("cannot write sidecar", &path, e))?;
             sync_dir(&self.sidecars)?;
         }
-        Ok(())
+        Ok(1)
+    }
+
+    fn flush(&self) -> Result<usize> {
+        Ok(0)
     }
 
     fn has_shard(&self, rec: &ShardRecord, sidecar: bool) -> bool {

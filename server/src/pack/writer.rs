@@ -14,7 +14,7 @@
 //! One writer thread is enough: for TAR it only appends buffers the readers prepared (headers,
 //! payloads and padding laid out as in the shard) and runs the CRC-32C over them, a
 //! memory-bandwidth job at several GB/s, well above what reading small files delivers. The fsync and rename of a
-//! completed shard (and, later, its upload) run on the sink thread, overlapping with the next
+//! completed shard (or its upload to S3) run on the sink thread, overlapping with the next
 //! shard.
 
 use std::collections::BTreeSet;

@@ -9,11 +9,14 @@
 //!
 //! - [`local`]: directories on local disks and parallel file systems, read in place.
 //! - [`s3`]: S3 objects, downloaded into the node cache with parallel ranged GETs.
+//! - [`s3_write`]: uploads to S3 (single PUT or multipart from a local file), HEAD and DELETE,
+//!   for `shardstream pack`.
 //! - [`retry`]: the retry policy every remote request follows.
 
 pub mod local;
 pub mod retry;
 pub mod s3;
+pub mod s3_write;
 
 use std::path::PathBuf;
 

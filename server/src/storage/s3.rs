@@ -1,6 +1,7 @@
 //! S3 and S3-compatible object stores (MinIO, Ceph, s3s, ...): list a prefix once, read small
-//! objects (manifest.json), write objects (`shardstream index`), and download shards into local
-//! files with parallel ranged GETs that resume where a broken body stopped.
+//! objects (manifest.json), write small objects (`shardstream index`), and download shards into
+//! local files with parallel ranged GETs that resume where a broken body stopped. Uploads of
+//! whole files (`shardstream pack`) live in [`super::s3_write`], on the same connection and policy.
 //!
 //! Configuration comes from the standard AWS chain (`AWS_*` environment variables, profiles, web
 //! identity, instance metadata). With a custom endpoint (`AWS_ENDPOINT_URL` or
@@ -113,7 +114,7 @@ impl DownloadObserver for () {}
 /// A connection to one S3 endpoint, shared by every dataset and stream of the daemon.
 #[derive(Debug, Clone)]
 pub struct S3Store {
-    client: aws_sdk_s3::Client,
+    pub(super) client: aws_sdk_s3::Client,
     options: S3Options,
     gets: Arc<Semaphore>,
     /// Where blocking callers run their requests.
@@ -121,14 +122,14 @@ pub struct S3Store {
 }
 
 /// The outcome of one failed request: worth retrying, or final.
-enum Failure {
+pub(super) enum Failure {
     Transient(String),
     Permanent(Error),
 }
 
 /// Maps an SDK error for `url` to a retry decision or a crate error. The one place SDK errors
 /// are interpreted: status codes, not message texts, decide.
-fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
+pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
     url: &str,
     err: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
 ) -> Failure {
@@ -151,6 +152,11 @@ fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>
             offset: None,
             reason: "changed on the server while it was being read (ETag no longer matches)".into(),
         }),
+        // A server that does not implement a request (some S3-compatible stores lack
+        // AbortMultipartUpload, for one) will not implement it on the next try either.
+        (_, Some(501)) => Failure::Permanent(Error::Unavailable(format!(
+            "{url}: the server does not implement this request: {detail}"
+        ))),
         (_, Some(408 | 429 | 500..=599)) => Failure::Transient(detail),
         (SdkError::ResponseError(_), _) => Failure::Transient(detail),
         (_, Some(s)) => Failure::Permanent(Error::Unavailable(format!("{url}: S3 answered {s}: {detail}"))),
@@ -247,8 +253,16 @@ impl S3Store {
         self.rt.block_on(f)
     }
 
+    /// Starts `f` on the store's runtime, so that requests run while the caller's thread goes on.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        f: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        self.rt.spawn(f)
+    }
+
     /// Retries `op` by the policy until it succeeds or fails for good.
-    async fn retrying<T, F, Fut>(&self, url: &str, what: &'static str, mut op: F) -> Result<T>
+    pub(super) async fn retrying<T, F, Fut>(&self, url: &str, what: &'static str, mut op: F) -> Result<T>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = std::result::Result<T, Failure>>,
