@@ -19,8 +19,8 @@ MB/s (payload bytes, 10^6) are over the command's wall time, best of `--repeat` 
 
 Usage: `python bench/pack_bench.py [--files 100000] [--repeat 3] [--out bench/pack-results.md]`
 (`--shardstream` defaults to this checkout's `target/release/shardstream`, built with
-`cargo build --release -p shardstream --example s3_put`; the lead merges the table into
-bench/RESULTS.md).
+`cargo build --release -p shardstream --example s3_put`; `make bench` writes the table to
+bench/PACK_RESULTS.md).
 """
 
 from __future__ import annotations
