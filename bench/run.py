@@ -208,6 +208,10 @@ def run_reader(reader: str, workers: int, base: Path, scratch: Path, timeout: fl
         with daemon_for(reader, scratch) as srv:
             also = [srv.pid] if srv else []
             daemon_cpu0 = (measure.cpu_seconds(srv.pid) or 0.0) if srv else 0.0
+            if srv and reader in peers.WARM_DAEMON:
+                warm_up = [*cmd[:2], peers.WARM_DAEMON[reader], *cmd[3:], srv.addr]
+                subprocess.run(warm_up, check=True, capture_output=True, timeout=timeout)
+                daemon_cpu0 = measure.cpu_seconds(srv.pid) or 0.0
             done = watch(cmd + ([srv.addr] if srv else []), scratch, timeout, also)
             daemon_cpu = (measure.cpu_seconds(srv.pid) or daemon_cpu0) - daemon_cpu0 if srv else 0.0
             daemon_log = srv.log_tail() if srv else ""
