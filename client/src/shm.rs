@@ -172,9 +172,13 @@ impl Inner {
         let map = if len == 0 {
             Mapping(None)
         } else {
+            // Populated here, on the receiver thread: the page tables are filled in one pass,
+            // ahead of the batches that use the shard, instead of one page fault after another on
+            // the trainer's thread while it reads the samples.
             // SAFETY: a read-only shared mapping of a file opened read-only by the daemon; see the
             // module docs for why its length does not change while mapped.
-            Mapping(Some(unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map shard slot {slot}: {e}"))?))
+            let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) };
+            Mapping(Some(map.map_err(|e| format!("cannot map shard slot {slot}: {e}"))?))
         };
         let slot = usize::try_from(slot).map_err(|_| "slot out of range".to_string())?;
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
