@@ -55,6 +55,7 @@ bench: venv-bench
 	VIRTUAL_ENV=$(abspath $(BENCH_VENV)) $(BENCH_VENV)/bin/maturin develop --quiet --release -m loader-py/Cargo.toml
 	$(CARGO) build --release -p shardstream --bin shardstream --example plan_quality --example index_memory --example s3_fetch --example s3_put
 	$(BENCH_VENV)/bin/python bench/run.py --out bench/RESULTS.md $(BENCH_ARGS)
+	$(BENCH_VENV)/bin/python bench/shm_bench.py --out bench/SHM_RESULTS.md
 	export SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)"; \
 	$(BENCH_VENV)/bin/python bench/pack_bench.py --out bench/PACK_RESULTS.md && \
 	$(BENCH_VENV)/bin/python bench/s3_bench.py --out bench/S3_RESULTS.md

@@ -1,0 +1,202 @@
+"""The shared-memory (view mode) transport beyond the small-sample table of `run.py`, in one run,
+written to bench/SHM_RESULTS.md:
+
+1. **large samples**: ~1 MiB samples (video clips, token blocks), one shuffled epoch on a warm
+   daemon, the consumer touching every sample as in `run.py`; MB/s against `cat` of the same
+   shards to /dev/null (hot page cache) measured in the same run;
+2. **8 consumers at once**: 8 ranks of one job (8 processes, `world_size=8`) on one warm daemon
+   over the small-sample dataset of `run.py`: aggregate samples/s and MB/s, the daemon's CPU per
+   GB delivered, every sample exactly once across the 8.
+
+Both use a daemon that has served the dataset once already (index resident, shards verified), as
+the node's daemon has; see bench/README.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import daemon  # noqa: E402
+import gen  # noqa: E402
+import measure  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 256
+LARGE_BATCH = 16
+
+
+def large_dataset(d: Path, samples: int, size: int, per_shard: int) -> list[Path]:
+    """`samples` random payloads of `size` bytes, each starting with its index (8 bytes LE), in
+    shards of `per_shard` samples; generated once."""
+    done = d / ".complete"
+    if not done.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(0)
+        block = rng.integers(0, 256, size + 4096, dtype=np.uint8).tobytes()
+        for s in range(0, samples, per_shard):
+            with tarfile.open(d / f"large-{s // per_shard:06d}.tar", "w") as tf:
+                for i in range(s, min(s + per_shard, samples)):
+                    off = (i * 61) % 4096
+                    payload = i.to_bytes(8, "little") + block[off : off + size - 8]
+                    for ext, data in (("bin", payload), ("cls", str(i % 10).encode())):
+                        info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                        info.size = len(data)
+                        tf.addfile(info, BytesIO(data))
+        done.write_text("")
+    return sorted(d.glob("*.tar"))
+
+
+def epoch(addr: str, url: str, field: str, batch: int, id_offset: int, rank: int = 0, world: int = 1) -> dict:
+    """One shuffled epoch through the common consumer; returns counts, ids, seconds."""
+    import shardstream
+
+    t0 = time.perf_counter()
+    loader = shardstream.Loader(url, batch_size=batch, seed=0, connect=addr, rank=rank, world_size=world)
+    n = nbytes = touched = 0
+    ids: list[int] = []
+    for b in loader:
+        for v in b[field]:
+            a = np.frombuffer(v, np.uint8)
+            touched += int(a[::4096].sum())
+            nbytes += len(a)
+            ids.append(int.from_bytes(a[id_offset : id_offset + 8], "little"))
+            n += 1
+    return {
+        "samples": n,
+        "bytes": nbytes,
+        "seconds": time.perf_counter() - t0,
+        "ids": ids,
+        "transport": loader.stats().get("transport"),
+    }
+
+
+def check(ids: list[int], expected: int) -> str:
+    counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=expected)
+    if len(ids) == expected and (counts == 1).all():
+        return "ok"
+    return f"MISMATCH ({len(ids)} samples, {int((counts == 0).sum())} missing, {int((counts > 1).sum())} repeated)"
+
+
+def rank_main(addr: str, url: str, rank: int, world: int, out: Path) -> None:
+    """One of the concurrent ranks (run as a subprocess), started together by a barrier file."""
+    import shardstream  # noqa: F401 - imported before the clock, as in run.py
+
+    go = out.with_name("go")
+    while not go.exists():
+        time.sleep(0.001)
+    r = epoch(addr, url, "jpg", BATCH, gen.ID_OFFSET, rank, world)
+    r["end"] = time.time()
+    out.write_text(json.dumps(r))
+
+
+def concurrent(addr: str, url: str, world: int, scratch: Path, daemon_pid: int) -> dict[str, Any]:
+    scratch.mkdir(parents=True, exist_ok=True)
+    outs = [scratch / f"rank{r}.json" for r in range(world)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), addr, url, str(o)])
+        for r, o in enumerate(outs)
+    ]
+    time.sleep(3)  # every rank imported and waiting
+    cpu0 = measure.cpu_seconds(daemon_pid) or 0.0
+    start = time.time()
+    (scratch / "go").write_text("")
+    for p in procs:
+        p.wait()
+    daemon_cpu = (measure.cpu_seconds(daemon_pid) or 0.0) - cpu0
+    results = [json.loads(o.read_text()) for o in outs]
+    seconds = max(r["end"] for r in results) - start
+    ids = [i for r in results for i in r["ids"]]
+    return {
+        "world": world,
+        "samples": sum(r["samples"] for r in results),
+        "bytes": sum(r["bytes"] for r in results),
+        "seconds": seconds,
+        "daemon_cpu": daemon_cpu,
+        "ids": ids,
+        "transports": sorted({r["transport"] for r in results}),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        rank, world = int(sys.argv[2]), int(sys.argv[4])
+        rank_main(sys.argv[5], sys.argv[6], rank, world, Path(sys.argv[7]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=100_000, help="small-sample dataset (as run.py)")
+    ap.add_argument("--large", type=int, default=2048, help="large samples")
+    ap.add_argument("--large-size", type=int, default=1 << 20)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/SHM_RESULTS.md")
+    args = ap.parse_args()
+
+    spec = gen.Spec(samples=args.samples)
+    small = gen.ensure(args.data, spec, ["wds"]) / "wds"
+    large_files = large_dataset(args.data / f"large-{args.large}x{args.large_size}", args.large, args.large_size, 64)
+    large_url = str(large_files[0].parent)
+    measure.warm(large_files)
+    measure.warm(sorted(small.glob("*.tar")))
+    cat = measure.cat_gbps(large_files)
+    load_before = os.getloadavg()
+
+    with tempfile.TemporaryDirectory(prefix="shm-bench-") as tmp:
+        srv = daemon.Daemon.start(Path(tmp))
+        try:
+            epoch(srv.addr, large_url, "bin", LARGE_BATCH, 0)  # warm-up: index and verify once
+            large = epoch(srv.addr, large_url, "bin", LARGE_BATCH, 0)
+            large["check"] = check(large.pop("ids"), args.large)
+            print(f"large: {large['bytes'] / 1e9 / large['seconds']:.2f} GB/s, cat {cat:.2f} GB/s", flush=True)
+            epoch(srv.addr, str(small), "jpg", BATCH, gen.ID_OFFSET)
+            many = concurrent(srv.addr, str(small), args.world, Path(tmp) / "ranks", srv.pid)
+            many["check"] = check(many.pop("ids"), args.samples)
+            print(f"{args.world} ranks: {many['samples'] / many['seconds']:,.0f} samples/s", flush=True)
+        finally:
+            srv.stop()
+
+    gb = many["bytes"] / 1e9
+    lines = [
+        "# Shared-memory transport: large samples and 8 consumers",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `python bench/shm_bench.py`"
+        " (part of `make bench`).",
+        "",
+        f"- Machine: {os.cpu_count()} CPUs; load average before {' '.join(f'{x:.2f}' for x in load_before)},"
+        f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+        "- Daemon: warm (it served each dataset once before the measured epoch). Consumer: per sample"
+        " `np.frombuffer(v, np.uint8)[::4096].sum()`, its length and the index written in it"
+        " (every sample checked exactly once).",
+        "",
+        "| measurement | value | ratio |",
+        "|---|---|---|",
+        f"| `cat` of the large-sample shards to /dev/null (hot page cache, best of 3) | {cat:.2f} GB/s | 1.00 |",
+        f"| view mode, {args.large:,} samples of {args.large_size / 2**20:.0f} MiB, batch {LARGE_BATCH}"
+        f" ({large['transport']}; {large['check']}) | {large['bytes'] / 1e9 / large['seconds']:.2f} GB/s,"
+        f" {large['samples'] / large['seconds']:,.0f} samples/s |"
+        f" {large['bytes'] / 1e9 / large['seconds'] / cat:.2f} of `cat` |",
+        f"| {many['world']} ranks at once, {args.samples:,} samples of 16-20 KiB"
+        f" ({', '.join(map(str, many['transports']))}; {many['check']}) |"
+        f" {many['samples'] / many['seconds']:,.0f} samples/s, {gb / many['seconds']:.2f} GB/s in all | |",
+        f"| daemon CPU for those {many['world']} ranks | {many['daemon_cpu']:.2f} s,"
+        f" {many['daemon_cpu'] / gb:.2f} CPU-s per GB delivered | |",
+    ]
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
