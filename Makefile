@@ -52,7 +52,11 @@ test: venv fmt clippy lint rust-test py-test
 
 BENCH_VENV := .venv-bench
 bench: venv-bench
-	VIRTUAL_ENV=$(abspath $(BENCH_VENV)) $(BENCH_VENV)/bin/maturin develop --quiet --release -m loader-py/Cargo.toml
+	@# A wheel, not an editable install: an editable one puts the native module in the source
+	@# tree, where the next `make test` replaces it with a debug build under the bench's feet.
+	rm -rf target/bench-wheel
+	$(BENCH_VENV)/bin/maturin build --quiet --release -m loader-py/Cargo.toml -o target/bench-wheel
+	$(BENCH_VENV)/bin/pip install --quiet --force-reinstall --no-deps target/bench-wheel/shardstream-*.whl
 	$(CARGO) build --release -p shardstream --bin shardstream --example plan_quality --example index_memory --example s3_fetch --example s3_put
 	$(BENCH_VENV)/bin/python bench/run.py --out bench/RESULTS.md $(BENCH_ARGS)
 	$(BENCH_VENV)/bin/python bench/shm_bench.py --out bench/SHM_RESULTS.md
