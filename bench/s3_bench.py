@@ -29,11 +29,10 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import consumer  # noqa: E402
 import gen  # noqa: E402
 import measure  # noqa: E402
 from s3server import SECRET_KEY as S3_SECRET  # noqa: E402
@@ -74,39 +73,21 @@ def status(addr: str) -> dict[str, Any]:
     return shardstream._native.Connection(addr).status()
 
 
-def consume(batches, expected: int | None) -> dict[str, Any]:
-    """The bench's common consumer; returns samples, payload bytes, ttfb, seconds, check."""
-    t0 = time.perf_counter()
-    ttfb = None
-    n = nbytes = 0
-    ids: list[int] = []
-    for payloads in batches:
-        if ttfb is None:
-            ttfb = time.perf_counter() - t0
-        for v in payloads:
-            a = np.frombuffer(v, np.uint8)
-            int(a[::4096].sum())
-            nbytes += len(a)
-            ids.append(int.from_bytes(a[gen.ID_OFFSET : gen.ID_OFFSET + gen.ID_BYTES], "little"))
-            n += 1
-    seconds = time.perf_counter() - t0
-    check = "ok"
-    if expected is not None:
-        counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=expected)
-        if len(ids) != expected or (counts != 1).any():
-            check = f"MISMATCH ({len(ids)} samples, {int((counts == 0).sum())} missing)"
-    return {"samples": n, "bytes": nbytes, "seconds": seconds, "ttfb": ttfb, "check": check}
+def consume(batches, expected: int | None, t0: float) -> dict[str, Any]:
+    """The bench's common consumer (bench/consumer.py) with the check as a report string."""
+    r = consumer.consume(batches, t0)
+    ids = r.pop("ids")
+    r["check"] = "ok" if expected is None else consumer.verdict(ids, expected)
+    return r
 
 
 def loader_epoch(addr: str, url: str, epoch: int, expected: int | None) -> dict[str, Any]:
     import shardstream
 
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # constructing the loader counts
     loader = shardstream.Loader(url, batch_size=BATCH, shuffle=True, seed=0, connect=addr)
     loader.set_epoch(epoch)
-    r = consume((b["jpg"] for b in loader), expected)
-    r["seconds"] = time.perf_counter() - t0  # constructing the loader counts
-    return r
+    return consume((b["jpg"] for b in loader), expected, t0)
 
 
 def fmt(x: float, digits: int = 0) -> str:
@@ -166,9 +147,7 @@ def peer_webdataset(server: S3Server, prefix: str, names: list[str], expected: i
     ]
     t0 = time.perf_counter()
     ds = wds.WebDataset(urls, shardshuffle=len(urls)).shuffle(1000).to_tuple("jpg").batched(BATCH)
-    r = consume(([x for x in b[0]] for b in ds), expected)
-    r["seconds"] = time.perf_counter() - t0
-    return r
+    return consume(([x for x in b[0]] for b in ds), expected, t0)
 
 
 def peer_s3torchconnector(server: S3Server, prefix: str, names: list[str], expected: int) -> dict[str, Any]:
@@ -212,9 +191,7 @@ def peer_s3torchconnector(server: S3Server, prefix: str, names: list[str], expec
             yield from buf
 
         it = samples()
-        r = consume(iter(lambda: _take(it, BATCH), []), expected)
-        r["seconds"] = time.perf_counter() - t0
-        return r
+        return consume(iter(lambda: _take(it, BATCH), []), expected, t0)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -242,8 +219,7 @@ def peer_mosaicml(server: S3Server, mds_prefix: str, expected: int) -> dict[str,
         # Iterated, as a training loop does (indexing would bypass its shuffle).
         it = iter(ds)
         batches = ([s["jpg"] for s in _take(it, BATCH)] for _ in range(-(-len(ds) // BATCH)))
-        r = consume(batches, expected)
-        r["seconds"] = time.perf_counter() - t0
+        r = consume(batches, expected, t0)
         shutil.rmtree(local, ignore_errors=True)
         return r
     finally:

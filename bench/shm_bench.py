@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import consumer  # noqa: E402
 import daemon  # noqa: E402
 import gen  # noqa: E402
 import measure  # noqa: E402
@@ -60,40 +61,21 @@ def large_dataset(d: Path, samples: int, size: int, per_shard: int) -> list[Path
 
 
 def epoch(addr: str, url: str, field: str, batch: int, id_offset: int, rank: int = 0, world: int = 1) -> dict:
-    """One shuffled epoch through the common consumer; returns counts, ids, seconds."""
+    """One shuffled epoch of `field` through the common consumer (bench/consumer.py)."""
     import shardstream
 
     t0 = time.perf_counter()
     loader = shardstream.Loader(url, batch_size=batch, seed=0, connect=addr, rank=rank, world_size=world)
-    n = nbytes = touched = 0
-    ids: list[int] = []
-    for b in loader:
-        for v in b[field]:
-            a = np.frombuffer(v, np.uint8)
-            touched += int(a[::4096].sum())
-            nbytes += len(a)
-            ids.append(int.from_bytes(a[id_offset : id_offset + 8], "little"))
-            n += 1
-    return {
-        "samples": n,
-        "bytes": nbytes,
-        "seconds": time.perf_counter() - t0,
-        "ids": ids,
-        "transport": loader.stats().get("transport"),
-    }
-
-
-def check(ids: list[int], expected: int) -> str:
-    counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=expected)
-    if len(ids) == expected and (counts == 1).all():
-        return "ok"
-    return f"MISMATCH ({len(ids)} samples, {int((counts == 0).sum())} missing, {int((counts > 1).sum())} repeated)"
+    r = consumer.consume((b[field] for b in loader), t0, id_offset)
+    r["transport"] = loader.stats().get("transport")
+    return r
 
 
 def rank_main(addr: str, url: str, rank: int, world: int, out: Path) -> None:
     """One of the concurrent ranks (run as a subprocess), started together by a barrier file."""
     import shardstream  # noqa: F401 - imported before the clock, as in run.py
 
+    out.with_suffix(".ready").write_text("")
     go = out.with_name("go")
     while not go.exists():
         time.sleep(0.001)
@@ -109,7 +91,11 @@ def concurrent(addr: str, url: str, world: int, scratch: Path, daemon_pid: int) 
         subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), addr, url, str(o)])
         for r, o in enumerate(outs)
     ]
-    time.sleep(3)  # every rank imported and waiting
+    # Every rank has imported its libraries and waits, so the clock covers only the epoch.
+    while not all(o.with_suffix(".ready").exists() for o in outs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError("a rank exited before the start")
+        time.sleep(0.01)
     cpu0 = measure.cpu_seconds(daemon_pid) or 0.0
     start = time.time()
     (scratch / "go").write_text("")
@@ -158,11 +144,11 @@ def main() -> None:
         try:
             epoch(srv.addr, large_url, "bin", LARGE_BATCH, 0)  # warm-up: index and verify once
             large = epoch(srv.addr, large_url, "bin", LARGE_BATCH, 0)
-            large["check"] = check(large.pop("ids"), args.large)
+            large["check"] = consumer.verdict(large.pop("ids"), args.large)
             print(f"large: {large['bytes'] / 1e9 / large['seconds']:.2f} GB/s, cat {cat:.2f} GB/s", flush=True)
             epoch(srv.addr, str(small), "jpg", BATCH, gen.ID_OFFSET)
             many = concurrent(srv.addr, str(small), args.world, Path(tmp) / "ranks", srv.pid)
-            many["check"] = check(many.pop("ids"), args.samples)
+            many["check"] = consumer.verdict(many.pop("ids"), args.samples)
             print(f"{args.world} ranks: {many['samples'] / many['seconds']:,.0f} samples/s", flush=True)
         finally:
             srv.stop()
