@@ -6,6 +6,8 @@
 //! Usage: `s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES]` with `AWS_ENDPOINT_URL` and
 //! credentials in the environment.
 
+mod plain_s3;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,14 +22,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let concurrency: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(8);
     let part: u64 = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(8 << 20);
-    let http = aws_smithy_http_client::Builder::new()
-        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
-            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
-        ))
-        .build_https();
-    let sdk = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http).load().await;
-    let conf = aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build();
-    let client = aws_sdk_s3::Client::from_conf(conf);
+    let client = plain_s3::client().await;
 
     let mut objects = Vec::new();
     let mut token = None;
