@@ -7,6 +7,8 @@
 mod stage;
 pub mod status;
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -255,23 +257,21 @@ fn build_shm_batch(
         starts: Vec::with_capacity(ids.len()),
         lengths: Vec::with_capacity(ids.len()),
     };
-    let mut leased: Vec<std::path::PathBuf> = Vec::new();
-    let mut current: Option<(usize, u32, Arc<crate::index::ResidentShard>)> = None;
+    // The batch's shards, by shard index: a shuffled batch switches shard at almost every sample,
+    // so the session (a lock and a path lookup) is asked once per shard, not once per sample.
+    let mut shards: HashMap<usize, (u32, Arc<crate::index::ResidentShard>)> = HashMap::new();
     let mut bytes = 0u64;
     for &id in ids {
         let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
-        let (slot, resident) = match &current {
-            Some((s, slot, r)) if *s == shard => (*slot, r.clone()),
-            _ => {
+        let (slot, resident) = match shards.entry(shard) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
                 let r = working.get(ds, shard)?.clone();
                 let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len)?;
-                if !leased.contains(&r.file.path) {
-                    leased.push(r.file.path.clone());
-                }
-                current = Some((shard, slot, r.clone()));
-                (slot, r)
+                e.insert((slot, r))
             }
         };
+        let slot = *slot;
         let range = resident.table.sample_range(local).ok_or_else(|| {
             Error::Internal(format!("sample {local} out of range in {}", resident.file.path.display()))
         })?;
@@ -280,7 +280,7 @@ fn build_shm_batch(
         b.lengths.push(range.end - range.start);
         bytes += range.end - range.start;
     }
-    session.lease(index, leased);
+    session.lease(index, shards.into_values().map(|(_, r)| r.file.path.clone()).collect());
     Ok((StreamMessage { kind: Some(stream_message::Kind::ShmBatch(b)) }, bytes))
 }
 
