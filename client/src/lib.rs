@@ -128,11 +128,29 @@ pub async fn open(client: &mut Client, url: &str, cache: &str) -> Result<Dataset
     Ok(client.open_dataset(req).await?.into_inner())
 }
 
-/// A received batch: bytes inline, or descriptors into shards mapped through `shm`.
+/// A received batch: bytes inline, descriptors into shards mapped through `shm`, or a slot of the
+/// stream's ring (packed mode).
 #[derive(Debug)]
 pub enum Batch {
     Inline(shardstream_proto::InlineBatch),
     Shm(shardstream_proto::ShmBatch),
+    Packed(shardstream_proto::PackedBatch),
+}
+
+impl Batch {
+    /// Index of the batch in the rank's batch order.
+    pub fn index(&self) -> u64 {
+        match self {
+            Batch::Inline(b) => b.batch_index,
+            Batch::Shm(b) => b.batch_index,
+            Batch::Packed(b) => b.batch_index,
+        }
+    }
+
+    /// True when the batch holds a lease or slot that must be released (shared memory).
+    pub fn is_leased(&self) -> bool {
+        !matches!(self, Batch::Inline(_))
+    }
 }
 
 /// One consumer's stream of batches.
@@ -161,8 +179,10 @@ impl Drop for BatchStream {
             // Batches received but never handed out, and those still in flight, are released
             // now: only the ones the user holds keep their leases.
             while let Ok(item) = self.rx.try_recv() {
-                if let Ok(Batch::Shm(b)) = item {
-                    shm.release(b.batch_index);
+                if let Ok(b) = item
+                    && b.is_leased()
+                {
+                    shm.release(b.index());
                 }
             }
             shm.stream_end(self.pushed.load(std::sync::atomic::Ordering::Acquire));
@@ -205,6 +225,10 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
                     received += 1;
                     Ok(Batch::Shm(b))
                 }
+                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::PackedBatch(b)) })) => {
+                    received += 1;
+                    Ok(Batch::Packed(b))
+                }
                 Ok(Some(_)) => Err(tonic::Status::internal("unexpected message kind in batch stream")),
                 // A stream that ends early must never look like the end of an epoch.
                 Ok(None) if received < expected => Err(tonic::Status::unavailable(format!(
@@ -215,7 +239,7 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
             };
             let stop = item.is_err();
             let index = match &item {
-                Ok(Batch::Shm(b)) => Some(b.batch_index),
+                Ok(b) if b.is_leased() => Some(b.index()),
                 _ => None,
             };
             // Reserve first, so that "pushed" is updated before the batch can be taken.

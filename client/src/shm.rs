@@ -1,6 +1,8 @@
 //! The shared-memory transport, client side: attach to the daemon's side channel with the
 //! stream's token, receive each shard's file descriptor once and map it read-only, and release
-//! batches when they are no longer used.
+//! batches when they are no longer used. Packed streams also receive their ring segments here
+//! (`shardstream_proto::ring`), checked for magic and layout version before anything in them is
+//! used.
 //!
 //! Safety of the mappings: they are `PROT_READ`, `MAP_SHARED` mappings of files the daemon opened
 //! read-only, so this process can never write into them (nor into daemon memory). Shards in the
@@ -8,6 +10,7 @@
 //! dataset read in place must not be truncated by someone else while training runs (the process
 //! would get SIGBUS, as with any mmap-based reader).
 
+use std::collections::HashMap;
 use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
@@ -17,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::Mmap;
 use rustix::net::{AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendFlags, SocketType};
+use shardstream_proto::ring::{RingError, RingHeader};
 use shardstream_proto::shm::{self as wire, Frame};
 
 use crate::ClientError;
@@ -35,9 +39,35 @@ impl Mapping {
     }
 }
 
+/// A packed-mode ring segment, mapped read-only, its header checked.
+#[derive(Debug)]
+pub struct RingMapping {
+    map: Mmap,
+    pub header: RingHeader,
+}
+
+impl RingMapping {
+    /// Maps a ring segment read-only and checks its header (magic, layout version, geometry).
+    pub fn map(file: &std::fs::File) -> Result<Self, String> {
+        // SAFETY: a read-only shared mapping of a memfd the daemon sealed against shrinking
+        // (`F_SEAL_SHRINK`), so its pages stay valid for as long as this mapping lives; the
+        // daemon writes only into slots this client does not hold.
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(file) }
+            .map_err(|e| format!("cannot map a ring segment: {e}"))?;
+        let header = RingHeader::decode(&map).map_err(|e: RingError| e.to_string())?;
+        Ok(Self { map, header })
+    }
+
+    /// The bytes of slot `k`.
+    pub fn slot(&self, k: u32) -> Option<&[u8]> {
+        self.map.get(self.header.slot_range(k)?)
+    }
+}
+
 #[derive(Debug, Default)]
 struct Slots {
     maps: Vec<Option<Arc<Mapping>>>,
+    rings: HashMap<u64, Arc<RingMapping>>,
     error: Option<String>,
     closed: bool,
 }
@@ -112,6 +142,11 @@ impl ShmSession {
         self.inner.mapping(slot)
     }
 
+    /// The ring segment `id` of a packed stream, waiting briefly for its descriptor.
+    pub fn ring(&self, id: u64) -> Result<Arc<RingMapping>, ClientError> {
+        self.inner.ring(id)
+    }
+
     /// Tells the daemon this batch's shards are no longer used. Never blocks for long: the frame
     /// is 64 bytes and the daemon reads them as they come.
     pub fn release(&self, batch: u64) {
@@ -147,6 +182,12 @@ impl Inner {
             };
             let outcome = match Frame::decode(&bytes) {
                 Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, fds),
+                Ok(f) if f.kind == wire::KIND_RING_FD => self.adopt_ring(f.a, f.b, fds),
+                Ok(f) if f.kind == wire::KIND_RING_RETIRE => {
+                    // Arrays over it keep their own reference; only the table lets go.
+                    self.slots.lock().unwrap_or_else(|p| p.into_inner()).rings.remove(&f.a);
+                    Ok(())
+                }
                 Ok(f) if f.kind == wire::KIND_ERROR => Err(format!("daemon: {}", f.message())),
                 Ok(f) => Err(format!("unexpected frame kind {}", f.kind)),
                 Err(e) => Err(e.to_string()),
@@ -191,22 +232,47 @@ impl Inner {
         Ok(())
     }
 
+    fn adopt_ring(&self, id: u64, len: u64, mut fds: Vec<OwnedFd>) -> Result<(), String> {
+        let fd = fds.pop().ok_or("RING_FD frame without a descriptor")?;
+        let file = std::fs::File::from(fd);
+        let ring = RingMapping::map(&file).map_err(|e| format!("ring {id}: {e}"))?;
+        if ring.header.ring_id != id || ring.map.len() as u64 != len {
+            return Err(format!(
+                "ring {id} of {len} bytes announced, segment says ring {} of {} bytes",
+                ring.header.ring_id,
+                ring.map.len()
+            ));
+        }
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).rings.insert(id, Arc::new(ring));
+        self.arrived.notify_all();
+        Ok(())
+    }
+
+    fn ring(&self, id: u64) -> Result<Arc<RingMapping>, ClientError> {
+        self.wait_for(|s| s.rings.get(&id).cloned(), || format!("ring {id}"))
+    }
+
     fn mapping(&self, slot: u32) -> Result<Arc<Mapping>, ClientError> {
+        self.wait_for(|s| s.maps.get(slot as usize).cloned().flatten(), || format!("shard slot {slot}"))
+    }
+
+    /// Waits for what `find` looks up to arrive on the side channel.
+    fn wait_for<T>(&self, find: impl Fn(&Slots) -> Option<T>, what: impl Fn() -> String) -> Result<T, ClientError> {
         let deadline = Instant::now() + FD_TIMEOUT;
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if let Some(Some(m)) = s.maps.get(slot as usize) {
-                return Ok(m.clone());
+            if let Some(found) = find(&s) {
+                return Ok(found);
             }
             if let Some(e) = &s.error {
                 return Err(frame_error(e));
             }
             if s.closed {
-                return Err(frame_error(format!("shm side channel closed before shard slot {slot} arrived")));
+                return Err(frame_error(format!("shm side channel closed before {} arrived", what())));
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(frame_error(format!("shard slot {slot} did not arrive within {} s", FD_TIMEOUT.as_secs())));
+                return Err(frame_error(format!("{} did not arrive within {} s", what(), FD_TIMEOUT.as_secs())));
             }
             s = self.arrived.wait_timeout(s, deadline - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
@@ -238,4 +304,37 @@ fn recv(sock: &impl AsFd) -> std::io::Result<(Option<Vec<u8>>, Vec<OwnedFd>)> {
         return Ok((None, fds));
     }
     Ok((Some(buf[..r.bytes].to_vec()), fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use shardstream_proto::ring::{PAGE, RING_LAYOUT_VERSION};
+
+    use super::*;
+
+    fn segment(header: [u8; 64]) -> std::fs::File {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&header).unwrap();
+        f.set_len(PAGE * 3).unwrap();
+        f
+    }
+
+    #[test]
+    fn a_ring_of_another_layout_version_is_refused_naming_both() {
+        let good = RingHeader::new(0, 2, PAGE);
+        assert_eq!(RingMapping::map(&segment(good.encode())).unwrap().header, good);
+        let mut other = good.encode();
+        other[4..6].copy_from_slice(&(RING_LAYOUT_VERSION + 1).to_le_bytes());
+        let err = RingMapping::map(&segment(other)).unwrap_err();
+        assert!(
+            err.contains(&format!("version {}", RING_LAYOUT_VERSION + 1))
+                && err.contains(&format!("version {RING_LAYOUT_VERSION}")),
+            "{err}"
+        );
+        // A header whose slots run past the segment is refused too.
+        let too_big = RingHeader::new(0, 9, PAGE).encode();
+        assert!(RingMapping::map(&segment(too_big)).unwrap_err().contains("does not fit"));
+    }
 }

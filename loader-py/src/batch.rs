@@ -7,6 +7,11 @@
 //!   shard (a [`Region`] per shard of the batch): no copy at all between the page cache and the
 //!   trainer. Each region holds the batch's [`Lease`]; when the last view and the batch object are
 //!   gone (or on an explicit `release()`), the lease is returned to the daemon.
+//! - Packed batches (`collate="stack"`): each field is one `(samples, record_bytes)` `uint8` numpy
+//!   array over a [`Column`] of the stream's read-only ring mapping: the daemon's one copy is the
+//!   only one. The column holds the batch's [`Lease`] on its ring slot; when every array is gone
+//!   (or on `release()`) the slot goes back to the daemon, which then reuses it: unlike the shard
+//!   views of view mode, an array must not be used after an explicit `release()`.
 
 use std::ffi::{c_int, c_void};
 use std::ptr;
@@ -19,8 +24,8 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PySlice, PyString};
-use shardstream_client::shm::{Mapping, ShmSession};
-use shardstream_proto::{InlineBatch, ShmBatch};
+use shardstream_client::shm::{Mapping, RingMapping, ShmSession};
+use shardstream_proto::{InlineBatch, PackedBatch, ShmBatch};
 
 use crate::errors::ShardstreamError;
 
@@ -103,6 +108,41 @@ impl Region {
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
+/// One field's column in a ring slot as a read-only buffer, holding the lease of its batch's slot.
+#[pyclass(module = "shardstream._native", frozen)]
+pub struct Column {
+    ring: Arc<RingMapping>,
+    slot: u32,
+    range: std::ops::Range<usize>,
+    _lease: Arc<Lease>,
+}
+
+impl Column {
+    fn bytes(&self) -> &[u8] {
+        // The range was checked against the slot by `read_slot` when the column was made.
+        self.ring.slot(self.slot).and_then(|s| s.get(self.range.clone())).unwrap_or_default()
+    }
+}
+
+#[pymethods]
+impl Column {
+    fn __len__(&self) -> usize {
+        self.bytes().len()
+    }
+
+    /// # Safety
+    /// The ring mapping is read-only and lives as long as this object (an `Arc` it holds), which
+    /// the view keeps alive; the daemon does not write into the slot while the lease is held.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let ring = slf.get().ring.clone();
+        let bytes = ring.slot(slf.get().slot).and_then(|s| s.get(slf.get().range.clone())).unwrap_or_default();
+        // SAFETY: `bytes` lies in the mapping kept alive by `slf`, which the view references.
+        unsafe { fill_view(slf.into_any(), bytes, view, flags) }
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
 /// Read-only bytes owned by Rust, exposed through the buffer protocol.
 #[pyclass(module = "shardstream._native", frozen)]
 pub struct Buffer {
@@ -141,6 +181,7 @@ pub struct Batch {
 enum Kind {
     Inline(InlineBatch),
     Shm { batch: ShmBatch, session: Arc<ShmSession>, lease: Arc<Lease> },
+    Packed { batch: PackedBatch, session: Arc<ShmSession>, lease: Arc<Lease> },
 }
 
 impl Batch {
@@ -149,17 +190,20 @@ impl Batch {
         session: Option<Arc<ShmSession>>,
         fields: Arc<Vec<String>>,
     ) -> PyResult<Self> {
+        let lease = |session: &Arc<ShmSession>, batch| {
+            Arc::new(Lease { session: session.clone(), batch, released: AtomicBool::new(false) })
+        };
         let kind = match (b, session) {
             (shardstream_client::Batch::Inline(b), _) => Kind::Inline(b),
             (shardstream_client::Batch::Shm(b), Some(session)) => {
-                let lease = Arc::new(Lease {
-                    session: session.clone(),
-                    batch: b.batch_index,
-                    released: AtomicBool::new(false),
-                });
+                let lease = lease(&session, b.batch_index);
                 Kind::Shm { batch: b, session, lease }
             }
-            (shardstream_client::Batch::Shm(_), None) => {
+            (shardstream_client::Batch::Packed(b), Some(session)) => {
+                let lease = lease(&session, b.batch_index);
+                Kind::Packed { batch: b, session, lease }
+            }
+            (_, None) => {
                 return Err(ShardstreamError::new_err("shared-memory batch on a stream without a side channel"));
             }
         };
@@ -175,6 +219,7 @@ impl Batch {
         match &self.kind {
             Kind::Inline(b) => b.batch_index,
             Kind::Shm { batch, .. } => batch.batch_index,
+            Kind::Packed { batch, .. } => batch.batch_index,
         }
     }
 
@@ -182,6 +227,7 @@ impl Batch {
         match &self.kind {
             Kind::Inline(b) => b.keys.len(),
             Kind::Shm { batch, .. } => batch.slots.len(),
+            Kind::Packed { batch, .. } => batch.keys.len(),
         }
     }
 
@@ -195,15 +241,27 @@ impl Batch {
                 u64::MAX => batch.lengths.iter().sum(),
                 known => known,
             },
+            Kind::Packed { .. } => match self.payload.load(Ordering::Relaxed) {
+                u64::MAX => 0,
+                known => known,
+            },
         }
     }
 
     /// Returns the batch's lease now (shm): the daemon may then evict its shards. Views already
-    /// handed out stay readable (the mapping outlives the lease). No-op for inline batches.
+    /// handed out stay readable (the mapping outlives the lease). For a packed batch the daemon
+    /// reuses its ring slot: its arrays must not be used afterwards. No-op for inline batches.
     fn release(&self) {
-        if let Kind::Shm { lease, .. } = &self.kind {
-            lease.release();
+        match &self.kind {
+            Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease.release(),
+            Kind::Inline(_) => {}
         }
+    }
+
+    /// True when the fields are stacked arrays gathered by the daemon (packed mode).
+    #[getter]
+    fn packed(&self) -> bool {
+        matches!(self.kind, Kind::Packed { .. })
     }
 
     /// The batch as a dict. `copy=False`: zero-copy memoryviews; `copy=True`: `bytes` objects
@@ -217,8 +275,59 @@ impl Batch {
                 self.payload.store(payload, Ordering::Relaxed);
                 Ok(d)
             }
+            Kind::Packed { batch, session, lease } => {
+                let (d, payload) = packed_dict(py, batch, session, lease, &self.fields, copy)?;
+                self.payload.store(payload, Ordering::Relaxed);
+                if copy {
+                    // Everything was copied out: the slot can go back to the daemon now.
+                    lease.release();
+                }
+                Ok(d)
+            }
         }
     }
+}
+
+/// A packed batch as `{"__key__": [str], field: ndarray(samples, record_bytes) of uint8}`.
+fn packed_dict<'py>(
+    py: Python<'py>,
+    b: &PackedBatch,
+    session: &ShmSession,
+    lease: &Arc<Lease>,
+    fields: &[String],
+    copy: bool,
+) -> PyResult<(Bound<'py, PyDict>, u64)> {
+    let ring = session.ring(b.ring).map_err(crate::errors::to_pyerr)?;
+    let slot = ring.slot(b.slot).ok_or_else(|| {
+        ShardstreamError::new_err(format!("packed batch names slot {} of a ring of {}", b.slot, ring.header.slot_count))
+    })?;
+    let view = shardstream_proto::ring::read_slot(slot, b.slot, b.batch_index, fields.len())
+        .map_err(|e| ShardstreamError::new_err(format!("packed batch {}: {e}", b.batch_index)))?;
+    if view.header.n_samples != b.keys.len() as u64 {
+        return Err(ShardstreamError::new_err(format!(
+            "packed batch {}: slot holds {} samples, the message names {}",
+            b.batch_index,
+            view.header.n_samples,
+            b.keys.len()
+        )));
+    }
+    let numpy = py.import("numpy")?;
+    let (frombuffer, uint8) = (numpy.getattr("frombuffer")?, numpy.getattr("uint8")?);
+    let d = PyDict::new(py);
+    d.set_item("__key__", PyList::new(py, &b.keys)?)?;
+    for (name, desc) in fields.iter().zip(&view.fields) {
+        // read_slot checked that the column lies inside the slot, so these fit in usize.
+        let range = desc.column().unwrap_or_default();
+        let range = usize::try_from(range.start).unwrap_or(0)..usize::try_from(range.end).unwrap_or(0);
+        let column = Bound::new(py, Column { ring: ring.clone(), slot: b.slot, range, _lease: lease.clone() })?;
+        let flat = frombuffer.call1((column, &uint8))?;
+        let mut array = flat.call_method1("reshape", (desc.count, desc.record_bytes))?;
+        if copy {
+            array = array.call_method0("copy")?;
+        }
+        d.set_item(name, array)?;
+    }
+    Ok((d, view.header.payload_bytes))
 }
 
 fn shm_dict<'py>(

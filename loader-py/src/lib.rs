@@ -21,7 +21,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use shardstream_client::{Address, BatchStream, Client};
-use shardstream_proto::{StreamRequest, Transport};
+use shardstream_proto::{Collate, StreamRequest, Transport};
 
 use crate::errors::to_pyerr;
 use crate::runtime::{block_on, runtime};
@@ -103,6 +103,7 @@ impl Connection {
         d.set_item("cache_dir", r.cache_dir)?;
         d.set_item("shm_sessions", r.shm_sessions)?;
         d.set_item("leased_shards", r.leased_shards)?;
+        d.set_item("ring_bytes", r.ring_bytes)?;
         if let Some(c) = r.cache {
             let cache = PyDict::new(py);
             cache.set_item("capacity_bytes", c.capacity_bytes)?;
@@ -132,7 +133,7 @@ impl Connection {
     /// Starts one consumer's stream; errors in the request are raised here.
     #[pyo3(signature = (url, *, batch_size, shuffle, seed, epoch, rank, world_size, worker, num_workers,
                         start_batch, drop_last, fields, shuffle_window, transport, expected_fingerprint,
-                        cache = "auto"))]
+                        cache = "auto", collate = None))]
     #[allow(clippy::too_many_arguments)]
     fn stream(
         &self,
@@ -153,7 +154,17 @@ impl Connection {
         transport: &str,
         expected_fingerprint: String,
         cache: &str,
+        collate: Option<&str>,
     ) -> PyResult<Stream> {
+        let collate = match collate {
+            None => Collate::None,
+            Some("stack") => Collate::Stack,
+            Some(other) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "collate must be None or \"stack\", not {other:?}"
+                )));
+            }
+        };
         let transport = match transport {
             "auto" => Transport::Auto,
             "inline" => Transport::Inline,
@@ -181,6 +192,7 @@ impl Connection {
             transport: transport as i32,
             expected_fingerprint,
             cache: cache.to_owned(),
+            collate: collate as i32,
         };
         let mut c = self.client(py)?;
         let inner = block_on(py, async move { shardstream_client::stream(&mut c, req).await })?.map_err(to_pyerr)?;
@@ -217,6 +229,7 @@ impl Stream {
             d.set_item("padded_samples", h.padded_samples)?;
             d.set_item("dropped_samples", h.dropped_samples)?;
             d.set_item("fields", h.fields.clone())?;
+            d.set_item("packed", h.packed)?;
         }
         Ok(d)
     }
@@ -306,6 +319,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batch::Batch>()?;
     m.add_class::<batch::Buffer>()?;
     m.add_class::<batch::Region>()?;
+    m.add_class::<batch::Column>()?;
     m.add_function(wrap_pyfunction!(start_embedded_server, m)?)?;
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;

@@ -14,6 +14,7 @@ pub mod v1 {
 
 pub use v1::*;
 
+pub mod ring;
 pub mod shm;
 
 /// Protocol version spoken by this build (sent in `OpenRequest.protocol_version`).

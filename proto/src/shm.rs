@@ -21,7 +21,13 @@
 //!                            batch index (every outstanding batch from it on is released:
 //!                            the client closed the stream before receiving them)
 //!  ERROR  daemon -> client   error code          0                 UTF-8 message, NUL-padded
+//!  RING_FD daemon -> client  ring id             segment length    zeros            + SCM_RIGHTS fd
+//!  RING_RETIRE daemon->client ring id            0                 zeros
 //! ```
+//!
+//! RING_FD passes a packed-mode ring segment (layout in [`crate::ring`]); RING_RETIRE says no
+//! batch will name that ring again (its slots are all released), so the client may unmap it once
+//! its arrays are gone.
 //!
 //! A shard slot is the stream's own number for a shard (0, 1, 2, ... in the order the daemon sent
 //! them); batches refer to shards by slot. Frames are native little-endian on every platform.
@@ -38,6 +44,8 @@ pub const KIND_SHARD_FD: u16 = 3;
 pub const KIND_RELEASE: u16 = 4;
 pub const KIND_ERROR: u16 = 5;
 pub const KIND_STREAM_END: u16 = 6;
+pub const KIND_RING_FD: u16 = 7;
+pub const KIND_RING_RETIRE: u16 = 8;
 
 /// Error codes of ERROR frames.
 pub const ERR_UNKNOWN_SESSION: u64 = 1;

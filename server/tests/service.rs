@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use shardstream::daemon::{BoundDaemon, DaemonConfig, ShutdownToken};
 use shardstream_client::{Address, Client};
-use shardstream_proto::{StreamRequest, Transport};
+use shardstream_proto::{Collate, StreamRequest, Transport};
 use tonic::Code;
 
 type Samples = HashMap<String, HashMap<String, Vec<u8>>>;
@@ -80,7 +80,9 @@ async fn collect(
     while let Some(b) = s.next().await {
         let b = match b.map_err(status)? {
             shardstream_client::Batch::Inline(b) => b,
-            shardstream_client::Batch::Shm(_) => panic!("asked for inline batches"),
+            shardstream_client::Batch::Shm(_) | shardstream_client::Batch::Packed(_) => {
+                panic!("asked for inline batches")
+            }
         };
         for (i, key) in b.keys.iter().enumerate() {
             let mut fields = HashMap::new();
@@ -304,6 +306,191 @@ async fn tcp_clients_get_inline_and_cannot_demand_shm() {
     let err = collect(&mut client, shm).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("shm"), "{}", err.message());
+    shutdown.cancel();
+    server.await.unwrap().unwrap();
+}
+
+async fn ring_bytes(client: &mut Client) -> u64 {
+    client.status(shardstream_proto::StatusRequest {}).await.unwrap().into_inner().ring_bytes
+}
+
+/// Reads a packed stream: per batch, its keys and each field's (record_bytes, column bytes), read
+/// out of the client's read-only ring mapping; every batch is released after reading.
+async fn collect_packed(
+    client: &mut Client,
+    req: StreamRequest,
+) -> Result<Vec<(Vec<String>, Vec<(u64, Vec<u8>)>)>, tonic::Status> {
+    let n_fields = req.fields.len();
+    let mut s = shardstream_client::stream(client, req).await.map_err(status)?;
+    assert!(s.header.packed, "collate=stack over the Unix socket packs");
+    let session = s.shm.clone().expect("shm session attached");
+    let mut out = Vec::new();
+    while let Some(b) = s.next().await {
+        let shardstream_client::Batch::Packed(b) = b.map_err(status)? else { panic!("expected packed batches") };
+        let ring = session.ring(b.ring).unwrap();
+        let slot = ring.slot(b.slot).unwrap();
+        let view = shardstream_proto::ring::read_slot(slot, b.slot, b.batch_index, n_fields).unwrap();
+        assert_eq!(view.header.n_samples, b.keys.len() as u64);
+        let columns = view
+            .fields
+            .iter()
+            .map(|d| {
+                let c = d.column().unwrap();
+                (d.record_bytes, slot[c.start as usize..c.end as usize].to_vec())
+            })
+            .collect();
+        out.push((b.keys.clone(), columns));
+        session.release(b.batch_index);
+    }
+    Ok(out)
+}
+
+async fn eventually<F: std::future::Future<Output = bool>>(mut check: impl FnMut() -> F) -> bool {
+    for _ in 0..200 {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packed_batches_stack_fields_in_ring_slots() {
+    let (fx, samples) = start(3, 40).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let req = StreamRequest {
+        transport: Transport::Auto as i32,
+        collate: Collate::Stack as i32,
+        fields: vec!["cls".into()],
+        ..request(&fx.data, 16)
+    };
+    let got = collect_packed(&mut client, req.clone()).await.unwrap();
+    let mut seen = std::collections::HashSet::new();
+    for (keys, columns) in &got {
+        let (record, column) = &columns[0];
+        assert_eq!(*record, 1);
+        assert_eq!(column.len(), keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            assert_eq!(&column[i..i + 1], samples[key]["cls"].as_slice(), "record of {key}");
+            assert!(seen.insert(key.clone()), "{key} delivered twice");
+        }
+    }
+    assert_eq!(seen.len(), samples.len());
+
+    // A client that never releases stops at its ring's slots; a release of a batch it does not
+    // hold (again, or never sent) is refused; its ring goes when its side channel closes.
+    let mut s = shardstream_client::stream(&mut client, StreamRequest { batch_size: 1, ..req.clone() }).await.unwrap();
+    let credits = s.header.shm_credits as usize;
+    assert_eq!(credits, shardstream::transport::ring::RING_SLOTS as usize);
+    for _ in 0..credits {
+        s.next().await.unwrap().unwrap();
+    }
+    let extra = tokio::time::timeout(Duration::from_millis(500), s.next()).await;
+    assert!(extra.is_err(), "the daemon must not fill more than {credits} unreleased slots");
+    let held = ring_bytes(&mut client).await;
+    assert!(held > 0 && held <= 4096 * (credits as u64 + 1), "{held} bytes of ring for 1-byte records");
+    let session = s.shm.clone().unwrap();
+    session.release(0);
+    session.release(0);
+    assert!(
+        eventually(|| std::future::ready(session.error().is_some())).await,
+        "a second release of the same slot is an error"
+    );
+    assert!(session.error().unwrap().contains("not held"), "{:?}", session.error());
+    drop(s);
+    drop(session);
+    assert!(
+        eventually(|| {
+            let mut c = client.clone();
+            async move { ring_bytes(&mut c).await == 0 }
+        })
+        .await
+    );
+
+    // Fields that cannot be stacked are refused, naming the sample; the daemon keeps serving.
+    let jpg = StreamRequest { fields: vec!["jpg".into()], ..req.clone() };
+    let err = collect_packed(&mut client, jpg).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("equal-length \"jpg\"") && err.message().contains("sample \"k"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(collect_packed(&mut client, req).await.unwrap().iter().map(|b| b.0.len()).sum::<usize>(), samples.len());
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    // Shard s holds records of 3000 * (s + 1) bytes: unshuffled, batch 1 needs twice batch 0's slot.
+    for s in 0..2usize {
+        let mut b = tar::Builder::new(std::fs::File::create(data.join(format!("part-{s}.tar"))).unwrap());
+        for i in 0..4usize {
+            let rec = vec![(s * 16 + i) as u8; 3000 * (s + 1)];
+            let mut h = tar::Header::new_gnu();
+            h.set_size(rec.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            b.append_data(&mut h, format!("s{s}_{i}.bin"), rec.as_slice()).unwrap();
+        }
+        b.finish().unwrap();
+    }
+    let config = DaemonConfig::new(Address::Unix(tmp.path().join("sock")), tmp.path().join("cache"));
+    let bound = BoundDaemon::bind(config).await.unwrap();
+    let addr = bound.address();
+    let shutdown = ShutdownToken::new();
+    let server = tokio::spawn(bound.run(shutdown.clone()));
+    let mut client = shardstream_client::connect(&addr).await.unwrap();
+    let req = StreamRequest {
+        transport: Transport::Auto as i32,
+        collate: Collate::Stack as i32,
+        fields: vec!["bin".into()],
+        shuffle: false,
+        ..request(&data, 4)
+    };
+    let mut s = shardstream_client::stream(&mut client, req).await.unwrap();
+    let session = s.shm.clone().unwrap();
+    let mut rings = Vec::new();
+    while let Some(b) = s.next().await {
+        let shardstream_client::Batch::Packed(b) = b.unwrap() else { panic!("expected packed batches") };
+        let ring = session.ring(b.ring).unwrap();
+        let view = shardstream_proto::ring::read_slot(ring.slot(b.slot).unwrap(), b.slot, b.batch_index, 1).unwrap();
+        let shard = b.batch_index as usize;
+        assert_eq!(view.fields[0].record_bytes, 3000 * (shard as u64 + 1));
+        let c = view.fields[0].column().unwrap();
+        let column = &ring.slot(b.slot).unwrap()[c.start as usize..c.end as usize];
+        for (i, rec) in column.chunks(view.fields[0].record_bytes as usize).enumerate() {
+            assert!(rec.iter().all(|&x| x == (shard * 16 + i) as u8), "record {i} of batch {shard}");
+        }
+        rings.push((b.ring, ring.header.slot_bytes));
+        session.release(b.batch_index);
+    }
+    assert_eq!(rings.len(), 2);
+    assert!(rings[1].0 > rings[0].0 && rings[1].1 >= 2 * rings[0].1, "{rings:?}");
+    // The first ring is retired once its slot is released: only the second stays alive.
+    let second = 4096 + u64::from(shardstream::transport::ring::RING_SLOTS) * rings[1].1;
+    assert!(
+        eventually(|| {
+            let mut c = client.clone();
+            async move { ring_bytes(&mut c).await == second }
+        })
+        .await
+    );
+    assert!(session.error().is_none(), "{:?}", session.error());
+    drop(s);
+    drop(session);
+    assert!(
+        eventually(|| {
+            let mut c = client.clone();
+            async move { ring_bytes(&mut c).await == 0 }
+        })
+        .await
+    );
     shutdown.cancel();
     server.await.unwrap().unwrap();
 }

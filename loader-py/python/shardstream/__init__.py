@@ -31,6 +31,7 @@ __version__: str = _native.__version__
 
 STATE_VERSION = 1
 _TRANSPORTS = ("auto", "shm", "inline")
+_COLLATES = (None, "stack")
 _CACHE_MODES = ("auto", "direct", "copy")
 
 _embedded_lock = threading.Lock()
@@ -88,6 +89,11 @@ class Batch(dict):
     With the shared-memory transport the values are read-only memoryviews straight into the
     daemon's shard files, and the batch holds a lease on those shards until every view is gone;
     ``release()`` returns the lease at once (the views stay readable).
+
+    With ``collate="stack"`` each field is one read-only ``(samples, record_bytes)`` uint8 numpy
+    array; over shared memory it lies in a slot of the stream's ring, held until every array is
+    gone. ``release()`` hands the slot back at once: the daemon then reuses it, so the arrays must
+    not be used afterwards (copy what you keep, e.g. ``torch.from_numpy(a.copy())``).
     """
 
     __slots__ = ("_native",)
@@ -100,6 +106,37 @@ class Batch(dict):
     def __reduce__(self) -> tuple[Any, ...]:
         # Crossing a process boundary (DataLoader workers) copies the data; the lease stays here.
         return (Batch, (dict(self),))
+
+
+def _stack_fields(batch: dict[str, Any]) -> None:
+    """``collate="stack"`` where the daemon did not pack (inline transport): the same arrays, made
+    here with one copy, and the same rule (every sample has the field, all of one length)."""
+    import numpy as np
+
+    keys = batch["__key__"]
+    for name, values in batch.items():
+        if name == "__key__":
+            continue
+        lengths = {len(v) if v is not None else None for v in values}
+        if None in lengths:
+            key = keys[next(i for i, v in enumerate(values) if v is None)]
+            raise ValueError(
+                f'collate="stack" needs field {name!r} in every sample, but sample {key!r} has none; '
+                "select fields every sample has, or use collate=None"
+            )
+        if len(lengths) > 1:
+            first = len(values[0])
+            i = next(i for i, v in enumerate(values) if len(v) != first)
+            raise ValueError(
+                f'collate="stack" needs equal-length {name!r} within a batch: sample {keys[i]!r} has '
+                f"{len(values[i])} bytes, sample {keys[0]!r} has {first}"
+            )
+        record = lengths.pop() if lengths else 0
+        out = np.empty((len(values), record), np.uint8)
+        for i, v in enumerate(values):
+            out[i] = np.frombuffer(v, np.uint8)
+        out.flags.writeable = False
+        batch[name] = out
 
 
 class Loader:
@@ -127,6 +164,7 @@ class Loader:
         shuffle_window: int = 0,
         cache: str = "auto",  # "copy" (through the node cache), "direct" (in place), "auto"
         copy: bool = False,
+        collate: str | None = None,  # "stack": each field as one (samples, record_bytes) array
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         if isinstance(fields, str):
@@ -135,6 +173,8 @@ class Loader:
             raise ValueError(f"cache must be one of {_CACHE_MODES}, not {cache!r}")
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {_TRANSPORTS}, not {transport!r}")
+        if collate not in _COLLATES:
+            raise ValueError(f"collate must be one of {_COLLATES}, not {collate!r}")
         if rank is None or world_size is None:
             r, w = _default_rank_world()
             rank = r if rank is None else rank
@@ -162,6 +202,7 @@ class Loader:
         self.shuffle_window = shuffle_window
         self.cache = cache
         self.copy = copy
+        self.collate = collate
         self._worker, self._num_workers = _worker
         self.address = resolve_address(connect)
         self._conn = _native.Connection(self.address)
@@ -210,6 +251,7 @@ class Loader:
             transport=self.transport,
             expected_fingerprint=self._expected_fingerprint,
             cache=self.cache,
+            collate=self.collate,
         )
 
     _expected_fingerprint = ""
@@ -236,6 +278,8 @@ class Loader:
                 if self._first_batch_s is None:
                     self._first_batch_s = t1 - started
                 out = Batch(batch.to_dict(self.copy))
+                if self.collate == "stack" and not batch.packed:
+                    _stack_fields(out)
                 self._stats["samples"] += len(batch)
                 self._stats["bytes"] += batch.nbytes
                 self._stats["batches"] += 1
@@ -300,6 +344,7 @@ class Loader:
         s["bytes_per_s"] = s["bytes"] / busy
         s["time_to_first_batch_s"] = self._first_batch_s
         s["transport"] = self._header.get("transport", "inline")
+        s["packed"] = bool(self._header.get("packed", False))
         s["address"] = self.address
         return s
 

@@ -16,6 +16,11 @@ results round-robin, so the DataLoader yields the rank's batches in exactly the 
 
 In worker processes, fields arrive as ``bytes`` (batches cross a process boundary by pickling,
 which memoryviews cannot); with ``num_workers=0`` they are zero-copy memoryviews.
+
+With ``collate="stack"`` each field is one ``uint8`` tensor of shape ``(samples, record_bytes)``
+(``.view(torch.int32)`` etc. for typed records). With ``num_workers=0`` and shared memory it lies
+in the daemon's ring, without a copy (read-only memory: do not write into it; ``pin_memory``
+copies it out); in workers it is copied once and travels to the trainer as torch shared memory.
 """
 
 from __future__ import annotations
@@ -23,9 +28,24 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import warnings
+
+import torch
 import torch.utils.data
 
 from . import Loader, resolve_address
+
+
+def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    """Stacked numpy fields as torch tensors over the same memory. The ring is read-only, which
+    torch warns about for every batch: the memory is the daemon's, and writing into it is refused
+    by the mapping itself, so the warning says nothing useful here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, value in batch.items():
+            if name != "__key__":
+                batch[name] = torch.from_numpy(value)
+    return batch
 
 
 class IterableDataset(torch.utils.data.IterableDataset):
@@ -50,6 +70,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
         transport: str = "auto",
         shuffle_window: int = 0,
         cache: str = "auto",
+        collate: str | None = None,
     ) -> None:
         super().__init__()
         # Resolved here, in the parent: forked or spawned workers then reach the same daemon
@@ -67,6 +88,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
             transport=transport,
             shuffle_window=shuffle_window,
             cache=cache,
+            collate=collate,
         )
         self.url = url
         probe = Loader(url, **self._kwargs)
@@ -91,7 +113,10 @@ class IterableDataset(torch.utils.data.IterableDataset):
         loader = Loader(self.url, copy=info is not None, _worker=(worker, num_workers), **self._kwargs)
         state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
         loader.load_state_dict(state)
-        yield from loader
+        if self._kwargs["collate"] == "stack":
+            yield from (_as_tensors(b) for b in loader)
+        else:
+            yield from loader
 
 
 class DataLoader(torch.utils.data.DataLoader):

@@ -14,8 +14,9 @@ use std::time::Instant;
 
 use shardstream_proto::shardstream_server::Shardstream;
 use shardstream_proto::{
-    CacheStatus, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PrefetchProgress, PrefetchRequest, ShmBatch,
-    StatusReply, StatusRequest, StreamHeader, StreamMessage, StreamRequest, Transport, stream_message,
+    CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PackedBatch, PrefetchProgress,
+    PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage, StreamRequest, Transport,
+    stream_message,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -26,6 +27,8 @@ use crate::index::{CacheMode, Dataset, Registry, Working};
 use crate::metrics::{ActiveStream, Metrics};
 use crate::plan::{self, EpochParams, WorkerParams};
 use crate::prefetch::{ConsumerGuard, Prefetcher};
+use crate::transport::packed::PackedGather;
+use crate::transport::ring::RING_SLOTS;
 use crate::transport::shm::{DEFAULT_CREDITS, Session, ShmHub};
 use crate::transport::{self, inline::InlineBatchBuilder};
 use crate::{Error, Result};
@@ -100,6 +103,8 @@ struct StreamPlan {
     batch_size: u64,
     header: StreamHeader,
     session: Option<Arc<Session>>,
+    /// Shared-memory batches are gathered into ring slots (collate = stack).
+    packed: bool,
     /// The prefetcher follows this stream while it lives (datasets read through the cache).
     consumer: Option<ConsumerGuard>,
 }
@@ -177,8 +182,11 @@ fn plan_stream(
         _ => None,
     };
     let transport = transport::negotiate(req.transport, shm.is_some())?;
+    let collate =
+        Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
+    let packed = transport == Transport::Shm && collate == Collate::Stack;
     let session = match (transport, shm) {
-        (Transport::Shm, Some(hub)) => Some(hub.new_session(DEFAULT_CREDITS)?),
+        (Transport::Shm, Some(hub)) => Some(hub.new_session(if packed { RING_SLOTS } else { DEFAULT_CREDITS })?),
         _ => None,
     };
     let header = StreamHeader {
@@ -193,6 +201,7 @@ fn plan_stream(
         padded_samples: summary.padded_samples,
         dropped_samples: summary.dropped_samples,
         fields: fields.clone(),
+        packed,
     };
     Ok(StreamPlan {
         dataset: ds,
@@ -203,6 +212,7 @@ fn plan_stream(
         batch_size: req.batch_size.into(),
         header,
         session,
+        packed,
         consumer,
     })
 }
@@ -284,6 +294,46 @@ fn build_shm_batch(
     Ok((StreamMessage { kind: Some(stream_message::Kind::ShmBatch(b)) }, bytes))
 }
 
+/// Gathers one batch into a ring slot for a packed shm client (blocking: may wait for the
+/// client's credits, which are its ring's slots).
+fn build_packed_batch(
+    ds: &Dataset,
+    working: &mut Working,
+    session: &Session,
+    fields: &[String],
+    ids: &[u64],
+    index: u64,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<(StreamMessage, u64)> {
+    session.wait_ready(cancelled)?;
+    working.preload(ds, ids)?;
+    let mut gather = PackedGather::new(fields, ids.len());
+    let mut slot = None;
+    let mut current: Option<(usize, Arc<crate::index::ResidentShard>)> = None;
+    for (i, &id) in ids.iter().enumerate() {
+        let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
+        let resident = match &current {
+            Some((s, r)) if *s == shard => r.clone(),
+            _ => {
+                let r = working.get(ds, shard)?.clone();
+                current = Some((shard, r.clone()));
+                r
+            }
+        };
+        gather.read(&resident, local)?;
+        let guard = match &mut slot {
+            Some(g) => g,
+            None => slot.insert(session.acquire_slot(gather.slot_bytes()?)?),
+        };
+        gather.place(guard.bytes(), i)?;
+    }
+    let mut guard = slot.ok_or_else(|| Error::Internal("empty batch".into()))?;
+    let (keys, payload) = gather.finish(guard.bytes(), index)?;
+    let batch = PackedBatch { batch_index: index, ring: guard.ring(), slot: guard.slot(), keys };
+    guard.publish(index);
+    Ok((StreamMessage { kind: Some(stream_message::Kind::PackedBatch(batch)) }, payload))
+}
+
 #[tonic::async_trait]
 impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
@@ -347,6 +397,7 @@ impl Shardstream for Service {
             read_wait_ms: Metrics::get(&m.read_wait_us) / 1000,
             shm_sessions: self.shm.as_ref().map_or(0, |h| h.counts().0 as u32),
             leased_shards: self.shm.as_ref().map_or(0, |h| h.counts().1 as u64),
+            ring_bytes: self.shm.as_ref().map_or(0, |h| h.ring_bytes()),
             cache: self.registry.backends().cache.as_ref().map(|c| {
                 let s = c.stats();
                 CacheStatus {
@@ -411,7 +462,9 @@ async fn produce(
     shutdown: CancellationToken,
 ) {
     let _active = ActiveStream::new(&metrics);
-    let StreamPlan { dataset, fields, all_fields, rank_sequence, batches, batch_size, session, consumer, .. } = plan;
+    let StreamPlan {
+        dataset, fields, all_fields, rank_sequence, batches, batch_size, session, packed, consumer, ..
+    } = plan;
     // However this function ends, the session learns the stream is over (its leases stay until
     // the client releases them or goes away).
     struct Done(Option<Arc<Session>>);
@@ -438,8 +491,10 @@ async fn produce(
                     .and_then(|(a, b)| seq.get(a..b))
                     .ok_or_else(|| Error::Internal("batch range outside the rank sequence".into()))?;
                 let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
+                let cancelled = || closed.is_closed() || stop.is_cancelled();
                 let built = match session {
-                    Some(s) => build_shm_batch(ds, &mut working, s, ids, index, &|| closed.is_closed() || stop.is_cancelled()),
+                    Some(s) if packed => build_packed_batch(ds, &mut working, s, fields, ids, index, &cancelled),
+                    Some(s) => build_shm_batch(ds, &mut working, s, ids, index, &cancelled),
                     None => build_batch(ds, &mut working, fields, all_fields, ids, index),
                 };
                 working.end_batch();
@@ -460,6 +515,7 @@ async fn produce(
                 let samples = match &msg.kind {
                     Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
                     Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
+                    Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
                     _ => 0,
                 };
                 if tx.send(Ok(msg)).await.is_err() {

@@ -1,8 +1,11 @@
 //! How a batch's bytes reach the consumer: [`inline`] (the bytes travel inside the gRPC messages;
 //! works over any connection) or [`shm`] (clients on this host map the shards and receive only
-//! descriptors). The stream's first message names the transport chosen.
+//! descriptors; with `collate="stack"`, [`packed`] gathers each batch into a slot of a per-stream
+//! [`ring`] instead). The stream's first message names the transport chosen.
 
 pub mod inline;
+pub mod packed;
+pub mod ring;
 pub mod shm;
 
 use shardstream_proto::Transport;

@@ -12,6 +12,10 @@
 //! unreleased; the producer waits beyond, so a client that never releases cannot make the daemon
 //! hold more.
 //!
+//! Packed streams (`collate="stack"`) lease no shards: their batches are copied into a slot of the
+//! session's ring ([`super::ring`]), whose descriptor travels once like a shard's; releasing the
+//! batch frees the slot. A session's credits are then its ring's slots.
+//!
 //! Threads: one accepting the side channel, one reading each attached session's frames (a session
 //! sends a frame per batch at most, so this is cheap, and blocking I/O keeps fd passing simple).
 //! Lock order: hub sessions -> session state -> hub leases.
@@ -19,8 +23,9 @@
 use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -28,8 +33,10 @@ use rustix::net::{
     AddressFamily, RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
     SocketAddrUnix, SocketType,
 };
+use shardstream_proto::ring::{PAGE, round_up};
 use shardstream_proto::shm::{self as wire, Frame};
 
+use super::ring::{MAX_RING_BYTES, Ring, SlotTable};
 use crate::{Error, Result};
 
 /// Unreleased batches a client may hold. Sixteen covers a DataLoader-style prefetch of several
@@ -48,13 +55,31 @@ pub fn side_socket_path(socket: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
+/// What an unreleased batch holds.
+#[derive(Debug, Default)]
+struct Held {
+    shards: Vec<PathBuf>,
+    /// (ring id, slot) of a packed batch.
+    slot: Option<(u64, u32)>,
+}
+
+#[derive(Debug)]
+struct RingEntry {
+    ring: Arc<Ring>,
+    slots: SlotTable,
+}
+
 #[derive(Debug, Default)]
 struct SessionState {
     sock: Option<Arc<OwnedFd>>,
     /// Shard path -> slot number sent to the client.
     sent: HashMap<PathBuf, u32>,
-    /// Batch index -> shards it leases.
-    outstanding: HashMap<u64, Vec<PathBuf>>,
+    /// Batch index -> what it holds.
+    outstanding: HashMap<u64, Held>,
+    /// Packed mode: the rings sent to the client, oldest first; the last is the one new batches
+    /// go to. An older ring is dropped (and retired at the client) once none of its slots is held.
+    rings: Vec<RingEntry>,
+    next_ring: u64,
     closed: bool,
     stream_done: bool,
     /// Set by STREAM_END: the client will never receive batches from this index on, so the
@@ -76,6 +101,8 @@ pub struct Session {
 struct HubShared {
     sessions: Mutex<HashMap<[u8; 16], Arc<Session>>>,
     leases: Mutex<HashMap<PathBuf, u32>>,
+    /// Bytes of packed-mode rings alive.
+    ring_bytes: Arc<AtomicU64>,
 }
 
 /// The daemon's side-channel listener and all shm sessions.
@@ -138,6 +165,11 @@ impl ShmHub {
         lock(&self.shared.leases).get(shard).is_some_and(|&n| n > 0)
     }
 
+    /// Bytes of packed-mode ring segments alive in this daemon.
+    pub fn ring_bytes(&self) -> u64 {
+        self.shared.ring_bytes.load(Ordering::Relaxed)
+    }
+
     /// (attached sessions, leased shards).
     pub fn counts(&self) -> (usize, usize) {
         let attached = lock(&self.shared.sessions).values().filter(|s| lock(&s.state).sock.is_some()).count();
@@ -169,13 +201,13 @@ fn accept_loop(listener: OwnedFd, shared: Arc<HubShared>) {
     }
 }
 
-fn send_frame(sock: &impl AsFd, frame: &Frame, fd: Option<&OwnedFd>) -> std::io::Result<()> {
+fn send_frame(sock: &impl AsFd, frame: &Frame, fd: Option<BorrowedFd<'_>>) -> std::io::Result<()> {
     let bytes = frame.encode();
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut anc = SendAncillaryBuffer::new(&mut space);
     let fds;
     if let Some(fd) = fd {
-        fds = [fd.as_fd()];
+        fds = [fd];
         if !anc.push(SendAncillaryMessage::ScmRights(&fds)) {
             return Err(std::io::Error::other("ancillary buffer too small"));
         }
@@ -271,7 +303,10 @@ impl Session {
         let mut st = lock(&self.state);
         st.closed = true;
         st.sock = None;
-        let held: Vec<PathBuf> = st.outstanding.drain().flat_map(|(_, v)| v).collect();
+        let held: Vec<PathBuf> = st.outstanding.drain().flat_map(|(_, v)| v.shards).collect();
+        // The daemon's mappings and descriptors go now; the memory itself when the client's
+        // mapping goes too (at once for a dead client).
+        st.rings.clear();
         drop(st);
         self.unlease(&held);
         lock(&self.hub.sessions).remove(&self.token);
@@ -290,9 +325,13 @@ impl Session {
     }
 
     fn release(&self, batch: u64) -> bool {
-        let held = lock(&self.state).outstanding.remove(&batch);
-        let Some(held) = held else { return false };
-        self.unlease(&held);
+        let mut st = lock(&self.state);
+        let Some(held) = st.outstanding.remove(&batch) else { return false };
+        if let Some((ring, slot)) = held.slot {
+            free_slot(&mut st, ring, slot, Some(batch));
+        }
+        drop(st);
+        self.unlease(&held.shards);
         self.changed.notify_all();
         true
     }
@@ -303,7 +342,14 @@ impl Session {
         let mut st = lock(&self.state);
         st.end_from = Some(st.end_from.map_or(first, |f| f.min(first)));
         let gone: Vec<u64> = st.outstanding.keys().copied().filter(|&b| b >= first).collect();
-        let held: Vec<PathBuf> = gone.iter().filter_map(|b| st.outstanding.remove(b)).flatten().collect();
+        let mut held = Vec::new();
+        for b in gone {
+            let Some(h) = st.outstanding.remove(&b) else { continue };
+            if let Some((ring, slot)) = h.slot {
+                free_slot(&mut st, ring, slot, Some(b));
+            }
+            held.extend(h.shards);
+        }
         drop(st);
         self.unlease(&held);
         self.changed.notify_all();
@@ -360,7 +406,7 @@ impl Session {
         let slot = st.sent.len() as u32;
         let fd = file.try_clone().map_err(|e| Error::io("cannot duplicate descriptor of", path, e))?;
         let fd: OwnedFd = fd.into();
-        send_frame(&*sock, &Frame::new(wire::KIND_SHARD_FD, u64::from(slot), len), Some(&fd))
+        send_frame(&*sock, &Frame::new(wire::KIND_SHARD_FD, u64::from(slot), len), Some(fd.as_fd()))
             .map_err(|e| Error::Unavailable(format!("cannot pass shard descriptor to the client: {e}")))?;
         st.sent.insert(path.to_owned(), slot);
         Ok(slot)
@@ -380,6 +426,132 @@ impl Session {
                 *leases.entry(s.clone()).or_default() += 1;
             }
         }
-        st.outstanding.insert(batch, shards);
+        st.outstanding.insert(batch, Held { shards, slot: None });
+    }
+
+    /// A ring slot of at least `need` bytes to gather a packed batch into, exclusively the
+    /// caller's until it publishes or drops the guard. Call after [`Self::wait_ready`]: a free
+    /// slot then exists, since the ring has as many slots as the session has credits. The first
+    /// call, and one whose batch outgrows the ring's slots, makes a new ring (slots at least
+    /// twice as large, so a stream makes only a few) and passes its descriptor to the client.
+    pub fn acquire_slot(&self, need: u64) -> Result<SlotGuard<'_>> {
+        let max_slot = ((MAX_RING_BYTES - PAGE) / u64::from(self.credits)) & !(PAGE - 1);
+        let mut st = lock(&self.state);
+        let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
+        if st.rings.last().is_none_or(|r| r.ring.header.slot_bytes < need) {
+            let want = round_up(need, PAGE).filter(|&b| b <= max_slot).ok_or_else(|| {
+                Error::invalid(format!(
+                    "a packed batch of {need} bytes exceeds the largest ring slot ({} MiB); use smaller batches",
+                    max_slot >> 20
+                ))
+            })?;
+            let previous = st.rings.last().map_or(0, |r| r.ring.header.slot_bytes);
+            let slot_bytes = want.max(previous.saturating_mul(2)).min(max_slot);
+            let id = st.next_ring;
+            st.next_ring += 1;
+            let ring = Arc::new(Ring::create(id, self.credits, slot_bytes, self.hub.ring_bytes.clone())?);
+            send_frame(&*sock, &Frame::new(wire::KIND_RING_FD, id, ring.len()), Some(ring.fd()))
+                .map_err(|e| Error::Unavailable(format!("cannot pass a ring to the client: {e}")))?;
+            tracing::debug!(ring = id, slot_bytes, slots = self.credits, "new packed-mode ring");
+            st.rings.push(RingEntry { ring, slots: SlotTable::new(self.credits) });
+            retire_idle(&mut st);
+        }
+        let Some(current) = st.rings.last_mut() else {
+            return Err(Error::Internal("packed session without a ring".into()));
+        };
+        let slot = current
+            .slots
+            .acquire()
+            .ok_or_else(|| Error::Internal("no free ring slot although the client has credits left".into()))?;
+        let ring = current.ring.clone();
+        Ok(SlotGuard { session: self, ring, slot, done: false })
+    }
+
+    /// Records that packed `batch` holds `slot` (called before the batch is sent); a batch the
+    /// client will never receive frees its slot at once.
+    fn publish_slot(&self, ring: u64, slot: u32, batch: u64) {
+        let mut st = lock(&self.state);
+        if st.end_from.is_some_and(|f| batch >= f) || st.closed {
+            free_slot(&mut st, ring, slot, None);
+            return;
+        }
+        let published = st.rings.iter_mut().find(|r| r.ring.id() == ring).is_some_and(|r| r.slots.publish(slot, batch));
+        if published {
+            st.outstanding.insert(batch, Held { shards: Vec::new(), slot: Some((ring, slot)) });
+        }
+    }
+
+    fn abandon_slot(&self, ring: u64, slot: u32) {
+        let mut st = lock(&self.state);
+        free_slot(&mut st, ring, slot, None);
+        drop(st);
+        self.changed.notify_all();
+    }
+}
+
+/// Frees `slot` of ring `ring` (held by `batch`, or still filling when None), then drops rings
+/// that are no longer current and no longer used.
+fn free_slot(st: &mut SessionState, ring: u64, slot: u32, batch: Option<u64>) {
+    if let Some(r) = st.rings.iter_mut().find(|r| r.ring.id() == ring) {
+        match batch {
+            Some(b) => r.slots.release(slot, b),
+            None => r.slots.abandon(slot),
+        };
+    }
+    retire_idle(st);
+}
+
+fn retire_idle(st: &mut SessionState) {
+    let Some(current) = st.rings.last().map(|r| r.ring.id()) else { return };
+    let sock = st.sock.clone();
+    st.rings.retain(|r| {
+        let keep = r.ring.id() == current || !r.slots.is_idle();
+        if !keep && let Some(sock) = &sock {
+            // The client may unmap it once its arrays are gone; if this frame is lost the client
+            // only keeps a mapping longer.
+            let _ = send_frame(&**sock, &Frame::new(wire::KIND_RING_RETIRE, r.ring.id(), 0), None);
+        }
+        keep
+    });
+}
+
+/// A ring slot being filled by the producer. Dropped without [`SlotGuard::publish`] (the batch
+/// failed), the slot is free again.
+pub struct SlotGuard<'a> {
+    session: &'a Session,
+    ring: Arc<Ring>,
+    slot: u32,
+    done: bool,
+}
+
+impl SlotGuard<'_> {
+    pub fn ring(&self) -> u64 {
+        self.ring.id()
+    }
+
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// The slot's bytes.
+    pub fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: this guard exists only while its slot is `Filling` in the session's table
+        // (acquire made it so; publish or drop ends it), which no other guard can be for the
+        // same slot, and the daemon makes no other reference to a slot's bytes.
+        unsafe { self.ring.slot_mut(self.slot) }.unwrap_or_default()
+    }
+
+    /// The batch is about to be sent: the slot is held until the client releases `batch`.
+    pub fn publish(mut self, batch: u64) {
+        self.done = true;
+        self.session.publish_slot(self.ring.id(), self.slot, batch);
+    }
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.session.abandon_slot(self.ring.id(), self.slot);
+        }
     }
 }
