@@ -25,10 +25,9 @@ copies it out); in workers it is copied once and travels to the trainer as torch
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
-
-import warnings
 
 import torch
 import torch.utils.data

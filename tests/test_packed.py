@@ -1,0 +1,187 @@
+"""Packed mode (``collate="stack"``) end to end: the daemon gathers each batch's fixed-size records
+into a slot of a shared-memory ring, the client gets read-only numpy arrays (torch tensors through
+``shardstream.torch``) over that memory, slots are bounded by credits and reclaimed when a client
+dies, and the inline transport gives the same arrays."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+import shardstream
+from conftest import Daemon
+
+RECORD = 512
+
+
+def wait_for(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """1,000 samples of RECORD-byte token blocks (int32) and a 4-byte label, by webdataset."""
+    root = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(7)
+    records: dict[str, bytes] = {}
+    with wds.ShardWriter(str(root / "tok-%04d.tar"), maxcount=150, verbose=0) as sink:
+        for i in range(1000):
+            key = f"t{i:05d}"
+            block = rng.integers(0, 50_000, RECORD // 4, dtype=np.int32)
+            block[0] = i
+            records[key] = block.tobytes()
+            sink.write({"__key__": key, "tok": block.tobytes(), "lbl": (i % 10).to_bytes(4, "little")})
+    return root, records
+
+
+def test_packed_arrays_are_zero_copy_read_only_and_exactly_once(daemon, tokens) -> None:
+    root, records = tokens
+    loader = shardstream.Loader(
+        str(root), batch_size=64, seed=3, fields=["tok", "lbl"], collate="stack", connect=daemon.addr
+    )
+    seen: list[str] = []
+    for batch in loader:
+        arr, lbl = batch["tok"], batch["lbl"]
+        n = len(batch["__key__"])
+        assert isinstance(arr, np.ndarray) and arr.dtype == np.uint8 and arr.shape == (n, RECORD)
+        assert lbl.shape == (n, 4)
+        assert not arr.flags.writeable
+        # The array's memory is the ring: at the end of its chain of bases is a native column.
+        owner = arr
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        owner = owner.obj if isinstance(owner, memoryview) else owner
+        assert type(owner).__name__ == "Column"
+        toks = arr.view(np.int32)
+        for i, key in enumerate(batch["__key__"]):
+            assert arr[i].tobytes() == records[key]
+            assert int(toks[i, 0]) == int(key[1:])
+            assert int(lbl[i].view(np.int32)[0]) == int(key[1:]) % 10
+        seen.extend(batch["__key__"])
+    assert sorted(seen) == sorted(records)
+    stats = loader.stats()
+    assert stats["transport"] == "shm" and stats["packed"] is True
+    assert stats["bytes"] == len(records) * (RECORD + 4)
+    with pytest.raises(ValueError):
+        arr[0, 0] = 1  # read-only: a client cannot write into the daemon's ring
+
+
+def test_inline_transport_stacks_the_same_arrays(daemon, tokens) -> None:
+    root, _ = tokens
+    kw = dict(batch_size=100, seed=5, fields=["tok"], collate="stack", connect=daemon.addr)
+    packed = [(b["__key__"], b["tok"].copy()) for b in shardstream.Loader(str(root), **kw)]
+    inline_loader = shardstream.Loader(str(root), transport="inline", **kw)
+    inline = [(b["__key__"], b["tok"]) for b in inline_loader]
+    assert inline_loader.stats()["packed"] is False and inline_loader.stats()["transport"] == "inline"
+    assert len(packed) == len(inline)
+    for (k1, a1), (k2, a2) in zip(packed, inline, strict=True):
+        assert k1 == k2 and np.array_equal(a1, a2)
+
+
+def test_fields_that_cannot_be_stacked_are_refused_naming_the_sample(daemon, dataset) -> None:
+    root, samples = dataset
+    for transport in ("shm", "inline"):
+        with pytest.raises(ValueError, match=r'equal-length .jpg. within a batch: sample .s0/'):
+            for _ in shardstream.Loader(
+                str(root), fields=["jpg"], collate="stack", transport=transport, connect=daemon.addr
+            ):
+                pass
+        with pytest.raises(ValueError, match="in every sample"):
+            for _ in shardstream.Loader(
+                str(root), fields=["json"], collate="stack", transport=transport, connect=daemon.addr
+            ):
+                pass
+    with pytest.raises(ValueError, match="collate"):
+        shardstream.Loader(str(root), collate="pad", connect=daemon.addr)
+    # The daemon still serves everyone.
+    assert sum(len(b["__key__"]) for b in shardstream.Loader(str(root), connect=daemon.addr)) == len(samples)
+
+
+def test_release_and_dropped_arrays_return_slots(daemon, tokens) -> None:
+    root, _ = tokens
+    gc.collect()
+    loader = shardstream.Loader(str(root), batch_size=10, fields=["tok"], collate="stack", connect=daemon.addr)
+    # Holding arrays (not the batches) keeps their slots; with 8 slots, a consumer that keeps
+    # every array would stall, one that keeps a few does not.
+    kept = []
+    for i, batch in enumerate(loader):
+        if i < 3:
+            kept.append(batch["tok"])
+        elif i % 2:
+            batch.release()
+    assert len(kept) == 3 and all(a.shape == (10, RECORD) for a in kept)
+    del kept, batch
+    gc.collect()
+    assert wait_for(lambda: daemon.status()["ring_bytes"] == 0)
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, shardstream
+    loader = shardstream.Loader(sys.argv[1], batch_size=4, fields=["tok"], collate="stack", connect=sys.argv[2])
+    held = []
+    for batch in loader:
+        held.append(batch)
+        print("got", len(held), flush=True)
+    """
+)
+
+
+def test_a_client_that_never_releases_is_bounded_and_reclaimed_after_sigkill(tokens, tmp_path) -> None:
+    root, _ = tokens
+    d = Daemon(tmp_path).start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), d.addr], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().strip() for _ in range(8)]
+        assert lines[-1] == "got 8", lines
+        ring = d.status()["ring_bytes"]
+        assert 0 < ring <= 4096 * 9, ring
+        # Its 8 slots are held: the daemon sends nothing more, and its memory does not grow.
+        time.sleep(1.0)
+        assert proc.poll() is None
+        assert d.status()["ring_bytes"] == ring
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        assert wait_for(lambda: d.status()["ring_bytes"] == 0 and d.status()["shm_sessions"] == 0)
+        assert time.monotonic() - t0 < 5
+        loader = shardstream.Loader(str(root), batch_size=256, fields=["tok"], collate="stack", connect=d.addr)
+        assert sum(len(b["__key__"]) for b in loader) == 1000
+    finally:
+        assert d.stop() == 0
+
+
+def test_torch_dataloader_gets_tensors_exactly_once(daemon, tokens) -> None:
+    import torch
+
+    import shardstream.torch as sst
+
+    root, records = tokens
+    for workers in (0, 2):
+        ds = sst.IterableDataset(
+            str(root), batch_size=50, seed=1, fields=["tok"], collate="stack", connect=daemon.addr
+        )
+        dl = sst.DataLoader(ds, num_workers=workers)
+        keys = []
+        for batch in dl:
+            t = batch["tok"]
+            assert isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape[1] == RECORD
+            ids = t.view(torch.int32)[:, 0].tolist()
+            assert ids == [int(k[1:]) for k in batch["__key__"]]
+            keys.extend(batch["__key__"])
+        assert sorted(keys) == sorted(records), f"num_workers={workers}"
