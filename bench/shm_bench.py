@@ -6,7 +6,11 @@ written to bench/SHM_RESULTS.md:
    shards to /dev/null (hot page cache) measured in the same run;
 2. **8 consumers at once**: 8 ranks of one job (8 processes, `world_size=8`) on one warm daemon
    over the small-sample dataset of `run.py`: aggregate samples/s and MB/s, the daemon's CPU per
-   GB delivered, every sample exactly once across the 8.
+   GB delivered, every sample exactly once across the 8;
+3. **packed mode**: fixed-size 4 KiB records (token blocks) with `collate="stack"`: the daemon
+   gathers each batch into a ring slot, the consumer gets one (batch, 4096) array per batch and
+   touches one byte per page of it; GB/s against this machine's memcpy bandwidth measured in the
+   same run.
 
 Both use a daemon that has served the dataset once already (index resident, shards verified), as
 the node's daemon has; see bench/README.md."""
@@ -71,6 +75,57 @@ def epoch(addr: str, url: str, field: str, batch: int, id_offset: int, rank: int
     return r
 
 
+def packed_dataset(d: Path, samples: int, record: int, per_shard: int) -> list[Path]:
+    """`samples` records of `record` bytes (field `tok`), each starting with its index (8 bytes
+    LE), in shards of `per_shard`; generated once."""
+    done = d / ".complete"
+    if not done.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(1)
+        block = rng.integers(0, 256, record + 4096, dtype=np.uint8).tobytes()
+        for s in range(0, samples, per_shard):
+            with tarfile.open(d / f"tok-{s // per_shard:06d}.tar", "w") as tf:
+                for i in range(s, min(s + per_shard, samples)):
+                    off = (i * 61) % 4096
+                    data = i.to_bytes(8, "little") + block[off : off + record - 8]
+                    info = tarfile.TarInfo(f"{i:08d}.tok")
+                    info.size = len(data)
+                    tf.addfile(info, BytesIO(data))
+        done.write_text("")
+    return sorted(d.glob("*.tar"))
+
+
+def packed_epoch(addr: str, url: str, batch: int, cache: str = "copy") -> dict:
+    """One shuffled epoch with collate="stack": per batch, one byte per page of the array, its
+    size, and the index in each record."""
+    import shardstream
+
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    loader = shardstream.Loader(
+        url, batch_size=batch, seed=0, fields=["tok"], collate="stack", connect=addr, cache=cache
+    )
+    n = nbytes = touched = 0
+    ids: list[np.ndarray] = []
+    for b in loader:
+        a = b["tok"]
+        touched += int(a[:, ::4096].sum())
+        nbytes += a.nbytes
+        ids.append(a[:, :8].copy().view(np.uint64)[:, 0])
+        n += a.shape[0]
+    seconds = time.perf_counter() - t0
+    stats = loader.stats()
+    all_ids = np.concatenate(ids).tolist() if ids else []
+    return {
+        "samples": n,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "client_cpu": time.process_time() - cpu0,
+        "ids": all_ids,
+        "transport": stats["transport"] + (" packed" if stats["packed"] else ""),
+    }
+
+
 def rank_main(addr: str, url: str, rank: int, world: int, out: Path) -> None:
     """One of the concurrent ranks (run as a subprocess), started together by a barrier file."""
     import shardstream  # noqa: F401 - imported before the clock, as in run.py
@@ -126,6 +181,8 @@ def main() -> None:
     ap.add_argument("--large", type=int, default=2048, help="large samples")
     ap.add_argument("--large-size", type=int, default=1 << 20)
     ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--packed", type=int, default=131072, help="4 KiB records for packed mode")
+    ap.add_argument("--packed-batch", type=int, default=512)
     ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/SHM_RESULTS.md")
     args = ap.parse_args()
@@ -134,6 +191,10 @@ def main() -> None:
     small = gen.ensure(args.data, spec, ["wds"]) / "wds"
     large_files = large_dataset(args.data / f"large-{args.large}x{args.large_size}", args.large, args.large_size, 64)
     large_url = str(large_files[0].parent)
+    packed_files = packed_dataset(args.data / f"packed-{args.packed}x4096", args.packed, 4096, 4096)
+    packed_url = str(packed_files[0].parent)
+    measure.warm(packed_files)
+    memcpy = measure.memcpy_gbps()
     measure.warm(large_files)
     measure.warm(sorted(small.glob("*.tar")))
     cat = measure.cat_gbps(large_files)
@@ -146,6 +207,12 @@ def main() -> None:
             large = epoch(srv.addr, large_url, "bin", LARGE_BATCH, 0)
             large["check"] = consumer.verdict(large.pop("ids"), args.large)
             print(f"large: {large['bytes'] / 1e9 / large['seconds']:.2f} GB/s, cat {cat:.2f} GB/s", flush=True)
+            packed_epoch(srv.addr, packed_url, args.packed_batch)  # warm-up
+            cpu0 = measure.cpu_seconds(srv.pid) or 0.0
+            packed = packed_epoch(srv.addr, packed_url, args.packed_batch)
+            packed["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0
+            packed["check"] = consumer.verdict(packed.pop("ids"), args.packed)
+            print(f"packed: {packed['bytes'] / 1e9 / packed['seconds']:.2f} GB/s, memcpy {memcpy:.2f} GB/s", flush=True)
             epoch(srv.addr, str(small), "jpg", BATCH, gen.ID_OFFSET)
             many = concurrent(srv.addr, str(small), args.world, Path(tmp) / "ranks", srv.pid)
             many["check"] = consumer.verdict(many.pop("ids"), args.samples)
@@ -154,8 +221,9 @@ def main() -> None:
             srv.stop()
 
     gb = many["bytes"] / 1e9
+    pgbs = packed["bytes"] / 1e9 / packed["seconds"]
     lines = [
-        "# Shared-memory transport: large samples and 8 consumers",
+        "# Shared-memory transport: large samples, 8 consumers, packed mode",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `python bench/shm_bench.py`"
         " (part of `make bench`).",
@@ -178,6 +246,11 @@ def main() -> None:
         f" {many['samples'] / many['seconds']:,.0f} samples/s, {gb / many['seconds']:.2f} GB/s in all | |",
         f"| daemon CPU for those {many['world']} ranks | {many['daemon_cpu']:.2f} s,"
         f" {many['daemon_cpu'] / gb:.2f} CPU-s per GB delivered | |",
+        f"| memcpy of 1 GiB (np.copyto, best of 3) | {memcpy:.2f} GB/s | 1.00 |",
+        f"| packed mode, {args.packed:,} records of 4 KiB, batch {args.packed_batch}"
+        f" ({packed['transport']}; {packed['check']}) | {pgbs:.2f} GB/s,"
+        f" {packed['samples'] / packed['seconds']:,.0f} records/s | {pgbs / memcpy:.2f} of memcpy |",
+        f"| CPU for that packed epoch | daemon {packed['daemon_cpu']:.2f} s, client {packed['client_cpu']:.2f} s | |",
     ]
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)

@@ -122,6 +122,28 @@ pub struct ResidentShard {
     pub file: ShardFile,
     pub table: Arc<ShardTable>,
     _pin: Option<Pin>,
+    mapped: std::sync::OnceLock<Option<memmap2::Mmap>>,
+}
+
+impl ResidentShard {
+    /// The shard's bytes mapped read-only, for a node-cache copy only (made on first use, shared
+    /// by every stream that holds this shard open). Safety of the mapping: a published cache file
+    /// is immutable (filled under a temporary name and renamed; evicted by unlink, never
+    /// truncated or rewritten in place) and pinned while this object lives, so its pages cannot
+    /// go away under the mapping. A shard read in place (`direct`) belongs to someone else, who
+    /// may truncate it: a mapping would then kill the daemon with SIGBUS, so those are read with
+    /// `pread` and this returns None (as it does if mapping fails: reads work the same, slower).
+    pub fn cached_bytes(&self) -> Option<&[u8]> {
+        self._pin.as_ref()?;
+        self.mapped
+            .get_or_init(|| {
+                // SAFETY: see above: the file is an immutable, pinned node-cache file.
+                let map = unsafe { memmap2::MmapOptions::new().populate().map(&self.file.file) };
+                map.inspect_err(|e| tracing::debug!(shard = %self.file.name, error = %e, "cannot map a cached shard"))
+                    .ok()
+            })
+            .as_deref()
+    }
 }
 
 /// What the daemon's datasets share: the node cache and the S3 connection (made on first use).
@@ -430,7 +452,7 @@ impl Dataset {
                 reason: format!("holds {} samples but manifest.json says {}", table.num_samples(), meta.samples),
             });
         }
-        let resident = Arc::new(ResidentShard { file, table, _pin: pin });
+        let resident = Arc::new(ResidentShard { file, table, _pin: pin, mapped: std::sync::OnceLock::new() });
         let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         if t.open.len() > 2 * MAX_RESIDENT_TABLES {
             t.open.retain(|_, w| w.strong_count() > 0);
