@@ -80,6 +80,20 @@ def test_packed_arrays_are_zero_copy_read_only_and_exactly_once(daemon, tokens) 
         arr[0, 0] = 1  # read-only: a client cannot write into the daemon's ring
 
 
+def test_node_cache_copies_give_the_same_arrays(daemon, tokens) -> None:
+    """Through the node cache the daemon gathers from its own mapping of the cached shard."""
+    root, records = tokens
+    loader = shardstream.Loader(
+        str(root), batch_size=128, seed=9, fields=["tok"], collate="stack", cache="copy", connect=daemon.addr
+    )
+    n = 0
+    for batch in loader:
+        for i, key in enumerate(batch["__key__"]):
+            assert batch["tok"][i].tobytes() == records[key]
+            n += 1
+    assert n == len(records) and loader.stats()["packed"] is True
+
+
 def test_inline_transport_stacks_the_same_arrays(daemon, tokens) -> None:
     root, _ = tokens
     kw = dict(batch_size=100, seed=5, fields=["tok"], collate="stack", connect=daemon.addr)
