@@ -94,6 +94,27 @@ def test_node_cache_copies_give_the_same_arrays(daemon, tokens) -> None:
     assert n == len(records) and loader.stats()["packed"] is True
 
 
+def test_large_batches_gathered_in_parallel_keep_their_order(daemon, tmp_path) -> None:
+    """Batches of 1 MiB and more are gathered by several threads, each into its own records."""
+    root = tmp_path / "big"
+    root.mkdir()
+    rng = np.random.default_rng(11)
+    blocks = {f"b{i:04d}": rng.integers(0, 256, 8192, dtype=np.uint8).tobytes() for i in range(600)}
+    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=100, verbose=0) as sink:
+        for key, block in blocks.items():
+            sink.write({"__key__": key, "bin": block})
+    kw = dict(batch_size=256, seed=2, fields=["bin"], collate="stack", connect=daemon.addr)
+    for cache in ("direct", "copy"):
+        packed = shardstream.Loader(str(root), cache=cache, **kw)
+        inline = shardstream.Loader(str(root), cache=cache, transport="inline", **kw)
+        for p, q in zip(packed, inline, strict=True):
+            assert p["__key__"] == q["__key__"]
+            assert np.array_equal(p["bin"], q["bin"])
+            for i, key in enumerate(p["__key__"]):
+                assert p["bin"][i].tobytes() == blocks[key]
+        assert packed.stats()["packed"] is True and packed.stats()["samples"] == len(blocks)
+
+
 def test_inline_transport_stacks_the_same_arrays(daemon, tokens) -> None:
     root, _ = tokens
     kw = dict(batch_size=100, seed=5, fields=["tok"], collate="stack", connect=daemon.addr)

@@ -27,7 +27,7 @@ use crate::index::{CacheMode, Dataset, Registry, Working};
 use crate::metrics::{ActiveStream, Metrics};
 use crate::plan::{self, EpochParams, WorkerParams};
 use crate::prefetch::{ConsumerGuard, Prefetcher};
-use crate::transport::packed::PackedGather;
+use crate::transport::packed;
 use crate::transport::ring::RING_SLOTS;
 use crate::transport::shm::{DEFAULT_CREDITS, Session, ShmHub};
 use crate::transport::{self, inline::InlineBatchBuilder};
@@ -37,10 +37,6 @@ pub use status::to_status;
 /// Batches queued per stream ahead of the client: two keeps the socket busy while the next batch
 /// is read, and bounds a slow client's footprint to two batches.
 const STREAM_QUEUE: usize = 2;
-
-/// Samples a packed gather loads ahead of the one it copies (see `PackedGather::prefetch`): far
-/// enough to cover a miss to memory while one 4 KiB record is copied, near enough to stay in L1.
-const PREFETCH_AHEAD: usize = 4;
 
 /// Largest batch accepted. Bigger batches than this are a unit mistake (samples vs bytes).
 pub const MAX_BATCH_SIZE: u32 = 1 << 20;
@@ -311,8 +307,6 @@ fn build_packed_batch(
 ) -> Result<(StreamMessage, u64)> {
     session.wait_ready(cancelled)?;
     working.preload(ds, ids)?;
-    let mut gather = PackedGather::new(fields, ids.len());
-    let mut slot = None;
     let mut current: Option<(usize, Arc<crate::index::ResidentShard>)> = None;
     let mut samples = Vec::with_capacity(ids.len());
     for &id in ids {
@@ -327,16 +321,10 @@ fn build_packed_batch(
         };
         samples.push((resident, local));
     }
-    for (i, (resident, local)) in samples.iter().enumerate() {
-        if let Some((r, l)) = samples.get(i + PREFETCH_AHEAD) {
-            PackedGather::prefetch(r, *l);
-        }
-        gather.add(resident, *local, i, &mut slot, &|need| session.acquire_slot(need))?;
-    }
-    let mut guard = slot.ok_or_else(|| Error::Internal("empty batch".into()))?;
-    let (keys, payload) = gather.finish(guard.bytes(), index)?;
-    let batch = PackedBatch { batch_index: index, ring: guard.ring(), slot: guard.slot(), keys };
-    guard.publish(index);
+    let g = packed::gather(fields, &samples, index, &|need| session.acquire_slot(need))?;
+    let batch = PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), keys: g.keys };
+    let payload = g.payload_bytes;
+    g.guard.publish(index);
     Ok((StreamMessage { kind: Some(stream_message::Kind::PackedBatch(batch)) }, payload))
 }
 

@@ -7,21 +7,256 @@
 //! [`ResidentShard::cached_bytes`]), so the only copy is mapping -> slot; a shard read in place is
 //! read with one `pread` per sample into a reused buffer first.
 //!
+//! A large batch is gathered by [`GATHER_THREADS`] threads, each into its own records of every
+//! column: the copy is bound by memory latency per record (each shuffled record is a different
+//! page of a different shard), which more threads overlap.
+//!
 //! The first sample of a batch fixes each field's record length; every other sample must match
 //! it, and must have every field: stacking is only defined for such batches, and the error names
 //! the sample that breaks the rule rather than padding or truncating behind the user's back.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use shardstream_proto::ring::{COLUMN_ALIGN, FIELD_DESC_BYTES, FieldDesc, SLOT_HEADER_BYTES, SlotHeader, round_up};
 
 use crate::format::shard_error;
-use crate::format::tar::parse_sample;
+use crate::format::tar::{SampleView, parse_sample};
 use crate::index::ResidentShard;
 use crate::transport::shm::SlotGuard;
 use crate::{Error, Result};
 
-/// Bytes of a sample loaded ahead by [`PackedGather::prefetch`]: a TAR header (512 bytes, all
-/// read by its checksum) and the first lines of the payload.
+/// Bytes of a sample loaded ahead by [`prefetch`]: a TAR header (512 bytes, all read by its
+/// checksum) and the first lines of the payload.
 const PREFETCH_BYTES: usize = 768;
+
+/// Samples loaded ahead of the one being copied: far enough to cover a miss to memory while one
+/// 4 KiB record is copied, near enough to stay in L1.
+const PREFETCH_AHEAD: usize = 4;
+
+/// Threads that gather one batch (this one and helpers), and the smallest batch worth a helper:
+/// starting a thread costs ~20 us, gathering 1 MiB ~100 us.
+pub const GATHER_THREADS: usize = 2;
+const PARALLEL_MIN_BYTES: u64 = 1 << 20;
+
+/// One sample of a batch: its open shard and its index in the shard.
+pub type SampleRef = (Arc<ResidentShard>, u64);
+
+/// A gathered batch, written into the slot of `guard`.
+pub struct Gathered<'s> {
+    pub guard: SlotGuard<'s>,
+    pub keys: Vec<String>,
+    pub payload_bytes: u64,
+}
+
+/// Gathers `samples` (fields `fields`, in the stream's order) into a slot that `acquire` gives
+/// for the bytes the batch needs, and writes the slot header and field descriptors.
+pub fn gather<'s>(
+    fields: &[String],
+    samples: &[SampleRef],
+    batch_index: u64,
+    acquire: &dyn Fn(u64) -> Result<SlotGuard<'s>>,
+) -> Result<Gathered<'s>> {
+    let n = samples.len();
+    let first = samples.first().ok_or_else(|| Error::Internal("empty batch".into()))?;
+    let mut scratch = Vec::new();
+    let mut found = Vec::with_capacity(fields.len());
+    // The first sample fixes each column's record length and so the slot size.
+    let (first_key, records) = with_sample(first, &mut scratch, |_, view| {
+        payloads(fields, &view, &mut found)?;
+        Ok((view.key.into_owned(), found.iter().map(|r| r.len() as u64).collect::<Vec<_>>()))
+    })?;
+    let mut offsets = Vec::with_capacity(fields.len());
+    let mut end = SlotHeader::columns_start(fields.len()).ok_or_else(|| Error::invalid("too many fields"))?;
+    for &record in &records {
+        offsets.push(end);
+        end = record
+            .checked_mul(n as u64)
+            .and_then(|b| round_up(b, COLUMN_ALIGN))
+            .and_then(|b| end.checked_add(b))
+            .ok_or_else(|| Error::invalid("packed batch size overflows"))?;
+    }
+    let payload_bytes: u64 = records.iter().map(|r| r * n as u64).sum();
+    let mut guard = acquire(end)?;
+    let threads = if payload_bytes >= PARALLEL_MIN_BYTES { GATHER_THREADS.min(n) } else { 1 };
+    let rules = Rules { fields, records: &records, first_key: &first_key };
+    let keys = {
+        let parts = carve(guard.bytes(), &records, &offsets, n, threads)?;
+        let bounds: Vec<usize> = (0..=threads).map(|t| t * n / threads).collect();
+        std::thread::scope(|scope| {
+            let mut handles = Vec::new();
+            let mut mine = None;
+            for (t, cols) in parts.into_iter().enumerate() {
+                let part = &samples[bounds[t]..bounds[t + 1]];
+                let rules = &rules;
+                if t == 0 {
+                    mine = Some((part, cols));
+                } else {
+                    handles.push(scope.spawn(move || gather_part(rules, part, cols)));
+                }
+            }
+            let mut keys = match mine {
+                Some((part, cols)) => gather_part(&rules, part, cols)?,
+                None => Vec::new(),
+            };
+            for h in handles {
+                let more = h.join().map_err(|_| Error::Internal("a gather thread panicked".into()))??;
+                keys.extend(more);
+            }
+            Ok::<_, Error>(keys)
+        })?
+    };
+    let n_fields = u16::try_from(fields.len()).map_err(|_| Error::invalid("too many fields for a packed batch"))?;
+    let slot = guard.bytes();
+    let too_small = || Error::Internal("ring slot smaller than its header".into());
+    slot.get_mut(..SLOT_HEADER_BYTES)
+        .ok_or_else(too_small)?
+        .copy_from_slice(&SlotHeader::new(n_fields, batch_index, n as u64, payload_bytes).encode());
+    for (f, (&record_bytes, &offset)) in records.iter().zip(&offsets).enumerate() {
+        let at = SLOT_HEADER_BYTES + f * FIELD_DESC_BYTES;
+        let desc = FieldDesc { offset, record_bytes, count: n as u64, reserved: 0 };
+        slot.get_mut(at..at + FIELD_DESC_BYTES).ok_or_else(too_small)?.copy_from_slice(&desc.encode());
+    }
+    Ok(Gathered { guard, keys, payload_bytes })
+}
+
+/// What every record of the batch must match.
+struct Rules<'a> {
+    fields: &'a [String],
+    records: &'a [u64],
+    first_key: &'a str,
+}
+
+/// Splits the slot's columns into `parts` runs of records: part t gets records
+/// `[t*n/parts, (t+1)*n/parts)` of every column, as one slice per field.
+fn carve<'a>(
+    slot: &'a mut [u8],
+    records: &[u64],
+    offsets: &[u64],
+    n: usize,
+    parts: usize,
+) -> Result<Vec<Vec<&'a mut [u8]>>> {
+    let outside = || Error::Internal("packed columns outside their slot".into());
+    let mut out: Vec<Vec<&mut [u8]>> = (0..parts).map(|_| Vec::with_capacity(records.len())).collect();
+    let mut rest = slot;
+    let mut at = 0u64;
+    for (&record, &offset) in records.iter().zip(offsets) {
+        let gap = usize::try_from(offset.checked_sub(at).ok_or_else(outside)?).map_err(|_| outside())?;
+        let record = usize::try_from(record).map_err(|_| outside())?;
+        let len = record.checked_mul(n).ok_or_else(outside)?;
+        if rest.len() < gap + len {
+            return Err(outside());
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(gap);
+        let (mut column, tail) = tail.split_at_mut(len);
+        rest = tail;
+        at = offset + len as u64;
+        for (t, part) in out.iter_mut().enumerate() {
+            let count = (t + 1) * n / parts - t * n / parts;
+            let (mine, others) = std::mem::take(&mut column).split_at_mut(count * record);
+            part.push(mine);
+            column = others;
+        }
+    }
+    Ok(out)
+}
+
+/// Gathers `samples` into `cols` (record j of field f at `cols[f][j * record_f..]`); returns
+/// their keys.
+fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]>) -> Result<Vec<String>> {
+    let mut keys = Vec::with_capacity(samples.len());
+    let mut scratch = Vec::new();
+    let mut found = Vec::with_capacity(rules.fields.len());
+    for (j, sample) in samples.iter().enumerate() {
+        if let Some((shard, local)) = samples.get(j + PREFETCH_AHEAD) {
+            prefetch(shard, *local);
+        }
+        let key = with_sample(sample, &mut scratch, |bytes, view| {
+            payloads(rules.fields, &view, &mut found)?;
+            for (f, src) in found.iter().enumerate() {
+                let record = rules.records[f];
+                if src.len() as u64 != record {
+                    return Err(Error::invalid(format!(
+                        "collate=\"stack\" needs equal-length {:?} within a batch: sample {:?} has {} bytes, \
+                         sample {:?} has {record}",
+                        rules.fields[f],
+                        view.key,
+                        src.len(),
+                        rules.first_key
+                    )));
+                }
+                let at = j * src.len();
+                cols[f]
+                    .get_mut(at..at + src.len())
+                    .ok_or_else(|| Error::Internal(format!("record {j} of {:?} outside its slot", rules.fields[f])))?
+                    .copy_from_slice(&bytes[src.clone()]);
+            }
+            Ok(view.key.into_owned())
+        })?;
+        keys.push(key);
+    }
+    Ok(keys)
+}
+
+/// Reads sample `local` of `shard` (from the shard's mapping if it is cached, else with one
+/// `pread` into `scratch`), parses it, and calls `f` with its bytes and members.
+fn with_sample<T>(
+    (shard, local): &SampleRef,
+    scratch: &mut Vec<u8>,
+    f: impl FnOnce(&[u8], SampleView<'_>) -> Result<T>,
+) -> Result<T> {
+    let range = shard
+        .table
+        .sample_range(*local)
+        .ok_or_else(|| Error::Internal(format!("sample {local} out of range in {}", shard.file.name)))?;
+    let bytes: &[u8] = match shard.cached_bytes() {
+        Some(all) => usize::try_from(range.start)
+            .ok()
+            .zip(usize::try_from(range.end).ok())
+            .and_then(|(a, z)| all.get(a..z))
+            .ok_or_else(|| Error::Internal(format!("sample {local} outside {}", shard.file.name)))?,
+        None => {
+            let len = usize::try_from(range.end - range.start)
+                .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
+            scratch.resize(len, 0);
+            shard.file.read_exact_at(scratch, range.start)?;
+            scratch
+        }
+    };
+    let view = parse_sample(bytes).map_err(|e| shard_error(&shard.file, range.start, e))?;
+    f(bytes, view)
+}
+
+/// The payload range of each of `fields` in the sample, into `found`; an error naming the sample
+/// if it lacks one.
+fn payloads(fields: &[String], view: &SampleView<'_>, found: &mut Vec<Range<usize>>) -> Result<()> {
+    found.clear();
+    for name in fields {
+        // A sample has a handful of fields: a linear search beats any map.
+        let m = view.members.iter().find(|m| m.field == name.as_str()).ok_or_else(|| {
+            Error::invalid(format!(
+                "collate=\"stack\" needs field {name:?} in every sample, but sample {:?} has none; \
+                 select fields every sample has, or use collate=None",
+                view.key
+            ))
+        })?;
+        found.push(m.data.clone());
+    }
+    Ok(())
+}
+
+/// Asks the CPU to start loading the header (and the first payload lines) of a sample that will
+/// be copied soon, from a mapped cached shard: a shuffled batch jumps between shards, so each
+/// sample's first touch is a cache and TLB miss.
+fn prefetch(shard: &ResidentShard, local: u64) {
+    let Some(all) = shard.cached_bytes() else { return };
+    let Some(range) = shard.table.sample_range(local) else { return };
+    let Ok(start) = usize::try_from(range.start) else { return };
+    let end = usize::try_from(range.end).unwrap_or(usize::MAX).min(all.len()).min(start + PREFETCH_BYTES);
+    for line in (start..end).step_by(64) {
+        prefetch_line(&all[line]);
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 fn prefetch_line(byte: &u8) {
@@ -32,170 +267,3 @@ fn prefetch_line(byte: &u8) {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn prefetch_line(_byte: &u8) {}
-
-/// Gathers one packed batch.
-#[derive(Debug)]
-pub struct PackedGather {
-    fields: Vec<String>,
-    samples: usize,
-    /// Per field: record bytes (from the first sample) and the column's offset in the slot.
-    columns: Vec<(u64, u64)>,
-    first_key: String,
-    keys: Vec<String>,
-    /// Sample bytes of shards read with pread.
-    scratch: Vec<u8>,
-    /// Per field, the payload range of the current sample in its bytes.
-    found: Vec<std::ops::Range<usize>>,
-}
-
-impl PackedGather {
-    /// A batch of `samples` samples of `fields` (in the stream's field order).
-    pub fn new(fields: &[String], samples: usize) -> Self {
-        Self {
-            fields: fields.to_vec(),
-            samples,
-            columns: Vec::with_capacity(fields.len()),
-            first_key: String::new(),
-            keys: Vec::with_capacity(samples),
-            scratch: Vec::new(),
-            found: Vec::with_capacity(fields.len()),
-        }
-    }
-
-    /// Asks the CPU to start loading the header (and the first payload lines) of a sample that
-    /// will be added soon, from a mapped cached shard. A shuffled batch jumps between shards, so
-    /// each sample's header is a cache and TLB miss: measured, the gather stalled on that first
-    /// touch more than it spent copying. Loading a few samples ahead overlaps those misses.
-    pub fn prefetch(shard: &ResidentShard, local: u64) {
-        let Some(all) = shard.cached_bytes() else { return };
-        let Some(range) = shard.table.sample_range(local) else { return };
-        let Ok(start) = usize::try_from(range.start) else { return };
-        let end = usize::try_from(range.end).unwrap_or(usize::MAX).min(all.len()).min(start + PREFETCH_BYTES);
-        for line in (start..end).step_by(64) {
-            prefetch_line(&all[line]);
-        }
-    }
-
-    /// Adds sample `local` of `shard` as record `i` of every column. The first sample sizes the
-    /// batch and takes a slot through `acquire` (given the bytes the batch needs).
-    pub fn add<'s>(
-        &mut self,
-        shard: &ResidentShard,
-        local: u64,
-        i: usize,
-        slot: &mut Option<SlotGuard<'s>>,
-        acquire: &dyn Fn(u64) -> Result<SlotGuard<'s>>,
-    ) -> Result<()> {
-        let range = shard
-            .table
-            .sample_range(local)
-            .ok_or_else(|| Error::Internal(format!("sample {local} out of range in {}", shard.file.name)))?;
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let bytes: &[u8] = match shard.cached_bytes() {
-            Some(all) => usize::try_from(range.start)
-                .ok()
-                .zip(usize::try_from(range.end).ok())
-                .and_then(|(a, z)| all.get(a..z))
-                .ok_or_else(|| Error::Internal(format!("sample {local} outside {}", shard.file.name)))?,
-            None => {
-                let len = usize::try_from(range.end - range.start)
-                    .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
-                scratch.resize(len, 0);
-                shard.file.read_exact_at(&mut scratch, range.start)?;
-                &scratch
-            }
-        };
-        let placed = self.place(shard, range.start, bytes, i, slot, acquire);
-        self.scratch = scratch;
-        placed
-    }
-
-    fn place<'s>(
-        &mut self,
-        shard: &ResidentShard,
-        base: u64,
-        bytes: &[u8],
-        i: usize,
-        slot: &mut Option<SlotGuard<'s>>,
-        acquire: &dyn Fn(u64) -> Result<SlotGuard<'s>>,
-    ) -> Result<()> {
-        let view = parse_sample(bytes).map_err(|e| shard_error(&shard.file, base, e))?;
-        self.found.clear();
-        for name in &self.fields {
-            // A sample has a handful of fields: a linear search beats any map.
-            let m = view.members.iter().find(|m| m.field == name.as_str()).ok_or_else(|| {
-                Error::invalid(format!(
-                    "collate=\"stack\" needs field {name:?} in every sample, but sample {:?} has none; \
-                     select fields every sample has, or use collate=None",
-                    view.key
-                ))
-            })?;
-            self.found.push(m.data.clone());
-        }
-        let guard = match slot {
-            Some(g) => g,
-            None => {
-                let need = self.size_columns(&view.key)?;
-                slot.insert(acquire(need)?)
-            }
-        };
-        let dst = guard.bytes();
-        for (f, (&(record, offset), src)) in self.columns.iter().zip(&self.found).enumerate() {
-            if src.len() as u64 != record {
-                return Err(Error::invalid(format!(
-                    "collate=\"stack\" needs equal-length {:?} within a batch: sample {:?} has {} bytes, \
-                     sample {:?} has {record}",
-                    self.fields[f],
-                    view.key,
-                    src.len(),
-                    self.first_key
-                )));
-            }
-            let at = usize::try_from(offset + record * i as u64)
-                .map_err(|_| Error::Internal("packed column beyond the address space".into()))?;
-            dst.get_mut(at..at + src.len())
-                .ok_or_else(|| Error::Internal(format!("record {i} of {:?} outside its slot", self.fields[f])))?
-                .copy_from_slice(&bytes[src.clone()]);
-        }
-        self.keys.push(view.key.into_owned());
-        Ok(())
-    }
-
-    /// Lays the columns out from the record lengths of the batch's first sample (in `found`);
-    /// returns the bytes the batch needs in a slot.
-    fn size_columns(&mut self, key: &str) -> Result<u64> {
-        let mut at = SlotHeader::columns_start(self.fields.len())
-            .ok_or_else(|| Error::invalid("too many fields for a packed batch"))?;
-        key.clone_into(&mut self.first_key);
-        self.columns.clear();
-        for src in &self.found {
-            let len = src.len() as u64;
-            self.columns.push((len, at));
-            at = len
-                .checked_mul(self.samples as u64)
-                .and_then(|b| round_up(b, COLUMN_ALIGN))
-                .and_then(|b| at.checked_add(b))
-                .ok_or_else(|| Error::invalid("packed batch size overflows"))?;
-        }
-        Ok(at)
-    }
-
-    /// Writes the slot header and field descriptors after the last sample; returns the keys and
-    /// the payload bytes of the batch.
-    pub fn finish(self, slot: &mut [u8], batch_index: u64) -> Result<(Vec<String>, u64)> {
-        let n = self.keys.len() as u64;
-        let payload: u64 = self.columns.iter().map(|(record, _)| record * n).sum();
-        let n_fields =
-            u16::try_from(self.fields.len()).map_err(|_| Error::invalid("too many fields for a packed batch"))?;
-        let too_small = || Error::Internal("ring slot smaller than its header".into());
-        slot.get_mut(..SLOT_HEADER_BYTES)
-            .ok_or_else(too_small)?
-            .copy_from_slice(&SlotHeader::new(n_fields, batch_index, n, payload).encode());
-        for (f, &(record_bytes, offset)) in self.columns.iter().enumerate() {
-            let at = SLOT_HEADER_BYTES + f * FIELD_DESC_BYTES;
-            let desc = FieldDesc { offset, record_bytes, count: n, reserved: 0 };
-            slot.get_mut(at..at + FIELD_DESC_BYTES).ok_or_else(too_small)?.copy_from_slice(&desc.encode());
-        }
-        Ok((self.keys, payload))
-    }
-}
