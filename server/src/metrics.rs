@@ -46,6 +46,11 @@ fn describe() {
         Unit::Seconds,
         "time a consumer's stream waited for data (GPU stall)"
     );
+    describe_gauge!(
+        "shardstream_shm_ring_bytes",
+        Unit::Bytes,
+        "packed-mode ring segments alive (memory shared with clients)"
+    );
     describe_counter!("shardstream_samples_served_total", "samples delivered to consumers");
     describe_counter!("shardstream_bytes_served_total", Unit::Bytes, "payload bytes delivered to consumers");
 }
@@ -80,6 +85,11 @@ pub fn cache_eviction() {
 pub fn cache_gauges(used: u64, capacity: u64) {
     metrics::gauge!("shardstream_cache_bytes").set(used as f64);
     metrics::gauge!("shardstream_cache_capacity_bytes").set(capacity as f64);
+}
+
+/// Bytes of packed-mode rings alive, after one was made or dropped.
+pub fn ring_bytes(bytes: u64) {
+    metrics::gauge!("shardstream_shm_ring_bytes").set(bytes as f64);
 }
 
 pub fn prefetch_horizon(seconds: f64) {

@@ -26,14 +26,6 @@ use crate::index::ResidentShard;
 use crate::transport::shm::SlotGuard;
 use crate::{Error, Result};
 
-/// Bytes of a sample loaded ahead by [`prefetch`]: a TAR header (512 bytes, all read by its
-/// checksum) and the first lines of the payload.
-const PREFETCH_BYTES: usize = 768;
-
-/// Samples loaded ahead of the one being copied: far enough to cover a miss to memory while one
-/// 4 KiB record is copied, near enough to stay in L1.
-const PREFETCH_AHEAD: usize = 4;
-
 /// Threads that gather one batch (this one and helpers), and the smallest batch worth a helper:
 /// starting a thread costs ~20 us, gathering 1 MiB ~100 us.
 pub const GATHER_THREADS: usize = 2;
@@ -168,9 +160,6 @@ fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]
     let mut scratch = Vec::new();
     let mut found = Vec::with_capacity(rules.fields.len());
     for (j, sample) in samples.iter().enumerate() {
-        if let Some((shard, local)) = samples.get(j + PREFETCH_AHEAD) {
-            prefetch(shard, *local);
-        }
         let key = with_sample(sample, &mut scratch, |bytes, view| {
             payloads(rules.fields, &view, &mut found)?;
             for (f, src) in found.iter().enumerate() {
@@ -244,26 +233,3 @@ fn payloads(fields: &[String], view: &SampleView<'_>, found: &mut Vec<Range<usiz
     }
     Ok(())
 }
-
-/// Asks the CPU to start loading the header (and the first payload lines) of a sample that will
-/// be copied soon, from a mapped cached shard: a shuffled batch jumps between shards, so each
-/// sample's first touch is a cache and TLB miss.
-fn prefetch(shard: &ResidentShard, local: u64) {
-    let Some(all) = shard.cached_bytes() else { return };
-    let Some(range) = shard.table.sample_range(local) else { return };
-    let Ok(start) = usize::try_from(range.start) else { return };
-    let end = usize::try_from(range.end).unwrap_or(usize::MAX).min(all.len()).min(start + PREFETCH_BYTES);
-    for line in (start..end).step_by(64) {
-        prefetch_line(&all[line]);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn prefetch_line(byte: &u8) {
-    // SAFETY: a prefetch is a hint; it never faults and reads nothing into the program, and the
-    // address is that of a live reference. SSE is part of the x86_64 baseline.
-    unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((byte as *const u8).cast()) }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn prefetch_line(_byte: &u8) {}

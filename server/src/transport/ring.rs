@@ -134,7 +134,7 @@ impl Ring {
         let ring = Self { header, fd, map, alive };
         // SAFETY: the ring is new, so no slot is handed out and nobody else maps it yet.
         unsafe { ring.bytes_mut(0..header.encode().len()) }.copy_from_slice(&header.encode());
-        ring.alive.fetch_add(bytes, Ordering::Relaxed);
+        crate::metrics::ring_bytes(ring.alive.fetch_add(bytes, Ordering::Relaxed) + bytes);
         Ok(ring)
     }
 
@@ -182,7 +182,8 @@ impl Ring {
 
 impl Drop for Ring {
     fn drop(&mut self) {
-        self.alive.fetch_sub(self.map.len() as u64, Ordering::Relaxed);
+        let len = self.map.len() as u64;
+        crate::metrics::ring_bytes(self.alive.fetch_sub(len, Ordering::Relaxed).saturating_sub(len));
     }
 }
 
