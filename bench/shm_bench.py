@@ -43,21 +43,24 @@ BATCH = 256
 LARGE_BATCH = 16
 
 
-def large_dataset(d: Path, samples: int, size: int, per_shard: int) -> list[Path]:
-    """`samples` random payloads of `size` bytes, each starting with its index (8 bytes LE), in
-    shards of `per_shard` samples; generated once."""
+def tar_dataset(d: Path, samples: int, size: int, per_shard: int, ext: str, label: bool) -> list[Path]:
+    """`samples` random payloads of `size` bytes (field `ext`), each starting with its index
+    (8 bytes LE), plus a label field `cls` when `label`, in shards of `per_shard` samples;
+    generated once."""
     done = d / ".complete"
     if not done.exists():
         d.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(0)
         block = rng.integers(0, 256, size + 4096, dtype=np.uint8).tobytes()
         for s in range(0, samples, per_shard):
-            with tarfile.open(d / f"large-{s // per_shard:06d}.tar", "w") as tf:
+            with tarfile.open(d / f"{ext}-{s // per_shard:06d}.tar", "w") as tf:
                 for i in range(s, min(s + per_shard, samples)):
                     off = (i * 61) % 4096
-                    payload = i.to_bytes(8, "little") + block[off : off + size - 8]
-                    for ext, data in (("bin", payload), ("cls", str(i % 10).encode())):
-                        info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                    members = [(ext, i.to_bytes(8, "little") + block[off : off + size - 8])]
+                    if label:
+                        members.append(("cls", str(i % 10).encode()))
+                    for name, data in members:
+                        info = tarfile.TarInfo(f"{i:08d}.{name}")
                         info.size = len(data)
                         tf.addfile(info, BytesIO(data))
         done.write_text("")
@@ -73,26 +76,6 @@ def epoch(addr: str, url: str, field: str, batch: int, id_offset: int, rank: int
     r = consumer.consume((b[field] for b in loader), t0, id_offset)
     r["transport"] = loader.stats().get("transport")
     return r
-
-
-def packed_dataset(d: Path, samples: int, record: int, per_shard: int) -> list[Path]:
-    """`samples` records of `record` bytes (field `tok`), each starting with its index (8 bytes
-    LE), in shards of `per_shard`; generated once."""
-    done = d / ".complete"
-    if not done.exists():
-        d.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(1)
-        block = rng.integers(0, 256, record + 4096, dtype=np.uint8).tobytes()
-        for s in range(0, samples, per_shard):
-            with tarfile.open(d / f"tok-{s // per_shard:06d}.tar", "w") as tf:
-                for i in range(s, min(s + per_shard, samples)):
-                    off = (i * 61) % 4096
-                    data = i.to_bytes(8, "little") + block[off : off + record - 8]
-                    info = tarfile.TarInfo(f"{i:08d}.tok")
-                    info.size = len(data)
-                    tf.addfile(info, BytesIO(data))
-        done.write_text("")
-    return sorted(d.glob("*.tar"))
 
 
 def packed_epoch(addr: str, url: str, batch: int, cache: str = "copy") -> dict:
@@ -189,9 +172,11 @@ def main() -> None:
 
     spec = gen.Spec(samples=args.samples)
     small = gen.ensure(args.data, spec, ["wds"]) / "wds"
-    large_files = large_dataset(args.data / f"large-{args.large}x{args.large_size}", args.large, args.large_size, 64)
+    large_files = tar_dataset(
+        args.data / f"large-{args.large}x{args.large_size}", args.large, args.large_size, 64, "bin", label=True
+    )
     large_url = str(large_files[0].parent)
-    packed_files = packed_dataset(args.data / f"packed-{args.packed}x4096", args.packed, 4096, 4096)
+    packed_files = tar_dataset(args.data / f"packed-{args.packed}x4096", args.packed, 4096, 4096, "tok", label=False)
     packed_url = str(packed_files[0].parent)
     measure.warm(packed_files)
     memcpy = measure.memcpy_gbps()

@@ -42,6 +42,16 @@ def write_dataset(
     return samples
 
 
+def wait_for(cond, timeout: float = 5.0) -> bool:
+    """Polls `cond` until it holds or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
 class Daemon:
     """`shardstream serve` as a real process. `args`: extra command-line options; `env`: extra
     environment (the S3 endpoint and credentials); `wrap`: a command to run it under."""

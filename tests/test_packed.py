@@ -18,18 +18,9 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import Daemon
+from conftest import Daemon, wait_for
 
 RECORD = 512
-
-
-def wait_for(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture(scope="module")

@@ -17,20 +17,11 @@ import numpy as np
 import pytest
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon
+from conftest import SHARDSTREAM, Daemon, wait_for
 
 
 def status(addr: str) -> dict:
     return shardstream._native.Connection(addr).status()
-
-
-def wait_for(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_default_is_shm_with_identical_bytes(daemon, dataset) -> None:

@@ -50,12 +50,18 @@ async fn start(shards: usize, per_shard: usize) -> (Fixture, Samples) {
     let data = tmp.path().join("data");
     std::fs::create_dir(&data).unwrap();
     let samples = write_shards(&data, shards, per_shard);
-    let config = DaemonConfig::new(Address::Unix(tmp.path().join("run/sock")), tmp.path().join("cache"));
+    let listen = Address::Unix(tmp.path().join("run/sock"));
+    (serve(tmp, data, listen).await, samples)
+}
+
+/// Serves the daemon on `listen`, with its cache in `tmp`, until the fixture's shutdown.
+async fn serve(tmp: tempfile::TempDir, data: std::path::PathBuf, listen: Address) -> Fixture {
+    let config = DaemonConfig::new(listen, tmp.path().join("cache"));
     let bound = BoundDaemon::bind(config).await.unwrap();
     let addr = bound.address();
     let shutdown = ShutdownToken::new();
     let server = tokio::spawn(bound.run(shutdown.clone()));
-    (Fixture { _tmp: tmp, data, addr, shutdown, server }, samples)
+    Fixture { _tmp: tmp, data, addr, shutdown, server }
 }
 
 fn request(url: &Path, batch_size: u32) -> StreamRequest {
@@ -294,20 +300,16 @@ async fn tcp_clients_get_inline_and_cannot_demand_shm() {
     let data = tmp.path().join("data");
     std::fs::create_dir(&data).unwrap();
     let samples = write_shards(&data, 2, 10);
-    let config = DaemonConfig::new(Address::Tcp("127.0.0.1:0".into()), tmp.path().join("cache"));
-    let bound = BoundDaemon::bind(config).await.unwrap();
-    let addr = bound.address();
-    let shutdown = ShutdownToken::new();
-    let server = tokio::spawn(bound.run(shutdown.clone()));
-    let mut client = shardstream_client::connect(&addr).await.unwrap();
-    let auto = StreamRequest { transport: Transport::Auto as i32, ..request(&data, 4) };
+    let fx = serve(tmp, data, Address::Tcp("127.0.0.1:0".into())).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let auto = StreamRequest { transport: Transport::Auto as i32, ..request(&fx.data, 4) };
     assert_eq!(collect(&mut client, auto).await.unwrap().len(), samples.len());
-    let shm = StreamRequest { transport: Transport::Shm as i32, ..request(&data, 4) };
+    let shm = StreamRequest { transport: Transport::Shm as i32, ..request(&fx.data, 4) };
     let err = collect(&mut client, shm).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("shm"), "{}", err.message());
-    shutdown.cancel();
-    server.await.unwrap().unwrap();
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
 }
 
 async fn ring_bytes(client: &mut Client) -> u64 {
@@ -440,18 +442,15 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
         }
         b.finish().unwrap();
     }
-    let config = DaemonConfig::new(Address::Unix(tmp.path().join("sock")), tmp.path().join("cache"));
-    let bound = BoundDaemon::bind(config).await.unwrap();
-    let addr = bound.address();
-    let shutdown = ShutdownToken::new();
-    let server = tokio::spawn(bound.run(shutdown.clone()));
-    let mut client = shardstream_client::connect(&addr).await.unwrap();
+    let listen = Address::Unix(tmp.path().join("sock"));
+    let fx = serve(tmp, data, listen).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
     let req = StreamRequest {
         transport: Transport::Auto as i32,
         collate: Collate::Stack as i32,
         fields: vec!["bin".into()],
         shuffle: false,
-        ..request(&data, 4)
+        ..request(&fx.data, 4)
     };
     let mut s = shardstream_client::stream(&mut client, req).await.unwrap();
     let session = s.shm.clone().unwrap();
@@ -491,6 +490,6 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
         })
         .await
     );
-    shutdown.cancel();
-    server.await.unwrap().unwrap();
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
 }

@@ -217,6 +217,26 @@ fn plan_stream(
     })
 }
 
+/// The open shard and local index of sample `id`. Consecutive samples of a batch mostly come from
+/// the same few shards (the shuffle window): `current` remembers the last shard used, to skip the
+/// working set's lookup.
+fn sample_of(
+    ds: &Dataset,
+    working: &mut Working,
+    id: u64,
+    current: &mut Option<(usize, Arc<crate::index::ResidentShard>)>,
+) -> Result<(Arc<crate::index::ResidentShard>, u64)> {
+    let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
+    match current {
+        Some((s, r)) if *s == shard => Ok((r.clone(), local)),
+        _ => {
+            let r = working.get(ds, shard)?.clone();
+            *current = Some((shard, r.clone()));
+            Ok((r, local))
+        }
+    }
+}
+
 /// Reads one batch (blocking).
 fn build_batch(
     ds: &Dataset,
@@ -230,19 +250,9 @@ fn build_batch(
     working.preload(ds, ids)?;
     let mut b =
         InlineBatchBuilder::new(fields, all_fields, ids.len(), avg.saturating_mul(ids.len()).saturating_add(4096));
-    // Consecutive samples of a batch mostly come from the same few shards (the shuffle window):
-    // remember the last shard used to skip the table lookup.
-    let mut current: Option<(usize, Arc<crate::index::ResidentShard>)> = None;
+    let mut current = None;
     for &id in ids {
-        let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
-        let resident = match &current {
-            Some((s, r)) if *s == shard => r.clone(),
-            _ => {
-                let r = working.get(ds, shard)?.clone();
-                current = Some((shard, r.clone()));
-                r
-            }
-        };
+        let (resident, local) = sample_of(ds, working, id, &mut current)?;
         b.add_sample(&resident, local)?;
     }
     let bytes = b.payload_bytes();
@@ -307,20 +317,8 @@ fn build_packed_batch(
 ) -> Result<(StreamMessage, u64)> {
     session.wait_ready(cancelled)?;
     working.preload(ds, ids)?;
-    let mut current: Option<(usize, Arc<crate::index::ResidentShard>)> = None;
-    let mut samples = Vec::with_capacity(ids.len());
-    for &id in ids {
-        let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
-        let resident = match &current {
-            Some((s, r)) if *s == shard => r.clone(),
-            _ => {
-                let r = working.get(ds, shard)?.clone();
-                current = Some((shard, r.clone()));
-                r
-            }
-        };
-        samples.push((resident, local));
-    }
+    let mut current = None;
+    let samples = ids.iter().map(|&id| sample_of(ds, working, id, &mut current)).collect::<Result<Vec<_>>>()?;
     let g = packed::gather(fields, &samples, index, &|need| session.acquire_slot(need))?;
     let batch = PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), keys: g.keys };
     let payload = g.payload_bytes;
