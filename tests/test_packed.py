@@ -18,7 +18,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import Daemon, wait_for
+from conftest import SHARDSTREAM, Daemon, wait_for
 
 RECORD = 512
 
@@ -121,7 +121,7 @@ def test_inline_transport_stacks_the_same_arrays(daemon, tokens) -> None:
 def test_fields_that_cannot_be_stacked_are_refused_naming_the_sample(daemon, dataset) -> None:
     root, samples = dataset
     for transport in ("shm", "inline"):
-        with pytest.raises(ValueError, match=r'equal-length .jpg. within a batch: sample .s0/'):
+        with pytest.raises(ValueError, match=r"equal-length .jpg. within a batch: sample .s0/"):
             for _ in shardstream.Loader(
                 str(root), fields=["jpg"], collate="stack", transport=transport, connect=daemon.addr
             ):
@@ -169,15 +169,16 @@ HOLDER = textwrap.dedent(
 
 def test_a_client_that_never_releases_is_bounded_and_reclaimed_after_sigkill(tokens, tmp_path) -> None:
     root, _ = tokens
-    d = Daemon(tmp_path).start()
+    slots = 5
+    d = Daemon(tmp_path, args=["--ring-slots", str(slots)]).start()
     try:
         proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), d.addr], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
-        lines = [proc.stdout.readline().strip() for _ in range(8)]
-        assert lines[-1] == "got 8", lines
+        lines = [proc.stdout.readline().strip() for _ in range(slots)]
+        assert lines[-1] == f"got {slots}", lines
         ring = d.status()["ring_bytes"]
-        assert 0 < ring <= 4096 * 9, ring
-        # Its 8 slots are held: the daemon sends nothing more, and its memory does not grow.
+        assert 0 < ring <= 4096 * (slots + 1), ring
+        # Its slots are all held: the daemon sends nothing more, and its memory does not grow.
         time.sleep(1.0)
         assert proc.poll() is None
         assert d.status()["ring_bytes"] == ring
@@ -199,9 +200,7 @@ def test_torch_dataloader_gets_tensors_exactly_once(daemon, tokens) -> None:
 
     root, records = tokens
     for workers in (0, 2):
-        ds = sst.IterableDataset(
-            str(root), batch_size=50, seed=1, fields=["tok"], collate="stack", connect=daemon.addr
-        )
+        ds = sst.IterableDataset(str(root), batch_size=50, seed=1, fields=["tok"], collate="stack", connect=daemon.addr)
         dl = sst.DataLoader(ds, num_workers=workers)
         keys = []
         for batch in dl:
@@ -211,3 +210,15 @@ def test_torch_dataloader_gets_tensors_exactly_once(daemon, tokens) -> None:
             assert ids == [int(k[1:]) for k in batch["__key__"]]
             keys.extend(batch["__key__"])
         assert sorted(keys) == sorted(records), f"num_workers={workers}"
+
+
+def test_ring_slots_out_of_range_are_refused_at_start(tmp_path) -> None:
+    for flag in ("--ring-slots", "--shm-credits"):
+        cmd = [SHARDSTREAM, "serve", "--listen", f"unix://{tmp_path / 'sock'}", "--cache-dir", str(tmp_path / "c")]
+        r = subprocess.run(
+            [*cmd, flag, "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode != 0 and f"{flag} must be from 1 to 1024, not 0" in r.stderr, r.stderr

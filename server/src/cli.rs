@@ -50,6 +50,14 @@ pub enum Command {
         /// S3: retries of a failed request before giving up (0 disables retries).
         #[arg(long, default_value_t = crate::storage::retry::RetryConfig::default().max_retries)]
         s3_max_retries: u32,
+        /// Shared memory, view mode: unreleased batches one stream's client may hold before the
+        /// daemon waits (each costs the daemon only its lease records).
+        #[arg(long, default_value_t = crate::transport::shm::DEFAULT_CREDITS)]
+        shm_credits: u32,
+        /// Shared memory, packed mode (collate="stack"): slots of each stream's ring, i.e. the
+        /// batches a client may hold; the ring's memory is this many batches.
+        #[arg(long, default_value_t = crate::transport::ring::RING_SLOTS)]
+        ring_slots: u32,
         /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
         #[arg(long, env = "SHARDSTREAM_METRICS_ADDR")]
         metrics_addr: Option<std::net::SocketAddr>,
@@ -142,6 +150,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             s3_part_size,
             s3_concurrency,
             s3_max_retries,
+            shm_credits,
+            ring_slots,
             metrics_addr,
             log,
         } => {
@@ -159,6 +169,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             config.s3.concurrency = s3_concurrency.max(1);
             config.s3.retry.max_retries = s3_max_retries;
             config.metrics_addr = metrics_addr;
+            config.shm = crate::transport::shm::ShmConfig { credits: shm_credits, ring_slots };
             runtime()?.block_on(async move {
                 let shutdown = CancellationToken::new();
                 crate::shutdown::install_signal_handlers(shutdown.clone());

@@ -39,6 +39,8 @@ pub struct DaemonConfig {
     pub s3: crate::storage::s3::S3Options,
     /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Credits and ring slots of the shared-memory transport.
+    pub shm: crate::transport::shm::ShmConfig,
 }
 
 impl DaemonConfig {
@@ -52,6 +54,7 @@ impl DaemonConfig {
             prefetch: crate::prefetch::PrefetchConfig::default(),
             s3: crate::storage::s3::S3Options::default(),
             metrics_addr: None,
+            shm: crate::transport::shm::ShmConfig::default(),
         }
     }
 }
@@ -77,7 +80,8 @@ impl BoundDaemon {
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {
                 let l = bind_unix(path).await?;
-                let hub = crate::transport::shm::ShmHub::bind(crate::transport::shm::side_socket_path(path))?;
+                let side = crate::transport::shm::side_socket_path(path);
+                let hub = crate::transport::shm::ShmHub::bind(side, config.shm)?;
                 (Listener::Unix(l, path.clone()), Some(hub))
             }
             Address::Tcp(hp) => {

@@ -28,8 +28,7 @@ use crate::metrics::{ActiveStream, Metrics};
 use crate::plan::{self, EpochParams, WorkerParams};
 use crate::prefetch::{ConsumerGuard, Prefetcher};
 use crate::transport::packed;
-use crate::transport::ring::RING_SLOTS;
-use crate::transport::shm::{DEFAULT_CREDITS, Session, ShmHub};
+use crate::transport::shm::{Session, ShmHub};
 use crate::transport::{self, inline::InlineBatchBuilder};
 use crate::{Error, Result};
 pub use status::to_status;
@@ -186,7 +185,9 @@ fn plan_stream(
         Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
     let packed = transport == Transport::Shm && collate == Collate::Stack;
     let session = match (transport, shm) {
-        (Transport::Shm, Some(hub)) => Some(hub.new_session(if packed { RING_SLOTS } else { DEFAULT_CREDITS })?),
+        (Transport::Shm, Some(hub)) => {
+            Some(hub.new_session(if packed { hub.config.ring_slots } else { hub.config.credits })?)
+        }
         _ => None,
     };
     let header = StreamHeader {

@@ -21,8 +21,9 @@ use shardstream_proto::ring::{PAGE, RingHeader};
 
 use crate::{Error, Result};
 
-/// Slots per ring, which are also the credits of a packed stream: the client's read-ahead (four
-/// batches) plus the stream's queue (two), the batch being trained on, and one being gathered.
+/// Slots per ring by default, which are also the credits of a packed stream: the client's
+/// read-ahead (four batches) plus the stream's queue (two), the batch being trained on, and one
+/// being gathered.
 pub const RING_SLOTS: u32 = 8;
 
 /// Largest ring segment. A slot is a whole batch, so this bounds a packed batch to 512 MiB: far

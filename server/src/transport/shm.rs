@@ -43,6 +43,25 @@ use crate::{Error, Result};
 /// batches plus the one being trained on; each costs the daemon only its lease records.
 pub const DEFAULT_CREDITS: u32 = 16;
 
+/// Limits of the shared-memory transport (`shardstream serve --shm-credits`, `--ring-slots`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmConfig {
+    /// View mode: unreleased batches a client may hold before its stream waits.
+    pub credits: u32,
+    /// Packed mode: slots per ring, which are also the stream's credits. A ring's memory is this
+    /// many batches.
+    pub ring_slots: u32,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        Self { credits: DEFAULT_CREDITS, ring_slots: super::ring::RING_SLOTS }
+    }
+}
+
+/// Largest credit or slot count accepted: far past any read-ahead a trainer needs.
+pub const MAX_CREDITS: u32 = 1024;
+
 /// How long the producer waits for a client to attach its side channel, and a send on it may
 /// block, before the stream is failed: a healthy client attaches within milliseconds.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -109,6 +128,7 @@ struct HubShared {
 #[derive(Debug)]
 pub struct ShmHub {
     pub socket: PathBuf,
+    pub config: ShmConfig,
     shared: Arc<HubShared>,
 }
 
@@ -118,7 +138,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl ShmHub {
     /// Binds the side-channel socket (owner-only) and starts accepting on a thread.
-    pub fn bind(socket: PathBuf) -> Result<Arc<Self>> {
+    pub fn bind(socket: PathBuf, config: ShmConfig) -> Result<Arc<Self>> {
+        for (name, n) in [("--shm-credits", config.credits), ("--ring-slots", config.ring_slots)] {
+            if n == 0 || n > MAX_CREDITS {
+                return Err(Error::invalid(format!("{name} must be from 1 to {MAX_CREDITS}, not {n}")));
+            }
+        }
         let io = |op, e: rustix::io::Errno| Error::io(op, &socket, e.into());
         if socket.exists() {
             std::fs::remove_file(&socket).map_err(|e| Error::io("cannot remove stale socket", &socket, e))?;
@@ -135,7 +160,7 @@ impl ShmHub {
         std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))
             .map_err(|e| Error::io("cannot restrict socket", &socket, e))?;
         rustix::net::listen(&fd, 128).map_err(|e| io("cannot listen on", e))?;
-        let hub = Arc::new(Self { socket, shared: Arc::default() });
+        let hub = Arc::new(Self { socket, config, shared: Arc::default() });
         let shared = hub.shared.clone();
         std::thread::Builder::new()
             .name("shm-accept".into())
