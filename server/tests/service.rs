@@ -429,11 +429,13 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
     std::fs::create_dir(&data).unwrap();
-    // Shard s holds records of 3000 * (s + 1) bytes: unshuffled, batch 1 needs twice batch 0's slot.
-    for s in 0..2usize {
+    // Shard s holds records of 3000 << s bytes; unshuffled, batch s is shard s. Two batches are
+    // gathered at once, so batches 0 and 1 may share a ring sized by either, but batch 2 needs
+    // twice the largest of them: at least one new ring.
+    for s in 0..3usize {
         let mut b = tar::Builder::new(std::fs::File::create(data.join(format!("part-{s}.tar"))).unwrap());
         for i in 0..4usize {
-            let rec = vec![(s * 16 + i) as u8; 3000 * (s + 1)];
+            let rec = vec![(s * 16 + i) as u8; 3000 << s];
             let mut h = tar::Header::new_gnu();
             h.set_size(rec.len() as u64);
             h.set_mode(0o644);
@@ -460,7 +462,7 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
         let ring = session.ring(b.ring).unwrap();
         let view = shardstream_proto::ring::read_slot(ring.slot(b.slot).unwrap(), b.slot, b.batch_index, 1).unwrap();
         let shard = b.batch_index as usize;
-        assert_eq!(view.fields[0].record_bytes, 3000 * (shard as u64 + 1));
+        assert_eq!(view.fields[0].record_bytes, 3000 << shard);
         let c = view.fields[0].column().unwrap();
         let column = &ring.slot(b.slot).unwrap()[c.start as usize..c.end as usize];
         for (i, rec) in column.chunks(view.fields[0].record_bytes as usize).enumerate() {
@@ -469,10 +471,10 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
         rings.push((b.ring, ring.header.slot_bytes));
         session.release(b.batch_index);
     }
-    assert_eq!(rings.len(), 2);
-    assert!(rings[1].0 > rings[0].0 && rings[1].1 >= 2 * rings[0].1, "{rings:?}");
-    // The first ring is retired once its slot is released: only the second stays alive.
-    let second = 4096 + u64::from(shardstream::transport::ring::RING_SLOTS) * rings[1].1;
+    assert_eq!(rings.len(), 3);
+    assert!(rings[2].0 > rings[0].0 && rings[2].1 >= 2 * rings[0].1, "{rings:?}");
+    // Older rings are retired once their slots are released: only the last stays alive.
+    let second = 4096 + u64::from(shardstream::transport::ring::RING_SLOTS) * rings[2].1;
     assert!(
         eventually(|| {
             let mut c = client.clone();

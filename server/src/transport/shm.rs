@@ -455,11 +455,12 @@ impl Session {
     }
 
     /// A ring slot of at least `need` bytes to gather a packed batch into, exclusively the
-    /// caller's until it publishes or drops the guard. Call after [`Self::wait_ready`]: a free
-    /// slot then exists, since the ring has as many slots as the session has credits. The first
-    /// call, and one whose batch outgrows the ring's slots, makes a new ring (slots at least
-    /// twice as large, so a stream makes only a few) and passes its descriptor to the client.
-    pub fn acquire_slot(&self, need: u64) -> Result<SlotGuard<'_>> {
+    /// caller's until it publishes or drops the guard. Waits while every slot is held or being
+    /// filled (batches gathered concurrently can each pass [`Self::wait_ready`] with one slot
+    /// left). The first call, and one whose batch outgrows the ring's slots, makes a new ring
+    /// (slots at least twice as large, so a stream makes only a few) and passes its descriptor to
+    /// the client.
+    pub fn acquire_slot(&self, need: u64, cancelled: &dyn Fn() -> bool) -> Result<SlotGuard<'_>> {
         let max_slot = ((MAX_RING_BYTES - PAGE) / u64::from(self.credits)) & !(PAGE - 1);
         let mut st = lock(&self.state);
         let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
@@ -481,15 +482,27 @@ impl Session {
             st.rings.push(RingEntry { ring, slots: SlotTable::new(self.credits) });
             retire_idle(&mut st);
         }
-        let Some(current) = st.rings.last_mut() else {
-            return Err(Error::Internal("packed session without a ring".into()));
-        };
-        let slot = current
-            .slots
-            .acquire()
-            .ok_or_else(|| Error::Internal("no free ring slot although the client has credits left".into()))?;
-        let ring = current.ring.clone();
-        Ok(SlotGuard { session: self, ring, slot, done: false })
+        loop {
+            let Some(current) = st.rings.last_mut() else {
+                return Err(Error::Internal("packed session without a ring".into()));
+            };
+            if let Some(slot) = current.slots.acquire() {
+                let ring = current.ring.clone();
+                return Ok(SlotGuard { session: self, ring, slot, done: false });
+            }
+            if st.closed {
+                return Err(Error::Unavailable("the client closed its shared-memory side channel".into()));
+            }
+            if cancelled() {
+                return Err(Error::Unavailable("stream cancelled".into()));
+            }
+            // Bounded waits so a cancelled stream is noticed even without a notification.
+            st = self
+                .changed
+                .wait_timeout(st, Duration::from_millis(100))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
     }
 
     /// Records that packed `batch` holds `slot` (called before the batch is sent); a batch the
