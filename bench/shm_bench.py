@@ -193,10 +193,17 @@ def main() -> None:
             large["check"] = consumer.verdict(large.pop("ids"), args.large)
             print(f"large: {large['bytes'] / 1e9 / large['seconds']:.2f} GB/s, cat {cat:.2f} GB/s", flush=True)
             packed_epoch(srv.addr, packed_url, args.packed_batch)  # warm-up
-            cpu0 = measure.cpu_seconds(srv.pid) or 0.0
-            packed = packed_epoch(srv.addr, packed_url, args.packed_batch)
-            packed["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0
-            packed["check"] = consumer.verdict(packed.pop("ids"), args.packed)
+            # Best of REPEATS epochs, as the memcpy it is quoted against (each epoch is checked).
+            runs = []
+            for _ in range(measure.REPEATS):
+                cpu0 = measure.cpu_seconds(srv.pid) or 0.0
+                run = packed_epoch(srv.addr, packed_url, args.packed_batch)
+                run["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0
+                run["check"] = consumer.verdict(run.pop("ids"), args.packed)
+                runs.append(run)
+            packed = min(runs, key=lambda r: r["seconds"])
+            packed["check"] = "; ".join(sorted({r["check"] for r in runs}))
+            packed["all_gbps"] = [r["bytes"] / 1e9 / r["seconds"] for r in runs]
             print(f"packed: {packed['bytes'] / 1e9 / packed['seconds']:.2f} GB/s, memcpy {memcpy:.2f} GB/s", flush=True)
             epoch(srv.addr, str(small), "jpg", BATCH, gen.ID_OFFSET)
             many = concurrent(srv.addr, str(small), args.world, Path(tmp) / "ranks", srv.pid)
@@ -232,10 +239,12 @@ def main() -> None:
         f"| daemon CPU for those {many['world']} ranks | {many['daemon_cpu']:.2f} s,"
         f" {many['daemon_cpu'] / gb:.2f} CPU-s per GB delivered | |",
         f"| memcpy of 1 GiB (np.copyto, best of 3) | {memcpy:.2f} GB/s | 1.00 |",
-        f"| packed mode, {args.packed:,} records of 4 KiB, batch {args.packed_batch}"
+        f"| packed mode, {args.packed:,} records of 4 KiB, batch {args.packed_batch}, best of"
+        f" {len(packed['all_gbps'])} epochs ({', '.join(f'{g:.2f}' for g in packed['all_gbps'])} GB/s)"
         f" ({packed['transport']}; {packed['check']}) | {pgbs:.2f} GB/s,"
         f" {packed['samples'] / packed['seconds']:,.0f} records/s | {pgbs / memcpy:.2f} of memcpy |",
-        f"| CPU for that packed epoch | daemon {packed['daemon_cpu']:.2f} s, client {packed['client_cpu']:.2f} s | |",
+        f"| CPU for that best packed epoch | daemon {packed['daemon_cpu']:.2f} s,"
+        f" client {packed['client_cpu']:.2f} s | |",
     ]
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
