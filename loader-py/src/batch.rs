@@ -118,16 +118,17 @@ pub struct Column {
 }
 
 impl Column {
-    fn bytes(&self) -> &[u8] {
-        // The range was checked against the slot by `read_slot` when the column was made.
-        self.ring.slot(self.slot).and_then(|s| s.get(self.range.clone())).unwrap_or_default()
+    /// The column's bytes in `ring` (a clone of `self.ring`, so a caller can hand out the bytes
+    /// while giving `self` away). The range was checked against the slot by `read_slot`.
+    fn bytes_in<'r>(&self, ring: &'r RingMapping) -> &'r [u8] {
+        ring.slot(self.slot).and_then(|s| s.get(self.range.clone())).unwrap_or_default()
     }
 }
 
 #[pymethods]
 impl Column {
     fn __len__(&self) -> usize {
-        self.bytes().len()
+        self.bytes_in(&self.ring).len()
     }
 
     /// # Safety
@@ -135,7 +136,7 @@ impl Column {
     /// the view keeps alive; the daemon does not write into the slot while the lease is held.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
         let ring = slf.get().ring.clone();
-        let bytes = ring.slot(slf.get().slot).and_then(|s| s.get(slf.get().range.clone())).unwrap_or_default();
+        let bytes = slf.get().bytes_in(&ring);
         // SAFETY: `bytes` lies in the mapping kept alive by `slf`, which the view references.
         unsafe { fill_view(slf.into_any(), bytes, view, flags) }
     }

@@ -52,6 +52,8 @@
 //! All integers are little-endian. Columns start on 64-byte boundaries so that typed views
 //! (`int32` tokens, `float32` features) of them are aligned.
 
+use crate::le::{u16_at, u32_at, u64_at};
+
 /// "SRNG" in little-endian byte order: the first 4 bytes of a ring segment.
 pub const RING_MAGIC: u32 = u32::from_le_bytes(*b"SRNG");
 /// "SSLT": the first 4 bytes of a written slot.
@@ -127,20 +129,6 @@ pub enum RingError {
     Geometry(String),
     #[error("slot {slot}: {reason}")]
     Slot { slot: u32, reason: String },
-}
-
-fn u16_at(b: &[u8], i: usize) -> u16 {
-    u16::from_le_bytes([b[i], b[i + 1]])
-}
-
-fn u32_at(b: &[u8], i: usize) -> u32 {
-    u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
-}
-
-fn u64_at(b: &[u8], i: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[i..i + 8]);
-    u64::from_le_bytes(a)
 }
 
 /// Rounds `n` up to a multiple of `to` (a power of two); None on overflow.

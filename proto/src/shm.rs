@@ -32,6 +32,8 @@
 //! A shard slot is the stream's own number for a shard (0, 1, 2, ... in the order the daemon sent
 //! them); batches refer to shards by slot. Frames are native little-endian on every platform.
 
+use crate::le::{u16_at, u32_at, u64_at};
+
 /// "SSHM" in little-endian byte order.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"SSHM");
 /// Bumped on any change to [`Frame`] or the meaning of a kind.
@@ -126,23 +128,17 @@ impl Frame {
     /// Decodes and checks magic and layout version.
     pub fn decode(bytes: &[u8]) -> Result<Self, FrameError> {
         let b: &[u8; FRAME_BYTES] = bytes.try_into().map_err(|_| FrameError::Size(bytes.len()))?;
-        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
-        let u64_at = |i: usize| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&b[i..i + 8]);
-            u64::from_le_bytes(a)
-        };
-        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let magic = u32_at(b, 0);
         if magic != MAGIC {
             return Err(FrameError::Magic(magic));
         }
-        let version = u16_at(4);
+        let version = u16_at(b, 4);
         if version != LAYOUT_VERSION {
             return Err(FrameError::Version { theirs: version });
         }
         let mut payload = [0u8; 40];
         payload.copy_from_slice(&b[24..64]);
-        Ok(Self { magic, version, kind: u16_at(6), a: u64_at(8), b: u64_at(16), payload })
+        Ok(Self { magic, version, kind: u16_at(b, 6), a: u64_at(b, 8), b: u64_at(b, 16), payload })
     }
 }
 

@@ -495,3 +495,36 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
     fx.shutdown.cancel();
     fx.server.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_packed_client_holding_all_but_one_slot_still_gets_every_batch() {
+    // Two batches are gathered at once. Were the later one to take the last free slot, the
+    // earlier one would wait for a release that this client makes only after receiving it.
+    let (fx, samples) = start(3, 40).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let req = StreamRequest {
+        transport: Transport::Auto as i32,
+        collate: Collate::Stack as i32,
+        fields: vec!["cls".into()],
+        ..request(&fx.data, 1)
+    };
+    let mut s = shardstream_client::stream(&mut client, req).await.unwrap();
+    let keep = s.header.shm_credits as usize - 1;
+    let session = s.shm.clone().unwrap();
+    let mut held = std::collections::VecDeque::new();
+    let mut received = 0;
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(20), s.next()).await;
+        let Some(b) = next.expect("the stream stalled with one slot free") else { break };
+        let shardstream_client::Batch::Packed(b) = b.unwrap() else { panic!("expected packed batches") };
+        received += b.keys.len();
+        held.push_back(b.batch_index);
+        if held.len() > keep {
+            session.release(held.pop_front().unwrap());
+        }
+    }
+    assert_eq!(received, samples.len());
+    assert!(session.error().is_none(), "{:?}", session.error());
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}

@@ -121,7 +121,7 @@ impl ShardMeta {
 pub struct ResidentShard {
     pub file: ShardFile,
     pub table: Arc<ShardTable>,
-    _pin: Option<Pin>,
+    pin: Option<Pin>,
     mapped: std::sync::OnceLock<Option<memmap2::Mmap>>,
 }
 
@@ -134,7 +134,7 @@ impl ResidentShard {
     /// may truncate it: a mapping would then kill the daemon with SIGBUS, so those are read with
     /// `pread` and this returns None (as it does if mapping fails: reads work the same, slower).
     pub fn cached_bytes(&self) -> Option<&[u8]> {
-        self._pin.as_ref()?;
+        self.pin.as_ref()?;
         self.mapped
             .get_or_init(|| {
                 // SAFETY: see above: the file is an immutable, pinned node-cache file.
@@ -452,7 +452,7 @@ impl Dataset {
                 reason: format!("holds {} samples but manifest.json says {}", table.num_samples(), meta.samples),
             });
         }
-        let resident = Arc::new(ResidentShard { file, table, _pin: pin, mapped: std::sync::OnceLock::new() });
+        let resident = Arc::new(ResidentShard { file, table, pin, mapped: std::sync::OnceLock::new() });
         let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         if t.open.len() > 2 * MAX_RESIDENT_TABLES {
             t.open.retain(|_, w| w.strong_count() > 0);

@@ -311,19 +311,18 @@ fn build_shm_batch(
     Ok((StreamMessage { kind: Some(stream_message::Kind::ShmBatch(b)) }, bytes))
 }
 
-/// Gathers one batch into a ring slot for a packed shm client (blocking: may wait for the
-/// client's credits, which are its ring's slots). The stream's working set is locked only to
-/// find the samples' shards, so the next batch can be gathered meanwhile.
-fn build_packed_batch(
+/// Gathers one batch into a ring slot for a packed shm client (blocking), with the `credit` its
+/// turn took ([`Session::take_turn`]). The stream's working set is locked only to find the
+/// samples' shards, so the next batch can be gathered meanwhile.
+fn build_packed_batch<'s>(
     ds: &Dataset,
     working: &std::sync::Mutex<Working>,
-    session: &Session,
+    session: &'s Session,
+    credit: transport::shm::Credit<'s>,
     fields: &[String],
     ids: &[u64],
     index: u64,
-    cancelled: &dyn Fn() -> bool,
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
-    session.wait_ready(cancelled)?;
     let (samples, waited) = {
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
         working.preload(ds, ids)?;
@@ -332,7 +331,7 @@ fn build_packed_batch(
         working.end_batch();
         (samples?, working.take_wait())
     };
-    let g = packed::gather(fields, &samples, index, &|need| session.acquire_slot(need, cancelled))?;
+    let g = packed::gather(fields, &samples, index, |need| session.acquire_slot(credit, need))?;
     let batch = PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), keys: g.keys };
     let payload = g.payload_bytes;
     g.guard.publish(index);
@@ -482,7 +481,7 @@ async fn produce(
     }
     let _done = Done(session.clone());
     let shared = Arc::new((dataset, fields, rank_sequence, session, std::sync::Mutex::new(Working::default())));
-    let spawn_build = |range: std::ops::Range<u64>| {
+    let spawn_build = |turn: u64, range: std::ops::Range<u64>| {
         // Every batch but the rank's last is full, so its index in the rank's order is this.
         let index = range.start / batch_size;
         let end = range.end;
@@ -497,7 +496,8 @@ async fn produce(
                 .ok_or_else(|| Error::Internal("batch range outside the rank sequence".into()))?;
             let cancelled = || closed.is_closed() || stop.is_cancelled();
             if let (Some(s), true) = (session, packed) {
-                return build_packed_batch(ds, working, s, fields, ids, index, &cancelled);
+                let credit = s.take_turn(turn, &cancelled)?;
+                return build_packed_batch(ds, working, s, credit, fields, ids, index);
             }
             let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
             let built = match session {
@@ -507,19 +507,21 @@ async fn produce(
             working.end_batch();
             built.map(|b| (b, working.take_wait()))
         });
-        (end, Instant::now(), handle)
+        (end, handle)
     };
     let depth = if packed { PACKED_PIPELINE } else { 1 };
     let mut pending = std::collections::VecDeque::with_capacity(depth);
-    let mut ranges = batches.into_iter();
+    let mut ranges = (0u64..).zip(batches);
     loop {
         while pending.len() < depth {
             match ranges.next() {
-                Some(range) => pending.push_back(spawn_build(range)),
+                Some((turn, range)) => pending.push_back(spawn_build(turn, range)),
                 None => break,
             }
         }
-        let Some((end, started, handle)) = pending.pop_front() else { break };
+        let Some((end, handle)) = pending.pop_front() else { break };
+        // What the stream waits for this batch now: with batches built ahead, not their build time.
+        let started = Instant::now();
         let built = tokio::select! {
             r = handle => r.map_err(|e| Error::Internal(format!("worker task failed: {e}"))).and_then(|r| r),
             _ = shutdown.cancelled() => {

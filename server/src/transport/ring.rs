@@ -133,8 +133,9 @@ impl Ring {
         let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
         rustix::fs::fcntl_add_seals(&fd, seals).map_err(|e| fail("seal", e.into()))?;
         let ring = Self { header, fd, map, alive };
+        let head = header.encode();
         // SAFETY: the ring is new, so no slot is handed out and nobody else maps it yet.
-        unsafe { ring.bytes_mut(0..header.encode().len()) }.copy_from_slice(&header.encode());
+        unsafe { ring.bytes_mut(0..head.len()) }.copy_from_slice(&head);
         crate::metrics::ring_bytes(ring.alive.fetch_add(bytes, Ordering::Relaxed) + bytes);
         Ok(ring)
     }
@@ -147,12 +148,9 @@ impl Ring {
         self.fd.as_fd()
     }
 
-    pub fn len(&self) -> u64 {
+    /// Bytes of the whole segment (header page and slots).
+    pub fn segment_bytes(&self) -> u64 {
         self.map.len() as u64
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.len() == 0
     }
 
     /// The bytes of slot `slot`, to gather a batch into.
@@ -183,7 +181,7 @@ impl Ring {
 
 impl Drop for Ring {
     fn drop(&mut self) {
-        let len = self.map.len() as u64;
+        let len = self.segment_bytes();
         crate::metrics::ring_bytes(self.alive.fetch_sub(len, Ordering::Relaxed).saturating_sub(len));
     }
 }

@@ -99,6 +99,11 @@ struct SessionState {
     /// go to. An older ring is dropped (and retired at the client) once none of its slots is held.
     rings: Vec<RingEntry>,
     next_ring: u64,
+    /// Packed mode: builds hold slots in the order their batches are sent (see
+    /// [`Session::take_turn`]); the next turn to grant, and the slots granted but not yet
+    /// published or given back.
+    next_turn: u64,
+    filling: u32,
     closed: bool,
     stream_done: bool,
     /// Set by STREAM_END: the client will never receive batches from this index on, so the
@@ -394,6 +399,31 @@ impl Session {
 
     /// Waits (blocking) until the client has attached and holds fewer than `credits` batches.
     pub fn wait_ready(&self, cancelled: &dyn Fn() -> bool) -> Result<()> {
+        self.wait_until(cancelled, |st| (st.outstanding.len() as u32) < self.credits).map(drop)
+    }
+
+    /// Packed mode: waits for turn `turn` (0, 1, 2, ... in the order the producer sends its
+    /// batches) and a free slot, and takes the slot's credit. Taking slots in send order is what
+    /// lets two batches be gathered at once: were the later batch to take the last slot, the
+    /// earlier one would wait for a release the client can only make after receiving it.
+    pub fn take_turn(&self, turn: u64, cancelled: &dyn Fn() -> bool) -> Result<Credit<'_>> {
+        let mut st = self.wait_until(cancelled, |st| {
+            st.next_turn == turn && st.outstanding.len() as u64 + u64::from(st.filling) < u64::from(self.credits)
+        })?;
+        st.next_turn += 1;
+        st.filling += 1;
+        drop(st);
+        self.changed.notify_all();
+        Ok(Credit { session: self, used: false })
+    }
+
+    /// Waits (blocking) until the client has attached and `ready` holds; returns the state
+    /// locked.
+    fn wait_until(
+        &self,
+        cancelled: &dyn Fn() -> bool,
+        ready: impl Fn(&SessionState) -> bool,
+    ) -> Result<MutexGuard<'_, SessionState>> {
         let deadline = Instant::now() + ATTACH_TIMEOUT;
         let mut st = lock(&self.state);
         loop {
@@ -403,8 +433,8 @@ impl Session {
             if cancelled() {
                 return Err(Error::Unavailable("stream cancelled".into()));
             }
-            if st.sock.is_some() && (st.outstanding.len() as u32) < self.credits {
-                return Ok(());
+            if st.sock.is_some() && ready(&st) {
+                return Ok(st);
             }
             if st.sock.is_none() && Instant::now() > deadline {
                 return Err(Error::Unavailable(format!(
@@ -454,13 +484,12 @@ impl Session {
         st.outstanding.insert(batch, Held { shards, slot: None });
     }
 
-    /// A ring slot of at least `need` bytes to gather a packed batch into, exclusively the
-    /// caller's until it publishes or drops the guard. Waits while every slot is held or being
-    /// filled (batches gathered concurrently can each pass [`Self::wait_ready`] with one slot
-    /// left). The first call, and one whose batch outgrows the ring's slots, makes a new ring
-    /// (slots at least twice as large, so a stream makes only a few) and passes its descriptor to
-    /// the client.
-    pub fn acquire_slot(&self, need: u64, cancelled: &dyn Fn() -> bool) -> Result<SlotGuard<'_>> {
+    /// A ring slot of at least `need` bytes to gather a packed batch into, for the `credit` of
+    /// [`Self::take_turn`]; exclusively the caller's until it publishes or drops the guard. The
+    /// credit guarantees a free slot: held and filling slots are fewer than the ring's. The first
+    /// call, and one whose batch outgrows the ring's slots, makes a new ring (slots at least twice
+    /// as large, so a stream makes only a few) and passes its descriptor to the client.
+    pub fn acquire_slot<'s>(&'s self, mut credit: Credit<'s>, need: u64) -> Result<SlotGuard<'s>> {
         let max_slot = ((MAX_RING_BYTES - PAGE) / u64::from(self.credits)) & !(PAGE - 1);
         let mut st = lock(&self.state);
         let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
@@ -476,39 +505,30 @@ impl Session {
             let id = st.next_ring;
             st.next_ring += 1;
             let ring = Arc::new(Ring::create(id, self.credits, slot_bytes, self.hub.ring_bytes.clone())?);
-            send_frame(&*sock, &Frame::new(wire::KIND_RING_FD, id, ring.len()), Some(ring.fd()))
+            send_frame(&*sock, &Frame::new(wire::KIND_RING_FD, id, ring.segment_bytes()), Some(ring.fd()))
                 .map_err(|e| Error::Unavailable(format!("cannot pass a ring to the client: {e}")))?;
             tracing::debug!(ring = id, slot_bytes, slots = self.credits, "new packed-mode ring");
             st.rings.push(RingEntry { ring, slots: SlotTable::new(self.credits) });
             retire_idle(&mut st);
         }
-        loop {
-            let Some(current) = st.rings.last_mut() else {
-                return Err(Error::Internal("packed session without a ring".into()));
-            };
-            if let Some(slot) = current.slots.acquire() {
-                let ring = current.ring.clone();
-                return Ok(SlotGuard { session: self, ring, slot, done: false });
-            }
-            if st.closed {
-                return Err(Error::Unavailable("the client closed its shared-memory side channel".into()));
-            }
-            if cancelled() {
-                return Err(Error::Unavailable("stream cancelled".into()));
-            }
-            // Bounded waits so a cancelled stream is noticed even without a notification.
-            st = self
-                .changed
-                .wait_timeout(st, Duration::from_millis(100))
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
-        }
+        let Some(current) = st.rings.last_mut() else {
+            return Err(Error::Internal("packed session without a ring".into()));
+        };
+        let slot = current
+            .slots
+            .acquire()
+            .ok_or_else(|| Error::Internal("no free ring slot although a credit was taken".into()))?;
+        let ring = current.ring.clone();
+        // From here the slot guard gives the credit back (publish or abandon).
+        credit.used = true;
+        Ok(SlotGuard { session: self, ring, slot, done: false })
     }
 
     /// Records that packed `batch` holds `slot` (called before the batch is sent); a batch the
     /// client will never receive frees its slot at once.
     fn publish_slot(&self, ring: u64, slot: u32, batch: u64) {
         let mut st = lock(&self.state);
+        st.filling = st.filling.saturating_sub(1);
         if st.end_from.is_some_and(|f| batch >= f) || st.closed {
             free_slot(&mut st, ring, slot, None);
             return;
@@ -516,11 +536,17 @@ impl Session {
         let published = st.rings.iter_mut().find(|r| r.ring.id() == ring).is_some_and(|r| r.slots.publish(slot, batch));
         if published {
             st.outstanding.insert(batch, Held { shards: Vec::new(), slot: Some((ring, slot)) });
+        } else {
+            // Only a guard for a slot the table does not show as filling gets here: a bug, but
+            // the slot must not stay taken for the rest of the stream.
+            tracing::warn!(ring, slot, batch, "published a ring slot that was not being filled");
+            free_slot(&mut st, ring, slot, None);
         }
     }
 
     fn abandon_slot(&self, ring: u64, slot: u32) {
         let mut st = lock(&self.state);
+        st.filling = st.filling.saturating_sub(1);
         free_slot(&mut st, ring, slot, None);
         drop(st);
         self.changed.notify_all();
@@ -551,6 +577,24 @@ fn retire_idle(st: &mut SessionState) {
         }
         keep
     });
+}
+
+/// A packed build's claim on one slot, taken in send order by [`Session::take_turn`]; given back
+/// when dropped unused (the build failed before it took a slot).
+pub struct Credit<'a> {
+    session: &'a Session,
+    used: bool,
+}
+
+impl Drop for Credit<'_> {
+    fn drop(&mut self) {
+        if !self.used {
+            let mut st = lock(&self.session.state);
+            st.filling = st.filling.saturating_sub(1);
+            drop(st);
+            self.session.changed.notify_all();
+        }
+    }
 }
 
 /// A ring slot being filled by the producer. Dropped without [`SlotGuard::publish`] (the batch
