@@ -64,31 +64,57 @@ pub struct ShardUse {
     pub last: u64,
 }
 
-/// The spans of the shards `seq` (sample ids) draws on, ordered by first use; positions are
-/// offset by `offset`.
-pub fn shard_uses(ds: &Dataset, seq: &[u64], offset: u64) -> Vec<ShardUse> {
-    let mut by_shard: HashMap<u32, ShardUse> = HashMap::new();
-    let mut last_shard: Option<(usize, u64, u64)> = None;
-    for (p, &id) in seq.iter().enumerate() {
-        let pos = offset + p as u64;
-        // Consecutive samples often share a shard: skip the binary search then.
-        let shard = match last_shard {
-            Some((s, lo, hi)) if id >= lo && id < hi => s,
-            _ => match ds.locate(id) {
-                Some((s, local)) => {
-                    let lo = id - local;
-                    last_shard = Some((s, lo, lo + ds.shards[s].samples));
-                    s
-                }
-                None => continue,
-            },
-        };
-        let e = by_shard.entry(shard as u32).or_insert(ShardUse { shard: shard as u32, first: pos, last: pos });
-        e.last = pos;
+/// The spans of the shards a rank sequence draws on, ordered by first use; positions are offset
+/// by `offset`. The plan is walked once, a step at a time, so the memory is the plan's window
+/// plus one entry per shard, never the sequence.
+pub fn shard_uses_streamed(ds: &Dataset, seq: &mut crate::plan::RankStream, offset: u64) -> crate::Result<Vec<ShardUse>> {
+    const STEP: u64 = 1 << 16;
+    let mut spans = UseSpans::default();
+    loop {
+        let at = offset + seq.position();
+        let part = seq.take(STEP)?;
+        if part.is_empty() {
+            break;
+        }
+        spans.add(ds, &part, at);
     }
-    let mut uses: Vec<ShardUse> = by_shard.into_values().collect();
-    uses.sort_by_key(|u| (u.first, u.shard));
-    uses
+    Ok(spans.finish())
+}
+
+/// Shard spans accumulated over consecutive parts of a sequence.
+#[derive(Default)]
+struct UseSpans {
+    by_shard: HashMap<u32, ShardUse>,
+    last_shard: Option<(usize, u64, u64)>,
+}
+
+impl UseSpans {
+    fn add(&mut self, ds: &Dataset, seq: &[u64], offset: u64) {
+        for (p, &id) in seq.iter().enumerate() {
+            let pos = offset + p as u64;
+            // Consecutive samples often share a shard: skip the binary search then.
+            let shard = match self.last_shard {
+                Some((s, lo, hi)) if id >= lo && id < hi => s,
+                _ => match ds.locate(id) {
+                    Some((s, local)) => {
+                        let lo = id - local;
+                        self.last_shard = Some((s, lo, lo + ds.shards[s].samples));
+                        s
+                    }
+                    None => continue,
+                },
+            };
+            let e =
+                self.by_shard.entry(shard as u32).or_insert(ShardUse { shard: shard as u32, first: pos, last: pos });
+            e.last = pos;
+        }
+    }
+
+    fn finish(self) -> Vec<ShardUse> {
+        let mut uses: Vec<ShardUse> = self.by_shard.into_values().collect();
+        uses.sort_by_key(|u| (u.first, u.shard));
+        uses
+    }
 }
 
 /// One active stream as the prefetcher sees it.

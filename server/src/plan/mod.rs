@@ -55,10 +55,12 @@
 //! Every function validates its input first and returns a [`PlanError`] naming the offending
 //! value; none panics, whatever the input.
 
+pub mod lazy;
 pub mod partition;
 pub mod quality;
 pub mod shuffle;
 
+pub use lazy::{RankStream, WorkerBatches};
 pub use partition::{summarize, worker_batches};
 pub use shuffle::{Rng, shard_order, window_samples};
 
@@ -108,6 +110,8 @@ pub enum PlanError {
     Overflow { what: &'static str },
     #[error("cannot allocate memory for {samples} entries of the plan")]
     OutOfMemory { samples: u64 },
+    #[error("plan position {position} is behind the stream's cursor at {cursor}; the plan only moves forward")]
+    Rewind { position: u64, cursor: u64 },
 }
 
 /// The parameters of one rank's epoch.
@@ -152,7 +156,9 @@ pub struct EpochSummary {
 }
 
 /// Rank `p.rank`'s sample ids for the epoch, in delivery order: `samples_per_rank` global ids, a
-/// permutation of the rank's share (see the module docs). O(L) memory.
+/// permutation of the rank's share (see the module docs). O(L) memory: the daemon streams the
+/// same sequence through [`RankStream`] (O(window) memory); this eager form is the reference the
+/// lazy one is tested against.
 pub fn rank_sequence(shard_samples: &[u64], p: &EpochParams) -> Result<Vec<u64>, PlanError> {
     let summary = summarize(shard_samples, p)?;
     let n = summary.total_samples;

@@ -136,6 +136,27 @@ pub(crate) fn rank_share(
 /// `start_batch` equal to the rank's batch count is a valid resume point (the epoch is complete:
 /// every worker gets nothing); beyond it is an error.
 pub fn worker_batches(rank_len: u64, batch_size: u32, w: &WorkerParams) -> Result<Vec<Range<u64>>, PlanError> {
+    check_worker(rank_len, batch_size, w)?;
+    let b = u64::from(batch_size);
+    let batches = rank_len.div_ceil(b);
+    // No overflow: start_batch <= batches <= MAX_TOTAL_SAMPLES, far below u64::MAX - u32::MAX.
+    let first = w.start_batch + u64::from(w.worker);
+    let stride = u64::from(w.num_workers);
+    let count = batches.saturating_sub(first).div_ceil(stride);
+    let mut out = Vec::new();
+    let capacity = usize::try_from(count).map_err(|_| PlanError::Overflow { what: "the worker's batch count" })?;
+    out.try_reserve_exact(capacity).map_err(|_| PlanError::OutOfMemory { samples: count })?;
+    let mut j = first;
+    while j < batches {
+        let lo = j * b; // < rank_len, since j < ceil(rank_len / b)
+        out.push(lo..rank_len.min(lo + b));
+        j += stride;
+    }
+    Ok(out)
+}
+
+/// Checks a worker's parameters against a rank sequence of `rank_len` samples.
+pub(crate) fn check_worker(rank_len: u64, batch_size: u32, w: &WorkerParams) -> Result<(), PlanError> {
     check_batch_size(batch_size)?;
     if w.num_workers == 0 {
         return Err(PlanError::ZeroWorkers);
@@ -151,20 +172,7 @@ pub fn worker_batches(rank_len: u64, batch_size: u32, w: &WorkerParams) -> Resul
     if w.start_batch > batches {
         return Err(PlanError::StartPastEnd { start_batch: w.start_batch, batches });
     }
-    // No overflow: start_batch <= batches <= MAX_TOTAL_SAMPLES, far below u64::MAX - u32::MAX.
-    let first = w.start_batch + u64::from(w.worker);
-    let stride = u64::from(w.num_workers);
-    let count = batches.saturating_sub(first).div_ceil(stride);
-    let mut out = Vec::new();
-    let capacity = usize::try_from(count).map_err(|_| PlanError::Overflow { what: "the worker's batch count" })?;
-    out.try_reserve_exact(capacity).map_err(|_| PlanError::OutOfMemory { samples: count })?;
-    let mut j = first;
-    while j < batches {
-        let lo = j * b; // < rank_len, since j < ceil(rank_len / b)
-        out.push(lo..rank_len.min(lo + b));
-        j += stride;
-    }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -103,8 +103,10 @@ struct StreamPlan {
     dataset: Arc<Dataset>,
     fields: Vec<String>,
     all_fields: bool,
-    rank_sequence: Vec<u64>,
-    batches: Vec<std::ops::Range<u64>>,
+    /// The rank's sequence, produced on demand and already positioned at this worker's first
+    /// batch: O(window + batch) ids held, not the rank's whole share.
+    sequence: plan::RankStream,
+    batches: plan::WorkerBatches,
     batch_size: u64,
     header: StreamHeader,
     session: Option<Arc<Session>>,
@@ -170,22 +172,26 @@ fn plan_stream(
     };
     let shard_samples = ds.shard_samples();
     let summary = plan::summarize(&shard_samples, &params)?;
-    let rank_sequence = plan::rank_sequence(&shard_samples, &params)?;
+    let mut sequence = plan::RankStream::new(&shard_samples, &params)?;
     let worker = WorkerParams { num_workers: req.num_workers.max(1), worker: req.worker, start_batch: req.start_batch };
-    let batches = plan::worker_batches(rank_sequence.len() as u64, req.batch_size, &worker)?;
+    let batches = plan::WorkerBatches::new(sequence.len(), req.batch_size, &worker)?;
+    let start = batches.peek().map_or(sequence.len(), |b| b.start);
     let consumer = match prefetch {
         Some(p) if ds.mode == CacheMode::Copy => {
             // This epoch's future, then the next epoch's (a trainer moves on with the same
             // parameters), so eviction at the end of this epoch keeps what the next one needs first.
-            let mut uses = crate::prefetch::shard_uses(&ds, &rank_sequence, 0);
+            // Each is one streamed walk of its plan: O(window + shards) memory, nothing kept.
+            let mut uses = crate::prefetch::shard_uses_streamed(&ds, &mut sequence.clone(), 0)?;
             let next = EpochParams { epoch: params.epoch.wrapping_add(1), ..params };
-            let next_seq = plan::rank_sequence(&shard_samples, &next)?;
-            uses.extend(crate::prefetch::shard_uses(&ds, &next_seq, rank_sequence.len() as u64));
-            let start = batches.first().map_or(rank_sequence.len() as u64, |b| b.start);
+            let mut next_seq = plan::RankStream::new(&shard_samples, &next)?;
+            uses.extend(crate::prefetch::shard_uses_streamed(&ds, &mut next_seq, sequence.len())?);
             Some(p.register(ds.clone(), uses, start, req.rank, req.worker))
         }
         _ => None,
     };
+    // A resumed stream skips the batches already delivered (and the other workers') here, on the
+    // blocking pool, so its first batch is not held up in the stream task.
+    sequence.skip_to(start)?;
     let transport = transport::negotiate(req.transport, shm.is_some())?;
     let collate =
         Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
@@ -214,7 +220,7 @@ fn plan_stream(
         dataset: ds,
         fields,
         all_fields,
-        rank_sequence,
+        sequence,
         batches,
         batch_size: req.batch_size.into(),
         header,
@@ -467,7 +473,7 @@ async fn produce(
 ) {
     let _active = ActiveStream::new(&metrics);
     let StreamPlan {
-        dataset, fields, all_fields, rank_sequence, batches, batch_size, session, packed, consumer, ..
+        dataset, fields, all_fields, sequence, batches, batch_size, session, packed, consumer, ..
     } = plan;
     // However this function ends, the session learns the stream is over (its leases stay until
     // the client releases them or goes away).
@@ -480,20 +486,17 @@ async fn produce(
         }
     }
     let _done = Done(session.clone());
-    let shared = Arc::new((dataset, fields, rank_sequence, session, std::sync::Mutex::new(Working::default())));
-    let spawn_build = |turn: u64, range: std::ops::Range<u64>| {
+    let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default())));
+    let sequence = Arc::new(std::sync::Mutex::new(sequence));
+    let spawn_build = |turn: u64, range: std::ops::Range<u64>, ids: Vec<u64>| {
         // Every batch but the rank's last is full, so its index in the rank's order is this.
         let index = range.start / batch_size;
         let end = range.end;
         let job = shared.clone();
         let (closed, stop) = (tx.clone(), shutdown.clone());
         let handle = tokio::task::spawn_blocking(move || {
-            let (ds, fields, seq, session, working) = &*job;
-            let ids = usize::try_from(range.start)
-                .ok()
-                .zip(usize::try_from(range.end).ok())
-                .and_then(|(a, b)| seq.get(a..b))
-                .ok_or_else(|| Error::Internal("batch range outside the rank sequence".into()))?;
+            let (ds, fields, session, working) = &*job;
+            let ids = &ids[..];
             let cancelled = || closed.is_closed() || stop.is_cancelled();
             if let (Some(s), true) = (session, packed) {
                 let credit = s.take_turn(turn, &cancelled)?;
@@ -515,7 +518,27 @@ async fn produce(
     loop {
         while pending.len() < depth {
             match ranges.next() {
-                Some((turn, range)) => pending.push_back(spawn_build(turn, range)),
+                Some((turn, range)) => {
+                    // The batch's ids, in turn order (the plan only moves forward), on the
+                    // blocking pool: a refill shuffles half a window.
+                    let (seq, r) = (sequence.clone(), range.clone());
+                    let ids = blocking(move || {
+                        let mut seq = seq.lock().unwrap_or_else(|p| p.into_inner());
+                        let ids = seq.range(r.clone())?;
+                        if ids.len() as u64 != r.end - r.start {
+                            return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
+                        }
+                        Ok(ids)
+                    });
+                    match ids.await {
+                        Ok(ids) => pending.push_back(spawn_build(turn, range, ids)),
+                        Err(e) => {
+                            tracing::warn!(dataset = %shared.0.url, error = %e, "stream failed");
+                            let _ = tx.send(Err(to_status(e))).await;
+                            return;
+                        }
+                    }
+                }
                 None => break,
             }
         }

@@ -32,8 +32,10 @@ fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
         batch_size: 1,
         drop_last: false,
     };
-    let seq = plan::rank_sequence(&ds.shard_samples(), &params)?;
-    let mut order: Vec<usize> = crate::prefetch::shard_uses(ds, &seq, 0).iter().map(|u| u.shard as usize).collect();
+    // Streamed: the whole dataset's order would be O(N) ids held at once.
+    let mut seq = plan::RankStream::new(&ds.shard_samples(), &params)?;
+    let mut order: Vec<usize> =
+        crate::prefetch::shard_uses_streamed(ds, &mut seq, 0)?.iter().map(|u| u.shard as usize).collect();
     // Shards without samples never appear in an order; stage them last all the same.
     let mut seen = vec![false; ds.shards.len()];
     for &i in &order {
