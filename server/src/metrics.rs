@@ -15,6 +15,58 @@ pub static STORAGE_BYTES: AtomicU64 = AtomicU64::new(0);
 pub static STORAGE_REQUESTS: AtomicU64 = AtomicU64::new(0);
 pub static STORAGE_RETRIES: AtomicU64 = AtomicU64::new(0);
 
+/// Metadata calls made on local and parallel file systems since start-up: directory listings and
+/// `stat`s (dataset discovery, revalidation). The per-thread copies let a test count the calls
+/// one open makes while other tests run.
+pub static LOCAL_LISTS: AtomicU64 = AtomicU64::new(0);
+pub static LOCAL_STATS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static THREAD_LOCAL_METADATA: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// (listings, stats) made by the calling thread so far.
+pub fn thread_local_metadata_calls() -> (u64, u64) {
+    THREAD_LOCAL_METADATA.with(|c| c.get())
+}
+
+pub fn local_list(n: u64) {
+    LOCAL_LISTS.fetch_add(n, Relaxed);
+    THREAD_LOCAL_METADATA.with(|c| c.set((c.get().0 + n, c.get().1)));
+    metrics::counter!("shardstream_local_lists_total").increment(n);
+}
+
+pub fn local_stat(n: u64) {
+    LOCAL_STATS.fetch_add(n, Relaxed);
+    THREAD_LOCAL_METADATA.with(|c| c.set((c.get().0, c.get().1 + n)));
+    metrics::counter!("shardstream_local_stats_total").increment(n);
+}
+
+pub fn dataset_open() {
+    metrics::counter!("shardstream_dataset_opens_total").increment(1);
+}
+
+pub fn dataset_open_coalesced() {
+    metrics::counter!("shardstream_dataset_opens_coalesced_total").increment(1);
+}
+
+pub fn dataset_build() {
+    metrics::counter!("shardstream_dataset_builds_total").increment(1);
+}
+
+pub fn dataset_eviction() {
+    metrics::counter!("shardstream_dataset_evictions_total").increment(1);
+}
+
+pub fn datasets_registered(n: u64) {
+    metrics::gauge!("shardstream_datasets_registered").set(n as f64);
+}
+
+/// Bytes of packed rings reserved against `--packed-budget`, after a change.
+pub fn packed_budget_bytes(in_use: u64) {
+    metrics::gauge!("shardstream_packed_budget_used_bytes").set(in_use as f64);
+}
+
 /// Starts the Prometheus endpoint (`GET /metrics` on `addr`). Needs a tokio runtime.
 pub fn install_exporter(addr: SocketAddr) -> crate::Result<()> {
     metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -50,6 +102,18 @@ fn describe() {
         "shardstream_shm_ring_bytes",
         Unit::Bytes,
         "packed-mode ring segments alive (memory shared with clients)"
+    );
+    describe_counter!("shardstream_local_lists_total", "directory listings of local/PFS datasets");
+    describe_counter!("shardstream_local_stats_total", "stat calls on local/PFS datasets and shards");
+    describe_counter!("shardstream_dataset_opens_total", "dataset opens asked for");
+    describe_counter!("shardstream_dataset_opens_coalesced_total", "opens that waited for a concurrent open");
+    describe_counter!("shardstream_dataset_builds_total", "dataset discoveries that built a new index");
+    describe_counter!("shardstream_dataset_evictions_total", "datasets dropped from the registry (bounds)");
+    describe_gauge!("shardstream_datasets_registered", "datasets held by the registry");
+    describe_gauge!(
+        "shardstream_packed_budget_used_bytes",
+        Unit::Bytes,
+        "packed ring bytes reserved against --packed-budget"
     );
     describe_counter!("shardstream_samples_served_total", "samples delivered to consumers");
     describe_counter!("shardstream_bytes_served_total", Unit::Bytes, "payload bytes delivered to consumers");

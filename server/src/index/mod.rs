@@ -20,6 +20,7 @@
 
 pub mod build;
 pub mod manifest;
+pub mod registry;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -35,6 +36,7 @@ use crate::storage::s3::{S3Options, S3Store};
 use crate::storage::{DatasetUrl, ShardSource};
 use crate::{Error, Result};
 use manifest::Manifest;
+pub use registry::{Registry, RegistryLimits};
 
 /// Member tables kept resident at most, per dataset. A consumer needs about `window + 1` shards at
 /// a time; 8 ranks x 8 workers with a window of 8 shards need ~600, so 4096 leaves room for many
@@ -261,8 +263,6 @@ pub struct Dataset {
     pub fields: Vec<String>,
     pub fingerprint: String,
     pub from_manifest: bool,
-    /// When this dataset's shard list was discovered.
-    opened: Instant,
     /// Where the daemon keeps sidecars of shards that came without one.
     sidecar_cache: Option<PathBuf>,
     backends: Arc<Backends>,
@@ -365,7 +365,6 @@ impl Dataset {
             fields,
             fingerprint,
             from_manifest,
-            opened: Instant::now(),
             sidecar_cache,
             backends,
             keys,
@@ -377,6 +376,18 @@ impl Dataset {
 
     pub fn num_samples(&self) -> u64 {
         self.prefix.last().copied().unwrap_or(0)
+    }
+
+    /// Approximate bytes of the dataset-wide index (shard list, prefix sums, cache keys): what
+    /// the registry's byte bound counts. Member tables are bounded separately.
+    pub fn index_bytes(&self) -> u64 {
+        let per_shard = std::mem::size_of::<ShardMeta>()
+            + 2 * std::mem::size_of::<u64>()
+            + std::mem::size_of::<Mutex<()>>()
+            + std::mem::size_of::<AtomicBool>();
+        let names: usize = self.shards.iter().map(|s| 2 * s.name.len() + s.url().len()).sum();
+        let keys: usize = self.keys.iter().map(String::len).sum();
+        (self.shards.len() * per_shard + names + keys) as u64
     }
 
     pub fn total_bytes(&self) -> u64 {
@@ -784,53 +795,3 @@ fn scan_all(
 /// the number of ranks and workers, and still notices a replaced dataset between two runs.
 pub const REMOTE_REDISCOVERY: Duration = Duration::from_secs(60);
 
-/// The daemon's open datasets, keyed by URL and cache mode. An open re-reads the manifest (or
-/// re-lists) and reuses the cached dataset when nothing changed, so replaced shards are noticed.
-#[derive(Debug)]
-pub struct Registry {
-    datasets: Mutex<HashMap<(String, CacheMode), Arc<Dataset>>>,
-    cache_dir: Option<PathBuf>,
-    backends: Arc<Backends>,
-}
-
-impl Registry {
-    pub fn new(cache_dir: Option<PathBuf>, backends: Arc<Backends>) -> Self {
-        Self { datasets: Mutex::default(), cache_dir, backends }
-    }
-
-    pub fn backends(&self) -> &Arc<Backends> {
-        &self.backends
-    }
-
-    /// Opens (or reuses) a dataset; `mode`: what the client asked for ("", "auto", "direct",
-    /// "copy"). Blocking.
-    pub fn open(&self, url: &str, mode: &str) -> Result<Arc<Dataset>> {
-        let parsed = DatasetUrl::parse(url)?;
-        let mode = CacheMode::resolve(mode, &parsed)?;
-        let key = (url.to_owned(), mode);
-        let existing = self.datasets.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
-        // Every rank and worker opens the dataset at every epoch: for S3 that would be a listing
-        // (or manifest GET) each time, so a recent open is reused instead.
-        if let Some(existing) = &existing
-            && matches!(parsed, DatasetUrl::S3 { .. })
-            && existing.opened.elapsed() < REMOTE_REDISCOVERY
-        {
-            return Ok(existing.clone());
-        }
-        let found = Discovered::discover(url, &self.backends)?;
-        if let Some(existing) = existing
-            && existing.same_shards(&found)
-        {
-            return Ok(existing);
-        }
-        // Built without the registry lock held: a scan can take long and other datasets must
-        // stay available meanwhile.
-        let ds = Arc::new(Dataset::build(found, mode, self.cache_dir.as_deref(), self.backends.clone())?);
-        self.datasets.lock().unwrap_or_else(|p| p.into_inner()).insert(key, ds.clone());
-        Ok(ds)
-    }
-
-    pub fn all(&self) -> Vec<Arc<Dataset>> {
-        self.datasets.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
-    }
-}

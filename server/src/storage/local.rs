@@ -1,6 +1,8 @@
-//! Local and parallel-file-system datasets: one directory listing finds the shards, positioned
-//! reads (`pread`) fetch byte ranges. No per-sample `stat` or `open` ever happens here: a shard
-//! file is opened once and kept open by the dataset.
+//! Local and parallel-file-system datasets: one directory listing finds the shards (a brace
+//! pattern stats only the files it names, without listing), positioned reads (`pread`) fetch
+//! byte ranges. No per-sample `stat` or `open` ever happens here: a shard file is opened once and
+//! kept open by the dataset. Listings and stats are counted (`shardstream_local_*_total`): they
+//! are the metadata load a PFS feels.
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -32,41 +34,47 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
             dir.display()
         )));
     }
-    let mut found = Vec::new();
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
-        let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-        let wanted = match names {
-            Some(_) => true,
-            None => SHARD_EXTENSIONS.iter().any(|ext| name.ends_with(ext)),
-        };
-        if !wanted {
-            continue;
-        }
-        // DirEntry::metadata follows no symlink; a shard may well be a symlink into a PFS.
-        let path = entry.path();
-        let meta = std::fs::metadata(&path).map_err(|e| Error::io("cannot stat shard", &path, e))?;
-        if meta.is_file() {
-            found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
-        }
-    }
+    crate::metrics::local_stat(1);
     let shards = match names {
-        None => {
-            found.sort_by(|a, b| a.name.cmp(&b.name));
-            found
-        }
+        // A brace pattern names its files: stat exactly those, never list the directory (which
+        // may hold millions of other entries, each a metadata request on a PFS).
         Some(names) => {
-            let mut by_name: std::collections::HashMap<String, ListedShard> =
-                found.into_iter().map(|s| (s.name.clone(), s)).collect();
             let mut out = Vec::with_capacity(names.len());
             for name in names {
-                let shard = by_name
-                    .remove(name)
-                    .ok_or_else(|| Error::NotFound { what: "shard", path: dir.join(name).display().to_string() })?;
-                out.push(shard);
+                let path = dir.join(name);
+                crate::metrics::local_stat(1);
+                let meta = match std::fs::metadata(&path) {
+                    Ok(m) if m.is_file() => m,
+                    Ok(_) => return Err(Error::NotFound { what: "shard", path: path.display().to_string() }),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        return Err(Error::NotFound { what: "shard", path: path.display().to_string() });
+                    }
+                    Err(e) => return Err(Error::io("cannot stat shard", &path, e)),
+                };
+                out.push(ListedShard { name: name.clone(), len: meta.len(), mtime_ns: mtime_ns(&meta) });
             }
             out
+        }
+        None => {
+            let mut found = Vec::new();
+            crate::metrics::local_list(1);
+            let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
+                let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+                if !SHARD_EXTENSIONS.iter().any(|ext| name.ends_with(ext)) {
+                    continue;
+                }
+                // DirEntry::metadata follows no symlink; a shard may well be a symlink into a PFS.
+                let path = entry.path();
+                crate::metrics::local_stat(1);
+                let meta = std::fs::metadata(&path).map_err(|e| Error::io("cannot stat shard", &path, e))?;
+                if meta.is_file() {
+                    found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
+                }
+            }
+            found.sort_by(|a, b| a.name.cmp(&b.name));
+            found
         }
     };
     if shards.is_empty() {

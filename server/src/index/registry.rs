@@ -1,0 +1,302 @@
+//! The daemon's open datasets, keyed by URL and cache mode: bounded, single-flight, and cheap to
+//! reopen.
+//!
+//! - **Single flight.** Every rank and DataLoader worker opens the dataset at the start of every
+//!   epoch, all at once. The first open of a key does the work (discovery, and the index build
+//!   that scans every shard's headers when there is no manifest); concurrent opens of the same key
+//!   wait for it and share its result (`shardstream_dataset_opens_coalesced_total`).
+//! - **Cheap revalidation.** A local dataset is trusted again without listing or stat-ing its
+//!   shards when its directory (and manifest) carry the same mtime as when it was last checked,
+//!   for up to [`LOCAL_REVALIDATE`]: two `stat` calls per open instead of one per shard (the
+//!   metadata storm this daemon exists to prevent). A replaced or added shard goes through a
+//!   rename or a new directory entry, which moves the directory's mtime; a shard rewritten in
+//!   place is still caught at the next full check, and by the length check when it is opened.
+//!   An S3 dataset is trusted for [`super::REMOTE_REDISCOVERY`].
+//! - **Bounds.** At most `max_datasets` entries and `max_index_bytes` of shard tables; the least
+//!   recently opened entries that no stream holds are evicted first. A dataset in use is never
+//!   evicted (a stream holds it), so the bound can be exceeded by datasets in use only.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{Backends, CacheMode, Dataset, Discovered, REMOTE_REDISCOVERY};
+use crate::storage::DatasetUrl;
+use crate::storage::local;
+use crate::{Error, Result};
+
+/// How long a local dataset whose directory did not change is trusted without a full listing.
+pub const LOCAL_REVALIDATE: Duration = Duration::from_secs(60);
+
+/// Datasets kept open at most when no stream uses them (default).
+pub const DEFAULT_MAX_DATASETS: usize = 64;
+
+/// Bytes of dataset-wide index (shard lists, prefix sums) kept at most (default): ~1e7 shards.
+pub const DEFAULT_MAX_INDEX_BYTES: u64 = 2 << 30;
+
+/// Bounds of a [`Registry`].
+#[derive(Debug, Clone, Copy)]
+pub struct RegistryLimits {
+    pub max_datasets: usize,
+    pub max_index_bytes: u64,
+}
+
+impl Default for RegistryLimits {
+    fn default() -> Self {
+        Self { max_datasets: DEFAULT_MAX_DATASETS, max_index_bytes: DEFAULT_MAX_INDEX_BYTES }
+    }
+}
+
+/// Counters of the registry (also exported as `shardstream_dataset_*`).
+#[derive(Debug, Default)]
+pub struct RegistryStats {
+    /// Opens asked for.
+    pub opens: AtomicU64,
+    /// Opens that waited for another open of the same dataset instead of doing the work.
+    pub coalesced: AtomicU64,
+    /// Datasets built (discovery + index), i.e. opens that were not served from the registry.
+    pub builds: AtomicU64,
+    /// Entries dropped to stay within the bounds.
+    pub evictions: AtomicU64,
+}
+
+type Key = (String, CacheMode);
+
+/// What tells a local dataset's directory has not changed since it was checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct DirStamp {
+    dir_mtime_ns: i64,
+    manifest_mtime_ns: Option<i64>,
+}
+
+impl DirStamp {
+    /// Two `stat` calls: the directory and its manifest (absent is a valid state).
+    fn read(dir: &Path) -> Option<Self> {
+        let meta = std::fs::metadata(dir).ok()?;
+        crate::metrics::local_stat(1);
+        let manifest = dir.join(super::manifest::MANIFEST_FILE);
+        crate::metrics::local_stat(1);
+        let manifest_mtime_ns = std::fs::metadata(manifest).ok().map(|m| local::mtime_ns(&m));
+        Some(Self { dir_mtime_ns: local::mtime_ns(&meta), manifest_mtime_ns })
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    ds: Arc<Dataset>,
+    last_used: u64,
+    checked: Instant,
+    stamp: Option<DirStamp>,
+    index_bytes: u64,
+}
+
+/// One open in progress; the others wait on it.
+#[derive(Debug, Default)]
+struct Flight {
+    done: Mutex<Option<std::result::Result<Arc<Dataset>, Shared>>>,
+    cond: Condvar,
+}
+
+/// An error as every waiter of a flight receives it (the crate's error is not `Clone`).
+type Shared = Arc<Error>;
+
+#[derive(Debug, Default)]
+struct Inner {
+    entries: HashMap<Key, Entry>,
+    flights: HashMap<Key, Arc<Flight>>,
+    clock: u64,
+}
+
+#[derive(Debug)]
+pub struct Registry {
+    inner: Mutex<Inner>,
+    cache_dir: Option<PathBuf>,
+    backends: Arc<Backends>,
+    limits: RegistryLimits,
+    pub stats: RegistryStats,
+}
+
+impl Registry {
+    pub fn new(cache_dir: Option<PathBuf>, backends: Arc<Backends>) -> Self {
+        Self::with_limits(cache_dir, backends, RegistryLimits::default())
+    }
+
+    pub fn with_limits(cache_dir: Option<PathBuf>, backends: Arc<Backends>, limits: RegistryLimits) -> Self {
+        Self { inner: Mutex::default(), cache_dir, backends, limits, stats: RegistryStats::default() }
+    }
+
+    pub fn backends(&self) -> &Arc<Backends> {
+        &self.backends
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Opens (or reuses) a dataset; `mode`: what the client asked for ("", "auto", "direct",
+    /// "copy"). Blocking; concurrent opens of the same dataset share one open.
+    pub fn open(&self, url: &str, mode: &str) -> Result<Arc<Dataset>> {
+        self.stats.opens.fetch_add(1, Relaxed);
+        crate::metrics::dataset_open();
+        let parsed = DatasetUrl::parse(url)?;
+        let mode = CacheMode::resolve(mode, &parsed)?;
+        let key = (url.to_owned(), mode);
+        let (flight, existing) = {
+            let mut g = self.lock();
+            if let Some(f) = g.flights.get(&key).cloned() {
+                drop(g);
+                self.stats.coalesced.fetch_add(1, Relaxed);
+                crate::metrics::dataset_open_coalesced();
+                return f.wait();
+            }
+            g.clock += 1;
+            let clock = g.clock;
+            let existing = g.entries.get_mut(&key).map(|e| {
+                e.last_used = clock;
+                (e.ds.clone(), e.checked, e.stamp.clone())
+            });
+            // Every rank and worker opens the dataset at every epoch: for S3 that would be a
+            // listing (or manifest GET) each time, so a recent open is reused instead.
+            if let Some((ds, checked, _)) = &existing
+                && matches!(parsed, DatasetUrl::S3 { .. })
+                && checked.elapsed() < REMOTE_REDISCOVERY
+            {
+                return Ok(ds.clone());
+            }
+            let flight = Arc::new(Flight::default());
+            g.flights.insert(key.clone(), flight.clone());
+            (flight, existing)
+        };
+        // The leader: whatever happens, the waiters get an answer and the flight ends.
+        let result = self.open_uncoalesced(url, &parsed, mode, existing);
+        let shared = {
+            let mut g = self.lock();
+            g.flights.remove(&key);
+            match result {
+                Ok((ds, stamp, checked)) => {
+                    let clock = g.clock;
+                    let index_bytes = ds.index_bytes();
+                    g.entries.insert(key, Entry { ds: ds.clone(), last_used: clock, checked, stamp, index_bytes });
+                    self.evict(&mut g);
+                    Ok(ds)
+                }
+                Err(e) => Err(Arc::new(e)),
+            }
+        };
+        flight.finish(&shared);
+        shared.map_err(|e| replicate(&e))
+    }
+
+    /// Discovery and, when the shards changed, the index build; no registry lock held (a scan
+    /// can take long, and other datasets must stay available meanwhile).
+    fn open_uncoalesced(
+        &self,
+        url: &str,
+        parsed: &DatasetUrl,
+        mode: CacheMode,
+        existing: Option<(Arc<Dataset>, Instant, Option<DirStamp>)>,
+    ) -> Result<(Arc<Dataset>, Option<DirStamp>, Instant)> {
+        let stamp = match parsed {
+            DatasetUrl::Local { dir, .. } => DirStamp::read(dir),
+            DatasetUrl::S3 { .. } => None,
+        };
+        if let Some((ds, checked, old)) = &existing
+            && stamp.is_some()
+            && stamp == *old
+            && checked.elapsed() < LOCAL_REVALIDATE
+        {
+            // Nothing was added, removed or renamed since the last full check: no listing.
+            return Ok((ds.clone(), stamp, *checked));
+        }
+        let found = Discovered::discover(url, &self.backends)?;
+        let now = Instant::now();
+        if let Some((ds, _, _)) = existing
+            && ds.same_shards(&found)
+        {
+            return Ok((ds, stamp, now));
+        }
+        self.stats.builds.fetch_add(1, Relaxed);
+        crate::metrics::dataset_build();
+        let ds = Arc::new(Dataset::build(found, mode, self.cache_dir.as_deref(), self.backends.clone())?);
+        Ok((ds, stamp, now))
+    }
+
+    /// Drops the least recently opened entries no stream holds until the bounds hold again.
+    fn evict(&self, g: &mut Inner) {
+        loop {
+            let count = g.entries.len();
+            let bytes: u64 = g.entries.values().map(|e| e.index_bytes).sum();
+            if count <= self.limits.max_datasets && bytes <= self.limits.max_index_bytes {
+                break;
+            }
+            // Held only by the registry: no stream, prefetch consumer or staging job uses it.
+            let victim = g
+                .entries
+                .iter()
+                .filter(|(_, e)| Arc::strong_count(&e.ds) == 1)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(k, _)| k.clone());
+            let Some(victim) = victim else { break };
+            g.entries.remove(&victim);
+            self.stats.evictions.fetch_add(1, Relaxed);
+            crate::metrics::dataset_eviction();
+            tracing::debug!(url = %victim.0, "dataset evicted from the registry");
+        }
+        crate::metrics::datasets_registered(g.entries.len() as u64);
+    }
+
+    pub fn all(&self) -> Vec<Arc<Dataset>> {
+        self.lock().entries.values().map(|e| e.ds.clone()).collect()
+    }
+
+    /// Datasets registered right now.
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Flight {
+    fn wait(&self) -> Result<Arc<Dataset>> {
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = &*done {
+                return r.clone().map_err(|e| replicate(&e));
+            }
+            done = self.cond.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn finish(&self, result: &std::result::Result<Arc<Dataset>, Shared>) {
+        *self.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(result.clone());
+        self.cond.notify_all();
+    }
+}
+
+/// The leader's error, for one waiter: the same kind and message (an I/O error keeps its kind,
+/// so it maps to the same status and Python exception).
+fn replicate(e: &Error) -> Error {
+    match e {
+        Error::NotFound { what, path } => Error::NotFound { what, path: path.clone() },
+        Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+        Error::Shard { shard, offset, reason } => {
+            Error::Shard { shard: shard.clone(), offset: *offset, reason: reason.clone() }
+        }
+        Error::Io { op, path, source } => {
+            let source = match source.raw_os_error() {
+                Some(code) => std::io::Error::from_raw_os_error(code),
+                None => std::io::Error::new(source.kind(), source.to_string()),
+            };
+            Error::Io { op, path: path.clone(), source }
+        }
+        Error::PermissionDenied { path, reason } => Error::PermissionDenied { path: path.clone(), reason: reason.clone() },
+        Error::CacheFull(m) => Error::CacheFull(m.clone()),
+        Error::Unavailable(m) => Error::Unavailable(m.clone()),
+        Error::Internal(m) => Error::Internal(m.clone()),
+    }
+}
