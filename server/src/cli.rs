@@ -58,6 +58,11 @@ pub enum Command {
         /// batches a client may hold; the ring's memory is this many batches.
         #[arg(long, default_value_t = crate::transport::ring::RING_SLOTS)]
         ring_slots: u32,
+        /// Shared memory, packed mode: ring memory all streams together may hold (e.g. 8GiB;
+        /// default a quarter of physical memory). A stream whose ring does not fit waits up to
+        /// 10 s, then fails with RESOURCE_EXHAUSTED ("packed ring budget exhausted").
+        #[arg(long, value_parser = crate::pack::cli::parse_size)]
+        packed_budget: Option<u64>,
         /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
         #[arg(long, env = "SHARDSTREAM_METRICS_ADDR")]
         metrics_addr: Option<std::net::SocketAddr>,
@@ -152,6 +157,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             s3_max_retries,
             shm_credits,
             ring_slots,
+            packed_budget,
             metrics_addr,
             log,
         } => {
@@ -169,7 +175,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             config.s3.concurrency = s3_concurrency.max(1);
             config.s3.retry.max_retries = s3_max_retries;
             config.metrics_addr = metrics_addr;
-            config.shm = crate::transport::shm::ShmConfig { credits: shm_credits, ring_slots };
+            config.shm = crate::transport::shm::ShmConfig {
+                credits: shm_credits,
+                ring_slots,
+                packed_budget: packed_budget.unwrap_or_else(crate::transport::budget::default_budget),
+            };
             runtime()?.block_on(async move {
                 let shutdown = CancellationToken::new();
                 crate::shutdown::install_signal_handlers(shutdown.clone());

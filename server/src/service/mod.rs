@@ -328,6 +328,7 @@ fn build_packed_batch<'s>(
     fields: &[String],
     ids: &[u64],
     index: u64,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
     let (samples, waited) = {
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
@@ -337,7 +338,7 @@ fn build_packed_batch<'s>(
         working.end_batch();
         (samples?, working.take_wait())
     };
-    let g = packed::gather(fields, &samples, index, |need| session.acquire_slot(credit, need))?;
+    let g = packed::gather(fields, &samples, index, |need| session.acquire_slot(credit, need, cancelled))?;
     let batch = PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), keys: g.keys };
     let payload = g.payload_bytes;
     g.guard.publish(index);
@@ -500,7 +501,7 @@ async fn produce(
             let cancelled = || closed.is_closed() || stop.is_cancelled();
             if let (Some(s), true) = (session, packed) {
                 let credit = s.take_turn(turn, &cancelled)?;
-                return build_packed_batch(ds, working, s, credit, fields, ids, index);
+                return build_packed_batch(ds, working, s, credit, fields, ids, index, &cancelled);
             }
             let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
             let built = match session {

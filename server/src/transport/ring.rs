@@ -106,6 +106,8 @@ pub struct Ring {
     map: memmap2::MmapRaw,
     /// The hub's count of ring bytes alive (status, metrics), decremented on drop.
     alive: Arc<AtomicU64>,
+    /// The ring's share of the daemon's `--packed-budget`, given back when the ring goes.
+    budget: Option<super::budget::Reservation>,
 }
 
 impl Ring {
@@ -132,12 +134,18 @@ impl Ring {
         let fd = OwnedFd::from(file);
         let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
         rustix::fs::fcntl_add_seals(&fd, seals).map_err(|e| fail("seal", e.into()))?;
-        let ring = Self { header, fd, map, alive };
+        let ring = Self { header, fd, map, alive, budget: None };
         let head = header.encode();
         // SAFETY: the ring is new, so no slot is handed out and nobody else maps it yet.
         unsafe { ring.bytes_mut(0..head.len()) }.copy_from_slice(&head);
         crate::metrics::ring_bytes(ring.alive.fetch_add(bytes, Ordering::Relaxed) + bytes);
         Ok(ring)
+    }
+
+    /// The ring, charged to `reservation` of the packed budget for as long as it lives.
+    pub fn charged(mut self, reservation: super::budget::Reservation) -> Self {
+        self.budget = Some(reservation);
+        self
     }
 
     pub fn id(&self) -> u64 {

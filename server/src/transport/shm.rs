@@ -36,6 +36,7 @@ use rustix::net::{
 use shardstream_proto::ring::{PAGE, round_up};
 use shardstream_proto::shm::{self as wire, Frame};
 
+use super::budget::{BUDGET_WAIT, PackedBudget, Reservation};
 use super::ring::{MAX_RING_BYTES, Ring, SlotTable};
 use crate::{Error, Result};
 
@@ -51,13 +52,22 @@ pub struct ShmConfig {
     /// Packed mode: slots per ring, which are also the stream's credits. A ring's memory is this
     /// many batches.
     pub ring_slots: u32,
+    /// Packed mode: bytes of ring memory all streams together may hold (`--packed-budget`).
+    pub packed_budget: u64,
 }
 
 impl Default for ShmConfig {
     fn default() -> Self {
-        Self { credits: DEFAULT_CREDITS, ring_slots: super::ring::RING_SLOTS }
+        Self {
+            credits: DEFAULT_CREDITS,
+            ring_slots: super::ring::RING_SLOTS,
+            packed_budget: super::budget::default_budget(),
+        }
     }
 }
+
+/// Smallest `--packed-budget` accepted: below it not even a ring of small batches fits.
+pub const MIN_PACKED_BUDGET: u64 = 1 << 20;
 
 /// Largest credit or slot count accepted: far past any read-ahead a trainer needs.
 pub const MAX_CREDITS: u32 = 1024;
@@ -121,12 +131,14 @@ pub struct Session {
     hub: Arc<HubShared>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct HubShared {
     sessions: Mutex<HashMap<[u8; 16], Arc<Session>>>,
     leases: Mutex<HashMap<PathBuf, u32>>,
     /// Bytes of packed-mode rings alive.
     ring_bytes: Arc<AtomicU64>,
+    /// The daemon-wide bound on those bytes.
+    budget: Arc<PackedBudget>,
 }
 
 /// The daemon's side-channel listener and all shm sessions.
@@ -149,6 +161,13 @@ impl ShmHub {
                 return Err(Error::invalid(format!("{name} must be from 1 to {MAX_CREDITS}, not {n}")));
             }
         }
+        if config.packed_budget < MIN_PACKED_BUDGET {
+            return Err(Error::invalid(format!(
+                "--packed-budget must be at least {} MiB, not {} bytes",
+                MIN_PACKED_BUDGET >> 20,
+                config.packed_budget
+            )));
+        }
         let io = |op, e: rustix::io::Errno| Error::io(op, &socket, e.into());
         if socket.exists() {
             std::fs::remove_file(&socket).map_err(|e| Error::io("cannot remove stale socket", &socket, e))?;
@@ -165,7 +184,13 @@ impl ShmHub {
         std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))
             .map_err(|e| Error::io("cannot restrict socket", &socket, e))?;
         rustix::net::listen(&fd, 128).map_err(|e| io("cannot listen on", e))?;
-        let hub = Arc::new(Self { socket, config, shared: Arc::default() });
+        let shared = HubShared {
+            sessions: Mutex::default(),
+            leases: Mutex::default(),
+            ring_bytes: Arc::default(),
+            budget: PackedBudget::new(config.packed_budget),
+        };
+        let hub = Arc::new(Self { socket, config, shared: Arc::new(shared) });
         let shared = hub.shared.clone();
         std::thread::Builder::new()
             .name("shm-accept".into())
@@ -198,6 +223,11 @@ impl ShmHub {
     /// Bytes of packed-mode ring segments alive in this daemon.
     pub fn ring_bytes(&self) -> u64 {
         self.shared.ring_bytes.load(Ordering::Relaxed)
+    }
+
+    /// (bytes reserved, limit) of the packed-ring budget.
+    pub fn packed_budget(&self) -> (u64, u64) {
+        (self.shared.budget.used(), self.shared.budget.limit())
     }
 
     /// (attached sessions, leased shards).
@@ -489,11 +519,21 @@ impl Session {
     /// credit guarantees a free slot: held and filling slots are fewer than the ring's. The first
     /// call, and one whose batch outgrows the ring's slots, makes a new ring (slots at least twice
     /// as large, so a stream makes only a few) and passes its descriptor to the client.
-    pub fn acquire_slot<'s>(&'s self, mut credit: Credit<'s>, need: u64) -> Result<SlotGuard<'s>> {
+    ///
+    /// A new ring is charged to the daemon's packed budget first; when the budget is spent, the
+    /// build waits (without the session's lock, so this stream's own releases go on) up to
+    /// [`BUDGET_WAIT`] or until `cancelled`, then fails (see [`super::budget`]).
+    pub fn acquire_slot<'s>(
+        &'s self,
+        mut credit: Credit<'s>,
+        need: u64,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<SlotGuard<'s>> {
         let max_slot = ((MAX_RING_BYTES - PAGE) / u64::from(self.credits)) & !(PAGE - 1);
         let mut st = lock(&self.state);
-        let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
-        if st.rings.last().is_none_or(|r| r.ring.header.slot_bytes < need) {
+        let mut reserved: Option<Reservation> = None;
+        while st.rings.last().is_none_or(|r| r.ring.header.slot_bytes < need) {
+            let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
             let want = round_up(need, PAGE).filter(|&b| b <= max_slot).ok_or_else(|| {
                 Error::invalid(format!(
                     "a packed batch of {need} bytes exceeds the largest ring slot ({} MiB); use smaller batches",
@@ -502,15 +542,34 @@ impl Session {
             })?;
             let previous = st.rings.last().map_or(0, |r| r.ring.header.slot_bytes);
             let slot_bytes = want.max(previous.saturating_mul(2)).min(max_slot);
+            let segment = shardstream_proto::ring::RingHeader::new(0, self.credits, slot_bytes)
+                .segment_bytes()
+                .ok_or_else(|| Error::Internal(format!("ring of {} x {slot_bytes} bytes", self.credits)))?;
+            let reservation = match reserved.take() {
+                Some(r) if r.bytes() == segment => r,
+                _ => match self.hub.budget.reserve(segment, Duration::ZERO, &|| false) {
+                    Ok(r) => r,
+                    Err(_) => {
+                        // Wait for room without the lock, then look again: another build of
+                        // this stream may have made a large enough ring meanwhile.
+                        drop(st);
+                        reserved = Some(self.hub.budget.reserve(segment, BUDGET_WAIT, cancelled)?);
+                        st = lock(&self.state);
+                        continue;
+                    }
+                },
+            };
             let id = st.next_ring;
             st.next_ring += 1;
-            let ring = Arc::new(Ring::create(id, self.credits, slot_bytes, self.hub.ring_bytes.clone())?);
+            let ring = Ring::create(id, self.credits, slot_bytes, self.hub.ring_bytes.clone())?.charged(reservation);
+            let ring = Arc::new(ring);
             send_frame(&*sock, &Frame::new(wire::KIND_RING_FD, id, ring.segment_bytes()), Some(ring.fd()))
                 .map_err(|e| Error::Unavailable(format!("cannot pass a ring to the client: {e}")))?;
             tracing::debug!(ring = id, slot_bytes, slots = self.credits, "new packed-mode ring");
             st.rings.push(RingEntry { ring, slots: SlotTable::new(self.credits) });
             retire_idle(&mut st);
         }
+        drop(reserved);
         let Some(current) = st.rings.last_mut() else {
             return Err(Error::Internal("packed session without a ring".into()));
         };
