@@ -29,7 +29,8 @@ pub enum Error {
     #[error("access denied to {path}: {reason}")]
     PermissionDenied { path: String, reason: String },
 
-    /// The node cache cannot hold what a stream needs (capacity or disk space).
+    /// The node cache (capacity or disk space) or the packed-ring budget cannot hold what a stream
+    /// needs.
     #[error("{0}")]
     CacheFull(String),
 

@@ -159,8 +159,8 @@ async fn a_ring_larger_than_the_budget_fails_at_once_with_resource_exhausted() {
     assert!(err.message().contains("packed ring budget exhausted"), "{}", err.message());
     assert!(err.message().contains("--packed-budget"), "{}", err.message());
     assert!(started.elapsed() < Duration::from_secs(5), "no wait for what can never fit");
-    // The daemon keeps serving: a list-collated (view) stream of the same data works.
-    let view = StreamRequest { collate: Collate::List as i32, ..packed(&d.data, 1) };
+    // The daemon keeps serving: a view stream (collate none) of the same data works.
+    let view = StreamRequest { collate: Collate::None as i32, ..packed(&d.data, 1) };
     let mut c = client.clone();
     let mut s = shardstream_client::stream(&mut c, view).await.unwrap();
     assert!(s.next().await.unwrap().is_ok());

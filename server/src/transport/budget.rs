@@ -93,7 +93,7 @@ impl PackedBudget {
         };
         Error::CacheFull(format!(
             "packed ring budget exhausted: this stream needs a {} MiB ring, --packed-budget is {} MiB ({why}); \
-             use smaller batches, fewer --ring-slots, a larger --packed-budget, or collate=\"list\"",
+             use smaller batches, fewer --ring-slots, a larger --packed-budget, or collate=None (views)",
             mib(bytes),
             mib(self.limit)
         ))
