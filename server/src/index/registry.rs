@@ -169,8 +169,12 @@ impl Registry {
             g.flights.insert(key.clone(), flight.clone());
             (flight, existing)
         };
-        // The leader: whatever happens, the waiters get an answer and the flight ends.
+        // The leader: whatever happens (a panic included), the waiters get an answer and the
+        // flight ends.
+        let mut leader = Leader { registry: self, key: Some(key), flight };
         let result = self.open_uncoalesced(url, &parsed, mode, existing);
+        let key = leader.key.take().unwrap_or_else(|| (url.to_owned(), mode));
+        let flight = leader.flight.clone();
         let shared = {
             let mut g = self.lock();
             g.flights.remove(&key);
@@ -261,6 +265,23 @@ impl Registry {
     }
 }
 
+/// Ends a flight its leader left by unwinding, so that no open waits for it forever.
+struct Leader<'a> {
+    registry: &'a Registry,
+    /// Taken when the leader finishes normally.
+    key: Option<Key>,
+    flight: Arc<Flight>,
+}
+
+impl Drop for Leader<'_> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.registry.lock().flights.remove(&key);
+            self.flight.finish(&Err(Arc::new(Error::Internal(format!("opening {} failed unexpectedly", key.0)))));
+        }
+    }
+}
+
 impl Flight {
     fn wait(&self) -> Result<Arc<Dataset>> {
         let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
@@ -282,7 +303,7 @@ impl Flight {
 /// so it maps to the same status and Python exception).
 fn replicate(e: &Error) -> Error {
     match e {
-        Error::NotFound { what, path } => Error::NotFound { what, path: path.clone() },
+        Error::NotFound { what, path } => Error::NotFound { what: *what, path: path.clone() },
         Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
         Error::Shard { shard, offset, reason } => {
             Error::Shard { shard: shard.clone(), offset: *offset, reason: reason.clone() }
@@ -292,7 +313,7 @@ fn replicate(e: &Error) -> Error {
                 Some(code) => std::io::Error::from_raw_os_error(code),
                 None => std::io::Error::new(source.kind(), source.to_string()),
             };
-            Error::Io { op, path: path.clone(), source }
+            Error::Io { op: *op, path: path.clone(), source }
         }
         Error::PermissionDenied { path, reason } => Error::PermissionDenied { path: path.clone(), reason: reason.clone() },
         Error::CacheFull(m) => Error::CacheFull(m.clone()),

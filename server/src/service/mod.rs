@@ -320,6 +320,7 @@ fn build_shm_batch(
 /// Gathers one batch into a ring slot for a packed shm client (blocking), with the `credit` its
 /// turn took ([`Session::take_turn`]). The stream's working set is locked only to find the
 /// samples' shards, so the next batch can be gathered meanwhile.
+#[allow(clippy::too_many_arguments)]
 fn build_packed_batch<'s>(
     ds: &Dataset,
     working: &std::sync::Mutex<Working>,

@@ -131,7 +131,10 @@ impl Drop for Reservation {
 mod tests {
     use super::*;
 
-    const NEVER: &dyn Fn() -> bool = &|| false;
+    fn never() -> bool {
+        false
+    }
+    const NEVER: &dyn Fn() -> bool = &never;
 
     #[test]
     fn reservations_add_up_to_the_limit_and_are_given_back() {
