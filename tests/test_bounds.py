@@ -1,0 +1,140 @@
+"""Memory and metadata bounds end to end, on a real `shardstream serve` process and datasets
+written by webdataset, read through the daemon's Prometheus endpoint: concurrent opens of one
+dataset build one index, later opens do not list or stat the shards again, and packed streams
+share a daemon-wide ring budget (`--packed-budget`)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+import shardstream
+from conftest import Daemon, wait_for, write_dataset
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The daemon's metrics, summed over labels: {name: value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def test_concurrent_opens_build_one_index_and_reopens_do_not_stat_every_shard(tmp_path: Path) -> None:
+    root = tmp_path / "wds"
+    write_dataset(root, n=2000, per_shard=20)  # 100 shards
+    port = free_port()
+    d = Daemon(tmp_path / "d", args=["--metrics-addr", f"127.0.0.1:{port}"]).start()
+    try:
+        barrier = threading.Barrier(16)
+
+        def open_once(_: int) -> dict:
+            conn = shardstream._native.Connection(d.addr)
+            barrier.wait()
+            return conn.open(str(root))
+
+        with ThreadPoolExecutor(16) as pool:
+            infos = list(pool.map(open_once, range(16)))
+        assert {(i["num_samples"], i["num_shards"], i["fingerprint"]) for i in infos} == {
+            (2000, 100, infos[0]["fingerprint"])
+        }
+        m = scrape(port)
+        assert m["shardstream_dataset_opens_total"] == 16
+        assert m["shardstream_dataset_builds_total"] == 1, "16 concurrent opens, one index build"
+        assert m["shardstream_local_lists_total"] == 1
+        # The one full discovery stats every shard once; every other open costs at most the
+        # two-stat revalidation (directory and manifest), not 100 stats.
+        assert m["shardstream_local_stats_total"] <= 1 + 100 + 2 * 16, m
+        assert m["shardstream_datasets_registered"] == 1
+
+        # An epoch later every rank and worker opens again: no listing, two stats each.
+        conn = shardstream._native.Connection(d.addr)
+        for _ in range(10):
+            conn.open(str(root))
+        after = scrape(port)
+        assert after["shardstream_local_lists_total"] == 1
+        assert after["shardstream_local_stats_total"] - m["shardstream_local_stats_total"] == 2 * 10
+        assert after["shardstream_dataset_builds_total"] == 1
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_brace_pattern_does_not_stat_the_directory(tmp_path: Path) -> None:
+    root = tmp_path / "wds"
+    write_dataset(root, n=400, per_shard=10)  # 40 shards, train-000000.tar ...
+    for i in range(300):
+        (root / f"unrelated-{i}.bin").write_bytes(b"x")
+    port = free_port()
+    d = Daemon(tmp_path / "d", args=["--metrics-addr", f"127.0.0.1:{port}"]).start()
+    try:
+        info = shardstream._native.Connection(d.addr).open(str(root / "train-{000002..000005}.tar"))
+        assert (info["num_shards"], info["num_samples"]) == (4, 40)
+        m = scrape(port)
+        assert m.get("shardstream_local_lists_total", 0) == 0
+        assert m["shardstream_local_stats_total"] == 2 + 1 + 4, m
+    finally:
+        assert d.stop() == 0
+
+
+RECORD = 512
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """600 samples of RECORD-byte token blocks, by webdataset."""
+    root = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(5)
+    with wds.ShardWriter(str(root / "tok-%04d.tar"), maxcount=100, verbose=0) as sink:
+        for i in range(600):
+            sink.write({"__key__": f"t{i:05d}", "tok": rng.integers(0, 256, RECORD, dtype=np.uint8).tobytes()})
+    return root
+
+
+def epoch_keys(addr: str, root: Path, batch_size: int, seed: int) -> list[str]:
+    loader = shardstream.Loader(
+        str(root), batch_size=batch_size, seed=seed, fields=["tok"], collate="stack", connect=addr
+    )
+    keys: list[str] = []
+    for batch in loader:
+        assert batch["tok"].shape == (len(batch["__key__"]), RECORD)
+        keys.extend(batch["__key__"])
+    return keys
+
+
+def test_packed_streams_share_the_ring_budget(tmp_path: Path, tokens: Path) -> None:
+    port = free_port()
+    d = Daemon(tmp_path / "d", args=["--packed-budget", "1MiB", "--metrics-addr", f"127.0.0.1:{port}"]).start()
+    try:
+        # Batches of 512 x 512 bytes: a ring of 8 such slots (~2 MiB) can never fit: a named
+        # error at once, not a hang, and the daemon keeps serving.
+        with pytest.raises(shardstream.ShardstreamError, match="packed ring budget exhausted"):
+            epoch_keys(d.addr, tokens, 512, 1)
+        # Batches of 128: a ~0.55 MiB ring, one fits at a time. Three loaders at once take turns
+        # and each gets every sample exactly once.
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda seed: epoch_keys(d.addr, tokens, 128, seed), range(3)))
+        for keys in results:
+            assert len(keys) == 600 and len(set(keys)) == 600
+        assert scrape(port)["shardstream_packed_budget_used_bytes"] <= 1 << 20
+        assert wait_for(lambda: d.status()["ring_bytes"] == 0, timeout=10)
+        assert wait_for(lambda: scrape(port)["shardstream_packed_budget_used_bytes"] == 0, timeout=10)
+    finally:
+        assert d.stop() == 0
