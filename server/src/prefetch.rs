@@ -67,7 +67,11 @@ pub struct ShardUse {
 /// The spans of the shards a rank sequence draws on, ordered by first use; positions are offset
 /// by `offset`. The plan is walked once, a step at a time, so the memory is the plan's window
 /// plus one entry per shard, never the sequence.
-pub fn shard_uses_streamed(ds: &Dataset, seq: &mut crate::plan::RankStream, offset: u64) -> crate::Result<Vec<ShardUse>> {
+pub fn shard_uses_streamed(
+    ds: &Dataset,
+    seq: &mut crate::plan::RankStream,
+    offset: u64,
+) -> crate::Result<Vec<ShardUse>> {
     const STEP: u64 = 1 << 16;
     let mut spans = UseSpans::default();
     loop {

@@ -101,8 +101,7 @@ async fn concurrent_packed_streams_share_the_budget_and_all_finish() {
     let budget = 9 << 19; // 4.5 MiB
     let (d, n) = start(budget).await;
     let client = shardstream_client::connect(&d.addr).await.unwrap();
-    let streams: Vec<_> =
-        (0..4).map(|i| tokio::spawn(consume(client.clone(), packed(&d.data, i)))).collect();
+    let streams: Vec<_> = (0..4).map(|i| tokio::spawn(consume(client.clone(), packed(&d.data, i)))).collect();
     // Sample the rings alive while the streams run: never above the budget.
     let mut watcher = client.clone();
     let mut most = 0;

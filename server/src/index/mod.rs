@@ -794,4 +794,3 @@ fn scan_all(
 /// manifest) again: a minute keeps requests per epoch close to the number of shards, whatever
 /// the number of ranks and workers, and still notices a replaced dataset between two runs.
 pub const REMOTE_REDISCOVERY: Duration = Duration::from_secs(60);
-

@@ -315,7 +315,9 @@ fn replicate(e: &Error) -> Error {
             };
             Error::Io { op: *op, path: path.clone(), source }
         }
-        Error::PermissionDenied { path, reason } => Error::PermissionDenied { path: path.clone(), reason: reason.clone() },
+        Error::PermissionDenied { path, reason } => {
+            Error::PermissionDenied { path: path.clone(), reason: reason.clone() }
+        }
         Error::CacheFull(m) => Error::CacheFull(m.clone()),
         Error::Unavailable(m) => Error::Unavailable(m.clone()),
         Error::Internal(m) => Error::Internal(m.clone()),

@@ -474,9 +474,7 @@ async fn produce(
     shutdown: CancellationToken,
 ) {
     let _active = ActiveStream::new(&metrics);
-    let StreamPlan {
-        dataset, fields, all_fields, sequence, batches, batch_size, session, packed, consumer, ..
-    } = plan;
+    let StreamPlan { dataset, fields, all_fields, sequence, batches, batch_size, session, packed, consumer, .. } = plan;
     // However this function ends, the session learns the stream is over (its leases stay until
     // the client releases them or goes away).
     struct Done(Option<Arc<Session>>);

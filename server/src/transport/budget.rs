@@ -84,11 +84,9 @@ impl PackedBudget {
     fn exhausted(&self, bytes: u64, used: Option<u64>) -> Error {
         let mib = |b: u64| b.div_ceil(1 << 20);
         let why = match used {
-            Some(u) => format!(
-                "{} MiB in use by other packed streams, waited {} s for them",
-                mib(u),
-                BUDGET_WAIT.as_secs()
-            ),
+            Some(u) => {
+                format!("{} MiB in use by other packed streams, waited {} s for them", mib(u), BUDGET_WAIT.as_secs())
+            }
             None => "more than the whole budget".into(),
         };
         Error::CacheFull(format!(
