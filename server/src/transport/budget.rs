@@ -17,6 +17,9 @@ use crate::{Error, Result};
 /// How long a stream waits for ring memory before it fails.
 pub const BUDGET_WAIT: Duration = Duration::from_secs(10);
 
+/// How often a waiting stream checks whether it was cancelled or no longer needs the memory.
+const POLL: Duration = Duration::from_millis(20);
+
 /// Fraction of physical memory packed rings may use by default: a quarter leaves the rest to the
 /// trainers that map them and to the page cache the shards are read through.
 const DEFAULT_FRACTION: u64 = 4;
@@ -58,26 +61,44 @@ impl PackedBudget {
         *self.used.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Reserves `bytes`, waiting up to `wait` (and while not `cancelled`) for room.
-    pub fn reserve(self: &Arc<Self>, bytes: u64, wait: Duration, cancelled: &dyn Fn() -> bool) -> Result<Reservation> {
+    /// Reserves `bytes`, waiting up to `wait` for room; `None` when `unneeded` turns true
+    /// meanwhile (the stream got its memory another way). `cancelled` and `unneeded` are called
+    /// without the budget's lock held, so they may take other locks.
+    pub fn reserve(
+        self: &Arc<Self>,
+        bytes: u64,
+        wait: Duration,
+        cancelled: &dyn Fn() -> bool,
+        unneeded: &dyn Fn() -> bool,
+    ) -> Result<Option<Reservation>> {
         if bytes > self.limit {
             return Err(self.exhausted(bytes, None));
         }
         let deadline = Instant::now() + wait;
-        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if self.limit - *used >= bytes {
-                *used += bytes;
-                crate::metrics::packed_budget_bytes(*used);
-                return Ok(Reservation { budget: self.clone(), bytes });
+            {
+                let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+                if self.limit - *used < bytes {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(self.exhausted(bytes, Some(*used)));
+                    }
+                    // Woken by every release; the short step lets the checks below run.
+                    let step = (deadline - now).min(POLL);
+                    used = self.freed.wait_timeout(used, step).unwrap_or_else(|p| p.into_inner()).0;
+                }
+                if self.limit - *used >= bytes {
+                    *used += bytes;
+                    crate::metrics::packed_budget_bytes(*used);
+                    return Ok(Some(Reservation { budget: self.clone(), bytes }));
+                }
             }
-            let now = Instant::now();
-            if now >= deadline || cancelled() {
-                return Err(self.exhausted(bytes, Some(*used)));
+            if cancelled() {
+                return Err(Error::Unavailable("stream cancelled".into()));
             }
-            // Woken by every release; the short step notices a cancelled stream.
-            let step = (deadline - now).min(Duration::from_millis(100));
-            used = self.freed.wait_timeout(used, step).unwrap_or_else(|p| p.into_inner()).0;
+            if unneeded() {
+                return Ok(None);
+            }
         }
     }
 
@@ -137,14 +158,14 @@ mod tests {
     #[test]
     fn reservations_add_up_to_the_limit_and_are_given_back() {
         let b = PackedBudget::new(100);
-        let a = b.reserve(60, Duration::ZERO, NEVER).unwrap();
-        let c = b.reserve(40, Duration::ZERO, NEVER).unwrap();
+        let a = b.reserve(60, Duration::ZERO, NEVER, NEVER).unwrap().unwrap();
+        let c = b.reserve(40, Duration::ZERO, NEVER, NEVER).unwrap().unwrap();
         assert_eq!(b.used(), 100);
-        let e = b.reserve(1, Duration::from_millis(20), NEVER).unwrap_err().to_string();
+        let e = b.reserve(1, Duration::from_millis(50), NEVER, NEVER).unwrap_err().to_string();
         assert!(e.starts_with("packed ring budget exhausted"), "{e}");
         drop(a);
         assert_eq!(b.used(), 40);
-        let d = b.reserve(60, Duration::ZERO, NEVER).unwrap();
+        let d = b.reserve(60, Duration::ZERO, NEVER, NEVER).unwrap().unwrap();
         assert_eq!(d.bytes(), 60);
         drop((c, d));
         assert_eq!(b.used(), 0);
@@ -153,24 +174,44 @@ mod tests {
     #[test]
     fn a_waiting_stream_gets_memory_another_gives_back() {
         let b = PackedBudget::new(100);
-        let held = b.reserve(100, Duration::ZERO, NEVER).unwrap();
+        let held = b.reserve(100, Duration::ZERO, NEVER, NEVER).unwrap();
         let waiter = {
             let b = b.clone();
-            std::thread::spawn(move || b.reserve(70, Duration::from_secs(5), NEVER).map(|r| r.bytes()))
+            std::thread::spawn(move || {
+                b.reserve(70, Duration::from_secs(5), NEVER, NEVER).map(|r| r.map(|r| r.bytes()))
+            })
         };
         std::thread::sleep(Duration::from_millis(50));
         drop(held);
-        assert_eq!(waiter.join().unwrap().unwrap(), 70);
+        assert_eq!(waiter.join().unwrap().unwrap(), Some(70));
+    }
+
+    #[test]
+    fn a_waiter_that_no_longer_needs_the_memory_stops_waiting() {
+        let b = PackedBudget::new(100);
+        let _held = b.reserve(100, Duration::ZERO, NEVER, NEVER).unwrap();
+        let started = Instant::now();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                done.store(true, std::sync::atomic::Ordering::Relaxed);
+            });
+            let got = b.reserve(10, Duration::from_secs(5), NEVER, &|| done.load(std::sync::atomic::Ordering::Relaxed));
+            assert!(got.unwrap().is_none());
+        });
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(b.used(), 100);
     }
 
     #[test]
     fn too_large_fails_at_once_and_cancel_stops_the_wait() {
         let b = PackedBudget::new(100);
         let started = Instant::now();
-        let e = b.reserve(101, Duration::from_secs(5), NEVER).unwrap_err();
+        let e = b.reserve(101, Duration::from_secs(5), NEVER, NEVER).unwrap_err();
         assert!(matches!(e, Error::CacheFull(_)) && e.to_string().contains("more than the whole budget"), "{e}");
-        let _held = b.reserve(100, Duration::ZERO, NEVER).unwrap();
-        assert!(b.reserve(1, Duration::from_secs(5), &|| true).is_err());
+        let _held = b.reserve(100, Duration::ZERO, NEVER, NEVER).unwrap();
+        assert!(b.reserve(1, Duration::from_secs(5), &|| true, NEVER).is_err());
         assert!(started.elapsed() < Duration::from_secs(2));
     }
 

@@ -545,15 +545,18 @@ impl Session {
             let segment = shardstream_proto::ring::RingHeader::new(0, self.credits, slot_bytes)
                 .segment_bytes()
                 .ok_or_else(|| Error::Internal(format!("ring of {} x {slot_bytes} bytes", self.credits)))?;
+            let never = || false;
             let reservation = match reserved.take() {
                 Some(r) if r.bytes() == segment => r,
-                _ => match self.hub.budget.reserve(segment, Duration::ZERO, &|| false) {
-                    Ok(r) => r,
-                    Err(_) => {
-                        // Wait for room without the lock, then look again: another build of
-                        // this stream may have made a large enough ring meanwhile.
+                _ => match self.hub.budget.reserve(segment, Duration::ZERO, &never, &never) {
+                    Ok(Some(r)) => r,
+                    _ => {
+                        // Wait for room without the lock (this stream's own releases go on),
+                        // and stop waiting if another build of this stream made a large enough
+                        // ring meanwhile; then look again.
                         drop(st);
-                        reserved = Some(self.hub.budget.reserve(segment, BUDGET_WAIT, cancelled)?);
+                        let made = || lock(&self.state).rings.last().is_some_and(|r| r.ring.header.slot_bytes >= need);
+                        reserved = self.hub.budget.reserve(segment, BUDGET_WAIT, cancelled, &made)?;
                         st = lock(&self.state);
                         continue;
                     }
