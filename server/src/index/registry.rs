@@ -303,7 +303,7 @@ impl Flight {
 /// so it maps to the same status and Python exception).
 fn replicate(e: &Error) -> Error {
     match e {
-        Error::NotFound { what, path } => Error::NotFound { what: *what, path: path.clone() },
+        Error::NotFound { what, path } => Error::NotFound { what, path: path.clone() },
         Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
         Error::Shard { shard, offset, reason } => {
             Error::Shard { shard: shard.clone(), offset: *offset, reason: reason.clone() }
@@ -313,7 +313,7 @@ fn replicate(e: &Error) -> Error {
                 Some(code) => std::io::Error::from_raw_os_error(code),
                 None => std::io::Error::new(source.kind(), source.to_string()),
             };
-            Error::Io { op: *op, path: path.clone(), source }
+            Error::Io { op, path: path.clone(), source }
         }
         Error::PermissionDenied { path, reason } => {
             Error::PermissionDenied { path: path.clone(), reason: reason.clone() }
