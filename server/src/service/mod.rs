@@ -6,6 +6,7 @@
 
 mod stage;
 pub mod status;
+pub mod uses;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -61,6 +62,8 @@ pub struct Service {
     /// The shared-memory side channel, when the daemon listens on a Unix socket.
     shm: Option<Arc<ShmHub>>,
     prefetch: Option<Arc<Prefetcher>>,
+    /// Rank plans' shard futures, shared by the rank's worker streams.
+    uses: Arc<uses::UsesCache>,
 }
 
 impl Service {
@@ -72,7 +75,7 @@ impl Service {
         shm: Option<Arc<ShmHub>>,
         prefetch: Option<Arc<Prefetcher>>,
     ) -> Self {
-        Self { registry, metrics, shutdown, cache_dir, shm, prefetch }
+        Self { registry, metrics, shutdown, cache_dir, shm, prefetch, uses: Arc::default() }
     }
 
     async fn open(&self, url: String, cache: String) -> Result<Arc<Dataset>> {
@@ -121,6 +124,7 @@ fn plan_stream(
     req: &StreamRequest,
     shm: Option<&ShmHub>,
     prefetch: Option<&Arc<Prefetcher>>,
+    uses_cache: &uses::UsesCache,
 ) -> Result<StreamPlan> {
     if req.batch_size == 0 || req.batch_size > MAX_BATCH_SIZE {
         return Err(Error::invalid(format!("batch_size {} must be between 1 and {MAX_BATCH_SIZE}", req.batch_size)));
@@ -180,11 +184,19 @@ fn plan_stream(
         Some(p) if ds.mode == CacheMode::Copy => {
             // This epoch's future, then the next epoch's (a trainer moves on with the same
             // parameters), so eviction at the end of this epoch keeps what the next one needs first.
-            // Each is one streamed walk of its plan: O(window + shards) memory, nothing kept.
-            let mut uses = crate::prefetch::shard_uses_streamed(&ds, &mut sequence.clone(), 0)?;
+            // Each is one streamed walk of its plan (O(window + shards) memory), done once per
+            // rank and epoch and shared by the rank's workers.
             let next = EpochParams { epoch: params.epoch.wrapping_add(1), ..params };
-            let mut next_seq = plan::RankStream::new(&shard_samples, &next)?;
-            uses.extend(crate::prefetch::shard_uses_streamed(&ds, &mut next_seq, sequence.len())?);
+            let (this_epoch, next_epoch) =
+                (uses_cache.uses(&ds, &shard_samples, &params)?, uses_cache.uses(&ds, &shard_samples, &next)?);
+            let len = sequence.len();
+            let mut uses = Vec::with_capacity(this_epoch.len() + next_epoch.len());
+            uses.extend_from_slice(&this_epoch);
+            uses.extend(next_epoch.iter().map(|u| crate::prefetch::ShardUse {
+                first: u.first + len,
+                last: u.last + len,
+                ..*u
+            }));
             Some(p.register(ds.clone(), uses, start, req.rank, req.worker))
         }
         _ => None,
@@ -367,8 +379,10 @@ impl Shardstream for Service {
         let ds = self.open(req.url.clone(), req.cache.clone()).await.map_err(to_status)?;
         let hub = self.shm.clone().filter(|_| same_host);
         let prefetch = self.prefetch.clone();
-        let plan =
-            blocking(move || plan_stream(ds, &req, hub.as_deref(), prefetch.as_ref())).await.map_err(to_status)?;
+        let uses = self.uses.clone();
+        let plan = blocking(move || plan_stream(ds, &req, hub.as_deref(), prefetch.as_ref(), &uses))
+            .await
+            .map_err(to_status)?;
         let (tx, rx) = mpsc::channel(STREAM_QUEUE);
         let header = StreamMessage { kind: Some(stream_message::Kind::Header(plan.header.clone())) };
         tx.send(Ok(header)).await.map_err(|_| Status::cancelled("client went away"))?;

@@ -1,0 +1,150 @@
+//! The prefetcher's view of a rank's plan (which shards it draws on, first and last use),
+//! computed once per (dataset, epoch parameters) and shared by the rank's DataLoader worker
+//! streams. Every worker of a rank follows the same rank sequence, and the next epoch's future
+//! of one stream is the current epoch's future of the streams that come next: without sharing,
+//! each of `K` workers walked two whole epoch plans at start-up.
+//!
+//! Concurrent streams asking for the same plan wait for one walk (`OnceLock`). Entries are
+//! O(shards the rank uses) each and at most [`ENTRIES`] are kept, oldest first out.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::Result;
+use crate::index::Dataset;
+use crate::plan::{EpochParams, RankStream};
+use crate::prefetch::{ShardUse, shard_uses_streamed};
+
+/// Plans kept: a node's ranks times two epochs, with room for a few jobs.
+pub const ENTRIES: usize = 64;
+
+type Key = (String, String, EpochParams);
+
+/// A walk's result as waiters share it: `None` if the walk failed (each caller then walks for
+/// itself and gets the error).
+type Cell = Arc<OnceLock<Option<Arc<[ShardUse]>>>>;
+
+#[derive(Debug, Default)]
+pub struct UsesCache {
+    entries: Mutex<VecDeque<(Key, Cell)>>,
+    /// Whole-plan walks done (a test checks that workers share them).
+    pub walks: AtomicU64,
+}
+
+impl UsesCache {
+    /// The shard uses of rank `p.rank`'s sequence in epoch `p.epoch`, positions from 0.
+    pub fn uses(&self, ds: &Dataset, shard_samples: &[u64], p: &EpochParams) -> Result<Arc<[ShardUse]>> {
+        let key = (ds.url.clone(), ds.fingerprint.clone(), *p);
+        let cell = {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            match entries.iter().find(|(k, _)| *k == key) {
+                Some((_, c)) => c.clone(),
+                None => {
+                    let c = Cell::default();
+                    entries.push_back((key, c.clone()));
+                    if entries.len() > ENTRIES {
+                        entries.pop_front();
+                    }
+                    c
+                }
+            }
+        };
+        let walk = || -> Result<Arc<[ShardUse]>> {
+            self.walks.fetch_add(1, Relaxed);
+            let mut seq = RankStream::new(shard_samples, p)?;
+            Ok(shard_uses_streamed(ds, &mut seq, 0)?.into())
+        };
+        match cell.get_or_init(|| walk().ok()) {
+            Some(u) => Ok(u.clone()),
+            None => walk(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::{Backends, Registry};
+
+    fn write_shards(dir: &std::path::Path, shards: usize, per_shard: usize) {
+        std::fs::create_dir_all(dir).unwrap();
+        for s in 0..shards {
+            let f = std::fs::File::create(dir.join(format!("part-{s:04}.tar"))).unwrap();
+            let mut b = tar::Builder::new(f);
+            for i in 0..per_shard {
+                let data = [s as u8, i as u8];
+                let mut h = tar::Header::new_gnu();
+                h.set_size(2);
+                h.set_mode(0o644);
+                h.set_cksum();
+                b.append_data(&mut h, format!("k{s:04}_{i:04}.bin"), &data[..]).unwrap();
+            }
+            b.finish().unwrap();
+        }
+    }
+
+    #[test]
+    fn workers_of_a_rank_share_one_walk_per_epoch() {
+        let tmp = tempfile::tempdir().unwrap();
+        write_shards(&tmp.path().join("d"), 30, 10);
+        let reg = Registry::new(None, Arc::new(Backends::local()));
+        let ds = reg.open(&tmp.path().join("d").display().to_string(), "").unwrap();
+        let samples = ds.shard_samples();
+        let cache = UsesCache::default();
+        let p = EpochParams {
+            seed: 3,
+            epoch: 0,
+            shuffle: true,
+            window_shards: 2,
+            world_size: 2,
+            rank: 1,
+            batch_size: 4,
+            drop_last: false,
+        };
+        // Four workers at once, each asking for this epoch and the next.
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    let this = cache.uses(&ds, &samples, &p).unwrap();
+                    let next = cache.uses(&ds, &samples, &EpochParams { epoch: 1, ..p }).unwrap();
+                    assert!(!this.is_empty() && !next.is_empty());
+                });
+            }
+        });
+        assert_eq!(cache.walks.load(Relaxed), 2, "one walk per epoch plan, shared by the workers");
+        // The same spans as a walk of its own, and every shard of the rank's share appears.
+        let got = cache.uses(&ds, &samples, &p).unwrap();
+        let mut own = RankStream::new(&samples, &p).unwrap();
+        assert_eq!(&got[..], &shard_uses_streamed(&ds, &mut own, 0).unwrap()[..]);
+        assert_eq!(got.iter().map(|u| u.first).min(), Some(0));
+        assert_eq!(got.iter().map(|u| u.last).max(), Some(own.len() - 1));
+        // Another rank is another plan.
+        cache.uses(&ds, &samples, &EpochParams { rank: 0, ..p }).unwrap();
+        assert_eq!(cache.walks.load(Relaxed), 3);
+    }
+
+    #[test]
+    fn the_cache_is_bounded() {
+        let tmp = tempfile::tempdir().unwrap();
+        write_shards(&tmp.path().join("d"), 3, 2);
+        let reg = Registry::new(None, Arc::new(Backends::local()));
+        let ds = reg.open(&tmp.path().join("d").display().to_string(), "").unwrap();
+        let samples = ds.shard_samples();
+        let cache = UsesCache::default();
+        for epoch in 0..(ENTRIES as u64 + 10) {
+            let p = EpochParams {
+                seed: 0,
+                epoch,
+                shuffle: true,
+                window_shards: 1,
+                world_size: 1,
+                rank: 0,
+                batch_size: 1,
+                drop_last: false,
+            };
+            cache.uses(&ds, &samples, &p).unwrap();
+        }
+        assert_eq!(cache.entries.lock().unwrap().len(), ENTRIES);
+    }
+}
