@@ -138,6 +138,27 @@ impl RankStream {
         })
     }
 
+    /// Like [`Self::new`], but refuses a plan that would hold more than `limit` ids at once (a
+    /// shuffle window as large as a huge share is a full shuffle of it: O(share) memory).
+    pub fn bounded(shard_samples: &[u64], p: &EpochParams, limit: u64) -> Result<Self, PlanError> {
+        let s = Self::new(shard_samples, p)?;
+        let most = s.most_held();
+        if most > limit {
+            return Err(PlanError::WindowTooLarge { window: most, limit });
+        }
+        Ok(s)
+    }
+
+    /// The most ids this generator holds at once: the whole share for a window that covers it,
+    /// otherwise a block (the previous chunk's leftovers and a chunk) plus the deferred part.
+    pub fn most_held(&self) -> u64 {
+        match self.mix {
+            Mix::Identity => IDENTITY_STEP.min(self.len),
+            Mix::Whole => self.len,
+            Mix::Window { chunk } => chunk.saturating_mul(3),
+        }
+    }
+
     /// `L`, the length of the whole rank sequence.
     pub fn len(&self) -> u64 {
         self.len
@@ -387,6 +408,14 @@ mod lazy_tests {
         assert_eq!(seen, 1_000_000u64.div_ceil(256));
         // The window is 2000 ids: at most a block (<= 1.5 windows) and a deferred half window.
         assert!(most <= 2 * 2000, "held {most} ids at once");
+        assert!(most as u64 <= lazy.most_held(), "{most} > the advertised {}", lazy.most_held());
+        // A window as large as the share would hold the share: refused above a limit.
+        let whole = EpochParams { window_shards: 5000, ..p };
+        assert_eq!(
+            RankStream::bounded(&shards, &whole, 1 << 16).unwrap_err(),
+            PlanError::WindowTooLarge { window: 1_000_000, limit: 1 << 16 }
+        );
+        assert!(RankStream::bounded(&shards, &p, 1 << 16).is_ok());
     }
 
     #[test]

@@ -110,6 +110,11 @@ pub enum PlanError {
     Overflow { what: &'static str },
     #[error("cannot allocate memory for {samples} entries of the plan")]
     OutOfMemory { samples: u64 },
+    #[error(
+        "a shuffle window of {window} samples exceeds the limit of {limit} samples a stream may hold; \
+         use a smaller shuffle_window"
+    )]
+    WindowTooLarge { window: u64, limit: u64 },
     #[error("plan position {position} is behind the stream's cursor at {cursor}; the plan only moves forward")]
     Rewind { position: u64, cursor: u64 },
 }

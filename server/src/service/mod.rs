@@ -47,6 +47,10 @@ const PACKED_PIPELINE: usize = 2;
 /// Largest batch accepted. Bigger batches than this are a unit mistake (samples vs bytes).
 pub const MAX_BATCH_SIZE: u32 = 1 << 20;
 
+/// Most sample ids a stream's plan holds at once (8 bytes each: 256 MiB). Only a shuffle window
+/// about as large as a rank's share of a dataset of tens of millions of samples comes near it.
+pub const MAX_PLAN_IDS: u64 = 1 << 25;
+
 /// Largest worker count per rank (DataLoader workers).
 pub const MAX_WORKERS: u32 = 1024;
 
@@ -176,7 +180,7 @@ fn plan_stream(
     };
     let shard_samples = ds.shard_samples();
     let summary = plan::summarize(&shard_samples, &params)?;
-    let mut sequence = plan::RankStream::new(&shard_samples, &params)?;
+    let mut sequence = plan::RankStream::bounded(&shard_samples, &params, MAX_PLAN_IDS)?;
     let worker = WorkerParams { num_workers: req.num_workers.max(1), worker: req.worker, start_batch: req.start_batch };
     let batches = plan::WorkerBatches::new(sequence.len(), req.batch_size, &worker)?;
     let start = batches.peek().map_or(sequence.len(), |b| b.start);
