@@ -443,8 +443,8 @@ impl S3Store {
                 Ok(resp) => {
                     let mut body = resp.body;
                     loop {
-                        match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.try_next()).await {
-                            Ok(Ok(Some(chunk))) => {
+                        match next_chunk(&mut body).await {
+                            Ok(Some(chunk)) => {
                                 if pos + (buf.len() + chunk.len()) as u64 > range.end {
                                     break Some(Failure::Permanent(Error::Shard {
                                         shard: url.clone(),
@@ -464,14 +464,8 @@ impl S3Store {
                                     backoff.progressed();
                                 }
                             }
-                            Ok(Ok(None)) => break None,
-                            Ok(Err(e)) => break Some(Failure::Transient(format!("body broke: {e}"))),
-                            Err(_) => {
-                                break Some(Failure::Transient(format!(
-                                    "no data for {} s",
-                                    BODY_IDLE_TIMEOUT.as_secs()
-                                )));
-                            }
+                            Ok(None) => break None,
+                            Err(msg) => break Some(Failure::Transient(msg)),
                         }
                     }
                 }
@@ -523,6 +517,21 @@ impl S3Store {
             crate::metrics::storage_bytes("s3", n);
             Ok(pos + n)
         }
+    }
+}
+
+/// The next chunk of a GET body, or why the body broke (a failed read, or no data for
+/// [`BODY_IDLE_TIMEOUT`]): either way the caller resumes from the last byte it has.
+async fn next_chunk(body: &mut ByteStream) -> std::result::Result<Option<Bytes>, String> {
+    fail::fail_point!("s3-get-body", |_| Err("body broke: failpoint s3-get-body".into()));
+    match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.try_next()).await {
+        Ok(Ok(Some(chunk))) => {
+            fail::fail_point!("s3-get-corrupt", |_| Ok(Some(crate::failpoints::flip_a_byte(&chunk))));
+            Ok(Some(chunk))
+        }
+        Ok(Ok(None)) => Ok(None),
+        Ok(Err(e)) => Err(format!("body broke: {e}")),
+        Err(_) => Err(format!("no data for {} s", BODY_IDLE_TIMEOUT.as_secs())),
     }
 }
 
