@@ -44,6 +44,13 @@ pub const MAX_GETS_IN_FLIGHT: usize = 64;
 /// write syscall is negligible, small enough that a download holds little memory.
 const WRITE_CHUNK: usize = 1 << 20;
 
+/// Whole downloads made of an object whose bytes do not match its ETag before the download fails:
+/// a corruption in transit is rare and random, a second one in a row rarer still.
+const MAX_ETAG_MISMATCHES: u32 = 3;
+
+/// Read size of the MD5 pass over a downloaded file (from the page cache).
+const MD5_CHUNK: usize = 1 << 20;
+
 /// A body that delivers nothing for this long is treated as a dead connection and resumed.
 const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -93,7 +100,9 @@ pub struct ObjectRef {
     pub key: String,
     pub len: u64,
     /// When set, every ranged GET carries `If-Match`: all parts come from one version of the
-    /// object, or the download fails naming it.
+    /// object, or the download fails naming it. An ETag that is an MD5 (a single-part upload's,
+    /// 32 hex digits) is also checked against the downloaded bytes: the integrity check of a
+    /// dataset without manifest, whose CRC-32C nobody knows.
     pub etag: Option<String>,
 }
 
@@ -335,7 +344,16 @@ impl S3Store {
             .retrying(&url, "get", || async {
                 let resp =
                     self.client.get_object().bucket(bucket).key(key).send().await.map_err(|e| classify(&url, e))?;
-                resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))
+                let md5 = resp.e_tag().and_then(etag_md5);
+                let body =
+                    resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))?;
+                // A body changed in transit is fetched again, like a broken one.
+                match md5 {
+                    Some(want) if md5_of(&body) != want => {
+                        Err(Failure::Transient("body does not match its ETag (MD5): corrupted in transit".into()))
+                    }
+                    _ => Ok(body),
+                }
             })
             .await;
         match got {
@@ -368,8 +386,43 @@ impl S3Store {
     /// Downloads `obj` into `file` (created by the caller at `dest`, named in errors) with
     /// parallel ranged GETs, and returns the CRC-32C of its bytes. A part whose body breaks is
     /// resumed from the last byte received. Nothing is held in memory beyond one write chunk per
-    /// part in flight.
+    /// part in flight. When `obj.etag` is an MD5, the file is read back once and checked
+    /// against it; a mismatch downloads the object again (up to [`MAX_ETAG_MISMATCHES`] times).
     pub async fn download(
+        &self,
+        obj: &ObjectRef,
+        file: Arc<File>,
+        dest: &Path,
+        observer: Arc<dyn DownloadObserver>,
+    ) -> Result<u32> {
+        let Some(want) = obj.etag.as_deref().and_then(etag_md5) else {
+            return self.download_once(obj, file, dest, observer).await;
+        };
+        for attempt in 1..=MAX_ETAG_MISMATCHES {
+            let crc = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
+            let (f, path, len) = (file.clone(), dest.to_owned(), obj.len);
+            let got = tokio::task::spawn_blocking(move || file_md5(&f, len).map_err(|e| Error::io("cannot read", path, e)))
+                .await
+                .map_err(|e| Error::Internal(format!("md5 task failed: {e}")))??;
+            if got == want {
+                return Ok(crc);
+            }
+            crate::metrics::storage_retry("s3");
+            observer.retry();
+            tracing::warn!(object = %obj.url(), attempt, "downloaded bytes do not match the ETag (MD5), downloading again");
+        }
+        Err(Error::Shard {
+            shard: obj.url(),
+            offset: None,
+            reason: format!(
+                "the downloaded bytes did not match the object's ETag (MD5) in {MAX_ETAG_MISMATCHES} downloads; \
+                 refusing to serve them"
+            ),
+        })
+    }
+
+    /// One download of every part of `obj`, without the ETag check.
+    async fn download_once(
         &self,
         obj: &ObjectRef,
         file: Arc<File>,
@@ -520,6 +573,40 @@ impl S3Store {
     }
 }
 
+/// The MD5 an ETag stands for: a single-part upload's ETag is the hex MD5 of the object's bytes
+/// (quoted). A multipart ETag (`<hex>-<parts>`) or any other form says nothing checkable: `None`.
+pub fn etag_md5(etag: &str) -> Option<[u8; 16]> {
+    let hex = etag.trim_matches('"');
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+fn md5_of(bytes: &[u8]) -> [u8; 16] {
+    use md5::Digest;
+    md5::Md5::digest(bytes).into()
+}
+
+/// MD5 of the first `len` bytes of `file`, read with positioned reads.
+fn file_md5(file: &File, len: u64) -> std::io::Result<[u8; 16]> {
+    use md5::Digest;
+    let mut hasher = md5::Md5::new();
+    let mut buf = vec![0u8; MD5_CHUNK];
+    let mut pos = 0u64;
+    while pos < len {
+        let n = usize::try_from(len - pos).map_or(MD5_CHUNK, |left| left.min(MD5_CHUNK));
+        file.read_exact_at(&mut buf[..n], pos)?;
+        hasher.update(&buf[..n]);
+        pos += n as u64;
+    }
+    Ok(hasher.finalize().into())
+}
+
 /// The next chunk of a GET body, or why the body broke (a failed read, or no data for
 /// [`BODY_IDLE_TIMEOUT`]): either way the caller resumes from the last byte it has.
 async fn next_chunk(body: &mut ByteStream) -> std::result::Result<Option<Bytes>, String> {
@@ -541,6 +628,21 @@ mod tests {
 
     fn obj(key: &str) -> ObjectInfo {
         ObjectInfo { key: key.into(), size: 1, etag: None }
+    }
+
+    #[test]
+    fn etags_that_are_md5s_are_recognised() {
+        let md5 = md5_of(b"hello");
+        assert_eq!(etag_md5("\"5d41402abc4b2a76b9719d911017c592\""), Some(md5));
+        assert_eq!(etag_md5("5d41402abc4b2a76b9719d911017c592"), Some(md5));
+        for other in ["\"5d41402abc4b2a76b9719d911017c592-3\"", "", "xyz", "\"5d41402abc4b2a76b9719d911017c59g\""] {
+            assert_eq!(etag_md5(other), None, "{other}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(file_md5(&File::open(&path).unwrap(), bytes.len() as u64).unwrap(), md5_of(&bytes));
     }
 
     #[test]
