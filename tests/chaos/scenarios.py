@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import webdataset as wds
+from proxy import FaultProxy
+from s3server import S3Server
 
 import shardstream
 from conftest import SHARDSTREAM, Daemon
-from proxy import FaultProxy
-from s3server import S3Server
 
 Samples = dict[str, dict[str, bytes]]
 
@@ -69,7 +69,7 @@ def corrupt_bytes(got: Samples, want: Samples) -> int:
         expected = want.get(key, {})
         for name in fields.keys() | expected.keys():
             a, b = fields.get(name, b""), expected.get(name, b"")
-            bad += sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+            bad += sum(x != y for x, y in zip(a, b, strict=False)) + abs(len(a) - len(b))
     return bad
 
 
@@ -84,90 +84,109 @@ def vm_hwm_kib(pid: int) -> int:
 # --- daemon SIGKILLs with resume ----------------------------------------------------------------
 
 
+class _Epoch:
+    """One epoch as a consumer sees it across daemon deaths: keys so far, batches received, the
+    last `state_dict()` (None before the first batch)."""
+
+    def __init__(self, epoch: int, transport: str) -> None:
+        self.epoch = epoch
+        self.transport = transport
+        self.seen: Counter[str] = Counter()
+        self.received = 0
+        self.state: dict | None = None
+
+
+def _consume(addr: str, root: Path, samples: Samples, e: _Epoch, seed: int, batch_size: int, tick) -> None:
+    """Streams the rest of epoch `e` (resuming from its state), checking every sample's bytes;
+    `tick(received)` runs once the stream is open and after every batch."""
+    loader = shardstream.Loader(str(root), batch_size=batch_size, seed=seed, transport=e.transport, connect=addr)
+    if e.state is None:
+        loader.set_epoch(e.epoch)
+    else:
+        loader.load_state_dict(e.state)
+    tick(e.received)
+    for batch in loader:
+        e.seen.update(batch["__key__"])
+        for i, key in enumerate(batch["__key__"]):
+            if fields_of(batch, i) != samples[key]:
+                raise AssertionError(f"sample {key} has wrong bytes after a resume")
+        e.received += 1
+        e.state = loader.state_dict()
+        tick(e.received)
+
+
+class _Killer:
+    """SIGKILLs a daemon 0-30 ms after the consumer reaches the next of its kill points."""
+
+    def __init__(self, rng: random.Random, points: list[int]) -> None:
+        self.rng = rng
+        self.points = points
+        self.thread: threading.Thread | None = None
+        self.daemon: Daemon | None = None
+
+    def arm(self, daemon: Daemon) -> None:
+        self.daemon, self.thread = daemon, None
+
+    def tick(self, received: int) -> None:
+        if self.thread is None and self.points and self.points[0] <= received:
+            self.points.pop(0)
+            delay, d = self.rng.uniform(0, 0.03), self.daemon
+            assert d is not None
+
+            def go() -> None:
+                time.sleep(delay)
+                if d.alive():
+                    d.kill()
+
+            self.thread = threading.Thread(target=go, daemon=True)
+            self.thread.start()
+
+    def fired(self) -> bool:
+        if self.thread is None:
+            return False
+        self.thread.join()
+        return True
+
+
 def kills(tmp: Path, root: Path, samples: Samples, n_kills: int, seed: int = 0, batch_size: int = 16) -> dict:
-    """SIGKILLs the daemon `n_kills` times at random points of random epochs (while a stream is
-    being opened, mid-stream, at its end), restarts it, and resumes from the consumer's last
-    `state_dict()`. Asserts every epoch delivers each sample exactly once."""
+    """SIGKILLs the daemon `n_kills` times at random points of random epochs (right after a stream
+    opens, mid-stream, at its end), restarts it on the same socket and cache, and resumes from the
+    consumer's last `state_dict()`. Asserts every epoch delivers each sample exactly once."""
     rng = random.Random(seed)
     total = len(samples)
     batches = -(-total // batch_size)
     d = Daemon(tmp / "daemon").start()
-    done = epochs = errors_seen = 0
-    lost = repeated = 0
+    done = epochs = lost = repeated = 0
     kinds: Counter[str] = Counter()
     started = time.monotonic()
     while done < n_kills:
-        epoch = rng.randrange(1_000_000)
-        transport = rng.choice(["inline", "shm"])
-        # Kill points of this epoch, as the number of batches received before the kill is sent
-        # (0: right after the stream is opened); the kill then lands 0-30 ms later, wherever the
-        # daemon is in building, sending or prefetching.
-        points = sorted(rng.sample(range(batches), k=min(rng.randint(1, 3), n_kills - done)))
-        seen: Counter[str] = Counter()
-        state: dict | None = None
-        received = 0
+        e = _Epoch(rng.randrange(1_000_000), rng.choice(["inline", "shm"]))
+        # Kill points: batches received before the kill is sent (0: as soon as the stream opens).
+        killer = _Killer(rng, sorted(rng.sample(range(batches), k=min(rng.randint(1, 3), n_kills - done))))
         while True:
-            killer: threading.Thread | None = None
-
-            def kill_soon() -> threading.Thread:
-                delay = rng.uniform(0, 0.03)
-
-                def go() -> None:
-                    time.sleep(delay)
-                    if d.alive():
-                        d.kill()
-
-                t = threading.Thread(target=go, daemon=True)
-                t.start()
-                return t
-
-            def consume() -> None:
-                nonlocal state, received, killer
-                loader = shardstream.Loader(
-                    str(root), batch_size=batch_size, seed=seed, transport=transport, connect=d.addr
-                )
-                if state is None:
-                    loader.set_epoch(epoch)
-                else:
-                    loader.load_state_dict(state)
-                if points and points[0] <= received and killer is None:
-                    points.pop(0)
-                    killer = kill_soon()
-                for batch in loader:
-                    seen.update(batch["__key__"])
-                    for i, key in enumerate(batch["__key__"]):
-                        if fields_of(batch, i) != samples[key]:
-                            raise AssertionError(f"sample {key} has wrong bytes after a resume")
-                    received += 1
-                    state = loader.state_dict()
-                    if points and points[0] <= received and killer is None:
-                        points.pop(0)
-                        killer = kill_soon()
-
-            out = within(consume)
-            if killer is not None:
-                killer.join()
+            killer.arm(d)
+            addr = d.addr
+            out = within(lambda: _consume(addr, root, samples, e, seed, batch_size, killer.tick))  # noqa: B023
             if isinstance(out, AssertionError):
                 raise out
-            if killer is not None and not d.alive():
-                # The daemon died under this stream (or just after it): a kill survived if the
-                # consumer resumes from here and the epoch still comes out exactly once.
+            if killer.fired() and not d.alive():
+                # The daemon died under this stream (or just after its last batch): the kill is
+                # survived if the consumer resumes and the epoch still comes out exactly once.
                 done += 1
-                kinds["mid-stream" if isinstance(out, BaseException) else "after the last batch"] += 1
-                if isinstance(out, BaseException):
-                    errors_seen += 1
+                failed = isinstance(out, BaseException)
+                kinds["mid-stream" if failed else "after the last batch"] += 1
                 d = Daemon(tmp / "daemon").start()
-                if isinstance(out, BaseException) and sum(seen.values()) < total:
+                if failed and e.received < batches:
                     continue
                 break
             if isinstance(out, BaseException):
                 raise AssertionError(f"the stream failed with the daemon alive: {out!r}") from out
             break
         epochs += 1
-        lost += sum(1 for k in samples if k not in seen)
-        repeated += sum(c - 1 for c in seen.values() if c > 1)
-        assert not (seen.keys() - samples.keys()), "keys that were never written"
-        assert lost == 0 and repeated == 0, f"epoch {epoch}: {lost} samples lost, {repeated} repeated"
+        assert not (e.seen.keys() - samples.keys()), "keys that were never written"
+        lost += sum(1 for k in samples if k not in e.seen)
+        repeated += sum(c - 1 for c in e.seen.values() if c > 1)
+        assert lost == 0 and repeated == 0, f"epoch {e.epoch}: {lost} samples lost, {repeated} repeated"
     assert d.stop() == 0
     return {
         "kills": done,
@@ -205,7 +224,8 @@ def s3_faults(
             # Small parts: more requests per shard, so more of them to spoil.
             d = Daemon(tmp / f"{name}-{r}", args=["--s3-part-size", "256KiB"], env=env).start()
             try:
-                got = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/", seed=r))
+                addr, url = d.addr, f"s3://chaos/{name}/"
+                got = within(lambda: epoch_of(addr, url, seed=r))  # noqa: B023 - called at once
                 if isinstance(got, BaseException):
                     raise AssertionError(f"{name}, round {r}: the epoch failed: {got!r}") from got
                 assert isinstance(got, dict)
