@@ -10,7 +10,7 @@
 //! | `local-read`     | every `pread` of a shard file           | I/O error (`EIO` or ARG)     | the stream fails with an error naming the file |
 //! | `cache-copy-read`| reading a local shard into the cache    | I/O error                    | as above |
 //! | `s3-get-body`    | each chunk of an S3 GET body            | the body breaks              | resumed from the last byte (retry), bytes intact |
-//! | `s3-get-corrupt` | each chunk of an S3 GET body            | one byte flipped             | caught by the CRC-32C check, fetched again |
+//! | `s3-get-corrupt` | each chunk of an S3 GET body            | one byte flipped             | caught by the manifest's CRC-32C or the ETag's MD5, fetched again |
 //! | `cache-fill`     | after a cache fill wrote its bytes      | I/O error (`ENOSPC` ...)     | ENOSPC: evict and retry, else a named error; no file left |
 //! | `cache-fsync`    | before a cache file is fsynced          | I/O error                    | a named error; no file left |
 //! | `cache-rename`   | before a cache file is renamed in place | I/O error                    | a named error; no file left |
@@ -32,6 +32,11 @@ pub fn io_error(arg: Option<String>) -> std::io::Error {
         _ => libc::EIO,
     };
     std::io::Error::from_raw_os_error(errno)
+}
+
+/// The crate error for an I/O failure injected on `path` (see [`io_error`]).
+pub fn io(op: &'static str, path: impl Into<std::path::PathBuf>, arg: Option<String>) -> crate::Error {
+    crate::Error::io(op, path, io_error(arg))
 }
 
 /// A copy of `chunk` with its middle byte inverted: the "wrong bytes" a faulty network or store

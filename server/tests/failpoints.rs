@@ -140,14 +140,15 @@ fn failpoint_local_copy_read_error_names_the_source_shard() {
     fail::cfg("cache-copy-read", "return(EIO)").unwrap();
     let source = ShardSource::Local(src.clone());
     let spec = FetchSpec { source: &source, len: 10, crc32c: Some(crc32c::crc32c(b"0123456789")) };
-    let err = cache.get("a", 10, Want::NOW, &mut |tmp, file| fill(&spec, None, tmp, file, std::sync::Arc::new(())));
+    let err = cache
+        .get("a", 10, Want::NOW, &mut |tmp: &Path, file: &File| fill(&spec, None, tmp, file, std::sync::Arc::new(())));
     let err = err.unwrap_err();
     assert_eq!(errno(&err), Some(libc::EIO), "{err:?}");
     assert!(err.to_string().contains(&src.display().to_string()), "{err}");
     assert!(files_in(cache.dir()).is_empty());
     fail::remove("cache-copy-read");
     let pin = cache
-        .get("a", 10, Want::NOW, &mut |tmp, file| fill(&spec, None, tmp, file, std::sync::Arc::new(())))
+        .get("a", 10, Want::NOW, &mut |tmp: &Path, file: &File| fill(&spec, None, tmp, file, std::sync::Arc::new(())))
         .unwrap()
         .unwrap();
     assert_eq!(std::fs::read(pin.path()).unwrap(), b"0123456789");

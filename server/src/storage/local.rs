@@ -117,7 +117,7 @@ impl ShardFile {
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
     /// after it was indexed and is reported as a shard error naming the offset.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        fail::fail_point!("local-read", |a| Err(Error::io("cannot read shard", &self.path, crate::failpoints::io_error(a))));
+        fail::fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
         self.file.read_exact_at(buf, offset).map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => Error::Shard {
                 shard: self.name.clone(),

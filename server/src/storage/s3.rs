@@ -401,9 +401,10 @@ impl S3Store {
         for attempt in 1..=MAX_ETAG_MISMATCHES {
             let crc = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
             let (f, path, len) = (file.clone(), dest.to_owned(), obj.len);
-            let got = tokio::task::spawn_blocking(move || file_md5(&f, len).map_err(|e| Error::io("cannot read", path, e)))
-                .await
-                .map_err(|e| Error::Internal(format!("md5 task failed: {e}")))??;
+            let got =
+                tokio::task::spawn_blocking(move || file_md5(&f, len).map_err(|e| Error::io("cannot read", path, e)))
+                    .await
+                    .map_err(|e| Error::Internal(format!("md5 task failed: {e}")))??;
             if got == want {
                 return Ok(crc);
             }
