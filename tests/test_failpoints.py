@@ -44,16 +44,16 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 
 @pytest.fixture(scope="module")
 def remote(s3: S3Server) -> Samples:
-    """6 shards in s3://fp/plain/ (no manifest)."""
-    return write_dataset(s3.bucket("fp") / "plain", n=300, per_shard=50, seed=5)
+    """6 shards in s3://fpts/plain/ (no manifest)."""
+    return write_dataset(s3.bucket("fpts") / "plain", n=300, per_shard=50, seed=5)
 
 
 @pytest.fixture(scope="module")
 def indexed(s3: S3Server) -> Samples:
-    """6 shards in s3://fp/indexed/ with a manifest (CRC-32C per shard) by `shardstream index`."""
-    samples = write_dataset(s3.bucket("fp") / "indexed", n=300, per_shard=50, seed=6)
+    """6 shards in s3://fpts/indexed/ with a manifest (CRC-32C per shard) by `shardstream index`."""
+    samples = write_dataset(s3.bucket("fpts") / "indexed", n=300, per_shard=50, seed=6)
     p = subprocess.run(
-        [SHARDSTREAM, "index", "s3://fp/indexed/"],
+        [SHARDSTREAM, "index", "s3://fpts/indexed/"],
         env={**os.environ, **s3.env()},
         capture_output=True,
         text=True,
@@ -91,7 +91,9 @@ def within(f: Callable[[], object], deadline: float = DEADLINE) -> object:
         try:
             out.append(f())
         except BaseException as e:  # noqa: BLE001 - the test inspects whatever came out
-            out.append(e)
+            # Without its traceback: the frames (and the Loader in them) are freed on this thread,
+            # which made them, not on the thread that inspects the error.
+            out.append(e.with_traceback(None))
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -115,7 +117,7 @@ def test_failpoint_local_read_error_fails_the_stream_naming_the_shard(tmp_path, 
 
 def test_failpoint_s3_body_breaks_are_resumed_with_identical_bytes(tmp_path, fail_bin, s3, remote) -> None:
     d = start(tmp_path, fail_bin, "s3-get-body=25%return", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fp/plain/"))
+    got = within(lambda: epoch(d.addr, "s3://fpts/plain/"))
     assert got == remote
     assert d.status()["storage_retries"] > 0, "no body broke: the failpoint did not fire"
     stop(d)
@@ -123,13 +125,13 @@ def test_failpoint_s3_body_breaks_are_resumed_with_identical_bytes(tmp_path, fai
 
 def test_failpoint_s3_wrong_bytes_are_caught_by_the_manifest_crc(tmp_path, fail_bin, s3, indexed) -> None:
     d = start(tmp_path, fail_bin, "s3-get-corrupt=2*return", env=s3.env())
-    assert within(lambda: epoch(d.addr, "s3://fp/indexed/")) == indexed
+    assert within(lambda: epoch(d.addr, "s3://fpts/indexed/")) == indexed
     stop(d)
     # Every fetch corrupt: a named shard error, not wrong bytes.
     d = start(tmp_path / "always", fail_bin, "s3-get-corrupt=return", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fp/indexed/"))
+    got = within(lambda: epoch(d.addr, "s3://fpts/indexed/"))
     assert isinstance(got, shardstream.ShardError), got
-    assert got.shard.startswith("s3://fp/indexed/") and "crc32c" in str(got), got
+    assert got.shard.startswith("s3://fpts/indexed/") and "crc32c" in str(got), got
     stop(d)
 
 
@@ -137,18 +139,18 @@ def test_failpoint_s3_wrong_bytes_without_a_manifest_are_never_served(tmp_path, 
     # No manifest, so no CRC to check: the ETag (the MD5 of a single-part object) is what catches
     # a body whose bytes changed in transit.
     d = start(tmp_path, fail_bin, "s3-get-corrupt=2*return", env=s3.env())
-    assert within(lambda: epoch(d.addr, "s3://fp/plain/")) == remote
+    assert within(lambda: epoch(d.addr, "s3://fpts/plain/")) == remote
     stop(d)
 
 
 def test_failpoint_cache_disk_full_is_absorbed_or_named(tmp_path, fail_bin, s3, remote) -> None:
     # The disk fills twice: the cache lowers its capacity, evicts, and fills again.
     d = start(tmp_path, fail_bin, "cache-fill=2*return(ENOSPC)", env=s3.env())
-    assert within(lambda: epoch(d.addr, "s3://fp/plain/")) == remote
+    assert within(lambda: epoch(d.addr, "s3://fpts/plain/")) == remote
     stop(d)
     # The disk stays full: a named error naming the cache directory.
     d = start(tmp_path / "full", fail_bin, "cache-fill=return(ENOSPC)", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fp/plain/"))
+    got = within(lambda: epoch(d.addr, "s3://fpts/plain/"))
     assert isinstance(got, shardstream.ShardstreamError), got
     assert "ran out of disk space" in str(got) and str(d.cache_dir) in str(got), got
     stop(d)
@@ -156,7 +158,7 @@ def test_failpoint_cache_disk_full_is_absorbed_or_named(tmp_path, fail_bin, s3, 
 
 def test_failpoint_cache_fsync_error_is_named(tmp_path, fail_bin, s3, remote) -> None:
     d = start(tmp_path, fail_bin, "cache-fsync=return(EIO)", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fp/plain/"))
+    got = within(lambda: epoch(d.addr, "s3://fpts/plain/"))
     assert isinstance(got, (OSError, shardstream.ShardstreamError)), got
     assert "cannot sync cache file" in str(got), got
     stop(d)

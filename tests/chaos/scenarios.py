@@ -48,7 +48,9 @@ def within(f: Callable[[], object], deadline: float = EPOCH_DEADLINE) -> object:
         try:
             out.append(f())
         except BaseException as e:  # noqa: BLE001 - handed to the caller to judge
-            out.append(e)
+            # Without its traceback: the frames (and the Loader in them) are freed on this thread,
+            # which made them, not on the thread that inspects the error.
+            out.append(e.with_traceback(None))
 
     t = threading.Thread(target=run, daemon=True)
     t.start()

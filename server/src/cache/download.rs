@@ -1,7 +1,9 @@
 //! Filling a cache file from a shard's source: parallel ranged GETs from S3, or a copy from a
 //! local / parallel file system (`cache=copy`). Whatever the source, the bytes are verified
 //! before the cache publishes them: the size always, the CRC-32C when the manifest gives one
-//! (computed while the bytes stream in, so verification costs no second read). A checksum
+//! (computed while the bytes stream in, so verification costs no second read), and for an S3
+//! object without one, its ETag when that is an MD5 (one read back from the page cache; see
+//! `S3Store::download_checked`). A checksum
 //! mismatch is fetched once more (a bit flip in transit should not fail a training run); a
 //! second mismatch is final and names the shard.
 
@@ -43,7 +45,8 @@ pub fn fill(
                 let store = store.ok_or_else(|| Error::Internal(format!("{url}: no S3 connection")))?;
                 let obj = ObjectRef { bucket: bucket.clone(), key: key.clone(), len: spec.len, etag: etag.clone() };
                 let shared = Arc::new(file.try_clone().map_err(|e| Error::io("cannot reopen", tmp, e))?);
-                store.block_on(store.download(&obj, shared, tmp, observer.clone()))?
+                // A manifest's CRC-32C is checked below; without one the ETag's MD5 is.
+                store.block_on(store.download_checked(&obj, shared, tmp, observer.clone(), spec.crc32c.is_none()))?
             }
             ShardSource::Local(path) => copy(path, file, tmp, spec.len)?,
         };

@@ -386,8 +386,8 @@ impl S3Store {
     /// Downloads `obj` into `file` (created by the caller at `dest`, named in errors) with
     /// parallel ranged GETs, and returns the CRC-32C of its bytes. A part whose body breaks is
     /// resumed from the last byte received. Nothing is held in memory beyond one write chunk per
-    /// part in flight. When `obj.etag` is an MD5, the file is read back once and checked
-    /// against it; a mismatch downloads the object again (up to [`MAX_ETAG_MISMATCHES`] times).
+    /// part in flight. The bytes are checked against the object's ETag, see
+    /// [`Self::download_checked`].
     pub async fn download(
         &self,
         obj: &ObjectRef,
@@ -395,11 +395,28 @@ impl S3Store {
         dest: &Path,
         observer: Arc<dyn DownloadObserver>,
     ) -> Result<u32> {
-        let Some(want) = obj.etag.as_deref().and_then(etag_md5) else {
-            return self.download_once(obj, file, dest, observer).await;
-        };
+        self.download_checked(obj, file, dest, observer, true).await
+    }
+
+    /// [`Self::download`], where `check_md5` says whether to check the bytes against the object's
+    /// ETag (`obj.etag`, else the one the GETs answered) when it is an MD5, as S3 gives
+    /// single-part uploads: the file is read back once (from the page cache) and a mismatch, a
+    /// body corrupted in transit, downloads the object again, up to [`MAX_ETAG_MISMATCHES`]
+    /// times. A caller that verifies the bytes another way (a manifest's CRC-32C) passes false.
+    pub async fn download_checked(
+        &self,
+        obj: &ObjectRef,
+        file: Arc<File>,
+        dest: &Path,
+        observer: Arc<dyn DownloadObserver>,
+        check_md5: bool,
+    ) -> Result<u32> {
         for attempt in 1..=MAX_ETAG_MISMATCHES {
-            let crc = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
+            let (crc, answered) = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
+            let want = match obj.etag.as_deref().or(answered.as_deref()).and_then(etag_md5) {
+                Some(want) if check_md5 => want,
+                _ => return Ok(crc),
+            };
             let (f, path, len) = (file.clone(), dest.to_owned(), obj.len);
             let got =
                 tokio::task::spawn_blocking(move || file_md5(&f, len).map_err(|e| Error::io("cannot read", path, e)))
@@ -422,17 +439,19 @@ impl S3Store {
         })
     }
 
-    /// One download of every part of `obj`, without the ETag check.
+    /// One download of every part of `obj`, without the ETag check: the CRC-32C of the bytes and
+    /// the ETag the GETs answered.
     async fn download_once(
         &self,
         obj: &ObjectRef,
         file: Arc<File>,
         dest: &Path,
         observer: Arc<dyn DownloadObserver>,
-    ) -> Result<u32> {
+    ) -> Result<(u32, Option<String>)> {
         if obj.len == 0 {
-            return Ok(0);
+            return Ok((0, None));
         }
+        let answered: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let part = self.options.part_size.max(1);
         let parts: Vec<Range<u64>> =
             (0..obj.len.div_ceil(part)).map(|i| i * part..((i + 1) * part).min(obj.len)).collect();
@@ -441,14 +460,14 @@ impl S3Store {
         let dest: Arc<PathBuf> = Arc::new(dest.to_owned());
         let mut tasks = tokio::task::JoinSet::new();
         for (i, range) in parts.iter().cloned().enumerate() {
-            let (store, obj, file, dest, observer) =
-                (self.clone(), obj.clone(), file.clone(), dest.clone(), observer.clone());
+            let (store, obj, file, dest, observer, answered) =
+                (self.clone(), obj.clone(), file.clone(), dest.clone(), observer.clone(), answered.clone());
             let per_shard = per_shard.clone();
             tasks.spawn(async move {
                 let _slot = per_shard.acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
                 let _get =
                     store.gets.clone().acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
-                store.fetch_part(&obj, &file, &dest, range, observer.as_ref()).await.map(|crc| (i, crc))
+                store.fetch_part(&obj, &file, &dest, range, observer.as_ref(), &answered).await.map(|crc| (i, crc))
             });
         }
         let mut crcs = vec![0u32; parts.len()];
@@ -464,10 +483,13 @@ impl S3Store {
         for (c, r) in crcs.iter().zip(&parts) {
             crc = crc32c::crc32c_combine(crc, *c, (r.end - r.start) as usize);
         }
-        Ok(crc)
+        let answered = answered.lock().unwrap_or_else(|p| p.into_inner()).take();
+        Ok((crc, answered))
     }
 
-    /// One part: GET, stream to disk, resume from the last byte on a broken body.
+    /// One part: GET, stream to disk, resume from the last byte on a broken body. `answered`:
+    /// the ETag of the first response of any part; a later one that differs means the object
+    /// changed mid-download (possible only without `obj.etag`, which every GET sends as If-Match).
     async fn fetch_part(
         &self,
         obj: &ObjectRef,
@@ -475,6 +497,7 @@ impl S3Store {
         dest: &Arc<PathBuf>,
         range: Range<u64>,
         observer: &dyn DownloadObserver,
+        answered: &std::sync::Mutex<Option<String>>,
     ) -> Result<u32> {
         let url = obj.url();
         let mut backoff = self.options.retry.start();
@@ -494,6 +517,11 @@ impl S3Store {
                 .await
             {
                 Err(e) => Some(classify(&url, e)),
+                Ok(resp) if etag_changed(answered, resp.e_tag()) => Some(Failure::Permanent(Error::Shard {
+                    shard: url.clone(),
+                    offset: None,
+                    reason: "changed on the server while it was being read (its ETag changed)".into(),
+                })),
                 Ok(resp) => {
                     let mut body = resp.body;
                     loop {
@@ -532,7 +560,9 @@ impl S3Store {
             }
             pos = at;
             let failure = match failure {
-                None if pos == range.end => return Ok(crc),
+                // Every byte of the part is here: a body that broke after its last byte lost nothing
+                // (and a resume would ask for an empty range, which servers refuse).
+                None | Some(Failure::Transient(_)) if pos == range.end => return Ok(crc),
                 None => Failure::Transient(format!("body ended at byte {pos}, expected {}", range.end)),
                 Some(f) => f,
             };
@@ -586,6 +616,19 @@ pub fn etag_md5(etag: &str) -> Option<[u8; 16]> {
         *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
     }
     Some(out)
+}
+
+/// Records the first ETag a download's responses carry; true when a later one differs.
+fn etag_changed(answered: &std::sync::Mutex<Option<String>>, etag: Option<&str>) -> bool {
+    let Some(etag) = etag else { return false };
+    let mut seen = answered.lock().unwrap_or_else(|p| p.into_inner());
+    match seen.as_deref() {
+        Some(first) => first != etag,
+        None => {
+            *seen = Some(etag.to_owned());
+            false
+        }
+    }
 }
 
 fn md5_of(bytes: &[u8]) -> [u8; 16] {
