@@ -40,6 +40,11 @@ Samples = dict[str, dict[str, bytes]]
 EPOCH_DEADLINE = 120.0
 
 
+def stop(d: Daemon) -> None:
+    rc = d.stop()
+    assert rc == 0, f"the daemon exited with {rc} on SIGTERM (expected a graceful 0)"
+
+
 def within(f: Callable[[], object], deadline: float = EPOCH_DEADLINE) -> object:
     """`f()` on a thread; its result or raised exception. Raises if it outlives `deadline`."""
     out: list[object] = []
@@ -189,7 +194,7 @@ def kills(tmp: Path, root: Path, samples: Samples, n_kills: int, seed: int = 0, 
         lost += sum(1 for k in samples if k not in e.seen)
         repeated += sum(c - 1 for c in e.seen.values() if c > 1)
         assert lost == 0 and repeated == 0, f"epoch {e.epoch}: {lost} samples lost, {repeated} repeated"
-    assert d.stop() == 0
+    stop(d)
     return {
         "kills": done,
         "epochs": epochs,
@@ -235,7 +240,7 @@ def s3_faults(
                 bad += corrupt_bytes(got, samples)
                 samples_checked += len(got)
             finally:
-                assert d.stop() == 0
+                stop(d)
                 proxy.stop()
             faults.update(proxy.faults())
             requests += proxy.counts["requests"]
@@ -290,7 +295,7 @@ def concurrent_clients(tmp: Path, root: Path, samples: Samples, clients: int, rs
     failed = [r for r in results if r != "ok"]
     assert not failed, f"{len(failed)} of {clients} clients failed: {failed[:3]!r}"
     assert hwm_mib < rss_bound_mib, f"daemon peak RSS {hwm_mib:.0f} MiB >= bound {rss_bound_mib} MiB"
-    assert d.stop() == 0
+    stop(d)
     return {
         "clients": clients,
         "finished": clients - len(failed) - hung,
@@ -336,7 +341,7 @@ def disk_full(tmp: Path, s3: S3Server, name: str, samples: Samples, fail_bin: st
             raise AssertionError(f"the epoch failed on a full cache disk: {got!r}") from got
         assert got == samples, "samples lost or wrong bytes with a full cache disk"
         status = d.status()
-        assert d.stop() == 0
+        stop(d)
         outcome = {
             "setup": how,
             "dataset_kib": total // 1024,
@@ -355,7 +360,7 @@ def disk_full(tmp: Path, s3: S3Server, name: str, samples: Samples, fail_bin: st
             err = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/"))
             assert isinstance(err, shardstream.ShardstreamError), f"expected a named error, got {err!r}"
             assert "disk space" in str(err) and str(mnt) in str(err), str(err)
-            assert d.stop() == 0
+            stop(d)
             outcome["too_small_disk_error"] = str(err).split(":", 1)[-1].strip()[:160]
         outcome["seconds"] = round(time.monotonic() - started, 1)
         return outcome
