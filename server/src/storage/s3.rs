@@ -417,11 +417,13 @@ impl S3Store {
                 Some(want) if check_md5 => want,
                 _ => return Ok(crc),
             };
-            let (f, path, len) = (file.clone(), dest.to_owned(), obj.len);
-            let got =
-                tokio::task::spawn_blocking(move || file_md5(&f, len).map_err(|e| Error::io("cannot read", path, e)))
-                    .await
-                    .map_err(|e| Error::Internal(format!("md5 task failed: {e}")))??;
+            // Read back through a new descriptor: the caller's may be open for writing only.
+            let (path, len) = (dest.to_owned(), obj.len);
+            let got = tokio::task::spawn_blocking(move || {
+                File::open(&path).and_then(|f| file_md5(&f, len)).map_err(|e| Error::io("cannot read", path, e))
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("md5 task failed: {e}")))??;
             if got == want {
                 return Ok(crc);
             }
