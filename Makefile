@@ -9,12 +9,13 @@ PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all demo test bench venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: all demo test bench chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
 
 help:
 	@echo "make demo   build, generate a small dataset, start a daemon, stream two epochs"
 	@echo "make test   format, lint, Rust unit/property tests, Python end-to-end tests"
 	@echo "make bench  shardstream vs peers on one generated dataset (writes bench/RESULTS.md)"
+	@echo "make chaos  daemon kills, S3 faults, 64 clients, a full cache disk (writes CHAOS.md)"
 
 venv:
 	@bash scripts/venv.sh >/dev/null
@@ -41,12 +42,20 @@ clippy:
 lint: venv
 	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts
 
+# The failpoint tests need the `failpoints` feature (off in every other build).
 rust-test:
 	$(CARGO) test --workspace
+	$(CARGO) test -p shardstream --features failpoints --test failpoints
 
-# The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine).
+# The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine); the
+# failpoint tests a daemon built with `--features failpoints`; tests/chaos the short chaos suite.
 py-test: develop
-	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests loader-py/tests
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" SHARDSTREAM_FAIL_BIN="$$(bash scripts/failpoint-bin.sh)" \
+		$(PY) -m pytest -q tests loader-py/tests
+
+# The full chaos suite (a few minutes); mounts a tmpfs for the full-disk scenario (root).
+chaos: develop
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) tests/chaos/run.py --out CHAOS.md
 
 test: venv fmt clippy lint rust-test py-test
 

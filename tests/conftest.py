@@ -54,7 +54,8 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
 
 class Daemon:
     """`shardstream serve` as a real process. `args`: extra command-line options; `env`: extra
-    environment (the S3 endpoint and credentials); `wrap`: a command to run it under."""
+    environment (the S3 endpoint and credentials); `wrap`: a command to run it under; `binary`: another
+    build of the command (the failpoint build, SHARDSTREAM_FAIL_BIN)."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class Daemon:
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
         wrap: list[str] | None = None,
+        binary: str | None = None,
     ) -> None:
         self.tmp = tmp
         self.addr = f"unix://{tmp / 'sock'}"
@@ -69,10 +71,11 @@ class Daemon:
         self.args = args or []
         self.env = env or {}
         self.wrap = wrap or []
+        self.binary = binary or SHARDSTREAM
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Daemon:
-        cmd = [SHARDSTREAM, "serve", "--listen", self.addr, "--cache-dir", str(self.cache_dir), "--log", "warn"]
+        cmd = [self.binary, "serve", "--listen", self.addr, "--cache-dir", str(self.cache_dir), "--log", "warn"]
         self.proc = subprocess.Popen([*self.wrap, *cmd, *self.args], env={**os.environ, **self.env})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

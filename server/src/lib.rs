@@ -24,6 +24,7 @@
 //!   package's embedded server alike).
 //! - [`pack`]: `shardstream pack`, turning a tree of small files into shards with a manifest.
 //! - [`cli`]: the `shardstream` command line.
+//! - `failpoints` (feature `failpoints` only): fault injection for the failpoint and chaos tests.
 //!
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
@@ -32,6 +33,8 @@ pub mod cache;
 pub mod cli;
 pub mod daemon;
 pub mod error;
+#[cfg(feature = "failpoints")]
+pub mod failpoints;
 pub mod format;
 pub mod index;
 pub mod metrics;

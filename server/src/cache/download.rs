@@ -1,9 +1,11 @@
 //! Filling a cache file from a shard's source: parallel ranged GETs from S3, or a copy from a
 //! local / parallel file system (`cache=copy`). Whatever the source, the bytes are verified
 //! before the cache publishes them: the size always, the CRC-32C when the manifest gives one
-//! (computed while the bytes stream in, so verification costs no second read). A checksum
-//! mismatch is fetched once more (a bit flip in transit should not fail a training run); a
-//! second mismatch is final and names the shard.
+//! (computed while the bytes stream in, so verification costs no second read), and for an S3
+//! object without one, its ETag when that is an MD5 (one read back from the page cache; see
+//! `S3Store::download_checked`). A CRC-32C mismatch is fetched again (a bit flip in transit
+//! should not fail a training run), up to [`MAX_CHECKSUM_FETCHES`] fetches; the last mismatch is
+//! final and names the shard.
 
 use std::fs::File;
 use std::io::Read;
@@ -14,6 +16,11 @@ use std::sync::Arc;
 use crate::storage::ShardSource;
 use crate::storage::s3::{DownloadObserver, ObjectRef, S3Store};
 use crate::{Error, Result};
+
+/// Fetches of a shard whose CRC-32C mismatches before it is reported: a byte corrupted in transit
+/// is rare and random (the chaos suite injects one per ~40 GETs and sees repeats), a changed
+/// object mismatches every time.
+const MAX_CHECKSUM_FETCHES: u32 = 3;
 
 /// Read size of a local copy: large enough that syscalls vanish against the copy.
 const COPY_CHUNK: usize = 4 << 20;
@@ -43,7 +50,8 @@ pub fn fill(
                 let store = store.ok_or_else(|| Error::Internal(format!("{url}: no S3 connection")))?;
                 let obj = ObjectRef { bucket: bucket.clone(), key: key.clone(), len: spec.len, etag: etag.clone() };
                 let shared = Arc::new(file.try_clone().map_err(|e| Error::io("cannot reopen", tmp, e))?);
-                store.block_on(store.download(&obj, shared, tmp, observer.clone()))?
+                // A manifest's CRC-32C is checked below; without one the ETag's MD5 is.
+                store.block_on(store.download_checked(&obj, shared, tmp, observer.clone(), spec.crc32c.is_none()))?
             }
             ShardSource::Local(path) => copy(path, file, tmp, spec.len)?,
         };
@@ -56,7 +64,7 @@ pub fn fill(
             });
         }
         match spec.crc32c {
-            Some(expected) if expected != crc && attempt < 2 => {
+            Some(expected) if expected != crc && attempt < MAX_CHECKSUM_FETCHES => {
                 tracing::warn!(shard = %url, "checksum mismatch after download, fetching once more");
                 file.set_len(0).map_err(|e| Error::io("cannot truncate", tmp, e))?;
             }
@@ -65,7 +73,7 @@ pub fn fill(
                     shard: url,
                     offset: None,
                     reason: format!(
-                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), also after a re-fetch: \
+                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), in {MAX_CHECKSUM_FETCHES} fetches: \
                          the object changed after the manifest was written; refusing to serve it"
                     ),
                 });
@@ -81,6 +89,7 @@ fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
     let mut buf = vec![0u8; COPY_CHUNK];
     let (mut pos, mut crc) = (0u64, 0u32);
     loop {
+        fail::fail_point!("cache-copy-read", |a| Err(crate::failpoints::io("cannot read shard", src, a)));
         let n = from.read(&mut buf).map_err(|e| Error::io("cannot read shard", src, e))?;
         if n == 0 || pos >= len {
             break;

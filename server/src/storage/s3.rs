@@ -44,6 +44,13 @@ pub const MAX_GETS_IN_FLIGHT: usize = 64;
 /// write syscall is negligible, small enough that a download holds little memory.
 const WRITE_CHUNK: usize = 1 << 20;
 
+/// Whole downloads made of an object whose bytes do not match its ETag before the download fails:
+/// a corruption in transit is rare and random, a second one in a row rarer still.
+const MAX_ETAG_MISMATCHES: u32 = 3;
+
+/// Read size of the MD5 pass over a downloaded file (from the page cache).
+const MD5_CHUNK: usize = 1 << 20;
+
 /// A body that delivers nothing for this long is treated as a dead connection and resumed.
 const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -93,7 +100,9 @@ pub struct ObjectRef {
     pub key: String,
     pub len: u64,
     /// When set, every ranged GET carries `If-Match`: all parts come from one version of the
-    /// object, or the download fails naming it.
+    /// object, or the download fails naming it. An ETag that is an MD5 (a single-part upload's,
+    /// 32 hex digits) is also checked against the downloaded bytes: the integrity check of a
+    /// dataset without manifest, whose CRC-32C nobody knows.
     pub etag: Option<String>,
 }
 
@@ -335,7 +344,16 @@ impl S3Store {
             .retrying(&url, "get", || async {
                 let resp =
                     self.client.get_object().bucket(bucket).key(key).send().await.map_err(|e| classify(&url, e))?;
-                resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))
+                let md5 = resp.e_tag().and_then(etag_md5);
+                let body =
+                    resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))?;
+                // A body changed in transit is fetched again, like a broken one.
+                match md5 {
+                    Some(want) if md5_of(&body) != want => {
+                        Err(Failure::Transient("body does not match its ETag (MD5): corrupted in transit".into()))
+                    }
+                    _ => Ok(body),
+                }
             })
             .await;
         match got {
@@ -368,7 +386,8 @@ impl S3Store {
     /// Downloads `obj` into `file` (created by the caller at `dest`, named in errors) with
     /// parallel ranged GETs, and returns the CRC-32C of its bytes. A part whose body breaks is
     /// resumed from the last byte received. Nothing is held in memory beyond one write chunk per
-    /// part in flight.
+    /// part in flight. The bytes are checked against the object's ETag, see
+    /// [`Self::download_checked`].
     pub async fn download(
         &self,
         obj: &ObjectRef,
@@ -376,9 +395,65 @@ impl S3Store {
         dest: &Path,
         observer: Arc<dyn DownloadObserver>,
     ) -> Result<u32> {
-        if obj.len == 0 {
-            return Ok(0);
+        self.download_checked(obj, file, dest, observer, true).await
+    }
+
+    /// [`Self::download`], where `check_md5` says whether to check the bytes against the object's
+    /// ETag (`obj.etag`, else the one the GETs answered) when it is an MD5, as S3 gives
+    /// single-part uploads: the file is read back once (from the page cache) and a mismatch, a
+    /// body corrupted in transit, downloads the object again, up to [`MAX_ETAG_MISMATCHES`]
+    /// times. A caller that verifies the bytes another way (a manifest's CRC-32C) passes false.
+    pub async fn download_checked(
+        &self,
+        obj: &ObjectRef,
+        file: Arc<File>,
+        dest: &Path,
+        observer: Arc<dyn DownloadObserver>,
+        check_md5: bool,
+    ) -> Result<u32> {
+        for attempt in 1..=MAX_ETAG_MISMATCHES {
+            let (crc, answered) = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
+            let want = match obj.etag.as_deref().or(answered.as_deref()).and_then(etag_md5) {
+                Some(want) if check_md5 => want,
+                _ => return Ok(crc),
+            };
+            // Read back through a new descriptor: the caller's may be open for writing only.
+            let (path, len) = (dest.to_owned(), obj.len);
+            let got = tokio::task::spawn_blocking(move || {
+                File::open(&path).and_then(|f| file_md5(&f, len)).map_err(|e| Error::io("cannot read", path, e))
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("md5 task failed: {e}")))??;
+            if got == want {
+                return Ok(crc);
+            }
+            crate::metrics::storage_retry("s3");
+            observer.retry();
+            tracing::warn!(object = %obj.url(), attempt, "downloaded bytes do not match the ETag (MD5), downloading again");
         }
+        Err(Error::Shard {
+            shard: obj.url(),
+            offset: None,
+            reason: format!(
+                "the downloaded bytes did not match the object's ETag (MD5) in {MAX_ETAG_MISMATCHES} downloads; \
+                 refusing to serve them"
+            ),
+        })
+    }
+
+    /// One download of every part of `obj`, without the ETag check: the CRC-32C of the bytes and
+    /// the ETag the GETs answered.
+    async fn download_once(
+        &self,
+        obj: &ObjectRef,
+        file: Arc<File>,
+        dest: &Path,
+        observer: Arc<dyn DownloadObserver>,
+    ) -> Result<(u32, Option<String>)> {
+        if obj.len == 0 {
+            return Ok((0, None));
+        }
+        let answered: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let part = self.options.part_size.max(1);
         let parts: Vec<Range<u64>> =
             (0..obj.len.div_ceil(part)).map(|i| i * part..((i + 1) * part).min(obj.len)).collect();
@@ -387,14 +462,14 @@ impl S3Store {
         let dest: Arc<PathBuf> = Arc::new(dest.to_owned());
         let mut tasks = tokio::task::JoinSet::new();
         for (i, range) in parts.iter().cloned().enumerate() {
-            let (store, obj, file, dest, observer) =
-                (self.clone(), obj.clone(), file.clone(), dest.clone(), observer.clone());
+            let (store, obj, file, dest, observer, answered) =
+                (self.clone(), obj.clone(), file.clone(), dest.clone(), observer.clone(), answered.clone());
             let per_shard = per_shard.clone();
             tasks.spawn(async move {
                 let _slot = per_shard.acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
                 let _get =
                     store.gets.clone().acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
-                store.fetch_part(&obj, &file, &dest, range, observer.as_ref()).await.map(|crc| (i, crc))
+                store.fetch_part(&obj, &file, &dest, range, observer.as_ref(), &answered).await.map(|crc| (i, crc))
             });
         }
         let mut crcs = vec![0u32; parts.len()];
@@ -410,10 +485,13 @@ impl S3Store {
         for (c, r) in crcs.iter().zip(&parts) {
             crc = crc32c::crc32c_combine(crc, *c, (r.end - r.start) as usize);
         }
-        Ok(crc)
+        let answered = answered.lock().unwrap_or_else(|p| p.into_inner()).take();
+        Ok((crc, answered))
     }
 
-    /// One part: GET, stream to disk, resume from the last byte on a broken body.
+    /// One part: GET, stream to disk, resume from the last byte on a broken body. `answered`:
+    /// the ETag of the first response of any part; a later one that differs means the object
+    /// changed mid-download (possible only without `obj.etag`, which every GET sends as If-Match).
     async fn fetch_part(
         &self,
         obj: &ObjectRef,
@@ -421,6 +499,7 @@ impl S3Store {
         dest: &Arc<PathBuf>,
         range: Range<u64>,
         observer: &dyn DownloadObserver,
+        answered: &std::sync::Mutex<Option<String>>,
     ) -> Result<u32> {
         let url = obj.url();
         let mut backoff = self.options.retry.start();
@@ -440,11 +519,16 @@ impl S3Store {
                 .await
             {
                 Err(e) => Some(classify(&url, e)),
+                Ok(resp) if etag_changed(answered, resp.e_tag()) => Some(Failure::Permanent(Error::Shard {
+                    shard: url.clone(),
+                    offset: None,
+                    reason: "changed on the server while it was being read (its ETag changed)".into(),
+                })),
                 Ok(resp) => {
                     let mut body = resp.body;
                     loop {
-                        match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.try_next()).await {
-                            Ok(Ok(Some(chunk))) => {
+                        match next_chunk(&mut body).await {
+                            Ok(Some(chunk)) => {
                                 if pos + (buf.len() + chunk.len()) as u64 > range.end {
                                     break Some(Failure::Permanent(Error::Shard {
                                         shard: url.clone(),
@@ -464,14 +548,8 @@ impl S3Store {
                                     backoff.progressed();
                                 }
                             }
-                            Ok(Ok(None)) => break None,
-                            Ok(Err(e)) => break Some(Failure::Transient(format!("body broke: {e}"))),
-                            Err(_) => {
-                                break Some(Failure::Transient(format!(
-                                    "no data for {} s",
-                                    BODY_IDLE_TIMEOUT.as_secs()
-                                )));
-                            }
+                            Ok(None) => break None,
+                            Err(msg) => break Some(Failure::Transient(msg)),
                         }
                     }
                 }
@@ -484,7 +562,9 @@ impl S3Store {
             }
             pos = at;
             let failure = match failure {
-                None if pos == range.end => return Ok(crc),
+                // Every byte of the part is here: a body that broke after its last byte lost nothing
+                // (and a resume would ask for an empty range, which servers refuse).
+                None | Some(Failure::Transient(_)) if pos == range.end => return Ok(crc),
                 None => Failure::Transient(format!("body ended at byte {pos}, expected {}", range.end)),
                 Some(f) => f,
             };
@@ -526,12 +606,89 @@ impl S3Store {
     }
 }
 
+/// The MD5 an ETag stands for: a single-part upload's ETag is the hex MD5 of the object's bytes
+/// (quoted). A multipart ETag (`<hex>-<parts>`) or any other form says nothing checkable: `None`.
+pub fn etag_md5(etag: &str) -> Option<[u8; 16]> {
+    let hex = etag.trim_matches('"');
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Records the first ETag a download's responses carry; true when a later one differs.
+fn etag_changed(answered: &std::sync::Mutex<Option<String>>, etag: Option<&str>) -> bool {
+    let Some(etag) = etag else { return false };
+    let mut seen = answered.lock().unwrap_or_else(|p| p.into_inner());
+    match seen.as_deref() {
+        Some(first) => first != etag,
+        None => {
+            *seen = Some(etag.to_owned());
+            false
+        }
+    }
+}
+
+fn md5_of(bytes: &[u8]) -> [u8; 16] {
+    use md5::Digest;
+    md5::Md5::digest(bytes).into()
+}
+
+/// MD5 of the first `len` bytes of `file`, read with positioned reads.
+fn file_md5(file: &File, len: u64) -> std::io::Result<[u8; 16]> {
+    use md5::Digest;
+    let mut hasher = md5::Md5::new();
+    let mut buf = vec![0u8; MD5_CHUNK];
+    let mut pos = 0u64;
+    while pos < len {
+        let n = usize::try_from(len - pos).map_or(MD5_CHUNK, |left| left.min(MD5_CHUNK));
+        file.read_exact_at(&mut buf[..n], pos)?;
+        hasher.update(&buf[..n]);
+        pos += n as u64;
+    }
+    Ok(hasher.finalize().into())
+}
+
+/// The next chunk of a GET body, or why the body broke (a failed read, or no data for
+/// [`BODY_IDLE_TIMEOUT`]): either way the caller resumes from the last byte it has.
+async fn next_chunk(body: &mut ByteStream) -> std::result::Result<Option<Bytes>, String> {
+    fail::fail_point!("s3-get-body", |_| Err("body broke: failpoint s3-get-body".into()));
+    match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.try_next()).await {
+        Ok(Ok(Some(chunk))) => {
+            fail::fail_point!("s3-get-corrupt", |_| Ok(Some(crate::failpoints::flip_a_byte(&chunk))));
+            Ok(Some(chunk))
+        }
+        Ok(Ok(None)) => Ok(None),
+        Ok(Err(e)) => Err(format!("body broke: {e}")),
+        Err(_) => Err(format!("no data for {} s", BODY_IDLE_TIMEOUT.as_secs())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn obj(key: &str) -> ObjectInfo {
         ObjectInfo { key: key.into(), size: 1, etag: None }
+    }
+
+    #[test]
+    fn etags_that_are_md5s_are_recognised() {
+        let md5 = md5_of(b"hello");
+        assert_eq!(etag_md5("\"5d41402abc4b2a76b9719d911017c592\""), Some(md5));
+        assert_eq!(etag_md5("5d41402abc4b2a76b9719d911017c592"), Some(md5));
+        for other in ["\"5d41402abc4b2a76b9719d911017c592-3\"", "", "xyz", "\"5d41402abc4b2a76b9719d911017c59g\""] {
+            assert_eq!(etag_md5(other), None, "{other}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(file_md5(&File::open(&path).unwrap(), bytes.len() as u64).unwrap(), md5_of(&bytes));
     }
 
     #[test]

@@ -1,0 +1,159 @@
+"""A fault-injecting HTTP proxy for the chaos suite: put in front of the real S3 server (s3s-fs),
+it forwards every request unchanged (the Host header too, so SigV4 signatures still verify) and
+spoils a share of them, picked at random, in one of the ways real networks and stores do:
+
+- ``reset``: the connection is reset (RST) before any response;
+- ``slowdown``: ``503 SlowDown``, S3's throttling answer;
+- ``truncate``: the response promises its full length and the connection closes halfway;
+- ``corrupt``: the full length arrives, with one byte inverted: only a checksum can tell.
+
+``truncate`` and ``corrupt`` only apply to responses with an object body (GET of an object, not a
+listing: a listing's XML has no checksum for anyone to check, and S3 itself signs nothing there).
+What was injected is counted by kind in ``counts``."""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import struct
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+KINDS = ("reset", "slowdown", "truncate", "corrupt")
+
+# Headers that belong to one hop, not to the request or response being forwarded.
+HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
+
+SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n'
+    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+class FaultProxy:
+    def __init__(self, upstream_port: int, rate: float = 0.10, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> None:
+        self.upstream_port = upstream_port
+        self.rate = rate
+        self.kinds = kinds
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.server: ThreadingHTTPServer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def pick(self, object_get: bool) -> str | None:
+        """The fault for the next request, or None."""
+        with self.lock:
+            self.counts["requests"] += 1
+            if self.rng.random() >= self.rate:
+                return None
+            kinds = [k for k in self.kinds if object_get or k in ("reset", "slowdown")]
+            return self.rng.choice(kinds) if kinds else None
+
+    def count(self, kind: str) -> None:
+        with self.lock:
+            self.counts[kind] += 1
+
+    def flip(self, data: bytes) -> bytes:
+        with self.lock:
+            at = self.rng.randrange(len(data))
+        return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
+
+    def start(self) -> FaultProxy:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            upstream: http.client.HTTPConnection | None = None
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - the base class's naming
+                self.forward()
+
+            do_HEAD = do_PUT = do_POST = do_DELETE = do_GET  # noqa: N815
+
+            def reset(self) -> None:
+                # SO_LINGER with a zero timeout: close() sends RST instead of FIN.
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+
+            def send(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes, length: int) -> None:
+                self.send_response_only(status, reason)
+                for k, v in headers:
+                    if k.lower() not in HOP and k.lower() != "content-length":
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(length))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+                self.wfile.flush()
+
+            def forward(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                # Path style: /bucket/key?x-id=GetObject for an object, /bucket?list-type=2 a listing.
+                target = urlsplit(self.path)
+                object_get = self.command == "GET" and "list-type" not in target.query and "/" in target.path.strip("/")
+                fault = proxy.pick(object_get)
+                if fault == "reset":
+                    proxy.count(fault)
+                    return self.reset()
+                if fault == "slowdown":
+                    proxy.count(fault)
+                    return self.send(503, "Slow Down", [("Content-Type", "application/xml")], SLOWDOWN, len(SLOWDOWN))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                try:
+                    status, reason, resp_headers, data = self.ask_upstream(body, headers)
+                except OSError:
+                    return self.reset()
+                if fault == "truncate" and status in (200, 206) and len(data) > 1:
+                    proxy.count(fault)
+                    self.send(status, reason, resp_headers, data[: len(data) // 2], len(data))
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return None
+                if fault == "corrupt" and status in (200, 206) and data:
+                    proxy.count(fault)
+                    data = proxy.flip(data)
+                length = int(dict((k.lower(), v) for k, v in resp_headers).get("content-length", len(data)))
+                return self.send(status, reason, resp_headers, data, len(data) if self.command != "HEAD" else length)
+
+            def ask_upstream(self, body: bytes | None, headers: dict[str, str]):
+                for attempt in range(2):
+                    if self.upstream is None:
+                        self.upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                    try:
+                        self.upstream.request(self.command, self.path, body=body, headers=headers)
+                        resp = self.upstream.getresponse()
+                        data = resp.read()
+                        return resp.status, resp.reason, resp.getheaders(), data
+                    except (OSError, http.client.HTTPException):
+                        # A kept-alive upstream connection the server closed: once more on a new one.
+                        self.upstream.close()
+                        self.upstream = None
+                        if attempt:
+                            raise
+                raise OSError("unreachable")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def faults(self) -> dict[str, int]:
+        with self.lock:
+            return {k: self.counts[k] for k in KINDS}
