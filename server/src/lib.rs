@@ -34,6 +34,7 @@ pub mod daemon;
 pub mod error;
 pub mod format;
 pub mod index;
+pub mod limits;
 pub mod metrics;
 pub mod pack;
 pub mod parallel;
