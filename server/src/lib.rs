@@ -28,6 +28,7 @@
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
 
+pub mod atomic_write;
 pub mod cache;
 pub mod cli;
 pub mod daemon;
@@ -42,6 +43,7 @@ pub mod plan;
 pub mod prefetch;
 pub mod service;
 pub mod shutdown;
+pub mod stable_hash;
 pub mod storage;
 pub mod transport;
 

@@ -834,3 +834,47 @@ impl Registry {
         self.datasets.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
     }
 }
+
+#[cfg(test)]
+mod golden {
+    //! Pins every hash this module persists or hands out (fingerprints are saved in trainers'
+    //! state_dicts; sidecar names are files in the cache directory). Values computed by the
+    //! code before the hashes were unified (see `crate::stable_hash`).
+    use super::*;
+
+    fn meta(name: &str, source: ShardSource, len: u64, samples: u64, crc32c: Option<u32>, mtime_ns: Option<i64>) -> ShardMeta {
+        ShardMeta { name: name.into(), source, len, samples, crc32c, mtime_ns, sidecar: None }
+    }
+
+    fn shards() -> [ShardMeta; 3] {
+        [
+            meta("train-000000.tar", ShardSource::Local("/data/ds/train-000000.tar".into()), 10240, 7, Some(0xdead_beef), None),
+            meta(
+                "train-000001.tar",
+                ShardSource::S3 { bucket: "b".into(), key: "ds/train-000001.tar".into(), etag: Some("\"0123abcd\"".into()) },
+                20480,
+                9,
+                None,
+                None,
+            ),
+            meta("train-000002.tar", ShardSource::Local("/data/ds/train-000002.tar".into()), 30720, 11, None, Some(1_700_000_000_123_456_789)),
+        ]
+    }
+
+    #[test]
+    fn fingerprints_are_pinned() {
+        let [crc, etag, mtime] = shards();
+        assert_eq!(fingerprint(std::slice::from_ref(&crc)), "GOLDEN_FP_CRC");
+        assert_eq!(fingerprint(std::slice::from_ref(&etag)), "GOLDEN_FP_ETAG");
+        assert_eq!(fingerprint(std::slice::from_ref(&mtime)), "GOLDEN_FP_MTIME");
+        assert_eq!(fingerprint(&shards()), "GOLDEN_FP_ALL");
+    }
+
+    #[test]
+    fn sidecar_names_are_pinned() {
+        let [crc, etag, _] = shards();
+        let dir = Path::new("/cache/index");
+        assert_eq!(cache_sidecar_path(dir, &crc), dir.join("GOLDEN_SC_LOCAL"));
+        assert_eq!(cache_sidecar_path(dir, &etag), dir.join("GOLDEN_SC_S3"));
+    }
+}
