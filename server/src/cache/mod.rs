@@ -421,11 +421,11 @@ mod tests {
         // code before the hashes were unified (see `crate::stable_hash`).
         assert_eq!(
             key_for("s3://b/ds/train-000001.tar", b"len=20480;etag=\"0123abcd\"", "train-000001.tar"),
-            "GOLDEN_KEY_S3"
+            "811711802475e0cc-train-000001.tar"
         );
         assert_eq!(
             key_for("/data/ds/train-000000.tar", b"len=10240;crc32c=deadbeef", "dir/with space/train-000000.tar"),
-            "GOLDEN_KEY_LOCAL"
+            "7cfc9b1388aa295c-dir_with_space_train-000000.tar"
         );
     }
     use std::io::Write;

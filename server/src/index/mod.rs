@@ -864,17 +864,17 @@ mod golden {
     #[test]
     fn fingerprints_are_pinned() {
         let [crc, etag, mtime] = shards();
-        assert_eq!(fingerprint(std::slice::from_ref(&crc)), "GOLDEN_FP_CRC");
-        assert_eq!(fingerprint(std::slice::from_ref(&etag)), "GOLDEN_FP_ETAG");
-        assert_eq!(fingerprint(std::slice::from_ref(&mtime)), "GOLDEN_FP_MTIME");
-        assert_eq!(fingerprint(&shards()), "GOLDEN_FP_ALL");
+        assert_eq!(fingerprint(std::slice::from_ref(&crc)), "319f373faba19431");
+        assert_eq!(fingerprint(std::slice::from_ref(&etag)), "6a929f4377d646a8");
+        assert_eq!(fingerprint(std::slice::from_ref(&mtime)), "fc7487436db247a5");
+        assert_eq!(fingerprint(&shards()), "7454552b089f7cc6");
     }
 
     #[test]
     fn sidecar_names_are_pinned() {
         let [crc, etag, _] = shards();
         let dir = Path::new("/cache/index");
-        assert_eq!(cache_sidecar_path(dir, &crc), dir.join("GOLDEN_SC_LOCAL"));
-        assert_eq!(cache_sidecar_path(dir, &etag), dir.join("GOLDEN_SC_S3"));
+        assert_eq!(cache_sidecar_path(dir, &crc), dir.join("03756c516561ee27-train-000000.tar.idx"));
+        assert_eq!(cache_sidecar_path(dir, &etag), dir.join("5211c79844b2be77-train-000001.tar.idx"));
     }
 }

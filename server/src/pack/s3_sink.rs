@@ -5,7 +5,7 @@
 //! it with one manifest GET, as after `shardstream index s3://...`.
 //!
 //! ```text
-//!  writer ──► scratch/.shard-000007.tar.tmp.<pid>.<seq> ──► put_shard ──► upload task (store's runtime)
+//!  writer ──► scratch/.shard-000007.tar.tmp ──► put_shard ──► upload task (store's runtime)
 //!                                                  │           PUT, or multipart: parts read
 //!                                                  │           with positioned reads, in parallel
 //!                                                  ▼           then the sidecar PUT, then the
