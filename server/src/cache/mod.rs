@@ -55,11 +55,7 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 
 /// A cache key: `<hash of source and identity>-<shard name made file-safe>`.
 pub fn key_for(source: &str, identity: &[u8], name: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in source.as_bytes().iter().chain([0u8].iter()).chain(identity) {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
+    let h = crate::stable_hash::hash_parts([source.as_bytes(), &[0], identity]);
     let safe: String = name
         .chars()
         .rev()

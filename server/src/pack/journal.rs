@@ -19,6 +19,7 @@
 //! torn last line (a crash mid-append) and anything after a broken entry are ignored, which only
 //! means re-packing a shard.
 
+use crate::stable_hash::Fnv1a;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -64,27 +65,10 @@ pub struct PriorJournal {
     pub shards: Vec<ShardRecord>,
 }
 
-/// FNV-1a, 64 bit: a stable hash (unlike std's, whose algorithm may change between releases).
-struct Fnv(u64);
-
-impl Fnv {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-
-    fn bytes(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 = (self.0 ^ u64::from(x)).wrapping_mul(Self::PRIME);
-        }
-        // A separator no path contains, so ("ab","c") and ("a","bc") differ.
-        self.0 = self.0.wrapping_mul(Self::PRIME);
-    }
-}
-
-/// A stable 64-bit hash of `bytes` (FNV-1a), e.g. to name a directory after a destination.
+/// A stable 64-bit hash of `bytes` as one framed field, e.g. to name a directory after a
+/// destination (persisted: see the golden test).
 pub fn stable_hash(bytes: &[u8]) -> u64 {
-    let mut h = Fnv(Fnv::OFFSET);
-    h.bytes(bytes);
-    h.0
+    Fnv1a::new().field(bytes).finish()
 }
 
 /// The dataset fingerprint: `options` (a canonical description of the shaping options) and the
@@ -96,12 +80,12 @@ pub fn fingerprint(options: &str, catalog: &Catalog, order: &[u32]) -> String {
 /// [`fingerprint`] as made by release `version` (which is part of it: a new release never
 /// resumes an older one's pack).
 fn fingerprint_for(version: &str, options: &str, catalog: &Catalog, order: &[u32]) -> String {
-    let mut a = Fnv(Fnv::OFFSET);
-    let mut b = Fnv(Fnv::OFFSET ^ 0x5bd1_e995_5bd1_e995);
+    let mut a = Fnv1a::new();
+    let mut b = Fnv1a::with_basis(crate::stable_hash::OFFSET ^ 0x5bd1_e995_5bd1_e995);
     let mut feed = |x: &[u8]| {
-        a.bytes(x);
-        b.bytes(x);
-        b.0 = b.0.rotate_left(17);
+        // Framed fields, so ("ab","c") and ("a","bc") differ.
+        a.field(x);
+        b.field(x).rotate(17);
     };
     feed(version.as_bytes());
     feed(options.as_bytes());
@@ -117,7 +101,7 @@ fn fingerprint_for(version: &str, options: &str, catalog: &Catalog, order: &[u32
             None => feed(b"-"),
         }
     }
-    format!("{:016x}{:016x}", a.0, b.0)
+    format!("{:016x}{:016x}", a.finish(), b.finish())
 }
 
 pub fn journal_path(dest: &Path) -> PathBuf {
