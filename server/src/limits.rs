@@ -245,11 +245,11 @@ mod tests {
 
     #[test]
     fn pack_flags_are_range_checked() {
-        let pack = |extra: &[&str]| {
+        fn pack<'a>(extra: &[&'a str]) -> Vec<&'a str> {
             let mut v = vec!["pack", "/src", "--output", "/out"];
             v.extend_from_slice(extra);
             v
-        };
+        }
         for (flag, bad, good, needle) in [
             ("--s3-part-size", "1", "5MiB", "--s3-part-size must be at least 5 MiB and at most 5 GiB"),
             ("--s3-part-size", "1MiB", "5GiB", "at least 5 MiB"),

@@ -68,7 +68,7 @@ impl SrcDir {
     /// in the last component is followed when its target is inside SRC.
     pub fn open_file(&self, rel: &str) -> Result<File, OpenError> {
         let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC;
-        let first = if self.walk_only { Err(Errno::NOSYS) } else { self.openat2(rel, flags) };
+        let first = if self.walk_only { Err(Errno::NOSYS) } else { self.openat2(Path::new(rel), flags) };
         match first {
             Ok(fd) => Ok(File::from(fd)),
             // An absolute symlink (refused by RESOLVE_BENEATH wherever it points) or an escape.
@@ -98,7 +98,7 @@ impl SrcDir {
         }
     }
 
-    fn openat2(&self, rel: &str, flags: OFlags) -> Result<OwnedFd, Errno> {
+    fn openat2(&self, rel: &Path, flags: OFlags) -> Result<OwnedFd, Errno> {
         let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS;
         let mut tries = 0;
         loop {

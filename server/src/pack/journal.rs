@@ -19,7 +19,6 @@
 //! torn last line (a crash mid-append) and anything after a broken entry are ignored, which only
 //! means re-packing a shard.
 
-use crate::stable_hash::Fnv1a;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::group::Catalog;
+use crate::stable_hash::Fnv1a;
 use crate::{Error, Result};
 
 pub const JOURNAL_FILE: &str = "pack-journal.jsonl";
