@@ -173,7 +173,9 @@ mod tests {
         for legacy in [".a.tmp", ".manifest.json.tmp.123", ".k.tar.tmp.1.0"] {
             assert!(is_temp_name(legacy), "{legacy}");
         }
-        for other in ["a.tmp", ".tmp", ".tmp.1.2", ".hidden", ".a.tmpx.1.2", ".a.tmp.x.1", "manifest.json", ".a.tmp.1.2.3"] {
+        for other in
+            ["a.tmp", ".tmp", ".tmp.1.2", ".hidden", ".a.tmpx.1.2", ".a.tmp.x.1", "manifest.json", ".a.tmp.1.2.3"]
+        {
             assert!(!is_temp_name(other), "{other}");
         }
     }

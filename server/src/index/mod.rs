@@ -804,7 +804,9 @@ fn scan_one(
     let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
         match (&meta.source, file) {
             (ShardSource::Local(_), Some(f)) => content_digest(f, table).map(Some),
-            (ShardSource::Local(path), None) => content_digest(&ShardFile::open(path.clone(), meta.len)?, table).map(Some),
+            (ShardSource::Local(path), None) => {
+                content_digest(&ShardFile::open(path.clone(), meta.len)?, table).map(Some)
+            }
             (ShardSource::S3 { .. }, _) => Ok(None),
         }
     };
@@ -900,22 +902,47 @@ mod golden {
     //! code before the hashes were unified (see `crate::stable_hash`).
     use super::*;
 
-    fn meta(name: &str, source: ShardSource, len: u64, samples: u64, crc32c: Option<u32>, mtime_ns: Option<i64>) -> ShardMeta {
+    fn meta(
+        name: &str,
+        source: ShardSource,
+        len: u64,
+        samples: u64,
+        crc32c: Option<u32>,
+        mtime_ns: Option<i64>,
+    ) -> ShardMeta {
         ShardMeta { name: name.into(), source, len, samples, crc32c, mtime_ns, sidecar: None, content: None }
     }
 
     fn shards() -> [ShardMeta; 3] {
         [
-            meta("train-000000.tar", ShardSource::Local("/data/ds/train-000000.tar".into()), 10240, 7, Some(0xdead_beef), None),
+            meta(
+                "train-000000.tar",
+                ShardSource::Local("/data/ds/train-000000.tar".into()),
+                10240,
+                7,
+                Some(0xdead_beef),
+                None,
+            ),
             meta(
                 "train-000001.tar",
-                ShardSource::S3 { bucket: "b".into(), key: "ds/train-000001.tar".into(), etag: Some("\"0123abcd\"".into()) },
+                ShardSource::S3 {
+                    bucket: "b".into(),
+                    key: "ds/train-000001.tar".into(),
+                    etag: Some("\"0123abcd\"".into()),
+                },
                 20480,
                 9,
                 None,
                 None,
             ),
-            meta("train-000002.tar", ShardSource::Local("/data/ds/train-000002.tar".into()), 30720, 11, None, Some(1_700_000_000_123_456_789)),
+            meta(
+                "train-000002.tar",
+                ShardSource::Local("/data/ds/train-000002.tar".into()),
+                30720,
+                11,
+                None,
+                Some(1_700_000_000_123_456_789),
+            ),
         ]
     }
 

@@ -111,11 +111,7 @@ impl SrcDir {
 
     /// Resolves `rel` in user space (it holds a symlink the kernel would not follow here): when
     /// it ends inside SRC, `reopen` opens the remainder (again beneath SRC); else it is refused.
-    fn via_resolved(
-        &self,
-        rel: &str,
-        reopen: impl Fn(&Path) -> Result<OwnedFd, Errno>,
-    ) -> Result<File, OpenError> {
+    fn via_resolved(&self, rel: &str, reopen: impl Fn(&Path) -> Result<OwnedFd, Errno>) -> Result<File, OpenError> {
         let target = std::fs::canonicalize(self.path.join(rel)).map_err(OpenError::Io)?;
         match target.strip_prefix(&self.path) {
             // SRC itself (a link to it) opens as "." and is then refused as a directory.

@@ -243,7 +243,7 @@ mod tests {
             &r,
         )
         .unwrap();
-        assert_eq!(fingerprint_for("0.1.0", "format=webdataset", &cat, &[1, 0]), "GOLDEN_JFP");
+        assert_eq!(fingerprint_for("0.1.0", "format=webdataset", &cat, &[1, 0]), "15677a9285df910cdf6f266f1165c421");
     }
 
     #[test]

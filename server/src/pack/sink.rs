@@ -24,7 +24,6 @@
 //! ```
 
 use std::collections::HashSet;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::journal::ShardRecord;
