@@ -899,7 +899,8 @@ impl Registry {
 mod golden {
     //! Pins every hash this module persists or hands out (fingerprints are saved in trainers'
     //! state_dicts; sidecar names are files in the cache directory). Values computed by the
-    //! code before the hashes were unified (see `crate::stable_hash`).
+    //! code before the hashes were unified (see `crate::stable_hash`), and for the content
+    //! digest (new with it) checked against an independent Python model of the algorithm.
     use super::*;
 
     fn meta(
@@ -953,6 +954,28 @@ mod golden {
         assert_eq!(fingerprint(std::slice::from_ref(&etag)), "6a929f4377d646a8");
         assert_eq!(fingerprint(std::slice::from_ref(&mtime)), "fc7487436db247a5");
         assert_eq!(fingerprint(&shards()), "7454552b089f7cc6");
+    }
+
+    #[test]
+    fn content_digests_are_pinned() {
+        // Part of the fingerprint of every local dataset without manifest.
+        let dir = tempfile::tempdir().unwrap();
+        let digest = |len: usize, boundaries: Vec<u64>| {
+            let path = dir.path().join(format!("s{len}.tar"));
+            std::fs::write(&path, (0..len).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>()).unwrap();
+            let file = ShardFile::open(path, len as u64).unwrap();
+            let table =
+                ShardTable::Tar(crate::format::tar::TarIndex { boundaries, fields: vec!["cls".into(), "jpg".into()] });
+            content_digest(&file, &table).unwrap()
+        };
+        let big = digest(200 << 10, vec![0, 1024, 200 << 10]);
+        assert_eq!(big, 0xab75_61ad_0a25_fbcb);
+        assert_eq!(digest(3072, vec![0, 1024, 3072]), 0x6561_cd4c_ee1d_e337);
+        assert_ne!(digest(200 << 10, vec![0, 2048, 200 << 10]), big, "the member table counts");
+        let [_, _, mut local] = shards();
+        local.content = Some(big);
+        assert_eq!(local.content_identity(), format!("len=30720;content={big:016x}").into_bytes());
+        assert_eq!(fingerprint(&[local]), "c778a651406c24cf");
     }
 
     #[test]
