@@ -307,7 +307,8 @@ def test_dest_with_another_dataset_and_s3(tmp_path: Path, s3: S3Server) -> None:
         p = pack(src, "--output", bad, check=False, env=env)
         assert p.returncode == 1 and bad in p.stderr, p.stderr
     p = pack(src, "--output", "s3://foreign/x/", "--s3-part-size", "1MiB", check=False, env=env)
-    assert p.returncode == 1 and "at least 5 MiB" in p.stderr, p.stderr
+    # Refused by the command-line parser now (a usage error: exit 2), before anything is touched.
+    assert p.returncode == 2 and "--s3-part-size must be at least 5 MiB" in p.stderr, p.stderr
     p = subprocess.run([SHARDSTREAM, "pack", "--help"], capture_output=True, text=True, check=True)
     for flag in (
         "--files-from",
