@@ -242,6 +242,36 @@ def test_bad_entries_in_files_from(tmp_path: Path) -> None:
         assert not (tmp_path / f"strict{i}" / "manifest.json").exists()
 
 
+def test_files_from_refuses_symlinked_directory_leaving_src(tmp_path: Path) -> None:
+    # Issue #13 defect 7: `a` is a symlink to a directory outside SRC; `a/x.jpg` must be refused
+    # (named in the error), and none of the outside bytes may end up in a shard.
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=3)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = b"secret-bytes-outside-src-" * 8
+    (outside / "x.jpg").write_bytes(secret)
+    (src / "a").symlink_to(outside, target_is_directory=True)
+    (src / "deep").mkdir()
+    (src / "deep" / "up").symlink_to("../..", target_is_directory=True)  # relative escape
+    lst = tmp_path / "list"
+    lst.write_text("c000/000000.jpg\nc000/000001.jpg\na/x.jpg\ndeep/up/outside/x.jpg\n")
+    out = tmp_path / "out"
+    p = pack(src, "--output", out, "--files-from", lst)
+    for entry in ("a/x.jpg", "deep/up/outside/x.jpg"):
+        assert f"skipped {entry}: symlink outside SRC" in p.stderr, (entry, p.stderr)
+    assert "skipped 2 bad inputs" in p.stdout
+    assert json.loads((out / "manifest.json").read_text())["total_samples"] == 2
+    for shard in out.glob("*.tar"):
+        assert secret not in shard.read_bytes()
+
+    strict = tmp_path / "strict"
+    lst.write_text("a/x.jpg\n")
+    p = pack(src, "--output", strict, "--files-from", lst, "--strict", check=False)
+    assert p.returncode == 1 and "a/x.jpg" in p.stderr, p.stderr
+    assert not (strict / "manifest.json").exists()
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server = S3Server(tmp_path_factory.mktemp("s3")).start()
@@ -277,7 +307,8 @@ def test_dest_with_another_dataset_and_s3(tmp_path: Path, s3: S3Server) -> None:
         p = pack(src, "--output", bad, check=False, env=env)
         assert p.returncode == 1 and bad in p.stderr, p.stderr
     p = pack(src, "--output", "s3://foreign/x/", "--s3-part-size", "1MiB", check=False, env=env)
-    assert p.returncode == 1 and "at least 5 MiB" in p.stderr, p.stderr
+    # Refused by the command-line parser now (a usage error: exit 2), before anything is touched.
+    assert p.returncode == 2 and "--s3-part-size must be at least 5 MiB" in p.stderr, p.stderr
     p = subprocess.run([SHARDSTREAM, "pack", "--help"], capture_output=True, text=True, check=True)
     for flag in (
         "--files-from",

@@ -66,3 +66,47 @@ def test_resume_after_kill(daemon, dataset, tmp_path: Path, mode: str) -> None:
     assert run(root, daemon.addr, resumed, mode, -1, state) == 0
     got = [json.loads(line) for line in resumed.read_text().splitlines()]
     assert got == expected, "resumed sequence differs from the uninterrupted one"
+
+
+def test_state_dict_follows_a_copy_but_not_a_content_change(daemon, tmp_path: Path) -> None:
+    # Issue #13 defect 8: without a manifest the fingerprint was built from mtimes, so a plain
+    # `cp -r` of the dataset to another node refused the state saved on the first.
+    import os
+    import shutil
+    import tarfile
+
+    import shardstream
+    from conftest import write_dataset
+
+    src = tmp_path / "orig"
+    write_dataset(src, n=300, per_shard=50, seed=3)
+    kw = dict(batch_size=16, seed=1, connect=daemon.addr)
+    loader = shardstream.Loader(str(src), **kw)
+    loader.set_epoch(1)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()
+    rest = [k for batch in it for k in batch["__key__"]]
+    assert rest
+
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy, copy_function=shutil.copyfile)  # as `cp -r`: new mtimes
+    for shard in copy.glob("*.tar"):
+        os.utime(shard, ns=(1_000_000_000, 1_000_000_000))
+    resumed = shardstream.Loader(str(copy), **kw)
+    resumed.load_state_dict(state)
+    assert [k for batch in resumed for k in batch["__key__"]] == rest
+
+    # Same names, sizes and sample boundaries, one payload byte different: refused.
+    changed = tmp_path / "changed"
+    shutil.copytree(src, changed, copy_function=shutil.copyfile)
+    shard = sorted(changed.glob("*.tar"))[0]
+    with tarfile.open(shard) as tf:
+        member = next(m for m in tf.getmembers() if m.name.endswith(".jpg"))
+    data = bytearray(shard.read_bytes())
+    data[member.offset_data] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    other = shardstream.Loader(str(changed), **kw)
+    with pytest.raises(ValueError, match="the shards changed"):
+        other.load_state_dict(state)

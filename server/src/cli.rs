@@ -11,6 +11,8 @@ use shardstream_client::Address;
 use tokio_util::sync::CancellationToken;
 
 use crate::daemon::{BoundDaemon, DaemonConfig};
+/// Ranges of the size and count flags (shared with configuration loaders).
+pub use crate::limits;
 
 #[derive(Debug, Parser)]
 #[command(name = "shardstream", version, about = "Node-local data loading daemon for ML training")]
@@ -30,33 +32,33 @@ pub enum Command {
         #[arg(long, env = "SHARDSTREAM_CACHE_DIR", default_value = "/var/cache/shardstream")]
         cache_dir: PathBuf,
         /// Node cache capacity (e.g. 500GiB, 2TB); default: 90% of the cache file system's space.
-        #[arg(long, env = "SHARDSTREAM_CACHE_SIZE", value_parser = crate::pack::cli::parse_size)]
+        #[arg(long, env = "SHARDSTREAM_CACHE_SIZE", value_parser = limits::parse_cache_size)]
         cache_size: Option<u64>,
         /// Eviction policy: belady (farthest next use, from the known future order) or lru.
         #[arg(long, env = "SHARDSTREAM_CACHE_POLICY", default_value = "belady")]
         cache_policy: crate::cache::table::Policy,
         /// How far ahead of each consumer to fetch shards, in seconds of its consumption.
-        #[arg(long, default_value_t = 60.0)]
+        #[arg(long, default_value_t = 60.0, value_parser = limits::parse_prefetch_horizon)]
         prefetch_horizon: f64,
         /// Shards fetched ahead at once.
-        #[arg(long, default_value_t = crate::prefetch::PrefetchConfig::default().parallel)]
+        #[arg(long, default_value_t = crate::prefetch::PrefetchConfig::default().parallel, value_parser = limits::parse_prefetch_parallel)]
         prefetch_parallel: usize,
         /// S3: bytes per ranged GET.
-        #[arg(long, default_value = "8MiB", value_parser = crate::pack::cli::parse_size)]
+        #[arg(long, default_value = "8MiB", value_parser = limits::parse_s3_get_part_size)]
         s3_part_size: u64,
         /// S3: ranged GETs in flight per shard.
-        #[arg(long, default_value_t = crate::storage::s3::DEFAULT_CONCURRENCY)]
+        #[arg(long, default_value_t = crate::storage::s3::DEFAULT_CONCURRENCY, value_parser = limits::parse_s3_concurrency)]
         s3_concurrency: usize,
         /// S3: retries of a failed request before giving up (0 disables retries).
-        #[arg(long, default_value_t = crate::storage::retry::RetryConfig::default().max_retries)]
+        #[arg(long, default_value_t = crate::storage::retry::RetryConfig::default().max_retries, value_parser = limits::parse_s3_max_retries)]
         s3_max_retries: u32,
         /// Shared memory, view mode: unreleased batches one stream's client may hold before the
         /// daemon waits (each costs the daemon only its lease records).
-        #[arg(long, default_value_t = crate::transport::shm::DEFAULT_CREDITS)]
+        #[arg(long, default_value_t = crate::transport::shm::DEFAULT_CREDITS, value_parser = limits::parse_shm_credits)]
         shm_credits: u32,
         /// Shared memory, packed mode (collate="stack"): slots of each stream's ring, i.e. the
         /// batches a client may hold; the ring's memory is this many batches.
-        #[arg(long, default_value_t = crate::transport::ring::RING_SLOTS)]
+        #[arg(long, default_value_t = crate::transport::ring::RING_SLOTS, value_parser = limits::parse_ring_slots)]
         ring_slots: u32,
         /// Shared memory, packed mode: ring memory all streams together may hold (e.g. 8GiB;
         /// default a quarter of physical memory). A stream whose ring does not fit waits up to
@@ -75,7 +77,7 @@ pub enum Command {
         /// Dataset: a directory, file:// URL, s3://bucket/prefix/, or brace pattern of shards.
         url: String,
         /// Threads reading shards in parallel.
-        #[arg(long, default_value_t = default_threads())]
+        #[arg(long, default_value_t = default_threads(), value_parser = limits::parse_threads)]
         threads: usize,
     },
     /// Turn a tree of small files into shards (WebDataset TAR or Parquet) with a manifest.
@@ -88,7 +90,7 @@ pub enum Command {
         #[arg(long, env = "SHARDSTREAM_ADDR", default_value = "unix:///run/shardstream/sock")]
         connect: String,
         /// Stage only the first N shards of the epoch's order (default: all that fit).
-        #[arg(long)]
+        #[arg(long, value_parser = limits::parse_prefetch_shards)]
         shards: Option<u64>,
         /// The order to follow: the trainers' seed and epoch.
         #[arg(long, default_value_t = 0)]

@@ -29,6 +29,7 @@
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
 
+pub mod atomic_write;
 pub mod cache;
 pub mod cli;
 pub mod daemon;
@@ -37,6 +38,7 @@ pub mod error;
 pub mod failpoints;
 pub mod format;
 pub mod index;
+pub mod limits;
 pub mod metrics;
 pub mod pack;
 pub mod parallel;
@@ -44,6 +46,7 @@ pub mod plan;
 pub mod prefetch;
 pub mod service;
 pub mod shutdown;
+pub mod stable_hash;
 pub mod storage;
 pub mod transport;
 

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use table::{Begin, CacheTable, Eviction, Policy};
 
+use crate::atomic_write::AtomicFile;
 use crate::{Error, Result};
 
 /// Subdirectory of the cache directory holding shard copies.
@@ -54,11 +55,7 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 
 /// A cache key: `<hash of source and identity>-<shard name made file-safe>`.
 pub fn key_for(source: &str, identity: &[u8], name: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in source.as_bytes().iter().chain([0u8].iter()).chain(identity) {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
+    let h = crate::stable_hash::hash_parts([source.as_bytes(), &[0], identity]);
     let safe: String = name
         .chars()
         .rev()
@@ -398,30 +395,14 @@ impl NodeCache {
 
     /// Writes one fill to a temporary file, syncs it and renames it into place.
     fn fill_one(&self, key: &str, fill: &mut dyn FnMut(&Path, &File) -> Result<()>) -> Result<()> {
-        static SEQ: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.dir.join(format!(".{key}.tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, Relaxed)));
-        let result = (|| {
-            let file = File::options()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&tmp)
-                .map_err(|e| Error::io("cannot create cache file", &tmp, e))?;
-            fill(&tmp, &file)?;
-            fail::fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", &tmp, a)));
-            fail::fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", &tmp, a)));
-            file.sync_all().map_err(|e| Error::io("cannot sync cache file", &tmp, e))?;
-            let dest = self.path_of(key);
-            fail::fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
-            std::fs::rename(&tmp, &dest).map_err(|e| Error::io("cannot publish cache file", &dest, e))?;
-            File::open(&self.dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| Error::io("cannot sync cache directory", &self.dir, e))
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result
+        let dest = self.path_of(key);
+        // Dropped on any error below, which removes the temporary file.
+        let tmp = AtomicFile::create(&dest).map_err(|e| Error::io("cannot create cache file", &dest, e))?;
+        fill(tmp.temp_path(), tmp.file())?;
+        fail::fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", tmp.temp_path(), a)));
+        fail::fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", tmp.temp_path(), a)));
+        fail::fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
+        tmp.commit().map_err(|e| Error::io("cannot publish cache file", &dest, e))
     }
 }
 
@@ -432,6 +413,20 @@ fn is_disk_full(e: &Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_keys_are_pinned() {
+        // File names in every node cache: a change orphans all cached shards. Computed by the
+        // code before the hashes were unified (see `crate::stable_hash`).
+        assert_eq!(
+            key_for("s3://b/ds/train-000001.tar", b"len=20480;etag=\"0123abcd\"", "train-000001.tar"),
+            "811711802475e0cc-train-000001.tar"
+        );
+        assert_eq!(
+            key_for("/data/ds/train-000000.tar", b"len=10240;crc32c=deadbeef", "dir/with space/train-000000.tar"),
+            "7cfc9b1388aa295c-dir_with_space_train-000000.tar"
+        );
+    }
     use std::io::Write;
 
     fn write(bytes: &'static [u8]) -> impl FnMut(&Path, &File) -> Result<()> {

@@ -30,9 +30,7 @@
 //! the bytes left, so a malicious file cannot make the decoder allocate more than a small
 //! multiple of its own size.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::tar::TarIndex;
 
@@ -204,30 +202,12 @@ pub fn decode(bytes: &[u8], expected_identity: &[u8]) -> Result<Option<TarIndex>
     Ok(Some(TarIndex { boundaries, fields }))
 }
 
-/// Distinguishes temporary files of concurrent writers in one process.
-static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
-
-/// Writes a sidecar atomically: to `.<name>.tmp.<pid>.<seq>` beside it, fsync, rename over `path`.
-/// Readers see the old file or the new one, never a partial one; a crash leaves at worst a file
-/// that [`crate::storage::local::is_temp_name`] recognises, for the next writer to clear.
-/// The directory is not fsynced: after a power loss the rename may be lost, which costs a rescan.
+/// Writes a sidecar atomically ([`crate::atomic_write`]): readers see the old file or the new
+/// one, never a partial one; a crash leaves at worst a temporary file for the next writer to
+/// clear.
 pub fn write_atomic(path: &Path, identity: &[u8], index: &TarIndex) -> std::io::Result<()> {
     fail::fail_point!("sidecar-write", |a| Err(crate::failpoints::io_error(a)));
-    let bytes = encode(identity, index);
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("sidecar");
-    let tmp =
-        path.with_file_name(format!(".{name}.tmp.{}.{}", std::process::id(), TMP_SEQ.fetch_add(1, Ordering::Relaxed)));
-    let result = std::fs::File::create(&tmp)
-        .and_then(|mut f| {
-            f.write_all(&bytes)?;
-            f.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if result.is_err() {
-        // Best effort: the error being reported is the write's, not the cleanup's.
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    crate::atomic_write::write(path, &encode(identity, index))
 }
 
 /// Reads a sidecar; `Ok(None)` when there is none or it describes other bytes.

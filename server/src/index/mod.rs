@@ -93,6 +93,9 @@ pub struct ShardMeta {
     pub mtime_ns: Option<i64>,
     /// Sidecar path named by the manifest, if any.
     pub sidecar: Option<PathBuf>,
+    /// Content digest of a local shard opened without manifest ([`content_digest`]): stands in
+    /// for the mtime in the fingerprint, so a copy of the dataset keeps its fingerprint.
+    pub content: Option<u64>,
 }
 
 impl ShardMeta {
@@ -108,6 +111,15 @@ impl ShardMeta {
             (None, Some(e), _) => format!("len={};etag={e}", self.len).into_bytes(),
             (None, None, Some(m)) => format!("len={};mtime_ns={m}", self.len).into_bytes(),
             (None, None, None) => format!("len={}", self.len).into_bytes(),
+        }
+    }
+
+    /// The identity the dataset fingerprint uses: [`identity`](Self::identity), except that a
+    /// content digest replaces the mtime (which a copy does not keep).
+    pub fn content_identity(&self) -> Vec<u8> {
+        match (self.crc32c, self.content) {
+            (None, Some(d)) => format!("len={};content={d:016x}", self.len).into_bytes(),
+            _ => self.identity(),
         }
     }
 
@@ -305,11 +317,14 @@ impl Dataset {
         if let Some(fields) = manifest_fields {
             return Ok(Self::assemble(&url, mode, base, shards, fields, true, sidecar_cache, backends, keys));
         }
-        let tables = scan_all(&shards, &keys, &backends, sidecar_cache.as_deref())?;
+        let scanned = scan_all(&shards, &keys, &backends, sidecar_cache.as_deref())?;
         let mut fields = std::collections::BTreeSet::new();
-        for (meta, table) in shards.iter_mut().zip(&tables) {
+        let mut tables = Vec::with_capacity(scanned.len());
+        for (meta, (table, content)) in shards.iter_mut().zip(scanned) {
             meta.samples = table.num_samples();
+            meta.content = content;
             fields.extend(table.fields().iter().cloned());
+            tables.push(table);
         }
         let ds = Self::assemble(
             &url,
@@ -600,6 +615,7 @@ impl Discovered {
                         crc32c: None,
                         mtime_ns: Some(l.mtime_ns),
                         sidecar: None,
+                        content: None,
                     })
                     .collect();
                 Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
@@ -628,6 +644,7 @@ impl Discovered {
                         crc32c: None,
                         mtime_ns: None,
                         sidecar: None,
+                        content: None,
                     })
                     .collect();
                 Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
@@ -655,6 +672,7 @@ impl Discovered {
                 Place::Dir(dir) => s.index.as_ref().map(|i| dir.join(i)),
                 Place::Bucket { .. } => None,
             },
+            content: None,
         };
         let shards: Vec<ShardMeta> = match names {
             None => m.shards.iter().map(to_meta).collect(),
@@ -679,23 +697,45 @@ impl Discovered {
     }
 }
 
-/// Hash of the shards' names, sizes and checksums (or mtimes): a stable identity of the content.
+/// Hash of the shards' names, sample counts and content identities (see ARCHITECTURE.md,
+/// "Dataset fingerprint"); persisted in trainers' state_dicts.
 fn fingerprint(shards: &[ShardMeta]) -> String {
-    // FNV-1a, 64 bit: stable across builds and machines (unlike std's RandomState).
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
+    let mut h = crate::stable_hash::Fnv1a::new();
     for s in shards {
-        feed(s.name.as_bytes());
-        feed(&[0]);
-        feed(&s.identity());
-        feed(&s.samples.to_le_bytes());
+        h.bytes(s.name.as_bytes()).bytes(&[0]).bytes(&s.content_identity()).bytes(&s.samples.to_le_bytes());
     }
-    format!("{h:016x}")
+    format!("{:016x}", h.finish())
+}
+
+/// Bytes at each end of a local shard that its content digest covers.
+const DIGEST_EDGE: u64 = 64 << 10;
+
+/// A digest of a local shard's content, for shards without a manifest checksum: its length,
+/// member table (every sample's byte range and the field names) and first and last
+/// [`DIGEST_EDGE`] bytes. Two positioned reads; what it does not cover is in ARCHITECTURE.md.
+fn content_digest(file: &ShardFile, table: &ShardTable) -> Result<u64> {
+    let mut h = crate::stable_hash::Fnv1a::new();
+    h.field(b"shardstream-content-1").field(&file.len.to_le_bytes());
+    match table {
+        ShardTable::Tar(ix) => {
+            for b in &ix.boundaries {
+                h.bytes(&b.to_le_bytes());
+            }
+            for f in &ix.fields {
+                h.field(f.as_bytes());
+            }
+        }
+    }
+    let head = file.len.min(DIGEST_EDGE);
+    let tail_start = file.len.saturating_sub(DIGEST_EDGE).max(head);
+    let mut buf = vec![0u8; DIGEST_EDGE as usize];
+    for range in [0..head, tail_start..file.len] {
+        let chunk = &mut buf[..(range.end - range.start) as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&file.file, chunk, range.start)
+            .map_err(|e| Error::io("cannot read shard", &file.path, e))?;
+        h.field(chunk);
+    }
+    Ok(h.finish())
 }
 
 fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
@@ -719,11 +759,7 @@ fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
 fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
     // Keyed by the shard's location (path or URL); the identity inside the file guards against
     // reuse for other bytes.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in meta.url().as_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
+    let h = crate::stable_hash::hash(meta.url().as_bytes());
     cache.join(format!("{h:016x}-{}.idx", meta.name))
 }
 
@@ -754,43 +790,159 @@ fn load_table(meta: &ShardMeta, file: &ShardFile, cache: Option<&Path>) -> Resul
     Ok(ShardTable::Tar(index))
 }
 
-/// Loads every shard's table, in parallel (a dataset opened without manifest). Shards read
-/// through the node cache are fetched first, unless the daemon's sidecar cache already knows
-/// them: a restarted daemon reopens an S3 dataset without downloading it again.
+/// Loads every shard's table, in parallel (a dataset opened without manifest), and the content
+/// digest of each local shard. Shards read through the node cache are fetched first, unless the
+/// daemon's sidecar cache already knows them: a restarted daemon reopens an S3 dataset without
+/// downloading it again.
 fn scan_all(
     shards: &[ShardMeta],
     keys: &[String],
     backends: &Backends,
     cache: Option<&Path>,
-) -> Result<Vec<ShardTable>> {
+) -> Result<Vec<(ShardTable, Option<u64>)>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
-    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| {
-        let meta = &shards[i];
-        match (keys.get(i), &backends.cache) {
-            (Some(key), Some(node)) => {
-                if let Some(cache) = cache
-                    && let Ok(Some(index)) = sidecar::read(&cache_sidecar_path(cache, meta), &meta.identity())
-                    && index.fits_shard(meta.len)
-                {
-                    return Ok(ShardTable::Tar(index));
-                }
-                let pin = fetch_into(node, backends, meta, key, Want::NOW)?
-                    .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
-                let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
-                load_table(meta, &file, cache)
+    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(&shards[i], keys.get(i), backends, cache))
+}
+
+/// One shard's table and, for a local shard, its content digest (S3 shards keep their ETag as
+/// identity: digesting them would download them).
+fn scan_one(
+    meta: &ShardMeta,
+    key: Option<&String>,
+    backends: &Backends,
+    cache: Option<&Path>,
+) -> Result<(ShardTable, Option<u64>)> {
+    let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
+        match (&meta.source, file) {
+            (ShardSource::Local(_), Some(f)) => content_digest(f, table).map(Some),
+            (ShardSource::Local(path), None) => {
+                content_digest(&ShardFile::open(path.clone(), meta.len)?, table).map(Some)
             }
-            _ => {
-                let ShardSource::Local(path) = &meta.source else {
-                    return Err(Error::Internal(format!("{} needs the node cache", meta.url())));
-                };
-                let file = ShardFile::open(path.clone(), meta.len)?;
-                load_table(meta, &file, cache)
-            }
+            (ShardSource::S3 { .. }, _) => Ok(None),
         }
-    })
+    };
+    match (key, &backends.cache) {
+        (Some(key), Some(node)) => {
+            let table = match cache
+                .and_then(|c| sidecar::read(&cache_sidecar_path(c, meta), &meta.identity()).ok().flatten())
+                .filter(|index| index.fits_shard(meta.len))
+            {
+                Some(index) => ShardTable::Tar(index),
+                None => {
+                    let pin = fetch_into(node, backends, meta, key, Want::NOW)?
+                        .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+                    let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
+                    load_table(meta, &file, cache)?
+                }
+            };
+            let content = digest(&table, None)?;
+            Ok((table, content))
+        }
+        _ => {
+            let ShardSource::Local(path) = &meta.source else {
+                return Err(Error::Internal(format!("{} needs the node cache", meta.url())));
+            };
+            let file = ShardFile::open(path.clone(), meta.len)?;
+            let table = load_table(meta, &file, cache)?;
+            let content = digest(&table, Some(&file))?;
+            Ok((table, content))
+        }
+    }
 }
 
 /// How long an S3 dataset's shard list is trusted before the next open lists (or reads the
 /// manifest) again: a minute keeps requests per epoch close to the number of shards, whatever
 /// the number of ranks and workers, and still notices a replaced dataset between two runs.
 pub const REMOTE_REDISCOVERY: Duration = Duration::from_secs(60);
+
+#[cfg(test)]
+mod golden {
+    //! Pins every hash this module persists or hands out (fingerprints are saved in trainers'
+    //! state_dicts; sidecar names are files in the cache directory). Values computed by the
+    //! code before the hashes were unified (see `crate::stable_hash`), and for the content
+    //! digest (new with it) checked against an independent Python model of the algorithm.
+    use super::*;
+
+    fn meta(
+        name: &str,
+        source: ShardSource,
+        len: u64,
+        samples: u64,
+        crc32c: Option<u32>,
+        mtime_ns: Option<i64>,
+    ) -> ShardMeta {
+        ShardMeta { name: name.into(), source, len, samples, crc32c, mtime_ns, sidecar: None, content: None }
+    }
+
+    fn shards() -> [ShardMeta; 3] {
+        [
+            meta(
+                "train-000000.tar",
+                ShardSource::Local("/data/ds/train-000000.tar".into()),
+                10240,
+                7,
+                Some(0xdead_beef),
+                None,
+            ),
+            meta(
+                "train-000001.tar",
+                ShardSource::S3 {
+                    bucket: "b".into(),
+                    key: "ds/train-000001.tar".into(),
+                    etag: Some("\"0123abcd\"".into()),
+                },
+                20480,
+                9,
+                None,
+                None,
+            ),
+            meta(
+                "train-000002.tar",
+                ShardSource::Local("/data/ds/train-000002.tar".into()),
+                30720,
+                11,
+                None,
+                Some(1_700_000_000_123_456_789),
+            ),
+        ]
+    }
+
+    #[test]
+    fn fingerprints_are_pinned() {
+        let [crc, etag, mtime] = shards();
+        assert_eq!(fingerprint(std::slice::from_ref(&crc)), "319f373faba19431");
+        assert_eq!(fingerprint(std::slice::from_ref(&etag)), "6a929f4377d646a8");
+        assert_eq!(fingerprint(std::slice::from_ref(&mtime)), "fc7487436db247a5");
+        assert_eq!(fingerprint(&shards()), "7454552b089f7cc6");
+    }
+
+    #[test]
+    fn content_digests_are_pinned() {
+        // Part of the fingerprint of every local dataset without manifest.
+        let dir = tempfile::tempdir().unwrap();
+        let digest = |len: usize, boundaries: Vec<u64>| {
+            let path = dir.path().join(format!("s{len}.tar"));
+            std::fs::write(&path, (0..len).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>()).unwrap();
+            let file = ShardFile::open(path, len as u64).unwrap();
+            let table =
+                ShardTable::Tar(crate::format::tar::TarIndex { boundaries, fields: vec!["cls".into(), "jpg".into()] });
+            content_digest(&file, &table).unwrap()
+        };
+        let big = digest(200 << 10, vec![0, 1024, 200 << 10]);
+        assert_eq!(big, 0xab75_61ad_0a25_fbcb);
+        assert_eq!(digest(3072, vec![0, 1024, 3072]), 0x6561_cd4c_ee1d_e337);
+        assert_ne!(digest(200 << 10, vec![0, 2048, 200 << 10]), big, "the member table counts");
+        let [_, _, mut local] = shards();
+        local.content = Some(big);
+        assert_eq!(local.content_identity(), format!("len=30720;content={big:016x}").into_bytes());
+        assert_eq!(fingerprint(&[local]), "c778a651406c24cf");
+    }
+
+    #[test]
+    fn sidecar_names_are_pinned() {
+        let [crc, etag, _] = shards();
+        let dir = Path::new("/cache/index");
+        assert_eq!(cache_sidecar_path(dir, &crc), dir.join("03756c516561ee27-train-000000.tar.idx"));
+        assert_eq!(cache_sidecar_path(dir, &etag), dir.join("5211c79844b2be77-train-000001.tar.idx"));
+    }
+}

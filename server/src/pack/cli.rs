@@ -12,6 +12,7 @@ use super::{
     BadInput, DEFAULT_PREFIX, FileList, PackOptions, PackProgress, ParquetCompression, ShardFormat, default_threads,
     pack_with,
 };
+use crate::limits;
 use crate::storage::s3::{S3Options, S3Store};
 use crate::storage::s3_write::UploadOptions;
 
@@ -67,11 +68,11 @@ pub struct PackArgs {
     /// powers of 1000). A sample larger than this gets a shard of its own. The 1 GiB default keeps a
     /// multi-TB dataset to a few thousand shards read at full bandwidth, while a node cache still
     /// holds many and a re-packed or re-downloaded shard costs seconds.
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = limits::parse_shard_size)]
     pub shard_size: u64,
 
     /// Most samples per shard; a shard ends at whichever of this and --shard-size comes first.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = limits::parse_samples_per_shard)]
     pub samples_per_shard: Option<u64>,
 
     /// Shard names: PREFIX-000000.tar, PREFIX-000001.tar, ...
@@ -99,7 +100,7 @@ pub struct PackArgs {
     pub seed: u64,
 
     /// Rows per Parquet row group (--format parquet); a row group is also cut at 128 MiB.
-    #[arg(long, value_name = "ROWS", default_value_t = DEFAULT_ROW_GROUP_ROWS)]
+    #[arg(long, value_name = "ROWS", default_value_t = DEFAULT_ROW_GROUP_ROWS, value_parser = limits::parse_row_group_size)]
     pub row_group_size: usize,
 
     /// Compression of Parquet pages (--format parquet). Images and audio are already compressed,
@@ -108,7 +109,7 @@ pub struct PackArgs {
     pub parquet_compression: ParquetCompression,
 
     /// Reader threads (default: twice the cores, at most 32; more help on a parallel file system).
-    #[arg(long, default_value_t = default_threads())]
+    #[arg(long, default_value_t = default_threads(), value_parser = limits::parse_threads)]
     pub threads: usize,
 
     /// Continue an interrupted pack of the same input and options into DEST: complete shards are
@@ -122,11 +123,11 @@ pub struct PackArgs {
     pub strict: bool,
 
     /// S3 output: bytes per part of a multipart upload (S3 requires at least 5 MiB).
-    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = limits::parse_s3_upload_part_size)]
     pub s3_part_size: u64,
 
     /// S3 output: shards larger than this are uploaded in parts, smaller ones with one PUT.
-    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = limits::parse_s3_multipart_threshold)]
     pub s3_multipart_threshold: u64,
 }
 

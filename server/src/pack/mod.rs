@@ -28,6 +28,7 @@
 //! written only after every shard and sidecar is durable; an interrupted pack resumed with
 //! `--resume` produces the same bytes as an uninterrupted one.
 
+pub mod beneath;
 pub mod cli;
 pub mod dest;
 pub mod group;
@@ -399,7 +400,8 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
     let start = kept.last().map_or(0, |r| r.end);
     let end = order.len() as u64;
     let layout = if opts.format == ShardFormat::Webdataset { Layout::Tar } else { Layout::Raw };
-    let ctx = ReadContext { src: &src, catalog: &catalog, order: &order, layout, reporter: &reporter };
+    let root = beneath::SrcDir::open(&src).map_err(|e| Error::io("cannot open source directory", &src, e))?;
+    let ctx = ReadContext { src: &root, catalog: &catalog, order: &order, layout, reporter: &reporter };
     let cfg = WriterConfig {
         format: opts.format,
         shard_size: opts.shard_size,

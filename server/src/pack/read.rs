@@ -15,8 +15,8 @@
 //! read here: its open file goes to the writer, which copies it in chunks, so one 50 GB video
 //! does not need 50 GB of memory.
 //!
-//! Every file is opened with `O_NOFOLLOW`: when that fails because the last component is a
-//! symlink, the link is resolved and must stay inside SRC. `O_NONBLOCK` keeps a FIFO that slipped
+//! Every file is opened beneath SRC ([`SrcDir`]): no component of its path, symlink or not, may
+//! lead out of SRC. `O_NONBLOCK` keeps a FIFO that slipped
 //! into a `--files-from` list from blocking the pack; anything that is not a regular file is
 //! reported.
 
@@ -24,10 +24,9 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Read;
 use std::ops::Range;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
 use std::sync::{Condvar, Mutex};
 
+use super::beneath::{OpenError, SrcDir};
 use super::group::{Catalog, LABEL_FIELD};
 use super::report::{BadInput, BadKind, Reporter};
 use super::ustar;
@@ -116,38 +115,39 @@ pub enum Loaded<'a> {
 
 /// What readers need to know.
 pub struct ReadContext<'a> {
-    /// SRC, canonical.
-    pub src: &'a Path,
+    /// SRC, canonical, opened.
+    pub src: &'a SrcDir,
     pub catalog: &'a Catalog,
     pub order: &'a [u32],
     pub layout: Layout,
     pub reporter: &'a Reporter<'a>,
 }
 
-/// Opens `rel` under `src` for reading, refusing symlinks that leave SRC and non-files.
-pub fn open_checked(src: &Path, rel: &str) -> std::result::Result<(File, u64), BadInput> {
-    let full = src.join(rel);
-    let open = |p: &Path, flags: i32| {
-        std::fs::OpenOptions::new().read(true).custom_flags(flags | libc::O_NONBLOCK | libc::O_CLOEXEC).open(p)
-    };
+/// Opens `rel` beneath SRC for reading, refusing paths that leave SRC (through a symlink in any
+/// component) and non-files.
+pub fn open_checked(src: &SrcDir, rel: &str) -> std::result::Result<(File, u64), BadInput> {
     let classify = |e: std::io::Error, what: &str| match e.kind() {
         std::io::ErrorKind::NotFound => BadInput::new(BadKind::Vanished, rel, format!("{what}: no longer exists")),
         _ => BadInput::new(BadKind::Unreadable, rel, format!("{what}: {e}")),
     };
-    let file = match open(&full, libc::O_NOFOLLOW) {
+    let file = match src.open_file(rel) {
         Ok(f) => f,
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            let target = std::fs::canonicalize(&full).map_err(|e| classify(e, "cannot resolve symlink"))?;
-            if !target.starts_with(src) {
-                return Err(BadInput::new(
-                    BadKind::SymlinkOutside,
-                    rel,
-                    format!("symlink points to {}, outside SRC", target.display()),
-                ));
-            }
-            open(&target, 0).map_err(|e| classify(e, "cannot open symlink target"))?
+        Err(OpenError::Outside { to }) => {
+            let to = to.map_or_else(|| "a path".to_owned(), |t| t.display().to_string());
+            return Err(BadInput::new(
+                BadKind::SymlinkOutside,
+                rel,
+                format!("a symlink on the path leads to {to}, outside SRC ({}); not read", src.path().display()),
+            ));
         }
-        Err(e) => return Err(classify(e, "cannot open")),
+        Err(OpenError::SymlinkedDir) => {
+            return Err(BadInput::new(
+                BadKind::SymlinkOutside,
+                rel,
+                "a directory on the path is a symlink (not followed: this kernel has no openat2)",
+            ));
+        }
+        Err(OpenError::Io(e)) => return Err(classify(e, "cannot open")),
     };
     let meta = file.metadata().map_err(|e| classify(e, "cannot stat"))?;
     if !meta.is_file() {
@@ -482,7 +482,8 @@ mod tests {
             Catalog::build(files.iter().map(|f| f.0.clone()).collect(), GroupOptions::default(), &reporter).unwrap();
         let order = cat.order(true, 3);
         for layout in [Layout::Tar, Layout::Raw] {
-            let ctx = ReadContext { src: &src, catalog: &cat, order: &order, layout, reporter: &reporter };
+            let root = SrcDir::open(&src).unwrap();
+            let ctx = ReadContext { src: &root, catalog: &cat, order: &order, layout, reporter: &reporter };
             let window = Window::new(10, order.len());
             let mut got = Vec::new();
             std::thread::scope(|s| {
@@ -515,6 +516,7 @@ mod tests {
         std::os::unix::fs::symlink(dir.path().join("outside.jpg"), src.join("out.jpg")).unwrap();
         std::os::unix::fs::symlink(src.join("nothing"), src.join("dangling.jpg")).unwrap();
         std::os::unix::fs::symlink(&src, src.join("loop.jpg")).unwrap();
+        let src = SrcDir::open(&src).unwrap();
         assert_eq!(open_checked(&src, "in.jpg").unwrap().1, 1);
         assert_eq!(open_checked(&src, "out.jpg").unwrap_err().kind, BadKind::SymlinkOutside);
         assert_eq!(open_checked(&src, "dangling.jpg").unwrap_err().kind, BadKind::Vanished);
@@ -529,7 +531,8 @@ mod tests {
         let src = dir.path().canonicalize().unwrap();
         let reporter = Reporter::new(false, &());
         let cat = Catalog::build(vec!["k.bin".into(), "k.txt".into()], GroupOptions::default(), &reporter).unwrap();
-        let ctx = ReadContext { src: &src, catalog: &cat, order: &[0], layout: Layout::Tar, reporter: &reporter };
+        let root = SrcDir::open(&src).unwrap();
+        let ctx = ReadContext { src: &root, catalog: &cat, order: &[0], layout: Layout::Tar, reporter: &reporter };
         let Loaded::Sample(s) = load_sample(&ctx, 0) else { panic!() };
         assert_eq!(s.streams.len(), 1);
         assert_eq!(s.encoded_len(), 512 + big.len() as u64 + 509 + 512 + 512);

@@ -218,7 +218,7 @@ impl Sink for S3Sink {
     }
 
     fn scratch_path(&self, name: &str) -> PathBuf {
-        self.scratch.join(format!(".{name}.tmp"))
+        crate::atomic_write::temp_path(&self.scratch.join(name))
     }
 
     fn put_shard(&self, shard: FinishedShard) -> Result<usize> {

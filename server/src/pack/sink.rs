@@ -19,12 +19,11 @@
 //!    _shardstream/
 //!      shard-000000.tar.idx ...       sidecars (member tables), written as shards complete
 //!      pack-journal.jsonl             the resume journal
-//!      staging/.shard-000007.tar.tmp  the shard being written
+//!      staging/.shard-000007.tar.tmp.<pid>.<seq>  the shard being written
 //!      staging/shard-000006.tar       durable, not yet published
 //! ```
 
 use std::collections::HashSet;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::journal::ShardRecord;
@@ -69,7 +68,7 @@ pub struct LocalSink {
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("cannot sync directory", dir, e))
+    crate::atomic_write::sync_dir(dir).map_err(|e| Error::io("cannot sync directory", dir, e))
 }
 
 pub(super) fn is_ours(name: &str, prefix: &str, ext: &str) -> bool {
@@ -112,19 +111,17 @@ impl Sink for LocalSink {
     }
 
     fn scratch_path(&self, name: &str) -> PathBuf {
-        self.staging.join(format!(".{name}.tmp"))
+        crate::atomic_write::temp_path(&self.staging.join(name))
     }
 
     fn put_shard(&self, shard: FinishedShard) -> Result<usize> {
-        shard.file.sync_all().map_err(|e| Error::io("cannot sync shard", &shard.scratch, e))?;
         let staged = self.staging.join(&shard.name);
-        std::fs::rename(&shard.scratch, &staged).map_err(|e| Error::io("cannot rename shard", &shard.scratch, e))?;
-        sync_dir(&self.staging)?;
+        crate::atomic_write::publish(&shard.file, &shard.scratch, &staged)
+            .map_err(|e| Error::io("cannot stage shard", &shard.scratch, e))?;
         if let Some(ix) = &shard.tar_index {
             let path = self.sidecar_path(&shard.name);
             sidecar::write_atomic(&path, shard.identity().as_bytes(), ix)
                 .map_err(|e| Error::io("cannot write sidecar", &path, e))?;
-            sync_dir(&self.sidecars)?;
         }
         Ok(1)
     }

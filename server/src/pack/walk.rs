@@ -12,7 +12,9 @@
 //!
 //! A `--files-from` list trusts its entries as far as they go: each is made relative to SRC, and
 //! an entry with a `..` component, or an absolute one outside SRC, is a bad input. It is not
-//! stat'ed: skipping the metadata-heavy walk is the point of the option.
+//! stat'ed: skipping the metadata-heavy walk is the point of the option. Its directories may be
+//! symlinks, so the text of an entry proves nothing: it is opened strictly beneath SRC
+//! ([`super::beneath`]), and refused when any component leads out.
 
 use std::ffi::OsStr;
 use std::io::Read;

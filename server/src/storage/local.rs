@@ -137,33 +137,17 @@ impl ShardFile {
     }
 }
 
-/// Writes `bytes` to `path` so that readers see either the old file or the complete new one: a
-/// temporary name in the same directory, fsync, rename, fsync of the directory.
+/// Writes `bytes` to `path` so that readers see either the old file or the complete new one
+/// (see [`crate::atomic_write`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        fail::fail_point!("atomic-write", |a| Err(crate::failpoints::io_error(a)));
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io("cannot write", path, e));
-    }
-    Ok(())
+    fail::fail_point!("atomic-write", |a| Err(crate::failpoints::io("cannot write", path, a)));
+    crate::atomic_write::write(path, bytes).map_err(|e| Error::io("cannot write", path, e))
 }
 
-/// True for the temporary names [`write_atomic`] and the sidecar writer use (`.<name>.tmp` or
-/// `.<name>.tmp.<pid>[.<seq>]`): what a crashed writer leaves behind, safe to delete before the
-/// next write into the same directory.
+/// True for the temporary names of [`crate::atomic_write`]: what a crashed writer leaves
+/// behind, safe to delete before the next write into the same directory.
 pub fn is_temp_name(name: &str) -> bool {
-    name.starts_with('.') && (name.ends_with(".tmp") || name.contains(".tmp."))
+    crate::atomic_write::is_temp_name(name)
 }
 
 /// CRC-32C of a whole file, streamed in large reads.

@@ -1,0 +1,31 @@
+"""Size and count flags out of range are refused at parse time, naming the flag and the range."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from conftest import SHARDSTREAM
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SHARDSTREAM, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_size_and_count_flags_out_of_range_are_refused(tmp_path: Path) -> None:
+    serve = ["serve", "--listen", f"unix://{tmp_path / 'sock'}", "--cache-dir", str(tmp_path / "cache")]
+    cases = [
+        ([*serve, "--s3-part-size", "1"], "--s3-part-size must be at least 64 KiB and at most 1 GiB"),
+        ([*serve, "--s3-concurrency", "0"], "--s3-concurrency must be from 1 to 256, not 0"),
+        ([*serve, "--prefetch-parallel", "100000"], "--prefetch-parallel must be from 1 to 256, not 100000"),
+        (["index", str(tmp_path), "--threads", "0"], "--threads must be from 1 to 1024, not 0"),
+        (["prefetch", "s3://b/p/", "--shards", "0"], "--shards must be from 1 to"),
+        (["pack", str(tmp_path), "--output", str(tmp_path / "o"), "--s3-part-size", "1"], "at least 5 MiB"),
+        (["pack", str(tmp_path), "--output", str(tmp_path / "o"), "--shard-size", "10"], "--shard-size must be"),
+    ]
+    for args, needle in cases:
+        p = run(*args)
+        assert p.returncode == 2, (args, p.returncode, p.stderr)
+        assert needle in p.stderr, (args, p.stderr)
+    # Nothing was started or created by a refused command line.
+    assert not (tmp_path / "sock").exists() and not (tmp_path / "cache").exists() and not (tmp_path / "o").exists()
