@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import webdataset as wds
 import yaml
-from conftest import Daemon
 from deployutil import DEPLOY, tool
 from s3server import S3Server, free_port
 
 import shardstream
+from conftest import Daemon
 
 MON = DEPLOY / "monitoring"
 RULES = MON / "alerts.yaml"
@@ -150,11 +150,18 @@ def test_every_metric_used_is_exported_by_a_real_daemon(tmp_path: Path, s3: S3Se
     d = Daemon(
         tmp_path / "daemon",
         args=[
-            "--metrics-addr", f"127.0.0.1:{port}",
+            "--metrics-addr",
+            f"127.0.0.1:{port}",
             # Half the dataset: the epochs evict.
-            "--cache-size", str(total // 2),
+            "--cache-size",
+            str(total // 2),
             # Small parts, one at a time: the outage below lands mid-download.
-            "--s3-part-size", "64KiB", "--s3-concurrency", "1", "--prefetch-parallel", "1",
+            "--s3-part-size",
+            "64KiB",
+            "--s3-concurrency",
+            "1",
+            "--prefetch-parallel",
+            "1",
         ],
         env=s3.env(),
     ).start()

@@ -26,9 +26,7 @@ def unit_with_binary(tmp_path: Path) -> Path:
 
 def test_unit_verifies_without_warnings(tmp_path: Path) -> None:
     unit = unit_with_binary(tmp_path)
-    r = subprocess.run(
-        [tool("systemd-analyze"), "verify", str(unit)], capture_output=True, text=True, timeout=60
-    )
+    r = subprocess.run([tool("systemd-analyze"), "verify", str(unit)], capture_output=True, text=True, timeout=60)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     # Unknown keys and bad values are only warnings (rc 0): any line about our unit is a defect.
@@ -75,9 +73,7 @@ def test_sysusers_and_tmpfiles_in_a_scratch_root(tmp_path: Path) -> None:
         (root / "usr" / "lib" / kind).mkdir(parents=True)
         shutil.copy(DEPLOY / "systemd" / src, root / "usr" / "lib" / kind / "shardstream.conf")
     (root / "etc").mkdir()
-    r = subprocess.run(
-        [tool("systemd-sysusers"), f"--root={root}", "shardstream.conf"], capture_output=True, text=True
-    )
+    r = subprocess.run([tool("systemd-sysusers"), f"--root={root}", "shardstream.conf"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     passwd = (root / "etc" / "passwd").read_text()
     group = (root / "etc" / "group").read_text()
