@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all demo test bench venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: all demo test test-deploy bench venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
 
 help:
 	@echo "make demo   build, generate a small dataset, start a daemon, stream two epochs"
@@ -46,9 +46,16 @@ rust-test:
 
 # The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine).
 py-test: develop
-	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests loader-py/tests
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests loader-py/tests --ignore=tests/deploy
 
-test: venv fmt clippy lint rust-test py-test
+# The deployment files (deploy/), each run for real: a private Slurm with a job as a non-root
+# user, promtool, systemd-analyze, hadolint, shellcheck. Needs root (apt-get, useradd, slurmd).
+test-deploy: develop
+	bash scripts/deploy-tools.sh $(VENV)
+	$(CARGO) build -p shardstream --bin shardstream
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests/deploy
+
+test: venv fmt clippy lint rust-test py-test test-deploy
 
 BENCH_VENV := .venv-bench
 bench: venv-bench
