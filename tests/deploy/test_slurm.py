@@ -232,7 +232,7 @@ def decoy(world: World) -> Iterator[subprocess.Popen[bytes]]:
     os.chown(d, world.user.pw_uid, world.user.pw_gid)
     proc = subprocess.Popen(
         [
-            "setpriv",
+            "/usr/bin/setpriv",
             f"--reuid={world.user.pw_uid}",
             f"--regid={world.user.pw_gid}",
             "--init-groups",
@@ -320,31 +320,33 @@ def run_hook(world: World, hook: str, job: str, uid: int, **extra: str) -> subpr
 
 def test_hooks_run_without_path(world: World) -> None:
     """Prolog, TaskProlog (as the job user) and Epilog run by hand, one after the other."""
-    job = "4242001"
+    job = "990000001"  # above any id slurm-up.sh's FirstJobId hands out
     uid = world.user.pw_uid
     r = run_hook(world, "prolog", job, uid, SLURM_JOB_COMMENT="shardstream:s3://data/slurm/")
-    assert r.returncode == 0, r.stderr
     sock = RUN_DIR / f"job-{job}" / "sock"
-    assert sock.is_socket() and sock.stat().st_uid == uid
-    assert job_processes(job), "the daemon runs"
-    assert "staged 8 of 8 shards" in (world.log / f"job-{job}.log").read_text()
-    task = subprocess.run(
-        [
-            "setpriv",
-            f"--reuid={uid}",
-            f"--regid={world.user.pw_gid}",
-            "--init-groups",
-            "--",
-            "/bin/bash",
-            str(DEPLOY / "slurm" / "task-prolog"),
-        ],
-        env={"PATH": "/nonexistent", "SLURM_JOB_ID": job, "SLURM_CONF": str(world.slurm / "slurm.conf")},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert task.returncode == 0 and task.stdout == f"export SHARDSTREAM_ADDR=unix://{sock}\n", task
-    r = run_hook(world, "epilog", job, uid)
+    assert r.returncode == 0, r.stderr
+    try:
+        assert sock.is_socket() and sock.stat().st_uid == uid
+        assert job_processes(job), "the daemon runs"
+        assert "staged 8 of 8 shards" in (world.log / f"job-{job}.log").read_text()
+        task = subprocess.run(
+            [
+                "/usr/bin/setpriv",
+                f"--reuid={uid}",
+                f"--regid={world.user.pw_gid}",
+                "--init-groups",
+                "--",
+                "/bin/bash",
+                str(DEPLOY / "slurm" / "task-prolog"),
+            ],
+            env={"PATH": "/nonexistent", "SLURM_JOB_ID": job, "SLURM_CONF": str(world.slurm / "slurm.conf")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert task.returncode == 0 and task.stdout == f"export SHARDSTREAM_ADDR=unix://{sock}\n", task
+    finally:
+        r = run_hook(world, "epilog", job, uid)
     assert r.returncode == 0, r.stderr
     assert not job_processes(job) and not sock.parent.exists()
 
@@ -352,7 +354,7 @@ def test_hooks_run_without_path(world: World) -> None:
 def test_epilog_without_a_daemon_and_with_a_forged_pidfile(world: World, decoy) -> None:
     """The Epilog also runs for jobs whose Prolog never ran, and must exit 0; a pidfile naming a
     process that is not this job's daemon (here: the user's other daemon) is not obeyed."""
-    job = "4242424"
+    job = "990000002"
     r = run_hook(world, "epilog", job, world.user.pw_uid)
     assert r.returncode == 0, r.stderr
     pidfile = RUN_DIR / f"job-{job}.pid"
