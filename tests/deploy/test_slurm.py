@@ -155,6 +155,16 @@ def world() -> Iterator[World]:
         yield World(root, slurm, out, binary, log, job_cache, user, samples, s3)
     finally:
         subprocess.run(["bash", str(REPO / "scripts" / "slurm-up.sh"), "down", str(slurm)], timeout=120)
+        # Whatever a failed test left behind: every daemon of this module runs the binary copied
+        # under `root`, and every job directory it made names one of its jobs.
+        for pid in processes_naming(str(root)):
+            os.kill(pid, signal.SIGKILL)
+        for leftover in RUN_DIR.glob("job-*"):
+            if leftover.name.removeprefix("job-").removesuffix(".pid") in JOBS_STARTED:
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink()
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
 
@@ -179,7 +189,9 @@ def submit(world: World, dataset: str, url: str) -> str:
         cwd=world.out,
     )
     assert r.returncode == 0, r.stderr
-    return r.stdout.strip().split(";")[0]
+    job = r.stdout.strip().split(";")[0]
+    JOBS_STARTED.add(job)
+    return job
 
 
 def job_state(world: World, job: str) -> dict[str, str]:
@@ -191,9 +203,16 @@ def job_state(world: World, job: str) -> dict[str, str]:
     return fields
 
 
+JOBS_STARTED: set[str] = set()
+
+
 def job_processes(job: str) -> list[int]:
     """Processes whose command line names the job's socket directory."""
-    needle = f"{RUN_DIR}/job-{job}/".encode()
+    return processes_naming(f"{RUN_DIR}/job-{job}/")
+
+
+def processes_naming(text: str) -> list[int]:
+    needle = text.encode()
     found = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -322,6 +341,7 @@ def test_hooks_run_without_path(world: World) -> None:
     """Prolog, TaskProlog (as the job user) and Epilog run by hand, one after the other."""
     job = "990000001"  # above any id slurm-up.sh's FirstJobId hands out
     uid = world.user.pw_uid
+    JOBS_STARTED.add(job)
     r = run_hook(world, "prolog", job, uid, SLURM_JOB_COMMENT="shardstream:s3://data/slurm/")
     sock = RUN_DIR / f"job-{job}" / "sock"
     assert r.returncode == 0, r.stderr
@@ -355,6 +375,7 @@ def test_epilog_without_a_daemon_and_with_a_forged_pidfile(world: World, decoy) 
     """The Epilog also runs for jobs whose Prolog never ran, and must exit 0; a pidfile naming a
     process that is not this job's daemon (here: the user's other daemon) is not obeyed."""
     job = "990000002"
+    JOBS_STARTED.add(job)
     r = run_hook(world, "epilog", job, world.user.pw_uid)
     assert r.returncode == 0, r.stderr
     pidfile = RUN_DIR / f"job-{job}.pid"
