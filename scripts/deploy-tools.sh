@@ -10,10 +10,12 @@ venv=${1:-.venv}
 cache=${SHARDSTREAM_CACHE:-$HOME/.cache/shardstream}
 apt_get() { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q "$@"; }
 
-if [ "$(id -u)" -ne 0 ]; then
-  echo "deploy-tools: needs root (apt-get); run as root or install slurm-wlm, munge, prometheus by hand" >&2
-  exit 1
-fi
+need_root() {
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "deploy-tools: $1 is missing and installing it needs root (apt-get); CI runs as root" >&2
+    exit 1
+  fi
+}
 
 promtool="$cache/tools/prometheus/usr/bin/promtool"
 if [ ! -x "$promtool" ]; then
@@ -25,6 +27,7 @@ if [ ! -x "$promtool" ]; then
 fi
 
 if ! [ -x /usr/sbin/slurmctld ] || ! [ -x /usr/sbin/munged ]; then
+  need_root slurm-wlm
   apt_get install -y slurm-wlm munge >&2 || { apt_get update >&2 && apt_get install -y slurm-wlm munge >&2; }
 fi
 

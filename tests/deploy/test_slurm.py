@@ -359,12 +359,23 @@ def test_hooks_run_without_path(world: World) -> None:
                 "/bin/bash",
                 str(DEPLOY / "slurm" / "task-prolog"),
             ],
-            env={"PATH": "/nonexistent", "SLURM_JOB_ID": job, "SLURM_CONF": str(world.slurm / "slurm.conf")},
+            env={
+                "PATH": "/nonexistent",
+                "SLURM_JOB_ID": job,
+                "SLURM_CONF": str(world.slurm / "slurm.conf"),
+                # A job's own way to name its dataset: staged by the TaskProlog, once per job.
+                "SHARDSTREAM_DATASET": "s3://data/slurm/",
+            },
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert task.returncode == 0 and task.stdout == f"export SHARDSTREAM_ADDR=unix://{sock}\n", task
+        staged = sock.parent / "prefetch.log"
+        deadline = time.monotonic() + 60
+        while "staged 8 of 8 shards" not in (staged.read_text() if staged.exists() else ""):
+            assert time.monotonic() < deadline, staged.read_text() if staged.exists() else "no prefetch.log"
+            time.sleep(0.1)
     finally:
         r = run_hook(world, "epilog", job, uid)
     assert r.returncode == 0, r.stderr
