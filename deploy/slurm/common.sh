@@ -3,8 +3,9 @@
 # Shared by prolog, epilog and task-prolog (sourced; install all four side by side).
 # Slurm runs these hooks with no PATH, so every command here is an absolute path or a builtin.
 #
-# Site settings: shardstream.env next to slurm.conf (/etc/slurm/shardstream.env), a root-owned
-# file of VAR=value lines sourced by the hooks. Recognised:
+# Site settings: shardstream.env next to slurm.conf (/etc/slurm/shardstream.env), a root-owned,
+# world-readable (0644: the TaskProlog runs as the job's user) file of VAR=value lines sourced by
+# the hooks. Recognised:
 #   SHARDSTREAM_BIN            the daemon binary (default /usr/local/bin/shardstream)
 #   SHARDSTREAM_RUN_DIR        parent of the per-job socket directories (default /run/shardstream)
 #   SHARDSTREAM_JOB_CACHE_DIR  parent of the per-job caches (default /var/cache/shardstream/jobs;
@@ -15,8 +16,10 @@
 #   SHARDSTREAM_START_TIMEOUT  seconds the prolog waits for the daemon to serve (default 60)
 #   SHARDSTREAM_PREFETCH_WAIT  seconds the prolog waits for staging before the job starts
 #                              (default 0: staging continues in the background)
-#   AWS_*                      passed to the daemon (S3 endpoint, region, credentials); without
-#                              them the daemon reads the job user's ~/.aws as usual
+#   AWS_*                      passed to the daemon (S3 endpoint, region); without them the
+#                              daemon reads the job user's ~/.aws as usual. Credentials put here
+#                              are readable by every job's user (it owns its daemon process and
+#                              so its environment): only keys users may hold, e.g. read-only.
 
 ss_conf_dir() {
   local conf=${SLURM_CONF:-/etc/slurm/slurm.conf}

@@ -144,7 +144,9 @@ def world() -> Iterator[World]:
         }
         env_file = slurm / "shardstream.env"
         env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
-        env_file.chmod(0o600)
+        # Readable by all: the TaskProlog (job user) reads it too (deploy/README.md says why secrets
+        # here are no secret from the job's user anyway).
+        env_file.chmod(0o644)
         up = subprocess.run(
             ["bash", str(REPO / "scripts" / "slurm-up.sh"), "up", str(slurm), str(DEPLOY / "slurm")],
             capture_output=True,
