@@ -70,3 +70,32 @@ def test_dockerignore_keeps_the_build_inputs_and_drops_target() -> None:
                 assert src.rstrip("/") in allowed, f"{src} is copied but not in the context"
                 assert (REPO / src).exists(), src
     assert "**/target/" in rules
+
+
+def test_build_stage_context_is_a_complete_workspace(tmp_path) -> None:
+    """What the build stage COPYs (and nothing else) is a workspace cargo accepts with --locked,
+    holding the binary it builds: the closest to `docker build` this machine allows."""
+    import json
+    import shutil
+
+    for line in stages()[0]:
+        if line.upper().startswith("COPY ") and "--from" not in line:
+            *sources, dest = line.split()[1:]
+            for src in sources:
+                target = tmp_path / (src if dest in (".", "./") else dest)
+                if (REPO / src).is_dir():
+                    shutil.copytree(REPO / src, target, ignore=shutil.ignore_patterns("target", "__pycache__"))
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(REPO / src, target)
+    r = subprocess.run(
+        ["cargo", "metadata", "--locked", "--offline", "--format-version", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    meta = json.loads(r.stdout)
+    daemon = next(p for p in meta["packages"] if p["name"] == "shardstream")
+    assert any(t["name"] == "shardstream" and "bin" in t["kind"] for t in daemon["targets"])

@@ -14,9 +14,7 @@ HOOKS = ("prolog", "epilog", "task-prolog")
 def test_shellcheck_clean() -> None:
     scripts = [DEPLOY / "slurm" / n for n in (*HOOKS, "common.sh", "example.sbatch")]
     scripts += [REPO / "scripts" / "slurm-up.sh", REPO / "scripts" / "deploy-tools.sh"]
-    r = subprocess.run(
-        [tool("shellcheck"), "-x", *map(str, scripts)], capture_output=True, text=True, cwd=REPO
-    )
+    r = subprocess.run([tool("shellcheck"), "-x", *map(str, scripts)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
