@@ -144,7 +144,7 @@ def test_every_metric_used_is_exported_by_a_real_daemon(tmp_path: Path, s3: S3Se
     used = used_metric_names()
     assert {"shardstream_consumer_wait_seconds_total", "shardstream_cache_evictions_total"} <= used
     url = "s3://data/mon/"
-    samples = write_fixed_size_dataset(s3.bucket("data") / "mon", shards=32, per_shard=4, size=32 << 10)
+    samples = write_fixed_size_dataset(s3.bucket("data") / "mon", shards=32, per_shard=4, size=64 << 10)
     total = sum(p.stat().st_size for p in (s3.root / "data" / "mon").glob("*.tar"))
     port = free_port()
     d = Daemon(
