@@ -1,13 +1,24 @@
-"""deploy/docker: hadolint finds nothing, and the image keeps the promises the Kubernetes manifests
-and README rely on. No container engine is available here, so the image itself is not built: these
-checks are what can be run without one (deploy/README.md says so)."""
+"""deploy/docker: hadolint finds nothing, the image keeps the promises the Kubernetes manifests
+and README rely on, the build stage's context is a complete workspace, and the image's command
+runs as its user against directories made as the image makes them. No container engine is
+available here, so the image itself is not built (deploy/README.md says so)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import signal
 import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
 
-from deployutil import DEPLOY, REPO, tool
+import pytest
+from deployutil import DEPLOY, REPO, require_root, shardstream_binary, tool
+from s3server import free_port
 
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 
@@ -75,9 +86,6 @@ def test_dockerignore_keeps_the_build_inputs_and_drops_target() -> None:
 def test_build_stage_context_is_a_complete_workspace(tmp_path) -> None:
     """What the build stage COPYs (and nothing else) is a workspace cargo accepts with --locked,
     holding the binary it builds: the closest to `docker build` this machine allows."""
-    import json
-    import shutil
-
     for line in stages()[0]:
         if line.upper().startswith("COPY ") and "--from" not in line:
             *sources, dest = line.split()[1:]
@@ -99,3 +107,63 @@ def test_build_stage_context_is_a_complete_workspace(tmp_path) -> None:
     meta = json.loads(r.stdout)
     daemon = next(p for p in meta["packages"] if p["name"] == "shardstream")
     assert any(t["name"] == "shardstream" and "bin" in t["kind"] for t in daemon["targets"])
+
+
+@pytest.fixture()
+def open_tmp():
+    """A temporary directory other uids can enter (pytest's tmp_path sits in a 0700 directory)."""
+    d = Path(tempfile.mkdtemp(prefix="shardstream-image-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_image_command_runs_as_its_user(open_tmp: Path) -> None:
+    """The final stage's ENTRYPOINT + CMD run as its numeric USER, with the image's socket and
+    cache directories mapped onto temporary ones made as the COPY --chown makes them (uid 65532,
+    0750): the daemon serves, `status` (the probe command) answers, /metrics answers, and SIGTERM
+    stops it cleanly. The metrics port is moved to a free one, nothing else is changed."""
+    require_root("running the daemon as the image's uid")
+    final = stages()[-1]
+    uid, _, gid = next(line.split()[1] for line in final if line.upper().startswith("USER ")).partition(":")
+    entry = json.loads(next(line[len("ENTRYPOINT ") :] for line in final if line.startswith("ENTRYPOINT ")))
+    cmd = json.loads(next(line[len("CMD ") :] for line in final if line.startswith("CMD ")))
+    assert entry == ["/usr/local/bin/shardstream"]
+    port = free_port()
+    tmp_path = open_tmp
+    mapping = {"/run/shardstream": tmp_path / "run", "/var/cache/shardstream": tmp_path / "cache"}
+    for d in mapping.values():
+        d.mkdir(mode=0o750)
+        os.chown(d, int(uid), int(gid))
+    args = []
+    for a in cmd:
+        for image_path, host_path in mapping.items():
+            a = a.replace(image_path, str(host_path))
+        args.append(a.replace("0.0.0.0:9464", f"127.0.0.1:{port}"))
+    assert args[0] == "serve" and args != cmd
+    # A copy the image's uid can run (the build's may sit under a directory it cannot enter).
+    binary = tmp_path / "shardstream"
+    shutil.copy(shardstream_binary(), binary)
+    as_user = ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+    env = {"PATH": "/usr/bin:/bin", "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt"}
+    proc = subprocess.Popen([*as_user, str(binary), *args], env=env)
+    try:
+        addr = next(a for a in args if a.startswith("unix://"))
+        deadline = time.monotonic() + 60
+        while True:
+            probe = subprocess.run(
+                [*as_user, str(binary), "status", "--connect", addr], env=env, capture_output=True, timeout=30
+            )
+            if probe.returncode == 0:
+                break
+            assert proc.poll() is None, f"the daemon exited with {proc.returncode}"
+            assert time.monotonic() < deadline, probe.stderr
+            time.sleep(0.2)
+        sock = mapping["/run/shardstream"] / "sock"
+        assert sock.stat().st_uid == int(uid)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "shardstream_cache_capacity_bytes" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    assert code == 0
