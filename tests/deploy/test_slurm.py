@@ -171,9 +171,13 @@ def world() -> Iterator[World]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def submit(world: World, dataset: str, url: str) -> str:
+def submit(world: World, dataset: str, url: str, step: str | None = None) -> str:
+    """Submits the job as JOB_USER; `step` replaces the streaming step (the srun line)."""
     script = world.root / f"job-{len(list(world.root.glob('job-*.sbatch')))}.sbatch"
-    script.write_text(JOB.format(dataset=dataset, url=url, out=world.out, step=world.root / "step.py"))
+    text = JOB.format(dataset=dataset, url=url, out=world.out, step=world.root / "step.py")
+    if step is not None:
+        text = text[: text.index("srun ")] + step + "\n"
+    script.write_text(text)
     script.chmod(0o644)
     env = [
         "/usr/bin/env",
@@ -318,6 +322,23 @@ def test_a_dataset_that_cannot_be_staged_does_not_fail_the_job(world: World) -> 
     r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=world.env())
     assert r.stdout.strip() == "idle", "the node was drained"
     assert not job_processes(job) and not (RUN_DIR / f"job-{job}").exists()
+
+
+def test_a_cancelled_job_leaves_nothing(world: World) -> None:
+    """scancel of a running job: Slurm kills its steps, never the Prolog's daemon (it is in no
+    step); the Epilog, which also runs for cancelled jobs, must."""
+    job = submit(world, "s3://data/slurm/", "s3://data/slurm/", step="srun /usr/bin/sleep 600")
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while job_state(world, job).get("JobState") != "RUNNING" or not job_processes(job):
+        assert time.monotonic() < deadline, f"job {job} never ran with its daemon\n{world.diag(job)}"
+        time.sleep(0.2)
+    r = subprocess.run(["scancel", job], env=world.env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    state = wait_done(world, job)
+    assert state["JobState"] == "CANCELLED", state
+    assert not job_processes(job)
+    assert not (RUN_DIR / f"job-{job}").exists() and not (RUN_DIR / f"job-{job}.pid").exists()
+    assert not (world.job_cache / f"job-{job}").exists()
 
 
 def run_hook(world: World, hook: str, job: str, uid: int, **extra: str) -> subprocess.CompletedProcess[str]:
