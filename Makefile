@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all demo test bench chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: all demo test test-deploy bench chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
 
 help:
 	@echo "make demo   build, generate a small dataset, start a daemon, stream two epochs"
@@ -51,13 +51,20 @@ rust-test:
 # failpoint tests a daemon built with `--features failpoints`; tests/chaos the short chaos suite.
 py-test: develop
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" SHARDSTREAM_FAIL_BIN="$$(bash scripts/failpoint-bin.sh)" \
-		$(PY) -m pytest -q tests loader-py/tests
+		$(PY) -m pytest -q tests loader-py/tests --ignore=tests/deploy
 
 # The full chaos suite (a few minutes); mounts a tmpfs for the full-disk scenario (root).
 chaos: develop
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) tests/chaos/run.py --out CHAOS.md
 
-test: venv fmt clippy lint rust-test py-test
+# The deployment files (deploy/), each run for real: a private Slurm with a job as a non-root
+# user, promtool, systemd-analyze, hadolint, shellcheck. Needs root (apt-get, useradd, slurmd).
+test-deploy: develop
+	bash scripts/deploy-tools.sh $(VENV)
+	$(CARGO) build -p shardstream --bin shardstream
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests/deploy
+
+test: venv fmt clippy lint rust-test py-test test-deploy
 
 BENCH_VENV := .venv-bench
 bench: venv-bench
