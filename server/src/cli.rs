@@ -192,7 +192,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             })
         }
         Command::Index { url, threads } => index(&url, threads),
-        Command::Pack(args) => crate::pack::run_cli(args),
+        Command::Pack(args) => {
+            // Warnings only (e.g. the no-openat2 fallback): progress and bad inputs have their own display.
+            init_logging(&std::env::var("SHARDSTREAM_LOG").unwrap_or_else(|_| "warn".into()));
+            crate::pack::run_cli(args)
+        }
         Command::Prefetch { url, connect, shards, seed, epoch, no_shuffle, cache } => {
             let req = shardstream_proto::PrefetchRequest {
                 url,
