@@ -53,6 +53,12 @@ fn status_to_pyerr(s: &tonic::Status) -> PyErr {
         Code::Unavailable | Code::Cancelled => {
             PyConnectionError::new_err(format!("shardstream daemon unavailable: {msg}"))
         }
+        // A status the daemon sent never carries a source; one made here from a transport
+        // failure does (the connection broke mid-stream: a daemon that exited after its drain
+        // timeout, or was killed). That is a lost daemon, not a daemon error.
+        Code::Unknown if std::error::Error::source(s).is_some() => {
+            PyConnectionError::new_err(format!("connection to the shardstream daemon lost: {msg}"))
+        }
         _ => ShardstreamError::new_err(format!("{:?}: {msg}", s.code())),
     }
 }
