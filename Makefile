@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all demo test bench venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: all demo test test-deploy bench venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
 
 help:
 	@echo "make demo   build, generate a small dataset, start a daemon, stream two epochs"
@@ -49,6 +49,12 @@ py-test: develop
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests loader-py/tests
 
 test: venv fmt clippy lint rust-test py-test
+
+# deploy/ tested for real (py-test runs these too): kubectl kustomize + kubernetes-validate, and
+# the rendered manifests run as written (needs root for setpriv/unshare; the standalone binary).
+test-deploy: develop
+	$(CARGO) build -p shardstream --bin shardstream
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests/deploy
 
 BENCH_VENV := .venv-bench
 bench: venv-bench
