@@ -94,14 +94,19 @@ class Pod:
             d.chmod(0o755)
         else:
             raise NotImplementedError(f"volume {vol}")
+        fs_group = self.spec.get("securityContext", {}).get("fsGroup")
+        if fs_group is not None and ("ephemeral" in vol or "emptyDir" in vol):
+            # Volumes the kubelet manages are given to fsGroup: group-owned, setgid, group-writable.
+            os.chown(d, 0, fs_group)
+            d.chmod(0o2777 if "emptyDir" in vol else 0o2775)
         return d
 
     def start(self, containers: list[dict]) -> Pod:
-        """Creates the namespace with every mount of `containers` (they share it)."""
+        """Creates the pod's namespace with every mount point of `containers`. Each container
+        then gets its own namespace below it with only its own mounts (see `command`)."""
         lines = ["set -eu"]
         tops = set()
-        mounts = [m for c in containers for m in c.get("volumeMounts", [])]
-        for m in mounts:
+        for m in (m for c in containers for m in c.get("volumeMounts", [])):
             top = "/" + Path(m["mountPath"]).parts[1]
             if top not in tops and not Path(m["mountPath"]).exists():
                 tops.add(top)
@@ -112,12 +117,7 @@ class Pod:
                 # touching the machine's real /etc.
                 opts = f"lowerdir={top},upperdir={upper}/up,workdir={upper}/work"
                 lines.append(f"mount -t overlay overlay -o {opts} {top}")
-        for m in mounts:
-            src, dst = self.volumes[m["name"]], m["mountPath"]
-            lines.append(f"mkdir -p {shlex.quote(dst)}")
-            lines.append(f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}")
-            if m.get("readOnly"):
-                lines.append(f"mount -o remount,bind,ro {shlex.quote(dst)}")
+            lines.append(f"mkdir -p {shlex.quote(m['mountPath'])}")
         lines.append("echo ready")
         lines.append("exec sleep 100000")
         self.pause = subprocess.Popen(
@@ -132,12 +132,38 @@ class Pod:
             raise RuntimeError(f"pod namespace setup failed: {self.pause.wait()}")
         return self
 
-    def command(self, container: dict, argv: list[str], exe: dict[str, str]) -> list[str]:
-        """argv run in this pod as `container`'s user; `exe` maps image commands to host paths."""
+    def enter(self, container: dict) -> list[str]:
+        """A command prefix that runs (as root) in a fresh mount namespace of this pod holding
+        `container`'s volume mounts, read-only where the mount says so."""
         assert self.pause is not None
+        lines = ["set -eu"]
+        for m in container.get("volumeMounts", []):
+            src, dst = shlex.quote(str(self.volumes[m["name"]])), shlex.quote(m["mountPath"])
+            lines.append(f"mount --bind {src} {dst}")
+            if m.get("readOnly"):
+                lines.append(f"mount -o remount,bind,ro {dst}")
+        lines.append('exec "$@"')
+        return [
+            "nsenter",
+            "-t",
+            str(self.pause.pid),
+            "-m",
+            "--",
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "\n".join(lines),
+            "sh",
+        ]
+
+    def command(self, container: dict, argv: list[str], exe: dict[str, str]) -> list[str]:
+        """argv run in this pod as `container` and its user; `exe` maps image commands to host paths."""
         argv = [exe.get(argv[0], argv[0]), *argv[1:]]
         user = user_of(self.spec, container)
-        return ["nsenter", "-t", str(self.pause.pid), "-m", "--", *setpriv(user, container), *argv]
+        return [*self.enter(container), *setpriv(user, container), *argv]
 
     def popen(self, container: dict, argv: list[str], exe: dict[str, str], env: dict[str, str], **kw):
         return subprocess.Popen(self.command(container, argv, exe), env=env, **kw)

@@ -109,6 +109,29 @@ def test_daemonset_follows_the_rules(target: str) -> None:
     assert only(docs, "ServiceAccount")["automountServiceAccountToken"] is False
 
 
+@pytest.mark.parametrize("target", ["base", "overlays/example-site"])
+def test_shipped_config_is_accepted_by_the_daemon(target: str, tmp_path: Path) -> None:
+    """The ConfigMap's TOML passes the daemon's own checks (keys, values, allow list)."""
+    cm = only(render(target), "ConfigMap")
+    cfg = tmp_path / "shardstream.toml"
+    cfg.write_text(cm["data"]["shardstream.toml"])
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    r = subprocess.run(
+        [daemon_binary(), "serve", "--config", str(cfg), "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean,
+    )
+    assert r.returncode == 0, r.stderr
+    effective = tomllib.loads(r.stdout)
+    shipped = tomllib.loads(cm["data"]["shardstream.toml"])
+    for key, value in shipped.items():
+        if key != "allow":
+            assert str(effective[key]) == str(value) or key == "cache-size", (key, effective[key], value)
+    assert effective.get("allow", []) == shipped.get("allow", [])
+
+
 def only_container(spec: dict, name: str) -> dict:
     return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name)
 
@@ -195,6 +218,13 @@ TRAINER = textwrap.dedent(
 )
 
 
+def died(proc: subprocess.Popen) -> str:
+    """Why a daemon is not ready: its exit code and stderr if it exited."""
+    if proc.poll() is None:
+        return "still running, not ready"
+    return f"exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+
+
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -246,7 +276,7 @@ def test_daemonset_and_training_job_run_as_written(node: Path, s3: S3Server) -> 
 
         proc = pod.popen(daemon, daemon["command"], exe, env, stderr=subprocess.PIPE, text=True)
         probe = daemon["readinessProbe"]["exec"]["command"]
-        assert wait_until(lambda: pod.run(daemon, probe, exe, env).returncode == 0, timeout=60), proc.poll()
+        assert wait_until(lambda: pod.run(daemon, probe, exe, env).returncode == 0, timeout=60), died(proc)
         for kind in ("startupProbe", "livenessProbe"):
             r = pod.run(daemon, daemon[kind]["exec"]["command"], exe, env)
             assert r.returncode == 0, r.stderr
@@ -266,11 +296,7 @@ def test_daemonset_and_training_job_run_as_written(node: Path, s3: S3Server) -> 
             user = job_spec["securityContext"]
             tenv = {**container_env(trainer, {}), "PYTHONPATH": os.pathsep.join(sys.path)}
             argv = [
-                "nsenter",
-                "-t",
-                str(job.pause.pid),
-                "-m",
-                "--",
+                *job.enter(trainer),
                 sys.executable,
                 "-c",
                 TRAINER,
@@ -302,6 +328,66 @@ def test_daemonset_and_training_job_run_as_written(node: Path, s3: S3Server) -> 
         assert any(e.get("message") == "serving" for e in lines), err[-2000:]
         assert not sock.exists()
         assert any(host_paths["/var/cache/shardstream"].iterdir()), "the S3 shards went to the node cache"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        pod.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running containers as their runAsUser needs root (setpriv, unshare)")
+def test_sidecar_job_runs_as_written(node: Path, s3: S3Server) -> None:
+    """The native-sidecar variant: the daemon (init container, restartPolicy: Always) and the
+    trainer share the pod's uid and an emptyDir socket directory; the socket stays owner-only."""
+    samples = write_dataset(s3.bucket("training") / "sidecar", n=120, per_shard=40)
+    spec = pod_spec(only(render("examples/sidecar-job"), "Job"))
+    exe = {"shardstream": daemon_binary()}
+    side = only_container(spec, "shardstream")
+    trainer = only_container(spec, "trainer")
+    env = container_env(side, {"shardstream-s3": s3.env()})
+    argv = [*side["command"], *side.get("args", [])]
+    metrics = argv[argv.index("--metrics-addr") + 1]
+    if not port_free(int(metrics.rsplit(":", 1)[1])):
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))
+            port = s.getsockname()[1]
+        argv[argv.index("--metrics-addr") + 1] = f"0.0.0.0:{port}"
+        print(f"port {metrics} busy here: metrics on {port} instead")
+    pod = Pod(spec, node, {}, {})
+    proc = None
+    try:
+        pod.start(spec["initContainers"] + spec["containers"])
+        proc = pod.popen(side, argv, exe, env, stderr=subprocess.PIPE, text=True)
+        startup = side["startupProbe"]["exec"]["command"]
+        assert wait_until(lambda: pod.run(side, startup, exe, env).returncode == 0, timeout=60), died(proc)
+        assert pod.run(side, side["livenessProbe"]["exec"]["command"], exe, env).returncode == 0
+        sock = pod.volumes["socket-dir"] / "sock"
+        assert (sock.stat().st_uid, sock.stat().st_mode & 0o777) == (spec["securityContext"]["runAsUser"], 0o600)
+        user = spec["securityContext"]
+        tenv = {**container_env(trainer, {}), "PYTHONPATH": os.pathsep.join(sys.path)}
+        groups = [user["fsGroup"]] if "fsGroup" in user else []
+        r = subprocess.run(
+            [
+                *pod.enter(trainer),
+                sys.executable,
+                "-c",
+                TRAINER,
+                "s3://training/sidecar/",
+                str(user["runAsUser"]),
+                str(user["runAsGroup"]),
+                ",".join(map(str, groups)),
+            ],
+            env=tenv,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got == {"uid": user["runAsUser"], "keys": len(samples), "unique": len(samples)}
+        # The trainer exited: the kubelet stops the sidecar with SIGTERM; the Job can complete.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=spec["terminationGracePeriodSeconds"]) == 0
+        assert not sock.exists()
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
