@@ -1,7 +1,8 @@
 //! The one place where client and daemon errors become Python exceptions:
 //! `FileNotFoundError` for a missing dataset or shard, `ValueError` for a bad argument,
 //! `shardstream.ShardError` (with `.shard` and `.offset`) for a corrupt shard,
-//! `PermissionError` when storage refuses access, `ConnectionError` when the daemon cannot be reached, `shardstream.ShardstreamError` otherwise.
+//! `PermissionError` when storage or the daemon's `allow` list refuses access, `ConnectionError` when the daemon cannot be
+//! reached or the connection breaks mid-stream, `shardstream.ShardstreamError` otherwise.
 
 use pyo3::exceptions::{PyConnectionError, PyException, PyFileNotFoundError, PyPermissionError, PyValueError};
 use pyo3::prelude::*;
