@@ -94,17 +94,14 @@ impl BoundDaemon {
             .map_err(|e| Error::io("cannot create cache directory", &config.cache_dir, e))?;
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {
-                // The side channel first: when its path is taken, the main socket never appears.
+                // Both paths are vetted before either socket is made, and the side channel is
+                // bound first: once the main socket accepts, everything a client needs exists.
+                // If the main socket fails, dropping the hub removes the side channel again.
                 let side = crate::transport::shm::side_socket_path(path);
+                crate::socket_file::clear_stale(path, rustix::net::SocketType::STREAM)?;
                 crate::socket_file::clear_stale(&side, rustix::net::SocketType::SEQPACKET)?;
+                let hub = crate::transport::shm::ShmHub::bind(side, config.shm, config.socket_access)?;
                 let l = bind_unix(path, &config.socket_access)?;
-                let hub = match crate::transport::shm::ShmHub::bind(side, config.shm, config.socket_access) {
-                    Ok(h) => h,
-                    Err(e) => {
-                        let _ = std::fs::remove_file(path);
-                        return Err(e);
-                    }
-                };
                 (Listener::Unix(l, path.clone()), Some(hub))
             }
             Address::Tcp(hp) => {
