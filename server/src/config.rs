@@ -256,6 +256,17 @@ mod tests {
     }
 
     #[test]
+    fn print_config_shows_every_key() {
+        let (a, _) = serve(&[]).unwrap();
+        let printed = effective_toml(&a, &[]);
+        for key in all_keys().iter().filter(|k| *k != "allow") {
+            let shown =
+                printed.lines().any(|l| l.starts_with(&format!("{key} = ")) || l == format!("# {key} = (not set)"));
+            assert!(shown, "--print-config does not show `{key}`:\n{printed}");
+        }
+    }
+
+    #[test]
     fn every_flag_is_a_key() {
         let k = all_keys();
         for key in
