@@ -155,7 +155,8 @@ pub fn listen(path: &Path, ty: SocketType, access: &SocketAccess, backlog: i32) 
 fn staging_dir(path: &Path) -> Result<PathBuf> {
     let parent = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     for _ in 0..8 {
-        let dir = parent.join(format!(".shardstream-{:08x}", fastrand::u32(..)));
+        // Short: the staging path must fit in sun_path (108 bytes) wherever the final one does, or nearly.
+        let dir = parent.join(format!(".ss{:08x}", fastrand::u32(..)));
         match rustix::fs::mkdir(&dir, Mode::from_raw_mode(0o700)) {
             Ok(()) => return Ok(dir),
             Err(Errno::EXIST) => continue,
