@@ -104,7 +104,7 @@ pub struct ServeArgs {
     #[arg(long, env = "SHARDSTREAM_CACHE_POLICY", default_value = "belady")]
     pub cache_policy: crate::cache::table::Policy,
     /// How far ahead of each consumer to fetch shards, in seconds of its consumption.
-    #[arg(long, env = "SHARDSTREAM_PREFETCH_HORIZON", default_value_t = 60.0)]
+    #[arg(long, env = "SHARDSTREAM_PREFETCH_HORIZON", default_value_t = 60.0, value_parser = parse_seconds)]
     pub prefetch_horizon: f64,
     /// Shards fetched ahead at once.
     #[arg(long, env = "SHARDSTREAM_PREFETCH_PARALLEL", default_value_t = crate::prefetch::PrefetchConfig::default().parallel)]
@@ -131,7 +131,7 @@ pub struct ServeArgs {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// After SIGTERM: seconds in-flight streams get to end (their clients see ConnectionError)
     /// before the daemon exits anyway.
-    #[arg(long, env = "SHARDSTREAM_DRAIN_TIMEOUT", default_value_t = crate::daemon::DEFAULT_DRAIN_TIMEOUT.as_secs_f64())]
+    #[arg(long, env = "SHARDSTREAM_DRAIN_TIMEOUT", default_value_t = crate::daemon::DEFAULT_DRAIN_TIMEOUT.as_secs_f64(), value_parser = parse_seconds)]
     pub drain_timeout: f64,
     /// Log level of shardstream's own messages (error, warn, info, debug, trace; dependencies
     /// stay at info or quieter), or a full tracing directive such as `info,h2=debug`.
@@ -140,6 +140,16 @@ pub struct ServeArgs {
     /// Log format: text (for people) or json (one object per line, for log shippers).
     #[arg(long, env = "SHARDSTREAM_LOG_FORMAT", default_value = "text")]
     pub log_format: crate::logging::LogFormat,
+}
+
+/// A duration flag in seconds: a finite number from 0 to one day (so a config file's value is
+/// checked by the same parser, and its error names the key).
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(v.is_finite() && (0.0..=86_400.0).contains(&v)) {
+        return Err(format!("{s:?}: must be from 0 to 86400 seconds"));
+    }
+    Ok(v)
 }
 
 fn default_threads() -> usize {
@@ -209,12 +219,6 @@ pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()>
 fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()> {
     crate::logging::init(&args.log, args.log_format);
     let listen: Address = args.listen.parse()?;
-    if !(args.prefetch_horizon.is_finite() && args.prefetch_horizon >= 0.0) {
-        anyhow::bail!("--prefetch-horizon must be a number of seconds >= 0, not {}", args.prefetch_horizon);
-    }
-    if !(args.drain_timeout.is_finite() && (0.0..=3600.0).contains(&args.drain_timeout)) {
-        anyhow::bail!("--drain-timeout must be a number of seconds from 0 to 3600, not {}", args.drain_timeout);
-    }
     let mut config = DaemonConfig::new(listen, args.cache_dir);
     config.cache_size = args.cache_size;
     config.cache_policy = args.cache_policy;

@@ -226,6 +226,8 @@ mod tests {
             ("cache-size = \"lots\"\n", "cache-size"),
             ("s3-concurrency = -1\n", "s3-concurrency"),
             ("socket-mode = \"0444\"\n", "socket-mode"),
+            ("drain-timeout = -5\n", "drain-timeout"),
+            ("prefetch-horizon = \"soon\"\n", "prefetch-horizon"),
             ("config = \"/x\"\n", "config"),
             ("listen = [1]\n", "listen"),
             ("[[allow]]\nuid = 1\nroot = [\"/x\"]\n", "root"),
