@@ -58,7 +58,8 @@ chaos: develop
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) tests/chaos/run.py --out CHAOS.md
 
 # The deployment files (deploy/), each run for real: a private Slurm with a job as a non-root
-# user, promtool, systemd-analyze, hadolint, shellcheck. Needs root (apt-get, useradd, slurmd).
+# user, the Kubernetes manifests rendered, validated and run as written, promtool, systemd-analyze,
+# hadolint, shellcheck. Needs root (apt-get, useradd, slurmd).
 test-deploy: develop
 	bash scripts/deploy-tools.sh $(VENV)
 	$(CARGO) build -p shardstream --bin shardstream

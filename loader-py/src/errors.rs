@@ -1,7 +1,8 @@
 //! The one place where client and daemon errors become Python exceptions:
 //! `FileNotFoundError` for a missing dataset or shard, `ValueError` for a bad argument,
 //! `shardstream.ShardError` (with `.shard` and `.offset`) for a corrupt shard,
-//! `PermissionError` when storage refuses access, `ConnectionError` when the daemon cannot be reached, `shardstream.ShardstreamError` otherwise.
+//! `PermissionError` when storage or the daemon's `allow` list refuses access, `ConnectionError` when the daemon cannot be
+//! reached or the connection breaks mid-stream, `shardstream.ShardstreamError` otherwise.
 
 use pyo3::exceptions::{PyConnectionError, PyException, PyFileNotFoundError, PyPermissionError, PyValueError};
 use pyo3::prelude::*;
@@ -52,6 +53,12 @@ fn status_to_pyerr(s: &tonic::Status) -> PyErr {
         }),
         Code::Unavailable | Code::Cancelled => {
             PyConnectionError::new_err(format!("shardstream daemon unavailable: {msg}"))
+        }
+        // A status the daemon sent never carries a source; one made here from a transport
+        // failure does (the connection broke mid-stream: a daemon that exited after its drain
+        // timeout, or was killed). That is a lost daemon, not a daemon error.
+        Code::Unknown if std::error::Error::source(s).is_some() => {
+            PyConnectionError::new_err(format!("connection to the shardstream daemon lost: {msg}"))
         }
         _ => ShardstreamError::new_err(format!("{:?}: {msg}", s.code())),
     }

@@ -24,54 +24,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the node daemon: serve datasets to trainer processes until SIGTERM/Ctrl-C.
-    Serve {
-        /// Where to listen: unix:///path/to/socket or tcp://host:port.
-        #[arg(long, env = "SHARDSTREAM_LISTEN", default_value = "unix:///run/shardstream/sock")]
-        listen: String,
-        /// Node cache directory: shard copies (S3, cache=copy) and index sidecars.
-        #[arg(long, env = "SHARDSTREAM_CACHE_DIR", default_value = "/var/cache/shardstream")]
-        cache_dir: PathBuf,
-        /// Node cache capacity (e.g. 500GiB, 2TB); default: 90% of the cache file system's space.
-        #[arg(long, env = "SHARDSTREAM_CACHE_SIZE", value_parser = limits::parse_cache_size)]
-        cache_size: Option<u64>,
-        /// Eviction policy: belady (farthest next use, from the known future order) or lru.
-        #[arg(long, env = "SHARDSTREAM_CACHE_POLICY", default_value = "belady")]
-        cache_policy: crate::cache::table::Policy,
-        /// How far ahead of each consumer to fetch shards, in seconds of its consumption.
-        #[arg(long, default_value_t = 60.0, value_parser = limits::parse_prefetch_horizon)]
-        prefetch_horizon: f64,
-        /// Shards fetched ahead at once.
-        #[arg(long, default_value_t = crate::prefetch::PrefetchConfig::default().parallel, value_parser = limits::parse_prefetch_parallel)]
-        prefetch_parallel: usize,
-        /// S3: bytes per ranged GET.
-        #[arg(long, default_value = "8MiB", value_parser = limits::parse_s3_get_part_size)]
-        s3_part_size: u64,
-        /// S3: ranged GETs in flight per shard.
-        #[arg(long, default_value_t = crate::storage::s3::DEFAULT_CONCURRENCY, value_parser = limits::parse_s3_concurrency)]
-        s3_concurrency: usize,
-        /// S3: retries of a failed request before giving up (0 disables retries).
-        #[arg(long, default_value_t = crate::storage::retry::RetryConfig::default().max_retries, value_parser = limits::parse_s3_max_retries)]
-        s3_max_retries: u32,
-        /// Shared memory, view mode: unreleased batches one stream's client may hold before the
-        /// daemon waits (each costs the daemon only its lease records).
-        #[arg(long, default_value_t = crate::transport::shm::DEFAULT_CREDITS, value_parser = limits::parse_shm_credits)]
-        shm_credits: u32,
-        /// Shared memory, packed mode (collate="stack"): slots of each stream's ring, i.e. the
-        /// batches a client may hold; the ring's memory is this many batches.
-        #[arg(long, default_value_t = crate::transport::ring::RING_SLOTS, value_parser = limits::parse_ring_slots)]
-        ring_slots: u32,
-        /// Shared memory, packed mode: ring memory all streams together may hold (e.g. 8GiB;
-        /// default a quarter of physical memory). A stream whose ring does not fit waits up to
-        /// 10 s, then fails with RESOURCE_EXHAUSTED ("packed ring budget exhausted").
-        #[arg(long, value_parser = crate::pack::cli::parse_size)]
-        packed_budget: Option<u64>,
-        /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
-        #[arg(long, env = "SHARDSTREAM_METRICS_ADDR")]
-        metrics_addr: Option<std::net::SocketAddr>,
-        /// Log filter (error, warn, info, debug, or a tracing directive).
-        #[arg(long, env = "SHARDSTREAM_LOG", default_value = "info")]
-        log: String,
-    },
+    Serve(ServeArgs),
     /// Write manifest.json and per-shard index sidecars for shards made elsewhere.
     Index {
         /// Dataset: a directory, file:// URL, s3://bucket/prefix/, or brace pattern of shards.
@@ -104,15 +57,106 @@ pub enum Command {
         #[arg(long, default_value = "auto")]
         cache: String,
     },
-    /// Show what a running daemon is doing.
+    /// Show what a running daemon is doing. Exits 0 only when the daemon answers, so it doubles
+    /// as a readiness/liveness probe (Kubernetes exec probe, scripts).
     Status {
         /// Daemon address (default: $SHARDSTREAM_ADDR, else the default socket).
         #[arg(long, env = "SHARDSTREAM_ADDR", default_value = "unix:///run/shardstream/sock")]
         connect: String,
+        /// Seconds to wait for the daemon's answer before giving up (exit 1).
+        #[arg(long, default_value_t = 10.0)]
+        timeout: f64,
+        /// Keep trying for up to this many seconds until the daemon answers (a trainer's init
+        /// step waiting for its node daemon); default: one attempt.
+        #[arg(long, default_value_t = 0.0)]
+        wait: f64,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `shardstream serve`. Every option (but `--config`, `--print-config`) is also a key of the config
+/// file, spelled as the long flag without dashes (`cache-size = "500GiB"`). Precedence: command
+/// line > `SHARDSTREAM_*` environment > config file > built-in default (see [`crate::config`]).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// TOML config file: any option below as a key, plus the `allow` list (see deploy/README.md).
+    #[arg(long, env = "SHARDSTREAM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration (after flags, environment and file) as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Where to listen: unix:///path/to/socket or tcp://host:port.
+    #[arg(long, env = "SHARDSTREAM_LISTEN", default_value = "unix:///run/shardstream/sock")]
+    pub listen: String,
+    /// Permission bits of the Unix sockets (octal; 0660 lets the socket's group connect).
+    #[arg(long, env = "SHARDSTREAM_SOCKET_MODE", default_value = "0600", value_parser = crate::socket_file::parse_mode)]
+    pub socket_mode: u32,
+    /// Group owning the Unix sockets (name or numeric gid); the daemon must be a member.
+    #[arg(long, env = "SHARDSTREAM_SOCKET_GROUP", value_parser = crate::socket_file::parse_group)]
+    pub socket_group: Option<u32>,
+    /// Node cache directory: shard copies (S3, cache=copy) and index sidecars.
+    #[arg(long, env = "SHARDSTREAM_CACHE_DIR", default_value = "/var/cache/shardstream")]
+    pub cache_dir: PathBuf,
+    /// Node cache capacity (e.g. 500GiB, 2TB); default: 90% of the cache file system's space.
+    #[arg(long, env = "SHARDSTREAM_CACHE_SIZE", value_parser = limits::parse_cache_size)]
+    pub cache_size: Option<u64>,
+    /// Eviction policy: belady (farthest next use, from the known future order) or lru.
+    #[arg(long, env = "SHARDSTREAM_CACHE_POLICY", default_value = "belady")]
+    pub cache_policy: crate::cache::table::Policy,
+    /// How far ahead of each consumer to fetch shards, in seconds of its consumption.
+    #[arg(long, env = "SHARDSTREAM_PREFETCH_HORIZON", default_value_t = 60.0, value_parser = limits::parse_prefetch_horizon)]
+    pub prefetch_horizon: f64,
+    /// Shards fetched ahead at once.
+    #[arg(long, env = "SHARDSTREAM_PREFETCH_PARALLEL", default_value_t = crate::prefetch::PrefetchConfig::default().parallel, value_parser = limits::parse_prefetch_parallel)]
+    pub prefetch_parallel: usize,
+    /// S3: bytes per ranged GET.
+    #[arg(long, env = "SHARDSTREAM_S3_PART_SIZE", default_value = "8MiB", value_parser = limits::parse_s3_get_part_size)]
+    pub s3_part_size: u64,
+    /// S3: ranged GETs in flight per shard.
+    #[arg(long, env = "SHARDSTREAM_S3_CONCURRENCY", default_value_t = crate::storage::s3::DEFAULT_CONCURRENCY, value_parser = limits::parse_s3_concurrency)]
+    pub s3_concurrency: usize,
+    /// S3: retries of a failed request before giving up (0 disables retries).
+    #[arg(long, env = "SHARDSTREAM_S3_MAX_RETRIES", default_value_t = crate::storage::retry::RetryConfig::default().max_retries, value_parser = limits::parse_s3_max_retries)]
+    pub s3_max_retries: u32,
+    /// Shared memory, view mode: unreleased batches one stream's client may hold before the
+    /// daemon waits (each costs the daemon only its lease records).
+    #[arg(long, env = "SHARDSTREAM_SHM_CREDITS", default_value_t = crate::transport::shm::DEFAULT_CREDITS, value_parser = limits::parse_shm_credits)]
+    pub shm_credits: u32,
+    /// Shared memory, packed mode (collate="stack"): slots of each stream's ring, i.e. the
+    /// batches a client may hold; the ring's memory is this many batches.
+    #[arg(long, env = "SHARDSTREAM_RING_SLOTS", default_value_t = crate::transport::ring::RING_SLOTS, value_parser = limits::parse_ring_slots)]
+    pub ring_slots: u32,
+    /// Shared memory, packed mode: ring memory all streams together may hold (e.g. 8GiB;
+    /// default a quarter of physical memory). A stream whose ring does not fit waits up to
+    /// 10 s, then fails with RESOURCE_EXHAUSTED ("packed ring budget exhausted").
+    #[arg(long, env = "SHARDSTREAM_PACKED_BUDGET", value_parser = crate::pack::cli::parse_size)]
+    pub packed_budget: Option<u64>,
+    /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
+    #[arg(long, env = "SHARDSTREAM_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// After SIGTERM: seconds in-flight streams get to end (their clients see ConnectionError)
+    /// before the daemon exits anyway.
+    #[arg(long, env = "SHARDSTREAM_DRAIN_TIMEOUT", default_value_t = crate::daemon::DEFAULT_DRAIN_TIMEOUT.as_secs_f64(), value_parser = parse_seconds)]
+    pub drain_timeout: f64,
+    /// Log level of shardstream's own messages (error, warn, info, debug, trace; dependencies
+    /// stay at info or quieter), or a full tracing directive such as `info,h2=debug`.
+    #[arg(long, env = "SHARDSTREAM_LOG", default_value = "info")]
+    pub log: String,
+    /// Log format: text (for people) or json (one object per line, for log shippers).
+    #[arg(long, env = "SHARDSTREAM_LOG_FORMAT", default_value = "text")]
+    pub log_format: crate::logging::LogFormat,
+}
+
+/// A duration flag in seconds: a finite number from 0 to one day (so a config file's value is
+/// checked by the same parser, and its error names the key).
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(v.is_finite() && (0.0..=86_400.0).contains(&v)) {
+        return Err(format!("{s:?}: must be from 0 to 86400 seconds"));
+    }
+    Ok(v)
 }
 
 fn default_threads() -> usize {
@@ -125,14 +169,25 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
+    let cli = match crate::config::parse(args) {
         Ok(c) => c,
-        Err(e) => {
+        Err(crate::config::ParseError::Clap(e)) => {
             let _ = e.print();
             return if e.use_stderr() { 2 } else { 0 };
         }
+        Err(e) => {
+            eprintln!("shardstream: error: {e}");
+            return 2;
+        }
     };
-    match run(cli) {
+    let (cli, allow) = cli;
+    if let Command::Serve(args) = &cli.command
+        && args.print_config
+    {
+        print!("{}", crate::config::effective_toml(args, &allow));
+        return 0;
+    }
+    match run(cli, allow) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("shardstream: error: {e:#}");
@@ -145,56 +200,17 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
-pub fn run(cli: Cli) -> anyhow::Result<()> {
+/// Runs a parsed command line; `allow`: the config file's `allow` list (`serve` only).
+pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve {
-            listen,
-            cache_dir,
-            cache_size,
-            cache_policy,
-            prefetch_horizon,
-            prefetch_parallel,
-            s3_part_size,
-            s3_concurrency,
-            s3_max_retries,
-            shm_credits,
-            ring_slots,
-            packed_budget,
-            metrics_addr,
-            log,
-        } => {
-            init_logging(&log);
-            let listen: Address = listen.parse()?;
-            if !(prefetch_horizon.is_finite() && prefetch_horizon >= 0.0) {
-                anyhow::bail!("--prefetch-horizon must be a number of seconds >= 0, not {prefetch_horizon}");
-            }
-            let mut config = DaemonConfig::new(listen, cache_dir);
-            config.cache_size = cache_size;
-            config.cache_policy = cache_policy;
-            config.prefetch.horizon = Duration::from_secs_f64(prefetch_horizon);
-            config.prefetch.parallel = prefetch_parallel.max(1);
-            config.s3.part_size = s3_part_size;
-            config.s3.concurrency = s3_concurrency.max(1);
-            config.s3.retry.max_retries = s3_max_retries;
-            config.metrics_addr = metrics_addr;
-            config.shm = crate::transport::shm::ShmConfig {
-                credits: shm_credits,
-                ring_slots,
-                packed_budget: packed_budget.unwrap_or_else(crate::transport::budget::default_budget),
-            };
-            runtime()?.block_on(async move {
-                let shutdown = CancellationToken::new();
-                crate::shutdown::install_signal_handlers(shutdown.clone());
-                let daemon = BoundDaemon::bind(config).await?;
-                daemon.run(shutdown).await?;
-                tracing::info!("stopped");
-                Ok(())
-            })
-        }
+        Command::Serve(args) => serve(args, allow),
         Command::Index { url, threads } => index(&url, threads),
         Command::Pack(args) => {
             // Warnings only (e.g. the no-openat2 fallback): progress and bad inputs have their own display.
-            init_logging(&std::env::var("SHARDSTREAM_LOG").unwrap_or_else(|_| "warn".into()));
+            crate::logging::init(
+                &std::env::var("SHARDSTREAM_LOG").unwrap_or_else(|_| "warn".into()),
+                crate::logging::LogFormat::Text,
+            );
             crate::pack::run_cli(args)
         }
         Command::Prefetch { url, connect, shards, seed, epoch, no_shuffle, cache } => {
@@ -210,14 +226,41 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             };
             prefetch(&connect, req)
         }
-        Command::Status { connect, json } => status(&connect, json),
+        Command::Status { connect, json, timeout, wait } => status(&connect, json, timeout, wait),
     }
 }
 
-fn init_logging(filter: &str) {
-    let filter =
-        tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()> {
+    crate::logging::init(&args.log, args.log_format);
+    let listen: Address = args.listen.parse()?;
+    let mut config = DaemonConfig::new(listen, args.cache_dir);
+    config.cache_size = args.cache_size;
+    config.cache_policy = args.cache_policy;
+    config.prefetch.horizon = Duration::from_secs_f64(args.prefetch_horizon);
+    config.prefetch.parallel = args.prefetch_parallel;
+    config.s3.part_size = args.s3_part_size;
+    config.s3.concurrency = args.s3_concurrency;
+    config.s3.retry.max_retries = args.s3_max_retries;
+    config.metrics_addr = args.metrics_addr;
+    config.shm = crate::transport::shm::ShmConfig {
+        credits: args.shm_credits,
+        ring_slots: args.ring_slots,
+        packed_budget: args.packed_budget.unwrap_or_else(crate::transport::budget::default_budget),
+    };
+    config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };
+    config.drain_timeout = Duration::from_secs_f64(args.drain_timeout);
+    config.sd_notify = true;
+    if !allow.is_empty() {
+        config.allow = Some(std::sync::Arc::new(crate::access::AllowList::new(&allow)?));
+    }
+    runtime()?.block_on(async move {
+        let shutdown = CancellationToken::new();
+        crate::shutdown::install_signal_handlers(shutdown.clone());
+        let daemon = BoundDaemon::bind(config).await?;
+        daemon.run(shutdown).await?;
+        tracing::info!("stopped");
+        Ok(())
+    })
 }
 
 struct Bar(indicatif::ProgressBar);
@@ -304,14 +347,44 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::R
     Ok(())
 }
 
-fn status(connect: &str, json: bool) -> anyhow::Result<()> {
+fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<()> {
     let addr: Address = connect.parse()?;
-    let reply = runtime()?.block_on(async {
-        let mut client = tokio::time::timeout(Duration::from_secs(10), shardstream_client::connect(&addr))
+    if !(timeout.is_finite() && timeout > 0.0) {
+        anyhow::bail!("--timeout must be a positive number of seconds, not {timeout}");
+    }
+    if !(wait.is_finite() && wait >= 0.0) {
+        anyhow::bail!("--wait must be a number of seconds >= 0, not {wait}");
+    }
+    let limit = Duration::from_secs_f64(timeout.min(3600.0));
+    let until = std::time::Instant::now() + Duration::from_secs_f64(wait.min(86400.0));
+    let rt = runtime()?;
+    let reply = loop {
+        match rt.block_on(status_once(&addr, limit, timeout)) {
+            Ok(r) => break r,
+            Err(e) if std::time::Instant::now() >= until => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    };
+    print_status(&addr, &reply, json)
+}
+
+/// One attempt: connect and ask, under one deadline (a daemon that accepts but hangs is not ready).
+async fn status_once(addr: &Address, limit: Duration, timeout: f64) -> anyhow::Result<shardstream_proto::StatusReply> {
+    tokio::time::timeout(limit, async {
+        let mut client = shardstream_client::connect(addr)
             .await
-            .map_err(|_| anyhow::anyhow!("timed out connecting to {addr}"))??;
-        anyhow::Ok(client.status(shardstream_proto::StatusRequest {}).await?.into_inner())
-    })?;
+            .map_err(|e| anyhow::anyhow!("daemon at {addr} is not serving: {e}"))?;
+        let reply = client
+            .status(shardstream_proto::StatusRequest {})
+            .await
+            .map_err(|e| anyhow::anyhow!("daemon at {addr} did not answer: {}", e.message()))?;
+        anyhow::Ok(reply.into_inner())
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("daemon at {addr} did not answer within {timeout} s"))?
+}
+
+fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bool) -> anyhow::Result<()> {
     if json {
         let datasets: Vec<_> = reply
             .datasets

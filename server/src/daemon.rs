@@ -1,11 +1,11 @@
 //! Binding a listener and serving the gRPC service until shutdown. Used by `shardstream serve` and
 //! by the Python package's embedded server alike, so both run the same code.
 //!
-//! The Unix socket is created owner-only (mode 0600) inside a directory this process creates with
-//! mode 0700 when it does not exist: nobody else on the node can connect. A stale socket left by a
-//! crashed daemon is replaced; a live one (another daemon answers) is an error.
+//! The Unix socket is created owner-only (mode 0600) by default, or with `--socket-mode` /
+//! `--socket-group`, from the first moment (see [`crate::socket_file`]), inside a directory this
+//! process creates when it does not exist. A stale socket left by a crashed daemon is replaced; a
+//! live one, or any other file at that path, is an error and is left alone.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -20,13 +20,10 @@ use crate::metrics::Metrics;
 use crate::service::Service;
 use crate::{Error, Result};
 
-/// Mode of the Unix socket: owner only. Trainers run as the daemon's user (sidecar, per-job
-/// daemon) or reach it through a group-owned directory set up by the operator.
-const SOCKET_MODE: u32 = 0o600;
-
-/// How long a shutdown waits for connections to finish before the daemon exits anyway: a client
-/// that stopped reading must not keep a draining daemon alive.
-const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Default of `--drain-timeout`: how long a shutdown waits for connections to finish before the
+/// daemon exits anyway (a client that stopped reading must not keep a draining daemon alive). It
+/// fits in Kubernetes' default 30 s grace period and systemd's 90 s stop timeout.
+pub const DEFAULT_DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
@@ -41,6 +38,15 @@ pub struct DaemonConfig {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Credits and ring slots of the shared-memory transport.
     pub shm: crate::transport::shm::ShmConfig,
+    /// Mode and group of the Unix sockets (owner-only by default).
+    pub socket_access: crate::socket_file::SocketAccess,
+    /// After SIGTERM: how long in-flight streams get to end before the daemon exits anyway.
+    pub drain_timeout: std::time::Duration,
+    /// Tell systemd (`$NOTIFY_SOCKET`) when serving starts and stops. Only `shardstream serve`
+    /// sets it: an embedded server is not the unit's main service.
+    pub sd_notify: bool,
+    /// Datasets each peer may open (the config file's `allow` list); `None`: all.
+    pub allow: Option<Arc<crate::access::AllowList>>,
 }
 
 impl DaemonConfig {
@@ -55,6 +61,10 @@ impl DaemonConfig {
             s3: crate::storage::s3::S3Options::default(),
             metrics_addr: None,
             shm: crate::transport::shm::ShmConfig::default(),
+            socket_access: crate::socket_file::SocketAccess::default(),
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+            sd_notify: false,
+            allow: None,
         }
     }
 }
@@ -75,13 +85,23 @@ pub struct BoundDaemon {
 impl BoundDaemon {
     /// Creates the cache directory and binds the listener.
     pub async fn bind(config: DaemonConfig) -> Result<Self> {
+        // The socket directory first: when the cache lives beside the socket, creating the cache
+        // directory must not create the socket's parent with the wrong mode.
+        if let Address::Unix(path) = &config.listen {
+            crate::socket_file::prepare_dir(path, &config.socket_access)?;
+        }
         std::fs::create_dir_all(&config.cache_dir)
             .map_err(|e| Error::io("cannot create cache directory", &config.cache_dir, e))?;
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {
-                let l = bind_unix(path).await?;
+                // Both paths are vetted before either socket is made, and the side channel is
+                // bound first: once the main socket accepts, everything a client needs exists.
+                // If the main socket fails, dropping the hub removes the side channel again.
                 let side = crate::transport::shm::side_socket_path(path);
-                let hub = crate::transport::shm::ShmHub::bind(side, config.shm)?;
+                crate::socket_file::clear_stale(path, rustix::net::SocketType::STREAM)?;
+                crate::socket_file::clear_stale(&side, rustix::net::SocketType::SEQPACKET)?;
+                let hub = crate::transport::shm::ShmHub::bind(side, config.shm, config.socket_access)?;
+                let l = bind_unix(path, &config.socket_access)?;
                 (Listener::Unix(l, path.clone()), Some(hub))
             }
             Address::Tcp(hp) => {
@@ -124,7 +144,8 @@ impl BoundDaemon {
             self.config.cache_dir.display().to_string(),
             self.shm.clone(),
             Some(prefetch.clone()),
-        );
+        )
+        .with_access(cfg.allow.clone());
         let svc = ShardstreamServer::new(service)
             .max_decoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES);
@@ -134,10 +155,20 @@ impl BoundDaemon {
             .add_service(svc);
         let address = self.address();
         tracing::info!(%address, cache_dir = %self.config.cache_dir.display(), "serving");
-        let signal = shutdown.clone().cancelled_owned();
+        let drain = self.config.drain_timeout;
+        let notify = self.config.sd_notify;
+        // STOPPING=1 inside the server's own shutdown signal: the server polls it before it
+        // drains, so the message goes out even when the drain is instant.
+        let stopping = shutdown.clone();
+        let signal = async move {
+            stopping.cancelled().await;
+            if notify {
+                crate::notify::notify("STOPPING=1");
+            }
+        };
         let deadline = async {
             shutdown.cancelled().await;
-            tokio::time::sleep(DRAIN_TIMEOUT).await;
+            tokio::time::sleep(drain).await;
         };
         let (serve, socket): (std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>, _) = match self.listener {
             Listener::Unix(l, path) => {
@@ -147,10 +178,15 @@ impl BoundDaemon {
                 (Box::pin(router.serve_with_incoming_shutdown(TcpListenerStream::new(l), signal)), None)
             }
         };
+        if notify {
+            // Connections made from now on are served (they queue in the backlog until the
+            // server's first poll, a moment later).
+            crate::notify::notify("READY=1");
+        }
         let served = tokio::select! {
             r = serve => r.map_err(|e| Error::Unavailable(format!("server on {address} failed: {e}"))),
             _ = deadline => {
-                tracing::warn!(timeout_s = DRAIN_TIMEOUT.as_secs(), "clients did not finish in time, exiting anyway");
+                tracing::warn!(timeout_s = drain.as_secs_f64(), "clients did not finish in time, exiting anyway");
                 Ok(())
             }
         };
@@ -162,24 +198,11 @@ impl BoundDaemon {
     }
 }
 
-async fn bind_unix(path: &Path) -> Result<UnixListener> {
-    if let Some(dir) = path.parent()
-        && !dir.exists()
-    {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create socket directory", dir, e))?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| Error::io("cannot restrict socket directory", dir, e))?;
-    }
-    if path.exists() {
-        if tokio::net::UnixStream::connect(path).await.is_ok() {
-            return Err(Error::Unavailable(format!("another daemon is already listening on {}", path.display())));
-        }
-        std::fs::remove_file(path).map_err(|e| Error::io("cannot remove stale socket", path, e))?;
-    }
-    let listener = UnixListener::bind(path).map_err(|e| Error::io("cannot listen on", path, e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE))
-        .map_err(|e| Error::io("cannot restrict socket", path, e))?;
-    Ok(listener)
+fn bind_unix(path: &Path, access: &crate::socket_file::SocketAccess) -> Result<UnixListener> {
+    let fd = crate::socket_file::listen(path, rustix::net::SocketType::STREAM, access, 1024)?;
+    let std_listener = std::os::unix::net::UnixListener::from(fd);
+    std_listener.set_nonblocking(true).map_err(|e| Error::io("cannot set up", path, e))?;
+    UnixListener::from_std(std_listener).map_err(|e| Error::io("cannot listen on", path, e))
 }
 
 /// The token that stops a daemon (re-exported so embedders need no tokio-util dependency).

@@ -25,13 +25,19 @@
 //! - [`pack`]: `shardstream pack`, turning a tree of small files into shards with a manifest.
 //! - [`cli`]: the `shardstream` command line.
 //! - `failpoints` (feature `failpoints` only): fault injection for the failpoint and chaos tests.
+//! - [`socket_file`]: the daemon's Unix socket files: mode, group, stale-socket replacement.
+//! - [`access`]: the config file's `allow` list: which peer (uid/gid) may open which datasets.
+//! - [`cli`]: the `shardstream` command line; [`config`]: `serve --config` (TOML) merged with flags
+//!   and environment; [`logging`]: `--log` / `--log-format`; [`notify`]: sd_notify.
 //!
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
 
+pub mod access;
 pub mod atomic_write;
 pub mod cache;
 pub mod cli;
+pub mod config;
 pub mod daemon;
 pub mod error;
 #[cfg(feature = "failpoints")]
@@ -39,13 +45,16 @@ pub mod failpoints;
 pub mod format;
 pub mod index;
 pub mod limits;
+pub mod logging;
 pub mod metrics;
+pub mod notify;
 pub mod pack;
 pub mod parallel;
 pub mod plan;
 pub mod prefetch;
 pub mod service;
 pub mod shutdown;
+pub mod socket_file;
 pub mod stable_hash;
 pub mod storage;
 pub mod transport;

@@ -206,13 +206,9 @@ mod tests {
 
     #[test]
     fn serve_defaults_are_in_range() {
-        let Command::Serve { s3_part_size, prefetch_parallel, shm_credits, ring_slots, .. } =
-            parse(SERVE).unwrap().command
-        else {
-            panic!()
-        };
-        assert_eq!(s3_part_size, 8 * MIB);
-        assert!(prefetch_parallel >= 1 && shm_credits >= 1 && ring_slots >= 1);
+        let Command::Serve(args) = parse(SERVE).unwrap().command else { panic!() };
+        assert_eq!(args.s3_part_size, 8 * MIB);
+        assert!(args.prefetch_parallel >= 1 && args.shm_credits >= 1 && args.ring_slots >= 1);
     }
 
     #[test]

@@ -68,6 +68,8 @@ pub struct Service {
     prefetch: Option<Arc<Prefetcher>>,
     /// Rank plans' shard futures, shared by the rank's worker streams.
     uses: Arc<uses::UsesCache>,
+    /// The config file's `allow` list; `None`: every dataset is allowed.
+    access: Option<Arc<crate::access::AllowList>>,
 }
 
 impl Service {
@@ -79,7 +81,27 @@ impl Service {
         shm: Option<Arc<ShmHub>>,
         prefetch: Option<Arc<Prefetcher>>,
     ) -> Self {
-        Self { registry, metrics, shutdown, cache_dir, shm, prefetch, uses: Arc::default() }
+        Self { registry, metrics, shutdown, cache_dir, shm, prefetch, uses: Arc::default(), access: None }
+    }
+
+    /// Restricts the datasets each peer may open to its roots in `allow`.
+    pub fn with_access(mut self, allow: Option<Arc<crate::access::AllowList>>) -> Self {
+        self.access = allow;
+        self
+    }
+
+    /// Refuses (`PermissionDenied`, naming the URL) a dataset outside the peer's allowed roots.
+    fn authorize<T>(&self, request: &Request<T>, url: &str) -> Result<(), Status> {
+        let Some(allow) = &self.access else { return Ok(()) };
+        let peer = request
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|c| c.peer_cred)
+            .map(|c| crate::access::Peer { uid: c.uid(), gid: c.gid() });
+        allow.check(peer, url).map_err(|e| {
+            tracing::warn!(?peer, %url, "dataset refused by the allow list");
+            to_status(e)
+        })
     }
 
     async fn open(&self, url: String, cache: String) -> Result<Arc<Dataset>> {
@@ -365,6 +387,7 @@ fn build_packed_batch<'s>(
 #[tonic::async_trait]
 impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
+        self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
         let ds = self.open(req.url, req.cache).await.map_err(to_status)?;
@@ -379,6 +402,7 @@ impl Shardstream for Service {
     ) -> Result<Response<Self::StreamBatchesStream>, Status> {
         // Only a client on the Unix socket can be on this host and reach the side channel.
         let same_host = request.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some();
+        self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         let ds = self.open(req.url.clone(), req.cache.clone()).await.map_err(to_status)?;
         let hub = self.shm.clone().filter(|_| same_host);
@@ -468,6 +492,7 @@ impl Shardstream for Service {
     type PrefetchStream = ReceiverStream<Result<PrefetchProgress, Status>>;
 
     async fn prefetch(&self, request: Request<PrefetchRequest>) -> Result<Response<Self::PrefetchStream>, Status> {
+        self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
         stage::stage(self.registry.clone(), req).await.map(Response::new)

@@ -29,10 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rustix::net::{
-    AddressFamily, RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
-    SocketAddrUnix, SocketType,
-};
+use rustix::net::{RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketType};
 use shardstream_proto::ring::{PAGE, round_up};
 use shardstream_proto::shm::{self as wire, Frame};
 
@@ -154,8 +151,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ShmHub {
-    /// Binds the side-channel socket (owner-only) and starts accepting on a thread.
-    pub fn bind(socket: PathBuf, config: ShmConfig) -> Result<Arc<Self>> {
+    /// Binds the side-channel socket (with the same access as the daemon's socket) and starts
+    /// accepting on a thread. Refuses to replace anything but a stale socket.
+    pub fn bind(socket: PathBuf, config: ShmConfig, access: crate::socket_file::SocketAccess) -> Result<Arc<Self>> {
         for (name, n) in [("--shm-credits", config.credits), ("--ring-slots", config.ring_slots)] {
             if n == 0 || n > MAX_CREDITS {
                 return Err(Error::invalid(format!("{name} must be from 1 to {MAX_CREDITS}, not {n}")));
@@ -168,22 +166,7 @@ impl ShmHub {
                 config.packed_budget
             )));
         }
-        let io = |op, e: rustix::io::Errno| Error::io(op, &socket, e.into());
-        if socket.exists() {
-            std::fs::remove_file(&socket).map_err(|e| Error::io("cannot remove stale socket", &socket, e))?;
-        }
-        let fd = rustix::net::socket_with(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            rustix::net::SocketFlags::CLOEXEC,
-            None,
-        )
-        .map_err(|e| io("cannot create side-channel socket", e))?;
-        let addr = SocketAddrUnix::new(&socket).map_err(|e| io("bad socket path", e))?;
-        rustix::net::bind(&fd, &addr).map_err(|e| io("cannot bind", e))?;
-        std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))
-            .map_err(|e| Error::io("cannot restrict socket", &socket, e))?;
-        rustix::net::listen(&fd, 128).map_err(|e| io("cannot listen on", e))?;
+        let fd = crate::socket_file::listen(&socket, SocketType::SEQPACKET, &access, 128)?;
         let shared = HubShared {
             sessions: Mutex::default(),
             leases: Mutex::default(),

@@ -1,0 +1,280 @@
+//! Which datasets a connected process may open: the `allow` list of the config file, checked
+//! against the peer's credentials (SO_PEERCRED of its Unix connection) for every request that
+//! names a dataset (open, stream, prefetch).
+//!
+//! Without an `allow` list every dataset is allowed (the socket's mode and group already decide
+//! who may connect). With one, a request is allowed when some rule matches the peer (its `uid`
+//! and `gid`, each when given; the gid is the peer's primary group as the kernel reports it) and
+//! every shard location the URL names lies under one of that rule's `roots`. A TCP peer has no
+//! credentials and matches only rules with neither `uid` nor `gid`.
+//!
+//! Matching is careful about prefixes: paths are absolute, normalised (`.`, `..`, repeated `/`)
+//! and, where they exist, resolved through symlinks, then compared component by component
+//! (`/data/train` does not admit `/data/training`); brace patterns are expanded and every
+//! expansion checked; S3 keys are compared segment by segment and may not contain `.`/`..`
+//! segments at all.
+
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::storage::DatasetUrl;
+use crate::{Error, Result};
+
+/// One entry of the config file's `allow` list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllowRule {
+    /// The peer's user id; any when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// The peer's (primary) group id; any when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// Absolute directory prefixes and `s3://bucket/prefix` prefixes this peer may read.
+    pub roots: Vec<String>,
+}
+
+/// The peer of a request: uid and gid when it came over a Unix socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Root {
+    Dir(PathBuf),
+    S3 { bucket: String, segments: Vec<String> },
+}
+
+#[derive(Debug, Clone)]
+struct Rule {
+    uid: Option<u32>,
+    gid: Option<u32>,
+    roots: Vec<Root>,
+}
+
+/// The compiled `allow` list.
+#[derive(Debug, Clone)]
+pub struct AllowList {
+    rules: Vec<Rule>,
+}
+
+impl AllowList {
+    /// Checks and compiles the rules; an error names the bad entry.
+    pub fn new(rules: &[AllowRule]) -> Result<Self> {
+        let mut out = Vec::with_capacity(rules.len());
+        for (i, r) in rules.iter().enumerate() {
+            if r.roots.is_empty() {
+                return Err(Error::invalid(format!("allow[{i}]: `roots` is empty (the rule would allow nothing)")));
+            }
+            let roots = r
+                .roots
+                .iter()
+                .map(|s| parse_root(s).map_err(|e| Error::invalid(format!("allow[{i}].roots: {s:?}: {e}"))))
+                .collect::<Result<_>>()?;
+            out.push(Rule { uid: r.uid, gid: r.gid, roots });
+        }
+        Ok(Self { rules: out })
+    }
+
+    /// Ok when `peer` may read `url`; otherwise `PermissionDenied` naming the URL.
+    pub fn check(&self, peer: Option<Peer>, url: &str) -> Result<()> {
+        let denied = |why: String| Error::PermissionDenied { path: url.to_owned(), reason: why };
+        let locations = locations(url).map_err(|e| denied(format!("cannot check it against the allow list: {e}")))?;
+        let who = match peer {
+            Some(p) => format!("uid {} gid {}", p.uid, p.gid),
+            None => "a peer without credentials (TCP)".to_owned(),
+        };
+        for rule in self.rules.iter().filter(|r| matches_peer(r, peer)) {
+            if locations.iter().all(|loc| rule.roots.iter().any(|root| under(loc, root))) {
+                return Ok(());
+            }
+        }
+        Err(denied(format!("not under any root the daemon's allow list gives to {who}")))
+    }
+}
+
+fn matches_peer(rule: &Rule, peer: Option<Peer>) -> bool {
+    match peer {
+        Some(p) => rule.uid.is_none_or(|u| u == p.uid) && rule.gid.is_none_or(|g| g == p.gid),
+        None => rule.uid.is_none() && rule.gid.is_none(),
+    }
+}
+
+fn under(loc: &Root, root: &Root) -> bool {
+    match (loc, root) {
+        (Root::Dir(p), Root::Dir(r)) => p.starts_with(r),
+        (Root::S3 { bucket: b, segments: s }, Root::S3 { bucket: rb, segments: rs }) => {
+            b == rb && s.len() >= rs.len() && s[..rs.len()] == rs[..]
+        }
+        _ => false,
+    }
+}
+
+fn parse_root(s: &str) -> std::result::Result<Root, String> {
+    if let Some(rest) = s.strip_prefix("s3://") {
+        let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err("no bucket".into());
+        }
+        return Ok(Root::S3 { bucket: bucket.to_owned(), segments: s3_segments(key)? });
+    }
+    let path = s.strip_prefix("file://").unwrap_or(s);
+    if s.contains("://") && !s.starts_with("file://") {
+        return Err("only absolute paths, file:// and s3:// roots are supported".into());
+    }
+    Ok(Root::Dir(resolve(Path::new(path))?))
+}
+
+/// Key segments of an S3 prefix; `.`/`..` segments are refused (S3 takes them literally, a
+/// reader of this list would not).
+fn s3_segments(key: &str) -> std::result::Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for seg in key.split('/').filter(|s| !s.is_empty()) {
+        if seg == "." || seg == ".." {
+            return Err(format!("the key {key:?} contains a {seg:?} segment"));
+        }
+        out.push(seg.to_owned());
+    }
+    Ok(out)
+}
+
+/// An absolute path, normalised lexically and then through symlinks as far as it exists.
+fn resolve(path: &Path) -> std::result::Result<PathBuf, String> {
+    if !path.is_absolute() {
+        return Err(format!("{} is not an absolute path", path.display()));
+    }
+    let mut norm = PathBuf::from("/");
+    for c in path.components() {
+        match c {
+            Component::Normal(n) => norm.push(n),
+            Component::ParentDir => {
+                norm.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    // Resolve symlinks in the longest existing ancestor, so a link inside a root that points
+    // outside it does not pass.
+    let mut existing = norm.clone();
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        match existing.file_name() {
+            Some(n) => rest.push(n.to_owned()),
+            None => break,
+        }
+        existing.pop();
+    }
+    let mut real = std::fs::canonicalize(&existing).unwrap_or(existing);
+    real.extend(rest.iter().rev());
+    Ok(real)
+}
+
+/// Every shard location (or the dataset directory / prefix) a URL names.
+fn locations(url: &str) -> Result<Vec<Root>> {
+    match DatasetUrl::parse(url)? {
+        DatasetUrl::Local { dir, names } => {
+            let dirs = match names {
+                None => vec![dir],
+                Some(names) => names.iter().map(|n| dir.join(n)).collect(),
+            };
+            dirs.iter().map(|d| resolve(d).map(Root::Dir).map_err(Error::InvalidArgument)).collect()
+        }
+        DatasetUrl::S3 { bucket, prefix, names } => {
+            let keys = match names {
+                None => vec![prefix],
+                Some(names) => names.iter().map(|n| format!("{prefix}{n}")).collect(),
+            };
+            keys.iter()
+                .map(|k| {
+                    s3_segments(k)
+                        .map(|segments| Root::S3 { bucket: bucket.clone(), segments })
+                        .map_err(Error::InvalidArgument)
+                })
+                .collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(rules: &[(Option<u32>, Option<u32>, &[&str])]) -> AllowList {
+        let rules: Vec<_> = rules
+            .iter()
+            .map(|(uid, gid, roots)| AllowRule {
+                uid: *uid,
+                gid: *gid,
+                roots: roots.iter().map(|s| s.to_string()).collect(),
+            })
+            .collect();
+        AllowList::new(&rules).unwrap()
+    }
+
+    const ALICE: Option<Peer> = Some(Peer { uid: 1000, gid: 1000 });
+    const BOB: Option<Peer> = Some(Peer { uid: 1001, gid: 100 });
+
+    #[test]
+    fn paths_match_by_component_and_cannot_escape() {
+        let l = list(&[(None, None, &["/nonexistent-root/data/train", "s3://bucket/datasets/imagenet"])]);
+        for ok in [
+            "/nonexistent-root/data/train",
+            "/nonexistent-root/data/train/",
+            "/nonexistent-root/data/train/a/train-{000..009}.tar",
+            "file:///nonexistent-root/data/train/x",
+            "/nonexistent-root/data/./train//x",
+            "s3://bucket/datasets/imagenet/",
+            "s3://bucket/datasets/imagenet/train-{0..3}.tar",
+        ] {
+            l.check(ALICE, ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in [
+            "/nonexistent-root/data/training",
+            "/nonexistent-root/data/train/../secret",
+            "/nonexistent-root/data/train/{a,../../secret}",
+            "/nonexistent-root/data",
+            "relative/train",
+            "s3://bucket/datasets/imagenet-private/",
+            "s3://bucket/datasets/imagenet/../other/",
+            "s3://other-bucket/datasets/imagenet/",
+            "s3://bucket/datasets/",
+        ] {
+            let e = l.check(ALICE, bad).unwrap_err();
+            assert!(matches!(&e, Error::PermissionDenied { path, .. } if path == bad), "{bad}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn rules_apply_per_peer() {
+        let l = list(&[(Some(1000), None, &["/a"]), (None, Some(100), &["/b"])]);
+        assert!(l.check(ALICE, "/a/x").is_ok());
+        assert!(l.check(ALICE, "/b/x").is_err());
+        assert!(l.check(BOB, "/b/x").is_ok());
+        assert!(l.check(BOB, "/a/x").is_err());
+        assert!(l.check(None, "/a/x").is_err(), "TCP peers match only rules without uid/gid");
+    }
+
+    #[test]
+    fn symlink_out_of_a_root_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+        let l = list(&[(None, None, &[root.to_str().unwrap()])]);
+        assert!(l.check(ALICE, root.to_str().unwrap()).is_ok());
+        assert!(l.check(ALICE, root.join("link").to_str().unwrap()).is_err());
+    }
+
+    #[test]
+    fn bad_rules_are_named() {
+        let e = AllowList::new(&[AllowRule { uid: None, gid: None, roots: vec!["data".into()] }]).unwrap_err();
+        assert!(e.to_string().contains("allow[0].roots"), "{e}");
+        let e = AllowList::new(&[AllowRule { uid: None, gid: None, roots: vec![] }]).unwrap_err();
+        assert!(e.to_string().contains("allow[0]"), "{e}");
+    }
+}

@@ -1,0 +1,62 @@
+//! The daemon's logs: what `--log` and `--log-format` mean.
+//!
+//! `--log LEVEL` sets the level of shardstream's own targets (`shardstream*`) only; dependencies
+//! (tonic, h2, hyper, the AWS SDK) stay at `info` or quieter, so `--log debug` shows the daemon's
+//! decisions and not every HTTP/2 frame. A value with `=` or `,` is a full tracing directive and
+//! is used as given (`--log info,h2=debug`). Logs go to stderr; `--log-format json` writes one
+//! JSON object per line for log shippers (Kubernetes, journald forwarders).
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+
+/// The tracing directive for a `--log` value (see the module docs).
+pub fn directive(log: &str) -> String {
+    let log = log.trim();
+    if log.contains('=') || log.contains(',') {
+        return log.to_owned();
+    }
+    let level = log.to_ascii_lowercase();
+    let Some(rank) = LEVELS.iter().position(|l| *l == level) else { return log.to_owned() };
+    // Dependencies: as quiet as asked, but never chattier than info.
+    let deps = LEVELS[rank.min(3)];
+    format!("{deps},shardstream={level}")
+}
+
+/// Installs the global subscriber (once; later calls do nothing). A filter that does not parse
+/// falls back to `info` with a warning rather than leaving the daemon silent.
+pub fn init(log: &str, format: LogFormat) {
+    let wanted = directive(log);
+    let (filter, bad) = match tracing_subscriber::EnvFilter::try_new(&wanted) {
+        Ok(f) => (f, None),
+        Err(e) => (tracing_subscriber::EnvFilter::new(directive("info")), Some(e)),
+    };
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+    if let Some(e) = bad {
+        tracing::warn!(log, error = %e, "bad --log filter, logging at info");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_apply_to_shardstream_only() {
+        assert_eq!(directive("info"), "info,shardstream=info");
+        assert_eq!(directive("debug"), "info,shardstream=debug");
+        assert_eq!(directive("TRACE"), "info,shardstream=trace");
+        assert_eq!(directive("warn"), "warn,shardstream=warn");
+        assert_eq!(directive("info,h2=debug"), "info,h2=debug");
+        assert_eq!(directive("shardstream::cache=trace"), "shardstream::cache=trace");
+    }
+}

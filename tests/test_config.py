@@ -1,0 +1,96 @@
+"""`shardstream serve --config FILE`: keys, precedence (flags > SHARDSTREAM_* > file > defaults),
+errors naming the key, and `--print-config`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+import tomllib
+from pathlib import Path
+
+from conftest import SHARDSTREAM, Daemon
+
+
+def print_config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    return subprocess.run(
+        [SHARDSTREAM, "serve", *args, "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**clean, **(env or {})},
+    )
+
+
+def test_precedence_flag_env_file_default(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        textwrap.dedent("""
+        cache-size = "3GiB"
+        prefetch-horizon = 45
+        s3-concurrency = 4
+        log = "debug"
+        """)
+    )
+    r = print_config(
+        "--config", str(cfg), "--s3-concurrency", "9", env={"SHARDSTREAM_LOG": "warn", "SHARDSTREAM_CACHE_SIZE": "1GiB"}
+    )
+    assert r.returncode == 0, r.stderr
+    eff = tomllib.loads(r.stdout)
+    assert eff["s3-concurrency"] == 9  # flag beats file
+    assert eff["log"] == "warn"  # env beats file
+    assert eff["cache-size"] == str(1 << 30)  # env beats file
+    assert eff["prefetch-horizon"] == 45  # file beats default
+    assert eff["cache-policy"] == "belady"  # default
+    # The printed configuration is itself a valid config file that yields the same result.
+    again = tmp_path / "again.toml"
+    again.write_text(r.stdout)
+    r2 = print_config("--config", str(again))
+    assert r2.returncode == 0, r2.stderr
+    assert tomllib.loads(r2.stdout) == eff
+
+
+def test_config_from_environment_variable(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("ring-slots = 7\n")
+    r = print_config(env={"SHARDSTREAM_CONFIG": str(cfg)})
+    assert r.returncode == 0, r.stderr
+    assert tomllib.loads(r.stdout)["ring-slots"] == 7
+
+
+def test_unknown_key_and_bad_value_stop_the_daemon(tmp_path: Path) -> None:
+    for text, key in [
+        ('cache-sise = "1GiB"\n', "cache-sise"),
+        ('prefetch-parallel = "many"\n', "prefetch-parallel"),
+        ('[[allow]]\nuid = 1\nroot = ["/x"]\n', "root"),
+    ]:
+        cfg = tmp_path / "bad.toml"
+        cfg.write_text(text)
+        r = subprocess.run(
+            [SHARDSTREAM, "serve", "--config", str(cfg), "--listen", f"unix://{tmp_path}/sock"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert r.returncode != 0
+        assert key in r.stderr and str(cfg) in r.stderr, r.stderr
+        assert not (tmp_path / "sock").exists()
+
+
+def test_daemon_runs_from_a_config_file(dataset, tmp_path: Path) -> None:
+    import shardstream
+
+    root, samples = dataset
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'cache-size = "1GiB"\nsocket-mode = "0660"\nlisten = "unix://{tmp_path}/from-file.sock"\n')
+    d = Daemon(tmp_path, args=["--config", str(cfg)])
+    d.start()  # Daemon passes --listen: the flag wins over the file's listen
+    try:
+        assert not (tmp_path / "from-file.sock").exists()
+        assert oct((tmp_path / "sock").stat().st_mode & 0o777) == "0o660"
+        assert d.status()["cache"]["capacity_bytes"] == 1 << 30
+        got = sum(len(b["__key__"]) for b in shardstream.Loader(str(root), batch_size=64, connect=d.addr))
+        assert got == len(samples)
+    finally:
+        assert d.stop() == 0

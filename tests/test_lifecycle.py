@@ -1,0 +1,196 @@
+"""What a deployment relies on from `shardstream serve`: it never destroys a file that is not its
+own socket, `status` is a usable readiness probe, sd_notify READY/STOPPING, a bounded drain on
+SIGTERM, and logs an operator can filter or ship as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SHARDSTREAM, Daemon
+
+
+def serve(tmp: Path, listen: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [SHARDSTREAM, "serve", "--listen", f"unix://{listen}", "--cache-dir", str(tmp / "cache"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("which", ["sock", "sock.shm"])
+def test_serve_refuses_to_replace_a_regular_file(tmp_path: Path, which: str) -> None:
+    victim = tmp_path / which
+    victim.write_text("precious")
+    r = serve(tmp_path, tmp_path / "sock")
+    assert r.returncode != 0, r.stderr
+    assert str(victim) in r.stderr
+    assert victim.read_text() == "precious"
+
+
+def test_serve_refuses_to_replace_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "sock").mkdir()
+    (tmp_path / "sock" / "keep").write_text("x")
+    r = serve(tmp_path, tmp_path / "sock")
+    assert r.returncode != 0
+    assert str(tmp_path / "sock") in r.stderr
+    assert (tmp_path / "sock" / "keep").read_text() == "x"
+
+
+def test_serve_refuses_a_live_socket_of_another_program(tmp_path: Path) -> None:
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(tmp_path / "sock"))
+    other.listen()
+    try:
+        r = serve(tmp_path, tmp_path / "sock")
+        assert r.returncode != 0
+        assert str(tmp_path / "sock") in r.stderr
+        assert (tmp_path / "sock").is_socket()
+    finally:
+        other.close()
+
+
+def test_serve_replaces_stale_sockets(tmp_path: Path) -> None:
+    """A socket nobody listens on (a daemon killed with SIGKILL) is ours to replace."""
+    d = Daemon(tmp_path).start()
+    d.kill()
+    assert (tmp_path / "sock").is_socket() and (tmp_path / "sock.shm").is_socket()
+    d2 = Daemon(tmp_path).start()
+    assert d2.status()["active_streams"] == 0
+    assert d2.stop() == 0
+
+
+def status(addr: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([SHARDSTREAM, "status", "--connect", addr, *args], capture_output=True, text=True, timeout=30)
+
+
+def test_status_is_a_readiness_probe(tmp_path: Path) -> None:
+    addr = f"unix://{tmp_path / 'sock'}"
+    r = status(addr)
+    assert r.returncode != 0 and "sock" in r.stderr  # nothing there yet
+    d = Daemon(tmp_path).start()
+    try:
+        r = status(addr)
+        assert r.returncode == 0, r.stderr
+        assert "shardstream" in r.stdout
+    finally:
+        assert d.stop() == 0
+    r = status(addr)
+    assert r.returncode != 0 and r.stderr
+    (tmp_path / "sock").write_text("not a socket")
+    r = status(addr)
+    assert r.returncode != 0 and r.stderr
+
+
+def test_status_timeout_on_a_daemon_that_does_not_answer(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        r = status(d.addr, "--timeout", "1")
+        assert r.returncode != 0 and "did not answer" in r.stderr
+        assert time.monotonic() - t0 < 5
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        assert d.stop() == 0
+
+
+def recv(sock: socket.socket, timeout: float = 20.0) -> str:
+    sock.settimeout(timeout)
+    return sock.recv(4096).decode()
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if abstract:
+        name = f"shardstream-test-{os.getpid()}-{time.monotonic_ns()}"
+        rx.bind("\0" + name)
+        target = "@" + name
+    else:
+        target = str(tmp_path / "notify")
+        rx.bind(target)
+    with rx:
+        d = Daemon(tmp_path / "d", env={"NOTIFY_SOCKET": target})
+        d.tmp.mkdir()
+        d.start()
+        assert recv(rx) == "READY=1"
+        # READY means served: status answers at once.
+        assert status(d.addr).returncode == 0
+        d.proc.send_signal(signal.SIGTERM)
+        assert recv(rx) == "STOPPING=1"
+        assert d.proc.wait(timeout=30) == 0
+
+
+def test_drain_timeout_bounds_shutdown_with_a_stuck_client(tmp_path: Path) -> None:
+    """A client that stops reading mid-stream holds its stream open; the daemon still exits 0
+    within --drain-timeout, and the client's iteration ends with ConnectionError, never a hang."""
+    import numpy as np
+    import webdataset as wds
+
+    import shardstream
+
+    root = tmp_path / "big"
+    root.mkdir()
+    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
+    n = 400  # 200 MB: far more than the stream's 64 MiB flow-control window
+    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    d = Daemon(tmp_path / "d", args=["--drain-timeout", "2"])
+    d.tmp.mkdir()
+    d.start()
+    loader = shardstream.Loader(str(root), batch_size=1, connect=d.addr, transport="inline")
+    it = iter(loader)
+    next(it)
+    time.sleep(1.0)  # the daemon fills the flow-control window and waits for the client
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 0
+    took = time.monotonic() - t0
+    assert 1.5 < took < 2 + 5, took  # it waited for the stuck client, but not for ever
+    got = 1
+    with pytest.raises(ConnectionError):
+        for _ in it:
+            got += 1
+    assert got < n
+
+
+def test_log_json_and_shardstream_only_filter(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, args=["--log", "debug", "--log-format", "json"])
+    cmd = [
+        SHARDSTREAM,
+        "serve",
+        "--listen",
+        d.addr,
+        "--cache-dir",
+        str(d.cache_dir),
+        "--log",
+        "debug",
+        "--log-format",
+        "json",
+        "--drain-timeout",
+        "1",
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        from conftest import wait_for
+
+        assert wait_for(lambda: status(d.addr).returncode == 0, timeout=30)
+        for _ in range(3):
+            assert status(d.addr).returncode == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    lines = [json.loads(line) for line in err.splitlines() if line.strip()]
+    assert lines, err
+    assert any(e.get("message") == "serving" for e in lines), err[:2000]
+    targets = {e["target"] for e in lines}
+    # debug asked: shardstream's debug lines may appear, but no h2/hyper/tonic debug noise.
+    noisy = [e for e in lines if not e["target"].startswith("shardstream") and e["level"] in ("DEBUG", "TRACE")]
+    assert not noisy, noisy[:3]
+    assert any(t.startswith("shardstream") for t in targets)
