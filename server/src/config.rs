@@ -155,6 +155,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("s3-max-retries", Some(args.s3_max_retries.to_string())),
         ("shm-credits", Some(args.shm_credits.to_string())),
         ("ring-slots", Some(args.ring_slots.to_string())),
+        ("packed-budget", args.packed_budget.map(|b| b.to_string())),
         ("metrics-addr", args.metrics_addr.map(|a| a.to_string())),
         ("drain-timeout", Some(args.drain_timeout.to_string())),
         ("log", Some(args.log.clone())),
