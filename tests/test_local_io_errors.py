@@ -1,0 +1,88 @@
+"""A local shard that cannot be read (replaced by a directory: EISDIR; by a FIFO; made unreadable:
+EACCES) fails the stream within seconds with an error naming the file (`PermissionError`,
+`OSError` or `ShardError`), never a hang and never `ConnectionError("daemon unavailable")`, which
+would send a trainer's reconnect logic into a loop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import shardstream
+from conftest import write_dataset
+
+BROKEN = "train-000007.tar"
+
+
+def iterate_with_deadline(loader: shardstream.Loader, seconds: float) -> BaseException | None:
+    """Iterates `loader` on a thread; returns what it raised (None: it ended cleanly)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            for _ in loader:
+                pass
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"the epoch hung for {seconds} s on an unreadable shard"
+    return outcome[0]
+
+
+def break_shard(path: Path, how: str) -> None:
+    if how == "directory":
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("how", ["directory", "fifo"])
+def test_unreadable_local_shard_fails_promptly(daemon, tmp_path: Path, how: str, transport: str) -> None:
+    root = tmp_path / "ds"
+    write_dataset(root, n=400, per_shard=20, seed=11)
+    assert len(list(root.glob("*.tar"))) == 20
+    # Indexed while every shard is fine, then one shard is replaced under the daemon's feet.
+    loader = shardstream.Loader(str(root), batch_size=8, shuffle=False, transport=transport, connect=daemon.addr)
+    break_shard(root / BROKEN, how)
+    t0 = time.monotonic()
+    err = iterate_with_deadline(loader, 30)
+    elapsed = time.monotonic() - t0
+    assert err is not None, "an epoch over an unreadable shard must not end cleanly"
+    assert isinstance(err, (OSError, shardstream.ShardError)), repr(err)
+    assert not isinstance(err, ConnectionError), repr(err)
+    assert BROKEN in str(err), str(err)
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    # The daemon still serves a good dataset, and the same one once repaired.
+    if (root / BROKEN).is_dir():
+        shutil.rmtree(root / BROKEN)
+    else:
+        (root / BROKEN).unlink()
+    good = tmp_path / "good"
+    samples = write_dataset(good, n=50, per_shard=20, seed=12)
+    assert sum(len(b["__key__"]) for b in shardstream.Loader(str(good), connect=daemon.addr)) == len(samples)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads mode-000 files; the directory and FIFO cases cover it")
+def test_permission_denied_shard(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    write_dataset(root, n=100, per_shard=20, seed=13)
+    loader = shardstream.Loader(str(root), batch_size=8, shuffle=False, connect=daemon.addr)
+    os.chmod(root / BROKEN.replace("7", "2"), 0)
+    err = iterate_with_deadline(loader, 30)
+    assert isinstance(err, PermissionError), repr(err)
+    assert "train-000002.tar" in str(err)
