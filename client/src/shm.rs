@@ -115,11 +115,12 @@ impl ShmSession {
         .map_err(|e| frame_error(format!("cannot create a socket: {e}")))?;
         let addr =
             rustix::net::SocketAddrUnix::new(socket).map_err(|e| frame_error(format!("bad socket path: {e}")))?;
+        let gone = |what: String| ClientError::Disconnected(what);
         rustix::net::connect(&sock, &addr)
-            .map_err(|e| frame_error(format!("cannot connect to the shm side channel {}: {e}", socket.display())))?;
-        send(&sock, &Frame::hello(&token)).map_err(|e| frame_error(format!("cannot attach: {e}")))?;
-        let (first, _) = recv(&sock).map_err(|e| frame_error(format!("cannot attach: {e}")))?;
-        let first = first.ok_or_else(|| frame_error("the daemon closed the shm side channel while attaching"))?;
+            .map_err(|e| gone(format!("cannot connect to the shm side channel {}: {e}", socket.display())))?;
+        send(&sock, &Frame::hello(&token)).map_err(|e| gone(format!("cannot attach to the shm side channel: {e}")))?;
+        let (first, _) = recv(&sock).map_err(|e| gone(format!("cannot attach to the shm side channel: {e}")))?;
+        let first = first.ok_or_else(|| gone("the daemon closed the shm side channel while attaching".into()))?;
         match Frame::decode(&first) {
             Ok(f) if f.kind == wire::KIND_ATTACHED => {}
             Ok(f) if f.kind == wire::KIND_ERROR => {
@@ -268,7 +269,11 @@ impl Inner {
                 return Err(frame_error(e));
             }
             if s.closed {
-                return Err(frame_error(format!("shm side channel closed before {} arrived", what())));
+                // EOF (or a socket error) on the side channel: the daemon is gone.
+                return Err(ClientError::Disconnected(format!(
+                    "the shm side channel closed before {} arrived",
+                    what()
+                )));
             }
             let now = Instant::now();
             if now >= deadline {

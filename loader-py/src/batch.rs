@@ -100,9 +100,11 @@ impl Region {
     /// The mapping is read-only and lives as long as this object (an `Arc` it holds), which the
     /// view keeps alive; see `shardstream_client::shm` for why its length does not change.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let map = slf.get().map.clone();
-        // SAFETY: `map` is kept alive by `slf`, which the view references.
-        unsafe { fill_view(slf.into_any(), map.bytes(), view, flags) }
+        crate::errors::no_panic("Region.__getbuffer__", || {
+            let map = slf.get().map.clone();
+            // SAFETY: `map` is kept alive by `slf`, which the view references.
+            unsafe { fill_view(slf.into_any(), map.bytes(), view, flags) }
+        })
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
@@ -135,10 +137,12 @@ impl Column {
     /// The ring mapping is read-only and lives as long as this object (an `Arc` it holds), which
     /// the view keeps alive; the daemon does not write into the slot while the lease is held.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let ring = slf.get().ring.clone();
-        let bytes = slf.get().bytes_in(&ring);
-        // SAFETY: `bytes` lies in the mapping kept alive by `slf`, which the view references.
-        unsafe { fill_view(slf.into_any(), bytes, view, flags) }
+        crate::errors::no_panic("Column.__getbuffer__", || {
+            let ring = slf.get().ring.clone();
+            let bytes = slf.get().bytes_in(&ring);
+            // SAFETY: `bytes` lies in the mapping kept alive by `slf`, which the view references.
+            unsafe { fill_view(slf.into_any(), bytes, view, flags) }
+        })
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
@@ -161,9 +165,11 @@ impl Buffer {
     /// `Bytes` never moves or frees its storage while a handle exists, and the object is frozen.
     /// The buffer is read-only; writable requests are refused.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let data = slf.get().data.clone();
-        // SAFETY: `data` shares storage with the field of `slf`, which the view references.
-        unsafe { fill_view(slf.into_any(), &data, view, flags) }
+        crate::errors::no_panic("Buffer.__getbuffer__", || {
+            let data = slf.get().data.clone();
+            // SAFETY: `data` shares storage with the field of `slf`, which the view references.
+            unsafe { fill_view(slf.into_any(), &data, view, flags) }
+        })
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
@@ -269,23 +275,25 @@ impl Batch {
     /// (picklable). Missing fields are None.
     #[pyo3(signature = (copy=false))]
     fn to_dict<'py>(&self, py: Python<'py>, copy: bool) -> PyResult<Bound<'py, PyDict>> {
-        match &self.kind {
-            Kind::Inline(b) => inline_dict(py, b, copy),
-            Kind::Shm { batch, session, lease } => {
-                let (d, payload) = shm_dict(py, batch, session, lease, &self.fields, copy)?;
-                self.payload.store(payload, Ordering::Relaxed);
-                Ok(d)
-            }
-            Kind::Packed { batch, session, lease } => {
-                let (d, payload) = packed_dict(py, batch, session, lease, &self.fields, copy)?;
-                self.payload.store(payload, Ordering::Relaxed);
-                if copy {
-                    // Everything was copied out: the slot can go back to the daemon now.
-                    lease.release();
+        crate::errors::no_panic("Batch.to_dict", || {
+            match &self.kind {
+                Kind::Inline(b) => inline_dict(py, b, copy),
+                Kind::Shm { batch, session, lease } => {
+                    let (d, payload) = shm_dict(py, batch, session, lease, &self.fields, copy)?;
+                    self.payload.store(payload, Ordering::Relaxed);
+                    Ok(d)
                 }
-                Ok(d)
+                Kind::Packed { batch, session, lease } => {
+                    let (d, payload) = packed_dict(py, batch, session, lease, &self.fields, copy)?;
+                    self.payload.store(payload, Ordering::Relaxed);
+                    if copy {
+                        // Everything was copied out: the slot can go back to the daemon now.
+                        lease.release();
+                    }
+                    Ok(d)
+                }
             }
-        }
+        })
     }
 }
 

@@ -256,6 +256,11 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._stream is not None:
             self._stream.close()
+        if self._start_batch and self._start_batch >= len(self):
+            # Resumed from a state saved after the epoch's last batch: the epoch is done.
+            self._consumed = self._start_batch
+            self._start_batch = 0
+            return
         started = time.perf_counter()
         self._iter_started = started
         stream = self._stream = self._open_stream()
@@ -293,7 +298,10 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: pass to ``load_state_dict`` (in a new process too) to continue
-        with the next batch, none lost or repeated."""
+        with the next batch, none lost or repeated. Saved after an epoch's last batch, it resumes
+        at the end of that epoch: iterating it yields nothing, and ``set_epoch(epoch + 1)`` starts
+        the next epoch (a training loop that calls ``set_epoch`` for every epoch needs no special
+        case)."""
         return {
             "version": STATE_VERSION,
             "url": self.url,
@@ -325,8 +333,10 @@ class Loader:
                 f"{self.info['fingerprint']}: the shards changed"
             )
         self.epoch = int(state["epoch"])
-        consumed = int(state["batches_consumed"])
-        self._start_batch = consumed if consumed < len(self) else 0
+        # A state saved after the epoch's last batch resumes at the end of that epoch: iterating
+        # it yields nothing, and the next set_epoch() starts the following epoch from its start.
+        consumed = min(int(state["batches_consumed"]), len(self))
+        self._start_batch = consumed
         self._consumed = consumed
         self._expected_fingerprint = state["fingerprint"]
 

@@ -100,7 +100,7 @@ impl ShardFile {
 
     /// Opens a local copy of the shard `name` (a node-cache file of an S3 object).
     pub fn open_as(path: PathBuf, expected_len: u64, name: String) -> Result<Self> {
-        let file = File::open(&path).map_err(|e| Error::io("cannot open shard", &path, e))?;
+        let file = open_regular(&path)?;
         let len = file.metadata().map_err(|e| Error::io("cannot stat shard", &path, e))?.len();
         if len != expected_len {
             return Err(Error::Shard {
@@ -126,6 +126,30 @@ impl ShardFile {
             _ => Error::io("cannot read shard", &self.path, e),
         })
     }
+}
+
+/// Opens a shard for reading, refusing anything but a regular file with an error naming it: a
+/// directory put in a shard's place (EISDIR), or a FIFO, on which a plain open would block the
+/// stream forever waiting for a writer (hence `O_NONBLOCK`, which regular files ignore).
+fn open_regular(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Error::io("cannot open shard", path, e))?;
+    let kind = file.metadata().map_err(|e| Error::io("cannot stat shard", path, e))?.file_type();
+    if kind.is_dir() {
+        return Err(Error::io("cannot read shard", path, std::io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    if !kind.is_file() {
+        return Err(Error::Shard {
+            shard: path.display().to_string(),
+            offset: None,
+            reason: "is not a regular file (a FIFO, socket or device took the shard's place)".into(),
+        });
+    }
+    Ok(file)
 }
 
 /// Writes `bytes` to `path` so that readers see either the old file or the complete new one: a
@@ -162,7 +186,7 @@ pub fn file_crc32c(path: &Path) -> Result<(u64, u32)> {
     /// Large enough that syscall overhead vanishes against the CRC (~20 GB/s), small enough to
     /// stay in L2 cache.
     const CHUNK: usize = 1 << 20;
-    let mut f = File::open(path).map_err(|e| Error::io("cannot open", path, e))?;
+    let mut f = open_regular(path)?;
     let mut buf = vec![0u8; CHUNK];
     let (mut crc, mut len) = (0u32, 0u64);
     loop {
