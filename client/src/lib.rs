@@ -45,6 +45,9 @@ pub enum ClientError {
     /// verdict on the request: the same request may succeed against a restarted daemon.
     #[error("lost the connection to the shardstream daemon: {0}")]
     Disconnected(String),
+    /// A shard read in place changed under the client (truncated while a batch used it).
+    #[error("shard {shard}: {reason}")]
+    Shard { shard: String, offset: Option<u64>, reason: String },
     #[error("protocol error: {0}")]
     Protocol(String),
     #[error("shared-memory transport: {0}")]

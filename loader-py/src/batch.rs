@@ -6,7 +6,9 @@
 //! - Shared-memory batches: the views point straight into the client's read-only mapping of the
 //!   shard (a [`Region`] per shard of the batch): no copy at all between the page cache and the
 //!   trainer. Each region holds the batch's [`Lease`]; when the last view and the batch object are
-//!   gone (or on an explicit `release()`), the lease is returned to the daemon.
+//!   gone (or on an explicit `release()`), the lease is returned to the daemon. Shards of a
+//!   dataset read in place (`SHARD_MUTABLE`: someone may truncate them, and a mapping would then
+//!   be SIGBUS) are read instead, into one [`Buffer`] per batch that holds the lease the same way.
 //! - Packed batches (`collate="stack"`): each field is one `(samples, record_bytes)` `uint8` numpy
 //!   array over a [`Column`] of the stream's read-only ring mapping: the daemon's one copy is the
 //!   only one. The column holds the batch's [`Lease`] on its ring slot; when every array is gone
@@ -152,6 +154,9 @@ impl Column {
 #[pyclass(module = "shardstream._native", frozen)]
 pub struct Buffer {
     data: Bytes,
+    /// For samples copied out of a shard read in place: the batch's lease, held as a view into
+    /// a mapped shard would hold it, so leases follow views the same way on every shard.
+    _lease: Option<Arc<Lease>>,
 }
 
 #[pymethods]
@@ -352,17 +357,19 @@ fn shm_dict<'py>(
     if b.starts.len() != n || b.lengths.len() != n {
         return Err(ShardstreamError::new_err("malformed shm batch: columns of different lengths"));
     }
-    let mut keys: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
-    let mut columns: Vec<Vec<Bound<'py, PyAny>>> = fields.iter().map(|_| Vec::with_capacity(n)).collect();
     // (slot, mapping, memoryview over its region): batches draw on a few shards, so a short list.
     let mut regions: Vec<(u32, Arc<Mapping>, Option<Bound<'py, PyAny>>)> = Vec::new();
+    // Where each sample's bytes are: (region, start) in a mapped shard, or (usize::MAX, start)
+    // in `copied`, the batch's samples of shards that are read rather than mapped.
+    let mut located: Vec<(usize, usize)> = Vec::with_capacity(n);
+    let mut copied: Vec<u8> = Vec::new();
     for i in 0..n {
         let slot = b.slots[i];
         let at = match regions.iter().position(|r| r.0 == slot) {
             Some(at) => at,
             None => {
                 let map = session.mapping(slot).map_err(crate::errors::to_pyerr)?;
-                let view = if copy {
+                let view = if copy || !map.is_mapped() {
                     None
                 } else {
                     let region = Bound::new(py, Region { map: map.clone(), _lease: lease.clone() })?;
@@ -372,24 +379,61 @@ fn shm_dict<'py>(
                 regions.len() - 1
             }
         };
-        let (_, map, view) = &regions[at];
-        let all = map.bytes();
-        let start = usize::try_from(b.starts[i]).unwrap_or(usize::MAX);
-        let end = usize::try_from(b.lengths[i]).ok().and_then(|l| start.checked_add(l)).unwrap_or(usize::MAX);
-        let bytes = all.get(start..end).ok_or_else(|| {
-            ShardstreamError::new_err(format!(
-                "shm descriptor outside its shard: slot {slot}, bytes {}..+{} of {}",
-                b.starts[i],
-                b.lengths[i],
-                all.len()
-            ))
-        })?;
+        let map = &regions[at].1;
+        let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
+        if map.is_mapped() {
+            let start = usize::try_from(b.starts[i]).unwrap_or(usize::MAX);
+            if start.checked_add(len).is_none_or(|end| end > map.bytes().len()) {
+                return Err(ShardstreamError::new_err(format!(
+                    "shm descriptor outside its shard: {}, bytes {}..+{} of {}",
+                    map.name,
+                    b.starts[i],
+                    b.lengths[i],
+                    map.bytes().len()
+                )));
+            }
+            located.push((at, start));
+        } else {
+            // A shard read in place (it may be truncated by others at any time): its samples
+            // are read into memory this batch owns, never mapped.
+            let at_copy = copied.len();
+            let end = at_copy.checked_add(len).filter(|&e| e <= isize::MAX as usize).ok_or_else(|| {
+                ShardstreamError::new_err(format!("shm descriptor of {} bytes in {}", b.lengths[i], map.name))
+            })?;
+            copied.resize(end, 0);
+            let buf = &mut copied[at_copy..];
+            py.detach(|| map.read_at(buf, b.starts[i])).map_err(crate::errors::to_pyerr)?;
+            located.push((usize::MAX, at_copy));
+        }
+    }
+    let copied = Bytes::from(copied);
+    let copied_view = if copy || copied.is_empty() {
+        None
+    } else {
+        let owner = Bound::new(py, Buffer { data: copied.clone(), _lease: Some(lease.clone()) })?;
+        Some(PyMemoryView::from(&owner.into_any())?.into_any())
+    };
+    let mut keys: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
+    let mut columns: Vec<Vec<Bound<'py, PyAny>>> = fields.iter().map(|_| Vec::with_capacity(n)).collect();
+    for (i, &(at, start)) in located.iter().enumerate() {
+        let slot = b.slots[i];
+        let (all, view, name) = match regions.get(at) {
+            Some((_, map, view)) => (map.bytes(), view.as_ref(), map.name.as_str()),
+            None => {
+                let name = regions.iter().find(|r| r.0 == slot).map_or("", |r| r.1.name.as_str());
+                (&copied[..], copied_view.as_ref(), name)
+            }
+        };
+        // Both ranges were checked above (mapped) or made to fit (copied).
+        let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
+        let bytes = all.get(start..start.saturating_add(len)).unwrap_or_default();
         let sample = shardstream::format::tar::parse_sample(bytes).map_err(|e| {
-            crate::errors::ShardError::new_err(format!("shard slot {slot}: {}", e.with_base(b.starts[i])))
+            let e = e.with_base(b.starts[i]);
+            crate::errors::shard_error(format!("shard {name}: {e}"), name, e.offset())
         })?;
         keys.push(PyString::new(py, &sample.key).into_any());
-        for (col, name) in columns.iter_mut().zip(fields) {
-            let item = match sample.members.iter().find(|m| m.field == name.as_str()) {
+        for (col, field) in columns.iter_mut().zip(fields) {
+            let item = match sample.members.iter().find(|m| m.field == field.as_str()) {
                 None => py.None().into_bound(py),
                 Some(m) => {
                     let (a, z) = (start + m.data.start, start + m.data.end);
@@ -418,7 +462,7 @@ fn inline_dict<'py>(py: Python<'py>, b: &InlineBatch, copy: bool) -> PyResult<Bo
     let view = if copy {
         None
     } else {
-        let owner = Bound::new(py, Buffer { data: b.data.clone() })?;
+        let owner = Bound::new(py, Buffer { data: b.data.clone(), _lease: None })?;
         Some(PyMemoryView::from(&owner.into_any())?)
     };
     for col in &b.fields {

@@ -35,7 +35,21 @@ pub fn to_pyerr(e: ClientError) -> PyErr {
         ClientError::Connect { .. } | ClientError::Disconnected(_) => PyConnectionError::new_err(e.to_string()),
         ClientError::Protocol(_) | ClientError::Shm(_) => ShardstreamError::new_err(e.to_string()),
         ClientError::Status(s) => status_to_pyerr(&s),
+        ClientError::Shard { ref shard, offset, .. } => shard_error(e.to_string(), shard, offset),
     }
+}
+
+/// A `ShardError` with its `.shard` and `.offset` attributes.
+pub fn shard_error(msg: String, shard: &str, offset: Option<u64>) -> PyErr {
+    Python::attach(|py| {
+        let err = ShardError::new_err(msg);
+        let value = err.value(py);
+        // Attribute setting on a fresh exception object cannot fail in practice; if it does,
+        // the message still names shard and offset.
+        let _ = value.setattr("shard", (!shard.is_empty()).then_some(shard));
+        let _ = value.setattr("offset", offset);
+        err
+    })
 }
 
 fn status_to_pyerr(s: &tonic::Status) -> PyErr {
@@ -50,17 +64,11 @@ fn status_to_pyerr(s: &tonic::Status) -> PyErr {
         Code::NotFound => PyFileNotFoundError::new_err(msg),
         Code::PermissionDenied => PyPermissionError::new_err(msg),
         Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => PyValueError::new_err(msg),
-        Code::DataLoss => Python::attach(|py| {
-            let err = ShardError::new_err(msg);
-            let value = err.value(py);
+        Code::DataLoss => {
             let shard = meta(error_metadata::SHARD);
             let offset = meta(error_metadata::OFFSET).and_then(|o| o.parse::<u64>().ok());
-            // Attribute setting on a fresh exception object cannot fail in practice; if it does,
-            // the message still names shard and offset.
-            let _ = value.setattr("shard", shard);
-            let _ = value.setattr("offset", offset);
-            err
-        }),
+            shard_error(msg, shard.as_deref().unwrap_or_default(), offset)
+        }
         Code::Unavailable | Code::Cancelled => {
             PyConnectionError::new_err(format!("shardstream daemon unavailable: {msg}"))
         }

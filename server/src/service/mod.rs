@@ -329,7 +329,11 @@ fn build_shm_batch(
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
                 let r = working.get(ds, shard)?.clone();
-                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len)?;
+                // A shard read in place may be truncated by others while the client holds it:
+                // the client then reads it rather than maps it (SIGBUS otherwise).
+                let mutable = ds.mode == CacheMode::Direct
+                    && matches!(ds.shards.get(shard).map(|m| &m.source), Some(crate::storage::ShardSource::Local(_)));
+                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len, mutable)?;
                 e.insert((slot, r))
             }
         };
