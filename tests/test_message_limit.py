@@ -52,16 +52,14 @@ def test_shm_streams_are_not_limited(daemon, outlier: Path) -> None:
     loader = shardstream.Loader(str(outlier), batch_size=64, shuffle=False, transport="shm", connect=daemon.addr)
     sizes = {}
     for batch in loader:
-        for key, v in zip(batch["__key__"], batch["bin"]):
+        for key, v in zip(batch["__key__"], batch["bin"], strict=True):
             sizes[key] = len(v)
         batch.release()
     assert sizes["huge"] == LIMIT + MIB and len(sizes) == 3001
 
 
 def test_inline_outlier_is_refused_at_open_naming_it(daemon, outlier: Path) -> None:
-    loader = shardstream.Loader(
-        str(outlier), batch_size=64, shuffle=False, transport="inline", connect=daemon.addr
-    )
+    loader = shardstream.Loader(str(outlier), batch_size=64, shuffle=False, transport="inline", connect=daemon.addr)
     with pytest.raises(ValueError) as err:
         next(iter(loader))
     msg = str(err.value)

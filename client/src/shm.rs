@@ -183,7 +183,7 @@ impl ShmSession {
         .map_err(|e| frame_error(format!("cannot create a socket: {e}")))?;
         let addr =
             rustix::net::SocketAddrUnix::new(socket).map_err(|e| frame_error(format!("bad socket path: {e}")))?;
-        let gone = |what: String| ClientError::Disconnected(what);
+        let gone = ClientError::Disconnected;
         rustix::net::connect(&sock, &addr)
             .map_err(|e| gone(format!("cannot connect to the shm side channel {}: {e}", socket.display())))?;
         send(&sock, &Frame::hello(&token)).map_err(|e| gone(format!("cannot attach to the shm side channel: {e}")))?;

@@ -33,12 +33,13 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
         )));
     }
     let mut found = Vec::new();
+    let named: Option<std::collections::HashSet<&str>> = names.map(|n| n.iter().map(String::as_str).collect());
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
     for entry in entries {
         let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-        let wanted = match names {
-            Some(_) => true,
+        let wanted = match &named {
+            Some(named) => named.contains(name.as_str()),
             None => SHARD_EXTENSIONS.iter().any(|ext| name.ends_with(ext)),
         };
         if !wanted {
@@ -47,9 +48,19 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
         // DirEntry::metadata follows no symlink; a shard may well be a symlink into a PFS.
         let path = entry.path();
         let meta = std::fs::metadata(&path).map_err(|e| Error::io("cannot stat shard", &path, e))?;
-        if meta.is_file() {
-            found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
+        // A shard's name on something that is not a file (a directory or FIFO put in a shard's
+        // place) is an error naming it: skipping it would silently train on another dataset.
+        if meta.is_dir() {
+            return Err(Error::io("cannot read shard", &path, std::io::Error::from_raw_os_error(libc::EISDIR)));
         }
+        if !meta.is_file() {
+            return Err(Error::Shard {
+                shard: path.display().to_string(),
+                offset: None,
+                reason: "is not a regular file (a FIFO, socket or device has a shard's name)".into(),
+            });
+        }
+        found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
     }
     let shards = match names {
         None => {
