@@ -69,6 +69,11 @@ def test_stream_dropped_on_another_thread(daemon, dataset) -> None:
     box = [loader, it]
     del loader, it
     errors: list[BaseException] = []
+    # Exceptions in finalizers (a generator's `finally`, `__del__`) are "ignored": printed, not
+    # raised. Collect them instead.
+    unraisable: list[str] = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.exc_value}")
 
     def drop() -> None:
         try:
@@ -77,10 +82,14 @@ def test_stream_dropped_on_another_thread(daemon, dataset) -> None:
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    t = threading.Thread(target=drop)
-    t.start()
-    t.join(30)
+    try:
+        t = threading.Thread(target=drop)
+        t.start()
+        t.join(30)
+    finally:
+        sys.unraisablehook = old_hook
     assert errors == []
+    assert unraisable == []
     gc.collect()
     assert wait_for(lambda: status(daemon.addr)["leased_shards"] == 0, 10)
 
