@@ -19,8 +19,9 @@ from conftest import write_dataset
 BROKEN = "train-000007.tar"
 
 
-def iterate_with_deadline(loader: shardstream.Loader, seconds: float) -> BaseException | None:
-    """Iterates `loader` on a thread; returns what it raised (None: it ended cleanly)."""
+def iterate_with_deadline(loader, seconds: float) -> BaseException | None:
+    """Iterates `loader` (or an iterator) on a thread; returns what it raised (None: it ended
+    cleanly)."""
     outcome: list[BaseException | None] = []
 
     def run() -> None:
@@ -52,12 +53,19 @@ def break_shard(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 @pytest.mark.parametrize("how", ["directory", "fifo"])
-def test_unreadable_local_shard_fails_promptly(daemon, tmp_path: Path, how: str, transport: str) -> None:
+@pytest.mark.parametrize("when", ["before_iterating", "mid_epoch"])
+def test_unreadable_local_shard_fails_promptly(daemon, tmp_path: Path, how: str, transport: str, when: str) -> None:
     root = tmp_path / "ds"
     write_dataset(root, n=400, per_shard=20, seed=11)
     assert len(list(root.glob("*.tar"))) == 20
-    # Indexed while every shard is fine, then one shard is replaced under the daemon's feet.
+    # Indexed while every shard is fine, then one shard is replaced under the daemon's feet:
+    # before the epoch starts (the stream's open lists the directory again), or mid-epoch (the
+    # stream reaches the shard later: a FIFO there used to block the stream forever).
     loader = shardstream.Loader(str(root), batch_size=8, shuffle=False, transport=transport, connect=daemon.addr)
+    if when == "mid_epoch":
+        it = iter(loader)
+        next(it)
+        loader = it  # iterate the rest of this epoch
     break_shard(root / BROKEN, how)
     t0 = time.monotonic()
     err = iterate_with_deadline(loader, 30)
