@@ -59,7 +59,8 @@ impl Mapping {
     /// was truncated since the daemon indexed it.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), ClientError> {
         use std::os::unix::fs::FileExt;
-        let shard_error = |reason: String| ClientError::Shard { shard: self.name.clone(), offset: Some(offset), reason };
+        let shard_error =
+            |reason: String| ClientError::Shard { shard: self.name.clone(), offset: Some(offset), reason };
         match &self.file {
             Some(f) => f.read_exact_at(buf, offset).map_err(|e| match e.kind() {
                 std::io::ErrorKind::UnexpectedEof => shard_error(format!(
@@ -89,9 +90,8 @@ fn fd_name(file: &std::fs::File, slot: u64) -> String {
 /// The seals a ring memfd must carry before it is mapped: without `SHRINK` the daemon (or
 /// anyone holding the descriptor) could shrink it under our mapping (SIGBUS); without `GROW` and
 /// `SEAL` the geometry checked in its header could change afterwards.
-pub const REQUIRED_RING_SEALS: rustix::fs::SealFlags = rustix::fs::SealFlags::SHRINK
-    .union(rustix::fs::SealFlags::GROW)
-    .union(rustix::fs::SealFlags::SEAL);
+pub const REQUIRED_RING_SEALS: rustix::fs::SealFlags =
+    rustix::fs::SealFlags::SHRINK.union(rustix::fs::SealFlags::GROW).union(rustix::fs::SealFlags::SEAL);
 
 /// Checks a ring segment's seals (`F_GET_SEALS`) before anything trusts its size.
 pub fn check_ring_seals(file: &std::fs::File) -> Result<(), String> {

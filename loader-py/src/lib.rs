@@ -126,8 +126,11 @@ impl Connection {
             d.set_item("storage_requests", r.storage_requests)?;
             d.set_item("storage_retries", r.storage_retries)?;
             d.set_item("prefetch_horizon_s", r.prefetch_horizon_s)?;
-            let consumers: Vec<(String, u32, u32, u64, f64, f64)> =
-                r.consumers.into_iter().map(|c| (c.url, c.rank, c.worker, c.position, c.samples_per_s, c.wait_s)).collect();
+            let consumers: Vec<(String, u32, u32, u64, f64, f64)> = r
+                .consumers
+                .into_iter()
+                .map(|c| (c.url, c.rank, c.worker, c.position, c.samples_per_s, c.wait_s))
+                .collect();
             d.set_item("consumers", consumers)?;
             let datasets: Vec<(String, u64, u64)> =
                 r.datasets.into_iter().map(|ds| (ds.url, ds.resident_shard_tables, ds.resident_index_bytes)).collect();
@@ -202,7 +205,8 @@ impl Connection {
                 collate: collate as i32,
             };
             let mut c = self.client(py)?;
-            let inner = block_on(py, async move { shardstream_client::stream(&mut c, req).await })?.map_err(to_pyerr)?;
+            let inner =
+                block_on(py, async move { shardstream_client::stream(&mut c, req).await })?.map_err(to_pyerr)?;
             let fields = std::sync::Arc::new(inner.header.fields.clone());
             Ok(Stream {
                 header: inner.header.clone(),
@@ -298,7 +302,9 @@ impl Stream {
                     "a shardstream stream cannot be used across fork; start a new iteration in the child",
                 ));
             }
-            let mut stream = match std::mem::replace(&mut *self.lock(), StreamState::Busy) {
+            // Its own statement: a guard in the match scrutinee would live through the arms.
+            let taken = std::mem::replace(&mut *self.lock(), StreamState::Busy);
+            let mut stream = match taken {
                 StreamState::Idle(s) => s,
                 StreamState::Done => {
                     *self.lock() = StreamState::Done;
@@ -406,7 +412,9 @@ fn probe(py: Python<'_>, address: &str) -> PyResult<bool> {
     errors::no_panic("probe", || {
         let Ok(addr) = address.parse::<Address>() else { return Ok(false) };
         block_on(py, async move {
-            tokio::time::timeout(Duration::from_secs(2), shardstream_client::connect(&addr)).await.is_ok_and(|r| r.is_ok())
+            tokio::time::timeout(Duration::from_secs(2), shardstream_client::connect(&addr))
+                .await
+                .is_ok_and(|r| r.is_ok())
         })
     })
 }
