@@ -363,6 +363,9 @@ fn shm_dict<'py>(
     // in `copied`, the batch's samples of shards that are read rather than mapped.
     let mut located: Vec<(usize, usize)> = Vec::with_capacity(n);
     let mut copied: Vec<u8> = Vec::new();
+    let mut copy_len = 0usize;
+    // (region, sample, offset in `copied`) of the samples to read.
+    let mut to_read: Vec<(usize, usize, usize)> = Vec::new();
     for i in 0..n {
         let slot = b.slots[i];
         let at = match regions.iter().position(|r| r.0 == slot) {
@@ -396,15 +399,30 @@ fn shm_dict<'py>(
         } else {
             // A shard read in place (it may be truncated by others at any time): its samples
             // are read into memory this batch owns, never mapped.
-            let at_copy = copied.len();
-            let end = at_copy.checked_add(len).filter(|&e| e <= isize::MAX as usize).ok_or_else(|| {
+            let at_copy = copy_len;
+            copy_len = at_copy.checked_add(len).filter(|&e| e <= isize::MAX as usize).ok_or_else(|| {
                 ShardstreamError::new_err(format!("shm descriptor of {} bytes in {}", b.lengths[i], map.name))
             })?;
-            copied.resize(end, 0);
-            let buf = &mut copied[at_copy..];
-            py.detach(|| map.read_at(buf, b.starts[i])).map_err(crate::errors::to_pyerr)?;
+            to_read.push((at, i, at_copy));
             located.push((usize::MAX, at_copy));
         }
+    }
+    if copy_len > 0 {
+        // One allocation (zeroed pages straight from the kernel) and the reads without the GIL.
+        copied = vec![0u8; copy_len];
+        let reads: Vec<(&Mapping, &mut [u8], u64)> = {
+            let mut rest = copied.as_mut_slice();
+            let mut out = Vec::with_capacity(to_read.len());
+            for &(at, i, _) in &to_read {
+                let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
+                let (buf, tail) = rest.split_at_mut(len.min(rest.len()));
+                rest = tail;
+                out.push((&*regions[at].1, buf, b.starts[i]));
+            }
+            out
+        };
+        py.detach(|| reads.into_iter().try_for_each(|(map, buf, offset)| map.read_at(buf, offset)))
+            .map_err(crate::errors::to_pyerr)?;
     }
     let copied = Bytes::from(copied);
     let copied_view = if copy || copied.is_empty() {
