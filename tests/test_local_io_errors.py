@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import shardstream
-from conftest import write_dataset
+from conftest import Daemon, write_dataset
 
 BROKEN = "train-000007.tar"
 
@@ -85,12 +85,20 @@ def test_unreadable_local_shard_fails_promptly(daemon, tmp_path: Path, how: str,
     assert sum(len(b["__key__"]) for b in shardstream.Loader(str(good), connect=daemon.addr)) == len(samples)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads mode-000 files; the directory and FIFO cases cover it")
 def test_permission_denied_shard(daemon, tmp_path: Path) -> None:
     root = tmp_path / "ds"
     write_dataset(root, n=100, per_shard=20, seed=13)
-    loader = shardstream.Loader(str(root), batch_size=8, shuffle=False, connect=daemon.addr)
-    os.chmod(root / BROKEN.replace("7", "2"), 0)
-    err = iterate_with_deadline(loader, 30)
-    assert isinstance(err, PermissionError), repr(err)
-    assert "train-000002.tar" in str(err)
+    d = daemon
+    if os.geteuid() == 0:
+        # Root reads mode-000 files through CAP_DAC_OVERRIDE: run a daemon without capabilities.
+        assert shutil.which("setpriv"), "setpriv (util-linux) is needed to test EACCES as root"
+        d = Daemon(tmp_path / "d", wrap=["setpriv", "--bounding-set=-all", "--inh-caps=-all"]).start()
+    try:
+        loader = shardstream.Loader(str(root), batch_size=8, shuffle=False, connect=d.addr)
+        os.chmod(root / "train-000002.tar", 0)
+        err = iterate_with_deadline(loader, 30)
+        assert isinstance(err, PermissionError), repr(err)
+        assert "train-000002.tar" in str(err) and err.filename.endswith("train-000002.tar"), str(err)
+    finally:
+        if d is not daemon:
+            assert d.stop() == 0
