@@ -221,6 +221,20 @@ impl Batch {
         };
         Ok(Self { kind, fields, payload: std::sync::atomic::AtomicU64::new(u64::MAX) })
     }
+
+    fn nbytes_unguarded(&self) -> u64 {
+        match &self.kind {
+            Kind::Inline(b) => b.fields.iter().flat_map(|f| f.lengths.iter()).sum(),
+            Kind::Shm { batch, .. } => match self.payload.load(Ordering::Relaxed) {
+                u64::MAX => batch.lengths.iter().sum(),
+                known => known,
+            },
+            Kind::Packed { .. } => match self.payload.load(Ordering::Relaxed) {
+                u64::MAX => 0,
+                known => known,
+            },
+        }
+    }
 }
 
 #[pymethods]
@@ -246,34 +260,27 @@ impl Batch {
     /// Payload bytes of the batch's fields (for shm batches: once `to_dict` has run; before,
     /// the samples' byte ranges, headers included).
     #[getter]
-    fn nbytes(&self) -> u64 {
-        match &self.kind {
-            Kind::Inline(b) => b.fields.iter().flat_map(|f| f.lengths.iter()).sum(),
-            Kind::Shm { batch, .. } => match self.payload.load(Ordering::Relaxed) {
-                u64::MAX => batch.lengths.iter().sum(),
-                known => known,
-            },
-            Kind::Packed { .. } => match self.payload.load(Ordering::Relaxed) {
-                u64::MAX => 0,
-                known => known,
-            },
-        }
-    }
-
-    /// Returns the batch's lease now (shm): the daemon may then evict its shards. Views already
-    /// handed out stay readable (the mapping outlives the lease). For a packed batch the daemon
-    /// reuses its ring slot: its arrays must not be used afterwards. No-op for inline batches.
-    fn release(&self) {
-        match &self.kind {
-            Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease.release(),
-            Kind::Inline(_) => {}
-        }
+    fn nbytes(&self) -> PyResult<u64> {
+        crate::errors::no_panic("Batch.nbytes", || Ok(self.nbytes_unguarded()))
     }
 
     /// True when the fields are stacked arrays gathered by the daemon (packed mode).
     #[getter]
     fn packed(&self) -> bool {
         matches!(self.kind, Kind::Packed { .. })
+    }
+
+    /// Returns the batch's lease now (shm): the daemon may then evict its shards. Views already
+    /// handed out stay readable (the mapping outlives the lease). For a packed batch the daemon
+    /// reuses its ring slot: its arrays must not be used afterwards. No-op for inline batches.
+    fn release(&self) -> PyResult<()> {
+        crate::errors::no_panic("Batch.release", || {
+            match &self.kind {
+                Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease.release(),
+                Kind::Inline(_) => {}
+            }
+            Ok(())
+        })
     }
 
     /// The batch as a dict. `copy=False`: zero-copy memoryviews; `copy=True`: `bytes` objects

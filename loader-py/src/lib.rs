@@ -419,10 +419,17 @@ fn probe(py: Python<'_>, address: &str) -> PyResult<bool> {
     })
 }
 
+/// Panics inside the panic guard every entry point uses: lets the tests check that a Rust panic
+/// reaches Python as `ShardstreamError`, never as `PanicException`.
+#[pyfunction]
+fn _panic_for_tests() -> PyResult<()> {
+    errors::no_panic("_panic_for_tests", || panic!("a deliberate panic, to test the guard"))
+}
+
 /// Runs the `shardstream` command line with `argv` (argv[0] included); returns the exit code.
 #[pyfunction]
-fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
-    py.detach(|| shardstream::cli::main_with_args(argv))
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
+    errors::no_panic("cli_main", || Ok(py.detach(|| shardstream::cli::main_with_args(argv))))
 }
 
 #[pymodule]
@@ -436,6 +443,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_embedded_server, m)?)?;
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     errors::register(m)?;
     m.add("__version__", shardstream::VERSION)?;
     m.add("DEFAULT_SOCKET", shardstream_proto::DEFAULT_SOCKET)?;
