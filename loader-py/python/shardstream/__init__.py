@@ -87,8 +87,10 @@ class Batch(dict):
     """One batch: ``"__key__"`` -> list of str, each field -> list of bytes-like objects.
 
     With the shared-memory transport the values are read-only memoryviews straight into the
-    daemon's shard files, and the batch holds a lease on those shards until every view is gone;
-    ``release()`` returns the lease at once (the views stay readable).
+    daemon's node-cache copies of the shards (zero copy), or, for a dataset read in place (which
+    anyone may truncate: a mapping would then kill the process with SIGBUS), into a buffer the
+    batch's samples were read into; either way the batch holds a lease on its shards until every
+    view is gone; ``release()`` returns the lease at once (the views stay readable).
 
     With ``collate="stack"`` each field is one read-only ``(samples, record_bytes)`` uint8 numpy
     array; over shared memory it lies in a slot of the stream's ring, held until every array is
@@ -356,6 +358,8 @@ class Loader:
         return s
 
     def close(self) -> None:
+        """Ends the current iteration's stream. Safe from any thread: an iteration blocked on
+        another thread wakes up and ends (as if the epoch were over)."""
         if self._stream is not None:
             self._stream.close()
             self._stream = None
