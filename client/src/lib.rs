@@ -301,6 +301,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn transport_failures_are_disconnects_and_daemon_statuses_stay() {
+        use tonic::{Code, Status};
+        // What tonic makes of a connection that dies mid-stream: a status with the cause as source.
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let broken = Status::from_error(Box::new(reset));
+        assert!(is_transport_failure(&broken));
+        assert!(matches!(ClientError::from(broken), ClientError::Disconnected(_)));
+        let pipe = Status::from_error(Box::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe)));
+        assert!(matches!(ClientError::from(pipe), ClientError::Disconnected(_)));
+        // Statuses the daemon sent carry no source, whatever their code.
+        for code in [Code::Unknown, Code::Unavailable, Code::Internal, Code::DataLoss, Code::InvalidArgument] {
+            let s = Status::new(code, "from the daemon");
+            assert!(!is_transport_failure(&s), "{code:?}");
+            assert!(matches!(ClientError::from(s), ClientError::Status(_)), "{code:?}");
+        }
+    }
+
+    #[test]
     fn parses_addresses() {
         assert_eq!("unix:///run/s.sock".parse::<Address>().unwrap(), Address::Unix("/run/s.sock".into()));
         assert_eq!("/run/s.sock".parse::<Address>().unwrap(), Address::Unix("/run/s.sock".into()));
