@@ -142,7 +142,7 @@ impl ShardFile {
 /// Opens a shard for reading, refusing anything but a regular file with an error naming it: a
 /// directory put in a shard's place (EISDIR), or a FIFO, on which a plain open would block the
 /// stream forever waiting for a writer (hence `O_NONBLOCK`, which regular files ignore).
-fn open_regular(path: &Path) -> Result<File> {
+pub fn open_regular(path: &Path) -> Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
