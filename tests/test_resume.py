@@ -110,3 +110,38 @@ def test_state_dict_follows_a_copy_but_not_a_content_change(daemon, tmp_path: Pa
     other = shardstream.Loader(str(changed), **kw)
     with pytest.raises(ValueError, match="the shards changed"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("mode", ["loader", "dataloader"])
+def test_resume_after_last_batch_does_not_replay(daemon, dataset, mode: str) -> None:
+    """A state saved after the epoch's last batch resumes at the end of that epoch: iterating it
+    again yields nothing (the epoch is done), and the next epoch is whole."""
+    import shardstream
+    import shardstream.torch as sst
+
+    root, samples = dataset
+    kw = dict(batch_size=64, seed=3, rank=0, world_size=1, connect=daemon.addr)
+
+    def make():
+        if mode == "loader":
+            loader = shardstream.Loader(str(root), **kw)
+            return loader, loader
+        ds = sst.IterableDataset(str(root), **kw)
+        return ds, sst.DataLoader(ds, num_workers=2)
+
+    epochs, it = make()
+    epochs.set_epoch(1)
+    first = [k for b in it for k in b["__key__"]]
+    assert sorted(first) == sorted(samples)
+    state = it.state_dict()
+    assert state["epoch"] == 1 and state["batches_consumed"] == len(it)
+
+    epochs, it = make()
+    it.load_state_dict(state)
+    epochs.set_epoch(state["epoch"])  # what a training loop does before iterating
+    replay = [k for b in it for k in b["__key__"]]
+    assert replay == [], f"a finished epoch was replayed ({len(replay)} samples)"
+    assert it.state_dict()["batches_consumed"] == len(it)
+    epochs.set_epoch(2)
+    nxt = [k for b in it for k in b["__key__"]]
+    assert sorted(nxt) == sorted(samples) and nxt != first

@@ -37,12 +37,52 @@ pub enum ClientError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// An error the daemon reported (its status code says which kind).
     #[error("{}", .0.message())]
-    Status(#[from] tonic::Status),
+    Status(tonic::Status),
+    /// The connection to the daemon broke: it died (SIGKILL, crash, OOM), the socket was reset,
+    /// the HTTP/2 connection failed, or the shared-memory side channel reached EOF. Never a
+    /// verdict on the request: the same request may succeed against a restarted daemon.
+    #[error("lost the connection to the shardstream daemon: {0}")]
+    Disconnected(String),
+    /// A shard read in place changed under the client (truncated while a batch used it).
+    #[error("shard {shard}: {reason}")]
+    Shard { shard: String, offset: Option<u64>, reason: String },
     #[error("protocol error: {0}")]
     Protocol(String),
     #[error("shared-memory transport: {0}")]
     Shm(String),
+}
+
+impl From<tonic::Status> for ClientError {
+    /// Statuses made on this side from a broken connection (h2/hyper/socket errors) become
+    /// [`ClientError::Disconnected`]; statuses the daemon sent stay [`ClientError::Status`].
+    fn from(s: tonic::Status) -> Self {
+        if is_transport_failure(&s) {
+            ClientError::Disconnected(format!("{:?}: {}", s.code(), s.message()))
+        } else {
+            ClientError::Status(s)
+        }
+    }
+}
+
+/// True when `s` was made locally from a transport failure rather than received from the
+/// daemon. tonic turns a connection that dies mid-stream into `Unknown: h2 protocol error` (or
+/// `Unavailable`, `Internal`, `Cancelled`), always with the underlying error as its source; a
+/// status received in trailers never has a source.
+pub fn is_transport_failure(s: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(s);
+    while let Some(e) = source {
+        if e.is::<h2::Error>()
+            || e.is::<hyper::Error>()
+            || e.is::<std::io::Error>()
+            || e.is::<tonic::transport::Error>()
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// Where a daemon listens.
@@ -158,7 +198,7 @@ pub struct BatchStream {
     pub header: StreamHeader,
     /// The attached side channel, when the stream uses shared memory.
     pub shm: Option<std::sync::Arc<shm::ShmSession>>,
-    rx: mpsc::Receiver<Result<Batch, tonic::Status>>,
+    rx: mpsc::Receiver<Result<Batch, ClientError>>,
     task: tokio::task::JoinHandle<()>,
     /// Index + 1 of the last batch put into `rx` (0: none yet).
     pushed: std::sync::Arc<std::sync::atomic::AtomicU64>,
@@ -167,7 +207,7 @@ pub struct BatchStream {
 impl BatchStream {
     /// Next batch; `None` at the end of the stream.
     pub async fn next(&mut self) -> Option<Result<Batch, ClientError>> {
-        self.rx.recv().await.map(|r| r.map_err(ClientError::from))
+        self.rx.recv().await
     }
 }
 
@@ -229,13 +269,13 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
                     received += 1;
                     Ok(Batch::Packed(b))
                 }
-                Ok(Some(_)) => Err(tonic::Status::internal("unexpected message kind in batch stream")),
+                Ok(Some(_)) => Err(ClientError::Protocol("unexpected message kind in batch stream".into())),
                 // A stream that ends early must never look like the end of an epoch.
-                Ok(None) if received < expected => Err(tonic::Status::unavailable(format!(
+                Ok(None) if received < expected => Err(ClientError::Disconnected(format!(
                     "stream ended after {received} of {expected} batches (daemon stopped?)"
                 ))),
                 Ok(None) => return,
-                Err(s) => Err(s),
+                Err(s) => Err(ClientError::from(s)),
             };
             let stop = item.is_err();
             let index = match &item {
@@ -259,6 +299,24 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transport_failures_are_disconnects_and_daemon_statuses_stay() {
+        use tonic::{Code, Status};
+        // What tonic makes of a connection that dies mid-stream: a status with the cause as source.
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let broken = Status::from_error(Box::new(reset));
+        assert!(is_transport_failure(&broken));
+        assert!(matches!(ClientError::from(broken), ClientError::Disconnected(_)));
+        let pipe = Status::from_error(Box::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe)));
+        assert!(matches!(ClientError::from(pipe), ClientError::Disconnected(_)));
+        // Statuses the daemon sent carry no source, whatever their code.
+        for code in [Code::Unknown, Code::Unavailable, Code::Internal, Code::DataLoss, Code::InvalidArgument] {
+            let s = Status::new(code, "from the daemon");
+            assert!(!is_transport_failure(&s), "{code:?}");
+            assert!(matches!(ClientError::from(s), ClientError::Status(_)), "{code:?}");
+        }
+    }
 
     #[test]
     fn parses_addresses() {

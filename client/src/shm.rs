@@ -5,10 +5,13 @@
 //! used.
 //!
 //! Safety of the mappings: they are `PROT_READ`, `MAP_SHARED` mappings of files the daemon opened
-//! read-only, so this process can never write into them (nor into daemon memory). Shards in the
-//! daemon's cache are immutable once published and never truncated while leased; a shard of a
-//! dataset read in place must not be truncated by someone else while training runs (the process
-//! would get SIGBUS, as with any mmap-based reader).
+//! read-only, so this process can never write into them (nor into daemon memory). Only shards in
+//! the daemon's cache are mapped: they are immutable once published and never truncated while
+//! leased. A shard of a dataset read in place (a local or parallel file system) can be truncated
+//! by anyone at any time, and touching a mapping past the new end of file is SIGBUS, which kills
+//! the trainer: the daemon marks those shards `SHARD_MUTABLE`, and they are read with `pread`
+//! instead ([`Mapping::read_at`]), so a truncation is a [`ClientError::Shard`] naming the file.
+//! Ring segments are memfds whose seals are checked ([`check_ring_seals`]) before they are mapped.
 
 use std::collections::HashMap;
 use std::io::IoSliceMut;
@@ -29,14 +32,77 @@ use crate::ClientError;
 /// before the batch, so it is normally there already).
 const FD_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A mapped shard. Empty files cannot be mapped and have no samples: they map to an empty slice.
+/// A shard the client received: mapped (node-cache copies), or kept open to be read
+/// (`SHARD_MUTABLE` shards, read in place by the daemon too). Empty files cannot be mapped and
+/// have no samples: they map to an empty slice.
 #[derive(Debug)]
-pub struct Mapping(Option<Mmap>);
+pub struct Mapping {
+    map: Option<Mmap>,
+    /// Set for a shard that must be read, not mapped.
+    file: Option<std::fs::File>,
+    /// The shard's path as this process sees it (for errors).
+    pub name: String,
+}
 
 impl Mapping {
+    /// The mapped bytes; empty for a shard that is read ([`Self::is_mapped`] false).
     pub fn bytes(&self) -> &[u8] {
-        self.0.as_deref().unwrap_or(&[])
+        self.map.as_deref().unwrap_or(&[])
     }
+
+    /// True when the shard is mapped (its samples can be handed out without a copy).
+    pub fn is_mapped(&self) -> bool {
+        self.file.is_none()
+    }
+
+    /// Reads `buf.len()` bytes at `offset` of a shard that is read: a short read means the shard
+    /// was truncated since the daemon indexed it.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), ClientError> {
+        use std::os::unix::fs::FileExt;
+        let shard_error =
+            |reason: String| ClientError::Shard { shard: self.name.clone(), offset: Some(offset), reason };
+        match &self.file {
+            Some(f) => f.read_exact_at(buf, offset).map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => shard_error(format!(
+                    "truncated while in use: cannot read {} bytes at offset {offset} (the file changed after it was indexed)",
+                    buf.len()
+                )),
+                _ => shard_error(format!("cannot read {} bytes at offset {offset}: {e}", buf.len())),
+            }),
+            None => {
+                let start = usize::try_from(offset).unwrap_or(usize::MAX);
+                let src = start.checked_add(buf.len()).and_then(|end| self.bytes().get(start..end));
+                buf.copy_from_slice(src.ok_or_else(|| shard_error("range outside the shard".into()))?);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The path behind a received descriptor, for error messages (best effort).
+fn fd_name(file: &std::fs::File, slot: u64) -> String {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| format!("in shm slot {slot}"))
+}
+
+/// The seals a ring memfd must carry before it is mapped: without `SHRINK` the daemon (or
+/// anyone holding the descriptor) could shrink it under our mapping (SIGBUS); without `GROW` and
+/// `SEAL` the geometry checked in its header could change afterwards.
+pub const REQUIRED_RING_SEALS: rustix::fs::SealFlags =
+    rustix::fs::SealFlags::SHRINK.union(rustix::fs::SealFlags::GROW).union(rustix::fs::SealFlags::SEAL);
+
+/// Checks a ring segment's seals (`F_GET_SEALS`) before anything trusts its size.
+pub fn check_ring_seals(file: &std::fs::File) -> Result<(), String> {
+    let seals = rustix::fs::fcntl_get_seals(file)
+        .map_err(|e| format!("cannot read the seals of a ring segment (not a sealed memfd?): {e}"))?;
+    if !seals.contains(REQUIRED_RING_SEALS) {
+        return Err(format!(
+            "ring segment is not sealed as required: has {seals:?}, needs at least {REQUIRED_RING_SEALS:?}"
+        ));
+    }
+    Ok(())
 }
 
 /// A packed-mode ring segment, mapped read-only, its header checked.
@@ -49,9 +115,11 @@ pub struct RingMapping {
 impl RingMapping {
     /// Maps a ring segment read-only and checks its header (magic, layout version, geometry).
     pub fn map(file: &std::fs::File) -> Result<Self, String> {
-        // SAFETY: a read-only shared mapping of a memfd the daemon sealed against shrinking
-        // (`F_SEAL_SHRINK`), so its pages stay valid for as long as this mapping lives; the
-        // daemon writes only into slots this client does not hold.
+        check_ring_seals(file)?;
+        // SAFETY: a read-only shared mapping of a memfd sealed against shrinking (checked just
+        // above: `F_SEAL_SHRINK` and `F_SEAL_SEAL`, so the seal cannot be lifted), so its pages
+        // stay valid for as long as this mapping lives; the daemon writes only into slots this
+        // client does not hold.
         let map = unsafe { memmap2::MmapOptions::new().populate().map(file) }
             .map_err(|e| format!("cannot map a ring segment: {e}"))?;
         let header = RingHeader::decode(&map).map_err(|e: RingError| e.to_string())?;
@@ -115,11 +183,12 @@ impl ShmSession {
         .map_err(|e| frame_error(format!("cannot create a socket: {e}")))?;
         let addr =
             rustix::net::SocketAddrUnix::new(socket).map_err(|e| frame_error(format!("bad socket path: {e}")))?;
+        let gone = ClientError::Disconnected;
         rustix::net::connect(&sock, &addr)
-            .map_err(|e| frame_error(format!("cannot connect to the shm side channel {}: {e}", socket.display())))?;
-        send(&sock, &Frame::hello(&token)).map_err(|e| frame_error(format!("cannot attach: {e}")))?;
-        let (first, _) = recv(&sock).map_err(|e| frame_error(format!("cannot attach: {e}")))?;
-        let first = first.ok_or_else(|| frame_error("the daemon closed the shm side channel while attaching"))?;
+            .map_err(|e| gone(format!("cannot connect to the shm side channel {}: {e}", socket.display())))?;
+        send(&sock, &Frame::hello(&token)).map_err(|e| gone(format!("cannot attach to the shm side channel: {e}")))?;
+        let (first, _) = recv(&sock).map_err(|e| gone(format!("cannot attach to the shm side channel: {e}")))?;
+        let first = first.ok_or_else(|| gone("the daemon closed the shm side channel while attaching".into()))?;
         match Frame::decode(&first) {
             Ok(f) if f.kind == wire::KIND_ATTACHED => {}
             Ok(f) if f.kind == wire::KIND_ERROR => {
@@ -181,7 +250,7 @@ impl Inner {
                 Ok((None, _)) | Err(_) => break,
             };
             let outcome = match Frame::decode(&bytes) {
-                Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, fds),
+                Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, f.shard_mutable(), fds),
                 Ok(f) if f.kind == wire::KIND_RING_FD => self.adopt_ring(f.a, f.b, fds),
                 Ok(f) if f.kind == wire::KIND_RING_RETIRE => {
                     // Arrays over it keep their own reference; only the table lets go.
@@ -203,15 +272,18 @@ impl Inner {
         self.arrived.notify_all();
     }
 
-    fn adopt(&self, slot: u64, len: u64, mut fds: Vec<OwnedFd>) -> Result<(), String> {
+    fn adopt(&self, slot: u64, len: u64, mutable: bool, mut fds: Vec<OwnedFd>) -> Result<(), String> {
         let fd = fds.pop().ok_or("SHARD_FD frame without a descriptor")?;
         let file = std::fs::File::from(fd);
-        let actual = file.metadata().map_err(|e| format!("cannot stat a passed shard: {e}"))?.len();
+        let name = fd_name(&file, slot);
+        let actual = file.metadata().map_err(|e| format!("cannot stat shard {name}: {e}"))?.len();
         if actual != len {
-            return Err(format!("shard in slot {slot} is {actual} bytes, the daemon announced {len}"));
+            return Err(format!("shard {name} is {actual} bytes, the daemon announced {len}"));
         }
         let map = if len == 0 {
-            Mapping(None)
+            Mapping { map: None, file: None, name }
+        } else if mutable {
+            Mapping { map: None, file: Some(file), name }
         } else {
             // Populated here, on the receiver thread: the page tables are filled in one pass,
             // ahead of the batches that use the shard, instead of one page fault after another on
@@ -219,7 +291,7 @@ impl Inner {
             // SAFETY: a read-only shared mapping of a file opened read-only by the daemon; see the
             // module docs for why its length does not change while mapped.
             let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) };
-            Mapping(Some(map.map_err(|e| format!("cannot map shard slot {slot}: {e}"))?))
+            Mapping { map: Some(map.map_err(|e| format!("cannot map shard {name}: {e}"))?), file: None, name }
         };
         let slot = usize::try_from(slot).map_err(|_| "slot out of range".to_string())?;
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
@@ -268,7 +340,11 @@ impl Inner {
                 return Err(frame_error(e));
             }
             if s.closed {
-                return Err(frame_error(format!("shm side channel closed before {} arrived", what())));
+                // EOF (or a socket error) on the side channel: the daemon is gone.
+                return Err(ClientError::Disconnected(format!(
+                    "the shm side channel closed before {} arrived",
+                    what()
+                )));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -321,13 +397,63 @@ mod tests {
         f
     }
 
+    /// A ring segment as the daemon makes one: a sealed memfd.
+    fn sealed(header: [u8; 64], seals: rustix::fs::SealFlags) -> std::fs::File {
+        let fd = rustix::fs::memfd_create("test-ring", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+        let mut f = std::fs::File::from(fd);
+        f.write_all(&header).unwrap();
+        f.set_len(PAGE * 3).unwrap();
+        rustix::fs::fcntl_add_seals(&f, seals).unwrap();
+        f
+    }
+
+    fn all_seals() -> rustix::fs::SealFlags {
+        use rustix::fs::SealFlags;
+        SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL
+    }
+
+    #[test]
+    fn ring_seals_are_checked_before_mapping() {
+        use rustix::fs::SealFlags;
+        let good = RingHeader::new(0, 2, PAGE);
+        assert_eq!(RingMapping::map(&sealed(good.encode(), all_seals())).unwrap().header, good);
+        // Each required seal missing in turn: refused, naming what is missing.
+        for missing in [SealFlags::SHRINK, SealFlags::GROW, SealFlags::SEAL] {
+            let err = RingMapping::map(&sealed(good.encode(), all_seals() - missing)).unwrap_err();
+            assert!(err.contains("not sealed"), "{missing:?}: {err}");
+        }
+        // A plain file cannot carry seals at all.
+        let err = RingMapping::map(&segment(good.encode())).unwrap_err();
+        assert!(err.contains("seal"), "{err}");
+    }
+
+    #[test]
+    fn a_shard_read_in_place_reports_truncation_as_a_shard_error() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[7u8; 4096]).unwrap();
+        let file = f.reopen().unwrap();
+        let m = Mapping { map: None, file: Some(file), name: f.path().display().to_string() };
+        let mut buf = [0u8; 100];
+        m.read_at(&mut buf, 1000).unwrap();
+        assert_eq!(buf, [7u8; 100]);
+        f.as_file().set_len(1050).unwrap();
+        match m.read_at(&mut buf, 1000) {
+            Err(ClientError::Shard { shard, offset, reason }) => {
+                assert_eq!(shard, f.path().display().to_string());
+                assert_eq!(offset, Some(1000));
+                assert!(reason.contains("truncated"), "{reason}");
+            }
+            other => panic!("expected a shard error, got {other:?}"),
+        }
+    }
+
     #[test]
     fn a_ring_of_another_layout_version_is_refused_naming_both() {
         let good = RingHeader::new(0, 2, PAGE);
-        assert_eq!(RingMapping::map(&segment(good.encode())).unwrap().header, good);
+        assert_eq!(RingMapping::map(&sealed(good.encode(), all_seals())).unwrap().header, good);
         let mut other = good.encode();
         other[4..6].copy_from_slice(&(RING_LAYOUT_VERSION + 1).to_le_bytes());
-        let err = RingMapping::map(&segment(other)).unwrap_err();
+        let err = RingMapping::map(&sealed(other, all_seals())).unwrap_err();
         assert!(
             err.contains(&format!("version {}", RING_LAYOUT_VERSION + 1))
                 && err.contains(&format!("version {RING_LAYOUT_VERSION}")),
@@ -335,6 +461,6 @@ mod tests {
         );
         // A header whose slots run past the segment is refused too.
         let too_big = RingHeader::new(0, 9, PAGE).encode();
-        assert!(RingMapping::map(&segment(too_big)).unwrap_err().contains("does not fit"));
+        assert!(RingMapping::map(&sealed(too_big, all_seals())).unwrap_err().contains("does not fit"));
     }
 }

@@ -6,7 +6,9 @@
 //! - Shared-memory batches: the views point straight into the client's read-only mapping of the
 //!   shard (a [`Region`] per shard of the batch): no copy at all between the page cache and the
 //!   trainer. Each region holds the batch's [`Lease`]; when the last view and the batch object are
-//!   gone (or on an explicit `release()`), the lease is returned to the daemon.
+//!   gone (or on an explicit `release()`), the lease is returned to the daemon. Shards of a
+//!   dataset read in place (`SHARD_MUTABLE`: someone may truncate them, and a mapping would then
+//!   be SIGBUS) are read instead, into one [`Buffer`] per batch that holds the lease the same way.
 //! - Packed batches (`collate="stack"`): each field is one `(samples, record_bytes)` `uint8` numpy
 //!   array over a [`Column`] of the stream's read-only ring mapping: the daemon's one copy is the
 //!   only one. The column holds the batch's [`Lease`] on its ring slot; when every array is gone
@@ -100,9 +102,11 @@ impl Region {
     /// The mapping is read-only and lives as long as this object (an `Arc` it holds), which the
     /// view keeps alive; see `shardstream_client::shm` for why its length does not change.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let map = slf.get().map.clone();
-        // SAFETY: `map` is kept alive by `slf`, which the view references.
-        unsafe { fill_view(slf.into_any(), map.bytes(), view, flags) }
+        crate::errors::no_panic("Region.__getbuffer__", || {
+            let map = slf.get().map.clone();
+            // SAFETY: `map` is kept alive by `slf`, which the view references.
+            unsafe { fill_view(slf.into_any(), map.bytes(), view, flags) }
+        })
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
@@ -135,10 +139,12 @@ impl Column {
     /// The ring mapping is read-only and lives as long as this object (an `Arc` it holds), which
     /// the view keeps alive; the daemon does not write into the slot while the lease is held.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let ring = slf.get().ring.clone();
-        let bytes = slf.get().bytes_in(&ring);
-        // SAFETY: `bytes` lies in the mapping kept alive by `slf`, which the view references.
-        unsafe { fill_view(slf.into_any(), bytes, view, flags) }
+        crate::errors::no_panic("Column.__getbuffer__", || {
+            let ring = slf.get().ring.clone();
+            let bytes = slf.get().bytes_in(&ring);
+            // SAFETY: `bytes` lies in the mapping kept alive by `slf`, which the view references.
+            unsafe { fill_view(slf.into_any(), bytes, view, flags) }
+        })
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
@@ -148,6 +154,9 @@ impl Column {
 #[pyclass(module = "shardstream._native", frozen)]
 pub struct Buffer {
     data: Bytes,
+    /// For samples copied out of a shard read in place: the batch's lease, held as a view into
+    /// a mapped shard would hold it, so leases follow views the same way on every shard.
+    _lease: Option<Arc<Lease>>,
 }
 
 #[pymethods]
@@ -161,9 +170,11 @@ impl Buffer {
     /// `Bytes` never moves or frees its storage while a handle exists, and the object is frozen.
     /// The buffer is read-only; writable requests are refused.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let data = slf.get().data.clone();
-        // SAFETY: `data` shares storage with the field of `slf`, which the view references.
-        unsafe { fill_view(slf.into_any(), &data, view, flags) }
+        crate::errors::no_panic("Buffer.__getbuffer__", || {
+            let data = slf.get().data.clone();
+            // SAFETY: `data` shares storage with the field of `slf`, which the view references.
+            unsafe { fill_view(slf.into_any(), &data, view, flags) }
+        })
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
@@ -210,6 +221,20 @@ impl Batch {
         };
         Ok(Self { kind, fields, payload: std::sync::atomic::AtomicU64::new(u64::MAX) })
     }
+
+    fn nbytes_unguarded(&self) -> u64 {
+        match &self.kind {
+            Kind::Inline(b) => b.fields.iter().flat_map(|f| f.lengths.iter()).sum(),
+            Kind::Shm { batch, .. } => match self.payload.load(Ordering::Relaxed) {
+                u64::MAX => batch.lengths.iter().sum(),
+                known => known,
+            },
+            Kind::Packed { .. } => match self.payload.load(Ordering::Relaxed) {
+                u64::MAX => 0,
+                known => known,
+            },
+        }
+    }
 }
 
 #[pymethods]
@@ -235,28 +260,8 @@ impl Batch {
     /// Payload bytes of the batch's fields (for shm batches: once `to_dict` has run; before,
     /// the samples' byte ranges, headers included).
     #[getter]
-    fn nbytes(&self) -> u64 {
-        match &self.kind {
-            Kind::Inline(b) => b.fields.iter().flat_map(|f| f.lengths.iter()).sum(),
-            Kind::Shm { batch, .. } => match self.payload.load(Ordering::Relaxed) {
-                u64::MAX => batch.lengths.iter().sum(),
-                known => known,
-            },
-            Kind::Packed { .. } => match self.payload.load(Ordering::Relaxed) {
-                u64::MAX => 0,
-                known => known,
-            },
-        }
-    }
-
-    /// Returns the batch's lease now (shm): the daemon may then evict its shards. Views already
-    /// handed out stay readable (the mapping outlives the lease). For a packed batch the daemon
-    /// reuses its ring slot: its arrays must not be used afterwards. No-op for inline batches.
-    fn release(&self) {
-        match &self.kind {
-            Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease.release(),
-            Kind::Inline(_) => {}
-        }
+    fn nbytes(&self) -> PyResult<u64> {
+        crate::errors::no_panic("Batch.nbytes", || Ok(self.nbytes_unguarded()))
     }
 
     /// True when the fields are stacked arrays gathered by the daemon (packed mode).
@@ -265,27 +270,42 @@ impl Batch {
         matches!(self.kind, Kind::Packed { .. })
     }
 
+    /// Returns the batch's lease now (shm): the daemon may then evict its shards. Views already
+    /// handed out stay readable (the mapping outlives the lease). For a packed batch the daemon
+    /// reuses its ring slot: its arrays must not be used afterwards. No-op for inline batches.
+    fn release(&self) -> PyResult<()> {
+        crate::errors::no_panic("Batch.release", || {
+            match &self.kind {
+                Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease.release(),
+                Kind::Inline(_) => {}
+            }
+            Ok(())
+        })
+    }
+
     /// The batch as a dict. `copy=False`: zero-copy memoryviews; `copy=True`: `bytes` objects
     /// (picklable). Missing fields are None.
     #[pyo3(signature = (copy=false))]
     fn to_dict<'py>(&self, py: Python<'py>, copy: bool) -> PyResult<Bound<'py, PyDict>> {
-        match &self.kind {
-            Kind::Inline(b) => inline_dict(py, b, copy),
-            Kind::Shm { batch, session, lease } => {
-                let (d, payload) = shm_dict(py, batch, session, lease, &self.fields, copy)?;
-                self.payload.store(payload, Ordering::Relaxed);
-                Ok(d)
-            }
-            Kind::Packed { batch, session, lease } => {
-                let (d, payload) = packed_dict(py, batch, session, lease, &self.fields, copy)?;
-                self.payload.store(payload, Ordering::Relaxed);
-                if copy {
-                    // Everything was copied out: the slot can go back to the daemon now.
-                    lease.release();
+        crate::errors::no_panic("Batch.to_dict", || {
+            match &self.kind {
+                Kind::Inline(b) => inline_dict(py, b, copy),
+                Kind::Shm { batch, session, lease } => {
+                    let (d, payload) = shm_dict(py, batch, session, lease, &self.fields, copy)?;
+                    self.payload.store(payload, Ordering::Relaxed);
+                    Ok(d)
                 }
-                Ok(d)
+                Kind::Packed { batch, session, lease } => {
+                    let (d, payload) = packed_dict(py, batch, session, lease, &self.fields, copy)?;
+                    self.payload.store(payload, Ordering::Relaxed);
+                    if copy {
+                        // Everything was copied out: the slot can go back to the daemon now.
+                        lease.release();
+                    }
+                    Ok(d)
+                }
             }
-        }
+        })
     }
 }
 
@@ -344,17 +364,22 @@ fn shm_dict<'py>(
     if b.starts.len() != n || b.lengths.len() != n {
         return Err(ShardstreamError::new_err("malformed shm batch: columns of different lengths"));
     }
-    let mut keys: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
-    let mut columns: Vec<Vec<Bound<'py, PyAny>>> = fields.iter().map(|_| Vec::with_capacity(n)).collect();
     // (slot, mapping, memoryview over its region): batches draw on a few shards, so a short list.
     let mut regions: Vec<(u32, Arc<Mapping>, Option<Bound<'py, PyAny>>)> = Vec::new();
+    // Where each sample's bytes are: (region, start) in a mapped shard, or (usize::MAX, start)
+    // in `copied`, the batch's samples of shards that are read rather than mapped.
+    let mut located: Vec<(usize, usize)> = Vec::with_capacity(n);
+    let mut copied: Vec<u8> = Vec::new();
+    let mut copy_len = 0usize;
+    // (region, sample, offset in `copied`) of the samples to read.
+    let mut to_read: Vec<(usize, usize, usize)> = Vec::new();
     for i in 0..n {
         let slot = b.slots[i];
         let at = match regions.iter().position(|r| r.0 == slot) {
             Some(at) => at,
             None => {
                 let map = session.mapping(slot).map_err(crate::errors::to_pyerr)?;
-                let view = if copy {
+                let view = if copy || !map.is_mapped() {
                     None
                 } else {
                     let region = Bound::new(py, Region { map: map.clone(), _lease: lease.clone() })?;
@@ -364,24 +389,76 @@ fn shm_dict<'py>(
                 regions.len() - 1
             }
         };
-        let (_, map, view) = &regions[at];
-        let all = map.bytes();
-        let start = usize::try_from(b.starts[i]).unwrap_or(usize::MAX);
-        let end = usize::try_from(b.lengths[i]).ok().and_then(|l| start.checked_add(l)).unwrap_or(usize::MAX);
-        let bytes = all.get(start..end).ok_or_else(|| {
-            ShardstreamError::new_err(format!(
-                "shm descriptor outside its shard: slot {slot}, bytes {}..+{} of {}",
-                b.starts[i],
-                b.lengths[i],
-                all.len()
-            ))
-        })?;
+        let map = &regions[at].1;
+        let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
+        if map.is_mapped() {
+            let start = usize::try_from(b.starts[i]).unwrap_or(usize::MAX);
+            if start.checked_add(len).is_none_or(|end| end > map.bytes().len()) {
+                return Err(ShardstreamError::new_err(format!(
+                    "shm descriptor outside its shard: {}, bytes {}..+{} of {}",
+                    map.name,
+                    b.starts[i],
+                    b.lengths[i],
+                    map.bytes().len()
+                )));
+            }
+            located.push((at, start));
+        } else {
+            // A shard read in place (it may be truncated by others at any time): its samples
+            // are read into memory this batch owns, never mapped.
+            let at_copy = copy_len;
+            copy_len = at_copy.checked_add(len).filter(|&e| e <= isize::MAX as usize).ok_or_else(|| {
+                ShardstreamError::new_err(format!("shm descriptor of {} bytes in {}", b.lengths[i], map.name))
+            })?;
+            to_read.push((at, i, at_copy));
+            located.push((usize::MAX, at_copy));
+        }
+    }
+    if copy_len > 0 {
+        // One allocation (zeroed pages straight from the kernel) and the reads without the GIL.
+        copied = vec![0u8; copy_len];
+        let reads: Vec<(&Mapping, &mut [u8], u64)> = {
+            let mut rest = copied.as_mut_slice();
+            let mut out = Vec::with_capacity(to_read.len());
+            for &(at, i, _) in &to_read {
+                let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
+                let (buf, tail) = rest.split_at_mut(len.min(rest.len()));
+                rest = tail;
+                out.push((&*regions[at].1, buf, b.starts[i]));
+            }
+            out
+        };
+        py.detach(|| reads.into_iter().try_for_each(|(map, buf, offset)| map.read_at(buf, offset)))
+            .map_err(crate::errors::to_pyerr)?;
+    }
+    let copied = Bytes::from(copied);
+    let copied_view = if copy || copied.is_empty() {
+        None
+    } else {
+        let owner = Bound::new(py, Buffer { data: copied.clone(), _lease: Some(lease.clone()) })?;
+        Some(PyMemoryView::from(&owner.into_any())?.into_any())
+    };
+    let mut keys: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
+    let mut columns: Vec<Vec<Bound<'py, PyAny>>> = fields.iter().map(|_| Vec::with_capacity(n)).collect();
+    for (i, &(at, start)) in located.iter().enumerate() {
+        let slot = b.slots[i];
+        let (all, view, name) = match regions.get(at) {
+            Some((_, map, view)) => (map.bytes(), view.as_ref(), map.name.as_str()),
+            None => {
+                let name = regions.iter().find(|r| r.0 == slot).map_or("", |r| r.1.name.as_str());
+                (&copied[..], copied_view.as_ref(), name)
+            }
+        };
+        // Both ranges were checked above (mapped) or made to fit (copied).
+        let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
+        let bytes = all.get(start..start.saturating_add(len)).unwrap_or_default();
         let sample = shardstream::format::tar::parse_sample(bytes).map_err(|e| {
-            crate::errors::ShardError::new_err(format!("shard slot {slot}: {}", e.with_base(b.starts[i])))
+            let e = e.with_base(b.starts[i]);
+            crate::errors::shard_error(format!("shard {name}: {e}"), name, e.offset())
         })?;
         keys.push(PyString::new(py, &sample.key).into_any());
-        for (col, name) in columns.iter_mut().zip(fields) {
-            let item = match sample.members.iter().find(|m| m.field == name.as_str()) {
+        for (col, field) in columns.iter_mut().zip(fields) {
+            let item = match sample.members.iter().find(|m| m.field == field.as_str()) {
                 None => py.None().into_bound(py),
                 Some(m) => {
                     let (a, z) = (start + m.data.start, start + m.data.end);
@@ -410,7 +487,7 @@ fn inline_dict<'py>(py: Python<'py>, b: &InlineBatch, copy: bool) -> PyResult<Bo
     let view = if copy {
         None
     } else {
-        let owner = Bound::new(py, Buffer { data: b.data.clone() })?;
+        let owner = Bound::new(py, Buffer { data: b.data.clone(), _lease: None })?;
         Some(PyMemoryView::from(&owner.into_any())?)
     };
     for col in &b.fields {

@@ -1,10 +1,15 @@
 //! The one place where client and daemon errors become Python exceptions:
 //! `FileNotFoundError` for a missing dataset or shard, `ValueError` for a bad argument,
 //! `shardstream.ShardError` (with `.shard` and `.offset`) for a corrupt shard,
-//! `PermissionError` when storage or the daemon's `allow` list refuses access, `ConnectionError` when the daemon cannot be
-//! reached or the connection breaks mid-stream, `shardstream.ShardstreamError` otherwise.
+//! `PermissionError` when storage or the daemon's `allow` list refuses access, `OSError` (with `.errno` and `.filename`) when a
+//! local shard cannot be read, `ConnectionError` when the daemon cannot be reached or the
+//! connection to it breaks (however it breaks: reset, EOF, HTTP/2 error), and
+//! `shardstream.ShardstreamError` otherwise. A Rust panic never reaches Python as
+//! `PanicException`: [`no_panic`] turns it into a `ShardstreamError`.
 
-use pyo3::exceptions::{PyConnectionError, PyException, PyFileNotFoundError, PyPermissionError, PyValueError};
+use pyo3::exceptions::{
+    PyConnectionError, PyException, PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError,
+};
 use pyo3::prelude::*;
 use shardstream_client::ClientError;
 use shardstream_proto::error_metadata;
@@ -27,30 +32,43 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub fn to_pyerr(e: ClientError) -> PyErr {
     match e {
         ClientError::BadAddress(_) => PyValueError::new_err(e.to_string()),
-        ClientError::Connect { .. } => PyConnectionError::new_err(e.to_string()),
+        ClientError::Connect { .. } | ClientError::Disconnected(_) => PyConnectionError::new_err(e.to_string()),
         ClientError::Protocol(_) | ClientError::Shm(_) => ShardstreamError::new_err(e.to_string()),
         ClientError::Status(s) => status_to_pyerr(&s),
+        ClientError::Shard { ref shard, offset, .. } => shard_error(e.to_string(), shard, offset),
     }
+}
+
+/// A `ShardError` with its `.shard` and `.offset` attributes.
+pub fn shard_error(msg: String, shard: &str, offset: Option<u64>) -> PyErr {
+    Python::attach(|py| {
+        let err = ShardError::new_err(msg);
+        let value = err.value(py);
+        // Attribute setting on a fresh exception object cannot fail in practice; if it does,
+        // the message still names shard and offset.
+        let _ = value.setattr("shard", (!shard.is_empty()).then_some(shard));
+        let _ = value.setattr("offset", offset);
+        err
+    })
 }
 
 fn status_to_pyerr(s: &tonic::Status) -> PyErr {
     let msg = s.message().to_owned();
     let meta = |k: &str| s.metadata().get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    // A local file the daemon could not read: OSError(errno, message, path), which Python turns
+    // into the matching subclass (PermissionError, IsADirectoryError, ...).
+    if let Some(errno) = meta(error_metadata::ERRNO).and_then(|e| e.parse::<i32>().ok()) {
+        return PyOSError::new_err((errno, msg, meta(error_metadata::PATH)));
+    }
     match s.code() {
         Code::NotFound => PyFileNotFoundError::new_err(msg),
         Code::PermissionDenied => PyPermissionError::new_err(msg),
         Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => PyValueError::new_err(msg),
-        Code::DataLoss => Python::attach(|py| {
-            let err = ShardError::new_err(msg);
-            let value = err.value(py);
+        Code::DataLoss => {
             let shard = meta(error_metadata::SHARD);
             let offset = meta(error_metadata::OFFSET).and_then(|o| o.parse::<u64>().ok());
-            // Attribute setting on a fresh exception object cannot fail in practice; if it does,
-            // the message still names shard and offset.
-            let _ = value.setattr("shard", shard);
-            let _ = value.setattr("offset", offset);
-            err
-        }),
+            shard_error(msg, shard.as_deref().unwrap_or_default(), offset)
+        }
         Code::Unavailable | Code::Cancelled => {
             PyConnectionError::new_err(format!("shardstream daemon unavailable: {msg}"))
         }
@@ -67,4 +85,23 @@ fn status_to_pyerr(s: &tonic::Status) -> PyErr {
 /// Errors of the embedded daemon's start-up.
 pub fn daemon_error(e: shardstream::Error) -> PyErr {
     status_to_pyerr(&shardstream::service::to_status(e))
+}
+
+/// Runs the body of a Python entry point, turning a Rust panic into a `ShardstreamError`.
+/// PyO3 would raise `PanicException`, a `BaseException` that `except Exception` misses and that
+/// ends most training scripts; a bug in this module must be an ordinary, reportable error.
+pub fn no_panic<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(ShardstreamError::new_err(format!(
+                "internal error in shardstream ({what}): {msg}; this is a bug, please report it"
+            )))
+        }
+    }
 }

@@ -58,10 +58,12 @@ impl Connection {
 impl Connection {
     #[new]
     fn new(py: Python<'_>, address: &str) -> PyResult<Self> {
-        let address: Address = address.parse().map_err(to_pyerr)?;
-        let conn = Self { address, client: Mutex::new(None) };
-        conn.client(py)?;
-        Ok(conn)
+        errors::no_panic("Connection()", || {
+            let address: Address = address.parse().map_err(to_pyerr)?;
+            let conn = Self { address, client: Mutex::new(None) };
+            conn.client(py)?;
+            Ok(conn)
+        })
     }
 
     #[getter]
@@ -72,62 +74,69 @@ impl Connection {
     /// Opens a dataset and returns its description as a dict.
     #[pyo3(signature = (url, cache = "auto"))]
     fn open<'py>(&self, py: Python<'py>, url: String, cache: &str) -> PyResult<Bound<'py, PyDict>> {
-        let mut c = self.client(py)?;
-        let cache = cache.to_owned();
-        let info =
-            block_on(py, async move { shardstream_client::open(&mut c, &url, &cache).await })?.map_err(to_pyerr)?;
-        let d = PyDict::new(py);
-        d.set_item("fingerprint", info.fingerprint)?;
-        d.set_item("num_samples", info.num_samples)?;
-        d.set_item("num_shards", info.num_shards)?;
-        d.set_item("total_bytes", info.total_bytes)?;
-        d.set_item("fields", info.fields)?;
-        d.set_item("format", info.format)?;
-        d.set_item("from_manifest", info.from_manifest)?;
-        Ok(d)
+        errors::no_panic("Connection.open", || {
+            let mut c = self.client(py)?;
+            let cache = cache.to_owned();
+            let info =
+                block_on(py, async move { shardstream_client::open(&mut c, &url, &cache).await })?.map_err(to_pyerr)?;
+            let d = PyDict::new(py);
+            d.set_item("fingerprint", info.fingerprint)?;
+            d.set_item("num_samples", info.num_samples)?;
+            d.set_item("num_shards", info.num_shards)?;
+            d.set_item("total_bytes", info.total_bytes)?;
+            d.set_item("fields", info.fields)?;
+            d.set_item("format", info.format)?;
+            d.set_item("from_manifest", info.from_manifest)?;
+            Ok(d)
+        })
     }
 
     /// Daemon status as a dict.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let mut c = self.client(py)?;
-        let r = block_on(py, async move { c.status(shardstream_proto::StatusRequest {}).await })?
-            .map_err(|s| to_pyerr(s.into()))?
-            .into_inner();
-        let d = PyDict::new(py);
-        d.set_item("version", r.version)?;
-        d.set_item("uptime_ms", r.uptime_ms)?;
-        d.set_item("active_streams", r.active_streams)?;
-        d.set_item("streams_total", r.streams_total)?;
-        d.set_item("samples_served", r.samples_served)?;
-        d.set_item("bytes_served", r.bytes_served)?;
-        d.set_item("cache_dir", r.cache_dir)?;
-        d.set_item("shm_sessions", r.shm_sessions)?;
-        d.set_item("leased_shards", r.leased_shards)?;
-        d.set_item("ring_bytes", r.ring_bytes)?;
-        if let Some(c) = r.cache {
-            let cache = PyDict::new(py);
-            cache.set_item("capacity_bytes", c.capacity_bytes)?;
-            cache.set_item("used_bytes", c.used_bytes)?;
-            cache.set_item("shards", c.shards)?;
-            cache.set_item("hits", c.hits)?;
-            cache.set_item("misses", c.misses)?;
-            cache.set_item("evictions", c.evictions)?;
-            cache.set_item("filled_bytes", c.filled_bytes)?;
-            cache.set_item("high_water_bytes", c.high_water_bytes)?;
-            cache.set_item("policy", c.policy)?;
-            d.set_item("cache", cache)?;
-        }
-        d.set_item("storage_bytes", r.storage_bytes)?;
-        d.set_item("storage_requests", r.storage_requests)?;
-        d.set_item("storage_retries", r.storage_retries)?;
-        d.set_item("prefetch_horizon_s", r.prefetch_horizon_s)?;
-        let consumers: Vec<(String, u32, u32, u64, f64, f64)> =
-            r.consumers.into_iter().map(|c| (c.url, c.rank, c.worker, c.position, c.samples_per_s, c.wait_s)).collect();
-        d.set_item("consumers", consumers)?;
-        let datasets: Vec<(String, u64, u64)> =
-            r.datasets.into_iter().map(|ds| (ds.url, ds.resident_shard_tables, ds.resident_index_bytes)).collect();
-        d.set_item("datasets", datasets)?;
-        Ok(d)
+        errors::no_panic("Connection.status", || {
+            let mut c = self.client(py)?;
+            let r = block_on(py, async move { c.status(shardstream_proto::StatusRequest {}).await })?
+                .map_err(|s| to_pyerr(s.into()))?
+                .into_inner();
+            let d = PyDict::new(py);
+            d.set_item("version", r.version)?;
+            d.set_item("uptime_ms", r.uptime_ms)?;
+            d.set_item("active_streams", r.active_streams)?;
+            d.set_item("streams_total", r.streams_total)?;
+            d.set_item("samples_served", r.samples_served)?;
+            d.set_item("bytes_served", r.bytes_served)?;
+            d.set_item("cache_dir", r.cache_dir)?;
+            d.set_item("shm_sessions", r.shm_sessions)?;
+            d.set_item("leased_shards", r.leased_shards)?;
+            d.set_item("ring_bytes", r.ring_bytes)?;
+            if let Some(c) = r.cache {
+                let cache = PyDict::new(py);
+                cache.set_item("capacity_bytes", c.capacity_bytes)?;
+                cache.set_item("used_bytes", c.used_bytes)?;
+                cache.set_item("shards", c.shards)?;
+                cache.set_item("hits", c.hits)?;
+                cache.set_item("misses", c.misses)?;
+                cache.set_item("evictions", c.evictions)?;
+                cache.set_item("filled_bytes", c.filled_bytes)?;
+                cache.set_item("high_water_bytes", c.high_water_bytes)?;
+                cache.set_item("policy", c.policy)?;
+                d.set_item("cache", cache)?;
+            }
+            d.set_item("storage_bytes", r.storage_bytes)?;
+            d.set_item("storage_requests", r.storage_requests)?;
+            d.set_item("storage_retries", r.storage_retries)?;
+            d.set_item("prefetch_horizon_s", r.prefetch_horizon_s)?;
+            let consumers: Vec<(String, u32, u32, u64, f64, f64)> = r
+                .consumers
+                .into_iter()
+                .map(|c| (c.url, c.rank, c.worker, c.position, c.samples_per_s, c.wait_s))
+                .collect();
+            d.set_item("consumers", consumers)?;
+            let datasets: Vec<(String, u64, u64)> =
+                r.datasets.into_iter().map(|ds| (ds.url, ds.resident_shard_tables, ds.resident_index_bytes)).collect();
+            d.set_item("datasets", datasets)?;
+            Ok(d)
+        })
     }
 
     /// Starts one consumer's stream; errors in the request are raised here.
@@ -156,57 +165,107 @@ impl Connection {
         cache: &str,
         collate: Option<&str>,
     ) -> PyResult<Stream> {
-        let collate = match collate {
-            None => Collate::None,
-            Some("stack") => Collate::Stack,
-            Some(other) => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "collate must be None or \"stack\", not {other:?}"
-                )));
-            }
-        };
-        let transport = match transport {
-            "auto" => Transport::Auto,
-            "inline" => Transport::Inline,
-            "shm" => Transport::Shm,
-            other => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "transport must be \"auto\", \"shm\" or \"inline\", not {other:?}"
-                )));
-            }
-        };
-        let req = StreamRequest {
-            url,
-            fields,
-            batch_size,
-            shuffle,
-            seed,
-            epoch,
-            rank,
-            world_size,
-            worker,
-            num_workers,
-            start_batch,
-            drop_last,
-            shuffle_window,
-            transport: transport as i32,
-            expected_fingerprint,
-            cache: cache.to_owned(),
-            collate: collate as i32,
-        };
-        let mut c = self.client(py)?;
-        let inner = block_on(py, async move { shardstream_client::stream(&mut c, req).await })?.map_err(to_pyerr)?;
-        let fields = std::sync::Arc::new(inner.header.fields.clone());
-        Ok(Stream { inner: Some(inner), pid: std::process::id(), fields })
+        errors::no_panic("Connection.stream", || {
+            let collate = match collate {
+                None => Collate::None,
+                Some("stack") => Collate::Stack,
+                Some(other) => {
+                    return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                        "collate must be None or \"stack\", not {other:?}"
+                    )));
+                }
+            };
+            let transport = match transport {
+                "auto" => Transport::Auto,
+                "inline" => Transport::Inline,
+                "shm" => Transport::Shm,
+                other => {
+                    return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                        "transport must be \"auto\", \"shm\" or \"inline\", not {other:?}"
+                    )));
+                }
+            };
+            let req = StreamRequest {
+                url,
+                fields,
+                batch_size,
+                shuffle,
+                seed,
+                epoch,
+                rank,
+                world_size,
+                worker,
+                num_workers,
+                start_batch,
+                drop_last,
+                shuffle_window,
+                transport: transport as i32,
+                expected_fingerprint,
+                cache: cache.to_owned(),
+                collate: collate as i32,
+            };
+            let mut c = self.client(py)?;
+            let inner =
+                block_on(py, async move { shardstream_client::stream(&mut c, req).await })?.map_err(to_pyerr)?;
+            let fields = std::sync::Arc::new(inner.header.fields.clone());
+            Ok(Stream {
+                header: inner.header.clone(),
+                state: Mutex::new(StreamState::Idle(inner)),
+                closed: tokio_util::sync::CancellationToken::new(),
+                pid: std::process::id(),
+                fields,
+            })
+        })
     }
 }
 
-/// One consumer's batch stream.
-#[pyclass(module = "shardstream._native", unsendable)]
+/// Where a stream stands. The stream is taken out while a thread waits on it, so another thread
+/// can close it meanwhile without waiting for the next batch.
+enum StreamState {
+    Idle(BatchStream),
+    /// A thread is waiting for the next batch.
+    Busy,
+    Done,
+}
+
+/// One consumer's batch stream. Usable from any thread (iterated on one, closed or collected on
+/// another): its state sits behind a lock, and `close` wakes a thread blocked in `next_batch`.
+#[pyclass(module = "shardstream._native", frozen)]
 struct Stream {
-    inner: Option<BatchStream>,
+    state: Mutex<StreamState>,
+    closed: tokio_util::sync::CancellationToken,
+    header: shardstream_proto::StreamHeader,
     pid: u32,
     fields: std::sync::Arc<Vec<String>>,
+}
+
+impl Stream {
+    fn lock(&self) -> std::sync::MutexGuard<'_, StreamState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands the stream back after a wait, unless `close` came meanwhile (checked under the lock
+    /// `close` takes after cancelling, so a close is never missed).
+    fn put_back(&self, stream: BatchStream) {
+        let mut state = self.lock();
+        if self.closed.is_cancelled() {
+            *state = StreamState::Done;
+            drop(state);
+            self.dispose(stream);
+        } else {
+            *state = StreamState::Idle(stream);
+        }
+    }
+
+    /// Drops a stream; in a forked child the stream's task lives in the parent's runtime, so it
+    /// is leaked instead (dropping it there could block on threads that do not exist).
+    fn dispose(&self, stream: BatchStream) {
+        if self.pid == std::process::id() {
+            drop(stream);
+        } else {
+            std::mem::forget(stream);
+        }
+    }
 }
 
 #[pymethods]
@@ -214,9 +273,9 @@ impl Stream {
     /// The stream header: transport, per-rank totals, fields.
     #[getter]
     fn header<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        if let Some(s) = &self.inner {
-            let h = &s.header;
+        errors::no_panic("Stream.header", || {
+            let d = PyDict::new(py);
+            let h = &self.header;
             let transport = match Transport::try_from(h.transport) {
                 Ok(Transport::Shm) => "shm",
                 _ => "inline",
@@ -230,52 +289,100 @@ impl Stream {
             d.set_item("dropped_samples", h.dropped_samples)?;
             d.set_item("fields", h.fields.clone())?;
             d.set_item("packed", h.packed)?;
-        }
-        Ok(d)
+            Ok(d)
+        })
     }
 
-    /// The next batch, or None at the end. Waits with the GIL released; Ctrl-C interrupts.
-    fn next_batch(&mut self, py: Python<'_>) -> PyResult<Option<batch::Batch>> {
-        if self.pid != std::process::id() {
-            return Err(pyo3::exceptions::PyRuntimeError::new_err(
-                "a shardstream stream cannot be used across fork; start a new iteration in the child",
-            ));
-        }
-        let Some(stream) = self.inner.as_mut() else { return Ok(None) };
-        let next = block_on(py, stream.next())?;
-        match next {
-            None => {
-                self.inner = None;
-                Ok(None)
+    /// The next batch, or None at the end (or once closed). Waits with the GIL released; Ctrl-C
+    /// interrupts, and so does `close()` from another thread.
+    fn next_batch(&self, py: Python<'_>) -> PyResult<Option<batch::Batch>> {
+        errors::no_panic("Stream.next_batch", || {
+            if self.pid != std::process::id() {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                    "a shardstream stream cannot be used across fork; start a new iteration in the child",
+                ));
             }
-            Some(Ok(b)) => {
-                let session = self.inner.as_ref().and_then(|s| s.shm.clone());
-                Ok(Some(batch::Batch::new(b, session, self.fields.clone())?))
+            // Its own statement: a guard in the match scrutinee would live through the arms.
+            let taken = std::mem::replace(&mut *self.lock(), StreamState::Busy);
+            let mut stream = match taken {
+                StreamState::Idle(s) => s,
+                StreamState::Done => {
+                    *self.lock() = StreamState::Done;
+                    return Ok(None);
+                }
+                StreamState::Busy => {
+                    return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                        "this shardstream stream is already being iterated on another thread",
+                    ));
+                }
+            };
+            let closed = self.closed.clone();
+            let next = block_on(py, async {
+                tokio::select! {
+                    n = stream.next() => Some(n),
+                    _ = closed.cancelled() => None,
+                }
+            });
+            let next = match next {
+                Ok(Some(n)) if !self.closed.is_cancelled() => n,
+                Ok(_) => {
+                    // Closed meanwhile: end quietly, like an iteration that was closed between
+                    // two batches.
+                    *self.lock() = StreamState::Done;
+                    self.dispose(stream);
+                    return Ok(None);
+                }
+                Err(interrupted) => {
+                    // Ctrl-C: the stream stays usable.
+                    self.put_back(stream);
+                    return Err(interrupted);
+                }
+            };
+            match next {
+                None => {
+                    *self.lock() = StreamState::Done;
+                    self.dispose(stream);
+                    Ok(None)
+                }
+                Some(Ok(b)) => {
+                    let session = stream.shm.clone();
+                    self.put_back(stream);
+                    Ok(Some(batch::Batch::new(b, session, self.fields.clone())?))
+                }
+                Some(Err(e)) => {
+                    *self.lock() = StreamState::Done;
+                    self.dispose(stream);
+                    Err(to_pyerr(e))
+                }
             }
-            Some(Err(e)) => {
-                self.inner = None;
-                Err(to_pyerr(e))
-            }
-        }
+        })
     }
 
-    /// Ends the stream early (the daemon notices at once and stops reading for it).
-    fn close(&mut self) {
-        if self.pid == std::process::id() {
-            self.inner = None;
-        } else if let Some(s) = self.inner.take() {
-            // The stream's task lives in the parent's runtime: never drop it here.
-            std::mem::forget(s);
-        }
+    /// Ends the stream early (the daemon notices at once and stops reading for it). Safe from
+    /// any thread; a thread blocked in `next_batch` returns None.
+    fn close(&self) -> PyResult<()> {
+        errors::no_panic("Stream.close", || {
+            self.closed.cancel();
+            let mut state = self.lock();
+            match std::mem::replace(&mut *state, StreamState::Done) {
+                StreamState::Idle(s) => {
+                    drop(state);
+                    self.dispose(s);
+                }
+                // The waiting thread wakes up, sees the token and drops the stream itself.
+                StreamState::Busy => *state = StreamState::Busy,
+                StreamState::Done => {}
+            }
+            Ok(())
+        })
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if self.pid != std::process::id()
-            && let Some(s) = self.inner.take()
-        {
-            std::mem::forget(s);
+        let state = std::mem::replace(self.state.get_mut().unwrap_or_else(|p| p.into_inner()), StreamState::Done);
+        if let StreamState::Idle(s) = state {
+            self.dispose(s);
         }
     }
 }
@@ -284,32 +391,45 @@ impl Drop for Stream {
 /// It runs on this process's runtime threads until the process exits.
 #[pyfunction]
 fn start_embedded_server(py: Python<'_>, socket: PathBuf, cache_dir: PathBuf) -> PyResult<String> {
-    use shardstream::daemon::{BoundDaemon, DaemonConfig};
-    let config = DaemonConfig::new(Address::Unix(socket), cache_dir);
-    let bound = block_on(py, async move { BoundDaemon::bind(config).await })?.map_err(errors::daemon_error)?;
-    let address = bound.address().to_string();
-    let token = shardstream::daemon::ShutdownToken::new();
-    runtime().spawn(async move {
-        if let Err(e) = bound.run(token).await {
-            eprintln!("shardstream embedded server stopped: {e}");
-        }
-    });
-    Ok(address)
+    errors::no_panic("start_embedded_server", || {
+        use shardstream::daemon::{BoundDaemon, DaemonConfig};
+        let config = DaemonConfig::new(Address::Unix(socket), cache_dir);
+        let bound = block_on(py, async move { BoundDaemon::bind(config).await })?.map_err(errors::daemon_error)?;
+        let address = bound.address().to_string();
+        let token = shardstream::daemon::ShutdownToken::new();
+        runtime().spawn(async move {
+            if let Err(e) = bound.run(token).await {
+                eprintln!("shardstream embedded server stopped: {e}");
+            }
+        });
+        Ok(address)
+    })
 }
 
 /// True when a daemon answers at `address` (used by connect="auto").
 #[pyfunction]
 fn probe(py: Python<'_>, address: &str) -> PyResult<bool> {
-    let Ok(addr) = address.parse::<Address>() else { return Ok(false) };
-    block_on(py, async move {
-        tokio::time::timeout(Duration::from_secs(2), shardstream_client::connect(&addr)).await.is_ok_and(|r| r.is_ok())
+    errors::no_panic("probe", || {
+        let Ok(addr) = address.parse::<Address>() else { return Ok(false) };
+        block_on(py, async move {
+            tokio::time::timeout(Duration::from_secs(2), shardstream_client::connect(&addr))
+                .await
+                .is_ok_and(|r| r.is_ok())
+        })
     })
+}
+
+/// Panics inside the panic guard every entry point uses: lets the tests check that a Rust panic
+/// reaches Python as `ShardstreamError`, never as `PanicException`.
+#[pyfunction]
+fn _panic_for_tests() -> PyResult<()> {
+    errors::no_panic("_panic_for_tests", || panic!("a deliberate panic, to test the guard"))
 }
 
 /// Runs the `shardstream` command line with `argv` (argv[0] included); returns the exit code.
 #[pyfunction]
-fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
-    py.detach(|| shardstream::cli::main_with_args(argv))
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
+    errors::no_panic("cli_main", || Ok(py.detach(|| shardstream::cli::main_with_args(argv))))
 }
 
 #[pymodule]
@@ -323,6 +443,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_embedded_server, m)?)?;
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     errors::register(m)?;
     m.add("__version__", shardstream::VERSION)?;
     m.add("DEFAULT_SOCKET", shardstream_proto::DEFAULT_SOCKET)?;

@@ -33,3 +33,14 @@ def test_exceptions_are_exported() -> None:
     assert issubclass(shardstream.ShardError, shardstream.ShardstreamError)
     assert issubclass(shardstream.ShardstreamError, Exception)
     assert shardstream.__version__
+
+
+def test_a_rust_panic_is_an_ordinary_exception() -> None:
+    # PyO3 would raise PanicException, a BaseException that `except Exception` misses.
+    try:
+        shardstream._native._panic_for_tests()
+    except Exception as e:  # noqa: BLE001 - the point: an ordinary Exception
+        assert isinstance(e, shardstream.ShardstreamError), repr(e)
+        assert "deliberate panic" in str(e) and "bug" in str(e)
+    else:
+        raise AssertionError("no exception")

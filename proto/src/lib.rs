@@ -34,4 +34,6 @@ pub mod error_metadata {
     pub const SHARD: &str = "shardstream-shard";
     pub const OFFSET: &str = "shardstream-offset";
     pub const PATH: &str = "shardstream-path";
+    /// The OS error number of a failed local read (`EISDIR`, `EIO`, ...), in decimal.
+    pub const ERRNO: &str = "shardstream-errno";
 }

@@ -15,7 +15,7 @@
 //!  kind   direction          a                   b                 payload
 //!  HELLO  client -> daemon   0                   0                 session token (16 bytes), zeros
 //!  ATTACHED daemon -> client 0                   0                 zeros
-//!  SHARD_FD daemon -> client shard slot          shard length      zeros            + SCM_RIGHTS fd
+//!  SHARD_FD daemon -> client shard slot          shard length      flags (byte 0)   + SCM_RIGHTS fd
 //!  RELEASE client -> daemon  batch index         0                 zeros
 //!  STREAM_END client->daemon first unreceived   0                 zeros
 //!                            batch index (every outstanding batch from it on is released:
@@ -28,6 +28,12 @@
 //! RING_FD passes a packed-mode ring segment (layout in [`crate::ring`]); RING_RETIRE says no
 //! batch will name that ring again (its slots are all released), so the client may unmap it once
 //! its arrays are gone.
+//!
+//! SHARD_FD flags: [`SHARD_MUTABLE`] marks a file read in place that others may change (a
+//! dataset on a local or parallel file system): a client must not map it, since a truncation
+//! would kill it with SIGBUS, but read the bytes it uses with positioned reads. Without the flag
+//! (node-cache copies, immutable while leased) the client maps the shard. Daemons before the flag
+//! sent zeros there: a client then maps, as before.
 //!
 //! A shard slot is the stream's own number for a shard (0, 1, 2, ... in the order the daemon sent
 //! them); batches refer to shards by slot. Frames are native little-endian on every platform.
@@ -48,6 +54,9 @@ pub const KIND_ERROR: u16 = 5;
 pub const KIND_STREAM_END: u16 = 6;
 pub const KIND_RING_FD: u16 = 7;
 pub const KIND_RING_RETIRE: u16 = 8;
+
+/// SHARD_FD flag (payload byte 0): the shard may change under the reader; read, do not map.
+pub const SHARD_MUTABLE: u8 = 1;
 
 /// Error codes of ERROR frames.
 pub const ERR_UNKNOWN_SESSION: u64 = 1;
@@ -101,6 +110,20 @@ impl Frame {
         }
         f.payload[..end].copy_from_slice(&msg.as_bytes()[..end]);
         f
+    }
+
+    /// A SHARD_FD frame for `slot`, `len` bytes long; `mutable`: see [`SHARD_MUTABLE`].
+    pub fn shard_fd(slot: u64, len: u64, mutable: bool) -> Self {
+        let mut f = Self::new(KIND_SHARD_FD, slot, len);
+        if mutable {
+            f.payload[0] |= SHARD_MUTABLE;
+        }
+        f
+    }
+
+    /// True when a SHARD_FD frame marks its shard [`SHARD_MUTABLE`].
+    pub fn shard_mutable(&self) -> bool {
+        self.payload[0] & SHARD_MUTABLE != 0
     }
 
     pub fn token(&self) -> [u8; 16] {
@@ -161,6 +184,10 @@ mod tests {
         let mut bad = bytes;
         bad[0] = b'X';
         assert!(matches!(Frame::decode(&bad), Err(FrameError::Magic(_))));
+        for mutable in [false, true] {
+            let f = Frame::decode(&Frame::shard_fd(3, 99, mutable).encode()).unwrap();
+            assert_eq!((f.kind, f.a, f.b, f.shard_mutable()), (KIND_SHARD_FD, 3, 99, mutable));
+        }
         let e = Frame::error(ERR_NOT_HELD, &"é".repeat(40));
         assert!(e.message().chars().all(|c| c == 'é'));
     }

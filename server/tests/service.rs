@@ -224,8 +224,11 @@ async fn collect_shm(client: &mut Client, req: StreamRequest) -> Vec<(String, Ha
         let shardstream_client::Batch::Shm(b) = b.unwrap() else { panic!("expected shm batches") };
         for i in 0..b.slots.len() {
             let map = session.mapping(b.slots[i]).unwrap();
-            let bytes = &map.bytes()[b.starts[i] as usize..(b.starts[i] + b.lengths[i]) as usize];
-            let view = shardstream::format::tar::parse_sample(bytes).unwrap();
+            // Shards read in place arrive marked mutable and are read, not mapped: read_at
+            // serves both kinds.
+            let mut bytes = vec![0u8; b.lengths[i] as usize];
+            map.read_at(&mut bytes, b.starts[i]).unwrap();
+            let view = shardstream::format::tar::parse_sample(&bytes).unwrap();
             let fields = view.members.iter().map(|m| (m.field.to_string(), bytes[m.data.clone()].to_vec())).collect();
             out.push((view.key.to_string(), fields));
         }

@@ -87,8 +87,10 @@ class Batch(dict):
     """One batch: ``"__key__"`` -> list of str, each field -> list of bytes-like objects.
 
     With the shared-memory transport the values are read-only memoryviews straight into the
-    daemon's shard files, and the batch holds a lease on those shards until every view is gone;
-    ``release()`` returns the lease at once (the views stay readable).
+    daemon's node-cache copies of the shards (zero copy), or, for a dataset read in place (which
+    anyone may truncate: a mapping would then kill the process with SIGBUS), into a buffer the
+    batch's samples were read into; either way the batch holds a lease on its shards until every
+    view is gone; ``release()`` returns the lease at once (the views stay readable).
 
     With ``collate="stack"`` each field is one read-only ``(samples, record_bytes)`` uint8 numpy
     array; over shared memory it lies in a slot of the stream's ring, held until every array is
@@ -256,6 +258,11 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._stream is not None:
             self._stream.close()
+        if self._start_batch and self._start_batch >= len(self):
+            # Resumed from a state saved after the epoch's last batch: the epoch is done.
+            self._consumed = self._start_batch
+            self._start_batch = 0
+            return
         started = time.perf_counter()
         self._iter_started = started
         stream = self._stream = self._open_stream()
@@ -293,7 +300,10 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: pass to ``load_state_dict`` (in a new process too) to continue
-        with the next batch, none lost or repeated."""
+        with the next batch, none lost or repeated. Saved after an epoch's last batch, it resumes
+        at the end of that epoch: iterating it yields nothing, and ``set_epoch(epoch + 1)`` starts
+        the next epoch (a training loop that calls ``set_epoch`` for every epoch needs no special
+        case)."""
         return {
             "version": STATE_VERSION,
             "url": self.url,
@@ -325,8 +335,10 @@ class Loader:
                 f"{self.info['fingerprint']}: the shards changed"
             )
         self.epoch = int(state["epoch"])
-        consumed = int(state["batches_consumed"])
-        self._start_batch = consumed if consumed < len(self) else 0
+        # A state saved after the epoch's last batch resumes at the end of that epoch: iterating
+        # it yields nothing, and the next set_epoch() starts the following epoch from its start.
+        consumed = min(int(state["batches_consumed"]), len(self))
+        self._start_batch = consumed
         self._consumed = consumed
         self._expected_fingerprint = state["fingerprint"]
 
@@ -346,6 +358,8 @@ class Loader:
         return s
 
     def close(self) -> None:
+        """Ends the current iteration's stream. Safe from any thread: an iteration blocked on
+        another thread wakes up and ends (as if the epoch were over)."""
         if self._stream is not None:
             self._stream.close()
             self._stream = None

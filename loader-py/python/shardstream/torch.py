@@ -151,6 +151,6 @@ class DataLoader(torch.utils.data.DataLoader):
         check.load_state_dict(state)
         check.close()
         ds.epoch = int(state["epoch"])
-        consumed = int(state["batches_consumed"])
-        ds.start_batch = consumed if consumed < len(ds) else 0
+        # After the epoch's last batch: the epoch yields nothing more (as with Loader).
+        ds.start_batch = min(int(state["batches_consumed"]), len(ds))
         self._consumed = ds.start_batch

@@ -85,7 +85,8 @@ pub fn fill(
 
 /// Copies a local shard into the cache file, returning the CRC-32C of what was copied.
 fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
-    let mut from = File::open(src).map_err(|e| Error::io("cannot open shard", src, e))?;
+    // Not a plain open: a FIFO in a shard's place would block the fill forever.
+    let mut from = crate::storage::local::open_regular(src)?;
     let mut buf = vec![0u8; COPY_CHUNK];
     let (mut pos, mut crc) = (0u64, 0u32);
     loop {

@@ -285,6 +285,18 @@ pub struct Dataset {
     /// once, while loads of different shards proceed in parallel.
     load_locks: Vec<Mutex<()>>,
     verified: Vec<AtomicBool>,
+    /// The largest sample, when every shard was scanned at open (not from a manifest): what the
+    /// inline transport checks against its message limit before a stream starts.
+    pub largest_sample: Option<LargestSample>,
+}
+
+/// Where the dataset's largest sample is, and its size in shard bytes (headers included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LargestSample {
+    pub shard: usize,
+    pub local: u64,
+    pub offset: u64,
+    pub bytes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -326,7 +338,16 @@ impl Dataset {
             fields.extend(table.fields().iter().cloned());
             tables.push(table);
         }
-        let ds = Self::assemble(
+        let largest_sample = tables
+            .iter()
+            .enumerate()
+            .filter_map(|(shard, t)| {
+                let (local, bytes) = t.largest_sample()?;
+                let offset = t.sample_range(local).map_or(0, |r| r.start);
+                Some(LargestSample { shard, local, offset, bytes })
+            })
+            .max_by_key(|s| s.bytes);
+        let mut ds = Self::assemble(
             &url,
             mode,
             base,
@@ -337,6 +358,7 @@ impl Dataset {
             backends,
             keys,
         );
+        ds.largest_sample = largest_sample;
         // The scan just built every table: keep as many resident as the cache allows.
         for (i, table) in tables.into_iter().enumerate().take(MAX_RESIDENT_TABLES) {
             ds.insert_table(i, Arc::new(table));
@@ -386,6 +408,7 @@ impl Dataset {
             tables: Mutex::new(TableCache::default()),
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            largest_sample: None,
         }
     }
 

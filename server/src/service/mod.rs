@@ -181,15 +181,6 @@ fn plan_stream(
         req.fields.iter().filter(|f| seen.insert(*f)).cloned().collect()
     };
     let all_fields = fields.len() == ds.fields.len();
-    let avg_sample = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
-    if u64::from(req.batch_size).saturating_mul(avg_sample) > (shardstream_proto::MAX_MESSAGE_BYTES as u64) / 2 {
-        return Err(Error::invalid(format!(
-            "batch_size {} x ~{avg_sample} bytes per sample exceeds the inline message limit of {} MiB; \
-             use smaller batches",
-            req.batch_size,
-            shardstream_proto::MAX_MESSAGE_BYTES >> 20
-        )));
-    }
     let params = EpochParams {
         seed: req.seed,
         epoch: req.epoch,
@@ -231,6 +222,10 @@ fn plan_stream(
     // blocking pool, so its first batch is not held up in the stream task.
     sequence.skip_to(start)?;
     let transport = transport::negotiate(req.transport, shm.is_some())?;
+    if transport == Transport::Inline {
+        // Over shared memory no sample byte enters a message: only inline streams are limited.
+        check_inline_fits(&ds, u64::from(req.batch_size).min(summary.samples_per_rank))?;
+    }
     let collate =
         Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
     let packed = transport == Transport::Shm && collate == Collate::Stack;
@@ -266,6 +261,37 @@ fn plan_stream(
         packed,
         consumer,
     })
+}
+
+/// Room for a batch's bytes in one inline message: the rest of [`MAX_MESSAGE_BYTES`] is for the
+/// keys and column tables.
+///
+/// [`MAX_MESSAGE_BYTES`]: shardstream_proto::MAX_MESSAGE_BYTES
+const INLINE_PAYLOAD_LIMIT: u64 = shardstream_proto::MAX_MESSAGE_BYTES as u64 - (1 << 20);
+
+/// Refuses an inline stream whose batches cannot fit a message, before it starts: a sample larger
+/// than any message (named, so it can be found), or batches of `batch` samples (the most a batch
+/// of this stream can hold) whose average size is over half the limit.
+fn check_inline_fits(ds: &Dataset, batch: u64) -> Result<()> {
+    let limit_mib = shardstream_proto::MAX_MESSAGE_BYTES >> 20;
+    if let Some(l) = ds.largest_sample
+        && l.bytes > INLINE_PAYLOAD_LIMIT
+    {
+        let shard = ds.shards.get(l.shard).map_or_else(|| format!("#{}", l.shard), |m| m.url());
+        return Err(Error::invalid(format!(
+            "sample {} of shard {shard} (at byte {}) is {} bytes, larger than the inline message limit of \
+             {limit_mib} MiB; read it over shared memory (transport=\"shm\", same host) or split the sample",
+            l.local, l.offset, l.bytes
+        )));
+    }
+    let avg_sample = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
+    if batch.saturating_mul(avg_sample) > INLINE_PAYLOAD_LIMIT / 2 {
+        return Err(Error::invalid(format!(
+            "batches of {batch} x ~{avg_sample} bytes per sample exceed the inline message limit of \
+             {limit_mib} MiB; use smaller batches, or shared memory (transport=\"shm\", same host)"
+        )));
+    }
+    Ok(())
 }
 
 /// The open shard and local index of sample `id`. Consecutive samples of a batch mostly come from
@@ -307,6 +333,15 @@ fn build_batch(
         b.add_sample(&resident, local)?;
     }
     let bytes = b.payload_bytes();
+    if bytes > INLINE_PAYLOAD_LIMIT {
+        // Several large samples in one batch (the open-time check bounds each sample and the
+        // average only): a clear error rather than the transport's refusal to encode.
+        return Err(Error::invalid(format!(
+            "batch {index} holds {bytes} bytes, more than the inline message limit of {} MiB; use smaller \
+             batches, or shared memory (transport=\"shm\", same host)",
+            shardstream_proto::MAX_MESSAGE_BYTES >> 20
+        )));
+    }
     Ok((StreamMessage { kind: Some(stream_message::Kind::InlineBatch(b.finish(index))) }, bytes))
 }
 
@@ -338,7 +373,11 @@ fn build_shm_batch(
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
                 let r = working.get(ds, shard)?.clone();
-                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len)?;
+                // A shard read in place may be truncated by others while the client holds it:
+                // the client then reads it rather than maps it (SIGBUS otherwise).
+                let mutable = ds.mode == CacheMode::Direct
+                    && matches!(ds.shards.get(shard).map(|m| &m.source), Some(crate::storage::ShardSource::Local(_)));
+                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len, mutable)?;
                 e.insert((slot, r))
             }
         };

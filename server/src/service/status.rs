@@ -29,7 +29,21 @@ pub fn to_status(e: Error) -> Status {
             s
         }
         Error::CacheFull(_) => Status::new(Code::ResourceExhausted, msg),
-        Error::Io { .. } => Status::new(Code::Unavailable, msg),
+        // A local file that cannot be read is a verdict on that file, not a daemon that went
+        // away: Unavailable would send a trainer's reconnect logic into a loop. The errno and
+        // the path travel as metadata so clients raise the matching OS error.
+        Error::Io { path, source, .. } => {
+            let code = match source.kind() {
+                std::io::ErrorKind::PermissionDenied => Code::PermissionDenied,
+                _ => Code::FailedPrecondition,
+            };
+            let mut s = Status::new(code, msg);
+            insert(&mut s, error_metadata::PATH, &path.display().to_string());
+            if let Some(errno) = source.raw_os_error() {
+                insert(&mut s, error_metadata::ERRNO, &errno.to_string());
+            }
+            s
+        }
         Error::Unavailable(_) => Status::new(Code::Unavailable, msg),
         Error::Internal(_) => Status::new(Code::Internal, msg),
     }
@@ -40,5 +54,24 @@ fn insert(s: &mut Status, key: &'static str, value: &str) {
     // (the message still names them).
     if let Ok(v) = value.parse() {
         s.metadata_mut().insert(key, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_io_errors_name_the_file_and_errno_and_are_not_unavailable() {
+        let eisdir = std::io::Error::from_raw_os_error(libc::EISDIR);
+        let s = to_status(Error::io("cannot read shard", "/d/train-000007.tar", eisdir));
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().contains("/d/train-000007.tar"), "{}", s.message());
+        assert_eq!(s.metadata().get(error_metadata::ERRNO).unwrap(), &libc::EISDIR.to_string());
+        assert_eq!(s.metadata().get(error_metadata::PATH).unwrap(), "/d/train-000007.tar");
+        let eacces = std::io::Error::from_raw_os_error(libc::EACCES);
+        let s = to_status(Error::io("cannot open shard", "/d/x.tar", eacces));
+        assert_eq!(s.code(), Code::PermissionDenied);
+        assert_eq!(s.metadata().get(error_metadata::ERRNO).unwrap(), &libc::EACCES.to_string());
     }
 }

@@ -44,12 +44,10 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
                 let path = dir.join(name);
                 crate::metrics::local_stat(1);
                 let meta = match std::fs::metadata(&path) {
-                    Ok(m) if m.is_file() => m,
-                    Ok(_) => return Err(Error::NotFound { what: "shard", path: path.display().to_string() }),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                         return Err(Error::NotFound { what: "shard", path: path.display().to_string() });
                     }
-                    Err(e) => return Err(Error::io("cannot stat shard", &path, e)),
+                    m => shard_metadata(&path, m)?,
                 };
                 out.push(ListedShard { name: name.clone(), len: meta.len(), mtime_ns: mtime_ns(&meta) });
             }
@@ -68,10 +66,8 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
                 // DirEntry::metadata follows no symlink; a shard may well be a symlink into a PFS.
                 let path = entry.path();
                 crate::metrics::local_stat(1);
-                let meta = std::fs::metadata(&path).map_err(|e| Error::io("cannot stat shard", &path, e))?;
-                if meta.is_file() {
-                    found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
-                }
+                let meta = shard_metadata(&path, std::fs::metadata(&path))?;
+                found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
             }
             found.sort_by(|a, b| a.name.cmp(&b.name));
             found
@@ -84,6 +80,24 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
         });
     }
     Ok(shards)
+}
+
+/// A shard's metadata, refusing a shard's name on something that is not a file (a directory or
+/// FIFO put in a shard's place) with an error naming it: skipping it would silently train on
+/// another dataset.
+fn shard_metadata(path: &Path, meta: std::io::Result<std::fs::Metadata>) -> Result<std::fs::Metadata> {
+    let meta = meta.map_err(|e| Error::io("cannot stat shard", path, e))?;
+    if meta.is_dir() {
+        return Err(Error::io("cannot read shard", path, std::io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    if !meta.is_file() {
+        return Err(Error::Shard {
+            shard: path.display().to_string(),
+            offset: None,
+            reason: "is not a regular file (a FIFO, socket or device has a shard's name)".into(),
+        });
+    }
+    Ok(meta)
 }
 
 pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
@@ -108,7 +122,7 @@ impl ShardFile {
 
     /// Opens a local copy of the shard `name` (a node-cache file of an S3 object).
     pub fn open_as(path: PathBuf, expected_len: u64, name: String) -> Result<Self> {
-        let file = File::open(&path).map_err(|e| Error::io("cannot open shard", &path, e))?;
+        let file = open_regular(&path)?;
         let len = file.metadata().map_err(|e| Error::io("cannot stat shard", &path, e))?.len();
         if len != expected_len {
             return Err(Error::Shard {
@@ -137,6 +151,30 @@ impl ShardFile {
     }
 }
 
+/// Opens a shard for reading, refusing anything but a regular file with an error naming it: a
+/// directory put in a shard's place (EISDIR), or a FIFO, on which a plain open would block the
+/// stream forever waiting for a writer (hence `O_NONBLOCK`, which regular files ignore).
+pub fn open_regular(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Error::io("cannot open shard", path, e))?;
+    let kind = file.metadata().map_err(|e| Error::io("cannot stat shard", path, e))?.file_type();
+    if kind.is_dir() {
+        return Err(Error::io("cannot read shard", path, std::io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    if !kind.is_file() {
+        return Err(Error::Shard {
+            shard: path.display().to_string(),
+            offset: None,
+            reason: "is not a regular file (a FIFO, socket or device took the shard's place)".into(),
+        });
+    }
+    Ok(file)
+}
+
 /// Writes `bytes` to `path` so that readers see either the old file or the complete new one
 /// (see [`crate::atomic_write`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -156,7 +194,7 @@ pub fn file_crc32c(path: &Path) -> Result<(u64, u32)> {
     /// Large enough that syscall overhead vanishes against the CRC (~20 GB/s), small enough to
     /// stay in L2 cache.
     const CHUNK: usize = 1 << 20;
-    let mut f = File::open(path).map_err(|e| Error::io("cannot open", path, e))?;
+    let mut f = open_regular(path)?;
     let mut buf = vec![0u8; CHUNK];
     let (mut crc, mut len) = (0u32, 0u64);
     loop {

@@ -466,7 +466,9 @@ impl Session {
     }
 
     /// The slot of `shard` for this client, sending its descriptor first if needed.
-    pub fn slot_for(&self, path: &Path, file: &std::fs::File, len: u64) -> Result<u32> {
+    /// `mutable`: the file is read in place and may change under the client (see
+    /// [`wire::SHARD_MUTABLE`]): the client reads it instead of mapping it.
+    pub fn slot_for(&self, path: &Path, file: &std::fs::File, len: u64, mutable: bool) -> Result<u32> {
         let mut st = lock(&self.state);
         if let Some(&slot) = st.sent.get(path) {
             return Ok(slot);
@@ -475,7 +477,7 @@ impl Session {
         let slot = st.sent.len() as u32;
         let fd = file.try_clone().map_err(|e| Error::io("cannot duplicate descriptor of", path, e))?;
         let fd: OwnedFd = fd.into();
-        send_frame(&*sock, &Frame::new(wire::KIND_SHARD_FD, u64::from(slot), len), Some(fd.as_fd()))
+        send_frame(&*sock, &Frame::shard_fd(u64::from(slot), len, mutable), Some(fd.as_fd()))
             .map_err(|e| Error::Unavailable(format!("cannot pass shard descriptor to the client: {e}")))?;
         st.sent.insert(path.to_owned(), slot);
         Ok(slot)

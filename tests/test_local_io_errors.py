@@ -1,0 +1,114 @@
+"""A local shard that cannot be read (replaced by a directory: EISDIR; by a FIFO; made unreadable:
+EACCES) fails the stream within seconds with an error naming the file (`PermissionError`,
+`OSError` or `ShardError`), never a hang and never `ConnectionError("daemon unavailable")`, which
+would send a trainer's reconnect logic into a loop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import shardstream
+from conftest import Daemon, write_dataset
+
+BROKEN = "train-000007.tar"
+
+
+def iterate_with_deadline(loader, seconds: float) -> BaseException | None:
+    """Iterates `loader` (or an iterator) on a thread; returns what it raised (None: it ended
+    cleanly)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            for _ in loader:
+                pass
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"the epoch hung for {seconds} s on an unreadable shard"
+    return outcome[0]
+
+
+def break_shard(path: Path, how: str) -> None:
+    if how == "directory":
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("how", ["directory", "fifo"])
+@pytest.mark.parametrize("when", ["before_iterating", "mid_epoch"])
+@pytest.mark.parametrize("cache", ["auto", "copy"])  # read in place, or copied into the node cache
+def test_unreadable_local_shard_fails_promptly(
+    daemon, tmp_path: Path, how: str, transport: str, when: str, cache: str
+) -> None:
+    root = tmp_path / "ds"
+    write_dataset(root, n=400, per_shard=20, seed=11)
+    assert len(list(root.glob("*.tar"))) == 20
+    # Indexed while every shard is fine, then one shard is replaced under the daemon's feet:
+    # before the epoch starts (the stream's open lists the directory again), or mid-epoch (the
+    # stream reaches the shard later: a FIFO there used to block the stream forever).
+    loader = shardstream.Loader(
+        str(root), batch_size=8, shuffle=False, transport=transport, cache=cache, connect=daemon.addr
+    )
+    if when == "mid_epoch":
+        it = iter(loader)
+        next(it)
+        loader = it  # iterate the rest of this epoch
+    break_shard(root / BROKEN, how)
+    t0 = time.monotonic()
+    err = iterate_with_deadline(loader, 30)
+    elapsed = time.monotonic() - t0
+    if cache == "copy" and when == "mid_epoch":
+        # The open copied every shard into the node cache to index it: the epoch is served from
+        # those immutable copies, whole, whatever happens to the originals meanwhile.
+        assert err is None, repr(err)
+        return
+    assert err is not None, "an epoch over an unreadable shard must not end cleanly"
+    assert isinstance(err, (OSError, shardstream.ShardError)), repr(err)
+    assert not isinstance(err, ConnectionError), repr(err)
+    assert BROKEN in str(err), str(err)
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    # The daemon still serves a good dataset, and the same one once repaired.
+    if (root / BROKEN).is_dir():
+        shutil.rmtree(root / BROKEN)
+    else:
+        (root / BROKEN).unlink()
+    good = tmp_path / "good"
+    samples = write_dataset(good, n=50, per_shard=20, seed=12)
+    assert sum(len(b["__key__"]) for b in shardstream.Loader(str(good), connect=daemon.addr)) == len(samples)
+
+
+def test_permission_denied_shard(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    write_dataset(root, n=100, per_shard=20, seed=13)
+    d = daemon
+    if os.geteuid() == 0:
+        # Root reads mode-000 files through CAP_DAC_OVERRIDE: run a daemon without capabilities.
+        assert shutil.which("setpriv"), "setpriv (util-linux) is needed to test EACCES as root"
+        d = Daemon(tmp_path / "d", wrap=["setpriv", "--bounding-set=-all", "--inh-caps=-all"]).start()
+    try:
+        loader = shardstream.Loader(str(root), batch_size=8, shuffle=False, connect=d.addr)
+        os.chmod(root / "train-000002.tar", 0)
+        err = iterate_with_deadline(loader, 30)
+        assert isinstance(err, PermissionError), repr(err)
+        assert "train-000002.tar" in str(err) and err.filename.endswith("train-000002.tar"), str(err)
+    finally:
+        if d is not daemon:
+            assert d.stop() == 0
