@@ -52,7 +52,7 @@ def main() -> int:
                         tmp / "conc", local_root, local, size["clients"], size["rss_bound_mib"]
                     ),
                 ),
-                ("disk_full", lambda: scenarios.disk_full(tmp / "disk", s3, "plain", s3_data["plain"], None)),
+                ("disk_full", lambda: scenarios.disk_full(tmp / "disk", s3, None)),
             ]
             for name, step in steps:
                 print(f"chaos: {name} ...", flush=True)
@@ -81,7 +81,8 @@ def render(f: dict[str, dict], total: float, variant: str) -> str:
             f"| concurrent clients | {c['clients']} clients on one daemon (half inline, half shm), "
             f"{c['finished']} finished; {c['seconds']} s "
             f"| daemon peak RSS (VmHWM) {c['daemon_peak_rss_mib']} MiB < {c['rss_bound_mib']} MiB |",
-            f"| cache disk full | {d['setup']}, dataset {d['dataset_kib']} KiB: epoch completed, "
+            f"| cache disk full | {d['setup']}, dataset {d['dataset_kib']} KiB in {d['shards']} shards: "
+            "epoch completed, "
             f"{d['evictions']} evictions, capacity lowered to {d['capacity_kib_after']} KiB; {d['seconds']} s "
             f"| exact bytes; a shard larger than the disk: `{d.get('too_small_disk_error', 'n/a')}` |",
         ]

@@ -57,7 +57,7 @@ def test_chaos_concurrent_clients_all_finish_in_bounded_memory(tmp_path: Path, l
     assert figures["finished"] == SHORT_CLIENTS
 
 
-def test_chaos_cache_disk_full_mid_fill(tmp_path: Path, s3: S3Server, s3_data: dict) -> None:
+def test_chaos_cache_disk_full_mid_fill(tmp_path: Path, s3: S3Server) -> None:
     fail_bin = os.environ.get("SHARDSTREAM_FAIL_BIN")
-    figures = scenarios.disk_full(tmp_path, s3, "plain", s3_data["plain"], fail_bin)
+    figures = scenarios.disk_full(tmp_path, s3, fail_bin, n=240)
     assert figures["completed"]
