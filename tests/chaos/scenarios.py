@@ -376,7 +376,7 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
             named = "disk space" in str(err) or "larger than the node cache" in str(err)
             assert named and str(mnt) in str(err), str(err)
             stop(d)
-            outcome["too_small_disk_error"] = str(err).split(":", 1)[-1].strip()[:160]
+            outcome["too_small_disk_error"] = str(err).split(":", 1)[-1].strip()[:200]
         outcome["seconds"] = round(time.monotonic() - started, 1)
         return outcome
     finally:
