@@ -322,6 +322,12 @@ def mount_tmpfs(path: Path, size: int) -> bool:
     return p.returncode == 0
 
 
+def unmount(path: Path) -> None:
+    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+        # Still busy (a process on its way out): detach it now, the kernel frees it when unused.
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
 def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> dict:
     """The node cache on a tmpfs half the size of the dataset, with a --cache-size that
     promises four times the dataset: fills hit ENOSPC mid-write. The epoch must complete with
@@ -339,6 +345,7 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
     size = total // 2
     mounted = mount_tmpfs(mnt, size)
     started = time.monotonic()
+    daemons: list[Daemon] = []
     try:
         if mounted:
             d = Daemon(tmp / "d", args=["--cache-size", str(total * 4), *DISK_FULL_ARGS], env=s3.env())
@@ -348,7 +355,7 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
             assert fail_bin, "tmpfs cannot be mounted here and no failpoint build was given"
             d = Daemon(tmp / "d", env={**s3.env(), "FAILPOINTS": "cache-fill=5%return(ENOSPC)"}, binary=fail_bin)
             how = "failpoint cache-fill=5%return(ENOSPC) (tmpfs not mountable)"
-        d.start()
+        daemons.append(d.start())
         got = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
         if isinstance(got, BaseException):
             raise AssertionError(f"the epoch failed on a full cache disk: {got!r}") from got
@@ -365,12 +372,12 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
         }
         # A shard larger than the whole disk: a named error, promptly.
         if mounted:
-            subprocess.run(["umount", str(mnt)], check=True)
+            unmount(mnt)
             assert mount_tmpfs(mnt, largest // 2)
             shutil.rmtree(tmp / "d2", ignore_errors=True)
             d = Daemon(tmp / "d2", args=["--cache-size", str(total * 4)], env=s3.env())
             d.cache_dir = mnt
-            d.start()
+            daemons.append(d.start())
             err = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
             assert isinstance(err, shardstream.ShardstreamError), f"expected a named error, got {err!r}"
             named = "disk space" in str(err) or "larger than the node cache" in str(err)
@@ -380,8 +387,12 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
         outcome["seconds"] = round(time.monotonic() - started, 1)
         return outcome
     finally:
+        # A failed run leaves its daemon up, holding files on the mount: end it first.
+        for daemon in daemons:
+            if daemon.alive():
+                daemon.kill()
         if mounted:
-            subprocess.run(["umount", str(mnt)], capture_output=True)
+            unmount(mnt)
 
 
 def write_s3_datasets(s3: S3Server, n: int, per_shard: int) -> dict[str, Samples]:

@@ -73,8 +73,9 @@ pub fn fill(
                     shard: url,
                     offset: None,
                     reason: format!(
-                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), in {MAX_CHECKSUM_FETCHES} fetches: \
-                         the object changed after the manifest was written; refusing to serve it"
+                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), also after {} re-fetches: \
+                         the object changed after the manifest was written; refusing to serve it",
+                        MAX_CHECKSUM_FETCHES - 1
                     ),
                 });
             }
