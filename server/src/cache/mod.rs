@@ -415,11 +415,11 @@ impl NodeCache {
                 .open(&tmp)
                 .map_err(|e| Error::io("cannot create cache file", &tmp, e))?;
             fill(&tmp, &file)?;
-            fail::fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", &tmp, a)));
-            fail::fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", &tmp, a)));
+            fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", &tmp, a)));
+            fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", &tmp, a)));
             file.sync_all().map_err(|e| Error::io("cannot sync cache file", &tmp, e))?;
             let dest = self.path_of(key);
-            fail::fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
+            fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
             std::fs::rename(&tmp, &dest).map_err(|e| Error::io("cannot publish cache file", &dest, e))?;
             File::open(&self.dir)
                 .and_then(|d| d.sync_all())

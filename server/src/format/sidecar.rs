@@ -212,7 +212,7 @@ static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 /// that [`crate::storage::local::is_temp_name`] recognises, for the next writer to clear.
 /// The directory is not fsynced: after a power loss the rename may be lost, which costs a rescan.
 pub fn write_atomic(path: &Path, identity: &[u8], index: &TarIndex) -> std::io::Result<()> {
-    fail::fail_point!("sidecar-write", |a| Err(crate::failpoints::io_error(a)));
+    fail_point!("sidecar-write", |a| Err(crate::failpoints::io_error(a)));
     let bytes = encode(identity, index);
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("sidecar");
     let tmp =

@@ -117,7 +117,7 @@ impl ShardFile {
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
     /// after it was indexed and is reported as a shard error naming the offset.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        fail::fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
+        fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
         self.file.read_exact_at(buf, offset).map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => Error::Shard {
                 shard: self.name.clone(),
@@ -137,7 +137,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
     let result = (|| {
-        fail::fail_point!("atomic-write", |a| Err(crate::failpoints::io_error(a)));
+        fail_point!("atomic-write", |a| Err(crate::failpoints::io_error(a)));
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;

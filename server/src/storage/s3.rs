@@ -656,10 +656,10 @@ fn file_md5(file: &File, len: u64) -> std::io::Result<[u8; 16]> {
 /// The next chunk of a GET body, or why the body broke (a failed read, or no data for
 /// [`BODY_IDLE_TIMEOUT`]): either way the caller resumes from the last byte it has.
 async fn next_chunk(body: &mut ByteStream) -> std::result::Result<Option<Bytes>, String> {
-    fail::fail_point!("s3-get-body", |_| Err("body broke: failpoint s3-get-body".into()));
+    fail_point!("s3-get-body", |_| Err("body broke: failpoint s3-get-body".into()));
     match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.try_next()).await {
         Ok(Ok(Some(chunk))) => {
-            fail::fail_point!("s3-get-corrupt", |_| Ok(Some(crate::failpoints::flip_a_byte(&chunk))));
+            fail_point!("s3-get-corrupt", |_| Ok(Some(crate::failpoints::flip_a_byte(&chunk))));
             Ok(Some(chunk))
         }
         Ok(Ok(None)) => Ok(None),
