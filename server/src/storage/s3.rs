@@ -10,6 +10,10 @@
 //! request goes through [`super::retry`], the one documented policy. Errors of the SDK are turned
 //! into crate errors in exactly one function, [`classify`], which names the object.
 //!
+//! Downloaded bytes are checked against the object's ETag when it is an MD5 (what S3 gives a
+//! single-part upload) and the caller has no better checksum: a body corrupted in transit is
+//! downloaded again rather than cached ([`S3Store::download_checked`]).
+//!
 //! Credentials never appear in logs or errors: only bucket, key and the server's message do.
 
 use std::fs::File;
