@@ -696,6 +696,16 @@ mod tests {
     }
 
     #[test]
+    fn a_changed_etag_mid_download_is_noticed() {
+        let answered = std::sync::Mutex::new(None);
+        assert!(!etag_changed(&answered, None), "a response without ETag says nothing");
+        assert!(!etag_changed(&answered, Some("\"a\"")), "the first ETag is recorded");
+        assert!(!etag_changed(&answered, Some("\"a\"")));
+        assert!(etag_changed(&answered, Some("\"b\"")), "another part saw another version");
+        assert_eq!(answered.lock().unwrap().as_deref(), Some("\"a\""));
+    }
+
+    #[test]
     fn a_listing_yields_the_prefix_shards_in_name_order() {
         let listed = vec![obj("p/b.tar"), obj("p/a.tar"), obj("p/sub/c.tar"), obj("p/manifest.json"), obj("q/x.tar")];
         let got = shards_in_listing(listed.clone(), "bk", "p/", None).unwrap();
