@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -52,7 +53,7 @@ def main() -> int:
                         tmp / "conc", local_root, local, size["clients"], size["rss_bound_mib"]
                     ),
                 ),
-                ("disk_full", lambda: scenarios.disk_full(tmp / "disk", s3, None)),
+                ("disk_full", lambda: scenarios.disk_full(tmp / "disk", s3, os.environ.get("SHARDSTREAM_FAIL_BIN"))),
             ]
             for name, step in steps:
                 print(f"chaos: {name} ...", flush=True)
