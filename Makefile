@@ -38,6 +38,7 @@ fmt:
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p shardstream --all-targets --features failpoints -- -D warnings
 
 lint: venv
 	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts
@@ -53,7 +54,7 @@ py-test: develop
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" SHARDSTREAM_FAIL_BIN="$$(bash scripts/failpoint-bin.sh)" \
 		$(PY) -m pytest -q tests loader-py/tests --ignore=tests/deploy
 
-# The full chaos suite (a few minutes); mounts a tmpfs for the full-disk scenario (root).
+# The full chaos suite (~30 s here); mounts a tmpfs for the full-disk scenario (root).
 chaos: develop
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) tests/chaos/run.py --out CHAOS.md
 

@@ -1,5 +1,6 @@
-//! Fault injection for tests, built only with `--features failpoints` (the `fail` crate): the
-//! `fail::fail_point!` calls in the I/O paths compile to nothing without it.
+//! Fault injection for tests, built only with `--features failpoints` (the `fail` crate): without
+//! it the crate's `fail_point!` calls in the I/O paths (a macro defined in `lib.rs`) compile to
+//! nothing and `fail` is not a dependency.
 //!
 //! A build with the feature reads `FAILPOINTS` at start-up (`name=action;name=action`, the
 //! `fail` crate's syntax: `return(ARG)`, `3*return`, `10%return`, `sleep(MS)`, `off`, ...). The

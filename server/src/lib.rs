@@ -33,6 +33,18 @@
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
 
+/// A failpoint: `fail::fail_point!` in a build with the `failpoints` feature, nothing at all
+/// without it (the `fail` crate is then not even a dependency). Defined before the modules so that
+/// every module sees it. The points and what they inject: the `failpoints` module.
+#[cfg(feature = "failpoints")]
+macro_rules! fail_point {
+    ($($t:tt)*) => { fail::fail_point!($($t)*) };
+}
+#[cfg(not(feature = "failpoints"))]
+macro_rules! fail_point {
+    ($($t:tt)*) => {};
+}
+
 pub mod access;
 pub mod atomic_write;
 pub mod cache;

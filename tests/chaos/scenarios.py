@@ -177,11 +177,12 @@ def kills(tmp: Path, root: Path, samples: Samples, n_kills: int, seed: int = 0, 
             if isinstance(out, AssertionError):
                 raise out
             if killer.fired() and not d.alive():
-                # The daemon died under this stream (or just after its last batch): the kill is
-                # survived if the consumer resumes and the epoch still comes out exactly once.
+                # The daemon died under this stream: the kill is survived if the consumer resumes
+                # and the epoch still comes out exactly once. Without an error, the rest of the
+                # epoch was already on its way (the client reads ahead): nothing to resume.
                 done += 1
                 failed = isinstance(out, BaseException)
-                kinds["mid-stream" if failed else "after the last batch"] += 1
+                kinds["stream broken, resumed" if failed else "rest of the epoch already sent"] += 1
                 d = Daemon(tmp / "daemon").start()
                 if failed and e.received < batches:
                     continue
@@ -255,9 +256,9 @@ def s3_faults(
     }
 
 
-def epoch_of(addr: str, url: str, seed: int = 0, **kw) -> Samples:
+def epoch_of(addr: str, url: str, seed: int = 0, batch_size: int = 32, **kw) -> Samples:
     got: Samples = {}
-    for batch in shardstream.Loader(url, batch_size=32, seed=seed, connect=addr, **kw):
+    for batch in shardstream.Loader(url, batch_size=batch_size, seed=seed, connect=addr, **kw):
         for i, key in enumerate(batch["__key__"]):
             assert key not in got, f"{key} delivered twice"
             got[key] = fields_of(batch, i)
@@ -308,35 +309,55 @@ def concurrent_clients(tmp: Path, root: Path, samples: Samples, clients: int, rs
 # --- a cache disk that fills ------------------------------------------------------------------
 
 
+# One prefetch at a time on the small disk: see disk_full.
+DISK_FULL_ARGS = ["--prefetch-parallel", "1"]
+# Inline: an shm client keeps the descriptor of every shard its stream was sent until the stream
+# ends, so evicted shards of a running stream keep their disk blocks and a full disk cannot be
+# reclaimed (a known limit, reported with the suite's figures).
+DISK_FULL_STREAM = {"batch_size": 8, "shuffle_window": 1, "transport": "inline"}
+
+
 def mount_tmpfs(path: Path, size: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     return p.returncode == 0
 
 
-def disk_full(tmp: Path, s3: S3Server, name: str, samples: Samples, fail_bin: str | None) -> dict:
-    """The node cache on a tmpfs smaller than the dataset, with a --cache-size that promises more
-    than the disk holds: fills hit ENOSPC mid-write. The epoch must complete with exact bytes
-    (the cache lowers its capacity to what the disk holds, evicts and fills again). Where tmpfs
-    cannot be mounted (no root), the failpoint build injects the ENOSPC instead."""
+def unmount(path: Path) -> None:
+    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+        # Still busy (a process on its way out): detach it now, the kernel frees it when unused.
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> dict:
+    """The node cache on a tmpfs half the size of the dataset, with a --cache-size that
+    promises four times the dataset: fills hit ENOSPC mid-write. The epoch must complete with
+    exact bytes (the cache lowers its capacity to what the disk holds, evicts and fills again).
+    Where tmpfs cannot be mounted (no root), the failpoint build injects the ENOSPC instead."""
+    name = "many"
+    # The disk must hold a stream's working set: the shards its shuffle window draws on stay
+    # pinned (about 3 * window + 2 shards; a disk smaller than that makes the stream wait for
+    # space for 60 s and fail with a named error). Window 1, batches of 8 from shards of 20: a
+    # handful of shards, of the ~12 the disk holds.
+    samples = write_large(s3.bucket("chaos") / name, n=n, per_shard=20, seed=23)
     shard_bytes = [p.stat().st_size for p in (s3.root / "chaos" / name).glob("*.tar")]
     total, largest = sum(shard_bytes), max(shard_bytes)
     mnt = tmp / "cachefs"
-    # Room for a few shards (and their sidecars), far less than the dataset.
-    size = max(4 * largest, total // 4)
+    size = total // 2
     mounted = mount_tmpfs(mnt, size)
     started = time.monotonic()
+    daemons: list[Daemon] = []
     try:
         if mounted:
-            d = Daemon(tmp / "d", args=["--cache-size", str(total * 4)], env=s3.env())
+            d = Daemon(tmp / "d", args=["--cache-size", str(total * 4), *DISK_FULL_ARGS], env=s3.env())
             d.cache_dir = mnt
             how = f"tmpfs of {size // 1024} KiB, --cache-size {total * 4 // 1024} KiB"
         else:
             assert fail_bin, "tmpfs cannot be mounted here and no failpoint build was given"
             d = Daemon(tmp / "d", env={**s3.env(), "FAILPOINTS": "cache-fill=5%return(ENOSPC)"}, binary=fail_bin)
             how = "failpoint cache-fill=5%return(ENOSPC) (tmpfs not mountable)"
-        d.start()
-        got = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/"))
+        daemons.append(d.start())
+        got = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
         if isinstance(got, BaseException):
             raise AssertionError(f"the epoch failed on a full cache disk: {got!r}") from got
         assert got == samples, "samples lost or wrong bytes with a full cache disk"
@@ -345,28 +366,34 @@ def disk_full(tmp: Path, s3: S3Server, name: str, samples: Samples, fail_bin: st
         outcome = {
             "setup": how,
             "dataset_kib": total // 1024,
+            "shards": len(shard_bytes),
             "completed": True,
             "evictions": status["cache"]["evictions"],
             "capacity_kib_after": status["cache"]["capacity_bytes"] // 1024,
         }
         # A shard larger than the whole disk: a named error, promptly.
         if mounted:
-            subprocess.run(["umount", str(mnt)], check=True)
+            unmount(mnt)
             assert mount_tmpfs(mnt, largest // 2)
             shutil.rmtree(tmp / "d2", ignore_errors=True)
             d = Daemon(tmp / "d2", args=["--cache-size", str(total * 4)], env=s3.env())
             d.cache_dir = mnt
-            d.start()
-            err = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/"))
+            daemons.append(d.start())
+            err = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
             assert isinstance(err, shardstream.ShardstreamError), f"expected a named error, got {err!r}"
-            assert "disk space" in str(err) and str(mnt) in str(err), str(err)
+            named = "disk space" in str(err) or "larger than the node cache" in str(err)
+            assert named and str(mnt) in str(err), str(err)
             stop(d)
-            outcome["too_small_disk_error"] = str(err).split(":", 1)[-1].strip()[:160]
+            outcome["too_small_disk_error"] = str(err).split(":", 1)[-1].strip()[:200]
         outcome["seconds"] = round(time.monotonic() - started, 1)
         return outcome
     finally:
+        # A failed run leaves its daemon up, holding files on the mount: end it first.
+        for daemon in daemons:
+            if daemon.alive():
+                daemon.kill()
         if mounted:
-            subprocess.run(["umount", str(mnt)], capture_output=True)
+            unmount(mnt)
 
 
 def write_s3_datasets(s3: S3Server, n: int, per_shard: int) -> dict[str, Samples]:

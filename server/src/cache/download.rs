@@ -73,8 +73,9 @@ pub fn fill(
                     shard: url,
                     offset: None,
                     reason: format!(
-                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), in {MAX_CHECKSUM_FETCHES} fetches: \
-                         the object changed after the manifest was written; refusing to serve it"
+                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), also after {} re-fetches: \
+                         the object changed after the manifest was written; refusing to serve it",
+                        MAX_CHECKSUM_FETCHES - 1
                     ),
                 });
             }
@@ -90,7 +91,7 @@ fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
     let mut buf = vec![0u8; COPY_CHUNK];
     let (mut pos, mut crc) = (0u64, 0u32);
     loop {
-        fail::fail_point!("cache-copy-read", |a| Err(crate::failpoints::io("cannot read shard", src, a)));
+        fail_point!("cache-copy-read", |a| Err(crate::failpoints::io("cannot read shard", src, a)));
         let n = from.read(&mut buf).map_err(|e| Error::io("cannot read shard", src, e))?;
         if n == 0 || pos >= len {
             break;

@@ -346,6 +346,8 @@ impl NodeCache {
                     let disk_full = is_disk_full(&e);
                     // Measured after the failed fill's file is gone: what the disk can still take.
                     let free = disk_full.then(|| free_bytes(&self.dir)).flatten();
+                    // What the cache's files hold on disk, ready or still being written by other fills.
+                    let held = disk_full.then(|| bytes_in(&self.dir));
                     let fits_after_evicting = {
                         let mut t = self.lock();
                         t.finish(key, false);
@@ -355,7 +357,12 @@ impl NodeCache {
                             // in flight may use some of `free`; if so the next ENOSPC lowers it again.
                             // Never below what other fills have already reserved: they were
                             // admitted and will finish (or fail and lower it again).
-                            let real = (t.ready_bytes() + free).max(t.used()).min(t.capacity());
+                            // Measured as the cache's own files plus the free space: counting only
+                            // ready shards would forget the bytes other fills have already written,
+                            // and each ENOSPC under concurrent fills would ratchet the capacity down
+                            // below what the disk holds.
+                            let on_disk = held.unwrap_or(0).max(t.ready_bytes());
+                            let real = (on_disk + free).max(t.used()).min(t.capacity());
                             tracing::warn!(dir = %self.dir.display(), capacity = real, "cache disk full, lowering capacity");
                             t.set_capacity(real);
                         }
@@ -399,11 +406,17 @@ impl NodeCache {
         // Dropped on any error below, which removes the temporary file.
         let tmp = AtomicFile::create(&dest).map_err(|e| Error::io("cannot create cache file", &dest, e))?;
         fill(tmp.temp_path(), tmp.file())?;
-        fail::fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", tmp.temp_path(), a)));
-        fail::fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", tmp.temp_path(), a)));
-        fail::fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
+        fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", tmp.temp_path(), a)));
+        fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", tmp.temp_path(), a)));
+        fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
         tmp.commit().map_err(|e| Error::io("cannot publish cache file", &dest, e))
     }
+}
+
+/// Bytes of the files in `dir` (the shards directory: ready copies and fills in progress).
+fn bytes_in(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries.filter_map(|e| e.ok()?.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
 }
 
 fn is_disk_full(e: &Error) -> bool {

@@ -206,7 +206,7 @@ pub fn decode(bytes: &[u8], expected_identity: &[u8]) -> Result<Option<TarIndex>
 /// one, never a partial one; a crash leaves at worst a temporary file for the next writer to
 /// clear.
 pub fn write_atomic(path: &Path, identity: &[u8], index: &TarIndex) -> std::io::Result<()> {
-    fail::fail_point!("sidecar-write", |a| Err(crate::failpoints::io_error(a)));
+    fail_point!("sidecar-write", |a| Err(crate::failpoints::io_error(a)));
     crate::atomic_write::write(path, &encode(identity, index))
 }
 

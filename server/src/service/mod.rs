@@ -647,7 +647,7 @@ async fn produce(
                     Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
                     _ => 0,
                 };
-                fail::fail_point!("stream-send", |_| ());
+                fail_point!("stream-send", |_| ());
                 if tx.send(Ok(msg)).await.is_err() {
                     tracing::debug!("client left mid-stream");
                     return;

@@ -139,7 +139,7 @@ impl ShardFile {
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
     /// after it was indexed and is reported as a shard error naming the offset.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        fail::fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
+        fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
         self.file.read_exact_at(buf, offset).map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => Error::Shard {
                 shard: self.name.clone(),
@@ -178,7 +178,7 @@ pub fn open_regular(path: &Path) -> Result<File> {
 /// Writes `bytes` to `path` so that readers see either the old file or the complete new one
 /// (see [`crate::atomic_write`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    fail::fail_point!("atomic-write", |a| Err(crate::failpoints::io("cannot write", path, a)));
+    fail_point!("atomic-write", |a| Err(crate::failpoints::io("cannot write", path, a)));
     crate::atomic_write::write(path, bytes).map_err(|e| Error::io("cannot write", path, e))
 }
 

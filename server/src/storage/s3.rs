@@ -10,6 +10,10 @@
 //! request goes through [`super::retry`], the one documented policy. Errors of the SDK are turned
 //! into crate errors in exactly one function, [`classify`], which names the object.
 //!
+//! Downloaded bytes are checked against the object's ETag when it is an MD5 (what S3 gives a
+//! single-part upload) and the caller has no better checksum: a body corrupted in transit is
+//! downloaded again rather than cached ([`S3Store::download_checked`]).
+//!
 //! Credentials never appear in logs or errors: only bucket, key and the server's message do.
 
 use std::fs::File;
@@ -656,10 +660,10 @@ fn file_md5(file: &File, len: u64) -> std::io::Result<[u8; 16]> {
 /// The next chunk of a GET body, or why the body broke (a failed read, or no data for
 /// [`BODY_IDLE_TIMEOUT`]): either way the caller resumes from the last byte it has.
 async fn next_chunk(body: &mut ByteStream) -> std::result::Result<Option<Bytes>, String> {
-    fail::fail_point!("s3-get-body", |_| Err("body broke: failpoint s3-get-body".into()));
+    fail_point!("s3-get-body", |_| Err("body broke: failpoint s3-get-body".into()));
     match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.try_next()).await {
         Ok(Ok(Some(chunk))) => {
-            fail::fail_point!("s3-get-corrupt", |_| Ok(Some(crate::failpoints::flip_a_byte(&chunk))));
+            fail_point!("s3-get-corrupt", |_| Ok(Some(crate::failpoints::flip_a_byte(&chunk))));
             Ok(Some(chunk))
         }
         Ok(Ok(None)) => Ok(None),
@@ -689,6 +693,16 @@ mod tests {
         let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
         std::fs::write(&path, &bytes).unwrap();
         assert_eq!(file_md5(&File::open(&path).unwrap(), bytes.len() as u64).unwrap(), md5_of(&bytes));
+    }
+
+    #[test]
+    fn a_changed_etag_mid_download_is_noticed() {
+        let answered = std::sync::Mutex::new(None);
+        assert!(!etag_changed(&answered, None), "a response without ETag says nothing");
+        assert!(!etag_changed(&answered, Some("\"a\"")), "the first ETag is recorded");
+        assert!(!etag_changed(&answered, Some("\"a\"")));
+        assert!(etag_changed(&answered, Some("\"b\"")), "another part saw another version");
+        assert_eq!(answered.lock().unwrap().as_deref(), Some("\"a\""));
     }
 
     #[test]

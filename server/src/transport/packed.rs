@@ -71,7 +71,7 @@ pub fn gather<'s>(
     }
     let payload_bytes: u64 = records.iter().map(|r| r * n as u64).sum();
     let mut guard = acquire(end)?;
-    fail::fail_point!("packed-gather", |a| Err(Error::Internal(format!("failpoint packed-gather: {a:?}"))));
+    fail_point!("packed-gather", |a| Err(Error::Internal(format!("failpoint packed-gather: {a:?}"))));
     let threads = if payload_bytes >= PARALLEL_MIN_BYTES { GATHER_THREADS.min(n) } else { 1 };
     let rules = Rules { fields, records: &records, first_key: &first_key };
     let keys = {

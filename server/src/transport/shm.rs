@@ -245,7 +245,7 @@ fn accept_loop(listener: OwnedFd, shared: Arc<HubShared>) {
 }
 
 fn send_frame(sock: &impl AsFd, frame: &Frame, fd: Option<BorrowedFd<'_>>) -> std::io::Result<()> {
-    fail::fail_point!("shm-send", |a| Err(crate::failpoints::io_error(a)));
+    fail_point!("shm-send", |a| Err(crate::failpoints::io_error(a)));
     let bytes = frame.encode();
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut anc = SendAncillaryBuffer::new(&mut space);
