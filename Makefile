@@ -10,6 +10,7 @@ CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
 .PHONY: all demo test bench venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: fmt-py typos typecheck deny msrv fuzz fuzz-short
 
 help:
 	@echo "make demo   build, generate a small dataset, start a daemon, stream two epochs"
@@ -41,6 +42,27 @@ clippy:
 lint: venv
 	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts
 
+# Gates (issue 13). Each is quick (seconds) once its tool is installed.
+fmt-py: venv
+	$(VENV)/bin/ruff format --check loader-py/python loader-py/tests tests bench scripts
+
+typos: venv
+	$(VENV)/bin/typos
+
+# mypy --strict on the package; stubtest checks the hand-written _native.pyi against the built
+# module (a class or function missing from the stub, or a wrong signature, fails).
+typecheck: develop
+	$(VENV)/bin/mypy --strict loader-py/python
+	$(PY) -m mypy.stubtest shardstream._native
+
+# Licences, bans, sources (and advisories when the RustSec database is reachable): deny.toml.
+deny:
+	bash scripts/deny.sh
+
+# rust-version in Cargo.toml against the resolved dependencies and the installed rustc.
+msrv: venv
+	$(PY) scripts/msrv.py $(CARGO)
+
 rust-test:
 	$(CARGO) test --workspace
 
@@ -48,7 +70,7 @@ rust-test:
 py-test: develop
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests loader-py/tests
 
-test: venv fmt clippy lint rust-test py-test
+test: venv fmt fmt-py typos clippy lint deny msrv typecheck rust-test py-test
 
 BENCH_VENV := .venv-bench
 bench: venv-bench
