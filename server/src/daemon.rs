@@ -3,7 +3,8 @@
 //!
 //! The Unix socket is created owner-only (mode 0600) inside a directory this process creates with
 //! mode 0700 when it does not exist: nobody else on the node can connect. A stale socket left by a
-//! crashed daemon is replaced; a live one (another daemon answers) is an error.
+//! crashed daemon is replaced; a live one (another daemon answers) is an error, and so is anything
+//! at the path that is not a socket ([`crate::socket_file`]).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -163,14 +164,15 @@ impl BoundDaemon {
 }
 
 async fn bind_unix(path: &Path) -> Result<UnixListener> {
-    if let Some(dir) = path.parent()
-        && !dir.exists()
+    // A relative `--listen sock` has the parent "": the working directory, which exists.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+        && !dir.try_exists().map_err(|e| Error::io("cannot inspect socket directory", dir, e))?
     {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create socket directory", dir, e))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| Error::io("cannot restrict socket directory", dir, e))?;
     }
-    if path.exists() {
+    if crate::socket_file::socket_exists(path)? {
         if tokio::net::UnixStream::connect(path).await.is_ok() {
             return Err(Error::Unavailable(format!("another daemon is already listening on {}", path.display())));
         }
@@ -184,3 +186,33 @@ async fn bind_unix(path: &Path) -> Result<UnixListener> {
 
 /// The token that stops a daemon (re-exported so embedders need no tokio-util dependency).
 pub use tokio_util::sync::CancellationToken as ShutdownToken;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `serve --listen` at a path holding a user's file once deleted the file (`Path::exists`,
+    /// then `remove_file` of whatever was there). It is an error now, and the file stays.
+    #[tokio::test]
+    async fn a_listen_path_that_is_not_a_socket_is_refused_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("important.txt");
+        std::fs::write(&path, b"keep me").unwrap();
+        let config = DaemonConfig::new(Address::Unix(path.clone()), dir.path().join("cache"));
+        let err = BoundDaemon::bind(config).await.err().expect("binding over a regular file must fail").to_string();
+        assert!(err.contains("regular file") && err.contains("important.txt"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"keep me");
+    }
+
+    #[tokio::test]
+    async fn a_stale_socket_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run").join("sock");
+        let config = DaemonConfig::new(Address::Unix(path.clone()), dir.path().join("cache"));
+        let first = BoundDaemon::bind(config.clone()).await.unwrap();
+        // Dropped without `run`: its socket files stay behind, as after a crash.
+        drop(first);
+        let second = BoundDaemon::bind(config).await.unwrap();
+        assert_eq!(second.address(), Address::Unix(path));
+    }
+}

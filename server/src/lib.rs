@@ -24,6 +24,7 @@
 //!   package's embedded server alike).
 //! - [`pack`]: `shardstream pack`, turning a tree of small files into shards with a manifest.
 //! - [`cli`]: the `shardstream` command line.
+//! - [`socket_file`]: what may be replaced at a Unix socket's path (a stale socket only).
 //!
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
@@ -41,6 +42,7 @@ pub mod plan;
 pub mod prefetch;
 pub mod service;
 pub mod shutdown;
+pub mod socket_file;
 pub mod storage;
 pub mod transport;
 

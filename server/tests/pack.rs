@@ -133,7 +133,7 @@ fn round_trip_through_manifest_sidecars_and_reader() {
     }
     assert!(summary.manifest.shards.len() > 5);
     assert_eq!(summary.manifest.fields, ["jpg", "json"]);
-    assert!(!dest.join("_shardstream/staging").exists());
+    assert!(!dest.join("_shardstream/staging").try_exists().unwrap());
     assert_eq!(summary.manifest.shards[0].name, "shard-000000.tar");
 }
 
@@ -258,7 +258,7 @@ fn resume_after_an_interruption_gives_identical_output() {
     let err = pack::pack(&base(&dest), &stop).unwrap_err().to_string();
     assert!(err.contains("--resume"), "{err}");
     // Nothing presented as complete: no manifest, no shard in DEST itself.
-    assert!(!dest.join("manifest.json").exists());
+    assert!(!dest.join("manifest.json").try_exists().unwrap());
     assert!(std::fs::read_dir(&dest).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().ends_with(".tar")));
     let staged = std::fs::read_dir(dest.join("_shardstream/staging")).unwrap().count();
     assert!(staged >= 3, "{staged} staged");
@@ -389,7 +389,7 @@ fn bad_inputs_in_a_walk_are_skipped_counted_or_fatal() {
     o.strict = true;
     let err = pack::pack(&o, &()).unwrap_err().to_string();
     assert!(err.contains("--strict") && expected.iter().any(|(_, p)| err.contains(p.as_str())), "{err}");
-    assert!(!strict_dest.join("manifest.json").exists());
+    assert!(!strict_dest.join("manifest.json").try_exists().unwrap());
 }
 
 #[test]
@@ -438,7 +438,7 @@ fn bad_entries_of_a_file_list() {
         let err = pack::pack(&o, &()).unwrap_err().to_string();
         let named = entry.trim_start_matches("./");
         assert!(err.contains(named) || err.contains("a/2.jpg"), "{entry}: {err}");
-        assert!(!dest.join("manifest.json").exists());
+        assert!(!dest.join("manifest.json").try_exists().unwrap());
     }
 
     // A file list read from a path, NUL-separated.

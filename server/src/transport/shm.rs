@@ -150,9 +150,7 @@ impl ShmHub {
             }
         }
         let io = |op, e: rustix::io::Errno| Error::io(op, &socket, e.into());
-        if socket.exists() {
-            std::fs::remove_file(&socket).map_err(|e| Error::io("cannot remove stale socket", &socket, e))?;
-        }
+        crate::socket_file::remove_stale_socket(&socket)?;
         let fd = rustix::net::socket_with(
             AddressFamily::UNIX,
             SocketType::SEQPACKET,
