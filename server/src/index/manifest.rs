@@ -196,4 +196,38 @@ mod tests {
         assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_err());
         assert!(Manifest::parse(b"{not json", "x").is_err());
     }
+
+    /// Found by the `manifest` fuzz target: per-shard counts whose sum overflows u64 panicked in a
+    /// debug build and, in a release build, wrapped around to whatever `total_samples` claimed.
+    #[test]
+    fn counts_whose_sum_overflows_are_rejected_not_wrapped() {
+        let two = |field: fn(&mut ManifestShard) -> &mut u64| {
+            let mut m = sample();
+            let mut second = m.shards[0].clone();
+            second.name = "a-1.tar".into();
+            *field(&mut m.shards[0]) = u64::MAX;
+            *field(&mut second) = 2;
+            m.shards.push(second);
+            m
+        };
+        let mut m = two(|s| &mut s.samples);
+        m.total_samples = 1; // u64::MAX + 2, wrapped
+        m.total_bytes = 2 * 10240;
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("sample counts overflow"), "{err}");
+
+        let mut m = two(|s| &mut s.bytes);
+        m.total_samples = 6;
+        m.total_bytes = 1;
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("sizes overflow"), "{err}");
+    }
+
+    #[test]
+    fn total_bytes_must_be_the_sum_of_the_shards() {
+        let mut m = sample();
+        m.total_bytes += 1;
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("total_bytes"), "{err}");
+    }
 }
