@@ -135,8 +135,19 @@ impl Manifest {
                 return bad(format!("shard {}: index path {idx:?} must stay inside the dataset", s.name));
             }
         }
-        if self.shards.iter().map(|s| s.samples).sum::<u64>() != self.total_samples {
-            return bad("total_samples is not the sum of the shards' samples".into());
+        // Checked: counts a file claims must not wrap around to match its own total.
+        let sum = |field: fn(&ManifestShard) -> u64| self.shards.iter().try_fold(0u64, |t, s| t.checked_add(field(s)));
+        match sum(|s| s.samples) {
+            None => return bad("the shards' sample counts overflow 64 bits".into()),
+            Some(n) if n != self.total_samples => {
+                return bad("total_samples is not the sum of the shards' samples".into());
+            }
+            Some(_) => {}
+        }
+        match sum(|s| s.bytes) {
+            None => return bad("the shards' sizes overflow 64 bits".into()),
+            Some(n) if n != self.total_bytes => return bad("total_bytes is not the sum of the shards' bytes".into()),
+            Some(_) => {}
         }
         Ok(())
     }
