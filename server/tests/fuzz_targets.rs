@@ -201,3 +201,15 @@ fn shm_frame() {
 fn ring() {
     run_target("ring");
 }
+
+/// The allocation bound is a real check: a body that allocates 64 MiB for a 1-byte input fails.
+#[test]
+fn the_allocation_bound_catches_an_oversized_allocation() {
+    fn greedy(data: &[u8]) {
+        let v = vec![0u8; (64 << 20) + data.len()];
+        std::hint::black_box(&v);
+    }
+    let err = catch_unwind(|| run_one("alloc_probe", greedy, b"x", "a probe")).unwrap_err();
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("allocated 67108865 bytes at once"), "{msg}");
+}
