@@ -332,7 +332,7 @@ mod tests {
         f
     }
 
-    /// Found reading the side-channel frames as a fuzz target would: a SHARD_FD frame's slot
+    /// Found reviewing the side-channel readers for the fuzz targets: a SHARD_FD frame's slot
     /// number sized the client's slot table, unchecked.
     #[test]
     fn a_shard_slot_past_the_next_one_is_refused_without_growing_the_table() {

@@ -208,7 +208,7 @@ mod tests {
         assert!(Manifest::parse(b"{not json", "x").is_err());
     }
 
-    /// Found by the `manifest` fuzz target: per-shard counts whose sum overflows u64 panicked in a
+    /// Found writing the `manifest` fuzz target: per-shard counts whose sum overflows u64 panicked in a
     /// debug build and, in a release build, wrapped around to whatever `total_samples` claimed.
     #[test]
     fn counts_whose_sum_overflows_are_rejected_not_wrapped() {
