@@ -40,11 +40,11 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 lint: venv
-	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts
+	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts fuzz
 
 # Gates (issue 13). Each is quick (seconds) once its tool is installed.
 fmt-py: venv
-	$(VENV)/bin/ruff format --check loader-py/python loader-py/tests tests bench scripts
+	$(VENV)/bin/ruff format --check loader-py/python loader-py/tests tests bench scripts fuzz
 
 typos: venv
 	$(VENV)/bin/typos

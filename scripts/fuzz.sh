@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the cargo-fuzz targets of fuzz/ under libFuzzer.
-#   scripts/fuzz.sh --short        each target for FUZZ_SECONDS (default 10): `make fuzz-short`,
+#   scripts/fuzz.sh --short        each target for FUZZ_SECONDS (default 5): `make fuzz-short`,
 #                                  part of `make test`
 #   scripts/fuzz.sh [target...]    each target (default all) for FUZZ_SECONDS (default 300)
 #
@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 short=0
 if [ "${1:-}" = "--short" ]; then short=1; shift; fi
-seconds=${FUZZ_SECONDS:-$([ $short = 1 ] && echo 10 || echo 300)}
+seconds=${FUZZ_SECONDS:-$([ $short = 1 ] && echo 5 || echo 300)}
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   mapfile -t targets < <(ls fuzz/fuzz_targets | sed -n 's/\.rs$//p')
