@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 deny=$(bash scripts/tool.sh cargo-deny)
 "$deny" --log-level error check --hide-inclusion-graph licenses bans sources
 if timeout 60 "$deny" --log-level error fetch db >/dev/null 2>&1; then
-  "$deny" --log-level error check --hide-inclusion-graph --disable-fetch advisories
+  "$deny" --log-level error --offline check --hide-inclusion-graph advisories
 else
   echo "cargo-deny: ADVISORIES NOT CHECKED: the RustSec advisory database could not be fetched" \
     "(no route to github.com); run \`make deny\` where it can be reached."
