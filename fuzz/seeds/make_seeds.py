@@ -101,6 +101,24 @@ def main() -> None:
     seg[page + cols + 64 : page + cols + 66] = b"xy"
     put("ring", "two_slots.bin", bytes(seg))
 
+    header = {"journal": "shardstream-pack", "version": 1, "fingerprint": "0" * 32, "created_by": "seed"}
+    rec = {
+        "shard": 0,
+        "name": "s-000000.tar",
+        "first": 0,
+        "end": 3,
+        "bytes": 10240,
+        "samples": 3,
+        "files": 6,
+        "payload": 4000,
+        "crc32c": "0a1b2c3d",
+        "fields": ["cls", "jpg"],
+        "bad_inputs": 0,
+    }
+    rec2 = dict(rec, shard=1, name="s-000001.tar", first=3, end=5, samples=2)
+    lines = [json.dumps(header), json.dumps(rec), json.dumps(rec2), '{"shard": 2, "trunc']
+    put("journal", "two_shards.jsonl", "\n".join(lines).encode())
+
 
 if __name__ == "__main__":
     main()

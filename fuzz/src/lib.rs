@@ -16,6 +16,7 @@ use std::io::Cursor;
 
 use shardstream::format::{sidecar, tar};
 use shardstream::index::manifest::Manifest;
+use shardstream::pack::journal;
 use shardstream_proto::ring::{self, RingHeader, SLOT_HEADER_BYTES};
 use shardstream_proto::shm::{FRAME_BYTES, Frame};
 
@@ -30,6 +31,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("manifest", manifest),
     ("shm_frame", shm_frame),
     ("ring", ring),
+    ("journal", journal),
 ];
 
 /// `index_tar` over a whole shard; every sample it finds must then parse with `parse_sample` (the
@@ -95,6 +97,20 @@ pub fn manifest(data: &[u8]) {
     let json = m.to_json().expect("an accepted manifest serialises");
     let again = Manifest::parse(&json, "fuzz (re-serialised)").expect("a re-serialised manifest parses");
     assert_eq!(again, m);
+}
+
+/// The pack journal (`_shardstream/pack-journal.jsonl`, read back from a local directory or a
+/// bucket to resume a pack): what it keeps is a contiguous run of shards from position 0, which
+/// is what the resume logic assumes.
+pub fn journal(data: &[u8]) {
+    let Ok(prior) = journal::parse(data, "fuzz") else { return };
+    let mut next = 0;
+    for (k, rec) in prior.shards.iter().enumerate() {
+        assert_eq!(rec.shard, k as u64);
+        assert_eq!(rec.first, next, "shard {k} does not start where the previous one ended");
+        assert!(rec.end >= rec.first);
+        next = rec.end;
+    }
 }
 
 /// Side-channel frames (what the client's receiver thread and the daemon's session read from the

@@ -202,6 +202,11 @@ fn ring() {
     run_target("ring");
 }
 
+#[test]
+fn journal() {
+    run_target("journal");
+}
+
 /// The allocation bound is a real check: a body that allocates 64 MiB for a 1-byte input fails.
 #[test]
 fn the_allocation_bound_catches_an_oversized_allocation() {
