@@ -38,6 +38,9 @@ target_dir="$cache/fuzz-target"
 # No sanitizer: the readers under test are safe Rust, so AddressSanitizer would find nothing that
 # bounds checks do not, at twice the build time; panics, timeouts and oversized allocations
 # (-malloc_limit_mb) are what a run looks for.
+# The fuzz crate resolves the workspace's exact dependency versions: its lock file starts as a
+# copy of the workspace's (cargo adds libfuzzer-sys), so it is not committed and never drifts.
+cp Cargo.lock fuzz/Cargo.lock
 build=(cargo +"$toolchain" fuzz build --fuzz-dir fuzz --sanitizer none --debug-assertions --target-dir "$target_dir")
 echo "==> fuzz: building ${#targets[@]} targets (first time on this machine: several minutes)" >&2
 for t in "${targets[@]}"; do "${build[@]}" "$t" >&2; done
