@@ -531,3 +531,37 @@ fn refusals_with_clear_messages() {
     let s = pack::pack(&opts(&src, &inner), &()).unwrap();
     assert_eq!(s.manifest.total_samples, 1);
 }
+
+/// A journal whose fingerprint matches but whose last record says it ends past the packing order
+/// (a corrupted digit, a hand edit) must not steer the resume outside the order: the record is
+/// not trusted, its shard is packed again, and the output is the clean one.
+#[test]
+fn a_journal_record_past_the_end_of_the_order_is_not_trusted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    imagenet_tree(&src, 3, 20);
+    let clean = tmp.path().join("clean");
+    let mut o = opts(&src, &clean);
+    o.shard_size = 40 << 10;
+    pack::pack(&o, &()).unwrap();
+
+    let dest = tmp.path().join("dest");
+    let mut o = opts(&src, &dest);
+    o.shard_size = 40 << 10;
+    o.resume = true;
+    let s = pack::pack(&o, &()).unwrap();
+    assert!(s.manifest.shards.len() >= 2, "{}", s.manifest.shards.len());
+    let journal = dest.join("_shardstream/pack-journal.jsonl");
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    let last = lines.last_mut().unwrap();
+    let mut rec: serde_json::Value = serde_json::from_str(last).unwrap();
+    rec["end"] = serde_json::json!(1_000_000_000_000u64);
+    rec["files"] = serde_json::json!(u64::MAX);
+    *last = rec.to_string();
+    std::fs::write(&journal, lines.join("\n") + "\n").unwrap();
+
+    let s = pack::pack(&o, &()).unwrap();
+    assert_eq!(s.resumed_shards as usize, s.manifest.shards.len() - 1);
+    assert_eq!(tree_bytes(&dest), tree_bytes(&clean));
+}
