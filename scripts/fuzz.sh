@@ -42,7 +42,9 @@ target_dir="$cache/fuzz-target"
 # copy of the workspace's (cargo adds libfuzzer-sys), so it is not committed and never drifts.
 cp Cargo.lock fuzz/Cargo.lock
 build=(cargo +"$toolchain" fuzz build --fuzz-dir fuzz --sanitizer none --debug-assertions --target-dir "$target_dir")
-echo "==> fuzz: building ${#targets[@]} targets (first time on this machine: several minutes)" >&2
+if [ ! -d "$target_dir" ]; then
+  echo "==> fuzz: first build on this machine (the daemon's dependencies, instrumented: ~30 minutes on two cores)" >&2
+fi
 for t in "${targets[@]}"; do "${build[@]}" "$t" >&2; done
 for t in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
