@@ -10,6 +10,7 @@ CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
 .PHONY: all demo test test-deploy bench chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: fmt-py typos typecheck deny msrv fuzz fuzz-short
 
 help:
 	@echo "make demo   build, generate a small dataset, start a daemon, stream two epochs"
@@ -41,12 +42,41 @@ clippy:
 	$(CARGO) clippy -p shardstream --all-targets --features failpoints -- -D warnings
 
 lint: venv
-	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts
+	$(VENV)/bin/ruff check loader-py/python loader-py/tests tests bench scripts fuzz
+
+# Gates (issue 13). Each is quick (seconds) once its tool is installed.
+fmt-py: venv
+	$(VENV)/bin/ruff format --check loader-py/python loader-py/tests tests bench scripts fuzz
+
+typos: venv
+	$(VENV)/bin/typos
+
+# mypy --strict on the package; stubtest checks the hand-written _native.pyi against the built
+# module (a class or function missing from the stub, or a wrong signature, fails).
+typecheck: develop
+	$(VENV)/bin/mypy --strict loader-py/python
+	$(PY) -m mypy.stubtest --allowlist loader-py/stubtest-allowlist.txt shardstream._native
+
+# Licences, bans, sources (and advisories when the RustSec database is reachable): deny.toml.
+deny:
+	bash scripts/deny.sh
+
+# rust-version in Cargo.toml against the resolved dependencies and the installed rustc.
+msrv: venv
+	$(PY) scripts/msrv.py $(CARGO)
 
 # The failpoint tests need the `failpoints` feature (off in every other build).
 rust-test:
 	$(CARGO) test --workspace
 	$(CARGO) test -p shardstream --features failpoints --test failpoints
+
+# libFuzzer runs of fuzz/ (nightly toolchain; elsewhere they print that they were skipped). The
+# same targets run as plain tests in rust-test on every toolchain.
+fuzz-short:
+	bash scripts/fuzz.sh --short
+
+fuzz:
+	bash scripts/fuzz.sh
 
 # The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine); the
 # failpoint tests a daemon built with `--features failpoints`; tests/chaos the short chaos suite.
@@ -66,7 +96,7 @@ test-deploy: develop
 	$(CARGO) build -p shardstream --bin shardstream
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests/deploy
 
-test: venv fmt clippy lint rust-test py-test test-deploy
+test: venv fmt fmt-py typos clippy lint deny msrv typecheck rust-test fuzz-short py-test test-deploy
 
 BENCH_VENV := .venv-bench
 bench: venv-bench

@@ -73,8 +73,16 @@ def _ratio(x: float, of: float, digits: int = 2) -> str:
 
 
 COLUMNS = [
-    "reader", "workers", "samples/s", "MB/s", "first batch (s)", "peak PSS (MiB)", "CPU-s/epoch",
-    "samples/s vs best peer", "MB/s vs cat", "check",
+    "reader",
+    "workers",
+    "samples/s",
+    "MB/s",
+    "first batch (s)",
+    "peak PSS (MiB)",
+    "CPU-s/epoch",
+    "samples/s vs best peer",
+    "MB/s vs cat",
+    "check",
 ]
 
 
@@ -82,14 +90,33 @@ def table(rows: list[Row], best_peer: float, cat_gbps: float) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for r in rows:
         if r.error:
-            cells = [r.reader, str(r.workers), "-", "-", "-", f"{r.peak_pss_mib:,.0f}" if r.peak_pss_mib else "-",
-                     "-", "-", "-", f"**failed**: {_cell(r.error)}"]
+            cells = [
+                r.reader,
+                str(r.workers),
+                "-",
+                "-",
+                "-",
+                f"{r.peak_pss_mib:,.0f}" if r.peak_pss_mib else "-",
+                "-",
+                "-",
+                "-",
+                f"**failed**: {_cell(r.error)}",
+            ]
         else:
             ttfb = f"{r.ttfb:.2f}" if r.ttfb is not None else "-"
             check = f"**MISMATCH**: {_cell(r.mismatch)}" if r.mismatch else "ok"
-            cells = [r.reader, str(r.workers), f"{r.samples_per_s:,.0f}", f"{r.mb_per_s:,.0f}", ttfb,
-                     f"{r.peak_pss_mib:,.0f}", f"{r.cpu_s:.1f}", _ratio(r.samples_per_s, best_peer),
-                     _ratio(r.mb_per_s, cat_gbps * 1e3, 3), check]
+            cells = [
+                r.reader,
+                str(r.workers),
+                f"{r.samples_per_s:,.0f}",
+                f"{r.mb_per_s:,.0f}",
+                ttfb,
+                f"{r.peak_pss_mib:,.0f}",
+                f"{r.cpu_s:.1f}",
+                _ratio(r.samples_per_s, best_peer),
+                _ratio(r.mb_per_s, cat_gbps * 1e3, 3),
+                check,
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

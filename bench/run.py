@@ -55,12 +55,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--workers", default="0,2", help="DataLoader worker counts, comma-separated")
     ap.add_argument("--out", type=Path, default=BENCH / "RESULTS.md", help="Markdown report to write")
     ap.add_argument("--data", type=Path, default=BENCH / "data", help="where generated datasets are cached")
-    ap.add_argument("--keep-data", action="store_true",
-                    help="keep cached datasets of outdated specs and this run's scratch directory "
-                    "(daemon logs, reader output) under bench/out/")
+    ap.add_argument(
+        "--keep-data",
+        action="store_true",
+        help="keep cached datasets of outdated specs and this run's scratch directory "
+        "(daemon logs, reader output) under bench/out/",
+    )
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per reader run")
-    ap.add_argument("--extra-json", type=Path, nargs="+", default=[], metavar="FILE",
-                    help="append the sections in these JSON files to the report (see bench/report.py)")
+    ap.add_argument(
+        "--extra-json",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="append the sections in these JSON files to the report (see bench/report.py)",
+    )
     args = ap.parse_args(argv)
     args.readers = [r for r in args.only.split(",") if r]
     unknown = [r for r in args.readers if r not in peers.READERS]
@@ -236,8 +245,11 @@ def print_row(row: report.Row, stderr: str) -> None:
         tail = stderr.strip().splitlines()[-STDERR_LINES_SHOWN:]
         print("\n".join("    | " + line for line in tail), flush=True)
         return
-    print(f"    {row.samples_per_s:,.0f} samples/s, {row.mb_per_s:,.0f} MB/s, first batch {row.ttfb or 0:.2f} s, "
-          f"peak PSS {row.peak_pss_mib:,.0f} MiB ({row.pss_samples} samples), {row.cpu_s:.1f} CPU-s", flush=True)
+    print(
+        f"    {row.samples_per_s:,.0f} samples/s, {row.mb_per_s:,.0f} MB/s, first batch {row.ttfb or 0:.2f} s, "
+        f"peak PSS {row.peak_pss_mib:,.0f} MiB ({row.pss_samples} samples), {row.cpu_s:.1f} CPU-s",
+        flush=True,
+    )
     if row.mismatch:
         print(f"    !!! MISMATCH: {row.mismatch}", flush=True)
 
@@ -246,8 +258,11 @@ def rust_sections(base: Path, shards: int, per_shard: int) -> list[tuple[str, st
     """Index memory and shuffle quality from the Rust examples `make bench` builds, if present."""
     runs = [
         ("Index memory (`index_memory`)", "index_memory", [str(base / "wds")]),
-        ("Shuffle quality, 8 ranks, window 8 shards (`plan_quality`)", "plan_quality",
-         [str(shards), str(per_shard), "8", "8"]),
+        (
+            "Shuffle quality, 8 ranks, window 8 shards (`plan_quality`)",
+            "plan_quality",
+            [str(shards), str(per_shard), "8", "8"],
+        ),
     ]
     out = []
     for title, name, args in runs:
@@ -262,8 +277,9 @@ def rust_sections(base: Path, shards: int, per_shard: int) -> list[tuple[str, st
     return out
 
 
-def header(args: argparse.Namespace, argv: list[str], base: Path, host: dict[str, str],
-           limits: tuple[float, float]) -> list[str]:
+def header(
+    args: argparse.Namespace, argv: list[str], base: Path, host: dict[str, str], limits: tuple[float, float]
+) -> list[str]:
     shards = len(list((base / "wds").glob("*.tar")))
     spec = gen.Spec(samples=args.samples)
     payload = gen.expected_payload_bytes(base)
@@ -337,8 +353,11 @@ def main(argv: list[str]) -> None:
             fmt = peers.READERS[reader][0]
             t0 = time.perf_counter()
             warmed = measure.warm(gen.data_files(base / fmt))
-            print(f"==> {reader}: read {warmed / 1e9:.2f} GB of {fmt} in {time.perf_counter() - t0:.1f} s "
-                  "(page cache warm-up)", flush=True)
+            print(
+                f"==> {reader}: read {warmed / 1e9:.2f} GB of {fmt} in {time.perf_counter() - t0:.1f} s "
+                "(page cache warm-up)",
+                flush=True,
+            )
             for workers in args.worker_counts:
                 print(f"==> {reader}, {workers} workers (load {os.getloadavg()[0]:.2f})", flush=True)
                 scratch = Path(tmp) / f"{reader}-{workers}"
@@ -347,8 +366,11 @@ def main(argv: list[str]) -> None:
                 print_row(row, stderr)
                 rows.append(row)
     host["load_after"] = measure.machine()["load"]
-    sections = rust_sections(base, len(shards), gen.Spec(samples=args.samples).per_shard) \
-        if "shardstream" in args.readers else []
+    sections = (
+        rust_sections(base, len(shards), gen.Spec(samples=args.samples).per_shard)
+        if "shardstream" in args.readers
+        else []
+    )
     for path in args.extra_json:
         sections += report.sections_from_json(path)
     doc = report.Report(title(rows), header(args, argv, base, host, limits), rows, limits[0], FOOTER, sections)

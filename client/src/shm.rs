@@ -293,8 +293,8 @@ impl Inner {
             let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) };
             Mapping { map: Some(map.map_err(|e| format!("cannot map shard {name}: {e}"))?), file: None, name }
         };
-        let slot = usize::try_from(slot).map_err(|_| "slot out of range".to_string())?;
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = new_slot_index(slot, s.maps.len())?;
         if s.maps.len() <= slot {
             s.maps.resize(slot + 1, None);
         }
@@ -353,6 +353,17 @@ impl Inner {
             s = self.arrived.wait_timeout(s, deadline - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
     }
+}
+
+/// The table index of a shard slot the daemon announces. The daemon numbers a session's slots in
+/// the order it sends their descriptors on this one socket, so a slot is at most one past those
+/// already known; a larger one is a malformed frame, not a reason to grow the table to its size
+/// (a slot of 2^40 would have asked for 8 TiB).
+fn new_slot_index(slot: u64, known: usize) -> Result<usize, String> {
+    usize::try_from(slot)
+        .ok()
+        .filter(|&s| s <= known)
+        .ok_or_else(|| format!("the daemon announced shard slot {slot}, but only {known} slots before it"))
 }
 
 fn send(sock: &impl AsFd, frame: &Frame) -> std::io::Result<()> {
@@ -445,6 +456,31 @@ mod tests {
             }
             other => panic!("expected a shard error, got {other:?}"),
         }
+    }
+
+    /// Found reviewing the side-channel readers for the fuzz targets: a SHARD_FD frame's slot
+    /// number sized the client's slot table, unchecked.
+    #[test]
+    fn a_shard_slot_past_the_next_one_is_refused_without_growing_the_table() {
+        let inner = Inner {
+            sock: OwnedFd::from(tempfile::tempfile().unwrap()),
+            slots: Mutex::default(),
+            arrived: Condvar::new(),
+        };
+        let shard = || {
+            let mut f = tempfile::tempfile().unwrap();
+            f.write_all(b"abc").unwrap();
+            vec![OwnedFd::from(f)]
+        };
+        let err = inner.adopt(1 << 40, 3, false, shard()).unwrap_err();
+        assert!(err.contains("slot 1099511627776") && err.contains("only 0 slots"), "{err}");
+        inner.adopt(0, 3, false, shard()).unwrap();
+        inner.adopt(1, 3, false, shard()).unwrap();
+        inner.adopt(1, 3, false, shard()).unwrap();
+        assert!(inner.adopt(3, 3, false, shard()).is_err());
+        assert!(inner.adopt(u64::MAX, 3, false, shard()).is_err());
+        assert_eq!(inner.slots.lock().unwrap().maps.len(), 2);
+        assert_eq!(inner.mapping(1).unwrap().bytes(), b"abc");
     }
 
     #[test]

@@ -160,7 +160,7 @@ fn resolve(path: &Path) -> std::result::Result<PathBuf, String> {
     // outside it does not pass.
     let mut existing = norm.clone();
     let mut rest = Vec::new();
-    while !existing.exists() {
+    while !existing.try_exists().map_err(|e| format!("cannot resolve {}: {e}", existing.display()))? {
         match existing.file_name() {
             Some(n) => rest.push(n.to_owned()),
             None => break,

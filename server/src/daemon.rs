@@ -207,3 +207,33 @@ fn bind_unix(path: &Path, access: &crate::socket_file::SocketAccess) -> Result<U
 
 /// The token that stops a daemon (re-exported so embedders need no tokio-util dependency).
 pub use tokio_util::sync::CancellationToken as ShutdownToken;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `serve --listen` at a path holding a user's file once deleted the file (`Path::exists`,
+    /// then `remove_file` of whatever was there). It is an error now, and the file stays.
+    #[tokio::test]
+    async fn a_listen_path_that_is_not_a_socket_is_refused_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("important.txt");
+        std::fs::write(&path, b"keep me").unwrap();
+        let config = DaemonConfig::new(Address::Unix(path.clone()), dir.path().join("cache"));
+        let err = BoundDaemon::bind(config).await.err().expect("binding over a regular file must fail").to_string();
+        assert!(err.contains("regular file") && err.contains("important.txt"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"keep me");
+    }
+
+    #[tokio::test]
+    async fn a_stale_socket_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run").join("sock");
+        let config = DaemonConfig::new(Address::Unix(path.clone()), dir.path().join("cache"));
+        let first = BoundDaemon::bind(config.clone()).await.unwrap();
+        // Dropped without `run`: its socket files stay behind, as after a crash.
+        drop(first);
+        let second = BoundDaemon::bind(config).await.unwrap();
+        assert_eq!(second.address(), Address::Unix(path));
+    }
+}

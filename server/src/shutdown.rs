@@ -5,6 +5,9 @@
 use tokio_util::sync::CancellationToken;
 
 /// Cancels `token` on the first SIGTERM/SIGINT and exits the process on the second.
+// Only `shardstream serve` installs these (the embedded server in a trainer does not): exiting is
+// what its operator asked for with the second signal.
+#[expect(clippy::exit, reason = "the daemon's second signal means exit now")]
 pub fn install_signal_handlers(token: CancellationToken) {
     tokio::spawn(async move {
         let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {

@@ -127,7 +127,7 @@ pub fn clear_stale(path: &Path, ty: SocketType) -> Result<()> {
 /// An existing directory is used as it is (the operator's, kubelet's or systemd's).
 pub fn prepare_dir(path: &Path, access: &SocketAccess) -> Result<()> {
     let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
-    if dir.exists() {
+    if dir.try_exists().map_err(|e| Error::io("cannot check socket directory", dir, e))? {
         return Ok(());
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create socket directory", dir, e))?;
@@ -219,11 +219,11 @@ mod tests {
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o660);
         // Live: refused, and left alone.
         assert!(clear_stale(&path, SocketType::STREAM).is_err());
-        assert!(path.exists());
+        assert!(path.try_exists().unwrap());
         drop(fd);
         // Stale: removed.
         clear_stale(&path, SocketType::STREAM).unwrap();
-        assert!(!path.exists());
+        assert!(!path.try_exists().unwrap());
         std::fs::write(&path, b"keep").unwrap();
         let err = listen(&path, SocketType::STREAM, &access, 8).unwrap_err().to_string();
         assert!(err.contains(&path.display().to_string()), "{err}");

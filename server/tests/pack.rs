@@ -133,7 +133,7 @@ fn round_trip_through_manifest_sidecars_and_reader() {
     }
     assert!(summary.manifest.shards.len() > 5);
     assert_eq!(summary.manifest.fields, ["jpg", "json"]);
-    assert!(!dest.join("_shardstream/staging").exists());
+    assert!(!dest.join("_shardstream/staging").try_exists().unwrap());
     assert_eq!(summary.manifest.shards[0].name, "shard-000000.tar");
 }
 
@@ -258,7 +258,7 @@ fn resume_after_an_interruption_gives_identical_output() {
     let err = pack::pack(&base(&dest), &stop).unwrap_err().to_string();
     assert!(err.contains("--resume"), "{err}");
     // Nothing presented as complete: no manifest, no shard in DEST itself.
-    assert!(!dest.join("manifest.json").exists());
+    assert!(!dest.join("manifest.json").try_exists().unwrap());
     assert!(std::fs::read_dir(&dest).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().ends_with(".tar")));
     let staged = std::fs::read_dir(dest.join("_shardstream/staging")).unwrap().count();
     assert!(staged >= 3, "{staged} staged");
@@ -389,7 +389,7 @@ fn bad_inputs_in_a_walk_are_skipped_counted_or_fatal() {
     o.strict = true;
     let err = pack::pack(&o, &()).unwrap_err().to_string();
     assert!(err.contains("--strict") && expected.iter().any(|(_, p)| err.contains(p.as_str())), "{err}");
-    assert!(!strict_dest.join("manifest.json").exists());
+    assert!(!strict_dest.join("manifest.json").try_exists().unwrap());
 }
 
 #[test]
@@ -438,7 +438,7 @@ fn bad_entries_of_a_file_list() {
         let err = pack::pack(&o, &()).unwrap_err().to_string();
         let named = entry.trim_start_matches("./");
         assert!(err.contains(named) || err.contains("a/2.jpg"), "{entry}: {err}");
-        assert!(!dest.join("manifest.json").exists());
+        assert!(!dest.join("manifest.json").try_exists().unwrap());
     }
 
     // A file list read from a path, NUL-separated.
@@ -530,4 +530,38 @@ fn refusals_with_clear_messages() {
     assert_eq!(s.manifest.total_samples, 1);
     let s = pack::pack(&opts(&src, &inner), &()).unwrap();
     assert_eq!(s.manifest.total_samples, 1);
+}
+
+/// A journal whose fingerprint matches but whose last record says it ends past the packing order
+/// (a corrupted digit, a hand edit) must not steer the resume outside the order: the record is
+/// not trusted, its shard is packed again, and the output is the clean one.
+#[test]
+fn a_journal_record_past_the_end_of_the_order_is_not_trusted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    imagenet_tree(&src, 3, 20);
+    let clean = tmp.path().join("clean");
+    let mut o = opts(&src, &clean);
+    o.shard_size = 40 << 10;
+    pack::pack(&o, &()).unwrap();
+
+    let dest = tmp.path().join("dest");
+    let mut o = opts(&src, &dest);
+    o.shard_size = 40 << 10;
+    o.resume = true;
+    let s = pack::pack(&o, &()).unwrap();
+    assert!(s.manifest.shards.len() >= 2, "{}", s.manifest.shards.len());
+    let journal = dest.join("_shardstream/pack-journal.jsonl");
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    let last = lines.last_mut().unwrap();
+    let mut rec: serde_json::Value = serde_json::from_str(last).unwrap();
+    rec["end"] = serde_json::json!(1_000_000_000_000u64);
+    rec["files"] = serde_json::json!(u64::MAX);
+    *last = rec.to_string();
+    std::fs::write(&journal, lines.join("\n") + "\n").unwrap();
+
+    let s = pack::pack(&o, &()).unwrap();
+    assert_eq!(s.resumed_shards as usize, s.manifest.shards.len() - 1);
+    assert_eq!(tree_bytes(&dest), tree_bytes(&clean));
 }

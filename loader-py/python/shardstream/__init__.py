@@ -83,7 +83,7 @@ def _default_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Batch(dict):
+class Batch(dict[str, Any]):
     """One batch: ``"__key__"`` -> list of str, each field -> list of bytes-like objects.
 
     With the shared-memory transport the values are read-only memoryviews straight into the
@@ -99,6 +99,7 @@ class Batch(dict):
     """
 
     __slots__ = ("_native",)
+    _native: _native.Batch
 
     def release(self) -> None:
         native = getattr(self, "_native", None)
@@ -133,7 +134,7 @@ def _stack_fields(batch: dict[str, Any]) -> None:
                 f'collate="stack" needs equal-length {name!r} within a batch: sample {keys[i]!r} has '
                 f"{len(values[i])} bytes, sample {keys[0]!r} has {first}"
             )
-        record = lengths.pop() if lengths else 0
+        record = len(values[0]) if values else 0
         # One copy in C (join), read-only like the ring's arrays since it is over bytes.
         batch[name] = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), record)
 
@@ -219,7 +220,7 @@ class Loader:
         """Batches per rank per epoch (the same on every rank)."""
         if self._header:
             return int(self._header["batches_per_rank"])
-        n, w, b = self.info["num_samples"], self.world_size, self.batch_size
+        n, w, b = int(self.info["num_samples"]), self.world_size, self.batch_size
         if self.drop_last:
             return (n // w) // b
         per_rank = -(-n // w)  # ceil(n / w): the padding rule
@@ -345,7 +346,7 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Throughput so far: samples/s and bytes/s over the wall time spent iterating, and the
         time spent waiting for data (``wait_s``: the figure that shows a starving GPU)."""
-        s = dict(self._stats)
+        s: dict[str, Any] = dict(self._stats)
         if self._iter_started is not None:
             s["elapsed_s"] += time.perf_counter() - self._iter_started
         busy = max(s["elapsed_s"], 1e-9)

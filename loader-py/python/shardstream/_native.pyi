@@ -1,6 +1,23 @@
 """Type stubs of the native module (Rust, PyO3). Use the ``shardstream`` package API instead."""
 
-from typing import Any
+from typing import Any, Self, final
+
+__all__ = [
+    "Connection",
+    "Stream",
+    "Batch",
+    "Buffer",
+    "Region",
+    "Column",
+    "start_embedded_server",
+    "probe",
+    "cli_main",
+    "ShardstreamError",
+    "ShardError",
+    "__version__",
+    "DEFAULT_SOCKET",
+    "_panic_for_tests",
+]
 
 __version__: str
 DEFAULT_SOCKET: str
@@ -11,14 +28,22 @@ class ShardError(ShardstreamError):
     shard: str | None
     offset: int | None
 
+@final
 class Buffer:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...
 
+@final
+class Region:
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+
+@final
 class Column:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...
 
+@final
 class Batch:
     @property
     def index(self) -> int: ...
@@ -30,14 +55,16 @@ class Batch:
     def __len__(self) -> int: ...
     def to_dict(self, copy: bool = False) -> dict[str, list[Any]]: ...
 
+@final
 class Stream:
     @property
     def header(self) -> dict[str, Any]: ...
     def next_batch(self) -> Batch | None: ...
     def close(self) -> None: ...
 
+@final
 class Connection:
-    def __init__(self, address: str) -> None: ...
+    def __new__(cls, address: str) -> Self: ...
     @property
     def address(self) -> str: ...
     def open(self, url: str, cache: str = "auto") -> dict[str, Any]: ...

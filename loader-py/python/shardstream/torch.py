@@ -47,7 +47,7 @@ def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
     return batch
 
 
-class IterableDataset(torch.utils.data.IterableDataset):
+class IterableDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
     """One rank's share of a dataset as batches (dicts), split among DataLoader workers.
 
     Takes the same arguments as :class:`shardstream.Loader`. Call ``set_epoch`` before iterating a
@@ -118,7 +118,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
             yield from loader
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[dict[str, Any]]):
     """A ``torch.utils.data.DataLoader`` over a shardstream :class:`IterableDataset` that counts the
     batches it yields, so ``state_dict()`` / ``load_state_dict()`` resume exactly (also in a new
     process after a crash). ``batch_size`` is fixed to None: the daemon forms the batches."""
@@ -132,7 +132,9 @@ class DataLoader(torch.utils.data.DataLoader):
         self._ss_dataset = dataset
         self._consumed = 0
 
-    def __iter__(self) -> Iterator[Any]:
+    # A generator over the parent's iterator (it counts consumed batches), not the parent's
+    # iterator type: nothing calls the _BaseDataLoaderIter methods on a DataLoader's __iter__().
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self._ss_dataset
         self._consumed = ds.start_batch
         for batch in super().__iter__():

@@ -135,8 +135,19 @@ impl Manifest {
                 return bad(format!("shard {}: index path {idx:?} must stay inside the dataset", s.name));
             }
         }
-        if self.shards.iter().map(|s| s.samples).sum::<u64>() != self.total_samples {
-            return bad("total_samples is not the sum of the shards' samples".into());
+        // Checked: counts a file claims must not wrap around to match its own total.
+        let sum = |field: fn(&ManifestShard) -> u64| self.shards.iter().try_fold(0u64, |t, s| t.checked_add(field(s)));
+        match sum(|s| s.samples) {
+            None => return bad("the shards' sample counts overflow 64 bits".into()),
+            Some(n) if n != self.total_samples => {
+                return bad("total_samples is not the sum of the shards' samples".into());
+            }
+            Some(_) => {}
+        }
+        match sum(|s| s.bytes) {
+            None => return bad("the shards' sizes overflow 64 bits".into()),
+            Some(n) if n != self.total_bytes => return bad("total_bytes is not the sum of the shards' bytes".into()),
+            Some(_) => {}
         }
         Ok(())
     }
@@ -195,5 +206,39 @@ mod tests {
         m.total_samples = 4;
         assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_err());
         assert!(Manifest::parse(b"{not json", "x").is_err());
+    }
+
+    /// Found writing the `manifest` fuzz target: per-shard counts whose sum overflows u64 panicked in a
+    /// debug build and, in a release build, wrapped around to whatever `total_samples` claimed.
+    #[test]
+    fn counts_whose_sum_overflows_are_rejected_not_wrapped() {
+        let two = |field: fn(&mut ManifestShard) -> &mut u64| {
+            let mut m = sample();
+            let mut second = m.shards[0].clone();
+            second.name = "a-1.tar".into();
+            *field(&mut m.shards[0]) = u64::MAX;
+            *field(&mut second) = 2;
+            m.shards.push(second);
+            m
+        };
+        let mut m = two(|s| &mut s.samples);
+        m.total_samples = 1; // u64::MAX + 2, wrapped
+        m.total_bytes = 2 * 10240;
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("sample counts overflow"), "{err}");
+
+        let mut m = two(|s| &mut s.bytes);
+        m.total_samples = 6;
+        m.total_bytes = 1;
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("sizes overflow"), "{err}");
+    }
+
+    #[test]
+    fn total_bytes_must_be_the_sum_of_the_shards() {
+        let mut m = sample();
+        m.total_bytes += 1;
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("total_bytes"), "{err}");
     }
 }

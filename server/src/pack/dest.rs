@@ -160,7 +160,10 @@ impl Destination {
     /// True when the destination holds a manifest (a complete dataset).
     pub fn has_manifest(&self) -> Result<bool> {
         match &self.kind {
-            Kind::Local { dir } => Ok(dir.join(MANIFEST_FILE).exists()),
+            Kind::Local { dir } => {
+                let path = dir.join(MANIFEST_FILE);
+                path.try_exists().map_err(|e| Error::io("cannot inspect", &path, e))
+            }
             Kind::S3 { store, bucket, prefix, .. } => {
                 let key = format!("{prefix}{MANIFEST_FILE}");
                 Ok(store.block_on(store.object_size(bucket, &key))?.is_some())

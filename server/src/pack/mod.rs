@@ -389,7 +389,13 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
     let sink = dest.sink(opts.upload)?;
     sink.remove_manifest()?;
     let with_sidecar = opts.format == ShardFormat::Webdataset;
-    let kept: Vec<ShardRecord> = kept.into_iter().take_while(|r| sink.has_shard(r, with_sidecar)).collect();
+    // A record past the end of the order is corrupt (the fingerprint matched, the numbers did
+    // not): it and what follows are packed again.
+    let kept: Vec<ShardRecord> = kept
+        .into_iter()
+        .take_while(|r| r.end <= order.len() as u64 && r.files <= catalog.num_files() as u64)
+        .take_while(|r| sink.has_shard(r, with_sidecar))
+        .collect();
     let mut journal = Journal::create(dest.journal_path(), &fingerprint, &kept)?;
 
     let total_files = catalog.num_files() as u64;

@@ -144,7 +144,7 @@ impl Sink for LocalSink {
     fn publish(&self, names: &[String], prefix: &str, ext: &str) -> Result<()> {
         for name in names {
             let staged = self.staging.join(name);
-            if staged.exists() {
+            if staged.try_exists().map_err(|e| Error::io("cannot inspect staged shard", &staged, e))? {
                 let target = self.dest.join(name);
                 std::fs::rename(&staged, &target).map_err(|e| Error::io("cannot publish shard", &staged, e))?;
             } else if !self.dest.join(name).is_file() {

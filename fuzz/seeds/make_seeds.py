@@ -1,0 +1,124 @@
+"""Writes the committed seed inputs of the fuzz targets (fuzz/seeds/<target>/), small and valid,
+so fuzzing starts from the structures the readers accept. Run from anywhere; rewrites the files.
+
+The TAR seeds are written by Python's tarfile (what webdataset reads and writes with), in the three
+header dialects the parser handles: ustar, GNU (long names) and PAX.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import tarfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def put(target: str, name: str, data: bytes) -> None:
+    d = HERE / target
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(data)
+
+
+def tar_bytes(members: list[tuple[str, bytes]], fmt: int) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            info.mtime = 0
+            tf.addfile(info, io.BytesIO(payload))
+    data = buf.getvalue()
+    # Keep the two zero blocks of the end marker, drop tarfile's padding to a 10 KiB record.
+    end = len(data.rstrip(b"\0"))
+    end = -(-end // 512) * 512 + 1024
+    return data[:end]
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def main() -> None:
+    wds = [("s/000.jpg", b"\xff\xd8jpeg"), ("s/000.cls", b"7"), ("s/001.jpg", b"\xff\xd8x" * 100), ("s/001.cls", b"3")]
+    put("tar_index", "ustar.tar", tar_bytes(wds, tarfile.USTAR_FORMAT))
+    long = [("d/" + "x" * 150 + "/k.seg.png", b"png"), ("d/" + "x" * 150 + "/k.JSON", b"{}")]
+    put("tar_index", "gnu_longname.tar", tar_bytes(long, tarfile.GNU_FORMAT))
+    put("tar_index", "pax.tar", tar_bytes(long + [("__dir__/meta", b"m"), ("a/b.txt", b"t")], tarfile.PAX_FORMAT))
+    put("tar_sample", "ustar.tar", tar_bytes(wds[:2], tarfile.USTAR_FORMAT)[:-1024])
+    put("tar_sample", "pax.tar", tar_bytes(long, tarfile.PAX_FORMAT)[:-1024])
+
+    # Sidecar body after the identity: fields, sample count, boundary deltas.
+    fields = [b"cls", b"jpg"]
+    body = varint(len(fields)) + b"".join(varint(len(f)) + f for f in fields)
+    body += varint(2) + varint(0) + varint(1536) + varint(1536)
+    put("sidecar", "two_samples.bin", body)
+    put("sidecar", "empty.bin", varint(0) + varint(0))
+
+    shards = [
+        {"name": "a-000000.tar", "bytes": 3072, "samples": 2, "crc32c": "0a1b2c3d"},
+        {"name": "a-000001.tar", "bytes": 2048, "samples": 1, "crc32c": "ffffffff", "index": "_shardstream/x.idx"},
+    ]
+    manifest = {
+        "format": "shardstream-manifest",
+        "version": 1,
+        "shard_format": "webdataset",
+        "checksum": "crc32c",
+        "created_by": "seed",
+        "total_samples": 3,
+        "total_bytes": 5120,
+        "fields": ["cls", "jpg"],
+        "shards": shards,
+    }
+    put("manifest", "two_shards.json", json.dumps(manifest, indent=1).encode())
+
+    def frame(kind: int, a: int, b: int, payload: bytes = b"") -> bytes:
+        return struct.pack("<4sHHQQ40s", b"SSHM", 1, kind, a, b, payload)
+
+    put("shm_frame", "hello.bin", frame(1, 0, 0, bytes(range(16))))
+    put("shm_frame", "shard_fd.bin", frame(3, 5, 1 << 20))
+    put("shm_frame", "error.bin", frame(5, 4, 0, "malformed frame é".encode()))
+
+    # A ring of two 4 KiB slots; slot 0 holds batch 3: 2 samples, fields of 4 and 1 bytes.
+    page = 4096
+    header = struct.pack("<4sHHIIQQQ24s", b"SRNG", 1, 64, 2, 0, page, page, 9, b"")
+    seg = bytearray(page * 3)
+    seg[:64] = header
+    n_fields, n_samples = 2, 2
+    cols = 64 + 32 * n_fields  # 128, already 64-aligned
+    slot = struct.pack("<4sHHQQQ32s", b"SSLT", n_fields, 0, 3, n_samples, 2 * 4 + 2 * 1, b"")
+    slot += struct.pack("<QQQQ", cols, 4, n_samples, 0) + struct.pack("<QQQQ", cols + 64, 1, n_samples, 0)
+    seg[page : page + len(slot)] = slot
+    seg[page + cols : page + cols + 8] = b"abcdefgh"
+    seg[page + cols + 64 : page + cols + 66] = b"xy"
+    put("ring", "two_slots.bin", bytes(seg))
+
+    header = {"journal": "shardstream-pack", "version": 1, "fingerprint": "0" * 32, "created_by": "seed"}
+    rec = {
+        "shard": 0,
+        "name": "s-000000.tar",
+        "first": 0,
+        "end": 3,
+        "bytes": 10240,
+        "samples": 3,
+        "files": 6,
+        "payload": 4000,
+        "crc32c": "0a1b2c3d",
+        "fields": ["cls", "jpg"],
+        "bad_inputs": 0,
+    }
+    rec2 = dict(rec, shard=1, name="s-000001.tar", first=3, end=5, samples=2)
+    lines = [json.dumps(header), json.dumps(rec), json.dumps(rec2), '{"shard": 2, "trunc']
+    put("journal", "two_shards.jsonl", "\n".join(lines).encode())
+
+
+if __name__ == "__main__":
+    main()

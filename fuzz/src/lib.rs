@@ -1,0 +1,160 @@
+//! The bodies of shardstream's fuzz targets: each takes arbitrary bytes, feeds them to one reader
+//! of untrusted input, and checks what must hold for every input, not only for well-formed ones:
+//!
+//! - no panic (a panic in the daemon on a bad shard or a bad client message is a bug: the daemon
+//!   answers with a named error instead);
+//! - no allocation out of proportion to the input (the fuzzers run with a malloc limit; the plain
+//!   `cargo test` runner in `server/tests/fuzz_targets.rs` counts the largest allocation);
+//! - what a reader accepts is self-consistent: every range it returns lies inside the input, and
+//!   what it accepted re-encodes to something it accepts again, unchanged.
+//!
+//! The same functions run under libFuzzer (`make fuzz`, `fuzz/fuzz_targets/*.rs`) and as ordinary
+//! tests over the committed seeds (`fuzz/seeds/<target>/`) plus generated inputs (`make test`), so
+//! a toolchain without libFuzzer support still exercises them.
+
+use std::io::Cursor;
+
+use shardstream::format::{sidecar, tar};
+use shardstream::index::manifest::Manifest;
+use shardstream::pack::journal;
+use shardstream_proto::ring::{self, RingHeader, SLOT_HEADER_BYTES};
+use shardstream_proto::shm::{FRAME_BYTES, Frame};
+
+/// A target's body: panics on a finding.
+pub type Target = fn(&[u8]);
+
+/// The targets, by name (the names of `fuzz/fuzz_targets/*.rs` and `fuzz/seeds/*/`).
+pub const TARGETS: &[(&str, Target)] = &[
+    ("tar_index", tar_index),
+    ("tar_sample", tar_sample),
+    ("sidecar", sidecar),
+    ("manifest", manifest),
+    ("shm_frame", shm_frame),
+    ("ring", ring),
+    ("journal", journal),
+];
+
+/// `index_tar` over a whole shard; every sample it finds must then parse with `parse_sample` (the
+/// daemon indexes a shard once and parses each sample when it serves it: a shard that indexes but
+/// whose samples do not parse fails mid-epoch).
+pub fn tar_index(data: &[u8]) {
+    let Ok(index) = tar::index_tar(Cursor::new(data), data.len() as u64) else { return };
+    assert!(index.fits_shard(data.len() as u64), "index does not fit its shard: {index:?}");
+    assert!(index.boundaries.windows(2).all(|w| w[0] <= w[1]), "boundaries go back: {index:?}");
+    for i in 0..index.num_samples() {
+        let r = index.sample_range(i).expect("a sample below num_samples has a range");
+        let buf = &data[r.start as usize..r.end as usize];
+        match tar::parse_sample(buf) {
+            Ok(view) => check_view(&view, buf.len()),
+            Err(e) => panic!("sample {i} ({r:?}) was indexed but does not parse: {e}"),
+        }
+    }
+    // A shorter shard_len than the data (the listing's size is what bounds reads) must not read past it.
+    let half = data.len() as u64 / 2;
+    if let Ok(index) = tar::index_tar(Cursor::new(data), half) {
+        assert!(index.fits_shard(half), "index past shard_len {half}: {index:?}");
+    }
+}
+
+/// `parse_sample` over one sample's bytes (as read by the daemon for every delivered sample).
+pub fn tar_sample(data: &[u8]) {
+    if let Ok(view) = tar::parse_sample(data) {
+        check_view(&view, data.len());
+    }
+}
+
+fn check_view(view: &tar::SampleView<'_>, len: usize) {
+    for m in &view.members {
+        assert!(m.data.start <= m.data.end && m.data.end <= len, "member {m:?} outside {len} bytes");
+    }
+}
+
+/// The identity the sidecar harness expects (any fixed bytes: the check is for equality).
+const IDENTITY: &[u8] = b"len=4096;crc32c=00000001";
+
+/// Sidecar decoding. The input is the body after the identity: the harness adds magic, version,
+/// identity and a valid CRC, so the fuzzer spends its time on the structure, not on the checksum.
+/// The raw input is decoded too (magic, version and CRC checks).
+pub fn sidecar(data: &[u8]) {
+    let _ = sidecar::decode(data, IDENTITY);
+    let mut file = sidecar::MAGIC.to_vec();
+    file.extend_from_slice(&sidecar::SIDECAR_VERSION.to_le_bytes());
+    file.push(IDENTITY.len() as u8); // a one-byte varint: IDENTITY is shorter than 128 bytes
+    file.extend_from_slice(IDENTITY);
+    file.extend_from_slice(data);
+    let crc = crc32c::crc32c(&file);
+    file.extend_from_slice(&crc.to_le_bytes());
+    if let Ok(Some(index)) = sidecar::decode(&file, IDENTITY) {
+        let again = sidecar::decode(&sidecar::encode(IDENTITY, &index), IDENTITY);
+        assert_eq!(again.ok().flatten().as_ref(), Some(&index), "a decoded sidecar does not round-trip");
+    }
+}
+
+/// `manifest.json` parsing and validation; an accepted manifest serialises to one that is accepted
+/// and equal.
+pub fn manifest(data: &[u8]) {
+    let Ok(m) = Manifest::parse(data, "fuzz") else { return };
+    let json = m.to_json().expect("an accepted manifest serialises");
+    let again = Manifest::parse(&json, "fuzz (re-serialised)").expect("a re-serialised manifest parses");
+    assert_eq!(again, m);
+}
+
+/// The pack journal (`_shardstream/pack-journal.jsonl`, read back from a local directory or a
+/// bucket to resume a pack): what it keeps is a contiguous run of shards from position 0, which
+/// is what the resume logic assumes.
+pub fn journal(data: &[u8]) {
+    let Ok(prior) = journal::parse(data, "fuzz") else { return };
+    let mut next = 0;
+    for (k, rec) in prior.shards.iter().enumerate() {
+        assert_eq!(rec.shard, k as u64);
+        assert_eq!(rec.first, next, "shard {k} does not start where the previous one ended");
+        assert!(rec.end >= rec.first);
+        next = rec.end;
+    }
+}
+
+/// Side-channel frames (what the client's receiver thread and the daemon's session read from the
+/// socket): decode, and an accepted frame encodes to the same bytes.
+pub fn shm_frame(data: &[u8]) {
+    let Ok(frame) = Frame::decode(data) else { return };
+    assert_eq!(data.len(), FRAME_BYTES);
+    assert_eq!(&frame.encode()[..], data);
+    let _ = frame.message();
+    let _ = frame.token();
+    // An error frame carries a prefix of its message, cut at a character boundary.
+    let text = String::from_utf8_lossy(data);
+    let sent = Frame::error(frame.a, &text).message();
+    assert!(text.contains('\0') || text.starts_with(&sent), "{sent:?} is not a prefix of {text:?}");
+}
+
+/// Packed-mode ring segments (mapped read-only by the client): the ring header, then every slot it
+/// describes (as many as fit the input), each checked with the slot's own batch index and field
+/// count so the checks past those two run. The input is also read as a lone slot.
+pub fn ring(data: &[u8]) {
+    read_slot_as_written(data, 0);
+    let Ok(header) = RingHeader::decode(data) else { return };
+    let segment = header.segment_bytes().expect("a decoded ring's geometry does not overflow");
+    assert!(segment <= data.len() as u64);
+    for k in 0..header.slot_count.min(64) {
+        let r = header.slot_range(k).expect("a slot below slot_count has a range");
+        assert!(r.end <= data.len(), "slot {k} ({r:?}) outside the segment of {} bytes", data.len());
+        read_slot_as_written(&data[r], k);
+    }
+    assert!(header.slot_range(header.slot_count).is_none());
+}
+
+fn read_slot_as_written(slot: &[u8], k: u32) {
+    let Some(head) = slot.get(..SLOT_HEADER_BYTES).and_then(|h| <&[u8; SLOT_HEADER_BYTES]>::try_from(h).ok()) else {
+        assert!(ring::read_slot(slot, k, 0, 0).is_err());
+        return;
+    };
+    let written = ring::SlotHeader::decode(head);
+    let n_fields = usize::from(written.n_fields);
+    if let Ok(view) = ring::read_slot(slot, k, written.batch_index, n_fields) {
+        assert_eq!(view.fields.len(), n_fields);
+        for f in &view.fields {
+            let c = f.column().expect("an accepted column does not overflow");
+            assert!(c.end <= slot.len() as u64, "column {c:?} outside the slot of {} bytes", slot.len());
+        }
+    }
+}
