@@ -128,9 +128,10 @@ pub struct ServeArgs {
     /// batches a client may hold; the ring's memory is this many batches.
     #[arg(long, env = "SHARDSTREAM_RING_SLOTS", default_value_t = crate::transport::ring::RING_SLOTS, value_parser = limits::parse_ring_slots)]
     pub ring_slots: u32,
-    /// Shared memory, packed mode: ring memory all streams together may hold (e.g. 8GiB;
-    /// default a quarter of physical memory). A stream whose ring does not fit waits up to
-    /// 10 s, then fails with RESOURCE_EXHAUSTED ("packed ring budget exhausted").
+    /// Shared memory, packed mode: ring memory all streams together may hold (e.g. 8GiB; default
+    /// a quarter of physical memory or of the cgroup memory limit, whichever is smaller). A stream
+    /// whose ring does not fit waits up to 10 s, then fails with RESOURCE_EXHAUSTED ("packed ring
+    /// budget exhausted").
     #[arg(long, env = "SHARDSTREAM_PACKED_BUDGET", value_parser = crate::pack::cli::parse_size)]
     pub packed_budget: Option<u64>,
     /// Serve Prometheus metrics on HOST:PORT (GET /metrics).

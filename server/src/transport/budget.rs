@@ -27,9 +27,22 @@ const DEFAULT_FRACTION: u64 = 4;
 /// Budget when physical memory cannot be read.
 const FALLBACK_BUDGET: u64 = 8 << 30;
 
-/// The default `--packed-budget`: a quarter of physical memory.
+/// The default `--packed-budget`: a quarter of the memory the daemon may use, the smaller of
+/// physical memory and its cgroup's limit (a container's memory limit: a quarter of the node's
+/// memory could exceed it, and the kernel would kill the daemon instead of refusing a ring).
 pub fn default_budget() -> u64 {
-    physical_memory().map_or(FALLBACK_BUDGET, |m| (m / DEFAULT_FRACTION).max(1 << 20))
+    let physical = physical_memory();
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok().and_then(|s| parse_memory_max(&s));
+    let memory = match (physical, cgroup) {
+        (Some(p), Some(c)) => Some(p.min(c)),
+        (p, c) => p.or(c),
+    };
+    memory.map_or(FALLBACK_BUDGET, |m| (m / DEFAULT_FRACTION).max(1 << 20))
+}
+
+/// cgroup v2 `memory.max`: a byte count, or `max` (no limit).
+fn parse_memory_max(s: &str) -> Option<u64> {
+    s.trim().parse().ok()
 }
 
 fn physical_memory() -> Option<u64> {
@@ -149,6 +162,14 @@ impl Drop for Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cgroup_limit_is_read_and_max_means_none() {
+        assert_eq!(parse_memory_max("8589934592\n"), Some(8 << 30));
+        assert_eq!(parse_memory_max("max\n"), None);
+        assert_eq!(parse_memory_max(""), None);
+        assert!(default_budget() >= 1 << 20);
+    }
 
     fn never() -> bool {
         false
