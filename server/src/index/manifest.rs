@@ -16,7 +16,8 @@
 //!   "fields": ["cls", "jpg"],
 //!   "shards": [
 //!     {"name": "train-000000.tar", "bytes": 20971520, "samples": 1000,
-//!      "crc32c": "1a2b3c4d", "index": "_shardstream/train-000000.tar.idx"}
+//!      "crc32c": "1a2b3c4d", "index": "_shardstream/train-000000.tar.idx",
+//!      "max_sample": 417, "max_sample_bytes": 31744}
 //!   ]
 //! }
 //! ```
@@ -26,6 +27,10 @@
 //! - `crc32c` is the CRC-32C (Castagnoli) of the whole shard file as 8 lowercase hex digits: it is
 //!   computed at hardware speed (SSE4.2/ARMv8 CRC instructions, well above disk bandwidth) and is
 //!   what the daemon verifies every shard against before serving its first byte.
+//! - `max_sample` / `max_sample_bytes` (optional, together): the index within the shard of its
+//!   largest sample and the shard bytes it spans (TAR headers included). They let the daemon
+//!   refuse an inline stream that could not carry that sample when the stream opens, without
+//!   reading any shard's member table; without them that check happens when the shard is first read.
 //! - Readers refuse a manifest whose `version` is newer than [`MANIFEST_VERSION`] and ignore
 //!   fields they do not know (so version 1 readers can read additions that keep the meaning).
 
@@ -64,11 +69,56 @@ pub struct ManifestShard {
     pub crc32c: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<String>,
+    /// Index within the shard of its largest sample (see [`LargestInShard`]); absent in manifests
+    /// written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sample: Option<u64>,
+    /// Shard bytes (TAR headers included) that sample spans.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sample_bytes: Option<u64>,
+}
+
+/// A shard's largest sample as its manifest entry records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LargestInShard {
+    pub local: u64,
+    pub bytes: u64,
 }
 
 impl ManifestShard {
     pub fn crc(&self) -> Option<u32> {
         u32::from_str_radix(&self.crc32c, 16).ok()
+    }
+
+    /// The recorded largest sample, when both keys are there (validation refuses one alone).
+    pub fn largest(&self) -> Option<LargestInShard> {
+        Some(LargestInShard { local: self.max_sample?, bytes: self.max_sample_bytes? })
+    }
+
+    /// Records `largest` ((index, bytes), as [`TarIndex::largest_sample`] gives it).
+    ///
+    /// [`TarIndex::largest_sample`]: crate::format::tar::TarIndex::largest_sample
+    pub fn with_largest(mut self, largest: Option<(u64, u64)>) -> Self {
+        self.max_sample = largest.map(|l| l.0);
+        self.max_sample_bytes = largest.map(|l| l.1);
+        self
+    }
+
+    /// Why the recorded largest sample cannot be true of this shard, if it cannot.
+    fn largest_problem(&self) -> Option<String> {
+        match (self.max_sample, self.max_sample_bytes) {
+            (None, None) => None,
+            (Some(_), None) | (None, Some(_)) => Some("max_sample and max_sample_bytes must be given together".into()),
+            (Some(i), Some(b)) => {
+                if i >= self.samples {
+                    Some(format!("max_sample {i} is not below its {} samples", self.samples))
+                } else if b > self.bytes {
+                    Some(format!("max_sample_bytes {b} is more than its {} bytes", self.bytes))
+                } else {
+                    None
+                }
+            }
+        }
     }
 }
 
@@ -134,6 +184,9 @@ impl Manifest {
             {
                 return bad(format!("shard {}: index path {idx:?} must stay inside the dataset", s.name));
             }
+            if let Some(why) = s.largest_problem() {
+                return bad(format!("shard {}: {why}", s.name));
+            }
         }
         // Checked: counts a file claims must not wrap around to match its own total.
         let sum = |field: fn(&ManifestShard) -> u64| self.shards.iter().try_fold(0u64, |t, s| t.checked_add(field(s)));
@@ -177,6 +230,8 @@ mod tests {
                 samples: 3,
                 crc32c: "0000abcd".into(),
                 index: Some("_shardstream/a-0.tar.idx".into()),
+                max_sample: Some(2),
+                max_sample_bytes: Some(4096),
             }],
         )
     }
