@@ -899,6 +899,14 @@ mod tests {
 
     use super::*;
 
+    #[test]
+    fn largest_sample_is_the_first_of_the_largest() {
+        let index = |b: &[u64]| TarIndex { boundaries: b.to_vec(), fields: Vec::new() };
+        assert_eq!(index(&[]).largest_sample(), None);
+        assert_eq!(index(&[512]).largest_sample(), None);
+        assert_eq!(index(&[0, 1024, 3072, 4096, 6144]).largest_sample(), Some((1, 2048)));
+    }
+
     /// How a test member's header is written.
     #[derive(Clone, Copy, Debug)]
     enum Style {

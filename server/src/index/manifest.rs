@@ -269,6 +269,8 @@ mod tests {
     fn counts_whose_sum_overflows_are_rejected_not_wrapped() {
         let two = |field: fn(&mut ManifestShard) -> &mut u64| {
             let mut m = sample();
+            // Not what this test is about: a largest sample that the tiny counts could not hold.
+            m.shards[0] = m.shards[0].clone().with_largest(None);
             let mut second = m.shards[0].clone();
             second.name = "a-1.tar".into();
             *field(&mut m.shards[0]) = u64::MAX;
@@ -287,6 +289,47 @@ mod tests {
         m.total_bytes = 1;
         let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
         assert!(err.contains("sizes overflow"), "{err}");
+    }
+
+    #[test]
+    fn largest_sample_is_optional_and_checked_against_the_shard() {
+        // A manifest written before the keys existed stays valid, and says nothing.
+        let mut m = sample();
+        m.shards[0].max_sample = None;
+        m.shards[0].max_sample_bytes = None;
+        let json = String::from_utf8(serde_json::to_vec(&m).unwrap()).unwrap();
+        assert!(!json.contains("max_sample"), "{json}");
+        let read = Manifest::parse(json.as_bytes(), "x").unwrap();
+        assert_eq!(read.shards[0].largest(), None);
+        assert_eq!(
+            Manifest::parse(&sample().to_json().unwrap(), "x").unwrap().shards[0].largest(),
+            Some(LargestInShard { local: 2, bytes: 4096 })
+        );
+
+        let refused = |edit: fn(&mut ManifestShard)| {
+            let mut m = sample();
+            edit(&mut m.shards[0]);
+            Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string()
+        };
+        let err = refused(|s| s.max_sample_bytes = None);
+        assert!(err.contains("together"), "{err}");
+        let err = refused(|s| s.max_sample = None);
+        assert!(err.contains("together"), "{err}");
+        let err = refused(|s| s.max_sample = Some(3));
+        assert!(err.contains("max_sample 3 is not below its 3 samples"), "{err}");
+        let err = refused(|s| s.max_sample = Some(u64::MAX));
+        assert!(err.contains("not below"), "{err}");
+        let err = refused(|s| s.max_sample_bytes = Some(10241));
+        assert!(err.contains("max_sample_bytes 10241 is more than its 10240 bytes"), "{err}");
+        let err = refused(|s| {
+            s.samples = 0;
+            s.max_sample = Some(0);
+        });
+        assert!(err.contains("not below its 0 samples"), "{err}");
+        // The whole shard as one sample is possible (no trailer counted): accepted.
+        let mut m = sample();
+        m.shards[0].max_sample_bytes = Some(10240);
+        assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_ok());
     }
 
     #[test]
