@@ -30,7 +30,7 @@
 //! - `max_sample` / `max_sample_bytes` (optional, together): the index within the shard of its
 //!   largest sample and the shard bytes it spans (TAR headers included). They let the daemon
 //!   refuse an inline stream that could not carry that sample when the stream opens, without
-//!   reading any shard's member table; without them that check happens when the shard is first read.
+//!   reading any shard's member table; without them it happens as each batch is built.
 //! - Readers refuse a manifest whose `version` is newer than [`MANIFEST_VERSION`] and ignore
 //!   fields they do not know (so version 1 readers can read additions that keep the meaning).
 

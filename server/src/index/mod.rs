@@ -291,7 +291,7 @@ pub struct Dataset {
     /// The largest sample known when the dataset opens: of every shard when all were scanned, of
     /// the shards whose manifest entry records it (`max_sample`) otherwise. What the inline transport checks
     /// against its message limit before a stream starts. None from an older manifest: the check
-    /// then happens as each shard is first read (see `service::oversized_sample`).
+    /// then happens as each batch is built (`service::build_batch`).
     pub largest_sample: Option<LargestSample>,
 }
 
