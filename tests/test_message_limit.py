@@ -5,12 +5,16 @@ sample, instead of failing mid-epoch."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import webdataset as wds
 
 import shardstream
+from conftest import SHARDSTREAM
 
 MIB = 1 << 20
 # The daemon's inline message limit (shardstream_proto::MAX_MESSAGE_BYTES).
@@ -64,3 +68,59 @@ def test_inline_outlier_is_refused_at_open_naming_it(daemon, outlier: Path) -> N
         next(iter(loader))
     msg = str(err.value)
     assert "o-000003.tar" in msg and "sample" in msg and "shm" in msg, msg
+
+
+def _linked_copy(src: Path, dst: Path) -> Path:
+    """The shards of `src` hard-linked into `dst`: a dataset of its own (its own manifest) for
+    no extra disk."""
+    dst.mkdir()
+    for shard in sorted(src.glob("*.tar")):
+        os.link(shard, dst / shard.name)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def indexed_outlier(tmp_path_factory: pytest.TempPathFactory, outlier: Path) -> Path:
+    """The outlier dataset with a manifest written by `shardstream index`: shard tables are then
+    not scanned when the dataset opens."""
+    root = _linked_copy(outlier, tmp_path_factory.mktemp("indexed") / "ds")
+    subprocess.run([SHARDSTREAM, "index", str(root)], check=True, capture_output=True, timeout=300)
+    return root
+
+
+def test_inline_outlier_in_a_manifest_dataset_is_refused_at_open(daemon, indexed_outlier: Path) -> None:
+    manifest = json.loads((indexed_outlier / "manifest.json").read_text())
+    entry = next(s for s in manifest["shards"] if s["name"] == "o-000003.tar")
+    assert entry["max_sample"] == 0 and entry["max_sample_bytes"] > LIMIT, entry
+    loader = shardstream.Loader(
+        str(indexed_outlier), batch_size=64, shuffle=False, transport="inline", connect=daemon.addr
+    )
+    delivered = []
+    with pytest.raises(ValueError) as err:
+        for batch in loader:
+            delivered.append(batch)
+    assert delivered == [], "the stream started: the outlier was only found mid-epoch"
+    msg = str(err.value)
+    assert "o-000003.tar" in msg and "sample 0" in msg and "shm" in msg, msg
+
+
+def test_old_manifest_outlier_fails_mid_epoch_with_a_clear_error(daemon, tmp_path: Path, indexed_outlier: Path) -> None:
+    """A manifest written before the largest sample was recorded: the check happens when the
+    outlier's shard is first read, as a ValueError that names the sample and the way out."""
+    root = _linked_copy(indexed_outlier, tmp_path / "old")
+    (root / "_shardstream").mkdir()
+    for idx in (indexed_outlier / "_shardstream").iterdir():
+        os.link(idx, root / "_shardstream" / idx.name)
+    manifest = json.loads((indexed_outlier / "manifest.json").read_text())
+    for s in manifest["shards"]:
+        s.pop("max_sample", None)
+        s.pop("max_sample_bytes", None)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    loader = shardstream.Loader(str(root), batch_size=64, shuffle=False, transport="inline", connect=daemon.addr)
+    delivered = 0
+    with pytest.raises(ValueError) as err:
+        for _ in loader:
+            delivered += 1
+    assert delivered > 0, "expected the old manifest's stream to start"
+    msg = str(err.value)
+    assert "o-000003.tar" in msg and "shm" in msg, msg

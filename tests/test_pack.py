@@ -7,10 +7,12 @@ into a bucket of a real S3 server (s3s-fs), multipart uploads included."""
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import signal
 import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +116,27 @@ def test_read_back_with_webdataset_and_tar(imagenet, packed: Path) -> None:
         verbose = subprocess.run(["tar", "-tvf", shard], capture_output=True, text=True, check=True).stdout
         assert all(" 0/0 " in line and "2000-01-01 00:00" in line for line in verbose.splitlines())
     assert keys_in_order == sorted(expected), "default order is key order"
+
+
+def test_manifest_records_each_shards_largest_sample(packed: Path) -> None:
+    """`max_sample` / `max_sample_bytes` (what lets the daemon refuse an inline stream that cannot
+    carry a sample before it starts) agree with the shards as Python's tarfile reads them: a sample
+    spans from its first member's header to the next sample's, the last one to its padded end."""
+    manifest = json.loads((packed / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        starts: list[tuple[str, int]] = []
+        end = 0
+        with tarfile.open(packed / entry["name"]) as tf:
+            for m in tf:
+                key = m.name.split(".", 1)[0]
+                if not starts or starts[-1][0] != key:
+                    starts.append((key, m.offset))
+                end = m.offset_data + -(-m.size // 512) * 512
+        bounds = [o for _, o in starts] + [end]
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
+        assert len(sizes) == entry["samples"]
+        assert entry["max_sample_bytes"] == max(sizes), entry
+        assert entry["max_sample"] == sizes.index(max(sizes)), entry
 
 
 def test_parquet_read_by_pyarrow(imagenet, tmp_path: Path) -> None:

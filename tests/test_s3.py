@@ -6,7 +6,9 @@ and a cache disk that fills up."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -97,6 +99,18 @@ def test_index_writes_the_manifest_to_the_bucket_and_opening_costs_one_get(
 ) -> None:
     prefix = s3.root / "data/indexed"
     assert (prefix / "manifest.json").is_file() and len(list((prefix / "_shardstream").glob("*.idx"))) == 8
+    # Each shard's largest sample, as the S3 path records it, is what indexing a local copy records.
+    local = tmp_path / "local"
+    local.mkdir()
+    for shard in prefix.glob("*.tar"):
+        shutil.copyfile(shard, local / shard.name)
+    subprocess.run([SHARDSTREAM, "index", str(local)], check=True, capture_output=True, timeout=120)
+
+    def largest(manifest: Path) -> dict[str, tuple[int, int]]:
+        shards = json.loads(manifest.read_text())["shards"]
+        return {s["name"]: (s["max_sample"], s["max_sample_bytes"]) for s in shards}
+
+    assert largest(prefix / "manifest.json") == largest(local / "manifest.json")
     d = start_daemon(tmp_path, s3)
     try:
         info = shardstream._native.Connection(d.addr).open("s3://data/indexed/")

@@ -79,6 +79,10 @@ def main() -> None:
         "shards": shards,
     }
     put("manifest", "two_shards.json", json.dumps(manifest, indent=1).encode())
+    # Each shard's largest sample (optional keys, given together, checked against the shard).
+    shards[0] |= {"max_sample": 1, "max_sample_bytes": 2048}
+    shards[1] |= {"max_sample": 0, "max_sample_bytes": 1536}
+    put("manifest", "largest_sample.json", json.dumps(manifest, indent=1).encode())
 
     def frame(kind: int, a: int, b: int, payload: bytes = b"") -> bytes:
         return struct.pack("<4sHHQQ40s", b"SSHM", 1, kind, a, b, payload)

@@ -94,6 +94,13 @@ pub fn sidecar(data: &[u8]) {
 /// and equal.
 pub fn manifest(data: &[u8]) {
     let Ok(m) = Manifest::parse(data, "fuzz") else { return };
+    for s in &m.shards {
+        // What the daemon trusts before a stream opens: the recorded largest sample is in the shard.
+        if let Some(l) = s.largest() {
+            assert!(l.local < s.samples && l.bytes <= s.bytes, "{s:?}");
+        }
+        assert_eq!(s.largest().is_some(), s.max_sample.is_some() || s.max_sample_bytes.is_some(), "{s:?}");
+    }
     let json = m.to_json().expect("an accepted manifest serialises");
     let again = Manifest::parse(&json, "fuzz (re-serialised)").expect("a re-serialised manifest parses");
     assert_eq!(again, m);

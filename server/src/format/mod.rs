@@ -63,12 +63,7 @@ impl ShardTable {
     /// The sample spanning the most shard bytes: (index, bytes), None for an empty shard.
     pub fn largest_sample(&self) -> Option<(u64, u64)> {
         match self {
-            ShardTable::Tar(t) => t
-                .boundaries
-                .windows(2)
-                .enumerate()
-                .map(|(i, w)| (i as u64, w[1].saturating_sub(w[0])))
-                .max_by_key(|s| s.1),
+            ShardTable::Tar(t) => t.largest_sample(),
         }
     }
 

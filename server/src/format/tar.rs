@@ -175,6 +175,18 @@ impl TarIndex {
         self.boundaries.len().saturating_sub(1)
     }
 
+    /// The sample spanning the most shard bytes (headers included): (index, bytes), None for an
+    /// empty shard. The first of equals, so the manifest's `max_sample` is stable.
+    pub fn largest_sample(&self) -> Option<(u64, u64)> {
+        self.boundaries.windows(2).enumerate().map(|(i, w)| (i as u64, w[1].saturating_sub(w[0]))).fold(
+            None,
+            |best: Option<(u64, u64)>, s| match best {
+                Some(b) if b.1 >= s.1 => Some(b),
+                _ => Some(s),
+            },
+        )
+    }
+
     /// Shard byte range of sample `i`; None past the last sample.
     pub fn sample_range(&self, i: usize) -> Option<Range<u64>> {
         let end = *self.boundaries.get(i.checked_add(1)?)?;
@@ -886,6 +898,14 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn largest_sample_is_the_first_of_the_largest() {
+        let index = |b: &[u64]| TarIndex { boundaries: b.to_vec(), fields: Vec::new() };
+        assert_eq!(index(&[]).largest_sample(), None);
+        assert_eq!(index(&[512]).largest_sample(), None);
+        assert_eq!(index(&[0, 1024, 3072, 4096, 6144]).largest_sample(), Some((1, 2048)));
+    }
 
     /// How a test member's header is written.
     #[derive(Clone, Copy, Debug)]

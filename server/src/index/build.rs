@@ -146,7 +146,10 @@ fn describe(
         samples: index.num_samples() as u64,
         crc32c: format!("{crc:08x}"),
         index: Some(format!("{SIDECAR_DIR}/{sidecar_name}")),
-    };
+        max_sample: None,
+        max_sample_bytes: None,
+    }
+    .with_largest(index.largest_sample());
     Ok((entry, index.fields.clone()))
 }
 

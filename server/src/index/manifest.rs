@@ -16,7 +16,8 @@
 //!   "fields": ["cls", "jpg"],
 //!   "shards": [
 //!     {"name": "train-000000.tar", "bytes": 20971520, "samples": 1000,
-//!      "crc32c": "1a2b3c4d", "index": "_shardstream/train-000000.tar.idx"}
+//!      "crc32c": "1a2b3c4d", "index": "_shardstream/train-000000.tar.idx",
+//!      "max_sample": 417, "max_sample_bytes": 31744}
 //!   ]
 //! }
 //! ```
@@ -26,6 +27,10 @@
 //! - `crc32c` is the CRC-32C (Castagnoli) of the whole shard file as 8 lowercase hex digits: it is
 //!   computed at hardware speed (SSE4.2/ARMv8 CRC instructions, well above disk bandwidth) and is
 //!   what the daemon verifies every shard against before serving its first byte.
+//! - `max_sample` / `max_sample_bytes` (optional, together): the index within the shard of its
+//!   largest sample and the shard bytes it spans (TAR headers included). They let the daemon
+//!   refuse an inline stream that could not carry that sample when the stream opens, without
+//!   reading any shard's member table; without them it happens as each batch is built.
 //! - Readers refuse a manifest whose `version` is newer than [`MANIFEST_VERSION`] and ignore
 //!   fields they do not know (so version 1 readers can read additions that keep the meaning).
 
@@ -64,11 +69,56 @@ pub struct ManifestShard {
     pub crc32c: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<String>,
+    /// Index within the shard of its largest sample (see [`LargestInShard`]); absent in manifests
+    /// written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sample: Option<u64>,
+    /// Shard bytes (TAR headers included) that sample spans.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sample_bytes: Option<u64>,
+}
+
+/// A shard's largest sample as its manifest entry records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LargestInShard {
+    pub local: u64,
+    pub bytes: u64,
 }
 
 impl ManifestShard {
     pub fn crc(&self) -> Option<u32> {
         u32::from_str_radix(&self.crc32c, 16).ok()
+    }
+
+    /// The recorded largest sample, when both keys are there (validation refuses one alone).
+    pub fn largest(&self) -> Option<LargestInShard> {
+        Some(LargestInShard { local: self.max_sample?, bytes: self.max_sample_bytes? })
+    }
+
+    /// Records `largest` ((index, bytes), as [`TarIndex::largest_sample`] gives it).
+    ///
+    /// [`TarIndex::largest_sample`]: crate::format::tar::TarIndex::largest_sample
+    pub fn with_largest(mut self, largest: Option<(u64, u64)>) -> Self {
+        self.max_sample = largest.map(|l| l.0);
+        self.max_sample_bytes = largest.map(|l| l.1);
+        self
+    }
+
+    /// Why the recorded largest sample cannot be true of this shard, if it cannot.
+    fn largest_problem(&self) -> Option<String> {
+        match (self.max_sample, self.max_sample_bytes) {
+            (None, None) => None,
+            (Some(_), None) | (None, Some(_)) => Some("max_sample and max_sample_bytes must be given together".into()),
+            (Some(i), Some(b)) => {
+                if i >= self.samples {
+                    Some(format!("max_sample {i} is not below its {} samples", self.samples))
+                } else if b > self.bytes {
+                    Some(format!("max_sample_bytes {b} is more than its {} bytes", self.bytes))
+                } else {
+                    None
+                }
+            }
+        }
     }
 }
 
@@ -134,6 +184,9 @@ impl Manifest {
             {
                 return bad(format!("shard {}: index path {idx:?} must stay inside the dataset", s.name));
             }
+            if let Some(why) = s.largest_problem() {
+                return bad(format!("shard {}: {why}", s.name));
+            }
         }
         // Checked: counts a file claims must not wrap around to match its own total.
         let sum = |field: fn(&ManifestShard) -> u64| self.shards.iter().try_fold(0u64, |t, s| t.checked_add(field(s)));
@@ -177,6 +230,8 @@ mod tests {
                 samples: 3,
                 crc32c: "0000abcd".into(),
                 index: Some("_shardstream/a-0.tar.idx".into()),
+                max_sample: Some(2),
+                max_sample_bytes: Some(4096),
             }],
         )
     }
@@ -214,6 +269,8 @@ mod tests {
     fn counts_whose_sum_overflows_are_rejected_not_wrapped() {
         let two = |field: fn(&mut ManifestShard) -> &mut u64| {
             let mut m = sample();
+            // Not what this test is about: a largest sample that the tiny counts could not hold.
+            m.shards[0] = m.shards[0].clone().with_largest(None);
             let mut second = m.shards[0].clone();
             second.name = "a-1.tar".into();
             *field(&mut m.shards[0]) = u64::MAX;
@@ -232,6 +289,47 @@ mod tests {
         m.total_bytes = 1;
         let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
         assert!(err.contains("sizes overflow"), "{err}");
+    }
+
+    #[test]
+    fn largest_sample_is_optional_and_checked_against_the_shard() {
+        // A manifest written before the keys existed stays valid, and says nothing.
+        let mut m = sample();
+        m.shards[0].max_sample = None;
+        m.shards[0].max_sample_bytes = None;
+        let json = String::from_utf8(serde_json::to_vec(&m).unwrap()).unwrap();
+        assert!(!json.contains("max_sample"), "{json}");
+        let read = Manifest::parse(json.as_bytes(), "x").unwrap();
+        assert_eq!(read.shards[0].largest(), None);
+        assert_eq!(
+            Manifest::parse(&sample().to_json().unwrap(), "x").unwrap().shards[0].largest(),
+            Some(LargestInShard { local: 2, bytes: 4096 })
+        );
+
+        let refused = |edit: fn(&mut ManifestShard)| {
+            let mut m = sample();
+            edit(&mut m.shards[0]);
+            Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string()
+        };
+        let err = refused(|s| s.max_sample_bytes = None);
+        assert!(err.contains("together"), "{err}");
+        let err = refused(|s| s.max_sample = None);
+        assert!(err.contains("together"), "{err}");
+        let err = refused(|s| s.max_sample = Some(3));
+        assert!(err.contains("max_sample 3 is not below its 3 samples"), "{err}");
+        let err = refused(|s| s.max_sample = Some(u64::MAX));
+        assert!(err.contains("not below"), "{err}");
+        let err = refused(|s| s.max_sample_bytes = Some(10241));
+        assert!(err.contains("max_sample_bytes 10241 is more than its 10240 bytes"), "{err}");
+        let err = refused(|s| {
+            s.samples = 0;
+            s.max_sample = Some(0);
+        });
+        assert!(err.contains("not below its 0 samples"), "{err}");
+        // The whole shard as one sample is possible (no trailer counted): accepted.
+        let mut m = sample();
+        m.shards[0].max_sample_bytes = Some(10240);
+        assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_ok());
     }
 
     #[test]

@@ -96,6 +96,9 @@ pub struct ShardMeta {
     /// Content digest of a local shard opened without manifest ([`content_digest`]): stands in
     /// for the mtime in the fingerprint, so a copy of the dataset keeps its fingerprint.
     pub content: Option<u64>,
+    /// The shard's largest sample as its manifest entry records it (None without manifest, or
+    /// from a manifest written before it was recorded).
+    pub largest: Option<manifest::LargestInShard>,
 }
 
 impl ShardMeta {
@@ -285,8 +288,10 @@ pub struct Dataset {
     /// once, while loads of different shards proceed in parallel.
     load_locks: Vec<Mutex<()>>,
     verified: Vec<AtomicBool>,
-    /// The largest sample, when every shard was scanned at open (not from a manifest): what the
-    /// inline transport checks against its message limit before a stream starts.
+    /// The largest sample known when the dataset opens: of every shard when all were scanned, of
+    /// the shards whose manifest entry records it (`max_sample`) otherwise. What the inline transport checks
+    /// against its message limit before a stream starts. None from an older manifest: the check
+    /// then happens as each batch is built (`service::build_batch`).
     pub largest_sample: Option<LargestSample>,
 }
 
@@ -295,7 +300,8 @@ pub struct Dataset {
 pub struct LargestSample {
     pub shard: usize,
     pub local: u64,
-    pub offset: u64,
+    /// Where it starts in the shard; unknown (None) when it came from a manifest.
+    pub offset: Option<u64>,
     pub bytes: u64,
 }
 
@@ -327,7 +333,18 @@ impl Dataset {
             CacheMode::Copy => shards.iter().map(|m| crate::cache::key_for(&m.url(), &m.identity(), &m.name)).collect(),
         };
         if let Some(fields) = manifest_fields {
-            return Ok(Self::assemble(&url, mode, base, shards, fields, true, sidecar_cache, backends, keys));
+            // A shard whose entry does not record it (an older manifest, a resumed older pack) may
+            // hold a larger one: its samples are then checked as the shard is read.
+            let largest_sample = shards
+                .iter()
+                .enumerate()
+                .filter_map(|(shard, m)| {
+                    m.largest.map(|l| LargestSample { shard, local: l.local, offset: None, bytes: l.bytes })
+                })
+                .max_by_key(|s| s.bytes);
+            let mut ds = Self::assemble(&url, mode, base, shards, fields, true, sidecar_cache, backends, keys);
+            ds.largest_sample = largest_sample;
+            return Ok(ds);
         }
         let scanned = scan_all(&shards, &keys, &backends, sidecar_cache.as_deref())?;
         let mut fields = std::collections::BTreeSet::new();
@@ -343,7 +360,7 @@ impl Dataset {
             .enumerate()
             .filter_map(|(shard, t)| {
                 let (local, bytes) = t.largest_sample()?;
-                let offset = t.sample_range(local).map_or(0, |r| r.start);
+                let offset = t.sample_range(local).map(|r| r.start);
                 Some(LargestSample { shard, local, offset, bytes })
             })
             .max_by_key(|s| s.bytes);
@@ -639,6 +656,7 @@ impl Discovered {
                         mtime_ns: Some(l.mtime_ns),
                         sidecar: None,
                         content: None,
+                        largest: None,
                     })
                     .collect();
                 Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
@@ -668,6 +686,7 @@ impl Discovered {
                         mtime_ns: None,
                         sidecar: None,
                         content: None,
+                        largest: None,
                     })
                     .collect();
                 Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
@@ -696,6 +715,7 @@ impl Discovered {
                 Place::Bucket { .. } => None,
             },
             content: None,
+            largest: s.largest(),
         };
         let shards: Vec<ShardMeta> = match names {
             None => m.shards.iter().map(to_meta).collect(),
@@ -896,7 +916,17 @@ mod golden {
         crc32c: Option<u32>,
         mtime_ns: Option<i64>,
     ) -> ShardMeta {
-        ShardMeta { name: name.into(), source, len, samples, crc32c, mtime_ns, sidecar: None, content: None }
+        ShardMeta {
+            name: name.into(),
+            source,
+            len,
+            samples,
+            crc32c,
+            mtime_ns,
+            sidecar: None,
+            content: None,
+            largest: None,
+        }
     }
 
     fn shards() -> [ShardMeta; 3] {

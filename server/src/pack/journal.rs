@@ -56,6 +56,10 @@ pub struct ShardRecord {
     pub crc32c: String,
     pub fields: Vec<String>,
     pub bad_inputs: u64,
+    /// The shard's largest sample: (index, bytes), for the manifest. Absent in journals written
+    /// before it was recorded, and for Parquet shards.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub largest: Option<(u64, u64)>,
 }
 
 /// A journal read back: its fingerprint and its valid prefix of shard records.
@@ -202,6 +206,7 @@ mod tests {
             crc32c: "0000abcd".into(),
             fields: vec!["jpg".into()],
             bad_inputs: 0,
+            largest: None,
         }
     }
 

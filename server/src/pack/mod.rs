@@ -465,6 +465,7 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
                         crc32c: format!("{:08x}", shard.crc),
                         fields: shard.fields.clone(),
                         bad_inputs: shard.bad_inputs,
+                        largest: shard.tar_index.as_ref().and_then(|t| t.largest_sample()),
                     };
                     pending.push_back(rec);
                     let n = sink_ref.put_shard(shard)?;
@@ -520,7 +521,10 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
                 samples: r.samples,
                 crc32c: r.crc32c.clone(),
                 index: with_sidecar.then(|| format!("{SIDECAR_DIR}/{}.idx", r.name)),
+                max_sample: None,
+                max_sample_bytes: None,
             }
+            .with_largest(r.largest)
         })
         .collect();
     let manifest = Manifest::new(opts.format.manifest_name(), fields.into_iter().collect(), entries);

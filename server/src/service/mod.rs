@@ -24,7 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::index::{CacheMode, Dataset, Registry, Working};
+use crate::index::{CacheMode, Dataset, LargestSample, Registry, Working};
 use crate::metrics::{ActiveStream, Metrics};
 use crate::plan::{self, EpochParams, WorkerParams};
 use crate::prefetch::{ConsumerGuard, Prefetcher};
@@ -277,12 +277,7 @@ fn check_inline_fits(ds: &Dataset, batch: u64) -> Result<()> {
     if let Some(l) = ds.largest_sample
         && l.bytes > INLINE_PAYLOAD_LIMIT
     {
-        let shard = ds.shards.get(l.shard).map_or_else(|| format!("#{}", l.shard), |m| m.url());
-        return Err(Error::invalid(format!(
-            "sample {} of shard {shard} (at byte {}) is {} bytes, larger than the inline message limit of \
-             {limit_mib} MiB; read it over shared memory (transport=\"shm\", same host) or split the sample",
-            l.local, l.offset, l.bytes
-        )));
+        return Err(oversized_sample(ds, l));
     }
     let avg_sample = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
     if batch.saturating_mul(avg_sample) > INLINE_PAYLOAD_LIMIT / 2 {
@@ -292,6 +287,20 @@ fn check_inline_fits(ds: &Dataset, batch: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The error for sample `l`, too large for any inline message: it names the sample so it can be
+/// found, and the ways out.
+fn oversized_sample(ds: &Dataset, l: LargestSample) -> Error {
+    let shard = ds.shards.get(l.shard).map_or_else(|| format!("#{}", l.shard), |m| m.url());
+    let at = l.offset.map(|o| format!(" (at byte {o})")).unwrap_or_default();
+    Error::invalid(format!(
+        "sample {} of shard {shard}{at} is {} bytes, larger than the inline message limit of {} MiB; read it \
+         over shared memory (transport=\"shm\", same host) or split the sample",
+        l.local,
+        l.bytes,
+        shardstream_proto::MAX_MESSAGE_BYTES >> 20
+    ))
 }
 
 /// The open shard and local index of sample `id`. Consecutive samples of a batch mostly come from
@@ -330,6 +339,15 @@ fn build_batch(
     let mut current = None;
     for &id in ids {
         let (resident, local) = sample_of(ds, working, id, &mut current)?;
+        // The open-time check knows only the samples the manifest or the scan described (an older
+        // manifest records none): refuse an oversized one by name before reading its bytes.
+        if let Some(range) = resident.table.sample_range(local)
+            && range.end.saturating_sub(range.start) > INLINE_PAYLOAD_LIMIT
+            && let Some((shard, _)) = &current
+        {
+            let bytes = range.end - range.start;
+            return Err(oversized_sample(ds, LargestSample { shard: *shard, local, offset: Some(range.start), bytes }));
+        }
         b.add_sample(&resident, local)?;
     }
     let bytes = b.payload_bytes();
