@@ -104,8 +104,9 @@ bound fails instead of writing this file.
 
 - **SIGKILL + resume**: a consumer streams random epochs (inline or shm transport, chosen at
   random) while the daemon is SIGKILLed 0-30 ms after a random batch (or right after the stream is
-  opened); the daemon is restarted on the same socket and cache, and the consumer resumes from its
-  last `state_dict()`. Every key of every epoch is counted: 0 lost and 0 repeated are asserted.
+  opened); the consumer must see `ConnectionError` (any other error fails the run), the daemon is
+  restarted on the same socket and cache, and the consumer resumes from its last `state_dict()`.
+  Every key of every epoch is counted: 0 lost and 0 repeated are asserted.
 - **S3 faults**: `tests/chaos/proxy.py` forwards to the real s3s-fs server and spoils 10% of the
   requests: connection reset, `503 SlowDown`, a body cut halfway, or a body with one byte inverted.
   Each round is a fresh daemon (empty cache, 256 KiB GET parts) reading one dataset with a manifest
@@ -142,9 +143,6 @@ Open (reported, not fixed here):
   inline for that reason.
 - A cache (or disk) smaller than a stream's working set (the shards its shuffle window pins,
   about 3 x window + 2) also waits 60 s before the named error, instead of failing at once.
-- A SIGKILLed daemon surfaces in the client as `ShardstreamError: Unknown: h2 protocol error`
-  rather than `ConnectionError` (issue 13, defect 1); the kill scenario accepts any error while the
-  daemon is dead, and resumes.
 """
 
 

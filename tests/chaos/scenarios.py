@@ -182,6 +182,9 @@ def kills(tmp: Path, root: Path, samples: Samples, n_kills: int, seed: int = 0, 
                 # epoch was already on its way (the client reads ahead): nothing to resume.
                 done += 1
                 failed = isinstance(out, BaseException)
+                if failed and not isinstance(out, ConnectionError):
+                    # The documented error for a daemon that went away (issue 13, defect 1).
+                    raise AssertionError(f"a killed daemon must surface as ConnectionError, not {out!r}") from out
                 kinds["stream broken, resumed" if failed else "rest of the epoch already sent"] += 1
                 d = Daemon(tmp / "daemon").start()
                 if failed and e.received < batches:
