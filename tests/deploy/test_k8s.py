@@ -109,6 +109,18 @@ def test_daemonset_follows_the_rules(target: str) -> None:
     assert only(docs, "ServiceAccount")["automountServiceAccountToken"] is False
 
 
+SIZE_KEYS = {"cache-size", "packed-budget", "s3-part-size"}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40})
+
+
+def size_bytes(v: object) -> int:
+    """A size as the daemon's parser reads it: a byte count, or a number with a unit (2GiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(v))
+    assert m, f"not a size: {v!r}"
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
 @pytest.mark.parametrize("target", ["base", "overlays/example-site"])
 def test_shipped_config_is_accepted_by_the_daemon(target: str, tmp_path: Path) -> None:
     """The ConfigMap's TOML passes the daemon's own checks (keys, values, allow list)."""
@@ -127,8 +139,11 @@ def test_shipped_config_is_accepted_by_the_daemon(target: str, tmp_path: Path) -
     effective = tomllib.loads(r.stdout)
     shipped = tomllib.loads(cm["data"]["shardstream.toml"])
     for key, value in shipped.items():
-        if key != "allow":
-            assert str(effective[key]) == str(value) or key == "cache-size", (key, effective[key], value)
+        if key in SIZE_KEYS:
+            # --print-config shows sizes in bytes; the file may use units.
+            assert size_bytes(effective[key]) == size_bytes(value), (key, effective[key], value)
+        elif key != "allow":
+            assert str(effective[key]) == str(value), (key, effective[key], value)
     assert effective.get("allow", []) == shipped.get("allow", [])
 
 
