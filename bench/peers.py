@@ -133,6 +133,15 @@ def shardstream_inline(data: Path, workers: int, addr: str) -> Iterator[Payloads
     return shardstream(data, workers, addr, transport="inline")
 
 
+def shardstream_mapped(data: Path, workers: int, addr: str) -> Iterator[Payloads]:
+    """shardstream with SHARDSTREAM_MAP_IN_PLACE=1: the trainer vouches that the shards do not
+    change, so shards read in place are mapped (zero-copy) instead of read into a buffer."""
+    import os
+
+    os.environ["SHARDSTREAM_MAP_IN_PLACE"] = "1"  # read at the first shard; workers inherit it
+    return shardstream(data, workers, addr)
+
+
 # reader -> (dataset format it reads, how to build it, modules imported before the clock starts)
 READERS: dict[str, tuple[str, Make, tuple[str, ...]]] = {
     "torch-files": ("raw", torch_files, ()),
@@ -146,10 +155,17 @@ READERS: dict[str, tuple[str, Make, tuple[str, ...]]] = {
     # shards verified. The rows above include that one-time work of a fresh daemon.
     "shardstream-warm": ("wds", shardstream, ("shardstream", "shardstream.torch")),
     "shardstream-inline-warm": ("wds", shardstream_inline, ("shardstream", "shardstream.torch")),
+    # Warm, with the trainer vouching that the shards read in place never change (a read-only
+    # snapshot): mapped zero-copy instead of the default's one pread per sample into a buffer.
+    "shardstream-mapped-warm": ("wds", shardstream_mapped, ("shardstream", "shardstream.torch")),
 }
 
 # Readers whose daemon the harness warms with one untimed epoch before the measured one.
-WARM_DAEMON = {"shardstream-warm": "shardstream", "shardstream-inline-warm": "shardstream-inline"}
+WARM_DAEMON = {
+    "shardstream-warm": "shardstream",
+    "shardstream-inline-warm": "shardstream-inline",
+    "shardstream-mapped-warm": "shardstream",
+}
 
 
 def cpu_self() -> float:

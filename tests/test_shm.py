@@ -47,6 +47,41 @@ def test_default_is_shm_with_identical_bytes(daemon, dataset, cache: str) -> Non
         batch["jpg"][0][0] = 1  # read-only: a client can never write into a shard
 
 
+MAP_IN_PLACE_TRAINER = textwrap.dedent(
+    """
+    import hashlib, json, sys, shardstream
+    loader = shardstream.Loader(sys.argv[1], batch_size=64, seed=4, connect=sys.argv[2])
+    kinds, digests = set(), {}
+    for batch in loader:
+        for key, v in zip(batch["__key__"], batch["jpg"]):
+            kinds.add(type(v.obj).__name__)
+            digests[key] = hashlib.sha256(v).hexdigest()
+    print(json.dumps({"kinds": sorted(kinds), "digests": digests}))
+    """
+)
+
+
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_map_in_place_when_the_trainer_vouches(daemon, dataset, value: str) -> None:
+    """SHARDSTREAM_MAP_IN_PLACE=1 (read once per process, hence a subprocess): shards read in place
+    are mapped, zero-copy, like node-cache copies; any other value keeps the safe buffered reads."""
+    import hashlib
+    import json
+
+    root, samples = dataset
+    r = subprocess.run(
+        [sys.executable, "-c", MAP_IN_PLACE_TRAINER, str(root), daemon.addr],
+        env={**os.environ, "SHARDSTREAM_MAP_IN_PLACE": value},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["kinds"] == (["Region"] if value == "1" else ["Buffer"])
+    assert out["digests"] == {k: hashlib.sha256(f["jpg"]).hexdigest() for k, f in samples.items()}
+
+
 def test_inline_on_request(daemon, dataset) -> None:
     root, samples = dataset
     loader = shardstream.Loader(str(root), batch_size=64, transport="inline", connect=daemon.addr)

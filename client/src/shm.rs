@@ -11,6 +11,8 @@
 //! by anyone at any time, and touching a mapping past the new end of file is SIGBUS, which kills
 //! the trainer: the daemon marks those shards `SHARD_MUTABLE`, and they are read with `pread`
 //! instead ([`Mapping::read_at`]), so a truncation is a [`ClientError::Shard`] naming the file.
+//! Unless the trainer vouches otherwise ([`map_in_place`], `SHARDSTREAM_MAP_IN_PLACE=1`): then
+//! those are mapped too, zero-copy, and a truncation is the trainer's SIGBUS.
 //! Ring segments are memfds whose seals are checked ([`check_ring_seals`]) before they are mapped.
 
 use std::collections::HashMap;
@@ -282,14 +284,16 @@ impl Inner {
         }
         let map = if len == 0 {
             Mapping { map: None, file: None, name }
-        } else if mutable {
+        } else if mutable && !map_in_place() {
             Mapping { map: None, file: Some(file), name }
         } else {
             // Populated here, on the receiver thread: the page tables are filled in one pass,
             // ahead of the batches that use the shard, instead of one page fault after another on
             // the trainer's thread while it reads the samples.
-            // SAFETY: a read-only shared mapping of a file opened read-only by the daemon; see the
-            // module docs for why its length does not change while mapped.
+            // SAFETY: a read-only shared mapping of a file opened read-only by the daemon; its
+            // length does not change while mapped: a node-cache copy is never truncated while
+            // leased, and a shard read in place is mapped only when the trainer vouched that it
+            // does not change (`map_in_place`; see the module docs).
             let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) };
             Mapping { map: Some(map.map_err(|e| format!("cannot map shard {name}: {e}"))?), file: None, name }
         };
@@ -391,6 +395,16 @@ fn recv(sock: &impl AsFd) -> std::io::Result<(Option<Vec<u8>>, Vec<OwnedFd>)> {
         return Ok((None, fds));
     }
     Ok((Some(buf[..r.bytes].to_vec()), fds))
+}
+
+/// `SHARDSTREAM_MAP_IN_PLACE=1` in the trainer's environment: the trainer vouches that the shards
+/// of datasets read in place never change while it trains (a read-only snapshot, a dataset nobody
+/// rewrites), so they are mapped like node-cache copies, zero-copy, instead of read into a buffer
+/// per batch. The price of being wrong is the one the safe default avoids: a shard truncated while
+/// mapped kills the process with SIGBUS. Read once per process (DataLoader workers inherit it).
+fn map_in_place() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("SHARDSTREAM_MAP_IN_PLACE").is_some_and(|v| v == "1"))
 }
 
 #[cfg(test)]
