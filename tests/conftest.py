@@ -81,8 +81,14 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}")
+            # The socket accepts connections as soon as it is bound, before the daemon has opened
+            # its node cache (which clears partial downloads) and serves: wait for an answer.
             if shardstream._native.probe(self.addr):
-                return self
+                try:
+                    shardstream._native.Connection(self.addr).status()
+                    return self
+                except ConnectionError:
+                    pass
             time.sleep(0.02)
         raise RuntimeError("daemon did not start within 30 s")
 
