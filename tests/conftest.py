@@ -8,13 +8,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import webdataset as wds
+from s3server import S3Server
 
 import shardstream
 
@@ -50,6 +52,27 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def within(deadline: float, f: Callable[[], object]) -> object:
+    """Runs `f` on a thread: its result, or the exception it raised (for the caller to judge).
+    Fails if it outlives `deadline` seconds: a hang is a failure, never a stuck test run."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(f())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller to judge
+            # Without its traceback: the frames (and the Loader in them) are freed on this thread,
+            # which made them, not on the thread that inspects the error.
+            out.append(e.with_traceback(None))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(deadline)
+    if t.is_alive():
+        raise AssertionError(f"hung: no result and no error within {deadline} s")
+    return out[0]
 
 
 class Daemon:
@@ -114,6 +137,14 @@ class Daemon:
                 self.proc.wait()
                 raise
         return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3-compatible server (s3s-fs) on 127.0.0.1, one per test module."""
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

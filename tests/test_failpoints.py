@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import webdataset as wds
 from s3server import S3Server
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, write_dataset
+from conftest import SHARDSTREAM, Daemon, within, write_dataset
 
 Samples = dict[str, dict[str, bytes]]
 
@@ -33,13 +31,6 @@ def fail_bin() -> str:
         path = built.stdout.strip()
     assert os.access(path, os.X_OK), f"failpoint build {path!r} is not executable"
     return path
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -83,25 +74,6 @@ def epoch(addr: str, url: str, **kw) -> Samples:
     return got
 
 
-def within(f: Callable[[], object], deadline: float = DEADLINE) -> object:
-    """Runs `f` on a thread: its result, or the exception it raised. Fails if it outlives `deadline`."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(f())
-        except BaseException as e:  # noqa: BLE001 - the test inspects whatever came out
-            # Without its traceback: the frames (and the Loader in them) are freed on this thread,
-            # which made them, not on the thread that inspects the error.
-            out.append(e.with_traceback(None))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(deadline)
-    assert not t.is_alive(), f"hung: no result and no error within {deadline} s"
-    return out[0]
-
-
 def stop(d: Daemon) -> None:
     assert d.stop() == 0, "the daemon did not shut down cleanly after the fault"
 
@@ -109,7 +81,7 @@ def stop(d: Daemon) -> None:
 def test_failpoint_local_read_error_fails_the_stream_naming_the_shard(tmp_path, fail_bin, local) -> None:
     root, _ = local
     d = start(tmp_path, fail_bin, "local-read=3*off->return(EIO)")
-    got = within(lambda: epoch(d.addr, str(root), transport="inline"))
+    got = within(DEADLINE, lambda: epoch(d.addr, str(root), transport="inline"))
     assert isinstance(got, (OSError, shardstream.ShardstreamError)), got
     assert "cannot read shard" in str(got) and str(root) in str(got) and ".tar" in str(got), got
     stop(d)
@@ -117,7 +89,7 @@ def test_failpoint_local_read_error_fails_the_stream_naming_the_shard(tmp_path, 
 
 def test_failpoint_s3_body_breaks_are_resumed_with_identical_bytes(tmp_path, fail_bin, s3, remote) -> None:
     d = start(tmp_path, fail_bin, "s3-get-body=25%return", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fpts/plain/"))
+    got = within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/plain/"))
     assert got == remote
     assert d.status()["storage_retries"] > 0, "no body broke: the failpoint did not fire"
     stop(d)
@@ -125,11 +97,11 @@ def test_failpoint_s3_body_breaks_are_resumed_with_identical_bytes(tmp_path, fai
 
 def test_failpoint_s3_wrong_bytes_are_caught_by_the_manifest_crc(tmp_path, fail_bin, s3, indexed) -> None:
     d = start(tmp_path, fail_bin, "s3-get-corrupt=2*return", env=s3.env())
-    assert within(lambda: epoch(d.addr, "s3://fpts/indexed/")) == indexed
+    assert within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/indexed/")) == indexed
     stop(d)
     # Every fetch corrupt: a named shard error, not wrong bytes.
     d = start(tmp_path / "always", fail_bin, "s3-get-corrupt=return", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fpts/indexed/"))
+    got = within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/indexed/"))
     assert isinstance(got, shardstream.ShardError), got
     assert got.shard.startswith("s3://fpts/indexed/") and "crc32c" in str(got), got
     stop(d)
@@ -139,18 +111,18 @@ def test_failpoint_s3_wrong_bytes_without_a_manifest_are_never_served(tmp_path, 
     # No manifest, so no CRC to check: the ETag (the MD5 of a single-part object) is what catches
     # a body whose bytes changed in transit.
     d = start(tmp_path, fail_bin, "s3-get-corrupt=2*return", env=s3.env())
-    assert within(lambda: epoch(d.addr, "s3://fpts/plain/")) == remote
+    assert within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/plain/")) == remote
     stop(d)
 
 
 def test_failpoint_cache_disk_full_is_absorbed_or_named(tmp_path, fail_bin, s3, remote) -> None:
     # The disk fills twice: the cache lowers its capacity, evicts, and fills again.
     d = start(tmp_path, fail_bin, "cache-fill=2*return(ENOSPC)", env=s3.env())
-    assert within(lambda: epoch(d.addr, "s3://fpts/plain/")) == remote
+    assert within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/plain/")) == remote
     stop(d)
     # The disk stays full: a named error naming the cache directory.
     d = start(tmp_path / "full", fail_bin, "cache-fill=return(ENOSPC)", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fpts/plain/"))
+    got = within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/plain/"))
     assert isinstance(got, shardstream.ShardstreamError), got
     assert "ran out of disk space" in str(got) and str(d.cache_dir) in str(got), got
     stop(d)
@@ -158,7 +130,7 @@ def test_failpoint_cache_disk_full_is_absorbed_or_named(tmp_path, fail_bin, s3, 
 
 def test_failpoint_cache_fsync_error_is_named(tmp_path, fail_bin, s3, remote) -> None:
     d = start(tmp_path, fail_bin, "cache-fsync=return(EIO)", env=s3.env())
-    got = within(lambda: epoch(d.addr, "s3://fpts/plain/"))
+    got = within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/plain/"))
     assert isinstance(got, (OSError, shardstream.ShardstreamError)), got
     assert "cannot sync cache file" in str(got), got
     stop(d)
@@ -167,24 +139,24 @@ def test_failpoint_cache_fsync_error_is_named(tmp_path, fail_bin, s3, remote) ->
 def test_failpoint_sidecar_write_failure_only_costs_a_rescan(tmp_path, fail_bin, local) -> None:
     root, samples = local
     d = start(tmp_path, fail_bin, "sidecar-write=return(ENOSPC)")
-    assert within(lambda: epoch(d.addr, str(root))) == samples
+    assert within(DEADLINE, lambda: epoch(d.addr, str(root))) == samples
     stop(d)
 
 
 def test_failpoint_shm_send_failure_is_an_error_not_a_hang(tmp_path, fail_bin, local) -> None:
     root, samples = local
     d = start(tmp_path, fail_bin, "shm-send=return(EPIPE)")
-    got = within(lambda: epoch(d.addr, str(root), transport="shm"))
+    got = within(DEADLINE, lambda: epoch(d.addr, str(root), transport="shm"))
     assert isinstance(got, (OSError, shardstream.ShardstreamError)), got
     # The daemon is unharmed: the inline transport (no side channel) still serves every sample.
-    assert within(lambda: epoch(d.addr, str(root), transport="inline")) == samples
+    assert within(DEADLINE, lambda: epoch(d.addr, str(root), transport="inline")) == samples
     stop(d)
 
 
 def test_failpoint_a_lost_batch_is_reported_not_a_short_epoch(tmp_path, fail_bin, local) -> None:
     root, _ = local
     d = start(tmp_path, fail_bin, "stream-send=3*off->1*return")
-    got = within(lambda: epoch(d.addr, str(root), transport="inline"))
+    got = within(DEADLINE, lambda: epoch(d.addr, str(root), transport="inline"))
     assert isinstance(got, (OSError, shardstream.ShardstreamError)), f"a short epoch passed as complete: {got!r}"
     assert "stream ended after 3 of" in str(got), got
     stop(d)
@@ -206,9 +178,9 @@ def test_failpoint_packed_gather_failure_frees_its_ring_slot(tmp_path, fail_bin)
             keys.extend(batch["__key__"])
         return keys
 
-    got = within(packed_keys)
+    got = within(DEADLINE, packed_keys)
     assert isinstance(got, shardstream.ShardstreamError) and "packed-gather" in str(got), got
     # The failed batch's slot was given back: a second packed stream of the same daemon runs to the end.
-    keys = within(packed_keys)
+    keys = within(DEADLINE, packed_keys)
     assert isinstance(keys, list) and sorted(keys) == [f"t{i:05d}" for i in range(400)], keys
     stop(d)

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -293,13 +292,6 @@ def test_files_from_refuses_symlinked_directory_leaving_src(tmp_path: Path) -> N
     p = pack(src, "--output", strict, "--files-from", lst, "--strict", check=False)
     assert p.returncode == 1 and "a/x.jpg" in p.stderr, p.stderr
     assert not (strict / "manifest.json").exists()
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3")).start()
-    yield server
-    server.stop()
 
 
 def s3_env(s3: S3Server, home: Path) -> dict[str, str]:

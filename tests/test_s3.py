@@ -13,7 +13,6 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +24,6 @@ import shardstream
 from conftest import SHARDSTREAM, Daemon, write_dataset
 
 Samples = dict[str, dict[str, bytes]]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -366,9 +366,9 @@ fn shm_dict<'py>(
     }
     // (slot, mapping, memoryview over its region): batches draw on a few shards, so a short list.
     let mut regions: Vec<(u32, Arc<Mapping>, Option<Bound<'py, PyAny>>)> = Vec::new();
-    // Where each sample's bytes are: (region, start) in a mapped shard, or (usize::MAX, start)
-    // in `copied`, the batch's samples of shards that are read rather than mapped.
-    let mut located: Vec<(usize, usize)> = Vec::with_capacity(n);
+    // Where each sample's bytes are: (its shard's region, start, whether `start` is in `copied`,
+    // the batch's samples of shards that are read rather than mapped, or in the mapping).
+    let mut located: Vec<(usize, usize, bool)> = Vec::with_capacity(n);
     let mut copied: Vec<u8> = Vec::new();
     let mut copy_len = 0usize;
     // (region, sample, offset in `copied`) of the samples to read.
@@ -402,7 +402,7 @@ fn shm_dict<'py>(
                     map.bytes().len()
                 )));
             }
-            located.push((at, start));
+            located.push((at, start, false));
         } else {
             // A shard read in place (it may be truncated by others at any time): its samples
             // are read into memory this batch owns, never mapped.
@@ -411,7 +411,7 @@ fn shm_dict<'py>(
                 ShardstreamError::new_err(format!("shm descriptor of {} bytes in {}", b.lengths[i], map.name))
             })?;
             to_read.push((at, i, at_copy));
-            located.push((usize::MAX, at_copy));
+            located.push((at, at_copy, true));
         }
     }
     if copy_len > 0 {
@@ -440,15 +440,10 @@ fn shm_dict<'py>(
     };
     let mut keys: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
     let mut columns: Vec<Vec<Bound<'py, PyAny>>> = fields.iter().map(|_| Vec::with_capacity(n)).collect();
-    for (i, &(at, start)) in located.iter().enumerate() {
-        let slot = b.slots[i];
-        let (all, view, name) = match regions.get(at) {
-            Some((_, map, view)) => (map.bytes(), view.as_ref(), map.name.as_str()),
-            None => {
-                let name = regions.iter().find(|r| r.0 == slot).map_or("", |r| r.1.name.as_str());
-                (&copied[..], copied_view.as_ref(), name)
-            }
-        };
+    for (i, &(at, start, in_copy)) in located.iter().enumerate() {
+        let (_, map, view) = &regions[at];
+        let name = map.name.as_str();
+        let (all, view) = if in_copy { (&copied[..], copied_view.as_ref()) } else { (map.bytes(), view.as_ref()) };
         // Both ranges were checked above (mapped) or made to fit (copied).
         let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
         let bytes = all.get(start..start.saturating_add(len)).unwrap_or_default();

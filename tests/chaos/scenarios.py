@@ -23,7 +23,6 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ from proxy import FaultProxy
 from s3server import S3Server
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon
+from conftest import SHARDSTREAM, Daemon, within
 
 Samples = dict[str, dict[str, bytes]]
 
@@ -43,26 +42,6 @@ EPOCH_DEADLINE = 120.0
 def stop(d: Daemon) -> None:
     rc = d.stop()
     assert rc == 0, f"the daemon exited with {rc} on SIGTERM (expected a graceful 0)"
-
-
-def within(f: Callable[[], object], deadline: float = EPOCH_DEADLINE) -> object:
-    """`f()` on a thread; its result or raised exception. Raises if it outlives `deadline`."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(f())
-        except BaseException as e:  # noqa: BLE001 - handed to the caller to judge
-            # Without its traceback: the frames (and the Loader in them) are freed on this thread,
-            # which made them, not on the thread that inspects the error.
-            out.append(e.with_traceback(None))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(deadline)
-    if t.is_alive():
-        raise AssertionError(f"hung: no result and no error within {deadline} s")
-    return out[0]
 
 
 def fields_of(batch: dict, i: int) -> dict[str, bytes]:
@@ -173,7 +152,7 @@ def kills(tmp: Path, root: Path, samples: Samples, n_kills: int, seed: int = 0, 
         while True:
             killer.arm(d)
             addr = d.addr
-            out = within(lambda: _consume(addr, root, samples, e, seed, batch_size, killer.tick))  # noqa: B023
+            out = within(EPOCH_DEADLINE, lambda: _consume(addr, root, samples, e, seed, batch_size, killer.tick))  # noqa: B023
             if isinstance(out, AssertionError):
                 raise out
             if killer.fired() and not d.alive():
@@ -236,7 +215,7 @@ def s3_faults(
             d = Daemon(tmp / f"{name}-{r}", args=["--s3-part-size", "256KiB"], env=env).start()
             try:
                 addr, url = d.addr, f"s3://chaos/{name}/"
-                got = within(lambda: epoch_of(addr, url, seed=r))  # noqa: B023 - called at once
+                got = within(EPOCH_DEADLINE, lambda: epoch_of(addr, url, seed=r))  # noqa: B023 - called at once
                 if isinstance(got, BaseException):
                     raise AssertionError(f"{name}, round {r}: the epoch failed: {got!r}") from got
                 assert isinstance(got, dict)
@@ -360,7 +339,7 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
             d = Daemon(tmp / "d", env={**s3.env(), "FAILPOINTS": "cache-fill=5%return(ENOSPC)"}, binary=fail_bin)
             how = "failpoint cache-fill=5%return(ENOSPC) (tmpfs not mountable)"
         daemons.append(d.start())
-        got = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
+        got = within(EPOCH_DEADLINE, lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
         if isinstance(got, BaseException):
             raise AssertionError(f"the epoch failed on a full cache disk: {got!r}") from got
         assert got == samples, "samples lost or wrong bytes with a full cache disk"
@@ -382,7 +361,7 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
             d = Daemon(tmp / "d2", args=["--cache-size", str(total * 4)], env=s3.env())
             d.cache_dir = mnt
             daemons.append(d.start())
-            err = within(lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
+            err = within(EPOCH_DEADLINE, lambda: epoch_of(d.addr, f"s3://chaos/{name}/", **DISK_FULL_STREAM))
             assert isinstance(err, shardstream.ShardstreamError), f"expected a named error, got {err!r}"
             named = "disk space" in str(err) or "larger than the node cache" in str(err)
             assert named and str(mnt) in str(err), str(err)

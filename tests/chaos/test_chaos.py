@@ -5,7 +5,6 @@ and a cache disk that fills. Each scenario asserts its own invariant (see scenar
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,6 @@ SHORT_CLIENTS = 16
 # Peak RSS bound of the daemon (VmHWM): 64 clients measured 83 MiB (CHAOS.md); 3x that, so a
 # per-client leak or an unbounded queue fails the test.
 SHORT_RSS_BOUND_MIB = 256
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("chaos-s3")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

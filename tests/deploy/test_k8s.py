@@ -232,13 +232,6 @@ def node() -> Iterator[Path]:
     subprocess.run(["rm", "-rf", str(d)], check=False)
 
 
-@pytest.fixture
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3")).start()
-    yield server
-    server.stop()
-
-
 TRAINER = textwrap.dedent(
     """
     # Imports first (the Python environment is under root's home), then become the Job's user:
