@@ -68,6 +68,10 @@ pub const FIELD_DESC_BYTES: usize = 32;
 pub const PAGE: u64 = 4096;
 /// Column alignment within a slot (a cache line; enough for any numeric dtype).
 pub const COLUMN_ALIGN: u64 = 64;
+/// Where an `ArrowBatch`'s IPC stream starts in its slot: after the slot header (whose
+/// `n_fields` is 0, `n_samples` the row count and `payload_bytes` the stream's length), so the
+/// stream and every Arrow buffer in it are 64-byte aligned.
+pub const ARROW_DATA_OFFSET: u64 = SLOT_HEADER_BYTES as u64;
 
 /// The segment's first 64 bytes.
 #[repr(C)]

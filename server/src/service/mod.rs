@@ -15,9 +15,9 @@ use std::time::Instant;
 
 use shardstream_proto::shardstream_server::Shardstream;
 use shardstream_proto::{
-    CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PackedBatch, PrefetchProgress,
-    PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage, StreamRequest, Transport,
-    stream_message,
+    BatchFormat, CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PackedBatch,
+    PrefetchProgress, PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage,
+    StreamRequest, Transport, stream_message,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -124,6 +124,7 @@ fn dataset_info(ds: &Dataset) -> DatasetInfo {
         fields: ds.fields.clone(),
         format: crate::format::WEBDATASET.into(),
         from_manifest: ds.from_manifest,
+        arrow_schema: Vec::new(),
     }
 }
 
@@ -248,6 +249,7 @@ fn plan_stream(
         dropped_samples: summary.dropped_samples,
         fields: fields.clone(),
         packed,
+        batch_format: BatchFormat::Samples as i32,
     };
     Ok(StreamPlan {
         dataset: ds,
