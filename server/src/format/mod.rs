@@ -344,3 +344,102 @@ pub fn shard_error(file: &ShardFile, base: u64, e: tar::TarError) -> Error {
     let e = e.with_base(base);
     Error::Shard { shard: file.name.clone(), offset: e.offset(), reason: e.to_string() }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_format_round_trips_through_its_name_and_extension() {
+        for f in Format::ALL {
+            assert_eq!(Format::from_name(f.name()).unwrap(), f);
+            assert_eq!(Format::of_file(&format!("shard-000001{}", f.extension())), Some(f));
+        }
+        assert_eq!(Format::WebDataset.batch_format(), BatchFormat::Samples);
+        assert_eq!(Format::Parquet.batch_format(), BatchFormat::Arrow);
+        let err = Format::from_name("orc").unwrap_err().to_string();
+        assert!(err.contains("\"orc\"") && err.contains("\"webdataset\"") && err.contains("\"parquet\""), "{err}");
+        assert!(!Format::is_shard_name("manifest.json") && !Format::is_shard_name("a.tar.idx"));
+    }
+
+    #[test]
+    fn a_dataset_has_one_format_from_its_shard_names() {
+        let of = |names: &[&str]| Format::of_shards(names.iter().copied(), "/d/");
+        assert_eq!(of(&["a.tar", "b.tar"]).unwrap(), Format::WebDataset);
+        assert_eq!(of(&["a.parquet"]).unwrap(), Format::Parquet);
+        // A brace pattern may name files without a known extension: TAR, as before formats.
+        assert_eq!(of(&["a.shard", "b"]).unwrap(), Format::WebDataset);
+        assert_eq!(of(&["x.bin", "a.parquet"]).unwrap(), Format::Parquet);
+        let err = of(&["a.tar", "b.tar", "c.parquet"]).unwrap_err().to_string();
+        assert!(err.contains("/d/") && err.contains("a.tar") && err.contains("c.parquet"), "{err}");
+    }
+
+    #[test]
+    fn parquet_is_refused_by_name_until_it_is_served() {
+        Format::WebDataset.check_served("/d/").unwrap();
+        let err = Format::Parquet.check_served("/d/").unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+        assert!(err.to_string().contains("/d/") && err.to_string().contains("parquet"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.parquet");
+        std::fs::write(&path, b"PAR1").unwrap();
+        let file = ShardFile::open(path, 4).unwrap();
+        let err = Format::Parquet.index_shard(&file).unwrap_err().to_string();
+        assert!(err.contains("a.parquet") && err.contains("parquet shards"), "{err}");
+    }
+
+    /// The seam's field location for TAR is what `tar::parse_sample` says, shifted by `at`, and
+    /// the reused location forgets the fields of a previous, larger sample.
+    #[test]
+    fn locate_fields_matches_the_tar_parser_and_reuses_its_location() {
+        let mut b = ::tar::Builder::new(Vec::new());
+        for (key, fields) in [("a", &["cls", "jpg", "txt"][..]), ("b", &["cls"][..])] {
+            for field in fields {
+                let data = format!("{key}-{field}");
+                let mut h = ::tar::Header::new_gnu();
+                h.set_size(data.len() as u64);
+                h.set_mode(0o644);
+                h.set_cksum();
+                b.append_data(&mut h, format!("{key}.{field}"), data.as_bytes()).unwrap();
+            }
+        }
+        let bytes = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.tar");
+        std::fs::write(&path, &bytes).unwrap();
+        let file = ShardFile::open(path, bytes.len() as u64).unwrap();
+        let table = Format::WebDataset.index_shard(&file).unwrap();
+        assert_eq!((table.format(), table.num_samples()), (Format::WebDataset, 2));
+        let mut loc = SampleLocation::default();
+        let mut buf = b"prefix".to_vec();
+        for i in 0..2 {
+            let range = table.sample_range(i).unwrap();
+            let sample = &bytes[range.start as usize..range.end as usize];
+            let view = tar::parse_sample(sample).unwrap();
+            table.locate_fields(&file, i, sample, 6, &mut loc).unwrap();
+            assert_eq!(loc.key, view.key);
+            let want: Vec<(String, Range<usize>)> =
+                view.members.iter().map(|m| (m.field.to_string(), m.data.start + 6..m.data.end + 6)).collect();
+            assert_eq!(loc.fields(), want.as_slice());
+            buf.truncate(6);
+            buf.extend_from_slice(sample);
+            for (name, r) in loc.fields() {
+                let key = if i == 0 { "a" } else { "b" };
+                assert_eq!(&buf[r.clone()], format!("{key}-{name}").as_bytes());
+            }
+        }
+        assert_eq!(loc.field("cls"), Some(loc.fields()[0].1.clone()));
+        assert_eq!(loc.field("jpg"), None, "a field of the previous sample leaked");
+        // A sample that does not parse names the shard and its absolute offset.
+        let range = table.sample_range(1).unwrap();
+        let mut damaged = bytes[range.start as usize..range.end as usize].to_vec();
+        damaged[0] ^= 0xff;
+        match table.locate_fields(&file, 1, &damaged, 0, &mut loc).unwrap_err() {
+            Error::Shard { shard, offset, .. } => {
+                assert!(shard.ends_with("s.tar"));
+                assert_eq!(offset, Some(range.start));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
