@@ -307,6 +307,12 @@ impl ShardTable {
     ) -> Result<()> {
         match self {
             ShardTable::Tar(t) => {
+                if let Some(layout) = &t.layout
+                    && let Ok(i) = usize::try_from(i)
+                    && from_layout(layout, &t.fields, i, bytes, at, loc)
+                {
+                    return Ok(());
+                }
                 let base = usize::try_from(i).ok().and_then(|i| t.sample_range(i)).map_or(0, |r| r.start);
                 let view = tar::parse_sample(bytes).map_err(|e| shard_error(file, base, e))?;
                 loc.reset(&view.key);
@@ -336,6 +342,31 @@ impl ShardTable {
         }
         parsed
     }
+}
+
+/// Fills `loc` from the layout recorded at index time, without parsing; false when the bytes do
+/// not match it (shorter than a recorded range, a key that is not UTF-8: a shard changed since
+/// it was indexed), and the caller parses them instead, which reports what is wrong.
+fn from_layout(
+    layout: &tar::layout::Layout,
+    fields: &[String],
+    i: usize,
+    bytes: &[u8],
+    at: usize,
+    loc: &mut SampleLocation,
+) -> bool {
+    let Some(key) = layout.key(i).and_then(|r| bytes.get(r)).and_then(|k| std::str::from_utf8(k).ok()) else {
+        return false;
+    };
+    loc.reset(key);
+    for (f, name) in fields.iter().enumerate() {
+        match layout.field(i, f) {
+            Some(None) => {}
+            Some(Some(r)) if r.end <= bytes.len() => loc.push(name, at + r.start..at + r.end),
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// Converts a TAR error found at `base` (the byte offset of the buffer's start in the shard) into

@@ -980,8 +980,11 @@ mod golden {
             let path = dir.path().join(format!("s{len}.tar"));
             std::fs::write(&path, (0..len).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>()).unwrap();
             let file = ShardFile::open(path, len as u64).unwrap();
-            let table =
-                ShardTable::Tar(crate::format::tar::TarIndex { boundaries, fields: vec!["cls".into(), "jpg".into()] });
+            let table = ShardTable::Tar(crate::format::tar::TarIndex {
+                boundaries,
+                fields: vec!["cls".into(), "jpg".into()],
+                layout: None,
+            });
             content_digest(&file, &table).unwrap()
         };
         let big = digest(200 << 10, vec![0, 1024, 200 << 10]);

@@ -225,7 +225,7 @@ impl TarShard {
         }
         self.out.append(&ustar::TRAILER)?;
         let (file, len, crc) = self.out.finish()?;
-        Ok((file, len, crc, TarIndex { boundaries: self.boundaries, fields: Vec::new() }))
+        Ok((file, len, crc, TarIndex { boundaries: self.boundaries, fields: Vec::new(), layout: None }))
     }
 }
 
