@@ -1041,7 +1041,7 @@ mod tests {
         }
         let (count, bytes) = ds.resident();
         assert!(bytes <= MAX_RESIDENT_TABLE_BYTES, "{bytes} bytes resident");
-        assert!((MAX_RESIDENT_TABLE_BYTES >> 20) - 1 <= count && count <= MAX_RESIDENT_TABLE_BYTES >> 20, "{count}");
+        assert!(((MAX_RESIDENT_TABLE_BYTES >> 20) - 1..=MAX_RESIDENT_TABLE_BYTES >> 20).contains(&count), "{count}");
         assert!(ds.table(99).is_some() && ds.table(0).is_none(), "the least recently used go first");
         // One table larger than the bound is still kept: a stream needs it.
         let huge: Vec<u64> = (0..(MAX_RESIDENT_TABLE_BYTES as u64 / 4)).collect();
