@@ -293,6 +293,29 @@ impl ShardTable {
         }
     }
 
+    /// True when the table says where each sample's key and fields lie without reading it
+    /// ([`key_at`](Self::key_at), [`field_at`](Self::field_at)).
+    pub fn has_layout(&self) -> bool {
+        match self {
+            ShardTable::Tar(t) => t.layout.is_some(),
+        }
+    }
+
+    /// Sample `i`'s key, as a byte range relative to the sample's start; None without a layout.
+    pub fn key_at(&self, i: u64) -> Option<Range<usize>> {
+        match self {
+            ShardTable::Tar(t) => t.layout.as_ref()?.key(usize::try_from(i).ok()?),
+        }
+    }
+
+    /// Field `f` (an index into [`fields`](Self::fields)) of sample `i`, relative to the sample's
+    /// start: Some(None) when the sample lacks it; None without a layout or out of range.
+    pub fn field_at(&self, i: u64, f: usize) -> Option<Option<Range<usize>>> {
+        match self {
+            ShardTable::Tar(t) => t.layout.as_ref()?.field(usize::try_from(i).ok()?, f),
+        }
+    }
+
     /// Says where sample `i`'s key and fields lie in `bytes`, which hold exactly the shard bytes
     /// [`sample_range`](Self::sample_range)`(i)` (read, or in a mapping). Ranges in `loc` are
     /// relative to `bytes`, shifted by `at` (the position of `bytes` in the caller's buffer).
