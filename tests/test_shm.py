@@ -71,9 +71,7 @@ def test_samples_located_by_the_index_and_parsed_ones_agree(daemon, tmp_path) ->
                     tf.addfile(info, io.BytesIO(data))
                 expected[key] = fields
     for cache in ["auto", "copy"]:
-        loader = shardstream.Loader(
-            str(root), batch_size=4, shuffle=False, cache=cache, connect=daemon.addr
-        )
+        loader = shardstream.Loader(str(root), batch_size=4, shuffle=False, cache=cache, connect=daemon.addr)
         seen = {}
         for batch in loader:
             for i, key in enumerate(batch["__key__"]):
