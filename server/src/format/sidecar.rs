@@ -236,7 +236,8 @@ fn read_layout(r: &mut Reader<'_>, fields: usize, samples: usize) -> Result<Opti
                 let w = r.varint("the file ends inside the layout")?;
                 words.push(u32::try_from(w).map_err(|_| SidecarError::Malformed { what: "layout word over 32 bits" })?);
             }
-            Ok(Layout::from_words(fields, samples, words))
+            // An empty shard has no layout (as `encode` writes it): the same table either way.
+            Ok(Layout::from_words(fields, samples, words).filter(|_| samples > 0))
         }
         _ => Err(SidecarError::Malformed { what: "unknown layout kind" }),
     }
