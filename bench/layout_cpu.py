@@ -3,8 +3,15 @@ trainer process spends turning each `ShmBatch` into a batch dict of keys and mem
 
 Not a timed test and not part of `make bench`: a before/after measurement for one change (the
 daemon locating every sample's key and fields from its index, `ShmBatch.key_offsets`/`fields`,
-so that the client no longer parses TAR headers per sample). Run it with a release install of
-each build; it measures whatever `shardstream` the interpreter imports:
+so that the client no longer parses TAR headers per sample). Run it with a release install; it
+measures whatever `shardstream` the interpreter imports, in two modes over the same shards and
+manifest (`shardstream index`):
+
+- `located`: the version 2 sidecars `index` writes, with each sample's layout: the daemon sends
+  the locations and the client slices;
+- `parsed`: the same sidecars rewritten as version 1 (no layout, what the previous build wrote
+  and this one still reads): the daemon sends none and the client parses every sample's TAR
+  headers, exactly the code path of the previous build.
 
     python bench/layout_cpu.py --data /tmp/layout-cpu [--samples 50000] [--epochs 3]
 
@@ -19,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +60,68 @@ def dataset(root: Path, samples: int) -> Path:
             for i in range(s, min(s + PER_SHARD, samples)):
                 size = 1024 + (i * 97) % 2048
                 w.write({"__key__": f"{i:08d}", "jpg": block[i % 4096 : i % 4096 + size], "cls": str(i % 1000)})
+    (d / ".complete").write_text("")
+    return d
+
+
+def _crc32c(data: bytes) -> int:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _varint(b: bytes, at: int) -> tuple[int, int]:
+    v = shift = 0
+    while True:
+        x = b[at]
+        at += 1
+        v |= (x & 0x7F) << shift
+        shift += 7
+        if not x & 0x80:
+            return v, at
+
+
+def sidecar_v1(v2: bytes) -> bytes:
+    """A version 2 sidecar (server/src/format/sidecar.rs) as version 1: the same table without
+    its layout section."""
+    assert v2[:8] == b"SSIDX\0\r\n" and int.from_bytes(v2[8:12], "little") == 2, "not a v2 sidecar"
+    at = 12
+    n, at = _varint(v2, at)
+    at += n  # identity
+    fields, at = _varint(v2, at)
+    for _ in range(fields):
+        n, at = _varint(v2, at)
+        at += n
+    samples, at = _varint(v2, at)
+    for _ in range(samples + 1 if samples else 0):
+        _, at = _varint(v2, at)
+    body = v2[:8] + (1).to_bytes(4, "little") + v2[12:at]
+    return body + _crc32c(body).to_bytes(4, "little")
+
+
+def indexed(data: Path, samples: int, mode: str) -> Path:
+    """The dataset with a manifest, its sidecars as `mode` wants them (a copy per mode, shards
+    hard-linked)."""
+    src = dataset(data, samples)
+    d = data / f"{src.name}-{mode}"
+    if (d / ".complete").exists():
+        return d
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir()
+    for f in src.glob("*.tar"):
+        os.link(f, d / f.name)
+    subprocess.run([str(daemon.executable()), "index", str(d)], check=True, capture_output=True)
+    if mode == "parsed":
+        for idx in (d / "_shardstream").glob("*.idx"):
+            idx.write_bytes(sidecar_v1(idx.read_bytes()))
     (d / ".complete").write_text("")
     return d
 
@@ -85,13 +157,22 @@ def main() -> None:
 
     import shardstream
 
-    path = dataset(args.data, args.samples)
+    report = {"shardstream": str(Path(shardstream.__file__).parent)}
+    for mode in ("parsed", "located"):
+        path = indexed(args.data, args.samples, mode)
+        report[mode] = run(shardstream, path, args.epochs)
+    p, loc = report["parsed"], report["located"]
+    report["client_cpu_saved"] = f"{1 - loc['client_cpu_s_per_epoch'] / p['client_cpu_s_per_epoch']:.0%}"
+    print(json.dumps(report, indent=1))
+
+
+def run(shardstream, path: Path, epochs: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="layout-cpu-") as work:
         d = daemon.Daemon.start(Path(work))
         try:
             epoch(shardstream, path, d.addr, seed=0)  # warm: index resident, pages cached
             runs = []
-            for e in range(args.epochs):
+            for e in range(epochs):
                 c0, d0, t0 = cpu(), measure.cpu_seconds(d.pid) or 0.0, time.perf_counter()
                 n, _ = epoch(shardstream, path, d.addr, seed=e + 1)
                 wall = time.perf_counter() - t0
@@ -106,16 +187,13 @@ def main() -> None:
         finally:
             d.stop()
     best = min(runs, key=lambda r: r["client_cpu_s"])
-    out = {
-        "shardstream": str(Path(shardstream.__file__).parent),
+    return {
         "samples": best["samples"],
         "client_cpu_s_per_epoch": round(best["client_cpu_s"], 3),
         "client_cpu_us_per_sample": round(1e6 * best["client_cpu_s"] / best["samples"], 2),
         "daemon_cpu_s_per_epoch": round(min(r["daemon_cpu_s"] for r in runs), 3),
         "samples_per_s": round(best["samples"] / min(r["wall_s"] for r in runs)),
-        "runs": runs,
     }
-    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
