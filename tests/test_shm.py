@@ -47,6 +47,39 @@ def test_default_is_shm_with_identical_bytes(daemon, dataset, cache: str) -> Non
         batch["jpg"][0][0] = 1  # read-only: a client can never write into a shard
 
 
+def test_samples_located_by_the_index_and_parsed_ones_agree(daemon, tmp_path) -> None:
+    """Shards whose index records where each key and field lies are sliced without parsing; a
+    shard whose keys are split over a ustar `prefix` (paths over 100 bytes, as Python's tarfile
+    writes them in USTAR format) has no such record and is parsed. Both give the same batches."""
+    import io
+    import tarfile
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    expected = {}
+    long_dir = "d" * 60 + "/" + "e" * 60
+    for shard, (prefix, fmt) in enumerate([(long_dir + "/", tarfile.USTAR_FORMAT), ("", tarfile.PAX_FORMAT)]):
+        with tarfile.open(root / f"part-{shard}.tar", "w", format=fmt) as tf:
+            for i in range(8):
+                key = f"{prefix}s{shard}_{i:02d}"
+                fields = {"cls": str(i % 3).encode(), "jpg": bytes([shard, i]) * (50 + 40 * i)}
+                if i % 2:
+                    fields["txt"] = f"caption {i}".encode()
+                for field, data in fields.items():
+                    info = tarfile.TarInfo(f"{key}.{field}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+                expected[key] = fields
+    for cache in ["auto", "copy"]:
+        loader = shardstream.Loader(str(root), batch_size=4, shuffle=False, cache=cache, connect=daemon.addr)
+        seen = {}
+        for batch in loader:
+            for i, key in enumerate(batch["__key__"]):
+                seen[key] = {f: bytes(batch[f][i]) for f in ("cls", "jpg", "txt") if batch[f][i] is not None}
+        assert loader.stats()["transport"] == "shm"
+        assert seen == expected, cache
+
+
 MAP_IN_PLACE_TRAINER = textwrap.dedent(
     """
     import hashlib, json, sys, shardstream

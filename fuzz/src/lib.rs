@@ -45,7 +45,18 @@ pub fn tar_index(data: &[u8]) {
         let r = index.sample_range(i).expect("a sample below num_samples has a range");
         let buf = &data[r.start as usize..r.end as usize];
         match tar::parse_sample(buf) {
-            Ok(view) => check_view(&view, buf.len()),
+            Ok(view) => {
+                check_view(&view, buf.len());
+                // What the index recorded (and clients slice without parsing) is what parsing says.
+                if let Some(layout) = &index.layout {
+                    let key = layout.key(i).expect("a sample below num_samples has a key");
+                    assert_eq!(buf.get(key), Some(view.key.as_bytes()), "sample {i}: layout key");
+                    for (f, name) in index.fields.iter().enumerate() {
+                        let want = view.members.iter().find(|m| m.field == name.as_str()).map(|m| m.data.clone());
+                        assert_eq!(layout.field(i, f), Some(want), "sample {i}: layout of field {name}");
+                    }
+                }
+            }
             Err(e) => panic!("sample {i} ({r:?}) was indexed but does not parse: {e}"),
         }
     }

@@ -27,7 +27,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PySlice, PyString};
 use shardstream_client::shm::{Mapping, RingMapping, ShmSession};
-use shardstream_proto::{InlineBatch, PackedBatch, ShmBatch};
+use shardstream_proto::{FieldColumn, InlineBatch, PackedBatch, ShmBatch};
 
 use crate::errors::ShardstreamError;
 
@@ -444,6 +444,16 @@ fn shm_dict<'py>(
     };
     let mut keys: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
     let mut columns: Vec<Vec<Bound<'py, PyAny>>> = fields.iter().map(|_| Vec::with_capacity(n)).collect();
+    // The daemon located every key and field from its index (`ShmBatch.key_offsets`, `fields`):
+    // slice, parse nothing. Otherwise (a shard without a layout) parse each sample's headers.
+    let given = given_locations(b, fields);
+    // One item: bytes `a..z` of `all` as a view (or a copy), counted as payload.
+    let item = |all: &[u8], view: Option<&Bound<'py, PyAny>>, a: usize, z: usize| -> PyResult<Bound<'py, PyAny>> {
+        Ok(match view {
+            None => PyBytes::new(py, &all[a..z]).into_any(),
+            Some(mv) => mv.get_item(PySlice::new(py, a as isize, z as isize, 1))?,
+        })
+    };
     for (i, &(at, start, in_copy)) in located.iter().enumerate() {
         let (_, map, view) = &regions[at];
         let name = map.name.as_str();
@@ -451,24 +461,49 @@ fn shm_dict<'py>(
         // Both ranges were checked above (mapped) or made to fit (copied).
         let len = usize::try_from(b.lengths[i]).unwrap_or(usize::MAX);
         let bytes = all.get(start..start.saturating_add(len)).unwrap_or_default();
+        if let Some(cols) = given
+            && let Some(key) = given_key(b, i, bytes)
+        {
+            keys.push(PyString::new(py, key).into_any());
+            for (col, c) in columns.iter_mut().zip(cols) {
+                let found = if c.missing.binary_search(&(i as u32)).is_ok() {
+                    None
+                } else {
+                    let (s, l) = (c.starts[i], c.lengths[i]);
+                    let end = s.checked_add(l).filter(|&e| e <= bytes.len() as u64).ok_or_else(|| {
+                        ShardstreamError::new_err(format!(
+                            "malformed shm batch: field {:?} of sample {i} lies outside it ({s}..+{l} of {})",
+                            c.name,
+                            bytes.len()
+                        ))
+                    })?;
+                    Some((start + s as usize, start + end as usize))
+                };
+                col.push(match found {
+                    None => py.None().into_bound(py),
+                    Some((a, z)) => {
+                        payload += (z - a) as u64;
+                        item(all, view, a, z)?
+                    }
+                });
+            }
+            continue;
+        }
         let sample = shardstream::format::tar::parse_sample(bytes).map_err(|e| {
             let e = e.with_base(b.starts[i]);
             crate::errors::shard_error(format!("shard {name}: {e}"), name, e.offset())
         })?;
         keys.push(PyString::new(py, &sample.key).into_any());
         for (col, field) in columns.iter_mut().zip(fields) {
-            let item = match sample.members.iter().find(|m| m.field == field.as_str()) {
+            let found = match sample.members.iter().find(|m| m.field == field.as_str()) {
                 None => py.None().into_bound(py),
                 Some(m) => {
                     let (a, z) = (start + m.data.start, start + m.data.end);
                     payload += (z - a) as u64;
-                    match view {
-                        None => PyBytes::new(py, &all[a..z]).into_any(),
-                        Some(mv) => mv.get_item(PySlice::new(py, a as isize, z as isize, 1))?,
-                    }
+                    item(all, view, a, z)?
                 }
             };
-            col.push(item);
+            col.push(found);
         }
     }
     let d = PyDict::new(py);
@@ -477,6 +512,25 @@ fn shm_dict<'py>(
         d.set_item(name, PyList::new(py, col)?)?;
     }
     Ok((d, payload))
+}
+
+/// The batch's field columns when the daemon sent complete ones for exactly the stream's fields
+/// (one entry per sample each), else None (the samples are then parsed).
+fn given_locations<'b>(b: &'b ShmBatch, fields: &[String]) -> Option<&'b [FieldColumn]> {
+    let n = b.slots.len();
+    let complete = b.key_offsets.len() == n
+        && b.key_lengths.len() == n
+        && b.fields.len() == fields.len()
+        && b.fields.iter().zip(fields).all(|(c, f)| c.name == *f && c.starts.len() == n && c.lengths.len() == n);
+    complete.then_some(&b.fields[..])
+}
+
+/// Sample `i`'s key as the daemon located it in `bytes` (the sample), if it lies there and is
+/// UTF-8; None makes the caller parse the sample (which then says what is wrong).
+fn given_key<'a>(b: &ShmBatch, i: usize, bytes: &'a [u8]) -> Option<&'a str> {
+    let at = usize::try_from(b.key_offsets[i]).ok()?;
+    let len = usize::try_from(b.key_lengths[i]).ok()?;
+    std::str::from_utf8(bytes.get(at..at.checked_add(len)?)?).ok()
 }
 
 fn inline_dict<'py>(py: Python<'py>, b: &InlineBatch, copy: bool) -> PyResult<Bound<'py, PyDict>> {

@@ -280,7 +280,19 @@ async fn collect_shm(client: &mut Client, req: StreamRequest) -> Vec<(String, Ha
             let mut bytes = vec![0u8; b.lengths[i] as usize];
             map.read_at(&mut bytes, b.starts[i]).unwrap();
             let view = shardstream::format::tar::parse_sample(&bytes).unwrap();
-            let fields = view.members.iter().map(|m| (m.field.to_string(), bytes[m.data.clone()].to_vec())).collect();
+            let fields: HashMap<String, Vec<u8>> =
+                view.members.iter().map(|m| (m.field.to_string(), bytes[m.data.clone()].to_vec())).collect();
+            // The located columns (from the index's layout) say what parsing says.
+            assert_eq!(b.key_offsets.len(), b.slots.len(), "shards written by the tar crate have layouts");
+            let key = &bytes[b.key_offsets[i] as usize..][..b.key_lengths[i] as usize];
+            assert_eq!(key, view.key.as_bytes());
+            assert_eq!(b.fields.len(), s.header.fields.len());
+            for (col, name) in b.fields.iter().zip(&s.header.fields) {
+                assert_eq!(&col.name, name);
+                let got = (!col.missing.contains(&(i as u32)))
+                    .then(|| bytes[col.starts[i] as usize..][..col.lengths[i] as usize].to_vec());
+                assert_eq!(got.as_ref(), fields.get(name), "field {name} of {}", view.key);
+            }
             out.push((view.key.to_string(), fields));
         }
         session.release(b.batch_index);

@@ -293,6 +293,29 @@ impl ShardTable {
         }
     }
 
+    /// True when the table says where each sample's key and fields lie without reading it
+    /// ([`key_at`](Self::key_at), [`field_at`](Self::field_at)).
+    pub fn has_layout(&self) -> bool {
+        match self {
+            ShardTable::Tar(t) => t.layout.is_some(),
+        }
+    }
+
+    /// Sample `i`'s key, as a byte range relative to the sample's start; None without a layout.
+    pub fn key_at(&self, i: u64) -> Option<Range<usize>> {
+        match self {
+            ShardTable::Tar(t) => t.layout.as_ref()?.key(usize::try_from(i).ok()?),
+        }
+    }
+
+    /// Field `f` (an index into [`fields`](Self::fields)) of sample `i`, relative to the sample's
+    /// start: Some(None) when the sample lacks it; None without a layout or out of range.
+    pub fn field_at(&self, i: u64, f: usize) -> Option<Option<Range<usize>>> {
+        match self {
+            ShardTable::Tar(t) => t.layout.as_ref()?.field(usize::try_from(i).ok()?, f),
+        }
+    }
+
     /// Says where sample `i`'s key and fields lie in `bytes`, which hold exactly the shard bytes
     /// [`sample_range`](Self::sample_range)`(i)` (read, or in a mapping). Ranges in `loc` are
     /// relative to `bytes`, shifted by `at` (the position of `bytes` in the caller's buffer).
@@ -307,6 +330,12 @@ impl ShardTable {
     ) -> Result<()> {
         match self {
             ShardTable::Tar(t) => {
+                if let Some(layout) = &t.layout
+                    && let Ok(i) = usize::try_from(i)
+                    && from_layout(layout, &t.fields, i, bytes, at, loc)
+                {
+                    return Ok(());
+                }
                 let base = usize::try_from(i).ok().and_then(|i| t.sample_range(i)).map_or(0, |r| r.start);
                 let view = tar::parse_sample(bytes).map_err(|e| shard_error(file, base, e))?;
                 loc.reset(&view.key);
@@ -336,6 +365,31 @@ impl ShardTable {
         }
         parsed
     }
+}
+
+/// Fills `loc` from the layout recorded at index time, without parsing; false when the bytes do
+/// not match it (shorter than a recorded range, a key that is not UTF-8: a shard changed since
+/// it was indexed), and the caller parses them instead, which reports what is wrong.
+fn from_layout(
+    layout: &tar::layout::Layout,
+    fields: &[String],
+    i: usize,
+    bytes: &[u8],
+    at: usize,
+    loc: &mut SampleLocation,
+) -> bool {
+    let Some(key) = layout.key(i).and_then(|r| bytes.get(r)).and_then(|k| std::str::from_utf8(k).ok()) else {
+        return false;
+    };
+    loc.reset(key);
+    for (f, name) in fields.iter().enumerate() {
+        match layout.field(i, f) {
+            Some(None) => {}
+            Some(Some(r)) if r.end <= bytes.len() => loc.push(name, at + r.start..at + r.end),
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// Converts a TAR error found at `base` (the byte offset of the buffer's start in the shard) into

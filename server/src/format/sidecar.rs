@@ -24,7 +24,13 @@
 //!                                                      the CRC-32C covers every byte before it ┘
 //! ```
 //!
-//! Boundaries are delta-encoded: a shard of 20 KiB samples costs 3 bytes per sample on disk.
+//! Version 2 appends the shard's per-sample [`Layout`] (where each key and field lies, see
+//! [`super::tar::layout`]): a varint 0 (none) or 1, then `S x (2 + 2F)` varints (key offset and
+//! length, then each field's offset and length, `u32::MAX` for a missing field), before the CRC.
+//! Version 1 files are still read (no layout: their samples are parsed as before).
+//!
+//! Boundaries are delta-encoded: a shard of 20 KiB samples costs 3 bytes per sample on disk, and
+//! its layout (two fields) about 8 more.
 //! Decoding checks magic, then version (so that a future format is named as such, not as
 //! corruption), then the CRC, then the structure; every count read from the file is bounded by
 //! the bytes left, so a malicious file cannot make the decoder allocate more than a small
@@ -33,10 +39,13 @@
 use std::path::{Path, PathBuf};
 
 use super::tar::TarIndex;
+use super::tar::layout::Layout;
 
 /// File magic. The `\r\n` (as in PNG) exposes a file mangled by a text-mode transfer.
 pub const MAGIC: &[u8; 8] = b"SSIDX\0\r\n";
-pub const SIDECAR_VERSION: u32 = 1;
+pub const SIDECAR_VERSION: u32 = 2;
+/// The oldest version this build still reads.
+pub const OLDEST_VERSION: u32 = 1;
 
 /// Magic, version and CRC: the smallest possible file is a little larger.
 const FIXED_BYTES: usize = MAGIC.len() + 4 + 4;
@@ -47,7 +56,9 @@ const MAX_VARINT_BYTES: usize = 10;
 pub enum SidecarError {
     #[error("not a shardstream sidecar (bad magic)")]
     BadMagic,
-    #[error("sidecar format version {found} is not supported: this build reads version {SIDECAR_VERSION}")]
+    #[error(
+        "sidecar format version {found} is not supported: this build reads versions {OLDEST_VERSION} to {SIDECAR_VERSION}"
+    )]
     Version { found: u32 },
     #[error("sidecar checksum mismatch (stored {stored:08x}, computed {computed:08x}): the file is corrupt")]
     Checksum { stored: u32, computed: u32 },
@@ -99,6 +110,15 @@ pub fn encode(identity: &[u8], index: &TarIndex) -> Vec<u8> {
     for &b in boundaries {
         put_varint(&mut out, b.wrapping_sub(prev));
         prev = b;
+    }
+    match index.layout.as_ref().filter(|_| samples > 0) {
+        None => put_varint(&mut out, 0),
+        Some(layout) => {
+            put_varint(&mut out, 1);
+            for &w in layout.words() {
+                put_varint(&mut out, u64::from(w));
+            }
+        }
     }
     let crc = crc32c::crc32c(&out);
     out.extend_from_slice(&crc.to_le_bytes());
@@ -160,7 +180,7 @@ pub fn decode(bytes: &[u8], expected_identity: &[u8]) -> Result<Option<TarIndex>
     }
     let (version, _) = rest.split_first_chunk::<4>().ok_or(SidecarError::Truncated { what: "version" })?;
     let version = u32::from_le_bytes(*version);
-    if version != SIDECAR_VERSION {
+    if !(OLDEST_VERSION..=SIDECAR_VERSION).contains(&version) {
         return Err(SidecarError::Version { found: version });
     }
     let (checked, stored) = bytes
@@ -196,10 +216,31 @@ pub fn decode(bytes: &[u8], expected_identity: &[u8]) -> Result<Option<TarIndex>
         prev = prev.checked_add(delta).ok_or(SidecarError::Malformed { what: "boundary overflows 64 bits" })?;
         boundaries.push(prev);
     }
+    let layout = if version >= 2 { read_layout(&mut r, fields.len(), samples)? } else { None };
     if !r.0.is_empty() {
         return Err(SidecarError::Malformed { what: "trailing bytes after the boundaries" });
     }
-    Ok(Some(TarIndex { boundaries, fields }))
+    Ok(Some(TarIndex { boundaries, fields, layout }))
+}
+
+/// The layout section of a version 2 file.
+fn read_layout(r: &mut Reader<'_>, fields: usize, samples: usize) -> Result<Option<Layout>, SidecarError> {
+    let too_long = SidecarError::Malformed { what: "layout larger than the file" };
+    match r.varint("the file ends before the layout")? {
+        0 => Ok(None),
+        1 => {
+            // Each word takes at least one byte: bounded by the bytes left before allocating.
+            let n = samples.checked_mul(Layout::stride(fields)).filter(|&n| n <= r.0.len()).ok_or(too_long)?;
+            let mut words = Vec::with_capacity(n);
+            for _ in 0..n {
+                let w = r.varint("the file ends inside the layout")?;
+                words.push(u32::try_from(w).map_err(|_| SidecarError::Malformed { what: "layout word over 32 bits" })?);
+            }
+            // An empty shard has no layout (as `encode` writes it): the same table either way.
+            Ok(Layout::from_words(fields, samples, words).filter(|_| samples > 0))
+        }
+        _ => Err(SidecarError::Malformed { what: "unknown layout kind" }),
+    }
 }
 
 /// Writes a sidecar atomically ([`crate::atomic_write`]): readers see the old file or the new
@@ -224,17 +265,23 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::format::tar::layout::MISSING;
 
     const ID: &[u8] = b"len=4096;crc32c=00000001";
 
     fn index(boundaries: Vec<u64>) -> TarIndex {
-        TarIndex { boundaries, fields: vec!["cls".into(), "jpg".into(), "seg.png".into()] }
+        TarIndex { boundaries, fields: vec!["cls".into(), "jpg".into(), "seg.png".into()], layout: None }
     }
 
-    /// A file whose body is `body` (after magic and version), with a valid CRC.
+    /// A version 1 file whose body is `body` (after magic and version), with a valid CRC.
     fn with_crc(body: &[u8]) -> Vec<u8> {
+        with_crc_v(OLDEST_VERSION, body)
+    }
+
+    /// [`with_crc`] for a given format version.
+    fn with_crc_v(version: u32, body: &[u8]) -> Vec<u8> {
         let mut out = MAGIC.to_vec();
-        out.extend_from_slice(&SIDECAR_VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(body);
         let crc = crc32c::crc32c(&out);
         out.extend_from_slice(&crc.to_le_bytes());
@@ -252,9 +299,10 @@ mod tests {
     fn layout_is_as_drawn() {
         let bytes = encode(b"id", &index(vec![0, 1024, 4096]));
         let mut want = MAGIC.to_vec();
-        want.extend_from_slice(&1u32.to_le_bytes());
+        want.extend_from_slice(&2u32.to_le_bytes());
         want.extend_from_slice(b"\x02id\x03\x03cls\x03jpg\x07seg.png\x02");
         want.extend_from_slice(&[0x00, 0x80, 0x08, 0x80, 0x18]);
+        want.push(0x00); // no layout
         let crc = crc32c::crc32c(&want);
         want.extend_from_slice(&crc.to_le_bytes());
         assert_eq!(bytes, want);
@@ -263,7 +311,7 @@ mod tests {
     #[test]
     fn empty_index_round_trips() {
         for boundaries in [vec![], vec![512]] {
-            let bytes = encode(ID, &TarIndex { boundaries, fields: vec![] });
+            let bytes = encode(ID, &TarIndex { boundaries, fields: vec![], layout: None });
             assert_eq!(decode(&bytes, ID).unwrap(), Some(TarIndex::default()));
         }
     }
@@ -303,10 +351,10 @@ mod tests {
 
     #[test]
     fn other_versions_and_magic() {
-        let mut v2 = encode(ID, &index(vec![0, 512]));
-        v2[8..12].copy_from_slice(&2u32.to_le_bytes());
-        let err = decode(&v2, ID).unwrap_err();
-        assert_eq!(err.to_string(), "sidecar format version 2 is not supported: this build reads version 1");
+        let mut v3 = encode(ID, &index(vec![0, 512]));
+        v3[8..12].copy_from_slice(&3u32.to_le_bytes());
+        let err = decode(&v3, ID).unwrap_err();
+        assert_eq!(err.to_string(), "sidecar format version 3 is not supported: this build reads versions 1 to 2");
         assert!(matches!(decode(b"GARBAGE!GARBAGE!", ID), Err(SidecarError::BadMagic)));
         assert!(matches!(decode(b"GAR", ID), Err(SidecarError::BadMagic)));
     }
@@ -349,6 +397,43 @@ mod tests {
         assert_eq!(malformed(&with_crc(&body)), "boundary overflows 64 bits");
     }
 
+    fn laid_out() -> TarIndex {
+        // Two samples of fields cls, jpg: the second lacks jpg.
+        let words = vec![0, 3, 600, 1, 1100, 20, 0, 3, 600, 2, MISSING, 0];
+        TarIndex {
+            boundaries: vec![0, 2048, 3072],
+            fields: vec!["cls".into(), "jpg".into()],
+            layout: Layout::from_words(2, 2, words),
+        }
+    }
+
+    #[test]
+    fn layouts_round_trip_and_version_1_is_still_read() {
+        let ix = laid_out();
+        assert!(ix.layout.is_some() && ix.fits_shard(3072));
+        assert_eq!(decode(&encode(ID, &ix), ID).unwrap(), Some(ix.clone()));
+        // A version 1 file (what the previous build wrote): same table, no layout.
+        let v1 = with_crc_v(1, b"\x02id\x02\x03cls\x03jpg\x02\x00\x80\x10\x80\x08");
+        let old = decode(&v1, b"id").unwrap().unwrap();
+        assert_eq!(old, TarIndex { layout: None, ..ix });
+        // Layout sections that lie.
+        let v2 = |tail: &[u8]| {
+            let mut body = b"\x02id\x02\x03cls\x03jpg\x01\x00\x80\x10".to_vec();
+            body.extend_from_slice(tail);
+            with_crc_v(2, &body)
+        };
+        assert!(decode(&v2(&[0x00]), b"id").unwrap().unwrap().layout.is_none());
+        assert_eq!(malformed(&v2(&[0x02])), "unknown layout kind");
+        assert_eq!(malformed(&v2(&[0x01, 0x00, 0x01])), "layout larger than the file");
+        assert_eq!(malformed(&v2(&[0x01, 0, 1, 2, 3, 0xff, 0xff, 0xff, 0xff, 0x7f, 0])), "layout word over 32 bits");
+        assert_eq!(malformed(&v2(&[])), "the file ends before the layout");
+        // A layout with a field range past its sample decodes, and is refused by fits_shard.
+        let mut bad = laid_out();
+        bad.layout = Layout::from_words(2, 2, vec![0, 3, 600, 1, 1100, 2000, 0, 3, 600, 2, MISSING, 0]);
+        let back = decode(&encode(ID, &bad), ID).unwrap().unwrap();
+        assert!(!back.fits_shard(3072));
+    }
+
     #[test]
     fn files_round_trip_atomically() {
         let dir = tempfile::tempdir().unwrap();
@@ -379,7 +464,7 @@ mod tests {
             id in prop::collection::vec(any::<u8>(), 0..40),
         ) {
             let boundaries: Vec<u64> = deltas.iter().scan(0u64, |acc, d| { *acc += d; Some(*acc) }).collect();
-            let ix = TarIndex { boundaries, fields: fields.into_iter().collect() };
+            let ix = TarIndex { boundaries, fields: fields.into_iter().collect(), layout: None };
             prop_assert_eq!(decode(&encode(&id, &ix), &id).unwrap(), Some(ix));
         }
 

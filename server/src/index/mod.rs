@@ -3,10 +3,11 @@
 //!
 //! Memory is kept compact on purpose. The dataset-wide part is one prefix sum of sample counts
 //! (8 bytes per shard), so a sample id maps to its shard by binary search. A shard's member table
-//! (8 bytes per sample: the byte offset where each sample starts) is loaded when a stream first
+//! (8 bytes per sample: the byte offset where each sample starts, plus its layout of
+//! `4 x (2 + 2 x fields)` bytes: where its key and fields lie) is loaded when a stream first
 //! needs the shard — from its sidecar, or by scanning the shard's headers — and dropped again when
-//! more than [`MAX_RESIDENT_TABLES`] tables are resident. Sample keys are never held: they are in
-//! the TAR headers read with each sample anyway.
+//! more than [`MAX_RESIDENT_TABLES`] tables or [`MAX_RESIDENT_TABLE_BYTES`] are resident. Sample
+//! keys are never held: the layout says where they are in the shard.
 //!
 //! Shards listed in a manifest are verified (size and CRC-32C) the first time they are used, before
 //! any of their bytes is served.
@@ -42,6 +43,12 @@ pub use registry::{Registry, RegistryLimits};
 /// a time; 8 ranks x 8 workers with a window of 8 shards need ~600, so 4096 leaves room for many
 /// jobs while bounding memory (4096 shards x 1000 samples x 8 bytes = 32 MiB).
 pub const MAX_RESIDENT_TABLES: usize = 4096;
+
+/// Bytes of member tables kept resident at most, per dataset (tables in use by a stream stay
+/// alive through it beyond this). 4096 shards x 1000 samples x 32 bytes (boundary + two-field
+/// layout) is 128 MiB: this keeps the largest case at half that, and the common one (hundreds of
+/// shards in use) unaffected.
+pub const MAX_RESIDENT_TABLE_BYTES: usize = 64 << 20;
 
 /// Threads that scan shard headers when a dataset without manifest is opened. Header scans are
 /// latency-bound on a parallel file system (one small read per member), so a few in parallel help
@@ -589,7 +596,7 @@ impl Dataset {
         if let Some((old, _)) = t.resident.insert(i, (table, clock)) {
             t.bytes -= old.heap_bytes();
         }
-        while t.resident.len() > MAX_RESIDENT_TABLES {
+        while t.resident.len() > MAX_RESIDENT_TABLES || (t.bytes > MAX_RESIDENT_TABLE_BYTES && t.resident.len() > 1) {
             // Linear scan: runs only when a table is loaded past the cap, never per sample.
             let Some(victim) = t.resident.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| *k) else { break };
             if let Some((old, _)) = t.resident.remove(&victim) {
@@ -980,8 +987,11 @@ mod golden {
             let path = dir.path().join(format!("s{len}.tar"));
             std::fs::write(&path, (0..len).map(|i| (i * 31 % 251) as u8).collect::<Vec<u8>>()).unwrap();
             let file = ShardFile::open(path, len as u64).unwrap();
-            let table =
-                ShardTable::Tar(crate::format::tar::TarIndex { boundaries, fields: vec!["cls".into(), "jpg".into()] });
+            let table = ShardTable::Tar(crate::format::tar::TarIndex {
+                boundaries,
+                fields: vec!["cls".into(), "jpg".into()],
+                layout: None,
+            });
             content_digest(&file, &table).unwrap()
         };
         let big = digest(200 << 10, vec![0, 1024, 200 << 10]);
@@ -1000,5 +1010,50 @@ mod golden {
         let dir = Path::new("/cache/index");
         assert_eq!(cache_sidecar_path(dir, &crc), dir.join("03756c516561ee27-train-000000.tar.idx"));
         assert_eq!(cache_sidecar_path(dir, &etag), dir.join("5211c79844b2be77-train-000001.tar.idx"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_tables_are_bounded_in_bytes() {
+        let ds = Dataset::assemble(
+            "/d/",
+            Format::WebDataset,
+            CacheMode::Direct,
+            String::new(),
+            Vec::new(),
+            Vec::new(),
+            false,
+            None,
+            Arc::new(Backends::local()),
+            Vec::new(),
+        );
+        // 1 MiB tables: 100 of them would be 100 MiB.
+        let table = || {
+            let boundaries: Vec<u64> = (0..(1u64 << 17)).map(|i| i * 512).collect();
+            Arc::new(ShardTable::Tar(crate::format::tar::TarIndex { boundaries, fields: Vec::new(), layout: None }))
+        };
+        for i in 0..100 {
+            ds.insert_table(i, table());
+        }
+        let (count, bytes) = ds.resident();
+        assert!(bytes <= MAX_RESIDENT_TABLE_BYTES, "{bytes} bytes resident");
+        assert!(((MAX_RESIDENT_TABLE_BYTES >> 20) - 1..=MAX_RESIDENT_TABLE_BYTES >> 20).contains(&count), "{count}");
+        assert!(ds.table(99).is_some() && ds.table(0).is_none(), "the least recently used go first");
+        // One table larger than the bound is still kept: a stream needs it.
+        let huge: Vec<u64> = (0..(MAX_RESIDENT_TABLE_BYTES as u64 / 4)).collect();
+        ds.insert_table(
+            100,
+            Arc::new(ShardTable::Tar(crate::format::tar::TarIndex {
+                boundaries: huge,
+                fields: Vec::new(),
+                layout: None,
+            })),
+        );
+        assert_eq!(ds.resident().0, 1);
+        assert!(ds.table(100).is_some());
     }
 }

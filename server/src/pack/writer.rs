@@ -224,9 +224,22 @@ impl TarShard {
             self.boundaries.push(self.out.len);
         }
         self.out.append(&ustar::TRAILER)?;
+        let path = self.out.path.clone();
         let (file, len, crc) = self.out.finish()?;
-        Ok((file, len, crc, TarIndex { boundaries: self.boundaries, fields: Vec::new() }))
+        let layout = layout_of(&path, len, &self.boundaries);
+        Ok((file, len, crc, TarIndex { boundaries: self.boundaries, fields: Vec::new(), layout }))
     }
+}
+
+/// The layout of a shard just written (where each sample's key and fields lie, what lets the
+/// daemon and its clients skip the per-sample header parse): one header scan of the file, still
+/// in the page cache. The scan must find the samples where the writer put them; a shard for
+/// which it does not (or cannot be read back) simply gets no layout and is parsed when served.
+fn layout_of(path: &std::path::Path, len: u64, boundaries: &[u64]) -> Option<crate::format::tar::layout::Layout> {
+    // Its own read-only handle: the writer's is write-only, and its cursor is the writer's.
+    let file = File::open(path).ok()?;
+    let scanned = crate::format::tar::index_tar(&file, len).ok()?;
+    (scanned.boundaries == boundaries).then_some(scanned.layout).flatten()
 }
 
 /// Copies a streamed member; the inner Err is a bad input (the file changed under us).
@@ -515,6 +528,9 @@ mod tests {
         assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (len, crc));
         let scanned = index_tar(Cursor::new(&bytes), len).unwrap();
         assert_eq!(scanned.boundaries, ix.boundaries);
+        // The layout a served shard is sliced by comes with it, the same as a scan finds.
+        assert!(ix.layout.is_some());
+        assert_eq!(scanned.layout, ix.layout);
         let keys: Vec<String> = (0..scanned.num_samples())
             .map(|i| {
                 let r = scanned.sample_range(i).unwrap();

@@ -15,9 +15,9 @@ use std::time::Instant;
 
 use shardstream_proto::shardstream_server::Shardstream;
 use shardstream_proto::{
-    CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PackedBatch, PrefetchProgress,
-    PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage, StreamRequest, Transport,
-    stream_message,
+    CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, FieldColumn, OpenRequest, PackedBatch,
+    PrefetchProgress, PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage,
+    StreamRequest, Transport, stream_message,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -371,6 +371,7 @@ fn build_shm_batch(
     ds: &Dataset,
     working: &mut Working,
     session: &Session,
+    fields: &[String],
     ids: &[u64],
     index: u64,
     cancelled: &dyn Fn() -> bool,
@@ -382,7 +383,9 @@ fn build_shm_batch(
         slots: Vec::with_capacity(ids.len()),
         starts: Vec::with_capacity(ids.len()),
         lengths: Vec::with_capacity(ids.len()),
+        ..Default::default()
     };
+    let mut located = Located::new(fields, ids.len());
     // The batch's shards, by shard index: a shuffled batch switches shard at almost every sample,
     // so the session (a lock and a path lookup) is asked once per shard, not once per sample.
     let mut shards: HashMap<usize, (u32, Arc<crate::index::ResidentShard>)> = HashMap::new();
@@ -409,9 +412,93 @@ fn build_shm_batch(
         b.starts.push(range.start);
         b.lengths.push(range.end - range.start);
         bytes += range.end - range.start;
+        located.add(&resident.table, shard, local);
     }
+    located.finish(&mut b);
     session.lease(index, shards.into_values().map(|(_, r)| r.file.path.clone()).collect());
     Ok((StreamMessage { kind: Some(stream_message::Kind::ShmBatch(b)) }, bytes))
+}
+
+/// The per-sample key and field locations of a shm batch (`ShmBatch.key_offsets` and
+/// `fields`), from the member tables' layouts: a client that gets them parses no TAR header. A
+/// batch with any sample of a shard without a layout carries none (the client parses them all).
+struct Located<'a> {
+    fields: &'a [String],
+    ok: bool,
+    key_offsets: Vec<u32>,
+    key_lengths: Vec<u32>,
+    columns: Vec<FieldColumn>,
+    /// The shard field index of each stream field, for the shard last seen (a lookup by name per
+    /// shard switch, not per sample and field).
+    map: (Option<usize>, Vec<Option<usize>>),
+}
+
+impl<'a> Located<'a> {
+    fn new(fields: &'a [String], n: usize) -> Self {
+        let column = |name: &String| FieldColumn {
+            name: name.clone(),
+            starts: Vec::with_capacity(n),
+            lengths: Vec::with_capacity(n),
+            missing: Vec::new(),
+        };
+        Self {
+            fields,
+            ok: true,
+            key_offsets: Vec::with_capacity(n),
+            key_lengths: Vec::with_capacity(n),
+            columns: fields.iter().map(column).collect(),
+            map: (None, Vec::new()),
+        }
+    }
+
+    fn add(&mut self, table: &crate::format::ShardTable, shard: usize, local: u64) {
+        if !self.ok {
+            return;
+        }
+        if self.map.0 != Some(shard) {
+            let names = table.fields();
+            self.map = (Some(shard), self.fields.iter().map(|f| names.iter().position(|n| n == f)).collect());
+        }
+        let i = self.key_offsets.len() as u32;
+        let to_u32 = |r: &std::ops::Range<usize>| Some((u32::try_from(r.start).ok()?, u32::try_from(r.len()).ok()?));
+        let Some((ko, kl)) = table.key_at(local).as_ref().and_then(to_u32) else {
+            self.ok = false;
+            return;
+        };
+        self.key_offsets.push(ko);
+        self.key_lengths.push(kl);
+        for (col, f) in self.columns.iter_mut().zip(&self.map.1) {
+            let at = match f {
+                Some(f) => match table.field_at(local, *f) {
+                    Some(at) => at,
+                    None => {
+                        self.ok = false;
+                        return;
+                    }
+                },
+                None => None,
+            };
+            match at {
+                Some(r) => {
+                    col.starts.push(r.start as u64);
+                    col.lengths.push(r.len() as u64);
+                }
+                None => {
+                    col.starts.push(0);
+                    col.lengths.push(0);
+                    col.missing.push(i);
+                }
+            }
+        }
+    }
+
+    fn finish(self, b: &mut ShmBatch) {
+        if self.ok && self.key_offsets.len() == b.slots.len() {
+            b.key_offsets = self.key_offsets;
+            b.key_lengths = self.key_lengths;
+            b.fields = self.columns;
+        }
+    }
 }
 
 /// Gathers one batch into a ring slot for a packed shm client (blocking), with the `credit` its
@@ -606,7 +693,7 @@ async fn produce(
             }
             let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
             let built = match session {
-                Some(s) => build_shm_batch(ds, &mut working, s, ids, index, &cancelled),
+                Some(s) => build_shm_batch(ds, &mut working, s, fields, ids, index, &cancelled),
                 None => build_batch(ds, &mut working, fields, all_fields, ids, index),
             };
             working.end_batch();

@@ -46,6 +46,7 @@
 
 mod entry;
 mod header;
+pub mod layout;
 mod naming;
 mod sample;
 mod scan;
@@ -156,6 +157,8 @@ pub struct TarIndex {
     pub boundaries: Vec<u64>,
     /// Sorted, distinct field names seen in the shard.
     pub fields: Vec<String>,
+    /// Where each sample's key and fields lie, when the scan could record it (see [`layout`]).
+    pub layout: Option<layout::Layout>,
 }
 
 impl TarIndex {
@@ -184,7 +187,9 @@ impl TarIndex {
     /// True when the ranges never go back and end within a shard of `shard_len` bytes: what an
     /// index from elsewhere (a sidecar) must satisfy before its ranges size any read.
     pub fn fits_shard(&self, shard_len: u64) -> bool {
-        self.boundaries.windows(2).all(|w| w[0] <= w[1]) && self.boundaries.last().is_none_or(|&end| end <= shard_len)
+        self.boundaries.windows(2).all(|w| w[0] <= w[1])
+            && self.boundaries.last().is_none_or(|&end| end <= shard_len)
+            && self.layout.as_ref().is_none_or(|l| l.fits(&self.boundaries))
     }
 
     /// Bytes of heap memory the index holds.
@@ -192,5 +197,6 @@ impl TarIndex {
         self.boundaries.capacity() * size_of::<u64>()
             + self.fields.capacity() * size_of::<String>()
             + self.fields.iter().map(String::capacity).sum::<usize>()
+            + self.layout.as_ref().map_or(0, layout::Layout::heap_bytes)
     }
 }

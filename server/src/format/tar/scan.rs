@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use std::io::{Read, Seek};
 
 use super::entry::*;
+use super::layout::LayoutBuilder;
 use super::naming::*;
 use super::{TarError, TarIndex};
 
@@ -48,6 +49,7 @@ pub fn index_tar<R: Read + Seek>(reader: R, shard_len: u64) -> Result<TarIndex, 
     let mut fields = BTreeSet::new();
     let mut key = String::new();
     let mut sample_fields = FieldList::default();
+    let mut layout = LayoutBuilder::default();
     let mut end = 0;
     let mut offset = 0;
     while let Some(e) = next_entry(&mut src, offset, offset == 0)? {
@@ -63,8 +65,12 @@ pub fn index_tar<R: Read + Seek>(reader: R, shard_len: u64) -> Result<TarIndex, 
             key.clear();
             key.push_str(k);
             sample_fields.clear();
+            layout.sample(e.start, key_range(&e.name, matches!(name, Cow::Borrowed(_)), k.len()));
         } else if sample_fields.contains(&field) {
             return Err(TarError::DuplicateField { offset: e.header, key, field: field.into_owned() });
+        }
+        if let Some(&start) = boundaries.last() {
+            layout.member(start, &field, e.data, e.size);
         }
         sample_fields.push(&field);
         if !fields.contains(&*field) {
@@ -76,5 +82,23 @@ pub fn index_tar<R: Read + Seek>(reader: R, shard_len: u64) -> Result<TarIndex, 
         boundaries.push(end);
     }
     boundaries.shrink_to_fit();
-    Ok(TarIndex { boundaries, fields: fields.into_iter().collect() })
+    let fields: Vec<String> = fields.into_iter().collect();
+    let layout = layout.finish(&fields);
+    Ok(TarIndex { boundaries, fields, layout })
+}
+
+/// The shard bytes of a key that is the first `key_len` bytes of the member name at `loc`, when
+/// the name is one contiguous UTF-8 range of the shard (not a ustar `prefix` + `name`, which is
+/// joined, nor a name made valid by lossy decoding).
+/// `as_is`: the name was valid UTF-8 as stored.
+fn key_range(loc: &NameLoc, as_is: bool, key_len: usize) -> Option<std::ops::Range<u64>> {
+    if !as_is {
+        return None;
+    }
+    let r = match loc {
+        NameLoc::Header { prefix: None, name } => name,
+        NameLoc::Long(r) | NameLoc::Pax(r) => r,
+        NameLoc::Header { prefix: Some(_), .. } => return None,
+    };
+    Some(r.start..r.start.checked_add(key_len as u64)?)
 }

@@ -12,7 +12,7 @@ use super::*;
 
 #[test]
 fn largest_sample_is_the_first_of_the_largest() {
-    let index = |b: &[u64]| TarIndex { boundaries: b.to_vec(), fields: Vec::new() };
+    let index = |b: &[u64]| TarIndex { boundaries: b.to_vec(), fields: Vec::new(), layout: None };
     assert_eq!(index(&[]).largest_sample(), None);
     assert_eq!(index(&[512]).largest_sample(), None);
     assert_eq!(index(&[0, 1024, 3072, 4096, 6144]).largest_sample(), Some((1, 2048)));
@@ -407,8 +407,8 @@ fn empty_archives() {
     add_file(&mut b, Style::Ustar, "only/README", b"x");
     let bytes = b.into_inner().unwrap();
     assert_eq!(index(&bytes).unwrap(), TarIndex::default());
-    assert_eq!(TarIndex { boundaries: vec![512], fields: vec![] }.num_samples(), 0);
-    let ix = TarIndex { boundaries: vec![0, 1024, 512], fields: vec![] };
+    assert_eq!(TarIndex { boundaries: vec![512], fields: vec![], layout: None }.num_samples(), 0);
+    let ix = TarIndex { boundaries: vec![0, 1024, 512], fields: vec![], layout: None };
     assert!(!ix.fits_shard(4096) && TarIndex::default().fits_shard(0));
     assert!(index(&bytes).unwrap().fits_shard(bytes.len() as u64));
 }
@@ -667,6 +667,24 @@ proptest! {
         prop_assert_eq!(ix.fields.iter().cloned().collect::<BTreeSet<_>>(), fields);
         prop_assert_eq!(ix.boundaries.windows(2).filter(|w| w[0] < w[1]).count(), ix.num_samples());
         prop_assert_eq!(samples_of(&bytes).unwrap(), expected);
+        // The layout recorded while indexing says what parsing each sample says.
+        let layout = ix.layout.as_ref();
+        // Only a key split over a ustar `prefix` (a path over 100 bytes) cannot be recorded.
+        let split = members.iter().any(|m| matches!(m, Gen::File { style: Style::Ustar, path, .. } if path.len() > 100));
+        prop_assert!(layout.is_some() || split || ix.num_samples() == 0, "no layout");
+        if let Some(layout) = layout {
+            prop_assert!(ix.fits_shard(bytes.len() as u64));
+            for i in 0..ix.num_samples() {
+                let r = ix.sample_range(i).unwrap();
+                let buf = &bytes[r.start as usize..r.end as usize];
+                let view = parse_sample(buf).unwrap();
+                prop_assert_eq!(&buf[layout.key(i).unwrap()], view.key.as_bytes());
+                for (f, name) in ix.fields.iter().enumerate() {
+                    let want = view.members.iter().find(|m| m.field == name.as_str()).map(|m| m.data.clone());
+                    prop_assert_eq!(layout.field(i, f).unwrap(), want);
+                }
+            }
+        }
     }
 
     #[test]
