@@ -5,8 +5,11 @@
 //! a sample is a row, the table is its row groups) is a new variant here and nothing else changes.
 //!
 //! - [`tar`]: WebDataset TAR shards (ustar, GNU long names, PAX), indexed from headers only.
+//! - [`parquet`]: Parquet files (a sample is a row), indexed from their footers; batches leave as
+//!   Arrow IPC.
 //! - [`sidecar`]: the on-disk form of a shard's member table, so restarts do not rescan.
 
+pub mod parquet;
 pub mod sidecar;
 pub mod tar;
 
