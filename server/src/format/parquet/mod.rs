@@ -21,6 +21,7 @@
 
 pub mod decode;
 pub mod footer;
+pub mod ipc;
 pub mod schema;
 
 pub use footer::ParquetTable;
