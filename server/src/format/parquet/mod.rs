@@ -20,8 +20,10 @@
 //!   a shuffle window of row groups is decoded about once per epoch and node.
 
 pub mod decode;
+pub mod decoded;
 pub mod footer;
 pub mod ipc;
+pub mod pqidx;
 pub mod schema;
 
 pub use footer::ParquetTable;
