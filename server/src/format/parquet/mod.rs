@@ -16,9 +16,12 @@
 //! - [`decode`]: decodes one row group of the selected columns; only their column chunks are read.
 //! - [`ipc`]: gathers rows of decoded row groups into one record batch and writes it as an Arrow
 //!   IPC stream (schema + one batch, uncompressed, 64-byte aligned) into a ring slot or a `Vec`.
+//! - [`dataset`]: the files of a dataset as plan units (row groups) and the assembly of a batch
+//!   from row ids.
 //! - [`decoded`]: the daemon-wide, byte-bounded cache of decoded row groups that streams share, so
 //!   a shuffle window of row groups is decoded about once per epoch and node.
 
+pub mod dataset;
 pub mod decode;
 pub mod decoded;
 pub mod footer;
