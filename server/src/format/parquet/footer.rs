@@ -234,6 +234,11 @@ impl ParquetTable {
 fn chunk_range(rg: &RowGroupMetaData, col: usize) -> Option<Range<u64>> {
     let c = rg.column(col);
     let data = u64::try_from(c.data_page_offset()).ok()?;
+    // The reader takes a chunk's start from its dictionary offset whenever there is one (and
+    // asserts it is not negative): a negative one is damage, refused here.
+    if c.dictionary_page_offset().is_some_and(|d| d < 0) {
+        return None;
+    }
     // Some old writers record a dictionary offset of 0 for chunks without a dictionary.
     let start = match c.dictionary_page_offset().and_then(|d| u64::try_from(d).ok()) {
         Some(d) if d > 0 && d <= data => d,
