@@ -103,6 +103,6 @@ mod tests {
         let h = SlotHeader::decode(slot[..SLOT_HEADER_BYTES].try_into().unwrap());
         assert_eq!((h.n_fields, h.batch_index, h.n_samples, h.payload_bytes), (0, 2, 3, stream.len() as u64));
         assert_eq!(read(&slot[64..64 + stream.len()]), batch());
-        assert!(fill_slot(&mut vec![0u8; 100], 2, 3, &stream).is_err());
+        assert!(fill_slot(&mut [0u8; 100], 2, 3, &stream).is_err());
     }
 }
