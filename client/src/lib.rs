@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use hyper_util::rt::TokioIo;
 use shardstream_proto::shardstream_client::ShardstreamClient;
-use shardstream_proto::{DatasetInfo, OpenRequest, StreamHeader, StreamRequest, stream_message};
+use shardstream_proto::{BatchFormat, DatasetInfo, OpenRequest, StreamHeader, StreamRequest, stream_message};
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -230,6 +230,22 @@ impl Drop for BatchStream {
     }
 }
 
+/// Ok when a stream's batches (`StreamHeader.batch_format`) are samples ([`BatchFormat::Samples`]: inline, shared-memory
+/// descriptors of TAR members, or packed slots), the only format this client reads. Arrow record
+/// batches (Parquet datasets) and formats of a newer daemon get an error naming them.
+pub fn samples_format(batch_format: i32) -> Result<(), ClientError> {
+    match BatchFormat::try_from(batch_format) {
+        Ok(BatchFormat::Samples) => Ok(()),
+        Ok(BatchFormat::Arrow) => Err(ClientError::Protocol(
+            "the stream carries Arrow record batches (a Parquet dataset), which this client does not read yet".into(),
+        )),
+        Err(_) => Err(ClientError::Protocol(format!(
+            "the stream carries batch format {}, unknown to this client (is the daemon newer?)",
+            batch_format
+        ))),
+    }
+}
+
 /// Starts a stream and waits for its header (so request errors surface here).
 pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStream, ClientError> {
     let mut inner = client.stream_batches(req).await?.into_inner();
@@ -237,6 +253,9 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
         Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::Header(h)) }) => h,
         other => return Err(ClientError::Protocol(format!("expected a stream header, got {other:?}"))),
     };
+    // Before anything is attached or parsed: batches of a format this client cannot read must
+    // never reach code that would read them as another (an Arrow stream parsed as TAR members).
+    samples_format(header.batch_format)?;
     let shm = if header.transport == shardstream_proto::Transport::Shm as i32 {
         let socket = std::path::PathBuf::from(&header.shm_socket);
         let token = header.shm_token.clone();
@@ -268,6 +287,9 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::PackedBatch(b)) })) => {
                     received += 1;
                     Ok(Batch::Packed(b))
+                }
+                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(_)) })) => {
+                    Err(ClientError::Protocol("an Arrow batch in a stream of samples".into()))
                 }
                 Ok(Some(_)) => Err(ClientError::Protocol("unexpected message kind in batch stream".into())),
                 // A stream that ends early must never look like the end of an epoch.
@@ -316,6 +338,15 @@ mod tests {
             assert!(!is_transport_failure(&s), "{code:?}");
             assert!(matches!(ClientError::from(s), ClientError::Status(_)), "{code:?}");
         }
+    }
+
+    #[test]
+    fn only_sample_streams_are_read() {
+        samples_format(BatchFormat::Samples as i32).unwrap();
+        let arrow = samples_format(BatchFormat::Arrow as i32).unwrap_err().to_string();
+        assert!(arrow.contains("Arrow"), "{arrow}");
+        let newer = samples_format(7).unwrap_err().to_string();
+        assert!(newer.contains("batch format 7"), "{newer}");
     }
 
     #[test]

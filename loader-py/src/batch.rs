@@ -201,7 +201,11 @@ impl Batch {
         b: shardstream_client::Batch,
         session: Option<Arc<ShmSession>>,
         fields: Arc<Vec<String>>,
+        batch_format: i32,
     ) -> PyResult<Self> {
+        // Every kind below is read as samples (TAR members in shared memory, inline fields,
+        // packed slots): a batch of any other format must never get that far.
+        shardstream_client::samples_format(batch_format).map_err(crate::errors::to_pyerr)?;
         let lease = |session: &Arc<ShmSession>, batch| {
             Arc::new(Lease { session: session.clone(), batch, released: AtomicBool::new(false) })
         };
