@@ -174,3 +174,77 @@ async fn missing_columns_and_bad_files_get_their_status_codes() {
     fx.shutdown.cancel();
     fx.server.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_row() {
+    let fx = start().await;
+    let dir = fx.tmp.path().join("indexed");
+    write_dataset(&dir);
+    let url = dir.display().to_string();
+    let summary = tokio::task::spawn_blocking({
+        let url = url.clone();
+        move || shardstream::index::build::index_dataset(&url, 2, None, &())
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(summary.manifest.shard_format, "parquet");
+    assert_eq!(summary.manifest.shards.iter().map(|s| s.samples).sum::<u64>(), 400);
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let info = shardstream_client::open(&mut client, &url, "").await.unwrap();
+    assert!(info.from_manifest);
+    assert_eq!(info.num_samples, 400);
+    let mut all = Vec::new();
+    for worker in 0..2 {
+        for (rows, _) in arrow_batches(&mut client, request(&dir, 0, worker, &["id"])).await.unwrap() {
+            all.extend(rows);
+        }
+    }
+    assert_eq!(all.len(), 200);
+
+    // The same bytes count, one data byte changed: the manifest's CRC catches it at first use.
+    let copy = fx.tmp.path().join("tampered");
+    std::fs::create_dir_all(copy.join("_shardstream")).unwrap();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, copy.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    for e in std::fs::read_dir(dir.join("_shardstream")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, copy.join("_shardstream").join(p.file_name().unwrap())).unwrap();
+    }
+    let target = copy.join("b.parquet");
+    let mut bytes = std::fs::read(&target).unwrap();
+    bytes[100] ^= 0x01;
+    std::fs::write(&target, bytes).unwrap();
+    let mut req = request(&copy, 0, 0, &["id"]);
+    req.world_size = 1;
+    req.num_workers = 1;
+    req.shuffle = false;
+    let mut s = client.stream_batches(req).await.unwrap().into_inner();
+    let mut served = 0;
+    let err = loop {
+        match s.message().await {
+            Ok(Some(m)) => {
+                if let Some(stream_message::Kind::ArrowBatch(b)) = m.kind {
+                    // Rows of a.parquet (ids 0..130) may come first; never one of b.parquet.
+                    assert!(
+                        b.row_ids.iter().all(|&r| r < 130),
+                        "a row of the tampered file was served: {:?}",
+                        b.row_ids
+                    );
+                    served += b.row_ids.len();
+                }
+            }
+            Ok(None) => panic!("the stream ended without an error"),
+            Err(e) => break e,
+        }
+    };
+    assert!(served <= 130);
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+    assert!(err.message().contains("b.parquet"), "{err:?}");
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}

@@ -246,7 +246,9 @@ fn plan_stream(
             let selection = (!req.fields.is_empty()).then_some(&fields[..]);
             let projection = pq.projection(selection)?;
             let cache = crate::format::parquet::decoded::shared();
-            Some(Arc::new(BatchAssembler::new(pq.clone(), projection, cache, &ds.fingerprint)?))
+            // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
+            let id = format!("{}@{}", ds.fingerprint, ds.url);
+            Some(Arc::new(BatchAssembler::new(pq.clone(), projection, cache, &id)?))
         }
         None => None,
     };
@@ -496,7 +498,15 @@ fn build_arrow_batch(
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
     let (batch, waited) = {
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
-        working.preload(ds, &first_row_of_each_file(ds, ids))?;
+        let touched = first_row_of_each_file(ds, ids);
+        working.preload(ds, &touched)?;
+        // Every file the batch draws on is opened (and verified against the manifest) even when
+        // its row groups are already decoded: a decoded row group never stands in for a check.
+        for &id in &touched {
+            if let Some((shard, _)) = ds.locate(id) {
+                working.get(ds, shard)?;
+            }
+        }
         let batch = asm.batch(ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
         working.end_batch();
         (batch?, working.take_wait())
