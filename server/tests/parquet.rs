@@ -197,3 +197,25 @@ fn a_corrupt_page_is_a_shard_error_naming_the_file_never_garbage() {
     }
     assert_eq!(seen.len(), 20);
 }
+
+#[test]
+fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
+    // Written by pyarrow: x snappy, y gzip (this build decodes snappy, zstd and uncompressed).
+    let bytes = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gzip_y.parquet")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &[("g.parquet", bytes)]).unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let x = ds.projection(Some(&["x".to_string()])).unwrap();
+    let asm = BatchAssembler::new(ds.clone(), x, cache.clone(), "g").unwrap();
+    assert_eq!(ids_of(&asm.batch(&[3, 19], &files).unwrap(), "x"), [3, 19]);
+    let all = ds.projection(None).unwrap();
+    let e = BatchAssembler::new(ds.clone(), all, cache, "g").unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("g.parquet") && m.contains("\"y\"") && m.contains("GZIP")),
+        "{e}"
+    );
+}
+
+fn ids_of(b: &RecordBatch, col: &str) -> Vec<i64> {
+    b.column_by_name(col).unwrap().as_primitive::<Int64Type>().values().to_vec()
+}

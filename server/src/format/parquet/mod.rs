@@ -59,6 +59,11 @@ pub enum ParquetError {
     /// A selected column whose type differs from the dataset's (first file's).
     #[error("column {column:?} is {found} here but {expected} in the dataset's first file")]
     TypeMismatch { column: String, expected: String, found: String },
+    /// A selected column compressed with a codec this build does not decode.
+    #[error(
+        "column {column:?} is compressed with {codec}, which this build does not decode (snappy, zstd and uncompressed are)"
+    )]
+    UnsupportedCodec { column: String, codec: String },
     #[error("Arrow IPC: {0}")]
     Ipc(String),
     /// The batch does not fit the slot it must be written into.
@@ -74,9 +79,9 @@ impl ParquetError {
     /// else is a damaged shard.
     pub fn into_error(self, file: &str) -> Error {
         match self {
-            e @ (ParquetError::MissingColumn { .. } | ParquetError::TypeMismatch { .. }) => {
-                Error::InvalidArgument(format!("Parquet file {file}: {e}"))
-            }
+            e @ (ParquetError::MissingColumn { .. }
+            | ParquetError::TypeMismatch { .. }
+            | ParquetError::UnsupportedCodec { .. }) => Error::InvalidArgument(format!("Parquet file {file}: {e}")),
             e @ (ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }) => {
                 Error::Internal(format!("Parquet file {file}: {e}"))
             }

@@ -104,6 +104,7 @@ impl Projection {
         sorted.sort_unstable();
         let reorder = roots.iter().map(|r| sorted.partition_point(|s| s < r)).collect();
         let mask = ProjectionMask::roots(table.reader_metadata().parquet_schema(), sorted);
+        check_codecs(table, &mask)?;
         Ok(FileProjection { mask, reorder, schema: self.schema.clone() })
     }
 }
@@ -123,6 +124,29 @@ impl FileProjection {
             reason: format!("decoded columns do not match the dataset schema: {e}"),
         })
     }
+}
+
+/// Refuses, before any batch, a selected column chunk whose codec this build cannot decode (a
+/// `ValueError`-kind error naming the column and codec, not a corrupt-data error mid-epoch).
+fn check_codecs(table: &ParquetTable, mask: &ProjectionMask) -> Result<(), ParquetError> {
+    use parquet::basic::Compression;
+    for rg in table.reader_metadata().metadata().row_groups() {
+        for (i, c) in rg.columns().iter().enumerate() {
+            if !mask.leaf_included(i) {
+                continue;
+            }
+            match c.compression() {
+                Compression::UNCOMPRESSED | Compression::SNAPPY | Compression::ZSTD(_) => {}
+                other => {
+                    return Err(ParquetError::UnsupportedCodec {
+                        column: c.column_path().string(),
+                        codec: other.to_string(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn missing(schema: &Schema, column: &str) -> ParquetError {
