@@ -248,3 +248,51 @@ async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_ro
     fx.shutdown.cancel();
     fx.server.await.unwrap().unwrap();
 }
+
+/// Over shared memory: each ArrowBatch names a slot of the stream's packed ring, whose header
+/// says n_fields 0, the batch's rows and the stream length, and whose bytes from
+/// ARROW_DATA_OFFSET are the IPC stream; releasing batches lets a stream longer than the ring's
+/// slots finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_shared_memory_each_batch_is_an_ipc_stream_in_a_ring_slot() {
+    use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
+    let fx = start().await;
+    let dir = fx.tmp.path().join("pq");
+    write_dataset(&dir);
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let mut req = request(&dir, 0, 0, &["id", "text"]);
+    (req.world_size, req.num_workers, req.batch_size, req.transport) = (1, 1, 10, Transport::Shm as i32);
+    let mut s = client.stream_batches(req).await.unwrap().into_inner();
+    let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!("no header") };
+    assert_eq!(h.transport, Transport::Shm as i32);
+    assert_eq!(h.batch_format, BatchFormat::Arrow as i32);
+    assert!(h.packed);
+    let session = shardstream_client::shm::ShmSession::attach(Path::new(&h.shm_socket), &h.shm_token).unwrap();
+    let mut seen = Vec::new();
+    while let Some(m) = s.message().await.unwrap() {
+        let Some(stream_message::Kind::ArrowBatch(b)) = m.kind else { panic!("expected Arrow batches") };
+        assert!(b.data.is_empty(), "shm batches carry no bytes inline");
+        let ring = session.ring(b.ring).unwrap();
+        let slot = ring.slot(b.slot).unwrap();
+        let head = SlotHeader::decode(slot[..SLOT_HEADER_BYTES].try_into().unwrap());
+        assert_eq!(
+            (head.n_fields, head.batch_index, head.n_samples, head.payload_bytes),
+            (0, b.batch_index, b.row_ids.len() as u64, b.length)
+        );
+        let start = ARROW_DATA_OFFSET as usize;
+        let stream = &slot[start..start + b.length as usize];
+        let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(stream.to_vec()), None).unwrap();
+        let batch = r.next().unwrap().unwrap();
+        assert_eq!(ids(&batch), b.row_ids);
+        for (k, &id) in b.row_ids.iter().enumerate() {
+            assert_eq!(batch.column(1).as_string::<i64>().value(k), format!("row-{id:06}"));
+        }
+        seen.extend(b.row_ids);
+        session.release(b.batch_index);
+    }
+    assert!(seen.len() / 10 > 8, "more batches than ring slots");
+    seen.sort_unstable();
+    assert_eq!(seen, (0..400).collect::<Vec<u64>>());
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
