@@ -301,7 +301,6 @@ fn parquet_shards_hold_keys_and_fields() {
     o.row_group_rows = 16;
     o.compression = pack::ParquetCompression::Zstd;
     let s = pack::pack(&o, &()).unwrap();
-    // The daemon's reader refuses non-webdataset manifests today; read the JSON directly.
     let m: Manifest = serde_json::from_slice(&std::fs::read(dest.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m, s.manifest);
     assert_eq!(m.shard_format, "parquet");
@@ -338,6 +337,38 @@ fn parquet_shards_hold_keys_and_fields() {
         }
     }
     assert_eq!(got, expected);
+    served_as_is(&dest, &expected);
+}
+
+/// The daemon serves `pack --format parquet` output as it is: the manifest's shards, the files'
+/// footers, and every row's fields through the Arrow batch path.
+fn served_as_is(dest: &Path, expected: &Samples) {
+    use arrow_array::Array;
+    use arrow_array::cast::AsArray;
+    use shardstream::format::parquet::dataset::{BatchAssembler, FileReader};
+    use shardstream::format::parquet::decoded::DecodedCache;
+    struct Files<'a>(&'a shardstream::index::Dataset);
+    impl FileReader for Files<'_> {
+        fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> shardstream::Result<()> {
+            self.0.shard(file)?.file.read_exact_at(buf, offset)
+        }
+    }
+    let ds = shardstream::index::Dataset::open(dest.to_str().unwrap(), None).unwrap();
+    assert!(ds.from_manifest);
+    assert_eq!((ds.format.name(), ds.num_samples()), ("parquet", expected.len() as u64));
+    assert_eq!(ds.fields, ["__key__", "jpg", "json"]);
+    let pq = ds.parquet.clone().unwrap();
+    let cache = std::sync::Arc::new(DecodedCache::new(64 << 20));
+    let asm = BatchAssembler::new(pq.clone(), pq.projection(None).unwrap(), cache, "pack").unwrap();
+    let ids: Vec<u64> = (0..ds.num_samples()).rev().collect();
+    let batch = asm.batch(&ids, &Files(&ds)).unwrap();
+    let (keys, jpg, json) =
+        (batch.column(0).as_string::<i32>(), batch.column(1).as_binary::<i32>(), batch.column(2).as_binary::<i32>());
+    for row in 0..batch.num_rows() {
+        let want = &expected[keys.value(row)];
+        assert_eq!(jpg.value(row), want["jpg"].as_slice());
+        assert_eq!(json.is_null(row), !want.contains_key("json"));
+    }
 }
 
 /// A tree with one bad input of each kind, and how each is named.
