@@ -30,7 +30,9 @@ TOKEN_A = "tok-A-9f8e7d6c5b4a39281706"
 TOKEN_B = "tok-B-0a1b2c3d4e5f60718293"
 WRONG = "tok-W-deadbeefdeadbeef0000"
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command makes the test certificates")
+pytestmark = pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="the openssl command makes the test certificates"
+)
 
 
 def _openssl(*args: str, cwd: Path) -> None:

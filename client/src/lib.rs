@@ -215,7 +215,10 @@ impl Credentials {
             )));
         }
         let text = std::fs::read_to_string(path).map_err(|e| {
-            ClientError::Credentials(format!("cannot read the token file {} (SHARDSTREAM_TOKEN_FILE): {e}", path.display()))
+            ClientError::Credentials(format!(
+                "cannot read the token file {} (SHARDSTREAM_TOKEN_FILE): {e}",
+                path.display()
+            ))
         })?;
         let token = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or_default();
         let mut v: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().map_err(|_| {
@@ -237,8 +240,13 @@ impl Credentials {
                 "a tls:// address needs the daemon's CA certificate: set SHARDSTREAM_TLS_CA to its PEM file".into(),
             )
         })?;
-        let name = self.tls_server_name.clone().unwrap_or_else(|| host.trim_start_matches('[').trim_end_matches(']').to_owned());
-        let mut cfg = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca, "SHARDSTREAM_TLS_CA")?)).domain_name(name);
+        let name = self
+            .tls_server_name
+            .clone()
+            .unwrap_or_else(|| host.trim_start_matches('[').trim_end_matches(']').to_owned());
+        let mut cfg = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read(ca, "SHARDSTREAM_TLS_CA")?))
+            .domain_name(name);
         match (&self.tls_client_cert, &self.tls_client_key) {
             (Some(c), Some(k)) => {
                 cfg = cfg.identity(Identity::from_pem(

@@ -314,7 +314,8 @@ mod tests {
 
     #[test]
     fn bad_rules_are_named() {
-        let e = AllowList::new(&[AllowRule { uid: None, gid: None, client: None, roots: vec!["data".into()] }]).unwrap_err();
+        let e = AllowList::new(&[AllowRule { uid: None, gid: None, client: None, roots: vec!["data".into()] }])
+            .unwrap_err();
         assert!(e.to_string().contains("allow[0].roots"), "{e}");
         let e = AllowList::new(&[AllowRule { uid: None, gid: None, client: None, roots: vec![] }]).unwrap_err();
         assert!(e.to_string().contains("allow[0]"), "{e}");
@@ -356,7 +357,12 @@ mod tests {
             assert!(matches!(&e, Error::PermissionDenied { path, .. } if path == url), "{who} {url}: {e:?}");
         }
         assert!(l.check(Some(Peer { uid: 1000, gid: 1 }), "/nonexistent-root/local/x").is_ok());
-        let both = AllowList::new(&[AllowRule { uid: Some(1), gid: None, client: Some("x".into()), roots: vec!["/a".into()] }]);
+        let both = AllowList::new(&[AllowRule {
+            uid: Some(1),
+            gid: None,
+            client: Some("x".into()),
+            roots: vec!["/a".into()],
+        }]);
         assert!(both.unwrap_err().to_string().contains("not both"));
     }
 }

@@ -117,13 +117,18 @@ impl BoundDaemon {
             Address::Tcp(hp) | Address::Tls(hp) => {
                 security = config.remote.check(hp)?;
                 if matches!(config.listen, Address::Tls(_)) && security.tls.is_none() {
-                    return Err(Error::invalid(format!("{}: a tls:// listener needs --tls-cert and --tls-key", config.listen)));
+                    return Err(Error::invalid(format!(
+                        "{}: a tls:// listener needs --tls-cert and --tls-key",
+                        config.listen
+                    )));
                 }
                 (Listener::Tcp(TcpListener::bind(hp).await.map_err(|e| Error::io("cannot listen on", hp, e))?), None)
             }
         };
         if matches!(config.listen, Address::Unix(_)) && config.remote.any() {
-            tracing::warn!("--tls-*, --token-file and --insecure apply to TCP listeners only; ignored on a Unix socket");
+            tracing::warn!(
+                "--tls-*, --token-file and --insecure apply to TCP listeners only; ignored on a Unix socket"
+            );
         }
         Ok(Self { listener, security, shm, config, metrics: Arc::default() })
     }

@@ -315,6 +315,10 @@ mod tests {
         // The same URL fits a stream request's larger bound, and nothing exceeds the decoding limit.
         let stream = shardstream_proto::StreamRequest { url: "x".repeat(20 << 10), ..Default::default() };
         assert!(check_request("StreamBatches", &stream).is_ok());
-        assert!(["Status", "OpenDataset", "Prefetch", "StreamBatches"].iter().all(|r| request_limit(r) <= MAX_REQUEST_BYTES));
+        assert!(
+            ["Status", "OpenDataset", "Prefetch", "StreamBatches"]
+                .iter()
+                .all(|r| request_limit(r) <= MAX_REQUEST_BYTES)
+        );
     }
 }

@@ -85,9 +85,9 @@ impl RemoteOptions {
                         .into()));
                 }
                 // Parse the PEM now, so a bad certificate or key stops the daemon at start.
-                tonic::transport::Server::builder()
-                    .tls_config(tls.clone())
-                    .map_err(|e| bad(format!("bad TLS certificate or key ({}, {}): {e}", cert.display(), key.display())))?;
+                tonic::transport::Server::builder().tls_config(tls.clone()).map_err(|e| {
+                    bad(format!("bad TLS certificate or key ({}, {}): {e}", cert.display(), key.display()))
+                })?;
                 Ok(RemoteSecurity { tls: Some(tls), tokens, mutual_tls: self.tls_client_ca.is_some() })
             }
             (Some(_), None) | (None, Some(_)) => Err(bad("--tls-cert and --tls-key go together".into())),
@@ -273,7 +273,8 @@ mod tests {
 
     #[test]
     fn token_file_is_parsed_and_errors_never_show_a_token() {
-        let t = Tokens::parse(&format!("# trainers\n\ntrainer-a:{SECRET}\n trainer-b : another-token-abcdef \n")).unwrap();
+        let t =
+            Tokens::parse(&format!("# trainers\n\ntrainer-a:{SECRET}\n trainer-b : another-token-abcdef \n")).unwrap();
         assert_eq!(t.len(), 2);
         assert_eq!(t.identify(SECRET.as_bytes()), Some("trainer-a"));
         assert_eq!(t.identify(b"another-token-abcdef"), Some("trainer-b"));

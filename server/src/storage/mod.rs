@@ -148,7 +148,8 @@ pub fn expand_braces(pattern: &str) -> Result<Vec<String>> {
 }
 
 fn expand_unchecked(pattern: &str) -> Result<Vec<String>> {
-    let too_big = || Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_BYTES} bytes of names"));
+    let too_big =
+        || Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_BYTES} bytes of names"));
     let mut out = vec![String::new()];
     // Total length of the names in `out`.
     let mut bytes = 0usize;
