@@ -143,7 +143,7 @@ def creds(pki: Path, token: str | None = "a", ca: str = "ca") -> dict[str, str |
 
 def tls_args(pki: Path) -> list[str]:
     return ["--tls-cert", str(pki / "daemon.pem"), "--tls-key", str(pki / "daemon.key"),
-            "--token-file", str(pki / "tokens")]  # fmt: skip
+            "--tokens", str(pki / "tokens")]  # fmt: skip
 
 
 @pytest.fixture
@@ -202,7 +202,7 @@ def test_plaintext_is_refused_without_insecure(pki: Path) -> None:
     # TLS alone does not say who may connect.
     _serve_refused(
         ["--listen", f"tcp://127.0.0.1:{free_port()}", "--tls-cert", str(pki / "daemon.pem"),
-         "--tls-key", str(pki / "daemon.key")], "--token-file",
+         "--tls-key", str(pki / "daemon.key")], "--tokens",
     )  # fmt: skip
 
 
@@ -229,10 +229,10 @@ def test_bad_certificate_files_are_named_at_start(tmp_path: Path, pki: Path) -> 
     bad.write_text("not a certificate\n")
     _serve_refused(
         ["--listen", f"tcp://127.0.0.1:{free_port()}", "--tls-cert", str(bad), "--tls-key", str(pki / "daemon.key"),
-         "--token-file", str(pki / "tokens")], "bad TLS certificate or key",
+         "--tokens", str(pki / "tokens")], "bad TLS certificate or key",
     )  # fmt: skip
     _serve_refused(
-        ["--listen", f"tcp://127.0.0.1:{free_port()}", "--insecure", "--token-file", str(tmp_path / "missing")],
+        ["--listen", f"tcp://127.0.0.1:{free_port()}", "--insecure", "--tokens", str(tmp_path / "missing")],
         "missing",
     )
 

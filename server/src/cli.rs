@@ -142,7 +142,7 @@ pub struct ServeArgs {
     #[arg(long, env = "SHARDSTREAM_DRAIN_TIMEOUT", default_value_t = crate::daemon::DEFAULT_DRAIN_TIMEOUT.as_secs_f64(), value_parser = parse_seconds)]
     pub drain_timeout: f64,
     /// TLS certificate chain (PEM) of a TCP listener. A TCP listener needs TLS plus
-    /// --token-file and/or --tls-client-ca, or --insecure on a loopback address.
+    /// --tokens and/or --tls-client-ca, or --insecure on a loopback address.
     #[arg(long, env = "SHARDSTREAM_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
     /// Private key (PEM) of --tls-cert.
@@ -153,7 +153,7 @@ pub struct ServeArgs {
     pub tls_client_ca: Option<PathBuf>,
     /// Bearer tokens of TCP clients: one NAME:TOKEN per line; the allow list's `client` key
     /// matches NAME. Tokens are never logged.
-    #[arg(long, env = "SHARDSTREAM_TOKEN_FILE")]
+    #[arg(long = "tokens", env = "SHARDSTREAM_TOKENS")]
     pub token_file: Option<PathBuf>,
     /// Allow plaintext TCP (no TLS). Refused unless the listen address is loopback.
     #[arg(long, env = "SHARDSTREAM_INSECURE")]

@@ -170,7 +170,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("tls-cert", args.tls_cert.as_ref().map(|p| p.display().to_string())),
         ("tls-key", args.tls_key.as_ref().map(|p| p.display().to_string())),
         ("tls-client-ca", args.tls_client_ca.as_ref().map(|p| p.display().to_string())),
-        ("token-file", args.token_file.as_ref().map(|p| p.display().to_string())),
+        ("tokens", args.token_file.as_ref().map(|p| p.display().to_string())),
         ("insecure", Some(args.insecure.to_string())),
         ("log", Some(args.log.clone())),
         ("log-format", Some(format!("{:?}", args.log_format).to_lowercase())),
@@ -287,7 +287,7 @@ mod tests {
     #[test]
     fn remote_security_keys_read_back() {
         let f = write(
-            "listen = \"tcp://127.0.0.1:7000\"\ninsecure = true\ntoken-file = \"/etc/shardstream/tokens\"\n\
+            "listen = \"tcp://127.0.0.1:7000\"\ninsecure = true\ntokens = \"/etc/shardstream/tokens\"\n\
              [[allow]]\nclient = \"trainer-a\"\nroots = [\"s3://b/p\"]\n",
         );
         let (a, allow) = serve(&["--config", f.path().to_str().unwrap()]).unwrap();

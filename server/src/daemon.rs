@@ -126,9 +126,7 @@ impl BoundDaemon {
             }
         };
         if matches!(config.listen, Address::Unix(_)) && config.remote.any() {
-            tracing::warn!(
-                "--tls-*, --token-file and --insecure apply to TCP listeners only; ignored on a Unix socket"
-            );
+            tracing::warn!("--tls-*, --tokens and --insecure apply to TCP listeners only; ignored on a Unix socket");
         }
         Ok(Self { listener, security, shm, config, metrics: Arc::default() })
     }

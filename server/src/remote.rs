@@ -2,7 +2,7 @@
 //!
 //! A Unix socket is guarded by its file mode and SO_PEERCRED; a TCP port by nothing of the kind,
 //! so a TCP listener must have TLS (`--tls-cert`/`--tls-key`) and a way to tell who connects:
-//! bearer tokens (`--token-file`, each with a name that the `allow` list can match) and/or client
+//! bearer tokens (`--tokens`, each with a name that the `allow` list can match) and/or client
 //! certificates signed by `--tls-client-ca` (mutual TLS). Plaintext TCP is refused unless the
 //! operator says `--insecure` AND the address is loopback; tokens are still checked then when a
 //! token file is given. Everything is read and checked when the daemon starts, with the file named
@@ -80,7 +80,7 @@ impl RemoteOptions {
                     tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
                 }
                 if tokens.is_none() && self.tls_client_ca.is_none() {
-                    return Err(bad("TLS alone does not say who may connect: give --token-file (bearer \
+                    return Err(bad("TLS alone does not say who may connect: give --tokens (bearer \
                                     tokens) or --tls-client-ca (client certificates), or both"
                         .into()));
                 }
@@ -96,7 +96,7 @@ impl RemoteOptions {
                     return Err(bad("--tls-client-ca needs TLS: give --tls-cert and --tls-key too".into()));
                 }
                 if !self.insecure {
-                    return Err(bad("refusing plaintext TCP: give --tls-cert and --tls-key (with --token-file \
+                    return Err(bad("refusing plaintext TCP: give --tls-cert and --tls-key (with --tokens \
                                     or --tls-client-ca), or --insecure for a loopback address"
                         .into()));
                 }
