@@ -118,7 +118,9 @@ TRAINER = textwrap.dedent(
     import json, sys, shardstream
     url, addr = sys.argv[1], sys.argv[2]
     try:
-        keys = [k for b in shardstream.Loader(url, batch_size=16, connect=addr, shuffle=True) for k in b["__key__"]]
+        # rank/world_size given: the default would import torch.distributed (seconds per trainer).
+        loader = shardstream.Loader(url, batch_size=16, connect=addr, rank=0, world_size=1)
+        keys = [k for b in loader for k in b["__key__"]]
         print(json.dumps({"ok": True, "keys": keys}))
     except Exception as e:
         print(json.dumps({"ok": False, "type": type(e).__name__, "msg": str(e)}))
