@@ -295,9 +295,13 @@ def test_oversized_requests_are_refused(tmp_path: Path, datasets) -> None:
 
 
 def test_mutual_tls_without_tokens(two_hosts: Hosts, tmp_path: Path, pki: Path, datasets) -> None:
-    a, _, samples = datasets
+    """Client certificates instead of tokens: a client is known by its certificate's subject CN
+    (`trainer`), which the allow list matches; without a certificate the handshake fails."""
+    a, b, samples = datasets
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[[allow]]\nclient = "trainer"\nroots = ["{a}"]\n')
     args = ["--tls-cert", str(pki / "daemon.pem"), "--tls-key", str(pki / "daemon.key"),
-            "--tls-client-ca", str(pki / "ca.pem")]  # fmt: skip
+            "--tls-client-ca", str(pki / "ca.pem"), "--config", str(config)]  # fmt: skip
     d = Remote(two_hosts, tmp_path, args).wait()
     try:
         with_cert = {
@@ -307,6 +311,9 @@ def test_mutual_tls_without_tokens(two_hosts: Hosts, tmp_path: Path, pki: Path, 
         }
         got = trainer(two_hosts, str(a), d.addr, **with_cert)
         assert got["ok"] and sorted(got["keys"]) == sorted(samples), got
+        other = trainer(two_hosts, str(b), d.addr, **with_cert)
+        assert not other["ok"] and other["type"] == "PermissionError", other
+        assert 'remote client "trainer"' in other["msg"], "known by its certificate's CN"
         refused = trainer(two_hosts, str(a), d.addr, **creds(pki, token=None))
         assert not refused["ok"] and refused["type"] in ("ConnectionError", "PermissionError"), refused
     finally:

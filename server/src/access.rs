@@ -8,7 +8,8 @@
 //! every shard location the URL names lies under one of that rule's `roots`.
 //!
 //! A TCP peer has no uid or gid: it is known by the name of the bearer token it presented (the
-//! token file's `NAME:TOKEN`, see [`crate::remote`]), which a rule's `client` key matches. A rule
+//! token file's `NAME:TOKEN`, see [`crate::remote`]) or, on a listener without tokens, by the
+//! subject CN of its client certificate (mutual TLS), which a rule's `client` key matches. A rule
 //! with `client` applies to that remote client only; a rule with `uid`/`gid` to Unix peers only;
 //! a rule with none of the three to every peer, local or remote (authenticated).
 //!

@@ -207,7 +207,8 @@ fn digest(bytes: &[u8]) -> [u8; 32] {
 }
 
 /// Who a request over TCP came from, put into its extensions by [`Authenticator`]: the token's
-/// name, or `None` when no token was asked for (mutual TLS, `--insecure` without a file).
+/// name; without tokens, the subject CN of the client certificate (mutual TLS); `None` when
+/// neither says (`--insecure` without a token file, a certificate without a CN).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteClient {
     pub name: Option<String>,
@@ -237,7 +238,12 @@ impl tonic::service::Interceptor for Authenticator {
     fn call(&mut self, mut request: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
         let Some(tokens) = &self.tcp else { return Ok(request) };
         let Some(tokens) = tokens else {
-            request.extensions_mut().insert(RemoteClient { name: None });
+            // No tokens: a mutual-TLS client is known by its certificate's subject CN (rustls
+            // verified the certificate against --tls-client-ca before any request).
+            let name = request
+                .peer_certs()
+                .and_then(|certs| certs.first().and_then(|c| crate::cert_name::subject_common_name(c)));
+            request.extensions_mut().insert(RemoteClient { name });
             return Ok(request);
         };
         let presented = request
