@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,50 +20,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tlsutil
 from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers the `two_hosts` fixture)
+from tlsutil import TOKEN_A, TOKEN_B, WRONG
 
 import shardstream
 from conftest import SHARDSTREAM, write_dataset
 
-TOKEN_A = "tok-A-9f8e7d6c5b4a39281706"
-TOKEN_B = "tok-B-0a1b2c3d4e5f60718293"
-WRONG = "tok-W-deadbeefdeadbeef0000"
-
-pytestmark = pytest.mark.skipif(
-    shutil.which("openssl") is None, reason="the openssl command makes the test certificates"
-)
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-
-
-def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
-    (d / f"{name}.ext").write_text(ext)
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+pytestmark = pytest.mark.skipif(tlsutil.available() is not None, reason=str(tlsutil.available()))
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, the daemon's certificate (for both hosts' addresses), another CA that signed
-    nothing of ours, and a client certificate for mutual TLS."""
-    d = tmp_path_factory.mktemp("pki")
-    _ca(d, "ca")
-    _ca(d, "other-ca")
-    _leaf(d, "daemon", "ca", "subjectAltName=IP:10.231.0.1,IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    _leaf(d, "trainer", "ca", "extendedKeyUsage=clientAuth\n")
-    (d / "tokens").write_text(f"# name:token\ntrainer-a:{TOKEN_A}\ntrainer-b:{TOKEN_B}\n")
-    for name, tok in (("a", TOKEN_A), ("b", TOKEN_B), ("wrong", WRONG)):
-        (d / f"token-{name}").write_text(tok + "\n")
-    return d
+    return tlsutil.make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
@@ -137,15 +105,11 @@ def trainer(hosts: Hosts, url: str, addr: str, **env: str | None) -> dict:
 
 
 def creds(pki: Path, token: str | None = "a", ca: str = "ca") -> dict[str, str | None]:
-    return {
-        "SHARDSTREAM_TLS_CA": str(pki / f"{ca}.pem"),
-        "SHARDSTREAM_TOKEN_FILE": str(pki / f"token-{token}") if token else None,
-    }
+    return {"SHARDSTREAM_TOKEN_FILE": None, **tlsutil.client_env(pki, token, ca)}
 
 
 def tls_args(pki: Path) -> list[str]:
-    return ["--tls-cert", str(pki / "daemon.pem"), "--tls-key", str(pki / "daemon.key"),
-            "--tokens", str(pki / "tokens")]  # fmt: skip
+    return tlsutil.serve_args(pki)
 
 
 @pytest.fixture
