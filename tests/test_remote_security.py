@@ -282,3 +282,40 @@ def test_mutual_tls_without_tokens(two_hosts: Hosts, tmp_path: Path, pki: Path, 
         assert not refused["ok"] and refused["type"] in ("ConnectionError", "PermissionError"), refused
     finally:
         d.stop()
+
+
+# One rank on the trainer's host: a torch DataLoader with 2 workers, each worker its own TLS
+# connection (made after fork, with the credentials the environment hands down).
+RANK = textwrap.dedent(
+    """
+    import json, sys, torch.utils.data, shardstream.torch as sst
+    url, addr, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ds = sst.IterableDataset(url, batch_size=8, seed=5, rank=rank, world_size=2, connect=addr)
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    print(json.dumps([k for b in dl for k in b["__key__"]]))
+    """
+)
+
+
+def test_two_ranks_of_two_workers_get_every_sample_once_over_tls(
+    two_hosts: Hosts, tls_daemon: Remote, pki: Path, datasets
+) -> None:
+    a, _, samples = datasets
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    env.update(tlsutil.client_env(pki))
+    ranks = [
+        two_hosts.popen_trainer(
+            [sys.executable, "-c", RANK, str(a), tls_daemon.addr, str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    keys: list[str] = []
+    for p in ranks:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        keys += json.loads(out.strip().splitlines()[-1])
+    assert sorted(keys) == sorted(samples), "120 samples, 2 ranks: each exactly once, none padded"
