@@ -81,6 +81,7 @@ fuzz:
 # The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine); the
 # failpoint tests a daemon built with `--features failpoints`; tests/chaos the short chaos suite.
 py-test: develop
+	@bash scripts/netns-tools.sh   # iproute2 for the two-host tests (tests/netns.py)
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" SHARDSTREAM_FAIL_BIN="$$(bash scripts/failpoint-bin.sh)" \
 		$(PY) -m pytest -q tests loader-py/tests --ignore=tests/deploy
 

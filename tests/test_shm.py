@@ -220,7 +220,7 @@ def test_tcp_gets_inline_and_refuses_shm(dataset, tmp_path) -> None:
         port = s.getsockname()[1]
     addr = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [SHARDSTREAM, "serve", "--listen", addr, "--cache-dir", str(tmp_path / "c"), "--log", "warn"]
+        [SHARDSTREAM, "serve", "--listen", addr, "--insecure", "--cache-dir", str(tmp_path / "c"), "--log", "warn"]
     )
     try:
         assert wait_for(lambda: shardstream._native.probe(addr), 30)

@@ -2,6 +2,11 @@
 //! or TCP, open datasets and stream batches. The Python package and the `shardstream status` CLI
 //! are both built on it.
 //!
+//! A remote daemon is reached over `tls://host:port` (or plaintext `tcp://` on loopback, when the
+//! daemon runs with `--insecure`); [`Credentials`] come from the environment so that DataLoader
+//! workers and every rank inherit them: `SHARDSTREAM_TLS_CA`, `SHARDSTREAM_TOKEN_FILE`, and for
+//! mutual TLS `SHARDSTREAM_TLS_CLIENT_CERT` / `SHARDSTREAM_TLS_CLIENT_KEY`.
+//!
 //! A stream is drained by a background task into a small channel, so decoding the next batch
 //! overlaps with the consumer's work on the current one.
 
@@ -12,7 +17,8 @@ use hyper_util::rt::TokioIo;
 use shardstream_proto::shardstream_client::ShardstreamClient;
 use shardstream_proto::{BatchFormat, DatasetInfo, OpenRequest, StreamHeader, StreamRequest, stream_message};
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Uri};
 
 pub use shardstream_proto as proto;
 
@@ -29,9 +35,12 @@ const CLIENT_QUEUE: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("invalid daemon address {0:?}: expected unix:///path/to/socket or tcp://host:port")]
+    #[error("invalid daemon address {0:?}: expected unix:///path/to/socket, tls://host:port or tcp://host:port")]
     BadAddress(String),
-    #[error("cannot connect to the shardstream daemon at {addr}: {source}")]
+    /// TLS or token settings that cannot be used (a missing file, a token for plaintext).
+    #[error("{0}")]
+    Credentials(String),
+    #[error("cannot connect to the shardstream daemon at {addr}: {}", error_chain(.source))]
     Connect {
         addr: String,
         #[source]
@@ -85,11 +94,30 @@ pub fn is_transport_failure(s: &tonic::Status) -> bool {
     false
 }
 
+/// An error and its causes, so "transport error" says which (e.g. "invalid peer certificate:
+/// UnknownIssuer").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
 /// Where a daemon listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Address {
     Unix(PathBuf),
+    /// Plaintext TCP: only for a daemon started with `--insecure` on loopback.
     Tcp(String),
+    /// TCP with TLS.
+    Tls(String),
 }
 
 impl FromStr for Address {
@@ -103,12 +131,14 @@ impl FromStr for Address {
             }
             return Ok(Address::Unix(PathBuf::from(path)));
         }
-        if let Some(hp) = s.strip_prefix("tcp://") {
-            let (host, port) = hp.rsplit_once(':').ok_or_else(bad)?;
-            if host.is_empty() || port.parse::<u16>().is_err() {
-                return Err(bad());
+        for (scheme, tls) in [("tcp://", false), ("tls://", true)] {
+            if let Some(hp) = s.strip_prefix(scheme) {
+                let (host, port) = hp.rsplit_once(':').ok_or_else(bad)?;
+                if host.is_empty() || port.parse::<u16>().is_err() {
+                    return Err(bad());
+                }
+                return Ok(if tls { Address::Tls(hp.to_owned()) } else { Address::Tcp(hp.to_owned()) });
             }
-            return Ok(Address::Tcp(hp.to_owned()));
         }
         if s.starts_with('/') {
             return Ok(Address::Unix(PathBuf::from(s)));
@@ -122,20 +152,160 @@ impl std::fmt::Display for Address {
         match self {
             Address::Unix(p) => write!(f, "unix://{}", p.display()),
             Address::Tcp(hp) => write!(f, "tcp://{hp}"),
+            Address::Tls(hp) => write!(f, "tls://{hp}"),
         }
     }
 }
 
-pub type Client = ShardstreamClient<Channel>;
+pub type Client = ShardstreamClient<InterceptedService<Channel, Auth>>;
 
-/// Connects to a daemon (waits for the connection, so a missing daemon is an error here).
+/// Adds the bearer token (if any) to every request.
+#[derive(Clone, Default)]
+pub struct Auth(Option<tonic::metadata::AsciiMetadataValue>);
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            request.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// How to prove who we are to a remote daemon, and how to know it is the daemon.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Credentials {
+    /// CA certificate (PEM) that signed the daemon's certificate (`tls://`).
+    pub tls_ca: Option<PathBuf>,
+    /// Name to verify the daemon's certificate against, when not the host of the address.
+    pub tls_server_name: Option<String>,
+    /// Client certificate and key (PEM), for a daemon that requires mutual TLS.
+    pub tls_client_cert: Option<PathBuf>,
+    pub tls_client_key: Option<PathBuf>,
+    /// File holding the bearer token (its first line).
+    pub token_file: Option<PathBuf>,
+}
+
+impl Credentials {
+    /// From `SHARDSTREAM_TLS_CA`, `SHARDSTREAM_TLS_SERVER_NAME`, `SHARDSTREAM_TLS_CLIENT_CERT`,
+    /// `SHARDSTREAM_TLS_CLIENT_KEY` and `SHARDSTREAM_TOKEN_FILE` (empty means unset).
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+        Self {
+            tls_ca: var("SHARDSTREAM_TLS_CA").map(PathBuf::from),
+            tls_server_name: var("SHARDSTREAM_TLS_SERVER_NAME").and_then(|v| v.into_string().ok()),
+            tls_client_cert: var("SHARDSTREAM_TLS_CLIENT_CERT").map(PathBuf::from),
+            tls_client_key: var("SHARDSTREAM_TLS_CLIENT_KEY").map(PathBuf::from),
+            token_file: var("SHARDSTREAM_TOKEN_FILE").map(PathBuf::from),
+        }
+    }
+
+    /// The `authorization` value to send to `addr`, if a token is configured. A token is never
+    /// sent in plaintext beyond loopback (a mistyped `tcp://` must not leak it).
+    fn bearer(&self, addr: &Address) -> Result<Option<tonic::metadata::AsciiMetadataValue>, ClientError> {
+        let Some(path) = &self.token_file else { return Ok(None) };
+        if let Address::Unix(_) = addr {
+            return Ok(None);
+        }
+        if let Address::Tcp(hp) = addr
+            && !is_loopback(hp)
+        {
+            return Err(ClientError::Credentials(format!(
+                "refusing to send the bearer token (SHARDSTREAM_TOKEN_FILE) in plaintext to {addr}: use tls://{hp}"
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ClientError::Credentials(format!(
+                "cannot read the token file {} (SHARDSTREAM_TOKEN_FILE): {e}",
+                path.display()
+            ))
+        })?;
+        let token = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or_default();
+        let mut v: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().map_err(|_| {
+            ClientError::Credentials(format!("the token file {} holds no usable token", path.display()))
+        })?;
+        if token.is_empty() {
+            return Err(ClientError::Credentials(format!("the token file {} is empty", path.display())));
+        }
+        v.set_sensitive(true);
+        Ok(Some(v))
+    }
+
+    fn tls(&self, host: &str) -> Result<ClientTlsConfig, ClientError> {
+        let read = |p: &PathBuf, var: &str| {
+            std::fs::read(p).map_err(|e| ClientError::Credentials(format!("cannot read {} ({var}): {e}", p.display())))
+        };
+        let ca = self.tls_ca.as_ref().ok_or_else(|| {
+            ClientError::Credentials(
+                "a tls:// address needs the daemon's CA certificate: set SHARDSTREAM_TLS_CA to its PEM file".into(),
+            )
+        })?;
+        let name = self
+            .tls_server_name
+            .clone()
+            .unwrap_or_else(|| host.trim_start_matches('[').trim_end_matches(']').to_owned());
+        let mut cfg = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read(ca, "SHARDSTREAM_TLS_CA")?))
+            .domain_name(name);
+        match (&self.tls_client_cert, &self.tls_client_key) {
+            (Some(c), Some(k)) => {
+                cfg = cfg.identity(Identity::from_pem(
+                    read(c, "SHARDSTREAM_TLS_CLIENT_CERT")?,
+                    read(k, "SHARDSTREAM_TLS_CLIENT_KEY")?,
+                ));
+            }
+            (None, None) => {}
+            _ => {
+                return Err(ClientError::Credentials(
+                    "SHARDSTREAM_TLS_CLIENT_CERT and SHARDSTREAM_TLS_CLIENT_KEY go together".into(),
+                ));
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+/// True when `host:port` is a loopback address (an IP, or a name resolving only to loopback).
+pub fn is_loopback(host_port: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let Some((host, _)) = host_port.rsplit_once(':') else { return false };
+    if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>() {
+        return ip.is_loopback();
+    }
+    match host_port.to_socket_addrs() {
+        Ok(addrs) => {
+            let addrs: Vec<_> = addrs.collect();
+            !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback())
+        }
+        Err(_) => false,
+    }
+}
+
+/// Connects to a daemon (waits for the connection, so a missing daemon is an error here), with
+/// the credentials of the environment ([`Credentials::from_env`]).
 pub async fn connect(addr: &Address) -> Result<Client, ClientError> {
+    connect_with(addr, &Credentials::from_env()).await
+}
+
+/// Connects to a daemon with the given credentials.
+pub async fn connect_with(addr: &Address, creds: &Credentials) -> Result<Client, ClientError> {
     let connect_err = |source| ClientError::Connect { addr: addr.to_string(), source };
+    let auth = Auth(creds.bearer(addr)?);
     let channel = match addr {
         Address::Tcp(hp) => tuned(Endpoint::from_shared(format!("http://{hp}")).map_err(connect_err)?)
             .connect()
             .await
             .map_err(connect_err)?,
+        Address::Tls(hp) => {
+            let host = hp.rsplit_once(':').map_or(hp.as_str(), |(h, _)| h);
+            let tls = creds.tls(host)?;
+            tuned(Endpoint::from_shared(format!("https://{hp}")).map_err(connect_err)?)
+                .tls_config(tls)
+                .map_err(connect_err)?
+                .connect()
+                .await
+                .map_err(connect_err)?
+        }
         Address::Unix(path) => {
             let path = path.clone();
             // The URI is required by the API but unused: the connector dials the socket.
@@ -148,7 +318,7 @@ pub async fn connect(addr: &Address) -> Result<Client, ClientError> {
                 .map_err(connect_err)?
         }
     };
-    Ok(ShardstreamClient::new(channel)
+    Ok(ShardstreamClient::with_interceptor(channel, auth)
         .max_decoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES))
 }
@@ -354,8 +524,27 @@ mod tests {
         assert_eq!("unix:///run/s.sock".parse::<Address>().unwrap(), Address::Unix("/run/s.sock".into()));
         assert_eq!("/run/s.sock".parse::<Address>().unwrap(), Address::Unix("/run/s.sock".into()));
         assert_eq!("tcp://127.0.0.1:7000".parse::<Address>().unwrap(), Address::Tcp("127.0.0.1:7000".into()));
-        for bad in ["", "unix://rel", "tcp://nohost", "tcp://:1", "tcp://h:99999", "http://x:1", "sock"] {
+        assert_eq!("tls://node-3:7000".parse::<Address>().unwrap(), Address::Tls("node-3:7000".into()));
+        assert_eq!(Address::Tls("node-3:7000".into()).to_string(), "tls://node-3:7000");
+        for bad in ["", "unix://rel", "tcp://nohost", "tcp://:1", "tcp://h:99999", "http://x:1", "sock", "tls://h"] {
             assert!(bad.parse::<Address>().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_token_never_goes_out_in_plaintext_beyond_loopback() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "abcdefghijklmnop-secret\n").unwrap();
+        let creds = Credentials { token_file: Some(file), ..Default::default() };
+        let e = creds.bearer(&"tcp://10.0.0.1:7000".parse().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("plaintext") && e.contains("tls://10.0.0.1:7000") && !e.contains("secret"), "{e}");
+        let v = creds.bearer(&"tcp://127.0.0.1:7000".parse().unwrap()).unwrap().unwrap();
+        assert_eq!(v.to_str().unwrap(), "Bearer abcdefghijklmnop-secret");
+        assert!(!format!("{v:?}").contains("secret"), "the header is marked sensitive");
+        assert!(creds.bearer(&"tls://10.0.0.1:7000".parse().unwrap()).unwrap().is_some());
+        assert!(creds.bearer(&"unix:///run/s".parse().unwrap()).unwrap().is_none(), "Unix peers need no token");
+        let e = Credentials::default().tls("h").unwrap_err().to_string();
+        assert!(e.contains("SHARDSTREAM_TLS_CA"), "{e}");
     }
 }

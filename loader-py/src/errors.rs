@@ -1,7 +1,7 @@
 //! The one place where client and daemon errors become Python exceptions:
 //! `FileNotFoundError` for a missing dataset or shard, `ValueError` for a bad argument,
 //! `shardstream.ShardError` (with `.shard` and `.offset`) for a corrupt shard,
-//! `PermissionError` when storage or the daemon's `allow` list refuses access, `OSError` (with `.errno` and `.filename`) when a
+//! `PermissionError` when storage, the daemon's `allow` list or its token check refuses access, `OSError` (with `.errno` and `.filename`) when a
 //! local shard cannot be read, `ConnectionError` when the daemon cannot be reached or the
 //! connection to it breaks (however it breaks: reset, EOF, HTTP/2 error), and
 //! `shardstream.ShardstreamError` otherwise. A Rust panic never reaches Python as
@@ -31,7 +31,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 pub fn to_pyerr(e: ClientError) -> PyErr {
     match e {
-        ClientError::BadAddress(_) => PyValueError::new_err(e.to_string()),
+        ClientError::BadAddress(_) | ClientError::Credentials(_) => PyValueError::new_err(e.to_string()),
         ClientError::Connect { .. } | ClientError::Disconnected(_) => PyConnectionError::new_err(e.to_string()),
         ClientError::Protocol(_) | ClientError::Shm(_) => ShardstreamError::new_err(e.to_string()),
         ClientError::Status(s) => status_to_pyerr(&s),
@@ -62,7 +62,8 @@ fn status_to_pyerr(s: &tonic::Status) -> PyErr {
     }
     match s.code() {
         Code::NotFound => PyFileNotFoundError::new_err(msg),
-        Code::PermissionDenied => PyPermissionError::new_err(msg),
+        // Unauthenticated: a TCP daemon refused the bearer token (missing or wrong).
+        Code::PermissionDenied | Code::Unauthenticated => PyPermissionError::new_err(msg),
         Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => PyValueError::new_err(msg),
         Code::DataLoss => {
             let shard = meta(error_metadata::SHARD);

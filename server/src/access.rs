@@ -5,8 +5,13 @@
 //! Without an `allow` list every dataset is allowed (the socket's mode and group already decide
 //! who may connect). With one, a request is allowed when some rule matches the peer (its `uid`
 //! and `gid`, each when given; the gid is the peer's primary group as the kernel reports it) and
-//! every shard location the URL names lies under one of that rule's `roots`. A TCP peer has no
-//! credentials and matches only rules with neither `uid` nor `gid`.
+//! every shard location the URL names lies under one of that rule's `roots`.
+//!
+//! A TCP peer has no uid or gid: it is known by the name of the bearer token it presented (the
+//! token file's `NAME:TOKEN`, see [`crate::remote`]) or, on a listener without tokens, by the
+//! subject CN of its client certificate (mutual TLS), which a rule's `client` key matches. A rule
+//! with `client` applies to that remote client only; a rule with `uid`/`gid` to Unix peers only;
+//! a rule with none of the three to every peer, local or remote (authenticated).
 //!
 //! Matching is careful about prefixes: paths are absolute, normalised (`.`, `..`, repeated `/`)
 //! and, where they exist, resolved through symlinks, then compared component by component
@@ -31,6 +36,9 @@ pub struct AllowRule {
     /// The peer's (primary) group id; any when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gid: Option<u32>,
+    /// A remote (TCP) client's name: the name of its bearer token; any when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
     /// Absolute directory prefixes and `s3://bucket/prefix` prefixes this peer may read.
     pub roots: Vec<String>,
 }
@@ -40,6 +48,24 @@ pub struct AllowRule {
 pub struct Peer {
     pub uid: u32,
     pub gid: u32,
+}
+
+/// Who sent a request: a local process (its credentials) or a remote client (its token's name,
+/// `None` when it was not asked for one: mutual TLS, or `--insecure` without a token file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Requester {
+    Local(Peer),
+    Remote { client: Option<String> },
+}
+
+impl std::fmt::Display for Requester {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Requester::Local(p) => write!(f, "uid {} gid {}", p.uid, p.gid),
+            Requester::Remote { client: Some(c) } => write!(f, "remote client {c:?}"),
+            Requester::Remote { client: None } => write!(f, "an anonymous remote client (TCP)"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +78,7 @@ enum Root {
 struct Rule {
     uid: Option<u32>,
     gid: Option<u32>,
+    client: Option<String>,
     roots: Vec<Root>,
 }
 
@@ -69,25 +96,36 @@ impl AllowList {
             if r.roots.is_empty() {
                 return Err(Error::invalid(format!("allow[{i}]: `roots` is empty (the rule would allow nothing)")));
             }
+            if r.client.is_some() && (r.uid.is_some() || r.gid.is_some()) {
+                return Err(Error::invalid(format!(
+                    "allow[{i}]: `client` names a remote (TCP) client and `uid`/`gid` a local one: not both in one rule"
+                )));
+            }
             let roots = r
                 .roots
                 .iter()
                 .map(|s| parse_root(s).map_err(|e| Error::invalid(format!("allow[{i}].roots: {s:?}: {e}"))))
                 .collect::<Result<_>>()?;
-            out.push(Rule { uid: r.uid, gid: r.gid, roots });
+            out.push(Rule { uid: r.uid, gid: r.gid, client: r.client.clone(), roots });
         }
         Ok(Self { rules: out })
     }
 
-    /// Ok when `peer` may read `url`; otherwise `PermissionDenied` naming the URL.
+    /// Ok when `peer` (`None`: an anonymous TCP peer) may read `url`; otherwise
+    /// `PermissionDenied` naming the URL.
     pub fn check(&self, peer: Option<Peer>, url: &str) -> Result<()> {
+        let who = match peer {
+            Some(p) => Requester::Local(p),
+            None => Requester::Remote { client: None },
+        };
+        self.check_requester(&who, url)
+    }
+
+    /// Ok when `who` may read `url`; otherwise `PermissionDenied` naming the URL.
+    pub fn check_requester(&self, who: &Requester, url: &str) -> Result<()> {
         let denied = |why: String| Error::PermissionDenied { path: url.to_owned(), reason: why };
         let locations = locations(url).map_err(|e| denied(format!("cannot check it against the allow list: {e}")))?;
-        let who = match peer {
-            Some(p) => format!("uid {} gid {}", p.uid, p.gid),
-            None => "a peer without credentials (TCP)".to_owned(),
-        };
-        for rule in self.rules.iter().filter(|r| matches_peer(r, peer)) {
+        for rule in self.rules.iter().filter(|r| matches_peer(r, who)) {
             if locations.iter().all(|loc| rule.roots.iter().any(|root| under(loc, root))) {
                 return Ok(());
             }
@@ -96,10 +134,14 @@ impl AllowList {
     }
 }
 
-fn matches_peer(rule: &Rule, peer: Option<Peer>) -> bool {
-    match peer {
-        Some(p) => rule.uid.is_none_or(|u| u == p.uid) && rule.gid.is_none_or(|g| g == p.gid),
-        None => rule.uid.is_none() && rule.gid.is_none(),
+fn matches_peer(rule: &Rule, who: &Requester) -> bool {
+    match who {
+        Requester::Local(p) => {
+            rule.client.is_none() && rule.uid.is_none_or(|u| u == p.uid) && rule.gid.is_none_or(|g| g == p.gid)
+        }
+        Requester::Remote { client } => {
+            rule.uid.is_none() && rule.gid.is_none() && rule.client.as_ref().is_none_or(|c| Some(c) == client.as_ref())
+        }
     }
 }
 
@@ -208,6 +250,7 @@ mod tests {
             .map(|(uid, gid, roots)| AllowRule {
                 uid: *uid,
                 gid: *gid,
+                client: None,
                 roots: roots.iter().map(|s| s.to_string()).collect(),
             })
             .collect();
@@ -272,9 +315,55 @@ mod tests {
 
     #[test]
     fn bad_rules_are_named() {
-        let e = AllowList::new(&[AllowRule { uid: None, gid: None, roots: vec!["data".into()] }]).unwrap_err();
+        let e = AllowList::new(&[AllowRule { uid: None, gid: None, client: None, roots: vec!["data".into()] }])
+            .unwrap_err();
         assert!(e.to_string().contains("allow[0].roots"), "{e}");
-        let e = AllowList::new(&[AllowRule { uid: None, gid: None, roots: vec![] }]).unwrap_err();
+        let e = AllowList::new(&[AllowRule { uid: None, gid: None, client: None, roots: vec![] }]).unwrap_err();
         assert!(e.to_string().contains("allow[0]"), "{e}");
+    }
+
+    fn remote(name: &str) -> Requester {
+        Requester::Remote { client: Some(name.to_owned()) }
+    }
+
+    /// Remote clients are matched by their token's name; they never match uid/gid rules, and a
+    /// local process never matches a `client` rule.
+    #[test]
+    fn remote_clients_match_by_name() {
+        let rule = |uid: Option<u32>, client: Option<&str>, root: &str| AllowRule {
+            uid,
+            gid: None,
+            client: client.map(str::to_owned),
+            roots: vec![root.to_owned()],
+        };
+        let l = AllowList::new(&[
+            rule(None, Some("trainer-a"), "/nonexistent-root/a"),
+            rule(None, Some("trainer-b"), "s3://bucket/b"),
+            rule(Some(1000), None, "/nonexistent-root/local"),
+        ])
+        .unwrap();
+        assert!(l.check_requester(&remote("trainer-a"), "/nonexistent-root/a/train-{0..3}.tar").is_ok());
+        assert!(l.check_requester(&remote("trainer-b"), "s3://bucket/b/x/").is_ok());
+        for (who, url) in [
+            (remote("trainer-a"), "s3://bucket/b/x/"),
+            (remote("trainer-b"), "/nonexistent-root/a"),
+            (remote("trainer-a"), "/nonexistent-root/a/{x,../../local}"),
+            (remote("trainer-a"), "/nonexistent-root/a/{..,x}"),
+            (remote("trainer-a"), "/nonexistent-root/local"),
+            (remote("trainer-c"), "/nonexistent-root/a"),
+            (Requester::Remote { client: None }, "/nonexistent-root/a"),
+            (Requester::Local(Peer { uid: 1000, gid: 1 }), "/nonexistent-root/a"),
+        ] {
+            let e = l.check_requester(&who, url).unwrap_err();
+            assert!(matches!(&e, Error::PermissionDenied { path, .. } if path == url), "{who} {url}: {e:?}");
+        }
+        assert!(l.check(Some(Peer { uid: 1000, gid: 1 }), "/nonexistent-root/local/x").is_ok());
+        let both = AllowList::new(&[AllowRule {
+            uid: Some(1),
+            gid: None,
+            client: Some("x".into()),
+            roots: vec!["/a".into()],
+        }]);
+        assert!(both.unwrap_err().to_string().contains("not both"));
     }
 }

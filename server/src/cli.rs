@@ -141,6 +141,23 @@ pub struct ServeArgs {
     /// before the daemon exits anyway.
     #[arg(long, env = "SHARDSTREAM_DRAIN_TIMEOUT", default_value_t = crate::daemon::DEFAULT_DRAIN_TIMEOUT.as_secs_f64(), value_parser = parse_seconds)]
     pub drain_timeout: f64,
+    /// TLS certificate chain (PEM) of a TCP listener. A TCP listener needs TLS plus
+    /// --tokens and/or --tls-client-ca, or --insecure on a loopback address.
+    #[arg(long, env = "SHARDSTREAM_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "SHARDSTREAM_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// CA (PEM) that signs client certificates: with it, TCP clients must present one (mutual TLS).
+    #[arg(long, env = "SHARDSTREAM_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Bearer tokens of TCP clients: one NAME:TOKEN per line; the allow list's `client` key
+    /// matches NAME. Tokens are never logged.
+    #[arg(long = "tokens", env = "SHARDSTREAM_TOKENS")]
+    pub token_file: Option<PathBuf>,
+    /// Allow plaintext TCP (no TLS). Refused unless the listen address is loopback.
+    #[arg(long, env = "SHARDSTREAM_INSECURE")]
+    pub insecure: bool,
     /// Log level of shardstream's own messages (error, warn, info, debug, trace; dependencies
     /// stay at info or quieter), or a full tracing directive such as `info,h2=debug`.
     #[arg(long, env = "SHARDSTREAM_LOG", default_value = "info")]
@@ -251,6 +268,13 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };
     config.drain_timeout = Duration::from_secs_f64(args.drain_timeout);
     config.sd_notify = true;
+    config.remote = crate::remote::RemoteOptions {
+        tls_cert: args.tls_cert,
+        tls_key: args.tls_key,
+        tls_client_ca: args.tls_client_ca,
+        token_file: args.token_file,
+        insecure: args.insecure,
+    };
     if !allow.is_empty() {
         config.allow = Some(std::sync::Arc::new(crate::access::AllowList::new(&allow)?));
     }

@@ -75,15 +75,24 @@ where
         let text = scalar(value).ok_or_else(|| {
             file_err(&path, format!("`{key}`: expected a string, number or boolean, not {}", value.type_str()))
         })?;
+        let set_by_user = matches!(
+            sub.value_source(arg.get_id().as_str()),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        );
+        // A switch (`insecure = true`) takes no value on the command line: `true` adds the flag.
+        if matches!(arg.get_action(), clap::ArgAction::SetTrue) {
+            match text.as_str() {
+                "true" if !set_by_user => extra.push(format!("--{key}").into()),
+                "true" | "false" => {}
+                _ => return Err(file_err(&path, format!("`{key}`: expected true or false"))),
+            }
+            continue;
+        }
         // The flag's own parser, so the file accepts exactly what the command line does.
         serve_cmd
             .clone()
             .try_get_matches_from(["serve".to_owned(), format!("--{key}"), text.clone()])
             .map_err(|e| file_err(&path, format!("`{key}`: {}", first_line(&e.to_string()))))?;
-        let set_by_user = matches!(
-            sub.value_source(arg.get_id().as_str()),
-            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-        );
         if !set_by_user {
             extra.push(format!("--{key}").into());
             extra.push(text.into());
@@ -158,6 +167,11 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("packed-budget", args.packed_budget.map(|b| b.to_string())),
         ("metrics-addr", args.metrics_addr.map(|a| a.to_string())),
         ("drain-timeout", Some(args.drain_timeout.to_string())),
+        ("tls-cert", args.tls_cert.as_ref().map(|p| p.display().to_string())),
+        ("tls-key", args.tls_key.as_ref().map(|p| p.display().to_string())),
+        ("tls-client-ca", args.tls_client_ca.as_ref().map(|p| p.display().to_string())),
+        ("tokens", args.token_file.as_ref().map(|p| p.display().to_string())),
+        ("insecure", Some(args.insecure.to_string())),
         ("log", Some(args.log.clone())),
         ("log-format", Some(format!("{:?}", args.log_format).to_lowercase())),
     ];
@@ -169,6 +183,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         match value {
             None => out.push_str(&format!("# {key} = (not set)\n")),
             Some(v) if NUMERIC.contains(&key) && v.parse::<f64>().is_ok() => out.push_str(&format!("{key} = {v}\n")),
+            Some(v) if key == "insecure" => out.push_str(&format!("{key} = {v}\n")),
             Some(v) => out.push_str(&format!("{key} = {}\n", toml::Value::String(v))),
         }
     }
@@ -267,6 +282,28 @@ mod tests {
                 printed.lines().any(|l| l.starts_with(&format!("{key} = ")) || l == format!("# {key} = (not set)"));
             assert!(shown, "--print-config does not show `{key}`:\n{printed}");
         }
+    }
+
+    #[test]
+    fn remote_security_keys_read_back() {
+        let f = write(
+            "listen = \"tcp://127.0.0.1:7000\"\ninsecure = true\ntokens = \"/etc/shardstream/tokens\"\n\
+             [[allow]]\nclient = \"trainer-a\"\nroots = [\"s3://b/p\"]\n",
+        );
+        let (a, allow) = serve(&["--config", f.path().to_str().unwrap()]).unwrap();
+        assert!(a.insecure);
+        assert_eq!(a.token_file.as_deref(), Some(Path::new("/etc/shardstream/tokens")));
+        assert_eq!(allow[0].client.as_deref(), Some("trainer-a"));
+        let printed = effective_toml(&a, &allow);
+        assert!(printed.contains("insecure = true\n") && printed.contains("client = \"trainer-a\""), "{printed}");
+        let g = write(&printed);
+        let (b, _) = serve(&["--config", g.path().to_str().unwrap()]).unwrap();
+        assert!(b.insecure);
+        let (c, _) = serve(&[]).unwrap();
+        let h = write(&effective_toml(&c, &[]));
+        assert!(!serve(&["--config", h.path().to_str().unwrap()]).unwrap().0.insecure);
+        let bad = write("insecure = \"yes\"\n");
+        assert!(serve(&["--config", bad.path().to_str().unwrap()]).unwrap_err().to_string().contains("insecure"));
     }
 
     #[test]

@@ -5,6 +5,10 @@
 //! `--socket-group`, from the first moment (see [`crate::socket_file`]), inside a directory this
 //! process creates when it does not exist. A stale socket left by a crashed daemon is replaced; a
 //! live one, or any other file at that path, is an error and is left alone.
+//!
+//! A TCP listener (`tcp://` or `tls://`) must be secured as [`crate::remote`] says: TLS with
+//! tokens or client certificates, or plaintext on loopback with `--insecure`; `bind` refuses
+//! anything else. Requests are bounded per RPC ([`crate::limits::request_limit`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,6 +51,8 @@ pub struct DaemonConfig {
     pub sd_notify: bool,
     /// Datasets each peer may open (the config file's `allow` list); `None`: all.
     pub allow: Option<Arc<crate::access::AllowList>>,
+    /// TLS, tokens and `--insecure` for a TCP listener (unused on a Unix socket).
+    pub remote: crate::remote::RemoteOptions,
 }
 
 impl DaemonConfig {
@@ -65,6 +71,7 @@ impl DaemonConfig {
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             sd_notify: false,
             allow: None,
+            remote: crate::remote::RemoteOptions::default(),
         }
     }
 }
@@ -77,6 +84,8 @@ enum Listener {
 /// A daemon whose listener is bound: clients can connect from now on (they queue until `run`).
 pub struct BoundDaemon {
     listener: Listener,
+    /// The TCP listener's checked security settings (default on a Unix socket).
+    security: crate::remote::RemoteSecurity,
     shm: Option<Arc<crate::transport::shm::ShmHub>>,
     config: DaemonConfig,
     pub metrics: Arc<Metrics>,
@@ -92,6 +101,7 @@ impl BoundDaemon {
         }
         std::fs::create_dir_all(&config.cache_dir)
             .map_err(|e| Error::io("cannot create cache directory", &config.cache_dir, e))?;
+        let mut security = crate::remote::RemoteSecurity::default();
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {
                 // Both paths are vetted before either socket is made, and the side channel is
@@ -104,11 +114,21 @@ impl BoundDaemon {
                 let l = bind_unix(path, &config.socket_access)?;
                 (Listener::Unix(l, path.clone()), Some(hub))
             }
-            Address::Tcp(hp) => {
+            Address::Tcp(hp) | Address::Tls(hp) => {
+                security = config.remote.check(hp)?;
+                if matches!(config.listen, Address::Tls(_)) && security.tls.is_none() {
+                    return Err(Error::invalid(format!(
+                        "{}: a tls:// listener needs --tls-cert and --tls-key",
+                        config.listen
+                    )));
+                }
                 (Listener::Tcp(TcpListener::bind(hp).await.map_err(|e| Error::io("cannot listen on", hp, e))?), None)
             }
         };
-        Ok(Self { listener, shm, config, metrics: Arc::default() })
+        if matches!(config.listen, Address::Unix(_)) && config.remote.any() {
+            tracing::warn!("--tls-*, --tokens and --insecure apply to TCP listeners only; ignored on a Unix socket");
+        }
+        Ok(Self { listener, security, shm, config, metrics: Arc::default() })
     }
 
     /// The address clients use (with the real port when TCP port 0 was asked for).
@@ -116,6 +136,7 @@ impl BoundDaemon {
         match &self.listener {
             Listener::Unix(_, p) => Address::Unix(p.clone()),
             Listener::Tcp(l) => match l.local_addr() {
+                Ok(a) if self.security.tls.is_some() => Address::Tls(a.to_string()),
                 Ok(a) => Address::Tcp(a.to_string()),
                 Err(_) => self.config.listen.clone(),
             },
@@ -146,10 +167,21 @@ impl BoundDaemon {
             Some(prefetch.clone()),
         )
         .with_access(cfg.allow.clone());
+        let auth = match self.listener {
+            Listener::Unix(..) => crate::remote::Authenticator::unix(),
+            Listener::Tcp(_) => crate::remote::Authenticator::tcp(self.security.tokens.clone()),
+        };
+        // Requests are small: the decoding limit is the largest request any RPC takes, and each
+        // RPC checks its own, tighter bound (limits::request_limit). Only replies are large.
         let svc = ShardstreamServer::new(service)
-            .max_decoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES)
+            .max_decoding_message_size(crate::limits::MAX_REQUEST_BYTES)
             .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES);
-        let router = tonic::transport::Server::builder()
+        let svc = tonic::service::interceptor::InterceptedService::new(svc, auth);
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = self.security.tls.clone() {
+            builder = builder.tls_config(tls).map_err(|e| Error::invalid(format!("TLS set-up failed: {e}")))?;
+        }
+        let router = builder
             .initial_stream_window_size(shardstream_client::STREAM_WINDOW)
             .initial_connection_window_size(shardstream_client::CONNECTION_WINDOW)
             .add_service(svc);

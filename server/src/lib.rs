@@ -27,7 +27,9 @@
 //! - [`cli`]: the `shardstream` command line.
 //! - `failpoints` (feature `failpoints` only): fault injection for the failpoint and chaos tests.
 //! - [`socket_file`]: the daemon's Unix socket files: mode, group, stale-socket replacement.
-//! - [`access`]: the config file's `allow` list: which peer (uid/gid) may open which datasets.
+//! - [`access`]: the config file's `allow` list: which peer (uid/gid, or remote client name) may open
+//!   which datasets; [`remote`]: TLS, bearer tokens and `--insecure` for TCP listeners;
+//!   [`cert_name`]: the subject CN a mutual-TLS client is known by.
 //! - [`cli`]: the `shardstream` command line; [`config`]: `serve --config` (TOML) merged with flags
 //!   and environment; [`logging`]: `--log` / `--log-format`; [`notify`]: sd_notify.
 //!
@@ -49,6 +51,7 @@ macro_rules! fail_point {
 pub mod access;
 pub mod atomic_write;
 pub mod cache;
+pub mod cert_name;
 pub mod cli;
 pub mod config;
 pub mod daemon;
@@ -65,6 +68,7 @@ pub mod pack;
 pub mod parallel;
 pub mod plan;
 pub mod prefetch;
+pub mod remote;
 pub mod service;
 pub mod shutdown;
 pub mod socket_file;

@@ -11,6 +11,32 @@
 
 use crate::pack::cli::parse_size;
 
+/// Largest encoded request the daemon decodes at all (its gRPC decoding limit). Requests name a
+/// dataset and a few numbers; only replies carry data. A peer cannot make the daemon buffer more.
+pub const MAX_REQUEST_BYTES: usize = 64 << 10;
+
+/// Each RPC's own bound on its encoded request, checked after decoding (within
+/// [`MAX_REQUEST_BYTES`]). A URL is at most a path (PATH_MAX is 4 KiB) or an S3 key (1 KiB) plus a
+/// brace pattern; a stream request adds its field names and a fingerprint.
+pub fn request_limit(rpc: &str) -> usize {
+    match rpc {
+        "Status" => 1 << 10,
+        "OpenDataset" | "Prefetch" => 16 << 10,
+        _ => MAX_REQUEST_BYTES,
+    }
+}
+
+/// Refuses (`InvalidArgument`, naming the RPC and its bound) a request larger than its RPC's bound.
+pub fn check_request<M: prost::Message>(rpc: &str, request: &M) -> Result<(), tonic::Status> {
+    let (len, limit) = (request.encoded_len(), request_limit(rpc));
+    if len > limit {
+        return Err(tonic::Status::invalid_argument(format!(
+            "{rpc} request of {len} bytes is larger than the {limit} bytes this RPC accepts"
+        )));
+    }
+    Ok(())
+}
+
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -276,5 +302,23 @@ mod tests {
         assert_eq!(RING_SLOTS.parse::<u32>("8"), Ok(8));
         assert_eq!(human(5 * GIB), "5 GiB");
         assert_eq!(human(1000), "1000 bytes");
+    }
+
+    #[test]
+    fn requests_are_bounded_per_rpc() {
+        let small = shardstream_proto::OpenRequest { url: "/data/train".into(), ..Default::default() };
+        assert!(check_request("OpenDataset", &small).is_ok());
+        let big = shardstream_proto::OpenRequest { url: "x".repeat(20 << 10), ..Default::default() };
+        let e = check_request("OpenDataset", &big).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("OpenDataset") && e.message().contains("16384"), "{}", e.message());
+        // The same URL fits a stream request's larger bound, and nothing exceeds the decoding limit.
+        let stream = shardstream_proto::StreamRequest { url: "x".repeat(20 << 10), ..Default::default() };
+        assert!(check_request("StreamBatches", &stream).is_ok());
+        assert!(
+            ["Status", "OpenDataset", "Prefetch", "StreamBatches"]
+                .iter()
+                .all(|r| request_limit(r) <= MAX_REQUEST_BYTES)
+        );
     }
 }

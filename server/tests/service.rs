@@ -56,7 +56,9 @@ async fn start(shards: usize, per_shard: usize) -> (Fixture, Samples) {
 
 /// Serves the daemon on `listen`, with its cache in `tmp`, until the fixture's shutdown.
 async fn serve(tmp: tempfile::TempDir, data: std::path::PathBuf, listen: Address) -> Fixture {
-    let config = DaemonConfig::new(listen, tmp.path().join("cache"));
+    let mut config = DaemonConfig::new(listen, tmp.path().join("cache"));
+    // Plaintext TCP on loopback only (the TCP test); TLS is covered by test_remote_security.py.
+    config.remote.insecure = true;
     let bound = BoundDaemon::bind(config).await.unwrap();
     let addr = bound.address();
     let shutdown = ShutdownToken::new();

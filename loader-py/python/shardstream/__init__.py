@@ -58,9 +58,15 @@ def _start_embedded() -> str:
 
 
 def resolve_address(connect: str = "auto") -> str:
-    """Where to reach a daemon: ``connect`` itself if it is an address; for ``"auto"``,
-    ``$SHARDSTREAM_ADDR``, else the node daemon's default socket if one answers there, else an
-    embedded server started in this process."""
+    """Where to reach a daemon: ``connect`` itself if it is an address (``unix:///path``,
+    ``tls://host:port`` for a daemon on another host, or ``tcp://127.0.0.1:port`` for one started
+    with ``--insecure``); for ``"auto"``, ``$SHARDSTREAM_ADDR``, else the node daemon's default
+    socket if one answers there, else an embedded server started in this process.
+
+    ``tls://`` takes its credentials from the environment, which ranks and DataLoader workers
+    inherit: ``SHARDSTREAM_TLS_CA`` (the daemon's CA, PEM), ``SHARDSTREAM_TOKEN_FILE`` (a file
+    holding the bearer token), and for mutual TLS ``SHARDSTREAM_TLS_CLIENT_CERT`` /
+    ``SHARDSTREAM_TLS_CLIENT_KEY``. A refused token is a ``PermissionError``."""
     if connect != "auto":
         return connect
     env = os.environ.get("SHARDSTREAM_ADDR")

@@ -94,13 +94,19 @@ impl Service {
     /// Refuses (`PermissionDenied`, naming the URL) a dataset outside the peer's allowed roots.
     fn authorize<T>(&self, request: &Request<T>, url: &str) -> Result<(), Status> {
         let Some(allow) = &self.access else { return Ok(()) };
-        let peer = request
+        let local = request
             .extensions()
             .get::<tonic::transport::server::UdsConnectInfo>()
             .and_then(|c| c.peer_cred)
             .map(|c| crate::access::Peer { uid: c.uid(), gid: c.gid() });
-        allow.check(peer, url).map_err(|e| {
-            tracing::warn!(?peer, %url, "dataset refused by the allow list");
+        // A TCP request carries the identity the authenticator gave it (its token's name).
+        let who = match (local, request.extensions().get::<crate::remote::RemoteClient>()) {
+            (Some(p), _) => crate::access::Requester::Local(p),
+            (None, Some(r)) => crate::access::Requester::Remote { client: r.name.clone() },
+            (None, None) => crate::access::Requester::Remote { client: None },
+        };
+        allow.check_requester(&who, url).map_err(|e| {
+            tracing::warn!(%who, %url, "dataset refused by the allow list");
             to_status(e)
         })
     }
@@ -632,6 +638,7 @@ fn first_row_of_each_file(ds: &Dataset, ids: &[u64]) -> Vec<u64> {
 #[tonic::async_trait]
 impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
+        crate::limits::check_request("OpenDataset", request.get_ref())?;
         self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
@@ -647,6 +654,7 @@ impl Shardstream for Service {
     ) -> Result<Response<Self::StreamBatchesStream>, Status> {
         // Only a client on the Unix socket can be on this host and reach the side channel.
         let same_host = request.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some();
+        crate::limits::check_request("StreamBatches", request.get_ref())?;
         self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         let ds = self.open(req.url.clone(), req.cache.clone()).await.map_err(to_status)?;
@@ -665,7 +673,8 @@ impl Shardstream for Service {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn status(&self, _request: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
+    async fn status(&self, request: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
+        crate::limits::check_request("Status", request.get_ref())?;
         let m = &self.metrics;
         let prefetch = self.prefetch.as_ref().map(|p| p.status()).unwrap_or_default();
         let datasets = self
@@ -737,6 +746,7 @@ impl Shardstream for Service {
     type PrefetchStream = ReceiverStream<Result<PrefetchProgress, Status>>;
 
     async fn prefetch(&self, request: Request<PrefetchRequest>) -> Result<Response<Self::PrefetchStream>, Status> {
+        crate::limits::check_request("Prefetch", request.get_ref())?;
         self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;

@@ -26,6 +26,11 @@ use crate::{Error, Result};
 /// certainly a typo (and the names alone would take gigabytes).
 pub const MAX_PATTERN_NAMES: usize = 10_000_000;
 
+/// Largest total length, in bytes, of the names a brace pattern may expand to. A request is a few
+/// KiB at most; without this bound a short pattern (`{0..9999999}` twice over) would make the
+/// daemon allocate hundreds of MB before anything else could refuse it.
+pub const MAX_PATTERN_BYTES: usize = 16 << 20;
+
 /// Where one shard's bytes live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ShardSource {
@@ -129,9 +134,25 @@ impl DatasetUrl {
 }
 
 /// Expands `{000..099}` numeric ranges (zero-padded to the width of the first bound) and `{a,b}`
-/// alternatives, left to right, in order.
+/// alternatives, left to right, in order. Every expansion must be a plain file name (no `/`, NUL,
+/// `.` or `..`): a pattern can only pick shards inside the dataset's directory or prefix, never
+/// step out of it. The expansion is bounded in names and in bytes before it is made.
 pub fn expand_braces(pattern: &str) -> Result<Vec<String>> {
+    let out = expand_unchecked(pattern)?;
+    if let Some(bad) = out.iter().find(|n| n.is_empty() || *n == "." || *n == ".." || n.contains(['/', '\0'])) {
+        return Err(Error::invalid(format!(
+            "pattern {pattern} expands to {bad:?}, which is not a shard file name (a pattern may not leave its directory)"
+        )));
+    }
+    Ok(out)
+}
+
+fn expand_unchecked(pattern: &str) -> Result<Vec<String>> {
+    let too_big =
+        || Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_BYTES} bytes of names"));
     let mut out = vec![String::new()];
+    // Total length of the names in `out`.
+    let mut bytes = 0usize;
     let mut rest = pattern;
     while let Some(open) = rest.find('{') {
         let close = rest[open..]
@@ -148,6 +169,15 @@ pub fn expand_braces(pattern: &str) -> Result<Vec<String>> {
         if total > MAX_PATTERN_NAMES {
             return Err(Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_NAMES} names")));
         }
+        // Each old name appears once per alternative, followed by the literal and that alternative.
+        let alt_bytes: usize = alternatives.iter().map(String::len).fold(0, usize::saturating_add);
+        bytes = bytes
+            .saturating_mul(alternatives.len())
+            .saturating_add(out.len().saturating_mul(literal.len().saturating_mul(alternatives.len())))
+            .saturating_add(out.len().saturating_mul(alt_bytes));
+        if bytes > MAX_PATTERN_BYTES {
+            return Err(too_big());
+        }
         let mut next = Vec::with_capacity(total);
         for prefix in &out {
             for alt in &alternatives {
@@ -159,6 +189,9 @@ pub fn expand_braces(pattern: &str) -> Result<Vec<String>> {
     }
     if rest.contains('}') {
         return Err(Error::invalid(format!("unmatched '}}' in pattern {pattern}")));
+    }
+    if bytes.saturating_add(out.len().saturating_mul(rest.len())) > MAX_PATTERN_BYTES {
+        return Err(too_big());
     }
     for name in &mut out {
         name.push_str(rest);
@@ -176,6 +209,12 @@ fn brace_alternatives(body: &str, pattern: &str) -> Result<Vec<String>> {
         let count = b - a + 1;
         if count > MAX_PATTERN_NAMES as u64 {
             return Err(Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_NAMES} names")));
+        }
+        let width = lo.len().max(b.to_string().len());
+        if count.saturating_mul(width as u64) > MAX_PATTERN_BYTES as u64 {
+            return Err(Error::invalid(format!(
+                "pattern {pattern} expands to more than {MAX_PATTERN_BYTES} bytes of names"
+            )));
         }
         let width = lo.len();
         return Ok((a..=b).map(|i| format!("{i:0width$}")).collect());
@@ -237,5 +276,34 @@ mod tests {
             assert!(expand_braces(p).is_err(), "{p}");
         }
         assert!(DatasetUrl::parse("/d/{a,b}/x.tar").is_err());
+    }
+
+    /// A pattern whose expansions leave the dataset's directory or prefix (`..`, `.`, an empty
+    /// name) is refused, whatever the allow list says.
+    #[test]
+    fn patterns_cannot_leave_their_directory() {
+        for url in ["/d/{.,x}.", "/d/{.}.", "/d/{a,}", "/d/{.,x}", "s3://b/p/{.,x}.", "s3://b/p/{.}{.}"] {
+            let e = DatasetUrl::parse(url).unwrap_err().to_string();
+            assert!(e.contains("not a shard file name"), "{url}: {e}");
+        }
+        // `..` as an alternative reads as a (bad) range: refused as well.
+        assert!(DatasetUrl::parse("/d/{..,a}").is_err());
+        assert!(DatasetUrl::parse("/d/{a,b}..tar").is_ok(), "dots inside a name are fine");
+    }
+
+    /// Expansion is bounded in bytes before the names are made: each pattern here is short,
+    /// within the name-count limit, and would expand to far more than MAX_PATTERN_BYTES.
+    #[test]
+    fn expansion_is_bounded_in_bytes() {
+        let long = "x".repeat(4096);
+        for p in [
+            format!("{{0..9999999}}{long}"),
+            format!("{{{long},{long}}}-{{0000000..0999999}}"),
+            "{0000000000..0009999999}".to_owned(),
+        ] {
+            let e = expand_braces(&p).unwrap_err().to_string();
+            assert!(e.contains("bytes of names"), "{e}");
+        }
+        assert_eq!(expand_braces("t-{0..2}").unwrap().len(), 3);
     }
 }

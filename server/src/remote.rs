@@ -1,0 +1,362 @@
+//! Security of TCP listeners: TLS, bearer tokens, and the rule that plaintext is for loopback only.
+//!
+//! A Unix socket is guarded by its file mode and SO_PEERCRED; a TCP port by nothing of the kind,
+//! so a TCP listener must have TLS (`--tls-cert`/`--tls-key`) and a way to tell who connects:
+//! bearer tokens (`--tokens`, each with a name that the `allow` list can match) and/or client
+//! certificates signed by `--tls-client-ca` (mutual TLS). Plaintext TCP is refused unless the
+//! operator says `--insecure` AND the address is loopback; tokens are still checked then when a
+//! token file is given. Everything is read and checked when the daemon starts, with the file named
+//! in the error, never at the first request.
+//!
+//! Tokens never appear in logs or errors: the token file's errors name the line, not its text; a
+//! refused request is told "missing or wrong bearer token" and nothing else. A presented token is
+//! compared with every known token as SHA-256 digests in constant time, so neither the time taken
+//! nor an early exit says how much of it matched.
+
+use std::net::{IpAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use subtle::ConstantTimeEq;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+use crate::{Error, Result};
+
+/// The metadata key a client sends its token in, as `Bearer <token>`.
+pub const AUTHORIZATION: &str = "authorization";
+
+/// Shortest token accepted in a token file: shorter ones are guessable.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// The operator's settings (flags or config keys), before they are checked.
+#[derive(Debug, Clone, Default)]
+pub struct RemoteOptions {
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
+    pub token_file: Option<PathBuf>,
+    pub insecure: bool,
+}
+
+/// Checked settings of a TCP listener.
+#[derive(Clone, Default)]
+pub struct RemoteSecurity {
+    /// TLS for the listener; `None` only with `--insecure` on loopback.
+    pub tls: Option<ServerTlsConfig>,
+    /// Known tokens; `None`: no token is asked for (mutual TLS, or `--insecure` without a file).
+    pub tokens: Option<Arc<Tokens>>,
+    /// Client certificates are required (and verified against the client CA).
+    pub mutual_tls: bool,
+}
+
+impl std::fmt::Debug for RemoteSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteSecurity")
+            .field("tls", &self.tls.is_some())
+            .field("tokens", &self.tokens.as_ref().map(|t| t.len()))
+            .field("mutual_tls", &self.mutual_tls)
+            .finish()
+    }
+}
+
+impl RemoteOptions {
+    /// True when any TCP-only option is set (for a warning on a Unix listener).
+    pub fn any(&self) -> bool {
+        self.tls_cert.is_some()
+            || self.tls_key.is_some()
+            || self.tls_client_ca.is_some()
+            || self.token_file.is_some()
+            || self.insecure
+    }
+
+    /// Checks the options for a TCP listener on `host_port` and reads the files they name.
+    pub fn check(&self, host_port: &str) -> Result<RemoteSecurity> {
+        let bad = |msg: String| Error::invalid(format!("TCP listener {host_port}: {msg}"));
+        let tokens = self.token_file.as_deref().map(Tokens::load).transpose()?.map(Arc::new);
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
+                if let Some(ca) = &self.tls_client_ca {
+                    tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
+                }
+                if tokens.is_none() && self.tls_client_ca.is_none() {
+                    return Err(bad("TLS alone does not say who may connect: give --tokens (bearer \
+                                    tokens) or --tls-client-ca (client certificates), or both"
+                        .into()));
+                }
+                // Parse the PEM now, so a bad certificate or key stops the daemon at start.
+                tonic::transport::Server::builder().tls_config(tls.clone()).map_err(|e| {
+                    bad(format!("bad TLS certificate or key ({}, {}): {e}", cert.display(), key.display()))
+                })?;
+                Ok(RemoteSecurity { tls: Some(tls), tokens, mutual_tls: self.tls_client_ca.is_some() })
+            }
+            (Some(_), None) | (None, Some(_)) => Err(bad("--tls-cert and --tls-key go together".into())),
+            (None, None) => {
+                if self.tls_client_ca.is_some() {
+                    return Err(bad("--tls-client-ca needs TLS: give --tls-cert and --tls-key too".into()));
+                }
+                if !self.insecure {
+                    return Err(bad("refusing plaintext TCP: give --tls-cert and --tls-key (with --tokens \
+                                    or --tls-client-ca), or --insecure for a loopback address"
+                        .into()));
+                }
+                if !is_loopback(host_port) {
+                    return Err(bad("--insecure (plaintext) is allowed only on a loopback address \
+                                    (127.0.0.0/8, ::1, localhost); use TLS for any other address"
+                        .into()));
+                }
+                Ok(RemoteSecurity { tls: None, tokens, mutual_tls: false })
+            }
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::io("cannot read", path, e))
+}
+
+/// True when every address `host:port` names is a loopback address.
+pub fn is_loopback(host_port: &str) -> bool {
+    let Some((host, _)) = host_port.rsplit_once(':') else { return false };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return ip.is_loopback();
+    }
+    // A name: every address it resolves to must be loopback (`localhost` normally is).
+    match host_port.to_socket_addrs() {
+        Ok(addrs) => {
+            let addrs: Vec<_> = addrs.collect();
+            !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback())
+        }
+        Err(_) => false,
+    }
+}
+
+/// The token file: one `NAME:TOKEN` per line; blank lines and `#` comments are skipped. The name
+/// is what the `allow` list's `client` key matches.
+pub struct Tokens {
+    /// (name, SHA-256 of the token).
+    entries: Vec<(String, [u8; 32])>,
+}
+
+impl Tokens {
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io("cannot read token file", path, e))?;
+        Self::parse(&text).map_err(|e| Error::invalid(format!("token file {}: {e}", path.display())))
+    }
+
+    /// Parses a token file's text. Errors name the line number, never its content.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let mut entries: Vec<(String, [u8; 32])> = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let n = i + 1;
+            let (name, token) = line.split_once(':').ok_or_else(|| format!("line {n}: expected NAME:TOKEN"))?;
+            let (name, token) = (name.trim(), token.trim());
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c)) {
+                return Err(format!("line {n}: the name must be letters, digits, '-', '_', '.' or '@'"));
+            }
+            if token.len() < MIN_TOKEN_LEN || !token.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(format!(
+                    "line {n}: the token must be at least {MIN_TOKEN_LEN} printable ASCII characters without spaces"
+                ));
+            }
+            if entries.iter().any(|(m, _)| m == name) {
+                return Err(format!("line {n}: the name {name:?} appears twice"));
+            }
+            let digest = digest(token.as_bytes());
+            if entries.iter().any(|(_, d)| bool::from(d.ct_eq(&digest))) {
+                return Err(format!("line {n}: the same token is given to two names"));
+            }
+            entries.push((name.to_owned(), digest));
+        }
+        if entries.is_empty() {
+            return Err("no tokens (expected NAME:TOKEN lines)".into());
+        }
+        Ok(Self { entries })
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The name of the token `presented`, if it is one. Looks at every entry whatever matches.
+    pub fn identify(&self, presented: &[u8]) -> Option<&str> {
+        let d = digest(presented);
+        let mut found = None;
+        for (name, known) in &self.entries {
+            if bool::from(known.ct_eq(&d)) {
+                found = Some(name.as_str());
+            }
+        }
+        found
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref());
+    out
+}
+
+/// Who a request over TCP came from, put into its extensions by [`Authenticator`]: the token's
+/// name; without tokens, the subject CN of the client certificate (mutual TLS); `None` when
+/// neither says (`--insecure` without a token file, a certificate without a CN).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteClient {
+    pub name: Option<String>,
+}
+
+/// Checks every request's bearer token (TCP listeners with a token file), before the request is
+/// decoded further. On a Unix listener it does nothing.
+#[derive(Clone, Default)]
+pub struct Authenticator {
+    /// `None`: a Unix listener (SO_PEERCRED and the socket's mode apply instead).
+    tcp: Option<Option<Arc<Tokens>>>,
+}
+
+impl Authenticator {
+    /// For a Unix listener.
+    pub fn unix() -> Self {
+        Self { tcp: None }
+    }
+
+    /// For a TCP listener; `tokens`: the token file, if one is required.
+    pub fn tcp(tokens: Option<Arc<Tokens>>) -> Self {
+        Self { tcp: Some(tokens) }
+    }
+}
+
+impl tonic::service::Interceptor for Authenticator {
+    fn call(&mut self, mut request: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+        let Some(tokens) = &self.tcp else { return Ok(request) };
+        let Some(tokens) = tokens else {
+            // No tokens: a mutual-TLS client is known by its certificate's subject CN (rustls
+            // verified the certificate against --tls-client-ca before any request).
+            let name = request
+                .peer_certs()
+                .and_then(|certs| certs.first().and_then(|c| crate::cert_name::subject_common_name(c)));
+            request.extensions_mut().insert(RemoteClient { name });
+            return Ok(request);
+        };
+        let presented = request
+            .metadata()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .map(|t| t.trim_ascii().to_vec());
+        match presented.as_deref().and_then(|t| tokens.identify(t)) {
+            Some(name) => {
+                let name = name.to_owned();
+                request.extensions_mut().insert(RemoteClient { name: Some(name) });
+                Ok(request)
+            }
+            None => {
+                let peer = request.remote_addr().map(|a| a.to_string()).unwrap_or_else(|| "?".into());
+                tracing::warn!(%peer, presented = presented.is_some(), "request refused: missing or wrong bearer token");
+                Err(tonic::Status::unauthenticated(
+                    "missing or wrong bearer token: this daemon requires one on TCP \
+                     (set SHARDSTREAM_TOKEN_FILE to a file holding the token)",
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::service::Interceptor;
+
+    use super::*;
+
+    const SECRET: &str = "s3cr3t-t0ken-0123456789";
+
+    #[test]
+    fn token_file_is_parsed_and_errors_never_show_a_token() {
+        let t =
+            Tokens::parse(&format!("# trainers\n\ntrainer-a:{SECRET}\n trainer-b : another-token-abcdef \n")).unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.identify(SECRET.as_bytes()), Some("trainer-a"));
+        assert_eq!(t.identify(b"another-token-abcdef"), Some("trainer-b"));
+        assert_eq!(t.identify(b"s3cr3t-t0ken-012345678"), None, "a prefix is not the token");
+        assert_eq!(t.identify(b""), None);
+        for (text, want) in [
+            (format!("{SECRET}\n"), "line 1: expected NAME:TOKEN"),
+            ("a:short\n".to_owned(), "line 1: the token must be"),
+            (format!("a:{SECRET}\na:{SECRET}x\n"), "line 2: the name \"a\" appears twice"),
+            (format!("a:{SECRET}\nb:{SECRET}\n"), "line 2: the same token"),
+            (format!("bad name:{SECRET}\n"), "line 1: the name must be"),
+            ("# nothing\n".to_owned(), "no tokens"),
+        ] {
+            let e = Tokens::parse(&text).err().unwrap();
+            assert!(e.contains(want), "{text:?}: {e}");
+            assert!(!e.contains(SECRET) && !e.contains("short"), "the error shows the token: {e}");
+        }
+    }
+
+    #[test]
+    fn plaintext_only_with_insecure_on_loopback() {
+        let insecure = RemoteOptions { insecure: true, ..Default::default() };
+        assert!(insecure.check("127.0.0.1:7000").is_ok());
+        assert!(insecure.check("[::1]:7000").is_ok());
+        assert!(insecure.check("localhost:7000").is_ok());
+        for addr in ["0.0.0.0:7000", "10.1.2.3:7000", "[::]:7000"] {
+            let e = insecure.check(addr).unwrap_err().to_string();
+            assert!(e.contains("only on a loopback address") && e.contains(addr), "{e}");
+        }
+        let e = RemoteOptions::default().check("127.0.0.1:7000").unwrap_err().to_string();
+        assert!(e.contains("refusing plaintext TCP") && e.contains("--insecure"), "{e}");
+        let half = RemoteOptions { tls_cert: Some("/c".into()), ..Default::default() };
+        assert!(half.check("127.0.0.1:1").unwrap_err().to_string().contains("go together"));
+        let ca_only = RemoteOptions { tls_client_ca: Some("/c".into()), insecure: true, ..Default::default() };
+        assert!(ca_only.check("127.0.0.1:1").unwrap_err().to_string().contains("needs TLS"));
+    }
+
+    #[test]
+    fn missing_files_are_named() {
+        let o = RemoteOptions {
+            tls_cert: Some("/nonexistent/cert.pem".into()),
+            tls_key: Some("/nonexistent/key.pem".into()),
+            token_file: None,
+            tls_client_ca: Some("/nonexistent/ca.pem".into()),
+            insecure: false,
+        };
+        let e = o.check("0.0.0.0:1").unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/cert.pem"), "{e}");
+        let o = RemoteOptions { token_file: Some("/nonexistent/tokens".into()), insecure: true, ..Default::default() };
+        assert!(o.check("127.0.0.1:1").unwrap_err().to_string().contains("/nonexistent/tokens"));
+    }
+
+    fn request(auth: Option<&str>) -> tonic::Request<()> {
+        let mut r = tonic::Request::new(());
+        if let Some(a) = auth {
+            r.metadata_mut().insert(AUTHORIZATION, a.parse().unwrap());
+        }
+        r
+    }
+
+    #[test]
+    fn interceptor_names_the_client_or_refuses_without_echoing() {
+        let tokens = Arc::new(Tokens::parse(&format!("trainer-a:{SECRET}\n")).unwrap());
+        let mut auth = Authenticator::tcp(Some(tokens));
+        let ok = auth.call(request(Some(&format!("Bearer {SECRET}")))).unwrap();
+        assert_eq!(ok.extensions().get::<RemoteClient>(), Some(&RemoteClient { name: Some("trainer-a".into()) }));
+        for bad in [None, Some("Bearer wrong-token-0123456789"), Some(SECRET), Some("Basic abc")] {
+            let s = auth.call(request(bad)).unwrap_err();
+            assert_eq!(s.code(), tonic::Code::Unauthenticated);
+            assert!(!s.message().contains("wrong-token") && !s.message().contains(SECRET), "{}", s.message());
+        }
+        // Unix listeners: no token asked, no identity added.
+        let r = Authenticator::unix().call(request(None)).unwrap();
+        assert!(r.extensions().get::<RemoteClient>().is_none());
+        // TCP without tokens (mutual TLS): an anonymous remote client.
+        let r = Authenticator::tcp(None).call(request(None)).unwrap();
+        assert_eq!(r.extensions().get::<RemoteClient>(), Some(&RemoteClient { name: None }));
+    }
+}

@@ -1,0 +1,321 @@
+"""The remote (TCP) endpoint: TLS, bearer tokens, `--insecure` only on loopback, the `allow` list
+for remote clients, brace patterns that try to leave their directory, and per-RPC request bounds.
+
+The daemon and the trainer run on two "hosts" (tests/netns.py): two network namespaces joined by
+a veth pair, so the trainer reaches the daemon over another interface, and, as a second variant
+that always runs, both on loopback. Certificates are made by the test with the openssl command
+(never committed). Every refusal is checked for its exception type and for the secret it must
+not show: neither the exception text nor the daemon's log may contain a token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tlsutil
+from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers the `two_hosts` fixture)
+from tlsutil import TOKEN_A, TOKEN_B, WRONG
+
+import shardstream
+from conftest import SHARDSTREAM, write_dataset
+
+pytestmark = pytest.mark.skipif(tlsutil.available() is not None, reason=str(tlsutil.available()))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tlsutil.make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    root = tmp_path_factory.mktemp("remote-data")
+    samples = write_dataset(root / "a", n=120, per_shard=40, seed=3)
+    write_dataset(root / "b", n=40, per_shard=40, seed=4)
+    return root / "a", root / "b", samples
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Remote:
+    """`shardstream serve` on a TCP address of the daemon's host, its log in a file."""
+
+    def __init__(self, hosts: Hosts, tmp: Path, args: list[str], ip: str | None = None, scheme: str = "tls") -> None:
+        self.hosts = hosts
+        self.port = free_port()
+        self.ip = ip or hosts.daemon_ip
+        self.addr = f"{scheme}://{self.ip}:{self.port}"
+        self.log = tmp / f"daemon-{self.port}.log"
+        cmd = [SHARDSTREAM, "serve", "--listen", f"tcp://{self.ip}:{self.port}", "--cache-dir", str(tmp / "cache"),
+               "--log", "info", *args]  # fmt: skip
+        with open(self.log, "wb") as log:
+            self.proc = hosts.popen_daemon(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self) -> Remote:
+        if not self.hosts.wait_port(self.ip, self.port, timeout=30):
+            self.stop()
+            raise AssertionError(f"daemon did not listen: {self.log.read_text()}")
+        return self
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.log.read_text()
+
+
+# Runs on the trainer's host: opens and streams a dataset, prints what happened as JSON.
+TRAINER = textwrap.dedent(
+    """
+    import json, sys, shardstream
+    url, addr = sys.argv[1], sys.argv[2]
+    try:
+        # rank/world_size given: the default would import torch.distributed (seconds per trainer).
+        loader = shardstream.Loader(url, batch_size=16, connect=addr, rank=0, world_size=1)
+        keys = [k for b in loader for k in b["__key__"]]
+        print(json.dumps({"ok": True, "keys": keys}))
+    except Exception as e:
+        print(json.dumps({"ok": False, "type": type(e).__name__, "msg": str(e)}))
+    """
+)
+
+
+def trainer(hosts: Hosts, url: str, addr: str, **env: str | None) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_TLS") and k != "SHARDSTREAM_TOKEN_FILE"}
+    e.update({k: v for k, v in env.items() if v is not None})
+    r = hosts.run_trainer([sys.executable, "-c", TRAINER, url, addr], env=e, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip(), f"trainer failed: {r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def creds(pki: Path, token: str | None = "a", ca: str = "ca") -> dict[str, str | None]:
+    return {"SHARDSTREAM_TOKEN_FILE": None, **tlsutil.client_env(pki, token, ca)}
+
+
+def tls_args(pki: Path) -> list[str]:
+    return tlsutil.serve_args(pki)
+
+
+@pytest.fixture
+def tls_daemon(two_hosts: Hosts, tmp_path: Path, pki: Path) -> Iterator[Remote]:
+    d = Remote(two_hosts, tmp_path, tls_args(pki)).wait()
+    yield d
+    log = d.stop()
+    for secret in (TOKEN_A, TOKEN_B, WRONG):
+        assert secret not in log, "a token appeared in the daemon's log"
+
+
+def test_tls_with_a_token_streams_every_sample_once(two_hosts: Hosts, tls_daemon: Remote, pki: Path, datasets) -> None:
+    a, _, samples = datasets
+    got = trainer(two_hosts, str(a), tls_daemon.addr, **creds(pki))
+    assert got["ok"], got
+    assert sorted(got["keys"]) == sorted(samples), "every sample exactly once over TLS"
+    # The daemon saw the trainer's own address (another interface in the netns variant).
+    assert tls_daemon.addr.startswith(f"tls://{two_hosts.daemon_ip}:")
+
+
+def test_a_wrong_ca_is_refused(two_hosts: Hosts, tls_daemon: Remote, pki: Path, datasets) -> None:
+    a, _, _ = datasets
+    got = trainer(two_hosts, str(a), tls_daemon.addr, **creds(pki, ca="other-ca"))
+    assert not got["ok"] and got["type"] == "ConnectionError", got
+    assert "certificate" in got["msg"].lower() or "issuer" in got["msg"].lower(), got
+
+
+@pytest.mark.parametrize("token", ["wrong", None])
+def test_a_wrong_or_missing_token_is_refused(
+    two_hosts: Hosts, tls_daemon: Remote, pki: Path, datasets, token: str | None
+) -> None:
+    a, _, _ = datasets
+    got = trainer(two_hosts, str(a), tls_daemon.addr, **creds(pki, token=token))
+    assert not got["ok"] and got["type"] == "PermissionError", got
+    assert "bearer token" in got["msg"], got
+    for secret in (TOKEN_A, TOKEN_B, WRONG):
+        assert secret not in got["msg"]
+    assert "request refused" in tls_daemon.log.read_text(), "the refusal is logged (without the token)"
+
+
+def test_plaintext_tcp_to_a_tls_daemon_fails(two_hosts: Hosts, tls_daemon: Remote, pki: Path, datasets) -> None:
+    a, _, _ = datasets
+    plain = tls_daemon.addr.replace("tls://", "tcp://")
+    got = trainer(two_hosts, str(a), plain, **creds(pki, token=None))
+    assert not got["ok"] and got["type"] == "ConnectionError", got
+
+
+def _serve_refused(args: list[str], want: str) -> None:
+    r = subprocess.run([SHARDSTREAM, "serve", "--cache-dir", "/tmp/shardstream-never", *args],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode != 0 and want in r.stderr, r.stderr
+
+
+def test_plaintext_is_refused_without_insecure(pki: Path) -> None:
+    _serve_refused(["--listen", f"tcp://127.0.0.1:{free_port()}"], "refusing plaintext TCP")
+    # TLS alone does not say who may connect.
+    _serve_refused(
+        ["--listen", f"tcp://127.0.0.1:{free_port()}", "--tls-cert", str(pki / "daemon.pem"),
+         "--tls-key", str(pki / "daemon.key")], "--tokens",
+    )  # fmt: skip
+
+
+def test_insecure_on_a_non_loopback_address_is_refused(two_hosts: Hosts, tmp_path: Path) -> None:
+    for ip in {"0.0.0.0", two_hosts.daemon_ip} - {"127.0.0.1"}:
+        d = Remote(two_hosts, tmp_path, ["--insecure"], ip=ip, scheme="tcp")
+        assert d.proc.wait(timeout=30) != 0
+        log = d.stop()
+        assert "only on a loopback address" in log, log
+
+
+def test_insecure_on_loopback_serves_plaintext(tmp_path: Path, datasets) -> None:
+    a, _, samples = datasets
+    d = Remote(Hosts(), tmp_path, ["--insecure"], ip="127.0.0.1", scheme="tcp").wait()
+    try:
+        keys = [k for b in shardstream.Loader(str(a), batch_size=32, connect=d.addr) for k in b["__key__"]]
+        assert sorted(keys) == sorted(samples)
+    finally:
+        d.stop()
+
+
+def test_bad_certificate_files_are_named_at_start(tmp_path: Path, pki: Path) -> None:
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    _serve_refused(
+        ["--listen", f"tcp://127.0.0.1:{free_port()}", "--tls-cert", str(bad), "--tls-key", str(pki / "daemon.key"),
+         "--tokens", str(pki / "tokens")], "bad TLS certificate or key",
+    )  # fmt: skip
+    _serve_refused(
+        ["--listen", f"tcp://127.0.0.1:{free_port()}", "--insecure", "--tokens", str(tmp_path / "missing")],
+        "missing",
+    )
+
+
+def test_allow_list_applies_to_remote_clients(two_hosts: Hosts, tmp_path: Path, pki: Path, datasets) -> None:
+    a, b, samples = datasets
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[[allow]]\nclient = "trainer-a"\nroots = ["{a}"]\n\n[[allow]]\nclient = "trainer-b"\nroots = ["{b}"]\n'
+    )
+    d = Remote(two_hosts, tmp_path, [*tls_args(pki), "--config", str(config)]).wait()
+    try:
+        ok = trainer(two_hosts, str(a), d.addr, **creds(pki, token="a"))
+        assert ok["ok"] and sorted(ok["keys"]) == sorted(samples), ok
+        assert trainer(two_hosts, str(b), d.addr, **creds(pki, token="b"))["ok"]
+        for url, token in [
+            (str(b), "a"),  # another client's dataset
+            (str(a), "b"),
+            (f"{a}/../b", "a"),  # `..` out of the root
+            (f"{a}/{{train-000000.tar,../b/train-000000.tar}}", "a"),  # cannot even name another directory
+            (f"{a}/{{..,train-000000.tar}}", "a"),  # a pattern expanding to `..`
+            (f"{a}/{{.}}{{.}}", "a"),
+        ]:
+            got = trainer(two_hosts, url, d.addr, **creds(pki, token=token))
+            assert not got["ok"] and got["type"] == "PermissionError", (url, got)
+            assert TOKEN_A not in got["msg"] and TOKEN_B not in got["msg"]
+    finally:
+        log = d.stop()
+    assert "dataset refused by the allow list" in log and TOKEN_A not in log and TOKEN_B not in log
+
+
+def test_brace_patterns_cannot_leave_the_dataset_without_an_allow_list(tmp_path: Path, datasets) -> None:
+    a, _, _ = datasets
+    d = Remote(Hosts(), tmp_path, ["--insecure"], ip="127.0.0.1", scheme="tcp").wait()
+    try:
+        conn = shardstream._native.Connection(d.addr)
+        for url in [f"{a}/{{.,x}}.", f"{a}/{{.}}.", f"{a}/{{..,x}}", f"{a}/t-{{0..9999999}}-{'x' * 2000}"]:
+            with pytest.raises(ValueError, match="not a shard file name|bad range|bytes of names"):
+                conn.open(url)
+    finally:
+        d.stop()
+
+
+def test_oversized_requests_are_refused(tmp_path: Path, datasets) -> None:
+    a, _, samples = datasets
+    d = Remote(Hosts(), tmp_path, ["--insecure"], ip="127.0.0.1", scheme="tcp").wait()
+    try:
+        conn = shardstream._native.Connection(d.addr)
+        # Beyond OpenDataset's own bound (16 KiB), and beyond every RPC's (the decoding limit).
+        for size in (20 << 10, 1 << 20):
+            with pytest.raises(ValueError, match="larger than|too large"):
+                conn.open(f"{a}/{'x' * size}")
+        # The daemon is unharmed.
+        keys = [k for b in shardstream.Loader(str(a), batch_size=32, connect=d.addr) for k in b["__key__"]]
+        assert sorted(keys) == sorted(samples)
+    finally:
+        d.stop()
+
+
+def test_mutual_tls_without_tokens(two_hosts: Hosts, tmp_path: Path, pki: Path, datasets) -> None:
+    """Client certificates instead of tokens: a client is known by its certificate's subject CN
+    (`trainer`), which the allow list matches; without a certificate the handshake fails."""
+    a, b, samples = datasets
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[[allow]]\nclient = "trainer"\nroots = ["{a}"]\n')
+    args = ["--tls-cert", str(pki / "daemon.pem"), "--tls-key", str(pki / "daemon.key"),
+            "--tls-client-ca", str(pki / "ca.pem"), "--config", str(config)]  # fmt: skip
+    d = Remote(two_hosts, tmp_path, args).wait()
+    try:
+        with_cert = {
+            **creds(pki, token=None),
+            "SHARDSTREAM_TLS_CLIENT_CERT": str(pki / "trainer.pem"),
+            "SHARDSTREAM_TLS_CLIENT_KEY": str(pki / "trainer.key"),
+        }
+        got = trainer(two_hosts, str(a), d.addr, **with_cert)
+        assert got["ok"] and sorted(got["keys"]) == sorted(samples), got
+        other = trainer(two_hosts, str(b), d.addr, **with_cert)
+        assert not other["ok"] and other["type"] == "PermissionError", other
+        assert 'remote client "trainer"' in other["msg"], "known by its certificate's CN"
+        refused = trainer(two_hosts, str(a), d.addr, **creds(pki, token=None))
+        assert not refused["ok"] and refused["type"] in ("ConnectionError", "PermissionError"), refused
+    finally:
+        d.stop()
+
+
+# One rank on the trainer's host: a torch DataLoader with 2 workers, each worker its own TLS
+# connection (made after fork, with the credentials the environment hands down).
+RANK = textwrap.dedent(
+    """
+    import json, sys, torch.utils.data, shardstream.torch as sst
+    url, addr, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ds = sst.IterableDataset(url, batch_size=8, seed=5, rank=rank, world_size=2, connect=addr)
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    print(json.dumps([k for b in dl for k in b["__key__"]]))
+    """
+)
+
+
+def test_two_ranks_of_two_workers_get_every_sample_once_over_tls(
+    two_hosts: Hosts, tls_daemon: Remote, pki: Path, datasets
+) -> None:
+    a, _, samples = datasets
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    env.update(tlsutil.client_env(pki))
+    ranks = [
+        two_hosts.popen_trainer(
+            [sys.executable, "-c", RANK, str(a), tls_daemon.addr, str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    keys: list[str] = []
+    for p in ranks:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        keys += json.loads(out.strip().splitlines()[-1])
+    assert sorted(keys) == sorted(samples), "120 samples, 2 ranks: each exactly once, none padded"
