@@ -338,6 +338,7 @@ impl ShardTable {
     pub fn has_layout(&self) -> bool {
         match self {
             ShardTable::Tar(t) => t.layout.is_some(),
+            ShardTable::Parquet(_) => false,
         }
     }
 
@@ -345,6 +346,7 @@ impl ShardTable {
     pub fn key_at(&self, i: u64) -> Option<Range<usize>> {
         match self {
             ShardTable::Tar(t) => t.layout.as_ref()?.key(usize::try_from(i).ok()?),
+            ShardTable::Parquet(_) => None,
         }
     }
 
@@ -353,6 +355,7 @@ impl ShardTable {
     pub fn field_at(&self, i: u64, f: usize) -> Option<Option<Range<usize>>> {
         match self {
             ShardTable::Tar(t) => t.layout.as_ref()?.field(usize::try_from(i).ok()?, f),
+            ShardTable::Parquet(_) => None,
         }
     }
 
