@@ -168,13 +168,15 @@ pub async fn open(client: &mut Client, url: &str, cache: &str) -> Result<Dataset
     Ok(client.open_dataset(req).await?.into_inner())
 }
 
-/// A received batch: bytes inline, descriptors into shards mapped through `shm`, or a slot of the
-/// stream's ring (packed mode).
+/// A received batch: bytes inline, descriptors into shards mapped through `shm`, a slot of the
+/// stream's ring (packed mode), or rows of an Arrow dataset (Parquet) as one Arrow IPC stream,
+/// inline or in a ring slot ([`shm::RingMapping::arrow_ipc`]).
 #[derive(Debug)]
 pub enum Batch {
     Inline(shardstream_proto::InlineBatch),
     Shm(shardstream_proto::ShmBatch),
     Packed(shardstream_proto::PackedBatch),
+    Arrow(shardstream_proto::ArrowBatch),
 }
 
 impl Batch {
@@ -184,12 +186,19 @@ impl Batch {
             Batch::Inline(b) => b.batch_index,
             Batch::Shm(b) => b.batch_index,
             Batch::Packed(b) => b.batch_index,
+            Batch::Arrow(b) => b.batch_index,
         }
     }
 
-    /// True when the batch holds a lease or slot that must be released (shared memory).
+    /// True when the batch holds a lease or slot that must be released (shared memory). An
+    /// `ArrowBatch` over shared memory names a ring slot and carries no bytes; inline, its IPC
+    /// stream (never empty: it holds at least the schema message) is in `data`.
     pub fn is_leased(&self) -> bool {
-        !matches!(self, Batch::Inline(_))
+        match self {
+            Batch::Inline(_) => false,
+            Batch::Arrow(b) => b.data.is_empty(),
+            Batch::Shm(_) | Batch::Packed(_) => true,
+        }
     }
 }
 
@@ -268,6 +277,10 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::PackedBatch(b)) })) => {
                     received += 1;
                     Ok(Batch::Packed(b))
+                }
+                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(b)) })) => {
+                    received += 1;
+                    Ok(Batch::Arrow(b))
                 }
                 Ok(Some(_)) => Err(ClientError::Protocol("unexpected message kind in batch stream".into())),
                 // A stream that ends early must never look like the end of an epoch.
