@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use hyper_util::rt::TokioIo;
 use shardstream_proto::shardstream_client::ShardstreamClient;
-use shardstream_proto::{DatasetInfo, OpenRequest, StreamHeader, StreamRequest, stream_message};
+use shardstream_proto::{BatchFormat, DatasetInfo, OpenRequest, StreamHeader, StreamRequest, stream_message};
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -239,6 +239,17 @@ impl Drop for BatchStream {
     }
 }
 
+/// The batch format a stream header announces (`StreamHeader.batch_format`): samples (inline,
+/// shared-memory descriptors of TAR members, packed slots) or Arrow record batches (Parquet); a
+/// format of a newer daemon is an error naming it, before anything is attached or parsed.
+pub fn stream_format(batch_format: i32) -> Result<BatchFormat, ClientError> {
+    BatchFormat::try_from(batch_format).map_err(|_| {
+        ClientError::Protocol(format!(
+            "the stream carries batch format {batch_format}, unknown to this client (is the daemon newer?)"
+        ))
+    })
+}
+
 /// Starts a stream and waits for its header (so request errors surface here).
 pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStream, ClientError> {
     let mut inner = client.stream_batches(req).await?.into_inner();
@@ -246,6 +257,7 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
         Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::Header(h)) }) => h,
         other => return Err(ClientError::Protocol(format!("expected a stream header, got {other:?}"))),
     };
+    let arrow = stream_format(header.batch_format)? == BatchFormat::Arrow;
     let shm = if header.transport == shardstream_proto::Transport::Shm as i32 {
         let socket = std::path::PathBuf::from(&header.shm_socket);
         let token = header.shm_token.clone();
@@ -266,6 +278,23 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
         let mut received = 0u64;
         loop {
             let item = match inner.message().await {
+                // Batches must be of the format the header announced: an Arrow stream must never
+                // reach code that reads TAR members, nor samples code that opens Arrow IPC.
+                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(_)) }))
+                    if !arrow =>
+                {
+                    Err(ClientError::Protocol("an Arrow batch in a stream of samples".into()))
+                }
+                Ok(Some(shardstream_proto::StreamMessage {
+                    kind:
+                        Some(
+                            stream_message::Kind::InlineBatch(_)
+                            | stream_message::Kind::ShmBatch(_)
+                            | stream_message::Kind::PackedBatch(_),
+                        ),
+                })) if arrow => {
+                    Err(ClientError::Protocol("a batch of samples in a stream of Arrow record batches".into()))
+                }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::InlineBatch(b)) })) => {
                     received += 1;
                     Ok(Batch::Inline(b))
@@ -329,6 +358,14 @@ mod tests {
             assert!(!is_transport_failure(&s), "{code:?}");
             assert!(matches!(ClientError::from(s), ClientError::Status(_)), "{code:?}");
         }
+    }
+
+    #[test]
+    fn stream_formats_are_known_or_named() {
+        assert_eq!(stream_format(BatchFormat::Samples as i32).unwrap(), BatchFormat::Samples);
+        assert_eq!(stream_format(BatchFormat::Arrow as i32).unwrap(), BatchFormat::Arrow);
+        let newer = stream_format(7).unwrap_err().to_string();
+        assert!(newer.contains("batch format 7"), "{newer}");
     }
 
     #[test]
