@@ -129,3 +129,20 @@ def test_row_ids_column_is_appended_once() -> None:
     assert out.schema.names == ["v", "__row__"]
     assert out.column("__row__").to_pylist() == [8, 9]
     assert _arrow.with_row_ids(out, np.array([0, 0], np.uint64)) is out
+
+
+def test_timestamps_are_views_and_dates_python_objects() -> None:
+    import datetime
+
+    rb = pa.record_batch(
+        {
+            "ts": pa.array([1, 2, None], pa.timestamp("ms")),
+            "day": pa.array([datetime.date(2020, 1, 1), None, datetime.date(2021, 2, 3)], pa.date32()),
+        }
+    )
+    region = ipc_bytes(rb)
+    d = _arrow.to_dict(reopen(region), np.array([0, 1, 2], np.uint64))
+    ts = d["ts"]
+    assert ts.dtype == np.dtype("datetime64[ms]") and ts.mask.tolist() == [False, False, True]
+    assert inside(region, ts.data.ctypes.data, ts.data.nbytes)
+    assert d["day"] == [datetime.date(2020, 1, 1), None, datetime.date(2021, 2, 3)]

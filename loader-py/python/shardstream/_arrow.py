@@ -9,7 +9,7 @@ made from it are gone.
 
 ``to_dict`` is the default form (what ``Loader(..., format="dict")`` yields):
 
-- fixed-width columns (integers, floats, temporal types): a 1-D numpy array over the Arrow
+- fixed-width columns (integers, floats, timestamps, durations): a 1-D numpy array over the Arrow
   buffer, without a copy. With nulls, a ``numpy.ma.MaskedArray``: its data is still the Arrow
   buffer (zero copy; the values under masked entries are whatever the writer left there), its mask
   a new boolean array. Nothing is filled in silently. Booleans are bit-packed in Arrow, so they
@@ -72,10 +72,12 @@ def with_row_ids(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> pa.Record
 
 
 def _fixed_width(t: pa.DataType) -> bool:
+    """Types numpy can view in place: integers, floats, timestamps and durations (dates and
+    times of day have no zero-copy numpy form; they come as Python objects)."""
     import pyarrow as pa
 
     return bool(
-        pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_temporal(t) and not pa.types.is_interval(t)
+        pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_timestamp(t) or pa.types.is_duration(t)
     )
 
 
