@@ -388,3 +388,16 @@ def test_an_s3_parquet_dataset(tmp_path: Path, s3, varied) -> None:
         assert status["storage_requests"] > 0 and status["storage_bytes"] > 0
     finally:
         assert d.stop() == 0
+
+
+def test_record_batches_cross_dataloader_workers(daemon, varied) -> None:
+    root, rows = varied
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=6, connect=daemon.addr, format="arrow")
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    seen: list[int] = []
+    for rb in dl:
+        assert isinstance(rb, pa.RecordBatch)
+        ids = rb.column("__row__").to_pylist()
+        assert rb.column("caption").to_pylist() == [rows[r]["caption"] for r in ids]
+        seen.extend(ids)
+    assert sorted(seen) == list(range(TOTAL))
