@@ -220,7 +220,20 @@ impl Batch {
         b: shardstream_client::Batch,
         session: Option<Arc<ShmSession>>,
         fields: Arc<Vec<String>>,
+        batch_format: i32,
     ) -> PyResult<Self> {
+        // Samples kinds are read as TAR members / fields / packed slots, Arrow batches as Arrow
+        // IPC: a batch whose kind is not the stream's announced format must never get that far
+        // (the client already refuses them; this is the last line).
+        let arrow = shardstream_client::stream_format(batch_format).map_err(crate::errors::to_pyerr)?
+            == shardstream_proto::BatchFormat::Arrow;
+        if arrow != matches!(b, shardstream_client::Batch::Arrow(_)) {
+            return Err(ShardstreamError::new_err(format!(
+                "batch {} is not of the stream's batch format ({})",
+                b.index(),
+                if arrow { "Arrow record batches" } else { "samples" }
+            )));
+        }
         let lease = |session: &Arc<ShmSession>, batch| {
             Arc::new(Lease { session: session.clone(), batch, released: AtomicBool::new(false) })
         };

@@ -354,7 +354,7 @@ impl Stream {
                 Some(Ok(b)) => {
                     let session = stream.shm.clone();
                     self.put_back(stream);
-                    Ok(Some(batch::Batch::new(b, session, self.fields.clone())?))
+                    Ok(Some(batch::Batch::new(b, session, self.fields.clone(), self.header.batch_format)?))
                 }
                 Some(Err(e)) => {
                     *self.lock() = StreamState::Done;

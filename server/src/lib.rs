@@ -14,7 +14,8 @@
 //!   S3 with retries).
 //! - [`cache`]: the node cache of shard copies (single flight, verified, Belady or LRU eviction).
 //! - [`prefetch`]: merges every active consumer's future order and fetches shards ahead of need.
-//! - [`format`]: shard formats (WebDataset TAR today): index a shard, locate and parse a sample.
+//! - [`format`]: shard formats ([`format::Format`]: WebDataset TAR, Parquet recognised but not yet
+//!   served): find, name and index a shard, locate a sample's fields.
 //! - [`index`]: the dataset manifest (`manifest.json`) and the in-memory sample index: per-shard
 //!   sample counts for the whole dataset, member tables only for the shards in use.
 //! - [`plan`]: the deterministic, exactly-once epoch plan (pure functions, no I/O).

@@ -175,6 +175,57 @@ async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_format_is_reported_and_parquet_is_refused_by_name_at_open() {
+    let (fx, _) = start(2, 10).await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let info = shardstream_client::open(&mut client, &fx.data.display().to_string(), "").await.unwrap();
+    assert_eq!(info.format, "webdataset");
+    let s = shardstream_client::stream(&mut client, request(&fx.data, 4)).await.unwrap();
+    assert_eq!(s.header.batch_format, shardstream_proto::BatchFormat::Samples as i32);
+    drop(s);
+
+    let root = fx.data.parent().unwrap();
+    // A directory of Parquet files is found by the format's extension and refused by name.
+    let pq = root.join("pq");
+    std::fs::create_dir(&pq).unwrap();
+    std::fs::write(pq.join("part-0.parquet"), b"PAR1 not really PAR1").unwrap();
+    // A manifest naming the format goes through the same registry.
+    let pq_manifest = root.join("pq_manifest");
+    std::fs::create_dir(&pq_manifest).unwrap();
+    let manifest = serde_json::json!({
+        "format": "shardstream-manifest", "version": 1, "shard_format": "parquet", "checksum": "crc32c",
+        "fields": ["jpg"], "total_samples": 1, "total_bytes": 20,
+        "shards": [{"name": "part-0.parquet", "bytes": 20, "samples": 1, "crc32c": "00000000"}],
+    });
+    std::fs::write(pq_manifest.join("manifest.json"), manifest.to_string()).unwrap();
+    // TAR and Parquet in one directory: neither half is served silently.
+    let mixed = root.join("mixed");
+    std::fs::create_dir(&mixed).unwrap();
+    std::fs::copy(fx.data.join("part-0000.tar"), mixed.join("a.tar")).unwrap();
+    std::fs::write(mixed.join("b.parquet"), b"PAR1").unwrap();
+    let mut unknown = manifest.clone();
+    unknown["shard_format"] = "orc".into();
+    let orc = root.join("orc");
+    std::fs::create_dir(&orc).unwrap();
+    std::fs::write(orc.join("manifest.json"), unknown.to_string()).unwrap();
+    for (dir, needles) in [
+        (&pq, &["parquet", "not yet served"][..]),
+        (&pq_manifest, &["parquet", "not yet served"]),
+        (&mixed, &["mixes shard formats", "a.tar", "b.parquet"]),
+        (&orc, &["\"orc\"", "not supported"]),
+    ] {
+        let err = shardstream_client::open(&mut client, &dir.display().to_string(), "").await.unwrap_err();
+        let err = status(err);
+        assert_eq!(err.code(), Code::InvalidArgument, "{dir:?}: {err:?}");
+        for needle in needles {
+            assert!(err.message().contains(needle), "{:?} does not mention {needle}", err.message());
+        }
+    }
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_shards_are_data_loss_naming_shard_and_offset() {
     let (fx, _) = start(2, 10).await;
     let bad = fx.data.parent().unwrap().join("bad");

@@ -1,22 +1,176 @@
 //! What a shard looks like: how to index it (count and locate its samples) and how to pull one
-//! sample's fields out of it. Everything above this module (index, plan, transport) sees a shard
-//! only through [`ShardTable`]: a sample count, the field names, and [`ShardTable::read_sample`],
-//! which appends a sample's bytes to a buffer and says where each field lies. A new format (Parquet:
-//! a sample is a row, the table is its row groups) is a new variant here and nothing else changes.
+//! sample's fields out of it. Every format-specific decision of the daemon is made here, behind
+//! two types:
+//!
+//! - [`Format`]: a dataset's shard format (a closed set: WebDataset TAR, Parquet). It names the
+//!   format in manifests and `DatasetInfo`, recognises its shards by file extension when a
+//!   directory or prefix is listed, says which [`BatchFormat`] its streams carry, and indexes a
+//!   shard into a [`ShardTable`] (from a sidecar or by scanning).
+//! - [`ShardTable`]: a shard's member table, resident while the shard is in use. Everything above
+//!   this module (index, plan, transport) sees a shard only through it: a sample count, the field
+//!   names, and [`ShardTable::read_sample`] / [`ShardTable::locate_fields`], which say where each
+//!   field of a sample lies.
+//!
+//! A format is a variant of each. A row-oriented format fits the same shape: its "sample" is a
+//! row, its "shard" is a file (or a row group, if the format presents row groups as plan units),
+//! and the plan only ever sees sample counts per shard.
 //!
 //! - [`tar`]: WebDataset TAR shards (ustar, GNU long names, PAX), indexed from headers only.
-//! - [`sidecar`]: the on-disk form of a shard's member table, so restarts do not rescan.
+//! - [`sidecar`]: the on-disk form of a TAR shard's member table, so restarts do not rescan.
 
 pub mod sidecar;
 pub mod tar;
 
 use std::ops::Range;
+use std::path::Path;
+
+use shardstream_proto::BatchFormat;
 
 use crate::storage::local::ShardFile;
 use crate::{Error, Result};
 
-/// The name of the only shard format of this build, as written in manifests.
+/// The manifest name of the WebDataset format (`Format::WebDataset.name()`).
 pub const WEBDATASET: &str = "webdataset";
+/// The manifest name of the Parquet format (`Format::Parquet.name()`).
+pub const PARQUET: &str = "parquet";
+
+/// A dataset's shard format. One per dataset: from its manifest's `shard_format`, or from the
+/// extension of the files a listing finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// WebDataset TAR shards (`*.tar`): a sample is a run of members sharing a key.
+    WebDataset,
+    /// Parquet files (`*.parquet`): a sample is a row. Recognised, not yet served.
+    Parquet,
+}
+
+impl Format {
+    /// Every format this build knows, in the order listings and messages name them.
+    pub const ALL: [Format; 2] = [Format::WebDataset, Format::Parquet];
+
+    /// The name manifests (`shard_format`) and `DatasetInfo.format` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::WebDataset => WEBDATASET,
+            Format::Parquet => PARQUET,
+        }
+    }
+
+    /// The file name extension a listing recognises the format's shards by.
+    pub fn extension(self) -> &'static str {
+        match self {
+            Format::WebDataset => ".tar",
+            Format::Parquet => ".parquet",
+        }
+    }
+
+    /// The format a manifest's `shard_format` names.
+    pub fn from_name(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|f| f.name() == name).ok_or_else(|| {
+            let known: Vec<String> = Self::ALL.iter().map(|f| format!("{:?}", f.name())).collect();
+            Error::invalid(format!("shard format {name:?} is not supported (this build knows {})", known.join(", ")))
+        })
+    }
+
+    /// The format whose extension `file_name` has, if any.
+    pub fn of_file(file_name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| file_name.ends_with(f.extension()))
+    }
+
+    /// True when `file_name` is a shard of some format (what a listing keeps).
+    pub fn is_shard_name(file_name: &str) -> bool {
+        Self::of_file(file_name).is_some()
+    }
+
+    /// The format of a dataset whose shards are `names` (a listing, or the names a brace pattern
+    /// gives). Names without a known extension (a brace pattern may name anything) count as
+    /// WebDataset, as they always have; a mix of formats is refused rather than half served.
+    pub fn of_shards<'a>(names: impl IntoIterator<Item = &'a str>, origin: &str) -> Result<Self> {
+        let mut found: Option<(Format, &str)> = None;
+        for name in names {
+            let Some(f) = Self::of_file(name) else { continue };
+            match found {
+                None => found = Some((f, name)),
+                Some((g, first)) if g != f => {
+                    return Err(Error::invalid(format!(
+                        "dataset {origin} mixes shard formats ({first} is {}, {name} is {}); \
+                         put each format in its own directory or name the shards with a brace pattern",
+                        g.name(),
+                        f.name()
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(found.map_or(Format::WebDataset, |(f, _)| f))
+    }
+
+    /// How the batches of this format's streams are encoded on the wire.
+    pub fn batch_format(self) -> BatchFormat {
+        match self {
+            Format::WebDataset => BatchFormat::Samples,
+            Format::Parquet => BatchFormat::Arrow,
+        }
+    }
+
+    /// Ok when this build can serve datasets of the format; the error names the format and the
+    /// dataset. Checked when a dataset opens, so nothing half-works mid-epoch.
+    pub fn check_served(self, dataset: &str) -> Result<()> {
+        match self {
+            Format::WebDataset => Ok(()),
+            Format::Parquet => Err(unsupported(self, dataset)),
+        }
+    }
+
+    /// Indexes the shard `file` (of `file.len` bytes) by scanning it.
+    pub fn index_shard(self, file: &ShardFile) -> Result<ShardTable> {
+        match self {
+            // Unbuffered: a buffer would read 8 KiB around every 512-byte header.
+            Format::WebDataset => {
+                tar::index_tar(&file.file, file.len).map(ShardTable::Tar).map_err(|e| shard_error(file, 0, e))
+            }
+            Format::Parquet => Err(unsupported(self, &file.name)),
+        }
+    }
+
+    /// The table stored in the sidecar at `path`, if it exists, is of this format, describes the
+    /// shard whose identity is `identity`, and fits a shard of `shard_len` bytes. A sidecar with a
+    /// valid checksum could still describe ranges past the shard's end: it is never trusted
+    /// further than the shard's real length.
+    pub fn read_sidecar(
+        self,
+        path: &Path,
+        identity: &[u8],
+        shard_len: u64,
+    ) -> Result<Option<ShardTable>, SidecarProblem> {
+        match self {
+            Format::WebDataset => match sidecar::read(path, identity) {
+                Ok(Some(index)) if index.fits_shard(shard_len) => Ok(Some(ShardTable::Tar(index))),
+                Ok(Some(_)) => Err(SidecarProblem::DoesNotFit),
+                Ok(None) => Ok(None),
+                Err(e) => Err(SidecarProblem::Unreadable(e)),
+            },
+            Format::Parquet => Ok(None),
+        }
+    }
+}
+
+/// Why a sidecar that exists was not used (the caller rescans and says so in its log).
+#[derive(Debug, thiserror::Error)]
+pub enum SidecarProblem {
+    #[error("sidecar does not fit its shard")]
+    DoesNotFit,
+    #[error(transparent)]
+    Unreadable(#[from] sidecar::SidecarError),
+}
+
+fn unsupported(format: Format, what: &str) -> Error {
+    Error::invalid(format!(
+        "{what}: {} shards are recognised but not yet served by this build (only {} is)",
+        format.name(),
+        WEBDATASET
+    ))
+}
 
 /// A shard's member table, resident in memory while the shard is in use.
 #[derive(Debug)]
@@ -38,9 +192,43 @@ impl SampleLocation {
     pub fn fields(&self) -> &[(String, Range<usize>)] {
         &self.fields[..self.used]
     }
+
+    /// Where field `name` lies, if the sample has it (a sample has a handful of fields: a linear
+    /// search beats any map).
+    pub fn field(&self, name: &str) -> Option<Range<usize>> {
+        self.fields().iter().find(|(n, _)| n == name).map(|(_, r)| r.clone())
+    }
+
+    /// Starts a new sample: the key and field list are cleared, their allocations kept.
+    fn reset(&mut self, key: &str) {
+        self.key.clear();
+        self.key.push_str(key);
+        self.used = 0;
+    }
+
+    /// Appends a field, reusing the name string of the previous sample's field in this position
+    /// (no allocation per field once the first sample was seen).
+    fn push(&mut self, field: &str, range: Range<usize>) {
+        match self.fields.get_mut(self.used) {
+            Some((name, r)) => {
+                name.clear();
+                name.push_str(field);
+                *r = range;
+            }
+            None => self.fields.push((field.to_owned(), range)),
+        }
+        self.used += 1;
+    }
 }
 
 impl ShardTable {
+    /// The format the table is of.
+    pub fn format(&self) -> Format {
+        match self {
+            ShardTable::Tar(_) => Format::WebDataset,
+        }
+    }
+
     pub fn num_samples(&self) -> u64 {
         match self {
             ShardTable::Tar(t) => t.num_samples() as u64,
@@ -53,7 +241,9 @@ impl ShardTable {
         }
     }
 
-    /// Shard bytes sample `i` spans (what a shm client parses in its own mapping).
+    /// Shard bytes sample `i` spans (what a shm client parses in its own mapping, and what
+    /// [`locate_fields`](Self::locate_fields) is handed). None past the last sample, and for a
+    /// format whose samples are not byte ranges of the shard.
     pub fn sample_range(&self, i: u64) -> Option<std::ops::Range<u64>> {
         match self {
             ShardTable::Tar(t) => t.sample_range(usize::try_from(i).ok()?),
@@ -74,46 +264,77 @@ impl ShardTable {
         }
     }
 
+    /// Feeds what the table says about the shard's content (sample boundaries, field names) into
+    /// a content digest (the dataset fingerprint of shards without a checksum).
+    pub fn digest_into(&self, h: &mut crate::stable_hash::Fnv1a) {
+        match self {
+            ShardTable::Tar(ix) => {
+                for b in &ix.boundaries {
+                    h.bytes(&b.to_le_bytes());
+                }
+                for f in &ix.fields {
+                    h.field(f.as_bytes());
+                }
+            }
+        }
+    }
+
+    /// The table as sidecar bytes for the shard whose identity is `identity`.
+    pub fn encode_sidecar(&self, identity: &[u8]) -> Vec<u8> {
+        match self {
+            ShardTable::Tar(ix) => sidecar::encode(identity, ix),
+        }
+    }
+
+    /// Writes the table's sidecar at `path` (atomically).
+    pub fn write_sidecar(&self, path: &Path, identity: &[u8]) -> std::io::Result<()> {
+        match self {
+            ShardTable::Tar(ix) => sidecar::write_atomic(path, identity, ix),
+        }
+    }
+
+    /// Says where sample `i`'s key and fields lie in `bytes`, which hold exactly the shard bytes
+    /// [`sample_range`](Self::sample_range)`(i)` (read, or in a mapping). Ranges in `loc` are
+    /// relative to `bytes`, shifted by `at` (the position of `bytes` in the caller's buffer).
+    /// Errors name the shard (`file`) and the absolute offset.
+    pub fn locate_fields(
+        &self,
+        file: &ShardFile,
+        i: u64,
+        bytes: &[u8],
+        at: usize,
+        loc: &mut SampleLocation,
+    ) -> Result<()> {
+        match self {
+            ShardTable::Tar(t) => {
+                let base = usize::try_from(i).ok().and_then(|i| t.sample_range(i)).map_or(0, |r| r.start);
+                let view = tar::parse_sample(bytes).map_err(|e| shard_error(file, base, e))?;
+                loc.reset(&view.key);
+                for m in &view.members {
+                    loc.push(&m.field, at + m.data.start..at + m.data.end);
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Appends sample `i`'s bytes to `buf` (one positioned read) and describes its fields in
     /// `loc`. Ranges in `loc` are absolute positions in `buf`. On error `buf` is restored to its
     /// length on entry.
     pub fn read_sample(&self, file: &ShardFile, i: u64, buf: &mut Vec<u8>, loc: &mut SampleLocation) -> Result<()> {
-        match self {
-            ShardTable::Tar(t) => {
-                let range = usize::try_from(i)
-                    .ok()
-                    .and_then(|i| t.sample_range(i))
-                    .ok_or_else(|| Error::Internal(format!("sample {i} out of range in {}", file.name)))?;
-                let len = usize::try_from(range.end - range.start)
-                    .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
-                let start = buf.len();
-                buf.resize(start + len, 0);
-                let parsed = file.read_exact_at(&mut buf[start..], range.start).and_then(|()| {
-                    let view = tar::parse_sample(&buf[start..]).map_err(|e| shard_error(file, range.start, e))?;
-                    loc.key.clear();
-                    loc.key.push_str(&view.key);
-                    // Reuse the name strings of the previous sample: no allocation per member.
-                    loc.used = 0;
-                    for m in &view.members {
-                        let range = start + m.data.start..start + m.data.end;
-                        match loc.fields.get_mut(loc.used) {
-                            Some((name, r)) => {
-                                name.clear();
-                                name.push_str(&m.field);
-                                *r = range;
-                            }
-                            None => loc.fields.push((m.field.to_string(), range)),
-                        }
-                        loc.used += 1;
-                    }
-                    Ok(())
-                });
-                if parsed.is_err() {
-                    buf.truncate(start);
-                }
-                parsed
-            }
+        let range =
+            self.sample_range(i).ok_or_else(|| Error::Internal(format!("sample {i} out of range in {}", file.name)))?;
+        let len = usize::try_from(range.end - range.start)
+            .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
+        let start = buf.len();
+        buf.resize(start + len, 0);
+        let parsed = file
+            .read_exact_at(&mut buf[start..], range.start)
+            .and_then(|()| self.locate_fields(file, i, &buf[start..], start, loc));
+        if parsed.is_err() {
+            buf.truncate(start);
         }
+        parsed
     }
 }
 
@@ -122,4 +343,103 @@ impl ShardTable {
 pub fn shard_error(file: &ShardFile, base: u64, e: tar::TarError) -> Error {
     let e = e.with_base(base);
     Error::Shard { shard: file.name.clone(), offset: e.offset(), reason: e.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_format_round_trips_through_its_name_and_extension() {
+        for f in Format::ALL {
+            assert_eq!(Format::from_name(f.name()).unwrap(), f);
+            assert_eq!(Format::of_file(&format!("shard-000001{}", f.extension())), Some(f));
+        }
+        assert_eq!(Format::WebDataset.batch_format(), BatchFormat::Samples);
+        assert_eq!(Format::Parquet.batch_format(), BatchFormat::Arrow);
+        let err = Format::from_name("orc").unwrap_err().to_string();
+        assert!(err.contains("\"orc\"") && err.contains("\"webdataset\"") && err.contains("\"parquet\""), "{err}");
+        assert!(!Format::is_shard_name("manifest.json") && !Format::is_shard_name("a.tar.idx"));
+    }
+
+    #[test]
+    fn a_dataset_has_one_format_from_its_shard_names() {
+        let of = |names: &[&str]| Format::of_shards(names.iter().copied(), "/d/");
+        assert_eq!(of(&["a.tar", "b.tar"]).unwrap(), Format::WebDataset);
+        assert_eq!(of(&["a.parquet"]).unwrap(), Format::Parquet);
+        // A brace pattern may name files without a known extension: TAR, as before formats.
+        assert_eq!(of(&["a.shard", "b"]).unwrap(), Format::WebDataset);
+        assert_eq!(of(&["x.bin", "a.parquet"]).unwrap(), Format::Parquet);
+        let err = of(&["a.tar", "b.tar", "c.parquet"]).unwrap_err().to_string();
+        assert!(err.contains("/d/") && err.contains("a.tar") && err.contains("c.parquet"), "{err}");
+    }
+
+    #[test]
+    fn parquet_is_refused_by_name_until_it_is_served() {
+        Format::WebDataset.check_served("/d/").unwrap();
+        let err = Format::Parquet.check_served("/d/").unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+        assert!(err.to_string().contains("/d/") && err.to_string().contains("parquet"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.parquet");
+        std::fs::write(&path, b"PAR1").unwrap();
+        let file = ShardFile::open(path, 4).unwrap();
+        let err = Format::Parquet.index_shard(&file).unwrap_err().to_string();
+        assert!(err.contains("a.parquet") && err.contains("parquet shards"), "{err}");
+    }
+
+    /// The seam's field location for TAR is what `tar::parse_sample` says, shifted by `at`, and
+    /// the reused location forgets the fields of a previous, larger sample.
+    #[test]
+    fn locate_fields_matches_the_tar_parser_and_reuses_its_location() {
+        let mut b = ::tar::Builder::new(Vec::new());
+        for (key, fields) in [("a", &["cls", "jpg", "txt"][..]), ("b", &["cls"][..])] {
+            for field in fields {
+                let data = format!("{key}-{field}");
+                let mut h = ::tar::Header::new_gnu();
+                h.set_size(data.len() as u64);
+                h.set_mode(0o644);
+                h.set_cksum();
+                b.append_data(&mut h, format!("{key}.{field}"), data.as_bytes()).unwrap();
+            }
+        }
+        let bytes = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.tar");
+        std::fs::write(&path, &bytes).unwrap();
+        let file = ShardFile::open(path, bytes.len() as u64).unwrap();
+        let table = Format::WebDataset.index_shard(&file).unwrap();
+        assert_eq!((table.format(), table.num_samples()), (Format::WebDataset, 2));
+        let mut loc = SampleLocation::default();
+        let mut buf = b"prefix".to_vec();
+        for i in 0..2 {
+            let range = table.sample_range(i).unwrap();
+            let sample = &bytes[range.start as usize..range.end as usize];
+            let view = tar::parse_sample(sample).unwrap();
+            table.locate_fields(&file, i, sample, 6, &mut loc).unwrap();
+            assert_eq!(loc.key, view.key);
+            let want: Vec<(String, Range<usize>)> =
+                view.members.iter().map(|m| (m.field.to_string(), m.data.start + 6..m.data.end + 6)).collect();
+            assert_eq!(loc.fields(), want.as_slice());
+            buf.truncate(6);
+            buf.extend_from_slice(sample);
+            for (name, r) in loc.fields() {
+                let key = if i == 0 { "a" } else { "b" };
+                assert_eq!(&buf[r.clone()], format!("{key}-{name}").as_bytes());
+            }
+        }
+        assert_eq!(loc.field("cls"), Some(loc.fields()[0].1.clone()));
+        assert_eq!(loc.field("jpg"), None, "a field of the previous sample leaked");
+        // A sample that does not parse names the shard and its absolute offset.
+        let range = table.sample_range(1).unwrap();
+        let mut damaged = bytes[range.start as usize..range.end as usize].to_vec();
+        damaged[0] ^= 0xff;
+        match table.locate_fields(&file, 1, &damaged, 0, &mut loc).unwrap_err() {
+            Error::Shard { shard, offset, .. } => {
+                assert!(shard.ends_with("s.tar"));
+                assert_eq!(offset, Some(range.start));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::format::{sidecar, tar};
+use crate::format::Format;
 use crate::index::manifest::{MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
 use crate::storage::DatasetUrl;
 use crate::storage::local::{self, ShardFile};
@@ -40,6 +40,17 @@ pub struct IndexSummary {
 
 /// The shards an index run will read: (name, bytes).
 pub fn list(url: &str, s3: Option<&S3Store>) -> Result<Vec<(String, u64)>> {
+    Ok(list_with_format(url, s3)?.1)
+}
+
+/// The dataset's shard format (from the shards' extensions) and its shards.
+fn list_with_format(url: &str, s3: Option<&S3Store>) -> Result<(Format, Vec<(String, u64)>)> {
+    let shards = list_shards(url, s3)?;
+    let format = Format::of_shards(shards.iter().map(|(n, _)| n.as_str()), url)?;
+    Ok((format, shards))
+}
+
+fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<(String, u64)>> {
     match DatasetUrl::parse(url)? {
         DatasetUrl::Local { dir, names } => {
             Ok(local::list_shards(&dir, names.as_deref())?.into_iter().map(|s| (s.name, s.len)).collect())
@@ -58,7 +69,8 @@ pub fn list(url: &str, s3: Option<&S3Store>) -> Result<Vec<(String, u64)>> {
 /// Indexes every shard of `url` with `threads` threads and writes the manifest and sidecars.
 /// `s3`: the connection for `s3://` URLs (blocking calls enter its runtime).
 pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: &dyn Progress) -> Result<IndexSummary> {
-    let shards = list(url, s3)?;
+    let (format, shards) = list_with_format(url, s3)?;
+    format.check_served(url)?;
     match DatasetUrl::parse(url)? {
         DatasetUrl::Local { dir, .. } => {
             let sidecar_dir = dir.join(SIDECAR_DIR);
@@ -66,14 +78,14 @@ pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: 
             let done = crate::parallel::try_map(&shards, threads, |(name, _)| {
                 let path = dir.join(name);
                 let (len, crc) = local::file_crc32c(&path)?;
-                let r = describe(&path, name, len, crc, &path.display().to_string(), |sidecar_name, bytes| {
+                let r = describe(format, &path, name, len, crc, &path.display().to_string(), |sidecar_name, bytes| {
                     let p = sidecar_dir.join(sidecar_name);
                     local::write_atomic(&p, bytes)
                 })?;
                 progress.shard_done(name, len);
                 Ok(r)
             })?;
-            let manifest = assemble(done);
+            let manifest = assemble(format, done);
             manifest.write_atomic(&dir)?;
             Ok(IndexSummary { manifest, location: dir.join(MANIFEST_FILE).display().to_string() })
         }
@@ -86,7 +98,7 @@ pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: 
                 let file =
                     std::fs::File::create(&path).map_err(|e| Error::io("cannot create scratch file", &path, e))?;
                 let crc = store.block_on(store.download(&obj, Arc::new(file), &path, Arc::new(())))?;
-                let r = describe(&path, name, *len, crc, &obj.url(), |sidecar_name, bytes| {
+                let r = describe(format, &path, name, *len, crc, &obj.url(), |sidecar_name, bytes| {
                     let key = format!("{prefix}{SIDECAR_DIR}/{sidecar_name}");
                     store.block_on(store.put(&bucket, &key, Bytes::copy_from_slice(bytes)))
                 });
@@ -94,7 +106,7 @@ pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: 
                 progress.shard_done(name, *len);
                 r
             })?;
-            let manifest = assemble(done);
+            let manifest = assemble(format, done);
             let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
             let key = format!("{prefix}{MANIFEST_FILE}");
             store.block_on(store.put(&bucket, &key, Bytes::from(json)))?;
@@ -128,6 +140,7 @@ fn tempfile_dir() -> Result<Scratch> {
 /// Indexes the local copy at `path` of shard `name` (`len` bytes, CRC-32C `crc`), stores its
 /// sidecar with `put_sidecar(file name, bytes)`, and returns its manifest entry and fields.
 fn describe(
+    format: Format,
     path: &Path,
     name: &str,
     len: u64,
@@ -136,29 +149,29 @@ fn describe(
     put_sidecar: impl FnOnce(&str, &[u8]) -> Result<()>,
 ) -> Result<(ManifestShard, Vec<String>)> {
     let file = ShardFile::open_as(path.to_owned(), len, shown_as.to_owned())?;
-    let index = tar::index_tar(&file.file, len).map_err(|e| crate::format::shard_error(&file, 0, e))?;
+    let table = format.index_shard(&file)?;
     let identity = format!("len={len};crc32c={crc:08x}");
     let sidecar_name = format!("{name}.idx");
-    put_sidecar(&sidecar_name, &sidecar::encode(identity.as_bytes(), &index))?;
+    put_sidecar(&sidecar_name, &table.encode_sidecar(identity.as_bytes()))?;
     let entry = ManifestShard {
         name: name.to_owned(),
         bytes: len,
-        samples: index.num_samples() as u64,
+        samples: table.num_samples(),
         crc32c: format!("{crc:08x}"),
         index: Some(format!("{SIDECAR_DIR}/{sidecar_name}")),
         max_sample: None,
         max_sample_bytes: None,
     }
-    .with_largest(index.largest_sample());
-    Ok((entry, index.fields.clone()))
+    .with_largest(table.largest_sample());
+    Ok((entry, table.fields().to_vec()))
 }
 
-fn assemble(done: Vec<(ManifestShard, Vec<String>)>) -> Manifest {
+fn assemble(format: Format, done: Vec<(ManifestShard, Vec<String>)>) -> Manifest {
     let mut entries = Vec::with_capacity(done.len());
     let mut fields = std::collections::BTreeSet::new();
     for (entry, f) in done {
         fields.extend(f);
         entries.push(entry);
     }
-    Manifest::new(crate::format::WEBDATASET, fields.into_iter().collect(), entries)
+    Manifest::new(format.name(), fields.into_iter().collect(), entries)
 }

@@ -138,6 +138,11 @@ impl Manifest {
     }
 
     /// Reads `dir/manifest.json`; `Ok(None)` when there is none.
+    /// The shard format `shard_format` names, through the format registry ([`Format::from_name`]).
+    pub fn format(&self) -> Result<crate::format::Format> {
+        crate::format::Format::from_name(&self.shard_format)
+    }
+
     pub fn read(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join(MANIFEST_FILE);
         let bytes = match std::fs::read(&path) {
@@ -169,8 +174,8 @@ impl Manifest {
         if self.checksum != "crc32c" {
             return bad(format!("checksum {:?} is not supported (expected \"crc32c\")", self.checksum));
         }
-        if self.shard_format != "webdataset" {
-            return bad(format!("shard format {:?} is not supported by this build", self.shard_format));
+        if let Err(e) = self.format() {
+            return bad(e.to_string());
         }
         for s in &self.shards {
             if s.crc().is_none() || s.crc32c.len() != 8 {

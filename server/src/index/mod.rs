@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::cache::download::{self, FetchSpec};
 use crate::cache::{NodeCache, Pin, Want};
-use crate::format::{ShardTable, sidecar, tar};
+use crate::format::{Format, ShardTable};
 use crate::storage::local::{self, ShardFile};
 use crate::storage::s3::{S3Options, S3Store};
 use crate::storage::{DatasetUrl, ShardSource};
@@ -271,6 +271,9 @@ impl Working {
 #[derive(Debug)]
 pub struct Dataset {
     pub url: String,
+    /// The shard format: every format-specific step (indexing, locating fields, the wire's batch
+    /// format) goes through it.
+    pub format: Format,
     pub mode: CacheMode,
     pub shards: Vec<ShardMeta>,
     /// prefix[i] = id of shard i's first sample; prefix[len] = total samples.
@@ -324,7 +327,8 @@ impl Dataset {
 
     fn build(found: Discovered, mode: CacheMode, cache_dir: Option<&Path>, backends: Arc<Backends>) -> Result<Self> {
         let sidecar_cache = cache_dir.map(|c| c.join("index"));
-        let Discovered { url, base, mut shards, manifest_fields } = found;
+        let Discovered { url, base, format, mut shards, manifest_fields } = found;
+        format.check_served(&url)?;
         if mode == CacheMode::Copy && backends.cache.is_none() {
             return Err(Error::invalid(format!("{url} is read through the node cache, and this server has none")));
         }
@@ -342,11 +346,11 @@ impl Dataset {
                     m.largest.map(|l| LargestSample { shard, local: l.local, offset: None, bytes: l.bytes })
                 })
                 .max_by_key(|s| s.bytes);
-            let mut ds = Self::assemble(&url, mode, base, shards, fields, true, sidecar_cache, backends, keys);
+            let mut ds = Self::assemble(&url, format, mode, base, shards, fields, true, sidecar_cache, backends, keys);
             ds.largest_sample = largest_sample;
             return Ok(ds);
         }
-        let scanned = scan_all(&shards, &keys, &backends, sidecar_cache.as_deref())?;
+        let scanned = scan_all(format, &shards, &keys, &backends, sidecar_cache.as_deref())?;
         let mut fields = std::collections::BTreeSet::new();
         let mut tables = Vec::with_capacity(scanned.len());
         for (meta, (table, content)) in shards.iter_mut().zip(scanned) {
@@ -366,6 +370,7 @@ impl Dataset {
             .max_by_key(|s| s.bytes);
         let mut ds = Self::assemble(
             &url,
+            format,
             mode,
             base,
             shards,
@@ -386,6 +391,7 @@ impl Dataset {
     /// True when `found` describes exactly the shards this dataset was built from.
     fn same_shards(&self, found: &Discovered) -> bool {
         self.from_manifest == found.manifest_fields.is_some()
+            && self.format == found.format
             && self.shards.len() == found.shards.len()
             && self.shards.iter().zip(&found.shards).all(|(a, b)| a.name == b.name && a.identity() == b.identity())
     }
@@ -393,6 +399,7 @@ impl Dataset {
     #[allow(clippy::too_many_arguments)]
     fn assemble(
         url: &str,
+        format: Format,
         mode: CacheMode,
         _base: String,
         shards: Vec<ShardMeta>,
@@ -413,6 +420,7 @@ impl Dataset {
         let n = shards.len();
         Self {
             url: url.to_owned(),
+            format,
             mode,
             shards,
             prefix,
@@ -506,7 +514,7 @@ impl Dataset {
         let table = match self.table(i) {
             Some(t) => t,
             None => {
-                let t = Arc::new(load_table(meta, &file, self.sidecar_cache.as_deref())?);
+                let t = Arc::new(load_table(self.format, meta, &file, self.sidecar_cache.as_deref())?);
                 self.insert_table(i, t.clone());
                 t
             }
@@ -611,6 +619,7 @@ fn fetch_into(
 /// scanned.
 struct Discovered {
     url: String,
+    format: Format,
     /// Location prefix a shard name is appended to (a directory or `s3://bucket/prefix/`).
     base: String,
     shards: Vec<ShardMeta>,
@@ -645,7 +654,9 @@ impl Discovered {
                 if let Some(manifest) = Manifest::read(dir)? {
                     return Self::from_manifest(url, base, &place, names.as_deref(), manifest);
                 }
-                let shards = local::list_shards(dir, names.as_deref())?
+                let listed = local::list_shards(dir, names.as_deref())?;
+                let format = Format::of_shards(listed.iter().map(|l| l.name.as_str()), &base)?;
+                let shards = listed
                     .into_iter()
                     .map(|l| ShardMeta {
                         source: place.source(&l.name, None),
@@ -659,7 +670,7 @@ impl Discovered {
                         largest: None,
                     })
                     .collect();
-                Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
+                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
             }
             DatasetUrl::S3 { bucket, prefix, names } => {
                 let store = backends.s3()?;
@@ -675,6 +686,7 @@ impl Discovered {
                     prefix,
                     names.as_deref(),
                 )?;
+                let format = Format::of_shards(listed.iter().map(|(n, _)| n.as_str()), &base)?;
                 let shards = listed
                     .into_iter()
                     .map(|(name, o)| ShardMeta {
@@ -689,7 +701,7 @@ impl Discovered {
                         largest: None,
                     })
                     .collect();
-                Ok(Self { url: url.to_owned(), base, shards, manifest_fields: None })
+                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
             }
         }
     }
@@ -701,6 +713,7 @@ impl Discovered {
         names: Option<&[String]>,
         m: Manifest,
     ) -> Result<Self> {
+        let format = m.format()?;
         let to_meta = |s: &manifest::ManifestShard| ShardMeta {
             name: s.name.clone(),
             source: place.source(&s.name, None),
@@ -736,7 +749,7 @@ impl Discovered {
         if shards.is_empty() {
             return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
         }
-        Ok(Self { url: url.to_owned(), base, shards, manifest_fields: Some(m.fields) })
+        Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields) })
     }
 }
 
@@ -759,16 +772,7 @@ const DIGEST_EDGE: u64 = 64 << 10;
 fn content_digest(file: &ShardFile, table: &ShardTable) -> Result<u64> {
     let mut h = crate::stable_hash::Fnv1a::new();
     h.field(b"shardstream-content-1").field(&file.len.to_le_bytes());
-    match table {
-        ShardTable::Tar(ix) => {
-            for b in &ix.boundaries {
-                h.bytes(&b.to_le_bytes());
-            }
-            for f in &ix.fields {
-                h.field(f.as_bytes());
-            }
-        }
-    }
+    table.digest_into(&mut h);
     let head = file.len.min(DIGEST_EDGE);
     let tail_start = file.len.saturating_sub(DIGEST_EDGE).max(head);
     let mut buf = vec![0u8; DIGEST_EDGE as usize];
@@ -809,30 +813,26 @@ fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
 }
 
 /// The shard's member table: from the manifest's sidecar, the daemon's sidecar cache, or a
-/// header scan (whose result is then saved in the sidecar cache).
-fn load_table(meta: &ShardMeta, file: &ShardFile, cache: Option<&Path>) -> Result<ShardTable> {
+/// scan by its format (whose result is then saved in the sidecar cache).
+fn load_table(format: Format, meta: &ShardMeta, file: &ShardFile, cache: Option<&Path>) -> Result<ShardTable> {
     let identity = meta.identity();
     let candidates = meta.sidecar.clone().into_iter().chain(cache.map(|c| cache_sidecar_path(c, meta)));
     for path in candidates {
-        match sidecar::read(&path, &identity) {
-            // A sidecar with a valid checksum could still describe ranges past the shard's end:
-            // never trust it further than the shard's real length.
-            Ok(Some(index)) if index.fits_shard(meta.len) => return Ok(ShardTable::Tar(index)),
-            Ok(Some(_)) => tracing::warn!(sidecar = %path.display(), "sidecar does not fit its shard, rescanning"),
+        match format.read_sidecar(&path, &identity, meta.len) {
+            Ok(Some(table)) => return Ok(table),
             Ok(None) => {}
-            Err(e) => tracing::warn!(sidecar = %path.display(), error = %e, "ignoring unreadable sidecar, rescanning"),
+            Err(e) => tracing::warn!(sidecar = %path.display(), error = %e, "ignoring the sidecar, rescanning"),
         }
     }
-    // Unbuffered: a buffer would read 8 KiB around every 512-byte header.
-    let index = tar::index_tar(&file.file, meta.len).map_err(|e| crate::format::shard_error(file, 0, e))?;
+    let table = format.index_shard(file)?;
     if let Some(cache) = cache {
         let path = cache_sidecar_path(cache, meta);
-        let saved = std::fs::create_dir_all(cache).and_then(|()| sidecar::write_atomic(&path, &identity, &index));
+        let saved = std::fs::create_dir_all(cache).and_then(|()| table.write_sidecar(&path, &identity));
         if let Err(e) = saved {
             tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
         }
     }
-    Ok(ShardTable::Tar(index))
+    Ok(table)
 }
 
 /// Loads every shard's table, in parallel (a dataset opened without manifest), and the content
@@ -840,18 +840,20 @@ fn load_table(meta: &ShardMeta, file: &ShardFile, cache: Option<&Path>) -> Resul
 /// daemon's sidecar cache already knows them: a restarted daemon reopens an S3 dataset without
 /// downloading it again.
 fn scan_all(
+    format: Format,
     shards: &[ShardMeta],
     keys: &[String],
     backends: &Backends,
     cache: Option<&Path>,
 ) -> Result<Vec<(ShardTable, Option<u64>)>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
-    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(&shards[i], keys.get(i), backends, cache))
+    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(format, &shards[i], keys.get(i), backends, cache))
 }
 
 /// One shard's table and, for a local shard, its content digest (S3 shards keep their ETag as
 /// identity: digesting them would download them).
 fn scan_one(
+    format: Format,
     meta: &ShardMeta,
     key: Option<&String>,
     backends: &Backends,
@@ -868,16 +870,15 @@ fn scan_one(
     };
     match (key, &backends.cache) {
         (Some(key), Some(node)) => {
-            let table = match cache
-                .and_then(|c| sidecar::read(&cache_sidecar_path(c, meta), &meta.identity()).ok().flatten())
-                .filter(|index| index.fits_shard(meta.len))
-            {
-                Some(index) => ShardTable::Tar(index),
+            let table = match cache.and_then(|c| {
+                format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
+            }) {
+                Some(table) => table,
                 None => {
                     let pin = fetch_into(node, backends, meta, key, Want::NOW)?
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                     let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
-                    load_table(meta, &file, cache)?
+                    load_table(format, meta, &file, cache)?
                 }
             };
             let content = digest(&table, None)?;
@@ -888,7 +889,7 @@ fn scan_one(
                 return Err(Error::Internal(format!("{} needs the node cache", meta.url())));
             };
             let file = ShardFile::open(path.clone(), meta.len)?;
-            let table = load_table(meta, &file, cache)?;
+            let table = load_table(format, meta, &file, cache)?;
             let content = digest(&table, Some(&file))?;
             Ok((table, content))
         }

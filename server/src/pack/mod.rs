@@ -92,12 +92,17 @@ pub enum ShardFormat {
 }
 
 impl ShardFormat {
+    /// The daemon's format of the shards a pack writes.
+    pub fn format(self) -> crate::format::Format {
+        match self {
+            ShardFormat::Webdataset => crate::format::Format::WebDataset,
+            ShardFormat::Parquet => crate::format::Format::Parquet,
+        }
+    }
+
     /// The manifest's `shard_format`.
     pub fn manifest_name(self) -> &'static str {
-        match self {
-            ShardFormat::Webdataset => crate::format::WEBDATASET,
-            ShardFormat::Parquet => "parquet",
-        }
+        self.format().name()
     }
 
     pub fn extension(self) -> &'static str {

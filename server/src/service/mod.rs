@@ -15,9 +15,9 @@ use std::time::Instant;
 
 use shardstream_proto::shardstream_server::Shardstream;
 use shardstream_proto::{
-    BatchFormat, CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PackedBatch,
-    PrefetchProgress, PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage,
-    StreamRequest, Transport, stream_message,
+    CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, OpenRequest, PackedBatch, PrefetchProgress,
+    PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage, StreamRequest, Transport,
+    stream_message,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -122,7 +122,7 @@ fn dataset_info(ds: &Dataset) -> DatasetInfo {
         num_shards: ds.shards.len() as u64,
         total_bytes: ds.total_bytes(),
         fields: ds.fields.clone(),
-        format: crate::format::WEBDATASET.into(),
+        format: ds.format.name().into(),
         from_manifest: ds.from_manifest,
         arrow_schema: Vec::new(),
     }
@@ -249,7 +249,7 @@ fn plan_stream(
         dropped_samples: summary.dropped_samples,
         fields: fields.clone(),
         packed,
-        batch_format: BatchFormat::Samples as i32,
+        batch_format: ds.format.batch_format() as i32,
     };
     Ok(StreamPlan {
         dataset: ds,

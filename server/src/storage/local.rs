@@ -8,6 +8,7 @@ use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
+use crate::format::Format;
 use crate::{Error, Result};
 
 /// A shard found by listing: its file name within the dataset directory, size and mtime.
@@ -18,11 +19,9 @@ pub struct ListedShard {
     pub mtime_ns: i64,
 }
 
-/// File name extensions recognised as shards when a directory is listed.
-pub const SHARD_EXTENSIONS: &[&str] = &[".tar"];
-
 /// Lists the shards of a dataset directory, sorted by name. With `names`, exactly those files (in
-/// the given order) must exist; without, every file with a shard extension is a shard.
+/// the given order) must exist; without, every file with the extension of a shard format
+/// ([`Format::is_shard_name`]) is a shard.
 pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedShard>> {
     let meta = std::fs::metadata(dir).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::NotFound { what: "dataset", path: dir.display().to_string() },
@@ -60,7 +59,7 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
             for entry in entries {
                 let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
                 let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-                if !SHARD_EXTENSIONS.iter().any(|ext| name.ends_with(ext)) {
+                if !Format::is_shard_name(&name) {
                     continue;
                 }
                 // DirEntry::metadata follows no symlink; a shard may well be a symlink into a PFS.
@@ -75,7 +74,7 @@ pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedSha
     };
     if shards.is_empty() {
         return Err(Error::NotFound {
-            what: "shards (*.tar files)",
+            what: "shards (*.tar or *.parquet files)",
             path: format!("{} (the directory holds none)", dir.display()),
         });
     }

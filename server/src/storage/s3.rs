@@ -194,7 +194,7 @@ pub fn shards_in_listing(
         .collect();
     let shards = match names {
         None => {
-            found.retain(|(n, _)| super::local::SHARD_EXTENSIONS.iter().any(|ext| n.ends_with(ext)));
+            found.retain(|(n, _)| crate::format::Format::is_shard_name(n));
             found.sort_by(|a, b| a.0.cmp(&b.0));
             found
         }
@@ -213,7 +213,7 @@ pub fn shards_in_listing(
     };
     if shards.is_empty() {
         return Err(Error::NotFound {
-            what: "shards (*.tar objects)",
+            what: "shards (*.tar or *.parquet objects)",
             path: format!("s3://{bucket}/{prefix} (the prefix holds none)"),
         });
     }

@@ -20,8 +20,7 @@ use std::sync::Arc;
 
 use shardstream_proto::ring::{COLUMN_ALIGN, FIELD_DESC_BYTES, FieldDesc, SLOT_HEADER_BYTES, SlotHeader, round_up};
 
-use crate::format::shard_error;
-use crate::format::tar::{SampleView, parse_sample};
+use crate::format::SampleLocation;
 use crate::index::ResidentShard;
 use crate::transport::shm::SlotGuard;
 use crate::{Error, Result};
@@ -53,11 +52,12 @@ pub fn gather<'s>(
     let n = samples.len();
     let first = samples.first().ok_or_else(|| Error::Internal("empty batch".into()))?;
     let mut scratch = Vec::new();
+    let mut loc = SampleLocation::default();
     let mut found = Vec::with_capacity(fields.len());
     // The first sample fixes each column's record length and so the slot size.
-    let (first_key, records) = with_sample(first, &mut scratch, |_, view| {
-        payloads(fields, &view, &mut found)?;
-        Ok((view.key.into_owned(), found.iter().map(|r| r.len() as u64).collect::<Vec<_>>()))
+    let (first_key, records) = with_sample(first, &mut scratch, &mut loc, |_, view| {
+        payloads(fields, view, &mut found)?;
+        Ok((view.key.clone(), found.iter().map(|r| r.len() as u64).collect::<Vec<_>>()))
     })?;
     let mut offsets = Vec::with_capacity(fields.len());
     let mut end = SlotHeader::columns_start(fields.len()).ok_or_else(|| Error::invalid("too many fields"))?;
@@ -160,10 +160,11 @@ fn carve<'a>(
 fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]>) -> Result<Vec<String>> {
     let mut keys = Vec::with_capacity(samples.len());
     let mut scratch = Vec::new();
+    let mut loc = SampleLocation::default();
     let mut found = Vec::with_capacity(rules.fields.len());
     for (j, sample) in samples.iter().enumerate() {
-        let key = with_sample(sample, &mut scratch, |bytes, view| {
-            payloads(rules.fields, &view, &mut found)?;
+        let key = with_sample(sample, &mut scratch, &mut loc, |bytes, view| {
+            payloads(rules.fields, view, &mut found)?;
             for (f, src) in found.iter().enumerate() {
                 let record = rules.records[f];
                 if src.len() as u64 != record {
@@ -182,7 +183,7 @@ fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]
                     .ok_or_else(|| Error::Internal(format!("record {j} of {:?} outside its slot", rules.fields[f])))?
                     .copy_from_slice(&bytes[src.clone()]);
             }
-            Ok(view.key.into_owned())
+            Ok(view.key.clone())
         })?;
         keys.push(key);
     }
@@ -190,11 +191,13 @@ fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]
 }
 
 /// Reads sample `local` of `shard` (from the shard's mapping if it is cached, else with one
-/// `pread` into `scratch`), parses it, and calls `f` with its bytes and members.
+/// `pread` into `scratch`), has its format locate the fields (into `loc`, reused across samples),
+/// and calls `f` with its bytes and their location.
 fn with_sample<T>(
     (shard, local): &SampleRef,
     scratch: &mut Vec<u8>,
-    f: impl FnOnce(&[u8], SampleView<'_>) -> Result<T>,
+    loc: &mut SampleLocation,
+    f: impl FnOnce(&[u8], &SampleLocation) -> Result<T>,
 ) -> Result<T> {
     let range = shard
         .table
@@ -214,24 +217,23 @@ fn with_sample<T>(
             scratch
         }
     };
-    let view = parse_sample(bytes).map_err(|e| shard_error(&shard.file, range.start, e))?;
-    f(bytes, view)
+    shard.table.locate_fields(&shard.file, *local, bytes, 0, loc)?;
+    f(bytes, loc)
 }
 
 /// The payload range of each of `fields` in the sample, into `found`; an error naming the sample
 /// if it lacks one.
-fn payloads(fields: &[String], view: &SampleView<'_>, found: &mut Vec<Range<usize>>) -> Result<()> {
+fn payloads(fields: &[String], view: &SampleLocation, found: &mut Vec<Range<usize>>) -> Result<()> {
     found.clear();
     for name in fields {
-        // A sample has a handful of fields: a linear search beats any map.
-        let m = view.members.iter().find(|m| m.field == name.as_str()).ok_or_else(|| {
+        let range = view.field(name).ok_or_else(|| {
             Error::invalid(format!(
                 "collate=\"stack\" needs field {name:?} in every sample, but sample {:?} has none; \
                  select fields every sample has, or use collate=None",
                 view.key
             ))
         })?;
-        found.push(m.data.clone());
+        found.push(range);
     }
     Ok(())
 }
