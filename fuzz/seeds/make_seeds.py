@@ -122,6 +122,28 @@ def main() -> None:
     rec2 = dict(rec, shard=1, name="s-000001.tar", first=3, end=5, samples=2)
     lines = [json.dumps(header), json.dumps(rec), json.dumps(rec2), '{"shard": 2, "trunc']
     put("journal", "two_shards.jsonl", "\n".join(lines).encode())
+    parquet_seeds()
+
+
+def parquet_seeds() -> None:
+    """Parquet files as pyarrow writes them (what most datasets are): small, several codecs,
+    dictionary and plain encodings, nulls, a list column, a binary column, two row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "id": pa.array(range(12), pa.int64()),
+            "label": pa.array([i % 3 if i % 5 else None for i in range(12)], pa.int32()),
+            "caption": pa.array([f"c{i % 4}" for i in range(12)]),
+            "image": pa.array([bytes([i]) * (i + 1) for i in range(12)], pa.binary()),
+            "tokens": pa.array([list(range(i % 4)) for i in range(12)], pa.list_(pa.int32())),
+        }
+    )
+    for codec in ("none", "snappy", "zstd"):
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression=codec, row_group_size=6, use_dictionary=["caption"])
+        put("parquet_footer", f"pyarrow_{codec}.parquet", buf.getvalue())
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 
 use std::io::Cursor;
 
+use shardstream::format::parquet::{ParquetTable, Projection, decode, footer, pqidx};
 use shardstream::format::{sidecar, tar};
 use shardstream::index::manifest::Manifest;
 use shardstream::pack::journal;
@@ -32,6 +33,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("shm_frame", shm_frame),
     ("ring", ring),
     ("journal", journal),
+    ("parquet_footer", parquet_footer),
 ];
 
 /// `index_tar` over a whole shard; every sample it finds must then parse with `parse_sample` (the
@@ -162,6 +164,52 @@ fn read_slot_as_written(slot: &[u8], k: u32) {
         for f in &view.fields {
             let c = f.column().expect("an accepted column does not overflow");
             assert!(c.end <= slot.len() as u64, "column {c:?} outside the slot of {} bytes", slot.len());
+        }
+    }
+}
+
+/// A whole Parquet file, as the daemon indexes it: the footer from the tail (one or two reads),
+/// its decoded table (every chunk range inside the file's data region), the sidecar round trip
+/// and the projection of every column. The footer path must not even panic internally (its own
+/// checks run before arrow-rs can assert on damaged metadata), so a panic caught by
+/// `format::parquet::no_panic` here still shows up, as the panic machinery's allocation.
+///
+/// The page path (decoding row groups) is not in this target: arrow-rs asserts on some damaged
+/// pages, which the daemon catches at its boundary (a `ShardError`, see `format::parquet::decode`),
+/// and with `RUST_BACKTRACE=1` the caught panic's backtrace alone passes the runner's allocation
+/// limit. `decode`'s tests flip bytes all over the pages of every codec instead.
+pub fn parquet_footer(data: &[u8]) {
+    let len = data.len() as u64;
+    let read = |off: u64, buf: &mut [u8]| {
+        let src = usize::try_from(off).ok().and_then(|o| data.get(o..o.checked_add(buf.len())?));
+        buf.copy_from_slice(src.expect("the footer reader reads inside the file"));
+        Ok(())
+    };
+    let Ok(foot) = footer::read_footer(len, read) else { return };
+    assert!(foot.len() as u64 + footer::MIN_FILE_BYTES <= len);
+    let Ok(table) = ParquetTable::decode(&foot, len) else { return };
+    let leaves = table.reader_metadata().parquet_schema().num_columns();
+    for rg in 0..table.num_row_groups() {
+        for c in 0..leaves {
+            let r = table.chunk_range(rg, c).expect("a checked table has every chunk range");
+            assert!(r.start >= 4 && r.end <= len - 8 - foot.len() as u64, "chunk {r:?} outside the data");
+        }
+    }
+    let mut starts = 0;
+    for rg in 0..table.num_row_groups() {
+        let span = table.row_group_span(rg).expect("a row group below the count has a span");
+        assert_eq!(span.start, starts);
+        starts = span.end;
+    }
+    assert_eq!(starts, table.num_rows());
+    let idx = pqidx::encode(b"fuzz", len, &foot);
+    let again = pqidx::load(&idx, b"fuzz").expect("a sidecar of an accepted footer loads").expect("same identity");
+    assert_eq!((again.num_rows(), again.num_row_groups()), (table.num_rows(), table.num_row_groups()));
+    if let Ok(proj) = Projection::new(table.schema(), None) {
+        let fp = proj.for_file(&table).expect("a file agrees with its own schema");
+        for rg in 0..table.num_row_groups().min(16) {
+            let ranges = decode::chunk_ranges(&table, rg, &fp);
+            assert!(ranges.windows(2).all(|w| w[0].end < w[1].start), "ranges overlap: {ranges:?}");
         }
     }
 }

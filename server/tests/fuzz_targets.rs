@@ -218,3 +218,8 @@ fn the_allocation_bound_catches_an_oversized_allocation() {
     let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("allocated 67108865 bytes at once"), "{msg}");
 }
+
+#[test]
+fn parquet_footer() {
+    run_target("parquet_footer");
+}

@@ -16,8 +16,11 @@
 //! and the plan only ever sees sample counts per shard.
 //!
 //! - [`tar`]: WebDataset TAR shards (ustar, GNU long names, PAX), indexed from headers only.
+//! - [`parquet`]: Parquet files (a sample is a row), indexed from their footers; batches leave as
+//!   Arrow IPC.
 //! - [`sidecar`]: the on-disk form of a TAR shard's member table, so restarts do not rescan.
 
+pub mod parquet;
 pub mod sidecar;
 pub mod tar;
 

@@ -3,6 +3,7 @@
 //! descriptors; with `collate="stack"`, [`packed`] gathers each batch into a slot of a per-stream
 //! [`ring`] instead). The stream's first message names the transport chosen.
 
+pub mod arrow;
 pub mod budget;
 pub mod inline;
 pub mod packed;

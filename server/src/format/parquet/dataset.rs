@@ -1,0 +1,239 @@
+//! A Parquet dataset as the plan sees it: an ordered list of files whose rows are the samples,
+//! cut into **plan units** that are row groups, and the assembly of a batch from row ids.
+//!
+//! Row ids are global: files in dataset order, rows in file order (`ArrowBatch.row_ids`). The
+//! plan is given the row counts of the row groups as its "shards" (its input is only a list of
+//! counts, and unit `u`'s ids are the running sum of the counts before it, which is exactly the
+//! global row numbering). So, with no change to the plan: the unit order is a permutation of
+//! row groups, and a shuffle window of `W` units is `W` row groups, the I/O and decode unit;
+//! exactly-once, equal counts per rank, `drop_last`, worker split and resume hold as for TAR.
+//!
+//! Files without rows (zero row groups, or only empty ones) are skipped with a warning when the
+//! dataset is built: they own no row id, so nothing in the plan changes for them. A 0-byte file is
+//! skipped the same way (a writer that never finished); any other damaged file is an error.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arrow_array::RecordBatch;
+
+use super::decode::read_row_group;
+use super::decoded::{DecodedCache, RowGroupKey};
+use super::schema::{FileProjection, Projection};
+use super::{ParquetError, ParquetTable, footer, ipc};
+use crate::{Error, Result};
+
+/// One file of the dataset.
+#[derive(Debug, Clone)]
+pub struct DatasetFile {
+    /// How errors name it: a path or an `s3://` URL.
+    pub name: String,
+    pub table: Arc<ParquetTable>,
+}
+
+/// The files and plan units of a Parquet dataset.
+#[derive(Debug, Clone)]
+pub struct ParquetDataset {
+    files: Vec<DatasetFile>,
+    /// (file, row group) of every plan unit, in row-id order.
+    units: Vec<(u32, u32)>,
+    /// Rows of every unit (the plan's "shard sample counts").
+    unit_rows: Vec<u64>,
+    /// First row id of every unit, then the total.
+    unit_starts: Vec<u64>,
+}
+
+impl ParquetDataset {
+    /// The dataset of `files` in order; files without rows are left out (logged), and their names
+    /// returned.
+    pub fn new(files: Vec<DatasetFile>) -> Result<(Self, Vec<String>)> {
+        let mut kept = Vec::with_capacity(files.len());
+        let mut skipped = Vec::new();
+        let (mut units, mut unit_rows, mut unit_starts) = (Vec::new(), Vec::new(), vec![0u64]);
+        for f in files {
+            if f.table.num_rows() == 0 {
+                tracing::warn!(file = %f.name, "skipping a Parquet file without rows");
+                skipped.push(f.name);
+                continue;
+            }
+            let fi = u32::try_from(kept.len()).map_err(|_| Error::invalid("more than 2^32 Parquet files"))?;
+            for rg in 0..f.table.num_row_groups() {
+                let rows = f.table.row_group_rows(rg);
+                if rows == 0 {
+                    continue;
+                }
+                let rg = u32::try_from(rg).map_err(|_| Error::invalid("more than 2^32 row groups in a file"))?;
+                units.push((fi, rg));
+                unit_rows.push(rows);
+                let last = unit_starts.last().copied().unwrap_or(0);
+                unit_starts.push(last.checked_add(rows).ok_or_else(|| Error::invalid("row count overflows"))?);
+            }
+            kept.push(f);
+        }
+        Ok((Self { files: kept, units, unit_rows, unit_starts }, skipped))
+    }
+
+    pub fn files(&self) -> &[DatasetFile] {
+        &self.files
+    }
+
+    pub fn num_rows(&self) -> u64 {
+        self.unit_starts.last().copied().unwrap_or(0)
+    }
+
+    /// Rows of every plan unit (row group), in row-id order: the plan's input.
+    pub fn unit_rows(&self) -> &[u64] {
+        &self.unit_rows
+    }
+
+    /// (file, row group) of plan unit `u`.
+    pub fn unit(&self, u: usize) -> Option<(usize, usize)> {
+        self.units.get(u).map(|&(f, rg)| (f as usize, rg as usize))
+    }
+
+    /// (plan unit, row within it) of row id `row`.
+    pub fn locate(&self, row: u64) -> Option<(usize, usize)> {
+        if row >= self.num_rows() {
+            return None;
+        }
+        let u = self.unit_starts.partition_point(|&s| s <= row) - 1;
+        Some((u, usize::try_from(row - self.unit_starts[u]).ok()?))
+    }
+
+    /// Rows of each file (in dataset order): the files' sample counts for figures that count
+    /// files rather than row groups.
+    pub fn file_rows(&self) -> Vec<u64> {
+        self.files.iter().map(|f| f.table.num_rows()).collect()
+    }
+
+    /// The projection of `fields` (None = all), checked against every file: a file without a
+    /// selected column, or with another type for it, is an `InvalidArgument` naming the file and
+    /// the column.
+    pub fn projection(&self, fields: Option<&[String]>) -> Result<Projection> {
+        let Some(first) = self.files.first() else {
+            return Err(Error::invalid("the Parquet dataset has no rows"));
+        };
+        let mut p = Projection::new(first.table.schema(), fields).map_err(|e| e.into_error(&first.name))?;
+        for f in &self.files[1..] {
+            p.agree(&f.table).map_err(|e| e.into_error(&f.name))?;
+        }
+        Ok(p)
+    }
+}
+
+/// Reads bytes of file `file` (dataset index) at `offset` into `buf`, exactly.
+pub trait FileReader: Sync {
+    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+/// Local files (or node-cache copies), opened once.
+#[derive(Debug)]
+pub struct LocalFiles(pub Vec<crate::storage::local::ShardFile>);
+
+impl FileReader for LocalFiles {
+    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let f = self.0.get(file).ok_or_else(|| Error::Internal(format!("no Parquet file {file}")))?;
+        f.read_exact_at(buf, offset)
+    }
+}
+
+/// Assembles batches of one projection of a dataset: decodes the row groups the rows live in
+/// (through the shared [`DecodedCache`]) and gathers the rows.
+pub struct BatchAssembler<'a> {
+    dataset: &'a ParquetDataset,
+    projection: &'a Projection,
+    per_file: Vec<FileProjection>,
+    cache: &'a DecodedCache,
+    /// Names the dataset version in cache keys (its fingerprint).
+    dataset_id: String,
+    projection_id: u64,
+}
+
+impl<'a> BatchAssembler<'a> {
+    pub fn new(
+        dataset: &'a ParquetDataset,
+        projection: &'a Projection,
+        cache: &'a DecodedCache,
+        dataset_id: &str,
+    ) -> Result<Self> {
+        let per_file = dataset
+            .files
+            .iter()
+            .map(|f| projection.for_file(&f.table).map_err(|e| e.into_error(&f.name)))
+            .collect::<Result<Vec<_>>>()?;
+        let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
+        Ok(Self { dataset, projection, per_file, cache, dataset_id: dataset_id.to_string(), projection_id })
+    }
+
+    /// The record batch of rows `row_ids`, in that order.
+    pub fn batch(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<RecordBatch> {
+        let mut sources: Vec<Arc<RecordBatch>> = Vec::new();
+        let mut source_of: HashMap<usize, usize> = HashMap::new();
+        let mut rows = Vec::with_capacity(row_ids.len());
+        for &id in row_ids {
+            let (u, r) = self.dataset.locate(id).ok_or_else(|| {
+                Error::invalid(format!("row id {id} is past the dataset's {} rows", self.dataset.num_rows()))
+            })?;
+            let s = match source_of.get(&u) {
+                Some(&s) => s,
+                None => {
+                    sources.push(self.row_group(u, files)?);
+                    source_of.insert(u, sources.len() - 1);
+                    sources.len() - 1
+                }
+            };
+            rows.push((s, r));
+        }
+        let refs: Vec<&RecordBatch> = sources.iter().map(|b| b.as_ref()).collect();
+        ipc::gather(self.projection.schema(), &refs, &rows).map_err(|e| Error::Internal(e.to_string()))
+    }
+
+    /// The decoded plan unit `u` (a row group), from the cache or decoded now.
+    pub fn row_group(&self, u: usize, files: &dyn FileReader) -> Result<Arc<RecordBatch>> {
+        let (fi, rg) = self.dataset.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
+        let file = &self.dataset.files[fi];
+        let key = RowGroupKey {
+            file: format!("{}#{fi}", self.dataset_id),
+            row_group: rg as u32,
+            projection: self.projection_id,
+        };
+        self.cache.get_or_decode(&key, || {
+            let mut io_error = None;
+            let decoded = read_row_group(&file.table, rg, &self.per_file[fi], |off, buf| {
+                files.read_at(fi, off, buf).map_err(|e| {
+                    let msg = e.to_string();
+                    io_error = Some(e);
+                    ParquetError::Io(msg)
+                })
+            });
+            match (decoded, io_error) {
+                (Ok((batch, _)), _) => Ok(batch),
+                // The storage's own error (a truncated shard, a failing disk) says more.
+                (Err(_), Some(e)) => Err(e),
+                (Err(e), None) => Err(e.into_error(&file.name)),
+            }
+        })
+    }
+}
+
+/// Reads and decodes the footer of a local file: its table, or `Ok(None)` for a 0-byte file.
+pub fn open_local(file: &crate::storage::local::ShardFile) -> Result<Option<ParquetTable>> {
+    if file.len == 0 {
+        tracing::warn!(file = %file.name, "skipping an empty (0-byte) Parquet file");
+        return Ok(None);
+    }
+    let mut io_error = None;
+    let footer = footer::read_footer(file.len, |off, buf| {
+        file.read_exact_at(buf, off).map_err(|e| {
+            let msg = e.to_string();
+            io_error = Some(e);
+            ParquetError::Io(msg)
+        })
+    });
+    let footer = match (footer, io_error) {
+        (Ok(f), _) => f,
+        (Err(_), Some(e)) => return Err(e),
+        (Err(e), None) => return Err(e.into_error(&file.name)),
+    };
+    ParquetTable::decode(&footer, file.len).map(Some).map_err(|e| e.into_error(&file.name))
+}

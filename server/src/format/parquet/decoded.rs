@@ -1,0 +1,220 @@
+//! Decoded row groups, shared by every stream of the daemon and bounded in bytes.
+//!
+//! A shuffled Parquet epoch visits a window of row groups and draws its batches' rows from all of
+//! them, so a row group is needed by many batches, and by every rank and worker of the node that
+//! reads the same window. Decoding it once and keeping the result here is what makes each row
+//! group decoded about once per epoch and node instead of once per batch.
+//!
+//! The cache keeps at most `budget` bytes of decoded Arrow data (as `RecordBatch` reports its
+//! buffers), evicting the least recently used row group first; a row group larger than the whole
+//! budget is decoded and handed out but not kept. Batches being gathered hold their row groups
+//! through `Arc`s beyond the bound (at most a stream's window each). Concurrent requests for the
+//! same row group decode it once: the others wait for the first (decoding runs on blocking
+//! threads, so the wait is a `Condvar`).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use arrow_array::RecordBatch;
+
+/// Default budget of decoded row groups per daemon: room for a default shuffle window (16 row
+/// groups of `pack`'s ~20 MB) for a few streams, small beside the node cache.
+pub const DEFAULT_BUDGET_BYTES: u64 = 1 << 30;
+
+/// One row group of one file of one dataset, decoded for one projection.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RowGroupKey {
+    /// Identity of the file's content (the dataset fingerprint and file index, or a file's ETag).
+    pub file: String,
+    pub row_group: u32,
+    /// Identity of the selected columns (e.g. a hash of their names in order).
+    pub projection: u64,
+}
+
+/// Counters of the cache (status, metrics, tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodedStats {
+    pub budget: u64,
+    pub bytes: u64,
+    pub entries: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    batch: Arc<RecordBatch>,
+    bytes: u64,
+    last_use: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    map: HashMap<RowGroupKey, Entry>,
+    /// last_use -> key: the eviction order.
+    lru: BTreeMap<u64, RowGroupKey>,
+    decoding: HashSet<RowGroupKey>,
+    tick: u64,
+    stats: DecodedStats,
+}
+
+#[derive(Debug)]
+pub struct DecodedCache {
+    state: Mutex<State>,
+    done: Condvar,
+}
+
+impl DecodedCache {
+    pub fn new(budget: u64) -> Self {
+        let stats = DecodedStats { budget, ..Default::default() };
+        Self { state: Mutex::new(State { stats, ..Default::default() }), done: Condvar::new() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent state (every mutation is complete
+        // before anything that can panic), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn stats(&self) -> DecodedStats {
+        self.lock().stats
+    }
+
+    /// The decoded row group `key`, decoding it with `decode` when it is not cached (once, however
+    /// many callers ask at the same time).
+    pub fn get_or_decode<E>(
+        &self,
+        key: &RowGroupKey,
+        decode: impl FnOnce() -> Result<RecordBatch, E>,
+    ) -> Result<Arc<RecordBatch>, E> {
+        let mut st = self.lock();
+        loop {
+            if let Some(b) = st.touch(key) {
+                st.stats.hits += 1;
+                return Ok(b);
+            }
+            if !st.decoding.contains(key) {
+                break;
+            }
+            st = self.done.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.stats.misses += 1;
+        st.decoding.insert(key.clone());
+        drop(st);
+        // Removes the in-flight mark however decode ends (error or panic), so waiters retry.
+        struct Mark<'a>(&'a DecodedCache, &'a RowGroupKey);
+        impl Drop for Mark<'_> {
+            fn drop(&mut self) {
+                self.0.lock().decoding.remove(self.1);
+                self.0.done.notify_all();
+            }
+        }
+        let mark = Mark(self, key);
+        let batch = Arc::new(decode()?);
+        self.lock().insert(key.clone(), batch.clone());
+        drop(mark);
+        Ok(batch)
+    }
+}
+
+impl State {
+    fn touch(&mut self, key: &RowGroupKey) -> Option<Arc<RecordBatch>> {
+        self.tick += 1;
+        let e = self.map.get_mut(key)?;
+        self.lru.remove(&e.last_use);
+        e.last_use = self.tick;
+        self.lru.insert(self.tick, key.clone());
+        Some(e.batch.clone())
+    }
+
+    fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>) {
+        let bytes = batch.get_array_memory_size() as u64;
+        if bytes > self.stats.budget || self.map.contains_key(&key) {
+            return;
+        }
+        while self.stats.bytes + bytes > self.stats.budget {
+            let Some((_, old)) = self.lru.pop_first() else { break };
+            if let Some(e) = self.map.remove(&old) {
+                self.stats.bytes -= e.bytes;
+                self.stats.evictions += 1;
+            }
+        }
+        self.tick += 1;
+        self.lru.insert(self.tick, key.clone());
+        self.map.insert(key, Entry { batch, bytes, last_use: self.tick });
+        self.stats.bytes += bytes;
+        self.stats.entries = self.map.len() as u64;
+        crate::metrics::parquet_decoded(self.stats.bytes, self.stats.budget);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::super::testdata;
+    use super::*;
+
+    fn key(rg: u32) -> RowGroupKey {
+        RowGroupKey { file: "f".into(), row_group: rg, projection: 0 }
+    }
+
+    #[test]
+    fn bounded_by_bytes_least_recently_used_first() {
+        let one = testdata::mixed_batch(0..100);
+        let size = one.get_array_memory_size() as u64;
+        let cache = DecodedCache::new(3 * size + size / 2);
+        let decodes = AtomicU32::new(0);
+        let get = |rg| {
+            cache
+                .get_or_decode(&key(rg), || {
+                    decodes.fetch_add(1, Ordering::Relaxed);
+                    Ok::<_, ()>(testdata::mixed_batch(0..100))
+                })
+                .unwrap()
+        };
+        for rg in 0..3 {
+            get(rg);
+        }
+        get(0); // 0 is now the most recent; 1 the least.
+        get(3);
+        let s = cache.stats();
+        assert_eq!((s.entries, s.evictions, s.misses, s.hits), (3, 1, 4, 1));
+        assert!(s.bytes <= s.budget);
+        get(0);
+        get(2);
+        assert_eq!(decodes.load(Ordering::Relaxed), 4);
+        get(1);
+        assert_eq!(decodes.load(Ordering::Relaxed), 5);
+        // Larger than the budget: handed out, not kept.
+        let small = DecodedCache::new(size / 2);
+        let b = small.get_or_decode(&key(0), || Ok::<_, ()>(testdata::mixed_batch(0..100))).unwrap();
+        assert_eq!(b.num_rows(), 100);
+        assert_eq!(small.stats().entries, 0);
+        // An error is not cached.
+        assert!(small.get_or_decode(&key(1), || Err::<RecordBatch, _>("bad")).is_err());
+        assert_eq!(small.stats().entries, 0);
+    }
+
+    #[test]
+    fn concurrent_requests_decode_once() {
+        let cache = DecodedCache::new(1 << 30);
+        let decodes = AtomicU32::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    cache
+                        .get_or_decode(&key(9), || {
+                            decodes.fetch_add(1, Ordering::Relaxed);
+                            std::thread::sleep(std::time::Duration::from_millis(50));
+                            Ok::<_, ()>(testdata::mixed_batch(0..10))
+                        })
+                        .unwrap()
+                });
+            }
+        });
+        assert_eq!(decodes.load(Ordering::Relaxed), 1);
+        assert_eq!(cache.stats().hits, 7);
+    }
+}

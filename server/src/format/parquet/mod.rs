@@ -1,0 +1,108 @@
+//! Parquet shards: a sample is a row, a shard's table is its footer (row groups, column chunks),
+//! and a batch leaves the daemon as one Arrow IPC stream of the selected columns.
+//!
+//! The pieces, each usable on its own (the format seam plugs them into datasets and streams):
+//!
+//! - [`footer`]: finds and decodes a file's footer from one speculative tail read (a second read
+//!   only when the footer is larger), validates it, and summarises it as a [`ParquetTable`]: row
+//!   groups with their row counts and each column chunk's byte range. Never panics on damaged
+//!   bytes: arrow-rs asserts on some malformed metadata, so decoding runs under `catch_unwind`
+//!   and a panic becomes a [`ParquetError`].
+//! - [`pqidx`]: the per-file sidecar, which is the footer's own bytes behind a checked header, so a
+//!   restarted daemon or `shardstream index` output needs no tail read at all.
+//! - [`schema`]: the dataset's Arrow schema from the first file, the projection of the selected
+//!   fields, and the agreement check of every other file (a `ValueError`-kind error naming the file
+//!   and column, raised when the dataset is opened, not mid-epoch).
+//! - [`decode`]: decodes one row group of the selected columns; only their column chunks are read.
+//! - [`ipc`]: gathers rows of decoded row groups into one record batch and writes it as an Arrow
+//!   IPC stream (schema + one batch, uncompressed, 64-byte aligned) into a ring slot or a `Vec`.
+//! - [`dataset`]: the files of a dataset as plan units (row groups) and the assembly of a batch
+//!   from row ids.
+//! - [`decoded`]: the daemon-wide, byte-bounded cache of decoded row groups that streams share, so
+//!   a shuffle window of row groups is decoded about once per epoch and node.
+
+pub mod dataset;
+pub mod decode;
+pub mod decoded;
+pub mod footer;
+pub mod ipc;
+pub mod pqidx;
+pub mod schema;
+
+pub use footer::ParquetTable;
+pub use schema::Projection;
+
+use crate::Error;
+
+/// The format's name in manifests (`shard_format`) and `DatasetInfo.format`.
+pub const PARQUET: &str = "parquet";
+/// File extension that listing treats as a Parquet shard.
+pub const EXTENSION: &str = ".parquet";
+
+/// What is wrong with a Parquet file or with a request against it. Converted into the crate's
+/// [`Error`] by [`ParquetError::into_error`], which names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ParquetError {
+    #[error("not a Parquet file: {0}")]
+    NotParquet(String),
+    #[error("truncated Parquet file: {0}")]
+    Truncated(String),
+    #[error("encrypted Parquet footers are not supported")]
+    Encrypted,
+    #[error("corrupt Parquet footer: {0}")]
+    BadFooter(String),
+    #[error("corrupt data in row group {row_group}: {reason}")]
+    BadData { row_group: usize, reason: String },
+    /// A selected column the file does not have (a request error, not a damaged file).
+    #[error("has no column {column:?} (its columns: {available})")]
+    MissingColumn { column: String, available: String },
+    /// A selected column whose type differs from the dataset's (first file's).
+    #[error("column {column:?} is {found} here but {expected} in the dataset's first file")]
+    TypeMismatch { column: String, expected: String, found: String },
+    #[error("Arrow IPC: {0}")]
+    Ipc(String),
+    /// The batch does not fit the slot it must be written into.
+    #[error("the batch needs {needed} bytes of Arrow IPC but its ring slot holds {capacity}")]
+    SlotTooSmall { needed: usize, capacity: usize },
+    #[error("I/O: {0}")]
+    Io(String),
+}
+
+impl ParquetError {
+    /// The crate error for this failure in file `file` (a path or an `s3://` URL): schema and
+    /// column errors are the caller's (`InvalidArgument`, a Python `ValueError`), everything
+    /// else is a damaged shard.
+    pub fn into_error(self, file: &str) -> Error {
+        match self {
+            e @ (ParquetError::MissingColumn { .. } | ParquetError::TypeMismatch { .. }) => {
+                Error::InvalidArgument(format!("Parquet file {file}: {e}"))
+            }
+            e @ (ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }) => {
+                Error::Internal(format!("Parquet file {file}: {e}"))
+            }
+            e => Error::Shard { shard: file.to_string(), offset: None, reason: e.to_string() },
+        }
+    }
+}
+
+/// Runs `f`, turning a panic inside arrow-rs (it asserts on some malformed input) into an error
+/// made by `on_panic` from the panic's message.
+pub(crate) fn no_panic<T>(
+    f: impl FnOnce() -> Result<T, ParquetError>,
+    on_panic: impl FnOnce(String) -> ParquetError,
+) -> Result<T, ParquetError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "the Parquet decoder gave up".to_string());
+            Err(on_panic(msg))
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testdata;

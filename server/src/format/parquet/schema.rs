@@ -1,0 +1,214 @@
+//! The dataset's schema and the projection of the selected fields.
+//!
+//! The dataset's schema is its first file's (as pyarrow and Hugging Face `datasets` take it).
+//! `fields` selects top-level columns (None = all, in file order; a list keeps its own order, as
+//! pyarrow's `columns=` does). Every file must have every selected column with the same Arrow type
+//! (nested field names such as a list's `item`/`element` aside); a file that does not is named,
+//! with the column, when the dataset is opened, never mid-epoch. A column that is nullable in any
+//! file is nullable in the delivered schema.
+
+use std::sync::Arc;
+
+use arrow_array::RecordBatch;
+use arrow_schema::{Field, Schema, SchemaRef};
+use parquet::arrow::ProjectionMask;
+
+use super::{ParquetError, ParquetTable};
+
+/// The selected columns of a dataset, as delivered.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    schema: SchemaRef,
+}
+
+/// How to read a [`Projection`] out of one file: the column chunks to decode, and the order to
+/// put the decoded columns in.
+#[derive(Debug, Clone)]
+pub struct FileProjection {
+    pub mask: ProjectionMask,
+    /// Output column i is decoded column `reorder[i]` (the decoder yields file order).
+    reorder: Vec<usize>,
+    schema: SchemaRef,
+}
+
+impl Projection {
+    /// The projection of `fields` (None = all) of the dataset whose first file has `first`'s
+    /// schema.
+    pub fn new(first: &Schema, fields: Option<&[String]>) -> Result<Self, ParquetError> {
+        let picked: Vec<Field> = match fields {
+            None => first.fields().iter().map(|f| f.as_ref().clone()).collect(),
+            Some(names) => {
+                let mut out: Vec<Field> = Vec::with_capacity(names.len());
+                for n in names {
+                    if out.iter().any(|f| f.name() == n) {
+                        continue;
+                    }
+                    let f = first.field_with_name(n).map_err(|_| missing(first, n))?;
+                    out.push(f.clone());
+                }
+                out
+            }
+        };
+        Ok(Self { schema: Arc::new(Schema::new_with_metadata(picked, first.metadata().clone())) })
+    }
+
+    /// The schema of every batch delivered.
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.schema.fields().iter().map(|f| f.name().as_str())
+    }
+
+    /// Checks that `table`'s file has every selected column with the dataset's type, and widens
+    /// the delivered nullability to the file's.
+    pub fn agree(&mut self, table: &ParquetTable) -> Result<(), ParquetError> {
+        let file = table.schema();
+        let mut widened = None;
+        for (i, want) in self.schema.fields().iter().enumerate() {
+            let got = file.field_with_name(want.name()).map_err(|_| missing(file, want.name()))?;
+            if !got.data_type().equals_datatype(want.data_type()) {
+                return Err(ParquetError::TypeMismatch {
+                    column: want.name().clone(),
+                    expected: want.data_type().to_string(),
+                    found: got.data_type().to_string(),
+                });
+            }
+            if got.is_nullable() && !want.is_nullable() {
+                widened.get_or_insert_with(Vec::new).push(i);
+            }
+        }
+        if let Some(idx) = widened {
+            let fields: Vec<Field> = self
+                .schema
+                .fields()
+                .iter()
+                .enumerate()
+                .map(|(i, f)| f.as_ref().clone().with_nullable(f.is_nullable() || idx.contains(&i)))
+                .collect();
+            self.schema = Arc::new(Schema::new_with_metadata(fields, self.schema.metadata().clone()));
+        }
+        Ok(())
+    }
+
+    /// How to read this projection out of `table`'s file (whose agreement was checked).
+    pub fn for_file(&self, table: &ParquetTable) -> Result<FileProjection, ParquetError> {
+        let file = table.schema();
+        let mut roots = Vec::with_capacity(self.schema.fields().len());
+        for want in self.schema.fields() {
+            let (i, _) = file.column_with_name(want.name()).ok_or_else(|| missing(file, want.name()))?;
+            roots.push(i);
+        }
+        let mut sorted = roots.clone();
+        sorted.sort_unstable();
+        let reorder = roots.iter().map(|r| sorted.partition_point(|s| s < r)).collect();
+        let mask = ProjectionMask::roots(table.reader_metadata().parquet_schema(), sorted);
+        Ok(FileProjection { mask, reorder, schema: self.schema.clone() })
+    }
+}
+
+impl FileProjection {
+    /// A decoded batch (columns in file order) as the delivered columns, in the delivered order
+    /// and schema.
+    pub fn arrange(&self, decoded: &RecordBatch) -> Result<RecordBatch, ParquetError> {
+        let cols = self
+            .reorder
+            .iter()
+            .map(|&i| decoded.columns().get(i).cloned())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ParquetError::BadData { row_group: 0, reason: "the decoder lost a column".into() })?;
+        RecordBatch::try_new(self.schema.clone(), cols).map_err(|e| ParquetError::BadData {
+            row_group: 0,
+            reason: format!("decoded columns do not match the dataset schema: {e}"),
+        })
+    }
+}
+
+fn missing(schema: &Schema, column: &str) -> ParquetError {
+    let available = schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(", ");
+    ParquetError::MissingColumn { column: column.to_string(), available }
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow_array::{Int32Array, Int64Array};
+    use arrow_schema::DataType;
+
+    use super::super::testdata;
+    use super::*;
+
+    fn table(bytes: &[u8]) -> ParquetTable {
+        let len = bytes.len() as u64;
+        let footer = super::super::footer::read_footer(len, |o, b| {
+            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
+            Ok(())
+        })
+        .unwrap();
+        ParquetTable::decode(&footer, len).unwrap()
+    }
+
+    fn names(p: &Projection) -> Vec<&str> {
+        p.names().collect()
+    }
+
+    #[test]
+    fn selection_keeps_the_requested_order_and_all_means_file_order() {
+        let t = table(&testdata::mixed(10, 5, testdata::Codec::None));
+        let all = Projection::new(t.schema(), None).unwrap();
+        assert_eq!(names(&all), ["id", "label", "caption", "image", "blob", "text", "tokens"]);
+        let sel: Vec<String> = ["text", "id"].map(String::from).to_vec();
+        let p = Projection::new(t.schema(), Some(&sel)).unwrap();
+        assert_eq!(names(&p), ["text", "id"]);
+        assert_eq!(p.schema().field(0).data_type(), &DataType::LargeUtf8);
+        let e = Projection::new(t.schema(), Some(&["nope".to_string()])).unwrap_err();
+        let msg = e.into_error("a.parquet").to_string();
+        assert!(msg.contains("a.parquet") && msg.contains("\"nope\"") && msg.contains("caption"), "{msg}");
+    }
+
+    #[test]
+    fn a_file_without_a_column_or_with_another_type_is_named() {
+        let first = table(&testdata::mixed(10, 5, testdata::Codec::None));
+        let sel: Vec<String> = vec!["id".into(), "label".into()];
+        let mut p = Projection::new(first.schema(), Some(&sel)).unwrap();
+        // Same names, label as int64: a type mismatch, an InvalidArgument naming file and column.
+        let s = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("label", DataType::Int64, false),
+        ]));
+        let b = RecordBatch::try_new(s, vec![Arc::new(Int64Array::from(vec![1])), Arc::new(Int64Array::from(vec![2]))])
+            .unwrap();
+        let e = p.agree(&table(&testdata::with_batch(&b))).unwrap_err().into_error("b.parquet");
+        assert!(
+            matches!(&e, crate::Error::InvalidArgument(m) if m.contains("b.parquet") && m.contains("\"label\"") && m.contains("Int32")),
+            "{e}"
+        );
+        // Without the column at all.
+        let s = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
+        let b = RecordBatch::try_new(s, vec![Arc::new(Int64Array::from(vec![1]))]).unwrap();
+        let e = p.agree(&table(&testdata::with_batch(&b))).unwrap_err().into_error("c.parquet");
+        assert!(
+            matches!(&e, crate::Error::InvalidArgument(m) if m.contains("c.parquet") && m.contains("\"label\"")),
+            "{e}"
+        );
+        // id nullable in another file: the delivered id becomes nullable; unselected columns of
+        // other types do not matter.
+        let s = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, true),
+            Field::new("label", DataType::Int32, true),
+            Field::new("caption", DataType::Int32, true),
+        ]));
+        let b = RecordBatch::try_new(
+            s,
+            vec![
+                Arc::new(Int64Array::from(vec![1])),
+                Arc::new(Int32Array::from(vec![2])),
+                Arc::new(Int32Array::from(vec![3])),
+            ],
+        )
+        .unwrap();
+        assert!(!p.schema().field(0).is_nullable());
+        p.agree(&table(&testdata::with_batch(&b))).unwrap();
+        assert!(p.schema().field(0).is_nullable());
+    }
+}

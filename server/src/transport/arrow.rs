@@ -1,0 +1,108 @@
+//! Arrow batches (Parquet datasets) on the wire, as `ArrowBatch` messages: inline, the IPC stream
+//! travels in `data`; with shared memory, it lies in a slot of the stream's packed-mode ring
+//! (slot header with `n_fields = 0`, `n_samples` = rows, `payload_bytes` = stream length; the
+//! stream from `ring::ARROW_DATA_OFFSET`) and the message names ring, slot and length. The slot is
+//! the client's until it releases the batch, as for packed batches; the ring, its budget and its
+//! slot state machine are the packed mode's own ([`super::shm`]).
+
+use arrow_array::RecordBatch;
+use shardstream_proto::ArrowBatch;
+use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
+
+use crate::format::parquet::ipc;
+use crate::transport::shm::SlotGuard;
+use crate::{Error, Result};
+
+fn ipc_error(e: crate::format::parquet::ParquetError) -> Error {
+    Error::Internal(format!("cannot encode an Arrow batch: {e}"))
+}
+
+/// The inline form of batch `batch_index` (rows `row_ids`).
+pub fn inline_batch(batch_index: u64, row_ids: Vec<u64>, batch: &RecordBatch) -> Result<ArrowBatch> {
+    let data = ipc::encode(batch).map_err(ipc_error)?;
+    Ok(ArrowBatch { batch_index, row_ids, length: data.len() as u64, data, ..Default::default() })
+}
+
+/// Writes batch `batch_index` into a ring slot that `acquire` gives for the bytes it needs, and
+/// returns the slot (to publish when the message is sent) with the message naming it.
+pub fn shm_batch<'s>(
+    batch_index: u64,
+    row_ids: Vec<u64>,
+    batch: &RecordBatch,
+    acquire: impl FnOnce(u64) -> Result<SlotGuard<'s>>,
+) -> Result<(SlotGuard<'s>, ArrowBatch)> {
+    // arrow-ipc encodes into its own buffers before writing anyway; encoding first also gives
+    // the exact slot size to ask for.
+    let stream = ipc::encode(batch).map_err(ipc_error)?;
+    let mut guard = acquire(ARROW_DATA_OFFSET + stream.len() as u64)?;
+    fill_slot(guard.bytes(), batch_index, batch.num_rows() as u64, &stream)?;
+    let msg = ArrowBatch {
+        batch_index,
+        row_ids,
+        ring: guard.ring(),
+        slot: guard.slot(),
+        length: stream.len() as u64,
+        ..Default::default()
+    };
+    Ok((guard, msg))
+}
+
+/// Writes the slot header and `stream` into `slot`.
+fn fill_slot(slot: &mut [u8], batch_index: u64, rows: u64, stream: &[u8]) -> Result<()> {
+    let start = ARROW_DATA_OFFSET as usize;
+    let have = slot.len();
+    let dst = slot.get_mut(start..start + stream.len()).ok_or_else(|| {
+        Error::Internal(format!("a ring slot of {} bytes for an Arrow batch of {}", have, stream.len()))
+    })?;
+    dst.copy_from_slice(stream);
+    let header = SlotHeader::new(0, batch_index, rows, stream.len() as u64).encode();
+    slot[..SLOT_HEADER_BYTES].copy_from_slice(&header);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Cursor;
+    use std::sync::Arc;
+
+    use arrow_array::{Int32Array, StringArray};
+    use arrow_schema::{DataType, Field, Schema};
+
+    use super::*;
+
+    fn batch() -> RecordBatch {
+        let s =
+            Arc::new(Schema::new(vec![Field::new("x", DataType::Int32, false), Field::new("s", DataType::Utf8, true)]));
+        RecordBatch::try_new(
+            s,
+            vec![
+                Arc::new(Int32Array::from(vec![1, 2, 3])),
+                Arc::new(StringArray::from(vec![Some("a"), None, Some("c")])),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn read(bytes: &[u8]) -> RecordBatch {
+        let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(bytes), None).unwrap();
+        r.next().unwrap().unwrap()
+    }
+
+    #[test]
+    fn inline_carries_the_stream_and_the_row_ids() {
+        let m = inline_batch(4, vec![9, 1, 5], &batch()).unwrap();
+        assert_eq!((m.batch_index, m.row_ids.as_slice(), m.length), (4, &[9, 1, 5][..], m.data.len() as u64));
+        assert_eq!(read(&m.data), batch());
+    }
+
+    #[test]
+    fn a_slot_is_header_then_stream_and_a_short_slot_is_an_error() {
+        let stream = ipc::encode(&batch()).unwrap();
+        let mut slot = vec![0u8; 8192];
+        fill_slot(&mut slot, 2, 3, &stream).unwrap();
+        let h = SlotHeader::decode(slot[..SLOT_HEADER_BYTES].try_into().unwrap());
+        assert_eq!((h.n_fields, h.batch_index, h.n_samples, h.payload_bytes), (0, 2, 3, stream.len() as u64));
+        assert_eq!(read(&slot[64..64 + stream.len()]), batch());
+        assert!(fill_slot(&mut [0u8; 100], 2, 3, &stream).is_err());
+    }
+}

@@ -1,0 +1,199 @@
+//! Parquet datasets through the daemon's own pieces, on files written by the `parquet` crate's
+//! `ArrowWriter`: footers, plan units, the exactly-once plan over 2 ranks x 2 workers, shared
+//! row-group decoding, and batches as Arrow IPC read back with the IPC reader; bad files give
+//! errors naming them.
+
+#[path = "../src/format/parquet/testdata.rs"]
+mod testdata;
+
+use std::collections::HashSet;
+use std::io::Cursor;
+use std::path::Path;
+use std::sync::Arc;
+
+use arrow_array::RecordBatch;
+use arrow_array::cast::AsArray;
+use arrow_array::types::Int64Type;
+use shardstream::Error;
+use shardstream::format::parquet::dataset::{BatchAssembler, DatasetFile, LocalFiles, ParquetDataset, open_local};
+use shardstream::format::parquet::decoded::DecodedCache;
+use shardstream::format::parquet::ipc;
+use shardstream::plan::{self, EpochParams, WorkerParams};
+use shardstream::storage::local::ShardFile;
+
+/// Writes `files` (name, bytes) into `dir` and opens them as a dataset in that order.
+fn open(dir: &Path, files: &[(&str, Vec<u8>)]) -> shardstream::Result<(ParquetDataset, LocalFiles, Vec<String>)> {
+    let mut opened = Vec::new();
+    let mut tables = Vec::new();
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let f = ShardFile::open(path, bytes.len() as u64)?;
+        if let Some(t) = open_local(&f)? {
+            tables.push(DatasetFile { name: f.name.clone(), table: Arc::new(t) });
+            opened.push(f);
+        }
+    }
+    let (ds, skipped) = ParquetDataset::new(tables)?;
+    Ok((ds, LocalFiles(opened), skipped))
+}
+
+fn ids(b: &RecordBatch) -> Vec<i64> {
+    b.column_by_name("id").unwrap().as_primitive::<Int64Type>().values().to_vec()
+}
+
+fn round_trip(b: &RecordBatch) -> RecordBatch {
+    let bytes = ipc::encode(b).unwrap();
+    let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(bytes), None).unwrap();
+    let out = r.next().unwrap().unwrap();
+    assert!(r.next().is_none());
+    out
+}
+
+/// Three files, ids 0..130 / 130..210 / 210..400, several codecs and row-group sizes.
+fn three_files() -> Vec<(&'static str, Vec<u8>)> {
+    vec![
+        ("a.parquet", testdata::mixed_from(0, 130, 17, testdata::Codec::Snappy)),
+        ("b.parquet", testdata::mixed_from(130, 80, 80, testdata::Codec::Zstd)),
+        ("c.parquet", testdata::mixed_from(210, 190, 25, testdata::Codec::None)),
+    ]
+}
+
+fn params(seed: u64, rank: u32) -> EpochParams {
+    EpochParams {
+        seed,
+        epoch: 0,
+        shuffle: true,
+        window_shards: 4,
+        world_size: 2,
+        rank,
+        batch_size: 16,
+        drop_last: false,
+    }
+}
+
+#[test]
+fn two_ranks_two_workers_get_every_row_once_with_each_row_group_decoded_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, skipped) = open(dir.path(), &three_files()).unwrap();
+    assert!(skipped.is_empty());
+    assert_eq!(ds.num_rows(), 400);
+    assert_eq!(ds.unit_rows().len(), 8 + 1 + 8);
+    let fields: Vec<String> = ["id", "caption", "image", "tokens"].map(String::from).to_vec();
+    let proj = ds.projection(Some(&fields)).unwrap();
+    let cache = DecodedCache::new(64 << 20);
+    let asm = BatchAssembler::new(&ds, &proj, &cache, "ds").unwrap();
+    let full = testdata::mixed_batch(0..400);
+
+    let mut seen = Vec::new();
+    let mut orders = Vec::new();
+    for rank in 0..2 {
+        let p = params(7, rank);
+        let seq = plan::rank_sequence(ds.unit_rows(), &p).unwrap();
+        orders.push(seq.clone());
+        for worker in 0..2 {
+            let w = WorkerParams { num_workers: 2, worker, start_batch: 0 };
+            for range in plan::worker_batches(seq.len() as u64, p.batch_size, &w).unwrap() {
+                let row_ids = &seq[range.start as usize..range.end as usize];
+                let batch = round_trip(&asm.batch(row_ids, &files).unwrap());
+                assert_eq!(batch.schema().fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(), fields);
+                // Every delivered row is the row its id names, all columns.
+                let got = ids(&batch);
+                assert_eq!(got, row_ids.iter().map(|&i| i as i64).collect::<Vec<_>>());
+                for (k, &id) in row_ids.iter().enumerate() {
+                    let want = full.slice(id as usize, 1).project(&[0, 2, 3, 6]).unwrap();
+                    assert_eq!(batch.slice(k, 1).columns(), want.columns(), "row {id}");
+                }
+                seen.extend(got);
+            }
+        }
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..400).collect::<Vec<i64>>(), "every row exactly once");
+    // A shuffle, not the file order, and each row group decoded once for the whole epoch.
+    assert_ne!(orders[0], (0..200).collect::<Vec<u64>>());
+    let s = cache.stats();
+    assert_eq!(s.misses, ds.unit_rows().len() as u64);
+    // Another seed, another order; the same seed, the same order (resume recomputes it).
+    assert_ne!(plan::rank_sequence(ds.unit_rows(), &params(8, 0)).unwrap(), orders[0]);
+    assert_eq!(plan::rank_sequence(ds.unit_rows(), &params(7, 0)).unwrap(), orders[0]);
+}
+
+#[test]
+fn a_row_group_is_read_only_for_its_selected_columns_and_ipc_fits_a_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
+    let proj = ds.projection(Some(&["label".to_string()])).unwrap();
+    let cache = DecodedCache::new(1 << 20);
+    let asm = BatchAssembler::new(&ds, &proj, &cache, "ds").unwrap();
+    let b = asm.batch(&[398, 0, 200], &files).unwrap();
+    assert_eq!(b.num_columns(), 1);
+    let labels = b.column(0).as_primitive::<arrow_array::types::Int32Type>();
+    // label = id % 10, null every 7th id.
+    assert_eq!(labels.iter().collect::<Vec<_>>(), [Some(8), None, Some(0)]);
+    let mut slot = vec![0u8; 1 << 16];
+    let len = ipc::write_slot(&mut slot, 3, &b).unwrap();
+    assert!(len > 0 && len < 4096, "{len}");
+}
+
+#[test]
+fn bad_files_are_named_and_empty_ones_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    // Empty: a 0-byte file and a valid file with no rows are skipped; the rest serve.
+    let mut files = three_files();
+    files.push(("empty.parquet", Vec::new()));
+    files.push(("norows.parquet", testdata::mixed(0, 10, testdata::Codec::None)));
+    let (ds, _, skipped) = open(dir.path(), &files).unwrap();
+    assert_eq!(ds.num_rows(), 400);
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert!(skipped[0].ends_with("norows.parquet"));
+
+    // Truncated, bad magic: a shard error naming the file.
+    let good = testdata::mixed(50, 10, testdata::Codec::Snappy);
+    for (name, bytes) in [
+        ("cut.parquet", good[..good.len() - 3].to_vec()),
+        ("magic.parquet", [&good[..good.len() - 4], b"PAR2"].concat()),
+        ("tiny.parquet", b"PAR1".to_vec()),
+    ] {
+        let e = open(dir.path(), &[(name, bytes)]).unwrap_err();
+        assert!(matches!(&e, Error::Shard { shard, .. } if shard.ends_with(name)), "{name}: {e}");
+    }
+
+    // A column missing in the second file: InvalidArgument naming that file and the column.
+    let other = testdata::wide(10, 5, 2);
+    let (ds, _, _) = open(dir.path(), &[("x.parquet", good.clone()), ("y.parquet", other)]).unwrap();
+    let e = ds.projection(Some(&["caption".to_string()])).unwrap_err();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("y.parquet") && m.contains("\"caption\"")), "{e}");
+    let e = ds.projection(None).unwrap_err();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("y.parquet")), "{e}");
+}
+
+#[test]
+fn a_corrupt_page_is_a_shard_error_naming_the_file_never_garbage() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = testdata::mixed(60, 20, testdata::Codec::Snappy);
+    let (ds, _, _) = open(dir.path(), &[("ok.parquet", good.clone())]).unwrap();
+    let table = ds.files()[0].table.clone();
+    // Overwrite the middle of row group 1's image column chunk (snappy: the decompressor notices).
+    let r = table.chunk_range(1, 3).unwrap();
+    let mut bad = good.clone();
+    for b in &mut bad[(r.start as usize + 8)..(r.end as usize - 2)] {
+        *b = 0xee;
+    }
+    let (ds, files, _) = open(dir.path(), &[("bad.parquet", bad)]).unwrap();
+    let proj = ds.projection(None).unwrap();
+    let cache = DecodedCache::new(1 << 20);
+    let asm = BatchAssembler::new(&ds, &proj, &cache, "bad").unwrap();
+    // Row group 0 is intact and serves.
+    assert_eq!(ids(&asm.batch(&[0, 19], &files).unwrap()), [0, 19]);
+    let e = asm.batch(&[25], &files).unwrap_err();
+    assert!(
+        matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("bad.parquet") && reason.contains("row group 1")),
+        "{e}"
+    );
+    let mut seen = HashSet::new();
+    for id in 40..60 {
+        seen.insert(ids(&asm.batch(&[id], &files).unwrap())[0]);
+    }
+    assert_eq!(seen.len(), 20);
+}
