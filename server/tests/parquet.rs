@@ -22,7 +22,7 @@ use shardstream::plan::{self, EpochParams, WorkerParams};
 use shardstream::storage::local::ShardFile;
 
 /// Writes `files` (name, bytes) into `dir` and opens them as a dataset in that order.
-fn open(dir: &Path, files: &[(&str, Vec<u8>)]) -> shardstream::Result<(ParquetDataset, LocalFiles, Vec<String>)> {
+fn open(dir: &Path, files: &[(&str, Vec<u8>)]) -> shardstream::Result<(Arc<ParquetDataset>, LocalFiles, Vec<String>)> {
     let mut opened = Vec::new();
     let mut tables = Vec::new();
     for (name, bytes) in files {
@@ -30,12 +30,12 @@ fn open(dir: &Path, files: &[(&str, Vec<u8>)]) -> shardstream::Result<(ParquetDa
         std::fs::write(&path, bytes).unwrap();
         let f = ShardFile::open(path, bytes.len() as u64)?;
         if let Some(t) = open_local(&f)? {
-            tables.push(DatasetFile { name: f.name.clone(), table: Arc::new(t) });
+            tables.push(DatasetFile { name: f.name.clone(), table: Arc::new(t), index: opened.len() });
             opened.push(f);
         }
     }
     let (ds, skipped) = ParquetDataset::new(tables)?;
-    Ok((ds, LocalFiles(opened), skipped))
+    Ok((Arc::new(ds), LocalFiles(opened), skipped))
 }
 
 fn ids(b: &RecordBatch) -> Vec<i64> {
@@ -81,8 +81,8 @@ fn two_ranks_two_workers_get_every_row_once_with_each_row_group_decoded_once() {
     assert_eq!(ds.unit_rows().len(), 8 + 1 + 8);
     let fields: Vec<String> = ["id", "caption", "image", "tokens"].map(String::from).to_vec();
     let proj = ds.projection(Some(&fields)).unwrap();
-    let cache = DecodedCache::new(64 << 20);
-    let asm = BatchAssembler::new(&ds, &proj, &cache, "ds").unwrap();
+    let cache = Arc::new(DecodedCache::new(64 << 20));
+    let asm = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap();
     let full = testdata::mixed_batch(0..400);
 
     let mut seen = Vec::new();
@@ -124,8 +124,8 @@ fn a_row_group_is_read_only_for_its_selected_columns_and_ipc_fits_a_slot() {
     let dir = tempfile::tempdir().unwrap();
     let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
     let proj = ds.projection(Some(&["label".to_string()])).unwrap();
-    let cache = DecodedCache::new(1 << 20);
-    let asm = BatchAssembler::new(&ds, &proj, &cache, "ds").unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let asm = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap();
     let b = asm.batch(&[398, 0, 200], &files).unwrap();
     assert_eq!(b.num_columns(), 1);
     let labels = b.column(0).as_primitive::<arrow_array::types::Int32Type>();
@@ -182,8 +182,8 @@ fn a_corrupt_page_is_a_shard_error_naming_the_file_never_garbage() {
     }
     let (ds, files, _) = open(dir.path(), &[("bad.parquet", bad)]).unwrap();
     let proj = ds.projection(None).unwrap();
-    let cache = DecodedCache::new(1 << 20);
-    let asm = BatchAssembler::new(&ds, &proj, &cache, "bad").unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let asm = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "bad").unwrap();
     // Row group 0 is intact and serves.
     assert_eq!(ids(&asm.batch(&[0, 19], &files).unwrap()), [0, 19]);
     let e = asm.batch(&[25], &files).unwrap_err();

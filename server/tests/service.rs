@@ -175,7 +175,7 @@ async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_format_is_reported_and_parquet_is_refused_by_name_at_open() {
+async fn the_format_is_reported_and_a_bad_parquet_file_is_named_at_open() {
     let (fx, _) = start(2, 10).await;
     let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
     let info = shardstream_client::open(&mut client, &fx.data.display().to_string(), "").await.unwrap();
@@ -185,7 +185,8 @@ async fn the_format_is_reported_and_parquet_is_refused_by_name_at_open() {
     drop(s);
 
     let root = fx.data.parent().unwrap();
-    // A directory of Parquet files is found by the format's extension and refused by name.
+    // A directory of Parquet files is found by the format's extension; a file that is not Parquet
+    // is a shard error naming it, at open.
     let pq = root.join("pq");
     std::fs::create_dir(&pq).unwrap();
     std::fs::write(pq.join("part-0.parquet"), b"PAR1 not really PAR1").unwrap();
@@ -198,6 +199,7 @@ async fn the_format_is_reported_and_parquet_is_refused_by_name_at_open() {
         "shards": [{"name": "part-0.parquet", "bytes": 20, "samples": 1, "crc32c": "00000000"}],
     });
     std::fs::write(pq_manifest.join("manifest.json"), manifest.to_string()).unwrap();
+    std::fs::write(pq_manifest.join("part-0.parquet"), b"PAR1 not really PAR1").unwrap();
     // TAR and Parquet in one directory: neither half is served silently.
     let mixed = root.join("mixed");
     std::fs::create_dir(&mixed).unwrap();
@@ -208,15 +210,15 @@ async fn the_format_is_reported_and_parquet_is_refused_by_name_at_open() {
     let orc = root.join("orc");
     std::fs::create_dir(&orc).unwrap();
     std::fs::write(orc.join("manifest.json"), unknown.to_string()).unwrap();
-    for (dir, needles) in [
-        (&pq, &["parquet", "not yet served"][..]),
-        (&pq_manifest, &["parquet", "not yet served"]),
-        (&mixed, &["mixes shard formats", "a.tar", "b.parquet"]),
-        (&orc, &["\"orc\"", "not supported"]),
+    for (dir, code, needles) in [
+        (&pq, Code::DataLoss, &["part-0.parquet", "Parquet"][..]),
+        (&pq_manifest, Code::DataLoss, &["part-0.parquet", "Parquet"]),
+        (&mixed, Code::InvalidArgument, &["mixes shard formats", "a.tar", "b.parquet"]),
+        (&orc, Code::InvalidArgument, &["\"orc\"", "not supported"]),
     ] {
         let err = shardstream_client::open(&mut client, &dir.display().to_string(), "").await.unwrap_err();
         let err = status(err);
-        assert_eq!(err.code(), Code::InvalidArgument, "{dir:?}: {err:?}");
+        assert_eq!(err.code(), code, "{dir:?}: {err:?}");
         for needle in needles {
             assert!(err.message().contains(needle), "{:?} does not mention {needle}", err.message());
         }

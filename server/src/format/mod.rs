@@ -26,6 +26,7 @@ pub mod tar;
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 use shardstream_proto::BatchFormat;
 
@@ -43,7 +44,7 @@ pub const PARQUET: &str = "parquet";
 pub enum Format {
     /// WebDataset TAR shards (`*.tar`): a sample is a run of members sharing a key.
     WebDataset,
-    /// Parquet files (`*.parquet`): a sample is a row. Recognised, not yet served.
+    /// Parquet files (`*.parquet`): a sample is a row; batches are Arrow record batches.
     Parquet,
 }
 
@@ -119,9 +120,9 @@ impl Format {
     /// Ok when this build can serve datasets of the format; the error names the format and the
     /// dataset. Checked when a dataset opens, so nothing half-works mid-epoch.
     pub fn check_served(self, dataset: &str) -> Result<()> {
+        let _ = dataset;
         match self {
-            Format::WebDataset => Ok(()),
-            Format::Parquet => Err(unsupported(self, dataset)),
+            Format::WebDataset | Format::Parquet => Ok(()),
         }
     }
 
@@ -132,7 +133,17 @@ impl Format {
             Format::WebDataset => {
                 tar::index_tar(&file.file, file.len).map(ShardTable::Tar).map_err(|e| shard_error(file, 0, e))
             }
-            Format::Parquet => Err(unsupported(self, &file.name)),
+            Format::Parquet => {
+                let table = parquet::dataset::open_local(file)?.ok_or_else(|| Error::Shard {
+                    shard: file.name.clone(),
+                    offset: None,
+                    reason: "is empty (0 bytes), not a Parquet file".into(),
+                })?;
+                if table.num_rows() == 0 {
+                    tracing::warn!(file = %file.name, "a Parquet file without rows: it contributes no samples");
+                }
+                Ok(ShardTable::Parquet(Arc::new(table)))
+            }
         }
     }
 
@@ -153,7 +164,23 @@ impl Format {
                 Ok(None) => Ok(None),
                 Err(e) => Err(SidecarProblem::Unreadable(e)),
             },
-            Format::Parquet => Ok(None),
+            Format::Parquet => {
+                let bytes = match std::fs::read(path) {
+                    Ok(b) => b,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                    Err(source) => {
+                        return Err(SidecarProblem::Unreadable(sidecar::SidecarError::Io {
+                            path: path.to_owned(),
+                            source,
+                        }));
+                    }
+                };
+                match parquet::pqidx::load(&bytes, identity)? {
+                    Some(t) if t.file_len() == shard_len => Ok(Some(ShardTable::Parquet(Arc::new(t)))),
+                    Some(_) => Err(SidecarProblem::DoesNotFit),
+                    None => Ok(None),
+                }
+            }
         }
     }
 }
@@ -167,18 +194,16 @@ pub enum SidecarProblem {
     Unreadable(#[from] sidecar::SidecarError),
 }
 
-fn unsupported(format: Format, what: &str) -> Error {
-    Error::invalid(format!(
-        "{what}: {} shards are recognised but not yet served by this build (only {} is)",
-        format.name(),
-        WEBDATASET
-    ))
+fn not_samples(file: &ShardFile) -> Error {
+    Error::Internal(format!("{}: the rows of a Parquet file are served as Arrow batches, not as samples", file.name))
 }
 
 /// A shard's member table, resident in memory while the shard is in use.
 #[derive(Debug)]
 pub enum ShardTable {
     Tar(tar::TarIndex),
+    /// A Parquet file's footer: rows are its samples (served as Arrow batches, not as byte runs).
+    Parquet(Arc<parquet::ParquetTable>),
 }
 
 /// Where one sample's fields landed in the caller's buffer.
@@ -229,18 +254,21 @@ impl ShardTable {
     pub fn format(&self) -> Format {
         match self {
             ShardTable::Tar(_) => Format::WebDataset,
+            ShardTable::Parquet(_) => Format::Parquet,
         }
     }
 
     pub fn num_samples(&self) -> u64 {
         match self {
             ShardTable::Tar(t) => t.num_samples() as u64,
+            ShardTable::Parquet(t) => t.num_rows(),
         }
     }
 
     pub fn fields(&self) -> &[String] {
         match self {
             ShardTable::Tar(t) => &t.fields,
+            ShardTable::Parquet(t) => t.columns(),
         }
     }
 
@@ -250,6 +278,7 @@ impl ShardTable {
     pub fn sample_range(&self, i: u64) -> Option<std::ops::Range<u64>> {
         match self {
             ShardTable::Tar(t) => t.sample_range(usize::try_from(i).ok()?),
+            ShardTable::Parquet(_) => None,
         }
     }
 
@@ -257,6 +286,7 @@ impl ShardTable {
     pub fn largest_sample(&self) -> Option<(u64, u64)> {
         match self {
             ShardTable::Tar(t) => t.largest_sample(),
+            ShardTable::Parquet(_) => None,
         }
     }
 
@@ -264,6 +294,7 @@ impl ShardTable {
     pub fn heap_bytes(&self) -> usize {
         match self {
             ShardTable::Tar(t) => t.heap_bytes(),
+            ShardTable::Parquet(t) => t.heap_bytes(),
         }
     }
 
@@ -279,6 +310,10 @@ impl ShardTable {
                     h.field(f.as_bytes());
                 }
             }
+            // The footer describes the whole file (row groups, chunk offsets, schema).
+            ShardTable::Parquet(t) => {
+                h.field(t.footer());
+            }
         }
     }
 
@@ -286,6 +321,7 @@ impl ShardTable {
     pub fn encode_sidecar(&self, identity: &[u8]) -> Vec<u8> {
         match self {
             ShardTable::Tar(ix) => sidecar::encode(identity, ix),
+            ShardTable::Parquet(t) => parquet::pqidx::encode(identity, t.file_len(), t.footer()),
         }
     }
 
@@ -293,6 +329,7 @@ impl ShardTable {
     pub fn write_sidecar(&self, path: &Path, identity: &[u8]) -> std::io::Result<()> {
         match self {
             ShardTable::Tar(ix) => sidecar::write_atomic(path, identity, ix),
+            ShardTable::Parquet(_) => crate::atomic_write::write(path, &self.encode_sidecar(identity)),
         }
     }
 
@@ -318,6 +355,7 @@ impl ShardTable {
                 }
                 Ok(())
             }
+            ShardTable::Parquet(_) => Err(not_samples(file)),
         }
     }
 
@@ -378,17 +416,36 @@ mod tests {
     }
 
     #[test]
-    fn parquet_is_refused_by_name_until_it_is_served() {
-        Format::WebDataset.check_served("/d/").unwrap();
-        let err = Format::Parquet.check_served("/d/").unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
-        assert!(err.to_string().contains("/d/") && err.to_string().contains("parquet"), "{err}");
+    fn parquet_files_index_from_their_footers_and_round_trip_through_sidecars() {
+        Format::Parquet.check_served("/d/").unwrap();
         let dir = tempfile::tempdir().unwrap();
+        // Not Parquet at all: a shard error naming the file.
         let path = dir.path().join("a.parquet");
         std::fs::write(&path, b"PAR1").unwrap();
-        let file = ShardFile::open(path, 4).unwrap();
-        let err = Format::Parquet.index_shard(&file).unwrap_err().to_string();
-        assert!(err.contains("a.parquet") && err.contains("parquet shards"), "{err}");
+        let err = Format::Parquet.index_shard(&ShardFile::open(path, 4).unwrap()).unwrap_err();
+        assert!(matches!(&err, Error::Shard { shard, .. } if shard.ends_with("a.parquet")), "{err:?}");
+        let path = dir.path().join("empty.parquet");
+        std::fs::write(&path, b"").unwrap();
+        let err = Format::Parquet.index_shard(&ShardFile::open(path, 0).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("empty.parquet") && err.to_string().contains("0 bytes"), "{err}");
+        // A real file: rows are samples, columns are fields (in file order), sidecars round-trip.
+        let bytes = parquet::testdata::mixed(30, 8, parquet::testdata::Codec::Snappy);
+        let path = dir.path().join("b.parquet");
+        std::fs::write(&path, &bytes).unwrap();
+        let file = ShardFile::open(path, bytes.len() as u64).unwrap();
+        let table = Format::Parquet.index_shard(&file).unwrap();
+        assert_eq!((table.format(), table.num_samples()), (Format::Parquet, 30));
+        assert_eq!(table.fields(), ["id", "label", "caption", "image", "blob", "text", "tokens"]);
+        assert_eq!(table.sample_range(0), None);
+        let side = dir.path().join("b.parquet.idx");
+        table.write_sidecar(&side, b"id-1").unwrap();
+        let again = Format::Parquet.read_sidecar(&side, b"id-1", bytes.len() as u64).unwrap().unwrap();
+        assert_eq!(again.num_samples(), 30);
+        assert!(Format::Parquet.read_sidecar(&side, b"id-2", bytes.len() as u64).unwrap().is_none());
+        assert!(matches!(Format::Parquet.read_sidecar(&side, b"id-1", 7), Err(SidecarProblem::DoesNotFit)));
+        // Rows are never served as byte runs.
+        let mut loc = SampleLocation::default();
+        assert!(matches!(table.read_sample(&file, 0, &mut Vec::new(), &mut loc), Err(Error::Internal(_))));
     }
 
     /// The seam's field location for TAR is what `tar::parse_sample` says, shifted by `at`, and

@@ -296,6 +296,9 @@ pub struct Dataset {
     /// against its message limit before a stream starts. None from an older manifest: the check
     /// then happens as each batch is built (`service::build_batch`).
     pub largest_sample: Option<LargestSample>,
+    /// Parquet datasets: every file's footer table and the row numbering (all footers stay
+    /// resident: a few KiB per file, and the schema check needs them all).
+    pub parquet: Option<Arc<crate::format::parquet::dataset::ParquetDataset>>,
 }
 
 /// Where the dataset's largest sample is, and its size in shard bytes (headers included).
@@ -336,6 +339,10 @@ impl Dataset {
             CacheMode::Direct => Vec::new(),
             CacheMode::Copy => shards.iter().map(|m| crate::cache::key_for(&m.url(), &m.identity(), &m.name)).collect(),
         };
+        // Parquet files are always opened by their footers (from sidecars when the daemon or
+        // `shardstream index` saved them): the schema agreement and row groups come from there.
+        let from_manifest = manifest_fields.is_some();
+        let manifest_fields = manifest_fields.filter(|_| format != Format::Parquet);
         if let Some(fields) = manifest_fields {
             // A shard whose entry does not record it (an older manifest, a resumed older pack) may
             // hold a larger one: its samples are then checked as the shard is read.
@@ -368,19 +375,21 @@ impl Dataset {
                 Some(LargestSample { shard, local, offset, bytes })
             })
             .max_by_key(|s| s.bytes);
-        let mut ds = Self::assemble(
-            &url,
-            format,
-            mode,
-            base,
-            shards,
-            fields.into_iter().collect(),
-            false,
-            sidecar_cache,
-            backends,
-            keys,
-        );
+        let fields: Vec<String> = match format {
+            // The dataset's columns are its first file's, in file order (as pyarrow shows them).
+            Format::Parquet => {
+                tables.iter().find(|t| t.num_samples() > 0).map(|t| t.fields().to_vec()).unwrap_or_default()
+            }
+            Format::WebDataset => fields.into_iter().collect(),
+        };
+        let parquet = match format {
+            Format::Parquet => Some(Arc::new(parquet_dataset(&shards, &tables)?)),
+            Format::WebDataset => None,
+        };
+        let mut ds =
+            Self::assemble(&url, format, mode, base, shards, fields, from_manifest, sidecar_cache, backends, keys);
         ds.largest_sample = largest_sample;
+        ds.parquet = parquet;
         // The scan just built every table: keep as many resident as the cache allows.
         for (i, table) in tables.into_iter().enumerate().take(MAX_RESIDENT_TABLES) {
             ds.insert_table(i, Arc::new(table));
@@ -434,6 +443,7 @@ impl Dataset {
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
             largest_sample: None,
+            parquet: None,
         }
     }
 
@@ -833,6 +843,25 @@ fn load_table(format: Format, meta: &ShardMeta, file: &ShardFile, cache: Option<
         }
     }
     Ok(table)
+}
+
+/// The Parquet view of a scanned dataset: its files (shard `i` of the dataset is file index `i`)
+/// with their footer tables.
+fn parquet_dataset(
+    shards: &[ShardMeta],
+    tables: &[ShardTable],
+) -> Result<crate::format::parquet::dataset::ParquetDataset> {
+    use crate::format::parquet::dataset::{DatasetFile, ParquetDataset};
+    let files = shards
+        .iter()
+        .zip(tables)
+        .enumerate()
+        .map(|(index, (meta, table))| match table {
+            ShardTable::Parquet(t) => Ok(DatasetFile { name: meta.url(), table: t.clone(), index }),
+            ShardTable::Tar(_) => Err(Error::Internal(format!("{} is not a Parquet table", meta.url()))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ParquetDataset::new(files)?.0)
 }
 
 /// Loads every shard's table, in parallel (a dataset opened without manifest), and the content

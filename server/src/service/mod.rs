@@ -24,6 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::format::parquet::dataset::BatchAssembler;
 use crate::index::{CacheMode, Dataset, LargestSample, Registry, Working};
 use crate::metrics::{ActiveStream, Metrics};
 use crate::plan::{self, EpochParams, WorkerParams};
@@ -124,8 +125,15 @@ fn dataset_info(ds: &Dataset) -> DatasetInfo {
         fields: ds.fields.clone(),
         format: ds.format.name().into(),
         from_manifest: ds.from_manifest,
-        arrow_schema: Vec::new(),
+        arrow_schema: arrow_schema(ds),
     }
+}
+
+/// A Parquet dataset's Arrow schema (its first file's) as an IPC schema message; empty for other
+/// formats.
+fn arrow_schema(ds: &Dataset) -> Vec<u8> {
+    let first = ds.parquet.as_ref().and_then(|p| p.files().first().map(|f| f.table.clone()));
+    first.and_then(|t| crate::format::parquet::ipc::schema_message(t.schema()).ok()).unwrap_or_default()
 }
 
 /// A validated stream request.
@@ -144,6 +152,9 @@ struct StreamPlan {
     packed: bool,
     /// The prefetcher follows this stream while it lives (datasets read through the cache).
     consumer: Option<ConsumerGuard>,
+    /// Parquet datasets: how this stream's Arrow batches are made (its columns, checked against
+    /// every file when the stream is planned).
+    arrow: Option<Arc<BatchAssembler>>,
 }
 
 fn plan_stream(
@@ -229,7 +240,17 @@ fn plan_stream(
     }
     let collate =
         Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
-    let packed = transport == Transport::Shm && collate == Collate::Stack;
+    // Arrow batches over shared memory always travel in ring slots (the packed session).
+    let arrow = match &ds.parquet {
+        Some(pq) => {
+            let selection = (!req.fields.is_empty()).then_some(&fields[..]);
+            let projection = pq.projection(selection)?;
+            let cache = crate::format::parquet::decoded::shared();
+            Some(Arc::new(BatchAssembler::new(pq.clone(), projection, cache, &ds.fingerprint)?))
+        }
+        None => None,
+    };
+    let packed = transport == Transport::Shm && (collate == Collate::Stack || arrow.is_some());
     let session = match (transport, shm) {
         (Transport::Shm, Some(hub)) => {
             Some(hub.new_session(if packed { hub.config.ring_slots } else { hub.config.credits })?)
@@ -262,6 +283,7 @@ fn plan_stream(
         session,
         packed,
         consumer,
+        arrow,
     })
 }
 
@@ -443,6 +465,73 @@ fn build_packed_batch<'s>(
     Ok(((StreamMessage { kind: Some(stream_message::Kind::PackedBatch(batch)) }, payload), waited))
 }
 
+/// Reads a Parquet dataset's files through a stream's working set (opened, verified against the
+/// manifest's CRC and pinned on first use, like TAR shards).
+struct WorkingFiles<'a> {
+    ds: &'a Dataset,
+    working: std::sync::Mutex<&'a mut Working>,
+}
+
+impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
+    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let mut working = self.working.lock().unwrap_or_else(|p| p.into_inner());
+        working.get(self.ds, file)?.file.read_exact_at(buf, offset)
+    }
+}
+
+/// Builds one Arrow batch of a Parquet dataset (blocking): the rows `ids`, decoded through the
+/// daemon's shared row-group cache, as an IPC stream inline or in a ring slot (shm).
+#[allow(clippy::too_many_arguments)]
+fn build_arrow_batch(
+    ds: &Dataset,
+    working: &std::sync::Mutex<Working>,
+    session: Option<&Session>,
+    turn: u64,
+    asm: &BatchAssembler,
+    ids: &[u64],
+    index: u64,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<((StreamMessage, u64), std::time::Duration)> {
+    // The turn first: shm batches are published in order.
+    let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
+    let (batch, waited) = {
+        let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
+        working.preload(ds, &first_row_of_each_file(ds, ids))?;
+        let batch = asm.batch(ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
+        working.end_batch();
+        (batch?, working.take_wait())
+    };
+    let bytes = batch.get_array_memory_size() as u64;
+    let msg = match (session, credit) {
+        (Some(s), Some(credit)) => {
+            let (guard, msg) = transport::arrow::shm_batch(index, ids.to_vec(), &batch, |need| {
+                s.acquire_slot(credit, need, cancelled)
+            })?;
+            guard.publish(index);
+            msg
+        }
+        _ => {
+            let msg = transport::arrow::inline_batch(index, ids.to_vec(), &batch)?;
+            if msg.data.len() > INLINE_PAYLOAD_LIMIT as usize {
+                return Err(Error::invalid(format!(
+                    "an Arrow batch of {} MiB does not fit an inline message ({} MiB); use a smaller batch_size \
+                     or fewer fields",
+                    msg.data.len() >> 20,
+                    shardstream_proto::MAX_MESSAGE_BYTES >> 20
+                )));
+            }
+            msg
+        }
+    };
+    Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
+}
+
+/// One row id per file the batch reads (what the working set preloads in parallel).
+fn first_row_of_each_file(ds: &Dataset, ids: &[u64]) -> Vec<u64> {
+    let mut seen = std::collections::HashSet::new();
+    ids.iter().copied().filter(|&id| ds.locate(id).is_some_and(|(s, _)| seen.insert(s))).collect()
+}
+
 #[tonic::async_trait]
 impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
@@ -576,7 +665,9 @@ async fn produce(
     shutdown: CancellationToken,
 ) {
     let _active = ActiveStream::new(&metrics);
-    let StreamPlan { dataset, fields, all_fields, sequence, batches, batch_size, session, packed, consumer, .. } = plan;
+    let StreamPlan {
+        dataset, fields, all_fields, sequence, batches, batch_size, session, packed, consumer, arrow, ..
+    } = plan;
     // However this function ends, the session learns the stream is over (its leases stay until
     // the client releases them or goes away).
     struct Done(Option<Arc<Session>>);
@@ -588,7 +679,7 @@ async fn produce(
         }
     }
     let _done = Done(session.clone());
-    let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default())));
+    let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow));
     let sequence = Arc::new(std::sync::Mutex::new(sequence));
     let spawn_build = |turn: u64, range: std::ops::Range<u64>, ids: Vec<u64>| {
         // Every batch but the rank's last is full, so its index in the rank's order is this.
@@ -597,9 +688,12 @@ async fn produce(
         let job = shared.clone();
         let (closed, stop) = (tx.clone(), shutdown.clone());
         let handle = tokio::task::spawn_blocking(move || {
-            let (ds, fields, session, working) = &*job;
+            let (ds, fields, session, working, arrow) = &*job;
             let ids = &ids[..];
             let cancelled = || closed.is_closed() || stop.is_cancelled();
+            if let Some(asm) = arrow {
+                return build_arrow_batch(ds, working, session.as_deref(), turn, asm, ids, index, &cancelled);
+            }
             if let (Some(s), true) = (session, packed) {
                 let credit = s.take_turn(turn, &cancelled)?;
                 return build_packed_batch(ds, working, s, credit, fields, ids, index, &cancelled);
@@ -665,6 +759,7 @@ async fn produce(
                     Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
                     Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
                     Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
+                    Some(stream_message::Kind::ArrowBatch(b)) => b.row_ids.len() as u64,
                     _ => 0,
                 };
                 fail_point!("stream-send", |_| ());

@@ -29,6 +29,9 @@ pub struct DatasetFile {
     /// How errors name it: a path or an `s3://` URL.
     pub name: String,
     pub table: Arc<ParquetTable>,
+    /// Its position in the dataset's list of files (what a [`FileReader`] is asked for; files
+    /// without rows are left out of the dataset but keep their positions).
+    pub index: usize,
 }
 
 /// The files and plan units of a Parquet dataset.
@@ -121,7 +124,7 @@ impl ParquetDataset {
     }
 }
 
-/// Reads bytes of file `file` (dataset index) at `offset` into `buf`, exactly.
+/// Reads bytes of file `file` ([`DatasetFile::index`]) at `offset` into `buf`, exactly.
 pub trait FileReader: Sync {
     fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()>;
 }
@@ -139,21 +142,22 @@ impl FileReader for LocalFiles {
 
 /// Assembles batches of one projection of a dataset: decodes the row groups the rows live in
 /// (through the shared [`DecodedCache`]) and gathers the rows.
-pub struct BatchAssembler<'a> {
-    dataset: &'a ParquetDataset,
-    projection: &'a Projection,
+#[derive(Debug)]
+pub struct BatchAssembler {
+    dataset: Arc<ParquetDataset>,
+    projection: Projection,
     per_file: Vec<FileProjection>,
-    cache: &'a DecodedCache,
+    cache: Arc<DecodedCache>,
     /// Names the dataset version in cache keys (its fingerprint).
     dataset_id: String,
     projection_id: u64,
 }
 
-impl<'a> BatchAssembler<'a> {
+impl BatchAssembler {
     pub fn new(
-        dataset: &'a ParquetDataset,
-        projection: &'a Projection,
-        cache: &'a DecodedCache,
+        dataset: Arc<ParquetDataset>,
+        projection: Projection,
+        cache: Arc<DecodedCache>,
         dataset_id: &str,
     ) -> Result<Self> {
         let per_file = dataset
@@ -163,6 +167,10 @@ impl<'a> BatchAssembler<'a> {
             .collect::<Result<Vec<_>>>()?;
         let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
         Ok(Self { dataset, projection, per_file, cache, dataset_id: dataset_id.to_string(), projection_id })
+    }
+
+    pub fn projection(&self) -> &Projection {
+        &self.projection
     }
 
     /// The record batch of rows `row_ids`, in that order.
@@ -200,7 +208,7 @@ impl<'a> BatchAssembler<'a> {
         self.cache.get_or_decode(&key, || {
             let mut io_error = None;
             let decoded = read_row_group(&file.table, rg, &self.per_file[fi], |off, buf| {
-                files.read_at(fi, off, buf).map_err(|e| {
+                files.read_at(file.index, off, buf).map_err(|e| {
                     let msg = e.to_string();
                     io_error = Some(e);
                     ParquetError::Io(msg)

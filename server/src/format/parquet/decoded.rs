@@ -21,6 +21,12 @@ use arrow_array::RecordBatch;
 /// groups of `pack`'s ~20 MB) for a few streams, small beside the node cache.
 pub const DEFAULT_BUDGET_BYTES: u64 = 1 << 30;
 
+/// The daemon's cache, shared by every stream (made on first use with [`DEFAULT_BUDGET_BYTES`]).
+pub fn shared() -> Arc<DecodedCache> {
+    static SHARED: std::sync::OnceLock<Arc<DecodedCache>> = std::sync::OnceLock::new();
+    SHARED.get_or_init(|| Arc::new(DecodedCache::new(DEFAULT_BUDGET_BYTES))).clone()
+}
+
 /// One row group of one file of one dataset, decoded for one projection.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RowGroupKey {

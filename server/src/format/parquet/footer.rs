@@ -115,6 +115,10 @@ pub struct ParquetTable {
     row_starts: Vec<u64>,
     file_len: u64,
     footer_bytes: u64,
+    /// The footer itself: what the file's sidecar stores.
+    footer: Arc<[u8]>,
+    /// Top-level column names, in file order (the dataset's fields).
+    columns: Vec<String>,
 }
 
 impl ParquetTable {
@@ -125,13 +129,14 @@ impl ParquetTable {
             || {
                 let meta = ParquetMetaDataReader::decode_metadata(footer)
                     .map_err(|e| ParquetError::BadFooter(e.to_string()))?;
-                Self::from_metadata(Arc::new(meta), file_len, footer.len() as u64)
+                Self::from_metadata(Arc::new(meta), file_len, footer)
             },
             |msg| ParquetError::BadFooter(format!("the decoder panicked: {msg}")),
         )
     }
 
-    fn from_metadata(meta: Arc<ParquetMetaData>, file_len: u64, footer_bytes: u64) -> Result<Self, ParquetError> {
+    fn from_metadata(meta: Arc<ParquetMetaData>, file_len: u64, footer: &[u8]) -> Result<Self, ParquetError> {
+        let footer_bytes = footer.len() as u64;
         // Column chunks lie between the leading magic and the footer.
         let data = 4..file_len.saturating_sub(FOOTER_TAIL_BYTES + footer_bytes);
         let leaves = meta.file_metadata().schema_descr().num_columns();
@@ -162,7 +167,8 @@ impl ParquetTable {
         row_starts.push(rows);
         let meta = ArrowReaderMetadata::try_new(meta, ArrowReaderOptions::new())
             .map_err(|e| ParquetError::BadFooter(format!("cannot map the schema to Arrow: {e}")))?;
-        Ok(Self { meta, row_starts, file_len, footer_bytes })
+        let columns = meta.schema().fields().iter().map(|f| f.name().clone()).collect();
+        Ok(Self { meta, row_starts, file_len, footer_bytes, footer: footer.into(), columns })
     }
 
     pub fn num_rows(&self) -> u64 {
@@ -222,9 +228,22 @@ impl ParquetTable {
         self.footer_bytes
     }
 
+    /// The footer's bytes (the sidecar's content).
+    pub fn footer(&self) -> &[u8] {
+        &self.footer
+    }
+
+    /// Top-level column names, in file order.
+    pub fn columns(&self) -> &[String] {
+        &self.columns
+    }
+
     /// Bytes of memory the table holds (index-memory figures).
     pub fn heap_bytes(&self) -> usize {
-        self.meta.metadata().memory_size() + self.row_starts.capacity() * 8
+        self.meta.metadata().memory_size()
+            + self.row_starts.capacity() * 8
+            + self.footer.len()
+            + self.columns.iter().map(|c| c.capacity() + 24).sum::<usize>()
     }
 }
 

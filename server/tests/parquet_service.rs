@@ -1,0 +1,176 @@
+//! Parquet datasets through the gRPC service in-process (inline transport, raw messages: the
+//! client crate's Arrow reader is another work stream): OpenDataset describes the dataset with its
+//! Arrow schema, streams of 2 ranks x 2 workers deliver every row exactly once as Arrow IPC record
+//! batches whose rows are the rows their ids name, a resumed worker continues where it stopped,
+//! and bad requests and files get the documented status codes.
+
+#[path = "../src/format/parquet/testdata.rs"]
+mod testdata;
+
+use std::io::Cursor;
+use std::path::Path;
+
+use arrow_array::RecordBatch;
+use arrow_array::cast::AsArray;
+use arrow_array::types::Int64Type;
+use shardstream::daemon::{BoundDaemon, DaemonConfig, ShutdownToken};
+use shardstream_client::{Address, Client};
+use shardstream_proto::{BatchFormat, StreamRequest, Transport, stream_message};
+use tonic::Code;
+
+struct Fixture {
+    tmp: tempfile::TempDir,
+    addr: Address,
+    shutdown: ShutdownToken,
+    server: tokio::task::JoinHandle<shardstream::Result<()>>,
+}
+
+async fn start() -> Fixture {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = DaemonConfig::new(Address::Unix(tmp.path().join("run/sock")), tmp.path().join("cache"));
+    let bound = BoundDaemon::bind(config).await.unwrap();
+    let addr = bound.address();
+    let shutdown = ShutdownToken::new();
+    let server = tokio::spawn(bound.run(shutdown.clone()));
+    Fixture { tmp, addr, shutdown, server }
+}
+
+/// ids 0..130 (snappy, row groups of 17), 130..210 (zstd, one row group), 210..400 (plain, 25).
+fn write_dataset(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("a.parquet"), testdata::mixed_from(0, 130, 17, testdata::Codec::Snappy)).unwrap();
+    std::fs::write(dir.join("b.parquet"), testdata::mixed_from(130, 80, 80, testdata::Codec::Zstd)).unwrap();
+    std::fs::write(dir.join("c.parquet"), testdata::mixed_from(210, 190, 25, testdata::Codec::None)).unwrap();
+}
+
+fn request(dir: &Path, rank: u32, worker: u32, fields: &[&str]) -> StreamRequest {
+    StreamRequest {
+        url: dir.display().to_string(),
+        fields: fields.iter().map(|f| f.to_string()).collect(),
+        batch_size: 16,
+        shuffle: true,
+        seed: 3,
+        world_size: 2,
+        rank,
+        num_workers: 2,
+        worker,
+        transport: Transport::Inline as i32,
+        ..Default::default()
+    }
+}
+
+/// The stream's (row ids, decoded batch) pairs.
+async fn arrow_batches(client: &mut Client, req: StreamRequest) -> Result<Vec<(Vec<u64>, RecordBatch)>, tonic::Status> {
+    let mut s = client.stream_batches(req).await?.into_inner();
+    let mut out = Vec::new();
+    let mut header = None;
+    while let Some(m) = s.message().await? {
+        match m.kind {
+            Some(stream_message::Kind::Header(h)) => header = Some(h),
+            Some(stream_message::Kind::ArrowBatch(b)) => {
+                assert_eq!(b.length, b.data.len() as u64);
+                let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(b.data), None).unwrap();
+                let batch = r.next().unwrap().unwrap();
+                assert!(r.next().is_none(), "one record batch per message");
+                out.push((b.row_ids, batch));
+            }
+            other => panic!("expected Arrow batches, got {other:?}"),
+        }
+    }
+    let h = header.expect("a stream header");
+    assert_eq!(h.batch_format, BatchFormat::Arrow as i32);
+    assert_eq!(h.batches_in_stream, out.len() as u64);
+    Ok(out)
+}
+
+fn ids(b: &RecordBatch) -> Vec<u64> {
+    b.column_by_name("id").unwrap().as_primitive::<Int64Type>().values().iter().map(|&i| i as u64).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_row_once_over_two_ranks_and_two_workers_as_arrow_batches() {
+    let fx = start().await;
+    let dir = fx.tmp.path().join("pq");
+    write_dataset(&dir);
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let info = shardstream_client::open(&mut client, &dir.display().to_string(), "").await.unwrap();
+    assert_eq!((info.format.as_str(), info.num_samples, info.num_shards), ("parquet", 400, 3));
+    assert_eq!(info.fields, ["id", "label", "caption", "image", "blob", "text", "tokens"]);
+    let schema = arrow_ipc::reader::StreamReader::try_new(Cursor::new(info.arrow_schema), None).unwrap().schema();
+    assert_eq!(schema, testdata::mixed_schema());
+
+    let full = testdata::mixed_batch(0..400);
+    let mut seen = Vec::new();
+    let mut first_order = Vec::new();
+    for rank in 0..2 {
+        for worker in 0..2 {
+            let got = arrow_batches(&mut client, request(&dir, rank, worker, &["image", "id"])).await.unwrap();
+            for (row_ids, batch) in &got {
+                assert_eq!(
+                    batch.schema().fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(),
+                    ["image", "id"]
+                );
+                assert_eq!(&ids(batch), row_ids);
+                for (k, &id) in row_ids.iter().enumerate() {
+                    assert_eq!(batch.column(0).as_binary::<i32>().value(k), testdata::image(id as i64), "row {id}");
+                }
+                seen.extend(row_ids.iter().copied());
+            }
+            if rank == 0 && worker == 0 {
+                first_order = got.iter().flat_map(|(r, _)| r.clone()).collect();
+            }
+        }
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..400).collect::<Vec<u64>>(), "every row exactly once");
+    assert_ne!(first_order, (0..first_order.len() as u64).collect::<Vec<_>>(), "shuffled");
+
+    // All columns, and the values of every column equal what was written.
+    let got = arrow_batches(&mut client, request(&dir, 1, 1, &[])).await.unwrap();
+    for (row_ids, batch) in &got {
+        for (k, &id) in row_ids.iter().enumerate() {
+            assert_eq!(batch.slice(k, 1), full.slice(id as usize, 1), "row {id}");
+        }
+    }
+
+    // Resume: worker 0 of rank 0 from batch 2 continues the same order.
+    let mut resumed = request(&dir, 0, 0, &["id"]);
+    resumed.start_batch = 2;
+    let again = arrow_batches(&mut client, resumed).await.unwrap();
+    let again: Vec<u64> = again.iter().flat_map(|(r, _)| r.clone()).collect();
+    assert_eq!(again, first_order[first_order.len() - again.len()..]);
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_columns_and_bad_files_get_their_status_codes() {
+    let fx = start().await;
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    // A column one file lacks: InvalidArgument naming the file and the column, before any batch.
+    let dir = fx.tmp.path().join("mixed");
+    write_dataset(&dir);
+    std::fs::write(dir.join("d.parquet"), testdata::wide(10, 5, 2)).unwrap();
+    let err = arrow_batches(&mut client, request(&dir, 0, 0, &["caption"])).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("d.parquet") && err.message().contains("\"caption\""), "{err:?}");
+    // A field no file has at all.
+    let err = arrow_batches(&mut client, request(&dir, 0, 0, &["nope"])).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+
+    // A corrupt page: DataLoss naming the file, and no batch with garbage before it.
+    let dir = fx.tmp.path().join("corrupt");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut bytes = testdata::mixed(64, 64, testdata::Codec::Snappy);
+    let n = bytes.len();
+    // The data region of the only row group, well before the footer.
+    for b in &mut bytes[200..n / 2] {
+        *b = 0xee;
+    }
+    std::fs::write(dir.join("bad.parquet"), bytes).unwrap();
+    let err = arrow_batches(&mut client, request(&dir, 0, 0, &[])).await.unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+    assert!(err.message().contains("bad.parquet"), "{err:?}");
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
