@@ -225,8 +225,10 @@ RESUME = textwrap.dedent(
         for n, batch in enumerate(loader, 1):
             f.write(json.dumps([int(r) for r in np.asarray(batch["__row__"])]) + "\\n")
             if n == int(stop_after):
-                json.dump(loader.state_dict(), open(state_path, "w"))
-                os._exit(0)
+                f.flush()
+                with open(state_path, "w") as s:
+                    json.dump(loader.state_dict(), s)
+                os._exit(0)  # no clean shutdown: the stream and its slots are abandoned
     """
 )
 
