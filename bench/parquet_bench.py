@@ -131,7 +131,8 @@ def touch(kind: str, ids: Any, payload: Any) -> tuple[np.ndarray, int]:
         return out, nbytes
     feats = np.asarray(payload)
     float(feats.sum())
-    return np.asarray(ids, np.int64), feats.nbytes
+    # A copy: views of a batch would hold its ring slot (and stall the stream) for the whole epoch.
+    return np.array(ids, np.int64), feats.nbytes
 
 
 def arrow_payload(kind: str, rb: Any) -> tuple[Any, Any]:
