@@ -338,13 +338,15 @@ pub async fn open(client: &mut Client, url: &str, cache: &str) -> Result<Dataset
     Ok(client.open_dataset(req).await?.into_inner())
 }
 
-/// A received batch: bytes inline, descriptors into shards mapped through `shm`, or a slot of the
-/// stream's ring (packed mode).
+/// A received batch: bytes inline, descriptors into shards mapped through `shm`, a slot of the
+/// stream's ring (packed mode), or rows of an Arrow dataset (Parquet) as one Arrow IPC stream,
+/// inline or in a ring slot ([`shm::RingMapping::arrow_ipc`]).
 #[derive(Debug)]
 pub enum Batch {
     Inline(shardstream_proto::InlineBatch),
     Shm(shardstream_proto::ShmBatch),
     Packed(shardstream_proto::PackedBatch),
+    Arrow(shardstream_proto::ArrowBatch),
 }
 
 impl Batch {
@@ -354,12 +356,19 @@ impl Batch {
             Batch::Inline(b) => b.batch_index,
             Batch::Shm(b) => b.batch_index,
             Batch::Packed(b) => b.batch_index,
+            Batch::Arrow(b) => b.batch_index,
         }
     }
 
-    /// True when the batch holds a lease or slot that must be released (shared memory).
+    /// True when the batch holds a lease or slot that must be released (shared memory). An
+    /// `ArrowBatch` over shared memory names a ring slot and carries no bytes; inline, its IPC
+    /// stream (never empty: it holds at least the schema message) is in `data`.
     pub fn is_leased(&self) -> bool {
-        !matches!(self, Batch::Inline(_))
+        match self {
+            Batch::Inline(_) => false,
+            Batch::Arrow(b) => b.data.is_empty(),
+            Batch::Shm(_) | Batch::Packed(_) => true,
+        }
     }
 }
 
@@ -400,20 +409,15 @@ impl Drop for BatchStream {
     }
 }
 
-/// Ok when a stream's batches (`StreamHeader.batch_format`) are samples ([`BatchFormat::Samples`]: inline, shared-memory
-/// descriptors of TAR members, or packed slots), the only format this client reads. Arrow record
-/// batches (Parquet datasets) and formats of a newer daemon get an error naming them.
-pub fn samples_format(batch_format: i32) -> Result<(), ClientError> {
-    match BatchFormat::try_from(batch_format) {
-        Ok(BatchFormat::Samples) => Ok(()),
-        Ok(BatchFormat::Arrow) => Err(ClientError::Protocol(
-            "the stream carries Arrow record batches (a Parquet dataset), which this client does not read yet".into(),
-        )),
-        Err(_) => Err(ClientError::Protocol(format!(
-            "the stream carries batch format {}, unknown to this client (is the daemon newer?)",
-            batch_format
-        ))),
-    }
+/// The batch format a stream header announces (`StreamHeader.batch_format`): samples (inline,
+/// shared-memory descriptors of TAR members, packed slots) or Arrow record batches (Parquet); a
+/// format of a newer daemon is an error naming it, before anything is attached or parsed.
+pub fn stream_format(batch_format: i32) -> Result<BatchFormat, ClientError> {
+    BatchFormat::try_from(batch_format).map_err(|_| {
+        ClientError::Protocol(format!(
+            "the stream carries batch format {batch_format}, unknown to this client (is the daemon newer?)"
+        ))
+    })
 }
 
 /// Starts a stream and waits for its header (so request errors surface here).
@@ -423,9 +427,7 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
         Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::Header(h)) }) => h,
         other => return Err(ClientError::Protocol(format!("expected a stream header, got {other:?}"))),
     };
-    // Before anything is attached or parsed: batches of a format this client cannot read must
-    // never reach code that would read them as another (an Arrow stream parsed as TAR members).
-    samples_format(header.batch_format)?;
+    let arrow = stream_format(header.batch_format)? == BatchFormat::Arrow;
     let shm = if header.transport == shardstream_proto::Transport::Shm as i32 {
         let socket = std::path::PathBuf::from(&header.shm_socket);
         let token = header.shm_token.clone();
@@ -446,6 +448,23 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
         let mut received = 0u64;
         loop {
             let item = match inner.message().await {
+                // Batches must be of the format the header announced: an Arrow stream must never
+                // reach code that reads TAR members, nor samples code that opens Arrow IPC.
+                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(_)) }))
+                    if !arrow =>
+                {
+                    Err(ClientError::Protocol("an Arrow batch in a stream of samples".into()))
+                }
+                Ok(Some(shardstream_proto::StreamMessage {
+                    kind:
+                        Some(
+                            stream_message::Kind::InlineBatch(_)
+                            | stream_message::Kind::ShmBatch(_)
+                            | stream_message::Kind::PackedBatch(_),
+                        ),
+                })) if arrow => {
+                    Err(ClientError::Protocol("a batch of samples in a stream of Arrow record batches".into()))
+                }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::InlineBatch(b)) })) => {
                     received += 1;
                     Ok(Batch::Inline(b))
@@ -458,8 +477,9 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
                     received += 1;
                     Ok(Batch::Packed(b))
                 }
-                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(_)) })) => {
-                    Err(ClientError::Protocol("an Arrow batch in a stream of samples".into()))
+                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(b)) })) => {
+                    received += 1;
+                    Ok(Batch::Arrow(b))
                 }
                 Ok(Some(_)) => Err(ClientError::Protocol("unexpected message kind in batch stream".into())),
                 // A stream that ends early must never look like the end of an epoch.
@@ -511,11 +531,10 @@ mod tests {
     }
 
     #[test]
-    fn only_sample_streams_are_read() {
-        samples_format(BatchFormat::Samples as i32).unwrap();
-        let arrow = samples_format(BatchFormat::Arrow as i32).unwrap_err().to_string();
-        assert!(arrow.contains("Arrow"), "{arrow}");
-        let newer = samples_format(7).unwrap_err().to_string();
+    fn stream_formats_are_known_or_named() {
+        assert_eq!(stream_format(BatchFormat::Samples as i32).unwrap(), BatchFormat::Samples);
+        assert_eq!(stream_format(BatchFormat::Arrow as i32).unwrap(), BatchFormat::Arrow);
+        let newer = stream_format(7).unwrap_err().to_string();
         assert!(newer.contains("batch format 7"), "{newer}");
     }
 

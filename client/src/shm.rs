@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::Mmap;
 use rustix::net::{AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendFlags, SocketType};
-use shardstream_proto::ring::{RingError, RingHeader};
+use shardstream_proto::ring::{ARROW_DATA_OFFSET, RingError, RingHeader, SLOT_HEADER_BYTES, SLOT_MAGIC, SlotHeader};
 use shardstream_proto::shm::{self as wire, Frame};
 
 use crate::ClientError;
@@ -132,6 +132,60 @@ impl RingMapping {
     pub fn slot(&self, k: u32) -> Option<&[u8]> {
         self.map.get(self.header.slot_range(k)?)
     }
+
+    /// The Arrow IPC stream an `ArrowBatch` names: `length` bytes from
+    /// [`ARROW_DATA_OFFSET`] of slot `k`, after [`arrow_ipc_range`] has checked the slot.
+    pub fn arrow_ipc(&self, k: u32, batch_index: u64, rows: u64, length: u64) -> Result<&[u8], RingError> {
+        let slot = self.slot(k).ok_or_else(|| RingError::Slot {
+            slot: k,
+            reason: format!("no such slot in a ring of {} slots", self.header.slot_count),
+        })?;
+        let range = arrow_ipc_range(slot, k, batch_index, rows, length)?;
+        // In bounds: arrow_ipc_range checked the range against this very slice.
+        Ok(&slot[range])
+    }
+}
+
+/// Where an `ArrowBatch`'s IPC stream lies in its slot (`slot` is the slot's bytes), checked
+/// before anything trusts it: the slot header's magic, batch index, no packed field descriptors
+/// (`n_fields` 0), its row count against the message's row ids and its payload length against the
+/// message's `length`, and the stream inside the slot.
+pub fn arrow_ipc_range(
+    slot: &[u8],
+    k: u32,
+    batch_index: u64,
+    rows: u64,
+    length: u64,
+) -> Result<std::ops::Range<usize>, RingError> {
+    let bad = |reason: String| RingError::Slot { slot: k, reason };
+    let head: &[u8; SLOT_HEADER_BYTES] = slot
+        .get(..SLOT_HEADER_BYTES)
+        .and_then(|h| h.try_into().ok())
+        .ok_or_else(|| bad(format!("{} bytes, shorter than its header", slot.len())))?;
+    let h = SlotHeader::decode(head);
+    if h.magic != SLOT_MAGIC {
+        return Err(bad(format!("bad magic {:#010x}", h.magic)));
+    }
+    if h.batch_index != batch_index {
+        return Err(bad(format!("holds batch {}, expected batch {batch_index}", h.batch_index)));
+    }
+    if h.n_fields != 0 {
+        return Err(bad(format!("holds {} packed fields, expected an Arrow stream", h.n_fields)));
+    }
+    if h.n_samples != rows {
+        return Err(bad(format!("holds {} rows, the message names {rows}", h.n_samples)));
+    }
+    if h.payload_bytes != length {
+        return Err(bad(format!("holds an Arrow stream of {} bytes, the message says {length}", h.payload_bytes)));
+    }
+    let end = ARROW_DATA_OFFSET.checked_add(length).filter(|&e| e <= slot.len() as u64).ok_or_else(|| {
+        bad(format!(
+            "an Arrow stream of {length} bytes from offset {ARROW_DATA_OFFSET} does not fit the slot of {} bytes",
+            slot.len()
+        ))
+    })?;
+    // Both ends are <= slot.len(), a usize.
+    Ok(ARROW_DATA_OFFSET as usize..end as usize)
 }
 
 #[derive(Debug, Default)]
@@ -495,6 +549,33 @@ mod tests {
         assert!(inner.adopt(u64::MAX, 3, false, shard()).is_err());
         assert_eq!(inner.slots.lock().unwrap().maps.len(), 2);
         assert_eq!(inner.mapping(1).unwrap().bytes(), b"abc");
+    }
+
+    #[test]
+    fn an_arrow_slot_is_checked_before_its_stream_is_trusted() {
+        let mut slot = vec![0u8; PAGE as usize];
+        let payload = b"arrow ipc bytes";
+        slot[..64].copy_from_slice(&SlotHeader::new(0, 7, 3, payload.len() as u64).encode());
+        slot[64..64 + payload.len()].copy_from_slice(payload);
+        let r = arrow_ipc_range(&slot, 2, 7, 3, payload.len() as u64).unwrap();
+        assert_eq!(&slot[r], payload);
+        let err = |s: &[u8], batch, rows, len| arrow_ipc_range(s, 2, batch, rows, len).unwrap_err().to_string();
+        assert!(err(&slot, 8, 3, 15).contains("expected batch 8"));
+        assert!(err(&slot, 7, 4, 15).contains("3 rows, the message names 4"));
+        assert!(err(&slot, 7, 3, 16).contains("says 16"));
+        assert!(err(&slot[..10], 7, 3, 15).contains("shorter than its header"));
+        // A length the header agrees with but the slot cannot hold, or that overflows.
+        for huge in [PAGE, u64::MAX] {
+            let mut s = slot.clone();
+            s[..64].copy_from_slice(&SlotHeader::new(0, 7, 3, huge).encode());
+            assert!(err(&s, 7, 3, huge).contains("does not fit"), "{huge}");
+        }
+        let mut packed = slot.clone();
+        packed[..64].copy_from_slice(&SlotHeader::new(1, 7, 3, 15).encode());
+        assert!(err(&packed, 7, 3, 15).contains("packed fields"));
+        let mut foreign = slot;
+        foreign[0] = b'X';
+        assert!(err(&foreign, 7, 3, 15).contains("bad magic"));
     }
 
     #[test]

@@ -14,6 +14,10 @@
 //!   only one. The column holds the batch's [`Lease`] on its ring slot; when every array is gone
 //!   (or on `release()`) the slot goes back to the daemon, which then reuses it: unlike the shard
 //!   views of view mode, an array must not be used after an explicit `release()`.
+//! - Arrow batches (Parquet datasets): `ipc()` hands out the batch's Arrow IPC stream as one
+//!   read-only buffer object, a [`Column`] over the IPC bytes in the ring slot (shared memory,
+//!   holding the slot's [`Lease`]) or a [`Buffer`] over the received message (inline); the
+//!   Python layer opens it with `pyarrow.ipc.open_stream`, whose arrays then point into it.
 
 use std::ffi::{c_int, c_void};
 use std::ptr;
@@ -27,7 +31,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PySlice, PyString};
 use shardstream_client::shm::{Mapping, RingMapping, ShmSession};
-use shardstream_proto::{FieldColumn, InlineBatch, PackedBatch, ShmBatch};
+use shardstream_proto::{ArrowBatch, FieldColumn, InlineBatch, PackedBatch, ShmBatch};
 
 use crate::errors::ShardstreamError;
 
@@ -192,8 +196,23 @@ pub struct Batch {
 
 enum Kind {
     Inline(InlineBatch),
-    Shm { batch: ShmBatch, session: Arc<ShmSession>, lease: Arc<Lease> },
-    Packed { batch: PackedBatch, session: Arc<ShmSession>, lease: Arc<Lease> },
+    Shm {
+        batch: ShmBatch,
+        session: Arc<ShmSession>,
+        lease: Arc<Lease>,
+    },
+    Packed {
+        batch: PackedBatch,
+        session: Arc<ShmSession>,
+        lease: Arc<Lease>,
+    },
+    /// `data`: the inline IPC stream (taken out of `batch`, shared with the buffers handed out);
+    /// `shm`: the session and lease when the stream lies in a ring slot.
+    Arrow {
+        batch: ArrowBatch,
+        data: Bytes,
+        shm: Option<(Arc<ShmSession>, Arc<Lease>)>,
+    },
 }
 
 impl Batch {
@@ -203,9 +222,18 @@ impl Batch {
         fields: Arc<Vec<String>>,
         batch_format: i32,
     ) -> PyResult<Self> {
-        // Every kind below is read as samples (TAR members in shared memory, inline fields,
-        // packed slots): a batch of any other format must never get that far.
-        shardstream_client::samples_format(batch_format).map_err(crate::errors::to_pyerr)?;
+        // Samples kinds are read as TAR members / fields / packed slots, Arrow batches as Arrow
+        // IPC: a batch whose kind is not the stream's announced format must never get that far
+        // (the client already refuses them; this is the last line).
+        let arrow = shardstream_client::stream_format(batch_format).map_err(crate::errors::to_pyerr)?
+            == shardstream_proto::BatchFormat::Arrow;
+        if arrow != matches!(b, shardstream_client::Batch::Arrow(_)) {
+            return Err(ShardstreamError::new_err(format!(
+                "batch {} is not of the stream's batch format ({})",
+                b.index(),
+                if arrow { "Arrow record batches" } else { "samples" }
+            )));
+        }
         let lease = |session: &Arc<ShmSession>, batch| {
             Arc::new(Lease { session: session.clone(), batch, released: AtomicBool::new(false) })
         };
@@ -218,6 +246,16 @@ impl Batch {
             (shardstream_client::Batch::Packed(b), Some(session)) => {
                 let lease = lease(&session, b.batch_index);
                 Kind::Packed { batch: b, session, lease }
+            }
+            (shardstream_client::Batch::Arrow(mut b), session) if !b.data.is_empty() => {
+                // Inline even on a shm stream: nothing to release.
+                drop(session);
+                let data = Bytes::from(std::mem::take(&mut b.data));
+                Kind::Arrow { batch: b, data, shm: None }
+            }
+            (shardstream_client::Batch::Arrow(b), Some(session)) => {
+                let lease = lease(&session, b.batch_index);
+                Kind::Arrow { batch: b, data: Bytes::new(), shm: Some((session, lease)) }
             }
             (_, None) => {
                 return Err(ShardstreamError::new_err("shared-memory batch on a stream without a side channel"));
@@ -237,6 +275,7 @@ impl Batch {
                 u64::MAX => 0,
                 known => known,
             },
+            Kind::Arrow { batch, data, .. } => batch.length.max(data.len() as u64),
         }
     }
 }
@@ -250,6 +289,7 @@ impl Batch {
             Kind::Inline(b) => b.batch_index,
             Kind::Shm { batch, .. } => batch.batch_index,
             Kind::Packed { batch, .. } => batch.batch_index,
+            Kind::Arrow { batch, .. } => batch.batch_index,
         }
     }
 
@@ -258,11 +298,59 @@ impl Batch {
             Kind::Inline(b) => b.keys.len(),
             Kind::Shm { batch, .. } => batch.slots.len(),
             Kind::Packed { batch, .. } => batch.keys.len(),
+            Kind::Arrow { batch, .. } => batch.row_ids.len(),
         }
     }
 
+    /// True for rows of an Arrow dataset (Parquet): read them with `ipc()`, not `to_dict()`.
+    #[getter]
+    fn arrow(&self) -> bool {
+        matches!(self.kind, Kind::Arrow { .. })
+    }
+
+    /// The rows' sample ids (global row numbers) of an Arrow batch; empty for other batches.
+    #[getter]
+    fn row_ids(&self) -> Vec<u64> {
+        match &self.kind {
+            Kind::Arrow { batch, .. } => batch.row_ids.clone(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// An Arrow batch's IPC stream (a schema message, then one record batch) as a read-only
+    /// buffer object: over the ring slot with shared memory (checked against the slot's bounds
+    /// first; it holds the batch's lease until it and every view of it are gone), over the
+    /// received message inline.
+    fn ipc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        crate::errors::no_panic("Batch.ipc", || match &self.kind {
+            Kind::Arrow { data, shm: None, .. } => {
+                Ok(Bound::new(py, Buffer { data: data.clone(), _lease: None })?.into_any())
+            }
+            Kind::Arrow { batch, shm: Some((session, lease)), .. } => {
+                let ring = session.ring(batch.ring).map_err(crate::errors::to_pyerr)?;
+                let slot = ring.slot(batch.slot).ok_or_else(|| {
+                    ShardstreamError::new_err(format!(
+                        "arrow batch {} names slot {} of a ring of {} slots",
+                        batch.batch_index, batch.slot, ring.header.slot_count
+                    ))
+                })?;
+                let range = shardstream_client::shm::arrow_ipc_range(
+                    slot,
+                    batch.slot,
+                    batch.batch_index,
+                    batch.row_ids.len() as u64,
+                    batch.length,
+                )
+                .map_err(|e| ShardstreamError::new_err(format!("arrow batch {}: {e}", batch.batch_index)))?;
+                let column = Column { ring: ring.clone(), slot: batch.slot, range, _lease: lease.clone() };
+                Ok(Bound::new(py, column)?.into_any())
+            }
+            _ => Err(ShardstreamError::new_err("ipc() is for Arrow batches (Parquet datasets); use to_dict()")),
+        })
+    }
+
     /// Payload bytes of the batch's fields (for shm batches: once `to_dict` has run; before,
-    /// the samples' byte ranges, headers included).
+    /// the samples' byte ranges, headers included; for Arrow batches, the IPC stream's length).
     #[getter]
     fn nbytes(&self) -> PyResult<u64> {
         crate::errors::no_panic("Batch.nbytes", || Ok(self.nbytes_unguarded()))
@@ -281,7 +369,8 @@ impl Batch {
         crate::errors::no_panic("Batch.release", || {
             match &self.kind {
                 Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease.release(),
-                Kind::Inline(_) => {}
+                Kind::Arrow { shm: Some((_, lease)), .. } => lease.release(),
+                Kind::Inline(_) | Kind::Arrow { shm: None, .. } => {}
             }
             Ok(())
         })
@@ -308,6 +397,10 @@ impl Batch {
                     }
                     Ok(d)
                 }
+                Kind::Arrow { .. } => Err(ShardstreamError::new_err(
+                    "an Arrow batch (Parquet dataset) has no sample dict here: open ipc() with pyarrow \
+                     (shardstream.Loader does)",
+                )),
             }
         })
     }

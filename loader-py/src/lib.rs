@@ -87,6 +87,8 @@ impl Connection {
             d.set_item("fields", info.fields)?;
             d.set_item("format", info.format)?;
             d.set_item("from_manifest", info.from_manifest)?;
+            // Arrow datasets (Parquet): the schema as an Arrow IPC schema message, else empty.
+            d.set_item("arrow_schema", pyo3::types::PyBytes::new(py, &info.arrow_schema))?;
             Ok(d)
         })
     }
@@ -289,6 +291,11 @@ impl Stream {
             d.set_item("dropped_samples", h.dropped_samples)?;
             d.set_item("fields", h.fields.clone())?;
             d.set_item("packed", h.packed)?;
+            let format = match shardstream_proto::BatchFormat::try_from(h.batch_format) {
+                Ok(shardstream_proto::BatchFormat::Arrow) => "arrow",
+                _ => "samples",
+            };
+            d.set_item("batch_format", format)?;
             Ok(d)
         })
     }

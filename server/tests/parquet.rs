@@ -200,8 +200,9 @@ fn a_corrupt_page_is_a_shard_error_naming_the_file_never_garbage() {
 
 #[test]
 fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
-    // Written by pyarrow: x snappy, y gzip (this build decodes snappy, zstd and uncompressed).
-    let bytes = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gzip_y.parquet")).unwrap();
+    // Written by pyarrow: x snappy, y brotli (this build decodes snappy, zstd, gzip and
+    // uncompressed).
+    let bytes = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/brotli_y.parquet")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (ds, files, _) = open(dir.path(), &[("g.parquet", bytes)]).unwrap();
     let cache = Arc::new(DecodedCache::new(1 << 20));
@@ -211,9 +212,33 @@ fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
     let all = ds.projection(None).unwrap();
     let e = BatchAssembler::new(ds.clone(), all, cache, "g").unwrap_err();
     assert!(
-        matches!(&e, Error::InvalidArgument(m) if m.contains("g.parquet") && m.contains("\"y\"") && m.contains("GZIP")),
+        matches!(&e, Error::InvalidArgument(m) if m.contains("g.parquet") && m.contains("\"y\"") && m.contains("BROTLI")),
         "{e}"
     );
+}
+
+#[test]
+fn gzip_column_chunks_are_decoded() {
+    // Written by pyarrow: x snappy, y gzip (strings "0".."19").
+    let bytes = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gzip_y.parquet")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &[("g.parquet", bytes)]).unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let all = ds.projection(None).unwrap();
+    let asm = BatchAssembler::new(ds.clone(), all, cache, "g").unwrap();
+    let b = asm.batch(&[3, 19], &files).unwrap();
+    let y = b.column_by_name("y").unwrap();
+    let y = arrow_cast_strings(y);
+    assert_eq!(y, ["3", "19"]);
+}
+
+fn arrow_cast_strings(a: &arrow_array::ArrayRef) -> Vec<String> {
+    use arrow_array::Array;
+    if let Some(s) = a.as_any().downcast_ref::<arrow_array::StringArray>() {
+        return s.iter().map(|v| v.unwrap_or_default().to_string()).collect();
+    }
+    let s = a.as_any().downcast_ref::<arrow_array::LargeStringArray>().expect("a string column");
+    s.iter().map(|v| v.unwrap_or_default().to_string()).collect()
 }
 
 fn ids_of(b: &RecordBatch, col: &str) -> Vec<i64> {

@@ -88,9 +88,7 @@ async fn collect(
     while let Some(b) = s.next().await {
         let b = match b.map_err(status)? {
             shardstream_client::Batch::Inline(b) => b,
-            shardstream_client::Batch::Shm(_) | shardstream_client::Batch::Packed(_) => {
-                panic!("asked for inline batches")
-            }
+            other => panic!("asked for inline batches, got {other:?}"),
         };
         for (i, key) in b.keys.iter().enumerate() {
             let mut fields = HashMap::new();

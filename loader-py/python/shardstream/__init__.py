@@ -10,6 +10,10 @@ is its Python client (and ships the ``shardstream`` command line)::
         for batch in loader:          # {"__key__": [str], "jpg": [memoryview], "cls": [...]}
             ...
     state = loader.state_dict()       # resume exactly here, also after a crash
+
+A directory of Parquet files is served row by row the same way; its batches are Arrow record
+batches in shared memory, yielded as a dict of numpy arrays / memoryviews / str lists (the
+default) or, with ``format="arrow"``, as ``pyarrow.RecordBatch`` (see ``shardstream._arrow``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ STATE_VERSION = 1
 _TRANSPORTS = ("auto", "shm", "inline")
 _COLLATES = (None, "stack")
 _CACHE_MODES = ("auto", "direct", "copy")
+_FORMATS = ("dict", "arrow")
 
 _embedded_lock = threading.Lock()
 _embedded_addr: str | None = None
@@ -152,6 +157,17 @@ class Loader:
     last ranks get up to one repeated sample each so every rank has the same number of batches; see
     the README). Batches are dicts: ``"__key__"`` -> list of str, each field -> list of read-only
     memoryviews (None where a sample lacks the field).
+
+    Parquet datasets (a sample is a row; ``fields`` selects columns): with ``format="dict"`` (the
+    default) each column is a numpy array (fixed-width types, zero copy; a ``numpy.ma.MaskedArray``
+    when it has nulls, never a silent fill), a list of memoryviews (binary), or a list of str, plus
+    ``"__key__"`` (a ``__key__``/``key`` column, else the row id as str) and ``"__row__"`` (the
+    rows' ids, ``uint64``). With ``format="arrow"`` each batch is a ``pyarrow.RecordBatch`` whose
+    buffers lie in the shared-memory ring slot the daemon wrote (zero copy), with a ``__row__``
+    column of the rows' ids appended; the slot is the batch's until the record batch and every
+    array made from it are gone. ``collate="stack"`` makes each column one array: 2-D for
+    ``fixed_size_list`` columns and for lists or binary values of equal length (see
+    ``shardstream._arrow.stack``).
     """
 
     def __init__(
@@ -171,6 +187,7 @@ class Loader:
         cache: str = "auto",  # "copy" (through the node cache), "direct" (in place), "auto"
         copy: bool = False,
         collate: str | None = None,  # "stack": each field as one (samples, record_bytes) array
+        format: str = "dict",  # Parquet datasets: "dict" or "arrow" (pyarrow.RecordBatch)
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         if isinstance(fields, str):
@@ -181,6 +198,8 @@ class Loader:
             raise ValueError(f"transport must be one of {_TRANSPORTS}, not {transport!r}")
         if collate not in _COLLATES:
             raise ValueError(f"collate must be one of {_COLLATES}, not {collate!r}")
+        if format not in _FORMATS:
+            raise ValueError(f"format must be one of {_FORMATS}, not {format!r}")
         if rank is None or world_size is None:
             r, w = _default_rank_world()
             rank = r if rank is None else rank
@@ -213,6 +232,14 @@ class Loader:
         self.address = resolve_address(connect)
         self._conn = _native.Connection(self.address)
         self.info: dict[str, Any] = self._conn.open(self.url, self.cache)
+        self.format = format
+        # Arrow batches (Parquet): the daemon describes the dataset with an Arrow schema.
+        self.arrow = bool(self.info.get("arrow_schema")) or self.info.get("format") == "parquet"
+        if format == "arrow" and not self.arrow:
+            raise ValueError(
+                f'format="arrow" is for Parquet datasets; {self.url} is a {self.info.get("format") or "sample"} '
+                'dataset: use format="dict"'
+            )
         self.epoch = 0
         self._start_batch = 0  # where the next iteration starts (set by load_state_dict)
         self._consumed = 0  # batches of the rank consumed in the current epoch
@@ -257,12 +284,36 @@ class Loader:
             transport=self.transport,
             expected_fingerprint=self._expected_fingerprint,
             cache=self.cache,
-            collate=self.collate,
+            # Arrow batches are stacked here, over the record batch's buffers.
+            collate=None if self.arrow else self.collate,
         )
 
     _expected_fingerprint = ""
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def _arrow_batch(self, native: _native.Batch) -> Any:
+        """An Arrow batch as ``format`` asks: a RecordBatch, or the dict form."""
+        # numpy and pyarrow are needed for Parquet datasets only.
+        import numpy as np
+
+        from . import _arrow
+
+        rb = _arrow.open_batch(native)
+        rows = _arrow.row_ids(native)
+        if self.format == "arrow":
+            return _arrow.with_row_ids(rb, rows)
+        out = Batch(_arrow.to_dict(rb, rows, self.copy))
+        if self.collate == "stack":
+            _arrow.stack(rb, out)
+        if self.copy:
+            for name, value in out.items():
+                if isinstance(value, np.ndarray) and name != _arrow.ROW:
+                    out[name] = value.copy()
+            # Nothing of the slot is referenced any more: the daemon may reuse it now.
+            native.release()
+        out._native = native
+        return out
+
+    def __iter__(self) -> Iterator[Any]:
         if self._stream is not None:
             self._stream.close()
         if self._start_batch and self._start_batch >= len(self):
@@ -288,14 +339,17 @@ class Loader:
                     break
                 if self._first_batch_s is None:
                     self._first_batch_s = t1 - started
-                out = Batch(batch.to_dict(self.copy))
-                if self.collate == "stack" and not batch.packed:
-                    _stack_fields(out)
+                if batch.arrow:
+                    out = self._arrow_batch(batch)
+                else:
+                    out = Batch(batch.to_dict(self.copy))
+                    out._native = batch
+                    if self.collate == "stack" and not batch.packed:
+                        _stack_fields(out)
                 self._stats["samples"] += len(batch)
                 self._stats["bytes"] += batch.nbytes
                 self._stats["batches"] += 1
                 self._consumed = batch.index + 1
-                out._native = batch
                 del batch
                 yield out
         finally:

@@ -21,6 +21,12 @@ With ``collate="stack"`` each field is one ``uint8`` tensor of shape ``(samples,
 (``.view(torch.int32)`` etc. for typed records). With ``num_workers=0`` and shared memory it lies
 in the daemon's ring, without a copy (read-only memory: do not write into it; ``pin_memory``
 copies it out); in workers it is copied once and travels to the trainer as torch shared memory.
+
+Parquet datasets: every numeric column without nulls (and ``"__row__"``) becomes a tensor over the
+record batch's memory (``torch.from_numpy``, no copy with ``num_workers=0``); a column with nulls
+stays a ``numpy.ma.MaskedArray`` (torch has no null), binary columns stay lists of memoryviews /
+bytes, strings lists of str. ``collate="stack"`` gives 2-D tensors for ``fixed_size_list`` columns
+and for equal-length lists. ``format="arrow"`` yields ``pyarrow.RecordBatch`` objects untouched.
 """
 
 from __future__ import annotations
@@ -36,13 +42,16 @@ from . import Loader, resolve_address
 
 
 def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
-    """Stacked numpy fields as torch tensors over the same memory. The ring is read-only, which
-    torch warns about for every batch: the memory is the daemon's, and writing into it is refused
-    by the mapping itself, so the warning says nothing useful here."""
+    """Numeric numpy fields as torch tensors over the same memory (masked arrays and lists stay as
+    they are). The ring is read-only, which torch warns about for every batch: the memory is the
+    daemon's, and writing into it is refused by the mapping itself, so the warning says nothing
+    useful here."""
+    import numpy as np
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, value in batch.items():
-            if name != "__key__":
+            if name != "__key__" and type(value) is np.ndarray and value.dtype.kind in "biuf":
                 batch[name] = torch.from_numpy(value)
     return batch
 
@@ -70,6 +79,7 @@ class IterableDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         shuffle_window: int = 0,
         cache: str = "auto",
         collate: str | None = None,
+        format: str = "dict",
     ) -> None:
         super().__init__()
         # Resolved here, in the parent: forked or spawned workers then reach the same daemon
@@ -88,6 +98,7 @@ class IterableDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
             shuffle_window=shuffle_window,
             cache=cache,
             collate=collate,
+            format=format,
         )
         self.url = url
         probe = Loader(url, **self._kwargs)
@@ -112,7 +123,7 @@ class IterableDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         loader = Loader(self.url, copy=info is not None, _worker=(worker, num_workers), **self._kwargs)
         state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
         loader.load_state_dict(state)
-        if self._kwargs["collate"] == "stack":
+        if self._kwargs["collate"] == "stack" or (loader.arrow and self._kwargs["format"] == "dict"):
             yield from (_as_tensors(b) for b in loader)
         else:
             yield from loader

@@ -126,7 +126,8 @@ impl FileProjection {
     }
 }
 
-/// Refuses, before any batch, a selected column chunk whose codec this build cannot decode (a
+/// Refuses, before any batch, a selected column chunk whose codec this build cannot decode (lz4,
+/// brotli, lzo: only snappy, zstd, gzip and none are built in; a
 /// `ValueError`-kind error naming the column and codec, not a corrupt-data error mid-epoch).
 fn check_codecs(table: &ParquetTable, mask: &ProjectionMask) -> Result<(), ParquetError> {
     use parquet::basic::Compression;
@@ -136,7 +137,7 @@ fn check_codecs(table: &ParquetTable, mask: &ProjectionMask) -> Result<(), Parqu
                 continue;
             }
             match c.compression() {
-                Compression::UNCOMPRESSED | Compression::SNAPPY | Compression::ZSTD(_) => {}
+                Compression::UNCOMPRESSED | Compression::SNAPPY | Compression::ZSTD(_) | Compression::GZIP(_) => {}
                 other => {
                     return Err(ParquetError::UnsupportedCodec {
                         column: c.column_path().string(),

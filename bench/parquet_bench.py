@@ -1,0 +1,481 @@
+"""Parquet: shardstream against the readers a user would pick instead, on the same files, in one
+run; written to bench/PARQUET_RESULTS.md.
+
+Two datasets, generated once into ``--data`` (default bench/data/parquet) and reused:
+
+- **image**: ``--image-rows`` rows (100k) of ``image`` (10-30 KiB of random bytes, as incompressible
+  as a JPEG, the row id in its first 8 bytes), ``label`` (int64) and ``caption`` (string); files
+  of 1,000 rows, row groups of 250, snappy (what pyarrow and HF write by default): ~1.9 GiB;
+- **tab**: ``--tab-rows`` rows (1M) of ``row_id`` (int64), 8 float32 features and ``label``;
+  files of 100k rows, row groups of 10k.
+
+Readers (one shuffled epoch each, every row's id checked: exactly once or the row says what is
+wrong), each in a fresh process so that one's caches do not help the next:
+
+- ``pa_seq``: ``pyarrow.dataset`` ``to_batches`` in file order, no shuffle: the ceiling;
+- ``pa_shuffle``: by hand with pyarrow: row groups in a random order, a 10k-row shuffle buffer;
+- ``hf_stream``: ``datasets.load_dataset("parquet", streaming=True).shuffle(buffer_size=10_000)``;
+- ``hf_map``: ``load_dataset("parquet")`` (an Arrow copy into a temporary cache; its time is
+  reported as prep, not in the epoch), ``.shuffle(seed)``, iterated in Arrow form;
+- ``litdata_pq``: LitData over the Parquet files (``index_parquet_dataset`` + ``ParquetLoader``);
+- ``ss_dict`` / ``ss_arrow``: shardstream over shared memory (a release daemon started here), the
+  dict form and ``format="arrow"``.
+
+Per row the consumer touches the payload as a decoder would start (one byte per page of the image;
+the features' sum for tab). Reported: rows/s (median of ``--repeats`` interleaved runs, with
+their spread), ratios to the best shuffled peer and to ``pa_seq``, CPU seconds per epoch (the
+reader's process, plus the daemon's for shardstream), first-batch latency, the daemon's peak RSS,
+and the measured shuffle (``span``: how far 100 consecutive stored rows end up apart in the
+delivered order, as a fraction of the epoch; a uniform shuffle gives ~0.98).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 256
+BUFFER = 10_000
+SEED = 0
+PEERS = ["pa_seq", "pa_shuffle", "hf_stream", "hf_map", "litdata_pq", "ss_dict", "ss_arrow"]
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def make_image(d: Path, rows: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done = d / ".complete"
+    if done.exists() and done.read_text() == str(rows):
+        return d
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, 256, 40 << 10, dtype=np.uint8).tobytes()
+    per_file = 1000
+    for f, first in enumerate(range(0, rows, per_file)):
+        ids = range(first, min(first + per_file, rows))
+        sizes = rng.integers(10 << 10, 30 << 10, len(ids))
+        images = [
+            i.to_bytes(8, "little") + block[(i * 61) % 4096 :][: int(s) - 8] for i, s in zip(ids, sizes, strict=True)
+        ]
+        t = pa.table(
+            {
+                "image": pa.array(images, pa.binary()),
+                "label": pa.array([i % 1000 for i in ids], pa.int64()),
+                "caption": pa.array([f"a photo of thing {i % 1000}, number {i}" for i in ids]),
+            }
+        )
+        pq.write_table(t, d / f"image-{f:05d}.parquet", row_group_size=250, compression="snappy")
+    done.write_text(str(rows))
+    return d
+
+
+def make_tab(d: Path, rows: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done = d / ".complete"
+    if done.exists() and done.read_text() == str(rows):
+        return d
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    per_file = 100_000
+    for f, first in enumerate(range(0, rows, per_file)):
+        n = min(per_file, rows - first)
+        cols: dict[str, Any] = {"row_id": np.arange(first, first + n, dtype=np.int64)}
+        for k in range(8):
+            cols[f"f{k}"] = rng.standard_normal(n, dtype=np.float32)
+        cols["label"] = rng.integers(0, 10, n)
+        pq.write_table(pa.table(cols), d / f"tab-{f:05d}.parquet", row_group_size=10_000, compression="snappy")
+    done.write_text(str(rows))
+    return d
+
+
+def files(d: Path) -> list[str]:
+    return [str(p) for p in sorted(d.glob("*.parquet"))]
+
+
+# -- consumers: each reader yields (ids, payload) per batch ---------------------------------------
+
+
+def touch(kind: str, ids: Any, payload: Any) -> tuple[np.ndarray, int]:
+    """The consumer: image: one byte per page of every image and its id from its first 8 bytes;
+    tab: the features' sum. Returns (ids, bytes)."""
+    if kind == "image":
+        out = np.empty(len(payload), np.int64)
+        nbytes = 0
+        for j, v in enumerate(payload):
+            a = np.frombuffer(v, np.uint8)
+            a[::4096].sum()
+            out[j] = int.from_bytes(a[:8], "little")
+            nbytes += len(a)
+        return out, nbytes
+    feats = np.asarray(payload)
+    float(feats.sum())
+    # A copy: views of a batch would hold its ring slot (and stall the stream) for the whole epoch.
+    return np.array(ids, np.int64), feats.nbytes
+
+
+def arrow_payload(kind: str, rb: Any) -> tuple[Any, Any]:
+    """(ids, payload) from an Arrow record batch / table."""
+    if kind == "image":
+        return None, _binary_views(rb.column("image"))
+    feats = np.column_stack([rb.column(f"f{k}").to_numpy() for k in range(8)])
+    return rb.column("row_id").to_numpy(), feats
+
+
+def _binary_views(col: Any) -> list[memoryview]:
+    import pyarrow as pa
+
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    out: list[memoryview] = []
+    for c in chunks:
+        bufs = c.buffers()
+        wide = pa.types.is_large_binary(c.type)
+        offs = np.frombuffer(bufs[1], np.int64 if wide else np.int32)[c.offset : c.offset + len(c) + 1]
+        mv = memoryview(bufs[2])
+        out.extend(mv[a:z] for a, z in zip(offs[:-1].tolist(), offs[1:].tolist(), strict=True))
+    return out
+
+
+def columns(kind: str) -> list[str]:
+    return ["image", "label"] if kind == "image" else ["row_id", *(f"f{k}" for k in range(8)), "label"]
+
+
+def read_pa_seq(kind: str, d: Path, _: dict) -> Iterator[tuple[Any, Any]]:
+    import pyarrow.dataset as pads
+
+    for rb in pads.dataset(files(d), format="parquet").to_batches(columns=columns(kind), batch_size=BATCH):
+        yield arrow_payload(kind, rb)
+
+
+def read_pa_shuffle(kind: str, d: Path, _: dict) -> Iterator[tuple[Any, Any]]:
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    rng = np.random.default_rng(SEED)
+    frags = [rg for f in pads.dataset(files(d), format="parquet").get_fragments() for rg in f.split_by_row_group()]
+    rng.shuffle(frags)
+    buf: list[Any] = []
+    held = 0
+
+    def drain(keep: int) -> Iterator[tuple[Any, Any]]:
+        nonlocal buf, held
+        t = pa.Table.from_batches(buf).combine_chunks()
+        perm = rng.permutation(t.num_rows)
+        out, rest = perm[: t.num_rows - keep], perm[t.num_rows - keep :]
+        for s in range(0, len(out), BATCH):
+            yield arrow_payload(kind, t.take(out[s : s + BATCH]))
+        buf = [t.take(rest).combine_chunks().to_batches()[0]] if keep else []
+        held = keep
+
+    for frag in frags:
+        for rb in frag.to_batches(columns=columns(kind)):
+            buf.append(rb)
+            held += rb.num_rows
+        if held >= BUFFER:
+            yield from drain(BUFFER // 2)
+    if held:
+        yield from drain(0)
+
+
+def read_hf_stream(kind: str, d: Path, _: dict) -> Iterator[tuple[Any, Any]]:
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=files(d), split="train", streaming=True, columns=columns(kind))
+    ds = ds.shuffle(seed=SEED, buffer_size=BUFFER)
+    for b in ds.iter(batch_size=BATCH):
+        if kind == "image":
+            yield None, b["image"]
+        else:
+            yield b["row_id"], np.column_stack([b[f"f{k}"] for k in range(8)])
+
+
+def read_hf_map(kind: str, d: Path, prep: dict) -> Iterator[tuple[Any, Any]]:
+    import datasets
+
+    cache = tempfile.mkdtemp(prefix="hfmap-", dir=os.environ.get("PQ_BENCH_TMP"))
+    try:
+        t0 = time.perf_counter()
+        ds = datasets.load_dataset("parquet", data_files=files(d), split="train", cache_dir=cache)
+        ds = ds.select_columns(columns(kind)).shuffle(seed=SEED).with_format("arrow")
+        prep["prep_s"] = time.perf_counter() - t0
+        prep["t0"], prep["cpu0"] = time.perf_counter(), time.process_time()
+        for t in ds.iter(batch_size=BATCH):
+            yield arrow_payload(kind, t)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def read_litdata_pq(kind: str, d: Path, prep: dict) -> Iterator[tuple[Any, Any]]:
+    import litdata as ld
+    from litdata.streaming.item_loader import ParquetLoader
+
+    t0 = time.perf_counter()
+    if not (d / "index.json").exists():
+        ld.index_parquet_dataset(str(d))
+    cache = tempfile.mkdtemp(prefix="litdata-", dir=os.environ.get("PQ_BENCH_TMP"))
+    try:
+        ds = ld.StreamingDataset(str(d), item_loader=ParquetLoader(), shuffle=True, seed=SEED, cache_dir=cache)
+        prep["prep_s"] = time.perf_counter() - t0
+        prep["t0"], prep["cpu0"] = time.perf_counter(), time.process_time()
+        names = columns(kind)
+        rows: list[Any] = []
+        for item in ds:
+            rows.append(item)
+            if len(rows) == BATCH:
+                yield _litdata_batch(kind, names, rows)
+                rows = []
+        if rows:
+            yield _litdata_batch(kind, names, rows)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _litdata_batch(kind: str, names: list[str], rows: list[Any]) -> tuple[Any, Any]:
+    get = (lambda r, c: r[c]) if isinstance(rows[0], dict) else (lambda r, c: r[names.index(c)])
+    if kind == "image":
+        return None, [get(r, "image") for r in rows]
+    return [get(r, "row_id") for r in rows], np.array([[get(r, f"f{k}") for k in range(8)] for r in rows])
+
+
+def read_ss(kind: str, d: Path, prep: dict, form: str) -> Iterator[tuple[Any, Any]]:
+    import shardstream
+
+    loader = shardstream.Loader(
+        str(d), batch_size=BATCH, seed=SEED, connect=prep["addr"], transport="shm", fields=columns(kind), format=form
+    )
+    for b in loader:
+        if form == "arrow":
+            yield arrow_payload(kind, b)
+        elif kind == "image":
+            yield None, b["image"]
+        else:
+            yield b["row_id"], np.column_stack([b[f"f{k}"] for k in range(8)])
+
+
+READERS: dict[str, Any] = {
+    "pa_seq": read_pa_seq,
+    "pa_shuffle": read_pa_shuffle,
+    "hf_stream": read_hf_stream,
+    "hf_map": read_hf_map,
+    "litdata_pq": read_litdata_pq,
+    "ss_dict": lambda k, d, p: read_ss(k, d, p, "dict"),
+    "ss_arrow": lambda k, d, p: read_ss(k, d, p, "arrow"),
+}
+
+
+def span(ids: np.ndarray) -> float:
+    """Median over blocks of 100 consecutive stored rows of how far apart they are delivered."""
+    n = len(ids)
+    if n < 200:
+        return float("nan")
+    pos = np.empty(n, np.int64)
+    pos[ids] = np.arange(n)
+    starts = np.linspace(0, n - 100, 64).astype(np.int64)
+    return float(np.median([(pos[s : s + 100].max() - pos[s : s + 100].min()) / n for s in starts]))
+
+
+IMPORTS = {
+    "pa_seq": ["pyarrow.dataset"],
+    "pa_shuffle": ["pyarrow.dataset"],
+    "hf_stream": ["datasets"],
+    "hf_map": ["datasets"],
+    "litdata_pq": ["litdata", "litdata.streaming.item_loader"],
+    "ss_dict": ["shardstream", "shardstream._arrow", "pyarrow"],
+    "ss_arrow": ["shardstream", "shardstream._arrow", "pyarrow"],
+}
+
+
+def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
+    """One epoch of one reader in this process; returns its figures. The reader's modules are
+    imported before the clock starts (a trainer has imported them long before its first epoch)."""
+    import importlib
+
+    for module in IMPORTS[peer]:
+        importlib.import_module(module)
+    prep: dict[str, Any] = {"addr": addr}
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    ttfb = None
+    ids: list[np.ndarray] = []
+    nbytes = 0
+    for raw_ids, payload in READERS[peer](kind, d, prep):
+        if ttfb is None:
+            ttfb = time.perf_counter() - prep.get("t0", t0)
+        got, b = touch(kind, raw_ids, payload)
+        ids.append(got)
+        nbytes += b
+    seconds = time.perf_counter() - prep.get("t0", t0)
+    cpu = time.process_time() - prep.get("cpu0", cpu0)
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    counts = np.bincount(all_ids[(all_ids >= 0) & (all_ids < rows)], minlength=rows)
+    ok = len(all_ids) == rows and bool((counts == 1).all())
+    return {
+        "rows": int(len(all_ids)),
+        "seconds": seconds,
+        "rows_per_s": len(all_ids) / seconds if seconds else 0.0,
+        "cpu_s": cpu,
+        "ttfb_s": ttfb,
+        "prep_s": prep.get("prep_s"),
+        "check": "ok" if ok else f"MISMATCH ({len(all_ids)} rows, {int((counts == 0).sum())} missing)",
+        "span": span(all_ids) if ok else float("nan"),
+        "gb": nbytes / 1e9,
+    }
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def child(peer: str, kind: str, d: Path, addr: str, rows: int, daemon_pid: int | None) -> dict:
+    import measure
+
+    before = measure.cpu_seconds(daemon_pid) if daemon_pid else None
+    p = subprocess.run(
+        [sys.executable, __file__, "--one", peer, kind, str(d), addr, str(rows)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"error": tail[0][:200]}
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    if before is not None:
+        after = measure.cpu_seconds(daemon_pid) or before
+        r["daemon_cpu_s"] = after - before
+        r["cpu_s"] += after - before
+    return r
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
+    lines = [
+        "# Parquet: shardstream vs the readers a user would pick instead",
+        "",
+        "Generated by `bench/parquet_bench.py` (`make bench`). One shuffled epoch per reader and repeat, "
+        f"{meta['repeats']} interleaved repeats, each reader in a fresh process; batch {BATCH}, shuffle "
+        f"buffers {BUFFER} rows. Machine: {meta['machine']}. Daemon peak RSS: {meta['daemon_rss_mib']:.0f} MiB.",
+        "",
+        "rows/s: median (min-max). CPU-s: the reader's process plus, for shardstream, the daemon's, per "
+        "epoch. `span`: 100 consecutive stored rows, how far apart delivered (fraction of the epoch; "
+        "uniform ~0.98, file order ~0).",
+        "",
+    ]
+    for kind, per_peer in results.items():
+        lines += [f"## {kind} ({meta['rows'][kind]:,} rows)", ""]
+        med = {}
+        for peer, runs in per_peer.items():
+            good = [r for r in runs if "error" not in r]
+            if good:
+                med[peer] = statistics.median(r["rows_per_s"] for r in good)
+        shuffled = [p for p in med if p not in ("pa_seq",) and not p.startswith("ss_")]
+        best = max(shuffled, key=lambda p: med[p]) if shuffled else None
+        lines += [
+            f"best shuffled peer: {best or '-'}; ceiling: pa_seq",
+            "",
+            "| reader | rows/s | x best shuffled peer | x pa_seq | CPU-s / epoch | first batch s | prep s | span "
+            "| check |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for peer, runs in per_peer.items():
+            good = [r for r in runs if "error" not in r]
+            if not good:
+                lines.append(f"| {peer} | not run: {runs[0].get('error', '?')} | | | | | | | |")
+                continue
+            rps = [r["rows_per_s"] for r in good]
+
+            def m(key: str, rs: list[dict] = good) -> str:
+                vals = [r[key] for r in rs if r.get(key) is not None]
+                return f"{statistics.median(vals):.2f}" if vals else "-"
+
+            x_best = f"{med[peer] / med[best]:.2f}" if best else "-"
+            x_seq = f"{med[peer] / med['pa_seq']:.2f}" if "pa_seq" in med else "-"
+            checks = {r["check"] for r in good}
+            lines.append(
+                f"| {peer} | {med[peer]:,.0f} ({min(rps):,.0f}-{max(rps):,.0f}) | {x_best} | {x_seq} | "
+                f"{m('cpu_s')} | {m('ttfb_s')} | {m('prep_s')} | {m('span')} | {', '.join(sorted(checks))} |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/PARQUET_RESULTS.md")
+    ap.add_argument("--data", type=Path, default=ROOT / "bench/data/parquet")
+    ap.add_argument("--image-rows", type=int, default=100_000)
+    ap.add_argument("--tab-rows", type=int, default=1_000_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--datasets", default="image,tab")
+    ap.add_argument("--one", nargs=5, metavar=("PEER", "KIND", "DIR", "ADDR", "ROWS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        peer, kind, d, addr, rows = args.one
+        print(json.dumps(run_one(peer, kind, Path(d), addr, int(rows))))
+        return
+
+    import daemon as bench_daemon
+    import measure
+
+    kinds = args.datasets.split(",")
+    rows = {"image": args.image_rows, "tab": args.tab_rows}
+    dirs = {
+        "image": lambda: make_image(args.data / f"image-{args.image_rows}", args.image_rows),
+        "tab": lambda: make_tab(args.data / f"tab-{args.tab_rows}", args.tab_rows),
+    }
+    data = {k: dirs[k]() for k in kinds}
+    peers = args.peers.split(",")
+    work = Path(tempfile.mkdtemp(prefix="pq-bench-"))
+    d = bench_daemon.Daemon.start(work)
+    try:
+        results: dict[str, dict[str, list[dict]]] = {k: {p: [] for p in peers} for k in kinds}
+        for rep in range(args.repeats):
+            for kind in kinds:
+                for peer in peers:
+                    r = child(peer, kind, data[kind], d.addr, rows[kind], d.pid if peer.startswith("ss_") else None)
+                    results[kind][peer].append(r)
+                    print(f"[{rep}] {kind} {peer}: {r}", file=sys.stderr)
+        rss = peak_rss_mib(d.pid)
+    finally:
+        d.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    machine = measure.machine()
+    meta = {
+        "repeats": args.repeats,
+        "machine": ", ".join(f"{k} {v}" for k, v in machine.items()),
+        "daemon_rss_mib": rss,
+        "rows": rows,
+    }
+    args.out.write_text(report(results, meta))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

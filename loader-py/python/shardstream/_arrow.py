@@ -1,0 +1,235 @@
+"""Arrow batches (rows of a Parquet dataset) as Python values.
+
+The daemon sends each batch as one Arrow IPC stream (schema + one record batch). Over shared
+memory it lies in a slot of the stream's ring, which this process maps read-only:
+``open_batch`` opens it with ``pyarrow.ipc.open_stream`` over that buffer, so every Arrow buffer of
+the record batch points into the mapping (no copy). The buffer object holds the batch's lease on
+its slot; the slot goes back to the daemon once the record batch and every array or memoryview
+made from it are gone.
+
+``to_dict`` is the default form (what ``Loader(..., format="dict")`` yields):
+
+- fixed-width columns (integers, floats, timestamps, durations): a 1-D numpy array over the Arrow
+  buffer, without a copy. With nulls, a ``numpy.ma.MaskedArray``: its data is still the Arrow
+  buffer (zero copy; the values under masked entries are whatever the writer left there), its mask
+  a new boolean array. Nothing is filled in silently. Booleans are bit-packed in Arrow, so they
+  become a new ``bool`` array (a copy), masked the same way.
+- ``fixed_size_list`` of a fixed-width type (embeddings, token blocks): one 2-D array
+  ``(rows, list_size)`` over the values buffer, masked by row when lists are null.
+- ``list``/``large_list`` of a fixed-width type: a list of 1-D array views (None for a null list).
+- binary columns (``binary``, ``large_binary``, ``fixed_size_binary``): a list of read-only
+  memoryviews into the batch (``bytes`` with ``copy=True``), None for nulls.
+- strings: a list of ``str`` (None for nulls). Dictionary columns are decoded first. Anything
+  else (structs, maps, nested lists of non-fixed-width types): ``to_pylist()``.
+- ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the batch has one, else each
+  row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._native import ShardstreamError
+
+if TYPE_CHECKING:
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    from . import _native
+
+KEY_COLUMNS = ("__key__", "key")
+ROW = "__row__"
+
+
+def open_batch(native: _native.Batch) -> pa.RecordBatch:
+    """The batch's record batch, zero copy over its IPC bytes (the ring slot with shared memory)."""
+    import pyarrow as pa
+
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(native.ipc()))
+        batch = reader.read_next_batch()
+    except (pa.ArrowInvalid, StopIteration) as e:
+        raise ShardstreamError(f"arrow batch {native.index}: not a valid Arrow IPC stream: {e}") from None
+    if batch.num_rows != len(native):
+        raise ShardstreamError(
+            f"arrow batch {native.index}: record batch has {batch.num_rows} rows, the message names {len(native)}"
+        )
+    return batch
+
+
+def row_ids(native: _native.Batch) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    return np.asarray(native.row_ids, dtype=np.uint64)
+
+
+def with_row_ids(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> pa.RecordBatch:
+    """``batch`` with a ``__row__`` column of the rows' ids appended (its other columns shared)."""
+    import pyarrow as pa
+
+    if ROW in batch.schema.names:
+        return batch
+    return batch.append_column(ROW, pa.array(rows, type=pa.uint64()))
+
+
+def _fixed_width(t: pa.DataType) -> bool:
+    """Types numpy can view in place: integers, floats, timestamps and durations (dates and
+    times of day have no zero-copy numpy form; they come as Python objects)."""
+    import pyarrow as pa
+
+    return bool(
+        pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_timestamp(t) or pa.types.is_duration(t)
+    )
+
+
+def _values(arr: pa.Array) -> np.ndarray[Any, Any]:
+    """A fixed-width array's values as numpy over its data buffer, ignoring validity: zero copy."""
+    import pyarrow as pa
+
+    if arr.null_count == 0:
+        return np.asarray(arr.to_numpy(zero_copy_only=True))
+    bare = pa.Array.from_buffers(arr.type, len(arr), [None, arr.buffers()[1]], offset=arr.offset)
+    return np.asarray(bare.to_numpy(zero_copy_only=True))
+
+
+def _null_mask(arr: pa.Array) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    return np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _binary(arr: pa.Array, copy: bool) -> list[Any]:
+    import pyarrow as pa
+
+    n = len(arr)
+    bufs = arr.buffers()
+    if pa.types.is_fixed_size_binary(arr.type):
+        width = arr.type.byte_width
+        starts = (np.arange(n, dtype=np.int64) + arr.offset) * width
+        ends = starts + width
+        data = bufs[1]
+    else:
+        wide = pa.types.is_large_binary(arr.type)
+        offsets = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)[arr.offset : arr.offset + n + 1]
+        starts, ends = offsets[:-1], offsets[1:]
+        data = bufs[2]
+    view = memoryview(data) if data is not None else memoryview(b"")
+    valid = ~_null_mask(arr) if arr.null_count else None
+    out: list[Any] = []
+    for i, (a, z) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        if valid is not None and not valid[i]:
+            out.append(None)
+        elif copy:
+            out.append(bytes(view[a:z]))
+        else:
+            out.append(view[a:z])
+    return out
+
+
+def column_value(arr: pa.Array, copy: bool = False) -> Any:
+    """One column in the dict form (see the module docs)."""
+    import pyarrow as pa
+
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr = arr.dictionary_decode()
+        t = arr.type
+    if pa.types.is_boolean(t):
+        # Arrow packs booleans into bits: numpy needs one byte each, so this is a new array.
+        values = np.asarray(arr.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
+        return np.ma.MaskedArray(values, mask=_null_mask(arr)) if arr.null_count else values
+    if _fixed_width(t):
+        values = _values(arr)
+        if copy:
+            values = values.copy()
+        return np.ma.MaskedArray(values, mask=_null_mask(arr)) if arr.null_count else values
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return _binary(arr, copy)
+    if pa.types.is_fixed_size_list(t) and _fixed_width(t.value_type):
+        size = t.list_size
+        child = arr.values.slice(arr.offset * size, len(arr) * size)
+        if child.null_count:
+            return arr.to_pylist()
+        values = _values(child).reshape(len(arr), size)
+        if copy:
+            values = values.copy()
+        if arr.null_count:
+            mask = np.repeat(_null_mask(arr)[:, None], size, axis=1)
+            return np.ma.MaskedArray(values, mask=mask)
+        return values
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _fixed_width(t.value_type):
+        if arr.values.null_count:
+            return arr.to_pylist()
+        flat = _values(arr.values)
+        offsets = np.asarray(arr.offsets.to_numpy(zero_copy_only=False)).tolist()
+        valid = (~_null_mask(arr)).tolist() if arr.null_count else [True] * len(arr)
+        return [
+            (flat[a:z].copy() if copy else flat[a:z]) if ok else None
+            for a, z, ok in zip(offsets[:-1], offsets[1:], valid, strict=True)
+        ]
+    return arr.to_pylist()
+
+
+def keys(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> list[str]:
+    for name in KEY_COLUMNS:
+        if name in batch.schema.names:
+            return [
+                v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in batch.column(name).to_pylist()
+            ]
+    return [str(r) for r in rows.tolist()]
+
+
+def to_dict(batch: pa.RecordBatch, rows: np.ndarray[Any, Any], copy: bool = False) -> dict[str, Any]:
+    """The dict form of a record batch whose rows have ids ``rows``."""
+    out: dict[str, Any] = {"__key__": keys(batch, rows), ROW: rows}
+    for name, arr in zip(batch.schema.names, batch.columns, strict=True):
+        if name == "__key__":
+            continue
+        out[name] = column_value(arr, copy)
+    return out
+
+
+def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
+    """``collate="stack"`` for an Arrow batch: every column as one array of ``rows`` records.
+    Fixed-width columns are 1-D already; ``fixed_size_list`` columns are 2-D; ``list`` columns of
+    equal-length lists and binary columns of equal-length values become a 2-D view of their values
+    buffer (``uint8`` for binary), without a copy. A null, or lists/values of different lengths,
+    is a ``ValueError`` naming the column and row."""
+    import pyarrow as pa
+
+    rows = out[ROW]
+    for name, arr in zip(batch.schema.names, batch.columns, strict=True):
+        if name == "__key__":
+            continue
+        t = arr.type
+        if arr.null_count:
+            row = int(np.flatnonzero(_null_mask(arr))[0])
+            raise ValueError(
+                f'collate="stack" needs a value in every row, but column {name!r} is null in row '
+                f"{int(rows[row])}; fill it, select other fields, or use collate=None"
+            )
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            continue
+        value = out[name]
+        if isinstance(value, np.ndarray) or pa.types.is_fixed_size_binary(t):
+            if pa.types.is_fixed_size_binary(t):
+                data = np.frombuffer(arr.buffers()[1], dtype=np.uint8)
+                width = t.byte_width
+                out[name] = data[arr.offset * width : (arr.offset + len(arr)) * width].reshape(len(arr), width)
+            continue
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64 if pa.types.is_large_binary(t) else np.int32)
+            offsets = offsets[arr.offset : arr.offset + len(arr) + 1]
+            data = np.frombuffer(arr.buffers()[2] or b"", dtype=np.uint8)
+            flat = data[int(offsets[0]) : int(offsets[-1])]
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and _fixed_width(t.value_type):
+            offsets = np.asarray(arr.offsets.to_numpy(zero_copy_only=False))
+            flat = _values(arr.values)[int(offsets[0]) : int(offsets[-1])]
+        else:
+            raise ValueError(f'collate="stack" cannot stack column {name!r} of type {t}; use collate=None')
+        lengths = np.diff(offsets)
+        if len(lengths) and (lengths != lengths[0]).any():
+            i = int(np.flatnonzero(lengths != lengths[0])[0])
+            raise ValueError(
+                f'collate="stack" needs equal-length {name!r} within a batch: row {int(rows[i])} has '
+                f"{int(lengths[i])}, row {int(rows[0])} has {int(lengths[0])}"
+            )
+        out[name] = flat.reshape(len(arr), int(lengths[0]) if len(lengths) else 0)
+    return out

@@ -1,0 +1,148 @@
+"""The dict form of Arrow batches (shardstream._arrow) on record batches read by the real pyarrow IPC
+reader from one buffer, as the Loader reads them from a ring slot: values must be views of that
+buffer (zero copy), nulls masked (never filled), keys and row ids as documented."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from shardstream import _arrow
+
+
+def ipc_bytes(batch: pa.RecordBatch) -> np.ndarray:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    # A 64-byte aligned copy, read-only like the ring mapping.
+    raw = sink.getvalue().to_pybytes()
+    store = np.zeros(len(raw) + 64, np.uint8)
+    start = (-store.ctypes.data) % 64
+    region = store[start : start + len(raw)]
+    region[:] = np.frombuffer(raw, np.uint8)
+    region.flags.writeable = False
+    return region
+
+
+def reopen(region: np.ndarray) -> pa.RecordBatch:
+    return pa.ipc.open_stream(pa.py_buffer(region)).read_next_batch()
+
+
+def inside(region: np.ndarray, address: int, size: int = 0) -> bool:
+    base = region.ctypes.data
+    return base <= address and address + size <= base + region.nbytes
+
+
+def sample_batch() -> pa.RecordBatch:
+    return pa.record_batch(
+        {
+            "label": pa.array([1, 2, 3, 4], pa.int64()),
+            "score": pa.array([0.5, None, 1.5, None], pa.float32()),
+            "ok": pa.array([True, None, False, True]),
+            "img": pa.array([b"ab", None, b"", b"xyz"], pa.large_binary()),
+            "txt": pa.array(["a", "bé", None, "d"], pa.string()),
+            "emb": pa.array([[1, 2], [3, 4], [5, 6], [7, 8]], pa.list_(pa.float32(), 2)),
+            "tok": pa.array([[1], [2, 3], None, []], pa.list_(pa.int32())),
+            "cat": pa.array(["x", "y", "x", None]).dictionary_encode(),
+        }
+    )
+
+
+def test_dict_form_is_zero_copy_for_fixed_width_and_binary_and_masks_nulls() -> None:
+    region = ipc_bytes(sample_batch())
+    rb = reopen(region)
+    rows = np.array([10, 11, 12, 13], np.uint64)
+    d = _arrow.to_dict(rb, rows)
+    assert d["__key__"] == ["10", "11", "12", "13"]
+    assert d["__row__"].tolist() == [10, 11, 12, 13]
+    label = d["label"]
+    assert type(label) is np.ndarray and label.tolist() == [1, 2, 3, 4]
+    assert inside(region, label.ctypes.data, label.nbytes), "label was copied"
+    score = d["score"]
+    assert isinstance(score, np.ma.MaskedArray)
+    assert score.mask.tolist() == [False, True, False, True]
+    assert score.compressed().tolist() == [0.5, 1.5]
+    assert inside(region, score.data.ctypes.data, score.data.nbytes), "the masked array's data was copied"
+    assert d["ok"].mask.tolist() == [False, True, False, False]
+    img = d["img"]
+    assert [None if v is None else bytes(v) for v in img] == [b"ab", None, b"", b"xyz"]
+    assert isinstance(img[0], memoryview) and img[0].readonly
+    addr = np.frombuffer(img[3], np.uint8).ctypes.data
+    assert inside(region, addr, 3), "binary values were copied"
+    assert d["txt"] == ["a", "bé", None, "d"]
+    emb = d["emb"]
+    assert emb.shape == (4, 2) and emb.dtype == np.float32 and emb[3].tolist() == [7, 8]
+    assert inside(region, emb.ctypes.data, emb.nbytes)
+    tok = d["tok"]
+    assert [None if t is None else t.tolist() for t in tok] == [[1], [2, 3], None, []]
+    assert inside(region, tok[1].ctypes.data, tok[1].nbytes)
+    assert d["cat"] == ["x", "y", "x", None]
+
+
+def test_copy_gives_owned_values() -> None:
+    region = ipc_bytes(sample_batch())
+    d = _arrow.to_dict(reopen(region), np.arange(4, dtype=np.uint64), copy=True)
+    assert not inside(region, d["label"].ctypes.data)
+    assert d["img"][0] == b"ab" and isinstance(d["img"][0], bytes)
+
+
+def test_key_column_and_slices() -> None:
+    rb = pa.record_batch({"key": pa.array(["k0", "k1", "k2"]), "v": pa.array([1, 2, 3], pa.int16())})
+    region = ipc_bytes(rb)
+    d = _arrow.to_dict(reopen(region).slice(1), np.array([5, 6], np.uint64))
+    assert d["__key__"] == ["k1", "k2"]
+    assert d["v"].tolist() == [2, 3]
+
+
+def test_stack_makes_2d_views_and_refuses_ragged_or_null() -> None:
+    rb = pa.record_batch(
+        {
+            "tok": pa.array([[1, 2, 3], [4, 5, 6]], pa.list_(pa.int32())),
+            "raw": pa.array([b"abcd", b"efgh"], pa.binary()),
+            "emb": pa.array([[1.0], [2.0]], pa.list_(pa.float64(), 1)),
+            "y": pa.array([0, 1], pa.uint8()),
+        }
+    )
+    region = ipc_bytes(rb)
+    rec = reopen(region)
+    rows = np.array([0, 1], np.uint64)
+    out = _arrow.stack(rec, _arrow.to_dict(rec, rows))
+    assert out["tok"].shape == (2, 3) and out["tok"].dtype == np.int32
+    assert out["tok"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert inside(region, out["tok"].ctypes.data, out["tok"].nbytes)
+    assert out["raw"].shape == (2, 4) and bytes(out["raw"][1]) == b"efgh"
+    assert inside(region, out["raw"].ctypes.data, out["raw"].nbytes)
+    assert out["emb"].shape == (2, 1)
+    assert out["y"].tolist() == [0, 1]
+    ragged = pa.record_batch({"tok": pa.array([[1], [2, 3]], pa.list_(pa.int32()))})
+    with pytest.raises(ValueError, match="equal-length 'tok'.*row 8 has 2, row 7 has 1"):
+        _arrow.stack(ragged, _arrow.to_dict(ragged, np.array([7, 8], np.uint64)))
+    nulls = pa.record_batch({"y": pa.array([1, None], pa.int8())})
+    with pytest.raises(ValueError, match="'y' is null in row 4"):
+        _arrow.stack(nulls, _arrow.to_dict(nulls, np.array([3, 4], np.uint64)))
+
+
+def test_row_ids_column_is_appended_once() -> None:
+    rb = pa.record_batch({"v": pa.array([1, 2], pa.int32())})
+    out = _arrow.with_row_ids(rb, np.array([8, 9], np.uint64))
+    assert out.schema.names == ["v", "__row__"]
+    assert out.column("__row__").to_pylist() == [8, 9]
+    assert _arrow.with_row_ids(out, np.array([0, 0], np.uint64)) is out
+
+
+def test_timestamps_are_views_and_dates_python_objects() -> None:
+    import datetime
+
+    rb = pa.record_batch(
+        {
+            "ts": pa.array([1, 2, None], pa.timestamp("ms")),
+            "day": pa.array([datetime.date(2020, 1, 1), None, datetime.date(2021, 2, 3)], pa.date32()),
+        }
+    )
+    region = ipc_bytes(rb)
+    d = _arrow.to_dict(reopen(region), np.array([0, 1, 2], np.uint64))
+    ts = d["ts"]
+    assert ts.dtype == np.dtype("datetime64[ms]") and ts.mask.tolist() == [False, False, True]
+    assert inside(region, ts.data.ctypes.data, ts.data.nbytes)
+    assert d["day"] == [datetime.date(2020, 1, 1), None, datetime.date(2021, 2, 3)]

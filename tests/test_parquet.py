@@ -1,0 +1,405 @@
+"""Parquet datasets end to end: files written by pyarrow.parquet (several row-group sizes and
+codecs, nulls, list, fixed-size list and large_binary columns), by Hugging Face `datasets`
+(an image column) and by `shardstream pack --format parquet`, served by a real daemon and read
+through the Loader (dict and Arrow forms, shm and inline) and a real torch DataLoader with workers:
+every row exactly once with the values written, zero copy over the shared-memory ring, resume in a
+new process, seeds that reorder, and bad input named."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch.utils.data
+
+import shardstream
+import shardstream.torch as sst
+from conftest import SHARDSTREAM, Daemon
+
+# (rows, row-group size, codec) per file, in name order: row ids run through them in this order.
+LAYOUT = [(237, 7, "snappy"), (301, 50, "zstd"), (199, 128, "gzip"), (263, 1000, "none")]
+TOTAL = sum(n for n, _, _ in LAYOUT)
+
+
+def table(first: int, n: int, rng: np.random.Generator) -> pa.Table:
+    ids = np.arange(first, first + n, dtype=np.int64)
+    label = pa.array([None if i % 11 == 0 else int(i % 7) for i in ids], pa.int32())
+    caption = pa.array([None if i % 13 == 0 else f"row {i} é" for i in ids], pa.string())
+    img = pa.array(
+        [rng.integers(0, 256, int(rng.integers(0, 2000)), dtype=np.uint8).tobytes() for _ in ids], pa.large_binary()
+    )
+    emb = pa.FixedSizeListArray.from_arrays(pa.array((ids[:, None] * 4 + np.arange(4)).ravel().astype(np.float32)), 4)
+    tokens = pa.array([list(range(int(i) % 5)) for i in ids], pa.list_(pa.int32()))
+    return pa.table(
+        {
+            "id": ids,
+            "label": label,
+            "score": (ids * 0.5).astype(np.float32),
+            "emb": emb,
+            "tokens": tokens,
+            "img": img,
+            "caption": caption,
+        }
+    )
+
+
+def expected_row(t: pa.Table, i: int) -> dict:
+    return {name: t.column(name)[i].as_py() for name in t.column_names}
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
+    """4 files by pyarrow.parquet, one codec and row-group size each; {row id: row}."""
+    root = tmp_path_factory.mktemp("pq")
+    rng = np.random.default_rng(0)
+    rows: dict[int, dict] = {}
+    first = 0
+    for k, (n, group, codec) in enumerate(LAYOUT):
+        t = table(first, n, rng)
+        pq.write_table(t, root / f"part-{k:03d}.parquet", row_group_size=group, compression=codec)
+        for i in range(n):
+            rows[first + i] = expected_row(t, i)
+        first += n
+    return root, rows
+
+
+def check_rows(batch: dict, rows: dict[int, dict]) -> None:
+    """Every row of a dict-form batch against what was written (row id = id column)."""
+    ids = [int(r) for r in np.asarray(batch["__row__"])]
+    assert batch["__key__"] == [str(r) for r in ids]
+    assert np.asarray(batch["id"]).tolist() == ids
+    label = batch["label"]
+    for j, r in enumerate(ids):
+        want = rows[r]
+        if want["label"] is None:
+            assert isinstance(label, np.ma.MaskedArray) and label.mask[j], f"row {r}: label must be masked"
+        else:
+            assert int(label[j]) == want["label"]
+            assert not np.ma.getmaskarray(label)[j]
+        assert float(np.asarray(batch["score"])[j]) == want["score"]
+        assert np.asarray(batch["emb"])[j].tolist() == want["emb"]
+        assert np.asarray(batch["tokens"][j]).tolist() == want["tokens"]
+        assert bytes(batch["img"][j]) == want["img"], f"row {r}: image bytes differ"
+        assert batch["caption"][j] == want["caption"]
+
+
+def epoch_rows(loader: shardstream.Loader, rows: dict[int, dict] | None = None) -> list[int]:
+    order: list[int] = []
+    for batch in loader:
+        if rows is not None:
+            check_rows(batch, rows)
+        order.extend(int(r) for r in np.asarray(batch["__row__"]))
+    return order
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_every_row_once_with_the_values_written(daemon, varied, transport: str) -> None:
+    root, rows = varied
+    loader = shardstream.Loader(str(root), batch_size=64, seed=1, connect=daemon.addr, transport=transport)
+    assert loader.arrow and loader.info["num_samples"] == TOTAL
+    order = epoch_rows(loader, rows)
+    assert sorted(order) == list(range(TOTAL))
+    assert order != sorted(order), "a shuffled epoch came out in file order"
+    assert loader.stats()["transport"] == transport
+
+
+def mapped_memfds() -> list[tuple[int, int]]:
+    """Address ranges of this process's shared-memory segments (the ring is a memfd)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "memfd:" in line:
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def test_arrow_form_is_zero_copy_over_the_ring(daemon, varied) -> None:
+    root, rows = varied
+    loader = shardstream.Loader(str(root), batch_size=50, seed=2, connect=daemon.addr, transport="shm", format="arrow")
+    seen = []
+    for rb in loader:
+        assert isinstance(rb, pa.RecordBatch)
+        assert rb.schema.names == ["id", "label", "score", "emb", "tokens", "img", "caption", "__row__"]
+        ring = mapped_memfds()
+        for name in ("id", "score", "img", "emb"):
+            for buf in rb.column(name).buffers():
+                if buf is None or buf.size == 0:
+                    continue
+                assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in ring), (
+                    f"column {name}: buffer at {buf.address:#x} is not in the shared-memory ring (copied)"
+                )
+        ids = rb.column("__row__").to_pylist()
+        assert rb.column("id").to_pylist() == ids
+        for j, r in enumerate(ids):
+            assert rb.column("img")[j].as_py() == rows[r]["img"]
+            assert rb.column("label")[j].as_py() == rows[r]["label"]
+        seen.extend(ids)
+    assert sorted(seen) == list(range(TOTAL))
+
+
+def test_torch_tensors_without_a_copy_and_stack(daemon, varied) -> None:
+    root, rows = varied
+    ds = sst.IterableDataset(
+        str(root),
+        batch_size=32,
+        seed=4,
+        connect=daemon.addr,
+        transport="shm",
+        fields=["id", "score", "emb"],
+        collate="stack",
+    )
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+    n = 0
+    for batch in dl:
+        assert isinstance(batch["score"], torch.Tensor) and batch["score"].dtype == torch.float32
+        assert batch["emb"].shape == (len(batch["__key__"]), 4)
+        ring = mapped_memfds()
+        addr = batch["emb"].data_ptr()
+        assert any(lo <= addr < hi for lo, hi in ring), "the emb tensor was copied out of the ring"
+        ids = batch["id"].tolist()
+        assert batch["emb"][:, 0].tolist() == [float(i * 4) for i in ids]
+        n += len(ids)
+    assert n == TOTAL
+
+
+def test_two_ranks_two_workers_exactly_once_by_row_id(daemon, varied) -> None:
+    root, rows = varied
+    seen: collections.Counter[int] = collections.Counter()
+    counts = []
+    for rank in range(2):
+        ds = sst.IterableDataset(
+            str(root), batch_size=40, seed=7, rank=rank, world_size=2, connect=daemon.addr, drop_last=False
+        )
+        ds.set_epoch(2)
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        n = 0
+        for batch in dl:
+            ids = batch["__row__"].tolist()
+            assert batch["id"].tolist() == ids
+            for j, r in enumerate(ids):
+                assert bytes(batch["img"][j]) == rows[r]["img"]
+            seen.update(ids)
+            n += 1
+        assert n == len(ds)
+        counts.append(n)
+    assert counts[0] == counts[1]
+    assert set(seen) == set(range(TOTAL))
+    assert sum(seen.values()) == TOTAL + TOTAL % 2  # the padding rule: at most one repeat per rank
+
+
+def test_seeds_and_epochs_reorder_and_the_same_seed_repeats(daemon, varied) -> None:
+    root, _ = varied
+
+    def order(seed: int, epoch: int = 0) -> list[int]:
+        loader = shardstream.Loader(str(root), batch_size=100, seed=seed, connect=daemon.addr, fields=["id"])
+        loader.set_epoch(epoch)
+        return epoch_rows(loader)
+
+    a = order(1)
+    assert a == order(1)
+    assert a != order(2) and sorted(order(2)) == sorted(a)
+    assert a != order(1, epoch=1)
+
+
+RESUME = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import shardstream
+    root, addr, out, stop_after, state_path = sys.argv[1:6]
+    loader = shardstream.Loader(root, batch_size=30, seed=5, rank=1, world_size=2, connect=addr,
+                                fields=["id", "img"])
+    if os.path.exists(state_path):
+        loader.load_state_dict(json.load(open(state_path)))
+    else:
+        loader.set_epoch(1)
+    with open(out, "a") as f:
+        for n, batch in enumerate(loader, 1):
+            f.write(json.dumps([int(r) for r in np.asarray(batch["__row__"])]) + "\\n")
+            if n == int(stop_after):
+                f.flush()
+                with open(state_path, "w") as s:
+                    json.dump(loader.state_dict(), s)
+                os._exit(0)  # no clean shutdown: the stream and its slots are abandoned
+    """
+)
+
+
+def test_resume_mid_epoch_in_a_new_process(daemon, varied, tmp_path: Path) -> None:
+    root, _ = varied
+
+    def run(out: Path, stop_after: int, state: Path) -> None:
+        subprocess.run(
+            [sys.executable, "-c", RESUME, str(root), daemon.addr, str(out), str(stop_after), str(state)],
+            check=True,
+            timeout=300,
+        )
+
+    full = tmp_path / "full.jsonl"
+    run(full, -1, tmp_path / "unused.json")
+    expected = [json.loads(x) for x in full.read_text().splitlines()]
+    assert len(expected) > 6
+    part, state = tmp_path / "part.jsonl", tmp_path / "state.json"
+    run(part, 5, state)
+    run(part, -1, state)
+    assert [json.loads(x) for x in part.read_text().splitlines()] == expected
+
+
+def test_fields_select_columns_and_a_missing_one_is_a_value_error(daemon, varied) -> None:
+    root, rows = varied
+    loader = shardstream.Loader(str(root), batch_size=64, connect=daemon.addr, fields=["caption", "label"])
+    batch = next(iter(loader))
+    assert set(batch) == {"__key__", "__row__", "caption", "label"}
+    with pytest.raises(ValueError, match="nope"):
+        list(shardstream.Loader(str(root), batch_size=64, connect=daemon.addr, fields=["id", "nope"]))
+    with pytest.raises(ValueError, match="format must be"):
+        shardstream.Loader(str(root), connect=daemon.addr, format="rows")
+
+
+def test_a_column_missing_in_one_file_is_a_value_error_naming_it(daemon, tmp_path: Path) -> None:
+    pq.write_table(pa.table({"a": [1, 2], "b": [3, 4]}), tmp_path / "x-0.parquet")
+    pq.write_table(pa.table({"a": [5, 6]}), tmp_path / "x-1.parquet")
+    with pytest.raises(ValueError, match=r"x-1\.parquet.*\bb\b|\bb\b.*x-1\.parquet"):
+        list(shardstream.Loader(str(tmp_path), batch_size=2, connect=daemon.addr, fields=["a", "b"]))
+    # Not selected: fine.
+    got = epoch_rows(shardstream.Loader(str(tmp_path), batch_size=2, connect=daemon.addr, fields=["a"]))
+    assert sorted(got) == [0, 1, 2, 3]
+
+
+def copy_dataset(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in sorted(src.glob("*.parquet")):
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["truncated", "magic"])
+def test_a_damaged_footer_is_a_shard_error_naming_the_file(daemon, varied, tmp_path: Path, damage: str) -> None:
+    root = copy_dataset(varied[0], tmp_path / "ds")
+    victim = root / "part-002.parquet"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2] if damage == "truncated" else data[:-4] + b"PARX")
+    with pytest.raises(shardstream.ShardError, match="part-002.parquet"):
+        list(shardstream.Loader(str(root), batch_size=64, connect=daemon.addr))
+
+
+def test_a_corrupt_page_is_a_shard_error_and_no_garbage_rows(daemon, tmp_path: Path) -> None:
+    t = pa.table({"v": np.arange(4000, dtype=np.int64)})
+    path = tmp_path / "c-000.parquet"
+    pq.write_table(t, path, row_group_size=1000, compression="zstd", use_dictionary=False)
+    col = pq.ParquetFile(path).metadata.row_group(2).column(0)
+    data = bytearray(path.read_bytes())
+    # The page header of row group 2's only data page: Thrift that cannot decode.
+    data[col.data_page_offset : col.data_page_offset + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    got: list[int] = []
+    with pytest.raises(shardstream.ShardError, match="c-000.parquet"):
+        for batch in shardstream.Loader(str(tmp_path), batch_size=100, shuffle=False, connect=daemon.addr):
+            got.extend(np.asarray(batch["v"]).tolist())
+    assert got == list(range(len(got))), "rows before the damage must be the ones written"
+    assert len(got) <= 2000
+
+
+def test_files_written_by_hugging_face_datasets_with_an_image_column(daemon, tmp_path: Path) -> None:
+    import io
+
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    images = [Image.fromarray(rng.integers(0, 256, (8 + i % 5, 9, 3), dtype=np.uint8)) for i in range(150)]
+    ds = datasets.Dataset.from_dict(
+        {"image": images, "label": [i % 10 for i in range(150)], "text": [f"caption {i}" for i in range(150)]}
+    )
+    ds = ds.cast_column("image", datasets.Image())
+    ds.select(range(100)).to_parquet(str(tmp_path / "train-00000-of-00002.parquet"))
+    ds.select(range(100, 150)).to_parquet(str(tmp_path / "train-00001-of-00002.parquet"))
+    written = pq.read_table(sorted(tmp_path.glob("*.parquet"))).to_pylist()
+    loader = shardstream.Loader(str(tmp_path), batch_size=16, seed=0, connect=daemon.addr)
+    seen = set()
+    for batch in loader:
+        for j, r in enumerate(np.asarray(batch["__row__"]).tolist()):
+            want = written[r]
+            assert batch["label"][j] == want["label"] and batch["text"][j] == want["text"]
+            img = batch["image"][j]  # struct<bytes, path>
+            assert img["bytes"] == want["image"]["bytes"]
+            pixels = np.asarray(Image.open(io.BytesIO(img["bytes"])))
+            assert pixels.shape == np.asarray(images[r]).shape
+            seen.add(r)
+    assert seen == set(range(150))
+
+
+def test_a_pack_format_parquet_dataset_is_served_as_is(daemon, tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    src = tmp_path / "src"
+    files: dict[str, bytes] = {}
+    for c in range(3):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(40):
+            key = f"c{c}/{c * 40 + i:05d}"
+            files[key] = rng.integers(0, 256, int(rng.integers(1, 3000)), dtype=np.uint8).tobytes()
+            (src / f"{key}.jpg").write_bytes(files[key])
+    out = tmp_path / "out"
+    subprocess.run(
+        [
+            SHARDSTREAM,
+            "pack",
+            str(src),
+            "--output",
+            str(out),
+            "--format",
+            "parquet",
+            "--samples-per-shard",
+            "50",
+            "--row-group-size",
+            "16",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    loader = shardstream.Loader(str(out), batch_size=20, seed=3, connect=daemon.addr)
+    got = {}
+    for batch in loader:
+        for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
+            assert key not in got
+            got[key] = bytes(jpg)
+    assert got == files
+
+
+def test_an_s3_parquet_dataset(tmp_path: Path, s3, varied) -> None:
+    src, rows = varied
+    bucket = s3.bucket("data") / "pq"
+    bucket.mkdir(parents=True)
+    for f in sorted(src.glob("*.parquet")):
+        (bucket / f.name).write_bytes(f.read_bytes())
+    d = Daemon(tmp_path, env=s3.env()).start()
+    try:
+        loader = shardstream.Loader("s3://data/pq/", batch_size=64, seed=8, connect=d.addr)
+        order = epoch_rows(loader, rows)
+        assert sorted(order) == list(range(TOTAL))
+        status = d.status()
+        assert status["storage_requests"] > 0 and status["storage_bytes"] > 0
+    finally:
+        assert d.stop() == 0
+
+
+def test_record_batches_cross_dataloader_workers(daemon, varied) -> None:
+    root, rows = varied
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=6, connect=daemon.addr, format="arrow")
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    seen: list[int] = []
+    for rb in dl:
+        assert isinstance(rb, pa.RecordBatch)
+        ids = rb.column("__row__").to_pylist()
+        assert rb.column("caption").to_pylist() == [rows[r]["caption"] for r in ids]
+        seen.extend(ids)
+    assert sorted(seen) == list(range(TOTAL))
