@@ -165,17 +165,17 @@ def append_sections(path: Path, sections: list[tuple[str, str]]) -> None:
 # round (readers of one round ran minutes apart, under the same load) and then median'ed.
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return (s[n // 2] + s[(n - 1) // 2]) / 2 if n else 0.0
 
 
-def _spread(xs: list[float], fmt: str) -> str:
+def spread(xs: list[float], fmt: str) -> str:
     """`median (min-max)` of xs, or just the value when there is one."""
     if not xs:
         return "-"
-    med = format(_median(xs), fmt)
+    med = format(median(xs), fmt)
     return med if len(xs) == 1 else f"{med} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
 
 
@@ -219,13 +219,13 @@ def rounds_table(rounds: list[list[Row]], cat_gbps: float) -> str:
             cells = [
                 reader,
                 str(workers),
-                _spread([r.samples_per_s for r in done], ",.0f"),
-                f"{_median([r.mb_per_s for r in done]):,.0f}",
-                f"{_median(ttfbs):.2f}" if ttfbs else "-",
+                spread([r.samples_per_s for r in done], ",.0f"),
+                f"{median([r.mb_per_s for r in done]):,.0f}",
+                f"{median(ttfbs):.2f}" if ttfbs else "-",
                 f"{max(r.peak_pss_mib for r in done):,.0f}",
-                _spread([r.cpu_s for r in done], ".1f"),
-                _spread(ratios, ".2f") if ratios else "-",
-                _ratio(_median([r.mb_per_s for r in done]), cat_gbps * 1e3, 3),
+                spread([r.cpu_s for r in done], ".1f"),
+                spread(ratios, ".2f") if ratios else "-",
+                _ratio(median([r.mb_per_s for r in done]), cat_gbps * 1e3, 3),
                 check,
             ]
         lines.append("| " + " | ".join(cells) + " |")
