@@ -112,3 +112,16 @@ def test_transform_arguments_are_checked(daemon, dataset) -> None:
         sst.IterableDataset(str(root), connect=daemon.addr, collate_fn=list)
     with pytest.raises(TypeError, match="callable"):
         sst.IterableDataset(str(root), connect=daemon.addr, transform="decode")  # type: ignore[arg-type]
+
+
+def test_dataloader_without_workers_keeps_the_views(daemon, dataset) -> None:
+    # torch's default_convert (the DataLoader's collate with batch_size=None) treats a memoryview as
+    # a sequence and turned each field into a list of ints: the documented zero-copy views of
+    # num_workers=0 must arrive as they are.
+    root, samples = dataset
+    n = 0
+    for batch in loader(str(root), daemon.addr, 0):
+        assert all(isinstance(v, memoryview) for v in batch["jpg"]), type(batch["jpg"][0])
+        assert [bytes(v) for v in batch["jpg"]] == [samples[k]["jpg"] for k in batch["__key__"]]
+        n += len(batch["__key__"])
+    assert n == len(samples)
