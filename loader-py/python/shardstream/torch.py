@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from . import Loader, resolve_address
+from . import Batch, Loader, resolve_address
 
 
 def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
@@ -203,6 +203,15 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             del batch  # not kept alive (with its lease) while the consumer holds the next one
 
 
+def _convert(data: Any) -> Any:
+    """The DataLoader's per-batch conversion (``batch_size=None``): a raw batch as it is, anything
+    else (a transform's result) through torch's ``default_convert``. ``default_convert`` treats a
+    memoryview as a sequence and would turn each field of a zero-copy batch into lists of ints."""
+    if isinstance(data, Batch):
+        return data
+    return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+
+
 class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` over a shardstream :class:`IterableDataset` that counts the
     batches it yields, so ``state_dict()`` / ``load_state_dict()`` resume exactly (also in a new
@@ -213,6 +222,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             raise TypeError("shardstream.torch.DataLoader needs a shardstream.torch.IterableDataset")
         if kwargs.pop("batch_size", None) is not None:
             raise ValueError("batch_size is set on the dataset; the DataLoader must use batch_size=None")
+        kwargs.setdefault("collate_fn", _convert)
         super().__init__(dataset, batch_size=None, **kwargs)
         self._ss_dataset = dataset
         self._consumed = 0
