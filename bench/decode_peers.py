@@ -12,7 +12,8 @@ itself is not used: no wheel of it pairs with this torch. Batches of 256 are mad
 
 The decode's own CPU time is measured around it with the thread's CPU clock and summed by the
 trainer, so the harness can split the epoch's CPU into the decoder's and the loader's (everything
-else: reading, framing, shuffling, moving batches between processes).
+else: reading, framing, shuffling, moving batches between processes). The trainer process runs
+torch with one intra-op thread (see `main`).
 
 Prints one line `RESULT {json}` like bench/peers.py, plus `decode_cpu_s` and `bad_shape`.
 """
@@ -253,6 +254,14 @@ def main() -> None:
     _fmt, make, preload = READERS[reader]
     for module in ("torch.utils.data", "PIL.Image", *preload):
         importlib.import_module(module)
+    import torch
+
+    # One intra-op thread in the trainer: with torch's default (one per core), the pool's threads
+    # spin after every parallel op (default_collate's stack at 0 workers, the consumer's sum),
+    # which measured as ~2 ms of CPU per image, more than the decode itself, charged to every
+    # loader alike and taken from the decoding workers. A GPU trainer does not run those ops on
+    # the CPU. (DataLoader workers run with one thread already.)
+    torch.set_num_threads(1)
     seed_worker(-1)
     result = epoch(make, data, workers, addr, expected)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
