@@ -215,7 +215,8 @@ def render(
         "256. shardstream decodes in its worker-side `transform` on the zero-copy views; "
         "`shardstream-main-decode` is the way before that hook: workers pickle raw bytes to the trainer, "
         "which decodes. The trainer touches one byte per page of each batch and checks every image "
-        "arrived exactly once with the right shape (`check`).",
+        "arrived exactly once with the right shape (`check`). The trainer runs torch with one intra-op "
+        "thread (the default pool's spinning threads would be charged to every loader).",
         f"- Method: {args.rounds} round(s), every (reader, workers) run once per round, interleaved, the "
         "order rotated by one reader per round; each run is one shuffled epoch in a fresh interpreter "
         "(shardstream: a fresh daemon). Cells: median (min-max) over the rounds.",
