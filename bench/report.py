@@ -50,13 +50,21 @@ class Report:
     cat_gbps: float
     footer: list[str] = field(default_factory=list)
     sections: list[tuple[str, str]] = field(default_factory=list)  # (title, Markdown body)
+    # Repeated runs: when given, the table shows medians over these rounds (`rounds_table`) and
+    # `rows` is not rendered.
+    rounds: list[list[Row]] = field(default_factory=list)
 
     def best_peer(self) -> float:
         peers = [r.samples_per_s for r in self.rows if not r.reader.startswith(PEER_EXCLUDED) and r.ok]
         return max(peers, default=0.0)
 
     def render(self) -> str:
-        lines = [f"# {self.title}", "", *self.header, "", table(self.rows, self.best_peer(), self.cat_gbps)]
+        body = (
+            rounds_table(self.rounds, self.cat_gbps)
+            if self.rounds
+            else table(self.rows, self.best_peer(), self.cat_gbps)
+        )
+        lines = [f"# {self.title}", "", *self.header, "", body]
         if self.footer:
             lines += ["", *self.footer]
         for title, body in self.sections:
@@ -150,3 +158,75 @@ def append_sections(path: Path, sections: list[tuple[str, str]]) -> None:
     for title, body in sections:
         text += f"\n## {title}\n\n{body.rstrip()}\n"
     path.write_text(text)
+
+
+# Repeated runs (`run.py --rounds`): one row per reader and worker count, each figure the median
+# over the rounds with its spread (min-max), and the ratio to the best peer computed within each
+# round (readers of one round ran minutes apart, under the same load) and then median'ed.
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return (s[n // 2] + s[(n - 1) // 2]) / 2 if n else 0.0
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    """`median (min-max)` of xs, or just the value when there is one."""
+    if not xs:
+        return "-"
+    med = format(median(xs), fmt)
+    return med if len(xs) == 1 else f"{med} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+
+
+def best_peer_of(rows: list[Row]) -> float:
+    """Samples/s of the fastest successful non-shardstream row among rows (0 if none)."""
+    return max((r.samples_per_s for r in rows if not r.reader.startswith(PEER_EXCLUDED) and r.ok), default=0.0)
+
+
+ROUND_COLUMNS = [
+    "reader",
+    "workers",
+    "samples/s median (min-max)",
+    "MB/s median",
+    "first batch (s) median",
+    "peak PSS (MiB) max",
+    "CPU-s/epoch median (min-max)",
+    "samples/s vs best peer, per round, median (min-max)",
+    "MB/s vs cat",
+    "check",
+]
+
+
+def rounds_table(rounds: list[list[Row]], cat_gbps: float) -> str:
+    """The median-and-spread table of repeated runs: rounds[i] holds round i's rows (any order)."""
+    groups: dict[tuple[str, int], list[tuple[Row, float]]] = {}
+    for rows in rounds:
+        best = best_peer_of(rows)
+        for r in rows:
+            groups.setdefault((r.reader, r.workers), []).append((r, best))
+    lines = ["| " + " | ".join(ROUND_COLUMNS) + " |", "|" + "|".join("---" for _ in ROUND_COLUMNS) + "|"]
+    for (reader, workers), runs in groups.items():
+        done = [r for r, _ in runs if not r.error]
+        failed = [r for r, _ in runs if r.error]
+        ratios = [r.samples_per_s / best for r, best in runs if r.ok and best > 0]
+        problems = [f"round {i + 1}: {_cell(r.error or r.mismatch)}" for i, (r, _) in enumerate(runs) if not r.ok]
+        check = "ok" if not problems else ("**failed**: " if failed else "**MISMATCH**: ") + "; ".join(problems)
+        if not done:
+            cells = [reader, str(workers), "-", "-", "-", "-", "-", "-", "-", check]
+        else:
+            ttfbs = [r.ttfb for r in done if r.ttfb is not None]
+            cells = [
+                reader,
+                str(workers),
+                spread([r.samples_per_s for r in done], ",.0f"),
+                f"{median([r.mb_per_s for r in done]):,.0f}",
+                f"{median(ttfbs):.2f}" if ttfbs else "-",
+                f"{max(r.peak_pss_mib for r in done):,.0f}",
+                spread([r.cpu_s for r in done], ".1f"),
+                spread(ratios, ".2f") if ratios else "-",
+                _ratio(median([r.mb_per_s for r in done]), cat_gbps * 1e3, 3),
+                check,
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -6,8 +6,13 @@ Each reader runs one shuffled epoch per DataLoader worker count in a fresh inter
 (`bench/peers.py`); this process watches it from outside (PSS, CPU from /proc), starts and stops the
 shardstream daemon, and writes the table. A reader that fails or hangs gives a row with its error.
 
-    python bench/run.py [--samples N] [--only R1,R2] [--workers 0,2] [--out bench/RESULTS.md]
-                        [--keep-data] [--timeout S] [--extra-json FILE ...]
+The runs are repeated in `--rounds` rounds; within a round every (reader, workers) pair runs once,
+interleaved, the order rotated by one reader per round, so a burst of load on the shared machine
+hits one run of several readers rather than every run of one. The table gives medians with their
+spread (min-max), and ratios to the best peer taken within each round, then median'ed.
+
+    python bench/run.py [--samples N] [--rounds R] [--only R1,R2] [--workers 0,2]
+                        [--out bench/RESULTS.md] [--keep-data] [--timeout S] [--extra-json FILE ...]
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ import report
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 DEFAULT_TIMEOUT_S = 900
+# 3 rounds of 40k samples read about as many samples as the single round of 100k this bench used to
+# run, so the repetitions fit in roughly the same time.
+DEFAULT_SAMPLES = 40_000
+DEFAULT_ROUNDS = 3
 STDERR_LINES_SHOWN = 15
 # How long processes a reader left behind may take to finish on their own: multiprocessing's
 # resource tracker unlinks leaked shared memory when its parent exits, and must not be cut short.
@@ -50,7 +59,13 @@ DESCRIPTION = __doc__.split("\n\n", 1)[0]
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=DESCRIPTION)
-    ap.add_argument("--samples", type=int, default=100_000, help="dataset size (default 100000)")
+    ap.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help=f"dataset size (default {DEFAULT_SAMPLES})")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help=f"times every (reader, workers) run is repeated, interleaved (default {DEFAULT_ROUNDS})",
+    )
     ap.add_argument("--only", default=",".join(peers.READERS), help="readers to run, comma-separated")
     ap.add_argument("--workers", default="0,2", help="DataLoader worker counts, comma-separated")
     ap.add_argument("--out", type=Path, default=BENCH / "RESULTS.md", help="Markdown report to write")
@@ -76,6 +91,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown reader(s) {', '.join(unknown)}; known: {', '.join(peers.READERS)}")
     args.worker_counts = [int(w) for w in args.workers.split(",") if w]
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     return args
 
 
@@ -277,8 +294,22 @@ def rust_sections(base: Path, shards: int, per_shard: int) -> list[tuple[str, st
     return out
 
 
+def round_order(runs: list[tuple[str, int]], per_reader: int, rnd: int) -> list[tuple[str, int]]:
+    """Round rnd's order of the (reader, workers) runs: rotated by one reader per round, so no
+    reader is always first (right after the machine-limit measurements) or last."""
+    if not runs:
+        return runs
+    shift = (rnd * per_reader) % len(runs)
+    return runs[shift:] + runs[:shift]
+
+
 def header(
-    args: argparse.Namespace, argv: list[str], base: Path, host: dict[str, str], limits: tuple[float, float]
+    args: argparse.Namespace,
+    argv: list[str],
+    base: Path,
+    host: dict[str, str],
+    limits: tuple[float, float],
+    round_loads: list[tuple[str, str]],
 ) -> list[str]:
     shards = len(list((base / "wds").glob("*.tar")))
     spec = gen.Spec(samples=args.samples)
@@ -298,11 +329,17 @@ def header(
         f"- Machine limits, same run: `cat` of the WebDataset shards to /dev/null **{limits[0]:.2f} GB/s** "
         f"(hot page cache, best of 3); memcpy **{limits[1]:.2f} GB/s** (numpy copy of 1 GiB, best of 3).",
         f"- Versions: {versions}.",
-        "- Method: one shuffled epoch per row, each in a fresh interpreter, batch size 256, data hot in "
-        "the page cache (every file read once before); library imports are not timed. The consumer is "
+        f"- Method: {args.rounds} round(s); in each, one shuffled epoch per (reader, workers) pair, "
+        "interleaved (the order rotated by one reader per round), each in a fresh interpreter, batch "
+        "size 256, data hot in the page cache (the reader's files read once just before each run); "
+        "library imports are not timed. Each cell is the median over the rounds, (min-max) the spread; "
+        "the ratio to the best peer is computed within each round, then median'ed. The consumer is "
         "the same for every reader: per sample `np.frombuffer(v, np.uint8)[::4096].sum()`, its length, "
         "and the sample index written in the payload, so each row is checked for every sample exactly "
         "once (`check`).",
+        "- Load average (1 min) before -> after each round: "
+        + "; ".join(f"round {i + 1}: {a} -> {b}" for i, (a, b) in enumerate(round_loads))
+        + ".",
     ]
 
 
@@ -312,7 +349,9 @@ FOOTER = [
     "proportional set size of the reader process, its DataLoader workers and (for shardstream) the "
     "daemon, sampled every 50 ms (less often when reading it would cost over 5% of a core). "
     "CPU-s/epoch: user+system seconds of the same processes during the epoch. `samples/s vs best peer`: "
-    "over the fastest non-shardstream row of this run. `MB/s vs cat`: over the `cat` figure above.",
+    "in each round, over the fastest non-shardstream row of that round; the median (min-max) of those "
+    "per-round ratios. Peak PSS: the largest of the rounds. `MB/s vs cat`: the median MB/s over the "
+    "`cat` figure above. `check`: every round delivered every sample exactly once, or which did not.",
 ]
 
 
@@ -347,24 +386,32 @@ def main(argv: list[str]) -> None:
     measure.warm(shards)
     limits = (measure.cat_gbps(shards), measure.memcpy_gbps())
     print(f"==> machine: cat of the shards {limits[0]:.2f} GB/s, memcpy {limits[1]:.2f} GB/s", flush=True)
-    rows: list[report.Row] = []
+    runs = [(reader, workers) for reader in args.readers for workers in args.worker_counts]
+    rounds: list[list[report.Row]] = []
+    round_loads: list[tuple[str, str]] = []
     with scratch_dir(args.keep_data) as tmp:
-        for reader in args.readers:
-            fmt = peers.READERS[reader][0]
-            t0 = time.perf_counter()
-            warmed = measure.warm(gen.data_files(base / fmt))
-            print(
-                f"==> {reader}: read {warmed / 1e9:.2f} GB of {fmt} in {time.perf_counter() - t0:.1f} s "
-                "(page cache warm-up)",
-                flush=True,
-            )
-            for workers in args.worker_counts:
-                print(f"==> {reader}, {workers} workers (load {os.getloadavg()[0]:.2f})", flush=True)
-                scratch = Path(tmp) / f"{reader}-{workers}"
+        for rnd in range(args.rounds):
+            load_before = f"{os.getloadavg()[0]:.2f}"
+            print(f"==> round {rnd + 1} of {args.rounds} (load {load_before})", flush=True)
+            rows: list[report.Row] = []
+            for reader, workers in round_order(runs, len(args.worker_counts), rnd):
+                fmt = peers.READERS[reader][0]
+                t0 = time.perf_counter()
+                # Every run, not once per reader: other readers' runs in between may have pushed
+                # these files out of the page cache (re-reading hot files costs a fraction of a second).
+                warmed = measure.warm(gen.data_files(base / fmt))
+                print(
+                    f"==> {reader}, {workers} workers (load {os.getloadavg()[0]:.2f}; read {warmed / 1e9:.2f} GB "
+                    f"of {fmt} in {time.perf_counter() - t0:.1f} s to warm the page cache)",
+                    flush=True,
+                )
+                scratch = Path(tmp) / f"{reader}-{workers}-r{rnd + 1}"
                 scratch.mkdir()
                 row, stderr = run_reader(reader, workers, base, scratch, args.timeout)
                 print_row(row, stderr)
                 rows.append(row)
+            rounds.append(rows)
+            round_loads.append((load_before, f"{os.getloadavg()[0]:.2f}"))
     host["load_after"] = measure.machine()["load"]
     sections = (
         rust_sections(base, len(shards), gen.Spec(samples=args.samples).per_shard)
@@ -373,7 +420,16 @@ def main(argv: list[str]) -> None:
     )
     for path in args.extra_json:
         sections += report.sections_from_json(path)
-    doc = report.Report(title(rows), header(args, argv, base, host, limits), rows, limits[0], FOOTER, sections)
+    all_rows = [r for rows in rounds for r in rows]
+    doc = report.Report(
+        title(all_rows),
+        header(args, argv, base, host, limits, round_loads),
+        all_rows,
+        limits[0],
+        FOOTER,
+        sections,
+        rounds=rounds,
+    )
     text = doc.render()
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

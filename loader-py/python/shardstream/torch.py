@@ -14,8 +14,33 @@ results round-robin, so the DataLoader yields the rank's batches in exactly the 
             ...
     state = dl.state_dict()
 
-In worker processes, fields arrive as ``bytes`` (batches cross a process boundary by pickling,
-which memoryviews cannot); with ``num_workers=0`` they are zero-copy memoryviews.
+**The fast way with workers: transform in the worker.** Decoding and augmenting belong in the
+DataLoader workers, on the zero-copy views, so that only their output (decoded tensors) crosses to
+the trainer process::
+
+    def decode(sample):             # runs in a worker; sample["jpg"] is a read-only memoryview
+        img = PIL.Image.open(io.BytesIO(sample["jpg"])).convert("RGB")
+        return to_tensor(augment(img)), int(bytes(sample["cls"]))
+
+    ds = shardstream.torch.IterableDataset("/data/train/", batch_size=256, transform=decode)
+    dl = shardstream.torch.DataLoader(ds, num_workers=4)
+    for images, labels in dl:       # default_collate of the transform's outputs
+        ...
+
+``transform`` is called once per sample with a dict ``{"__key__": str, field: memoryview or None}``
+and the batch's results are combined by ``collate_fn`` (default
+``torch.utils.data.default_collate``); ``batch_transform`` is called once per batch with the whole
+batch (``"__key__"`` -> list of str, field -> list of memoryviews) and its result is yielded as is.
+Either runs where the batch is read: in each worker, or in the trainer with ``num_workers=0``. The
+batch's lease on the daemon's memory is released as soon as the transform returns; memoryviews
+stay readable afterwards, but with ``collate="stack"`` the arrays' ring slot is reused, so a
+transform's result must not keep views of them (copy what you keep). An exception raised by the
+transform reaches the trainer as the DataLoader re-raises it (its type, with the sample's key in
+the worker's traceback).
+
+Without a transform, in worker processes fields arrive as ``bytes`` (batches cross a process
+boundary by pickling, which memoryviews cannot: every byte is copied twice, into the pickle and
+out of it); with ``num_workers=0`` they are zero-copy memoryviews.
 
 With ``collate="stack"`` each field is one ``uint8`` tensor of shape ``(samples, record_bytes)``
 (``.view(torch.int32)`` etc. for typed records). With ``num_workers=0`` and shared memory it lies
@@ -32,13 +57,13 @@ and for equal-length lists. ``format="arrow"`` yields ``pyarrow.RecordBatch`` ob
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.utils.data
 
-from . import Loader, resolve_address
+from . import Batch, Loader, resolve_address
 
 
 def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
@@ -56,11 +81,49 @@ def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
     return batch
 
 
-class IterableDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
+def _samples(batch: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The batch's samples, one dict each (``"__key__"`` -> str, field -> its value)."""
+    names = list(batch)
+    columns = [batch[n] for n in names]
+    for values in zip(*columns, strict=True):
+        yield dict(zip(names, values, strict=True))
+
+
+def _transform_batch(
+    batch: Any,
+    transform: Callable[[dict[str, Any]], Any] | None,
+    batch_transform: Callable[[Any], Any] | None,
+    collate_fn: Callable[[list[Any]], Any],
+) -> Any:
+    """Runs the user's transform over one batch of zero-copy views, then returns the batch's lease
+    (only the result lives on: in a worker, it is what gets pickled to the trainer)."""
+    try:
+        if batch_transform is not None:
+            return batch_transform(batch)
+        assert transform is not None
+        out = []
+        for sample in _samples(batch):
+            try:
+                out.append(transform(sample))
+            except Exception as e:
+                # The key reaches the trainer too: torch re-raises a worker's exception with the
+                # worker's formatted traceback, notes included.
+                e.add_note(f"in the shardstream transform of sample {sample['__key__']!r}")
+                raise
+        return collate_fn(out)
+    finally:
+        batch.release()
+
+
+class IterableDataset(torch.utils.data.IterableDataset[Any]):
     """One rank's share of a dataset as batches (dicts), split among DataLoader workers.
 
-    Takes the same arguments as :class:`shardstream.Loader`. Call ``set_epoch`` before iterating a
-    new epoch (with ``persistent_workers=True`` the workers keep the epoch they started with).
+    Takes the same arguments as :class:`shardstream.Loader`, plus ``transform`` (per sample) or
+    ``batch_transform`` (per batch), the worker-side fast path (see the module's docs): they run on
+    the zero-copy views where the batch is read, in each DataLoader worker, and only their result
+    crosses to the trainer. With ``transform`` the batch's results go through ``collate_fn``
+    (default ``torch.utils.data.default_collate``). Call ``set_epoch`` before iterating a new epoch
+    (with ``persistent_workers=True`` the workers keep the epoch they started with).
     """
 
     def __init__(
@@ -80,8 +143,21 @@ class IterableDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
         cache: str = "auto",
         collate: str | None = None,
         format: str = "dict",
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        batch_transform: Callable[[Any], Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         super().__init__()
+        if transform is not None and batch_transform is not None:
+            raise ValueError("give transform (per sample) or batch_transform (per batch), not both")
+        if collate_fn is not None and transform is None:
+            raise ValueError("collate_fn combines the results of transform; it needs transform")
+        for name, fn in (("transform", transform), ("batch_transform", batch_transform), ("collate_fn", collate_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable, not {type(fn).__name__}")
+        self.transform = transform
+        self.batch_transform = batch_transform
+        self.collate_fn: Callable[[list[Any]], Any] = collate_fn or torch.utils.data.default_collate
         # Resolved here, in the parent: forked or spawned workers then reach the same daemon
         # (an embedded server, if one was started, lives in the parent).
         address = resolve_address(connect)
@@ -117,19 +193,38 @@ class IterableDataset(torch.utils.data.IterableDataset[dict[str, Any]]):
             self.start_batch = 0
         self.epoch = int(epoch)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        loader = Loader(self.url, copy=info is not None, _worker=(worker, num_workers), **self._kwargs)
+        transformed = self.transform is not None or self.batch_transform is not None
+        # A worker without a transform pickles whole batches, which memoryviews cannot be: copy. With
+        # one, the transform reads the views in place and only its result is pickled.
+        copy = info is not None and not transformed
+        loader = Loader(self.url, copy=copy, _worker=(worker, num_workers), **self._kwargs)
         state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
         loader.load_state_dict(state)
-        if self._kwargs["collate"] == "stack" or (loader.arrow and self._kwargs["format"] == "dict"):
-            yield from (_as_tensors(b) for b in loader)
-        else:
-            yield from loader
+        # Stacked fields, and the numeric columns of an Arrow batch in the dict form, become tensors.
+        stacked = self._kwargs["collate"] == "stack" or (loader.arrow and self._kwargs["format"] == "dict")
+        for batch in loader:
+            if stacked:
+                batch = _as_tensors(batch)
+            if transformed:
+                yield _transform_batch(batch, self.transform, self.batch_transform, self.collate_fn)
+            else:
+                yield batch
+            del batch  # not kept alive (with its lease) while the consumer holds the next one
 
 
-class DataLoader(torch.utils.data.DataLoader[dict[str, Any]]):
+def _convert(data: Any) -> Any:
+    """The DataLoader's per-batch conversion (``batch_size=None``): a raw batch as it is, anything
+    else (a transform's result) through torch's ``default_convert``. ``default_convert`` treats a
+    memoryview as a sequence and would turn each field of a zero-copy batch into lists of ints."""
+    if isinstance(data, Batch):
+        return data
+    return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+
+
+class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` over a shardstream :class:`IterableDataset` that counts the
     batches it yields, so ``state_dict()`` / ``load_state_dict()`` resume exactly (also in a new
     process after a crash). ``batch_size`` is fixed to None: the daemon forms the batches."""
@@ -139,6 +234,7 @@ class DataLoader(torch.utils.data.DataLoader[dict[str, Any]]):
             raise TypeError("shardstream.torch.DataLoader needs a shardstream.torch.IterableDataset")
         if kwargs.pop("batch_size", None) is not None:
             raise ValueError("batch_size is set on the dataset; the DataLoader must use batch_size=None")
+        kwargs.setdefault("collate_fn", _convert)
         super().__init__(dataset, batch_size=None, **kwargs)
         self._ss_dataset = dataset
         self._consumed = 0
