@@ -108,6 +108,8 @@ bench: venv-bench
 	$(CARGO) build --release -p shardstream --bin shardstream --example plan_quality --example index_memory --example s3_fetch --example s3_put
 	$(BENCH_VENV)/bin/python bench/run.py --out bench/RESULTS.md $(BENCH_ARGS)
 	$(BENCH_VENV)/bin/python bench/shm_bench.py --out bench/SHM_RESULTS.md
+	bash scripts/iperf3.sh
+	$(BENCH_VENV)/bin/python bench/inline_bench.py --out bench/INLINE_RESULTS.md
 	export SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)"; \
 	$(BENCH_VENV)/bin/python bench/pack_bench.py --out bench/PACK_RESULTS.md && \
 	$(BENCH_VENV)/bin/python bench/s3_bench.py --out bench/S3_RESULTS.md
