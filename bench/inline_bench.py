@@ -151,9 +151,14 @@ def iperf3_gbps() -> tuple[float, str]:
                 text=True,
                 check=False,
             )
-            if out.returncode == 0:
-                bps = json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]
-                return bps / 8e9, "iperf3, 1 stream, -l 1M"
+            try:
+                report = json.loads(out.stdout)
+            except json.JSONDecodeError:
+                report = {}
+            # Before the server listens, iperf3 reports an error (sometimes with status 0).
+            received = report.get("end", {}).get("sum_received")
+            if out.returncode == 0 and received and "error" not in report:
+                return received["bits_per_second"] / 8e9, "iperf3, 1 stream, -l 1M"
             time.sleep(0.1)  # the server not listening yet
         raise RuntimeError(f"iperf3 failed: {out.stderr or out.stdout[-500:]}")
     finally:
