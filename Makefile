@@ -111,6 +111,8 @@ bench: venv-bench
 	$(BENCH_VENV)/bin/python bench/decode_bench.py --out bench/DECODE_RESULTS.md $(DECODE_BENCH_ARGS)
 	$(BENCH_VENV)/bin/python bench/shm_bench.py --out bench/SHM_RESULTS.md
 	$(BENCH_VENV)/bin/python bench/parquet_bench.py --out bench/PARQUET_RESULTS.md
+	bash scripts/iperf3.sh
+	$(BENCH_VENV)/bin/python bench/inline_bench.py --out bench/INLINE_RESULTS.md
 	export SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)"; \
 	$(BENCH_VENV)/bin/python bench/pack_bench.py --out bench/PACK_RESULTS.md && \
 	$(BENCH_VENV)/bin/python bench/s3_bench.py --out bench/S3_RESULTS.md

@@ -14,7 +14,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import SHARDSTREAM
+from conftest import SHARDSTREAM, Daemon
 
 MIB = 1 << 20
 # The daemon's inline message limit (shardstream_proto::MAX_MESSAGE_BYTES).
@@ -124,3 +124,53 @@ def test_old_manifest_outlier_fails_mid_epoch_with_a_clear_error(daemon, tmp_pat
     assert delivered > 0, "expected the old manifest's stream to start"
     msg = str(err.value)
     assert "o-000003.tar" in msg and "shm" in msg, msg
+
+
+# The inline message limit of the `split_daemon`, lowered with the test knob so that batches of
+# the session dataset (samples of up to ~3 KiB) need several messages each.
+SPLIT_LIMIT = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def split_daemon(tmp_path_factory: pytest.TempPathFactory):
+    d = Daemon(tmp_path_factory.mktemp("split"), env={"SHARDSTREAM_INLINE_MESSAGE_BYTES": str(SPLIT_LIMIT)}).start()
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("fields", [None, ["json", "jpg"]])
+def test_batch_beyond_the_message_limit_is_split_and_joined(split_daemon, dataset, fields) -> None:
+    """Batches of ~150 KB under a 16 KiB message limit: each crosses in many parts and is joined
+    whole, every sample once with its bytes, samples without a field (`json` on 9 in 10) still
+    None at their own index; `fields` in another order than the shards' exercises the daemon's
+    compaction of each part."""
+    root, samples = dataset
+    loader = shardstream.Loader(
+        str(root), batch_size=100, shuffle=True, seed=5, transport="inline", fields=fields, connect=split_daemon.addr
+    )
+    wanted = fields or ["cls", "jpg", "json"]
+    got: dict[str, dict[str, bytes | None]] = {}
+    sizes = []
+    for batch in loader:
+        sizes.append(len(batch["__key__"]))
+        for i, key in enumerate(batch["__key__"]):
+            assert key not in got, f"{key} delivered twice"
+            got[key] = {f: None if batch[f][i] is None else bytes(batch[f][i]) for f in wanted}
+    assert loader.stats()["transport"] == "inline"
+    assert sizes == [100] * 10 + [3]
+    assert got == {k: {f: v.get(f) for f in wanted} for k, v in samples.items()}
+
+
+def test_a_sample_beyond_a_lowered_limit_is_refused_by_name(split_daemon, tmp_path: Path) -> None:
+    """One sample larger than any message is still refused when the stream opens, naming it: the
+    limit the knob sets is the one the open-time check uses."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    with wds.ShardWriter(str(root / "k-%06d.tar"), maxcount=10, verbose=0) as sink:
+        for i in range(20):
+            sink.write({"__key__": f"k{i:03d}", "bin": b"y" * (3 * SPLIT_LIMIT if i == 13 else 100)})
+    loader = shardstream.Loader(str(root), batch_size=4, shuffle=False, transport="inline", connect=split_daemon.addr)
+    with pytest.raises(ValueError) as err:
+        next(iter(loader))
+    msg = str(err.value)
+    assert "k-000001.tar" in msg and "sample 3" in msg, msg

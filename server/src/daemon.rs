@@ -76,6 +76,20 @@ impl DaemonConfig {
     }
 }
 
+/// Accepted TCP connections with Nagle's algorithm off. `serve_with_incoming` takes the sockets as
+/// they are (tonic's own `tcp_nodelay` applies only to listeners it binds), and with Nagle on the
+/// tail of every batch message waits for the client's ACK of the data before it.
+fn nodelay(
+    incoming: TcpListenerStream,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+    use tokio_stream::StreamExt;
+    incoming.map(|conn| {
+        let conn = conn?;
+        conn.set_nodelay(true)?;
+        Ok(conn)
+    })
+}
+
 enum Listener {
     Unix(UnixListener, PathBuf),
     Tcp(TcpListener),
@@ -184,6 +198,7 @@ impl BoundDaemon {
         let router = builder
             .initial_stream_window_size(shardstream_client::STREAM_WINDOW)
             .initial_connection_window_size(shardstream_client::CONNECTION_WINDOW)
+            .max_frame_size(shardstream_client::MAX_FRAME_SIZE)
             .add_service(svc);
         let address = self.address();
         tracing::info!(%address, cache_dir = %self.config.cache_dir.display(), "serving");
@@ -207,7 +222,7 @@ impl BoundDaemon {
                 (Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), signal)), Some(path))
             }
             Listener::Tcp(l) => {
-                (Box::pin(router.serve_with_incoming_shutdown(TcpListenerStream::new(l), signal)), None)
+                (Box::pin(router.serve_with_incoming_shutdown(nodelay(TcpListenerStream::new(l)), signal)), None)
             }
         };
         if notify {

@@ -29,9 +29,10 @@ use crate::index::{CacheMode, Dataset, LargestSample, Registry, Working};
 use crate::metrics::{ActiveStream, Metrics};
 use crate::plan::{self, EpochParams, WorkerParams};
 use crate::prefetch::{ConsumerGuard, Prefetcher};
+use crate::transport;
+use crate::transport::inline::{self, InlineBatchBuilder};
 use crate::transport::packed;
 use crate::transport::shm::{Session, ShmHub};
-use crate::transport::{self, inline::InlineBatchBuilder};
 use crate::{Error, Result};
 pub use status::to_status;
 
@@ -242,7 +243,7 @@ fn plan_stream(
     let transport = transport::negotiate(req.transport, shm.is_some())?;
     if transport == Transport::Inline {
         // Over shared memory no sample byte enters a message: only inline streams are limited.
-        check_inline_fits(&ds, u64::from(req.batch_size).min(summary.samples_per_rank))?;
+        check_inline_fits(&ds)?;
     }
     let collate =
         Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
@@ -295,28 +296,14 @@ fn plan_stream(
     })
 }
 
-/// Room for a batch's bytes in one inline message: the rest of [`MAX_MESSAGE_BYTES`] is for the
-/// keys and column tables.
-///
-/// [`MAX_MESSAGE_BYTES`]: shardstream_proto::MAX_MESSAGE_BYTES
-const INLINE_PAYLOAD_LIMIT: u64 = shardstream_proto::MAX_MESSAGE_BYTES as u64 - (1 << 20);
-
-/// Refuses an inline stream whose batches cannot fit a message, before it starts: a sample larger
-/// than any message (named, so it can be found), or batches of `batch` samples (the most a batch
-/// of this stream can hold) whose average size is over half the limit.
-fn check_inline_fits(ds: &Dataset, batch: u64) -> Result<()> {
-    let limit_mib = shardstream_proto::MAX_MESSAGE_BYTES >> 20;
+/// Refuses an inline stream with a sample larger than any message before it starts, naming the
+/// sample so it can be found. A batch of many samples beyond the limit is split over several
+/// messages instead (see [`build_batch`]).
+fn check_inline_fits(ds: &Dataset) -> Result<()> {
     if let Some(l) = ds.largest_sample
-        && l.bytes > INLINE_PAYLOAD_LIMIT
+        && l.bytes > inline::payload_limit()
     {
         return Err(oversized_sample(ds, l));
-    }
-    let avg_sample = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
-    if batch.saturating_mul(avg_sample) > INLINE_PAYLOAD_LIMIT / 2 {
-        return Err(Error::invalid(format!(
-            "batches of {batch} x ~{avg_sample} bytes per sample exceed the inline message limit of \
-             {limit_mib} MiB; use smaller batches, or shared memory (transport=\"shm\", same host)"
-        )));
     }
     Ok(())
 }
@@ -327,11 +314,11 @@ fn oversized_sample(ds: &Dataset, l: LargestSample) -> Error {
     let shard = ds.shards.get(l.shard).map_or_else(|| format!("#{}", l.shard), |m| m.url());
     let at = l.offset.map(|o| format!(" (at byte {o})")).unwrap_or_default();
     Error::invalid(format!(
-        "sample {} of shard {shard}{at} is {} bytes, larger than the inline message limit of {} MiB; read it \
+        "sample {} of shard {shard}{at} is {} bytes, larger than the inline message limit of {}; read it \
          over shared memory (transport=\"shm\", same host) or split the sample",
         l.local,
         l.bytes,
-        shardstream_proto::MAX_MESSAGE_BYTES >> 20
+        inline::limit_text()
     ))
 }
 
@@ -355,7 +342,9 @@ fn sample_of(
     }
 }
 
-/// Reads one batch (blocking).
+/// Reads one batch (blocking): one message, or several when the batch's bytes exceed
+/// [`inline::payload_limit`] (each part a run of whole samples; `InlineBatch.more` on all but the
+/// last).
 fn build_batch(
     ds: &Dataset,
     working: &mut Working,
@@ -363,36 +352,41 @@ fn build_batch(
     all_fields: bool,
     ids: &[u64],
     index: u64,
-) -> Result<(StreamMessage, u64)> {
+) -> Result<(Vec<StreamMessage>, u64)> {
+    let limit = inline::payload_limit();
     let avg = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0) as usize;
+    let capacity = |n: usize| avg.saturating_mul(n).saturating_add(4096).min(limit as usize);
     working.preload(ds, ids)?;
-    let mut b =
-        InlineBatchBuilder::new(fields, all_fields, ids.len(), avg.saturating_mul(ids.len()).saturating_add(4096));
+    let mut b = InlineBatchBuilder::new(fields, all_fields, ids.len(), capacity(ids.len()));
+    let (mut parts, mut bytes) = (Vec::new(), 0);
     let mut current = None;
-    for &id in ids {
+    for (i, &id) in ids.iter().enumerate() {
         let (resident, local) = sample_of(ds, working, id, &mut current)?;
+        // The region the sample's read appends to the part (its TAR members).
+        let region = resident.table.sample_range(local).map_or(0, |r| r.end.saturating_sub(r.start));
         // The open-time check knows only the samples the manifest or the scan described (an older
         // manifest records none): refuse an oversized one by name before reading its bytes.
-        if let Some(range) = resident.table.sample_range(local)
-            && range.end.saturating_sub(range.start) > INLINE_PAYLOAD_LIMIT
+        if region > limit
             && let Some((shard, _)) = &current
         {
-            let bytes = range.end - range.start;
-            return Err(oversized_sample(ds, LargestSample { shard: *shard, local, offset: Some(range.start), bytes }));
+            let range = resident.table.sample_range(local).unwrap_or_default();
+            return Err(oversized_sample(
+                ds,
+                LargestSample { shard: *shard, local, offset: Some(range.start), bytes: region },
+            ));
+        }
+        if !b.is_empty() && b.data_len() as u64 + region > limit {
+            let left = ids.len() - i;
+            let full = std::mem::replace(&mut b, InlineBatchBuilder::new(fields, all_fields, left, capacity(left)));
+            bytes += full.payload_bytes();
+            parts.push(full.finish(index, true));
         }
         b.add_sample(&resident, local)?;
     }
-    let bytes = b.payload_bytes();
-    if bytes > INLINE_PAYLOAD_LIMIT {
-        // Several large samples in one batch (the open-time check bounds each sample and the
-        // average only): a clear error rather than the transport's refusal to encode.
-        return Err(Error::invalid(format!(
-            "batch {index} holds {bytes} bytes, more than the inline message limit of {} MiB; use smaller \
-             batches, or shared memory (transport=\"shm\", same host)",
-            shardstream_proto::MAX_MESSAGE_BYTES >> 20
-        )));
-    }
-    Ok((StreamMessage { kind: Some(stream_message::Kind::InlineBatch(b.finish(index))) }, bytes))
+    bytes += b.payload_bytes();
+    parts.push(b.finish(index, false));
+    let messages = parts.into_iter().map(|p| StreamMessage { kind: Some(stream_message::Kind::InlineBatch(p)) });
+    Ok((messages.collect(), bytes))
 }
 
 /// Describes one batch for a shm client (blocking: may wait for the client's credits). No sample
@@ -799,15 +793,17 @@ async fn produce(
             let ids = &ids[..];
             let cancelled = || closed.is_closed() || stop.is_cancelled();
             if let Some(asm) = arrow {
-                return build_arrow_batch(ds, working, session.as_deref(), turn, asm, ids, index, &cancelled);
+                return build_arrow_batch(ds, working, session.as_deref(), turn, asm, ids, index, &cancelled)
+                    .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
             if let (Some(s), true) = (session, packed) {
                 let credit = s.take_turn(turn, &cancelled)?;
-                return build_packed_batch(ds, working, s, credit, fields, ids, index, &cancelled);
+                return build_packed_batch(ds, working, s, credit, fields, ids, index, &cancelled)
+                    .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
             let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
             let built = match session {
-                Some(s) => build_shm_batch(ds, &mut working, s, fields, ids, index, &cancelled),
+                Some(s) => build_shm_batch(ds, &mut working, s, fields, ids, index, &cancelled).map(|(m, b)| (vec![m], b)),
                 None => build_batch(ds, &mut working, fields, all_fields, ids, index),
             };
             working.end_batch();
@@ -861,18 +857,21 @@ async fn produce(
         };
         metrics.read_wait_us.fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
         match built {
-            Ok(((msg, bytes), waited)) => {
-                let samples = match &msg.kind {
-                    Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
-                    Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
-                    Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
-                    Some(stream_message::Kind::ArrowBatch(b)) => b.row_ids.len() as u64,
-                    _ => 0,
-                };
-                fail_point!("stream-send", |_| ());
-                if tx.send(Ok(msg)).await.is_err() {
-                    tracing::debug!("client left mid-stream");
-                    return;
+            Ok(((messages, bytes), waited)) => {
+                let mut samples = 0;
+                for msg in messages {
+                    samples += match &msg.kind {
+                        Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
+                        Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
+                        Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
+                        Some(stream_message::Kind::ArrowBatch(b)) => b.row_ids.len() as u64,
+                        _ => 0,
+                    };
+                    fail_point!("stream-send", |_| ());
+                    if tx.send(Ok(msg)).await.is_err() {
+                        tracing::debug!("client left mid-stream");
+                        return;
+                    }
                 }
                 metrics.batch_served(samples, bytes);
                 if let Some(c) = &consumer {

@@ -6,6 +6,10 @@
 //! along, ~1 KiB per sample, cheaper than moving 20 KiB); when only some fields are wanted, the
 //! wanted payloads are moved down over the rest, in place, so unwanted fields never cross the
 //! socket.
+//!
+//! A batch whose bytes do not fit one message (the 512 MiB message limit, or a lower limit set
+//! with `SHARDSTREAM_INLINE_MESSAGE_BYTES`, a knob for tests) is sent as several parts, each a
+//! run of whole samples; the client joins them.
 
 use bytes::Bytes;
 use shardstream_proto::{FieldColumn, InlineBatch};
@@ -14,7 +18,39 @@ use crate::Result;
 use crate::format::SampleLocation;
 use crate::index::ResidentShard;
 
-/// Gathers one batch.
+/// Room for a batch's bytes in one inline message by default: the rest of the message limit is
+/// for the keys and column tables.
+pub const DEFAULT_PAYLOAD_LIMIT: u64 = shardstream_proto::MAX_MESSAGE_BYTES as u64 - (1 << 20);
+
+/// Smallest limit the knob accepts: below it a part would hold less than a TAR header or two.
+const MIN_PAYLOAD_LIMIT: u64 = 4096;
+
+/// Bytes of sample data one inline message carries at most: [`DEFAULT_PAYLOAD_LIMIT`], or
+/// `SHARDSTREAM_INLINE_MESSAGE_BYTES` when set (lower only; read once per process), so tests can
+/// split batches without hundreds of MiB of data. A sample larger than this is refused by name.
+pub fn payload_limit() -> u64 {
+    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| parse_limit(std::env::var("SHARDSTREAM_INLINE_MESSAGE_BYTES").ok().as_deref()))
+}
+
+/// [`payload_limit`] for messages: "512 MiB" (the message limit), or the knob's bytes.
+pub fn limit_text() -> String {
+    match payload_limit() {
+        DEFAULT_PAYLOAD_LIMIT => format!("{} MiB", shardstream_proto::MAX_MESSAGE_BYTES >> 20),
+        bytes => format!("{bytes} bytes"),
+    }
+}
+
+/// The limit for the knob's value: unset, empty or unparsable values keep the default (the knob is
+/// for tests; a typo must not shrink a production daemon's messages to nothing).
+fn parse_limit(value: Option<&str>) -> u64 {
+    match value.map(str::trim).and_then(|v| v.parse::<u64>().ok()) {
+        Some(v) => v.clamp(MIN_PAYLOAD_LIMIT, DEFAULT_PAYLOAD_LIMIT),
+        None => DEFAULT_PAYLOAD_LIMIT,
+    }
+}
+
+/// Gathers one batch (or one part of a batch split over several messages).
 #[derive(Debug)]
 pub struct InlineBatchBuilder {
     keys: Vec<String>,
@@ -109,6 +145,11 @@ impl InlineBatchBuilder {
             .unwrap_or(region_start)
     }
 
+    /// Bytes gathered so far, TAR headers included: what the message will carry.
+    pub fn data_len(&self) -> usize {
+        self.data.len()
+    }
+
     pub fn len(&self) -> usize {
         self.keys.len()
     }
@@ -122,7 +163,23 @@ impl InlineBatchBuilder {
         self.payload_bytes
     }
 
-    pub fn finish(self, batch_index: u64) -> InlineBatch {
-        InlineBatch { batch_index, keys: self.keys, fields: self.columns, data: Bytes::from(self.data) }
+    /// The message. `more`: another part of the same batch follows.
+    pub fn finish(self, batch_index: u64, more: bool) -> InlineBatch {
+        InlineBatch { batch_index, keys: self.keys, fields: self.columns, data: Bytes::from(self.data), more }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_knob_only_lowers_the_limit_within_bounds() {
+        assert_eq!(parse_limit(None), DEFAULT_PAYLOAD_LIMIT);
+        assert_eq!(parse_limit(Some("")), DEFAULT_PAYLOAD_LIMIT);
+        assert_eq!(parse_limit(Some("1MiB")), DEFAULT_PAYLOAD_LIMIT);
+        assert_eq!(parse_limit(Some(" 65536 ")), 65536);
+        assert_eq!(parse_limit(Some("1")), MIN_PAYLOAD_LIMIT);
+        assert_eq!(parse_limit(Some("99999999999999")), DEFAULT_PAYLOAD_LIMIT);
     }
 }

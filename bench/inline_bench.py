@@ -1,0 +1,295 @@
+"""The inline transport (sample bytes inside the gRPC messages, what a trainer on another host
+gets) over loopback TCP, against a TCP bulk-transfer floor measured in the same run, written to
+bench/INLINE_RESULTS.md:
+
+1. **small samples**: ~18 KiB samples (16-20 KiB payload + a label), batch 256: samples/s;
+2. **large samples**: 1 MiB samples, batch 16: MB/s, and its ratio to the TCP floor;
+3. **TCP floor**: `iperf3`, one stream, `-l 1M`, over the same loopback interface (a Python socket
+   pair when iperf3 is not installed);
+4. **CPU per GB** delivered, on the daemon (its /proc/<pid>/stat delta) and the client (the
+   consumer process's own getrusage, its tokio threads included).
+
+Every round runs each measurement once, interleaved (so load from other work on the machine hits
+all of them alike); the table gives the median over rounds with the min-max spread, and ratios are
+medians of per-round ratios. Each epoch runs in a fresh consumer process against a warm daemon
+listening on tcp://127.0.0.1 (one untimed epoch of each dataset first). Every epoch is checked:
+each sample exactly once.
+
+`--variant NAME=SITE` adds another build of the package (a directory where its wheel was installed
+with `pip install --target`), measured in the same rounds: how a before/after comparison of two
+builds is made in one run (bench/INLINE.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import consumer  # noqa: E402
+import measure  # noqa: E402
+import shm_bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_BATCH = 256
+LARGE_BATCH = 16
+READY_TIMEOUT_S = 60.0
+IPERF_SECONDS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(site: str | None) -> dict[str, str]:
+    """The environment of a process that must import `site`'s build of the package (None: the
+    one installed in this interpreter)."""
+    env = {**os.environ, "SHARDSTREAM_LOG": os.environ.get("SHARDSTREAM_LOG", "warn")}
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+CLI = "import sys; sys.argv[0] = 'shardstream'; from shardstream._cli import main; main()"
+
+
+class TcpDaemon:
+    """`shardstream serve` of one build on a loopback TCP port, run through that build's own
+    console entry point (the daemon lives in the native module)."""
+
+    def __init__(self, site: str | None, workdir: Path) -> None:
+        self.env = env_for(site)
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        base = [sys.executable, "-c", CLI]
+        help_text = subprocess.run([*base, "serve", "--help"], env=self.env, capture_output=True, text=True).stdout
+        # Builds with the remote-endpoint security refuse plaintext TCP unless told.
+        extra = ["--insecure"] if "--insecure" in help_text else []
+        cmd = [*base, "serve", "--listen", self.addr, "--cache-dir", str(workdir / "cache"), *extra]
+        self.log = workdir / "daemon.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        status = [*base, "status", "--connect", self.addr]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log.read_text()[-500:]}")
+            if subprocess.run(status, env=self.env, capture_output=True, check=False).returncode == 0:
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"daemon not ready within {READY_TIMEOUT_S:.0f} s")
+
+    def cpu(self) -> float:
+        return measure.cpu_seconds(self.proc.pid) or 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def child_main(addr: str, url: str, field: str, batch: int) -> None:
+    """One epoch in this (fresh) process; prints the result as JSON."""
+    import shardstream
+
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    loader = shardstream.Loader(url, batch_size=batch, seed=0, connect=addr, transport="inline")
+    r = consumer.consume((b[field] for b in loader), t0, 0)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    r["client_cpu"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    r["transport"] = loader.stats().get("transport")
+    print(json.dumps(r))
+
+
+def epoch(d: TcpDaemon, url: str, field: str, batch: int, expected: int) -> dict[str, Any]:
+    cpu0 = d.cpu()
+    cmd = [sys.executable, __file__, "--child", d.addr, url, field, str(batch)]
+    out = subprocess.run(cmd, env=d.env, capture_output=True, text=True, check=False)
+    daemon_cpu = d.cpu() - cpu0
+    if out.returncode != 0:
+        raise RuntimeError(f"consumer failed ({out.returncode}): {out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["daemon_cpu"] = daemon_cpu
+    r["check"] = consumer.verdict(r.pop("ids"), expected)
+    if r["transport"] != "inline":
+        r["check"] += f" (transport {r['transport']})"
+    return r
+
+
+def iperf3_gbps() -> tuple[float, str]:
+    """Single-stream loopback TCP, 1 MiB writes, GB/s (10^9 B/s)."""
+    exe = shutil.which("iperf3")
+    if exe is None:
+        return socket_pair_gbps(), "Python socket pair, 1 MiB sendall/recv_into"
+    port = free_port()
+    srv = subprocess.Popen([exe, "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):
+            out = subprocess.run(
+                [exe, "-c", "127.0.0.1", "-p", str(port), "-l", "1M", "-t", str(IPERF_SECONDS), "-J"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            try:
+                report = json.loads(out.stdout)
+            except json.JSONDecodeError:
+                report = {}
+            # Before the server listens, iperf3 reports an error (sometimes with status 0).
+            received = report.get("end", {}).get("sum_received")
+            if out.returncode == 0 and received and "error" not in report:
+                return received["bits_per_second"] / 8e9, "iperf3, 1 stream, -l 1M"
+            time.sleep(0.1)  # the server not listening yet
+        raise RuntimeError(f"iperf3 failed: {out.stderr or out.stdout[-500:]}")
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def socket_pair_gbps(total: int = 4 << 30) -> float:
+    chunk = 1 << 20
+    lsock = socket.create_server(("127.0.0.1", 0))
+    port = lsock.getsockname()[1]
+
+    def sink() -> None:
+        conn, _ = lsock.accept()
+        buf = bytearray(chunk)
+        while conn.recv_into(buf):
+            pass
+        conn.close()
+
+    t = threading.Thread(target=sink)
+    t.start()
+    data = bytes(chunk)
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        t0 = time.perf_counter()
+        for _ in range(total // chunk):
+            c.sendall(data)
+        c.shutdown(socket.SHUT_WR)
+        t.join()
+    lsock.close()
+    return total / 1e9 / (time.perf_counter() - t0)
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=30_000, help="~18 KiB samples")
+    ap.add_argument("--large", type=int, default=600, help="1 MiB samples")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
+    ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/INLINE_RESULTS.md")
+    args = ap.parse_args()
+
+    make = shm_bench.tar_dataset
+    small_files = make(args.data / f"inline-small-{args.samples}", args.samples, 18 << 10, 1000, "jpg", True)
+    large_files = make(args.data / f"inline-large-{args.large}", args.large, 1 << 20, 64, "bin", True)
+    datasets = {
+        "small": (str(small_files[0].parent), "jpg", SMALL_BATCH, args.samples),
+        "large": (str(large_files[0].parent), "bin", LARGE_BATCH, args.large),
+    }
+    measure.warm(small_files)
+    measure.warm(large_files)
+    builds: dict[str, str | None] = {"this build": None}
+    for v in args.variant:
+        name, _, site = v.partition("=")
+        builds[name] = site
+    load_before = os.getloadavg()
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {(b, d): [] for b in builds for d in datasets}
+    floors: list[float] = []
+    floor_how = ""
+    with tempfile.TemporaryDirectory(prefix="inline-bench-") as tmp:
+        daemons: dict[str, TcpDaemon] = {}
+        try:
+            for i, (name, site) in enumerate(builds.items()):
+                work = Path(tmp) / f"d{i}"
+                work.mkdir()
+                daemons[name] = TcpDaemon(site, work)
+                for url, field, batch, n in datasets.values():
+                    epoch(daemons[name], url, field, batch, n)  # warm-up: index and verify once
+            for rnd in range(args.rounds):
+                g, floor_how = iperf3_gbps()
+                floors.append(g)
+                line = [f"round {rnd + 1}: tcp {g:.2f} GB/s"]
+                for name, d in daemons.items():
+                    for ds, (url, field, batch, n) in datasets.items():
+                        r = epoch(d, url, field, batch, n)
+                        results[(name, ds)].append(r)
+                        per_s, gb_s = r["samples"] / r["seconds"], r["bytes"] / 1e9 / r["seconds"]
+                        line.append(f"{name}/{ds} {per_s:,.0f}/s {gb_s:.2f} GB/s")
+                print("; ".join(line), flush=True)
+        finally:
+            for d in daemons.values():
+                d.stop()
+
+    def rate(r: dict[str, Any]) -> float:
+        return r["samples"] / r["seconds"]
+
+    def gbps(r: dict[str, Any]) -> float:
+        return r["bytes"] / 1e9 / r["seconds"]
+
+    lines = [
+        "# Inline transport over loopback TCP",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `python bench/inline_bench.py`"
+        f" (part of `make bench`): {args.rounds} interleaved rounds, median (min-max).",
+        "",
+        f"- Machine: {os.cpu_count()} CPUs; load average before {' '.join(f'{x:.2f}' for x in load_before)},"
+        f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+        f"- Daemon on tcp://127.0.0.1, warm; consumer in a fresh process per epoch, 0 workers, the common"
+        f" consumer (bench/consumer.py). Small: {args.samples:,} samples of 18 KiB + label, batch {SMALL_BATCH};"
+        f" large: {args.large:,} samples of 1 MiB + label, batch {LARGE_BATCH}. GB = 10^9 B of payload.",
+        f"- TCP floor: {floor_how}, {IPERF_SECONDS} s per round: {spread(floors, '.2f')} GB/s.",
+        "",
+        "| build | dataset | samples/s | GB/s | x TCP floor | daemon CPU-s/GB | client CPU-s/GB | check |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, ds), runs in results.items():
+        ratios = [gbps(r) / f for r, f in zip(runs, floors, strict=True)]
+        checks = "; ".join(sorted({r["check"] for r in runs}))
+        daemon_cpu = statistics.median(r["daemon_cpu"] * 1e9 / r["bytes"] for r in runs)
+        client_cpu = statistics.median(r["client_cpu"] * 1e9 / r["bytes"] for r in runs)
+        lines.append(
+            f"| {name} | {ds} | {spread([rate(r) for r in runs], ',.0f')} | {spread([gbps(r) for r in runs], '.2f')}"
+            f" | {statistics.median(ratios):.2f} | {daemon_cpu:.2f} | {client_cpu:.2f} | {checks} |"
+        )
+    if len(builds) > 1:
+        lines += ["", "Per-round ratios of this build over each other build (median, min-max):", ""]
+        for name in list(builds)[1:]:
+            for ds in datasets:
+                rs = [rate(a) / rate(b) for a, b in zip(results[("this build", ds)], results[(name, ds)], strict=True)]
+                lines.append(f"- {ds}: this build / {name} = {spread(rs, '.2f')}")
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
