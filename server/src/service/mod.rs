@@ -609,12 +609,12 @@ fn build_arrow_batch(
         }
         _ => {
             let msg = transport::arrow::inline_batch(index, ids.to_vec(), &batch)?;
-            if msg.data.len() > INLINE_PAYLOAD_LIMIT as usize {
+            if msg.data.len() as u64 > inline::payload_limit() {
                 return Err(Error::invalid(format!(
-                    "an Arrow batch of {} MiB does not fit an inline message ({} MiB); use a smaller batch_size \
+                    "an Arrow batch of {} bytes does not fit an inline message ({}); use a smaller batch_size \
                      or fewer fields",
-                    msg.data.len() >> 20,
-                    shardstream_proto::MAX_MESSAGE_BYTES >> 20
+                    msg.data.len(),
+                    inline::limit_text()
                 )));
             }
             msg
@@ -803,7 +803,9 @@ async fn produce(
             }
             let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
             let built = match session {
-                Some(s) => build_shm_batch(ds, &mut working, s, fields, ids, index, &cancelled).map(|(m, b)| (vec![m], b)),
+                Some(s) => {
+                    build_shm_batch(ds, &mut working, s, fields, ids, index, &cancelled).map(|(m, b)| (vec![m], b))
+                }
                 None => build_batch(ds, &mut working, fields, all_fields, ids, index),
             };
             working.end_batch();
