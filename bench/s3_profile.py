@@ -38,6 +38,23 @@ import s3_bench  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 
+def plain_curl(server: S3Server, prefix: str, names: list[str], concurrency: int) -> dict[str, Any]:
+    """The plain client when `s3_fetch` is not built: one `curl --parallel` process GETting every
+    shard object whole (SigV4 by curl), `concurrency` transfers at once, bytes to /dev/null."""
+    env = server.env()
+    user = f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}"
+    cfg = "".join(f'url = "{server.endpoint}/bench/{prefix}{n}"\noutput = "/dev/null"\n' for n in names)
+    cmd = [
+        "curl", "-sf", "--parallel", "--parallel-max", str(concurrency), "--aws-sigv4", "aws:amz:us-east-1:s3",
+        "--user", user, "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", "-w", "%{size_download}\\n", "-K", "-",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, input=cfg, capture_output=True, text=True, check=True)
+    seconds = time.perf_counter() - t0
+    got = sum(int(x) for x in out.stdout.split())
+    return {"bytes": got, "seconds": seconds, "mb_per_s": got / 1e6 / seconds, "requests": len(names)}
+
+
 def cold_epoch(
     tmp: Path, env: dict[str, str], server_pid: int, url: str, samples: int, args: list[str], perf: Path | None
 ) -> dict[str, Any]:
@@ -97,7 +114,10 @@ def main() -> None:
     try:
         for rnd in range(a.repeat):
             s0 = measure.cpu_seconds(server.proc.pid) or 0.0
-            plain = s3_bench.plain_client(env, "bench", prefix, a.concurrency)
+            if (Path(s3_bench.ROOT) / "target/release/examples/s3_fetch").exists():
+                plain = s3_bench.plain_client(env, "bench", prefix, a.concurrency)
+            else:
+                plain = plain_curl(server, prefix, [p.name for p in shards], a.concurrency)
             plain["server_cpu"] = (measure.cpu_seconds(server.proc.pid) or 0.0) - s0
             rows.append({"round": rnd, "run": "plain", **plain, "load": os.getloadavg()[0]})
             print(f"round {rnd} plain: {plain['mb_per_s']:.0f} MB/s", flush=True)
