@@ -58,7 +58,9 @@ def plain_curl(server: S3Server, prefix: str, names: list[str], concurrency: int
 def cold_epoch(
     tmp: Path, env: dict[str, str], server_pid: int, url: str, samples: int, args: list[str], perf: Path | None
 ) -> dict[str, Any]:
-    proc, addr = s3_bench.daemon(tmp, env, *args)
+    # `@NAME=VALUE` tokens set the daemon's environment (e.g. `@PYTHONPATH=DIR` with an older build).
+    extra = dict(t[1:].split("=", 1) for t in args if t.startswith("@"))
+    proc, addr = s3_bench.daemon(tmp, {**env, **extra}, *[t for t in args if not t.startswith("@")])
     recorder = None
     try:
         if perf is not None:
@@ -90,7 +92,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=16, help="ranged GETs in flight for the plain client")
     ap.add_argument(
-        "--config", action="append", default=[], help='name="daemon args" (repeatable; default: one default config)'
+        "--config",
+        action="append",
+        default=[],
+        help='name="daemon args" (repeatable; default: one default config); @K=V tokens set its environment',
     )
     ap.add_argument("--data", type=Path, default=Path(s3_bench.ROOT) / "bench/data")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "s3_profile.md")
