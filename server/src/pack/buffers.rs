@@ -12,6 +12,9 @@ use std::sync::Mutex;
 /// Most bytes of capacity the pool holds: a few thousand samples of ~20 KB, small next to the
 /// reorder window's [`super::read::MAX_BUFFERED_BYTES`].
 const MAX_POOLED_BYTES: usize = 64 << 20;
+/// Capacity of a new buffer: an image-sized sample with its headers fits without the buffer
+/// growing (each growth was a `realloc` that copied the sample so far into new pages).
+const NEW_CAPACITY: usize = 32 << 10;
 /// Buffers larger than this are freed, not pooled: a rare large sample should not pin its memory.
 const MAX_POOLED_BUFFER: usize = 1 << 20;
 
@@ -35,7 +38,7 @@ pub fn take() -> Vec<u8> {
             p.bytes -= buf.capacity();
             buf
         }
-        None => Vec::new(),
+        None => Vec::with_capacity(NEW_CAPACITY),
     }
 }
 
