@@ -112,7 +112,7 @@ pub struct ServeArgs {
     #[arg(long, env = "SHARDSTREAM_PREFETCH_PARALLEL", default_value_t = crate::prefetch::PrefetchConfig::default().parallel, value_parser = limits::parse_prefetch_parallel)]
     pub prefetch_parallel: usize,
     /// S3: bytes per ranged GET.
-    #[arg(long, env = "SHARDSTREAM_S3_PART_SIZE", default_value = "8MiB", value_parser = limits::parse_s3_get_part_size)]
+    #[arg(long, env = "SHARDSTREAM_S3_PART_SIZE", default_value = "32MiB", value_parser = limits::parse_s3_get_part_size)]
     pub s3_part_size: u64,
     /// S3: ranged GETs in flight per shard.
     #[arg(long, env = "SHARDSTREAM_S3_CONCURRENCY", default_value_t = crate::storage::s3::DEFAULT_CONCURRENCY, value_parser = limits::parse_s3_concurrency)]

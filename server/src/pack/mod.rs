@@ -12,7 +12,8 @@
 //!
 //! - [`walk`]: SRC walked in parallel, or `--files-from`; relative UTF-8 paths, nothing opened.
 //! - [`group`]: the catalog: files grouped into samples by key, labels, the packing order.
-//! - [`read`]: reader threads and the bounded reorder window feeding the writer.
+//! - [`read`]: reader threads and the bounded reorder window feeding the writer; [`buffers`]
+//!   recycles their sample buffers.
 //! - [`writer`]: shard boundaries and the shard files; [`ustar`] encodes TAR headers,
 //!   [`parquet`] writes Parquet shards.
 //! - [`dest`]: `--output` parsed, locked, and checked for someone else's dataset.
@@ -29,6 +30,7 @@
 //! `--resume` produces the same bytes as an uninterrupted one.
 
 pub mod beneath;
+pub mod buffers;
 pub mod cli;
 pub mod dest;
 pub mod group;

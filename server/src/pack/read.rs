@@ -201,7 +201,7 @@ pub fn load_sample<'a>(ctx: &ReadContext<'a>, sample: u32) -> Loaded<'a> {
         sources.insert(at, (LABEL_FIELD, label));
     }
 
-    let mut buf = Vec::new();
+    let mut buf = super::buffers::take();
     let mut members = Vec::with_capacity(sources.len());
     let mut streams = Vec::new();
     let (mut bad, mut files, mut payload) = (0u64, 0u64, 0u64);

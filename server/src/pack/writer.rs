@@ -99,7 +99,7 @@ impl CrcFile {
                 Err(e) => return Err(e),
             }
         }
-        self.pending.clear();
+        self.pending.drain(..).for_each(super::buffers::give_back);
         self.pending_bytes = 0;
         self.start_writeback();
         Ok(())

@@ -31,10 +31,13 @@ use tokio::sync::Semaphore;
 use super::retry::RetryConfig;
 use crate::{Error, Result};
 
-/// Bytes per ranged GET. S3 serves ~50-100 MB/s per connection; 8 MiB parts keep the per-request
-/// overhead (~10-30 ms to first byte) under 10% of a part's transfer time while letting a 1 GiB
-/// shard spread over many connections.
-pub const DEFAULT_PART_SIZE: u64 = 8 << 20;
+/// Bytes per ranged GET. S3 serves ~50-100 MB/s per connection, so a 32 MiB part takes ~0.3-0.6 s
+/// and the per-request overhead (~10-30 ms to first byte) stays under 10%, while a 1 GiB shard
+/// still spreads over [`DEFAULT_CONCURRENCY`] connections. Larger than the 8 MiB it was: every GET
+/// costs the server a request's work whatever its size (s3s-fs even hashes the whole object per
+/// GET), and on a small machine that CPU is taken from the loader's own download; a shard of up
+/// to 32 MiB is now one GET (bench/PROFILES.md: 0.55x -> 0.78x of a plain client on 2 cores).
+pub const DEFAULT_PART_SIZE: u64 = 32 << 20;
 
 /// Ranged GETs in flight per shard: 8 x ~80 MB/s saturates a 5 Gb/s share of the NIC per shard;
 /// the prefetcher downloads several shards at once for more.
@@ -44,9 +47,15 @@ pub const DEFAULT_CONCURRENCY: usize = 8;
 /// sockets and buffers (64 x [`WRITE_CHUNK`]) whatever the number of shards in flight.
 pub const MAX_GETS_IN_FLIGHT: usize = 64;
 
-/// Received bytes are gathered to this size before one positioned write: large enough that the
-/// write syscall is negligible, small enough that a download holds little memory.
+/// Received bytes are held until this many have arrived, then written with one positioned
+/// vectored write: large enough that the write syscall is negligible, small enough that a
+/// download holds little memory. The body's own buffers are written as they are: gathering them
+/// into one buffer first cost a copy of every downloaded byte, on a machine where the S3 server
+/// and the trainer want the same cores (bench/PROFILES.md).
 const WRITE_CHUNK: usize = 1 << 20;
+
+/// Most buffers in one `pwritev` (Linux's `IOV_MAX`).
+const MAX_IOVECS: usize = 1024;
 
 /// Whole downloads made of an object whose bytes do not match its ETag before the download fails:
 /// a corruption in transit is rare and random, a second one in a row rarer still.
@@ -509,7 +518,7 @@ impl S3Store {
         let mut backoff = self.options.retry.start();
         let mut pos = range.start;
         let mut crc = 0u32;
-        let mut buf: Vec<u8> = Vec::with_capacity(WRITE_CHUNK);
+        let mut buf = Received::default();
         loop {
             crate::metrics::storage_request("s3", "get");
             let failure = match self
@@ -533,7 +542,7 @@ impl S3Store {
                     loop {
                         match next_chunk(&mut body).await {
                             Ok(Some(chunk)) => {
-                                if pos + (buf.len() + chunk.len()) as u64 > range.end {
+                                if pos + (buf.len + chunk.len()) as u64 > range.end {
                                     break Some(Failure::Permanent(Error::Shard {
                                         shard: url.clone(),
                                         offset: Some(pos),
@@ -544,8 +553,8 @@ impl S3Store {
                                     }));
                                 }
                                 crc = crc32c::crc32c_append(crc, &chunk);
-                                buf.extend_from_slice(&chunk);
-                                if buf.len() >= WRITE_CHUNK {
+                                buf.push(chunk);
+                                if buf.len >= WRITE_CHUNK {
                                     let at = write_chunk(file, dest, &mut buf, pos).await?;
                                     observer.bytes(at - pos);
                                     pos = at;
@@ -592,15 +601,15 @@ impl S3Store {
             }
         }
 
-        async fn write_chunk(file: &Arc<File>, dest: &Arc<PathBuf>, buf: &mut Vec<u8>, pos: u64) -> Result<u64> {
-            if buf.is_empty() {
+        async fn write_chunk(file: &Arc<File>, dest: &Arc<PathBuf>, buf: &mut Received, pos: u64) -> Result<u64> {
+            if buf.len == 0 {
                 return Ok(pos);
             }
-            let data = std::mem::replace(buf, Vec::with_capacity(WRITE_CHUNK));
-            let n = data.len() as u64;
+            let data = std::mem::take(buf);
+            let n = data.len as u64;
             let (file, dest2) = (file.clone(), dest.clone());
             // Page-cache writes can block on writeback: keep them off the async workers.
-            tokio::task::spawn_blocking(move || file.write_all_at(&data, pos))
+            tokio::task::spawn_blocking(move || write_all_at(&file, &data.chunks, pos))
                 .await
                 .map_err(|e| Error::Internal(format!("write task failed: {e}")))?
                 .map_err(|e| Error::io("cannot write", dest2.as_path(), e))?;
@@ -608,6 +617,49 @@ impl S3Store {
             Ok(pos + n)
         }
     }
+}
+
+/// Body chunks received and not yet written, and their total length.
+#[derive(Default)]
+struct Received {
+    chunks: Vec<Bytes>,
+    len: usize,
+}
+
+impl Received {
+    fn push(&mut self, chunk: Bytes) {
+        self.len += chunk.len();
+        self.chunks.push(chunk);
+    }
+}
+
+/// Writes `chunks` back to back at `pos` with `pwritev`, [`MAX_IOVECS`] at a time, resuming after
+/// a short write.
+fn write_all_at(file: &File, chunks: &[Bytes], mut pos: u64) -> std::io::Result<()> {
+    let (mut first, mut skip) = (0usize, 0usize);
+    while first < chunks.len() {
+        let iov: Vec<std::io::IoSlice<'_>> = chunks[first..]
+            .iter()
+            .take(MAX_IOVECS)
+            .enumerate()
+            .map(|(i, c)| std::io::IoSlice::new(if i == 0 { &c[skip..] } else { c }))
+            .collect();
+        let mut n = match rustix::io::pwritev(file, &iov, pos) {
+            Ok(0) if iov.iter().any(|s| !s.is_empty()) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        pos += n as u64;
+        // Step past what was written, and past empty chunks, which write nothing.
+        while first < chunks.len() && n >= chunks[first].len() - skip {
+            n -= chunks[first].len() - skip;
+            first += 1;
+            skip = 0;
+        }
+        skip += n;
+    }
+    Ok(())
 }
 
 /// The MD5 an ETag stands for: a single-part upload's ETag is the hex MD5 of the object's bytes
@@ -693,6 +745,23 @@ mod tests {
         let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
         std::fs::write(&path, &bytes).unwrap();
         assert_eq!(file_md5(&File::open(&path).unwrap(), bytes.len() as u64).unwrap(), md5_of(&bytes));
+    }
+
+    #[test]
+    fn received_chunks_are_written_back_to_back_in_batches_of_iovecs() {
+        let dir = tempfile::tempdir().unwrap();
+        let file =
+            File::options().read(true).write(true).create(true).truncate(true).open(dir.path().join("f")).unwrap();
+        // More chunks than one pwritev takes, of uneven sizes, some empty.
+        let chunks: Vec<Bytes> =
+            (0..2_500u32).map(|i| Bytes::from(vec![(i % 251) as u8; (i % 7) as usize * 3])).collect();
+        let want: Vec<u8> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+        write_all_at(&file, &chunks, 5).unwrap();
+        let mut got = vec![0u8; want.len() + 5];
+        file.read_exact_at(&mut got, 0).unwrap();
+        assert_eq!(&got[..5], &[0; 5]);
+        assert!(got[5..] == want[..], "bytes differ");
+        write_all_at(&file, &[], 0).unwrap();
     }
 
     #[test]

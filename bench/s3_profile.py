@@ -1,0 +1,180 @@
+"""Cold S3 epochs against the plain concurrent GET client, interleaved and repeated, with the CPU of
+every party: the tool behind the cold-S3 section of bench/PROFILES.md (issue 12).
+
+Each round runs the plain client (`s3_fetch`, N concurrent ranged GETs, bytes discarded) and then
+one cold epoch per daemon configuration (`--config name="daemon args"`), each on a fresh daemon
+with an empty cache, so every ratio compares runs seconds apart on the same server. Per run it
+records MB/s of shards, the ratio to the plain client of the same round, CPU-seconds of the S3
+server, of the daemon and of the trainer process (the consumer and the native client), S3
+requests and bytes, and the load average. `--perf-record DIR` samples the daemon of the first
+round's cold epochs with `perf record -g` (one `perf.data` per config) for `perf report`.
+
+Run it against a release build (`maturin develop --release`, `cargo build --release --example
+s3_fetch`); it prints a markdown table and writes the raw rows as JSON next to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import gen  # noqa: E402
+import measure  # noqa: E402
+import s3_bench  # noqa: E402
+from s3server import S3Server  # noqa: E402
+
+
+def plain_curl(server: S3Server, prefix: str, names: list[str], concurrency: int) -> dict[str, Any]:
+    """The plain client when `s3_fetch` is not built: one `curl --parallel` process GETting every
+    shard object whole (SigV4 by curl), `concurrency` transfers at once, bytes to /dev/null."""
+    env = server.env()
+    user = f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}"
+    cfg = "".join(f'url = "{server.endpoint}/bench/{prefix}{n}"\noutput = "/dev/null"\n' for n in names)
+    cmd = [
+        "curl", "-sf", "--parallel", "--parallel-max", str(concurrency), "--aws-sigv4", "aws:amz:us-east-1:s3",
+        "--user", user, "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", "-w", "%{size_download}\\n", "-K", "-",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, input=cfg, capture_output=True, text=True, check=True)
+    seconds = time.perf_counter() - t0
+    got = sum(int(x) for x in out.stdout.split())
+    return {"bytes": got, "seconds": seconds, "mb_per_s": got / 1e6 / seconds, "requests": len(names)}
+
+
+def cold_epoch(
+    tmp: Path, env: dict[str, str], server_pid: int, url: str, samples: int, args: list[str], perf: Path | None
+) -> dict[str, Any]:
+    # `@NAME=VALUE` tokens set the daemon's environment (e.g. `@PYTHONPATH=DIR` with an older build).
+    extra = dict(t[1:].split("=", 1) for t in args if t.startswith("@"))
+    proc, addr = s3_bench.daemon(tmp, {**env, **extra}, *[t for t in args if not t.startswith("@")])
+    recorder = None
+    try:
+        if perf is not None:
+            recorder = subprocess.Popen(
+                ["perf", "record", "-g", "-F", "499", "-o", str(perf), "-p", str(proc.pid)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(0.5)
+        server0, daemon0 = measure.cpu_seconds(server_pid) or 0.0, measure.cpu_seconds(proc.pid) or 0.0
+        trainer0 = time.process_time()
+        r = s3_bench.loader_epoch(addr, url, 0, samples)
+        r["trainer_cpu"] = time.process_time() - trainer0
+        r["server_cpu"] = (measure.cpu_seconds(server_pid) or 0.0) - server0
+        r["daemon_cpu"] = (measure.cpu_seconds(proc.pid) or 0.0) - daemon0
+        st = s3_bench.status(addr)
+        r["requests"], r["storage_bytes"] = st["storage_requests"], st["storage_bytes"]
+    finally:
+        if recorder is not None:
+            recorder.send_signal(signal.SIGINT)
+            recorder.wait(timeout=60)
+        s3_bench.stop(proc)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=40_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=16, help="ranged GETs in flight for the plain client")
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help='name="daemon args" (repeatable; default: one default config); @K=V tokens set its environment',
+    )
+    ap.add_argument("--data", type=Path, default=Path(s3_bench.ROOT) / "bench/data")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "s3_profile.md")
+    ap.add_argument("--perf-record", type=Path, help="directory for perf.data of the first round's cold epochs")
+    a = ap.parse_args()
+    configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1])) for c in a.config] or [("default", [])]
+
+    spec = gen.Spec(samples=a.samples)
+    base = gen.ensure(a.data, spec, ["wds"])
+    bucket = a.data / "s3" / "bench"
+    s3_bench.link_tree(base / "wds", bucket / f"{spec.key()}/wds")
+    s3_bench.shardstream_index(bucket / f"{spec.key()}/wds")
+    shards = sorted((bucket / f"{spec.key()}/wds").glob("*.tar"))
+    shard_bytes = sum(p.stat().st_size for p in shards)
+    measure.warm(shards)
+    server = S3Server(a.data / "s3").start()
+    env, url, prefix = server.env(), f"s3://bench/{spec.key()}/wds/", f"{spec.key()}/wds/"
+    scratch = Path(tempfile.mkdtemp(prefix="s3prof-"))
+    rows: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
+    try:
+        for rnd in range(a.repeat):
+            s0 = measure.cpu_seconds(server.proc.pid) or 0.0
+            if (Path(s3_bench.ROOT) / "target/release/examples/s3_fetch").exists():
+                plain = s3_bench.plain_client(env, "bench", prefix, a.concurrency)
+            else:
+                plain = plain_curl(server, prefix, [p.name for p in shards], a.concurrency)
+            plain["server_cpu"] = (measure.cpu_seconds(server.proc.pid) or 0.0) - s0
+            rows.append({"round": rnd, "run": "plain", **plain, "load": os.getloadavg()[0]})
+            print(f"round {rnd} plain: {plain['mb_per_s']:.0f} MB/s", flush=True)
+            for name, args in configs:
+                d = scratch / f"{name}-{rnd}"
+                d.mkdir()
+                perf = a.perf_record / f"{name}.perf.data" if a.perf_record and rnd == 0 else None
+                r = cold_epoch(d, env, server.proc.pid, url, spec.samples, args, perf)
+                r["mb_per_s"] = shard_bytes / 1e6 / r["seconds"]
+                r["ratio"] = r["mb_per_s"] / plain["mb_per_s"]
+                rows.append({"round": rnd, "run": name, **r, "load": os.getloadavg()[0]})
+                print(f"round {rnd} {name}: {r['mb_per_s']:.0f} MB/s ({r['ratio']:.2f}x), {r['check']}", flush=True)
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    report(a, configs, rows, shard_bytes, len(shards), load_before)
+
+
+def report(a, configs, rows, shard_bytes: int, shards: int, load_before) -> None:
+    lines = [
+        f"`python bench/s3_profile.py --samples {a.samples} --repeat {a.repeat} --concurrency {a.concurrency}"
+        + "".join(f" --config {shlex.quote(c)}" for c in a.config)
+        + f"`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {shards} shards, {shard_bytes / 1e9:.2f} GB;"
+        f" load average before {' '.join(f'{x:.2f}' for x in load_before)},"
+        f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+        "",
+        "| run | MB/s (median, min-max) | x plain, same round (median, min-max) | server CPU-s | daemon CPU-s |"
+        " trainer CPU-s | GETs | check |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def span(xs: list[float], d: int = 0) -> str:
+        return f"{statistics.median(xs):,.{d}f} ({min(xs):,.{d}f}-{max(xs):,.{d}f})"
+
+    def med(rs: list[dict[str, Any]], k: str) -> str:
+        return f"{statistics.median(r[k] for r in rs):.2f}" if k in rs[0] else ""
+
+    for name in ["plain"] + [n for n, _ in configs]:
+        rs = [r for r in rows if r["run"] == name]
+        ratio = span([r["ratio"] for r in rs], 2) if name != "plain" else "1.00"
+        checks = ",".join(sorted({r.get("check", "-") for r in rs}))
+        lines.append(
+            f"| {name} | {span([r['mb_per_s'] for r in rs])} | {ratio} | {med(rs, 'server_cpu')} |"
+            f" {med(rs, 'daemon_cpu')} |"
+            f" {med(rs, 'trainer_cpu')} | {int(statistics.median(r['requests'] for r in rs))} | {checks} |"
+        )
+    text = "\n".join(lines) + "\n"
+    a.out.write_text(text)
+    a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
