@@ -233,7 +233,7 @@ mod tests {
     #[test]
     fn serve_defaults_are_in_range() {
         let Command::Serve(args) = parse(SERVE).unwrap().command else { panic!() };
-        assert_eq!(args.s3_part_size, 8 * MIB);
+        assert_eq!(args.s3_part_size, 32 * MIB);
         assert!(args.prefetch_parallel >= 1 && args.shm_credits >= 1 && args.ring_slots >= 1);
     }
 
