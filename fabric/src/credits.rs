@@ -311,9 +311,9 @@ mod tests {
 
     #[test]
     fn arrivals_reject_protocol_violations() {
-        let mut a: Arrivals<()> = Arrivals::new(4, 0).unwrap();
+        let mut a: Arrivals<()> = Arrivals::new(3, 0).unwrap();
         let imm = a.immediate();
-        assert!(matches!(a.on_write(imm.encode(0, 5) | 4), Err(ProtocolError::NoSuchSlot { .. })));
+        assert!(matches!(a.on_write(imm.encode(0, 0) | 3), Err(ProtocolError::NoSuchSlot { slot: 3, .. })));
         a.on_write(imm.encode(0, 1)).unwrap();
         assert_eq!(a.on_write(imm.encode(1, 1)), Err(ProtocolError::SlotInUse { slot: 1 }));
         a.on_meta(0, 1, ()).unwrap();

@@ -398,8 +398,8 @@ pub struct Context {
     pub internal: [*mut c_void; 4],
 }
 
-impl Context {
-    pub const fn new() -> Self {
+impl Default for Context {
+    fn default() -> Self {
         Self { internal: [std::ptr::null_mut(); 4] }
     }
 }

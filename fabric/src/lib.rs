@@ -15,6 +15,7 @@
 pub mod credits;
 pub mod ffi;
 pub mod objects;
+pub mod stream;
 
 use std::sync::OnceLock;
 

@@ -45,6 +45,9 @@ pub struct Fabric {
     mr_mode: i32,
     cq_data_size: usize,
     rx_cq_data: bool,
+    /// False for shm (1.17): its `fi_cq_sread` waits by yielding and never returns on timeout,
+    /// so a caller that must also watch another channel would hang.
+    sread_honours_timeout: bool,
 }
 
 // SAFETY: the domain is opened with FI_THREAD_SAFE (checked in `open`), so libfabric serialises
@@ -124,7 +127,8 @@ impl Fabric {
             unsafe { (lib.freeinfo)(info.as_ptr()) };
             return Err(call_err(lib, "fi_fabric", rc as isize));
         };
-        let f = Fabric { lib, info, fabric, provider, mr_mode, cq_data_size, rx_cq_data };
+        let sread_honours_timeout = !provider.split(';').any(|p| p == "shm");
+        let f = Fabric { lib, info, fabric, provider, mr_mode, cq_data_size, rx_cq_data, sread_honours_timeout };
         if threading != ffi::FI_THREAD_SAFE {
             return Err(Error::NoProvider {
                 provider: Some(f.provider.clone()),
@@ -367,7 +371,7 @@ impl Endpoint {
             return Err(call_err(lib, "fi_endpoint", rc as isize));
         };
         let contexts: Box<[UnsafeCell<ffi::Context>]> =
-            (0..contexts).map(|_| UnsafeCell::new(ffi::Context::new())).collect();
+            (0..contexts).map(|_| UnsafeCell::new(ffi::Context::default())).collect();
         let pending = Mutex::new((0..contexts.len()).map(|_| None).collect());
         // From here on Drop closes ep and av.
         let me = Endpoint { domain: domain.clone(), cq: cq.clone(), av, ep, contexts, pending };
@@ -572,6 +576,12 @@ impl Endpoint {
         let mut entries =
             [ffi::CqDataEntry { op_context: ptr::null_mut(), flags: 0, len: 0, buf: ptr::null_mut(), data: 0 }; 16];
         let cq = self.cq.cq.as_ptr();
+        let wait = wait.filter(|w| !w.is_zero());
+        if let Some(w) = wait
+            && !self.fabric().sread_honours_timeout
+        {
+            return self.poll_spinning(w);
+        }
         // SAFETY: live cq of FI_CQ_FORMAT_DATA; `entries` holds 16 such entries.
         let rc = unsafe {
             match wait {
@@ -609,6 +619,19 @@ impl Endpoint {
             }
         }
         Ok(out)
+    }
+
+    /// `poll` for providers whose blocking read ignores its timeout: non-blocking reads with
+    /// short sleeps until something arrives or `wait` passes.
+    fn poll_spinning(&self, wait: Duration) -> Result<Vec<Completion>> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let got = self.poll(None)?;
+            if !got.is_empty() || std::time::Instant::now() >= deadline {
+                return Ok(got);
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
 
     fn read_error(&self) -> Result<Completion> {
