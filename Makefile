@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all demo test test-deploy bench chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: all demo test test-deploy bench bench-rdma chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
 .PHONY: fmt-py typos typecheck deny msrv fuzz fuzz-short
 
 help:
@@ -67,6 +67,7 @@ msrv: venv
 
 # The failpoint tests need the `failpoints` feature (off in every other build).
 rust-test:
+	bash scripts/libfabric.sh
 	$(CARGO) test --workspace
 	$(CARGO) test -p shardstream --features failpoints --test failpoints
 
@@ -81,6 +82,7 @@ fuzz:
 # The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine); the
 # failpoint tests a daemon built with `--features failpoints`; tests/chaos the short chaos suite.
 py-test: develop
+	bash scripts/libfabric.sh
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" SHARDSTREAM_FAIL_BIN="$$(bash scripts/failpoint-bin.sh)" \
 		$(PY) -m pytest -q tests loader-py/tests --ignore=tests/deploy
 
@@ -111,6 +113,13 @@ bench: venv-bench
 	export SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)"; \
 	$(BENCH_VENV)/bin/python bench/pack_bench.py --out bench/PACK_RESULTS.md && \
 	$(BENCH_VENV)/bin/python bench/s3_bench.py --out bench/S3_RESULTS.md
+	$(MAKE) bench-rdma
+
+# The rdma data plane's raw ring writes vs single-stream iperf3, same run (libfabric tcp/shm).
+bench-rdma:
+	bash scripts/libfabric.sh --dev
+	$(CARGO) build --release -p shardstream-fabric --example ringwrite
+	$(PY) bench/rdma_bench.py --out bench/RDMA_RESULTS.md
 
 clean:
 	$(CARGO) clean
