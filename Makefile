@@ -119,7 +119,7 @@ bench: venv-bench
 bench-rdma:
 	bash scripts/libfabric.sh --dev
 	$(CARGO) build --release -p shardstream-fabric --example ringwrite
-	$(PY) bench/rdma_bench.py --out bench/RDMA_RESULTS.md
+	python3 bench/rdma_bench.py --out bench/RDMA_RESULTS.md
 
 clean:
 	$(CARGO) clean

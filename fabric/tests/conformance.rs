@@ -110,6 +110,21 @@ fn single_slot_ring_serialises_the_stream() {
     }
 }
 
+/// A provider that does not exist (or has no device here, like verbs and efa) is an error that
+/// names it, never a silent fallback to another provider.
+#[test]
+fn unknown_or_absent_provider_is_a_named_error() {
+    if !available() {
+        return;
+    }
+    for p in ["no-such-provider", "verbs;ofi_rxm"] {
+        let err = shardstream_fabric::Fabric::open(Some(p)).err().expect("no such provider here");
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("{p:?}")), "{msg}");
+        assert!(msg.contains("no libfabric provider"), "{msg}");
+    }
+}
+
 /// A client that takes batches but never releases them holds exactly its credits; the daemon
 /// reports it stalled after its timeout instead of writing over held slots.
 #[test]
