@@ -179,9 +179,10 @@ impl Connection {
                 "auto" => Transport::Auto,
                 "inline" => Transport::Inline,
                 "shm" => Transport::Shm,
+                "rdma" => Transport::Rdma,
                 other => {
                     return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                        "transport must be \"auto\", \"shm\" or \"inline\", not {other:?}"
+                        "transport must be \"auto\", \"shm\", \"rdma\" or \"inline\", not {other:?}"
                     )));
                 }
             };
@@ -203,6 +204,7 @@ impl Connection {
                 expected_fingerprint,
                 cache: cache.to_owned(),
                 collate: collate as i32,
+                rdma_offer: None,
             };
             let mut c = self.client(py)?;
             let inner =
@@ -277,8 +279,9 @@ impl Stream {
             let d = PyDict::new(py);
             let h = &self.header;
             let transport = match Transport::try_from(h.transport) {
-                Ok(Transport::Shm) => "shm",
-                _ => "inline",
+                Ok(Transport::Shm) => "shm".to_owned(),
+                Ok(Transport::Rdma) => format!("rdma/{}", h.rdma_provider),
+                _ => "inline".to_owned(),
             };
             d.set_item("transport", transport)?;
             d.set_item("fingerprint", &h.fingerprint)?;

@@ -38,6 +38,8 @@ pub struct DaemonConfig {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Credits and ring slots of the shared-memory transport.
     pub shm: crate::transport::shm::ShmConfig,
+    /// `Some(provider)`: serve transport="rdma" (`--rdma`), with that provider or the client's.
+    pub rdma: Option<Option<String>>,
     /// Mode and group of the Unix sockets (owner-only by default).
     pub socket_access: crate::socket_file::SocketAccess,
     /// After SIGTERM: how long in-flight streams get to end before the daemon exits anyway.
@@ -61,6 +63,7 @@ impl DaemonConfig {
             s3: crate::storage::s3::S3Options::default(),
             metrics_addr: None,
             shm: crate::transport::shm::ShmConfig::default(),
+            rdma: None,
             socket_access: crate::socket_file::SocketAccess::default(),
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             sd_notify: false,
@@ -78,6 +81,7 @@ enum Listener {
 pub struct BoundDaemon {
     listener: Listener,
     shm: Option<Arc<crate::transport::shm::ShmHub>>,
+    rdma: Option<Arc<crate::transport::rdma::RdmaHub>>,
     config: DaemonConfig,
     pub metrics: Arc<Metrics>,
 }
@@ -108,7 +112,18 @@ impl BoundDaemon {
                 (Listener::Tcp(TcpListener::bind(hp).await.map_err(|e| Error::io("cannot listen on", hp, e))?), None)
             }
         };
-        Ok(Self { listener, shm, config, metrics: Arc::default() })
+        let rdma = match &config.rdma {
+            Some(provider) => {
+                let p = provider.clone();
+                let hub = tokio::task::spawn_blocking(move || crate::transport::rdma::RdmaHub::start(p))
+                    .await
+                    .map_err(|e| Error::Internal(format!("rdma start-up failed: {e}")))??;
+                tracing::info!(provider = %hub.opened, "serving transport=\"rdma\"");
+                Some(Arc::new(hub))
+            }
+            None => None,
+        };
+        Ok(Self { listener, shm, rdma, config, metrics: Arc::default() })
     }
 
     /// The address clients use (with the real port when TCP port 0 was asked for).
@@ -145,7 +160,8 @@ impl BoundDaemon {
             self.shm.clone(),
             Some(prefetch.clone()),
         )
-        .with_access(cfg.allow.clone());
+        .with_access(cfg.allow.clone())
+        .with_rdma(self.rdma.clone());
         let svc = ShardstreamServer::new(service)
             .max_decoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES);
