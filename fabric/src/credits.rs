@@ -10,7 +10,7 @@
 //! release the slot before the daemon sees its own local completion of that write. So a release of
 //! a slot still `Writing` that batch is legal and frees the slot when the local completion comes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 /// Immediates are 32 bits: verbs and EFA carry no more (`cq_data_size` 4), whatever tcp offers.
 pub const IMMEDIATE_BITS: u32 = 32;
@@ -162,7 +162,7 @@ pub enum ProtocolError {
     SlotInUse { slot: u32 },
     #[error("metadata for batch {batch} names slot {slot}, but the ring has {slots} slots")]
     MetaNoSuchSlot { batch: u64, slot: u32, slots: u32 },
-    #[error("metadata for batch {batch} arrived twice, or for a batch already delivered")]
+    #[error("metadata for batch {batch} arrived twice or out of order (batch indices only increase)")]
     DuplicateMeta { batch: u64 },
     #[error("batch {batch}: its metadata says slot {slot} but the write into that slot carried immediate {imm:#x}")]
     Mismatch { batch: u64, slot: u32, imm: u32 },
@@ -177,17 +177,19 @@ pub struct Ready<M> {
 }
 
 /// The client's join of immediates (which slot was written) with gRPC metadata (which batch it
-/// is), releasing batches strictly in batch order from `first_batch` on.
+/// is), releasing batches in the metadata's order. Batch indices only increase along a stream
+/// (from `first_batch` on) but need not be consecutive: a DataLoader worker gets every n-th batch.
 #[derive(Debug)]
 pub struct Arrivals<M> {
     imm: Immediate,
     slots: u32,
     /// Immediate seen per slot, waiting for its metadata.
     written: BTreeMap<u32, u32>,
-    /// Metadata seen per batch: (slot, meta).
-    meta: BTreeMap<u64, (u32, M)>,
+    /// Metadata in arrival order: (batch, slot, meta).
+    meta: VecDeque<(u64, u32, M)>,
     /// Slots the client reads now (delivered, not yet released).
     held: Vec<bool>,
+    /// The smallest batch index the next metadata may carry.
     next_batch: u64,
 }
 
@@ -197,7 +199,7 @@ impl<M> Arrivals<M> {
             imm: Immediate::for_slots(slots)?,
             slots,
             written: BTreeMap::new(),
-            meta: BTreeMap::new(),
+            meta: VecDeque::new(),
             held: vec![false; slots as usize],
             next_batch: first_batch,
         })
@@ -225,25 +227,24 @@ impl<M> Arrivals<M> {
         if slot >= self.slots {
             return Err(ProtocolError::MetaNoSuchSlot { batch, slot, slots: self.slots });
         }
-        if batch < self.next_batch || self.meta.contains_key(&batch) {
+        if batch < self.next_batch {
             return Err(ProtocolError::DuplicateMeta { batch });
         }
-        self.meta.insert(batch, (slot, meta));
+        self.next_batch = batch + 1;
+        self.meta.push_back((batch, slot, meta));
         Ok(())
     }
 
-    /// The next batch in order whose write and metadata are both in, now held by the client.
+    /// The oldest batch whose metadata and write are both in, now held by the client.
     pub fn next_ready(&mut self) -> Result<Option<Ready<M>>, ProtocolError> {
-        let Some(&(slot, _)) = self.meta.get(&self.next_batch) else { return Ok(None) };
+        let Some(&(batch, slot, _)) = self.meta.front() else { return Ok(None) };
         let Some(&imm) = self.written.get(&slot) else { return Ok(None) };
-        let batch = self.next_batch;
         if !self.imm.matches(imm, batch, slot) {
             return Err(ProtocolError::Mismatch { batch, slot, imm });
         }
         self.written.remove(&slot);
-        let Some((_, meta)) = self.meta.remove(&batch) else { return Ok(None) };
+        let Some((batch, slot, meta)) = self.meta.pop_front() else { return Ok(None) };
         self.held[slot as usize] = true;
-        self.next_batch += 1;
         Ok(Some(Ready { batch, slot, meta }))
     }
 
@@ -262,6 +263,7 @@ impl<M> Arrivals<M> {
         self.held.iter().filter(|h| **h).count()
     }
 
+    /// The smallest batch index the next metadata may carry.
     pub fn next_batch(&self) -> u64 {
         self.next_batch
     }
@@ -325,6 +327,20 @@ mod tests {
         a.on_write(imm.encode(2, 1)).unwrap();
         a.on_meta(1, 1, ()).unwrap();
         assert!(matches!(a.next_ready(), Err(ProtocolError::Mismatch { batch: 1, .. })));
+    }
+
+    #[test]
+    fn strided_batches_of_a_dataloader_worker_are_delivered() {
+        let mut a: Arrivals<()> = Arrivals::new(2, 1).unwrap();
+        let imm = a.immediate();
+        for (batch, slot) in [(1u64, 0u32), (3, 1), (5, 0)] {
+            a.on_meta(batch, slot, ()).unwrap();
+            a.on_write(imm.encode(batch, slot)).unwrap();
+            let r = a.next_ready().unwrap().unwrap();
+            assert_eq!((r.batch, r.slot), (batch, slot));
+            assert!(a.release(slot));
+        }
+        assert_eq!(a.on_meta(4, 1, ()), Err(ProtocolError::DuplicateMeta { batch: 4 }));
     }
 
     proptest! {
