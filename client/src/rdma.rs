@@ -29,6 +29,22 @@ fn err(e: impl std::fmt::Display) -> ClientError {
 pub struct RdmaRing {
     rx: Mutex<RingReceiver<()>>,
     pub provider: String,
+    /// What the progress thread met, for the next `receive` to report.
+    failed: Mutex<Option<String>>,
+}
+
+/// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
+/// ring. The lock is held only for one short wait at a time, so `receive` gets in promptly.
+fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
+    while let Some(r) = ring.upgrade() {
+        let res = r.lock().progress(Duration::from_millis(20));
+        if let Err(e) = res {
+            *r.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
+            return;
+        }
+        drop(r);
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 impl RdmaRing {
@@ -55,7 +71,13 @@ impl RdmaRing {
             slot_bytes: o.slot_bytes,
             provider: o.provider.clone(),
         };
-        Ok((Arc::new(Self { rx: Mutex::new(rx), provider: o.provider }), offer))
+        let ring = Arc::new(Self { rx: Mutex::new(rx), provider: o.provider, failed: Mutex::new(None) });
+        let weak = Arc::downgrade(&ring);
+        std::thread::Builder::new()
+            .name("shardstream-rdma-progress".into())
+            .spawn(move || progress_loop(weak))
+            .map_err(|e| err(format!("cannot start the progress thread: {e}")))?;
+        Ok((ring, offer))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, RingReceiver<()>> {
@@ -69,6 +91,9 @@ impl RdmaRing {
 
     /// Waits for `b`'s bytes, copies them out of the ring and returns the slot at once.
     pub fn receive(&self, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
+        if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).clone() {
+            return Err(err(e));
+        }
         let mut rx = self.lock();
         rx.on_meta(b.batch_index, b.slot, ()).map_err(err)?;
         let started = Instant::now();

@@ -170,6 +170,13 @@ impl<M> RingReceiver<M> {
         Ok(any)
     }
 
+    /// Drives the endpoint (waiting up to `wait`) without delivering anything: under manual
+    /// progress (tcp) the daemon's connection and writes advance only while the client is inside
+    /// libfabric, so a client between batches must keep calling this.
+    pub fn progress(&mut self, wait: Duration) -> StreamResult<bool> {
+        self.pump(Some(wait))
+    }
+
     /// The bytes of a batch this receiver delivered and still holds.
     pub fn bytes(&self, ready: &Ready<M>, len: usize) -> StreamResult<&[u8]> {
         let len = len.min(self.slot_bytes);

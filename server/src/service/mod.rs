@@ -434,6 +434,9 @@ fn build_rdma_batch(
             data.len()
         })
         .map_err(|e| Error::Unavailable(format!("rdma stream to the client failed: {e}")))?;
+    // The metadata must not overtake the bytes, and under manual progress (tcp) a posted write
+    // advances only while this side is inside libfabric: wait for its local completion.
+    r.sender.flush().map_err(|e| Error::Unavailable(format!("rdma stream to the client failed: {e}")))?;
     let batch = RdmaBatch { batch_index: index, slot, keys: b.keys, fields: b.fields, data_bytes: b.data.len() as u64 };
     Ok((StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(batch)) }, bytes))
 }
@@ -765,6 +768,15 @@ async fn produce(
                 let _ = tx.send(Err(to_status(e))).await;
                 return;
             }
+        }
+    }
+    // rdma: the endpoint must outlive the last batch until the client has taken it (closing it
+    // earlier can reset the connection under the last write); bounded by the stall time.
+    if let Some(r) = rdma {
+        let drain = tokio::task::spawn_blocking(move || r.lock().unwrap_or_else(|p| p.into_inner()).sender.drain());
+        tokio::select! {
+            _ = drain => {}
+            _ = tx.closed() => {}
         }
     }
 }
