@@ -160,7 +160,9 @@ class Loader:
         world_size: int | None = None,
         drop_last: bool = False,
         connect: str = "auto",
-        transport: str = "auto",  # "shm" (same host, Unix socket), "rdma" (libfabric; daemon --rdma), "inline", or "auto" (shm when possible)
+        # "shm" (same host, Unix socket), "rdma" (libfabric; daemon --rdma), "inline", or "auto"
+        # (shm when possible)
+        transport: str = "auto",
         shuffle_window: int = 0,
         cache: str = "auto",  # "copy" (through the node cache), "direct" (in place), "auto"
         copy: bool = False,
