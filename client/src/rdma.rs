@@ -25,12 +25,22 @@ fn err(e: impl std::fmt::Display) -> ClientError {
     ClientError::Rdma(e.to_string())
 }
 
+/// The daemon's end failing (killed, connection reset) is a lost connection, like gRPC's: the
+/// same stream may be resumed against a restarted daemon. Everything else is an rdma error.
+fn stream_err(e: shardstream_fabric::stream::StreamError) -> ClientError {
+    use shardstream_fabric::stream::StreamError;
+    match e {
+        StreamError::PeerFailed(_) | StreamError::Stalled(_) => ClientError::Disconnected(format!("rdma: {e}")),
+        e => err(e),
+    }
+}
+
 /// One stream's registered ring.
 pub struct RdmaRing {
     rx: Mutex<RingReceiver<()>>,
     pub provider: String,
     /// What the progress thread met, for the next `receive` to report.
-    failed: Mutex<Option<String>>,
+    failed: Mutex<Option<shardstream_fabric::stream::StreamError>>,
 }
 
 /// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
@@ -39,7 +49,7 @@ fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
     while let Some(r) = ring.upgrade() {
         let res = r.lock().progress(Duration::from_millis(20));
         if let Err(e) = res {
-            *r.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
+            *r.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
             return;
         }
         drop(r);
@@ -91,14 +101,14 @@ impl RdmaRing {
 
     /// Waits for `b`'s bytes, copies them out of the ring and returns the slot at once.
     pub fn receive(&self, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
-        if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).clone() {
-            return Err(err(e));
+        if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            return Err(stream_err(e));
         }
         let mut rx = self.lock();
         rx.on_meta(b.batch_index, b.slot, ()).map_err(err)?;
         let started = Instant::now();
         let ready = loop {
-            if let Some(r) = rx.next(Duration::from_millis(200)).map_err(err)? {
+            if let Some(r) = rx.next(Duration::from_millis(200)).map_err(stream_err)? {
                 break r;
             }
             if started.elapsed() > ARRIVAL_TIMEOUT {
@@ -120,7 +130,7 @@ impl RdmaRing {
             return Err(ClientError::Protocol(format!("rdma: batch {} of {len} bytes exceeds a slot", b.batch_index)));
         }
         let data = bytes::Bytes::copy_from_slice(data);
-        rx.release(ready.slot, ready.batch).map_err(err)?;
+        rx.release(ready.slot, ready.batch).map_err(stream_err)?;
         Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data })
     }
 }
