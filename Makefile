@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all demo test test-deploy bench chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
+.PHONY: all demo test test-deploy bench bench-rdma chaos venv venv-bench develop develop-release lint fmt clippy rust-test py-test clean help
 .PHONY: fmt-py typos typecheck deny msrv fuzz fuzz-short
 
 help:
@@ -67,6 +67,7 @@ msrv: venv
 
 # The failpoint tests need the `failpoints` feature (off in every other build).
 rust-test:
+	bash scripts/libfabric.sh
 	$(CARGO) test --workspace
 	$(CARGO) test -p shardstream --features failpoints --test failpoints
 
@@ -82,6 +83,7 @@ fuzz:
 # failpoint tests a daemon built with `--features failpoints`; tests/chaos the short chaos suite.
 py-test: develop
 	@bash scripts/netns-tools.sh   # iproute2 for the two-host tests (tests/netns.py)
+	bash scripts/libfabric.sh
 	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" SHARDSTREAM_FAIL_BIN="$$(bash scripts/failpoint-bin.sh)" \
 		$(PY) -m pytest -q tests loader-py/tests --ignore=tests/deploy
 
@@ -116,6 +118,13 @@ bench: venv-bench
 	export SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)"; \
 	$(BENCH_VENV)/bin/python bench/pack_bench.py --out bench/PACK_RESULTS.md && \
 	$(BENCH_VENV)/bin/python bench/s3_bench.py --out bench/S3_RESULTS.md
+	$(MAKE) bench-rdma
+
+# The rdma data plane's raw ring writes vs single-stream iperf3, same run (libfabric tcp/shm).
+bench-rdma:
+	bash scripts/libfabric.sh --dev
+	$(CARGO) build --release -p shardstream-fabric --example ringwrite
+	python3 bench/rdma_bench.py --out bench/RDMA_RESULTS.md
 
 clean:
 	$(CARGO) clean

@@ -23,6 +23,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 pub use shardstream_proto as proto;
 
 pub mod inline;
+pub mod rdma;
 pub mod shm;
 
 /// HTTP/2 flow-control windows. A batch of 256 x 20 KiB is 5 MiB; windows of several batches keep
@@ -68,6 +69,10 @@ pub enum ClientError {
     Protocol(String),
     #[error("shared-memory transport: {0}")]
     Shm(String),
+    /// transport="rdma" could not be had or failed (no libfabric, no provider, registration
+    /// refused by the memlock limit, the daemon's writes failed).
+    #[error("rdma transport: {0}")]
+    Rdma(String),
 }
 
 impl From<tonic::Status> for ClientError {
@@ -387,6 +392,8 @@ pub struct BatchStream {
     pub header: StreamHeader,
     /// The attached side channel, when the stream uses shared memory.
     pub shm: Option<std::sync::Arc<shm::ShmSession>>,
+    /// The registered ring, when the stream uses rdma.
+    pub rdma: Option<std::sync::Arc<rdma::RdmaRing>>,
     rx: mpsc::Receiver<Result<Batch, ClientError>>,
     task: tokio::task::JoinHandle<()>,
     /// Index + 1 of the last batch put into `rx` (0: none yet).
@@ -431,7 +438,17 @@ pub fn stream_format(batch_format: i32) -> Result<BatchFormat, ClientError> {
 }
 
 /// Starts a stream and waits for its header (so request errors surface here).
-pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStream, ClientError> {
+pub async fn stream(client: &mut Client, mut req: StreamRequest) -> Result<BatchStream, ClientError> {
+    let ring = if req.transport == shardstream_proto::Transport::Rdma as i32 {
+        let first = req.start_batch;
+        let (ring, offer) = tokio::task::spawn_blocking(move || rdma::RdmaRing::open(first))
+            .await
+            .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))??;
+        req.rdma_offer = Some(offer);
+        Some(ring)
+    } else {
+        None
+    };
     let mut inner = client.stream_batches(req).await?.into_inner();
     let header = match inner.message().await? {
         Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::Header(h)) }) => h,
@@ -450,6 +467,13 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
     } else {
         None
     };
+    if let Some(r) = &ring {
+        if header.transport != shardstream_proto::Transport::Rdma as i32 {
+            return Err(ClientError::Protocol("asked for rdma, the daemon answered another transport".into()));
+        }
+        r.connect(&header.rdma_address)?;
+    }
+    let ring_in_task = ring.clone();
     let (tx, rx) = mpsc::channel(CLIENT_QUEUE);
     let expected = header.batches_in_stream;
     let pushed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -471,7 +495,8 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
                         Some(
                             stream_message::Kind::InlineBatch(_)
                             | stream_message::Kind::ShmBatch(_)
-                            | stream_message::Kind::PackedBatch(_),
+                            | stream_message::Kind::PackedBatch(_)
+                            | stream_message::Kind::RdmaBatch(_),
                         ),
                 })) if arrow => {
                     Err(ClientError::Protocol("a batch of samples in a stream of Arrow record batches".into()))
@@ -499,6 +524,16 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
                     received += 1;
                     Ok(Batch::Arrow(b))
                 }
+                Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(b)) })) => {
+                    received += 1;
+                    match ring_in_task.clone() {
+                        Some(r) => match tokio::task::spawn_blocking(move || r.receive(b)).await {
+                            Ok(got) => got.map(Batch::Inline),
+                            Err(e) => Err(ClientError::Rdma(format!("receive task failed: {e}"))),
+                        },
+                        None => Err(ClientError::Protocol("an rdma batch on a stream without a ring".into())),
+                    }
+                }
                 Ok(Some(_)) => Err(ClientError::Protocol("unexpected message kind in batch stream".into())),
                 // A stream that ends early must never look like the end of an epoch.
                 Ok(None) if received < expected => Err(ClientError::Disconnected(format!(
@@ -523,7 +558,7 @@ pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStre
             }
         }
     });
-    Ok(BatchStream { header, shm, rx, task, pushed })
+    Ok(BatchStream { header, shm, rdma: ring, rx, task, pushed })
 }
 
 #[cfg(test)]

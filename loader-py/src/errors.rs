@@ -33,7 +33,9 @@ pub fn to_pyerr(e: ClientError) -> PyErr {
     match e {
         ClientError::BadAddress(_) | ClientError::Credentials(_) => PyValueError::new_err(e.to_string()),
         ClientError::Connect { .. } | ClientError::Disconnected(_) => PyConnectionError::new_err(e.to_string()),
-        ClientError::Protocol(_) | ClientError::Shm(_) => ShardstreamError::new_err(e.to_string()),
+        ClientError::Protocol(_) | ClientError::Shm(_) | ClientError::Rdma(_) => {
+            ShardstreamError::new_err(e.to_string())
+        }
         ClientError::Status(s) => status_to_pyerr(&s),
         ClientError::Shard { ref shard, offset, .. } => shard_error(e.to_string(), shard, offset),
     }

@@ -181,9 +181,10 @@ impl Connection {
                 "auto" => Transport::Auto,
                 "inline" => Transport::Inline,
                 "shm" => Transport::Shm,
+                "rdma" => Transport::Rdma,
                 other => {
                     return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                        "transport must be \"auto\", \"shm\" or \"inline\", not {other:?}"
+                        "transport must be \"auto\", \"shm\", \"rdma\" or \"inline\", not {other:?}"
                     )));
                 }
             };
@@ -205,6 +206,7 @@ impl Connection {
                 expected_fingerprint,
                 cache: cache.to_owned(),
                 collate: collate as i32,
+                rdma_offer: None,
             };
             let mut c = self.client(py)?;
             let inner =
@@ -212,7 +214,7 @@ impl Connection {
             let fields = std::sync::Arc::new(inner.header.fields.clone());
             Ok(Stream {
                 header: inner.header.clone(),
-                state: Mutex::new(StreamState::Idle(inner)),
+                state: Mutex::new(StreamState::Idle(Box::new(inner))),
                 closed: tokio_util::sync::CancellationToken::new(),
                 pid: std::process::id(),
                 fields,
@@ -224,7 +226,8 @@ impl Connection {
 /// Where a stream stands. The stream is taken out while a thread waits on it, so another thread
 /// can close it meanwhile without waiting for the next batch.
 enum StreamState {
-    Idle(BatchStream),
+    // Boxed: a BatchStream is large next to the other states.
+    Idle(Box<BatchStream>),
     /// A thread is waiting for the next batch.
     Busy,
     Done,
@@ -255,7 +258,7 @@ impl Stream {
             drop(state);
             self.dispose(stream);
         } else {
-            *state = StreamState::Idle(stream);
+            *state = StreamState::Idle(Box::new(stream));
         }
     }
 
@@ -279,8 +282,9 @@ impl Stream {
             let d = PyDict::new(py);
             let h = &self.header;
             let transport = match Transport::try_from(h.transport) {
-                Ok(Transport::Shm) => "shm",
-                _ => "inline",
+                Ok(Transport::Shm) => "shm".to_owned(),
+                Ok(Transport::Rdma) => format!("rdma/{}", h.rdma_provider),
+                _ => "inline".to_owned(),
             };
             d.set_item("transport", transport)?;
             d.set_item("fingerprint", &h.fingerprint)?;
@@ -312,7 +316,7 @@ impl Stream {
             // Its own statement: a guard in the match scrutinee would live through the arms.
             let taken = std::mem::replace(&mut *self.lock(), StreamState::Busy);
             let mut stream = match taken {
-                StreamState::Idle(s) => s,
+                StreamState::Idle(s) => *s,
                 StreamState::Done => {
                     *self.lock() = StreamState::Done;
                     return Ok(None);
@@ -374,7 +378,7 @@ impl Stream {
             match std::mem::replace(&mut *state, StreamState::Done) {
                 StreamState::Idle(s) => {
                     drop(state);
-                    self.dispose(s);
+                    self.dispose(*s);
                 }
                 // The waiting thread wakes up, sees the token and drops the stream itself.
                 StreamState::Busy => *state = StreamState::Busy,
@@ -389,7 +393,7 @@ impl Drop for Stream {
     fn drop(&mut self) {
         let state = std::mem::replace(self.state.get_mut().unwrap_or_else(|p| p.into_inner()), StreamState::Done);
         if let StreamState::Idle(s) = state {
-            self.dispose(s);
+            self.dispose(*s);
         }
     }
 }

@@ -120,6 +120,14 @@ pub struct ServeArgs {
     /// S3: retries of a failed request before giving up (0 disables retries).
     #[arg(long, env = "SHARDSTREAM_S3_MAX_RETRIES", default_value_t = crate::storage::retry::RetryConfig::default().max_retries, value_parser = limits::parse_s3_max_retries)]
     pub s3_max_retries: u32,
+    /// Serve transport="rdma" streams (remote trainers; libfabric loaded at run time). The
+    /// daemon refuses to start if libfabric or the provider cannot be opened.
+    #[arg(long, env = "SHARDSTREAM_RDMA")]
+    pub rdma: bool,
+    /// With --rdma: the libfabric provider (e.g. "verbs;ofi_rxm", "efa", "tcp"); default the
+    /// client's (SHARDSTREAM_FI_PROVIDER / FI_PROVIDER also apply).
+    #[arg(long)]
+    pub rdma_provider: Option<String>,
     /// Shared memory, view mode: unreleased batches one stream's client may hold before the
     /// daemon waits (each costs the daemon only its lease records).
     #[arg(long, env = "SHARDSTREAM_SHM_CREDITS", default_value_t = crate::transport::shm::DEFAULT_CREDITS, value_parser = limits::parse_shm_credits)]
@@ -265,6 +273,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
         ring_slots: args.ring_slots,
         packed_budget: args.packed_budget.unwrap_or_else(crate::transport::budget::default_budget),
     };
+    config.rdma = args.rdma.then(|| args.rdma_provider.clone());
     config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };
     config.drain_timeout = Duration::from_secs_f64(args.drain_timeout);
     config.sd_notify = true;

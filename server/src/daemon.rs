@@ -42,6 +42,8 @@ pub struct DaemonConfig {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Credits and ring slots of the shared-memory transport.
     pub shm: crate::transport::shm::ShmConfig,
+    /// `Some(provider)`: serve transport="rdma" (`--rdma`), with that provider or the client's.
+    pub rdma: Option<Option<String>>,
     /// Mode and group of the Unix sockets (owner-only by default).
     pub socket_access: crate::socket_file::SocketAccess,
     /// After SIGTERM: how long in-flight streams get to end before the daemon exits anyway.
@@ -67,6 +69,7 @@ impl DaemonConfig {
             s3: crate::storage::s3::S3Options::default(),
             metrics_addr: None,
             shm: crate::transport::shm::ShmConfig::default(),
+            rdma: None,
             socket_access: crate::socket_file::SocketAccess::default(),
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             sd_notify: false,
@@ -101,6 +104,7 @@ pub struct BoundDaemon {
     /// The TCP listener's checked security settings (default on a Unix socket).
     security: crate::remote::RemoteSecurity,
     shm: Option<Arc<crate::transport::shm::ShmHub>>,
+    rdma: Option<Arc<crate::transport::rdma::RdmaHub>>,
     config: DaemonConfig,
     pub metrics: Arc<Metrics>,
 }
@@ -139,10 +143,21 @@ impl BoundDaemon {
                 (Listener::Tcp(TcpListener::bind(hp).await.map_err(|e| Error::io("cannot listen on", hp, e))?), None)
             }
         };
+        let rdma = match &config.rdma {
+            Some(provider) => {
+                let p = provider.clone();
+                let hub = tokio::task::spawn_blocking(move || crate::transport::rdma::RdmaHub::start(p))
+                    .await
+                    .map_err(|e| Error::Internal(format!("rdma start-up failed: {e}")))??;
+                tracing::info!(provider = %hub.opened, "serving transport=\"rdma\"");
+                Some(Arc::new(hub))
+            }
+            None => None,
+        };
         if matches!(config.listen, Address::Unix(_)) && config.remote.any() {
             tracing::warn!("--tls-*, --tokens and --insecure apply to TCP listeners only; ignored on a Unix socket");
         }
-        Ok(Self { listener, security, shm, config, metrics: Arc::default() })
+        Ok(Self { listener, security, shm, rdma, config, metrics: Arc::default() })
     }
 
     /// The address clients use (with the real port when TCP port 0 was asked for).
@@ -180,7 +195,8 @@ impl BoundDaemon {
             self.shm.clone(),
             Some(prefetch.clone()),
         )
-        .with_access(cfg.allow.clone());
+        .with_access(cfg.allow.clone())
+        .with_rdma(self.rdma.clone());
         let auth = match self.listener {
             Listener::Unix(..) => crate::remote::Authenticator::unix(),
             Listener::Tcp(_) => crate::remote::Authenticator::tcp(self.security.tokens.clone()),

@@ -34,7 +34,7 @@ __all__ = ["Batch", "Loader", "ShardError", "ShardstreamError", "resolve_address
 __version__: str = _native.__version__
 
 STATE_VERSION = 1
-_TRANSPORTS = ("auto", "shm", "inline")
+_TRANSPORTS = ("auto", "shm", "rdma", "inline")
 _COLLATES = (None, "stack")
 _CACHE_MODES = ("auto", "direct", "copy")
 _FORMATS = ("dict", "arrow")
@@ -182,7 +182,9 @@ class Loader:
         world_size: int | None = None,
         drop_last: bool = False,
         connect: str = "auto",
-        transport: str = "auto",  # "shm" (same host, Unix socket), "inline", or "auto" (shm when possible)
+        # "shm" (same host, Unix socket), "rdma" (libfabric; daemon --rdma), "inline", or "auto"
+        # (shm when possible)
+        transport: str = "auto",
         shuffle_window: int = 0,
         cache: str = "auto",  # "copy" (through the node cache), "direct" (in place), "auto"
         copy: bool = False,

@@ -15,9 +15,9 @@ use std::time::Instant;
 
 use shardstream_proto::shardstream_server::Shardstream;
 use shardstream_proto::{
-    CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, FieldColumn, OpenRequest, PackedBatch,
-    PrefetchProgress, PrefetchRequest, ShmBatch, StatusReply, StatusRequest, StreamHeader, StreamMessage,
-    StreamRequest, Transport, stream_message,
+    BatchFormat, CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, FieldColumn, OpenRequest,
+    PackedBatch, PrefetchProgress, PrefetchRequest, RdmaBatch, ShmBatch, StatusReply, StatusRequest, StreamHeader,
+    StreamMessage, StreamRequest, Transport, stream_message,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -72,6 +72,8 @@ pub struct Service {
     uses: Arc<uses::UsesCache>,
     /// The config file's `allow` list; `None`: every dataset is allowed.
     access: Option<Arc<crate::access::AllowList>>,
+    /// `serve --rdma`: the rdma data plane.
+    rdma: Option<Arc<transport::rdma::RdmaHub>>,
 }
 
 impl Service {
@@ -83,7 +85,13 @@ impl Service {
         shm: Option<Arc<ShmHub>>,
         prefetch: Option<Arc<Prefetcher>>,
     ) -> Self {
-        Self { registry, metrics, shutdown, cache_dir, shm, prefetch, uses: Arc::default(), access: None }
+        Self { registry, metrics, shutdown, cache_dir, shm, prefetch, uses: Arc::default(), access: None, rdma: None }
+    }
+
+    /// Serves `transport="rdma"` streams through `hub`.
+    pub fn with_rdma(mut self, hub: Option<Arc<transport::rdma::RdmaHub>>) -> Self {
+        self.rdma = hub;
+        self
     }
 
     /// Restricts the datasets each peer may open to its roots in `allow`.
@@ -162,12 +170,15 @@ struct StreamPlan {
     /// Parquet datasets: how this stream's Arrow batches are made (its columns, checked against
     /// every file when the stream is planned).
     arrow: Option<Arc<BatchAssembler>>,
+    /// TRANSPORT_RDMA: the sender writing into the client's ring.
+    rdma: Option<transport::rdma::RdmaStream>,
 }
 
 fn plan_stream(
     ds: Arc<Dataset>,
     req: &StreamRequest,
     shm: Option<&ShmHub>,
+    rdma_hub: Option<&Arc<transport::rdma::RdmaHub>>,
     prefetch: Option<&Arc<Prefetcher>>,
     uses_cache: &uses::UsesCache,
 ) -> Result<StreamPlan> {
@@ -241,6 +252,41 @@ fn plan_stream(
     // blocking pool, so its first batch is not held up in the stream task.
     sequence.skip_to(start)?;
     let transport = transport::negotiate(req.transport, shm.is_some())?;
+    let rdma = if transport == Transport::Rdma {
+        let hub = rdma_hub.ok_or_else(|| {
+            Error::invalid(
+                "transport \"rdma\": this daemon does not serve rdma (start it with `shardstream serve --rdma`); \
+                 use transport=\"inline\" or \"auto\"",
+            )
+        })?;
+        if ds.format.batch_format() == BatchFormat::Arrow {
+            return Err(Error::invalid(
+                "transport \"rdma\" does not carry Parquet (Arrow) batches yet; use transport=\"shm\" on the same host or \"inline\"",
+            ));
+        }
+        let offer = req.rdma_offer.as_ref().ok_or_else(|| Error::invalid("transport \"rdma\" needs an rdma_offer"))?;
+        // A batch is one ring slot: refuse a stream whose batches cannot fit before it starts.
+        let avg = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
+        let batch = u64::from(req.batch_size).min(summary.samples_per_rank);
+        if let Some(l) = ds.largest_sample
+            && l.bytes > offer.slot_bytes
+        {
+            return Err(Error::invalid(format!(
+                "transport \"rdma\": a sample of {} bytes does not fit the client's {}-byte ring slots",
+                l.bytes, offer.slot_bytes
+            )));
+        }
+        if batch.saturating_mul(avg) > offer.slot_bytes / 2 {
+            return Err(Error::invalid(format!(
+                "transport \"rdma\": batches of {batch} x ~{avg} bytes need ring slots larger than the client's {} bytes \
+                 (rdma_slot_bytes)",
+                offer.slot_bytes
+            )));
+        }
+        Some(hub.open_stream(offer)?)
+    } else {
+        None
+    };
     if transport == Transport::Inline {
         // Over shared memory no sample byte enters a message: only inline streams are limited.
         check_inline_fits(&ds)?;
@@ -280,6 +326,8 @@ fn plan_stream(
         fields: fields.clone(),
         packed,
         batch_format: ds.format.batch_format() as i32,
+        rdma_address: rdma.as_ref().map(|r| r.address.clone()).unwrap_or_default(),
+        rdma_provider: rdma.as_ref().map(|r| r.provider.clone()).unwrap_or_default(),
     };
     Ok(StreamPlan {
         dataset: ds,
@@ -293,6 +341,7 @@ fn plan_stream(
         packed,
         consumer,
         arrow,
+        rdma,
     })
 }
 
@@ -387,6 +436,47 @@ fn build_batch(
     parts.push(b.finish(index, false));
     let messages = parts.into_iter().map(|p| StreamMessage { kind: Some(stream_message::Kind::InlineBatch(p)) });
     Ok((messages.collect(), bytes))
+}
+
+/// Builds one batch as inline, then RDMA-writes its bytes into a free slot of the client's ring
+/// (blocking: may wait for a credit) and describes it as an `RdmaBatch`.
+fn build_rdma_batch(
+    ds: &Dataset,
+    working: &mut Working,
+    fields: &[String],
+    all_fields: bool,
+    ids: &[u64],
+    index: u64,
+    rdma: &std::sync::Mutex<transport::rdma::RdmaStream>,
+) -> Result<(StreamMessage, u64)> {
+    let (mut parts, bytes) = build_batch(ds, working, fields, all_fields, ids, index)?;
+    // A batch split over several inline messages (beyond the message limit) is far beyond a ring
+    // slot too: the slot-size check below would refuse its first part anyway.
+    if parts.len() != 1 {
+        return Err(Error::invalid(format!(
+            "batch {index} is larger than one inline message ({}), too large for the rdma ring; use a smaller batch_size",
+            inline::limit_text()
+        )));
+    }
+    let msg = parts.remove(0);
+    let Some(stream_message::Kind::InlineBatch(b)) = msg.kind else {
+        return Err(Error::Internal("inline builder returned another kind".into()));
+    };
+    let mut r = rdma.lock().unwrap_or_else(|p| p.into_inner());
+    let data = &b.data[..];
+    let slot = r
+        .sender
+        .send(index, |buf| {
+            let n = data.len().min(buf.len());
+            buf[..n].copy_from_slice(&data[..n]);
+            data.len()
+        })
+        .map_err(|e| Error::Unavailable(format!("rdma stream to the client failed: {e}")))?;
+    // The metadata must not overtake the bytes, and under manual progress (tcp) a posted write
+    // advances only while this side is inside libfabric: wait for its local completion.
+    r.sender.flush().map_err(|e| Error::Unavailable(format!("rdma stream to the client failed: {e}")))?;
+    let batch = RdmaBatch { batch_index: index, slot, keys: b.keys, fields: b.fields, data_bytes: b.data.len() as u64 };
+    Ok((StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(batch)) }, bytes))
 }
 
 /// Describes one batch for a shm client (blocking: may wait for the client's credits). No sample
@@ -653,9 +743,10 @@ impl Shardstream for Service {
         let req = request.into_inner();
         let ds = self.open(req.url.clone(), req.cache.clone()).await.map_err(to_status)?;
         let hub = self.shm.clone().filter(|_| same_host);
+        let rdma = self.rdma.clone();
         let prefetch = self.prefetch.clone();
         let uses = self.uses.clone();
-        let plan = blocking(move || plan_stream(ds, &req, hub.as_deref(), prefetch.as_ref(), &uses))
+        let plan = blocking(move || plan_stream(ds, &req, hub.as_deref(), rdma.as_ref(), prefetch.as_ref(), &uses))
             .await
             .map_err(to_status)?;
         let (tx, rx) = mpsc::channel(STREAM_QUEUE);
@@ -700,6 +791,9 @@ impl Shardstream for Service {
             shm_sessions: self.shm.as_ref().map_or(0, |h| h.counts().0 as u32),
             leased_shards: self.shm.as_ref().map_or(0, |h| h.counts().1 as u64),
             ring_bytes: self.shm.as_ref().map_or(0, |h| h.ring_bytes()),
+            rdma_provider: self.rdma.as_ref().map(|h| h.opened.clone()).unwrap_or_default(),
+            rdma_streams: self.rdma.as_ref().map_or(0, |h| h.streams.load(std::sync::atomic::Ordering::Relaxed)),
+            rdma_ring_bytes: self.rdma.as_ref().map_or(0, |h| h.ring_bytes.load(std::sync::atomic::Ordering::Relaxed)),
             cache: self.registry.backends().cache.as_ref().map(|c| {
                 let s = c.stats();
                 CacheStatus {
@@ -767,8 +861,20 @@ async fn produce(
 ) {
     let _active = ActiveStream::new(&metrics);
     let StreamPlan {
-        dataset, fields, all_fields, sequence, batches, batch_size, session, packed, consumer, arrow, ..
+        dataset,
+        fields,
+        all_fields,
+        sequence,
+        batches,
+        batch_size,
+        session,
+        packed,
+        consumer,
+        arrow,
+        rdma,
+        ..
     } = plan;
+    let rdma = rdma.map(|r| Arc::new(std::sync::Mutex::new(r)));
     // However this function ends, the session learns the stream is over (its leases stay until
     // the client releases them or goes away).
     struct Done(Option<Arc<Session>>);
@@ -788,6 +894,7 @@ async fn produce(
         let end = range.end;
         let job = shared.clone();
         let (closed, stop) = (tx.clone(), shutdown.clone());
+        let rdma = rdma.clone();
         let handle = tokio::task::spawn_blocking(move || {
             let (ds, fields, session, working, arrow) = &*job;
             let ids = &ids[..];
@@ -802,11 +909,14 @@ async fn produce(
                     .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
             let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
-            let built = match session {
-                Some(s) => {
+            let built = match (session, &rdma) {
+                (Some(s), _) => {
                     build_shm_batch(ds, &mut working, s, fields, ids, index, &cancelled).map(|(m, b)| (vec![m], b))
                 }
-                None => build_batch(ds, &mut working, fields, all_fields, ids, index),
+                (None, Some(r)) => {
+                    build_rdma_batch(ds, &mut working, fields, all_fields, ids, index, r).map(|(m, b)| (vec![m], b))
+                }
+                (None, None) => build_batch(ds, &mut working, fields, all_fields, ids, index),
             };
             working.end_batch();
             built.map(|b| (b, working.take_wait()))
@@ -867,6 +977,7 @@ async fn produce(
                         Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
                         Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
                         Some(stream_message::Kind::ArrowBatch(b)) => b.row_ids.len() as u64,
+                        Some(stream_message::Kind::RdmaBatch(b)) => b.keys.len() as u64,
                         _ => 0,
                     };
                     fail_point!("stream-send", |_| ());
@@ -885,6 +996,15 @@ async fn produce(
                 let _ = tx.send(Err(to_status(e))).await;
                 return;
             }
+        }
+    }
+    // rdma: the endpoint must outlive the last batch until the client has taken it (closing it
+    // earlier can reset the connection under the last write); bounded by the stall time.
+    if let Some(r) = rdma {
+        let drain = tokio::task::spawn_blocking(move || r.lock().unwrap_or_else(|p| p.into_inner()).sender.drain());
+        tokio::select! {
+            _ = drain => {}
+            _ = tx.closed() => {}
         }
     }
 }

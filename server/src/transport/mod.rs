@@ -7,6 +7,7 @@ pub mod arrow;
 pub mod budget;
 pub mod inline;
 pub mod packed;
+pub mod rdma;
 pub mod ring;
 pub mod shm;
 
@@ -26,6 +27,8 @@ pub fn negotiate(requested: i32, same_host: bool) -> Result<Transport> {
             "transport \"shm\" needs a client on the daemon's host connected over its Unix socket; \
              use transport=\"inline\" or \"auto\" over TCP",
         )),
+        // rdma is negotiated by the service (it needs the client's offer and the daemon's hub).
+        Ok(Transport::Rdma) => Ok(Transport::Rdma),
         Err(_) => Err(Error::invalid(format!("unknown transport {requested}"))),
     }
 }

@@ -1,0 +1,136 @@
+//! The rdma transport, client side: the ring this process registers for one stream, the offer
+//! that goes into the request, and the join of each `RdmaBatch` (gRPC) with the RDMA write of its
+//! bytes, turned into an ordinary inline batch for the layers above.
+//!
+//! The ring is created when the stream starts, in the process that iterates it: a DataLoader
+//! worker creates its own after fork, never inheriting one. The receiver blocks in libfabric
+//! (`fi_cq_sread`), so every call runs on tokio's blocking pool.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use shardstream_fabric::stream::{RingReceiver, open_endpoint};
+use shardstream_proto::{InlineBatch, RdmaBatch, RdmaOffer};
+
+use crate::ClientError;
+
+/// Ring slots per stream (credits): the client's read-ahead plus the batch in use.
+pub const RDMA_SLOTS: u32 = 4;
+/// Bytes per slot unless SHARDSTREAM_RDMA_SLOT_BYTES says otherwise: a slot holds one batch.
+pub const DEFAULT_SLOT_BYTES: u64 = 32 << 20;
+/// How long a batch's bytes may lag its metadata before the stream fails.
+const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn err(e: impl std::fmt::Display) -> ClientError {
+    ClientError::Rdma(e.to_string())
+}
+
+/// The daemon's end failing (killed, connection reset) is a lost connection, like gRPC's: the
+/// same stream may be resumed against a restarted daemon. Everything else is an rdma error.
+fn stream_err(e: shardstream_fabric::stream::StreamError) -> ClientError {
+    use shardstream_fabric::stream::StreamError;
+    match e {
+        StreamError::PeerFailed(_) | StreamError::Stalled(_) => ClientError::Disconnected(format!("rdma: {e}")),
+        e => err(e),
+    }
+}
+
+/// One stream's registered ring.
+pub struct RdmaRing {
+    rx: Mutex<RingReceiver<()>>,
+    pub provider: String,
+    /// What the progress thread met, for the next `receive` to report.
+    failed: Mutex<Option<shardstream_fabric::stream::StreamError>>,
+}
+
+/// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
+/// ring. The lock is held only for one short wait at a time, so `receive` gets in promptly.
+fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
+    while let Some(r) = ring.upgrade() {
+        let res = r.lock().progress(Duration::from_millis(20));
+        if let Err(e) = res {
+            *r.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+            return;
+        }
+        drop(r);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+impl RdmaRing {
+    /// Opens an endpoint (provider from SHARDSTREAM_FI_PROVIDER / FI_PROVIDER, else libfabric's
+    /// first that can) and registers the ring; returns it with the offer for the request.
+    pub fn open(first_batch: u64) -> Result<(Arc<Self>, RdmaOffer), ClientError> {
+        let slot_bytes = std::env::var("SHARDSTREAM_RDMA_SLOT_BYTES")
+            .ok()
+            .map(|v| {
+                v.parse::<u64>().map_err(|_| err(format!("SHARDSTREAM_RDMA_SLOT_BYTES={v:?} is not a byte count")))
+            })
+            .transpose()?
+            .unwrap_or(DEFAULT_SLOT_BYTES);
+        let ep = open_endpoint(None, 64).map_err(err)?;
+        let rx =
+            RingReceiver::new(ep, RDMA_SLOTS, usize::try_from(slot_bytes).map_err(err)?, first_batch).map_err(err)?;
+        let o = rx.offer().map_err(err)?;
+        let offer = RdmaOffer {
+            address: o.name,
+            ring_base: o.ring.base,
+            ring_key: o.ring.key,
+            ring_bytes: o.ring.len,
+            slots: o.slots,
+            slot_bytes: o.slot_bytes,
+            provider: o.provider.clone(),
+        };
+        let ring = Arc::new(Self { rx: Mutex::new(rx), provider: o.provider, failed: Mutex::new(None) });
+        let weak = Arc::downgrade(&ring);
+        std::thread::Builder::new()
+            .name("shardstream-rdma-progress".into())
+            .spawn(move || progress_loop(weak))
+            .map_err(|e| err(format!("cannot start the progress thread: {e}")))?;
+        Ok((ring, offer))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RingReceiver<()>> {
+        self.rx.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The daemon's endpoint, from the stream header.
+    pub fn connect(&self, daemon: &[u8]) -> Result<(), ClientError> {
+        self.lock().connect(daemon).map_err(err)
+    }
+
+    /// Waits for `b`'s bytes, copies them out of the ring and returns the slot at once.
+    pub fn receive(&self, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
+        if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            return Err(stream_err(e));
+        }
+        let mut rx = self.lock();
+        rx.on_meta(b.batch_index, b.slot, ()).map_err(err)?;
+        let started = Instant::now();
+        let ready = loop {
+            if let Some(r) = rx.next(Duration::from_millis(200)).map_err(stream_err)? {
+                break r;
+            }
+            if started.elapsed() > ARRIVAL_TIMEOUT {
+                return Err(ClientError::Disconnected(format!(
+                    "rdma: the bytes of batch {} never arrived ({ARRIVAL_TIMEOUT:?})",
+                    b.batch_index
+                )));
+            }
+        };
+        if ready.batch != b.batch_index {
+            return Err(ClientError::Protocol(format!(
+                "rdma: expected batch {}, the ring delivered {}",
+                b.batch_index, ready.batch
+            )));
+        }
+        let len = usize::try_from(b.data_bytes).map_err(err)?;
+        let data = rx.bytes(&ready, len).map_err(err)?;
+        if data.len() != len {
+            return Err(ClientError::Protocol(format!("rdma: batch {} of {len} bytes exceeds a slot", b.batch_index)));
+        }
+        let data = bytes::Bytes::copy_from_slice(data);
+        rx.release(ready.slot, ready.batch).map_err(stream_err)?;
+        Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data })
+    }
+}

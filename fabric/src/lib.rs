@@ -1,0 +1,81 @@
+//! shardstream's RDMA-capable data plane over libfabric (OFI), shared by the daemon and the client.
+//!
+//! - [`ffi`]: the libfabric 1.17 ABI declared by hand and loaded at run time (`dlopen` of
+//!   `libfabric.so.1`, `dlvsym` at pinned symbol versions). Nothing here links libfabric or needs
+//!   its headers to build, so every binary runs without it and says why `rdma` is unavailable.
+//! - [`objects`]: the safe wrappers (fabric, domain, completion queue, RDM endpoint, registered
+//!   memory), each closed on drop, children keeping their parents alive.
+//! - [`credits`]: the pure slot / credit / immediate state machine of the ring protocol.
+//!
+//! The protocol (design and measurements: `shared/research/rdma-transport.md`): the client
+//! registers a ring, the daemon `fi_writedata`s each batch into a free slot with a 32-bit
+//! immediate naming it, per-batch metadata stays on gRPC, and the client returns the slot with a
+//! small `fi_send`.
+
+pub mod credits;
+pub mod ffi;
+pub mod objects;
+pub mod stream;
+
+use std::sync::OnceLock;
+
+pub use objects::{Completion, CompletionQueue, Domain, Endpoint, Fabric, MemoryRegion, PeerAddr, RemoteRegion};
+
+/// Environment variable naming the libfabric to load (a path, e.g. the AWS EFA installer's
+/// `/opt/amazon/efa/lib/libfabric.so.1`); default: `libfabric.so.1` from the loader's path.
+pub const LIBFABRIC_ENV: &str = "SHARDSTREAM_LIBFABRIC";
+/// Environment variable forcing a provider (`tcp`, `tcp;ofi_rxm`, `shm`, `verbs;ofi_rxm`, `efa`);
+/// libfabric's own `FI_PROVIDER` is honoured after it.
+pub const PROVIDER_ENV: &str = "SHARDSTREAM_FI_PROVIDER";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "libfabric is not available: {0} (install the libfabric1 package, or set {LIBFABRIC_ENV} to a libfabric.so.1)"
+    )]
+    Unavailable(String),
+    #[error("no libfabric provider{} offers reliable datagram endpoints with RMA writes and messages: {detail}",
+        provider.as_ref().map(|p| format!(" matching {p:?}")).unwrap_or_default())]
+    NoProvider { provider: Option<String>, detail: String },
+    #[error("{call} failed: {msg} (error {code})")]
+    Call { call: &'static str, code: i32, msg: String },
+    #[error(
+        "registering {bytes} bytes with libfabric failed: {msg}; registration pins memory, so the memlock limit (RLIMIT_MEMLOCK, `ulimit -l`: {limit}) must allow it"
+    )]
+    Register { bytes: usize, msg: String, limit: String },
+    #[error("could not allocate {bytes} bytes for a registered buffer: {source}")]
+    Alloc { bytes: usize, source: std::io::Error },
+    #[error("operation context {0} is still in flight (or out of range)")]
+    ContextBusy(usize),
+    #[error("range {offset}+{len} is outside the {size}-byte {what}")]
+    OutOfRange { what: &'static str, offset: u64, len: u64, size: u64 },
+    #[error("immediate data {data:#x} needs more than the provider's {bytes}-byte completion data")]
+    ImmediateTooWide { data: u64, bytes: usize },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+static LIB: OnceLock<Result<ffi::Lib, String>> = OnceLock::new();
+
+/// The process's libfabric, loaded on first use; the error says why it cannot be had.
+pub fn library() -> Result<&'static ffi::Lib> {
+    LIB.get_or_init(|| {
+        let path = std::env::var(LIBFABRIC_ENV).unwrap_or_else(|_| "libfabric.so.1".to_owned());
+        ffi::Lib::load(&path)
+    })
+    .as_ref()
+    .map_err(|e| Error::Unavailable(e.clone()))
+}
+
+/// The provider the environment forces, if any (`SHARDSTREAM_FI_PROVIDER`, then `FI_PROVIDER`).
+pub fn forced_provider() -> Option<String> {
+    [PROVIDER_ENV, "FI_PROVIDER"].iter().filter_map(|k| std::env::var(k).ok()).find(|v| !v.trim().is_empty())
+}
+
+/// The library's version as "major.minor", for status output.
+pub fn library_version() -> Result<String> {
+    let lib = library()?;
+    // SAFETY: fi_version takes no arguments and only returns a constant.
+    let v = unsafe { (lib.version)() };
+    Ok(format!("{}.{}", v >> 16, v & 0xffff))
+}

@@ -1,0 +1,443 @@
+//! The ring protocol on real endpoints: [`RingReceiver`] (the client: registers the ring, joins
+//! immediates with metadata, returns credits) and [`RingSender`] (the daemon: stages a batch in
+//! registered memory, writes it into a free slot of the client's ring, takes credits back).
+//!
+//! Metadata and the exchange of addresses are the caller's (gRPC in shardstream, a socket in the
+//! bench); this module moves bytes and enforces [`crate::credits`]. Each side drives its own
+//! completion queue from the thread calling it, blocking in `fi_cq_sread`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::credits::{Arrivals, Immediate, ProtocolError, Ready, SenderSlots};
+use crate::ffi;
+use crate::objects::{Completion, CompletionQueue, Domain, Endpoint, Fabric, MemoryRegion, PeerAddr, RemoteRegion};
+
+/// RELEASE(slot, batch): 4 bytes slot, 4 zero, 8 bytes batch, little-endian.
+pub const RELEASE_BYTES: usize = 16;
+/// Sends the client may have in flight (RELEASE messages).
+const SEND_CONTEXTS: usize = 16;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error(transparent)]
+    Fabric(#[from] crate::Error),
+    #[error("rdma protocol violation: {0}")]
+    Protocol(#[from] ProtocolError),
+    #[error("rdma peer failed: {0}")]
+    PeerFailed(String),
+    #[error("rdma peer returned no credit for {0:?}: it stalled or is gone")]
+    Stalled(Duration),
+    #[error("batch of {len} bytes does not fit a {slot_bytes}-byte ring slot")]
+    TooLarge { len: usize, slot_bytes: usize },
+    #[error("malformed RELEASE message of {0} bytes")]
+    BadRelease(usize),
+}
+
+pub type StreamResult<T> = std::result::Result<T, StreamError>;
+
+/// Opens fabric, domain, completion queue and endpoint for one side.
+pub fn open_endpoint(provider: Option<&str>, contexts: usize) -> crate::Result<Endpoint> {
+    let fabric = Fabric::open(provider)?;
+    let domain = Domain::open(&fabric)?;
+    let cq = CompletionQueue::open(&domain, 1024)?;
+    Endpoint::open(&domain, &cq, contexts)
+}
+
+/// What a client offers the daemon (sent over gRPC).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offer {
+    pub name: Vec<u8>,
+    pub ring: RemoteRegion,
+    pub slots: u32,
+    pub slot_bytes: u64,
+    pub provider: String,
+}
+
+/// The client side of one stream.
+pub struct RingReceiver<M> {
+    ep: Endpoint,
+    ring: Arc<MemoryRegion>,
+    /// Send buffers for RELEASE (first SEND_CONTEXTS * 16 bytes) and receive buffers for
+    /// providers that consume one per immediate (after).
+    msgs: Arc<MemoryRegion>,
+    slots: u32,
+    slot_bytes: usize,
+    arrivals: Arrivals<M>,
+    daemon: Option<PeerAddr>,
+    sends_busy: [bool; SEND_CONTEXTS],
+}
+
+impl<M> RingReceiver<M> {
+    /// Registers a ring of `slots` x `slot_bytes` (bytes rounded up to pages).
+    pub fn new(ep: Endpoint, slots: u32, slot_bytes: usize, first_batch: u64) -> StreamResult<Self> {
+        let slot_bytes = slot_bytes.max(1).div_ceil(4096) * 4096;
+        let arrivals = Arrivals::new(slots, first_batch).ok_or(StreamError::Protocol(ProtocolError::NoSuchSlot {
+            imm: 0,
+            slot: slots,
+            slots,
+        }))?;
+        let ring = MemoryRegion::new(&ep, slots as usize * slot_bytes, ffi::FI_REMOTE_WRITE)?;
+        // Receives stay posted on every provider, not only where FI_RX_CQ_DATA says so: shm
+        // (1.17) reports remote CQ data only against a posted receive, without asking for it.
+        let rx_posts = slots as usize;
+        let msgs = MemoryRegion::new(&ep, (SEND_CONTEXTS + rx_posts) * RELEASE_BYTES, ffi::FI_SEND | ffi::FI_RECV)?;
+        let me = Self { ep, ring, msgs, slots, slot_bytes, arrivals, daemon: None, sends_busy: [false; SEND_CONTEXTS] };
+        for i in 0..rx_posts {
+            me.post_rx(i)?;
+        }
+        Ok(me)
+    }
+
+    fn post_rx(&self, i: usize) -> crate::Result<()> {
+        while !self.ep.recv(SEND_CONTEXTS + i, &self.msgs, (SEND_CONTEXTS + i) * RELEASE_BYTES, RELEASE_BYTES)? {
+            self.ep.poll(None)?;
+        }
+        Ok(())
+    }
+
+    pub fn offer(&self) -> crate::Result<Offer> {
+        Ok(Offer {
+            name: self.ep.name()?,
+            ring: self.ring.remote(),
+            slots: self.slots,
+            slot_bytes: self.slot_bytes as u64,
+            provider: self.ep.fabric().provider().to_owned(),
+        })
+    }
+
+    /// The daemon's endpoint address, from its answer.
+    pub fn connect(&mut self, daemon_name: &[u8]) -> crate::Result<()> {
+        self.daemon = Some(self.ep.insert_peer(daemon_name)?);
+        Ok(())
+    }
+
+    /// The metadata of `batch`, written into `slot`.
+    pub fn on_meta(&mut self, batch: u64, slot: u32, meta: M) -> StreamResult<()> {
+        Ok(self.arrivals.on_meta(batch, slot, meta)?)
+    }
+
+    /// The next batch in order, waiting up to `wait` for completions; None if none is complete.
+    pub fn next(&mut self, wait: Duration) -> StreamResult<Option<Ready<M>>> {
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Some(r) = self.arrivals.next_ready()? {
+                return Ok(Some(r));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let got = self.pump(Some(left))?;
+            if !got && left.is_zero() {
+                return Ok(None);
+            }
+            if !got && Instant::now() >= deadline {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Handles available completions (waiting up to `wait` for the first); true if any came.
+    fn pump(&mut self, wait: Option<Duration>) -> StreamResult<bool> {
+        let done = self.ep.poll(wait)?;
+        let any = !done.is_empty();
+        for c in done {
+            match c {
+                Completion::RemoteWrite { data, consumed, .. } => {
+                    let imm = u32::try_from(data).map_err(|_| ProtocolError::NoSuchSlot {
+                        imm: u32::MAX,
+                        slot: u32::MAX,
+                        slots: self.slots,
+                    })?;
+                    self.arrivals.on_write(imm)?;
+                    if let Some(op) = consumed {
+                        self.post_rx(op - SEND_CONTEXTS)?;
+                    }
+                }
+                Completion::Sent { op } => {
+                    if let Some(b) = self.sends_busy.get_mut(op) {
+                        *b = false;
+                    }
+                }
+                Completion::Received { op, .. } => {
+                    // A message where only immediates are expected: repost and ignore.
+                    if op >= SEND_CONTEXTS {
+                        self.post_rx(op - SEND_CONTEXTS)?;
+                    }
+                }
+                Completion::Written { .. } => {}
+                Completion::Failed { error, .. } => return Err(StreamError::PeerFailed(error)),
+            }
+        }
+        Ok(any)
+    }
+
+    /// Drives the endpoint (waiting up to `wait`) without delivering anything: under manual
+    /// progress (tcp) the daemon's connection and writes advance only while the client is inside
+    /// libfabric, so a client between batches must keep calling this.
+    pub fn progress(&mut self, wait: Duration) -> StreamResult<bool> {
+        self.pump(Some(wait))
+    }
+
+    /// The bytes of a batch this receiver delivered and still holds.
+    pub fn bytes(&self, ready: &Ready<M>, len: usize) -> StreamResult<&[u8]> {
+        let len = len.min(self.slot_bytes);
+        // SAFETY: `ready` was delivered by `next` and not yet released (release takes the slot
+        // out of the held set, and a held slot is never a write target under the credit
+        // protocol: the daemon only writes slots it has a credit for, and this slot's credit is
+        // returned only by `release`). A daemon breaking the protocol could race this read; the
+        // daemon is the trusted node service and the key covers only this ring.
+        Ok(unsafe { self.ring.slice(ready.slot as usize * self.slot_bytes, len) }?)
+    }
+
+    /// Hands `slot` (holding `batch`) back to the daemon.
+    pub fn release(&mut self, slot: u32, batch: u64) -> StreamResult<()> {
+        if !self.arrivals.release(slot) {
+            return Ok(());
+        }
+        let Some(daemon) = self.daemon else { return Ok(()) };
+        let op = loop {
+            if let Some(i) = self.sends_busy.iter().position(|b| !*b) {
+                break i;
+            }
+            self.pump(Some(Duration::from_millis(100)))?;
+        };
+        // SAFETY: send buffer `op` is not in flight (sends_busy[op] false: its last send
+        // completed), and no receive targets the send half of `msgs`.
+        let buf = unsafe { self.msgs.slice_mut(op * RELEASE_BYTES, RELEASE_BYTES) }?;
+        buf[..4].copy_from_slice(&slot.to_le_bytes());
+        buf[4..8].fill(0);
+        buf[8..16].copy_from_slice(&batch.to_le_bytes());
+        while !self.ep.send(op, &self.msgs, op * RELEASE_BYTES, RELEASE_BYTES, daemon)? {
+            self.pump(None)?;
+        }
+        self.sends_busy[op] = true;
+        Ok(())
+    }
+
+    pub fn held(&self) -> usize {
+        self.arrivals.held()
+    }
+
+    pub fn provider(&self) -> &str {
+        self.ep.fabric().provider()
+    }
+
+    pub fn ring_bytes(&self) -> usize {
+        self.ring.len()
+    }
+}
+
+/// The daemon side of one stream.
+pub struct RingSender {
+    ep: Endpoint,
+    /// `window` staging buffers of `slot_bytes`; staging buffer i is write context i.
+    staging: Arc<MemoryRegion>,
+    staging_slot: Vec<Option<u32>>,
+    /// RELEASE receive buffers, context `window + i`.
+    releases: Arc<MemoryRegion>,
+    client: PeerAddr,
+    remote: RemoteRegion,
+    slot_bytes: usize,
+    tx: SenderSlots,
+    imm: Immediate,
+    /// How long to wait for a credit before declaring the client stalled.
+    pub stall: Duration,
+    peak_in_use: usize,
+}
+
+impl RingSender {
+    /// Accepts a client's offer, with `window` writes in flight at most.
+    pub fn new(ep: Endpoint, offer: &Offer, window: usize) -> StreamResult<Self> {
+        let slot_bytes = usize::try_from(offer.slot_bytes).unwrap_or(usize::MAX);
+        let imm = Immediate::for_slots(offer.slots).ok_or(ProtocolError::NoSuchSlot {
+            imm: 0,
+            slot: offer.slots,
+            slots: offer.slots,
+        })?;
+        let need = u64::from(offer.slots).checked_mul(offer.slot_bytes);
+        if need.is_none_or(|n| n > offer.ring.len) {
+            return Err(StreamError::TooLarge { len: usize::MAX, slot_bytes });
+        }
+        let window = window.max(1);
+        let client = ep.insert_peer(&offer.name)?;
+        let staging = MemoryRegion::new(&ep, window * slot_bytes, ffi::FI_WRITE)?;
+        let release_posts = offer.slots as usize + 4;
+        let releases = MemoryRegion::new(&ep, release_posts * RELEASE_BYTES, ffi::FI_RECV)?;
+        let me = Self {
+            ep,
+            staging,
+            staging_slot: vec![None; window],
+            releases,
+            client,
+            remote: offer.ring,
+            slot_bytes,
+            tx: SenderSlots::new(offer.slots),
+            imm,
+            stall: Duration::from_secs(30),
+            peak_in_use: 0,
+        };
+        for i in 0..release_posts {
+            me.post_release(i)?;
+        }
+        Ok(me)
+    }
+
+    fn window(&self) -> usize {
+        self.staging_slot.len()
+    }
+
+    fn post_release(&self, i: usize) -> crate::Result<()> {
+        let op = self.window() + i;
+        while !self.ep.recv(op, &self.releases, i * RELEASE_BYTES, RELEASE_BYTES)? {
+            self.ep.poll(None)?;
+        }
+        Ok(())
+    }
+
+    pub fn name(&self) -> crate::Result<Vec<u8>> {
+        self.ep.name()
+    }
+
+    /// Handles completions (waiting up to `wait` for the first); true if any came.
+    fn pump(&mut self, wait: Option<Duration>) -> StreamResult<bool> {
+        let done = self.ep.poll(wait)?;
+        let any = !done.is_empty();
+        for c in done {
+            match c {
+                Completion::Written { op } => {
+                    if let Some(slot) = self.staging_slot.get_mut(op).and_then(Option::take) {
+                        self.tx.written(slot);
+                    }
+                }
+                Completion::Received { op, len } => {
+                    let i = op - self.window();
+                    if len != RELEASE_BYTES {
+                        return Err(StreamError::BadRelease(len));
+                    }
+                    // SAFETY: receive `i` just completed and is reposted only below, after the
+                    // copy: nothing writes this range meanwhile.
+                    let msg = unsafe { self.releases.slice(i * RELEASE_BYTES, RELEASE_BYTES) }?;
+                    let mut s = [0u8; 4];
+                    s.copy_from_slice(&msg[..4]);
+                    let mut b = [0u8; 8];
+                    b.copy_from_slice(&msg[8..16]);
+                    // A release for the wrong batch is ignored by the state machine.
+                    self.tx.release(u32::from_le_bytes(s), u64::from_le_bytes(b));
+                    self.post_release(i)?;
+                }
+                Completion::Failed { op, error } => {
+                    if let Some(slot) = op.and_then(|o| self.staging_slot.get_mut(o)).and_then(Option::take) {
+                        self.tx.failed(slot);
+                    }
+                    return Err(StreamError::PeerFailed(error));
+                }
+                Completion::Sent { .. } | Completion::RemoteWrite { .. } => {}
+            }
+        }
+        Ok(any)
+    }
+
+    /// Waits for a free staging buffer and a credit, lets `fill` write the batch into the
+    /// staging buffer (returning its length), and posts the write. Returns the ring slot, which
+    /// the metadata for `batch` must name.
+    pub fn send(&mut self, batch: u64, fill: impl FnOnce(&mut [u8]) -> usize) -> StreamResult<u32> {
+        let started = Instant::now();
+        let (stage, slot) = loop {
+            if let Some(stage) = self.staging_slot.iter().position(Option::is_none)
+                && let Some(slot) = self.tx.acquire(batch)
+            {
+                break (stage, slot);
+            }
+            if started.elapsed() >= self.stall {
+                return Err(StreamError::Stalled(self.stall));
+            }
+            self.pump(Some(Duration::from_millis(200)))?;
+        };
+        self.peak_in_use = self.peak_in_use.max(self.tx.in_use());
+        // SAFETY: staging buffer `stage` has no write in flight (its entry is None until the
+        // write posted below completes), and only this sender touches it.
+        let buf = match unsafe { self.staging.slice_mut(stage * self.slot_bytes, self.slot_bytes) } {
+            Ok(b) => b,
+            Err(e) => {
+                self.tx.failed(slot);
+                return Err(e.into());
+            }
+        };
+        let len = fill(buf);
+        if len > self.slot_bytes {
+            self.tx.failed(slot);
+            return Err(StreamError::TooLarge { len, slot_bytes: self.slot_bytes });
+        }
+        let data = u64::from(self.imm.encode(batch, slot));
+        let remote_offset = u64::from(slot) * self.slot_bytes as u64;
+        loop {
+            match self.ep.write_data(
+                stage,
+                &self.staging,
+                stage * self.slot_bytes,
+                len,
+                data,
+                self.client,
+                self.remote,
+                remote_offset,
+            ) {
+                Ok(true) => break,
+                // The provider's queue is full. Under manual progress (tcp) that is also what a
+                // client that stopped driving its endpoint looks like: bounded by the stall time.
+                Ok(false) => {
+                    if started.elapsed() >= self.stall {
+                        self.tx.failed(slot);
+                        return Err(StreamError::Stalled(self.stall));
+                    }
+                    if let Err(e) = self.pump(Some(Duration::from_millis(1))) {
+                        self.tx.failed(slot);
+                        return Err(e);
+                    }
+                }
+                Err(e) => {
+                    self.tx.failed(slot);
+                    return Err(e.into());
+                }
+            }
+        }
+        self.staging_slot[stage] = Some(slot);
+        Ok(slot)
+    }
+
+    /// Waits until every posted write completed locally.
+    pub fn flush(&mut self) -> StreamResult<()> {
+        let started = Instant::now();
+        while self.staging_slot.iter().any(Option::is_some) {
+            if started.elapsed() >= self.stall {
+                return Err(StreamError::Stalled(self.stall));
+            }
+            self.pump(Some(Duration::from_millis(200)))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the client returned every credit (the end of a stream).
+    pub fn drain(&mut self) -> StreamResult<()> {
+        self.flush()?;
+        let started = Instant::now();
+        while self.tx.in_use() > 0 {
+            if started.elapsed() >= self.stall {
+                return Err(StreamError::Stalled(self.stall));
+            }
+            self.pump(Some(Duration::from_millis(200)))?;
+        }
+        Ok(())
+    }
+
+    pub fn credits_in_use(&self) -> usize {
+        self.tx.in_use()
+    }
+
+    /// Most credits in use at once so far.
+    pub fn peak_in_use(&self) -> usize {
+        self.peak_in_use
+    }
+
+    pub fn provider(&self) -> &str {
+        self.ep.fabric().provider()
+    }
+}

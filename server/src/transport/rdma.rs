@@ -1,0 +1,120 @@
+//! The rdma transport, daemon side: per stream, an RDM endpoint and a [`RingSender`] writing each
+//! batch's bytes (laid out as an inline batch's `data`) into the ring the client registered, with
+//! the batch's metadata sent as an `RdmaBatch` on the gRPC stream. The libfabric code and the
+//! credit rules live in the `shardstream-fabric` crate; this module only negotiates.
+//!
+//! Enabled by `serve --rdma` (the daemon checks at start-up that libfabric loads and a provider
+//! opens). A stream asking for rdma from a daemon without it, or with a provider the daemon cannot
+//! open, is refused with the reason; never a silent fallback.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use shardstream_fabric::stream::{Offer, RingSender, open_endpoint};
+use shardstream_proto::RdmaOffer;
+
+use crate::{Error, Result};
+
+/// Writes one stream may have in flight.
+pub const RDMA_WINDOW: usize = 4;
+
+/// The daemon's rdma settings and counters.
+#[derive(Debug)]
+pub struct RdmaHub {
+    /// The provider every stream uses (`--rdma-provider`, SHARDSTREAM_FI_PROVIDER or
+    /// FI_PROVIDER); None: the client's.
+    provider: Option<String>,
+    /// The provider the start-up check opened.
+    pub opened: String,
+    pub streams: AtomicU64,
+    pub ring_bytes: AtomicU64,
+}
+
+impl RdmaHub {
+    /// Checks that libfabric loads and `provider` (or the default) opens: `serve --rdma` fails
+    /// at start-up otherwise, with the reason.
+    pub fn start(provider: Option<String>) -> Result<Self> {
+        let provider = provider.or_else(shardstream_fabric::forced_provider);
+        let fabric = shardstream_fabric::Fabric::open(provider.as_deref())
+            .map_err(|e| Error::invalid(format!("--rdma: {e}")))?;
+        Ok(Self {
+            provider,
+            opened: fabric.provider().to_owned(),
+            streams: AtomicU64::new(0),
+            ring_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// Opens this stream's endpoint and sender for the client's offer (blocking: a few
+    /// libfabric calls and one registration of the staging buffers).
+    pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer) -> Result<RdmaStream> {
+        if offer.slots == 0 || offer.slot_bytes == 0 || offer.address.is_empty() {
+            return Err(Error::invalid("transport \"rdma\": the request carries no usable rdma_offer"));
+        }
+        let provider = match &self.provider {
+            Some(p) if !same_provider(p, &offer.provider) => {
+                return Err(Error::invalid(format!(
+                    "transport \"rdma\": no common provider: the client opened {:?}, this daemon uses {p:?} \
+                     (set SHARDSTREAM_FI_PROVIDER on the client)",
+                    offer.provider
+                )));
+            }
+            Some(p) => p.clone(),
+            None => offer.provider.clone(),
+        };
+        let o = Offer {
+            name: offer.address.clone(),
+            ring: shardstream_fabric::RemoteRegion {
+                base: offer.ring_base,
+                key: offer.ring_key,
+                len: offer.ring_bytes,
+            },
+            slots: offer.slots,
+            slot_bytes: offer.slot_bytes,
+            provider: provider.clone(),
+        };
+        let ep = open_endpoint(Some(&provider), RDMA_WINDOW + offer.slots as usize + 4)
+            .map_err(|e| Error::invalid(format!("transport \"rdma\": {e}")))?;
+        let sender =
+            RingSender::new(ep, &o, RDMA_WINDOW).map_err(|e| Error::invalid(format!("transport \"rdma\": {e}")))?;
+        let address = sender.name().map_err(|e| Error::Internal(format!("rdma endpoint address: {e}")))?;
+        let provider = sender.provider().to_owned();
+        self.streams.fetch_add(1, Ordering::Relaxed);
+        self.ring_bytes.fetch_add(offer.ring_bytes, Ordering::Relaxed);
+        Ok(RdmaStream { hub: self.clone(), sender, address, provider, ring_bytes: offer.ring_bytes })
+    }
+}
+
+/// "tcp" names the same provider stack as "tcp;ofi_rxm" (what libfabric reports for it).
+fn same_provider(a: &str, b: &str) -> bool {
+    let first = |s: &str| s.split(';').next().unwrap_or("").trim().to_owned();
+    first(a) == first(b)
+}
+
+/// One stream's sender; counted in the hub while it lives.
+pub struct RdmaStream {
+    hub: Arc<RdmaHub>,
+    pub sender: RingSender,
+    pub address: Vec<u8>,
+    pub provider: String,
+    ring_bytes: u64,
+}
+
+impl Drop for RdmaStream {
+    fn drop(&mut self) {
+        self.hub.streams.fetch_sub(1, Ordering::Relaxed);
+        self.hub.ring_bytes.fetch_sub(self.ring_bytes, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn providers_compare_by_their_core() {
+        assert!(same_provider("tcp", "tcp;ofi_rxm"));
+        assert!(same_provider("verbs;ofi_rxm", "verbs"));
+        assert!(!same_provider("tcp", "shm"));
+    }
+}

@@ -1,0 +1,219 @@
+"""transport="rdma" end to end: a real `shardstream serve --rdma` on TCP, libfabric's tcp provider
+(the same protocol verbs and EFA run: the daemon RDMA-writes each batch into the ring the client
+registered, metadata on gRPC, slots returned by small sends), real torch DataLoader workers that
+create their rings after fork. Needs libfabric.so.1 (`bash scripts/libfabric.sh`); without it the
+tests fail, unless SHARDSTREAM_SKIP_RDMA=1 says this host is known not to have it."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.utils.data
+
+import shardstream
+import shardstream.torch as sst
+from conftest import SHARDSTREAM, wait_for, within
+
+
+def _libfabric() -> bool:
+    try:
+        ctypes.CDLL("libfabric.so.1")
+        return True
+    except OSError as e:
+        if os.environ.get("SHARDSTREAM_SKIP_RDMA"):
+            return False
+        pytest.fail(f"libfabric.so.1 not loadable ({e}); run scripts/libfabric.sh or set SHARDSTREAM_SKIP_RDMA=1")
+
+
+@pytest.fixture(autouse=True)
+def _rdma_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _libfabric():
+        pytest.skip("SHARDSTREAM_SKIP_RDMA: no libfabric on this host")
+    # Clients and daemons of these tests use libfabric's tcp provider; DataLoader workers inherit it.
+    monkeypatch.setenv("SHARDSTREAM_FI_PROVIDER", "tcp")
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(4 << 20))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TcpDaemon:
+    def __init__(self, tmp: Path, rdma: bool = True) -> None:
+        self.addr = f"tcp://127.0.0.1:{_port()}"
+        args = [SHARDSTREAM, "serve", "--listen", self.addr, "--cache-dir", str(tmp / "cache"), "--log", "warn"]
+        if rdma:
+            args += ["--rdma", "--rdma-provider", "tcp"]
+        self.proc = subprocess.Popen(args)
+        assert wait_for(lambda: self.proc.poll() is None and shardstream._native.probe(self.addr), 30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def rdma_daemon(tmp_path: Path) -> Iterator[TcpDaemon]:
+    d = TcpDaemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def _epoch(addr: str, root: Path, transport: str, samples: dict) -> collections.Counter[str]:
+    seen: collections.Counter[str] = collections.Counter()
+    for rank in range(2):
+        ds = sst.IterableDataset(
+            str(root), batch_size=32, seed=5, rank=rank, world_size=2, connect=addr, transport=transport
+        )
+        ds.set_epoch(1)
+        for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+            for i, key in enumerate(batch["__key__"]):
+                for field in ("jpg", "cls"):
+                    assert bytes(batch[field][i]) == samples[key][field], f"{key}.{field} differs"
+            seen.update(batch["__key__"])
+    return seen
+
+
+def test_two_ranks_two_workers_exactly_once_with_identical_bytes(rdma_daemon, dataset) -> None:
+    root, samples = dataset
+    seen = _epoch(rdma_daemon.addr, root, "rdma", samples)
+    assert set(seen) == set(samples), "every sample delivered"
+    # Exactly once up to the equal-batch-count padding, which inline applies the same way.
+    assert seen == _epoch(rdma_daemon.addr, root, "inline", samples), "rdma and inline deliver the same multiset"
+    # One consumer, no padding: every key exactly once.
+    loader = shardstream.Loader(str(root), batch_size=64, connect=rdma_daemon.addr, transport="rdma")
+    single: collections.Counter[str] = collections.Counter(k for b in loader for k in b["__key__"])
+    assert single == collections.Counter(set(samples))
+    assert loader.stats()["transport"].startswith("rdma/tcp"), loader.stats()["transport"]
+
+
+def test_collate_stack_over_rdma(rdma_daemon, dataset) -> None:
+    root, samples = dataset
+    loader = shardstream.Loader(
+        str(root), batch_size=50, fields=["cls"], collate="stack", connect=rdma_daemon.addr, transport="rdma"
+    )
+    n = 0
+    for batch in loader:
+        arr = np.asarray(batch["cls"])
+        assert arr.shape == (len(batch["__key__"]), 1)
+        for i, key in enumerate(batch["__key__"]):
+            assert arr[i].tobytes() == samples[key]["cls"]
+        n += len(batch["__key__"])
+    assert n == len(samples)
+
+
+def test_rdma_from_a_daemon_without_it_names_why(dataset, tmp_path: Path) -> None:
+    root, _ = dataset
+    d = TcpDaemon(tmp_path, rdma=False)
+    try:
+        with pytest.raises(ValueError, match="--rdma"):
+            next(iter(shardstream.Loader(str(root), connect=d.addr, transport="rdma")))
+    finally:
+        d.stop()
+
+
+def test_rdma_without_libfabric_names_why(dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root, _ = dataset
+    d = TcpDaemon(tmp_path)
+    try:
+        code = textwrap.dedent(
+            """
+            import sys, shardstream
+            try:
+                next(iter(shardstream.Loader(sys.argv[1], connect=sys.argv[2], transport="rdma")))
+            except Exception as e:
+                print(type(e).__name__, e)
+            """
+        )
+        env = {**os.environ, "SHARDSTREAM_LIBFABRIC": "/nonexistent/libfabric.so.1"}
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(root), d.addr], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert "libfabric is not available" in out.stdout, out.stdout + out.stderr
+        assert "libfabric1" in out.stdout
+    finally:
+        d.stop()
+
+
+CONSUMER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import shardstream
+
+    root, addr, out, stop_after, state_path = sys.argv[1:6]
+    stop_after = int(stop_after)
+    loader = shardstream.Loader(root, batch_size=24, seed=9, rank=1, world_size=2, connect=addr, transport="rdma")
+    if os.path.exists(state_path):
+        loader.load_state_dict(json.load(open(state_path)))
+    else:
+        loader.set_epoch(2)
+    with open(out, "a") as f:
+        for n, batch in enumerate(loader, 1):
+            f.write(json.dumps(batch["__key__"]) + "\\n")
+            f.flush()
+            if n == stop_after:
+                with open(state_path + ".tmp", "w") as s:
+                    json.dump(loader.state_dict(), s)
+                os.replace(state_path + ".tmp", state_path)
+                os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_sigkilled_client_then_exact_resume(rdma_daemon, dataset, tmp_path: Path) -> None:
+    root, _ = dataset
+
+    def run(out: Path, stop_after: int, state: Path) -> int:
+        return subprocess.run(
+            [sys.executable, "-c", CONSUMER, str(root), rdma_daemon.addr, str(out), str(stop_after), str(state)],
+            timeout=300,
+        ).returncode
+
+    full = tmp_path / "full.jsonl"
+    assert run(full, -1, tmp_path / "unused.json") == 0
+    expected = [json.loads(line) for line in full.read_text().splitlines()]
+    assert len(expected) > 8
+    resumed, state = tmp_path / "resumed.jsonl", tmp_path / "state.json"
+    assert run(resumed, 5, state) == -9, "first run must be SIGKILLed"
+    assert run(resumed, -1, state) == 0
+    got = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert got == expected, "resumed sequence differs from the uninterrupted one"
+    # The killed client's stream (and its ring) is gone from the daemon.
+    conn = shardstream._native.Connection(rdma_daemon.addr)
+    assert wait_for(lambda: conn.status()["active_streams"] == 0, 40)
+
+
+def test_daemon_sigkill_mid_epoch_is_a_named_error(dataset, tmp_path: Path) -> None:
+    root, _ = dataset
+    d = TcpDaemon(tmp_path)
+    loader = shardstream.Loader(str(root), batch_size=8, connect=d.addr, transport="rdma")
+    it = iter(loader)
+    next(it)
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+
+    def drain() -> None:
+        for _ in it:
+            pass
+
+    err = within(60, drain)
+    assert isinstance(err, ConnectionError), repr(err)
