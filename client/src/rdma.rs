@@ -131,6 +131,6 @@ impl RdmaRing {
         }
         let data = bytes::Bytes::copy_from_slice(data);
         rx.release(ready.slot, ready.batch).map_err(stream_err)?;
-        Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data })
+        Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data, more: false })
     }
 }
