@@ -172,6 +172,8 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("tls-client-ca", args.tls_client_ca.as_ref().map(|p| p.display().to_string())),
         ("tokens", args.token_file.as_ref().map(|p| p.display().to_string())),
         ("insecure", Some(args.insecure.to_string())),
+        ("rdma", Some(args.rdma.to_string())),
+        ("rdma-provider", args.rdma_provider.clone()),
         ("log", Some(args.log.clone())),
         ("log-format", Some(format!("{:?}", args.log_format).to_lowercase())),
     ];
@@ -183,7 +185,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         match value {
             None => out.push_str(&format!("# {key} = (not set)\n")),
             Some(v) if NUMERIC.contains(&key) && v.parse::<f64>().is_ok() => out.push_str(&format!("{key} = {v}\n")),
-            Some(v) if key == "insecure" => out.push_str(&format!("{key} = {v}\n")),
+            Some(v) if key == "insecure" || key == "rdma" => out.push_str(&format!("{key} = {v}\n")),
             Some(v) => out.push_str(&format!("{key} = {}\n", toml::Value::String(v))),
         }
     }
