@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers `two_hosts`)
+from tlsutil import available, client_env, make_pki, serve_args
 
 from conftest import SHARDSTREAM
 
@@ -59,14 +60,22 @@ def test_two_ranks_two_workers_exactly_once_over_tcp(
 ) -> None:
     root, samples = dataset
     port = PORT if two_hosts.kind == "netns" else free_port()
-    addr = f"tcp://{two_hosts.daemon_ip}:{port}"
-    helptext = subprocess.run([SHARDSTREAM, "serve", "--help"], capture_output=True, text=True, check=True).stdout
-    # Builds with the remote-endpoint security refuse a plaintext listener unless told.
-    insecure = ["--insecure"] if "--insecure" in helptext else []
+    listen = f"tcp://{two_hosts.daemon_ip}:{port}"
+    # Plaintext is for loopback only (--insecure); the daemon on the namespace pair's own address
+    # serves TLS with bearer tokens, as a remote endpoint must.
+    trainer_env = None
+    if two_hosts.kind == "netns":
+        if why := available():
+            pytest.skip(why)
+        pki = make_pki(tmp_path / "pki")
+        security, addr = serve_args(pki), f"tls://{two_hosts.daemon_ip}:{port}"
+        trainer_env = {**os.environ, **client_env(pki)}
+    else:
+        security, addr = ["--insecure"], listen
     env = None
     if message_bytes:
         env = {**os.environ, "SHARDSTREAM_INLINE_MESSAGE_BYTES": str(message_bytes)}
-    cmd = [SHARDSTREAM, "serve", "--listen", addr, "--cache-dir", str(tmp_path / "cache"), "--log", "warn", *insecure]
+    cmd = [SHARDSTREAM, "serve", "--listen", listen, "--cache-dir", str(tmp_path / "cache"), "--log", "warn", *security]
     daemon = two_hosts.popen_daemon(cmd, env=env)
     try:
         assert two_hosts.wait_port(two_hosts.daemon_ip, port), "the daemon never listened"
@@ -77,6 +86,7 @@ def test_two_ranks_two_workers_exactly_once_over_tcp(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                env=trainer_env,
             )
             for rank in range(world)
         ]

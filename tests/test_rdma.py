@@ -55,7 +55,8 @@ def _port() -> int:
 class TcpDaemon:
     def __init__(self, tmp: Path, rdma: bool = True) -> None:
         self.addr = f"tcp://127.0.0.1:{_port()}"
-        args = [SHARDSTREAM, "serve", "--listen", self.addr, "--cache-dir", str(tmp / "cache"), "--log", "warn"]
+        args = [SHARDSTREAM, "serve", "--listen", self.addr, "--insecure", "--cache-dir", str(tmp / "cache")]
+        args += ["--log", "warn"]
         if rdma:
             args += ["--rdma", "--rdma-provider", "tcp"]
         self.proc = subprocess.Popen(args)
@@ -215,5 +216,8 @@ def test_daemon_sigkill_mid_epoch_is_a_named_error(dataset, tmp_path: Path) -> N
         for _ in it:
             pass
 
-    err = within(60, drain)
+    # Usually the lost gRPC connection ends it at once; when the batch's metadata arrived but its
+    # bytes died with the daemon's socket (a reset drops what the provider had not read), the
+    # client gives up after its 60 s arrival timeout: a ConnectionError either way.
+    err = within(90, drain)
     assert isinstance(err, ConnectionError), repr(err)
