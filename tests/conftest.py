@@ -87,9 +87,10 @@ class Daemon:
         env: dict[str, str] | None = None,
         wrap: list[str] | None = None,
         binary: str | None = None,
+        addr: str | None = None,
     ) -> None:
         self.tmp = tmp
-        self.addr = f"unix://{tmp / 'sock'}"
+        self.addr = addr or f"unix://{tmp / 'sock'}"
         self.cache_dir = tmp / "cache"
         self.args = args or []
         self.env = env or {}
@@ -168,3 +169,12 @@ def _no_env_addr(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+@pytest.fixture
+def own_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A daemon of the test's own, for tests that assert on the daemon's totals (leases), which a
+    shared daemon's other clients (earlier tests' objects not yet collected) would add to."""
+    d = Daemon(tmp_path).start()
+    yield d
+    d.stop()

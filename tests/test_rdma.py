@@ -24,7 +24,7 @@ import torch.utils.data
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, wait_for, within
+from conftest import Daemon, wait_for, within
 
 
 def _libfabric() -> bool:
@@ -52,29 +52,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-class TcpDaemon:
-    def __init__(self, tmp: Path, rdma: bool = True) -> None:
-        self.addr = f"tcp://127.0.0.1:{_port()}"
-        args = [SHARDSTREAM, "serve", "--listen", self.addr, "--insecure", "--cache-dir", str(tmp / "cache")]
-        args += ["--log", "warn"]
-        if rdma:
-            args += ["--rdma", "--rdma-provider", "tcp"]
-        self.proc = subprocess.Popen(args)
-        assert wait_for(lambda: self.proc.poll() is None and shardstream._native.probe(self.addr), 30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def tcp_daemon(tmp: Path, rdma: bool = True) -> Daemon:
+    """A daemon on a loopback TCP listener (plaintext: --insecure), serving rdma unless told not to."""
+    args = ["--insecure", *(["--rdma", "--rdma-provider", "tcp"] if rdma else [])]
+    return Daemon(tmp, args=args, addr=f"tcp://127.0.0.1:{_port()}").start()
 
 
 @pytest.fixture
-def rdma_daemon(tmp_path: Path) -> Iterator[TcpDaemon]:
-    d = TcpDaemon(tmp_path)
+def rdma_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = tcp_daemon(tmp_path)
     yield d
     d.stop()
 
@@ -124,7 +110,7 @@ def test_collate_stack_over_rdma(rdma_daemon, dataset) -> None:
 
 def test_rdma_from_a_daemon_without_it_names_why(dataset, tmp_path: Path) -> None:
     root, _ = dataset
-    d = TcpDaemon(tmp_path, rdma=False)
+    d = tcp_daemon(tmp_path, rdma=False)
     try:
         with pytest.raises(ValueError, match="--rdma"):
             next(iter(shardstream.Loader(str(root), connect=d.addr, transport="rdma")))
@@ -134,7 +120,7 @@ def test_rdma_from_a_daemon_without_it_names_why(dataset, tmp_path: Path) -> Non
 
 def test_rdma_without_libfabric_names_why(dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root, _ = dataset
-    d = TcpDaemon(tmp_path)
+    d = tcp_daemon(tmp_path)
     try:
         code = textwrap.dedent(
             """
@@ -211,7 +197,7 @@ def test_sigkilled_client_then_exact_resume(rdma_daemon, dataset, tmp_path: Path
 )
 def test_daemon_sigkill_mid_epoch_is_a_named_error(dataset, tmp_path: Path) -> None:
     root, _ = dataset
-    d = TcpDaemon(tmp_path)
+    d = tcp_daemon(tmp_path)
     loader = shardstream.Loader(str(root), batch_size=8, connect=d.addr, transport="rdma")
     it = iter(loader)
     next(it)

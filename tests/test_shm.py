@@ -122,15 +122,6 @@ def test_inline_on_request(daemon, dataset) -> None:
     assert sorted(keys) == sorted(samples) and loader.stats()["transport"] == "inline"
 
 
-@pytest.fixture
-def own_daemon(tmp_path):
-    """A daemon of this test's own: it asserts on the daemon's total lease count, which a shared
-    daemon's other clients (earlier tests' objects not yet collected) would add to."""
-    d = Daemon(tmp_path).start()
-    yield d
-    d.stop()
-
-
 def test_leases_follow_views_and_release(own_daemon, dataset) -> None:
     daemon = own_daemon
     root, _ = dataset

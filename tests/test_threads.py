@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import shardstream
-from conftest import Daemon, wait_for
+from conftest import wait_for
 
 
 def status(addr: str) -> dict:
@@ -58,15 +58,6 @@ def test_close_from_another_thread(daemon, dataset, transport: str) -> None:
     for e in errors:
         assert isinstance(e, Exception), repr(e)
         assert "Panic" not in type(e).__name__, repr(e)
-
-
-@pytest.fixture
-def own_daemon(tmp_path):
-    """A daemon of this test's own: it asserts on the daemon's total lease count, which a shared
-    daemon's other clients (earlier tests' objects not yet collected) would add to."""
-    d = Daemon(tmp_path).start()
-    yield d
-    d.stop()
 
 
 def test_stream_dropped_on_another_thread(own_daemon, dataset) -> None:
