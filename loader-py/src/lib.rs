@@ -49,8 +49,31 @@ impl Connection {
         }
         let addr = self.address.clone();
         let c = block_on(py, async move { shardstream_client::connect(&addr).await })?.map_err(to_pyerr)?;
-        *guard = Some((pid, c.clone()));
+        if let Some(inherited) = guard.replace((pid, c.clone())) {
+            forget_if_inherited(inherited);
+        }
         Ok(c)
+    }
+}
+
+/// Drops a client, unless it was made before fork by another process: its channel's task lives
+/// in that process's runtime, and dropping the channel wakes that task, which takes the runtime's
+/// scheduler lock. A parent thread may have held that lock at the moment of fork, and then the
+/// child waits for it for ever (DataLoader workers hung in their first garbage collection). Such
+/// a client is leaked instead: the child's copy of its memory goes with the child.
+fn forget_if_inherited((owner, client): (u32, Client)) {
+    if owner == std::process::id() {
+        drop(client);
+    } else {
+        std::mem::forget(client);
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if let Some(c) = self.client.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            forget_if_inherited(c);
+        }
     }
 }
 

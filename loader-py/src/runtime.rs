@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use pyo3::prelude::*;
 
@@ -16,14 +17,28 @@ use crate::SIGNAL_CHECK;
 /// its disk reads on the blocking pool, which grows on demand.
 const WORKER_THREADS: usize = 2;
 
-static RUNTIME: Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> = Mutex::new(None);
+/// The current process's runtime and its pid. Read without a lock: a parent thread holding a
+/// lock at the moment of fork would leave it held for ever in the child, and every blocked call
+/// asks for the runtime several times a second.
+static RUNTIME: AtomicPtr<(u32, tokio::runtime::Runtime)> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Serialises the creation of a runtime (once per process).
+static CREATE: Mutex<()> = Mutex::new(());
+
+fn current(pid: u32) -> Option<&'static tokio::runtime::Runtime> {
+    let p = RUNTIME.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer came from `Box::leak` below and is never freed.
+    let (owner, rt) = unsafe { p.as_ref() }?;
+    (*owner == pid).then_some(rt)
+}
 
 pub fn runtime() -> &'static tokio::runtime::Runtime {
     let pid = std::process::id();
-    let mut guard = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((owner, rt)) = *guard
-        && owner == pid
-    {
+    if let Some(rt) = current(pid) {
+        return rt;
+    }
+    let _creating = CREATE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(rt) = current(pid) {
         return rt;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -34,9 +49,10 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
         // Creating a runtime fails only when the OS refuses threads or an epoll fd: nothing a
         // caller could recover from.
         .expect("cannot start the shardstream runtime (out of threads or file descriptors?)");
-    let rt: &'static tokio::runtime::Runtime = Box::leak(Box::new(rt));
-    *guard = Some((pid, rt));
-    rt
+    // Leaked: the runtime lives as long as the process, and a child must never drop its parent's.
+    let leaked: &'static (u32, tokio::runtime::Runtime) = Box::leak(Box::new((pid, rt)));
+    RUNTIME.store(std::ptr::from_ref(leaked).cast_mut(), Ordering::Release);
+    &leaked.1
 }
 
 /// Runs `fut` to completion with the GIL released, waking every [`SIGNAL_CHECK`] so Python can
