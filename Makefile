@@ -97,7 +97,7 @@ chaos: develop
 test-deploy: develop
 	bash scripts/deploy-tools.sh $(VENV)
 	$(CARGO) build -p shardstream --bin shardstream
-	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q tests/deploy
+	SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)" $(PY) -m pytest -q --timeout=900 tests/deploy
 
 test: venv fmt fmt-py typos clippy lint deny msrv typecheck rust-test fuzz-short py-test test-deploy
 
