@@ -30,7 +30,9 @@ fn err(e: impl std::fmt::Display) -> ClientError {
 fn stream_err(e: shardstream_fabric::stream::StreamError) -> ClientError {
     use shardstream_fabric::stream::StreamError;
     match e {
-        StreamError::PeerFailed(_) | StreamError::Stalled(_) => ClientError::Disconnected(format!("rdma: {e}")),
+        StreamError::PeerFailed(_) | StreamError::Stalled(_) | StreamError::CreditNotSent(_) => {
+            ClientError::Disconnected(format!("rdma: {e}"))
+        }
         e => err(e),
     }
 }

@@ -17,6 +17,9 @@ use crate::objects::{Completion, CompletionQueue, Domain, Endpoint, Fabric, Memo
 pub const RELEASE_BYTES: usize = 16;
 /// Sends the client may have in flight (RELEASE messages).
 const SEND_CONTEXTS: usize = 16;
+/// How long returning a credit may wait for a free send buffer or a provider that accepts the
+/// send; past it the daemon is taken as gone ([`StreamError::CreditNotSent`]).
+pub const RELEASE_WAIT: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
@@ -28,6 +31,8 @@ pub enum StreamError {
     PeerFailed(String),
     #[error("rdma peer returned no credit for {0:?}: it stalled or is gone")]
     Stalled(Duration),
+    #[error("rdma peer took no credit back for {0:?}: it stalled or is gone")]
+    CreditNotSent(Duration),
     #[error("batch of {len} bytes does not fit a {slot_bytes}-byte ring slot")]
     TooLarge { len: usize, slot_bytes: usize },
     #[error("malformed RELEASE message of {0} bytes")]
@@ -194,9 +199,15 @@ impl<M> RingReceiver<M> {
             return Ok(());
         }
         let Some(daemon) = self.daemon else { return Ok(()) };
+        // A daemon that died leaves sends that never complete and a provider that keeps saying
+        // EAGAIN: without a deadline this loop would spin for ever instead of failing the stream.
+        let deadline = Instant::now() + RELEASE_WAIT;
         let op = loop {
             if let Some(i) = self.sends_busy.iter().position(|b| !*b) {
                 break i;
+            }
+            if Instant::now() >= deadline {
+                return Err(StreamError::CreditNotSent(RELEASE_WAIT));
             }
             self.pump(Some(Duration::from_millis(100)))?;
         };
@@ -207,7 +218,10 @@ impl<M> RingReceiver<M> {
         buf[4..8].fill(0);
         buf[8..16].copy_from_slice(&batch.to_le_bytes());
         while !self.ep.send(op, &self.msgs, op * RELEASE_BYTES, RELEASE_BYTES, daemon)? {
-            self.pump(None)?;
+            if Instant::now() >= deadline {
+                return Err(StreamError::CreditNotSent(RELEASE_WAIT));
+            }
+            self.pump(Some(Duration::from_millis(10)))?;
         }
         self.sends_busy[op] = true;
         Ok(())
