@@ -280,6 +280,18 @@ def rust_sections(base: Path, shards: int, per_shard: int) -> list[tuple[str, st
             "plan_quality",
             [str(shards), str(per_shard), "8", "8"],
         ),
+        # A Parquet dataset's plan units are row groups; figures per file, next to what whole
+        # files as units would give on the same shape.
+        (
+            "Shuffle quality, Parquet: 8 files x 20 row groups, 8 ranks, window 8 row groups",
+            "plan_quality",
+            ["8", "20000", "8", "8", "20"],
+        ),
+        (
+            "Shuffle quality, the same 8 files as whole-file units, window 8 files",
+            "plan_quality",
+            ["8", "20000", "8", "8", "1"],
+        ),
     ]
     out = []
     for title, name, args in runs:

@@ -2,7 +2,11 @@
 //! full random permutation and to no shuffle, so that tuning the shuffle window is measured rather
 //! than guessed (`make bench` records the output). Only std: the figures are plain numbers.
 //!
-//! Usage: `plan_quality SHARDS SAMPLES_PER_SHARD WORLD_SIZE WINDOW_SHARDS`
+//! Usage: `plan_quality SHARDS SAMPLES_PER_SHARD WORLD_SIZE WINDOW_UNITS [UNITS_PER_SHARD]`
+//!
+//! `UNITS_PER_SHARD` (default 1) splits each shard into that many plan units, as a Parquet
+//! file's row groups are: the plan and its window are then in units, while the figures stay
+//! per shard (file), so the two plans of one dataset shape compare directly.
 //!
 //! Orders compared (see `shardstream::plan::quality` for the figures):
 //! - `rank0`: rank 0's sequence, with shuffle on;
@@ -15,7 +19,7 @@ use std::process::ExitCode;
 
 use shardstream::plan::{self, EpochParams, PlanError, quality};
 
-const USAGE: &str = "usage: plan_quality SHARDS SAMPLES_PER_SHARD WORLD_SIZE WINDOW_SHARDS";
+const USAGE: &str = "usage: plan_quality SHARDS SAMPLES_PER_SHARD WORLD_SIZE WINDOW_UNITS [UNITS_PER_SHARD]";
 
 /// Fixed so that runs are comparable; the figures barely move with the seed.
 const SEED: u64 = 0;
@@ -28,12 +32,15 @@ struct Shape {
     samples_per_shard: u64,
     world_size: u32,
     window_shards: u32,
+    units_per_shard: u64,
 }
 
 fn parse_args() -> Result<Shape, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [shards, per_shard, world, window] = &args[..] else {
-        return Err(USAGE.to_owned());
+    let (shards, per_shard, world, window, units) = match &args[..] {
+        [a, b, c, d] => (a, b, c, d, "1"),
+        [a, b, c, d, e] => (a, b, c, d, e.as_str()),
+        _ => return Err(USAGE.to_owned()),
     };
     fn num<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, String> {
         s.parse().map_err(|_| format!("{what} must be a non-negative integer in range, got {s:?}\n{USAGE}"))
@@ -42,7 +49,11 @@ fn parse_args() -> Result<Shape, String> {
         shards: num("SHARDS", shards)?,
         samples_per_shard: num("SAMPLES_PER_SHARD", per_shard)?,
         world_size: num("WORLD_SIZE", world)?,
-        window_shards: num("WINDOW_SHARDS", window)?,
+        window_shards: num("WINDOW_UNITS", window)?,
+        units_per_shard: match num("UNITS_PER_SHARD", units)? {
+            0 => return Err(format!("UNITS_PER_SHARD must be at least 1\n{USAGE}")),
+            n => n,
+        },
     })
 }
 
@@ -74,6 +85,13 @@ fn union(shard_samples: &[u64], p: EpochParams) -> Result<Vec<u64>, PlanError> {
 
 fn run(shape: &Shape) -> Result<String, PlanError> {
     let shard_samples = vec![shape.samples_per_shard; shape.shards];
+    // Units of (nearly) equal size that add up to each shard, in order: ids keep their shard.
+    let units = shape.units_per_shard.min(shape.samples_per_shard.max(1));
+    let unit_samples: Vec<u64> = (0..shape.shards)
+        .flat_map(|_| {
+            (0..units).map(move |u| shape.samples_per_shard / units + u64::from(u < shape.samples_per_shard % units))
+        })
+        .collect();
     let p = EpochParams {
         seed: SEED,
         epoch: 0,
@@ -84,16 +102,16 @@ fn run(shape: &Shape) -> Result<String, PlanError> {
         batch_size: BATCH_SIZE,
         drop_last: false,
     };
-    let summary = plan::summarize(&shard_samples, &p)?;
-    let window = plan::window_samples(summary.total_samples, shard_samples.len(), shape.window_shards);
+    let summary = plan::summarize(&unit_samples, &p)?;
+    let window = plan::window_samples(summary.total_samples, unit_samples.len(), shape.window_shards);
     let window = usize::try_from(window).unwrap_or(usize::MAX);
-    let rank0 = plan::rank_sequence(&shard_samples, &p)?;
-    let shuffled = union(&shard_samples, p)?;
-    let plain = union(&shard_samples, EpochParams { shuffle: false, ..p })?;
+    let rank0 = plan::rank_sequence(&unit_samples, &p)?;
+    let shuffled = union(&unit_samples, p)?;
+    let plain = union(&unit_samples, EpochParams { shuffle: false, ..p })?;
     let random = quality::random_permutation(summary.total_samples, SEED);
     Ok(format!(
-        "{{\n  \"shards\": {}, \"samples_per_shard\": {}, \"world_size\": {}, \"window_shards\": {}, \
-         \"window_samples\": {window}, \"samples_per_rank\": {}, \"padded_samples\": {},\n  \
+        "{{\n  \"shards\": {}, \"samples_per_shard\": {}, \"world_size\": {}, \"window_units\": {}, \
+         \"units_per_shard\": {units}, \"window_samples\": {window}, \"samples_per_rank\": {}, \"padded_samples\": {},\n  \
          \"rank0\": {},\n  \"union\": {},\n  \"full_random_permutation\": {},\n  \"no_shuffle\": {}\n}}",
         shape.shards,
         shape.samples_per_shard,

@@ -296,3 +296,51 @@ async fn over_shared_memory_each_batch_is_an_ipc_stream_in_a_ring_slot() {
     fx.shutdown.cancel();
     fx.server.await.unwrap().unwrap();
 }
+
+/// The plan's units are row groups, not files: a shuffle window of one unit holds one row group
+/// (a batch draws on one or two of them, the decoded rows a window needs stay small), and the
+/// epoch mixes the files from its start instead of serving one whole file after the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shuffle_permutes_row_groups_across_files() {
+    let fx = start().await;
+    let dir = fx.tmp.path().join("rg");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Two files of 8 row groups of 50 rows: ids 0..400 and 400..800.
+    std::fs::write(dir.join("a.parquet"), testdata::mixed_from(0, 400, 50, testdata::Codec::Snappy)).unwrap();
+    std::fs::write(dir.join("b.parquet"), testdata::mixed_from(400, 400, 50, testdata::Codec::Snappy)).unwrap();
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let req = StreamRequest {
+        url: dir.display().to_string(),
+        fields: vec!["id".into()],
+        batch_size: 50,
+        shuffle: true,
+        seed: 11,
+        world_size: 1,
+        num_workers: 1,
+        shuffle_window: 1,
+        transport: Transport::Inline as i32,
+        ..Default::default()
+    };
+    let got = arrow_batches(&mut client, req).await.unwrap();
+    let mut seen: Vec<u64> = got.iter().flat_map(|(r, _)| r.clone()).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..800).collect::<Vec<u64>>(), "every row exactly once");
+    let row_groups = |rows: &[u64]| {
+        let mut g: Vec<u64> = rows.iter().map(|id| id / 50).collect();
+        g.sort_unstable();
+        g.dedup();
+        g
+    };
+    // A window of one 400-row file would spread each batch over most of that file's 8 row groups.
+    let widest = got.iter().map(|(r, _)| row_groups(r).len()).max().unwrap();
+    assert!(widest <= 3, "a batch drew on {widest} row groups with a window of one unit");
+    // Whole files as units would serve file a's rows, then b's (or the reverse): here the first
+    // half of the epoch draws on both files.
+    let first_half: Vec<u64> = got[..got.len() / 2].iter().flat_map(|(r, _)| r.clone()).collect();
+    assert!(
+        first_half.iter().any(|&id| id < 400) && first_half.iter().any(|&id| id >= 400),
+        "the first half of the epoch came from one file only"
+    );
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}

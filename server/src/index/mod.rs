@@ -474,9 +474,23 @@ impl Dataset {
         self.shards.iter().map(|s| s.len).sum()
     }
 
-    /// Per-shard sample counts, in shard order (the plan's input).
+    /// Per-shard sample counts, in shard order.
     pub fn shard_samples(&self) -> Vec<u64> {
         self.shards.iter().map(|s| s.samples).collect()
+    }
+
+    /// Sample counts of the plan's units, in sample-id order (the plan's input): a TAR dataset's
+    /// shards, a Parquet dataset's row groups. Units partition the same id range either way, so
+    /// every id still maps to its shard (`locate`); what changes is what the shuffle permutes and
+    /// what a shuffle window of `W` units holds. For Parquet, `W` row groups (the decode unit)
+    /// instead of `W` whole files: a dataset of a few large files is mixed across all of them,
+    /// and the decoded rows a window needs stay bounded. Deterministic from the dataset's
+    /// footers, so every daemon of a job makes the same plan.
+    pub fn plan_units(&self) -> Vec<u64> {
+        match &self.parquet {
+            Some(pq) => pq.unit_rows().to_vec(),
+            None => self.shard_samples(),
+        }
     }
 
     /// Maps a global sample id to (shard, sample within shard).

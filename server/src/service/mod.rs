@@ -221,9 +221,9 @@ fn plan_stream(
         batch_size: req.batch_size,
         drop_last: req.drop_last,
     };
-    let shard_samples = ds.shard_samples();
-    let summary = plan::summarize(&shard_samples, &params)?;
-    let mut sequence = plan::RankStream::bounded(&shard_samples, &params, MAX_PLAN_IDS)?;
+    let plan_units = ds.plan_units();
+    let summary = plan::summarize(&plan_units, &params)?;
+    let mut sequence = plan::RankStream::bounded(&plan_units, &params, MAX_PLAN_IDS)?;
     let worker = WorkerParams { num_workers: req.num_workers.max(1), worker: req.worker, start_batch: req.start_batch };
     let batches = plan::WorkerBatches::new(sequence.len(), req.batch_size, &worker)?;
     let start = batches.peek().map_or(sequence.len(), |b| b.start);
@@ -235,7 +235,7 @@ fn plan_stream(
             // rank and epoch and shared by the rank's workers.
             let next = EpochParams { epoch: params.epoch.wrapping_add(1), ..params };
             let (this_epoch, next_epoch) =
-                (uses_cache.uses(&ds, &shard_samples, &params)?, uses_cache.uses(&ds, &shard_samples, &next)?);
+                (uses_cache.uses(&ds, &plan_units, &params)?, uses_cache.uses(&ds, &plan_units, &next)?);
             let len = sequence.len();
             let mut uses = Vec::with_capacity(this_epoch.len() + next_epoch.len());
             uses.extend_from_slice(&this_epoch);

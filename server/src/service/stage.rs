@@ -33,7 +33,7 @@ fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
         drop_last: false,
     };
     // Streamed: the whole dataset's order would be O(N) ids held at once.
-    let mut seq = plan::RankStream::bounded(&ds.shard_samples(), &params, super::MAX_PLAN_IDS)?;
+    let mut seq = plan::RankStream::bounded(&ds.plan_units(), &params, super::MAX_PLAN_IDS)?;
     let mut order: Vec<usize> =
         crate::prefetch::shard_uses_streamed(ds, &mut seq, 0)?.iter().map(|u| u.shard as usize).collect();
     // Shards without samples never appear in an order; stage them last all the same.

@@ -33,8 +33,9 @@ pub struct UsesCache {
 }
 
 impl UsesCache {
-    /// The shard uses of rank `p.rank`'s sequence in epoch `p.epoch`, positions from 0.
-    pub fn uses(&self, ds: &Dataset, shard_samples: &[u64], p: &EpochParams) -> Result<Arc<[ShardUse]>> {
+    /// The shard uses of rank `p.rank`'s sequence in epoch `p.epoch`, positions from 0;
+    /// `plan_units` is the plan's input (`Dataset::plan_units`).
+    pub fn uses(&self, ds: &Dataset, plan_units: &[u64], p: &EpochParams) -> Result<Arc<[ShardUse]>> {
         let key = (ds.url.clone(), ds.fingerprint.clone(), *p);
         let cell = {
             let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
@@ -52,7 +53,7 @@ impl UsesCache {
         };
         let walk = || -> Result<Arc<[ShardUse]>> {
             self.walks.fetch_add(1, Relaxed);
-            let mut seq = RankStream::new(shard_samples, p)?;
+            let mut seq = RankStream::new(plan_units, p)?;
             Ok(shard_uses_streamed(ds, &mut seq, 0)?.into())
         };
         match cell.get_or_init(|| walk().ok()) {
