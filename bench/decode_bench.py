@@ -51,25 +51,11 @@ PACKAGES = ("torch", "pillow", "numpy", "webdataset", "mosaicml-streaming", "lit
 
 
 @dataclass
-class Row:
-    reader: str
-    workers: int
-    samples: int = 0
-    seconds: float = 0.0
-    ttfb: float | None = None
-    cpu_s: float = 0.0  # reader tree + daemon, during the epoch
+class Row(report.Row):
+    """A reader run of the decode pipeline: `cpu_s` is the reader tree and the daemon during the
+    epoch, of which `decode_cpu_s` went to decoding and augmenting."""
+
     decode_cpu_s: float = 0.0
-    peak_pss_mib: float = 0.0
-    error: str = ""
-    mismatch: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error and not self.mismatch
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.seconds if self.seconds else 0.0
 
     @property
     def loader_cpu_s(self) -> float:

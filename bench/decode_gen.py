@@ -22,11 +22,11 @@ wrote it (as bench/gen.py does).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import io
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -173,34 +173,15 @@ def ensure(root: Path, spec: Spec, formats: list[str]) -> Path:
     (base / "spec.json").write_text(json.dumps({"spec": dataclasses.asdict(spec)}, indent=1) + "\n")
     for fmt in ["raw", *(f for f in formats if f != "raw")]:
         d = base / fmt
-        if _is_complete(d, fmt):
-            continue
-        tmp = base / f"{fmt}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(d, ignore_errors=True)
-        tmp.mkdir()
-        print(f"==> writing {spec.samples:,} JPEGs as {fmt} into {d}", flush=True)
-        t0 = time.perf_counter()
-        WRITERS[fmt](spec, tmp, base / "raw")
-        (tmp / ".complete").write_text(json.dumps(_marker(fmt)))
-        tmp.rename(d)
-        print(f"    {fmt}: {gen.tree_bytes(d) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        if not _is_complete(d, fmt):
+            write = functools.partial(lambda w, tmp: w(spec, tmp, base / "raw"), WRITERS[fmt])
+            gen.write_tree(d, f"{spec.samples:,} JPEGs as {fmt}", write, _marker(fmt))
     return base
 
 
 def prune(root: Path, keep: Spec) -> list[Path]:
     """Deletes cached JPEG datasets of another spec (other sample counts of this one stay)."""
-    removed = []
-    current = {k: v for k, v in dataclasses.asdict(keep).items() if k != "samples"}
-    for meta in root.glob("jpeg-n*/spec.json"):
-        try:
-            other = json.loads(meta.read_text())["spec"]
-        except (OSError, ValueError, KeyError):
-            continue
-        if {k: v for k, v in other.items() if k != "samples"} != current:
-            shutil.rmtree(meta.parent, ignore_errors=True)
-            removed.append(meta.parent)
-    return removed
+    return gen.prune_specs(list(root.glob("jpeg-n*/spec.json")), dataclasses.asdict(keep))
 
 
 def main() -> None:

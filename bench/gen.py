@@ -201,19 +201,24 @@ def ensure(root: Path, spec: Spec, formats: list[str]) -> Path:
         meta.write_text(json.dumps(info, indent=1) + "\n")
     for fmt in formats:
         d = base / fmt
-        if _is_complete(d, fmt):
-            continue
-        tmp = base / f"{fmt}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(d, ignore_errors=True)
-        tmp.mkdir()
-        print(f"==> writing {spec.samples} samples as {fmt} into {d}", flush=True)
-        t0 = time.perf_counter()
-        WRITERS[fmt](spec, tmp)
-        (tmp / ".complete").write_text(json.dumps(_marker(fmt)))
-        tmp.rename(d)
-        print(f"    {fmt}: {tree_bytes(d) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        if not _is_complete(d, fmt):
+            write_tree(d, f"{spec.samples} samples as {fmt}", functools.partial(WRITERS[fmt], spec), _marker(fmt))
     return base
+
+
+def write_tree(d: Path, what: str, write: Callable[[Path], None], marker: dict) -> None:
+    """Writes the dataset tree `d` into a temporary sibling, marked complete with `marker` and
+    renamed into place only when whole: an interrupted run never leaves a tree that looks done."""
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(d, ignore_errors=True)
+    tmp.mkdir()
+    print(f"==> writing {what} into {d}", flush=True)
+    t0 = time.perf_counter()
+    write(tmp)
+    (tmp / ".complete").write_text(json.dumps(marker))
+    tmp.rename(d)
+    print(f"    {d.name}: {tree_bytes(d) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def expected_payload_bytes(base: Path) -> int:
@@ -223,11 +228,17 @@ def expected_payload_bytes(base: Path) -> int:
 def prune(root: Path, keep: Spec) -> list[Path]:
     """Deletes cached datasets written from an outdated spec (anything but the sample count differs
     from `keep`); datasets of the current spec with other sample counts stay."""
-    current = {k: v for k, v in dataclasses.asdict(keep).items() if k != "samples"}
+    # Not a dataset of this file (e.g. pack_bench.py's trees) unless named like one.
+    metas = [m for m in root.glob("*/spec.json") if re.fullmatch(r"n\d+-[0-9a-f]{10}", m.parent.name)]
+    return prune_specs(metas, dataclasses.asdict(keep))
+
+
+def prune_specs(metas: list[Path], keep: dict) -> list[Path]:
+    """Deletes the dataset directories of `metas` (their spec.json files) whose spec differs from
+    `keep` in anything but the sample count; returns them."""
+    current = {k: v for k, v in keep.items() if k != "samples"}
     removed = []
-    for meta in root.glob("*/spec.json"):
-        if not re.fullmatch(r"n\d+-[0-9a-f]{10}", meta.parent.name):
-            continue  # not a dataset of this file (e.g. pack_bench.py's trees)
+    for meta in metas:
         try:
             other = json.loads(meta.read_text())["spec"]
         except (OSError, ValueError, KeyError):
