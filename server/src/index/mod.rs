@@ -10,7 +10,9 @@
 //! keys are never held: the layout says where they are in the shard.
 //!
 //! Shards listed in a manifest are verified (size and CRC-32C) the first time they are used, before
-//! any of their bytes is served.
+//! any of their bytes is served: the whole file's CRC, or for a Parquet manifest written by
+//! `shardstream index` (`"checksum": "crc32c-footer"`) the CRC of the file's footer, read again
+//! from the file or its node-cache copy (see `manifest`).
 //!
 //! Where the bytes are read from depends on the dataset's [`CacheMode`]: in place (`direct`, the
 //! default for local and parallel file systems) or from a copy in the node cache (`copy`, always
@@ -95,8 +97,12 @@ pub struct ShardMeta {
     pub source: ShardSource,
     pub len: u64,
     pub samples: u64,
-    /// CRC-32C from the manifest; checked before first use.
+    /// CRC-32C of the whole file from the manifest; checked before first use.
     pub crc32c: Option<u32>,
+    /// CRC-32C of a Parquet file's footer from a `crc32c-footer` manifest
+    /// ([`footer_crc32c`](crate::format::parquet::footer::footer_crc32c)); checked before first
+    /// use, like `crc32c`.
+    pub footer_crc32c: Option<u32>,
     pub mtime_ns: Option<i64>,
     /// Sidecar path named by the manifest, if any.
     pub sidecar: Option<PathBuf>,
@@ -116,6 +122,9 @@ impl ShardMeta {
             ShardSource::S3 { etag: Some(e), .. } => Some(e.as_str()),
             _ => None,
         };
+        if let (None, Some(crc)) = (self.crc32c, self.footer_crc32c) {
+            return format!("len={};footer_crc32c={crc:08x}", self.len).into_bytes();
+        }
         match (self.crc32c, etag, self.mtime_ns) {
             (Some(crc), _, _) => format!("len={};crc32c={crc:08x}", self.len).into_bytes(),
             (None, Some(e), _) => format!("len={};etag={e}", self.len).into_bytes(),
@@ -127,7 +136,7 @@ impl ShardMeta {
     /// The identity the dataset fingerprint uses: [`identity`](Self::identity), except that a
     /// content digest replaces the mtime (which a copy does not keep).
     pub fn content_identity(&self) -> Vec<u8> {
-        match (self.crc32c, self.content) {
+        match (self.crc32c.or(self.footer_crc32c), self.content) {
             (None, Some(d)) => format!("len={};content={d:016x}", self.len).into_bytes(),
             _ => self.identity(),
         }
@@ -514,10 +523,12 @@ impl Dataset {
         let meta = &self.shards[i];
         let (file, pin) = match (&meta.source, self.mode) {
             (ShardSource::Local(path), CacheMode::Direct) => {
-                if let Some(expected) = meta.crc32c
-                    && !self.verified[i].load(Ordering::Acquire)
-                {
-                    verify(path, meta, expected)?;
+                if !self.verified[i].load(Ordering::Acquire) {
+                    if let Some(expected) = meta.crc32c {
+                        verify(path, meta, expected)?;
+                    } else if let Some(expected) = meta.footer_crc32c {
+                        verify_footer(&ShardFile::open(path.clone(), meta.len)?, meta, expected)?;
+                    }
                     self.verified[i].store(true, Ordering::Release);
                 }
                 (ShardFile::open(path.clone(), meta.len)?, None)
@@ -536,6 +547,18 @@ impl Dataset {
                 t
             }
         };
+        // The file's footer was checked above (or as its copy was cached); the table the rows are
+        // decoded with came from a sidecar or an earlier read: it must be that same footer.
+        if let (Some(expected), ShardTable::Parquet(t)) = (meta.footer_crc32c, table.as_ref())
+            && t.footer_crc32c() != expected
+        {
+            return Err(footer_mismatch(
+                &meta.url(),
+                t.footer_crc32c(),
+                expected,
+                "the footer its table was decoded from",
+            ));
+        }
         if self.from_manifest && table.num_samples() != meta.samples {
             return Err(Error::Shard {
                 shard: meta.url(),
@@ -628,7 +651,8 @@ fn fetch_into(
         ShardSource::S3 { .. } => Some(backends.s3()?),
         ShardSource::Local(_) => None,
     };
-    let spec = FetchSpec { source: &meta.source, len: meta.len, crc32c: meta.crc32c };
+    let spec =
+        FetchSpec { source: &meta.source, len: meta.len, crc32c: meta.crc32c, footer_crc32c: meta.footer_crc32c };
     cache.get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
 }
 
@@ -681,6 +705,7 @@ impl Discovered {
                         len: l.len,
                         samples: 0,
                         crc32c: None,
+                        footer_crc32c: None,
                         mtime_ns: Some(l.mtime_ns),
                         sidecar: None,
                         content: None,
@@ -712,6 +737,7 @@ impl Discovered {
                         len: o.size,
                         samples: 0,
                         crc32c: None,
+                        footer_crc32c: None,
                         mtime_ns: None,
                         sidecar: None,
                         content: None,
@@ -731,12 +757,15 @@ impl Discovered {
         m: Manifest,
     ) -> Result<Self> {
         let format = m.format()?;
+        let footer_scope = m.checksum_scope() == manifest::ChecksumScope::Footer;
         let to_meta = |s: &manifest::ManifestShard| ShardMeta {
             name: s.name.clone(),
-            source: place.source(&s.name, None),
+            // A recorded ETag makes every GET of the object conditional on it (If-Match).
+            source: place.source(&s.name, s.etag.clone()),
             len: s.bytes,
             samples: s.samples,
-            crc32c: s.crc(),
+            crc32c: s.crc().filter(|_| !footer_scope),
+            footer_crc32c: s.crc().filter(|_| footer_scope),
             mtime_ns: None,
             // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
             // from its cache copy (headers only, already in the page cache).
@@ -820,6 +849,28 @@ fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Checks a Parquet file's footer against the CRC a `crc32c-footer` manifest records (its length
+/// was checked when `file` was opened): one tail read, never the whole file.
+fn verify_footer(file: &ShardFile, meta: &ShardMeta, expected: u32) -> Result<()> {
+    let footer = crate::format::parquet::dataset::read_local_footer(file)?;
+    let got = crate::format::parquet::footer::footer_crc32c(&footer);
+    if got != expected {
+        return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
+    }
+    Ok(())
+}
+
+fn footer_mismatch(shard: &str, got: u32, expected: u32, what: &str) -> Error {
+    Error::Shard {
+        shard: shard.to_owned(),
+        offset: None,
+        reason: format!(
+            "does not match manifest.json: the crc32c of {what} is {got:08x}, the manifest says {expected:08x} \
+             (the file changed after it was indexed); refusing to serve it"
+        ),
+    }
 }
 
 fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
@@ -959,6 +1010,7 @@ mod golden {
             len,
             samples,
             crc32c,
+            footer_crc32c: None,
             mtime_ns,
             sidecar: None,
             content: None,

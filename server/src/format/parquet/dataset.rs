@@ -230,6 +230,12 @@ pub fn open_local(file: &crate::storage::local::ShardFile) -> Result<Option<Parq
         tracing::warn!(file = %file.name, "skipping an empty (0-byte) Parquet file");
         return Ok(None);
     }
+    let footer = read_local_footer(file)?;
+    ParquetTable::decode(&footer, file.len).map(Some).map_err(|e| e.into_error(&file.name))
+}
+
+/// The footer bytes of a local file (one tail read, two for a footer larger than the tail).
+pub fn read_local_footer(file: &crate::storage::local::ShardFile) -> Result<Vec<u8>> {
     let mut io_error = None;
     let footer = footer::read_footer(file.len, |off, buf| {
         file.read_exact_at(buf, off).map_err(|e| {
@@ -238,10 +244,9 @@ pub fn open_local(file: &crate::storage::local::ShardFile) -> Result<Option<Parq
             ParquetError::Io(msg)
         })
     });
-    let footer = match (footer, io_error) {
-        (Ok(f), _) => f,
-        (Err(_), Some(e)) => return Err(e),
-        (Err(e), None) => return Err(e.into_error(&file.name)),
-    };
-    ParquetTable::decode(&footer, file.len).map(Some).map_err(|e| e.into_error(&file.name))
+    match (footer, io_error) {
+        (Ok(f), _) => Ok(f),
+        (Err(_), Some(e)) => Err(e),
+        (Err(e), None) => Err(e.into_error(&file.name)),
+    }
 }
