@@ -7,6 +7,7 @@ new process, seeds that reorder, and bad input named."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import subprocess
@@ -403,3 +404,97 @@ def test_record_batches_cross_dataloader_workers(daemon, varied) -> None:
         assert rb.column("caption").to_pylist() == [rows[r]["caption"] for r in ids]
         seen.extend(ids)
     assert sorted(seen) == list(range(TOTAL))
+
+
+def write_big_files(root: Path, files: int = 3, rows: int = 400) -> dict[int, bytes]:
+    """`files` files of ~2 MB (random 5 KiB payloads, row groups of 100 rows); {id: payload}."""
+    rng = np.random.default_rng(11)
+    payloads: dict[int, bytes] = {}
+    for k in range(files):
+        ids = np.arange(k * rows, (k + 1) * rows, dtype=np.int64)
+        blobs = [rng.integers(0, 256, 5120, dtype=np.uint8).tobytes() for _ in ids]
+        payloads.update(zip(ids.tolist(), blobs, strict=True))
+        t = pa.table({"id": ids, "label": (ids % 10).astype(np.int32), "payload": pa.array(blobs, pa.binary())})
+        pq.write_table(t, root / f"big-{k:03d}.parquet", row_group_size=100, compression="none")
+    return payloads
+
+
+def index_lines(stdout: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((footer reads, footer bytes), (S3 requests, S3 bytes)) from `shardstream index` output."""
+    reads = next(line for line in stdout.splitlines() if line.startswith("read footers only:"))
+    s3line = next(line for line in stdout.splitlines() if line.startswith("s3:"))
+    r, b = (int(w) for w in reads.replace(",", "").split() if w.isdigit())
+    q, d = (int(w) for w in s3line.replace(",", "").split() if w.isdigit())
+    return (r, b), (q, d)
+
+
+def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(tmp_path: Path, s3) -> None:
+    import os
+
+    bucket = s3.bucket("data") / "pqidx"
+    bucket.mkdir(parents=True)
+    payloads = write_big_files(bucket)
+    sizes = {p.name: p.stat().st_size for p in bucket.glob("*.parquet")}
+    assert min(sizes.values()) > 2_000_000
+    p = subprocess.run(
+        [SHARDSTREAM, "index", "s3://data/pqidx/"],
+        env={**os.environ, **s3.env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    (reads, footer_bytes), (requests, downloaded) = index_lines(p.stdout)
+    # One ranged GET of the last 64 KiB per file, nothing else downloaded: a list, 3 GETs, 3
+    # sidecar PUTs and the manifest PUT.
+    assert reads == 3 and footer_bytes == 3 * 65536, p.stdout
+    assert downloaded == footer_bytes, p.stdout
+    assert 8 <= requests <= 10, p.stdout
+    manifest = json.loads((bucket / "manifest.json").read_text())
+    assert manifest["checksum"] == "crc32c-footer" and manifest["total_samples"] == 1200
+    assert all(s["etag"] for s in manifest["shards"]), manifest
+
+    def serve() -> tuple[list[int], BaseException | None]:
+        d = Daemon(tmp_path / f"d{serve.runs}", env=s3.env()).start()
+        serve.runs += 1
+        got: list[int] = []
+        try:
+            loader = shardstream.Loader("s3://data/pqidx/", batch_size=50, shuffle=False, connect=d.addr)
+            for batch in loader:
+                for i, r in zip(np.asarray(batch["id"]).tolist(), batch["payload"], strict=True):
+                    assert bytes(r) == payloads[i], f"row {i}: payload differs"
+                    got.append(i)
+            return got, None
+        except shardstream.ShardError as e:
+            return got, e
+        finally:
+            assert d.stop() == 0
+
+    serve.runs = 0
+    got, err = serve()
+    assert err is None and got == list(range(1200))
+
+    # The writer's name in big-001's footer changes (same length): the object no longer has the
+    # ETag the manifest recorded (its GETs carry If-Match; a store that ignores it, as this one
+    # does, gives bytes whose MD5 is not that ETag): refused, named, before any row of it.
+    victim = bucket / "big-001.parquet"
+    raw = bytearray(victim.read_bytes())
+    at = raw.rindex(b"parquet-cpp")
+    raw[at : at + 1] = b"P"
+    victim.write_bytes(bytes(raw))
+    got, err = serve()
+    assert err is not None and err.shard == "s3://data/pqidx/big-001.parquet", err
+    assert "ETag" in str(err), err
+    assert all(i < 400 or i >= 800 for i in got), "a row of the changed file was served"
+    # Without ETags in the manifest (a store that lists none), the footer CRC catches it.
+    for s in manifest["shards"]:
+        del s["etag"]
+    (bucket / "manifest.json").write_text(json.dumps(manifest))
+    # s3s-fs keeps the checksums of objects PUT through it beside them: drop the manifest's.
+    b64 = base64.urlsafe_b64encode(b"pqidx/manifest.json").rstrip(b"=").decode()
+    for meta in s3.root.glob(f".bucket-*.object-{b64}.*"):
+        meta.unlink()
+    got, err = serve()
+    assert err is not None and err.shard == "s3://data/pqidx/big-001.parquet", err
+    assert "footer's crc32c" in str(err), err
+    assert all(i < 400 or i >= 800 for i in got), "a row of the changed file was served"

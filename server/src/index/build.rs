@@ -198,20 +198,23 @@ fn index_parquet(
         DatasetUrl::S3 { bucket, prefix, .. } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
             let done = crate::parallel::try_map(listed, threads, |s| {
-                // If-Match on the listed ETag: the footer read is of the version the manifest names.
-                let obj = ObjectRef {
+                // If-Match on the listed ETag (else on the one the first GET answered): every read
+                // is of the version the manifest will name.
+                let mut obj = ObjectRef {
                     bucket: bucket.clone(),
                     key: format!("{prefix}{}", s.name),
                     len: s.len,
                     etag: s.etag.clone(),
                 };
-                let table = parquet_table(&obj.url(), s.len, |off, buf| {
-                    let got = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+                let url = obj.url();
+                let table = parquet_table(&url, s.len, |off, buf| {
+                    let (got, etag) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
                     counter.count(got.len());
                     buf.copy_from_slice(&got);
+                    obj.etag = obj.etag.take().or(etag);
                     Ok(())
                 })?;
-                let r = describe_parquet(&s.name, s.len, table, s.etag.clone(), |sidecar_name, bytes| {
+                let r = describe_parquet(&s.name, s.len, table, obj.etag.clone(), |sidecar_name, bytes| {
                     let key = format!("{prefix}{SIDECAR_DIR}/{sidecar_name}");
                     store.block_on(store.put(&bucket, &key, Bytes::copy_from_slice(bytes)))
                 })?;

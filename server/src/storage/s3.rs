@@ -381,12 +381,13 @@ impl S3Store {
 
     /// Reads bytes `range` of `obj` into memory with one ranged GET (retried as a whole): a
     /// Parquet footer, never a whole shard. Carries `If-Match` when `obj.etag` is known, so the
-    /// bytes come from the version the caller listed. A short or long body is an error.
-    pub async fn get_range(&self, obj: &ObjectRef, range: Range<u64>) -> Result<Bytes> {
+    /// bytes come from the version the caller listed. A short or long body is an error. Returns
+    /// the bytes and the ETag the server answered with (a listing may not give one).
+    pub async fn get_range(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, Option<String>)> {
         let url = obj.url();
         let want = range.end.saturating_sub(range.start);
         if want == 0 {
-            return Ok(Bytes::new());
+            return Ok((Bytes::new(), obj.etag.clone()));
         }
         let got = self
             .retrying(&url, "get", || async {
@@ -400,6 +401,7 @@ impl S3Store {
                     .send()
                     .await
                     .map_err(|e| classify(&url, e))?;
+                let etag = resp.e_tag().map(str::to_owned);
                 let body =
                     resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))?;
                 if body.len() as u64 != want {
@@ -409,10 +411,10 @@ impl S3Store {
                         body.len()
                     )));
                 }
-                Ok(body)
+                Ok((body, etag))
             })
             .await?;
-        crate::metrics::storage_bytes("s3", got.len() as u64);
+        crate::metrics::storage_bytes("s3", got.0.len() as u64);
         Ok(got)
     }
 
