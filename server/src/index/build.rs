@@ -11,7 +11,7 @@
 //! uploaded next to the shards, the manifest last.
 //!
 //! Parquet files are never read whole: everything the manifest and the sidecar hold is in the
-//! footer, so each file costs one tail read of [`footer::TAIL_READ`] bytes (a ranged GET on S3),
+//! footer, so each file costs one tail read of [`TAIL_READ`](crate::format::parquet::footer::TAIL_READ) bytes (a ranged GET on S3),
 //! and a second read of exactly the footer only when the footer is larger. The manifest then says
 //! `"checksum": "crc32c-footer"`: each `crc32c` covers the file's footer (see `manifest`), and an
 //! S3 file's entry records the ETag the listing gave. [`IndexSummary::footer_reads`] counts the
@@ -23,7 +23,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bytes::Bytes;
 
-use crate::format::parquet::{ParquetError, ParquetTable, footer};
+use crate::format::parquet::ParquetTable;
+use crate::format::parquet::dataset::read_table;
 use crate::format::{Format, ShardTable};
 use crate::index::manifest::{ChecksumScope, MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
 use crate::storage::DatasetUrl;
@@ -180,7 +181,7 @@ fn index_parquet(
             std::fs::create_dir_all(&sidecar_dir).map_err(|e| Error::io("cannot create", &sidecar_dir, e))?;
             let done = crate::parallel::try_map(listed, threads, |s| {
                 let file = ShardFile::open(dir.join(&s.name), s.len)?;
-                let table = parquet_table(&file.name, s.len, |off, buf| {
+                let table = read_table(&file.name, s.len, |off, buf| {
                     counter.count(buf.len());
                     file.read_exact_at(buf, off)
                 })?;
@@ -207,7 +208,7 @@ fn index_parquet(
                     etag: s.etag.clone(),
                 };
                 let url = obj.url();
-                let table = parquet_table(&url, s.len, |off, buf| {
+                let table = read_table(&url, s.len, |off, buf| {
                     let (got, etag) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
                     counter.count(got.len());
                     buf.copy_from_slice(&got);
@@ -227,41 +228,6 @@ fn index_parquet(
             Ok(IndexSummary { manifest, location: format!("s3://{bucket}/{key}"), footer_reads: Some(counter.total()) })
         }
     }
-}
-
-/// The footer table of the Parquet file `shown_as` of `len` bytes, read with `read_at` (fill
-/// the buffer from the offset): one tail read, a second one for a footer larger than the tail.
-/// Errors of `read_at` (a network failure, a short file) come back as they are.
-fn parquet_table(
-    shown_as: &str,
-    len: u64,
-    mut read_at: impl FnMut(u64, &mut [u8]) -> Result<()>,
-) -> Result<ParquetTable> {
-    if len == 0 {
-        return Err(Error::Shard {
-            shard: shown_as.to_owned(),
-            offset: None,
-            reason: "is empty (0 bytes), not a Parquet file".into(),
-        });
-    }
-    let mut io_error = None;
-    let footer = footer::read_footer(len, |off, buf| {
-        read_at(off, buf).map_err(|e| {
-            let msg = e.to_string();
-            io_error = Some(e);
-            ParquetError::Io(msg)
-        })
-    });
-    let footer = match (footer, io_error) {
-        (Ok(f), _) => f,
-        (Err(_), Some(e)) => return Err(e),
-        (Err(e), None) => return Err(e.into_error(shown_as)),
-    };
-    let table = ParquetTable::decode(&footer, len).map_err(|e| e.into_error(shown_as))?;
-    if table.num_rows() == 0 {
-        tracing::warn!(file = %shown_as, "a Parquet file without rows: it contributes no samples");
-    }
-    Ok(table)
 }
 
 /// The manifest entry and sidecar of a Parquet file (`crc32c-footer` meaning).
@@ -356,7 +322,7 @@ fn assemble(format: Format, done: Vec<(ManifestShard, Vec<String>)>) -> Manifest
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::parquet::testdata;
+    use crate::format::parquet::{footer, testdata};
 
     /// Files of megabytes, footers of kilobytes: the index reads one tail per file (two for a
     /// footer larger than the tail), writes a `crc32c-footer` manifest the daemon opens, and a

@@ -961,6 +961,20 @@ fn scan_one(
                 format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
             }) {
                 Some(table) => table,
+                // A Parquet file's table is its footer: one ranged GET, not the whole object (which
+                // is fetched, and verified, when a stream first needs its rows).
+                None if format == Format::Parquet && matches!(meta.source, ShardSource::S3 { .. }) => {
+                    let table = remote_parquet_table(backends.s3()?, meta)?;
+                    if let Some(c) = cache {
+                        let path = cache_sidecar_path(c, meta);
+                        let saved =
+                            std::fs::create_dir_all(c).and_then(|()| table.write_sidecar(&path, &meta.identity()));
+                        if let Err(e) = saved {
+                            tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
+                        }
+                    }
+                    table
+                }
                 None => {
                     let pin = fetch_into(node, backends, meta, key, Want::NOW)?
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
@@ -981,6 +995,22 @@ fn scan_one(
             Ok((table, content))
         }
     }
+}
+
+/// The footer table of an S3 Parquet file, read with one ranged GET of its tail (two for a footer
+/// larger than the tail).
+fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<ShardTable> {
+    let ShardSource::S3 { bucket, key, etag } = &meta.source else {
+        return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
+    };
+    let obj =
+        crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() };
+    let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
+        let (got, _) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+        buf.copy_from_slice(&got);
+        Ok(())
+    })?;
+    Ok(ShardTable::Parquet(Arc::new(table)))
 }
 
 /// How long an S3 dataset's shard list is trusted before the next open lists (or reads the
