@@ -425,12 +425,14 @@ def s3_epoch(addr: str, url: str, kind: str, fields: list[str], rows: int) -> di
     }
 
 
-def run_s3(kinds: list[str], data: dict[str, Path], rows: dict[str, int], work: Path) -> list[dict]:
-    """Per dataset: the index run's figures, then one epoch with all fields and with `label`."""
+def run_s3(kinds: list[str], data: dict[str, Path], rows: dict[str, int], work: Path, s3_root: Path) -> list[dict]:
+    """Per dataset: the index run's figures, then one epoch with all fields and with `label`. The
+    bucket lives in `s3_root` (next to the data, so the files are hard links, not copies; removed
+    at the end)."""
     import daemon as bench_daemon
     from s3server import S3Server
 
-    server = S3Server(work / "s3").start()
+    server = S3Server(s3_root).start()
     out: list[dict] = []
     try:
         for kind in kinds:
@@ -488,6 +490,7 @@ def run_s3(kinds: list[str], data: dict[str, Path], rows: dict[str, int], work: 
                 print(f"s3 {kind} {name}: {r}", file=sys.stderr)
     finally:
         server.stop()
+        shutil.rmtree(s3_root, ignore_errors=True)
     return out
 
 
@@ -611,7 +614,7 @@ def main() -> None:
                     print(f"[{rep}] {kind} {peer}: {r}", file=sys.stderr)
         rss = peak_rss_mib(d.pid)
         d.stop()
-        s3_rows = [] if args.no_s3 else run_s3(kinds, data, rows, work)
+        s3_rows = [] if args.no_s3 else run_s3(kinds, data, rows, work, args.data / f".s3-{os.getpid()}")
     finally:
         d.stop()
         shutil.rmtree(work, ignore_errors=True)
