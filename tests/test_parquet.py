@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import collections
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -506,3 +507,41 @@ def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_r
     assert err is not None and err.shard == "s3://data/pqidx/big-001.parquet", err
     assert "footer's crc32c" in str(err), err
     assert all(i < 400 or i >= 800 for i in got), "a row of the changed file was served"
+
+
+def test_a_local_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "big"
+    root.mkdir()
+    payloads = write_big_files(root)
+    p = subprocess.run([SHARDSTREAM, "index", str(root)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    reads = next(line for line in p.stdout.splitlines() if line.startswith("read footers only:"))
+    assert reads.startswith("read footers only: 3 reads, 196608 bytes"), p.stdout
+    assert json.loads((root / "manifest.json").read_text())["checksum"] == "crc32c-footer"
+
+    def epoch(root: Path) -> tuple[list[int], BaseException | None]:
+        got: list[int] = []
+        try:
+            for batch in shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=daemon.addr):
+                for i, r in zip(np.asarray(batch["id"]).tolist(), batch["payload"], strict=True):
+                    assert bytes(r) == payloads[i], f"row {i}: payload differs"
+                    got.append(i)
+        except shardstream.ShardError as e:
+            return got, e
+        return got, None
+
+    got, err = epoch(root)
+    assert err is None and got == list(range(1200))
+    # A copy (manifest and sidecars included) whose big-002 footer has another writer's name, same
+    # size: refused, named, before any of its rows. (A copy: the daemon verifies a file once per
+    # dataset it has open, as for TAR shards.)
+    root = Path(shutil.copytree(root, tmp_path / "copy"))
+    victim = root / "big-002.parquet"
+    raw = bytearray(victim.read_bytes())
+    at = raw.rindex(b"parquet-cpp")
+    raw[at : at + 1] = b"P"
+    victim.write_bytes(bytes(raw))
+    got, err = epoch(root)
+    assert err is not None and err.shard == str(victim), err
+    assert "footer" in str(err), err
+    assert got == list(range(800)), "rows of the other files, none of the changed one"
