@@ -24,7 +24,7 @@ import torch.utils.data
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon
+from conftest import SHARDSTREAM, Daemon, wait_for
 
 # (rows, row-group size, codec) per file, in name order: row ids run through them in this order.
 LAYOUT = [(237, 7, "snappy"), (301, 50, "zstd"), (199, 128, "gzip"), (263, 1000, "none")]
@@ -545,3 +545,67 @@ def test_a_local_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused
     assert err is not None and err.shard == str(victim), err
     assert "footer" in str(err), err
     assert got == list(range(800)), "rows of the other files, none of the changed one"
+
+
+def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_path: Path, s3) -> None:
+    bucket = s3.bucket("data") / "pqcols"
+    bucket.mkdir(parents=True)
+    payloads = write_big_files(bucket)
+    size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
+    selected = 0
+    for f in sorted(bucket.glob("*.parquet")):
+        md = pq.ParquetFile(f).metadata
+        for g in range(md.num_row_groups):
+            for c in range(md.num_columns):
+                col = md.row_group(g).column(c)
+                if col.path_in_schema in ("id", "label"):
+                    selected += col.total_compressed_size
+    assert selected * 100 < size
+    d = Daemon(tmp_path, env=s3.env()).start()
+    try:
+
+        def epoch(e: int, fields: list[str] | None) -> list[int]:
+            got: list[int] = []
+            loader = shardstream.Loader("s3://data/pqcols/", batch_size=50, seed=4, fields=fields, connect=d.addr)
+            loader.set_epoch(e)
+            for batch in loader:
+                ids = np.asarray(batch["id"]).tolist()
+                assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
+                if fields is None:
+                    for i, r in zip(ids, batch["payload"], strict=True):
+                        assert bytes(r) == payloads[i]
+                else:
+                    assert "payload" not in batch
+                got.extend(ids)
+            return got
+
+        got = epoch(0, ["id", "label"])
+        assert sorted(got) == list(range(1200))
+        st = d.status()
+        # Footers at open and once more before each file's first rows (64 KiB each), then only
+        # the id and label chunks: never a payload byte.
+        assert selected <= st["storage_bytes"] <= selected + 6 * 65536, (st["storage_bytes"], selected, size)
+        assert st["storage_requests"] <= 2 + 6 + 12, st
+        # Another epoch with the same columns is served from the node cache.
+        assert sorted(epoch(1, ["label", "id"])) == list(range(1200))
+        assert d.status()["storage_bytes"] == st["storage_bytes"]
+        # The prefetcher fetches the copies in plan order ahead of the stream: a new daemon's
+        # stream, stopped after its first batch, finds every file's copy arriving in the cache.
+        d2 = Daemon(tmp_path / "d2", env=s3.env()).start()
+        try:
+            # In file order, batches of 50: the stream itself needs only file 0 for a while.
+            loader = shardstream.Loader(
+                "s3://data/pqcols/", batch_size=50, shuffle=False, fields=["id"], connect=d2.addr
+            )
+            it = iter(loader)
+            next(it)
+            shards = d2.cache_dir / "shards"
+            assert wait_for(lambda: len([p for p in shards.iterdir() if p.name.endswith(".parquet.cols")]) == 3)
+            assert d2.status()["storage_bytes"] < 6 * 65536 + selected
+        finally:
+            d2.stop()
+        # All columns: whole files through the cache, as before.
+        assert sorted(epoch(0, None)) == list(range(1200))
+        assert d.status()["storage_bytes"] >= st["storage_bytes"] + size
+    finally:
+        assert d.stop() == 0

@@ -220,6 +220,10 @@ pub struct Working {
     waited: Duration,
 }
 
+/// Largest ranged GET of a column-chunk copy: a piece larger than this (one column of a huge row
+/// group) is fetched in parts, so no GET holds more than this in memory.
+pub const PROJECTED_GET: u64 = 8 << 20;
+
 /// Shards of one batch fetched at once when none of them is cached yet (a cold start): each is
 /// itself a set of parallel ranged GETs, bounded daemon-wide.
 const PRELOAD_THREADS: usize = 8;
@@ -573,6 +577,102 @@ impl Dataset {
         }
         t.open.insert(i, Arc::downgrade(&resident));
         Ok((resident, fetched))
+    }
+
+    /// Node-cache key of the compact copy of Parquet file `i`'s column chunks for projection
+    /// `proj_id` (see `service::projected`).
+    pub fn projected_key(&self, i: usize, proj_id: u64) -> String {
+        let m = &self.shards[i];
+        crate::cache::key_for(
+            &format!("{}#columns={proj_id:016x}", m.url()),
+            &m.identity(),
+            &format!("{}.cols", m.name),
+        )
+    }
+
+    /// Fetches the pieces `pf` of S3 Parquet file `i` into the node cache entry `key` (ranged
+    /// GETs of at most [`PROJECTED_GET`] bytes, `If-Match` on the file's ETag when known), or
+    /// pins it there. `Ok(None)`: a prefetch that did not wait. Blocking.
+    pub fn fetch_projected(
+        &self,
+        i: usize,
+        pf: &crate::format::parquet::projected::ProjectedFile,
+        key: &str,
+        want: Want,
+    ) -> Result<Option<Pin>> {
+        use std::os::unix::fs::FileExt;
+        let cache =
+            self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
+        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
+        let ShardSource::S3 { bucket, key: object, etag } = &meta.source else {
+            return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
+        };
+        let obj = crate::storage::s3::ObjectRef {
+            bucket: bucket.clone(),
+            key: object.clone(),
+            len: meta.len,
+            etag: etag.clone(),
+        };
+        let store = self.backends.s3()?;
+        cache.get(key, pf.len(), want, &mut |tmp, file| {
+            for (range, at) in pf.pieces() {
+                let mut start = range.start;
+                while start < range.end {
+                    let end = range.end.min(start + PROJECTED_GET);
+                    let (bytes, _) = store.block_on(store.get_range(&obj, start..end))?;
+                    file.write_all_at(&bytes, at + (start - range.start))
+                        .map_err(|e| Error::io("cannot write", tmp, e))?;
+                    start = end;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Checks S3 Parquet file `i`'s footer once (one ranged GET of its tail) before its rows are
+    /// served from column-chunk copies: against the manifest's `crc32c-footer` when there is one,
+    /// and in any case against the footer the dataset was opened with (the chunk offsets the
+    /// decoder uses come from it).
+    pub fn verify_remote_footer(&self, i: usize) -> Result<()> {
+        if self.verified.get(i).is_some_and(|v| v.load(Ordering::Acquire)) {
+            return Ok(());
+        }
+        // Streams building batches at once check a file once, not once each.
+        let lock = self.load_locks.get(i).ok_or_else(|| Error::Internal(format!("shard {i} out of range")))?;
+        let _checking = lock.lock().unwrap_or_else(|p| p.into_inner());
+        if self.verified[i].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
+        let opened = self
+            .parquet
+            .as_ref()
+            .and_then(|p| p.files().iter().find(|f| f.index == i))
+            .map(|f| f.table.footer_crc32c())
+            .ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
+        let ShardTable::Parquet(now) = remote_parquet_table(self.backends.s3()?, meta)? else {
+            return Err(Error::Internal(format!("{} is not a Parquet table", meta.url())));
+        };
+        let got = now.footer_crc32c();
+        if let Some(expected) = meta.footer_crc32c {
+            if got != expected {
+                return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
+            }
+            if opened != expected {
+                return Err(footer_mismatch(&meta.url(), opened, expected, "the footer its table was decoded from"));
+            }
+        } else if got != opened {
+            return Err(Error::Shard {
+                shard: meta.url(),
+                offset: None,
+                reason: format!(
+                    "its footer changed since the dataset was opened (crc32c {got:08x}, was {opened:08x}); \
+                     refusing to serve it"
+                ),
+            });
+        }
+        self.verified[i].store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Node-cache key of shard `i` (`copy` mode).

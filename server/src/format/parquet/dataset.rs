@@ -173,6 +173,15 @@ impl BatchAssembler {
         &self.projection
     }
 
+    pub fn dataset(&self) -> &ParquetDataset {
+        &self.dataset
+    }
+
+    /// The projection of each file, in the order of [`ParquetDataset::files`].
+    pub fn per_file(&self) -> &[FileProjection] {
+        &self.per_file
+    }
+
     /// The record batch of rows `row_ids`, in that order.
     pub fn batch(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<RecordBatch> {
         let mut sources: Vec<Arc<RecordBatch>> = Vec::new();
