@@ -380,7 +380,15 @@ impl Dataset {
         let scanned = scan_all(format, &shards, &keys, &backends, sidecar_cache.as_deref())?;
         let mut fields = std::collections::BTreeSet::new();
         let mut tables = Vec::with_capacity(scanned.len());
-        for (meta, (table, content)) in shards.iter_mut().zip(scanned) {
+        // S3 Parquet files whose footer was just read from the object itself, and matches the
+        // manifest if there is one: already verified for column-chunk reads.
+        let mut footer_checked = Vec::with_capacity(scanned.len());
+        for (meta, (table, content, fresh)) in shards.iter_mut().zip(scanned) {
+            let matches = match (&table, meta.footer_crc32c) {
+                (ShardTable::Parquet(t), expected) => expected.is_none_or(|e| e == t.footer_crc32c()),
+                (ShardTable::Tar(_), _) => false,
+            };
+            footer_checked.push(fresh && matches && meta.crc32c.is_none());
             meta.samples = table.num_samples();
             meta.content = content;
             fields.extend(table.fields().iter().cloned());
@@ -410,6 +418,11 @@ impl Dataset {
             Self::assemble(&url, format, mode, base, shards, fields, from_manifest, sidecar_cache, backends, keys);
         ds.largest_sample = largest_sample;
         ds.parquet = parquet;
+        for (flag, checked) in ds.verified.iter().zip(footer_checked) {
+            if checked {
+                flag.store(true, Ordering::Release);
+            }
+        }
         // The scan just built every table: keep as many resident as the cache allows.
         for (i, table) in tables.into_iter().enumerate().take(MAX_RESIDENT_TABLES) {
             ds.insert_table(i, Arc::new(table));
@@ -644,16 +657,27 @@ impl Dataset {
             return Ok(());
         }
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let opened = self
+        let (opened, footer_bytes) = self
             .parquet
             .as_ref()
             .and_then(|p| p.files().iter().find(|f| f.index == i))
-            .map(|f| f.table.footer_crc32c())
+            .map(|f| (f.table.footer_crc32c(), f.table.footer_bytes()))
             .ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
-        let ShardTable::Parquet(now) = remote_parquet_table(self.backends.s3()?, meta)? else {
-            return Err(Error::Internal(format!("{} is not a Parquet table", meta.url())));
+        // Exactly the footer, its length and magic as the dataset knows them: their CRC is the
+        // footer checksum, and a footer of another length changes the length field it covers.
+        let ShardSource::S3 { bucket, key, etag } = &meta.source else {
+            return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
         };
-        let got = now.footer_crc32c();
+        let obj = crate::storage::s3::ObjectRef {
+            bucket: bucket.clone(),
+            key: key.clone(),
+            len: meta.len,
+            etag: etag.clone(),
+        };
+        let tail = meta.len.saturating_sub(footer_bytes + crate::format::parquet::footer::FOOTER_TAIL_BYTES);
+        let s3 = self.backends.s3()?;
+        let (bytes, _) = s3.block_on(s3.get_range(&obj, tail..meta.len))?;
+        let got = crc32c::crc32c(&bytes);
         if let Some(expected) = meta.footer_crc32c {
             if got != expected {
                 return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
@@ -1032,7 +1056,7 @@ fn scan_all(
     keys: &[String],
     backends: &Backends,
     cache: Option<&Path>,
-) -> Result<Vec<(ShardTable, Option<u64>)>> {
+) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
     crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(format, &shards[i], keys.get(i), backends, cache))
 }
@@ -1045,7 +1069,7 @@ fn scan_one(
     key: Option<&String>,
     backends: &Backends,
     cache: Option<&Path>,
-) -> Result<(ShardTable, Option<u64>)> {
+) -> Result<(ShardTable, Option<u64>, bool)> {
     let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
         match (&meta.source, file) {
             (ShardSource::Local(_), Some(f)) => content_digest(f, table).map(Some),
@@ -1057,6 +1081,7 @@ fn scan_one(
     };
     match (key, &backends.cache) {
         (Some(key), Some(node)) => {
+            let mut fresh = false;
             let table = match cache.and_then(|c| {
                 format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
             }) {
@@ -1065,6 +1090,7 @@ fn scan_one(
                 // is fetched, and verified, when a stream first needs its rows).
                 None if format == Format::Parquet && matches!(meta.source, ShardSource::S3 { .. }) => {
                     let table = remote_parquet_table(backends.s3()?, meta)?;
+                    fresh = true;
                     if let Some(c) = cache {
                         let path = cache_sidecar_path(c, meta);
                         let saved =
@@ -1083,7 +1109,7 @@ fn scan_one(
                 }
             };
             let content = digest(&table, None)?;
-            Ok((table, content))
+            Ok((table, content, fresh))
         }
         _ => {
             let ShardSource::Local(path) = &meta.source else {
@@ -1092,7 +1118,7 @@ fn scan_one(
             let file = ShardFile::open(path.clone(), meta.len)?;
             let table = load_table(format, meta, &file, cache)?;
             let content = digest(&table, Some(&file))?;
-            Ok((table, content))
+            Ok((table, content, false))
         }
     }
 }
