@@ -48,14 +48,15 @@ class Daemon:
         return self.proc.pid
 
     @classmethod
-    def start(cls, workdir: Path) -> Daemon:
-        """Starts `shardstream serve` in workdir and waits until it answers `shardstream status`."""
+    def start(cls, workdir: Path, env: dict[str, str] | None = None) -> Daemon:
+        """Starts `shardstream serve` in workdir (with `env` added to the environment, e.g. an S3
+        endpoint) and waits until it answers `shardstream status`."""
         exe = executable()
         sock = workdir / "sock"
         addr = f"unix://{sock}"
         log = workdir / "daemon.log"
         cmd = [str(exe), "serve", "--listen", addr, "--cache-dir", str(workdir / "cache")]
-        env = {**os.environ, "SHARDSTREAM_LOG": os.environ.get("SHARDSTREAM_LOG", "warn")}
+        env = {**os.environ, **(env or {}), "SHARDSTREAM_LOG": os.environ.get("SHARDSTREAM_LOG", "warn")}
         try:
             with open(log, "wb") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -21,6 +21,15 @@ wrong), each in a fresh process so that one's caches do not help the next:
 - ``ss_dict`` / ``ss_arrow``: shardstream over shared memory (a release daemon started here), the
   dict form and ``format="arrow"``.
 
+With S3 (``--no-s3`` leaves it out): the same files served from a local S3-compatible server
+(s3s-fs from scripts/s3-server.sh, the files hard-linked into its bucket): ``shardstream index``
+on the prefix (the bytes and requests it costs: footers only), then one epoch of shardstream
+(``format="arrow"``, a fresh daemon and node cache each) with all fields and with ``label`` alone,
+reporting the bytes downloaded and the requests made (daemon ``status``, dataset open included)
+against the dataset's size and the bytes of the selected column chunks (what column-chunk ranged
+reads download: a stream selecting under 90% of the bytes fetches only those; all fields go as
+whole files).
+
 Per row the consumer touches the payload as a decoder would start (one byte per page of the image;
 the features' sum for tab). Reported: rows/s (median of ``--repeats`` interleaved runs, with
 their spread), ratios to the best shuffled peer and to ``pa_seq``, CPU seconds per epoch (the
@@ -47,6 +56,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 256
@@ -374,6 +384,147 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+# -- S3: bytes and requests per epoch --------------------------------------------------------------
+
+
+def chunk_bytes(d: Path, fields: list[str]) -> int:
+    """Bytes of the column chunks of `fields` in every file of `d` (from the footers)."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for f in files(d):
+        md = pq.ParquetFile(f).metadata
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            for c in range(rg.num_columns):
+                col = rg.column(c)
+                if col.path_in_schema.split(".")[0] in fields:
+                    total += col.total_compressed_size
+    return total
+
+
+def s3_epoch(addr: str, url: str, kind: str, fields: list[str], rows: int) -> dict:
+    """One epoch of shardstream over S3 (Arrow form): rows/s and the daemon's storage counters."""
+    import shardstream
+
+    conn = shardstream._native.Connection(addr)
+    before = conn.status()
+    t0 = time.perf_counter()
+    n = 0
+    for rb in shardstream.Loader(
+        url, batch_size=BATCH, seed=SEED, connect=addr, transport="shm", fields=fields, format="arrow"
+    ):
+        n += rb.num_rows
+    seconds = time.perf_counter() - t0
+    after = conn.status()
+    return {
+        "rows": n,
+        "check": "ok" if n == rows else f"MISMATCH ({n} rows)",
+        "rows_per_s": n / seconds if seconds else 0.0,
+        "bytes": after["storage_bytes"] - before["storage_bytes"],
+        "requests": after["storage_requests"] - before["storage_requests"],
+    }
+
+
+def run_s3(kinds: list[str], data: dict[str, Path], rows: dict[str, int], work: Path, s3_root: Path) -> list[dict]:
+    """Per dataset: the index run's figures, then one epoch with all fields and with `label`. The
+    bucket lives in `s3_root` (next to the data, so the files are hard links, not copies; removed
+    at the end)."""
+    import daemon as bench_daemon
+    from s3server import S3Server
+
+    server = S3Server(s3_root).start()
+    out: list[dict] = []
+    try:
+        for kind in kinds:
+            bucket = server.bucket("bench") / kind
+            bucket.mkdir(parents=True, exist_ok=True)
+            for f in files(data[kind]):
+                dst = bucket / Path(f).name
+                try:
+                    os.link(f, dst)
+                except OSError:
+                    shutil.copyfile(f, dst)
+            url = f"s3://bench/{kind}/"
+            size = sum(Path(f).stat().st_size for f in files(data[kind]))
+            t0 = time.perf_counter()
+            p = subprocess.run(
+                [str(bench_daemon.executable()), "index", url],
+                env={**os.environ, **server.env()},
+                capture_output=True,
+                text=True,
+                timeout=3600,
+            )
+            index_s = time.perf_counter() - t0
+            if p.returncode != 0:
+                out.append({"kind": kind, "what": "index", "error": (p.stderr.strip().splitlines() or ["?"])[-1]})
+                continue
+            line = next((x for x in p.stdout.splitlines() if x.startswith("s3:")), "s3: ? requests, ? bytes")
+            req, got = (w for w in line.replace(",", "").split() if w.isdigit() or w == "?")
+            out.append(
+                {
+                    "kind": kind,
+                    "what": "index",
+                    "files": len(files(data[kind])),
+                    "size": size,
+                    "selected": None,
+                    "bytes": int(got) if got.isdigit() else None,
+                    "requests": int(req) if req.isdigit() else None,
+                    "seconds": index_s,
+                }
+            )
+            every = columns(kind) + (["caption"] if kind == "image" else [])
+            for name, fields in (("all fields", every), ("label", ["label"])):
+                wd = work / f"d-{kind}-{len(out)}"
+                wd.mkdir()
+                d = bench_daemon.Daemon.start(wd, env=server.env())
+                try:
+                    r = s3_epoch(d.addr, url, kind, fields, rows[kind])
+                except Exception as e:  # noqa: BLE001 - reported in the table, the bench goes on
+                    r = {"error": str(e).splitlines()[0][:200]}
+                finally:
+                    d.stop()
+                    shutil.rmtree(wd, ignore_errors=True)
+                r.update(kind=kind, what=f"epoch, {name}", files=len(files(data[kind])), size=size)
+                r["selected"] = chunk_bytes(data[kind], fields)
+                out.append(r)
+                print(f"s3 {kind} {name}: {r}", file=sys.stderr)
+    finally:
+        server.stop()
+        shutil.rmtree(s3_root, ignore_errors=True)
+    return out
+
+
+def s3_report(rows: list[dict]) -> str:
+    lines = [
+        "## S3 (local s3s-fs server): bytes downloaded and requests",
+        "",
+        "`index`: `shardstream index s3://...` (footers only). `epoch`: one shardstream epoch "
+        "(Arrow form, shm) through a fresh daemon and node cache, the dataset's open included. "
+        "`selected`: bytes of the selected columns' chunks. A stream whose columns are under 90% of the "
+        "bytes fetches only their chunks (merged ranged GETs, one cache entry per file), plus one "
+        "footer check per file; with all fields whole files go through the node cache.",
+        "",
+        "| dataset | run | files | dataset MB | selected chunks MB | downloaded MB | x selected | requests "
+        "| rows/s | check |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kind']} | {r['what']} | not run: {r['error']} | | | | | | | |")
+            continue
+        sel, got, rps = r.get("selected"), r.get("bytes"), r.get("rows_per_s")
+        ratio = f"{got / sel:.1f}" if sel and got is not None else "-"
+        sel_mb = "-" if sel is None else f"{sel / 1e6:,.1f}"
+        got_mb = "-" if got is None else f"{got / 1e6:,.3f}"
+        rps_s = "-" if rps is None else f"{rps:,.0f}"
+        lines.append(
+            f"| {r['kind']} | {r['what']} | {r['files']} | {r['size'] / 1e6:,.1f} | {sel_mb} | {got_mb} | "
+            f"{ratio} | {r.get('requests', '-')} | {rps_s} | {r.get('check', '-')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
     lines = [
         "# Parquet: shardstream vs the readers a user would pick instead",
@@ -434,6 +585,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--datasets", default="image,tab")
+    ap.add_argument("--no-s3", action="store_true", help="leave out the S3 bytes-and-requests section")
     ap.add_argument("--one", nargs=5, metavar=("PEER", "KIND", "DIR", "ADDR", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -463,6 +615,8 @@ def main() -> None:
                     results[kind][peer].append(r)
                     print(f"[{rep}] {kind} {peer}: {r}", file=sys.stderr)
         rss = peak_rss_mib(d.pid)
+        d.stop()
+        s3_rows = [] if args.no_s3 else run_s3(kinds, data, rows, work, args.data / f".s3-{os.getpid()}")
     finally:
         d.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -473,7 +627,10 @@ def main() -> None:
         "daemon_rss_mib": rss,
         "rows": rows,
     }
-    args.out.write_text(report(results, meta))
+    text = report(results, meta)
+    if s3_rows:
+        text += "\n" + s3_report(s3_rows)
+    args.out.write_text(text)
     print(f"wrote {args.out}")
 
 

@@ -7,8 +7,10 @@ new process, seeds that reorder, and bad input named."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,7 +24,7 @@ import torch.utils.data
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon
+from conftest import SHARDSTREAM, Daemon, wait_for
 
 # (rows, row-group size, codec) per file, in name order: row ids run through them in this order.
 LAYOUT = [(237, 7, "snappy"), (301, 50, "zstd"), (199, 128, "gzip"), (263, 1000, "none")]
@@ -403,3 +405,235 @@ def test_record_batches_cross_dataloader_workers(daemon, varied) -> None:
         assert rb.column("caption").to_pylist() == [rows[r]["caption"] for r in ids]
         seen.extend(ids)
     assert sorted(seen) == list(range(TOTAL))
+
+
+def write_big_files(root: Path, files: int = 3, rows: int = 400) -> dict[int, bytes]:
+    """`files` files of ~2 MB (random 5 KiB payloads, row groups of 100 rows); {id: payload}."""
+    rng = np.random.default_rng(11)
+    payloads: dict[int, bytes] = {}
+    for k in range(files):
+        ids = np.arange(k * rows, (k + 1) * rows, dtype=np.int64)
+        blobs = [rng.integers(0, 256, 5120, dtype=np.uint8).tobytes() for _ in ids]
+        payloads.update(zip(ids.tolist(), blobs, strict=True))
+        t = pa.table({"id": ids, "label": (ids % 10).astype(np.int32), "payload": pa.array(blobs, pa.binary())})
+        pq.write_table(t, root / f"big-{k:03d}.parquet", row_group_size=100, compression="none")
+    return payloads
+
+
+def index_lines(stdout: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((footer reads, footer bytes), (S3 requests, S3 bytes)) from `shardstream index` output."""
+    reads = next(line for line in stdout.splitlines() if line.startswith("read footers only:"))
+    s3line = next(line for line in stdout.splitlines() if line.startswith("s3:"))
+    r, b = (int(w) for w in reads.replace(",", "").split() if w.isdigit())
+    q, d = (int(w) for w in s3line.replace(",", "").split() if w.isdigit())
+    return (r, b), (q, d)
+
+
+def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(tmp_path: Path, s3) -> None:
+    import os
+
+    bucket = s3.bucket("data") / "pqidx"
+    bucket.mkdir(parents=True)
+    payloads = write_big_files(bucket)
+    sizes = {p.name: p.stat().st_size for p in bucket.glob("*.parquet")}
+    assert min(sizes.values()) > 2_000_000
+    p = subprocess.run(
+        [SHARDSTREAM, "index", "s3://data/pqidx/"],
+        env={**os.environ, **s3.env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    (reads, footer_bytes), (requests, downloaded) = index_lines(p.stdout)
+    # One ranged GET of the last 64 KiB per file, nothing else downloaded: a list, 3 GETs, 3
+    # sidecar PUTs and the manifest PUT.
+    assert reads == 3 and footer_bytes == 3 * 65536, p.stdout
+    assert downloaded == footer_bytes, p.stdout
+    assert 8 <= requests <= 10, p.stdout
+    manifest = json.loads((bucket / "manifest.json").read_text())
+    assert manifest["checksum"] == "crc32c-footer" and manifest["total_samples"] == 1200
+    assert all(s["etag"] for s in manifest["shards"]), manifest
+
+    def serve() -> tuple[list[int], BaseException | None]:
+        d = Daemon(tmp_path / f"d{serve.runs}", env=s3.env()).start()
+        serve.runs += 1
+        got: list[int] = []
+        try:
+            if serve.runs == 1:
+                # Opening reads the manifest and each file's footer (one ranged GET), nothing more.
+                info = shardstream._native.Connection(d.addr).open("s3://data/pqidx/")
+                assert info["num_samples"] == 1200
+                st = d.status()
+                manifest_bytes = (bucket / "manifest.json").stat().st_size
+                assert st["storage_requests"] == 1 + 3, st
+                assert st["storage_bytes"] == manifest_bytes + 3 * 65536, st
+            loader = shardstream.Loader("s3://data/pqidx/", batch_size=50, shuffle=False, connect=d.addr)
+            for batch in loader:
+                for i, r in zip(np.asarray(batch["id"]).tolist(), batch["payload"], strict=True):
+                    assert bytes(r) == payloads[i], f"row {i}: payload differs"
+                    got.append(i)
+            return got, None
+        except shardstream.ShardError as e:
+            return got, e
+        finally:
+            assert d.stop() == 0
+
+    serve.runs = 0
+    got, err = serve()
+    assert err is None and got == list(range(1200))
+
+    # The writer's name in big-001's footer changes (same length): the object no longer has the
+    # ETag the manifest recorded (its GETs carry If-Match; a store that ignores it, as this one
+    # does, gives bytes whose MD5 is not that ETag): refused, named, before any row of it.
+    victim = bucket / "big-001.parquet"
+    raw = bytearray(victim.read_bytes())
+    at = raw.rindex(b"parquet-cpp")
+    raw[at : at + 1] = b"P"
+    victim.write_bytes(bytes(raw))
+    got, err = serve()
+    assert err is not None and err.shard == "s3://data/pqidx/big-001.parquet", err
+    assert "ETag" in str(err), err
+    assert all(i < 400 or i >= 800 for i in got), "a row of the changed file was served"
+    # Without ETags in the manifest (a store that lists none), the footer CRC catches it.
+    for s in manifest["shards"]:
+        del s["etag"]
+    (bucket / "manifest.json").write_text(json.dumps(manifest))
+    # s3s-fs keeps the checksums of objects PUT through it beside them: drop the manifest's.
+    b64 = base64.urlsafe_b64encode(b"pqidx/manifest.json").rstrip(b"=").decode()
+    for meta in s3.root.glob(f".bucket-*.object-{b64}.*"):
+        meta.unlink()
+    got, err = serve()
+    assert err is not None and err.shard == "s3://data/pqidx/big-001.parquet", err
+    assert "footer's crc32c" in str(err), err
+    assert all(i < 400 or i >= 800 for i in got), "a row of the changed file was served"
+
+
+def test_a_local_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "big"
+    root.mkdir()
+    payloads = write_big_files(root)
+    p = subprocess.run([SHARDSTREAM, "index", str(root)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    reads = next(line for line in p.stdout.splitlines() if line.startswith("read footers only:"))
+    assert reads.startswith("read footers only: 3 reads, 196608 bytes"), p.stdout
+    assert json.loads((root / "manifest.json").read_text())["checksum"] == "crc32c-footer"
+
+    def epoch(root: Path) -> tuple[list[int], BaseException | None]:
+        got: list[int] = []
+        try:
+            for batch in shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=daemon.addr):
+                for i, r in zip(np.asarray(batch["id"]).tolist(), batch["payload"], strict=True):
+                    assert bytes(r) == payloads[i], f"row {i}: payload differs"
+                    got.append(i)
+        except shardstream.ShardError as e:
+            return got, e
+        return got, None
+
+    got, err = epoch(root)
+    assert err is None and got == list(range(1200))
+    # A copy (manifest and sidecars included) whose big-002 footer has another writer's name, same
+    # size: refused, named, before any of its rows. (A copy: the daemon verifies a file once per
+    # dataset it has open, as for TAR shards.)
+    root = Path(shutil.copytree(root, tmp_path / "copy"))
+    victim = root / "big-002.parquet"
+    raw = bytearray(victim.read_bytes())
+    at = raw.rindex(b"parquet-cpp")
+    raw[at : at + 1] = b"P"
+    victim.write_bytes(bytes(raw))
+    got, err = epoch(root)
+    assert err is not None and err.shard == str(victim), err
+    assert "footer" in str(err), err
+    assert got == list(range(800)), "rows of the other files, none of the changed one"
+
+
+def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_path: Path, s3) -> None:
+    bucket = s3.bucket("data") / "pqcols"
+    bucket.mkdir(parents=True)
+    payloads = write_big_files(bucket)
+    size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
+    selected = 0
+    for f in sorted(bucket.glob("*.parquet")):
+        md = pq.ParquetFile(f).metadata
+        for g in range(md.num_row_groups):
+            for c in range(md.num_columns):
+                col = md.row_group(g).column(c)
+                if col.path_in_schema in ("id", "label"):
+                    selected += col.total_compressed_size
+    assert selected * 100 < size
+    d = Daemon(tmp_path, env=s3.env()).start()
+    try:
+
+        def epoch(e: int, fields: list[str] | None) -> list[int]:
+            got: list[int] = []
+            loader = shardstream.Loader("s3://data/pqcols/", batch_size=50, seed=4, fields=fields, connect=d.addr)
+            loader.set_epoch(e)
+            for batch in loader:
+                ids = np.asarray(batch["id"]).tolist()
+                assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
+                if fields is None:
+                    for i, r in zip(ids, batch["payload"], strict=True):
+                        assert bytes(r) == payloads[i]
+                else:
+                    assert "payload" not in batch
+                got.extend(ids)
+            return got
+
+        got = epoch(0, ["id", "label"])
+        assert sorted(got) == list(range(1200))
+        st = d.status()
+        # The footers at open (one 64 KiB GET per file, which also serves as the file's check),
+        # then only the id and label chunks (one GET per row group): never a payload byte.
+        assert selected <= st["storage_bytes"] <= selected + 3 * 65536 + 1024, (st["storage_bytes"], selected, size)
+        assert st["storage_requests"] <= 2 + 3 + 12, st
+        # Another epoch with the same columns is served from the node cache.
+        assert sorted(epoch(1, ["label", "id"])) == list(range(1200))
+        assert d.status()["storage_bytes"] == st["storage_bytes"]
+        # The prefetcher fetches the copies in plan order ahead of the stream: a new daemon's
+        # stream, stopped after its first batch, finds every file's copy arriving in the cache.
+        d2 = Daemon(tmp_path / "d2", env=s3.env()).start()
+        try:
+            # In file order, batches of 50: the stream itself needs only file 0 for a while.
+            loader = shardstream.Loader(
+                "s3://data/pqcols/", batch_size=50, shuffle=False, fields=["id"], connect=d2.addr
+            )
+            it = iter(loader)
+            next(it)
+            shards = d2.cache_dir / "shards"
+            assert wait_for(lambda: len([p for p in shards.iterdir() if p.name.endswith(".parquet.cols")]) == 3)
+            assert d2.status()["storage_bytes"] < 6 * 65536 + selected
+        finally:
+            d2.stop()
+        # All columns: whole files through the cache, as before.
+        assert sorted(epoch(0, None)) == list(range(1200))
+        assert d.status()["storage_bytes"] >= st["storage_bytes"] + size
+    finally:
+        assert d.stop() == 0
+    footers = sum(pq.ParquetFile(f).metadata.serialized_size + 8 for f in bucket.glob("*.parquet"))
+    # Restarted on the same cache: the tables come from its sidecars and the chunks from its
+    # copies; each file's footer is checked with one GET of exactly its bytes.
+    d = Daemon(tmp_path, env=s3.env()).start()
+    try:
+        assert sorted(epoch(2, ["id", "label"])) == list(range(1200))
+        st = d.status()
+        assert st["storage_bytes"] == footers, (st, footers)
+    finally:
+        assert d.stop() == 0
+    # big-001's footer changes (same size; this store lists no ETags, so its identity is its
+    # size): the restarted daemon's check refuses it before any of its rows.
+    victim = bucket / "big-001.parquet"
+    raw = bytearray(victim.read_bytes())
+    at = raw.rindex(b"parquet-cpp")
+    raw[at : at + 1] = b"P"
+    victim.write_bytes(bytes(raw))
+    d = Daemon(tmp_path, env=s3.env()).start()
+    try:
+        got = []
+        loader = shardstream.Loader("s3://data/pqcols/", batch_size=50, shuffle=False, fields=["id"], connect=d.addr)
+        with pytest.raises(shardstream.ShardError) as err:
+            for batch in loader:
+                got.extend(np.asarray(batch["id"]).tolist())
+        assert err.value.shard == "s3://data/pqcols/big-001.parquet" and "footer" in str(err.value), err.value
+        assert got == list(range(len(got))) and len(got) <= 400, "no row of the changed file"
+    finally:
+        d.stop()

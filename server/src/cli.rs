@@ -338,6 +338,23 @@ fn index(url: &str, threads: usize) -> anyhow::Result<()> {
         m.fields.join(", "),
         summary.location
     );
+    if let Some(r) = summary.footer_reads {
+        // Parquet is indexed from footers alone: say what that cost, per file.
+        println!(
+            "read footers only: {} reads, {} bytes ({:.1} KiB per file)",
+            r.reads,
+            r.bytes,
+            r.bytes as f64 / 1024.0 / m.shards.len().max(1) as f64
+        );
+    }
+    if s3.is_some() {
+        use std::sync::atomic::Ordering::Relaxed;
+        println!(
+            "s3: {} requests, {} bytes downloaded",
+            crate::metrics::STORAGE_REQUESTS.load(Relaxed),
+            crate::metrics::STORAGE_BYTES.load(Relaxed)
+        );
+    }
     Ok(())
 }
 

@@ -124,10 +124,19 @@ impl UseSpans {
     }
 }
 
+/// What a stream caches instead of whole shards (the column chunks of S3 Parquet files it
+/// selects, `service::projected`): the prefetcher asks it for a shard's cache key and fetch.
+pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
+    fn key(&self, shard: usize) -> Option<String>;
+    fn fetch(&self, shard: usize, want: Want) -> crate::Result<()>;
+}
+
 /// One active stream as the prefetcher sees it.
 #[derive(Debug)]
 pub struct Consumer {
     dataset: Arc<Dataset>,
+    /// Set when the stream caches column chunks instead of whole shards.
+    projected: Option<Arc<dyn ProjectedFetch>>,
     uses: Vec<ShardUse>,
     /// Samples of its rank sequence consumed so far (where its next batch starts).
     position: AtomicU64,
@@ -291,9 +300,11 @@ impl Prefetcher {
         position: u64,
         rank: u32,
         worker: u32,
+        projected: Option<Arc<dyn ProjectedFetch>>,
     ) -> ConsumerGuard {
         let consumer = Arc::new(Consumer {
             dataset,
+            projected,
             uses,
             position: AtomicU64::new(position),
             rate: Mutex::new(Rate { samples_per_s: DEFAULT_RATE, last: None, measured: false }),
@@ -335,8 +346,8 @@ impl Prefetcher {
         let consumers: Vec<Arc<Consumer>> = self.lock_consumers().values().cloned().collect();
         let clairvoyant = self.cache.policy() == Policy::Belady;
         let horizon = self.config.horizon.as_secs_f64();
-        // key -> (seconds until next use, dataset, shard)
-        let mut next: HashMap<String, (f64, Arc<Dataset>, usize)> = HashMap::new();
+        // key -> (seconds until next use, the consumer, shard)
+        let mut next: HashMap<String, (f64, Arc<Consumer>, usize)> = HashMap::new();
         let mut wanted: Vec<(f64, String)> = Vec::new();
         let mut horizon_s = f64::INFINITY;
         for c in &consumers {
@@ -345,11 +356,16 @@ impl Prefetcher {
             let mut ready_until: Option<f64> = None;
             for u in c.uses.iter().filter(|u| u.last >= pos) {
                 let shard = u.shard as usize;
-                let Some(key) = c.dataset.cache_key(shard) else { continue };
+                let key = match &c.projected {
+                    Some(p) => p.key(shard),
+                    None => c.dataset.cache_key(shard).map(str::to_owned),
+                };
+                let Some(key) = key else { continue };
+                let key = key.as_str();
                 let secs = u.first.saturating_sub(pos) as f64 / rate;
-                let e = next.entry(key.to_owned()).or_insert((secs, c.dataset.clone(), shard));
+                let e = next.entry(key.to_owned()).or_insert((secs, c.clone(), shard));
                 if secs < e.0 {
-                    *e = (secs, c.dataset.clone(), shard);
+                    *e = (secs, c.clone(), shard);
                 }
                 if ready_until.is_none() && !self.cache.is_ready(key) {
                     ready_until = Some(secs);
@@ -386,12 +402,18 @@ impl Prefetcher {
                     continue;
                 }
             }
-            let Some((_, ds, shard)) = next.get(&key).cloned() else { continue };
+            let Some((_, c, shard)) = next.get(&key).cloned() else { continue };
+            let ds = c.dataset.clone();
             let me = self.clone();
             let spawned = std::thread::Builder::new().name("prefetch-fetch".into()).spawn(move || {
                 // A prefetch never waits and never evicts a shard needed sooner than this one.
-                match ds.fetch(shard, Want { urgency: secs, wait: false }) {
-                    Ok(_) => {}
+                let want = Want { urgency: secs, wait: false };
+                let fetched = match &c.projected {
+                    Some(p) => p.fetch(shard, want),
+                    None => ds.fetch(shard, want).map(|_| ()),
+                };
+                match fetched {
+                    Ok(()) => {}
                     Err(e) => {
                         tracing::warn!(dataset = %ds.url, shard = %ds.shards[shard].name, error = %e, "prefetch failed")
                     }

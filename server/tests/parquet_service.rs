@@ -202,7 +202,16 @@ async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_ro
     }
     assert_eq!(all.len(), 200);
 
-    // The same bytes count, one data byte changed: the manifest's CRC catches it at first use.
+    // `shardstream index` reads footers only, and its manifest's CRCs cover them.
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["checksum"], "crc32c-footer");
+    let reads = summary.footer_reads.expect("a Parquet index counts its reads");
+    assert_eq!(reads.reads, 3, "one tail read per file: {reads:?}");
+
+    // The same bytes count, one footer byte changed (the writer's name, so the footer still
+    // decodes; its sidecar, copied along, still describes the old footer): the manifest's CRC
+    // catches it at first use.
     let copy = fx.tmp.path().join("tampered");
     std::fs::create_dir_all(copy.join("_shardstream")).unwrap();
     for e in std::fs::read_dir(&dir).unwrap() {
@@ -217,7 +226,8 @@ async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_ro
     }
     let target = copy.join("b.parquet");
     let mut bytes = std::fs::read(&target).unwrap();
-    bytes[100] ^= 0x01;
+    let at = bytes.windows(10).rposition(|w| w == b"parquet-rs").expect("the writer's name in the footer");
+    bytes[at] = b'P';
     std::fs::write(&target, bytes).unwrap();
     let mut req = request(&copy, 0, 0, &["id"]);
     req.world_size = 1;

@@ -1,8 +1,9 @@
 //! Filling a cache file from a shard's source: parallel ranged GETs from S3, or a copy from a
 //! local / parallel file system (`cache=copy`). Whatever the source, the bytes are verified
 //! before the cache publishes them: the size always, the CRC-32C when the manifest gives one
-//! (computed while the bytes stream in, so verification costs no second read), and for an S3
-//! object without one, its ETag when that is an MD5 (one read back from the page cache; see
+//! (computed while the bytes stream in, so verification costs no second read), the CRC-32C of a
+//! Parquet file's footer when the manifest gives that instead (one tail read of the copy, from the
+//! page cache), and for an S3 object without a whole-file CRC, its ETag when that is an MD5 (one read back from the page cache; see
 //! `S3Store::download_checked`). A CRC-32C mismatch is fetched again (a bit flip in transit
 //! should not fail a training run), up to [`MAX_CHECKSUM_FETCHES`] fetches; the last mismatch is
 //! final and names the shard.
@@ -31,6 +32,8 @@ pub struct FetchSpec<'a> {
     pub source: &'a ShardSource,
     pub len: u64,
     pub crc32c: Option<u32>,
+    /// CRC-32C of a Parquet file's footer (a `crc32c-footer` manifest), checked on the copy.
+    pub footer_crc32c: Option<u32>,
 }
 
 /// Writes the shard into `file` (a fresh temporary file at `tmp`) and verifies it.
@@ -63,7 +66,11 @@ pub fn fill(
                 reason: format!("is {written} bytes but {} were expected; refusing to cache it", spec.len),
             });
         }
-        match spec.crc32c {
+        let (crc, what) = match spec.footer_crc32c {
+            Some(_) => (copy_footer_crc(file, tmp, spec.len, &url)?, "the footer's crc32c"),
+            None => (crc, "crc32c"),
+        };
+        match spec.crc32c.or(spec.footer_crc32c) {
             Some(expected) if expected != crc && attempt < MAX_CHECKSUM_FETCHES => {
                 tracing::warn!(shard = %url, "checksum mismatch after download, fetching once more");
                 file.set_len(0).map_err(|e| Error::io("cannot truncate", tmp, e))?;
@@ -73,7 +80,7 @@ pub fn fill(
                     shard: url,
                     offset: None,
                     reason: format!(
-                        "crc32c {crc:08x} does not match manifest.json ({expected:08x}), also after {} re-fetches: \
+                        "{what} {crc:08x} does not match manifest.json ({expected:08x}), also after {} re-fetches: \
                          the object changed after the manifest was written; refusing to serve it",
                         MAX_CHECKSUM_FETCHES - 1
                     ),
@@ -82,6 +89,16 @@ pub fn fill(
             _ => return Ok(()),
         }
     }
+}
+
+/// The footer CRC-32C of the Parquet copy in `file` (`len` bytes, named `url` in errors).
+fn copy_footer_crc(file: &File, tmp: &Path, len: u64, url: &str) -> Result<u32> {
+    use crate::format::parquet::{ParquetError, footer};
+    let footer = footer::read_footer(len, |off, buf| {
+        file.read_exact_at(buf, off).map_err(|e| ParquetError::Io(format!("{}: {e}", tmp.display())))
+    })
+    .map_err(|e| e.into_error(url))?;
+    Ok(footer::footer_crc32c(&footer))
 }
 
 /// Copies a local shard into the cache file, returning the CRC-32C of what was copied.

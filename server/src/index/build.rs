@@ -9,14 +9,24 @@
 //! For an `s3://` dataset each shard is downloaded once into a scratch file (ranged GETs, the
 //! CRC-32C computed as the bytes arrive), indexed there and deleted; sidecars and the manifest are
 //! uploaded next to the shards, the manifest last.
+//!
+//! Parquet files are never read whole: everything the manifest and the sidecar hold is in the
+//! footer, so each file costs one tail read of [`TAIL_READ`](crate::format::parquet::footer::TAIL_READ) bytes (a ranged GET on S3),
+//! and a second read of exactly the footer only when the footer is larger. The manifest then says
+//! `"checksum": "crc32c-footer"`: each `crc32c` covers the file's footer (see `manifest`), and an
+//! S3 file's entry records the ETag the listing gave. [`IndexSummary::footer_reads`] counts the
+//! reads and bytes, so a caller (and the tests) can see that no file was read in full.
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bytes::Bytes;
 
-use crate::format::Format;
-use crate::index::manifest::{MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
+use crate::format::parquet::ParquetTable;
+use crate::format::parquet::dataset::read_table;
+use crate::format::{Format, ShardTable};
+use crate::index::manifest::{ChecksumScope, MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
 use crate::storage::DatasetUrl;
 use crate::storage::local::{self, ShardFile};
 use crate::storage::s3::{ObjectRef, S3Store};
@@ -36,31 +46,68 @@ pub struct IndexSummary {
     pub manifest: Manifest,
     /// Where the manifest was written (path or `s3://` URL).
     pub location: String,
+    /// Parquet datasets: the reads of file bytes the run made (footers only).
+    pub footer_reads: Option<FooterReads>,
+}
+
+/// Reads of Parquet file bytes made by an index run: every one is a footer (tail) read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FooterReads {
+    /// Positioned reads (local) or ranged GETs (S3) of file bytes.
+    pub reads: u64,
+    /// Bytes they returned.
+    pub bytes: u64,
+}
+
+#[derive(Default)]
+struct ReadCounter {
+    reads: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl ReadCounter {
+    fn count(&self, n: usize) {
+        self.reads.fetch_add(1, Relaxed);
+        self.bytes.fetch_add(n as u64, Relaxed);
+    }
+
+    fn total(&self) -> FooterReads {
+        FooterReads { reads: self.reads.load(Relaxed), bytes: self.bytes.load(Relaxed) }
+    }
 }
 
 /// The shards an index run will read: (name, bytes).
 pub fn list(url: &str, s3: Option<&S3Store>) -> Result<Vec<(String, u64)>> {
-    Ok(list_with_format(url, s3)?.1)
+    Ok(list_with_format(url, s3)?.1.into_iter().map(|s| (s.name, s.len)).collect())
+}
+
+/// A shard as listed.
+struct Listed {
+    name: String,
+    len: u64,
+    /// The S3 object's ETag, when the listing gave one.
+    etag: Option<String>,
 }
 
 /// The dataset's shard format (from the shards' extensions) and its shards.
-fn list_with_format(url: &str, s3: Option<&S3Store>) -> Result<(Format, Vec<(String, u64)>)> {
+fn list_with_format(url: &str, s3: Option<&S3Store>) -> Result<(Format, Vec<Listed>)> {
     let shards = list_shards(url, s3)?;
-    let format = Format::of_shards(shards.iter().map(|(n, _)| n.as_str()), url)?;
+    let format = Format::of_shards(shards.iter().map(|s| s.name.as_str()), url)?;
     Ok((format, shards))
 }
 
-fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<(String, u64)>> {
+fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<Listed>> {
     match DatasetUrl::parse(url)? {
-        DatasetUrl::Local { dir, names } => {
-            Ok(local::list_shards(&dir, names.as_deref())?.into_iter().map(|s| (s.name, s.len)).collect())
-        }
+        DatasetUrl::Local { dir, names } => Ok(local::list_shards(&dir, names.as_deref())?
+            .into_iter()
+            .map(|s| Listed { name: s.name, len: s.len, etag: None })
+            .collect()),
         DatasetUrl::S3 { bucket, prefix, names } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
             let listed = store.block_on(store.list(&bucket, &prefix))?;
             Ok(crate::storage::s3::shards_in_listing(listed, &bucket, &prefix, names.as_deref())?
                 .into_iter()
-                .map(|(n, o)| (n, o.size))
+                .map(|(name, o)| Listed { name, len: o.size, etag: o.etag })
                 .collect())
         }
     }
@@ -69,8 +116,12 @@ fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<(String, u64)>> {
 /// Indexes every shard of `url` with `threads` threads and writes the manifest and sidecars.
 /// `s3`: the connection for `s3://` URLs (blocking calls enter its runtime).
 pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: &dyn Progress) -> Result<IndexSummary> {
-    let (format, shards) = list_with_format(url, s3)?;
+    let (format, listed) = list_with_format(url, s3)?;
     format.check_served(url)?;
+    if format == Format::Parquet {
+        return index_parquet(url, &listed, threads, s3, progress);
+    }
+    let shards: Vec<(String, u64)> = listed.into_iter().map(|s| (s.name, s.len)).collect();
     match DatasetUrl::parse(url)? {
         DatasetUrl::Local { dir, .. } => {
             let sidecar_dir = dir.join(SIDECAR_DIR);
@@ -87,7 +138,7 @@ pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: 
             })?;
             let manifest = assemble(format, done);
             manifest.write_atomic(&dir)?;
-            Ok(IndexSummary { manifest, location: dir.join(MANIFEST_FILE).display().to_string() })
+            Ok(IndexSummary { manifest, location: dir.join(MANIFEST_FILE).display().to_string(), footer_reads: None })
         }
         DatasetUrl::S3 { bucket, prefix, .. } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
@@ -110,9 +161,100 @@ pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: 
             let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
             let key = format!("{prefix}{MANIFEST_FILE}");
             store.block_on(store.put(&bucket, &key, Bytes::from(json)))?;
-            Ok(IndexSummary { manifest, location: format!("s3://{bucket}/{key}") })
+            Ok(IndexSummary { manifest, location: format!("s3://{bucket}/{key}"), footer_reads: None })
         }
     }
+}
+
+/// Indexes a Parquet dataset from its files' footers alone (see the module doc).
+fn index_parquet(
+    url: &str,
+    listed: &[Listed],
+    threads: usize,
+    s3: Option<&S3Store>,
+    progress: &dyn Progress,
+) -> Result<IndexSummary> {
+    let counter = ReadCounter::default();
+    match DatasetUrl::parse(url)? {
+        DatasetUrl::Local { dir, .. } => {
+            let sidecar_dir = dir.join(SIDECAR_DIR);
+            std::fs::create_dir_all(&sidecar_dir).map_err(|e| Error::io("cannot create", &sidecar_dir, e))?;
+            let done = crate::parallel::try_map(listed, threads, |s| {
+                let file = ShardFile::open(dir.join(&s.name), s.len)?;
+                let table = read_table(&file.name, s.len, |off, buf| {
+                    counter.count(buf.len());
+                    file.read_exact_at(buf, off)
+                })?;
+                let r = describe_parquet(&s.name, s.len, table, None, |sidecar_name, bytes| {
+                    local::write_atomic(&sidecar_dir.join(sidecar_name), bytes)
+                })?;
+                progress.shard_done(&s.name, s.len);
+                Ok(r)
+            })?;
+            let manifest = assemble(Format::Parquet, done).with_checksum(ChecksumScope::Footer);
+            manifest.write_atomic(&dir)?;
+            let location = dir.join(MANIFEST_FILE).display().to_string();
+            Ok(IndexSummary { manifest, location, footer_reads: Some(counter.total()) })
+        }
+        DatasetUrl::S3 { bucket, prefix, .. } => {
+            let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
+            let done = crate::parallel::try_map(listed, threads, |s| {
+                // If-Match on the listed ETag (else on the one the first GET answered): every read
+                // is of the version the manifest will name.
+                let mut obj = ObjectRef {
+                    bucket: bucket.clone(),
+                    key: format!("{prefix}{}", s.name),
+                    len: s.len,
+                    etag: s.etag.clone(),
+                };
+                let url = obj.url();
+                let table = read_table(&url, s.len, |off, buf| {
+                    let (got, etag) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+                    counter.count(got.len());
+                    buf.copy_from_slice(&got);
+                    obj.etag = obj.etag.take().or(etag);
+                    Ok(())
+                })?;
+                let r = describe_parquet(&s.name, s.len, table, obj.etag.clone(), |sidecar_name, bytes| {
+                    let key = format!("{prefix}{SIDECAR_DIR}/{sidecar_name}");
+                    store.block_on(store.put(&bucket, &key, Bytes::copy_from_slice(bytes)))
+                })?;
+                progress.shard_done(&s.name, s.len);
+                Ok(r)
+            })?;
+            let manifest = assemble(Format::Parquet, done).with_checksum(ChecksumScope::Footer);
+            let key = format!("{prefix}{MANIFEST_FILE}");
+            store.block_on(store.put(&bucket, &key, Bytes::from(manifest.to_json()?)))?;
+            Ok(IndexSummary { manifest, location: format!("s3://{bucket}/{key}"), footer_reads: Some(counter.total()) })
+        }
+    }
+}
+
+/// The manifest entry and sidecar of a Parquet file (`crc32c-footer` meaning).
+fn describe_parquet(
+    name: &str,
+    len: u64,
+    table: ParquetTable,
+    etag: Option<String>,
+    put_sidecar: impl FnOnce(&str, &[u8]) -> Result<()>,
+) -> Result<(ManifestShard, Vec<String>)> {
+    let crc = table.footer_crc32c();
+    // What `ShardMeta::identity` gives the entry back: the daemon uses the sidecar only for it.
+    let identity = format!("len={len};footer_crc32c={crc:08x}");
+    let sidecar_name = format!("{name}.idx");
+    let table = ShardTable::Parquet(Arc::new(table));
+    put_sidecar(&sidecar_name, &table.encode_sidecar(identity.as_bytes()))?;
+    let entry = ManifestShard {
+        name: name.to_owned(),
+        bytes: len,
+        samples: table.num_samples(),
+        crc32c: format!("{crc:08x}"),
+        index: Some(format!("{SIDECAR_DIR}/{sidecar_name}")),
+        max_sample: None,
+        max_sample_bytes: None,
+        etag,
+    };
+    Ok((entry, table.fields().to_vec()))
 }
 
 /// A scratch directory for downloads, removed when dropped.
@@ -161,6 +303,7 @@ fn describe(
         index: Some(format!("{SIDECAR_DIR}/{sidecar_name}")),
         max_sample: None,
         max_sample_bytes: None,
+        etag: None,
     }
     .with_largest(table.largest_sample());
     Ok((entry, table.fields().to_vec()))
@@ -174,4 +317,69 @@ fn assemble(format: Format, done: Vec<(ManifestShard, Vec<String>)>) -> Manifest
         entries.push(entry);
     }
     Manifest::new(format.name(), fields.into_iter().collect(), entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::parquet::{footer, testdata};
+
+    /// Files of megabytes, footers of kilobytes: the index reads one tail per file (two for a
+    /// footer larger than the tail), writes a `crc32c-footer` manifest the daemon opens, and a
+    /// file whose footer changed afterwards is refused at first use.
+    #[test]
+    fn parquet_is_indexed_from_footers_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = [
+            ("a.parquet", testdata::mixed_from(0, 8000, 2000, testdata::Codec::None)),
+            ("b.parquet", testdata::mixed_from(8000, 8000, 8000, testdata::Codec::None)),
+            // A footer past the 64 KiB tail: a second read of exactly the footer.
+            ("c.parquet", testdata::wide(400, 2, 40)),
+        ];
+        for (name, bytes) in &files {
+            std::fs::write(dir.path().join(name), bytes).unwrap();
+        }
+        let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+        assert!(files[0].1.len() > 2 << 20, "{} bytes", files[0].1.len());
+        let url = dir.path().display().to_string();
+        let summary = index_dataset(&url, 2, None, &()).unwrap();
+        let reads = summary.footer_reads.unwrap();
+        assert_eq!(reads.reads, 4, "{reads:?}");
+        let big_footer = {
+            let c = &files[2].1;
+            u64::from(u32::from_le_bytes(c[c.len() - 8..c.len() - 4].try_into().unwrap()))
+        };
+        assert!(big_footer > footer::TAIL_READ);
+        assert_eq!(reads.bytes, 3 * footer::TAIL_READ + big_footer, "{reads:?}");
+        // a and b were read for 64 KiB each, of their megabytes.
+        assert!(files[..2].iter().all(|(_, b)| b.len() as u64 > 32 * footer::TAIL_READ), "{total} bytes");
+
+        let m = &summary.manifest;
+        assert_eq!(m.checksum_scope(), ChecksumScope::Footer);
+        assert_eq!(m.total_samples, 16400);
+        for (entry, (_, bytes)) in m.shards.iter().zip(&files) {
+            let f = u64::from(u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap()));
+            let tail = &bytes[bytes.len() - f as usize - 8..];
+            assert_eq!(entry.crc32c, format!("{:08x}", crc32c::crc32c(tail)), "{}", entry.name);
+            assert_eq!(entry.bytes, bytes.len() as u64);
+        }
+
+        let ds = crate::index::Dataset::open(&url, None).unwrap();
+        assert!(ds.from_manifest);
+        assert_eq!(ds.num_samples(), 16400);
+        for i in 0..3 {
+            ds.shard(i).unwrap();
+        }
+        // The writer's name in b's footer changed, length and sidecar kept: refused, named.
+        let b = dir.path().join("b.parquet");
+        let mut bytes = files[1].1.clone();
+        let at = bytes.windows(10).rposition(|w| w == b"parquet-rs").unwrap();
+        bytes[at] = b'P';
+        std::fs::write(&b, bytes).unwrap();
+        let ds = crate::index::Dataset::open(&url, None).unwrap();
+        ds.shard(0).unwrap();
+        let err = ds.shard(1).unwrap_err();
+        assert!(matches!(err, Error::Shard { .. }), "{err}");
+        assert!(err.to_string().contains("b.parquet") && err.to_string().contains("footer"), "{err}");
+    }
 }

@@ -24,9 +24,29 @@
 //!
 //! - `name` is relative to the manifest's directory; `index` (optional) names the shard's sidecar
 //!   (its member table, see `format::sidecar`), also relative.
-//! - `crc32c` is the CRC-32C (Castagnoli) of the whole shard file as 8 lowercase hex digits: it is
-//!   computed at hardware speed (SSE4.2/ARMv8 CRC instructions, well above disk bandwidth) and is
-//!   what the daemon verifies every shard against before serving its first byte.
+//! - `crc32c` is a CRC-32C (Castagnoli) as 8 lowercase hex digits. What it covers is the top-level
+//!   `checksum`:
+//!   - `"crc32c"`: the whole shard file. Computed at hardware speed (SSE4.2/ARMv8 CRC
+//!     instructions, well above disk bandwidth); the daemon verifies every shard against it before
+//!     serving its first byte (for a local shard by reading it once; for an S3 shard as its copy
+//!     arrives in the node cache). TAR manifests, and Parquet ones written by `shardstream pack`
+//!     (which sees every byte as it writes them), use it.
+//!   - `"crc32c-footer"` (Parquet only): the file's last `F + 8` bytes, where `F` is its footer
+//!     length: the thrift footer, its 4-byte length and the tail magic `PAR1`
+//!     (`format::parquet::footer::footer_crc32c`). This is what `shardstream index` records for
+//!     Parquet, because it reads only footers (one tail read per file, a ranged GET on S3), never a
+//!     whole file. The footer holds every column chunk's offset, sizes, codec and statistics, so a
+//!     file rewritten in a way any reader would see changes it, together with `bytes` (the file's
+//!     exact length, also checked). The daemon checks both when it first uses a file, before any
+//!     of its rows is served: the footer is read again from the file (local) or from the node
+//!     cache's copy (S3), and the footer the daemon decodes the file with must have the same CRC.
+//!     It does not cover the data pages: a flipped bit inside a page is caught by the page's own
+//!     CRC when the writer stored one (pyarrow: `write_page_checksum=True`), else it surfaces as a
+//!     decode error or goes unnoticed, as with any Parquet reader. For S3 objects the entry
+//!     also records the object's `etag` when the listing gave one: every GET of the object then
+//!     carries `If-Match` (a replaced object fails, named, instead of being served), and an ETag
+//!     that is an MD5 (single-part uploads) is checked against the whole downloaded copy.
+//!     Daemons older than this value refuse such a manifest with a clear message.
 //! - `max_sample` / `max_sample_bytes` (optional, together): the index within the shard of its
 //!   largest sample and the shard bytes it spans (TAR headers included). They let the daemon
 //!   refuse an inline stream that could not carry that sample when the stream opens, without
@@ -43,6 +63,19 @@ use crate::{Error, Result};
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const MANIFEST_FORMAT: &str = "shardstream-manifest";
 pub const MANIFEST_VERSION: u32 = 1;
+/// `checksum` of a manifest whose `crc32c`s cover whole shard files.
+pub const CHECKSUM_FILE: &str = "crc32c";
+/// `checksum` of a Parquet manifest whose `crc32c`s cover each file's footer (see the module doc).
+pub const CHECKSUM_FOOTER: &str = "crc32c-footer";
+
+/// What a manifest's per-shard `crc32c` covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChecksumScope {
+    /// The whole file ([`CHECKSUM_FILE`]).
+    File,
+    /// A Parquet file's footer, its length and tail magic ([`CHECKSUM_FOOTER`]).
+    Footer,
+}
 /// Directory (inside the dataset directory) holding the per-shard index sidecars.
 pub const SIDECAR_DIR: &str = "_shardstream";
 
@@ -76,6 +109,10 @@ pub struct ManifestShard {
     /// Shard bytes (TAR headers included) that sample spans.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_sample_bytes: Option<u64>,
+    /// The S3 object's ETag when it was indexed (`crc32c-footer` manifests of S3 datasets): every
+    /// GET of the object carries it as `If-Match`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etag: Option<String>,
 }
 
 /// A shard's largest sample as its manifest entry records it.
@@ -128,7 +165,7 @@ impl Manifest {
             format: MANIFEST_FORMAT.into(),
             version: MANIFEST_VERSION,
             shard_format: shard_format.into(),
-            checksum: "crc32c".into(),
+            checksum: CHECKSUM_FILE.into(),
             created_by: format!("shardstream {}", crate::VERSION),
             total_samples: shards.iter().map(|s| s.samples).sum(),
             total_bytes: shards.iter().map(|s| s.bytes).sum(),
@@ -137,12 +174,27 @@ impl Manifest {
         }
     }
 
-    /// Reads `dir/manifest.json`; `Ok(None)` when there is none.
+    /// The manifest with its `crc32c`s covering `scope`.
+    pub fn with_checksum(mut self, scope: ChecksumScope) -> Self {
+        self.checksum = match scope {
+            ChecksumScope::File => CHECKSUM_FILE,
+            ChecksumScope::Footer => CHECKSUM_FOOTER,
+        }
+        .into();
+        self
+    }
+
+    /// What the shards' `crc32c`s cover (validated: only the two known values are accepted).
+    pub fn checksum_scope(&self) -> ChecksumScope {
+        if self.checksum == CHECKSUM_FOOTER { ChecksumScope::Footer } else { ChecksumScope::File }
+    }
+
     /// The shard format `shard_format` names, through the format registry ([`Format::from_name`]).
     pub fn format(&self) -> Result<crate::format::Format> {
         crate::format::Format::from_name(&self.shard_format)
     }
 
+    /// Reads `dir/manifest.json`; `Ok(None)` when there is none.
     pub fn read(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join(MANIFEST_FILE);
         let bytes = match std::fs::read(&path) {
@@ -171,11 +223,18 @@ impl Manifest {
                 self.version
             ));
         }
-        if self.checksum != "crc32c" {
-            return bad(format!("checksum {:?} is not supported (expected \"crc32c\")", self.checksum));
+        if self.checksum != CHECKSUM_FILE && self.checksum != CHECKSUM_FOOTER {
+            return bad(format!(
+                "checksum {:?} is not supported (expected {CHECKSUM_FILE:?} or {CHECKSUM_FOOTER:?})",
+                self.checksum
+            ));
         }
-        if let Err(e) = self.format() {
-            return bad(e.to_string());
+        match self.format() {
+            Err(e) => return bad(e.to_string()),
+            Ok(f) if f != crate::format::Format::Parquet && self.checksum_scope() == ChecksumScope::Footer => {
+                return bad(format!("checksum {CHECKSUM_FOOTER:?} is for Parquet files, not {:?}", self.shard_format));
+            }
+            Ok(_) => {}
         }
         for s in &self.shards {
             if s.crc().is_none() || s.crc32c.len() != 8 {
@@ -237,6 +296,7 @@ mod tests {
                 index: Some("_shardstream/a-0.tar.idx".into()),
                 max_sample: Some(2),
                 max_sample_bytes: Some(4096),
+                etag: None,
             }],
         )
     }
@@ -335,6 +395,26 @@ mod tests {
         let mut m = sample();
         m.shards[0].max_sample_bytes = Some(10240);
         assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_ok());
+    }
+
+    #[test]
+    fn the_checksum_says_what_the_crcs_cover_and_footer_crcs_are_for_parquet_only() {
+        let json = String::from_utf8(sample().to_json().unwrap()).unwrap();
+        assert!(json.contains("\"checksum\": \"crc32c\""), "{json}");
+        assert!(!json.contains("etag"), "{json}");
+        assert_eq!(Manifest::parse(json.as_bytes(), "x").unwrap().checksum_scope(), ChecksumScope::File);
+
+        let mut m = sample().with_checksum(ChecksumScope::Footer);
+        let err = Manifest::parse(&m.to_json().unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("for Parquet files"), "{err}");
+        m.shard_format = "parquet".into();
+        m.shards[0].etag = Some("\"0123\"".into());
+        let read = Manifest::parse(&m.to_json().unwrap(), "x").unwrap();
+        assert_eq!(read.checksum_scope(), ChecksumScope::Footer);
+        assert_eq!(read.shards[0].etag.as_deref(), Some("\"0123\""));
+        m.checksum = "md5".into();
+        let err = Manifest::parse(&m.to_json().unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("\"md5\" is not supported"), "{err}");
     }
 
     #[test]

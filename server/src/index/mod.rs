@@ -10,7 +10,9 @@
 //! keys are never held: the layout says where they are in the shard.
 //!
 //! Shards listed in a manifest are verified (size and CRC-32C) the first time they are used, before
-//! any of their bytes is served.
+//! any of their bytes is served: the whole file's CRC, or for a Parquet manifest written by
+//! `shardstream index` (`"checksum": "crc32c-footer"`) the CRC of the file's footer, read again
+//! from the file or its node-cache copy (see `manifest`).
 //!
 //! Where the bytes are read from depends on the dataset's [`CacheMode`]: in place (`direct`, the
 //! default for local and parallel file systems) or from a copy in the node cache (`copy`, always
@@ -95,8 +97,12 @@ pub struct ShardMeta {
     pub source: ShardSource,
     pub len: u64,
     pub samples: u64,
-    /// CRC-32C from the manifest; checked before first use.
+    /// CRC-32C of the whole file from the manifest; checked before first use.
     pub crc32c: Option<u32>,
+    /// CRC-32C of a Parquet file's footer from a `crc32c-footer` manifest
+    /// ([`footer_crc32c`](crate::format::parquet::footer::footer_crc32c)); checked before first
+    /// use, like `crc32c`.
+    pub footer_crc32c: Option<u32>,
     pub mtime_ns: Option<i64>,
     /// Sidecar path named by the manifest, if any.
     pub sidecar: Option<PathBuf>,
@@ -116,6 +122,9 @@ impl ShardMeta {
             ShardSource::S3 { etag: Some(e), .. } => Some(e.as_str()),
             _ => None,
         };
+        if let (None, Some(crc)) = (self.crc32c, self.footer_crc32c) {
+            return format!("len={};footer_crc32c={crc:08x}", self.len).into_bytes();
+        }
         match (self.crc32c, etag, self.mtime_ns) {
             (Some(crc), _, _) => format!("len={};crc32c={crc:08x}", self.len).into_bytes(),
             (None, Some(e), _) => format!("len={};etag={e}", self.len).into_bytes(),
@@ -127,7 +136,7 @@ impl ShardMeta {
     /// The identity the dataset fingerprint uses: [`identity`](Self::identity), except that a
     /// content digest replaces the mtime (which a copy does not keep).
     pub fn content_identity(&self) -> Vec<u8> {
-        match (self.crc32c, self.content) {
+        match (self.crc32c.or(self.footer_crc32c), self.content) {
             (None, Some(d)) => format!("len={};content={d:016x}", self.len).into_bytes(),
             _ => self.identity(),
         }
@@ -210,6 +219,10 @@ pub struct Working {
     /// Time spent waiting for shards to be fetched (cache misses), since the last `take_wait`.
     waited: Duration,
 }
+
+/// Largest ranged GET of a column-chunk copy: a piece larger than this (one column of a huge row
+/// group) is fetched in parts, so no GET holds more than this in memory.
+pub const PROJECTED_GET: u64 = 8 << 20;
 
 /// Shards of one batch fetched at once when none of them is cached yet (a cold start): each is
 /// itself a set of parallel ranged GETs, bounded daemon-wide.
@@ -367,7 +380,15 @@ impl Dataset {
         let scanned = scan_all(format, &shards, &keys, &backends, sidecar_cache.as_deref())?;
         let mut fields = std::collections::BTreeSet::new();
         let mut tables = Vec::with_capacity(scanned.len());
-        for (meta, (table, content)) in shards.iter_mut().zip(scanned) {
+        // S3 Parquet files whose footer was just read from the object itself, and matches the
+        // manifest if there is one: already verified for column-chunk reads.
+        let mut footer_checked = Vec::with_capacity(scanned.len());
+        for (meta, (table, content, fresh)) in shards.iter_mut().zip(scanned) {
+            let matches = match (&table, meta.footer_crc32c) {
+                (ShardTable::Parquet(t), expected) => expected.is_none_or(|e| e == t.footer_crc32c()),
+                (ShardTable::Tar(_), _) => false,
+            };
+            footer_checked.push(fresh && matches && meta.crc32c.is_none());
             meta.samples = table.num_samples();
             meta.content = content;
             fields.extend(table.fields().iter().cloned());
@@ -397,6 +418,11 @@ impl Dataset {
             Self::assemble(&url, format, mode, base, shards, fields, from_manifest, sidecar_cache, backends, keys);
         ds.largest_sample = largest_sample;
         ds.parquet = parquet;
+        for (flag, checked) in ds.verified.iter().zip(footer_checked) {
+            if checked {
+                flag.store(true, Ordering::Release);
+            }
+        }
         // The scan just built every table: keep as many resident as the cache allows.
         for (i, table) in tables.into_iter().enumerate().take(MAX_RESIDENT_TABLES) {
             ds.insert_table(i, Arc::new(table));
@@ -528,10 +554,12 @@ impl Dataset {
         let meta = &self.shards[i];
         let (file, pin) = match (&meta.source, self.mode) {
             (ShardSource::Local(path), CacheMode::Direct) => {
-                if let Some(expected) = meta.crc32c
-                    && !self.verified[i].load(Ordering::Acquire)
-                {
-                    verify(path, meta, expected)?;
+                if !self.verified[i].load(Ordering::Acquire) {
+                    if let Some(expected) = meta.crc32c {
+                        verify(path, meta, expected)?;
+                    } else if let Some(expected) = meta.footer_crc32c {
+                        verify_footer(&ShardFile::open(path.clone(), meta.len)?, meta, expected)?;
+                    }
                     self.verified[i].store(true, Ordering::Release);
                 }
                 (ShardFile::open(path.clone(), meta.len)?, None)
@@ -550,6 +578,18 @@ impl Dataset {
                 t
             }
         };
+        // The file's footer was checked above (or as its copy was cached); the table the rows are
+        // decoded with came from a sidecar or an earlier read: it must be that same footer.
+        if let (Some(expected), ShardTable::Parquet(t)) = (meta.footer_crc32c, table.as_ref())
+            && t.footer_crc32c() != expected
+        {
+            return Err(footer_mismatch(
+                &meta.url(),
+                t.footer_crc32c(),
+                expected,
+                "the footer its table was decoded from",
+            ));
+        }
         if self.from_manifest && table.num_samples() != meta.samples {
             return Err(Error::Shard {
                 shard: meta.url(),
@@ -564,6 +604,113 @@ impl Dataset {
         }
         t.open.insert(i, Arc::downgrade(&resident));
         Ok((resident, fetched))
+    }
+
+    /// Node-cache key of the compact copy of Parquet file `i`'s column chunks for projection
+    /// `proj_id` (see `service::projected`).
+    pub fn projected_key(&self, i: usize, proj_id: u64) -> String {
+        let m = &self.shards[i];
+        crate::cache::key_for(
+            &format!("{}#columns={proj_id:016x}", m.url()),
+            &m.identity(),
+            &format!("{}.cols", m.name),
+        )
+    }
+
+    /// Fetches the pieces `pf` of S3 Parquet file `i` into the node cache entry `key` (ranged
+    /// GETs of at most [`PROJECTED_GET`] bytes, `If-Match` on the file's ETag when known), or
+    /// pins it there. `Ok(None)`: a prefetch that did not wait. Blocking.
+    pub fn fetch_projected(
+        &self,
+        i: usize,
+        pf: &crate::format::parquet::projected::ProjectedFile,
+        key: &str,
+        want: Want,
+    ) -> Result<Option<Pin>> {
+        use std::os::unix::fs::FileExt;
+        let cache =
+            self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
+        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
+        let ShardSource::S3 { bucket, key: object, etag } = &meta.source else {
+            return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
+        };
+        let obj = crate::storage::s3::ObjectRef {
+            bucket: bucket.clone(),
+            key: object.clone(),
+            len: meta.len,
+            etag: etag.clone(),
+        };
+        let store = self.backends.s3()?;
+        cache.get(key, pf.len(), want, &mut |tmp, file| {
+            for (range, at) in pf.pieces() {
+                let mut start = range.start;
+                while start < range.end {
+                    let end = range.end.min(start + PROJECTED_GET);
+                    let (bytes, _) = store.block_on(store.get_range(&obj, start..end))?;
+                    file.write_all_at(&bytes, at + (start - range.start))
+                        .map_err(|e| Error::io("cannot write", tmp, e))?;
+                    start = end;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Checks S3 Parquet file `i`'s footer once (one ranged GET of its tail) before its rows are
+    /// served from column-chunk copies: against the manifest's `crc32c-footer` when there is one,
+    /// and in any case against the footer the dataset was opened with (the chunk offsets the
+    /// decoder uses come from it).
+    pub fn verify_remote_footer(&self, i: usize) -> Result<()> {
+        if self.verified.get(i).is_some_and(|v| v.load(Ordering::Acquire)) {
+            return Ok(());
+        }
+        // Streams building batches at once check a file once, not once each.
+        let lock = self.load_locks.get(i).ok_or_else(|| Error::Internal(format!("shard {i} out of range")))?;
+        let _checking = lock.lock().unwrap_or_else(|p| p.into_inner());
+        if self.verified[i].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
+        let (opened, footer_bytes) = self
+            .parquet
+            .as_ref()
+            .and_then(|p| p.files().iter().find(|f| f.index == i))
+            .map(|f| (f.table.footer_crc32c(), f.table.footer_bytes()))
+            .ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
+        // Exactly the footer, its length and magic as the dataset knows them: their CRC is the
+        // footer checksum, and a footer of another length changes the length field it covers.
+        let ShardSource::S3 { bucket, key, etag } = &meta.source else {
+            return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
+        };
+        let obj = crate::storage::s3::ObjectRef {
+            bucket: bucket.clone(),
+            key: key.clone(),
+            len: meta.len,
+            etag: etag.clone(),
+        };
+        let tail = meta.len.saturating_sub(footer_bytes + crate::format::parquet::footer::FOOTER_TAIL_BYTES);
+        let s3 = self.backends.s3()?;
+        let (bytes, _) = s3.block_on(s3.get_range(&obj, tail..meta.len))?;
+        let got = crc32c::crc32c(&bytes);
+        if let Some(expected) = meta.footer_crc32c {
+            if got != expected {
+                return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
+            }
+            if opened != expected {
+                return Err(footer_mismatch(&meta.url(), opened, expected, "the footer its table was decoded from"));
+            }
+        } else if got != opened {
+            return Err(Error::Shard {
+                shard: meta.url(),
+                offset: None,
+                reason: format!(
+                    "its footer changed since the dataset was opened (crc32c {got:08x}, was {opened:08x}); \
+                     refusing to serve it"
+                ),
+            });
+        }
+        self.verified[i].store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Node-cache key of shard `i` (`copy` mode).
@@ -642,7 +789,8 @@ fn fetch_into(
         ShardSource::S3 { .. } => Some(backends.s3()?),
         ShardSource::Local(_) => None,
     };
-    let spec = FetchSpec { source: &meta.source, len: meta.len, crc32c: meta.crc32c };
+    let spec =
+        FetchSpec { source: &meta.source, len: meta.len, crc32c: meta.crc32c, footer_crc32c: meta.footer_crc32c };
     cache.get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
 }
 
@@ -695,6 +843,7 @@ impl Discovered {
                         len: l.len,
                         samples: 0,
                         crc32c: None,
+                        footer_crc32c: None,
                         mtime_ns: Some(l.mtime_ns),
                         sidecar: None,
                         content: None,
@@ -726,6 +875,7 @@ impl Discovered {
                         len: o.size,
                         samples: 0,
                         crc32c: None,
+                        footer_crc32c: None,
                         mtime_ns: None,
                         sidecar: None,
                         content: None,
@@ -745,12 +895,15 @@ impl Discovered {
         m: Manifest,
     ) -> Result<Self> {
         let format = m.format()?;
+        let footer_scope = m.checksum_scope() == manifest::ChecksumScope::Footer;
         let to_meta = |s: &manifest::ManifestShard| ShardMeta {
             name: s.name.clone(),
-            source: place.source(&s.name, None),
+            // A recorded ETag makes every GET of the object conditional on it (If-Match).
+            source: place.source(&s.name, s.etag.clone()),
             len: s.bytes,
             samples: s.samples,
-            crc32c: s.crc(),
+            crc32c: s.crc().filter(|_| !footer_scope),
+            footer_crc32c: s.crc().filter(|_| footer_scope),
             mtime_ns: None,
             // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
             // from its cache copy (headers only, already in the page cache).
@@ -836,6 +989,28 @@ fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
     Ok(())
 }
 
+/// Checks a Parquet file's footer against the CRC a `crc32c-footer` manifest records (its length
+/// was checked when `file` was opened): one tail read, never the whole file.
+fn verify_footer(file: &ShardFile, meta: &ShardMeta, expected: u32) -> Result<()> {
+    let footer = crate::format::parquet::dataset::read_local_footer(file)?;
+    let got = crate::format::parquet::footer::footer_crc32c(&footer);
+    if got != expected {
+        return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
+    }
+    Ok(())
+}
+
+fn footer_mismatch(shard: &str, got: u32, expected: u32, what: &str) -> Error {
+    Error::Shard {
+        shard: shard.to_owned(),
+        offset: None,
+        reason: format!(
+            "does not match manifest.json: the crc32c of {what} is {got:08x}, the manifest says {expected:08x} \
+             (the file changed after it was indexed); refusing to serve it"
+        ),
+    }
+}
+
 fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
     // Keyed by the shard's location (path or URL); the identity inside the file guards against
     // reuse for other bytes.
@@ -895,7 +1070,7 @@ fn scan_all(
     keys: &[String],
     backends: &Backends,
     cache: Option<&Path>,
-) -> Result<Vec<(ShardTable, Option<u64>)>> {
+) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
     crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(format, &shards[i], keys.get(i), backends, cache))
 }
@@ -908,7 +1083,7 @@ fn scan_one(
     key: Option<&String>,
     backends: &Backends,
     cache: Option<&Path>,
-) -> Result<(ShardTable, Option<u64>)> {
+) -> Result<(ShardTable, Option<u64>, bool)> {
     let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
         match (&meta.source, file) {
             (ShardSource::Local(_), Some(f)) => content_digest(f, table).map(Some),
@@ -920,10 +1095,26 @@ fn scan_one(
     };
     match (key, &backends.cache) {
         (Some(key), Some(node)) => {
+            let mut fresh = false;
             let table = match cache.and_then(|c| {
                 format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
             }) {
                 Some(table) => table,
+                // A Parquet file's table is its footer: one ranged GET, not the whole object (which
+                // is fetched, and verified, when a stream first needs its rows).
+                None if format == Format::Parquet && matches!(meta.source, ShardSource::S3 { .. }) => {
+                    let table = remote_parquet_table(backends.s3()?, meta)?;
+                    fresh = true;
+                    if let Some(c) = cache {
+                        let path = cache_sidecar_path(c, meta);
+                        let saved =
+                            std::fs::create_dir_all(c).and_then(|()| table.write_sidecar(&path, &meta.identity()));
+                        if let Err(e) = saved {
+                            tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
+                        }
+                    }
+                    table
+                }
                 None => {
                     let pin = fetch_into(node, backends, meta, key, Want::NOW)?
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
@@ -932,7 +1123,7 @@ fn scan_one(
                 }
             };
             let content = digest(&table, None)?;
-            Ok((table, content))
+            Ok((table, content, fresh))
         }
         _ => {
             let ShardSource::Local(path) = &meta.source else {
@@ -941,9 +1132,25 @@ fn scan_one(
             let file = ShardFile::open(path.clone(), meta.len)?;
             let table = load_table(format, meta, &file, cache)?;
             let content = digest(&table, Some(&file))?;
-            Ok((table, content))
+            Ok((table, content, false))
         }
     }
+}
+
+/// The footer table of an S3 Parquet file, read with one ranged GET of its tail (two for a footer
+/// larger than the tail).
+fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<ShardTable> {
+    let ShardSource::S3 { bucket, key, etag } = &meta.source else {
+        return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
+    };
+    let obj =
+        crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() };
+    let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
+        let (got, _) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+        buf.copy_from_slice(&got);
+        Ok(())
+    })?;
+    Ok(ShardTable::Parquet(Arc::new(table)))
 }
 
 /// How long an S3 dataset's shard list is trusted before the next open lists (or reads the
@@ -973,6 +1180,7 @@ mod golden {
             len,
             samples,
             crc32c,
+            footer_crc32c: None,
             mtime_ns,
             sidecar: None,
             content: None,

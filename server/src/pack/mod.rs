@@ -530,6 +530,7 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
                 index: with_sidecar.then(|| format!("{SIDECAR_DIR}/{}.idx", r.name)),
                 max_sample: None,
                 max_sample_bytes: None,
+                etag: None,
             }
             .with_largest(r.largest)
         })

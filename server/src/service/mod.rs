@@ -4,6 +4,7 @@
 //! them through a small bounded channel: a slow client fills its own channel and waits, never
 //! anyone else; a client that disconnects makes the next send fail, and the task stops at once.
 
+mod projected;
 mod stage;
 pub mod status;
 pub mod uses;
@@ -170,6 +171,8 @@ struct StreamPlan {
     /// Parquet datasets: how this stream's Arrow batches are made (its columns, checked against
     /// every file when the stream is planned).
     arrow: Option<Arc<BatchAssembler>>,
+    /// S3 Parquet streams that read only their columns' chunks.
+    projected: Option<Arc<projected::ProjectedReads>>,
     /// TRANSPORT_RDMA: the sender writing into the client's ring.
     rdma: Option<transport::rdma::RdmaStream>,
 }
@@ -227,6 +230,23 @@ fn plan_stream(
     let worker = WorkerParams { num_workers: req.num_workers.max(1), worker: req.worker, start_batch: req.start_batch };
     let batches = plan::WorkerBatches::new(sequence.len(), req.batch_size, &worker)?;
     let start = batches.peek().map_or(sequence.len(), |b| b.start);
+    let arrow = match &ds.parquet {
+        Some(pq) => {
+            let selection = (!req.fields.is_empty()).then_some(&fields[..]);
+            let projection = pq.projection(selection)?;
+            let cache = crate::format::parquet::decoded::shared();
+            // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
+            let id = format!("{}@{}", ds.fingerprint, ds.url);
+            Some(Arc::new(BatchAssembler::new(pq.clone(), projection, cache, &id)?))
+        }
+        None => None,
+    };
+    // An S3 Parquet stream that selects a fraction of the columns caches and fetches only their
+    // column chunks (see `projected`); the others read whole files through the node cache.
+    let projected = match &arrow {
+        Some(asm) => projected::ProjectedReads::plan(&ds, asm)?.map(Arc::new),
+        None => None,
+    };
     let consumer = match prefetch {
         Some(p) if ds.mode == CacheMode::Copy => {
             // This epoch's future, then the next epoch's (a trainer moves on with the same
@@ -244,7 +264,8 @@ fn plan_stream(
                 last: u.last + len,
                 ..*u
             }));
-            Some(p.register(ds.clone(), uses, start, req.rank, req.worker))
+            let fetch = projected.clone().map(|p| p as Arc<dyn crate::prefetch::ProjectedFetch>);
+            Some(p.register(ds.clone(), uses, start, req.rank, req.worker, fetch))
         }
         _ => None,
     };
@@ -293,18 +314,6 @@ fn plan_stream(
     }
     let collate =
         Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
-    // Arrow batches over shared memory always travel in ring slots (the packed session).
-    let arrow = match &ds.parquet {
-        Some(pq) => {
-            let selection = (!req.fields.is_empty()).then_some(&fields[..]);
-            let projection = pq.projection(selection)?;
-            let cache = crate::format::parquet::decoded::shared();
-            // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
-            let id = format!("{}@{}", ds.fingerprint, ds.url);
-            Some(Arc::new(BatchAssembler::new(pq.clone(), projection, cache, &id)?))
-        }
-        None => None,
-    };
     let packed = transport == Transport::Shm && (collate == Collate::Stack || arrow.is_some());
     let session = match (transport, shm) {
         (Transport::Shm, Some(hub)) => {
@@ -341,6 +350,7 @@ fn plan_stream(
         packed,
         consumer,
         arrow,
+        projected,
         rdma,
     })
 }
@@ -667,13 +677,27 @@ fn build_arrow_batch(
     session: Option<&Session>,
     turn: u64,
     asm: &BatchAssembler,
+    projected: Option<&projected::ProjectedReads>,
     ids: &[u64],
     index: u64,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
-    let (batch, waited) = {
+    let (batch, waited) = if let Some(pr) = projected {
+        // Only the selected column chunks: no whole file is opened. Every file the batch draws
+        // on is verified first (its footer, once), as below.
+        let started = Instant::now();
+        for id in first_row_of_each_file(ds, ids) {
+            if let Some((shard, _)) = ds.locate(id) {
+                ds.verify_remote_footer(shard)?;
+            }
+        }
+        let reader = pr.reader();
+        let batch = asm.batch(ids, &reader)?;
+        let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
+        (batch, waited)
+    } else {
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
         let touched = first_row_of_each_file(ds, ids);
         working.preload(ds, &touched)?;
@@ -871,6 +895,7 @@ async fn produce(
         packed,
         consumer,
         arrow,
+        projected,
         rdma,
         ..
     } = plan;
@@ -886,7 +911,7 @@ async fn produce(
         }
     }
     let _done = Done(session.clone());
-    let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow));
+    let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow, projected));
     let sequence = Arc::new(std::sync::Mutex::new(sequence));
     let spawn_build = |turn: u64, range: std::ops::Range<u64>, ids: Vec<u64>| {
         // Every batch but the rank's last is full, so its index in the rank's order is this.
@@ -896,12 +921,23 @@ async fn produce(
         let (closed, stop) = (tx.clone(), shutdown.clone());
         let rdma = rdma.clone();
         let handle = tokio::task::spawn_blocking(move || {
-            let (ds, fields, session, working, arrow) = &*job;
+            let (ds, fields, session, working, arrow, projected) = &*job;
             let ids = &ids[..];
             let cancelled = || closed.is_closed() || stop.is_cancelled();
             if let Some(asm) = arrow {
-                return build_arrow_batch(ds, working, session.as_deref(), turn, asm, ids, index, &cancelled)
-                    .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
+                let projected = projected.as_deref();
+                return build_arrow_batch(
+                    ds,
+                    working,
+                    session.as_deref(),
+                    turn,
+                    asm,
+                    projected,
+                    ids,
+                    index,
+                    &cancelled,
+                )
+                .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
             if let (Some(s), true) = (session, packed) {
                 let credit = s.take_turn(turn, &cancelled)?;

@@ -379,6 +379,45 @@ impl S3Store {
         }
     }
 
+    /// Reads bytes `range` of `obj` into memory with one ranged GET (retried as a whole): a
+    /// Parquet footer, never a whole shard. Carries `If-Match` when `obj.etag` is known, so the
+    /// bytes come from the version the caller listed. A short or long body is an error. Returns
+    /// the bytes and the ETag the server answered with (a listing may not give one).
+    pub async fn get_range(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, Option<String>)> {
+        let url = obj.url();
+        let want = range.end.saturating_sub(range.start);
+        if want == 0 {
+            return Ok((Bytes::new(), obj.etag.clone()));
+        }
+        let got = self
+            .retrying(&url, "get", || async {
+                let resp = self
+                    .client
+                    .get_object()
+                    .bucket(&obj.bucket)
+                    .key(&obj.key)
+                    .range(format!("bytes={}-{}", range.start, range.end - 1))
+                    .set_if_match(obj.etag.clone())
+                    .send()
+                    .await
+                    .map_err(|e| classify(&url, e))?;
+                let etag = resp.e_tag().map(str::to_owned);
+                let body =
+                    resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))?;
+                if body.len() as u64 != want {
+                    return Err(Failure::Transient(format!(
+                        "ranged GET of {want} bytes at {} answered {} bytes",
+                        range.start,
+                        body.len()
+                    )));
+                }
+                Ok((body, etag))
+            })
+            .await?;
+        crate::metrics::storage_bytes("s3", got.0.len() as u64);
+        Ok(got)
+    }
+
     /// Writes a whole object.
     pub async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<()> {
         let url = format!("s3://{bucket}/{key}");

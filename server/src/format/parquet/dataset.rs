@@ -173,6 +173,15 @@ impl BatchAssembler {
         &self.projection
     }
 
+    pub fn dataset(&self) -> &ParquetDataset {
+        &self.dataset
+    }
+
+    /// The projection of each file, in the order of [`ParquetDataset::files`].
+    pub fn per_file(&self) -> &[FileProjection] {
+        &self.per_file
+    }
+
     /// The record batch of rows `row_ids`, in that order.
     pub fn batch(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<RecordBatch> {
         let mut sources: Vec<Arc<RecordBatch>> = Vec::new();
@@ -224,15 +233,24 @@ impl BatchAssembler {
     }
 }
 
-/// Reads and decodes the footer of a local file: its table, or `Ok(None)` for a 0-byte file.
-pub fn open_local(file: &crate::storage::local::ShardFile) -> Result<Option<ParquetTable>> {
-    if file.len == 0 {
-        tracing::warn!(file = %file.name, "skipping an empty (0-byte) Parquet file");
-        return Ok(None);
+/// The footer table of the Parquet file `shown_as` of `len` bytes, read with `read_at` (fill
+/// the buffer from the offset): one tail read, a second one for a footer larger than the tail.
+/// Errors of `read_at` (a network failure, a short file) come back as they are.
+pub fn read_table(
+    shown_as: &str,
+    len: u64,
+    mut read_at: impl FnMut(u64, &mut [u8]) -> Result<()>,
+) -> Result<ParquetTable> {
+    if len == 0 {
+        return Err(Error::Shard {
+            shard: shown_as.to_owned(),
+            offset: None,
+            reason: "is empty (0 bytes), not a Parquet file".into(),
+        });
     }
     let mut io_error = None;
-    let footer = footer::read_footer(file.len, |off, buf| {
-        file.read_exact_at(buf, off).map_err(|e| {
+    let footer = footer::read_footer(len, |off, buf| {
+        read_at(off, buf).map_err(|e| {
             let msg = e.to_string();
             io_error = Some(e);
             ParquetError::Io(msg)
@@ -241,7 +259,38 @@ pub fn open_local(file: &crate::storage::local::ShardFile) -> Result<Option<Parq
     let footer = match (footer, io_error) {
         (Ok(f), _) => f,
         (Err(_), Some(e)) => return Err(e),
-        (Err(e), None) => return Err(e.into_error(&file.name)),
+        (Err(e), None) => return Err(e.into_error(shown_as)),
     };
+    let table = ParquetTable::decode(&footer, len).map_err(|e| e.into_error(shown_as))?;
+    if table.num_rows() == 0 {
+        tracing::warn!(file = %shown_as, "a Parquet file without rows: it contributes no samples");
+    }
+    Ok(table)
+}
+
+/// Reads and decodes the footer of a local file: its table, or `Ok(None)` for a 0-byte file.
+pub fn open_local(file: &crate::storage::local::ShardFile) -> Result<Option<ParquetTable>> {
+    if file.len == 0 {
+        tracing::warn!(file = %file.name, "skipping an empty (0-byte) Parquet file");
+        return Ok(None);
+    }
+    let footer = read_local_footer(file)?;
     ParquetTable::decode(&footer, file.len).map(Some).map_err(|e| e.into_error(&file.name))
+}
+
+/// The footer bytes of a local file (one tail read, two for a footer larger than the tail).
+pub fn read_local_footer(file: &crate::storage::local::ShardFile) -> Result<Vec<u8>> {
+    let mut io_error = None;
+    let footer = footer::read_footer(file.len, |off, buf| {
+        file.read_exact_at(buf, off).map_err(|e| {
+            let msg = e.to_string();
+            io_error = Some(e);
+            ParquetError::Io(msg)
+        })
+    });
+    match (footer, io_error) {
+        (Ok(f), _) => Ok(f),
+        (Err(_), Some(e)) => Err(e),
+        (Err(e), None) => Err(e.into_error(&file.name)),
+    }
 }

@@ -102,6 +102,18 @@ pub fn footer_from_tail(
     Ok(footer)
 }
 
+/// The integrity value `shardstream index` records for a Parquet file in its manifest
+/// (`"checksum": "crc32c-footer"`): the CRC-32C of the file's last `footer.len() + 8` bytes, that
+/// is the footer, its 4-byte length and the tail magic. The footer holds every column chunk's
+/// offset, sizes, codec and statistics, so a file rewritten in any way a reader would notice
+/// changes it; data pages are covered by their own checksums when the writer stored them.
+pub fn footer_crc32c(footer: &[u8]) -> u32 {
+    let len = u32::try_from(footer.len()).unwrap_or(u32::MAX);
+    let crc = crc32c::crc32c(footer);
+    let crc = crc32c::crc32c_append(crc, &len.to_le_bytes());
+    crc32c::crc32c_append(crc, MAGIC)
+}
+
 fn to_usize(n: u64) -> Result<usize, ParquetError> {
     usize::try_from(n).map_err(|_| ParquetError::BadFooter(format!("{n} bytes do not fit in memory")))
 }
@@ -233,6 +245,11 @@ impl ParquetTable {
         &self.footer
     }
 
+    /// [`footer_crc32c`] of this table's footer: what a `crc32c-footer` manifest records.
+    pub fn footer_crc32c(&self) -> u32 {
+        footer_crc32c(&self.footer)
+    }
+
     /// Top-level column names, in file order.
     pub fn columns(&self) -> &[String] {
         &self.columns
@@ -314,6 +331,15 @@ mod tests {
         let t = ParquetTable::decode(&footer, wide.len() as u64).unwrap();
         assert_eq!(t.num_rows(), 400);
         assert_eq!(t.num_row_groups(), 200);
+    }
+
+    #[test]
+    fn the_footer_checksum_covers_the_files_last_bytes_from_the_footer_on() {
+        let file = testdata::mixed(60, 16, testdata::Codec::Snappy);
+        let footer = read_footer(file.len() as u64, read(&file)).unwrap();
+        let tail = &file[file.len() - footer.len() - 8..];
+        assert_eq!(footer_crc32c(&footer), crc32c::crc32c(tail));
+        assert_eq!(ParquetTable::decode(&footer, file.len() as u64).unwrap().footer_crc32c(), crc32c::crc32c(tail));
     }
 
     #[test]

@@ -18,6 +18,8 @@
 //!   IPC stream (schema + one batch, uncompressed, 64-byte aligned) into a ring slot or a `Vec`.
 //! - [`dataset`]: the files of a dataset as plan units (row groups) and the assembly of a batch
 //!   from row ids.
+//! - [`projected`]: the selected column chunks of a whole file as one compact byte string (what
+//!   the node cache holds of an S3 file when a stream selects some of its columns).
 //! - [`decoded`]: the daemon-wide, byte-bounded cache of decoded row groups that streams share, so
 //!   a shuffle window of row groups is decoded about once per epoch and node.
 
@@ -27,6 +29,7 @@ pub mod decoded;
 pub mod footer;
 pub mod ipc;
 pub mod pqidx;
+pub mod projected;
 pub mod schema;
 
 pub use footer::ParquetTable;

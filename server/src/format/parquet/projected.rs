@@ -1,0 +1,116 @@
+//! The selected column chunks of a whole file as one compact byte string: what the node cache
+//! holds of an S3 Parquet file when a stream selects only some of its columns.
+//!
+//! The chunks of every row group are collected ([`chunk_ranges`]), sorted and merged when at most
+//! [`MERGE_GAP`] apart (a small gap costs less than another request), and laid end to end: piece
+//! `k` of the file (`range`) sits at `at` in the compact copy. A read of file bytes (what the
+//! row-group decoder asks for: one merged run of a row group's chunks) maps to the copy when it
+//! lies inside one piece; anything else is an error, never a silent fetch.
+
+use std::ops::Range;
+
+use super::ParquetTable;
+use super::decode::{MERGE_GAP, chunk_ranges};
+use super::schema::FileProjection;
+
+/// The pieces of a file a projection needs, and where each sits in the compact copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProjectedFile {
+    /// (file range, offset in the copy), sorted by file offset, disjoint.
+    pieces: Vec<(Range<u64>, u64)>,
+    len: u64,
+}
+
+impl ProjectedFile {
+    /// The pieces of `table`'s file that `proj` reads, over every row group.
+    pub fn new(table: &ParquetTable, proj: &FileProjection) -> Self {
+        let mut ranges: Vec<Range<u64>> =
+            (0..table.num_row_groups()).flat_map(|rg| chunk_ranges(table, rg, proj)).collect();
+        ranges.sort_unstable_by_key(|r| r.start);
+        let mut merged: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            match merged.last_mut() {
+                Some(last) if r.start <= last.end.saturating_add(MERGE_GAP) => last.end = last.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        let mut at = 0u64;
+        let pieces = merged
+            .into_iter()
+            .map(|r| {
+                let here = at;
+                at += r.end - r.start;
+                (r, here)
+            })
+            .collect();
+        Self { pieces, len: at }
+    }
+
+    /// Bytes of the compact copy.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// (file range, offset in the copy) of every piece, in file order.
+    pub fn pieces(&self) -> &[(Range<u64>, u64)] {
+        &self.pieces
+    }
+
+    /// Where file bytes `r` sit in the copy, when one piece holds them all.
+    pub fn locate(&self, r: Range<u64>) -> Option<u64> {
+        let i = self.pieces.partition_point(|(p, _)| p.start <= r.start).checked_sub(1)?;
+        let (p, at) = &self.pieces[i];
+        (r.end <= p.end && r.start <= r.end).then(|| at + (r.start - p.start))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::schema::Projection;
+    use super::super::{footer, testdata};
+    use super::*;
+
+    fn table(bytes: &[u8]) -> ParquetTable {
+        let f = footer::read_footer(bytes.len() as u64, |o, b| {
+            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
+            Ok(())
+        })
+        .unwrap();
+        ParquetTable::decode(&f, bytes.len() as u64).unwrap()
+    }
+
+    #[test]
+    fn one_column_is_a_small_copy_that_every_row_group_read_maps_into() {
+        let file = testdata::mixed(4000, 500, testdata::Codec::None);
+        let t = table(&file);
+        let p = Projection::new(t.schema(), Some(&["id".to_string()])).unwrap().for_file(&t).unwrap();
+        let pf = ProjectedFile::new(&t, &p);
+        assert!(!pf.is_empty() && pf.len() * 10 < file.len() as u64, "{} of {}", pf.len(), file.len());
+        for rg in 0..t.num_row_groups() {
+            for r in chunk_ranges(&t, rg, &p) {
+                let at = pf.locate(r.clone()).expect("every read the decoder makes is in the copy");
+                assert!(at + (r.end - r.start) <= pf.len());
+            }
+        }
+        // Pieces are disjoint, in order, end to end in the copy.
+        let mut next = 0;
+        for w in pf.pieces().windows(2) {
+            assert!(w[0].0.end + MERGE_GAP < w[1].0.start);
+        }
+        for (r, at) in pf.pieces() {
+            assert_eq!(*at, next);
+            next += r.end - r.start;
+        }
+        assert_eq!(next, pf.len());
+        // A read of another column's bytes is not in it.
+        let all = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+        let whole = ProjectedFile::new(&t, &all);
+        assert!(whole.len() > pf.len());
+        let outside = chunk_ranges(&t, 0, &all).into_iter().find(|r| pf.locate(r.clone()).is_none());
+        assert!(outside.is_some());
+    }
+}

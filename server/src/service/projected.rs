@@ -1,0 +1,131 @@
+//! Column-chunk reads for S3 Parquet streams: when a stream selects a fraction of a dataset's
+//! columns, each file reaches the node cache as one compact copy of the selected column chunks
+//! ([`ProjectedFile`]: every row group's chunks, adjacent ones merged into large ranged GETs),
+//! never as the whole object. The copy is an ordinary node-cache entry (keyed by the file's
+//! identity and the projection, so streams with the same columns share it), fetched by the
+//! prefetcher in plan order ([`ProjectedFetch`]) like whole shards, and read by the row-group
+//! decoder through [`ProjectedReader`]. Each file's footer is checked once against the manifest
+//! (or against the footer the dataset was opened with) before any of its rows is served.
+//!
+//! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes and every file is
+//! an S3 object whose manifest (if any) checksums its footer: a whole-file CRC (as `pack` writes)
+//! can only be checked on the whole file, which then goes through the cache as before.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use crate::cache::{Pin, Want};
+use crate::format::parquet::dataset::{BatchAssembler, FileReader};
+use crate::format::parquet::projected::ProjectedFile;
+use crate::index::{CacheMode, Dataset};
+use crate::storage::ShardSource;
+use crate::{Error, Result};
+
+/// Column-chunk reads are used when the selected chunks are at most this share of the files'
+/// bytes; above it, one GET of the whole file is as good.
+pub const MAX_SHARE: f64 = 0.9;
+
+/// One stream's projection over an S3 Parquet dataset: the compact copy of each file.
+#[derive(Debug)]
+pub struct ProjectedReads {
+    ds: Arc<Dataset>,
+    /// Shard index -> (its pieces, its node-cache key).
+    files: HashMap<usize, (Arc<ProjectedFile>, String)>,
+}
+
+impl ProjectedReads {
+    /// The column-chunk plan of `asm`'s projection over `ds`, or None when whole files serve it
+    /// better (or it is not an S3 dataset checked by footers).
+    pub fn plan(ds: &Arc<Dataset>, asm: &BatchAssembler) -> Result<Option<Self>> {
+        let remote = ds.mode == CacheMode::Copy
+            && ds.shards.iter().all(|s| matches!(s.source, ShardSource::S3 { .. }) && s.crc32c.is_none());
+        if !remote {
+            return Ok(None);
+        }
+        // The same chunks whatever the order the columns were asked in: one copy for both.
+        let mut names: Vec<&str> = asm.projection().names().collect();
+        names.sort_unstable();
+        let proj_id = crate::stable_hash::hash_parts(names.iter().map(|n| n.as_bytes()));
+        let mut files = HashMap::new();
+        let (mut selected, mut total) = (0u64, 0u64);
+        for (f, per_file) in asm.dataset().files().iter().zip(asm.per_file()) {
+            let pf = ProjectedFile::new(&f.table, per_file);
+            selected += pf.len();
+            total += f.table.file_len();
+            files.insert(f.index, (Arc::new(pf), ds.projected_key(f.index, proj_id)));
+        }
+        if total == 0 || selected as f64 > MAX_SHARE * total as f64 {
+            return Ok(None);
+        }
+        Ok(Some(Self { ds: ds.clone(), files }))
+    }
+
+    fn file(&self, shard: usize) -> Result<&(Arc<ProjectedFile>, String)> {
+        self.files.get(&shard).ok_or_else(|| Error::Internal(format!("no column-chunk plan for file {shard}")))
+    }
+
+    /// A reader for one batch.
+    pub fn reader(&self) -> ProjectedReader<'_> {
+        ProjectedReader { reads: self, open: Mutex::new(HashMap::new()), fetched: AtomicBool::new(false) }
+    }
+}
+
+impl crate::prefetch::ProjectedFetch for ProjectedReads {
+    fn key(&self, shard: usize) -> Option<String> {
+        self.files.get(&shard).map(|(_, k)| k.clone())
+    }
+
+    fn fetch(&self, shard: usize, want: Want) -> Result<()> {
+        let (pf, key) = self.file(shard)?;
+        self.ds.fetch_projected(shard, pf, key, want).map(|_| ())
+    }
+}
+
+/// Reads file bytes from the compact copies, fetching (and pinning) a copy on first use.
+pub struct ProjectedReader<'a> {
+    reads: &'a ProjectedReads,
+    open: Mutex<HashMap<usize, (Pin, File)>>,
+    fetched: AtomicBool,
+}
+
+impl ProjectedReader<'_> {
+    /// True when a copy had to be fetched (the stream waited for storage).
+    pub fn fetched(&self) -> bool {
+        self.fetched.load(Relaxed)
+    }
+}
+
+impl FileReader for ProjectedReader<'_> {
+    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let (pf, key) = self.reads.file(file)?;
+        let url = || self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
+        let at = pf.locate(offset..offset + buf.len() as u64).ok_or_else(|| {
+            Error::Internal(format!(
+                "{}: read of bytes {offset}+{} outside the selected column chunks",
+                url(),
+                buf.len()
+            ))
+        })?;
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let (pin, f) = match open.entry(file) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let pin = self
+                    .reads
+                    .ds
+                    .fetch_projected(file, pf, key, Want::NOW)?
+                    .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+                if pin.filled {
+                    self.fetched.store(true, Relaxed);
+                }
+                let f =
+                    File::open(pin.path()).map_err(|e| Error::io("cannot open cached column chunks", pin.path(), e))?;
+                v.insert((pin, f))
+            }
+        };
+        f.read_exact_at(buf, at).map_err(|e| Error::io("cannot read cached column chunks", pin.path(), e))
+    }
+}
