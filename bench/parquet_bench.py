@@ -314,6 +314,7 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
     for module in IMPORTS[peer]:
         importlib.import_module(module)
     prep: dict[str, Any] = {"addr": addr}
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     ttfb = None
@@ -340,6 +341,8 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
         "check": "ok" if ok else f"MISMATCH ({len(all_ids)} rows, {int((counts == 0).sum())} missing)",
         "span": span(all_ids) if ok else float("nan"),
         "gb": nbytes / 1e9,
+        # Other jobs share the machine: a figure taken under load is not comparable to a quiet one.
+        "load": load,
     }
 
 
@@ -384,7 +387,8 @@ def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
         "",
         "rows/s: median (min-max). CPU-s: the reader's process plus, for shardstream, the daemon's, per "
         "epoch. `span`: 100 consecutive stored rows, how far apart delivered (fraction of the epoch; "
-        "uniform ~0.98, file order ~0).",
+        "uniform ~0.98, file order ~0). `load`: the 1-minute load average when the run started (the "
+        "machine is shared; compare rows taken at similar load).",
         "",
     ]
     for kind, per_peer in results.items():
@@ -400,13 +404,13 @@ def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
             f"best shuffled peer: {best or '-'}; ceiling: pa_seq",
             "",
             "| reader | rows/s | x best shuffled peer | x pa_seq | CPU-s / epoch | first batch s | prep s | span "
-            "| check |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| load | check |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for peer, runs in per_peer.items():
             good = [r for r in runs if "error" not in r]
             if not good:
-                lines.append(f"| {peer} | not run: {runs[0].get('error', '?')} | | | | | | | |")
+                lines.append(f"| {peer} | not run: {runs[0].get('error', '?')} | | | | | | | | |")
                 continue
             rps = [r["rows_per_s"] for r in good]
 
@@ -419,7 +423,8 @@ def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
             checks = {r["check"] for r in good}
             lines.append(
                 f"| {peer} | {med[peer]:,.0f} ({min(rps):,.0f}-{max(rps):,.0f}) | {x_best} | {x_seq} | "
-                f"{m('cpu_s')} | {m('ttfb_s')} | {m('prep_s')} | {m('span')} | {', '.join(sorted(checks))} |"
+                f"{m('cpu_s')} | {m('ttfb_s')} | {m('prep_s')} | {m('span')} | {m('load')} | "
+                f"{', '.join(sorted(checks))} |"
             )
         lines.append("")
     return "\n".join(lines) + "\n"
