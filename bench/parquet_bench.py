@@ -311,7 +311,8 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
     imported before the clock starts (a trainer has imported them long before its first epoch)."""
     import importlib
 
-    for module in IMPORTS[peer]:
+    # torch too: a trainer has it loaded, and `datasets` imports it lazily in the middle of an epoch.
+    for module in ["torch", *IMPORTS[peer]]:
         importlib.import_module(module)
     prep: dict[str, Any] = {"addr": addr}
     load = os.getloadavg()[0]
@@ -353,11 +354,14 @@ def child(peer: str, kind: str, d: Path, addr: str, rows: int, daemon_pid: int |
     import measure
 
     before = measure.cpu_seconds(daemon_pid) if daemon_pid else None
+    # No Hub traffic: `datasets` otherwise reports each load to the Hub (seconds when offline).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     p = subprocess.run(
         [sys.executable, __file__, "--one", peer, kind, str(d), addr, str(rows)],
         capture_output=True,
         text=True,
         timeout=3600,
+        env=env,
     )
     if p.returncode != 0:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
