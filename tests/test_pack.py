@@ -158,6 +158,44 @@ def test_parquet_read_by_pyarrow(imagenet, tmp_path: Path) -> None:
     assert got == samples
 
 
+def parquet_layout(path: Path) -> dict[str, set[tuple[str, tuple[str, ...], bool, bool]]]:
+    """Per column of a Parquet file: the set of (compression, encodings, statistics written, offset
+    index written) over its row groups, as pyarrow reads them from the footer."""
+    meta = pq.ParquetFile(path).metadata
+    out: dict[str, set[tuple[str, tuple[str, ...], bool, bool]]] = {}
+    for rg in range(meta.num_row_groups):
+        for c in range(meta.num_columns):
+            col = meta.row_group(rg).column(c)
+            layout = (col.compression, tuple(sorted(col.encodings)), col.is_stats_set, col.has_offset_index)
+            out.setdefault(col.path_in_schema, set()).add(layout)
+    return out
+
+
+def test_parquet_layout_serves_payloads_as_plain_uncompressed_bytes(imagenet, tmp_path: Path) -> None:
+    """The layout `pack` chooses (bench/PARQUET_LAYOUT.md): payload columns PLAIN, no dictionary,
+    no compression, no statistics; the key column with chunk statistics; an offset index (page
+    locations) for every column; `--parquet-compression` changes only the codec."""
+    src, _ = imagenet
+    out = tmp_path / "pq"
+    pack(src, "--output", out, "--format", "parquet", "--samples-per-shard", "250", "--row-group-size", "64")
+    files = sorted(out.glob("*.parquet"))
+    assert files
+    for f in files:
+        layout = parquet_layout(f)
+        assert set(layout) == {"__key__", "jpg", "json"}
+        # RLE is the encoding of the definition/repetition levels that the writer lists for every
+        # column, not a value encoding.
+        assert layout["jpg"] == {("UNCOMPRESSED", ("PLAIN", "RLE"), False, True)}, layout
+        assert layout["json"] == {("UNCOMPRESSED", ("PLAIN", "RLE"), False, True)}, layout
+        assert layout["__key__"] == {("UNCOMPRESSED", ("PLAIN", "RLE"), True, True)}, layout
+
+    zstd = tmp_path / "zstd"
+    pack(src, "--output", zstd, "--format", "parquet", "--samples-per-shard", "250", "--parquet-compression", "zstd")
+    for f in sorted(zstd.glob("*.parquet")):
+        codecs = {lay[0] for col in parquet_layout(f).values() for lay in col}
+        assert codecs == {"ZSTD"}
+
+
 def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: Path) -> None:
     src = tmp_path / "src"
     make_tree(src, classes=10, per_class=150, max_bytes=3000)

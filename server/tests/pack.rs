@@ -340,6 +340,56 @@ fn parquet_shards_hold_keys_and_fields() {
     served_as_is(&dest, &expected);
 }
 
+/// The layout `pack` writes (chosen by bench/parquet_layout.py, see bench/PARQUET_LAYOUT.md), per
+/// column of every row group: payload columns PLAIN (no dictionary), uncompressed, without
+/// statistics; the key column with chunk statistics; an offset index (page locations) for every
+/// column, so a reader can seek to the pages of some rows; data page v1.
+#[test]
+fn parquet_payload_columns_are_plain_uncompressed_with_an_offset_index() {
+    use parquet::basic::{Compression, Encoding, PageType};
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    imagenet_tree(&src, 2, 45);
+    let dest = tmp.path().join("pq");
+    let mut o = opts(&src, &dest);
+    o.format = ShardFormat::Parquet;
+    o.row_group_rows = 16;
+    pack::pack(&o, &()).unwrap();
+    let m: Manifest = serde_json::from_slice(&std::fs::read(dest.join("manifest.json")).unwrap()).unwrap();
+    for sh in &m.shards {
+        let file = std::fs::File::open(dest.join(&sh.name)).unwrap();
+        let reader = SerializedFileReader::new(file).unwrap();
+        let meta = reader.metadata();
+        assert!(meta.num_row_groups() > 1);
+        for rg in meta.row_groups() {
+            for col in rg.columns() {
+                let name = col.column_path().string();
+                assert_eq!(col.compression(), Compression::UNCOMPRESSED, "{name}");
+                let encodings: Vec<Encoding> = col.encodings().collect();
+                assert!(encodings.contains(&Encoding::PLAIN), "{name}: {encodings:?}");
+                assert!(
+                    !encodings.iter().any(|e| matches!(e, Encoding::PLAIN_DICTIONARY | Encoding::RLE_DICTIONARY)),
+                    "{name}: {encodings:?}"
+                );
+                assert!(col.dictionary_page_offset().is_none(), "{name}");
+                assert!(col.offset_index_offset().is_some(), "{name}: no offset index");
+                assert_eq!(col.statistics().is_some(), name == "__key__", "{name}");
+            }
+        }
+        // Every data page is a v1 page (what every reader decodes).
+        for rg in 0..meta.num_row_groups() {
+            let group = reader.get_row_group(rg).unwrap();
+            for c in 0..group.num_columns() {
+                for page in group.get_column_page_reader(c).unwrap() {
+                    assert_eq!(page.unwrap().page_type(), PageType::DATA_PAGE);
+                }
+            }
+        }
+    }
+}
+
 /// The daemon serves `pack --format parquet` output as it is: the manifest's shards, the files'
 /// footers, and every row's fields through the Arrow batch path.
 fn served_as_is(dest: &Path, expected: &Samples) {

@@ -119,6 +119,33 @@ fn two_ranks_two_workers_get_every_row_once_with_each_row_group_decoded_once() {
     assert_eq!(plan::rank_sequence(ds.unit_rows(), &params(7, 0)).unwrap(), orders[0]);
 }
 
+/// A batch that draws on every row group of a cold cache (an epoch's first batch) decodes them in
+/// parallel: each once, the rows in the asked order; the same batch again decodes nothing.
+#[test]
+fn a_batch_over_many_cold_row_groups_decodes_each_once_in_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
+    let proj = ds.projection(None).unwrap();
+    let cache = Arc::new(DecodedCache::new(64 << 20));
+    let asm = BatchAssembler::new(ds.clone(), proj, cache.clone(), "ds").unwrap();
+    // One row of every row group, last group first, plus repeats of a few.
+    let mut row_ids: Vec<u64> = (0..400).rev().step_by(7).collect();
+    row_ids.extend([0, 399, 130, 0]);
+    let units: std::collections::HashSet<usize> = row_ids.iter().map(|&id| ds.locate(id).unwrap().0).collect();
+    assert_eq!(units.len(), ds.unit_rows().len(), "the batch draws on every row group");
+    let b = asm.batch(&row_ids, &files).unwrap();
+    assert_eq!(ids(&b), row_ids.iter().map(|&i| i as i64).collect::<Vec<_>>());
+    let full = testdata::mixed_batch(0..400);
+    for (k, &id) in row_ids.iter().enumerate() {
+        assert_eq!(b.slice(k, 1).column(0), full.slice(id as usize, 1).column(0), "row {id}");
+    }
+    let s = cache.stats();
+    assert_eq!((s.misses, s.hits), (units.len() as u64, 0));
+    assert_eq!(asm.batch(&row_ids, &files).unwrap(), b);
+    let s = cache.stats();
+    assert_eq!((s.misses, s.hits), (units.len() as u64, units.len() as u64));
+}
+
 #[test]
 fn a_row_group_is_read_only_for_its_selected_columns_and_ipc_fits_a_slot() {
     let dir = tempfile::tempdir().unwrap();

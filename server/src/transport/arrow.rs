@@ -7,7 +7,7 @@
 
 use arrow_array::RecordBatch;
 use shardstream_proto::ArrowBatch;
-use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
+use shardstream_proto::ring::ARROW_DATA_OFFSET;
 
 use crate::format::parquet::ipc;
 use crate::transport::shm::SlotGuard;
@@ -31,33 +31,15 @@ pub fn shm_batch<'s>(
     batch: &RecordBatch,
     acquire: impl FnOnce(u64) -> Result<SlotGuard<'s>>,
 ) -> Result<(SlotGuard<'s>, ArrowBatch)> {
-    // arrow-ipc encodes into its own buffers before writing anyway; encoding first also gives
-    // the exact slot size to ask for.
-    let stream = ipc::encode(batch).map_err(ipc_error)?;
-    let mut guard = acquire(ARROW_DATA_OFFSET + stream.len() as u64)?;
-    fill_slot(guard.bytes(), batch_index, batch.num_rows() as u64, &stream)?;
-    let msg = ArrowBatch {
-        batch_index,
-        row_ids,
-        ring: guard.ring(),
-        slot: guard.slot(),
-        length: stream.len() as u64,
-        ..Default::default()
-    };
+    // Measured first (no copy), then written straight into the slot: one copy of the batch.
+    let need = ipc::stream_len(batch).map_err(ipc_error)? as u64;
+    let mut guard = acquire(ARROW_DATA_OFFSET + need)?;
+    let length = ipc::write_slot(guard.bytes(), batch_index, batch).map_err(ipc_error)?;
+    if length != need {
+        return Err(Error::Internal(format!("an Arrow batch measured {need} bytes but wrote {length}")));
+    }
+    let msg = ArrowBatch { batch_index, row_ids, ring: guard.ring(), slot: guard.slot(), length, ..Default::default() };
     Ok((guard, msg))
-}
-
-/// Writes the slot header and `stream` into `slot`.
-fn fill_slot(slot: &mut [u8], batch_index: u64, rows: u64, stream: &[u8]) -> Result<()> {
-    let start = ARROW_DATA_OFFSET as usize;
-    let have = slot.len();
-    let dst = slot.get_mut(start..start + stream.len()).ok_or_else(|| {
-        Error::Internal(format!("a ring slot of {} bytes for an Arrow batch of {}", have, stream.len()))
-    })?;
-    dst.copy_from_slice(stream);
-    let header = SlotHeader::new(0, batch_index, rows, stream.len() as u64).encode();
-    slot[..SLOT_HEADER_BYTES].copy_from_slice(&header);
-    Ok(())
 }
 
 #[cfg(test)]
@@ -93,16 +75,5 @@ mod tests {
         let m = inline_batch(4, vec![9, 1, 5], &batch()).unwrap();
         assert_eq!((m.batch_index, m.row_ids.as_slice(), m.length), (4, &[9, 1, 5][..], m.data.len() as u64));
         assert_eq!(read(&m.data), batch());
-    }
-
-    #[test]
-    fn a_slot_is_header_then_stream_and_a_short_slot_is_an_error() {
-        let stream = ipc::encode(&batch()).unwrap();
-        let mut slot = vec![0u8; 8192];
-        fill_slot(&mut slot, 2, 3, &stream).unwrap();
-        let h = SlotHeader::decode(slot[..SLOT_HEADER_BYTES].try_into().unwrap());
-        assert_eq!((h.n_fields, h.batch_index, h.n_samples, h.payload_bytes), (0, 2, 3, stream.len() as u64));
-        assert_eq!(read(&slot[64..64 + stream.len()]), batch());
-        assert!(fill_slot(&mut [0u8; 100], 2, 3, &stream).is_err());
     }
 }

@@ -124,6 +124,14 @@ impl ParquetDataset {
     }
 }
 
+/// Most row groups one batch decodes at once: one per core (the decoder is CPU-bound), at most 8
+/// (a window's worth; more would only hold more undelivered decoded bytes at a time).
+pub const DECODE_THREADS: usize = 8;
+
+fn decode_threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).min(DECODE_THREADS)
+}
+
 /// Reads bytes of file `file` ([`DatasetFile::index`]) at `offset` into `buf`, exactly.
 pub trait FileReader: Sync {
     fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()>;
@@ -183,37 +191,59 @@ impl BatchAssembler {
     }
 
     /// The record batch of rows `row_ids`, in that order.
+    ///
+    /// The row groups it draws on that are not decoded yet are decoded in parallel (up to
+    /// [`DECODE_THREADS`] at once): a shuffled batch draws on every row group of its window, so the
+    /// first batch of an epoch (and the first after the window moves on) waits for a window's
+    /// worth of decoding, which one thread did one row group after the other.
     pub fn batch(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<RecordBatch> {
-        let mut sources: Vec<Arc<RecordBatch>> = Vec::new();
+        let mut units: Vec<usize> = Vec::new();
         let mut source_of: HashMap<usize, usize> = HashMap::new();
         let mut rows = Vec::with_capacity(row_ids.len());
         for &id in row_ids {
             let (u, r) = self.dataset.locate(id).ok_or_else(|| {
                 Error::invalid(format!("row id {id} is past the dataset's {} rows", self.dataset.num_rows()))
             })?;
-            let s = match source_of.get(&u) {
-                Some(&s) => s,
-                None => {
-                    sources.push(self.row_group(u, files)?);
-                    source_of.insert(u, sources.len() - 1);
-                    sources.len() - 1
-                }
-            };
+            let s = *source_of.entry(u).or_insert_with(|| {
+                units.push(u);
+                units.len() - 1
+            });
             rows.push((s, r));
+        }
+        let mut sources: Vec<Option<Arc<RecordBatch>>> = units.iter().map(|&u| self.cached(u)).collect();
+        let missing: Vec<usize> = (0..units.len()).filter(|&i| sources[i].is_none()).collect();
+        let threads = decode_threads().min(missing.len());
+        let decoded = if threads > 1 {
+            crate::parallel::try_map(&missing, threads, |&i| self.row_group(units[i], files))?
+        } else {
+            missing.iter().map(|&i| self.row_group(units[i], files)).collect::<Result<Vec<_>>>()?
+        };
+        for (i, b) in missing.into_iter().zip(decoded) {
+            sources[i] = Some(b);
+        }
+        let sources: Vec<Arc<RecordBatch>> = sources.into_iter().flatten().collect();
+        if sources.len() != units.len() {
+            return Err(Error::Internal("a row group of the batch was neither cached nor decoded".into()));
         }
         let refs: Vec<&RecordBatch> = sources.iter().map(|b| b.as_ref()).collect();
         ipc::gather(self.projection.schema(), &refs, &rows).map_err(|e| Error::Internal(e.to_string()))
+    }
+
+    fn key(&self, fi: usize, rg: usize) -> RowGroupKey {
+        RowGroupKey { file: format!("{}#{fi}", self.dataset_id), row_group: rg as u32, projection: self.projection_id }
+    }
+
+    /// Plan unit `u` when it is decoded already.
+    fn cached(&self, u: usize) -> Option<Arc<RecordBatch>> {
+        let (fi, rg) = self.dataset.unit(u)?;
+        self.cache.get(&self.key(fi, rg))
     }
 
     /// The decoded plan unit `u` (a row group), from the cache or decoded now.
     pub fn row_group(&self, u: usize, files: &dyn FileReader) -> Result<Arc<RecordBatch>> {
         let (fi, rg) = self.dataset.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
         let file = &self.dataset.files[fi];
-        let key = RowGroupKey {
-            file: format!("{}#{fi}", self.dataset_id),
-            row_group: rg as u32,
-            projection: self.projection_id,
-        };
+        let key = self.key(fi, rg);
         self.cache.get_or_decode(&key, || {
             let mut io_error = None;
             let decoded = read_row_group(&file.table, rg, &self.per_file[fi], |off, buf| {

@@ -87,6 +87,15 @@ impl DecodedCache {
         self.lock().stats
     }
 
+    /// The decoded row group `key` when it is cached (counted as a hit; a miss is not counted:
+    /// the caller decodes it through [`Self::get_or_decode`], which counts it).
+    pub fn get(&self, key: &RowGroupKey) -> Option<Arc<RecordBatch>> {
+        let mut st = self.lock();
+        let hit = st.touch(key)?;
+        st.stats.hits += 1;
+        Some(hit)
+    }
+
     /// The decoded row group `key`, decoding it with `decode` when it is not cached (once, however
     /// many callers ask at the same time).
     pub fn get_or_decode<E>(

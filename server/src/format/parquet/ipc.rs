@@ -8,9 +8,12 @@
 //! buffer in the stream is 64-byte aligned in the client's mapping, and `pyarrow.ipc.open_stream`
 //! over the mapping yields arrays that point into it (zero-copy).
 //!
-//! Cost: arrow-ipc encodes a batch into its own buffer before writing it out, so a batch is copied
-//! twice after decoding (gather, then encode into the slot); a writer that lays buffers out in the
-//! slot directly would save the second copy.
+//! Cost: one copy after the gather. The stream is measured first by writing it to a sink that only
+//! counts ([`stream_len`]: arrow-ipc hands uncompressed buffers to the writer as they are, so this
+//! copies nothing), then written straight into the slot ([`write_slot`]). Encoding into a `Vec` and
+//! copying that into the slot cost two more copies of every batch and a fresh multi-MiB allocation
+//! (page faults, zeroed pages) per batch: half the daemon's time on an image set
+//! (bench/PARQUET_PROFILE.md).
 
 use std::io::Write;
 
@@ -68,9 +71,30 @@ pub fn write_stream<W: Write>(batch: &RecordBatch, out: W) -> Result<W, ParquetE
     w.into_inner().map_err(ipc)
 }
 
-/// `batch` as one IPC stream in a new buffer (the inline transport's `ArrowBatch.data`).
+/// `batch` as one IPC stream in a new buffer (the inline transport's `ArrowBatch.data`), allocated
+/// once at its final size.
 pub fn encode(batch: &RecordBatch) -> Result<Vec<u8>, ParquetError> {
-    write_stream(batch, Vec::new())
+    write_stream(batch, Vec::with_capacity(stream_len(batch)?))
+}
+
+/// The length of `batch`'s IPC stream (what [`encode`] and [`write_slot`] write), measured without
+/// copying its buffers.
+pub fn stream_len(batch: &RecordBatch) -> Result<usize, ParquetError> {
+    Ok(write_stream(batch, Counter(0))?.0)
+}
+
+/// A sink that counts the bytes written to it.
+struct Counter(usize);
+
+impl Write for Counter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.0 += data.len();
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The dataset's schema as an IPC stream holding only the schema message (`DatasetInfo.arrow_schema`;
@@ -170,6 +194,11 @@ mod tests {
         let start = ARROW_DATA_OFFSET as usize;
         assert_eq!(read_back(&slot[start..start + len as usize]), vec![batch.clone()]);
         assert_eq!(&slot[start..start + len as usize], encode(&batch).unwrap().as_slice());
+        assert_eq!(stream_len(&batch).unwrap(), len as usize);
+        assert_eq!(
+            stream_len(&RecordBatch::new_empty(batch.schema())).unwrap(),
+            encode(&batch.slice(0, 0)).unwrap().len()
+        );
 
         let mut small = vec![0u8; 4096];
         match write_slot(&mut small, 1, &batch) {

@@ -1,0 +1,63 @@
+"""`perf record -g` of the daemon while one shardstream reader of parquet_bench.py reads one epoch:
+the loop behind bench/PARQUET_PROFILE.md.
+
+Usage: ``python bench/parquet_profile.py DIR KIND ROWS [READER]`` (KIND image or tab, READER
+ss_arrow by default). Starts a daemon from this venv's ``shardstream`` command, runs the reader
+once to warm the page cache and the daemon, then once under ``perf record -g`` on the daemon
+(and, with ``--client``, ``perf record`` on the reader's process tree too), and prints the
+figures of both runs and the top of ``perf report --no-children`` (self time by symbol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import daemon as bench_daemon  # noqa: E402
+import parquet_bench as pb  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("kind", choices=["image", "tab"])
+    ap.add_argument("rows", type=int)
+    ap.add_argument("reader", nargs="?", default="ss_arrow")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pq-profile-"))
+    d = bench_daemon.Daemon.start(work)
+    data = work / "perf.data"
+    try:
+        print("warm:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid))
+        perf = subprocess.Popen(
+            ["perf", "record", "-g", "-F", "499", "-o", str(data), "-p", str(d.pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            print("profiled:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid))
+        finally:
+            perf.send_signal(2)
+            perf.wait(timeout=60)
+        print("daemon peak RSS MiB:", pb.peak_rss_mib(d.pid))
+    finally:
+        d.stop()
+    report = subprocess.run(
+        ["perf", "report", "-i", str(data), "--no-children", "--stdio", "-g", "none", "--percent-limit", "0.5"],
+        capture_output=True,
+        text=True,
+    )
+    lines = [ln for ln in report.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+    print("\n".join(lines[: args.top]))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
