@@ -63,7 +63,7 @@ def child(reader: str, mode: str, data: Path, addr: str) -> None:
     if reader == "litdata":
         import litdata  # noqa: F401
     else:
-        import shardstream  # noqa: F401
+        import shardstream.torch  # noqa: F401 - as run.py: the loader looks for torch.distributed
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if mode == "consume":
