@@ -51,7 +51,7 @@ impl Job {
     }
 
     /// Runs task indices until none is left.
-    fn drain(&self, body: &Body) {
+    fn drain(&self, body: &(dyn Fn(usize) + Sync + '_)) {
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
             if i >= self.tasks {
