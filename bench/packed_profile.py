@@ -33,7 +33,7 @@ import shm_bench  # noqa: E402
 
 def child(addr: str, url: str, batch: int, epochs: int) -> None:
     """Runs `epochs` packed epochs in this interpreter and prints them as JSON lines."""
-    import shardstream  # noqa: F401 - imported before the clock
+    import shardstream.torch  # noqa: F401 - imported before the clock (the loader looks for torch.distributed)
 
     for _ in range(epochs):
         print(json.dumps(shm_bench.packed_epoch(addr, url, batch)), flush=True)
