@@ -154,7 +154,7 @@ impl Pool {
         }
     }
 
-    fn helper(&self) {
+    fn helper(&self) -> ! {
         loop {
             let spin_until = Instant::now() + SPIN;
             while self.queued.load(Ordering::Acquire) == 0 && Instant::now() < spin_until {
@@ -188,8 +188,9 @@ pub fn for_each(tasks: usize, helpers: usize, body: &(dyn Fn(usize) + Sync)) -> 
     }
     let pool = Pool::global(helpers);
     pool.start();
-    // SAFETY (of the erased lifetime): the pointer is withdrawn by `Close` before this function
-    // returns or unwinds, and `Close` waits for every helper that took it; see `Job::help`.
+    // SAFETY: only the lifetime changes (same type, same layout). The erased reference is
+    // withdrawn by `Close` before this function returns or unwinds, and `Close` waits for every
+    // helper that took it (see `Job::help`), so no use outlives `body`.
     let erased: *const Body = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Body>(body) };
     let job = Arc::new(Job {
         tasks,
