@@ -47,6 +47,29 @@ def test_default_is_shm_with_identical_bytes(daemon, dataset, cache: str) -> Non
         batch["jpg"][0][0] = 1  # read-only: a client can never write into a shard
 
 
+def test_read_buffers_are_reused_only_after_their_views_are_gone(daemon, dataset) -> None:
+    """Shards read in place are read into buffers from a process-wide pool: a batch whose views
+    are kept must keep its bytes while later batches are read; dropped batches' buffers are
+    reused, and their new contents are the new batches' bytes."""
+    root, samples = dataset
+    for _ in range(2):  # the second epoch runs on buffers the first gave back to the pool
+        loader = shardstream.Loader(str(root), batch_size=16, seed=9, connect=daemon.addr)
+        kept = []
+        for k, batch in enumerate(loader):
+            views = list(zip(batch["__key__"], batch["jpg"], strict=True))
+            assert all(type(v.obj).__name__ == "Buffer" for _, v in views)
+            if k % 2 == 0:
+                kept.extend(views)  # held across the following batches
+            batch.release()  # the lease (a credit); views keep their buffer, not the lease
+            for key, v in views:
+                assert bytes(v) == samples[key]["jpg"]
+            del batch, views
+            gc.collect()
+        assert len(kept) > 16
+        for key, v in kept:
+            assert bytes(v) == samples[key]["jpg"], f"the bytes of {key} changed after later batches"
+
+
 def test_samples_located_by_the_index_and_parsed_ones_agree(daemon, tmp_path) -> None:
     """Shards whose index records where each key and field lies are sliced without parsing; a
     shard whose keys are split over a ustar `prefix` (paths over 100 bytes, as Python's tarfile

@@ -448,6 +448,63 @@ fn packed_dict<'py>(
     Ok((d, view.header.payload_bytes))
 }
 
+/// Most bytes of read buffers kept for reuse (process-wide).
+const READ_POOL_BYTES: usize = 64 << 20;
+
+static READ_POOL: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
+
+/// The buffer a batch's samples of shards that are read (not mapped) are read into, taken from a
+/// process-wide pool and given back when the batch's last view of it is gone. A fresh buffer of
+/// a batch's size (MiBs) per batch was zero-filled or faulted in page by page before the reads
+/// overwrote it: a cost of the order of the reads themselves (bench/PROFILES.md, view mode).
+#[derive(Default)]
+struct ReadBuffer {
+    buf: Vec<u8>,
+    /// Bytes in use (the rest of `buf` is initialised, left from an earlier batch).
+    len: usize,
+}
+
+impl ReadBuffer {
+    /// A buffer of `len` bytes, whose contents are left from an earlier batch: every byte is to
+    /// be overwritten by the reads.
+    fn take(len: usize) -> Self {
+        let mut pool = READ_POOL.lock().unwrap_or_else(|p| p.into_inner());
+        // The smallest pooled buffer that fits, else the largest (it grows once).
+        let fits = pool.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len()).map(|(i, _)| i);
+        let pick = fits.or_else(|| pool.iter().enumerate().max_by_key(|(_, b)| b.len()).map(|(i, _)| i));
+        let mut buf = pick.map(|i| pool.swap_remove(i)).unwrap_or_default();
+        drop(pool);
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        Self { buf, len }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+}
+
+impl AsRef<[u8]> for ReadBuffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl Drop for ReadBuffer {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        if buf.is_empty() {
+            return;
+        }
+        let mut pool = READ_POOL.lock().unwrap_or_else(|p| p.into_inner());
+        let held: usize = pool.iter().map(Vec::len).sum();
+        if held + buf.len() <= READ_POOL_BYTES {
+            pool.push(buf);
+        }
+    }
+}
+
 fn shm_dict<'py>(
     py: Python<'py>,
     b: &ShmBatch,
@@ -466,7 +523,7 @@ fn shm_dict<'py>(
     // Where each sample's bytes are: (its shard's region, start, whether `start` is in `copied`,
     // the batch's samples of shards that are read rather than mapped, or in the mapping).
     let mut located: Vec<(usize, usize, bool)> = Vec::with_capacity(n);
-    let mut copied: Vec<u8> = Vec::new();
+    let mut copied = ReadBuffer::default();
     let mut copy_len = 0usize;
     // (region, sample, offset in `copied`) of the samples to read.
     let mut to_read: Vec<(usize, usize, usize)> = Vec::new();
@@ -513,7 +570,7 @@ fn shm_dict<'py>(
     }
     if copy_len > 0 {
         // One allocation (zeroed pages straight from the kernel) and the reads without the GIL.
-        copied = vec![0u8; copy_len];
+        copied = ReadBuffer::take(copy_len);
         let reads: Vec<(&Mapping, &mut [u8], u64)> = {
             let mut rest = copied.as_mut_slice();
             let mut out = Vec::with_capacity(to_read.len());
@@ -528,7 +585,7 @@ fn shm_dict<'py>(
         py.detach(|| reads.into_iter().try_for_each(|(map, buf, offset)| map.read_at(buf, offset)))
             .map_err(crate::errors::to_pyerr)?;
     }
-    let copied = Bytes::from(copied);
+    let copied = if copied.len == 0 { Bytes::new() } else { Bytes::from_owner(copied) };
     let copied_view = if copy || copied.is_empty() {
         None
     } else {

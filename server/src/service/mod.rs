@@ -41,10 +41,11 @@ pub use status::to_status;
 /// is read, and bounds a slow client's footprint to two batches.
 const STREAM_QUEUE: usize = 2;
 
-/// Packed batches gathered at once per stream. The gather is bound by memory latency per record,
-/// and splitting one batch between two threads (`packed::GATHER_THREADS`) gains little alone: a
-/// helper thread started ~220 us late on a waking vCPU here. Measured on 4 KiB records, best of
-/// five epochs: 2.9 GB/s with one batch in flight, 3.3-3.8 GB/s with two, no better with three.
+/// Packed batches gathered at once per stream. The gather is bound by memory latency per record;
+/// each batch is also shared with the daemon's gather helper (`packed::GATHER_HELPERS`), but a
+/// parked helper starts ~220 us late on a waking vCPU here, so the second batch in flight is what
+/// keeps both cores busy. Measured on 4 KiB records, best of five epochs (before the persistent
+/// helper): 2.9 GB/s with one batch in flight, 3.3-3.8 GB/s with two, no better with three.
 const PACKED_PIPELINE: usize = 2;
 
 /// Largest batch accepted. Bigger batches than this are a unit mistake (samples vs bytes).

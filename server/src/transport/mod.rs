@@ -7,6 +7,7 @@ pub mod arrow;
 pub mod budget;
 pub mod inline;
 pub mod packed;
+pub mod parallel;
 pub mod rdma;
 pub mod ring;
 pub mod shm;

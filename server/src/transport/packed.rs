@@ -7,29 +7,41 @@
 //! [`ResidentShard::cached_bytes`]), so the only copy is mapping -> slot; a shard read in place is
 //! read with one `pread` per sample into a reused buffer first.
 //!
-//! A large batch is gathered by [`GATHER_THREADS`] threads, each into its own records of every
-//! column: the copy is bound by memory latency per record (each shuffled record is a different
-//! page of a different shard), which more threads overlap.
+//! A large batch is cut into tasks of about [`TASK_BYTES`] of records, which the stream's thread
+//! and the daemon's persistent gather helpers ([`parallel`]) take as each becomes free: the copy
+//! is bound by memory latency per record (each shuffled record is a different page of a
+//! different shard), which more threads overlap, and a helper that is busy or wakes late costs
+//! the stream's thread nothing (it takes the remaining tasks itself).
+//!
+//! Where a record's fields lie comes from the layout recorded when its shard was indexed
+//! ([`crate::format::tar::layout`]): no TAR header is parsed per record, and each requested
+//! field's number in a shard's table is looked up once per run of records from that shard. A
+//! shard without a layout (or whose bytes do not match it) is parsed as before.
 //!
 //! The first sample of a batch fixes each field's record length; every other sample must match
 //! it, and must have every field: stacking is only defined for such batches, and the error names
 //! the sample that breaks the rule rather than padding or truncating behind the user's back.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use shardstream_proto::ring::{COLUMN_ALIGN, FIELD_DESC_BYTES, FieldDesc, SLOT_HEADER_BYTES, SlotHeader, round_up};
 
-use crate::format::SampleLocation;
+use crate::format::{SampleLocation, ShardTable};
 use crate::index::ResidentShard;
+use crate::transport::parallel;
 use crate::transport::shm::SlotGuard;
 use crate::{Error, Result};
 
-/// Threads that gather one batch (this one and helpers), and the smallest batch worth a helper:
-/// measured here, one thread gathers 1 MiB of 4 KiB records in ~300 us, and a helper starts
-/// running ~200 us after it is spawned (a waking vCPU), so smaller batches gain nothing.
-pub const GATHER_THREADS: usize = 2;
-const PARALLEL_MIN_BYTES: u64 = 1 << 20;
+/// Helper threads (daemon-wide, shared by every stream) that gather with a stream's own thread.
+/// The machine this was measured on has two cores and a stream gathers two batches at once
+/// (`service::PACKED_PIPELINE`): one helper keeps both busy while a batch waits for its slot.
+pub const GATHER_HELPERS: usize = 1;
+
+/// Bytes of records per gather task: small enough that a helper that starts late still finds
+/// tasks left, large enough that taking a task (one atomic add) is nothing next to its copy. A
+/// batch of less than two tasks is gathered on the stream's thread alone.
+pub const TASK_BYTES: u64 = 256 << 10;
 
 /// One sample of a batch: its open shard and its index in the shard.
 pub type SampleRef = (Arc<ResidentShard>, u64);
@@ -51,14 +63,9 @@ pub fn gather<'s>(
 ) -> Result<Gathered<'s>> {
     let n = samples.len();
     let first = samples.first().ok_or_else(|| Error::Internal("empty batch".into()))?;
-    let mut scratch = Vec::new();
-    let mut loc = SampleLocation::default();
-    let mut found = Vec::with_capacity(fields.len());
     // The first sample fixes each column's record length and so the slot size.
-    let (first_key, records) = with_sample(first, &mut scratch, &mut loc, |_, view| {
-        payloads(fields, view, &mut found)?;
-        Ok((view.key.clone(), found.iter().map(|r| r.len() as u64).collect::<Vec<_>>()))
-    })?;
+    let (first_key, records) = Finder::new(fields)
+        .find(first, |_, key, found| Ok((key.to_owned(), found.iter().map(|r| r.len() as u64).collect::<Vec<_>>())))?;
     let mut offsets = Vec::with_capacity(fields.len());
     let mut end = SlotHeader::columns_start(fields.len()).ok_or_else(|| Error::invalid("too many fields"))?;
     for &record in &records {
@@ -72,33 +79,30 @@ pub fn gather<'s>(
     let payload_bytes: u64 = records.iter().map(|r| r * n as u64).sum();
     let mut guard = acquire(end)?;
     fail_point!("packed-gather", |a| Err(Error::Internal(format!("failpoint packed-gather: {a:?}"))));
-    let threads = if payload_bytes >= PARALLEL_MIN_BYTES { GATHER_THREADS.min(n) } else { 1 };
+    let tasks = usize::try_from(payload_bytes / TASK_BYTES).unwrap_or(n).clamp(1, n);
     let rules = Rules { fields, records: &records, first_key: &first_key };
     let keys = {
-        let parts = carve(guard.bytes(), &records, &offsets, n, threads)?;
-        let bounds: Vec<usize> = (0..=threads).map(|t| t * n / threads).collect();
-        std::thread::scope(|scope| {
-            let mut handles = Vec::new();
-            let mut mine = None;
-            for (t, cols) in parts.into_iter().enumerate() {
-                let part = &samples[bounds[t]..bounds[t + 1]];
-                let rules = &rules;
-                if t == 0 {
-                    mine = Some((part, cols));
-                } else {
-                    handles.push(scope.spawn(move || gather_part(rules, part, cols)));
-                }
-            }
-            let mut keys = match mine {
-                Some((part, cols)) => gather_part(&rules, part, cols)?,
-                None => Vec::new(),
+        let bounds: Vec<usize> = (0..=tasks).map(|t| t * n / tasks).collect();
+        let parts: Vec<Mutex<Option<Vec<&mut [u8]>>>> =
+            carve(guard.bytes(), &records, &offsets, n, tasks)?.into_iter().map(|p| Mutex::new(Some(p))).collect();
+        let outs: Vec<Mutex<Option<Result<Vec<String>>>>> = (0..tasks).map(|_| Mutex::new(None)).collect();
+        let all_ran = parallel::for_each(tasks, GATHER_HELPERS, &|t| {
+            let cols = parts[t].lock().unwrap_or_else(|p| p.into_inner()).take();
+            let out = match cols {
+                Some(cols) => gather_part(&rules, &samples[bounds[t]..bounds[t + 1]], cols),
+                None => Err(Error::Internal(format!("gather task {t} ran twice"))),
             };
-            for h in handles {
-                let more = h.join().map_err(|_| Error::Internal("a gather thread panicked".into()))??;
-                keys.extend(more);
-            }
-            Ok::<_, Error>(keys)
-        })?
+            *outs[t].lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
+        });
+        if !all_ran {
+            return Err(Error::Internal("a gather helper panicked".into()));
+        }
+        let mut keys = Vec::with_capacity(n);
+        for (t, out) in outs.into_iter().enumerate() {
+            let out = out.into_inner().unwrap_or_else(|p| p.into_inner());
+            keys.extend(out.ok_or_else(|| Error::Internal(format!("gather task {t} did not run")))??);
+        }
+        keys
     };
     let n_fields = u16::try_from(fields.len()).map_err(|_| Error::invalid("too many fields for a packed batch"))?;
     let slot = guard.bytes();
@@ -159,20 +163,19 @@ fn carve<'a>(
 /// their keys.
 fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]>) -> Result<Vec<String>> {
     let mut keys = Vec::with_capacity(samples.len());
-    let mut scratch = Vec::new();
-    let mut loc = SampleLocation::default();
-    let mut found = Vec::with_capacity(rules.fields.len());
+    let mut finder = Finder::new(rules.fields);
     for (j, sample) in samples.iter().enumerate() {
-        let key = with_sample(sample, &mut scratch, &mut loc, |bytes, view| {
-            payloads(rules.fields, view, &mut found)?;
+        if let Some(ahead) = samples.get(j + PREFETCH_AHEAD) {
+            prefetch(ahead);
+        }
+        let key = finder.find(sample, |bytes, key, found| {
             for (f, src) in found.iter().enumerate() {
                 let record = rules.records[f];
                 if src.len() as u64 != record {
                     return Err(Error::invalid(format!(
-                        "collate=\"stack\" needs equal-length {:?} within a batch: sample {:?} has {} bytes, \
+                        "collate=\"stack\" needs equal-length {:?} within a batch: sample {key:?} has {} bytes, \
                          sample {:?} has {record}",
                         rules.fields[f],
-                        view.key,
                         src.len(),
                         rules.first_key
                     )));
@@ -183,42 +186,122 @@ fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]
                     .ok_or_else(|| Error::Internal(format!("record {j} of {:?} outside its slot", rules.fields[f])))?
                     .copy_from_slice(&bytes[src.clone()]);
             }
-            Ok(view.key.clone())
+            Ok(key.to_owned())
         })?;
         keys.push(key);
     }
     Ok(keys)
 }
 
-/// Reads sample `local` of `shard` (from the shard's mapping if it is cached, else with one
-/// `pread` into `scratch`), has its format locate the fields (into `loc`, reused across samples),
-/// and calls `f` with its bytes and their location.
-fn with_sample<T>(
-    (shard, local): &SampleRef,
-    scratch: &mut Vec<u8>,
-    loc: &mut SampleLocation,
-    f: impl FnOnce(&[u8], &SampleLocation) -> Result<T>,
-) -> Result<T> {
-    let range = shard
-        .table
-        .sample_range(*local)
-        .ok_or_else(|| Error::Internal(format!("sample {local} out of range in {}", shard.file.name)))?;
-    let bytes: &[u8] = match shard.cached_bytes() {
-        Some(all) => usize::try_from(range.start)
-            .ok()
-            .zip(usize::try_from(range.end).ok())
-            .and_then(|(a, z)| all.get(a..z))
-            .ok_or_else(|| Error::Internal(format!("sample {local} outside {}", shard.file.name)))?,
-        None => {
-            let len = usize::try_from(range.end - range.start)
-                .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
-            scratch.resize(len, 0);
-            shard.file.read_exact_at(scratch, range.start)?;
-            scratch
+/// Records ahead of the one being copied whose first bytes are prefetched. Each shuffled record
+/// lies on other pages of another shard; the first touch of its header (the key check) showed
+/// as the largest cost after the copy itself in the profile: a miss to memory, not work.
+const PREFETCH_AHEAD: usize = 4;
+
+/// Starts loading the first cache lines of a record's header and data (mapped shards only),
+/// which also fills the TLB for their pages, while earlier records are copied.
+fn prefetch((shard, local): &SampleRef) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(all), Some(range)) = (shard.cached_bytes(), shard.table.sample_range(*local))
+        && let Some(head) = usize::try_from(range.start).ok().and_then(|s| all.get(s..))
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        for line in [head.as_ptr(), head.get(512..).unwrap_or_default().as_ptr()] {
+            // SAFETY: a prefetch is a hint: it never faults and never changes memory, and the
+            // pointers lie in (or one past) a live mapping anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>()) };
         }
-    };
-    shard.table.locate_fields(&shard.file, *local, bytes, 0, loc)?;
-    f(bytes, loc)
+    }
+}
+
+/// Finds the requested fields of one sample after another, reusing its buffers across them.
+struct Finder<'a> {
+    fields: &'a [String],
+    /// The table `numbers` was looked up in (its address; the batch holds it alive), and each
+    /// requested field's number in it.
+    table: usize,
+    numbers: Vec<Option<usize>>,
+    scratch: Vec<u8>,
+    loc: SampleLocation,
+    found: Vec<Range<usize>>,
+}
+
+impl<'a> Finder<'a> {
+    fn new(fields: &'a [String]) -> Self {
+        Finder {
+            fields,
+            table: 0,
+            numbers: Vec::with_capacity(fields.len()),
+            scratch: Vec::new(),
+            loc: SampleLocation::default(),
+            found: Vec::with_capacity(fields.len()),
+        }
+    }
+
+    /// Reads sample `local` of `shard` (from the shard's mapping if it is cached, else with one
+    /// `pread` into a reused buffer), finds its key and the requested fields (from the shard's
+    /// layout, else by parsing it), and calls `f` with its bytes, key and the fields' ranges in
+    /// the bytes, in the order of the requested fields. An error names a sample that lacks one.
+    fn find<T>(
+        &mut self,
+        (shard, local): &SampleRef,
+        f: impl FnOnce(&[u8], &str, &[Range<usize>]) -> Result<T>,
+    ) -> Result<T> {
+        let Finder { fields, table, numbers, scratch, loc, found } = self;
+        let range = shard
+            .table
+            .sample_range(*local)
+            .ok_or_else(|| Error::Internal(format!("sample {local} out of range in {}", shard.file.name)))?;
+        let bytes: &[u8] = match shard.cached_bytes() {
+            Some(all) => usize::try_from(range.start)
+                .ok()
+                .zip(usize::try_from(range.end).ok())
+                .and_then(|(a, z)| all.get(a..z))
+                .ok_or_else(|| Error::Internal(format!("sample {local} outside {}", shard.file.name)))?,
+            None => {
+                let len = usize::try_from(range.end - range.start)
+                    .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
+                scratch.resize(len, 0);
+                shard.file.read_exact_at(scratch, range.start)?;
+                scratch
+            }
+        };
+        let this = Arc::as_ptr(&shard.table) as usize;
+        if *table != this {
+            *table = this;
+            let names = shard.table.fields();
+            numbers.clear();
+            numbers.extend(fields.iter().map(|f| names.iter().position(|n| n == f)));
+        }
+        if let Some(key) = from_layout(&shard.table, *local, bytes, numbers, found) {
+            return f(bytes, key, found);
+        }
+        shard.table.locate_fields(&shard.file, *local, bytes, 0, loc)?;
+        payloads(fields, loc, found)?;
+        f(bytes, &loc.key, found)
+    }
+}
+
+/// Sample `local`'s key and the fields numbered `numbers` (in `found`), from the layout its shard
+/// recorded when it was indexed. None when the shard has no layout, a field is missing, or the
+/// bytes do not match the layout: the caller then parses the sample, which says what is wrong.
+fn from_layout<'b>(
+    table: &ShardTable,
+    local: u64,
+    bytes: &'b [u8],
+    numbers: &[Option<usize>],
+    found: &mut Vec<Range<usize>>,
+) -> Option<&'b str> {
+    let key = table.key_at(local).and_then(|r| bytes.get(r)).and_then(|k| std::str::from_utf8(k).ok())?;
+    found.clear();
+    for &number in numbers {
+        let range = table.field_at(local, number?)??;
+        if range.end > bytes.len() {
+            return None;
+        }
+        found.push(range);
+    }
+    Some(key)
 }
 
 /// The payload range of each of `fields` in the sample, into `found`; an error naming the sample
