@@ -37,6 +37,31 @@ fn stream_err(e: shardstream_fabric::stream::StreamError) -> ClientError {
     }
 }
 
+/// A batch's bytes in place in the ring, as the owner of the batch's `Bytes`. It keeps the ring
+/// (endpoint and progress thread) alive, so the slot's credit can still be returned when the
+/// last view goes, even after the stream itself has ended.
+struct SlotView {
+    lent: Option<shardstream_fabric::stream::Lent>,
+    ring: Arc<RdmaRing>,
+}
+
+impl AsRef<[u8]> for SlotView {
+    fn as_ref(&self) -> &[u8] {
+        self.lent.as_ref().map_or(&[], |l| l.as_slice())
+    }
+}
+
+impl Drop for SlotView {
+    fn drop(&mut self) {
+        // Queues the credit and wakes whoever is in libfabric for this ring.
+        drop(self.lent.take());
+        // The last holder of the ring sends the credit itself: with the ring gone nobody would.
+        if Arc::strong_count(&self.ring) == 1 {
+            let _ = self.ring.lock().progress(Duration::ZERO);
+        }
+    }
+}
+
 /// One stream's registered ring.
 pub struct RdmaRing {
     rx: Mutex<RingReceiver<()>>,
@@ -101,11 +126,14 @@ impl RdmaRing {
         self.lock().connect(daemon).map_err(err)
     }
 
-    /// Waits for `b`'s bytes, copies them out of the ring and returns the slot at once.
-    pub fn receive(&self, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
+    /// Waits for `b`'s bytes and returns the batch with its data read in place in the ring: the
+    /// slot stays this client's until every view of the data is dropped (Python's memoryviews
+    /// hold it, as shm leases hold theirs), and its credit goes back to the daemon then.
+    pub fn receive(self: &Arc<Self>, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
         if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
             return Err(stream_err(e));
         }
+        let len = usize::try_from(b.data_bytes).map_err(err)?;
         let mut rx = self.lock();
         rx.on_meta(b.batch_index, b.slot, ()).map_err(err)?;
         let started = Instant::now();
@@ -119,6 +147,10 @@ impl RdmaRing {
                     b.batch_index
                 )));
             }
+            // Let go of the lock between waits: a dropped batch's view returns its credit
+            // through the progress thread, and the daemon may be waiting for exactly that one.
+            drop(rx);
+            rx = self.lock();
         };
         if ready.batch != b.batch_index {
             return Err(ClientError::Protocol(format!(
@@ -126,13 +158,12 @@ impl RdmaRing {
                 b.batch_index, ready.batch
             )));
         }
-        let len = usize::try_from(b.data_bytes).map_err(err)?;
-        let data = rx.bytes(&ready, len).map_err(err)?;
-        if data.len() != len {
+        let lent = rx.lend(ready, len).map_err(err)?;
+        if lent.as_slice().len() != len {
             return Err(ClientError::Protocol(format!("rdma: batch {} of {len} bytes exceeds a slot", b.batch_index)));
         }
-        let data = bytes::Bytes::copy_from_slice(data);
-        rx.release(ready.slot, ready.batch).map_err(stream_err)?;
+        drop(rx);
+        let data = bytes::Bytes::from_owner(SlotView { lent: Some(lent), ring: self.clone() });
         Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data, more: false })
     }
 }
