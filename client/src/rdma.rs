@@ -68,6 +68,9 @@ pub struct RdmaRing {
     pub provider: String,
     /// What the progress thread met, for the next `receive` to report.
     failed: Mutex<Option<shardstream_fabric::stream::StreamError>>,
+    /// Batches of this stream still to arrive (set from the header): FINISHED goes to the
+    /// daemon when the last arrives.
+    remaining: std::sync::atomic::AtomicU64,
 }
 
 /// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
@@ -108,7 +111,12 @@ impl RdmaRing {
             slot_bytes: o.slot_bytes,
             provider: o.provider.clone(),
         };
-        let ring = Arc::new(Self { rx: Mutex::new(rx), provider: o.provider, failed: Mutex::new(None) });
+        let ring = Arc::new(Self {
+            rx: Mutex::new(rx),
+            provider: o.provider,
+            failed: Mutex::new(None),
+            remaining: std::sync::atomic::AtomicU64::new(u64::MAX),
+        });
         let weak = Arc::downgrade(&ring);
         std::thread::Builder::new()
             .name("shardstream-rdma-progress".into())
@@ -121,8 +129,9 @@ impl RdmaRing {
         self.rx.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The daemon's endpoint, from the stream header.
-    pub fn connect(&self, daemon: &[u8]) -> Result<(), ClientError> {
+    /// The daemon's endpoint and the stream's batch count, from the stream header.
+    pub fn connect(&self, daemon: &[u8], batches: u64) -> Result<(), ClientError> {
+        self.remaining.store(batches, std::sync::atomic::Ordering::Relaxed);
         self.lock().connect(daemon).map_err(err)
     }
 
@@ -159,6 +168,9 @@ impl RdmaRing {
             )));
         }
         let lent = rx.lend(ready, len).map_err(err)?;
+        if self.remaining.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) == 1 {
+            rx.finish().map_err(stream_err)?;
+        }
         if lent.as_slice().len() != len {
             return Err(ClientError::Protocol(format!("rdma: batch {} of {len} bytes exceeds a slot", b.batch_index)));
         }

@@ -15,6 +15,9 @@ use crate::objects::{Completion, CompletionQueue, Domain, Endpoint, Fabric, Memo
 
 /// RELEASE(slot, batch): 4 bytes slot, 4 zero, 8 bytes batch, little-endian.
 pub const RELEASE_BYTES: usize = 16;
+/// The slot of a FINISHED message (batch `u64::MAX`): the client has every batch of the stream
+/// and sends nothing more, so the daemon may close without waiting for the credits it holds.
+pub const FINISHED_SLOT: u32 = u32::MAX;
 /// Sends the client may have in flight (RELEASE messages).
 const SEND_CONTEXTS: usize = 16;
 /// How long returning a credit may wait for a free send buffer or a provider that accepts the
@@ -290,6 +293,19 @@ impl<M> RingReceiver<M> {
         if !self.arrivals.release(slot) {
             return Ok(());
         }
+        self.send_ctl(slot, batch)
+    }
+
+    /// Tells the daemon this client has every batch of the stream: it sends nothing after
+    /// (credits of batches still held are only booked locally), and the daemon may close its
+    /// endpoint at once instead of waiting for them.
+    pub fn finish(&mut self) -> StreamResult<()> {
+        self.send_ctl(FINISHED_SLOT, u64::MAX)?;
+        self.daemon = None;
+        Ok(())
+    }
+
+    fn send_ctl(&mut self, slot: u32, batch: u64) -> StreamResult<()> {
         let Some(daemon) = self.daemon else { return Ok(()) };
         // A daemon that died leaves sends that never complete and a provider that keeps saying
         // EAGAIN: without a deadline this loop would spin for ever instead of failing the stream.
@@ -348,6 +364,8 @@ pub struct RingSender {
     /// How long to wait for a credit before declaring the client stalled.
     pub stall: Duration,
     peak_in_use: usize,
+    /// The client sent FINISHED: it has every batch and sends nothing more.
+    finished: bool,
 }
 
 impl RingSender {
@@ -380,6 +398,7 @@ impl RingSender {
             imm,
             stall: Duration::from_secs(30),
             peak_in_use: 0,
+            finished: false,
         };
         for i in 0..release_posts {
             me.post_release(i)?;
@@ -426,8 +445,13 @@ impl RingSender {
                     s.copy_from_slice(&msg[..4]);
                     let mut b = [0u8; 8];
                     b.copy_from_slice(&msg[8..16]);
-                    // A release for the wrong batch is ignored by the state machine.
-                    self.tx.release(u32::from_le_bytes(s), u64::from_le_bytes(b));
+                    let (slot, batch) = (u32::from_le_bytes(s), u64::from_le_bytes(b));
+                    if slot == FINISHED_SLOT && batch == u64::MAX {
+                        self.finished = true;
+                    } else {
+                        // A release for the wrong batch is ignored by the state machine.
+                        self.tx.release(slot, batch);
+                    }
                     self.post_release(i)?;
                 }
                 Completion::Failed { op, error } => {
@@ -538,11 +562,13 @@ impl RingSender {
         Ok(())
     }
 
-    /// Waits until the client returned every credit (the end of a stream).
+    /// Waits until the client returned every credit or said it has every batch (FINISHED): the
+    /// end of a stream, after which the endpoint may close without resetting the connection
+    /// under a write the client has not read.
     pub fn drain(&mut self) -> StreamResult<()> {
         self.flush()?;
         let started = Instant::now();
-        while self.tx.in_use() > 0 {
+        while self.tx.in_use() > 0 && !self.finished {
             if started.elapsed() >= self.stall {
                 return Err(StreamError::Stalled(self.stall));
             }
