@@ -306,7 +306,7 @@ fn lent_views_hold_their_slots_and_finished_ends_the_drain() {
     });
     rx.connect(&name_rx.recv().unwrap()).unwrap();
     // Takes the next batch as a lent view, driving the endpoint meanwhile.
-    let mut take = |rx: &mut RingReceiver<()>| {
+    let take = |rx: &mut RingReceiver<()>| {
         let until = std::time::Instant::now() + Duration::from_secs(10);
         loop {
             while let Ok((b, s)) = meta_rx.try_recv() {
