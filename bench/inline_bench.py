@@ -331,12 +331,12 @@ def main() -> None:
                 if this and other:
                     rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
                     ratio_lines.append(f"- {t}, {ds}: this build / {name} = {spread(rs, '.2f')}")
-            # The issue's gate: this build's rdma against the other build's inline.
-            for ds in datasets:
-                this, other = results.get(("this build", "rdma", ds)), results.get((name, "inline", ds))
-                if this and other:
-                    rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
-                    ratio_lines.append(f"- {ds}: this build's rdma / {name}'s inline = {spread(rs, '.2f')}")
+        # The issue's gate: this build's rdma against the other build's inline.
+        for ds in datasets:
+            this, other = results.get(("this build", "rdma", ds)), results.get((name, "inline", ds))
+            if this and other:
+                rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
+                ratio_lines.append(f"- {ds}: this build's rdma / {name}'s inline = {spread(rs, '.2f')}")
     if ratio_lines:
         lines += ["", "Per-round ratios of samples/s (median, min-max):", "", *ratio_lines]
     text = "\n".join(lines) + "\n"
