@@ -197,8 +197,10 @@ def test_sigkilled_trainer_is_reclaimed_and_resumes_exactly(
         # Open defect (found 16:31 on branch rdma2, not understood yet): across the namespace
         # pair, the FIRST rdma stream a fresh daemon serves to a plain Loader stalls (the daemon
         # ends it after 30 s: "rdma peer returned no credit"); every later stream of the same
-        # daemon runs. Reproduced 3 of 3 times at 16:31-16:35, passed at 16:00 with the same
-        # build; the loopback variant and the DataLoader test above pass.
+        # daemon runs. Reproduced 3 of 3 times at 16:31-16:38, with this branch and with main's
+        # 0ec6550 build alike (so not the pipelining or the in-place reads), and with the daemon
+        # waiting for each write again; both passed at 15:28 and 16:00. The loopback variant and
+        # the DataLoader test above pass.
         request.applymarker(pytest.mark.xfail(reason="first rdma stream of a fresh daemon across netns stalls"))
 
     def run(out: Path, stop_after: int, state: Path) -> subprocess.CompletedProcess[str]:
