@@ -9,6 +9,10 @@ bench/INLINE_RESULTS.md:
 4. **CPU per GB** delivered, on the daemon (its /proc/<pid>/stat delta) and the client (the
    consumer process's own getrusage, its tokio threads included).
 
+Each dataset is measured over `transport="inline"` and, where the build has `serve --rdma` and
+libfabric loads, over `transport="rdma"` with libfabric's tcp provider (the daemon RDMA-writes
+each batch into the ring the client registered), from the same daemon in the same rounds.
+
 Every round runs each measurement once, interleaved (so load from other work on the machine hits
 all of them alike); the table gives the median over rounds with the min-max spread, and ratios are
 medians of per-round ratios. Each epoch runs in a fresh consumer process against a warm daemon
@@ -48,6 +52,20 @@ SMALL_BATCH = 256
 LARGE_BATCH = 16
 READY_TIMEOUT_S = 60.0
 IPERF_SECONDS = 3
+# rdma: libfabric's tcp provider on both ends; ring slots that hold a large-sample batch (the
+# daemon wants a batch to fill at most half a slot).
+RDMA_ENV = {"SHARDSTREAM_FI_PROVIDER": "tcp", "SHARDSTREAM_RDMA_SLOT_BYTES": str(48 << 20)}
+
+
+def rdma_unavailable() -> str | None:
+    """Why the rdma rows cannot run here, or None."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(os.environ.get("SHARDSTREAM_LIBFABRIC", "libfabric.so.1"))
+    except OSError as e:
+        return f"libfabric.so.1 does not load ({e}): bash scripts/libfabric.sh"
+    return None
 
 
 def free_port() -> int:
@@ -72,13 +90,16 @@ class TcpDaemon:
     """`shardstream serve` of one build on a loopback TCP port, run through that build's own
     console entry point (the daemon lives in the native module)."""
 
-    def __init__(self, site: str | None, workdir: Path) -> None:
-        self.env = env_for(site)
+    def __init__(self, site: str | None, workdir: Path, rdma: bool = False) -> None:
+        self.env = {**env_for(site), **RDMA_ENV}
         self.addr = f"tcp://127.0.0.1:{free_port()}"
         base = [sys.executable, "-c", CLI]
         help_text = subprocess.run([*base, "serve", "--help"], env=self.env, capture_output=True, text=True).stdout
         # Builds with the remote-endpoint security refuse plaintext TCP unless told.
         extra = ["--insecure"] if "--insecure" in help_text else []
+        self.rdma = rdma and "--rdma" in help_text
+        if self.rdma:
+            extra += ["--rdma", "--rdma-provider", "tcp"]
         cmd = [*base, "serve", "--listen", self.addr, "--cache-dir", str(workdir / "cache"), *extra]
         self.log = workdir / "daemon.log"
         with open(self.log, "wb") as out:
@@ -107,13 +128,13 @@ class TcpDaemon:
                 self.proc.wait()
 
 
-def child_main(addr: str, url: str, field: str, batch: int) -> None:
+def child_main(addr: str, url: str, field: str, batch: int, transport: str) -> None:
     """One epoch in this (fresh) process; prints the result as JSON."""
     import shardstream
 
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    loader = shardstream.Loader(url, batch_size=batch, seed=0, connect=addr, transport="inline")
+    loader = shardstream.Loader(url, batch_size=batch, seed=0, connect=addr, transport=transport)
     r = consumer.consume((b[field] for b in loader), t0, 0)
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     r["client_cpu"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
@@ -121,9 +142,9 @@ def child_main(addr: str, url: str, field: str, batch: int) -> None:
     print(json.dumps(r))
 
 
-def epoch(d: TcpDaemon, url: str, field: str, batch: int, expected: int) -> dict[str, Any]:
+def epoch(d: TcpDaemon, url: str, field: str, batch: int, expected: int, transport: str = "inline") -> dict[str, Any]:
     cpu0 = d.cpu()
-    cmd = [sys.executable, __file__, "--child", d.addr, url, field, str(batch)]
+    cmd = [sys.executable, __file__, "--child", d.addr, url, field, str(batch), transport]
     out = subprocess.run(cmd, env=d.env, capture_output=True, text=True, check=False)
     daemon_cpu = d.cpu() - cpu0
     if out.returncode != 0:
@@ -131,7 +152,7 @@ def epoch(d: TcpDaemon, url: str, field: str, batch: int, expected: int) -> dict
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["daemon_cpu"] = daemon_cpu
     r["check"] = consumer.verdict(r.pop("ids"), expected)
-    if r["transport"] != "inline":
+    if r["transport"].split("/")[0] != transport:
         r["check"] += f" (transport {r['transport']})"
     return r
 
@@ -197,13 +218,14 @@ def spread(xs: list[float], fmt: str) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=30_000, help="~18 KiB samples")
     ap.add_argument("--large", type=int, default=600, help="1 MiB samples")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
+    ap.add_argument("--transport", action="append", choices=["inline", "rdma"], help="default: inline and rdma")
     ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/INLINE_RESULTS.md")
     args = ap.parse_args()
@@ -221,8 +243,15 @@ def main() -> None:
     for v in args.variant:
         name, _, site = v.partition("=")
         builds[name] = site
+    transports = args.transport or ["inline", "rdma"]
+    rdma_note = ""
+    if "rdma" in transports and (why := rdma_unavailable()):
+        transports = [t for t in transports if t != "rdma"]
+        rdma_note = f"- rdma rows skipped: {why}."
+        print(rdma_note, flush=True)
     load_before = os.getloadavg()
-    results: dict[tuple[str, str], list[dict[str, Any]]] = {(b, d): [] for b in builds for d in datasets}
+    # (build, transport, dataset): a build whose daemon has no --rdma gets no rdma rows.
+    results: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     floors: list[float] = []
     floor_how = ""
     with tempfile.TemporaryDirectory(prefix="inline-bench-") as tmp:
@@ -231,19 +260,23 @@ def main() -> None:
             for i, (name, site) in enumerate(builds.items()):
                 work = Path(tmp) / f"d{i}"
                 work.mkdir()
-                daemons[name] = TcpDaemon(site, work)
-                for url, field, batch, n in datasets.values():
-                    epoch(daemons[name], url, field, batch, n)  # warm-up: index and verify once
+                daemons[name] = TcpDaemon(site, work, rdma="rdma" in transports)
+                for t in transports:
+                    if t == "rdma" and not daemons[name].rdma:
+                        continue
+                    for ds, (url, field, batch, n) in datasets.items():
+                        results[(name, t, ds)] = []
+                        epoch(daemons[name], url, field, batch, n, t)  # warm-up: index and verify once
             for rnd in range(args.rounds):
                 g, floor_how = iperf3_gbps()
                 floors.append(g)
                 line = [f"round {rnd + 1}: tcp {g:.2f} GB/s"]
-                for name, d in daemons.items():
-                    for ds, (url, field, batch, n) in datasets.items():
-                        r = epoch(d, url, field, batch, n)
-                        results[(name, ds)].append(r)
-                        per_s, gb_s = r["samples"] / r["seconds"], r["bytes"] / 1e9 / r["seconds"]
-                        line.append(f"{name}/{ds} {per_s:,.0f}/s {gb_s:.2f} GB/s")
+                for name, t, ds in results:
+                    url, field, batch, n = datasets[ds]
+                    r = epoch(daemons[name], url, field, batch, n, t)
+                    results[(name, t, ds)].append(r)
+                    per_s, gb_s = r["samples"] / r["seconds"], r["bytes"] / 1e9 / r["seconds"]
+                    line.append(f"{name}/{t}/{ds} {per_s:,.0f}/s {gb_s:.2f} GB/s")
                 print("; ".join(line), flush=True)
         finally:
             for d in daemons.values():
@@ -267,25 +300,45 @@ def main() -> None:
         f" consumer (bench/consumer.py). Small: {args.samples:,} samples of 18 KiB + label, batch {SMALL_BATCH};"
         f" large: {args.large:,} samples of 1 MiB + label, batch {LARGE_BATCH}. GB = 10^9 B of payload.",
         f"- TCP floor: {floor_how}, {IPERF_SECONDS} s per round: {spread(floors, '.2f')} GB/s.",
+        f"- rdma: libfabric's tcp provider (`{RDMA_ENV['SHARDSTREAM_FI_PROVIDER']}`), ring slots of"
+        f" {int(RDMA_ENV['SHARDSTREAM_RDMA_SLOT_BYTES']) >> 20} MiB, same daemon as inline.",
+        *([rdma_note] if rdma_note else []),
         "",
-        "| build | dataset | samples/s | GB/s | x TCP floor | daemon CPU-s/GB | client CPU-s/GB | check |",
-        "|---|---|---|---|---|---|---|---|",
+        "| build | transport | dataset | samples/s | GB/s | x TCP floor | daemon CPU-s/GB | client CPU-s/GB | check |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (name, ds), runs in results.items():
+    for (name, t, ds), runs in results.items():
         ratios = [gbps(r) / f for r, f in zip(runs, floors, strict=True)]
         checks = "; ".join(sorted({r["check"] for r in runs}))
         daemon_cpu = statistics.median(r["daemon_cpu"] * 1e9 / r["bytes"] for r in runs)
         client_cpu = statistics.median(r["client_cpu"] * 1e9 / r["bytes"] for r in runs)
         lines.append(
-            f"| {name} | {ds} | {spread([rate(r) for r in runs], ',.0f')} | {spread([gbps(r) for r in runs], '.2f')}"
+            f"| {name} | {t} | {ds} | {spread([rate(r) for r in runs], ',.0f')}"
+            f" | {spread([gbps(r) for r in runs], '.2f')}"
             f" | {statistics.median(ratios):.2f} | {daemon_cpu:.2f} | {client_cpu:.2f} | {checks} |"
         )
-    if len(builds) > 1:
-        lines += ["", "Per-round ratios of this build over each other build (median, min-max):", ""]
-        for name in list(builds)[1:]:
+    ratio_lines: list[str] = []
+    for name in builds:
+        for ds in datasets:
+            if (name, "rdma", ds) in results and (name, "inline", ds) in results:
+                pairs = zip(results[(name, "rdma", ds)], results[(name, "inline", ds)], strict=True)
+                rs = [rate(a) / rate(b) for a, b in pairs]
+                ratio_lines.append(f"- {name}, {ds}: rdma / inline = {spread(rs, '.2f')}")
+    for name in list(builds)[1:]:
+        for t in transports:
             for ds in datasets:
-                rs = [rate(a) / rate(b) for a, b in zip(results[("this build", ds)], results[(name, ds)], strict=True)]
-                lines.append(f"- {ds}: this build / {name} = {spread(rs, '.2f')}")
+                this, other = results.get(("this build", t, ds)), results.get((name, t, ds))
+                if this and other:
+                    rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
+                    ratio_lines.append(f"- {t}, {ds}: this build / {name} = {spread(rs, '.2f')}")
+        # The issue's gate: this build's rdma against the other build's inline.
+        for ds in datasets:
+            this, other = results.get(("this build", "rdma", ds)), results.get((name, "inline", ds))
+            if this and other:
+                rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
+                ratio_lines.append(f"- {ds}: this build's rdma / {name}'s inline = {spread(rs, '.2f')}")
+    if ratio_lines:
+        lines += ["", "Per-round ratios of samples/s (median, min-max):", "", *ratio_lines]
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
     print(text)

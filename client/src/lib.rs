@@ -471,7 +471,7 @@ pub async fn stream(client: &mut Client, mut req: StreamRequest) -> Result<Batch
         if header.transport != shardstream_proto::Transport::Rdma as i32 {
             return Err(ClientError::Protocol("asked for rdma, the daemon answered another transport".into()));
         }
-        r.connect(&header.rdma_address)?;
+        r.connect(&header.rdma_address, header.batches_in_stream)?;
     }
     let ring_in_task = ring.clone();
     let (tx, rx) = mpsc::channel(CLIENT_QUEUE);

@@ -37,12 +37,40 @@ fn stream_err(e: shardstream_fabric::stream::StreamError) -> ClientError {
     }
 }
 
+/// A batch's bytes in place in the ring, as the owner of the batch's `Bytes`. It keeps the ring
+/// (endpoint and progress thread) alive, so the slot's credit can still be returned when the
+/// last view goes, even after the stream itself has ended.
+struct SlotView {
+    lent: Option<shardstream_fabric::stream::Lent>,
+    ring: Arc<RdmaRing>,
+}
+
+impl AsRef<[u8]> for SlotView {
+    fn as_ref(&self) -> &[u8] {
+        self.lent.as_ref().map_or(&[], |l| l.as_slice())
+    }
+}
+
+impl Drop for SlotView {
+    fn drop(&mut self) {
+        // Queues the credit and wakes whoever is in libfabric for this ring.
+        drop(self.lent.take());
+        // The last holder of the ring sends the credit itself: with the ring gone nobody would.
+        if Arc::strong_count(&self.ring) == 1 {
+            let _ = self.ring.lock().progress(Duration::ZERO);
+        }
+    }
+}
+
 /// One stream's registered ring.
 pub struct RdmaRing {
     rx: Mutex<RingReceiver<()>>,
     pub provider: String,
     /// What the progress thread met, for the next `receive` to report.
     failed: Mutex<Option<shardstream_fabric::stream::StreamError>>,
+    /// Batches of this stream still to arrive (set from the header): FINISHED goes to the
+    /// daemon when the last arrives.
+    remaining: std::sync::atomic::AtomicU64,
 }
 
 /// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
@@ -83,7 +111,12 @@ impl RdmaRing {
             slot_bytes: o.slot_bytes,
             provider: o.provider.clone(),
         };
-        let ring = Arc::new(Self { rx: Mutex::new(rx), provider: o.provider, failed: Mutex::new(None) });
+        let ring = Arc::new(Self {
+            rx: Mutex::new(rx),
+            provider: o.provider,
+            failed: Mutex::new(None),
+            remaining: std::sync::atomic::AtomicU64::new(u64::MAX),
+        });
         let weak = Arc::downgrade(&ring);
         std::thread::Builder::new()
             .name("shardstream-rdma-progress".into())
@@ -96,16 +129,20 @@ impl RdmaRing {
         self.rx.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The daemon's endpoint, from the stream header.
-    pub fn connect(&self, daemon: &[u8]) -> Result<(), ClientError> {
+    /// The daemon's endpoint and the stream's batch count, from the stream header.
+    pub fn connect(&self, daemon: &[u8], batches: u64) -> Result<(), ClientError> {
+        self.remaining.store(batches, std::sync::atomic::Ordering::Relaxed);
         self.lock().connect(daemon).map_err(err)
     }
 
-    /// Waits for `b`'s bytes, copies them out of the ring and returns the slot at once.
-    pub fn receive(&self, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
+    /// Waits for `b`'s bytes and returns the batch with its data read in place in the ring: the
+    /// slot stays this client's until every view of the data is dropped (Python's memoryviews
+    /// hold it, as shm leases hold theirs), and its credit goes back to the daemon then.
+    pub fn receive(self: &Arc<Self>, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
         if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
             return Err(stream_err(e));
         }
+        let len = usize::try_from(b.data_bytes).map_err(err)?;
         let mut rx = self.lock();
         rx.on_meta(b.batch_index, b.slot, ()).map_err(err)?;
         let started = Instant::now();
@@ -119,6 +156,10 @@ impl RdmaRing {
                     b.batch_index
                 )));
             }
+            // Let go of the lock between waits: a dropped batch's view returns its credit
+            // through the progress thread, and the daemon may be waiting for exactly that one.
+            drop(rx);
+            rx = self.lock();
         };
         if ready.batch != b.batch_index {
             return Err(ClientError::Protocol(format!(
@@ -126,13 +167,15 @@ impl RdmaRing {
                 b.batch_index, ready.batch
             )));
         }
-        let len = usize::try_from(b.data_bytes).map_err(err)?;
-        let data = rx.bytes(&ready, len).map_err(err)?;
-        if data.len() != len {
+        let lent = rx.lend(ready, len).map_err(err)?;
+        if self.remaining.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) == 1 {
+            rx.finish().map_err(stream_err)?;
+        }
+        if lent.as_slice().len() != len {
             return Err(ClientError::Protocol(format!("rdma: batch {} of {len} bytes exceeds a slot", b.batch_index)));
         }
-        let data = bytes::Bytes::copy_from_slice(data);
-        rx.release(ready.slot, ready.batch).map_err(stream_err)?;
+        drop(rx);
+        let data = bytes::Bytes::from_owner(SlotView { lent: Some(lent), ring: self.clone() });
         Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data, more: false })
     }
 }

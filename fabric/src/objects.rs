@@ -397,6 +397,12 @@ impl Endpoint {
         &self.domain
     }
 
+    /// The completion queue this endpoint reports to ([`CompletionQueue::signal`] wakes a
+    /// thread blocked in [`Endpoint::poll`]).
+    pub fn cq(&self) -> &Arc<CompletionQueue> {
+        &self.cq
+    }
+
     pub fn fabric(&self) -> &Arc<Fabric> {
         &self.domain.fabric
     }

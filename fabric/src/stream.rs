@@ -6,7 +6,7 @@
 //! bench); this module moves bytes and enforces [`crate::credits`]. Each side drives its own
 //! completion queue from the thread calling it, blocking in `fi_cq_sread`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::credits::{Arrivals, Immediate, ProtocolError, Ready, SenderSlots};
@@ -15,6 +15,9 @@ use crate::objects::{Completion, CompletionQueue, Domain, Endpoint, Fabric, Memo
 
 /// RELEASE(slot, batch): 4 bytes slot, 4 zero, 8 bytes batch, little-endian.
 pub const RELEASE_BYTES: usize = 16;
+/// The slot of a FINISHED message (batch `u64::MAX`): the client has every batch of the stream
+/// and sends nothing more, so the daemon may close without waiting for the credits it holds.
+pub const FINISHED_SLOT: u32 = u32::MAX;
 /// Sends the client may have in flight (RELEASE messages).
 const SEND_CONTEXTS: usize = 16;
 /// How long returning a credit may wait for a free send buffer or a provider that accepts the
@@ -71,6 +74,51 @@ pub struct RingReceiver<M> {
     arrivals: Arrivals<M>,
     daemon: Option<PeerAddr>,
     sends_busy: [bool; SEND_CONTEXTS],
+    /// Slots whose [`Lent`] view was dropped, (slot, batch): their credits go back on the next
+    /// call into this receiver.
+    returned: Arc<Mutex<Vec<(u32, u64)>>>,
+}
+
+/// A delivered batch's bytes, read in place in the ring (no copy): the slot stays the client's
+/// until this is dropped, and dropping it queues the slot's credit for the receiver to return
+/// (waking a thread blocked on the receiver's completion queue, which sends it).
+pub struct Lent {
+    ring: Arc<MemoryRegion>,
+    offset: usize,
+    len: usize,
+    slot: u32,
+    batch: u64,
+    returned: Arc<Mutex<Vec<(u32, u64)>>>,
+    cq: Arc<crate::CompletionQueue>,
+}
+
+impl Lent {
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: range checked when lent (`RingReceiver::lend`). Nothing writes it while this
+        // lives: the slot was delivered (its write complete) and its credit goes back to the
+        // daemon only from `Drop` below, through `returned`; under the credit protocol the
+        // daemon writes only slots it holds a credit for. (A daemon breaking the protocol could
+        // race this read: the daemon is the trusted node service and the key covers only the
+        // ring.) The region is mapped as long as this Arc lives.
+        unsafe { self.ring.slice(self.offset, self.len) }.unwrap_or(&[])
+    }
+
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        self.returned.lock().unwrap_or_else(PoisonError::into_inner).push((self.slot, self.batch));
+        self.cq.signal();
+    }
 }
 
 impl<M> RingReceiver<M> {
@@ -87,7 +135,17 @@ impl<M> RingReceiver<M> {
         // (1.17) reports remote CQ data only against a posted receive, without asking for it.
         let rx_posts = slots as usize;
         let msgs = MemoryRegion::new(&ep, (SEND_CONTEXTS + rx_posts) * RELEASE_BYTES, ffi::FI_SEND | ffi::FI_RECV)?;
-        let me = Self { ep, ring, msgs, slots, slot_bytes, arrivals, daemon: None, sends_busy: [false; SEND_CONTEXTS] };
+        let me = Self {
+            ep,
+            ring,
+            msgs,
+            slots,
+            slot_bytes,
+            arrivals,
+            daemon: None,
+            sends_busy: [false; SEND_CONTEXTS],
+            returned: Arc::default(),
+        };
         for i in 0..rx_posts {
             me.post_rx(i)?;
         }
@@ -126,6 +184,7 @@ impl<M> RingReceiver<M> {
     pub fn next(&mut self, wait: Duration) -> StreamResult<Option<Ready<M>>> {
         let deadline = Instant::now() + wait;
         loop {
+            self.return_lent()?;
             if let Some(r) = self.arrivals.next_ready()? {
                 return Ok(Some(r));
             }
@@ -179,7 +238,43 @@ impl<M> RingReceiver<M> {
     /// progress (tcp) the daemon's connection and writes advance only while the client is inside
     /// libfabric, so a client between batches must keep calling this.
     pub fn progress(&mut self, wait: Duration) -> StreamResult<bool> {
-        self.pump(Some(wait))
+        self.return_lent()?;
+        let any = self.pump(Some(wait))?;
+        self.return_lent()?;
+        Ok(any)
+    }
+
+    /// Sends the credits of dropped [`Lent`] views.
+    fn return_lent(&mut self) -> StreamResult<()> {
+        let back = std::mem::take(&mut *self.returned.lock().unwrap_or_else(PoisonError::into_inner));
+        for (slot, batch) in back {
+            self.release(slot, batch)?;
+        }
+        Ok(())
+    }
+
+    /// Slots lent out and not yet returned (their views are alive), plus those queued to return.
+    pub fn lent_pending(&self) -> usize {
+        self.returned.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// `ready`'s first `len` bytes, in place: the slot is returned to the daemon when the view is
+    /// dropped (and this receiver is next called), never before.
+    pub fn lend(&self, ready: Ready<M>, len: usize) -> StreamResult<Lent> {
+        let offset = ready.slot as usize * self.slot_bytes;
+        let len = len.min(self.slot_bytes);
+        // Only the range check: the view reads later, under Lent's own contract.
+        // SAFETY: the slice is dropped at once, and the slot is held (delivered, not released).
+        unsafe { self.ring.slice(offset, len) }?;
+        Ok(Lent {
+            ring: self.ring.clone(),
+            offset,
+            len,
+            slot: ready.slot,
+            batch: ready.batch,
+            returned: self.returned.clone(),
+            cq: self.ep.cq().clone(),
+        })
     }
 
     /// The bytes of a batch this receiver delivered and still holds.
@@ -198,6 +293,19 @@ impl<M> RingReceiver<M> {
         if !self.arrivals.release(slot) {
             return Ok(());
         }
+        self.send_ctl(slot, batch)
+    }
+
+    /// Tells the daemon this client has every batch of the stream: it sends nothing after
+    /// (credits of batches still held are only booked locally), and the daemon may close its
+    /// endpoint at once instead of waiting for them.
+    pub fn finish(&mut self) -> StreamResult<()> {
+        self.send_ctl(FINISHED_SLOT, u64::MAX)?;
+        self.daemon = None;
+        Ok(())
+    }
+
+    fn send_ctl(&mut self, slot: u32, batch: u64) -> StreamResult<()> {
         let Some(daemon) = self.daemon else { return Ok(()) };
         // A daemon that died leaves sends that never complete and a provider that keeps saying
         // EAGAIN: without a deadline this loop would spin for ever instead of failing the stream.
@@ -256,6 +364,8 @@ pub struct RingSender {
     /// How long to wait for a credit before declaring the client stalled.
     pub stall: Duration,
     peak_in_use: usize,
+    /// The client sent FINISHED: it has every batch and sends nothing more.
+    finished: bool,
 }
 
 impl RingSender {
@@ -288,6 +398,7 @@ impl RingSender {
             imm,
             stall: Duration::from_secs(30),
             peak_in_use: 0,
+            finished: false,
         };
         for i in 0..release_posts {
             me.post_release(i)?;
@@ -334,8 +445,13 @@ impl RingSender {
                     s.copy_from_slice(&msg[..4]);
                     let mut b = [0u8; 8];
                     b.copy_from_slice(&msg[8..16]);
-                    // A release for the wrong batch is ignored by the state machine.
-                    self.tx.release(u32::from_le_bytes(s), u64::from_le_bytes(b));
+                    let (slot, batch) = (u32::from_le_bytes(s), u64::from_le_bytes(b));
+                    if slot == FINISHED_SLOT && batch == u64::MAX {
+                        self.finished = true;
+                    } else {
+                        // A release for the wrong batch is ignored by the state machine.
+                        self.tx.release(slot, batch);
+                    }
                     self.post_release(i)?;
                 }
                 Completion::Failed { op, error } => {
@@ -417,6 +533,23 @@ impl RingSender {
         Ok(slot)
     }
 
+    /// Drives the endpoint (waiting up to `wait`) between batches: under manual progress (tcp)
+    /// posted writes advance and credits come back only while this side is inside libfabric.
+    pub fn progress(&mut self, wait: Duration) -> StreamResult<bool> {
+        self.pump(Some(wait))
+    }
+
+    /// The completion queue, whose [`crate::CompletionQueue::signal`] wakes a thread blocked in
+    /// [`Self::progress`] (one that wants the sender next).
+    pub fn waker(&self) -> Arc<crate::CompletionQueue> {
+        self.ep.cq().clone()
+    }
+
+    /// Writes posted and not yet complete locally.
+    pub fn in_flight(&self) -> usize {
+        self.staging_slot.iter().filter(|s| s.is_some()).count()
+    }
+
     /// Waits until every posted write completed locally.
     pub fn flush(&mut self) -> StreamResult<()> {
         let started = Instant::now();
@@ -429,11 +562,13 @@ impl RingSender {
         Ok(())
     }
 
-    /// Waits until the client returned every credit (the end of a stream).
+    /// Waits until the client returned every credit or said it has every batch (FINISHED): the
+    /// end of a stream, after which the endpoint may close without resetting the connection
+    /// under a write the client has not read.
     pub fn drain(&mut self) -> StreamResult<()> {
         self.flush()?;
         let started = Instant::now();
-        while self.tx.in_use() > 0 {
+        while self.tx.in_use() > 0 && !self.finished {
             if started.elapsed() >= self.stall {
                 return Err(StreamError::Stalled(self.stall));
             }

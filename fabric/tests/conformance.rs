@@ -272,3 +272,92 @@ fn killed_client_is_an_error_not_a_crash() {
         eprintln!("{provider}: killed client -> {err}");
     }
 }
+
+/// Batches read in place (`RingReceiver::lend`): a lent slot is never rewritten while its view
+/// lives, dropping the view returns its credit, and FINISHED lets the daemon's drain end while
+/// the client still holds its last batches.
+#[test]
+fn lent_views_hold_their_slots_and_finished_ends_the_drain() {
+    if !available() {
+        return;
+    }
+    let provider = "tcp;ofi_rxm";
+    let (slots, slot_bytes, batches) = (2u32, 8192usize, 6u64);
+    let mut rx: RingReceiver<()> =
+        RingReceiver::new(open_endpoint(Some(provider), 64).unwrap(), slots, slot_bytes, 0).unwrap();
+    let offer = rx.offer().unwrap();
+    let (name_tx, name_rx) = mpsc::channel();
+    let (meta_tx, meta_rx) = mpsc::channel();
+    let daemon = thread::spawn(move || -> Result<Duration, StreamError> {
+        let ep = open_endpoint(Some(provider), 16)?;
+        let mut tx = RingSender::new(ep, &offer, 2)?;
+        tx.stall = Duration::from_secs(20);
+        name_tx.send(tx.name()?).unwrap();
+        for b in 0..batches {
+            let slot = tx.send(b, |buf| {
+                buf.copy_from_slice(&pattern(b, buf.len()));
+                buf.len()
+            })?;
+            meta_tx.send((b, slot)).unwrap();
+        }
+        let t = std::time::Instant::now();
+        tx.drain()?;
+        Ok(t.elapsed())
+    });
+    rx.connect(&name_rx.recv().unwrap()).unwrap();
+    // Takes the next batch as a lent view, driving the endpoint meanwhile.
+    let take = |rx: &mut RingReceiver<()>| {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            while let Ok((b, s)) = meta_rx.try_recv() {
+                rx.on_meta(b, s, ()).unwrap();
+            }
+            if let Some(r) = rx.next(Duration::from_millis(50)).unwrap() {
+                return Some((r.batch, rx.lend(r, slot_bytes).unwrap()));
+            }
+            if std::time::Instant::now() > until {
+                return None;
+            }
+        }
+    };
+    let (b0, v0) = take(&mut rx).expect("batch 0");
+    let (b1, v1) = take(&mut rx).expect("batch 1");
+    assert_eq!((b0, b1), (0, 1));
+    // Both slots lent: the daemon has no credit, so batch 2 cannot come.
+    let blocked = std::time::Instant::now();
+    while blocked.elapsed() < Duration::from_millis(600) {
+        rx.progress(Duration::from_millis(50)).unwrap();
+    }
+    assert!(rx.next(Duration::ZERO).unwrap().is_none() && meta_rx.try_recv().is_err(), "wrote into a lent slot");
+    assert_eq!(v0.as_slice(), &pattern(0, slot_bytes)[..]);
+    drop(v0);
+    // Its credit goes back, batch 2 lands in its slot, batch 1's view is untouched.
+    let (b2, v2) = take(&mut rx).expect("batch 2 after batch 0's view was dropped");
+    assert_eq!(b2, 2);
+    assert_eq!(v2.as_slice(), &pattern(2, slot_bytes)[..]);
+    assert_eq!(v1.as_slice(), &pattern(1, slot_bytes)[..], "a held slot was rewritten");
+    drop((v1, v2));
+    let mut held = Vec::new();
+    for want in 3..batches {
+        let (b, v) = take(&mut rx).expect("later batch");
+        assert_eq!(b, want);
+        assert_eq!(v.as_slice(), &pattern(b, slot_bytes)[..]);
+        held.push(v);
+        if held.len() == 2 {
+            // Keep only the newest two: the ring has two slots.
+            held.remove(0);
+        }
+    }
+    // The client holds its last batch: without FINISHED the drain would wait its 20 s stall.
+    rx.finish().unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while !daemon.is_finished() && std::time::Instant::now() < until {
+        rx.progress(Duration::from_millis(20)).unwrap();
+    }
+    let drained = daemon.join().unwrap().expect("daemon");
+    assert!(drained < Duration::from_secs(5), "drain took {drained:?}");
+    // Still readable after the stream ended; dropping it sends nothing more.
+    assert_eq!(held[0].as_slice(), &pattern(batches - 1, slot_bytes)[..]);
+    drop(held);
+    rx.progress(Duration::from_millis(10)).unwrap();
+}

@@ -458,7 +458,7 @@ fn build_rdma_batch(
     all_fields: bool,
     ids: &[u64],
     index: u64,
-    rdma: &std::sync::Mutex<transport::rdma::RdmaStream>,
+    rdma: &transport::rdma::RdmaPipe,
 ) -> Result<(StreamMessage, u64)> {
     let (mut parts, bytes) = build_batch(ds, working, fields, all_fields, ids, index)?;
     // A batch split over several inline messages (beyond the message limit) is far beyond a ring
@@ -473,8 +473,10 @@ fn build_rdma_batch(
     let Some(stream_message::Kind::InlineBatch(b)) = msg.kind else {
         return Err(Error::Internal("inline builder returned another kind".into()));
     };
-    let mut r = rdma.lock().unwrap_or_else(|p| p.into_inner());
+    let mut r = rdma.lock()?;
     let data = &b.data[..];
+    // Posted, not waited for: the metadata may overtake the bytes (the client joins the two in
+    // either order) and the progress thread moves the write while the next batch is built.
     let slot = r
         .sender
         .send(index, |buf| {
@@ -483,9 +485,7 @@ fn build_rdma_batch(
             data.len()
         })
         .map_err(|e| Error::Unavailable(format!("rdma stream to the client failed: {e}")))?;
-    // The metadata must not overtake the bytes, and under manual progress (tcp) a posted write
-    // advances only while this side is inside libfabric: wait for its local completion.
-    r.sender.flush().map_err(|e| Error::Unavailable(format!("rdma stream to the client failed: {e}")))?;
+    drop(r);
     let batch = RdmaBatch { batch_index: index, slot, keys: b.keys, fields: b.fields, data_bytes: b.data.len() as u64 };
     Ok((StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(batch)) }, bytes))
 }
@@ -900,7 +900,13 @@ async fn produce(
         rdma,
         ..
     } = plan;
-    let rdma = rdma.map(|r| Arc::new(std::sync::Mutex::new(r)));
+    let rdma = match rdma.map(transport::rdma::RdmaPipe::start).transpose() {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = tx.send(Err(to_status(e))).await;
+            return;
+        }
+    };
     // However this function ends, the session learns the stream is over (its leases stay until
     // the client releases them or goes away).
     struct Done(Option<Arc<Session>>);
@@ -1036,12 +1042,16 @@ async fn produce(
         }
     }
     // rdma: the endpoint must outlive the last batch until the client has taken it (closing it
-    // earlier can reset the connection under the last write); bounded by the stall time.
+    // earlier can reset the connection under the last write). The client returns the last
+    // credits only once its consumer drops those batches, which it may do only after the stream
+    // ended: so the stream ends now and the endpoint lives on in the background until every
+    // credit is back or the client is gone (bounded by the stall time).
     if let Some(r) = rdma {
-        let drain = tokio::task::spawn_blocking(move || r.lock().unwrap_or_else(|p| p.into_inner()).sender.drain());
-        tokio::select! {
-            _ = drain => {}
-            _ = tx.closed() => {}
-        }
+        drop(tx);
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = r.lock().and_then(|mut s| s.sender.drain().map_err(|e| Error::Unavailable(e.to_string()))) {
+                tracing::debug!(error = %e, "rdma stream ended without every credit back");
+            }
+        });
     }
 }

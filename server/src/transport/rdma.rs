@@ -3,12 +3,18 @@
 //! the batch's metadata sent as an `RdmaBatch` on the gRPC stream. The libfabric code and the
 //! credit rules live in the `shardstream-fabric` crate; this module only negotiates.
 //!
+//! Writes are pipelined: a batch's write is posted and its metadata sent at once, up to
+//! [`RDMA_WINDOW`] writes (and the client's credits) in flight, while the next batch is built. A
+//! progress thread per stream ([`RdmaPipe`]) keeps the endpoint moving between batches, since
+//! under manual progress (tcp) a posted write advances only while this side is inside libfabric.
+//!
 //! Enabled by `serve --rdma` (the daemon checks at start-up that libfabric loads and a provider
 //! opens). A stream asking for rdma from a daemon without it, or with a provider the daemon cannot
 //! open, is refused with the reason; never a silent fallback.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
 
 use shardstream_fabric::stream::{Offer, RingSender, open_endpoint};
 use shardstream_proto::RdmaOffer;
@@ -17,6 +23,9 @@ use crate::{Error, Result};
 
 /// Writes one stream may have in flight.
 pub const RDMA_WINDOW: usize = 4;
+/// How long the progress thread waits in libfabric at a time; a sender that wants the stream
+/// wakes it sooner ([`shardstream_fabric::CompletionQueue::signal`]).
+const PROGRESS_WAIT: Duration = Duration::from_millis(20);
 
 /// The daemon's rdma settings and counters.
 #[derive(Debug)]
@@ -104,6 +113,50 @@ impl Drop for RdmaStream {
     fn drop(&mut self) {
         self.hub.streams.fetch_sub(1, Ordering::Relaxed);
         self.hub.ring_bytes.fetch_sub(self.ring_bytes, Ordering::Relaxed);
+    }
+}
+
+/// One stream's sender shared by the batch builders and its progress thread.
+pub struct RdmaPipe {
+    stream: Mutex<RdmaStream>,
+    wake: Arc<shardstream_fabric::CompletionQueue>,
+    /// What the progress thread met; the next send reports it.
+    failed: Mutex<Option<String>>,
+}
+
+impl RdmaPipe {
+    /// Wraps `stream` and starts its progress thread (which ends with the pipe).
+    pub fn start(stream: RdmaStream) -> Result<Arc<Self>> {
+        let wake = stream.sender.waker();
+        let pipe = Arc::new(Self { stream: Mutex::new(stream), wake, failed: Mutex::new(None) });
+        let weak = Arc::downgrade(&pipe);
+        std::thread::Builder::new()
+            .name("shardstream-rdma-progress".into())
+            .spawn(move || progress_loop(weak))
+            .map_err(|e| Error::Internal(format!("cannot start the rdma progress thread: {e}")))?;
+        Ok(pipe)
+    }
+
+    /// The stream, taken promptly: the progress thread is woken out of its wait.
+    pub fn lock(&self) -> Result<MutexGuard<'_, RdmaStream>> {
+        if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).clone() {
+            return Err(Error::Unavailable(format!("rdma stream to the client failed: {e}")));
+        }
+        self.wake.signal();
+        Ok(self.stream.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+fn progress_loop(pipe: Weak<RdmaPipe>) {
+    while let Some(p) = pipe.upgrade() {
+        let res = p.stream.lock().unwrap_or_else(PoisonError::into_inner).sender.progress(PROGRESS_WAIT);
+        if let Err(e) = res {
+            *p.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
+            return;
+        }
+        drop(p);
+        // Out of the lock for a moment, so a woken sender gets it first.
+        std::thread::sleep(Duration::from_micros(200));
     }
 }
 
