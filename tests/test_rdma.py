@@ -141,6 +141,8 @@ def test_rdma_without_libfabric_names_why(dataset, tmp_path: Path, monkeypatch: 
         d.stop()
 
 
+# Saves its state after `stop_after` batches and SIGKILLs itself (-1: runs the epoch out); writes
+# each batch's keys as a JSON line, and at the end the transport it used.
 CONSUMER = textwrap.dedent(
     """
     import json, os, signal, sys
@@ -162,6 +164,7 @@ CONSUMER = textwrap.dedent(
                     json.dump(loader.state_dict(), s)
                 os.replace(state_path + ".tmp", state_path)
                 os.kill(os.getpid(), signal.SIGKILL)
+    print(loader.stats()["transport"])
     """
 )
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers `two_hosts`)
-from test_rdma import _libfabric
+from test_rdma import CONSUMER, _libfabric
 from tlsutil import available, client_env, make_pki, serve_args
 
 from conftest import SHARDSTREAM
@@ -159,34 +159,6 @@ def test_two_ranks_two_workers_exactly_once_over_rdma(remote: RemoteDaemon, data
     while (st := remote.status()).get("rdma_streams", 0) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert st.get("rdma_streams", 0) == 0 and st.get("rdma_ring_bytes", 0) == 0, st
-
-
-# Saves its state after `stop_after` batches and SIGKILLs itself (-1: runs the epoch out); writes
-# each batch's keys as a JSON line.
-CONSUMER = textwrap.dedent(
-    """
-    import json, os, signal, sys
-    import shardstream
-
-    root, addr, out, stop_after, state_path = sys.argv[1:6]
-    stop_after = int(stop_after)
-    loader = shardstream.Loader(root, batch_size=24, seed=9, rank=1, world_size=2, connect=addr, transport="rdma")
-    if os.path.exists(state_path):
-        loader.load_state_dict(json.load(open(state_path)))
-    else:
-        loader.set_epoch(2)
-    with open(out, "a") as f:
-        for n, batch in enumerate(loader, 1):
-            f.write(json.dumps(batch["__key__"]) + "\\n")
-            f.flush()
-            if n == stop_after:
-                with open(state_path + ".tmp", "w") as s:
-                    json.dump(loader.state_dict(), s)
-                os.replace(state_path + ".tmp", state_path)
-                os.kill(os.getpid(), signal.SIGKILL)
-    print(loader.stats()["transport"])
-    """
-)
 
 
 def test_sigkilled_trainer_is_reclaimed_and_resumes_exactly(
