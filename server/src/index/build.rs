@@ -244,17 +244,7 @@ fn describe_parquet(
     let sidecar_name = format!("{name}.idx");
     let table = ShardTable::Parquet(Arc::new(table));
     put_sidecar(&sidecar_name, &table.encode_sidecar(identity.as_bytes()))?;
-    let entry = ManifestShard {
-        name: name.to_owned(),
-        bytes: len,
-        samples: table.num_samples(),
-        crc32c: format!("{crc:08x}"),
-        index: Some(format!("{SIDECAR_DIR}/{sidecar_name}")),
-        max_sample: None,
-        max_sample_bytes: None,
-        etag,
-    };
-    Ok((entry, table.fields().to_vec()))
+    Ok((entry(name, len, crc, table.num_samples(), &sidecar_name, etag), table.fields().to_vec()))
 }
 
 /// A scratch directory for downloads, removed when dropped.
@@ -295,18 +285,22 @@ fn describe(
     let identity = format!("len={len};crc32c={crc:08x}");
     let sidecar_name = format!("{name}.idx");
     put_sidecar(&sidecar_name, &table.encode_sidecar(identity.as_bytes()))?;
-    let entry = ManifestShard {
+    let entry = entry(name, len, crc, table.num_samples(), &sidecar_name, None).with_largest(table.largest_sample());
+    Ok((entry, table.fields().to_vec()))
+}
+
+/// A manifest entry whose sidecar is `sidecar_name` in the dataset's sidecar directory.
+fn entry(name: &str, len: u64, crc: u32, samples: u64, sidecar_name: &str, etag: Option<String>) -> ManifestShard {
+    ManifestShard {
         name: name.to_owned(),
         bytes: len,
-        samples: table.num_samples(),
+        samples,
         crc32c: format!("{crc:08x}"),
         index: Some(format!("{SIDECAR_DIR}/{sidecar_name}")),
         max_sample: None,
         max_sample_bytes: None,
-        etag: None,
+        etag,
     }
-    .with_largest(table.largest_sample());
-    Ok((entry, table.fields().to_vec()))
 }
 
 fn assemble(format: Format, done: Vec<(ManifestShard, Vec<String>)>) -> Manifest {

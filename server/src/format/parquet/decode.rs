@@ -28,11 +28,16 @@ pub const MERGE_GAP: u64 = 64 << 10;
 /// sorted and merged when at most [`MERGE_GAP`] apart.
 pub fn chunk_ranges(table: &ParquetTable, rg: usize, proj: &FileProjection) -> Vec<Range<u64>> {
     let leaves = table.reader_metadata().parquet_schema().num_columns();
-    let mut ranges: Vec<Range<u64>> = (0..leaves)
+    let ranges: Vec<Range<u64>> = (0..leaves)
         .filter(|&c| proj.mask.leaf_included(c))
         .filter_map(|c| table.chunk_range(rg, c))
         .filter(|r| !r.is_empty())
         .collect();
+    merge_ranges(ranges)
+}
+
+/// `ranges` sorted by start, overlapping ones and ones at most [`MERGE_GAP`] apart made one.
+pub fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
     ranges.sort_unstable_by_key(|r| r.start);
     let mut merged: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
     for r in ranges {

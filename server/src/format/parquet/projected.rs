@@ -10,7 +10,9 @@
 use std::ops::Range;
 
 use super::ParquetTable;
-use super::decode::{MERGE_GAP, chunk_ranges};
+#[cfg(test)]
+use super::decode::MERGE_GAP;
+use super::decode::{chunk_ranges, merge_ranges};
 use super::schema::FileProjection;
 
 /// The pieces of a file a projection needs, and where each sits in the compact copy.
@@ -24,16 +26,7 @@ pub struct ProjectedFile {
 impl ProjectedFile {
     /// The pieces of `table`'s file that `proj` reads, over every row group.
     pub fn new(table: &ParquetTable, proj: &FileProjection) -> Self {
-        let mut ranges: Vec<Range<u64>> =
-            (0..table.num_row_groups()).flat_map(|rg| chunk_ranges(table, rg, proj)).collect();
-        ranges.sort_unstable_by_key(|r| r.start);
-        let mut merged: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
-        for r in ranges {
-            match merged.last_mut() {
-                Some(last) if r.start <= last.end.saturating_add(MERGE_GAP) => last.end = last.end.max(r.end),
-                _ => merged.push(r),
-            }
-        }
+        let merged = merge_ranges((0..table.num_row_groups()).flat_map(|rg| chunk_ranges(table, rg, proj)).collect());
         let mut at = 0u64;
         let pieces = merged
             .into_iter()
