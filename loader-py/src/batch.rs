@@ -317,6 +317,20 @@ impl Batch {
         }
     }
 
+    /// The rows' sample ids of an Arrow batch as little-endian `u64`s (`numpy.frombuffer(...,
+    /// "<u8")`): one copy of 8 bytes a row, where `row_ids` makes a Python int of each.
+    fn row_id_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        match &self.kind {
+            Kind::Arrow { batch, .. } => PyBytes::new_with(py, batch.row_ids.len() * 8, |out| {
+                for (chunk, id) in out.chunks_exact_mut(8).zip(&batch.row_ids) {
+                    chunk.copy_from_slice(&id.to_le_bytes());
+                }
+                Ok(())
+            }),
+            _ => Ok(PyBytes::new(py, b"")),
+        }
+    }
+
     /// An Arrow batch's IPC stream (a schema message, then one record batch) as a read-only
     /// buffer object: over the ring slot with shared memory (checked against the slot's bounds
     /// first; it holds the batch's lease until it and every view of it are gone), over the

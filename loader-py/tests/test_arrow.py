@@ -146,3 +146,44 @@ def test_timestamps_are_views_and_dates_python_objects() -> None:
     assert ts.dtype == np.dtype("datetime64[ms]") and ts.mask.tolist() == [False, False, True]
     assert inside(region, ts.data.ctypes.data, ts.data.nbytes)
     assert d["day"] == [datetime.date(2020, 1, 1), None, datetime.date(2021, 2, 3)]
+
+
+class FakeBatch:
+    """What BatchReader reads of a native batch: its IPC bytes, index and row count."""
+
+    def __init__(self, region: np.ndarray, rows: int, index: int = 0) -> None:
+        self.region, self.rows, self.index = region, rows, index
+
+    def ipc(self) -> np.ndarray:
+        return self.region
+
+    def __len__(self) -> int:
+        return self.rows
+
+
+def test_batch_reader_reads_the_schema_once_and_past_it_zero_copy() -> None:
+    def tab(first: int) -> pa.RecordBatch:
+        return pa.record_batch({"id": pa.array(range(first, first + 3), pa.int64()), "x": pa.array([0.5] * 3)})
+
+    reader = _arrow.BatchReader()
+    regions = [ipc_bytes(tab(0)), ipc_bytes(tab(3))]
+    got = [reader.open(FakeBatch(r, 3)) for r in regions]
+    assert reader._prefix is not None, "the schema message was not kept"
+    assert [b.column("id").to_pylist() for b in got] == [[0, 1, 2], [3, 4, 5]]
+    ids = got[1].column("id").to_numpy()
+    assert inside(regions[1], ids.ctypes.data, ids.nbytes), "the batch read past the schema was copied"
+    # Another schema (other columns): opened as a whole stream, and remembered in its turn.
+    other = reader.open(FakeBatch(ipc_bytes(pa.record_batch({"y": pa.array([1, 2], pa.int8())})), 2))
+    assert other.schema.names == ["y"]
+    assert reader.open(FakeBatch(ipc_bytes(tab(6)), 3)).column("id").to_pylist() == [6, 7, 8]
+    # Dictionaries travel between schema and batch: such streams are always read whole.
+    cats = pa.record_batch({"c": pa.array(["a", "b"]).dictionary_encode()})
+    fresh = _arrow.BatchReader()
+    for _ in range(2):
+        assert fresh.open(FakeBatch(ipc_bytes(cats), 2)).column("c").to_pylist() == ["a", "b"]
+    assert fresh._prefix is None
+    # Bytes that are no stream, and a row count other than the message's, are named errors.
+    with pytest.raises(_arrow.ShardstreamError, match="arrow batch 7: not a valid Arrow IPC stream"):
+        _arrow.BatchReader().open(FakeBatch(np.zeros(64, np.uint8), 3, index=7))
+    with pytest.raises(_arrow.ShardstreamError, match="record batch has 3 rows, the message names 4"):
+        reader.open(FakeBatch(regions[0], 4))

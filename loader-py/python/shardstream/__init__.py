@@ -291,6 +291,7 @@ class Loader:
         )
 
     _expected_fingerprint = ""
+    _arrow_reader: Any = None
 
     def _arrow_batch(self, native: _native.Batch) -> Any:
         """An Arrow batch as ``format`` asks: a RecordBatch, or the dict form."""
@@ -299,7 +300,9 @@ class Loader:
 
         from . import _arrow
 
-        rb = _arrow.open_batch(native)
+        if self._arrow_reader is None:
+            self._arrow_reader = _arrow.BatchReader()
+        rb = self._arrow_reader.open(native)
         rows = _arrow.row_ids(native)
         if self.format == "arrow":
             return _arrow.with_row_ids(rb, rows)
@@ -327,6 +330,7 @@ class Loader:
         self._iter_started = started
         stream = self._stream = self._open_stream()
         self._header = stream.header
+        self._arrow_reader = None  # per stream: it keeps the stream's schema message
         # The position is counted in the rank's batches: a worker's stream delivers every
         # num_workers-th of them and torch re-interleaves the workers in that order.
         self._consumed = self._start_batch

@@ -42,15 +42,56 @@ KEY_COLUMNS = ("__key__", "key")
 ROW = "__row__"
 
 
+class BatchReader:
+    """Opens the Arrow batches of one stream, zero copy over their IPC bytes (the ring slot with
+    shared memory).
+
+    Every batch of a stream begins with the same schema message. Parsing it again for each batch
+    (``pyarrow.ipc.open_stream``) was a fixed cost per batch, large beside a batch of small rows; so
+    the first batch is opened as a stream and its schema message kept, and each later batch whose
+    bytes begin with that same message is read past it (``pyarrow.ipc.read_record_batch`` with the
+    kept schema). A batch that begins otherwise, or a schema with dictionary columns (their
+    dictionaries travel in the stream, between schema and batch), is opened as a whole stream.
+    """
+
+    def __init__(self) -> None:
+        self._schema: Any = None
+        self._prefix: Any = None  # the schema message's bytes (a pyarrow.Buffer)
+
+    def open(self, native: _native.Batch) -> pa.RecordBatch:
+        import pyarrow as pa
+
+        buf = pa.py_buffer(native.ipc())
+        try:
+            prefix = self._prefix
+            if prefix is not None and buf.size > prefix.size and buf.slice(0, prefix.size).equals(prefix):
+                batch = pa.ipc.read_record_batch(buf.slice(prefix.size), self._schema)
+            else:
+                batch = pa.ipc.open_stream(buf).read_next_batch()
+                self._remember(buf, batch.schema)
+        except (pa.ArrowInvalid, StopIteration) as e:
+            raise ShardstreamError(f"arrow batch {native.index}: not a valid Arrow IPC stream: {e}") from None
+        return _checked(native, batch)
+
+    def _remember(self, buf: pa.Buffer, schema: pa.Schema) -> None:
+        import pyarrow as pa
+
+        if any(pa.types.is_dictionary(f.type) for f in schema):
+            return
+        # The stream's first message: continuation marker 0xFFFFFFFF, its metadata length, the
+        # metadata (the schema message has no body).
+        head = np.frombuffer(buf, dtype="<i4", count=2) if buf.size >= 8 else None
+        if head is None or head[0] != -1 or head[1] <= 0 or 8 + int(head[1]) >= buf.size:
+            return
+        self._schema, self._prefix = schema, buf.slice(0, 8 + int(head[1]))
+
+
 def open_batch(native: _native.Batch) -> pa.RecordBatch:
     """The batch's record batch, zero copy over its IPC bytes (the ring slot with shared memory)."""
-    import pyarrow as pa
+    return BatchReader().open(native)
 
-    try:
-        reader = pa.ipc.open_stream(pa.py_buffer(native.ipc()))
-        batch = reader.read_next_batch()
-    except (pa.ArrowInvalid, StopIteration) as e:
-        raise ShardstreamError(f"arrow batch {native.index}: not a valid Arrow IPC stream: {e}") from None
+
+def _checked(native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:
     if batch.num_rows != len(native):
         raise ShardstreamError(
             f"arrow batch {native.index}: record batch has {batch.num_rows} rows, the message names {len(native)}"
@@ -59,7 +100,7 @@ def open_batch(native: _native.Batch) -> pa.RecordBatch:
 
 
 def row_ids(native: _native.Batch) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    return np.asarray(native.row_ids, dtype=np.uint64)
+    return np.frombuffer(native.row_id_bytes(), dtype="<u8").astype(np.uint64, copy=False)
 
 
 def with_row_ids(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> pa.RecordBatch:

@@ -48,6 +48,12 @@ const STREAM_QUEUE: usize = 2;
 /// helper): 2.9 GB/s with one batch in flight, 3.3-3.8 GB/s with two, no better with three.
 const PACKED_PIPELINE: usize = 2;
 
+/// Most sample ids a stream takes from its plan in one trip to the blocking pool (8 bytes each:
+/// 256 KiB). A batch of 256 small rows is built in ~100 us; a hand-off to the pool and back per
+/// batch only for its ids was a visible share of that (bench/PARQUET_PROFILE.md). At least one
+/// batch is taken per trip, however large.
+const IDS_AHEAD: u64 = 32 * 1024;
+
 /// Largest batch accepted. Bigger batches than this are a unit mistake (samples vs bytes).
 pub const MAX_BATCH_SIZE: u32 = 1 << 20;
 
@@ -738,6 +744,25 @@ fn build_arrow_batch(
     Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
 }
 
+/// The next batches of `ranges` whose ids add up to at most `limit` (always at least one batch,
+/// however large, while any is left).
+fn next_ranges(
+    ranges: &mut std::iter::Peekable<impl Iterator<Item = (u64, std::ops::Range<u64>)>>,
+    limit: u64,
+) -> Vec<(u64, std::ops::Range<u64>)> {
+    let mut take = Vec::new();
+    let mut ids = 0;
+    while let Some((_, r)) = ranges.peek() {
+        let n = r.end - r.start;
+        if !take.is_empty() && ids + n > limit {
+            break;
+        }
+        ids += n;
+        take.extend(ranges.next());
+    }
+    take
+}
+
 /// One row id per file the batch reads (what the working set preloads in parallel).
 fn first_row_of_each_file(ds: &Dataset, ids: &[u64]) -> Vec<u64> {
     let mut seen = std::collections::HashSet::new();
@@ -968,33 +993,43 @@ async fn produce(
     };
     let depth = if packed { PACKED_PIPELINE } else { 1 };
     let mut pending = std::collections::VecDeque::with_capacity(depth);
-    let mut ranges = (0u64..).zip(batches);
+    let mut ranges = (0u64..).zip(batches).peekable();
+    // Ids of the next batches, taken from the plan several batches at a time.
+    let mut ready: std::collections::VecDeque<(u64, std::ops::Range<u64>, Vec<u64>)> = Default::default();
     loop {
         while pending.len() < depth {
-            match ranges.next() {
-                Some((turn, range)) => {
-                    // The batch's ids, in turn order (the plan only moves forward), on the
-                    // blocking pool: a refill shuffles half a window.
-                    let (seq, r) = (sequence.clone(), range.clone());
-                    let ids = blocking(move || {
-                        let mut seq = seq.lock().unwrap_or_else(|p| p.into_inner());
-                        let ids = seq.range(r.clone())?;
-                        if ids.len() as u64 != r.end - r.start {
-                            return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
-                        }
-                        Ok(ids)
-                    });
-                    match ids.await {
-                        Ok(ids) => pending.push_back(spawn_build(turn, range, ids)),
-                        Err(e) => {
-                            tracing::warn!(dataset = %shared.0.url, error = %e, "stream failed");
-                            let _ = tx.send(Err(to_status(e))).await;
-                            return;
-                        }
+            if ready.is_empty() {
+                // The next batches' ids, in turn order (the plan only moves forward), on the
+                // blocking pool (a refill shuffles half a window): up to IDS_AHEAD ids per trip,
+                // so a stream of small batches does not pay a thread hand-off per batch for them.
+                let take = next_ranges(&mut ranges, IDS_AHEAD);
+                if take.is_empty() {
+                    break;
+                }
+                let seq = sequence.clone();
+                let ids = blocking(move || {
+                    let mut seq = seq.lock().unwrap_or_else(|p| p.into_inner());
+                    take.into_iter()
+                        .map(|(turn, r)| {
+                            let ids = seq.range(r.clone())?;
+                            if ids.len() as u64 != r.end - r.start {
+                                return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
+                            }
+                            Ok((turn, r, ids))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                });
+                match ids.await {
+                    Ok(ids) => ready.extend(ids),
+                    Err(e) => {
+                        tracing::warn!(dataset = %shared.0.url, error = %e, "stream failed");
+                        let _ = tx.send(Err(to_status(e))).await;
+                        return;
                     }
                 }
-                None => break,
             }
+            let Some((turn, range, ids)) = ready.pop_front() else { break };
+            pending.push_back(spawn_build(turn, range, ids));
         }
         let Some((end, handle)) = pending.pop_front() else { break };
         // What the stream waits for this batch now: with batches built ahead, not their build time.
@@ -1053,5 +1088,34 @@ async fn produce(
                 tracing::debug!(error = %e, "rdma stream ended without every credit back");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_ranges;
+
+    #[test]
+    fn ids_are_taken_several_batches_at_a_time_within_the_limit() {
+        let batches = |sizes: &[u64]| {
+            let mut start = 0;
+            let v: Vec<_> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    start += n;
+                    (i as u64, start - n..start)
+                })
+                .collect();
+            v.into_iter().peekable()
+        };
+        let mut r = batches(&[256, 256, 256, 100]);
+        assert_eq!(next_ranges(&mut r, 512), vec![(0, 0..256), (1, 256..512)]);
+        assert_eq!(next_ranges(&mut r, 512), vec![(2, 512..768), (3, 768..868)]);
+        assert!(next_ranges(&mut r, 512).is_empty());
+        // A batch larger than the limit still goes, alone.
+        let mut r = batches(&[1000, 1]);
+        assert_eq!(next_ranges(&mut r, 512), vec![(0, 0..1000)]);
+        assert_eq!(next_ranges(&mut r, 512), vec![(1, 1000..1001)]);
     }
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use arrow_array::RecordBatch;
 
 use super::decode::read_row_group;
-use super::decoded::{DecodedCache, RowGroupKey};
+use super::decoded::{DatasetTag, DecodedCache, RowGroupKey};
 use super::schema::{FileProjection, Projection};
 use super::{ParquetError, ParquetTable, footer, ipc};
 use crate::{Error, Result};
@@ -128,8 +128,12 @@ impl ParquetDataset {
 /// (a window's worth; more would only hold more undelivered decoded bytes at a time).
 pub const DECODE_THREADS: usize = 8;
 
+/// Asked once per process: `available_parallelism` reads the cgroup's CPU quota from /proc and
+/// /sys on every call (open, read, close of several files), which cost ~10% of the daemon's time
+/// when it was asked once per batch of small rows (bench/PARQUET_PROFILE.md).
 fn decode_threads() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get()).min(DECODE_THREADS)
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get()).min(DECODE_THREADS))
 }
 
 /// Reads bytes of file `file` ([`DatasetFile::index`]) at `offset` into `buf`, exactly.
@@ -157,7 +161,7 @@ pub struct BatchAssembler {
     per_file: Vec<FileProjection>,
     cache: Arc<DecodedCache>,
     /// Names the dataset version in cache keys (its fingerprint).
-    dataset_id: String,
+    dataset_id: DatasetTag,
     projection_id: u64,
 }
 
@@ -174,7 +178,7 @@ impl BatchAssembler {
             .map(|f| projection.for_file(&f.table).map_err(|e| e.into_error(&f.name)))
             .collect::<Result<Vec<_>>>()?;
         let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
-        Ok(Self { dataset, projection, per_file, cache, dataset_id: dataset_id.to_string(), projection_id })
+        Ok(Self { dataset, projection, per_file, cache, dataset_id: DatasetTag::new(dataset_id), projection_id })
     }
 
     pub fn projection(&self) -> &Projection {
@@ -212,7 +216,7 @@ impl BatchAssembler {
         }
         let mut sources: Vec<Option<Arc<RecordBatch>>> = units.iter().map(|&u| self.cached(u)).collect();
         let missing: Vec<usize> = (0..units.len()).filter(|&i| sources[i].is_none()).collect();
-        let threads = decode_threads().min(missing.len());
+        let threads = if missing.len() > 1 { decode_threads().min(missing.len()) } else { missing.len() };
         let decoded = if threads > 1 {
             crate::parallel::try_map(&missing, threads, |&i| self.row_group(units[i], files))?
         } else {
@@ -230,7 +234,12 @@ impl BatchAssembler {
     }
 
     fn key(&self, fi: usize, rg: usize) -> RowGroupKey {
-        RowGroupKey { file: format!("{}#{fi}", self.dataset_id), row_group: rg as u32, projection: self.projection_id }
+        RowGroupKey {
+            dataset: self.dataset_id.clone(),
+            file: fi as u32,
+            row_group: rg as u32,
+            projection: self.projection_id,
+        }
     }
 
     /// Plan unit `u` when it is decoded already.

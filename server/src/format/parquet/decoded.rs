@@ -27,11 +27,46 @@ pub fn shared() -> Arc<DecodedCache> {
     SHARED.get_or_init(|| Arc::new(DecodedCache::new(DEFAULT_BUDGET_BYTES))).clone()
 }
 
+/// Which dataset version a key belongs to: its identity string (fingerprint and URL), shared by
+/// every key of the dataset and hashed once when the tag is made.
+///
+/// Every batch looks up each row group it draws on (16 per batch with the default window): keys
+/// used to be a `String` formatted and hashed in full per lookup, a measurable share of a batch of
+/// small rows (bench/PARQUET_PROFILE.md). A key is now integers plus this `Arc`: hashing it hashes
+/// four integers, cloning it bumps a count. Equality still compares the strings (after a pointer
+/// check), so two datasets whose identities hash alike never share rows.
+#[derive(Debug, Clone)]
+pub struct DatasetTag {
+    hash: u64,
+    id: Arc<str>,
+}
+
+impl DatasetTag {
+    pub fn new(id: &str) -> Self {
+        Self { hash: crate::stable_hash::hash(id.as_bytes()), id: Arc::from(id) }
+    }
+}
+
+impl PartialEq for DatasetTag {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.id, &other.id) || (self.hash == other.hash && self.id == other.id)
+    }
+}
+
+impl Eq for DatasetTag {}
+
+impl std::hash::Hash for DatasetTag {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
 /// One row group of one file of one dataset, decoded for one projection.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RowGroupKey {
-    /// Identity of the file's content (the dataset fingerprint and file index, or a file's ETag).
-    pub file: String,
+    pub dataset: DatasetTag,
+    /// The file's position in the dataset's list of files.
+    pub file: u32,
     pub row_group: u32,
     /// Identity of the selected columns (e.g. a hash of their names in order).
     pub projection: u64,
@@ -172,7 +207,7 @@ mod tests {
     use super::*;
 
     fn key(rg: u32) -> RowGroupKey {
-        RowGroupKey { file: "f".into(), row_group: rg, projection: 0 }
+        RowGroupKey { dataset: DatasetTag::new("f"), file: 0, row_group: rg, projection: 0 }
     }
 
     #[test]
@@ -210,6 +245,19 @@ mod tests {
         // An error is not cached.
         assert!(small.get_or_decode(&key(1), || Err::<RecordBatch, _>("bad")).is_err());
         assert_eq!(small.stats().entries, 0);
+    }
+
+    #[test]
+    fn keys_of_one_dataset_match_across_tags_and_never_across_datasets() {
+        let cache = DecodedCache::new(1 << 30);
+        let k = |id: &str| RowGroupKey { dataset: DatasetTag::new(id), file: 3, row_group: 1, projection: 7 };
+        cache.get_or_decode(&k("fp@/data/a"), || Ok::<_, ()>(testdata::mixed_batch(0..10))).unwrap();
+        // Another assembler of the same dataset makes its own tag: same key.
+        assert_eq!(cache.get(&k("fp@/data/a")).map(|b| b.num_rows()), Some(10));
+        // A copy of the dataset elsewhere (same fingerprint, other URL) shares nothing.
+        assert!(cache.get(&k("fp@/data/b")).is_none());
+        let other_file = RowGroupKey { file: 4, ..k("fp@/data/a") };
+        assert!(cache.get(&other_file).is_none());
     }
 
     #[test]
