@@ -354,3 +354,50 @@ async fn the_shuffle_permutes_row_groups_across_files() {
     fx.shutdown.cancel();
     fx.server.await.unwrap().unwrap();
 }
+
+/// Batches of large rows (over 1 MiB a batch) take the pipelined stream loop, small ones the
+/// one-thread loop (`service::SmallArrowStream`): both deliver every row once, with its values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_large_rows_also_deliver_every_row_once() {
+    use arrow_array::{BinaryArray, Int64Array};
+    let fx = start().await;
+    let dir = fx.tmp.path().join("big");
+    std::fs::create_dir_all(&dir).unwrap();
+    const ROW_BYTES: usize = 96 << 10;
+    let payload = |i: i64| (0..ROW_BYTES).map(|k| (i as usize * 31 + k * 7 + k / 251) as u8).collect::<Vec<u8>>();
+    for (f, ids) in [(0, 0..40i64), (1, 40..96)] {
+        let schema = std::sync::Arc::new(arrow_schema::Schema::new(vec![
+            arrow_schema::Field::new("id", arrow_schema::DataType::Int64, false),
+            arrow_schema::Field::new("payload", arrow_schema::DataType::Binary, false),
+        ]));
+        let values: Vec<Vec<u8>> = ids.clone().map(payload).collect();
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![
+                std::sync::Arc::new(Int64Array::from_iter_values(ids)),
+                std::sync::Arc::new(BinaryArray::from_iter_values(values.iter())),
+            ],
+        )
+        .unwrap();
+        std::fs::write(dir.join(format!("{f}.parquet")), testdata::with_batch(&batch)).unwrap();
+    }
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let mut seen = Vec::new();
+    for rank in 0..2 {
+        for worker in 0..2 {
+            let req = request(&dir, rank, worker, &[]);
+            assert!(req.batch_size as usize * ROW_BYTES > 1 << 20, "the test must take the pipelined loop");
+            for (row_ids, batch) in arrow_batches(&mut client, req).await.unwrap() {
+                assert_eq!(ids(&batch), row_ids);
+                for (k, &id) in row_ids.iter().enumerate() {
+                    assert_eq!(batch.column(1).as_binary::<i32>().value(k), payload(id as i64), "row {id}");
+                }
+                seen.extend(row_ids);
+            }
+        }
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..96).collect::<Vec<u64>>(), "every row exactly once");
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}

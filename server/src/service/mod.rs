@@ -744,6 +744,120 @@ fn build_arrow_batch(
     Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
 }
 
+/// Largest estimated batch (rows x the dataset's stored bytes per row) served by
+/// [`SmallArrowStream`]: such a batch is built in about 100 us, where each thread hand-off costs
+/// tens. Larger batches keep the two-batch pipeline, which puts both cores on their copies.
+const SMALL_ARROW_BATCH_BYTES: u64 = 1 << 20;
+
+fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
+    let per_row = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
+    per_row.saturating_mul(batch_size) <= SMALL_ARROW_BATCH_BYTES
+}
+
+/// An Arrow (Parquet) stream of small batches, served by one blocking thread that takes the ids,
+/// builds each batch and queues its message in turn.
+///
+/// The general loop of [`produce`] hands every batch to the blocking pool and back (plus a trip
+/// for its ids): with 256 rows of 40 bytes those hand-offs were the largest share of the daemon's
+/// time, larger than the gather itself (bench/PARQUET_PROFILE.md). Here a batch costs one
+/// hand-off, to the connection's task that writes the message. Behaviour is the general loop's:
+/// batches in order, the client leaving or a shutdown ends the stream before the next batch, an
+/// error is sent to the client and ends it.
+struct SmallArrowStream {
+    dataset: Arc<Dataset>,
+    session: Option<Arc<Session>>,
+    asm: Arc<BatchAssembler>,
+    projected: Option<Arc<projected::ProjectedReads>>,
+    sequence: plan::RankStream,
+    batch_size: u64,
+    tx: mpsc::Sender<Result<StreamMessage, Status>>,
+    metrics: Arc<Metrics>,
+    /// The prefetcher follows the stream while this lives.
+    consumer: Option<ConsumerGuard>,
+    shutdown: CancellationToken,
+}
+
+impl SmallArrowStream {
+    fn run(mut self, ranges: impl Iterator<Item = (u64, std::ops::Range<u64>)>) {
+        let mut ranges = ranges.peekable();
+        let working = std::sync::Mutex::new(Working::default());
+        let mut ready = std::collections::VecDeque::new();
+        loop {
+            if self.tx.is_closed() {
+                return;
+            }
+            if self.shutdown.is_cancelled() {
+                // As the general loop: the client learns unless its queue is full, when the
+                // stream ends short of its header's batch count.
+                let _ = self.tx.try_send(Err(Status::unavailable("daemon is shutting down")));
+                return;
+            }
+            if ready.is_empty() {
+                match self.take_ids(&mut ranges) {
+                    Ok(ids) if ids.is_empty() => return,
+                    Ok(ids) => ready.extend(ids),
+                    Err(e) => return self.fail(e),
+                }
+            }
+            let Some((turn, range, ids)) = ready.pop_front() else { return };
+            let (tx, stop) = (&self.tx, &self.shutdown);
+            let cancelled = || tx.is_closed() || stop.is_cancelled();
+            let started = Instant::now();
+            let built = build_arrow_batch(
+                &self.dataset,
+                &working,
+                self.session.as_deref(),
+                turn,
+                &self.asm,
+                self.projected.as_deref(),
+                &ids,
+                range.start / self.batch_size,
+                &cancelled,
+            );
+            self.metrics
+                .read_wait_us
+                .fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+            match built {
+                Ok(((msg, bytes), waited)) => {
+                    fail_point!("stream-send", |_| ());
+                    if self.tx.blocking_send(Ok(msg)).is_err() {
+                        tracing::debug!("client left mid-stream");
+                        return;
+                    }
+                    self.metrics.batch_served(ids.len() as u64, bytes);
+                    if let Some(c) = &self.consumer {
+                        c.consumer.advance(range.end, waited);
+                    }
+                }
+                Err(e) => return self.fail(e),
+            }
+        }
+    }
+
+    /// The ids of the next batches (up to [`IDS_AHEAD`]), with their turns and ranges.
+    #[allow(clippy::type_complexity)]
+    fn take_ids(
+        &mut self,
+        ranges: &mut std::iter::Peekable<impl Iterator<Item = (u64, std::ops::Range<u64>)>>,
+    ) -> Result<Vec<(u64, std::ops::Range<u64>, Vec<u64>)>> {
+        next_ranges(ranges, IDS_AHEAD)
+            .into_iter()
+            .map(|(turn, r)| {
+                let ids = self.sequence.range(r.clone())?;
+                if ids.len() as u64 != r.end - r.start {
+                    return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
+                }
+                Ok((turn, r, ids))
+            })
+            .collect()
+    }
+
+    fn fail(&self, e: Error) {
+        tracing::warn!(dataset = %self.dataset.url, error = %e, "stream failed");
+        let _ = self.tx.blocking_send(Err(to_status(e)));
+    }
+}
+
 /// The next batches of `ranges` whose ids add up to at most `limit` (always at least one batch,
 /// however large, while any is left).
 fn next_ranges(
@@ -765,7 +879,8 @@ fn next_ranges(
 
 /// One row id per file the batch reads (what the working set preloads in parallel).
 fn first_row_of_each_file(ds: &Dataset, ids: &[u64]) -> Vec<u64> {
-    let mut seen = std::collections::HashSet::new();
+    // Few files per batch: an ordered set is cheaper per row than hashing.
+    let mut seen = std::collections::BTreeSet::new();
     ids.iter().copied().filter(|&id| ds.locate(id).is_some_and(|(s, _)| seen.insert(s))).collect()
 }
 
@@ -943,6 +1058,25 @@ async fn produce(
         }
     }
     let _done = Done(session.clone());
+    if let Some(asm) = arrow.clone().filter(|_| small_batches(&dataset, batch_size)) {
+        let stream = SmallArrowStream {
+            dataset,
+            session,
+            asm,
+            projected,
+            sequence,
+            batch_size,
+            tx,
+            metrics: metrics.clone(),
+            consumer,
+            shutdown,
+        };
+        let ranges = (0u64..).zip(batches);
+        if let Err(e) = tokio::task::spawn_blocking(move || stream.run(ranges)).await {
+            tracing::warn!(error = %e, "stream task failed");
+        }
+        return;
+    }
     let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow, projected));
     let sequence = Arc::new(std::sync::Mutex::new(sequence));
     let spawn_build = |turn: u64, range: std::ops::Range<u64>, ids: Vec<u64>| {
