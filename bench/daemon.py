@@ -20,6 +20,20 @@ class DaemonError(RuntimeError):
     pass
 
 
+# Runs the package's console entry point with this interpreter: how a build installed elsewhere
+# (`pip install --target SITE`, put first on PYTHONPATH) is started.
+CLI = "import sys; sys.argv[0] = 'shardstream'; from shardstream._cli import main; main()"
+
+
+def env_for(site: str | None) -> dict[str, str]:
+    """The environment of a process that must import `site`'s build of the package (None: the
+    one installed in this interpreter)."""
+    env = {**os.environ, "SHARDSTREAM_LOG": os.environ.get("SHARDSTREAM_LOG", "warn")}
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def executable() -> Path:
     """The `shardstream` command the package installs next to this interpreter."""
     beside = Path(sys.executable).with_name("shardstream")
@@ -48,35 +62,36 @@ class Daemon:
         return self.proc.pid
 
     @classmethod
-    def start(cls, workdir: Path, env: dict[str, str] | None = None) -> Daemon:
+    def start(cls, workdir: Path, env: dict[str, str] | None = None, site: str | None = None) -> Daemon:
         """Starts `shardstream serve` in workdir (with `env` added to the environment, e.g. an S3
-        endpoint) and waits until it answers `shardstream status`."""
-        exe = executable()
+        endpoint) and waits until it answers `shardstream status`. With `site`, the build of the
+        package installed there (see `env_for`) instead of this interpreter's."""
+        exe = [sys.executable, "-c", CLI] if site else [str(executable())]
         sock = workdir / "sock"
         addr = f"unix://{sock}"
         log = workdir / "daemon.log"
-        cmd = [str(exe), "serve", "--listen", addr, "--cache-dir", str(workdir / "cache")]
-        env = {**os.environ, **(env or {}), "SHARDSTREAM_LOG": os.environ.get("SHARDSTREAM_LOG", "warn")}
+        cmd = [*exe, "serve", "--listen", addr, "--cache-dir", str(workdir / "cache")]
+        env = {**env_for(site), **(env or {})}
         try:
             with open(log, "wb") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         except OSError as e:
-            raise DaemonError(f"cannot start {exe}: {e}") from e
+            raise DaemonError(f"cannot start {exe[0]}: {e}") from e
         daemon = cls(proc, addr, log)
         try:
-            daemon._wait_ready(exe, sock)
+            daemon._wait_ready(exe, sock, env)
         except BaseException:
             daemon.stop()
             raise
         return daemon
 
-    def _wait_ready(self, exe: Path, sock: Path) -> None:
+    def _wait_ready(self, exe: list[str], sock: Path, env: dict[str, str]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        status = [str(exe), "status", "--connect", self.addr]
+        status = [*exe, "status", "--connect", self.addr]
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise DaemonError(f"daemon exited with {self.proc.returncode}: {_tail(self.log)}")
-            if sock.exists() and subprocess.run(status, capture_output=True, check=False).returncode == 0:
+            if sock.exists() and subprocess.run(status, capture_output=True, check=False, env=env).returncode == 0:
                 return
             time.sleep(POLL_S)
         raise DaemonError(f"daemon not ready within {READY_TIMEOUT_S:.0f} s: {_tail(self.log)}")

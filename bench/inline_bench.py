@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import consumer  # noqa: E402
 import measure  # noqa: E402
 import shm_bench  # noqa: E402
+from daemon import CLI, env_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_BATCH = 256
@@ -72,18 +73,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def env_for(site: str | None) -> dict[str, str]:
-    """The environment of a process that must import `site`'s build of the package (None: the
-    one installed in this interpreter)."""
-    env = {**os.environ, "SHARDSTREAM_LOG": os.environ.get("SHARDSTREAM_LOG", "warn")}
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-CLI = "import sys; sys.argv[0] = 'shardstream'; from shardstream._cli import main; main()"
 
 
 class TcpDaemon:

@@ -30,6 +30,11 @@ against the dataset's size and the bytes of the selected column chunks (what col
 reads download: a stream selecting under 90% of the bytes fetches only those; all fields go as
 whole files).
 
+``--variant NAME=SITE`` adds another build of the package (a directory where its wheel was
+installed with ``pip install --target``) as readers ``ss_dict@NAME`` and ``ss_arrow@NAME``, each
+with a daemon of that build, in the same interleaved repeats: a before/after comparison of two
+builds in one run.
+
 Per row the consumer touches the payload as a decoder would start (one byte per page of the image;
 the features' sum for tab). Reported: rows/s (median of ``--repeats`` interleaved runs, with
 their spread), ratios to the best shuffled peer and to ``pa_seq``, CPU seconds per epoch (the
@@ -316,11 +321,17 @@ IMPORTS = {
 }
 
 
+def reader_of(peer: str) -> str:
+    """The reader a peer runs: `ss_arrow@before` is `ss_arrow` of the build named `before`."""
+    return peer.partition("@")[0]
+
+
 def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
     """One epoch of one reader in this process; returns its figures. The reader's modules are
     imported before the clock starts (a trainer has imported them long before its first epoch)."""
     import importlib
 
+    peer = reader_of(peer)
     # torch too: a trainer has it loaded, and `datasets` imports it lazily in the middle of an epoch.
     for module in ["torch", *IMPORTS[peer]]:
         importlib.import_module(module)
@@ -360,12 +371,18 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def child(peer: str, kind: str, d: Path, addr: str, rows: int, daemon_pid: int | None) -> dict:
+def child(peer: str, kind: str, d: Path, addr: str, rows: int, daemon_pid: int | None, site: str | None = None) -> dict:
+    import daemon as bench_daemon
     import measure
 
     before = measure.cpu_seconds(daemon_pid) if daemon_pid else None
     # No Hub traffic: `datasets` otherwise reports each load to the Hub (seconds when offline).
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {
+        **bench_daemon.env_for(site),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
     p = subprocess.run(
         [sys.executable, __file__, "--one", peer, kind, str(d), addr, str(rows)],
         capture_output=True,
@@ -596,6 +613,7 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--datasets", default="image,tab")
     ap.add_argument("--no-s3", action="store_true", help="leave out the S3 bytes-and-requests section")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
     ap.add_argument("--one", nargs=5, metavar=("PEER", "KIND", "DIR", "ADDR", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -614,6 +632,13 @@ def main() -> None:
     }
     data = {k: dirs[k]() for k in kinds}
     peers = args.peers.split(",")
+    sites: dict[str, str] = {}
+    for v in args.variant:
+        name, _, site = v.partition("=")
+        for form in ("ss_dict", "ss_arrow"):
+            if form in peers:
+                peers.append(f"{form}@{name}")
+                sites[f"{form}@{name}"] = site
     work = Path(tempfile.mkdtemp(prefix="pq-bench-"))
     results: dict[str, dict[str, list[dict]]] = {k: {p: [] for p in peers} for k in kinds}
     rss = 0.0
@@ -627,10 +652,10 @@ def main() -> None:
                     d = None
                     if peer.startswith("ss_"):
                         (work / f"{rep}-{kind}-{peer}").mkdir()
-                        d = bench_daemon.Daemon.start(work / f"{rep}-{kind}-{peer}")
+                        d = bench_daemon.Daemon.start(work / f"{rep}-{kind}-{peer}", site=sites.get(peer))
                     try:
                         addr, pid = (d.addr, d.pid) if d else ("", None)
-                        r = child(peer, kind, data[kind], addr, rows[kind], pid)
+                        r = child(peer, kind, data[kind], addr, rows[kind], pid, sites.get(peer))
                         if d:
                             r["daemon_rss_mib"] = peak_rss_mib(d.pid)
                             rss = max(rss, r["daemon_rss_mib"])
