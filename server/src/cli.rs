@@ -258,6 +258,13 @@ pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()>
 
 fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()> {
     crate::logging::init(&args.log, args.log_format);
+    // Before the runtime's threads exist: they allocate from the heaps these settings govern.
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    match crate::malloc::tune_for_serving(&env) {
+        crate::malloc::Tuning::Applied => tracing::debug!("malloc thresholds set for serving"),
+        crate::malloc::Tuning::LeftToEnvironment => tracing::info!("malloc settings taken from the environment"),
+        crate::malloc::Tuning::Unavailable => tracing::debug!("malloc thresholds not set (not glibc)"),
+    }
     let listen: Address = args.listen.parse()?;
     let mut config = DaemonConfig::new(listen, args.cache_dir);
     config.cache_size = args.cache_size;

@@ -14,12 +14,13 @@
 //!   S3 with retries).
 //! - [`cache`]: the node cache of shard copies (single flight, verified, Belady or LRU eviction).
 //! - [`prefetch`]: merges every active consumer's future order and fetches shards ahead of need.
-//! - [`format`]: shard formats ([`format::Format`]: WebDataset TAR, Parquet recognised but not yet
-//!   served): find, name and index a shard, locate a sample's fields.
+//! - [`format`]: shard formats ([`format::Format`]: WebDataset TAR and Parquet): find, name and
+//!   index a shard, locate a sample's fields, decode and gather Parquet row groups.
 //! - [`index`]: the dataset manifest (`manifest.json`) and the in-memory sample index: per-shard
 //!   sample counts for the whole dataset, member tables only for the shards in use.
 //! - [`plan`]: the deterministic, exactly-once epoch plan (pure functions, no I/O).
-//! - [`transport`]: how a batch's bytes travel to the consumer (inline in gRPC messages today).
+//! - [`transport`]: how a batch's bytes travel to the consumer (inline in gRPC messages, shared
+//!   memory on the same host, rdma).
 //! - [`service`]: the gRPC service and the per-consumer stream producer.
 //! - [`daemon`]: binding a listener and serving until shutdown (used by `serve` and by the Python
 //!   package's embedded server alike).
@@ -31,7 +32,8 @@
 //!   which datasets; [`remote`]: TLS, bearer tokens and `--insecure` for TCP listeners;
 //!   [`cert_name`]: the subject CN a mutual-TLS client is known by.
 //! - [`cli`]: the `shardstream` command line; [`config`]: `serve --config` (TOML) merged with flags
-//!   and environment; [`logging`]: `--log` / `--log-format`; [`notify`]: sd_notify.
+//!   and environment; [`logging`]: `--log` / `--log-format`; [`notify`]: sd_notify; [`malloc`]:
+//!   the allocator thresholds `serve` sets.
 //!
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
@@ -62,6 +64,7 @@ pub mod format;
 pub mod index;
 pub mod limits;
 pub mod logging;
+pub mod malloc;
 pub mod metrics;
 pub mod notify;
 pub mod pack;

@@ -1,0 +1,75 @@
+//! The allocator settings of the `serve` process (glibc only).
+//!
+//! A batch of large rows (an image column) is gathered into fresh Arrow buffers of a few MiB. With
+//! glibc's defaults such a buffer, once freed, goes back to the kernel (it was mmapped, or it sat at
+//! the top of a heap that is then trimmed), so the next batch's buffers are fresh pages again: page
+//! faults and the kernel zeroing every page were about a quarter of the daemon's time serving the
+//! bench's image set (bench/PARQUET_PROFILE.md). `serve` therefore keeps freed blocks below
+//! [`MMAP_THRESHOLD`] in its heaps for reuse, and returns the top of a heap to the kernel only past
+//! [`TRIM_THRESHOLD`] free bytes. What is kept is memory the daemon has used before: its peak RSS
+//! does not grow, it only shrinks later or less.
+//!
+//! Only `serve` sets them: the Python package's embedded server runs inside the trainer's process,
+//! whose allocator is not the daemon's to tune. An operator's own glibc malloc settings
+//! (`GLIBC_TUNABLES=glibc.malloc.*`, `MALLOC_*_` variables) are left as they are.
+
+/// Blocks smaller than this come from the heap and are reused after being freed: above the few
+/// MiB of one batch's column buffers. glibc's own upper bound for its adaptive threshold.
+pub const MMAP_THRESHOLD: usize = 32 << 20;
+
+/// Free bytes at the top of a heap kept before it is trimmed: a few batches in flight.
+pub const TRIM_THRESHOLD: usize = 128 << 20;
+
+/// What [`tune_for_serving`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tuning {
+    Applied,
+    /// The operator set glibc's malloc parameters in the environment.
+    LeftToEnvironment,
+    /// Not glibc, or glibc refused a value.
+    Unavailable,
+}
+
+/// Sets the thresholds once at start-up (see the module docs); `env` is the process environment
+/// (passed in so tests do not depend on the real one).
+pub fn tune_for_serving(env: &[(String, String)]) -> Tuning {
+    let operator = env.iter().any(|(k, v)| {
+        (k == "GLIBC_TUNABLES" && v.contains("glibc.malloc.")) || (k.starts_with("MALLOC_") && k.ends_with('_'))
+    });
+    if operator {
+        return Tuning::LeftToEnvironment;
+    }
+    apply()
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn apply() -> Tuning {
+    let (Ok(mmap), Ok(trim)) = (i32::try_from(MMAP_THRESHOLD), i32::try_from(TRIM_THRESHOLD)) else {
+        return Tuning::Unavailable;
+    };
+    // SAFETY: mallopt only changes parameters of the allocator (it takes its own lock); it is
+    // given values inside the ranges glibc documents, and no memory is handed over.
+    let ok =
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, mmap) == 1 && libc::mallopt(libc::M_TRIM_THRESHOLD, trim) == 1 };
+    if ok { Tuning::Applied } else { Tuning::Unavailable }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn apply() -> Tuning {
+    Tuning::Unavailable
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_operators_malloc_settings_are_left_alone() {
+        let env = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        assert_eq!(
+            tune_for_serving(&env("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")),
+            Tuning::LeftToEnvironment
+        );
+        assert_eq!(tune_for_serving(&env("MALLOC_ARENA_MAX_", "2")), Tuning::LeftToEnvironment);
+    }
+}
