@@ -793,7 +793,7 @@ impl SmallArrowStream {
                 return;
             }
             if ready.is_empty() {
-                match self.take_ids(&mut ranges) {
+                match ids_of(&mut self.sequence, next_ranges(&mut ranges, IDS_AHEAD)) {
                     Ok(ids) if ids.is_empty() => return,
                     Ok(ids) => ready.extend(ids),
                     Err(e) => return self.fail(e),
@@ -834,28 +834,26 @@ impl SmallArrowStream {
         }
     }
 
-    /// The ids of the next batches (up to [`IDS_AHEAD`]), with their turns and ranges.
-    #[allow(clippy::type_complexity)]
-    fn take_ids(
-        &mut self,
-        ranges: &mut std::iter::Peekable<impl Iterator<Item = (u64, std::ops::Range<u64>)>>,
-    ) -> Result<Vec<(u64, std::ops::Range<u64>, Vec<u64>)>> {
-        next_ranges(ranges, IDS_AHEAD)
-            .into_iter()
-            .map(|(turn, r)| {
-                let ids = self.sequence.range(r.clone())?;
-                if ids.len() as u64 != r.end - r.start {
-                    return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
-                }
-                Ok((turn, r, ids))
-            })
-            .collect()
-    }
-
     fn fail(&self, e: Error) {
         tracing::warn!(dataset = %self.dataset.url, error = %e, "stream failed");
         let _ = self.tx.blocking_send(Err(to_status(e)));
     }
+}
+
+/// A batch whose ids were taken from the plan: its turn, its range in the rank's order, its ids.
+type ReadyBatch = (u64, std::ops::Range<u64>, Vec<u64>);
+
+/// The ids of batches `take` (turns and ranges, in the plan's order: it only moves forward).
+fn ids_of(sequence: &mut plan::RankStream, take: Vec<(u64, std::ops::Range<u64>)>) -> Result<Vec<ReadyBatch>> {
+    take.into_iter()
+        .map(|(turn, r)| {
+            let ids = sequence.range(r.clone())?;
+            if ids.len() as u64 != r.end - r.start {
+                return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
+            }
+            Ok((turn, r, ids))
+        })
+        .collect()
 }
 
 /// The next batches of `ranges` whose ids add up to at most `limit` (always at least one batch,
@@ -1129,7 +1127,7 @@ async fn produce(
     let mut pending = std::collections::VecDeque::with_capacity(depth);
     let mut ranges = (0u64..).zip(batches).peekable();
     // Ids of the next batches, taken from the plan several batches at a time.
-    let mut ready: std::collections::VecDeque<(u64, std::ops::Range<u64>, Vec<u64>)> = Default::default();
+    let mut ready: std::collections::VecDeque<ReadyBatch> = Default::default();
     loop {
         while pending.len() < depth {
             if ready.is_empty() {
@@ -1141,18 +1139,7 @@ async fn produce(
                     break;
                 }
                 let seq = sequence.clone();
-                let ids = blocking(move || {
-                    let mut seq = seq.lock().unwrap_or_else(|p| p.into_inner());
-                    take.into_iter()
-                        .map(|(turn, r)| {
-                            let ids = seq.range(r.clone())?;
-                            if ids.len() as u64 != r.end - r.start {
-                                return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
-                            }
-                            Ok((turn, r, ids))
-                        })
-                        .collect::<Result<Vec<_>>>()
-                });
+                let ids = blocking(move || ids_of(&mut seq.lock().unwrap_or_else(|p| p.into_inner()), take));
                 match ids.await {
                     Ok(ids) => ready.extend(ids),
                     Err(e) => {

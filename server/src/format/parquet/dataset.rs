@@ -129,7 +129,7 @@ impl ParquetDataset {
 pub const DECODE_THREADS: usize = 8;
 
 /// Asked once per process: `available_parallelism` reads the cgroup's CPU quota from /proc and
-/// /sys on every call (open, read, close of several files), which cost ~10% of the daemon's time
+/// /sys on every call (open, read, close of several files), which cost ~14% of the daemon's time
 /// when it was asked once per batch of small rows (bench/PARQUET_PROFILE.md).
 fn decode_threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
