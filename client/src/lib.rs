@@ -426,6 +426,18 @@ impl Drop for BatchStream {
     }
 }
 
+/// The IP address a TCP/TLS daemon address resolves to (its first); none for a Unix socket.
+fn daemon_ip(addr: &Address) -> Result<Option<std::net::IpAddr>, ClientError> {
+    use std::net::ToSocketAddrs;
+    match addr {
+        Address::Unix(_) => Ok(None),
+        Address::Tcp(hp) | Address::Tls(hp) => {
+            let mut found = hp.to_socket_addrs().map_err(|e| ClientError::Rdma(format!("cannot resolve {hp}: {e}")))?;
+            Ok(found.next().map(|a| a.ip()))
+        }
+    }
+}
+
 /// The batch format a stream header announces (`StreamHeader.batch_format`): samples (inline,
 /// shared-memory descriptors of TAR members, packed slots) or Arrow record batches (Parquet); a
 /// format of a newer daemon is an error naming it, before anything is attached or parsed.
@@ -438,12 +450,27 @@ pub fn stream_format(batch_format: i32) -> Result<BatchFormat, ClientError> {
 }
 
 /// Starts a stream and waits for its header (so request errors surface here).
-pub async fn stream(client: &mut Client, mut req: StreamRequest) -> Result<BatchStream, ClientError> {
+pub async fn stream(client: &mut Client, req: StreamRequest) -> Result<BatchStream, ClientError> {
+    stream_from(client, req, None).await
+}
+
+/// As [`stream`], for a client connected to `daemon`: an rdma ring is opened on the interface
+/// that routes to the daemon's host (on another interface, the loopback first of all, the
+/// daemon's writes could not reach it).
+pub async fn stream_from(
+    client: &mut Client,
+    mut req: StreamRequest,
+    daemon: Option<&Address>,
+) -> Result<BatchStream, ClientError> {
     let ring = if req.transport == shardstream_proto::Transport::Rdma as i32 {
         let first = req.start_batch;
-        let (ring, offer) = tokio::task::spawn_blocking(move || rdma::RdmaRing::open(first))
-            .await
-            .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))??;
+        let daemon = daemon.cloned();
+        let (ring, offer) = tokio::task::spawn_blocking(move || {
+            let toward = daemon.as_ref().map(daemon_ip).transpose()?.flatten();
+            rdma::RdmaRing::open(first, toward)
+        })
+        .await
+        .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))??;
         req.rdma_offer = Some(offer);
         Some(ring)
     } else {

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use shardstream_fabric::stream::{RingReceiver, open_endpoint};
+use shardstream_fabric::stream::{RingReceiver, open_endpoint_toward};
 use shardstream_proto::{InlineBatch, RdmaBatch, RdmaOffer};
 
 use crate::ClientError;
@@ -89,8 +89,9 @@ fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
 
 impl RdmaRing {
     /// Opens an endpoint (provider from SHARDSTREAM_FI_PROVIDER / FI_PROVIDER, else libfabric's
-    /// first that can) and registers the ring; returns it with the offer for the request.
-    pub fn open(first_batch: u64) -> Result<(Arc<Self>, RdmaOffer), ClientError> {
+    /// first that can) on the interface that routes to `daemon` when known, and registers the
+    /// ring; returns it with the offer for the request.
+    pub fn open(first_batch: u64, daemon: Option<std::net::IpAddr>) -> Result<(Arc<Self>, RdmaOffer), ClientError> {
         let slot_bytes = std::env::var("SHARDSTREAM_RDMA_SLOT_BYTES")
             .ok()
             .map(|v| {
@@ -98,7 +99,7 @@ impl RdmaRing {
             })
             .transpose()?
             .unwrap_or(DEFAULT_SLOT_BYTES);
-        let ep = open_endpoint(None, 64).map_err(err)?;
+        let ep = open_endpoint_toward(None, 64, daemon).map_err(err)?;
         let rx =
             RingReceiver::new(ep, RDMA_SLOTS, usize::try_from(slot_bytes).map_err(err)?, first_batch).map_err(err)?;
         let o = rx.offer().map_err(err)?;

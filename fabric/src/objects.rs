@@ -14,6 +14,7 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{CStr, c_int, c_void};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -39,6 +40,9 @@ unsafe fn close_fid(fid: *mut ffi::Fid) {
 /// The chosen provider's `fi_info` and its open fabric.
 pub struct Fabric {
     lib: &'static Lib,
+    /// The list fi_getinfo returned (freed on drop).
+    info_list: NonNull<ffi::Info>,
+    /// The entry of that list this fabric, its domains and endpoints are opened from.
     info: NonNull<ffi::Info>,
     fabric: NonNull<ffi::FidFabric>,
     provider: String,
@@ -60,6 +64,20 @@ impl Fabric {
     /// The first provider offering RDM endpoints with messages and RMA writes, restricted to
     /// `provider` (e.g. `"tcp;ofi_rxm"`, `"shm"`) when given, else to [`crate::forced_provider`].
     pub fn open(provider: Option<&str>) -> Result<Arc<Fabric>> {
+        Self::open_toward(provider, None)
+    }
+
+    /// As [`Self::open`], on the interface that routes to `peer` when given.
+    ///
+    /// fi_getinfo lists one entry per interface for socket-based providers (tcp), in an order
+    /// that varies: on a host with a loopback and one veth, the loopback came first. An endpoint
+    /// bound to 127.0.0.1 tells a peer on another host to connect to 127.0.0.1: its writes are
+    /// refused and a stream stalls until its credit deadline. With `peer`, the entry whose
+    /// source address is the one this host routes to `peer` from is used (the route is asked of
+    /// the kernel by connecting a UDP socket, which sends nothing); a list with socket addresses
+    /// of which none is that one is an error naming both. Providers without socket addresses
+    /// (shm) take the first entry.
+    pub fn open_toward(provider: Option<&str>, peer: Option<IpAddr>) -> Result<Arc<Fabric>> {
         let lib = library()?;
         let forced = provider.map(str::to_owned).or_else(crate::forced_provider);
         // SAFETY: fi_dupinfo(NULL) allocates a zeroed fi_info with all attr structs (fi_allocinfo).
@@ -106,6 +124,15 @@ impl Fabric {
                 return Err(Error::NoProvider { provider: forced, detail });
             }
         };
+        let info_list = info;
+        let info = match choose_entry(info_list, peer) {
+            Ok(i) => i,
+            Err(e) => {
+                // SAFETY: the list is ours and not used again.
+                unsafe { (lib.freeinfo)(info_list.as_ptr()) };
+                return Err(e);
+            }
+        };
         // SAFETY: fi_getinfo returned a valid list; we own it until drop. Its attr pointers are
         // non-null for every returned entry (fi_getinfo(3)).
         let (provider, mr_mode, cq_data_size, rx_cq_data, threading) = unsafe {
@@ -124,11 +151,12 @@ impl Fabric {
         let rc = unsafe { (lib.fabric)((*info.as_ptr()).fabric_attr, &mut fabric, ptr::null_mut()) };
         let Some(fabric) = NonNull::new(fabric).filter(|_| rc == 0) else {
             // SAFETY: info is ours and not used again.
-            unsafe { (lib.freeinfo)(info.as_ptr()) };
+            unsafe { (lib.freeinfo)(info_list.as_ptr()) };
             return Err(call_err(lib, "fi_fabric", rc as isize));
         };
         let sread_honours_timeout = !provider.split(';').any(|p| p == "shm");
-        let f = Fabric { lib, info, fabric, provider, mr_mode, cq_data_size, rx_cq_data, sread_honours_timeout };
+        let f =
+            Fabric { lib, info_list, info, fabric, provider, mr_mode, cq_data_size, rx_cq_data, sread_honours_timeout };
         if threading != ffi::FI_THREAD_SAFE {
             return Err(Error::NoProvider {
                 provider: Some(f.provider.clone()),
@@ -170,9 +198,84 @@ impl Drop for Fabric {
         // ours and closed/freed once.
         unsafe {
             close_fid(&mut (*self.fabric.as_ptr()).fid);
-            (self.lib.freeinfo)(self.info.as_ptr());
+            (self.lib.freeinfo)(self.info_list.as_ptr());
         }
     }
+}
+
+/// The entry of `list` to open (see [`Fabric::open_toward`]).
+fn choose_entry(list: NonNull<ffi::Info>, peer: Option<IpAddr>) -> Result<NonNull<ffi::Info>> {
+    let Some(peer) = peer else { return Ok(list) };
+    let mut entries = Vec::new();
+    let mut at = Some(list);
+    while let Some(e) = at {
+        // SAFETY: `e` is an entry of the live list fi_getinfo returned; src_addr points to
+        // src_addrlen bytes when non-null (fi_getinfo(3)).
+        let (next, addr) = unsafe {
+            let i = e.as_ref();
+            (NonNull::new(i.next), socket_ip(i.src_addr, i.src_addrlen))
+        };
+        entries.push((e, addr));
+        at = next;
+    }
+    if entries.iter().all(|(_, a)| a.is_none()) {
+        return Ok(list);
+    }
+    let source = route_source(peer)?;
+    entries.iter().find(|(_, a)| *a == Some(source)).map(|(e, _)| *e).ok_or_else(|| {
+        let offered: Vec<String> = entries.iter().filter_map(|(_, a)| a.map(|a| a.to_string())).collect();
+        Error::NoProvider {
+            provider: None,
+            detail: format!(
+                "this host reaches {peer} from {source}, but libfabric offers no interface with that address \
+                 (it offers {}); is the interface up?",
+                offered.join(", ")
+            ),
+        }
+    })
+}
+
+/// The local address this host sends to `peer` from (the kernel's route; nothing is sent).
+pub fn route_source(peer: IpAddr) -> Result<IpAddr> {
+    let any: IpAddr = if peer.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+    let route = || -> std::io::Result<IpAddr> {
+        let s = std::net::UdpSocket::bind((any, 0))?;
+        s.connect((peer, 9))?;
+        Ok(s.local_addr()?.ip())
+    };
+    route().map_err(|e| Error::NoProvider { provider: None, detail: format!("no route from this host to {peer}: {e}") })
+}
+
+/// The IP address of a `sockaddr_in`/`sockaddr_in6` of `len` bytes at `addr`, if it is one.
+///
+/// # Safety
+/// `addr` is null or points to `len` readable bytes.
+pub unsafe fn socket_ip(addr: *const c_void, len: usize) -> Option<IpAddr> {
+    if addr.is_null() || len < std::mem::size_of::<libc::sa_family_t>() {
+        return None;
+    }
+    // SAFETY: the caller guarantees `len` readable bytes; each read below is checked against
+    // `len` first and is unaligned-safe.
+    unsafe {
+        let family = ptr::read_unaligned(addr.cast::<libc::sa_family_t>());
+        match i32::from(family) {
+            libc::AF_INET if len >= std::mem::size_of::<libc::sockaddr_in>() => {
+                let sa = ptr::read_unaligned(addr.cast::<libc::sockaddr_in>());
+                Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr))))
+            }
+            libc::AF_INET6 if len >= std::mem::size_of::<libc::sockaddr_in6>() => {
+                let sa = ptr::read_unaligned(addr.cast::<libc::sockaddr_in6>());
+                Some(IpAddr::V6(Ipv6Addr::from(sa.sin6_addr.s6_addr)))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The IP address in an endpoint name (`fi_getname`) of a socket-based provider, if it is one.
+pub fn name_ip(name: &[u8]) -> Option<IpAddr> {
+    // SAFETY: the slice's bytes are readable.
+    unsafe { socket_ip(name.as_ptr().cast(), name.len()) }
 }
 
 /// A domain (one NIC, or the provider's loopback) of a fabric.
@@ -825,4 +928,52 @@ fn memlock_limit() -> String {
         return "unknown".into();
     }
     if r.rlim_cur == libc::RLIM_INFINITY { "unlimited".into() } else { format!("{} KiB", r.rlim_cur / 1024) }
+}
+
+#[cfg(test)]
+mod address_tests {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+    use super::{name_ip, route_source};
+
+    /// The bytes of a `sockaddr_in`/`sockaddr_in6` for `a`, as tcp's `fi_getname` gives them.
+    fn sockaddr(a: SocketAddr) -> Vec<u8> {
+        match a {
+            SocketAddr::V4(v4) => {
+                // SAFETY: an all-zero sockaddr_in is valid; its fields are set below.
+                let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+                sa.sin_family = libc::AF_INET as libc::sa_family_t;
+                sa.sin_port = v4.port().to_be();
+                sa.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
+                // SAFETY: sa is a plain C struct of that many bytes.
+                unsafe { std::slice::from_raw_parts((&raw const sa).cast::<u8>(), size_of_val(&sa)) }.to_vec()
+            }
+            SocketAddr::V6(v6) => {
+                // SAFETY: as above.
+                let mut sa: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+                sa.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                sa.sin6_port = v6.port().to_be();
+                sa.sin6_addr.s6_addr = v6.ip().octets();
+                // SAFETY: as above.
+                unsafe { std::slice::from_raw_parts((&raw const sa).cast::<u8>(), size_of_val(&sa)) }.to_vec()
+            }
+        }
+    }
+
+    #[test]
+    fn endpoint_names_give_their_ip_and_anything_else_none() {
+        let v4: SocketAddr = "10.231.0.2:44043".parse().unwrap();
+        assert_eq!(name_ip(&sockaddr(v4)), Some(IpAddr::V4(Ipv4Addr::new(10, 231, 0, 2))));
+        let v6: SocketAddr = "[fd00::2]:7".parse().unwrap();
+        assert_eq!(name_ip(&sockaddr(v6)), Some("fd00::2".parse::<Ipv6Addr>().unwrap().into()));
+        // Truncated, empty, or another family (an shm name is a string): no address.
+        assert_eq!(name_ip(&sockaddr(v4)[..8]), None);
+        assert_eq!(name_ip(&[]), None);
+        assert_eq!(name_ip(b"fi_shm://1234"), None);
+    }
+
+    #[test]
+    fn the_route_to_the_loopback_starts_on_the_loopback() {
+        assert_eq!(route_source(Ipv4Addr::LOCALHOST.into()).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
 }

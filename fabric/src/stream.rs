@@ -46,7 +46,17 @@ pub type StreamResult<T> = std::result::Result<T, StreamError>;
 
 /// Opens fabric, domain, completion queue and endpoint for one side.
 pub fn open_endpoint(provider: Option<&str>, contexts: usize) -> crate::Result<Endpoint> {
-    let fabric = Fabric::open(provider)?;
+    open_endpoint_toward(provider, contexts, None)
+}
+
+/// As [`open_endpoint`], on the interface that routes to `peer` ([`Fabric::open_toward`]): what
+/// a side whose peer is on another host must use, or it may offer that peer a loopback address.
+pub fn open_endpoint_toward(
+    provider: Option<&str>,
+    contexts: usize,
+    peer: Option<std::net::IpAddr>,
+) -> crate::Result<Endpoint> {
+    let fabric = Fabric::open_toward(provider, peer)?;
     let domain = Domain::open(&fabric)?;
     let cq = CompletionQueue::open(&domain, 1024)?;
     Endpoint::open(&domain, &cq, contexts)

@@ -361,3 +361,27 @@ fn lent_views_hold_their_slots_and_finished_ends_the_drain() {
     drop(held);
     rx.progress(Duration::from_millis(10)).unwrap();
 }
+
+/// An endpoint opened toward a peer is on the interface this host routes to that peer from, not
+/// on whichever interface libfabric lists first (here the host's own interface is listed before
+/// the loopback, so toward 127.0.0.1 the first entry would be wrong). shm has no interfaces: the
+/// peer changes nothing there.
+#[test]
+fn an_endpoint_toward_a_peer_is_on_the_routed_interface() {
+    if !available() {
+        return;
+    }
+    let ip_of = |ep: &shardstream_fabric::Endpoint| {
+        shardstream_fabric::objects::name_ip(&ep.name().expect("endpoint name")).expect("a socket address")
+    };
+    let loopback = std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST);
+    let ep = shardstream_fabric::stream::open_endpoint_toward(Some("tcp"), 16, Some(loopback)).unwrap();
+    assert_eq!(ip_of(&ep), loopback);
+    // Toward an address outside this host, when it has a route to one.
+    let outside = std::net::IpAddr::from(std::net::Ipv4Addr::new(192, 0, 2, 200));
+    if let Ok(source) = shardstream_fabric::objects::route_source(outside) {
+        let ep = shardstream_fabric::stream::open_endpoint_toward(Some("tcp"), 16, Some(outside)).unwrap();
+        assert_eq!(ip_of(&ep), source);
+    }
+    assert!(shardstream_fabric::stream::open_endpoint_toward(Some("shm"), 16, Some(loopback)).is_ok());
+}

@@ -232,8 +232,9 @@ impl Connection {
                 rdma_offer: None,
             };
             let mut c = self.client(py)?;
-            let inner =
-                block_on(py, async move { shardstream_client::stream(&mut c, req).await })?.map_err(to_pyerr)?;
+            let daemon = self.address.clone();
+            let inner = block_on(py, async move { shardstream_client::stream_from(&mut c, req, Some(&daemon)).await })?
+                .map_err(to_pyerr)?;
             let fields = std::sync::Arc::new(inner.header.fields.clone());
             Ok(Stream {
                 header: inner.header.clone(),

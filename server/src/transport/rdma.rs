@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use shardstream_fabric::stream::{Offer, RingSender, open_endpoint};
+use shardstream_fabric::stream::{Offer, RingSender, open_endpoint_toward};
 use shardstream_proto::RdmaOffer;
 
 use crate::{Error, Result};
@@ -82,7 +82,10 @@ impl RdmaHub {
             slot_bytes: offer.slot_bytes,
             provider: provider.clone(),
         };
-        let ep = open_endpoint(Some(&provider), RDMA_WINDOW + offer.slots as usize + 4)
+        // On the interface that routes to the client (its endpoint name is its socket address for
+        // tcp): an endpoint on another interface, the loopback first of all, would be unreachable.
+        let toward = shardstream_fabric::objects::name_ip(&offer.address);
+        let ep = open_endpoint_toward(Some(&provider), RDMA_WINDOW + offer.slots as usize + 4, toward)
             .map_err(|e| Error::invalid(format!("transport \"rdma\": {e}")))?;
         let sender =
             RingSender::new(ep, &o, RDMA_WINDOW).map_err(|e| Error::invalid(format!("transport \"rdma\": {e}")))?;
