@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -168,9 +169,25 @@ class NetnsPair(Hosts):
                 _ip("-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", dev)
                 _ip("-n", ns, "link", "set", dev, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+            self._wait_running()
         except BaseException:
             self.close()
             raise
+
+    def _wait_running(self, timeout: float = 10.0) -> None:
+        """Waits until both ends of the link report operstate UP. The kernel sets it (and
+        IFF_RUNNING) up to a second after the carrier, while packets already flow; libfabric's
+        tcp provider lists only running interfaces, so a trainer started in that second offered
+        the daemon its loopback address (the first rdma stream of a fresh pair stalled)."""
+        deadline = time.monotonic() + timeout
+        ends = ((self.daemon_ns, "veth-d"), (self.trainer_ns, "veth-t"))
+        while True:
+            states = [_ip("-n", ns, "-o", "link", "show", "dev", dev).stdout for ns, dev in ends]
+            if all(" state UP " in st for st in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the veth pair did not come up within {timeout:.0f} s: {states}")
+            time.sleep(0.05)
 
     def daemon_wrap(self) -> list[str]:
         return ["ip", "netns", "exec", self.daemon_ns]

@@ -161,19 +161,12 @@ def test_two_ranks_two_workers_exactly_once_over_rdma(remote: RemoteDaemon, data
     assert st.get("rdma_streams", 0) == 0 and st.get("rdma_ring_bytes", 0) == 0, st
 
 
-def test_sigkilled_trainer_is_reclaimed_and_resumes_exactly(
-    remote: RemoteDaemon, dataset, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_sigkilled_trainer_is_reclaimed_and_resumes_exactly(remote: RemoteDaemon, dataset, tmp_path: Path) -> None:
     root, _ = dataset
-    if remote.hosts.kind == "netns":
-        # Open defect (found 16:31 on branch rdma2, not understood yet): across the namespace
-        # pair, the FIRST rdma stream a fresh daemon serves to a plain Loader stalls (the daemon
-        # ends it after 30 s: "rdma peer returned no credit"); every later stream of the same
-        # daemon runs. Reproduced 3 of 3 times at 16:31-16:38, with this branch and with main's
-        # 0ec6550 build alike (so not the pipelining or the in-place reads), and with the daemon
-        # waiting for each write again; both passed at 15:28 and 16:00. The loopback variant and
-        # the DataLoader test above pass.
-        request.applymarker(pytest.mark.xfail(reason="first rdma stream of a fresh daemon across netns stalls"))
+    # This test's first stream used to stall across the namespace pair (30 s, "no credit"): the
+    # trainer started before its veth reported running, libfabric listed only the loopback, and the
+    # ring was offered at 127.0.0.1. Now the pair is made running first (tests/netns.py), and an
+    # endpoint is opened on the interface that routes to its peer or fails naming both.
 
     def run(out: Path, stop_after: int, state: Path) -> subprocess.CompletedProcess[str]:
         p = remote.trainer(CONSUMER, str(root), remote.addr, str(out), str(stop_after), str(state))
