@@ -37,6 +37,13 @@ pub enum Error {
     #[error("no libfabric provider{} offers reliable datagram endpoints with RMA writes and messages: {detail}",
         provider.as_ref().map(|p| format!(" matching {p:?}")).unwrap_or_default())]
     NoProvider { provider: Option<String>, detail: String },
+    #[error("no route from this host to {peer}: {source}")]
+    NoRoute { peer: std::net::IpAddr, source: std::io::Error },
+    #[error(
+        "this host reaches {peer} from {local}, but libfabric offers no interface with that address (it offers \
+         {offered}); is that interface up and running?"
+    )]
+    NoInterface { peer: std::net::IpAddr, local: std::net::IpAddr, offered: String },
     #[error("{call} failed: {msg} (error {code})")]
     Call { call: &'static str, code: i32, msg: String },
     #[error(

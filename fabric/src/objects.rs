@@ -69,10 +69,12 @@ impl Fabric {
 
     /// As [`Self::open`], on the interface that routes to `peer` when given.
     ///
-    /// fi_getinfo lists one entry per interface for socket-based providers (tcp), in an order
-    /// that varies: on a host with a loopback and one veth, the loopback came first. An endpoint
-    /// bound to 127.0.0.1 tells a peer on another host to connect to 127.0.0.1: its writes are
-    /// refused and a stream stalls until its credit deadline. With `peer`, the entry whose
+    /// fi_getinfo lists one entry per *running* interface for socket-based providers (tcp), in
+    /// the provider's order (here the host's own interface before the loopback; a veth that does
+    /// not report running yet, up to a second after it passes packets, is left out, so the
+    /// loopback can be the only one). An endpoint bound to 127.0.0.1 tells a peer on another host
+    /// to connect to 127.0.0.1: its writes are refused and a stream stalls until its credit
+    /// deadline; on a host with several interfaces the first may be one the peer cannot reach. With `peer`, the entry whose
     /// source address is the one this host routes to `peer` from is used (the route is asked of
     /// the kernel by connecting a UDP socket, which sends nothing); a list with socket addresses
     /// of which none is that one is an error naming both. Providers without socket addresses
@@ -223,15 +225,14 @@ fn choose_entry(list: NonNull<ffi::Info>, peer: Option<IpAddr>) -> Result<NonNul
     }
     let source = route_source(peer)?;
     entries.iter().find(|(_, a)| *a == Some(source)).map(|(e, _)| *e).ok_or_else(|| {
-        let offered: Vec<String> = entries.iter().filter_map(|(_, a)| a.map(|a| a.to_string())).collect();
-        Error::NoProvider {
-            provider: None,
-            detail: format!(
-                "this host reaches {peer} from {source}, but libfabric offers no interface with that address \
-                 (it offers {}); is the interface up?",
-                offered.join(", ")
-            ),
+        let mut offered: Vec<IpAddr> = Vec::new();
+        for a in entries.iter().filter_map(|(_, a)| *a) {
+            if !offered.contains(&a) {
+                offered.push(a);
+            }
         }
+        let offered = offered.iter().map(IpAddr::to_string).collect::<Vec<_>>().join(", ");
+        Error::NoInterface { peer, local: source, offered }
     })
 }
 
@@ -243,7 +244,7 @@ pub fn route_source(peer: IpAddr) -> Result<IpAddr> {
         s.connect((peer, 9))?;
         Ok(s.local_addr()?.ip())
     };
-    route().map_err(|e| Error::NoProvider { provider: None, detail: format!("no route from this host to {peer}: {e}") })
+    route().map_err(|source| Error::NoRoute { peer, source })
 }
 
 /// The IP address of a `sockaddr_in`/`sockaddr_in6` of `len` bytes at `addr`, if it is one.

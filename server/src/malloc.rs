@@ -10,8 +10,9 @@
 //! does not grow, it only shrinks later or less.
 //!
 //! Only `serve` sets them: the Python package's embedded server runs inside the trainer's process,
-//! whose allocator is not the daemon's to tune. An operator's own glibc malloc settings
-//! (`GLIBC_TUNABLES=glibc.malloc.*`, `MALLOC_*_` variables) are left as they are.
+//! whose allocator is not the daemon's to tune. An operator who set either threshold
+//! (`GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...` or `trim_threshold`, or the older
+//! `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`) keeps both as glibc reads them.
 
 /// Blocks smaller than this come from the heap and are reused after being freed: above the few
 /// MiB of one batch's column buffers. glibc's own upper bound for its adaptive threshold.
@@ -24,7 +25,7 @@ pub const TRIM_THRESHOLD: usize = 128 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tuning {
     Applied,
-    /// The operator set glibc's malloc parameters in the environment.
+    /// The operator set a threshold in the environment.
     LeftToEnvironment,
     /// Not glibc, or glibc refused a value.
     Unavailable,
@@ -33,8 +34,10 @@ pub enum Tuning {
 /// Sets the thresholds once at start-up (see the module docs); `env` is the process environment
 /// (passed in so tests do not depend on the real one).
 pub fn tune_for_serving(env: &[(String, String)]) -> Tuning {
-    let operator = env.iter().any(|(k, v)| {
-        (k == "GLIBC_TUNABLES" && v.contains("glibc.malloc.")) || (k.starts_with("MALLOC_") && k.ends_with('_'))
+    let operator = env.iter().any(|(k, v)| match k.as_str() {
+        "GLIBC_TUNABLES" => v.contains("glibc.malloc.mmap_threshold") || v.contains("glibc.malloc.trim_threshold"),
+        "MALLOC_MMAP_THRESHOLD_" | "MALLOC_TRIM_THRESHOLD_" => true,
+        _ => false,
     });
     if operator {
         return Tuning::LeftToEnvironment;
@@ -70,6 +73,9 @@ mod tests {
             tune_for_serving(&env("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")),
             Tuning::LeftToEnvironment
         );
-        assert_eq!(tune_for_serving(&env("MALLOC_ARENA_MAX_", "2")), Tuning::LeftToEnvironment);
+        assert_eq!(tune_for_serving(&env("MALLOC_MMAP_THRESHOLD_", "65536")), Tuning::LeftToEnvironment);
+        // Other malloc settings (debugging ones) do not stop the daemon's thresholds.
+        assert_ne!(tune_for_serving(&env("MALLOC_PERTURB_", "85")), Tuning::LeftToEnvironment);
+        assert_ne!(tune_for_serving(&env("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")), Tuning::LeftToEnvironment);
     }
 }

@@ -2,7 +2,7 @@
 
 The daemon sends each batch as one Arrow IPC stream (schema + one record batch). Over shared
 memory it lies in a slot of the stream's ring, which this process maps read-only:
-``open_batch`` opens it with ``pyarrow.ipc.open_stream`` over that buffer, so every Arrow buffer of
+``BatchReader`` opens it with ``pyarrow`` over that buffer, so every Arrow buffer of
 the record batch points into the mapping (no copy). The buffer object holds the batch's lease on
 its slot; the slot goes back to the daemon once the record batch and every array or memoryview
 made from it are gone.
@@ -84,11 +84,6 @@ class BatchReader:
         if head is None or head[0] != -1 or head[1] <= 0 or 8 + int(head[1]) >= buf.size:
             return
         self._schema, self._prefix = schema, buf.slice(0, 8 + int(head[1]))
-
-
-def open_batch(native: _native.Batch) -> pa.RecordBatch:
-    """The batch's record batch, zero copy over its IPC bytes (the ring slot with shared memory)."""
-    return BatchReader().open(native)
 
 
 def _checked(native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:
