@@ -171,6 +171,38 @@ def table(rounds: list[list[Row]]) -> str:
     return "\n".join(lines)
 
 
+def ceiling(rounds: list[list[Row]], cores: int) -> str:
+    """What a loader that cost no CPU at all could reach, per worker count: every core that can
+    decode (the workers, at most the machine's cores; one at 0 workers, where the trainer decodes)
+    busy decoding at the best peer's measured decode CPU per image. A ratio to the best peer above
+    this ceiling cannot come from the loader; only a cheaper decode could give it."""
+    lines = [
+        "| workers | best peer | its samples/s | its decode CPU per image (ms) | decoding cores | "
+        "ceiling samples/s | ceiling / best peer | shardstream / best peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for workers in sorted({r.workers for rows in rounds for r in rows}):
+        runs = [r for rows in rounds for r in rows if r.workers == workers and r.ok]
+        by_reader: dict[str, list[Row]] = {}
+        for r in runs:
+            by_reader.setdefault(r.reader, []).append(r)
+        peers = {k: v for k, v in by_reader.items() if not k.startswith("shardstream")}
+        if not peers:
+            continue
+        best = max(peers, key=lambda k: report.median([r.samples_per_s for r in peers[k]]))
+        best_sps = report.median([r.samples_per_s for r in peers[best]])
+        per_image = report.median([r.decode_cpu_s / r.samples for r in peers[best] if r.samples])
+        decoding = min(max(workers, 1), cores)
+        top = decoding / per_image if per_image > 0 else 0.0
+        ours = by_reader.get("shardstream", [])
+        ss = f"{report.median([r.samples_per_s for r in ours]) / best_sps:.2f}" if ours and best_sps else "-"
+        lines.append(
+            f"| {workers} | {best} | {best_sps:,.0f} | {per_image * 1e3:.2f} | {decoding} | {top:,.0f} | "
+            f"{top / best_sps:.2f} | {ss} |"
+        )
+    return "\n".join(lines)
+
+
 def render(
     args: argparse.Namespace,
     argv: list[str],
@@ -218,6 +250,16 @@ def render(
         "Loader CPU-s: the difference, i.e. what reading, shuffling and moving batches cost; its share "
         "is of CPU-s/epoch. Peak PSS: the largest over the rounds of the summed PSS of the tree and "
         "daemon.",
+        "",
+        "## How far a loader can move this pipeline",
+        "",
+        "The decode costs the same whoever reads the bytes, so a loader can only give back its own CPU. "
+        "The ceiling below is a loader that costs nothing: every core that can decode (the workers, at "
+        "most the machine's cores; the trainer alone at 0 workers) decoding all the time at the best "
+        "peer's measured decode CPU per image (medians of this run). A ratio above `ceiling / best peer` "
+        "cannot come from reading, shuffling or moving batches, only from a cheaper decode.",
+        "",
+        ceiling(rounds, int(host["nproc"])),
     ]
     return "\n".join(lines) + "\n"
 
