@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=40_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=16, help="ranged GETs in flight for the plain client")
+    ap.add_argument("--part-bytes", type=int, default=s3_bench.DAEMON_PART_BYTES, help="the plain client's GET size")
     ap.add_argument(
         "--config",
         action="append",
@@ -120,7 +121,7 @@ def main() -> None:
         for rnd in range(a.repeat):
             s0 = measure.cpu_seconds(server.proc.pid) or 0.0
             if (Path(s3_bench.ROOT) / "target/release/examples/s3_fetch").exists():
-                plain = s3_bench.plain_client(env, "bench", prefix, a.concurrency)
+                plain = s3_bench.plain_client(env, "bench", prefix, a.concurrency, a.part_bytes)
             else:
                 plain = plain_curl(server, prefix, [p.name for p in shards], a.concurrency)
             plain["server_cpu"] = (measure.cpu_seconds(server.proc.pid) or 0.0) - s0
