@@ -40,7 +40,11 @@ pub const TARGETS: &[(&str, Target)] = &[
 /// daemon indexes a shard once and parses each sample when it serves it: a shard that indexes but
 /// whose samples do not parse fails mid-epoch).
 pub fn tar_index(data: &[u8]) {
-    let Ok(index) = tar::index_tar(Cursor::new(data), data.len() as u64) else { return };
+    let from_reader = tar::index_tar(Cursor::new(data), data.len() as u64);
+    // The daemon indexes node-cache copies from their mapping: the same answer, error or not.
+    let from_memory = tar::index_tar_bytes(data);
+    assert_eq!(format!("{from_reader:?}"), format!("{from_memory:?}"), "indexing from memory disagrees");
+    let Ok(index) = from_reader else { return };
     assert!(index.fits_shard(data.len() as u64), "index does not fit its shard: {index:?}");
     assert!(index.boundaries.windows(2).all(|w| w[0] <= w[1]), "boundaries go back: {index:?}");
     for i in 0..index.num_samples() {

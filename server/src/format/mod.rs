@@ -147,6 +147,21 @@ impl Format {
         }
     }
 
+    /// [`index_shard`](Self::index_shard) of a shard whose bytes are also in memory (`bytes`, a
+    /// mapping of `file`): a TAR's headers are read from memory instead of with a seek and a read
+    /// each. A Parquet file reads only its footer either way.
+    pub fn index_mapped(self, file: &ShardFile, bytes: &[u8]) -> Result<ShardTable> {
+        match self {
+            Format::WebDataset => {
+                // The file was checked to be `file.len` bytes when opened; a mapping that is
+                // shorter still (it cannot be, but) ends in a truncation error, never a panic.
+                let shard = bytes.get(..usize::try_from(file.len).unwrap_or(usize::MAX)).unwrap_or(bytes);
+                tar::index_tar_bytes(shard).map(ShardTable::Tar).map_err(|e| shard_error(file, 0, e))
+            }
+            Format::Parquet => self.index_shard(file),
+        }
+    }
+
     /// The table stored in the sidecar at `path`, if it exists, is of this format, describes the
     /// shard whose identity is `identity`, and fits a shard of `shard_len` bytes. A sidecar with a
     /// valid checksum could still describe ranges past the shard's end: it is never trusted

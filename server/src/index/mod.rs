@@ -168,15 +168,18 @@ impl ResidentShard {
     /// `pread` and this returns None (as it does if mapping fails: reads work the same, slower).
     pub fn cached_bytes(&self) -> Option<&[u8]> {
         self.pin.as_ref()?;
-        self.mapped
-            .get_or_init(|| {
-                // SAFETY: see above: the file is an immutable, pinned node-cache file.
-                let map = unsafe { memmap2::MmapOptions::new().populate().map(&self.file.file) };
-                map.inspect_err(|e| tracing::debug!(shard = %self.file.name, error = %e, "cannot map a cached shard"))
-                    .ok()
-            })
-            .as_deref()
+        self.mapped.get_or_init(|| map_pinned(&self.file)).as_deref()
     }
+}
+
+/// `file` mapped read-only; only for a node-cache copy held by a [`Pin`] for as long as the
+/// mapping lives (see [`ResidentShard::cached_bytes`]). None if the mapping fails.
+fn map_pinned(file: &ShardFile) -> Option<memmap2::Mmap> {
+    // SAFETY: callers pass a published node-cache file they hold pinned: it is immutable (filled
+    // under a temporary name and renamed; evicted by unlink, never truncated or rewritten in
+    // place), so no page of the mapping can go away or change while it lives.
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file.file) };
+    map.inspect_err(|e| tracing::debug!(shard = %file.name, error = %e, "cannot map a cached shard")).ok()
 }
 
 /// What the daemon's datasets share: the node cache and the S3 connection (made on first use).
@@ -570,10 +573,14 @@ impl Dataset {
             }
         };
         let fetched = pin.as_ref().is_some_and(|p| p.filled);
+        let mapped = std::sync::OnceLock::new();
         let table = match self.table(i) {
             Some(t) => t,
             None => {
-                let t = Arc::new(load_table(self.format, meta, &file, self.sidecar_cache.as_deref())?);
+                // A node-cache copy is scanned through its mapping (kept for the resident shard);
+                // a shard read in place is not the daemon's to map (see `cached_bytes`).
+                let bytes = pin.as_ref().and_then(|_| mapped.get_or_init(|| map_pinned(&file)).as_deref());
+                let t = Arc::new(load_table(self.format, meta, &file, bytes, self.sidecar_cache.as_deref())?);
                 self.insert_table(i, t.clone());
                 t
             }
@@ -597,7 +604,7 @@ impl Dataset {
                 reason: format!("holds {} samples but manifest.json says {}", table.num_samples(), meta.samples),
             });
         }
-        let resident = Arc::new(ResidentShard { file, table, pin, mapped: std::sync::OnceLock::new() });
+        let resident = Arc::new(ResidentShard { file, table, pin, mapped });
         let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         if t.open.len() > 2 * MAX_RESIDENT_TABLES {
             t.open.retain(|_, w| w.strong_count() > 0);
@@ -1019,8 +1026,15 @@ fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
 }
 
 /// The shard's member table: from the manifest's sidecar, the daemon's sidecar cache, or a
-/// scan by its format (whose result is then saved in the sidecar cache).
-fn load_table(format: Format, meta: &ShardMeta, file: &ShardFile, cache: Option<&Path>) -> Result<ShardTable> {
+/// scan by its format (of `mapped`, the file's bytes, when given; whose result is then saved in
+/// the sidecar cache).
+fn load_table(
+    format: Format,
+    meta: &ShardMeta,
+    file: &ShardFile,
+    mapped: Option<&[u8]>,
+    cache: Option<&Path>,
+) -> Result<ShardTable> {
     let identity = meta.identity();
     let candidates = meta.sidecar.clone().into_iter().chain(cache.map(|c| cache_sidecar_path(c, meta)));
     for path in candidates {
@@ -1030,7 +1044,10 @@ fn load_table(format: Format, meta: &ShardMeta, file: &ShardFile, cache: Option<
             Err(e) => tracing::warn!(sidecar = %path.display(), error = %e, "ignoring the sidecar, rescanning"),
         }
     }
-    let table = format.index_shard(file)?;
+    let table = match mapped {
+        Some(bytes) => format.index_mapped(file, bytes)?,
+        None => format.index_shard(file)?,
+    };
     if let Some(cache) = cache {
         let path = cache_sidecar_path(cache, meta);
         let saved = std::fs::create_dir_all(cache).and_then(|()| table.write_sidecar(&path, &identity));
@@ -1119,7 +1136,9 @@ fn scan_one(
                     let pin = fetch_into(node, backends, meta, key, Want::NOW)?
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                     let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
-                    load_table(format, meta, &file, cache)?
+                    // Dropped before `pin` (declared after it), which keeps the copy immutable.
+                    let mapped = map_pinned(&file);
+                    load_table(format, meta, &file, mapped.as_deref(), cache)?
                 }
             };
             let content = digest(&table, None)?;
@@ -1130,7 +1149,7 @@ fn scan_one(
                 return Err(Error::Internal(format!("{} needs the node cache", meta.url())));
             };
             let file = ShardFile::open(path.clone(), meta.len)?;
-            let table = load_table(format, meta, &file, cache)?;
+            let table = load_table(format, meta, &file, None, cache)?;
             let content = digest(&table, Some(&file))?;
             Ok((table, content, false))
         }

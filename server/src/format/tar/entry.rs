@@ -338,9 +338,12 @@ impl<R: Read + Seek> Source for ReaderSource<R> {
     }
 }
 
-/// Reads headers from one in-memory sample: everything borrowed from the buffer.
+/// Reads headers from bytes in memory (one sample, or a whole mapped shard): everything
+/// borrowed from the buffer.
 pub(super) struct SliceSource<'a> {
     pub(super) buf: &'a [u8],
+    /// How error messages call the end of `buf`.
+    pub(super) scope: &'static str,
 }
 
 impl<'a> SliceSource<'a> {
@@ -366,7 +369,7 @@ impl Source for SliceSource<'_> {
     }
 
     fn scope(&self) -> &'static str {
-        "sample's byte range"
+        self.scope
     }
 
     fn block(&mut self, offset: u64) -> Result<&Block, TarError> {

@@ -32,7 +32,7 @@ pub struct Member<'a> {
 /// members. Payloads are not copied: each member says where its bytes lie in `buf`. Error offsets
 /// are relative to `buf`; see [`TarError::with_base`].
 pub fn parse_sample(buf: &[u8]) -> Result<SampleView<'_>, TarError> {
-    let mut src = SliceSource { buf };
+    let mut src = SliceSource { buf, scope: "sample's byte range" };
     let mut key: Option<Cow<'_, str>> = None;
     let mut members: Vec<Member<'_>> = Vec::with_capacity(TYPICAL_MEMBERS);
     let mut offset = 0;

@@ -100,8 +100,12 @@ fn end_marker(bytes: &mut Vec<u8>) {
     bytes.extend_from_slice(&[0; 1024]);
 }
 
+/// Indexes `bytes` both ways the daemon does (from a file, from a mapping), which must agree.
 fn index(bytes: &[u8]) -> Result<TarIndex, TarError> {
-    index_tar(Cursor::new(bytes), bytes.len() as u64)
+    let from_reader = index_tar(Cursor::new(bytes), bytes.len() as u64);
+    let from_memory = index_tar_bytes(bytes);
+    assert_eq!(format!("{from_reader:?}"), format!("{from_memory:?}"), "indexing from memory disagrees");
+    from_reader
 }
 
 type Parsed = Vec<(String, Vec<(String, Vec<u8>)>)>;
@@ -689,7 +693,7 @@ proptest! {
 
     #[test]
     fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..3000), claimed in 0u64..10_000) {
-        let _ = index_tar(Cursor::new(&bytes), bytes.len() as u64);
+        let _ = index(&bytes);
         let _ = index_tar(Cursor::new(&bytes), claimed);
         let _ = parse_sample(&bytes);
     }
@@ -708,6 +712,7 @@ proptest! {
             bytes[at] ^= x;
         }
         bytes.truncate(cut.index(bytes.len() + 1));
+        let _ = index(&bytes);
         for claimed in [bytes.len() as u64, bytes.len() as u64 + extra_len] {
             if let Ok(ix) = index_tar(Cursor::new(&bytes), claimed) {
                 for i in 0..ix.num_samples() {
