@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,40 @@ def test_env_address_and_rank_defaults(daemon, dataset, monkeypatch) -> None:
     assert loader.address == daemon.addr and (loader.rank, loader.world_size) == (1, 2)
     n = sum(len(b["__key__"]) for b in loader)
     assert n == -(-len(samples) // 2)
+
+
+def _in_fresh_python(code: str, env: dict[str, str]) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()
+
+
+def test_a_loader_does_not_import_torch(daemon, dataset) -> None:
+    # Asking torch.distributed for the rank imported torch (1.5-2 s and ~2 CPU-s here) in every
+    # process that had not: a JAX or plain-numpy trainer, or a consumer timing its first batch.
+    root, _ = dataset
+    code = (
+        "import sys, shardstream\n"
+        f"loader = shardstream.Loader({str(root)!r}, batch_size=100, connect={daemon.addr!r})\n"
+        "print(loader.rank, loader.world_size, 'torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    assert _in_fresh_python(code, env) == "0 1 False"
+
+
+def test_rank_defaults_come_from_an_initialized_process_group(daemon, dataset, tmp_path) -> None:
+    # torch.distributed, once the trainer has initialized it, wins over RANK / WORLD_SIZE.
+    root, _ = dataset
+    code = (
+        "import torch.distributed as dist, shardstream\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/pg', rank=0, world_size=1)\n"
+        f"loader = shardstream.Loader({str(root)!r}, batch_size=100, connect={daemon.addr!r})\n"
+        "print(loader.rank, loader.world_size)\n"
+    )
+    assert _in_fresh_python(code, {**os.environ, "RANK": "3", "WORLD_SIZE": "5"}) == "0 1"
 
 
 def test_brace_pattern_and_file_url(daemon, dataset) -> None:
