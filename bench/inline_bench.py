@@ -119,6 +119,10 @@ class TcpDaemon:
 
 def child_main(addr: str, url: str, field: str, batch: int, transport: str) -> None:
     """One epoch in this (fresh) process; prints the result as JSON."""
+    # Library imports are not timed (as in run.py): builds before fcb583d imported torch inside
+    # Loader() to ask torch.distributed for the rank, 1.5-2 s that would swamp the transport.
+    import torch.distributed  # noqa: F401
+
     import shardstream
 
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -211,7 +215,9 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=30_000, help="~18 KiB samples")
-    ap.add_argument("--large", type=int, default=600, help="1 MiB samples")
+    # 2.4 GiB: an epoch of over a second at the TCP floor's rate, so connecting, opening the
+    # dataset and the first batch (~0.1 s) weigh little, as iperf3's 3 s of steady state.
+    ap.add_argument("--large", type=int, default=2400, help="1 MiB samples")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
     ap.add_argument("--transport", action="append", choices=["inline", "rdma"], help="default: inline and rdma")
@@ -285,8 +291,9 @@ def main() -> None:
         "",
         f"- Machine: {os.cpu_count()} CPUs; load average before {' '.join(f'{x:.2f}' for x in load_before)},"
         f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
-        f"- Daemon on tcp://127.0.0.1, warm; consumer in a fresh process per epoch, 0 workers, the common"
-        f" consumer (bench/consumer.py). Small: {args.samples:,} samples of 18 KiB + label, batch {SMALL_BATCH};"
+        f"- Daemon on tcp://127.0.0.1, warm; consumer in a fresh process per epoch (library imports, torch"
+        " included, before the clock starts), 0 workers, the common consumer (bench/consumer.py)."
+        f" Small: {args.samples:,} samples of 18 KiB + label, batch {SMALL_BATCH};"
         f" large: {args.large:,} samples of 1 MiB + label, batch {LARGE_BATCH}. GB = 10^9 B of payload.",
         f"- TCP floor: {floor_how}, {IPERF_SECONDS} s per round: {spread(floors, '.2f')} GB/s.",
         f"- rdma: libfabric's tcp provider (`{RDMA_ENV['SHARDSTREAM_FI_PROVIDER']}`), ring slots of"
