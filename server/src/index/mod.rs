@@ -168,17 +168,23 @@ impl ResidentShard {
     /// `pread` and this returns None (as it does if mapping fails: reads work the same, slower).
     pub fn cached_bytes(&self) -> Option<&[u8]> {
         self.pin.as_ref()?;
-        self.mapped.get_or_init(|| map_pinned(&self.file)).as_deref()
+        self.mapped.get_or_init(|| map_pinned(&self.file, true)).as_deref()
     }
 }
 
 /// `file` mapped read-only; only for a node-cache copy held by a [`Pin`] for as long as the
-/// mapping lives (see [`ResidentShard::cached_bytes`]). None if the mapping fails.
-fn map_pinned(file: &ShardFile) -> Option<memmap2::Mmap> {
+/// mapping lives (see [`ResidentShard::cached_bytes`]). `populate`: fault every page in now (for
+/// serving, which reads them all); without it only the pages touched are (a header scan, which
+/// must not read a whole shard that has left the page cache). None if the mapping fails.
+fn map_pinned(file: &ShardFile, populate: bool) -> Option<memmap2::Mmap> {
+    let mut options = memmap2::MmapOptions::new();
+    if populate {
+        options.populate();
+    }
     // SAFETY: callers pass a published node-cache file they hold pinned: it is immutable (filled
     // under a temporary name and renamed; evicted by unlink, never truncated or rewritten in
     // place), so no page of the mapping can go away or change while it lives.
-    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file.file) };
+    let map = unsafe { options.map(&file.file) };
     map.inspect_err(|e| tracing::debug!(shard = %file.name, error = %e, "cannot map a cached shard")).ok()
 }
 
@@ -573,14 +579,13 @@ impl Dataset {
             }
         };
         let fetched = pin.as_ref().is_some_and(|p| p.filled);
-        let mapped = std::sync::OnceLock::new();
         let table = match self.table(i) {
             Some(t) => t,
             None => {
-                // A node-cache copy is scanned through its mapping (kept for the resident shard);
-                // a shard read in place is not the daemon's to map (see `cached_bytes`).
-                let bytes = pin.as_ref().and_then(|_| mapped.get_or_init(|| map_pinned(&file)).as_deref());
-                let t = Arc::new(load_table(self.format, meta, &file, bytes, self.sidecar_cache.as_deref())?);
+                // A node-cache copy is scanned through a mapping (dropped before `pin`); a shard
+                // read in place is not the daemon's to map (see `cached_bytes`).
+                let scan = pin.as_ref().and_then(|_| map_pinned(&file, false));
+                let t = Arc::new(load_table(self.format, meta, &file, scan.as_deref(), self.sidecar_cache.as_deref())?);
                 self.insert_table(i, t.clone());
                 t
             }
@@ -604,7 +609,7 @@ impl Dataset {
                 reason: format!("holds {} samples but manifest.json says {}", table.num_samples(), meta.samples),
             });
         }
-        let resident = Arc::new(ResidentShard { file, table, pin, mapped });
+        let resident = Arc::new(ResidentShard { file, table, pin, mapped: std::sync::OnceLock::new() });
         let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         if t.open.len() > 2 * MAX_RESIDENT_TABLES {
             t.open.retain(|_, w| w.strong_count() > 0);
@@ -1137,7 +1142,7 @@ fn scan_one(
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                     let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
                     // Dropped before `pin` (declared after it), which keeps the copy immutable.
-                    let mapped = map_pinned(&file);
+                    let mapped = map_pinned(&file, false);
                     load_table(format, meta, &file, mapped.as_deref(), cache)?
                 }
             };
