@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import consumer  # noqa: E402
 import measure  # noqa: E402
+import report  # noqa: E402
 import shm_bench  # noqa: E402
 from daemon import CLI, env_for  # noqa: E402
 
@@ -205,10 +206,6 @@ def socket_pair_gbps(total: int = 4 << 30) -> float:
     return total / 1e9 / (time.perf_counter() - t0)
 
 
-def spread(xs: list[float], fmt: str) -> str:
-    return f"{format(statistics.median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
@@ -295,7 +292,7 @@ def main() -> None:
         " included, before the clock starts), 0 workers, the common consumer (bench/consumer.py)."
         f" Small: {args.samples:,} samples of 18 KiB + label, batch {SMALL_BATCH};"
         f" large: {args.large:,} samples of 1 MiB + label, batch {LARGE_BATCH}. GB = 10^9 B of payload.",
-        f"- TCP floor: {floor_how}, {IPERF_SECONDS} s per round: {spread(floors, '.2f')} GB/s.",
+        f"- TCP floor: {floor_how}, {IPERF_SECONDS} s per round: {report.spread(floors, '.2f')} GB/s.",
         f"- rdma: libfabric's tcp provider (`{RDMA_ENV['SHARDSTREAM_FI_PROVIDER']}`), ring slots of"
         f" {int(RDMA_ENV['SHARDSTREAM_RDMA_SLOT_BYTES']) >> 20} MiB, same daemon as inline.",
         *([rdma_note] if rdma_note else []),
@@ -309,8 +306,8 @@ def main() -> None:
         daemon_cpu = statistics.median(r["daemon_cpu"] * 1e9 / r["bytes"] for r in runs)
         client_cpu = statistics.median(r["client_cpu"] * 1e9 / r["bytes"] for r in runs)
         lines.append(
-            f"| {name} | {t} | {ds} | {spread([rate(r) for r in runs], ',.0f')}"
-            f" | {spread([gbps(r) for r in runs], '.2f')}"
+            f"| {name} | {t} | {ds} | {report.spread([rate(r) for r in runs], ',.0f')}"
+            f" | {report.spread([gbps(r) for r in runs], '.2f')}"
             f" | {statistics.median(ratios):.2f} | {daemon_cpu:.2f} | {client_cpu:.2f} | {checks} |"
         )
     ratio_lines: list[str] = []
@@ -319,20 +316,20 @@ def main() -> None:
             if (name, "rdma", ds) in results and (name, "inline", ds) in results:
                 pairs = zip(results[(name, "rdma", ds)], results[(name, "inline", ds)], strict=True)
                 rs = [rate(a) / rate(b) for a, b in pairs]
-                ratio_lines.append(f"- {name}, {ds}: rdma / inline = {spread(rs, '.2f')}")
+                ratio_lines.append(f"- {name}, {ds}: rdma / inline = {report.spread(rs, '.2f')}")
     for name in list(builds)[1:]:
         for t in transports:
             for ds in datasets:
                 this, other = results.get(("this build", t, ds)), results.get((name, t, ds))
                 if this and other:
                     rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
-                    ratio_lines.append(f"- {t}, {ds}: this build / {name} = {spread(rs, '.2f')}")
+                    ratio_lines.append(f"- {t}, {ds}: this build / {name} = {report.spread(rs, '.2f')}")
         # The issue's gate: this build's rdma against the other build's inline.
         for ds in datasets:
             this, other = results.get(("this build", "rdma", ds)), results.get((name, "inline", ds))
             if this and other:
                 rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
-                ratio_lines.append(f"- {ds}: this build's rdma / {name}'s inline = {spread(rs, '.2f')}")
+                ratio_lines.append(f"- {ds}: this build's rdma / {name}'s inline = {report.spread(rs, '.2f')}")
     if ratio_lines:
         lines += ["", "Per-round ratios of samples/s (median, min-max):", "", *ratio_lines]
     text = "\n".join(lines) + "\n"

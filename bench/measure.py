@@ -190,6 +190,12 @@ def _first_line_with(path: str, prefix: str) -> str:
     return ""
 
 
+def meminfo_gb(field: str) -> float:
+    """A /proc/meminfo field (`MemTotal`, `Cached`, ...) in GB (10^9 B); NaN where there is none."""
+    kib = _first_line_with("/proc/meminfo", field + ":").split()
+    return int(kib[0]) * 1024 / 1e9 if kib else float("nan")
+
+
 def machine() -> dict[str, str]:
     mem_kib = _first_line_with("/proc/meminfo", "MemTotal").split()
     load = os.getloadavg()

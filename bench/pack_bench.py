@@ -41,6 +41,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+import report  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 # Bump when the generated tree changes (the cache directory name changes with it).
@@ -257,9 +258,8 @@ def main() -> None:
     ]
     for name, _fn in tools:
         wall, sync = results[name]
-        w = sorted(walls[name])
         lines.append(
-            f"| {name} | {wall:.2f} | {w[len(w) // 2]:.2f} ({w[0]:.2f}-{w[-1]:.2f}) | {files / wall:,.0f} "
+            f"| {name} | {wall:.2f} | {report.spread(walls[name], '.2f')} | {files / wall:,.0f} "
             f"| {payload / 1e6 / wall:,.0f} | {wall + sync:.2f} | {sw / wall:.2f}x | {tar / wall:.2f}x |"
         )
     per_round = [t / p for t, p in zip(walls["GNU tar cf"], walls["shardstream pack"], strict=True)]
@@ -273,7 +273,7 @@ def main() -> None:
         "",
         "shardstream pack against `tar cf` within each round (tar's wall time over pack's; pack's includes "
         "the fsync of every shard, tar's none): " + ", ".join(f"{x:.2f}x" for x in per_round) + "; median "
-        f"{sorted(per_round)[len(per_round) // 2]:.2f}x.",
+        f"{report.median(per_round):.2f}x.",
     ]
     if s3_wall is not None and raw_put is not None:
         mbps = payload / 1e6 / s3_wall

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import consumer  # noqa: E402
 import gen  # noqa: E402
 import measure  # noqa: E402
+import report  # noqa: E402
 from s3server import SECRET_KEY as S3_SECRET  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
@@ -92,26 +93,6 @@ def loader_epoch(addr: str, url: str, epoch: int, expected: int | None) -> dict[
     loader = shardstream.Loader(url, batch_size=BATCH, shuffle=True, seed=0, connect=addr)
     loader.set_epoch(epoch)
     return consume((b["jpg"] for b in loader), expected, t0)
-
-
-def page_cache_gb() -> float:
-    """The kernel's page cache (`Cached` in /proc/meminfo), GB: a cold epoch writes every byte it
-    downloads into the node cache, and when the page cache already fills memory each new page
-    costs a reclaim first, which the plain client (bytes discarded) never pays."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("Cached:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    return float("nan")
-
-
-def mem_total_gb() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    except (ValueError, OSError):
-        return float("nan")
 
 
 def fmt(x: float, digits: int = 0) -> str:
@@ -319,7 +300,10 @@ def main() -> None:
         rounds: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             load = os.getloadavg()[0]
-            cached_gb = page_cache_gb()
+            # A cold epoch writes every byte it downloads into the node cache: with the page cache
+            # already filling memory each new page costs a reclaim, which the plain client (bytes
+            # discarded) never pays. Recorded so a run can be read against it.
+            cached_gb = measure.meminfo_gb("Cached")
             plain = plain_run()
             print(f"round {rnd + 1}: plain client {plain['mb_per_s']:.0f} MB/s (load {load:.2f})", flush=True)
             d = scratch / f"cold-{rnd}"
@@ -421,17 +405,6 @@ def main() -> None:
     write_report(args, spec, rows, shard_bytes, len(shard_files), load_before)
 
 
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
-def spread(xs: list[float], digits: int = 0) -> str:
-    """median (min-max)"""
-    return f"{fmt(median(xs), digits)} ({fmt(min(xs), digits)}-{fmt(max(xs), digits)})"
-
-
 def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -> None:
     rounds, tiny = rows["rounds"], rows["tiny"]
     # The round whose cold epoch is the median one stands for the rows quoted once (peers, checks).
@@ -461,7 +434,7 @@ def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -
         "",
         f"- Method: {len(rounds)} interleaved rounds of (plain client, then a cold and a warm epoch on a fresh"
         " daemon with an empty cache); load average (1 min) and the kernel's page cache (GB of"
-        f" {mem_total_gb():.0f}) at the start of each round: "
+        f" {measure.meminfo_gb('MemTotal'):.0f}) at the start of each round: "
         + ", ".join(f"{r['load']:.2f} and {r['cached_gb']:.1f} GB" for r in rounds)
         + ". Cells: median (min-max) over the rounds; the ratio is taken within each round. The plain client"
         f" makes {args.part_bytes >> 20} MiB ranged GETs, the daemon's default part size, so both make the same"
@@ -470,16 +443,17 @@ def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -
         "| measurement | value | ratio |",
         "|---|---|---|",
         f"| plain client, {args.concurrency} concurrent ranged GETs of {args.part_bytes >> 20} MiB (`s3_fetch`) |"
-        f" {spread(plain_mbps)} MB/s; {median(plain_gets):.0f} GETs; server busy {spread(plain_busy, 2)} of"
-        f" {os.cpu_count()} cores | 1.00 |",
+        f" {report.spread(plain_mbps, ',.0f')} MB/s; {report.median(plain_gets):.0f} GETs;"
+        f" server busy {report.spread(plain_busy, ',.2f')} of {os.cpu_count()} cores | 1.00 |",
         f"| shardstream cold epoch (empty cache, shuffled, every sample checked: {', '.join(checks)}) |"
-        f" {spread(cold_mbps)} MB/s of shards; {median(cold_gets):.0f} GETs; server busy {spread(cold_busy, 2)}"
-        f" cores | {spread(ratios, 2)} of the plain client, per round: {', '.join(f'{x:.2f}' for x in ratios)} |",
-        f"| S3 requests in the cold epoch | {median(cold_gets):.0f} for {shards} shards |"
-        f" {median(cold_gets) / shards:.2f} per shard |",
-        f"| shardstream warm epoch (node cache) | {spread(warm_sps)} samples/s,"
+        f" {report.spread(cold_mbps, ',.0f')} MB/s of shards; {report.median(cold_gets):.0f} GETs;"
+        f" server busy {report.spread(cold_busy, ',.2f')} cores | {report.spread(ratios, ',.2f')} of the plain"
+        f" client, per round: {', '.join(f'{x:.2f}' for x in ratios)} |",
+        f"| S3 requests in the cold epoch | {report.median(cold_gets):.0f} for {shards} shards |"
+        f" {report.median(cold_gets) / shards:.2f} per shard |",
+        f"| shardstream warm epoch (node cache) | {report.spread(warm_sps, ',.0f')} samples/s,"
         f" {fmt(downloaded / 1e6)} MB downloaded (most of any round) |"
-        f" {spread(warm_x, 1)}x the cold epoch's speed |",
+        f" {report.spread(warm_x, ',.1f')}x the cold epoch's speed |",
         f"| time to first batch, {tiny['shards']:,} shards with manifest ({tiny['shard_bytes']:,} B each) |"
         f" {tiny['ttfb']:.2f} s | |",
         f"| S3 requests for that epoch ({tiny['samples']:,} of {tiny['expected']:,} samples) |"

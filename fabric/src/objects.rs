@@ -74,11 +74,11 @@ impl Fabric {
     /// not report running yet, up to a second after it passes packets, is left out, so the
     /// loopback can be the only one). An endpoint bound to 127.0.0.1 tells a peer on another host
     /// to connect to 127.0.0.1: its writes are refused and a stream stalls until its credit
-    /// deadline; on a host with several interfaces the first may be one the peer cannot reach. With `peer`, the entry whose
-    /// source address is the one this host routes to `peer` from is used (the route is asked of
-    /// the kernel by connecting a UDP socket, which sends nothing); a list with socket addresses
-    /// of which none is that one is an error naming both. Providers without socket addresses
-    /// (shm) take the first entry.
+    /// deadline; on a host with several interfaces the first may be one the peer cannot reach.
+    /// With `peer`, the entry whose source address is the one this host routes to `peer` from is
+    /// used (the route is asked of the kernel by connecting a UDP socket, which sends nothing); a
+    /// list with socket addresses of which none is that one is an error naming both. Providers
+    /// without socket addresses (shm) take the first entry.
     pub fn open_toward(provider: Option<&str>, peer: Option<IpAddr>) -> Result<Arc<Fabric>> {
         let lib = library()?;
         let forced = provider.map(str::to_owned).or_else(crate::forced_provider);

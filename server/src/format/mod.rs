@@ -153,8 +153,8 @@ impl Format {
     pub fn index_mapped(self, file: &ShardFile, bytes: &[u8]) -> Result<ShardTable> {
         match self {
             Format::WebDataset => {
-                // The file was checked to be `file.len` bytes when opened; a mapping that is
-                // shorter still (it cannot be, but) ends in a truncation error, never a panic.
+                // The file was `file.len` bytes when opened and a cache copy never changes; a
+                // shorter mapping would still end in a truncation error naming the shard.
                 let shard = bytes.get(..usize::try_from(file.len).unwrap_or(usize::MAX)).unwrap_or(bytes);
                 tar::index_tar_bytes(shard).map(ShardTable::Tar).map_err(|e| shard_error(file, 0, e))
             }
