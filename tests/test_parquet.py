@@ -147,6 +147,36 @@ def test_arrow_form_is_zero_copy_over_the_ring(daemon, varied) -> None:
     assert sorted(seen) == list(range(TOTAL))
 
 
+def test_a_first_batch_does_not_import_pandas(daemon, varied) -> None:
+    # `pa.array(numpy)` asks pandas whether its argument is a pandas object, importing it: 0.37 s
+    # of CPU before the first batch of every fresh process (each DataLoader worker) when pandas is
+    # installed, as it is wherever Hugging Face `datasets` is.
+    import importlib.util
+
+    assert importlib.util.find_spec("pandas") is not None, "pandas must be installed for this test to mean anything"
+    root, _ = varied
+    code = textwrap.dedent(
+        f"""
+        import sys, numpy, pyarrow, shardstream
+        for form in ("arrow", "dict"):
+            for transport in ("shm", "inline"):
+                loader = shardstream.Loader({str(root)!r}, batch_size=64, connect={daemon.addr!r},
+                                            transport=transport, format=form)
+                rows = sum(len(b["__row__"]) if form == "dict" else b.num_rows for b in loader)
+                assert rows == {TOTAL}, rows
+        import torch.utils.data, shardstream.torch as sst
+        ds = sst.IterableDataset({str(root)!r}, batch_size=64, connect={daemon.addr!r}, transport="shm",
+                                 fields=["id", "score", "emb"], collate="stack")
+        rows = sum(len(b["id"]) for b in torch.utils.data.DataLoader(ds, batch_size=None))
+        assert rows == {TOTAL}, rows
+        print("pandas" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "False"
+
+
 def test_torch_tensors_without_a_copy_and_stack(daemon, varied) -> None:
     root, rows = varied
     ds = sst.IterableDataset(

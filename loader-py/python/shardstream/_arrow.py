@@ -104,7 +104,10 @@ def with_row_ids(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> pa.Record
 
     if ROW in batch.schema.names:
         return batch
-    return batch.append_column(ROW, pa.array(rows, type=pa.uint64()))
+    # From the buffer, not `pa.array(rows)`: that asks pandas whether `rows` is a pandas object,
+    # importing pandas (0.37 s of CPU) before the first batch of every process that has it.
+    ids = np.ascontiguousarray(rows, dtype="<u8")
+    return batch.append_column(ROW, pa.Array.from_buffers(pa.uint64(), len(ids), [None, pa.py_buffer(ids)]))
 
 
 def _fixed_width(t: pa.DataType) -> bool:
@@ -117,18 +120,60 @@ def _fixed_width(t: pa.DataType) -> bool:
     )
 
 
-def _values(arr: pa.Array) -> np.ndarray[Any, Any]:
-    """A fixed-width array's values as numpy over its data buffer, ignoring validity: zero copy."""
+# numpy views are made from the Arrow buffers here, not with pyarrow's `to_numpy`/`pa.array`:
+# those import pandas when it is installed (0.37 s of CPU, before the first batch of every
+# process, DataLoader workers included).
+
+
+def _numpy_dtype(t: pa.DataType) -> np.dtype[Any]:
+    """The numpy dtype of a fixed-width Arrow type's values buffer (see `_fixed_width`)."""
     import pyarrow as pa
 
-    if arr.null_count == 0:
-        return np.asarray(arr.to_numpy(zero_copy_only=True))
-    bare = pa.Array.from_buffers(arr.type, len(arr), [None, arr.buffers()[1]], offset=arr.offset)
-    return np.asarray(bare.to_numpy(zero_copy_only=True))
+    if pa.types.is_integer(t):
+        return np.dtype(f"<{'i' if pa.types.is_signed_integer(t) else 'u'}{t.bit_width // 8}")
+    if pa.types.is_floating(t):
+        return np.dtype(f"<f{t.bit_width // 8}")
+    if pa.types.is_timestamp(t):
+        return np.dtype(f"<M8[{t.unit}]")
+    return np.dtype(f"<m8[{t.unit}]")
+
+
+def _values(arr: pa.Array) -> np.ndarray[Any, Any]:
+    """A fixed-width array's values as numpy over its data buffer, ignoring validity: zero copy."""
+    dtype = _numpy_dtype(arr.type)
+    buf = arr.buffers()[1]
+    if buf is None or len(arr) == 0:
+        return np.empty(0, dtype)
+    return np.frombuffer(buf, dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
+def _bits(buf: Any, offset: int, n: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Bits ``offset .. offset + n`` of an Arrow bitmap (least significant bit first) as bools."""
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    raw = np.frombuffer(buf, np.uint8, count=(offset + n + 7) // 8 - offset // 8, offset=offset // 8)
+    skip = offset % 8
+    return np.unpackbits(raw, bitorder="little")[skip : skip + n].astype(bool)
 
 
 def _null_mask(arr: pa.Array) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    return np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    validity = arr.buffers()[0]
+    if validity is None or arr.null_count == 0:
+        return np.zeros(len(arr), dtype=bool)
+    return ~_bits(validity, arr.offset, len(arr))
+
+
+def _offsets(arr: pa.Array) -> np.ndarray[Any, Any]:
+    """The ``len(arr) + 1`` offsets of a list or binary array (32- or 64-bit), zero copy."""
+    import pyarrow as pa
+
+    t = arr.type
+    wide = pa.types.is_large_list(t) or pa.types.is_large_binary(t) or pa.types.is_large_string(t)
+    dtype = np.dtype("<i8" if wide else "<i4")
+    buf = arr.buffers()[1]
+    if buf is None:
+        return np.zeros(1, dtype)
+    return np.frombuffer(buf, dtype, count=len(arr) + 1, offset=arr.offset * dtype.itemsize)
 
 
 def _binary(arr: pa.Array, copy: bool) -> list[Any]:
@@ -169,7 +214,9 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
         t = arr.type
     if pa.types.is_boolean(t):
         # Arrow packs booleans into bits: numpy needs one byte each, so this is a new array.
-        values = np.asarray(arr.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
+        values = _bits(arr.buffers()[1], arr.offset, len(arr)) if len(arr) else np.zeros(0, dtype=bool)
+        if arr.null_count:
+            values &= ~_null_mask(arr)
         return np.ma.MaskedArray(values, mask=_null_mask(arr)) if arr.null_count else values
     if _fixed_width(t):
         values = _values(arr)
@@ -194,7 +241,7 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
         if arr.values.null_count:
             return arr.to_pylist()
         flat = _values(arr.values)
-        offsets = np.asarray(arr.offsets.to_numpy(zero_copy_only=False)).tolist()
+        offsets = _offsets(arr).tolist()
         valid = (~_null_mask(arr)).tolist() if arr.null_count else [True] * len(arr)
         return [
             (flat[a:z].copy() if copy else flat[a:z]) if ok else None
@@ -256,7 +303,7 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
             data = np.frombuffer(arr.buffers()[2] or b"", dtype=np.uint8)
             flat = data[int(offsets[0]) : int(offsets[-1])]
         elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and _fixed_width(t.value_type):
-            offsets = np.asarray(arr.offsets.to_numpy(zero_copy_only=False))
+            offsets = _offsets(arr)
             flat = _values(arr.values)[int(offsets[0]) : int(offsets[-1])]
         else:
             raise ValueError(f'collate="stack" cannot stack column {name!r} of type {t}; use collate=None')
