@@ -151,13 +151,13 @@ pub fn cache_gauges(used: u64, capacity: u64) {
     metrics::gauge!("shardstream_cache_capacity_bytes").set(capacity as f64);
 }
 
-/// Bytes of packed-mode rings alive, after one was made or dropped.
 /// Bytes of decoded Parquet row groups the daemon keeps, and their bound.
 pub fn parquet_decoded(bytes: u64, budget: u64) {
     metrics::gauge!("shardstream_parquet_decoded_bytes").set(bytes as f64);
     metrics::gauge!("shardstream_parquet_decoded_budget_bytes").set(budget as f64);
 }
 
+/// Bytes of packed-mode rings alive, after one was made or dropped.
 pub fn ring_bytes(bytes: u64) {
     metrics::gauge!("shardstream_shm_ring_bytes").set(bytes as f64);
 }

@@ -265,12 +265,22 @@ async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_ro
 /// slots finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_shared_memory_each_batch_is_an_ipc_stream_in_a_ring_slot() {
-    use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
     let fx = start().await;
     let dir = fx.tmp.path().join("pq");
     write_dataset(&dir);
     let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
-    let mut req = request(&dir, 0, 0, &["id", "text"]);
+    // Flat columns are written straight from the decoded row groups into the slot; a list
+    // column makes the batch go through a gathered record batch: both must read the same.
+    for fields in [&["id", "text", "label", "image"][..], &["id", "text", "tokens"][..]] {
+        over_shared_memory(&mut client, &dir, fields).await;
+    }
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
+async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
+    use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
+    let mut req = request(dir, 0, 0, fields);
     (req.world_size, req.num_workers, req.batch_size, req.transport) = (1, 1, 10, Transport::Shm as i32);
     let mut s = client.stream_batches(req).await.unwrap().into_inner();
     let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!("no header") };
@@ -294,6 +304,16 @@ async fn over_shared_memory_each_batch_is_an_ipc_stream_in_a_ring_slot() {
         let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(stream.to_vec()), None).unwrap();
         let batch = r.next().unwrap().unwrap();
         assert_eq!(ids(&batch), b.row_ids);
+        // Each batch is what the gather makes of the same rows.
+        let want = arrow_select::concat::concat_batches(
+            &batch.schema(),
+            &b.row_ids
+                .iter()
+                .map(|&id| testdata::mixed_batch(id as i64..id as i64 + 1).project(&projection(fields)).unwrap())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        assert_eq!(batch, want, "fields {fields:?}, batch {}", b.batch_index);
         for (k, &id) in b.row_ids.iter().enumerate() {
             assert_eq!(batch.column(1).as_string::<i64>().value(k), format!("row-{id:06}"));
         }
@@ -303,8 +323,12 @@ async fn over_shared_memory_each_batch_is_an_ipc_stream_in_a_ring_slot() {
     assert!(seen.len() / 10 > 8, "more batches than ring slots");
     seen.sort_unstable();
     assert_eq!(seen, (0..400).collect::<Vec<u64>>());
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+}
+
+/// Column numbers of `fields` in the test data's schema.
+fn projection(fields: &[&str]) -> Vec<usize> {
+    let schema = testdata::mixed_schema();
+    fields.iter().map(|f| schema.index_of(f).unwrap()).collect()
 }
 
 /// The plan's units are row groups, not files: a shuffle window of one unit holds one row group

@@ -691,7 +691,7 @@ fn build_arrow_batch(
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
-    let (batch, waited) = if let Some(pr) = projected {
+    let (rows, waited) = if let Some(pr) = projected {
         // Only the selected column chunks: no whole file is opened. Every file the batch draws
         // on is verified first (its footer, once), as below.
         let started = Instant::now();
@@ -701,9 +701,9 @@ fn build_arrow_batch(
             }
         }
         let reader = pr.reader();
-        let batch = asm.batch(ids, &reader)?;
+        let rows = asm.rows(ids, &reader)?;
         let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
-        (batch, waited)
+        (rows, waited)
     } else {
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
         let touched = first_row_of_each_file(ds, ids);
@@ -715,20 +715,20 @@ fn build_arrow_batch(
                 working.get(ds, shard)?;
             }
         }
-        let batch = asm.batch(ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
+        let rows = asm.rows(ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
         working.end_batch();
-        (batch?, working.take_wait())
+        (rows?, working.take_wait())
     };
-    let bytes = batch.get_array_memory_size() as u64;
     let msg = match (session, credit) {
         (Some(s), Some(credit)) => {
-            let (guard, msg) = transport::arrow::shm_batch(index, ids.to_vec(), &batch, |need| {
+            let (guard, msg) = transport::arrow::shm_rows(index, ids.to_vec(), asm, &rows, |need| {
                 s.acquire_slot(credit, need, cancelled)
             })?;
             guard.publish(index);
             msg
         }
         _ => {
+            let batch = rows.gather(asm.projection().schema())?;
             let msg = transport::arrow::inline_batch(index, ids.to_vec(), &batch)?;
             if msg.data.len() as u64 > inline::payload_limit() {
                 return Err(Error::invalid(format!(
@@ -741,6 +741,8 @@ fn build_arrow_batch(
             msg
         }
     };
+    // The IPC stream's length: what crosses to the client, shm or inline.
+    let bytes = msg.length;
     Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
 }
 

@@ -9,6 +9,7 @@ use arrow_array::RecordBatch;
 use shardstream_proto::ArrowBatch;
 use shardstream_proto::ring::ARROW_DATA_OFFSET;
 
+use crate::format::parquet::dataset::{BatchAssembler, BatchRows};
 use crate::format::parquet::ipc;
 use crate::transport::shm::SlotGuard;
 use crate::{Error, Result};
@@ -40,6 +41,35 @@ pub fn shm_batch<'s>(
     }
     let msg = ArrowBatch { batch_index, row_ids, ring: guard.ring(), slot: guard.slot(), length, ..Default::default() };
     Ok((guard, msg))
+}
+
+/// Writes the rows of batch `batch_index` into a ring slot that `acquire` gives: straight from
+/// the decoded row groups when every column is flat (one copy of each byte), else gathered into
+/// a record batch first ([`shm_batch`]).
+pub fn shm_rows<'s>(
+    batch_index: u64,
+    row_ids: Vec<u64>,
+    asm: &BatchAssembler,
+    rows: &BatchRows,
+    acquire: impl FnOnce(u64) -> Result<SlotGuard<'s>>,
+) -> Result<(SlotGuard<'s>, ArrowBatch)> {
+    let schema = asm.projection().schema();
+    rows.with_direct(schema, asm.schema_message(), |plan| {
+        let Some(plan) = plan else {
+            return shm_batch(batch_index, row_ids, &rows.gather(schema)?, acquire);
+        };
+        let need = plan.len() as u64;
+        let mut guard = acquire(ARROW_DATA_OFFSET + need)?;
+        let slot = guard.bytes();
+        let length = match slot.get_mut(ARROW_DATA_OFFSET as usize..) {
+            Some(body) => plan.write(body).map_err(ipc_error)? as u64,
+            None => return Err(Error::Internal(format!("a ring slot of {} bytes holds no Arrow data", slot.len()))),
+        };
+        ipc::write_slot_header(slot, batch_index, rows.rows.len() as u64, length);
+        let msg =
+            ArrowBatch { batch_index, row_ids, ring: guard.ring(), slot: guard.slot(), length, ..Default::default() };
+        Ok((guard, msg))
+    })
 }
 
 #[cfg(test)]

@@ -16,11 +16,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arrow_array::RecordBatch;
+use arrow_schema::{Schema, SchemaRef};
 
 use super::decode::read_row_group;
 use super::decoded::{DatasetTag, DecodedCache, RowGroupKey};
 use super::schema::{FileProjection, Projection};
-use super::{ParquetError, ParquetTable, footer, ipc};
+use super::{ParquetError, ParquetTable, direct, footer, ipc};
 use crate::{Error, Result};
 
 /// One file of the dataset.
@@ -163,6 +164,41 @@ pub struct BatchAssembler {
     /// Names the dataset version in cache keys (its fingerprint).
     dataset_id: DatasetTag,
     projection_id: u64,
+    /// The projection's IPC schema message, as every batch's stream begins (made once).
+    schema_message: Vec<u8>,
+}
+
+/// The rows of one batch: the decoded row groups it draws on and, per row in batch order,
+/// `(source, row)` in them.
+#[derive(Debug)]
+pub struct BatchRows {
+    pub sources: Vec<Arc<RecordBatch>>,
+    pub rows: Vec<(usize, usize)>,
+}
+
+impl BatchRows {
+    fn refs(&self) -> Vec<&RecordBatch> {
+        self.sources.iter().map(|b| b.as_ref()).collect()
+    }
+
+    /// The rows as one record batch of `schema` (a copy of every row).
+    pub fn gather(&self, schema: &SchemaRef) -> Result<RecordBatch> {
+        ipc::gather(schema, &self.refs(), &self.rows).map_err(|e| Error::Internal(e.to_string()))
+    }
+
+    /// Runs `f` with the rows' plan for writing them straight into IPC bytes, or with `None`
+    /// when a column is not flat (then [`Self::gather`] is the way).
+    pub fn with_direct<T>(
+        &self,
+        schema: &Schema,
+        schema_message: &[u8],
+        f: impl FnOnce(Option<&direct::Direct<'_>>) -> Result<T>,
+    ) -> Result<T> {
+        let refs = self.refs();
+        let plan = direct::Direct::plan(schema, schema_message, &refs, &self.rows)
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        f(plan.as_ref())
+    }
 }
 
 impl BatchAssembler {
@@ -178,7 +214,21 @@ impl BatchAssembler {
             .map(|f| projection.for_file(&f.table).map_err(|e| e.into_error(&f.name)))
             .collect::<Result<Vec<_>>>()?;
         let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
-        Ok(Self { dataset, projection, per_file, cache, dataset_id: DatasetTag::new(dataset_id), projection_id })
+        let schema_message = direct::schema_message(projection.schema()).map_err(|e| Error::Internal(e.to_string()))?;
+        Ok(Self {
+            dataset,
+            projection,
+            per_file,
+            cache,
+            dataset_id: DatasetTag::new(dataset_id),
+            projection_id,
+            schema_message,
+        })
+    }
+
+    /// The projection's IPC schema message (see [`direct::schema_message`]).
+    pub fn schema_message(&self) -> &[u8] {
+        &self.schema_message
     }
 
     pub fn projection(&self) -> &Projection {
@@ -201,6 +251,12 @@ impl BatchAssembler {
     /// first batch of an epoch (and the first after the window moves on) waits for a window's
     /// worth of decoding, which one thread did one row group after the other.
     pub fn batch(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<RecordBatch> {
+        self.rows(row_ids, files)?.gather(self.projection.schema())
+    }
+
+    /// The rows of the batch of `row_ids` (decoding its row groups as [`Self::batch`] does),
+    /// for a caller that writes them straight into IPC bytes ([`direct`]).
+    pub fn rows(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<BatchRows> {
         let mut units: Vec<usize> = Vec::new();
         // A batch draws on a window's few row groups: an ordered map of that size looks a unit
         // up in a few comparisons, where SipHash cost more per row (bench/PARQUET_PROFILE.md).
@@ -231,8 +287,7 @@ impl BatchAssembler {
         if sources.len() != units.len() {
             return Err(Error::Internal("a row group of the batch was neither cached nor decoded".into()));
         }
-        let refs: Vec<&RecordBatch> = sources.iter().map(|b| b.as_ref()).collect();
-        ipc::gather(self.projection.schema(), &refs, &rows).map_err(|e| Error::Internal(e.to_string()))
+        Ok(BatchRows { sources, rows })
     }
 
     fn key(&self, fi: usize, rg: usize) -> RowGroupKey {

@@ -117,9 +117,15 @@ pub fn write_slot(slot: &mut [u8], batch_index: u64, batch: &RecordBatch) -> Res
         return Err(ParquetError::SlotTooSmall { needed: w.pos + start, capacity: slot.len() });
     }
     let len = w.pos as u64;
-    let header = SlotHeader::new(0, batch_index, batch.num_rows() as u64, len).encode();
-    slot[..SLOT_HEADER_BYTES].copy_from_slice(&header);
+    write_slot_header(slot, batch_index, batch.num_rows() as u64, len);
     Ok(len)
+}
+
+/// The slot header of an Arrow batch of `rows` rows whose stream of `len` bytes lies in the slot
+/// from [`ARROW_DATA_OFFSET`] (`slot` is at least that long).
+pub fn write_slot_header(slot: &mut [u8], batch_index: u64, rows: u64, len: u64) {
+    let header = SlotHeader::new(0, batch_index, rows, len).encode();
+    slot[..SLOT_HEADER_BYTES].copy_from_slice(&header);
 }
 
 /// A writer into a fixed buffer that keeps counting past its end (discarding), so that a batch

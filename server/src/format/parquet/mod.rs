@@ -16,6 +16,8 @@
 //! - [`decode`]: decodes one row group of the selected columns; only their column chunks are read.
 //! - [`ipc`]: gathers rows of decoded row groups into one record batch and writes it as an Arrow
 //!   IPC stream (schema + one batch, uncompressed, 64-byte aligned) into a ring slot or a `Vec`.
+//! - [`direct`]: the same stream written straight from the decoded row groups' rows into the slot
+//!   (one copy of each byte instead of two) when every selected column is flat.
 //! - [`dataset`]: the files of a dataset as plan units (row groups) and the assembly of a batch
 //!   from row ids.
 //! - [`projected`]: the selected column chunks of a whole file as one compact byte string (what
@@ -26,6 +28,7 @@
 pub mod dataset;
 pub mod decode;
 pub mod decoded;
+pub mod direct;
 pub mod footer;
 pub mod ipc;
 pub mod pqidx;

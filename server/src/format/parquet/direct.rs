@@ -1,0 +1,425 @@
+//! Rows of decoded row groups gathered straight into Arrow IPC bytes (a ring slot), without first
+//! building the gathered record batch.
+//!
+//! [`super::ipc::gather`] followed by [`super::ipc::write_slot`] copies every delivered byte twice:
+//! `interleave` into new arrays, then the IPC writer into the slot. With large rows (images) that
+//! second copy and the fresh pages of the first were most of the daemon's time once row groups are
+//! decoded (bench/PARQUET_PROFILE.md). Here each row's bytes are copied once, from the decoded row
+//! group to their place in the slot.
+//!
+//! Only flat columns are written this way: fixed-width primitives (integers, floats, decimals,
+//! dates, times, timestamps, durations, intervals), booleans, `binary`/`string` and their `large_`
+//! forms, and `fixed_size_binary`. A schema with any other column (lists, structs, dictionaries,
+//! views) is [`Direct::plan`]'s `None`, and the caller gathers as before. The bytes written are
+//! exactly what arrow-ipc's `StreamWriter` writes for the gathered batch (schema message, one record
+//! batch message, end-of-stream marker; metadata V5, uncompressed, buffers 64-byte aligned): the
+//! tests compare them byte for byte, so a client cannot tell the two paths apart.
+
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, RecordBatch};
+use arrow_ipc::{FieldNode, MessageBuilder, MessageHeader, MetadataVersion, RecordBatchBuilder};
+use arrow_schema::{DataType, Schema};
+
+use super::ParquetError;
+use super::ipc::IPC_ALIGN;
+
+const ALIGN: usize = IPC_ALIGN as usize;
+const CONTINUATION: [u8; 4] = [0xff; 4];
+/// The end-of-stream marker: a continuation and a zero metadata length.
+const EOS: [u8; 8] = [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0];
+
+fn pad(len: usize) -> usize {
+    len.div_ceil(ALIGN) * ALIGN
+}
+
+/// How one column's values are laid out (Arrow columnar format, one buffer besides validity, two
+/// for variable-width bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `width` bytes per row.
+    Fixed(usize),
+    /// One bit per row.
+    Bool,
+    /// Offsets (`i32`, or `i64` when `wide`) and values.
+    Bytes { wide: bool },
+}
+
+fn kind(dt: &DataType) -> Option<Kind> {
+    match dt {
+        DataType::Boolean => Some(Kind::Bool),
+        DataType::Binary | DataType::Utf8 => Some(Kind::Bytes { wide: false }),
+        DataType::LargeBinary | DataType::LargeUtf8 => Some(Kind::Bytes { wide: true }),
+        DataType::FixedSizeBinary(w) => usize::try_from(*w).ok().map(Kind::Fixed),
+        DataType::Dictionary(..) => None,
+        other => other.primitive_width().map(Kind::Fixed),
+    }
+}
+
+/// One batch's rows, measured and ready to be written: the record batch message's metadata and
+/// the layout of its body.
+pub struct Direct<'a> {
+    sources: &'a [&'a RecordBatch],
+    rows: &'a [(usize, usize)],
+    kinds: Vec<Kind>,
+    /// Per column: its null count and, for bytes columns, the total length of its values.
+    nulls: Vec<usize>,
+    value_bytes: Vec<usize>,
+    /// The schema message as the stream writer frames it (continuation, length, metadata,
+    /// padding).
+    schema_message: &'a [u8],
+    /// The record batch message's flatbuffer.
+    meta: Vec<u8>,
+    body_len: usize,
+}
+
+/// The schema message of a stream of `schema` (what [`Direct::plan`] needs; made once per stream).
+pub fn schema_message(schema: &Schema) -> Result<Vec<u8>, ParquetError> {
+    let mut stream = super::ipc::schema_message(schema)?;
+    if !stream.ends_with(&EOS) {
+        return Err(ParquetError::Ipc("a schema-only stream did not end with the end-of-stream marker".into()));
+    }
+    stream.truncate(stream.len() - EOS.len());
+    Ok(stream)
+}
+
+impl<'a> Direct<'a> {
+    /// The batch of rows `rows` (each `(source, row)`) of `sources`, all with the schema whose
+    /// message is `schema_message`; `None` when a column is not flat (see the module docs) or the
+    /// sources' columns do not match. Rows must exist (the caller checks them, as `gather` does).
+    pub fn plan(
+        schema: &Schema,
+        schema_message: &'a [u8],
+        sources: &'a [&'a RecordBatch],
+        rows: &'a [(usize, usize)],
+    ) -> Result<Option<Self>, ParquetError> {
+        let kinds: Option<Vec<Kind>> = schema.fields().iter().map(|f| kind(f.data_type())).collect();
+        let Some(kinds) = kinds else { return Ok(None) };
+        if sources.iter().any(|b| b.num_columns() != kinds.len()) {
+            return Ok(None);
+        }
+        for (c, f) in schema.fields().iter().enumerate() {
+            if sources.iter().any(|b| b.column(c).data_type() != f.data_type()) {
+                return Ok(None);
+            }
+        }
+        if let Some(&(s, r)) = rows.iter().find(|&&(s, r)| sources.get(s).is_none_or(|b| r >= b.num_rows())) {
+            return Err(ParquetError::Ipc(format!("row {r} of source {s} does not exist")));
+        }
+        let n = rows.len();
+        let mut nulls = Vec::with_capacity(kinds.len());
+        let mut value_bytes = Vec::with_capacity(kinds.len());
+        let mut nodes = Vec::with_capacity(kinds.len());
+        let mut buffers = Vec::with_capacity(kinds.len() * 3);
+        let mut offset = 0usize;
+        let mut push = |len: usize| {
+            buffers.push(arrow_ipc::Buffer::new(offset as i64, len as i64));
+            offset += pad(len);
+        };
+        for (c, &k) in kinds.iter().enumerate() {
+            let null_count =
+                rows.iter().filter(|&&(s, r)| sources[s].column(c).nulls().is_some_and(|nb| nb.is_null(r))).count();
+            nulls.push(null_count);
+            nodes.push(FieldNode::new(n as i64, null_count as i64));
+            push(if null_count > 0 { n.div_ceil(8) } else { 0 });
+            let mut values = 0;
+            match k {
+                Kind::Fixed(w) => push(n * w),
+                Kind::Bool => push(n.div_ceil(8)),
+                Kind::Bytes { wide } => {
+                    values = rows.iter().map(|&(s, r)| bytes_of(sources[s].column(c).as_ref(), r).len()).sum();
+                    push((n + 1) * if wide { 8 } else { 4 });
+                    push(values);
+                }
+            }
+            value_bytes.push(values);
+        }
+        // Built in the stream writer's order (buffers, nodes, batch, message), so the metadata
+        // is byte for byte what it writes.
+        let mut fbb = flatbuffers::FlatBufferBuilder::new();
+        let buffers = fbb.create_vector(&buffers);
+        let nodes = fbb.create_vector(&nodes);
+        let mut batch = RecordBatchBuilder::new(&mut fbb);
+        batch.add_length(n as i64);
+        batch.add_nodes(nodes);
+        batch.add_buffers(buffers);
+        let batch = batch.finish();
+        let mut message = MessageBuilder::new(&mut fbb);
+        message.add_version(MetadataVersion::V5);
+        message.add_header_type(MessageHeader::RecordBatch);
+        message.add_bodyLength(offset as i64);
+        message.add_header(batch.as_union_value());
+        let root = message.finish();
+        fbb.finish(root, None);
+        let meta = fbb.finished_data().to_vec();
+        Ok(Some(Self { sources, rows, kinds, nulls, value_bytes, schema_message, meta, body_len: offset }))
+    }
+
+    /// Bytes of the record batch message's framing: continuation, length, metadata, padding.
+    fn header_len(&self) -> usize {
+        pad(8 + self.meta.len())
+    }
+
+    /// The stream's length: what [`Self::write`] writes.
+    pub fn len(&self) -> usize {
+        self.schema_message.len() + self.header_len() + self.body_len + EOS.len()
+    }
+
+    /// Never: a stream holds at least its schema message and end-of-stream marker.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Writes the stream into `out[..self.len()]`; returns its length. `out` shorter than that
+    /// is an error and leaves it partly written.
+    pub fn write(&self, out: &mut [u8]) -> Result<usize, ParquetError> {
+        let len = self.len();
+        let Some(out) = out.get_mut(..len) else {
+            return Err(ParquetError::Ipc(format!("a {len}-byte stream does not fit {} bytes", out.len())));
+        };
+        let (schema, rest) = out.split_at_mut(self.schema_message.len());
+        schema.copy_from_slice(self.schema_message);
+        let (header, rest) = rest.split_at_mut(self.header_len());
+        let padded_meta = self.header_len() - 8;
+        header[..4].copy_from_slice(&CONTINUATION);
+        header[4..8].copy_from_slice(&(padded_meta as i32).to_le_bytes());
+        header[8..8 + self.meta.len()].copy_from_slice(&self.meta);
+        header[8 + self.meta.len()..].fill(0);
+        let (mut body, eos) = rest.split_at_mut(self.body_len);
+        eos.copy_from_slice(&EOS);
+        for (c, &k) in self.kinds.iter().enumerate() {
+            body = self.write_column(c, k, body)?;
+        }
+        Ok(len)
+    }
+
+    /// Writes column `c`'s buffers at the start of `body`; returns the rest of `body`.
+    fn write_column<'b>(&self, c: usize, k: Kind, body: &'b mut [u8]) -> Result<&'b mut [u8], ParquetError> {
+        let n = self.rows.len();
+        let col = |s: usize| self.sources[s].column(c).as_ref();
+        let body = if self.nulls[c] > 0 {
+            let (bits, rest) = take(body, n.div_ceil(8));
+            set_bits(bits, self.rows.iter().map(|&(s, r)| col(s).is_valid(r)));
+            rest
+        } else {
+            body
+        };
+        match k {
+            Kind::Fixed(w) => {
+                let (dst, rest) = take(body, n * w);
+                let data: Vec<_> = self.sources.iter().map(|b| b.column(c).to_data()).collect();
+                let values: Vec<&[u8]> = data
+                    .iter()
+                    .map(|d| d.buffers().first().map_or(&[][..], |b| b.as_slice()).get(d.offset() * w..).unwrap_or(&[]))
+                    .collect();
+                for (slot, &(s, r)) in dst.chunks_exact_mut(w.max(1)).zip(self.rows) {
+                    let src = values[s].get(r * w..(r + 1) * w).ok_or_else(|| short(c, s))?;
+                    slot.copy_from_slice(src);
+                }
+                Ok(rest)
+            }
+            Kind::Bool => {
+                let (bits, rest) = take(body, n.div_ceil(8));
+                let cols: Vec<_> = self.sources.iter().map(|b| b.column(c).as_boolean_opt()).collect();
+                let mut values = Vec::with_capacity(n);
+                for &(s, r) in self.rows {
+                    values.push(cols[s].ok_or_else(|| short(c, s))?.value(r));
+                }
+                set_bits(bits, values.into_iter());
+                Ok(rest)
+            }
+            Kind::Bytes { wide } => {
+                let width = if wide { 8 } else { 4 };
+                let (offsets, rest) = take(body, (n + 1) * width);
+                let (values, rest) = take(rest, self.value_bytes[c]);
+                let mut at = 0usize;
+                for (i, &(s, r)) in self.rows.iter().enumerate() {
+                    let v = bytes_of(col(s), r);
+                    write_offset(offsets, i, at, wide)?;
+                    values.get_mut(at..at + v.len()).ok_or_else(|| short(c, s))?.copy_from_slice(v);
+                    at += v.len();
+                }
+                write_offset(offsets, n, at, wide)?;
+                Ok(rest)
+            }
+        }
+    }
+}
+
+/// Row `r`'s bytes of a bytes column (empty for another type: `plan` checked the types).
+fn bytes_of(a: &dyn Array, r: usize) -> &[u8] {
+    if let Some(b) = a.as_binary_opt::<i32>() {
+        b.value(r)
+    } else if let Some(b) = a.as_binary_opt::<i64>() {
+        b.value(r)
+    } else if let Some(s) = a.as_string_opt::<i32>() {
+        s.value(r).as_bytes()
+    } else if let Some(s) = a.as_string_opt::<i64>() {
+        s.value(r).as_bytes()
+    } else {
+        &[]
+    }
+}
+
+fn short(c: usize, s: usize) -> ParquetError {
+    ParquetError::Ipc(format!("column {c} of source {s} is shorter than its rows"))
+}
+
+/// The first `len` bytes of `body` (zeroed to its padded length) and the rest after the padding.
+fn take(body: &mut [u8], len: usize) -> (&mut [u8], &mut [u8]) {
+    let at = pad(len).min(body.len());
+    let (buf, rest) = body.split_at_mut(at);
+    let (data, padding) = buf.split_at_mut(len.min(at));
+    padding.fill(0);
+    (data, rest)
+}
+
+/// Writes bits least significant first, as Arrow's bitmaps are.
+fn set_bits(out: &mut [u8], bits: impl Iterator<Item = bool>) {
+    out.fill(0);
+    for (i, b) in bits.enumerate() {
+        if b && let Some(byte) = out.get_mut(i / 8) {
+            *byte |= 1 << (i % 8);
+        }
+    }
+}
+
+fn write_offset(offsets: &mut [u8], i: usize, at: usize, wide: bool) -> Result<(), ParquetError> {
+    let too_large = || ParquetError::Ipc(format!("a batch's values ({at} bytes) overflow 32-bit offsets"));
+    if wide {
+        offsets[i * 8..i * 8 + 8].copy_from_slice(&(at as i64).to_le_bytes());
+    } else {
+        let v = i32::try_from(at).map_err(|_| too_large())?;
+        offsets[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::{
+        ArrayRef, BinaryArray, BooleanArray, Date32Array, Decimal128Array, FixedSizeBinaryArray, Float32Array,
+        Int8Array, LargeStringArray, StringArray, TimestampMicrosecondArray, UInt64Array,
+    };
+    use arrow_schema::{Field, TimeUnit};
+    use proptest::prelude::*;
+
+    use super::super::{ipc, testdata};
+    use super::*;
+
+    fn flat_schema() -> Arc<Schema> {
+        Arc::new(Schema::new(vec![
+            Field::new("i8", DataType::Int8, true),
+            Field::new("u64", DataType::UInt64, false),
+            Field::new("f32", DataType::Float32, true),
+            Field::new("ok", DataType::Boolean, true),
+            Field::new("day", DataType::Date32, true),
+            Field::new("ts", DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())), true),
+            Field::new("dec", DataType::Decimal128(20, 3), true),
+            Field::new("fsb", DataType::FixedSizeBinary(3), true),
+            Field::new("img", DataType::Binary, true),
+            Field::new("txt", DataType::Utf8, true),
+            Field::new("big", DataType::LargeUtf8, false),
+        ]))
+    }
+
+    /// A batch of `n` rows of [`flat_schema`] from `seed`; nulls where `seed + i` hits `every`.
+    fn flat_batch(seed: u64, n: usize, every: u64) -> RecordBatch {
+        let v = |i: usize| seed.wrapping_mul(31).wrapping_add(i as u64 * 7919);
+        let keep = |i: usize| every == 0 || !(seed + i as u64).is_multiple_of(every);
+        let cols: Vec<ArrayRef> = vec![
+            Arc::new((0..n).map(|i| keep(i).then(|| v(i) as i8)).collect::<Int8Array>()),
+            Arc::new((0..n).map(v).collect::<UInt64Array>()),
+            Arc::new((0..n).map(|i| keep(i).then(|| v(i) as f32 / 3.0)).collect::<Float32Array>()),
+            Arc::new((0..n).map(|i| keep(i).then(|| v(i) % 3 == 0)).collect::<BooleanArray>()),
+            Arc::new((0..n).map(|i| keep(i).then(|| v(i) as i32)).collect::<Date32Array>()),
+            Arc::new(
+                (0..n)
+                    .map(|i| keep(i).then(|| v(i) as i64))
+                    .collect::<TimestampMicrosecondArray>()
+                    .with_timezone("UTC"),
+            ),
+            Arc::new(
+                (0..n)
+                    .map(|i| keep(i).then(|| i128::from(v(i)) * -7))
+                    .collect::<Decimal128Array>()
+                    .with_precision_and_scale(20, 3)
+                    .unwrap(),
+            ),
+            Arc::new(
+                FixedSizeBinaryArray::try_from_sparse_iter_with_size(
+                    (0..n).map(|i| keep(i).then(|| (v(i) as u32).to_le_bytes()[..3].to_vec())),
+                    3,
+                )
+                .unwrap(),
+            ),
+            Arc::new((0..n).map(|i| keep(i).then(|| vec![v(i) as u8; (v(i) % 50) as usize])).collect::<BinaryArray>()),
+            Arc::new((0..n).map(|i| keep(i).then(|| format!("r{}", v(i) % 1000))).collect::<StringArray>()),
+            Arc::new((0..n).map(|i| Some("é".repeat((v(i) % 5) as usize))).collect::<LargeStringArray>()),
+        ];
+        RecordBatch::try_new(flat_schema(), cols).unwrap()
+    }
+
+    /// The direct bytes of `rows`, checked against gather + the stream writer: same bytes.
+    fn check(sources: &[&RecordBatch], rows: &[(usize, usize)]) {
+        let schema = sources[0].schema();
+        let message = schema_message(&schema).unwrap();
+        let direct = Direct::plan(&schema, &message, sources, rows).unwrap().expect("flat schema");
+        let mut out = vec![0xAAu8; direct.len() + 100];
+        assert_eq!(direct.write(&mut out).unwrap(), direct.len());
+        let want = ipc::encode(&ipc::gather(&schema, sources, rows).unwrap()).unwrap();
+        assert_eq!(direct.len(), want.len());
+        assert!(out[..want.len()] == want[..], "direct bytes differ from the stream writer's");
+        assert!(out[want.len()..].iter().all(|&b| b == 0xAA), "wrote past its length");
+    }
+
+    #[test]
+    fn same_bytes_as_gather_then_the_stream_writer() {
+        let a = flat_batch(1, 40, 3);
+        let b = flat_batch(2, 25, 0);
+        // Sliced sources: offsets into every buffer, bitmaps not on a byte boundary.
+        let c = flat_batch(3, 60, 4).slice(13, 30);
+        let rows: Vec<(usize, usize)> = (0..90).map(|i| (i % 3, (i * 7) % [40, 25, 30][i % 3])).collect();
+        check(&[&a, &b, &c], &rows);
+        check(&[&b], &[(0, 3), (0, 1)]);
+        check(&[&a, &c], &[(1, 29)]);
+        // No nulls anywhere: empty validity buffers.
+        check(&[&b], &(0..25).map(|r| (0, r)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn nested_or_dictionary_columns_are_left_to_gather() {
+        let m = testdata::mixed_batch(0..5);
+        let message = schema_message(&m.schema()).unwrap();
+        assert!(Direct::plan(&m.schema(), &message, &[&m], &[(0, 1)]).unwrap().is_none());
+        let flat = flat_batch(0, 5, 2);
+        let schema = flat.schema();
+        let message = schema_message(&schema).unwrap();
+        let sources = [&flat];
+        let direct = Direct::plan(&schema, &message, &sources, &[(0, 4)]).unwrap().unwrap();
+        let mut small = vec![0u8; direct.len() - 1];
+        assert!(direct.write(&mut small).is_err());
+        assert!(Direct::plan(&schema, &message, &[&flat], &[(0, 5)]).is_err());
+        assert!(Direct::plan(&schema, &message, &[&flat], &[(1, 0)]).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn any_rows_of_any_slices(
+            lens in proptest::collection::vec((1usize..70, 0usize..10, 0u64..5), 1..5),
+            picks in proptest::collection::vec((0usize..100, 0usize..1000), 1..120),
+        ) {
+            let batches: Vec<RecordBatch> = lens
+                .iter()
+                .enumerate()
+                .map(|(k, &(n, skip, every))| flat_batch(k as u64 * 11, n + skip, every).slice(skip, n))
+                .collect();
+            let refs: Vec<&RecordBatch> = batches.iter().collect();
+            let rows: Vec<(usize, usize)> =
+                picks.iter().map(|&(s, r)| (s % refs.len(), r % refs[s % refs.len()].num_rows())).collect();
+            check(&refs, &rows);
+        }
+    }
+}
