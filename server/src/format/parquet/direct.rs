@@ -116,8 +116,7 @@ impl<'a> Direct<'a> {
             offset += pad(len);
         };
         for (c, &k) in kinds.iter().enumerate() {
-            let null_count =
-                rows.iter().filter(|&&(s, r)| sources[s].column(c).nulls().is_some_and(|nb| nb.is_null(r))).count();
+            let null_count = null_count(sources, c, rows);
             nulls.push(null_count);
             nodes.push(FieldNode::new(n as i64, null_count as i64));
             push(if null_count > 0 { n.div_ceil(8) } else { 0 });
@@ -126,7 +125,8 @@ impl<'a> Direct<'a> {
                 Kind::Fixed(w) => push(n * w),
                 Kind::Bool => push(n.div_ceil(8)),
                 Kind::Bytes { wide } => {
-                    values = rows.iter().map(|&(s, r)| bytes_of(sources[s].column(c).as_ref(), r).len()).sum();
+                    let cols = byte_columns(sources, c);
+                    values = rows.iter().map(|&(s, r)| cols[s].value(r).map_or(0, <[u8]>::len)).sum();
                     push((n + 1) * if wide { 8 } else { 4 });
                     push(values);
                 }
@@ -195,10 +195,9 @@ impl<'a> Direct<'a> {
     /// Writes column `c`'s buffers at the start of `body`; returns the rest of `body`.
     fn write_column<'b>(&self, c: usize, k: Kind, body: &'b mut [u8]) -> Result<&'b mut [u8], ParquetError> {
         let n = self.rows.len();
-        let col = |s: usize| self.sources[s].column(c).as_ref();
         let body = if self.nulls[c] > 0 {
             let (bits, rest) = take(body, n.div_ceil(8));
-            set_bits(bits, self.rows.iter().map(|&(s, r)| col(s).is_valid(r)));
+            set_bits(bits, self.rows.iter().map(|&(s, r)| self.sources[s].column(c).is_valid(r)));
             rest
         } else {
             body
@@ -206,15 +205,16 @@ impl<'a> Direct<'a> {
         match k {
             Kind::Fixed(w) => {
                 let (dst, rest) = take(body, n * w);
-                let data: Vec<_> = self.sources.iter().map(|b| b.column(c).to_data()).collect();
-                let values: Vec<&[u8]> = data
-                    .iter()
-                    .map(|d| d.buffers().first().map_or(&[][..], |b| b.as_slice()).get(d.offset() * w..).unwrap_or(&[]))
-                    .collect();
-                for (slot, &(s, r)) in dst.chunks_exact_mut(w.max(1)).zip(self.rows) {
-                    let src = values[s].get(r * w..(r + 1) * w).ok_or_else(|| short(c, s))?;
-                    slot.copy_from_slice(src);
+                let values: Vec<&[u8]> = self.sources.iter().map(|b| fixed_bytes(b.column(c).as_ref())).collect();
+                match w {
+                    1 => copy_fixed::<1>(dst, &values, self.rows),
+                    2 => copy_fixed::<2>(dst, &values, self.rows),
+                    4 => copy_fixed::<4>(dst, &values, self.rows),
+                    8 => copy_fixed::<8>(dst, &values, self.rows),
+                    16 => copy_fixed::<16>(dst, &values, self.rows),
+                    _ => copy_width(dst, &values, self.rows, w),
                 }
+                .ok_or_else(|| short(c))?;
                 Ok(rest)
             }
             Kind::Bool => {
@@ -222,7 +222,7 @@ impl<'a> Direct<'a> {
                 let cols: Vec<_> = self.sources.iter().map(|b| b.column(c).as_boolean_opt()).collect();
                 let mut values = Vec::with_capacity(n);
                 for &(s, r) in self.rows {
-                    values.push(cols[s].ok_or_else(|| short(c, s))?.value(r));
+                    values.push(cols[s].ok_or_else(|| short(c))?.value(r));
                 }
                 set_bits(bits, values.into_iter());
                 Ok(rest)
@@ -231,11 +231,12 @@ impl<'a> Direct<'a> {
                 let width = if wide { 8 } else { 4 };
                 let (offsets, rest) = take(body, (n + 1) * width);
                 let (values, rest) = take(rest, self.value_bytes[c]);
+                let cols = byte_columns(self.sources, c);
                 let mut at = 0usize;
                 for (i, &(s, r)) in self.rows.iter().enumerate() {
-                    let v = bytes_of(col(s), r);
+                    let v = cols[s].value(r).ok_or_else(|| short(c))?;
                     write_offset(offsets, i, at, wide)?;
-                    values.get_mut(at..at + v.len()).ok_or_else(|| short(c, s))?.copy_from_slice(v);
+                    values.get_mut(at..at + v.len()).ok_or_else(|| short(c))?.copy_from_slice(v);
                     at += v.len();
                 }
                 write_offset(offsets, n, at, wide)?;
@@ -245,26 +246,87 @@ impl<'a> Direct<'a> {
     }
 }
 
-/// Row `r`'s bytes of a bytes column (empty for another type: `plan` checked the types).
-fn bytes_of(a: &dyn Array, r: usize) -> &[u8] {
-    if let Some(b) = a.as_binary_opt::<i32>() {
-        b.value(r)
-    } else if let Some(b) = a.as_binary_opt::<i64>() {
-        b.value(r)
-    } else if let Some(s) = a.as_string_opt::<i32>() {
-        s.value(r).as_bytes()
-    } else if let Some(s) = a.as_string_opt::<i64>() {
-        s.value(r).as_bytes()
-    } else {
-        &[]
+/// A bytes column of one source: its offsets (already the array's slice) and values.
+enum ByteColumn<'a> {
+    Narrow(&'a [i32], &'a [u8]),
+    Wide(&'a [i64], &'a [u8]),
+    /// Not a bytes column (`plan` checked the types; reads as too short).
+    None,
+}
+
+impl ByteColumn<'_> {
+    fn value(&self, r: usize) -> Option<&[u8]> {
+        let (a, z, data) = match self {
+            ByteColumn::Narrow(o, d) => (usize::try_from(*o.get(r)?).ok()?, usize::try_from(*o.get(r + 1)?).ok()?, d),
+            ByteColumn::Wide(o, d) => (usize::try_from(*o.get(r)?).ok()?, usize::try_from(*o.get(r + 1)?).ok()?, d),
+            ByteColumn::None => return None,
+        };
+        data.get(a..z)
     }
 }
 
-fn short(c: usize, s: usize) -> ParquetError {
-    ParquetError::Ipc(format!("column {c} of source {s} is shorter than its rows"))
+/// Column `c` of every source as a [`ByteColumn`] (resolved once per batch, not per row).
+fn byte_columns<'a>(sources: &[&'a RecordBatch], c: usize) -> Vec<ByteColumn<'a>> {
+    sources
+        .iter()
+        .map(|b| {
+            let a = b.column(c).as_ref();
+            if let Some(x) = a.as_binary_opt::<i32>() {
+                ByteColumn::Narrow(x.value_offsets(), x.value_data())
+            } else if let Some(x) = a.as_string_opt::<i32>() {
+                ByteColumn::Narrow(x.value_offsets(), x.value_data())
+            } else if let Some(x) = a.as_binary_opt::<i64>() {
+                ByteColumn::Wide(x.value_offsets(), x.value_data())
+            } else if let Some(x) = a.as_string_opt::<i64>() {
+                ByteColumn::Wide(x.value_offsets(), x.value_data())
+            } else {
+                ByteColumn::None
+            }
+        })
+        .collect()
 }
 
-/// The first `len` bytes of `body` (zeroed to its padded length) and the rest after the padding.
+fn short(c: usize) -> ParquetError {
+    ParquetError::Ipc(format!("column {c} of a source is shorter than its rows"))
+}
+
+/// Nulls of column `c` among `rows`; no pass over the rows when no source has any.
+fn null_count(sources: &[&RecordBatch], c: usize, rows: &[(usize, usize)]) -> usize {
+    let nulls: Vec<_> = sources.iter().map(|b| b.column(c).nulls().filter(|n| n.null_count() > 0)).collect();
+    if nulls.iter().all(Option::is_none) {
+        return 0;
+    }
+    rows.iter().filter(|&&(s, r)| nulls[s].is_some_and(|n| n.is_null(r))).count()
+}
+
+/// The values bytes of a fixed-width array from its first row (the array's own slice of its
+/// buffer); empty for another type (`plan` checked the types; reads as too short).
+fn fixed_bytes(a: &dyn Array) -> &[u8] {
+    arrow_array::downcast_primitive_array!(
+        a => a.values().inner().as_slice(),
+        DataType::FixedSizeBinary(_) => a.as_fixed_size_binary_opt().map_or(&[][..], |f| f.value_data()),
+        _ => &[]
+    )
+}
+
+/// Copies row `r` of source `s` (`W` bytes) for every `(s, r)` of `rows` into `dst`, in order;
+/// `None` when a source is too short. `W` known at compile time makes each copy one move.
+fn copy_fixed<const W: usize>(dst: &mut [u8], values: &[&[u8]], rows: &[(usize, usize)]) -> Option<()> {
+    for (d, &(s, r)) in dst.chunks_exact_mut(W).zip(rows) {
+        let src: &[u8; W] = values.get(s)?.get(r * W..r * W + W)?.try_into().ok()?;
+        d.copy_from_slice(src);
+    }
+    Some(())
+}
+
+fn copy_width(dst: &mut [u8], values: &[&[u8]], rows: &[(usize, usize)], w: usize) -> Option<()> {
+    for (d, &(s, r)) in dst.chunks_exact_mut(w.max(1)).zip(rows) {
+        d.copy_from_slice(values.get(s)?.get(r * w..r * w + w)?);
+    }
+    Some(())
+}
+
+/// The first `len` bytes of `body` (its padding to the alignment zeroed) and the rest after it.
 fn take(body: &mut [u8], len: usize) -> (&mut [u8], &mut [u8]) {
     let at = pad(len).min(body.len());
     let (buf, rest) = body.split_at_mut(at);
@@ -284,12 +346,13 @@ fn set_bits(out: &mut [u8], bits: impl Iterator<Item = bool>) {
 }
 
 fn write_offset(offsets: &mut [u8], i: usize, at: usize, wide: bool) -> Result<(), ParquetError> {
-    let too_large = || ParquetError::Ipc(format!("a batch's values ({at} bytes) overflow 32-bit offsets"));
+    let short = || ParquetError::Ipc(format!("no room for offset {i} of a batch"));
     if wide {
-        offsets[i * 8..i * 8 + 8].copy_from_slice(&(at as i64).to_le_bytes());
+        offsets.get_mut(i * 8..i * 8 + 8).ok_or_else(short)?.copy_from_slice(&(at as i64).to_le_bytes());
     } else {
-        let v = i32::try_from(at).map_err(|_| too_large())?;
-        offsets[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        let v = i32::try_from(at)
+            .map_err(|_| ParquetError::Ipc(format!("a batch's values ({at} bytes) overflow 32-bit offsets")))?;
+        offsets.get_mut(i * 4..i * 4 + 4).ok_or_else(short)?.copy_from_slice(&v.to_le_bytes());
     }
     Ok(())
 }
