@@ -728,8 +728,7 @@ fn build_arrow_batch(
             msg
         }
         _ => {
-            let batch = rows.gather(asm.projection().schema())?;
-            let msg = transport::arrow::inline_batch(index, ids.to_vec(), &batch)?;
+            let msg = transport::arrow::inline_rows(index, ids.to_vec(), asm, &rows)?;
             if msg.data.len() as u64 > inline::payload_limit() {
                 return Err(Error::invalid(format!(
                     "an Arrow batch of {} bytes does not fit an inline message ({}); use a smaller batch_size \

@@ -56,7 +56,7 @@ pub fn shm_rows<'s>(
     let schema = asm.projection().schema();
     rows.with_direct(schema, asm.schema_message(), |plan| {
         let Some(plan) = plan else {
-            return shm_batch(batch_index, row_ids, &rows.gather(schema)?, acquire);
+            return shm_batch(batch_index, row_ids, &rows.gather(schema, asm.schema_message())?, acquire);
         };
         let need = plan.len() as u64;
         let mut guard = acquire(ARROW_DATA_OFFSET + need)?;
@@ -70,6 +70,12 @@ pub fn shm_rows<'s>(
             ArrowBatch { batch_index, row_ids, ring: guard.ring(), slot: guard.slot(), length, ..Default::default() };
         Ok((guard, msg))
     })
+}
+
+/// The inline form of batch `batch_index` (rows `row_ids`) from its decoded rows.
+pub fn inline_rows(batch_index: u64, row_ids: Vec<u64>, asm: &BatchAssembler, rows: &BatchRows) -> Result<ArrowBatch> {
+    let data = rows.encode(asm.projection().schema(), asm.schema_message())?;
+    Ok(ArrowBatch { batch_index, row_ids, length: data.len() as u64, data, ..Default::default() })
 }
 
 #[cfg(test)]

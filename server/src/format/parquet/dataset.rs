@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arrow_array::RecordBatch;
-use arrow_schema::{Schema, SchemaRef};
+use arrow_schema::{DataType, Schema, SchemaRef};
 
 use super::decode::read_row_group;
 use super::decoded::{DatasetTag, DecodedCache, RowGroupKey};
@@ -181,9 +181,43 @@ impl BatchRows {
         self.sources.iter().map(|b| b.as_ref()).collect()
     }
 
-    /// The rows as one record batch of `schema` (a copy of every row).
-    pub fn gather(&self, schema: &SchemaRef) -> Result<RecordBatch> {
-        ipc::gather(schema, &self.refs(), &self.rows).map_err(|e| Error::Internal(e.to_string()))
+    /// The rows as one record batch of `schema` (a copy of every row). Row groups decoded with
+    /// views (flat projections, [`super::schema`]) are gathered through the direct writer and
+    /// read back, so the batch has the delivered types; that path serves tests and tools, the
+    /// transports write the IPC bytes ([`Self::encode`], or straight into a slot).
+    pub fn gather(&self, schema: &SchemaRef, schema_message: &[u8]) -> Result<RecordBatch> {
+        let views = self
+            .sources
+            .iter()
+            .any(|b| b.columns().iter().any(|c| matches!(c.data_type(), DataType::BinaryView | DataType::Utf8View)));
+        if !views {
+            return ipc::gather(schema, &self.refs(), &self.rows).map_err(|e| Error::Internal(e.to_string()));
+        }
+        let bytes = self.encode(schema, schema_message)?;
+        let mut reader = arrow_ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
+            .map_err(|e| Error::Internal(format!("cannot read back a gathered batch: {e}")))?;
+        match reader.next() {
+            Some(Ok(b)) => Ok(b),
+            Some(Err(e)) => Err(Error::Internal(format!("cannot read back a gathered batch: {e}"))),
+            None => Err(Error::Internal("a gathered batch's stream holds no batch".into())),
+        }
+    }
+
+    /// The rows as one Arrow IPC stream (what the inline transport sends): written straight from
+    /// the decoded row groups when every column is flat, else gathered and encoded.
+    pub fn encode(&self, schema: &SchemaRef, schema_message: &[u8]) -> Result<Vec<u8>> {
+        self.with_direct(schema, schema_message, |plan| match plan {
+            Some(plan) => {
+                let mut out = vec![0u8; plan.len()];
+                plan.write(&mut out).map_err(|e| Error::Internal(e.to_string()))?;
+                Ok(out)
+            }
+            None => {
+                let batch =
+                    ipc::gather(schema, &self.refs(), &self.rows).map_err(|e| Error::Internal(e.to_string()))?;
+                ipc::encode(&batch).map_err(|e| Error::Internal(e.to_string()))
+            }
+        })
     }
 
     /// Runs `f` with the rows' plan for writing them straight into IPC bytes, or with `None`
@@ -251,7 +285,7 @@ impl BatchAssembler {
     /// first batch of an epoch (and the first after the window moves on) waits for a window's
     /// worth of decoding, which one thread did one row group after the other.
     pub fn batch(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<RecordBatch> {
-        self.rows(row_ids, files)?.gather(self.projection.schema())
+        self.rows(row_ids, files)?.gather(self.projection.schema(), &self.schema_message)
     }
 
     /// The rows of the batch of `row_ids` (decoding its row groups as [`Self::batch`] does),

@@ -149,12 +149,13 @@ pub fn decode_row_group(
     let batch_rows = usize::try_from(rows).map_err(|_| bad(format!("{rows} rows")))?.max(1);
     let decoded = no_panic(
         || {
-            let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(chunks, table.reader_metadata().clone())
-                .with_row_groups(vec![rg])
-                .with_projection(proj.mask.clone())
-                .with_batch_size(batch_rows)
-                .build()
-                .map_err(|e| bad(e.to_string()))?;
+            let reader =
+                ParquetRecordBatchReaderBuilder::new_with_metadata(chunks, proj.reader_metadata(table).clone())
+                    .with_row_groups(vec![rg])
+                    .with_projection(proj.mask.clone())
+                    .with_batch_size(batch_rows)
+                    .build()
+                    .map_err(|e| bad(e.to_string()))?;
             let schema = reader.schema();
             let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| bad(e.to_string()))?;
             match batches.len() {
@@ -248,14 +249,60 @@ mod tests {
         assert!(matches!(e, ParquetError::BadData { row_group: 1, .. }), "{e}");
     }
 
+    /// The flat columns of the test data (every one but the `tokens` list).
+    fn flat_fields() -> Vec<String> {
+        ["id", "label", "caption", "image", "blob", "text"].map(String::from).to_vec()
+    }
+
+    #[test]
+    fn flat_projections_decode_bytes_as_views_and_deliver_the_same_bytes() {
+        use super::super::{direct, ipc};
+        for codec in [testdata::Codec::None, testdata::Codec::Snappy, testdata::Codec::Zstd] {
+            let bytes = testdata::mixed(300, 64, codec);
+            let t = table(&bytes);
+            let flat = Projection::new(t.schema(), Some(&flat_fields())).unwrap();
+            let fp = flat.for_file(&t).unwrap();
+            assert!(fp.views());
+            let all = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+            assert!(!all.views(), "a list column: decoded as delivered");
+            let message = direct::schema_message(flat.schema()).unwrap();
+            for rg in 0..t.num_row_groups() {
+                let (viewed, _) = read_row_group(&t, rg, &fp, reader(&bytes)).unwrap();
+                let types: Vec<String> = viewed.schema().fields().iter().map(|f| f.data_type().to_string()).collect();
+                assert_eq!(types, ["Int64", "Int32", "Utf8View", "BinaryView", "BinaryView", "Utf8View"]);
+                // The same rows decoded as delivered, gathered and written by arrow-ipc.
+                let (plain, _) = read_row_group(&t, rg, &all, reader(&bytes)).unwrap();
+                let plain = plain.project(&[0, 1, 2, 3, 4, 5]).unwrap();
+                let n = viewed.num_rows();
+                let rows: Vec<(usize, usize)> = (0..n).rev().map(|r| (0, r)).chain([(0, n / 2)]).collect();
+                let want = ipc::encode(&ipc::gather(flat.schema(), &[&plain], &rows).unwrap()).unwrap();
+                let sources = [&viewed];
+                let d = direct::Direct::plan(flat.schema(), &message, &sources, &rows).unwrap().expect("flat");
+                let mut got = vec![0u8; d.len()];
+                d.write(&mut got).unwrap();
+                assert!(got == want, "{codec:?} row group {rg}: direct bytes from views differ");
+            }
+        }
+    }
+
     #[test]
     fn corrupt_pages_are_errors_naming_the_row_group_never_panics() {
-        for codec in [testdata::Codec::None, testdata::Codec::Snappy, testdata::Codec::Zstd] {
+        let flat = flat_fields();
+        for (codec, fields) in [
+            (testdata::Codec::None, None),
+            (testdata::Codec::Snappy, None),
+            (testdata::Codec::Zstd, None),
+            (testdata::Codec::None, Some(&flat[..])),
+            (testdata::Codec::Snappy, Some(&flat[..])),
+        ] {
             let good = testdata::mixed(60, 20, codec);
             let t = table(&good);
-            let fp = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+            let fp = Projection::new(t.schema(), fields).unwrap().for_file(&t).unwrap();
             let data_end = (good.len() as u64 - 8 - t.footer_bytes()) as usize;
-            let want = testdata::mixed_batch(0..60);
+            let want = match fields {
+                None => testdata::mixed_batch(0..60).schema(),
+                Some(_) => read_row_group(&t, 0, &fp, reader(&good)).unwrap().0.schema(),
+            };
             // Flip bytes all over the data region; the footer stays intact.
             let mut errors = 0;
             for pos in (4..data_end).step_by(13) {
@@ -267,7 +314,7 @@ mod tests {
                             // Uncompressed payload bytes can change silently (Parquet pages have
                             // no mandatory checksum) but the shape must hold.
                             assert_eq!(b.num_rows(), 20);
-                            assert_eq!(b.schema(), want.schema());
+                            assert_eq!(b.schema(), want);
                         }
                         Err(ParquetError::BadData { row_group, .. }) => {
                             assert_eq!(row_group, rg);

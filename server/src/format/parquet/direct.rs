@@ -44,6 +44,22 @@ enum Kind {
     Bytes { wide: bool },
 }
 
+/// Whether `dt` is a flat column type (see the module docs), which [`Direct`] writes.
+pub fn is_flat(dt: &DataType) -> bool {
+    kind(dt).is_some()
+}
+
+/// Whether a source column of type `got` holds values of the delivered type `want`: the same
+/// type, or a view of the same kind of bytes (decoded row groups hold views; see
+/// [`super::schema`]).
+fn holds(want: &DataType, got: &DataType) -> bool {
+    match (want, got) {
+        (DataType::Binary | DataType::LargeBinary, DataType::BinaryView) => true,
+        (DataType::Utf8 | DataType::LargeUtf8, DataType::Utf8View) => true,
+        _ => want == got,
+    }
+}
+
 fn kind(dt: &DataType) -> Option<Kind> {
     match dt {
         DataType::Boolean => Some(Kind::Bool),
@@ -98,7 +114,7 @@ impl<'a> Direct<'a> {
             return Ok(None);
         }
         for (c, f) in schema.fields().iter().enumerate() {
-            if sources.iter().any(|b| b.column(c).data_type() != f.data_type()) {
+            if sources.iter().any(|b| !holds(f.data_type(), b.column(c).data_type())) {
                 return Ok(None);
             }
         }
@@ -126,7 +142,11 @@ impl<'a> Direct<'a> {
                 Kind::Bool => push(n.div_ceil(8)),
                 Kind::Bytes { wide } => {
                     let cols = byte_columns(sources, c);
-                    values = rows.iter().map(|&(s, r)| cols[s].value(r).map_or(0, <[u8]>::len)).sum();
+                    let valid = validity(sources, c, null_count);
+                    values = rows
+                        .iter()
+                        .map(|&(s, r)| if valid(s, r) { cols[s].value(r).map_or(0, <[u8]>::len) } else { 0 })
+                        .sum();
                     push((n + 1) * if wide { 8 } else { 4 });
                     push(values);
                 }
@@ -232,9 +252,12 @@ impl<'a> Direct<'a> {
                 let (offsets, rest) = take(body, (n + 1) * width);
                 let (values, rest) = take(rest, self.value_bytes[c]);
                 let cols = byte_columns(self.sources, c);
+                let valid = validity(self.sources, c, self.nulls[c]);
                 let mut at = 0usize;
                 for (i, &(s, r)) in self.rows.iter().enumerate() {
-                    let v = cols[s].value(r).ok_or_else(|| short(c))?;
+                    // A null row is empty: a view array leaves whatever view was there under a
+                    // null, where the offsets of binary arrays make it empty.
+                    let v = if valid(s, r) { cols[s].value(r).ok_or_else(|| short(c))? } else { &[] };
                     write_offset(offsets, i, at, wide)?;
                     values.get_mut(at..at + v.len()).ok_or_else(|| short(c))?.copy_from_slice(v);
                     at += v.len();
@@ -250,6 +273,8 @@ impl<'a> Direct<'a> {
 enum ByteColumn<'a> {
     Narrow(&'a [i32], &'a [u8]),
     Wide(&'a [i64], &'a [u8]),
+    BinaryView(&'a arrow_array::BinaryViewArray),
+    StringView(&'a arrow_array::StringViewArray),
     /// Not a bytes column (`plan` checked the types; reads as too short).
     None,
 }
@@ -259,6 +284,8 @@ impl ByteColumn<'_> {
         let (a, z, data) = match self {
             ByteColumn::Narrow(o, d) => (usize::try_from(*o.get(r)?).ok()?, usize::try_from(*o.get(r + 1)?).ok()?, d),
             ByteColumn::Wide(o, d) => (usize::try_from(*o.get(r)?).ok()?, usize::try_from(*o.get(r + 1)?).ok()?, d),
+            ByteColumn::BinaryView(v) => return (r < v.len()).then(|| v.value(r)),
+            ByteColumn::StringView(v) => return (r < v.len()).then(|| v.value(r).as_bytes()),
             ByteColumn::None => return None,
         };
         data.get(a..z)
@@ -279,6 +306,10 @@ fn byte_columns<'a>(sources: &[&'a RecordBatch], c: usize) -> Vec<ByteColumn<'a>
                 ByteColumn::Wide(x.value_offsets(), x.value_data())
             } else if let Some(x) = a.as_string_opt::<i64>() {
                 ByteColumn::Wide(x.value_offsets(), x.value_data())
+            } else if let Some(x) = a.as_binary_view_opt() {
+                ByteColumn::BinaryView(x)
+            } else if let Some(x) = a.as_string_view_opt() {
+                ByteColumn::StringView(x)
             } else {
                 ByteColumn::None
             }
@@ -288,6 +319,13 @@ fn byte_columns<'a>(sources: &[&'a RecordBatch], c: usize) -> Vec<ByteColumn<'a>
 
 fn short(c: usize) -> ParquetError {
     ParquetError::Ipc(format!("column {c} of a source is shorter than its rows"))
+}
+
+/// Whether row `r` of source `s` holds a value in column `c`, for a column with `nulls` nulls
+/// among the batch's rows (none: every row, without looking).
+fn validity<'a>(sources: &'a [&'a RecordBatch], c: usize, nulls: usize) -> impl Fn(usize, usize) -> bool + 'a {
+    let bitmaps: Vec<_> = if nulls == 0 { Vec::new() } else { sources.iter().map(|b| b.column(c).nulls()).collect() };
+    move |s, r| bitmaps.get(s).is_none_or(|n| n.is_none_or(|n| n.is_valid(r)))
 }
 
 /// Nulls of column `c` among `rows`; no pass over the rows when no source has any.

@@ -6,12 +6,21 @@
 //! (nested field names such as a list's `item`/`element` aside); a file that does not is named,
 //! with the column, when the dataset is opened, never mid-epoch. A column that is nullable in any
 //! file is nullable in the delivered schema.
+//!
+//! When every selected column is flat (what [`super::direct`] writes), binary and string columns
+//! are decoded as views (`BinaryView`/`Utf8View`): arrow-rs then points each value into the
+//! decompressed page (or, uncompressed, the bytes read from the file) and into a dictionary page's
+//! values, where decoding into `Binary`/`Utf8` copied every value once more, and again each time
+//! its growing buffer was reallocated (a third of a cold epoch's daemon time on the bench's image
+//! set, bench/PARQUET_PROFILE.md). The views stay inside the daemon's decoded row groups: the
+//! direct writer turns them back into the delivered type as it copies each row into the batch.
 
 use std::sync::Arc;
 
 use arrow_array::RecordBatch;
-use arrow_schema::{Field, Schema, SchemaRef};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use parquet::arrow::ProjectionMask;
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
 
 use super::{ParquetError, ParquetTable};
 
@@ -28,7 +37,12 @@ pub struct FileProjection {
     pub mask: ProjectionMask,
     /// Output column i is decoded column `reorder[i]` (the decoder yields file order).
     reorder: Vec<usize>,
+    /// The decoded row groups' schema: the delivered one, with views for bytes columns when
+    /// `views` is set.
     schema: SchemaRef,
+    /// The file's reader metadata with its flat bytes columns read as views (see the module
+    /// docs); None: decode as delivered.
+    views: Option<ArrowReaderMetadata>,
 }
 
 impl Projection {
@@ -105,13 +119,70 @@ impl Projection {
         let reorder = roots.iter().map(|r| sorted.partition_point(|s| s < r)).collect();
         let mask = ProjectionMask::roots(table.reader_metadata().parquet_schema(), sorted);
         check_codecs(table, &mask)?;
-        Ok(FileProjection { mask, reorder, schema: self.schema.clone() })
+        let flat = self.schema.fields().iter().all(|f| super::direct::is_flat(f.data_type()));
+        let views = if flat { view_metadata(table) } else { None };
+        let schema = match &views {
+            Some(_) => with_views(&self.schema),
+            None => self.schema.clone(),
+        };
+        Ok(FileProjection { mask, reorder, schema, views })
+    }
+}
+
+/// `t` as decoded into a view when it is a flat bytes type.
+fn view_type(t: &DataType) -> Option<DataType> {
+    match t {
+        DataType::Binary | DataType::LargeBinary => Some(DataType::BinaryView),
+        DataType::Utf8 | DataType::LargeUtf8 => Some(DataType::Utf8View),
+        _ => None,
+    }
+}
+
+/// `schema` with its flat bytes columns as views.
+fn with_views(schema: &Schema) -> SchemaRef {
+    let fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .map(|f| match view_type(f.data_type()) {
+            Some(v) => f.as_ref().clone().with_data_type(v),
+            None => f.as_ref().clone(),
+        })
+        .collect();
+    Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
+}
+
+/// `table`'s reader metadata with its flat bytes columns read as views; None when there are
+/// none, or when arrow-rs does not take the hint (the file is then decoded as delivered).
+fn view_metadata(table: &ParquetTable) -> Option<ArrowReaderMetadata> {
+    let file = table.schema();
+    if !file.fields().iter().any(|f| view_type(f.data_type()).is_some()) {
+        return None;
+    }
+    let options = ArrowReaderOptions::new().with_schema(with_views(file));
+    match ArrowReaderMetadata::try_new(table.reader_metadata().metadata().clone(), options) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            tracing::debug!(error = %e, "bytes columns decoded without views");
+            None
+        }
+    }
+}
+
+impl FileProjection {
+    /// The reader metadata to decode with (views or as delivered; see the module docs).
+    pub fn reader_metadata<'a>(&'a self, table: &'a ParquetTable) -> &'a ArrowReaderMetadata {
+        self.views.as_ref().unwrap_or_else(|| table.reader_metadata())
+    }
+
+    /// Whether bytes columns are decoded as views.
+    pub fn views(&self) -> bool {
+        self.views.is_some()
     }
 }
 
 impl FileProjection {
     /// A decoded batch (columns in file order) as the delivered columns, in the delivered order
-    /// and schema.
+    /// and schema (with views for bytes columns when [`Self::views`]).
     pub fn arrange(&self, decoded: &RecordBatch) -> Result<RecordBatch, ParquetError> {
         let cols = self
             .reorder
