@@ -1,6 +1,8 @@
 //! The allocator settings of the `serve` process (glibc only).
 //!
-//! A batch of large rows (an image column) is gathered into fresh Arrow buffers of a few MiB. With
+//! A batch of large rows (an image column) whose columns are not all flat is gathered into fresh
+//! Arrow buffers of a few MiB (flat ones go straight into the ring slot, see
+//! `format::parquet::direct`), and decoding a row group allocates as much again. With
 //! glibc's defaults such a buffer, once freed, goes back to the kernel (it was mmapped, or it sat at
 //! the top of a heap that is then trimmed), so the next batch's buffers are fresh pages again: page
 //! faults and the kernel zeroing every page were about a quarter of the daemon's time serving the

@@ -9,11 +9,15 @@
 //!
 //! Only flat columns are written this way: fixed-width primitives (integers, floats, decimals,
 //! dates, times, timestamps, durations, intervals), booleans, `binary`/`string` and their `large_`
-//! forms, and `fixed_size_binary`. A schema with any other column (lists, structs, dictionaries,
-//! views) is [`Direct::plan`]'s `None`, and the caller gathers as before. The bytes written are
-//! exactly what arrow-ipc's `StreamWriter` writes for the gathered batch (schema message, one record
-//! batch message, end-of-stream marker; metadata V5, uncompressed, buffers 64-byte aligned): the
-//! tests compare them byte for byte, so a client cannot tell the two paths apart.
+//! forms, and `fixed_size_binary`. A delivered schema with any other column (lists, structs,
+//! dictionaries, view types) is [`Direct::plan`]'s `None`, and the caller gathers as before. The
+//! sources may hold binary and string columns as views (the decoded row groups of a flat
+//! projection do, see [`super::schema`]): each row is written as the delivered type.
+//!
+//! The bytes written are exactly what arrow-ipc's `StreamWriter` writes for the gathered batch
+//! (schema message, one record batch message, end-of-stream marker; metadata V5, uncompressed,
+//! buffers 64-byte aligned): the tests compare them byte for byte, so a client cannot tell the two
+//! paths apart.
 
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
