@@ -9,8 +9,9 @@
 //!
 //! Only flat columns are written this way: fixed-width primitives (integers, floats, decimals,
 //! dates, times, timestamps, durations, intervals), booleans, `binary`/`string` and their `large_`
-//! forms, and `fixed_size_binary`. A delivered schema with any other column (lists, structs,
-//! dictionaries, view types) is [`Direct::plan`]'s `None`, and the caller gathers as before. The
+//! forms, `fixed_size_binary`, and structs of flat columns (a Hugging Face image is
+//! `{bytes, path}`). A delivered schema with any other column (lists, maps, dictionaries, view
+//! types) is [`Direct::plan`]'s `None`, and the caller gathers as before. The
 //! sources may hold binary and string columns as views (the decoded row groups of a flat
 //! projection do, see [`super::schema`]): each row is written as the delivered type.
 //!
@@ -38,7 +39,7 @@ fn pad(len: usize) -> usize {
 
 /// How one column's values are laid out (Arrow columnar format, one buffer besides validity, two
 /// for variable-width bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Kind {
     /// `width` bytes per row.
     Fixed(usize),
@@ -46,6 +47,9 @@ enum Kind {
     Bool,
     /// Offsets (`i32`, or `i64` when `wide`) and values.
     Bytes { wide: bool },
+    /// A struct of flat children (a Hugging Face image is `{bytes, path}`): its validity, then
+    /// each child as a column of its own.
+    Struct(Vec<Kind>),
 }
 
 /// Whether `dt` is a flat column type (see the module docs), which [`Direct`] writes.
@@ -60,6 +64,10 @@ fn holds(want: &DataType, got: &DataType) -> bool {
     match (want, got) {
         (DataType::Binary | DataType::LargeBinary, DataType::BinaryView) => true,
         (DataType::Utf8 | DataType::LargeUtf8, DataType::Utf8View) => true,
+        (DataType::Struct(w), DataType::Struct(g)) => {
+            w.len() == g.len()
+                && w.iter().zip(g.iter()).all(|(w, g)| w.name() == g.name() && holds(w.data_type(), g.data_type()))
+        }
         _ => want == got,
     }
 }
@@ -70,6 +78,9 @@ fn kind(dt: &DataType) -> Option<Kind> {
         DataType::Binary | DataType::Utf8 => Some(Kind::Bytes { wide: false }),
         DataType::LargeBinary | DataType::LargeUtf8 => Some(Kind::Bytes { wide: true }),
         DataType::FixedSizeBinary(w) => usize::try_from(*w).ok().map(Kind::Fixed),
+        DataType::Struct(fields) if !fields.is_empty() => {
+            fields.iter().map(|f| kind(f.data_type())).collect::<Option<Vec<_>>>().map(Kind::Struct)
+        }
         DataType::Dictionary(..) => None,
         other => other.primitive_width().map(Kind::Fixed),
     }
@@ -81,9 +92,9 @@ pub struct Direct<'a> {
     sources: &'a [&'a RecordBatch],
     rows: &'a [(usize, usize)],
     kinds: Vec<Kind>,
-    /// Per column: its null count and, for bytes columns, the total length of its values.
-    nulls: Vec<usize>,
-    value_bytes: Vec<usize>,
+    /// Per Arrow node (each column, then a struct's children, in the message's order): its null
+    /// count and, for bytes columns, the total length of its values.
+    nodes: Vec<Node>,
     /// The schema message as the stream writer frames it (continuation, length, metadata,
     /// padding).
     schema_message: &'a [u8],
@@ -126,45 +137,20 @@ impl<'a> Direct<'a> {
             return Err(ParquetError::Ipc(format!("row {r} of source {s} does not exist")));
         }
         let n = rows.len();
-        let mut nulls = Vec::with_capacity(kinds.len());
-        let mut value_bytes = Vec::with_capacity(kinds.len());
-        let mut nodes = Vec::with_capacity(kinds.len());
-        let mut buffers = Vec::with_capacity(kinds.len() * 3);
-        let mut offset = 0usize;
-        let mut push = |len: usize| {
-            buffers.push(arrow_ipc::Buffer::new(offset as i64, len as i64));
-            offset += pad(len);
-        };
-        for (c, &k) in kinds.iter().enumerate() {
-            let null_count = null_count(sources, c, rows);
-            nulls.push(null_count);
-            nodes.push(FieldNode::new(n as i64, null_count as i64));
-            push(if null_count > 0 { n.div_ceil(8) } else { 0 });
-            let mut values = 0;
-            match k {
-                Kind::Fixed(w) => push(n * w),
-                Kind::Bool => push(n.div_ceil(8)),
-                Kind::Bytes { wide } => {
-                    let cols = byte_columns(sources, c);
-                    let valid = validity(sources, c, null_count);
-                    values = rows
-                        .iter()
-                        .map(|&(s, r)| if valid(s, r) { cols[s].value(r).map_or(0, <[u8]>::len) } else { 0 })
-                        .sum();
-                    push((n + 1) * if wide { 8 } else { 4 });
-                    push(values);
-                }
-            }
-            value_bytes.push(values);
+        let mut layout = Layout { rows, nodes: Vec::new(), fb_nodes: Vec::new(), buffers: Vec::new(), offset: 0 };
+        for (c, k) in kinds.iter().enumerate() {
+            let cols: Vec<&dyn Array> = sources.iter().map(|b| b.column(c).as_ref()).collect();
+            layout.column(&cols, k);
         }
+        let Layout { nodes, fb_nodes, buffers, offset, .. } = layout;
         // Built in the stream writer's order (buffers, nodes, batch, message), so the metadata
         // is byte for byte what it writes.
         let mut fbb = flatbuffers::FlatBufferBuilder::new();
         let buffers = fbb.create_vector(&buffers);
-        let nodes = fbb.create_vector(&nodes);
+        let fb_nodes = fbb.create_vector(&fb_nodes);
         let mut batch = RecordBatchBuilder::new(&mut fbb);
         batch.add_length(n as i64);
-        batch.add_nodes(nodes);
+        batch.add_nodes(fb_nodes);
         batch.add_buffers(buffers);
         let batch = batch.finish();
         let mut message = MessageBuilder::new(&mut fbb);
@@ -175,7 +161,7 @@ impl<'a> Direct<'a> {
         let root = message.finish();
         fbb.finish(root, None);
         let meta = fbb.finished_data().to_vec();
-        Ok(Some(Self { sources, rows, kinds, nulls, value_bytes, schema_message, meta, body_len: offset }))
+        Ok(Some(Self { sources, rows, kinds, nodes, schema_message, meta, body_len: offset }))
     }
 
     /// Bytes of the record batch message's framing: continuation, length, metadata, padding.
@@ -210,26 +196,36 @@ impl<'a> Direct<'a> {
         header[8 + self.meta.len()..].fill(0);
         let (mut body, eos) = rest.split_at_mut(self.body_len);
         eos.copy_from_slice(&EOS);
-        for (c, &k) in self.kinds.iter().enumerate() {
-            body = self.write_column(c, k, body)?;
+        let mut nodes = self.nodes.iter();
+        for (c, k) in self.kinds.iter().enumerate() {
+            let cols: Vec<&dyn Array> = self.sources.iter().map(|b| b.column(c).as_ref()).collect();
+            body = self.write_column(&cols, k, &mut nodes, body)?;
         }
         Ok(len)
     }
 
-    /// Writes column `c`'s buffers at the start of `body`; returns the rest of `body`.
-    fn write_column<'b>(&self, c: usize, k: Kind, body: &'b mut [u8]) -> Result<&'b mut [u8], ParquetError> {
+    /// Writes the buffers of one column (`cols`: its array in each source; `nodes`: this column's
+    /// node first) at the start of `body`; returns the rest of `body`.
+    fn write_column<'b>(
+        &self,
+        cols: &[&dyn Array],
+        k: &Kind,
+        nodes: &mut std::slice::Iter<'_, Node>,
+        body: &'b mut [u8],
+    ) -> Result<&'b mut [u8], ParquetError> {
         let n = self.rows.len();
-        let body = if self.nulls[c] > 0 {
+        let node = *nodes.next().ok_or_else(|| ParquetError::Ipc("a batch's layout lost a column".into()))?;
+        let body = if node.nulls > 0 {
             let (bits, rest) = take(body, n.div_ceil(8));
-            set_bits(bits, self.rows.iter().map(|&(s, r)| self.sources[s].column(c).is_valid(r)));
+            set_bits(bits, self.rows.iter().map(|&(s, r)| cols[s].is_valid(r)));
             rest
         } else {
             body
         };
         match k {
-            Kind::Fixed(w) => {
+            &Kind::Fixed(w) => {
                 let (dst, rest) = take(body, n * w);
-                let values: Vec<&[u8]> = self.sources.iter().map(|b| fixed_bytes(b.column(c).as_ref())).collect();
+                let values: Vec<&[u8]> = cols.iter().map(|a| fixed_bytes(*a)).collect();
                 match w {
                     1 => copy_fixed::<1>(dst, &values, self.rows),
                     2 => copy_fixed::<2>(dst, &values, self.rows),
@@ -238,39 +234,109 @@ impl<'a> Direct<'a> {
                     16 => copy_fixed::<16>(dst, &values, self.rows),
                     _ => copy_width(dst, &values, self.rows, w),
                 }
-                .ok_or_else(|| short(c))?;
+                .ok_or_else(short)?;
                 Ok(rest)
             }
             Kind::Bool => {
                 let (bits, rest) = take(body, n.div_ceil(8));
-                let cols: Vec<_> = self.sources.iter().map(|b| b.column(c).as_boolean_opt()).collect();
+                let bools: Vec<_> = cols.iter().map(|a| a.as_boolean_opt()).collect();
                 let mut values = Vec::with_capacity(n);
                 for &(s, r) in self.rows {
-                    values.push(cols[s].ok_or_else(|| short(c))?.value(r));
+                    values.push(bools[s].ok_or_else(short)?.value(r));
                 }
                 set_bits(bits, values.into_iter());
                 Ok(rest)
             }
-            Kind::Bytes { wide } => {
+            &Kind::Bytes { wide } => {
                 let width = if wide { 8 } else { 4 };
                 let (offsets, rest) = take(body, (n + 1) * width);
-                let (values, rest) = take(rest, self.value_bytes[c]);
-                let cols = byte_columns(self.sources, c);
-                let valid = validity(self.sources, c, self.nulls[c]);
+                let (values, rest) = take(rest, node.value_bytes);
+                let bytes = byte_columns(cols);
+                let valid = validity(cols, node.nulls);
                 let mut at = 0usize;
                 for (i, &(s, r)) in self.rows.iter().enumerate() {
                     // A null row is empty: a view array leaves whatever view was there under a
                     // null, where the offsets of binary arrays make it empty.
-                    let v = if valid(s, r) { cols[s].value(r).ok_or_else(|| short(c))? } else { &[] };
+                    let v = if valid(s, r) { bytes[s].value(r).ok_or_else(short)? } else { &[] };
                     write_offset(offsets, i, at, wide)?;
-                    values.get_mut(at..at + v.len()).ok_or_else(|| short(c))?.copy_from_slice(v);
+                    values.get_mut(at..at + v.len()).ok_or_else(short)?.copy_from_slice(v);
                     at += v.len();
                 }
                 write_offset(offsets, n, at, wide)?;
                 Ok(rest)
             }
+            Kind::Struct(children) => {
+                let mut body = body;
+                for (i, child) in children.iter().enumerate() {
+                    let kids = struct_children(cols, i)?;
+                    body = self.write_column(&kids, child, nodes, body)?;
+                }
+                Ok(body)
+            }
         }
     }
+}
+
+/// What [`Layout`] measured of one Arrow node.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    nulls: usize,
+    value_bytes: usize,
+}
+
+/// The record batch message's nodes and buffers, measured column by column in the message's
+/// order (a struct's node, then its children's).
+struct Layout<'r> {
+    rows: &'r [(usize, usize)],
+    nodes: Vec<Node>,
+    fb_nodes: Vec<FieldNode>,
+    buffers: Vec<arrow_ipc::Buffer>,
+    offset: usize,
+}
+
+impl Layout<'_> {
+    fn push(&mut self, len: usize) {
+        self.buffers.push(arrow_ipc::Buffer::new(self.offset as i64, len as i64));
+        self.offset += pad(len);
+    }
+
+    fn column(&mut self, cols: &[&dyn Array], k: &Kind) {
+        let n = self.rows.len();
+        let nulls = null_count(cols, self.rows);
+        self.fb_nodes.push(FieldNode::new(n as i64, nulls as i64));
+        self.push(if nulls > 0 { n.div_ceil(8) } else { 0 });
+        let at = self.nodes.len();
+        self.nodes.push(Node { nulls, value_bytes: 0 });
+        match k {
+            Kind::Fixed(w) => self.push(n * w),
+            Kind::Bool => self.push(n.div_ceil(8)),
+            &Kind::Bytes { wide } => {
+                let bytes = byte_columns(cols);
+                let valid = validity(cols, nulls);
+                let values = self
+                    .rows
+                    .iter()
+                    .map(|&(s, r)| if valid(s, r) { bytes[s].value(r).map_or(0, <[u8]>::len) } else { 0 })
+                    .sum();
+                self.nodes[at].value_bytes = values;
+                self.push((n + 1) * if wide { 8 } else { 4 });
+                self.push(values);
+            }
+            Kind::Struct(children) => {
+                for (i, child) in children.iter().enumerate() {
+                    // `plan` checked every source's types: a struct column has its children.
+                    let kids: Vec<&dyn Array> =
+                        cols.iter().filter_map(|a| Some(a.as_struct_opt()?.column(i).as_ref())).collect();
+                    self.column(&kids, child);
+                }
+            }
+        }
+    }
+}
+
+/// Child `i` of a struct column in every source.
+fn struct_children<'a>(cols: &[&'a dyn Array], i: usize) -> Result<Vec<&'a dyn Array>, ParquetError> {
+    cols.iter().map(|a| Ok(a.as_struct_opt().ok_or_else(short)?.column(i).as_ref())).collect()
 }
 
 /// A bytes column of one source: its offsets (already the array's slice) and values.
@@ -296,12 +362,10 @@ impl ByteColumn<'_> {
     }
 }
 
-/// Column `c` of every source as a [`ByteColumn`] (resolved once per batch, not per row).
-fn byte_columns<'a>(sources: &[&'a RecordBatch], c: usize) -> Vec<ByteColumn<'a>> {
-    sources
-        .iter()
-        .map(|b| {
-            let a = b.column(c).as_ref();
+/// A column of every source as a [`ByteColumn`] (resolved once per batch, not per row).
+fn byte_columns<'a>(cols: &[&'a dyn Array]) -> Vec<ByteColumn<'a>> {
+    cols.iter()
+        .map(|&a| {
             if let Some(x) = a.as_binary_opt::<i32>() {
                 ByteColumn::Narrow(x.value_offsets(), x.value_data())
             } else if let Some(x) = a.as_string_opt::<i32>() {
@@ -321,24 +385,24 @@ fn byte_columns<'a>(sources: &[&'a RecordBatch], c: usize) -> Vec<ByteColumn<'a>
         .collect()
 }
 
-fn short(c: usize) -> ParquetError {
-    ParquetError::Ipc(format!("column {c} of a source is shorter than its rows"))
+fn short() -> ParquetError {
+    ParquetError::Ipc("a column of a source does not match its rows".into())
 }
 
-/// Whether row `r` of source `s` holds a value in column `c`, for a column with `nulls` nulls
-/// among the batch's rows (none: every row, without looking).
-fn validity<'a>(sources: &'a [&'a RecordBatch], c: usize, nulls: usize) -> impl Fn(usize, usize) -> bool + 'a {
-    let bitmaps: Vec<_> = if nulls == 0 { Vec::new() } else { sources.iter().map(|b| b.column(c).nulls()).collect() };
+/// Whether row `r` of source `s` holds a value, for a column (`cols`, one array per source) with
+/// `nulls` nulls among the batch's rows (none: every row, without looking).
+fn validity<'a>(cols: &[&'a dyn Array], nulls: usize) -> impl Fn(usize, usize) -> bool + 'a {
+    let bitmaps: Vec<_> = if nulls == 0 { Vec::new() } else { cols.iter().map(|a| a.nulls()).collect() };
     move |s, r| bitmaps.get(s).is_none_or(|n| n.is_none_or(|n| n.is_valid(r)))
 }
 
-/// Nulls of column `c` among `rows`; no pass over the rows when no source has any.
-fn null_count(sources: &[&RecordBatch], c: usize, rows: &[(usize, usize)]) -> usize {
-    let nulls: Vec<_> = sources.iter().map(|b| b.column(c).nulls().filter(|n| n.null_count() > 0)).collect();
+/// Nulls of a column among `rows`; no pass over the rows when no source has any.
+fn null_count(cols: &[&dyn Array], rows: &[(usize, usize)]) -> usize {
+    let nulls: Vec<_> = cols.iter().map(|a| a.nulls().filter(|n| n.null_count() > 0)).collect();
     if nulls.iter().all(Option::is_none) {
         return 0;
     }
-    rows.iter().filter(|&&(s, r)| nulls[s].is_some_and(|n| n.is_null(r))).count()
+    rows.iter().filter(|&&(s, r)| nulls.get(s).is_some_and(|n| n.is_some_and(|n| n.is_null(r)))).count()
 }
 
 /// The values bytes of a fixed-width array from its first row (the array's own slice of its
@@ -427,7 +491,7 @@ mod tests {
 
     use arrow_array::{
         ArrayRef, BinaryArray, BooleanArray, Date32Array, Decimal128Array, FixedSizeBinaryArray, Float32Array,
-        Int8Array, LargeStringArray, StringArray, TimestampMicrosecondArray, UInt64Array,
+        Int8Array, LargeStringArray, StringArray, StructArray, TimestampMicrosecondArray, UInt64Array,
     };
     use arrow_schema::{Field, TimeUnit};
     use proptest::prelude::*;
@@ -448,7 +512,15 @@ mod tests {
             Field::new("img", DataType::Binary, true),
             Field::new("txt", DataType::Utf8, true),
             Field::new("big", DataType::LargeUtf8, false),
+            Field::new("pic", pic_type(), true),
         ]))
+    }
+
+    /// A Hugging Face image: `{bytes: binary, path: string}`.
+    fn pic_type() -> DataType {
+        DataType::Struct(
+            vec![Field::new("bytes", DataType::Binary, true), Field::new("path", DataType::Utf8, true)].into(),
+        )
     }
 
     /// A batch of `n` rows of [`flat_schema`] from `seed`; nulls where `seed + i` hits `every`.
@@ -484,6 +556,16 @@ mod tests {
             Arc::new((0..n).map(|i| keep(i).then(|| vec![v(i) as u8; (v(i) % 50) as usize])).collect::<BinaryArray>()),
             Arc::new((0..n).map(|i| keep(i).then(|| format!("r{}", v(i) % 1000))).collect::<StringArray>()),
             Arc::new((0..n).map(|i| Some("é".repeat((v(i) % 5) as usize))).collect::<LargeStringArray>()),
+            {
+                // Struct nulls on `keep`, child nulls of their own (a null path, no bytes).
+                let bytes: BinaryArray =
+                    (0..n).map(|i| (v(i) % 4 != 1).then(|| vec![i as u8; (v(i) % 30) as usize])).collect();
+                let path: StringArray =
+                    (0..n).map(|i| (v(i) % 3 != 2).then(|| format!("img/{}.jpg", v(i) % 97))).collect();
+                let DataType::Struct(fields) = pic_type() else { unreachable!() };
+                let valid: arrow_buffer::NullBuffer = (0..n).map(keep).collect();
+                Arc::new(StructArray::new(fields, vec![Arc::new(bytes), Arc::new(path)], Some(valid)))
+            },
         ];
         RecordBatch::try_new(flat_schema(), cols).unwrap()
     }

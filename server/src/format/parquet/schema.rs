@@ -129,25 +129,28 @@ impl Projection {
     }
 }
 
-/// `t` as decoded into a view when it is a flat bytes type.
+/// `t` with its bytes types, at the top or inside structs, as views; None when it has none.
 fn view_type(t: &DataType) -> Option<DataType> {
     match t {
         DataType::Binary | DataType::LargeBinary => Some(DataType::BinaryView),
         DataType::Utf8 | DataType::LargeUtf8 => Some(DataType::Utf8View),
+        DataType::Struct(fields) if fields.iter().any(|f| view_type(f.data_type()).is_some()) => {
+            Some(DataType::Struct(fields.iter().map(|f| Arc::new(with_view(f))).collect()))
+        }
         _ => None,
     }
 }
 
-/// `schema` with its flat bytes columns as views.
+fn with_view(f: &Field) -> Field {
+    match view_type(f.data_type()) {
+        Some(v) => f.clone().with_data_type(v),
+        None => f.clone(),
+    }
+}
+
+/// `schema` with its bytes columns (and struct children) as views.
 fn with_views(schema: &Schema) -> SchemaRef {
-    let fields: Vec<Field> = schema
-        .fields()
-        .iter()
-        .map(|f| match view_type(f.data_type()) {
-            Some(v) => f.as_ref().clone().with_data_type(v),
-            None => f.as_ref().clone(),
-        })
-        .collect();
+    let fields: Vec<Field> = schema.fields().iter().map(|f| with_view(f)).collect();
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
 }
 
