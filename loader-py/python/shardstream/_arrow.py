@@ -187,8 +187,7 @@ def _binary(arr: pa.Array, copy: bool) -> list[Any]:
         ends = starts + width
         data = bufs[1]
     else:
-        wide = pa.types.is_large_binary(arr.type)
-        offsets = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)[arr.offset : arr.offset + n + 1]
+        offsets = _offsets(arr)
         starts, ends = offsets[:-1], offsets[1:]
         data = bufs[2]
     view = memoryview(data) if data is not None else memoryview(b"")
@@ -298,8 +297,7 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
                 out[name] = data[arr.offset * width : (arr.offset + len(arr)) * width].reshape(len(arr), width)
             continue
         if pa.types.is_binary(t) or pa.types.is_large_binary(t):
-            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64 if pa.types.is_large_binary(t) else np.int32)
-            offsets = offsets[arr.offset : arr.offset + len(arr) + 1]
+            offsets = _offsets(arr)
             data = np.frombuffer(arr.buffers()[2] or b"", dtype=np.uint8)
             flat = data[int(offsets[0]) : int(offsets[-1])]
         elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and _fixed_width(t.value_type):

@@ -18,10 +18,13 @@ fn ipc_error(e: crate::format::parquet::ParquetError) -> Error {
     Error::Internal(format!("cannot encode an Arrow batch: {e}"))
 }
 
-/// The inline form of batch `batch_index` (rows `row_ids`).
+/// The inline form of batch `batch_index` (rows `row_ids`) from a gathered record batch.
 pub fn inline_batch(batch_index: u64, row_ids: Vec<u64>, batch: &RecordBatch) -> Result<ArrowBatch> {
-    let data = ipc::encode(batch).map_err(ipc_error)?;
-    Ok(ArrowBatch { batch_index, row_ids, length: data.len() as u64, data, ..Default::default() })
+    Ok(inline_message(batch_index, row_ids, ipc::encode(batch).map_err(ipc_error)?))
+}
+
+fn inline_message(batch_index: u64, row_ids: Vec<u64>, data: Vec<u8>) -> ArrowBatch {
+    ArrowBatch { batch_index, row_ids, length: data.len() as u64, data, ..Default::default() }
 }
 
 /// Writes batch `batch_index` into a ring slot that `acquire` gives for the bytes it needs, and
@@ -58,7 +61,7 @@ pub fn shm_rows<'s>(
         let Some(plan) = plan else {
             return shm_batch(batch_index, row_ids, &rows.gather(schema, asm.schema_message())?, acquire);
         };
-        let need = plan.len() as u64;
+        let need = plan.stream_len() as u64;
         let mut guard = acquire(ARROW_DATA_OFFSET + need)?;
         let slot = guard.bytes();
         let length = match slot.get_mut(ARROW_DATA_OFFSET as usize..) {
@@ -74,8 +77,7 @@ pub fn shm_rows<'s>(
 
 /// The inline form of batch `batch_index` (rows `row_ids`) from its decoded rows.
 pub fn inline_rows(batch_index: u64, row_ids: Vec<u64>, asm: &BatchAssembler, rows: &BatchRows) -> Result<ArrowBatch> {
-    let data = rows.encode(asm.projection().schema(), asm.schema_message())?;
-    Ok(ArrowBatch { batch_index, row_ids, length: data.len() as u64, data, ..Default::default() })
+    Ok(inline_message(batch_index, row_ids, rows.encode(asm.projection().schema(), asm.schema_message())?))
 }
 
 #[cfg(test)]

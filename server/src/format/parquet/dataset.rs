@@ -208,7 +208,7 @@ impl BatchRows {
     pub fn encode(&self, schema: &SchemaRef, schema_message: &[u8]) -> Result<Vec<u8>> {
         self.with_direct(schema, schema_message, |plan| match plan {
             Some(plan) => {
-                let mut out = vec![0u8; plan.len()];
+                let mut out = vec![0u8; plan.stream_len()];
                 plan.write(&mut out).map_err(|e| Error::Internal(e.to_string()))?;
                 Ok(out)
             }

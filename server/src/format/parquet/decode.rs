@@ -249,6 +249,20 @@ mod tests {
         assert!(matches!(e, ParquetError::BadData { row_group: 1, .. }), "{e}");
     }
 
+    /// The IPC stream `direct` writes for `rows` of one decoded row group.
+    fn direct_bytes(
+        schema: &arrow_schema::Schema,
+        message: &[u8],
+        decoded: &RecordBatch,
+        rows: &[(usize, usize)],
+    ) -> Vec<u8> {
+        let sources = [decoded];
+        let d = super::super::direct::Direct::plan(schema, message, &sources, rows).unwrap().expect("flat columns");
+        let mut out = vec![0u8; d.stream_len()];
+        d.write(&mut out).unwrap();
+        out
+    }
+
     /// The flat columns of the test data (every one but the `tokens` list).
     fn flat_fields() -> Vec<String> {
         ["id", "label", "caption", "image", "blob", "text"].map(String::from).to_vec()
@@ -276,10 +290,7 @@ mod tests {
                 let n = viewed.num_rows();
                 let rows: Vec<(usize, usize)> = (0..n).rev().map(|r| (0, r)).chain([(0, n / 2)]).collect();
                 let want = ipc::encode(&ipc::gather(flat.schema(), &[&plain], &rows).unwrap()).unwrap();
-                let sources = [&viewed];
-                let d = direct::Direct::plan(flat.schema(), &message, &sources, &rows).unwrap().expect("flat");
-                let mut got = vec![0u8; d.len()];
-                d.write(&mut got).unwrap();
+                let got = direct_bytes(flat.schema(), &message, &viewed, &rows);
                 assert!(got == want, "{codec:?} row group {rg}: direct bytes from views differ");
             }
         }
@@ -339,10 +350,7 @@ mod tests {
             let expected = plain.slice(first, viewed.num_rows());
             first += viewed.num_rows();
             let want = ipc::encode(&ipc::gather(p.schema(), &[&expected], &rows).unwrap()).unwrap();
-            let sources = [&viewed];
-            let d = direct::Direct::plan(p.schema(), &message, &sources, &rows).unwrap().expect("flat");
-            let mut got = vec![0u8; d.len()];
-            d.write(&mut got).unwrap();
+            let got = direct_bytes(p.schema(), &message, &viewed, &rows);
             assert!(got == want, "row group {rg}: direct bytes of a struct of views differ");
         }
         assert_eq!(first, n as usize);

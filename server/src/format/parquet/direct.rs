@@ -170,19 +170,14 @@ impl<'a> Direct<'a> {
     }
 
     /// The stream's length: what [`Self::write`] writes.
-    pub fn len(&self) -> usize {
+    pub fn stream_len(&self) -> usize {
         self.schema_message.len() + self.header_len() + self.body_len + EOS.len()
-    }
-
-    /// Never: a stream holds at least its schema message and end-of-stream marker.
-    pub fn is_empty(&self) -> bool {
-        false
     }
 
     /// Writes the stream into `out[..self.len()]`; returns its length. `out` shorter than that
     /// is an error and leaves it partly written.
     pub fn write(&self, out: &mut [u8]) -> Result<usize, ParquetError> {
-        let len = self.len();
+        let len = self.stream_len();
         let Some(out) = out.get_mut(..len) else {
             return Err(ParquetError::Ipc(format!("a {len}-byte stream does not fit {} bytes", out.len())));
         };
@@ -575,10 +570,10 @@ mod tests {
         let schema = sources[0].schema();
         let message = schema_message(&schema).unwrap();
         let direct = Direct::plan(&schema, &message, sources, rows).unwrap().expect("flat schema");
-        let mut out = vec![0xAAu8; direct.len() + 100];
-        assert_eq!(direct.write(&mut out).unwrap(), direct.len());
+        let mut out = vec![0xAAu8; direct.stream_len() + 100];
+        assert_eq!(direct.write(&mut out).unwrap(), direct.stream_len());
         let want = ipc::encode(&ipc::gather(&schema, sources, rows).unwrap()).unwrap();
-        assert_eq!(direct.len(), want.len());
+        assert_eq!(direct.stream_len(), want.len());
         assert!(out[..want.len()] == want[..], "direct bytes differ from the stream writer's");
         assert!(out[want.len()..].iter().all(|&b| b == 0xAA), "wrote past its length");
     }
@@ -607,7 +602,7 @@ mod tests {
         let message = schema_message(&schema).unwrap();
         let sources = [&flat];
         let direct = Direct::plan(&schema, &message, &sources, &[(0, 4)]).unwrap().unwrap();
-        let mut small = vec![0u8; direct.len() - 1];
+        let mut small = vec![0u8; direct.stream_len() - 1];
         assert!(direct.write(&mut small).is_err());
         assert!(Direct::plan(&schema, &message, &[&flat], &[(0, 5)]).is_err());
         assert!(Direct::plan(&schema, &message, &[&flat], &[(1, 0)]).is_err());
