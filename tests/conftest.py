@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,33 @@ import shardstream
 # SHARDSTREAM_BIN runs the tests against another build of the command (e.g. a worktree's
 # target/debug/shardstream) without installing it into the shared venv.
 SHARDSTREAM = os.environ.get("SHARDSTREAM_BIN") or str(Path(sys.executable).with_name("shardstream"))
+
+
+# Room for the suite's temporary files (datasets, node caches, S3 buckets): a full run peaked at
+# ~370 MiB. Checked before any test, so a nearly full disk is one clear message instead of a
+# hundred errors from half-written fixtures.
+DISK_NEEDED = 1 << 30
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    tmp = tempfile.gettempdir()
+    return f"free disk: {_free_bytes(tmp) >> 20} MiB in {tmp}, {_free_bytes('/dev/shm') >> 20} MiB in /dev/shm"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    tmp = tempfile.gettempdir()
+    free = _free_bytes(tmp)
+    if free < DISK_NEEDED:
+        pytest.exit(
+            f"only {free >> 20} MiB free in {tmp}; the tests need about {DISK_NEEDED >> 20} MiB "
+            "for their datasets and caches (set TMPDIR to a larger disk)",
+            returncode=3,
+        )
 
 
 def write_dataset(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,20 @@ def outlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with wds.ShardWriter(str(root / "o-%06d.tar"), maxcount=1000, verbose=0) as sink:
         for i in range(3000):
             sink.write({"__key__": f"s{i:05d}", "bin": b"x" * 100})
-        sink.write({"__key__": "huge", "bin": b"\0" * (LIMIT + MIB)})
+    _write_sparse_sample(root / "o-000003.tar", "huge", "bin", LIMIT + MIB)
     return root
+
+
+def _write_sparse_sample(shard: Path, key: str, ext: str, size: int) -> None:
+    """A one-sample TAR shard whose payload of zeros is a hole: a valid archive (`tar tvf` lists
+    it, reads give zeros) that takes no disk. Writing half a GiB of real zeros per test run is
+    what once filled a nearly full CI disk."""
+    info = tarfile.TarInfo(f"{key}.{ext}")
+    info.size, info.mode, info.mtime = size, 0o444, 0
+    with open(shard, "wb") as f:
+        f.write(info.tobuf(format=tarfile.PAX_FORMAT))
+        f.seek(size + (-size % tarfile.BLOCKSIZE), os.SEEK_CUR)
+        f.write(b"\0" * (2 * tarfile.BLOCKSIZE))
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])
