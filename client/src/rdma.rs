@@ -6,6 +6,7 @@
 //! worker creates its own after fork, never inheriting one. The receiver blocks in libfabric
 //! (`fi_cq_sread`), so every call runs on tokio's blocking pool.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -71,19 +72,30 @@ pub struct RdmaRing {
     /// Batches of this stream still to arrive (set from the header): FINISHED goes to the
     /// daemon when the last arrives.
     remaining: std::sync::atomic::AtomicU64,
+    /// Callers waiting for the receiver: the progress thread stands back until they have it.
+    wanted: AtomicUsize,
+    /// Wakes the progress thread out of its wait in libfabric.
+    wake: Arc<shardstream_fabric::CompletionQueue>,
 }
 
 /// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
-/// ring. The lock is held only for one short wait at a time, so `receive` gets in promptly.
+/// ring. Under manual progress (tcp) the daemon's writes arrive only while a thread of this
+/// process is inside libfabric, so this thread goes straight back in: a pause between waits (it
+/// slept 1 ms, to let `receive` take the lock first) stalled the stream for that long at every
+/// completion. It stands back only while a caller asks for the lock ([`RdmaRing::lock`]), which
+/// std's unfair mutex would otherwise hand straight back to this thread.
 fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
     while let Some(r) = ring.upgrade() {
-        let res = r.lock().progress(Duration::from_millis(20));
+        if r.wanted.load(Ordering::SeqCst) > 0 {
+            drop(r);
+            std::thread::yield_now();
+            continue;
+        }
+        let res = r.rx.lock().unwrap_or_else(PoisonError::into_inner).progress(Duration::from_millis(20));
         if let Err(e) = res {
             *r.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
             return;
         }
-        drop(r);
-        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -103,6 +115,7 @@ impl RdmaRing {
         let rx =
             RingReceiver::new(ep, RDMA_SLOTS, usize::try_from(slot_bytes).map_err(err)?, first_batch).map_err(err)?;
         let o = rx.offer().map_err(err)?;
+        let wake = rx.waker();
         let offer = RdmaOffer {
             address: o.name,
             ring_base: o.ring.base,
@@ -117,6 +130,8 @@ impl RdmaRing {
             provider: o.provider,
             failed: Mutex::new(None),
             remaining: std::sync::atomic::AtomicU64::new(u64::MAX),
+            wanted: AtomicUsize::new(0),
+            wake,
         });
         let weak = Arc::downgrade(&ring);
         std::thread::Builder::new()
@@ -126,13 +141,19 @@ impl RdmaRing {
         Ok((ring, offer))
     }
 
+    /// The receiver, taken promptly: the progress thread is woken out of its wait and stands
+    /// back until this caller has the lock.
     fn lock(&self) -> std::sync::MutexGuard<'_, RingReceiver<()>> {
-        self.rx.lock().unwrap_or_else(PoisonError::into_inner)
+        self.wanted.fetch_add(1, Ordering::SeqCst);
+        self.wake.signal();
+        let guard = self.rx.lock().unwrap_or_else(PoisonError::into_inner);
+        self.wanted.fetch_sub(1, Ordering::SeqCst);
+        guard
     }
 
     /// The daemon's endpoint and the stream's batch count, from the stream header.
     pub fn connect(&self, daemon: &[u8], batches: u64) -> Result<(), ClientError> {
-        self.remaining.store(batches, std::sync::atomic::Ordering::Relaxed);
+        self.remaining.store(batches, Ordering::Relaxed);
         self.lock().connect(daemon).map_err(err)
     }
 
@@ -169,7 +190,7 @@ impl RdmaRing {
             )));
         }
         let lent = rx.lend(ready, len).map_err(err)?;
-        if self.remaining.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) == 1 {
+        if self.remaining.fetch_sub(1, Ordering::Relaxed) == 1 {
             rx.finish().map_err(stream_err)?;
         }
         if lent.as_slice().len() != len {

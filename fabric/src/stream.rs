@@ -349,6 +349,12 @@ impl<M> RingReceiver<M> {
         self.arrivals.held()
     }
 
+    /// The completion queue, whose [`crate::CompletionQueue::signal`] wakes a thread blocked in
+    /// [`Self::progress`] or [`Self::next`].
+    pub fn waker(&self) -> Arc<crate::CompletionQueue> {
+        self.ep.cq().clone()
+    }
+
     pub fn provider(&self) -> &str {
         self.ep.fabric().provider()
     }
