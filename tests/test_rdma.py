@@ -141,6 +141,46 @@ def test_rdma_without_libfabric_names_why(dataset, tmp_path: Path, monkeypatch: 
         d.stop()
 
 
+def _fresh(code: str, *args: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_warm_up_loads_libfabric_without_a_thread_so_forking_after_it_is_safe() -> None:
+    before, after, loaded = _fresh(
+        """
+        import os
+        from shardstream import _native
+        threads = lambda: len(os.listdir("/proc/self/task"))
+        before = threads()
+        _native.fabric_warm_up()
+        print(before, threads(), "libfabric.so" in open("/proc/self/maps").read())
+        """
+    )
+    assert (before, loaded) == (after, "True")
+
+
+@pytest.mark.parametrize("transport", ["rdma", "inline"])
+def test_an_rdma_loader_loads_libfabric_where_it_is_built(rdma_daemon, dataset, transport: str) -> None:
+    """So DataLoader workers forked from the process that built it inherit libfabric's start-up;
+    other transports never load it."""
+    root, _ = dataset
+    (loaded,) = _fresh(
+        """
+        import sys, shardstream
+        shardstream.Loader(sys.argv[1], connect=sys.argv[2], transport=sys.argv[3])
+        print("libfabric.so" in open("/proc/self/maps").read())
+        """,
+        str(root),
+        rdma_daemon.addr,
+        transport,
+    )
+    assert loaded == str(transport == "rdma")
+
+
 # Saves its state after `stop_after` batches and SIGKILLs itself (-1: runs the epoch out); writes
 # each batch's keys as a JSON line, and at the end the transport it used.
 CONSUMER = textwrap.dedent(

@@ -63,6 +63,13 @@ impl Drop for SlotView {
     }
 }
 
+/// Loads libfabric and initialises its providers in this process (see
+/// [`shardstream_fabric::warm_up`]): called where a trainer is about to fork DataLoader workers
+/// that will each open an rdma stream, so they inherit the ~0.3 s start-up instead of paying it.
+pub fn warm_up() -> Result<(), ClientError> {
+    shardstream_fabric::warm_up().map_err(err)
+}
+
 /// One stream's registered ring.
 pub struct RdmaRing {
     rx: Mutex<RingReceiver<()>>,

@@ -454,6 +454,13 @@ fn probe(py: Python<'_>, address: &str) -> PyResult<bool> {
     })
 }
 
+/// Loads libfabric and initialises its providers without opening anything (for a parent about
+/// to fork rdma workers); raises the reason libfabric cannot be had.
+#[pyfunction]
+fn fabric_warm_up(py: Python<'_>) -> PyResult<()> {
+    errors::no_panic("fabric_warm_up", || py.detach(shardstream_client::rdma::warm_up).map_err(errors::to_pyerr))
+}
+
 /// Panics inside the panic guard every entry point uses: lets the tests check that a Rust panic
 /// reaches Python as `ShardstreamError`, never as `PanicException`.
 #[pyfunction]
@@ -478,6 +485,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_embedded_server, m)?)?;
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(fabric_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     errors::register(m)?;
     m.add("__version__", shardstream::VERSION)?;
