@@ -7,14 +7,18 @@ bench/INLINE_RESULTS.md:
 3. **TCP floor**: `iperf3`, one stream, `-l 1M`, over the same loopback interface (a Python socket
    pair when iperf3 is not installed);
 4. **CPU per GB** delivered, on the daemon (its /proc/<pid>/stat delta) and the client (the
-   consumer process's own getrusage, its tokio threads included).
+   consumer process's own getrusage, its tokio threads included);
+5. **small samples through a torch DataLoader with 2 workers**, 2 epochs per process (workers
+   started afresh each epoch, the DataLoader's default; the consumer runs in the workers on the
+   views): what a trainer runs, where each worker opens its own stream every epoch.
 
 Each dataset is measured over `transport="inline"` and, where the build has `serve --rdma` and
 libfabric loads, over `transport="rdma"` with libfabric's tcp provider (the daemon RDMA-writes
 each batch into the ring the client registered), from the same daemon in the same rounds.
 
 Every round runs each measurement once, interleaved (so load from other work on the machine hits
-all of them alike); the table gives the median over rounds with the min-max spread, and ratios are
+all of them alike), each round starting at another row (so no row is always the one after
+iperf3); the table gives the median over rounds with the min-max spread, and ratios are
 medians of per-round ratios. Each epoch runs in a fresh consumer process against a warm daemon
 listening on tcp://127.0.0.1 (one untimed epoch of each dataset first). Every epoch is checked:
 each sample exactly once.
@@ -56,6 +60,11 @@ READY_TIMEOUT_S = 60.0
 IPERF_SECONDS = 3
 # rdma: libfabric's tcp provider on both ends; ring slots that hold a large-sample batch (the
 # daemon wants a batch to fill at most half a slot).
+# The trainer's case: a torch DataLoader whose workers each open a stream, started afresh every
+# epoch (persistent_workers=False, the DataLoader's default), WORKER_EPOCHS epochs per process.
+DATALOADER_WORKERS = 2
+WORKER_EPOCHS = 2
+WORKERS_ROW = f"small, {DATALOADER_WORKERS} workers x {WORKER_EPOCHS} epochs"
 RDMA_ENV = {"SHARDSTREAM_FI_PROVIDER": "tcp", "SHARDSTREAM_RDMA_SLOT_BYTES": str(48 << 20)}
 
 
@@ -118,14 +127,19 @@ class TcpDaemon:
                 self.proc.wait()
 
 
-def child_main(addr: str, url: str, field: str, batch: int, transport: str) -> None:
-    """One epoch in this (fresh) process; prints the result as JSON."""
+def child_main(addr: str, url: str, field: str, batch: int, transport: str, workers: int, expected: int) -> None:
+    """One epoch (with DataLoader workers: WORKER_EPOCHS) in this (fresh) process; prints the
+    result as JSON."""
     # Library imports are not timed (as in run.py): builds before fcb583d imported torch inside
     # Loader() to ask torch.distributed for the rank, 1.5-2 s that would swamp the transport.
     import torch.distributed  # noqa: F401
 
     import shardstream
 
+    if workers:
+        r = workers_epochs(addr, url, field, batch, transport, workers, expected)
+        print(json.dumps(r))
+        return
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     loader = shardstream.Loader(url, batch_size=batch, seed=0, connect=addr, transport=transport)
@@ -136,16 +150,66 @@ def child_main(addr: str, url: str, field: str, batch: int, transport: str) -> N
     print(json.dumps(r))
 
 
-def epoch(d: TcpDaemon, url: str, field: str, batch: int, expected: int, transport: str = "inline") -> dict[str, Any]:
+def _consume_in_worker(batch: dict[str, Any], field: str) -> dict[str, Any]:
+    """The common consumer, run in the DataLoader worker on the batch's zero-copy views: only its
+    small result crosses to the trainer process."""
+    return consumer.consume([batch[field]], None, 0)
+
+
+def workers_epochs(
+    addr: str, url: str, field: str, batch: int, transport: str, workers: int, expected: int
+) -> dict[str, Any]:
+    """WORKER_EPOCHS epochs through a torch DataLoader with `workers` workers, which the DataLoader
+    starts afresh every epoch (persistent_workers=False, its default): what a trainer runs. The
+    clock starts before the dataset is built. Each epoch's ids are offset by `expected`, so one
+    check covers every epoch exactly once."""
+    import functools
+
+    import torch.utils.data
+
+    import shardstream.torch as sst
+
+    ru0 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    t0 = time.perf_counter()
+    ds = sst.IterableDataset(
+        url,
+        batch_size=batch,
+        seed=0,
+        connect=addr,
+        transport=transport,
+        batch_transform=functools.partial(_consume_in_worker, field=field),
+    )
+    out: dict[str, Any] = {"samples": 0, "bytes": 0, "ids": [], "ttfb": None}
+    for ep in range(WORKER_EPOCHS):
+        ds.set_epoch(ep)
+        for r in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers):
+            if out["ttfb"] is None:
+                out["ttfb"] = time.perf_counter() - t0
+            out["samples"] += r["samples"]
+            out["bytes"] += r["bytes"]
+            out["ids"] += [i + ep * expected for i in r["ids"]]
+    out["seconds"] = time.perf_counter() - t0
+    # The workers' CPU too: they are reaped when each epoch's DataLoader iterator ends.
+    ru1 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    out["client_cpu"] = sum(
+        (b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime) for a, b in zip(ru0, ru1, strict=True)
+    )
+    out["transport"] = transport
+    return out
+
+
+def epoch(
+    d: TcpDaemon, url: str, field: str, batch: int, expected: int, transport: str = "inline", workers: int = 0
+) -> dict[str, Any]:
     cpu0 = d.cpu()
-    cmd = [sys.executable, __file__, "--child", d.addr, url, field, str(batch), transport]
+    cmd = [sys.executable, __file__, "--child", d.addr, url, field, str(batch), transport, str(workers), str(expected)]
     out = subprocess.run(cmd, env=d.env, capture_output=True, text=True, check=False)
     daemon_cpu = d.cpu() - cpu0
     if out.returncode != 0:
         raise RuntimeError(f"consumer failed ({out.returncode}): {out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["daemon_cpu"] = daemon_cpu
-    r["check"] = consumer.verdict(r.pop("ids"), expected)
+    r["check"] = consumer.verdict(r.pop("ids"), expected * (WORKER_EPOCHS if workers else 1))
     if r["transport"].split("/")[0] != transport:
         r["check"] += f" (transport {r['transport']})"
     return r
@@ -208,7 +272,9 @@ def socket_pair_gbps(total: int = 4 << 30) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
+        child_main(
+            sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], int(sys.argv[7]), int(sys.argv[8])
+        )
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=30_000, help="~18 KiB samples")
@@ -226,8 +292,9 @@ def main() -> None:
     small_files = make(args.data / f"inline-small-{args.samples}", args.samples, 18 << 10, 1000, "jpg", True)
     large_files = make(args.data / f"inline-large-{args.large}", args.large, 1 << 20, 64, "bin", True)
     datasets = {
-        "small": (str(small_files[0].parent), "jpg", SMALL_BATCH, args.samples),
-        "large": (str(large_files[0].parent), "bin", LARGE_BATCH, args.large),
+        "small": (str(small_files[0].parent), "jpg", SMALL_BATCH, args.samples, 0),
+        "large": (str(large_files[0].parent), "bin", LARGE_BATCH, args.large, 0),
+        WORKERS_ROW: (str(small_files[0].parent), "jpg", SMALL_BATCH, args.samples, DATALOADER_WORKERS),
     }
     measure.warm(small_files)
     measure.warm(large_files)
@@ -256,16 +323,20 @@ def main() -> None:
                 for t in transports:
                     if t == "rdma" and not daemons[name].rdma:
                         continue
-                    for ds, (url, field, batch, n) in datasets.items():
+                    for ds, (url, field, batch, n, _) in datasets.items():
                         results[(name, t, ds)] = []
                         epoch(daemons[name], url, field, batch, n, t)  # warm-up: index and verify once
             for rnd in range(args.rounds):
                 g, floor_how = iperf3_gbps()
                 floors.append(g)
                 line = [f"round {rnd + 1}: tcp {g:.2f} GB/s"]
-                for name, t, ds in results:
-                    url, field, batch, n = datasets[ds]
-                    r = epoch(daemons[name], url, field, batch, n, t)
+                # Each round starts at another row: the row right after iperf3 ran slow in every
+                # round (inline small 0.80x the same code in another build), a position effect.
+                rows = list(results)
+                shift = rnd * len(rows) // args.rounds
+                for name, t, ds in rows[shift:] + rows[:shift]:
+                    url, field, batch, n, workers = datasets[ds]
+                    r = epoch(daemons[name], url, field, batch, n, t, workers)
                     results[(name, t, ds)].append(r)
                     per_s, gb_s = r["samples"] / r["seconds"], r["bytes"] / 1e9 / r["seconds"]
                     line.append(f"{name}/{t}/{ds} {per_s:,.0f}/s {gb_s:.2f} GB/s")
@@ -289,9 +360,14 @@ def main() -> None:
         f"- Machine: {os.cpu_count()} CPUs; load average before {' '.join(f'{x:.2f}' for x in load_before)},"
         f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
         f"- Daemon on tcp://127.0.0.1, warm; consumer in a fresh process per epoch (library imports, torch"
-        " included, before the clock starts), 0 workers, the common consumer (bench/consumer.py)."
+        " included, before the clock starts), no DataLoader unless the row says so, the common consumer"
+        " (bench/consumer.py)."
         f" Small: {args.samples:,} samples of 18 KiB + label, batch {SMALL_BATCH};"
         f" large: {args.large:,} samples of 1 MiB + label, batch {LARGE_BATCH}. GB = 10^9 B of payload.",
+        f'- "{WORKERS_ROW}": the small dataset through a torch DataLoader with {DATALOADER_WORKERS} workers'
+        " (started afresh each epoch, the DataLoader's default), the consumer run in the workers on the"
+        f" views; the clock covers building the dataset and {WORKER_EPOCHS} epochs, client CPU includes"
+        " the workers'.",
         f"- TCP floor: {floor_how}, {IPERF_SECONDS} s per round: {report.spread(floors, '.2f')} GB/s.",
         f"- rdma: libfabric's tcp provider (`{RDMA_ENV['SHARDSTREAM_FI_PROVIDER']}`), ring slots of"
         f" {int(RDMA_ENV['SHARDSTREAM_RDMA_SLOT_BYTES']) >> 20} MiB, same daemon as inline.",
