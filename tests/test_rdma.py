@@ -118,6 +118,66 @@ def test_rdma_from_a_daemon_without_it_names_why(dataset, tmp_path: Path) -> Non
         d.stop()
 
 
+@pytest.mark.parametrize("daemon_value", [None, "8192"])
+def test_rxm_settings_that_differ_are_refused_by_name(
+    dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, daemon_value: str | None
+) -> None:
+    """rxm (under the tcp and verbs providers) needs the same buffer size at both ends: with
+    different ones every write stalls until the daemon's 30 s credit timeout. The stream is
+    refused at open instead, naming the setting and both values."""
+    root, _ = dataset
+    monkeypatch.delenv("FI_OFI_RXM_BUFFER_SIZE", raising=False)
+    env = {"FI_OFI_RXM_BUFFER_SIZE": daemon_value} if daemon_value else {}
+    d = Daemon(
+        tmp_path, args=["--insecure", "--rdma", "--rdma-provider", "tcp"], env=env, addr=f"tcp://127.0.0.1:{_port()}"
+    ).start()
+    try:
+        code = textwrap.dedent(
+            """
+            import sys, shardstream
+            try:
+                next(iter(shardstream.Loader(sys.argv[1], connect=sys.argv[2], transport="rdma")))
+                print("streamed")
+            except Exception as e:
+                print(type(e).__name__, e)
+            """
+        )
+        client_env = {**os.environ, "FI_OFI_RXM_BUFFER_SIZE": "4096"}
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(root), d.addr], env=client_env, capture_output=True, text=True, timeout=120
+        )
+        assert out.stdout.startswith("ValueError"), out.stdout + out.stderr
+        assert "FI_OFI_RXM_BUFFER_SIZE" in out.stdout and "4096" in out.stdout, out.stdout
+        assert (daemon_value or "unset") in out.stdout, out.stdout
+    finally:
+        d.stop()
+
+
+def test_rxm_settings_that_agree_stream(dataset, tmp_path: Path) -> None:
+    root, samples = dataset
+    d = Daemon(
+        tmp_path,
+        args=["--insecure", "--rdma", "--rdma-provider", "tcp"],
+        env={"FI_OFI_RXM_BUFFER_SIZE": "4096"},
+        addr=f"tcp://127.0.0.1:{_port()}",
+    ).start()
+    try:
+        code = textwrap.dedent(
+            """
+            import sys, shardstream
+            loader = shardstream.Loader(sys.argv[1], batch_size=64, connect=sys.argv[2], transport="rdma")
+            print(sum(len(b["__key__"]) for b in loader))
+            """
+        )
+        client_env = {**os.environ, "FI_OFI_RXM_BUFFER_SIZE": "4096"}
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(root), d.addr], env=client_env, capture_output=True, text=True, timeout=120
+        )
+        assert out.stdout.split() == [str(len(samples))], out.stdout + out.stderr
+    finally:
+        d.stop()
+
+
 def test_rdma_without_libfabric_names_why(dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root, _ = dataset
     d = tcp_daemon(tmp_path)

@@ -131,6 +131,7 @@ impl RdmaRing {
             slots: o.slots,
             slot_bytes: o.slot_bytes,
             provider: o.provider.clone(),
+            fabric_settings: shardstream_fabric::settings().into_iter().collect(),
         };
         let ring = Arc::new(Self {
             rx: Mutex::new(rx),

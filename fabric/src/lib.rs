@@ -17,6 +17,7 @@ pub mod ffi;
 pub mod objects;
 pub mod stream;
 
+use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
 pub use objects::{Completion, CompletionQueue, Domain, Endpoint, Fabric, MemoryRegion, PeerAddr, RemoteRegion};
@@ -63,15 +64,50 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 static LIB: OnceLock<Result<ffi::Lib, String>> = OnceLock::new();
+static SETTINGS: OnceLock<BTreeMap<String, String>> = OnceLock::new();
+
+/// libfabric settings both ends of a stream must share. rxm (the layer under the `tcp` and
+/// `verbs` providers) sizes its packets by its buffer size: with different sizes at the two ends
+/// every write stalls (measured: until the daemon's 30 s credit timeout), where the same value on
+/// both ends, default or not, streams. Other rxm settings were not found to matter.
+pub const MUST_AGREE: &[&str] = &["FI_OFI_RXM_BUFFER_SIZE"];
 
 /// The process's libfabric, loaded on first use; the error says why it cannot be had.
 pub fn library() -> Result<&'static ffi::Lib> {
     LIB.get_or_init(|| {
+        // libfabric reads its settings from the environment once, when its providers initialise
+        // (the first fi_getinfo, which follows at once): what it reads is what is kept here.
+        SETTINGS.get_or_init(|| {
+            MUST_AGREE.iter().filter_map(|k| Some(((*k).to_owned(), std::env::var(k).ok()?))).collect()
+        });
         let path = std::env::var(LIBFABRIC_ENV).unwrap_or_else(|_| "libfabric.so.1".to_owned());
         ffi::Lib::load(&path)
     })
     .as_ref()
     .map_err(|e| Error::Unavailable(e.clone()))
+}
+
+/// The [`MUST_AGREE`] settings this process's libfabric started with (empty before it is loaded).
+pub fn settings() -> BTreeMap<String, String> {
+    SETTINGS.get().cloned().unwrap_or_default()
+}
+
+/// Why a peer whose settings are `peer` cannot stream with this end, whose settings are `ours`:
+/// each [`MUST_AGREE`] setting that differs, with both values; None when they agree.
+pub fn settings_mismatch(peer: &BTreeMap<String, String>, ours: &BTreeMap<String, String>) -> Option<String> {
+    let show = |v: Option<&String>| v.map_or_else(|| "unset".to_owned(), |v| format!("{v:?}"));
+    let differ: Vec<String> = MUST_AGREE
+        .iter()
+        .filter(|k| peer.get(**k) != ours.get(**k))
+        .map(|k| format!("{k} is {} on the client and {} on the daemon", show(peer.get(*k)), show(ours.get(*k))))
+        .collect();
+    (!differ.is_empty()).then(|| {
+        format!(
+            "libfabric's settings differ between the two ends ({}); rxm needs them equal, or every write stalls: \
+             set them alike for the daemon and the trainer",
+            differ.join("; ")
+        )
+    })
 }
 
 /// The provider the environment forces, if any (`SHARDSTREAM_FI_PROVIDER`, then `FI_PROVIDER`).
@@ -108,4 +144,30 @@ pub fn warm_up() -> Result<()> {
         return Err(Error::Call { call: "fi_getinfo", code: -rc, msg: lib.strerror(-rc) });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn settings_agree_when_equal_or_both_unset() {
+        assert_eq!(settings_mismatch(&map(&[]), &map(&[])), None);
+        let set = map(&[("FI_OFI_RXM_BUFFER_SIZE", "4096")]);
+        assert_eq!(settings_mismatch(&set, &set), None);
+        // Settings outside MUST_AGREE are not compared.
+        assert_eq!(settings_mismatch(&map(&[("FI_OFI_RXM_CM_PROGRESS_INTERVAL", "1")]), &map(&[])), None);
+    }
+
+    #[test]
+    fn a_difference_names_the_setting_and_both_values() {
+        let why = settings_mismatch(&map(&[("FI_OFI_RXM_BUFFER_SIZE", "4096")]), &map(&[])).unwrap_or_default();
+        assert!(why.contains("FI_OFI_RXM_BUFFER_SIZE is \"4096\" on the client and unset on the daemon"), "{why}");
+        let why = settings_mismatch(&map(&[]), &map(&[("FI_OFI_RXM_BUFFER_SIZE", "8192")])).unwrap_or_default();
+        assert!(why.contains("unset on the client and \"8192\" on the daemon"), "{why}");
+    }
 }

@@ -71,6 +71,14 @@ impl RdmaHub {
             Some(p) => p.clone(),
             None => offer.provider.clone(),
         };
+        // rxm (under tcp and verbs) stalls every write when the two ends' settings differ:
+        // refuse now, by name, instead of a stream that times out.
+        if offer.provider.contains("rxm") {
+            let peer = offer.fabric_settings.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            if let Some(why) = shardstream_fabric::settings_mismatch(&peer, &shardstream_fabric::settings()) {
+                return Err(Error::invalid(format!("transport \"rdma\": {why}")));
+            }
+        }
         let o = Offer {
             name: offer.address.clone(),
             ring: shardstream_fabric::RemoteRegion {
