@@ -415,10 +415,8 @@ impl ShardTable {
         let len = usize::try_from(range.end - range.start)
             .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
         let start = buf.len();
-        buf.resize(start + len, 0);
-        let parsed = file
-            .read_exact_at(&mut buf[start..], range.start)
-            .and_then(|()| self.locate_fields(file, i, &buf[start..], start, loc));
+        file.read_append(buf, len, range.start)?;
+        let parsed = self.locate_fields(file, i, &buf[start..], start, loc);
         if parsed.is_err() {
             buf.truncate(start);
         }

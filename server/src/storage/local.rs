@@ -150,6 +150,50 @@ impl ShardFile {
     }
 }
 
+impl ShardFile {
+    /// Appends exactly `len` bytes read at `offset` to `buf`, without zero-filling the space
+    /// first: the read writes every byte of it (the zero fill of `Vec::resize` before a
+    /// `read_exact_at` was 4-5% of the daemon's CPU on inline streams). On error `buf` is as it
+    /// was; a short read is the truncated-shard error of [`Self::read_exact_at`].
+    pub fn read_append(&self, buf: &mut Vec<u8>, len: usize, offset: u64) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
+        buf.reserve(len);
+        let spare = &mut buf.spare_capacity_mut()[..len];
+        let mut done = 0;
+        while done < len {
+            let at = offset
+                .checked_add(done as u64)
+                .and_then(|o| libc::off_t::try_from(o).ok())
+                .ok_or_else(|| Error::Internal(format!("read offset {offset}+{done} out of range")))?;
+            let rest = &mut spare[done..];
+            // SAFETY: `rest` is memory of `buf`'s allocation, `rest.len()` bytes long and
+            // exclusively borrowed; pread writes at most that many bytes into it and nothing else.
+            let n = unsafe { libc::pread(self.file.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), at) };
+            match n {
+                0 => {
+                    return Err(Error::Shard {
+                        shard: self.name.clone(),
+                        offset: Some(offset),
+                        reason: format!("truncated: cannot read {len} bytes at offset {offset}"),
+                    });
+                }
+                n if n < 0 => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(Error::io("cannot read shard", &self.path, e));
+                    }
+                }
+                n => done += n.unsigned_abs(),
+            }
+        }
+        // SAFETY: the loop above wrote all `len` bytes past the old length (`done == len`), and
+        // `reserve` made room for them.
+        unsafe { buf.set_len(buf.len() + len) };
+        Ok(())
+    }
+}
+
 /// Opens a shard for reading, refusing anything but a regular file with an error naming it: a
 /// directory put in a shard's place (EISDIR), or a FIFO, on which a plain open would block the
 /// stream forever waiting for a writer (hence `O_NONBLOCK`, which regular files ignore).
@@ -203,5 +247,41 @@ pub fn file_crc32c(path: &Path) -> Result<(u64, u32)> {
         }
         crc = crc32c::crc32c_append(crc, &buf[..n]);
         len += n as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(bytes: &[u8]) -> (tempfile::TempDir, ShardFile) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("s.tar");
+        std::fs::write(&path, bytes).expect("write shard");
+        let file = ShardFile::open(path, bytes.len() as u64).expect("open shard");
+        (dir, file)
+    }
+
+    #[test]
+    fn read_append_appends_exactly_the_bytes_at_the_offset() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (_dir, f) = shard(&data);
+        let mut buf = b"head".to_vec();
+        f.read_append(&mut buf, 5000, 1234).expect("read");
+        f.read_append(&mut buf, 0, 9999).expect("empty read");
+        f.read_append(&mut buf, 1, 9999).expect("last byte");
+        assert_eq!(&buf[..4], b"head");
+        assert_eq!(&buf[4..5004], &data[1234..6234]);
+        assert_eq!(buf[5004], data[9999]);
+        assert_eq!(buf.len(), 5005);
+    }
+
+    #[test]
+    fn a_short_read_is_a_truncated_shard_and_leaves_the_buffer_as_it_was() {
+        let (_dir, f) = shard(&[1u8; 100]);
+        let mut buf = b"kept".to_vec();
+        let err = f.read_append(&mut buf, 50, 80).expect_err("past the end");
+        assert!(matches!(&err, Error::Shard { offset: Some(80), reason, .. } if reason.contains("truncated")), "{err}");
+        assert_eq!(buf, b"kept");
     }
 }
