@@ -12,6 +12,7 @@ __all__ = [
     "start_embedded_server",
     "probe",
     "cli_main",
+    "fabric_warm_up",
     "ShardstreamError",
     "ShardError",
     "__version__",
