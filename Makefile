@@ -115,6 +115,7 @@ bench: venv-bench
 	$(BENCH_VENV)/bin/python bench/parquet_bench.py --out bench/PARQUET_RESULTS.md
 	bash scripts/iperf3.sh
 	$(BENCH_VENV)/bin/python bench/inline_bench.py --out bench/INLINE_RESULTS.md
+	$(BENCH_VENV)/bin/python bench/rdma_setup.py --out bench/RDMA_SETUP.md
 	export SHARDSTREAM_S3_SERVER="$$(bash scripts/s3-server.sh)"; \
 	$(BENCH_VENV)/bin/python bench/pack_bench.py --out bench/PACK_RESULTS.md && \
 	$(BENCH_VENV)/bin/python bench/s3_bench.py --out bench/S3_RESULTS.md

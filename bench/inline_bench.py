@@ -30,6 +30,7 @@ builds is made in one run (bench/INLINE.md)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -163,8 +164,6 @@ def workers_epochs(
     starts afresh every epoch (persistent_workers=False, its default): what a trainer runs. The
     clock starts before the dataset is built. Each epoch's ids are offset by `expected`, so one
     check covers every epoch exactly once."""
-    import functools
-
     import torch.utils.data
 
     import shardstream.torch as sst

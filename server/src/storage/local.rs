@@ -140,17 +140,21 @@ impl ShardFile {
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
         self.file.read_exact_at(buf, offset).map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => Error::Shard {
-                shard: self.name.clone(),
-                offset: Some(offset),
-                reason: format!("truncated: cannot read {} bytes at offset {offset}", buf.len()),
-            },
+            std::io::ErrorKind::UnexpectedEof => self.truncated(buf.len(), offset),
             _ => Error::io("cannot read shard", &self.path, e),
         })
     }
-}
 
-impl ShardFile {
+    /// The error of a read of `len` bytes at `offset` that met the end of the file: the shard
+    /// was truncated after it was indexed.
+    fn truncated(&self, len: usize, offset: u64) -> Error {
+        Error::Shard {
+            shard: self.name.clone(),
+            offset: Some(offset),
+            reason: format!("truncated: cannot read {len} bytes at offset {offset}"),
+        }
+    }
+
     /// Appends exactly `len` bytes read at `offset` to `buf`, without zero-filling the space
     /// first: the read writes every byte of it (the zero fill of `Vec::resize` before a
     /// `read_exact_at` was 4-5% of the daemon's CPU on inline streams). On error `buf` is as it
@@ -171,13 +175,7 @@ impl ShardFile {
             // exclusively borrowed; pread writes at most that many bytes into it and nothing else.
             let n = unsafe { libc::pread(self.file.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), at) };
             match n {
-                0 => {
-                    return Err(Error::Shard {
-                        shard: self.name.clone(),
-                        offset: Some(offset),
-                        reason: format!("truncated: cannot read {len} bytes at offset {offset}"),
-                    });
-                }
+                0 => return Err(self.truncated(len, offset)),
                 n if n < 0 => {
                     let e = std::io::Error::last_os_error();
                     if e.kind() != std::io::ErrorKind::Interrupted {

@@ -140,7 +140,7 @@ impl<'a> Direct<'a> {
         let mut layout = Layout { rows, nodes: Vec::new(), fb_nodes: Vec::new(), buffers: Vec::new(), offset: 0 };
         for (c, k) in kinds.iter().enumerate() {
             let cols: Vec<&dyn Array> = sources.iter().map(|b| b.column(c).as_ref()).collect();
-            layout.column(&cols, k);
+            layout.column(&cols, k)?;
         }
         let Layout { nodes, fb_nodes, buffers, offset, .. } = layout;
         // Built in the stream writer's order (buffers, nodes, batch, message), so the metadata
@@ -174,7 +174,7 @@ impl<'a> Direct<'a> {
         self.schema_message.len() + self.header_len() + self.body_len + EOS.len()
     }
 
-    /// Writes the stream into `out[..self.len()]`; returns its length. `out` shorter than that
+    /// Writes the stream into `out[..self.stream_len()]`; returns its length. `out` shorter than that
     /// is an error and leaves it partly written.
     pub fn write(&self, out: &mut [u8]) -> Result<usize, ParquetError> {
         let len = self.stream_len();
@@ -194,7 +194,10 @@ impl<'a> Direct<'a> {
         let mut nodes = self.nodes.iter();
         for (c, k) in self.kinds.iter().enumerate() {
             let cols: Vec<&dyn Array> = self.sources.iter().map(|b| b.column(c).as_ref()).collect();
-            body = self.write_column(&cols, k, &mut nodes, body)?;
+            body = self.write_column(&cols, k, &mut nodes, body).map_err(|e| {
+                let name = self.sources.first().map(|b| b.schema().field(c).name().clone()).unwrap_or_default();
+                ParquetError::Ipc(format!("column {name:?}: {e}"))
+            })?;
         }
         Ok(len)
     }
@@ -295,7 +298,7 @@ impl Layout<'_> {
         self.offset += pad(len);
     }
 
-    fn column(&mut self, cols: &[&dyn Array], k: &Kind) {
+    fn column(&mut self, cols: &[&dyn Array], k: &Kind) -> Result<(), ParquetError> {
         let n = self.rows.len();
         let nulls = null_count(cols, self.rows);
         self.fb_nodes.push(FieldNode::new(n as i64, nulls as i64));
@@ -319,13 +322,11 @@ impl Layout<'_> {
             }
             Kind::Struct(children) => {
                 for (i, child) in children.iter().enumerate() {
-                    // `plan` checked every source's types: a struct column has its children.
-                    let kids: Vec<&dyn Array> =
-                        cols.iter().filter_map(|a| Some(a.as_struct_opt()?.column(i).as_ref())).collect();
-                    self.column(&kids, child);
+                    self.column(&struct_children(cols, i)?, child)?;
                 }
             }
         }
+        Ok(())
     }
 }
 
