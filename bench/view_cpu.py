@@ -16,6 +16,10 @@ copied into the node cache and mapped from there, the path of an S3 dataset). CP
 is the reader process's user+system time (`getrusage`) plus the daemon's delta.
 
     python bench/view_cpu.py --samples 20000 --rounds 3
+
+`--variant NAME=SITE` (repeatable) measures another build of the package (a directory where its
+wheel was installed with `pip install --target SITE`) in the same rounds, with its own daemon:
+its shardstream readers appear as `ss-...@NAME`.
 """
 
 from __future__ import annotations
@@ -94,8 +98,15 @@ def main() -> None:
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument("--modes", default="bare,consume")
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "data")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
     args = ap.parse_args()
-    readers = args.readers.split(",")
+    builds: dict[str, str | None] = {"": None}
+    for v in args.variant:
+        name, _, site = v.partition("=")
+        builds[f"@{name}"] = site
+    base_readers = args.readers.split(",")
+    # A reader as run: its name, with `@NAME` for a variant's shardstream readers.
+    readers = [r + b for r in base_readers for b in (builds if r.startswith("ss-") else [""])]
     modes = args.modes.split(",")
     spec = gen.Spec(samples=args.samples)
     data = gen.ensure(args.data, spec, ["wds", "litdata"])
@@ -103,27 +114,31 @@ def main() -> None:
     rows: dict[tuple[str, str], list[dict]] = {}
     loads = []
     with tempfile.TemporaryDirectory(prefix="view-cpu-") as tmp:
-        srv = daemon.Daemon.start(Path(tmp))
+        daemons: dict[str, daemon.Daemon] = {}
+
+        def run_child(r: str, m: str) -> tuple[subprocess.CompletedProcess[str], daemon.Daemon]:
+            name, _, variant = r.partition("@")
+            srv = daemons[f"@{variant}" if variant else ""]
+            env = daemon.env_for(builds[f"@{variant}" if variant else ""])
+            cmd = [sys.executable, __file__, "--child", name, m, str(data), srv.addr]
+            return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env), srv
+
         try:
-            for r in readers:  # warm the daemon: index, verify, node-cache copies
+            for i, (b, site) in enumerate(builds.items()):
+                work = Path(tmp) / f"d{i}"
+                work.mkdir()
+                daemons[b] = daemon.Daemon.start(work, site=site)
+            for r in readers:  # warm the daemons: index, verify, node-cache copies
                 if r.startswith("ss-"):
-                    subprocess.run(
-                        [sys.executable, __file__, "--child", r, "bare", str(data), srv.addr],
-                        check=True,
-                        capture_output=True,
-                    )
+                    run_child(r, "bare")
             for rnd in range(args.rounds):
                 loads.append(os.getloadavg()[0])
                 order = readers[rnd % len(readers) :] + readers[: rnd % len(readers)]
                 for r in order:
                     for m in modes:
+                        srv = daemons[f"@{r.partition('@')[2]}" if "@" in r else ""]
                         cpu0 = measure.cpu_seconds(srv.pid) or 0.0
-                        out = subprocess.run(
-                            [sys.executable, __file__, "--child", r, m, str(data), srv.addr],
-                            check=True,
-                            capture_output=True,
-                            text=True,
-                        ).stdout
+                        out = run_child(r, m)[0].stdout
                         run = json.loads(out.strip().splitlines()[-1])
                         run["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0 if r.startswith("ss-") else 0.0
                         ids = run.pop("ids")
@@ -139,7 +154,8 @@ def main() -> None:
                             flush=True,
                         )
         finally:
-            srv.stop()
+            for srv in daemons.values():
+                srv.stop()
     print()
     print(
         f"{args.samples:,} samples of 16-20 KiB (run.py's dataset), batch {BATCH}, 0 workers, {args.rounds} rounds;"
