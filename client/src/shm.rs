@@ -57,6 +57,22 @@ impl Mapping {
         self.file.is_none()
     }
 
+    /// Starts loading the cache line of the mapped byte at `offset` (a no-op for a shard that
+    /// is read, or past the end). For records visited in shuffled order, each on pages of its
+    /// own, the first touch is a miss to memory; issued a few records ahead, it overlaps with
+    /// the work on the records before.
+    pub fn prefetch(&self, offset: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(byte) = self.bytes().get(offset) {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            // SAFETY: a prefetch is a hint: it never faults and never changes memory, and the
+            // pointer lies in a live mapping anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(byte).cast::<i8>()) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = offset;
+    }
+
     /// Reads `buf.len()` bytes at `offset` of a shard that is read: a short read means the shard
     /// was truncated since the daemon indexed it.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), ClientError> {
@@ -78,6 +94,20 @@ impl Mapping {
                 Ok(())
             }
         }
+    }
+}
+
+/// Distance between the reads of [`prefault`]: the kernel's default fault-around window.
+const PREFAULT_STRIDE: usize = 64 * 1024;
+
+/// Fills the page tables of a new shard mapping here, on the receiver thread, ahead of the
+/// batches that use it, instead of one page fault after another on the trainer's thread while it
+/// reads the samples. One read per 64 KiB: each fault maps its whole fault-around window (or
+/// large folio) in one go. `MAP_POPULATE` (and `MADV_POPULATE_READ`) walk the mapping page by
+/// page instead and cost twice the CPU for the same page tables (bench/PROFILES.md, section 4).
+fn prefault(map: &[u8]) {
+    for offset in (0..map.len()).step_by(PREFAULT_STRIDE) {
+        std::hint::black_box(map[offset]);
     }
 }
 
@@ -341,15 +371,14 @@ impl Inner {
         } else if mutable && !map_in_place() {
             Mapping { map: None, file: Some(file), name }
         } else {
-            // Populated here, on the receiver thread: the page tables are filled in one pass,
-            // ahead of the batches that use the shard, instead of one page fault after another on
-            // the trainer's thread while it reads the samples.
             // SAFETY: a read-only shared mapping of a file opened read-only by the daemon; its
             // length does not change while mapped: a node-cache copy is never truncated while
             // leased, and a shard read in place is mapped only when the trainer vouched that it
             // does not change (`map_in_place`; see the module docs).
-            let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) };
-            Mapping { map: Some(map.map_err(|e| format!("cannot map shard {name}: {e}"))?), file: None, name }
+            let map = unsafe { memmap2::MmapOptions::new().map(&file) };
+            let map = map.map_err(|e| format!("cannot map shard {name}: {e}"))?;
+            prefault(&map);
+            Mapping { map: Some(map), file: None, name }
         };
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let slot = new_slot_index(slot, s.maps.len())?;
@@ -524,6 +553,67 @@ mod tests {
             }
             other => panic!("expected a shard error, got {other:?}"),
         }
+    }
+
+    /// Minor page faults of the calling thread so far (`/proc/thread-self/stat`, field 10).
+    fn minor_faults() -> u64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+        let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+        after_name.split(' ').nth(7).unwrap().parse().unwrap()
+    }
+
+    /// Faults taken reading one byte of every page of `map`.
+    fn faults_reading_every_page(map: &[u8]) -> u64 {
+        let before = minor_faults();
+        for offset in (0..map.len()).step_by(4096) {
+            std::hint::black_box(map[offset]);
+        }
+        minor_faults() - before
+    }
+
+    #[test]
+    fn prefault_maps_every_page_of_a_shard() {
+        // 8 MiB and a partial page: many fault-around windows and a short last one. Written a
+        // page at a time, so that the page cache holds it in small folios (one large write can
+        // leave folios of up to 2 MiB, each mapped by a single fault with or without prefault).
+        let mut f = tempfile::tempfile().unwrap();
+        for chunk in vec![5u8; (8 << 20) + 100].chunks(4096) {
+            f.write_all(chunk).unwrap();
+        }
+        let map = |prefaulted: bool| {
+            // SAFETY: a private temporary file nobody else truncates.
+            let map = unsafe { memmap2::MmapOptions::new().map(&f) }.unwrap();
+            if prefaulted {
+                prefault(&map);
+            }
+            map
+        };
+        let pages = ((8 << 20) + 100) / 4096 + 1;
+        let cold = faults_reading_every_page(&map(false));
+        let warm = faults_reading_every_page(&map(true));
+        assert!(cold >= 8, "{cold} faults reading a fresh mapping of {pages} pages: the measure is broken");
+        // Left after `prefault`: pages its one read per 64 KiB did not map, which would be most
+        // of them on a kernel whose fault-around window (`fault_around_bytes`) is smaller.
+        assert!(warm * 8 <= cold, "{warm} faults after prefault, {cold} without, for {pages} pages");
+        // The bytes are the file's, the last partial page included.
+        let m = map(true);
+        assert_eq!((m[0], m[m.len() - 1], m.len()), (5, 5, (8 << 20) + 100));
+        prefault(&[]);
+    }
+
+    #[test]
+    fn prefetch_is_a_no_op_past_the_end_and_for_a_shard_that_is_read() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[1u8; 4096]).unwrap();
+        // SAFETY: a temporary file nobody else truncates.
+        let map = unsafe { memmap2::MmapOptions::new().map(f.as_file()) }.unwrap();
+        let mapped = Mapping { map: Some(map), file: None, name: "mapped".into() };
+        let read = Mapping { map: None, file: Some(f.reopen().unwrap()), name: "read".into() };
+        for offset in [0, 4095, 4096, usize::MAX] {
+            mapped.prefetch(offset);
+            read.prefetch(offset);
+        }
+        assert_eq!(mapped.bytes()[4095], 1);
     }
 
     /// Found reviewing the side-channel readers for the fuzz targets: a SHARD_FD frame's slot
