@@ -107,7 +107,7 @@ def run_one(reader: str, workers: int, base: Path, samples: int, scratch: Path, 
     res: dict[str, Any] = json.loads(lines[-1][len(decode_peers.RESULT_PREFIX) :])
     row.samples, row.seconds, row.ttfb = res["samples"], res["seconds"], res["ttfb"]
     row.decode_cpu_s = res["decode_cpu_s"]
-    row.cpu_s = done.cpu_s - res["cpu_before"] + daemon_cpu
+    row.cpu_s = run.epoch_cpu(done, res) + daemon_cpu
     problems = []
     if res["samples"] != samples:
         problems.append(f"delivered {res['samples']:,} of {samples:,} images")

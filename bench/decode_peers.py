@@ -35,6 +35,7 @@ from typing import Any
 
 import consumer
 import numpy as np
+import peers
 
 BATCH = 256
 SEED = 0
@@ -264,6 +265,7 @@ def main() -> None:
     torch.set_num_threads(1)
     seed_worker(-1)
     result = epoch(make, data, workers, addr, expected)
+    result["cpu_at_exit"] = peers.cpu_tree()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     os._exit(0)  # some peers' background threads make interpreter teardown slow or hang
 

@@ -10,7 +10,9 @@ starts: they are not the reader's cost.
 
 Prints one line `RESULT {json}`: samples, bytes, seconds (construction of the loader to the end of
 the epoch), ttfb (construction to the first batch), cpu_before (CPU seconds this process had used
-when the clock started, so the harness can leave imports out), missing/duplicated/out-of-range ids.
+when the clock started, so the harness can leave imports out), cpu_at_exit (CPU seconds of this
+process and its waited-for children just before it exits, so the harness can leave out tearing
+down the interpreter), missing/duplicated/out-of-range ids.
 """
 
 from __future__ import annotations
@@ -173,6 +175,13 @@ def cpu_self() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def cpu_tree() -> float:
+    """CPU seconds of this process and the children it has waited for (DataLoader workers): with
+    the harness's own count of the process at its end, what tearing the process down cost."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return cpu_self() + ru.ru_utime + ru.ru_stime
+
+
 def epoch(make: Make, data: Path, workers: int, addr: str) -> dict[str, Any]:
     """Runs one epoch through the common consumer and returns what it counted; constructing the
     reader is on the clock."""
@@ -192,6 +201,7 @@ def main() -> None:
         importlib.import_module(module)
     result = epoch(make, data, workers, addr)
     result.update(consumer.check_ids(result.pop("ids"), expected))
+    result["cpu_at_exit"] = cpu_tree()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     sys.stdout.flush()
     # Some peers' background threads make interpreter teardown slow or hang; the epoch is over.
