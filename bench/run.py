@@ -354,7 +354,9 @@ def header(
         f"- Versions: {versions}.",
         f"- Method: {args.rounds} round(s); in each, one shuffled epoch per (reader, workers) pair, "
         "interleaved (the order rotated by one reader per round), each in a fresh interpreter, batch "
-        "size 256, data hot in the page cache (the reader's files read once just before each run); "
+        "size 256, data hot in the page cache (the reader's files read once just before each run, and "
+        "dropped from it once before the first run, so that they sit there as a read from storage "
+        "leaves them); "
         "library imports are not timed. Each cell is the median over the rounds, (min-max) the spread; "
         "the ratio to the best peer is computed within each round, then median'ed. The consumer is "
         "the same for every reader: per sample `np.frombuffer(v, np.uint8)[::4096].sum()`, its length, "
@@ -371,7 +373,9 @@ FOOTER = [
     "batch. First batch: constructing the loader to the first batch. Peak PSS: the largest sum of the "
     "proportional set size of the reader process, its DataLoader workers and (for shardstream) the "
     "daemon, sampled every 50 ms (less often when reading it would cost over 5% of a core). "
-    "CPU-s/epoch: user+system seconds of the same processes during the epoch. `samples/s vs best peer`: "
+    "CPU-s/epoch: user+system seconds of the same processes during the epoch (from constructing the "
+    "loader to the last batch: imports before and the interpreter's teardown after are left out). "
+    "`samples/s vs best peer`: "
     "in each round, over the fastest non-shardstream row of that round; the median (min-max) of those "
     "per-round ratios. Peak PSS: the largest of the rounds. `MB/s vs cat`: the median MB/s over the "
     "`cat` figure above. `check`: every round delivered every sample exactly once, or which did not.",
