@@ -5,10 +5,12 @@ and no Rust panic may ever reach Python as anything but a `ShardstreamError`."""
 from __future__ import annotations
 
 import gc
+import queue
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -129,3 +131,43 @@ def test_cross_thread_use_never_panics(daemon, dataset) -> None:
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
     assert "Panic" not in r.stderr and "panicked" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode", ["view", "packed"])
+def test_batches_dropped_on_another_thread_while_the_stream_waits(dataset, tmp_path, mode: str) -> None:
+    """The client holds back a few releases to send them together. A thread that waits for the
+    next batch while another drops the previous ones must still get it: the daemon (allowed two
+    batches outstanding here) needs exactly those releases to make it."""
+    from conftest import Daemon
+
+    root, samples = dataset
+    flag = "--shm-credits" if mode == "view" else "--ring-slots"
+    d = Daemon(tmp_path, args=[flag, "2"]).start()
+    try:
+        kwargs = {"fields": ["cls"], "collate": "stack"} if mode == "packed" else {}
+        loader = shardstream.Loader(str(root), batch_size=8, connect=d.addr, **kwargs)
+        handoff: queue.Queue[object] = queue.Queue(maxsize=1)
+
+        def produce() -> None:
+            try:
+                for batch in loader:
+                    handoff.put(batch)
+            finally:
+                handoff.put(None)
+
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        keys: list[str] = []
+        while True:
+            # Without the fix this waits forever: the producer waits for a batch, the daemon for a
+            # slot whose release this thread's drop left held back.
+            batch = handoff.get(timeout=30)
+            if batch is None:
+                break
+            keys.extend(batch["__key__"])
+            time.sleep(0.002)  # the producer is waiting by now, as in a trainer's step
+            del batch
+        producer.join(timeout=30)
+        assert sorted(keys) == sorted(samples)
+    finally:
+        assert d.stop() == 0

@@ -403,6 +403,12 @@ pub struct BatchStream {
 impl BatchStream {
     /// Next batch; `None` at the end of the stream.
     pub async fn next(&mut self) -> Option<Result<Batch, ClientError>> {
+        if let Ok(item) = self.rx.try_recv() {
+            return Some(item);
+        }
+        // About to wait: the daemon may be waiting for the slots of releases held back, and
+        // batches dropped meanwhile (by other threads) must not be held back either.
+        let _waiting = self.shm.as_ref().map(|shm| shm.waiting());
         self.rx.recv().await
     }
 }

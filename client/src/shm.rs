@@ -240,12 +240,42 @@ struct Inner {
 pub struct ShmSession {
     inner: Arc<Inner>,
     pid: u32,
+    /// Releases not sent yet ([`Self::release`]): at most [`RELEASES_HELD`], and none while the
+    /// stream waits for a batch ([`Self::waiting`]).
+    held: Mutex<Held>,
 }
+
+#[derive(Debug, Default)]
+struct Held {
+    batches: Vec<u64>,
+    /// Threads waiting for a batch of this session's stream right now.
+    waiting: usize,
+}
+
+/// While it lives, a thread waits for a batch: releases are sent at once, from any thread (a
+/// thread that drops batches while another waits for the next must not hold back the slot the
+/// daemon needs to make it).
+#[derive(Debug)]
+pub struct Waiting<'a>(&'a ShmSession);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.held.lock().unwrap_or_else(|p| p.into_inner()).waiting -= 1;
+    }
+}
+
+/// Releases a session holds back before sending them together. Each RELEASE frame wakes the
+/// daemon's session thread; with batches of a few KB (a table's rows) those wake-ups, on both
+/// sides, cost more than the batch. Held back, they arrive in one burst that the thread drains in
+/// one wake-up. Never while the stream waits for a batch: the daemon may be waiting for exactly
+/// those slots.
+pub const RELEASES_HELD: usize = 4;
 
 impl Drop for ShmSession {
     fn drop(&mut self) {
         // Wakes the receiver thread (recvmsg returns 0), which then drops the last reference to
-        // the socket. In a forked child the socket is the parent's: leave it alone.
+        // the socket. In a forked child the socket is the parent's: leave it alone. Releases
+        // still held need no frame: closing the session returns every lease.
         if self.pid == std::process::id() {
             let _ = rustix::net::shutdown(&self.inner.sock, rustix::net::Shutdown::Both);
         }
@@ -289,7 +319,7 @@ impl ShmSession {
             .name("shardstream-shm".into())
             .spawn(move || reader.receive_loop())
             .map_err(|e| frame_error(format!("cannot start the shm receiver thread: {e}")))?;
-        Ok(Arc::new(Self { inner, pid: std::process::id() }))
+        Ok(Arc::new(Self { inner, pid: std::process::id(), held: Mutex::default() }))
     }
 
     /// The mapping of `slot`, waiting briefly for its descriptor if it is still in flight.
@@ -302,10 +332,48 @@ impl ShmSession {
         self.inner.ring(id)
     }
 
-    /// Tells the daemon this batch's shards are no longer used. Never blocks for long: the frame
-    /// is 64 bytes and the daemon reads them as they come.
+    /// Tells the daemon this batch's shards or slot are no longer used: at once, or with the
+    /// next few ([`RELEASES_HELD`]), and at once while a thread waits for a batch. Never blocks
+    /// for long: a frame is 64 bytes and the daemon reads them as they come.
     pub fn release(&self, batch: u64) {
+        if self.pid != std::process::id() {
+            return;
+        }
+        let send = {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            held.batches.push(batch);
+            (held.waiting > 0 || held.batches.len() >= RELEASES_HELD).then(|| std::mem::take(&mut held.batches))
+        };
+        if let Some(batches) = send {
+            self.send_releases(&batches);
+        }
+    }
+
+    /// Marks a wait for the stream's next batch until the guard is dropped, sending the
+    /// releases held back first: the daemon may need their slots to make that batch.
+    pub fn waiting(&self) -> Waiting<'_> {
+        let batches = {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            held.waiting += 1;
+            std::mem::take(&mut held.batches)
+        };
         if self.pid == std::process::id() {
+            self.send_releases(&batches);
+        }
+        Waiting(self)
+    }
+
+    /// Sends the releases held back.
+    pub fn flush_releases(&self) {
+        if self.pid != std::process::id() {
+            return;
+        }
+        let batches = std::mem::take(&mut self.held.lock().unwrap_or_else(|p| p.into_inner()).batches);
+        self.send_releases(&batches);
+    }
+
+    fn send_releases(&self, batches: &[u64]) {
+        for &batch in batches {
             let _ = send(&self.inner.sock, &Frame::new(wire::KIND_RELEASE, batch, 0));
         }
     }
@@ -313,6 +381,7 @@ impl ShmSession {
     /// The stream is closed: batches from `first_unreceived` on will never be used.
     pub fn stream_end(&self, first_unreceived: u64) {
         if self.pid == std::process::id() {
+            self.flush_releases();
             let _ = send(&self.inner.sock, &Frame::new(wire::KIND_STREAM_END, first_unreceived, 0));
         }
     }
@@ -614,6 +683,80 @@ mod tests {
             read.prefetch(offset);
         }
         assert_eq!(mapped.bytes()[4095], 1);
+    }
+
+    /// A daemon's end of the side channel for one session: attached, then read by the test.
+    fn attached_session() -> (Arc<ShmSession>, OwnedFd, tempfile::TempDir) {
+        use rustix::net::{SocketAddrUnix, SocketFlags};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shm");
+        let listener =
+            rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
+        rustix::net::bind(&listener, &SocketAddrUnix::new(&path).unwrap()).unwrap();
+        rustix::net::listen(&listener, 1).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let conn = rustix::net::accept_with(&listener, SocketFlags::CLOEXEC).unwrap();
+            let hello = Frame::decode(&recv(&conn).unwrap().0.unwrap()).unwrap();
+            assert_eq!(hello.kind, wire::KIND_HELLO);
+            send(&conn, &Frame::new(wire::KIND_ATTACHED, 0, 0)).unwrap();
+            conn
+        });
+        let session = ShmSession::attach(&path, &[1; 16]).unwrap();
+        (session, daemon.join().unwrap(), dir)
+    }
+
+    /// The batches of the RELEASE frames the daemon's end can read now, without waiting.
+    fn releases_sent(conn: &OwnedFd) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; wire::FRAME_BYTES];
+        while let Ok(n) = rustix::net::recv(conn, &mut buf, RecvFlags::DONTWAIT) {
+            let f = Frame::decode(&buf[..n.0]).unwrap();
+            assert_eq!(f.kind, wire::KIND_RELEASE);
+            out.push(f.a);
+        }
+        out
+    }
+
+    #[test]
+    fn releases_are_held_back_until_a_few_or_a_wait_and_never_during_one() {
+        let (session, daemon, _dir) = attached_session();
+        for b in 0..RELEASES_HELD as u64 - 1 {
+            session.release(b);
+        }
+        assert_eq!(releases_sent(&daemon), Vec::<u64>::new(), "held back");
+        session.release(99);
+        let mut want: Vec<u64> = (0..RELEASES_HELD as u64 - 1).collect();
+        want.push(99);
+        assert_eq!(releases_sent(&daemon), want, "sent together once there are RELEASES_HELD");
+
+        session.release(100);
+        let waiting = session.waiting();
+        assert_eq!(releases_sent(&daemon), vec![100], "a wait sends what was held back");
+        session.release(101);
+        assert_eq!(releases_sent(&daemon), vec![101], "during a wait, at once");
+        drop(waiting);
+        session.release(102);
+        assert_eq!(releases_sent(&daemon), Vec::<u64>::new(), "held back again after it");
+        session.flush_releases();
+        assert_eq!(releases_sent(&daemon), vec![102]);
+        session.release(103);
+        session.stream_end(104);
+        assert_eq!(releases_sent_then_end(&daemon), (vec![103], 104), "the stream's end sends them first");
+    }
+
+    /// Like [`releases_sent`], up to the STREAM_END frame, whose batch index it returns too.
+    fn releases_sent_then_end(conn: &OwnedFd) -> (Vec<u64>, u64) {
+        let mut out = Vec::new();
+        let mut buf = [0u8; wire::FRAME_BYTES];
+        loop {
+            let n = rustix::net::recv(conn, &mut buf, RecvFlags::DONTWAIT).unwrap().0;
+            let f = Frame::decode(&buf[..n]).unwrap();
+            match f.kind {
+                wire::KIND_RELEASE => out.push(f.a),
+                wire::KIND_STREAM_END => return (out, f.a),
+                k => panic!("unexpected frame kind {k}"),
+            }
+        }
     }
 
     /// Found reviewing the side-channel readers for the fuzz targets: a SHARD_FD frame's slot

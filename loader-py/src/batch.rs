@@ -76,9 +76,18 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// Done with the batch: the release may wait for a few more ([`ShmSession::release`]).
     fn release(&self) {
         if !self.released.swap(true, Ordering::AcqRel) {
             self.session.release(self.batch);
+        }
+    }
+
+    /// The user asked for the release: sent now, with any held back.
+    fn release_now(&self) {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            self.session.release(self.batch);
+            self.session.flush_releases();
         }
     }
 }
@@ -368,15 +377,23 @@ impl Batch {
         matches!(self.kind, Kind::Packed { .. })
     }
 
-    /// Returns the batch's lease now (shm): the daemon may then evict its shards. Views already
+    /// Returns the batch's lease (shm): the daemon may then evict its shards. Views already
     /// handed out stay readable (the mapping outlives the lease). For a packed batch the daemon
     /// reuses its ring slot: its arrays must not be used afterwards. No-op for inline batches.
-    fn release(&self) -> PyResult<()> {
+    /// `at_once=False` (the package's own calls, once it has copied out what it needs): the
+    /// release may travel with the next few, as when a batch is dropped.
+    #[pyo3(signature = (at_once=true))]
+    fn release(&self, at_once: bool) -> PyResult<()> {
         crate::errors::no_panic("Batch.release", || {
-            match &self.kind {
-                Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease.release(),
-                Kind::Arrow { shm: Some((_, lease)), .. } => lease.release(),
-                Kind::Inline(_) | Kind::Arrow { shm: None, .. } => {}
+            let lease = match &self.kind {
+                Kind::Shm { lease, .. } | Kind::Packed { lease, .. } => lease,
+                Kind::Arrow { shm: Some((_, lease)), .. } => lease,
+                Kind::Inline(_) | Kind::Arrow { shm: None, .. } => return Ok(()),
+            };
+            if at_once {
+                lease.release_now()
+            } else {
+                lease.release()
             }
             Ok(())
         })

@@ -111,10 +111,12 @@ class Batch(dict[str, Any]):
     __slots__ = ("_native",)
     _native: _native.Batch
 
-    def release(self) -> None:
+    def release(self, at_once: bool = True) -> None:
+        """Returns the batch's lease now. ``at_once=False``: the release may travel with the next
+        few (as when a batch is dropped), which saves the daemon a wake-up per batch."""
         native = getattr(self, "_native", None)
         if native is not None:
-            native.release()
+            native.release(at_once)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Crossing a process boundary (DataLoader workers) copies the data; the lease stays here.
@@ -317,8 +319,8 @@ class Loader:
             for name, value in out.items():
                 if isinstance(value, np.ndarray) and name != _arrow.ROW:
                     out[name] = value.copy()
-            # Nothing of the slot is referenced any more: the daemon may reuse it now.
-            native.release()
+            # Nothing of the slot is referenced any more: the daemon may reuse it.
+            native.release(at_once=False)
         out._native = native
         return out
 

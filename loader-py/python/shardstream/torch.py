@@ -112,7 +112,7 @@ def _transform_batch(
                 raise
         return collate_fn(out)
     finally:
-        batch.release()
+        batch.release(at_once=False)
 
 
 class IterableDataset(torch.utils.data.IterableDataset[Any]):
