@@ -349,6 +349,12 @@ impl ShmSession {
         }
     }
 
+    /// Tells the daemon now, with any releases held back.
+    pub fn release_now(&self, batch: u64) {
+        self.release(batch);
+        self.flush_releases();
+    }
+
     /// Marks a wait for the stream's next batch until the guard is dropped, sending the
     /// releases held back first: the daemon may need their slots to make that batch.
     pub fn waiting(&self) -> Waiting<'_> {

@@ -86,8 +86,7 @@ impl Lease {
     /// The user asked for the release: sent now, with any held back.
     fn release_now(&self) {
         if !self.released.swap(true, Ordering::AcqRel) {
-            self.session.release(self.batch);
-            self.session.flush_releases();
+            self.session.release_now(self.batch);
         }
     }
 }

@@ -341,7 +341,7 @@ async fn shm_views_hold_the_same_bytes_and_leases_are_returned() {
     assert!(leased(&mut client).await.1 > 0);
     let session = s.shm.clone().unwrap();
     // A release of a batch it does not hold is refused with an error; nothing else changes.
-    session.release(1 << 40);
+    session.release_now(1 << 40);
     for _ in 0..100 {
         if session.error().is_some() {
             break;
@@ -461,8 +461,8 @@ async fn packed_batches_stack_fields_in_ring_slots() {
     let held = ring_bytes(&mut client).await;
     assert!(held > 0 && held <= 4096 * (credits as u64 + 1), "{held} bytes of ring for 1-byte records");
     let session = s.shm.clone().unwrap();
-    session.release(0);
-    session.release(0);
+    session.release_now(0);
+    session.release_now(0);
     assert!(
         eventually(|| std::future::ready(session.error().is_some())).await,
         "a second release of the same slot is an error"
