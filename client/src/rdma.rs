@@ -6,10 +6,11 @@
 //! worker creates its own after fork, never inheriting one. The receiver blocks in libfabric
 //! (`fi_cq_sread`), so every call runs on tokio's blocking pool.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use shardstream_fabric::handoff::Progressed;
 use shardstream_fabric::stream::{RingReceiver, open_endpoint_toward};
 use shardstream_proto::{InlineBatch, RdmaBatch, RdmaOffer};
 
@@ -72,33 +73,25 @@ pub fn warm_up() -> Result<(), ClientError> {
 
 /// One stream's registered ring.
 pub struct RdmaRing {
-    rx: Mutex<RingReceiver<()>>,
+    rx: Progressed<RingReceiver<()>>,
     pub provider: String,
     /// What the progress thread met, for the next `receive` to report.
     failed: Mutex<Option<shardstream_fabric::stream::StreamError>>,
     /// Batches of this stream still to arrive (set from the header): FINISHED goes to the
     /// daemon when the last arrives.
     remaining: std::sync::atomic::AtomicU64,
-    /// Callers waiting for the receiver: the progress thread stands back until they have it.
-    wanted: AtomicUsize,
-    /// Wakes the progress thread out of its wait in libfabric.
-    wake: Arc<shardstream_fabric::CompletionQueue>,
 }
 
 /// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
-/// ring. Under manual progress (tcp) the daemon's writes arrive only while a thread of this
-/// process is inside libfabric, so this thread goes straight back in: a pause between waits (it
-/// slept 1 ms, to let `receive` take the lock first) stalled the stream for that long at every
-/// completion. It stands back only while a caller asks for the lock ([`RdmaRing::lock`]), which
-/// std's unfair mutex would otherwise hand straight back to this thread.
+/// ring. It goes straight back into libfabric after each wait, and stands back while a caller
+/// asks for the receiver ([`Progressed`]).
 fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
     while let Some(r) = ring.upgrade() {
-        if r.wanted.load(Ordering::SeqCst) > 0 {
+        let Some(res) = r.rx.lock_for_progress().map(|mut rx| rx.progress(Duration::from_millis(20))) else {
             drop(r);
             std::thread::yield_now();
             continue;
-        }
-        let res = r.rx.lock().unwrap_or_else(PoisonError::into_inner).progress(Duration::from_millis(20));
+        };
         if let Err(e) = res {
             *r.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
             return;
@@ -134,12 +127,10 @@ impl RdmaRing {
             fabric_settings: shardstream_fabric::settings().into_iter().collect(),
         };
         let ring = Arc::new(Self {
-            rx: Mutex::new(rx),
+            rx: Progressed::new(rx, move || wake.signal()),
             provider: o.provider,
             failed: Mutex::new(None),
             remaining: std::sync::atomic::AtomicU64::new(u64::MAX),
-            wanted: AtomicUsize::new(0),
-            wake,
         });
         let weak = Arc::downgrade(&ring);
         std::thread::Builder::new()
@@ -149,14 +140,9 @@ impl RdmaRing {
         Ok((ring, offer))
     }
 
-    /// The receiver, taken promptly: the progress thread is woken out of its wait and stands
-    /// back until this caller has the lock.
+    /// The receiver, taken ahead of the progress thread.
     fn lock(&self) -> std::sync::MutexGuard<'_, RingReceiver<()>> {
-        self.wanted.fetch_add(1, Ordering::SeqCst);
-        self.wake.signal();
-        let guard = self.rx.lock().unwrap_or_else(PoisonError::into_inner);
-        self.wanted.fetch_sub(1, Ordering::SeqCst);
-        guard
+        self.rx.lock()
     }
 
     /// The daemon's endpoint and the stream's batch count, from the stream header.

@@ -6,6 +6,7 @@
 //! - [`objects`]: the safe wrappers (fabric, domain, completion queue, RDM endpoint, registered
 //!   memory), each closed on drop, children keeping their parents alive.
 //! - [`credits`]: the pure slot / credit / immediate state machine of the ring protocol.
+//! - [`handoff`]: the lock a stream's progress thread shares with the stream's users.
 //!
 //! The protocol (design and measurements: `shared/research/rdma-transport.md`): the client
 //! registers a ring, the daemon `fi_writedata`s each batch into a free slot with a 32-bit
@@ -14,6 +15,7 @@
 
 pub mod credits;
 pub mod ffi;
+pub mod handoff;
 pub mod objects;
 pub mod stream;
 

@@ -12,10 +12,11 @@
 //! opens). A stream asking for rdma from a daemon without it, or with a provider the daemon cannot
 //! open, is refused with the reason; never a silent fallback.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
+use shardstream_fabric::handoff::Progressed;
 use shardstream_fabric::stream::{Offer, RingSender, open_endpoint_toward};
 use shardstream_proto::RdmaOffer;
 
@@ -129,10 +130,7 @@ impl Drop for RdmaStream {
 
 /// One stream's sender shared by the batch builders and its progress thread.
 pub struct RdmaPipe {
-    stream: Mutex<RdmaStream>,
-    wake: Arc<shardstream_fabric::CompletionQueue>,
-    /// Builders waiting for the stream: the progress thread stands back until they have it.
-    wanted: AtomicUsize,
+    stream: Progressed<RdmaStream>,
     /// What the progress thread met; the next send reports it.
     failed: Mutex<Option<String>>,
 }
@@ -141,8 +139,7 @@ impl RdmaPipe {
     /// Wraps `stream` and starts its progress thread (which ends with the pipe).
     pub fn start(stream: RdmaStream) -> Result<Arc<Self>> {
         let wake = stream.sender.waker();
-        let pipe =
-            Arc::new(Self { stream: Mutex::new(stream), wake, wanted: AtomicUsize::new(0), failed: Mutex::new(None) });
+        let pipe = Arc::new(Self { stream: Progressed::new(stream, move || wake.signal()), failed: Mutex::new(None) });
         let weak = Arc::downgrade(&pipe);
         std::thread::Builder::new()
             .name("shardstream-rdma-progress".into())
@@ -151,32 +148,24 @@ impl RdmaPipe {
         Ok(pipe)
     }
 
-    /// The stream, taken promptly: the progress thread is woken out of its wait.
+    /// The stream, taken ahead of the progress thread.
     pub fn lock(&self) -> Result<MutexGuard<'_, RdmaStream>> {
         if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).clone() {
             return Err(Error::Unavailable(format!("rdma stream to the client failed: {e}")));
         }
-        self.wanted.fetch_add(1, Ordering::SeqCst);
-        self.wake.signal();
-        let guard = self.stream.lock().unwrap_or_else(PoisonError::into_inner);
-        self.wanted.fetch_sub(1, Ordering::SeqCst);
-        Ok(guard)
+        Ok(self.stream.lock())
     }
 }
 
-/// Drives the endpoint whenever no builder holds or wants it. Under manual progress (tcp) bytes
-/// move only while a thread is inside libfabric, so this thread goes straight back in: a pause
-/// between waits (it slept 200 us, to let a woken builder take the lock first) stalled every
-/// write in flight for that long. It stands back only while a builder is asking for the lock,
-/// which std's unfair mutex would otherwise hand straight back to this thread.
+/// Drives the endpoint whenever no builder holds or wants it: straight back into libfabric after
+/// each wait, standing back while a builder asks for the stream ([`Progressed`]).
 fn progress_loop(pipe: Weak<RdmaPipe>) {
     while let Some(p) = pipe.upgrade() {
-        if p.wanted.load(Ordering::SeqCst) > 0 {
+        let Some(res) = p.stream.lock_for_progress().map(|mut s| s.sender.progress(PROGRESS_WAIT)) else {
             drop(p);
             std::thread::yield_now();
             continue;
-        }
-        let res = p.stream.lock().unwrap_or_else(PoisonError::into_inner).sender.progress(PROGRESS_WAIT);
+        };
         if let Err(e) = res {
             *p.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
             return;
