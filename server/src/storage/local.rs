@@ -166,10 +166,13 @@ impl ShardFile {
         let spare = &mut buf.spare_capacity_mut()[..len];
         let mut done = 0;
         while done < len {
-            let at = offset
-                .checked_add(done as u64)
-                .and_then(|o| libc::off_t::try_from(o).ok())
-                .ok_or_else(|| Error::Internal(format!("read offset {offset}+{done} out of range")))?;
+            let at = offset.checked_add(done as u64).and_then(|o| libc::off_t::try_from(o).ok()).ok_or_else(|| {
+                Error::Shard {
+                    shard: self.name.clone(),
+                    offset: Some(offset),
+                    reason: format!("read offset {offset}+{done} out of range"),
+                }
+            })?;
             let rest = &mut spare[done..];
             // SAFETY: `rest` is memory of `buf`'s allocation, `rest.len()` bytes long and
             // exclusively borrowed; pread writes at most that many bytes into it and nothing else.
@@ -281,5 +284,17 @@ mod tests {
         let err = f.read_append(&mut buf, 50, 80).expect_err("past the end");
         assert!(matches!(&err, Error::Shard { offset: Some(80), reason, .. } if reason.contains("truncated")), "{err}");
         assert_eq!(buf, b"kept");
+    }
+
+    #[test]
+    fn an_offset_past_what_the_system_can_read_names_the_shard() {
+        let (_dir, f) = shard(&[1u8; 100]);
+        let mut buf = Vec::new();
+        let err = f.read_append(&mut buf, 10, u64::MAX - 2).expect_err("offset out of range");
+        assert!(
+            matches!(&err, Error::Shard { shard, offset: Some(o), .. } if shard == &f.name && *o == u64::MAX - 2),
+            "{err}"
+        );
+        assert!(buf.is_empty());
     }
 }
