@@ -25,6 +25,21 @@ class DaemonError(RuntimeError):
 CLI = "import sys; sys.argv[0] = 'shardstream'; from shardstream._cli import main; main()"
 
 
+def variant(spec: str) -> tuple[str, str]:
+    """The argparse type of the benches' `--variant NAME=SITE`: another build of the package, a
+    directory its wheel was installed into with `pip install --target SITE`. Refuses a spec
+    without a name or a site, or a site without the package: it would otherwise measure this
+    build under the variant's name."""
+    import argparse
+
+    name, sep, site = spec.partition("=")
+    if not sep or not name or not site:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME=SITE")
+    if not (Path(site) / "shardstream" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{site}: no shardstream package there (pip install --target {site} WHEEL)")
+    return name, site
+
+
 def env_for(site: str | None) -> dict[str, str]:
     """The environment of a process that must import `site`'s build of the package (None: the
     one installed in this interpreter)."""

@@ -52,7 +52,7 @@ import consumer  # noqa: E402
 import measure  # noqa: E402
 import report  # noqa: E402
 import shm_bench  # noqa: E402
-from daemon import CLI, env_for  # noqa: E402
+from daemon import CLI, env_for, variant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_BATCH = 256
@@ -281,7 +281,9 @@ def main() -> None:
     # dataset and the first batch (~0.1 s) weigh little, as iperf3's 3 s of steady state.
     ap.add_argument("--large", type=int, default=2400, help="1 MiB samples")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
+    ap.add_argument(
+        "--variant", action="append", default=[], type=variant, help="NAME=SITE: another build, measured alongside"
+    )
     ap.add_argument("--transport", action="append", choices=["inline", "rdma"], help="default: inline and rdma")
     ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/INLINE_RESULTS.md")
@@ -297,10 +299,7 @@ def main() -> None:
     }
     measure.warm(small_files)
     measure.warm(large_files)
-    builds: dict[str, str | None] = {"this build": None}
-    for v in args.variant:
-        name, _, site = v.partition("=")
-        builds[name] = site
+    builds: dict[str, str | None] = {"this build": None, **dict(args.variant)}
     transports = args.transport or ["inline", "rdma"]
     rdma_note = ""
     if "rdma" in transports and (why := rdma_unavailable()):

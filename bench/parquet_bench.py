@@ -644,6 +644,8 @@ def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
 
 
 def main() -> None:
+    from daemon import variant
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/PARQUET_RESULTS.md")
     ap.add_argument("--data", type=Path, default=ROOT / "bench/data/parquet")
@@ -653,7 +655,9 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--datasets", default="image,tab")
     ap.add_argument("--no-s3", action="store_true", help="leave out the S3 bytes-and-requests section")
-    ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
+    ap.add_argument(
+        "--variant", action="append", default=[], type=variant, help="NAME=SITE: another build, measured alongside"
+    )
     ap.add_argument("--one", nargs=5, metavar=("PEER", "KIND", "DIR", "ADDR", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -673,8 +677,7 @@ def main() -> None:
     data = {k: dirs[k]() for k in kinds}
     peers = args.peers.split(",")
     sites: dict[str, str] = {}
-    for v in args.variant:
-        name, _, site = v.partition("=")
+    for name, site in args.variant:
         for form in ("ss_dict", "ss_arrow"):
             if form in peers:
                 peers.append(f"{form}@{name}")

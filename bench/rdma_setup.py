@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inline_bench  # noqa: E402
 import report  # noqa: E402
 import shm_bench  # noqa: E402
+from daemon import variant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RXM_BUFFER = "FI_OFI_RXM_BUFFER_SIZE"
@@ -121,7 +122,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=30_000, help="~18 KiB samples")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, DataLoader rows")
+    ap.add_argument(
+        "--variant", action="append", default=[], type=variant, help="NAME=SITE: another build, DataLoader rows"
+    )
     ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/RDMA_SETUP.md")
     args = ap.parse_args()
@@ -148,7 +151,7 @@ def main() -> None:
                 daemons[name] = inline_bench.TcpDaemon(None, work, rdma=True)
             os.environ.clear()
             os.environ.update(base)
-            builds = {"this build": None, **dict(v.split("=", 1) for v in args.variant)}
+            builds = {"this build": None, **dict(args.variant)}
             for i, (name, site) in enumerate(builds.items()):
                 loaders[name] = []
                 work = Path(tmp) / f"b{i}"

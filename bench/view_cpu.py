@@ -98,12 +98,16 @@ def main() -> None:
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument("--modes", default="bare,consume")
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "data")
-    ap.add_argument("--variant", action="append", default=[], help="NAME=SITE: another build, measured alongside")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=daemon.variant,
+        help="NAME=SITE: another build, measured alongside",
+    )
     args = ap.parse_args()
-    builds: dict[str, str | None] = {"": None}
-    for v in args.variant:
-        name, _, site = v.partition("=")
-        builds[f"@{name}"] = site
+    # Build of each reader as run (`ss-mapped@NAME`): "" for this one, else "@NAME".
+    builds: dict[str, str | None] = {"": None, **{f"@{name}": site for name, site in args.variant}}
     base_readers = args.readers.split(",")
     # A reader as run: its name, with `@NAME` for a variant's shardstream readers.
     readers = [r + b for r in base_readers for b in (builds if r.startswith("ss-") else [""])]
@@ -116,12 +120,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="view-cpu-") as tmp:
         daemons: dict[str, daemon.Daemon] = {}
 
-        def run_child(r: str, m: str) -> tuple[subprocess.CompletedProcess[str], daemon.Daemon]:
-            name, _, variant = r.partition("@")
-            srv = daemons[f"@{variant}" if variant else ""]
-            env = daemon.env_for(builds[f"@{variant}" if variant else ""])
-            cmd = [sys.executable, __file__, "--child", name, m, str(data), srv.addr]
-            return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env), srv
+        def build_of(r: str) -> str:
+            return r[r.index("@") :] if "@" in r else ""
+
+        def run_child(r: str, m: str) -> str:
+            cmd = [sys.executable, __file__, "--child", r.partition("@")[0], m, str(data), daemons[build_of(r)].addr]
+            env = daemon.env_for(builds[build_of(r)])
+            return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
 
         try:
             for i, (b, site) in enumerate(builds.items()):
@@ -136,9 +141,9 @@ def main() -> None:
                 order = readers[rnd % len(readers) :] + readers[: rnd % len(readers)]
                 for r in order:
                     for m in modes:
-                        srv = daemons[f"@{r.partition('@')[2]}" if "@" in r else ""]
+                        srv = daemons[build_of(r)]
                         cpu0 = measure.cpu_seconds(srv.pid) or 0.0
-                        out = run_child(r, m)[0].stdout
+                        out = run_child(r, m)
                         run = json.loads(out.strip().splitlines()[-1])
                         run["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0 if r.startswith("ss-") else 0.0
                         ids = run.pop("ids")
