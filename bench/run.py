@@ -215,7 +215,7 @@ def epoch_cpu(done: Finished, result: dict[str, Any]) -> float:
     imports before (`cpu_before`) nor tearing the interpreter down after (what the reader and its
     waited-for children used past `cpu_at_exit`: ~0.045 s with torch loaded, the same for every
     reader, and paid once per training job, not per epoch)."""
-    teardown = max(0.0, done.reaped_cpu_s - result["cpu_at_exit"]) if "cpu_at_exit" in result else 0.0
+    teardown = max(0.0, done.reaped_cpu_s - result["cpu_at_exit"])
     return done.cpu_s - result["cpu_before"] - teardown
 
 
