@@ -139,7 +139,10 @@ def test_arrow_form_is_zero_copy_over_the_ring(daemon, varied, fields: list[str]
         assert isinstance(rb, pa.RecordBatch)
         assert rb.schema.names == [*(fields or ALL), "__row__"]
         ring = mapped_memfds()
-        for name in ("id", "score", "img", "emb") if fields is None else ("id", "score", "img", "label"):
+        # `__row__` too: the daemon writes the rows' ids into the slot with the rest.
+        for name in (
+            ("id", "score", "img", "emb", "__row__") if fields is None else ("id", "score", "img", "label", "__row__")
+        ):
             for buf in rb.column(name).buffers():
                 if buf is None or buf.size == 0:
                     continue

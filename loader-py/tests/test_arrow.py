@@ -234,3 +234,37 @@ def test_batch_reader_reads_the_schema_once_and_past_it_zero_copy() -> None:
         _arrow.BatchReader().open(FakeBatch(np.zeros(64, np.uint8), 3, index=7))
     with pytest.raises(_arrow.ShardstreamError, match="record batch has 3 rows, the message names 4"):
         reader.open(FakeBatch(regions[0], 4))
+
+
+def test_a_row_column_the_daemon_wrote_is_read_once_and_not_repeated() -> None:
+    """Batches carry their rows' ids as a last ``__row__`` column: the dict form takes the ids
+    once (the ``rows`` given), and the reader says the batch has them so nothing appends them."""
+    rb = pa.record_batch({"v": pa.array([1, 2], pa.int32()), "__row__": pa.array([8, 9], pa.uint64())})
+    d = _arrow.to_dict(rb, np.array([8, 9], np.uint64))
+    assert list(d) == ["__key__", "__row__", "v"]
+    assert d["__row__"].tolist() == [8, 9] and d["__key__"] == ["8", "9"]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rb.schema) as w:
+        w.write_batch(rb)
+    stream = sink.getvalue().to_pybytes()
+
+    class Native:
+        index = 0
+
+        def ipc(self) -> bytes:
+            return stream
+
+        def __len__(self) -> int:
+            return 2
+
+    reader = _arrow.BatchReader()
+    for _ in range(2):  # the first batch opens the stream, the next reads past the kept schema
+        assert reader.open(Native()).column("__row__").to_pylist() == [8, 9]  # type: ignore[arg-type]
+        assert reader.has_row
+    plain = pa.record_batch({"v": pa.array([1, 2], pa.int32())})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, plain.schema) as w:
+        w.write_batch(plain)
+    stream = sink.getvalue().to_pybytes()
+    older = _arrow.BatchReader()  # an older daemon's batch: no ids, so the client appends them
+    assert older.open(Native()).schema.names == ["v"] and not older.has_row  # type: ignore[arg-type]

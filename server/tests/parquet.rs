@@ -42,6 +42,13 @@ fn ids(b: &RecordBatch) -> Vec<i64> {
     b.column_by_name("id").unwrap().as_primitive::<Int64Type>().values().to_vec()
 }
 
+/// The `__row__` column the daemon appends to every batch: the rows' ids.
+fn row_column(b: &RecordBatch) -> Vec<u64> {
+    let last = b.schema().fields().last().map(|f| f.name().clone());
+    assert_eq!(last.as_deref(), Some("__row__"), "the last column holds the row ids");
+    b.column(b.num_columns() - 1).as_primitive::<arrow_array::types::UInt64Type>().values().to_vec()
+}
+
 fn round_trip(b: &RecordBatch) -> RecordBatch {
     let bytes = ipc::encode(b).unwrap();
     let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(bytes), None).unwrap();
@@ -96,13 +103,15 @@ fn two_ranks_two_workers_get_every_row_once_with_each_row_group_decoded_once() {
             for range in plan::worker_batches(seq.len() as u64, p.batch_size, &w).unwrap() {
                 let row_ids = &seq[range.start as usize..range.end as usize];
                 let batch = round_trip(&asm.batch(row_ids, &files).unwrap());
-                assert_eq!(batch.schema().fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(), fields);
+                let names: Vec<String> = batch.schema().fields().iter().map(|f| f.name().clone()).collect();
+                assert_eq!(names, [&fields[..], &["__row__".to_owned()]].concat(), "the fields, then the row ids");
+                assert_eq!(row_column(&batch), row_ids);
                 // Every delivered row is the row its id names, all columns.
                 let got = ids(&batch);
                 assert_eq!(got, row_ids.iter().map(|&i| i as i64).collect::<Vec<_>>());
                 for (k, &id) in row_ids.iter().enumerate() {
                     let want = full.slice(id as usize, 1).project(&[0, 2, 3, 6]).unwrap();
-                    assert_eq!(batch.slice(k, 1).columns(), want.columns(), "row {id}");
+                    assert_eq!(&batch.slice(k, 1).columns()[..4], want.columns(), "row {id}");
                 }
                 seen.extend(got);
             }
@@ -154,7 +163,8 @@ fn a_row_group_is_read_only_for_its_selected_columns_and_ipc_fits_a_slot() {
     let cache = Arc::new(DecodedCache::new(1 << 20));
     let asm = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap();
     let b = asm.batch(&[398, 0, 200], &files).unwrap();
-    assert_eq!(b.num_columns(), 1);
+    assert_eq!(b.num_columns(), 2);
+    assert_eq!(row_column(&b), [398, 0, 200]);
     let labels = b.column(0).as_primitive::<arrow_array::types::Int32Type>();
     // label = id % 10, null every 7th id.
     assert_eq!(labels.iter().collect::<Vec<_>>(), [Some(8), None, Some(0)]);

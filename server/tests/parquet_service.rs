@@ -87,6 +87,13 @@ fn ids(b: &RecordBatch) -> Vec<u64> {
     b.column_by_name("id").unwrap().as_primitive::<Int64Type>().values().iter().map(|&i| i as u64).collect()
 }
 
+/// The `__row__` column the daemon appends to every batch: the rows' ids.
+fn row_column(b: &RecordBatch) -> Vec<u64> {
+    let last = b.schema().fields().last().map(|f| (f.name().clone(), f.data_type().clone()));
+    assert_eq!(last, Some(("__row__".to_owned(), arrow_schema::DataType::UInt64)), "the last column holds the row ids");
+    b.column(b.num_columns() - 1).as_primitive::<arrow_array::types::UInt64Type>().values().to_vec()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_row_once_over_two_ranks_and_two_workers_as_arrow_batches() {
     let fx = start().await;
@@ -108,9 +115,10 @@ async fn every_row_once_over_two_ranks_and_two_workers_as_arrow_batches() {
             for (row_ids, batch) in &got {
                 assert_eq!(
                     batch.schema().fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(),
-                    ["image", "id"]
+                    ["image", "id", "__row__"]
                 );
                 assert_eq!(&ids(batch), row_ids);
+                assert_eq!(&row_column(batch), row_ids);
                 for (k, &id) in row_ids.iter().enumerate() {
                     assert_eq!(batch.column(0).as_binary::<i32>().value(k), testdata::image(id as i64), "row {id}");
                 }
@@ -128,8 +136,10 @@ async fn every_row_once_over_two_ranks_and_two_workers_as_arrow_batches() {
     // All columns, and the values of every column equal what was written.
     let got = arrow_batches(&mut client, request(&dir, 1, 1, &[])).await.unwrap();
     for (row_ids, batch) in &got {
+        assert_eq!(&row_column(batch), row_ids);
+        let columns = batch.project(&(0..full.num_columns()).collect::<Vec<_>>()).unwrap();
         for (k, &id) in row_ids.iter().enumerate() {
-            assert_eq!(batch.slice(k, 1), full.slice(id as usize, 1), "row {id}");
+            assert_eq!(columns.slice(k, 1), full.slice(id as usize, 1), "row {id}");
         }
     }
 
@@ -304,7 +314,9 @@ async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
         let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(stream.to_vec()), None).unwrap();
         let batch = r.next().unwrap().unwrap();
         assert_eq!(ids(&batch), b.row_ids);
-        // Each batch is what the gather makes of the same rows.
+        assert_eq!(row_column(&batch), b.row_ids);
+        // Each batch is what the gather makes of the same rows, then their ids.
+        let batch = batch.project(&(0..fields.len()).collect::<Vec<_>>()).unwrap();
         let want = arrow_select::concat::concat_batches(
             &batch.schema(),
             &b.row_ids

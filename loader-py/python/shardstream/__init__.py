@@ -309,9 +309,10 @@ class Loader:
         if self._arrow_reader is None:
             self._arrow_reader = _arrow.BatchReader()
         rb = self._arrow_reader.open(native)
-        rows = _arrow.row_ids(native)
         if self.format == "arrow":
-            return _arrow.with_row_ids(rb, rows)
+            # The daemon writes the rows' ids into the batch as its `__row__` column.
+            return rb if self._arrow_reader.has_row else _arrow.with_row_ids(rb, _arrow.row_ids(native))
+        rows = _arrow.row_ids(native)
         out = Batch(_arrow.to_dict(rb, rows, self.copy))
         if self.collate == "stack":
             _arrow.stack(rb, out)

@@ -57,6 +57,10 @@ class BatchReader:
     def __init__(self) -> None:
         self._schema: Any = None
         self._prefix: Any = None  # the schema message's bytes (a pyarrow.Buffer)
+        self._schema_has_row = False
+        #: Whether the batch ``open`` returned last has a ``__row__`` column (the daemon writes
+        #: one into every batch; an older daemon did not, and the client appends it then).
+        self.has_row = False
 
     def open(self, native: _native.Batch) -> pa.RecordBatch:
         import pyarrow as pa
@@ -66,8 +70,10 @@ class BatchReader:
             prefix = self._prefix
             if prefix is not None and buf.size > prefix.size and buf.slice(0, prefix.size).equals(prefix):
                 batch = pa.ipc.read_record_batch(buf.slice(prefix.size), self._schema)
+                self.has_row = self._schema_has_row
             else:
                 batch = pa.ipc.open_stream(buf).read_next_batch()
+                self.has_row = ROW in batch.schema.names
                 self._remember(buf, batch.schema)
         except (pa.ArrowInvalid, StopIteration) as e:
             raise ShardstreamError(f"arrow batch {native.index}: not a valid Arrow IPC stream: {e}") from None
@@ -84,6 +90,7 @@ class BatchReader:
         if head is None or head[0] != -1 or head[1] <= 0 or 8 + int(head[1]) >= buf.size:
             return
         self._schema, self._prefix = schema, buf.slice(0, 8 + int(head[1]))
+        self._schema_has_row = ROW in schema.names
 
 
 def _checked(native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -99,7 +106,8 @@ def row_ids(native: _native.Batch) -> np.ndarray[Any, np.dtype[np.uint64]]:
 
 
 def with_row_ids(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> pa.RecordBatch:
-    """``batch`` with a ``__row__`` column of the rows' ids appended (its other columns shared)."""
+    """``batch`` with a ``__row__`` column of the rows' ids appended (its other columns shared):
+    for batches of an older daemon, which did not write that column itself."""
     import pyarrow as pa
 
     if ROW in batch.schema.names:
@@ -262,7 +270,7 @@ def to_dict(batch: pa.RecordBatch, rows: np.ndarray[Any, Any], copy: bool = Fals
     """The dict form of a record batch whose rows have ids ``rows``."""
     out: dict[str, Any] = {"__key__": keys(batch, rows), ROW: rows}
     for name, arr in zip(batch.schema.names, batch.columns, strict=True):
-        if name == "__key__":
+        if name in ("__key__", ROW):
             continue
         out[name] = column_value(arr, copy)
     return out

@@ -56,7 +56,7 @@ pub fn shm_rows<'s>(
     rows: &BatchRows,
     acquire: impl FnOnce(u64) -> Result<SlotGuard<'s>>,
 ) -> Result<(SlotGuard<'s>, ArrowBatch)> {
-    let schema = asm.projection().schema();
+    let schema = asm.schema();
     rows.with_direct(schema, asm.schema_message(), |plan| {
         let Some(plan) = plan else {
             return shm_batch(batch_index, row_ids, &rows.gather(schema, asm.schema_message())?, acquire);
@@ -77,7 +77,7 @@ pub fn shm_rows<'s>(
 
 /// The inline form of batch `batch_index` (rows `row_ids`) from its decoded rows.
 pub fn inline_rows(batch_index: u64, row_ids: Vec<u64>, asm: &BatchAssembler, rows: &BatchRows) -> Result<ArrowBatch> {
-    Ok(inline_message(batch_index, row_ids, rows.encode(asm.projection().schema(), asm.schema_message())?))
+    Ok(inline_message(batch_index, row_ids, rows.encode(asm.schema(), asm.schema_message())?))
 }
 
 #[cfg(test)]

@@ -153,32 +153,60 @@ impl FileReader for LocalFiles {
     }
 }
 
+/// The column of each delivered batch that holds its rows' ids (`uint64`, last), unless the
+/// projection has a column of that name (then that column is delivered as it is). Clients used to
+/// append it to every batch themselves, a fixed cost per batch as large as opening the batch
+/// (bench/PARQUET_PROFILE.md); written by the daemon it is 8 bytes a row in the same copy.
+pub const ROW_COLUMN: &str = "__row__";
+
 /// Assembles batches of one projection of a dataset: decodes the row groups the rows live in
 /// (through the shared [`DecodedCache`]) and gathers the rows.
 #[derive(Debug)]
 pub struct BatchAssembler {
     dataset: Arc<ParquetDataset>,
     projection: Projection,
+    /// What batches hold: the projection's columns, then [`ROW_COLUMN`] when `with_ids`.
+    delivered: SchemaRef,
+    with_ids: bool,
     per_file: Vec<FileProjection>,
     cache: Arc<DecodedCache>,
     /// Names the dataset version in cache keys (its fingerprint).
     dataset_id: DatasetTag,
     projection_id: u64,
-    /// The projection's IPC schema message, as every batch's stream begins (made once).
+    /// The delivered schema's IPC schema message, as every batch's stream begins (made once).
     schema_message: Vec<u8>,
 }
 
 /// The rows of one batch: the decoded row groups it draws on and, per row in batch order,
-/// `(source, row)` in them.
+/// `(source, row)` in them; with their ids when the batch delivers them ([`ROW_COLUMN`]).
 #[derive(Debug)]
 pub struct BatchRows {
     pub sources: Vec<Arc<RecordBatch>>,
     pub rows: Vec<(usize, usize)>,
+    pub ids: Option<Vec<u64>>,
 }
 
 impl BatchRows {
     fn refs(&self) -> Vec<&RecordBatch> {
         self.sources.iter().map(|b| b.as_ref()).collect()
+    }
+
+    /// The rows gathered from the sources into a batch of `schema` (the delivered schema), the
+    /// ids appended as its last column when the batch has them.
+    fn gather_sources(&self, schema: &SchemaRef) -> Result<RecordBatch> {
+        let internal = |e: ParquetError| Error::Internal(e.to_string());
+        let Some(ids) = &self.ids else {
+            return ipc::gather(schema, &self.refs(), &self.rows).map_err(internal);
+        };
+        let fields = schema.fields();
+        let Some(gathered) = fields.len().checked_sub(1).map(|n| Arc::new(Schema::new(fields[..n].to_vec()))) else {
+            return Err(Error::Internal("a batch with row ids has no columns".into()));
+        };
+        let batch = ipc::gather(&gathered, &self.refs(), &self.rows).map_err(internal)?;
+        let mut columns = batch.columns().to_vec();
+        columns.push(Arc::new(arrow_array::UInt64Array::from(ids.clone())));
+        RecordBatch::try_new(schema.clone(), columns)
+            .map_err(|e| Error::Internal(format!("cannot append the row ids to a gathered batch: {e}")))
     }
 
     /// The rows as one record batch of `schema` (a copy of every row). Row groups decoded with
@@ -191,7 +219,7 @@ impl BatchRows {
             .iter()
             .any(|b| b.columns().iter().any(|c| matches!(c.data_type(), DataType::BinaryView | DataType::Utf8View)));
         if !views {
-            return ipc::gather(schema, &self.refs(), &self.rows).map_err(|e| Error::Internal(e.to_string()));
+            return self.gather_sources(schema);
         }
         let bytes = self.encode(schema, schema_message)?;
         let mut reader = arrow_ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
@@ -212,11 +240,7 @@ impl BatchRows {
                 plan.write(&mut out).map_err(|e| Error::Internal(e.to_string()))?;
                 Ok(out)
             }
-            None => {
-                let batch =
-                    ipc::gather(schema, &self.refs(), &self.rows).map_err(|e| Error::Internal(e.to_string()))?;
-                ipc::encode(&batch).map_err(|e| Error::Internal(e.to_string()))
-            }
+            None => ipc::encode(&self.gather_sources(schema)?).map_err(|e| Error::Internal(e.to_string())),
         })
     }
 
@@ -229,7 +253,7 @@ impl BatchRows {
         f: impl FnOnce(Option<&direct::Direct<'_>>) -> Result<T>,
     ) -> Result<T> {
         let refs = self.refs();
-        let plan = direct::Direct::plan(schema, schema_message, &refs, &self.rows)
+        let plan = direct::Direct::plan(schema, schema_message, &refs, &self.rows, self.ids.as_deref())
             .map_err(|e| Error::Internal(e.to_string()))?;
         f(plan.as_ref())
     }
@@ -248,10 +272,21 @@ impl BatchAssembler {
             .map(|f| projection.for_file(&f.table).map_err(|e| e.into_error(&f.name)))
             .collect::<Result<Vec<_>>>()?;
         let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
-        let schema_message = direct::schema_message(projection.schema()).map_err(|e| Error::Internal(e.to_string()))?;
+        let schema = projection.schema();
+        let with_ids = schema.field_with_name(ROW_COLUMN).is_err();
+        let delivered = if with_ids {
+            let mut fields = schema.fields().to_vec();
+            fields.push(Arc::new(arrow_schema::Field::new(ROW_COLUMN, DataType::UInt64, true)));
+            Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
+        } else {
+            schema.clone()
+        };
+        let schema_message = direct::schema_message(&delivered).map_err(|e| Error::Internal(e.to_string()))?;
         Ok(Self {
             dataset,
             projection,
+            delivered,
+            with_ids,
             per_file,
             cache,
             dataset_id: DatasetTag::new(dataset_id),
@@ -267,6 +302,11 @@ impl BatchAssembler {
 
     pub fn projection(&self) -> &Projection {
         &self.projection
+    }
+
+    /// The schema of the batches: the projection's, then [`ROW_COLUMN`] unless it has one.
+    pub fn schema(&self) -> &SchemaRef {
+        &self.delivered
     }
 
     pub fn dataset(&self) -> &ParquetDataset {
@@ -285,7 +325,7 @@ impl BatchAssembler {
     /// first batch of an epoch (and the first after the window moves on) waits for a window's
     /// worth of decoding, which one thread did one row group after the other.
     pub fn batch(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<RecordBatch> {
-        self.rows(row_ids, files)?.gather(self.projection.schema(), &self.schema_message)
+        self.rows(row_ids, files)?.gather(&self.delivered, &self.schema_message)
     }
 
     /// The rows of the batch of `row_ids` (decoding its row groups as [`Self::batch`] does),
@@ -321,7 +361,8 @@ impl BatchAssembler {
         if sources.len() != units.len() {
             return Err(Error::Internal("a row group of the batch was neither cached nor decoded".into()));
         }
-        Ok(BatchRows { sources, rows })
+        let ids = self.with_ids.then(|| row_ids.to_vec());
+        Ok(BatchRows { sources, rows, ids })
     }
 
     fn key(&self, fi: usize, rg: usize) -> RowGroupKey {

@@ -257,7 +257,8 @@ mod tests {
         rows: &[(usize, usize)],
     ) -> Vec<u8> {
         let sources = [decoded];
-        let d = super::super::direct::Direct::plan(schema, message, &sources, rows).unwrap().expect("flat columns");
+        let d =
+            super::super::direct::Direct::plan(schema, message, &sources, rows, None).unwrap().expect("flat columns");
         let mut out = vec![0u8; d.stream_len()];
         d.write(&mut out).unwrap();
         out

@@ -15,6 +15,10 @@
 //! sources may hold binary and string columns as views (the decoded row groups of a flat
 //! projection do, see [`super::schema`]): each row is written as the delivered type.
 //!
+//! A batch may end with a column of its rows' ids (`uint64`, no nulls; the `__row__` column the
+//! client would otherwise append to every batch, see [`super::dataset::ROW_COLUMN`]), written from
+//! the ids rather than gathered from a source.
+//!
 //! The bytes written are exactly what arrow-ipc's `StreamWriter` writes for the gathered batch
 //! (schema message, one record batch message, end-of-stream marker; metadata V5, uncompressed,
 //! buffers 64-byte aligned): the tests compare them byte for byte, so a client cannot tell the two
@@ -91,6 +95,8 @@ fn kind(dt: &DataType) -> Option<Kind> {
 pub struct Direct<'a> {
     sources: &'a [&'a RecordBatch],
     rows: &'a [(usize, usize)],
+    /// The rows' ids, written as the batch's last column.
+    ids: Option<&'a [u64]>,
     kinds: Vec<Kind>,
     /// Per Arrow node (each column, then a struct's children, in the message's order): its null
     /// count and, for bytes columns, the total length of its values.
@@ -117,18 +123,34 @@ impl<'a> Direct<'a> {
     /// The batch of rows `rows` (each `(source, row)`) of `sources`, all with the schema whose
     /// message is `schema_message`; `None` when a column is not flat (see the module docs) or the
     /// sources' columns do not match. Rows must exist (the caller checks them, as `gather` does).
+    /// With `ids` (one per row), `schema`'s last field is a `uint64` column the sources do not
+    /// have, written from `ids`.
     pub fn plan(
         schema: &Schema,
         schema_message: &'a [u8],
         sources: &'a [&'a RecordBatch],
         rows: &'a [(usize, usize)],
+        ids: Option<&'a [u64]>,
     ) -> Result<Option<Self>, ParquetError> {
-        let kinds: Option<Vec<Kind>> = schema.fields().iter().map(|f| kind(f.data_type())).collect();
+        let fields = schema.fields();
+        let gathered = match ids {
+            Some(ids) => {
+                if ids.len() != rows.len() {
+                    return Err(ParquetError::Ipc(format!("{} row ids for {} rows", ids.len(), rows.len())));
+                }
+                match fields.last() {
+                    Some(f) if f.data_type() == &DataType::UInt64 => &fields[..fields.len() - 1],
+                    _ => return Err(ParquetError::Ipc("a batch with row ids needs a last uint64 column".into())),
+                }
+            }
+            None => &fields[..],
+        };
+        let kinds: Option<Vec<Kind>> = gathered.iter().map(|f| kind(f.data_type())).collect();
         let Some(kinds) = kinds else { return Ok(None) };
         if sources.iter().any(|b| b.num_columns() != kinds.len()) {
             return Ok(None);
         }
-        for (c, f) in schema.fields().iter().enumerate() {
+        for (c, f) in gathered.iter().enumerate() {
             if sources.iter().any(|b| !holds(f.data_type(), b.column(c).data_type())) {
                 return Ok(None);
             }
@@ -141,6 +163,9 @@ impl<'a> Direct<'a> {
         for (c, k) in kinds.iter().enumerate() {
             let cols: Vec<&dyn Array> = sources.iter().map(|b| b.column(c).as_ref()).collect();
             layout.column(&cols, k)?;
+        }
+        if ids.is_some() {
+            layout.id_column();
         }
         let Layout { nodes, fb_nodes, buffers, offset, .. } = layout;
         // Built in the stream writer's order (buffers, nodes, batch, message), so the metadata
@@ -161,7 +186,7 @@ impl<'a> Direct<'a> {
         let root = message.finish();
         fbb.finish(root, None);
         let meta = fbb.finished_data().to_vec();
-        Ok(Some(Self { sources, rows, kinds, nodes, schema_message, meta, body_len: offset }))
+        Ok(Some(Self { sources, rows, ids, kinds, nodes, schema_message, meta, body_len: offset }))
     }
 
     /// Bytes of the record batch message's framing: continuation, length, metadata, padding.
@@ -198,6 +223,13 @@ impl<'a> Direct<'a> {
                 let name = self.sources.first().map(|b| b.schema().field(c).name().clone()).unwrap_or_default();
                 ParquetError::Ipc(format!("column {name:?}: {e}"))
             })?;
+        }
+        if let Some(ids) = self.ids {
+            nodes.next().ok_or_else(|| ParquetError::Ipc("a batch's layout lost its row ids".into()))?;
+            let (dst, _) = take(body, ids.len() * 8);
+            for (d, id) in dst.chunks_exact_mut(8).zip(ids) {
+                d.copy_from_slice(&id.to_le_bytes());
+            }
         }
         Ok(len)
     }
@@ -296,6 +328,15 @@ impl Layout<'_> {
     fn push(&mut self, len: usize) {
         self.buffers.push(arrow_ipc::Buffer::new(self.offset as i64, len as i64));
         self.offset += pad(len);
+    }
+
+    /// The rows' ids: a `uint64` column without nulls.
+    fn id_column(&mut self) {
+        let n = self.rows.len();
+        self.fb_nodes.push(FieldNode::new(n as i64, 0));
+        self.push(0);
+        self.nodes.push(Node { nulls: 0, value_bytes: 0 });
+        self.push(n * 8);
     }
 
     fn column(&mut self, cols: &[&dyn Array], k: &Kind) -> Result<(), ParquetError> {
@@ -570,7 +611,7 @@ mod tests {
     fn check(sources: &[&RecordBatch], rows: &[(usize, usize)]) {
         let schema = sources[0].schema();
         let message = schema_message(&schema).unwrap();
-        let direct = Direct::plan(&schema, &message, sources, rows).unwrap().expect("flat schema");
+        let direct = Direct::plan(&schema, &message, sources, rows, None).unwrap().expect("flat schema");
         let mut out = vec![0xAAu8; direct.stream_len() + 100];
         assert_eq!(direct.write(&mut out).unwrap(), direct.stream_len());
         let want = ipc::encode(&ipc::gather(&schema, sources, rows).unwrap()).unwrap();
@@ -597,16 +638,49 @@ mod tests {
     fn nested_or_dictionary_columns_are_left_to_gather() {
         let m = testdata::mixed_batch(0..5);
         let message = schema_message(&m.schema()).unwrap();
-        assert!(Direct::plan(&m.schema(), &message, &[&m], &[(0, 1)]).unwrap().is_none());
+        assert!(Direct::plan(&m.schema(), &message, &[&m], &[(0, 1)], None).unwrap().is_none());
         let flat = flat_batch(0, 5, 2);
         let schema = flat.schema();
         let message = schema_message(&schema).unwrap();
         let sources = [&flat];
-        let direct = Direct::plan(&schema, &message, &sources, &[(0, 4)]).unwrap().unwrap();
+        let direct = Direct::plan(&schema, &message, &sources, &[(0, 4)], None).unwrap().unwrap();
         let mut small = vec![0u8; direct.stream_len() - 1];
         assert!(direct.write(&mut small).is_err());
-        assert!(Direct::plan(&schema, &message, &[&flat], &[(0, 5)]).is_err());
-        assert!(Direct::plan(&schema, &message, &[&flat], &[(1, 0)]).is_err());
+        assert!(Direct::plan(&schema, &message, &[&flat], &[(0, 5)], None).is_err());
+        assert!(Direct::plan(&schema, &message, &[&flat], &[(1, 0)], None).is_err());
+    }
+
+    /// [`check`] with the rows' ids as a last column: the same bytes as the gathered batch with
+    /// that column appended, through the stream writer.
+    fn check_with_ids(sources: &[&RecordBatch], rows: &[(usize, usize)], ids: &[u64]) {
+        let gathered = ipc::gather(&sources[0].schema(), sources, rows).unwrap();
+        let mut fields = gathered.schema().fields().to_vec();
+        fields.push(Arc::new(Field::new("__row__", DataType::UInt64, true)));
+        let schema = Arc::new(Schema::new(fields));
+        let mut cols = gathered.columns().to_vec();
+        cols.push(Arc::new(UInt64Array::from(ids.to_vec())));
+        let want = ipc::encode(&RecordBatch::try_new(schema.clone(), cols).unwrap()).unwrap();
+        let message = schema_message(&schema).unwrap();
+        let direct = Direct::plan(&schema, &message, sources, rows, Some(ids)).unwrap().expect("flat schema");
+        let mut out = vec![0xAAu8; direct.stream_len() + 100];
+        assert_eq!(direct.write(&mut out).unwrap(), want.len());
+        assert!(out[..want.len()] == want[..], "direct bytes with row ids differ from the stream writer's");
+        assert!(out[want.len()..].iter().all(|&b| b == 0xAA), "wrote past its length");
+    }
+
+    #[test]
+    fn row_ids_are_a_last_column_written_as_the_stream_writer_would() {
+        let a = flat_batch(1, 40, 3);
+        let c = flat_batch(3, 60, 4).slice(13, 30);
+        let rows: Vec<(usize, usize)> = (0..50).map(|i| (i % 2, (i * 7) % [40, 30][i % 2])).collect();
+        let ids: Vec<u64> = (0..50).map(|i| 1_000_003 * i as u64 + 17).collect();
+        check_with_ids(&[&a, &c], &rows, &ids);
+        check_with_ids(&[&a], &[(0, 5)], &[u64::MAX]);
+        // Ids must match the rows, and the last column must be able to hold them.
+        let schema = a.schema();
+        let message = schema_message(&schema).unwrap();
+        assert!(Direct::plan(&schema, &message, &[&a], &[(0, 1), (0, 2)], Some(&[7])).is_err());
+        assert!(Direct::plan(&schema, &message, &[&a], &[(0, 1)], Some(&[7])).is_err(), "last column is a struct");
     }
 
     proptest! {
