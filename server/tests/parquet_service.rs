@@ -337,6 +337,46 @@ async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
     assert_eq!(seen, (0..400).collect::<Vec<u64>>());
 }
 
+/// A client that releases nothing until it holds every slot the stream has (then all at once)
+/// still gets each batch: a daemon that queues batches in groups sends what it has before it
+/// waits for a slot (the client can only release batches it received).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_holds_every_slot_gets_every_batch_it_waits_for() {
+    let fx = start().await;
+    let dir = fx.tmp.path().join("pq");
+    write_dataset(&dir);
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let mut req = request(&dir, 0, 0, &["id", "label"]);
+    (req.world_size, req.num_workers, req.batch_size, req.transport) = (1, 1, 5, Transport::Shm as i32);
+    let mut s = client.stream_batches(req).await.unwrap().into_inner();
+    let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!("no header") };
+    let session = shardstream_client::shm::ShmSession::attach(Path::new(&h.shm_socket), &h.shm_token).unwrap();
+    let credits = h.shm_credits as usize;
+    assert!(credits > 1 && 400 / 5 > 3 * credits, "more batches than slots: {credits}");
+    let (mut held, mut indices, mut seen) = (Vec::new(), Vec::new(), Vec::new());
+    loop {
+        let next = tokio::time::timeout(std::time::Duration::from_secs(20), s.message()).await;
+        let Ok(next) = next else {
+            panic!("no batch after {} while the client holds {} of {credits} slots", indices.len(), held.len())
+        };
+        let Some(m) = next.unwrap() else { break };
+        let Some(stream_message::Kind::ArrowBatch(b)) = m.kind else { panic!("expected Arrow batches") };
+        indices.push(b.batch_index);
+        seen.extend(b.row_ids);
+        held.push(b.batch_index);
+        if held.len() == credits {
+            for i in held.drain(..) {
+                session.release(i);
+            }
+        }
+    }
+    assert_eq!(indices, (0..80).collect::<Vec<u64>>(), "every batch once, in order");
+    seen.sort_unstable();
+    assert_eq!(seen, (0..400).collect::<Vec<u64>>());
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
 /// Column numbers of `fields` in the test data's schema.
 fn projection(fields: &[&str]) -> Vec<usize> {
     let schema = testdata::mixed_schema();

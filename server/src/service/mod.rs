@@ -4,6 +4,7 @@
 //! them through a small bounded channel: a slow client fills its own channel and waits, never
 //! anyone else; a client that disconnects makes the next send fail, and the task stops at once.
 
+mod outbox;
 mod projected;
 mod stage;
 pub mod status;
@@ -20,7 +21,6 @@ use shardstream_proto::{
     PackedBatch, PrefetchProgress, PrefetchRequest, RdmaBatch, ShmBatch, StatusReply, StatusRequest, StreamHeader,
     StreamMessage, StreamRequest, Transport, stream_message,
 };
-use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -37,9 +37,14 @@ use crate::transport::shm::{Session, ShmHub};
 use crate::{Error, Result};
 pub use status::to_status;
 
-/// Batches queued per stream ahead of the client: two keeps the socket busy while the next batch
-/// is read, and bounds a slow client's footprint to two batches.
+/// Batches (groups of batches, see [`outbox`]) queued per stream ahead of the client: two keeps
+/// the socket busy while the next batch is read, and bounds a slow client's footprint to two.
 const STREAM_QUEUE: usize = 2;
+
+/// Most batches of small rows a stream queues at once ([`SmallArrowStream`]): one wake-up of the
+/// connection's task and one socket write for them. Four, as the client returns slots four at a
+/// time (the client's `shm::RELEASES_HELD`).
+const SMALL_GROUP: usize = 4;
 
 /// Packed batches gathered at once per stream. The gather is bound by memory latency per record;
 /// each batch is also shared with the daemon's gather helper (`packed::GATHER_HELPERS`), but a
@@ -688,6 +693,7 @@ fn build_arrow_batch(
     ids: &[u64],
     index: u64,
     cancelled: &dyn Fn() -> bool,
+    before_new_ring: &mut dyn FnMut() -> Result<()>,
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
@@ -722,6 +728,9 @@ fn build_arrow_batch(
     let msg = match (session, credit) {
         (Some(s), Some(credit)) => {
             let (guard, msg) = transport::arrow::shm_rows(index, ids.to_vec(), asm, &rows, |need| {
+                if s.needs_ring(need) {
+                    before_new_ring()?;
+                }
                 s.acquire_slot(credit, need, cancelled)
             })?;
             guard.publish(index);
@@ -756,14 +765,17 @@ fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
 }
 
 /// An Arrow (Parquet) stream of small batches, served by one blocking thread that takes the ids,
-/// builds each batch and queues its message in turn.
+/// builds each batch and queues its message in turn, up to [`SMALL_GROUP`] messages at once.
 ///
 /// The general loop of [`produce`] hands every batch to the blocking pool and back (plus a trip
 /// for its ids): with 256 rows of 40 bytes those hand-offs were the largest share of the daemon's
 /// time, larger than the gather itself (bench/PARQUET_PROFILE.md). Here a batch costs one
-/// hand-off, to the connection's task that writes the message. Behaviour is the general loop's:
+/// hand-off, to the connection's task that writes the message, and batches built back to back
+/// share it ([`outbox`]). The first batch goes alone (time to first batch), and a group is sent
+/// before anything that would wait on the client: a turn without a free slot, or a new ring
+/// (its budget may wait for this stream's own slots). Behaviour is the general loop's otherwise:
 /// batches in order, the client leaving or a shutdown ends the stream before the next batch, an
-/// error is sent to the client and ends it.
+/// error is sent to the client after the batches before it and ends the stream.
 struct SmallArrowStream {
     dataset: Arc<Dataset>,
     session: Option<Arc<Session>>,
@@ -771,7 +783,7 @@ struct SmallArrowStream {
     projected: Option<Arc<projected::ProjectedReads>>,
     sequence: plan::RankStream,
     batch_size: u64,
-    tx: mpsc::Sender<Result<StreamMessage, Status>>,
+    tx: outbox::Outbox,
     metrics: Arc<Metrics>,
     /// The prefetcher follows the stream while this lives.
     consumer: Option<ConsumerGuard>,
@@ -783,6 +795,8 @@ impl SmallArrowStream {
         let mut ranges = ranges.peekable();
         let working = std::sync::Mutex::new(Working::default());
         let mut ready = std::collections::VecDeque::new();
+        let mut group: Vec<outbox::Message> = Vec::with_capacity(SMALL_GROUP);
+        let mut sent_any = false;
         loop {
             if self.tx.is_closed() {
                 return;
@@ -790,19 +804,23 @@ impl SmallArrowStream {
             if self.shutdown.is_cancelled() {
                 // As the general loop: the client learns unless its queue is full, when the
                 // stream ends short of its header's batch count.
-                let _ = self.tx.try_send(Err(Status::unavailable("daemon is shutting down")));
+                group.push(Err(Status::unavailable("daemon is shutting down")));
+                self.tx.try_send_all(group);
                 return;
             }
             if ready.is_empty() {
                 match ids_of(&mut self.sequence, next_ranges(&mut ranges, IDS_AHEAD)) {
-                    Ok(ids) if ids.is_empty() => return,
                     Ok(ids) => ready.extend(ids),
-                    Err(e) => return self.fail(e),
+                    Err(e) => return self.fail(group, e),
                 }
             }
-            let Some((turn, range, ids)) = ready.pop_front() else { return };
+            let Some((turn, range, ids)) = ready.pop_front() else { break };
             let (tx, stop) = (&self.tx, &self.shutdown);
             let cancelled = || tx.is_closed() || stop.is_cancelled();
+            let mut send_group = || -> Result<()> {
+                tx.blocking_send_all(std::mem::take(&mut group))
+                    .map_err(|_| Error::Unavailable("the client went away".into()))
+            };
             let started = Instant::now();
             let built = build_arrow_batch(
                 &self.dataset,
@@ -814,30 +832,46 @@ impl SmallArrowStream {
                 &ids,
                 range.start / self.batch_size,
                 &cancelled,
+                &mut send_group,
             );
             self.metrics
                 .read_wait_us
                 .fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
             match built {
                 Ok(((msg, bytes), waited)) => {
-                    fail_point!("stream-send", |_| ());
-                    if self.tx.blocking_send(Ok(msg)).is_err() {
-                        tracing::debug!("client left mid-stream");
-                        return;
-                    }
+                    group.push(Ok(msg));
                     self.metrics.batch_served(ids.len() as u64, bytes);
                     if let Some(c) = &self.consumer {
                         c.consumer.advance(range.end, waited);
                     }
                 }
-                Err(e) => return self.fail(e),
+                Err(e) => return self.fail(group, e),
+            }
+            let next_waits = self.session.as_ref().is_some_and(|s| !s.credit_free());
+            if !sent_any || group.len() >= SMALL_GROUP || next_waits {
+                if !self.send(std::mem::take(&mut group)) {
+                    return;
+                }
+                sent_any = true;
             }
         }
+        self.send(group);
     }
 
-    fn fail(&self, e: Error) {
+    /// Queues `group` (blocking); false when the client left.
+    fn send(&self, group: Vec<outbox::Message>) -> bool {
+        fail_point!("stream-send", |_| false);
+        if self.tx.blocking_send_all(group).is_err() {
+            tracing::debug!("client left mid-stream");
+            return false;
+        }
+        true
+    }
+
+    fn fail(&self, mut group: Vec<outbox::Message>, e: Error) {
         tracing::warn!(dataset = %self.dataset.url, error = %e, "stream failed");
-        let _ = self.tx.blocking_send(Err(to_status(e)));
+        group.push(Err(to_status(e)));
+        let _ = self.tx.blocking_send_all(group);
     }
 }
 
@@ -894,7 +928,7 @@ impl Shardstream for Service {
         Ok(Response::new(dataset_info(&ds)))
     }
 
-    type StreamBatchesStream = ReceiverStream<Result<StreamMessage, Status>>;
+    type StreamBatchesStream = outbox::Messages;
 
     async fn stream_batches(
         &self,
@@ -913,13 +947,13 @@ impl Shardstream for Service {
         let plan = blocking(move || plan_stream(ds, &req, hub.as_deref(), rdma.as_ref(), prefetch.as_ref(), &uses))
             .await
             .map_err(to_status)?;
-        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
+        let (tx, rx) = outbox::channel(STREAM_QUEUE);
         let header = StreamMessage { kind: Some(stream_message::Kind::Header(plan.header.clone())) };
         tx.send(Ok(header)).await.map_err(|_| Status::cancelled("client went away"))?;
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
         tokio::spawn(produce(plan, tx, metrics, shutdown));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(rx))
     }
 
     async fn status(&self, request: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
@@ -1017,12 +1051,7 @@ fn check_protocol(v: u32) -> Result<(), Status> {
 }
 
 /// Builds and sends one stream's batches until done, the client leaves, or shutdown.
-async fn produce(
-    plan: StreamPlan,
-    tx: mpsc::Sender<Result<StreamMessage, Status>>,
-    metrics: Arc<Metrics>,
-    shutdown: CancellationToken,
-) {
+async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, shutdown: CancellationToken) {
     let _active = ActiveStream::new(&metrics);
     let StreamPlan {
         dataset,
@@ -1101,6 +1130,7 @@ async fn produce(
                     ids,
                     index,
                     &cancelled,
+                    &mut || Ok(()),
                 )
                 .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
@@ -1162,7 +1192,7 @@ async fn produce(
                 // try_send: a client that stopped reading must not hold up the shutdown. If the
                 // queue is full the client still learns: the stream ends short of its header's
                 // batch count.
-                let _ = tx.try_send(Err(Status::unavailable("daemon is shutting down")));
+                tx.try_send(Err(Status::unavailable("daemon is shutting down")));
                 return;
             }
             _ = tx.closed() => return,

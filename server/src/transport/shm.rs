@@ -431,6 +431,20 @@ impl Session {
         Ok(Credit { session: self, used: false })
     }
 
+    /// Whether a turn would get a slot's credit now, without waiting for the client to release
+    /// one (a producer holding batches it has not sent yet sends them first when not: the client
+    /// can only release what it has).
+    pub fn credit_free(&self) -> bool {
+        let st = lock(&self.state);
+        st.sock.is_some() && (st.outstanding.len() as u64 + u64::from(st.filling)) < u64::from(self.credits)
+    }
+
+    /// Whether a slot of `need` bytes needs a new ring, which [`Self::acquire_slot`] may wait to
+    /// fit in the daemon's budget (until this stream's own older rings are given back, say).
+    pub fn needs_ring(&self, need: u64) -> bool {
+        lock(&self.state).rings.last().is_none_or(|r| r.ring.header.slot_bytes < need)
+    }
+
     /// Waits (blocking) until the client has attached and `ready` holds; returns the state
     /// locked.
     fn wait_until(
