@@ -23,6 +23,10 @@ made from it are gone.
   else (structs, maps, nested lists of non-fixed-width types): ``to_pylist()``.
 - ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the batch has one, else each
   row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
+
+The daemon writes the rows' ids into each batch as a last ``__row__`` column. A dataset with a
+``__row__`` column of its own gets none added: the Arrow form delivers the dataset's column, the
+dict form's ``"__row__"`` is still the ids.
 """
 
 from __future__ import annotations
