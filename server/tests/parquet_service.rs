@@ -15,7 +15,7 @@ use arrow_array::cast::AsArray;
 use arrow_array::types::Int64Type;
 use shardstream::daemon::{BoundDaemon, DaemonConfig, ShutdownToken};
 use shardstream_client::{Address, Client};
-use shardstream_proto::{BatchFormat, StreamRequest, Transport, stream_message};
+use shardstream_proto::{BatchFormat, StreamHeader, StreamMessage, StreamRequest, Transport, stream_message};
 use tonic::Code;
 
 struct Fixture {
@@ -288,16 +288,28 @@ async fn over_shared_memory_each_batch_is_an_ipc_stream_in_a_ring_slot() {
     fx.server.await.unwrap().unwrap();
 }
 
-async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
-    use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
+/// One rank, one worker, `fields` over shared memory in batches of `batch_size`: the stream, its
+/// header (checked to be a packed Arrow stream) and the attached side channel.
+async fn shm_stream(
+    client: &mut Client,
+    dir: &Path,
+    fields: &[&str],
+    batch_size: u32,
+) -> (tonic::Streaming<StreamMessage>, StreamHeader, std::sync::Arc<shardstream_client::shm::ShmSession>) {
     let mut req = request(dir, 0, 0, fields);
-    (req.world_size, req.num_workers, req.batch_size, req.transport) = (1, 1, 10, Transport::Shm as i32);
+    (req.world_size, req.num_workers, req.batch_size, req.transport) = (1, 1, batch_size, Transport::Shm as i32);
     let mut s = client.stream_batches(req).await.unwrap().into_inner();
     let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!("no header") };
     assert_eq!(h.transport, Transport::Shm as i32);
     assert_eq!(h.batch_format, BatchFormat::Arrow as i32);
     assert!(h.packed);
     let session = shardstream_client::shm::ShmSession::attach(Path::new(&h.shm_socket), &h.shm_token).unwrap();
+    (s, h, session)
+}
+
+async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
+    use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
+    let (mut s, _, session) = shm_stream(client, dir, fields, 10).await;
     let mut seen = Vec::new();
     while let Some(m) = s.message().await.unwrap() {
         let Some(stream_message::Kind::ArrowBatch(b)) = m.kind else { panic!("expected Arrow batches") };
@@ -346,11 +358,7 @@ async fn a_client_that_holds_every_slot_gets_every_batch_it_waits_for() {
     let dir = fx.tmp.path().join("pq");
     write_dataset(&dir);
     let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
-    let mut req = request(&dir, 0, 0, &["id", "label"]);
-    (req.world_size, req.num_workers, req.batch_size, req.transport) = (1, 1, 5, Transport::Shm as i32);
-    let mut s = client.stream_batches(req).await.unwrap().into_inner();
-    let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!("no header") };
-    let session = shardstream_client::shm::ShmSession::attach(Path::new(&h.shm_socket), &h.shm_token).unwrap();
+    let (mut s, h, session) = shm_stream(&mut client, &dir, &["id", "label"], 5).await;
     let credits = h.shm_credits as usize;
     assert!(credits > 1 && 400 / 5 > 3 * credits, "more batches than slots: {credits}");
     let (mut held, mut indices, mut seen) = (Vec::new(), Vec::new(), Vec::new());

@@ -118,6 +118,19 @@ struct SessionState {
     end_from: Option<u64>,
 }
 
+impl SessionState {
+    /// Slots held by the client or being filled: fewer than `credits` leaves one to take.
+    fn slot_free(&self, credits: u32) -> bool {
+        (self.outstanding.len() as u64 + u64::from(self.filling)) < u64::from(credits)
+    }
+
+    /// Whether a slot of `need` bytes needs a new ring (none yet, or the current one's slots are
+    /// smaller).
+    fn needs_ring(&self, need: u64) -> bool {
+        self.rings.last().is_none_or(|r| r.ring.header.slot_bytes < need)
+    }
+}
+
 /// One shm stream's state.
 #[derive(Debug)]
 pub struct Session {
@@ -421,9 +434,7 @@ impl Session {
     /// lets two batches be gathered at once: were the later batch to take the last slot, the
     /// earlier one would wait for a release the client can only make after receiving it.
     pub fn take_turn(&self, turn: u64, cancelled: &dyn Fn() -> bool) -> Result<Credit<'_>> {
-        let mut st = self.wait_until(cancelled, |st| {
-            st.next_turn == turn && st.outstanding.len() as u64 + u64::from(st.filling) < u64::from(self.credits)
-        })?;
+        let mut st = self.wait_until(cancelled, |st| st.next_turn == turn && st.slot_free(self.credits))?;
         st.next_turn += 1;
         st.filling += 1;
         drop(st);
@@ -436,13 +447,13 @@ impl Session {
     /// can only release what it has).
     pub fn credit_free(&self) -> bool {
         let st = lock(&self.state);
-        st.sock.is_some() && (st.outstanding.len() as u64 + u64::from(st.filling)) < u64::from(self.credits)
+        st.sock.is_some() && st.slot_free(self.credits)
     }
 
     /// Whether a slot of `need` bytes needs a new ring, which [`Self::acquire_slot`] may wait to
     /// fit in the daemon's budget (until this stream's own older rings are given back, say).
     pub fn needs_ring(&self, need: u64) -> bool {
-        lock(&self.state).rings.last().is_none_or(|r| r.ring.header.slot_bytes < need)
+        lock(&self.state).needs_ring(need)
     }
 
     /// Waits (blocking) until the client has attached and `ready` holds; returns the state
@@ -532,7 +543,7 @@ impl Session {
         let max_slot = ((MAX_RING_BYTES - PAGE) / u64::from(self.credits)) & !(PAGE - 1);
         let mut st = lock(&self.state);
         let mut reserved: Option<Reservation> = None;
-        while st.rings.last().is_none_or(|r| r.ring.header.slot_bytes < need) {
+        while st.needs_ring(need) {
             let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
             let want = round_up(need, PAGE).filter(|&b| b <= max_slot).ok_or_else(|| {
                 Error::invalid(format!(
