@@ -387,6 +387,42 @@ impl Batch {
     }
 }
 
+/// The batches one `ArrowBatch` message carries, as `(index, rows)` in row order: the message
+/// itself when it names no parts. Checked against the wire contract (`part_indices[0]` is the
+/// message's index, indices increase, rows add up to the message's, at most `allowed` parts), so
+/// a caller can slice the record batch by these counts without checking again.
+pub fn arrow_parts(b: &shardstream_proto::ArrowBatch, allowed: u32) -> Result<Vec<(u64, u32)>, ClientError> {
+    let bad = |why: String| Err(ClientError::Protocol(format!("arrow batch {}: {why}", b.batch_index)));
+    if b.part_indices.is_empty() && b.part_rows.is_empty() {
+        let rows = u32::try_from(b.row_ids.len());
+        return match rows {
+            Ok(rows) => Ok(vec![(b.batch_index, rows)]),
+            Err(_) => bad(format!("{} rows in one batch", b.row_ids.len())),
+        };
+    }
+    if b.part_indices.len() != b.part_rows.len() {
+        return bad(format!("{} part indices but {} part row counts", b.part_indices.len(), b.part_rows.len()));
+    }
+    if b.part_indices.len() > allowed.max(1) as usize {
+        return bad(format!(
+            "{} batches in one message, more than the {} asked for",
+            b.part_indices.len(),
+            allowed.max(1)
+        ));
+    }
+    if b.part_indices.first() != Some(&b.batch_index) {
+        return bad(format!("its first part is batch {:?}", b.part_indices.first()));
+    }
+    if b.part_indices.windows(2).any(|w| w[0] >= w[1]) {
+        return bad(format!("part indices {:?} do not increase", b.part_indices));
+    }
+    let rows: u64 = b.part_rows.iter().map(|&r| u64::from(r)).sum();
+    if rows != b.row_ids.len() as u64 {
+        return bad(format!("parts of {rows} rows in all, but {} row ids", b.row_ids.len()));
+    }
+    Ok(b.part_indices.iter().copied().zip(b.part_rows.iter().copied()).collect())
+}
+
 /// One consumer's stream of batches.
 pub struct BatchStream {
     pub header: StreamHeader,
@@ -482,6 +518,7 @@ pub async fn stream_from(
     } else {
         None
     };
+    let parts_allowed = req.max_batches_per_message;
     let mut inner = client.stream_batches(req).await?.into_inner();
     let header = match inner.message().await? {
         Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::Header(h)) }) => h,
@@ -554,8 +591,13 @@ pub async fn stream_from(
                     Ok(Batch::Packed(b))
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(b)) })) => {
-                    received += 1;
-                    Ok(Batch::Arrow(b))
+                    match arrow_parts(&b, parts_allowed) {
+                        Ok(parts) => {
+                            received += parts.len() as u64;
+                            Ok(Batch::Arrow(b))
+                        }
+                        Err(e) => Err(e),
+                    }
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(b)) })) => {
                     received += 1;
@@ -614,6 +656,31 @@ mod tests {
             assert!(!is_transport_failure(&s), "{code:?}");
             assert!(matches!(ClientError::from(s), ClientError::Status(_)), "{code:?}");
         }
+    }
+
+    #[test]
+    fn arrow_parts_are_checked_before_a_batch_is_cut() {
+        use shardstream_proto::ArrowBatch;
+        let msg = |index, parts: &[(u64, u32)], rows: usize| ArrowBatch {
+            batch_index: index,
+            row_ids: (0..rows as u64).collect(),
+            part_indices: parts.iter().map(|p| p.0).collect(),
+            part_rows: parts.iter().map(|p| p.1).collect(),
+            ..Default::default()
+        };
+        assert_eq!(arrow_parts(&msg(7, &[], 3), 0).unwrap(), vec![(7, 3)]);
+        // A worker's batches are every num_workers-th of the rank's; the last may be short.
+        let parts = [(4, 2), (6, 2), (8, 1)];
+        assert_eq!(arrow_parts(&msg(4, &parts, 5), 4).unwrap(), parts.to_vec());
+        let err = |m: &ArrowBatch, allowed| arrow_parts(m, allowed).unwrap_err().to_string();
+        assert!(err(&msg(4, &parts, 5), 2).contains("more than the 2 asked for"));
+        assert!(err(&msg(4, &parts, 5), 0).contains("more than the 1 asked for"));
+        assert!(err(&msg(5, &parts, 5), 4).contains("first part"));
+        assert!(err(&msg(4, &[(4, 2), (4, 3)], 5), 4).contains("do not increase"));
+        assert!(err(&msg(4, &parts, 6), 4).contains("5 rows in all, but 6"));
+        let mut uneven = msg(4, &parts, 5);
+        uneven.part_rows.pop();
+        assert!(err(&uneven, 4).contains("3 part indices but 2"));
     }
 
     #[test]

@@ -385,6 +385,61 @@ async fn a_client_that_holds_every_slot_gets_every_batch_it_waits_for() {
     fx.server.await.unwrap().unwrap();
 }
 
+/// A client that accepts several batches per message gets runs of its stream's consecutive
+/// batches in one record batch (the first batch alone), named by index and row count: the same
+/// batches, rows and order as one batch per message, and a client that asks for nothing (an older
+/// one) still gets one batch per message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_batches_share_a_message_when_the_client_accepts_them() {
+    use shardstream_proto::ring::ARROW_DATA_OFFSET;
+    let fx = start().await;
+    let dir = fx.tmp.path().join("pq");
+    write_dataset(&dir);
+    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    // Worker 0 of 2 of rank 0 of 1: its batches are every other one of the rank's (0, 2, 4, ...),
+    // the rank's last (400 rows in batches of 6: batch 66) short.
+    let mut stream = async |max: u32| {
+        let mut req = request(&dir, 0, 0, &["id", "label"]);
+        (req.world_size, req.batch_size, req.transport, req.max_batches_per_message) =
+            (1, 6, Transport::Shm as i32, max);
+        let mut s = client.stream_batches(req).await.unwrap().into_inner();
+        let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!() };
+        let session = shardstream_client::shm::ShmSession::attach(Path::new(&h.shm_socket), &h.shm_token).unwrap();
+        let (mut batches, mut messages) = (Vec::new(), Vec::new());
+        while let Some(m) = s.message().await.unwrap() {
+            let Some(stream_message::Kind::ArrowBatch(b)) = m.kind else { panic!("expected Arrow batches") };
+            let parts = shardstream_client::arrow_parts(&b, max).unwrap();
+            let ring = session.ring(b.ring).unwrap();
+            let slot = ring.slot(b.slot).unwrap();
+            let start = ARROW_DATA_OFFSET as usize;
+            let bytes = slot[start..start + b.length as usize].to_vec();
+            let batch = arrow_ipc::reader::StreamReader::try_new(Cursor::new(bytes), None).unwrap().next().unwrap();
+            let batch = batch.unwrap();
+            assert_eq!((ids(&batch), row_column(&batch)), (b.row_ids.clone(), b.row_ids.clone()));
+            let mut at = 0;
+            for (index, rows) in &parts {
+                batches.push((*index, b.row_ids[at..at + *rows as usize].to_vec()));
+                at += *rows as usize;
+            }
+            messages.push(parts.len());
+            session.release(b.batch_index);
+        }
+        assert_eq!(h.batches_in_stream, batches.len() as u64);
+        (batches, messages)
+    };
+    let (one_each, messages) = stream(0).await;
+    assert!(messages.iter().all(|&n| n == 1), "{messages:?}");
+    let indices: Vec<u64> = one_each.iter().map(|b| b.0).collect();
+    assert_eq!(indices, (0..67).filter(|i| i % 2 == 0).collect::<Vec<u64>>());
+    assert_eq!(one_each.last().map(|b| b.1.len()), Some(4), "the rank's last batch is short");
+    let (shared, messages) = stream(4).await;
+    assert_eq!(shared, one_each, "the same batches, rows and order");
+    assert_eq!(messages[0], 1, "the first batch goes alone");
+    assert!(messages.iter().all(|&n| n <= 4) && messages.len() < 12, "{messages:?}");
+    fx.shutdown.cancel();
+    fx.server.await.unwrap().unwrap();
+}
+
 /// Column numbers of `fields` in the test data's schema.
 fn projection(fields: &[&str]) -> Vec<usize> {
     let schema = testdata::mixed_schema();

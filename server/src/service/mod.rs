@@ -46,6 +46,17 @@ const STREAM_QUEUE: usize = 2;
 /// time (the client's `shm::RELEASES_HELD`).
 const SMALL_GROUP: usize = 4;
 
+/// Most batches of small rows one Arrow message carries (over shared memory, for a client that
+/// accepts several: `StreamRequest.max_batches_per_message`), one record batch in one ring slot
+/// that the client cuts. Every message costs both sides a fixed amount (a slot, an IPC header, a
+/// protobuf message, a `read_record_batch` and a release at the client) that outweighed 256 rows
+/// of 40 bytes (bench/PARQUET_PROFILE.md).
+const MAX_BATCHES_PER_MESSAGE: u32 = 8;
+
+/// Batches share a message only while their rows' stored bytes stay under this: past it the
+/// fixed cost is small beside the rows', and a larger slot only delays the batches in it.
+const MESSAGE_ROWS_BYTES: u64 = 256 << 10;
+
 /// Packed batches gathered at once per stream. The gather is bound by memory latency per record;
 /// each batch is also shared with the daemon's gather helper (`packed::GATHER_HELPERS`), but a
 /// parked helper starts ~220 us late on a waking vCPU here, so the second batch in flight is what
@@ -187,6 +198,8 @@ struct StreamPlan {
     projected: Option<Arc<projected::ProjectedReads>>,
     /// TRANSPORT_RDMA: the sender writing into the client's ring.
     rdma: Option<transport::rdma::RdmaStream>,
+    /// Arrow streams: most batches one message may carry (the client's limit and the daemon's).
+    batches_per_message: usize,
 }
 
 fn plan_stream(
@@ -364,6 +377,7 @@ fn plan_stream(
         arrow,
         projected,
         rdma,
+        batches_per_message: req.max_batches_per_message.clamp(1, MAX_BATCHES_PER_MESSAGE) as usize,
     })
 }
 
@@ -692,6 +706,7 @@ fn build_arrow_batch(
     projected: Option<&projected::ProjectedReads>,
     ids: &[u64],
     index: u64,
+    parts: &[(u64, u32)],
     cancelled: &dyn Fn() -> bool,
     before_new_ring: &mut dyn FnMut() -> Result<()>,
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
@@ -725,7 +740,7 @@ fn build_arrow_batch(
         working.end_batch();
         (rows?, working.take_wait())
     };
-    let msg = match (session, credit) {
+    let mut msg = match (session, credit) {
         (Some(s), Some(credit)) => {
             let (guard, msg) = transport::arrow::shm_rows(index, ids.to_vec(), asm, &rows, |need| {
                 if s.needs_ring(need) {
@@ -749,6 +764,9 @@ fn build_arrow_batch(
             msg
         }
     };
+    if parts.len() > 1 {
+        (msg.part_indices, msg.part_rows) = parts.iter().copied().unzip();
+    }
     // The IPC stream's length: what crosses to the client, shm or inline.
     let bytes = msg.length;
     Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
@@ -765,7 +783,9 @@ fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
 }
 
 /// An Arrow (Parquet) stream of small batches, served by one blocking thread that takes the ids,
-/// builds each batch and queues its message in turn, up to [`SMALL_GROUP`] messages at once.
+/// builds each message and queues it in turn, up to [`SMALL_GROUP`] messages at once. Over shared
+/// memory a message carries up to [`MAX_BATCHES_PER_MESSAGE`] consecutive batches of the stream
+/// (as many as the client accepts), one record batch the client cuts by the part counts.
 ///
 /// The general loop of [`produce`] hands every batch to the blocking pool and back (plus a trip
 /// for its ids): with 256 rows of 40 bytes those hand-offs were the largest share of the daemon's
@@ -788,15 +808,18 @@ struct SmallArrowStream {
     /// The prefetcher follows the stream while this lives.
     consumer: Option<ConsumerGuard>,
     shutdown: CancellationToken,
+    /// Most batches one message carries ([`MAX_BATCHES_PER_MESSAGE`]).
+    parts: usize,
 }
 
 impl SmallArrowStream {
-    fn run(mut self, ranges: impl Iterator<Item = (u64, std::ops::Range<u64>)>) {
+    fn run(mut self, ranges: impl Iterator<Item = std::ops::Range<u64>>) {
         let mut ranges = ranges.peekable();
         let working = std::sync::Mutex::new(Working::default());
-        let mut ready = std::collections::VecDeque::new();
+        let mut ready: std::collections::VecDeque<ReadyBatch> = std::collections::VecDeque::new();
         let mut group: Vec<outbox::Message> = Vec::with_capacity(SMALL_GROUP);
         let mut sent_any = false;
+        let mut turn = 0u64;
         loop {
             if self.tx.is_closed() {
                 return;
@@ -808,13 +831,25 @@ impl SmallArrowStream {
                 self.tx.try_send_all(group);
                 return;
             }
-            if ready.is_empty() {
-                match ids_of(&mut self.sequence, next_ranges(&mut ranges, IDS_AHEAD)) {
-                    Ok(ids) => ready.extend(ids),
-                    Err(e) => return self.fail(group, e),
+            // The first batch goes alone (time to first batch); later ones share a message up to
+            // the client's and the message's limits.
+            let most = if sent_any { self.parts } else { 1 };
+            let batches = match self.take_batches(&mut ready, &mut ranges, most) {
+                Ok(b) if b.is_empty() => break,
+                Ok(b) => b,
+                Err(e) => return self.fail(group, e),
+            };
+            let parts: Vec<(u64, u32)> =
+                batches.iter().map(|(r, ids)| (r.start / self.batch_size, ids.len() as u32)).collect();
+            let joined;
+            let ids: &[u64] = match &batches[..] {
+                [(_, ids)] => ids,
+                _ => {
+                    joined = batches.iter().flat_map(|(_, ids)| ids.iter().copied()).collect::<Vec<u64>>();
+                    &joined
                 }
-            }
-            let Some((turn, range, ids)) = ready.pop_front() else { break };
+            };
+            let end = batches.last().map_or(0, |(r, _)| r.end);
             let (tx, stop) = (&self.tx, &self.shutdown);
             let cancelled = || tx.is_closed() || stop.is_cancelled();
             let mut send_group = || -> Result<()> {
@@ -829,11 +864,14 @@ impl SmallArrowStream {
                 turn,
                 &self.asm,
                 self.projected.as_deref(),
-                &ids,
-                range.start / self.batch_size,
+                ids,
+                parts[0].0,
+                &parts,
                 &cancelled,
                 &mut send_group,
             );
+            // Turns are this thread's messages, in order (a message may carry several batches).
+            turn += 1;
             self.metrics
                 .read_wait_us
                 .fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -842,7 +880,7 @@ impl SmallArrowStream {
                     group.push(Ok(msg));
                     self.metrics.batch_served(ids.len() as u64, bytes);
                     if let Some(c) = &self.consumer {
-                        c.consumer.advance(range.end, waited);
+                        c.consumer.advance(end, waited);
                     }
                 }
                 Err(e) => return self.fail(group, e),
@@ -856,6 +894,32 @@ impl SmallArrowStream {
             }
         }
         self.send(group);
+    }
+
+    /// The stream's next batches for one message: at most `most`, and more than one only while
+    /// their rows fit [`MESSAGE_ROWS_BYTES`] (over shared memory; inline, one). Empty at the end.
+    fn take_batches(
+        &mut self,
+        ready: &mut std::collections::VecDeque<ReadyBatch>,
+        ranges: &mut std::iter::Peekable<impl Iterator<Item = std::ops::Range<u64>>>,
+        most: usize,
+    ) -> Result<Vec<ReadyBatch>> {
+        let most = if self.session.is_some() { most.max(1) } else { 1 };
+        let per_row = self.dataset.total_bytes().checked_div(self.dataset.num_samples()).unwrap_or(0).max(1);
+        let mut taken: Vec<ReadyBatch> = Vec::with_capacity(most);
+        let mut rows = 0u64;
+        while taken.len() < most {
+            if ready.is_empty() {
+                ready.extend(ids_of(&mut self.sequence, next_ranges(ranges, IDS_AHEAD))?);
+            }
+            let Some((_, ids)) = ready.front() else { break };
+            rows += ids.len() as u64;
+            if !taken.is_empty() && rows.saturating_mul(per_row) > MESSAGE_ROWS_BYTES {
+                break;
+            }
+            taken.extend(ready.pop_front());
+        }
+        Ok(taken)
     }
 
     /// Queues `group` (blocking); false when the client left.
@@ -875,18 +939,18 @@ impl SmallArrowStream {
     }
 }
 
-/// A batch whose ids were taken from the plan: its turn, its range in the rank's order, its ids.
-type ReadyBatch = (u64, std::ops::Range<u64>, Vec<u64>);
+/// A batch whose ids were taken from the plan: its range in the rank's order, its ids.
+type ReadyBatch = (std::ops::Range<u64>, Vec<u64>);
 
-/// The ids of batches `take` (turns and ranges, in the plan's order: it only moves forward).
-fn ids_of(sequence: &mut plan::RankStream, take: Vec<(u64, std::ops::Range<u64>)>) -> Result<Vec<ReadyBatch>> {
+/// The ids of batches `take` (ranges in the plan's order: it only moves forward).
+fn ids_of(sequence: &mut plan::RankStream, take: Vec<std::ops::Range<u64>>) -> Result<Vec<ReadyBatch>> {
     take.into_iter()
-        .map(|(turn, r)| {
+        .map(|r| {
             let ids = sequence.range(r.clone())?;
             if ids.len() as u64 != r.end - r.start {
                 return Err(Error::Internal(format!("batch {r:?} outside the rank sequence")));
             }
-            Ok((turn, r, ids))
+            Ok((r, ids))
         })
         .collect()
 }
@@ -894,12 +958,12 @@ fn ids_of(sequence: &mut plan::RankStream, take: Vec<(u64, std::ops::Range<u64>)
 /// The next batches of `ranges` whose ids add up to at most `limit` (always at least one batch,
 /// however large, while any is left).
 fn next_ranges(
-    ranges: &mut std::iter::Peekable<impl Iterator<Item = (u64, std::ops::Range<u64>)>>,
+    ranges: &mut std::iter::Peekable<impl Iterator<Item = std::ops::Range<u64>>>,
     limit: u64,
-) -> Vec<(u64, std::ops::Range<u64>)> {
+) -> Vec<std::ops::Range<u64>> {
     let mut take = Vec::new();
     let mut ids = 0;
-    while let Some((_, r)) = ranges.peek() {
+    while let Some(r) = ranges.peek() {
         let n = r.end - r.start;
         if !take.is_empty() && ids + n > limit {
             break;
@@ -1066,6 +1130,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         arrow,
         projected,
         rdma,
+        batches_per_message,
         ..
     } = plan;
     let rdma = match rdma.map(transport::rdma::RdmaPipe::start).transpose() {
@@ -1098,9 +1163,9 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
             metrics: metrics.clone(),
             consumer,
             shutdown,
+            parts: batches_per_message,
         };
-        let ranges = (0u64..).zip(batches);
-        if let Err(e) = tokio::task::spawn_blocking(move || stream.run(ranges)).await {
+        if let Err(e) = tokio::task::spawn_blocking(move || stream.run(batches)).await {
             tracing::warn!(error = %e, "stream task failed");
         }
         return;
@@ -1129,6 +1194,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     projected,
                     ids,
                     index,
+                    &[],
                     &cancelled,
                     &mut || Ok(()),
                 )
@@ -1156,7 +1222,9 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
     };
     let depth = if packed { PACKED_PIPELINE } else { 1 };
     let mut pending = std::collections::VecDeque::with_capacity(depth);
-    let mut ranges = (0u64..).zip(batches).peekable();
+    let mut ranges = batches.peekable();
+    // Builds take their shm slots in this order (see `Session::take_turn`): the batches' order.
+    let mut turn = 0u64;
     // Ids of the next batches, taken from the plan several batches at a time.
     let mut ready: std::collections::VecDeque<ReadyBatch> = Default::default();
     loop {
@@ -1180,8 +1248,9 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     }
                 }
             }
-            let Some((turn, range, ids)) = ready.pop_front() else { break };
+            let Some((range, ids)) = ready.pop_front() else { break };
             pending.push_back(spawn_build(turn, range, ids));
+            turn += 1;
         }
         let Some((end, handle)) = pending.pop_front() else { break };
         // What the stream waits for this batch now: with batches built ahead, not their build time.
@@ -1253,21 +1322,20 @@ mod tests {
             let mut start = 0;
             let v: Vec<_> = sizes
                 .iter()
-                .enumerate()
-                .map(|(i, &n)| {
+                .map(|&n| {
                     start += n;
-                    (i as u64, start - n..start)
+                    start - n..start
                 })
                 .collect();
             v.into_iter().peekable()
         };
         let mut r = batches(&[256, 256, 256, 100]);
-        assert_eq!(next_ranges(&mut r, 512), vec![(0, 0..256), (1, 256..512)]);
-        assert_eq!(next_ranges(&mut r, 512), vec![(2, 512..768), (3, 768..868)]);
+        assert_eq!(next_ranges(&mut r, 512), vec![0..256, 256..512]);
+        assert_eq!(next_ranges(&mut r, 512), vec![512..768, 768..868]);
         assert!(next_ranges(&mut r, 512).is_empty());
         // A batch larger than the limit still goes, alone.
         let mut r = batches(&[1000, 1]);
-        assert_eq!(next_ranges(&mut r, 512), vec![(0, 0..1000)]);
-        assert_eq!(next_ranges(&mut r, 512), vec![(1, 1000..1001)]);
+        assert_eq!(next_ranges(&mut r, 512), vec![0..1000]);
+        assert_eq!(next_ranges(&mut r, 512), vec![1000..1001]);
     }
 }
