@@ -3,12 +3,13 @@
 wrapped in `perf_counter_ns`. Not part of `make bench`; the per-call figures in
 bench/PARQUET_PROFILE.md ("`__row__` from the daemon, messages in groups").
 
-    python bench/tab_calls.py --epochs 4 [--perf-daemon perf.data]
+    python bench/tab_calls.py --epochs 4 [--perf-daemon perf.data] [--site DIR]
 
 One warm daemon (a first, untimed epoch decodes the row groups). Prints, per epoch, rows/s, the
 client's CPU per batch, the time spent waiting in `next_batch`, and each wrapped step's time per
 batch (wall, including the wrapper's own ~0.3 us). With `--perf-daemon FILE`, `perf record -g` of
-the daemon covers the timed epochs (read it with `perf report -i FILE --no-children`).
+the daemon covers the timed epochs (read it with `perf report -i FILE --no-children`). With
+`--site DIR`, daemon and client are the build installed there (`pip install --target DIR`).
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "data/parquet")
     ap.add_argument("--perf-daemon", type=Path, help="record the daemon with perf into this file")
+    ap.add_argument("--site", help="the build of the package installed there (default: this interpreter's)")
     args = ap.parse_args()
     path = str(parquet_bench.make_tab(args.data / f"tab-{args.rows}", args.rows))
     with tempfile.TemporaryDirectory(prefix="tab-calls-") as tmp:
-        srv = daemon.Daemon.start(Path(tmp))
+        srv = daemon.Daemon.start(Path(tmp), site=args.site)
         perf = None
         try:
-            env = daemon.env_for(None)
+            env = daemon.env_for(args.site)
 
             def epoch() -> str:
                 cmd = [sys.executable, "-c", CHILD, path, srv.addr]

@@ -296,6 +296,66 @@ def test_resume_mid_epoch_in_a_new_process(daemon, varied, tmp_path: Path) -> No
     assert [json.loads(x) for x in part.read_text().splitlines()] == expected
 
 
+def test_small_batches_share_messages_yet_each_is_its_own(daemon, tmp_path: Path, monkeypatch) -> None:
+    """Batches of small rows travel several to a message (one record batch, cut by the client):
+    each comes out as its own batch, in the order and with the rows of one batch per message; a
+    state saved inside a message resumes at the next batch; and releasing one batch cut from a
+    message keeps the slot while the others still need it (their values never change)."""
+    for f in range(3):
+        ids = np.arange(f * 1000, (f + 1) * 1000, dtype=np.int64)
+        t = pa.table({"x": ids, "y": ids.astype(np.float32)})
+        pq.write_table(t, tmp_path / f"p{f}.parquet", row_group_size=100)
+    parts_per_message: list[int] = []
+    cut = shardstream.Loader._arrow_batches
+
+    def counted(self: shardstream.Loader, native: object) -> object:
+        parts_per_message.append(len(native.parts()))  # type: ignore[attr-defined]
+        return cut(self, native)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shardstream.Loader, "_arrow_batches", counted)
+
+    def loader(**kw: object) -> shardstream.Loader:
+        return shardstream.Loader(str(tmp_path), batch_size=16, seed=2, connect=daemon.addr, transport="shm", **kw)
+
+    one = loader(format="arrow")
+    # Lists, not the batches: each holds its message's ring slot.
+    whole, row_ids = [], []
+    for b in one:
+        whole.append(b.column("x").to_pylist())
+        row_ids.append(b.column("__row__").to_pylist())
+    assert sorted(x for b in whole for x in b) == list(range(3000))
+    assert [len(b) for b in whole] == [16] * 187 + [8] and len(one) == 188
+    assert parts_per_message[0] == 1 and max(parts_per_message) > 1, parts_per_message
+    assert sum(parts_per_message) == 188
+    assert row_ids == whole
+
+    # The dict form, stopped after 5 batches: inside the second message (the first is one batch).
+    first = loader()
+    it = iter(first)
+    got = [next(it)["x"].tolist() for _ in range(5)]
+    state = first.state_dict()
+    assert state["batches_consumed"] == 5
+    it.close()
+    again = loader()
+    again.load_state_dict(state)
+    got += [b["x"].tolist() for b in again]
+    assert got == whole
+
+    # Batch 1 and 2 share a message: releasing batch 1 must not hand the slot back while batch
+    # 2's arrays still point into it, however many batches come after.
+    parts_per_message.clear()
+    it = iter(loader())
+    next(it)
+    b1, b2 = next(it), next(it)
+    assert parts_per_message == [1, parts_per_message[1]] and parts_per_message[1] > 2
+    kept = b2["x"].tolist()
+    b1.release()
+    del b1
+    rest = [b["x"].tolist() for b in it]
+    assert b2["x"].tolist() == kept and kept == whole[2]
+    assert rest == whole[3:]
+
+
 def test_fields_select_columns_and_a_missing_one_is_a_value_error(daemon, varied) -> None:
     root, rows = varied
     loader = shardstream.Loader(str(root), batch_size=64, connect=daemon.addr, fields=["caption", "label"])
@@ -459,6 +519,9 @@ def test_record_batches_cross_dataloader_workers(daemon, varied) -> None:
     seen: list[int] = []
     for rb in dl:
         assert isinstance(rb, pa.RecordBatch)
+        # What crossed from the worker is this batch's rows, not the message it was cut from
+        # (pickling a slice writes its parent's whole buffers).
+        assert rb.get_total_buffer_size() <= rb.nbytes + 4096, (rb.get_total_buffer_size(), rb.nbytes)
         ids = rb.column("__row__").to_pylist()
         assert rb.column("caption").to_pylist() == [rows[r]["caption"] for r in ids]
         seen.extend(ids)

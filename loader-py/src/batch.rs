@@ -316,6 +316,18 @@ impl Batch {
         matches!(self.kind, Kind::Arrow { .. })
     }
 
+    /// The batches of the stream an Arrow message carries, as `(index, rows)` in row order (the
+    /// record batch's first `rows` rows are the first batch's, and so on); one for a message of
+    /// one batch. The stream's receive task checked them already (`arrow_parts`).
+    fn parts(&self) -> PyResult<Vec<(u64, u32)>> {
+        match &self.kind {
+            Kind::Arrow { batch, .. } => {
+                shardstream_client::arrow_parts(batch, u32::MAX).map_err(crate::errors::to_pyerr)
+            }
+            _ => Ok(vec![(self.index(), self.__len__() as u32)]),
+        }
+    }
+
     /// The rows' sample ids (global row numbers) of an Arrow batch as little-endian `u64`s, for
     /// `numpy.frombuffer(..., "<u8")`: one copy of 8 bytes a row (a list of Python ints cost
     /// ~35x more per batch); empty for other batches.

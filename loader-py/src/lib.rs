@@ -167,7 +167,7 @@ impl Connection {
     /// Starts one consumer's stream; errors in the request are raised here.
     #[pyo3(signature = (url, *, batch_size, shuffle, seed, epoch, rank, world_size, worker, num_workers,
                         start_batch, drop_last, fields, shuffle_window, transport, expected_fingerprint,
-                        cache = "auto", collate = None))]
+                        cache = "auto", collate = None, batches_per_message = 1))]
     #[allow(clippy::too_many_arguments)]
     fn stream(
         &self,
@@ -189,6 +189,7 @@ impl Connection {
         expected_fingerprint: String,
         cache: &str,
         collate: Option<&str>,
+        batches_per_message: u32,
     ) -> PyResult<Stream> {
         errors::no_panic("Connection.stream", || {
             let collate = match collate {
@@ -230,6 +231,7 @@ impl Connection {
                 cache: cache.to_owned(),
                 collate: collate as i32,
                 rdma_offer: None,
+                max_batches_per_message: batches_per_message,
             };
             let mut c = self.client(py)?;
             let daemon = self.address.clone();

@@ -109,7 +109,7 @@ class Batch(dict[str, Any]):
     """
 
     __slots__ = ("_native",)
-    _native: _native.Batch
+    _native: _native.Batch | _LeaseShare
 
     def release(self, at_once: bool = True) -> None:
         """Returns the batch's lease now. ``at_once=False``: the release may travel with the next
@@ -121,6 +121,41 @@ class Batch(dict[str, Any]):
     def __reduce__(self) -> tuple[Any, ...]:
         # Crossing a process boundary (DataLoader workers) copies the data; the lease stays here.
         return (Batch, (dict(self),))
+
+
+#: Most batches of small rows one Arrow message may carry (the daemon caps it too): the record
+#: batch is read once and cut, where each message costs a fixed amount on both sides.
+_BATCHES_PER_MESSAGE = 8
+
+
+class _SharedLease:
+    """The lease of one Arrow message, shared by the batches cut from it."""
+
+    __slots__ = ("_native", "_left")
+
+    def __init__(self, native: _native.Batch, parts: int) -> None:
+        self._native, self._left = native, parts
+
+    def release(self, at_once: bool = True) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._native.release(at_once)
+
+
+class _LeaseShare:
+    """One batch's share of a ``_SharedLease``, returned once however often it is released
+    (``Batch.release``). Until every share is returned the slot stays held, and it is held
+    anyway while any batch's views are alive."""
+
+    __slots__ = ("_shared", "_done")
+
+    def __init__(self, shared: _SharedLease) -> None:
+        self._shared, self._done = shared, False
+
+    def release(self, at_once: bool = True) -> None:
+        if not self._done:
+            self._done = True
+            self._shared.release(at_once)
 
 
 def _stack_fields(batch: dict[str, Any]) -> None:
@@ -166,7 +201,11 @@ class Loader:
     rows' ids, ``uint64``). With ``format="arrow"`` each batch is a ``pyarrow.RecordBatch`` whose
     buffers lie in the shared-memory ring slot the daemon wrote (zero copy), with a ``__row__``
     column of the rows' ids appended; the slot is the batch's until the record batch and every
-    array made from it are gone. ``collate="stack"`` makes each column one array: 2-D for
+    array made from it are gone. Batches of small rows arrive several to a message and are cut
+    from its record batch (``RecordBatch.slice``, sharing its slot until all of them are gone);
+    pickling such a slice writes the whole message's buffers, so with ``copy=True`` (for batches
+    that are pickled: ``shardstream.torch``'s workers set it) each batch comes alone.
+    ``collate="stack"`` makes each column one array: 2-D for
     ``fixed_size_list`` columns and for lists or binary values of equal length (see
     ``shardstream._arrow.stack``).
     """
@@ -294,13 +333,17 @@ class Loader:
             cache=self.cache,
             # Arrow batches are stacked here, over the record batch's buffers.
             collate=None if self.arrow else self.collate,
+            # A slice pickles its parent's whole buffers: batches to pickle come one a message.
+            batches_per_message=1 if self.format == "arrow" and self.copy else _BATCHES_PER_MESSAGE,
         )
 
     _expected_fingerprint = ""
     _arrow_reader: Any = None
 
-    def _arrow_batch(self, native: _native.Batch) -> Any:
-        """An Arrow batch as ``format`` asks: a RecordBatch, or the dict form."""
+    def _arrow_batches(self, native: _native.Batch) -> list[tuple[int, int, Any]]:
+        """The batches of an Arrow message as ``format`` asks (RecordBatches, or the dict form),
+        each as ``(index, rows, batch)``. A message of small rows may carry several consecutive
+        batches of the stream in one record batch; each is a slice of it, sharing its buffers."""
         # numpy and pyarrow are needed for Parquet datasets only.
         import numpy as np
 
@@ -309,21 +352,42 @@ class Loader:
         if self._arrow_reader is None:
             self._arrow_reader = _arrow.BatchReader()
         rb = self._arrow_reader.open(native)
+        parts = native.parts()
+        cut = len(parts) > 1
         if self.format == "arrow":
             # The daemon writes the rows' ids into the batch as its `__row__` column.
-            return rb if self._arrow_reader.has_row else _arrow.with_row_ids(rb, _arrow.row_ids(native))
+            if not self._arrow_reader.has_row:
+                rb = _arrow.with_row_ids(rb, _arrow.row_ids(native))
+            if not cut:
+                return [(parts[0][0], parts[0][1], rb)]
+            out: list[tuple[int, int, Any]] = []
+            at = 0
+            for index, n in parts:
+                out.append((index, n, rb.slice(at, n)))
+                at += n
+            return out
         rows = _arrow.row_ids(native)
-        out = Batch(_arrow.to_dict(rb, rows, self.copy))
-        if self.collate == "stack":
-            _arrow.stack(rb, out)
+        # Each batch cut from the message returns its share of the message's lease: the slot goes
+        # back once every one of them has (or is gone), never under a batch not yet handed out.
+        shared = _SharedLease(native, len(parts)) if cut else None
+        batches: list[tuple[int, int, Any]] = []
+        at = 0
+        for index, n in parts:
+            piece = rb.slice(at, n) if cut else rb
+            out_dict = Batch(_arrow.to_dict(piece, rows[at : at + n] if cut else rows, self.copy))
+            if self.collate == "stack":
+                _arrow.stack(piece, out_dict)
+            if self.copy:
+                for name, value in out_dict.items():
+                    if isinstance(value, np.ndarray) and name != _arrow.ROW:
+                        out_dict[name] = value.copy()
+            out_dict._native = _LeaseShare(shared) if shared is not None else native
+            batches.append((index, n, out_dict))
+            at += n
         if self.copy:
-            for name, value in out.items():
-                if isinstance(value, np.ndarray) and name != _arrow.ROW:
-                    out[name] = value.copy()
             # Nothing of the slot is referenced any more: the daemon may reuse it.
             native.release(at_once=False)
-        out._native = native
-        return out
+        return batches
 
     def __iter__(self) -> Iterator[Any]:
         if self._stream is not None:
@@ -353,18 +417,23 @@ class Loader:
                 if self._first_batch_s is None:
                     self._first_batch_s = t1 - started
                 if batch.arrow:
-                    out = self._arrow_batch(batch)
+                    outs = self._arrow_batches(batch)
                 else:
                     out = Batch(batch.to_dict(self.copy))
                     out._native = batch
                     if self.collate == "stack" and not batch.packed:
                         _stack_fields(out)
-                self._stats["samples"] += len(batch)
-                self._stats["bytes"] += batch.nbytes
-                self._stats["batches"] += 1
-                self._consumed = batch.index + 1
+                    outs = [(batch.index, len(batch), out)]
+                rows, nbytes = max(len(batch), 1), batch.nbytes
                 del batch
-                yield out
+                for index, n, out in outs:
+                    self._stats["samples"] += n
+                    self._stats["bytes"] += nbytes * n // rows
+                    self._stats["batches"] += 1
+                    # A batch cut from a message resumes at the next batch, in the same message.
+                    self._consumed = index + 1
+                    yield out
+                del outs, out
         finally:
             stream.close()
             if self._stream is stream:

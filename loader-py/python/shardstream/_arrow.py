@@ -1,11 +1,13 @@
 """Arrow batches (rows of a Parquet dataset) as Python values.
 
-The daemon sends each batch as one Arrow IPC stream (schema + one record batch). Over shared
-memory it lies in a slot of the stream's ring, which this process maps read-only:
+The daemon sends each message as one Arrow IPC stream (schema + one record batch): one batch, or
+for small rows several consecutive batches of the stream whose rows follow one another (the
+message names each one's index and row count; ``Loader`` cuts them with ``RecordBatch.slice``).
+Over shared memory it lies in a slot of the stream's ring, which this process maps read-only:
 ``BatchReader`` opens it with ``pyarrow`` over that buffer, so every Arrow buffer of
-the record batch points into the mapping (no copy). The buffer object holds the batch's lease on
-its slot; the slot goes back to the daemon once the record batch and every array or memoryview
-made from it are gone.
+the record batch points into the mapping (no copy). The buffer object holds the message's lease on
+its slot; the slot goes back to the daemon once the record batch and every slice, array or
+memoryview made from it are gone.
 
 ``to_dict`` is the default form (what ``Loader(..., format="dict")`` yields):
 
