@@ -281,3 +281,50 @@ fn arrow_cast_strings(a: &arrow_array::ArrayRef) -> Vec<String> {
 fn ids_of(b: &RecordBatch, col: &str) -> Vec<i64> {
     b.column_by_name(col).unwrap().as_primitive::<Int64Type>().values().to_vec()
 }
+
+/// `places` finds every row's unit and row by scanning the few units a batch draws on, and by a
+/// map once a batch draws on more than it scans: both give `locate`'s answer, each unit once in
+/// first-use order; `first_row_per_file` names one row of each file, in the order first drawn on.
+#[test]
+fn a_batch_places_its_rows_by_scan_or_map_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
+    let fields: Vec<String> = ["id"].map(String::from).to_vec();
+    let proj = ds.projection(Some(&fields)).unwrap();
+    let asm = BatchAssembler::new(ds.clone(), proj, Arc::new(DecodedCache::new(64 << 20)), "p").unwrap();
+    // A fixed shuffle of every row (17 units: past the scan) and of rows 200..260 (3 units).
+    let mut all: Vec<u64> = (0..400).collect();
+    for i in (1..all.len()).rev() {
+        all.swap(i, (i * 7919 + 13) % (i + 1));
+    }
+    let some: Vec<u64> = all.iter().copied().filter(|id| (200..260).contains(id)).collect();
+    for rows_of in [&all, &some] {
+        let places = asm.places(rows_of).unwrap();
+        let mut units = places.units.clone();
+        units.sort_unstable();
+        units.dedup();
+        assert_eq!(units.len(), places.units.len(), "each unit once");
+        let mut first_use = Vec::new();
+        for (&id, &(s, r)) in rows_of.iter().zip(&places.rows) {
+            assert_eq!(ds.locate(id), Some((places.units[s], r)), "row {id}");
+            if !first_use.contains(&places.units[s]) {
+                first_use.push(places.units[s]);
+            }
+        }
+        assert_eq!(first_use, places.units, "units in first-use order");
+        let file_of = |id: u64| [130, 210, 400].iter().position(|&end| id < end).unwrap();
+        let mut want_files: Vec<usize> = Vec::new();
+        for &id in rows_of.iter() {
+            if !want_files.contains(&file_of(id)) {
+                want_files.push(file_of(id));
+            }
+        }
+        let firsts = asm.first_row_per_file(&places);
+        assert_eq!(firsts.iter().map(|&id| file_of(id)).collect::<Vec<_>>(), want_files);
+        let rows = asm.rows_at(places, rows_of, &files).unwrap();
+        assert_eq!(rows.rows.len(), rows_of.len());
+        let batch = asm.batch(rows_of, &files).unwrap();
+        assert_eq!(ids(&batch), rows_of.iter().map(|&i| i as i64).collect::<Vec<_>>());
+    }
+    assert!(asm.places(&[400]).unwrap_err().to_string().contains("past the dataset's 400 rows"));
+}

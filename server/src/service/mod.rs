@@ -712,22 +712,24 @@ fn build_arrow_batch(
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
+    let places = asm.places(ids)?;
+    // One row id per file the batch draws on, from the row groups it draws on (not per row).
+    let touched = asm.first_row_per_file(&places);
     let (rows, waited) = if let Some(pr) = projected {
         // Only the selected column chunks: no whole file is opened. Every file the batch draws
         // on is verified first (its footer, once), as below.
         let started = Instant::now();
-        for id in first_row_of_each_file(ds, ids) {
+        for &id in &touched {
             if let Some((shard, _)) = ds.locate(id) {
                 ds.verify_remote_footer(shard)?;
             }
         }
         let reader = pr.reader();
-        let rows = asm.rows(ids, &reader)?;
+        let rows = asm.rows_at(places, ids, &reader)?;
         let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
         (rows, waited)
     } else {
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
-        let touched = first_row_of_each_file(ds, ids);
         working.preload(ds, &touched)?;
         // Every file the batch draws on is opened (and verified against the manifest) even when
         // its row groups are already decoded: a decoded row group never stands in for a check.
@@ -736,7 +738,7 @@ fn build_arrow_batch(
                 working.get(ds, shard)?;
             }
         }
-        let rows = asm.rows(ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
+        let rows = asm.rows_at(places, ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
         working.end_batch();
         (rows?, working.take_wait())
     };
@@ -972,13 +974,6 @@ fn next_ranges(
         take.extend(ranges.next());
     }
     take
-}
-
-/// One row id per file the batch reads (what the working set preloads in parallel).
-fn first_row_of_each_file(ds: &Dataset, ids: &[u64]) -> Vec<u64> {
-    // Few files per batch: an ordered set is cheaper per row than hashing.
-    let mut seen = std::collections::BTreeSet::new();
-    ids.iter().copied().filter(|&id| ds.locate(id).is_some_and(|(s, _)| seen.insert(s))).collect()
 }
 
 #[tonic::async_trait]

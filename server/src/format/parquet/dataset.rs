@@ -177,6 +177,18 @@ pub struct BatchAssembler {
     schema_message: Vec<u8>,
 }
 
+/// Units a batch may draw on before [`BatchAssembler::places`] looks them up in a map instead of
+/// scanning them.
+const SCANNED_UNITS: usize = 16;
+
+/// Where a batch's rows lie ([`BatchAssembler::places`]): the plan units it draws on, in the
+/// order first drawn on, and per row in batch order `(index into units, row in that unit)`.
+#[derive(Debug)]
+pub struct RowPlaces {
+    pub units: Vec<usize>,
+    pub rows: Vec<(usize, usize)>,
+}
+
 /// The rows of one batch: the decoded row groups it draws on and, per row in batch order,
 /// `(source, row)` in them; with their ids when the batch delivers them ([`ROW_COLUMN`]).
 #[derive(Debug)]
@@ -331,21 +343,66 @@ impl BatchAssembler {
     /// The rows of the batch of `row_ids` (decoding its row groups as [`Self::batch`] does),
     /// for a caller that writes them straight into IPC bytes ([`direct`]).
     pub fn rows(&self, row_ids: &[u64], files: &dyn FileReader) -> Result<BatchRows> {
+        let places = self.places(row_ids)?;
+        self.rows_at(places, row_ids, files)
+    }
+
+    /// Where the rows `row_ids` lie, without reading anything: the plan units (row groups) they
+    /// draw on and each row's place in them.
+    pub fn places(&self, row_ids: &[u64]) -> Result<RowPlaces> {
         let mut units: Vec<usize> = Vec::new();
-        // A batch draws on a window's few row groups: an ordered map of that size looks a unit
-        // up in a few comparisons, where SipHash cost more per row (bench/PARQUET_PROFILE.md).
-        let mut source_of: BTreeMap<usize, usize> = BTreeMap::new();
+        // A batch draws on a window's few row groups: a scan of those few finds a unit's source
+        // in a handful of predictable compares, cheaper per row than a map (an ordered map
+        // beat SipHash, bench/PARQUET_PROFILE.md); a wider batch switches to the ordered map.
+        let mut source_of: Option<BTreeMap<usize, usize>> = None;
         let mut rows = Vec::with_capacity(row_ids.len());
         for &id in row_ids {
             let (u, r) = self.dataset.locate(id).ok_or_else(|| {
                 Error::invalid(format!("row id {id} is past the dataset's {} rows", self.dataset.num_rows()))
             })?;
-            let s = *source_of.entry(u).or_insert_with(|| {
-                units.push(u);
-                units.len() - 1
-            });
+            let s = match &mut source_of {
+                Some(map) => *map.entry(u).or_insert_with(|| {
+                    units.push(u);
+                    units.len() - 1
+                }),
+                None => match units.iter().position(|&x| x == u) {
+                    Some(s) => s,
+                    None => {
+                        units.push(u);
+                        if units.len() > SCANNED_UNITS {
+                            source_of = Some(units.iter().enumerate().map(|(s, &u)| (u, s)).collect());
+                        }
+                        units.len() - 1
+                    }
+                },
+            };
             rows.push((s, r));
         }
+        Ok(RowPlaces { units, rows })
+    }
+
+    /// One row id in each file `places` draws on (the first row of its first unit there), in
+    /// the order first drawn on: what a caller opens, verifies and preloads before
+    /// [`Self::rows_at`] reads.
+    pub fn first_row_per_file(&self, places: &RowPlaces) -> Vec<u64> {
+        let mut files: Vec<usize> = Vec::new();
+        let mut out = Vec::new();
+        for &u in &places.units {
+            let (Some((fi, _)), Some(&start)) = (self.dataset.unit(u), self.dataset.unit_starts.get(u)) else {
+                continue;
+            };
+            if !files.contains(&fi) {
+                files.push(fi);
+                out.push(start);
+            }
+        }
+        out
+    }
+
+    /// The rows at `places` (of `row_ids`, from [`Self::places`]), their row groups from the
+    /// cache or decoded now.
+    pub fn rows_at(&self, places: RowPlaces, row_ids: &[u64], files: &dyn FileReader) -> Result<BatchRows> {
+        let RowPlaces { units, rows } = places;
         let mut sources: Vec<Option<Arc<RecordBatch>>> = units.iter().map(|&u| self.cached(u)).collect();
         let missing: Vec<usize> = (0..units.len()).filter(|&i| sources[i].is_none()).collect();
         let threads = if missing.len() > 1 { decode_threads().min(missing.len()) } else { missing.len() };
