@@ -403,12 +403,9 @@ pub fn arrow_parts(b: &shardstream_proto::ArrowBatch, allowed: u32) -> Result<Ve
     if b.part_indices.len() != b.part_rows.len() {
         return bad(format!("{} part indices but {} part row counts", b.part_indices.len(), b.part_rows.len()));
     }
-    if b.part_indices.len() > allowed.max(1) as usize {
-        return bad(format!(
-            "{} batches in one message, more than the {} asked for",
-            b.part_indices.len(),
-            allowed.max(1)
-        ));
+    let allowed = allowed.max(1);
+    if b.part_indices.len() > allowed as usize {
+        return bad(format!("{} batches in one message, more than the {allowed} asked for", b.part_indices.len()));
     }
     if b.part_indices.first() != Some(&b.batch_index) {
         return bad(format!("its first part is batch {:?}", b.part_indices.first()));
@@ -591,13 +588,10 @@ pub async fn stream_from(
                     Ok(Batch::Packed(b))
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(b)) })) => {
-                    match arrow_parts(&b, parts_allowed) {
-                        Ok(parts) => {
-                            received += parts.len() as u64;
-                            Ok(Batch::Arrow(b))
-                        }
-                        Err(e) => Err(e),
-                    }
+                    arrow_parts(&b, parts_allowed).map(|parts| {
+                        received += parts.len() as u64;
+                        Batch::Arrow(b)
+                    })
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(b)) })) => {
                     received += 1;

@@ -318,13 +318,14 @@ impl Batch {
 
     /// The batches of the stream an Arrow message carries, as `(index, rows)` in row order (the
     /// record batch's first `rows` rows are the first batch's, and so on); one for a message of
-    /// one batch. The stream's receive task checked them already (`arrow_parts`).
+    /// one batch. The stream's receive task checked them already (`arrow_parts`); other batches
+    /// are one batch each and have no parts.
     fn parts(&self) -> PyResult<Vec<(u64, u32)>> {
         match &self.kind {
             Kind::Arrow { batch, .. } => {
                 shardstream_client::arrow_parts(batch, u32::MAX).map_err(crate::errors::to_pyerr)
             }
-            _ => Ok(vec![(self.index(), self.__len__() as u32)]),
+            _ => Err(ShardstreamError::new_err("parts() is for Arrow batches (Parquet datasets)")),
         }
     }
 

@@ -15,7 +15,9 @@ use arrow_array::cast::AsArray;
 use arrow_array::types::Int64Type;
 use shardstream::daemon::{BoundDaemon, DaemonConfig, ShutdownToken};
 use shardstream_client::{Address, Client};
-use shardstream_proto::{BatchFormat, StreamHeader, StreamMessage, StreamRequest, Transport, stream_message};
+use shardstream_proto::{
+    ArrowBatch, BatchFormat, StreamHeader, StreamMessage, StreamRequest, Transport, stream_message,
+};
 use tonic::Code;
 
 struct Fixture {
@@ -33,6 +35,22 @@ async fn start() -> Fixture {
     let shutdown = ShutdownToken::new();
     let server = tokio::spawn(bound.run(shutdown.clone()));
     Fixture { tmp, addr, shutdown, server }
+}
+
+impl Fixture {
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.server.await.unwrap().unwrap();
+    }
+}
+
+/// A daemon, the dataset of [`write_dataset`] in its temporary directory, and a client.
+async fn with_dataset() -> (Fixture, std::path::PathBuf, Client) {
+    let fx = start().await;
+    let dir = fx.tmp.path().join("pq");
+    write_dataset(&dir);
+    let client = shardstream_client::connect(&fx.addr).await.unwrap();
+    (fx, dir, client)
 }
 
 /// ids 0..130 (snappy, row groups of 17), 130..210 (zstd, one row group), 210..400 (plain, 25).
@@ -96,10 +114,7 @@ fn row_column(b: &RecordBatch) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_row_once_over_two_ranks_and_two_workers_as_arrow_batches() {
-    let fx = start().await;
-    let dir = fx.tmp.path().join("pq");
-    write_dataset(&dir);
-    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let (fx, dir, mut client) = with_dataset().await;
     let info = shardstream_client::open(&mut client, &dir.display().to_string(), "").await.unwrap();
     assert_eq!((info.format.as_str(), info.num_samples, info.num_shards), ("parquet", 400, 3));
     assert_eq!(info.fields, ["id", "label", "caption", "image", "blob", "text", "tokens"]);
@@ -149,8 +164,7 @@ async fn every_row_once_over_two_ranks_and_two_workers_as_arrow_batches() {
     let again = arrow_batches(&mut client, resumed).await.unwrap();
     let again: Vec<u64> = again.iter().flat_map(|(r, _)| r.clone()).collect();
     assert_eq!(again, first_order[first_order.len() - again.len()..]);
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -181,8 +195,7 @@ async fn missing_columns_and_bad_files_get_their_status_codes() {
     let err = arrow_batches(&mut client, request(&dir, 0, 0, &[])).await.unwrap_err();
     assert_eq!(err.code(), Code::DataLoss, "{err:?}");
     assert!(err.message().contains("bad.parquet"), "{err:?}");
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -265,8 +278,7 @@ async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_ro
     assert!(served <= 130);
     assert_eq!(err.code(), Code::DataLoss, "{err:?}");
     assert!(err.message().contains("b.parquet"), "{err:?}");
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }
 
 /// Over shared memory: each ArrowBatch names a slot of the stream's packed ring, whose header
@@ -275,17 +287,13 @@ async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_ro
 /// slots finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_shared_memory_each_batch_is_an_ipc_stream_in_a_ring_slot() {
-    let fx = start().await;
-    let dir = fx.tmp.path().join("pq");
-    write_dataset(&dir);
-    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let (fx, dir, mut client) = with_dataset().await;
     // Flat columns are written straight from the decoded row groups into the slot; a list
     // column makes the batch go through a gathered record batch: both must read the same.
     for fields in [&["id", "text", "label", "image"][..], &["id", "text", "tokens"][..]] {
         over_shared_memory(&mut client, &dir, fields).await;
     }
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }
 
 /// One rank, one worker, `fields` over shared memory in batches of `batch_size`: the stream, its
@@ -298,6 +306,14 @@ async fn shm_stream(
 ) -> (tonic::Streaming<StreamMessage>, StreamHeader, std::sync::Arc<shardstream_client::shm::ShmSession>) {
     let mut req = request(dir, 0, 0, fields);
     (req.world_size, req.num_workers, req.batch_size, req.transport) = (1, 1, batch_size, Transport::Shm as i32);
+    shm_stream_of(client, req).await
+}
+
+/// As [`shm_stream`], for any shm request.
+async fn shm_stream_of(
+    client: &mut Client,
+    req: StreamRequest,
+) -> (tonic::Streaming<StreamMessage>, StreamHeader, std::sync::Arc<shardstream_client::shm::ShmSession>) {
     let mut s = client.stream_batches(req).await.unwrap().into_inner();
     let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!("no header") };
     assert_eq!(h.transport, Transport::Shm as i32);
@@ -307,8 +323,20 @@ async fn shm_stream(
     (s, h, session)
 }
 
+/// The record batch of the IPC stream an Arrow message names in its ring slot.
+fn slot_batch(session: &shardstream_client::shm::ShmSession, b: &ArrowBatch) -> RecordBatch {
+    let ring = session.ring(b.ring).unwrap();
+    let slot = ring.slot(b.slot).unwrap();
+    let start = shardstream_proto::ring::ARROW_DATA_OFFSET as usize;
+    let stream = slot[start..start + b.length as usize].to_vec();
+    let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(stream), None).unwrap();
+    let batch = r.next().unwrap().unwrap();
+    assert!(r.next().is_none(), "one record batch per message");
+    batch
+}
+
 async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
-    use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
+    use shardstream_proto::ring::{SLOT_HEADER_BYTES, SlotHeader};
     let (mut s, _, session) = shm_stream(client, dir, fields, 10).await;
     let mut seen = Vec::new();
     while let Some(m) = s.message().await.unwrap() {
@@ -321,10 +349,7 @@ async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
             (head.n_fields, head.batch_index, head.n_samples, head.payload_bytes),
             (0, b.batch_index, b.row_ids.len() as u64, b.length)
         );
-        let start = ARROW_DATA_OFFSET as usize;
-        let stream = &slot[start..start + b.length as usize];
-        let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(stream.to_vec()), None).unwrap();
-        let batch = r.next().unwrap().unwrap();
+        let batch = slot_batch(&session, &b);
         assert_eq!(ids(&batch), b.row_ids);
         assert_eq!(row_column(&batch), b.row_ids);
         // Each batch is what the gather makes of the same rows, then their ids.
@@ -354,10 +379,7 @@ async fn over_shared_memory(client: &mut Client, dir: &Path, fields: &[&str]) {
 /// waits for a slot (the client can only release batches it received).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_holds_every_slot_gets_every_batch_it_waits_for() {
-    let fx = start().await;
-    let dir = fx.tmp.path().join("pq");
-    write_dataset(&dir);
-    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let (fx, dir, mut client) = with_dataset().await;
     let (mut s, h, session) = shm_stream(&mut client, &dir, &["id", "label"], 5).await;
     let credits = h.shm_credits as usize;
     assert!(credits > 1 && 400 / 5 > 3 * credits, "more batches than slots: {credits}");
@@ -381,8 +403,7 @@ async fn a_client_that_holds_every_slot_gets_every_batch_it_waits_for() {
     assert_eq!(indices, (0..80).collect::<Vec<u64>>(), "every batch once, in order");
     seen.sort_unstable();
     assert_eq!(seen, (0..400).collect::<Vec<u64>>());
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }
 
 /// A client that accepts several batches per message gets runs of its stream's consecutive
@@ -391,30 +412,19 @@ async fn a_client_that_holds_every_slot_gets_every_batch_it_waits_for() {
 /// one) still gets one batch per message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_batches_share_a_message_when_the_client_accepts_them() {
-    use shardstream_proto::ring::ARROW_DATA_OFFSET;
-    let fx = start().await;
-    let dir = fx.tmp.path().join("pq");
-    write_dataset(&dir);
-    let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
+    let (fx, dir, mut client) = with_dataset().await;
     // Worker 0 of 2 of rank 0 of 1: its batches are every other one of the rank's (0, 2, 4, ...),
     // the rank's last (400 rows in batches of 6: batch 66) short.
     let mut stream = async |max: u32| {
         let mut req = request(&dir, 0, 0, &["id", "label"]);
         (req.world_size, req.batch_size, req.transport, req.max_batches_per_message) =
             (1, 6, Transport::Shm as i32, max);
-        let mut s = client.stream_batches(req).await.unwrap().into_inner();
-        let Some(stream_message::Kind::Header(h)) = s.message().await.unwrap().unwrap().kind else { panic!() };
-        let session = shardstream_client::shm::ShmSession::attach(Path::new(&h.shm_socket), &h.shm_token).unwrap();
+        let (mut s, h, session) = shm_stream_of(&mut client, req).await;
         let (mut batches, mut messages) = (Vec::new(), Vec::new());
         while let Some(m) = s.message().await.unwrap() {
             let Some(stream_message::Kind::ArrowBatch(b)) = m.kind else { panic!("expected Arrow batches") };
             let parts = shardstream_client::arrow_parts(&b, max).unwrap();
-            let ring = session.ring(b.ring).unwrap();
-            let slot = ring.slot(b.slot).unwrap();
-            let start = ARROW_DATA_OFFSET as usize;
-            let bytes = slot[start..start + b.length as usize].to_vec();
-            let batch = arrow_ipc::reader::StreamReader::try_new(Cursor::new(bytes), None).unwrap().next().unwrap();
-            let batch = batch.unwrap();
+            let batch = slot_batch(&session, &b);
             assert_eq!((ids(&batch), row_column(&batch)), (b.row_ids.clone(), b.row_ids.clone()));
             let mut at = 0;
             for (index, rows) in &parts {
@@ -436,8 +446,7 @@ async fn several_batches_share_a_message_when_the_client_accepts_them() {
     assert_eq!(shared, one_each, "the same batches, rows and order");
     assert_eq!(messages[0], 1, "the first batch goes alone");
     assert!(messages.iter().all(|&n| n <= 4) && messages.len() < 12, "{messages:?}");
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }
 
 /// Column numbers of `fields` in the test data's schema.
@@ -490,8 +499,7 @@ async fn the_shuffle_permutes_row_groups_across_files() {
         first_half.iter().any(|&id| id < 400) && first_half.iter().any(|&id| id >= 400),
         "the first half of the epoch came from one file only"
     );
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }
 
 /// Batches of large rows (over 1 MiB a batch) take the pipelined stream loop, small ones the
@@ -537,6 +545,5 @@ async fn batches_of_large_rows_also_deliver_every_row_once() {
     }
     seen.sort_unstable();
     assert_eq!(seen, (0..96).collect::<Vec<u64>>(), "every row exactly once");
-    fx.shutdown.cancel();
-    fx.server.await.unwrap().unwrap();
+    fx.stop().await;
 }

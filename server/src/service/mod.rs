@@ -704,7 +704,7 @@ fn build_arrow_batch(
     turn: u64,
     asm: &BatchAssembler,
     projected: Option<&projected::ProjectedReads>,
-    ids: &[u64],
+    ids: Vec<u64>,
     index: u64,
     parts: &[(u64, u32)],
     cancelled: &dyn Fn() -> bool,
@@ -712,7 +712,7 @@ fn build_arrow_batch(
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
-    let places = asm.places(ids)?;
+    let places = asm.places(&ids)?;
     // One row id per file the batch draws on, from the row groups it draws on (not per row).
     let touched = asm.first_row_per_file(&places);
     let (rows, waited) = if let Some(pr) = projected {
@@ -725,7 +725,7 @@ fn build_arrow_batch(
             }
         }
         let reader = pr.reader();
-        let rows = asm.rows_at(places, ids, &reader)?;
+        let rows = asm.rows_at(places, &ids, &reader)?;
         let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
         (rows, waited)
     } else {
@@ -738,13 +738,13 @@ fn build_arrow_batch(
                 working.get(ds, shard)?;
             }
         }
-        let rows = asm.rows_at(places, ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
+        let rows = asm.rows_at(places, &ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
         working.end_batch();
         (rows?, working.take_wait())
     };
     let mut msg = match (session, credit) {
         (Some(s), Some(credit)) => {
-            let (guard, msg) = transport::arrow::shm_rows(index, ids.to_vec(), asm, &rows, |need| {
+            let (guard, msg) = transport::arrow::shm_rows(index, ids, asm, &rows, |need| {
                 if s.needs_ring(need) {
                     before_new_ring()?;
                 }
@@ -754,7 +754,7 @@ fn build_arrow_batch(
             msg
         }
         _ => {
-            let msg = transport::arrow::inline_rows(index, ids.to_vec(), asm, &rows)?;
+            let msg = transport::arrow::inline_rows(index, ids, asm, &rows)?;
             if msg.data.len() as u64 > inline::payload_limit() {
                 return Err(Error::invalid(format!(
                     "an Arrow batch of {} bytes does not fit an inline message ({}); use a smaller batch_size \
@@ -779,9 +779,13 @@ fn build_arrow_batch(
 /// tens. Larger batches keep the two-batch pipeline, which puts both cores on their copies.
 const SMALL_ARROW_BATCH_BYTES: u64 = 1 << 20;
 
+/// A dataset's stored bytes per row (per sample), what batch sizes are judged by.
+fn stored_bytes_per_row(ds: &Dataset) -> u64 {
+    ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0)
+}
+
 fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
-    let per_row = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
-    per_row.saturating_mul(batch_size) <= SMALL_ARROW_BATCH_BYTES
+    stored_bytes_per_row(ds).saturating_mul(batch_size) <= SMALL_ARROW_BATCH_BYTES
 }
 
 /// An Arrow (Parquet) stream of small batches, served by one blocking thread that takes the ids,
@@ -833,25 +837,22 @@ impl SmallArrowStream {
                 self.tx.try_send_all(group);
                 return;
             }
-            // The first batch goes alone (time to first batch); later ones share a message up to
-            // the client's and the message's limits.
-            let most = if sent_any { self.parts } else { 1 };
-            let batches = match self.take_batches(&mut ready, &mut ranges, most) {
+            // The first batch goes alone (time to first batch); later ones share a message over
+            // shared memory, up to the client's and the message's limits. Inline, one a message.
+            let most = if sent_any && self.session.is_some() { self.parts } else { 1 };
+            let mut batches = match self.take_batches(&mut ready, &mut ranges, most) {
                 Ok(b) if b.is_empty() => break,
                 Ok(b) => b,
                 Err(e) => return self.fail(group, e),
             };
             let parts: Vec<(u64, u32)> =
                 batches.iter().map(|(r, ids)| (r.start / self.batch_size, ids.len() as u32)).collect();
-            let joined;
-            let ids: &[u64] = match &batches[..] {
-                [(_, ids)] => ids,
-                _ => {
-                    joined = batches.iter().flat_map(|(_, ids)| ids.iter().copied()).collect::<Vec<u64>>();
-                    &joined
-                }
-            };
             let end = batches.last().map_or(0, |(r, _)| r.end);
+            let ids: Vec<u64> = match batches.len() {
+                1 => batches.pop().map(|(_, ids)| ids).unwrap_or_default(),
+                _ => batches.into_iter().flat_map(|(_, ids)| ids).collect(),
+            };
+            let rows = ids.len() as u64;
             let (tx, stop) = (&self.tx, &self.shutdown);
             let cancelled = || tx.is_closed() || stop.is_cancelled();
             let mut send_group = || -> Result<()> {
@@ -880,7 +881,7 @@ impl SmallArrowStream {
             match built {
                 Ok(((msg, bytes), waited)) => {
                     group.push(Ok(msg));
-                    self.metrics.batch_served(ids.len() as u64, bytes);
+                    self.metrics.batch_served(rows, bytes);
                     if let Some(c) = &self.consumer {
                         c.consumer.advance(end, waited);
                     }
@@ -898,16 +899,16 @@ impl SmallArrowStream {
         self.send(group);
     }
 
-    /// The stream's next batches for one message: at most `most`, and more than one only while
-    /// their rows fit [`MESSAGE_ROWS_BYTES`] (over shared memory; inline, one). Empty at the end.
+    /// The stream's next batches for one message: at most `most` (at least one), and more than
+    /// one only while their rows fit [`MESSAGE_ROWS_BYTES`]. Empty at the end.
     fn take_batches(
         &mut self,
         ready: &mut std::collections::VecDeque<ReadyBatch>,
         ranges: &mut std::iter::Peekable<impl Iterator<Item = std::ops::Range<u64>>>,
         most: usize,
     ) -> Result<Vec<ReadyBatch>> {
-        let most = if self.session.is_some() { most.max(1) } else { 1 };
-        let per_row = self.dataset.total_bytes().checked_div(self.dataset.num_samples()).unwrap_or(0).max(1);
+        let most = most.max(1);
+        let per_row = stored_bytes_per_row(&self.dataset).max(1);
         let mut taken: Vec<ReadyBatch> = Vec::with_capacity(most);
         let mut rows = 0u64;
         while taken.len() < most {
@@ -1176,7 +1177,6 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         let rdma = rdma.clone();
         let handle = tokio::task::spawn_blocking(move || {
             let (ds, fields, session, working, arrow, projected) = &*job;
-            let ids = &ids[..];
             let cancelled = || closed.is_closed() || stop.is_cancelled();
             if let Some(asm) = arrow {
                 let projected = projected.as_deref();
@@ -1195,6 +1195,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 )
                 .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
+            let ids = &ids[..];
             if let (Some(s), true) = (session, packed) {
                 let credit = s.take_turn(turn, &cancelled)?;
                 return build_packed_batch(ds, working, s, credit, fields, ids, index, &cancelled)

@@ -227,6 +227,9 @@ impl<'a> Direct<'a> {
         if let Some(ids) = self.ids {
             nodes.next().ok_or_else(|| ParquetError::Ipc("a batch's layout lost its row ids".into()))?;
             let (dst, _) = take(body, ids.len() * 8);
+            if dst.len() != ids.len() * 8 {
+                return Err(ParquetError::Ipc(format!("no room for {} row ids in a batch", ids.len())));
+            }
             for (d, id) in dst.chunks_exact_mut(8).zip(ids) {
                 d.copy_from_slice(&id.to_le_bytes());
             }
