@@ -40,6 +40,8 @@ pub enum StreamError {
     TooLarge { len: usize, slot_bytes: usize },
     #[error("malformed RELEASE message of {0} bytes")]
     BadRelease(usize),
+    #[error("a staged batch was posted to a sender that did not lend it, or twice")]
+    NotStaged,
 }
 
 pub type StreamResult<T> = std::result::Result<T, StreamError>;
@@ -364,12 +366,52 @@ impl<M> RingReceiver<M> {
     }
 }
 
+/// What a staging buffer is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Free,
+    /// Lent out as a [`Staged`] being filled.
+    Filling,
+    /// Its write into the ring slot is posted, the local completion not yet seen.
+    Writing(u32),
+}
+
+/// A staging buffer and a ring slot taken for one batch ([`RingSender::reserve`]). The caller
+/// fills [`Self::buffer`] without holding the sender (so the progress thread keeps other writes
+/// moving meanwhile), then posts it ([`RingSender::post`]) or gives both back
+/// ([`RingSender::cancel`]). Dropping it instead keeps the buffer and the credit from the stream
+/// until the sender is dropped: only a stream that is failing anyway may do that.
+#[must_use = "post or cancel a staged batch, or its buffer and credit stay taken"]
+pub struct Staged {
+    staging: Arc<MemoryRegion>,
+    stage: usize,
+    slot_bytes: usize,
+    slot: u32,
+    batch: u64,
+}
+
+impl Staged {
+    /// The staging buffer, one ring slot long: the batch's bytes go at its start.
+    pub fn buffer(&mut self) -> &mut [u8] {
+        // SAFETY: staging buffer `stage` is `Stage::Filling` from `reserve` until `post` or
+        // `cancel` consumes this value: the sender lends it to no one else and posts no operation
+        // on it meanwhile (it was `Free`, so no write from it was in flight either), and the
+        // `&mut self` borrow keeps this the only slice of it. The Arc keeps it mapped.
+        unsafe { self.staging.slice_mut(self.stage * self.slot_bytes, self.slot_bytes) }.unwrap_or_default()
+    }
+
+    /// The ring slot the batch will be written into (what its metadata must name).
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+}
+
 /// The daemon side of one stream.
 pub struct RingSender {
     ep: Endpoint,
     /// `window` staging buffers of `slot_bytes`; staging buffer i is write context i.
     staging: Arc<MemoryRegion>,
-    staging_slot: Vec<Option<u32>>,
+    staging_slot: Vec<Stage>,
     /// RELEASE receive buffers, context `window + i`.
     releases: Arc<MemoryRegion>,
     client: PeerAddr,
@@ -405,7 +447,7 @@ impl RingSender {
         let me = Self {
             ep,
             staging,
-            staging_slot: vec![None; window],
+            staging_slot: vec![Stage::Free; window],
             releases,
             client,
             remote: offer.ring,
@@ -445,7 +487,7 @@ impl RingSender {
         for c in done {
             match c {
                 Completion::Written { op } => {
-                    if let Some(slot) = self.staging_slot.get_mut(op).and_then(Option::take) {
+                    if let Some(slot) = self.finish_write(Some(op)) {
                         self.tx.written(slot);
                     }
                 }
@@ -471,7 +513,7 @@ impl RingSender {
                     self.post_release(i)?;
                 }
                 Completion::Failed { op, error } => {
-                    if let Some(slot) = op.and_then(|o| self.staging_slot.get_mut(o)).and_then(Option::take) {
+                    if let Some(slot) = self.finish_write(op) {
                         self.tx.failed(slot);
                     }
                     return Err(StreamError::PeerFailed(error));
@@ -482,13 +524,22 @@ impl RingSender {
         Ok(any)
     }
 
-    /// Waits for a free staging buffer and a credit, lets `fill` write the batch into the
-    /// staging buffer (returning its length), and posts the write. Returns the ring slot, which
-    /// the metadata for `batch` must name.
-    pub fn send(&mut self, batch: u64, fill: impl FnOnce(&mut [u8]) -> usize) -> StreamResult<u32> {
+    /// The slot of the write posted from staging buffer `op`, which is free again; None if no
+    /// write was in flight there (a completion for a reserved or free buffer changes nothing).
+    fn finish_write(&mut self, op: Option<usize>) -> Option<u32> {
+        let stage = self.staging_slot.get_mut(op?)?;
+        let Stage::Writing(slot) = *stage else { return None };
+        *stage = Stage::Free;
+        Some(slot)
+    }
+
+    /// Waits for a free staging buffer and a credit for `batch`, and lends the buffer out: fill
+    /// it, then [`Self::post`] it. What [`Self::send`] does in one call, for a caller that fills
+    /// the buffer without holding this sender.
+    pub fn reserve(&mut self, batch: u64) -> StreamResult<Staged> {
         let started = Instant::now();
         let (stage, slot) = loop {
-            if let Some(stage) = self.staging_slot.iter().position(Option::is_none)
+            if let Some(stage) = self.staging_slot.iter().position(|s| *s == Stage::Free)
                 && let Some(slot) = self.tx.acquire(batch)
             {
                 break (stage, slot);
@@ -499,20 +550,39 @@ impl RingSender {
             self.pump(Some(Duration::from_millis(200)))?;
         };
         self.peak_in_use = self.peak_in_use.max(self.tx.in_use());
-        // SAFETY: staging buffer `stage` has no write in flight (its entry is None until the
-        // write posted below completes), and only this sender touches it.
-        let buf = match unsafe { self.staging.slice_mut(stage * self.slot_bytes, self.slot_bytes) } {
-            Ok(b) => b,
-            Err(e) => {
-                self.tx.failed(slot);
-                return Err(e.into());
-            }
-        };
-        let len = fill(buf);
+        self.staging_slot[stage] = Stage::Filling;
+        Ok(Staged { staging: self.staging.clone(), stage, slot_bytes: self.slot_bytes, slot, batch })
+    }
+
+    /// Gives a reserved buffer and its credit back, unwritten (the batch failed to build).
+    pub fn cancel(&mut self, staged: Staged) {
+        if self.owns(&staged) {
+            self.staging_slot[staged.stage] = Stage::Free;
+            self.tx.failed(staged.slot);
+        }
+    }
+
+    fn owns(&self, staged: &Staged) -> bool {
+        Arc::ptr_eq(&staged.staging, &self.staging) && self.staging_slot.get(staged.stage) == Some(&Stage::Filling)
+    }
+
+    /// Posts the write of the first `len` bytes of a filled buffer into its ring slot. Returns
+    /// the slot, which the metadata of the batch must name.
+    pub fn post(&mut self, staged: Staged, len: usize) -> StreamResult<u32> {
+        if !self.owns(&staged) {
+            return Err(StreamError::NotStaged);
+        }
+        let (stage, slot, batch) = (staged.stage, staged.slot, staged.batch);
         if len > self.slot_bytes {
-            self.tx.failed(slot);
+            self.cancel(staged);
             return Err(StreamError::TooLarge { len, slot_bytes: self.slot_bytes });
         }
+        drop(staged);
+        let fail = |me: &mut Self| {
+            me.staging_slot[stage] = Stage::Free;
+            me.tx.failed(slot);
+        };
+        let started = Instant::now();
         let data = u64::from(self.imm.encode(batch, slot));
         let remote_offset = u64::from(slot) * self.slot_bytes as u64;
         loop {
@@ -531,22 +601,31 @@ impl RingSender {
                 // client that stopped driving its endpoint looks like: bounded by the stall time.
                 Ok(false) => {
                     if started.elapsed() >= self.stall {
-                        self.tx.failed(slot);
+                        fail(self);
                         return Err(StreamError::Stalled(self.stall));
                     }
                     if let Err(e) = self.pump(Some(Duration::from_millis(1))) {
-                        self.tx.failed(slot);
+                        fail(self);
                         return Err(e);
                     }
                 }
                 Err(e) => {
-                    self.tx.failed(slot);
+                    fail(self);
                     return Err(e.into());
                 }
             }
         }
-        self.staging_slot[stage] = Some(slot);
+        self.staging_slot[stage] = Stage::Writing(slot);
         Ok(slot)
+    }
+
+    /// Waits for a free staging buffer and a credit, lets `fill` write the batch into the
+    /// staging buffer (returning its length), and posts the write. Returns the ring slot, which
+    /// the metadata for `batch` must name.
+    pub fn send(&mut self, batch: u64, fill: impl FnOnce(&mut [u8]) -> usize) -> StreamResult<u32> {
+        let mut staged = self.reserve(batch)?;
+        let len = fill(staged.buffer());
+        self.post(staged, len)
     }
 
     /// Drives the endpoint (waiting up to `wait`) between batches: under manual progress (tcp)
@@ -563,13 +642,13 @@ impl RingSender {
 
     /// Writes posted and not yet complete locally.
     pub fn in_flight(&self) -> usize {
-        self.staging_slot.iter().filter(|s| s.is_some()).count()
+        self.staging_slot.iter().filter(|s| matches!(s, Stage::Writing(_))).count()
     }
 
     /// Waits until every posted write completed locally.
     pub fn flush(&mut self) -> StreamResult<()> {
         let started = Instant::now();
-        while self.staging_slot.iter().any(Option::is_some) {
+        while self.in_flight() > 0 {
             if started.elapsed() >= self.stall {
                 return Err(StreamError::Stalled(self.stall));
             }
