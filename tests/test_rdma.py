@@ -108,6 +108,33 @@ def test_collate_stack_over_rdma(rdma_daemon, dataset) -> None:
     assert n == len(samples)
 
 
+def test_a_batch_that_outgrows_its_ring_slot_is_refused_by_name(
+    rdma_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon reads each batch straight into a ring-slot-sized staging buffer. Six 400 KiB
+    samples among small ones pass the open-time checks (no sample exceeds a 1 MiB slot, 32 x the
+    average fits half of one), but read in order the first batch holds all six: refused with the
+    knob to raise, as a bad argument rather than a lost connection. The same stream with slots
+    that hold it delivers every sample."""
+    import webdataset as wds
+
+    root = tmp_path / "skewed"
+    root.mkdir()
+    with wds.TarWriter(str(root / "shard-000000.tar")) as w:
+        for i in range(200):
+            size = 400 << 10 if i < 6 else 512
+            w.write({"__key__": f"s{i:05d}", "bin": bytes([i % 251]) * size, "cls": str(i).encode()})
+    args = {"batch_size": 32, "shuffle": False, "connect": rdma_daemon.addr, "transport": "rdma"}
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(1 << 20))
+    with pytest.raises(ValueError, match=r"batch 0 of 32 samples outgrows the client's 1048576-byte ring slots"):
+        for _ in shardstream.Loader(str(root), **args):
+            pass
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(4 << 20))
+    got = {k: bytes(v) for b in shardstream.Loader(str(root), **args) for k, v in zip(b["__key__"], b["bin"])}
+    assert len(got) == 200
+    assert got["s00005"] == bytes([5]) * (400 << 10) and got["s00199"] == bytes([199]) * 512
+
+
 def test_rdma_from_a_daemon_without_it_names_why(dataset, tmp_path: Path) -> None:
     root, _ = dataset
     d = tcp_daemon(tmp_path, rdma=False)

@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 use shardstream_proto::BatchFormat;
 
+use crate::storage::append::Append;
 use crate::storage::local::ShardFile;
 use crate::{Error, Result};
 
@@ -409,14 +410,14 @@ impl ShardTable {
     /// Appends sample `i`'s bytes to `buf` (one positioned read) and describes its fields in
     /// `loc`. Ranges in `loc` are absolute positions in `buf`. On error `buf` is restored to its
     /// length on entry.
-    pub fn read_sample(&self, file: &ShardFile, i: u64, buf: &mut Vec<u8>, loc: &mut SampleLocation) -> Result<()> {
+    pub fn read_sample(&self, file: &ShardFile, i: u64, buf: &mut impl Append, loc: &mut SampleLocation) -> Result<()> {
         let range =
             self.sample_range(i).ok_or_else(|| Error::Internal(format!("sample {i} out of range in {}", file.name)))?;
         let len = usize::try_from(range.end - range.start)
             .map_err(|_| Error::Internal("sample larger than the address space".into()))?;
         let start = buf.len();
         file.read_append(buf, len, range.start)?;
-        let parsed = self.locate_fields(file, i, &buf[start..], start, loc);
+        let parsed = self.locate_fields(file, i, &buf.filled()[start..], start, loc);
         if parsed.is_err() {
             buf.truncate(start);
         }

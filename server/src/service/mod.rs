@@ -30,6 +30,7 @@ use crate::index::{CacheMode, Dataset, LargestSample, Registry, Working};
 use crate::metrics::{ActiveStream, Metrics};
 use crate::plan::{self, EpochParams, WorkerParams};
 use crate::prefetch::{ConsumerGuard, Prefetcher};
+use crate::storage::append::{Append, Fixed};
 use crate::transport;
 use crate::transport::inline::{self, InlineBatchBuilder};
 use crate::transport::packed;
@@ -388,22 +389,20 @@ fn check_inline_fits(ds: &Dataset) -> Result<()> {
     if let Some(l) = ds.largest_sample
         && l.bytes > inline::payload_limit()
     {
-        return Err(oversized_sample(ds, l));
+        return Err(oversized_sample(ds, l, &format!("the inline message limit of {}", inline::limit_text())));
     }
     Ok(())
 }
 
-/// The error for sample `l`, too large for any inline message: it names the sample so it can be
-/// found, and the ways out.
-fn oversized_sample(ds: &Dataset, l: LargestSample) -> Error {
+/// The error for sample `l`, larger than `limit` (an inline message, an rdma ring slot): it
+/// names the sample so it can be found, and the ways out.
+fn oversized_sample(ds: &Dataset, l: LargestSample, limit: &str) -> Error {
     let shard = ds.shards.get(l.shard).map_or_else(|| format!("#{}", l.shard), |m| m.url());
     let at = l.offset.map(|o| format!(" (at byte {o})")).unwrap_or_default();
     Error::invalid(format!(
-        "sample {} of shard {shard}{at} is {} bytes, larger than the inline message limit of {}; read it \
-         over shared memory (transport=\"shm\", same host) or split the sample",
-        l.local,
-        l.bytes,
-        inline::limit_text()
+        "sample {} of shard {shard}{at} is {} bytes, larger than {limit}; read it over shared memory \
+         (transport=\"shm\", same host) or split the sample",
+        l.local, l.bytes,
     ))
 }
 
@@ -427,6 +426,39 @@ fn sample_of(
     }
 }
 
+/// Reads the samples `ids` into `b`, in order. Before each sample is read, a sample whose stored
+/// bytes exceed `limit` is refused by name (`too_large` says what it is larger than), then
+/// `before(b, i, region)` sees the builder, the sample's place in `ids` and its stored bytes: to
+/// end a part and start the next, or to refuse a batch that outgrows its buffer.
+fn gather<B: Append>(
+    ds: &Dataset,
+    working: &mut Working,
+    ids: &[u64],
+    b: &mut InlineBatchBuilder<B>,
+    limit: u64,
+    too_large: &dyn Fn() -> String,
+    mut before: impl FnMut(&mut InlineBatchBuilder<B>, usize, u64) -> Result<()>,
+) -> Result<()> {
+    let mut current = None;
+    for (i, &id) in ids.iter().enumerate() {
+        let (resident, local) = sample_of(ds, working, id, &mut current)?;
+        // The region the sample's read appends (its TAR members).
+        let range = resident.table.sample_range(local).unwrap_or_default();
+        let region = range.end.saturating_sub(range.start);
+        // The open-time check knows only the samples the manifest or the scan described (an older
+        // manifest records none): refuse an oversized one by name before reading its bytes.
+        if region > limit
+            && let Some((shard, _)) = &current
+        {
+            let l = LargestSample { shard: *shard, local, offset: Some(range.start), bytes: region };
+            return Err(oversized_sample(ds, l, &too_large()));
+        }
+        before(b, i, region)?;
+        b.add_sample(&resident, local)?;
+    }
+    Ok(())
+}
+
 /// Reads one batch (blocking): one message, or several when the batch's bytes exceed
 /// [`inline::payload_limit`] (each part a run of whole samples; `InlineBatch.more` on all but the
 /// last).
@@ -444,38 +476,27 @@ fn build_batch(
     working.preload(ds, ids)?;
     let mut b = InlineBatchBuilder::new(fields, all_fields, ids.len(), capacity(ids.len()));
     let (mut parts, mut bytes) = (Vec::new(), 0);
-    let mut current = None;
-    for (i, &id) in ids.iter().enumerate() {
-        let (resident, local) = sample_of(ds, working, id, &mut current)?;
-        // The region the sample's read appends to the part (its TAR members).
-        let region = resident.table.sample_range(local).map_or(0, |r| r.end.saturating_sub(r.start));
-        // The open-time check knows only the samples the manifest or the scan described (an older
-        // manifest records none): refuse an oversized one by name before reading its bytes.
-        if region > limit
-            && let Some((shard, _)) = &current
-        {
-            let range = resident.table.sample_range(local).unwrap_or_default();
-            return Err(oversized_sample(
-                ds,
-                LargestSample { shard: *shard, local, offset: Some(range.start), bytes: region },
-            ));
-        }
+    let too_large = || format!("the inline message limit of {}", inline::limit_text());
+    gather(ds, working, ids, &mut b, limit, &too_large, |b, i, region| {
         if !b.is_empty() && b.data_len() as u64 + region > limit {
             let left = ids.len() - i;
-            let full = std::mem::replace(&mut b, InlineBatchBuilder::new(fields, all_fields, left, capacity(left)));
+            let full = std::mem::replace(b, InlineBatchBuilder::new(fields, all_fields, left, capacity(left)));
             bytes += full.payload_bytes();
             parts.push(full.finish(index, true));
         }
-        b.add_sample(&resident, local)?;
-    }
+        Ok(())
+    })?;
     bytes += b.payload_bytes();
     parts.push(b.finish(index, false));
     let messages = parts.into_iter().map(|p| StreamMessage { kind: Some(stream_message::Kind::InlineBatch(p)) });
     Ok((messages.collect(), bytes))
 }
 
-/// Builds one batch as inline, then RDMA-writes its bytes into a free slot of the client's ring
-/// (blocking: may wait for a credit) and describes it as an `RdmaBatch`.
+/// Reads one batch straight into a staging buffer of the stream's rdma sender (registered
+/// memory, laid out as an inline batch's `data`), posts its RDMA write into a free slot of the
+/// client's ring, and describes it as an `RdmaBatch` (blocking: may wait for a credit). The
+/// sender is held only to take the buffer and to post, so its progress thread keeps earlier
+/// writes moving while this batch is read.
 fn build_rdma_batch(
     ds: &Dataset,
     working: &mut Working,
@@ -485,33 +506,42 @@ fn build_rdma_batch(
     index: u64,
     rdma: &transport::rdma::RdmaPipe,
 ) -> Result<(StreamMessage, u64)> {
-    let (mut parts, bytes) = build_batch(ds, working, fields, all_fields, ids, index)?;
-    // A batch split over several inline messages (beyond the message limit) is far beyond a ring
-    // slot too: the slot-size check below would refuse its first part anyway.
-    if parts.len() != 1 {
-        return Err(Error::invalid(format!(
-            "batch {index} is larger than one inline message ({}), too large for the rdma ring; use a smaller batch_size",
-            inline::limit_text()
-        )));
-    }
-    let msg = parts.remove(0);
-    let Some(stream_message::Kind::InlineBatch(b)) = msg.kind else {
-        return Err(Error::Internal("inline builder returned another kind".into()));
+    let failed = |e: shardstream_fabric::stream::StreamError| {
+        Error::Unavailable(format!("rdma stream to the client failed: {e}"))
+    };
+    working.preload(ds, ids)?;
+    let mut staged = rdma.lock()?.sender.reserve(index).map_err(failed)?;
+    let read = {
+        let buf = staged.buffer();
+        let slot_bytes = buf.len() as u64;
+        let mut b = InlineBatchBuilder::with_buffer(fields, all_fields, ids.len(), Fixed::new(buf));
+        let too_large = || format!("the client's rdma ring slots of {slot_bytes} bytes (SHARDSTREAM_RDMA_SLOT_BYTES)");
+        gather(ds, working, ids, &mut b, slot_bytes, &too_large, |b, _, region| {
+            if b.data_len() as u64 + region > slot_bytes {
+                return Err(Error::invalid(format!(
+                    "transport \"rdma\": batch {index} of {} samples outgrows the client's {slot_bytes}-byte ring \
+                     slots (its samples are larger than the dataset's average); raise SHARDSTREAM_RDMA_SLOT_BYTES \
+                     or lower batch_size",
+                    ids.len()
+                )));
+            }
+            Ok(())
+        })
+        .map(|()| (b.payload_bytes(), b.into_parts()))
     };
     let mut r = rdma.lock()?;
-    let data = &b.data[..];
+    let (bytes, (keys, columns, len)) = match read {
+        Ok(read) => read,
+        Err(e) => {
+            r.sender.cancel(staged);
+            return Err(e);
+        }
+    };
     // Posted, not waited for: the metadata may overtake the bytes (the client joins the two in
-    // either order) and the progress thread moves the write while the next batch is built.
-    let slot = r
-        .sender
-        .send(index, |buf| {
-            let n = data.len().min(buf.len());
-            buf[..n].copy_from_slice(&data[..n]);
-            data.len()
-        })
-        .map_err(|e| Error::Unavailable(format!("rdma stream to the client failed: {e}")))?;
+    // either order) and the progress thread moves the write while the next batch is read.
+    let slot = r.sender.post(staged, len).map_err(failed)?;
     drop(r);
-    let batch = RdmaBatch { batch_index: index, slot, keys: b.keys, fields: b.fields, data_bytes: b.data.len() as u64 };
+    let batch = RdmaBatch { batch_index: index, slot, keys, fields: columns, data_bytes: len as u64 };
     Ok((StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(batch)) }, bytes))
 }
 

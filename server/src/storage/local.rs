@@ -9,6 +9,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crate::format::Format;
+use crate::storage::append::Append;
 use crate::{Error, Result};
 
 /// A shard found by listing: its file name within the dataset directory, size and mtime.
@@ -159,11 +160,10 @@ impl ShardFile {
     /// first: the read writes every byte of it (the zero fill of `Vec::resize` before a
     /// `read_exact_at` was 4-5% of the daemon's CPU on inline streams). On error `buf` is as it
     /// was; a short read is the truncated-shard error of [`Self::read_exact_at`].
-    pub fn read_append(&self, buf: &mut Vec<u8>, len: usize, offset: u64) -> Result<()> {
+    pub fn read_append(&self, buf: &mut impl Append, len: usize, offset: u64) -> Result<()> {
         use std::os::fd::AsRawFd;
         fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
-        buf.reserve(len);
-        let spare = &mut buf.spare_capacity_mut()[..len];
+        let spare = buf.spare(len)?;
         let mut done = 0;
         while done < len {
             let at = offset.checked_add(done as u64).and_then(|o| libc::off_t::try_from(o).ok()).ok_or_else(|| {
@@ -173,10 +173,10 @@ impl ShardFile {
                     reason: format!("read offset {offset}+{done} out of range"),
                 }
             })?;
-            let rest = &mut spare[done..];
-            // SAFETY: `rest` is memory of `buf`'s allocation, `rest.len()` bytes long and
-            // exclusively borrowed; pread writes at most that many bytes into it and nothing else.
-            let n = unsafe { libc::pread(self.file.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), at) };
+            // SAFETY: `spare` points at room for `len` bytes of `buf` (its `spare` contract),
+            // which nothing else touches until `grow` below; pread writes at most the
+            // `len - done` bytes past `done` and nothing else.
+            let n = unsafe { libc::pread(self.file.as_raw_fd(), spare.add(done).cast(), len - done, at) };
             match n {
                 0 => return Err(self.truncated(len, offset)),
                 n if n < 0 => {
@@ -188,9 +188,9 @@ impl ShardFile {
                 n => done += n.unsigned_abs(),
             }
         }
-        // SAFETY: the loop above wrote all `len` bytes past the old length (`done == len`), and
-        // `reserve` made room for them.
-        unsafe { buf.set_len(buf.len() + len) };
+        // SAFETY: the loop above wrote all `len` bytes at `spare` (`done == len`), with no other
+        // call on `buf` since `spare(len)`.
+        unsafe { buf.grow(len) };
         Ok(())
     }
 }

@@ -7,12 +7,14 @@
 //! S3-compatible) bucket, found with one paginated listing (or one manifest GET), with the same
 //! brace patterns in the last component.
 //!
+//! - [`append`]: the buffers sample reads append to (a growing `Vec`, a fixed rdma staging buffer).
 //! - [`local`]: directories on local disks and parallel file systems, read in place.
 //! - [`s3`]: S3 objects, downloaded into the node cache with parallel ranged GETs.
 //! - [`s3_write`]: uploads to S3 (single PUT or multipart from a local file), HEAD and DELETE,
 //!   for `shardstream pack`.
 //! - [`retry`]: the retry policy every remote request follows.
 
+pub mod append;
 pub mod local;
 pub mod retry;
 pub mod s3;

@@ -7,6 +7,10 @@
 //! wanted payloads are moved down over the rest, in place, so unwanted fields never cross the
 //! socket.
 //!
+//! The same builder gathers an rdma batch straight into its registered staging buffer
+//! ([`InlineBatchBuilder::into_parts`] over a [`Fixed`] buffer): the bytes are laid out as an
+//! inline message's `data`, and only the keys and columns travel on gRPC.
+//!
 //! A batch whose bytes do not fit one message (the 512 MiB message limit, or a lower limit set
 //! with `SHARDSTREAM_INLINE_MESSAGE_BYTES`, a knob for tests) is sent as several parts, each a
 //! run of whole samples; the client joins them.
@@ -17,6 +21,9 @@ use shardstream_proto::{FieldColumn, InlineBatch};
 use crate::Result;
 use crate::format::SampleLocation;
 use crate::index::ResidentShard;
+use crate::storage::append::Append;
+#[cfg(doc)]
+use crate::storage::append::Fixed;
 
 /// Room for a batch's bytes in one inline message by default: the rest of the message limit is
 /// for the keys and column tables.
@@ -50,12 +57,12 @@ fn parse_limit(value: Option<&str>) -> u64 {
     }
 }
 
-/// Gathers one batch (or one part of a batch split over several messages).
+/// Gathers one batch (or one part of a batch split over several messages) into `data`.
 #[derive(Debug)]
-pub struct InlineBatchBuilder {
+pub struct InlineBatchBuilder<B = Vec<u8>> {
     keys: Vec<String>,
     columns: Vec<FieldColumn>,
-    data: Vec<u8>,
+    data: B,
     /// True when the consumer wants every field of the dataset (no compaction needed).
     all_fields: bool,
     loc: SampleLocation,
@@ -66,6 +73,18 @@ impl InlineBatchBuilder {
     /// `fields`: the fields to deliver, in column order; `all_fields`: they are all the dataset
     /// has. `capacity`: expected bytes, to size the buffer once.
     pub fn new(fields: &[String], all_fields: bool, samples: usize, capacity: usize) -> Self {
+        Self::with_buffer(fields, all_fields, samples, Vec::with_capacity(capacity))
+    }
+
+    /// The message. `more`: another part of the same batch follows.
+    pub fn finish(self, batch_index: u64, more: bool) -> InlineBatch {
+        InlineBatch { batch_index, keys: self.keys, fields: self.columns, data: Bytes::from(self.data), more }
+    }
+}
+
+impl<B: Append> InlineBatchBuilder<B> {
+    /// As [`InlineBatchBuilder::new`], gathering into `data` (empty).
+    pub fn with_buffer(fields: &[String], all_fields: bool, samples: usize, data: B) -> Self {
         let columns = fields
             .iter()
             .map(|f| FieldColumn {
@@ -78,7 +97,7 @@ impl InlineBatchBuilder {
         Self {
             keys: Vec::with_capacity(samples),
             columns,
-            data: Vec::with_capacity(capacity),
+            data,
             all_fields,
             loc: SampleLocation::default(),
             payload_bytes: 0,
@@ -103,12 +122,12 @@ impl InlineBatchBuilder {
                         // Payloads appear in shard order and are written in column order, so
                         // only move when that order agrees; otherwise copy to the end.
                         if range.start >= write {
-                            self.data.copy_within(range.clone(), write);
+                            self.data.filled_mut().copy_within(range.clone(), write);
                             write += len;
                             write - len
                         } else {
                             let at = self.data.len();
-                            self.data.extend_from_within(range);
+                            self.data.extend_from_within(range)?;
                             at
                         }
                     };
@@ -163,9 +182,11 @@ impl InlineBatchBuilder {
         self.payload_bytes
     }
 
-    /// The message. `more`: another part of the same batch follows.
-    pub fn finish(self, batch_index: u64, more: bool) -> InlineBatch {
-        InlineBatch { batch_index, keys: self.keys, fields: self.columns, data: Bytes::from(self.data), more }
+    /// The keys, the field columns and the bytes gathered, for a batch whose bytes do not travel
+    /// in its message (rdma).
+    pub fn into_parts(self) -> (Vec<String>, Vec<FieldColumn>, usize) {
+        let len = self.data.len();
+        (self.keys, self.columns, len)
     }
 }
 
