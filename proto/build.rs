@@ -8,8 +8,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
-        // Batch payloads decode into `Bytes` that share the receive buffer instead of a fresh Vec.
+        // Batch payloads decode into `Bytes` that share the receive buffer instead of a fresh Vec
+        // (and an rdma client hands an Arrow batch's ring slot on as `Bytes` too).
         .bytes(".shardstream.v1.InlineBatch.data")
+        .bytes(".shardstream.v1.ArrowBatch.data")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -511,6 +511,8 @@ pub async fn stream_from(
         .await
         .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))??;
         req.rdma_offer = Some(offer);
+        // A ring slot holds one batch, and the ring counts batches by message to know the last.
+        req.max_batches_per_message = 1;
         Some(ring)
     } else {
         None
@@ -588,10 +590,21 @@ pub async fn stream_from(
                     Ok(Batch::Packed(b))
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(b)) })) => {
-                    arrow_parts(&b, parts_allowed).map(|parts| {
-                        received += parts.len() as u64;
-                        Batch::Arrow(b)
-                    })
+                    match (arrow_parts(&b, parts_allowed), ring_in_task.clone()) {
+                        (Err(e), _) => Err(e),
+                        (Ok(parts), None) => {
+                            received += parts.len() as u64;
+                            Ok(Batch::Arrow(b))
+                        }
+                        // Over rdma the IPC stream is in a slot of the ring: read in place.
+                        (Ok(parts), Some(r)) => {
+                            received += parts.len() as u64;
+                            match tokio::task::spawn_blocking(move || r.receive_arrow(b)).await {
+                                Ok(got) => got.map(Batch::Arrow),
+                                Err(e) => Err(ClientError::Rdma(format!("receive task failed: {e}"))),
+                            }
+                        }
+                    }
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(b)) })) => {
                     received += 1;

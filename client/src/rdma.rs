@@ -1,6 +1,7 @@
 //! The rdma transport, client side: the ring this process registers for one stream, the offer
 //! that goes into the request, and the join of each `RdmaBatch` (gRPC) with the RDMA write of its
-//! bytes, turned into an ordinary inline batch for the layers above.
+//! bytes, turned into an ordinary inline batch for the layers above (an `ArrowBatch` naming a
+//! slot likewise becomes an inline Arrow batch).
 //!
 //! The ring is created when the stream starts, in the process that iterates it: a DataLoader
 //! worker creates its own after fork, never inheriting one. The receiver blocks in libfabric
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use shardstream_fabric::handoff::Progressed;
 use shardstream_fabric::stream::{RingReceiver, open_endpoint_toward};
-use shardstream_proto::{InlineBatch, RdmaBatch, RdmaOffer};
+use shardstream_proto::{ArrowBatch, InlineBatch, RdmaBatch, RdmaOffer};
 
 use crate::ClientError;
 
@@ -155,12 +156,32 @@ impl RdmaRing {
     /// slot stays this client's until every view of the data is dropped (Python's memoryviews
     /// hold it, as shm leases hold theirs), and its credit goes back to the daemon then.
     pub fn receive(self: &Arc<Self>, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
+        let data = self.receive_bytes(b.batch_index, b.slot, b.data_bytes)?;
+        Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data, more: false })
+    }
+
+    /// As [`Self::receive`] for an Arrow batch (Parquet datasets): its IPC stream, read in place
+    /// in the ring slot the message names, becomes the batch's `data`, as if it had come inline.
+    pub fn receive_arrow(self: &Arc<Self>, mut b: ArrowBatch) -> Result<ArrowBatch, ClientError> {
+        if !b.data.is_empty() || b.ring != 0 {
+            return Err(ClientError::Protocol(format!(
+                "rdma: Arrow batch {} names no slot of this client's ring",
+                b.batch_index
+            )));
+        }
+        b.data = self.receive_bytes(b.batch_index, b.slot, b.length)?;
+        Ok(b)
+    }
+
+    /// The `len` bytes of batch `batch`, which the daemon says it wrote into `slot`, read in
+    /// place: joined with the write's immediate, waiting for it as long as [`ARRIVAL_TIMEOUT`].
+    fn receive_bytes(self: &Arc<Self>, batch: u64, slot: u32, len: u64) -> Result<bytes::Bytes, ClientError> {
         if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
             return Err(stream_err(e));
         }
-        let len = usize::try_from(b.data_bytes).map_err(err)?;
+        let len = usize::try_from(len).map_err(err)?;
         let mut rx = self.lock();
-        rx.on_meta(b.batch_index, b.slot, ()).map_err(err)?;
+        rx.on_meta(batch, slot, ()).map_err(err)?;
         let started = Instant::now();
         let ready = loop {
             if let Some(r) = rx.next(Duration::from_millis(200)).map_err(stream_err)? {
@@ -168,8 +189,7 @@ impl RdmaRing {
             }
             if started.elapsed() > ARRIVAL_TIMEOUT {
                 return Err(ClientError::Disconnected(format!(
-                    "rdma: the bytes of batch {} never arrived ({ARRIVAL_TIMEOUT:?})",
-                    b.batch_index
+                    "rdma: the bytes of batch {batch} never arrived ({ARRIVAL_TIMEOUT:?})"
                 )));
             }
             // Let go of the lock between waits: a dropped batch's view returns its credit
@@ -177,10 +197,10 @@ impl RdmaRing {
             drop(rx);
             rx = self.lock();
         };
-        if ready.batch != b.batch_index {
+        if ready.batch != batch {
             return Err(ClientError::Protocol(format!(
-                "rdma: expected batch {}, the ring delivered {}",
-                b.batch_index, ready.batch
+                "rdma: expected batch {batch}, the ring delivered {}",
+                ready.batch
             )));
         }
         let lent = rx.lend(ready, len).map_err(err)?;
@@ -188,10 +208,9 @@ impl RdmaRing {
             rx.finish().map_err(stream_err)?;
         }
         if lent.as_slice().len() != len {
-            return Err(ClientError::Protocol(format!("rdma: batch {} of {len} bytes exceeds a slot", b.batch_index)));
+            return Err(ClientError::Protocol(format!("rdma: batch {batch} of {len} bytes exceeds a slot")));
         }
         drop(rx);
-        let data = bytes::Bytes::from_owner(SlotView { lent: Some(lent), ring: self.clone() });
-        Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data, more: false })
+        Ok(bytes::Bytes::from_owner(SlotView { lent: Some(lent), ring: self.clone() }))
     }
 }

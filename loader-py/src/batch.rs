@@ -256,9 +256,10 @@ impl Batch {
                 Kind::Packed { batch: b, session, lease }
             }
             (shardstream_client::Batch::Arrow(mut b), session) if !b.data.is_empty() => {
-                // Inline even on a shm stream: nothing to release.
+                // Inline (or read in place in an rdma ring slot), even on a shm stream: nothing
+                // to release.
                 drop(session);
-                let data = Bytes::from(std::mem::take(&mut b.data));
+                let data = std::mem::take(&mut b.data);
                 Kind::Arrow { batch: b, data, shm: None }
             }
             (shardstream_client::Batch::Arrow(b), Some(session)) => {

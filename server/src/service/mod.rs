@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use shardstream_proto::shardstream_server::Shardstream;
 use shardstream_proto::{
-    BatchFormat, CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, FieldColumn, OpenRequest,
+    ArrowBatch, CacheStatus, Collate, ConsumerStatus, DatasetInfo, DatasetStatus, FieldColumn, OpenRequest,
     PackedBatch, PrefetchProgress, PrefetchRequest, RdmaBatch, ShmBatch, StatusReply, StatusRequest, StreamHeader,
     StreamMessage, StreamRequest, Transport, stream_message,
 };
@@ -306,11 +306,6 @@ fn plan_stream(
                  use transport=\"inline\" or \"auto\"",
             )
         })?;
-        if ds.format.batch_format() == BatchFormat::Arrow {
-            return Err(Error::invalid(
-                "transport \"rdma\" does not carry Parquet (Arrow) batches yet; use transport=\"shm\" on the same host or \"inline\"",
-            ));
-        }
         let offer = req.rdma_offer.as_ref().ok_or_else(|| Error::invalid("transport \"rdma\" needs an rdma_offer"))?;
         // A batch is one ring slot: refuse a stream whose batches cannot fit before it starts.
         let avg = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0);
@@ -492,11 +487,39 @@ fn build_batch(
     Ok((messages.collect(), bytes))
 }
 
+/// Reserves a staging buffer of the stream's rdma sender for batch `index` (blocking: may wait
+/// for a credit), lets `fill` write the batch at its start, returning its length and whatever else
+/// it made, and posts the RDMA write of those bytes into a slot of the client's ring. Returns the
+/// slot and what `fill` made. The sender is held only to reserve and to post, so its progress
+/// thread keeps earlier writes moving while `fill` runs; a `fill` that fails gives the buffer and
+/// the credit back.
+fn rdma_post<T>(
+    rdma: &transport::rdma::RdmaPipe,
+    index: u64,
+    fill: impl FnOnce(&mut [u8]) -> Result<(usize, T)>,
+) -> Result<(u32, usize, T)> {
+    let failed = |e: shardstream_fabric::stream::StreamError| {
+        Error::Unavailable(format!("rdma stream to the client failed: {e}"))
+    };
+    let mut staged = rdma.lock()?.sender.reserve(index).map_err(failed)?;
+    let filled = fill(staged.buffer());
+    let mut r = rdma.lock()?;
+    let (len, made) = match filled {
+        Ok(f) => f,
+        Err(e) => {
+            r.sender.cancel(staged);
+            return Err(e);
+        }
+    };
+    // Posted, not waited for: the metadata may overtake the bytes (the client joins the two in
+    // either order) and the progress thread moves the write while the next batch is read.
+    let slot = r.sender.post(staged, len).map_err(failed)?;
+    Ok((slot, len, made))
+}
+
 /// Reads one batch straight into a staging buffer of the stream's rdma sender (registered
-/// memory, laid out as an inline batch's `data`), posts its RDMA write into a free slot of the
-/// client's ring, and describes it as an `RdmaBatch` (blocking: may wait for a credit). The
-/// sender is held only to take the buffer and to post, so its progress thread keeps earlier
-/// writes moving while this batch is read.
+/// memory, laid out as an inline batch's `data`), posts it ([`rdma_post`]) and describes it as
+/// an `RdmaBatch`.
 fn build_rdma_batch(
     ds: &Dataset,
     working: &mut Working,
@@ -506,13 +529,8 @@ fn build_rdma_batch(
     index: u64,
     rdma: &transport::rdma::RdmaPipe,
 ) -> Result<(StreamMessage, u64)> {
-    let failed = |e: shardstream_fabric::stream::StreamError| {
-        Error::Unavailable(format!("rdma stream to the client failed: {e}"))
-    };
     working.preload(ds, ids)?;
-    let mut staged = rdma.lock()?.sender.reserve(index).map_err(failed)?;
-    let read = {
-        let buf = staged.buffer();
+    let (slot, len, (bytes, keys, columns)) = rdma_post(rdma, index, |buf| {
         let slot_bytes = buf.len() as u64;
         let mut b = InlineBatchBuilder::with_buffer(fields, all_fields, ids.len(), Fixed::new(buf));
         let too_large = || format!("the client's rdma ring slots of {slot_bytes} bytes (SHARDSTREAM_RDMA_SLOT_BYTES)");
@@ -526,21 +544,11 @@ fn build_rdma_batch(
                 )));
             }
             Ok(())
-        })
-        .map(|()| (b.payload_bytes(), b.into_parts()))
-    };
-    let mut r = rdma.lock()?;
-    let (bytes, (keys, columns, len)) = match read {
-        Ok(read) => read,
-        Err(e) => {
-            r.sender.cancel(staged);
-            return Err(e);
-        }
-    };
-    // Posted, not waited for: the metadata may overtake the bytes (the client joins the two in
-    // either order) and the progress thread moves the write while the next batch is read.
-    let slot = r.sender.post(staged, len).map_err(failed)?;
-    drop(r);
+        })?;
+        let bytes = b.payload_bytes();
+        let (keys, columns, len) = b.into_parts();
+        Ok((len, (bytes, keys, columns)))
+    })?;
     let batch = RdmaBatch { batch_index: index, slot, keys, fields: columns, data_bytes: len as u64 };
     Ok((StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(batch)) }, bytes))
 }
@@ -725,12 +733,14 @@ impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
 }
 
 /// Builds one Arrow batch of a Parquet dataset (blocking): the rows `ids`, decoded through the
-/// daemon's shared row-group cache, as an IPC stream inline or in a ring slot (shm).
+/// daemon's shared row-group cache, as an IPC stream inline, in a ring slot (shm), or written
+/// into a slot of the client's ring (rdma).
 #[allow(clippy::too_many_arguments)]
 fn build_arrow_batch(
     ds: &Dataset,
     working: &std::sync::Mutex<Working>,
     session: Option<&Session>,
+    rdma: Option<&transport::rdma::RdmaPipe>,
     turn: u64,
     asm: &BatchAssembler,
     projected: Option<&projected::ProjectedReads>,
@@ -773,6 +783,11 @@ fn build_arrow_batch(
         (rows?, working.take_wait())
     };
     let mut msg = match (session, credit) {
+        (None, _) if let Some(pipe) = rdma => {
+            let (slot, length, ()) =
+                rdma_post(pipe, index, |buf| Ok((transport::arrow::write_rows(asm, &rows, buf)?, ())))?;
+            ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }
+        }
         (Some(s), Some(credit)) => {
             let (guard, msg) = transport::arrow::shm_rows(index, ids, asm, &rows, |need| {
                 if s.needs_ring(need) {
@@ -829,12 +844,15 @@ fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
 /// hand-off, to the connection's task that writes the message, and batches built back to back
 /// share it ([`outbox`]). The first batch goes alone (time to first batch), and a group is sent
 /// before anything that would wait on the client: a turn without a free slot, or a new ring
-/// (its budget may wait for this stream's own slots). Behaviour is the general loop's otherwise:
+/// (its budget may wait for this stream's own slots); over rdma, where every batch holds a credit
+/// of the client's ring, each message goes at once. Behaviour is the general loop's otherwise:
 /// batches in order, the client leaving or a shutdown ends the stream before the next batch, an
 /// error is sent to the client after the batches before it and ends the stream.
 struct SmallArrowStream {
     dataset: Arc<Dataset>,
     session: Option<Arc<Session>>,
+    /// The stream's rdma sender, when the batches go into the client's registered ring.
+    rdma: Option<Arc<transport::rdma::RdmaPipe>>,
     asm: Arc<BatchAssembler>,
     projected: Option<Arc<projected::ProjectedReads>>,
     sequence: plan::RankStream,
@@ -894,6 +912,7 @@ impl SmallArrowStream {
                 &self.dataset,
                 &working,
                 self.session.as_deref(),
+                self.rdma.as_deref(),
                 turn,
                 &self.asm,
                 self.projected.as_deref(),
@@ -918,7 +937,10 @@ impl SmallArrowStream {
                 }
                 Err(e) => return self.fail(group, e),
             }
-            let next_waits = self.session.as_ref().is_some_and(|s| !s.credit_free());
+            // Over rdma every batch holds a credit the client returns only once it has the
+            // batch's message: a message held back here could leave the next batch waiting for
+            // a credit that cannot come, so each goes at once.
+            let next_waits = self.session.as_ref().is_some_and(|s| !s.credit_free()) || self.rdma.is_some();
             if !sent_any || group.len() >= SMALL_GROUP || next_waits {
                 if !self.send(std::mem::take(&mut group)) {
                     return;
@@ -1181,6 +1203,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         let stream = SmallArrowStream {
             dataset,
             session,
+            rdma: rdma.clone(),
             asm,
             projected,
             sequence,
@@ -1214,6 +1237,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     ds,
                     working,
                     session.as_deref(),
+                    rdma.as_deref(),
                     turn,
                     asm,
                     projected,

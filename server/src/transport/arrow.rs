@@ -3,7 +3,9 @@
 //! (slot header with `n_fields = 0`, `n_samples` = rows, `payload_bytes` = stream length; the
 //! stream from `ring::ARROW_DATA_OFFSET`) and the message names ring, slot and length. The slot is
 //! the client's until it releases the batch, as for packed batches; the ring, its budget and its
-//! slot state machine are the packed mode's own ([`super::shm`]).
+//! slot state machine are the packed mode's own ([`super::shm`]). With rdma the stream is written
+//! at the start of a staging buffer ([`write_rows`]) that the daemon RDMA-writes into a slot of
+//! the client's ring, and the message names that slot and the length.
 
 use arrow_array::RecordBatch;
 use shardstream_proto::ArrowBatch;
@@ -24,7 +26,7 @@ pub fn inline_batch(batch_index: u64, row_ids: Vec<u64>, batch: &RecordBatch) ->
 }
 
 fn inline_message(batch_index: u64, row_ids: Vec<u64>, data: Vec<u8>) -> ArrowBatch {
-    ArrowBatch { batch_index, row_ids, length: data.len() as u64, data, ..Default::default() }
+    ArrowBatch { batch_index, row_ids, length: data.len() as u64, data: data.into(), ..Default::default() }
 }
 
 /// Writes batch `batch_index` into a ring slot that `acquire` gives for the bytes it needs, and
@@ -72,6 +74,29 @@ pub fn shm_rows<'s>(
         let msg =
             ArrowBatch { batch_index, row_ids, ring: guard.ring(), slot: guard.slot(), length, ..Default::default() };
         Ok((guard, msg))
+    })
+}
+
+/// Writes the rows' IPC stream at the start of `buf` (an rdma staging buffer) and returns its
+/// length: straight from the decoded row groups when every column is flat (one copy of each
+/// byte), else gathered, encoded and copied. An error when it does not fit.
+pub fn write_rows(asm: &BatchAssembler, rows: &BatchRows, buf: &mut [u8]) -> Result<usize> {
+    let slot = buf.len();
+    let too_large = |need: usize| {
+        Error::invalid(format!(
+            "an Arrow batch of {need} bytes does not fit the client's {slot}-byte rdma ring slots; raise \
+             SHARDSTREAM_RDMA_SLOT_BYTES or lower batch_size"
+        ))
+    };
+    let schema = asm.schema();
+    rows.with_direct(schema, asm.schema_message(), |plan| match plan {
+        Some(plan) if plan.stream_len() > slot => Err(too_large(plan.stream_len())),
+        Some(plan) => plan.write(buf).map_err(ipc_error),
+        None => {
+            let bytes = rows.encode(schema, asm.schema_message())?;
+            buf.get_mut(..bytes.len()).ok_or_else(|| too_large(bytes.len()))?.copy_from_slice(&bytes);
+            Ok(bytes.len())
+        }
     })
 }
 
