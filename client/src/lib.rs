@@ -420,6 +420,26 @@ pub fn arrow_parts(b: &shardstream_proto::ArrowBatch, allowed: u32) -> Result<Ve
     Ok(b.part_indices.iter().copied().zip(b.part_rows.iter().copied()).collect())
 }
 
+/// Where an Arrow IPC stream must start: its buffers lie at multiples of 8 from the start, and a
+/// reader hands out arrays (and numpy or torch views of them) where they lie. 64, Arrow's
+/// recommended alignment, costs the same.
+pub const IPC_ALIGN: usize = 64;
+
+/// `data` itself when it starts at a multiple of [`IPC_ALIGN`], else a copy that does. An inline
+/// message's IPC stream lies wherever the protobuf decoder found it in the receive buffer; a slot
+/// (shm, rdma) starts on a page.
+pub fn aligned_ipc(data: bytes::Bytes) -> bytes::Bytes {
+    let misalign = |p: *const u8| (p as usize) % IPC_ALIGN;
+    if misalign(data.as_ptr()) == 0 {
+        return data;
+    }
+    let mut v = Vec::with_capacity(data.len() + IPC_ALIGN);
+    let pad = (IPC_ALIGN - misalign(v.as_ptr())) % IPC_ALIGN;
+    v.resize(pad, 0);
+    v.extend_from_slice(&data);
+    bytes::Bytes::from(v).slice(pad..)
+}
+
 /// One consumer's stream of batches.
 pub struct BatchStream {
     pub header: StreamHeader,
@@ -594,6 +614,8 @@ pub async fn stream_from(
                         (Err(e), _) => Err(e),
                         (Ok(parts), None) => {
                             received += parts.len() as u64;
+                            let mut b = b;
+                            b.data = aligned_ipc(std::mem::take(&mut b.data));
                             Ok(Batch::Arrow(b))
                         }
                         // Over rdma the IPC stream is in a slot of the ring: read in place.
@@ -646,6 +668,20 @@ pub async fn stream_from(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ipc_stream_is_handed_on_aligned_with_its_bytes() {
+        let whole = bytes::Bytes::from((0..=255u8).cycle().take(4096 + IPC_ALIGN).collect::<Vec<u8>>());
+        let at = IPC_ALIGN - (whole.as_ptr() as usize) % IPC_ALIGN;
+        for skew in [0, 1, 3, 8, 63] {
+            let data = whole.slice(at + skew..at + skew + 4000);
+            let out = aligned_ipc(data.clone());
+            assert_eq!(out, data);
+            assert_eq!(out.as_ptr() as usize % IPC_ALIGN, 0, "skew {skew}");
+            // Already aligned: no copy.
+            assert_eq!(out.as_ptr() == data.as_ptr(), skew == 0, "skew {skew}");
+        }
+    }
 
     #[test]
     fn transport_failures_are_disconnects_and_daemon_statuses_stay() {
