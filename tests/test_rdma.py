@@ -1,8 +1,9 @@
 """transport="rdma" end to end: a real `shardstream serve --rdma` on TCP, libfabric's tcp provider
 (the same protocol verbs and EFA run: the daemon RDMA-writes each batch into the ring the client
 registered, metadata on gRPC, slots returned by small sends), real torch DataLoader workers that
-create their rings after fork, WebDataset samples and Parquet rows (Arrow batches). Needs libfabric.so.1 (`bash scripts/libfabric.sh`); without it the
-tests fail, unless SHARDSTREAM_SKIP_RDMA=1 says this host is known not to have it."""
+create their rings after fork, WebDataset samples and Parquet rows (Arrow batches). Needs
+libfabric.so.1 (`bash scripts/libfabric.sh`); without it the tests fail, unless
+SHARDSTREAM_SKIP_RDMA=1 says this host is known not to have it."""
 
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import test_parquet
 import torch.utils.data
+from test_parquet import TOTAL, epoch_rows
 
 import shardstream
 import shardstream.torch as sst
 from conftest import Daemon, wait_for, within
-from test_parquet import TOTAL, epoch_rows, varied  # noqa: F401 - varied is a fixture used below
+
+# The pyarrow dataset of test_parquet.py (4 files, one codec and row-group size each).
+varied = test_parquet.varied
 
 
 def _libfabric() -> bool:
@@ -133,7 +138,9 @@ def test_a_batch_that_outgrows_its_ring_slot_is_refused_by_name(
         for _ in shardstream.Loader(str(root), **args):
             pass
     monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(4 << 20))
-    got = {k: bytes(v) for b in shardstream.Loader(str(root), **args) for k, v in zip(b["__key__"], b["bin"])}
+    got = {
+        k: bytes(v) for b in shardstream.Loader(str(root), **args) for k, v in zip(b["__key__"], b["bin"], strict=True)
+    }
     assert len(got) == 200
     assert got["s00005"] == bytes([5]) * (400 << 10) and got["s00199"] == bytes([199]) * 512
 
