@@ -210,6 +210,36 @@ def test_an_arrow_batch_larger_than_a_ring_slot_is_refused_by_name(
             pass
 
 
+def test_auto_takes_rdma_only_over_the_providers_it_picks(
+    rdma_daemon, dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transport="auto" toward a remote daemon: rdma when the daemon serves it over a provider
+    auto picks (hardware ones by default, or those SHARDSTREAM_RDMA_AUTO_PROVIDERS lists), else
+    inline. Over libfabric's tcp provider rdma is no faster than inline, so by default auto keeps
+    inline; listed, tcp is taken, and every sample arrives once."""
+    root, samples = dataset
+
+    def transport_and_keys(addr: str) -> tuple[str, collections.Counter[str]]:
+        loader = shardstream.Loader(str(root), batch_size=64, connect=addr, transport="auto")
+        keys = collections.Counter(k for b in loader for k in b["__key__"])
+        return loader.stats()["transport"], keys
+
+    monkeypatch.delenv("SHARDSTREAM_RDMA_AUTO_PROVIDERS", raising=False)
+    transport, keys = transport_and_keys(rdma_daemon.addr)
+    assert transport == "inline" and keys == collections.Counter(set(samples))
+    monkeypatch.setenv("SHARDSTREAM_RDMA_AUTO_PROVIDERS", "verbs,tcp")
+    transport, keys = transport_and_keys(rdma_daemon.addr)
+    assert transport.startswith("rdma/tcp"), transport
+    assert keys == collections.Counter(set(samples))
+    # A daemon without --rdma offers no provider: inline.
+    (tmp_path / "plain").mkdir()
+    d = tcp_daemon(tmp_path / "plain", rdma=False)
+    try:
+        assert transport_and_keys(d.addr)[0] == "inline"
+    finally:
+        d.stop()
+
+
 def test_rdma_from_a_daemon_without_it_names_why(dataset, tmp_path: Path) -> None:
     root, _ = dataset
     d = tcp_daemon(tmp_path, rdma=False)

@@ -521,12 +521,26 @@ pub async fn stream_from(
     mut req: StreamRequest,
     daemon: Option<&Address>,
 ) -> Result<BatchStream, ClientError> {
+    // auto over TCP: rdma when the daemon serves it over a provider auto picks (hardware) and
+    // this host can open that provider too; the rest of auto is the daemon's (shm or inline).
+    let mut provider = None;
+    if req.transport == shardstream_proto::Transport::Auto as i32
+        && matches!(daemon, Some(Address::Tcp(_) | Address::Tls(_)))
+        && let Ok(st) = client.status(shardstream_proto::StatusRequest {}).await
+    {
+        let daemon_provider = st.into_inner().rdma_provider;
+        let check = daemon_provider.clone();
+        if tokio::task::spawn_blocking(move || rdma::auto_takes(&check)).await.unwrap_or(false) {
+            req.transport = shardstream_proto::Transport::Rdma as i32;
+            provider = Some(daemon_provider);
+        }
+    }
     let ring = if req.transport == shardstream_proto::Transport::Rdma as i32 {
         let first = req.start_batch;
         let daemon = daemon.cloned();
         let (ring, offer) = tokio::task::spawn_blocking(move || {
             let toward = daemon.as_ref().map(daemon_ip).transpose()?.flatten();
-            rdma::RdmaRing::open(first, toward)
+            rdma::RdmaRing::open(first, toward, provider.as_deref())
         })
         .await
         .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))??;

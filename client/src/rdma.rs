@@ -101,10 +101,14 @@ fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
 }
 
 impl RdmaRing {
-    /// Opens an endpoint (provider from SHARDSTREAM_FI_PROVIDER / FI_PROVIDER, else libfabric's
-    /// first that can) on the interface that routes to `daemon` when known, and registers the
-    /// ring; returns it with the offer for the request.
-    pub fn open(first_batch: u64, daemon: Option<std::net::IpAddr>) -> Result<(Arc<Self>, RdmaOffer), ClientError> {
+    /// Opens an endpoint (`provider`, else the one SHARDSTREAM_FI_PROVIDER / FI_PROVIDER force,
+    /// else libfabric's first that can) on the interface that routes to `daemon` when known, and
+    /// registers the ring; returns it with the offer for the request.
+    pub fn open(
+        first_batch: u64,
+        daemon: Option<std::net::IpAddr>,
+        provider: Option<&str>,
+    ) -> Result<(Arc<Self>, RdmaOffer), ClientError> {
         let slot_bytes = std::env::var("SHARDSTREAM_RDMA_SLOT_BYTES")
             .ok()
             .map(|v| {
@@ -112,7 +116,7 @@ impl RdmaRing {
             })
             .transpose()?
             .unwrap_or(DEFAULT_SLOT_BYTES);
-        let ep = open_endpoint_toward(None, 64, daemon).map_err(err)?;
+        let ep = open_endpoint_toward(provider, 64, daemon).map_err(err)?;
         let rx =
             RingReceiver::new(ep, RDMA_SLOTS, usize::try_from(slot_bytes).map_err(err)?, first_batch).map_err(err)?;
         let o = rx.offer().map_err(err)?;
@@ -213,4 +217,22 @@ impl RdmaRing {
         drop(rx);
         Ok(bytes::Bytes::from_owner(SlotView { lent: Some(lent), ring: self.clone() }))
     }
+}
+
+/// Whether `transport="auto"` takes rdma toward a daemon that streams over `provider` (its
+/// status; empty when it does not serve rdma): the provider is one `auto` picks
+/// ([`shardstream_fabric::auto_picks`], `SHARDSTREAM_RDMA_AUTO_PROVIDERS`), nothing forces
+/// another provider on this side, and this host's libfabric opens it. Blocking (it may load
+/// libfabric); any failure is a no: `auto` then streams inline, as it always could, and the
+/// stream's transport (`Loader.stats()`) says which it took.
+pub fn auto_takes(provider: &str) -> bool {
+    let allowed = std::env::var(shardstream_fabric::AUTO_PROVIDERS_ENV).ok();
+    if !shardstream_fabric::auto_picks(provider, allowed.as_deref()) {
+        return false;
+    }
+    let core = shardstream_fabric::core_provider(provider);
+    if shardstream_fabric::forced_provider().is_some_and(|f| shardstream_fabric::core_provider(&f) != core) {
+        return false;
+    }
+    shardstream_fabric::Fabric::open(Some(provider)).is_ok()
 }

@@ -74,6 +74,35 @@ static SETTINGS: OnceLock<BTreeMap<String, String>> = OnceLock::new();
 /// both ends, default or not, streams. Other rxm settings were not found to matter.
 pub const MUST_AGREE: &[&str] = &["FI_OFI_RXM_BUFFER_SIZE"];
 
+/// Core providers (the part of a provider name before any `;`) that move every byte through the
+/// host's CPU and kernel, sockets or shared memory: over them rdma is no faster than the inline
+/// transport (bench/INLINE.md), so `transport="auto"` does not pick it.
+pub const SOFTWARE_PROVIDERS: &[&str] = &["tcp", "sockets", "udp", "shm", "sm2", "net"];
+
+/// Environment variable of a trainer listing the core providers (comma-separated, `verbs,efa`)
+/// over which `transport="auto"` picks rdma, instead of every provider but
+/// [`SOFTWARE_PROVIDERS`].
+pub const AUTO_PROVIDERS_ENV: &str = "SHARDSTREAM_RDMA_AUTO_PROVIDERS";
+
+/// The core of a provider name as `fi_info` gives it (`verbs;ofi_rxm` -> `verbs`).
+pub fn core_provider(provider: &str) -> &str {
+    provider.split(';').next().unwrap_or("").trim()
+}
+
+/// Whether `transport="auto"` picks rdma toward a daemon that streams over `provider` (empty:
+/// the daemon does not serve rdma): its core is in `allowed` (the [`AUTO_PROVIDERS_ENV`] list)
+/// when that is given, else it is not a [`SOFTWARE_PROVIDERS`] one.
+pub fn auto_picks(provider: &str, allowed: Option<&str>) -> bool {
+    let core = core_provider(provider);
+    if core.is_empty() {
+        return false;
+    }
+    match allowed {
+        Some(list) => list.split(',').map(str::trim).any(|p| p == core),
+        None => !SOFTWARE_PROVIDERS.contains(&core),
+    }
+}
+
 /// The process's libfabric, loaded on first use; the error says why it cannot be had.
 pub fn library() -> Result<&'static ffi::Lib> {
     LIB.get_or_init(|| {
@@ -154,6 +183,20 @@ mod tests {
 
     fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn auto_picks_rdma_over_hardware_providers_or_the_ones_listed() {
+        for p in ["verbs;ofi_rxm", "efa", "psm3", "cxi", "opx"] {
+            assert!(auto_picks(p, None), "{p}");
+        }
+        for p in ["", "tcp", "tcp;ofi_rxm", "shm", "sockets", " udp ;ofi_rxd"] {
+            assert!(!auto_picks(p, None), "{p:?}");
+        }
+        assert!(auto_picks("tcp;ofi_rxm", Some("tcp")));
+        assert!(auto_picks("efa", Some("verbs, efa")));
+        assert!(!auto_picks("verbs;ofi_rxm", Some("efa")));
+        assert!(!auto_picks("", Some("")), "a daemon without rdma is never picked");
     }
 
     #[test]

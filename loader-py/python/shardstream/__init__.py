@@ -223,7 +223,8 @@ class Loader:
         drop_last: bool = False,
         connect: str = "auto",
         # "shm" (same host, Unix socket), "rdma" (libfabric; daemon --rdma), "inline", or "auto"
-        # (shm when possible)
+        # (shm when possible; over TCP rdma when the daemon serves it over a hardware provider
+        # this host opens too, else inline)
         transport: str = "auto",
         shuffle_window: int = 0,
         cache: str = "auto",  # "copy" (through the node cache), "direct" (in place), "auto"

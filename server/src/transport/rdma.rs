@@ -108,8 +108,7 @@ impl RdmaHub {
 
 /// "tcp" names the same provider stack as "tcp;ofi_rxm" (what libfabric reports for it).
 fn same_provider(a: &str, b: &str) -> bool {
-    let first = |s: &str| s.split(';').next().unwrap_or("").trim().to_owned();
-    first(a) == first(b)
+    shardstream_fabric::core_provider(a) == shardstream_fabric::core_provider(b)
 }
 
 /// One stream's sender; counted in the hub while it lives.
