@@ -1217,7 +1217,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         if let Err(e) = tokio::task::spawn_blocking(move || stream.run(batches)).await {
             tracing::warn!(error = %e, "stream task failed");
         }
-        return;
+        return linger_for_credits(rdma);
     }
     let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow, projected));
     let sequence = Arc::new(std::sync::Mutex::new(sequence));
@@ -1347,13 +1347,17 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
             }
         }
     }
-    // rdma: the endpoint must outlive the last batch until the client has taken it (closing it
-    // earlier can reset the connection under the last write). The client returns the last
-    // credits only once its consumer drops those batches, which it may do only after the stream
-    // ended: so the stream ends now and the endpoint lives on in the background until every
-    // credit is back or the client is gone (bounded by the stall time).
+    drop(tx);
+    linger_for_credits(rdma);
+}
+
+/// rdma: the endpoint must outlive the last batch until the client has taken it (closing it
+/// earlier can reset the connection under the last write). The client returns the last credits
+/// only once its consumer drops those batches, which it may do only after the stream ended: so
+/// the stream ends (its sender of messages already dropped) and the endpoint lives on in the
+/// background until every credit is back or the client is gone (bounded by the stall time).
+fn linger_for_credits(rdma: Option<Arc<transport::rdma::RdmaPipe>>) {
     if let Some(r) = rdma {
-        drop(tx);
         tokio::task::spawn_blocking(move || {
             if let Err(e) = r.lock().and_then(|mut s| s.sender.drain().map_err(|e| Error::Unavailable(e.to_string()))) {
                 tracing::debug!(error = %e, "rdma stream ended without every credit back");
