@@ -1,0 +1,91 @@
+"""Where a remote stream's time goes, per transport: several epochs of the small inline dataset
+(30,000 samples of ~18 KiB, batch 256) streamed one after the other in one consumer process
+against one warm daemon on tcp://127.0.0.1, so the first stream (which pays loading libfabric, for
+rdma) and the later ones (each still opening its own endpoint and ring) are told apart, and each
+stream's first batch from the rest. Not part of `make bench` (inline_bench.py is): the loop behind
+bench/RDMA_E2E.md's figures on set-up against steady state.
+
+    python bench/stream_setup.py --rounds 3 --streams 4
+
+Prints, per transport and stream position (1st, later), the median over rounds and later streams
+of: seconds for the epoch, seconds to its first batch, and the rest (epoch minus first batch)
+as samples/s; every epoch is checked exactly once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import consumer  # noqa: E402
+import inline_bench  # noqa: E402
+import shm_bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(addr: str, url: str, transport: str, streams: int, expected: int) -> None:
+    """`streams` epochs in this process; prints one JSON line per epoch."""
+    import time
+
+    import torch.distributed  # noqa: F401 - imported before any clock, as inline_bench.py does
+
+    import shardstream
+
+    for i in range(streams):
+        t0 = time.perf_counter()
+        loader = shardstream.Loader(url, batch_size=inline_bench.SMALL_BATCH, seed=i, connect=addr, transport=transport)
+        r = consumer.consume((b["jpg"] for b in loader), t0, 0)
+        check = consumer.verdict(r.pop("ids"), expected)
+        print(json.dumps({"seconds": r["seconds"], "ttfb": r["ttfb"], "samples": r["samples"], "check": check}))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=30_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=4, help="epochs per consumer process")
+    ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
+    args = ap.parse_args()
+    files = shm_bench.tar_dataset(args.data / f"inline-small-{args.samples}", args.samples, 18 << 10, 1000, "jpg", True)
+    url = str(files[0].parent)
+    results: dict[str, dict[str, list[dict]]] = {t: {"first": [], "later": []} for t in ("inline", "rdma")}
+    with tempfile.TemporaryDirectory() as td:
+        d = inline_bench.TcpDaemon(None, Path(td), rdma=True)
+        try:
+            for _ in range(args.rounds):
+                for transport in results:
+                    cmd = [sys.executable, __file__, "--child", d.addr, url, transport, str(args.streams)]
+                    out = subprocess.run([*cmd, str(args.samples)], env=d.env, capture_output=True, text=True)
+                    if out.returncode != 0:
+                        raise RuntimeError(f"{transport} consumer failed: {out.stderr[-2000:]}")
+                    epochs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+                    results[transport]["first"].append(epochs[0])
+                    results[transport]["later"].extend(epochs[1:])
+        finally:
+            d.stop()
+    print("| transport | stream | epoch s | first batch s | samples/s after the first batch | check |")
+    print("|---|---|---|---|---|---|")
+    for transport, by in results.items():
+        for which, epochs in by.items():
+            seconds = statistics.median(e["seconds"] for e in epochs)
+            ttfb = statistics.median(e["ttfb"] for e in epochs)
+            rate = statistics.median(e["samples"] / max(e["seconds"] - e["ttfb"], 1e-9) for e in epochs)
+            checks = {e["check"] for e in epochs}
+            print(
+                f"| {transport} | {which} ({len(epochs)}) | {seconds:.3f} | {ttfb:.3f} | "
+                f"{rate:,.0f} | {', '.join(sorted(checks))} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
