@@ -355,11 +355,21 @@ def test_warm_up_loads_libfabric_without_a_thread_so_forking_after_it_is_safe() 
     assert (before, loaded) == (after, "True")
 
 
-@pytest.mark.parametrize("transport", ["rdma", "inline"])
-def test_an_rdma_loader_loads_libfabric_where_it_is_built(rdma_daemon, dataset, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("transport", "auto_providers", "loads"),
+    [("rdma", None, True), ("inline", None, False), ("auto", None, False), ("auto", "tcp", True)],
+)
+def test_an_rdma_loader_loads_libfabric_where_it_is_built(
+    rdma_daemon, dataset, monkeypatch: pytest.MonkeyPatch, transport: str, auto_providers: str | None, loads: bool
+) -> None:
     """So DataLoader workers forked from the process that built it inherit libfabric's start-up;
-    other transports never load it."""
+    other transports never load it, nor does auto unless it will take rdma (the daemon's tcp
+    provider only when SHARDSTREAM_RDMA_AUTO_PROVIDERS lists it)."""
     root, _ = dataset
+    if auto_providers is None:
+        monkeypatch.delenv("SHARDSTREAM_RDMA_AUTO_PROVIDERS", raising=False)
+    else:
+        monkeypatch.setenv("SHARDSTREAM_RDMA_AUTO_PROVIDERS", auto_providers)
     (loaded,) = _fresh(
         """
         import sys, shardstream
@@ -370,7 +380,7 @@ def test_an_rdma_loader_loads_libfabric_where_it_is_built(rdma_daemon, dataset, 
         rdma_daemon.addr,
         transport,
     )
-    assert loaded == str(transport == "rdma")
+    assert loaded == str(loads)
 
 
 # Saves its state after `stop_after` batches and SIGKILLs itself (-1: runs the epoch out); writes

@@ -219,6 +219,14 @@ impl RdmaRing {
     }
 }
 
+/// Whether `transport="auto"` would take rdma toward a daemon serving it over `provider`, by its
+/// name alone ([`shardstream_fabric::auto_picks`] with this process's
+/// `SHARDSTREAM_RDMA_AUTO_PROVIDERS`): whether this host opens it is [`auto_takes`]'s question.
+pub fn auto_picks(provider: &str) -> bool {
+    let allowed = std::env::var(shardstream_fabric::AUTO_PROVIDERS_ENV).ok();
+    shardstream_fabric::auto_picks(provider, allowed.as_deref())
+}
+
 /// Whether `transport="auto"` takes rdma toward a daemon that streams over `provider` (its
 /// status; empty when it does not serve rdma): the provider is one `auto` picks
 /// ([`shardstream_fabric::auto_picks`], `SHARDSTREAM_RDMA_AUTO_PROVIDERS`), nothing forces
@@ -226,8 +234,7 @@ impl RdmaRing {
 /// libfabric); any failure is a no: `auto` then streams inline, as it always could, and the
 /// stream's transport (`Loader.stats()`) says which it took.
 pub fn auto_takes(provider: &str) -> bool {
-    let allowed = std::env::var(shardstream_fabric::AUTO_PROVIDERS_ENV).ok();
-    if !shardstream_fabric::auto_picks(provider, allowed.as_deref()) {
+    if !auto_picks(provider) {
         return false;
     }
     let core = shardstream_fabric::core_provider(provider);

@@ -160,6 +160,9 @@ impl Connection {
             let datasets: Vec<(String, u64, u64)> =
                 r.datasets.into_iter().map(|ds| (ds.url, ds.resident_shard_tables, ds.resident_index_bytes)).collect();
             d.set_item("datasets", datasets)?;
+            d.set_item("rdma_provider", r.rdma_provider)?;
+            d.set_item("rdma_streams", r.rdma_streams)?;
+            d.set_item("rdma_ring_bytes", r.rdma_ring_bytes)?;
             Ok(d)
         })
     }
@@ -463,6 +466,14 @@ fn fabric_warm_up(py: Python<'_>) -> PyResult<()> {
     errors::no_panic("fabric_warm_up", || py.detach(shardstream_client::rdma::warm_up).map_err(errors::to_pyerr))
 }
 
+/// Whether `transport="auto"` would take rdma toward a daemon serving it over `provider` (by its
+/// name alone: whether this host opens it is the stream's to find out), so the trainer can load
+/// libfabric before it forks DataLoader workers.
+#[pyfunction]
+fn rdma_auto_picks(provider: &str) -> bool {
+    shardstream_client::rdma::auto_picks(provider)
+}
+
 /// Panics inside the panic guard every entry point uses: lets the tests check that a Rust panic
 /// reaches Python as `ShardstreamError`, never as `PanicException`.
 #[pyfunction]
@@ -488,6 +499,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(fabric_warm_up, m)?)?;
+    m.add_function(wrap_pyfunction!(rdma_auto_picks, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     errors::register(m)?;
     m.add("__version__", shardstream::VERSION)?;

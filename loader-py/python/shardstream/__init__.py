@@ -19,6 +19,7 @@ default) or, with ``format="arrow"``, as ``pyarrow.RecordBatch`` (see ``shardstr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import sys
@@ -279,6 +280,14 @@ class Loader:
         self._worker, self._num_workers = _worker
         self.address = resolve_address(connect)
         self._conn = _native.Connection(self.address)
+        if transport == "auto" and self.address.startswith(("tcp://", "tls://")):
+            # auto takes rdma toward a daemon serving it over a hardware provider: load libfabric
+            # here, as for "rdma", so forked DataLoader workers do not each pay its start-up. If
+            # it cannot be had, the stream finds out again and goes inline.
+            provider = str(self._conn.status().get("rdma_provider", ""))
+            if provider and _native.rdma_auto_picks(provider):
+                with contextlib.suppress(ShardstreamError):
+                    _native.fabric_warm_up()
         self.info: dict[str, Any] = self._conn.open(self.url, self.cache)
         self.format = format
         # Arrow batches (Parquet): the daemon describes the dataset with an Arrow schema.
