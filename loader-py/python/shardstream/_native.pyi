@@ -13,6 +13,7 @@ __all__ = [
     "probe",
     "cli_main",
     "fabric_warm_up",
+    "rdma_auto_picks",
     "ShardstreamError",
     "ShardError",
     "__version__",
