@@ -194,6 +194,25 @@ def test_record_batches_over_rdma_two_ranks_two_workers_exactly_once(rdma_daemon
     assert seen == epoch("inline")
 
 
+def test_large_arrow_batches_over_rdma(rdma_daemon, tmp_path: Path) -> None:
+    """Batches of over a MiB (rows of 20 KiB) take the daemon's general pipeline rather than its
+    small-batch loop: every row once, with its bytes, read in place in the ring."""
+    root = tmp_path / "images"
+    root.mkdir()
+    rng = np.random.default_rng(4)
+    blobs = [rng.integers(0, 256, 20 << 10, dtype=np.uint8).tobytes() for _ in range(300)]
+    t = pa.table({"id": np.arange(300, dtype=np.int64), "img": pa.array(blobs, pa.binary())})
+    pq.write_table(t, root / "part-000.parquet", row_group_size=50)
+    loader = shardstream.Loader(str(root), batch_size=64, seed=2, connect=rdma_daemon.addr, transport="rdma")
+    seen = []
+    for batch in loader:
+        ids = np.asarray(batch["id"]).tolist()
+        assert [bytes(v) for v in batch["img"]] == [blobs[i] for i in ids]
+        seen.extend(ids)
+    assert sorted(seen) == list(range(300))
+    assert loader.stats()["transport"].startswith("rdma/tcp")
+
+
 def test_an_arrow_batch_larger_than_a_ring_slot_is_refused_by_name(
     rdma_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
