@@ -1,11 +1,13 @@
 """Where a remote stream's time goes, per transport: several epochs of the small inline dataset
-(30,000 samples of ~18 KiB, batch 256) streamed one after the other in one consumer process
+(30,000 samples of ~18 KiB, batch 256; or a Parquet set's rows as Arrow record batches,
+`--parquet DIR`) streamed one after the other in one consumer process
 against one warm daemon on tcp://127.0.0.1, so the first stream (which pays loading libfabric, for
 rdma) and the later ones (each still opening its own endpoint and ring) are told apart, and each
 stream's first batch from the rest. Not part of `make bench` (inline_bench.py is): the loop behind
 bench/RDMA_E2E.md's figures on set-up against steady state.
 
     python bench/stream_setup.py --rounds 3 --streams 4
+    python bench/stream_setup.py --parquet bench/data/parquet/tab-1000000 --rounds 3
 
 Prints, per transport and stream position (1st, later), the median over rounds and later streams
 of: seconds for the epoch, seconds to its first batch, and the rest (epoch minus first batch)
@@ -19,7 +21,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -30,34 +34,57 @@ import shm_bench  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(addr: str, url: str, transport: str, streams: int, expected: int) -> None:
-    """`streams` epochs in this process; prints one JSON line per epoch."""
-    import time
+def arrow_epoch(loader: Any, t0: float) -> dict[str, Any]:
+    """An Arrow (Parquet) epoch: record batches as they come, rows counted, each row id kept."""
+    ttfb = None
+    ids: list[int] = []
+    for rb in loader:
+        if ttfb is None:
+            ttfb = time.perf_counter() - t0
+        ids.extend(rb.column("__row__").to_pylist())
+    return {"samples": len(ids), "ids": ids, "ttfb": ttfb, "seconds": time.perf_counter() - t0}
 
+
+def child(addr: str, url: str, transport: str, streams: int, expected: int, batch: int, arrow: bool) -> None:
+    """`streams` epochs in this process; prints one JSON line per epoch."""
     import torch.distributed  # noqa: F401 - imported before any clock, as inline_bench.py does
 
     import shardstream
 
     for i in range(streams):
         t0 = time.perf_counter()
-        loader = shardstream.Loader(url, batch_size=inline_bench.SMALL_BATCH, seed=i, connect=addr, transport=transport)
-        r = consumer.consume((b["jpg"] for b in loader), t0, 0)
+        form = "arrow" if arrow else "dict"
+        loader = shardstream.Loader(url, batch_size=batch, seed=i, connect=addr, transport=transport, format=form)
+        r = arrow_epoch(loader, t0) if arrow else consumer.consume((b["jpg"] for b in loader), t0, 0)
         check = consumer.verdict(r.pop("ids"), expected)
         print(json.dumps({"seconds": r["seconds"], "ttfb": r["ttfb"], "samples": r["samples"], "check": check}))
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+        addr, url, transport, streams, expected, batch, form = sys.argv[2:9]
+        child(addr, url, transport, int(streams), int(expected), int(batch), form == "arrow")
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=30_000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, default=4, help="epochs per consumer process")
     ap.add_argument("--data", type=Path, default=ROOT / "bench/data")
+    ap.add_argument(
+        "--parquet", type=Path, help="a Parquet dataset directory instead (parquet_bench.py's image or tab sets)"
+    )
+    ap.add_argument("--batch", type=int, default=inline_bench.SMALL_BATCH)
     args = ap.parse_args()
-    files = shm_bench.tar_dataset(args.data / f"inline-small-{args.samples}", args.samples, 18 << 10, 1000, "jpg", True)
-    url = str(files[0].parent)
+    if args.parquet:
+        import pyarrow.parquet as pq
+
+        url = str(args.parquet)
+        args.samples = sum(pq.ParquetFile(f).metadata.num_rows for f in sorted(args.parquet.glob("*.parquet")))
+    else:
+        files = shm_bench.tar_dataset(
+            args.data / f"inline-small-{args.samples}", args.samples, 18 << 10, 1000, "jpg", True
+        )
+        url = str(files[0].parent)
     results: dict[str, dict[str, list[dict]]] = {t: {"first": [], "later": []} for t in ("inline", "rdma")}
     with tempfile.TemporaryDirectory() as td:
         d = inline_bench.TcpDaemon(None, Path(td), rdma=True)
@@ -65,7 +92,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for transport in results:
                     cmd = [sys.executable, __file__, "--child", d.addr, url, transport, str(args.streams)]
-                    out = subprocess.run([*cmd, str(args.samples)], env=d.env, capture_output=True, text=True)
+                    cmd += [str(args.samples), str(args.batch), "arrow" if args.parquet else "dict"]
+                    out = subprocess.run(cmd, env=d.env, capture_output=True, text=True)
                     if out.returncode != 0:
                         raise RuntimeError(f"{transport} consumer failed: {out.stderr[-2000:]}")
                     epochs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -545,8 +545,6 @@ pub async fn stream_from(
         .await
         .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))??;
         req.rdma_offer = Some(offer);
-        // A ring slot holds one batch, and the ring counts batches by message to know the last.
-        req.max_batches_per_message = 1;
         Some(ring)
     } else {
         None
@@ -635,7 +633,8 @@ pub async fn stream_from(
                         // Over rdma the IPC stream is in a slot of the ring: read in place.
                         (Ok(parts), Some(r)) => {
                             received += parts.len() as u64;
-                            match tokio::task::spawn_blocking(move || r.receive_arrow(b)).await {
+                            let batches = parts.len() as u64;
+                            match tokio::task::spawn_blocking(move || r.receive_arrow(b, batches)).await {
                                 Ok(got) => got.map(Batch::Arrow),
                                 Err(e) => Err(ClientError::Rdma(format!("receive task failed: {e}"))),
                             }

@@ -160,26 +160,35 @@ impl RdmaRing {
     /// slot stays this client's until every view of the data is dropped (Python's memoryviews
     /// hold it, as shm leases hold theirs), and its credit goes back to the daemon then.
     pub fn receive(self: &Arc<Self>, b: RdmaBatch) -> Result<InlineBatch, ClientError> {
-        let data = self.receive_bytes(b.batch_index, b.slot, b.data_bytes)?;
+        let data = self.receive_bytes(b.batch_index, b.slot, b.data_bytes, 1)?;
         Ok(InlineBatch { batch_index: b.batch_index, keys: b.keys, fields: b.fields, data, more: false })
     }
 
-    /// As [`Self::receive`] for an Arrow batch (Parquet datasets): its IPC stream, read in place
-    /// in the ring slot the message names, becomes the batch's `data`, as if it had come inline.
-    pub fn receive_arrow(self: &Arc<Self>, mut b: ArrowBatch) -> Result<ArrowBatch, ClientError> {
+    /// As [`Self::receive`] for an Arrow message (Parquet datasets) carrying `batches` batches of
+    /// the stream (its parts, checked by the caller): its IPC stream, read in place in the ring
+    /// slot the message names, becomes the message's `data`, as if it had come inline.
+    pub fn receive_arrow(self: &Arc<Self>, mut b: ArrowBatch, batches: u64) -> Result<ArrowBatch, ClientError> {
         if !b.data.is_empty() || b.ring != 0 {
             return Err(ClientError::Protocol(format!(
                 "rdma: Arrow batch {} names no slot of this client's ring",
                 b.batch_index
             )));
         }
-        b.data = self.receive_bytes(b.batch_index, b.slot, b.length)?;
+        b.data = self.receive_bytes(b.batch_index, b.slot, b.length, batches)?;
         Ok(b)
     }
 
-    /// The `len` bytes of batch `batch`, which the daemon says it wrote into `slot`, read in
-    /// place: joined with the write's immediate, waiting for it as long as [`ARRIVAL_TIMEOUT`].
-    fn receive_bytes(self: &Arc<Self>, batch: u64, slot: u32, len: u64) -> Result<bytes::Bytes, ClientError> {
+    /// The `len` bytes of the message of batch `batch` (and the `batches - 1` after it that it
+    /// carries), which the daemon says it wrote into `slot`, read in place: joined with the
+    /// write's immediate, waiting for it as long as [`ARRIVAL_TIMEOUT`]. FINISHED goes to the
+    /// daemon with the stream's last batch.
+    fn receive_bytes(
+        self: &Arc<Self>,
+        batch: u64,
+        slot: u32,
+        len: u64,
+        batches: u64,
+    ) -> Result<bytes::Bytes, ClientError> {
         if let Some(e) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
             return Err(stream_err(e));
         }
@@ -208,7 +217,9 @@ impl RdmaRing {
             )));
         }
         let lent = rx.lend(ready, len).map_err(err)?;
-        if self.remaining.fetch_sub(1, Ordering::Relaxed) == 1 {
+        let sub = |r: u64| Some(r.saturating_sub(batches));
+        let left = self.remaining.fetch_update(Ordering::Relaxed, Ordering::Relaxed, sub).unwrap_or(0);
+        if left > 0 && left <= batches {
             rx.finish().map_err(stream_err)?;
         }
         if lent.as_slice().len() != len {

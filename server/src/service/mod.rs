@@ -835,8 +835,9 @@ fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
 
 /// An Arrow (Parquet) stream of small batches, served by one blocking thread that takes the ids,
 /// builds each message and queues it in turn, up to [`SMALL_GROUP`] messages at once. Over shared
-/// memory a message carries up to [`MAX_BATCHES_PER_MESSAGE`] consecutive batches of the stream
-/// (as many as the client accepts), one record batch the client cuts by the part counts.
+/// memory or rdma a message carries up to [`MAX_BATCHES_PER_MESSAGE`] consecutive batches of the
+/// stream (as many as the client accepts), one record batch in one ring slot, which the client
+/// cuts by the part counts.
 ///
 /// The general loop of [`produce`] hands every batch to the blocking pool and back (plus a trip
 /// for its ids): with 256 rows of 40 bytes those hand-offs were the largest share of the daemon's
@@ -885,9 +886,10 @@ impl SmallArrowStream {
                 self.tx.try_send_all(group);
                 return;
             }
-            // The first batch goes alone (time to first batch); later ones share a message over
-            // shared memory, up to the client's and the message's limits. Inline, one a message.
-            let most = if sent_any && self.session.is_some() { self.parts } else { 1 };
+            // The first batch goes alone (time to first batch); later ones share a message (one
+            // ring slot) over shared memory or rdma, up to the client's and the message's limits.
+            // Inline, one a message.
+            let most = if sent_any && (self.session.is_some() || self.rdma.is_some()) { self.parts } else { 1 };
             let mut batches = match self.take_batches(&mut ready, &mut ranges, most) {
                 Ok(b) if b.is_empty() => break,
                 Ok(b) => b,
