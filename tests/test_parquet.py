@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -314,15 +315,18 @@ def test_resume_mid_epoch_in_a_new_process(daemon, varied, tmp_path: Path) -> No
     assert [json.loads(x) for x in part.read_text().splitlines()] == expected
 
 
-def test_small_batches_share_messages_yet_each_is_its_own(daemon, tmp_path: Path, monkeypatch) -> None:
-    """Batches of small rows travel several to a message (one record batch, cut by the client):
-    each comes out as its own batch, in the order and with the rows of one batch per message; a
-    state saved inside a message resumes at the next batch; and releasing one batch cut from a
-    message keeps the slot while the others still need it (their values never change)."""
+def small_batches_each_on_their_own(
+    root: Path, addr: str, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Callable[..., shardstream.Loader], list[list[int]], list[int]]:
+    """Writes 3 files of 1000 small rows into `root` and checks that, in batches of 16 over
+    `transport`, they travel several to a message (one record batch, cut by the client) yet each
+    comes out as its own batch, with the rows of one batch per message, and that a state saved
+    inside a message resumes at the next batch. Returns the loader maker, every batch's `x`
+    values in order, and the parts counted per message (Loader._arrow_batches, patched)."""
     for f in range(3):
         ids = np.arange(f * 1000, (f + 1) * 1000, dtype=np.int64)
         t = pa.table({"x": ids, "y": ids.astype(np.float32)})
-        pq.write_table(t, tmp_path / f"p{f}.parquet", row_group_size=100)
+        pq.write_table(t, root / f"p{f}.parquet", row_group_size=100)
     parts_per_message: list[int] = []
     cut = shardstream.Loader._arrow_batches
 
@@ -333,7 +337,7 @@ def test_small_batches_share_messages_yet_each_is_its_own(daemon, tmp_path: Path
     monkeypatch.setattr(shardstream.Loader, "_arrow_batches", counted)
 
     def loader(**kw: object) -> shardstream.Loader:
-        return shardstream.Loader(str(tmp_path), batch_size=16, seed=2, connect=daemon.addr, transport="shm", **kw)
+        return shardstream.Loader(str(root), batch_size=16, seed=2, connect=addr, transport=transport, **kw)
 
     one = loader(format="arrow")
     # Lists, not the batches: each holds its message's ring slot.
@@ -358,6 +362,14 @@ def test_small_batches_share_messages_yet_each_is_its_own(daemon, tmp_path: Path
     again.load_state_dict(state)
     got += [b["x"].tolist() for b in again]
     assert got == whole
+    return loader, whole, parts_per_message
+
+
+def test_small_batches_share_messages_yet_each_is_its_own(daemon, tmp_path: Path, monkeypatch) -> None:
+    """Batches of small rows travel several to a message over shared memory, each its own batch
+    (small_batches_each_on_their_own); and releasing one batch cut from a message keeps the slot
+    while the others still need it (their values never change)."""
+    loader, whole, parts_per_message = small_batches_each_on_their_own(tmp_path, daemon.addr, "shm", monkeypatch)
 
     # Batch 1 and 2 share a message: releasing batch 1 must not hand the slot back while batch
     # 2's arrays still point into it, however many batches come after.

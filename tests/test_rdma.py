@@ -198,38 +198,9 @@ def test_small_arrow_batches_share_a_ring_slot_yet_each_is_its_own(
     rdma_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches of small rows travel several to a ring slot (one record batch, cut by the client),
-    as over shared memory: each comes out as its own batch, with the rows of one batch per
-    message, and a state saved inside a message resumes at the next batch."""
-    for f in range(3):
-        ids = np.arange(f * 1000, (f + 1) * 1000, dtype=np.int64)
-        pq.write_table(pa.table({"x": ids}), tmp_path / f"p{f}.parquet", row_group_size=100)
-    parts_per_message: list[int] = []
-    cut = shardstream.Loader._arrow_batches
-
-    def counted(self: shardstream.Loader, native: object) -> object:
-        parts_per_message.append(len(native.parts()))  # type: ignore[attr-defined]
-        return cut(self, native)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(shardstream.Loader, "_arrow_batches", counted)
-
-    def loader(**kw: object) -> shardstream.Loader:
-        addr = rdma_daemon.addr
-        return shardstream.Loader(str(tmp_path), batch_size=16, seed=2, connect=addr, transport="rdma", **kw)
-
-    whole = [b.column("x").to_pylist() for b in loader(format="arrow")]
-    assert sorted(x for b in whole for x in b) == list(range(3000))
-    assert [len(b) for b in whole] == [16] * 187 + [8]
-    assert parts_per_message[0] == 1 and max(parts_per_message) > 1, parts_per_message
-    assert sum(parts_per_message) == 188
-    first = loader()
-    it = iter(first)
-    got = [next(it)["x"].tolist() for _ in range(5)]
-    state = first.state_dict()
-    it.close()
-    again = loader()
-    again.load_state_dict(state)
-    got += [b["x"].tolist() for b in again]
-    assert got == whole
+    as over shared memory: each comes out as its own batch, and a state saved inside a message
+    resumes at the next batch (test_parquet.small_batches_each_on_their_own)."""
+    test_parquet.small_batches_each_on_their_own(tmp_path, rdma_daemon.addr, "rdma", monkeypatch)
 
 
 def test_large_arrow_batches_over_rdma(rdma_daemon, tmp_path: Path) -> None:

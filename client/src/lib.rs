@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use hyper_util::rt::TokioIo;
+use shardstream_proto::ring::IPC_ALIGN;
 use shardstream_proto::shardstream_client::ShardstreamClient;
 use shardstream_proto::{BatchFormat, DatasetInfo, OpenRequest, StreamHeader, StreamRequest, stream_message};
 use tokio::sync::mpsc;
@@ -420,14 +421,10 @@ pub fn arrow_parts(b: &shardstream_proto::ArrowBatch, allowed: u32) -> Result<Ve
     Ok(b.part_indices.iter().copied().zip(b.part_rows.iter().copied()).collect())
 }
 
-/// Where an Arrow IPC stream must start: its buffers lie at multiples of 8 from the start, and a
-/// reader hands out arrays (and numpy or torch views of them) where they lie. 64, Arrow's
-/// recommended alignment, costs the same.
-pub const IPC_ALIGN: usize = 64;
-
-/// `data` itself when it starts at a multiple of [`IPC_ALIGN`], else a copy that does. An inline
-/// message's IPC stream lies wherever the protobuf decoder found it in the receive buffer; a slot
-/// (shm, rdma) starts on a page.
+/// `data` itself when it starts at a multiple of [`IPC_ALIGN`], else a copy that does: a reader
+/// hands out Arrow arrays (and numpy or torch views of them) where they lie in the stream. An
+/// inline message's IPC stream lies wherever the protobuf decoder found it in the receive
+/// buffer; a slot (shm, rdma) starts on a page.
 pub fn aligned_ipc(data: bytes::Bytes) -> bytes::Bytes {
     let misalign = |p: *const u8| (p as usize) % IPC_ALIGN;
     if misalign(data.as_ptr()) == 0 {
@@ -521,34 +518,40 @@ pub async fn stream_from(
     mut req: StreamRequest,
     daemon: Option<&Address>,
 ) -> Result<BatchStream, ClientError> {
-    // auto over TCP: rdma when the daemon serves it over a provider auto picks (hardware) and
-    // this host can open that provider too; the rest of auto is the daemon's (shm or inline).
-    let mut provider = None;
-    if req.transport == shardstream_proto::Transport::Auto as i32
+    let first = req.start_batch;
+    let open_ring = |provider: Option<String>| {
+        let daemon = daemon.cloned();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let toward = daemon.as_ref().map(daemon_ip).transpose()?.flatten();
+                rdma::RdmaRing::open(first, toward, provider.as_deref())
+            })
+            .await
+            .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))?
+        }
+    };
+    let mut ring = None;
+    if req.transport == shardstream_proto::Transport::Rdma as i32 {
+        ring = Some(open_ring(None).await?);
+    } else if req.transport == shardstream_proto::Transport::Auto as i32
         && matches!(daemon, Some(Address::Tcp(_) | Address::Tls(_)))
         && let Ok(st) = client.status(shardstream_proto::StatusRequest {}).await
     {
-        let daemon_provider = st.into_inner().rdma_provider;
-        let check = daemon_provider.clone();
-        if tokio::task::spawn_blocking(move || rdma::auto_takes(&check)).await.unwrap_or(false) {
+        // auto over TCP: rdma when the daemon serves it over a provider auto picks (hardware)
+        // and this host opens that provider too; a ring that cannot be had leaves auto to the
+        // daemon (shm or inline), and the stream's transport says which it took.
+        let provider = st.into_inner().rdma_provider;
+        if rdma::auto_picks(&provider)
+            && let Ok(opened) = open_ring(Some(provider)).await
+        {
             req.transport = shardstream_proto::Transport::Rdma as i32;
-            provider = Some(daemon_provider);
+            ring = Some(opened);
         }
     }
-    let ring = if req.transport == shardstream_proto::Transport::Rdma as i32 {
-        let first = req.start_batch;
-        let daemon = daemon.cloned();
-        let (ring, offer) = tokio::task::spawn_blocking(move || {
-            let toward = daemon.as_ref().map(daemon_ip).transpose()?.flatten();
-            rdma::RdmaRing::open(first, toward, provider.as_deref())
-        })
-        .await
-        .map_err(|e| ClientError::Rdma(format!("ring set-up task failed: {e}")))??;
+    let ring = ring.map(|(ring, offer)| {
         req.rdma_offer = Some(offer);
-        Some(ring)
-    } else {
-        None
-    };
+        ring
+    });
     let parts_allowed = req.max_batches_per_message;
     let mut inner = client.stream_batches(req).await?.into_inner();
     let header = match inner.message().await? {

@@ -230,27 +230,13 @@ impl RdmaRing {
     }
 }
 
-/// Whether `transport="auto"` would take rdma toward a daemon serving it over `provider`, by its
-/// name alone ([`shardstream_fabric::auto_picks`] with this process's
-/// `SHARDSTREAM_RDMA_AUTO_PROVIDERS`): whether this host opens it is [`auto_takes`]'s question.
+/// Whether `transport="auto"` would take rdma toward a daemon serving it over `provider` (its
+/// status; empty when it does not serve rdma), by the name alone: a provider `auto` picks
+/// ([`shardstream_fabric::auto_picks`] with this process's `SHARDSTREAM_RDMA_AUTO_PROVIDERS`),
+/// and no other one forced on this side. Whether this host opens it, opening the ring finds out.
 pub fn auto_picks(provider: &str) -> bool {
     let allowed = std::env::var(shardstream_fabric::AUTO_PROVIDERS_ENV).ok();
-    shardstream_fabric::auto_picks(provider, allowed.as_deref())
-}
-
-/// Whether `transport="auto"` takes rdma toward a daemon that streams over `provider` (its
-/// status; empty when it does not serve rdma): the provider is one `auto` picks
-/// ([`shardstream_fabric::auto_picks`], `SHARDSTREAM_RDMA_AUTO_PROVIDERS`), nothing forces
-/// another provider on this side, and this host's libfabric opens it. Blocking (it may load
-/// libfabric); any failure is a no: `auto` then streams inline, as it always could, and the
-/// stream's transport (`Loader.stats()`) says which it took.
-pub fn auto_takes(provider: &str) -> bool {
-    if !auto_picks(provider) {
-        return false;
-    }
     let core = shardstream_fabric::core_provider(provider);
-    if shardstream_fabric::forced_provider().is_some_and(|f| shardstream_fabric::core_provider(&f) != core) {
-        return false;
-    }
-    shardstream_fabric::Fabric::open(Some(provider)).is_ok()
+    shardstream_fabric::auto_picks(provider, allowed.as_deref())
+        && shardstream_fabric::forced_provider().is_none_or(|f| shardstream_fabric::core_provider(&f) == core)
 }

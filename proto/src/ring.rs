@@ -68,6 +68,10 @@ pub const FIELD_DESC_BYTES: usize = 32;
 pub const PAGE: u64 = 4096;
 /// Column alignment within a slot (a cache line; enough for any numeric dtype).
 pub const COLUMN_ALIGN: u64 = 64;
+/// Alignment of the buffers in the Arrow IPC streams the daemon writes (from the stream's start),
+/// Arrow's recommended one; a client opens a stream where it starts at a multiple of it, so every
+/// buffer is aligned in memory too.
+pub const IPC_ALIGN: usize = 64;
 /// Where an `ArrowBatch`'s IPC stream starts in its slot: after the slot header (whose
 /// `n_fields` is 0, `n_samples` the row count and `payload_bytes` the stream's length), so the
 /// stream and every Arrow buffer in it are 64-byte aligned.

@@ -127,7 +127,10 @@ impl<B: Append> InlineBatchBuilder<B> {
                             write - len
                         } else {
                             let at = self.data.len();
-                            self.data.extend_from_within(range)?;
+                            // Only a fixed buffer (rdma) can refuse: name the sample.
+                            self.data.extend_from_within(range).map_err(|e| {
+                                crate::Error::invalid(format!("sample {} of {}: {e}", self.loc.key, shard.file.name))
+                            })?;
                             at
                         }
                     };

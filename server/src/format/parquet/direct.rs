@@ -34,7 +34,7 @@ use arrow_schema::{DataType, Schema};
 use super::ParquetError;
 use super::ipc::IPC_ALIGN;
 
-const ALIGN: usize = IPC_ALIGN as usize;
+const ALIGN: usize = IPC_ALIGN;
 const CONTINUATION: [u8; 4] = [0xff; 4];
 /// The end-of-stream marker: a continuation and a zero metadata length.
 const EOS: [u8; 8] = [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0];

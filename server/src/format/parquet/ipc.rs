@@ -25,12 +25,10 @@ use shardstream_proto::ring::{ARROW_DATA_OFFSET, SLOT_HEADER_BYTES, SlotHeader};
 
 use super::ParquetError;
 
-/// Buffer alignment inside the stream: a cache line, enough for any Arrow type and what
-/// pyarrow itself writes.
-pub const IPC_ALIGN: u8 = 64;
+pub use shardstream_proto::ring::IPC_ALIGN;
 
 fn options() -> Result<IpcWriteOptions, ParquetError> {
-    IpcWriteOptions::try_new(usize::from(IPC_ALIGN), false, MetadataVersion::V5).map_err(ipc)
+    IpcWriteOptions::try_new(IPC_ALIGN, false, MetadataVersion::V5).map_err(ipc)
 }
 
 fn ipc(e: impl std::fmt::Display) -> ParquetError {
