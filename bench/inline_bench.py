@@ -197,6 +197,17 @@ def workers_epochs(
     return out
 
 
+def runs_in_workers(env: dict[str, str]) -> bool:
+    """Whether the build `env` imports runs the consumer in DataLoader workers (its
+    `shardstream.torch.IterableDataset` takes `batch_transform`; builds before 524bb26 do not)."""
+    probe = (
+        "import inspect, shardstream.torch as t;"
+        " print('batch_transform' in inspect.signature(t.IterableDataset).parameters)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip() == "True"
+
+
 def epoch(
     d: TcpDaemon, url: str, field: str, batch: int, expected: int, transport: str = "inline", workers: int = 0
 ) -> dict[str, Any]:
@@ -309,6 +320,7 @@ def main() -> None:
     load_before = os.getloadavg()
     # (build, transport, dataset): a build whose daemon has no --rdma gets no rdma rows.
     results: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    skipped: set[str] = set()
     floors: list[float] = []
     floor_how = ""
     with tempfile.TemporaryDirectory(prefix="inline-bench-") as tmp:
@@ -321,7 +333,10 @@ def main() -> None:
                 for t in transports:
                     if t == "rdma" and not daemons[name].rdma:
                         continue
-                    for ds, (url, field, batch, n, _) in datasets.items():
+                    for ds, (url, field, batch, n, workers) in datasets.items():
+                        if workers and not runs_in_workers(daemons[name].env):
+                            skipped.add(f"- {name}: no {WORKERS_ROW!r} row (its client cannot run a batch_transform).")
+                            continue
                         results[(name, t, ds)] = []
                         epoch(daemons[name], url, field, batch, n, t)  # warm-up: index and verify once
             for rnd in range(args.rounds):
@@ -375,6 +390,7 @@ def main() -> None:
         f"- rdma: libfabric's tcp provider (`{RDMA_ENV['SHARDSTREAM_FI_PROVIDER']}`), ring slots of"
         f" {int(RDMA_ENV['SHARDSTREAM_RDMA_SLOT_BYTES']) >> 20} MiB, same daemon as inline.",
         *([rdma_note] if rdma_note else []),
+        *sorted(skipped),
         "",
         "- first batch: seconds from the start of the clock to the first batch; after the first batch:"
         " the rest of the samples over the rest of the time.",
