@@ -426,6 +426,11 @@ def main() -> None:
                 if this and other:
                     rs = [rate(a) / rate(b) for a, b in zip(this, other, strict=True)]
                     ratio_lines.append(f"- {t}, {ds}: this build / {name} = {report.spread(rs, '.2f')}")
+                    batch = datasets[ds][2]
+                    rs = [steady(a, batch) / steady(b, batch) for a, b in zip(this, other, strict=True)]
+                    ratio_lines.append(
+                        f"- {t}, {ds}, after the first batch: this build / {name} = {report.spread(rs, '.2f')}"
+                    )
         # The gate: this build's rdma against the other build's inline.
         for ds in datasets:
             this, other = results.get(("this build", "rdma", ds)), results.get((name, "inline", ds))
