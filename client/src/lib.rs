@@ -23,6 +23,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 pub use shardstream_proto as proto;
 
+pub mod frames;
 pub mod inline;
 pub mod rdma;
 pub mod shm;
@@ -34,10 +35,11 @@ pub const STREAM_WINDOW: u32 = 64 << 20;
 pub const CONNECTION_WINDOW: u32 = 256 << 20;
 
 /// Largest HTTP/2 frame either end accepts (RFC 9113 allows up to 16 MiB - 1; the default is 16
-/// KiB). A batch message of several MiB then crosses in a few frames instead of hundreds: fewer
-/// frame headers to parse, and the receiver reads the socket in frame-sized gulps instead of 16
-/// KiB reads.
-pub const MAX_FRAME_SIZE: u32 = 1 << 20;
+/// KiB). A batch message of up to 8 MiB crosses in one DATA frame, which [`frames`] decodes in
+/// place; a larger one is joined with one copy. Not larger: h2 reads every frame into a fresh
+/// buffer of its size, and for batches that are joined anyway, bigger frames only cost page
+/// faults (1 MiB samples in batches of 16 ran 0.68x with 16 MiB frames, bench/INLINE.md).
+pub const MAX_FRAME_SIZE: u32 = 8 << 20;
 
 /// Batches decoded ahead of the consumer.
 const CLIENT_QUEUE: usize = 4;
@@ -170,7 +172,27 @@ impl std::fmt::Display for Address {
     }
 }
 
-pub type Client = ShardstreamClient<InterceptedService<Channel, Auth>>;
+/// A connection to the daemon: the generated client for every call but `StreamBatches`, whose
+/// response [`frames`] reads off the same channel, with the same credentials, without copying
+/// each frame (it derefs to the generated client).
+#[derive(Clone)]
+pub struct Client {
+    rpc: ShardstreamClient<InterceptedService<Channel, Auth>>,
+    channel: InterceptedService<Channel, Auth>,
+}
+
+impl std::ops::Deref for Client {
+    type Target = ShardstreamClient<InterceptedService<Channel, Auth>>;
+    fn deref(&self) -> &Self::Target {
+        &self.rpc
+    }
+}
+
+impl std::ops::DerefMut for Client {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.rpc
+    }
+}
 
 /// Adds the bearer token (if any) to every request.
 #[derive(Clone, Default)]
@@ -331,9 +353,10 @@ pub async fn connect_with(addr: &Address, creds: &Credentials) -> Result<Client,
                 .map_err(connect_err)?
         }
     };
-    Ok(ShardstreamClient::with_interceptor(channel, auth)
+    let rpc = ShardstreamClient::with_interceptor(channel.clone(), auth.clone())
         .max_decoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES))
+        .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES);
+    Ok(Client { rpc, channel: InterceptedService::new(channel, auth) })
 }
 
 fn tuned(e: Endpoint) -> Endpoint {
@@ -553,7 +576,7 @@ pub async fn stream_from(
         ring
     });
     let parts_allowed = req.max_batches_per_message;
-    let mut inner = client.stream_batches(req).await?.into_inner();
+    let mut inner = frames::stream_batches(client.channel.clone(), &req, shardstream_proto::MAX_MESSAGE_BYTES).await?;
     let header = match inner.message().await? {
         Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::Header(h)) }) => h,
         other => return Err(ClientError::Protocol(format!("expected a stream header, got {other:?}"))),
