@@ -330,11 +330,12 @@ def main() -> None:
                 work = Path(tmp) / f"d{i}"
                 work.mkdir()
                 daemons[name] = TcpDaemon(site, work, rdma="rdma" in transports)
+                in_workers = runs_in_workers(daemons[name].env)
                 for t in transports:
                     if t == "rdma" and not daemons[name].rdma:
                         continue
                     for ds, (url, field, batch, n, workers) in datasets.items():
-                        if workers and not runs_in_workers(daemons[name].env):
+                        if workers and not in_workers:
                             skipped.add(f"- {name}: no {WORKERS_ROW!r} row (its client cannot run a batch_transform).")
                             continue
                         results[(name, t, ds)] = []

@@ -110,7 +110,7 @@ where
                             match Status::from_header_map(&trailers) {
                                 Some(s) if s.code() == tonic::Code::Ok => {}
                                 Some(s) => return Err(s),
-                                None => return Err(Status::unknown("the stream ended without a grpc-status")),
+                                None => return Err(no_status()),
                             }
                             if self.buffered != 0 {
                                 return Err(Status::internal("the stream ended inside a message"));
@@ -122,7 +122,7 @@ where
                 Some(Err(e)) => return Err(Status::from_error(e.into())),
                 None => {
                     self.ended = true;
-                    return Err(Status::unknown("the stream ended without a grpc-status"));
+                    return Err(no_status());
                 }
             }
         }
@@ -157,34 +157,28 @@ where
         if self.buffered < PREFIX + len {
             return Ok(None);
         }
-        self.advance(PREFIX)?;
-        self.buffered -= PREFIX + len;
+        self.drain(PREFIX, |_| {})?;
         let front = self.chunks.front_mut().ok_or_else(lost)?;
         if front.len() >= len {
             let message = front.split_to(len);
             if front.is_empty() {
                 self.chunks.pop_front();
             }
+            self.buffered -= len;
             return Ok(Some(message));
         }
         let mut joined = self.spare.take(len);
-        while joined.len() < len {
-            let front = self.chunks.front_mut().ok_or_else(lost)?;
-            let n = (len - joined.len()).min(front.len());
-            joined.extend_from_slice(&front[..n]);
-            front.advance(n);
-            if front.is_empty() {
-                self.chunks.pop_front();
-            }
-        }
+        self.drain(len, |part| joined.extend_from_slice(part))?;
         Ok(Some(Bytes::from_owner(Pooled { buf: joined, spare: self.spare.clone() })))
     }
 
-    /// Drops `n` buffered bytes from the front (without touching `buffered`).
-    fn advance(&mut self, mut n: usize) -> Result<(), Status> {
+    /// Takes `n` buffered bytes off the front, handing each chunk's share of them to `sink`.
+    fn drain(&mut self, mut n: usize, mut sink: impl FnMut(&[u8])) -> Result<(), Status> {
+        self.buffered = self.buffered.checked_sub(n).ok_or_else(lost)?;
         while n > 0 {
             let front = self.chunks.front_mut().ok_or_else(lost)?;
             let k = n.min(front.len());
+            sink(&front[..k]);
             front.advance(k);
             n -= k;
             if front.is_empty() {
@@ -252,6 +246,11 @@ impl Drop for Pooled {
     fn drop(&mut self) {
         self.spare.give(std::mem::take(&mut self.buf));
     }
+}
+
+/// The body ended, or its trailers came, without the call's status: gRPC requires one.
+fn no_status() -> Status {
+    Status::unknown("the stream ended without a grpc-status")
 }
 
 /// `buffered` counts more bytes than the chunks hold: a bug here, not the daemon's.

@@ -648,18 +648,17 @@ pub async fn stream_from(
                     Ok(Batch::Packed(b))
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(b)) })) => {
-                    match (arrow_parts(&b, parts_allowed), ring_in_task.clone()) {
+                    match (arrow_parts(&b, parts_allowed).map(|p| p.len() as u64), ring_in_task.clone()) {
                         (Err(e), _) => Err(e),
-                        (Ok(parts), None) => {
-                            received += parts.len() as u64;
+                        (Ok(batches), None) => {
+                            received += batches;
                             let mut b = b;
                             b.data = aligned_ipc(std::mem::take(&mut b.data));
                             Ok(Batch::Arrow(b))
                         }
                         // Over rdma the IPC stream is in a slot of the ring: read in place.
-                        (Ok(parts), Some(r)) => {
-                            received += parts.len() as u64;
-                            let batches = parts.len() as u64;
+                        (Ok(batches), Some(r)) => {
+                            received += batches;
                             match tokio::task::spawn_blocking(move || r.receive_arrow(b, batches)).await {
                                 Ok(got) => got.map(Batch::Arrow),
                                 Err(e) => Err(ClientError::Rdma(format!("receive task failed: {e}"))),
