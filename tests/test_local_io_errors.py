@@ -59,8 +59,14 @@ def test_unreadable_local_shard_fails_promptly(
     daemon, tmp_path: Path, how: str, transport: str, when: str, cache: str
 ) -> None:
     root = tmp_path / "ds"
-    write_dataset(root, n=400, per_shard=20, seed=11)
-    assert len(list(root.glob("*.tar"))) == 20
+    # Mid-epoch, the last of 100 shards breaks: an inline stream has no credits, so the daemon
+    # reads ahead as far as HTTP/2's windows let it, and a shard a few batches after the first
+    # could be read before it is replaced (it was, once, on a loaded machine: the epoch then
+    # ends cleanly). ~250 batches ahead, the replacement comes first.
+    shards = 100 if when == "mid_epoch" else 20
+    write_dataset(root, n=20 * shards, per_shard=20, seed=11)
+    assert len(list(root.glob("*.tar"))) == shards
+    broken = f"train-{shards - 1:06d}.tar" if when == "mid_epoch" else BROKEN
     # Indexed while every shard is fine, then one shard is replaced under the daemon's feet:
     # before the epoch starts (the stream's open lists the directory again), or mid-epoch (the
     # stream reaches the shard later: a FIFO there used to block the stream forever).
@@ -71,7 +77,7 @@ def test_unreadable_local_shard_fails_promptly(
         it = iter(loader)
         next(it)
         loader = it  # iterate the rest of this epoch
-    break_shard(root / BROKEN, how)
+    break_shard(root / broken, how)
     t0 = time.monotonic()
     err = iterate_with_deadline(loader, 30)
     elapsed = time.monotonic() - t0
@@ -83,13 +89,13 @@ def test_unreadable_local_shard_fails_promptly(
     assert err is not None, "an epoch over an unreadable shard must not end cleanly"
     assert isinstance(err, (OSError, shardstream.ShardError)), repr(err)
     assert not isinstance(err, ConnectionError), repr(err)
-    assert BROKEN in str(err), str(err)
+    assert broken in str(err), str(err)
     assert elapsed < 20, f"took {elapsed:.1f} s"
     # The daemon still serves a good dataset, and the same one once repaired.
-    if (root / BROKEN).is_dir():
-        shutil.rmtree(root / BROKEN)
+    if (root / broken).is_dir():
+        shutil.rmtree(root / broken)
     else:
-        (root / BROKEN).unlink()
+        (root / broken).unlink()
     good = tmp_path / "good"
     samples = write_dataset(good, n=50, per_shard=20, seed=12)
     assert sum(len(b["__key__"]) for b in shardstream.Loader(str(good), connect=daemon.addr)) == len(samples)
