@@ -17,6 +17,10 @@ is the reader process's user+system time (`getrusage`) plus the daemon's delta.
 
     python bench/view_cpu.py --samples 20000 --rounds 3
 
+`--epochs N` runs N epochs in each interpreter, as a trainer does with 0 workers: the epochs
+after the first get rows of their own (`bare later`, `consume later`), where what a process keeps
+from one stream to the next (its shard mappings) shows.
+
 `--variant NAME=SITE` (repeatable) measures another build of the package (a directory where its
 wheel was installed with `pip install --target SITE`) in the same rounds, with its own daemon:
 its shardstream readers appear as `ss-...@NAME`.
@@ -61,27 +65,34 @@ def batches(reader: str, data: Path, addr: str):
     return (batch["jpg"] for batch in loader)
 
 
-def child(reader: str, mode: str, data: Path, addr: str) -> None:
+def child(reader: str, mode: str, data: Path, addr: str, epochs: int, daemon_pid: int) -> None:
+    """Runs `epochs` epochs in this interpreter, one JSON line each (the daemon's CPU counted
+    around each epoch here, so that each line has its own)."""
     if reader == "ss-mapped":
         os.environ["SHARDSTREAM_MAP_IN_PLACE"] = "1"
     if reader == "litdata":
         import litdata  # noqa: F401
     else:
         import shardstream.torch  # noqa: F401 - as run.py: the loader looks for torch.distributed
-    ru0 = resource.getrusage(resource.RUSAGE_SELF)
-    t0 = time.perf_counter()
-    if mode == "consume":
-        r = consumer.consume(batches(reader, data, addr), t0)
-        n, ids = r["samples"], r["ids"]
-    else:
-        n = 0
-        for payloads in batches(reader, data, addr):
-            n += len(payloads)
-        ids = None
-    seconds = time.perf_counter() - t0
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
-    print(json.dumps({"samples": n, "seconds": seconds, "cpu": cpu, "ids": ids}))
+    for _ in range(epochs):
+        d0 = (measure.cpu_seconds(daemon_pid) or 0.0) if daemon_pid else 0.0
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        if mode == "consume":
+            r = consumer.consume(batches(reader, data, addr), t0)
+            n, ids = r["samples"], r["ids"]
+        else:
+            n = 0
+            for payloads in batches(reader, data, addr):
+                n += len(payloads)
+            ids = None
+        seconds = time.perf_counter() - t0
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
+        daemon_cpu = (measure.cpu_seconds(daemon_pid) or 0.0) - d0 if daemon_pid else 0.0
+        print(
+            json.dumps({"samples": n, "seconds": seconds, "cpu": cpu, "daemon_cpu": daemon_cpu, "ids": ids}), flush=True
+        )
 
 
 def spread(xs: list[float], fmt: str) -> str:
@@ -90,13 +101,19 @@ def spread(xs: list[float], fmt: str) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5])
+        child(sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument("--modes", default="bare,consume")
+    ap.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="epochs per interpreter; from 2, the later epochs get rows of their own (`... later`)",
+    )
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "data")
     ap.add_argument(
         "--variant",
@@ -123,10 +140,23 @@ def main() -> None:
         def build_of(r: str) -> str:
             return r[r.index("@") :] if "@" in r else ""
 
-        def run_child(r: str, m: str) -> str:
-            cmd = [sys.executable, __file__, "--child", r.partition("@")[0], m, str(data), daemons[build_of(r)].addr]
+        def run_child(r: str, m: str, epochs: int = 1) -> list[dict]:
+            srv = daemons[build_of(r)]
+            pid = srv.pid if r.startswith("ss-") else 0
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                r.partition("@")[0],
+                m,
+                str(data),
+                srv.addr,
+                str(epochs),
+                str(pid),
+            ]
             env = daemon.env_for(builds[build_of(r)])
-            return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+            return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
         try:
             for i, (b, site) in enumerate(builds.items()):
@@ -141,29 +171,29 @@ def main() -> None:
                 order = readers[rnd % len(readers) :] + readers[: rnd % len(readers)]
                 for r in order:
                     for m in modes:
-                        srv = daemons[build_of(r)]
-                        cpu0 = measure.cpu_seconds(srv.pid) or 0.0
-                        out = run_child(r, m)
-                        run = json.loads(out.strip().splitlines()[-1])
-                        run["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0 if r.startswith("ss-") else 0.0
-                        ids = run.pop("ids")
-                        run["check"] = (
-                            consumer.verdict(ids, args.samples)
-                            if ids is not None
-                            else ("ok" if run["samples"] == args.samples else f"MISMATCH ({run['samples']} samples)")
-                        )
-                        rows.setdefault((r, m), []).append(run)
-                        print(
-                            f"round {rnd} {r} {m}: {run['samples'] / run['seconds']:,.0f} samples/s,"
-                            f" cpu {run['cpu']:.3f} + daemon {run['daemon_cpu']:.3f} s, {run['check']}",
-                            flush=True,
-                        )
+                        for e, run in enumerate(run_child(r, m, args.epochs)):
+                            ids = run.pop("ids")
+                            run["check"] = (
+                                consumer.verdict(ids, args.samples)
+                                if ids is not None
+                                else (
+                                    "ok" if run["samples"] == args.samples else f"MISMATCH ({run['samples']} samples)"
+                                )
+                            )
+                            mode = m if e == 0 else f"{m} later"
+                            rows.setdefault((r, mode), []).append(run)
+                            print(
+                                f"round {rnd} {r} {mode}: {run['samples'] / run['seconds']:,.0f} samples/s,"
+                                f" cpu {run['cpu']:.3f} + daemon {run['daemon_cpu']:.3f} s, {run['check']}",
+                                flush=True,
+                            )
         finally:
             for srv in daemons.values():
                 srv.stop()
     print()
     print(
-        f"{args.samples:,} samples of 16-20 KiB (run.py's dataset), batch {BATCH}, 0 workers, {args.rounds} rounds;"
+        f"{args.samples:,} samples of 16-20 KiB (run.py's dataset), batch {BATCH}, 0 workers, {args.rounds} rounds,"
+        f" {args.epochs} epoch(s) per interpreter (`later`: the epochs after its first);"
         f" load average (1 min) at each round's start: {', '.join(f'{x:.1f}' for x in loads)}"
     )
     print()

@@ -138,6 +138,81 @@ def test_map_in_place_when_the_trainer_vouches(daemon, dataset, value: str) -> N
     assert out["digests"] == {k: hashlib.sha256(f["jpg"]).hexdigest() for k, f in samples.items()}
 
 
+KEPT_MAPPINGS_TRAINER = textwrap.dedent(
+    """
+    import collections, gc, hashlib, json, os, sys, time, shardstream
+
+    def shard_mappings():
+        # Mappings of node-cache copies (mapped shards), by file: each should appear once.
+        with open("/proc/self/maps") as f:
+            paths = [line.split(maxsplit=5)[-1].strip() for line in f if line.rstrip().endswith(".tar")]
+        return collections.Counter(paths)
+
+    epochs = []
+    for epoch in range(2):
+        loader = shardstream.Loader(sys.argv[1], batch_size=64, seed=epoch, cache="copy", connect=sys.argv[2])
+        digests = {}
+        for batch in loader:
+            for key, v in zip(batch["__key__"], batch["jpg"]):
+                digests[key] = hashlib.sha256(v).hexdigest()
+        del batch, loader, v
+        gc.collect()
+        # A stream's mappings go when its receiver thread ends, just after the stream.
+        deadline = time.monotonic() + 10
+        while (mapped := shard_mappings()) and os.environ.get("SHARDSTREAM_KEEP_MAPPED_BYTES") == "0":
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        epochs.append({"digests": digests, "mapped": mapped})
+    print(json.dumps(epochs))
+    """
+)
+
+
+@pytest.mark.parametrize("limit", [None, "0"])
+def test_a_process_keeps_its_shard_mappings_for_the_next_epoch(daemon, dataset, limit: str | None) -> None:
+    """The shards a stream mapped stay mapped after it (the next epoch's stream uses them: each
+    shard is mapped once in the process, not once per epoch), within SHARDSTREAM_KEEP_MAPPED_BYTES;
+    0 keeps none, and every mapping goes with its stream (read once per process: a subprocess)."""
+    import hashlib
+    import json
+
+    root, samples = dataset
+    env = {k: v for k, v in os.environ.items() if k != "SHARDSTREAM_KEEP_MAPPED_BYTES"}
+    if limit is not None:
+        env["SHARDSTREAM_KEEP_MAPPED_BYTES"] = limit
+    r = subprocess.run(
+        [sys.executable, "-c", KEPT_MAPPINGS_TRAINER, str(root), daemon.addr],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    want = {k: hashlib.sha256(f["jpg"]).hexdigest() for k, f in samples.items()}
+    shards = len(list(root.glob("*.tar")))
+    for epoch in json.loads(r.stdout):
+        assert epoch["digests"] == want
+        if limit == "0":
+            assert epoch["mapped"] == {}, "nothing kept: every mapping goes with its stream"
+        else:
+            assert len(epoch["mapped"]) == shards, epoch["mapped"]
+            assert set(epoch["mapped"].values()) == {1}, f"a shard mapped twice: {epoch['mapped']}"
+
+
+def test_a_bad_keep_mapped_bytes_fails_the_stream_naming_it(daemon, dataset) -> None:
+    root, _ = dataset
+    r = subprocess.run(
+        [sys.executable, "-c", KEPT_MAPPINGS_TRAINER, str(root), daemon.addr],
+        env={**os.environ, "SHARDSTREAM_KEEP_MAPPED_BYTES": "8GiB"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert 'SHARDSTREAM_KEEP_MAPPED_BYTES="8GiB" is not a byte count' in r.stderr, r.stderr
+
+
 def test_inline_on_request(daemon, dataset) -> None:
     root, samples = dataset
     loader = shardstream.Loader(str(root), batch_size=64, transport="inline", connect=daemon.addr)

@@ -26,6 +26,7 @@ pub use shardstream_proto as proto;
 pub mod frames;
 pub mod inline;
 pub mod rdma;
+mod retained;
 pub mod shm;
 
 /// HTTP/2 flow-control windows. A batch of 256 x 20 KiB is 5 MiB; windows of several batches keep

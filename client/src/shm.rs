@@ -28,7 +28,7 @@ use rustix::net::{AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, Recv
 use shardstream_proto::ring::{ARROW_DATA_OFFSET, RingError, RingHeader, SLOT_HEADER_BYTES, SLOT_MAGIC, SlotHeader};
 use shardstream_proto::shm::{self as wire, Frame};
 
-use crate::ClientError;
+use crate::{ClientError, retained};
 
 /// How long a batch waits for the descriptor of a shard it references (the daemon sends it
 /// before the batch, so it is normally there already).
@@ -47,6 +47,12 @@ pub struct Mapping {
 }
 
 impl Mapping {
+    /// A shard with no bytes to hand out (tests of what holds mappings).
+    #[cfg(test)]
+    pub(crate) fn unmapped(name: String) -> Self {
+        Self { map: None, file: None, name }
+    }
+
     /// The mapped bytes; empty for a shard that is read ([`Self::is_mapped`] false).
     pub fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])
@@ -313,6 +319,9 @@ impl ShmSession {
             Ok(f) => return Err(frame_error(format!("unexpected frame kind {} while attaching", f.kind))),
             Err(e) => return Err(frame_error(e)),
         }
+        // Before this stream's shards arrive: mappings kept of files that are gone let go of
+        // their disk space now, and the ones this stream finds are still valid.
+        retained::prune();
         let inner = Arc::new(Inner { sock, slots: Mutex::default(), arrived: Condvar::new() });
         let reader = inner.clone();
         std::thread::Builder::new()
@@ -437,30 +446,35 @@ impl Inner {
         let fd = fds.pop().ok_or("SHARD_FD frame without a descriptor")?;
         let file = std::fs::File::from(fd);
         let name = fd_name(&file, slot);
-        let actual = file.metadata().map_err(|e| format!("cannot stat shard {name}: {e}"))?.len();
+        let meta = file.metadata().map_err(|e| format!("cannot stat shard {name}: {e}"))?;
+        let actual = meta.len();
         if actual != len {
             return Err(format!("shard {name} is {actual} bytes, the daemon announced {len}"));
         }
         let map = if len == 0 {
-            Mapping { map: None, file: None, name }
+            Arc::new(Mapping { map: None, file: None, name })
         } else if mutable && !map_in_place() {
-            Mapping { map: None, file: Some(file), name }
+            Arc::new(Mapping { map: None, file: Some(file), name })
         } else {
-            // SAFETY: a read-only shared mapping of a file opened read-only by the daemon; its
-            // length does not change while mapped: a node-cache copy is never truncated while
-            // leased, and a shard read in place is mapped only when the trainer vouched that it
-            // does not change (`map_in_place`; see the module docs).
-            let map = unsafe { memmap2::MmapOptions::new().map(&file) };
-            let map = map.map_err(|e| format!("cannot map shard {name}: {e}"))?;
-            prefault(&map);
-            Mapping { map: Some(map), file: None, name }
+            // Mapped once per process while unchanged: a later stream finds it kept.
+            retained::mapping(&file, &meta, |file| {
+                // SAFETY: a read-only shared mapping of a file opened read-only by the daemon;
+                // its length does not change while mapped: a node-cache copy is never truncated
+                // (it is unlinked, at most, and stays whole while mapped), and a shard read in
+                // place is mapped only when the trainer vouched that it does not change
+                // (`map_in_place`; see the module docs).
+                let map = unsafe { memmap2::MmapOptions::new().map(file) };
+                let map = map.map_err(|e| format!("cannot map shard {name}: {e}"))?;
+                prefault(&map);
+                Ok(Mapping { map: Some(map), file: None, name })
+            })?
         };
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let slot = new_slot_index(slot, s.maps.len())?;
         if s.maps.len() <= slot {
             s.maps.resize(slot + 1, None);
         }
-        s.maps[slot] = Some(Arc::new(map));
+        s.maps[slot] = Some(map);
         drop(s);
         self.arrived.notify_all();
         Ok(())
@@ -788,6 +802,54 @@ mod tests {
         assert!(inner.adopt(u64::MAX, 3, false, shard()).is_err());
         assert_eq!(inner.slots.lock().unwrap().maps.len(), 2);
         assert_eq!(inner.mapping(1).unwrap().bytes(), b"abc");
+    }
+
+    /// The receiving end of a session, without a socket: what [`Inner::adopt`] needs.
+    fn unattached() -> Inner {
+        let sock = OwnedFd::from(tempfile::tempfile().unwrap());
+        Inner { sock, slots: Mutex::default(), arrived: Condvar::new() }
+    }
+
+    #[test]
+    fn a_later_stream_uses_the_mapping_an_earlier_one_made_of_an_unchanged_shard() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.tar");
+        std::fs::write(&path, vec![7u8; 3 << 16]).unwrap();
+        let fd = || vec![OwnedFd::from(std::fs::File::open(&path).unwrap())];
+        let adopted = |fds| {
+            let inner = unattached();
+            inner.adopt(0, 3 << 16, false, fds).unwrap();
+            inner.mapping(0).unwrap()
+        };
+        let first = adopted(fd());
+        let second = adopted(fd());
+        assert!(Arc::ptr_eq(&first, &second), "the second stream maps the shard again");
+        drop((first, second));
+        let kept = adopted(fd());
+        assert_eq!(kept.bytes()[5], 7, "kept after its streams let go of it");
+
+        // Rewritten in place (same inode, same size): its times changed, so it is mapped anew.
+        std::thread::sleep(Duration::from_millis(10));
+        std::fs::write(&path, vec![9u8; 3 << 16]).unwrap();
+        let rewritten = adopted(fd());
+        assert!(!Arc::ptr_eq(&kept, &rewritten));
+        assert_eq!(rewritten.bytes()[5], 9);
+
+        // A file with no name (unlinked) is mapped, never kept.
+        let unnamed = || {
+            let mut f = tempfile::tempfile().unwrap();
+            f.write_all(&[1u8; 4096]).unwrap();
+            f
+        };
+        let f = unnamed();
+        let a = {
+            let inner = unattached();
+            inner.adopt(0, 4096, false, vec![OwnedFd::from(f.try_clone().unwrap())]).unwrap();
+            inner.mapping(0).unwrap()
+        };
+        let inner = unattached();
+        inner.adopt(0, 4096, false, vec![OwnedFd::from(f)]).unwrap();
+        assert!(!Arc::ptr_eq(&a, &inner.mapping(0).unwrap()));
     }
 
     #[test]
