@@ -19,7 +19,11 @@
 //! whose path no longer names their file (evicted copies).
 //!
 //! Per process: a forked child (a DataLoader worker) starts with an empty table of its own and
-//! never takes the parent's lock, which a parent thread may have held at the moment of fork.
+//! never takes the parent's lock, which a parent thread may have held at the moment of fork. The
+//! parent's kept mappings stay in the child's address space, unused, until it exits (as every
+//! mapping of the parent's did before; their page tables are not copied for shared file
+//! mappings). DataLoader workers that persist across epochs (`persistent_workers=True`) keep
+//! their own mappings from one epoch to the next like a process with 0 workers.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
