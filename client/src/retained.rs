@@ -38,6 +38,11 @@ pub const DEFAULT_LIMIT: u64 = 8 << 30;
 /// The environment variable bounding the table.
 pub const LIMIT_VAR: &str = "SHARDSTREAM_KEEP_MAPPED_BYTES";
 
+/// Most mappings kept, whatever their bytes: each is a VMA (a process may have 65,530 by
+/// default, `vm.max_map_count`), and each new stream checks every kept one ([`Table::prune`]).
+/// Datasets of many small shards keep their most recently used ones.
+pub const MAX_KEPT: usize = 4096;
+
 /// What makes two descriptors the same unchanged file. Times to the nanosecond: a shard rewritten
 /// in place (same inode, same size) changes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,12 +97,12 @@ impl Table {
     }
 
     /// Keeps `map` (of `len` bytes), letting go of the least recently used mappings beyond the
-    /// limit. A mapping larger than the limit is not kept.
+    /// limit or [`MAX_KEPT`]. A mapping larger than the limit is not kept.
     pub fn keep(&mut self, id: FileId, map: Arc<Mapping>) {
         if id.len > self.limit || self.kept.contains_key(&id) {
             return;
         }
-        while self.bytes + id.len > self.limit {
+        while self.bytes + id.len > self.limit || self.kept.len() >= MAX_KEPT {
             let Some((_, oldest)) = self.order.pop_first() else { break };
             self.drop_entry(&oldest);
         }
@@ -239,6 +244,12 @@ mod tests {
         t.keep(id(4, 101), mapping_named("/d"));
         assert!(t.get(&id(4, 101)).is_none(), "larger than the limit: not kept");
         assert_eq!(t.bytes(), 80);
+        let mut many = Table::new(u64::MAX);
+        for ino in 0..MAX_KEPT as u64 + 10 {
+            many.keep(id(ino, 1), mapping_named("/f"));
+        }
+        assert_eq!(many.len(), MAX_KEPT);
+        assert!(many.get(&id(9, 1)).is_none() && many.get(&id(10, 1)).is_some(), "the oldest went first");
         let mut off = Table::new(0);
         off.keep(id(5, 1), mapping_named("/e"));
         assert!(off.is_empty());
