@@ -1,0 +1,301 @@
+//! Arrow batches of a Parquet stream: one batch decoded and written for its transport
+//! ([`build_arrow_batch`]), and the loop that serves streams of small batches on one thread
+//! ([`SmallArrowStream`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use shardstream_proto::{ArrowBatch, StreamMessage, stream_message};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use super::batches::rdma_post;
+use super::{
+    IDS_AHEAD, MESSAGE_ROWS_BYTES, ReadyBatch, SMALL_GROUP, ids_of, next_ranges, outbox, projected, to_status,
+};
+use crate::format::parquet::dataset::BatchAssembler;
+use crate::index::{Dataset, Working};
+use crate::metrics::Metrics;
+use crate::plan;
+use crate::prefetch::ConsumerGuard;
+use crate::transport::shm::Session;
+use crate::transport::{self, inline};
+use crate::{Error, Result};
+
+/// Reads a Parquet dataset's files through a stream's working set (opened, verified against the
+/// manifest's CRC and pinned on first use, like TAR shards).
+struct WorkingFiles<'a> {
+    ds: &'a Dataset,
+    working: std::sync::Mutex<&'a mut Working>,
+}
+
+impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
+    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let mut working = self.working.lock().unwrap_or_else(|p| p.into_inner());
+        working.get(self.ds, file)?.file.read_exact_at(buf, offset)
+    }
+}
+
+/// Builds one Arrow batch of a Parquet dataset (blocking): the rows `ids`, decoded through the
+/// daemon's shared row-group cache, as an IPC stream inline, in a ring slot (shm), or written
+/// into a slot of the client's ring (rdma).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn build_arrow_batch(
+    ds: &Dataset,
+    working: &std::sync::Mutex<Working>,
+    session: Option<&Session>,
+    rdma: Option<&transport::rdma::RdmaPipe>,
+    turn: u64,
+    asm: &BatchAssembler,
+    projected: Option<&projected::ProjectedReads>,
+    ids: Vec<u64>,
+    index: u64,
+    parts: &[(u64, u32)],
+    cancelled: &dyn Fn() -> bool,
+    before_new_ring: &mut dyn FnMut() -> Result<()>,
+) -> Result<((StreamMessage, u64), std::time::Duration)> {
+    // The turn first: shm batches are published in order.
+    let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
+    let places = asm.places(&ids)?;
+    // One row id per file the batch draws on, from the row groups it draws on (not per row).
+    let touched = asm.first_row_per_file(&places);
+    let (rows, waited) = if let Some(pr) = projected {
+        // Only the selected column chunks: no whole file is opened. Every file the batch draws
+        // on is verified first (its footer, once), as below.
+        let started = Instant::now();
+        for &id in &touched {
+            if let Some((shard, _)) = ds.locate(id) {
+                ds.verify_remote_footer(shard)?;
+            }
+        }
+        let reader = pr.reader();
+        let rows = asm.rows_at(places, &ids, &reader)?;
+        let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
+        (rows, waited)
+    } else {
+        let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
+        working.preload(ds, &touched)?;
+        // Every file the batch draws on is opened (and verified against the manifest) even when
+        // its row groups are already decoded: a decoded row group never stands in for a check.
+        for &id in &touched {
+            if let Some((shard, _)) = ds.locate(id) {
+                working.get(ds, shard)?;
+            }
+        }
+        let rows = asm.rows_at(places, &ids, &WorkingFiles { ds, working: std::sync::Mutex::new(&mut working) });
+        working.end_batch();
+        (rows?, working.take_wait())
+    };
+    let mut msg = match (session, credit) {
+        (None, _) if let Some(pipe) = rdma => {
+            let (slot, length, ()) =
+                rdma_post(pipe, index, |buf| Ok((transport::arrow::write_rows(asm, &rows, buf)?, ())))?;
+            ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }
+        }
+        (Some(s), Some(credit)) => {
+            let (guard, msg) = transport::arrow::shm_rows(index, ids, asm, &rows, |need| {
+                if s.needs_ring(need) {
+                    before_new_ring()?;
+                }
+                s.acquire_slot(credit, need, cancelled)
+            })?;
+            guard.publish(index);
+            msg
+        }
+        _ => {
+            let msg = transport::arrow::inline_rows(index, ids, asm, &rows)?;
+            if msg.data.len() as u64 > inline::payload_limit() {
+                return Err(Error::invalid(format!(
+                    "an Arrow batch of {} bytes does not fit an inline message ({}); use a smaller batch_size \
+                     or fewer fields",
+                    msg.data.len(),
+                    inline::limit_text()
+                )));
+            }
+            msg
+        }
+    };
+    if parts.len() > 1 {
+        (msg.part_indices, msg.part_rows) = parts.iter().copied().unzip();
+    }
+    // The IPC stream's length: what crosses to the client, shm or inline.
+    let bytes = msg.length;
+    Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
+}
+
+/// Largest estimated batch (rows x the dataset's stored bytes per row) served by
+/// [`SmallArrowStream`]: such a batch is built in about 100 us, where each thread hand-off costs
+/// tens. Larger batches keep the two-batch pipeline, which puts both cores on their copies.
+const SMALL_ARROW_BATCH_BYTES: u64 = 1 << 20;
+
+/// A dataset's stored bytes per row (per sample), what batch sizes are judged by.
+fn stored_bytes_per_row(ds: &Dataset) -> u64 {
+    ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0)
+}
+
+pub(super) fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
+    stored_bytes_per_row(ds).saturating_mul(batch_size) <= SMALL_ARROW_BATCH_BYTES
+}
+
+/// An Arrow (Parquet) stream of small batches, served by one blocking thread that takes the ids,
+/// builds each message and queues it in turn, up to [`SMALL_GROUP`] messages at once. Over shared
+/// memory or rdma a message carries up to [`MAX_BATCHES_PER_MESSAGE`](super::MAX_BATCHES_PER_MESSAGE) consecutive batches of the
+/// stream (as many as the client accepts), one record batch in one ring slot, which the client
+/// cuts by the part counts.
+///
+/// The general loop of [`produce`](super::produce) hands every batch to the blocking pool and back (plus a trip
+/// for its ids): with 256 rows of 40 bytes those hand-offs were the largest share of the daemon's
+/// time, larger than the gather itself (bench/PARQUET_PROFILE.md). Here a batch costs one
+/// hand-off, to the connection's task that writes the message, and batches built back to back
+/// share it ([`outbox`]). The first batch goes alone (time to first batch), and a group is sent
+/// before anything that would wait on the client: a turn without a free slot, or a new ring
+/// (its budget may wait for this stream's own slots); over rdma, where every batch holds a credit
+/// of the client's ring, each message goes at once. Behaviour is the general loop's otherwise:
+/// batches in order, the client leaving or a shutdown ends the stream before the next batch, an
+/// error is sent to the client after the batches before it and ends the stream.
+pub(super) struct SmallArrowStream {
+    pub(super) dataset: Arc<Dataset>,
+    pub(super) session: Option<Arc<Session>>,
+    /// The stream's rdma sender, when the batches go into the client's registered ring.
+    pub(super) rdma: Option<Arc<transport::rdma::RdmaPipe>>,
+    pub(super) asm: Arc<BatchAssembler>,
+    pub(super) projected: Option<Arc<projected::ProjectedReads>>,
+    pub(super) sequence: plan::RankStream,
+    pub(super) batch_size: u64,
+    pub(super) tx: outbox::Outbox,
+    pub(super) metrics: Arc<Metrics>,
+    /// The prefetcher follows the stream while this lives.
+    pub(super) consumer: Option<ConsumerGuard>,
+    pub(super) shutdown: CancellationToken,
+    /// Most batches one message carries ([`MAX_BATCHES_PER_MESSAGE`](super::MAX_BATCHES_PER_MESSAGE)).
+    pub(super) parts: usize,
+}
+
+impl SmallArrowStream {
+    pub(super) fn run(mut self, ranges: impl Iterator<Item = std::ops::Range<u64>>) {
+        let mut ranges = ranges.peekable();
+        let working = std::sync::Mutex::new(Working::default());
+        let mut ready: std::collections::VecDeque<ReadyBatch> = std::collections::VecDeque::new();
+        let mut group: Vec<outbox::Message> = Vec::with_capacity(SMALL_GROUP);
+        let mut sent_any = false;
+        let mut turn = 0u64;
+        loop {
+            if self.tx.is_closed() {
+                return;
+            }
+            if self.shutdown.is_cancelled() {
+                // As the general loop: the client learns unless its queue is full, when the
+                // stream ends short of its header's batch count.
+                group.push(Err(Status::unavailable("daemon is shutting down")));
+                self.tx.try_send_all(group);
+                return;
+            }
+            // The first batch goes alone (time to first batch); later ones share a message (one
+            // ring slot) over shared memory or rdma, up to the client's and the message's limits.
+            // Inline, one a message.
+            let most = if sent_any && (self.session.is_some() || self.rdma.is_some()) { self.parts } else { 1 };
+            let mut batches = match self.take_batches(&mut ready, &mut ranges, most) {
+                Ok(b) if b.is_empty() => break,
+                Ok(b) => b,
+                Err(e) => return self.fail(group, e),
+            };
+            let parts: Vec<(u64, u32)> =
+                batches.iter().map(|(r, ids)| (r.start / self.batch_size, ids.len() as u32)).collect();
+            let end = batches.last().map_or(0, |(r, _)| r.end);
+            let ids: Vec<u64> = match batches.len() {
+                1 => batches.pop().map(|(_, ids)| ids).unwrap_or_default(),
+                _ => batches.into_iter().flat_map(|(_, ids)| ids).collect(),
+            };
+            let rows = ids.len() as u64;
+            let (tx, stop) = (&self.tx, &self.shutdown);
+            let cancelled = || tx.is_closed() || stop.is_cancelled();
+            let mut send_group = || -> Result<()> {
+                tx.blocking_send_all(std::mem::take(&mut group))
+                    .map_err(|_| Error::Unavailable("the client went away".into()))
+            };
+            let started = Instant::now();
+            let built = build_arrow_batch(
+                &self.dataset,
+                &working,
+                self.session.as_deref(),
+                self.rdma.as_deref(),
+                turn,
+                &self.asm,
+                self.projected.as_deref(),
+                ids,
+                parts[0].0,
+                &parts,
+                &cancelled,
+                &mut send_group,
+            );
+            // Turns are this thread's messages, in order (a message may carry several batches).
+            turn += 1;
+            self.metrics
+                .read_wait_us
+                .fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+            match built {
+                Ok(((msg, bytes), waited)) => {
+                    group.push(Ok(msg));
+                    self.metrics.batch_served(rows, bytes);
+                    if let Some(c) = &self.consumer {
+                        c.consumer.advance(end, waited);
+                    }
+                }
+                Err(e) => return self.fail(group, e),
+            }
+            // Over rdma every batch holds a credit the client returns only once it has the
+            // batch's message: a message held back here could leave the next batch waiting for
+            // a credit that cannot come, so each goes at once.
+            let next_waits = self.session.as_ref().is_some_and(|s| !s.credit_free()) || self.rdma.is_some();
+            if !sent_any || group.len() >= SMALL_GROUP || next_waits {
+                if !self.send(std::mem::take(&mut group)) {
+                    return;
+                }
+                sent_any = true;
+            }
+        }
+        self.send(group);
+    }
+
+    /// The stream's next batches for one message: at most `most` (at least one), and more than
+    /// one only while their rows fit [`MESSAGE_ROWS_BYTES`]. Empty at the end.
+    fn take_batches(
+        &mut self,
+        ready: &mut std::collections::VecDeque<ReadyBatch>,
+        ranges: &mut std::iter::Peekable<impl Iterator<Item = std::ops::Range<u64>>>,
+        most: usize,
+    ) -> Result<Vec<ReadyBatch>> {
+        let most = most.max(1);
+        let per_row = stored_bytes_per_row(&self.dataset).max(1);
+        let mut taken: Vec<ReadyBatch> = Vec::with_capacity(most);
+        let mut rows = 0u64;
+        while taken.len() < most {
+            if ready.is_empty() {
+                ready.extend(ids_of(&mut self.sequence, next_ranges(ranges, IDS_AHEAD))?);
+            }
+            let Some((_, ids)) = ready.front() else { break };
+            rows += ids.len() as u64;
+            if !taken.is_empty() && rows.saturating_mul(per_row) > MESSAGE_ROWS_BYTES {
+                break;
+            }
+            taken.extend(ready.pop_front());
+        }
+        Ok(taken)
+    }
+
+    /// Queues `group` (blocking); false when the client left.
+    fn send(&self, group: Vec<outbox::Message>) -> bool {
+        fail_point!("stream-send", |_| false);
+        if self.tx.blocking_send_all(group).is_err() {
+            tracing::debug!("client left mid-stream");
+            return false;
+        }
+        true
+    }
+
+    fn fail(&self, mut group: Vec<outbox::Message>, e: Error) {
+        tracing::warn!(dataset = %self.dataset.url, error = %e, "stream failed");
+        group.push(Err(to_status(e)));
+        let _ = self.tx.blocking_send_all(group);
+    }
+}

@@ -1,0 +1,334 @@
+//! One batch of a TAR (WebDataset) stream, for each transport: read into an inline message
+//! (split over several when it outgrows one), read into the client's rdma ring, described for a
+//! shm client that maps the shards itself, or gathered into a ring slot (packed, `collate="stack"`).
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::Arc;
+
+use shardstream_proto::{FieldColumn, PackedBatch, RdmaBatch, ShmBatch, StreamMessage, stream_message};
+
+use super::stream_plan::oversized_sample;
+use crate::index::{CacheMode, Dataset, LargestSample, Working};
+use crate::storage::append::{Append, Fixed};
+use crate::transport::inline::{self, InlineBatchBuilder};
+use crate::transport::shm::Session;
+use crate::transport::{self, packed};
+use crate::{Error, Result};
+
+/// The open shard and local index of sample `id`. Consecutive samples of a batch mostly come from
+/// the same few shards (the shuffle window): `current` remembers the last shard used, to skip the
+/// working set's lookup.
+pub(super) fn sample_of(
+    ds: &Dataset,
+    working: &mut Working,
+    id: u64,
+    current: &mut Option<(usize, Arc<crate::index::ResidentShard>)>,
+) -> Result<(Arc<crate::index::ResidentShard>, u64)> {
+    let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
+    match current {
+        Some((s, r)) if *s == shard => Ok((r.clone(), local)),
+        _ => {
+            let r = working.get(ds, shard)?.clone();
+            *current = Some((shard, r.clone()));
+            Ok((r, local))
+        }
+    }
+}
+
+/// Reads the samples `ids` into `b`, in order. Before each sample is read, a sample whose stored
+/// bytes exceed `limit` is refused by name (`too_large` says what it is larger than), then
+/// `before(b, i, region)` sees the builder, the sample's place in `ids` and its stored bytes: to
+/// end a part and start the next, or to refuse a batch that outgrows its buffer.
+fn gather<B: Append>(
+    ds: &Dataset,
+    working: &mut Working,
+    ids: &[u64],
+    b: &mut InlineBatchBuilder<B>,
+    limit: u64,
+    too_large: &dyn Fn() -> String,
+    mut before: impl FnMut(&mut InlineBatchBuilder<B>, usize, u64) -> Result<()>,
+) -> Result<()> {
+    let mut current = None;
+    for (i, &id) in ids.iter().enumerate() {
+        let (resident, local) = sample_of(ds, working, id, &mut current)?;
+        // The region the sample's read appends (its TAR members).
+        let range = resident.table.sample_range(local).unwrap_or_default();
+        let region = range.end.saturating_sub(range.start);
+        // The open-time check knows only the samples the manifest or the scan described (an older
+        // manifest records none): refuse an oversized one by name before reading its bytes.
+        if region > limit
+            && let Some((shard, _)) = &current
+        {
+            let l = LargestSample { shard: *shard, local, offset: Some(range.start), bytes: region };
+            return Err(oversized_sample(ds, l, &too_large()));
+        }
+        before(b, i, region)?;
+        b.add_sample(&resident, local)?;
+    }
+    Ok(())
+}
+
+/// Reads one batch (blocking): one message, or several when the batch's bytes exceed
+/// [`inline::payload_limit`] (each part a run of whole samples; `InlineBatch.more` on all but the
+/// last).
+pub(super) fn build_batch(
+    ds: &Dataset,
+    working: &mut Working,
+    fields: &[String],
+    all_fields: bool,
+    ids: &[u64],
+    index: u64,
+) -> Result<(Vec<StreamMessage>, u64)> {
+    let limit = inline::payload_limit();
+    let avg = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0) as usize;
+    let capacity = |n: usize| avg.saturating_mul(n).saturating_add(4096).min(limit as usize);
+    working.preload(ds, ids)?;
+    let mut b = InlineBatchBuilder::new(fields, all_fields, ids.len(), capacity(ids.len()));
+    let (mut parts, mut bytes) = (Vec::new(), 0);
+    let too_large = || format!("the inline message limit of {}", inline::limit_text());
+    gather(ds, working, ids, &mut b, limit, &too_large, |b, i, region| {
+        if !b.is_empty() && b.data_len() as u64 + region > limit {
+            let left = ids.len() - i;
+            let full = std::mem::replace(b, InlineBatchBuilder::new(fields, all_fields, left, capacity(left)));
+            bytes += full.payload_bytes();
+            parts.push(full.finish(index, true));
+        }
+        Ok(())
+    })?;
+    bytes += b.payload_bytes();
+    parts.push(b.finish(index, false));
+    let messages = parts.into_iter().map(|p| StreamMessage { kind: Some(stream_message::Kind::InlineBatch(p)) });
+    Ok((messages.collect(), bytes))
+}
+
+/// Reserves a staging buffer of the stream's rdma sender for batch `index` (blocking: may wait
+/// for a credit), lets `fill` write the batch at its start, returning its length and whatever else
+/// it made, and posts the RDMA write of those bytes into a slot of the client's ring. Returns the
+/// slot and what `fill` made. The sender is held only to reserve and to post, so its progress
+/// thread keeps earlier writes moving while `fill` runs; a `fill` that fails gives the buffer and
+/// the credit back.
+pub(super) fn rdma_post<T>(
+    rdma: &transport::rdma::RdmaPipe,
+    index: u64,
+    fill: impl FnOnce(&mut [u8]) -> Result<(usize, T)>,
+) -> Result<(u32, usize, T)> {
+    let failed = |e: shardstream_fabric::stream::StreamError| {
+        Error::Unavailable(format!("rdma stream to the client failed: {e}"))
+    };
+    let mut staged = rdma.lock()?.sender.reserve(index).map_err(failed)?;
+    let filled = fill(staged.buffer());
+    let mut r = rdma.lock()?;
+    let (len, made) = match filled {
+        Ok(f) => f,
+        Err(e) => {
+            r.sender.cancel(staged);
+            return Err(e);
+        }
+    };
+    // Posted, not waited for: the metadata may overtake the bytes (the client joins the two in
+    // either order) and the progress thread moves the write while the next batch is read.
+    let slot = r.sender.post(staged, len).map_err(failed)?;
+    Ok((slot, len, made))
+}
+
+/// Reads one batch straight into a staging buffer of the stream's rdma sender (registered
+/// memory, laid out as an inline batch's `data`), posts it ([`rdma_post`]) and describes it as
+/// an `RdmaBatch`.
+pub(super) fn build_rdma_batch(
+    ds: &Dataset,
+    working: &mut Working,
+    fields: &[String],
+    all_fields: bool,
+    ids: &[u64],
+    index: u64,
+    rdma: &transport::rdma::RdmaPipe,
+) -> Result<(StreamMessage, u64)> {
+    working.preload(ds, ids)?;
+    let (slot, len, (bytes, keys, columns)) = rdma_post(rdma, index, |buf| {
+        let slot_bytes = buf.len() as u64;
+        let mut b = InlineBatchBuilder::with_buffer(fields, all_fields, ids.len(), Fixed::new(buf));
+        let too_large = || format!("the client's rdma ring slots of {slot_bytes} bytes (SHARDSTREAM_RDMA_SLOT_BYTES)");
+        gather(ds, working, ids, &mut b, slot_bytes, &too_large, |b, _, region| {
+            if b.data_len() as u64 + region > slot_bytes {
+                return Err(Error::invalid(format!(
+                    "transport \"rdma\": batch {index} of {} samples outgrows the client's {slot_bytes}-byte ring \
+                     slots (its samples are larger than the dataset's average); raise SHARDSTREAM_RDMA_SLOT_BYTES \
+                     or lower batch_size",
+                    ids.len()
+                )));
+            }
+            Ok(())
+        })?;
+        let bytes = b.payload_bytes();
+        let (keys, columns, len) = b.into_parts();
+        Ok((len, (bytes, keys, columns)))
+    })?;
+    let batch = RdmaBatch { batch_index: index, slot, keys, fields: columns, data_bytes: len as u64 };
+    Ok((StreamMessage { kind: Some(stream_message::Kind::RdmaBatch(batch)) }, bytes))
+}
+
+/// Describes one batch for a shm client (blocking: may wait for the client's credits). No sample
+/// byte is read: the client parses the samples in its own mapping.
+pub(super) fn build_shm_batch(
+    ds: &Dataset,
+    working: &mut Working,
+    session: &Session,
+    fields: &[String],
+    ids: &[u64],
+    index: u64,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<(StreamMessage, u64)> {
+    session.wait_ready(cancelled)?;
+    working.preload(ds, ids)?;
+    let mut b = ShmBatch {
+        batch_index: index,
+        slots: Vec::with_capacity(ids.len()),
+        starts: Vec::with_capacity(ids.len()),
+        lengths: Vec::with_capacity(ids.len()),
+        ..Default::default()
+    };
+    let mut located = Located::new(fields, ids.len());
+    // The batch's shards, by shard index: a shuffled batch switches shard at almost every sample,
+    // so the session (a lock and a path lookup) is asked once per shard, not once per sample.
+    let mut shards: HashMap<usize, (u32, Arc<crate::index::ResidentShard>)> = HashMap::new();
+    let mut bytes = 0u64;
+    for &id in ids {
+        let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;
+        let (slot, resident) = match shards.entry(shard) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let r = working.get(ds, shard)?.clone();
+                // A shard read in place may be truncated by others while the client holds it:
+                // the client then reads it rather than maps it (SIGBUS otherwise).
+                let mutable = ds.mode == CacheMode::Direct
+                    && matches!(ds.shards.get(shard).map(|m| &m.source), Some(crate::storage::ShardSource::Local(_)));
+                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len, mutable)?;
+                e.insert((slot, r))
+            }
+        };
+        let slot = *slot;
+        let range = resident.table.sample_range(local).ok_or_else(|| {
+            Error::Internal(format!("sample {local} out of range in {}", resident.file.path.display()))
+        })?;
+        b.slots.push(slot);
+        b.starts.push(range.start);
+        b.lengths.push(range.end - range.start);
+        bytes += range.end - range.start;
+        located.add(&resident.table, shard, local);
+    }
+    located.finish(&mut b);
+    session.lease(index, shards.into_values().map(|(_, r)| r.file.path.clone()).collect());
+    Ok((StreamMessage { kind: Some(stream_message::Kind::ShmBatch(b)) }, bytes))
+}
+
+/// The per-sample key and field locations of a shm batch (`ShmBatch.key_offsets` and
+/// `fields`), from the member tables' layouts: a client that gets them parses no TAR header. A
+/// batch with any sample of a shard without a layout carries none (the client parses them all).
+struct Located<'a> {
+    fields: &'a [String],
+    ok: bool,
+    key_offsets: Vec<u32>,
+    key_lengths: Vec<u32>,
+    columns: Vec<FieldColumn>,
+    /// The shard field index of each stream field, for the shard last seen (a lookup by name per
+    /// shard switch, not per sample and field).
+    map: (Option<usize>, Vec<Option<usize>>),
+}
+
+impl<'a> Located<'a> {
+    fn new(fields: &'a [String], n: usize) -> Self {
+        let column = |name: &String| FieldColumn {
+            name: name.clone(),
+            starts: Vec::with_capacity(n),
+            lengths: Vec::with_capacity(n),
+            missing: Vec::new(),
+        };
+        Self {
+            fields,
+            ok: true,
+            key_offsets: Vec::with_capacity(n),
+            key_lengths: Vec::with_capacity(n),
+            columns: fields.iter().map(column).collect(),
+            map: (None, Vec::new()),
+        }
+    }
+
+    fn add(&mut self, table: &crate::format::ShardTable, shard: usize, local: u64) {
+        if !self.ok {
+            return;
+        }
+        if self.map.0 != Some(shard) {
+            let names = table.fields();
+            self.map = (Some(shard), self.fields.iter().map(|f| names.iter().position(|n| n == f)).collect());
+        }
+        let i = self.key_offsets.len() as u32;
+        let to_u32 = |r: &std::ops::Range<usize>| Some((u32::try_from(r.start).ok()?, u32::try_from(r.len()).ok()?));
+        let Some((ko, kl)) = table.key_at(local).as_ref().and_then(to_u32) else {
+            self.ok = false;
+            return;
+        };
+        self.key_offsets.push(ko);
+        self.key_lengths.push(kl);
+        for (col, f) in self.columns.iter_mut().zip(&self.map.1) {
+            let at = match f {
+                Some(f) => match table.field_at(local, *f) {
+                    Some(at) => at,
+                    None => {
+                        self.ok = false;
+                        return;
+                    }
+                },
+                None => None,
+            };
+            match at {
+                Some(r) => {
+                    col.starts.push(r.start as u64);
+                    col.lengths.push(r.len() as u64);
+                }
+                None => {
+                    col.starts.push(0);
+                    col.lengths.push(0);
+                    col.missing.push(i);
+                }
+            }
+        }
+    }
+
+    fn finish(self, b: &mut ShmBatch) {
+        if self.ok && self.key_offsets.len() == b.slots.len() {
+            b.key_offsets = self.key_offsets;
+            b.key_lengths = self.key_lengths;
+            b.fields = self.columns;
+        }
+    }
+}
+
+/// Gathers one batch into a ring slot for a packed shm client (blocking), with the `credit` its
+/// turn took ([`Session::take_turn`]). The stream's working set is locked only to find the
+/// samples' shards, so the next batch can be gathered meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn build_packed_batch<'s>(
+    ds: &Dataset,
+    working: &std::sync::Mutex<Working>,
+    session: &'s Session,
+    credit: transport::shm::Credit<'s>,
+    fields: &[String],
+    ids: &[u64],
+    index: u64,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<((StreamMessage, u64), std::time::Duration)> {
+    let (samples, waited) = {
+        let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
+        working.preload(ds, ids)?;
+        let mut current = None;
+        let samples = ids.iter().map(|&id| sample_of(ds, &mut working, id, &mut current)).collect::<Result<Vec<_>>>();
+        working.end_batch();
+        (samples?, working.take_wait())
+    };
+    let g = packed::gather(fields, &samples, index, |need| session.acquire_slot(credit, need, cancelled))?;
+    let batch = PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), keys: g.keys };
+    let payload = g.payload_bytes;
+    g.guard.publish(index);
+    Ok(((StreamMessage { kind: Some(stream_message::Kind::PackedBatch(batch)) }, payload), waited))
+}
