@@ -22,8 +22,11 @@
 //! stream keeps its own working set alive with a [`Working`] set.
 
 pub mod build;
+mod discover;
+mod integrity;
 pub mod manifest;
 pub mod registry;
+mod tables;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -34,12 +37,15 @@ use std::time::{Duration, Instant};
 use crate::cache::download::{self, FetchSpec};
 use crate::cache::{NodeCache, Pin, Want};
 use crate::format::{Format, ShardTable};
-use crate::storage::local::{self, ShardFile};
+use crate::storage::local::ShardFile;
 use crate::storage::s3::{S3Options, S3Store};
 use crate::storage::{DatasetUrl, ShardSource};
 use crate::{Error, Result};
-use manifest::Manifest;
 pub use registry::{Registry, RegistryLimits};
+
+use discover::Discovered;
+use integrity::{fingerprint, footer_mismatch, verify, verify_footer};
+use tables::{load_table, parquet_dataset, scan_all};
 
 /// Member tables kept resident at most, per dataset. A consumer needs about `window + 1` shards at
 /// a time; 8 ranks x 8 workers with a window of 8 shards need ~600, so 4096 leaves room for many
@@ -806,377 +812,6 @@ fn fetch_into(
     cache.get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
 }
 
-/// A dataset's shard list as found by one manifest read or one listing, before any shard is
-/// scanned.
-struct Discovered {
-    url: String,
-    format: Format,
-    /// Location prefix a shard name is appended to (a directory or `s3://bucket/prefix/`).
-    base: String,
-    shards: Vec<ShardMeta>,
-    /// Some(fields) when the list came from manifest.json (sample counts are then known).
-    manifest_fields: Option<Vec<String>>,
-}
-
-/// Where the shards of a dataset are, for building their [`ShardSource`].
-enum Place<'a> {
-    Dir(&'a Path),
-    Bucket { bucket: &'a str, prefix: &'a str },
-}
-
-impl Place<'_> {
-    fn source(&self, name: &str, etag: Option<String>) -> ShardSource {
-        match self {
-            Place::Dir(dir) => ShardSource::Local(dir.join(name)),
-            Place::Bucket { bucket, prefix } => {
-                ShardSource::S3 { bucket: (*bucket).to_owned(), key: format!("{prefix}{name}"), etag }
-            }
-        }
-    }
-}
-
-impl Discovered {
-    fn discover(url: &str, backends: &Backends) -> Result<Self> {
-        let parsed = DatasetUrl::parse(url)?;
-        let base = parsed.base();
-        match &parsed {
-            DatasetUrl::Local { dir, names } => {
-                let place = Place::Dir(dir);
-                if let Some(manifest) = Manifest::read(dir)? {
-                    return Self::from_manifest(url, base, &place, names.as_deref(), manifest);
-                }
-                let listed = local::list_shards(dir, names.as_deref())?;
-                let format = Format::of_shards(listed.iter().map(|l| l.name.as_str()), &base)?;
-                let shards = listed
-                    .into_iter()
-                    .map(|l| ShardMeta {
-                        source: place.source(&l.name, None),
-                        name: l.name,
-                        len: l.len,
-                        samples: 0,
-                        crc32c: None,
-                        footer_crc32c: None,
-                        mtime_ns: Some(l.mtime_ns),
-                        sidecar: None,
-                        content: None,
-                        largest: None,
-                    })
-                    .collect();
-                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
-            }
-            DatasetUrl::S3 { bucket, prefix, names } => {
-                let store = backends.s3()?;
-                let place = Place::Bucket { bucket, prefix };
-                let manifest_key = format!("{prefix}{}", manifest::MANIFEST_FILE);
-                if let Some(bytes) = store.block_on(store.get_small(bucket, &manifest_key))? {
-                    let m = Manifest::parse(&bytes, &format!("s3://{bucket}/{manifest_key}"))?;
-                    return Self::from_manifest(url, base, &place, names.as_deref(), m);
-                }
-                let listed = crate::storage::s3::shards_in_listing(
-                    store.block_on(store.list(bucket, prefix))?,
-                    bucket,
-                    prefix,
-                    names.as_deref(),
-                )?;
-                let format = Format::of_shards(listed.iter().map(|(n, _)| n.as_str()), &base)?;
-                let shards = listed
-                    .into_iter()
-                    .map(|(name, o)| ShardMeta {
-                        source: place.source(&name, o.etag.clone()),
-                        name,
-                        len: o.size,
-                        samples: 0,
-                        crc32c: None,
-                        footer_crc32c: None,
-                        mtime_ns: None,
-                        sidecar: None,
-                        content: None,
-                        largest: None,
-                    })
-                    .collect();
-                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
-            }
-        }
-    }
-
-    fn from_manifest(
-        url: &str,
-        base: String,
-        place: &Place<'_>,
-        names: Option<&[String]>,
-        m: Manifest,
-    ) -> Result<Self> {
-        let format = m.format()?;
-        let footer_scope = m.checksum_scope() == manifest::ChecksumScope::Footer;
-        let to_meta = |s: &manifest::ManifestShard| ShardMeta {
-            name: s.name.clone(),
-            // A recorded ETag makes every GET of the object conditional on it (If-Match).
-            source: place.source(&s.name, s.etag.clone()),
-            len: s.bytes,
-            samples: s.samples,
-            crc32c: s.crc().filter(|_| !footer_scope),
-            footer_crc32c: s.crc().filter(|_| footer_scope),
-            mtime_ns: None,
-            // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
-            // from its cache copy (headers only, already in the page cache).
-            sidecar: match place {
-                Place::Dir(dir) => s.index.as_ref().map(|i| dir.join(i)),
-                Place::Bucket { .. } => None,
-            },
-            content: None,
-            largest: s.largest(),
-        };
-        let shards: Vec<ShardMeta> = match names {
-            None => m.shards.iter().map(to_meta).collect(),
-            Some(names) => {
-                let by_name: HashMap<&str, &manifest::ManifestShard> =
-                    m.shards.iter().map(|s| (s.name.as_str(), s)).collect();
-                names
-                    .iter()
-                    .map(|n| {
-                        by_name.get(n.as_str()).map(|s| to_meta(s)).ok_or_else(|| Error::NotFound {
-                            what: "shard (in manifest.json)",
-                            path: format!("{base}{n}"),
-                        })
-                    })
-                    .collect::<Result<_>>()?
-            }
-        };
-        if shards.is_empty() {
-            return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
-        }
-        Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields) })
-    }
-}
-
-/// Hash of the shards' names, sample counts and content identities (see ARCHITECTURE.md,
-/// "Dataset fingerprint"); persisted in trainers' state_dicts.
-fn fingerprint(shards: &[ShardMeta]) -> String {
-    let mut h = crate::stable_hash::Fnv1a::new();
-    for s in shards {
-        h.bytes(s.name.as_bytes()).bytes(&[0]).bytes(&s.content_identity()).bytes(&s.samples.to_le_bytes());
-    }
-    format!("{:016x}", h.finish())
-}
-
-/// Bytes at each end of a local shard that its content digest covers.
-const DIGEST_EDGE: u64 = 64 << 10;
-
-/// A digest of a local shard's content, for shards without a manifest checksum: its length,
-/// member table (every sample's byte range and the field names) and the CRC-32C of its first and
-/// last [`DIGEST_EDGE`] bytes. Two positioned reads; what it does not cover is in ARCHITECTURE.md.
-fn content_digest(file: &ShardFile, table: &ShardTable) -> Result<u64> {
-    let mut h = crate::stable_hash::Fnv1a::new();
-    h.field(b"shardstream-content-1").field(&file.len.to_le_bytes());
-    table.digest_into(&mut h);
-    let head = file.len.min(DIGEST_EDGE);
-    let tail_start = file.len.saturating_sub(DIGEST_EDGE).max(head);
-    let mut buf = vec![0u8; DIGEST_EDGE as usize];
-    for range in [0..head, tail_start..file.len] {
-        let chunk = &mut buf[..(range.end - range.start) as usize];
-        std::os::unix::fs::FileExt::read_exact_at(&file.file, chunk, range.start)
-            .map_err(|e| Error::io("cannot read shard", &file.path, e))?;
-        // The bytes through CRC-32C (hardware speed) rather than byte-wise FNV: this runs for
-        // every shard at every open.
-        h.field(&crc32c::crc32c(chunk).to_le_bytes());
-    }
-    Ok(h.finish())
-}
-
-fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
-    let (len, crc) = local::file_crc32c(path).map_err(|e| match e {
-        Error::NotFound { .. } => Error::NotFound { what: "shard", path: path.display().to_string() },
-        other => other,
-    })?;
-    if len != meta.len || crc != expected {
-        return Err(Error::Shard {
-            shard: path.display().to_string(),
-            offset: None,
-            reason: format!(
-                "does not match manifest.json (size {len} vs {}, crc32c {crc:08x} vs {expected:08x}); refusing to serve it",
-                meta.len
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// Checks a Parquet file's footer against the CRC a `crc32c-footer` manifest records (its length
-/// was checked when `file` was opened): one tail read, never the whole file.
-fn verify_footer(file: &ShardFile, meta: &ShardMeta, expected: u32) -> Result<()> {
-    let footer = crate::format::parquet::dataset::read_local_footer(file)?;
-    let got = crate::format::parquet::footer::footer_crc32c(&footer);
-    if got != expected {
-        return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
-    }
-    Ok(())
-}
-
-fn footer_mismatch(shard: &str, got: u32, expected: u32, what: &str) -> Error {
-    Error::Shard {
-        shard: shard.to_owned(),
-        offset: None,
-        reason: format!(
-            "does not match manifest.json: the crc32c of {what} is {got:08x}, the manifest says {expected:08x} \
-             (the file changed after it was indexed); refusing to serve it"
-        ),
-    }
-}
-
-fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
-    // Keyed by the shard's location (path or URL); the identity inside the file guards against
-    // reuse for other bytes.
-    let h = crate::stable_hash::hash(meta.url().as_bytes());
-    cache.join(format!("{h:016x}-{}.idx", meta.name))
-}
-
-/// The shard's member table: from the manifest's sidecar, the daemon's sidecar cache, or a
-/// scan by its format (of `mapped`, the file's bytes, when given; whose result is then saved in
-/// the sidecar cache).
-fn load_table(
-    format: Format,
-    meta: &ShardMeta,
-    file: &ShardFile,
-    mapped: Option<&[u8]>,
-    cache: Option<&Path>,
-) -> Result<ShardTable> {
-    let identity = meta.identity();
-    let candidates = meta.sidecar.clone().into_iter().chain(cache.map(|c| cache_sidecar_path(c, meta)));
-    for path in candidates {
-        match format.read_sidecar(&path, &identity, meta.len) {
-            Ok(Some(table)) => return Ok(table),
-            Ok(None) => {}
-            Err(e) => tracing::warn!(sidecar = %path.display(), error = %e, "ignoring the sidecar, rescanning"),
-        }
-    }
-    let table = match mapped {
-        Some(bytes) => format.index_mapped(file, bytes)?,
-        None => format.index_shard(file)?,
-    };
-    if let Some(cache) = cache {
-        let path = cache_sidecar_path(cache, meta);
-        let saved = std::fs::create_dir_all(cache).and_then(|()| table.write_sidecar(&path, &identity));
-        if let Err(e) = saved {
-            tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
-        }
-    }
-    Ok(table)
-}
-
-/// The Parquet view of a scanned dataset: its files (shard `i` of the dataset is file index `i`)
-/// with their footer tables.
-fn parquet_dataset(
-    shards: &[ShardMeta],
-    tables: &[ShardTable],
-) -> Result<crate::format::parquet::dataset::ParquetDataset> {
-    use crate::format::parquet::dataset::{DatasetFile, ParquetDataset};
-    let files = shards
-        .iter()
-        .zip(tables)
-        .enumerate()
-        .map(|(index, (meta, table))| match table {
-            ShardTable::Parquet(t) => Ok(DatasetFile { name: meta.url(), table: t.clone(), index }),
-            ShardTable::Tar(_) => Err(Error::Internal(format!("{} is not a Parquet table", meta.url()))),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(ParquetDataset::new(files)?.0)
-}
-
-/// Loads every shard's table, in parallel (a dataset opened without manifest), and the content
-/// digest of each local shard. Shards read through the node cache are fetched first, unless the
-/// daemon's sidecar cache already knows them: a restarted daemon reopens an S3 dataset without
-/// downloading it again.
-fn scan_all(
-    format: Format,
-    shards: &[ShardMeta],
-    keys: &[String],
-    backends: &Backends,
-    cache: Option<&Path>,
-) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
-    let indexed: Vec<usize> = (0..shards.len()).collect();
-    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(format, &shards[i], keys.get(i), backends, cache))
-}
-
-/// One shard's table and, for a local shard, its content digest (S3 shards keep their ETag as
-/// identity: digesting them would download them).
-fn scan_one(
-    format: Format,
-    meta: &ShardMeta,
-    key: Option<&String>,
-    backends: &Backends,
-    cache: Option<&Path>,
-) -> Result<(ShardTable, Option<u64>, bool)> {
-    let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
-        match (&meta.source, file) {
-            (ShardSource::Local(_), Some(f)) => content_digest(f, table).map(Some),
-            (ShardSource::Local(path), None) => {
-                content_digest(&ShardFile::open(path.clone(), meta.len)?, table).map(Some)
-            }
-            (ShardSource::S3 { .. }, _) => Ok(None),
-        }
-    };
-    match (key, &backends.cache) {
-        (Some(key), Some(node)) => {
-            let mut fresh = false;
-            let table = match cache.and_then(|c| {
-                format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
-            }) {
-                Some(table) => table,
-                // A Parquet file's table is its footer: one ranged GET, not the whole object (which
-                // is fetched, and verified, when a stream first needs its rows).
-                None if format == Format::Parquet && matches!(meta.source, ShardSource::S3 { .. }) => {
-                    let table = remote_parquet_table(backends.s3()?, meta)?;
-                    fresh = true;
-                    if let Some(c) = cache {
-                        let path = cache_sidecar_path(c, meta);
-                        let saved =
-                            std::fs::create_dir_all(c).and_then(|()| table.write_sidecar(&path, &meta.identity()));
-                        if let Err(e) = saved {
-                            tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
-                        }
-                    }
-                    table
-                }
-                None => {
-                    let pin = fetch_into(node, backends, meta, key, Want::NOW)?
-                        .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
-                    let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
-                    // Dropped before `pin` (declared after it), which keeps the copy immutable.
-                    let mapped = map_pinned(&file, false);
-                    load_table(format, meta, &file, mapped.as_deref(), cache)?
-                }
-            };
-            let content = digest(&table, None)?;
-            Ok((table, content, fresh))
-        }
-        _ => {
-            let ShardSource::Local(path) = &meta.source else {
-                return Err(Error::Internal(format!("{} needs the node cache", meta.url())));
-            };
-            let file = ShardFile::open(path.clone(), meta.len)?;
-            let table = load_table(format, meta, &file, None, cache)?;
-            let content = digest(&table, Some(&file))?;
-            Ok((table, content, false))
-        }
-    }
-}
-
-/// The footer table of an S3 Parquet file, read with one ranged GET of its tail (two for a footer
-/// larger than the tail).
-fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<ShardTable> {
-    let ShardSource::S3 { bucket, key, etag } = &meta.source else {
-        return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
-    };
-    let obj =
-        crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() };
-    let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
-        let (got, _) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
-        buf.copy_from_slice(&got);
-        Ok(())
-    })?;
-    Ok(ShardTable::Parquet(Arc::new(table)))
-}
-
 /// How long an S3 dataset's shard list is trusted before the next open lists (or reads the
 /// manifest) again: a minute keeps requests per epoch close to the number of shards, whatever
 /// the number of ranks and workers, and still notices a replaced dataset between two runs.
@@ -1188,6 +823,8 @@ mod golden {
     //! state_dicts; sidecar names are files in the cache directory). Values computed by the
     //! code before the hashes were unified (see `crate::stable_hash`), and for the content
     //! digest (new with it) checked against an independent Python model of the algorithm.
+    use super::integrity::content_digest;
+    use super::tables::cache_sidecar_path;
     use super::*;
 
     fn meta(

@@ -1,0 +1,154 @@
+//! Finding a dataset's shards: one read of its `manifest.json`, or one listing of its directory or
+//! S3 prefix, before any shard is opened or scanned.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use super::manifest::{self, Manifest};
+use super::{Backends, ShardMeta};
+use crate::format::Format;
+use crate::storage::{DatasetUrl, ShardSource, local};
+use crate::{Error, Result};
+
+/// A dataset's shard list as found by one manifest read or one listing, before any shard is
+/// scanned.
+pub(super) struct Discovered {
+    pub(super) url: String,
+    pub(super) format: Format,
+    /// Location prefix a shard name is appended to (a directory or `s3://bucket/prefix/`).
+    pub(super) base: String,
+    pub(super) shards: Vec<ShardMeta>,
+    /// Some(fields) when the list came from manifest.json (sample counts are then known).
+    pub(super) manifest_fields: Option<Vec<String>>,
+}
+
+/// Where the shards of a dataset are, for building their [`ShardSource`].
+enum Place<'a> {
+    Dir(&'a Path),
+    Bucket { bucket: &'a str, prefix: &'a str },
+}
+
+impl Place<'_> {
+    fn source(&self, name: &str, etag: Option<String>) -> ShardSource {
+        match self {
+            Place::Dir(dir) => ShardSource::Local(dir.join(name)),
+            Place::Bucket { bucket, prefix } => {
+                ShardSource::S3 { bucket: (*bucket).to_owned(), key: format!("{prefix}{name}"), etag }
+            }
+        }
+    }
+}
+
+impl Discovered {
+    pub(super) fn discover(url: &str, backends: &Backends) -> Result<Self> {
+        let parsed = DatasetUrl::parse(url)?;
+        let base = parsed.base();
+        match &parsed {
+            DatasetUrl::Local { dir, names } => {
+                let place = Place::Dir(dir);
+                if let Some(manifest) = Manifest::read(dir)? {
+                    return Self::from_manifest(url, base, &place, names.as_deref(), manifest);
+                }
+                let listed = local::list_shards(dir, names.as_deref())?;
+                let format = Format::of_shards(listed.iter().map(|l| l.name.as_str()), &base)?;
+                let shards = listed
+                    .into_iter()
+                    .map(|l| ShardMeta {
+                        source: place.source(&l.name, None),
+                        name: l.name,
+                        len: l.len,
+                        samples: 0,
+                        crc32c: None,
+                        footer_crc32c: None,
+                        mtime_ns: Some(l.mtime_ns),
+                        sidecar: None,
+                        content: None,
+                        largest: None,
+                    })
+                    .collect();
+                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
+            }
+            DatasetUrl::S3 { bucket, prefix, names } => {
+                let store = backends.s3()?;
+                let place = Place::Bucket { bucket, prefix };
+                let manifest_key = format!("{prefix}{}", manifest::MANIFEST_FILE);
+                if let Some(bytes) = store.block_on(store.get_small(bucket, &manifest_key))? {
+                    let m = Manifest::parse(&bytes, &format!("s3://{bucket}/{manifest_key}"))?;
+                    return Self::from_manifest(url, base, &place, names.as_deref(), m);
+                }
+                let listed = crate::storage::s3::shards_in_listing(
+                    store.block_on(store.list(bucket, prefix))?,
+                    bucket,
+                    prefix,
+                    names.as_deref(),
+                )?;
+                let format = Format::of_shards(listed.iter().map(|(n, _)| n.as_str()), &base)?;
+                let shards = listed
+                    .into_iter()
+                    .map(|(name, o)| ShardMeta {
+                        source: place.source(&name, o.etag.clone()),
+                        name,
+                        len: o.size,
+                        samples: 0,
+                        crc32c: None,
+                        footer_crc32c: None,
+                        mtime_ns: None,
+                        sidecar: None,
+                        content: None,
+                        largest: None,
+                    })
+                    .collect();
+                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
+            }
+        }
+    }
+
+    fn from_manifest(
+        url: &str,
+        base: String,
+        place: &Place<'_>,
+        names: Option<&[String]>,
+        m: Manifest,
+    ) -> Result<Self> {
+        let format = m.format()?;
+        let footer_scope = m.checksum_scope() == manifest::ChecksumScope::Footer;
+        let to_meta = |s: &manifest::ManifestShard| ShardMeta {
+            name: s.name.clone(),
+            // A recorded ETag makes every GET of the object conditional on it (If-Match).
+            source: place.source(&s.name, s.etag.clone()),
+            len: s.bytes,
+            samples: s.samples,
+            crc32c: s.crc().filter(|_| !footer_scope),
+            footer_crc32c: s.crc().filter(|_| footer_scope),
+            mtime_ns: None,
+            // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
+            // from its cache copy (headers only, already in the page cache).
+            sidecar: match place {
+                Place::Dir(dir) => s.index.as_ref().map(|i| dir.join(i)),
+                Place::Bucket { .. } => None,
+            },
+            content: None,
+            largest: s.largest(),
+        };
+        let shards: Vec<ShardMeta> = match names {
+            None => m.shards.iter().map(to_meta).collect(),
+            Some(names) => {
+                let by_name: HashMap<&str, &manifest::ManifestShard> =
+                    m.shards.iter().map(|s| (s.name.as_str(), s)).collect();
+                names
+                    .iter()
+                    .map(|n| {
+                        by_name.get(n.as_str()).map(|s| to_meta(s)).ok_or_else(|| Error::NotFound {
+                            what: "shard (in manifest.json)",
+                            path: format!("{base}{n}"),
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+        };
+        if shards.is_empty() {
+            return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
+        }
+        Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields) })
+    }
+}

@@ -1,0 +1,169 @@
+//! Shards' member tables: read from a sidecar (the manifest's or the daemon's sidecar cache) or
+//! scanned by the shard's format, one shard at first use or every shard in parallel when a
+//! dataset without a manifest is opened; an S3 Parquet file's table from its footer alone.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::integrity::content_digest;
+use super::{Backends, SCAN_THREADS, ShardMeta, fetch_into, map_pinned};
+use crate::cache::Want;
+use crate::format::{Format, ShardTable};
+use crate::storage::ShardSource;
+use crate::storage::local::ShardFile;
+use crate::storage::s3::S3Store;
+use crate::{Error, Result};
+
+pub(super) fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
+    // Keyed by the shard's location (path or URL); the identity inside the file guards against
+    // reuse for other bytes.
+    let h = crate::stable_hash::hash(meta.url().as_bytes());
+    cache.join(format!("{h:016x}-{}.idx", meta.name))
+}
+
+/// The shard's member table: from the manifest's sidecar, the daemon's sidecar cache, or a
+/// scan by its format (of `mapped`, the file's bytes, when given; whose result is then saved in
+/// the sidecar cache).
+pub(super) fn load_table(
+    format: Format,
+    meta: &ShardMeta,
+    file: &ShardFile,
+    mapped: Option<&[u8]>,
+    cache: Option<&Path>,
+) -> Result<ShardTable> {
+    let identity = meta.identity();
+    let candidates = meta.sidecar.clone().into_iter().chain(cache.map(|c| cache_sidecar_path(c, meta)));
+    for path in candidates {
+        match format.read_sidecar(&path, &identity, meta.len) {
+            Ok(Some(table)) => return Ok(table),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(sidecar = %path.display(), error = %e, "ignoring the sidecar, rescanning"),
+        }
+    }
+    let table = match mapped {
+        Some(bytes) => format.index_mapped(file, bytes)?,
+        None => format.index_shard(file)?,
+    };
+    if let Some(cache) = cache {
+        let path = cache_sidecar_path(cache, meta);
+        let saved = std::fs::create_dir_all(cache).and_then(|()| table.write_sidecar(&path, &identity));
+        if let Err(e) = saved {
+            tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
+        }
+    }
+    Ok(table)
+}
+
+/// The Parquet view of a scanned dataset: its files (shard `i` of the dataset is file index `i`)
+/// with their footer tables.
+pub(super) fn parquet_dataset(
+    shards: &[ShardMeta],
+    tables: &[ShardTable],
+) -> Result<crate::format::parquet::dataset::ParquetDataset> {
+    use crate::format::parquet::dataset::{DatasetFile, ParquetDataset};
+    let files = shards
+        .iter()
+        .zip(tables)
+        .enumerate()
+        .map(|(index, (meta, table))| match table {
+            ShardTable::Parquet(t) => Ok(DatasetFile { name: meta.url(), table: t.clone(), index }),
+            ShardTable::Tar(_) => Err(Error::Internal(format!("{} is not a Parquet table", meta.url()))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ParquetDataset::new(files)?.0)
+}
+
+/// Loads every shard's table, in parallel (a dataset opened without manifest), and the content
+/// digest of each local shard. Shards read through the node cache are fetched first, unless the
+/// daemon's sidecar cache already knows them: a restarted daemon reopens an S3 dataset without
+/// downloading it again.
+pub(super) fn scan_all(
+    format: Format,
+    shards: &[ShardMeta],
+    keys: &[String],
+    backends: &Backends,
+    cache: Option<&Path>,
+) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
+    let indexed: Vec<usize> = (0..shards.len()).collect();
+    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(format, &shards[i], keys.get(i), backends, cache))
+}
+
+/// One shard's table and, for a local shard, its content digest (S3 shards keep their ETag as
+/// identity: digesting them would download them).
+fn scan_one(
+    format: Format,
+    meta: &ShardMeta,
+    key: Option<&String>,
+    backends: &Backends,
+    cache: Option<&Path>,
+) -> Result<(ShardTable, Option<u64>, bool)> {
+    let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
+        match (&meta.source, file) {
+            (ShardSource::Local(_), Some(f)) => content_digest(f, table).map(Some),
+            (ShardSource::Local(path), None) => {
+                content_digest(&ShardFile::open(path.clone(), meta.len)?, table).map(Some)
+            }
+            (ShardSource::S3 { .. }, _) => Ok(None),
+        }
+    };
+    match (key, &backends.cache) {
+        (Some(key), Some(node)) => {
+            let mut fresh = false;
+            let table = match cache.and_then(|c| {
+                format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
+            }) {
+                Some(table) => table,
+                // A Parquet file's table is its footer: one ranged GET, not the whole object (which
+                // is fetched, and verified, when a stream first needs its rows).
+                None if format == Format::Parquet && matches!(meta.source, ShardSource::S3 { .. }) => {
+                    let table = remote_parquet_table(backends.s3()?, meta)?;
+                    fresh = true;
+                    if let Some(c) = cache {
+                        let path = cache_sidecar_path(c, meta);
+                        let saved =
+                            std::fs::create_dir_all(c).and_then(|()| table.write_sidecar(&path, &meta.identity()));
+                        if let Err(e) = saved {
+                            tracing::warn!(sidecar = %path.display(), error = %e, "cannot save shard index sidecar");
+                        }
+                    }
+                    table
+                }
+                None => {
+                    let pin = fetch_into(node, backends, meta, key, Want::NOW)?
+                        .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+                    let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
+                    // Dropped before `pin` (declared after it), which keeps the copy immutable.
+                    let mapped = map_pinned(&file, false);
+                    load_table(format, meta, &file, mapped.as_deref(), cache)?
+                }
+            };
+            let content = digest(&table, None)?;
+            Ok((table, content, fresh))
+        }
+        _ => {
+            let ShardSource::Local(path) = &meta.source else {
+                return Err(Error::Internal(format!("{} needs the node cache", meta.url())));
+            };
+            let file = ShardFile::open(path.clone(), meta.len)?;
+            let table = load_table(format, meta, &file, None, cache)?;
+            let content = digest(&table, Some(&file))?;
+            Ok((table, content, false))
+        }
+    }
+}
+
+/// The footer table of an S3 Parquet file, read with one ranged GET of its tail (two for a footer
+/// larger than the tail).
+fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<ShardTable> {
+    let ShardSource::S3 { bucket, key, etag } = &meta.source else {
+        return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
+    };
+    let obj =
+        crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() };
+    let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
+        let (got, _) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+        buf.copy_from_slice(&got);
+        Ok(())
+    })?;
+    Ok(ShardTable::Parquet(Arc::new(table)))
+}
