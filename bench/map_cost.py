@@ -10,7 +10,9 @@ bench/PROFILES.md ("The mapped-in-place gap, populating, and the bench's teardow
   every page read (what a consumer does next). CPU-s of each step, median of the rounds. Two
   states of the same bytes: as a read from disk leaves them in the page cache (`measure.warm`:
   dropped, then read back) and as the generator's small writes leave them (a copy written 512
-  bytes at a time, in a temporary directory).
+  bytes at a time, in a temporary directory); a third, as the client's first reads leave them
+  (a copy, dropped, then read back by the faults of a mapping advised `MADV_HUGEPAGE`, as the
+  client maps a shard), with the share of each state's bytes a mapping maps with 2 MiB entries.
 - Teardown: a child imports torch and shardstream (and maps the shards, or not), reports its CPU
   time and exits with `os._exit`; the parent's `wait4` gives the CPU of the whole process. The
   difference is what the exit cost.
@@ -76,6 +78,50 @@ def map_all(files: list[Path], way: str) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
+def pmd_mapped_share(files: list[Path]) -> float:
+    """The share of the files' bytes that a mapping of them maps with 2 MiB entries once one byte
+    per 64 KiB was read (`FilePmdMapped` of /proc/self/smaps_rollup, before and after): what the
+    page cache's folios allow."""
+
+    def pmd_kib() -> int:
+        with open("/proc/self/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith("FilePmdMapped:"))
+
+    before = pmd_kib()
+    maps = []
+    for f in files:
+        with open(f, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+        touch(m, 64 << 10)
+        maps.append(m)
+    share = (pmd_kib() - before) * 1024 / sum(len(m) for m in maps)
+    for m in maps:
+        m.close()
+    return share
+
+
+def read_first_through_huge_mapping(files: list[Path], into: Path) -> list[Path]:
+    """Copies of the files, dropped from the page cache, then read back by faults of a mapping
+    advised `MADV_HUGEPAGE` (as the client maps a shard): the page cache keeps a file in the
+    folios its first reader made."""
+    out = []
+    for f in files:
+        dst = into / f.name
+        with open(f, "rb") as src, open(dst, "wb") as w:
+            while chunk := src.read(8 << 20):
+                w.write(chunk)
+            w.flush()
+            os.fsync(w.fileno())
+            os.posix_fadvise(w.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        with open(dst, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+        m.madvise(mmap.MADV_HUGEPAGE)
+        touch(m, 64 << 10)
+        m.close()
+        out.append(dst)
+    return out
+
+
 def small_writes_copy(files: list[Path], into: Path) -> list[Path]:
     """The files copied 512 bytes per write (as Python's tarfile writes), synced."""
     out = []
@@ -128,8 +174,16 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     exits: dict[str, list[float]] = {"nothing mapped": [], f"the shards mapped ({gb:.2f} GB)": []}
     with tempfile.TemporaryDirectory(prefix="map-cost-", dir=args.data) as tmp:
-        small = small_writes_copy(shards, Path(tmp))
-        states = {"read from disk": shards, "written 512 B at a time": small}
+        (Path(tmp) / "small").mkdir()
+        (Path(tmp) / "huge").mkdir()
+        small = small_writes_copy(shards, Path(tmp) / "small")
+        huge = read_first_through_huge_mapping(shards, Path(tmp) / "huge")
+        states = {
+            "read from disk": shards,
+            "written 512 B at a time": small,
+            "read from disk by a MADV_HUGEPAGE mapping's faults": huge,
+        }
+        pmd = {state: pmd_mapped_share(files) for state, files in states.items()}
         for r in range(args.rounds):
             for state, files in states.items():
                 for way in WAYS:
@@ -146,6 +200,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for (state, way), runs in results.items():
         print(f"| {state} | {way} | {cell([m for m, _ in runs])} | {cell([t for _, t in runs])} |")
+    print("\n| page cache holds the shards | share of their bytes mapped by 2 MiB entries |")
+    print("|---|---|")
+    for state, share in pmd.items():
+        print(f"| {state} | {share:.2f} |")
     print("\n| interpreter with torch and shardstream loaded, at exit | CPU-s of the exit |")
     print("|---|---|")
     for name, xs in exits.items():

@@ -117,6 +117,21 @@ fn prefault(map: &[u8]) {
     }
 }
 
+/// Asks for 2 MiB folios for the parts of a shard this mapping is the first to read from storage
+/// (`MADV_HUGEPAGE`). The page cache keeps a file in the folios its first reader made: pages a
+/// fault of this mapping reads in then sit in 2 MiB folios, each mapped by one page-table entry,
+/// in this stream and every later mapping of the file; the pages `read()` brought in stay in small
+/// folios, one fault per 64 KiB (bench/PROFILES.md, section 4: "Huge folios for shards read
+/// first through a mapping"). Pages already cached are left as they are. A hint: a kernel
+/// without transparent huge pages, or with them off, refuses or ignores it, and nothing else
+/// changes, so its error is not one.
+fn advise_huge_folios(map: &Mmap) {
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    #[cfg(not(target_os = "linux"))]
+    let _ = map;
+}
+
 /// The path behind a received descriptor, for error messages (best effort).
 fn fd_name(file: &std::fs::File, slot: u64) -> String {
     use std::os::fd::AsRawFd;
@@ -465,6 +480,7 @@ impl Inner {
                 // (`map_in_place`; see the module docs).
                 let map = unsafe { memmap2::MmapOptions::new().map(file) };
                 let map = map.map_err(|e| format!("cannot map shard {name}: {e}"))?;
+                advise_huge_folios(&map);
                 prefault(&map);
                 Ok(Mapping { map: Some(map), file: None, name })
             })?
@@ -688,6 +704,40 @@ mod tests {
         let m = map(true);
         assert_eq!((m[0], m[m.len() - 1], m.len()), (5, 5, (8 << 20) + 100));
         prefault(&[]);
+    }
+
+    /// The `VmFlags` of this process's mapping that starts at `addr`.
+    fn vm_flags(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ')
+                && let Some((start, _)) = range.split_once('-')
+                && let Ok(start) = usize::from_str_radix(start, 16)
+            {
+                inside = start == addr;
+            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.trim().to_owned();
+            }
+        }
+        panic!("no mapping at {addr:#x} in /proc/self/smaps");
+    }
+
+    #[test]
+    fn a_mapped_shard_asks_for_huge_folios() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.tar");
+        std::fs::write(&path, vec![3u8; 4 << 20]).unwrap();
+        let inner = unattached();
+        inner.adopt(0, 4 << 20, false, vec![OwnedFd::from(std::fs::File::open(&path).unwrap())]).unwrap();
+        let m = inner.mapping(0).unwrap();
+        // `hg`: MADV_HUGEPAGE is set on the mapping (whether the kernel then makes 2 MiB folios
+        // depends on its THP setting and the file system; bench/map_cost.py measures that).
+        // A kernel built without transparent huge pages refuses the hint, and the mapping works.
+        let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage").try_exists().unwrap();
+        let flags = vm_flags(m.bytes().as_ptr() as usize);
+        assert_eq!(flags.split(' ').any(|f| f == "hg"), thp, "VmFlags: {flags}");
+        assert_eq!(m.bytes()[(4 << 20) - 1], 3);
     }
 
     #[test]
