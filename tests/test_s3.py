@@ -282,10 +282,13 @@ def test_daemon_killed_mid_download_never_serves_a_partial_file(tmp_path: Path, 
         d.stop()
 
 
-def test_a_full_cache_disk_evicts_instead_of_failing(tmp_path: Path, s3: S3Server) -> None:
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_full_cache_disk_evicts_instead_of_failing(tmp_path: Path, s3: S3Server, transport: str) -> None:
     """The cache directory is a 3 MiB tmpfs (in a private mount namespace) while the daemon is
     told it may use 1 GiB: writes hit ENOSPC, the daemon lowers its capacity and evicts. The
-    dataset (4 MB) does not fit; what one consumer needs at a time (a few 200 kB shards) does."""
+    dataset (4 MB) does not fit; what one consumer needs at a time (a few 200 kB shards) does.
+    Over shared memory the client maps every shard it reads: it must let go of the ones the
+    daemon evicts (an unlinked file that is still mapped keeps its space), or the disk fills."""
     samples = big_dataset(s3, "diskfull", shards=20, per_shard=1, size=200_000)
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -295,9 +298,7 @@ def test_a_full_cache_disk_evicts_instead_of_failing(tmp_path: Path, s3: S3Serve
     d = Daemon(tmp_path, args=["--cache-size", "1GiB"], env=s3.env(), wrap=wrap)
     d.start()
     try:
-        # Inline: a shared-memory client keeps its mappings of evicted shards until its stream
-        # ends, and on tmpfs those still hold the space.
-        got = epoch(d.addr, "s3://data/diskfull/", batch_size=1, shuffle_window=1, transport="inline")
+        got = epoch(d.addr, "s3://data/diskfull/", batch_size=1, shuffle_window=1, transport=transport)
         assert got == samples
         c = d.status()["cache"]
         assert c["capacity_bytes"] < 3 << 20, c

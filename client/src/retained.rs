@@ -15,8 +15,9 @@
 //! What keeping costs: page tables (~2 MiB per GiB mapped), and the disk space of a node-cache
 //! copy the daemon evicted meanwhile (an unlinked file stays allocated while mapped). The table
 //! is bounded by `SHARDSTREAM_KEEP_MAPPED_BYTES` (default [`DEFAULT_LIMIT`], 0 turns keeping off;
-//! the least recently used mapping goes first), and every new stream first lets go of mappings
-//! whose path no longer names their file (evicted copies).
+//! the least recently used mapping goes first). A copy the daemon evicts while a stream runs is
+//! let go at once (SHARD_FORGET, [`forget`]); every new stream first lets go of mappings whose
+//! path no longer names their file (copies evicted between two streams).
 //!
 //! Per process: a forked child (a DataLoader worker) starts with an empty table of its own and
 //! never takes the parent's lock, which a parent thread may have held at the moment of fork. The
@@ -129,6 +130,15 @@ impl Table {
         }
     }
 
+    /// Lets go of `map` (found by identity of the mapping, not of the file).
+    pub fn forget(&mut self, map: &Arc<Mapping>) {
+        let found = self.kept.iter().find(|(_, k)| Arc::ptr_eq(&k.map, map)).map(|(id, k)| (*id, k.used));
+        if let Some((id, used)) = found {
+            self.order.remove(&used);
+            self.drop_entry(&id);
+        }
+    }
+
     fn drop_entry(&mut self, id: &FileId) {
         if self.kept.remove(id).is_some() {
             self.bytes -= id.len;
@@ -211,6 +221,13 @@ pub fn mapping(
     Ok(mapped)
 }
 
+/// Lets go of `map` if it is kept: the daemon evicted its file (SHARD_FORGET).
+pub fn forget(map: &Arc<Mapping>) {
+    if let Ok(table) = table() {
+        table.lock().unwrap_or_else(|p| p.into_inner()).forget(map);
+    }
+}
+
 /// Lets go of kept mappings whose files are gone (called as a stream attaches). A bad limit in
 /// the environment is reported by [`mapping`], where it can fail the stream.
 pub fn prune() {
@@ -253,6 +270,19 @@ mod tests {
         let mut off = Table::new(0);
         off.keep(id(5, 1), mapping_named("/e"));
         assert!(off.is_empty());
+    }
+
+    #[test]
+    fn a_forgotten_mapping_is_let_go() {
+        let mut t = Table::new(100);
+        let (a, b) = (mapping_named("/a"), mapping_named("/b"));
+        t.keep(id(1, 10), a.clone());
+        t.keep(id(2, 10), b.clone());
+        t.forget(&a);
+        assert!(t.get(&id(1, 10)).is_none() && t.get(&id(2, 10)).is_some());
+        assert_eq!((t.len(), t.bytes()), (1, 10));
+        t.forget(&a); // not kept: nothing happens
+        assert_eq!(t.len(), 1);
     }
 
     #[test]

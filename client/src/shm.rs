@@ -242,6 +242,8 @@ pub fn arrow_ipc_range(
 #[derive(Debug, Default)]
 struct Slots {
     maps: Vec<Option<Arc<Mapping>>>,
+    /// Slots the daemon said no batch will name again (SHARD_FORGET): their mappings are let go.
+    forgotten: std::collections::HashSet<usize>,
     rings: HashMap<u64, Arc<RingMapping>>,
     error: Option<String>,
     closed: bool,
@@ -437,6 +439,10 @@ impl Inner {
             let outcome = match Frame::decode(&bytes) {
                 Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, f.shard_mutable(), fds),
                 Ok(f) if f.kind == wire::KIND_RING_FD => self.adopt_ring(f.a, f.b, fds),
+                Ok(f) if f.kind == wire::KIND_SHARD_FORGET => {
+                    self.forget(f.a);
+                    Ok(())
+                }
                 Ok(f) if f.kind == wire::KIND_RING_RETIRE => {
                     // Arrays over it keep their own reference; only the table lets go.
                     self.slots.lock().unwrap_or_else(|p| p.into_inner()).rings.remove(&f.a);
@@ -512,11 +518,33 @@ impl Inner {
         Ok(())
     }
 
+    /// SHARD_FORGET: the daemon evicted the slot's node-cache copy (unlinked it). The mapping
+    /// goes from the session and from what the process keeps ([`retained`]), so the file's disk
+    /// space is freed once no batch view holds it any more.
+    fn forget(&self, slot: u64) {
+        let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(i) = usize::try_from(slot).ok().filter(|&i| i < s.maps.len()) else { return };
+        s.forgotten.insert(i);
+        let gone = s.maps[i].take();
+        drop(s);
+        if let Some(map) = gone {
+            retained::forget(&map);
+        }
+    }
+
     fn ring(&self, id: u64) -> Result<Arc<RingMapping>, ClientError> {
         self.wait_for(|s| s.rings.get(&id).cloned(), || format!("ring {id}"))
     }
 
     fn mapping(&self, slot: u32) -> Result<Arc<Mapping>, ClientError> {
+        {
+            let s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            if s.forgotten.contains(&(slot as usize)) {
+                return Err(frame_error(format!(
+                    "a batch names shard slot {slot}, which the daemon said it would not name again (SHARD_FORGET)"
+                )));
+            }
+        }
         self.wait_for(|s| s.maps.get(slot as usize).cloned().flatten(), || format!("shard slot {slot}"))
     }
 
@@ -704,6 +732,26 @@ mod tests {
         let m = map(true);
         assert_eq!((m[0], m[m.len() - 1], m.len()), (5, 5, (8 << 20) + 100));
         prefault(&[]);
+    }
+
+    #[test]
+    fn a_forgotten_slot_lets_go_of_its_mapping_and_is_never_looked_up_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("copy.tar");
+        std::fs::write(&path, vec![4u8; 8192]).unwrap();
+        let fd = || vec![OwnedFd::from(std::fs::File::open(&path).unwrap())];
+        let inner = unattached();
+        inner.adopt(0, 8192, false, fd()).unwrap();
+        let held = inner.mapping(0).unwrap(); // a batch view still holding it
+        inner.forget(0);
+        let err = inner.mapping(0).unwrap_err().to_string();
+        assert!(err.contains("shard slot 0") && err.contains("SHARD_FORGET"), "{err}");
+        assert_eq!(held.bytes()[0], 4, "views keep their mapping");
+        assert_eq!(Arc::strong_count(&held), 1, "neither the session nor the process keeps it");
+        // The next slot is unaffected, and the same file sent again is mapped anew.
+        inner.adopt(1, 8192, false, fd()).unwrap();
+        assert!(!Arc::ptr_eq(&held, &inner.mapping(1).unwrap()));
+        inner.forget(7); // unknown: ignored
     }
 
     /// The `VmFlags` of this process's mapping that starts at `addr`.

@@ -13,7 +13,7 @@
 //!        │ u32 LE │ u16 LE │ u16 LE │                │                │                                │
 //!        └────────┴────────┴────────┴────────────────┴────────────────┴────────────────────────────────┘
 //!  kind   direction          a                   b                 payload
-//!  HELLO  client -> daemon   0                   0                 session token (16 bytes), zeros
+//!  HELLO  client -> daemon   flags               0                 session token (16 bytes), zeros
 //!  ATTACHED daemon -> client 0                   0                 zeros
 //!  SHARD_FD daemon -> client shard slot          shard length      flags (byte 0)   + SCM_RIGHTS fd
 //!  RELEASE client -> daemon  batch index         0                 zeros
@@ -23,6 +23,7 @@
 //!  ERROR  daemon -> client   error code          0                 UTF-8 message, NUL-padded
 //!  RING_FD daemon -> client  ring id             segment length    zeros            + SCM_RIGHTS fd
 //!  RING_RETIRE daemon->client ring id            0                 zeros
+//!  SHARD_FORGET daemon->client shard slot        0                 zeros
 //! ```
 //!
 //! RING_FD passes a packed-mode ring segment (layout in [`crate::ring`]); RING_RETIRE says no
@@ -35,8 +36,17 @@
 //! (node-cache copies, immutable while leased) the client maps the shard. Daemons before the flag
 //! sent zeros there: a client then maps, as before.
 //!
+//! SHARD_FORGET says the daemon evicted that slot's node-cache copy (unlinked it) and no batch
+//! will name the slot again: the client lets go of its mapping once no batch view holds it, so
+//! the file's disk space is freed. Without it a client kept every copy it had mapped until its
+//! stream ended, and an epoch of a dataset larger than the node cache filled the cache's disk
+//! beyond its capacity. Sent only to a client whose HELLO carries [`HELLO_FORGETS`] (older
+//! clients send zeros there and would refuse an unknown kind). A later batch that needs the shard
+//! again gets it under a new slot, with a new SHARD_FD.
+//!
 //! A shard slot is the stream's own number for a shard (0, 1, 2, ... in the order the daemon sent
-//! them); batches refer to shards by slot. Frames are native little-endian on every platform.
+//! them, never reused); batches refer to shards by slot. Frames are native little-endian on every
+//! platform.
 
 use crate::le::{u16_at, u32_at, u64_at};
 
@@ -54,6 +64,10 @@ pub const KIND_ERROR: u16 = 5;
 pub const KIND_STREAM_END: u16 = 6;
 pub const KIND_RING_FD: u16 = 7;
 pub const KIND_RING_RETIRE: u16 = 8;
+pub const KIND_SHARD_FORGET: u16 = 9;
+
+/// HELLO flag (`a`): the client understands SHARD_FORGET.
+pub const HELLO_FORGETS: u64 = 1;
 
 /// SHARD_FD flag (payload byte 0): the shard may change under the reader; read, do not map.
 pub const SHARD_MUTABLE: u8 = 1;
@@ -95,8 +109,9 @@ impl Frame {
         Self { magic: MAGIC, version: LAYOUT_VERSION, kind, a, b, payload: [0; 40] }
     }
 
+    /// This build's HELLO: the session token, and the flags of what it understands.
     pub fn hello(token: &[u8; 16]) -> Self {
-        let mut f = Self::new(KIND_HELLO, 0, 0);
+        let mut f = Self::new(KIND_HELLO, HELLO_FORGETS, 0);
         f.payload[..16].copy_from_slice(token);
         f
     }

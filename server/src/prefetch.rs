@@ -251,6 +251,14 @@ impl Eviction for Oracle {
         let Some(p) = self.0.upgrade() else { return false };
         p.shm.as_ref().is_some_and(|hub| hub.is_leased(&p.cache.path_of(key)))
     }
+
+    fn evicted(&self, key: &str) {
+        if let Some(p) = self.0.upgrade()
+            && let Some(hub) = &p.shm
+        {
+            hub.forget(&p.cache.path_of(key));
+        }
+    }
 }
 
 impl Prefetcher {

@@ -9,7 +9,10 @@
 //! - **Eviction** by the table's policy (Belady's rule with the prefetcher's knowledge of the
 //!   future, or LRU); a pinned shard (a stream is reading it) or one leased to a client is never
 //!   evicted. Evicted files are unlinked: a reader that still has one open or mapped keeps valid
-//!   bytes, and a re-fetch writes a new file, so nothing anyone reads is ever rewritten.
+//!   bytes, and a re-fetch writes a new file, so nothing anyone reads is ever rewritten. An
+//!   unlinked file keeps its disk space while it is mapped, so eviction tells the shared-memory
+//!   clients to let go of it ([`Eviction::evicted`]); otherwise an epoch of a dataset larger
+//!   than the cache would fill the disk with copies its trainers still map.
 //! - **A full disk evicts instead of failing**: when a write hits ENOSPC the capacity is lowered
 //!   to what the disk really holds and the fill is retried once after evicting; only if that
 //!   fails too does the stream get an error naming the cache directory.
@@ -388,12 +391,16 @@ impl NodeCache {
     }
 
     fn remove_evicted(&self, evicted: &[String]) {
+        let ev = if evicted.is_empty() { None } else { Some(self.eviction()) };
         for k in evicted {
             let p = self.path_of(k);
             if let Err(e) = std::fs::remove_file(&p)
                 && e.kind() != std::io::ErrorKind::NotFound
             {
                 tracing::warn!(path = %p.display(), error = %e, "cannot delete evicted shard");
+            }
+            if let Some(ev) = &ev {
+                ev.evicted(k);
             }
             self.counters.evictions.fetch_add(1, Relaxed);
             crate::metrics::cache_eviction();

@@ -70,6 +70,9 @@ pub trait Eviction {
     fn next_use(&self, key: &str) -> Option<f64>;
     /// True while a client holds a lease on the shard (checked in addition to pins).
     fn leased(&self, key: &str) -> bool;
+    /// The shard's file was just unlinked: whoever still maps it should let go, or its disk
+    /// space stays taken (the shm clients, see `transport::shm::ShmHub::forget`).
+    fn evicted(&self, _key: &str) {}
 }
 
 /// Nothing known about the future, nothing leased.

@@ -100,6 +100,11 @@ struct SessionState {
     sock: Option<Arc<OwnedFd>>,
     /// Shard path -> slot number sent to the client.
     sent: HashMap<PathBuf, u32>,
+    /// The next slot number: slots are never reused, so a shard sent again after SHARD_FORGET
+    /// gets a new one.
+    next_slot: u32,
+    /// The client's HELLO said it understands SHARD_FORGET.
+    forgets: bool,
     /// Batch index -> what it holds.
     outstanding: HashMap<u64, Held>,
     /// Packed mode: the rings sent to the client, oldest first; the last is the one new batches
@@ -212,6 +217,23 @@ impl ShmHub {
     }
 
     /// True while a client holds a batch that uses this shard.
+    /// The node cache unlinked `shard`: every session that was sent it forgets its slot, and a
+    /// client that understands SHARD_FORGET is told to let go of its mapping (which otherwise
+    /// keeps the file's disk space until the stream ends). Never leased at this point: the cache
+    /// evicts no leased shard, so no batch a client holds names the slot.
+    pub fn forget(&self, shard: &Path) {
+        let sessions: Vec<Arc<Session>> = lock(&self.shared.sessions).values().cloned().collect();
+        for session in sessions {
+            let mut st = lock(&session.state);
+            let Some(slot) = st.sent.remove(shard) else { continue };
+            if let Some(sock) = st.sock.clone().filter(|_| st.forgets) {
+                // A client that cannot be told keeps the mapping until its stream ends, as
+                // before; the stream itself is not failed for it.
+                let _ = send_frame(&*sock, &Frame::new(wire::KIND_SHARD_FORGET, u64::from(slot), 0), None);
+            }
+        }
+    }
+
     pub fn is_leased(&self, shard: &Path) -> bool {
         lock(&self.shared.leases).get(shard).is_some_and(|&n| n > 0)
     }
@@ -329,6 +351,7 @@ fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>) {
             return;
         }
         st.sock = Some(conn.clone());
+        st.forgets = frame.a & wire::HELLO_FORGETS != 0;
     }
     session.changed.notify_all();
     let _ = rustix::net::sockopt::set_socket_timeout(&*conn, rustix::net::sockopt::Timeout::Recv, None);
@@ -499,12 +522,13 @@ impl Session {
             return Ok(slot);
         }
         let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
-        let slot = st.sent.len() as u32;
+        let slot = st.next_slot;
         let fd = file.try_clone().map_err(|e| Error::io("cannot duplicate descriptor of", path, e))?;
         let fd: OwnedFd = fd.into();
         send_frame(&*sock, &Frame::shard_fd(u64::from(slot), len, mutable), Some(fd.as_fd()))
             .map_err(|e| Error::Unavailable(format!("cannot pass shard descriptor to the client: {e}")))?;
         st.sent.insert(path.to_owned(), slot);
+        st.next_slot += 1;
         Ok(slot)
     }
 
@@ -708,5 +732,77 @@ impl Drop for SlotGuard<'_> {
         if !self.done {
             self.session.abandon_slot(self.ring.id(), self.slot);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client's end of the side channel, attached to `session`; `flags` go in its HELLO.
+    fn attach(hub: &ShmHub, session: &Session, flags: u64) -> OwnedFd {
+        let sock = rustix::net::socket_with(
+            rustix::net::AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        rustix::net::connect(&sock, &rustix::net::SocketAddrUnix::new(&hub.socket).unwrap()).unwrap();
+        let mut hello = Frame::hello(&session.token);
+        hello.a = flags;
+        send_frame(&sock, &hello, None).unwrap();
+        assert_eq!(next_frame(&sock).kind, wire::KIND_ATTACHED);
+        // The session sees its socket just after ATTACHED is sent.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while lock(&session.state).sock.is_none() {
+            assert!(std::time::Instant::now() < deadline, "the session never saw its socket");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        sock
+    }
+
+    fn next_frame(sock: &OwnedFd) -> Frame {
+        Frame::decode(&recv_frame(sock).unwrap().unwrap()).unwrap()
+    }
+
+    /// Frames waiting on `sock` now, without waiting for more.
+    fn pending(sock: &OwnedFd) -> Vec<Frame> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; wire::FRAME_BYTES];
+        while let Ok(n) = rustix::net::recv(sock, &mut buf, rustix::net::RecvFlags::DONTWAIT) {
+            out.push(Frame::decode(&buf[..n.0]).unwrap());
+        }
+        out
+    }
+
+    #[test]
+    fn an_evicted_shard_is_forgotten_by_the_sessions_that_were_sent_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let shard = dir.path().join("copy.tar");
+        std::fs::write(&shard, b"shard bytes").unwrap();
+        let file = std::fs::File::open(&shard).unwrap();
+        let (told, untold) = (hub.new_session(4).unwrap(), hub.new_session(4).unwrap());
+        let (told_sock, untold_sock) = (attach(&hub, &told, wire::HELLO_FORGETS), attach(&hub, &untold, 0));
+        for (s, sock) in [(&told, &told_sock), (&untold, &untold_sock)] {
+            assert_eq!(s.slot_for(&shard, &file, 11, false).unwrap(), 0);
+            assert_eq!(next_frame(sock).kind, wire::KIND_SHARD_FD);
+        }
+
+        hub.forget(&shard);
+        let told_frames = pending(&told_sock);
+        assert_eq!(told_frames.len(), 1);
+        assert_eq!((told_frames[0].kind, told_frames[0].a), (wire::KIND_SHARD_FORGET, 0));
+        assert!(pending(&untold_sock).is_empty(), "a client without the flag would refuse the frame");
+
+        // Needed again (a new copy at the same path): a new slot and descriptor, never slot 0.
+        for (s, sock) in [(&told, &told_sock), (&untold, &untold_sock)] {
+            assert_eq!(s.slot_for(&shard, &file, 11, false).unwrap(), 1);
+            let f = next_frame(sock);
+            assert_eq!((f.kind, f.a), (wire::KIND_SHARD_FD, 1));
+        }
+        hub.forget(&dir.path().join("never-sent.tar"));
+        assert!(pending(&told_sock).is_empty());
     }
 }
