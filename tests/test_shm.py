@@ -213,6 +213,42 @@ def test_a_bad_keep_mapped_bytes_fails_the_stream_naming_it(daemon, dataset) -> 
     assert 'SHARDSTREAM_KEEP_MAPPED_BYTES="8GiB" is not a byte count' in r.stderr, r.stderr
 
 
+MANY_SHARDS_TRAINER = textwrap.dedent(
+    """
+    import json, resource, sys, shardstream
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[3]), hard))
+    keys = []
+    for batch in shardstream.Loader(sys.argv[1], batch_size=16, seed=3, connect=sys.argv[2]):
+        keys.extend(batch["__key__"])
+    print(json.dumps(keys))
+    """
+)
+
+
+def test_an_epoch_over_more_shards_than_open_files_allowed(daemon, tmp_path) -> None:
+    """A stream holds a descriptor (or a mapping) of a shard only while it uses it: an epoch of
+    600 shards runs in a process allowed 256 open files. A client used to keep every shard of
+    its stream until the stream ended, and a dataset of more shards than `ulimit -n` failed
+    mid-epoch with "SHARD_FD frame without a descriptor"."""
+    import json
+
+    from conftest import write_dataset
+
+    root = tmp_path / "many"
+    samples = write_dataset(root, n=1200, per_shard=2, seed=11)
+    assert len(list(root.glob("*.tar"))) == 600
+    r = subprocess.run(
+        [sys.executable, "-c", MANY_SHARDS_TRAINER, str(root), daemon.addr, "256"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    keys = json.loads(r.stdout)
+    assert sorted(keys) == sorted(samples) and len(keys) == len(set(keys))
+
+
 def test_inline_on_request(daemon, dataset) -> None:
     root, samples = dataset
     loader = shardstream.Loader(str(root), batch_size=64, transport="inline", connect=daemon.addr)

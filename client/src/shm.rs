@@ -242,8 +242,10 @@ pub fn arrow_ipc_range(
 #[derive(Debug, Default)]
 struct Slots {
     maps: Vec<Option<Arc<Mapping>>>,
-    /// Slots the daemon said no batch will name again (SHARD_FORGET): their mappings are let go.
-    forgotten: std::collections::HashSet<usize>,
+    /// Slots the daemon said no batch will name again (SHARD_FORGET), with what their mapping
+    /// was: a later SHARD_FORGET for an eviction names the slot again, and the process's kept
+    /// mapping of it must go then.
+    forgotten: HashMap<usize, std::sync::Weak<Mapping>>,
     rings: HashMap<u64, Arc<RingMapping>>,
     error: Option<String>,
     closed: bool,
@@ -440,7 +442,7 @@ impl Inner {
                 Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, f.shard_mutable(), fds),
                 Ok(f) if f.kind == wire::KIND_RING_FD => self.adopt_ring(f.a, f.b, fds),
                 Ok(f) if f.kind == wire::KIND_SHARD_FORGET => {
-                    self.forget(f.a);
+                    self.forget(f.a, f.b == wire::FORGET_EVICTED);
                     Ok(())
                 }
                 Ok(f) if f.kind == wire::KIND_RING_RETIRE => {
@@ -518,16 +520,24 @@ impl Inner {
         Ok(())
     }
 
-    /// SHARD_FORGET: the daemon evicted the slot's node-cache copy (unlinked it). The mapping
-    /// goes from the session and from what the process keeps ([`retained`]), so the file's disk
-    /// space is freed once no batch view holds it any more.
-    fn forget(&self, slot: u64) {
+    /// SHARD_FORGET: no batch will name the slot again. The session drops its mapping or
+    /// descriptor (batch views keep their own). When the daemon `evicted` the node-cache copy
+    /// (unlinked it), the process keeps no mapping of it either ([`retained`]), so the file's
+    /// disk space is freed once no view holds it any more; otherwise a kept mapping stays for
+    /// the process's next stream.
+    fn forget(&self, slot: u64, evicted: bool) {
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let Some(i) = usize::try_from(slot).ok().filter(|&i| i < s.maps.len()) else { return };
-        s.forgotten.insert(i);
-        let gone = s.maps[i].take();
+        let gone = match s.maps[i].take() {
+            Some(map) => {
+                s.forgotten.insert(i, Arc::downgrade(&map));
+                Some(map)
+            }
+            // Forgotten before as done: its mapping lives on only if the process kept it.
+            None => s.forgotten.get(&i).and_then(std::sync::Weak::upgrade),
+        };
         drop(s);
-        if let Some(map) = gone {
+        if let Some(map) = gone.filter(|_| evicted) {
             retained::forget(&map);
         }
     }
@@ -539,7 +549,7 @@ impl Inner {
     fn mapping(&self, slot: u32) -> Result<Arc<Mapping>, ClientError> {
         {
             let s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            if s.forgotten.contains(&(slot as usize)) {
+            if s.forgotten.contains_key(&(slot as usize)) {
                 return Err(frame_error(format!(
                     "a batch names shard slot {slot}, which the daemon said it would not name again (SHARD_FORGET)"
                 )));
@@ -743,7 +753,7 @@ mod tests {
         let inner = unattached();
         inner.adopt(0, 8192, false, fd()).unwrap();
         let held = inner.mapping(0).unwrap(); // a batch view still holding it
-        inner.forget(0);
+        inner.forget(0, true);
         let err = inner.mapping(0).unwrap_err().to_string();
         assert!(err.contains("shard slot 0") && err.contains("SHARD_FORGET"), "{err}");
         assert_eq!(held.bytes()[0], 4, "views keep their mapping");
@@ -751,7 +761,18 @@ mod tests {
         // The next slot is unaffected, and the same file sent again is mapped anew.
         inner.adopt(1, 8192, false, fd()).unwrap();
         assert!(!Arc::ptr_eq(&held, &inner.mapping(1).unwrap()));
-        inner.forget(7); // unknown: ignored
+        inner.forget(7, true); // unknown: ignored
+
+        // Done with (not evicted): the session lets go, the process keeps the mapping.
+        inner.forget(1, false);
+        assert!(inner.mapping(1).is_err());
+        let again = unattached();
+        again.adopt(0, 8192, false, fd()).unwrap();
+        let kept = again.mapping(0).unwrap();
+        assert_eq!(Arc::strong_count(&kept), 3, "the session's, the kept table's, this");
+        // Then evicted: named by its old slot, the kept mapping goes too.
+        inner.forget(1, true);
+        assert_eq!(Arc::strong_count(&kept), 2, "the other session's and this");
     }
 
     /// The `VmFlags` of this process's mapping that starts at `addr`.

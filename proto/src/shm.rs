@@ -23,7 +23,7 @@
 //!  ERROR  daemon -> client   error code          0                 UTF-8 message, NUL-padded
 //!  RING_FD daemon -> client  ring id             segment length    zeros            + SCM_RIGHTS fd
 //!  RING_RETIRE daemon->client ring id            0                 zeros
-//!  SHARD_FORGET daemon->client shard slot        0                 zeros
+//!  SHARD_FORGET daemon->client shard slot        reason            zeros
 //! ```
 //!
 //! RING_FD passes a packed-mode ring segment (layout in [`crate::ring`]); RING_RETIRE says no
@@ -36,11 +36,14 @@
 //! (node-cache copies, immutable while leased) the client maps the shard. Daemons before the flag
 //! sent zeros there: a client then maps, as before.
 //!
-//! SHARD_FORGET says the daemon evicted that slot's node-cache copy (unlinked it) and no batch
-//! will name the slot again: the client lets go of its mapping once no batch view holds it, so
-//! the file's disk space is freed. Without it a client kept every copy it had mapped until its
-//! stream ended, and an epoch of a dataset larger than the node cache filled the cache's disk
-//! beyond its capacity. Sent only to a client whose HELLO carries [`HELLO_FORGETS`] (older
+//! SHARD_FORGET says no batch will name that slot again: the client drops the slot's mapping or
+//! descriptor (batch views keep their own). Without it a client kept every shard of its stream
+//! until the stream ended: a descriptor each (an epoch of more shards than `ulimit -n` failed),
+//! page tables for every mapped byte, and the disk space of evicted node-cache copies. The reason
+//! (`b`): [`FORGET_EVICTED`], the daemon unlinked the node-cache copy, so the process keeps no
+//! mapping of it at all; [`FORGET_DONE`], the stream's working set moved past the shard and no
+//! batch the client holds names it, so only the stream lets go (the process may keep a mapping
+//! for its next stream). Sent only to a client whose HELLO carries [`HELLO_FORGETS`] (older
 //! clients send zeros there and would refuse an unknown kind). A later batch that needs the shard
 //! again gets it under a new slot, with a new SHARD_FD.
 //!
@@ -68,6 +71,10 @@ pub const KIND_SHARD_FORGET: u16 = 9;
 
 /// HELLO flag (`a`): the client understands SHARD_FORGET.
 pub const HELLO_FORGETS: u64 = 1;
+
+/// SHARD_FORGET reasons (`b`).
+pub const FORGET_EVICTED: u64 = 0;
+pub const FORGET_DONE: u64 = 1;
 
 /// SHARD_FD flag (payload byte 0): the shard may change under the reader; read, do not map.
 pub const SHARD_MUTABLE: u8 = 1;

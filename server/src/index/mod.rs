@@ -290,11 +290,19 @@ impl Working {
         Ok(())
     }
 
-    /// Ends a batch: shards unused for [`WORKING_BATCHES`] batches are let go.
-    pub fn end_batch(&mut self) {
+    /// Ends a batch: shards unused for [`WORKING_BATCHES`] batches are let go; returns them.
+    pub fn end_batch(&mut self) -> Vec<Arc<ResidentShard>> {
         self.batch += 1;
         let keep_from = self.batch.saturating_sub(WORKING_BATCHES);
-        self.shards.retain(|_, (_, used)| *used >= keep_from);
+        let mut dropped = Vec::new();
+        self.shards.retain(|_, (shard, used)| {
+            let keep = *used >= keep_from;
+            if !keep {
+                dropped.push(shard.clone());
+            }
+            keep
+        });
+        dropped
     }
 
     pub fn take_wait(&mut self) -> Duration {

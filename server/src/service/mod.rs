@@ -447,7 +447,14 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 }
                 (None, None) => build_batch(ds, &mut working, fields, all_fields, ids, index),
             };
-            working.end_batch();
+            let dropped = working.end_batch();
+            if let Some(s) = session
+                && !dropped.is_empty()
+            {
+                // The client may let go of what the stream has moved past (its descriptors and
+                // mappings would otherwise pile up for the whole epoch).
+                s.done_with(dropped.iter().map(|r| r.file.path.as_path()));
+            }
             built.map(|b| (b, working.take_wait()))
         });
         (end, handle)

@@ -105,6 +105,13 @@ struct SessionState {
     next_slot: u32,
     /// The client's HELLO said it understands SHARD_FORGET.
     forgets: bool,
+    /// Outstanding batches holding each shard (the leases this session counts in the hub's).
+    holds: HashMap<PathBuf, u32>,
+    /// Shards the stream moved past while a batch still held them: forgotten at its release.
+    done: std::collections::HashSet<PathBuf>,
+    /// Slots forgotten as done, by shard: the client may still keep their mappings for its next
+    /// stream, so an eviction of the shard names them too.
+    retired: HashMap<PathBuf, Vec<u32>>,
     /// Batch index -> what it holds.
     outstanding: HashMap<u64, Held>,
     /// Packed mode: the rings sent to the client, oldest first; the last is the one new batches
@@ -224,13 +231,7 @@ impl ShmHub {
     pub fn forget(&self, shard: &Path) {
         let sessions: Vec<Arc<Session>> = lock(&self.shared.sessions).values().cloned().collect();
         for session in sessions {
-            let mut st = lock(&session.state);
-            let Some(slot) = st.sent.remove(shard) else { continue };
-            if let Some(sock) = st.sock.clone().filter(|_| st.forgets) {
-                // A client that cannot be told keeps the mapping until its stream ends, as
-                // before; the stream itself is not failed for it.
-                let _ = send_frame(&*sock, &Frame::new(wire::KIND_SHARD_FORGET, u64::from(slot), 0), None);
-            }
+            forget_slot(&mut lock(&session.state), shard, wire::FORGET_EVICTED);
         }
     }
 
@@ -410,6 +411,7 @@ impl Session {
         if let Some((ring, slot)) = held.slot {
             free_slot(&mut st, ring, slot, Some(batch));
         }
+        let_go(&mut st, &held.shards);
         drop(st);
         self.unlease(&held.shards);
         self.changed.notify_all();
@@ -430,9 +432,30 @@ impl Session {
             }
             held.extend(h.shards);
         }
+        let_go(&mut st, &held);
         drop(st);
         self.unlease(&held);
         self.changed.notify_all();
+    }
+
+    /// The stream's working set moved past `shards`: each is forgotten (SHARD_FORGET, so the
+    /// client drops its descriptor or mapping) now, or when the last batch holding it is
+    /// released. Nothing for a client that cannot be told: it keeps its slots, as before.
+    pub fn done_with<'p>(&self, shards: impl Iterator<Item = &'p Path>) {
+        let mut st = lock(&self.state);
+        if !st.forgets {
+            return;
+        }
+        for path in shards {
+            if !st.sent.contains_key(path) {
+                continue;
+            }
+            if st.holds.get(path).is_some_and(|&n| n > 0) {
+                st.done.insert(path.to_owned());
+            } else {
+                forget_slot(&mut st, path, wire::FORGET_DONE);
+            }
+        }
     }
 
     fn unlease(&self, shards: &[PathBuf]) {
@@ -519,6 +542,7 @@ impl Session {
     pub fn slot_for(&self, path: &Path, file: &std::fs::File, len: u64, mutable: bool) -> Result<u32> {
         let mut st = lock(&self.state);
         if let Some(&slot) = st.sent.get(path) {
+            st.done.remove(path); // used again: not done after all
             return Ok(slot);
         }
         let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
@@ -545,6 +569,9 @@ impl Session {
             for s in &shards {
                 *leases.entry(s.clone()).or_default() += 1;
             }
+        }
+        for s in &shards {
+            *st.holds.entry(s.clone()).or_default() += 1;
         }
         st.outstanding.insert(batch, Held { shards, slot: None });
     }
@@ -652,6 +679,43 @@ impl Session {
 
 /// Frees `slot` of ring `ring` (held by `batch`, or still filling when None), then drops rings
 /// that are no longer current and no longer used.
+/// Counts `shards` as no longer held by a released batch, forgetting those the stream is done
+/// with once nothing holds them.
+fn let_go(st: &mut SessionState, shards: &[PathBuf]) {
+    for s in shards {
+        let Some(n) = st.holds.get_mut(s) else { continue };
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            st.holds.remove(s);
+            if st.done.remove(s) {
+                forget_slot(st, s, wire::FORGET_DONE);
+            }
+        }
+    }
+}
+
+/// Drops `path`'s slot (a later use gets a new one) and tells the client, if it understands.
+/// An eviction also names the slots the stream already forgot as done: the client may have kept
+/// their mappings, which would hold the unlinked file's disk space.
+fn forget_slot(st: &mut SessionState, path: &Path, reason: u64) {
+    st.done.remove(path);
+    let current = st.sent.remove(path);
+    let slots: Vec<u32> = if reason == wire::FORGET_EVICTED {
+        current.into_iter().chain(st.retired.remove(path).unwrap_or_default()).collect()
+    } else {
+        let Some(slot) = current else { return };
+        st.retired.entry(path.to_owned()).or_default().push(slot);
+        vec![slot]
+    };
+    if let Some(sock) = st.sock.clone().filter(|_| st.forgets) {
+        for slot in slots {
+            // A client that cannot be told keeps the slot's mapping until its stream ends, as
+            // before; the stream itself is not failed for it.
+            let _ = send_frame(&*sock, &Frame::new(wire::KIND_SHARD_FORGET, u64::from(slot), reason), None);
+        }
+    }
+}
+
 fn free_slot(st: &mut SessionState, ring: u64, slot: u32, batch: Option<u64>) {
     if let Some(r) = st.rings.iter_mut().find(|r| r.ring.id() == ring) {
         match batch {
@@ -793,7 +857,8 @@ mod tests {
         hub.forget(&shard);
         let told_frames = pending(&told_sock);
         assert_eq!(told_frames.len(), 1);
-        assert_eq!((told_frames[0].kind, told_frames[0].a), (wire::KIND_SHARD_FORGET, 0));
+        let f = told_frames[0];
+        assert_eq!((f.kind, f.a, f.b), (wire::KIND_SHARD_FORGET, 0, wire::FORGET_EVICTED));
         assert!(pending(&untold_sock).is_empty(), "a client without the flag would refuse the frame");
 
         // Needed again (a new copy at the same path): a new slot and descriptor, never slot 0.
@@ -804,5 +869,60 @@ mod tests {
         }
         hub.forget(&dir.path().join("never-sent.tar"));
         assert!(pending(&told_sock).is_empty());
+    }
+
+    #[test]
+    fn a_shard_the_stream_moved_past_is_forgotten_once_no_batch_holds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let [a, b] = ["a.tar", "b.tar"].map(|n| dir.path().join(n));
+        for p in [&a, &b] {
+            std::fs::write(p, b"shard").unwrap();
+        }
+        let session = hub.new_session(4).unwrap();
+        let sock = attach(&hub, &session, wire::HELLO_FORGETS);
+        for p in [&a, &b] {
+            session.slot_for(p, &std::fs::File::open(p).unwrap(), 5, true).unwrap();
+        }
+        assert_eq!(pending(&sock).len(), 2);
+        session.lease(7, vec![a.clone()]);
+        session.lease(8, vec![a.clone()]);
+
+        session.done_with([a.as_path(), b.as_path()].into_iter());
+        let f = pending(&sock);
+        assert_eq!(f.len(), 1, "b is held by no batch: forgotten at once; a is held");
+        assert_eq!((f[0].kind, f[0].a, f[0].b), (wire::KIND_SHARD_FORGET, 1, wire::FORGET_DONE));
+        assert!(session.release(7));
+        assert!(pending(&sock).is_empty(), "batch 8 still holds a");
+        assert!(session.release(8));
+        let f = pending(&sock);
+        assert_eq!((f.len(), f[0].a, f[0].b), (1, 0, wire::FORGET_DONE));
+
+        // Used again before its last batch was released: not forgotten.
+        let slot = session.slot_for(&a, &std::fs::File::open(&a).unwrap(), 5, true).unwrap();
+        assert_eq!(slot, 2);
+        let _ = pending(&sock);
+        session.lease(9, vec![a.clone()]);
+        session.done_with(std::iter::once(a.as_path()));
+        assert_eq!(session.slot_for(&a, &std::fs::File::open(&a).unwrap(), 5, true).unwrap(), 2);
+        assert!(session.release(9));
+        assert!(pending(&sock).is_empty(), "a was used again after the working set let it go");
+
+        // Evicted after the stream forgot it as done: the old slots are named (the client may
+        // keep their mappings), and the current one.
+        hub.forget(&a);
+        let f = pending(&sock);
+        let mut named: Vec<(u64, u64)> = f.iter().map(|f| (f.a, f.b)).collect();
+        named.sort_unstable();
+        assert_eq!(named, [(0, wire::FORGET_EVICTED), (2, wire::FORGET_EVICTED)]);
+
+        // A client that cannot be told keeps its slots.
+        let old = hub.new_session(4).unwrap();
+        let old_sock = attach(&hub, &old, 0);
+        assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, true).unwrap(), 0);
+        let _ = pending(&old_sock);
+        old.done_with(std::iter::once(b.as_path()));
+        assert!(pending(&old_sock).is_empty());
+        assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, true).unwrap(), 0);
     }
 }
