@@ -194,3 +194,26 @@ def test_log_json_and_shardstream_only_filter(tmp_path: Path) -> None:
     noisy = [e for e in lines if not e["target"].startswith("shardstream") and e["level"] in ("DEBUG", "TRACE")]
     assert not noisy, noisy[:3]
     assert any(t.startswith("shardstream") for t in targets)
+
+
+def open_file_limits(pid: int) -> tuple[str, str]:
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                soft, hard = line.split()[3:5]
+                return soft, hard
+    raise AssertionError("no open-file limit in /proc/PID/limits")
+
+
+@pytest.mark.parametrize("hard", [8192, 2048])
+def test_serve_raises_its_open_file_limit_to_the_hard_one(tmp_path: Path, hard: int) -> None:
+    """A daemon holds a descriptor per shard its streams have open: a soft limit of 1,024 (many
+    shells, SLURM jobs, container runtimes) fails streams the hard limit would allow. `serve`
+    raises it (and warns when even the hard limit is low, below 4096)."""
+    d = Daemon(tmp_path, wrap=["prlimit", f"--nofile=256:{hard}"])
+    d.start()
+    try:
+        assert d.proc is not None
+        assert open_file_limits(d.proc.pid) == (str(hard), str(hard))
+    finally:
+        d.stop()

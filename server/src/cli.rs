@@ -265,6 +265,16 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
         crate::malloc::Tuning::LeftToEnvironment => tracing::info!("malloc settings taken from the environment"),
         crate::malloc::Tuning::Unavailable => tracing::debug!("malloc thresholds not set (not glibc)"),
     }
+    match crate::nofile::raise_to_hard_limit() {
+        Ok(o) if o.low() => tracing::warn!(
+            soft = ?o.now,
+            "the open-file limit is low for a daemon (a few dozen streams can exhaust it); raise the hard \
+             limit (ulimit -Hn, LimitNOFILE=, or the container's nofile)"
+        ),
+        Ok(o) if o.before != o.now => tracing::info!(from = ?o.before, to = ?o.now, "open-file limit raised"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit to its hard limit"),
+    }
     let listen: Address = args.listen.parse()?;
     let mut config = DaemonConfig::new(listen, args.cache_dir);
     config.cache_size = args.cache_size;

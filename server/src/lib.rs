@@ -66,6 +66,7 @@ pub mod limits;
 pub mod logging;
 pub mod malloc;
 pub mod metrics;
+pub mod nofile;
 pub mod notify;
 pub mod pack;
 pub mod parallel;
