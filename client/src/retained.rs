@@ -33,8 +33,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::shm::Mapping;
 
-/// Bytes of shard mappings kept when `SHARDSTREAM_KEEP_MAPPED_BYTES` is not set.
-pub const DEFAULT_LIMIT: u64 = 8 << 30;
+/// Bytes of shard mappings kept when `SHARDSTREAM_KEEP_MAPPED_BYTES` is not set. A kept mapping
+/// costs little memory (its page tables, ~2 MiB per GiB) but counts its page-cache pages in the
+/// process's RSS, and so in its OOM score: 2 GiB keeps a small dataset's shards, or a process's
+/// share of one, whole, without making every trainer look that much larger between epochs.
+pub const DEFAULT_LIMIT: u64 = 2 << 30;
 
 /// The environment variable bounding the table.
 pub const LIMIT_VAR: &str = "SHARDSTREAM_KEEP_MAPPED_BYTES";
