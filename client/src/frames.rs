@@ -24,7 +24,6 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The gRPC message prefix: a compression flag and a big-endian length.
 const PREFIX: usize = 5;
-const PATH: &str = "/shardstream.v1.Shardstream/StreamBatches";
 
 /// The messages of one `StreamBatches` response, whose body is a `B`.
 pub struct Messages<B> {
@@ -55,7 +54,8 @@ where
     req.encode(&mut buf).map_err(|e| Status::internal(format!("encoding the stream request: {e}")))?;
     let request = http::Request::builder()
         .method(http::Method::POST)
-        .uri(PATH)
+        // The generated service's own name: the path cannot drift from the proto's package.
+        .uri(format!("/{}/StreamBatches", shardstream_proto::shardstream_server::SERVICE_NAME))
         .header(http::header::CONTENT_TYPE, "application/grpc")
         .header(http::header::TE, "trailers")
         .body(Body::new(http_body_util::Full::new(buf.freeze())))

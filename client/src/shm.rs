@@ -547,15 +547,14 @@ impl Inner {
     }
 
     fn mapping(&self, slot: u32) -> Result<Arc<Mapping>, ClientError> {
-        {
-            let s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            if s.forgotten.contains_key(&(slot as usize)) {
-                return Err(frame_error(format!(
-                    "a batch names shard slot {slot}, which the daemon said it would not name again (SHARD_FORGET)"
-                )));
-            }
-        }
-        self.wait_for(|s| s.maps.get(slot as usize).cloned().flatten(), || format!("shard slot {slot}"))
+        let i = slot as usize;
+        let find = |s: &Slots| match s.forgotten.contains_key(&i) {
+            true => Some(Err(frame_error(format!(
+                "a batch names shard slot {slot}, which the daemon said it would not name again (SHARD_FORGET)"
+            )))),
+            false => s.maps.get(i).cloned().flatten().map(Ok),
+        };
+        self.wait_for(find, || format!("shard slot {slot}"))?
     }
 
     /// Waits for what `find` looks up to arrive on the side channel.
