@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import report  # noqa: E402
@@ -57,3 +59,36 @@ def test_round_order_rotates_by_one_reader() -> None:
     assert run.round_order(runs, 2, 1)[0] == ("b", 0)
     assert run.round_order(runs, 2, 3) == runs
     assert sorted(run.round_order(runs, 2, 2)) == sorted(runs)
+
+
+def test_a_process_cpu_is_read_to_below_a_clock_tick_and_counts_threads_that_ended() -> None:
+    import subprocess
+    import time
+
+    import measure
+
+    # A child burns CPU in a thread that then ends, and waits to be read.
+    code = (
+        "import threading, time, sys\n"
+        "def burn():\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < 0.123: pass\n"
+        "th = threading.Thread(target=burn); th.start(); th.join()\n"
+        "print('done', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "done"
+        cpu = measure.cpu_seconds(child.pid)
+        assert cpu is not None and cpu >= 0.123
+        # Clock ticks (10 ms) would give a multiple of 0.01; the CPU clock gives nanoseconds.
+        assert round(cpu * 100) != cpu * 100
+        time.sleep(0.05)
+        assert measure.cpu_seconds(child.pid) == pytest.approx(cpu, abs=0.005)
+    finally:
+        if child.stdin is not None:
+            child.stdin.write("\n")
+            child.stdin.close()
+        child.wait()
+    assert measure.cpu_seconds(child.pid) is None, "a reaped process has no CPU time"
