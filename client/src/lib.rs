@@ -42,8 +42,18 @@ pub const CONNECTION_WINDOW: u32 = 256 << 20;
 /// faults (1 MiB samples in batches of 16 ran 0.68x with 16 MiB frames, bench/INLINE.md).
 pub const MAX_FRAME_SIZE: u32 = 8 << 20;
 
-/// Batches decoded ahead of the consumer.
+/// Batches decoded ahead of the consumer: a batch of samples in shared memory is a small
+/// descriptor, an inline one holds its bytes.
 const CLIENT_QUEUE: usize = 4;
+const CLIENT_QUEUE_SHM: usize = 8;
+
+/// Once the queue is full, the receiving task waits for half of it to be free, not for one place:
+/// woken for each batch taken, it cost the trainer a thread switch a batch (the client's runtime
+/// thread was ~8% of the CPU of an epoch of small samples, bench/PROFILES.md). Woken once the
+/// consumer has taken half, it passes that many on in one go.
+fn refill(queue: usize) -> usize {
+    (queue / 2).max(1)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -602,13 +612,16 @@ pub async fn stream_from(
         r.connect(&header.rdma_address, header.batches_in_stream)?;
     }
     let ring_in_task = ring.clone();
-    let (tx, rx) = mpsc::channel(CLIENT_QUEUE);
+    let queue = if shm.is_some() { CLIENT_QUEUE_SHM } else { CLIENT_QUEUE };
+    let (tx, rx) = mpsc::channel(queue);
     let expected = header.batches_in_stream;
     let pushed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let pushed_in_task = pushed.clone();
     let task = tokio::spawn(async move {
         let mut received = 0u64;
         let mut joiner = inline::Joiner::default();
+        // Places in the queue reserved and not used yet.
+        let mut places: Option<mpsc::PermitIterator<'_, _>> = None;
         loop {
             let item = match inner.message().await {
                 // Batches must be of the format the header announced: an Arrow stream must never
@@ -691,7 +704,15 @@ pub async fn stream_from(
                 _ => None,
             };
             // Reserve first, so that "pushed" is updated before the batch can be taken.
-            let Ok(permit) = tx.reserve().await else { return };
+            let permit = match places.as_mut().and_then(Iterator::next) {
+                Some(p) => p,
+                None => {
+                    let Ok(mut more) = tx.reserve_many(refill(queue)).await else { return };
+                    let Some(p) = more.next() else { return };
+                    places = Some(more);
+                    p
+                }
+            };
             if let Some(i) = index {
                 pushed_in_task.store(i + 1, std::sync::atomic::Ordering::Release);
             }
