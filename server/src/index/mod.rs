@@ -290,6 +290,20 @@ impl Working {
         Ok(())
     }
 
+    /// Whether every shard of the samples `ids` is in the working set: a batch of them is then
+    /// built without opening, fetching or verifying a shard, so without waiting for storage.
+    pub fn holds_all(&self, ds: &Dataset, ids: &[u64]) -> bool {
+        let mut last = None;
+        ids.iter().all(|&id| match ds.locate(id) {
+            Some((s, _)) if last == Some(s) => true,
+            Some((s, _)) => {
+                last = Some(s);
+                self.shards.contains_key(&s)
+            }
+            None => false,
+        })
+    }
+
     /// Ends a batch: shards unused for [`WORKING_BATCHES`] batches are let go; returns them.
     pub fn end_batch(&mut self) -> Vec<Arc<ResidentShard>> {
         self.batch += 1;

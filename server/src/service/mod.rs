@@ -8,6 +8,7 @@ mod arrow_stream;
 mod batches;
 mod outbox;
 mod projected;
+mod sample_stream;
 mod stage;
 pub mod status;
 mod stream_plan;
@@ -35,7 +36,8 @@ use crate::{Error, Result};
 pub use status::to_status;
 
 use arrow_stream::{SmallArrowStream, build_arrow_batch, small_batches};
-use batches::{build_batch, build_packed_batch, build_rdma_batch, build_shm_batch};
+use batches::{build_packed_batch, build_rdma_batch};
+use sample_stream::SampleStream;
 use stream_plan::{StreamPlan, plan_stream};
 
 /// Batches (groups of batches, see [`outbox`]) queued per stream ahead of the client: two keeps
@@ -401,6 +403,24 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         }
         return linger_for_credits(rdma);
     }
+    if arrow.is_none() && !packed && rdma.is_none() {
+        let stream = SampleStream {
+            dataset,
+            fields,
+            all_fields,
+            session,
+            sequence,
+            batch_size,
+            tx,
+            metrics: metrics.clone(),
+            consumer,
+            shutdown,
+        };
+        if let Err(e) = tokio::task::spawn_blocking(move || stream.run(batches)).await {
+            tracing::warn!(error = %e, "stream task failed");
+        }
+        return;
+    }
     let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow, projected));
     let sequence = Arc::new(std::sync::Mutex::new(sequence));
     let spawn_build = |turn: u64, range: std::ops::Range<u64>, ids: Vec<u64>| {
@@ -437,24 +457,16 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 return build_packed_batch(ds, working, s, credit, fields, ids, index, &cancelled)
                     .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
-            let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
-            let built = match (session, &rdma) {
-                (Some(s), _) => {
-                    build_shm_batch(ds, &mut working, s, fields, ids, index, &cancelled).map(|(m, b)| (vec![m], b))
-                }
-                (None, Some(r)) => {
-                    build_rdma_batch(ds, &mut working, fields, all_fields, ids, index, r).map(|(m, b)| (vec![m], b))
-                }
-                (None, None) => build_batch(ds, &mut working, fields, all_fields, ids, index),
+            // Not Arrow nor packed, so rdma: the other TAR streams are a `SampleStream`. A build
+            // here may wait for a credit of the client's ring; this loop leaves it behind when
+            // the client goes (the endpoint's stall time bounds it).
+            let Some(r) = &rdma else {
+                return Err(Error::Internal("a stream of TAR batches outside a SampleStream without rdma".into()));
             };
-            let dropped = working.end_batch();
-            if let Some(s) = session
-                && !dropped.is_empty()
-            {
-                // The client may let go of what the stream has moved past (its descriptors and
-                // mappings would otherwise pile up for the whole epoch).
-                s.done_with(dropped.iter().map(|r| r.file.path.as_path()));
-            }
+            let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
+            let built =
+                build_rdma_batch(ds, &mut working, fields, all_fields, ids, index, r).map(|(m, b)| (vec![m], b));
+            working.end_batch();
             built.map(|b| (b, working.take_wait()))
         });
         (end, handle)
@@ -510,14 +522,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
             Ok(((messages, bytes), waited)) => {
                 let mut samples = 0;
                 for msg in messages {
-                    samples += match &msg.kind {
-                        Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
-                        Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
-                        Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
-                        Some(stream_message::Kind::ArrowBatch(b)) => b.row_ids.len() as u64,
-                        Some(stream_message::Kind::RdmaBatch(b)) => b.keys.len() as u64,
-                        _ => 0,
-                    };
+                    samples += samples_in(&msg);
                     fail_point!("stream-send", |_| ());
                     if tx.send(Ok(msg)).await.is_err() {
                         tracing::debug!("client left mid-stream");
@@ -538,6 +543,18 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
     }
     drop(tx);
     linger_for_credits(rdma);
+}
+
+/// Samples (rows) a batch message carries, for the served-samples metric.
+fn samples_in(msg: &StreamMessage) -> u64 {
+    match &msg.kind {
+        Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
+        Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
+        Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
+        Some(stream_message::Kind::ArrowBatch(b)) => b.row_ids.len() as u64,
+        Some(stream_message::Kind::RdmaBatch(b)) => b.keys.len() as u64,
+        _ => 0,
+    }
 }
 
 /// rdma: the endpoint must outlive the last batch until the client has taken it (closing it

@@ -475,6 +475,14 @@ impl Session {
         self.wait_until(cancelled, |st| (st.outstanding.len() as u32) < self.credits).map(drop)
     }
 
+    /// Whether [`Self::wait_ready`] would return now, without waiting for the client to release a
+    /// batch (a producer holding batches it has not sent yet sends them first when not: the
+    /// client can only release what it has).
+    pub fn ready_now(&self) -> bool {
+        let st = lock(&self.state);
+        st.sock.is_some() && (st.outstanding.len() as u32) < self.credits
+    }
+
     /// Packed mode: waits for turn `turn` (0, 1, 2, ... in the order the producer sends its
     /// batches) and a free slot, and takes the slot's credit. Taking slots in send order is what
     /// lets two batches be gathered at once: were the later batch to take the last slot, the
@@ -838,6 +846,29 @@ mod tests {
             out.push(Frame::decode(&buf[..n.0]).unwrap());
         }
         out
+    }
+
+    #[test]
+    fn ready_now_says_whether_wait_ready_would_wait_for_the_client() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let session = hub.new_session(2).unwrap();
+        assert!(!session.ready_now(), "not attached yet");
+        let _sock = attach(&hub, &session, wire::HELLO_FORGETS);
+        assert!(session.ready_now());
+        session.lease(0, Vec::new());
+        assert!(session.ready_now(), "one of two credits taken");
+        session.lease(1, Vec::new());
+        assert!(!session.ready_now(), "both taken: the next batch waits for a release");
+        let never = || false;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| tx.send(session.wait_ready(&never).is_ok()).unwrap());
+            assert!(rx.recv_timeout(Duration::from_millis(100)).is_err(), "wait_ready waits as ready_now says");
+            assert!(session.release(0));
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+        });
+        assert!(session.ready_now());
     }
 
     #[test]
