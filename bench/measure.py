@@ -3,9 +3,10 @@ the machine's own limits (page-cache read, memcpy), and the machine itself.
 
 Memory is PSS (proportional set size: shared pages split among the processes sharing them), so a
 DataLoader worker's copy-on-write pages and a shared-memory ring are not counted twice. CPU is
-user + system time from /proc/<pid>/stat. A thread of the harness samples both (PSS less often when
-it is expensive, see PSS_MAX_DUTY); a process is followed from the first time it is seen in the tree
-until it exits, also if it was re-parented on the way (a worker orphaned by its parent's exit).
+user + system time from each process's CPU clock (see `cpu_seconds`). A thread of the harness
+samples both (PSS less often when it is expensive, see PSS_MAX_DUTY); a process is followed from
+the first time it is seen in the tree until it exits, also if it was re-parented on the way (a
+worker orphaned by its parent's exit).
 """
 
 from __future__ import annotations

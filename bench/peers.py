@@ -114,18 +114,21 @@ def litdata(data: Path, workers: int, _addr: str) -> Iterator[Payloads]:
     return ([s["jpg"] for s in batch] for batch in dl)
 
 
-def shardstream(data: Path, workers: int, addr: str, transport: str = "auto") -> Iterator[Payloads]:
+def shardstream(
+    data: Path, workers: int, addr: str, transport: str = "auto", cache: str = "auto"
+) -> Iterator[Payloads]:
     import shardstream as ss
 
     url = str(data / "wds")
+    opts = {"batch_size": BATCH, "shuffle": True, "seed": SEED, "connect": addr, "transport": transport, "cache": cache}
     if workers == 0:
-        loader = ss.Loader(url, batch_size=BATCH, shuffle=True, seed=SEED, connect=addr, transport=transport)
+        loader = ss.Loader(url, **opts)
         return (batch["jpg"] for batch in loader)
     from torch.utils.data import DataLoader
 
     import shardstream.torch as sst
 
-    ds = sst.IterableDataset(url, batch_size=BATCH, shuffle=True, seed=SEED, connect=addr, transport=transport)
+    ds = sst.IterableDataset(url, **opts)
     dl = DataLoader(ds, batch_size=None, num_workers=workers)
     return (batch["jpg"] for batch in dl)
 
@@ -144,6 +147,12 @@ def shardstream_mapped(data: Path, workers: int, addr: str) -> Iterator[Payloads
     return shardstream(data, workers, addr)
 
 
+def shardstream_cache(data: Path, workers: int, addr: str) -> Iterator[Payloads]:
+    """shardstream reading copies of the shards in the daemon's node cache (`cache="copy"`), the
+    path of a dataset on S3 or a parallel file system: the copies are mapped zero-copy."""
+    return shardstream(data, workers, addr, cache="copy")
+
+
 # reader -> (dataset format it reads, how to build it, modules imported before the clock starts)
 READERS: dict[str, tuple[str, Make, tuple[str, ...]]] = {
     "torch-files": ("raw", torch_files, ()),
@@ -160,6 +169,9 @@ READERS: dict[str, tuple[str, Make, tuple[str, ...]]] = {
     # Warm, with the trainer vouching that the shards read in place never change (a read-only
     # snapshot): mapped zero-copy instead of the default's one pread per sample into a buffer.
     "shardstream-mapped-warm": ("wds", shardstream_mapped, ("shardstream", "shardstream.torch")),
+    # Warm, through the node cache: what a trainer of an S3 or PFS dataset gets once the shards
+    # are copied to the node (the untimed epoch copied them).
+    "shardstream-cache-warm": ("wds", shardstream_cache, ("shardstream", "shardstream.torch")),
 }
 
 # Readers whose daemon the harness warms with one untimed epoch before the measured one.
@@ -167,6 +179,7 @@ WARM_DAEMON = {
     "shardstream-warm": "shardstream",
     "shardstream-inline-warm": "shardstream-inline",
     "shardstream-mapped-warm": "shardstream",
+    "shardstream-cache-warm": "shardstream-cache-warm",
 }
 
 

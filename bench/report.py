@@ -179,9 +179,16 @@ def spread(xs: list[float], fmt: str) -> str:
     return med if len(xs) == 1 else f"{med} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
 
 
+def best_peer_row(rows: list[Row]) -> Row | None:
+    """The fastest successful non-shardstream row among rows, if any."""
+    peers = [r for r in rows if not r.reader.startswith(PEER_EXCLUDED) and r.ok]
+    return max(peers, key=lambda r: r.samples_per_s, default=None)
+
+
 def best_peer_of(rows: list[Row]) -> float:
     """Samples/s of the fastest successful non-shardstream row among rows (0 if none)."""
-    return max((r.samples_per_s for r in rows if not r.reader.startswith(PEER_EXCLUDED) and r.ok), default=0.0)
+    best = best_peer_row(rows)
+    return best.samples_per_s if best else 0.0
 
 
 ROUND_COLUMNS = [
@@ -193,6 +200,7 @@ ROUND_COLUMNS = [
     "peak PSS (MiB) max",
     "CPU-s/epoch median (min-max)",
     "samples/s vs best peer, per round, median (min-max)",
+    "CPU-s vs best peer's, per round, median (min-max)",
     "MB/s vs cat",
     "check",
 ]
@@ -201,19 +209,26 @@ ROUND_COLUMNS = [
 def rounds_table(rounds: list[list[Row]], cat_gbps: float) -> str:
     """The median-and-spread table of repeated runs: rounds[i] holds round i's rows (any order)."""
     groups: dict[tuple[str, int], list[tuple[Row, float]]] = {}
+    # Each round's best peer's CPU-s, by the same rows' position in `groups`' lists.
+    peer_cpu: dict[tuple[str, int], list[float]] = {}
     for rows in rounds:
         best = best_peer_of(rows)
+        best_row = best_peer_row(rows)
         for r in rows:
             groups.setdefault((r.reader, r.workers), []).append((r, best))
+            peer_cpu.setdefault((r.reader, r.workers), []).append(best_row.cpu_s if best_row else 0.0)
     lines = ["| " + " | ".join(ROUND_COLUMNS) + " |", "|" + "|".join("---" for _ in ROUND_COLUMNS) + "|"]
     for (reader, workers), runs in groups.items():
         done = [r for r, _ in runs if not r.error]
         failed = [r for r, _ in runs if r.error]
         ratios = [r.samples_per_s / best for r, best in runs if r.ok and best > 0]
+        cpu_ratios = [
+            r.cpu_s / c for (r, _), c in zip(runs, peer_cpu[(reader, workers)], strict=True) if r.ok and c > 0
+        ]
         problems = [f"round {i + 1}: {_cell(r.error or r.mismatch)}" for i, (r, _) in enumerate(runs) if not r.ok]
         check = "ok" if not problems else ("**failed**: " if failed else "**MISMATCH**: ") + "; ".join(problems)
         if not done:
-            cells = [reader, str(workers), "-", "-", "-", "-", "-", "-", "-", check]
+            cells = [reader, str(workers), "-", "-", "-", "-", "-", "-", "-", "-", check]
         else:
             ttfbs = [r.ttfb for r in done if r.ttfb is not None]
             cells = [
@@ -223,8 +238,9 @@ def rounds_table(rounds: list[list[Row]], cat_gbps: float) -> str:
                 f"{median([r.mb_per_s for r in done]):,.0f}",
                 f"{median(ttfbs):.2f}" if ttfbs else "-",
                 f"{max(r.peak_pss_mib for r in done):,.0f}",
-                spread([r.cpu_s for r in done], ".2f"),
+                spread([r.cpu_s for r in done], ".3f"),
                 spread(ratios, ".2f") if ratios else "-",
+                spread(cpu_ratios, ".2f") if cpu_ratios else "-",
                 _ratio(median([r.mb_per_s for r in done]), cat_gbps * 1e3, 3),
                 check,
             ]

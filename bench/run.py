@@ -377,7 +377,8 @@ FOOTER = [
     "loader to the last batch: imports before and the interpreter's teardown after are left out). "
     "`samples/s vs best peer`: "
     "in each round, over the fastest non-shardstream row of that round; the median (min-max) of those "
-    "per-round ratios. Peak PSS: the largest of the rounds. `MB/s vs cat`: the median MB/s over the "
+    "per-round ratios. `CPU-s vs best peer's`: the row's CPU-s over that same peer's, per round, "
+    "median (min-max). Peak PSS: the largest of the rounds. `MB/s vs cat`: the median MB/s over the "
     "`cat` figure above. `check`: every round delivered every sample exactly once, or which did not.",
 ]
 

@@ -92,3 +92,15 @@ def test_a_process_cpu_is_read_to_below_a_clock_tick_and_counts_threads_that_end
             child.stdin.close()
         child.wait()
     assert measure.cpu_seconds(child.pid) is None, "a reaped process has no CPU time"
+
+
+def test_cpu_is_compared_with_the_same_rounds_fastest_peer() -> None:
+    # The fastest peer of each round is the reference, not the cheapest one.
+    rounds = [
+        [row("litdata", 100, cpu_s=0.4), row("webdataset", 50, cpu_s=0.2), row("shardstream", 300, cpu_s=0.1)],
+        [row("litdata", 100, cpu_s=0.5), row("webdataset", 50, cpu_s=0.2), row("shardstream", 300, cpu_s=0.1)],
+    ]
+    ss = cells(report.rounds_table(rounds, cat_gbps=1.0), "shardstream")
+    assert ss[6] == "0.100 (0.100-0.100)"
+    assert ss[8] == "0.23 (0.20-0.25)"
+    assert cells(report.rounds_table(rounds, cat_gbps=1.0), "litdata")[8] == "1.00 (1.00-1.00)"
