@@ -7,12 +7,9 @@ use std::time::Instant;
 
 use shardstream_proto::{ArrowBatch, StreamMessage, stream_message};
 use tokio_util::sync::CancellationToken;
-use tonic::Status;
 
 use super::batches::rdma_post;
-use super::{
-    IDS_AHEAD, MESSAGE_ROWS_BYTES, ReadyBatch, SMALL_GROUP, ids_of, next_ranges, outbox, projected, to_status,
-};
+use super::{IDS_AHEAD, MESSAGE_ROWS_BYTES, ReadyBatch, SMALL_GROUP, ids_of, next_ranges, outbox, projected};
 use crate::format::parquet::dataset::BatchAssembler;
 use crate::index::{Dataset, Working};
 use crate::metrics::Metrics;
@@ -180,14 +177,7 @@ impl SmallArrowStream {
         let mut sent_any = false;
         let mut turn = 0u64;
         loop {
-            if self.tx.is_closed() {
-                return;
-            }
-            if self.shutdown.is_cancelled() {
-                // As the general loop: the client learns unless its queue is full, when the
-                // stream ends short of its header's batch count.
-                group.push(Err(Status::unavailable("daemon is shutting down")));
-                self.tx.try_send_all(group);
+            if self.tx.stop_before_next(&mut group, &self.shutdown) {
                 return;
             }
             // The first batch goes alone (time to first batch); later ones share a message (one
@@ -283,19 +273,11 @@ impl SmallArrowStream {
         Ok(taken)
     }
 
-    /// Queues `group` (blocking); false when the client left.
     fn send(&self, group: Vec<outbox::Message>) -> bool {
-        fail_point!("stream-send", |_| false);
-        if self.tx.blocking_send_all(group).is_err() {
-            tracing::debug!("client left mid-stream");
-            return false;
-        }
-        true
+        self.tx.blocking_send_group(group)
     }
 
-    fn fail(&self, mut group: Vec<outbox::Message>, e: Error) {
-        tracing::warn!(dataset = %self.dataset.url, error = %e, "stream failed");
-        group.push(Err(to_status(e)));
-        let _ = self.tx.blocking_send_all(group);
+    fn fail(&self, group: Vec<outbox::Message>, e: Error) {
+        self.tx.blocking_fail(group, &self.dataset.url, e);
     }
 }

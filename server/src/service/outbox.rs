@@ -49,6 +49,44 @@ impl Outbox {
         self.0.blocking_send(group).map_err(|_| Closed)
     }
 
+    /// Queues `group` from a blocking thread; false when the client left (a stream then stops).
+    /// An empty group queues nothing.
+    pub fn blocking_send_group(&self, group: Vec<Message>) -> bool {
+        if group.is_empty() {
+            return true;
+        }
+        fail_point!("stream-send", |_| false);
+        if self.blocking_send_all(group).is_err() {
+            tracing::debug!("client left mid-stream");
+            return false;
+        }
+        true
+    }
+
+    /// Queues the batches built so far, then the error `e` of a stream of `dataset`, which ends
+    /// it (from a blocking thread).
+    pub fn blocking_fail(&self, mut group: Vec<Message>, dataset: &str, e: crate::Error) {
+        tracing::warn!(dataset, error = %e, "stream failed");
+        group.push(Err(super::to_status(e)));
+        let _ = self.blocking_send_all(group);
+    }
+
+    /// Whether a stream on a blocking thread must stop before its next batch: the client left, or
+    /// the daemon is shutting down. The client then learns of the shutdown after `group` unless
+    /// its queue is full, when the stream ends short of its header's batch count.
+    pub fn stop_before_next(&self, group: &mut Vec<Message>, shutdown: &tokio_util::sync::CancellationToken) -> bool {
+        if self.is_closed() {
+            return true;
+        }
+        if !shutdown.is_cancelled() {
+            return false;
+        }
+        let mut last = std::mem::take(group);
+        last.push(Err(Status::unavailable("daemon is shutting down")));
+        self.try_send_all(last);
+        true
+    }
+
     /// Queues `group` unless the queue is full or closed (a last word that must not block).
     pub fn try_send_all(&self, group: Vec<Message>) {
         if !group.is_empty() {

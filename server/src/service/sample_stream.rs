@@ -17,15 +17,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
-use tonic::Status;
 
 use super::batches::{build_batch, build_shm_batch};
-use super::{IDS_AHEAD, ReadyBatch, SMALL_GROUP, ids_of, next_ranges, outbox, samples_in, to_status};
+use super::{IDS_AHEAD, ReadyBatch, SMALL_GROUP, ids_of, next_ranges, outbox, samples_in};
 use crate::index::{Dataset, Working};
 use crate::metrics::Metrics;
 use crate::prefetch::ConsumerGuard;
 use crate::transport::shm::Session;
-use crate::{Error, Result, plan};
+use crate::{Result, plan};
 
 pub(super) struct SampleStream {
     pub(super) dataset: Arc<Dataset>,
@@ -51,24 +50,20 @@ impl SampleStream {
         let mut group: Vec<outbox::Message> = Vec::with_capacity(SMALL_GROUP);
         let mut sent_any = false;
         loop {
-            if self.tx.is_closed() {
-                return;
-            }
-            if self.shutdown.is_cancelled() {
-                // As the general loop: the client learns unless its queue is full, when the
-                // stream ends short of its header's batch count.
-                group.push(Err(Status::unavailable("daemon is shutting down")));
-                self.tx.try_send_all(group);
+            if self.tx.stop_before_next(&mut group, &self.shutdown) {
                 return;
             }
             if ready.is_empty() {
                 match ids_of(&mut self.sequence, next_ranges(&mut ranges, IDS_AHEAD)) {
                     Ok(ids) => ready.extend(ids),
-                    Err(e) => return self.fail(group, e),
+                    Err(e) => return self.tx.blocking_fail(group, &self.dataset.url, e),
                 }
             }
             let Some((range, ids)) = ready.pop_front() else { break };
-            if !group.is_empty() && self.may_wait(&working, &ids) && !self.send(std::mem::take(&mut group)) {
+            if !group.is_empty()
+                && self.may_wait(&working, &ids)
+                && !self.tx.blocking_send_group(std::mem::take(&mut group))
+            {
                 return;
             }
             let started = Instant::now();
@@ -85,16 +80,16 @@ impl SampleStream {
                         c.consumer.advance(range.end, working.take_wait());
                     }
                 }
-                Err(e) => return self.fail(group, e),
+                Err(e) => return self.tx.blocking_fail(group, &self.dataset.url, e),
             }
             if !grouped || !sent_any || group.len() >= SMALL_GROUP {
-                if !self.send(std::mem::take(&mut group)) {
+                if !self.tx.blocking_send_group(std::mem::take(&mut group)) {
                     return;
                 }
                 sent_any = true;
             }
         }
-        self.send(group);
+        self.tx.blocking_send_group(group);
     }
 
     /// Whether building the batch of `ids` may wait: for the client to release a batch (which it
@@ -127,25 +122,5 @@ impl SampleStream {
             s.done_with(dropped.iter().map(|r| r.file.path.as_path()));
         }
         built
-    }
-
-    /// Queues `group` (blocking); false when the client left. An empty group queues nothing.
-    fn send(&self, group: Vec<outbox::Message>) -> bool {
-        if group.is_empty() {
-            return true;
-        }
-        fail_point!("stream-send", |_| false);
-        if self.tx.blocking_send_all(group).is_err() {
-            tracing::debug!("client left mid-stream");
-            return false;
-        }
-        true
-    }
-
-    /// Sends the batches built so far, then the error, which ends the stream.
-    fn fail(&self, mut group: Vec<outbox::Message>, e: Error) {
-        tracing::warn!(dataset = %self.dataset.url, error = %e, "stream failed");
-        group.push(Err(to_status(e)));
-        let _ = self.tx.blocking_send_all(group);
     }
 }
