@@ -197,6 +197,57 @@ def test_a_client_that_never_releases_is_bounded_and_reclaimed_after_sigkill(tok
         assert d.stop() == 0
 
 
+ONE_EPOCH = textwrap.dedent(
+    """
+    import sys, shardstream
+    loader = shardstream.Loader(sys.argv[1], batch_size=64, fields=["tok"], collate="stack", connect=sys.argv[2])
+    print(sum(len(b["__key__"]) for b in loader), flush=True)
+    """
+)
+
+
+def test_each_epoch_of_a_process_reuses_its_ring_and_no_other_process_gets_it(tokens, tmp_path) -> None:
+    root, records = tokens
+    d = Daemon(tmp_path).start()
+    try:
+
+        def epoch(seed: int) -> None:
+            loader = shardstream.Loader(
+                str(root), batch_size=64, seed=seed, fields=["tok"], collate="stack", connect=d.addr
+            )
+            seen = []
+            for batch in loader:
+                for i, key in enumerate(batch["__key__"]):
+                    assert batch["tok"][i].tobytes() == records[key], key
+                seen.extend(batch["__key__"])
+            assert sorted(seen) == sorted(records)
+
+        epoch(1)
+        gc.collect()
+        # The stream's side channel closed: its ring waits for this process's next stream.
+        assert wait_for(lambda: d.status()["kept_rings"] == 1, timeout=10)
+        st = d.status()
+        assert st["ring_bytes"] == 0 and st["kept_ring_bytes"] > 0 and st["rings_made"] == 1, st
+        # The next epoch writes over the earlier one's batches in the same ring: every record is
+        # still the right one, exactly once.
+        epoch(2)
+        gc.collect()
+        st = d.status()
+        assert (st["rings_made"], st["rings_reused"]) == (1, 1), st
+        assert wait_for(lambda: d.status()["kept_rings"] == 1, timeout=10)
+        # Another process never gets this process's ring (it holds this process's batches).
+        out = subprocess.run(
+            [sys.executable, "-c", ONE_EPOCH, str(root), d.addr], capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == str(len(records))
+        st = d.status()
+        assert (st["rings_made"], st["rings_reused"]) == (2, 1), st
+        # Its ring is dropped once the process is gone; this process's stays kept.
+        assert wait_for(lambda: d.status()["kept_rings"] == 1, timeout=10)
+    finally:
+        assert d.stop() == 0
+
+
 def test_torch_dataloader_gets_tensors_exactly_once(daemon, tokens) -> None:
     import torch
 

@@ -134,6 +134,10 @@ impl Connection {
             d.set_item("shm_sessions", r.shm_sessions)?;
             d.set_item("leased_shards", r.leased_shards)?;
             d.set_item("ring_bytes", r.ring_bytes)?;
+            d.set_item("kept_rings", r.kept_rings)?;
+            d.set_item("kept_ring_bytes", r.kept_ring_bytes)?;
+            d.set_item("rings_made", r.rings_made)?;
+            d.set_item("rings_reused", r.rings_reused)?;
             if let Some(c) = r.cache {
                 let cache = PyDict::new(py);
                 cache.set_item("capacity_bytes", c.capacity_bytes)?;

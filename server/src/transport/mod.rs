@@ -10,6 +10,7 @@ pub mod packed;
 pub mod parallel;
 pub mod rdma;
 pub mod ring;
+pub mod ring_pool;
 pub mod shm;
 
 use shardstream_proto::Transport;

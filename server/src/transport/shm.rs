@@ -35,6 +35,7 @@ use shardstream_proto::shm::{self as wire, Frame};
 
 use super::budget::{BUDGET_WAIT, PackedBudget, Reservation};
 use super::ring::{MAX_RING_BYTES, Ring, SlotTable};
+use super::ring_pool::{Fit, Owner, RingPool};
 use crate::{Error, Result};
 
 /// Unreleased batches a client may hold. Sixteen covers a DataLoader-style prefetch of several
@@ -117,7 +118,9 @@ struct SessionState {
     /// Packed mode: the rings sent to the client, oldest first; the last is the one new batches
     /// go to. An older ring is dropped (and retired at the client) once none of its slots is held.
     rings: Vec<RingEntry>,
-    next_ring: u64,
+    /// The client process, from the side channel's peer credentials: whose kept rings this
+    /// stream may reuse, and to whom its own ring is kept when it ends ([`super::ring_pool`]).
+    peer: Option<Owner>,
     /// Packed mode: builds hold slots in the order their batches are sent (see
     /// [`Session::take_turn`]); the next turn to grant, and the slots granted but not yet
     /// published or given back.
@@ -161,6 +164,13 @@ struct HubShared {
     ring_bytes: Arc<AtomicU64>,
     /// The daemon-wide bound on those bytes.
     budget: Arc<PackedBudget>,
+    /// Rings kept for their processes' next streams.
+    pool: Arc<RingPool>,
+    /// Ring ids are unique in the daemon, so a kept ring keeps its id (written in its header).
+    next_ring: AtomicU64,
+    /// Rings made, and rings a stream got back from the pool instead.
+    rings_made: AtomicU64,
+    rings_reused: AtomicU64,
 }
 
 /// The daemon's side-channel listener and all shm sessions.
@@ -197,6 +207,10 @@ impl ShmHub {
             leases: Mutex::default(),
             ring_bytes: Arc::default(),
             budget: PackedBudget::new(config.packed_budget),
+            pool: RingPool::start(),
+            next_ring: AtomicU64::new(0),
+            rings_made: AtomicU64::new(0),
+            rings_reused: AtomicU64::new(0),
         };
         let hub = Arc::new(Self { socket, config, shared: Arc::new(shared) });
         let shared = hub.shared.clone();
@@ -239,9 +253,19 @@ impl ShmHub {
         lock(&self.shared.leases).get(shard).is_some_and(|&n| n > 0)
     }
 
-    /// Bytes of packed-mode ring segments alive in this daemon.
+    /// Bytes of packed-mode ring segments streams use now (kept rings not counted).
     pub fn ring_bytes(&self) -> u64 {
-        self.shared.ring_bytes.load(Ordering::Relaxed)
+        self.shared.ring_bytes.load(Ordering::Relaxed).saturating_sub(self.shared.pool.bytes())
+    }
+
+    /// (rings kept for their processes' next streams, their bytes).
+    pub fn kept_rings(&self) -> (usize, u64) {
+        (self.shared.pool.count(), self.shared.pool.bytes())
+    }
+
+    /// (rings made, rings reused from the pool) since start-up.
+    pub fn ring_counts(&self) -> (u64, u64) {
+        (self.shared.rings_made.load(Ordering::Relaxed), self.shared.rings_reused.load(Ordering::Relaxed))
     }
 
     /// (bytes reserved, limit) of the packed-ring budget.
@@ -338,6 +362,7 @@ fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>) {
         return reject(&conn, wire::ERR_UNKNOWN_SESSION, "unknown or expired session token");
     };
     let conn = Arc::new(conn);
+    let peer = Owner::of(&*conn);
     {
         let mut st = lock(&session.state);
         if st.sock.is_some() || st.closed {
@@ -352,6 +377,7 @@ fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>) {
             return;
         }
         st.sock = Some(conn.clone());
+        st.peer = peer;
         st.forgets = frame.a & wire::HELLO_FORGETS != 0;
     }
     session.changed.notify_all();
@@ -386,9 +412,16 @@ impl Session {
         st.sock = None;
         let held: Vec<PathBuf> = st.outstanding.drain().flat_map(|(_, v)| v.shards).collect();
         // The daemon's mappings and descriptors go now; the memory itself when the client's
-        // mapping goes too (at once for a dead client).
-        st.rings.clear();
+        // mapping goes too (at once for a dead client). The current ring is kept for the
+        // process's next stream, unless a build still fills one of its slots.
+        let rings = std::mem::take(&mut st.rings);
+        let peer = st.peer.take();
         drop(st);
+        if let (Some(owner), Some(last)) = (peer, rings.into_iter().next_back())
+            && let Ok(ring) = Arc::try_unwrap(last.ring)
+        {
+            self.hub.pool.keep(owner, ring);
+        }
         self.unlease(&held);
         lock(&self.hub.sessions).remove(&self.token);
         self.changed.notify_all();
@@ -612,6 +645,12 @@ impl Session {
             })?;
             let previous = st.rings.last().map_or(0, |r| r.ring.header.slot_bytes);
             let slot_bytes = want.max(previous.saturating_mul(2)).min(max_slot);
+            let fit = Fit { slot_count: self.credits, min_slot_bytes: slot_bytes };
+            if let Some(ring) = st.peer.as_ref().and_then(|owner| self.hub.pool.take(owner, fit)) {
+                self.hub.rings_reused.fetch_add(1, Ordering::Relaxed);
+                self.adopt_ring(&mut st, &sock, Arc::new(ring))?;
+                continue;
+            }
             let segment = shardstream_proto::ring::RingHeader::new(0, self.credits, slot_bytes)
                 .segment_bytes()
                 .ok_or_else(|| Error::Internal(format!("ring of {} x {slot_bytes} bytes", self.credits)))?;
@@ -620,27 +659,28 @@ impl Session {
                 Some(r) if r.bytes() == segment => r,
                 _ => match self.hub.budget.reserve(segment, Duration::ZERO, &never, &never) {
                     Ok(Some(r)) => r,
+                    _ if self.hub.pool.clear() > 0 => continue, // kept rings give way to streams
                     _ => {
                         // Wait for room without the lock (this stream's own releases go on),
                         // and stop waiting if another build of this stream made a large enough
-                        // ring meanwhile; then look again.
+                        // ring meanwhile; then look again. Meanwhile no ring stays kept: one
+                        // kept by a stream that ended since would hold the memory waited for.
                         drop(st);
-                        let made = || lock(&self.state).rings.last().is_some_and(|r| r.ring.header.slot_bytes >= need);
+                        let made = || {
+                            self.hub.pool.clear();
+                            lock(&self.state).rings.last().is_some_and(|r| r.ring.header.slot_bytes >= need)
+                        };
                         reserved = self.hub.budget.reserve(segment, BUDGET_WAIT, cancelled, &made)?;
                         st = lock(&self.state);
                         continue;
                     }
                 },
             };
-            let id = st.next_ring;
-            st.next_ring += 1;
+            let id = self.hub.next_ring.fetch_add(1, Ordering::Relaxed);
             let ring = Ring::create(id, self.credits, slot_bytes, self.hub.ring_bytes.clone())?.charged(reservation);
-            let ring = Arc::new(ring);
-            send_frame(&*sock, &Frame::new(wire::KIND_RING_FD, id, ring.segment_bytes()), Some(ring.fd()))
-                .map_err(|e| Error::Unavailable(format!("cannot pass a ring to the client: {e}")))?;
+            self.hub.rings_made.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(ring = id, slot_bytes, slots = self.credits, "new packed-mode ring");
-            st.rings.push(RingEntry { ring, slots: SlotTable::new(self.credits) });
-            retire_idle(&mut st);
+            self.adopt_ring(&mut st, &sock, Arc::new(ring))?;
         }
         drop(reserved);
         let Some(current) = st.rings.last_mut() else {
@@ -654,6 +694,15 @@ impl Session {
         // From here the slot guard gives the credit back (publish or abandon).
         credit.used = true;
         Ok(SlotGuard { session: self, ring, slot, done: false })
+    }
+
+    /// Passes `ring` to the client and makes it the one new batches go to.
+    fn adopt_ring(&self, st: &mut SessionState, sock: &OwnedFd, ring: Arc<Ring>) -> Result<()> {
+        send_frame(sock, &Frame::new(wire::KIND_RING_FD, ring.id(), ring.segment_bytes()), Some(ring.fd()))
+            .map_err(|e| Error::Unavailable(format!("cannot pass a ring to the client: {e}")))?;
+        st.rings.push(RingEntry { ring, slots: SlotTable::new(self.credits) });
+        retire_idle(st);
+        Ok(())
     }
 
     /// Records that packed `batch` holds `slot` (called before the batch is sent); a batch the
@@ -810,6 +859,7 @@ impl Drop for SlotGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shardstream_proto::ring::RingHeader;
 
     /// A client's end of the side channel, attached to `session`; `flags` go in its HELLO.
     fn attach(hub: &ShmHub, session: &Session, flags: u64) -> OwnedFd {
@@ -846,6 +896,67 @@ mod tests {
             out.push(Frame::decode(&buf[..n.0]).unwrap());
         }
         out
+    }
+
+    /// Takes a slot of `need` bytes as a packed build would, publishes it as `batch`, and returns
+    /// the ring it lies in.
+    fn fill_one(session: &Session, batch: u64, need: u64) -> u64 {
+        let never = || false;
+        let credit = session.take_turn(batch, &never).unwrap();
+        let guard = session.acquire_slot(credit, need, &never).unwrap();
+        let ring = guard.ring();
+        guard.publish(batch);
+        ring
+    }
+
+    /// Waits until `cond` holds (the session thread sees a close a moment after the client).
+    fn eventually(cond: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(std::time::Instant::now() < deadline, "condition never held");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn the_next_stream_of_a_process_gets_its_ring_back_and_kept_rings_give_way_to_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let (small, large) = (75 * PAGE, 100 * PAGE);
+        let ring_bytes = RingHeader::new(0, 2, small).segment_bytes().unwrap();
+        // Room for one ring of 2 slots of 300 or 400 KiB, not two.
+        let config = ShmConfig { packed_budget: MIN_PACKED_BUDGET, ..ShmConfig::default() };
+        let hub = ShmHub::bind(dir.path().join("sock.shm"), config, Default::default()).unwrap();
+
+        let first = hub.new_session(2).unwrap();
+        let sock = attach(&hub, &first, wire::HELLO_FORGETS);
+        let id = fill_one(&first, 0, small - 100);
+        assert_eq!(next_frame(&sock).kind, wire::KIND_RING_FD);
+        // The client goes (its side channel closes) still holding batch 0: the ring is kept.
+        drop(sock);
+        eventually(|| hub.kept_rings().0 == 1);
+        assert_eq!(hub.kept_rings().1, ring_bytes);
+        assert_eq!(hub.ring_bytes(), 0, "kept rings are not counted as in use");
+
+        let second = hub.new_session(2).unwrap();
+        let sock = attach(&hub, &second, wire::HELLO_FORGETS);
+        assert_eq!(fill_one(&second, 0, small), id, "the same ring, under its id");
+        let f = next_frame(&sock);
+        assert_eq!((f.kind, f.a, f.b), (wire::KIND_RING_FD, id, ring_bytes));
+        assert_eq!(fill_one(&second, 1, small - 5000), id);
+        assert_eq!(hub.ring_counts(), (1, 1));
+        assert_eq!(hub.kept_rings().0, 0);
+        drop(sock);
+        eventually(|| hub.kept_rings().0 == 1);
+
+        // A stream whose slots the kept ring cannot hold makes its own; the budget has room for
+        // one ring only, so the kept one is dropped for it.
+        let third = hub.new_session(2).unwrap();
+        let _sock = attach(&hub, &third, wire::HELLO_FORGETS);
+        let bigger = fill_one(&third, 0, large);
+        assert_ne!(bigger, id);
+        assert_eq!(hub.ring_counts(), (2, 1));
+        assert_eq!(hub.kept_rings(), (0, 0));
+        assert_eq!(hub.packed_budget().0, RingHeader::new(0, 2, large).segment_bytes().unwrap());
     }
 
     #[test]
