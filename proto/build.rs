@@ -12,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // (and an rdma client hands an Arrow batch's ring slot on as `Bytes` too).
         .bytes(".shardstream.v1.InlineBatch.data")
         .bytes(".shardstream.v1.ArrowBatch.data")
+        .bytes(".shardstream.v1.PackedBatch.key_bytes")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -306,7 +306,7 @@ impl Batch {
         match &self.kind {
             Kind::Inline(b) => b.keys.len(),
             Kind::Shm { batch, .. } => batch.slots.len(),
-            Kind::Packed { batch, .. } => batch.keys.len(),
+            Kind::Packed { batch, .. } => batch.key_count(),
             Kind::Arrow { batch, .. } => batch.row_ids.len(),
         }
     }
@@ -457,18 +457,19 @@ fn packed_dict<'py>(
     })?;
     let view = shardstream_proto::ring::read_slot(slot, b.slot, b.batch_index, fields.len())
         .map_err(|e| ShardstreamError::new_err(format!("packed batch {}: {e}", b.batch_index)))?;
-    if view.header.n_samples != b.keys.len() as u64 {
+    let keys = b.key_strs().map_err(|e| ShardstreamError::new_err(format!("packed batch {}: {e}", b.batch_index)))?;
+    if view.header.n_samples != keys.len() as u64 {
         return Err(ShardstreamError::new_err(format!(
             "packed batch {}: slot holds {} samples, the message names {}",
             b.batch_index,
             view.header.n_samples,
-            b.keys.len()
+            keys.len()
         )));
     }
     let numpy = py.import("numpy")?;
     let (frombuffer, uint8) = (numpy.getattr("frombuffer")?, numpy.getattr("uint8")?);
     let d = PyDict::new(py);
-    d.set_item("__key__", PyList::new(py, &b.keys)?)?;
+    d.set_item("__key__", PyList::new(py, keys)?)?;
     for (name, desc) in fields.iter().zip(&view.fields) {
         // read_slot checked that the column lies inside the slot, so these fit in usize.
         let range = desc.column().unwrap_or_default();

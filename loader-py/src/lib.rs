@@ -239,6 +239,7 @@ impl Connection {
                 collate: collate as i32,
                 rdma_offer: None,
                 max_batches_per_message: batches_per_message,
+                packed_keys_joined: true,
             };
             let mut c = self.client(py)?;
             let daemon = self.address.clone();

@@ -14,6 +14,7 @@ pub mod v1 {
 
 pub use v1::*;
 
+pub mod keys;
 mod le;
 pub mod ring;
 pub mod shm;

@@ -77,22 +77,39 @@ fn status(e: shardstream_client::ClientError) -> tonic::Status {
 }
 
 /// Reads a packed stream to its end, releasing each batch after a short "training step"; the
-/// keys delivered.
+/// keys delivered (in the form the request asked for).
 async fn consume(mut client: Client, req: StreamRequest) -> Result<Vec<String>, tonic::Status> {
+    let joined = req.packed_keys_joined;
     let mut s = shardstream_client::stream(&mut client, req).await.map_err(status)?;
     let session = s.shm.clone().expect("shm session");
     let mut keys = Vec::new();
     while let Some(b) = s.next().await {
         let shardstream_client::Batch::Packed(b) = b.map_err(status)? else { panic!("expected packed batches") };
-        keys.extend(b.keys.iter().cloned());
+        assert_eq!((b.keys.is_empty(), b.key_ends.is_empty()), (joined, !joined), "the keys' form");
+        keys.extend(b.key_strs().expect("well-formed keys").into_iter().map(String::from));
         tokio::time::sleep(Duration::from_millis(5)).await;
         session.release(b.batch_index);
     }
     Ok(keys)
 }
 
+/// Ring memory alive: rings streams use and rings kept for a process's next stream.
 async fn ring_bytes(client: &mut Client) -> u64 {
-    client.status(shardstream_proto::StatusRequest {}).await.unwrap().into_inner().ring_bytes
+    let s = client.status(shardstream_proto::StatusRequest {}).await.unwrap().into_inner();
+    s.ring_bytes + s.kept_ring_bytes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joined_keys_are_the_same_keys_in_the_same_order_as_strings() {
+    let (d, n) = start(64 << 20).await;
+    let client = shardstream_client::connect(&d.addr).await.unwrap();
+    let strings = consume(client.clone(), packed(&d.data, 3)).await.unwrap();
+    let joined =
+        consume(client.clone(), StreamRequest { packed_keys_joined: true, ..packed(&d.data, 3) }).await.unwrap();
+    assert_eq!(strings.len(), n);
+    assert_eq!(joined, strings);
+    d.shutdown.cancel();
+    d.server.await.unwrap().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

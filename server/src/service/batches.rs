@@ -306,7 +306,8 @@ impl<'a> Located<'a> {
 
 /// Gathers one batch into a ring slot for a packed shm client (blocking), with the `credit` its
 /// turn took ([`Session::take_turn`]). The stream's working set is locked only to find the
-/// samples' shards, so the next batch can be gathered meanwhile.
+/// samples' shards, so the next batch can be gathered meanwhile. `joined_keys`: the client reads
+/// keys from `PackedBatch.key_bytes` / `key_ends` (`StreamRequest.packed_keys_joined`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn build_packed_batch<'s>(
     ds: &Dataset,
@@ -316,6 +317,7 @@ pub(super) fn build_packed_batch<'s>(
     fields: &[String],
     ids: &[u64],
     index: u64,
+    joined_keys: bool,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<((StreamMessage, u64), std::time::Duration)> {
     let (samples, waited) = {
@@ -327,7 +329,14 @@ pub(super) fn build_packed_batch<'s>(
         (samples?, working.take_wait())
     };
     let g = packed::gather(fields, &samples, index, |need| session.acquire_slot(credit, need, cancelled))?;
-    let batch = PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), keys: g.keys };
+    let mut batch =
+        PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), ..Default::default() };
+    if joined_keys {
+        batch.key_bytes = g.keys.bytes.into();
+        batch.key_ends = g.keys.ends;
+    } else {
+        batch.keys = g.keys.to_strings();
+    }
     let payload = g.payload_bytes;
     g.guard.publish(index);
     Ok(((StreamMessage { kind: Some(stream_message::Kind::PackedBatch(batch)) }, payload), waited))

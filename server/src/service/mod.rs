@@ -367,6 +367,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         projected,
         rdma,
         batches_per_message,
+        joined_keys,
         ..
     } = plan;
     let rdma = match rdma.map(transport::rdma::RdmaPipe::start).transpose() {
@@ -458,7 +459,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
             let ids = &ids[..];
             if let (Some(s), true) = (session, packed) {
                 let credit = s.take_turn(turn, &cancelled)?;
-                return build_packed_batch(ds, working, s, credit, fields, ids, index, &cancelled)
+                return build_packed_batch(ds, working, s, credit, fields, ids, index, joined_keys, &cancelled)
                     .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
             // Not Arrow nor packed, so rdma: the other TAR streams are a `SampleStream`. A build
@@ -554,7 +555,7 @@ fn samples_in(msg: &StreamMessage) -> u64 {
     match &msg.kind {
         Some(stream_message::Kind::InlineBatch(b)) => b.keys.len() as u64,
         Some(stream_message::Kind::ShmBatch(b)) => b.slots.len() as u64,
-        Some(stream_message::Kind::PackedBatch(b)) => b.keys.len() as u64,
+        Some(stream_message::Kind::PackedBatch(b)) => b.key_count() as u64,
         Some(stream_message::Kind::ArrowBatch(b)) => b.row_ids.len() as u64,
         Some(stream_message::Kind::RdmaBatch(b)) => b.keys.len() as u64,
         _ => 0,

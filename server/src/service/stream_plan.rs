@@ -42,6 +42,8 @@ pub(super) struct StreamPlan {
     pub(super) rdma: Option<transport::rdma::RdmaStream>,
     /// Arrow streams: most batches one message may carry (the client's limit and the daemon's).
     pub(super) batches_per_message: usize,
+    /// Packed batches carry their keys joined (`StreamRequest.packed_keys_joined`).
+    pub(super) joined_keys: bool,
 }
 
 pub(super) fn plan_stream(
@@ -215,6 +217,7 @@ pub(super) fn plan_stream(
         projected,
         rdma,
         batches_per_message: req.max_batches_per_message.clamp(1, MAX_BATCHES_PER_MESSAGE) as usize,
+        joined_keys: req.packed_keys_joined,
     })
 }
 
