@@ -5,7 +5,9 @@ Each build is a directory holding a `shardstream` package (put first on PYTHONPA
 path means the installed one). One warm daemon per build, started from that build. A round
 measures memcpy (`np.copyto` of 1 GiB, best of 3), then `--epochs` epochs per build, builds in
 an order rotated by one each round, each build's epochs in a fresh interpreter of that build.
-Every epoch is checked exactly once (the index written in each record). Reported per build:
+With `--one-process`, a build's epochs of a round run in one interpreter instead, as a trainer's
+epochs do (the daemon keeps a stream's ring for that process's next stream). Every epoch is
+checked exactly once (the index written in each record). Reported per build:
 GB/s (median, min-max), the ratio to the memcpy of the same round (median, min-max), the
 daemon's and the client's CPU-s per epoch, and the load average of each round.
 
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2, help="epochs per build and round")
+    ap.add_argument("--one-process", action="store_true", help="a build's epochs of a round in one interpreter")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "packed-profile-data")
     args = ap.parse_args()
     builds = [tuple(b.split("=", 1)) for b in args.build]
@@ -99,10 +102,21 @@ def main() -> None:
                 order = builds[r % len(builds) :] + builds[: r % len(builds)]
                 for name, path in order:
                     srv = daemons[name]
-                    for _ in range(args.epochs):
+                    if args.one_process:
+                        # The daemon's CPU over all of them, shared out evenly.
                         cpu0 = measure.cpu_seconds(srv.pid) or 0.0
-                        (run,) = run_build(path, srv.addr, url, args.batch, 1)
-                        run["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0
+                        runs = run_build(path, srv.addr, url, args.batch, args.epochs)
+                        cpu = ((measure.cpu_seconds(srv.pid) or 0.0) - cpu0) / max(len(runs), 1)
+                        for run in runs:
+                            run["daemon_cpu"] = cpu
+                    else:
+                        runs = []
+                        for _ in range(args.epochs):
+                            cpu0 = measure.cpu_seconds(srv.pid) or 0.0
+                            (run,) = run_build(path, srv.addr, url, args.batch, 1)
+                            run["daemon_cpu"] = (measure.cpu_seconds(srv.pid) or 0.0) - cpu0
+                            runs.append(run)
+                    for run in runs:
                         run["check"] = consumer.verdict(run.pop("ids"), args.records)
                         results[name].append((run, memcpy))
                         gbps = run["bytes"] / 1e9 / run["seconds"]
@@ -119,7 +133,8 @@ def main() -> None:
     print()
     print(
         f"{args.records:,} records of 4 KiB in shards of {args.per_shard}, batch {args.batch}, {args.rounds} rounds"
-        f" x {args.epochs} epochs per build; load average (1 min) per round before/after:"
+        f" x {args.epochs} epochs per build ({'one interpreter' if args.one_process else 'an interpreter each'});"
+        " load average (1 min) per round before/after:"
         f" {', '.join(f'{a:.1f}/{b:.1f}' for a, b in loads)}"
     )
     print()
