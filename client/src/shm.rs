@@ -172,9 +172,11 @@ impl RingMapping {
         // SAFETY: a read-only shared mapping of a memfd sealed against shrinking (checked just
         // above: `F_SEAL_SHRINK` and `F_SEAL_SEAL`, so the seal cannot be lifted), so its pages
         // stay valid for as long as this mapping lives; the daemon writes only into slots this
-        // client does not hold.
-        let map = unsafe { memmap2::MmapOptions::new().populate().map(file) }
-            .map_err(|e| format!("cannot map a ring segment: {e}"))?;
+        // client does not hold. Not populated: a read fault allocates the memfd's pages, and the
+        // daemon allocates a slot's pages only as far as its batches reach (the rest would be
+        // allocated for nothing); the pages a batch uses fault in as it is read, 64 KiB a fault.
+        let map =
+            unsafe { memmap2::MmapOptions::new().map(file) }.map_err(|e| format!("cannot map a ring segment: {e}"))?;
         let header = RingHeader::decode(&map).map_err(|e: RingError| e.to_string())?;
         Ok(Self { map, header })
     }
@@ -660,6 +662,15 @@ mod tests {
     fn all_seals() -> rustix::fs::SealFlags {
         use rustix::fs::SealFlags;
         SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL
+    }
+
+    #[test]
+    fn mapping_a_ring_allocates_none_of_its_pages() {
+        let file = sealed(RingHeader::new(0, 2, PAGE).encode(), all_seals());
+        let ring = RingMapping::map(&file).unwrap();
+        assert_eq!(ring.slot(1).map(<[u8]>::len), Some(PAGE as usize));
+        // Past the header page the memfd is still one hole.
+        assert_eq!(rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(PAGE)), Err(rustix::io::Errno::NXIO));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{MemfdFlags, SealFlags};
-use shardstream_proto::ring::{PAGE, RingHeader};
+use shardstream_proto::ring::{PAGE, RingHeader, round_up};
 
 use crate::{Error, Result};
 
@@ -108,6 +108,9 @@ pub struct Ring {
     alive: Arc<AtomicU64>,
     /// The ring's share of the daemon's `--packed-budget`, given back when the ring goes.
     budget: Option<super::budget::Reservation>,
+    /// Per slot, the bytes from its start whose pages are allocated (whole pages): see
+    /// [`Ring::prepare`].
+    populated: Box<[AtomicU64]>,
 }
 
 impl Ring {
@@ -129,12 +132,13 @@ impl Ring {
         .map_err(|e| fail("create", e.into()))?;
         rustix::fs::ftruncate(&fd, bytes).map_err(|e| fail("size", e.into()))?;
         let file = std::fs::File::from(fd);
-        // Populated now: the pages are allocated once per ring, not faulted in batch by batch.
-        let map = memmap2::MmapOptions::new().populate().map_raw(&file).map_err(|e| fail("map", e))?;
+        // Not populated: a slot's pages are allocated when a batch first needs them (`prepare`).
+        let map = memmap2::MmapOptions::new().map_raw(&file).map_err(|e| fail("map", e))?;
         let fd = OwnedFd::from(file);
         let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
         rustix::fs::fcntl_add_seals(&fd, seals).map_err(|e| fail("seal", e.into()))?;
-        let ring = Self { header, fd, map, alive, budget: None };
+        let populated = (0..slot_count).map(|_| AtomicU64::new(0)).collect();
+        let ring = Self { header, fd, map, alive, budget: None, populated };
         let head = header.encode();
         // SAFETY: the ring is new, so no slot is handed out and nobody else maps it yet.
         unsafe { ring.bytes_mut(0..head.len()) }.copy_from_slice(&head);
@@ -159,6 +163,27 @@ impl Ring {
     /// Bytes of the whole segment (header page and slots).
     pub fn segment_bytes(&self) -> u64 {
         self.map.len() as u64
+    }
+
+    /// Allocates the pages of the first `need` bytes of `slot` that no earlier batch used, in one
+    /// call (`MADV_POPULATE_WRITE`) rather than a fault per page while the batch is written.
+    /// Allocating a whole ring when it was made cost 7-8.5 ms for 16 MiB (~2 us a page) before
+    /// its first batch, and the pages of slots larger than the batches they carry (a ring's slots
+    /// at least double when a batch outgrows them) were never used. A kernel without
+    /// `MADV_POPULATE_WRITE` (before 5.14) refuses it; the pages then fault in as they are
+    /// written, which is only slower.
+    pub fn prepare(&self, slot: u32, need: u64) {
+        let (Some(range), Some(done)) = (self.header.slot_range(slot), self.populated.get(slot as usize)) else {
+            return;
+        };
+        let want = round_up(need.min(self.header.slot_bytes), PAGE).unwrap_or(self.header.slot_bytes);
+        let have = done.load(Ordering::Relaxed);
+        if have >= want {
+            return;
+        }
+        let (Ok(from), Ok(len)) = (usize::try_from(have), usize::try_from(want - have)) else { return };
+        let _ = self.map.advise_range(memmap2::Advice::PopulateWrite, range.start + from, len);
+        done.fetch_max(want, Ordering::Relaxed);
     }
 
     /// The bytes of slot `slot`, to gather a batch into.
@@ -222,6 +247,32 @@ mod tests {
         drop(ro);
         drop(ring);
         assert_eq!(alive.load(Ordering::Relaxed), 0);
+    }
+
+    /// Where the memfd's next allocated page at or after `at` starts (its length when none).
+    fn next_data(ring: &Ring, at: u64) -> u64 {
+        match rustix::fs::seek(ring.fd(), rustix::fs::SeekFrom::Data(at)) {
+            Ok(pos) => pos,
+            Err(rustix::io::Errno::NXIO) => ring.segment_bytes(),
+            Err(e) => panic!("SEEK_DATA: {e}"),
+        }
+    }
+
+    #[test]
+    fn a_slot_s_pages_are_allocated_when_a_batch_first_needs_them() {
+        let ring = Ring::create(1, 2, 8 * PAGE, Arc::new(AtomicU64::new(0))).unwrap();
+        let slot1 = ring.header.slot_range(1).unwrap().start as u64;
+        assert_eq!(next_data(&ring, PAGE), ring.segment_bytes(), "only the header page at first");
+        ring.prepare(1, 2 * PAGE + 1);
+        assert_eq!(next_data(&ring, PAGE), slot1, "slot 0 untouched");
+        // Three pages (the need rounded up), not the slot's eight.
+        assert_eq!(next_data(&ring, slot1 + 3 * PAGE), ring.segment_bytes());
+        assert_eq!(ring.populated[1].load(Ordering::Relaxed), 3 * PAGE);
+        ring.prepare(1, PAGE);
+        assert_eq!(ring.populated[1].load(Ordering::Relaxed), 3 * PAGE, "never shrinks");
+        ring.prepare(1, 100 * PAGE);
+        assert_eq!(ring.populated[1].load(Ordering::Relaxed), 8 * PAGE, "bounded by the slot");
+        ring.prepare(7, PAGE); // no such slot: nothing happens
     }
 
     #[derive(Debug, Clone)]

@@ -693,6 +693,8 @@ impl Session {
         let ring = current.ring.clone();
         // From here the slot guard gives the credit back (publish or abandon).
         credit.used = true;
+        drop(st);
+        ring.prepare(slot, need);
         Ok(SlotGuard { session: self, ring, slot, done: false })
     }
 
