@@ -18,7 +18,8 @@
 //!
 //! Threads: one accepting the side channel, one reading each attached session's frames (a session
 //! sends a frame per batch at most, so this is cheap, and blocking I/O keeps fd passing simple).
-//! Lock order: hub sessions -> session state -> hub leases.
+//! Lock order: hub sessions -> session state -> hub leases; session state -> ring pool -> packed
+//! budget (dropping a kept ring gives its budget back).
 
 use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut};
