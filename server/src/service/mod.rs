@@ -62,10 +62,11 @@ const MESSAGE_ROWS_BYTES: u64 = 256 << 10;
 
 /// Packed batches gathered at once per stream. The gather is bound by memory latency per record;
 /// each batch is also shared with the daemon's gather helper (`packed::GATHER_HELPERS`), but a
-/// parked helper starts ~220 us late on a waking vCPU here, so the second batch in flight is what
-/// keeps both cores busy. Measured on 4 KiB records, best of five epochs (before the persistent
-/// helper): 2.9 GB/s with one batch in flight, 3.3-3.8 GB/s with two, no better with three.
-const PACKED_PIPELINE: usize = 2;
+/// parked helper starts ~220 us late on a waking vCPU here, so more batches in flight are what
+/// keep both cores busy. Measured on 4 KiB records, batch 512, epochs 3-6 of a process, 3
+/// interleaved rounds per setting (bench/PROFILES.md section 3): 0.40x memcpy (median) with one
+/// batch in flight, 0.50-0.51x with two, 0.53-0.54x with three, no better with four.
+const PACKED_PIPELINE: usize = 3;
 
 /// Most sample ids a stream takes from its plan in one trip to the blocking pool (8 bytes each:
 /// 256 KiB). A batch of 256 small rows is built in ~100 us; a hand-off to the pool and back per

@@ -35,7 +35,7 @@ use crate::transport::shm::SlotGuard;
 use crate::{Error, Result};
 
 /// Helper threads (daemon-wide, shared by every stream) that gather with a stream's own thread.
-/// The machine this was measured on has two cores and a stream gathers two batches at once
+/// The machine this was measured on has two cores and a stream gathers three batches at once
 /// (`service::PACKED_PIPELINE`): one helper keeps both busy while a batch waits for its slot.
 pub const GATHER_HELPERS: usize = 1;
 
