@@ -60,7 +60,8 @@ const MAX_BATCHES_PER_MESSAGE: u32 = 8;
 /// fixed cost is small beside the rows', and a larger slot only delays the batches in it.
 const MESSAGE_ROWS_BYTES: u64 = 256 << 10;
 
-/// Packed batches gathered at once per stream. The gather is bound by memory latency per record;
+/// Packed batches (and Arrow batches too large for a [`SmallArrowStream`], over shm) built at
+/// once per stream. The gather is bound by memory latency per record;
 /// each batch is also shared with the daemon's gather helper (`packed::GATHER_HELPERS`), but a
 /// parked helper starts ~220 us late on a waking vCPU here, so more batches in flight are what
 /// keep both cores busy. Measured on 4 KiB records, batch 512, epochs 3-6 of a process, 3
