@@ -190,6 +190,8 @@ def test_a_client_that_never_releases_is_bounded_and_reclaimed_after_sigkill(tok
         proc.wait()
         t0 = time.monotonic()
         assert wait_for(lambda: d.status()["ring_bytes"] == 0 and d.status()["shm_sessions"] == 0)
+        # Nor is its ring kept for a next stream: the process is gone.
+        assert wait_for(lambda: d.status()["kept_rings"] == 0)
         assert time.monotonic() - t0 < 5
         loader = shardstream.Loader(str(root), batch_size=256, fields=["tok"], collate="stack", connect=d.addr)
         assert sum(len(b["__key__"]) for b in loader) == 1000
