@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, write_dataset
+from conftest import SHARDSTREAM, Daemon, wait_for, write_dataset
 
 NOBODY = 65534  # nobody:nogroup on Debian
 
@@ -103,6 +103,53 @@ def test_group_member_of_another_uid_connects_only_with_group_access(shared_dir:
     try:
         out = run_client(str(data), d.addr, NOBODY, NOBODY)
         assert out.startswith(f"ok {NOBODY} "), out
+    finally:
+        assert d.stop() == 0
+
+
+PACKED_CLIENT = textwrap.dedent(
+    """
+    # numpy too: the packed arrays need it, and the environment is under root's 0700 home.
+    import sys, os, numpy, shardstream
+    uid, gid = int(sys.argv[3]), int(sys.argv[4])
+    if (uid, gid) != (os.getuid(), os.getgid()):
+        os.setgroups([]); os.setgid(gid); os.setuid(uid)
+    loader = shardstream.Loader(sys.argv[1], batch_size=8, fields=["tok"], collate="stack", connect=sys.argv[2])
+    print("ok", os.getuid(), sum(len(b["__key__"]) for b in loader))
+    """
+)
+
+
+@needs_root
+def test_a_kept_ring_goes_only_to_a_client_with_the_same_uid_and_gid(shared_dir: Path) -> None:
+    """A ring kept after a stream holds that client's batches: the next stream of another user
+    (who may be refused those datasets) gets a ring of its own."""
+    import webdataset as wds
+
+    data = shared_dir / "tokens"
+    data.mkdir()
+    with wds.ShardWriter(str(data / "tok-%04d.tar"), maxcount=20, verbose=0) as sink:
+        for i in range(40):
+            sink.write({"__key__": f"t{i:04d}", "tok": i.to_bytes(4, "little") * 64})
+    d = Daemon(shared_dir / "c", args=["--socket-mode", "0660", "--socket-group", "nogroup"]).start()
+
+    def epoch(uid: int, gid: int) -> tuple[int, int]:
+        r = subprocess.run(
+            [sys.executable, "-c", PACKED_CLIENT, str(data), d.addr, str(uid), str(gid)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0 and r.stdout.strip() == f"ok {uid} 40", r.stderr or r.stdout
+        assert wait_for(lambda: d.status()["shm_sessions"] == 0, timeout=10)
+        st = d.status()
+        return st["rings_made"], st["rings_reused"]
+
+    try:
+        assert epoch(0, 0) == (1, 0)
+        assert epoch(NOBODY, NOBODY) == (2, 0), "another user makes its own ring"
+        assert epoch(0, 0) == (2, 1), "root's ring back for root"
+        assert epoch(0, NOBODY) == (3, 1), "same user, another group: its own"
     finally:
         assert d.stop() == 0
 

@@ -135,7 +135,7 @@ def test_packed_streams_share_the_ring_budget(tmp_path: Path, tokens: Path) -> N
             assert len(keys) == 600 and len(set(keys)) == 600
         assert scrape(port)["shardstream_packed_budget_used_bytes"] <= 1 << 20
         assert wait_for(lambda: d.status()["ring_bytes"] == 0, timeout=10)
-        # What the budget still holds is the ring kept for this process's next stream.
+        # What the budget still holds is the ring kept for this user's next stream.
         assert wait_for(
             lambda: scrape(port)["shardstream_packed_budget_used_bytes"] == d.status()["kept_ring_bytes"] > 0,
             timeout=10,

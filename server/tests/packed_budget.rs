@@ -93,7 +93,7 @@ async fn consume(mut client: Client, req: StreamRequest) -> Result<Vec<String>, 
     Ok(keys)
 }
 
-/// Ring memory alive: rings streams use and rings kept for a process's next stream.
+/// Ring memory alive: rings streams use and rings kept for a user's next stream.
 async fn ring_bytes(client: &mut Client) -> u64 {
     let s = client.status(shardstream_proto::StatusRequest {}).await.unwrap().into_inner();
     s.ring_bytes + s.kept_ring_bytes

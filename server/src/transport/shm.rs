@@ -119,8 +119,8 @@ struct SessionState {
     /// Packed mode: the rings sent to the client, oldest first; the last is the one new batches
     /// go to. An older ring is dropped (and retired at the client) once none of its slots is held.
     rings: Vec<RingEntry>,
-    /// The client process, from the side channel's peer credentials: whose kept rings this
-    /// stream may reuse, and to whom its own ring is kept when it ends ([`super::ring_pool`]).
+    /// The client's peer credentials on the side channel: whose kept rings this stream may
+    /// reuse, and for whom its own ring is kept when it ends ([`super::ring_pool`]).
     peer: Option<Owner>,
     /// Packed mode: builds hold slots in the order their batches are sent (see
     /// [`Session::take_turn`]); the next turn to grant, and the slots granted but not yet
@@ -165,7 +165,7 @@ struct HubShared {
     ring_bytes: Arc<AtomicU64>,
     /// The daemon-wide bound on those bytes.
     budget: Arc<PackedBudget>,
-    /// Rings kept for their processes' next streams.
+    /// Rings kept for their users' next streams.
     pool: Arc<RingPool>,
     /// Ring ids are unique in the daemon, so a kept ring keeps its id (written in its header).
     next_ring: AtomicU64,
@@ -259,7 +259,7 @@ impl ShmHub {
         self.shared.ring_bytes.load(Ordering::Relaxed).saturating_sub(self.shared.pool.bytes())
     }
 
-    /// (rings kept for their processes' next streams, their bytes).
+    /// (rings kept for their users' next streams, their bytes).
     pub fn kept_rings(&self) -> (usize, u64) {
         (self.shared.pool.count(), self.shared.pool.bytes())
     }
@@ -413,8 +413,8 @@ impl Session {
         st.sock = None;
         let held: Vec<PathBuf> = st.outstanding.drain().flat_map(|(_, v)| v.shards).collect();
         // The daemon's mappings and descriptors go now; the memory itself when the client's
-        // mapping goes too (at once for a dead client). The current ring is kept for the
-        // process's next stream, unless a build still fills one of its slots.
+        // mapping goes too (at once for a dead client). The current ring is kept for the same
+        // user's next stream, unless a build still fills one of its slots.
         let rings = std::mem::take(&mut st.rings);
         let peer = st.peer.take();
         drop(st);
