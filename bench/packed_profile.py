@@ -6,8 +6,8 @@ path means the installed one). One warm daemon per build, started from that buil
 measures memcpy (`np.copyto` of 1 GiB, best of 3), then `--epochs` epochs per build, builds in
 an order rotated by one each round, each build's epochs in a fresh interpreter of that build.
 With `--one-process`, a build's epochs of a round run in one interpreter instead, as a trainer's
-epochs do (the daemon keeps a stream's ring for that process's next stream). Every epoch is
-checked exactly once (the index written in each record). Reported per build:
+epochs do. Every epoch is checked exactly once (the index written in each record). Reported per
+build:
 GB/s (median, min-max), the ratio to the memcpy of the same round (median, min-max), the
 daemon's and the client's CPU-s per epoch, and the load average of each round.
 
