@@ -34,6 +34,9 @@ pub const KEEP_PER_USER: usize = 8;
 /// How often the sweeper looks for expired rings while any ring is kept.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// How often the sweeper wakes while nothing is kept (a `keep` wakes it at once).
+const IDLE_WAKE: Duration = Duration::from_secs(10);
+
 /// Who is at the other end of a side channel: what decides whose kept rings a stream may reuse.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Owner {
@@ -172,8 +175,9 @@ fn sweeper(pool: Weak<RingPool>) {
     loop {
         let Some(p) = pool.upgrade() else { return };
         let kept = p.lock();
-        // Idle while nothing is kept; the timeout lets the thread notice the pool is gone.
-        let wait = if kept.is_empty() { Duration::from_secs(60) } else { SWEEP_EVERY };
+        // Seldom while nothing is kept. The thread holds the pool while it waits, so the timeout
+        // also bounds how long the pool (and what it keeps) outlives its last other owner.
+        let wait = if kept.is_empty() { IDLE_WAKE } else { SWEEP_EVERY };
         let (mut kept, _) = p.changed.wait_timeout(kept, wait).unwrap_or_else(|e| e.into_inner());
         sweep(&mut kept, Instant::now());
     }
