@@ -101,7 +101,7 @@ fn describe() {
     describe_gauge!(
         "shardstream_shm_ring_bytes",
         Unit::Bytes,
-        "packed-mode ring segments alive (memory shared with clients)"
+        "packed-mode ring segments alive: shared with clients, or kept for a user's next stream"
     );
     describe_counter!("shardstream_local_lists_total", "directory listings of local/PFS datasets");
     describe_counter!("shardstream_local_stats_total", "stat calls on local/PFS datasets and shards");
