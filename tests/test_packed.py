@@ -250,6 +250,25 @@ def test_each_epoch_reuses_the_ring_of_the_one_before_in_this_process_or_another
         assert d.stop() == 0
 
 
+def test_ring_keep_zero_keeps_no_ring(tokens, tmp_path) -> None:
+    root, records = tokens
+    d = Daemon(tmp_path, args=["--ring-keep", "0"]).start()
+    try:
+        for seed in (1, 2):
+            loader = shardstream.Loader(
+                str(root), batch_size=64, seed=seed, fields=["tok"], collate="stack", connect=d.addr
+            )
+            assert sum(len(b["__key__"]) for b in loader) == len(records)
+            del loader
+            gc.collect()
+            assert wait_for(lambda: d.status()["shm_sessions"] == 0, timeout=10)
+            assert d.status()["kept_rings"] == 0
+        assert (d.status()["rings_made"], d.status()["rings_reused"]) == (2, 0)
+        assert d.status()["ring_bytes"] == 0
+    finally:
+        assert d.stop() == 0
+
+
 def test_torch_dataloader_gets_tensors_exactly_once(daemon, tokens) -> None:
     import torch
 

@@ -142,6 +142,12 @@ pub struct ServeArgs {
     /// budget exhausted").
     #[arg(long, env = "SHARDSTREAM_PACKED_BUDGET", value_parser = crate::pack::cli::parse_size)]
     pub packed_budget: Option<u64>,
+    /// Shared memory, packed mode and Arrow batches: seconds a stream's ring is kept after the
+    /// stream ends, for the next stream of a client with the same uid and gid (its next epoch
+    /// then skips making one); 0 keeps none. Kept rings count against --packed-budget and give
+    /// way to any stream that needs the room.
+    #[arg(long, env = "SHARDSTREAM_RING_KEEP", default_value_t = crate::transport::ring_pool::DEFAULT_KEEP_FOR.as_secs_f64(), value_parser = parse_seconds)]
+    pub ring_keep: f64,
     /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
     #[arg(long, env = "SHARDSTREAM_METRICS_ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -289,6 +295,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
         credits: args.shm_credits,
         ring_slots: args.ring_slots,
         packed_budget: args.packed_budget.unwrap_or_else(crate::transport::budget::default_budget),
+        ring_keep: Duration::from_secs_f64(args.ring_keep),
     };
     config.rdma = args.rdma.then(|| args.rdma_provider.clone());
     config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };

@@ -135,13 +135,14 @@ fn scalar(v: &toml::Value) -> Option<String> {
 }
 
 /// Keys whose values are printed as TOML numbers (the others as strings).
-const NUMERIC: [&str; 8] = [
+const NUMERIC: [&str; 9] = [
     "prefetch-horizon",
     "prefetch-parallel",
     "s3-concurrency",
     "s3-max-retries",
     "shm-credits",
     "ring-slots",
+    "ring-keep",
     "drain-timeout",
     "socket-group",
 ];
@@ -165,6 +166,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("shm-credits", Some(args.shm_credits.to_string())),
         ("ring-slots", Some(args.ring_slots.to_string())),
         ("packed-budget", args.packed_budget.map(|b| b.to_string())),
+        ("ring-keep", Some(args.ring_keep.to_string())),
         ("metrics-addr", args.metrics_addr.map(|a| a.to_string())),
         ("drain-timeout", Some(args.drain_timeout.to_string())),
         ("tls-cert", args.tls_cert.as_ref().map(|p| p.display().to_string())),

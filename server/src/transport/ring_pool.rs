@@ -16,16 +16,17 @@
 //!
 //! Kept rings stay charged to the packed budget and counted in the daemon's ring bytes; a stream
 //! that finds the budget spent has them dropped first ([`RingPool::clear`]). A sweeper thread
-//! drops rings kept longer than [`KEEP_FOR`].
+//! drops rings kept longer than `serve --ring-keep` ([`DEFAULT_KEEP_FOR`]); zero keeps none.
 
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::ring::Ring;
 
-/// How long a ring waits for the user's next stream. A trainer opens its next epoch's stream at
-/// once; an evaluation pass between epochs longer than this pays for a new ring.
-pub const KEEP_FOR: Duration = Duration::from_secs(30);
+/// How long a ring waits for the user's next stream by default (`serve --ring-keep`). A trainer
+/// opens its next epoch's stream at once; an evaluation pass between epochs longer than this pays
+/// for a new ring.
+pub const DEFAULT_KEEP_FOR: Duration = Duration::from_secs(30);
 
 /// Rings kept per user: one for each of a trainer's DataLoader workers and loaders (train,
 /// evaluation) that end together; more would only hold memory.
@@ -91,6 +92,8 @@ struct Kept {
 pub struct RingPool {
     kept: Mutex<Vec<Kept>>,
     changed: Condvar,
+    /// How long a ring is kept; zero keeps none.
+    keep_for: Duration,
 }
 
 impl std::fmt::Debug for RingPool {
@@ -100,9 +103,10 @@ impl std::fmt::Debug for RingPool {
 }
 
 impl RingPool {
-    /// A pool and its sweeper thread (which ends with the pool).
-    pub fn start() -> Arc<Self> {
-        let pool = Arc::new(Self { kept: Mutex::default(), changed: Condvar::new() });
+    /// A pool keeping rings for `keep_for` (zero: none), and its sweeper thread (which ends with
+    /// the pool).
+    pub fn start(keep_for: Duration) -> Arc<Self> {
+        let pool = Arc::new(Self { kept: Mutex::default(), changed: Condvar::new(), keep_for });
         let weak = Arc::downgrade(&pool);
         let spawned = std::thread::Builder::new().name("ring-pool".into()).spawn(move || sweeper(weak));
         if let Err(e) = spawned {
@@ -129,8 +133,11 @@ impl RingPool {
     /// Keeps `ring` for `owner`'s next stream; the oldest of the user's rings goes when it
     /// already has [`KEEP_PER_USER`].
     pub fn keep(&self, owner: Owner, ring: Ring) {
+        if self.keep_for.is_zero() {
+            return;
+        }
         let mut kept = self.lock();
-        sweep(&mut kept, Instant::now());
+        sweep(&mut kept, Instant::now(), self.keep_for);
         let mine = kept.iter().enumerate().filter(|(_, k)| k.owner == owner);
         if mine.clone().count() >= KEEP_PER_USER
             && let Some(oldest) = mine.min_by_key(|(_, k)| k.since).map(|(i, _)| i)
@@ -148,7 +155,7 @@ impl RingPool {
     /// likely to outgrow it).
     pub fn take(&self, owner: &Owner, fit: Fit) -> Option<Ring> {
         let mut kept = self.lock();
-        sweep(&mut kept, Instant::now());
+        sweep(&mut kept, Instant::now(), self.keep_for);
         let i = (0..kept.len())
             .filter(|&i| {
                 let h = &kept[i].ring.header;
@@ -166,9 +173,9 @@ impl RingPool {
     }
 }
 
-/// Drops rings kept past [`KEEP_FOR`].
-fn sweep(kept: &mut Vec<Kept>, now: Instant) {
-    kept.retain(|k| now.saturating_duration_since(k.since) < KEEP_FOR);
+/// Drops rings kept for `keep_for` or longer.
+fn sweep(kept: &mut Vec<Kept>, now: Instant, keep_for: Duration) {
+    kept.retain(|k| now.saturating_duration_since(k.since) < keep_for);
 }
 
 fn sweeper(pool: Weak<RingPool>) {
@@ -179,7 +186,7 @@ fn sweeper(pool: Weak<RingPool>) {
         // also bounds how long the pool (and what it keeps) outlives its last other owner.
         let wait = if kept.is_empty() { IDLE_WAKE } else { SWEEP_EVERY };
         let (mut kept, _) = p.changed.wait_timeout(kept, wait).unwrap_or_else(|e| e.into_inner());
-        sweep(&mut kept, Instant::now());
+        sweep(&mut kept, Instant::now(), p.keep_for);
     }
 }
 
@@ -208,7 +215,7 @@ mod tests {
 
     #[test]
     fn a_ring_goes_back_only_to_the_same_user_and_group_and_only_if_it_fits() {
-        let pool = RingPool::start();
+        let pool = RingPool::start(DEFAULT_KEEP_FOR);
         let owner = me();
         assert_eq!((owner.uid, owner.gid), (rustix::process::getuid().as_raw(), rustix::process::getgid().as_raw()));
         pool.keep(owner, ring(7, 2, 8192));
@@ -222,7 +229,7 @@ mod tests {
 
     #[test]
     fn the_largest_fitting_ring_is_taken_and_a_user_keeps_at_most_a_few() {
-        let pool = RingPool::start();
+        let pool = RingPool::start(DEFAULT_KEEP_FOR);
         let owner = me();
         for (id, bytes) in [(1, 8192), (2, 16384), (3, 4096)] {
             pool.keep(owner, ring(id, 2, bytes));
@@ -253,12 +260,21 @@ mod tests {
             Kept { owner, ring: ring(1, 2, 4096), since: now },
             Kept { owner, ring: ring(2, 2, 4096), since: now },
         ];
-        if let Some(old) = now.checked_sub(KEEP_FOR) {
+        let keep_for = Duration::from_secs(5);
+        if let Some(old) = now.checked_sub(keep_for) {
             kept[1].since = old;
         }
-        sweep(&mut kept, now);
+        sweep(&mut kept, now, keep_for);
         assert_eq!(kept.iter().map(|k| k.ring.id()).collect::<Vec<_>>(), [1]);
-        sweep(&mut kept, now + KEEP_FOR);
+        sweep(&mut kept, now + keep_for, keep_for);
         assert!(kept.is_empty());
+    }
+
+    #[test]
+    fn a_pool_that_keeps_for_zero_keeps_nothing() {
+        let pool = RingPool::start(Duration::ZERO);
+        pool.keep(me(), ring(1, 2, 8192));
+        assert_eq!(pool.count(), 0);
+        assert!(pool.take(&me(), FIT).is_none());
     }
 }

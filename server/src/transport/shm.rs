@@ -53,6 +53,8 @@ pub struct ShmConfig {
     pub ring_slots: u32,
     /// Packed mode: bytes of ring memory all streams together may hold (`--packed-budget`).
     pub packed_budget: u64,
+    /// How long a stream's ring is kept for a next stream (`--ring-keep`; zero keeps none).
+    pub ring_keep: Duration,
 }
 
 impl Default for ShmConfig {
@@ -61,6 +63,7 @@ impl Default for ShmConfig {
             credits: DEFAULT_CREDITS,
             ring_slots: super::ring::RING_SLOTS,
             packed_budget: super::budget::default_budget(),
+            ring_keep: super::ring_pool::DEFAULT_KEEP_FOR,
         }
     }
 }
@@ -208,7 +211,7 @@ impl ShmHub {
             leases: Mutex::default(),
             ring_bytes: Arc::default(),
             budget: PackedBudget::new(config.packed_budget),
-            pool: RingPool::start(),
+            pool: RingPool::start(config.ring_keep),
             next_ring: AtomicU64::new(0),
             rings_made: AtomicU64::new(0),
             rings_reused: AtomicU64::new(0),
