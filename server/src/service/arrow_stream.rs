@@ -6,15 +6,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shardstream_proto::{ArrowBatch, StreamMessage, stream_message};
-use tokio_util::sync::CancellationToken;
 
 use super::batches::rdma_post;
+use super::stream_core::StreamCore;
 use super::{IDS_AHEAD, MESSAGE_ROWS_BYTES, ReadyBatch, SMALL_GROUP, ids_of, next_ranges, outbox, projected};
 use crate::format::parquet::dataset::BatchAssembler;
 use crate::index::{Dataset, Working};
-use crate::metrics::Metrics;
-use crate::plan;
-use crate::prefetch::ConsumerGuard;
 use crate::transport::shm::Session;
 use crate::transport::{self, inline};
 use crate::{Error, Result};
@@ -151,19 +148,11 @@ pub(super) fn small_batches(ds: &Dataset, batch_size: u64) -> bool {
 /// batches in order, the client leaving or a shutdown ends the stream before the next batch, an
 /// error is sent to the client after the batches before it and ends the stream.
 pub(super) struct SmallArrowStream {
-    pub(super) dataset: Arc<Dataset>,
-    pub(super) session: Option<Arc<Session>>,
+    pub(super) core: StreamCore,
     /// The stream's rdma sender, when the batches go into the client's registered ring.
     pub(super) rdma: Option<Arc<transport::rdma::RdmaPipe>>,
     pub(super) asm: Arc<BatchAssembler>,
     pub(super) projected: Option<Arc<projected::ProjectedReads>>,
-    pub(super) sequence: plan::RankStream,
-    pub(super) batch_size: u64,
-    pub(super) tx: outbox::Outbox,
-    pub(super) metrics: Arc<Metrics>,
-    /// The prefetcher follows the stream while this lives.
-    pub(super) consumer: Option<ConsumerGuard>,
-    pub(super) shutdown: CancellationToken,
     /// Most batches one message carries ([`MAX_BATCHES_PER_MESSAGE`](super::MAX_BATCHES_PER_MESSAGE)).
     pub(super) parts: usize,
 }
@@ -177,37 +166,38 @@ impl SmallArrowStream {
         let mut sent_any = false;
         let mut turn = 0u64;
         loop {
-            if self.tx.stop_before_next(&mut group, &self.shutdown) {
+            if self.core.stop_before_next(&mut group) {
                 return;
             }
             // The first batch goes alone (time to first batch); later ones share a message (one
             // ring slot) over shared memory or rdma, up to the client's and the message's limits.
             // Inline, one a message.
-            let most = if sent_any && (self.session.is_some() || self.rdma.is_some()) { self.parts } else { 1 };
+            let most = if sent_any && (self.core.session.is_some() || self.rdma.is_some()) { self.parts } else { 1 };
             let mut batches = match self.take_batches(&mut ready, &mut ranges, most) {
                 Ok(b) if b.is_empty() => break,
                 Ok(b) => b,
-                Err(e) => return self.fail(group, e),
+                Err(e) => return self.core.fail(group, e),
             };
             let parts: Vec<(u64, u32)> =
-                batches.iter().map(|(r, ids)| (r.start / self.batch_size, ids.len() as u32)).collect();
+                batches.iter().map(|(r, ids)| (r.start / self.core.batch_size, ids.len() as u32)).collect();
             let end = batches.last().map_or(0, |(r, _)| r.end);
             let ids: Vec<u64> = match batches.len() {
                 1 => batches.pop().map(|(_, ids)| ids).unwrap_or_default(),
                 _ => batches.into_iter().flat_map(|(_, ids)| ids).collect(),
             };
             let rows = ids.len() as u64;
-            let (tx, stop) = (&self.tx, &self.shutdown);
-            let cancelled = || tx.is_closed() || stop.is_cancelled();
+            let core = &self.core;
+            let cancelled = || core.cancelled();
             let mut send_group = || -> Result<()> {
-                tx.blocking_send_all(std::mem::take(&mut group))
+                core.tx
+                    .blocking_send_all(std::mem::take(&mut group))
                     .map_err(|_| Error::Unavailable("the client went away".into()))
             };
             let started = Instant::now();
             let built = build_arrow_batch(
-                &self.dataset,
+                &self.core.dataset,
                 &working,
-                self.session.as_deref(),
+                self.core.session.as_deref(),
                 self.rdma.as_deref(),
                 turn,
                 &self.asm,
@@ -220,31 +210,26 @@ impl SmallArrowStream {
             );
             // Turns are this thread's messages, in order (a message may carry several batches).
             turn += 1;
-            self.metrics
-                .read_wait_us
-                .fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+            self.core.built(started);
             match built {
                 Ok(((msg, bytes), waited)) => {
                     group.push(Ok(msg));
-                    self.metrics.batch_served(rows, bytes);
-                    if let Some(c) = &self.consumer {
-                        c.consumer.advance(end, waited);
-                    }
+                    self.core.served(rows, bytes, end, waited);
                 }
-                Err(e) => return self.fail(group, e),
+                Err(e) => return self.core.fail(group, e),
             }
             // Over rdma every batch holds a credit the client returns only once it has the
             // batch's message: a message held back here could leave the next batch waiting for
             // a credit that cannot come, so each goes at once.
-            let next_waits = self.session.as_ref().is_some_and(|s| !s.credit_free()) || self.rdma.is_some();
+            let next_waits = self.core.session.as_ref().is_some_and(|s| !s.credit_free()) || self.rdma.is_some();
             if !sent_any || group.len() >= SMALL_GROUP || next_waits {
-                if !self.send(std::mem::take(&mut group)) {
+                if !self.core.send(std::mem::take(&mut group)) {
                     return;
                 }
                 sent_any = true;
             }
         }
-        self.send(group);
+        self.core.send(group);
     }
 
     /// The stream's next batches for one message: at most `most` (at least one), and more than
@@ -256,12 +241,12 @@ impl SmallArrowStream {
         most: usize,
     ) -> Result<Vec<ReadyBatch>> {
         let most = most.max(1);
-        let per_row = stored_bytes_per_row(&self.dataset).max(1);
+        let per_row = stored_bytes_per_row(&self.core.dataset).max(1);
         let mut taken: Vec<ReadyBatch> = Vec::with_capacity(most);
         let mut rows = 0u64;
         while taken.len() < most {
             if ready.is_empty() {
-                ready.extend(ids_of(&mut self.sequence, next_ranges(ranges, IDS_AHEAD))?);
+                ready.extend(ids_of(&mut self.core.sequence, next_ranges(ranges, IDS_AHEAD))?);
             }
             let Some((_, ids)) = ready.front() else { break };
             rows += ids.len() as u64;
@@ -271,13 +256,5 @@ impl SmallArrowStream {
             taken.extend(ready.pop_front());
         }
         Ok(taken)
-    }
-
-    fn send(&self, group: Vec<outbox::Message>) -> bool {
-        self.tx.blocking_send_group(group)
-    }
-
-    fn fail(&self, group: Vec<outbox::Message>, e: Error) {
-        self.tx.blocking_fail(group, &self.dataset.url, e);
     }
 }

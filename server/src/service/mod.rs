@@ -11,6 +11,7 @@ mod projected;
 mod sample_stream;
 mod stage;
 pub mod status;
+mod stream_core;
 mod stream_plan;
 pub mod uses;
 
@@ -38,6 +39,7 @@ pub use status::to_status;
 use arrow_stream::{SmallArrowStream, build_arrow_batch, small_batches};
 use batches::{build_packed_batch, build_rdma_batch};
 use sample_stream::SampleStream;
+use stream_core::{StreamCore, run_on_own_thread};
 use stream_plan::{StreamPlan, plan_stream};
 
 /// Batches (groups of batches, see [`outbox`]) queued per stream ahead of the client: two keeps
@@ -390,44 +392,18 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         }
     }
     let _done = Done(session.clone());
-    if let Some(asm) = arrow.clone().filter(|_| small_batches(&dataset, batch_size)) {
-        let stream = SmallArrowStream {
-            dataset,
-            session,
-            rdma: rdma.clone(),
-            asm,
-            projected,
-            sequence,
-            batch_size,
-            tx,
-            metrics: metrics.clone(),
-            consumer,
-            shutdown,
-            parts: batches_per_message,
-        };
-        if let Err(e) = tokio::task::spawn_blocking(move || stream.run(batches)).await {
-            tracing::warn!(error = %e, "stream task failed");
-        }
+    let core = StreamCore { dataset, session, sequence, batch_size, tx, metrics: metrics.clone(), consumer, shutdown };
+    if let Some(asm) = arrow.clone().filter(|_| small_batches(&core.dataset, batch_size)) {
+        let stream = SmallArrowStream { core, rdma: rdma.clone(), asm, projected, parts: batches_per_message };
+        run_on_own_thread(move || stream.run(batches)).await;
         return linger_for_credits(rdma);
     }
     if arrow.is_none() && !packed && rdma.is_none() {
-        let stream = SampleStream {
-            dataset,
-            fields,
-            all_fields,
-            session,
-            sequence,
-            batch_size,
-            tx,
-            metrics: metrics.clone(),
-            consumer,
-            shutdown,
-        };
-        if let Err(e) = tokio::task::spawn_blocking(move || stream.run(batches)).await {
-            tracing::warn!(error = %e, "stream task failed");
-        }
+        let stream = SampleStream { core, fields, all_fields };
+        run_on_own_thread(move || stream.run(batches)).await;
         return;
     }
+    let StreamCore { dataset, session, sequence, tx, consumer, shutdown, .. } = core;
     let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow, projected));
     let sequence = Arc::new(std::sync::Mutex::new(sequence));
     let spawn_build = |turn: u64, range: std::ops::Range<u64>, ids: Vec<u64>| {

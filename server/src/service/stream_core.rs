@@ -1,0 +1,74 @@
+//! What every stream served on one blocking thread of its own holds, and the steps they share
+//! ([`super::sample_stream`] for TAR batches, [`super::arrow_stream`] for small Arrow batches):
+//! the dataset and the rank's sample order, the outbox to the connection, the stream's metrics
+//! and prefetch consumer, and the shutdown signal.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use super::outbox;
+use crate::Error;
+use crate::index::Dataset;
+use crate::metrics::Metrics;
+use crate::plan;
+use crate::prefetch::ConsumerGuard;
+use crate::transport::shm::Session;
+
+pub(super) struct StreamCore {
+    pub(super) dataset: Arc<Dataset>,
+    pub(super) session: Option<Arc<Session>>,
+    pub(super) sequence: plan::RankStream,
+    pub(super) batch_size: u64,
+    pub(super) tx: outbox::Outbox,
+    pub(super) metrics: Arc<Metrics>,
+    /// The prefetcher follows the stream while this lives.
+    pub(super) consumer: Option<ConsumerGuard>,
+    pub(super) shutdown: CancellationToken,
+}
+
+impl StreamCore {
+    /// Whether a build should give up: the client left or the daemon shuts down.
+    pub(super) fn cancelled(&self) -> bool {
+        self.tx.is_closed() || self.shutdown.is_cancelled()
+    }
+
+    /// Sends what `group` holds first when the stream must end before its next batch (the
+    /// client left or a shutdown).
+    pub(super) fn stop_before_next(&self, group: &mut Vec<outbox::Message>) -> bool {
+        self.tx.stop_before_next(group, &self.shutdown)
+    }
+
+    /// Counts the time of a build begun at `started` (what the stream waited for it).
+    pub(super) fn built(&self, started: Instant) {
+        let us = started.elapsed().as_micros() as u64;
+        self.metrics.read_wait_us.fetch_add(us, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Counts a built batch: `samples` samples or rows of `bytes`; the prefetcher learns the
+    /// order reached `end` after the build waited `waited` for storage.
+    pub(super) fn served(&self, samples: u64, bytes: u64, end: u64, waited: std::time::Duration) {
+        self.metrics.batch_served(samples, bytes);
+        if let Some(c) = &self.consumer {
+            c.consumer.advance(end, waited);
+        }
+    }
+
+    /// Sends `group`; false when the client is gone.
+    pub(super) fn send(&self, group: Vec<outbox::Message>) -> bool {
+        self.tx.blocking_send_group(group)
+    }
+
+    /// Sends `group`, then `e`, which ends the stream.
+    pub(super) fn fail(&self, group: Vec<outbox::Message>, e: Error) {
+        self.tx.blocking_fail(group, &self.dataset.url, e);
+    }
+}
+
+/// Runs a stream's loop on a blocking thread of its own until it ends.
+pub(super) async fn run_on_own_thread(run: impl FnOnce() + Send + 'static) {
+    if let Err(e) = tokio::task::spawn_blocking(run).await {
+        tracing::warn!(error = %e, "stream task failed");
+    }
+}
