@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import functools
 import json
 import shutil
 import subprocess
@@ -114,11 +115,12 @@ def test_every_row_once_with_the_values_written(daemon, varied, transport: str) 
     assert loader.stats()["transport"] == transport
 
 
-def mapped_memfds() -> list[tuple[int, int]]:
-    """Address ranges of this process's shared-memory segments (the ring is a memfd)."""
+def mapped_memfds(name: str = "") -> list[tuple[int, int]]:
+    """Address ranges of this process's shared-memory segments (the ring is a memfd), of those
+    whose name begins with `name`."""
     out = []
     for line in Path("/proc/self/maps").read_text().splitlines():
-        if "memfd:" in line:
+        if f"memfd:{name}" in line:
             lo, hi = line.split()[0].split("-")
             out.append((int(lo, 16), int(hi, 16)))
     return out
@@ -788,3 +790,139 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
         assert got == list(range(len(got))) and len(got) <= 400, "no row of the changed file"
     finally:
         d.stop()
+
+
+# -- binary_views: binary columns as views into the daemon's decoded row groups -------------------
+
+
+@pytest.fixture(scope="module")
+def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, bytes | None]]:
+    """3 files (snappy, none, zstd; row groups of 10) of `id` and a `blob` column with nulls, empty
+    and short values (kept inside their views) and long ones; {id: blob}."""
+    root = tmp_path_factory.mktemp("blobs")
+    rng = np.random.default_rng(3)
+    want: dict[int, bytes | None] = {}
+    for f, codec in enumerate(["snappy", "none", "zstd"]):
+        ids = range(f * 100, f * 100 + 100)
+        for r in ids:
+            want[r] = (
+                None
+                if r % 7 == 0
+                else bytes([r % 256]) * (r % 13)
+                if r % 5 == 0
+                else rng.bytes(int(rng.integers(13, 3000)))
+            )
+        t = pa.table({"id": pa.array(ids, pa.int64()), "blob": pa.array([want[r] for r in ids], pa.binary())})
+        pq.write_table(t, root / f"p{f}.parquet", row_group_size=10, compression=codec)
+    return root, want
+
+
+def test_binary_views_point_into_the_decoded_row_groups_and_read_the_values_written(daemon, blobs) -> None:
+    root, want = blobs
+    loader = shardstream.Loader(
+        str(root), batch_size=32, seed=4, connect=daemon.addr, transport="shm", format="arrow", binary_views=True
+    )
+    seen: list[int] = []
+    held = []
+    for rb in loader:
+        assert rb.schema.field("blob").type == pa.binary_view()
+        assert rb.schema.field("id").type == pa.int64()
+        ids = rb.column("id").to_pylist()
+        assert rb.column("__row__").to_pylist() == ids
+        assert rb.column("blob").to_pylist() == [want[r] for r in ids]
+        segments = mapped_memfds("shardstream-decoded")
+        data = rb.column("blob").buffers()[2:]
+        assert data, "a view column without data buffers"
+        for buf in data:
+            assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in segments), (
+                f"view data at {buf.address:#x} is not a mapped decoded row group (copied)"
+            )
+        seen.extend(ids)
+        held.append(rb)
+    assert sorted(seen) == list(range(300))
+    # Held batches stay whole after the stream ends: the segments are sealed, never rewritten.
+    del loader
+    for rb in held:
+        assert rb.column("blob").to_pylist() == [want[r] for r in rb.column("id").to_pylist()]
+
+
+def test_binary_views_in_the_dict_form_are_memoryviews(daemon, blobs) -> None:
+    root, want = blobs
+    loader = shardstream.Loader(
+        str(root), batch_size=50, seed=5, connect=daemon.addr, transport="shm", binary_views=True
+    )
+    seen: list[int] = []
+    for batch in loader:
+        ids = [int(r) for r in batch["id"]]
+        for r, v in zip(ids, batch["blob"], strict=True):
+            if want[r] is None:
+                assert v is None
+            else:
+                assert isinstance(v, memoryview) and v.readonly and bytes(v) == want[r], r
+        seen.extend(ids)
+    assert sorted(seen) == list(range(300))
+
+
+def test_binary_views_outlive_a_killed_daemon(tmp_path: Path, blobs) -> None:
+    root, want = blobs
+    d = Daemon(tmp_path).start()
+    try:
+        loader = shardstream.Loader(
+            str(root), batch_size=64, seed=6, connect=d.addr, transport="shm", format="arrow", binary_views=True
+        )
+        it = iter(loader)
+        first = next(it)
+        d.kill()
+        assert first.column("blob").to_pylist() == [want[r] for r in first.column("id").to_pylist()]
+    finally:
+        if d.alive():
+            d.stop()
+
+
+def test_binary_views_two_ranks_two_workers_with_a_transform_exactly_once(daemon, blobs) -> None:
+    root, want = blobs
+
+    seen: list[int] = []
+    for rank in range(2):
+        ds = sst.IterableDataset(
+            str(root), batch_size=16, seed=7, connect=daemon.addr, rank=rank, world_size=2, binary_views=True,
+            batch_transform=functools.partial(_checked_ids, want),
+        )  # fmt: skip
+        for ids in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+            seen.extend(int(i) for i in ids)
+    assert sorted(seen) == list(range(300))
+
+
+def _checked_ids(want: dict[int, bytes | None], batch: dict) -> torch.Tensor:
+    """A worker's batch transform: checks each blob (a memoryview into a decoded row group, read in
+    the worker) against the bytes its id was written with, and returns the ids."""
+    ids = [int(i) for i in batch["id"]]
+    for r, v in zip(ids, batch["blob"], strict=True):
+        if want[r] is None:
+            assert v is None, r
+        else:
+            assert isinstance(v, memoryview) and bytes(v) == want[r], r
+    return torch.tensor(ids)
+
+
+def test_binary_views_refusals_say_what_to_do(daemon, blobs, varied, dataset) -> None:
+    root, _ = blobs
+    with pytest.raises(ValueError, match="transport"):
+        shardstream.Loader(str(root), connect=daemon.addr, transport="inline", binary_views=True)
+    with pytest.raises(ValueError, match="copy=True"):
+        shardstream.Loader(str(root), connect=daemon.addr, copy=True, binary_views=True)
+    with pytest.raises(ValueError, match="stack"):
+        shardstream.Loader(str(root), connect=daemon.addr, collate="stack", binary_views=True)
+    with pytest.raises(ValueError, match="Parquet"):
+        shardstream.Loader(str(dataset[0]), connect=daemon.addr, binary_views=True)
+    # The daemon's own checks: a nested column, and no binary column at all.
+    with pytest.raises(ValueError, match="flat"):
+        next(
+            iter(
+                shardstream.Loader(
+                    str(varied[0]), connect=daemon.addr, fields=["id", "tokens", "img"], binary_views=True
+                )
+            )
+        )
+    with pytest.raises(ValueError, match="binary"):
+        next(iter(shardstream.Loader(str(root), connect=daemon.addr, fields=["id"], binary_views=True)))

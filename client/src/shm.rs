@@ -148,12 +148,24 @@ pub const REQUIRED_RING_SEALS: rustix::fs::SealFlags =
 
 /// Checks a ring segment's seals (`F_GET_SEALS`) before anything trusts its size.
 pub fn check_ring_seals(file: &std::fs::File) -> Result<(), String> {
+    check_seals(file, REQUIRED_RING_SEALS, "ring segment")
+}
+
+/// The seals a decoded row group's segment (SHARD_ARENA) must carry before it is mapped: its
+/// length fixed (`SHRINK`, `GROW`) and its bytes too (`FUTURE_WRITE`: arrays handed out over it
+/// must not change under their holder), and those seals final (`SEAL`).
+pub const REQUIRED_ARENA_SEALS: rustix::fs::SealFlags = REQUIRED_RING_SEALS.union(rustix::fs::SealFlags::FUTURE_WRITE);
+
+/// Checks a decoded row group's segment's seals before it is mapped.
+pub fn check_arena_seals(file: &std::fs::File) -> Result<(), String> {
+    check_seals(file, REQUIRED_ARENA_SEALS, "segment")
+}
+
+fn check_seals(file: &std::fs::File, required: rustix::fs::SealFlags, what: &str) -> Result<(), String> {
     let seals = rustix::fs::fcntl_get_seals(file)
-        .map_err(|e| format!("cannot read the seals of a ring segment (not a sealed memfd?): {e}"))?;
-    if !seals.contains(REQUIRED_RING_SEALS) {
-        return Err(format!(
-            "ring segment is not sealed as required: has {seals:?}, needs at least {REQUIRED_RING_SEALS:?}"
-        ));
+        .map_err(|e| format!("cannot read the seals of a {what} (not a sealed memfd?): {e}"))?;
+    if !seals.contains(required) {
+        return Err(format!("{what} is not sealed as required: has {seals:?}, needs at least {required:?}"));
     }
     Ok(())
 }
@@ -441,7 +453,7 @@ impl Inner {
                 Ok((None, _)) | Err(_) => break,
             };
             let outcome = match Frame::decode(&bytes) {
-                Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, f.shard_mutable(), fds),
+                Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, f.shard_mutable(), f.shard_arena(), fds),
                 Ok(f) if f.kind == wire::KIND_RING_FD => self.adopt_ring(f.a, f.b, fds),
                 Ok(f) if f.kind == wire::KIND_SHARD_FORGET => {
                     self.forget(f.a, f.b == wire::FORGET_EVICTED);
@@ -467,7 +479,7 @@ impl Inner {
         self.arrived.notify_all();
     }
 
-    fn adopt(&self, slot: u64, len: u64, mutable: bool, mut fds: Vec<OwnedFd>) -> Result<(), String> {
+    fn adopt(&self, slot: u64, len: u64, mutable: bool, arena: bool, mut fds: Vec<OwnedFd>) -> Result<(), String> {
         let fd = fds.pop().ok_or("SHARD_FD frame without a descriptor")?;
         let file = std::fs::File::from(fd);
         let name = fd_name(&file, slot);
@@ -480,6 +492,20 @@ impl Inner {
             Arc::new(Mapping { map: None, file: None, name })
         } else if mutable && !map_in_place() {
             Arc::new(Mapping { map: None, file: Some(file), name })
+        } else if arena {
+            // A decoded row group's sealed segment: no later stream is sent it again, so it is
+            // not kept ([`retained`]).
+            check_arena_seals(&file).map_err(|e| format!("decoded row group {name}: {e}"))?;
+            // SAFETY: a read-only shared mapping of a memfd sealed against shrinking and writing
+            // (checked above): its bytes and length never change while mapped.
+            let map = unsafe { memmap2::MmapOptions::new().map(&file) };
+            let map = map.map_err(|e| format!("cannot map decoded row group {name}: {e}"))?;
+            // Here, on the side channel's thread, rather than page by page under the trainer's
+            // first reads of the batch: a new process's first epoch faulted every page of every
+            // row group in its consumer (or in the check of the views, which reads each value's
+            // first bytes).
+            prefault(&map);
+            Arc::new(Mapping { map: Some(map), file: None, name })
         } else {
             // Mapped once per process while unchanged: a later stream finds it kept.
             retained::mapping(&file, &meta, |file| {
@@ -761,7 +787,7 @@ mod tests {
         std::fs::write(&path, vec![4u8; 8192]).unwrap();
         let fd = || vec![OwnedFd::from(std::fs::File::open(&path).unwrap())];
         let inner = unattached();
-        inner.adopt(0, 8192, false, fd()).unwrap();
+        inner.adopt(0, 8192, false, false, fd()).unwrap();
         let held = inner.mapping(0).unwrap(); // a batch view still holding it
         inner.forget(0, true);
         let err = inner.mapping(0).unwrap_err().to_string();
@@ -769,7 +795,7 @@ mod tests {
         assert_eq!(held.bytes()[0], 4, "views keep their mapping");
         assert_eq!(Arc::strong_count(&held), 1, "neither the session nor the process keeps it");
         // The next slot is unaffected, and the same file sent again is mapped anew.
-        inner.adopt(1, 8192, false, fd()).unwrap();
+        inner.adopt(1, 8192, false, false, fd()).unwrap();
         assert!(!Arc::ptr_eq(&held, &inner.mapping(1).unwrap()));
         inner.forget(7, true); // unknown: ignored
 
@@ -777,7 +803,7 @@ mod tests {
         inner.forget(1, false);
         assert!(inner.mapping(1).is_err());
         let again = unattached();
-        again.adopt(0, 8192, false, fd()).unwrap();
+        again.adopt(0, 8192, false, false, fd()).unwrap();
         let kept = again.mapping(0).unwrap();
         assert_eq!(Arc::strong_count(&kept), 3, "the session's, the kept table's, this");
         // Then evicted: named by its old slot, the kept mapping goes too.
@@ -808,7 +834,7 @@ mod tests {
         let path = dir.path().join("shard.tar");
         std::fs::write(&path, vec![3u8; 4 << 20]).unwrap();
         let inner = unattached();
-        inner.adopt(0, 4 << 20, false, vec![OwnedFd::from(std::fs::File::open(&path).unwrap())]).unwrap();
+        inner.adopt(0, 4 << 20, false, false, vec![OwnedFd::from(std::fs::File::open(&path).unwrap())]).unwrap();
         let m = inner.mapping(0).unwrap();
         // `hg`: MADV_HUGEPAGE is set on the mapping (whether the kernel then makes 2 MiB folios
         // depends on its THP setting and the file system; bench/map_cost.py measures that).
@@ -922,13 +948,13 @@ mod tests {
             f.write_all(b"abc").unwrap();
             vec![OwnedFd::from(f)]
         };
-        let err = inner.adopt(1 << 40, 3, false, shard()).unwrap_err();
+        let err = inner.adopt(1 << 40, 3, false, false, shard()).unwrap_err();
         assert!(err.contains("slot 1099511627776") && err.contains("only 0 slots"), "{err}");
-        inner.adopt(0, 3, false, shard()).unwrap();
-        inner.adopt(1, 3, false, shard()).unwrap();
-        inner.adopt(1, 3, false, shard()).unwrap();
-        assert!(inner.adopt(3, 3, false, shard()).is_err());
-        assert!(inner.adopt(u64::MAX, 3, false, shard()).is_err());
+        inner.adopt(0, 3, false, false, shard()).unwrap();
+        inner.adopt(1, 3, false, false, shard()).unwrap();
+        inner.adopt(1, 3, false, false, shard()).unwrap();
+        assert!(inner.adopt(3, 3, false, false, shard()).is_err());
+        assert!(inner.adopt(u64::MAX, 3, false, false, shard()).is_err());
         assert_eq!(inner.slots.lock().unwrap().maps.len(), 2);
         assert_eq!(inner.mapping(1).unwrap().bytes(), b"abc");
     }
@@ -947,7 +973,7 @@ mod tests {
         let fd = || vec![OwnedFd::from(std::fs::File::open(&path).unwrap())];
         let adopted = |fds| {
             let inner = unattached();
-            inner.adopt(0, 3 << 16, false, fds).unwrap();
+            inner.adopt(0, 3 << 16, false, false, fds).unwrap();
             inner.mapping(0).unwrap()
         };
         let first = adopted(fd());
@@ -973,11 +999,11 @@ mod tests {
         let f = unnamed();
         let a = {
             let inner = unattached();
-            inner.adopt(0, 4096, false, vec![OwnedFd::from(f.try_clone().unwrap())]).unwrap();
+            inner.adopt(0, 4096, false, false, vec![OwnedFd::from(f.try_clone().unwrap())]).unwrap();
             inner.mapping(0).unwrap()
         };
         let inner = unattached();
-        inner.adopt(0, 4096, false, vec![OwnedFd::from(f)]).unwrap();
+        inner.adopt(0, 4096, false, false, vec![OwnedFd::from(f)]).unwrap();
         assert!(!Arc::ptr_eq(&a, &inner.mapping(0).unwrap()));
     }
 

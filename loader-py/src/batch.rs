@@ -97,11 +97,12 @@ impl Drop for Lease {
     }
 }
 
-/// A shard's mapping as a read-only buffer, holding the lease of the batch that uses it.
+/// A shard's mapping as a read-only buffer, holding the lease of the batch that uses it (a
+/// decoded row group's segment holds none: nothing the daemon reuses lies in it).
 #[pyclass(module = "shardstream._native", frozen)]
 pub struct Region {
     map: Arc<Mapping>,
-    _lease: Arc<Lease>,
+    _lease: Option<Arc<Lease>>,
 }
 
 #[pymethods]
@@ -328,6 +329,30 @@ impl Batch {
             }
             _ => Err(ShardstreamError::new_err("parts() is for Arrow batches (Parquet datasets)")),
         }
+    }
+
+    /// The decoded row groups an Arrow batch's view columns point into (`binary_views`), one
+    /// read-only buffer each, in the order of the views' buffer indices; empty for a batch
+    /// without views. Each holds its mapping, not the batch's lease: the segments are sealed,
+    /// and the daemon never writes into them.
+    fn view_buffers<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, Region>>> {
+        crate::errors::no_panic("Batch.view_buffers", || match &self.kind {
+            Kind::Arrow { batch, shm: Some((session, _)), .. } => batch
+                .view_slots
+                .iter()
+                .map(|&slot| {
+                    let map = session.mapping(slot).map_err(crate::errors::to_pyerr)?;
+                    if !map.is_mapped() && !map.bytes().is_empty() {
+                        return Err(ShardstreamError::new_err(format!(
+                            "arrow batch {}: view segment in slot {slot} is not mapped",
+                            batch.batch_index
+                        )));
+                    }
+                    Bound::new(py, Region { map, _lease: None })
+                })
+                .collect(),
+            _ => Ok(Vec::new()),
+        })
     }
 
     /// The rows' sample ids (global row numbers) of an Arrow batch as little-endian `u64`s, for
@@ -573,7 +598,7 @@ fn shm_dict<'py>(
                 let view = if copy || !map.is_mapped() {
                     None
                 } else {
-                    let region = Bound::new(py, Region { map: map.clone(), _lease: lease.clone() })?;
+                    let region = Bound::new(py, Region { map: map.clone(), _lease: Some(lease.clone()) })?;
                     Some(PyMemoryView::from(&region.into_any())?.into_any())
                 };
                 regions.push((slot, map, view));

@@ -174,7 +174,7 @@ impl Connection {
     /// Starts one consumer's stream; errors in the request are raised here.
     #[pyo3(signature = (url, *, batch_size, shuffle, seed, epoch, rank, world_size, worker, num_workers,
                         start_batch, drop_last, fields, shuffle_window, transport, expected_fingerprint,
-                        cache = "auto", collate = None, batches_per_message = 1))]
+                        cache = "auto", collate = None, batches_per_message = 1, binary_views = false))]
     #[allow(clippy::too_many_arguments)]
     fn stream(
         &self,
@@ -197,6 +197,7 @@ impl Connection {
         cache: &str,
         collate: Option<&str>,
         batches_per_message: u32,
+        binary_views: bool,
     ) -> PyResult<Stream> {
         errors::no_panic("Connection.stream", || {
             let collate = match collate {
@@ -240,6 +241,7 @@ impl Connection {
                 rdma_offer: None,
                 max_batches_per_message: batches_per_message,
                 packed_keys_joined: true,
+                arrow_binary_views: binary_views,
             };
             let mut c = self.client(py)?;
             let daemon = self.address.clone();

@@ -34,7 +34,9 @@
 //! dataset on a local or parallel file system): a client must not map it, since a truncation
 //! would kill it with SIGBUS, but read the bytes it uses with positioned reads. Without the flag
 //! (node-cache copies, immutable while leased) the client maps the shard. Daemons before the flag
-//! sent zeros there: a client then maps, as before.
+//! sent zeros there: a client then maps, as before. [`SHARD_ARENA`] marks a sealed memfd of a
+//! decoded Parquet row group's bytes, which `binary_view` batches point into: mapped, and never
+//! kept for a later stream (no later stream is sent the same segment).
 //!
 //! SHARD_FORGET says no batch will name that slot again: the client drops the slot's mapping or
 //! descriptor (batch views keep their own). Without it a client kept every shard of its stream
@@ -78,6 +80,9 @@ pub const FORGET_DONE: u64 = 1;
 
 /// SHARD_FD flag (payload byte 0): the shard may change under the reader; read, do not map.
 pub const SHARD_MUTABLE: u8 = 1;
+/// SHARD_FD flag (payload byte 0): a sealed segment of a decoded row group's bytes the daemon
+/// made (`binary_view` Arrow streams); map it, and keep no mapping of it past its SHARD_FORGET.
+pub const SHARD_ARENA: u8 = 2;
 
 /// Error codes of ERROR frames.
 pub const ERR_UNKNOWN_SESSION: u64 = 1;
@@ -141,6 +146,18 @@ impl Frame {
             f.payload[0] |= SHARD_MUTABLE;
         }
         f
+    }
+
+    /// A SHARD_FD frame of a decoded row group's segment ([`SHARD_ARENA`]).
+    pub fn arena_fd(slot: u64, len: u64) -> Self {
+        let mut f = Self::new(KIND_SHARD_FD, slot, len);
+        f.payload[0] |= SHARD_ARENA;
+        f
+    }
+
+    /// True when a SHARD_FD frame marks its segment [`SHARD_ARENA`].
+    pub fn shard_arena(&self) -> bool {
+        self.payload[0] & SHARD_ARENA != 0
     }
 
     /// True when a SHARD_FD frame marks its shard [`SHARD_MUTABLE`].

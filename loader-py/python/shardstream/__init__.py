@@ -209,6 +209,14 @@ class Loader:
     ``collate="stack"`` makes each column one array: 2-D for
     ``fixed_size_list`` columns and for lists or binary values of equal length (see
     ``shardstream._arrow.stack``).
+
+    ``binary_views=True`` (Parquet over shared memory): top-level ``binary``/``large_binary``
+    columns arrive as ``pyarrow.binary_view`` arrays whose values stay in the daemon's decoded row
+    groups (sealed shared memory this process maps read-only): a batch then carries 16 bytes a
+    row for them instead of a copy of every value, which is most of a warm epoch of large values
+    such as images. The dict form gives the same memoryviews. The type differs from the
+    dataset's (``binary_view``, pyarrow 14 or later); the values do not. Not with ``copy=True``
+    (pickling a view column writes every row group it points into) or ``collate="stack"``.
     """
 
     def __init__(
@@ -232,6 +240,7 @@ class Loader:
         copy: bool = False,
         collate: str | None = None,  # "stack": each field as one (samples, record_bytes) array
         format: str = "dict",  # Parquet datasets: "dict" or "arrow" (pyarrow.RecordBatch)
+        binary_views: bool = False,  # Parquet over shm: binary columns as views, no copy
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         if isinstance(fields, str):
@@ -297,6 +306,23 @@ class Loader:
                 f'format="arrow" is for Parquet datasets; {self.url} is a {self.info.get("format") or "sample"} '
                 'dataset: use format="dict"'
             )
+        self.binary_views = bool(binary_views)
+        if self.binary_views:
+            if not self.arrow:
+                raise ValueError(
+                    f"binary_views is for Parquet datasets; {self.url} is a "
+                    f"{self.info.get('format') or 'sample'} dataset"
+                )
+            if transport in ("inline", "rdma"):
+                raise ValueError(f'binary_views needs transport="shm" (or "auto" on the same host), not {transport!r}')
+            if copy:
+                raise ValueError(
+                    "binary_views shares the daemon's decoded row groups, and copy=True batches are pickled "
+                    "whole (shardstream.torch's workers without a transform): use binary_views=False, or "
+                    "decode in the workers with transform= (they read the views where they lie)"
+                )
+            if collate == "stack":
+                raise ValueError('binary_views cannot be stacked (collate="stack"): its values are not contiguous')
         self.epoch = 0
         self._start_batch = 0  # where the next iteration starts (set by load_state_dict)
         self._consumed = 0  # batches of the rank consumed in the current epoch
@@ -345,6 +371,7 @@ class Loader:
             collate=None if self.arrow else self.collate,
             # A slice pickles its parent's whole buffers: batches to pickle come one a message.
             batches_per_message=1 if self.format == "arrow" and self.copy else _BATCHES_PER_MESSAGE,
+            binary_views=self.binary_views,
         )
 
     _expected_fingerprint = ""

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 KEY_COLUMNS = ("__key__", "key")
 ROW = "__row__"
+#: Field metadata of a column the daemon sends as views (``binary_views=True``): a
+#: ``fixed_size_binary(16)`` column of Arrow binary views into the batch's ``view_buffers()``.
+VIEW_KEY = b"shardstream.view"
 
 
 class BatchReader:
@@ -64,6 +67,8 @@ class BatchReader:
         self._schema: Any = None
         self._prefix: Any = None  # the schema message's bytes (a pyarrow.Buffer)
         self._schema_has_row = False
+        # With views: (the received schema, its view columns, the schema delivered).
+        self._views: tuple[Any, list[int], Any] | None = None
         #: Whether the batch ``open`` returned last has a ``__row__`` column (the daemon writes
         #: one into every batch; an older daemon did not, and the client appends it then).
         self.has_row = False
@@ -83,7 +88,41 @@ class BatchReader:
                 self._remember(buf, batch.schema)
         except (pa.ArrowInvalid, StopIteration) as e:
             raise ShardstreamError(f"arrow batch {native.index}: not a valid Arrow IPC stream: {e}") from None
-        return _checked(native, batch)
+        return self._with_views(native, _checked(native, batch))
+
+    def _with_views(self, native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """``batch`` with the columns the daemon sent as views (``VIEW_KEY``) as ``binary_view``
+        arrays over the decoded row groups they point into (the batch's ``view_buffers()``,
+        mapped read-only): no value is copied. Each array is checked in full first (every view
+        inside its buffer), so a bad batch is an error, never a read outside the mapping."""
+        import pyarrow as pa
+
+        if self._views is None or not self._views[0].equals(batch.schema, check_metadata=True):
+            cols = [i for i, f in enumerate(batch.schema) if f.metadata and VIEW_KEY in f.metadata]
+            fields = [
+                pa.field(f.name, pa.binary_view(), f.nullable, {k: v for k, v in f.metadata.items() if k != VIEW_KEY})
+                if i in cols
+                else f
+                for i, f in enumerate(batch.schema)
+            ]
+            self._views = (batch.schema, cols, pa.schema(fields, metadata=batch.schema.metadata))
+        _, cols, schema = self._views
+        if not cols:
+            return batch
+        data = [pa.py_buffer(r) for r in native.view_buffers()]
+        arrays = list(batch.columns)
+        for i in cols:
+            raw = arrays[i]
+            validity, views = raw.buffers()
+            arr = pa.Array.from_buffers(
+                pa.binary_view(), len(raw), [validity, views, *data], null_count=raw.null_count, offset=raw.offset
+            )
+            try:
+                arr.validate(full=True)
+            except pa.ArrowInvalid as e:
+                raise ShardstreamError(f"arrow batch {native.index}: column {batch.schema.names[i]!r}: {e}") from None
+            arrays[i] = arr
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     def _remember(self, buf: pa.Buffer, schema: pa.Schema) -> None:
         import pyarrow as pa
@@ -217,6 +256,36 @@ def _binary(arr: pa.Array, copy: bool) -> list[Any]:
     return out
 
 
+def _binary_views(arr: pa.Array, copy: bool) -> list[Any]:
+    """A ``binary_view`` array's values: memoryviews into its data buffers (or ``bytes``), None
+    for nulls. Values of up to 12 bytes live inside their views."""
+    bufs = arr.buffers()
+    n = len(arr)
+    views = np.frombuffer(bufs[1], _VIEW, count=n, offset=arr.offset * 16)
+    data = [memoryview(b) if b is not None else memoryview(b"") for b in bufs[2:]]
+    raw = memoryview(bufs[1])
+    valid = ~_null_mask(arr) if arr.null_count else None
+    out: list[Any] = []
+    first = arr.offset * 16
+    for i, (length, buf, at) in enumerate(
+        zip(views["len"].tolist(), views["buf"].tolist(), views["off"].tolist(), strict=True)
+    ):
+        if valid is not None and not valid[i]:
+            out.append(None)
+            continue
+        if length <= 12:
+            v = raw[first + 16 * i + 4 : first + 16 * i + 4 + length]
+        else:
+            v = data[buf][at : at + length]
+        out.append(bytes(v) if copy else v)
+    return out
+
+
+#: One Arrow binary view: length, the value's first 4 bytes, buffer index, offset (for values of
+#: up to 12 bytes, the value itself from byte 4).
+_VIEW = np.dtype([("len", "<i4"), ("prefix", "S4"), ("buf", "<i4"), ("off", "<i4")])
+
+
 def column_value(arr: pa.Array, copy: bool = False) -> Any:
     """One column in the dict form (see the module docs)."""
     import pyarrow as pa
@@ -238,6 +307,8 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
         return np.ma.MaskedArray(values, mask=_null_mask(arr)) if arr.null_count else values
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return _binary(arr, copy)
+    if pa.types.is_binary_view(t):
+        return _binary_views(arr, copy)
     if pa.types.is_fixed_size_list(t) and _fixed_width(t.value_type):
         size = t.list_size
         child = arr.values.slice(arr.offset * size, len(arr) * size)

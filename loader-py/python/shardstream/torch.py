@@ -143,6 +143,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         cache: str = "auto",
         collate: str | None = None,
         format: str = "dict",
+        binary_views: bool = False,
         transform: Callable[[dict[str, Any]], Any] | None = None,
         batch_transform: Callable[[Any], Any] | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -175,6 +176,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             cache=cache,
             collate=collate,
             format=format,
+            binary_views=binary_views,
         )
         self.url = url
         probe = Loader(url, **self._kwargs)

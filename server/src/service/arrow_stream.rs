@@ -87,13 +87,15 @@ pub(super) fn build_arrow_batch(
             ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }
         }
         (Some(s), Some(credit)) => {
-            let (guard, msg) = transport::arrow::shm_rows(index, ids, asm, &rows, |need| {
+            let view_slots = if asm.binary_views() { segment_slots(s, asm, &rows, index)? } else { Vec::new() };
+            let (guard, mut msg) = transport::arrow::shm_rows(index, ids, asm, &rows, |need| {
                 if s.needs_ring(need) {
                     before_new_ring()?;
                 }
                 s.acquire_slot(credit, need, cancelled)
             })?;
             guard.publish(index);
+            msg.view_slots = view_slots;
             msg
         }
         _ => {
@@ -115,6 +117,36 @@ pub(super) fn build_arrow_batch(
     // The IPC stream's length: what crosses to the client, shm or inline.
     let bytes = msg.length;
     Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
+}
+
+/// The slots of the arenas the batch's sources keep their binary values in, one per source in
+/// source order (a view's buffer index names its source), each sent to the client the first time
+/// (see [`crate::format::parquet::arena`]). The batch leases them until the client releases it;
+/// arenas the daemon let go of since the last batch are forgotten first.
+fn segment_slots(
+    session: &Session,
+    asm: &BatchAssembler,
+    rows: &crate::format::parquet::dataset::BatchRows,
+    index: u64,
+) -> Result<Vec<u32>> {
+    use arrow_array::cast::AsArray;
+    session.sweep_segments();
+    let col = asm.first_view_column().ok_or_else(|| Error::Internal("a view stream without a view column".into()))?;
+    let mut slots = Vec::with_capacity(rows.sources.len());
+    let mut held = Vec::with_capacity(rows.sources.len());
+    for source in &rows.sources {
+        let arena = source
+            .columns()
+            .get(col)
+            .and_then(|c| c.as_binary_view_opt())
+            .and_then(crate::format::parquet::arena::arena_of)
+            .ok_or_else(|| Error::Internal("a decoded row group of a view stream has no arena".into()))?;
+        let alive: Arc<dyn std::any::Any + Send + Sync> = arena.clone();
+        slots.push(session.slot_for_segment(arena.path(), arena.file(), arena.len(), Arc::downgrade(&alive))?);
+        held.push(arena.path().to_owned());
+    }
+    session.lease(index, held);
+    Ok(slots)
 }
 
 /// Largest estimated batch (rows x the dataset's stored bytes per row) served by

@@ -106,7 +106,14 @@ pub(super) fn plan_stream(
             let cache = crate::format::parquet::decoded::shared();
             // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
             let id = format!("{}@{}", ds.fingerprint, ds.url);
-            Some(Arc::new(BatchAssembler::new(pq.clone(), projection, cache, &id)?))
+            let asm = BatchAssembler::new(pq.clone(), projection, cache, &id)?;
+            Some(Arc::new(if req.arrow_binary_views { asm.with_binary_views()? } else { asm }))
+        }
+        None if req.arrow_binary_views => {
+            return Err(Error::invalid(format!(
+                "binary_views is for Parquet datasets; {} is a {:?} dataset",
+                ds.url, ds.format
+            )));
         }
         None => None,
     };
@@ -142,6 +149,13 @@ pub(super) fn plan_stream(
     // blocking pool, so its first batch is not held up in the stream task.
     sequence.skip_to(start)?;
     let transport = transport::negotiate(req.transport, shm.is_some())?;
+    if req.arrow_binary_views && transport != Transport::Shm {
+        // Views point into memory the client maps: no other transport can carry them.
+        return Err(Error::invalid(format!(
+            "binary_views needs the shared-memory transport (same host); this stream's transport is {}",
+            transport.as_str_name()
+        )));
+    }
     let rdma = if transport == Transport::Rdma {
         let hub = rdma_hub.ok_or_else(|| {
             Error::invalid(

@@ -27,7 +27,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use rustix::net::{RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketType};
@@ -114,6 +114,12 @@ struct SessionState {
     holds: HashMap<PathBuf, u32>,
     /// Shards the stream moved past while a batch still held them: forgotten at its release.
     done: std::collections::HashSet<PathBuf>,
+    /// Segments the daemon made and sent ([`Session::slot_for_segment`]), and whether it still
+    /// holds each.
+    segments: HashMap<PathBuf, Weak<dyn std::any::Any + Send + Sync>>,
+    /// Segments the daemon let go of while a batch still held them: forgotten (as evicted) at
+    /// its release.
+    gone: std::collections::HashSet<PathBuf>,
     /// Slots forgotten as done, by shard: the client may still keep their mappings for its next
     /// stream, so an eviction of the shard names them too.
     retired: HashMap<PathBuf, Vec<u32>>,
@@ -601,6 +607,49 @@ impl Session {
         Ok(slot)
     }
 
+    /// The slot of a segment the daemon made (a decoded row group's arena, keyed by `path`, which
+    /// names no file): sent once, as a SHARD_ARENA descriptor the client maps and never keeps
+    /// past its SHARD_FORGET. `alive` says when the daemon lets go of the segment; see
+    /// [`Self::sweep_segments`].
+    pub fn slot_for_segment(
+        &self,
+        path: &Path,
+        file: &std::fs::File,
+        len: u64,
+        alive: Weak<dyn std::any::Any + Send + Sync>,
+    ) -> Result<u32> {
+        let mut st = lock(&self.state);
+        if let Some(&slot) = st.sent.get(path) {
+            return Ok(slot);
+        }
+        let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
+        let slot = st.next_slot;
+        send_frame(&*sock, &Frame::arena_fd(u64::from(slot), len), Some(file.as_fd()))
+            .map_err(|e| Error::Unavailable(format!("cannot pass a decoded row group to the client: {e}")))?;
+        st.sent.insert(path.to_owned(), slot);
+        st.segments.insert(path.to_owned(), alive);
+        st.next_slot += 1;
+        Ok(slot)
+    }
+
+    /// Forgets the segments the daemon no longer holds (their row groups left the decoded
+    /// cache): at once when no batch holds one, else at the release of the last batch that does,
+    /// so a client never finds a batch naming a slot it was told to forget. The client keeps no
+    /// mapping of a forgotten segment, and the segment's memory goes once no array of it is left.
+    pub fn sweep_segments(&self) {
+        let mut st = lock(&self.state);
+        let dead: Vec<PathBuf> =
+            st.segments.iter().filter(|(_, alive)| alive.strong_count() == 0).map(|(p, _)| p.clone()).collect();
+        for path in dead {
+            st.segments.remove(&path);
+            if st.holds.get(&path).is_some_and(|&n| n > 0) {
+                st.gone.insert(path);
+            } else {
+                forget_slot(&mut st, &path, wire::FORGET_EVICTED);
+            }
+        }
+    }
+
     /// Records that `batch` leases `shards` (called before the batch is sent).
     pub fn lease(&self, batch: u64, shards: Vec<PathBuf>) {
         // Check and record under one lock, so a STREAM_END arriving meanwhile either sees this
@@ -618,7 +667,8 @@ impl Session {
         for s in &shards {
             *st.holds.entry(s.clone()).or_default() += 1;
         }
-        st.outstanding.insert(batch, Held { shards, slot: None });
+        // An Arrow batch with views holds its ring slot (published first) and its segments.
+        st.outstanding.entry(batch).or_insert(Held { shards: Vec::new(), slot: None }).shards.extend(shards);
     }
 
     /// A ring slot of at least `need` bytes to gather a packed batch into, for the `credit` of
@@ -722,7 +772,7 @@ impl Session {
         }
         let published = st.rings.iter_mut().find(|r| r.ring.id() == ring).is_some_and(|r| r.slots.publish(slot, batch));
         if published {
-            st.outstanding.insert(batch, Held { shards: Vec::new(), slot: Some((ring, slot)) });
+            st.outstanding.entry(batch).or_insert(Held { shards: Vec::new(), slot: None }).slot = Some((ring, slot));
         } else {
             // Only a guard for a slot the table does not show as filling gets here: a bug, but
             // the slot must not stay taken for the rest of the stream.
@@ -750,7 +800,9 @@ fn let_go(st: &mut SessionState, shards: &[PathBuf]) {
         *n = n.saturating_sub(1);
         if *n == 0 {
             st.holds.remove(s);
-            if st.done.remove(s) {
+            if st.gone.remove(s) {
+                forget_slot(st, s, wire::FORGET_EVICTED);
+            } else if st.done.remove(s) {
                 forget_slot(st, s, wire::FORGET_DONE);
             }
         }
@@ -1072,5 +1124,45 @@ mod tests {
         old.done_with(std::iter::once(b.as_path()));
         assert!(pending(&old_sock).is_empty());
         assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, true).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_segment_is_sent_once_and_forgotten_as_evicted_once_let_go_and_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let session = hub.new_session(4).unwrap();
+        let sock = attach(&hub, &session, wire::HELLO_FORGETS);
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(10).unwrap();
+        let (a, b) = (PathBuf::from("/segment/a"), PathBuf::from("/segment/b"));
+        let held_a: Arc<dyn std::any::Any + Send + Sync> = Arc::new(1u8);
+        let held_b: Arc<dyn std::any::Any + Send + Sync> = Arc::new(2u8);
+        assert_eq!(session.slot_for_segment(&a, &file, 10, Arc::downgrade(&held_a)).unwrap(), 0);
+        assert_eq!(session.slot_for_segment(&b, &file, 10, Arc::downgrade(&held_b)).unwrap(), 1);
+        assert_eq!(session.slot_for_segment(&a, &file, 10, Arc::downgrade(&held_a)).unwrap(), 0, "sent once");
+        let sent = pending(&sock);
+        assert_eq!(sent.len(), 2);
+        assert!(sent.iter().all(|f| f.kind == wire::KIND_SHARD_FD && f.shard_arena() && !f.shard_mutable()));
+
+        // Batch 0 holds a ring slot and segment a (leased first, then published).
+        session.lease(0, vec![a.clone()]);
+        let ring = fill_one(&session, 0, 100);
+        let _ = pending(&sock);
+        session.sweep_segments();
+        assert!(pending(&sock).is_empty(), "the daemon still holds both");
+
+        drop(held_a);
+        drop(held_b);
+        session.sweep_segments();
+        let f = pending(&sock);
+        assert_eq!((f.len(), f[0].kind, f[0].a, f[0].b), (1, wire::KIND_SHARD_FORGET, 1, wire::FORGET_EVICTED));
+        assert!(session.release(0));
+        let f = pending(&sock);
+        let forgets: Vec<(u64, u64)> =
+            f.iter().filter(|f| f.kind == wire::KIND_SHARD_FORGET).map(|f| (f.a, f.b)).collect();
+        assert_eq!(forgets, [(0, wire::FORGET_EVICTED)], "a is forgotten at the release of the batch that held it");
+        // The release freed the batch's ring slot as well: both leases were one batch's.
+        assert!(lock(&session.state).outstanding.is_empty());
+        assert!(lock(&session.state).rings.iter().all(|r| r.ring.id() != ring || r.slots.is_idle()));
     }
 }

@@ -175,7 +175,14 @@ pub struct BatchAssembler {
     projection_id: u64,
     /// The delivered schema's IPC schema message, as every batch's stream begins (made once).
     schema_message: Vec<u8>,
+    /// Binary columns are delivered as views into arenas ([`Self::with_binary_views`]).
+    views: bool,
 }
+
+/// Field metadata key of a column delivered as views ([`BatchAssembler::with_binary_views`]): a
+/// `fixed_size_binary(16)` column of Arrow binary views; the value names the column's type
+/// ("binary" or "large_binary").
+pub const VIEW_KEY: &str = "shardstream.view";
 
 /// Units a batch may draw on before [`BatchAssembler::places`] looks them up in a map instead of
 /// scanning them.
@@ -304,7 +311,60 @@ impl BatchAssembler {
             dataset_id: DatasetTag::new(dataset_id),
             projection_id,
             schema_message,
+            views: false,
         })
+    }
+
+    /// This assembler, delivering its top-level `binary`/`large_binary` columns as views into
+    /// arenas (see [`super::arena`]): each such column is a `fixed_size_binary(16)` column of
+    /// Arrow binary views, marked with [`VIEW_KEY`], and the row groups it decodes keep those
+    /// columns' values in arenas (cached apart from other streams' row groups). An error when
+    /// the projection has no such column or is not decoded as views (a nested column).
+    pub fn with_binary_views(mut self) -> Result<Self> {
+        if !self.per_file.iter().all(FileProjection::views) {
+            return Err(Error::invalid(
+                "binary_views needs every selected column to be flat (numbers, strings, binary, \
+                 structs of those); select fewer fields",
+            ));
+        }
+        let mut any = false;
+        let fields: Vec<arrow_schema::FieldRef> = self
+            .delivered
+            .fields()
+            .iter()
+            .map(|f| {
+                let name = match f.data_type() {
+                    DataType::Binary => "binary",
+                    DataType::LargeBinary => "large_binary",
+                    _ => return f.clone(),
+                };
+                any = true;
+                let mut meta = f.metadata().clone();
+                meta.insert(VIEW_KEY.to_owned(), name.to_owned());
+                Arc::new(f.as_ref().clone().with_data_type(DataType::FixedSizeBinary(16)).with_metadata(meta))
+            })
+            .collect();
+        if !any {
+            return Err(Error::invalid(
+                "binary_views: none of the selected columns is binary (top-level binary or large_binary)",
+            ));
+        }
+        self.delivered = Arc::new(Schema::new_with_metadata(fields, self.delivered.metadata().clone()));
+        self.schema_message = direct::schema_message(&self.delivered).map_err(|e| Error::Internal(e.to_string()))?;
+        // Row groups with arenas are cached apart from the same projection's plain ones.
+        self.projection_id ^= 0x9e37_79b9_7f4a_7c15;
+        self.views = true;
+        Ok(self)
+    }
+
+    /// The first column delivered as views (all of a row group's share its arena).
+    pub fn first_view_column(&self) -> Option<usize> {
+        self.delivered.fields().iter().position(|f| f.metadata().contains_key(VIEW_KEY))
+    }
+
+    /// Whether binary columns are delivered as views ([`Self::with_binary_views`]).
+    pub fn binary_views(&self) -> bool {
+        self.views
     }
 
     /// The projection's IPC schema message (see [`direct::schema_message`]).
@@ -452,6 +512,9 @@ impl BatchAssembler {
                 })
             });
             match (decoded, io_error) {
+                (Ok((batch, _)), _) if self.views => {
+                    Ok(super::arena::into_arena(batch, &file.name).map_err(|e| e.into_error(&file.name))?.0)
+                }
                 (Ok((batch, _)), _) => Ok(batch),
                 // The storage's own error (a truncated shard, a failing disk) says more.
                 (Err(_), Some(e)) => Err(e),

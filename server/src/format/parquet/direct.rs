@@ -56,6 +56,10 @@ enum Kind {
     /// A struct of flat children (a Hugging Face image is `{bytes, path}`): its validity, then
     /// each child as a column of its own.
     Struct(Vec<Kind>),
+    /// A binary column delivered as views ([`super::dataset::VIEW_KEY`]): 16 bytes a row, each an
+    /// Arrow binary view whose buffer index is the row's source (the batch's `view_slots`
+    /// follow the sources' order). The sources' columns are `BinaryView` over one arena each.
+    View,
 }
 
 /// Whether `dt` is a flat column type (see the module docs), which [`Direct`] writes.
@@ -76,6 +80,14 @@ fn holds(want: &DataType, got: &DataType) -> bool {
         }
         _ => want == got,
     }
+}
+
+/// A delivered field's [`Kind`]: a view column by its metadata, else by its type.
+fn field_kind(f: &arrow_schema::Field) -> Option<Kind> {
+    if f.metadata().contains_key(super::dataset::VIEW_KEY) {
+        return (f.data_type() == &DataType::FixedSizeBinary(16)).then_some(Kind::View);
+    }
+    kind(f.data_type())
 }
 
 fn kind(dt: &DataType) -> Option<Kind> {
@@ -147,13 +159,17 @@ impl<'a> Direct<'a> {
             }
             None => &fields[..],
         };
-        let kinds: Option<Vec<Kind>> = gathered.iter().map(|f| kind(f.data_type())).collect();
+        let kinds: Option<Vec<Kind>> = gathered.iter().map(|f| field_kind(f)).collect();
         let Some(kinds) = kinds else { return Ok(None) };
         if sources.iter().any(|b| b.num_columns() != kinds.len()) {
             return Ok(None);
         }
         for (c, f) in gathered.iter().enumerate() {
-            if sources.iter().any(|b| !holds(f.data_type(), b.column(c).data_type())) {
+            let fits = |got: &DataType| match kinds[c] {
+                Kind::View => *got == DataType::BinaryView,
+                _ => holds(f.data_type(), got),
+            };
+            if sources.iter().any(|b| !fits(b.column(c).data_type())) {
                 return Ok(None);
             }
         }
@@ -308,8 +324,35 @@ impl<'a> Direct<'a> {
                 }
                 Ok(body)
             }
+            Kind::View => {
+                let (dst, rest) = take(body, n * 16);
+                let views: Vec<&arrow_array::BinaryViewArray> =
+                    cols.iter().map(|a| a.as_binary_view_opt().ok_or_else(short)).collect::<Result<_, _>>()?;
+                if let Some(s) = views.iter().position(|v| v.data_buffers().len() > 1) {
+                    return Err(ParquetError::Ipc(format!("source {s} of a view column is not over one arena")));
+                }
+                let valid = validity(cols, node.nulls);
+                if dst.len() != n * 16 {
+                    return Err(short());
+                }
+                for (d, &(s, r)) in dst.chunks_exact_mut(16).zip(self.rows) {
+                    let v = if valid(s, r) { *views[s].views().get(r).ok_or_else(short)? } else { 0 };
+                    d.copy_from_slice(&view_for_source(v, s).to_le_bytes());
+                }
+                Ok(rest)
+            }
         }
     }
+}
+
+/// A source's view `v` as the batch's: a value kept outside its view (over 12 bytes) points into
+/// buffer `source` (the batch's arena of that source; its offset there is unchanged).
+fn view_for_source(v: u128, source: usize) -> u128 {
+    if (v as u32) <= 12 {
+        return v;
+    }
+    let keep = !(u128::from(u32::MAX) << 64);
+    (v & keep) | ((source as u128) << 64)
 }
 
 /// What [`Layout`] measured of one Arrow node.
@@ -353,6 +396,7 @@ impl Layout<'_> {
         self.nodes.push(Node { nulls, value_bytes: 0 });
         match k {
             Kind::Fixed(w) => self.push(n * w),
+            Kind::View => self.push(n * 16),
             Kind::Bool => self.push(n.div_ceil(8)),
             &Kind::Bytes { wide } => {
                 let bytes = byte_columns(cols);
@@ -633,6 +677,82 @@ mod tests {
         assert_eq!(direct.stream_len(), want.len());
         assert!(out[..want.len()] == want[..], "direct bytes differ from the stream writer's");
         assert!(out[want.len()..].iter().all(|&b| b == 0xAA), "wrote past its length");
+    }
+
+    #[test]
+    fn view_columns_carry_each_row_s_view_with_its_source_as_buffer_index() {
+        use super::super::arena::into_arena;
+        use arrow_array::cast::AsArray;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::UInt64, false),
+            Field::new("blob", DataType::BinaryView, true),
+        ]));
+        let source = |first: u64| {
+            let ids: Vec<u64> = (first..first + 20).collect();
+            let blobs: Vec<Option<Vec<u8>>> = ids
+                .iter()
+                .map(|&i| match i % 4 {
+                    0 => None,
+                    1 => Some(vec![i as u8; 5]),
+                    _ => Some(vec![i as u8; 20 + i as usize]),
+                })
+                .collect();
+            let b = RecordBatch::try_new(
+                schema.clone(),
+                vec![
+                    Arc::new(UInt64Array::from(ids)),
+                    Arc::new(arrow_array::BinaryViewArray::from_iter(blobs.iter().map(|b| b.as_deref()))),
+                ],
+            )
+            .unwrap();
+            into_arena(b, "t").unwrap().0
+        };
+        let (a, b) = (source(0), source(100));
+        let mut meta = std::collections::HashMap::new();
+        meta.insert(super::super::dataset::VIEW_KEY.to_owned(), "binary".to_owned());
+        let delivered = Schema::new(vec![
+            Field::new("id", DataType::UInt64, false),
+            Field::new("blob", DataType::FixedSizeBinary(16), true).with_metadata(meta),
+        ]);
+        let message = schema_message(&delivered).unwrap();
+        let rows: Vec<(usize, usize)> = (0..30).map(|i| (i % 2, (i * 7) % 20)).collect();
+        let (sa, sb) = (&a, &b);
+        let sources = [sa, sb];
+        let direct = Direct::plan(&delivered, &message, &sources, &rows, None).unwrap().expect("a view column is flat");
+        let mut out = vec![0u8; direct.stream_len()];
+        direct.write(&mut out).unwrap();
+        let got =
+            arrow_ipc::reader::StreamReader::try_new(std::io::Cursor::new(out), None).unwrap().next().unwrap().unwrap();
+        let views = got.column(1).as_fixed_size_binary();
+        // The batch's views, over the sources' arenas in source order, read every row's value.
+        let data: Vec<arrow_buffer::Buffer> =
+            [&a, &b].iter().map(|s| s.column(1).as_binary_view().data_buffers()[0].clone()).collect();
+        let raw: Vec<u128> = (0..rows.len()).map(|i| u128::from_le_bytes(views.value(i).try_into().unwrap())).collect();
+        let rebuilt = arrow_array::BinaryViewArray::try_new(raw.into(), data, views.nulls().cloned()).unwrap();
+        for (i, &(s, r)) in rows.iter().enumerate() {
+            let want = sources[s].column(1).as_binary_view();
+            assert_eq!(rebuilt.is_null(i), want.is_null(r), "row {i}");
+            if want.is_valid(r) {
+                assert_eq!(rebuilt.value(i), want.value(r), "row {i}");
+            }
+        }
+        // A source whose view column is not over one arena is refused, not misread.
+        let view = |byte: u8, buf: u128| 40u128 | (u128::from(u32::from_le_bytes([byte; 4])) << 32) | (buf << 64);
+        let two_buffers = arrow_array::BinaryViewArray::try_new(
+            vec![view(1, 0), view(2, 1)].into(),
+            vec![arrow_buffer::Buffer::from(vec![1u8; 40]), arrow_buffer::Buffer::from(vec![2u8; 40])],
+            None,
+        )
+        .unwrap();
+        let plain = RecordBatch::try_new(
+            schema.clone(),
+            vec![Arc::new(UInt64Array::from(vec![1u64, 2])), Arc::new(two_buffers)],
+        )
+        .unwrap();
+        let srcs = [&plain];
+        let d = Direct::plan(&delivered, &message, &srcs, &[(0, 0)], None).unwrap().unwrap();
+        let mut out = vec![0u8; d.stream_len()];
+        assert!(d.write(&mut out).is_err());
     }
 
     #[test]

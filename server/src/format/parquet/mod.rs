@@ -25,6 +25,7 @@
 //! - [`decoded`]: the daemon-wide, byte-bounded cache of decoded row groups that streams share, so
 //!   a shuffle window of row groups is decoded about once per epoch and node.
 
+pub mod arena;
 pub mod dataset;
 pub mod decode;
 pub mod decoded;

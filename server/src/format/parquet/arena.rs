@@ -1,0 +1,270 @@
+//! A decoded row group's binary values in a sealed shared-memory segment (an "arena"), for
+//! streams that deliver binary columns as Arrow views (`StreamRequest.arrow_binary_views`).
+//!
+//! A shuffled batch draws its rows from many row groups. Copying each row's bytes into the batch
+//! was most of a warm epoch of large rows (images): 77% of the daemon's samples were `memmove`,
+//! and with the trainer on the other core the copy bounded the epoch (bench/PARQUET_PROFILE.md).
+//! Arrow's view types let a column point into several data buffers: the batch then carries 16
+//! bytes a row, and each row's bytes stay where the row group was decoded. For a client in
+//! another process to read them there, a row group's bytes must live in memory it can map: this
+//! module copies them once, when the row group is decoded, into a memfd, and rebuilds the row
+//! group's `BinaryView` columns over that segment. Every later batch drawing on the row group
+//! (this stream's, and every other view stream's on the node) copies nothing.
+//!
+//! The segment is sealed (`SHRINK`, `GROW`, `FUTURE_WRITE`) once written: no one, the daemon
+//! included, can change or resize it afterwards, so a client may map it and hand out arrays over
+//! it for as long as it likes; the pages live while anyone maps them.
+//!
+//! A batch names an arena by its descriptor's slot in the stream's session; the session finds a
+//! source's arena from its arrays ([`arena_of`]): the segment's address is looked up in a registry
+//! of live arenas, which each arena leaves when dropped (its row group evicted and no batch being
+//! built from it).
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, ArrayRef, BinaryViewArray, RecordBatch};
+use arrow_buffer::{Buffer, ScalarBuffer};
+use arrow_schema::DataType;
+use rustix::fs::{MemfdFlags, SealFlags};
+
+use super::ParquetError;
+
+/// Values of up to this many bytes live inside their view (Arrow's view layout).
+const INLINE: u32 = 12;
+
+/// A sealed memfd holding the non-inline values of a row group's binary columns.
+pub struct Arena {
+    file: std::fs::File,
+    map: memmap2::Mmap,
+    /// A name unique in the daemon: the session's key for the arena's slot.
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena").field("path", &self.path).field("len", &self.map.len()).finish()
+    }
+}
+
+impl Arena {
+    pub fn file(&self) -> &std::fs::File {
+        &self.file
+    }
+
+    /// The session's key for this arena (no file of that name exists).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    fn addr(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        registry().lock().unwrap_or_else(|p| p.into_inner()).remove(&self.addr());
+    }
+}
+
+// `Buffer::from_custom_allocation` asks its owner to be unwind safe: nothing in an arena changes
+// after it is made (its mapping is read-only and sealed), so a panic cannot leave one half-updated.
+impl std::panic::RefUnwindSafe for Arena {}
+
+/// Live arenas by the address of their mapping.
+fn registry() -> &'static Mutex<BTreeMap<usize, Weak<Arena>>> {
+    static REG: std::sync::OnceLock<Mutex<BTreeMap<usize, Weak<Arena>>>> = std::sync::OnceLock::new();
+    REG.get_or_init(Mutex::default)
+}
+
+/// The arena `array`'s values live in: the one its data buffer starts. None for an array not
+/// made by [`into_arena`] (or whose arena is gone, which its own buffer would prevent).
+pub fn arena_of(array: &BinaryViewArray) -> Option<Arc<Arena>> {
+    let buf = array.data_buffers().first()?;
+    let addr = buf.as_ptr() as usize;
+    registry().lock().unwrap_or_else(|p| p.into_inner()).get(&addr).and_then(Weak::upgrade)
+}
+
+/// Whether a decoded column is one [`into_arena`] moves (a top-level binary column decoded as
+/// views; strings and nested columns are left as they are).
+pub fn is_view_column(dt: &DataType) -> bool {
+    *dt == DataType::BinaryView
+}
+
+fn fail(what: &str, e: impl std::fmt::Display) -> ParquetError {
+    ParquetError::Io(format!("cannot {what} a shared-memory segment for decoded values: {e}"))
+}
+
+/// `batch` with its top-level `BinaryView` columns' values moved into one new arena, and the
+/// arena; the batch as it is (and None) when it has no such column. Values of up to 12 bytes
+/// stay inside their views. The arena holds at least one byte (a segment cannot be empty).
+pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option<Arc<Arena>>), ParquetError> {
+    let cols: Vec<usize> = (0..batch.num_columns()).filter(|&c| is_view_column(batch.column(c).data_type())).collect();
+    if cols.is_empty() {
+        return Ok((batch, None));
+    }
+    let mut total = 0u64;
+    for &c in &cols {
+        let a = batch.column(c).as_binary_view();
+        for &v in a.views().iter() {
+            let len = v as u32;
+            if len > INLINE {
+                total += u64::from(len);
+            }
+        }
+    }
+    let fd: OwnedFd = rustix::fs::memfd_create(
+        format!("shardstream-decoded-{}", std::process::id()),
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(|e| fail("create", e))?;
+    let len = total.max(1);
+    rustix::fs::ftruncate(&fd, len).map_err(|e| fail("size", e))?;
+    let file = std::fs::File::from(fd);
+    // SAFETY: a new memfd only this function knows of, sized above; nothing else maps it.
+    let mut map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(|e| fail("map", e))?;
+    let mut at = 0usize;
+    let mut views: Vec<Vec<u128>> = Vec::with_capacity(cols.len());
+    for &c in &cols {
+        let a = batch.column(c).as_binary_view();
+        let mut out = Vec::with_capacity(a.len());
+        for (i, &v) in a.views().iter().enumerate() {
+            let n = v as u32;
+            if n <= INLINE {
+                out.push(v);
+                continue;
+            }
+            // Read through the array (it resolves the view's buffer); a null row keeps its
+            // bytes too, which no reader looks at.
+            let bytes = a.value(i);
+            map[at..at + bytes.len()].copy_from_slice(bytes);
+            // Keep length and prefix (the low 64 bits); buffer 0 (this arena), offset `at`.
+            out.push((v & u128::from(u64::MAX)) | ((at as u128) << 96));
+            at += bytes.len();
+        }
+        views.push(out);
+    }
+    let map = map.make_read_only().map_err(|e| fail("protect", e))?;
+    let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
+    rustix::fs::fcntl_add_seals(&file, seals).map_err(|e| fail("seal", e))?;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let path = PathBuf::from(format!("/shardstream-decoded/{}/{name}", NEXT.fetch_add(1, Ordering::Relaxed)));
+    let arena = Arc::new(Arena { file, map, path });
+    registry().lock().unwrap_or_else(|p| p.into_inner()).insert(arena.addr(), Arc::downgrade(&arena));
+    let ptr = NonNull::new(arena.map.as_ptr().cast_mut()).ok_or_else(|| fail("map", "null mapping"))?;
+    // SAFETY: `ptr` .. `ptr + len` is the arena's mapping, which stays mapped and unchanged
+    // (sealed, read-only) while the buffer holds the arena (see `Arena`'s `RefUnwindSafe` note).
+    let data = unsafe { Buffer::from_custom_allocation(ptr, arena.map.len(), arena.clone()) };
+    let mut columns: Vec<ArrayRef> = batch.columns().to_vec();
+    for (&c, v) in cols.iter().zip(views) {
+        let a = batch.column(c).as_binary_view();
+        let rebuilt = BinaryViewArray::try_new(ScalarBuffer::from(v), vec![data.clone()], a.nulls().cloned())
+            .map_err(|e| ParquetError::Ipc(format!("rebuilding a column over its arena: {e}")))?;
+        columns[c] = Arc::new(rebuilt);
+    }
+    let batch = RecordBatch::try_new(batch.schema(), columns)
+        .map_err(|e| ParquetError::Ipc(format!("rebuilding a row group over its arena: {e}")))?;
+    Ok((batch, Some(arena)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{Int64Array, StringViewArray};
+    use arrow_schema::{Field, Schema};
+
+    fn batch(values: &[Option<&[u8]>]) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("image", DataType::BinaryView, true),
+            Field::new("label", DataType::Int64, false),
+            Field::new("caption", DataType::Utf8View, false),
+        ]));
+        let n = values.len();
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(BinaryViewArray::from_iter(values.iter().copied())),
+                Arc::new(Int64Array::from_iter_values(0..n as i64)),
+                Arc::new(StringViewArray::from_iter_values(
+                    (0..n).map(|i| format!("a caption longer than twelve {i}")),
+                )),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn values_move_into_a_sealed_segment_and_read_the_same() {
+        let long: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        let values: Vec<Option<&[u8]>> = vec![Some(&long), Some(b"short"), None, Some(&long[7..4000]), Some(b"")];
+        let before = batch(&values);
+        let (after, arena) = into_arena(before.clone(), "t").unwrap();
+        let arena = arena.expect("a binary column gets an arena");
+        // Only the values longer than 12 bytes: 5000 + 3993.
+        assert_eq!(arena.len(), 5000 + 3993);
+        assert_eq!(after, before, "the same values, nulls and other columns");
+        let col = after.column(0).as_binary_view();
+        assert_eq!(col.data_buffers().len(), 1);
+        assert!(Arc::ptr_eq(&arena_of(col).unwrap(), &arena));
+        // Strings are not moved: their buffers are the decoder's.
+        assert!(
+            after
+                .column(2)
+                .as_string_view()
+                .data_buffers()
+                .iter()
+                .all(|b| b.as_ptr() != col.data_buffers()[0].as_ptr())
+        );
+        let seals = rustix::fs::fcntl_get_seals(arena.file()).unwrap();
+        assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL));
+        // A writable mapping of the sealed segment is refused.
+        // SAFETY: the call is expected to fail; had it mapped, the mapping would be dropped unused.
+        assert!(unsafe { memmap2::MmapOptions::new().map_mut(arena.file()) }.is_err());
+    }
+
+    #[test]
+    fn an_arena_leaves_the_registry_when_its_last_holder_goes() {
+        let long = vec![7u8; 100];
+        let (after, arena) = into_arena(batch(&[Some(&long)]), "t").unwrap();
+        let arena = arena.unwrap();
+        let col = after.column(0).as_binary_view().clone();
+        drop(arena);
+        drop(after);
+        // The column's buffer still holds it.
+        assert!(arena_of(&col).is_some());
+        let copy = BinaryViewArray::from_iter([Some(&long[..])]);
+        assert!(arena_of(&copy).is_none(), "an array not made here has no arena");
+        drop(col);
+        assert_eq!(copy.value(0), &long[..]);
+    }
+
+    #[test]
+    fn a_batch_without_binary_columns_is_left_alone() {
+        let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, false)]));
+        let b = RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(vec![1, 2]))]).unwrap();
+        let (same, arena) = into_arena(b.clone(), "t").unwrap();
+        assert!(arena.is_none());
+        assert_eq!(same, b);
+    }
+
+    #[test]
+    fn only_inline_values_still_make_a_one_byte_segment() {
+        let (after, arena) = into_arena(batch(&[Some(b"tiny"), None]), "t").unwrap();
+        assert_eq!(arena.unwrap().len(), 1);
+        assert_eq!(after.column(0).as_binary_view().value(0), b"tiny");
+    }
+}
