@@ -25,6 +25,9 @@ wrong), each in a fresh process so that one's caches do not help the next:
   are then decoded already: what a daemon that outlives its epochs serves from the second on, as
   long as the decoded set fits its budget (1 GiB by default). The counterpart of ``hf_map``, whose
   conversion is reported as prep and left out of its epoch.
+- ``ss_views`` / ``ss_views+warm``: ``format="arrow", binary_views=True``: the image column as
+  ``binary_view`` arrays pointing into the daemon's decoded row groups (no copy of the values); the
+  consumer reads each image through its view (``_binary_views``), the same bytes it reads elsewhere.
 
 With S3 (``--no-s3`` leaves it out): the same files served from a local S3-compatible server
 (s3s-fs from scripts/s3-server.sh, the files hard-linked into its bucket): ``shardstream index``
@@ -72,7 +75,18 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH = 256
 BUFFER = 10_000
 SEED = 0
-PEERS = ["pa_seq", "pa_shuffle", "hf_stream", "hf_map", "litdata_pq", "ss_dict", "ss_arrow", "ss_arrow+warm"]
+PEERS = [
+    "pa_seq",
+    "pa_shuffle",
+    "hf_stream",
+    "hf_map",
+    "litdata_pq",
+    "ss_dict",
+    "ss_arrow",
+    "ss_arrow+warm",
+    "ss_views",
+    "ss_views+warm",
+]
 WARM = "+warm"
 
 
@@ -180,6 +194,11 @@ def warm_consumer(kind: str) -> None:
     touch(kind, *arrow_payload(kind, rb))
 
 
+#: An Arrow binary view: length, first 4 bytes, buffer index, offset (values of up to 12 bytes
+#: lie in the view itself, from byte 4).
+VIEW = np.dtype([("len", "<i4"), ("pre", "S4"), ("buf", "<i4"), ("off", "<i4")])
+
+
 def _binary_views(col: Any) -> list[memoryview]:
     import pyarrow as pa
 
@@ -187,6 +206,15 @@ def _binary_views(col: Any) -> list[memoryview]:
     out: list[memoryview] = []
     for c in chunks:
         bufs = c.buffers()
+        if pa.types.is_binary_view(c.type):
+            # Images are never 12 bytes or less: every value lies in a data buffer.
+            v = np.frombuffer(bufs[1], VIEW, count=len(c), offset=c.offset * 16)
+            data = [memoryview(b) for b in bufs[2:]]
+            out.extend(
+                data[b][o : o + n]
+                for n, b, o in zip(v["len"].tolist(), v["buf"].tolist(), v["off"].tolist(), strict=True)
+            )
+            continue
         wide = pa.types.is_large_binary(c.type)
         offs = np.frombuffer(bufs[1], np.int64 if wide else np.int32)[c.offset : c.offset + len(c) + 1]
         mv = memoryview(bufs[2])
@@ -295,7 +323,7 @@ def _litdata_batch(kind: str, names: list[str], rows: list[Any]) -> tuple[Any, A
     return [get(r, "row_id") for r in rows], np.array([[get(r, f"f{k}") for k in range(8)] for r in rows])
 
 
-def read_ss(kind: str, d: Path, prep: dict, form: str) -> Iterator[tuple[Any, Any]]:
+def read_ss(kind: str, d: Path, prep: dict, form: str, views: bool = False) -> Iterator[tuple[Any, Any]]:
     import shardstream
 
     loader = shardstream.Loader(
@@ -306,6 +334,7 @@ def read_ss(kind: str, d: Path, prep: dict, form: str) -> Iterator[tuple[Any, An
         transport="shm",
         fields=columns(kind),
         format=form,
+        **({"binary_views": True} if views else {}),
     )
     for b in loader:
         if form == "arrow":
@@ -324,6 +353,7 @@ READERS: dict[str, Any] = {
     "litdata_pq": read_litdata_pq,
     "ss_dict": lambda k, d, p: read_ss(k, d, p, "dict"),
     "ss_arrow": lambda k, d, p: read_ss(k, d, p, "arrow"),
+    "ss_views": lambda k, d, p: read_ss(k, d, p, "arrow", views=True),
 }
 
 
@@ -346,7 +376,13 @@ IMPORTS = {
     "litdata_pq": ["litdata", "litdata.streaming.item_loader"],
     "ss_dict": ["shardstream", "shardstream._arrow", "pyarrow"],
     "ss_arrow": ["shardstream", "shardstream._arrow", "pyarrow"],
+    "ss_views": ["shardstream", "shardstream._arrow", "pyarrow"],
 }
+
+
+def applies(peer: str, kind: str) -> bool:
+    """Whether `peer` reads the `kind` set: `binary_views` needs a binary column (image only)."""
+    return kind == "image" or not reader_of(peer).startswith("ss_views")
 
 
 def reader_of(peer: str) -> str:
@@ -683,12 +719,12 @@ def main() -> None:
                 peers.append(f"{form}@{name}")
                 sites[f"{form}@{name}"] = site
     work = Path(tempfile.mkdtemp(prefix="pq-bench-"))
-    results: dict[str, dict[str, list[dict]]] = {k: {p: [] for p in peers} for k in kinds}
+    results: dict[str, dict[str, list[dict]]] = {k: {p: [] for p in peers if applies(p, k)} for k in kinds}
     rss = 0.0
     try:
         for rep in range(args.repeats):
             for kind in kinds:
-                for peer in peers:
+                for peer in results[kind]:
                     # A fresh daemon per shardstream epoch: its cache of decoded row groups would
                     # otherwise hand the next shardstream reader an epoch already decoded, which
                     # no peer gets (the page cache is warm for everyone alike).
