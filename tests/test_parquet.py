@@ -487,6 +487,21 @@ def test_files_written_by_hugging_face_datasets_with_an_image_column(daemon, tmp
             assert pixels.shape == np.asarray(images[r]).shape
             seen.add(r)
     assert seen == set(range(150))
+    # The image's bytes as views into the decoded row groups (the struct's `bytes` child).
+    loader = shardstream.Loader(
+        str(tmp_path), batch_size=16, seed=1, connect=daemon.addr, format="arrow", binary_views=True
+    )
+    seen = set()
+    for rb in loader:
+        image = rb.schema.field("image").type
+        assert image.field("bytes").type == pa.binary_view() and image.field("path").type == pa.string()
+        segments = mapped_memfds("shardstream-decoded")
+        for buf in rb.column("image").field("bytes").buffers()[2:]:
+            assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in segments)
+        for r, img in zip(rb.column("__row__").to_pylist(), rb.column("image").to_pylist(), strict=True):
+            assert img == written[r]["image"]
+            seen.add(r)
+    assert seen == set(range(150))
 
 
 def test_a_pack_format_parquet_dataset_is_served_as_is(daemon, tmp_path: Path) -> None:
@@ -797,8 +812,9 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
 
 @pytest.fixture(scope="module")
 def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, bytes | None]]:
-    """3 files (snappy, none, zstd; row groups of 10) of `id` and a `blob` column with nulls, empty
-    and short values (kept inside their views) and long ones; {id: blob}."""
+    """3 files (snappy, none, zstd; row groups of 10) of `id`, a `blob` column with nulls, empty
+    and short values (kept inside their views) and long ones, and `pic`, a Hugging Face style
+    struct of `bytes` (the same values) and `path`, null every 11th row; {id: blob}."""
     root = tmp_path_factory.mktemp("blobs")
     rng = np.random.default_rng(3)
     want: dict[int, bytes | None] = {}
@@ -812,9 +828,21 @@ def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, byt
                 if r % 5 == 0
                 else rng.bytes(int(rng.integers(13, 3000)))
             )
-        t = pa.table({"id": pa.array(ids, pa.int64()), "blob": pa.array([want[r] for r in ids], pa.binary())})
+        pics = [None if r % 11 == 0 else {"bytes": want[r], "path": f"img/{r}.jpg"} for r in ids]
+        pic_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+        t = pa.table(
+            {
+                "id": pa.array(ids, pa.int64()),
+                "blob": pa.array([want[r] for r in ids], pa.binary()),
+                "pic": pa.array(pics, pic_type),
+            }
+        )
         pq.write_table(t, root / f"p{f}.parquet", row_group_size=10, compression=codec)
     return root, want
+
+
+def pic(r: int, want: dict[int, bytes | None]) -> dict | None:
+    return None if r % 11 == 0 else {"bytes": want[r], "path": f"img/{r}.jpg"}
 
 
 def test_binary_views_point_into_the_decoded_row_groups_and_read_the_values_written(daemon, blobs) -> None:
@@ -826,10 +854,12 @@ def test_binary_views_point_into_the_decoded_row_groups_and_read_the_values_writ
     held = []
     for rb in loader:
         assert rb.schema.field("blob").type == pa.binary_view()
+        assert rb.schema.field("pic").type == pa.struct([("bytes", pa.binary_view()), ("path", pa.string())])
         assert rb.schema.field("id").type == pa.int64()
         ids = rb.column("id").to_pylist()
         assert rb.column("__row__").to_pylist() == ids
         assert rb.column("blob").to_pylist() == [want[r] for r in ids]
+        assert rb.column("pic").to_pylist() == [pic(r, want) for r in ids]
         segments = mapped_memfds("shardstream-decoded")
         data = rb.column("blob").buffers()[2:]
         assert data, "a view column without data buffers"

@@ -91,20 +91,16 @@ class BatchReader:
         return self._with_views(native, _checked(native, batch))
 
     def _with_views(self, native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:
-        """``batch`` with the columns the daemon sent as views (``VIEW_KEY``) as ``binary_view``
-        arrays over the decoded row groups they point into (the batch's ``view_buffers()``,
-        mapped read-only): no value is copied. Each array is checked in full first (every view
-        inside its buffer), so a bad batch is an error, never a read outside the mapping."""
+        """``batch`` with the columns the daemon sent as views (``VIEW_KEY``, at the top or inside
+        structs) as ``binary_view`` arrays over the decoded row groups they point into (the
+        batch's ``view_buffers()``, mapped read-only): no value is copied. Each is checked in full
+        first (every view inside its buffer), so a bad batch is an error, never a read outside the
+        mapping."""
         import pyarrow as pa
 
         if self._views is None or not self._views[0].equals(batch.schema, check_metadata=True):
-            cols = [i for i, f in enumerate(batch.schema) if f.metadata and VIEW_KEY in f.metadata]
-            fields = [
-                pa.field(f.name, pa.binary_view(), f.nullable, {k: v for k, v in f.metadata.items() if k != VIEW_KEY})
-                if i in cols
-                else f
-                for i, f in enumerate(batch.schema)
-            ]
+            cols = [i for i, f in enumerate(batch.schema) if _has_views(f)]
+            fields = [_delivered(f) for f in batch.schema]
             self._views = (batch.schema, cols, pa.schema(fields, metadata=batch.schema.metadata))
         _, cols, schema = self._views
         if not cols:
@@ -112,16 +108,10 @@ class BatchReader:
         data = [pa.py_buffer(r) for r in native.view_buffers()]
         arrays = list(batch.columns)
         for i in cols:
-            raw = arrays[i]
-            validity, views = raw.buffers()
-            arr = pa.Array.from_buffers(
-                pa.binary_view(), len(raw), [validity, views, *data], null_count=raw.null_count, offset=raw.offset
-            )
             try:
-                arr.validate(full=True)
-            except pa.ArrowInvalid as e:
+                arrays[i] = _rebuilt(arrays[i], batch.schema.field(i), data)
+            except (pa.ArrowInvalid, ValueError) as e:
                 raise ShardstreamError(f"arrow batch {native.index}: column {batch.schema.names[i]!r}: {e}") from None
-            arrays[i] = arr
         return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     def _remember(self, buf: pa.Buffer, schema: pa.Schema) -> None:
@@ -136,6 +126,58 @@ class BatchReader:
             return
         self._schema, self._prefix = schema, buf.slice(0, 8 + int(head[1]))
         self._schema_has_row = ROW in schema.names
+
+
+def _is_view(f: pa.Field) -> bool:
+    return f.metadata is not None and VIEW_KEY in f.metadata
+
+
+def _has_views(f: pa.Field) -> bool:
+    """Whether `f` is a view column or a struct with one inside."""
+    import pyarrow as pa
+
+    if _is_view(f):
+        return True
+    return pa.types.is_struct(f.type) and any(_has_views(f.type.field(i)) for i in range(f.type.num_fields))
+
+
+def _delivered(f: pa.Field) -> pa.Field:
+    """The field as the user sees it: view columns as ``binary_view`` (their marker dropped)."""
+    import pyarrow as pa
+
+    if _is_view(f):
+        meta = {k: v for k, v in f.metadata.items() if k != VIEW_KEY}
+        return pa.field(f.name, pa.binary_view(), f.nullable, meta or None)
+    if _has_views(f):
+        return pa.field(
+            f.name, pa.struct([_delivered(f.type.field(i)) for i in range(f.type.num_fields)]), f.nullable, f.metadata
+        )
+    return f
+
+
+def _rebuilt(arr: pa.Array, f: pa.Field, data: list[Any]) -> pa.Array:
+    """`arr` (of field `f`, as received) with its view columns as ``binary_view`` arrays over
+    `data`, each validated in full."""
+    import pyarrow as pa
+
+    if _is_view(f):
+        validity, views = arr.buffers()
+        out = pa.Array.from_buffers(
+            pa.binary_view(), len(arr), [validity, views, *data], null_count=arr.null_count, offset=arr.offset
+        )
+        out.validate(full=True)
+        return out
+    if arr.offset:
+        # `field(i)` slices a struct's children to its rows: the struct must start at its buffers.
+        raise ValueError(f"a struct with view columns at offset {arr.offset}")
+    t = f.type
+    children = [
+        _rebuilt(arr.field(i), t.field(i), data) if _has_views(t.field(i)) else arr.field(i)
+        for i in range(t.num_fields)
+    ]
+    return pa.Array.from_buffers(
+        _delivered(f).type, len(arr), [arr.buffers()[0]], null_count=arr.null_count, children=children
+    )
 
 
 def _checked(native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:

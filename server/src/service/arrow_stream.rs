@@ -87,7 +87,7 @@ pub(super) fn build_arrow_batch(
             ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }
         }
         (Some(s), Some(credit)) => {
-            let view_slots = if asm.binary_views() { segment_slots(s, asm, &rows, index)? } else { Vec::new() };
+            let view_slots = if asm.binary_views() { segment_slots(s, &rows, index)? } else { Vec::new() };
             let (guard, mut msg) = transport::arrow::shm_rows(index, ids, asm, &rows, |need| {
                 if s.needs_ring(need) {
                     before_new_ring()?;
@@ -123,22 +123,12 @@ pub(super) fn build_arrow_batch(
 /// source order (a view's buffer index names its source), each sent to the client the first time
 /// (see [`crate::format::parquet::arena`]). The batch leases them until the client releases it;
 /// arenas the daemon let go of since the last batch are forgotten first.
-fn segment_slots(
-    session: &Session,
-    asm: &BatchAssembler,
-    rows: &crate::format::parquet::dataset::BatchRows,
-    index: u64,
-) -> Result<Vec<u32>> {
-    use arrow_array::cast::AsArray;
+fn segment_slots(session: &Session, rows: &crate::format::parquet::dataset::BatchRows, index: u64) -> Result<Vec<u32>> {
     session.sweep_segments();
-    let col = asm.first_view_column().ok_or_else(|| Error::Internal("a view stream without a view column".into()))?;
     let mut slots = Vec::with_capacity(rows.sources.len());
     let mut held = Vec::with_capacity(rows.sources.len());
     for source in &rows.sources {
-        let arena = source
-            .columns()
-            .get(col)
-            .and_then(|c| c.as_binary_view_opt())
+        let arena = crate::format::parquet::arena::first_view_array(source)
             .and_then(crate::format::parquet::arena::arena_of)
             .ok_or_else(|| Error::Internal("a decoded row group of a view stream has no arena".into()))?;
         let alive: Arc<dyn std::any::Any + Send + Sync> = arena.clone();

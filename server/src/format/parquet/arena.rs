@@ -99,27 +99,83 @@ pub fn arena_of(array: &BinaryViewArray) -> Option<Arc<Arena>> {
     registry().lock().unwrap_or_else(|p| p.into_inner()).get(&addr).and_then(Weak::upgrade)
 }
 
-/// Whether a decoded column is one [`into_arena`] moves (a top-level binary column decoded as
-/// views; strings and nested columns are left as they are).
-pub fn is_view_column(dt: &DataType) -> bool {
-    *dt == DataType::BinaryView
+/// Whether a decoded column is one [`into_arena`] moves: a binary column decoded as views, at
+/// the top or inside structs (a Hugging Face image is `{bytes, path}`); strings stay as decoded.
+pub fn has_view_column(dt: &DataType) -> bool {
+    match dt {
+        DataType::BinaryView => true,
+        DataType::Struct(fields) => fields.iter().any(|f| has_view_column(f.data_type())),
+        _ => false,
+    }
+}
+
+/// The first array of `batch` that [`into_arena`] moved (at the top or inside a struct): every
+/// one of a row group is over the same arena.
+pub fn first_view_array(batch: &RecordBatch) -> Option<&BinaryViewArray> {
+    fn find(a: &dyn Array) -> Option<&BinaryViewArray> {
+        match a.data_type() {
+            DataType::BinaryView => a.as_binary_view_opt(),
+            DataType::Struct(_) => a.as_struct_opt()?.columns().iter().find_map(|c| find(c.as_ref())),
+            _ => None,
+        }
+    }
+    batch.columns().iter().find_map(|c| find(c.as_ref()))
+}
+
+/// Every `BinaryView` array in `a` (itself, or a struct's children, depth first).
+fn view_arrays<'a>(a: &'a ArrayRef, out: &mut Vec<&'a BinaryViewArray>) {
+    match a.data_type() {
+        DataType::BinaryView => out.extend(a.as_binary_view_opt()),
+        DataType::Struct(_) => {
+            if let Some(s) = a.as_struct_opt() {
+                for c in s.columns() {
+                    view_arrays(c, out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `a` with each `BinaryView` array in it (in [`view_arrays`] order) replaced by the next of
+/// `rebuilt`.
+fn replace_views(a: &ArrayRef, rebuilt: &mut impl Iterator<Item = ArrayRef>) -> Result<ArrayRef, ParquetError> {
+    match a.data_type() {
+        DataType::BinaryView => rebuilt.next().ok_or_else(|| fail("rebuild", "a view column went missing")),
+        DataType::Struct(fields) => {
+            let Some(s) = a.as_struct_opt() else { return Ok(a.clone()) };
+            let children = s.columns().iter().map(|c| replace_views(c, rebuilt)).collect::<Result<Vec<_>, _>>()?;
+            let fields: arrow_schema::Fields = fields
+                .iter()
+                .zip(&children)
+                .map(|(f, c)| f.as_ref().clone().with_data_type(c.data_type().clone()))
+                .collect();
+            let s = arrow_array::StructArray::try_new(fields, children, s.nulls().cloned())
+                .map_err(|e| ParquetError::Ipc(format!("rebuilding a struct over its arena: {e}")))?;
+            Ok(Arc::new(s))
+        }
+        _ => Ok(a.clone()),
+    }
 }
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ParquetError {
     ParquetError::Io(format!("cannot {what} a shared-memory segment for decoded values: {e}"))
 }
 
-/// `batch` with its top-level `BinaryView` columns' values moved into one new arena, and the
-/// arena; the batch as it is (and None) when it has no such column. Values of up to 12 bytes
-/// stay inside their views. The arena holds at least one byte (a segment cannot be empty).
+/// `batch` with its `BinaryView` columns' values (at the top, and inside structs) moved into one
+/// new arena, and the arena; the batch as it is (and None) when it has no such column. Values of
+/// up to 12 bytes stay inside their views. The arena holds at least one byte (a segment cannot be
+/// empty).
 pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option<Arc<Arena>>), ParquetError> {
-    let cols: Vec<usize> = (0..batch.num_columns()).filter(|&c| is_view_column(batch.column(c).data_type())).collect();
-    if cols.is_empty() {
+    let mut arrays = Vec::new();
+    for c in batch.columns() {
+        view_arrays(c, &mut arrays);
+    }
+    if arrays.is_empty() {
         return Ok((batch, None));
     }
     let mut total = 0u64;
-    for &c in &cols {
-        let a = batch.column(c).as_binary_view();
+    for a in &arrays {
         for &v in a.views().iter() {
             let len = v as u32;
             if len > INLINE {
@@ -138,9 +194,8 @@ pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option
     // SAFETY: a new memfd only this function knows of, sized above; nothing else maps it.
     let mut map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(|e| fail("map", e))?;
     let mut at = 0usize;
-    let mut views: Vec<Vec<u128>> = Vec::with_capacity(cols.len());
-    for &c in &cols {
-        let a = batch.column(c).as_binary_view();
+    let mut views: Vec<Vec<u128>> = Vec::with_capacity(arrays.len());
+    for a in &arrays {
         let mut out = Vec::with_capacity(a.len());
         for (i, &v) in a.views().iter().enumerate() {
             let n = v as u32;
@@ -169,13 +224,17 @@ pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option
     // SAFETY: `ptr` .. `ptr + len` is the arena's mapping, which stays mapped and unchanged
     // (sealed, read-only) while the buffer holds the arena (see `Arena`'s `RefUnwindSafe` note).
     let data = unsafe { Buffer::from_custom_allocation(ptr, arena.map.len(), arena.clone()) };
-    let mut columns: Vec<ArrayRef> = batch.columns().to_vec();
-    for (&c, v) in cols.iter().zip(views) {
-        let a = batch.column(c).as_binary_view();
-        let rebuilt = BinaryViewArray::try_new(ScalarBuffer::from(v), vec![data.clone()], a.nulls().cloned())
-            .map_err(|e| ParquetError::Ipc(format!("rebuilding a column over its arena: {e}")))?;
-        columns[c] = Arc::new(rebuilt);
-    }
+    let rebuilt = arrays
+        .iter()
+        .zip(views)
+        .map(|(a, v)| {
+            BinaryViewArray::try_new(ScalarBuffer::from(v), vec![data.clone()], a.nulls().cloned())
+                .map(|r| Arc::new(r) as ArrayRef)
+                .map_err(|e| ParquetError::Ipc(format!("rebuilding a column over its arena: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut rebuilt = rebuilt.into_iter();
+    let columns = batch.columns().iter().map(|c| replace_views(c, &mut rebuilt)).collect::<Result<Vec<_>, _>>()?;
     let batch = RecordBatch::try_new(batch.schema(), columns)
         .map_err(|e| ParquetError::Ipc(format!("rebuilding a row group over its arena: {e}")))?;
     Ok((batch, Some(arena)))
@@ -234,6 +293,27 @@ mod tests {
         // A writable mapping of the sealed segment is refused.
         // SAFETY: the call is expected to fail; had it mapped, the mapping would be dropped unused.
         assert!(unsafe { memmap2::MmapOptions::new().map_mut(arena.file()) }.is_err());
+    }
+
+    #[test]
+    fn a_struct_s_binary_child_moves_too() {
+        // A Hugging Face image: {bytes, path}, null as a whole in row 1, its bytes null in row 2.
+        let bytes: Arc<dyn Array> =
+            Arc::new(BinaryViewArray::from_iter([Some(vec![1u8; 300]), Some(vec![2u8; 40]), None, Some(vec![4u8; 3])]));
+        let path: Arc<dyn Array> =
+            Arc::new(StringViewArray::from_iter_values(["a/0.jpg", "a/1.jpg", "a/2.jpg", "a/3.jpg"]));
+        let fields: arrow_schema::Fields =
+            vec![Field::new("bytes", DataType::BinaryView, true), Field::new("path", DataType::Utf8View, false)].into();
+        let nulls = arrow_buffer::NullBuffer::from(vec![true, false, true, true]);
+        let image = arrow_array::StructArray::new(fields.clone(), vec![bytes, path], Some(nulls));
+        let schema = Arc::new(Schema::new(vec![Field::new("image", DataType::Struct(fields), true)]));
+        let before = RecordBatch::try_new(schema, vec![Arc::new(image)]).unwrap();
+        let (after, arena) = into_arena(before.clone(), "t").unwrap();
+        let arena = arena.expect("a struct's binary child gets an arena");
+        assert_eq!(arena.len(), 300 + 40);
+        assert_eq!(after, before);
+        let child = first_view_array(&after).expect("the struct's bytes");
+        assert!(Arc::ptr_eq(&arena_of(child).unwrap(), &arena));
     }
 
     #[test]

@@ -184,6 +184,25 @@ pub struct BatchAssembler {
 /// ("binary" or "large_binary").
 pub const VIEW_KEY: &str = "shardstream.view";
 
+/// `f` with its `binary`/`large_binary` types, at the top or inside structs, delivered as views:
+/// `fixed_size_binary(16)` marked with [`VIEW_KEY`] (its value: the type it stands for). Sets
+/// `any` when it changed one.
+fn as_views(f: &arrow_schema::Field, any: &mut bool) -> arrow_schema::Field {
+    let name = match f.data_type() {
+        DataType::Binary => "binary",
+        DataType::LargeBinary => "large_binary",
+        DataType::Struct(children) => {
+            let children: arrow_schema::Fields = children.iter().map(|c| as_views(c, any)).collect();
+            return f.clone().with_data_type(DataType::Struct(children));
+        }
+        _ => return f.clone(),
+    };
+    *any = true;
+    let mut meta = f.metadata().clone();
+    meta.insert(VIEW_KEY.to_owned(), name.to_owned());
+    f.clone().with_data_type(DataType::FixedSizeBinary(16)).with_metadata(meta)
+}
+
 /// Units a batch may draw on before [`BatchAssembler::places`] looks them up in a map instead of
 /// scanning them.
 const SCANNED_UNITS: usize = 16;
@@ -315,11 +334,12 @@ impl BatchAssembler {
         })
     }
 
-    /// This assembler, delivering its top-level `binary`/`large_binary` columns as views into
-    /// arenas (see [`super::arena`]): each such column is a `fixed_size_binary(16)` column of
-    /// Arrow binary views, marked with [`VIEW_KEY`], and the row groups it decodes keep those
-    /// columns' values in arenas (cached apart from other streams' row groups). An error when
-    /// the projection has no such column or is not decoded as views (a nested column).
+    /// This assembler, delivering its `binary`/`large_binary` columns (at the top, or inside
+    /// structs: a Hugging Face image is `{bytes, path}`) as views into arenas (see
+    /// [`super::arena`]): each such column is a `fixed_size_binary(16)` column of Arrow binary
+    /// views, marked with [`VIEW_KEY`], and the row groups it decodes keep their binary values in
+    /// arenas (cached apart from other streams' row groups). An error when the projection has no
+    /// such column or is not decoded as views (a list or other nested column).
     pub fn with_binary_views(mut self) -> Result<Self> {
         if !self.per_file.iter().all(FileProjection::views) {
             return Err(Error::invalid(
@@ -328,25 +348,12 @@ impl BatchAssembler {
             ));
         }
         let mut any = false;
-        let fields: Vec<arrow_schema::FieldRef> = self
-            .delivered
-            .fields()
-            .iter()
-            .map(|f| {
-                let name = match f.data_type() {
-                    DataType::Binary => "binary",
-                    DataType::LargeBinary => "large_binary",
-                    _ => return f.clone(),
-                };
-                any = true;
-                let mut meta = f.metadata().clone();
-                meta.insert(VIEW_KEY.to_owned(), name.to_owned());
-                Arc::new(f.as_ref().clone().with_data_type(DataType::FixedSizeBinary(16)).with_metadata(meta))
-            })
-            .collect();
+        let fields: Vec<arrow_schema::FieldRef> =
+            self.delivered.fields().iter().map(|f| Arc::new(as_views(f, &mut any))).collect();
         if !any {
             return Err(Error::invalid(
-                "binary_views: none of the selected columns is binary (top-level binary or large_binary)",
+                "binary_views: none of the selected columns is binary (binary or large_binary, at the top or \
+                 inside a struct)",
             ));
         }
         self.delivered = Arc::new(Schema::new_with_metadata(fields, self.delivered.metadata().clone()));
@@ -355,11 +362,6 @@ impl BatchAssembler {
         self.projection_id ^= 0x9e37_79b9_7f4a_7c15;
         self.views = true;
         Ok(self)
-    }
-
-    /// The first column delivered as views (all of a row group's share its arena).
-    pub fn first_view_column(&self) -> Option<usize> {
-        self.delivered.fields().iter().position(|f| f.metadata().contains_key(VIEW_KEY))
     }
 
     /// Whether binary columns are delivered as views ([`Self::with_binary_views`]).

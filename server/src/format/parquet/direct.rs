@@ -75,10 +75,18 @@ fn holds(want: &DataType, got: &DataType) -> bool {
         (DataType::Binary | DataType::LargeBinary, DataType::BinaryView) => true,
         (DataType::Utf8 | DataType::LargeUtf8, DataType::Utf8View) => true,
         (DataType::Struct(w), DataType::Struct(g)) => {
-            w.len() == g.len()
-                && w.iter().zip(g.iter()).all(|(w, g)| w.name() == g.name() && holds(w.data_type(), g.data_type()))
+            w.len() == g.len() && w.iter().zip(g.iter()).all(|(w, g)| w.name() == g.name() && fits(w, g.data_type()))
         }
         _ => want == got,
+    }
+}
+
+/// Whether a source column of type `got` holds the delivered field `want`: a view field (see
+/// [`Kind::View`]) holds `BinaryView` sources, any other as [`holds`].
+fn fits(want: &arrow_schema::Field, got: &DataType) -> bool {
+    match field_kind(want) {
+        Some(Kind::View) => *got == DataType::BinaryView,
+        _ => holds(want.data_type(), got),
     }
 }
 
@@ -97,7 +105,7 @@ fn kind(dt: &DataType) -> Option<Kind> {
         DataType::LargeBinary | DataType::LargeUtf8 => Some(Kind::Bytes { wide: true }),
         DataType::FixedSizeBinary(w) => usize::try_from(*w).ok().map(Kind::Fixed),
         DataType::Struct(fields) if !fields.is_empty() => {
-            fields.iter().map(|f| kind(f.data_type())).collect::<Option<Vec<_>>>().map(Kind::Struct)
+            fields.iter().map(|f| field_kind(f)).collect::<Option<Vec<_>>>().map(Kind::Struct)
         }
         DataType::Dictionary(..) => None,
         other => other.primitive_width().map(Kind::Fixed),
@@ -165,11 +173,7 @@ impl<'a> Direct<'a> {
             return Ok(None);
         }
         for (c, f) in gathered.iter().enumerate() {
-            let fits = |got: &DataType| match kinds[c] {
-                Kind::View => *got == DataType::BinaryView,
-                _ => holds(f.data_type(), got),
-            };
-            if sources.iter().any(|b| !fits(b.column(c).data_type())) {
+            if sources.iter().any(|b| !fits(f, b.column(c).data_type())) {
                 return Ok(None);
             }
         }
