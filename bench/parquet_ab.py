@@ -11,6 +11,8 @@ Usage: ``python bench/parquet_ab.py KIND ROWS OLD_SITE [--rounds 3] [--data DIR]
 set: ``image`` = ``struct<bytes: binary, path: string>`` of 10-30 KiB + ``label``, row groups of
 250, snappy; consumer: one byte per page of each image). OLD_SITE is the other build, installed
 with ``pip install --no-deps --target OLD_SITE WHEEL``; "new" is the build of this interpreter.
+``--views``: "new" reads with ``binary_views=True`` (``image``: parquet_bench's ``ss_views``;
+``hfimage``: the struct's bytes as views); with OLD_SITE the same build, the two ways of one build.
 """
 
 from __future__ import annotations
@@ -34,12 +36,20 @@ import parquet_bench as pb  # noqa: E402
 HF_EPOCH = r"""
 import json, sys, time
 import numpy as np, shardstream
+views = sys.argv[4] == "1"
+VIEW = np.dtype([("len", "<i4"), ("pre", "S4"), ("buf", "<i4"), ("off", "<i4")])
 t0, c0, n = time.perf_counter(), time.process_time(), 0
 for rb in shardstream.Loader(sys.argv[1], batch_size=256, seed=int(sys.argv[3]), connect=sys.argv[2],
-                             transport="shm", format="arrow"):
+                             transport="shm", format="arrow", **({"binary_views": True} if views else {})):
     col = rb.column("image").field("bytes")
-    offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset : col.offset + len(col) + 1]
-    np.frombuffer(col.buffers()[2], np.uint8)[offs[0] : offs[-1] : 4096].sum()
+    if views:
+        v = np.frombuffer(col.buffers()[1], VIEW, count=len(col), offset=col.offset * 16)
+        data = [np.frombuffer(b, np.uint8) for b in col.buffers()[2:]]
+        for size, b, at in zip(v["len"].tolist(), v["buf"].tolist(), v["off"].tolist()):
+            data[b][at : at + size : 4096].sum()
+    else:
+        offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset : col.offset + len(col) + 1]
+        np.frombuffer(col.buffers()[2], np.uint8)[offs[0] : offs[-1] : 4096].sum()
     n += rb.num_rows
 seconds = time.perf_counter() - t0
 print(json.dumps({"rows": n, "rows_per_s": n / seconds, "cpu_s": time.process_time() - c0}))
@@ -68,12 +78,12 @@ def make_hfimage(d: Path, rows: int) -> Path:
     return d
 
 
-def epoch(kind: str, d: Path, rows: int, daemon: bench_daemon.Daemon, site: str | None, seed: int) -> dict:
+def epoch(kind: str, d: Path, rows: int, daemon: bench_daemon.Daemon, site: str | None, seed: int, views: bool) -> dict:
     if kind != "hfimage":
-        return pb.child("ss_arrow", kind, d, daemon.addr, rows, daemon.pid, site, seed=seed)
+        return pb.child("ss_views" if views else "ss_arrow", kind, d, daemon.addr, rows, daemon.pid, site, seed=seed)
     before = measure.cpu_seconds(daemon.pid) or 0.0
     p = subprocess.run(
-        [sys.executable, "-c", HF_EPOCH, str(d), daemon.addr, str(seed)],
+        [sys.executable, "-c", HF_EPOCH, str(d), daemon.addr, str(seed), "1" if views else "0"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -94,6 +104,7 @@ def main() -> None:
     ap.add_argument("old_site")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--data", type=Path, default=pb.ROOT / "bench/data/parquet")
+    ap.add_argument("--views", action="store_true", help='"new" reads with binary_views=True')
     args = ap.parse_args()
     make = {"image": pb.make_image, "tab": pb.make_tab, "hfimage": make_hfimage}[args.kind]
     d = make(args.data / f"{args.kind}-{args.rows}", args.rows)
@@ -104,7 +115,7 @@ def main() -> None:
             daemon = bench_daemon.Daemon.start(Path(tempfile.mkdtemp(prefix="pq-ab-")), site=site)
             try:
                 for i in range(3):
-                    r = epoch(args.kind, d, args.rows, daemon, site, seed=i)
+                    r = epoch(args.kind, d, args.rows, daemon, site, seed=i, views=args.views and build == "new")
                     if "error" in r or r.get("check") != "ok":
                         raise SystemExit(f"{build} epoch {i}: {r}")
                     got[build]["cold" if i == 0 else "warm"].append(r)
