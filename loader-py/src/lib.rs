@@ -336,6 +336,7 @@ impl Stream {
                 _ => "samples",
             };
             d.set_item("batch_format", format)?;
+            d.set_item("binary_views", h.arrow_binary_views)?;
             Ok(d)
         })
     }

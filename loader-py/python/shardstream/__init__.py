@@ -438,6 +438,12 @@ class Loader:
         self._iter_started = started
         stream = self._stream = self._open_stream()
         self._header = stream.header
+        if self.binary_views and not self._header.get("binary_views"):
+            stream.close()
+            raise ShardstreamError(
+                f"the daemon at {self.address} does not serve binary_views (it predates them): upgrade it, "
+                "or use binary_views=False"
+            )
         self._arrow_reader = None  # per stream: it keeps the stream's schema message
         # The position is counted in the rank's batches: a worker's stream delivers every
         # num_workers-th of them and torch re-interleaves the workers in that order.

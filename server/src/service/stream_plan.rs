@@ -215,6 +215,7 @@ pub(super) fn plan_stream(
         batch_format: ds.format.batch_format() as i32,
         rdma_address: rdma.as_ref().map(|r| r.address.clone()).unwrap_or_default(),
         rdma_provider: rdma.as_ref().map(|r| r.provider.clone()).unwrap_or_default(),
+        arrow_binary_views: arrow.as_ref().is_some_and(|a| a.binary_views()),
     };
     Ok(StreamPlan {
         dataset: ds,
