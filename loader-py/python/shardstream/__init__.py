@@ -211,12 +211,13 @@ class Loader:
     ``shardstream._arrow.stack``).
 
     ``binary_views=True`` (Parquet over shared memory): ``binary``/``large_binary`` columns (also
-    inside structs, as a Hugging Face image's ``bytes``) arrive as ``pyarrow.binary_view`` arrays whose values stay in the daemon's decoded row
-    groups (sealed shared memory this process maps read-only): a batch then carries 16 bytes a
-    row for them instead of a copy of every value, which is most of a warm epoch of large values
-    such as images. The dict form gives the same memoryviews. The type differs from the
-    dataset's (``binary_view``, pyarrow 14 or later); the values do not. Not with ``copy=True``
-    (pickling a view column writes every row group it points into) or ``collate="stack"``.
+    inside structs, as a Hugging Face image's ``bytes``) arrive as ``pyarrow.binary_view`` arrays
+    whose values stay in the daemon's decoded row groups (sealed shared memory this process maps
+    read-only): a batch then carries 16 bytes a row for them instead of a copy of every value,
+    which is most of a warm epoch of large values such as images. The dict form gives the same
+    memoryviews. The type differs from the dataset's (``binary_view``, pyarrow 14 or later); the
+    values do not. Not with ``copy=True`` (pickling a view column writes every row group it points
+    into) or ``collate="stack"``.
     """
 
     def __init__(
