@@ -876,6 +876,22 @@ def test_binary_views_point_into_the_decoded_row_groups_and_read_the_values_writ
         assert rb.column("blob").to_pylist() == [want[r] for r in rb.column("id").to_pylist()]
 
 
+def test_binary_views_of_large_binary_across_codecs_and_row_group_sizes(daemon, varied) -> None:
+    root, rows = varied  # `img` is large_binary; 4 files, one codec and row-group size each
+    loader = shardstream.Loader(
+        str(root), batch_size=64, seed=8, connect=daemon.addr, format="arrow", binary_views=True, fields=FLAT
+    )
+    seen: list[int] = []
+    for rb in loader:
+        assert rb.schema.field("img").type == pa.binary_view()
+        assert rb.schema.field("caption").type == pa.string(), "strings are not views"
+        ids = rb.column("__row__").to_pylist()
+        assert rb.column("img").to_pylist() == [rows[r]["img"] for r in ids]
+        assert rb.column("caption").to_pylist() == [rows[r]["caption"] for r in ids]
+        seen.extend(ids)
+    assert sorted(seen) == list(range(TOTAL))
+
+
 def test_binary_views_in_the_dict_form_are_memoryviews(daemon, blobs) -> None:
     root, want = blobs
     loader = shardstream.Loader(

@@ -515,7 +515,11 @@ impl BatchAssembler {
             });
             match (decoded, io_error) {
                 (Ok((batch, _)), _) if self.views => {
-                    Ok(super::arena::into_arena(batch, &file.name).map_err(|e| e.into_error(&file.name))?.0)
+                    // Not the file's fault: the segment is the daemon's (memory, descriptors).
+                    let (batch, _) = super::arena::into_arena(batch, &file.name).map_err(|e| {
+                        Error::Unavailable(format!("Parquet file {}: a row group for binary_views: {e}", file.name))
+                    })?;
+                    Ok(batch)
                 }
                 (Ok((batch, _)), _) => Ok(batch),
                 // The storage's own error (a truncated shard, a failing disk) says more.
