@@ -153,7 +153,7 @@ pub(super) fn plan_stream(
         // Views point into memory the client maps: no other transport can carry them.
         return Err(Error::invalid(format!(
             "binary_views needs the shared-memory transport (same host); this stream's transport is {}",
-            transport.as_str_name()
+            format!("{transport:?}").to_lowercase()
         )));
     }
     let rdma = if transport == Transport::Rdma {
