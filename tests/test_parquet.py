@@ -900,11 +900,17 @@ def test_binary_views_in_the_dict_form_are_memoryviews(daemon, blobs) -> None:
     seen: list[int] = []
     for batch in loader:
         ids = [int(r) for r in batch["id"]]
-        for r, v in zip(ids, batch["blob"], strict=True):
+        for r, v, p in zip(ids, batch["blob"], batch["pic"], strict=True):
             if want[r] is None:
                 assert v is None
             else:
                 assert isinstance(v, memoryview) and v.readonly and bytes(v) == want[r], r
+            # The struct: a dict a row, its bytes a memoryview too; None for a null row.
+            if pic(r, want) is None:
+                assert p is None, r
+            else:
+                assert p["path"] == f"img/{r}.jpg"
+                assert (p["bytes"] is None) if want[r] is None else bytes(p["bytes"]) == want[r], r
         seen.extend(ids)
     assert sorted(seen) == list(range(300))
 

@@ -21,6 +21,10 @@ memoryview made from it are gone.
 - ``list``/``large_list`` of a fixed-width type: a list of 1-D array views (None for a null list).
 - binary columns (``binary``, ``large_binary``, ``fixed_size_binary``): a list of read-only
   memoryviews into the batch (``bytes`` with ``copy=True``), None for nulls.
+- ``binary_view`` columns (``binary_views=True``): read-only memoryviews into the mapped decoded
+  row groups, the same way; a struct with such a child: a dict a row (None for a null row), each
+  child's value as its own column would give it (a Hugging Face image: ``{"bytes": memoryview,
+  "path": str}``).
 - strings: a list of ``str`` (None for nulls). Dictionary columns are decoded first. Anything
   else (structs, maps, nested lists of non-fixed-width types): ``to_pylist()``.
 - ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the batch has one, else each
@@ -351,6 +355,14 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
         return _binary(arr, copy)
     if pa.types.is_binary_view(t):
         return _binary_views(arr, copy)
+    if pa.types.is_struct(t) and any(pa.types.is_binary_view(t.field(i).type) for i in range(t.num_fields)):
+        # A struct with view children (``binary_views``, e.g. a Hugging Face image): a dict a row,
+        # its values as their columns give them (memoryviews for the views), None for a null row.
+        # `field(i)` gives each child sliced to this array's rows.
+        names = [t.field(i).name for i in range(t.num_fields)]
+        children = [column_value(arr.field(i), copy) for i in range(t.num_fields)]
+        valid = (~_null_mask(arr)).tolist() if arr.null_count else [True] * len(arr)
+        return [{n: c[j] for n, c in zip(names, children, strict=True)} if ok else None for j, ok in enumerate(valid)]
     if pa.types.is_fixed_size_list(t) and _fixed_width(t.value_type):
         size = t.list_size
         child = arr.values.slice(arr.offset * size, len(arr) * size)
