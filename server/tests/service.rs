@@ -497,14 +497,16 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
     std::fs::create_dir(&data).unwrap();
-    // Shard s holds records of 3000 << s bytes; unshuffled, batch s is shard s. Several batches
-    // are gathered at once (`PACKED_PIPELINE`, three), so a smaller batch may land in a ring made
-    // for a larger one; but the first ring is made for the first batch to take a slot, and batch
-    // 2 needs more than twice batch 0: at least one new ring, with slots at least twice as large.
-    for s in 0..3usize {
+    // Unshuffled, batch s is shard s: batches 0-2 of records of 3000 bytes, batch 3 of 12000.
+    // Three batches are gathered at once (`PACKED_PIPELINE`) and make rings in the order their
+    // gathers finish, so batch 3, whose gather starts only once one of the first three is done,
+    // always finds a ring made for a small batch and outgrows it. (A small batch may still land
+    // in the new ring, if it takes its slot after batch 3.)
+    let shift = |s: usize| if s == 3 { 2 } else { 0 };
+    for s in 0..4usize {
         let mut b = tar::Builder::new(std::fs::File::create(data.join(format!("part-{s}.tar"))).unwrap());
         for i in 0..4usize {
-            let rec = vec![(s * 16 + i) as u8; 3000 << s];
+            let rec = vec![(s * 16 + i) as u8; 3000 << shift(s)];
             let mut h = tar::Header::new_gnu();
             h.set_size(rec.len() as u64);
             h.set_mode(0o644);
@@ -531,7 +533,7 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
         let ring = session.ring(b.ring).unwrap();
         let view = shardstream_proto::ring::read_slot(ring.slot(b.slot).unwrap(), b.slot, b.batch_index, 1).unwrap();
         let shard = b.batch_index as usize;
-        assert_eq!(view.fields[0].record_bytes, 3000 << shard);
+        assert_eq!(view.fields[0].record_bytes, 3000 << shift(shard));
         let c = view.fields[0].column().unwrap();
         let column = &ring.slot(b.slot).unwrap()[c.start as usize..c.end as usize];
         for (i, rec) in column.chunks(view.fields[0].record_bytes as usize).enumerate() {
@@ -540,12 +542,12 @@ async fn a_batch_that_outgrows_the_ring_gets_a_new_one_and_the_old_is_retired() 
         rings.push((b.ring, ring.header.slot_bytes));
         session.release(b.batch_index);
     }
-    assert_eq!(rings.len(), 3);
+    assert_eq!(rings.len(), 4);
     let ids: std::collections::HashSet<u64> = rings.iter().map(|r| r.0).collect();
     let (smallest, largest) = (rings.iter().map(|r| r.1).min().unwrap(), rings.iter().map(|r| r.1).max().unwrap());
-    assert!(ids.len() >= 2 && largest >= 2 * smallest && rings[2].1 == largest, "{rings:?}");
+    assert!(ids.len() >= 2 && largest >= 2 * smallest && rings[3].1 == largest, "{rings:?}");
     // Older rings are retired once their slots are released: only the last stays alive.
-    let second = 4096 + u64::from(shardstream::transport::ring::RING_SLOTS) * rings[2].1;
+    let second = 4096 + u64::from(shardstream::transport::ring::RING_SLOTS) * rings[3].1;
     assert!(
         eventually(|| {
             let mut c = client.clone();
