@@ -99,30 +99,21 @@ pub fn arena_of(array: &BinaryViewArray) -> Option<Arc<Arena>> {
     registry().lock().unwrap_or_else(|p| p.into_inner()).get(&addr).and_then(Weak::upgrade)
 }
 
-/// Whether a decoded column is one [`into_arena`] moves: a binary column decoded as views, at
-/// the top or inside structs (a Hugging Face image is `{bytes, path}`); strings stay as decoded.
-pub fn has_view_column(dt: &DataType) -> bool {
-    match dt {
-        DataType::BinaryView => true,
-        DataType::Struct(fields) => fields.iter().any(|f| has_view_column(f.data_type())),
-        _ => false,
-    }
-}
-
 /// The first array of `batch` that [`into_arena`] moved (at the top or inside a struct): every
 /// one of a row group is over the same arena.
 pub fn first_view_array(batch: &RecordBatch) -> Option<&BinaryViewArray> {
-    fn find(a: &dyn Array) -> Option<&BinaryViewArray> {
-        match a.data_type() {
-            DataType::BinaryView => a.as_binary_view_opt(),
-            DataType::Struct(_) => a.as_struct_opt()?.columns().iter().find_map(|c| find(c.as_ref())),
-            _ => None,
+    let mut found = Vec::new();
+    for c in batch.columns() {
+        view_arrays(c, &mut found);
+        if let Some(&first) = found.first() {
+            return Some(first);
         }
     }
-    batch.columns().iter().find_map(|c| find(c.as_ref()))
+    None
 }
 
-/// Every `BinaryView` array in `a` (itself, or a struct's children, depth first).
+/// Every `BinaryView` array in `a` (itself, or a struct's children, depth first): the binary
+/// columns [`into_arena`] moves; strings stay as decoded.
 fn view_arrays<'a>(a: &'a ArrayRef, out: &mut Vec<&'a BinaryViewArray>) {
     match a.data_type() {
         DataType::BinaryView => out.extend(a.as_binary_view_opt()),
