@@ -83,6 +83,15 @@ impl AtomicFile {
         self.committed = result.is_ok();
         result
     }
+
+    /// Renames over the target without any fsync: visible whole to this boot's readers, but after
+    /// a power loss the file may hold anything. Only for data its owner can tell apart and throw
+    /// away after a crash (the node cache's derived entries, see `cache`).
+    pub fn commit_unsynced(mut self) -> std::io::Result<()> {
+        let result = std::fs::rename(&self.temp, &self.target);
+        self.committed = result.is_ok();
+        result
+    }
 }
 
 impl Drop for AtomicFile {

@@ -17,6 +17,14 @@
 //!   to what the disk really holds and the fill is retried once after evicting; only if that
 //!   fails too does the stream get an error naming the cache directory.
 //!
+//! - **Derived entries** (keys starting [`DERIVED_PREFIX`]: row groups this daemon decoded, see
+//!   `format::parquet::kept`) are made from other bytes and can be made again, so they are
+//!   published without an fsync, which would hold the decoder up for the disk's write speed.
+//!   Their durability comes from a clean shutdown instead: [`NodeCache::close`] syncs the file
+//!   system and leaves [`CLEAN_MARKER`]; start-up consumes the marker and, without it (a crash or
+//!   power loss), deletes every derived entry. They fill only space nothing a stream will need
+//!   holds, and never wait for it.
+//!
 //! Layout: `<cache-dir>/shards/<key>` where the key is a hash of the shard's source and identity
 //! plus its name (`0123456789abcdef-train-000001.tar`), so a changed object never reuses an old
 //! copy. Lock order: the table mutex is the only lock here, never held across I/O.
@@ -37,6 +45,13 @@ use crate::{Error, Result};
 
 /// Subdirectory of the cache directory holding shard copies.
 pub const SHARDS_DIR: &str = "shards";
+
+/// Key prefix of derived entries (see the module docs).
+pub const DERIVED_PREFIX: &str = "derived-";
+
+/// Left in the cache directory by a clean shutdown, after a `syncfs`: the derived entries beside
+/// it are whole.
+pub const CLEAN_MARKER: &str = "derived.clean";
 
 /// Share of the cache file system's space (free at start-up plus what the cache already holds)
 /// used when no `--cache-size` is given: the rest is headroom for sidecars, logs and other users.
@@ -100,6 +115,11 @@ pub struct NodeCache {
     changed: Condvar,
     eviction: RwLock<Arc<dyn Eviction + Send + Sync>>,
     counters: Counters,
+    /// Set by [`NodeCache::close`]; derived entries are published under its read lock, so none
+    /// is renamed into place after the closing `syncfs`.
+    closed: RwLock<bool>,
+    /// Whether derived entries are made at all (`serve --no-keep-decoded` turns them off).
+    keep_derived: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for NodeCache {
@@ -155,8 +175,19 @@ impl NodeCache {
     pub fn open(cache_dir: &Path, capacity: Option<u64>, policy: Policy) -> Result<Arc<Self>> {
         let dir = cache_dir.join(SHARDS_DIR);
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create cache directory", &dir, e))?;
+        // Consumed now, and durably: should this daemon crash, the derived entries it writes
+        // unsynced must not be trusted by the next one.
+        let marker = cache_dir.join(CLEAN_MARKER);
+        let clean = match std::fs::remove_file(&marker) {
+            Ok(()) => {
+                crate::atomic_write::sync_dir(cache_dir).map_err(|e| Error::io("cannot sync", cache_dir, e))?;
+                true
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => return Err(Error::io("cannot remove", &marker, e)),
+        };
         let mut adopted = Vec::new();
-        let mut removed = 0usize;
+        let (mut removed, mut unclean) = (0usize, 0usize);
         for entry in std::fs::read_dir(&dir).map_err(|e| Error::io("cannot list cache directory", &dir, e))? {
             let entry = entry.map_err(|e| Error::io("cannot list cache directory", &dir, e))?;
             let path = entry.path();
@@ -164,6 +195,11 @@ impl NodeCache {
             if crate::storage::local::is_temp_name(&name) {
                 std::fs::remove_file(&path).map_err(|e| Error::io("cannot remove partial download", &path, e))?;
                 removed += 1;
+                continue;
+            }
+            if !clean && name.starts_with(DERIVED_PREFIX) {
+                std::fs::remove_file(&path).map_err(|e| Error::io("cannot remove unsynced derived entry", &path, e))?;
+                unclean += 1;
                 continue;
             }
             let meta = entry.metadata().map_err(|e| Error::io("cannot stat", &path, e))?;
@@ -191,7 +227,7 @@ impl NodeCache {
         }
         tracing::info!(
             dir = %dir.display(), capacity, adopted = adopted.len() - over.len(), removed_partial = removed,
-            evicted = over.len(), ?policy, "node cache opened"
+            removed_unclean_derived = unclean, evicted = over.len(), ?policy, "node cache opened"
         );
         let cache = Arc::new(Self {
             dir,
@@ -199,6 +235,8 @@ impl NodeCache {
             changed: Condvar::new(),
             eviction: RwLock::new(Arc::new(())),
             counters: Counters::default(),
+            closed: RwLock::new(false),
+            keep_derived: std::sync::atomic::AtomicBool::new(true),
         });
         cache.publish_gauges();
         Ok(cache)
@@ -272,6 +310,82 @@ impl NodeCache {
         want: Want,
         fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
     ) -> Result<Option<Pin>> {
+        self.get_or_fill(key, bytes, want, true, fill)
+    }
+
+    /// The derived entry `key` pinned when it is ready. Never fills.
+    pub fn derived(self: &Arc<Self>, key: &str) -> Option<Pin> {
+        debug_assert!(key.starts_with(DERIVED_PREFIX));
+        if !self.lock().pin_ready(key) {
+            return None;
+        }
+        self.counters.hits.fetch_add(1, Relaxed);
+        crate::metrics::cache_hit();
+        Some(Pin { cache: self.clone(), key: key.to_owned(), path: self.path_of(key), filled: false })
+    }
+
+    /// Turns the making of derived entries on or off (on by default); existing ones stay.
+    pub fn set_keep_derived(&self, keep: bool) {
+        self.keep_derived.store(keep, Relaxed);
+    }
+
+    /// Whether derived entries are made ([`Self::set_keep_derived`]).
+    pub fn keeps_derived(&self) -> bool {
+        self.keep_derived.load(Relaxed)
+    }
+
+    /// Deletes the derived entry `key` (it proved damaged).
+    pub fn remove_derived(&self, key: &str) {
+        debug_assert!(key.starts_with(DERIVED_PREFIX));
+        if self.lock().remove_ready(key) {
+            let p = self.path_of(key);
+            if let Err(e) = std::fs::remove_file(&p) {
+                tracing::warn!(path = %p.display(), error = %e, "cannot delete a damaged derived entry");
+            }
+            self.publish_gauges();
+        }
+    }
+
+    /// Fills the derived entry `key` (at most `bytes`; accounted at what `fill` wrote) and pins
+    /// it, published without an fsync (see the module docs). Only into space that nothing a
+    /// stream will need holds, and without waiting: `Ok(None)` when it does not fit or is being
+    /// filled already.
+    pub fn fill_derived(
+        self: &Arc<Self>,
+        key: &str,
+        bytes: u64,
+        fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
+    ) -> Result<Option<Pin>> {
+        debug_assert!(key.starts_with(DERIVED_PREFIX));
+        // Evicts only what is never needed again (`next_use` None): `f64::MAX` is later than
+        // every known use.
+        self.get_or_fill(key, bytes, Want { urgency: f64::MAX, wait: false }, false, fill)
+    }
+
+    /// Makes this run's derived entries durable and says so to the next start-up (see the module
+    /// docs). At a clean shutdown, after the last fill; blocking (a `syncfs` of the cache's file
+    /// system).
+    pub fn close(&self) -> Result<()> {
+        let Some(root) = self.dir.parent() else { return Ok(()) };
+        let mut closed = self.closed.write().unwrap_or_else(|p| p.into_inner());
+        *closed = true;
+        let dir = File::open(&self.dir).map_err(|e| Error::io("cannot open", &self.dir, e))?;
+        rustix::fs::syncfs(&dir).map_err(|e| Error::io("cannot sync the file system of", &self.dir, e.into()))?;
+        let marker = root.join(CLEAN_MARKER);
+        let written = crate::atomic_write::write(&marker, b"derived entries synced at a clean shutdown\n")
+            .map_err(|e| Error::io("cannot write", &marker, e));
+        drop(closed);
+        written
+    }
+
+    fn get_or_fill(
+        self: &Arc<Self>,
+        key: &str,
+        bytes: u64,
+        want: Want,
+        durable: bool,
+        fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
+    ) -> Result<Option<Pin>> {
         let mut disk_full_retries = 0;
         let started = Instant::now();
         loop {
@@ -333,9 +447,17 @@ impl NodeCache {
             self.counters.misses.fetch_add(1, Relaxed);
             crate::metrics::cache_miss();
             self.publish_gauges();
-            match self.fill_one(key, fill) {
+            match self.fill_one(key, durable, fill) {
                 Ok(()) => {
-                    self.lock().finish(key, true);
+                    let mut t = self.lock();
+                    t.finish(key, true);
+                    if !durable {
+                        // A derived entry's size is bounded beforehand, known only now.
+                        if let Ok(m) = std::fs::metadata(self.path_of(key)) {
+                            t.settle(key, m.len());
+                        }
+                    }
+                    drop(t);
                     self.changed.notify_all();
                     self.counters.filled_bytes.fetch_add(bytes, Relaxed);
                     return Ok(Some(Pin {
@@ -407,8 +529,8 @@ impl NodeCache {
         }
     }
 
-    /// Writes one fill to a temporary file, syncs it and renames it into place.
-    fn fill_one(&self, key: &str, fill: &mut dyn FnMut(&Path, &File) -> Result<()>) -> Result<()> {
+    /// Writes one fill to a temporary file, syncs it (when `durable`) and renames it into place.
+    fn fill_one(&self, key: &str, durable: bool, fill: &mut dyn FnMut(&Path, &File) -> Result<()>) -> Result<()> {
         let dest = self.path_of(key);
         // Dropped on any error below, which removes the temporary file.
         let tmp = AtomicFile::create(&dest).map_err(|e| Error::io("cannot create cache file", &dest, e))?;
@@ -416,6 +538,13 @@ impl NodeCache {
         fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", tmp.temp_path(), a)));
         fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", tmp.temp_path(), a)));
         fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
+        if !durable {
+            let closed = self.closed.read().unwrap_or_else(|p| p.into_inner());
+            if *closed {
+                return Err(Error::Unavailable("the node cache is closing".into()));
+            }
+            return tmp.commit_unsynced().map_err(|e| Error::io("cannot publish cache file", &dest, e));
+        }
         tmp.commit().map_err(|e| Error::io("cannot publish cache file", &dest, e))
     }
 }
@@ -515,6 +644,63 @@ mod tests {
         let _a = cache.get("a", 5, Want::NOW, &mut write(b"aaaaa")).unwrap().unwrap();
         let later = Want { urgency: 1.0, wait: false };
         assert!(cache.get("b", 5, later, &mut write(b"bbbbb")).unwrap().is_none());
+    }
+
+    #[test]
+    fn derived_entries_survive_a_clean_shutdown_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        assert!(cache.derived("derived-a").is_none(), "a miss never fills");
+        let pin = cache.fill_derived("derived-a", 50, &mut write(b"decoded")).unwrap().unwrap();
+        assert!(pin.filled);
+        assert_eq!(cache.stats().used, 7, "accounted at what was written, not the bound");
+        drop(pin);
+        assert!(cache.derived("derived-a").is_some());
+        drop(cache.get("shard", 5, Want::NOW, &mut write(b"shard")).unwrap().unwrap());
+        // A crash (no close): the unsynced derived entry goes at the next start, the shard stays.
+        drop(cache);
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        assert!(!dir.path().join("shards/derived-a").try_exists().unwrap());
+        assert!(cache.derived("derived-a").is_none() && cache.is_ready("shard"));
+        // A clean shutdown: kept, and the marker is consumed by the start that trusts it.
+        drop(cache.fill_derived("derived-b", 50, &mut write(b"decoded")).unwrap().unwrap());
+        cache.close().unwrap();
+        assert!(dir.path().join(CLEAN_MARKER).try_exists().unwrap());
+        let err = cache.fill_derived("derived-c", 50, &mut write(b"late")).unwrap_err().to_string();
+        assert!(err.contains("closing"), "{err}");
+        drop(cache);
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        assert!(!dir.path().join(CLEAN_MARKER).try_exists().unwrap());
+        assert!(cache.derived("derived-b").is_some() && cache.is_ready("shard"));
+        cache.remove_derived("derived-b");
+        assert!(cache.derived("derived-b").is_none() && !dir.path().join("shards/derived-b").try_exists().unwrap());
+        drop(cache.fill_derived("derived-b", 50, &mut write(b"decoded")).unwrap().unwrap());
+        assert!(!dir.path().join("shards/derived-c").try_exists().unwrap());
+        // ... and the start after that, without a close in between, does not.
+        drop(cache);
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        assert!(cache.derived("derived-b").is_none());
+    }
+
+    #[test]
+    fn a_derived_entry_takes_only_space_nothing_needed_holds() {
+        struct Needed;
+        impl Eviction for Needed {
+            fn next_use(&self, key: &str) -> Option<f64> {
+                (key == "needed").then_some(1e9)
+            }
+            fn leased(&self, _: &str) -> bool {
+                false
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(10), Policy::Belady).unwrap();
+        cache.set_eviction(Arc::new(Needed));
+        drop(cache.get("needed", 5, Want::NOW, &mut write(b"nnnnn")).unwrap().unwrap());
+        drop(cache.get("done", 5, Want::NOW, &mut write(b"ddddd")).unwrap().unwrap());
+        assert!(cache.fill_derived("derived-x", 6, &mut write(b"xxxxxx")).unwrap().is_none());
+        drop(cache.fill_derived("derived-y", 5, &mut write(b"yyyyy")).unwrap().unwrap());
+        assert!(cache.is_ready("needed") && !cache.is_ready("done"), "only the shard never needed again went");
     }
 
     #[test]

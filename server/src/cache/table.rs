@@ -219,6 +219,41 @@ impl CacheTable {
         }
     }
 
+    /// Pins `key` when it is ready (a hit), without ever starting a fill.
+    pub fn pin_ready(&mut self, key: &str) -> bool {
+        self.clock += 1;
+        match self.entries.get_mut(key) {
+            Some(e) if e.state == State::Ready => {
+                e.pins += 1;
+                e.last_used = self.clock;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Accounts a just-filled entry at the `bytes` it really holds, when its filler could only
+    /// bound its size beforehand.
+    pub fn settle(&mut self, key: &str, bytes: u64) {
+        if let Some(e) = self.entries.get_mut(key) {
+            self.used = self.used - e.bytes + bytes;
+            e.bytes = bytes;
+        }
+    }
+
+    /// Forgets a ready entry whatever its pins (its file is to be deleted: readers that opened it
+    /// keep their bytes); true when there was one.
+    pub fn remove_ready(&mut self, key: &str) -> bool {
+        match self.entries.get(key) {
+            Some(e) if e.state == State::Ready => {
+                self.used -= e.bytes;
+                self.entries.remove(key);
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub fn unpin(&mut self, key: &str) {
         if let Some(e) = self.entries.get_mut(key) {
             e.pins = e.pins.saturating_sub(1);
