@@ -5,8 +5,8 @@
 //! reads the same window. Decoding it once and keeping the result here is what makes each row
 //! group decoded about once per epoch and node instead of once per batch.
 //!
-//! The cache keeps at most `budget` bytes of decoded Arrow data (as `RecordBatch` reports its
-//! buffers), evicting the least recently used row group first; a row group larger than the whole
+//! The cache keeps at most `budget` bytes of decoded Arrow data (the allocations its buffers are
+//! in, each counted once: see [`held_bytes`]), evicting the least recently used row group first; a row group larger than the whole
 //! budget is decoded and handed out but not kept. Batches being gathered hold their row groups
 //! through `Arc`s beyond the bound (at most a stream's window each). Concurrent requests for the
 //! same row group decode it once: the others wait for the first (decoding runs on blocking
@@ -179,7 +179,7 @@ impl State {
     }
 
     fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>) {
-        let bytes = batch.get_array_memory_size() as u64;
+        let bytes = held_bytes(&batch);
         if bytes > self.stats.budget || self.map.contains_key(&key) {
             return;
         }
@@ -199,6 +199,29 @@ impl State {
     }
 }
 
+/// The bytes `batch` holds: each allocation its buffers are in, counted once however many
+/// buffers slice it. A row group with binary views has all its view columns in one arena, and a
+/// row group loaded from a kept file (`super::kept`) has every column in the file's mapping;
+/// `RecordBatch::get_array_memory_size` counts such an allocation once per buffer.
+pub fn held_bytes(batch: &RecordBatch) -> u64 {
+    fn walk(d: &arrow_data::ArrayData, seen: &mut HashSet<usize>, total: &mut u64) {
+        let nulls = d.nulls().map(|n| n.buffer());
+        for b in d.buffers().iter().chain(nulls) {
+            if seen.insert(b.data_ptr().as_ptr() as usize) {
+                *total += b.capacity() as u64;
+            }
+        }
+        for c in d.child_data() {
+            walk(c, seen, total);
+        }
+    }
+    let (mut seen, mut total) = (HashSet::new(), 0u64);
+    for c in batch.columns() {
+        walk(&c.to_data(), &mut seen, &mut total);
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -211,9 +234,27 @@ mod tests {
     }
 
     #[test]
+    fn an_allocation_two_columns_slice_is_held_once() {
+        use arrow_array::{ArrayRef, Int64Array};
+        let values = Int64Array::from_iter_values(0..1000);
+        let schema = Arc::new(arrow_schema::Schema::new(vec![
+            arrow_schema::Field::new("a", arrow_schema::DataType::Int64, false),
+            arrow_schema::Field::new("b", arrow_schema::DataType::Int64, false),
+        ]));
+        let (a, b): (ArrayRef, ArrayRef) = (Arc::new(values.slice(0, 500)), Arc::new(values.slice(500, 500)));
+        let shared = RecordBatch::try_new(schema.clone(), vec![a, b]).unwrap();
+        let own: (ArrayRef, ArrayRef) =
+            (Arc::new(Int64Array::from_iter_values(0..500)), Arc::new(Int64Array::from_iter_values(0..500)));
+        let apart = RecordBatch::try_new(schema, vec![own.0, own.1]).unwrap();
+        assert_eq!(held_bytes(&shared), 8000, "the one 8,000-byte buffer, once");
+        assert_eq!(held_bytes(&apart), 8000, "two of 4,000");
+        assert!(shared.get_array_memory_size() >= 16000, "what it counted before: the buffer twice");
+    }
+
+    #[test]
     fn bounded_by_bytes_least_recently_used_first() {
         let one = testdata::mixed_batch(0..100);
-        let size = one.get_array_memory_size() as u64;
+        let size = held_bytes(&one);
         let cache = DecodedCache::new(3 * size + size / 2);
         let decodes = AtomicU32::new(0);
         let get = |rg| {
