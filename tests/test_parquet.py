@@ -495,7 +495,7 @@ def test_files_written_by_hugging_face_datasets_with_an_image_column(daemon, tmp
     for rb in loader:
         image = rb.schema.field("image").type
         assert image.field("bytes").type == pa.binary_view() and image.field("path").type == pa.string()
-        segments = mapped_memfds("shardstream-decoded")
+        segments = mapped_arenas(daemon.cache_dir)
         for buf in rb.column("image").field("bytes").buffers()[2:]:
             assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in segments)
         for r, img in zip(rb.column("__row__").to_pylist(), rb.column("image").to_pylist(), strict=True):
@@ -841,6 +841,18 @@ def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, byt
     return root, want
 
 
+def mapped_arenas(cache_dir: Path) -> list[tuple[int, int]]:
+    """Address ranges of the decoded row groups this process maps: the daemon's memfds, or the
+    files it keeps its decoded row groups in (node-cache entries named `derived-...`)."""
+    kept = str(cache_dir / "shards" / "derived-")
+    out = mapped_memfds("shardstream-decoded")
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if kept in line:
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
 def pic(r: int, want: dict[int, bytes | None]) -> dict | None:
     return None if r % 11 == 0 else {"bytes": want[r], "path": f"img/{r}.jpg"}
 
@@ -860,7 +872,7 @@ def test_binary_views_point_into_the_decoded_row_groups_and_read_the_values_writ
         assert rb.column("__row__").to_pylist() == ids
         assert rb.column("blob").to_pylist() == [want[r] for r in ids]
         assert rb.column("pic").to_pylist() == [pic(r, want) for r in ids]
-        segments = mapped_memfds("shardstream-decoded")
+        segments = mapped_arenas(daemon.cache_dir)
         data = rb.column("blob").buffers()[2:]
         assert data, "a view column without data buffers"
         for buf in data:
@@ -929,6 +941,88 @@ def test_binary_views_outlive_a_killed_daemon(tmp_path: Path, blobs) -> None:
     finally:
         if d.alive():
             d.stop()
+
+
+def views_epoch(addr: str, root: Path, want: dict[int, bytes | None], seed: int, kept: Path) -> list[int]:
+    """One `binary_views` epoch, every value checked, every view's data in a kept file under
+    `kept`; the row ids in delivered order."""
+    loader = shardstream.Loader(
+        str(root), batch_size=32, seed=seed, connect=addr, transport="shm", format="arrow", binary_views=True
+    )
+    order: list[int] = []
+    for rb in loader:
+        ids = rb.column("id").to_pylist()
+        assert rb.column("blob").to_pylist() == [want[r] for r in ids]
+        assert rb.column("pic").to_pylist() == [pic(r, want) for r in ids]
+        files = []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            if str(kept / "derived-") in line:
+                lo, hi = line.split()[0].split("-")
+                files.append((int(lo, 16), int(hi, 16)))
+        for buf in rb.column("blob").buffers()[2:]:
+            assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in files), (
+                f"view data at {buf.address:#x} is not in a kept row group's file"
+            )
+        order.extend(ids)
+    return order
+
+
+def test_binary_views_row_groups_are_kept_on_disk_for_the_next_daemon(tmp_path: Path, blobs) -> None:
+    """A daemon with a node cache keeps the row groups it decodes for views there; the next
+    daemon serves them without decoding, after a clean shutdown only; a damaged one is decoded
+    again."""
+    root, want = blobs
+    d = Daemon(tmp_path).start()
+    shards = d.cache_dir / "shards"
+    try:
+        assert sorted(views_epoch(d.addr, root, want, 1, shards)) == list(range(300))
+        kept = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+        assert len(kept) == 30, f"3 files of 10 row groups each: {sorted(kept)}"
+        assert d.stop() == 0
+        assert (d.cache_dir / "derived.clean").exists(), "a clean shutdown vouches for them"
+        # A damaged one (half of it gone) among them.
+        damaged = sorted(kept)[4]
+        with open(shards / damaged, "r+b") as f:
+            f.truncate((shards / damaged).stat().st_size // 2)
+        d = Daemon(tmp_path).start()
+        assert not (d.cache_dir / "derived.clean").exists(), "consumed by the start that trusts it"
+        assert sorted(views_epoch(d.addr, root, want, 2, shards)) == list(range(300))
+        again = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+        assert again.keys() == kept.keys()
+        rewritten = sorted(k for k in kept if again[k] != kept[k])
+        assert rewritten == [damaged], "only the damaged one was decoded and written again"
+        # A crash: nothing vouches for what it wrote unsynced, so the next start deletes it all.
+        d.kill()
+        d = Daemon(tmp_path).start()
+        assert not list(shards.glob("derived-*"))
+        assert sorted(views_epoch(d.addr, root, want, 3, shards)) == list(range(300))
+        assert len(list(shards.glob("derived-*"))) == 30
+    finally:
+        if d.alive():
+            d.stop()
+
+
+def test_binary_views_without_keeping_are_sealed_memfds(tmp_path: Path, blobs) -> None:
+    """`serve --no-keep-decoded`: the decoded row groups live in sealed memfds only, and nothing
+    is written to the node cache."""
+    root, want = blobs
+    d = Daemon(tmp_path, args=["--no-keep-decoded"]).start()
+    try:
+        loader = shardstream.Loader(
+            str(root), batch_size=32, seed=9, connect=d.addr, transport="shm", format="arrow", binary_views=True
+        )
+        seen: list[int] = []
+        for rb in loader:
+            ids = rb.column("id").to_pylist()
+            assert rb.column("blob").to_pylist() == [want[r] for r in ids]
+            segments = mapped_memfds("shardstream-decoded")
+            for buf in rb.column("blob").buffers()[2:]:
+                assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in segments)
+            seen.extend(ids)
+        assert sorted(seen) == list(range(300))
+        assert not list((d.cache_dir / "shards").glob("derived-*"))
+    finally:
+        d.stop()
 
 
 def test_binary_views_two_ranks_two_workers_with_a_transform_exactly_once(daemon, blobs) -> None:

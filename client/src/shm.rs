@@ -161,6 +161,26 @@ pub fn check_arena_seals(file: &std::fs::File) -> Result<(), String> {
     check_seals(file, REQUIRED_ARENA_SEALS, "segment")
 }
 
+/// Checks a decoded row group's segment before it is mapped: a memfd sealed as
+/// [`REQUIRED_ARENA_SEALS`], or a row group the daemon kept in its node cache, a regular file
+/// (not a memfd) it opened read-only. The daemon publishes such a file whole and never writes or
+/// truncates it (eviction unlinks it, which leaves mappings valid): the trust a node-cache shard
+/// copy gets.
+pub fn check_arena(file: &std::fs::File, name: &str) -> Result<(), String> {
+    let sealed = check_arena_seals(file);
+    if sealed.is_ok() || name.starts_with("/memfd:") {
+        return sealed;
+    }
+    let st = rustix::fs::fstat(file).map_err(|e| format!("cannot stat: {e}"))?;
+    let regular = rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile;
+    let flags = rustix::fs::fcntl_getfl(file).map_err(|e| format!("cannot read its flags: {e}"))?;
+    let read_only = (flags & rustix::fs::OFlags::RWMODE) == rustix::fs::OFlags::RDONLY;
+    if regular && read_only {
+        return Ok(());
+    }
+    Err(format!("neither a sealed segment nor a read-only cache file (regular: {regular}, read-only: {read_only})"))
+}
+
 fn check_seals(file: &std::fs::File, required: rustix::fs::SealFlags, what: &str) -> Result<(), String> {
     let seals = rustix::fs::fcntl_get_seals(file)
         .map_err(|e| format!("cannot read the seals of a {what} (not a sealed memfd?): {e}"))?;
@@ -495,9 +515,10 @@ impl Inner {
         } else if arena {
             // A decoded row group's sealed segment: no later stream is sent it again, so it is
             // not kept ([`retained`]).
-            check_arena_seals(&file).map_err(|e| format!("decoded row group {name}: {e}"))?;
-            // SAFETY: a read-only shared mapping of a memfd sealed against shrinking and writing
-            // (checked above): its bytes and length never change while mapped.
+            check_arena(&file, &name).map_err(|e| format!("decoded row group {name}: {e}"))?;
+            // SAFETY: a read-only shared mapping of a memfd sealed against shrinking and writing,
+            // or of a node-cache file the daemon never writes or truncates (checked above): its
+            // bytes and length never change while mapped.
             let map = unsafe { memmap2::MmapOptions::new().map(&file) };
             let map = map.map_err(|e| format!("cannot map decoded row group {name}: {e}"))?;
             // Here, on the side channel's thread, rather than page by page under the trainer's

@@ -105,6 +105,10 @@ pub struct ServeArgs {
     /// Eviction policy: belady (farthest next use, from the known future order) or lru.
     #[arg(long, env = "SHARDSTREAM_CACHE_POLICY", default_value = "belady")]
     pub cache_policy: crate::cache::table::Policy,
+    /// Do not keep Parquet row groups decoded for binary_views streams in the node cache (they
+    /// then live in memory only, and every daemon decodes them again).
+    #[arg(long, env = "SHARDSTREAM_NO_KEEP_DECODED")]
+    pub no_keep_decoded: bool,
     /// How far ahead of each consumer to fetch shards, in seconds of its consumption.
     #[arg(long, env = "SHARDSTREAM_PREFETCH_HORIZON", default_value_t = 60.0, value_parser = limits::parse_prefetch_horizon)]
     pub prefetch_horizon: f64,
@@ -285,6 +289,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     let mut config = DaemonConfig::new(listen, args.cache_dir);
     config.cache_size = args.cache_size;
     config.cache_policy = args.cache_policy;
+    config.keep_decoded = !args.no_keep_decoded;
     config.prefetch.horizon = Duration::from_secs_f64(args.prefetch_horizon);
     config.prefetch.parallel = args.prefetch_parallel;
     config.s3.part_size = args.s3_part_size;

@@ -158,6 +158,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("cache-dir", Some(args.cache_dir.display().to_string())),
         ("cache-size", args.cache_size.map(|b| b.to_string())),
         ("cache-policy", Some(format!("{:?}", args.cache_policy).to_lowercase())),
+        ("no-keep-decoded", Some(args.no_keep_decoded.to_string())),
         ("prefetch-horizon", Some(args.prefetch_horizon.to_string())),
         ("prefetch-parallel", Some(args.prefetch_parallel.to_string())),
         ("s3-part-size", Some(args.s3_part_size.to_string())),
@@ -187,7 +188,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         match value {
             None => out.push_str(&format!("# {key} = (not set)\n")),
             Some(v) if NUMERIC.contains(&key) && v.parse::<f64>().is_ok() => out.push_str(&format!("{key} = {v}\n")),
-            Some(v) if key == "insecure" || key == "rdma" => out.push_str(&format!("{key} = {v}\n")),
+            Some(v) if matches!(key, "insecure" | "rdma" | "no-keep-decoded") => out.push_str(&format!("{key} = {v}\n")),
             Some(v) => out.push_str(&format!("{key} = {}\n", toml::Value::String(v))),
         }
     }

@@ -36,6 +36,9 @@ pub struct DaemonConfig {
     /// Node cache capacity in bytes; `None`: most of the cache file system's space.
     pub cache_size: Option<u64>,
     pub cache_policy: crate::cache::table::Policy,
+    /// Keep Parquet row groups decoded for binary views in the node cache (see
+    /// `format::parquet::kept`).
+    pub keep_decoded: bool,
     pub prefetch: crate::prefetch::PrefetchConfig,
     pub s3: crate::storage::s3::S3Options,
     /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
@@ -65,6 +68,7 @@ impl DaemonConfig {
             cache_dir,
             cache_size: None,
             cache_policy: crate::cache::table::Policy::Belady,
+            keep_decoded: true,
             prefetch: crate::prefetch::PrefetchConfig::default(),
             s3: crate::storage::s3::S3Options::default(),
             metrics_addr: None,
@@ -183,7 +187,9 @@ impl BoundDaemon {
         let cache = tokio::task::spawn_blocking(move || crate::cache::NodeCache::open(&dir, size, policy))
             .await
             .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
+        cache.set_keep_derived(cfg.keep_decoded);
         let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
+        let node_cache = cache.clone();
         let backends =
             Arc::new(crate::index::Backends::new(Some(cache), cfg.s3.clone(), Some(tokio::runtime::Handle::current())));
         let registry = Arc::new(Registry::new(Some(cfg.cache_dir.clone()), backends));
@@ -257,6 +263,15 @@ impl BoundDaemon {
             let _ = std::fs::remove_file(path);
         }
         prefetch.stop();
+        if served.is_ok() {
+            // Only a clean exit vouches for the derived entries written unsynced (cache docs).
+            let closed = tokio::task::spawn_blocking(move || node_cache.close()).await;
+            match closed {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "node cache not closed cleanly: its decoded row groups go at the next start"),
+                Err(e) => tracing::warn!(error = %e, "node cache close failed"),
+            }
+        }
         served
     }
 }

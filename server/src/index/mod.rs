@@ -657,6 +657,24 @@ impl Dataset {
         )
     }
 
+    /// The daemon's node cache, when it has one.
+    pub fn node_cache(&self) -> Option<&Arc<NodeCache>> {
+        self.backends.cache.as_ref()
+    }
+
+    /// Node-cache key of row group `rg` of Parquet file `i` as decoded for the assembler
+    /// projection `proj_id` (see `format::parquet::kept`): a derived entry.
+    pub fn decoded_key(&self, i: usize, proj_id: u64, rg: usize) -> String {
+        let m = &self.shards[i];
+        let key = crate::cache::key_for(
+            // The layout of the kept file, so that a daemon writing another never reads this one.
+            &format!("{}#decoded=arrow-ipc-1;projection={proj_id:016x};row_group={rg}", m.url()),
+            &m.identity(),
+            &format!("{}.rg{rg}.arrow", m.name),
+        );
+        format!("{}{key}", crate::cache::DERIVED_PREFIX)
+    }
+
     /// Fetches the pieces `pf` of S3 Parquet file `i` into the node cache entry `key` (ranged
     /// GETs of at most [`PROJECTED_GET`] bytes, `If-Match` on the file's ETag when known), or
     /// pins it there. `Ok(None)`: a prefetch that did not wait. Blocking.

@@ -6,6 +6,7 @@
 
 mod arrow_stream;
 mod batches;
+mod kept;
 mod outbox;
 mod projected;
 mod sample_stream;

@@ -107,7 +107,17 @@ pub(super) fn plan_stream(
             // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
             let id = format!("{}@{}", ds.fingerprint, ds.url);
             let asm = BatchAssembler::new(pq.clone(), projection, cache, &id)?;
-            Some(Arc::new(if req.arrow_binary_views { asm.with_binary_views()? } else { asm }))
+            let asm = if req.arrow_binary_views { asm.with_binary_views()? } else { asm };
+            // Row groups decoded for views are kept on the node's disk, for this daemon and the
+            // next one (see `format::parquet::kept`).
+            let asm = match ds.node_cache() {
+                Some(nc) if asm.binary_views() && nc.keeps_derived() => {
+                    let kept = super::kept::NodeKept::new(nc.clone(), ds.clone(), asm.projection_id());
+                    asm.with_kept(Arc::new(kept))
+                }
+                _ => asm,
+            };
+            Some(Arc::new(asm))
         }
         None if req.arrow_binary_views => {
             return Err(Error::invalid(format!(

@@ -36,7 +36,7 @@ use rustix::fs::{MemfdFlags, SealFlags};
 use super::ParquetError;
 
 /// Values of up to this many bytes live inside their view (Arrow's view layout).
-const INLINE: u32 = 12;
+pub(super) const INLINE: u32 = 12;
 
 /// A sealed memfd holding the non-inline values of a row group's binary columns.
 pub struct Arena {
@@ -158,10 +158,7 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ParquetError {
 /// up to 12 bytes stay inside their views. The arena holds at least one byte (a segment cannot be
 /// empty).
 pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option<Arc<Arena>>), ParquetError> {
-    let mut arrays = Vec::new();
-    for c in batch.columns() {
-        view_arrays(c, &mut arrays);
-    }
+    let arrays = all_view_arrays(&batch);
     if arrays.is_empty() {
         return Ok((batch, None));
     }
@@ -207,14 +204,47 @@ pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option
     let map = map.make_read_only().map_err(|e| fail("protect", e))?;
     let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
     rustix::fs::fcntl_add_seals(&file, seals).map_err(|e| fail("seal", e))?;
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let path = PathBuf::from(format!("/shardstream-decoded/{}/{name}", NEXT.fetch_add(1, Ordering::Relaxed)));
-    let arena = Arc::new(Arena { file, map, path });
-    registry().lock().unwrap_or_else(|p| p.into_inner()).insert(arena.addr(), Arc::downgrade(&arena));
-    let ptr = NonNull::new(arena.map.as_ptr().cast_mut()).ok_or_else(|| fail("map", "null mapping"))?;
-    // SAFETY: `ptr` .. `ptr + len` is the arena's mapping, which stays mapped and unchanged
-    // (sealed, read-only) while the buffer holds the arena (see `Arena`'s `RefUnwindSafe` note).
-    let data = unsafe { Buffer::from_custom_allocation(ptr, arena.map.len(), arena.clone()) };
+    let arena = Arena::register(file, map, name);
+    let data = arena.buffer()?;
+    let batch = with_views_over(&batch, &arrays, views, &data)?;
+    Ok((batch, Some(arena)))
+}
+
+impl Arena {
+    /// An arena of `file`'s whole read-only mapping `map`, registered for [`arena_of`]. The
+    /// caller vouches that neither ever changes (a sealed memfd, or a node-cache file the daemon
+    /// never rewrites or truncates).
+    pub(super) fn register(file: std::fs::File, map: memmap2::Mmap, name: &str) -> Arc<Arena> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = PathBuf::from(format!("/shardstream-decoded/{}/{name}", NEXT.fetch_add(1, Ordering::Relaxed)));
+        let arena = Arc::new(Arena { file, map, path });
+        registry().lock().unwrap_or_else(|p| p.into_inner()).insert(arena.addr(), Arc::downgrade(&arena));
+        arena
+    }
+
+    /// The whole mapping as one Arrow buffer that keeps the arena alive.
+    pub(super) fn buffer(self: &Arc<Self>) -> Result<Buffer, ParquetError> {
+        let ptr = NonNull::new(self.map.as_ptr().cast_mut()).ok_or_else(|| fail("map", "null mapping"))?;
+        // SAFETY: `ptr` .. `ptr + len` is the arena's mapping, which stays mapped and unchanged
+        // (see `register`) while the buffer holds the arena (see `Arena`'s `RefUnwindSafe` note).
+        Ok(unsafe { Buffer::from_custom_allocation(ptr, self.map.len(), self.clone()) })
+    }
+
+    /// The mapping's bytes.
+    #[cfg(test)]
+    pub(super) fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+/// `batch` with `arrays` (its [`view_arrays`], in order) rebuilt from `views`, each over the one
+/// data buffer `data`.
+pub(super) fn with_views_over(
+    batch: &RecordBatch,
+    arrays: &[&BinaryViewArray],
+    views: Vec<Vec<u128>>,
+    data: &Buffer,
+) -> Result<RecordBatch, ParquetError> {
     let rebuilt = arrays
         .iter()
         .zip(views)
@@ -226,9 +256,17 @@ pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option
         .collect::<Result<Vec<_>, _>>()?;
     let mut rebuilt = rebuilt.into_iter();
     let columns = batch.columns().iter().map(|c| replace_views(c, &mut rebuilt)).collect::<Result<Vec<_>, _>>()?;
-    let batch = RecordBatch::try_new(batch.schema(), columns)
-        .map_err(|e| ParquetError::Ipc(format!("rebuilding a row group over its arena: {e}")))?;
-    Ok((batch, Some(arena)))
+    RecordBatch::try_new(batch.schema(), columns)
+        .map_err(|e| ParquetError::Ipc(format!("rebuilding a row group over its arena: {e}")))
+}
+
+/// Every `BinaryView` array of `batch` (at the top and inside structs), in column order.
+pub(super) fn all_view_arrays(batch: &RecordBatch) -> Vec<&BinaryViewArray> {
+    let mut arrays = Vec::new();
+    for c in batch.columns() {
+        view_arrays(c, &mut arrays);
+    }
+    arrays
 }
 
 #[cfg(test)]

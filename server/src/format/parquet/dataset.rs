@@ -177,6 +177,8 @@ pub struct BatchAssembler {
     schema_message: Vec<u8>,
     /// Binary columns are delivered as views into arenas ([`Self::with_binary_views`]).
     views: bool,
+    /// Where decoded row groups are kept on disk ([`Self::with_kept`]).
+    kept: Option<Arc<dyn super::kept::KeptRowGroups>>,
 }
 
 /// Field metadata key of a column delivered as views ([`BatchAssembler::with_binary_views`]): a
@@ -331,7 +333,22 @@ impl BatchAssembler {
             projection_id,
             schema_message,
             views: false,
+            kept: None,
         })
+    }
+
+    /// This assembler, keeping the row groups it decodes for binary views in `kept` and loading
+    /// them from there (see [`super::kept`]). Without [`Self::with_binary_views`] it changes
+    /// nothing.
+    pub fn with_kept(mut self, kept: Arc<dyn super::kept::KeptRowGroups>) -> Self {
+        self.kept = self.views.then_some(kept);
+        self
+    }
+
+    /// What tells this assembler's decoded row groups apart from other projections' (the
+    /// delivered columns in order, and whether binary columns are views).
+    pub fn projection_id(&self) -> u64 {
+        self.projection_id
     }
 
     /// This assembler, delivering its `binary`/`large_binary` columns (at the top, or inside
@@ -493,6 +510,45 @@ impl BatchAssembler {
         }
     }
 
+    /// Row group `rg` of file `fi` as an earlier decode kept it on the node's disk (see
+    /// [`super::kept`]), if there is one that loads. One that does not (damaged) is discarded.
+    fn kept(&self, fi: usize, rg: usize) -> Option<RecordBatch> {
+        let kept = self.kept.as_ref()?;
+        let file = &self.dataset.files[fi];
+        let opened = kept.open(file.index, rg)?;
+        let rows = usize::try_from(file.table.row_group_rows(rg)).ok()?;
+        match super::kept::load(opened, &file.name, self.per_file[fi].schema(), rows) {
+            Ok(batch) => Some(batch),
+            Err(e) => {
+                tracing::warn!(file = %file.name, row_group = rg, error = %e, "a kept row group did not load; decoding it again");
+                kept.discard(file.index, rg);
+                None
+            }
+        }
+    }
+
+    /// `batch` (row group `rg` of file `fi`, just decoded) kept on the node's disk and loaded
+    /// from there (the file is its arena), when the node cache takes it. None when it does not
+    /// (no room, or the disk failed: the row group then gets a memfd arena, as without a cache).
+    fn keep(&self, fi: usize, rg: usize, batch: &RecordBatch) -> Option<RecordBatch> {
+        let kept = self.kept.as_ref()?;
+        let file = &self.dataset.files[fi];
+        let stored = kept.keep(file.index, rg, super::kept::bound(batch), &mut |f| super::kept::write(batch, f));
+        let loaded = match stored {
+            Ok(Some(opened)) => super::kept::load(opened, &file.name, batch.schema_ref(), batch.num_rows()),
+            Ok(None) => return None,
+            Err(e) => Err(e),
+        };
+        match loaded {
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::warn!(file = %file.name, row_group = rg, error = %e, "cannot keep a decoded row group on disk");
+                kept.discard(file.index, rg);
+                None
+            }
+        }
+    }
+
     /// Plan unit `u` when it is decoded already.
     fn cached(&self, u: usize) -> Option<Arc<RecordBatch>> {
         let (fi, rg) = self.dataset.unit(u)?;
@@ -505,6 +561,9 @@ impl BatchAssembler {
         let file = &self.dataset.files[fi];
         let key = self.key(fi, rg);
         self.cache.get_or_decode(&key, || {
+            if let Some(batch) = self.kept(fi, rg) {
+                return Ok(batch);
+            }
             let mut io_error = None;
             let decoded = read_row_group(&file.table, rg, &self.per_file[fi], |off, buf| {
                 files.read_at(file.index, off, buf).map_err(|e| {
@@ -515,6 +574,9 @@ impl BatchAssembler {
             });
             match (decoded, io_error) {
                 (Ok((batch, _)), _) if self.views => {
+                    if let Some(kept) = self.keep(fi, rg, &batch) {
+                        return Ok(kept);
+                    }
                     // Not the file's fault: the segment is the daemon's (memory, descriptors).
                     let (batch, _) = super::arena::into_arena(batch, &file.name).map_err(|e| {
                         Error::Unavailable(format!("Parquet file {}: a row group for binary_views: {e}", file.name))

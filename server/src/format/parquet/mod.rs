@@ -32,6 +32,7 @@ pub mod decoded;
 pub mod direct;
 pub mod footer;
 pub mod ipc;
+pub mod kept;
 pub mod pqidx;
 pub mod projected;
 pub mod schema;

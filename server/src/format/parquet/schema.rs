@@ -181,6 +181,11 @@ impl FileProjection {
     pub fn views(&self) -> bool {
         self.views.is_some()
     }
+
+    /// The decoded row groups' schema (see [`Self::arrange`]).
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
 }
 
 impl FileProjection {

@@ -1,0 +1,68 @@
+//! The node cache as the place a stream keeps its decoded row groups (see
+//! `format::parquet::kept`): one derived entry per (file, row group, projection).
+
+use std::fs::File;
+use std::sync::Arc;
+
+use crate::cache::NodeCache;
+use crate::format::parquet::ParquetError;
+use crate::format::parquet::kept::KeptRowGroups;
+use crate::index::Dataset;
+
+/// The derived entries of one dataset and assembler projection.
+#[derive(Debug)]
+pub struct NodeKept {
+    cache: Arc<NodeCache>,
+    ds: Arc<Dataset>,
+    projection: u64,
+}
+
+impl NodeKept {
+    pub fn new(cache: Arc<NodeCache>, ds: Arc<Dataset>, projection: u64) -> Self {
+        Self { cache, ds, projection }
+    }
+
+    fn key(&self, file: usize, rg: usize) -> String {
+        self.ds.decoded_key(file, self.projection, rg)
+    }
+}
+
+fn io(what: &str, e: impl std::fmt::Display) -> ParquetError {
+    ParquetError::Io(format!("kept row group: {what}: {e}"))
+}
+
+impl KeptRowGroups for NodeKept {
+    fn open(&self, file: usize, rg: usize) -> Option<File> {
+        let pin = self.cache.derived(&self.key(file, rg))?;
+        // Opened under the pin; once open, eviction (an unlink) no longer matters to its reader.
+        match File::open(pin.path()) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(path = %pin.path().display(), error = %e, "cannot open a kept row group");
+                None
+            }
+        }
+    }
+
+    fn keep(
+        &self,
+        file: usize,
+        rg: usize,
+        bytes: u64,
+        write: &mut dyn FnMut(&File) -> Result<(), ParquetError>,
+    ) -> Result<Option<File>, ParquetError> {
+        let key = self.key(file, rg);
+        let pin = self
+            .cache
+            .fill_derived(&key, bytes, &mut |path, f| {
+                write(f).map_err(|e| crate::Error::Unavailable(format!("{}: {e}", path.display())))
+            })
+            .map_err(|e| io("cannot keep it", e))?;
+        let Some(pin) = pin else { return Ok(None) };
+        File::open(pin.path()).map(Some).map_err(|e| io(&format!("cannot open {}", pin.path().display()), e))
+    }
+
+    fn discard(&self, file: usize, rg: usize) {
+        self.cache.remove_derived(&self.key(file, rg));
+    }
+}
