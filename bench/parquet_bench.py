@@ -28,6 +28,12 @@ wrong), each in a fresh process so that one's caches do not help the next:
 - ``ss_views`` / ``ss_views+warm``: ``format="arrow", binary_views=True``: the image column as
   ``binary_view`` arrays pointing into the daemon's decoded row groups (no copy of the values); the
   consumer reads each image through its view (``_binary_views``), the same bytes it reads elsewhere.
+  The cold row includes writing each decoded row group into the node cache.
+- ``ss_views+node``: ``ss_views`` on a fresh daemon whose node cache a first daemon filled (another
+  seed, then a clean shutdown): the next job's sidecar on the node, which loads the row groups the
+  first one kept instead of decoding them. Like ``hf_map``'s epoch after its conversion.
+- ``ss_views+nokeep`` (not run by default): ``ss_views`` on a daemon started with
+  ``--no-keep-decoded`` (row groups in shared memory only): what keeping them costs a cold epoch.
 
 With S3 (``--no-s3`` leaves it out): the same files served from a local S3-compatible server
 (s3s-fs from scripts/s3-server.sh, the files hard-linked into its bucket): ``shardstream index``
@@ -86,8 +92,13 @@ PEERS = [
     "ss_arrow+warm",
     "ss_views",
     "ss_views+warm",
+    "ss_views+node",
 ]
 WARM = "+warm"
+# A first epoch on one daemon, then the measured one on a fresh daemon over the same node cache.
+NODE = "+node"
+# A daemon that keeps no decoded row groups in its node cache (`serve --no-keep-decoded`).
+NOKEEP = "+nokeep"
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -388,7 +399,7 @@ def applies(peer: str, kind: str) -> bool:
 def reader_of(peer: str) -> str:
     """The reader a peer runs: `ss_arrow@before` is `ss_arrow` of the build named `before`,
     `ss_arrow+warm` is `ss_arrow` after a first epoch."""
-    return peer.partition("@")[0].removesuffix(WARM)
+    return peer.partition("@")[0].removesuffix(WARM).removesuffix(NODE).removesuffix(NOKEEP)
 
 
 def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
@@ -731,13 +742,19 @@ def main() -> None:
                     d = None
                     if peer.startswith("ss_"):
                         (work / f"{rep}-{kind}-{peer}").mkdir()
-                        d = bench_daemon.Daemon.start(work / f"{rep}-{kind}-{peer}", site=sites.get(peer))
+                        env = {"SHARDSTREAM_NO_KEEP_DECODED": "true"} if NOKEEP in peer else None
+                        d = bench_daemon.Daemon.start(work / f"{rep}-{kind}-{peer}", env=env, site=sites.get(peer))
                     try:
                         addr, pid = (d.addr, d.pid) if d else ("", None)
-                        if WARM in peer:
+                        if WARM in peer or NODE in peer:
                             first = child(peer, kind, data[kind], addr, rows[kind], pid, sites.get(peer), seed=SEED + 1)
                             if "error" in first:
                                 raise RuntimeError(f"{peer}: first epoch failed: {first['error']}")
+                        if d and NODE in peer:
+                            if d.stop() != 0:
+                                raise RuntimeError(f"{peer}: the first daemon did not stop cleanly: {d.log_tail()}")
+                            d = bench_daemon.Daemon.start(work / f"{rep}-{kind}-{peer}", site=sites.get(peer))
+                            addr, pid = d.addr, d.pid
                         r = child(peer, kind, data[kind], addr, rows[kind], pid, sites.get(peer))
                         if d:
                             r["daemon_rss_mib"] = peak_rss_mib(d.pid)
@@ -745,6 +762,10 @@ def main() -> None:
                     finally:
                         if d:
                             d.stop()
+                            # Its node cache (the row groups it kept: as large as the data set)
+                            # goes now: left in the page cache, every run's copies would make the
+                            # later runs pay for reclaiming memory (and writing them back).
+                            shutil.rmtree(work / f"{rep}-{kind}-{peer}", ignore_errors=True)
                     results[kind][peer].append(r)
                     print(f"[{rep}] {kind} {peer}: {r}", file=sys.stderr)
         s3_rows = [] if args.no_s3 else run_s3(kinds, data, rows, work, args.data / f".s3-{os.getpid()}")
