@@ -184,3 +184,36 @@ def test_failpoint_packed_gather_failure_frees_its_ring_slot(tmp_path, fail_bin)
     keys = within(DEADLINE, packed_keys)
     assert isinstance(keys, list) and sorted(keys) == [f"t{i:05d}" for i in range(400)], keys
     stop(d)
+
+
+def test_failpoint_a_full_disk_only_stops_keeping_decoded_row_groups(tmp_path, fail_bin) -> None:
+    """Keeping row groups decoded for views in the node cache is an optimisation: a disk that is
+    full for every fill costs the stream nothing but that (its row groups stay in memory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "pq"
+    root.mkdir()
+    rng = np.random.default_rng(12)
+    want = {r: rng.bytes(int(rng.integers(13, 3000))) for r in range(200)}
+    for f in range(2):
+        ids = range(f * 100, f * 100 + 100)
+        t = pa.table({"id": pa.array(ids, pa.int64()), "blob": pa.array([want[r] for r in ids], pa.binary())})
+        pq.write_table(t, root / f"p{f}.parquet", row_group_size=10)
+    d = start(tmp_path / "d", fail_bin, "cache-fill=return(ENOSPC)")
+
+    def views_epoch() -> list[int]:
+        loader = shardstream.Loader(
+            str(root), batch_size=16, seed=3, connect=d.addr, format="arrow", binary_views=True
+        )
+        seen: list[int] = []
+        for rb in loader:
+            ids = rb.column("id").to_pylist()
+            assert rb.column("blob").to_pylist() == [want[r] for r in ids]
+            seen.extend(ids)
+        return seen
+
+    got = within(DEADLINE, views_epoch)
+    assert isinstance(got, list) and sorted(got) == list(range(200)), got
+    assert not list((d.cache_dir / "shards").glob("*derived-*")), "nothing kept, nothing left behind"
+    stop(d)

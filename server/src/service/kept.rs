@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use crate::cache::NodeCache;
 use crate::format::parquet::ParquetError;
@@ -15,11 +16,14 @@ pub struct NodeKept {
     cache: Arc<NodeCache>,
     ds: Arc<Dataset>,
     projection: u64,
+    /// Set by the first fill that failed (a full or failing disk): the stream keeps nothing more,
+    /// rather than failing (and logging) once per row group.
+    failed: AtomicBool,
 }
 
 impl NodeKept {
     pub fn new(cache: Arc<NodeCache>, ds: Arc<Dataset>, projection: u64) -> Self {
-        Self { cache, ds, projection }
+        Self { cache, ds, projection, failed: AtomicBool::new(false) }
     }
 
     fn key(&self, file: usize, rg: usize) -> String {
@@ -51,13 +55,19 @@ impl KeptRowGroups for NodeKept {
         bytes: u64,
         write: &mut dyn FnMut(&File) -> Result<(), ParquetError>,
     ) -> Result<Option<File>, ParquetError> {
+        if self.failed.load(Relaxed) {
+            return Ok(None);
+        }
         let key = self.key(file, rg);
         let pin = self
             .cache
             .fill_derived(&key, bytes, &mut |path, f| {
                 write(f).map_err(|e| crate::Error::Unavailable(format!("{}: {e}", path.display())))
             })
-            .map_err(|e| io("cannot keep it", e))?;
+            .map_err(|e| {
+                self.failed.store(true, Relaxed);
+                io("cannot keep it (this stream keeps no more)", e)
+            })?;
         let Some(pin) = pin else { return Ok(None) };
         File::open(pin.path()).map(Some).map_err(|e| io(&format!("cannot open {}", pin.path().display()), e))
     }
