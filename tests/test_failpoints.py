@@ -203,9 +203,7 @@ def test_failpoint_a_full_disk_only_stops_keeping_decoded_row_groups(tmp_path, f
     d = start(tmp_path / "d", fail_bin, "cache-fill=return(ENOSPC)")
 
     def views_epoch() -> list[int]:
-        loader = shardstream.Loader(
-            str(root), batch_size=16, seed=3, connect=d.addr, format="arrow", binary_views=True
-        )
+        loader = shardstream.Loader(str(root), batch_size=16, seed=3, connect=d.addr, format="arrow", binary_views=True)
         seen: list[int] = []
         for rb in loader:
             ids = rb.column("id").to_pylist()

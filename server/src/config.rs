@@ -188,7 +188,9 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         match value {
             None => out.push_str(&format!("# {key} = (not set)\n")),
             Some(v) if NUMERIC.contains(&key) && v.parse::<f64>().is_ok() => out.push_str(&format!("{key} = {v}\n")),
-            Some(v) if matches!(key, "insecure" | "rdma" | "no-keep-decoded") => out.push_str(&format!("{key} = {v}\n")),
+            Some(v) if matches!(key, "insecure" | "rdma" | "no-keep-decoded") => {
+                out.push_str(&format!("{key} = {v}\n"))
+            }
             Some(v) => out.push_str(&format!("{key} = {}\n", toml::Value::String(v))),
         }
     }

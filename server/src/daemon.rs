@@ -268,7 +268,9 @@ impl BoundDaemon {
             let closed = tokio::task::spawn_blocking(move || node_cache.close()).await;
             match closed {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(error = %e, "node cache not closed cleanly: its decoded row groups go at the next start"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "node cache not closed cleanly: its decoded row groups go at the next start")
+                }
                 Err(e) => tracing::warn!(error = %e, "node cache close failed"),
             }
         }

@@ -16,13 +16,13 @@
 //! columns must be the projection's. A file that fails is an error the caller answers by decoding
 //! the row group again.
 
-use std::fs::File;
-use std::io::Write;
 use arrow_array::{Array, RecordBatch};
 use arrow_buffer::Buffer;
 use arrow_ipc::reader::FileDecoder;
 use arrow_ipc::writer::FileWriter;
 use arrow_schema::SchemaRef;
+use std::fs::File;
+use std::io::Write;
 
 use super::ParquetError;
 use super::arena::{self, Arena};
@@ -104,7 +104,11 @@ fn decode(buf: &Buffer, schema: &SchemaRef) -> Result<RecordBatch, ParquetError>
     let stored = footer.schema().ok_or_else(|| ipc("decode", "no schema"))?;
     let stored = arrow_ipc::convert::try_fb_to_schema(stored).map_err(|e| ipc("decode", e))?;
     let same = stored.fields().len() == schema.fields().len()
-        && stored.fields().iter().zip(schema.fields()).all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
+        && stored
+            .fields()
+            .iter()
+            .zip(schema.fields())
+            .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
     if !same {
         return Err(ipc("decode", "its columns are not the projection's"));
     }
@@ -183,8 +187,19 @@ mod tests {
 
     fn row_group() -> RecordBatch {
         let long: Vec<Vec<u8>> = (0..40u8).map(|i| vec![i; 100 + usize::from(i) * 37]).collect();
-        let images: Vec<Option<&[u8]>> =
-            long.iter().enumerate().map(|(i, v)| if i % 7 == 3 { None } else if i % 5 == 1 { Some(&v[..9]) } else { Some(&v[..]) }).collect();
+        let images: Vec<Option<&[u8]>> = long
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                if i % 7 == 3 {
+                    None
+                } else if i % 5 == 1 {
+                    Some(&v[..9])
+                } else {
+                    Some(&v[..])
+                }
+            })
+            .collect();
         // Two data buffers, as a decoder that read two pages makes.
         let (a, b) = images.split_at(17);
         let (a, b) = (BinaryViewArray::from_iter(a.iter().copied()), BinaryViewArray::from_iter(b.iter().copied()));
