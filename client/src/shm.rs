@@ -736,6 +736,26 @@ mod tests {
     }
 
     #[test]
+    fn an_arena_is_a_sealed_memfd_or_a_read_only_cache_file() {
+        use rustix::fs::SealFlags;
+        let name = |f: &std::fs::File| fd_name(f, 0);
+        let memfd = sealed([0; 64], all_seals());
+        assert_eq!(check_arena(&memfd, &name(&memfd)), Ok(()));
+        // A memfd missing a seal is refused: a memfd never passes as a cache file.
+        let open = sealed([0; 64], all_seals() - SealFlags::FUTURE_WRITE);
+        assert!(check_arena(&open, &name(&open)).unwrap_err().contains("not sealed"));
+        // A kept row group: a regular file the daemon opened read-only.
+        let mut kept = tempfile::NamedTempFile::new().unwrap();
+        kept.write_all(b"ARROW1").unwrap();
+        let read_only = std::fs::File::open(kept.path()).unwrap();
+        assert_eq!(check_arena(&read_only, &name(&read_only)), Ok(()));
+        // The same file open for writing is not: its bytes could change under the views.
+        let writable = kept.reopen().unwrap();
+        let err = check_arena(&writable, &name(&writable)).unwrap_err();
+        assert!(err.contains("read-only: false"), "{err}");
+    }
+
+    #[test]
     fn a_shard_read_in_place_reports_truncation_as_a_shard_error() {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         f.write_all(&[7u8; 4096]).unwrap();
