@@ -120,6 +120,9 @@ pub struct NodeCache {
     closed: RwLock<bool>,
     /// Whether derived entries are made at all (`serve --no-keep-decoded` turns them off).
     keep_derived: std::sync::atomic::AtomicBool,
+    /// Whether this run published a derived entry (unsynced): only then does [`NodeCache::close`]
+    /// sync the file system.
+    wrote_derived: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for NodeCache {
@@ -237,6 +240,7 @@ impl NodeCache {
             counters: Counters::default(),
             closed: RwLock::new(false),
             keep_derived: std::sync::atomic::AtomicBool::new(true),
+            wrote_derived: std::sync::atomic::AtomicBool::new(false),
         });
         cache.publish_gauges();
         Ok(cache)
@@ -364,13 +368,15 @@ impl NodeCache {
 
     /// Makes this run's derived entries durable and says so to the next start-up (see the module
     /// docs). At a clean shutdown, after the last fill; blocking (a `syncfs` of the cache's file
-    /// system).
+    /// system, when this run wrote any: the earlier runs' were synced by their own close).
     pub fn close(&self) -> Result<()> {
         let Some(root) = self.dir.parent() else { return Ok(()) };
         let mut closed = self.closed.write().unwrap_or_else(|p| p.into_inner());
         *closed = true;
-        let dir = File::open(&self.dir).map_err(|e| Error::io("cannot open", &self.dir, e))?;
-        rustix::fs::syncfs(&dir).map_err(|e| Error::io("cannot sync the file system of", &self.dir, e.into()))?;
+        if self.wrote_derived.load(Relaxed) {
+            let dir = File::open(&self.dir).map_err(|e| Error::io("cannot open", &self.dir, e))?;
+            rustix::fs::syncfs(&dir).map_err(|e| Error::io("cannot sync the file system of", &self.dir, e.into()))?;
+        }
         let marker = root.join(CLEAN_MARKER);
         let written = crate::atomic_write::write(&marker, b"derived entries synced at a clean shutdown\n")
             .map_err(|e| Error::io("cannot write", &marker, e));
@@ -543,6 +549,7 @@ impl NodeCache {
             if *closed {
                 return Err(Error::Unavailable("the node cache is closing".into()));
             }
+            self.wrote_derived.store(true, Relaxed);
             return tmp.commit_unsynced().map_err(|e| Error::io("cannot publish cache file", &dest, e));
         }
         tmp.commit().map_err(|e| Error::io("cannot publish cache file", &dest, e))
