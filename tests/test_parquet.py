@@ -978,6 +978,9 @@ def test_binary_views_row_groups_are_kept_on_disk_for_the_next_daemon(tmp_path: 
         assert sorted(views_epoch(d.addr, root, want, 1, shards)) == list(range(300))
         kept = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
         assert len(kept) == 30, f"3 files of 10 row groups each: {sorted(kept)}"
+        cache = d.status()["cache"]
+        assert (cache["decoded_row_groups"], cache["shards"]) == (30, 0), cache
+        assert cache["decoded_bytes"] == sum((shards / k).stat().st_size for k in kept) == cache["used_bytes"]
         assert d.stop() == 0
         assert (d.cache_dir / "derived.clean").exists(), "a clean shutdown vouches for them"
         # A damaged one (half of it gone) among them.

@@ -148,6 +148,8 @@ impl Connection {
                 cache.set_item("evictions", c.evictions)?;
                 cache.set_item("filled_bytes", c.filled_bytes)?;
                 cache.set_item("high_water_bytes", c.high_water_bytes)?;
+                cache.set_item("decoded_row_groups", c.decoded_row_groups)?;
+                cache.set_item("decoded_bytes", c.decoded_bytes)?;
                 cache.set_item("policy", c.policy)?;
                 d.set_item("cache", cache)?;
             }

@@ -486,6 +486,7 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
                 "capacity_bytes": c.capacity_bytes, "used_bytes": c.used_bytes, "shards": c.shards,
                 "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
                 "filled_bytes": c.filled_bytes, "high_water_bytes": c.high_water_bytes, "policy": c.policy,
+                "decoded_row_groups": c.decoded_row_groups, "decoded_bytes": c.decoded_bytes,
             })),
             "storage_bytes": reply.storage_bytes, "storage_requests": reply.storage_requests,
             "storage_retries": reply.storage_retries, "prefetch_horizon_s": reply.prefetch_horizon_s,
@@ -514,6 +515,13 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             c.misses,
             c.evictions
         );
+        if c.decoded_row_groups > 0 {
+            println!(
+                "                of which {:.1} GB in {} Parquet row groups kept decoded",
+                c.decoded_bytes as f64 / 1e9,
+                c.decoded_row_groups
+            );
+        }
     }
     println!(
         "storage         {:.1} MB in {} requests ({} retried); prefetch horizon {:.1} s, {} in flight",

@@ -91,7 +91,11 @@ pub fn key_for(source: &str, identity: &[u8], name: &str) -> String {
 pub struct CacheStats {
     pub capacity: u64,
     pub used: u64,
+    /// Entries that are shard copies (or column-chunk copies), not derived ones.
     pub shards: u64,
+    /// Derived entries (decoded row groups) and their bytes.
+    pub derived: u64,
+    pub derived_bytes: u64,
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
@@ -282,10 +286,13 @@ impl NodeCache {
 
     pub fn stats(&self) -> CacheStats {
         let t = self.lock();
+        let (derived, derived_bytes) = t.count_prefixed(DERIVED_PREFIX);
         CacheStats {
             capacity: t.capacity(),
             used: t.used(),
-            shards: t.len() as u64,
+            shards: (t.len() as u64).saturating_sub(derived),
+            derived,
+            derived_bytes,
             hits: self.counters.hits.load(Relaxed),
             misses: self.counters.misses.load(Relaxed),
             evictions: self.counters.evictions.load(Relaxed),
@@ -457,15 +464,20 @@ impl NodeCache {
                 Ok(()) => {
                     let mut t = self.lock();
                     t.finish(key, true);
+                    let mut filled = bytes;
                     if !durable {
                         // A derived entry's size is bounded beforehand, known only now.
                         if let Ok(m) = std::fs::metadata(self.path_of(key)) {
                             t.settle(key, m.len());
+                            filled = m.len();
                         }
                     }
                     drop(t);
                     self.changed.notify_all();
-                    self.counters.filled_bytes.fetch_add(bytes, Relaxed);
+                    self.counters.filled_bytes.fetch_add(filled, Relaxed);
+                    if !durable {
+                        self.publish_gauges();
+                    }
                     return Ok(Some(Pin {
                         cache: self.clone(),
                         key: key.to_owned(),
@@ -661,6 +673,8 @@ mod tests {
         let pin = cache.fill_derived("derived-a", 50, &mut write(b"decoded")).unwrap().unwrap();
         assert!(pin.filled);
         assert_eq!(cache.stats().used, 7, "accounted at what was written, not the bound");
+        let s = cache.stats();
+        assert_eq!((s.shards, s.derived, s.derived_bytes, s.filled_bytes), (0, 1, 7, 7));
         drop(pin);
         assert!(cache.derived("derived-a").is_some());
         drop(cache.get("shard", 5, Want::NOW, &mut write(b"shard")).unwrap().unwrap());

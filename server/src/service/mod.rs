@@ -308,6 +308,8 @@ impl Shardstream for Service {
                     evictions: s.evictions,
                     filled_bytes: s.filled_bytes,
                     high_water_bytes: s.high_water,
+                    decoded_row_groups: s.derived,
+                    decoded_bytes: s.derived_bytes,
                     policy: match c.policy() {
                         crate::cache::table::Policy::Belady => "belady".into(),
                         crate::cache::table::Policy::Lru => "lru".into(),
