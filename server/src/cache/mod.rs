@@ -27,7 +27,8 @@
 //!
 //! Layout: `<cache-dir>/shards/<key>` where the key is a hash of the shard's source and identity
 //! plus its name (`0123456789abcdef-train-000001.tar`), so a changed object never reuses an old
-//! copy. Lock order: the table mutex is the only lock here, never held across I/O.
+//! copy. Locks: the table mutex is never held across I/O; `closed` is held across one rename
+//! (read, by a derived fill) or the closing sync (write), and never while taking the table mutex.
 
 pub mod download;
 pub mod table;
@@ -93,7 +94,8 @@ pub struct CacheStats {
     pub used: u64,
     /// Entries that are shard copies (or column-chunk copies), not derived ones.
     pub shards: u64,
-    /// Derived entries (decoded row groups) and their bytes.
+    /// Derived entries (decoded row groups) and their bytes (a fill's reservation while it runs,
+    /// as in `used`).
     pub derived: u64,
     pub derived_bytes: u64,
     pub hits: u64,
@@ -330,8 +332,6 @@ impl NodeCache {
         if !self.lock().pin_ready(key) {
             return None;
         }
-        self.counters.hits.fetch_add(1, Relaxed);
-        crate::metrics::cache_hit();
         Some(Pin { cache: self.clone(), key: key.to_owned(), path: self.path_of(key), filled: false })
     }
 
@@ -457,8 +457,12 @@ impl NodeCache {
                 Begin::Fill { evicted } => evicted,
             };
             self.remove_evicted(&evicted);
-            self.counters.misses.fetch_add(1, Relaxed);
-            crate::metrics::cache_miss();
+            if durable {
+                // Hits and misses are the shards' (the hit ratio operators watch); a derived entry
+                // is looked up, and made, apart.
+                self.counters.misses.fetch_add(1, Relaxed);
+                crate::metrics::cache_miss();
+            }
             self.publish_gauges();
             match self.fill_one(key, durable, fill) {
                 Ok(()) => {
@@ -554,7 +558,9 @@ impl NodeCache {
         let tmp = AtomicFile::create(&dest).map_err(|e| Error::io("cannot create cache file", &dest, e))?;
         fill(tmp.temp_path(), tmp.file())?;
         fail_point!("cache-fill", |a| Err(crate::failpoints::io("cannot write cache file", tmp.temp_path(), a)));
-        fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", tmp.temp_path(), a)));
+        if durable {
+            fail_point!("cache-fsync", |a| Err(crate::failpoints::io("cannot sync cache file", tmp.temp_path(), a)));
+        }
         fail_point!("cache-rename", |a| Err(crate::failpoints::io("cannot publish cache file", &dest, a)));
         if !durable {
             let closed = self.closed.read().unwrap_or_else(|p| p.into_inner());
@@ -678,6 +684,8 @@ mod tests {
         drop(pin);
         assert!(cache.derived("derived-a").is_some());
         drop(cache.get("shard", 5, Want::NOW, &mut write(b"shard")).unwrap().unwrap());
+        let s = cache.stats();
+        assert_eq!((s.hits, s.misses, s.shards, s.derived), (0, 1, 1, 1), "hits and misses are the shards'");
         // A crash (no close): the unsynced derived entry goes at the next start, the shard stays.
         drop(cache);
         let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();

@@ -219,12 +219,9 @@ impl CacheTable {
         }
     }
 
-    /// Ready entries whose keys start with `prefix`, and their bytes.
+    /// Entries (ready or being filled) whose keys start with `prefix`, and their bytes.
     pub fn count_prefixed(&self, prefix: &str) -> (u64, u64) {
-        self.entries
-            .iter()
-            .filter(|(k, e)| e.state == State::Ready && k.starts_with(prefix))
-            .fold((0, 0), |(n, b), (_, e)| (n + 1, b + e.bytes))
+        self.entries.iter().filter(|(k, _)| k.starts_with(prefix)).fold((0, 0), |(n, b), (_, e)| (n + 1, b + e.bytes))
     }
 
     /// Pins `key` when it is ready (a hit), without ever starting a fill.

@@ -533,16 +533,17 @@ impl BatchAssembler {
     fn keep(&self, fi: usize, rg: usize, batch: &RecordBatch) -> Option<RecordBatch> {
         let kept = self.kept.as_ref()?;
         let file = &self.dataset.files[fi];
-        let stored = kept.keep(file.index, rg, super::kept::bound(batch), &mut |f| super::kept::write(batch, f));
-        let loaded = match stored {
-            Ok(Some(opened)) => super::kept::load(opened, &file.name, batch.schema_ref(), batch.num_rows()),
-            Ok(None) => return None,
-            Err(e) => Err(e),
-        };
-        match loaded {
-            Ok(b) => Some(b),
+        let opened = match kept.keep(file.index, rg, super::kept::bound(batch), &mut |f| super::kept::write(batch, f)) {
+            Ok(opened) => opened?,
             Err(e) => {
                 tracing::warn!(file = %file.name, row_group = rg, error = %e, "cannot keep a decoded row group on disk");
+                return None;
+            }
+        };
+        match super::kept::load(opened, &file.name, batch.schema_ref(), batch.num_rows()) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::warn!(file = %file.name, row_group = rg, error = %e, "a row group just kept did not load");
                 kept.discard(file.index, rg);
                 None
             }

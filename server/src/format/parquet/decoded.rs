@@ -6,8 +6,8 @@
 //! group decoded about once per epoch and node instead of once per batch.
 //!
 //! The cache keeps at most `budget` bytes of decoded Arrow data (the allocations its buffers are
-//! in, each counted once: see [`held_bytes`]), evicting the least recently used row group first; a row group larger than the whole
-//! budget is decoded and handed out but not kept. Batches being gathered hold their row groups
+//! in, each counted once: see [`held_bytes`]), evicting the least recently used row group first;
+//! a row group larger than the whole budget is decoded and handed out but not kept. Batches being gathered hold their row groups
 //! through `Arc`s beyond the bound (at most a stream's window each). Concurrent requests for the
 //! same row group decode it once: the others wait for the first (decoding runs on blocking
 //! threads, so the wait is a `Condvar`).
@@ -162,7 +162,9 @@ impl DecodedCache {
         }
         let mark = Mark(self, key);
         let batch = Arc::new(decode()?);
-        self.lock().insert(key.clone(), batch.clone());
+        // Measured before the lock: it walks every buffer of the row group.
+        let bytes = held_bytes(&batch);
+        self.lock().insert(key.clone(), batch.clone(), bytes);
         drop(mark);
         Ok(batch)
     }
@@ -178,8 +180,7 @@ impl State {
         Some(e.batch.clone())
     }
 
-    fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>) {
-        let bytes = held_bytes(&batch);
+    fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>, bytes: u64) {
         if bytes > self.stats.budget || self.map.contains_key(&key) {
             return;
         }

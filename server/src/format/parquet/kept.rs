@@ -112,10 +112,10 @@ fn decode(buf: &Buffer, schema: &SchemaRef) -> Result<RecordBatch, ParquetError>
     if !same {
         return Err(ipc("decode", "its columns are not the projection's"));
     }
-    let decoder = FileDecoder::new(schema.clone(), footer.version()).with_require_alignment(true);
     if footer.dictionaries().is_some_and(|d| !d.is_empty()) {
         return Err(ipc("decode", "dictionary-encoded columns are not kept"));
     }
+    let decoder = FileDecoder::new(schema.clone(), footer.version()).with_require_alignment(true);
     let blocks = footer.recordBatches().ok_or_else(|| ipc("decode", "no record batch"))?;
     if blocks.len() != 1 {
         return Err(ipc("decode", format!("{} record batches, not one", blocks.len())));
