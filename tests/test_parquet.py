@@ -11,6 +11,7 @@ import base64
 import collections
 import functools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch.utils.data
+from test_bounds import free_port, scrape
 
 import shardstream
 import shardstream.torch as sst
@@ -1026,6 +1028,86 @@ def test_binary_views_without_keeping_are_sealed_memfds(tmp_path: Path, blobs) -
         assert not list((d.cache_dir / "shards").glob("derived-*"))
     finally:
         d.stop()
+
+
+def daemon_maps(d: Daemon, under: Path) -> set[str]:
+    """Names of the files under `under` the daemon process has mapped."""
+    assert d.proc is not None
+    lines = Path(f"/proc/{d.proc.pid}/maps").read_text().splitlines()
+    return {Path(line.split()[-1]).name for line in lines if str(under) in line}
+
+
+def payload_epoch(addr: str, root: Path, want: dict[int, bytes], seed: int) -> list[int]:
+    """One epoch in the default (dict) form, every payload checked; the row ids in order."""
+    order: list[int] = []
+    for batch in shardstream.Loader(str(root), batch_size=50, seed=seed, connect=addr, transport="shm"):
+        ids = [int(i) for i in batch["id"]]
+        assert [bytes(p) for p in batch["payload"]] == [want[r] for r in ids]
+        order.extend(ids)
+    return order
+
+
+def test_row_groups_decoded_again_past_the_budget_are_kept_and_served_from_disk(tmp_path: Path) -> None:
+    """`serve --decoded-budget`: the decoded cache stays within it, and a stream without views
+    whose row groups the budget let go of keeps them in the node cache when it decodes them
+    again; the next epoch, and the next daemon, serve them from there with the same values. With
+    the set inside the budget nothing is written."""
+    root = tmp_path / "big"
+    root.mkdir()
+    want = write_big_files(root)  # 12 row groups of ~0.5 MiB: 6 MiB decoded
+    port = free_port()
+    args = ["--decoded-budget", "1MiB", "--metrics-addr", f"127.0.0.1:{port}"]
+    d = Daemon(tmp_path / "d", args=args).start()
+    shards = d.cache_dir / "shards"
+    try:
+        first = payload_epoch(d.addr, root, want, 1)
+        assert sorted(first) == list(range(1200))
+        m = scrape(port)
+        assert m["shardstream_parquet_decoded_budget_bytes"] == 1 << 20
+        assert 0 < m["shardstream_parquet_decoded_bytes"] <= 1 << 20
+        # The shuffle window spans all 12 row groups and the budget holds 2: some are decoded
+        # again within the first epoch already, and the second decodes every one again.
+        assert sorted(payload_epoch(d.addr, root, want, 2)) == list(range(1200))
+        kept = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+        assert len(kept) == 12, sorted(kept)
+        assert d.status()["cache"]["decoded_row_groups"] == 12
+        third = payload_epoch(d.addr, root, want, 3)
+        assert sorted(third) == list(range(1200)) and third != first
+        assert {p.name: p.stat().st_ino for p in shards.glob("derived-*")} == kept, "none written again"
+        assert daemon_maps(d, shards) <= kept.keys() and daemon_maps(d, shards), "served from the kept files"
+        assert d.stop() == 0
+        d = Daemon(tmp_path / "d", args=args).start()
+        assert sorted(payload_epoch(d.addr, root, want, 4)) == list(range(1200))
+        assert {p.name: p.stat().st_ino for p in shards.glob("derived-*")} == kept
+    finally:
+        if d.alive():
+            d.stop()
+    # Inside the default budget nothing is decoded twice, so nothing is kept.
+    d = Daemon(tmp_path / "e").start()
+    try:
+        for seed in (1, 2):
+            assert sorted(payload_epoch(d.addr, root, want, seed)) == list(range(1200))
+        assert not list((d.cache_dir / "shards").glob("derived-*"))
+        assert d.status()["cache"]["decoded_row_groups"] == 0
+    finally:
+        d.stop()
+
+
+def test_a_decoded_budget_out_of_range_stops_the_daemon_naming_the_flag(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [SHARDSTREAM, "serve", "--decoded-budget", "4KiB", "--cache-dir", str(tmp_path), "--print-config"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and "--decoded-budget must be at least 1 MiB" in out.stderr, out.stderr
+    out = subprocess.run(
+        [SHARDSTREAM, "serve", "--cache-dir", str(tmp_path), "--print-config"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SHARDSTREAM_DECODED_BUDGET": "3GiB"},
+        check=True,
+    )
+    assert f'decoded-budget = "{3 << 30}"' in out.stdout
 
 
 def test_binary_views_two_ranks_two_workers_with_a_transform_exactly_once(daemon, blobs) -> None:

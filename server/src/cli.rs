@@ -109,6 +109,11 @@ pub struct ServeArgs {
     /// then live in memory only, and every daemon decodes them again).
     #[arg(long, env = "SHARDSTREAM_NO_KEEP_DECODED")]
     pub no_keep_decoded: bool,
+    /// Memory for decoded Parquet row groups, shared by all streams (e.g. 4GiB). A shuffled
+    /// epoch decodes each row group about once while the dataset's selected columns, decoded,
+    /// fit; past that, row groups are decoded again every epoch.
+    #[arg(long, env = "SHARDSTREAM_DECODED_BUDGET", default_value = "1GiB", value_parser = limits::parse_decoded_budget)]
+    pub decoded_budget: u64,
     /// How far ahead of each consumer to fetch shards, in seconds of its consumption.
     #[arg(long, env = "SHARDSTREAM_PREFETCH_HORIZON", default_value_t = 60.0, value_parser = limits::parse_prefetch_horizon)]
     pub prefetch_horizon: f64,
@@ -290,6 +295,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     config.cache_size = args.cache_size;
     config.cache_policy = args.cache_policy;
     config.keep_decoded = !args.no_keep_decoded;
+    config.decoded_budget = args.decoded_budget;
     config.prefetch.horizon = Duration::from_secs_f64(args.prefetch_horizon);
     config.prefetch.parallel = args.prefetch_parallel;
     config.s3.part_size = args.s3_part_size;

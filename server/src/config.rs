@@ -159,6 +159,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("cache-size", args.cache_size.map(|b| b.to_string())),
         ("cache-policy", Some(format!("{:?}", args.cache_policy).to_lowercase())),
         ("no-keep-decoded", Some(args.no_keep_decoded.to_string())),
+        ("decoded-budget", Some(args.decoded_budget.to_string())),
         ("prefetch-horizon", Some(args.prefetch_horizon.to_string())),
         ("prefetch-parallel", Some(args.prefetch_parallel.to_string())),
         ("s3-part-size", Some(args.s3_part_size.to_string())),

@@ -39,6 +39,9 @@ pub struct DaemonConfig {
     /// Keep Parquet row groups decoded for binary views in the node cache (see
     /// `format::parquet::kept`).
     pub keep_decoded: bool,
+    /// Bytes of decoded Parquet row groups the daemon keeps in memory (see
+    /// `format::parquet::decoded`).
+    pub decoded_budget: u64,
     pub prefetch: crate::prefetch::PrefetchConfig,
     pub s3: crate::storage::s3::S3Options,
     /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
@@ -69,6 +72,7 @@ impl DaemonConfig {
             cache_size: None,
             cache_policy: crate::cache::table::Policy::Belady,
             keep_decoded: true,
+            decoded_budget: crate::format::parquet::decoded::DEFAULT_BUDGET_BYTES,
             prefetch: crate::prefetch::PrefetchConfig::default(),
             s3: crate::storage::s3::S3Options::default(),
             metrics_addr: None,
@@ -188,6 +192,7 @@ impl BoundDaemon {
             .await
             .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
         cache.set_keep_derived(cfg.keep_decoded);
+        crate::format::parquet::decoded::shared().set_budget(cfg.decoded_budget);
         let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
         let node_cache = cache.clone();
         let backends =

@@ -118,6 +118,8 @@ pub const THREADS: CountLimit = CountLimit { flag: "--threads", min: 1, max: 102
 
 pub const CACHE_SIZE: SizeLimit = SizeLimit { flag: "--cache-size", min: MIB, max: 1 << 50, why: "" };
 /// Seconds of consumption fetched ahead; a day is far past any useful horizon.
+pub const DECODED_BUDGET: SizeLimit =
+    SizeLimit { flag: "--decoded-budget", min: MIB, max: 1 << 50, why: "memory for decoded Parquet row groups" };
 pub const PREFETCH_HORIZON_MAX_S: f64 = 86_400.0;
 pub const PREFETCH_PARALLEL: CountLimit = CountLimit { flag: "--prefetch-parallel", min: 1, max: 256 };
 /// Ranged GETs: below 64 KiB the request overhead dominates; above 1 GiB one GET is one shard.
@@ -160,6 +162,9 @@ pub fn parse_threads(s: &str) -> Result<usize, String> {
 }
 pub fn parse_cache_size(s: &str) -> Result<u64, String> {
     CACHE_SIZE.parse(s)
+}
+pub fn parse_decoded_budget(s: &str) -> Result<u64, String> {
+    DECODED_BUDGET.parse(s)
 }
 pub fn parse_prefetch_horizon(s: &str) -> Result<f64, String> {
     let bad =

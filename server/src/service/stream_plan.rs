@@ -108,10 +108,10 @@ pub(super) fn plan_stream(
             let id = format!("{}@{}", ds.fingerprint, ds.url);
             let asm = BatchAssembler::new(pq.clone(), projection, cache, &id)?;
             let asm = if req.arrow_binary_views { asm.with_binary_views()? } else { asm };
-            // Row groups decoded for views are kept on the node's disk, for this daemon and the
-            // next one (see `format::parquet::kept`).
+            // Row groups decoded for views, and others decoded a second time, are kept on the
+            // node's disk, for this daemon and the next one (see `format::parquet::kept`).
             let asm = match ds.node_cache() {
-                Some(nc) if asm.binary_views() && nc.keeps_derived() => {
+                Some(nc) if nc.keeps_derived() => {
                     let kept = super::kept::NodeKept::new(nc.clone(), ds.clone(), asm.projection_id());
                     asm.with_kept(Arc::new(kept))
                 }

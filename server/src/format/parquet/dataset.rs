@@ -337,11 +337,12 @@ impl BatchAssembler {
         })
     }
 
-    /// This assembler, keeping the row groups it decodes for binary views in `kept` and loading
-    /// them from there (see [`super::kept`]). Without [`Self::with_binary_views`] it changes
-    /// nothing.
+    /// This assembler, keeping row groups it decodes in `kept` and loading them from there (see
+    /// [`super::kept`]): with [`Self::with_binary_views`] every row group it decodes; without,
+    /// those it decodes a second time (the decoded budget could not hold them), and only when
+    /// every selected column is flat. Call it after [`Self::with_binary_views`].
     pub fn with_kept(mut self, kept: Arc<dyn super::kept::KeptRowGroups>) -> Self {
-        self.kept = self.views.then_some(kept);
+        self.kept = (self.views || self.per_file.iter().all(FileProjection::views)).then_some(kept);
         self
     }
 
@@ -529,7 +530,8 @@ impl BatchAssembler {
 
     /// `batch` (row group `rg` of file `fi`, just decoded) kept on the node's disk and loaded
     /// from there (the file is its arena), when the node cache takes it. None when it does not
-    /// (no room, or the disk failed: the row group then gets a memfd arena, as without a cache).
+    /// (no room, or the disk failed): the caller serves the row group from memory then (for
+    /// views, in a memfd arena), as without a cache.
     fn keep(&self, fi: usize, rg: usize, batch: &RecordBatch) -> Option<RecordBatch> {
         let kept = self.kept.as_ref()?;
         let file = &self.dataset.files[fi];
@@ -583,6 +585,11 @@ impl BatchAssembler {
                         Error::Unavailable(format!("Parquet file {}: a row group for binary_views: {e}", file.name))
                     })?;
                     Ok(batch)
+                }
+                // Decoded before and let go of: the budget cannot hold this projection, and
+                // without a kept copy every later epoch would decode it again.
+                (Ok((batch, _)), _) if self.kept.is_some() && self.cache.decoded_before(&key) => {
+                    Ok(self.keep(fi, rg, &batch).unwrap_or(batch))
                 }
                 (Ok((batch, _)), _) => Ok(batch),
                 // The storage's own error (a truncated shard, a failing disk) says more.

@@ -21,7 +21,8 @@ use arrow_array::RecordBatch;
 /// groups of `pack`'s ~20 MB) for a few streams, small beside the node cache.
 pub const DEFAULT_BUDGET_BYTES: u64 = 1 << 30;
 
-/// The daemon's cache, shared by every stream (made on first use with [`DEFAULT_BUDGET_BYTES`]).
+/// The daemon's cache, shared by every stream (made on first use with [`DEFAULT_BUDGET_BYTES`];
+/// `serve --decoded-budget` sets another with [`DecodedCache::set_budget`]).
 pub fn shared() -> Arc<DecodedCache> {
     static SHARED: std::sync::OnceLock<Arc<DecodedCache>> = std::sync::OnceLock::new();
     SHARED.get_or_init(|| Arc::new(DecodedCache::new(DEFAULT_BUDGET_BYTES))).clone()
@@ -96,9 +97,16 @@ struct State {
     /// last_use -> key: the eviction order.
     lru: BTreeMap<u64, RowGroupKey>,
     decoding: HashSet<RowGroupKey>,
+    /// Row groups decoded once and then let go of (evicted, or too large to keep): decoding one
+    /// again means the budget cannot hold this projection's working set. Cleared when it reaches
+    /// [`MAX_LET_GO`] keys, which only makes a later [`DecodedCache::decoded_before`] say no.
+    let_go: HashSet<RowGroupKey>,
     tick: u64,
     stats: DecodedStats,
 }
+
+/// Bound of [`State::let_go`]: a million keys (some tens of MB).
+const MAX_LET_GO: usize = 1 << 20;
 
 #[derive(Debug)]
 pub struct DecodedCache {
@@ -120,6 +128,21 @@ impl DecodedCache {
 
     pub fn stats(&self) -> DecodedStats {
         self.lock().stats
+    }
+
+    /// Whether row group `key` was decoded before and then let go of: a decode of it now is a
+    /// second one (see `super::kept` for what a stream does with that).
+    pub fn decoded_before(&self, key: &RowGroupKey) -> bool {
+        self.lock().let_go.contains(key)
+    }
+
+    /// Bounds the cache at `budget` bytes from now on, evicting the least recently used row
+    /// groups until it fits.
+    pub fn set_budget(&self, budget: u64) {
+        let mut st = self.lock();
+        st.stats.budget = budget;
+        st.evict_to(0);
+        crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
     }
 
     /// The decoded row group `key` when it is cached (counted as a hit; a miss is not counted:
@@ -181,22 +204,40 @@ impl State {
     }
 
     fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>, bytes: u64) {
-        if bytes > self.stats.budget || self.map.contains_key(&key) {
+        if self.map.contains_key(&key) {
             return;
         }
-        while self.stats.bytes + bytes > self.stats.budget {
-            let Some((_, old)) = self.lru.pop_first() else { break };
-            if let Some(e) = self.map.remove(&old) {
-                self.stats.bytes -= e.bytes;
-                self.stats.evictions += 1;
-            }
+        if bytes > self.stats.budget {
+            self.let_go_of(key);
+            return;
         }
+        self.evict_to(bytes);
         self.tick += 1;
         self.lru.insert(self.tick, key.clone());
         self.map.insert(key, Entry { batch, bytes, last_use: self.tick });
         self.stats.bytes += bytes;
         self.stats.entries = self.map.len() as u64;
         crate::metrics::parquet_decoded(self.stats.bytes, self.stats.budget);
+    }
+
+    /// Evicts least recently used row groups until `room` more bytes fit in the budget.
+    fn evict_to(&mut self, room: u64) {
+        while self.stats.bytes + room > self.stats.budget {
+            let Some((_, old)) = self.lru.pop_first() else { break };
+            if let Some(e) = self.map.remove(&old) {
+                self.stats.bytes -= e.bytes;
+                self.stats.evictions += 1;
+                self.let_go_of(old);
+            }
+        }
+        self.stats.entries = self.map.len() as u64;
+    }
+
+    fn let_go_of(&mut self, key: RowGroupKey) {
+        if self.let_go.len() >= MAX_LET_GO {
+            self.let_go.clear();
+        }
+        self.let_go.insert(key);
     }
 }
 
@@ -277,6 +318,8 @@ mod tests {
         get(0);
         get(2);
         assert_eq!(decodes.load(Ordering::Relaxed), 4);
+        assert!(cache.decoded_before(&key(1)), "evicted");
+        assert!(!cache.decoded_before(&key(0)) && !cache.decoded_before(&key(9)), "cached, never decoded");
         get(1);
         assert_eq!(decodes.load(Ordering::Relaxed), 5);
         // Larger than the budget: handed out, not kept.
@@ -284,9 +327,27 @@ mod tests {
         let b = small.get_or_decode(&key(0), || Ok::<_, ()>(testdata::mixed_batch(0..100))).unwrap();
         assert_eq!(b.num_rows(), 100);
         assert_eq!(small.stats().entries, 0);
+        assert!(small.decoded_before(&key(0)), "too large to keep: let go of at once");
         // An error is not cached.
         assert!(small.get_or_decode(&key(1), || Err::<RecordBatch, _>("bad")).is_err());
         assert_eq!(small.stats().entries, 0);
+    }
+
+    #[test]
+    fn a_smaller_budget_evicts_the_least_recently_used_at_once() {
+        let size = held_bytes(&testdata::mixed_batch(0..100));
+        let cache = DecodedCache::new(4 * size);
+        for rg in 0..4 {
+            cache.get_or_decode(&key(rg), || Ok::<_, ()>(testdata::mixed_batch(0..100))).unwrap();
+        }
+        cache.get(&key(0));
+        cache.set_budget(2 * size);
+        let s = cache.stats();
+        assert_eq!((s.budget, s.entries, s.bytes, s.evictions), (2 * size, 2, 2 * size, 2));
+        assert!(cache.get(&key(0)).is_some() && cache.get(&key(3)).is_some(), "the two most recent stay");
+        assert!(cache.get(&key(1)).is_none() && cache.get(&key(2)).is_none());
+        cache.set_budget(8 * size);
+        assert_eq!(cache.stats().entries, 2, "a larger budget evicts nothing");
     }
 
     #[test]

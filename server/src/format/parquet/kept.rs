@@ -1,9 +1,18 @@
-//! Decoded row groups kept on the node's disk, so that a daemon started later (the next job's
-//! sidecar, a restart after an upgrade) serves binary-view streams without decoding again.
+//! Decoded row groups kept on the node's disk, so that later epochs and a daemon started later
+//! (the next job's sidecar, a restart after an upgrade) serve them without decoding again.
 //!
 //! A stream with `binary_views` copies each decoded row group's binary values once, into an
 //! arena its clients map ([`super::arena`]). Where the daemon has a node cache, that arena is a
-//! file there instead of a memfd: the row group as decoded, written as an Arrow IPC file. The
+//! file there instead of a memfd: the row group as decoded, written as an Arrow IPC file.
+//!
+//! A stream without views keeps a row group only when it decodes it a second time: the decoded
+//! budget let go of it, so the projection's working set does not fit in memory and every epoch
+//! would decode it again. Keeping it from the first decode would cost every run the writing,
+//! also a single-epoch run that never reads it again; keeping it from the second costs one more
+//! decode where a run has several epochs. Only projections decoded as views (every column flat)
+//! are kept this way; what such a stream gathers from a kept file is the same as from memory.
+//!
+//! The
 //! file is a derived node-cache entry (`cache` module docs: published without an fsync, trusted
 //! by the next start only after a clean shutdown), keyed by the Parquet file's identity, the row
 //! group and the stream's projection, so a changed file or other columns never reuse it.
