@@ -25,6 +25,10 @@ wrong), each in a fresh process so that one's caches do not help the next:
   are then decoded already: what a daemon that outlives its epochs serves from the second on, as
   long as the decoded set fits its budget (1 GiB by default). The counterpart of ``hf_map``, whose
   conversion is reported as prep and left out of its epoch.
+- ``ss_arrow+kept``: the third epoch on one daemon (two others, other seeds, before it). Where the
+  decoded set outgrows the budget (the image set at 100,000 rows), the second epoch decodes each
+  row group again and keeps it in the node cache (so ``ss_arrow+warm`` pays that writing), and
+  from the third on the row groups are loaded from there; where it fits, the same as ``+warm``.
 - ``ss_views`` / ``ss_views+warm``: ``format="arrow", binary_views=True``: the image column as
   ``binary_view`` arrays pointing into the daemon's decoded row groups (no copy of the values); the
   consumer reads each image through its view (``_binary_views``), the same bytes it reads elsewhere.
@@ -90,11 +94,14 @@ PEERS = [
     "ss_dict",
     "ss_arrow",
     "ss_arrow+warm",
+    "ss_arrow+kept",
     "ss_views",
     "ss_views+warm",
     "ss_views+node",
 ]
 WARM = "+warm"
+# Two epochs on one daemon, then the measured third.
+KEPT = "+kept"
 # A first epoch on one daemon, then the measured one on a fresh daemon over the same node cache.
 NODE = "+node"
 # A daemon that keeps no decoded row groups in its node cache (`serve --no-keep-decoded`).
@@ -399,7 +406,7 @@ def applies(peer: str, kind: str) -> bool:
 def reader_of(peer: str) -> str:
     """The reader a peer runs: `ss_arrow@before` is `ss_arrow` of the build named `before`,
     `ss_arrow+warm` is `ss_arrow` after a first epoch."""
-    return peer.partition("@")[0].removesuffix(WARM).removesuffix(NODE).removesuffix(NOKEEP)
+    return peer.partition("@")[0].removesuffix(WARM).removesuffix(KEPT).removesuffix(NODE).removesuffix(NOKEEP)
 
 
 def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
@@ -746,10 +753,13 @@ def main() -> None:
                         d = bench_daemon.Daemon.start(work / f"{rep}-{kind}-{peer}", env=env, site=sites.get(peer))
                     try:
                         addr, pid = (d.addr, d.pid) if d else ("", None)
-                        if WARM in peer or NODE in peer:
-                            first = child(peer, kind, data[kind], addr, rows[kind], pid, sites.get(peer), seed=SEED + 1)
+                        before = 2 if KEPT in peer else 1 if WARM in peer or NODE in peer else 0
+                        for e in range(before):
+                            first = child(
+                                peer, kind, data[kind], addr, rows[kind], pid, sites.get(peer), seed=SEED + 1 + e
+                            )
                             if "error" in first:
-                                raise RuntimeError(f"{peer}: first epoch failed: {first['error']}")
+                                raise RuntimeError(f"{peer}: epoch {e + 1} before failed: {first['error']}")
                         if d and NODE in peer:
                             if d.stop() != 0:
                                 raise RuntimeError(f"{peer}: the first daemon did not stop cleanly: {d.log_tail()}")

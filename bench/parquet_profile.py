@@ -30,12 +30,15 @@ def main() -> None:
     ap.add_argument("rows", type=int)
     ap.add_argument("reader", nargs="?", default="ss_arrow")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--warm", type=int, default=1, help="epochs before the profiled one (other seeds)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pq-profile-"))
     d = bench_daemon.Daemon.start(work)
     data = work / "perf.data"
     try:
-        print("warm:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid))
+        for e in range(args.warm):
+            seed = pb.SEED + 1 + e
+            print("warm:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid, seed=seed))
         perf = subprocess.Popen(
             ["perf", "record", "-g", "-F", "499", "-o", str(data), "-p", str(d.pid)],
             stdout=subprocess.DEVNULL,

@@ -15,9 +15,11 @@ use arrow_array::RecordBatch;
 use arrow_array::cast::AsArray;
 use arrow_array::types::Int64Type;
 use shardstream::Error;
+use shardstream::format::parquet::ParquetError;
 use shardstream::format::parquet::dataset::{BatchAssembler, DatasetFile, LocalFiles, ParquetDataset, open_local};
 use shardstream::format::parquet::decoded::DecodedCache;
 use shardstream::format::parquet::ipc;
+use shardstream::format::parquet::kept::KeptRowGroups;
 use shardstream::plan::{self, EpochParams, WorkerParams};
 use shardstream::storage::local::ShardFile;
 
@@ -327,4 +329,95 @@ fn a_batch_places_its_rows_by_scan_or_map_alike() {
         assert_eq!(ids(&batch), rows_of.iter().map(|&i| i as i64).collect::<Vec<_>>());
     }
     assert!(asm.places(&[400]).unwrap_err().to_string().contains("past the dataset's 400 rows"));
+}
+
+/// Kept row groups in a directory, counting what is written and opened.
+#[derive(Debug)]
+struct DirKept {
+    dir: std::path::PathBuf,
+    writes: std::sync::atomic::AtomicU32,
+    opens: std::sync::atomic::AtomicU32,
+}
+
+impl DirKept {
+    fn path(&self, file: usize, rg: usize) -> std::path::PathBuf {
+        self.dir.join(format!("{file}-{rg}"))
+    }
+    fn count(n: &std::sync::atomic::AtomicU32) -> u32 {
+        n.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl KeptRowGroups for DirKept {
+    fn open(&self, file: usize, rg: usize) -> Option<std::fs::File> {
+        let f = std::fs::File::open(self.path(file, rg)).ok()?;
+        self.opens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(f)
+    }
+
+    fn keep(
+        &self,
+        file: usize,
+        rg: usize,
+        _bytes: u64,
+        write: &mut dyn FnMut(&std::fs::File) -> Result<(), ParquetError>,
+    ) -> Result<Option<std::fs::File>, ParquetError> {
+        let path = self.path(file, rg);
+        assert!(!path.try_exists().unwrap(), "row group {file}/{rg} kept twice");
+        write(&std::fs::File::create(&path).unwrap())?;
+        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(std::fs::File::open(path).unwrap()))
+    }
+
+    fn discard(&self, file: usize, rg: usize) {
+        let _ = std::fs::remove_file(self.path(file, rg));
+    }
+}
+
+/// A projection whose decoded row groups outgrow the budget: the first epoch keeps nothing; the
+/// second keeps every row group, those it decodes again and those the first left in memory; the
+/// third decodes none and writes none. Every batch holds the rows its ids name.
+#[test]
+fn row_groups_the_budget_lets_go_of_are_kept_from_their_second_decode_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
+    let fields: Vec<String> = ["id", "caption", "image"].map(String::from).to_vec();
+    let proj = ds.projection(Some(&fields)).unwrap();
+    let units = ds.unit_rows().len() as u64;
+    let whole = {
+        let cache = Arc::new(DecodedCache::new(1 << 30));
+        let asm = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap();
+        asm.batch(&(0..400).collect::<Vec<u64>>(), &files).unwrap();
+        cache.stats().bytes
+    };
+    let cache = Arc::new(DecodedCache::new(whole * 2 / 3));
+    let kept_dir = tempfile::tempdir().unwrap();
+    let kept = Arc::new(DirKept { dir: kept_dir.path().to_owned(), writes: 0.into(), opens: 0.into() });
+    let asm = BatchAssembler::new(ds.clone(), proj, cache.clone(), "ds").unwrap().with_kept(kept.clone());
+    let full = testdata::mixed_batch(0..400);
+    let epoch = |seed: u64| {
+        let p = EpochParams { world_size: 1, rank: 0, ..params(seed, 0) };
+        let seq = plan::rank_sequence(ds.unit_rows(), &p).unwrap();
+        for chunk in seq.chunks(16) {
+            let b = asm.batch(chunk, &files).unwrap();
+            for (k, &id) in chunk.iter().enumerate() {
+                let want = full.slice(id as usize, 1).project(&[0, 2, 3]).unwrap();
+                assert_eq!(&b.slice(k, 1).columns()[..3], want.columns(), "row {id}");
+            }
+        }
+    };
+    epoch(1);
+    assert_eq!(DirKept::count(&kept.writes), 0, "one decode of each row group: nothing kept");
+    let after_first = cache.stats();
+    assert_eq!(after_first.misses, units);
+    assert!(after_first.entries > 0 && after_first.evictions > 0);
+    epoch(2);
+    assert_eq!(DirKept::count(&kept.writes), units as u32, "every row group kept by the second epoch");
+    let (misses, opens) = (cache.stats().misses, DirKept::count(&kept.opens));
+    epoch(3);
+    assert_eq!(DirKept::count(&kept.writes), units as u32, "nothing written again");
+    // What the budget let go of comes back from the kept files, never decoded.
+    let loaded = DirKept::count(&kept.opens) - opens;
+    assert_eq!(cache.stats().misses - misses, u64::from(loaded));
+    assert!(loaded > 0);
 }

@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Schema, SchemaRef};
@@ -179,6 +180,11 @@ pub struct BatchAssembler {
     views: bool,
     /// Where decoded row groups are kept on disk ([`Self::with_kept`]).
     kept: Option<Arc<dyn super::kept::KeptRowGroups>>,
+    /// Without views: set by the first row group decoded a second time (the budget cannot hold
+    /// this projection); from then on every row group this stream uses is kept.
+    spilling: AtomicBool,
+    /// Per plan unit: kept on disk already, or tried (no room), so not to be kept again.
+    settled: Vec<AtomicBool>,
 }
 
 /// Field metadata key of a column delivered as views ([`BatchAssembler::with_binary_views`]): a
@@ -334,6 +340,8 @@ impl BatchAssembler {
             schema_message,
             views: false,
             kept: None,
+            spilling: AtomicBool::new(false),
+            settled: Vec::new(),
         })
     }
 
@@ -343,7 +351,13 @@ impl BatchAssembler {
     /// every selected column is flat. Call it after [`Self::with_binary_views`].
     pub fn with_kept(mut self, kept: Arc<dyn super::kept::KeptRowGroups>) -> Self {
         self.kept = (self.views || self.per_file.iter().all(FileProjection::views)).then_some(kept);
+        self.settled = (0..self.dataset.units.len()).map(|_| AtomicBool::new(false)).collect();
         self
+    }
+
+    /// Whether a row group this stream uses, decoded in memory, is to be kept on disk now.
+    fn spills(&self) -> bool {
+        !self.views && self.kept.is_some() && self.spilling.load(Relaxed)
     }
 
     /// What tells this assembler's decoded row groups apart from other projections' (the
@@ -552,10 +566,20 @@ impl BatchAssembler {
         }
     }
 
-    /// Plan unit `u` when it is decoded already.
+    /// Plan unit `u` when it is decoded already (and need not be kept now: see
+    /// [`Self::row_group`]).
     fn cached(&self, u: usize) -> Option<Arc<RecordBatch>> {
         let (fi, rg) = self.dataset.unit(u)?;
+        if self.spills() && !self.settled.get(u).is_some_and(|s| s.load(Relaxed)) {
+            return None;
+        }
         self.cache.get(&self.key(fi, rg))
+    }
+
+    fn settle(&self, u: usize) {
+        if let Some(s) = self.settled.get(u) {
+            s.store(true, Relaxed);
+        }
     }
 
     /// The decoded plan unit `u` (a row group), from the cache or decoded now.
@@ -563,8 +587,9 @@ impl BatchAssembler {
         let (fi, rg) = self.dataset.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
         let file = &self.dataset.files[fi];
         let key = self.key(fi, rg);
-        self.cache.get_or_decode(&key, || {
+        let batch = self.cache.get_or_decode(&key, || {
             if let Some(batch) = self.kept(fi, rg) {
+                self.settle(u);
                 return Ok(batch);
             }
             let mut io_error = None;
@@ -588,7 +613,9 @@ impl BatchAssembler {
                 }
                 // Decoded before and let go of: the budget cannot hold this projection, and
                 // without a kept copy every later epoch would decode it again.
-                (Ok((batch, _)), _) if self.kept.is_some() && self.cache.decoded_before(&key) => {
+                (Ok((batch, _)), _) if self.kept.is_some() && (self.spills() || self.cache.decoded_before(&key)) => {
+                    self.spilling.store(true, Relaxed);
+                    self.settle(u);
                     Ok(self.keep(fi, rg, &batch).unwrap_or(batch))
                 }
                 (Ok((batch, _)), _) => Ok(batch),
@@ -596,7 +623,19 @@ impl BatchAssembler {
                 (Err(_), Some(e)) => Err(e),
                 (Err(e), None) => Err(e.into_error(&file.name)),
             }
-        })
+        })?;
+        // Decoded in memory before the stream found the projection too large for the budget
+        // (the row groups an epoch ends with are still there when the next begins): kept now,
+        // from memory, or the epoch after would decode them once more.
+        if self.spills()
+            && self.settled.get(u).is_some_and(|s| !s.swap(true, Relaxed))
+            && let Some(kept) = self.keep(fi, rg, &batch)
+        {
+            let kept = Arc::new(kept);
+            self.cache.replace(&key, kept.clone());
+            return Ok(kept);
+        }
+        Ok(batch)
     }
 }
 

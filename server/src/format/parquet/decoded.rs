@@ -136,6 +136,18 @@ impl DecodedCache {
         self.lock().let_go.contains(key)
     }
 
+    /// Row group `key` as `batch` from now on (the same rows, held elsewhere: loaded from a kept
+    /// file), whether or not the cache held it.
+    pub fn replace(&self, key: &RowGroupKey, batch: Arc<RecordBatch>) {
+        let bytes = held_bytes(&batch);
+        let mut st = self.lock();
+        if let Some(old) = st.map.remove(key) {
+            st.lru.remove(&old.last_use);
+            st.stats.bytes -= old.bytes;
+        }
+        st.insert(key.clone(), batch, bytes);
+    }
+
     /// Bounds the cache at `budget` bytes from now on, evicting the least recently used row
     /// groups until it fits.
     pub fn set_budget(&self, budget: u64) {
