@@ -1066,11 +1066,12 @@ def test_row_groups_decoded_again_past_the_budget_are_kept_and_served_from_disk(
         assert m["shardstream_parquet_decoded_budget_bytes"] == 1 << 20
         assert 0 < m["shardstream_parquet_decoded_bytes"] <= 1 << 20
         # The shuffle window spans all 12 row groups and the budget holds 2: some are decoded
-        # again within the first epoch already, and the second decodes every one again.
+        # again within the first epoch already, and the second decodes every one again. They are
+        # written in the background.
         assert sorted(payload_epoch(d.addr, root, want, 2)) == list(range(1200))
+        assert wait_for(lambda: d.status()["cache"]["decoded_row_groups"] == 12, timeout=30), d.status()
         kept = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
         assert len(kept) == 12, sorted(kept)
-        assert d.status()["cache"]["decoded_row_groups"] == 12
         third = payload_epoch(d.addr, root, want, 3)
         assert sorted(third) == list(range(1200)) and third != first
         assert {p.name: p.stat().st_ino for p in shards.glob("derived-*")} == kept, "none written again"

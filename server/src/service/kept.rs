@@ -5,25 +5,27 @@ use std::fs::File;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
+use arrow_array::RecordBatch;
+
 use crate::cache::NodeCache;
 use crate::format::parquet::ParquetError;
-use crate::format::parquet::kept::KeptRowGroups;
+use crate::format::parquet::kept::{self, Done, KeptRowGroups};
 use crate::index::Dataset;
 
-/// The derived entries of one dataset and assembler projection.
-#[derive(Debug)]
+/// The derived entries of one dataset and assembler projection (clones share everything).
+#[derive(Debug, Clone)]
 pub struct NodeKept {
     cache: Arc<NodeCache>,
     ds: Arc<Dataset>,
     projection: u64,
     /// Set by the first fill that failed (a full or failing disk): the stream keeps nothing more,
     /// rather than failing (and logging) once per row group.
-    failed: AtomicBool,
+    failed: Arc<AtomicBool>,
 }
 
 impl NodeKept {
     pub fn new(cache: Arc<NodeCache>, ds: Arc<Dataset>, projection: u64) -> Self {
-        Self { cache, ds, projection, failed: AtomicBool::new(false) }
+        Self { cache, ds, projection, failed: Arc::new(AtomicBool::new(false)) }
     }
 
     fn key(&self, file: usize, rg: usize) -> String {
@@ -74,5 +76,27 @@ impl KeptRowGroups for NodeKept {
 
     fn discard(&self, file: usize, rg: usize) {
         self.cache.remove_derived(&self.key(file, rg));
+    }
+
+    /// On the daemon's background writer (`super::kept_writer`).
+    fn keep_later(&self, file: usize, rg: usize, batch: Arc<RecordBatch>, done: Done) -> bool {
+        if self.failed.load(Relaxed) {
+            done(None);
+            return true;
+        }
+        let Some(writer) = super::kept_writer::shared() else {
+            done(None);
+            return true;
+        };
+        let this = self.clone();
+        let bytes = crate::format::parquet::decoded::held_bytes(&batch);
+        writer.submit(
+            bytes,
+            Box::new(move || {
+                let opened = kept::keep_now(&this, file, rg, &batch);
+                drop(batch);
+                done(opened);
+            }),
+        )
     }
 }

@@ -7,6 +7,7 @@
 mod arrow_stream;
 mod batches;
 mod kept;
+mod kept_writer;
 mod outbox;
 mod projected;
 mod sample_stream;

@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
 
 use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Schema, SchemaRef};
@@ -183,9 +183,15 @@ pub struct BatchAssembler {
     /// Without views: set by the first row group decoded a second time (the budget cannot hold
     /// this projection); from then on every row group this stream uses is kept.
     spilling: AtomicBool,
-    /// Per plan unit: kept on disk already, or tried (no room), so not to be kept again.
-    settled: Vec<AtomicBool>,
+    /// Per plan unit, while spilling: [`UNKEPT`], [`QUEUED`] or [`SETTLED`].
+    keeping: Arc<Vec<AtomicU8>>,
 }
+
+/// States of a plan unit's keeping ([`BatchAssembler::keep_later`]): not kept, handed to the
+/// writer, kept (or no room for it: not tried again).
+const UNKEPT: u8 = 0;
+const QUEUED: u8 = 1;
+const SETTLED: u8 = 2;
 
 /// Field metadata key of a column delivered as views ([`BatchAssembler::with_binary_views`]): a
 /// `fixed_size_binary(16)` column of Arrow binary views; the value names the column's type
@@ -341,7 +347,7 @@ impl BatchAssembler {
             views: false,
             kept: None,
             spilling: AtomicBool::new(false),
-            settled: Vec::new(),
+            keeping: Arc::new(Vec::new()),
         })
     }
 
@@ -351,7 +357,7 @@ impl BatchAssembler {
     /// every selected column is flat. Call it after [`Self::with_binary_views`].
     pub fn with_kept(mut self, kept: Arc<dyn super::kept::KeptRowGroups>) -> Self {
         self.kept = (self.views || self.per_file.iter().all(FileProjection::views)).then_some(kept);
-        self.settled = (0..self.dataset.units.len()).map(|_| AtomicBool::new(false)).collect();
+        self.keeping = Arc::new((0..self.dataset.units.len()).map(|_| AtomicU8::new(UNKEPT)).collect());
         self
     }
 
@@ -570,15 +576,48 @@ impl BatchAssembler {
     /// [`Self::row_group`]).
     fn cached(&self, u: usize) -> Option<Arc<RecordBatch>> {
         let (fi, rg) = self.dataset.unit(u)?;
-        if self.spills() && !self.settled.get(u).is_some_and(|s| s.load(Relaxed)) {
+        if self.spills() && self.keeping.get(u).is_some_and(|s| s.load(Relaxed) == UNKEPT) {
             return None;
         }
         self.cache.get(&self.key(fi, rg))
     }
 
     fn settle(&self, u: usize) {
-        if let Some(s) = self.settled.get(u) {
-            s.store(true, Relaxed);
+        if let Some(s) = self.keeping.get(u) {
+            s.store(SETTLED, Relaxed);
+        }
+    }
+
+    /// Hands plan unit `u` (row group `rg` of file `fi`, decoded in memory as `batch`) to the
+    /// kept row groups to write when convenient; once written, the decoded cache holds the kept
+    /// file's mapping in place of `batch`, if it still holds the row group.
+    fn keep_later(&self, u: usize, fi: usize, rg: usize, key: RowGroupKey, batch: &Arc<RecordBatch>) {
+        let (Some(kept), Some(state)) = (self.kept.as_ref(), self.keeping.get(u)) else { return };
+        if state.compare_exchange(UNKEPT, QUEUED, Relaxed, Relaxed).is_err() {
+            return;
+        }
+        let file = &self.dataset.files[fi];
+        let (keeping, cache, name, schema) =
+            (self.keeping.clone(), self.cache.clone(), file.name.clone(), batch.schema());
+        let (discard, index, rows) = (kept.clone(), file.index, batch.num_rows());
+        let done: super::kept::Done = Box::new(move |opened| {
+            if let Some(f) = opened {
+                match super::kept::load(f, &name, &schema, rows) {
+                    Ok(b) => cache.replace(&key, Arc::new(b)),
+                    Err(e) => {
+                        tracing::warn!(file = %name, row_group = rg, error = %e, "a row group just kept did not load");
+                        discard.discard(index, rg);
+                    }
+                }
+            }
+            // Kept, or no room for it: either way not tried again by this stream.
+            if let Some(s) = keeping.get(u) {
+                s.store(SETTLED, Relaxed);
+            }
+        });
+        if !kept.keep_later(file.index, rg, batch.clone(), done) {
+            // The writer is busy: the next use tries again.
+            state.store(UNKEPT, Relaxed);
         }
     }
 
@@ -611,29 +650,26 @@ impl BatchAssembler {
                     })?;
                     Ok(batch)
                 }
-                // Decoded before and let go of: the budget cannot hold this projection, and
-                // without a kept copy every later epoch would decode it again.
-                (Ok((batch, _)), _) if self.kept.is_some() && (self.spills() || self.cache.decoded_before(&key)) => {
-                    self.spilling.store(true, Relaxed);
-                    self.settle(u);
-                    Ok(self.keep(fi, rg, &batch).unwrap_or(batch))
+                (Ok((batch, _)), _) => {
+                    // Decoded before and let go of: the budget cannot hold this projection, and
+                    // without kept copies every later epoch would decode it all again.
+                    if self.kept.is_some() && !self.spills() && self.cache.decoded_before(&key) {
+                        tracing::debug!(file = %file.name, row_group = rg, "a row group decoded again: keeping this stream's row groups on disk");
+                        self.spilling.store(true, Relaxed);
+                    }
+                    Ok(batch)
                 }
-                (Ok((batch, _)), _) => Ok(batch),
                 // The storage's own error (a truncated shard, a failing disk) says more.
                 (Err(_), Some(e)) => Err(e),
                 (Err(e), None) => Err(e.into_error(&file.name)),
             }
         })?;
-        // Decoded in memory before the stream found the projection too large for the budget
-        // (the row groups an epoch ends with are still there when the next begins): kept now,
-        // from memory, or the epoch after would decode them once more.
-        if self.spills()
-            && self.settled.get(u).is_some_and(|s| !s.swap(true, Relaxed))
-            && let Some(kept) = self.keep(fi, rg, &batch)
-        {
-            let kept = Arc::new(kept);
-            self.cache.replace(&key, kept.clone());
-            return Ok(kept);
+        // Every row group a spilling stream uses in memory is kept: those it decodes again, and
+        // those decoded before it found the projection too large for the budget (the row groups
+        // an epoch ends with are still in memory when the next begins; not kept now, the epoch
+        // after would decode them once more).
+        if self.spills() {
+            self.keep_later(u, fi, rg, key, &batch);
         }
         Ok(batch)
     }

@@ -137,15 +137,17 @@ impl DecodedCache {
     }
 
     /// Row group `key` as `batch` from now on (the same rows, held elsewhere: loaded from a kept
-    /// file), whether or not the cache held it.
+    /// file), when the cache holds it; its place in the eviction order stays.
     pub fn replace(&self, key: &RowGroupKey, batch: Arc<RecordBatch>) {
         let bytes = held_bytes(&batch);
-        let mut st = self.lock();
-        if let Some(old) = st.map.remove(key) {
-            st.lru.remove(&old.last_use);
-            st.stats.bytes -= old.bytes;
-        }
-        st.insert(key.clone(), batch, bytes);
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let Some(e) = st.map.get_mut(key) else { return };
+        st.stats.bytes = st.stats.bytes - e.bytes + bytes;
+        e.batch = batch;
+        e.bytes = bytes;
+        st.evict_to(0);
+        crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
     }
 
     /// Bounds the cache at `budget` bytes from now on, evicting the least recently used row
@@ -360,6 +362,19 @@ mod tests {
         assert!(cache.get(&key(1)).is_none() && cache.get(&key(2)).is_none());
         cache.set_budget(8 * size);
         assert_eq!(cache.stats().entries, 2, "a larger budget evicts nothing");
+    }
+
+    #[test]
+    fn a_replaced_row_group_is_held_as_its_new_batch_only_while_cached() {
+        let cache = DecodedCache::new(1 << 30);
+        cache.get_or_decode(&key(0), || Ok::<_, ()>(testdata::mixed_batch(0..100))).unwrap();
+        let smaller = Arc::new(testdata::mixed_batch(0..10));
+        cache.replace(&key(0), smaller.clone());
+        assert!(Arc::ptr_eq(&cache.get(&key(0)).unwrap(), &smaller));
+        assert_eq!(cache.stats().bytes, held_bytes(&smaller));
+        cache.replace(&key(1), smaller);
+        assert!(cache.get(&key(1)).is_none(), "not cached: not added");
+        assert_eq!(cache.stats().entries, 1);
     }
 
     #[test]

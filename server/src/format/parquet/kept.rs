@@ -32,6 +32,7 @@ use arrow_ipc::writer::FileWriter;
 use arrow_schema::SchemaRef;
 use std::fs::File;
 use std::io::Write;
+use std::sync::Arc;
 
 use super::ParquetError;
 use super::arena::{self, Arena};
@@ -54,6 +55,31 @@ pub trait KeptRowGroups: Send + Sync + std::fmt::Debug {
 
     /// Drops a kept row group that did not load (damaged on disk).
     fn discard(&self, file: usize, rg: usize);
+
+    /// Keeps row group `rg` of file `file`, decoded as `batch`, when convenient (a stream
+    /// without views serves it from memory meanwhile), then calls `done` with the kept file
+    /// opened for reading, or None (no room, or the disk failed). False, with `done` dropped
+    /// uncalled, when it cannot be taken now: the caller may try again later. This default
+    /// keeps it at once, in the caller.
+    fn keep_later(&self, file: usize, rg: usize, batch: Arc<RecordBatch>, done: Done) -> bool {
+        done(keep_now(self, file, rg, &batch));
+        true
+    }
+}
+
+/// What [`KeptRowGroups::keep_later`] calls once it has kept a row group, or failed to.
+pub type Done = Box<dyn FnOnce(Option<File>) + Send>;
+
+/// `batch` (row group `rg` of file `file`) kept by `kept` now: the kept file, or None (no room;
+/// a failure is logged).
+pub fn keep_now<K: KeptRowGroups + ?Sized>(kept: &K, file: usize, rg: usize, batch: &RecordBatch) -> Option<File> {
+    match kept.keep(file, rg, bound(batch), &mut |f| write(batch, f)) {
+        Ok(opened) => opened,
+        Err(e) => {
+            tracing::warn!(file, row_group = rg, error = %e, "cannot keep a decoded row group on disk");
+            None
+        }
+    }
 }
 
 /// Writes below this size go through a buffer; larger ones (the binary columns' data buffers)

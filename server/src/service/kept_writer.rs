@@ -1,0 +1,156 @@
+//! The daemon's one background writer of kept row groups (`format::parquet::kept`) for streams
+//! without views: they serve a row group from memory at once and leave its writing to this
+//! thread, which runs at idle priority (`SCHED_IDLE`), so the writing takes only CPU that
+//! decoding, gathering and the trainers leave unused.
+//!
+//! Why not in the batch path: writing a row group costs about what decoding it does (page-cache
+//! pages are new memory; bench/PARQUET_PROFILE.md), so an epoch that kept every row group it
+//! decoded again ran at a third of the one before. Views streams still keep in the batch path:
+//! there the kept file is the memory the batch points into.
+//!
+//! Jobs wait in a queue bounded in bytes ([`MAX_QUEUED_BYTES`]): each holds its row group until
+//! written, outside the decoded budget. A job that does not fit is refused and its caller tries
+//! again the next time it uses the row group.
+
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex, OnceLock};
+
+/// Bytes of row groups waiting to be written, at most.
+pub const MAX_QUEUED_BYTES: u64 = 256 << 20;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<(u64, Job)>,
+    bytes: u64,
+}
+
+pub struct KeptWriter {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+}
+
+impl std::fmt::Debug for KeptWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeptWriter").finish_non_exhaustive()
+    }
+}
+
+/// The writer, its thread started on first use; None when the thread cannot be started (logged
+/// once: nothing is then kept in the background).
+pub fn shared() -> Option<&'static KeptWriter> {
+    static SHARED: OnceLock<Option<&'static KeptWriter>> = OnceLock::new();
+    *SHARED.get_or_init(|| {
+        let w: &'static KeptWriter =
+            Box::leak(Box::new(KeptWriter { queue: Mutex::new(Queue::default()), ready: Condvar::new() }));
+        match std::thread::Builder::new().name("kept-writer".into()).spawn(move || w.run()) {
+            Ok(_) => Some(w),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the kept row-group writer; row groups of streams without views are not kept");
+                None
+            }
+        }
+    })
+}
+
+impl KeptWriter {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        // Every mutation of the queue is complete before anything that can panic.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `job`, which holds `bytes` until it has run. False (the job dropped unrun) when the
+    /// queue has no room for it.
+    pub fn submit(&self, bytes: u64, job: Job) -> bool {
+        let mut q = self.lock();
+        if q.bytes > 0 && q.bytes.saturating_add(bytes) > MAX_QUEUED_BYTES {
+            return false;
+        }
+        q.bytes = q.bytes.saturating_add(bytes);
+        q.jobs.push_back((bytes, job));
+        drop(q);
+        self.ready.notify_one();
+        true
+    }
+
+    fn run(&self) -> ! {
+        idle_priority();
+        loop {
+            let (bytes, job) = {
+                let mut q = self.lock();
+                loop {
+                    if let Some(next) = q.jobs.pop_front() {
+                        break next;
+                    }
+                    q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            // A job that panics must not take the writer down with it: the daemon would keep
+            // queueing work nobody runs.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                tracing::error!("a kept row-group write panicked; the writer goes on");
+            }
+            let mut q = self.lock();
+            q.bytes = q.bytes.saturating_sub(bytes);
+        }
+    }
+}
+
+/// Puts the calling thread in the `SCHED_IDLE` class: it runs only on a CPU nothing else wants.
+fn idle_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: `param` is a valid sched_param for the call's duration; pid 0 names the calling
+        // thread, and lowering one's own priority needs no privilege.
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+            let e = std::io::Error::last_os_error();
+            tracing::warn!(error = %e, "cannot lower the kept row-group writer to idle priority");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn jobs_run_in_order_and_a_full_queue_refuses() {
+        let w = shared().expect("the writer thread starts");
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        // The first job holds the writer until the gate opens, so the next ones queue up.
+        let g = gate.clone();
+        assert!(w.submit(
+            1,
+            Box::new(move || {
+                let (open, cv) = &*g;
+                let mut o = open.lock().unwrap();
+                while !*o {
+                    o = cv.wait(o).unwrap();
+                }
+            })
+        ));
+        for i in 0..3u32 {
+            let r = ran.clone();
+            assert!(w.submit(MAX_QUEUED_BYTES / 4, Box::new(move || r.lock().unwrap().push(i))));
+        }
+        assert!(!w.submit(MAX_QUEUED_BYTES / 2, Box::new(|| panic!("a refused job never runs"))));
+        // A panicking job does not stop the writer.
+        assert!(w.submit(1, Box::new(|| panic!("a job that panics"))));
+        let after = Arc::new(AtomicU32::new(0));
+        let a = after.clone();
+        assert!(w.submit(1, Box::new(move || _ = a.fetch_add(1, Ordering::SeqCst))));
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while after.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(after.load(Ordering::SeqCst), 1);
+        assert_eq!(*ran.lock().unwrap(), [0, 1, 2]);
+    }
+}
