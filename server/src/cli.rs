@@ -105,8 +105,9 @@ pub struct ServeArgs {
     /// Eviction policy: belady (farthest next use, from the known future order) or lru.
     #[arg(long, env = "SHARDSTREAM_CACHE_POLICY", default_value = "belady")]
     pub cache_policy: crate::cache::table::Policy,
-    /// Do not keep Parquet row groups decoded for binary_views streams in the node cache (they
-    /// then live in memory only, and every daemon decodes them again).
+    /// Do not keep decoded Parquet row groups in the node cache (binary_views streams keep every
+    /// row group they decode; others those decoded again past --decoded-budget): they then live
+    /// in memory only, and every daemon, and past the budget every epoch, decodes them again.
     #[arg(long, env = "SHARDSTREAM_NO_KEEP_DECODED")]
     pub no_keep_decoded: bool,
     /// Memory for decoded Parquet row groups, shared by all streams (e.g. 4GiB). A shuffled

@@ -36,8 +36,7 @@ pub struct DaemonConfig {
     /// Node cache capacity in bytes; `None`: most of the cache file system's space.
     pub cache_size: Option<u64>,
     pub cache_policy: crate::cache::table::Policy,
-    /// Keep Parquet row groups decoded for binary views in the node cache (see
-    /// `format::parquet::kept`).
+    /// Keep decoded Parquet row groups in the node cache (see `format::parquet::kept`).
     pub keep_decoded: bool,
     /// Bytes of decoded Parquet row groups the daemon keeps in memory (see
     /// `format::parquet::decoded`).
