@@ -215,3 +215,37 @@ def test_failpoint_a_full_disk_only_stops_keeping_decoded_row_groups(tmp_path, f
     assert isinstance(got, list) and sorted(got) == list(range(200)), got
     assert not list((d.cache_dir / "shards").glob("*derived-*")), "nothing kept, nothing left behind"
     stop(d)
+
+
+def test_failpoint_a_full_disk_only_stops_the_background_keeping(tmp_path, fail_bin) -> None:
+    """Past `--decoded-budget`, a stream without views keeps its row groups through the
+    background writer; a disk full for every fill leaves every epoch exact, served from memory,
+    and nothing behind."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "pq"
+    root.mkdir()
+    rng = np.random.default_rng(13)
+    want = {r: rng.bytes(5000) for r in range(600)}
+    for f in range(3):
+        ids = range(f * 200, f * 200 + 200)
+        t = pa.table({"id": pa.array(ids, pa.int64()), "blob": pa.array([want[r] for r in ids], pa.binary())})
+        pq.write_table(t, root / f"p{f}.parquet", row_group_size=50, compression="none")
+    env = {"FAILPOINTS": "cache-fill=return(ENOSPC)"}
+    d = Daemon(tmp_path / "d", args=["--decoded-budget", "1MiB"], env=env, binary=fail_bin).start()
+
+    def dict_epoch(seed: int) -> list[int]:
+        seen: list[int] = []
+        for batch in shardstream.Loader(str(root), batch_size=32, seed=seed, connect=d.addr):
+            ids = [int(i) for i in batch["id"]]
+            assert [bytes(b) for b in batch["blob"]] == [want[r] for r in ids]
+            seen.extend(ids)
+        return seen
+
+    for seed in (1, 2, 3):
+        got = within(DEADLINE, lambda s=seed: dict_epoch(s))
+        assert isinstance(got, list) and sorted(got) == list(range(600)), got
+    assert d.status()["cache"]["decoded_row_groups"] == 0
+    assert not list((d.cache_dir / "shards").glob("*derived-*")), "nothing kept, nothing left behind"
+    stop(d)
