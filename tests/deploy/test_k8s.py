@@ -109,7 +109,7 @@ def test_daemonset_follows_the_rules(target: str) -> None:
     assert only(docs, "ServiceAccount")["automountServiceAccountToken"] is False
 
 
-SIZE_KEYS = {"cache-size", "packed-budget", "s3-part-size"}
+SIZE_KEYS = {"cache-size", "packed-budget", "s3-part-size", "decoded-budget"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40})
 
