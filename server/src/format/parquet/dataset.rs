@@ -351,10 +351,11 @@ impl BatchAssembler {
         })
     }
 
-    /// This assembler, keeping row groups it decodes in `kept` and loading them from there (see
-    /// [`super::kept`]): with [`Self::with_binary_views`] every row group it decodes; without,
-    /// those it decodes a second time (the decoded budget could not hold them), and only when
-    /// every selected column is flat. Call it after [`Self::with_binary_views`].
+    /// This assembler, keeping row groups in `kept` and loading them from there (see
+    /// [`super::kept`]): with [`Self::with_binary_views`] every row group it decodes, at once;
+    /// without, once it decodes a row group a second time (the decoded budget could not hold
+    /// it), every row group it uses, in the background, and only when every selected column is
+    /// flat. Call it after [`Self::with_binary_views`].
     pub fn with_kept(mut self, kept: Arc<dyn super::kept::KeptRowGroups>) -> Self {
         self.kept = (self.views || self.per_file.iter().all(FileProjection::views)).then_some(kept);
         self.keeping = Arc::new((0..self.dataset.units.len()).map(|_| AtomicU8::new(UNKEPT)).collect());
