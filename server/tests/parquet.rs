@@ -337,6 +337,8 @@ struct DirKept {
     dir: std::path::PathBuf,
     writes: std::sync::atomic::AtomicU32,
     opens: std::sync::atomic::AtomicU32,
+    /// Asked to keep a row group kept already.
+    again: std::sync::atomic::AtomicU32,
 }
 
 impl DirKept {
@@ -363,7 +365,10 @@ impl KeptRowGroups for DirKept {
         write: &mut dyn FnMut(&std::fs::File) -> Result<(), ParquetError>,
     ) -> Result<Option<std::fs::File>, ParquetError> {
         let path = self.path(file, rg);
-        assert!(!path.try_exists().unwrap(), "row group {file}/{rg} kept twice");
+        if path.try_exists().unwrap() {
+            self.again.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(Some(std::fs::File::open(path).unwrap()));
+        }
         write(&std::fs::File::create(&path).unwrap())?;
         self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Some(std::fs::File::open(path).unwrap()))
@@ -392,7 +397,8 @@ fn row_groups_the_budget_lets_go_of_are_kept_from_their_second_decode_on() {
     };
     let cache = Arc::new(DecodedCache::new(whole * 2 / 3));
     let kept_dir = tempfile::tempdir().unwrap();
-    let kept = Arc::new(DirKept { dir: kept_dir.path().to_owned(), writes: 0.into(), opens: 0.into() });
+    let kept =
+        Arc::new(DirKept { dir: kept_dir.path().to_owned(), writes: 0.into(), opens: 0.into(), again: 0.into() });
     let asm = BatchAssembler::new(ds.clone(), proj, cache.clone(), "ds").unwrap().with_kept(kept.clone());
     let full = testdata::mixed_batch(0..400);
     let epoch = |seed: u64| {
@@ -420,4 +426,38 @@ fn row_groups_the_budget_lets_go_of_are_kept_from_their_second_decode_on() {
     let loaded = DirKept::count(&kept.opens) - opens;
     assert_eq!(cache.stats().misses - misses, u64::from(loaded));
     assert!(loaded > 0);
+    assert_eq!(DirKept::count(&kept.again), 0);
+}
+
+/// Two streams of one projection (two DataLoader workers) that both find it too large: a row
+/// group one of them kept is not kept again by the other, which finds it loaded in the cache.
+#[test]
+fn a_row_group_another_stream_kept_is_not_kept_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
+    let fields: Vec<String> = ["id", "caption", "image"].map(String::from).to_vec();
+    let proj = ds.projection(Some(&fields)).unwrap();
+    let units = ds.unit_rows().len() as u32;
+    let probe = Arc::new(DecodedCache::new(1 << 30));
+    BatchAssembler::new(ds.clone(), proj.clone(), probe.clone(), "ds")
+        .unwrap()
+        .batch(&(0..400).collect::<Vec<u64>>(), &files)
+        .unwrap();
+    let cache = Arc::new(DecodedCache::new(probe.stats().bytes * 2 / 3));
+    let kept_dir = tempfile::tempdir().unwrap();
+    let kept =
+        Arc::new(DirKept { dir: kept_dir.path().to_owned(), writes: 0.into(), opens: 0.into(), again: 0.into() });
+    let workers: Vec<BatchAssembler> = (0..2)
+        .map(|_| BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap().with_kept(kept.clone()))
+        .collect();
+    for seed in 1..=3 {
+        let p = EpochParams { world_size: 1, rank: 0, ..params(seed, 0) };
+        let seq = plan::rank_sequence(ds.unit_rows(), &p).unwrap();
+        for (i, chunk) in seq.chunks(16).enumerate() {
+            let b = workers[i % 2].batch(chunk, &files).unwrap();
+            assert_eq!(ids(&b), chunk.iter().map(|&i| i as i64).collect::<Vec<_>>());
+        }
+    }
+    assert_eq!(DirKept::count(&kept.writes), units, "every row group kept");
+    assert_eq!(DirKept::count(&kept.again), 0, "none asked for twice");
 }

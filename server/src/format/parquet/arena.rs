@@ -92,7 +92,8 @@ fn registry() -> &'static Mutex<BTreeMap<usize, Weak<Arena>>> {
 }
 
 /// The arena `array`'s values live in: the one its data buffer starts. None for an array not
-/// made by [`into_arena`] (or whose arena is gone, which its own buffer would prevent).
+/// made by [`into_arena`] or loaded from a kept file (`super::kept`), or whose arena is gone,
+/// which its own buffer would prevent.
 pub fn arena_of(array: &BinaryViewArray) -> Option<Arc<Arena>> {
     let buf = array.data_buffers().first()?;
     let addr = buf.as_ptr() as usize;

@@ -670,7 +670,13 @@ impl BatchAssembler {
         // an epoch ends with are still in memory when the next begins; not kept now, the epoch
         // after would decode them once more).
         if self.spills() {
-            self.keep_later(u, fi, rg, key, &batch);
+            // Another stream may have kept it already: then the cache holds it loaded from its
+            // file, an arena.
+            if super::arena::first_view_array(&batch).and_then(super::arena::arena_of).is_some() {
+                self.settle(u);
+            } else {
+                self.keep_later(u, fi, rg, key, &batch);
+            }
         }
         Ok(batch)
     }
