@@ -1,11 +1,12 @@
 """Epochs one after another on one daemon: what each costs while the daemon keeps row groups.
 
-Usage: ``python bench/parquet_epochs.py DIR ROWS [--epochs N] [--reader ss_arrow] [--kind image]``.
-Starts a daemon from this venv's ``shardstream`` command, runs the reader of parquet_bench.py for
-N epochs (seeds one apart) and prints after each: rows/s, the daemon's CPU-s, the row groups its
-node cache keeps (`status`), and the daemon's memory (``/proc/PID/status``: peak, anonymous,
-file-backed). The measurement behind "Row groups of streams without views kept past the budget"
-in bench/PARQUET_PROFILE.md.
+Usage: ``python bench/parquet_epochs.py DIR ROWS [--epochs N] [--reader ss_arrow] [--kind image]
+[--settle S]``. Starts a daemon from this venv's ``shardstream`` command, runs the reader of
+parquet_bench.py for N epochs (seeds one apart) and prints after each: rows/s, the daemon's CPU-s,
+the row groups its node cache keeps (`status`), and the daemon's memory (``/proc/PID/status``:
+peak, anonymous, file-backed). With ``--settle S``: the memory again S seconds after the last
+epoch, then one more epoch. The measurement behind "Row groups of streams without views kept
+past the budget" in bench/PARQUET_PROFILE.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--reader", default="ss_arrow")
     ap.add_argument("--kind", default="image", choices=["image", "tab"])
+    ap.add_argument("--settle", type=float, default=0.0, help="seconds to wait after the last epoch, then memory again")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pq-epochs-"))
     d = bench_daemon.Daemon.start(work)
@@ -55,6 +58,11 @@ def main() -> None:
                 memory_mib(d.pid),
                 flush=True,
             )
+        if args.settle:
+            time.sleep(args.settle)
+            print(f"{args.settle:g} s later:", memory_mib(d.pid))
+            r = pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid, seed=pb.SEED + args.epochs)
+            print("then", f"{r['rows_per_s']:,.0f}", f"{r.get('daemon_cpu_s', 0):.2f}", memory_mib(d.pid))
     finally:
         d.stop()
         shutil.rmtree(work, ignore_errors=True)

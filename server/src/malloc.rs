@@ -9,7 +9,8 @@
 //! bench's image set (bench/PARQUET_PROFILE.md). `serve` therefore keeps freed blocks below
 //! [`MMAP_THRESHOLD`] in its heaps for reuse, and returns the top of a heap to the kernel only past
 //! [`TRIM_THRESHOLD`] free bytes. What is kept is memory the daemon has used before: its peak RSS
-//! does not grow, it only shrinks later or less.
+//! does not grow, it only shrinks later or less. [`trim`] gives it back where the daemon knows it
+//! will not need it soon (the kept row-group writer, idle after writing: `service::kept_writer`).
 //!
 //! Only `serve` sets them: the Python package's embedded server runs inside the trainer's process,
 //! whose allocator is not the daemon's to tune. An operator who set either threshold
@@ -62,6 +63,19 @@ fn apply() -> Tuning {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn apply() -> Tuning {
     Tuning::Unavailable
+}
+
+/// Returns the heap's free memory to the kernel (glibc's `malloc_trim`), for when the daemon
+/// will not need it soon: what [`tune_for_serving`] keeps is then given back once.
+pub fn trim() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let started = std::time::Instant::now();
+        // SAFETY: malloc_trim only releases free memory of the allocator's own heaps (under its
+        // locks); it hands nothing to or from the caller.
+        let released = unsafe { libc::malloc_trim(0) } == 1;
+        tracing::debug!(released, seconds = started.elapsed().as_secs_f64(), "heap trimmed");
+    }
 }
 
 #[cfg(test)]

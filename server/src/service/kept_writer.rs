@@ -11,12 +11,20 @@
 //! Jobs wait in a queue bounded in bytes ([`MAX_QUEUED_BYTES`]): each holds its row group until
 //! written, outside the decoded budget. A job that does not fit is refused and its caller tries
 //! again the next time it uses the row group.
+//!
+//! Once every row group is kept, the decoded cache holds only file mappings, and the heap that
+//! held the decoded copies sits free in the allocator (`crate::malloc` keeps freed blocks for
+//! reuse): after [`TRIM_AFTER_IDLE`] without a job, the writer returns it to the kernel, once per
+//! idle spell that follows writing.
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, OnceLock};
 
 /// Bytes of row groups waiting to be written, at most.
 pub const MAX_QUEUED_BYTES: u64 = 256 << 20;
+
+/// Idle time after the last job before the writer trims the heap.
+pub const TRIM_AFTER_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -76,6 +84,7 @@ impl KeptWriter {
 
     fn run(&self) -> ! {
         idle_priority();
+        let mut wrote = false;
         loop {
             let (bytes, job) = {
                 let mut q = self.lock();
@@ -83,9 +92,17 @@ impl KeptWriter {
                     if let Some(next) = q.jobs.pop_front() {
                         break next;
                     }
-                    q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+                    let (guard, waited) =
+                        self.ready.wait_timeout(q, TRIM_AFTER_IDLE).unwrap_or_else(|p| p.into_inner());
+                    q = guard;
+                    if waited.timed_out() && q.jobs.is_empty() && std::mem::take(&mut wrote) {
+                        drop(q);
+                        crate::malloc::trim();
+                        q = self.lock();
+                    }
                 }
             };
+            wrote = true;
             // A job that panics must not take the writer down with it: the daemon would keep
             // queueing work nobody runs.
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
