@@ -28,7 +28,7 @@ wrong), each in a fresh process so that one's caches do not help the next:
 - ``ss_arrow+kept``: epochs on one daemon (other seeds) until one keeps no more row groups (at most
   8), then the measured one. Where the decoded set outgrows the budget (the image set at 100,000
   rows), from the second epoch the daemon keeps the row groups in its node cache, written in the
-  background at idle priority (``ss_arrow+warm`` runs beside that writing), and serves them from
+  background at the lowest priority (``ss_arrow+warm`` runs beside that writing), and serves them from
   there; where it fits, it is ``+warm`` again. The report says how many epochs came before.
 - ``ss_views`` / ``ss_views+warm``: ``format="arrow", binary_views=True``: the image column as
   ``binary_view`` arrays pointing into the daemon's decoded row groups (no copy of the values); the

@@ -1,7 +1,12 @@
 //! The daemon's one background writer of kept row groups (`format::parquet::kept`) for streams
 //! without views: they serve a row group from memory at once and leave its writing to this
-//! thread, which runs at idle priority (`SCHED_IDLE`), so the writing takes only CPU that
+//! thread, which runs at the lowest priority (nice 19), so the writing takes mostly CPU that
 //! decoding, gathering and the trainers leave unused.
+//!
+//! Not `SCHED_IDLE`: the writer takes locks the serving threads take too (the allocator's, the
+//! node cache's table, the decoded cache's), and an idle-class thread preempted while holding one
+//! may wait a long time for a busy CPU, the serving thread behind it (no priority inheritance
+//! on those locks). A nice-19 thread still gets its small share and lets go soon.
 //!
 //! Why not in the batch path: writing a row group costs about what decoding it does (page-cache
 //! pages are new memory; bench/PARQUET_PROFILE.md), so an epoch that kept every row group it
@@ -83,7 +88,7 @@ impl KeptWriter {
     }
 
     fn run(&self) -> ! {
-        idle_priority();
+        low_priority();
         let mut wrote = false;
         loop {
             let (bytes, job) = {
@@ -114,16 +119,16 @@ impl KeptWriter {
     }
 }
 
-/// Puts the calling thread in the `SCHED_IDLE` class: it runs only on a CPU nothing else wants.
-fn idle_priority() {
+/// Gives the calling thread the lowest nice value (per thread on Linux).
+fn low_priority() {
     #[cfg(target_os = "linux")]
     {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: `param` is a valid sched_param for the call's duration; pid 0 names the calling
-        // thread, and lowering one's own priority needs no privilege.
-        if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+        // SAFETY: plain system calls on integers; the thread id names the calling thread, and
+        // lowering one's own priority needs no privilege.
+        let ok = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) } == 0;
+        if !ok {
             let e = std::io::Error::last_os_error();
-            tracing::warn!(error = %e, "cannot lower the kept row-group writer to idle priority");
+            tracing::warn!(error = %e, "cannot lower the kept row-group writer's priority");
         }
     }
 }
@@ -169,5 +174,27 @@ mod tests {
         }
         assert_eq!(after.load(Ordering::SeqCst), 1);
         assert_eq!(*ran.lock().unwrap(), [0, 1, 2]);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_writer_runs_at_the_lowest_priority() {
+        shared().expect("the writer thread starts");
+        let nice = || -> Option<i32> {
+            let writer = std::fs::read_dir("/proc/self/task")
+                .ok()?
+                .filter_map(|t| t.ok())
+                .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "kept-writer"))?;
+            let stat = std::fs::read_to_string(writer.path().join("stat")).ok()?;
+            // After the command (in parentheses): state is field 3, nice field 19.
+            let after_comm = &stat[stat.rfind(')')? + 2..];
+            after_comm.split_whitespace().nth(16)?.parse().ok()
+        };
+        // The thread names itself and lowers its priority as it starts.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while nice() != Some(19) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(nice(), Some(19));
     }
 }
