@@ -379,26 +379,41 @@ impl KeptRowGroups for DirKept {
     }
 }
 
+/// The three files with the flat projection `id, caption, image`, a decoded cache with room for
+/// two thirds of it decoded, and an empty [`DirKept`] (the directories live as long as `Spill`).
+struct Spill {
+    ds: Arc<ParquetDataset>,
+    files: LocalFiles,
+    proj: shardstream::format::parquet::schema::Projection,
+    cache: Arc<DecodedCache>,
+    kept: Arc<DirKept>,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+fn spill() -> Spill {
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
+    let fields: Vec<String> = ["id", "caption", "image"].map(String::from).to_vec();
+    let proj = ds.projection(Some(&fields)).unwrap();
+    let probe = Arc::new(DecodedCache::new(1 << 30));
+    BatchAssembler::new(ds.clone(), proj.clone(), probe.clone(), "ds")
+        .unwrap()
+        .batch(&(0..400).collect::<Vec<u64>>(), &files)
+        .unwrap();
+    let cache = Arc::new(DecodedCache::new(probe.stats().bytes * 2 / 3));
+    let kept_dir = tempfile::tempdir().unwrap();
+    let kept =
+        Arc::new(DirKept { dir: kept_dir.path().to_owned(), writes: 0.into(), opens: 0.into(), again: 0.into() });
+    Spill { ds, files, proj, cache, kept, _dirs: (dir, kept_dir) }
+}
+
 /// A projection whose decoded row groups outgrow the budget: the first epoch keeps nothing; the
 /// second keeps every row group, those it decodes again and those the first left in memory; the
 /// third decodes none and writes none. Every batch holds the rows its ids name.
 #[test]
 fn row_groups_the_budget_lets_go_of_are_kept_from_their_second_decode_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
-    let fields: Vec<String> = ["id", "caption", "image"].map(String::from).to_vec();
-    let proj = ds.projection(Some(&fields)).unwrap();
+    let Spill { ds, files, proj, cache, kept, _dirs } = spill();
     let units = ds.unit_rows().len() as u64;
-    let whole = {
-        let cache = Arc::new(DecodedCache::new(1 << 30));
-        let asm = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap();
-        asm.batch(&(0..400).collect::<Vec<u64>>(), &files).unwrap();
-        cache.stats().bytes
-    };
-    let cache = Arc::new(DecodedCache::new(whole * 2 / 3));
-    let kept_dir = tempfile::tempdir().unwrap();
-    let kept =
-        Arc::new(DirKept { dir: kept_dir.path().to_owned(), writes: 0.into(), opens: 0.into(), again: 0.into() });
     let asm = BatchAssembler::new(ds.clone(), proj, cache.clone(), "ds").unwrap().with_kept(kept.clone());
     let full = testdata::mixed_batch(0..400);
     let epoch = |seed: u64| {
@@ -433,20 +448,8 @@ fn row_groups_the_budget_lets_go_of_are_kept_from_their_second_decode_on() {
 /// group one of them kept is not kept again by the other, which finds it loaded in the cache.
 #[test]
 fn a_row_group_another_stream_kept_is_not_kept_again() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
-    let fields: Vec<String> = ["id", "caption", "image"].map(String::from).to_vec();
-    let proj = ds.projection(Some(&fields)).unwrap();
+    let Spill { ds, files, proj, cache, kept, _dirs } = spill();
     let units = ds.unit_rows().len() as u32;
-    let probe = Arc::new(DecodedCache::new(1 << 30));
-    BatchAssembler::new(ds.clone(), proj.clone(), probe.clone(), "ds")
-        .unwrap()
-        .batch(&(0..400).collect::<Vec<u64>>(), &files)
-        .unwrap();
-    let cache = Arc::new(DecodedCache::new(probe.stats().bytes * 2 / 3));
-    let kept_dir = tempfile::tempdir().unwrap();
-    let kept =
-        Arc::new(DirKept { dir: kept_dir.path().to_owned(), writes: 0.into(), opens: 0.into(), again: 0.into() });
     let workers: Vec<BatchAssembler> = (0..2)
         .map(|_| BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap().with_kept(kept.clone()))
         .collect();

@@ -466,17 +466,18 @@ impl NodeCache {
             self.publish_gauges();
             match self.fill_one(key, durable, fill) {
                 Ok(()) => {
+                    // A derived entry's size is bounded beforehand, known only now: its file is
+                    // measured before the table is locked (no I/O under that lock), and nothing
+                    // else touches it while the entry is still being filled.
+                    let written =
+                        if durable { None } else { std::fs::metadata(self.path_of(key)).ok().map(|m| m.len()) };
                     let mut t = self.lock();
                     t.finish(key, true);
-                    let mut filled = bytes;
-                    if !durable {
-                        // A derived entry's size is bounded beforehand, known only now.
-                        if let Ok(m) = std::fs::metadata(self.path_of(key)) {
-                            t.settle(key, m.len());
-                            filled = m.len();
-                        }
+                    if let Some(len) = written {
+                        t.settle(key, len);
                     }
                     drop(t);
+                    let filled = written.unwrap_or(bytes);
                     self.changed.notify_all();
                     self.counters.filled_bytes.fetch_add(filled, Relaxed);
                     if !durable {

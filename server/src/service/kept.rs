@@ -79,7 +79,7 @@ impl KeptRowGroups for NodeKept {
     }
 
     /// On the daemon's background writer (`super::kept_writer`).
-    fn keep_later(&self, file: usize, rg: usize, batch: Arc<RecordBatch>, done: Done) -> bool {
+    fn keep_later(&self, file: usize, rg: usize, name: &str, batch: Arc<RecordBatch>, done: Done) -> bool {
         if self.failed.load(Relaxed) {
             done(None);
             return true;
@@ -88,12 +88,12 @@ impl KeptRowGroups for NodeKept {
             done(None);
             return true;
         };
-        let this = self.clone();
+        let (this, name) = (self.clone(), name.to_owned());
         let bytes = crate::format::parquet::decoded::held_bytes(&batch);
         writer.submit(
             bytes,
             Box::new(move || {
-                let opened = kept::keep_now(&this, file, rg, &batch);
+                let opened = kept::keep_now(&this, file, rg, &name, &batch);
                 drop(batch);
                 done(opened);
             }),

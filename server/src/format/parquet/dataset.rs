@@ -539,14 +539,7 @@ impl BatchAssembler {
         let file = &self.dataset.files[fi];
         let opened = kept.open(file.index, rg)?;
         let rows = usize::try_from(file.table.row_group_rows(rg)).ok()?;
-        match super::kept::load(opened, &file.name, self.per_file[fi].schema(), rows) {
-            Ok(batch) => Some(batch),
-            Err(e) => {
-                tracing::warn!(file = %file.name, row_group = rg, error = %e, "a kept row group did not load; decoding it again");
-                kept.discard(file.index, rg);
-                None
-            }
-        }
+        super::kept::load_or_discard(&**kept, file.index, rg, &file.name, opened, self.per_file[fi].schema(), rows)
     }
 
     /// `batch` (row group `rg` of file `fi`, just decoded) kept on the node's disk and loaded
@@ -556,21 +549,8 @@ impl BatchAssembler {
     fn keep(&self, fi: usize, rg: usize, batch: &RecordBatch) -> Option<RecordBatch> {
         let kept = self.kept.as_ref()?;
         let file = &self.dataset.files[fi];
-        let opened = match kept.keep(file.index, rg, super::kept::bound(batch), &mut |f| super::kept::write(batch, f)) {
-            Ok(opened) => opened?,
-            Err(e) => {
-                tracing::warn!(file = %file.name, row_group = rg, error = %e, "cannot keep a decoded row group on disk");
-                return None;
-            }
-        };
-        match super::kept::load(opened, &file.name, batch.schema_ref(), batch.num_rows()) {
-            Ok(b) => Some(b),
-            Err(e) => {
-                tracing::warn!(file = %file.name, row_group = rg, error = %e, "a row group just kept did not load");
-                kept.discard(file.index, rg);
-                None
-            }
-        }
+        let opened = super::kept::keep_now(&**kept, file.index, rg, &file.name, batch)?;
+        super::kept::load_or_discard(&**kept, file.index, rg, &file.name, opened, batch.schema_ref(), batch.num_rows())
     }
 
     /// Plan unit `u` when it is decoded already (and need not be kept now: see
@@ -602,21 +582,17 @@ impl BatchAssembler {
             (self.keeping.clone(), self.cache.clone(), file.name.clone(), batch.schema());
         let (discard, index, rows) = (kept.clone(), file.index, batch.num_rows());
         let done: super::kept::Done = Box::new(move |opened| {
-            if let Some(f) = opened {
-                match super::kept::load(f, &name, &schema, rows) {
-                    Ok(b) => cache.replace(&key, Arc::new(b)),
-                    Err(e) => {
-                        tracing::warn!(file = %name, row_group = rg, error = %e, "a row group just kept did not load");
-                        discard.discard(index, rg);
-                    }
-                }
+            let loaded =
+                opened.and_then(|f| super::kept::load_or_discard(&*discard, index, rg, &name, f, &schema, rows));
+            if let Some(b) = loaded {
+                cache.replace(&key, Arc::new(b));
             }
             // Kept, or no room for it: either way not tried again by this stream.
             if let Some(s) = keeping.get(u) {
                 s.store(SETTLED, Relaxed);
             }
         });
-        if !kept.keep_later(file.index, rg, batch.clone(), done) {
+        if !kept.keep_later(file.index, rg, &file.name, batch.clone(), done) {
             // The writer is busy: the next use tries again.
             state.store(UNKEPT, Relaxed);
         }

@@ -61,8 +61,9 @@ pub trait KeptRowGroups: Send + Sync + std::fmt::Debug {
     /// opened for reading, or None (no room, or the disk failed). False, with `done` dropped
     /// uncalled, when it cannot be taken now: the caller may try again later. This default
     /// keeps it at once, in the caller.
-    fn keep_later(&self, file: usize, rg: usize, batch: Arc<RecordBatch>, done: Done) -> bool {
-        done(keep_now(self, file, rg, &batch));
+    /// `name` is the file's, for what is logged.
+    fn keep_later(&self, file: usize, rg: usize, name: &str, batch: Arc<RecordBatch>, done: Done) -> bool {
+        done(keep_now(self, file, rg, name, &batch));
         true
     }
 }
@@ -70,13 +71,40 @@ pub trait KeptRowGroups: Send + Sync + std::fmt::Debug {
 /// What [`KeptRowGroups::keep_later`] calls once it has kept a row group, or failed to.
 pub type Done = Box<dyn FnOnce(Option<File>) + Send>;
 
-/// `batch` (row group `rg` of file `file`) kept by `kept` now: the kept file, or None (no room;
-/// a failure is logged).
-pub fn keep_now<K: KeptRowGroups + ?Sized>(kept: &K, file: usize, rg: usize, batch: &RecordBatch) -> Option<File> {
+/// `batch` (row group `rg` of file `file`, named `name`) kept by `kept` now: the kept file, or
+/// None (no room; a failure is logged).
+pub fn keep_now<K: KeptRowGroups + ?Sized>(
+    kept: &K,
+    file: usize,
+    rg: usize,
+    name: &str,
+    batch: &RecordBatch,
+) -> Option<File> {
     match kept.keep(file, rg, bound(batch), &mut |f| write(batch, f)) {
         Ok(opened) => opened,
         Err(e) => {
-            tracing::warn!(file, row_group = rg, error = %e, "cannot keep a decoded row group on disk");
+            tracing::warn!(file = %name, row_group = rg, error = %e, "cannot keep a decoded row group on disk");
+            None
+        }
+    }
+}
+
+/// [`load`] of row group `rg` of file `file` (named `name`) from `opened`; one that does not load
+/// (damaged) is logged and discarded from `kept`, and the caller decodes the row group instead.
+pub fn load_or_discard<K: KeptRowGroups + ?Sized>(
+    kept: &K,
+    file: usize,
+    rg: usize,
+    name: &str,
+    opened: File,
+    schema: &SchemaRef,
+    rows: usize,
+) -> Option<RecordBatch> {
+    match load(opened, name, schema, rows) {
+        Ok(batch) => Some(batch),
+        Err(e) => {
+            tracing::warn!(file = %name, row_group = rg, error = %e, "a kept row group did not load; deleted, decoded instead");
+            kept.discard(file, rg);
             None
         }
     }
