@@ -13,9 +13,25 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+import webdataset as wds
 
-from conftest import write_dataset
+# Inline, the daemon sends batches ahead of the trainer: up to the stream's HTTP/2 window (64 MiB,
+# client/src/lib.rs) plus the client's queue. A dataset smaller than that may be sent whole before
+# the truncation, and the epoch then ends without an error. At 3 x 100 samples of 400 KiB (117 MiB)
+# at least ~40 MiB are read after it, whatever the timing.
+SAMPLE_BYTES = 400 << 10
+
+
+def write_large_dataset(root: Path) -> None:
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(21)
+    with wds.ShardWriter(str(root / "train-%06d.tar"), maxcount=100, verbose=0) as sink:
+        for i in range(300):
+            payload = rng.integers(0, 256, SAMPLE_BYTES, dtype=np.uint8).tobytes()
+            sink.write({"__key__": f"s/{i:06d}", "jpg": payload, "cls": str(i % 7).encode()})
+
 
 TRAINER = textwrap.dedent(
     """
@@ -54,7 +70,8 @@ TRAINER = textwrap.dedent(
 @pytest.mark.parametrize("when", ["held", "before_read"])
 def test_truncated_shard_is_shard_error_not_sigbus(daemon, tmp_path: Path, transport: str, when: str) -> None:
     root = tmp_path / "ds"
-    write_dataset(root, n=300, per_shard=100, seed=21)
+    write_large_dataset(root)
+    assert sum(f.stat().st_size for f in root.iterdir()) > 100 << 20
     r = subprocess.run(
         [sys.executable, "-c", TRAINER, str(root), daemon.addr, transport, when],
         capture_output=True,
