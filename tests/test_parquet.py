@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -1158,3 +1159,145 @@ def test_binary_views_refusals_say_what_to_do(daemon, blobs, varied, dataset) ->
         )
     with pytest.raises(ValueError, match="binary"):
         next(iter(shardstream.Loader(str(root), connect=daemon.addr, fields=["id"], binary_views=True)))
+
+
+def maps_under(maps: Path, under: Path) -> dict[str, list[tuple[int, int]]]:
+    """{file name: address ranges} of the files under `under` mapped in the process of `maps`."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for line in maps.read_text().splitlines():
+        if str(under) in line:
+            lo, hi = line.split()[0].split("-")
+            out.setdefault(Path(line.split()[-1]).name, []).append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def test_uncompressed_values_of_node_cache_copies_are_served_from_the_copies(tmp_path: Path) -> None:
+    """`cache="copy"`: values a file holds uncompressed (PLAIN or dictionary pages) are served
+    from the node cache's copy of the file itself, which daemon and client map: nothing is copied
+    into a segment or kept, in any epoch. A compressed file's row groups are kept as before."""
+    root = tmp_path / "mixed"
+    root.mkdir()
+    rng = np.random.default_rng(5)
+    want: dict[int, bytes | None] = {}
+    for f, (codec, dictionary) in enumerate([("none", True), ("none", False), ("snappy", False)]):
+        ids = range(f * 100, f * 100 + 100)
+        for r in ids:
+            want[r] = None if r % 9 == 0 else rng.bytes(int(rng.integers(1, 4000)))
+        t = pa.table({"id": pa.array(ids, pa.int64()), "blob": pa.array([want[r] for r in ids], pa.binary())})
+        pq.write_table(t, root / f"m{f}.parquet", row_group_size=10, compression=codec, use_dictionary=dictionary)
+    d = Daemon(tmp_path / "d").start()
+    shards = d.cache_dir / "shards"
+    try:
+        kept: dict[str, int] = {}
+        for seed in (1, 2):
+            loader = shardstream.Loader(
+                str(root),
+                batch_size=32,
+                seed=seed,
+                connect=d.addr,
+                transport="shm",
+                format="arrow",
+                binary_views=True,
+                cache="copy",
+            )
+            seen: list[int] = []
+            copies_mapped: set[str] = set()
+            for rb in loader:
+                ids = rb.column("id").to_pylist()
+                assert rb.column("blob").to_pylist() == [want[r] for r in ids]
+                mapped = maps_under(Path("/proc/self/maps"), shards)
+                for buf in rb.column("blob").buffers()[2:]:
+                    home = [
+                        name
+                        for name, ranges in mapped.items()
+                        if any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in ranges)
+                    ]
+                    assert len(home) == 1, f"view data at {buf.address:#x} is in no node-cache file: {mapped}"
+                    if not home[0].startswith("derived-"):
+                        copies_mapped.add(home[0])
+                seen.extend(ids)
+            assert sorted(seen) == list(range(300))
+            assert len(copies_mapped) == 2, f"the two uncompressed files' copies: {copies_mapped}"
+            now = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+            assert len(now) == 10, f"only the snappy file's 10 row groups are kept: {sorted(now)}"
+            assert not kept or now == kept, "nothing kept again in the second epoch"
+            kept = now
+        assert copies_mapped <= daemon_maps(d, shards), "the daemon decodes them over its own mapping"
+    finally:
+        d.stop()
+
+
+def test_a_stream_without_views_past_the_budget_keeps_nothing_its_copies_hold_uncompressed(tmp_path: Path) -> None:
+    """Without views, past `--decoded-budget`: a row group decoded over an uncompressed node-cache
+    copy costs only its page headers to decode again, so nothing is kept for it."""
+    root = tmp_path / "big"
+    root.mkdir()
+    want = write_big_files(root)  # 12 row groups of ~0.5 MiB, uncompressed
+    port = free_port()
+    d = Daemon(tmp_path / "d", args=["--decoded-budget", "1MiB", "--metrics-addr", f"127.0.0.1:{port}"]).start()
+    try:
+        orders = []
+        for seed in (1, 2, 3):
+            order: list[int] = []
+            loader = shardstream.Loader(
+                str(root), batch_size=50, seed=seed, connect=d.addr, transport="shm", cache="copy"
+            )
+            for batch in loader:
+                ids = [int(i) for i in batch["id"]]
+                assert [bytes(p) for p in batch["payload"]] == [want[r] for r in ids]
+                order.extend(ids)
+            assert sorted(order) == list(range(1200))
+            orders.append(order)
+        assert orders[0] != orders[1]
+        assert 0 < scrape(port)["shardstream_parquet_decoded_bytes"] <= 1 << 20
+        time.sleep(0.5)  # what a background writer would have had to start writing
+        assert not list((d.cache_dir / "shards").glob("derived-*"))
+    finally:
+        d.stop()
+
+
+def test_binary_views_of_an_s3_projection_are_served_from_its_compact_copy(tmp_path: Path, s3) -> None:
+    """An S3 stream selecting a small binary column: the node cache holds only its column chunks
+    (`.parquet.cols`), and its values are served from that copy as they lie there."""
+    bucket = s3.bucket("data") / "pqtags"
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(8)
+    tags: dict[int, bytes] = {}
+    for k in range(2):
+        ids = np.arange(k * 300, (k + 1) * 300, dtype=np.int64)
+        tag = [rng.bytes(int(rng.integers(13, 60))) for _ in ids]
+        tags.update(zip(ids.tolist(), tag, strict=True))
+        payload = [rng.bytes(4096) for _ in ids]
+        t = pa.table({"id": ids, "tag": pa.array(tag, pa.binary()), "payload": pa.array(payload, pa.binary())})
+        pq.write_table(t, bucket / f"t{k}.parquet", row_group_size=50, compression="none", use_dictionary=False)
+    d = Daemon(tmp_path, env=s3.env()).start()
+    shards = d.cache_dir / "shards"
+    try:
+        loader = shardstream.Loader(
+            "s3://data/pqtags/",
+            batch_size=64,
+            seed=2,
+            fields=["id", "tag"],
+            connect=d.addr,
+            transport="shm",
+            format="arrow",
+            binary_views=True,
+        )
+        seen: list[int] = []
+        for rb in loader:
+            ids = rb.column("id").to_pylist()
+            assert rb.column("tag").to_pylist() == [tags[r] for r in ids]
+            mapped = maps_under(Path("/proc/self/maps"), shards)
+            for buf in rb.column("tag").buffers()[2:]:
+                home = [
+                    n
+                    for n, ranges in mapped.items()
+                    if any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in ranges)
+                ]
+                assert len(home) == 1 and home[0].endswith(".parquet.cols"), (hex(buf.address), mapped)
+            seen.extend(ids)
+        assert sorted(seen) == list(range(600))
+        assert not list(shards.glob("derived-*")), "nothing kept: the copies are the arenas"
+        assert d.status()["storage_bytes"] < 600 * 4096, "the payload column was never fetched"
+    finally:
+        assert d.stop() == 0

@@ -172,6 +172,12 @@ impl ResidentShard {
     /// go away under the mapping. A shard read in place (`direct`) belongs to someone else, who
     /// may truncate it: a mapping would then kill the daemon with SIGBUS, so those are read with
     /// `pread` and this returns None (as it does if mapping fails: reads work the same, slower).
+    /// The node-cache copy this shard is read from, None for a shard read in place: a copy
+    /// never changes (see [`Self::cached_bytes`]), so a reader may map it.
+    pub fn cache_copy(&self) -> Option<&ShardFile> {
+        self.pin.as_ref().map(|_| &self.file)
+    }
+
     pub fn cached_bytes(&self) -> Option<&[u8]> {
         self.pin.as_ref()?;
         self.mapped.get_or_init(|| map_pinned(&self.file, true)).as_deref()

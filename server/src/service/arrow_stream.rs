@@ -28,6 +28,15 @@ impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
         let mut working = self.working.lock().unwrap_or_else(|p| p.into_inner());
         working.get(self.ds, file)?.file.read_exact_at(buf, offset)
     }
+
+    fn cached_copy(&self, file: usize) -> Result<Option<crate::format::parquet::dataset::CachedCopy>> {
+        let mut working = self.working.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(copy) = working.get(self.ds, file)?.cache_copy() else { return Ok(None) };
+        let dup = copy.file.try_clone().map_err(|e| Error::io("cannot open a node-cache copy", &copy.path, e))?;
+        let copy = crate::format::parquet::dataset::CachedCopy::new(dup, None)
+            .map_err(|e| Error::io("cannot stat a node-cache copy", &copy.path, e))?;
+        Ok(Some(copy))
+    }
 }
 
 /// Builds one Arrow batch of a Parquet dataset (blocking): the rows `ids`, decoded through the

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use crate::cache::{Pin, Want};
-use crate::format::parquet::dataset::{BatchAssembler, FileReader};
+use crate::format::parquet::dataset::{BatchAssembler, CachedCopy, FileReader};
 use crate::format::parquet::projected::ProjectedFile;
 use crate::index::{CacheMode, Dataset};
 use crate::storage::ShardSource;
@@ -98,19 +98,12 @@ impl ProjectedReader<'_> {
     }
 }
 
-impl FileReader for ProjectedReader<'_> {
-    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+impl ProjectedReader<'_> {
+    /// Runs `f` on file `file`'s compact copy (fetched and pinned on first use) and its pieces.
+    fn with_copy<R>(&self, file: usize, f: impl FnOnce(&Arc<ProjectedFile>, &Pin, &File) -> Result<R>) -> Result<R> {
         let (pf, key) = self.reads.file(file)?;
-        let url = || self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
-        let at = pf.locate(offset..offset + buf.len() as u64).ok_or_else(|| {
-            Error::Internal(format!(
-                "{}: read of bytes {offset}+{} outside the selected column chunks",
-                url(),
-                buf.len()
-            ))
-        })?;
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let (pin, f) = match open.entry(file) {
+        let (pin, copy) = match open.entry(file) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 let pin = self
@@ -126,6 +119,30 @@ impl FileReader for ProjectedReader<'_> {
                 v.insert((pin, f))
             }
         };
-        f.read_exact_at(buf, at).map_err(|e| Error::io("cannot read cached column chunks", pin.path(), e))
+        f(pf, pin, copy)
+    }
+}
+
+impl FileReader for ProjectedReader<'_> {
+    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.with_copy(file, |pf, pin, copy| {
+            let at = pf.locate(offset..offset + buf.len() as u64).ok_or_else(|| {
+                let url = self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
+                Error::Internal(format!(
+                    "{url}: read of bytes {offset}+{} outside the selected column chunks",
+                    buf.len()
+                ))
+            })?;
+            copy.read_exact_at(buf, at).map_err(|e| Error::io("cannot read cached column chunks", pin.path(), e))
+        })
+    }
+
+    fn cached_copy(&self, file: usize) -> Result<Option<CachedCopy>> {
+        self.with_copy(file, |pf, pin, copy| {
+            let dup = copy.try_clone().map_err(|e| Error::io("cannot open cached column chunks", pin.path(), e))?;
+            let copy = CachedCopy::new(dup, Some(pf.clone()))
+                .map_err(|e| Error::io("cannot stat cached column chunks", pin.path(), e))?;
+            Ok(Some(copy))
+        })
     }
 }

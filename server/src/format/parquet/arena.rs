@@ -44,6 +44,9 @@ pub struct Arena {
     map: memmap2::Mmap,
     /// A name unique in the daemon: the session's key for the arena's slot.
     path: PathBuf,
+    /// The mapping is of a node-cache copy of the dataset's own file (see `super::mapped`): its
+    /// pages are the cache's, and a row group over it holds only the bytes its values name.
+    borrowed: bool,
 }
 
 impl std::fmt::Debug for Arena {
@@ -205,7 +208,7 @@ pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option
     let map = map.make_read_only().map_err(|e| fail("protect", e))?;
     let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
     rustix::fs::fcntl_add_seals(&file, seals).map_err(|e| fail("seal", e))?;
-    let arena = Arena::register(file, map, name);
+    let arena = Arena::register(file, map, name, false);
     let data = arena.buffer()?;
     let batch = with_views_over(&batch, &arrays, views, &data)?;
     Ok((batch, Some(arena)))
@@ -214,11 +217,12 @@ pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option
 impl Arena {
     /// An arena of `file`'s whole read-only mapping `map`, registered for [`arena_of`]. The
     /// caller vouches that neither ever changes (a sealed memfd, or a node-cache file the daemon
-    /// never rewrites or truncates).
-    pub(super) fn register(file: std::fs::File, map: memmap2::Mmap, name: &str) -> Arc<Arena> {
+    /// never rewrites or truncates). `borrowed`: `file` is a node-cache copy of a dataset file,
+    /// not a segment of decoded values.
+    pub(super) fn register(file: std::fs::File, map: memmap2::Mmap, name: &str, borrowed: bool) -> Arc<Arena> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let path = PathBuf::from(format!("/shardstream-decoded/{}/{name}", NEXT.fetch_add(1, Ordering::Relaxed)));
-        let arena = Arc::new(Arena { file, map, path });
+        let arena = Arc::new(Arena { file, map, path, borrowed });
         registry().lock().unwrap_or_else(|p| p.into_inner()).insert(arena.addr(), Arc::downgrade(&arena));
         arena
     }
@@ -232,10 +236,16 @@ impl Arena {
     }
 
     /// The mapping's bytes.
-    #[cfg(test)]
     pub(super) fn bytes(&self) -> &[u8] {
         &self.map
     }
+}
+
+/// True when `addr` starts the mapping of a live arena over a node-cache copy of a dataset file
+/// (`super::mapped`): a buffer there is the cache's pages, not memory a decode allocated.
+pub fn is_borrowed(addr: usize) -> bool {
+    let reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+    reg.get(&addr).and_then(Weak::upgrade).is_some_and(|a| a.borrowed)
 }
 
 /// `batch` with `arrays` (its [`view_arrays`], in order) rebuilt from `views`, each over the one

@@ -12,15 +12,16 @@
 //! dataset is built: they own no row id, so nothing in the plan changes for them. A 0-byte file is
 //! skipped the same way (a writer that never finished); any other damaged file is an error.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Weak};
 
 use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Schema, SchemaRef};
 
-use super::decode::read_row_group;
+use super::decode::{chunk_ranges, decode_row_group, read_row_group};
 use super::decoded::{DatasetTag, DecodedCache, RowGroupKey};
+use super::mapped::{self, MappedFile};
 use super::schema::{FileProjection, Projection};
 use super::{ParquetError, ParquetTable, direct, footer, ipc};
 use crate::{Error, Result};
@@ -141,6 +142,33 @@ fn decode_threads() -> usize {
 /// Reads bytes of file `file` ([`DatasetFile::index`]) at `offset` into `buf`, exactly.
 pub trait FileReader: Sync {
     fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// The node-cache copy `file` is read from, which the daemon may map because it never
+    /// changes (see [`super::mapped`]); None for a file read in place.
+    fn cached_copy(&self, _file: usize) -> Result<Option<CachedCopy>> {
+        Ok(None)
+    }
+}
+
+/// A node-cache copy of a dataset file ([`FileReader::cached_copy`]).
+#[derive(Debug)]
+pub struct CachedCopy {
+    /// The copy, opened read-only.
+    pub file: std::fs::File,
+    /// Device and inode: a copy fetched again after an eviction is another file.
+    pub identity: (u64, u64),
+    /// Where the file's bytes lie in the copy: None for a whole copy, the pieces for a compact
+    /// copy of some column chunks.
+    pub locate: Option<Arc<super::projected::ProjectedFile>>,
+}
+
+impl CachedCopy {
+    /// `file` (a node-cache copy) with its identity.
+    pub fn new(file: std::fs::File, locate: Option<Arc<super::projected::ProjectedFile>>) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(Self { file, identity: (m.dev(), m.ino()), locate })
+    }
 }
 
 /// Local files (or node-cache copies), opened once.
@@ -185,7 +213,13 @@ pub struct BatchAssembler {
     spilling: AtomicBool,
     /// Per plan unit, while spilling: [`UNKEPT`], [`QUEUED`] or [`SETTLED`].
     keeping: Arc<Vec<AtomicU8>>,
+    /// Per file, the mapping of its node-cache copy while a row group uses it, with the copy's
+    /// identity ([`super::mapped`]): every row group of a file shares one arena.
+    mapped: Mutex<HashMap<usize, LiveCopy>>,
 }
+
+/// A node-cache copy's identity (device, inode) and the arena of its mapping while it lives.
+type LiveCopy = ((u64, u64), Weak<super::arena::Arena>);
 
 /// States of a plan unit's keeping ([`BatchAssembler::keep_later`]): not kept, handed to the
 /// writer, kept (or no room for it: not tried again).
@@ -348,6 +382,7 @@ impl BatchAssembler {
             kept: None,
             spilling: AtomicBool::new(false),
             keeping: Arc::new(Vec::new()),
+            mapped: Mutex::new(HashMap::new()),
         })
     }
 
@@ -598,6 +633,23 @@ impl BatchAssembler {
         }
     }
 
+    /// File `fi`'s node-cache copy mapped ([`super::mapped`]), when it is read from one: the
+    /// mapping a live row group of the same copy uses, or a new one.
+    fn mapped_copy(&self, fi: usize, files: &dyn FileReader) -> Result<Option<MappedFile>> {
+        let file = &self.dataset.files[fi];
+        let Some(copy) = files.cached_copy(file.index)? else { return Ok(None) };
+        let mut maps = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+        let live = maps.get(&fi).filter(|(id, _)| *id == copy.identity).and_then(|(_, a)| a.upgrade());
+        let len = file.table.file_len();
+        if let Some(arena) = live {
+            return Ok(Some(MappedFile::over(arena, len, copy.locate)));
+        }
+        let identity = copy.identity;
+        let m = MappedFile::map(copy.file, &file.name, len, copy.locate).map_err(|e| e.into_error(&file.name))?;
+        maps.insert(fi, (identity, Arc::downgrade(m.arena())));
+        Ok(Some(m))
+    }
+
     /// The decoded plan unit `u` (a row group), from the cache or decoded now.
     pub fn row_group(&self, u: usize, files: &dyn FileReader) -> Result<Arc<RecordBatch>> {
         let (fi, rg) = self.dataset.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
@@ -609,15 +661,32 @@ impl BatchAssembler {
                 return Ok(batch);
             }
             let mut io_error = None;
-            let decoded = read_row_group(&file.table, rg, &self.per_file[fi], |off, buf| {
-                files.read_at(file.index, off, buf).map_err(|e| {
-                    let msg = e.to_string();
-                    io_error = Some(e);
-                    ParquetError::Io(msg)
+            let copy = self.mapped_copy(fi, files)?;
+            let decoded = match &copy {
+                Some(m) => m
+                    .chunks(&chunk_ranges(&file.table, rg, &self.per_file[fi]))
+                    .and_then(|chunks| decode_row_group(&file.table, rg, &self.per_file[fi], chunks)),
+                None => read_row_group(&file.table, rg, &self.per_file[fi], |off, buf| {
+                    files.read_at(file.index, off, buf).map_err(|e| {
+                        let msg = e.to_string();
+                        io_error = Some(e);
+                        ParquetError::Io(msg)
+                    })
                 })
-            });
+                .map(|(batch, _)| batch),
+            };
+            // Values the file holds as they are served are served from its mapping: nothing to
+            // copy into an arena or keep, and decoding again costs only the page headers.
+            let decoded = match (decoded, &copy) {
+                (Ok(batch), Some(m)) => match mapped::rebase(&batch, m.arena()) {
+                    Ok(Some(over_file)) => return Ok(over_file),
+                    Ok(None) => Ok(batch),
+                    Err(e) => Err(e),
+                },
+                (other, _) => other,
+            };
             match (decoded, io_error) {
-                (Ok((batch, _)), _) if self.views => {
+                (Ok(batch), _) if self.views => {
                     if let Some(kept) = self.keep(fi, rg, &batch) {
                         return Ok(kept);
                     }
@@ -627,7 +696,7 @@ impl BatchAssembler {
                     })?;
                     Ok(batch)
                 }
-                (Ok((batch, _)), _) => {
+                (Ok(batch), _) => {
                     // Decoded before and let go of: the budget cannot hold this projection, and
                     // without kept copies every later epoch would decode it all again.
                     if self.kept.is_some() && !self.spills() && self.cache.decoded_before(&key) {

@@ -259,9 +259,25 @@ impl State {
 /// buffers slice it. A row group with binary views has all its view columns in one arena, and a
 /// row group loaded from a kept file (`super::kept`) has every column in the file's mapping;
 /// `RecordBatch::get_array_memory_size` counts such an allocation once per buffer.
+///
+/// A view column over the mapping of a node-cache copy of its file (`super::mapped`) counts the
+/// bytes its values name, not the whole file: the mapping is shared by every row group of the
+/// file, and the bound then still limits how much of evicted copies decoded row groups keep
+/// mapped (an unlinked file's blocks stay allocated while mapped).
 pub fn held_bytes(batch: &RecordBatch) -> u64 {
     fn walk(d: &arrow_data::ArrayData, seen: &mut HashSet<usize>, total: &mut u64) {
         let nulls = d.nulls().map(|n| n.buffer());
+        let views_over_a_copy = *d.data_type() == arrow_schema::DataType::BinaryView
+            && d.buffers().get(1).is_some_and(|b| super::arena::is_borrowed(b.as_ptr() as usize));
+        if views_over_a_copy && let Some(views) = d.buffers().first() {
+            let views: &[u128] = views.typed_data();
+            let named = views.iter().map(|&v| u64::from(v as u32)).filter(|&n| n > u64::from(super::arena::INLINE));
+            *total += named.sum::<u64>() + views.len() as u64 * 16;
+            if let Some(n) = nulls {
+                *total += n.capacity() as u64;
+            }
+            return;
+        }
         for b in d.buffers().iter().chain(nulls) {
             if seen.insert(b.data_ptr().as_ptr() as usize) {
                 *total += b.capacity() as u64;

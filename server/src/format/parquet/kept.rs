@@ -144,7 +144,7 @@ pub fn load(file: File, name: &str, schema: &SchemaRef, rows: usize) -> Result<R
     if map.is_empty() {
         return Err(ipc("load", "the file is empty"));
     }
-    let arena = Arena::register(file, map, name);
+    let arena = Arena::register(file, map, name, false);
     let whole = arena.buffer()?;
     // The IPC decoder slices its input without checking every bound: a damaged file is an
     // error here, never a panic.

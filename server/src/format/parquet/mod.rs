@@ -22,6 +22,8 @@
 //!   from row ids.
 //! - [`projected`]: the selected column chunks of a whole file as one compact byte string (what
 //!   the node cache holds of an S3 file when a stream selects some of its columns).
+//! - [`mapped`]: row groups decoded over the mapping of a node-cache copy of their file; values
+//!   stored uncompressed are served from the copy itself (it is their arena).
 //! - [`decoded`]: the daemon-wide, byte-bounded cache of decoded row groups that streams share, so
 //!   a shuffle window of row groups is decoded about once per epoch and node.
 
@@ -33,6 +35,7 @@ pub mod direct;
 pub mod footer;
 pub mod ipc;
 pub mod kept;
+pub mod mapped;
 pub mod pqidx;
 pub mod projected;
 pub mod schema;

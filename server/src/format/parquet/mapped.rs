@@ -1,0 +1,238 @@
+//! Row groups decoded over the mapping of a node-cache copy of their file, so that values stored
+//! uncompressed are served from where the file holds them, without a copy.
+//!
+//! A file the node cache holds (an `s3://` dataset's, or a local one read with `cache="copy"`)
+//! never changes while it is used: it is published whole, pinned, and evicted by unlinking,
+//! which leaves a mapping valid. Such a file is mapped once ([`MappedFile`]) and the row-group
+//! decoder reads its column chunks from the mapping instead of reading them into new memory.
+//! arrow-rs decodes a PLAIN page of an uncompressed binary or string column as views into the
+//! page's bytes; [`rebase`] then points the row group's `BinaryView` columns at the whole mapping
+//! as one buffer, which makes the file itself the row group's arena (`super::arena`): a client
+//! maps it as it maps any arena, and nothing is copied into a segment or kept on disk, where
+//! `pack --format parquet` wrote the payload the way it serves fastest (uncompressed PLAIN,
+//! bench/PARQUET_LAYOUT.md). A compressed or dictionary-decoded page is decompressed into memory
+//! as before, and the row group is served the way it was.
+//!
+//! Views hold 32-bit offsets: a mapping over 4 GiB cannot be one view buffer, so files that large
+//! are decoded from their mapping but their values are moved into an arena as before.
+//!
+//! A file read in place (`cache="direct"`) is never mapped here: anyone may truncate it, and a
+//! touched page past the new end would kill the daemon with SIGBUS.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use arrow_array::{Array, RecordBatch};
+use bytes::Bytes;
+
+use super::ParquetError;
+use super::arena::{self, Arena, INLINE};
+use super::decode::ChunkSet;
+use super::projected::ProjectedFile;
+
+/// A node-cache copy of a dataset file, mapped read-only as an arena.
+#[derive(Debug)]
+pub struct MappedFile {
+    arena: Arc<Arena>,
+    /// Where the file's bytes lie in the copy: None for a whole copy (offsets are the file's);
+    /// the pieces for a compact copy of some column chunks.
+    locate: Option<Arc<ProjectedFile>>,
+    /// The dataset file's length (what the footer's offsets are within).
+    file_len: u64,
+}
+
+/// A piece of the mapping as the bytes the decoder reads; it keeps the mapping alive.
+struct Piece {
+    arena: Arc<Arena>,
+    range: Range<usize>,
+}
+
+impl AsRef<[u8]> for Piece {
+    fn as_ref(&self) -> &[u8] {
+        // In bounds: checked when the piece was made, and the mapping never changes length.
+        self.arena.bytes().get(self.range.clone()).unwrap_or_default()
+    }
+}
+
+impl MappedFile {
+    /// Maps `copy`, the node-cache copy of the dataset file `name` (`file_len` bytes; `locate`:
+    /// see the field). The caller vouches that `copy` is a published cache file: never written
+    /// or truncated again.
+    pub fn map(
+        copy: std::fs::File,
+        name: &str,
+        file_len: u64,
+        locate: Option<Arc<ProjectedFile>>,
+    ) -> Result<Self, ParquetError> {
+        // SAFETY: a published node-cache file is immutable (filled under a temporary name and
+        // renamed; evicted by unlink, never truncated or rewritten in place), so its pages stay
+        // as mapped for as long as the mapping lives.
+        let map = unsafe { memmap2::Mmap::map(&copy) }
+            .map_err(|e| ParquetError::Io(format!("cannot map the node-cache copy of {name}: {e}")))?;
+        let arena = Arena::register(copy, map, name, true);
+        Ok(Self { arena, locate, file_len })
+    }
+
+    /// The copy as an earlier [`Self::map`] mapped it.
+    pub fn over(arena: Arc<Arena>, file_len: u64, locate: Option<Arc<ProjectedFile>>) -> Self {
+        Self { arena, locate, file_len }
+    }
+
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    /// File ranges `ranges` (sorted, disjoint: `decode::chunk_ranges`) as a chunk set over the
+    /// mapping: no byte is copied.
+    pub fn chunks(&self, ranges: &[Range<u64>]) -> Result<ChunkSet, ParquetError> {
+        let map_len = self.arena.len();
+        let mut pieces = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            if r.end > self.file_len || r.start > r.end {
+                return Err(ParquetError::Truncated(format!("bytes {r:?} lie past its end ({})", self.file_len)));
+            }
+            let at = match &self.locate {
+                None => r.start,
+                Some(pf) => pf.locate(r.clone()).ok_or_else(|| {
+                    ParquetError::Io(format!("bytes {r:?} are not in the node cache's copy of its column chunks"))
+                })?,
+            };
+            let end = at + (r.end - r.start);
+            if end > map_len {
+                return Err(ParquetError::Truncated(format!(
+                    "the node-cache copy holds {map_len} bytes, bytes {at}..{end} were asked for"
+                )));
+            }
+            let range = usize::try_from(at)
+                .and_then(|s| Ok(s..usize::try_from(end)?))
+                .map_err(|_| ParquetError::Io(format!("bytes {r:?} lie beyond this machine's address space")))?;
+            pieces.push((r.start, Bytes::from_owner(Piece { arena: self.arena.clone(), range })));
+        }
+        ChunkSet::from_pieces(self.file_len, pieces)
+    }
+}
+
+/// `batch` (decoded from `arena`'s chunks) with every `BinaryView` column (at the top and inside
+/// structs) over `arena`'s whole mapping as its one data buffer, when each of their values lies
+/// in the mapping at an offset a view can hold; None when one does not (a compressed page's
+/// values are in memory the decoder allocated), or when the batch has no such column.
+pub fn rebase(batch: &RecordBatch, arena: &Arc<Arena>) -> Result<Option<RecordBatch>, ParquetError> {
+    let arrays = arena::all_view_arrays(batch);
+    if arrays.is_empty() {
+        return Ok(None);
+    }
+    let base = arena.bytes().as_ptr() as usize;
+    let end = base + arena.bytes().len();
+    let mut views = Vec::with_capacity(arrays.len());
+    for a in &arrays {
+        // Each data buffer's offset in the mapping, or None when it lies elsewhere.
+        let starts: Option<Vec<u64>> = a
+            .data_buffers()
+            .iter()
+            .map(|b| {
+                let p = b.as_ptr() as usize;
+                (p >= base && p + b.len() <= end).then(|| (p - base) as u64)
+            })
+            .collect();
+        let Some(starts) = starts else { return Ok(None) };
+        let mut out = Vec::with_capacity(a.len());
+        for &v in a.views().iter() {
+            if (v as u32) <= INLINE {
+                out.push(v);
+                continue;
+            }
+            let (buffer, offset) = ((v >> 64) as u32 as usize, u64::from((v >> 96) as u32));
+            let Some(at) = starts.get(buffer).map(|s| s + offset) else {
+                return Err(ParquetError::Ipc(format!("a view names data buffer {buffer} of {}", starts.len())));
+            };
+            let Ok(at) = u32::try_from(at) else { return Ok(None) };
+            // Keep length and prefix (the low 64 bits); buffer 0 (the mapping), offset `at`.
+            out.push((v & u128::from(u64::MAX)) | (u128::from(at) << 96));
+        }
+        views.push(out);
+    }
+    let data = arena.buffer()?;
+    arena::with_views_over(batch, &arrays, views, &data).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::super::decode::{chunk_ranges, decode_row_group, read_row_group};
+    use super::super::schema::Projection;
+    use super::super::{footer, testdata};
+    use super::*;
+
+    fn copy_of(bytes: &[u8]) -> std::fs::File {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(bytes).unwrap();
+        f
+    }
+
+    fn table(bytes: &[u8]) -> super::super::ParquetTable {
+        let f = footer::read_footer(bytes.len() as u64, |o, b| {
+            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
+            Ok(())
+        })
+        .unwrap();
+        super::super::ParquetTable::decode(&f, bytes.len() as u64).unwrap()
+    }
+
+    fn read(bytes: &[u8]) -> impl FnMut(u64, &mut [u8]) -> Result<(), ParquetError> + '_ {
+        move |o, b| {
+            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn uncompressed_values_are_served_from_the_mapping_itself() {
+        let bytes = testdata::mixed(300, 64, testdata::Codec::None);
+        let t = table(&bytes);
+        let fields = ["id", "label", "caption", "image", "blob", "text"].map(String::from).to_vec();
+        let fp = Projection::new(t.schema(), Some(&fields)).unwrap().for_file(&t).unwrap();
+        let m = MappedFile::map(copy_of(&bytes), "f.parquet", bytes.len() as u64, None).unwrap();
+        for rg in 0..t.num_row_groups() {
+            let chunks = m.chunks(&chunk_ranges(&t, rg, &fp)).unwrap();
+            let decoded = decode_row_group(&t, rg, &fp, chunks).unwrap();
+            let rebased = rebase(&decoded, m.arena()).unwrap().expect("uncompressed pages: every value in the file");
+            let (read, _) = read_row_group(&t, rg, &fp, read(&bytes)).unwrap();
+            assert_eq!(rebased, read, "row group {rg}: the same rows as read into memory");
+            let image = arena::first_view_array(&rebased).unwrap();
+            assert!(Arc::ptr_eq(&arena::arena_of(image).unwrap(), m.arena()), "the file is the arena");
+            assert!(arena::is_borrowed(image.data_buffers()[0].as_ptr() as usize));
+            // Every long value is where the file holds it.
+            for (i, &v) in image.views().iter().enumerate() {
+                if (v as u32) > INLINE {
+                    let at = (v >> 96) as usize;
+                    assert_eq!(&bytes[at..at + v as u32 as usize], image.value(i));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn compressed_values_are_left_as_decoded() {
+        let bytes = testdata::mixed(200, 64, testdata::Codec::Snappy);
+        let t = table(&bytes);
+        let fp = Projection::new(t.schema(), Some(&["image".to_string()])).unwrap().for_file(&t).unwrap();
+        let m = MappedFile::map(copy_of(&bytes), "f.parquet", bytes.len() as u64, None).unwrap();
+        let chunks = m.chunks(&chunk_ranges(&t, 0, &fp)).unwrap();
+        let decoded = decode_row_group(&t, 0, &fp, chunks).unwrap();
+        assert!(rebase(&decoded, m.arena()).unwrap().is_none(), "decompressed values are not in the file");
+        let (read, _) = read_row_group(&t, 0, &fp, read(&bytes)).unwrap();
+        assert_eq!(decoded, read, "decoded from the mapping all the same");
+    }
+
+    #[test]
+    fn a_copy_shorter_than_the_footer_says_is_an_error_not_a_fault() {
+        let bytes = testdata::mixed(200, 64, testdata::Codec::None);
+        let t = table(&bytes);
+        let fp = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+        let m = MappedFile::map(copy_of(&bytes[..bytes.len() / 2]), "f.parquet", bytes.len() as u64, None).unwrap();
+        let last = t.num_row_groups() - 1;
+        let e = m.chunks(&chunk_ranges(&t, last, &fp)).unwrap_err();
+        assert!(matches!(e, ParquetError::Truncated(_)), "{e}");
+    }
+}
