@@ -262,8 +262,8 @@ impl State {
 ///
 /// A view column over the mapping of a node-cache copy of its file (`super::mapped`) counts the
 /// bytes its values name, not the whole file: the mapping is shared by every row group of the
-/// file, and the bound then still limits how much of evicted copies decoded row groups keep
-/// mapped (an unlinked file's blocks stay allocated while mapped).
+/// file. The budget then bounds the bytes such row groups name, not the files they keep mapped: a
+/// copy the node cache evicted stays allocated on disk while a held row group maps it.
 pub fn held_bytes(batch: &RecordBatch) -> u64 {
     fn walk(d: &arrow_data::ArrayData, seen: &mut HashSet<usize>, total: &mut u64) {
         let nulls = d.nulls().map(|n| n.buffer());

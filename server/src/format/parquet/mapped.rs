@@ -213,6 +213,22 @@ mod tests {
     }
 
     #[test]
+    fn a_row_group_over_a_copy_holds_the_bytes_its_values_name() {
+        let bytes = testdata::mixed(400, 100, testdata::Codec::None);
+        let t = table(&bytes);
+        let fp = Projection::new(t.schema(), Some(&["image".to_string()])).unwrap().for_file(&t).unwrap();
+        let m = MappedFile::map(copy_of(&bytes), "f.parquet", bytes.len() as u64, None).unwrap();
+        let chunks = m.chunks(&chunk_ranges(&t, 1, &fp)).unwrap();
+        let over = rebase(&decode_row_group(&t, 1, &fp, chunks).unwrap(), m.arena()).unwrap().unwrap();
+        let image = arena::first_view_array(&over).unwrap();
+        let named: u64 = image.views().iter().map(|&v| u64::from(v as u32)).filter(|&n| n > 12).sum();
+        let nulls = image.nulls().map_or(0, |n| n.buffer().capacity() as u64);
+        let held = super::super::decoded::held_bytes(&over);
+        assert_eq!(held, named + 16 * image.len() as u64 + nulls, "not the whole file ({} bytes)", bytes.len());
+        assert!(held < bytes.len() as u64 / 2);
+    }
+
+    #[test]
     fn compressed_values_are_left_as_decoded() {
         let bytes = testdata::mixed(200, 64, testdata::Codec::Snappy);
         let t = table(&bytes);
