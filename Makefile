@@ -115,6 +115,11 @@ bench: venv-bench
 	$(BENCH_VENV)/bin/python bench/decode_bench.py --out bench/DECODE_RESULTS.md $(DECODE_BENCH_ARGS)
 	$(BENCH_VENV)/bin/python bench/shm_bench.py --out bench/SHM_RESULTS.md
 	$(BENCH_VENV)/bin/python bench/parquet_bench.py --out bench/PARQUET_RESULTS.md
+	@# The image set as `pack --format parquet` writes it (uncompressed PLAIN), read also
+	@# through the node cache, where the copies' mappings serve the values.
+	$(BENCH_VENV)/bin/python bench/parquet_bench.py --datasets image --layout plain --no-s3 \
+		--peers pa_seq,pa_shuffle,hf_map,ss_arrow,ss_arrow+copy+warm,ss_views,ss_views+warm,ss_views+copy,ss_views+copy+warm,ss_views+copy+node \
+		--out bench/PARQUET_PLAIN_RESULTS.md
 	bash scripts/iperf3.sh
 	@# Issue 11's speed targets are ratios to the inline transport as it was when the issue was
 	@# filed (main at 88b45a7): that build is measured in the same rounds (built once, ~10 min).
