@@ -1301,3 +1301,51 @@ def test_binary_views_of_an_s3_projection_are_served_from_its_compact_copy(tmp_p
         assert d.status()["storage_bytes"] < 600 * 4096, "the payload column was never fetched"
     finally:
         assert d.stop() == 0
+
+
+def test_opening_a_local_dataset_through_the_node_cache_reads_footers_not_whole_files(tmp_path: Path) -> None:
+    """`cache="copy"` on a local Parquet dataset: opening it reads each file's footer (as for S3),
+    and the files are copied when the plan needs them, not all before the first batch. A copy
+    whose footer is not the one the dataset was opened with is refused."""
+    root = tmp_path / "big"
+    root.mkdir()
+    want = write_big_files(root, files=12, rows=100)  # 12 files of one row group each
+    d = Daemon(tmp_path / "d", args=["--prefetch-horizon", "0"]).start()
+    shards = d.cache_dir / "shards"
+    try:
+        loader = shardstream.Loader(
+            str(root), batch_size=50, shuffle=False, connect=d.addr, transport="shm", cache="copy"
+        )
+        it = iter(loader)
+        first = next(it)
+        assert [bytes(p) for p in first["payload"]] == [want[int(i)] for i in first["id"]]
+        copies = [p for p in shards.iterdir() if p.name.endswith(".parquet")]
+        assert len(copies) <= 4, f"copied at open, not when needed: {sorted(p.name for p in copies)}"
+        rest = [int(i) for b in it for i in b["id"]]
+        assert sorted([int(i) for i in first["id"]] + rest) == list(range(1200))
+    finally:
+        d.stop()
+    # The last file's footer changes (same size) after the dataset is opened and before its copy
+    # is made: the copy is refused, naming the file, and no row of it is served.
+    d = Daemon(tmp_path / "e", args=["--prefetch-horizon", "0"]).start()
+    shards = d.cache_dir / "shards"
+    try:
+        loader = shardstream.Loader(
+            str(root), batch_size=50, shuffle=False, connect=d.addr, transport="shm", cache="copy"
+        )
+        it = iter(loader)
+        next(it)
+        victim = root / "big-011.parquet"
+        assert not [p for p in shards.iterdir() if p.name.endswith("big-011.parquet")]
+        raw = bytearray(victim.read_bytes())
+        at = raw.rindex(b"parquet-cpp")
+        raw[at : at + 1] = b"P"
+        victim.write_bytes(bytes(raw))
+        served: list[int] = []
+        with pytest.raises(shardstream.ShardError) as e:
+            for b in it:
+                served.extend(int(i) for i in b["id"])
+        assert "big-011.parquet" in str(e.value) and "footer" in str(e.value), e.value
+        assert not [i for i in served if i >= 1100], "no row of the changed file"
+    finally:
+        d.stop()
