@@ -545,19 +545,34 @@ def test_a_pack_format_parquet_dataset_is_served_as_is(daemon, tmp_path: Path) -
     assert got == files
 
 
-def test_an_s3_parquet_dataset(tmp_path: Path, s3, varied) -> None:
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_an_s3_parquet_dataset(tmp_path: Path, s3, varied, transport: str) -> None:
     src, rows = varied
-    bucket = s3.bucket("data") / "pq"
+    bucket = s3.bucket("data") / f"pq-{transport}"
     bucket.mkdir(parents=True)
     for f in sorted(src.glob("*.parquet")):
         (bucket / f.name).write_bytes(f.read_bytes())
+    url = f"s3://data/pq-{transport}/"
     d = Daemon(tmp_path, env=s3.env()).start()
     try:
-        loader = shardstream.Loader("s3://data/pq/", batch_size=64, seed=8, connect=d.addr)
+        loader = shardstream.Loader(url, batch_size=64, seed=8, connect=d.addr, transport=transport)
         order = epoch_rows(loader, rows)
         assert sorted(order) == list(range(TOTAL))
         status = d.status()
         assert status["storage_requests"] > 0 and status["storage_bytes"] > 0
+        if transport == "shm":
+            # Views over the node cache's copies: files of every codec, each served from its copy
+            # (uncompressed) or from the row groups kept for it (compressed), the same values.
+            seen: list[int] = []
+            views = shardstream.Loader(
+                url, batch_size=64, seed=9, connect=d.addr, format="arrow", binary_views=True, fields=FLAT
+            )
+            for rb in views:
+                ids = rb.column("__row__").to_pylist()
+                assert rb.column("img").to_pylist() == [rows[r]["img"] for r in ids]
+                assert rb.column("caption").to_pylist() == [rows[r]["caption"] for r in ids]
+                seen.extend(ids)
+            assert sorted(seen) == list(range(TOTAL))
     finally:
         assert d.stop() == 0
 
@@ -946,6 +961,12 @@ def test_binary_views_outlive_a_killed_daemon(tmp_path: Path, blobs) -> None:
             d.stop()
 
 
+def file_versions(shards: Path) -> dict[str, tuple[int, int]]:
+    """{name: (inode, mtime in ns)} of the kept row groups in `shards`. Not the inode alone: a file
+    deleted and written again may get its inode number back."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shards.glob("derived-*")}
+
+
 def views_epoch(addr: str, root: Path, want: dict[int, bytes | None], seed: int, kept: Path) -> list[int]:
     """One `binary_views` epoch, every value checked, every view's data in a kept file under
     `kept`; the row ids in delivered order."""
@@ -979,7 +1000,7 @@ def test_binary_views_row_groups_are_kept_on_disk_for_the_next_daemon(tmp_path: 
     shards = d.cache_dir / "shards"
     try:
         assert sorted(views_epoch(d.addr, root, want, 1, shards)) == list(range(300))
-        kept = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+        kept = file_versions(shards)
         assert len(kept) == 30, f"3 files of 10 row groups each: {sorted(kept)}"
         cache = d.status()["cache"]
         assert (cache["decoded_row_groups"], cache["shards"]) == (30, 0), cache
@@ -993,7 +1014,7 @@ def test_binary_views_row_groups_are_kept_on_disk_for_the_next_daemon(tmp_path: 
         d = Daemon(tmp_path).start()
         assert not (d.cache_dir / "derived.clean").exists(), "consumed by the start that trusts it"
         assert sorted(views_epoch(d.addr, root, want, 2, shards)) == list(range(300))
-        again = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+        again = file_versions(shards)
         assert again.keys() == kept.keys()
         rewritten = sorted(k for k in kept if again[k] != kept[k])
         assert rewritten == [damaged], "only the damaged one was decoded and written again"
@@ -1071,16 +1092,16 @@ def test_row_groups_decoded_again_past_the_budget_are_kept_and_served_from_disk(
         # written in the background.
         assert sorted(payload_epoch(d.addr, root, want, 2)) == list(range(1200))
         assert wait_for(lambda: d.status()["cache"]["decoded_row_groups"] == 12, timeout=30), d.status()
-        kept = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+        kept = file_versions(shards)
         assert len(kept) == 12, sorted(kept)
         third = payload_epoch(d.addr, root, want, 3)
         assert sorted(third) == list(range(1200)) and third != first
-        assert {p.name: p.stat().st_ino for p in shards.glob("derived-*")} == kept, "none written again"
+        assert file_versions(shards) == kept, "none written again"
         assert daemon_maps(d, shards) <= kept.keys() and daemon_maps(d, shards), "served from the kept files"
         assert d.stop() == 0
         d = Daemon(tmp_path / "d", args=args).start()
         assert sorted(payload_epoch(d.addr, root, want, 4)) == list(range(1200))
-        assert {p.name: p.stat().st_ino for p in shards.glob("derived-*")} == kept
+        assert file_versions(shards) == kept
     finally:
         if d.alive():
             d.stop()
@@ -1188,7 +1209,7 @@ def test_uncompressed_values_of_node_cache_copies_are_served_from_the_copies(tmp
     d = Daemon(tmp_path / "d").start()
     shards = d.cache_dir / "shards"
     try:
-        kept: dict[str, int] = {}
+        kept: dict[str, tuple[int, int]] = {}
         for seed in (1, 2):
             loader = shardstream.Loader(
                 str(root),
@@ -1218,7 +1239,7 @@ def test_uncompressed_values_of_node_cache_copies_are_served_from_the_copies(tmp
                 seen.extend(ids)
             assert sorted(seen) == list(range(300))
             assert len(copies_mapped) == 2, f"the two uncompressed files' copies: {copies_mapped}"
-            now = {p.name: p.stat().st_ino for p in shards.glob("derived-*")}
+            now = file_versions(shards)
             assert len(now) == 10, f"only the snappy file's 10 row groups are kept: {sorted(now)}"
             assert not kept or now == kept, "nothing kept again in the second epoch"
             kept = now
