@@ -91,6 +91,12 @@ impl ChunkSet {
         Ok(Self { file_len, pieces })
     }
 
+    /// The pieces, by file offset.
+    #[cfg(test)]
+    pub fn pieces(&self) -> &[(u64, Bytes)] {
+        &self.pieces
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
         self.pieces.iter().map(|(_, b)| b.len() as u64).sum()

@@ -229,6 +229,29 @@ mod tests {
     }
 
     #[test]
+    fn values_past_what_a_view_can_address_are_left_as_decoded() {
+        use arrow_array::BinaryViewArray;
+        use arrow_buffer::{Buffer, ScalarBuffer};
+        use arrow_schema::{DataType, Field, Schema};
+        // A sparse copy of 5 GiB: values 4.5 GiB in cannot be named by a view's 32-bit offset.
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(5 << 30).unwrap();
+        let m = MappedFile::map(f, "big.parquet", 5 << 30, None).unwrap();
+        let over = |at: u64| {
+            let chunks = m.chunks(&[at..at + 100]).unwrap();
+            let piece = chunks.pieces()[0].1.clone();
+            // One 40-byte value at the start of the piece: buffer 0, offset 0.
+            let view = 40u128;
+            let values = BinaryViewArray::try_new(ScalarBuffer::from(vec![view]), vec![Buffer::from(piece)], None);
+            let schema = Arc::new(Schema::new(vec![Field::new("image", DataType::BinaryView, false)]));
+            RecordBatch::try_new(schema, vec![Arc::new(values.unwrap())]).unwrap()
+        };
+        let near = rebase(&over(1 << 30), m.arena()).unwrap().expect("1 GiB in: addressable");
+        assert_eq!(arena::first_view_array(&near).unwrap().views()[0] >> 96, 1 << 30);
+        assert!(rebase(&over(9 << 29), m.arena()).unwrap().is_none(), "4.5 GiB in: left as decoded");
+    }
+
+    #[test]
     fn compressed_values_are_left_as_decoded() {
         let bytes = testdata::mixed(200, 64, testdata::Codec::Snappy);
         let t = table(&bytes);
