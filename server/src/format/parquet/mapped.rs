@@ -238,7 +238,8 @@ mod tests {
         f.set_len(5 << 30).unwrap();
         let m = MappedFile::map(f, "big.parquet", 5 << 30, None).unwrap();
         let over = |at: u64| {
-            let chunks = m.chunks(&[at..at + 100]).unwrap();
+            let range = at..at + 100;
+            let chunks = m.chunks(std::slice::from_ref(&range)).unwrap();
             let piece = chunks.pieces()[0].1.clone();
             // One 40-byte value at the start of the piece: buffer 0, offset 0.
             let view = 40u128;
