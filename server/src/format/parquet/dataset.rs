@@ -12,9 +12,9 @@
 //! dataset is built: they own no row id, so nothing in the plan changes for them. A 0-byte file is
 //! skipped the same way (a writer that never finished); any other damaged file is an error.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, Weak};
 
 use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Schema, SchemaRef};
@@ -213,13 +213,7 @@ pub struct BatchAssembler {
     spilling: AtomicBool,
     /// Per plan unit, while spilling: [`UNKEPT`], [`QUEUED`] or [`SETTLED`].
     keeping: Arc<Vec<AtomicU8>>,
-    /// Per file, the mapping of its node-cache copy while a row group uses it, with the copy's
-    /// identity ([`super::mapped`]): every row group of a file shares one arena.
-    mapped: Mutex<HashMap<usize, LiveCopy>>,
 }
-
-/// A node-cache copy's identity (device, inode) and the arena of its mapping while it lives.
-type LiveCopy = ((u64, u64), Weak<super::arena::Arena>);
 
 /// States of a plan unit's keeping ([`BatchAssembler::keep_later`]): not kept, handed to the
 /// writer, kept (or no room for it: not tried again).
@@ -382,7 +376,6 @@ impl BatchAssembler {
             kept: None,
             spilling: AtomicBool::new(false),
             keeping: Arc::new(Vec::new()),
-            mapped: Mutex::new(HashMap::new()),
         })
     }
 
@@ -633,21 +626,13 @@ impl BatchAssembler {
         }
     }
 
-    /// File `fi`'s node-cache copy mapped ([`super::mapped`]), when it is read from one: the
-    /// mapping a live row group of the same copy uses, or a new one.
+    /// File `fi`'s node-cache copy mapped ([`super::mapped`]), when it is read from one.
     fn mapped_copy(&self, fi: usize, files: &dyn FileReader) -> Result<Option<MappedFile>> {
         let file = &self.dataset.files[fi];
         let Some(copy) = files.cached_copy(file.index)? else { return Ok(None) };
-        let mut maps = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        let live = maps.get(&fi).filter(|(id, _)| *id == copy.identity).and_then(|(_, a)| a.upgrade());
-        let len = file.table.file_len();
-        if let Some(arena) = live {
-            return Ok(Some(MappedFile::over(arena, len, copy.locate)));
-        }
-        let identity = copy.identity;
-        let m = MappedFile::map(copy.file, &file.name, len, copy.locate).map_err(|e| e.into_error(&file.name))?;
-        maps.insert(fi, (identity, Arc::downgrade(m.arena())));
-        Ok(Some(m))
+        MappedFile::shared(copy.file, copy.identity, &file.name, file.table.file_len(), copy.locate)
+            .map(Some)
+            .map_err(|e| e.into_error(&file.name))
     }
 
     /// The decoded plan unit `u` (a row group), from the cache or decoded now.

@@ -19,8 +19,9 @@
 //! A file read in place (`cache="direct"`) is never mapped here: anyone may truncate it, and a
 //! touched page past the new end would kill the daemon with SIGBUS.
 
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use arrow_array::{Array, RecordBatch};
 use bytes::Bytes;
@@ -29,6 +30,18 @@ use super::ParquetError;
 use super::arena::{self, Arena, INLINE};
 use super::decode::ChunkSet;
 use super::projected::ProjectedFile;
+
+/// Entries of [`live`] past which the dead ones are dropped (at the next new mapping).
+const PRUNE_AT: usize = 4096;
+
+/// The mappings of node-cache copies in use, by the copy's device and inode: a copy fetched again
+/// after an eviction is another file, and gets a mapping of its own.
+fn live() -> &'static Mutex<Live> {
+    static LIVE: OnceLock<Mutex<Live>> = OnceLock::new();
+    LIVE.get_or_init(Mutex::default)
+}
+
+type Live = HashMap<(u64, u64), Weak<Arena>>;
 
 /// A node-cache copy of a dataset file, mapped read-only as an arena.
 #[derive(Debug)]
@@ -73,9 +86,27 @@ impl MappedFile {
         Ok(Self { arena, locate, file_len })
     }
 
-    /// The copy as an earlier [`Self::map`] mapped it.
-    pub fn over(arena: Arc<Arena>, file_len: u64, locate: Option<Arc<ProjectedFile>>) -> Self {
-        Self { arena, locate, file_len }
+    /// `copy` (device and inode `identity`) mapped: the mapping a live row group of the same
+    /// copy already uses, whichever stream made it, or a new one. Streams sharing a mapping share
+    /// its arena, so a trainer's ranks and workers map each copy once, and the decoded row groups
+    /// they share name one segment.
+    pub fn shared(
+        copy: std::fs::File,
+        identity: (u64, u64),
+        name: &str,
+        file_len: u64,
+        locate: Option<Arc<ProjectedFile>>,
+    ) -> Result<Self, ParquetError> {
+        let mut live = live().lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(arena) = live.get(&identity).and_then(Weak::upgrade) {
+            return Ok(Self { arena, locate, file_len });
+        }
+        let m = Self::map(copy, name, file_len, locate)?;
+        if live.len() >= PRUNE_AT {
+            live.retain(|_, a| a.strong_count() > 0);
+        }
+        live.insert(identity, Arc::downgrade(&m.arena));
+        Ok(m)
     }
 
     pub fn arena(&self) -> &Arc<Arena> {
@@ -250,6 +281,27 @@ mod tests {
         let near = rebase(&over(1 << 30), m.arena()).unwrap().expect("1 GiB in: addressable");
         assert_eq!(arena::first_view_array(&near).unwrap().views()[0] >> 96, 1 << 30);
         assert!(rebase(&over(9 << 29), m.arena()).unwrap().is_none(), "4.5 GiB in: left as decoded");
+    }
+
+    #[test]
+    fn streams_share_a_copy_s_mapping_while_it_is_used() {
+        let bytes = testdata::mixed(50, 10, testdata::Codec::None);
+        let path = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(path.path(), &bytes).unwrap();
+        let open = || std::fs::File::open(path.path()).unwrap();
+        // Identities no real file has here: the registry is the process's.
+        let (id, other) = ((u64::MAX, 1), (u64::MAX, 2));
+        let len = bytes.len() as u64;
+        let a = MappedFile::shared(open(), id, "f", len, None).unwrap();
+        let b = MappedFile::shared(open(), id, "f", len, None).unwrap();
+        assert!(Arc::ptr_eq(a.arena(), b.arena()), "one mapping for both");
+        let c = MappedFile::shared(open(), other, "f", len, None).unwrap();
+        assert!(!Arc::ptr_eq(a.arena(), c.arena()), "a copy fetched again is another file");
+        let first = Arc::downgrade(a.arena());
+        drop((a, b));
+        assert!(first.upgrade().is_none(), "the registry does not keep a mapping alive");
+        let d = MappedFile::shared(open(), id, "f", len, None).unwrap();
+        assert_eq!(d.arena().bytes(), &bytes[..]);
     }
 
     #[test]
