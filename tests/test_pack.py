@@ -427,6 +427,38 @@ def test_pack_to_s3_holds_the_local_bytes_and_streams_back(tmp_path: Path, s3: S
     assert tree_bytes(s3.root / "out" / "wds") == expected
 
 
+def test_pack_parquet_to_s3_serves_views_from_the_node_cache_copies(tmp_path: Path, s3: S3Server, s3_tree) -> None:
+    """`pack --format parquet` to S3, then `binary_views`: the payloads pack wrote uncompressed are
+    served from the node cache's copies of the files (the trainer maps the copies), and nothing
+    is decoded into segments or kept."""
+    src, samples, _ = s3_tree
+    s3.bucket("pqout")
+    pack(src, "--output", "s3://pqout/pq/", "--format", "parquet", *S3_OPTS, env=s3_env(s3, tmp_path / "cache"))
+    d = Daemon(tmp_path / "daemon", env=s3.env()).start()
+    shards = d.cache_dir / "shards"
+    try:
+        loader = shardstream.Loader(
+            "s3://pqout/pq/", batch_size=64, seed=3, connect=d.addr, format="arrow", binary_views=True
+        )
+        got: Samples = {}
+        for rb in loader:
+            copies = []
+            for line in Path("/proc/self/maps").read_text().splitlines():
+                if str(shards) in line and line.split()[-1].endswith(".parquet"):
+                    lo, hi = line.split()[0].split("-")
+                    copies.append((int(lo, 16), int(hi, 16)))
+            for buf in rb.column("jpg").buffers()[2:]:
+                assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in copies), hex(buf.address)
+            cols = {f: rb.column(f).to_pylist() for f in ("__key__", "jpg", "json")}
+            for i, key in enumerate(cols["__key__"]):
+                assert key not in got, f"{key} delivered twice"
+                got[key] = {f: cols[f][i] for f in ("jpg", "json") if cols[f][i] is not None}
+        assert got == samples
+        assert not list(shards.glob("derived-*")), "nothing kept"
+    finally:
+        assert d.stop() == 0
+
+
 def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree) -> None:
     src, _, local = s3_tree
     env = s3_env(s3, tmp_path / "cache")
