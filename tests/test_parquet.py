@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -1324,6 +1324,14 @@ def test_binary_views_of_an_s3_projection_are_served_from_its_compact_copy(tmp_p
         assert d.stop() == 0
 
 
+def copy_epoch(d: Daemon, root: Path) -> tuple[Iterator[dict], dict]:
+    """An epoch of `root` in file order through `d`'s node cache: its iterator and first batch."""
+    it = iter(
+        shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=d.addr, transport="shm", cache="copy")
+    )
+    return it, next(it)
+
+
 def test_opening_a_local_dataset_through_the_node_cache_reads_footers_not_whole_files(tmp_path: Path) -> None:
     """`cache="copy"` on a local Parquet dataset: opening it reads each file's footer (as for S3),
     and the files are copied when the plan needs them, not all before the first batch. A copy
@@ -1334,11 +1342,7 @@ def test_opening_a_local_dataset_through_the_node_cache_reads_footers_not_whole_
     d = Daemon(tmp_path / "d", args=["--prefetch-horizon", "0"]).start()
     shards = d.cache_dir / "shards"
     try:
-        loader = shardstream.Loader(
-            str(root), batch_size=50, shuffle=False, connect=d.addr, transport="shm", cache="copy"
-        )
-        it = iter(loader)
-        first = next(it)
+        it, first = copy_epoch(d, root)
         assert [bytes(p) for p in first["payload"]] == [want[int(i)] for i in first["id"]]
         copies = [p for p in shards.iterdir() if p.name.endswith(".parquet")]
         assert len(copies) <= 4, f"copied at open, not when needed: {sorted(p.name for p in copies)}"
@@ -1351,11 +1355,7 @@ def test_opening_a_local_dataset_through_the_node_cache_reads_footers_not_whole_
     d = Daemon(tmp_path / "e", args=["--prefetch-horizon", "0"]).start()
     shards = d.cache_dir / "shards"
     try:
-        loader = shardstream.Loader(
-            str(root), batch_size=50, shuffle=False, connect=d.addr, transport="shm", cache="copy"
-        )
-        it = iter(loader)
-        next(it)
+        it, _ = copy_epoch(d, root)
         victim = root / "big-011.parquet"
         assert not [p for p in shards.iterdir() if p.name.endswith("big-011.parquet")]
         raw = bytearray(victim.read_bytes())
