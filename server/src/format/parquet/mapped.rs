@@ -5,13 +5,14 @@
 //! never changes while it is used: it is published whole, pinned, and evicted by unlinking,
 //! which leaves a mapping valid. Such a file is mapped once ([`MappedFile`]) and the row-group
 //! decoder reads its column chunks from the mapping instead of reading them into new memory.
-//! arrow-rs decodes a PLAIN page of an uncompressed binary or string column as views into the
-//! page's bytes; [`rebase`] then points the row group's `BinaryView` columns at the whole mapping
-//! as one buffer, which makes the file itself the row group's arena (`super::arena`): a client
-//! maps it as it maps any arena, and nothing is copied into a segment or kept on disk, where
-//! `pack --format parquet` wrote the payload the way it serves fastest (uncompressed PLAIN,
-//! bench/PARQUET_LAYOUT.md). A compressed or dictionary-decoded page is decompressed into memory
-//! as before, and the row group is served the way it was.
+//! arrow-rs decodes the uncompressed pages of a binary or string column as views into the pages'
+//! bytes (a PLAIN page's own, or those of the dictionary page a dictionary-encoded page indexes);
+//! [`rebase`] then points the row group's `BinaryView` columns at the whole mapping as one
+//! buffer, which makes the file itself the row group's arena (`super::arena`): a client maps it
+//! as it maps any arena, and nothing is copied into a segment or kept on disk. That is the layout
+//! `pack --format parquet` writes payloads in (uncompressed PLAIN, bench/PARQUET_LAYOUT.md). A
+//! compressed page is decompressed into memory as before, and its row group is served the way it
+//! was.
 //!
 //! Views hold 32-bit offsets: a mapping over 4 GiB cannot be one view buffer, so files that large
 //! are decoded from their mapping but their values are moved into an arena as before.
