@@ -64,12 +64,35 @@ pub(super) fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()>
 /// Checks a Parquet file's footer against the CRC a `crc32c-footer` manifest records (its length
 /// was checked when `file` was opened): one tail read, never the whole file.
 pub(super) fn verify_footer(file: &ShardFile, meta: &ShardMeta, expected: u32) -> Result<()> {
-    let footer = crate::format::parquet::dataset::read_local_footer(file)?;
-    let got = crate::format::parquet::footer::footer_crc32c(&footer);
+    let got = footer_crc(file)?;
     if got != expected {
         return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
     }
     Ok(())
+}
+
+/// Checks that a node-cache copy of a Parquet file ends in the footer (CRC `opened_with`) the
+/// dataset's table of it was decoded from, read before the copy was made: otherwise the file
+/// changed in between, and the table's chunk offsets point at other bytes.
+pub(super) fn verify_copy_footer(copy: &ShardFile, meta: &ShardMeta, opened_with: u32) -> Result<()> {
+    let got = footer_crc(copy)?;
+    if got != opened_with {
+        return Err(Error::Shard {
+            shard: meta.url(),
+            offset: None,
+            reason: format!(
+                "its node-cache copy ends in another footer (crc32c {got:08x}) than the one the dataset was opened \
+                 with ({opened_with:08x}): the file changed since; open the dataset again"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The CRC-32C of a local Parquet file's footer (one tail read).
+fn footer_crc(file: &ShardFile) -> Result<u32> {
+    let footer = crate::format::parquet::dataset::read_local_footer(file)?;
+    Ok(crate::format::parquet::footer::footer_crc32c(&footer))
 }
 
 pub(super) fn footer_mismatch(shard: &str, got: u32, expected: u32, what: &str) -> Error {

@@ -44,7 +44,7 @@ use crate::{Error, Result};
 pub use registry::{Registry, RegistryLimits};
 
 use discover::Discovered;
-use integrity::{fingerprint, footer_mismatch, verify, verify_footer};
+use integrity::{fingerprint, footer_mismatch, verify, verify_copy_footer, verify_footer};
 use tables::{load_table, parquet_dataset, scan_all};
 
 /// Member tables kept resident at most, per dataset. A consumer needs about `window + 1` shards at
@@ -628,19 +628,7 @@ impl Dataset {
         // local files): a copy decoded with one must end in that footer, or its chunk offsets
         // point at other bytes (the file changed in between).
         if let (Some(_), ShardTable::Parquet(t)) = (&pin, table.as_ref()) {
-            let footer = crate::format::parquet::dataset::read_local_footer(&file)?;
-            let got = crate::format::parquet::footer::footer_crc32c(&footer);
-            if got != t.footer_crc32c() {
-                return Err(Error::Shard {
-                    shard: meta.url(),
-                    offset: None,
-                    reason: format!(
-                        "its node-cache copy ends in another footer (crc32c {got:08x}) than the one the dataset was \
-                         opened with ({:08x}): the file changed since; open the dataset again",
-                        t.footer_crc32c()
-                    ),
-                });
-            }
+            verify_copy_footer(&file, meta, t.footer_crc32c())?;
         }
         // The file's footer was checked above (or as its copy was cached); the table the rows are
         // decoded with came from a sidecar or an earlier read: it must be that same footer.

@@ -106,8 +106,13 @@ fn scan_one(
             (ShardSource::S3 { .. }, _) => Ok(None),
         }
     };
+    // A local Parquet file's table is its footer, read from the file itself also when its rows go
+    // through the node cache: copying every file to read its footer cost the first batch the
+    // whole dataset's copy (2.7 s for 2 GB, bench/PARQUET_RESULTS.md). The copy is made when the
+    // plan needs it, and checked against this footer then (`Dataset::shard_fetched`).
+    let footer_in_place = format == Format::Parquet && matches!(meta.source, ShardSource::Local(_));
     match (key, &backends.cache) {
-        (Some(key), Some(node)) => {
+        (Some(key), Some(node)) if !footer_in_place => {
             let mut fresh = false;
             let table = match cache.and_then(|c| {
                 format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
@@ -127,18 +132,6 @@ fn scan_one(
                         }
                     }
                     table
-                }
-                // Likewise a local file read through the cache: its footer from the file itself.
-                // Copying every file before the first batch cost that batch the whole dataset's
-                // copy (2.7 s for 2 GB, bench/PARQUET_PLAIN_RESULTS.md); the copy is made when the
-                // plan needs it, and checked against this footer then.
-                None if format == Format::Parquet
-                    && let ShardSource::Local(path) = &meta.source =>
-                {
-                    let file = ShardFile::open(path.clone(), meta.len)?;
-                    let table = load_table(format, meta, &file, None, cache)?;
-                    let content = digest(&table, Some(&file))?;
-                    return Ok((table, content, false));
                 }
                 None => {
                     let pin = fetch_into(node, backends, meta, key, Want::NOW)?

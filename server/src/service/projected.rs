@@ -100,7 +100,7 @@ impl ProjectedReader<'_> {
 
 impl ProjectedReader<'_> {
     /// Runs `f` on file `file`'s compact copy (fetched and pinned on first use) and its pieces.
-    fn with_copy<R>(&self, file: usize, f: impl FnOnce(&Arc<ProjectedFile>, &Pin, &File) -> Result<R>) -> Result<R> {
+    fn with_copy<R>(&self, file: usize, then: impl FnOnce(&Arc<ProjectedFile>, &Pin, &File) -> Result<R>) -> Result<R> {
         let (pf, key) = self.reads.file(file)?;
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         let (pin, copy) = match open.entry(file) {
@@ -114,12 +114,12 @@ impl ProjectedReader<'_> {
                 if pin.filled {
                     self.fetched.store(true, Relaxed);
                 }
-                let f =
+                let opened =
                     File::open(pin.path()).map_err(|e| Error::io("cannot open cached column chunks", pin.path(), e))?;
-                v.insert((pin, f))
+                v.insert((pin, opened))
             }
         };
-        f(pf, pin, copy)
+        then(pf, pin, copy)
     }
 }
 

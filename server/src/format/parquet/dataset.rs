@@ -662,14 +662,11 @@ impl BatchAssembler {
             };
             // Values the file holds as they are served are served from its mapping: nothing to
             // copy into an arena or keep, and decoding again costs only the page headers.
-            let decoded = match (decoded, &copy) {
-                (Ok(batch), Some(m)) => match mapped::rebase(&batch, m.arena()) {
-                    Ok(Some(over_file)) => return Ok(over_file),
-                    Ok(None) => Ok(batch),
-                    Err(e) => Err(e),
-                },
-                (other, _) => other,
-            };
+            if let (Ok(batch), Some(m)) = (&decoded, &copy)
+                && let Some(over_file) = mapped::rebase(batch, m.arena()).map_err(|e| e.into_error(&file.name))?
+            {
+                return Ok(over_file);
+            }
             match (decoded, io_error) {
                 (Ok(batch), _) if self.views => {
                     if let Some(kept) = self.keep(fi, rg, &batch) {

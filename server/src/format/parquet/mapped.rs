@@ -244,14 +244,27 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_row_group_over_a_copy_holds_the_bytes_its_values_name() {
-        let bytes = testdata::mixed(400, 100, testdata::Codec::None);
+    /// A copy of test data in `codec`, mapped, and row group `rg` of its `image` column decoded
+    /// from the mapping; with the file's bytes, table and projection.
+    fn image_from_copy(
+        codec: testdata::Codec,
+        rows: usize,
+        rg_rows: usize,
+        rg: usize,
+    ) -> (Vec<u8>, MappedFile, RecordBatch, super::super::ParquetTable, super::super::schema::FileProjection) {
+        let bytes = testdata::mixed(rows, rg_rows, codec);
         let t = table(&bytes);
         let fp = Projection::new(t.schema(), Some(&["image".to_string()])).unwrap().for_file(&t).unwrap();
         let m = MappedFile::map(copy_of(&bytes), "f.parquet", bytes.len() as u64, None).unwrap();
-        let chunks = m.chunks(&chunk_ranges(&t, 1, &fp)).unwrap();
-        let over = rebase(&decode_row_group(&t, 1, &fp, chunks).unwrap(), m.arena()).unwrap().unwrap();
+        let chunks = m.chunks(&chunk_ranges(&t, rg, &fp)).unwrap();
+        let decoded = decode_row_group(&t, rg, &fp, chunks).unwrap();
+        (bytes, m, decoded, t, fp)
+    }
+
+    #[test]
+    fn a_row_group_over_a_copy_holds_the_bytes_its_values_name() {
+        let (bytes, m, decoded, _, _) = image_from_copy(testdata::Codec::None, 400, 100, 1);
+        let over = rebase(&decoded, m.arena()).unwrap().unwrap();
         let image = arena::first_view_array(&over).unwrap();
         let named: u64 = image.views().iter().map(|&v| u64::from(v as u32)).filter(|&n| n > 12).sum();
         let nulls = image.nulls().map_or(0, |n| n.buffer().capacity() as u64);
@@ -307,12 +320,7 @@ mod tests {
 
     #[test]
     fn compressed_values_are_left_as_decoded() {
-        let bytes = testdata::mixed(200, 64, testdata::Codec::Snappy);
-        let t = table(&bytes);
-        let fp = Projection::new(t.schema(), Some(&["image".to_string()])).unwrap().for_file(&t).unwrap();
-        let m = MappedFile::map(copy_of(&bytes), "f.parquet", bytes.len() as u64, None).unwrap();
-        let chunks = m.chunks(&chunk_ranges(&t, 0, &fp)).unwrap();
-        let decoded = decode_row_group(&t, 0, &fp, chunks).unwrap();
+        let (bytes, m, decoded, t, fp) = image_from_copy(testdata::Codec::Snappy, 200, 64, 0);
         assert!(rebase(&decoded, m.arena()).unwrap().is_none(), "decompressed values are not in the file");
         let (read, _) = read_row_group(&t, 0, &fp, read(&bytes)).unwrap();
         assert_eq!(decoded, read, "decoded from the mapping all the same");
