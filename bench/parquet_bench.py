@@ -50,9 +50,9 @@ reads download: a stream selecting under 90% of the bytes fetches only those; al
 whole files).
 
 ``--variant NAME=SITE`` adds another build of the package (a directory where its wheel was
-installed with ``pip install --target``) as readers ``ss_dict@NAME`` and ``ss_arrow@NAME``, each
-with a daemon of that build, in the same interleaved repeats: a before/after comparison of two
-builds in one run.
+installed with ``pip install --target``): each shardstream reader asked for (``ss_views+warm``
+too) again as ``READER@NAME``, with a daemon of that build, in the same interleaved repeats: a
+before/after comparison of two builds in one run.
 
 Per row the consumer touches the payload as a decoder would start (one byte per page of the image;
 the features' sum for tab). Reported: rows/s (median of ``--repeats`` interleaved runs, with
@@ -789,10 +789,9 @@ def main() -> None:
     peers = args.peers.split(",")
     sites: dict[str, str] = {}
     for name, site in args.variant:
-        for form in ("ss_dict", "ss_arrow"):
-            if form in peers:
-                peers.append(f"{form}@{name}")
-                sites[f"{form}@{name}"] = site
+        for peer in [p for p in peers if p.startswith("ss_")]:
+            peers.append(f"{peer}@{name}")
+            sites[f"{peer}@{name}"] = site
     work = Path(tempfile.mkdtemp(prefix="pq-bench-"))
     results: dict[str, dict[str, list[dict]]] = {k: {p: [] for p in peers if applies(p, k)} for k in kinds}
     rss = 0.0
