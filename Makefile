@@ -118,7 +118,7 @@ bench: venv-bench
 	@# The image set as `pack --format parquet` writes it (uncompressed PLAIN), read also
 	@# through the node cache, where the copies' mappings serve the values.
 	$(BENCH_VENV)/bin/python bench/parquet_bench.py --datasets image --layout plain \
-		--peers pa_seq,pa_shuffle,hf_map,ss_arrow,ss_arrow+copy+warm,ss_views,ss_views+warm,ss_views+copy,ss_views+copy+warm,ss_views+copy+node \
+		--peers pa_seq,pa_shuffle,hf_map,floor,ss_arrow,ss_arrow+copy+warm,ss_views,ss_views+warm,ss_views+copy,ss_views+copy+warm,ss_views+copy+node \
 		--out bench/PARQUET_PLAIN_RESULTS.md
 	bash scripts/iperf3.sh
 	@# Issue 11's speed targets are ratios to the inline transport as it was when the issue was
