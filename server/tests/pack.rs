@@ -399,8 +399,8 @@ fn served_as_is(dest: &Path, expected: &Samples) {
     use shardstream::format::parquet::decoded::DecodedCache;
     struct Files<'a>(&'a shardstream::index::Dataset);
     impl FileReader for Files<'_> {
-        fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> shardstream::Result<()> {
-            self.0.shard(file)?.file.read_exact_at(buf, offset)
+        fn read_bytes(&self, file: usize, offset: u64, len: usize) -> shardstream::Result<Vec<u8>> {
+            self.0.shard(file)?.file.read_vec(len, offset)
         }
     }
     let ds = shardstream::index::Dataset::open(dest.to_str().unwrap(), None).unwrap();

@@ -124,16 +124,17 @@ impl ProjectedReader<'_> {
 }
 
 impl FileReader for ProjectedReader<'_> {
-    fn read_at(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Vec<u8>> {
+        // Rarely taken: the decoder maps these copies (`cached_copy`), so a zero fill is no cost.
         self.with_copy(file, |pf, pin, copy| {
-            let at = pf.locate(offset..offset + buf.len() as u64).ok_or_else(|| {
+            let at = pf.locate(offset..offset + len as u64).ok_or_else(|| {
                 let url = self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
-                Error::Internal(format!(
-                    "{url}: read of bytes {offset}+{} outside the selected column chunks",
-                    buf.len()
-                ))
+                Error::Internal(format!("{url}: read of bytes {offset}+{len} outside the selected column chunks"))
             })?;
-            copy.read_exact_at(buf, at).map_err(|e| Error::io("cannot read cached column chunks", pin.path(), e))
+            let mut buf = vec![0; len];
+            copy.read_exact_at(&mut buf, at)
+                .map_err(|e| Error::io("cannot read cached column chunks", pin.path(), e))?;
+            Ok(buf)
         })
     }
 

@@ -156,6 +156,13 @@ impl ShardFile {
         }
     }
 
+    /// Exactly `len` bytes read at `offset`, in a new buffer (see [`Self::read_append`]).
+    pub fn read_vec(&self, len: usize, offset: u64) -> Result<Vec<u8>> {
+        let mut buf = Vec::new();
+        self.read_append(&mut buf, len, offset)?;
+        Ok(buf)
+    }
+
     /// Appends exactly `len` bytes read at `offset` to `buf`, without zero-filling the space
     /// first: the read writes every byte of it (the zero fill of `Vec::resize` before a
     /// `read_exact_at` was 4-5% of the daemon's CPU on inline streams). On error `buf` is as it
@@ -275,6 +282,19 @@ mod tests {
         assert_eq!(&buf[4..5004], &data[1234..6234]);
         assert_eq!(buf[5004], data[9999]);
         assert_eq!(buf.len(), 5005);
+    }
+
+    #[test]
+    fn read_vec_is_exactly_the_bytes_at_the_offset_or_a_truncated_shard() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (_dir, f) = shard(&data);
+        assert_eq!(f.read_vec(5000, 1234).expect("read"), &data[1234..6234]);
+        assert!(f.read_vec(0, 10_000).expect("empty read").is_empty());
+        let err = f.read_vec(2, 9999).expect_err("past the end");
+        assert!(
+            matches!(&err, Error::Shard { offset: Some(9999), reason, .. } if reason.contains("truncated")),
+            "{err}"
+        );
     }
 
     #[test]

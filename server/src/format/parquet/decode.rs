@@ -59,11 +59,11 @@ pub struct ChunkSet {
 
 impl ChunkSet {
     /// Reads `ranges` (sorted, disjoint: what [`chunk_ranges`] gives) of a file of `file_len`
-    /// bytes with `read_at(offset, buf)`.
+    /// bytes with `read_at(offset, len)`, which returns exactly `len` bytes.
     pub fn read(
         file_len: u64,
         ranges: &[Range<u64>],
-        mut read_at: impl FnMut(u64, &mut [u8]) -> Result<(), ParquetError>,
+        mut read_at: impl FnMut(u64, usize) -> Result<Vec<u8>, ParquetError>,
     ) -> Result<Self, ParquetError> {
         let mut pieces = Vec::with_capacity(ranges.len());
         for r in ranges {
@@ -71,8 +71,14 @@ impl ChunkSet {
                 return Err(ParquetError::Truncated(format!("bytes {r:?} lie past its end ({file_len})")));
             }
             let len = usize::try_from(r.end - r.start).map_err(|_| ParquetError::Io("chunk too large".into()))?;
-            let mut buf = vec![0; len];
-            read_at(r.start, &mut buf)?;
+            let buf = read_at(r.start, len)?;
+            if buf.len() != len {
+                return Err(ParquetError::Io(format!(
+                    "read {} bytes at {} where {len} were asked for",
+                    buf.len(),
+                    r.start
+                )));
+            }
             pieces.push((r.start, Bytes::from(buf)));
         }
         Self::from_pieces(file_len, pieces)
@@ -186,7 +192,7 @@ pub fn read_row_group(
     table: &ParquetTable,
     rg: usize,
     proj: &FileProjection,
-    read_at: impl FnMut(u64, &mut [u8]) -> Result<(), ParquetError>,
+    read_at: impl FnMut(u64, usize) -> Result<Vec<u8>, ParquetError>,
 ) -> Result<(RecordBatch, u64), ParquetError> {
     let ranges = chunk_ranges(table, rg, proj);
     let chunks = ChunkSet::read(table.file_len(), &ranges, read_at)?;
@@ -203,17 +209,27 @@ mod tests {
     use super::super::{footer, testdata};
     use super::*;
 
-    fn reader(bytes: &[u8]) -> impl FnMut(u64, &mut [u8]) -> Result<(), ParquetError> + '_ {
-        move |o, b| {
-            let s = bytes.get(o as usize..o as usize + b.len()).ok_or(ParquetError::Io("short".into()))?;
-            b.copy_from_slice(s);
-            Ok(())
-        }
+    fn reader(bytes: &[u8]) -> impl FnMut(u64, usize) -> Result<Vec<u8>, ParquetError> + '_ {
+        move |o, len| Ok(bytes.get(o as usize..o as usize + len).ok_or(ParquetError::Io("short".into()))?.to_vec())
     }
 
     fn table(bytes: &[u8]) -> ParquetTable {
-        let f = footer::read_footer(bytes.len() as u64, reader(bytes)).unwrap();
+        let mut read = reader(bytes);
+        let f = footer::read_footer(bytes.len() as u64, |o, b| {
+            b.copy_from_slice(&read(o, b.len())?);
+            Ok(())
+        })
+        .unwrap();
         ParquetTable::decode(&f, bytes.len() as u64).unwrap()
+    }
+
+    #[test]
+    fn a_read_of_another_length_than_asked_is_an_error() {
+        let range = vec![10..20, 30..30];
+        let got = ChunkSet::read(100, &range, |_, len| Ok(vec![0; len.saturating_sub(1)]));
+        assert!(matches!(got, Err(ParquetError::Io(m)) if m.contains("9 bytes at 10 where 10")));
+        let got = ChunkSet::read(100, &range, |_, len| Ok(vec![7; len])).unwrap();
+        assert_eq!(got.pieces(), &[(10, Bytes::from(vec![7u8; 10])), (30, Bytes::new())]);
     }
 
     #[test]

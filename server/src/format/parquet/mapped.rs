@@ -211,11 +211,8 @@ mod tests {
         super::super::ParquetTable::decode(&f, bytes.len() as u64).unwrap()
     }
 
-    fn read(bytes: &[u8]) -> impl FnMut(u64, &mut [u8]) -> Result<(), ParquetError> + '_ {
-        move |o, b| {
-            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
-            Ok(())
-        }
+    fn read(bytes: &[u8]) -> impl FnMut(u64, usize) -> Result<Vec<u8>, ParquetError> + '_ {
+        move |o, len| Ok(bytes[o as usize..o as usize + len].to_vec())
     }
 
     #[test]
