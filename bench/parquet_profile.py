@@ -31,21 +31,23 @@ def main() -> None:
     ap.add_argument("reader", nargs="?", default="ss_arrow")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--warm", type=int, default=1, help="epochs before the profiled one (other seeds)")
+    ap.add_argument("--site", help="another build of the package (a `pip install --target` directory)")
+    ap.add_argument("--perf-data", type=Path, help="keep the profile here (for `perf report -G`)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pq-profile-"))
-    d = bench_daemon.Daemon.start(work)
-    data = work / "perf.data"
+    d = bench_daemon.Daemon.start(work, site=args.site)
+    data = args.perf_data or work / "perf.data"
     try:
         for e in range(args.warm):
             seed = pb.SEED + 1 + e
-            print("warm:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid, seed=seed))
+            print("warm:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid, args.site, seed=seed))
         perf = subprocess.Popen(
             ["perf", "record", "-g", "-F", "499", "-o", str(data), "-p", str(d.pid)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         try:
-            print("profiled:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid))
+            print("profiled:", pb.child(args.reader, args.kind, args.dir, d.addr, args.rows, d.pid, args.site))
         finally:
             perf.send_signal(2)
             perf.wait(timeout=60)
