@@ -615,7 +615,9 @@ def index_lines(stdout: str) -> tuple[tuple[int, int], tuple[int, int]]:
     return (r, b), (q, d)
 
 
-def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(tmp_path: Path, s3) -> None:
+def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(
+    tmp_path: Path, s3, capfd: pytest.CaptureFixture[str]
+) -> None:
     import os
 
     bucket = s3.bucket("data") / "pqidx"
@@ -632,28 +634,45 @@ def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_r
     )
     assert p.returncode == 0, p.stderr
     (reads, footer_bytes), (requests, downloaded) = index_lines(p.stdout)
-    # One ranged GET of the last 64 KiB per file, nothing else downloaded: a list, 3 GETs, 3
-    # sidecar PUTs and the manifest PUT.
+    # One ranged GET of the last 64 KiB per file, nothing else downloaded: a list, 3 GETs, the
+    # footers bundle's PUT and the manifest's.
     assert reads == 3 and footer_bytes == 3 * 65536, p.stdout
     assert downloaded == footer_bytes, p.stdout
-    assert 8 <= requests <= 10, p.stdout
+    assert 6 <= requests <= 8, p.stdout
     manifest = json.loads((bucket / "manifest.json").read_text())
     assert manifest["checksum"] == "crc32c-footer" and manifest["total_samples"] == 1200
     assert all(s["etag"] for s in manifest["shards"]), manifest
+    bundle = bucket / "_shardstream" / "footers.idx"
+    assert manifest["footers"] == "_shardstream/footers.idx" and bundle.stat().st_size < 3 * 65536
+    # One object for every file's footer, not one per file.
+    assert [p.name for p in (bucket / "_shardstream").iterdir()] == ["footers.idx"]
+    assert all("index" not in s for s in manifest["shards"]), manifest
+
+    def drop_server_checksum(key: str) -> None:
+        """s3s-fs keeps the checksums of objects PUT through it beside them: a file changed
+        behind its back must lose them, or every GET fails as corrupted in transit."""
+        b64 = base64.urlsafe_b64encode(key.encode()).rstrip(b"=").decode()
+        for meta in s3.root.glob(f".bucket-*.object-{b64}.*"):
+            meta.unlink()
 
     def serve() -> tuple[list[int], BaseException | None]:
         d = Daemon(tmp_path / f"d{serve.runs}", env=s3.env()).start()
         serve.runs += 1
         got: list[int] = []
         try:
-            if serve.runs == 1:
-                # Opening reads the manifest and each file's footer (one ranged GET), nothing more.
+            if serve.runs <= 2:
+                # Opening reads the manifest and the footers bundle, nothing more, whatever the
+                # number of files; with the bundle damaged, each file's footer (a ranged GET).
                 info = shardstream._native.Connection(d.addr).open("s3://data/pqidx/")
                 assert info["num_samples"] == 1200
                 st = d.status()
                 manifest_bytes = (bucket / "manifest.json").stat().st_size
-                assert st["storage_requests"] == 1 + 3, st
-                assert st["storage_bytes"] == manifest_bytes + 3 * 65536, st
+                if serve.runs == 1:
+                    assert st["storage_requests"] == 1 + 1, st
+                    assert st["storage_bytes"] == manifest_bytes + bundle.stat().st_size, st
+                else:
+                    assert st["storage_requests"] == 1 + 1 + 3, st
+                    assert st["storage_bytes"] == manifest_bytes + bundle.stat().st_size + 3 * 65536, st
             loader = shardstream.Loader("s3://data/pqidx/", batch_size=50, shuffle=False, connect=d.addr)
             for batch in loader:
                 for i, r in zip(np.asarray(batch["id"]).tolist(), batch["payload"], strict=True):
@@ -668,6 +687,15 @@ def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_r
     serve.runs = 0
     got, err = serve()
     assert err is None and got == list(range(1200))
+    # A damaged bundle costs the open a footer read per file, with a warning; the rows are the same.
+    good = bundle.read_bytes()
+    bundle.write_bytes(good[:40] + bytes([good[40] ^ 0xFF]) + good[41:])
+    drop_server_checksum("pqidx/_shardstream/footers.idx")
+    capfd.readouterr()
+    got, err = serve()
+    assert err is None and got == list(range(1200))
+    assert "cannot use the manifest's footers bundle" in capfd.readouterr().err
+    bundle.write_bytes(good)
 
     # The writer's name in big-001's footer changes (same length): the object no longer has the
     # ETag the manifest recorded (its GETs carry If-Match; a store that ignores it, as this one
@@ -685,10 +713,7 @@ def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_r
     for s in manifest["shards"]:
         del s["etag"]
     (bucket / "manifest.json").write_text(json.dumps(manifest))
-    # s3s-fs keeps the checksums of objects PUT through it beside them: drop the manifest's.
-    b64 = base64.urlsafe_b64encode(b"pqidx/manifest.json").rstrip(b"=").decode()
-    for meta in s3.root.glob(f".bucket-*.object-{b64}.*"):
-        meta.unlink()
+    drop_server_checksum("pqidx/manifest.json")
     got, err = serve()
     assert err is not None and err.shard == "s3://data/pqidx/big-001.parquet", err
     assert "footer's crc32c" in str(err), err

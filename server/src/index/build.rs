@@ -15,7 +15,10 @@
 //! and a second read of exactly the footer only when the footer is larger. The manifest then says
 //! `"checksum": "crc32c-footer"`: each `crc32c` covers the file's footer (see `manifest`), and an
 //! S3 file's entry records the ETag the listing gave. [`IndexSummary::footer_reads`] counts the
-//! reads and bytes, so a caller (and the tests) can see that no file was read in full.
+//! reads and bytes, so a caller (and the tests) can see that no file was read in full. Every
+//! file's sidecar also goes into one object, the footers bundle (`format::parquet::footers`),
+//! which the manifest names: a daemon opens the dataset with two reads whatever its file count.
+//! On S3 that bundle replaces the per-file sidecar objects.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -23,8 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bytes::Bytes;
 
-use crate::format::parquet::ParquetTable;
 use crate::format::parquet::dataset::read_table;
+use crate::format::parquet::{ParquetTable, footers};
 use crate::format::{Format, ShardTable};
 use crate::index::manifest::{ChecksumScope, MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
 use crate::storage::DatasetUrl;
@@ -185,13 +188,16 @@ fn index_parquet(
                     counter.count(buf.len());
                     file.read_exact_at(buf, off)
                 })?;
-                let r = describe_parquet(&s.name, s.len, table, None, |sidecar_name, bytes| {
-                    local::write_atomic(&sidecar_dir.join(sidecar_name), bytes)
-                })?;
+                let (entry, fields, sidecar) = describe_parquet(&s.name, s.len, table, None);
+                // Each file's own sidecar too: what a daemon reads when the bundle is stale.
+                let path = sidecar_dir.join(format!("{}.idx", s.name));
+                local::write_atomic(&path, &sidecar)?;
+                let entry = ManifestShard { index: Some(format!("{SIDECAR_DIR}/{}.idx", s.name)), ..entry };
                 progress.shard_done(&s.name, s.len);
-                Ok(r)
+                Ok((entry, fields, sidecar))
             })?;
-            let manifest = assemble(Format::Parquet, done).with_checksum(ChecksumScope::Footer);
+            let (manifest, bundle) = assemble_parquet(done)?;
+            local::write_atomic(&dir.join(footers::NAME), &bundle)?;
             manifest.write_atomic(&dir)?;
             let location = dir.join(MANIFEST_FILE).display().to_string();
             Ok(IndexSummary { manifest, location, footer_reads: Some(counter.total()) })
@@ -215,14 +221,15 @@ fn index_parquet(
                     obj.etag = obj.etag.take().or(etag);
                     Ok(())
                 })?;
-                let r = describe_parquet(&s.name, s.len, table, obj.etag.clone(), |sidecar_name, bytes| {
-                    let key = format!("{prefix}{SIDECAR_DIR}/{sidecar_name}");
-                    store.block_on(store.put(&bucket, &key, Bytes::copy_from_slice(bytes)))
-                })?;
+                // No sidecar object per file: a daemon opens an S3 dataset from the bundle, which
+                // holds them all (one PUT here, one GET there, where a sidecar each was as many
+                // requests as the files' own tail reads).
+                let r = describe_parquet(&s.name, s.len, table, obj.etag.clone());
                 progress.shard_done(&s.name, s.len);
                 Ok(r)
             })?;
-            let manifest = assemble(Format::Parquet, done).with_checksum(ChecksumScope::Footer);
+            let (manifest, bundle) = assemble_parquet(done)?;
+            store.block_on(store.put(&bucket, &format!("{prefix}{}", footers::NAME), Bytes::from(bundle)))?;
             let key = format!("{prefix}{MANIFEST_FILE}");
             store.block_on(store.put(&bucket, &key, Bytes::from(manifest.to_json()?)))?;
             Ok(IndexSummary { manifest, location: format!("s3://{bucket}/{key}"), footer_reads: Some(counter.total()) })
@@ -230,21 +237,31 @@ fn index_parquet(
     }
 }
 
-/// The manifest entry and sidecar of a Parquet file (`crc32c-footer` meaning).
+/// The manifest entry (`crc32c-footer` meaning, no sidecar named), columns and sidecar bytes of a
+/// Parquet file.
 fn describe_parquet(
     name: &str,
     len: u64,
     table: ParquetTable,
     etag: Option<String>,
-    put_sidecar: impl FnOnce(&str, &[u8]) -> Result<()>,
-) -> Result<(ManifestShard, Vec<String>)> {
+) -> (ManifestShard, Vec<String>, Vec<u8>) {
     let crc = table.footer_crc32c();
     // What `ShardMeta::identity` gives the entry back: the daemon uses the sidecar only for it.
     let identity = format!("len={len};footer_crc32c={crc:08x}");
-    let sidecar_name = format!("{name}.idx");
     let table = ShardTable::Parquet(Arc::new(table));
-    put_sidecar(&sidecar_name, &table.encode_sidecar(identity.as_bytes()))?;
-    Ok((entry(name, len, crc, table.num_samples(), &sidecar_name, etag), table.fields().to_vec()))
+    let sidecar = table.encode_sidecar(identity.as_bytes());
+    let entry = ManifestShard { index: None, ..entry(name, len, crc, table.num_samples(), "", etag) };
+    (entry, table.fields().to_vec(), sidecar)
+}
+
+/// The manifest of an indexed Parquet dataset, naming its footers bundle, and the bundle.
+fn assemble_parquet(done: Vec<(ManifestShard, Vec<String>, Vec<u8>)>) -> Result<(Manifest, Vec<u8>)> {
+    let bundle = footers::encode(done.iter().map(|(e, _, sidecar)| (e.name.as_str(), sidecar.as_slice())))
+        .map_err(|e| Error::invalid(format!("cannot bundle the footers: {e}")))?;
+    let mut manifest = assemble(Format::Parquet, done.into_iter().map(|(e, f, _)| (e, f)).collect())
+        .with_checksum(ChecksumScope::Footer);
+    manifest.footers = Some(footers::NAME.to_owned());
+    Ok((manifest, bundle))
 }
 
 /// A scratch directory for downloads, removed when dropped.
@@ -375,5 +392,42 @@ mod tests {
         let err = ds.shard(1).unwrap_err();
         assert!(matches!(err, Error::Shard { .. }), "{err}");
         assert!(err.to_string().contains("b.parquet") && err.to_string().contains("footer"), "{err}");
+    }
+
+    /// The bundle the index writes holds every file's table as the manifest describes it; an
+    /// entry for another version of its file is not used, and a damaged bundle gives nothing.
+    #[test]
+    fn the_footers_bundle_holds_every_table_the_manifest_names() {
+        use crate::index::discover::Discovered;
+        use crate::index::{Backends, tables::bundled_tables};
+        let dir = tempfile::tempdir().unwrap();
+        for (name, first) in [("a.parquet", 0), ("b.parquet", 3000)] {
+            std::fs::write(dir.path().join(name), testdata::mixed_from(first, 3000, 1000, testdata::Codec::None))
+                .unwrap();
+        }
+        let url = dir.path().display().to_string();
+        let summary = index_dataset(&url, 2, None, &()).unwrap();
+        assert_eq!(summary.manifest.footers.as_deref(), Some(footers::NAME));
+        let backends = Backends::local();
+        let mut found = Discovered::discover(&url, &backends).unwrap();
+        let at = found.footers.clone().unwrap();
+        let tables = bundled_tables(&at, &found.shards, &backends);
+        assert_eq!(tables.len(), 2);
+        for (t, entry) in tables.iter().zip(&summary.manifest.shards) {
+            let t = t.as_ref().unwrap();
+            assert_eq!(format!("{:08x}", t.footer_crc32c()), entry.crc32c);
+            assert_eq!((t.num_rows(), t.file_len()), (3000, entry.bytes));
+        }
+        // The manifest says b has another footer: its entry is stale.
+        found.shards[1].footer_crc32c = found.shards[1].footer_crc32c.map(|c| c ^ 1);
+        let tables = bundled_tables(&at, &found.shards, &backends);
+        assert!(tables[0].is_some() && tables[1].is_none());
+        let crate::storage::ShardSource::Local(path) = &at else { panic!("{at:?}") };
+        std::fs::write(path, b"SSPQF\0\r\n not a bundle").unwrap();
+        assert!(bundled_tables(&at, &found.shards, &backends).is_empty());
+        std::fs::remove_file(path).unwrap();
+        assert!(bundled_tables(&at, &found.shards, &backends).is_empty());
+        // Opened without it, from each file's sidecar.
+        assert_eq!(crate::index::Dataset::open(&url, None).unwrap().num_samples(), 6000);
     }
 }

@@ -20,6 +20,8 @@ pub(super) struct Discovered {
     pub(super) shards: Vec<ShardMeta>,
     /// Some(fields) when the list came from manifest.json (sample counts are then known).
     pub(super) manifest_fields: Option<Vec<String>>,
+    /// The manifest's footers bundle (Parquet: every file's table in one object).
+    pub(super) footers: Option<ShardSource>,
 }
 
 /// Where the shards of a dataset are, for building their [`ShardSource`].
@@ -66,7 +68,7 @@ impl Discovered {
                         largest: None,
                     })
                     .collect();
-                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
+                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None, footers: None })
             }
             DatasetUrl::S3 { bucket, prefix, names } => {
                 let store = backends.s3()?;
@@ -98,7 +100,7 @@ impl Discovered {
                         largest: None,
                     })
                     .collect();
-                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None })
+                Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None, footers: None })
             }
         }
     }
@@ -149,6 +151,7 @@ impl Discovered {
         if shards.is_empty() {
             return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
         }
-        Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields) })
+        let footers = m.footers.as_ref().map(|f| place.source(f, None));
+        Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields), footers })
     }
 }

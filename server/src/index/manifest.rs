@@ -47,6 +47,11 @@
 //!     carries `If-Match` (a replaced object fails, named, instead of being served), and an ETag
 //!     that is an MD5 (single-part uploads) is checked against the whole downloaded copy.
 //!     Daemons older than this value refuse such a manifest with a clear message.
+//! - `footers` (optional, Parquet): the relative name of one object holding every file's footer
+//!   (`format::parquet::footers`), which `shardstream index` writes: the daemon opens the dataset
+//!   from it with one read instead of a tail read per file (a ranged GET each, on S3). An entry
+//!   that does not match its file (stale), or a bundle that does not load, costs those files
+//!   their tail reads again, with a warning.
 //! - `max_sample` / `max_sample_bytes` (optional, together): the index within the shard of its
 //!   largest sample and the shard bytes it spans (TAR headers included). They let the daemon
 //!   refuse an inline stream that could not carry that sample when the stream opens, without
@@ -91,6 +96,9 @@ pub struct Manifest {
     pub total_bytes: u64,
     #[serde(default)]
     pub fields: Vec<String>,
+    /// Every file's footer in one object (Parquet; see the module docs), relative to the manifest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub footers: Option<String>,
     pub shards: Vec<ManifestShard>,
 }
 
@@ -170,6 +178,7 @@ impl Manifest {
             total_samples: shards.iter().map(|s| s.samples).sum(),
             total_bytes: shards.iter().map(|s| s.bytes).sum(),
             fields,
+            footers: None,
             shards,
         }
     }
@@ -235,6 +244,11 @@ impl Manifest {
                 return bad(format!("checksum {CHECKSUM_FOOTER:?} is for Parquet files, not {:?}", self.shard_format));
             }
             Ok(_) => {}
+        }
+        if let Some(f) = &self.footers
+            && (f.is_empty() || f.starts_with('/') || f.split('/').any(|part| part == ".." || part.is_empty()))
+        {
+            return bad(format!("footers {f:?} must be a relative path inside the dataset"));
         }
         for s in &self.shards {
             if s.crc().is_none() || s.crc32c.len() != 8 {
@@ -326,6 +340,15 @@ mod tests {
         m.total_samples = 4;
         assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_err());
         assert!(Manifest::parse(b"{not json", "x").is_err());
+        for outside in ["", "/etc/x", "../x", "_shardstream/../../x", "a//b"] {
+            let mut m = sample();
+            m.footers = Some(outside.into());
+            let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+            assert!(err.contains("must be a relative path"), "{outside}: {err}");
+        }
+        let mut m = sample();
+        m.footers = Some("_shardstream/footers.idx".into());
+        assert_eq!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap(), m);
     }
 
     /// Found writing the `manifest` fuzz target: per-shard counts whose sum overflows u64 panicked in a

@@ -393,7 +393,7 @@ impl Dataset {
 
     fn build(found: Discovered, mode: CacheMode, cache_dir: Option<&Path>, backends: Arc<Backends>) -> Result<Self> {
         let sidecar_cache = cache_dir.map(|c| c.join("index"));
-        let Discovered { url, base, format, mut shards, manifest_fields } = found;
+        let Discovered { url, base, format, mut shards, manifest_fields, footers } = found;
         format.check_served(&url)?;
         if mode == CacheMode::Copy && backends.cache.is_none() {
             return Err(Error::invalid(format!("{url} is read through the node cache, and this server has none")));
@@ -420,7 +420,13 @@ impl Dataset {
             ds.largest_sample = largest_sample;
             return Ok(ds);
         }
-        let scanned = scan_all(format, &shards, &keys, &backends, sidecar_cache.as_deref())?;
+        // Every table in one read when `shardstream index` bundled them (else a tail read or a
+        // sidecar per file).
+        let bundled = match (&footers, format) {
+            (Some(at), Format::Parquet) => tables::bundled_tables(at, &shards, &backends),
+            _ => Vec::new(),
+        };
+        let scanned = scan_all(format, &shards, &keys, &backends, sidecar_cache.as_deref(), &bundled)?;
         let mut fields = std::collections::BTreeSet::new();
         let mut tables = Vec::with_capacity(scanned.len());
         // S3 Parquet files whose footer was just read from the object itself, and matches the

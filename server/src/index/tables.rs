@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::integrity::content_digest;
 use super::{Backends, SCAN_THREADS, ShardMeta, fetch_into, map_pinned};
 use crate::cache::Want;
+use crate::format::parquet::ParquetTable;
 use crate::format::{Format, ShardTable};
 use crate::storage::ShardSource;
 use crate::storage::local::ShardFile;
@@ -77,15 +78,72 @@ pub(super) fn parquet_dataset(
 /// digest of each local shard. Shards read through the node cache are fetched first, unless the
 /// daemon's sidecar cache already knows them: a restarted daemon reopens an S3 dataset without
 /// downloading it again.
+///
+/// `bundled`: tables known already (from the manifest's footers bundle), by shard; those shards
+/// are not read, but for the content digest of a local one.
 pub(super) fn scan_all(
     format: Format,
     shards: &[ShardMeta],
     keys: &[String],
     backends: &Backends,
     cache: Option<&Path>,
+    bundled: &[Option<Arc<ParquetTable>>],
 ) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
-    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| scan_one(format, &shards[i], keys.get(i), backends, cache))
+    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| {
+        scan_one(format, &shards[i], keys.get(i), backends, cache, bundled.get(i).cloned().flatten())
+    })
+}
+
+/// The tables a manifest's footers bundle at `at` holds for `shards` (None for a shard it does
+/// not describe as it is now: missing or stale). A bundle that cannot be read or does not load
+/// gives none, with a warning: each file's footer is then read, as without a bundle.
+pub(super) fn bundled_tables(
+    at: &ShardSource,
+    shards: &[ShardMeta],
+    backends: &Backends,
+) -> Vec<Option<Arc<ParquetTable>>> {
+    let shown = match at {
+        ShardSource::Local(path) => path.display().to_string(),
+        ShardSource::S3 { bucket, key, .. } => format!("s3://{bucket}/{key}"),
+    };
+    let bytes = match at {
+        ShardSource::Local(path) => std::fs::read(path).map(Some).map_err(|e| Error::io("cannot read", path, e)),
+        ShardSource::S3 { bucket, key, .. } => {
+            backends.s3().and_then(|store| store.block_on(store.get_small(bucket, key))).map(|b| b.map(Vec::from))
+        }
+    };
+    let decoded = match &bytes {
+        Ok(Some(b)) => crate::format::parquet::footers::decode(b).map_err(|e| e.to_string()),
+        Ok(None) => Err("it does not exist".to_owned()),
+        Err(e) => Err(e.to_string()),
+    };
+    let entries = match decoded {
+        Ok(entries) => entries,
+        Err(why) => {
+            tracing::warn!(footers = %shown, error = %why, "cannot use the manifest's footers bundle: reading each file's footer instead");
+            return Vec::new();
+        }
+    };
+    let tables: Vec<Option<Arc<ParquetTable>>> = shards
+        .iter()
+        .map(|meta| {
+            let sidecar = entries.get(meta.name.as_str())?;
+            match crate::format::parquet::pqidx::load(sidecar, &meta.identity()) {
+                Ok(Some(t)) if t.file_len() == meta.len => Some(Arc::new(t)),
+                Ok(_) => None,
+                Err(e) => {
+                    tracing::warn!(footers = %shown, file = %meta.name, error = %e, "a damaged entry in the footers bundle");
+                    None
+                }
+            }
+        })
+        .collect();
+    let missing = tables.iter().filter(|t| t.is_none()).count();
+    if missing > 0 {
+        tracing::warn!(footers = %shown, files = missing, "the footers bundle does not describe these files as they are now (indexed before they changed?): reading their footers");
+    }
+    tables
 }
 
 /// One shard's table and, for a local shard, its content digest (S3 shards keep their ETag as
@@ -96,6 +154,7 @@ fn scan_one(
     key: Option<&String>,
     backends: &Backends,
     cache: Option<&Path>,
+    bundled: Option<Arc<ParquetTable>>,
 ) -> Result<(ShardTable, Option<u64>, bool)> {
     let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
         match (&meta.source, file) {
@@ -106,6 +165,10 @@ fn scan_one(
             (ShardSource::S3 { .. }, _) => Ok(None),
         }
     };
+    if let Some(table) = bundled.map(ShardTable::Parquet) {
+        let content = digest(&table, None)?;
+        return Ok((table, content, false));
+    }
     // A local Parquet file's table is its footer, read from the file itself also when its rows go
     // through the node cache: copying every file to read its footer cost the first batch the
     // whole dataset's copy (2.7 s for 2 GB, bench/PARQUET_RESULTS.md). The copy is made when the

@@ -10,6 +10,8 @@
 //!   and a panic becomes a [`ParquetError`].
 //! - [`pqidx`]: the per-file sidecar, which is the footer's own bytes behind a checked header, so a
 //!   restarted daemon or `shardstream index` output needs no tail read at all.
+//! - [`footers`]: every file's sidecar in one object, which `shardstream index` writes beside the
+//!   manifest: a dataset opens with two reads, whatever its number of files.
 //! - [`schema`]: the dataset's Arrow schema from the first file, the projection of the selected
 //!   fields, and the agreement check of every other file (a `ValueError`-kind error naming the file
 //!   and column, raised when the dataset is opened, not mid-epoch).
@@ -33,6 +35,7 @@ pub mod decode;
 pub mod decoded;
 pub mod direct;
 pub mod footer;
+pub mod footers;
 pub mod ipc;
 pub mod kept;
 pub mod mapped;
