@@ -435,9 +435,16 @@ def test_pack_parquet_to_s3_serves_views_from_the_node_cache_copies(tmp_path: Pa
     src, samples, _ = s3_tree
     s3.bucket("pqout")
     pack(src, "--output", "s3://pqout/pq/", "--format", "parquet", *S3_OPTS, env=s3_env(s3, tmp_path / "cache"))
+    manifest = json.loads((s3.root / "pqout" / "pq" / "manifest.json").read_text())
+    assert manifest["footers"] == "_shardstream/footers.idx" and len(manifest["shards"]) > 2, manifest
     d = Daemon(tmp_path / "daemon", env=s3.env()).start()
     shards = d.cache_dir / "shards"
     try:
+        # The open reads the manifest and the footers bundle pack wrote: two requests, not one
+        # footer read per file.
+        info = shardstream._native.Connection(d.addr).open("s3://pqout/pq/")
+        assert info["num_samples"] == len(samples)
+        assert d.status()["storage_requests"] == 2
         loader = shardstream.Loader(
             "s3://pqout/pq/", batch_size=64, seed=3, connect=d.addr, format="arrow", binary_views=True
         )

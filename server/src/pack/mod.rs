@@ -54,6 +54,7 @@ pub use parquet::ParquetCompression;
 pub use report::{BadInput, BadKind};
 pub use walk::FileList;
 
+use crate::format::parquet::footers;
 use crate::index::manifest::{Manifest, ManifestShard, SIDECAR_DIR};
 use crate::storage::s3::S3Store;
 use crate::storage::s3_write::UploadOptions;
@@ -535,7 +536,11 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
             .with_largest(r.largest)
         })
         .collect();
-    let manifest = Manifest::new(opts.format.manifest_name(), fields.into_iter().collect(), entries);
+    let mut manifest = Manifest::new(opts.format.manifest_name(), fields.into_iter().collect(), entries);
+    if opts.format == ShardFormat::Parquet {
+        sink.put_file(footers::NAME, &bundle_footers(&*sink, &all)?)?;
+        manifest.footers = Some(footers::NAME.to_owned());
+    }
     sink.put_manifest(&manifest)?;
 
     Ok(PackSummary {
@@ -552,4 +557,20 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
         elapsed: started.elapsed(),
         manifest,
     })
+}
+
+/// The footers bundle of the published Parquet shards `all` (`format::parquet::footers`): each
+/// footer read back from the destination (a tail read, a ranged GET on S3), so that a dataset of
+/// any number of files opens with two reads. Identities are the manifest's (`len`, whole-file CRC).
+fn bundle_footers(sink: &dyn Sink, all: &[ShardRecord]) -> Result<Vec<u8>> {
+    let sidecars = crate::parallel::try_map(all, 8, |r| {
+        let table = crate::format::parquet::dataset::read_table(&r.name, r.bytes, |off, buf| {
+            sink.read_published(&r.name, r.bytes, off, buf)
+        })?;
+        let identity = format!("len={};crc32c={}", r.bytes, r.crc32c);
+        let table = crate::format::ShardTable::Parquet(std::sync::Arc::new(table));
+        Ok(table.encode_sidecar(identity.as_bytes()))
+    })?;
+    footers::encode(all.iter().zip(&sidecars).map(|(r, s)| (r.name.as_str(), s.as_slice())))
+        .map_err(|e| Error::Internal(format!("cannot bundle the footers: {e}")))
 }

@@ -268,6 +268,14 @@ impl Sink for S3Sink {
         self.put_file(MANIFEST_FILE, &manifest.to_json()?)
     }
 
+    fn read_published(&self, name: &str, len: u64, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let t = &self.target;
+        let obj = crate::storage::s3::ObjectRef { bucket: t.bucket.clone(), key: t.key(name), len, etag: None };
+        let (got, _) = t.store.block_on(t.store.get_range(&obj, offset..offset + buf.len() as u64))?;
+        buf.copy_from_slice(&got);
+        Ok(())
+    }
+
     fn remove_manifest(&self) -> Result<()> {
         let t = &self.target;
         let key = t.key(MANIFEST_FILE);

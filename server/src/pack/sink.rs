@@ -58,6 +58,8 @@ pub trait Sink: Send + Sync {
     fn put_manifest(&self, manifest: &Manifest) -> Result<()>;
     /// Withdraws the manifest (before the dataset is rewritten).
     fn remove_manifest(&self) -> Result<()>;
+    /// Reads `buf.len()` bytes at `offset` of published shard `name` (of `len` bytes).
+    fn read_published(&self, name: &str, len: u64, offset: u64, buf: &mut [u8]) -> Result<()>;
 }
 
 /// A local or parallel-file-system directory.
@@ -181,6 +183,10 @@ impl Sink for LocalSink {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(Error::io("cannot remove old manifest", &path, e)),
         }
+    }
+
+    fn read_published(&self, name: &str, len: u64, offset: u64, buf: &mut [u8]) -> Result<()> {
+        crate::storage::local::ShardFile::open(self.dest.join(name), len)?.read_exact_at(buf, offset)
     }
 }
 
