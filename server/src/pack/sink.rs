@@ -18,6 +18,7 @@
 //!    shard-000000.tar ...             moved in from staging/ at the end
 //!    _shardstream/
 //!      shard-000000.tar.idx ...       sidecars (member tables), written as shards complete
+//!      footers.idx                    Parquet: every footer, read back after publishing
 //!      pack-journal.jsonl             the resume journal
 //!      staging/.shard-000007.tar.tmp.<pid>.<seq>  the shard being written
 //!      staging/shard-000006.tar       durable, not yet published
