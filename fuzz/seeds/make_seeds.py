@@ -123,6 +123,7 @@ def main() -> None:
     lines = [json.dumps(header), json.dumps(rec), json.dumps(rec2), '{"shard": 2, "trunc']
     put("journal", "two_shards.jsonl", "\n".join(lines).encode())
     parquet_seeds()
+    parquet_footers_seeds()
 
 
 def parquet_seeds() -> None:
@@ -144,6 +145,18 @@ def parquet_seeds() -> None:
         buf = io.BytesIO()
         pq.write_table(table, buf, compression=codec, row_group_size=6, use_dictionary=["caption"])
         put("parquet_footer", f"pyarrow_{codec}.parquet", buf.getvalue())
+
+
+def parquet_footers_seeds() -> None:
+    """Bodies of footers bundles (the target adds the magic, version and checksum): an entry
+    count, then each entry's name and sidecar bytes, both behind a u32 length."""
+
+    def entry(name: bytes, sidecar: bytes) -> bytes:
+        return struct.pack("<I", len(name)) + name + struct.pack("<I", len(sidecar)) + sidecar
+
+    put("parquet_footers", "empty.bin", struct.pack("<I", 0))
+    two = entry(b"a.parquet", b"SSPQX\0\r\n" + bytes(20)) + entry(b"dir/b.parquet", b"")
+    put("parquet_footers", "two_entries.bin", struct.pack("<I", 2) + two)
 
 
 if __name__ == "__main__":

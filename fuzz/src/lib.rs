@@ -14,7 +14,7 @@
 
 use std::io::Cursor;
 
-use shardstream::format::parquet::{ParquetTable, Projection, decode, footer, pqidx};
+use shardstream::format::parquet::{ParquetTable, Projection, decode, footer, footers, pqidx};
 use shardstream::format::{sidecar, tar};
 use shardstream::index::manifest::Manifest;
 use shardstream::pack::journal;
@@ -34,6 +34,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("ring", ring),
     ("journal", journal),
     ("parquet_footer", parquet_footer),
+    ("parquet_footers", parquet_footers),
 ];
 
 /// `index_tar` over a whole shard; every sample it finds must then parse with `parse_sample` (the
@@ -227,4 +228,26 @@ pub fn parquet_footer(data: &[u8]) {
             assert!(ranges.windows(2).all(|w| w[0].end < w[1].start), "ranges overlap: {ranges:?}");
         }
     }
+}
+
+/// The footers bundle of a dataset (`format::parquet::footers`), as given and behind a valid
+/// header and checksum (so that the structure past them is explored); an accepted bundle
+/// re-encodes to one that decodes to the same entries.
+pub fn parquet_footers(data: &[u8]) {
+    let _ = footers::decode(data);
+    let mut bundle = footers::MAGIC.to_vec();
+    bundle.extend_from_slice(&footers::VERSION.to_le_bytes());
+    bundle.extend_from_slice(data);
+    let crc = crc32c::crc32c(&bundle);
+    bundle.extend_from_slice(&crc.to_le_bytes());
+    let Ok(entries) = footers::decode(&bundle) else { return };
+    for (name, sidecar) in &entries {
+        let range = sidecar.as_ptr() as usize..sidecar.as_ptr() as usize + sidecar.len();
+        let inside = bundle.as_ptr() as usize..bundle.as_ptr() as usize + bundle.len();
+        assert!(range.start >= inside.start && range.end <= inside.end, "{name}: a sidecar outside the bundle");
+        // What the daemon does with each entry: a damaged one is an error, never a panic.
+        let _ = pqidx::load(sidecar, b"fuzz");
+    }
+    let again = footers::encode(entries.iter().map(|(n, s)| (*n, *s))).expect("accepted entries re-encode");
+    assert_eq!(footers::decode(&again).expect("a re-encoded bundle decodes"), entries);
 }

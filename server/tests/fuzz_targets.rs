@@ -223,3 +223,8 @@ fn the_allocation_bound_catches_an_oversized_allocation() {
 fn parquet_footer() {
     run_target("parquet_footer");
 }
+
+#[test]
+fn parquet_footers() {
+    run_target("parquet_footers");
+}
