@@ -430,4 +430,25 @@ mod tests {
         // Opened without it, from each file's sidecar.
         assert_eq!(crate::index::Dataset::open(&url, None).unwrap().num_samples(), 6000);
     }
+
+    /// With the bundle, opening an indexed local dataset reads the manifest and the bundle and no
+    /// file (on a parallel file system each open and read is a metadata round trip): a file gone
+    /// since is an error when a stream first uses it, as for TAR shards listed by a manifest.
+    #[test]
+    fn an_indexed_local_dataset_opens_without_touching_its_files() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, first) in [("a.parquet", 0), ("b.parquet", 3000)] {
+            std::fs::write(dir.path().join(name), testdata::mixed_from(first, 3000, 1000, testdata::Codec::None))
+                .unwrap();
+        }
+        let url = dir.path().display().to_string();
+        index_dataset(&url, 2, None, &()).unwrap();
+        std::fs::remove_file(dir.path().join("b.parquet")).unwrap();
+        std::fs::remove_file(dir.path().join(SIDECAR_DIR).join("b.parquet.idx")).unwrap();
+        let ds = crate::index::Dataset::open(&url, None).unwrap();
+        assert_eq!(ds.num_samples(), 6000);
+        ds.shard(0).unwrap();
+        let err = ds.shard(1).unwrap_err();
+        assert!(matches!(err, Error::NotFound { .. }) && err.to_string().contains("b.parquet"), "{err}");
+    }
 }

@@ -157,6 +157,12 @@ fn scan_one(
     bundled: Option<Arc<ParquetTable>>,
 ) -> Result<(ShardTable, Option<u64>, bool)> {
     let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
+        // A manifest's CRC names the file in the fingerprint (`ShardMeta::content_identity`): a
+        // digest would be read for nothing, and a dataset opened from its manifest and footers
+        // bundle touches none of its files before a stream uses them.
+        if meta.crc32c.or(meta.footer_crc32c).is_some() {
+            return Ok(None);
+        }
         match (&meta.source, file) {
             (ShardSource::Local(_), Some(f)) => content_digest(f, table).map(Some),
             (ShardSource::Local(path), None) => {
