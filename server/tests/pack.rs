@@ -403,6 +403,17 @@ fn served_as_is(dest: &Path, expected: &Samples) {
             self.0.shard(file)?.file.read_vec(len, offset)
         }
     }
+    // Every footer in one bundle the manifest names, under the manifest's identities.
+    let manifest = shardstream::index::manifest::Manifest::read(dest).unwrap().unwrap();
+    let bundle_name = manifest.footers.clone().expect("a footers bundle");
+    let bundle = std::fs::read(dest.join(bundle_name)).unwrap();
+    let entries = shardstream::format::parquet::footers::decode(&bundle).unwrap();
+    assert_eq!(entries.len(), manifest.shards.len());
+    for s in &manifest.shards {
+        let identity = format!("len={};crc32c={}", s.bytes, s.crc32c);
+        let table = shardstream::format::parquet::pqidx::load(entries[s.name.as_str()], identity.as_bytes()).unwrap();
+        assert_eq!(table.map(|t| t.num_rows()), Some(s.samples), "{}", s.name);
+    }
     let ds = shardstream::index::Dataset::open(dest.to_str().unwrap(), None).unwrap();
     assert!(ds.from_manifest);
     assert_eq!((ds.format.name(), ds.num_samples()), ("parquet", expected.len() as u64));
