@@ -80,7 +80,7 @@ pub(super) fn parquet_dataset(
 /// downloading it again.
 ///
 /// `bundled`: tables known already (from the manifest's footers bundle), by shard; those shards
-/// are not read, but for the content digest of a local one.
+/// are not read (a manifest names them by CRC, so no content digest either).
 pub(super) fn scan_all(
     format: Format,
     shards: &[ShardMeta],
