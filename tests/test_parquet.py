@@ -644,6 +644,7 @@ def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_r
     assert all(s["etag"] for s in manifest["shards"]), manifest
     bundle = bucket / "_shardstream" / "footers.idx"
     assert manifest["footers"] == "_shardstream/footers.idx" and bundle.stat().st_size < 3 * 65536
+    assert "footers of all 3 files in _shardstream/footers.idx" in p.stdout, p.stdout
     # One object for every file's footer, not one per file.
     assert [p.name for p in (bucket / "_shardstream").iterdir()] == ["footers.idx"]
     assert all("index" not in s for s in manifest["shards"]), manifest

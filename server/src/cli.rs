@@ -25,7 +25,8 @@ pub struct Cli {
 pub enum Command {
     /// Run the node daemon: serve datasets to trainer processes until SIGTERM/Ctrl-C.
     Serve(ServeArgs),
-    /// Write manifest.json and per-shard index sidecars for shards made elsewhere.
+    /// Write manifest.json and per-shard index sidecars for shards made elsewhere (for Parquet,
+    /// also every footer in one object).
     Index {
         /// Dataset: a directory, file:// URL, s3://bucket/prefix/, or brace pattern of shards.
         url: String,
@@ -381,6 +382,12 @@ fn index(url: &str, threads: usize) -> anyhow::Result<()> {
             r.reads,
             r.bytes,
             r.bytes as f64 / 1024.0 / m.shards.len().max(1) as f64
+        );
+    }
+    if let Some(footers) = &m.footers {
+        println!(
+            "footers of all {} files in {footers}: a daemon opens the dataset from it and the manifest",
+            m.shards.len()
         );
     }
     if s3.is_some() {
