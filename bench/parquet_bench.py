@@ -21,6 +21,8 @@ wrong), each in a fresh process so that one's caches do not help the next:
 - ``floor``: not a reader but the bound on all of them: the rows read and cut into shuffled
   batches before the clock (prep), so the epoch is the consumer alone. Three times a peer's rows/s
   above ``floor``'s is out of reach for any loader with this consumer in the trainer's process;
+  ``floor_views`` (image only): the same with the image column as ``binary_view``, the bound of
+  the ``ss_views`` rows (the consumer reads a view column another way);
 - ``ss_dict`` / ``ss_arrow``: shardstream over shared memory (a release daemon started here), the
   dict form and ``format="arrow"``; a fresh daemon per run, so every row group is decoded in the
   measured epoch;
@@ -96,6 +98,7 @@ PEERS = [
     "hf_map",
     "litdata_pq",
     "floor",
+    "floor_views",
     "ss_dict",
     "ss_arrow",
     "ss_arrow+warm",
@@ -324,10 +327,13 @@ def read_hf_map(kind: str, d: Path, prep: dict) -> Iterator[tuple[Any, Any]]:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def read_floor(kind: str, d: Path, prep: dict) -> Iterator[tuple[Any, Any]]:
+def read_floor(kind: str, d: Path, prep: dict, views: bool = False) -> Iterator[tuple[Any, Any]]:
     """Not a reader: every batch of a shuffled epoch built in memory before the clock (its prep),
     so the epoch is the consumer alone. No loader feeding this process can beat it: it bounds
-    what any ratio to another reader can be with this consumer on this machine."""
+    what any ratio to another reader can be with this consumer on this machine. With `views`
+    the image column is `binary_view`, as `binary_views=True` delivers it (the consumer reads
+    views another way than offsets)."""
+    import pyarrow as pa
     import pyarrow.dataset as pads
 
     t0 = time.perf_counter()
@@ -335,6 +341,10 @@ def read_floor(kind: str, d: Path, prep: dict) -> Iterator[tuple[Any, Any]]:
     perm = np.random.default_rng(SEED).permutation(table.num_rows)
     batches = [table.take(perm[s : s + BATCH]).to_batches()[0] for s in range(0, table.num_rows, BATCH)]
     del table
+    if views:
+        # After `take`, which has no kernel for views (pyarrow 26).
+        i = batches[0].schema.get_field_index("image")
+        batches = [rb.set_column(i, "image", rb.column(i).cast(pa.binary_view())) for rb in batches]
     prep["prep_s"] = time.perf_counter() - t0
     prep["t0"], prep["cpu0"] = time.perf_counter(), time.process_time()
     for rb in batches:
@@ -403,6 +413,7 @@ READERS: dict[str, Any] = {
     "hf_map": read_hf_map,
     "litdata_pq": read_litdata_pq,
     "floor": read_floor,
+    "floor_views": lambda k, d, p: read_floor(k, d, p, views=True),
     "ss_dict": lambda k, d, p: read_ss(k, d, p, "dict"),
     "ss_arrow": lambda k, d, p: read_ss(k, d, p, "arrow"),
     "ss_views": lambda k, d, p: read_ss(k, d, p, "arrow", views=True),
@@ -427,6 +438,7 @@ IMPORTS = {
     "hf_map": ["datasets"],
     "litdata_pq": ["litdata", "litdata.streaming.item_loader"],
     "floor": ["pyarrow.dataset"],
+    "floor_views": ["pyarrow.dataset"],
     "ss_dict": ["shardstream", "shardstream._arrow", "pyarrow"],
     "ss_arrow": ["shardstream", "shardstream._arrow", "pyarrow"],
     "ss_views": ["shardstream", "shardstream._arrow", "pyarrow"],
@@ -435,7 +447,7 @@ IMPORTS = {
 
 def applies(peer: str, kind: str) -> bool:
     """Whether `peer` reads the `kind` set: `binary_views` needs a binary column (image only)."""
-    return kind == "image" or not reader_of(peer).startswith("ss_views")
+    return kind == "image" or not reader_of(peer).startswith(("ss_views", "floor_views"))
 
 
 def kept_row_groups(addr: str) -> int:
@@ -738,7 +750,7 @@ def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
             good = [r for r in runs if "error" not in r]
             if good:
                 med[peer] = statistics.median(r["rows_per_s"] for r in good)
-        shuffled = [p for p in med if p not in ("pa_seq", "floor") and not p.startswith("ss_")]
+        shuffled = [p for p in med if p != "pa_seq" and not p.startswith(("ss_", "floor"))]
         best = max(shuffled, key=lambda p: med[p]) if shuffled else None
         lines += [
             f"best shuffled peer: {best or '-'}; ceiling: pa_seq",
