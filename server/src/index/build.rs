@@ -188,11 +188,11 @@ fn index_parquet(
                     counter.count(buf.len());
                     file.read_exact_at(buf, off)
                 })?;
-                let (entry, fields, sidecar) = describe_parquet(&s.name, s.len, table, None);
+                let (mut entry, fields, sidecar) = describe_parquet(&s.name, s.len, table, None);
                 // Each file's own sidecar too: what a daemon reads when the bundle is stale.
-                let path = sidecar_dir.join(format!("{}.idx", s.name));
-                local::write_atomic(&path, &sidecar)?;
-                let entry = ManifestShard { index: Some(format!("{SIDECAR_DIR}/{}.idx", s.name)), ..entry };
+                let sidecar_name = format!("{}.idx", s.name);
+                local::write_atomic(&sidecar_dir.join(&sidecar_name), &sidecar)?;
+                entry.index = Some(format!("{SIDECAR_DIR}/{sidecar_name}"));
                 progress.shard_done(&s.name, s.len);
                 Ok((entry, fields, sidecar))
             })?;
@@ -250,7 +250,7 @@ fn describe_parquet(
     let identity = format!("len={len};footer_crc32c={crc:08x}");
     let table = ShardTable::Parquet(Arc::new(table));
     let sidecar = table.encode_sidecar(identity.as_bytes());
-    let entry = ManifestShard { index: None, ..entry(name, len, crc, table.num_samples(), "", etag) };
+    let entry = entry(name, len, crc, table.num_samples(), None, etag);
     (entry, table.fields().to_vec(), sidecar)
 }
 
@@ -302,18 +302,26 @@ fn describe(
     let identity = format!("len={len};crc32c={crc:08x}");
     let sidecar_name = format!("{name}.idx");
     put_sidecar(&sidecar_name, &table.encode_sidecar(identity.as_bytes()))?;
-    let entry = entry(name, len, crc, table.num_samples(), &sidecar_name, None).with_largest(table.largest_sample());
+    let entry =
+        entry(name, len, crc, table.num_samples(), Some(&sidecar_name), None).with_largest(table.largest_sample());
     Ok((entry, table.fields().to_vec()))
 }
 
-/// A manifest entry whose sidecar is `sidecar_name` in the dataset's sidecar directory.
-fn entry(name: &str, len: u64, crc: u32, samples: u64, sidecar_name: &str, etag: Option<String>) -> ManifestShard {
+/// A manifest entry whose sidecar, if any, is `sidecar_name` in the dataset's sidecar directory.
+fn entry(
+    name: &str,
+    len: u64,
+    crc: u32,
+    samples: u64,
+    sidecar_name: Option<&str>,
+    etag: Option<String>,
+) -> ManifestShard {
     ManifestShard {
         name: name.to_owned(),
         bytes: len,
         samples,
         crc32c: format!("{crc:08x}"),
-        index: Some(format!("{SIDECAR_DIR}/{sidecar_name}")),
+        index: sidecar_name.map(|s| format!("{SIDECAR_DIR}/{s}")),
         max_sample: None,
         max_sample_bytes: None,
         etag,
@@ -394,6 +402,16 @@ mod tests {
         assert!(err.to_string().contains("b.parquet") && err.to_string().contains("footer"), "{err}");
     }
 
+    /// Two Parquet files of 3,000 rows in `dir`, indexed: the dataset's URL and the summary.
+    fn indexed_pair(dir: &Path) -> (String, IndexSummary) {
+        for (name, first) in [("a.parquet", 0), ("b.parquet", 3000)] {
+            std::fs::write(dir.join(name), testdata::mixed_from(first, 3000, 1000, testdata::Codec::None)).unwrap();
+        }
+        let url = dir.display().to_string();
+        let summary = index_dataset(&url, 2, None, &()).unwrap();
+        (url, summary)
+    }
+
     /// The bundle the index writes holds every file's table as the manifest describes it; an
     /// entry for another version of its file is not used, and a damaged bundle gives nothing.
     #[test]
@@ -401,12 +419,7 @@ mod tests {
         use crate::index::discover::Discovered;
         use crate::index::{Backends, tables::bundled_tables};
         let dir = tempfile::tempdir().unwrap();
-        for (name, first) in [("a.parquet", 0), ("b.parquet", 3000)] {
-            std::fs::write(dir.path().join(name), testdata::mixed_from(first, 3000, 1000, testdata::Codec::None))
-                .unwrap();
-        }
-        let url = dir.path().display().to_string();
-        let summary = index_dataset(&url, 2, None, &()).unwrap();
+        let (url, summary) = indexed_pair(dir.path());
         assert_eq!(summary.manifest.footers.as_deref(), Some(footers::NAME));
         let backends = Backends::local();
         let mut found = Discovered::discover(&url, &backends).unwrap();
@@ -437,12 +450,7 @@ mod tests {
     #[test]
     fn an_indexed_local_dataset_opens_without_touching_its_files() {
         let dir = tempfile::tempdir().unwrap();
-        for (name, first) in [("a.parquet", 0), ("b.parquet", 3000)] {
-            std::fs::write(dir.path().join(name), testdata::mixed_from(first, 3000, 1000, testdata::Codec::None))
-                .unwrap();
-        }
-        let url = dir.path().display().to_string();
-        index_dataset(&url, 2, None, &()).unwrap();
+        let (url, _) = indexed_pair(dir.path());
         std::fs::remove_file(dir.path().join("b.parquet")).unwrap();
         std::fs::remove_file(dir.path().join(SIDECAR_DIR).join("b.parquet.idx")).unwrap();
         let ds = crate::index::Dataset::open(&url, None).unwrap();

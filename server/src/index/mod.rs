@@ -142,10 +142,16 @@ impl ShardMeta {
     /// The identity the dataset fingerprint uses: [`identity`](Self::identity), except that a
     /// content digest replaces the mtime (which a copy does not keep).
     pub fn content_identity(&self) -> Vec<u8> {
-        match (self.crc32c.or(self.footer_crc32c), self.content) {
-            (None, Some(d)) => format!("len={};content={d:016x}", self.len).into_bytes(),
+        match self.content {
+            Some(d) if !self.named_by_crc() => format!("len={};content={d:016x}", self.len).into_bytes(),
             _ => self.identity(),
         }
+    }
+
+    /// Whether a manifest records the shard's CRC-32C (of the file, or of a Parquet footer): that
+    /// names it in the fingerprint, and a content digest would go unused.
+    pub fn named_by_crc(&self) -> bool {
+        self.crc32c.or(self.footer_crc32c).is_some()
     }
 
     /// The shard as errors name it (path or `s3://` URL).

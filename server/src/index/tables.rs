@@ -107,10 +107,12 @@ pub(super) fn bundled_tables(
         ShardSource::Local(path) => path.display().to_string(),
         ShardSource::S3 { bucket, key, .. } => format!("s3://{bucket}/{key}"),
     };
-    let bytes = match at {
-        ShardSource::Local(path) => std::fs::read(path).map(Some).map_err(|e| Error::io("cannot read", path, e)),
+    let bytes: Result<Option<bytes::Bytes>> = match at {
+        ShardSource::Local(path) => {
+            std::fs::read(path).map(|b| Some(b.into())).map_err(|e| Error::io("cannot read", path, e))
+        }
         ShardSource::S3 { bucket, key, .. } => {
-            backends.s3().and_then(|store| store.block_on(store.get_small(bucket, key))).map(|b| b.map(Vec::from))
+            backends.s3().and_then(|store| store.block_on(store.get_small(bucket, key)))
         }
     };
     let decoded = match &bytes {
@@ -160,7 +162,7 @@ fn scan_one(
         // A manifest's CRC names the file in the fingerprint (`ShardMeta::content_identity`): a
         // digest would be read for nothing, and a dataset opened from its manifest and footers
         // bundle touches none of its files before a stream uses them.
-        if meta.crc32c.or(meta.footer_crc32c).is_some() {
+        if meta.named_by_crc() {
             return Ok(None);
         }
         match (&meta.source, file) {
