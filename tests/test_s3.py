@@ -221,6 +221,52 @@ def test_s3_server_killed_mid_download_and_restarted(tmp_path: Path, s3: S3Serve
         d.stop()
 
 
+def test_a_daemon_stopped_mid_request_exits_without_a_panic(
+    tmp_path: Path, s3: S3Server, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM while a request made from a blocking thread (here the footer reads of a Parquet
+    dataset's open) is in flight, held by a proxy. When the daemon's runtime went, the request
+    failed ("runtime dropped the dispatch task"), was retried, and the retry's sleep panicked on
+    the stopped timer ("A Tokio 1.x context was found, but it is being shutdown"). Requests now
+    stop retrying when the daemon stops."""
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sys.path.insert(0, str(Path(__file__).parent / "chaos"))
+    from proxy import FaultProxy
+
+    bucket = s3.bucket("data") / "stopopen"
+    bucket.mkdir(parents=True)
+    for k in range(4):
+        pq.write_table(pa.table({"x": list(range(k * 10, k * 10 + 10))}), bucket / f"part-{k}.parquet")
+    proxy = FaultProxy(s3.port, rate=0.0, hold=1.0).start()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    d = Daemon(tmp_path, args=["--drain-timeout", "0.2"], env=env).start()
+    opened: dict = {}
+
+    def open_it() -> None:
+        try:
+            opened["info"] = shardstream._native.Connection(d.addr).open("s3://data/stopopen/")
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            opened["error"] = e
+
+    try:
+        t = threading.Thread(target=open_it)
+        t.start()
+        wait_for(lambda: proxy.gets_in > 0)
+        capfd.readouterr()
+        assert d.stop() == 0
+        t.join(timeout=60)
+        assert "error" in opened, "the open could not have finished"
+        err = capfd.readouterr().err
+        assert "panicked" not in err, err[-3000:]
+    finally:
+        d.stop()
+        proxy.stop()
+
+
 def test_object_altered_after_the_manifest_is_rejected_by_name(tmp_path: Path, s3: S3Server) -> None:
     samples = write_dataset(s3.bucket("data") / "altered", n=300, per_shard=50, seed=9)
     index_s3(s3, "s3://data/altered/")

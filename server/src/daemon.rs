@@ -196,7 +196,7 @@ impl BoundDaemon {
         let node_cache = cache.clone();
         let backends =
             Arc::new(crate::index::Backends::new(Some(cache), cfg.s3.clone(), Some(tokio::runtime::Handle::current())));
-        let registry = Arc::new(Registry::new(Some(cfg.cache_dir.clone()), backends));
+        let registry = Arc::new(Registry::new(Some(cfg.cache_dir.clone()), backends.clone()));
         let service = Service::new(
             registry,
             self.metrics.clone(),
@@ -266,6 +266,9 @@ impl BoundDaemon {
         if let Some(path) = socket {
             let _ = std::fs::remove_file(path);
         }
+        // Fetches still running (the prefetcher's threads are not joined) fail from now on
+        // instead of retrying on a runtime about to go.
+        backends.close();
         prefetch.stop();
         if served.is_ok() {
             // Only a clean exit vouches for the derived entries written unsynced (cache docs).

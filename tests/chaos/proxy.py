@@ -9,7 +9,11 @@ spoils a share of them, picked at random, in one of the ways real networks and s
 
 ``truncate`` and ``corrupt`` only apply to responses with an object body (GET of an object, not a
 listing: a listing's XML has no checksum for anyone to check, and S3 itself signs nothing there).
-What was injected is counted by kind in ``counts``."""
+What was injected is counted by kind in ``counts``.
+
+``hold`` keeps every object GET that long before forwarding it, and ``peak_gets`` is the most
+object GETs that were in the proxy at once: with a hold longer than a request takes, it tells how
+many requests a client makes concurrently, without timing anything."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -34,8 +39,18 @@ SLOWDOWN = (
 
 
 class FaultProxy:
-    def __init__(self, upstream_port: int, rate: float = 0.10, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        rate: float = 0.10,
+        seed: int = 0,
+        kinds: tuple[str, ...] = KINDS,
+        hold: float = 0.0,
+    ) -> None:
         self.upstream_port = upstream_port
+        self.hold = hold
+        self.gets_in = 0
+        self.peak_gets = 0
         self.rate = rate
         self.kinds = kinds
         self.rng = random.Random(seed)
@@ -56,6 +71,15 @@ class FaultProxy:
                 return None
             kinds = [k for k in self.kinds if object_get or k in ("reset", "slowdown")]
             return self.rng.choice(kinds) if kinds else None
+
+    def enter_get(self) -> None:
+        with self.lock:
+            self.gets_in += 1
+            self.peak_gets = max(self.peak_gets, self.gets_in)
+
+    def leave_get(self) -> None:
+        with self.lock:
+            self.gets_in -= 1
 
     def count(self, kind: str) -> None:
         with self.lock:
@@ -111,10 +135,17 @@ class FaultProxy:
                     proxy.count(fault)
                     return self.send(503, "Slow Down", [("Content-Type", "application/xml")], SLOWDOWN, len(SLOWDOWN))
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                if object_get:
+                    proxy.enter_get()
                 try:
+                    if object_get and proxy.hold:
+                        time.sleep(proxy.hold)
                     status, reason, resp_headers, data = self.ask_upstream(body, headers)
                 except OSError:
                     return self.reset()
+                finally:
+                    if object_get:
+                        proxy.leave_get()
                 if fault == "truncate" and status in (200, 206) and len(data) > 1:
                     proxy.count(fault)
                     self.send(status, reason, resp_headers, data[: len(data) // 2], len(data))

@@ -221,6 +221,13 @@ impl Backends {
         Self { cache, s3_options, s3: OnceLock::new(), rt }
     }
 
+    /// Stops S3 requests from being retried ([`S3Store::close`]): the daemon is stopping.
+    pub fn close(&self) {
+        if let Some(s) = self.s3.get() {
+            s.close();
+        }
+    }
+
     /// Local datasets only (tools and tests without a runtime or a cache).
     pub fn local() -> Self {
         Self::new(None, S3Options::default(), None)

@@ -141,6 +141,8 @@ pub struct S3Store {
     gets: Arc<Semaphore>,
     /// Where blocking callers run their requests.
     rt: tokio::runtime::Handle,
+    /// Cancelled when the daemon stops ([`Self::close`]): no request is retried after that.
+    closing: tokio_util::sync::CancellationToken,
 }
 
 /// The outcome of one failed request: worth retrying, or final.
@@ -263,11 +265,20 @@ impl S3Store {
             options,
             gets: Arc::new(Semaphore::new(MAX_GETS_IN_FLIGHT)),
             rt: tokio::runtime::Handle::current(),
+            closing: tokio_util::sync::CancellationToken::new(),
         })
     }
 
     pub fn options(&self) -> &S3Options {
         &self.options
+    }
+
+    /// Stops retrying, for good: a failed request (or one waiting to be retried) fails at once.
+    /// The daemon calls it before its runtime goes: a fetch thread still retrying then would
+    /// have slept on the stopped runtime's timer, which panics (and the next try could only
+    /// fail: the runtime's connections are gone with it).
+    pub fn close(&self) {
+        self.closing.cancel();
     }
 
     /// Runs `f` on the store's runtime from a blocking thread (never from async code).
@@ -281,6 +292,22 @@ impl S3Store {
         f: impl std::future::Future<Output = T> + Send + 'static,
     ) -> tokio::task::JoinHandle<T> {
         self.rt.spawn(f)
+    }
+
+    /// Waits `delay` before retrying a request that failed with `msg`, unless the daemon is
+    /// stopping ([`Self::close`]): then the request fails now. The closing branch is polled first,
+    /// so once the daemon stops the timer is never polled again (its driver may be gone).
+    async fn pause_before_retry(&self, delay: Duration, url: &str, what: &str, msg: &str) -> Result<()> {
+        let stopping =
+            || Error::Unavailable(format!("{url}: {what} failed and was not retried: the daemon is stopping ({msg})"));
+        if self.closing.is_cancelled() {
+            return Err(stopping());
+        }
+        tokio::select! {
+            biased;
+            () = self.closing.cancelled() => Err(stopping()),
+            () = tokio::time::sleep(delay) => Ok(()),
+        }
     }
 
     /// Retries `op` by the policy until it succeeds or fails for good.
@@ -297,9 +324,9 @@ impl S3Store {
                 Err(Failure::Permanent(e)) => return Err(e),
                 Err(Failure::Transient(msg)) => match backoff.next_delay() {
                     Some(d) => {
+                        self.pause_before_retry(d, url, what, &msg).await?;
                         crate::metrics::storage_retry("s3");
                         tracing::warn!(object = %url, attempt = backoff.attempts(), error = %msg, "s3 request failed, retrying");
-                        tokio::time::sleep(d).await;
                     }
                     None => {
                         return Err(Error::Unavailable(format!(
@@ -624,10 +651,10 @@ impl S3Store {
                 Failure::Permanent(e) => return Err(e),
                 Failure::Transient(msg) => match backoff.next_delay() {
                     Some(d) => {
+                        self.pause_before_retry(d, &url, "get", &msg).await?;
                         observer.retry();
                         crate::metrics::storage_retry("s3");
                         tracing::warn!(object = %url, offset = pos, attempt = backoff.attempts(), error = %msg, "ranged get failed, resuming");
-                        tokio::time::sleep(d).await;
                     }
                     None => {
                         return Err(Error::Unavailable(format!(
