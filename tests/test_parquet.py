@@ -851,6 +851,37 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
         d.stop()
 
 
+def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Path, s3) -> None:
+    """A batch's files are checked (footers) and their column chunks fetched concurrently, not one
+    request after the other, each waiting its round trip. Behind a proxy that holds every GET, the
+    first batch of a projection over 6 files (2 row groups each) has more GETs in flight at once
+    than one file at a time and one prefetch could make (2 + 2, with at most 2 GETs per file);
+    the build before had at most 2."""
+    sys.path.insert(0, str(Path(__file__).parent / "chaos"))
+    from proxy import FaultProxy
+
+    bucket = s3.bucket("data") / "pqwave"
+    bucket.mkdir(parents=True)
+    payloads = write_big_files(bucket, files=6, rows=200)
+    proxy = FaultProxy(s3.port, rate=0.0, hold=0.3).start()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint, "SHARDSTREAM_PREFETCH_PARALLEL": "1"}
+    d = Daemon(tmp_path, args=["--s3-concurrency", "2"], env=env).start()
+    try:
+        # The open reads the footers (at once); only the batch's requests count here.
+        shardstream._native.Connection(d.addr).open("s3://data/pqwave/")
+        with proxy.lock:
+            proxy.peak_gets = proxy.gets_in
+        loader = shardstream.Loader("s3://data/pqwave/", batch_size=50, seed=1, fields=["id", "label"], connect=d.addr)
+        batch = next(iter(loader))
+        ids = np.asarray(batch["id"]).tolist()
+        assert len(ids) == 50 and set(ids) <= payloads.keys()
+        assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
+        assert len({i // 200 for i in ids}) >= 4, "the first batch draws on most files"
+        assert proxy.peak_gets >= 6, proxy.peak_gets
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+
 # -- binary_views: binary columns as views into the daemon's decoded row groups -------------------
 
 

@@ -730,18 +730,22 @@ impl Dataset {
             etag: etag.clone(),
         };
         let store = self.backends.s3()?;
-        cache.get(key, pf.len(), want, &mut |tmp, file| {
-            for (range, at) in pf.pieces() {
-                let mut start = range.start;
-                while start < range.end {
-                    let end = range.end.min(start + PROJECTED_GET);
-                    let (bytes, _) = store.block_on(store.get_range(&obj, start..end))?;
-                    file.write_all_at(&bytes, at + (start - range.start))
-                        .map_err(|e| Error::io("cannot write", tmp, e))?;
-                    start = end;
-                }
+        // Every GET of the copy: (the bytes of the file, where they go in the copy).
+        let mut gets: Vec<(std::ops::Range<u64>, u64)> = Vec::new();
+        for (range, at) in pf.pieces() {
+            let mut start = range.start;
+            while start < range.end {
+                let end = range.end.min(start + PROJECTED_GET);
+                gets.push((start..end, at + (start - range.start)));
+                start = end;
             }
-            Ok(())
+        }
+        let ranges: Vec<std::ops::Range<u64>> = gets.iter().map(|(r, _)| r.clone()).collect();
+        cache.get(key, pf.len(), want, &mut |tmp, file| {
+            store.block_on(store.get_ranges(&obj, &ranges, |i, bytes| {
+                let at = gets.get(i).map(|(_, at)| *at).ok_or_else(|| Error::Internal(format!("no GET {i}")))?;
+                file.write_all_at(&bytes, at).map_err(|e| Error::io("cannot write", tmp, e))
+            }))
         })
     }
 
@@ -750,7 +754,7 @@ impl Dataset {
     /// and in any case against the footer the dataset was opened with (the chunk offsets the
     /// decoder uses come from it).
     pub fn verify_remote_footer(&self, i: usize) -> Result<()> {
-        if self.verified.get(i).is_some_and(|v| v.load(Ordering::Acquire)) {
+        if self.footer_verified(i) {
             return Ok(());
         }
         // Streams building batches at once check a file once, not once each.
@@ -805,6 +809,16 @@ impl Dataset {
     /// Node-cache key of shard `i` (`copy` mode).
     pub fn cache_key(&self, i: usize) -> Option<&str> {
         self.keys.get(i).map(String::as_str)
+    }
+
+    /// True when the node cache holds entry `key` ready to read (false without a node cache).
+    pub fn is_cached(&self, key: &str) -> bool {
+        self.backends.cache.as_ref().is_some_and(|c| c.is_ready(key))
+    }
+
+    /// True when S3 Parquet file `i`'s footer was checked ([`Self::verify_remote_footer`]).
+    pub fn footer_verified(&self, i: usize) -> bool {
+        self.verified.get(i).is_some_and(|v| v.load(Ordering::Acquire))
     }
 
     /// True when shard `i` can be read without fetching (read in place, or ready in the cache).

@@ -39,6 +39,10 @@ impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
     }
 }
 
+/// Files of one batch whose column-chunk copies are fetched at once (each with its own
+/// concurrent GETs, within the store's daemon-wide cap): the files of a default shuffle window.
+const PROJECTED_FILES_AT_ONCE: usize = 16;
+
 /// Builds one Arrow batch of a Parquet dataset (blocking): the rows `ids`, decoded through the
 /// daemon's shared row-group cache, as an IPC stream inline, in a ring slot (shm), or written
 /// into a slot of the client's ring (rdma).
@@ -64,14 +68,23 @@ pub(super) fn build_arrow_batch(
     let touched = asm.first_row_per_file(&places);
     let (rows, waited) = if let Some(pr) = projected {
         // Only the selected column chunks: no whole file is opened. Every file the batch draws
-        // on is verified first (its footer, once), as below.
+        // on is verified first (its footer, once), as below. Files not yet verified or cached
+        // are verified and fetched all at once: one file after the other, a first batch over
+        // the 4-8 files of a shuffle window waited a round trip per footer and per chunk.
         let started = Instant::now();
-        for &id in &touched {
-            if let Some((shard, _)) = ds.locate(id) {
-                ds.verify_remote_footer(shard)?;
-            }
-        }
         let reader = pr.reader();
+        let shards: Vec<usize> = touched.iter().filter_map(|&id| ds.locate(id).map(|(s, _)| s)).collect();
+        let cold: Vec<usize> = shards.iter().copied().filter(|&s| !ds.footer_verified(s) || !pr.is_ready(s)).collect();
+        let check_and_open = |&shard: &usize| {
+            ds.verify_remote_footer(shard)?;
+            reader.open_copy(shard)
+        };
+        if cold.len() > 1 {
+            crate::parallel::try_map(&cold, cold.len().min(PROJECTED_FILES_AT_ONCE), check_and_open)?;
+        }
+        for shard in &shards {
+            ds.verify_remote_footer(*shard)?;
+        }
         let rows = asm.rows_at(places, &ids, &reader)?;
         let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
         (rows, waited)

@@ -67,6 +67,11 @@ impl ProjectedReads {
         self.files.get(&shard).ok_or_else(|| Error::Internal(format!("no column-chunk plan for file {shard}")))
     }
 
+    /// True when file `shard`'s compact copy is in the node cache, ready to read.
+    pub fn is_ready(&self, shard: usize) -> bool {
+        self.files.get(&shard).is_some_and(|(_, key)| self.ds.is_cached(key))
+    }
+
     /// A reader for one batch.
     pub fn reader(&self) -> ProjectedReader<'_> {
         ProjectedReader { reads: self, open: Mutex::new(HashMap::new()), fetched: AtomicBool::new(false) }
@@ -99,26 +104,35 @@ impl ProjectedReader<'_> {
 }
 
 impl ProjectedReader<'_> {
+    /// Fetches (if need be), pins and opens file `file`'s compact copy for this batch, so that
+    /// the decoder finds it at hand. Called for several files at once, from several threads: the
+    /// fetch runs outside the reader's lock.
+    pub fn open_copy(&self, file: usize) -> Result<()> {
+        self.with_copy(file, |_, _, _| Ok(()))
+    }
+
     /// Runs `f` on file `file`'s compact copy (fetched and pinned on first use) and its pieces.
     fn with_copy<R>(&self, file: usize, then: impl FnOnce(&Arc<ProjectedFile>, &Pin, &File) -> Result<R>) -> Result<R> {
         let (pf, key) = self.reads.file(file)?;
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let (pin, copy) = match open.entry(file) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                let pin = self
-                    .reads
-                    .ds
-                    .fetch_projected(file, pf, key, Want::NOW)?
-                    .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
-                if pin.filled {
-                    self.fetched.store(true, Relaxed);
-                }
-                let opened =
-                    File::open(pin.path()).map_err(|e| Error::io("cannot open cached column chunks", pin.path(), e))?;
-                v.insert((pin, opened))
+        {
+            let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((pin, copy)) = open.get(&file) {
+                return then(pf, pin, copy);
             }
-        };
+        }
+        let pin = self
+            .reads
+            .ds
+            .fetch_projected(file, pf, key, Want::NOW)?
+            .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+        if pin.filled {
+            self.fetched.store(true, Relaxed);
+        }
+        let opened =
+            File::open(pin.path()).map_err(|e| Error::io("cannot open cached column chunks", pin.path(), e))?;
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        // Another thread of the batch may have opened it meanwhile: its copy is as good.
+        let (pin, copy) = open.entry(file).or_insert((pin, opened));
         then(pf, pin, copy)
     }
 }

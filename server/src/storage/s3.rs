@@ -445,6 +445,46 @@ impl S3Store {
         Ok(got)
     }
 
+    /// Reads `ranges` of `obj` (a file's column chunks) with one ranged GET each, up to the
+    /// store's per-shard concurrency at once and within its daemon-wide cap, and hands each
+    /// range's bytes to `each` with the range's index, in the order they arrive (one after the
+    /// other, each range cost its round trip). The first failure ends the call and cancels the
+    /// GETs still running.
+    pub async fn get_ranges(
+        &self,
+        obj: &ObjectRef,
+        ranges: &[Range<u64>],
+        mut each: impl FnMut(usize, Bytes) -> Result<()>,
+    ) -> Result<()> {
+        let per_call = Arc::new(Semaphore::new(self.options.concurrency.max(1)));
+        let shared = Arc::new(obj.clone());
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, range) in ranges.iter().cloned().enumerate() {
+            let (store, obj, per_call) = (self.clone(), shared.clone(), per_call.clone());
+            tasks.spawn(async move {
+                let _slot = per_call.acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
+                let _get =
+                    store.gets.clone().acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
+                store.get_range(&obj, range).await.map(|(bytes, _)| (i, bytes))
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                Ok(Ok((i, bytes))) => each(i, bytes)?,
+                // Dropping the set aborts the other GETs at once.
+                Ok(Err(e)) => return Err(e),
+                Err(e) if e.is_cancelled() => {
+                    return Err(Error::Unavailable(format!(
+                        "{}: a ranged GET was cancelled: the daemon is stopping",
+                        obj.url()
+                    )));
+                }
+                Err(e) => return Err(Error::Internal(format!("a ranged GET of {} failed: {e}", obj.url()))),
+            }
+        }
+        Ok(())
+    }
+
     /// Writes a whole object.
     pub async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<()> {
         let url = format!("s3://{bucket}/{key}");
