@@ -1,4 +1,4 @@
-//! The bench's "plain client": downloads every `.tar` object under an S3 prefix with N concurrent
+//! The bench's "plain client": downloads every `.tar` or `.parquet` object under an S3 prefix with N concurrent
 //! ranged GETs straight from aws-sdk-s3, discarding the bytes, and prints
 //! `{"bytes": .., "seconds": .., "mb_per_s": .., "requests": ..}`. What the server can deliver
 //! to one client, so shardstream's cold epoch is quoted as a share of it.
@@ -31,7 +31,7 @@ async fn main() -> anyhow::Result<()> {
             client.list_objects_v2().bucket(&bucket).prefix(&prefix).set_continuation_token(token).send().await?;
         for o in page.contents() {
             if let (Some(k), Some(s)) = (o.key(), o.size())
-                && k.ends_with(".tar")
+                && (k.ends_with(".tar") || k.ends_with(".parquet"))
             {
                 objects.push((k.to_owned(), s as u64));
             }
