@@ -42,6 +42,10 @@ wrong), each in a fresh process so that one's caches do not help the next:
 - ``ss_views+node``: ``ss_views`` on a fresh daemon whose node cache a first daemon filled (another
   seed, then a clean shutdown): the next job's sidecar on the node, which loads the row groups the
   first one kept instead of decoding them. Like ``hf_map``'s epoch after its conversion.
+- ``READER+proc`` (not run by default): the measured epoch is the second of one trainer process,
+  whose first epoch (another seed) ran in the same process before the clock: what a process keeps
+  from one epoch to the next (its mappings of the node cache's files) shows only here, since every
+  other row runs its epoch in a fresh process.
 - ``ss_views+nokeep`` (not run by default): ``ss_views`` on a daemon started with
   ``--no-keep-decoded`` (row groups in shared memory only): what keeping them costs a cold epoch.
 
@@ -118,6 +122,9 @@ NOKEEP = "+nokeep"
 # Read through the node cache (`cache="copy"`, the path of S3 datasets): the first epoch copies
 # the files there; the daemon decodes from its mapping of the copies.
 COPY = "+copy"
+# The measured epoch is a trainer process's second: the first (another seed) runs in the same
+# process, before the clock. What a process keeps between its epochs (mappings) shows here only.
+PROC = "+proc"
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -389,7 +396,7 @@ def read_ss(kind: str, d: Path, prep: dict, form: str, views: bool = False) -> I
     loader = shardstream.Loader(
         str(d),
         batch_size=BATCH,
-        seed=int(os.environ.get("PQ_BENCH_SEED", SEED)),
+        seed=prep.get("seed", int(os.environ.get("PQ_BENCH_SEED", SEED))),
         connect=prep["addr"],
         transport="shm",
         fields=columns(kind),
@@ -460,7 +467,8 @@ def kept_row_groups(addr: str) -> int:
 def reader_of(peer: str) -> str:
     """The reader a peer runs: `ss_arrow@before` is `ss_arrow` of the build named `before`,
     `ss_arrow+warm` is `ss_arrow` after a first epoch."""
-    base = peer.partition("@")[0].removesuffix(WARM).removesuffix(KEPT).removesuffix(NODE).removesuffix(NOKEEP)
+    base = peer.partition("@")[0].removesuffix(PROC)
+    base = base.removesuffix(WARM).removesuffix(KEPT).removesuffix(NODE).removesuffix(NOKEEP)
     return base.removesuffix(COPY)
 
 
@@ -472,11 +480,22 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
     prep: dict[str, Any] = {"addr": addr}
     if COPY in peer:
         prep["cache"] = "copy"
+    first_in_process = PROC in peer
     peer = reader_of(peer)
     # torch too: a trainer has it loaded, and `datasets` imports it lazily in the middle of an epoch.
     for module in ["torch", *IMPORTS[peer]]:
         importlib.import_module(module)
     warm_consumer(kind)
+    daemon = int(os.environ.get("PQ_BENCH_DAEMON_PID", "0")) or None
+    if first_in_process:
+        seed = int(os.environ.get("PQ_BENCH_SEED", SEED))
+        for raw_ids, payload in READERS[peer](kind, d, {**prep, "seed": seed + 1000}):
+            touch(kind, raw_ids, payload)
+    import measure
+
+    # `+proc`: the daemon's CPU of the measured epoch only (the parent's figure, around the whole
+    # child, would hold the first epoch too).
+    daemon_cpu0 = measure.cpu_seconds(daemon) if daemon and first_in_process else None
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     cpu0 = time.process_time()
@@ -491,6 +510,7 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
         nbytes += b
     seconds = time.perf_counter() - prep.get("t0", t0)
     cpu = time.process_time() - prep.get("cpu0", cpu0)
+    daemon_cpu1 = measure.cpu_seconds(daemon) if daemon_cpu0 is not None else None
     all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     counts = np.bincount(all_ids[(all_ids >= 0) & (all_ids < rows)], minlength=rows)
     ok = len(all_ids) == rows and bool((counts == 1).all())
@@ -506,6 +526,7 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
         "gb": nbytes / 1e9,
         # Other jobs share the machine: a figure taken under load is not comparable to a quiet one.
         "load": load,
+        "daemon_cpu_s": daemon_cpu1 - daemon_cpu0 if daemon_cpu0 is not None and daemon_cpu1 is not None else None,
     }
 
 
@@ -533,6 +554,7 @@ def child(
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "PQ_BENCH_SEED": str(seed),
+        "PQ_BENCH_DAEMON_PID": str(daemon_pid or 0),
     }
     p = subprocess.run(
         [sys.executable, __file__, "--one", peer, kind, str(d), addr, str(rows)],
@@ -547,8 +569,12 @@ def child(
     r = json.loads(p.stdout.strip().splitlines()[-1])
     if before is not None:
         after = measure.cpu_seconds(daemon_pid) or before
-        r["daemon_cpu_s"] = after - before
-        r["cpu_s"] += after - before
+        # A `+proc` child's own figure covers its measured epoch only; this one, the whole child.
+        if r.get("daemon_cpu_s") is None:
+            r["daemon_cpu_s"] = after - before
+        r["cpu_s"] += r["daemon_cpu_s"]
+    else:
+        r.pop("daemon_cpu_s", None)
     return r
 
 
@@ -732,7 +758,8 @@ def report(results: dict[str, dict[str, list[dict]]], meta: dict) -> str:
         f"buffers {BUFFER} rows. Machine: {meta['machine']}. Daemon peak RSS (largest over its runs; a fresh "
         f"daemon per shardstream run): {meta['daemon_rss_mib']:.0f} MiB. Image files written "
         f"{meta['layout']} ({LAYOUTS[meta['layout']]}). `+copy`: read through the node cache "
-        '(`cache="copy"`), its first epoch copying the files there.',
+        '(`cache="copy"`), its first epoch copying the files there. `+proc`: the second epoch of one '
+        "process (its first, untimed, in the same process).",
         "",
         "rows/s: median (min-max). CPU-s: the reader's process plus, for shardstream, the daemon's, per "
         "epoch. `span`: 100 consecutive stored rows, how far apart delivered (fraction of the epoch; "
