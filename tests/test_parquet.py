@@ -882,6 +882,7 @@ def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Pat
         assert d.stop() == 0
         proxy.stop()
 
+
 # -- binary_views: binary columns as views into the daemon's decoded row groups -------------------
 
 
