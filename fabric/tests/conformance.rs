@@ -218,6 +218,20 @@ fn child_process_client_entry() {
     std::thread::sleep(until.saturating_duration_since(std::time::Instant::now()));
 }
 
+/// Removes the shared-memory regions libfabric's shm provider made for process `pid`
+/// (`/dev/shm/PID:EP:N`), which a SIGKILLed process cannot remove itself. Left behind, they
+/// filled /dev/shm by 16 MiB a run, and a later child that got the same pid could not enable its
+/// endpoint ("Device or resource busy": this test failed so once).
+fn remove_shm_regions_of(pid: u32) {
+    let prefix = format!("{pid}:");
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// The client process is SIGKILLed while its daemon streams to it: the daemon's writes fail (or
 /// find no credit) with an error within its stall timeout, never crash or hang.
 ///
@@ -275,8 +289,12 @@ fn killed_client_is_an_error_not_a_crash() {
             writeln!(child_stdin).unwrap();
             assert!(lines.any(|l| l.is_ok_and(|l| l.contains("IDLE"))), "{provider}: the child never went idle");
         }
+        let child_pid = child.id();
         child.kill().unwrap();
         child.wait().unwrap();
+        if provider == "shm" {
+            remove_shm_regions_of(child_pid);
+        }
         let started = std::time::Instant::now();
         let mut result = Ok(0);
         for b in 2..12 {
