@@ -883,6 +883,68 @@ def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Pat
         proxy.stop()
 
 
+def test_an_indexed_s3_projection_checks_each_footer_with_the_chunks_it_fetches(tmp_path: Path, s3) -> None:
+    """A cold projection of an indexed S3 dataset checks each file's footer from the GETs that
+    fetch its column chunks (the last chunks' GET reads on to the file's end) instead of one
+    more GET per file; a footer that no longer matches the manifest fails the fetch, and no copy
+    of that file is kept."""
+    import os
+
+    bucket = s3.bucket("data") / "pqfoot"
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(5)
+    for k in range(3):
+        ids = np.arange(k * 400, (k + 1) * 400, dtype=np.int64)
+        blobs = [rng.integers(0, 256, 5120, dtype=np.uint8).tobytes() for _ in ids]
+        # The payload first: the selected columns of the last row group end next to the footer.
+        t = pa.table({"payload": pa.array(blobs, pa.binary()), "id": ids, "label": (ids % 10).astype(np.int32)})
+        pq.write_table(t, bucket / f"f-{k}.parquet", row_group_size=100, compression="none")
+    p = subprocess.run(
+        [SHARDSTREAM, "index", "s3://data/pqfoot/"],
+        env={**os.environ, **s3.env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    d = Daemon(tmp_path / "d1", env=s3.env()).start()
+    try:
+        got: list[int] = []
+        loader = shardstream.Loader("s3://data/pqfoot/", batch_size=50, seed=2, fields=["id", "label"], connect=d.addr)
+        for batch in loader:
+            ids = np.asarray(batch["id"]).tolist()
+            assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
+            got.extend(ids)
+        assert sorted(got) == list(range(1200))
+        # The manifest and the footers bundle, then one GET per row group's id and label chunks
+        # (4 a file); the last of each file reads its footer too. There was one more per file.
+        assert d.status()["storage_requests"] == 2 + 3 * 4, d.status()
+    finally:
+        assert d.stop() == 0
+    # f-1's footer changes (same size): a new daemon's fetch of its chunks refuses it.
+    victim = bucket / "f-1.parquet"
+    raw = bytearray(victim.read_bytes())
+    at = raw.rindex(b"parquet-cpp")
+    raw[at : at + 1] = b"P"
+    victim.write_bytes(bytes(raw))
+    b64 = base64.urlsafe_b64encode(b"pqfoot/f-1.parquet").rstrip(b"=").decode()
+    for meta in s3.root.glob(f".bucket-*.object-{b64}.*"):
+        meta.unlink()
+    d = Daemon(tmp_path / "d2", env=s3.env()).start()
+    try:
+        got = []
+        loader = shardstream.Loader("s3://data/pqfoot/", batch_size=50, shuffle=False, fields=["id"], connect=d.addr)
+        with pytest.raises(shardstream.ShardError) as err:
+            for batch in loader:
+                got.extend(np.asarray(batch["id"]).tolist())
+        assert err.value.shard == "s3://data/pqfoot/f-1.parquet" and "footer" in str(err.value), err.value
+        assert all(i < 400 for i in got), "no row of the changed file"
+        copies = [c.name for c in (d.cache_dir / "shards").iterdir() if c.name.endswith(".parquet.cols")]
+        assert not any("f-1" in c for c in copies), copies
+    finally:
+        d.stop()
+
+
 # -- binary_views: binary columns as views into the daemon's decoded row groups -------------------
 
 

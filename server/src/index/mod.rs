@@ -190,6 +190,15 @@ impl ResidentShard {
     }
 }
 
+/// The S3 object of shard `meta` (with its ETag when known, which every GET then sends as
+/// `If-Match`).
+fn s3_object(meta: &ShardMeta) -> Result<crate::storage::s3::ObjectRef> {
+    let ShardSource::S3 { bucket, key, etag } = &meta.source else {
+        return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
+    };
+    Ok(crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() })
+}
+
 /// `file` mapped read-only; only for a node-cache copy held by a [`Pin`] for as long as the
 /// mapping lives (see [`ResidentShard::cached_bytes`]). `populate`: fault every page in now (for
 /// serving, which reads them all); without it only the pages touched are (a header scan, which
@@ -707,8 +716,10 @@ impl Dataset {
     }
 
     /// Fetches the pieces `pf` of S3 Parquet file `i` into the node cache entry `key` (ranged
-    /// GETs of at most [`PROJECTED_GET`] bytes, `If-Match` on the file's ETag when known), or
-    /// pins it there. `Ok(None)`: a prefetch that did not wait. Blocking.
+    /// GETs of at most [`PROJECTED_GET`] bytes, all at once, `If-Match` on the file's ETag when
+    /// known), or pins it there. A fetch also checks the file's footer (`check_footer`)
+    /// unless it was checked already, and publishes nothing if it does not match. `Ok(None)`: a
+    /// prefetch that did not wait. Blocking.
     pub fn fetch_projected(
         &self,
         i: usize,
@@ -720,39 +731,63 @@ impl Dataset {
         let cache =
             self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let ShardSource::S3 { bucket, key: object, etag } = &meta.source else {
-            return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
-        };
-        let obj = crate::storage::s3::ObjectRef {
-            bucket: bucket.clone(),
-            key: object.clone(),
-            len: meta.len,
-            etag: etag.clone(),
-        };
+        let obj = s3_object(meta)?;
         let store = self.backends.s3()?;
-        // Every GET of the copy: (the bytes of the file, where they go in the copy).
-        let mut gets: Vec<(std::ops::Range<u64>, u64)> = Vec::new();
+        let footer = self.footer_range(i)?;
+        // Every GET of the copy: (the bytes of the file, where they go in the copy, how many of
+        // them go there: a GET that also reads the footer goes on past its piece).
+        let mut gets: Vec<(std::ops::Range<u64>, u64, u64)> = Vec::new();
         for (range, at) in pf.pieces() {
             let mut start = range.start;
             while start < range.end {
                 let end = range.end.min(start + PROJECTED_GET);
-                gets.push((start..end, at + (start - range.start)));
+                gets.push((start..end, at + (start - range.start), end - start));
                 start = end;
             }
         }
-        let ranges: Vec<std::ops::Range<u64>> = gets.iter().map(|(r, _)| r.clone()).collect();
+        // The footer is checked from the GETs that fill the copy, before the copy is published
+        // (see `check_footer`), unless it was checked already: read with the last piece when at
+        // most a merge gap separates them (the columns after it), else by a GET of its own among
+        // the others. A separate GET per file, after the copy, was a fifth of a cold `label`
+        // epoch's requests on the bench's set.
+        let check = !self.footer_verified(i);
+        if check {
+            match gets.last_mut() {
+                Some((r, _, _))
+                    if r.end <= footer.start && footer.start - r.end <= crate::format::parquet::decode::MERGE_GAP =>
+                {
+                    r.end = footer.end;
+                }
+                _ => gets.push((footer.clone(), 0, 0)),
+            }
+        }
+        let ranges: Vec<std::ops::Range<u64>> = gets.iter().map(|(r, _, _)| r.clone()).collect();
         cache.get(key, pf.len(), want, &mut |tmp, file| {
-            store.block_on(store.get_ranges(&obj, &ranges, |i, bytes| {
-                let at = gets.get(i).map(|(_, at)| *at).ok_or_else(|| Error::Internal(format!("no GET {i}")))?;
-                file.write_all_at(&bytes, at).map_err(|e| Error::io("cannot write", tmp, e))
-            }))
+            let mut checked = !check;
+            store.block_on(store.get_ranges(&obj, &ranges, |g, bytes| {
+                let (r, at, keep) = gets.get(g).ok_or_else(|| Error::Internal(format!("no GET {g}")))?;
+                let short = || Error::Internal(format!("{}: GET {g} of the copy came back short", meta.url()));
+                let keep = usize::try_from(*keep).map_err(|_| short())?;
+                let piece = bytes.get(..keep).ok_or_else(short)?;
+                file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
+                if check && r.end == footer.end {
+                    let from = usize::try_from(footer.start - r.start).map_err(|_| short())?;
+                    self.check_footer(i, bytes.get(from..).ok_or_else(short)?)?;
+                    checked = true;
+                }
+                Ok(())
+            }))?;
+            if !checked {
+                return Err(Error::Internal(format!("{}: no GET of the copy read its footer", meta.url())));
+            }
+            self.verified[i].store(true, Ordering::Release);
+            Ok(())
         })
     }
 
-    /// Checks S3 Parquet file `i`'s footer once (one ranged GET of its tail) before its rows are
-    /// served from column-chunk copies: against the manifest's `crc32c-footer` when there is one,
-    /// and in any case against the footer the dataset was opened with (the chunk offsets the
-    /// decoder uses come from it).
+    /// Checks S3 Parquet file `i`'s footer once before its rows are served from column-chunk
+    /// copies (`check_footer`): a no-op when the fetch of its copy checked it, else one
+    /// ranged GET of exactly the footer.
     pub fn verify_remote_footer(&self, i: usize) -> Result<()> {
         if self.footer_verified(i) {
             return Ok(());
@@ -764,27 +799,41 @@ impl Dataset {
             return Ok(());
         }
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let (opened, footer_bytes) = self
+        let obj = s3_object(meta)?;
+        let tail = self.footer_range(i)?.start;
+        let s3 = self.backends.s3()?;
+        let (bytes, _) = s3.block_on(s3.get_range(&obj, tail..meta.len))?;
+        self.check_footer(i, &bytes)?;
+        self.verified[i].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// The bytes of S3 Parquet file `i` that [`Self::check_footer`] checks: its footer, its length
+    /// and magic, as the dataset knows them.
+    fn footer_range(&self, i: usize) -> Result<std::ops::Range<u64>> {
+        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
+        let footer_bytes = self
             .parquet
             .as_ref()
             .and_then(|p| p.files().iter().find(|f| f.index == i))
-            .map(|f| (f.table.footer_crc32c(), f.table.footer_bytes()))
+            .map(|f| f.table.footer_bytes())
             .ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
-        // Exactly the footer, its length and magic as the dataset knows them: their CRC is the
-        // footer checksum, and a footer of another length changes the length field it covers.
-        let ShardSource::S3 { bucket, key, etag } = &meta.source else {
-            return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
-        };
-        let obj = crate::storage::s3::ObjectRef {
-            bucket: bucket.clone(),
-            key: key.clone(),
-            len: meta.len,
-            etag: etag.clone(),
-        };
-        let tail = meta.len.saturating_sub(footer_bytes + crate::format::parquet::footer::FOOTER_TAIL_BYTES);
-        let s3 = self.backends.s3()?;
-        let (bytes, _) = s3.block_on(s3.get_range(&obj, tail..meta.len))?;
-        let got = crc32c::crc32c(&bytes);
+        Ok(meta.len.saturating_sub(footer_bytes + crate::format::parquet::footer::FOOTER_TAIL_BYTES)..meta.len)
+    }
+
+    /// Checks `bytes` (file `i`'s [`Self::footer_range`], as just read from the object): their
+    /// CRC is the footer checksum, against the manifest's when there is one, and in any case
+    /// against the footer the dataset was opened with (the chunk offsets the decoder uses come
+    /// from it). A footer of another length changes the length field it covers.
+    fn check_footer(&self, i: usize, bytes: &[u8]) -> Result<()> {
+        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
+        let opened = self
+            .parquet
+            .as_ref()
+            .and_then(|p| p.files().iter().find(|f| f.index == i))
+            .map(|f| f.table.footer_crc32c())
+            .ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
+        let got = crc32c::crc32c(bytes);
         if let Some(expected) = meta.footer_crc32c {
             if got != expected {
                 return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
@@ -802,7 +851,6 @@ impl Dataset {
                 ),
             });
         }
-        self.verified[i].store(true, Ordering::Release);
         Ok(())
     }
 

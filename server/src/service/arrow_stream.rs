@@ -75,12 +75,16 @@ pub(super) fn build_arrow_batch(
         let reader = pr.reader();
         let shards: Vec<usize> = touched.iter().filter_map(|&id| ds.locate(id).map(|(s, _)| s)).collect();
         let cold: Vec<usize> = shards.iter().copied().filter(|&s| !ds.footer_verified(s) || !pr.is_ready(s)).collect();
+        // The copy first: a copy fetched now checks its footer from its own GETs (see
+        // `Dataset::fetch_projected`), and the check after it is then a no-op.
         let check_and_open = |&shard: &usize| {
-            ds.verify_remote_footer(shard)?;
-            reader.open_copy(shard)
+            reader.open_copy(shard)?;
+            ds.verify_remote_footer(shard)
         };
         if cold.len() > 1 {
             crate::parallel::try_map(&cold, cold.len().min(PROJECTED_FILES_AT_ONCE), check_and_open)?;
+        } else {
+            cold.iter().try_for_each(check_and_open)?;
         }
         for shard in &shards {
             ds.verify_remote_footer(*shard)?;

@@ -5,7 +5,9 @@
 //! identity and the projection, so streams with the same columns share it), fetched by the
 //! prefetcher in plan order ([`ProjectedFetch`]) like whole shards, and read by the row-group
 //! decoder through [`ProjectedReader`]. Each file's footer is checked once against the manifest
-//! (or against the footer the dataset was opened with) before any of its rows is served.
+//! (or against the footer the dataset was opened with) before any of its rows is served: from the
+//! GETs that fetch its copy when they fetch it (`Dataset::fetch_projected`), else by a GET of
+//! exactly the footer.
 //!
 //! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes and every file is
 //! an S3 object whose manifest (if any) checksums its footer: a whole-file CRC (as `pack` writes)
