@@ -606,6 +606,15 @@ def write_big_files(root: Path, files: int = 3, rows: int = 400) -> dict[int, by
     return payloads
 
 
+def index_s3(s3, url: str) -> subprocess.CompletedProcess[str]:
+    """`shardstream index URL` against the test's S3 server; fails the test if it fails."""
+    p = subprocess.run(
+        [SHARDSTREAM, "index", url], env={**os.environ, **s3.env()}, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr
+    return p
+
+
 def index_lines(stdout: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """((footer reads, footer bytes), (S3 requests, S3 bytes)) from `shardstream index` output."""
     reads = next(line for line in stdout.splitlines() if line.startswith("read footers only:"))
@@ -618,21 +627,13 @@ def index_lines(stdout: str) -> tuple[tuple[int, int], tuple[int, int]]:
 def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(
     tmp_path: Path, s3, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    import os
 
     bucket = s3.bucket("data") / "pqidx"
     bucket.mkdir(parents=True)
     payloads = write_big_files(bucket)
     sizes = {p.name: p.stat().st_size for p in bucket.glob("*.parquet")}
     assert min(sizes.values()) > 2_000_000
-    p = subprocess.run(
-        [SHARDSTREAM, "index", "s3://data/pqidx/"],
-        env={**os.environ, **s3.env()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr
+    p = index_s3(s3, "s3://data/pqidx/")
     (reads, footer_bytes), (requests, downloaded) = index_lines(p.stdout)
     # One ranged GET of the last 64 KiB per file, nothing else downloaded: a list, 3 GETs, the
     # footers bundle's PUT and the manifest's.
@@ -888,7 +889,6 @@ def test_an_indexed_s3_projection_checks_each_footer_with_the_chunks_it_fetches(
     fetch its column chunks (the last chunks' GET reads on to the file's end) instead of one
     more GET per file; a footer that no longer matches the manifest fails the fetch, and no copy
     of that file is kept."""
-    import os
 
     bucket = s3.bucket("data") / "pqfoot"
     bucket.mkdir(parents=True)
@@ -899,14 +899,7 @@ def test_an_indexed_s3_projection_checks_each_footer_with_the_chunks_it_fetches(
         # The payload first: the selected columns of the last row group end next to the footer.
         t = pa.table({"payload": pa.array(blobs, pa.binary()), "id": ids, "label": (ids % 10).astype(np.int32)})
         pq.write_table(t, bucket / f"f-{k}.parquet", row_group_size=100, compression="none")
-    p = subprocess.run(
-        [SHARDSTREAM, "index", "s3://data/pqfoot/"],
-        env={**os.environ, **s3.env()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr
+    index_s3(s3, "s3://data/pqfoot/")
     d = Daemon(tmp_path / "d1", env=s3.env()).start()
     try:
         got: list[int] = []

@@ -811,14 +811,16 @@ impl Dataset {
     /// The bytes of S3 Parquet file `i` that [`Self::check_footer`] checks: its footer, its length
     /// and magic, as the dataset knows them.
     fn footer_range(&self, i: usize) -> Result<std::ops::Range<u64>> {
+        let (meta, table) = self.parquet_file(i)?;
+        Ok(meta.len.saturating_sub(table.footer_bytes() + crate::format::parquet::footer::FOOTER_TAIL_BYTES)..meta.len)
+    }
+
+    /// Shard `i` and the footer table the dataset was opened with.
+    fn parquet_file(&self, i: usize) -> Result<(&ShardMeta, &crate::format::parquet::ParquetTable)> {
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let footer_bytes = self
-            .parquet
-            .as_ref()
-            .and_then(|p| p.files().iter().find(|f| f.index == i))
-            .map(|f| f.table.footer_bytes())
-            .ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
-        Ok(meta.len.saturating_sub(footer_bytes + crate::format::parquet::footer::FOOTER_TAIL_BYTES)..meta.len)
+        let file = self.parquet.as_ref().and_then(|p| p.files().iter().find(|f| f.index == i));
+        let file = file.ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
+        Ok((meta, &file.table))
     }
 
     /// Checks `bytes` (file `i`'s [`Self::footer_range`], as just read from the object): their
@@ -826,13 +828,8 @@ impl Dataset {
     /// against the footer the dataset was opened with (the chunk offsets the decoder uses come
     /// from it). A footer of another length changes the length field it covers.
     fn check_footer(&self, i: usize, bytes: &[u8]) -> Result<()> {
-        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let opened = self
-            .parquet
-            .as_ref()
-            .and_then(|p| p.files().iter().find(|f| f.index == i))
-            .map(|f| f.table.footer_crc32c())
-            .ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
+        let (meta, table) = self.parquet_file(i)?;
+        let opened = table.footer_crc32c();
         let got = crc32c::crc32c(bytes);
         if let Some(expected) = meta.footer_crc32c {
             if got != expected {
