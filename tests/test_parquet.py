@@ -615,6 +615,14 @@ def index_s3(s3, url: str) -> subprocess.CompletedProcess[str]:
     return p
 
 
+def change_footer(victim: Path) -> None:
+    """Changes one byte of `victim`'s footer (its writer's name), keeping its size."""
+    raw = bytearray(victim.read_bytes())
+    at = raw.rindex(b"parquet-cpp")
+    raw[at : at + 1] = b"P"
+    victim.write_bytes(bytes(raw))
+
+
 def index_lines(stdout: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """((footer reads, footer bytes), (S3 requests, S3 bytes)) from `shardstream index` output."""
     reads = next(line for line in stdout.splitlines() if line.startswith("read footers only:"))
@@ -702,11 +710,7 @@ def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_r
     # The writer's name in big-001's footer changes (same length): the object no longer has the
     # ETag the manifest recorded (its GETs carry If-Match; a store that ignores it, as this one
     # does, gives bytes whose MD5 is not that ETag): refused, named, before any row of it.
-    victim = bucket / "big-001.parquet"
-    raw = bytearray(victim.read_bytes())
-    at = raw.rindex(b"parquet-cpp")
-    raw[at : at + 1] = b"P"
-    victim.write_bytes(bytes(raw))
+    change_footer(bucket / "big-001.parquet")
     got, err = serve()
     assert err is not None and err.shard == "s3://data/pqidx/big-001.parquet", err
     assert "ETag" in str(err), err
@@ -750,10 +754,7 @@ def test_a_local_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused
     # dataset it has open, as for TAR shards.)
     root = Path(shutil.copytree(root, tmp_path / "copy"))
     victim = root / "big-002.parquet"
-    raw = bytearray(victim.read_bytes())
-    at = raw.rindex(b"parquet-cpp")
-    raw[at : at + 1] = b"P"
-    victim.write_bytes(bytes(raw))
+    change_footer(victim)
     got, err = epoch(root)
     assert err is not None and err.shard == str(victim), err
     assert "footer" in str(err), err
@@ -835,10 +836,7 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
     # big-001's footer changes (same size; this store lists no ETags, so its identity is its
     # size): the restarted daemon's check refuses it before any of its rows.
     victim = bucket / "big-001.parquet"
-    raw = bytearray(victim.read_bytes())
-    at = raw.rindex(b"parquet-cpp")
-    raw[at : at + 1] = b"P"
-    victim.write_bytes(bytes(raw))
+    change_footer(victim)
     d = Daemon(tmp_path, env=s3.env()).start()
     try:
         got = []
@@ -915,14 +913,7 @@ def test_an_indexed_s3_projection_checks_each_footer_with_the_chunks_it_fetches(
     finally:
         assert d.stop() == 0
     # f-1's footer changes (same size): a new daemon's fetch of its chunks refuses it.
-    victim = bucket / "f-1.parquet"
-    raw = bytearray(victim.read_bytes())
-    at = raw.rindex(b"parquet-cpp")
-    raw[at : at + 1] = b"P"
-    victim.write_bytes(bytes(raw))
-    b64 = base64.urlsafe_b64encode(b"pqfoot/f-1.parquet").rstrip(b"=").decode()
-    for meta in s3.root.glob(f".bucket-*.object-{b64}.*"):
-        meta.unlink()
+    change_footer(bucket / "f-1.parquet")
     d = Daemon(tmp_path / "d2", env=s3.env()).start()
     try:
         got = []
@@ -1480,10 +1471,7 @@ def test_opening_a_local_dataset_through_the_node_cache_reads_footers_not_whole_
         it, _ = copy_epoch(d, root)
         victim = root / "big-011.parquet"
         assert not [p for p in shards.iterdir() if p.name.endswith("big-011.parquet")]
-        raw = bytearray(victim.read_bytes())
-        at = raw.rindex(b"parquet-cpp")
-        raw[at : at + 1] = b"P"
-        victim.write_bytes(bytes(raw))
+        change_footer(victim)
         served: list[int] = []
         with pytest.raises(shardstream.ShardError) as e:
             for b in it:
