@@ -294,6 +294,16 @@ impl S3Store {
         self.rt.spawn(f)
     }
 
+    /// Fails when the daemon is stopping ([`Self::close`]): no new request goes out then. A fetch
+    /// thread the daemon does not join may start one as its runtime goes, and the runtime's
+    /// drivers may be gone under it.
+    fn open_for_requests(&self, url: &str, what: &str) -> Result<()> {
+        if self.closing.is_cancelled() {
+            return Err(Error::Unavailable(format!("{url}: no {what} sent: the daemon is stopping")));
+        }
+        Ok(())
+    }
+
     /// Waits `delay` before retrying a request that failed with `msg`, unless the daemon is
     /// stopping ([`Self::close`]): then the request fails now. The closing branch is polled first,
     /// so once the daemon stops the timer is never polled again (its driver may be gone).
@@ -318,6 +328,7 @@ impl S3Store {
     {
         let mut backoff = self.options.retry.start();
         loop {
+            self.open_for_requests(url, what)?;
             crate::metrics::storage_request("s3", what);
             match op().await {
                 Ok(v) => return Ok(v),
@@ -626,6 +637,7 @@ impl S3Store {
         let mut crc = 0u32;
         let mut buf = Received::default();
         loop {
+            self.open_for_requests(&url, "get")?;
             crate::metrics::storage_request("s3", "get");
             let failure = match self
                 .client
@@ -836,6 +848,26 @@ mod tests {
 
     fn obj(key: &str) -> ObjectInfo {
         ObjectInfo { key: key.into(), size: 1, etag: None }
+    }
+
+    #[test]
+    fn a_closed_store_makes_no_request() {
+        // Nothing listens on port 9 (discard): a request would be refused and retried.
+        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+        let options = S3Options { endpoint: Some("http://127.0.0.1:9".into()), ..S3Options::default() };
+        let store = rt.block_on(S3Store::connect(options)).unwrap();
+        store.close();
+        let obj = ObjectRef { bucket: "b".into(), key: "k".into(), len: 10, etag: None };
+        let requests = || crate::metrics::STORAGE_REQUESTS.load(std::sync::atomic::Ordering::Relaxed);
+        let before = requests();
+        let started = std::time::Instant::now();
+        let err = store.block_on(store.get_range(&obj, 0..10)).unwrap_err();
+        assert!(err.to_string().contains("the daemon is stopping"), "{err}");
+        let err = store.block_on(store.get_ranges(&obj, &[0..5, 5..10], |_, _| Ok(()))).unwrap_err();
+        assert!(err.to_string().contains("the daemon is stopping"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+        // No lib test but this one talks to S3, so the process-wide count is this test's.
+        assert_eq!(requests(), before, "a closed store sent requests");
     }
 
     #[test]
