@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch.utils.data
+from chaos.proxy import FaultProxy
 from test_bounds import free_port, scrape
 
 import shardstream
@@ -615,6 +616,15 @@ def index_s3(s3, url: str) -> subprocess.CompletedProcess[str]:
     return p
 
 
+def ids_until_shard_error(loader: shardstream.Loader) -> tuple[list[int], shardstream.ShardError]:
+    """The `id`s a loader delivers before it raises the ShardError it must raise, and the error."""
+    got: list[int] = []
+    with pytest.raises(shardstream.ShardError) as err:
+        for batch in loader:
+            got.extend(np.asarray(batch["id"]).tolist())
+    return got, err.value
+
+
 def change_footer(victim: Path) -> None:
     """Changes one byte of `victim`'s footer (its writer's name), keeping its size."""
     raw = bytearray(victim.read_bytes())
@@ -839,12 +849,10 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
     change_footer(victim)
     d = Daemon(tmp_path, env=s3.env()).start()
     try:
-        got = []
-        loader = shardstream.Loader("s3://data/pqcols/", batch_size=50, shuffle=False, fields=["id"], connect=d.addr)
-        with pytest.raises(shardstream.ShardError) as err:
-            for batch in loader:
-                got.extend(np.asarray(batch["id"]).tolist())
-        assert err.value.shard == "s3://data/pqcols/big-001.parquet" and "footer" in str(err.value), err.value
+        got, error = ids_until_shard_error(
+            shardstream.Loader("s3://data/pqcols/", batch_size=50, shuffle=False, fields=["id"], connect=d.addr)
+        )
+        assert error.shard == "s3://data/pqcols/big-001.parquet" and "footer" in str(error), error
         assert got == list(range(len(got))) and len(got) <= 400, "no row of the changed file"
     finally:
         d.stop()
@@ -856,9 +864,6 @@ def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Pat
     first batch of a projection over 6 files (2 row groups each) has more GETs in flight at once
     than one file at a time and one prefetch could make (2 + 2, with at most 2 GETs per file);
     the build before had at most 2."""
-    sys.path.insert(0, str(Path(__file__).parent / "chaos"))
-    from proxy import FaultProxy
-
     bucket = s3.bucket("data") / "pqwave"
     bucket.mkdir(parents=True)
     payloads = write_big_files(bucket, files=6, rows=200)
@@ -868,8 +873,7 @@ def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Pat
     try:
         # The open reads the footers (at once); only the batch's requests count here.
         shardstream._native.Connection(d.addr).open("s3://data/pqwave/")
-        with proxy.lock:
-            proxy.peak_gets = proxy.gets_in
+        proxy.reset_peak()
         loader = shardstream.Loader("s3://data/pqwave/", batch_size=50, seed=1, fields=["id", "label"], connect=d.addr)
         batch = next(iter(loader))
         ids = np.asarray(batch["id"]).tolist()
@@ -916,12 +920,10 @@ def test_an_indexed_s3_projection_checks_each_footer_with_the_chunks_it_fetches(
     change_footer(bucket / "f-1.parquet")
     d = Daemon(tmp_path / "d2", env=s3.env()).start()
     try:
-        got = []
-        loader = shardstream.Loader("s3://data/pqfoot/", batch_size=50, shuffle=False, fields=["id"], connect=d.addr)
-        with pytest.raises(shardstream.ShardError) as err:
-            for batch in loader:
-                got.extend(np.asarray(batch["id"]).tolist())
-        assert err.value.shard == "s3://data/pqfoot/f-1.parquet" and "footer" in str(err.value), err.value
+        got, error = ids_until_shard_error(
+            shardstream.Loader("s3://data/pqfoot/", batch_size=50, shuffle=False, fields=["id"], connect=d.addr)
+        )
+        assert error.shard == "s3://data/pqfoot/f-1.parquet" and "footer" in str(error), error
         assert all(i < 400 for i in got), "no row of the changed file"
         copies = [c.name for c in (d.cache_dir / "shards").iterdir() if c.name.endswith(".parquet.cols")]
         assert not any("f-1" in c for c in copies), copies

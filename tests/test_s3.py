@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
+from chaos.proxy import FaultProxy
 from s3server import S3Server, free_port
 
 import shardstream
@@ -229,13 +230,8 @@ def test_a_daemon_stopped_mid_request_exits_without_a_panic(
     failed ("runtime dropped the dispatch task"), was retried, and the retry's sleep panicked on
     the stopped timer ("A Tokio 1.x context was found, but it is being shutdown"). Requests now
     stop retrying when the daemon stops."""
-    import sys
-
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    sys.path.insert(0, str(Path(__file__).parent / "chaos"))
-    from proxy import FaultProxy
 
     bucket = s3.bucket("data") / "stopopen"
     bucket.mkdir(parents=True)

@@ -77,6 +77,11 @@ class FaultProxy:
             self.gets_in += 1
             self.peak_gets = max(self.peak_gets, self.gets_in)
 
+    def reset_peak(self) -> None:
+        """Counts the peak from now on (from the GETs in flight now)."""
+        with self.lock:
+            self.peak_gets = self.gets_in
+
     def leave_get(self) -> None:
         with self.lock:
             self.gets_in -= 1

@@ -765,7 +765,8 @@ impl Dataset {
         cache.get(key, pf.len(), want, &mut |tmp, file| {
             let mut checked = !check;
             store.block_on(store.get_ranges(&obj, &ranges, |g, bytes| {
-                let (r, at, keep) = gets.get(g).ok_or_else(|| Error::Internal(format!("no GET {g}")))?;
+                let (r, at, keep) =
+                    gets.get(g).ok_or_else(|| Error::Internal(format!("{}: no GET {g} of the copy", meta.url())))?;
                 let short = || Error::Internal(format!("{}: GET {g} of the copy came back short", meta.url()));
                 let keep = usize::try_from(*keep).map_err(|_| short())?;
                 let piece = bytes.get(..keep).ok_or_else(short)?;
