@@ -21,7 +21,19 @@ from pathlib import Path
 
 MIB = 1 << 20
 # (buffer, write): the write size alone, and the buffer's size alone.
-PAIRS = [(4 * MIB, 4 * MIB), (4 * MIB, MIB), (MIB, MIB), (16 * MIB, 16 * MIB), (16 * MIB, MIB)]
+PAIRS = [
+    (4 * MIB, 4 * MIB),
+    (4 * MIB, MIB),
+    (4 * MIB, MIB // 4),
+    (4 * MIB, MIB // 16),
+    (MIB, MIB),
+    (16 * MIB, 16 * MIB),
+    (16 * MIB, MIB),
+]
+
+
+def size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB else f"{n >> 10} KiB"
 
 
 def write_files(where: Path, total: int, files: int, buffer: int, write: int) -> float:
@@ -62,7 +74,7 @@ def main() -> None:
     print("| buffer | one write | system CPU-s, median (min-max) |")
     print("|---|---|---|")
     for (buffer, write), s in spent.items():
-        print(f"| {buffer // MIB} MiB | {write // MIB} MiB | {statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) |")
+        print(f"| {size(buffer)} | {size(write)} | {statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) |")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
 //! reports free memory to its host (virtio-balloon free page reporting, which works on 2 MiB
 //! blocks), such a folio comes from a block the host took back, and every page of it faults on
 //! the host again as it is written; smaller folios come from blocks already split, which the host
-//! still backs. On this project's VM, 4-16 MiB writes cost 1.6-4 times (medians; up to 12 times
-//! in single rounds) the system time of the same bytes written 1 MiB at a time from the same
-//! buffer (`bench/write_sizes.py`, bench/PARQUET_PROFILE.md "Writes of a MiB"). On a machine
+//! still backs. On this project's VM, 4-16 MiB writes cost 1.6-6.6 times (medians; up to 12
+//! times in single rounds) the system time of the same bytes written 1 MiB at a time from the
+//! same buffer, and smaller pieces gained nothing more (`bench/write_sizes.py`, bench/PARQUET_PROFILE.md "Writes of a MiB"). On a machine
 //! without that cost a syscall per MiB is noise, so the node cache's large writes go through
 //! here.
 
