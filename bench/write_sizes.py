@@ -1,5 +1,6 @@
-"""What a write's size costs when it fills fresh page-cache pages. Not part of `make bench`; the
-figures behind "Writes of a MiB" in bench/PARQUET_PROFILE.md and `server/src/page_writes.rs`.
+"""What a write's size costs when it fills fresh page-cache pages, and what it leaves the file's
+readers. Not part of `make bench`; the figures behind "Folio sizes: a copy's cost against its
+readers'" in bench/PARQUET_PROFILE.md.
 
     python bench/write_sizes.py --rounds 3
 
@@ -8,11 +9,18 @@ on the disk of bench/data by default), from one buffer of ``buffer`` bytes, one 
 ``write`` bytes after another, then deletes them; each (buffer, write) pair once per round,
 interleaved. Reported: the system CPU seconds of the writes (the kernel's copy into the page
 cache), median and spread over the rounds. No fsync: writeback happens later, off this process.
+
+And what a reader then gets (`pmd`): the first file is mapped, advised ``MADV_HUGEPAGE`` (as the
+client maps a shard) and read a byte a page; the share of it the mapping maps with 2 MiB entries
+(`FilePmdMapped` over `Rss` in /proc/self/smaps), which only 2 MiB page-cache folios allow. A last
+row copies that file with ``copy_file_range`` (the kernel's copy, through a 64 KiB pipe) and
+reports the copy's share.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import resource
 import statistics
@@ -36,7 +44,28 @@ def size(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB else f"{n >> 10} KiB"
 
 
-def write_files(where: Path, total: int, files: int, buffer: int, write: int) -> float:
+def pmd_share(path: Path) -> float:
+    """The share of `path` a fresh `MADV_HUGEPAGE` mapping maps with 2 MiB entries once read."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        for off in range(0, size, 4096):
+            m[off]
+        fields: dict[str, int] = {}
+        inside = False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                inside = line.endswith(str(path))
+            elif inside and line.split(":")[0] in ("Rss", "FilePmdMapped"):
+                fields[line.split(":")[0]] = int(line.split()[1])
+        return fields.get("FilePmdMapped", 0) / max(fields.get("Rss", 1), 1)
+    finally:
+        m.close()
+
+
+def write_files(where: Path, total: int, files: int, buffer: int, write: int) -> tuple[float, float]:
     data = memoryview(os.urandom(buffer))
     per = total // files
     before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
@@ -50,10 +79,25 @@ def write_files(where: Path, total: int, files: int, buffer: int, write: int) ->
         finally:
             os.close(fd)
     spent = resource.getrusage(resource.RUSAGE_SELF).ru_stime - before
+    pmd = pmd_share(where / "0")
     for i in range(files):
         os.unlink(where / f"{i}")
     os.sync()
-    return spent
+    return spent, pmd
+
+
+def kernel_copy_pmd(where: Path) -> float:
+    """`pmd_share` of a copy made by `copy_file_range` of a file written 4 MiB a write."""
+    src, dst = where / "src", where / "dst"
+    src.write_bytes(os.urandom(20 * MIB))
+    with open(src, "rb") as a, open(dst, "wb") as b:
+        left = 20 * MIB
+        while left:
+            left -= os.copy_file_range(a.fileno(), b.fileno(), left)
+    share = pmd_share(dst)
+    src.unlink()
+    dst.unlink()
+    return share
 
 
 def main() -> None:
@@ -66,15 +110,24 @@ def main() -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     total = int(args.gib * (1 << 30))
     spent: dict[tuple[int, int], list[float]] = {p: [] for p in PAIRS}
+    pmd: dict[tuple[int, int], list[float]] = {p: [] for p in PAIRS}
+    copied: list[float] = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="write-sizes-") as d:
         for _ in range(args.rounds):
             for pair in PAIRS:
-                spent[pair].append(write_files(Path(d), total, args.files, *pair))
+                cpu, share = write_files(Path(d), total, args.files, *pair)
+                spent[pair].append(cpu)
+                pmd[pair].append(share)
+            copied.append(kernel_copy_pmd(Path(d)))
     print(f"{args.gib:g} GiB into {args.files} new files, {args.rounds} rounds; load {os.getloadavg()[0]:.2f}")
-    print("| buffer | one write | system CPU-s, median (min-max) |")
-    print("|---|---|---|")
+    print("| buffer | one write | system CPU-s, median (min-max) | pmd, median |")
+    print("|---|---|---|---|")
     for (buffer, write), s in spent.items():
-        print(f"| {size(buffer)} | {size(write)} | {statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) |")
+        cells = (
+            f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | {statistics.median(pmd[(buffer, write)]):.0%}"
+        )
+        print(f"| {size(buffer)} | {size(write)} | {cells} |")
+    print(f"| `copy_file_range` of a 20 MiB file | - | - | {statistics.median(copied):.0%} |")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,6 @@ pub mod metrics;
 pub mod nofile;
 pub mod notify;
 pub mod pack;
-pub mod page_writes;
 pub mod parallel;
 pub mod plan;
 pub mod prefetch;

@@ -9,7 +9,7 @@
 //! final and names the shard.
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -56,11 +56,7 @@ pub fn fill(
                 // A manifest's CRC-32C is checked below; without one the ETag's MD5 is.
                 store.block_on(store.download_checked(&obj, shared, tmp, observer.clone(), spec.crc32c.is_none()))?
             }
-            ShardSource::Local(path) => {
-                copy(path, file, tmp, spec.len)?;
-                // Only a whole-file checksum needs every byte read back.
-                if spec.crc32c.is_some() { crc_of_copy(file, tmp, spec.len)? } else { 0 }
-            }
+            ShardSource::Local(path) => copy(path, file, tmp, spec.len)?,
         };
         let written = file.metadata().map_err(|e| Error::io("cannot stat", tmp, e))?.len();
         if written != spec.len {
@@ -105,48 +101,31 @@ fn copy_footer_crc(file: &File, tmp: &Path, len: u64, url: &str) -> Result<u32> 
     Ok(footer::footer_crc32c(&footer))
 }
 
-/// Copies a local shard into the cache file: its first `len` bytes, by the kernel when it can
-/// (`copy_file_range`, else `sendfile`, through `std::io::copy`), else through a buffer.
+/// Copies a local shard into the cache file, returning the CRC-32C of what was copied.
 ///
-/// Why the kernel: a copying epoch is mostly this copy, and through a buffer it cost 4x the CPU
-/// (bench/PARQUET_PROFILE.md, "The copying epoch").
-fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<()> {
+/// Through a buffer, in writes of [`COPY_CHUNK`], not by the kernel (`copy_file_range`): the
+/// kernel's copy goes through a 64 KiB pipe and leaves the copy in small page-cache folios, which
+/// every later epoch's mappings then fault in 16 pages at a time. Large writes leave large folios.
+/// On this project's VM the kernel's copy made the copying epoch 2x faster and the epochs after
+/// it 17% slower (bench/PARQUET_PROFILE.md, "folio sizes").
+fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
     // Not a plain open: a FIFO in a shard's place would block the fill forever.
-    let from = crate::storage::local::open_regular(src)?;
-    fail_point!("cache-copy-read", |a| Err(crate::failpoints::io("cannot read shard", src, a)));
-    // A fetch again after a checksum mismatch truncated the file; its cursor must follow.
-    let mut to = file;
-    to.seek(SeekFrom::Start(0)).map_err(|e| Error::io("cannot seek", tmp, e))?;
-    // Never copy past the indexed length: a shard that grew is reported by its checksum.
-    let copied = std::io::copy(&mut from.take(len), &mut to).map_err(|e| copy_error(e, src, tmp))?;
-    crate::metrics::storage_bytes("local", copied);
-    Ok(())
-}
-
-/// Names the side of a failed copy. The kernel's copy does not say which side failed; the
-/// errors only a write can raise are the cache file's (a full cache disk must be seen as such, so
-/// the cache can evict), the rest are the shard's.
-fn copy_error(e: std::io::Error, src: &Path, tmp: &Path) -> Error {
-    match e.raw_os_error() {
-        Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG | libc::EROFS) => Error::io("cannot write", tmp, e),
-        _ => Error::io("cannot copy shard", src, e),
-    }
-}
-
-/// CRC-32C of the first `len` bytes of the cache file: read back from the page cache, as the
-/// kernel's copy never passed through this process.
-fn crc_of_copy(file: &File, tmp: &Path, len: u64) -> Result<u32> {
+    let mut from = crate::storage::local::open_regular(src)?;
     let mut buf = vec![0u8; COPY_CHUNK];
     let (mut pos, mut crc) = (0u64, 0u32);
-    while pos < len {
-        let want = (len - pos).min(COPY_CHUNK as u64) as usize;
-        let n = file.read_at(&mut buf[..want], pos).map_err(|e| Error::io("cannot read back", tmp, e))?;
-        if n == 0 {
+    loop {
+        fail_point!("cache-copy-read", |a| Err(crate::failpoints::io("cannot read shard", src, a)));
+        let n = from.read(&mut buf).map_err(|e| Error::io("cannot read shard", src, e))?;
+        if n == 0 || pos >= len {
             break;
         }
+        // Never copy past the indexed length: a shard that grew is reported by its checksum.
+        let n = n.min((len - pos) as usize);
         crc = crc32c::crc32c_append(crc, &buf[..n]);
+        file.write_all_at(&buf[..n], pos).map_err(|e| Error::io("cannot write", tmp, e))?;
         pos += n as u64;
     }
+    crate::metrics::storage_bytes("local", pos);
     Ok(crc)
 }
 

@@ -727,6 +727,7 @@ impl Dataset {
         key: &str,
         want: Want,
     ) -> Result<Option<Pin>> {
+        use std::os::unix::fs::FileExt;
         let cache =
             self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
@@ -769,7 +770,7 @@ impl Dataset {
                 let short = || Error::Internal(format!("{}: GET {g} of the copy came back short", meta.url()));
                 let keep = usize::try_from(*keep).map_err(|_| short())?;
                 let piece = bytes.get(..keep).ok_or_else(short)?;
-                crate::page_writes::write_all_at(file, piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
+                file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
                 if check && r.end == footer.end {
                     let from = usize::try_from(footer.start - r.start).map_err(|_| short())?;
                     self.check_footer(i, bytes.get(from..).ok_or_else(short)?)?;

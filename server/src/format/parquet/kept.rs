@@ -111,7 +111,10 @@ pub fn load_or_discard<K: KeptRowGroups + ?Sized>(
 }
 
 /// Writes below this size go through a buffer; larger ones (the binary columns' data buffers)
-/// straight to the file, a MiB a `write` (`crate::page_writes`), so nothing is copied twice.
+/// straight to the file, in one `write` each, so nothing is copied twice. One large write also
+/// leaves the file in 2 MiB page-cache folios, which the readers of every later epoch map with
+/// one entry each; a MiB a write would leave small ones (bench/PARQUET_PROFILE.md, "folio
+/// sizes").
 const WRITE_BUFFER: usize = 64 << 10;
 
 /// Upper bound of the bytes [`write`] makes of `batch`: its buffers' capacities, padding and
@@ -127,7 +130,7 @@ fn ipc(what: &str, e: impl std::fmt::Display) -> ParquetError {
 /// Writes `batch` (a decoded row group, binary columns as views) into `file` as an Arrow IPC
 /// file.
 pub fn write(batch: &RecordBatch, file: &File) -> Result<(), ParquetError> {
-    let out = std::io::BufWriter::with_capacity(WRITE_BUFFER, crate::page_writes::Pieces(file));
+    let out = std::io::BufWriter::with_capacity(WRITE_BUFFER, file);
     let mut w = FileWriter::try_new(out, &batch.schema()).map_err(|e| ipc("write", e))?;
     w.write(batch).map_err(|e| ipc("write", e))?;
     w.finish().map_err(|e| ipc("write", e))?;
