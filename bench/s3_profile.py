@@ -8,6 +8,9 @@ records MB/s of shards, the ratio to the plain client of the same round, CPU-sec
 server, of the daemon and of the trainer process (the consumer and the native client), S3
 requests and bytes, and the load average. `--perf-record DIR` samples the daemon of the first
 round's cold epochs with `perf record -g` (one `perf.data` per config) for `perf report`.
+`--warm` adds, after each cold epoch, the next epoch on the same daemon, from its node cache (the
+copies that cold epoch wrote), with its samples/s and CPU: what the way a download writes its
+copy costs the epochs after it.
 
 Run it against a release build (`maturin develop --release`, `cargo build --release --example
 s3_fetch`); it prints a markdown table and writes the raw rows as JSON next to `--out`.
@@ -56,7 +59,14 @@ def plain_curl(server: S3Server, prefix: str, names: list[str], concurrency: int
 
 
 def cold_epoch(
-    tmp: Path, env: dict[str, str], server_pid: int, url: str, samples: int, args: list[str], perf: Path | None
+    tmp: Path,
+    env: dict[str, str],
+    server_pid: int,
+    url: str,
+    samples: int,
+    args: list[str],
+    perf: Path | None,
+    warm: bool = False,
 ) -> dict[str, Any]:
     # `@NAME=VALUE` tokens set the daemon's environment (e.g. `@PYTHONPATH=DIR` with an older build).
     extra = dict(t[1:].split("=", 1) for t in args if t.startswith("@"))
@@ -78,6 +88,13 @@ def cold_epoch(
         r["daemon_cpu"] = (measure.cpu_seconds(proc.pid) or 0.0) - daemon0
         st = s3_bench.status(addr)
         r["requests"], r["storage_bytes"] = st["storage_requests"], st["storage_bytes"]
+        if warm:
+            daemon0, trainer0 = measure.cpu_seconds(proc.pid) or 0.0, time.process_time()
+            w = s3_bench.loader_epoch(addr, url, 1, samples)
+            w["trainer_cpu"] = time.process_time() - trainer0
+            w["daemon_cpu"] = (measure.cpu_seconds(proc.pid) or 0.0) - daemon0
+            w["downloaded"] = s3_bench.status(addr)["storage_bytes"] - st["storage_bytes"]
+            r["warm"] = w
     finally:
         if recorder is not None:
             recorder.send_signal(signal.SIGINT)
@@ -101,6 +118,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path(s3_bench.ROOT) / "bench/data")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "s3_profile.md")
     ap.add_argument("--perf-record", type=Path, help="directory for perf.data of the first round's cold epochs")
+    ap.add_argument("--warm", action="store_true", help="also the next epoch on each daemon, from its node cache")
     a = ap.parse_args()
     configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1])) for c in a.config] or [("default", [])]
 
@@ -131,11 +149,17 @@ def main() -> None:
                 d = scratch / f"{name}-{rnd}"
                 d.mkdir()
                 perf = a.perf_record / f"{name}.perf.data" if a.perf_record and rnd == 0 else None
-                r = cold_epoch(d, env, server.proc.pid, url, spec.samples, args, perf)
+                r = cold_epoch(d, env, server.proc.pid, url, spec.samples, args, perf, a.warm)
                 r["mb_per_s"] = shard_bytes / 1e6 / r["seconds"]
                 r["ratio"] = r["mb_per_s"] / plain["mb_per_s"]
                 rows.append({"round": rnd, "run": name, **r, "load": os.getloadavg()[0]})
                 print(f"round {rnd} {name}: {r['mb_per_s']:.0f} MB/s ({r['ratio']:.2f}x), {r['check']}", flush=True)
+                if "warm" in r:
+                    w = r["warm"]
+                    print(
+                        f"round {rnd} {name} warm: {w['samples'] / w['seconds']:,.0f} samples/s, {w['check']}",
+                        flush=True,
+                    )
                 shutil.rmtree(d, ignore_errors=True)
     finally:
         server.stop()
@@ -147,6 +171,7 @@ def report(a, configs, rows, shard_bytes: int, shards: int, load_before) -> None
     lines = [
         f"`python bench/s3_profile.py --samples {a.samples} --repeat {a.repeat} --concurrency {a.concurrency}"
         + "".join(f" --config {shlex.quote(c)}" for c in a.config)
+        + (" --warm" if a.warm else "")
         + f"`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {shards} shards, {shard_bytes / 1e9:.2f} GB;"
         f" load average before {' '.join(f'{x:.2f}' for x in load_before)},"
         f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
@@ -171,6 +196,21 @@ def report(a, configs, rows, shard_bytes: int, shards: int, load_before) -> None
             f" {med(rs, 'daemon_cpu')} |"
             f" {med(rs, 'trainer_cpu')} | {int(statistics.median(r['requests'] for r in rs))} | {checks} |"
         )
+    warm = {n: [r["warm"] for r in rows if r["run"] == n and "warm" in r] for n, _ in configs}
+    if any(warm.values()):
+        lines += [
+            "",
+            "The next epoch on each daemon, from its node cache:",
+            "",
+            "| run | samples/s (median, min-max) | daemon CPU-s | trainer CPU-s | MB downloaded | check |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, ws in warm.items():
+            checks = ",".join(sorted({w.get("check", "-") for w in ws}))
+            lines.append(
+                f"| {name} | {span([w['samples'] / w['seconds'] for w in ws])} | {med(ws, 'daemon_cpu')} |"
+                f" {med(ws, 'trainer_cpu')} | {max(w['downloaded'] for w in ws) / 1e6:.0f} | {checks} |"
+            )
     text = "\n".join(lines) + "\n"
     a.out.write_text(text)
     a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
