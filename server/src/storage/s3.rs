@@ -335,9 +335,10 @@ impl S3Store {
                 Err(Failure::Permanent(e)) => return Err(e),
                 Err(Failure::Transient(msg)) => match backoff.next_delay() {
                     Some(d) => {
+                        // Logged when it failed, not after the pause: a log line's time is the failure's.
+                        tracing::warn!(object = %url, attempt = backoff.attempts(), retry_in_ms = d.as_millis() as u64, error = %msg, "s3 request failed, retrying");
                         self.pause_before_retry(d, url, what, &msg).await?;
                         crate::metrics::storage_retry("s3");
-                        tracing::warn!(object = %url, attempt = backoff.attempts(), error = %msg, "s3 request failed, retrying");
                     }
                     None => {
                         return Err(Error::Unavailable(format!(
@@ -703,10 +704,10 @@ impl S3Store {
                 Failure::Permanent(e) => return Err(e),
                 Failure::Transient(msg) => match backoff.next_delay() {
                     Some(d) => {
+                        tracing::warn!(object = %url, offset = pos, attempt = backoff.attempts(), retry_in_ms = d.as_millis() as u64, error = %msg, "ranged get failed, resuming");
                         self.pause_before_retry(d, &url, "get", &msg).await?;
                         observer.retry();
                         crate::metrics::storage_retry("s3");
-                        tracing::warn!(object = %url, offset = pos, attempt = backoff.attempts(), error = %msg, "ranged get failed, resuming");
                     }
                     None => {
                         return Err(Error::Unavailable(format!(
