@@ -77,6 +77,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -472,6 +473,18 @@ def reader_of(peer: str) -> str:
     return base.removesuffix(COPY)
 
 
+def record_self() -> subprocess.Popen[bytes] | None:
+    """`perf record -g` of this process into `$PQ_BENCH_PERF` (parquet_profile.py `--client`),
+    from the first batch on: the reader's imports and a peer's prep stay out of the profile."""
+    out = os.environ.get("PQ_BENCH_PERF")
+    if not out:
+        return None
+    cmd = ["perf", "record", "-g", "-F", "999", "-o", out, "-p", str(os.getpid())]
+    recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.3)  # perf attaches before the batches it is meant to see
+    return recorder
+
+
 def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
     """One epoch of one reader in this process; returns its figures. The reader's modules are
     imported before the clock starts (a trainer has imported them long before its first epoch)."""
@@ -502,14 +515,19 @@ def run_one(peer: str, kind: str, d: Path, addr: str, rows: int) -> dict:
     ttfb = None
     ids: list[np.ndarray] = []
     nbytes = 0
+    recorder = None
     for raw_ids, payload in READERS[peer](kind, d, prep):
         if ttfb is None:
             ttfb = time.perf_counter() - prep.get("t0", t0)
+            recorder = record_self()
         got, b = touch(kind, raw_ids, payload)
         ids.append(got)
         nbytes += b
     seconds = time.perf_counter() - prep.get("t0", t0)
     cpu = time.process_time() - prep.get("cpu0", cpu0)
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=120)
     daemon_cpu1 = measure.cpu_seconds(daemon) if daemon_cpu0 is not None else None
     all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     counts = np.bincount(all_ids[(all_ids >= 0) & (all_ids < rows)], minlength=rows)
