@@ -54,11 +54,11 @@ def size(n: int) -> str:
 def pmd_share(path: Path) -> float:
     """The share of `path` a fresh `MADV_HUGEPAGE` mapping maps with 2 MiB entries once read."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        length = os.fstat(f.fileno()).st_size
+        m = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ)
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
-        for off in range(0, size, 4096):
+        for off in range(0, length, 4096):
             m[off]
         fields: dict[str, int] = {}
         inside = False
@@ -94,13 +94,16 @@ def write_files(where: Path, total: int, files: int, buffer: int, write: int) ->
 
 
 def kernel_copy_pmd(where: Path) -> float:
-    """`pmd_share` of a copy made by `copy_file_range` of a file written 4 MiB a write."""
+    """`pmd_share` of a copy of a 20 MiB file made by `copy_file_range`."""
     src, dst = where / "src", where / "dst"
     src.write_bytes(os.urandom(20 * MIB))
     with open(src, "rb") as a, open(dst, "wb") as b:
         left = 20 * MIB
         while left:
-            left -= os.copy_file_range(a.fileno(), b.fileno(), left)
+            n = os.copy_file_range(a.fileno(), b.fileno(), left)
+            if n == 0:
+                raise RuntimeError(f"copy_file_range of {src} stopped {left} bytes short")
+            left -= n
     share = pmd_share(dst)
     src.unlink()
     dst.unlink()

@@ -645,7 +645,6 @@ def index_lines(stdout: str) -> tuple[tuple[int, int], tuple[int, int]]:
 def test_an_s3_parquet_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused(
     tmp_path: Path, s3, capfd: pytest.CaptureFixture[str]
 ) -> None:
-
     bucket = s3.bucket("data") / "pqidx"
     bucket.mkdir(parents=True)
     payloads = write_big_files(bucket)

@@ -770,7 +770,10 @@ impl Dataset {
                 let short = || Error::Internal(format!("{}: GET {g} of the copy came back short", meta.url()));
                 let keep = usize::try_from(*keep).map_err(|_| short())?;
                 let piece = bytes.get(..keep).ok_or_else(short)?;
-                file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
+                // A GET of the footer alone puts nothing in the copy.
+                if !piece.is_empty() {
+                    file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
+                }
                 if check && r.end == footer.end {
                     let from = usize::try_from(footer.start - r.start).map_err(|_| short())?;
                     self.check_footer(i, bytes.get(from..).ok_or_else(short)?)?;

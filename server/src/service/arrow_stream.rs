@@ -68,9 +68,10 @@ pub(super) fn build_arrow_batch(
     let touched = asm.first_row_per_file(&places);
     let (rows, waited) = if let Some(pr) = projected {
         // Only the selected column chunks: no whole file is opened. Every file the batch draws
-        // on is verified first (its footer, once), as below. Files not yet verified or cached
-        // are verified and fetched all at once: one file after the other, a first batch over
-        // the 4-8 files of a shuffle window waited a round trip per footer and per chunk.
+        // on is verified first (its footer, once): the files not yet verified or cached are
+        // verified and fetched here, all at once (one file after the other, a first batch over
+        // the 4-8 files of a shuffle window waited a round trip per footer and per chunk); the
+        // others were verified before.
         let started = Instant::now();
         let reader = pr.reader();
         let shards: Vec<usize> = touched.iter().filter_map(|&id| ds.locate(id).map(|(s, _)| s)).collect();
@@ -85,9 +86,6 @@ pub(super) fn build_arrow_batch(
             crate::parallel::try_map(&cold, cold.len().min(PROJECTED_FILES_AT_ONCE), check_and_open)?;
         } else {
             cold.iter().try_for_each(check_and_open)?;
-        }
-        for shard in &shards {
-            ds.verify_remote_footer(*shard)?;
         }
         let rows = asm.rows_at(places, &ids, &reader)?;
         let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
