@@ -145,6 +145,58 @@ def parquet_seeds() -> None:
         buf = io.BytesIO()
         pq.write_table(table, buf, compression=codec, row_group_size=6, use_dictionary=["caption"])
         put("parquet_footer", f"pyarrow_{codec}.parquet", buf.getvalue())
+        put("parquet_row_group", f"pyarrow_{codec}.parquet", buf.getvalue())
+    parquet_page_seeds()
+
+
+def parquet_page_seeds() -> None:
+    """More of the page layer for the row-group decoder: data pages v2, dictionaries everywhere,
+    several pages to a chunk, a page index, the wide and view-able types (large_binary,
+    large_string, fixed_size_binary), a Hugging Face image struct and nested lists."""
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 16
+    image = pa.StructArray.from_arrays(
+        [
+            pa.array([bytes([i]) * (i % 5) if i % 4 else None for i in range(n)], pa.binary()),
+            pa.array([f"img/{i}.jpg" if i % 3 else None for i in range(n)], pa.string()),
+        ],
+        names=["bytes", "path"],
+        mask=pa.array([i % 7 == 0 for i in range(n)]),
+    )
+    wide = pa.table(
+        {
+            "ok": pa.array([i % 3 == 0 if i % 5 else None for i in range(n)], pa.bool_()),
+            "big": pa.array([b"v" * (i % 6) for i in range(n)], pa.large_binary()),
+            "text": pa.array([f"t{i % 3}" if i % 4 else None for i in range(n)], pa.large_string()),
+            "hash": pa.array([bytes([i]) * 4 for i in range(n)], pa.binary(4)),
+            "when": pa.array(range(n), pa.timestamp("ms")),
+            "price": pa.array([decimal.Decimal(i) / 4 for i in range(n)], pa.decimal128(9, 2)),
+            "image": image,
+        }
+    )
+    buf = io.BytesIO()
+    pq.write_table(wide, buf, compression="snappy", row_group_size=8, data_page_version="2.0", write_page_index=True)
+    put("parquet_row_group", "pages_v2_wide.parquet", buf.getvalue())
+    buf = io.BytesIO()
+    pq.write_table(wide, buf, compression="none", row_group_size=n, data_page_size=64, use_dictionary=True)
+    put("parquet_row_group", "small_pages_dictionary.parquet", buf.getvalue())
+    nested = pa.table(
+        {
+            "id": pa.array(range(n), pa.int32()),
+            "spans": pa.array(
+                [[{"a": j, "b": f"s{j}"} for j in range(i % 3)] if i % 5 else None for i in range(n)],
+                pa.list_(pa.struct([("a", pa.int16()), ("b", pa.string())])),
+            ),
+            "block": pa.array([[float(i)] * 4 for i in range(n)], pa.list_(pa.float32(), 4)),
+        }
+    )
+    buf = io.BytesIO()
+    pq.write_table(nested, buf, compression="zstd", row_group_size=5)
+    put("parquet_row_group", "nested_zstd.parquet", buf.getvalue())
 
 
 def parquet_footers_seeds() -> None:

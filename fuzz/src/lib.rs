@@ -14,7 +14,10 @@
 
 use std::io::Cursor;
 
-use shardstream::format::parquet::{ParquetTable, Projection, decode, footer, footers, pqidx};
+use arrow_array::Array;
+use arrow_array::cast::AsArray;
+use arrow_schema::DataType;
+use shardstream::format::parquet::{ParquetError, ParquetTable, Projection, decode, direct, footer, footers, pqidx};
 use shardstream::format::{sidecar, tar};
 use shardstream::index::manifest::Manifest;
 use shardstream::pack::journal;
@@ -35,6 +38,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("journal", journal),
     ("parquet_footer", parquet_footer),
     ("parquet_footers", parquet_footers),
+    ("parquet_row_group", parquet_row_group),
 ];
 
 /// `index_tar` over a whole shard; every sample it finds must then parse with `parse_sample` (the
@@ -250,4 +254,119 @@ pub fn parquet_footers(data: &[u8]) {
     }
     let again = footers::encode(entries.iter().map(|(n, s)| (*n, *s))).expect("accepted entries re-encode");
     assert_eq!(footers::decode(&again).expect("a re-encoded bundle decodes"), entries);
+}
+
+/// Row groups of a Parquet file decoded the daemon's way (`decode::read_row_group`, arrow-rs under
+/// `catch_unwind`): all columns as delivered, and the flat ones alone with bytes as views (what a
+/// flat projection decodes to), then gathered into a slot's bytes by `direct`. Pages are not
+/// checksummed, so damaged values may decode; what must hold is that a damaged page is an error,
+/// never a panic, an abort or an allocation out of proportion, and that what decodes has the
+/// footer's row count and the projection's schema, and reads the same both ways.
+pub fn parquet_row_group(data: &[u8]) {
+    let len = data.len() as u64;
+    let read = |off: u64, buf: &mut [u8]| {
+        let src = usize::try_from(off).ok().and_then(|o| data.get(o..o.checked_add(buf.len())?));
+        buf.copy_from_slice(src.expect("the footer reader reads inside the file"));
+        Ok(())
+    };
+    let Ok(foot) = footer::read_footer(len, read) else { return };
+    let Ok(table) = ParquetTable::decode(&foot, len) else { return };
+    let read_at = |off: u64, n: usize| {
+        let src = usize::try_from(off).ok().and_then(|o| data.get(o..o.checked_add(n)?));
+        src.map(<[u8]>::to_vec).ok_or_else(|| ParquetError::Truncated(format!("{n} bytes at {off}")))
+    };
+    let Ok(all) = Projection::new(table.schema(), None) else { return };
+    // A codec this build does not decode is refused here, before any page is read.
+    let Ok(all_fp) = all.for_file(&table) else { return };
+    let flat_names: Vec<String> =
+        (all.schema().fields().iter()).filter(|f| direct::is_flat(f.data_type())).map(|f| f.name().clone()).collect();
+    let flat = Projection::new(table.schema(), Some(&flat_names)).expect("the file's own columns");
+    let flat_fp = flat.for_file(&table).expect("the file's own columns, whose codecs it accepted");
+    let flat_cols: Vec<usize> =
+        flat_names.iter().map(|n| all.schema().index_of(n).expect("a column of the file")).collect();
+    let message = direct::schema_message(flat.schema()).expect("a flat schema has a message");
+    for rg in 0..table.num_row_groups().min(8) {
+        let rows = table.row_group_rows(rg);
+        let plain = match decode::read_row_group(&table, rg, &all_fp, read_at) {
+            Ok((batch, _)) => {
+                assert_eq!(batch.num_rows() as u64, rows, "row group {rg}: rows");
+                assert_eq!(&batch.schema(), all_fp.schema(), "row group {rg}: schema");
+                Some(batch)
+            }
+            Err(e) => {
+                assert!(!matches!(e, ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }), "{e}");
+                None
+            }
+        };
+        if flat_names.is_empty() {
+            continue;
+        }
+        let Ok((viewed, _)) = decode::read_row_group(&table, rg, &flat_fp, read_at) else { continue };
+        assert_eq!(viewed.num_rows() as u64, rows, "row group {rg}: rows as views");
+        assert_eq!(&viewed.schema(), flat_fp.schema(), "row group {rg}: schema as views");
+        let Some(plain) = plain else { continue };
+        let plain = plain.project(&flat_cols).expect("columns of the batch");
+        // Every row, backwards, and one twice: the gather of a shuffled batch.
+        let n = viewed.num_rows();
+        let picked: Vec<(usize, usize)> = (0..n).rev().map(|r| (0, r)).chain((n > 0).then_some((0, n / 2))).collect();
+        let sources = [&viewed];
+        let Some(d) = direct::Direct::plan(flat.schema(), &message, &sources, &picked, None).expect("rows that exist")
+        else {
+            panic!("row group {rg}: views of flat columns are not written directly");
+        };
+        let mut stream = vec![0u8; d.stream_len()];
+        d.write(&mut stream).expect("a slot of the stream's length");
+        // What a client reads from the slot (arrow-ipc validates the stream as it reads it).
+        let mut reader = arrow_ipc::reader::StreamReader::try_new(Cursor::new(&stream), None).expect("a stream");
+        let got = reader.next().expect("one batch").expect("a valid batch");
+        assert!(reader.next().is_none(), "one batch to a slot");
+        assert_eq!(&got.schema(), flat.schema(), "row group {rg}: the delivered schema");
+        assert_eq!(got.num_rows(), picked.len());
+        for (c, name) in flat_names.iter().enumerate() {
+            for (i, &(_, r)) in picked.iter().enumerate() {
+                assert!(
+                    same_value(got.column(c).as_ref(), i, plain.column(c).as_ref(), r),
+                    "row group {rg}, column {name}: delivered row {i} is not decoded row {r}"
+                );
+            }
+        }
+    }
+}
+
+/// Whether row `i` of `a` and row `j` of `b` hold the same value, `b` possibly holding bytes as
+/// views where `a` holds them as offsets (a flat projection's decoded row groups, see
+/// `format::parquet::schema`). Values under a null struct row are not compared (Arrow leaves them
+/// undefined).
+fn same_value(a: &dyn Array, i: usize, b: &dyn Array, j: usize) -> bool {
+    if a.is_null(i) != b.is_null(j) {
+        return false;
+    }
+    if a.is_null(i) {
+        return true;
+    }
+    if let (Some(x), Some(y)) = (bytes_at(a, i), bytes_at(b, j)) {
+        return x == y;
+    }
+    match (a.data_type(), b.data_type()) {
+        (DataType::Struct(_), DataType::Struct(_)) => {
+            let (a, b) = (a.as_struct(), b.as_struct());
+            a.num_columns() == b.num_columns()
+                && a.columns().iter().zip(b.columns()).all(|(x, y)| same_value(x.as_ref(), i, y.as_ref(), j))
+        }
+        (x, y) if x == y => a.slice(i, 1).to_data() == b.slice(j, 1).to_data(),
+        _ => false,
+    }
+}
+
+/// The bytes of row `i` of a binary or string column, in any of its three layouts.
+fn bytes_at(a: &dyn Array, i: usize) -> Option<&[u8]> {
+    Some(match a.data_type() {
+        DataType::Binary => a.as_binary::<i32>().value(i),
+        DataType::LargeBinary => a.as_binary::<i64>().value(i),
+        DataType::BinaryView => a.as_binary_view().value(i),
+        DataType::Utf8 => a.as_string::<i32>().value(i).as_bytes(),
+        DataType::LargeUtf8 => a.as_string::<i64>().value(i).as_bytes(),
+        DataType::Utf8View => a.as_string_view().value(i).as_bytes(),
+        _ => return None,
+    })
 }
