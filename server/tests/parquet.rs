@@ -238,6 +238,48 @@ fn a_corrupt_page_is_a_shard_error_naming_the_file_never_garbage() {
 }
 
 #[test]
+fn a_dictionary_page_claiming_more_values_than_it_holds_is_refused_before_decoding() {
+    // arrow-rs sizes a dictionary from its page header's count before reading a value: a 4 KB
+    // file whose count said ~10^9 took 3.6 GB (fuzz/seeds/parquet_row_group/finding_*). Here the
+    // count of row group 1's `label` dictionary (int32, ~10 values) is raised as far as its
+    // varint's length allows, so the file keeps its layout.
+    let dir = tempfile::tempdir().unwrap();
+    let good = testdata::mixed(60, 20, testdata::Codec::None);
+    let (ds, _, _) = open(dir.path(), &[("ok.parquet", good.clone())]).unwrap();
+    let table = ds.files()[0].table.clone();
+    let label = table.reader_metadata().metadata().row_group(1).column(1);
+    assert!(label.dictionary_page_offset().is_some(), "the test needs label's dictionary page");
+    let r = table.chunk_range(1, 1).unwrap();
+    let header = &good[r.start as usize..];
+    // Field 7 (the dictionary page header, a struct: delta 4 after the sizes) and its field 1
+    // (num_values, an i32) lie at the same place whatever the sizes, once found.
+    let at = header.windows(2).position(|w| w == [0x4c, 0x15]).expect("a dictionary page header") + 2;
+    let len = header[at..].iter().position(|b| b & 0x80 == 0).unwrap() + 1;
+    let mut bad = good.clone();
+    let start = r.start as usize + at;
+    for (i, b) in bad[start..start + len].iter_mut().enumerate() {
+        // The largest even zigzag (a positive count) of this many bytes.
+        *b = match (i, len) {
+            (0, 1) => 0x7e,
+            (0, _) => 0xfe,
+            (i, l) if i + 1 == l => 0x7f,
+            _ => 0xff,
+        };
+    }
+    let (ds, files, _) = open(dir.path(), &[("bad.parquet", bad)]).unwrap();
+    let proj = ds.projection(None).unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let asm = BatchAssembler::new(ds.clone(), proj, cache, "bad").unwrap();
+    assert_eq!(ids(&asm.batch(&[0, 19], &files).unwrap()), [0, 19]);
+    let e = asm.batch(&[25], &files).unwrap_err();
+    assert!(
+        matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("bad.parquet")
+            && reason.contains("row group 1") && reason.contains("label") && reason.contains("a dictionary of")),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
     // Written by pyarrow: x snappy, y brotli (this build decodes snappy, zstd, gzip and
     // uncompressed).
