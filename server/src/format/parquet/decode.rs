@@ -18,7 +18,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::file::reader::{ChunkReader, Length};
 
 use super::schema::FileProjection;
-use super::{ParquetError, ParquetTable, no_panic};
+use super::{ParquetError, ParquetTable, no_panic, pages};
 
 /// Chunks closer than this are read as one range: a small gap costs less than another request
 /// (S3 first-byte latency is ~10-30 ms; a local read of 64 KiB is a few microseconds).
@@ -159,6 +159,7 @@ pub fn decode_row_group(
         return Err(bad(format!("the file has {} row groups", table.num_row_groups())));
     }
     let batch_rows = usize::try_from(rows).map_err(|_| bad(format!("{rows} rows")))?.max(1);
+    check_pages(table, rg, proj, &chunks).map_err(bad)?;
     let decoded = no_panic(
         || {
             let reader =
@@ -184,6 +185,20 @@ pub fn decode_row_group(
         ParquetError::BadData { reason, .. } => bad(reason),
         e => e,
     })
+}
+
+/// Checks the page headers of every selected column chunk of row group `rg` (see [`pages`]),
+/// before arrow-rs sizes anything from them.
+fn check_pages(table: &ParquetTable, rg: usize, proj: &FileProjection, chunks: &ChunkSet) -> Result<(), String> {
+    let meta = table.reader_metadata().metadata().row_group(rg);
+    for c in (0..meta.num_columns()).filter(|&c| proj.mask.leaf_included(c)) {
+        let Some(r) = table.chunk_range(rg, c).filter(|r| !r.is_empty()) else { continue };
+        let column = meta.column(c);
+        let len = usize::try_from(r.end - r.start).map_err(|_| format!("column chunk {r:?} too large"))?;
+        let bytes = chunks.get_bytes(r.start, len).map_err(|e| e.to_string())?;
+        pages::check_chunk(&bytes, column).map_err(|e| format!("column {}: {e}", column.column_path()))?;
+    }
+    Ok(())
 }
 
 /// Reads and decodes row group `rg` of `proj` from a file read with `read_at`: the whole path

@@ -16,6 +16,8 @@
 //!   fields, and the agreement check of every other file (a `ValueError`-kind error naming the file
 //!   and column, raised when the dataset is opened, not mid-epoch).
 //! - [`decode`]: decodes one row group of the selected columns; only their column chunks are read.
+//! - [`pages`]: checks a column chunk's page headers against its bytes before arrow-rs sizes
+//!   buffers from them.
 //! - [`ipc`]: gathers rows of decoded row groups into one record batch and writes it as an Arrow
 //!   IPC stream (schema + one batch, uncompressed, 64-byte aligned) into a ring slot or a `Vec`.
 //! - [`direct`]: the same stream written straight from the decoded row groups' rows into the slot
@@ -39,6 +41,7 @@ pub mod footers;
 pub mod ipc;
 pub mod kept;
 pub mod mapped;
+pub mod pages;
 pub mod pqidx;
 pub mod projected;
 pub mod schema;

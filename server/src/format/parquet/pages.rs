@@ -1,0 +1,434 @@
+//! The page headers of a column chunk, checked before arrow-rs decodes the chunk.
+//!
+//! arrow-rs sizes some buffers from a page header before it has looked at the page's bytes, so a
+//! damaged or hostile header of a few bytes could make the daemon take gigabytes:
+//!
+//! - a dictionary page's value count sizes the dictionary (`DictDecoder::set_dict` resizes it to
+//!   that count, filled, before decoding a value): a 4 KB file with a count of ~10^9 took 3.6 GB
+//!   (found by the `parquet_row_group` fuzz target);
+//! - a snappy page's uncompressed size is zero-filled before decompressing into it (up to 2 GiB
+//!   a page, whatever the snappy data holds).
+//!
+//! [`check_chunk`] walks the chunk's pages (header, then its stored bytes) and refuses, before
+//! any decoding: a page that does not fit the chunk; an uncompressed size larger than the chunk's
+//! in the footer (the sum of its pages') or, for snappy, larger than its stored bytes can expand
+//! to; a dictionary with more values than its bytes can hold. What is left to arrow-rs: a zstd
+//! page expands into at most its stated size (checked against what it expands to after
+//! decompression, as arrow-rs does), which is bounded here by the footer's size of the chunk
+//! only, as zstd's ratio has no useful bound; a gzip page expands to what its stream holds,
+//! at most ~1,032 times its stored bytes (deflate's bound), whatever its header says.
+//!
+//! The headers are Thrift compact protocol (`PageHeader` of parquet.thrift); only the fields
+//! checked here are read, everything else is skipped by type. arrow-rs parses the same headers
+//! again when it decodes: a header is a few dozen bytes against pages of up to a MiB.
+
+use parquet::basic::{Compression, Type as PhysicalType};
+use parquet::file::metadata::ColumnChunkMetaData;
+
+/// Snappy output is at most ~21.4x its input (a 3-byte copy element yields at most 64 bytes);
+/// pages that claim more than this cannot be snappy data.
+const SNAPPY_MAX_RATIO: u64 = 22;
+/// Allowance for the snappy stream's preamble and a page's levels stored before it (v2 pages).
+const SNAPPY_SLACK: u64 = 64;
+/// Nesting of Thrift structs a page header may have (it has 3: header, page header, statistics).
+const MAX_DEPTH: u32 = 8;
+
+const DICTIONARY_PAGE: i32 = 2;
+
+/// What a page header says, of what is checked.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Header {
+    page_type: i32,
+    uncompressed: i32,
+    compressed: i32,
+    /// A dictionary page's `num_values`.
+    dictionary_values: Option<i32>,
+    /// A v2 data page's `is_compressed` (its data may be stored uncompressed whatever the codec).
+    v2_compressed: Option<bool>,
+}
+
+/// Checks every page header of a column chunk (`chunk`: its bytes, as the footer's range gives
+/// them) against its bytes and `meta`; the reason when one is refused.
+pub fn check_chunk(chunk: &[u8], meta: &ColumnChunkMetaData) -> Result<(), String> {
+    let total = u64::try_from(meta.uncompressed_size()).map_err(|_| "a negative uncompressed size".to_string())?;
+    let width = value_width(meta.column_type(), meta.column_descr().type_length());
+    let mut pos = 0usize;
+    while pos < chunk.len() {
+        let (h, header_len) =
+            read_header(&chunk[pos..]).map_err(|e| format!("page header at chunk byte {pos}: {e}"))?;
+        let at = |what: String| format!("page at chunk byte {pos}: {what}");
+        let (Ok(uncompressed), Ok(compressed)) = (u64::try_from(h.uncompressed), u64::try_from(h.compressed)) else {
+            return Err(at(format!("negative sizes ({} uncompressed, {} stored)", h.uncompressed, h.compressed)));
+        };
+        let end = (pos + header_len).checked_add(usize::try_from(compressed).unwrap_or(usize::MAX));
+        let Some(end) = end.filter(|&e| e <= chunk.len()) else {
+            return Err(at(format!("{compressed} stored bytes run past the chunk's {}", chunk.len())));
+        };
+        if uncompressed > total {
+            return Err(at(format!("{uncompressed} bytes uncompressed, more than the whole chunk's {total}")));
+        }
+        let snappy = meta.compression() == Compression::SNAPPY && h.v2_compressed != Some(false);
+        if snappy && uncompressed > compressed.saturating_mul(SNAPPY_MAX_RATIO) + SNAPPY_SLACK {
+            return Err(at(format!("{uncompressed} bytes uncompressed from {compressed} of snappy")));
+        }
+        if h.page_type == DICTIONARY_PAGE {
+            let values = h.dictionary_values.ok_or_else(|| at("a dictionary page without its header".into()))?;
+            let values = u64::try_from(values).map_err(|_| at(format!("a dictionary of {values} values")))?;
+            // Bits for booleans, bytes for the rest: the least each value takes.
+            let room = match width {
+                Width::Bits => uncompressed.saturating_mul(8),
+                Width::Bytes(w) => uncompressed / w,
+            };
+            if values > room {
+                return Err(at(format!("a dictionary of {values} values in {uncompressed} bytes")));
+            }
+        }
+        pos = end;
+    }
+    Ok(())
+}
+
+/// The least room one value of a column takes in a PLAIN page (dictionaries are PLAIN).
+enum Width {
+    Bits,
+    Bytes(u64),
+}
+
+fn value_width(ty: PhysicalType, type_length: i32) -> Width {
+    match ty {
+        PhysicalType::BOOLEAN => Width::Bits,
+        PhysicalType::INT32 | PhysicalType::FLOAT => Width::Bytes(4),
+        PhysicalType::INT64 | PhysicalType::DOUBLE => Width::Bytes(8),
+        PhysicalType::INT96 => Width::Bytes(12),
+        // Its 4-byte length.
+        PhysicalType::BYTE_ARRAY => Width::Bytes(4),
+        PhysicalType::FIXED_LEN_BYTE_ARRAY => Width::Bytes(u64::try_from(type_length).unwrap_or(0).max(1)),
+    }
+}
+
+/// Reads a `PageHeader` from the start of `buf`: the fields checked, and the header's length.
+fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
+    let mut r = Reader { buf, pos: 0 };
+    let mut h = Header::default();
+    let (mut seen_type, mut seen_sizes) = (false, 0);
+    r.fields(0, |r, id, ty| {
+        match (id, ty) {
+            (1, I32) => {
+                h.page_type = r.i32()?;
+                seen_type = true;
+            }
+            (2, I32) => {
+                h.uncompressed = r.i32()?;
+                seen_sizes += 1;
+            }
+            (3, I32) => {
+                h.compressed = r.i32()?;
+                seen_sizes += 1;
+            }
+            (7, STRUCT) => {
+                r.fields(1, |r, id, ty| match (id, ty) {
+                    (1, I32) => {
+                        h.dictionary_values = Some(r.i32()?);
+                        Ok(())
+                    }
+                    _ => r.skip(ty, 2),
+                })?;
+            }
+            (8, STRUCT) => {
+                r.fields(1, |r, id, ty| match (id, ty) {
+                    (7, BOOL_TRUE) => {
+                        h.v2_compressed = Some(true);
+                        Ok(())
+                    }
+                    (7, BOOL_FALSE) => {
+                        h.v2_compressed = Some(false);
+                        Ok(())
+                    }
+                    _ => r.skip(ty, 2),
+                })?;
+            }
+            _ => r.skip(ty, 1)?,
+        }
+        Ok(())
+    })?;
+    if !seen_type || seen_sizes != 2 {
+        return Err("a page header without its type or sizes".into());
+    }
+    Ok((h, r.pos))
+}
+
+// Compact protocol type ids.
+const BOOL_TRUE: u8 = 1;
+const BOOL_FALSE: u8 = 2;
+const BYTE: u8 = 3;
+const I16: u8 = 4;
+const I32: u8 = 5;
+const I64: u8 = 6;
+const DOUBLE: u8 = 7;
+const BINARY: u8 = 8;
+const LIST: u8 = 9;
+const SET: u8 = 10;
+const MAP: u8 = 11;
+const STRUCT: u8 = 12;
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl Reader<'_> {
+    fn byte(&mut self) -> Result<u8, String> {
+        let b = *self.buf.get(self.pos).ok_or("ends inside the header")?;
+        self.pos += 1;
+        Ok(b)
+    }
+
+    fn varint(&mut self) -> Result<u64, String> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.byte()?;
+            v |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err("a varint longer than 64 bits".into())
+    }
+
+    fn zigzag(&mut self) -> Result<i64, String> {
+        let v = self.varint()?;
+        Ok((v >> 1) as i64 ^ -((v & 1) as i64))
+    }
+
+    fn i32(&mut self) -> Result<i32, String> {
+        let v = self.zigzag()?;
+        i32::try_from(v).map_err(|_| format!("{v} does not fit an i32"))
+    }
+
+    fn advance(&mut self, n: u64) -> Result<(), String> {
+        let end = usize::try_from(n).ok().and_then(|n| self.pos.checked_add(n)).filter(|&e| e <= self.buf.len());
+        self.pos = end.ok_or("ends inside the header")?;
+        Ok(())
+    }
+
+    /// The fields of a struct, up to its stop byte: `f(reader, field id, type)` reads or skips each.
+    fn fields(
+        &mut self,
+        depth: u32,
+        mut f: impl FnMut(&mut Self, i16, u8) -> Result<(), String>,
+    ) -> Result<(), String> {
+        if depth > MAX_DEPTH {
+            return Err("structs nested too deep".into());
+        }
+        let mut last = 0i16;
+        loop {
+            let b = self.byte()?;
+            if b == 0 {
+                return Ok(());
+            }
+            let (delta, ty) = (b >> 4, b & 0x0f);
+            let id = if delta == 0 {
+                i16::try_from(self.zigzag()?).map_err(|_| "a field id out of range".to_string())?
+            } else {
+                last.checked_add(i16::from(delta)).ok_or("a field id out of range")?
+            };
+            last = id;
+            f(self, id, ty)?;
+        }
+    }
+
+    /// Skips a value of type `ty`.
+    fn skip(&mut self, ty: u8, depth: u32) -> Result<(), String> {
+        if depth > MAX_DEPTH {
+            return Err("values nested too deep".into());
+        }
+        match ty {
+            BOOL_TRUE | BOOL_FALSE => Ok(()),
+            BYTE => self.advance(1),
+            I16 | I32 | I64 => self.varint().map(drop),
+            DOUBLE => self.advance(8),
+            BINARY => {
+                let n = self.varint()?;
+                self.advance(n)
+            }
+            LIST | SET => {
+                let b = self.byte()?;
+                let (n, elem) = match b >> 4 {
+                    15 => (self.varint()?, b & 0x0f),
+                    n => (u64::from(n), b & 0x0f),
+                };
+                self.skip_n(n, elem, depth)
+            }
+            MAP => {
+                let n = self.varint()?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let kv = self.byte()?;
+                for _ in 0..n {
+                    self.skip_element(kv >> 4, depth)?;
+                    self.skip_element(kv & 0x0f, depth)?;
+                }
+                Ok(())
+            }
+            STRUCT => self.fields(depth + 1, |r, _, ty| r.skip(ty, depth + 1)),
+            other => Err(format!("unknown field type {other}")),
+        }
+    }
+
+    /// `n` elements of a list, set or map: every element takes at least a byte, so a count larger
+    /// than the bytes left fails at the end of the buffer, in at most that many steps.
+    fn skip_n(&mut self, n: u64, elem: u8, depth: u32) -> Result<(), String> {
+        for _ in 0..n {
+            self.skip_element(elem, depth)?;
+        }
+        Ok(())
+    }
+
+    /// An element of a collection: booleans take a byte there, unlike in a field.
+    fn skip_element(&mut self, ty: u8, depth: u32) -> Result<(), String> {
+        match ty {
+            BOOL_TRUE | BOOL_FALSE => self.advance(1),
+            _ => self.skip(ty, depth + 1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{footer, testdata};
+    use super::*;
+    use crate::format::parquet::{ParquetError, ParquetTable};
+
+    fn table(bytes: &[u8]) -> ParquetTable {
+        let f = footer::read_footer(bytes.len() as u64, |o, b| {
+            let o = o as usize;
+            b.copy_from_slice(bytes.get(o..o + b.len()).ok_or(ParquetError::Io("short".into()))?);
+            Ok(())
+        })
+        .unwrap();
+        ParquetTable::decode(&f, bytes.len() as u64).unwrap()
+    }
+
+    /// A compact-protocol field header and value of type i32.
+    fn i32_field(delta: u8, v: i32) -> Vec<u8> {
+        let mut out = vec![(delta << 4) | I32];
+        let mut z = ((v << 1) ^ (v >> 31)) as u32 as u64;
+        loop {
+            let b = (z & 0x7f) as u8;
+            z >>= 7;
+            out.push(if z == 0 { b } else { b | 0x80 });
+            if z == 0 {
+                return out;
+            }
+        }
+    }
+
+    /// A page header: type, sizes, and a dictionary page header of `dict_values` if given.
+    fn header(page_type: i32, uncompressed: i32, compressed: i32, dict_values: Option<i32>) -> Vec<u8> {
+        let mut h = [i32_field(1, page_type), i32_field(1, uncompressed), i32_field(1, compressed)].concat();
+        if let Some(n) = dict_values {
+            // Field 7 (delta 4 from field 3): a struct of num_values and encoding (PLAIN).
+            h.push((4 << 4) | STRUCT);
+            h.extend(i32_field(1, n));
+            h.extend(i32_field(1, 0));
+            h.push(0);
+        }
+        h.push(0);
+        h
+    }
+
+    /// The metadata of the first column chunk (`id`, int64) of a test file written with `codec`.
+    fn meta_of(codec: testdata::Codec) -> ColumnChunkMetaData {
+        largest(codec, false)
+    }
+
+    /// The first or, with `largest`, the largest column chunk of a test file written with `codec`.
+    fn largest(codec: testdata::Codec, largest: bool) -> ColumnChunkMetaData {
+        let bytes = testdata::mixed(40, 40, codec);
+        let t = table(&bytes);
+        let rg = t.reader_metadata().metadata().row_group(0);
+        let pick =
+            if largest { rg.columns().iter().max_by_key(|c| c.uncompressed_size()) } else { rg.columns().first() };
+        pick.unwrap().clone()
+    }
+
+    #[test]
+    fn every_page_of_files_written_by_arrow_passes() {
+        for codec in [testdata::Codec::None, testdata::Codec::Snappy, testdata::Codec::Zstd] {
+            for rg_rows in [1, 7, 300] {
+                let bytes = testdata::mixed(300, rg_rows, codec);
+                let t = table(&bytes);
+                let md = t.reader_metadata().metadata();
+                for rg in 0..t.num_row_groups() {
+                    for c in 0..md.row_group(rg).num_columns() {
+                        let r = t.chunk_range(rg, c).unwrap();
+                        let chunk = &bytes[r.start as usize..r.end as usize];
+                        check_chunk(chunk, md.row_group(rg).column(c))
+                            .unwrap_or_else(|e| panic!("{codec:?} rg {rg} column {c}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_dictionary_with_more_values_than_its_bytes_hold_is_refused() {
+        // Column 0 is int64: 8 bytes a value.
+        let meta = meta_of(testdata::Codec::None);
+        let ok = [header(DICTIONARY_PAGE, 80, 80, Some(10)), vec![0; 80]].concat();
+        check_chunk(&ok, &meta).unwrap();
+        let bad = [header(DICTIONARY_PAGE, 80, 80, Some(11)), vec![0; 80]].concat();
+        let e = check_chunk(&bad, &meta).unwrap_err();
+        assert!(e.contains("a dictionary of 11 values in 80 bytes"), "{e}");
+        let huge = [header(DICTIONARY_PAGE, 80, 80, Some(i32::MAX)), vec![0; 80]].concat();
+        assert!(check_chunk(&huge, &meta).is_err());
+        let negative = [header(DICTIONARY_PAGE, 80, 80, Some(-1)), vec![0; 80]].concat();
+        assert!(check_chunk(&negative, &meta).is_err());
+        let headless = [header(DICTIONARY_PAGE, 80, 80, None), vec![0; 80]].concat();
+        assert!(check_chunk(&headless, &meta).unwrap_err().contains("without its header"));
+    }
+
+    #[test]
+    fn sizes_that_do_not_fit_the_chunk_or_its_codec_are_refused() {
+        let plain = meta_of(testdata::Codec::None);
+        let total = plain.uncompressed_size() as i32;
+        let data = |u: i32, c: i32, stored: usize| [header(0, u, c, None), vec![0; stored]].concat();
+        check_chunk(&data(16, 16, 16), &plain).unwrap();
+        assert!(check_chunk(&data(16, 17, 16), &plain).unwrap_err().contains("run past the chunk"));
+        assert!(check_chunk(&data(-1, 16, 16), &plain).unwrap_err().contains("negative"));
+        assert!(check_chunk(&data(total + 1, 16, 16), &plain).unwrap_err().contains("more than the whole chunk"));
+        // Snappy: ~21x at most.
+        let snappy = largest(testdata::Codec::Snappy, true);
+        let big = snappy.uncompressed_size() as i32;
+        assert!(big > 22 * 16 + 64, "the test needs a chunk larger than the snappy bound");
+        check_chunk(&data(22 * 16 + 64, 16, 16), &snappy).unwrap();
+        let e = check_chunk(&data(22 * 16 + 65, 16, 16), &snappy).unwrap_err();
+        assert!(e.contains("from 16 of snappy"), "{e}");
+        // Zstd may expand further (checked after decompression, as arrow-rs does).
+        let zstd = largest(testdata::Codec::Zstd, true);
+        let big = (zstd.uncompressed_size() as i32).min(22 * 16 + 65);
+        check_chunk(&data(big, 16, 16), &zstd).unwrap();
+    }
+
+    #[test]
+    fn damaged_headers_are_errors_never_panics_or_endless() {
+        let meta = meta_of(testdata::Codec::Snappy);
+        let good = [header(DICTIONARY_PAGE, 80, 80, Some(10)), vec![0; 80]].concat();
+        for cut in 0..good.len() {
+            let _ = check_chunk(&good[..cut], &meta);
+        }
+        for pos in 0..good.len() {
+            for v in [0u8, 0x0f, 0x19, 0x1c, 0x80, 0xff] {
+                let mut bad = good.clone();
+                bad[pos] = v;
+                let _ = check_chunk(&bad, &meta);
+            }
+        }
+        // Deep nesting, and a list claiming more elements than there are bytes.
+        let deep = [vec![(1 << 4) | STRUCT; 64], vec![0; 64]].concat();
+        assert!(check_chunk(&deep, &meta).unwrap_err().contains("too deep"));
+        let list = [vec![(9 << 4) | LIST, 0xf0 | I64], vec![0xff, 0xff, 0xff, 0xff, 0x0f]].concat();
+        assert!(check_chunk(&list, &meta).unwrap_err().contains("ends inside the header"));
+    }
+}
