@@ -875,8 +875,10 @@ def main() -> None:
     data = {k: dirs[k]() for k in kinds}
     peers = args.peers.split(",")
     sites: dict[str, str] = {}
+    # Each variant repeats this build's readers, not another variant's.
+    ours = [p for p in peers if p.startswith("ss_")]
     for name, site in args.variant:
-        for peer in [p for p in peers if p.startswith("ss_")]:
+        for peer in ours:
             peers.append(f"{peer}@{name}")
             sites[f"{peer}@{name}"] = site
     work = Path(tempfile.mkdtemp(prefix="pq-bench-"))
