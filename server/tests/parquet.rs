@@ -293,7 +293,7 @@ fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
     let all = ds.projection(None).unwrap();
     let e = BatchAssembler::new(ds.clone(), all, cache, "g").unwrap_err();
     assert!(
-        matches!(&e, Error::InvalidArgument(m) if m.contains("g.parquet") && m.contains("\"y\"") && m.contains("BROTLI")),
+        matches!(&e, Error::InvalidArgument(m) if m.contains("g.parquet") && m.contains("\"y\"") && m.contains("BROTLI") && m.contains("gzip")),
         "{e}"
     );
 }

@@ -78,7 +78,7 @@ pub enum ParquetError {
     TypeMismatch { column: String, expected: String, found: String },
     /// A selected column compressed with a codec this build does not decode.
     #[error(
-        "column {column:?} is compressed with {codec}, which this build does not decode (snappy, zstd and uncompressed are)"
+        "column {column:?} is compressed with {codec}, which this build does not decode (snappy, zstd, gzip and uncompressed are)"
     )]
     UnsupportedCodec { column: String, codec: String },
     #[error("Arrow IPC: {0}")]
