@@ -188,26 +188,30 @@ fn read_slot_as_written(slot: &[u8], k: u32) {
     }
 }
 
-/// A whole Parquet file, as the daemon indexes it: the footer from the tail (one or two reads),
-/// its decoded table (every chunk range inside the file's data region), the sidecar round trip
-/// and the projection of every column. The footer path must not even panic internally (its own
-/// checks run before arrow-rs can assert on damaged metadata), so a panic caught by
-/// `format::parquet::no_panic` here still shows up, as the panic machinery's allocation.
-///
-/// The page path (decoding row groups) is not in this target: arrow-rs asserts on some damaged
-/// pages, which the daemon catches at its boundary (a `ShardError`, see `format::parquet::decode`),
-/// and with `RUST_BACKTRACE=1` the caught panic's backtrace alone passes the runner's allocation
-/// limit. `decode`'s tests flip bytes all over the pages of every codec instead.
-pub fn parquet_footer(data: &[u8]) {
+/// The footer of a Parquet file read from its tail as the daemon reads it, and its decoded table;
+/// None when either is refused.
+fn parquet_table(data: &[u8]) -> Option<(Vec<u8>, ParquetTable)> {
     let len = data.len() as u64;
     let read = |off: u64, buf: &mut [u8]| {
         let src = usize::try_from(off).ok().and_then(|o| data.get(o..o.checked_add(buf.len())?));
         buf.copy_from_slice(src.expect("the footer reader reads inside the file"));
         Ok(())
     };
-    let Ok(foot) = footer::read_footer(len, read) else { return };
-    assert!(foot.len() as u64 + footer::MIN_FILE_BYTES <= len);
-    let Ok(table) = ParquetTable::decode(&foot, len) else { return };
+    let foot = footer::read_footer(len, read).ok()?;
+    assert!(foot.len() as u64 + footer::MIN_FILE_BYTES <= len, "a footer longer than its file allows");
+    let table = ParquetTable::decode(&foot, len).ok()?;
+    Some((foot, table))
+}
+
+/// A whole Parquet file, as the daemon indexes it: the footer from the tail (one or two reads),
+/// its decoded table (every chunk range inside the file's data region), the sidecar round trip
+/// and the projection of every column. The footer path must not even panic internally (its own
+/// checks run before arrow-rs can assert on damaged metadata), so a panic caught by
+/// `format::parquet::no_panic` here is a finding too: libFuzzer aborts on any panic, and the plain
+/// runner counts them. The page path is [`parquet_row_group`]'s.
+pub fn parquet_footer(data: &[u8]) {
+    let len = data.len() as u64;
+    let Some((foot, table)) = parquet_table(data) else { return };
     let leaves = table.reader_metadata().parquet_schema().num_columns();
     for rg in 0..table.num_row_groups() {
         for c in 0..leaves {
@@ -268,14 +272,7 @@ pub fn parquet_footers(data: &[u8]) {
 /// never a panic, an abort or an allocation out of proportion, and that what decodes has the
 /// footer's row count and the projection's schema, and reads the same both ways.
 pub fn parquet_row_group(data: &[u8]) {
-    let len = data.len() as u64;
-    let read = |off: u64, buf: &mut [u8]| {
-        let src = usize::try_from(off).ok().and_then(|o| data.get(o..o.checked_add(buf.len())?));
-        buf.copy_from_slice(src.expect("the footer reader reads inside the file"));
-        Ok(())
-    };
-    let Ok(foot) = footer::read_footer(len, read) else { return };
-    let Ok(table) = ParquetTable::decode(&foot, len) else { return };
+    let Some((_, table)) = parquet_table(data) else { return };
     let read_at = |off: u64, n: usize| {
         let src = usize::try_from(off).ok().and_then(|o| data.get(o..o.checked_add(n)?));
         src.map(<[u8]>::to_vec).ok_or_else(|| ParquetError::Truncated(format!("{n} bytes at {off}")))
