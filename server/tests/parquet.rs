@@ -274,7 +274,8 @@ fn a_dictionary_page_claiming_more_values_than_it_holds_is_refused_before_decodi
     let e = asm.batch(&[25], &files).unwrap_err();
     assert!(
         matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("bad.parquet")
-            && reason.contains("row group 1") && reason.contains("label") && reason.contains("a dictionary of")),
+            && reason.contains("row group 1") && reason.contains("label") && reason.contains("a dictionary of")
+            && reason.contains(&format!("page at byte {}", r.start))),
         "{e}"
     );
 }

@@ -196,7 +196,7 @@ fn check_pages(table: &ParquetTable, rg: usize, proj: &FileProjection, chunks: &
         let column = meta.column(c);
         let len = usize::try_from(r.end - r.start).map_err(|_| format!("column chunk {r:?} too large"))?;
         let bytes = chunks.get_bytes(r.start, len).map_err(|e| e.to_string())?;
-        pages::check_chunk(&bytes, column).map_err(|e| format!("column {}: {e}", column.column_path()))?;
+        pages::check_chunk(&bytes, r.start, column).map_err(|e| format!("column {}: {e}", column.column_path()))?;
     }
     Ok(())
 }

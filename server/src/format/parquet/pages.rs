@@ -12,7 +12,8 @@
 //! [`check_chunk`] walks the chunk's pages (header, then its stored bytes) and refuses, before
 //! any decoding: a page that does not fit the chunk; an uncompressed size larger than the chunk's
 //! in the footer (the sum of its pages') or, for snappy, larger than its stored bytes can expand
-//! to; a dictionary with more values than its bytes can hold. What is left to arrow-rs: a zstd
+//! to; a dictionary with more values than its bytes can hold (the stored bytes when the page is
+//! not compressed: its claimed size is bounded only by the footer's). What is left to arrow-rs: a zstd
 //! page expands into at most its stated size (checked against what it expands to after
 //! decompression, as arrow-rs does), which is bounded here by the footer's size of the chunk
 //! only, as zstd's ratio has no useful bound; a gzip page expands to what its stream holds,
@@ -48,15 +49,16 @@ struct Header {
 }
 
 /// Checks every page header of a column chunk (`chunk`: its bytes, as the footer's range gives
-/// them) against its bytes and `meta`; the reason when one is refused.
-pub fn check_chunk(chunk: &[u8], meta: &ColumnChunkMetaData) -> Result<(), String> {
+/// them, from file offset `start`) against its bytes and `meta`; the reason when one is refused,
+/// naming the page's file offset.
+pub fn check_chunk(chunk: &[u8], start: u64, meta: &ColumnChunkMetaData) -> Result<(), String> {
     let total = u64::try_from(meta.uncompressed_size()).map_err(|_| "a negative uncompressed size".to_string())?;
     let width = value_width(meta.column_type(), meta.column_descr().type_length());
     let mut pos = 0usize;
     while pos < chunk.len() {
-        let (h, header_len) =
-            read_header(&chunk[pos..]).map_err(|e| format!("page header at chunk byte {pos}: {e}"))?;
-        let at = |what: String| format!("page at chunk byte {pos}: {what}");
+        let offset = start + pos as u64;
+        let (h, header_len) = read_header(&chunk[pos..]).map_err(|e| format!("page header at byte {offset}: {e}"))?;
+        let at = |what: String| format!("page at byte {offset}: {what}");
         let (Ok(uncompressed), Ok(compressed)) = (u64::try_from(h.uncompressed), u64::try_from(h.compressed)) else {
             return Err(at(format!("negative sizes ({} uncompressed, {} stored)", h.uncompressed, h.compressed)));
         };
@@ -74,13 +76,17 @@ pub fn check_chunk(chunk: &[u8], meta: &ColumnChunkMetaData) -> Result<(), Strin
         if h.page_type == DICTIONARY_PAGE {
             let values = h.dictionary_values.ok_or_else(|| at("a dictionary page without its header".into()))?;
             let values = u64::try_from(values).map_err(|_| at(format!("a dictionary of {values} values")))?;
+            // What the decoder gets: the stored bytes themselves when they are not compressed
+            // (the claimed size is then bounded by nothing but the footer's claim).
+            let decompressed = meta.compression() != Compression::UNCOMPRESSED && h.v2_compressed != Some(false);
+            let bytes = if decompressed { uncompressed } else { compressed };
             // Bits for booleans, bytes for the rest: the least each value takes.
             let room = match width {
-                Width::Bits => uncompressed.saturating_mul(8),
-                Width::Bytes(w) => uncompressed / w,
+                Width::Bits => bytes.saturating_mul(8),
+                Width::Bytes(w) => bytes / w,
             };
             if values > room {
-                return Err(at(format!("a dictionary of {values} values in {uncompressed} bytes")));
+                return Err(at(format!("a dictionary of {values} values in {bytes} bytes")));
             }
         }
         pos = end;
@@ -364,7 +370,7 @@ mod tests {
                     for c in 0..md.row_group(rg).num_columns() {
                         let r = t.chunk_range(rg, c).unwrap();
                         let chunk = &bytes[r.start as usize..r.end as usize];
-                        check_chunk(chunk, md.row_group(rg).column(c))
+                        check_chunk(chunk, r.start, md.row_group(rg).column(c))
                             .unwrap_or_else(|e| panic!("{codec:?} rg {rg} column {c}: {e}"));
                     }
                 }
@@ -377,16 +383,21 @@ mod tests {
         // Column 0 is int64: 8 bytes a value.
         let meta = meta_of(testdata::Codec::None);
         let ok = [header(DICTIONARY_PAGE, 80, 80, Some(10)), vec![0; 80]].concat();
-        check_chunk(&ok, &meta).unwrap();
+        check_chunk(&ok, 0, &meta).unwrap();
         let bad = [header(DICTIONARY_PAGE, 80, 80, Some(11)), vec![0; 80]].concat();
-        let e = check_chunk(&bad, &meta).unwrap_err();
+        let e = check_chunk(&bad, 0, &meta).unwrap_err();
         assert!(e.contains("a dictionary of 11 values in 80 bytes"), "{e}");
         let huge = [header(DICTIONARY_PAGE, 80, 80, Some(i32::MAX)), vec![0; 80]].concat();
-        assert!(check_chunk(&huge, &meta).is_err());
+        assert!(check_chunk(&huge, 0, &meta).is_err());
+        // Stored uncompressed, a dictionary is the bytes stored, whatever size the header claims
+        // (a footer can claim any chunk size, so that claim bounds nothing).
+        let claims_more = [header(DICTIONARY_PAGE, 300, 80, Some(11)), vec![0; 80]].concat();
+        let e = check_chunk(&claims_more, 0, &meta).unwrap_err();
+        assert!(e.contains("a dictionary of 11 values in 80 bytes"), "{e}");
         let negative = [header(DICTIONARY_PAGE, 80, 80, Some(-1)), vec![0; 80]].concat();
-        assert!(check_chunk(&negative, &meta).is_err());
+        assert!(check_chunk(&negative, 0, &meta).is_err());
         let headless = [header(DICTIONARY_PAGE, 80, 80, None), vec![0; 80]].concat();
-        assert!(check_chunk(&headless, &meta).unwrap_err().contains("without its header"));
+        assert!(check_chunk(&headless, 0, &meta).unwrap_err().contains("without its header"));
     }
 
     #[test]
@@ -394,21 +405,21 @@ mod tests {
         let plain = meta_of(testdata::Codec::None);
         let total = plain.uncompressed_size() as i32;
         let data = |u: i32, c: i32, stored: usize| [header(0, u, c, None), vec![0; stored]].concat();
-        check_chunk(&data(16, 16, 16), &plain).unwrap();
-        assert!(check_chunk(&data(16, 17, 16), &plain).unwrap_err().contains("run past the chunk"));
-        assert!(check_chunk(&data(-1, 16, 16), &plain).unwrap_err().contains("negative"));
-        assert!(check_chunk(&data(total + 1, 16, 16), &plain).unwrap_err().contains("more than the whole chunk"));
+        check_chunk(&data(16, 16, 16), 0, &plain).unwrap();
+        assert!(check_chunk(&data(16, 17, 16), 0, &plain).unwrap_err().contains("run past the chunk"));
+        assert!(check_chunk(&data(-1, 16, 16), 0, &plain).unwrap_err().contains("negative"));
+        assert!(check_chunk(&data(total + 1, 16, 16), 0, &plain).unwrap_err().contains("more than the whole chunk"));
         // Snappy: ~21x at most.
         let snappy = largest(testdata::Codec::Snappy, true);
         let big = snappy.uncompressed_size() as i32;
         assert!(big > 22 * 16 + 64, "the test needs a chunk larger than the snappy bound");
-        check_chunk(&data(22 * 16 + 64, 16, 16), &snappy).unwrap();
-        let e = check_chunk(&data(22 * 16 + 65, 16, 16), &snappy).unwrap_err();
+        check_chunk(&data(22 * 16 + 64, 16, 16), 0, &snappy).unwrap();
+        let e = check_chunk(&data(22 * 16 + 65, 16, 16), 0, &snappy).unwrap_err();
         assert!(e.contains("from 16 of snappy"), "{e}");
         // Zstd may expand further (checked after decompression, as arrow-rs does).
         let zstd = largest(testdata::Codec::Zstd, true);
         let big = (zstd.uncompressed_size() as i32).min(22 * 16 + 65);
-        check_chunk(&data(big, 16, 16), &zstd).unwrap();
+        check_chunk(&data(big, 16, 16), 0, &zstd).unwrap();
     }
 
     #[test]
@@ -416,19 +427,19 @@ mod tests {
         let meta = meta_of(testdata::Codec::Snappy);
         let good = [header(DICTIONARY_PAGE, 80, 80, Some(10)), vec![0; 80]].concat();
         for cut in 0..good.len() {
-            let _ = check_chunk(&good[..cut], &meta);
+            let _ = check_chunk(&good[..cut], 0, &meta);
         }
         for pos in 0..good.len() {
             for v in [0u8, 0x0f, 0x19, 0x1c, 0x80, 0xff] {
                 let mut bad = good.clone();
                 bad[pos] = v;
-                let _ = check_chunk(&bad, &meta);
+                let _ = check_chunk(&bad, 0, &meta);
             }
         }
         // Deep nesting, and a list claiming more elements than there are bytes.
         let deep = [vec![(1 << 4) | STRUCT; 64], vec![0; 64]].concat();
-        assert!(check_chunk(&deep, &meta).unwrap_err().contains("too deep"));
+        assert!(check_chunk(&deep, 0, &meta).unwrap_err().contains("too deep"));
         let list = [vec![(9 << 4) | LIST, 0xf0 | I64], vec![0xff, 0xff, 0xff, 0xff, 0x0f]].concat();
-        assert!(check_chunk(&list, &meta).unwrap_err().contains("ends inside the header"));
+        assert!(check_chunk(&list, 0, &meta).unwrap_err().contains("ends inside the header"));
     }
 }
