@@ -266,11 +266,12 @@ pub fn parquet_footers(data: &[u8]) {
 }
 
 /// Row groups of a Parquet file decoded the daemon's way (`decode::read_row_group`, arrow-rs under
-/// `catch_unwind`): all columns as delivered, and the flat ones alone with bytes as views (what a
-/// flat projection decodes to), then gathered into a slot's bytes by `direct`. Pages are not
-/// checksummed, so damaged values may decode; what must hold is that a damaged page is an error,
-/// never a panic, an abort or an allocation out of proportion, and that what decodes has the
-/// footer's row count and the projection's schema, and reads the same both ways.
+/// `catch_unwind`): all columns, and the flat ones alone with bytes as views (what a flat
+/// projection decodes to), then gathered into a slot's bytes by `direct`. When every column is
+/// flat the two are one projection, decoded once (as views). Pages are not checksummed, so damaged
+/// values may decode; what must hold is that a damaged page is an error, never a panic, an abort
+/// or an allocation out of proportion, and that what decodes has the footer's row count and the
+/// projection's schema, and reads the same in the slot as decoded.
 pub fn parquet_row_group(data: &[u8]) {
     let Some((_, table)) = parquet_table(data) else { return };
     let read_at = |off: u64, n: usize| {
@@ -307,7 +308,13 @@ pub fn parquet_row_group(data: &[u8]) {
         if flat_names.is_empty() {
             continue;
         }
-        let Ok((viewed, _)) = decode::read_row_group(&table, rg, &flat_fp, read_at) else { continue };
+        let viewed = if flat_names.len() == all.schema().fields().len() {
+            let Some(plain) = &plain else { continue };
+            plain.clone()
+        } else {
+            let Ok((viewed, _)) = decode::read_row_group(&table, rg, &flat_fp, read_at) else { continue };
+            viewed
+        };
         assert_eq!(viewed.num_rows() as u64, rows, "row group {rg}: rows as views");
         assert_eq!(&viewed.schema(), flat_fp.schema(), "row group {rg}: schema as views");
         let Some(plain) = plain else { continue };
