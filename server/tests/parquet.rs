@@ -281,6 +281,38 @@ fn a_dictionary_page_claiming_more_values_than_it_holds_is_refused_before_decodi
 }
 
 #[test]
+fn a_dictionary_encoded_page_without_its_dictionary_is_refused_before_decoding() {
+    // arrow-rs `expect`s a dictionary before a dictionary-encoded data page: without one it
+    // panics (caught, but a panic in the daemon's log; the fuzz target met it in CI). Here row
+    // group 1's `label` dictionary page is turned into an index page, which readers skip, so the
+    // data page after it has no dictionary.
+    let dir = tempfile::tempdir().unwrap();
+    let good = testdata::mixed(60, 20, testdata::Codec::None);
+    let (ds, _, _) = open(dir.path(), &[("ok.parquet", good.clone())]).unwrap();
+    let table = ds.files()[0].table.clone();
+    let label = table.reader_metadata().metadata().row_group(1).column(1);
+    assert!(label.dictionary_page_offset().is_some(), "the test needs label's dictionary page");
+    let r = table.chunk_range(1, 1).unwrap();
+    let start = r.start as usize;
+    // Field 1 (type, i32): zigzag 4 is DICTIONARY_PAGE (2), 2 is INDEX_PAGE (1).
+    assert_eq!(good[start..start + 2], [0x15, 0x04], "the chunk starts with its dictionary page");
+    let mut bad = good.clone();
+    bad[start + 1] = 0x02;
+    let (ds, files, _) = open(dir.path(), &[("bad.parquet", bad)]).unwrap();
+    let proj = ds.projection(None).unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let asm = BatchAssembler::new(ds.clone(), proj, cache, "bad").unwrap();
+    assert_eq!(ids(&asm.batch(&[0, 19], &files).unwrap()), [0, 19]);
+    let e = asm.batch(&[25], &files).unwrap_err();
+    assert!(
+        matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("bad.parquet")
+            && reason.contains("row group 1") && reason.contains("label")
+            && reason.contains("dictionary-encoded data page with no dictionary page before it")),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
     // Written by pyarrow: x snappy, y brotli (this build decodes snappy, zstd, gzip and
     // uncompressed).
