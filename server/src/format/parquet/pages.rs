@@ -7,13 +7,16 @@
 //!   that count, filled, before decoding a value): a 4 KB file with a count of ~10^9 took 3.6 GB
 //!   (found by the `parquet_row_group` fuzz target);
 //! - a snappy page's uncompressed size is zero-filled before decompressing into it (up to 2 GiB
-//!   a page, whatever the snappy data holds).
+//!   a page, whatever the snappy data holds);
+//! - a dictionary-encoded data page is decoded with the dictionary that came before it, which
+//!   arrow-rs `expect`s to be there (without one it panics).
 //!
 //! [`check_chunk`] walks the chunk's pages (header, then its stored bytes) and refuses, before
 //! any decoding: a page that does not fit the chunk; an uncompressed size larger than the chunk's
 //! in the footer (the sum of its pages') or, for snappy, larger than its stored bytes can expand
 //! to; a dictionary with more values than its bytes can hold (the stored bytes when the page is
-//! not compressed: its claimed size is bounded only by the footer's). What is left to arrow-rs: a zstd
+//! not compressed: its claimed size is bounded only by the footer's); a dictionary-encoded data
+//! page with no dictionary page before it. What is left to arrow-rs: a zstd
 //! page expands into at most its stated size (checked against what it expands to after
 //! decompression, as arrow-rs does), which is bounded here by the footer's size of the chunk
 //! only, as zstd's ratio has no useful bound; a gzip page expands to what its stream holds,
@@ -35,6 +38,9 @@ const SNAPPY_SLACK: u64 = 64;
 const MAX_DEPTH: u32 = 8;
 
 const DICTIONARY_PAGE: i32 = 2;
+/// The value encodings that index a dictionary (`Encoding` of parquet.thrift).
+const PLAIN_DICTIONARY: i32 = 2;
+const RLE_DICTIONARY: i32 = 8;
 
 /// What a page header says, of what is checked.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -46,6 +52,8 @@ struct Header {
     dictionary_values: Option<i32>,
     /// A v2 data page's `is_compressed` (its data may be stored uncompressed whatever the codec).
     v2_compressed: Option<bool>,
+    /// A data page's (v1 or v2) value encoding.
+    data_encoding: Option<i32>,
 }
 
 /// Checks every page header of a column chunk (`chunk`: its bytes, as the footer's range gives
@@ -55,6 +63,7 @@ pub fn check_chunk(chunk: &[u8], start: u64, meta: &ColumnChunkMetaData) -> Resu
     let total = u64::try_from(meta.uncompressed_size()).map_err(|_| "a negative uncompressed size".to_string())?;
     let width = value_width(meta.column_type(), meta.column_descr().type_length());
     let mut pos = 0usize;
+    let mut dictionary = false;
     while pos < chunk.len() {
         let offset = start + pos as u64;
         let (h, header_len) = read_header(&chunk[pos..]).map_err(|e| format!("page header at byte {offset}: {e}"))?;
@@ -73,7 +82,11 @@ pub fn check_chunk(chunk: &[u8], start: u64, meta: &ColumnChunkMetaData) -> Resu
         if snappy && uncompressed > compressed.saturating_mul(SNAPPY_MAX_RATIO) + SNAPPY_SLACK {
             return Err(at(format!("{uncompressed} bytes uncompressed from {compressed} of snappy")));
         }
+        if matches!(h.data_encoding, Some(PLAIN_DICTIONARY | RLE_DICTIONARY)) && !dictionary {
+            return Err(at("a dictionary-encoded data page with no dictionary page before it".into()));
+        }
         if h.page_type == DICTIONARY_PAGE {
+            dictionary = true;
             let values = h.dictionary_values.ok_or_else(|| at("a dictionary page without its header".into()))?;
             let values = u64::try_from(values).map_err(|_| at(format!("a dictionary of {values} values")))?;
             // What the decoder gets: the stored bytes themselves when they are not compressed
@@ -131,6 +144,15 @@ fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
                 h.compressed = r.i32()?;
                 seen_sizes += 1;
             }
+            (5, STRUCT) => {
+                r.fields(1, |r, id, ty| match (id, ty) {
+                    (2, I32) => {
+                        h.data_encoding = Some(r.i32()?);
+                        Ok(())
+                    }
+                    _ => r.skip(ty, 2),
+                })?;
+            }
             (7, STRUCT) => {
                 r.fields(1, |r, id, ty| match (id, ty) {
                     (1, I32) => {
@@ -142,6 +164,10 @@ fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
             }
             (8, STRUCT) => {
                 r.fields(1, |r, id, ty| match (id, ty) {
+                    (4, I32) => {
+                        h.data_encoding = Some(r.i32()?);
+                        Ok(())
+                    }
                     (7, BOOL_TRUE) => {
                         h.v2_compressed = Some(true);
                         Ok(())
@@ -398,6 +424,45 @@ mod tests {
         assert!(check_chunk(&negative, 0, &meta).is_err());
         let headless = [header(DICTIONARY_PAGE, 80, 80, None), vec![0; 80]].concat();
         assert!(check_chunk(&headless, 0, &meta).unwrap_err().contains("without its header"));
+    }
+
+    /// A data page header (v1, or v2 with `v2`) of 16 bytes whose values are encoded `encoding`.
+    fn data_page(encoding: i32, v2: bool) -> Vec<u8> {
+        let mut h = [i32_field(1, if v2 { 3 } else { 0 }), i32_field(1, 16), i32_field(1, 16)].concat();
+        if v2 {
+            // Field 8: num_values, num_nulls, num_rows, encoding, the two level lengths.
+            h.push((5 << 4) | STRUCT);
+            for v in [4, 0, 4, encoding, 0, 0] {
+                h.extend(i32_field(1, v));
+            }
+        } else {
+            // Field 5: num_values, encoding, the two level encodings (RLE).
+            h.push((2 << 4) | STRUCT);
+            for v in [4, encoding, 3, 3] {
+                h.extend(i32_field(1, v));
+            }
+        }
+        h.push(0);
+        h.push(0);
+        [h, vec![0; 16]].concat()
+    }
+
+    #[test]
+    fn a_dictionary_encoded_data_page_needs_a_dictionary_page_before_it() {
+        let meta = meta_of(testdata::Codec::None);
+        let dict = [header(DICTIONARY_PAGE, 80, 80, Some(10)), vec![0; 80]].concat();
+        for v2 in [false, true] {
+            for encoding in [PLAIN_DICTIONARY, RLE_DICTIONARY] {
+                let alone = data_page(encoding, v2);
+                let e = check_chunk(&alone, 0, &meta).unwrap_err();
+                assert!(e.contains("dictionary-encoded data page with no dictionary page before it"), "{e}");
+                check_chunk(&[dict.clone(), alone.clone()].concat(), 0, &meta).unwrap();
+                let e = check_chunk(&[alone.clone(), dict.clone()].concat(), 0, &meta).unwrap_err();
+                assert!(e.contains("page at byte 0:"), "{e}");
+            }
+            // PLAIN needs none.
+            check_chunk(&data_page(0, v2), 0, &meta).unwrap();
+        }
     }
 
     #[test]
