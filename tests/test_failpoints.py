@@ -5,6 +5,7 @@ epoch runs under a deadline). The unit-level points are tripped by server/tests/
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -15,7 +16,7 @@ import webdataset as wds
 from s3server import S3Server
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, within, write_dataset
+from conftest import SHARDSTREAM, Daemon, wait_for, within, write_dataset
 
 Samples = dict[str, dict[str, bytes]]
 
@@ -248,4 +249,33 @@ def test_failpoint_a_full_disk_only_stops_the_background_keeping(tmp_path, fail_
         assert isinstance(got, list) and sorted(got) == list(range(600)), got
     assert d.status()["cache"]["decoded_row_groups"] == 0
     assert not list((d.cache_dir / "shards").glob("*derived-*")), "nothing kept, nothing left behind"
+    stop(d)
+
+
+def test_failpoint_a_prefetch_thread_that_cannot_start_gives_its_slot_back(tmp_path, fail_bin, s3, indexed) -> None:
+    """Threads can run out (`ulimit -u`, memory). A prefetch whose thread never started is not in
+    flight: were it counted so, `--prefetch-parallel` such failures would stop the node's
+    prefetching for the daemon's life, silently. (The indexed dataset: opening one without a
+    manifest reads every shard into the cache, leaving nothing to prefetch.)"""
+    log = tmp_path / "daemon.log"
+    # Its log to a file, to see that the point fired (the daemon warns, naming the failure).
+    wrap = ["sh", "-c", f'exec "$@" >{log} 2>&1', "sh"]
+    d = Daemon(
+        tmp_path,
+        args=["--prefetch-parallel", "2"],
+        env={**s3.env(), "FAILPOINTS": "prefetch-spawn=2*return"},
+        wrap=wrap,
+        binary=fail_bin,
+    ).start()
+
+    def in_flight() -> int:
+        cmd = [SHARDSTREAM, "status", "--connect", d.addr, "--json"]
+        return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)[
+            "prefetches_in_flight"
+        ]
+
+    assert within(DEADLINE, lambda: epoch(d.addr, "s3://fpts/indexed/")) == indexed
+    assert log.read_text().count("cannot start a prefetch thread") == 2, log.read_text()
+    # Every shard is cached after the epoch, so nothing is left in flight.
+    assert wait_for(lambda: in_flight() == 0, timeout=10), in_flight()
     stop(d)

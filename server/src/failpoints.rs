@@ -20,6 +20,7 @@
 //! | `shm-send`       | every frame sent on the shm side channel (fd passing) | I/O error      | the stream fails with a named error, no hang |
 //! | `stream-send`    | before a batch goes to the gRPC stream  | the stream ends early        | the client reports a short stream, never a short epoch |
 //! | `packed-gather`  | before a packed batch is written to its ring slot | error            | the stream fails; the slot is freed |
+//! | `prefetch-spawn` | starting a prefetch's thread            | the thread cannot start      | a warning; the shard is fetched when needed, and the prefetch slot is free again |
 
 /// The I/O error a `return(ARG)` action injects: `ARG` names an errno (`EIO` when absent).
 pub fn io_error(arg: Option<String>) -> std::io::Error {

@@ -413,7 +413,7 @@ impl Prefetcher {
             let Some((_, c, shard)) = next.get(&key).cloned() else { continue };
             let ds = c.dataset.clone();
             let me = self.clone();
-            let spawned = std::thread::Builder::new().name("prefetch-fetch".into()).spawn(move || {
+            let spawned = spawn_fetch(move || {
                 // A prefetch never waits and never evicts a shard needed sooner than this one.
                 let want = Want { urgency: secs, wait: false };
                 let fetched = match &c.projected {
@@ -435,6 +435,12 @@ impl Prefetcher {
             }
         }
     }
+}
+
+/// Starts a prefetch's thread; `prefetch-spawn` fails it, as running out of threads would.
+fn spawn_fetch(fetch: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    fail_point!("prefetch-spawn", |_| Err(std::io::Error::other("failpoint prefetch-spawn")));
+    std::thread::Builder::new().name("prefetch-fetch".into()).spawn(fetch).map(drop)
 }
 
 fn run(weak: Weak<Prefetcher>) {
