@@ -413,6 +413,7 @@ impl Prefetcher {
             let Some((_, c, shard)) = next.get(&key).cloned() else { continue };
             let ds = c.dataset.clone();
             let me = self.clone();
+            let fetching = key.clone();
             let spawned = spawn_fetch(move || {
                 // A prefetch never waits and never evicts a shard needed sooner than this one.
                 let want = Want { urgency: secs, wait: false };
@@ -426,11 +427,15 @@ impl Prefetcher {
                         tracing::warn!(dataset = %ds.url, shard = %ds.shards[shard].name, error = %e, "prefetch failed")
                     }
                 }
-                me.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+                me.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&fetching);
                 me.wake();
             });
             if let Err(e) = spawned {
-                tracing::warn!(error = %e, "cannot start a prefetch thread");
+                // It never started, so it is not in flight; counted so, it would hold its slot for
+                // the daemon's life. The shard is fetched when a stream needs it, or prefetched
+                // on a later tick.
+                self.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+                tracing::warn!(shard = %key, error = %e, "cannot start a prefetch thread");
                 break;
             }
         }
