@@ -313,6 +313,60 @@ fn a_dictionary_encoded_page_without_its_dictionary_is_refused_before_decoding()
 }
 
 #[test]
+fn strings_that_are_not_utf8_are_refused_when_the_file_does_not_mark_them_as_strings() {
+    // arrow-rs checks UTF-8 only where the Parquet column says UTF8 (its converted type). A file
+    // whose embedded Arrow schema says string over an unmarked byte-array column (the
+    // `parquet_row_group` fuzz target made one; a writer that sets only the newer logical type
+    // is another) decoded into string arrays holding any bytes, delivered as they were.
+    use arrow_array::{Array, ArrayRef, BinaryArray, Int64Array, ListArray};
+    use arrow_schema::{DataType, Field, Schema};
+    use parquet::arrow::arrow_writer::ArrowWriterOptions;
+    use parquet::arrow::{ArrowWriter, encode_arrow_schema};
+    use parquet::file::metadata::KeyValue;
+    use parquet::file::properties::WriterProperties;
+
+    let values: Vec<&[u8]> = vec![b"ok", b"\xff\xfe not utf-8", b"fine"];
+    let list = ListArray::from_iter_primitive::<arrow_array::types::Int32Type, _, _>(vec![Some(vec![Some(1)]); 3]);
+    let written = Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("name", DataType::Binary, false),
+        Field::new("tags", list.data_type().clone(), true),
+    ]);
+    let claimed = Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("name", DataType::Utf8, false),
+        Field::new("tags", list.data_type().clone(), true),
+    ]);
+    let columns: Vec<ArrayRef> =
+        vec![Arc::new(Int64Array::from(vec![0, 1, 2])), Arc::new(BinaryArray::from(values)), Arc::new(list)];
+    let batch = RecordBatch::try_new(Arc::new(written), columns).unwrap();
+    let props = WriterProperties::builder()
+        .set_key_value_metadata(Some(vec![KeyValue::new("ARROW:schema".into(), encode_arrow_schema(&claimed))]))
+        .build();
+    let options = ArrowWriterOptions::new().with_properties(props).with_skip_arrow_metadata(true);
+    let mut bytes = Vec::new();
+    let mut w = ArrowWriter::try_new_with_options(&mut bytes, batch.schema(), options).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &[("s.parquet", bytes)]).unwrap();
+    assert_eq!(ds.files()[0].table.schema().field_with_name("name").unwrap().data_type(), &DataType::Utf8);
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    // All columns (a list among them: decoded as delivered), and the flat ones (as views).
+    for fields in [None, Some(vec!["id".to_string(), "name".to_string()])] {
+        let proj = ds.projection(fields.as_deref()).unwrap();
+        let asm = BatchAssembler::new(ds.clone(), proj, cache.clone(), "s").unwrap();
+        let e = asm.batch(&[0, 2], &files).unwrap_err();
+        assert!(
+            matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("s.parquet")
+                && reason.contains("row group 0") && reason.contains("\"name\"") && reason.contains("UTF")),
+            "{fields:?}: {e}"
+        );
+    }
+}
+
+#[test]
 fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
     // Written by pyarrow: x snappy, y brotli (this build decodes snappy, zstd, gzip and
     // uncompressed).
