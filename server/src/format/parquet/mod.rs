@@ -45,6 +45,7 @@ pub mod pages;
 pub mod pqidx;
 pub mod projected;
 pub mod schema;
+pub mod strings;
 
 pub use footer::ParquetTable;
 pub use schema::Projection;

@@ -22,7 +22,7 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
 
-use super::{ParquetError, ParquetTable};
+use super::{ParquetError, ParquetTable, strings};
 
 /// The selected columns of a dataset, as delivered.
 #[derive(Debug, Clone)]
@@ -40,9 +40,11 @@ pub struct FileProjection {
     /// The decoded row groups' schema: the delivered one, with views for bytes columns when
     /// `views` is set.
     schema: SchemaRef,
-    /// The file's reader metadata with its flat bytes columns read as views (see the module
-    /// docs); None: decode as delivered.
-    views: Option<ArrowReaderMetadata>,
+    /// Whether bytes columns are decoded as views (see the module docs).
+    views: bool,
+    /// The file's reader metadata with the types to decode as: views, and strings the file does
+    /// not mark as UTF8 as bytes ([`super::strings`]); None: as the file says.
+    decode: Option<ArrowReaderMetadata>,
 }
 
 impl Projection {
@@ -120,12 +122,9 @@ impl Projection {
         let mask = ProjectionMask::roots(table.reader_metadata().parquet_schema(), sorted);
         check_codecs(table, &mask)?;
         let flat = self.schema.fields().iter().all(|f| super::direct::is_flat(f.data_type()));
-        let views = if flat { view_metadata(table) } else { None };
-        let schema = match &views {
-            Some(_) => with_views(&self.schema),
-            None => self.schema.clone(),
-        };
-        Ok(FileProjection { mask, reorder, schema, views })
+        let (decode, views) = decode_metadata(table, flat)?;
+        let schema = if views { with_views(&self.schema) } else { self.schema.clone() };
+        Ok(FileProjection { mask, reorder, schema, views, decode })
     }
 }
 
@@ -154,32 +153,51 @@ fn with_views(schema: &Schema) -> SchemaRef {
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
 }
 
-/// `table`'s reader metadata with its flat bytes columns read as views; None when there are
-/// none, or when arrow-rs does not take the hint (the file is then decoded as delivered).
-fn view_metadata(table: &ParquetTable) -> Option<ArrowReaderMetadata> {
+/// The reader metadata to decode `table` with, and whether its bytes columns are views: as views
+/// when every selected column is `flat` and arrow-rs takes the hint (else as delivered), with the
+/// strings the file does not mark as UTF8 as bytes ([`super::strings`]). None:
+/// the file's own.
+fn decode_metadata(table: &ParquetTable, flat: bool) -> Result<(Option<ArrowReaderMetadata>, bool), ParquetError> {
     let file = table.schema();
-    if !file.fields().iter().any(|f| view_type(f.data_type()).is_some()) {
-        return None;
-    }
-    let options = ArrowReaderOptions::new().with_schema(with_views(file));
-    match ArrowReaderMetadata::try_new(table.reader_metadata().metadata().clone(), options) {
-        Ok(m) => Some(m),
-        Err(e) => {
-            tracing::debug!(error = %e, "bytes columns decoded without views");
-            None
+    let unmarked = strings::unmarked_leaves(table.reader_metadata().parquet_schema());
+    let strings_as_bytes = |schema: &Schema| {
+        let fields: Vec<Field> = (schema.fields().iter().enumerate())
+            .map(|(i, f)| match strings::as_bytes(f.data_type(), unmarked.get(i).map_or(&[], Vec::as_slice)) {
+                Some(t) => f.as_ref().clone().with_data_type(t),
+                None => f.as_ref().clone(),
+            })
+            .collect();
+        Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
+    };
+    let with_schema = |schema: SchemaRef| {
+        let options = ArrowReaderOptions::new().with_schema(schema);
+        ArrowReaderMetadata::try_new(table.reader_metadata().metadata().clone(), options)
+    };
+    if flat && file.fields().iter().any(|f| view_type(f.data_type()).is_some()) {
+        match with_schema(strings_as_bytes(&with_views(file))) {
+            Ok(m) => return Ok((Some(m), true)),
+            Err(e) => tracing::debug!(error = %e, "bytes columns decoded without views"),
         }
     }
+    let decoded = strings_as_bytes(file);
+    if decoded == *file {
+        return Ok((None, false));
+    }
+    let m = with_schema(decoded).map_err(|e| {
+        ParquetError::BadFooter(format!("strings not marked UTF8 in the Parquet schema cannot be read as bytes: {e}"))
+    })?;
+    Ok((Some(m), false))
 }
 
 impl FileProjection {
     /// The reader metadata to decode with (views or as delivered; see the module docs).
     pub fn reader_metadata<'a>(&'a self, table: &'a ParquetTable) -> &'a ArrowReaderMetadata {
-        self.views.as_ref().unwrap_or_else(|| table.reader_metadata())
+        self.decode.as_ref().unwrap_or_else(|| table.reader_metadata())
     }
 
     /// Whether bytes columns are decoded as views.
     pub fn views(&self) -> bool {
-        self.views.is_some()
+        self.views
     }
 
     /// The decoded row groups' schema (see [`Self::arrange`]).
@@ -190,14 +208,22 @@ impl FileProjection {
 
 impl FileProjection {
     /// A decoded batch (columns in file order) as the delivered columns, in the delivered order
-    /// and schema (with views for bytes columns when [`Self::views`]).
+    /// and schema (with views for bytes columns when [`Self::views`]); strings decoded as bytes
+    /// are checked and typed as strings again.
     pub fn arrange(&self, decoded: &RecordBatch) -> Result<RecordBatch, ParquetError> {
-        let cols = self
+        let bad = |reason: String| ParquetError::BadData { row_group: 0, reason };
+        let mut cols = self
             .reorder
             .iter()
             .map(|&i| decoded.columns().get(i).cloned())
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| ParquetError::BadData { row_group: 0, reason: "the decoder lost a column".into() })?;
+            .ok_or_else(|| bad("the decoder lost a column".into()))?;
+        for (col, field) in cols.iter_mut().zip(self.schema.fields()) {
+            if col.data_type() != field.data_type() {
+                *col = strings::retype(col, field.data_type())
+                    .map_err(|e| bad(format!("column {:?}: {e}", field.name())))?;
+            }
+        }
         RecordBatch::try_new(self.schema.clone(), cols).map_err(|e| ParquetError::BadData {
             row_group: 0,
             reason: format!("decoded columns do not match the dataset schema: {e}"),
