@@ -46,12 +46,12 @@ if [ ! -d "$target_dir" ]; then
   # on two cores; a short run does not start it (CI's clean machines would pay it every time).
   if [ $short = 1 ] && [ "${FUZZ_BUILD:-0}" != 1 ]; then
     echo "fuzz: SKIPPED the ${seconds}s libFuzzer runs of ${targets[*]}: no instrumented build on this" \
-      "machine yet ($target_dir), and making one takes ~6 minutes on two cores. Run \`make fuzz\`" \
+      "machine yet ($target_dir), and making one takes 6-14 minutes on two cores. Run \`make fuzz\`" \
       "(or FUZZ_BUILD=1 make fuzz-short) once to build it; later short runs take seconds. The same" \
       "targets ran as plain tests over the seeds and generated mutations in rust-test."
     exit 0
   fi
-  echo "==> fuzz: first build on this machine (the daemon's dependencies, instrumented: ~6 minutes on two cores)" >&2
+  echo "==> fuzz: first build on this machine (the daemon's dependencies, instrumented: 6-14 minutes on two cores)" >&2
 fi
 # `cargo +nightly fuzz` finds the cargo-fuzz binary on PATH.
 PATH="$(dirname "$(bash scripts/tool.sh cargo-fuzz)"):$PATH"
