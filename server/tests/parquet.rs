@@ -367,6 +367,49 @@ fn strings_that_are_not_utf8_are_refused_when_the_file_does_not_mark_them_as_str
 }
 
 #[test]
+fn json_columns_that_are_not_utf8_are_refused() {
+    // A column marked JSON is a string to arrow-rs, which checks UTF-8 only in columns marked
+    // UTF8: it is checked after decoding.
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type as PqInt64};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::parser::parse_message_type;
+
+    let schema = Arc::new(parse_message_type("message m { required int64 id; required binary doc (JSON); }").unwrap());
+    let write = |docs: &[&[u8]]| {
+        let mut bytes = Vec::new();
+        let props = Arc::new(WriterProperties::builder().build());
+        let mut w = SerializedFileWriter::new(&mut bytes, schema.clone(), props).unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut c = rg.next_column().unwrap().unwrap();
+        let ids: Vec<i64> = (0..docs.len() as i64).collect();
+        c.typed::<PqInt64>().write_batch(&ids, None, None).unwrap();
+        c.close().unwrap();
+        let mut c = rg.next_column().unwrap().unwrap();
+        let docs: Vec<ByteArray> = docs.iter().map(|d| ByteArray::from(d.to_vec())).collect();
+        c.typed::<ByteArrayType>().write_batch(&docs, None, None).unwrap();
+        c.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+        bytes
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let (ds, files, _) = open(dir.path(), &[("good.parquet", write(&[b"{}", b"{\"a\": 1}"]))]).unwrap();
+    let asm = BatchAssembler::new(ds.clone(), ds.projection(None).unwrap(), cache.clone(), "good").unwrap();
+    assert_eq!(ids(&asm.batch(&[1, 0], &files).unwrap()), [1, 0]);
+
+    let (ds, files, _) = open(dir.path(), &[("bad.parquet", write(&[b"{}", b"{\"a\": \"\xff\"}"]))]).unwrap();
+    let asm = BatchAssembler::new(ds.clone(), ds.projection(None).unwrap(), cache, "bad").unwrap();
+    let e = asm.batch(&[0], &files).unwrap_err();
+    assert!(
+        matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("bad.parquet")
+            && reason.contains("row group 0") && reason.contains("UTF")),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_codec_this_build_cannot_decode_is_refused_by_column_before_any_batch() {
     // Written by pyarrow: x snappy, y brotli (this build decodes snappy, zstd, gzip and
     // uncompressed).
