@@ -45,6 +45,9 @@ pub struct FileProjection {
     /// The file's reader metadata with the types to decode as: views, and strings the file does
     /// not mark as UTF8 as bytes ([`super::strings`]); None: as the file says.
     decode: Option<ArrowReaderMetadata>,
+    /// For each delivered column: whether it is checked as a whole after decoding (strings that
+    /// arrow-rs decodes as strings without checking them: JSON leaves).
+    check: Vec<bool>,
 }
 
 impl Projection {
@@ -122,9 +125,11 @@ impl Projection {
         let mask = ProjectionMask::roots(table.reader_metadata().parquet_schema(), sorted);
         check_codecs(table, &mask)?;
         let flat = self.schema.fields().iter().all(|f| super::direct::is_flat(f.data_type()));
-        let (decode, views) = decode_metadata(table, flat)?;
+        let leaves = strings::Leaves::of(table.reader_metadata().parquet_schema());
+        let (decode, views) = decode_metadata(table, &leaves, flat)?;
         let schema = if views { with_views(&self.schema) } else { self.schema.clone() };
-        Ok(FileProjection { mask, reorder, schema, views, decode })
+        let check = roots.iter().map(|&r| leaves.json.get(r) == Some(&true)).collect();
+        Ok(FileProjection { mask, reorder, schema, views, decode, check })
     }
 }
 
@@ -157,12 +162,15 @@ fn with_views(schema: &Schema) -> SchemaRef {
 /// when every selected column is `flat` and arrow-rs takes the hint (else as delivered), with the
 /// strings the file does not mark as UTF8 as bytes ([`super::strings`]). None:
 /// the file's own.
-fn decode_metadata(table: &ParquetTable, flat: bool) -> Result<(Option<ArrowReaderMetadata>, bool), ParquetError> {
+fn decode_metadata(
+    table: &ParquetTable,
+    leaves: &strings::Leaves,
+    flat: bool,
+) -> Result<(Option<ArrowReaderMetadata>, bool), ParquetError> {
     let file = table.schema();
-    let unmarked = strings::unmarked_leaves(table.reader_metadata().parquet_schema());
     let strings_as_bytes = |schema: &Schema| {
         let fields: Vec<Field> = (schema.fields().iter().enumerate())
-            .map(|(i, f)| match strings::as_bytes(f.data_type(), unmarked.get(i).map_or(&[], Vec::as_slice)) {
+            .map(|(i, f)| match strings::as_bytes(f.data_type(), leaves.unmarked.get(i).map_or(&[], Vec::as_slice)) {
                 Some(t) => f.as_ref().clone().with_data_type(t),
                 None => f.as_ref().clone(),
             })
@@ -218,10 +226,12 @@ impl FileProjection {
             .map(|&i| decoded.columns().get(i).cloned())
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| bad("the decoder lost a column".into()))?;
-        for (col, field) in cols.iter_mut().zip(self.schema.fields()) {
+        for ((col, field), &check) in cols.iter_mut().zip(self.schema.fields()).zip(&self.check) {
+            let named = |e: arrow_schema::ArrowError| bad(format!("column {:?}: {e}", field.name()));
             if col.data_type() != field.data_type() {
-                *col = strings::retype(col, field.data_type())
-                    .map_err(|e| bad(format!("column {:?}: {e}", field.name())))?;
+                *col = strings::retype(col, field.data_type()).map_err(named)?;
+            } else if check {
+                strings::check(col).map_err(named)?;
             }
         }
         RecordBatch::try_new(self.schema.clone(), cols).map_err(|e| ParquetError::BadData {

@@ -2,13 +2,16 @@
 //!
 //! arrow-rs checks UTF-8 only in byte-array columns whose Parquet converted type is UTF8. A
 //! column can be a string to Arrow without that: the file's embedded Arrow schema
-//! (`ARROW:schema`, which arrow-rs follows) may say string over an unmarked byte array, or the
-//! column is marked JSON or ENUM. arrow-rs then builds string arrays out of whatever bytes the pages
-//! hold (unchecked in release builds, a panic in debug ones), and the daemon would deliver
-//! strings that are not UTF-8: a garbage row where a damaged page must be an error.
+//! (`ARROW:schema`, which arrow-rs follows) may say string over a byte array the Parquet schema
+//! leaves unmarked, or the column is marked JSON (a string to arrow-rs). arrow-rs then builds
+//! string arrays out of whatever bytes the pages hold (unchecked in release builds, a panic in
+//! debug ones), and the daemon would deliver strings that are not UTF-8: a garbage row where a
+//! damaged page must be an error.
 //!
-//! So such a leaf is decoded as bytes ([`as_bytes`]: the same layout) and given its string type
-//! back after decoding ([`retype`]), which checks every value. Files that mark their strings (pyarrow, arrow-rs, Spark, DuckDB all do) are
+//! So an unmarked leaf that Arrow calls a string is decoded as bytes ([`as_bytes`]: the same
+//! layout, which arrow-rs accepts for a leaf it would read as bytes itself) and given its string
+//! type back after decoding ([`retype`]), which checks every value. A JSON leaf, which arrow-rs
+//! reads only as a string, is checked after decoding ([`Leaves::json`]). Files that mark their strings (pyarrow, arrow-rs, Spark, DuckDB all do) are
 //! decoded as before.
 
 use std::sync::Arc;
@@ -19,16 +22,35 @@ use arrow_schema::{ArrowError, DataType, FieldRef};
 use parquet::basic::{ConvertedType, Type as PhysicalType};
 use parquet::schema::types::SchemaDescriptor;
 
-/// For each root column of a file, for each of its leaves in order: whether the leaf is a byte
-/// array not marked UTF8.
-pub fn unmarked_leaves(descr: &SchemaDescriptor) -> Vec<Vec<bool>> {
-    let mut out = vec![Vec::new(); descr.root_schema().get_fields().len()];
-    for (i, c) in descr.columns().iter().enumerate() {
-        if let Some(root) = out.get_mut(descr.get_column_root_idx(i)) {
-            root.push(c.physical_type() == PhysicalType::BYTE_ARRAY && c.converted_type() != ConvertedType::UTF8);
+/// The byte-array leaves of a file whose strings arrow-rs does not check, by root column.
+pub struct Leaves {
+    /// For each root column, for each of its leaves in order: whether the leaf is a byte array
+    /// arrow-rs reads as bytes unless a hint says string (not marked UTF8 or JSON).
+    pub unmarked: Vec<Vec<bool>>,
+    /// For each root column: whether a leaf under it is a byte array marked JSON.
+    pub json: Vec<bool>,
+}
+
+impl Leaves {
+    pub fn of(descr: &SchemaDescriptor) -> Self {
+        let roots = descr.root_schema().get_fields().len();
+        let (mut unmarked, mut json) = (vec![Vec::new(); roots], vec![false; roots]);
+        for (i, c) in descr.columns().iter().enumerate() {
+            let root = descr.get_column_root_idx(i);
+            let bytes = c.physical_type() == PhysicalType::BYTE_ARRAY;
+            let marked = matches!(c.converted_type(), ConvertedType::UTF8 | ConvertedType::JSON);
+            if let Some(leaves) = unmarked.get_mut(root) {
+                leaves.push(bytes && !marked);
+            }
+            if bytes
+                && c.converted_type() == ConvertedType::JSON
+                && let Some(j) = json.get_mut(root)
+            {
+                *j = true;
+            }
         }
+        Self { unmarked, json }
     }
-    out
 }
 
 /// `t`, a root column's type whose leaves are `unmarked`'s (in the order of the Parquet
@@ -88,6 +110,12 @@ fn string_as_bytes(t: &DataType) -> Option<DataType> {
 /// checked to be UTF-8 (an error naming the first value that is not).
 pub fn retype(a: &ArrayRef, target: &DataType) -> Result<ArrayRef, ArrowError> {
     Ok(make_array(retype_data(a.to_data(), target)?))
+}
+
+/// Checks `a` as a whole, the UTF-8 of its strings included (for a column decoded as strings
+/// that arrow-rs did not check).
+pub fn check(a: &ArrayRef) -> Result<(), ArrowError> {
+    a.to_data().validate_full()
 }
 
 fn retype_data(data: ArrayData, target: &DataType) -> Result<ArrayData, ArrowError> {
