@@ -69,9 +69,9 @@ for t in "${targets[@]}"; do
   grep -E "^(Done|stat::number_of_executed_units|stat::peak_rss_mb|==[0-9]+== ERROR|SUMMARY|Test unit written|MS: )" "$log" || true
   # parquet_row_group lets arrow-rs panic on damaged page data inside the daemon's catch_unwind
   # (an error to the client); those are counted, not printed one by one.
-  caught=$(grep -c "^thread '" "$log" || true)
+  caught=$(grep -c "^panicked at " "$log" || true)
   if [ "$status" -eq 0 ] && [ "$caught" -gt 0 ]; then
-    echo "fuzz: $t: $caught panics caught inside the daemon's decoder, each an error (grep \"^thread '\" $log)"
+    echo "fuzz: $t: $caught panics caught inside the daemon's decoder, each an error (grep -A1 \"^panicked at\" $log)"
   fi
   if [ "$status" -ne 0 ]; then
     tail -n 30 "$log"
