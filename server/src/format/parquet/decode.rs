@@ -436,4 +436,23 @@ mod tests {
             assert!(errors > 0, "{codec:?}: no corruption detected at all");
         }
     }
+
+    #[test]
+    fn pages_are_checked_from_where_the_decoder_reads_them() {
+        // libFuzzer's input: row group 0's `id` has its dictionary offset (47) past its data
+        // offset (4). arrow-rs reads a chunk from its dictionary offset whenever there is one, so
+        // it met the data page at 47 with no dictionary and panicked (caught), while the page
+        // check walked from 4, saw the dictionary first, and let the chunk through.
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../fuzz/seeds/parquet_row_group/finding_dictionary_offset_past_data.parquet"
+        );
+        let bytes = std::fs::read(path).unwrap();
+        let t = table(&bytes);
+        let id = t.reader_metadata().metadata().row_group(0).column(0);
+        assert_eq!((id.dictionary_page_offset(), id.data_page_offset()), (Some(47), 4), "the input's damage");
+        let fp = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+        let e = read_row_group(&t, 0, &fp, reader(&bytes)).unwrap_err().to_string();
+        assert!(e.contains("page at byte 47") && e.contains("no dictionary page before it"), "{e}");
+    }
 }
