@@ -192,11 +192,20 @@ pub fn decode_row_group(
 fn check_pages(table: &ParquetTable, rg: usize, proj: &FileProjection, chunks: &ChunkSet) -> Result<(), String> {
     let meta = table.reader_metadata().metadata().row_group(rg);
     for c in (0..meta.num_columns()).filter(|&c| proj.mask.leaf_included(c)) {
-        let Some(r) = table.chunk_range(rg, c).filter(|r| !r.is_empty()) else { continue };
         let column = meta.column(c);
-        let len = usize::try_from(r.end - r.start).map_err(|_| format!("column chunk {r:?} too large"))?;
-        let bytes = chunks.get_bytes(r.start, len).map_err(|e| e.to_string())?;
-        pages::check_chunk(&bytes, r.start, column).map_err(|e| format!("column {}: {e}", column.column_path()))?;
+        let named = |e: String| format!("column {}: {e}", column.column_path());
+        // What arrow-rs reads as the chunk's pages (`ColumnChunkMetaData::byte_range`): from the
+        // dictionary offset whenever the footer has one, which `chunk_range` (what is fetched)
+        // does not follow when it is 0 or past the data offset.
+        let start = column.dictionary_page_offset().unwrap_or(column.data_page_offset());
+        let (Ok(start), Ok(len)) = (u64::try_from(start), usize::try_from(column.compressed_size())) else {
+            return Err(named(format!("a negative offset ({start}) or size in the footer")));
+        };
+        if len == 0 {
+            continue;
+        }
+        let bytes = chunks.get_bytes(start, len).map_err(|e| named(e.to_string()))?;
+        pages::check_chunk(&bytes, start, column).map_err(named)?;
     }
     Ok(())
 }
