@@ -237,6 +237,29 @@ fn a_corrupt_page_is_a_shard_error_naming_the_file_never_garbage() {
     assert_eq!(seen.len(), 20);
 }
 
+/// A file of 60 rows in row groups of 20 (`testdata::mixed`, uncompressed) written into `dir`,
+/// and the byte range of row group 1's `label` chunk, which starts with its dictionary page.
+fn label_chunk(dir: &Path) -> (Vec<u8>, std::ops::Range<u64>) {
+    let good = testdata::mixed(60, 20, testdata::Codec::None);
+    let (ds, _, _) = open(dir, &[("ok.parquet", good.clone())]).unwrap();
+    let table = ds.files()[0].table.clone();
+    let label = table.reader_metadata().metadata().row_group(1).column(1);
+    assert!(label.dictionary_page_offset().is_some(), "the test needs label's dictionary page");
+    let r = table.chunk_range(1, 1).unwrap();
+    (good, r)
+}
+
+/// `bad` (a `label_chunk` file damaged in row group 1) as bad.parquet: row group 0 still serves,
+/// and the error of a batch drawing on row group 1.
+fn row_group_1_error(dir: &Path, bad: Vec<u8>) -> Error {
+    let (ds, files, _) = open(dir, &[("bad.parquet", bad)]).unwrap();
+    let proj = ds.projection(None).unwrap();
+    let cache = Arc::new(DecodedCache::new(1 << 20));
+    let asm = BatchAssembler::new(ds.clone(), proj, cache, "bad").unwrap();
+    assert_eq!(ids(&asm.batch(&[0, 19], &files).unwrap()), [0, 19]);
+    asm.batch(&[25], &files).unwrap_err()
+}
+
 #[test]
 fn a_dictionary_page_claiming_more_values_than_it_holds_is_refused_before_decoding() {
     // arrow-rs sizes a dictionary from its page header's count before reading a value: a 4 KB
@@ -244,12 +267,7 @@ fn a_dictionary_page_claiming_more_values_than_it_holds_is_refused_before_decodi
     // count of row group 1's `label` dictionary (int32, ~10 values) is raised as far as its
     // varint's length allows, so the file keeps its layout.
     let dir = tempfile::tempdir().unwrap();
-    let good = testdata::mixed(60, 20, testdata::Codec::None);
-    let (ds, _, _) = open(dir.path(), &[("ok.parquet", good.clone())]).unwrap();
-    let table = ds.files()[0].table.clone();
-    let label = table.reader_metadata().metadata().row_group(1).column(1);
-    assert!(label.dictionary_page_offset().is_some(), "the test needs label's dictionary page");
-    let r = table.chunk_range(1, 1).unwrap();
+    let (good, r) = label_chunk(dir.path());
     let header = &good[r.start as usize..];
     // Field 7 (the dictionary page header, a struct: delta 4 after the sizes) and its field 1
     // (num_values, an i32) lie at the same place whatever the sizes, once found.
@@ -266,12 +284,7 @@ fn a_dictionary_page_claiming_more_values_than_it_holds_is_refused_before_decodi
             _ => 0xff,
         };
     }
-    let (ds, files, _) = open(dir.path(), &[("bad.parquet", bad)]).unwrap();
-    let proj = ds.projection(None).unwrap();
-    let cache = Arc::new(DecodedCache::new(1 << 20));
-    let asm = BatchAssembler::new(ds.clone(), proj, cache, "bad").unwrap();
-    assert_eq!(ids(&asm.batch(&[0, 19], &files).unwrap()), [0, 19]);
-    let e = asm.batch(&[25], &files).unwrap_err();
+    let e = row_group_1_error(dir.path(), bad);
     assert!(
         matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("bad.parquet")
             && reason.contains("row group 1") && reason.contains("label") && reason.contains("a dictionary of")
@@ -287,23 +300,13 @@ fn a_dictionary_encoded_page_without_its_dictionary_is_refused_before_decoding()
     // group 1's `label` dictionary page is turned into an index page, which readers skip, so the
     // data page after it has no dictionary.
     let dir = tempfile::tempdir().unwrap();
-    let good = testdata::mixed(60, 20, testdata::Codec::None);
-    let (ds, _, _) = open(dir.path(), &[("ok.parquet", good.clone())]).unwrap();
-    let table = ds.files()[0].table.clone();
-    let label = table.reader_metadata().metadata().row_group(1).column(1);
-    assert!(label.dictionary_page_offset().is_some(), "the test needs label's dictionary page");
-    let r = table.chunk_range(1, 1).unwrap();
+    let (good, r) = label_chunk(dir.path());
     let start = r.start as usize;
     // Field 1 (type, i32): zigzag 4 is DICTIONARY_PAGE (2), 2 is INDEX_PAGE (1).
     assert_eq!(good[start..start + 2], [0x15, 0x04], "the chunk starts with its dictionary page");
     let mut bad = good.clone();
     bad[start + 1] = 0x02;
-    let (ds, files, _) = open(dir.path(), &[("bad.parquet", bad)]).unwrap();
-    let proj = ds.projection(None).unwrap();
-    let cache = Arc::new(DecodedCache::new(1 << 20));
-    let asm = BatchAssembler::new(ds.clone(), proj, cache, "bad").unwrap();
-    assert_eq!(ids(&asm.batch(&[0, 19], &files).unwrap()), [0, 19]);
-    let e = asm.batch(&[25], &files).unwrap_err();
+    let e = row_group_1_error(dir.path(), bad);
     assert!(
         matches!(&e, Error::Shard { shard, reason, .. } if shard.ends_with("bad.parquet")
             && reason.contains("row group 1") && reason.contains("label")
