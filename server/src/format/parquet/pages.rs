@@ -144,24 +144,9 @@ fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
                 h.compressed = r.i32()?;
                 seen_sizes += 1;
             }
-            (5, STRUCT) => {
-                r.fields(1, |r, id, ty| match (id, ty) {
-                    (2, I32) => {
-                        h.data_encoding = Some(r.i32()?);
-                        Ok(())
-                    }
-                    _ => r.skip(ty, 2),
-                })?;
-            }
-            (7, STRUCT) => {
-                r.fields(1, |r, id, ty| match (id, ty) {
-                    (1, I32) => {
-                        h.dictionary_values = Some(r.i32()?);
-                        Ok(())
-                    }
-                    _ => r.skip(ty, 2),
-                })?;
-            }
+            // A v1 data page header's encoding; a dictionary page header's value count.
+            (5, STRUCT) => h.data_encoding = r.nested_i32(2)?,
+            (7, STRUCT) => h.dictionary_values = r.nested_i32(1)?,
             (8, STRUCT) => {
                 r.fields(1, |r, id, ty| match (id, ty) {
                     (4, I32) => {
@@ -267,6 +252,19 @@ impl Reader<'_> {
             last = id;
             f(self, id, ty)?;
         }
+    }
+
+    /// Field `want` (an i32) of a struct nested in the header, skipping its other fields.
+    fn nested_i32(&mut self, want: i16) -> Result<Option<i32>, String> {
+        let mut got = None;
+        self.fields(1, |r, id, ty| match (id, ty) {
+            (id, I32) if id == want => {
+                got = Some(r.i32()?);
+                Ok(())
+            }
+            _ => r.skip(ty, 2),
+        })?;
+        Ok(got)
     }
 
     /// Skips a value of type `ty`.
