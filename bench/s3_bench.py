@@ -129,10 +129,21 @@ def shardstream_index(path: Path) -> None:
         subprocess.run([SHARDSTREAM, "index", str(path)], check=True, capture_output=True)
 
 
-def plain_client(env: dict[str, str], bucket: str, prefix: str, concurrency: int, part: int) -> dict[str, Any]:
+def plain_client(
+    env: dict[str, str],
+    bucket: str,
+    prefix: str,
+    concurrency: int,
+    part: int,
+    write_dir: Path | None = None,
+    write_bytes: int | None = None,
+) -> dict[str, Any]:
+    """`s3_fetch`: discards the bytes, or with `write_dir` keeps them there (a file per object,
+    `write_bytes` gathered for each write; the daemon's MiB when None)."""
     exe = ROOT / "target/release/examples/s3_fetch"
+    store = [str(write_dir), *([str(write_bytes)] if write_bytes else [])] if write_dir else []
     out = subprocess.run(
-        [str(exe), bucket, prefix, str(concurrency), str(part)],
+        [str(exe), bucket, prefix, str(concurrency), str(part), *store],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -289,12 +300,14 @@ def main() -> None:
         # 1-2. Interleaved rounds: the server's own throughput to a plain client, then a cold and a
         # warm epoch on a fresh daemon with an empty cache. On a 2-core machine the server competes
         # with whatever else runs, so the ratio is taken within each round.
-        def plain_run() -> dict[str, Any]:
+        def plain_run(write_dir: Path | None = None) -> dict[str, Any]:
             # The server's own CPU during the run: on a small machine it shares the cores with the
             # loader, and this says how much of them it needs to deliver what it does.
             before = measure.cpu_seconds(server.proc.pid) or 0.0
-            r = plain_client(env, "bench", f"{spec.key()}/wds/", args.concurrency, args.part_bytes)
+            r = plain_client(env, "bench", f"{spec.key()}/wds/", args.concurrency, args.part_bytes, write_dir)
             r["server_cpu"] = (measure.cpu_seconds(server.proc.pid) or 0.0) - before
+            if write_dir is not None:
+                shutil.rmtree(write_dir, ignore_errors=True)
             return r
 
         rounds: list[dict[str, Any]] = []
@@ -306,6 +319,11 @@ def main() -> None:
             cached_gb = measure.meminfo_gb("Cached")
             plain = plain_run()
             print(f"round {rnd + 1}: plain client {plain['mb_per_s']:.0f} MB/s (load {load:.2f})", flush=True)
+            # The same client keeping what it downloads, as any node cache must (a file per object,
+            # a MiB a write, fsynced): what storing alone costs here, next to the cold epoch.
+            (scratch / f"stored-{rnd}").mkdir()
+            stored = plain_run(scratch / f"stored-{rnd}")
+            print(f"round {rnd + 1}: plain client storing {stored['mb_per_s']:.0f} MB/s", flush=True)
             d = scratch / f"cold-{rnd}"
             d.mkdir()
             proc, addr = daemon(d, env)
@@ -330,7 +348,9 @@ def main() -> None:
                 f" ({cold_mbps / plain['mb_per_s']:.2f}x plain), {cold['check']}",
                 flush=True,
             )
-            rounds.append({"plain": plain, "cold": cold, "warm": warm, "load": load, "cached_gb": cached_gb})
+            rounds.append(
+                {"plain": plain, "stored": stored, "cold": cold, "warm": warm, "load": load, "cached_gb": cached_gb}
+            )
         rows["rounds"] = rounds
 
         # 3. Time to first batch, 10,000 shards with a manifest; requests per epoch.
@@ -412,6 +432,9 @@ def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -
     plain_mbps = [r["plain"]["mb_per_s"] for r in rounds]
     cold_mbps = [shard_bytes / 1e6 / r["cold"]["seconds"] for r in rounds]
     ratios = [c / p for c, p in zip(cold_mbps, plain_mbps, strict=True)]
+    stored_mbps = [r["stored"]["mb_per_s"] for r in rounds]
+    stored_ratios = [s / p for s, p in zip(stored_mbps, plain_mbps, strict=True)]
+    cold_to_stored = [c / s for c, s in zip(cold_mbps, stored_mbps, strict=True)]
     checks = sorted({r["cold"]["check"] for r in rounds} | {r["warm"]["check"] for r in rounds})
     plain_busy = [r["plain"]["server_cpu"] / r["plain"]["seconds"] for r in rounds]
     cold_busy = [r["cold"]["server_cpu"] / r["cold"]["seconds"] for r in rounds]
@@ -432,8 +455,9 @@ def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -
         f"- Dataset: {spec.samples:,} samples of 16-20 KiB in {shards} WebDataset shards"
         f" ({shard_bytes / 1e9:.2f} GB), manifest written by `shardstream index`.",
         "",
-        f"- Method: {len(rounds)} interleaved rounds of (plain client, then a cold and a warm epoch on a fresh"
-        " daemon with an empty cache); load average (1 min) and the kernel's page cache (GB of"
+        f"- Method: {len(rounds)} interleaved rounds of (plain client, the same keeping the bytes, then a cold"
+        " and a warm epoch on a fresh daemon with an empty cache); load average (1 min) and the kernel's page"
+        " cache (GB of"
         f" {measure.meminfo_gb('MemTotal'):.0f}) at the start of each round: "
         + ", ".join(f"{r['load']:.2f} and {r['cached_gb']:.1f} GB" for r in rounds)
         + ". Cells: median (min-max) over the rounds; the ratio is taken within each round. The plain client"
@@ -449,6 +473,10 @@ def write_report(args, spec, rows, shard_bytes: int, shards: int, load_before) -
         f" {report.spread(cold_mbps, ',.0f')} MB/s of shards; {report.median(cold_gets):.0f} GETs;"
         f" server busy {report.spread(cold_busy, ',.2f')} cores | {report.spread(ratios, ',.2f')} of the plain"
         f" client, per round: {', '.join(f'{x:.2f}' for x in ratios)} |",
+        "| the plain client keeping the bytes (`s3_fetch ... WRITE_DIR`: a file per object, a MiB a write,"
+        f" fsynced, as the daemon writes its copies) | {report.spread(stored_mbps, ',.0f')} MB/s |"
+        f" {report.spread(stored_ratios, ',.2f')} of the plain client; the cold epoch"
+        f" {report.spread(cold_to_stored, ',.2f')} of it |",
         f"| S3 requests in the cold epoch | {report.median(cold_gets):.0f} for {shards} shards |"
         f" {report.median(cold_gets) / shards:.2f} per shard |",
         f"| shardstream warm epoch (node cache) | {report.spread(warm_sps, ',.0f')} samples/s,"

@@ -10,7 +10,11 @@ requests and bytes, and the load average. `--perf-record DIR` samples the daemon
 round's cold epochs with `perf record -g` (one `perf.data` per config) for `perf report`.
 `--warm` adds, after each cold epoch, the next epoch on the same daemon, from its node cache (the
 copies that cold epoch wrote), with its samples/s and CPU: what the way a download writes its
-copy costs the epochs after it.
+copy costs the epochs after it. `--plain-write` adds, after the plain client, the same client
+keeping the bytes (`s3_fetch ... WRITE_DIR`: a file per object written a MiB at a time and
+fsynced, as the daemon writes its copies, on the same disk): what storing alone costs, the
+least any node cache pays; each cold epoch is then also quoted against it (`x plain+write`).
+`--plain-write 1048576,65536` runs it once per write size given (the first is the reference).
 
 Run it against a release build (`maturin develop --release`, `cargo build --release --example
 s3_fetch`); it prints a markdown table and writes the raw rows as JSON next to `--out`.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -119,6 +124,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "s3_profile.md")
     ap.add_argument("--perf-record", type=Path, help="directory for perf.data of the first round's cold epochs")
     ap.add_argument("--warm", action="store_true", help="also the next epoch on each daemon, from its node cache")
+    ap.add_argument(
+        "--plain-write",
+        nargs="?",
+        const=str(WRITE_CHUNK),
+        type=lambda v: [int(x) for x in v.split(",")],
+        help="also the plain client keeping what it downloads (s3_fetch WRITE_DIR), optionally at these"
+        " comma-separated write sizes in bytes (default: the daemon's MiB)",
+    )
     a = ap.parse_args()
     configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1])) for c in a.config] or [("default", [])]
 
@@ -137,14 +150,31 @@ def main() -> None:
     load_before = os.getloadavg()
     try:
         for rnd in range(a.repeat):
-            s0 = measure.cpu_seconds(server.proc.pid) or 0.0
+            s0, c0 = measure.cpu_seconds(server.proc.pid) or 0.0, children_cpu()
             if (Path(s3_bench.ROOT) / "target/release/examples/s3_fetch").exists():
                 plain = s3_bench.plain_client(env, "bench", prefix, a.concurrency, a.part_bytes)
             else:
                 plain = plain_curl(server, prefix, [p.name for p in shards], a.concurrency)
             plain["server_cpu"] = (measure.cpu_seconds(server.proc.pid) or 0.0) - s0
+            plain["client_cpu"] = children_cpu() - c0
             rows.append({"round": rnd, "run": "plain", **plain, "load": os.getloadavg()[0]})
             print(f"round {rnd} plain: {plain['mb_per_s']:.0f} MB/s", flush=True)
+            stored = None
+            for size in a.plain_write or []:
+                out_dir = scratch / f"plain-write-{rnd}"
+                out_dir.mkdir()
+                s0, c0 = measure.cpu_seconds(server.proc.pid) or 0.0, children_cpu()
+                w = s3_bench.plain_client(env, "bench", prefix, a.concurrency, a.part_bytes, out_dir, size)
+                w["server_cpu"] = (measure.cpu_seconds(server.proc.pid) or 0.0) - s0
+                w["client_cpu"] = children_cpu() - c0
+                w["ratio"] = w["mb_per_s"] / plain["mb_per_s"]
+                run = write_run(size)
+                shutil.rmtree(out_dir, ignore_errors=True)
+                # Every other run is quoted against the first size given (the daemon's, by default).
+                stored = stored or w
+                w["ratio_stored"] = w["mb_per_s"] / stored["mb_per_s"]
+                rows.append({"round": rnd, "run": run, **w, "load": os.getloadavg()[0]})
+                print(f"round {rnd} {run}: {w['mb_per_s']:.0f} MB/s ({w['ratio']:.2f}x)", flush=True)
             for name, args in configs:
                 d = scratch / f"{name}-{rnd}"
                 d.mkdir()
@@ -152,6 +182,8 @@ def main() -> None:
                 r = cold_epoch(d, env, server.proc.pid, url, spec.samples, args, perf, a.warm)
                 r["mb_per_s"] = shard_bytes / 1e6 / r["seconds"]
                 r["ratio"] = r["mb_per_s"] / plain["mb_per_s"]
+                if stored is not None:
+                    r["ratio_stored"] = r["mb_per_s"] / stored["mb_per_s"]
                 rows.append({"round": rnd, "run": name, **r, "load": os.getloadavg()[0]})
                 print(f"round {rnd} {name}: {r['mb_per_s']:.0f} MB/s ({r['ratio']:.2f}x), {r['check']}", flush=True)
                 if "warm" in r:
@@ -167,18 +199,35 @@ def main() -> None:
     report(a, configs, rows, shard_bytes, len(shards), load_before)
 
 
+# The daemon's write size (`WRITE_CHUNK` in server/src/storage/s3.rs).
+WRITE_CHUNK = 1 << 20
+
+
+def write_run(size: int) -> str:
+    """The row of the plain client storing with writes of `size` bytes."""
+    return "plain+write" if size == WRITE_CHUNK else f"plain+write {size >> 10} KiB"
+
+
+def children_cpu() -> float:
+    """User+system CPU seconds of this process's reaped children (the plain client)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def report(a, configs, rows, shard_bytes: int, shards: int, load_before) -> None:
     lines = [
         f"`python bench/s3_profile.py --samples {a.samples} --repeat {a.repeat} --concurrency {a.concurrency}"
         + "".join(f" --config {shlex.quote(c)}" for c in a.config)
         + (" --warm" if a.warm else "")
+        + (f" --plain-write {','.join(map(str, a.plain_write))}" if a.plain_write else "")
         + f"`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {shards} shards, {shard_bytes / 1e9:.2f} GB;"
         f" load average before {' '.join(f'{x:.2f}' for x in load_before)},"
         f" after {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
         "",
-        "| run | MB/s (median, min-max) | x plain, same round (median, min-max) | server CPU-s | daemon CPU-s |"
-        " trainer CPU-s | GETs | check |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | MB/s (median, min-max) | x plain, same round (median, min-max) |"
+        + (" x plain+write, same round |" if a.plain_write else "")
+        + " server CPU-s | client or daemon CPU-s | trainer CPU-s | GETs | check |",
+        "|---|---|---|" + ("---|" if a.plain_write else "") + "---|---|---|---|---|",
     ]
 
     def span(xs: list[float], d: int = 0) -> str:
@@ -187,13 +236,17 @@ def report(a, configs, rows, shard_bytes: int, shards: int, load_before) -> None
     def med(rs: list[dict[str, Any]], k: str) -> str:
         return f"{statistics.median(r[k] for r in rs):.2f}" if k in rs[0] else ""
 
-    for name in ["plain"] + [n for n, _ in configs]:
+    plains = ["plain", *(write_run(size) for size in a.plain_write or [])]
+    for name in plains + [n for n, _ in configs]:
         rs = [r for r in rows if r["run"] == name]
         ratio = span([r["ratio"] for r in rs], 2) if name != "plain" else "1.00"
+        stored = ""
+        if a.plain_write:
+            stored = " - |" if name == "plain" else f" {span([r['ratio_stored'] for r in rs], 2)} |"
         checks = ",".join(sorted({r.get("check", "-") for r in rs}))
         lines.append(
-            f"| {name} | {span([r['mb_per_s'] for r in rs])} | {ratio} | {med(rs, 'server_cpu')} |"
-            f" {med(rs, 'daemon_cpu')} |"
+            f"| {name} | {span([r['mb_per_s'] for r in rs])} | {ratio} |{stored} {med(rs, 'server_cpu')} |"
+            f" {med(rs, 'client_cpu') or med(rs, 'daemon_cpu')} |"
             f" {med(rs, 'trainer_cpu')} | {int(statistics.median(r['requests'] for r in rs))} | {checks} |"
         )
     warm = {n: [r["warm"] for r in rows if r["run"] == n and "warm" in r] for n, _ in configs}

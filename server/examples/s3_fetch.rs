@@ -3,12 +3,23 @@
 //! `{"bytes": .., "seconds": .., "mb_per_s": .., "requests": ..}`. What the server can deliver
 //! to one client, so shardstream's cold epoch is quoted as a share of it.
 //!
-//! Usage: `s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES]` with `AWS_ENDPOINT_URL` and
-//! credentials in the environment.
+//! With `WRITE_DIR` it keeps the bytes instead, as any node cache must: each object goes into a
+//! file of that directory, written a MiB per `pwrite` off the async workers and fsynced once
+//! whole, the way the daemon writes its copies (`storage::s3`), without its CRC, index or
+//! trainer. What storing costs on its own, so the cold epoch's gap to the discarding client can
+//! be split into storing and the rest (bench/PROFILES.md).
+//!
+//! Usage: `s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES] [WRITE_DIR [WRITE_BYTES]]` with
+//! `AWS_ENDPOINT_URL` and credentials in the environment; `WRITE_BYTES` (default: the daemon's
+//! MiB) is how much is gathered for each write.
 
 mod plain_s3;
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use tokio::sync::Semaphore;
@@ -18,10 +29,12 @@ async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let (bucket, prefix) = match (args.get(1), args.get(2)) {
         (Some(b), Some(p)) => (b.clone(), p.clone()),
-        _ => anyhow::bail!("usage: s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES]"),
+        _ => anyhow::bail!("usage: s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES] [WRITE_DIR [WRITE_BYTES]]"),
     };
     let concurrency: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(8);
     let part: u64 = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(8 << 20);
+    let write_dir = args.get(5).map(PathBuf::from);
+    let write_bytes: usize = args.get(6).map(|s| s.parse()).transpose()?.unwrap_or(WRITE_CHUNK);
     let client = plain_s3::client().await;
 
     let mut objects = Vec::new();
@@ -45,18 +58,46 @@ async fn main() -> anyhow::Result<()> {
     let limit = Arc::new(Semaphore::new(concurrency));
     let mut tasks = tokio::task::JoinSet::new();
     for (key, size) in objects {
+        // Opened before the clock's first GET would be fairer still, but the daemon opens its
+        // copies inside its epoch too.
+        let file = match &write_dir {
+            Some(dir) => Some(Arc::new(File::create(dir.join(key.replace('/', "_")))?)),
+            None => None,
+        };
+        let (total_parts, written) = (size.div_ceil(part), Arc::new(AtomicU64::new(0)));
         let mut at = 0;
         while at < size {
             let end = (at + part).min(size);
             let (client, bucket, key, limit) = (client.clone(), bucket.clone(), key.clone(), limit.clone());
+            let (file, written) = (file.clone(), written.clone());
             tasks.spawn(async move {
                 let _slot = limit.acquire_owned().await?;
                 let resp =
                     client.get_object().bucket(bucket).key(key).range(format!("bytes={at}-{}", end - 1)).send().await?;
                 let mut body = resp.body;
                 let mut n = 0u64;
+                let mut pending: Vec<bytes::Bytes> = Vec::new();
+                let mut pending_len = 0usize;
                 while let Some(chunk) = body.try_next().await? {
                     n += chunk.len() as u64;
+                    if let Some(file) = &file {
+                        pending_len += chunk.len();
+                        pending.push(chunk);
+                        if pending_len >= write_bytes {
+                            let pos = at + n - pending_len as u64;
+                            write_at(file.clone(), std::mem::take(&mut pending), pos).await?;
+                            pending_len = 0;
+                        }
+                    }
+                }
+                if let Some(file) = &file {
+                    write_at(file.clone(), pending, at + n - pending_len as u64).await?;
+                    // The object is whole once every part is written: the last part to finish
+                    // fsyncs it, as the daemon does before it publishes a copy.
+                    if written.fetch_add(1, Ordering::AcqRel) + 1 == total_parts {
+                        let file = file.clone();
+                        tokio::task::spawn_blocking(move || file.sync_all()).await??;
+                    }
                 }
                 anyhow::Ok(n)
             });
@@ -74,4 +115,19 @@ async fn main() -> anyhow::Result<()> {
         serde_json::json!({"bytes": bytes, "seconds": seconds, "mb_per_s": bytes as f64 / 1e6 / seconds, "requests": requests})
     );
     Ok(())
+}
+
+/// The daemon's write size (`storage::s3::WRITE_CHUNK`).
+const WRITE_CHUNK: usize = 1 << 20;
+
+/// Writes `chunks` back to back at `pos`, off the async workers as the daemon does.
+async fn write_at(file: Arc<File>, chunks: Vec<bytes::Bytes>, mut pos: u64) -> anyhow::Result<()> {
+    tokio::task::spawn_blocking(move || {
+        for c in &chunks {
+            file.write_all_at(c, pos)?;
+            pos += c.len() as u64;
+        }
+        anyhow::Ok(())
+    })
+    .await?
 }
