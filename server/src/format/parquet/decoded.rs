@@ -17,8 +17,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use arrow_array::RecordBatch;
 
-/// Default budget of decoded row groups per daemon: room for a default shuffle window (16 row
-/// groups of `pack`'s ~20 MB) for a few streams, small beside the node cache.
+/// Default budget of decoded row groups per daemon: room for the default shuffle windows
+/// (`service::DEFAULT_SHUFFLE_WINDOW`, 8 row groups of `pack`'s ~20 MB) of a few streams, small
+/// beside the node cache. A fresh daemon fills it with new memory in its first epoch, which costs
+/// that epoch dearly where new memory is dear (bench/PARQUET_PROFILE.md).
 pub const DEFAULT_BUDGET_BYTES: u64 = 1 << 30;
 
 /// The daemon's cache, shared by every stream (made on first use with [`DEFAULT_BUDGET_BYTES`];
