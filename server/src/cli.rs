@@ -113,7 +113,8 @@ pub struct ServeArgs {
     pub no_keep_decoded: bool,
     /// Memory for decoded Parquet row groups, shared by all streams (e.g. 4GiB). A shuffled
     /// epoch decodes each row group about once while the dataset's selected columns, decoded,
-    /// fit; past that, row groups are decoded again every epoch.
+    /// fit; past that, row groups are decoded again every epoch, and only what the streams'
+    /// windows need is held (4 windows a stream, at least a quarter of the budget).
     #[arg(long, env = "SHARDSTREAM_DECODED_BUDGET", default_value = "1GiB", value_parser = limits::parse_decoded_budget)]
     pub decoded_budget: u64,
     /// How far ahead of each consumer to fetch shards, in seconds of its consumption.

@@ -157,6 +157,59 @@ fn a_batch_over_many_cold_row_groups_decodes_each_once_in_parallel() {
     assert_eq!((s.misses, s.hits), (units.len() as u64, units.len() as u64));
 }
 
+/// A projection whose row groups, decoded, cannot all fit the budget keeps them only within what
+/// its stream's window claims (the rest of the budget is not filled with new memory in its first
+/// epoch); one that fits keeps them up to the whole budget; the claim ends with the stream.
+#[test]
+fn an_outgrown_projection_is_kept_within_its_windows_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    // 40 row groups of 10 rows, all alike.
+    let (ds, files, _) =
+        open(dir.path(), &[("even.parquet", testdata::mixed(400, 10, testdata::Codec::None))]).unwrap();
+    let proj = ds.projection(None).unwrap();
+    let probe = BatchAssembler::new(ds.clone(), proj.clone(), Arc::new(DecodedCache::new(1 << 30)), "p").unwrap();
+    let (total, largest) = probe.projected_sizes();
+    assert!(total > 0 && largest * 20 < total, "{total} {largest}");
+    // One row of every row group, in file order: every row group decoded once.
+    let firsts: Vec<u64> = ds.unit_rows().iter().scan(0u64, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let epoch = |asm: &BatchAssembler| {
+        for &id in &firsts {
+            asm.batch(&[id], &files).unwrap();
+        }
+    };
+
+    let fits = Arc::new(DecodedCache::new(1 << 30));
+    let asm = BatchAssembler::new(ds.clone(), proj.clone(), fits.clone(), "ds").unwrap().with_window(1);
+    assert!(!asm.outgrown());
+    epoch(&asm);
+    assert_eq!(fits.stats().entries, firsts.len() as u64, "{:?}", fits.stats());
+    assert_eq!(fits.stats().outgrown_bytes, 0);
+
+    // A budget just too small for the projection: without a window's claim (as before) it fills.
+    let budget = total - 1;
+    let filled = Arc::new(DecodedCache::new(budget));
+    epoch(&BatchAssembler::new(ds.clone(), proj.clone(), filled.clone(), "ds").unwrap());
+    let kept_unclaimed = filled.stats().bytes;
+    assert!(kept_unclaimed > budget / 2, "{:?}", filled.stats());
+
+    let cache = Arc::new(DecodedCache::new(budget));
+    let asm = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap().with_window(2);
+    assert!(asm.outgrown(), "{total} bytes of row groups against a budget of {budget}");
+    epoch(&asm);
+    let s = cache.stats();
+    // 4 windows of 2 row groups claim less than the floor of a quarter of the budget.
+    assert_eq!(s.outgrown_cap, budget / 4, "{s:?}");
+    assert_eq!(s.bytes, s.outgrown_bytes, "every row group kept is the outgrown projection's");
+    assert!(s.outgrown_bytes <= s.outgrown_cap && s.evictions > 0, "{s:?}");
+    assert!(s.bytes < kept_unclaimed, "kept {} where the whole budget kept {kept_unclaimed}", s.bytes);
+    assert_eq!(s.misses, firsts.len() as u64, "each row group decoded once all the same");
+    // A second stream's claim adds to the first's.
+    let wide = BatchAssembler::new(ds.clone(), proj.clone(), cache.clone(), "ds").unwrap().with_window(20);
+    assert_eq!(cache.stats().outgrown_cap, (4 * 2 * largest + 4 * 20 * largest).min(budget));
+    drop((asm, wide));
+    assert_eq!(cache.stats().outgrown_cap, budget / 4, "the streams' claims end with them");
+}
+
 #[test]
 fn a_row_group_is_read_only_for_its_selected_columns_and_ipc_fits_a_slot() {
     let dir = tempfile::tempdir().unwrap();

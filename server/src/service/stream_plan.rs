@@ -106,7 +106,7 @@ pub(super) fn plan_stream(
             let cache = crate::format::parquet::decoded::shared();
             // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
             let id = format!("{}@{}", ds.fingerprint, ds.url);
-            let asm = BatchAssembler::new(pq.clone(), projection, cache, &id)?;
+            let asm = BatchAssembler::new(pq.clone(), projection, cache, &id)?.with_window(params.window_shards);
             let asm = if req.arrow_binary_views { asm.with_binary_views()? } else { asm };
             // Row groups decoded for views, and others decoded a second time, are kept on the
             // node's disk, for this daemon and the next one (see `format::parquet::kept`).

@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
 use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Schema, SchemaRef};
 
-use super::decode::{chunk_ranges, decode_row_group, read_row_group};
-use super::decoded::{DatasetTag, DecodedCache, RowGroupKey};
+use super::decode::{chunk_ranges, decode_row_group, projected_bytes, read_row_group};
+use super::decoded::{DatasetTag, DecodedCache, OutgrownShare, RowGroupKey};
 use super::mapped::{self, MappedFile};
 use super::schema::{FileProjection, Projection};
 use super::{ParquetError, ParquetTable, direct, footer, ipc};
@@ -216,6 +216,8 @@ pub struct BatchAssembler {
     spilling: AtomicBool,
     /// Per plan unit, while spilling: [`UNKEPT`], [`QUEUED`] or [`SETTLED`].
     keeping: Arc<Vec<AtomicU8>>,
+    /// Set when the projection, decoded, cannot fit the decoded budget ([`Self::with_window`]).
+    outgrown: Option<OutgrownShare>,
 }
 
 /// States of a plan unit's keeping ([`BatchAssembler::keep_later`]): not kept, handed to the
@@ -379,7 +381,36 @@ impl BatchAssembler {
             kept: None,
             spilling: AtomicBool::new(false),
             keeping: Arc::new(Vec::new()),
+            outgrown: None,
         })
+    }
+
+    /// This assembler, for a stream whose shuffle window is `window` plan units (row groups):
+    /// when the projection's row groups, decoded, add up to more than the decoded budget, they
+    /// are kept only within what this stream's window claims (see [`super::decoded`]).
+    pub fn with_window(mut self, window: u32) -> Self {
+        let (total, largest) = self.projected_sizes();
+        self.outgrown = self.cache.share_for(total, largest.saturating_mul(u64::from(window.max(1))));
+        self
+    }
+
+    /// The projection's row groups decoded, all files, and the largest of them, as the footers
+    /// tell it ([`projected_bytes`]).
+    pub fn projected_sizes(&self) -> (u64, u64) {
+        let (mut total, mut largest) = (0u64, 0u64);
+        for (file, proj) in self.dataset.files.iter().zip(&self.per_file) {
+            for rg in 0..file.table.num_row_groups() {
+                let bytes = projected_bytes(&file.table, rg, proj);
+                total = total.saturating_add(bytes);
+                largest = largest.max(bytes);
+            }
+        }
+        (total, largest)
+    }
+
+    /// Whether the projection outgrew the decoded budget ([`Self::with_window`]).
+    pub fn outgrown(&self) -> bool {
+        self.outgrown.is_some()
     }
 
     /// This assembler, keeping row groups in `kept` and loading them from there (see
@@ -643,7 +674,7 @@ impl BatchAssembler {
         let (fi, rg) = self.dataset.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
         let file = &self.dataset.files[fi];
         let key = self.key(fi, rg);
-        let batch = self.cache.get_or_decode(&key, || {
+        let batch = self.cache.get_or_decode_as(&key, self.outgrown.is_some(), || {
             if let Some(batch) = self.kept(fi, rg) {
                 self.settle(u);
                 return Ok(batch);

@@ -36,6 +36,19 @@ pub fn chunk_ranges(table: &ParquetTable, rg: usize, proj: &FileProjection) -> V
     merge_ranges(ranges)
 }
 
+/// What row group `rg` of `proj` takes decoded, as the footer tells it without reading a page:
+/// the uncompressed sizes of the selected leaf columns' chunks (a negative size, which the decode
+/// refuses, counts 0). Dictionary-encoded values decode to more than that.
+pub fn projected_bytes(table: &ParquetTable, rg: usize, proj: &FileProjection) -> u64 {
+    let Some(meta) = table.reader_metadata().metadata().row_groups().get(rg) else { return 0 };
+    meta.columns()
+        .iter()
+        .enumerate()
+        .filter(|&(c, _)| proj.mask.leaf_included(c))
+        .map(|(_, chunk)| u64::try_from(chunk.uncompressed_size()).unwrap_or(0))
+        .sum()
+}
+
 /// `ranges` sorted by start, overlapping ones and ones at most [`MERGE_GAP`] apart made one.
 pub fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
     ranges.sort_unstable_by_key(|r| r.start);

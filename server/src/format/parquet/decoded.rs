@@ -11,6 +11,16 @@
 //! through `Arc`s beyond the bound (at most a stream's window each). Concurrent requests for the
 //! same row group decode it once: the others wait for the first (decoding runs on blocking
 //! threads, so the wait is a `Condvar`).
+//!
+//! A projection whose row groups, decoded, cannot all fit the budget ("outgrown": the footers'
+//! uncompressed sizes of its columns add up to more) gains little from the row groups kept
+//! after its streams' windows have moved on: the next epoch wants them in another order, and
+//! from its second decode of a row group on a stream keeps them on disk (`super::kept`). Filling
+//! the budget with them costs a fresh daemon's first epoch that much new memory, which on a VM
+//! cost more than all the decoding (bench/PARQUET_PROFILE.md). So each stream of an outgrown
+//! projection claims an [`OutgrownShare`] of [`OUTGROWN_WINDOWS`] windows, and the row groups of
+//! outgrown projections are kept only up to what the live shares claim (at least a quarter of the
+//! budget), least recently used first; the rest of the budget stays for projections that fit.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -19,9 +29,13 @@ use arrow_array::RecordBatch;
 
 /// Default budget of decoded row groups per daemon: room for the default shuffle windows
 /// (`service::DEFAULT_SHUFFLE_WINDOW`, 8 row groups of `pack`'s ~20 MB) of a few streams, small
-/// beside the node cache. A fresh daemon fills it with new memory in its first epoch, which costs
-/// that epoch dearly where new memory is dear (bench/PARQUET_PROFILE.md).
+/// beside the node cache. Only projections that fit it fill it (see the module docs).
 pub const DEFAULT_BUDGET_BYTES: u64 = 1 << 30;
+
+/// What a stream of an outgrown projection claims: this many of its windows of its largest row
+/// group (the window being decoded, the one before it still being drawn from, and room for
+/// streams of the node that read nearby windows).
+pub const OUTGROWN_WINDOWS: u64 = 4;
 
 /// The daemon's cache, shared by every stream (made on first use with [`DEFAULT_BUDGET_BYTES`];
 /// `serve --decoded-budget` sets another with [`DecodedCache::set_budget`]).
@@ -84,6 +98,9 @@ pub struct DecodedStats {
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
+    /// Bytes of row groups of outgrown projections, and what they may hold (see the module docs).
+    pub outgrown_bytes: u64,
+    pub outgrown_cap: u64,
 }
 
 #[derive(Debug)]
@@ -91,6 +108,7 @@ struct Entry {
     batch: Arc<RecordBatch>,
     bytes: u64,
     last_use: u64,
+    outgrown: bool,
 }
 
 #[derive(Debug, Default)]
@@ -99,6 +117,10 @@ struct State {
     /// last_use -> key: the eviction order.
     lru: BTreeMap<u64, RowGroupKey>,
     decoding: HashSet<RowGroupKey>,
+    /// The eviction order of the outgrown entries alone (a subset of `lru`).
+    outgrown_lru: BTreeMap<u64, RowGroupKey>,
+    /// What the live [`OutgrownShare`]s claim, together.
+    outgrown_claims: u64,
     /// Row groups decoded once and then let go of (evicted, or too large to keep): decoding one
     /// again means the budget cannot hold this projection's working set. Cleared when it reaches
     /// [`MAX_LET_GO`] keys, which only makes a later [`DecodedCache::decoded_before`] say no.
@@ -116,6 +138,21 @@ pub struct DecodedCache {
     done: Condvar,
 }
 
+/// A live stream's claim on the cache for an outgrown projection ([`DecodedCache::share_for`]),
+/// given back when dropped.
+#[derive(Debug)]
+pub struct OutgrownShare {
+    cache: Arc<DecodedCache>,
+    claim: u64,
+}
+
+impl Drop for OutgrownShare {
+    fn drop(&mut self) {
+        let mut st = self.cache.lock();
+        st.outgrown_claims = st.outgrown_claims.saturating_sub(self.claim);
+    }
+}
+
 impl DecodedCache {
     pub fn new(budget: u64) -> Self {
         let stats = DecodedStats { budget, ..Default::default() };
@@ -129,7 +166,23 @@ impl DecodedCache {
     }
 
     pub fn stats(&self) -> DecodedStats {
-        self.lock().stats
+        let st = self.lock();
+        DecodedStats { outgrown_cap: st.outgrown_cap(), ..st.stats }
+    }
+
+    /// A stream's claim for a projection of `projection_bytes` (its row groups decoded, all
+    /// files) whose shuffle window holds at most `window_bytes`: `None` when the projection fits
+    /// the budget (its row groups may use all of it), else an [`OutgrownShare`] of
+    /// [`OUTGROWN_WINDOWS`] windows, held while the stream lives; its row groups are then decoded
+    /// with `outgrown` set ([`Self::get_or_decode_as`]).
+    pub fn share_for(self: &Arc<Self>, projection_bytes: u64, window_bytes: u64) -> Option<OutgrownShare> {
+        let mut st = self.lock();
+        if projection_bytes <= st.stats.budget {
+            return None;
+        }
+        let claim = window_bytes.saturating_mul(OUTGROWN_WINDOWS);
+        st.outgrown_claims = st.outgrown_claims.saturating_add(claim);
+        Some(OutgrownShare { cache: self.clone(), claim })
     }
 
     /// Whether row group `key` was decoded before and then let go of: a decode of it now is a
@@ -146,8 +199,12 @@ impl DecodedCache {
         let st = &mut *guard;
         let Some(e) = st.map.get_mut(key) else { return };
         st.stats.bytes = st.stats.bytes - e.bytes + bytes;
+        if e.outgrown {
+            st.stats.outgrown_bytes = st.stats.outgrown_bytes - e.bytes + bytes;
+        }
         e.batch = batch;
         e.bytes = bytes;
+        st.evict_outgrown_to(0);
         st.evict_to(0);
         crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
     }
@@ -177,6 +234,17 @@ impl DecodedCache {
         key: &RowGroupKey,
         decode: impl FnOnce() -> Result<RecordBatch, E>,
     ) -> Result<Arc<RecordBatch>, E> {
+        self.get_or_decode_as(key, false, decode)
+    }
+
+    /// [`Self::get_or_decode`] for a row group of an outgrown projection when `outgrown` (see
+    /// [`Self::share_for`]): kept within what the live shares claim.
+    pub fn get_or_decode_as<E>(
+        &self,
+        key: &RowGroupKey,
+        outgrown: bool,
+        decode: impl FnOnce() -> Result<RecordBatch, E>,
+    ) -> Result<Arc<RecordBatch>, E> {
         let mut st = self.lock();
         loop {
             if let Some(b) = st.touch(key) {
@@ -203,7 +271,7 @@ impl DecodedCache {
         let batch = Arc::new(decode()?);
         // Measured before the lock: it walks every buffer of the row group.
         let bytes = held_bytes(&batch);
-        self.lock().insert(key.clone(), batch.clone(), bytes);
+        self.lock().insert(key.clone(), batch.clone(), bytes, outgrown);
         drop(mark);
         Ok(batch)
     }
@@ -214,12 +282,16 @@ impl State {
         self.tick += 1;
         let e = self.map.get_mut(key)?;
         self.lru.remove(&e.last_use);
+        if e.outgrown {
+            self.outgrown_lru.remove(&e.last_use);
+            self.outgrown_lru.insert(self.tick, key.clone());
+        }
         e.last_use = self.tick;
         self.lru.insert(self.tick, key.clone());
         Some(e.batch.clone())
     }
 
-    fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>, bytes: u64) {
+    fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>, bytes: u64, outgrown: bool) {
         if self.map.contains_key(&key) {
             return;
         }
@@ -227,26 +299,59 @@ impl State {
             self.let_go_of(key);
             return;
         }
+        if outgrown {
+            self.evict_outgrown_to(bytes);
+        }
         self.evict_to(bytes);
         self.tick += 1;
         self.lru.insert(self.tick, key.clone());
-        self.map.insert(key, Entry { batch, bytes, last_use: self.tick });
+        if outgrown {
+            self.outgrown_lru.insert(self.tick, key.clone());
+            self.stats.outgrown_bytes += bytes;
+        }
+        self.map.insert(key, Entry { batch, bytes, last_use: self.tick, outgrown });
         self.stats.bytes += bytes;
         self.stats.entries = self.map.len() as u64;
         crate::metrics::parquet_decoded(self.stats.bytes, self.stats.budget);
+    }
+
+    /// What the row groups of outgrown projections may hold: what the live shares claim, at
+    /// least a quarter of the budget (left by projections that end), at most all of it.
+    fn outgrown_cap(&self) -> u64 {
+        self.outgrown_claims.max(self.stats.budget / 4).min(self.stats.budget)
     }
 
     /// Evicts least recently used row groups until `room` more bytes fit in the budget.
     fn evict_to(&mut self, room: u64) {
         while self.stats.bytes + room > self.stats.budget {
             let Some((_, old)) = self.lru.pop_first() else { break };
-            if let Some(e) = self.map.remove(&old) {
-                self.stats.bytes -= e.bytes;
-                self.stats.evictions += 1;
-                self.let_go_of(old);
-            }
+            self.evict(old);
         }
         self.stats.entries = self.map.len() as u64;
+    }
+
+    /// Evicts least recently used row groups of outgrown projections until `room` more bytes
+    /// of them fit in [`Self::outgrown_cap`].
+    fn evict_outgrown_to(&mut self, room: u64) {
+        let cap = self.outgrown_cap();
+        while self.stats.outgrown_bytes + room > cap {
+            let Some((last_use, old)) = self.outgrown_lru.pop_first() else { break };
+            self.lru.remove(&last_use);
+            self.evict(old);
+        }
+        self.stats.entries = self.map.len() as u64;
+    }
+
+    /// Drops `key`, already out of the eviction order it was taken from, out of the other.
+    fn evict(&mut self, key: RowGroupKey) {
+        let Some(e) = self.map.remove(&key) else { return };
+        self.stats.bytes -= e.bytes;
+        if e.outgrown {
+            self.outgrown_lru.remove(&e.last_use);
+            self.stats.outgrown_bytes -= e.bytes;
+        }
+        self.stats.evictions += 1;
+        self.let_go_of(key);
     }
 
     fn let_go_of(&mut self, key: RowGroupKey) {
@@ -363,6 +468,34 @@ mod tests {
         // An error is not cached.
         assert!(small.get_or_decode(&key(1), || Err::<RecordBatch, _>("bad")).is_err());
         assert_eq!(small.stats().entries, 0);
+    }
+
+    #[test]
+    fn outgrown_row_groups_stay_within_their_claims_and_leave_the_others_alone() {
+        let size = held_bytes(&testdata::mixed_batch(0..100));
+        let cache = Arc::new(DecodedCache::new(8 * size));
+        assert!(cache.share_for(8 * size, size).is_none(), "a projection that fits claims nothing");
+        let share = cache.share_for(8 * size + 1, size / 2).expect("outgrown");
+        assert_eq!(cache.stats().outgrown_cap, 2 * size, "4 windows of half a row group, or the floor");
+        let get = |rg, outgrown| {
+            cache.get_or_decode_as(&key(rg), outgrown, || Ok::<_, ()>(testdata::mixed_batch(0..100))).unwrap()
+        };
+        for rg in 0..3 {
+            get(rg, false);
+        }
+        for rg in 10..15 {
+            get(rg, true);
+        }
+        let s = cache.stats();
+        // The outgrown ones evicted one another, oldest first; the others stayed.
+        assert_eq!((s.entries, s.bytes, s.outgrown_bytes, s.evictions), (5, 5 * size, 2 * size, 3), "{s:?}");
+        assert!(cache.get(&key(0)).is_some() && cache.get(&key(13)).is_some() && cache.get(&key(12)).is_none());
+        // Touched, an outgrown row group is the last of them to go.
+        get(13, true);
+        get(15, true);
+        assert!(cache.get(&key(13)).is_some() && cache.get(&key(14)).is_none());
+        drop(share);
+        assert_eq!(cache.stats().outgrown_cap, 2 * size, "the floor: a quarter of the budget");
     }
 
     #[test]
