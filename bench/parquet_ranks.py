@@ -17,7 +17,6 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,34 +53,22 @@ def stream_ids(args: tuple[str, str, int, int]) -> list[int]:
 
 def epoch(data: str, rows: int, site: str | None) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="pq-ranks-"))
-    addr = f"unix://{tmp}/sock"
-    log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    cmd = [str(bench_daemon.executable()), "serve", "--listen", addr, "--cache-dir", str(tmp / "cache"), "--log", LOG]
-    proc = subprocess.Popen(cmd, env=bench_daemon.env_for(site), stdout=log, stderr=log)
+    daemon = bench_daemon.Daemon.start(tmp, env={"SHARDSTREAM_LOG": LOG}, site=site)
+    env_site = os.environ.get("PYTHONPATH")
     try:
-        deadline = time.monotonic() + 30
-        while not (tmp / "sock").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daemon did not start: {(tmp / 'daemon.log').read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
-        env_site = os.environ.get("PYTHONPATH")
         if site:
             os.environ["PYTHONPATH"] = site  # the pool's processes import the site's client too
-        try:
-            t0 = time.perf_counter()
-            with mp.get_context("spawn").Pool(RANKS * WORKERS) as pool:
-                out = pool.map(stream_ids, [(data, addr, r, w) for r in range(RANKS) for w in range(WORKERS)])
-            seconds = time.perf_counter() - t0
-        finally:
-            if env_site is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = env_site
+        t0 = time.perf_counter()
+        with mp.get_context("spawn").Pool(RANKS * WORKERS) as pool:
+            out = pool.map(stream_ids, [(data, daemon.addr, r, w) for r in range(RANKS) for w in range(WORKERS)])
+        seconds = time.perf_counter() - t0
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-    again = (tmp / "daemon.log").read_text(errors="replace").count("a row group decoded again")
+        if env_site is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = env_site
+        daemon.stop()
+    again = daemon.log.read_text(errors="replace").count("a row group decoded again")
     ids = sorted(i for o in out for i in o)
     shutil.rmtree(tmp, ignore_errors=True)
     check = "ok" if ids == list(range(rows)) else f"MISMATCH ({len(ids)} rows, {len(set(ids))} distinct)"
