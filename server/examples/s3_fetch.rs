@@ -15,6 +15,7 @@
 
 mod plain_s3;
 
+use anyhow::Context;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -58,10 +59,13 @@ async fn main() -> anyhow::Result<()> {
     let limit = Arc::new(Semaphore::new(concurrency));
     let mut tasks = tokio::task::JoinSet::new();
     for (key, size) in objects {
-        // Opened before the clock's first GET would be fairer still, but the daemon opens its
-        // copies inside its epoch too.
+        // Opened inside the timed run, as the daemon opens its copies inside its epoch.
         let file = match &write_dir {
-            Some(dir) => Some(Arc::new(File::create(dir.join(key.replace('/', "_")))?)),
+            Some(dir) => {
+                let path = dir.join(key.replace('/', "_"));
+                let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+                Some((Arc::new(file), Arc::new(path)))
+            }
             None => None,
         };
         let (total_parts, written) = (size.div_ceil(part), Arc::new(AtomicU64::new(0)));
@@ -80,23 +84,26 @@ async fn main() -> anyhow::Result<()> {
                 let mut pending_len = 0usize;
                 while let Some(chunk) = body.try_next().await? {
                     n += chunk.len() as u64;
-                    if let Some(file) = &file {
+                    if let Some(dest) = &file {
                         pending_len += chunk.len();
                         pending.push(chunk);
                         if pending_len >= write_bytes {
                             let pos = at + n - pending_len as u64;
-                            write_at(file.clone(), std::mem::take(&mut pending), pos).await?;
+                            write_at(dest, std::mem::take(&mut pending), pos).await?;
                             pending_len = 0;
                         }
                     }
                 }
-                if let Some(file) = &file {
-                    write_at(file.clone(), pending, at + n - pending_len as u64).await?;
+                if let Some(dest) = &file {
+                    write_at(dest, pending, at + n - pending_len as u64).await?;
                     // The object is whole once every part is written: the last part to finish
                     // fsyncs it, as the daemon does before it publishes a copy.
                     if written.fetch_add(1, Ordering::AcqRel) + 1 == total_parts {
-                        let file = file.clone();
-                        tokio::task::spawn_blocking(move || file.sync_all()).await??;
+                        let (f, path) = dest.clone();
+                        tokio::task::spawn_blocking(move || {
+                            f.sync_all().with_context(|| format!("cannot fsync {}", path.display()))
+                        })
+                        .await??;
                     }
                 }
                 anyhow::Ok(n)
@@ -120,11 +127,13 @@ async fn main() -> anyhow::Result<()> {
 /// The daemon's write size (`storage::s3::WRITE_CHUNK`).
 const WRITE_CHUNK: usize = 1 << 20;
 
-/// Writes `chunks` back to back at `pos`, off the async workers as the daemon does.
-async fn write_at(file: Arc<File>, chunks: Vec<bytes::Bytes>, mut pos: u64) -> anyhow::Result<()> {
+/// Writes `chunks` back to back at `pos` of `dest` (the file and its path), off the async
+/// workers as the daemon does.
+async fn write_at(dest: &(Arc<File>, Arc<PathBuf>), chunks: Vec<bytes::Bytes>, mut pos: u64) -> anyhow::Result<()> {
+    let (file, path) = dest.clone();
     tokio::task::spawn_blocking(move || {
         for c in &chunks {
-            file.write_all_at(c, pos)?;
+            file.write_all_at(c, pos).with_context(|| format!("cannot write {} at {pos}", path.display()))?;
             pos += c.len() as u64;
         }
         anyhow::Ok(())
