@@ -399,8 +399,8 @@ fn served_as_is(dest: &Path, expected: &Samples) {
     use shardstream::format::parquet::decoded::DecodedCache;
     struct Files<'a>(&'a shardstream::index::Dataset);
     impl FileReader for Files<'_> {
-        fn read_bytes(&self, file: usize, offset: u64, len: usize) -> shardstream::Result<Vec<u8>> {
-            self.0.shard(file)?.file.read_vec(len, offset)
+        fn read_bytes(&self, file: usize, offset: u64, len: usize) -> shardstream::Result<bytes::Bytes> {
+            shardstream::format::parquet::dataset::read_recycled(&self.0.shard(file)?.file, len, offset)
         }
     }
     // Every footer in one bundle the manifest names, under the manifest's identities.

@@ -24,9 +24,9 @@ struct WorkingFiles<'a> {
 }
 
 impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
-    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Vec<u8>> {
+    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<bytes::Bytes> {
         let mut working = self.working.lock().unwrap_or_else(|p| p.into_inner());
-        working.get(self.ds, file)?.file.read_vec(len, offset)
+        crate::format::parquet::dataset::read_recycled(&working.get(self.ds, file)?.file, len, offset)
     }
 
     fn cached_copy(&self, file: usize) -> Result<Option<crate::format::parquet::dataset::CachedCopy>> {

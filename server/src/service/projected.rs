@@ -140,7 +140,7 @@ impl ProjectedReader<'_> {
 }
 
 impl FileReader for ProjectedReader<'_> {
-    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Vec<u8>> {
+    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<bytes::Bytes> {
         // Rarely taken: the decoder maps these copies (`cached_copy`), so a zero fill is no cost.
         self.with_copy(file, |pf, pin, copy| {
             let at = pf.locate(offset..offset + len as u64).ok_or_else(|| {
@@ -150,7 +150,7 @@ impl FileReader for ProjectedReader<'_> {
             let mut buf = vec![0; len];
             copy.read_exact_at(&mut buf, at)
                 .map_err(|e| Error::io("cannot read cached column chunks", pin.path(), e))?;
-            Ok(buf)
+            Ok(buf.into())
         })
     }
 

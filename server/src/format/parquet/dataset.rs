@@ -18,12 +18,13 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
 
 use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Schema, SchemaRef};
+use bytes::Bytes;
 
 use super::decode::{chunk_ranges, decode_row_group, projected_bytes, read_row_group};
 use super::decoded::{DatasetTag, DecodedCache, OutgrownShare, RowGroupKey};
 use super::mapped::{self, MappedFile};
 use super::schema::{FileProjection, Projection};
-use super::{ParquetError, ParquetTable, direct, footer, ipc};
+use super::{ParquetError, ParquetTable, direct, footer, ipc, recycled};
 use crate::{Error, Result};
 
 /// One file of the dataset.
@@ -141,10 +142,11 @@ fn decode_threads() -> usize {
 
 /// Reads the files of a dataset ([`DatasetFile::index`]).
 pub trait FileReader: Sync {
-    /// Exactly `len` bytes of file `file` at `offset`, in a new buffer. Implementations read into
-    /// it without zero-filling it first: a cold epoch reads every column chunk this way, and the
-    /// zero fill of its buffers was ~6% of the daemon's time (bench/PARQUET_PROFILE.md).
-    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Vec<u8>>;
+    /// Exactly `len` bytes of file `file` at `offset`. Implementations read into a buffer of
+    /// [`recycled::pool`] without zero-filling it first: a cold epoch reads every column chunk
+    /// this way, and the zero fill of its buffers was ~6% of the daemon's time, the fresh pages
+    /// of new buffers ~15% (bench/PARQUET_PROFILE.md).
+    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Bytes>;
 
     /// The node-cache copy `file` is read from, which the daemon may map because it never
     /// changes (see [`super::mapped`]); None for a file read in place.
@@ -179,10 +181,18 @@ impl CachedCopy {
 pub struct LocalFiles(pub Vec<crate::storage::local::ShardFile>);
 
 impl FileReader for LocalFiles {
-    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Vec<u8>> {
+    fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Bytes> {
         let f = self.0.get(file).ok_or_else(|| Error::Internal(format!("no Parquet file {file}")))?;
-        f.read_vec(len, offset)
+        read_recycled(f, len, offset)
     }
+}
+
+/// Exactly `len` bytes of `file` at `offset`, read into a buffer of [`recycled::pool`].
+pub fn read_recycled(file: &crate::storage::local::ShardFile, len: usize, offset: u64) -> Result<Bytes> {
+    let pool = recycled::pool();
+    let mut buf = pool.take(len);
+    file.read_append(&mut buf, len, offset)?;
+    Ok(pool.share(buf))
 }
 
 /// The column of each delivered batch that holds its rows' ids (`uint64`, last), unless the

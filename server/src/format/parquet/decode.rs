@@ -73,10 +73,10 @@ pub struct ChunkSet {
 impl ChunkSet {
     /// Reads `ranges` (sorted, disjoint: what [`chunk_ranges`] gives) of a file of `file_len`
     /// bytes with `read_at(offset, len)`, which returns exactly `len` bytes.
-    pub fn read(
+    pub fn read<B: Into<Bytes>>(
         file_len: u64,
         ranges: &[Range<u64>],
-        mut read_at: impl FnMut(u64, usize) -> Result<Vec<u8>, ParquetError>,
+        mut read_at: impl FnMut(u64, usize) -> Result<B, ParquetError>,
     ) -> Result<Self, ParquetError> {
         let mut pieces = Vec::with_capacity(ranges.len());
         for r in ranges {
@@ -84,7 +84,7 @@ impl ChunkSet {
                 return Err(ParquetError::Truncated(format!("bytes {r:?} lie past its end ({file_len})")));
             }
             let len = usize::try_from(r.end - r.start).map_err(|_| ParquetError::Io("chunk too large".into()))?;
-            let buf = read_at(r.start, len)?;
+            let buf: Bytes = read_at(r.start, len)?.into();
             if buf.len() != len {
                 return Err(ParquetError::Io(format!(
                     "read {} bytes at {} where {len} were asked for",
@@ -92,7 +92,7 @@ impl ChunkSet {
                     r.start
                 )));
             }
-            pieces.push((r.start, Bytes::from(buf)));
+            pieces.push((r.start, buf));
         }
         Self::from_pieces(file_len, pieces)
     }
@@ -225,11 +225,11 @@ fn check_pages(table: &ParquetTable, rg: usize, proj: &FileProjection, chunks: &
 
 /// Reads and decodes row group `rg` of `proj` from a file read with `read_at`: the whole path
 /// from footer table to record batch. Returns the batch and the bytes read.
-pub fn read_row_group(
+pub fn read_row_group<B: Into<Bytes>>(
     table: &ParquetTable,
     rg: usize,
     proj: &FileProjection,
-    read_at: impl FnMut(u64, usize) -> Result<Vec<u8>, ParquetError>,
+    read_at: impl FnMut(u64, usize) -> Result<B, ParquetError>,
 ) -> Result<(RecordBatch, u64), ParquetError> {
     let ranges = chunk_ranges(table, rg, proj);
     let chunks = ChunkSet::read(table.file_len(), &ranges, read_at)?;

@@ -28,6 +28,8 @@
 //!   the node cache holds of an S3 file when a stream selects some of its columns).
 //! - [`mapped`]: row groups decoded over the mapping of a node-cache copy of their file; values
 //!   stored uncompressed are served from the copy itself (it is their arena).
+//! - [`recycled`]: column-chunk read buffers that go back to a pool when their row group is
+//!   dropped, so a cold epoch reads into memory already touched.
 //! - [`decoded`]: the daemon-wide, byte-bounded cache of decoded row groups that streams share, so
 //!   a shuffle window of row groups is decoded about once per epoch and node.
 
@@ -44,6 +46,7 @@ pub mod mapped;
 pub mod pages;
 pub mod pqidx;
 pub mod projected;
+pub mod recycled;
 pub mod schema;
 pub mod strings;
 
