@@ -145,7 +145,7 @@ pub trait FileReader: Sync {
     /// Exactly `len` bytes of file `file` at `offset`. Implementations read into a buffer of
     /// [`recycled::pool`] without zero-filling it first: a cold epoch reads every column chunk
     /// this way, and the zero fill of its buffers was ~6% of the daemon's time, the fresh pages
-    /// of new buffers ~15% (bench/PARQUET_PROFILE.md).
+    /// of new buffers 10-12% (bench/PARQUET_PROFILE.md).
     fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Bytes>;
 
     /// The node-cache copy `file` is read from, which the daemon may map because it never

@@ -5,9 +5,10 @@
 //! keeps it (arrow-rs decodes uncompressed binary values as views into the page bytes). When a
 //! projection outgrows the decoded budget, row groups are let go of all epoch long and new ones
 //! read in their place. Each new buffer was fresh memory: the kernel zeroed and faulted in every
-//! page of it under `pread`, ~15% of a fresh daemon's time on the image set
-//! (bench/PARQUET_PROFILE.md), and more on a VM that hands back freed pages to its host. Handing
-//! the buffer of a dropped row group to the next read instead makes that a plain copy.
+//! page of it under `pread`, 10-12% of a fresh daemon's time on the image set
+//! (bench/PARQUET_PROFILE.md). Handing the buffer of a dropped row group to the next read
+//! instead makes that a plain copy. The client's joined-message buffers (`frames::Spare` in the
+//! client crate, private to it) follow the same idea per stream; this pool is daemon-wide.
 //!
 //! The pool keeps at most [`KEEP_FREE`] bytes of free buffers; the rest go back to the allocator.
 //! A free buffer is taken only for a read it fits with at most half as much again to spare: the
