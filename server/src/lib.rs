@@ -53,6 +53,7 @@ macro_rules! fail_point {
 pub mod access;
 pub mod atomic_write;
 pub mod cache;
+pub mod cache_hint;
 pub mod cert_name;
 pub mod cli;
 pub mod config;

@@ -298,6 +298,14 @@ impl ShardTable {
         }
     }
 
+    /// Starts loading the table's entries for sample `i` into the cache, for a loop that will
+    /// look it up a few samples from now (see [`crate::cache_hint`]); nothing for Parquet.
+    pub fn prefetch(&self, i: u64) {
+        if let (ShardTable::Tar(t), Ok(i)) = (self, usize::try_from(i)) {
+            t.prefetch(i);
+        }
+    }
+
     /// The sample spanning the most shard bytes: (index, bytes), None for an empty shard.
     pub fn largest_sample(&self) -> Option<(u64, u64)> {
         match self {

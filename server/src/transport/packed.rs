@@ -174,6 +174,9 @@ fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]
     let mut keys = JoinedKeys::with_capacity(samples.len(), rules.first_key.len());
     let mut finder = Finder::new(rules.fields);
     for (j, sample) in samples.iter().enumerate() {
+        if let Some((shard, local)) = samples.get(j + 2 * PREFETCH_AHEAD) {
+            shard.table.prefetch(*local);
+        }
         if let Some(ahead) = samples.get(j + PREFETCH_AHEAD) {
             prefetch(ahead);
         }
@@ -201,23 +204,22 @@ fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]
     Ok(keys)
 }
 
-/// Records ahead of the one being copied whose first bytes are prefetched. Each shuffled record
-/// lies on other pages of another shard; the first touch of its header (the key check) showed
-/// as the largest cost after the copy itself in the profile: a miss to memory, not work.
+/// Records ahead of the one being copied whose first bytes are prefetched (and twice as far
+/// ahead, their entries in the shard's table, which that prefetch reads). Each shuffled record
+/// lies on other pages of another shard, and its table entries on other lines: the first touch
+/// of each was a miss to memory, not work, and the largest cost after the copy itself in the
+/// profiles (bench/PROFILES.md, section 3).
 const PREFETCH_AHEAD: usize = 4;
 
 /// Starts loading the first cache lines of a record's header and data (mapped shards only),
 /// which also fills the TLB for their pages, while earlier records are copied.
 fn prefetch((shard, local): &SampleRef) {
-    #[cfg(target_arch = "x86_64")]
     if let (Some(all), Some(range)) = (shard.cached_bytes(), shard.table.sample_range(*local))
         && let Some(head) = usize::try_from(range.start).ok().and_then(|s| all.get(s..))
     {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        for line in [head.as_ptr(), head.get(512..).unwrap_or_default().as_ptr()] {
-            // SAFETY: a prefetch is a hint: it never faults and never changes memory, and the
-            // pointers lie in (or one past) a live mapping anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>()) };
+        crate::cache_hint::prefetch(head);
+        if let Some(data) = head.get(512..) {
+            crate::cache_hint::prefetch(data);
         }
     }
 }

@@ -40,6 +40,13 @@ impl Layout {
         self.words.get(i.checked_mul(stride)?..i.checked_mul(stride)?.checked_add(stride)?)
     }
 
+    /// Starts loading sample `i`'s words into the cache (see [`crate::cache_hint`]).
+    pub fn prefetch(&self, i: usize) {
+        if let Some(w) = i.checked_mul(Self::stride(self.fields)).and_then(|at| self.words.get(at)) {
+            crate::cache_hint::prefetch(w);
+        }
+    }
+
     /// The key of sample `i`: its byte range relative to the sample's start.
     pub fn key(&self, i: usize) -> Option<Range<usize>> {
         let w = self.sample(i)?;

@@ -184,6 +184,17 @@ impl TarIndex {
         Some(*self.boundaries.get(i)?..end)
     }
 
+    /// Starts loading what [`sample_range`](Self::sample_range) and the layout read for sample
+    /// `i` into the cache (see [`crate::cache_hint`]).
+    pub fn prefetch(&self, i: usize) {
+        if let Some(b) = self.boundaries.get(i) {
+            crate::cache_hint::prefetch(b);
+        }
+        if let Some(layout) = &self.layout {
+            layout.prefetch(i);
+        }
+    }
+
     /// True when the ranges never go back and end within a shard of `shard_len` bytes: what an
     /// index from elsewhere (a sidecar) must satisfy before its ranges size any read.
     pub fn fits_shard(&self, shard_len: u64) -> bool {
