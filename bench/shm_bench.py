@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -253,8 +254,20 @@ def main() -> None:
         f" client {packed['client_cpu']:.2f} s | |",
     ]
     text = "\n".join(lines) + "\n"
-    args.out.write_text(text)
     print(text)
+    args.out.write_text(text + earlier_runs(args.out))
+
+
+def earlier_runs(out: Path) -> str:
+    """The runs `out` already holds, as its "Earlier runs" section: the last run (its title
+    dropped, its notes kept) first, then the runs that section held. Notes written under a run
+    by hand stay with it."""
+    if not out.exists():
+        return ""
+    last, _, before = out.read_text().partition("\n## Earlier runs\n")
+    last = last.split("\n", 1)[1].strip("\n") if "\n" in last else last
+    when = re.search(r"Measured (\S+ \S+ UTC)", last)
+    return f"\n## Earlier runs\n\n### Run of {when.group(1) if when else 'an unknown date'}\n\n{last}\n{before}"
 
 
 if __name__ == "__main__":
