@@ -14,6 +14,7 @@
 //! A free buffer is taken only for a read it fits with at most half as much again to spare: the
 //! decoded budget counts the bytes read, not the room around them.
 
+use std::collections::VecDeque;
 use std::sync::{Mutex, OnceLock};
 
 use bytes::Bytes;
@@ -33,14 +34,15 @@ pub struct Pool {
 
 #[derive(Debug, Default)]
 struct Free {
-    bufs: Vec<Vec<u8>>,
+    /// Oldest first.
+    bufs: VecDeque<Vec<u8>>,
     bytes: usize,
 }
 
 impl Pool {
     /// A pool that keeps at most `keep` bytes of free buffers.
     pub const fn new(keep: usize) -> Self {
-        Self { free: Mutex::new(Free { bufs: Vec::new(), bytes: 0 }), keep }
+        Self { free: Mutex::new(Free { bufs: VecDeque::new(), bytes: 0 }), keep }
     }
 
     /// An empty buffer with room for `len` bytes: the smallest free one that has room and is not
@@ -55,8 +57,7 @@ impl Pool {
                 .filter(|(_, b)| b.capacity() >= len && b.capacity() - len <= len / 2)
                 .min_by_key(|(_, b)| b.capacity())
                 .map(|(i, _)| i);
-            if let Some(i) = best {
-                let buf = free.bufs.swap_remove(i);
+            if let Some(buf) = best.and_then(|i| free.bufs.remove(i)) {
                 free.bytes -= buf.capacity();
                 return buf;
             }
@@ -82,12 +83,13 @@ impl Pool {
         }
         buf.clear();
         let mut free = self.lock();
-        while free.bytes + cap > self.keep && !free.bufs.is_empty() {
-            let old = free.bufs.remove(0);
+        while free.bytes + cap > self.keep
+            && let Some(old) = free.bufs.pop_front()
+        {
             free.bytes -= old.capacity();
         }
         free.bytes += cap;
-        free.bufs.push(buf);
+        free.bufs.push_back(buf);
     }
 
     /// Bytes of the free buffers kept.
@@ -190,6 +192,30 @@ mod tests {
             assert!(kept.contains(p), "a newer buffer was not kept");
         }
         assert_eq!(pool.free_bytes(), 0);
+    }
+
+    #[test]
+    fn a_take_from_the_middle_keeps_the_others_in_age_order() {
+        const M: usize = 1 << 20;
+        let pool = leaked(4 * M);
+        let a = filled(pool, M, 1);
+        let b = filled(pool, 2 * M, 2);
+        let (c, d) = (filled(pool, M, 3), filled(pool, M, 4));
+        let (pc, pd) = (c.as_ptr(), d.as_ptr());
+        for buf in [a, b, c, d] {
+            drop(pool.share(buf));
+        }
+        // Four free buffers of 5 MiB would not fit a 4 MiB pool: the oldest went.
+        assert_eq!(pool.free_bytes(), 4 * M);
+        assert_eq!(pool.take(2 * M).capacity(), 2 * M);
+        // C and D are left, C the older: the next buffers given push C out before D.
+        for byte in 5..8 {
+            drop(pool.share(vec![byte; M]));
+        }
+        let kept: Vec<Vec<u8>> = (0..4).map(|_| pool.take(M)).collect();
+        let kept: Vec<*const u8> = kept.iter().map(|b| b.as_ptr()).collect();
+        assert!(!kept.contains(&pc), "the older buffer outlived a newer one");
+        assert!(kept.contains(&pd), "the newer buffer was dropped first");
     }
 
     #[test]
