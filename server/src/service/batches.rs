@@ -2,9 +2,10 @@
 //! (split over several when it outgrows one), read into the client's rdma ring, described for a
 //! shm client that maps the shards itself, or gathered into a ring slot (packed, `collate="stack"`).
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
+
+use foldhash::HashMap;
 
 use shardstream_proto::{FieldColumn, PackedBatch, RdmaBatch, ShmBatch, StreamMessage, stream_message};
 
@@ -191,7 +192,10 @@ pub(super) fn build_shm_batch(
     let mut located = Located::new(fields, ids.len());
     // The batch's shards, by shard index: a shuffled batch switches shard at almost every sample,
     // so the session (a lock and a path lookup) is asked once per shard, not once per sample.
-    let mut shards: HashMap<usize, (u32, Arc<crate::index::ResidentShard>)> = HashMap::new();
+    // foldhash rather than std's SipHash, here and in the working set and the shm session: hashing
+    // shard numbers and segment paths was ~15% of the daemon's view-mode CPU (bench/PROFILES.md,
+    // section 4). The keys are the daemon's own, so a keyed hash buys nothing.
+    let mut shards: HashMap<usize, (u32, Arc<crate::index::ResidentShard>)> = HashMap::default();
     let mut bytes = 0u64;
     for &id in ids {
         let (shard, local) = ds.locate(id).ok_or_else(|| Error::Internal(format!("sample id {id} out of range")))?;

@@ -21,7 +21,7 @@
 //! Lock order: hub sessions -> session state -> hub leases; session state -> ring pool -> packed
 //! budget (dropping a kept ring gives its budget back).
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
