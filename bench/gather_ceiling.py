@@ -63,8 +63,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="gather-ceiling-") as tmp:
         path = Path(tmp) / "records.bin"
         with open(path, "wb") as f:
-            for _ in range(0, args.records, 1024):
-                f.write(os.urandom(1024 * RECORD))
+            for at in range(0, args.records, 1024):
+                f.write(os.urandom(min(1024, args.records - at) * RECORD))
         measure.warm([path])
         with open(path, "rb") as f:
             m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import report  # noqa: E402
 import run  # noqa: E402
+import shm_bench  # noqa: E402
 
 
 def row(reader: str, sps: float, workers: int = 0, **kw: object) -> report.Row:
@@ -104,3 +105,18 @@ def test_cpu_is_compared_with_the_same_rounds_fastest_peer() -> None:
     assert ss[6] == "0.100 (0.100-0.100)"
     assert ss[8] == "0.23 (0.20-0.25)"
     assert cells(report.rounds_table(rounds, cat_gbps=1.0), "litdata")[8] == "1.00 (1.00-1.00)"
+
+
+def test_shm_results_keep_the_runs_they_held(tmp_path: Path) -> None:
+    out = tmp_path / "SHM_RESULTS.md"
+    assert shm_bench.earlier_runs(out) == ""
+    out.write_text("# Shared memory\n\nMeasured 2026-01-01 10:00 UTC with x.\n\n| a |\n\nA note by hand.\n")
+    out.write_text("# Shared memory\n\nMeasured 2026-01-02 11:00 UTC with x.\n\n| b |\n" + shm_bench.earlier_runs(out))
+    out.write_text("# Shared memory\n\nMeasured 2026-01-03 12:00 UTC with x.\n\n| c |\n" + shm_bench.earlier_runs(out))
+    text = out.read_text()
+    assert text.count("# Shared memory") == 1
+    assert text.count("## Earlier runs") == 1
+    # Newest first, each under its own date, the hand-written note with its run.
+    second, first = text.index("### Run of 2026-01-02 11:00 UTC"), text.index("### Run of 2026-01-01 10:00 UTC")
+    assert text.index("| c |") < text.index("## Earlier runs") < second < text.index("| b |") < first
+    assert first < text.index("| a |") < text.index("A note by hand.")

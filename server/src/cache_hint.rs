@@ -16,19 +16,3 @@ pub fn prefetch<T: ?Sized>(value: &T) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = value;
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_hint_leaves_memory_as_it_was() {
-        let bytes = vec![7u8; 4096];
-        for line in bytes.chunks(64) {
-            prefetch(line);
-        }
-        prefetch(&bytes[4095]);
-        prefetch::<[u8]>(&[]);
-        assert!(bytes.iter().all(|&b| b == 7));
-    }
-}

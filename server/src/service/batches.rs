@@ -193,7 +193,7 @@ pub(super) fn build_shm_batch(
     // The batch's shards, by shard index: a shuffled batch switches shard at almost every sample,
     // so the session (a lock and a path lookup) is asked once per shard, not once per sample.
     // foldhash rather than std's SipHash, here and in the working set and the shm session: hashing
-    // shard numbers and segment paths was ~15% of the daemon's view-mode CPU (bench/PROFILES.md,
+    // shard numbers and segment paths was ~18% of the daemon's view-mode CPU (bench/PROFILES.md,
     // section 4). The keys are the daemon's own, so a keyed hash buys nothing.
     let mut shards: HashMap<usize, (u32, Arc<crate::index::ResidentShard>)> = HashMap::default();
     let mut bytes = 0u64;

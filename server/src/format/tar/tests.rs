@@ -400,6 +400,24 @@ fn member_larger_than_the_shard() {
 }
 
 #[test]
+fn prefetch_takes_any_sample_number() {
+    // The packed gather prefetches a few records ahead of the one it copies, and the number it
+    // passes may lie past the shard's last sample (or anywhere, from a bad id): a hint, never a
+    // panic.
+    let bytes = archive(&[("a.cls", b"1"), ("a.jpg", b"xy"), ("b.cls", b"2"), ("b.jpg", b"z")], Style::Ustar);
+    let ix = index(&bytes).unwrap();
+    assert!(ix.layout.is_some(), "the archive should have a layout");
+    let before = ix.clone();
+    for i in [0, 1, 2, 3, usize::MAX / 2, usize::MAX] {
+        ix.prefetch(i);
+        crate::format::ShardTable::Tar(ix.clone()).prefetch(i as u64);
+    }
+    crate::format::ShardTable::Tar(ix.clone()).prefetch(u64::MAX);
+    assert_eq!(ix, before);
+    assert_eq!(ix.sample_range(1), before.sample_range(1));
+}
+
+#[test]
 fn empty_archives() {
     let empty = archive(&[], Style::Gnu);
     for bytes in [&empty[..], &[], &[0; 512], &[0; 700]] {
