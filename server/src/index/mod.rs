@@ -29,6 +29,7 @@ pub mod registry;
 mod tables;
 
 use foldhash::HashMap;
+use std::collections::hash_map::Entry;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -278,15 +279,17 @@ const WORKING_BATCHES: u64 = 2;
 impl Working {
     pub fn get(&mut self, ds: &Dataset, i: usize) -> Result<&Arc<ResidentShard>> {
         let batch = self.batch;
-        if !self.shards.contains_key(&i) {
-            let started = Instant::now();
-            let (s, fetched) = ds.shard_fetched(i)?;
-            if fetched {
-                self.waited += started.elapsed();
+        let entry = match self.shards.entry(i) {
+            Entry::Occupied(held) => held.into_mut(),
+            Entry::Vacant(slot) => {
+                let started = Instant::now();
+                let (s, fetched) = ds.shard_fetched(i)?;
+                if fetched {
+                    self.waited += started.elapsed();
+                }
+                slot.insert((s, batch))
             }
-            self.shards.insert(i, (s, batch));
-        }
-        let entry = self.shards.get_mut(&i).ok_or_else(|| Error::Internal("working set lost a shard".into()))?;
+        };
         entry.1 = batch;
         Ok(&entry.0)
     }
