@@ -157,32 +157,6 @@ pub fn open_checked(src: &SrcDir, rel: &str) -> std::result::Result<(File, u64),
     Ok((file, meta.len()))
 }
 
-/// Appends up to `len` bytes of `file` to `buf` (fewer when the file shrank since it was stat'ed,
-/// no more when it grew); returns how many. The kernel reads straight into the buffer's spare
-/// capacity (`rustix`'s `spare_capacity` sets the length to what it wrote): no zero fill first,
-/// which was 5-13% of a pack's CPU (bench/PROFILES.md section 2), and one `read` call for a file
-/// as long as it said (std's `read_to_end` would grow its reads from 8 KiB).
-fn read_into(file: &File, len: u64, buf: &mut Vec<u8>) -> std::io::Result<usize> {
-    let start = buf.len();
-    let len = usize::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
-    let end = start.checked_add(len).ok_or_else(|| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
-    buf.try_reserve(len)?;
-    let result = loop {
-        if buf.len() >= end {
-            break Ok(());
-        }
-        match rustix::io::read(file, rustix::buffer::spare_capacity(buf)) {
-            Ok(0) => break Ok(()),
-            Ok(_) => {}
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => break Err(std::io::Error::from(e)),
-        }
-    };
-    // A read may run past `len` into the rest of the spare capacity when the file grew.
-    buf.truncate(end);
-    result.map(|()| buf.len() - start)
-}
-
 enum Source<'a> {
     File { path: &'a str, name: &'a str },
     Label { name: String, bytes: Vec<u8> },
@@ -260,7 +234,12 @@ pub fn load_sample<'a>(ctx: &ReadContext<'a>, sample: u32) -> Loaded<'a> {
                     buf.resize(hdr_at + ustar::header_len(name, len), 0);
                 }
                 let start = buf.len();
-                let n = match read_into(&file, len, &mut buf) {
+                // One `pread` into the buffer's spare room, no zero fill first: fewer bytes when
+                // the file shrank since it was stat'ed, never more when it grew.
+                let n = match usize::try_from(len)
+                    .map_err(std::io::Error::other)
+                    .and_then(|len| crate::storage::local::pread_append(&file, &mut buf, len, 0))
+                {
                     Ok(n) => n,
                     Err(e) => {
                         if let Err(e) =
@@ -472,20 +451,17 @@ mod tests {
     }
 
     #[test]
-    fn read_into_appends_what_the_file_holds_up_to_its_stated_length() {
+    fn file_reads_append_what_the_file_holds_up_to_its_stated_length() {
+        use crate::storage::local::pread_append;
         let data: Vec<u8> = (0..70_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let dir = tree(&[("f.bin", &data)]);
         let file = File::open(dir.path().join("f.bin")).unwrap();
-        let read = |len: u64, buf: &mut Vec<u8>| {
-            use std::io::Seek;
-            (&file).rewind().unwrap();
-            read_into(&file, len, buf).unwrap()
-        };
+        let read = |len: usize, buf: &mut Vec<u8>| pread_append(&file, buf, len, 0).unwrap();
 
-        // As stated, after bytes already in the buffer, into less spare room than the file.
+        // As stated, after bytes already in the buffer, into a buffer that must grow first.
         let mut buf = Vec::with_capacity(16);
         buf.extend_from_slice(b"hdr");
-        assert_eq!(read(data.len() as u64, &mut buf), data.len());
+        assert_eq!(read(data.len(), &mut buf), data.len());
         assert_eq!(&buf[..3], b"hdr");
         assert_eq!(&buf[3..], &data[..]);
 
@@ -498,7 +474,7 @@ mod tests {
 
         // The file shrank: what it holds.
         let mut buf = Vec::new();
-        assert_eq!(read(data.len() as u64 + 5000, &mut buf), data.len());
+        assert_eq!(read(data.len() + 5000, &mut buf), data.len());
         assert_eq!(buf, data);
 
         // Nothing to read.

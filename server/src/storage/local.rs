@@ -164,42 +164,64 @@ impl ShardFile {
     }
 
     /// Appends exactly `len` bytes read at `offset` to `buf`, without zero-filling the space
-    /// first: the read writes every byte of it (the zero fill of `Vec::resize` before a
-    /// `read_exact_at` was 4-5% of the daemon's CPU on inline streams). On error `buf` is as it
-    /// was; a short read is the truncated-shard error of [`Self::read_exact_at`].
+    /// first (see [`pread_append`]; the zero fill of `Vec::resize` before a `read_exact_at` was
+    /// 4-5% of the daemon's CPU on inline streams). On error `buf` is as it was; a short read is
+    /// the truncated-shard error of [`Self::read_exact_at`].
     pub fn read_append(&self, buf: &mut impl Append, len: usize, offset: u64) -> Result<()> {
-        use std::os::fd::AsRawFd;
         fail_point!("local-read", |a| Err(crate::failpoints::io("cannot read shard", &self.path, a)));
-        let spare = buf.spare(len)?;
-        let mut done = 0;
-        while done < len {
-            let at = offset.checked_add(done as u64).and_then(|o| libc::off_t::try_from(o).ok()).ok_or_else(|| {
-                Error::Shard {
-                    shard: self.name.clone(),
-                    offset: Some(offset),
-                    reason: format!("read offset {offset}+{done} out of range"),
-                }
-            })?;
-            // SAFETY: `spare` points at room for `len` bytes of `buf` (its `spare` contract),
-            // which nothing else touches until `grow` below; pread writes at most the
-            // `len - done` bytes past `done` and nothing else.
-            let n = unsafe { libc::pread(self.file.as_raw_fd(), spare.add(done).cast(), len - done, at) };
-            match n {
-                0 => return Err(self.truncated(len, offset)),
-                n if n < 0 => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(Error::io("cannot read shard", &self.path, e));
-                    }
-                }
-                n => done += n.unsigned_abs(),
-            }
+        if offset.checked_add(len as u64).and_then(|end| libc::off_t::try_from(end).ok()).is_none() {
+            return Err(Error::Shard {
+                shard: self.name.clone(),
+                offset: Some(offset),
+                reason: format!("read of {len} bytes at offset {offset} out of range"),
+            });
         }
-        // SAFETY: the loop above wrote all `len` bytes at `spare` (`done == len`), with no other
-        // call on `buf` since `spare(len)`.
-        unsafe { buf.grow(len) };
+        // A fixed buffer without room is its own error (not an I/O error on the shard).
+        buf.spare(len)?;
+        let before = buf.len();
+        let n =
+            pread_append(&self.file, buf, len, offset).map_err(|e| Error::io("cannot read shard", &self.path, e))?;
+        if n < len {
+            buf.truncate(before);
+            return Err(self.truncated(len, offset));
+        }
         Ok(())
     }
+}
+
+/// Appends up to `len` bytes of `file` read at `offset` to `buf`, fewer only where the file ends
+/// first, and returns how many. The kernel reads straight into `buf`'s spare room, with no zero
+/// fill first: one `pread` for a file that has the bytes. On error `buf` is as it was. The one
+/// read without a zero fill: the daemon's shard reads ([`ShardFile::read_append`]) and `pack`'s
+/// file reads (`pack::read`) both come here.
+pub fn pread_append(file: &File, buf: &mut impl Append, len: usize, offset: u64) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let spare = buf.spare(len).map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e.to_string()))?;
+    let mut done = 0;
+    while done < len {
+        let at = offset
+            .checked_add(done as u64)
+            .and_then(|o| libc::off_t::try_from(o).ok())
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "read offset out of range"))?;
+        // SAFETY: `spare` points at room for `len` bytes of `buf` (its `spare` contract), which
+        // nothing else touches until `grow` below; pread writes at most the `len - done` bytes
+        // past `done` and nothing else.
+        let n = unsafe { libc::pread(file.as_raw_fd(), spare.add(done).cast(), len - done, at) };
+        match n {
+            0 => break,
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            n => done += n.unsigned_abs(),
+        }
+    }
+    // SAFETY: the loop above wrote the first `done` bytes at `spare` (`done <= len`), with no
+    // other call on `buf` since `spare(len)`.
+    unsafe { buf.grow(done) };
+    Ok(done)
 }
 
 /// Opens a shard for reading, refusing anything but a regular file with an error naming it: a
