@@ -1002,6 +1002,14 @@ def test_binary_views_point_into_the_decoded_row_groups_and_read_the_values_writ
             assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in segments), (
                 f"view data at {buf.address:#x} is not a mapped decoded row group (copied)"
             )
+        # The rest of the batch (opened in native code, exported to pyarrow) and the views
+        # themselves lie where the daemon wrote them: in the ring slot.
+        ring = mapped_memfds()
+        for buf in [*rb.column("id").buffers(), *rb.column("__row__").buffers(), rb.column("blob").buffers()[1]]:
+            if buf is not None and buf.size:
+                assert any(lo <= buf.address and buf.address + buf.size <= hi for lo, hi in ring), (
+                    f"buffer at {buf.address:#x} is not in the shared-memory ring (copied)"
+                )
         seen.extend(ids)
         held.append(rb)
     assert sorted(seen) == list(range(300))

@@ -23,6 +23,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 pub use shardstream_proto as proto;
 
+pub mod arrow;
 pub mod frames;
 pub mod inline;
 pub mod rdma;

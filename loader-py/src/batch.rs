@@ -17,7 +17,10 @@
 //! - Arrow batches (Parquet datasets): `ipc()` hands out the batch's Arrow IPC stream as one
 //!   read-only buffer object, a [`Column`] over the IPC bytes in the ring slot (shared memory,
 //!   holding the slot's [`Lease`]) or a [`Buffer`] over the received message (inline); the
-//!   Python layer opens it with `pyarrow.ipc.open_stream`, whose arrays then point into it.
+//!   Python layer opens it with `pyarrow.ipc.read_record_batch`, whose arrays then point into it.
+//!   A batch with view columns (`binary_views`) is opened in native code instead (`crate::arrow`)
+//!   over `arrow_bytes()`: arrow buffers over the same bytes, holding the same lease, and over
+//!   the view segments' mappings.
 
 use std::ffi::{c_int, c_void};
 use std::ptr;
@@ -290,6 +293,101 @@ impl Batch {
     }
 }
 
+/// What an Arrow batch's record batch is built over: its IPC stream and its views' segments, as
+/// arrow buffers that hold what keeps the bytes valid (the slot's lease and the ring mapping,
+/// the received message, the segments' mappings).
+pub(crate) struct ArrowBytes {
+    pub index: u64,
+    pub rows: usize,
+    pub ipc: arrow_buffer::Buffer,
+    pub views: Vec<arrow_buffer::Buffer>,
+}
+
+/// Keeps a ring slot's bytes valid for an arrow buffer over them: the mapping, and the lease
+/// under which the daemon does not write into the slot.
+struct SlotOwner {
+    _ring: Arc<RingMapping>,
+    _lease: Arc<Lease>,
+}
+
+// The owners are only dropped, never read through, by arrow: a panic elsewhere leaves them as
+// they were.
+impl std::panic::RefUnwindSafe for SlotOwner {}
+
+/// Keeps a view segment's mapping alive for an arrow buffer over it.
+struct SegmentOwner(#[allow(dead_code)] Arc<Mapping>);
+
+impl std::panic::RefUnwindSafe for SegmentOwner {}
+
+/// An arrow buffer over `bytes`, which `owner` keeps valid.
+///
+/// # Safety
+/// `bytes` must stay valid and unchanged while `owner` is alive.
+unsafe fn owned_buffer(bytes: &[u8], owner: Arc<dyn arrow_buffer::alloc::Allocation>) -> arrow_buffer::Buffer {
+    let ptr = ptr::NonNull::new(bytes.as_ptr() as *mut u8).unwrap_or(ptr::NonNull::dangling());
+    // SAFETY: per this function's contract; arrow only reads through the pointer.
+    unsafe { arrow_buffer::Buffer::from_custom_allocation(ptr, bytes.len(), owner) }
+}
+
+/// The ring of an Arrow batch in shared memory and where its IPC stream lies in its slot, checked
+/// against the slot's header and bounds (`arrow_ipc_range`).
+fn arrow_slot(batch: &ArrowBatch, session: &ShmSession) -> PyResult<(Arc<RingMapping>, std::ops::Range<usize>)> {
+    let ring = session.ring(batch.ring).map_err(crate::errors::to_pyerr)?;
+    let slot = ring.slot(batch.slot).ok_or_else(|| {
+        ShardstreamError::new_err(format!(
+            "arrow batch {} names slot {} of a ring of {} slots",
+            batch.batch_index, batch.slot, ring.header.slot_count
+        ))
+    })?;
+    let range = shardstream_client::shm::arrow_ipc_range(
+        slot,
+        batch.slot,
+        batch.batch_index,
+        batch.row_ids.len() as u64,
+        batch.length,
+    )
+    .map_err(|e| ShardstreamError::new_err(format!("arrow batch {}: {e}", batch.batch_index)))?;
+    Ok((ring, range))
+}
+
+impl Batch {
+    /// The bytes an Arrow batch's record batch is built over (see [`ArrowBytes`]): the stream
+    /// checked against its slot's bounds and header as `ipc()` checks it, each view segment to
+    /// be mapped.
+    pub(crate) fn arrow_bytes(&self) -> PyResult<ArrowBytes> {
+        let Kind::Arrow { batch, data, shm } = &self.kind else {
+            return Err(ShardstreamError::new_err("not an Arrow batch (Parquet dataset); use to_dict()"));
+        };
+        let (index, rows) = (batch.batch_index, batch.row_ids.len());
+        let Some((session, lease)) = shm else {
+            return Ok(ArrowBytes { index, rows, ipc: arrow_buffer::Buffer::from(data.clone()), views: Vec::new() });
+        };
+        let (ring, range) = arrow_slot(batch, session)?;
+        let bytes = ring.slot(batch.slot).and_then(|s| s.get(range)).unwrap_or_default();
+        let owner = Arc::new(SlotOwner { _ring: ring.clone(), _lease: lease.clone() });
+        // SAFETY: the slot lies in the ring's read-only mapping, which `owner` keeps mapped; the
+        // daemon does not write into the slot while the lease `owner` holds is out.
+        let ipc = unsafe { owned_buffer(bytes, owner) };
+        let views = batch
+            .view_slots
+            .iter()
+            .map(|&k| {
+                let map = session.mapping(k).map_err(crate::errors::to_pyerr)?;
+                if !map.is_mapped() && !map.bytes().is_empty() {
+                    return Err(ShardstreamError::new_err(format!(
+                        "arrow batch {index}: view segment in slot {k} is not mapped"
+                    )));
+                }
+                let bytes: *const [u8] = map.bytes();
+                // SAFETY: the segment is a sealed, read-only mapping, which the owner keeps
+                // mapped (`bytes` points into it, not into the `Arc`).
+                Ok(unsafe { owned_buffer(&*bytes, Arc::new(SegmentOwner(map))) })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(ArrowBytes { index, rows, ipc, views })
+    }
+}
+
 #[pymethods]
 impl Batch {
     /// Index of this batch in the rank's batch order.
@@ -312,7 +410,8 @@ impl Batch {
         }
     }
 
-    /// True for rows of an Arrow dataset (Parquet): read them with `ipc()`, not `to_dict()`.
+    /// True for rows of an Arrow dataset (Parquet): read them with `ipc()` or `ArrowReader`, not
+    /// `to_dict()`.
     #[getter]
     fn arrow(&self) -> bool {
         matches!(self.kind, Kind::Arrow { .. })
@@ -329,30 +428,6 @@ impl Batch {
             }
             _ => Err(ShardstreamError::new_err("parts() is for Arrow batches (Parquet datasets)")),
         }
-    }
-
-    /// The decoded row groups an Arrow batch's view columns point into (`binary_views`), one
-    /// read-only buffer each, in the order of the views' buffer indices; empty for a batch
-    /// without views. Each holds its mapping, not the batch's lease: the segments are sealed,
-    /// and the daemon never writes into them.
-    fn view_buffers<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, Region>>> {
-        crate::errors::no_panic("Batch.view_buffers", || match &self.kind {
-            Kind::Arrow { batch, shm: Some((session, _)), .. } => batch
-                .view_slots
-                .iter()
-                .map(|&slot| {
-                    let map = session.mapping(slot).map_err(crate::errors::to_pyerr)?;
-                    if !map.is_mapped() && !map.bytes().is_empty() {
-                        return Err(ShardstreamError::new_err(format!(
-                            "arrow batch {}: view segment in slot {slot} is not mapped",
-                            batch.batch_index
-                        )));
-                    }
-                    Bound::new(py, Region { map, _lease: None })
-                })
-                .collect(),
-            _ => Ok(Vec::new()),
-        })
     }
 
     /// The rows' sample ids (global row numbers) of an Arrow batch as little-endian `u64`s, for
@@ -380,22 +455,8 @@ impl Batch {
                 Ok(Bound::new(py, Buffer { data: data.clone(), _lease: None })?.into_any())
             }
             Kind::Arrow { batch, shm: Some((session, lease)), .. } => {
-                let ring = session.ring(batch.ring).map_err(crate::errors::to_pyerr)?;
-                let slot = ring.slot(batch.slot).ok_or_else(|| {
-                    ShardstreamError::new_err(format!(
-                        "arrow batch {} names slot {} of a ring of {} slots",
-                        batch.batch_index, batch.slot, ring.header.slot_count
-                    ))
-                })?;
-                let range = shardstream_client::shm::arrow_ipc_range(
-                    slot,
-                    batch.slot,
-                    batch.batch_index,
-                    batch.row_ids.len() as u64,
-                    batch.length,
-                )
-                .map_err(|e| ShardstreamError::new_err(format!("arrow batch {}: {e}", batch.batch_index)))?;
-                let column = Column { ring: ring.clone(), slot: batch.slot, range, _lease: lease.clone() };
+                let (ring, range) = arrow_slot(batch, session)?;
+                let column = Column { ring, slot: batch.slot, range, _lease: lease.clone() };
                 Ok(Bound::new(py, column)?.into_any())
             }
             _ => Err(ShardstreamError::new_err("ipc() is for Arrow batches (Parquet datasets); use to_dict()")),

@@ -10,6 +10,7 @@
 //! - batches reach Python without a copy: a [`Buffer`] owns the received bytes and exposes them
 //!   through the buffer protocol; per-sample `memoryview` slices keep it alive.
 
+mod arrow;
 mod batch;
 mod errors;
 mod runtime;
@@ -502,6 +503,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Connection>()?;
     m.add_class::<Stream>()?;
     m.add_class::<batch::Batch>()?;
+    m.add_class::<arrow::ArrowReader>()?;
+    m.add_class::<arrow::ArrowBatch>()?;
     m.add_class::<batch::Buffer>()?;
     m.add_class::<batch::Region>()?;
     m.add_class::<batch::Column>()?;

@@ -26,6 +26,12 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// beyond that a client should use smaller batches or the shared-memory transport.
 pub const MAX_MESSAGE_BYTES: usize = 512 << 20;
 
+/// Field metadata key of an Arrow column the daemon sends as views (`binary_views`): a
+/// `fixed_size_binary(16)` column of Arrow binary views into the batch's view segments (the
+/// `ArrowBatch.view_slots`, in the order of the views' buffer indices); the value names the type
+/// the column stands for ("binary" or "large_binary").
+pub const ARROW_VIEW_KEY: &str = "shardstream.view";
+
 /// Default Unix socket of a node daemon (where `connect="auto"` looks).
 pub const DEFAULT_SOCKET: &str = "/run/shardstream/sock";
 

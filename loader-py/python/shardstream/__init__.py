@@ -388,7 +388,7 @@ class Loader:
         from . import _arrow
 
         if self._arrow_reader is None:
-            self._arrow_reader = _arrow.BatchReader()
+            self._arrow_reader = _arrow.BatchReader(views=self.binary_views)
         rb = self._arrow_reader.open(native)
         parts = native.parts()
         cut = len(parts) > 1

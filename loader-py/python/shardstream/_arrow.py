@@ -4,10 +4,11 @@ The daemon sends each message as one Arrow IPC stream (schema + one record batch
 for small rows several consecutive batches of the stream whose rows follow one another (the
 message names each one's index and row count; ``Loader`` cuts them with ``RecordBatch.slice``).
 Over shared memory it lies in a slot of the stream's ring, which this process maps read-only:
-``BatchReader`` opens it with ``pyarrow`` over that buffer, so every Arrow buffer of
-the record batch points into the mapping (no copy). The buffer object holds the message's lease on
-its slot; the slot goes back to the daemon once the record batch and every slice, array or
-memoryview made from it are gone.
+``BatchReader`` opens it with ``pyarrow`` over that buffer (or, with views, in native code over the
+mapping, handed to pyarrow through the Arrow C data interface), so every Arrow buffer of the
+record batch points into the mapping (no copy). The buffer object (the exported arrays) holds the
+message's lease on its slot; the slot goes back to the daemon once the record batch and every
+slice, array or memoryview made from it are gone.
 
 ``to_dict`` is the default form (what ``Loader(..., format="dict")`` yields):
 
@@ -41,18 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _native
 from ._native import ShardstreamError
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
 
-    from . import _native
-
 KEY_COLUMNS = ("__key__", "key")
 ROW = "__row__"
-#: Field metadata of a column the daemon sends as views (``binary_views=True``): a
-#: ``fixed_size_binary(16)`` column of Arrow binary views into the batch's ``view_buffers()``.
-VIEW_KEY = b"shardstream.view"
 
 
 class BatchReader:
@@ -65,14 +62,22 @@ class BatchReader:
     bytes begin with that same message is read past it (``pyarrow.ipc.read_record_batch`` with the
     kept schema). A batch that begins otherwise, or a schema with dictionary columns (their
     dictionaries travel in the stream, between schema and batch), is opened as a whole stream.
+
+    A stream with views (``views=True``: ``binary_views``) is opened in native code instead
+    (``_native.ArrowReader``): it decodes the stream the same way, rebuilds the view columns as
+    ``binary_view`` arrays over the mapped row groups they point into (every view checked against
+    its segment first: a bad batch is an error, never a read outside a mapping) and exports the
+    batch through the Arrow C data interface. Rebuilding the views with pyarrow in Python cost
+    60-90 us a batch; exporting a batch of many small columns costs more than pyarrow's own
+    ``read_record_batch`` (bench/PARQUET_PROFILE.md), so streams without views stay on it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, views: bool = False) -> None:
         self._schema: Any = None
         self._prefix: Any = None  # the schema message's bytes (a pyarrow.Buffer)
         self._schema_has_row = False
-        # With views: (the received schema, its view columns, the schema delivered).
-        self._views: tuple[Any, list[int], Any] | None = None
+        self._native = _native.ArrowReader() if views else None
+        self._generation = -1  # the native reader's schema generation `_schema` is of
         #: Whether the batch ``open`` returned last has a ``__row__`` column (the daemon writes
         #: one into every batch; an older daemon did not, and the client appends it then).
         self.has_row = False
@@ -80,6 +85,8 @@ class BatchReader:
     def open(self, native: _native.Batch) -> pa.RecordBatch:
         import pyarrow as pa
 
+        if self._native is not None:
+            return self._open_native(self._native, native)
         buf = pa.py_buffer(native.ipc())
         try:
             prefix = self._prefix
@@ -92,31 +99,27 @@ class BatchReader:
                 self._remember(buf, batch.schema)
         except (pa.ArrowInvalid, StopIteration) as e:
             raise ShardstreamError(f"arrow batch {native.index}: not a valid Arrow IPC stream: {e}") from None
-        return self._with_views(native, _checked(native, batch))
+        if batch.num_rows != len(native):
+            raise ShardstreamError(
+                f"arrow batch {native.index}: record batch has {batch.num_rows} rows, the message names {len(native)}"
+            )
+        return batch
 
-    def _with_views(self, native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:
-        """``batch`` with the columns the daemon sent as views (``VIEW_KEY``, at the top or inside
-        structs) as ``binary_view`` arrays over the decoded row groups they point into (the
-        batch's ``view_buffers()``, mapped read-only): no value is copied. Each is checked in full
-        first (every view inside its buffer), so a bad batch is an error, never a read outside the
-        mapping."""
+    def _open_native(self, reader: _native.ArrowReader, native: _native.Batch) -> pa.RecordBatch:
         import pyarrow as pa
 
-        if self._views is None or not self._views[0].equals(batch.schema, check_metadata=True):
-            cols = [i for i, f in enumerate(batch.schema) if _has_views(f)]
-            fields = [_delivered(f) for f in batch.schema]
-            self._views = (batch.schema, cols, pa.schema(fields, metadata=batch.schema.metadata))
-        _, cols, schema = self._views
-        if not cols:
-            return batch
-        data = [pa.py_buffer(r) for r in native.view_buffers()]
-        arrays = list(batch.columns)
-        for i in cols:
-            try:
-                arrays[i] = _rebuilt(arrays[i], batch.schema.field(i), data)
-            except (pa.ArrowInvalid, ValueError) as e:
-                raise ShardstreamError(f"arrow batch {native.index}: column {batch.schema.names[i]!r}: {e}") from None
-        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+        out = reader.open(native)
+        if reader.schema_generation != self._generation:
+            self._schema, self._generation = pa.schema(out), reader.schema_generation
+        self.has_row = reader.has_row
+        # The arrays alone, with the schema imported once per schema: the whole batch through
+        # the public PyCapsule interface (`pa.record_batch(out)`) exported and imported its
+        # schema with every batch. `_import_from_c` is pyarrow's C data interface entry point for
+        # a struct's address; the capsule owns the struct until pyarrow has moved it out.
+        holder, address = out.export_array()
+        batch = pa.RecordBatch._import_from_c(address, self._schema)
+        del holder
+        return batch
 
     def _remember(self, buf: pa.Buffer, schema: pa.Schema) -> None:
         import pyarrow as pa
@@ -130,66 +133,6 @@ class BatchReader:
             return
         self._schema, self._prefix = schema, buf.slice(0, 8 + int(head[1]))
         self._schema_has_row = ROW in schema.names
-
-
-def _is_view(f: pa.Field) -> bool:
-    return f.metadata is not None and VIEW_KEY in f.metadata
-
-
-def _has_views(f: pa.Field) -> bool:
-    """Whether `f` is a view column or a struct with one inside."""
-    import pyarrow as pa
-
-    if _is_view(f):
-        return True
-    return pa.types.is_struct(f.type) and any(_has_views(f.type.field(i)) for i in range(f.type.num_fields))
-
-
-def _delivered(f: pa.Field) -> pa.Field:
-    """The field as the user sees it: view columns as ``binary_view`` (their marker dropped)."""
-    import pyarrow as pa
-
-    if _is_view(f):
-        meta = {k: v for k, v in f.metadata.items() if k != VIEW_KEY}
-        return pa.field(f.name, pa.binary_view(), f.nullable, meta or None)
-    if _has_views(f):
-        return pa.field(
-            f.name, pa.struct([_delivered(f.type.field(i)) for i in range(f.type.num_fields)]), f.nullable, f.metadata
-        )
-    return f
-
-
-def _rebuilt(arr: pa.Array, f: pa.Field, data: list[Any]) -> pa.Array:
-    """`arr` (of field `f`, as received) with its view columns as ``binary_view`` arrays over
-    `data`, each validated in full."""
-    import pyarrow as pa
-
-    if _is_view(f):
-        validity, views = arr.buffers()
-        out = pa.Array.from_buffers(
-            pa.binary_view(), len(arr), [validity, views, *data], null_count=arr.null_count, offset=arr.offset
-        )
-        out.validate(full=True)
-        return out
-    if arr.offset:
-        # `field(i)` slices a struct's children to its rows: the struct must start at its buffers.
-        raise ValueError(f"a struct with view columns at offset {arr.offset}")
-    t = f.type
-    children = [
-        _rebuilt(arr.field(i), t.field(i), data) if _has_views(t.field(i)) else arr.field(i)
-        for i in range(t.num_fields)
-    ]
-    return pa.Array.from_buffers(
-        _delivered(f).type, len(arr), [arr.buffers()[0]], null_count=arr.null_count, children=children
-    )
-
-
-def _checked(native: _native.Batch, batch: pa.RecordBatch) -> pa.RecordBatch:
-    if batch.num_rows != len(native):
-        raise ShardstreamError(
-            f"arrow batch {native.index}: record batch has {batch.num_rows} rows, the message names {len(native)}"
-        )
-    return batch
 
 
 def row_ids(native: _native.Batch) -> np.ndarray[Any, np.dtype[np.uint64]]:

@@ -239,7 +239,7 @@ const SETTLED: u8 = 2;
 /// Field metadata key of a column delivered as views ([`BatchAssembler::with_binary_views`]): a
 /// `fixed_size_binary(16)` column of Arrow binary views; the value names the column's type
 /// ("binary" or "large_binary").
-pub const VIEW_KEY: &str = "shardstream.view";
+pub use shardstream_proto::ARROW_VIEW_KEY as VIEW_KEY;
 
 /// `f` with its `binary`/`large_binary` types, at the top or inside structs, delivered as views:
 /// `fixed_size_binary(16)` marked with [`VIEW_KEY`] (its value: the type it stands for). Sets
