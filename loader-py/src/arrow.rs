@@ -4,10 +4,9 @@
 //! ([`shardstream_client::arrow`]: the IPC stream decoded over the ring slot or the received
 //! message, view columns rebuilt over the mapped row groups) and returns an [`ArrowBatch`], which
 //! pyarrow imports through the Arrow C data interface: its schema once per stream schema
-//! (`__arrow_c_schema__`), its arrays with every batch (`export_array`), or both at once through
-//! the PyCapsule interface (`__arrow_c_array__`). Every buffer pyarrow sees is the one in shared
-//! memory; the exported arrays hold, through arrow's own reference counts, the slot's lease and
-//! the mappings until pyarrow releases the last of them.
+//! (`__arrow_c_schema__`), its arrays with every batch (`export_array`). Every buffer pyarrow
+//! sees is the one in shared memory; the exported arrays hold, through arrow's own reference
+//! counts, the slot's lease and the mappings until pyarrow releases the last of them.
 //!
 //! Rebuilding the views with pyarrow in Python cost 60-90 us a batch of the consumer's core
 //! (bench/PARQUET_PROFILE.md); batches without views are read with pyarrow's own IPC reader.
@@ -81,7 +80,7 @@ impl ArrowReader {
     }
 }
 
-/// One opened record batch, exported through the Arrow PyCapsule interface.
+/// One opened record batch, exported through the Arrow C data interface.
 #[pyclass(module = "shardstream._native", frozen)]
 pub struct ArrowBatch {
     batch: RecordBatch,
@@ -89,30 +88,8 @@ pub struct ArrowBatch {
 
 #[pymethods]
 impl ArrowBatch {
-    /// The Arrow PyCapsule interface: the batch as a struct array (its schema's metadata on the
-    /// struct), in an `arrow_schema` and an `arrow_array` capsule. `requested_schema` is not
-    /// honoured: the batch is exported as it is (the interface allows that).
-    #[pyo3(signature = (requested_schema=None))]
-    fn __arrow_c_array__<'py>(
-        &self,
-        py: Python<'py>,
-        requested_schema: Option<Bound<'py, PyAny>>,
-    ) -> PyResult<(Bound<'py, PyCapsule>, Bound<'py, PyCapsule>)> {
-        let _ = requested_schema;
-        crate::errors::no_panic("ArrowBatch.__arrow_c_array__", || {
-            let schema = FFI_ArrowSchema::try_from(self.batch.schema().as_ref())
-                .map_err(|e| ShardstreamError::new_err(format!("exporting an arrow schema: {e}")))?;
-            let data = StructArray::from(self.batch.clone()).into_data();
-            let array = FFI_ArrowArray::new(&data);
-            Ok((
-                PyCapsule::new_with_value(py, schema, c"arrow_schema")?,
-                PyCapsule::new_with_value(py, array, c"arrow_array")?,
-            ))
-        })
-    }
-
-    /// The batch's schema alone (the Arrow PyCapsule interface), as `__arrow_c_array__` exports
-    /// it: `pyarrow.schema(batch)` imports it.
+    /// The batch's schema (the Arrow PyCapsule interface), its metadata on the struct it
+    /// describes: `pyarrow.schema(batch)` imports it.
     fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
         crate::errors::no_panic("ArrowBatch.__arrow_c_schema__", || {
             let schema = FFI_ArrowSchema::try_from(self.batch.schema().as_ref())
@@ -122,11 +99,11 @@ impl ArrowBatch {
     }
 
     /// The batch's arrays alone, for `pyarrow.RecordBatch._import_from_c(address, schema)` with
-    /// a schema imported once: exporting and importing the schema with every batch cost more
-    /// than the arrays (~10 us a batch of four columns). Returns a capsule that owns the
-    /// exported `ArrowArray` struct and the struct's address; pyarrow moves the struct out (its
-    /// release callback then belongs to pyarrow), and the capsule frees what is left when it
-    /// goes.
+    /// a schema imported once: exporting and importing the schema with every batch was a cost of
+    /// its own (bench/PARQUET_PROFILE.md, "batches with views opened in native code"). Returns a
+    /// capsule that owns the exported `ArrowArray` struct and the struct's address; pyarrow moves
+    /// the struct out (its release callback then belongs to pyarrow), and the capsule frees what
+    /// is left when it goes.
     fn export_array<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyCapsule>, usize)> {
         crate::errors::no_panic("ArrowBatch.export_array", || {
             let data = StructArray::from(self.batch.clone()).into_data();
@@ -134,9 +111,5 @@ impl ArrowBatch {
             let address = capsule.pointer_checked(Some(c"arrow_array"))?.as_ptr() as usize;
             Ok((capsule, address))
         })
-    }
-
-    fn __len__(&self) -> usize {
-        self.batch.num_rows()
     }
 }
