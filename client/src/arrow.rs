@@ -60,6 +60,8 @@ struct Known {
     delivered: SchemaRef,
     /// Whether any column (or struct child) is sent as views.
     views: bool,
+    /// Whether the schema has the daemon's `__row__` column.
+    has_row: bool,
 }
 
 /// Opens the Arrow messages of one stream; see the module docs.
@@ -152,8 +154,7 @@ fn finish(
         return Err(ArrowReadError::Rows { got: batch.num_rows(), expected: rows });
     }
     let batch = if known.views { delivered(batch, &known.delivered, views)? } else { batch };
-    let has_row = known.delivered.column_with_name(ROW_COLUMN).is_some();
-    Ok(Opened { batch, has_row })
+    Ok(Opened { batch, has_row: known.has_row })
 }
 
 /// Reads the stream's schema message and the dictionary batches after it: the schema, where the
@@ -169,7 +170,8 @@ fn read_head(ipc: &Buffer) -> Result<(Known, usize, Option<HashMap<i64, ArrayRef
     let mut views = false;
     let fields: Fields = received.fields().iter().map(|f| delivered_field(f, &mut views)).collect();
     let delivered = Arc::new(Schema::new_with_metadata(fields, received.metadata().clone()));
-    let known = Known { prefix, received, delivered, views };
+    let has_row = delivered.column_with_name(ROW_COLUMN).is_some();
+    let known = Known { prefix, received, delivered, views, has_row };
     if !known.received.fields().iter().any(|f| has_dictionary(f.data_type())) {
         return Ok((known, at, None));
     }
