@@ -27,7 +27,7 @@ use super::parquet::{ParquetOptions, ParquetShard};
 use super::read::{Loaded, LoadedSample, Window};
 use super::report::{BadInput, BadKind, Reporter};
 use super::{PackProgress, ShardFormat, ustar};
-use crate::format::tar::TarIndex;
+use crate::format::tar::{ScanAsWritten, TarIndex};
 use crate::{Error, Result};
 
 /// Sample buffers gathered into one `writev`: a few hundred KB per call, so syscalls are rare,
@@ -193,13 +193,38 @@ struct TarShard {
     out: CrcFile,
     boundaries: Vec<u64>,
     copy_buf: Vec<u8>,
+    /// The shard's index, built from each sample's bytes as they are appended; None once a
+    /// sample could not be indexed (the shard then gets no layout and is parsed when served).
+    scan: Option<Box<ScanAsWritten>>,
 }
 
 impl TarShard {
+    fn new(out: CrcFile) -> Self {
+        Self { out, boundaries: Vec::new(), copy_buf: Vec::new(), scan: Some(Box::default()) }
+    }
+
+    /// Indexes sample `s`, written at `start`, from its buffer and the lengths of its streams.
+    fn scan(&mut self, start: u64, s: &LoadedSample<'_>) {
+        let Some(scan) = &mut self.scan else { return };
+        let mut parts = Vec::with_capacity(1 + s.streams.len());
+        let (mut from, mut at) = (0, start);
+        for st in &s.streams {
+            parts.push((at, &s.buf[from..st.at]));
+            at += (st.at - from) as u64 + st.len;
+            from = st.at;
+        }
+        parts.push((at, &s.buf[from..]));
+        let end = at + (s.buf.len() - from) as u64;
+        if scan.sample(start, end, &parts).is_err() {
+            self.scan = None;
+        }
+    }
+
     /// Appends a sample; Ok(false) when one of its streamed files failed (reported, rolled back).
     fn add(&mut self, s: &mut LoadedSample<'_>, reporter: &Reporter) -> Result<bool> {
         let (start, start_crc) = (self.out.len, self.out.crc);
         if s.streams.is_empty() {
+            self.scan(start, s);
             self.out.append_owned(std::mem::take(&mut s.buf))?;
             self.boundaries.push(start);
             return Ok(true);
@@ -215,6 +240,7 @@ impl TarShard {
             }
         }
         self.out.append(&s.buf[prev..])?;
+        self.scan(start, s);
         self.boundaries.push(start);
         Ok(true)
     }
@@ -224,22 +250,12 @@ impl TarShard {
             self.boundaries.push(self.out.len);
         }
         self.out.append(&ustar::TRAILER)?;
-        let path = self.out.path.clone();
         let (file, len, crc) = self.out.finish()?;
-        let layout = layout_of(&path, len, &self.boundaries);
+        // The scan must find the samples where the writer put them, or the shard gets no layout.
+        let layout =
+            self.scan.map(|s| s.finish()).filter(|ix| ix.boundaries == self.boundaries).and_then(|ix| ix.layout);
         Ok((file, len, crc, TarIndex { boundaries: self.boundaries, fields: Vec::new(), layout }))
     }
-}
-
-/// The layout of a shard just written (where each sample's key and fields lie, what lets the
-/// daemon and its clients skip the per-sample header parse): one header scan of the file, still
-/// in the page cache. The scan must find the samples where the writer put them; a shard for
-/// which it does not (or cannot be read back) simply gets no layout and is parsed when served.
-fn layout_of(path: &std::path::Path, len: u64, boundaries: &[u64]) -> Option<crate::format::tar::layout::Layout> {
-    // Its own read-only handle: the writer's is write-only, and its cursor is the writer's.
-    let file = File::open(path).ok()?;
-    let scanned = crate::format::tar::index_tar(&file, len).ok()?;
-    (scanned.boundaries == boundaries).then_some(scanned.layout).flatten()
 }
 
 /// Copies a streamed member; the inner Err is a bad input (the file changed under us).
@@ -412,9 +428,7 @@ pub fn write_shards<'a>(
                 let path = scratch(&name);
                 let out = CrcFile::create(path.clone())?;
                 let shard = match cfg.format {
-                    ShardFormat::Webdataset => {
-                        Shard::Tar(TarShard { out, boundaries: Vec::new(), copy_buf: Vec::new() })
-                    }
+                    ShardFormat::Webdataset => Shard::Tar(TarShard::new(out)),
                     ShardFormat::Parquet => Shard::Parquet(Box::new(ParquetShard::new(out, &cfg.parquet)?)),
                 };
                 next_number += 1;
@@ -515,7 +529,7 @@ mod tests {
         let big_path = dir.path().join("big");
         std::fs::write(&big_path, &big).unwrap();
         let out = CrcFile::create(dir.path().join("shard.tar")).unwrap();
-        let mut shard = TarShard { out, boundaries: Vec::new(), copy_buf: Vec::new() };
+        let mut shard = TarShard::new(out);
         let reporter = Reporter::new(false, &());
         assert!(shard.add(&mut sample("a", b"first"), &reporter).unwrap());
         assert!(shard.add(&mut streamed("b", &big_path, big.len() as u64), &reporter).unwrap());
@@ -545,7 +559,7 @@ mod tests {
         assert_eq!(keys, ["a", "b", "d"]);
         let strict = Reporter::new(true, &());
         let out = CrcFile::create(dir.path().join("strict.tar")).unwrap();
-        let mut shard = TarShard { out, boundaries: Vec::new(), copy_buf: Vec::new() };
+        let mut shard = TarShard::new(out);
         assert!(shard.add(&mut streamed("c", &big_path, big.len() as u64 + 1), &strict).is_err());
     }
 }

@@ -388,3 +388,50 @@ impl Source for SliceSource<'_> {
         self.bytes(range)
     }
 }
+
+/// Reads headers from a sample held in pieces at their absolute shard offsets (see
+/// [`super::ScanAsWritten`]). A range must lie within one piece; bytes between pieces are
+/// payloads the writer streams, never read here.
+pub(super) struct PartsSource<'a, 'p> {
+    pub(super) parts: &'p [(u64, &'a [u8])],
+    /// Absolute offset of the sample's end.
+    pub(super) end: u64,
+}
+
+impl PartsSource<'_, '_> {
+    fn get(&self, offset: u64, len: u64) -> Result<&[u8], TarError> {
+        let range = offset..offset.saturating_add(len);
+        self.parts
+            .iter()
+            .map(|(at, buf)| sub_slice(buf, *at, &range))
+            .find(|b| b.len() as u64 == len)
+            .ok_or(TarError::Truncated { offset, what: "a header lies outside the bytes the writer holds" })
+    }
+}
+
+impl Source for PartsSource<'_, '_> {
+    fn len(&self) -> u64 {
+        self.end
+    }
+
+    fn scope(&self) -> &'static str {
+        "sample"
+    }
+
+    fn block(&mut self, offset: u64) -> Result<&Block, TarError> {
+        self.get(offset, BLOCK)?
+            .try_into()
+            .map_err(|_| TarError::Truncated { offset, what: "the data ends inside a header" })
+    }
+
+    fn load(&mut self, _slot: Slot, offset: u64, len: u64) -> Result<&[u8], TarError> {
+        self.get(offset, len)
+    }
+
+    fn keep_pax(&mut self) {}
+
+    fn loaded(&self, _slot: Slot, range: &Range<u64>) -> &[u8] {
+        let len = range.end.saturating_sub(range.start);
+        self.get(range.start, len).unwrap_or_default()
+    }
+}

@@ -57,7 +57,7 @@ use std::ops::Range;
 
 pub use naming::split_key;
 pub use sample::{Member, SampleView, parse_sample};
-pub use scan::{index_tar, index_tar_bytes};
+pub use scan::{ScanAsWritten, index_tar, index_tar_bytes};
 
 /// TAR block size: every header and every padded payload is a multiple of it.
 pub const BLOCK: u64 = 512;

@@ -56,46 +56,90 @@ pub fn index_tar_bytes(shard: &[u8]) -> Result<TarIndex, TarError> {
 }
 
 fn index_source(src: &mut impl Source) -> Result<TarIndex, TarError> {
-    let mut boundaries = Vec::new();
-    let mut fields = BTreeSet::new();
-    let mut key = String::new();
-    let mut sample_fields = FieldList::default();
-    let mut layout = LayoutBuilder::default();
-    let mut end = 0;
-    let mut offset = 0;
-    while let Some(e) = next_entry(src, offset, offset == 0)? {
-        offset = e.next;
-        if !e.regular {
-            continue;
+    let mut scan = Scan::default();
+    scan.run(src, 0)?;
+    Ok(scan.finish())
+}
+
+/// The state of indexing one shard, kept between calls so a shard can be indexed in parts, in
+/// order: whole ([`index_source`]) or one sample at a time as it is written
+/// ([`ScanAsWritten`]). The same walk either way, so the two give the same index.
+#[derive(Default)]
+struct Scan {
+    boundaries: Vec<u64>,
+    fields: BTreeSet<String>,
+    key: String,
+    sample_fields: FieldList,
+    layout: LayoutBuilder,
+    end: u64,
+}
+
+impl Scan {
+    /// Walks the members of `src` from `offset` to the end of its data (or of the archive).
+    fn run(&mut self, src: &mut impl Source, mut offset: u64) -> Result<(), TarError> {
+        while let Some(e) = next_entry(src, offset, offset == 0)? {
+            offset = e.next;
+            if !e.regular {
+                continue;
+            }
+            let name = resolve_name(&e.name, |slot, r| src.loaded(slot, r));
+            let Some((k, field)) = split_key(&name) else { continue };
+            let field = normalize_field(Cow::Borrowed(field));
+            if self.boundaries.is_empty() || k != self.key {
+                self.boundaries.push(e.start);
+                self.key.clear();
+                self.key.push_str(k);
+                self.sample_fields.clear();
+                self.layout.sample(e.start, key_range(&e.name, matches!(name, Cow::Borrowed(_)), k.len()));
+            } else if self.sample_fields.contains(&field) {
+                return Err(TarError::DuplicateField {
+                    offset: e.header,
+                    key: self.key.clone(),
+                    field: field.into_owned(),
+                });
+            }
+            if let Some(&start) = self.boundaries.last() {
+                self.layout.member(start, &field, e.data, e.size);
+            }
+            self.sample_fields.push(&field);
+            if !self.fields.contains(&*field) {
+                self.fields.insert(field.into_owned());
+            }
+            self.end = e.next;
         }
-        let name = resolve_name(&e.name, |slot, r| src.loaded(slot, r));
-        let Some((k, field)) = split_key(&name) else { continue };
-        let field = normalize_field(Cow::Borrowed(field));
-        if boundaries.is_empty() || k != key {
-            boundaries.push(e.start);
-            key.clear();
-            key.push_str(k);
-            sample_fields.clear();
-            layout.sample(e.start, key_range(&e.name, matches!(name, Cow::Borrowed(_)), k.len()));
-        } else if sample_fields.contains(&field) {
-            return Err(TarError::DuplicateField { offset: e.header, key, field: field.into_owned() });
-        }
-        if let Some(&start) = boundaries.last() {
-            layout.member(start, &field, e.data, e.size);
-        }
-        sample_fields.push(&field);
-        if !fields.contains(&*field) {
-            fields.insert(field.into_owned());
-        }
-        end = e.next;
+        Ok(())
     }
-    if !boundaries.is_empty() {
-        boundaries.push(end);
+
+    fn finish(mut self) -> TarIndex {
+        if !self.boundaries.is_empty() {
+            self.boundaries.push(self.end);
+        }
+        self.boundaries.shrink_to_fit();
+        let fields: Vec<String> = self.fields.into_iter().collect();
+        let layout = self.layout.finish(&fields);
+        TarIndex { boundaries: self.boundaries, fields, layout }
     }
-    boundaries.shrink_to_fit();
-    let fields: Vec<String> = fields.into_iter().collect();
-    let layout = layout.finish(&fields);
-    Ok(TarIndex { boundaries, fields, layout })
+}
+
+/// Indexes a shard while it is written, from the bytes of each sample as the writer appends
+/// them: the index a scan of the finished file would give, without reading its headers back
+/// (which, once the shard was written around the page cache, would be one disk read each).
+#[derive(Default)]
+pub struct ScanAsWritten {
+    scan: Scan,
+}
+
+impl ScanAsWritten {
+    /// The sample that occupies shard bytes `start..end`: `parts` are its bytes at their
+    /// absolute offsets, in order, with holes where payloads are written from elsewhere (a
+    /// streamed file). Every header must lie within a part; payloads may fall in holes.
+    pub fn sample(&mut self, start: u64, end: u64, parts: &[(u64, &[u8])]) -> Result<(), TarError> {
+        self.scan.run(&mut PartsSource { parts, end }, start)
+    }
+
+    pub fn finish(self) -> TarIndex {
+        self.scan.finish()
+    }
 }
 
 /// The shard bytes of a key that is the first `key_len` bytes of the member name at `loc`, when

@@ -105,7 +105,31 @@ fn index(bytes: &[u8]) -> Result<TarIndex, TarError> {
     let from_reader = index_tar(Cursor::new(bytes), bytes.len() as u64);
     let from_memory = index_tar_bytes(bytes);
     assert_eq!(format!("{from_reader:?}"), format!("{from_memory:?}"), "indexing from memory disagrees");
+    if let Ok(ix) = &from_reader {
+        assert_eq!(format!("{ix:?}"), format!("{:?}", index_as_written(bytes, ix)), "indexing as written disagrees");
+    }
     from_reader
+}
+
+/// Indexes `bytes` as `shardstream pack` does while writing: sample by sample (the samples `ix`
+/// found), each payload cut out as if it were streamed from a file, so only headers are seen.
+fn index_as_written(bytes: &[u8], ix: &TarIndex) -> TarIndex {
+    let mut scan = ScanAsWritten::default();
+    for i in 0..ix.num_samples() {
+        let r = ix.sample_range(i).unwrap();
+        let (start, end) = (r.start as usize, r.end as usize);
+        let view = parse_sample(&bytes[start..end]).unwrap();
+        let mut parts = Vec::new();
+        let mut from = start;
+        for m in &view.members {
+            let (data_start, data_end) = (start + m.data.start, start + m.data.end);
+            parts.push((from as u64, &bytes[from..data_start]));
+            from = data_end;
+        }
+        parts.push((from as u64, &bytes[from..end]));
+        scan.sample(r.start, r.end, &parts).unwrap();
+    }
+    scan.finish()
 }
 
 type Parsed = Vec<(String, Vec<(String, Vec<u8>)>)>;
