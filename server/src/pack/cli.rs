@@ -122,6 +122,13 @@ pub struct PackArgs {
     #[arg(long)]
     pub strict: bool,
 
+    /// Write shards through the page cache. By default a local output is written around it
+    /// (O_DIRECT): the shards are written once and made durable, and a pack of a large tree would
+    /// otherwise fill the page cache with them, evicting what the machine had cached. Useful when
+    /// the shards are read right after the pack on the same machine.
+    #[arg(long)]
+    pub buffered_io: bool,
+
     /// S3 output: bytes per part of a multipart upload (S3 requires at least 5 MiB).
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = limits::parse_s3_upload_part_size)]
     pub s3_part_size: u64,
@@ -155,6 +162,7 @@ impl PackArgs {
             threads: self.threads,
             resume: self.resume,
             strict: self.strict,
+            buffered_io: self.buffered_io,
             upload: UploadOptions { multipart_threshold: self.s3_multipart_threshold, part_size: self.s3_part_size },
         }
     }

@@ -33,12 +33,14 @@ pub mod beneath;
 pub mod buffers;
 pub mod cli;
 pub mod dest;
+pub mod direct;
 pub mod group;
 pub mod journal;
 pub mod parquet;
 pub mod read;
 pub mod report;
 pub mod s3_sink;
+pub mod shard_file;
 pub mod sink;
 pub mod ustar;
 pub mod walk;
@@ -145,6 +147,8 @@ pub struct PackOptions {
     pub threads: usize,
     pub resume: bool,
     pub strict: bool,
+    /// Write local shards through the page cache instead of around it (`O_DIRECT`).
+    pub buffered_io: bool,
     /// How shards are uploaded to S3 output (no effect on the bytes).
     pub upload: UploadOptions,
 }
@@ -170,6 +174,7 @@ impl PackOptions {
             threads: default_threads(),
             resume: false,
             strict: false,
+            buffered_io: false,
             upload: UploadOptions::default(),
         }
     }
@@ -425,6 +430,11 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
             fields: &catalog.fields,
             row_group_rows: opts.row_group_rows,
             compression: opts.compression,
+        },
+        route: if opts.buffered_io || sink.rereads_scratch() {
+            shard_file::WriteRoute::ThroughPageCache
+        } else {
+            shard_file::WriteRoute::AroundPageCache
         },
     };
     let window = Window::new(start as usize, end as usize);

@@ -26,7 +26,7 @@ use parquet::file::properties::{EnabledStatistics, WriterProperties};
 use parquet::schema::types::ColumnPath;
 
 use super::read::LoadedSample;
-use super::writer::CrcFile;
+use super::shard_file::CrcFile;
 use crate::{Error, Result};
 
 /// The key column, named as WebDataset names it.

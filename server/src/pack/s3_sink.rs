@@ -213,6 +213,10 @@ impl Drop for S3Sink {
 }
 
 impl Sink for S3Sink {
+    fn rereads_scratch(&self) -> bool {
+        true
+    }
+
     fn describe(&self) -> String {
         self.target.url("")
     }

@@ -40,6 +40,11 @@ pub const STAGING_DIR: &str = "staging";
 pub trait Sink: Send + Sync {
     /// The destination, for messages.
     fn describe(&self) -> String;
+    /// True when the sink reads each scratch file back right after it is written (an upload):
+    /// shards are then written through the page cache, where that read finds them.
+    fn rereads_scratch(&self) -> bool {
+        false
+    }
     /// Local path where the writer produces shard `name`.
     fn scratch_path(&self, name: &str) -> PathBuf;
     /// Starts making a completed shard (and its sidecar) durable. Called in shard order. Returns

@@ -19,143 +19,20 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Read;
 use std::path::PathBuf;
 use std::sync::mpsc::SyncSender;
 
 use super::parquet::{ParquetOptions, ParquetShard};
 use super::read::{Loaded, LoadedSample, Window};
 use super::report::{BadInput, BadKind, Reporter};
+use super::shard_file::{CrcFile, WriteRoute};
 use super::{PackProgress, ShardFormat, ustar};
 use crate::format::tar::{ScanAsWritten, TarIndex};
 use crate::{Error, Result};
 
-/// Sample buffers gathered into one `writev`: a few hundred KB per call, so syscalls are rare,
-/// and no copy into a staging buffer (each sample's buffer goes to the kernel as it is).
-const GATHER_BYTES: usize = 1 << 20;
-/// Most buffers in one `writev` (Linux accepts 1024).
-const GATHER_BUFFERS: usize = 256;
 /// Chunk in which streamed (large) members are copied.
 const COPY_CHUNK: usize = 1 << 20;
-/// Every this many bytes written, the writer asks the kernel to start writing them back
-/// (`sync_file_range`, asynchronous). The shard's final fsync then waits only for the tail
-/// instead of the whole 1 GiB, and dirty pages do not pile up (RocksDB's `bytes_per_sync`).
-const WRITEBACK_EVERY: u64 = 32 << 20;
-
-/// A file being written, with its running length and CRC-32C. Appended buffers are gathered and
-/// written with one `writev` per [`GATHER_BYTES`].
-pub struct CrcFile {
-    file: File,
-    path: PathBuf,
-    /// Buffers appended but not yet written, and their total length.
-    pending: Vec<Vec<u8>>,
-    pending_bytes: usize,
-    len: u64,
-    crc: u32,
-    /// Bytes handed to writeback so far.
-    written_back: u64,
-}
-
-impl CrcFile {
-    pub fn create(path: PathBuf) -> Result<Self> {
-        let file = File::create(&path).map_err(|e| Error::io("cannot create shard", &path, e))?;
-        Ok(Self { file, path, pending: Vec::new(), pending_bytes: 0, len: 0, crc: 0, written_back: 0 })
-    }
-
-    /// Bytes appended so far.
-    pub fn written(&self) -> u64 {
-        self.len
-    }
-
-    fn io(&self, e: std::io::Error) -> Error {
-        Error::io("cannot write shard", &self.path, e)
-    }
-
-    /// Appends a buffer, taking it over (no copy).
-    fn append_owned(&mut self, data: Vec<u8>) -> Result<()> {
-        self.crc = crc32c::crc32c_append(self.crc, &data);
-        self.len += data.len() as u64;
-        self.pending_bytes += data.len();
-        self.pending.push(data);
-        if self.pending_bytes >= GATHER_BYTES || self.pending.len() >= GATHER_BUFFERS {
-            self.flush_pending().map_err(|e| self.io(e))?;
-        }
-        Ok(())
-    }
-
-    fn append(&mut self, data: &[u8]) -> Result<()> {
-        self.append_owned(data.to_vec())
-    }
-
-    /// Writes the gathered buffers.
-    fn flush_pending(&mut self) -> std::io::Result<()> {
-        let mut slices: Vec<std::io::IoSlice<'_>> = self.pending.iter().map(|b| std::io::IoSlice::new(b)).collect();
-        let mut rest = &mut slices[..];
-        while !rest.is_empty() {
-            match self.file.write_vectored(rest) {
-                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(n) => std::io::IoSlice::advance_slices(&mut rest, n),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        self.pending.drain(..).for_each(super::buffers::give_back);
-        self.pending_bytes = 0;
-        self.start_writeback();
-        Ok(())
-    }
-
-    /// Starts writeback of what reached the file since the last call, every [`WRITEBACK_EVERY`]
-    /// bytes. A hint: errors are left to the fsync that makes the shard durable.
-    fn start_writeback(&mut self) {
-        use std::os::fd::AsRawFd;
-        let in_file = self.len - self.pending_bytes as u64;
-        if in_file - self.written_back < WRITEBACK_EVERY {
-            return;
-        }
-        let (Ok(from), Ok(len)) = (i64::try_from(self.written_back), i64::try_from(in_file - self.written_back)) else {
-            return;
-        };
-        // SAFETY: a syscall on a descriptor we own; no memory is passed.
-        unsafe { libc::sync_file_range(self.file.as_raw_fd(), from, len, libc::SYNC_FILE_RANGE_WRITE) };
-        self.written_back = in_file;
-    }
-
-    /// Cuts the file back to `len` bytes with CRC `crc` (undoing a sample that failed midway).
-    fn rollback(&mut self, len: u64, crc: u32) -> Result<()> {
-        self.flush_pending().map_err(|e| self.io(e))?;
-        let f = &mut self.file;
-        f.set_len(len).and_then(|()| f.seek(SeekFrom::Start(len)).map(drop)).map_err(|e| self.io(e))?;
-        self.len = len;
-        self.crc = crc;
-        self.written_back = self.written_back.min(len);
-        Ok(())
-    }
-
-    /// Writes what is pending and returns the file, its length and CRC-32C.
-    pub fn finish(mut self) -> Result<(File, u64, u32)> {
-        self.flush_pending().map_err(|e| self.io(e))?;
-        Ok((self.file, self.len, self.crc))
-    }
-}
-
-impl Write for CrcFile {
-    /// Unbuffered (the Parquet writer buffers its own output).
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if !self.pending.is_empty() {
-            self.flush_pending()?;
-        }
-        let n = self.file.write(buf)?;
-        self.crc = crc32c::crc32c_append(self.crc, &buf[..n]);
-        self.len += n as u64;
-        self.start_writeback();
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.flush_pending()
-    }
-}
 
 /// A completed shard, closed but not yet durable: the sink makes it so.
 #[derive(Debug)]
@@ -310,6 +187,8 @@ pub struct WriterConfig<'a> {
     pub samples_per_shard: Option<u64>,
     pub prefix: &'a str,
     pub parquet: ParquetOptions<'a>,
+    /// How shard files reach the disk.
+    pub route: WriteRoute,
 }
 
 impl WriterConfig<'_> {
@@ -426,7 +305,7 @@ pub fn write_shards<'a>(
             None => {
                 let name = cfg.shard_name(next_number);
                 let path = scratch(&name);
-                let out = CrcFile::create(path.clone())?;
+                let out = CrcFile::create(path.clone(), cfg.route)?;
                 let shard = match cfg.format {
                     ShardFormat::Webdataset => Shard::Tar(TarShard::new(out)),
                     ShardFormat::Parquet => Shard::Parquet(Box::new(ParquetShard::new(out, &cfg.parquet)?)),
@@ -524,11 +403,21 @@ mod tests {
 
     #[test]
     fn streamed_members_and_rollback_of_a_file_that_shrank() {
+        streamed_members_and_rollback(WriteRoute::ThroughPageCache);
+    }
+
+    /// The same around the page cache: the rollback cuts into bytes already written directly.
+    #[test]
+    fn streamed_members_and_rollback_around_the_page_cache() {
+        streamed_members_and_rollback(WriteRoute::AroundPageCache);
+    }
+
+    fn streamed_members_and_rollback(route: WriteRoute) {
         let dir = tempfile::tempdir().unwrap();
         let big: Vec<u8> = (0..3 * COPY_CHUNK + 17).map(|i| (i % 251) as u8).collect();
         let big_path = dir.path().join("big");
         std::fs::write(&big_path, &big).unwrap();
-        let out = CrcFile::create(dir.path().join("shard.tar")).unwrap();
+        let out = CrcFile::create(dir.path().join("shard.tar"), route).unwrap();
         let mut shard = TarShard::new(out);
         let reporter = Reporter::new(false, &());
         assert!(shard.add(&mut sample("a", b"first"), &reporter).unwrap());
@@ -558,7 +447,7 @@ mod tests {
             .collect();
         assert_eq!(keys, ["a", "b", "d"]);
         let strict = Reporter::new(true, &());
-        let out = CrcFile::create(dir.path().join("strict.tar")).unwrap();
+        let out = CrcFile::create(dir.path().join("strict.tar"), route).unwrap();
         let mut shard = TarShard::new(out);
         assert!(shard.add(&mut streamed("c", &big_path, big.len() as u64 + 1), &strict).is_err());
     }
