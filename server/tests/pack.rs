@@ -172,7 +172,7 @@ fn labels_shuffle_and_samples_per_shard() {
 }
 
 #[test]
-fn output_is_byte_identical_whatever_the_thread_count() {
+fn output_is_byte_identical_whatever_the_thread_count_and_write_route() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     imagenet_tree(&src, 3, 50);
@@ -181,15 +181,18 @@ fn output_is_byte_identical_whatever_the_thread_count() {
     write(&src, &format!("long/{}.jpg", "n".repeat(150)), b"long");
     write(&src, "unicode/été.JPG", b"accent");
     let mut outs = Vec::new();
-    for threads in [1, 7] {
+    // Around the page cache (the default) with 1 and 7 readers, and through it.
+    for (threads, buffered_io) in [(1, false), (7, false), (3, true)] {
         let dest = tmp.path().join(format!("out{threads}"));
         let mut o = opts(&src, &dest);
         o.threads = threads;
         o.shard_size = 100 << 10;
+        o.buffered_io = buffered_io;
         pack::pack(&o, &()).unwrap();
         outs.push(tree_bytes(&dest));
     }
     assert_eq!(outs[0], outs[1]);
+    assert_eq!(outs[0], outs[2]);
     let (got, _) = read_back(&tmp.path().join("out1"));
     assert_eq!(got[&format!("{}/deep", "d".repeat(130))]["jpg"], b"deep");
     assert_eq!(got[&format!("long/{}", "n".repeat(150))]["jpg"], b"long");
