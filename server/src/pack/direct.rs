@@ -283,6 +283,21 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), model);
     }
 
+    /// A write the file system refuses directly (here: a misaligned one, which every file
+    /// system with O_DIRECT refuses) clears O_DIRECT and goes through the page cache.
+    #[test]
+    fn a_refused_direct_write_goes_through_the_page_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("refused");
+        let file = OpenOptions::new().write(true).create(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
+        let data = pattern(1000, 9);
+        assert!(!write_direct(&file, &data, 0).unwrap(), "a misaligned direct write was taken");
+        let flags = rustix::fs::fcntl_getfl(&file).unwrap();
+        assert!(!flags.contains(rustix::fs::OFlags::DIRECT));
+        drop(file);
+        assert_eq!(std::fs::read(&path).unwrap(), data);
+    }
+
     #[test]
     fn an_empty_file_stays_empty() {
         let dir = tempfile::tempdir().unwrap();
