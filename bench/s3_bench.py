@@ -139,9 +139,9 @@ def plain_client(
     write_bytes: int | None = None,
 ) -> dict[str, Any]:
     """`s3_fetch`: discards the bytes, or with `write_dir` keeps them there (a file per object,
-    `write_bytes` gathered for each write; the daemon's MiB when None)."""
+    `write_bytes` gathered for each write, 0 for direct writes; the daemon's MiB when None)."""
     exe = ROOT / "target/release/examples/s3_fetch"
-    store = [str(write_dir), *([str(write_bytes)] if write_bytes else [])] if write_dir else []
+    store = [str(write_dir), *([str(write_bytes)] if write_bytes is not None else [])] if write_dir else []
     out = subprocess.run(
         [str(exe), bucket, prefix, str(concurrency), str(part), *store],
         env={**os.environ, **env},

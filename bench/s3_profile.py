@@ -14,7 +14,8 @@ copy costs the epochs after it. `--plain-write` adds, after the plain client, th
 keeping the bytes (`s3_fetch ... WRITE_DIR`: a file per object written a MiB at a time and
 fsynced, as the daemon writes its copies, on the same disk): what storing alone costs, the
 least any node cache pays; each cold epoch is then also quoted against it (`x plain+write`).
-`--plain-write 1048576,65536` runs it once per write size given (the first is the reference).
+`--plain-write 1048576,65536` runs it once per write size given (the first is the reference);
+size 0 writes around the page cache (`O_DIRECT`, a whole part per write, `plain+write direct`).
 
 Run it against a release build (`maturin develop --release`, `cargo build --release --example
 s3_fetch`); it prints a markdown table and writes the raw rows as JSON next to `--out`.
@@ -130,7 +131,7 @@ def main() -> None:
         const=str(WRITE_CHUNK),
         type=lambda v: [int(x) for x in v.split(",")],
         help="also the plain client keeping what it downloads (s3_fetch WRITE_DIR), optionally at these"
-        " comma-separated write sizes in bytes (default: the daemon's MiB)",
+        " comma-separated write sizes in bytes (default: the daemon's MiB; 0: around the page cache)",
     )
     a = ap.parse_args()
     configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1])) for c in a.config] or [("default", [])]
@@ -205,6 +206,8 @@ WRITE_CHUNK = 1 << 20
 
 def write_run(size: int) -> str:
     """The row of the plain client storing with writes of `size` bytes."""
+    if size == 0:
+        return "plain+write direct"
     return "plain+write" if size == WRITE_CHUNK else f"plain+write {size >> 10} KiB"
 
 

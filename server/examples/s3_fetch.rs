@@ -11,16 +11,19 @@
 //!
 //! Usage: `s3_fetch BUCKET PREFIX [CONCURRENCY] [PART_BYTES] [WRITE_DIR [WRITE_BYTES]]` with
 //! `AWS_ENDPOINT_URL` and credentials in the environment; `WRITE_BYTES` (default: the daemon's
-//! MiB) is how much is gathered for each write.
+//! MiB) is how much is gathered for each write. `WRITE_BYTES` 0 writes around the page cache
+//! instead (`O_DIRECT`, as `shardstream pack` writes its shards): each part is copied into an
+//! aligned buffer, reused from a pool, and written whole; the object is cut to its length before
+//! its fsync. What a node cache that kept its copies out of the page cache would pay.
 
 mod plain_s3;
 
 use anyhow::Context;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tokio::sync::Semaphore;
@@ -36,6 +39,9 @@ async fn main() -> anyhow::Result<()> {
     let part: u64 = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(8 << 20);
     let write_dir = args.get(5).map(PathBuf::from);
     let write_bytes: usize = args.get(6).map(|s| s.parse()).transpose()?.unwrap_or(WRITE_CHUNK);
+    let direct = write_bytes == 0;
+    anyhow::ensure!(!direct || part as usize % ALIGN == 0, "direct writes need PART_BYTES a multiple of {ALIGN}");
+    let pool = Arc::new(Pool::default());
     let client = plain_s3::client().await;
 
     let mut objects = Vec::new();
@@ -63,7 +69,12 @@ async fn main() -> anyhow::Result<()> {
         let file = match &write_dir {
             Some(dir) => {
                 let path = dir.join(key.replace('/', "_"));
-                let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+                let mut open = File::options();
+                open.write(true).create(true).truncate(true);
+                if direct {
+                    open.custom_flags(libc::O_DIRECT);
+                }
+                let file = open.open(&path).with_context(|| format!("cannot create {}", path.display()))?;
                 Some((Arc::new(file), Arc::new(path)))
             }
             None => None,
@@ -73,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
         while at < size {
             let end = (at + part).min(size);
             let (client, bucket, key, limit) = (client.clone(), bucket.clone(), key.clone(), limit.clone());
-            let (file, written) = (file.clone(), written.clone());
+            let (file, written, pool) = (file.clone(), written.clone(), pool.clone());
             tasks.spawn(async move {
                 let _slot = limit.acquire_owned().await?;
                 let resp =
@@ -82,7 +93,13 @@ async fn main() -> anyhow::Result<()> {
                 let mut n = 0u64;
                 let mut pending: Vec<bytes::Bytes> = Vec::new();
                 let mut pending_len = 0usize;
+                let mut stage = if direct && file.is_some() { Some(pool.take((end - at) as usize)) } else { None };
                 while let Some(chunk) = body.try_next().await? {
+                    if let Some(stage) = &mut stage {
+                        stage.put(n as usize, &chunk)?;
+                        n += chunk.len() as u64;
+                        continue;
+                    }
                     n += chunk.len() as u64;
                     if let Some(dest) = &file {
                         pending_len += chunk.len();
@@ -95,12 +112,17 @@ async fn main() -> anyhow::Result<()> {
                     }
                 }
                 if let Some(dest) = &file {
-                    write_at(dest, pending, at + n - pending_len as u64).await?;
+                    match stage {
+                        Some(stage) => write_stage(dest, stage, n as usize, at, pool.clone()).await?,
+                        None => write_at(dest, pending, at + n - pending_len as u64).await?,
+                    }
                     // The object is whole once every part is written: the last part to finish
                     // fsyncs it, as the daemon does before it publishes a copy.
                     if written.fetch_add(1, Ordering::AcqRel) + 1 == total_parts {
                         let (f, path) = dest.clone();
                         tokio::task::spawn_blocking(move || {
+                            // Direct writes padded the last part to a whole block.
+                            f.set_len(size).with_context(|| format!("cannot cut {}", path.display()))?;
                             f.sync_all().with_context(|| format!("cannot fsync {}", path.display()))
                         })
                         .await??;
@@ -137,6 +159,72 @@ async fn write_at(dest: &(Arc<File>, Arc<PathBuf>), chunks: Vec<bytes::Bytes>, m
             pos += c.len() as u64;
         }
         anyhow::Ok(())
+    })
+    .await?
+}
+
+/// Alignment of direct writes (buffer, offset and length), as `shardstream pack` uses.
+const ALIGN: usize = 4096;
+
+/// A buffer whose `raw[at..]` is aligned to [`ALIGN`].
+struct Stage {
+    raw: Vec<u8>,
+    at: usize,
+}
+
+impl Stage {
+    fn put(&mut self, offset: usize, bytes: &[u8]) -> anyhow::Result<()> {
+        let dst = self.raw.get_mut(self.at + offset..self.at + offset + bytes.len());
+        dst.context("the server sent more than the range asked for")?.copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// Stages reused across parts, so that their memory is touched once.
+#[derive(Default)]
+struct Pool(Mutex<Vec<Stage>>);
+
+impl Pool {
+    /// A stage of at least `len` bytes rounded up to [`ALIGN`].
+    fn take(&self, len: usize) -> Stage {
+        let want = len.next_multiple_of(ALIGN);
+        let reused = self.0.lock().ok().and_then(|mut p| p.pop());
+        match reused {
+            Some(s) if s.raw.len() - s.at >= want => s,
+            _ => {
+                let raw = vec![0u8; want + ALIGN];
+                let at = raw.as_ptr().align_offset(ALIGN);
+                Stage { raw, at }
+            }
+        }
+    }
+
+    fn give_back(&self, s: Stage) {
+        if let Ok(mut p) = self.0.lock() {
+            p.push(s);
+        }
+    }
+}
+
+/// Writes the first `len` bytes of `stage` (padded with zeros to a whole block) at `pos`, around
+/// the page cache, and returns the stage to `pool`.
+async fn write_stage(
+    dest: &(Arc<File>, Arc<PathBuf>),
+    mut stage: Stage,
+    len: usize,
+    pos: u64,
+    pool: Arc<Pool>,
+) -> anyhow::Result<()> {
+    let (file, path) = dest.clone();
+    tokio::task::spawn_blocking(move || {
+        let padded = len.next_multiple_of(ALIGN);
+        let at = stage.at;
+        stage.raw[at + len..at + padded].fill(0);
+        let r = file
+            .write_all_at(&stage.raw[at..at + padded], pos)
+            .with_context(|| format!("cannot write {} at {pos} directly", path.display()));
+        pool.give_back(stage);
+        r
     })
     .await?
 }
