@@ -40,7 +40,10 @@ async fn main() -> anyhow::Result<()> {
     let write_dir = args.get(5).map(PathBuf::from);
     let write_bytes: usize = args.get(6).map(|s| s.parse()).transpose()?.unwrap_or(WRITE_CHUNK);
     let direct = write_bytes == 0;
-    anyhow::ensure!(!direct || part as usize % ALIGN == 0, "direct writes need PART_BYTES a multiple of {ALIGN}");
+    anyhow::ensure!(
+        !direct || part.is_multiple_of(ALIGN as u64),
+        "direct writes need PART_BYTES a multiple of {ALIGN}"
+    );
     let pool = Arc::new(Pool::default());
     let client = plain_s3::client().await;
 
