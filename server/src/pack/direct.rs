@@ -37,11 +37,31 @@ struct Stage {
     at: usize,
 }
 
+/// Stages of finished files, for the next: a pack of many small shards would otherwise touch
+/// fresh memory for every shard's stages (a page fault per 4 KiB, dear where the page cache's
+/// fresh memory was: module docs).
+static POOL: std::sync::Mutex<Vec<Stage>> = std::sync::Mutex::new(Vec::new());
+
 impl Stage {
-    fn new() -> Self {
+    /// A stage from the pool, or a new one.
+    fn take() -> Self {
+        if let Some(s) = POOL.lock().ok().and_then(|mut p| p.pop()) {
+            return s;
+        }
         let raw = vec![0u8; STAGE + ALIGN];
         let at = raw.as_ptr().align_offset(ALIGN);
         Self { raw, at }
+    }
+
+    /// Returns stages to the pool, which keeps those of two files at most.
+    fn give_back(stages: impl IntoIterator<Item = Stage>) {
+        if let Ok(mut p) = POOL.lock() {
+            for s in stages {
+                if p.len() < 2 * STAGES {
+                    p.push(s);
+                }
+            }
+        }
     }
 
     fn bytes(&mut self) -> &mut [u8] {
@@ -104,10 +124,10 @@ impl DirectOut {
                 }
             }
         })?;
-        let free = (1..STAGES).map(|_| Stage::new()).collect();
+        let free = (1..STAGES).map(|_| Stage::take()).collect();
         Ok(Some(Self {
             file,
-            stage: Stage::new(),
+            stage: Stage::take(),
             staged: 0,
             free,
             flushed: 0,
@@ -216,6 +236,9 @@ impl Drop for DirectOut {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        let stage = std::mem::replace(&mut self.stage, Stage { raw: Vec::new(), at: 0 });
+        let in_flight = self.done.try_iter().map(|(s, _)| s);
+        Stage::give_back(self.free.drain(..).chain(in_flight).chain([stage]));
     }
 }
 

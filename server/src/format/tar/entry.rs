@@ -338,6 +338,11 @@ impl<R: Read + Seek> Source for ReaderSource<R> {
     }
 }
 
+/// The header block `bytes` read at `offset`, which must be exactly one block long.
+fn as_block(bytes: &[u8], offset: u64) -> Result<&Block, TarError> {
+    bytes.try_into().map_err(|_| TarError::Truncated { offset, what: "the data ends inside a header" })
+}
+
 /// Reads headers from bytes in memory (one sample, or a whole mapped shard): everything
 /// borrowed from the buffer.
 pub(super) struct SliceSource<'a> {
@@ -373,9 +378,7 @@ impl Source for SliceSource<'_> {
     }
 
     fn block(&mut self, offset: u64) -> Result<&Block, TarError> {
-        self.get(offset, BLOCK)?
-            .try_into()
-            .map_err(|_| TarError::Truncated { offset, what: "the data ends inside a header" })
+        as_block(self.get(offset, BLOCK)?, offset)
     }
 
     fn load(&mut self, _slot: Slot, offset: u64, len: u64) -> Result<&[u8], TarError> {
@@ -419,9 +422,7 @@ impl Source for PartsSource<'_, '_> {
     }
 
     fn block(&mut self, offset: u64) -> Result<&Block, TarError> {
-        self.get(offset, BLOCK)?
-            .try_into()
-            .map_err(|_| TarError::Truncated { offset, what: "the data ends inside a header" })
+        as_block(self.get(offset, BLOCK)?, offset)
     }
 
     fn load(&mut self, _slot: Slot, offset: u64, len: u64) -> Result<&[u8], TarError> {
