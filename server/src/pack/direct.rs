@@ -10,7 +10,8 @@
 //!
 //! The file is opened with `O_DIRECT`; a file system that refuses it at open (`EINVAL`) gets a
 //! plain file instead, and one that refuses a direct write has `O_DIRECT` cleared and the write
-//! redone: the bytes are the same either way, only the route differs ([`DirectOut::is_direct`]).
+//! redone: the bytes are the same either way, only the route differs ([`DirectOut::is_direct`]),
+//! and either case is a warning, once per pack (`pack` shows warnings by default).
 //! Writes are whole multiples of [`ALIGN`] at offsets that are, from a buffer that is: what any
 //! Linux file system and device accepts (logical blocks are 512 or 4096 bytes). The tail is padded
 //! to [`ALIGN`] and the file cut back to its length when it is finished.
@@ -94,6 +95,8 @@ pub struct DirectOut {
     done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
     direct: bool,
+    /// For the warning when the file system refuses a direct write.
+    path: std::path::PathBuf,
 }
 
 impl DirectOut {
@@ -136,6 +139,7 @@ impl DirectOut {
             done,
             thread: Some(thread),
             direct: true,
+            path: path.to_owned(),
         }))
     }
 
@@ -184,7 +188,10 @@ impl DirectOut {
     fn wait_one(&mut self) -> Result<Stage> {
         let (stage, r) = self.done.recv().map_err(|_| Error::other("the direct writer thread stopped"))?;
         self.in_flight -= 1;
-        self.direct &= r?;
+        if !r? && self.direct {
+            self.direct = false;
+            note_page_cache_route(&self.path, "refused a direct write");
+        }
         Ok(stage)
     }
 
@@ -240,6 +247,16 @@ impl Drop for DirectOut {
         let in_flight = self.done.try_iter().map(|(s, _)| s);
         Stage::give_back(self.free.drain(..).chain(in_flight).chain([stage]));
     }
+}
+
+/// Warns, once per process, that shards go through the page cache where they were to go around
+/// it: the file system of `path` `why`. A warning, as `pack` shows warnings by default: the
+/// bytes are the same, but the page cache fills with shards.
+pub(super) fn note_page_cache_route(path: &Path, why: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!("the file system of {} {why}: shards are written through the page cache", path.display());
+    });
 }
 
 /// Writes all of `buf` at `offset`; Ok(false) when the file system refused the direct write and

@@ -56,7 +56,7 @@ pub struct CrcFile {
 
 impl CrcFile {
     /// Creates `path` for writing by `route`; around the page cache falls back to through it
-    /// where the file system does not take `O_DIRECT` (logged once per pack).
+    /// where the file system does not take `O_DIRECT` (a warning, once per pack).
     pub fn create(path: PathBuf, route: WriteRoute) -> Result<Self> {
         let err = |e| Error::io("cannot create shard", &path, e);
         let out = match route {
@@ -67,7 +67,7 @@ impl CrcFile {
             Some(out) => out,
             None => {
                 if route == WriteRoute::AroundPageCache {
-                    note_no_direct(&path);
+                    super::direct::note_page_cache_route(&path, "does not take O_DIRECT");
                 }
                 let file = File::create(&path).map_err(err)?;
                 Out::Buffered(Buffered { file, pending: Vec::new(), pending_bytes: 0, written_back: 0 })
@@ -219,15 +219,4 @@ impl Write for CrcFile {
             Out::Buffered(b) => b.flush_pending(self.len),
         }
     }
-}
-
-/// Says once per process that shards go through the page cache where they were to go around it.
-fn note_no_direct(path: &std::path::Path) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        tracing::info!(
-            "the file system of {} does not take O_DIRECT: shards are written through the page cache",
-            path.display()
-        );
-    });
 }
