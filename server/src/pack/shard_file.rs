@@ -85,11 +85,22 @@ impl CrcFile {
         Error::io("cannot write shard", &self.path, e)
     }
 
+    /// True when the file is written around the page cache.
+    #[cfg(test)]
+    pub(super) fn is_direct(&self) -> bool {
+        matches!(&self.out, Out::Direct(d) if d.is_direct())
+    }
+
+    /// Counts `data`, which reaches the file, into its length and CRC-32C.
+    fn account(&mut self, data: &[u8]) {
+        self.crc = crc32c::crc32c_append(self.crc, data);
+        self.len += data.len() as u64;
+    }
+
     /// Appends a buffer, taking it over (no copy through the page cache; one into the stage
     /// around it, after which the buffer goes back to the pool).
     pub(super) fn append_owned(&mut self, data: Vec<u8>) -> Result<()> {
-        self.crc = crc32c::crc32c_append(self.crc, &data);
-        self.len += data.len() as u64;
+        self.account(&data);
         let r = match &mut self.out {
             Out::Direct(d) => {
                 let r = d.append(&data);
@@ -112,9 +123,9 @@ impl CrcFile {
     pub(super) fn append(&mut self, data: &[u8]) -> Result<()> {
         match &mut self.out {
             Out::Direct(d) => {
-                self.crc = crc32c::crc32c_append(self.crc, data);
-                self.len += data.len() as u64;
-                d.append(data).map_err(|e| self.io(e))
+                let r = d.append(data);
+                self.account(data);
+                r.map_err(|e| self.io(e))
             }
             Out::Buffered(_) => self.append_owned(data.to_vec()),
         }
@@ -202,14 +213,12 @@ impl Write for CrcFile {
                     b.flush_pending(self.len)?;
                 }
                 let n = b.file.write(buf)?;
-                self.crc = crc32c::crc32c_append(self.crc, &buf[..n]);
-                self.len += n as u64;
-                b.start_writeback(self.len);
+                b.start_writeback(self.len + n as u64);
+                self.account(&buf[..n]);
                 return Ok(n);
             }
         }
-        self.crc = crc32c::crc32c_append(self.crc, buf);
-        self.len += buf.len() as u64;
+        self.account(buf);
         Ok(buf.len())
     }
 
