@@ -65,12 +65,12 @@ const MAX_BATCHES_PER_MESSAGE: u32 = 8;
 const MESSAGE_ROWS_BYTES: u64 = 256 << 10;
 
 /// Packed batches (and Arrow batches too large for a [`SmallArrowStream`], over shm) built at
-/// once per stream. The gather is bound by memory latency per record;
-/// each batch is also shared with the daemon's gather helper (`packed::GATHER_HELPERS`), but a
-/// parked helper starts ~220 us late on a waking vCPU here, so more batches in flight are what
-/// keep both cores busy. Measured on 4 KiB records, batch 512, epochs 3-6 of a process, 3
-/// interleaved rounds per setting (bench/PROFILES.md section 3): 0.40x memcpy (median) with one
-/// batch in flight, 0.50-0.51x with two, 0.53-0.54x with three, no better with four.
+/// once per stream. The gather is bound by memory latency per record, and batches in flight are
+/// what keep both cores busy. Measured on 4 KiB records, batch 512, epochs 3-6 of a process, 3
+/// interleaved rounds per setting (bench/PROFILES.md section 3, with a gather helper that has
+/// since gone): 0.40x memcpy (median) with one batch in flight, 0.50-0.51x with two, 0.53-0.54x
+/// with three, no better with four. A thread of its own for the stream, building one batch after
+/// another, was no faster.
 const PACKED_PIPELINE: usize = 3;
 
 /// Most sample ids a stream takes from its plan in one trip to the blocking pool (8 bytes each:

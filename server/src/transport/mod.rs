@@ -7,7 +7,6 @@ pub mod arrow;
 pub mod budget;
 pub mod inline;
 pub mod packed;
-pub mod parallel;
 pub mod rdma;
 pub mod ring;
 pub mod ring_pool;

@@ -7,11 +7,12 @@
 //! [`ResidentShard::cached_bytes`]), so the only copy is mapping -> slot; a shard read in place is
 //! read with one `pread` per sample into a reused buffer first.
 //!
-//! A large batch is cut into tasks of about [`TASK_BYTES`] of records, which the stream's thread
-//! and the daemon's persistent gather helpers ([`parallel`]) take as each becomes free: the copy
-//! is bound by memory latency per record (each shuffled record is a different page of a
-//! different shard), which more threads overlap, and a helper that is busy or wakes late costs
-//! the stream's thread nothing (it takes the remaining tasks itself).
+//! A batch is gathered on the thread that builds it. The copy is bound by memory latency per
+//! record (each shuffled record is a different page of a different shard), which more threads
+//! overlap: a stream builds several batches at once (`service::PACKED_PIPELINE`), so that is where
+//! the parallelism comes from. A daemon-wide helper thread that also took part in each batch cost
+//! 8-19% more daemon CPU an epoch for no more throughput once builds overlapped (bench/PROFILES.md
+//! section 3), and went.
 //!
 //! Where a record's fields lie comes from the layout recorded when its shard was indexed
 //! ([`crate::format::tar::layout`]): no TAR header is parsed per record, and each requested
@@ -23,26 +24,15 @@
 //! the sample that breaks the rule rather than padding or truncating behind the user's back.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use shardstream_proto::keys::JoinedKeys;
 use shardstream_proto::ring::{COLUMN_ALIGN, FIELD_DESC_BYTES, FieldDesc, SLOT_HEADER_BYTES, SlotHeader, round_up};
 
 use crate::format::{SampleLocation, ShardTable};
 use crate::index::ResidentShard;
-use crate::transport::parallel;
 use crate::transport::shm::SlotGuard;
 use crate::{Error, Result};
-
-/// Helper threads (daemon-wide, shared by every stream) that gather with a stream's own thread.
-/// The machine this was measured on has two cores and a stream gathers three batches at once
-/// (`service::PACKED_PIPELINE`): one helper keeps both busy while a batch waits for its slot.
-pub const GATHER_HELPERS: usize = 1;
-
-/// Bytes of records per gather task: small enough that a helper that starts late still finds
-/// tasks left, large enough that taking a task (one atomic add) is nothing next to its copy. A
-/// batch of less than two tasks is gathered on the stream's thread alone.
-pub const TASK_BYTES: u64 = 256 << 10;
 
 /// One sample of a batch: its open shard and its index in the shard.
 pub type SampleRef = (Arc<ResidentShard>, u64);
@@ -83,32 +73,8 @@ pub fn gather<'s>(
     let payload_bytes: u64 = records.iter().map(|r| r * n as u64).sum();
     let mut guard = acquire(end)?;
     fail_point!("packed-gather", |a| Err(Error::Internal(format!("failpoint packed-gather: {a:?}"))));
-    let tasks = usize::try_from(payload_bytes / TASK_BYTES).unwrap_or(n).clamp(1, n);
     let rules = Rules { fields, records: &records, first_key: &first_key };
-    let keys = {
-        let bounds: Vec<usize> = (0..=tasks).map(|t| t * n / tasks).collect();
-        let parts: Vec<Mutex<Option<Vec<&mut [u8]>>>> =
-            carve(guard.bytes(), &records, &offsets, n, tasks)?.into_iter().map(|p| Mutex::new(Some(p))).collect();
-        let outs: Vec<Mutex<Option<Result<JoinedKeys>>>> = (0..tasks).map(|_| Mutex::new(None)).collect();
-        let all_ran = parallel::for_each(tasks, GATHER_HELPERS, &|t| {
-            let cols = parts[t].lock().unwrap_or_else(|p| p.into_inner()).take();
-            let out = match cols {
-                Some(cols) => gather_part(&rules, &samples[bounds[t]..bounds[t + 1]], cols),
-                None => Err(Error::Internal(format!("gather task {t} ran twice"))),
-            };
-            *outs[t].lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
-        });
-        if !all_ran {
-            return Err(Error::Internal("a gather helper panicked".into()));
-        }
-        let mut keys = JoinedKeys::with_capacity(n, first_key.len());
-        for (t, out) in outs.into_iter().enumerate() {
-            let out = out.into_inner().unwrap_or_else(|p| p.into_inner());
-            let part = out.ok_or_else(|| Error::Internal(format!("gather task {t} did not run")))??;
-            keys.append(&part).ok_or_else(too_many_key_bytes)?;
-        }
-        keys
-    };
+    let keys = gather_all(&rules, samples, columns(guard.bytes(), &records, &offsets, n)?)?;
     let n_fields = u16::try_from(fields.len()).map_err(|_| Error::invalid("too many fields for a packed batch"))?;
     let slot = guard.bytes();
     let too_small = || Error::Internal("ring slot smaller than its header".into());
@@ -130,36 +96,23 @@ struct Rules<'a> {
     first_key: &'a str,
 }
 
-/// Splits the slot's columns into `parts` runs of records: part t gets records
-/// `[t*n/parts, (t+1)*n/parts)` of every column, as one slice per field.
-fn carve<'a>(
-    slot: &'a mut [u8],
-    records: &[u64],
-    offsets: &[u64],
-    n: usize,
-    parts: usize,
-) -> Result<Vec<Vec<&'a mut [u8]>>> {
+/// The slot's columns, one slice per field (`records[f] * n` bytes at `offsets[f]`).
+fn columns<'a>(slot: &'a mut [u8], records: &[u64], offsets: &[u64], n: usize) -> Result<Vec<&'a mut [u8]>> {
     let outside = || Error::Internal("packed columns outside their slot".into());
-    let mut out: Vec<Vec<&mut [u8]>> = (0..parts).map(|_| Vec::with_capacity(records.len())).collect();
+    let mut out = Vec::with_capacity(records.len());
     let mut rest = slot;
     let mut at = 0u64;
     for (&record, &offset) in records.iter().zip(offsets) {
         let gap = usize::try_from(offset.checked_sub(at).ok_or_else(outside)?).map_err(|_| outside())?;
-        let record = usize::try_from(record).map_err(|_| outside())?;
-        let len = record.checked_mul(n).ok_or_else(outside)?;
+        let len = usize::try_from(record).ok().and_then(|r| r.checked_mul(n)).ok_or_else(outside)?;
         if rest.len() < gap + len {
             return Err(outside());
         }
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(gap);
-        let (mut column, tail) = tail.split_at_mut(len);
+        let (column, tail) = tail.split_at_mut(len);
         rest = tail;
         at = offset + len as u64;
-        for (t, part) in out.iter_mut().enumerate() {
-            let count = (t + 1) * n / parts - t * n / parts;
-            let (mine, others) = std::mem::take(&mut column).split_at_mut(count * record);
-            part.push(mine);
-            column = others;
-        }
+        out.push(column);
     }
     Ok(out)
 }
@@ -170,7 +123,7 @@ fn too_many_key_bytes() -> Error {
 
 /// Gathers `samples` into `cols` (record j of field f at `cols[f][j * record_f..]`); returns
 /// their keys.
-fn gather_part(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]>) -> Result<JoinedKeys> {
+fn gather_all(rules: &Rules<'_>, samples: &[SampleRef], mut cols: Vec<&mut [u8]>) -> Result<JoinedKeys> {
     let mut keys = JoinedKeys::with_capacity(samples.len(), rules.first_key.len());
     let mut finder = Finder::new(rules.fields);
     for (j, sample) in samples.iter().enumerate() {
