@@ -71,16 +71,6 @@ impl JoinedKeys {
         Some(())
     }
 
-    /// Appends `other`'s keys after these.
-    pub fn append(&mut self, other: &JoinedKeys) -> Option<()> {
-        let base = u32::try_from(self.bytes.len()).ok()?;
-        self.bytes.extend_from_slice(&other.bytes);
-        for &end in &other.ends {
-            self.ends.push(end.checked_add(base)?);
-        }
-        Some(())
-    }
-
     /// The keys, a string each (for a client that reads `PackedBatch.keys`).
     pub fn to_strings(&self) -> Vec<String> {
         let mut start = 0usize;
@@ -106,14 +96,10 @@ mod tests {
 
     #[test]
     fn joined_keys_read_back_in_order_and_as_strings() {
-        let (mut a, mut b) = (JoinedKeys::default(), JoinedKeys::with_capacity(2, 4));
-        for k in ["s0/a", "", "ключ"] {
+        let mut a = JoinedKeys::with_capacity(2, 4);
+        for k in ["s0/a", "", "ключ", "x", "yz"] {
             a.push(k).unwrap();
         }
-        for k in ["x", "yz"] {
-            b.push(k).unwrap();
-        }
-        a.append(&b).unwrap();
         let want = ["s0/a", "", "ключ", "x", "yz"];
         assert_eq!(batch(&a).key_strs().unwrap(), want);
         assert_eq!(batch(&a).key_count(), 5);
