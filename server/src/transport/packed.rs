@@ -11,8 +11,8 @@
 //! record (each shuffled record is a different page of a different shard), which more threads
 //! overlap: a stream builds several batches at once (`service::PACKED_PIPELINE`), so that is where
 //! the parallelism comes from. A daemon-wide helper thread that also took part in each batch cost
-//! 8-19% more daemon CPU an epoch for no more throughput once builds overlapped (bench/PROFILES.md
-//! section 3), and went.
+//! about a tenth more daemon CPU an epoch for no more throughput once builds overlapped (median of
+//! 13 A/B runs, bench/PROFILES.md section 3), and went.
 //!
 //! Where a record's fields lie comes from the layout recorded when its shard was indexed
 //! ([`crate::format::tar::layout`]): no TAR header is parsed per record, and each requested
