@@ -214,11 +214,11 @@ impl DirectOut {
         // next write starts at an aligned offset again.
         self.wait_all()?;
         let block = len - len % ALIGN as u64;
-        self.file.read_exact_at(&mut self.stage.bytes()[..ALIGN], block)?;
+        let at = |what: &str, e: Error| Error::new(e.kind(), format!("{what} at offset {block}: {e}"));
+        self.file.read_exact_at(&mut self.stage.bytes()[..ALIGN], block).map_err(|e| at("reading back", e))?;
         self.flushed = block;
         self.staged = (len - block) as usize;
-        self.file.set_len(block)?;
-        Ok(())
+        self.file.set_len(block).map_err(|e| at("cutting", e))
     }
 
     /// Writes what is staged (padded to [`ALIGN`]), cuts the file to its length and returns it.
