@@ -126,7 +126,7 @@ class Batch(dict[str, Any]):
 
 #: Most batches of small rows one Arrow message may carry (the daemon caps it too): the record
 #: batch is read once and cut, where each message costs a fixed amount on both sides.
-_BATCHES_PER_MESSAGE = 8
+_BATCHES_PER_MESSAGE = 16
 
 
 class _SharedLease:
