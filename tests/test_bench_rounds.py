@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import parquet_bench  # noqa: E402
 import report  # noqa: E402
 import run  # noqa: E402
 import shm_bench  # noqa: E402
@@ -120,3 +121,30 @@ def test_shm_results_keep_the_runs_they_held(tmp_path: Path) -> None:
     second, first = text.index("### Run of 2026-01-02 11:00 UTC"), text.index("### Run of 2026-01-01 10:00 UTC")
     assert text.index("| c |") < text.index("## Earlier runs") < second < text.index("| b |") < first
     assert first < text.index("| a |") < text.index("A note by hand.")
+
+
+def test_parquet_ratios_are_taken_within_each_repeat() -> None:
+    # Repeat 2 ran under load (both slow, the peer more) and repeat 3's reader alone was slow: the
+    # ratio of the medians (200 / 100) says 2.00; repeat by repeat the reader was 3, 4 and 1.5x.
+    def run_(rps: float) -> dict:
+        return {"rows": 10, "rows_per_s": rps, "seconds": 1.0, "cpu_s": 0.1, "ttfb_s": 0.0, "check": "ok"}
+
+    results = {
+        "tab": {
+            "pa_seq": [run_(400), run_(400), run_(400)],
+            "pa_shuffle": [run_(100), run_(50), run_(100)],
+            "ss_arrow": [run_(300), run_(200), run_(150)],
+            "ss_dict": [{"error": "boom"}, run_(100), run_(200)],
+        }
+    }
+    meta = {"repeats": {"tab": 3}, "machine": "m", "daemon_rss_mib": 0.0, "rows": {"tab": 10}, "layout": "snappy"}
+    text = parquet_bench.report(results, meta)
+    assert "3 interleaved repeats" in text
+    ss = cells(text, "ss_arrow")
+    assert ss[2] == "3.00 (1.50-4.00)", ss
+    assert ss[3] == "0.50 (0.38-0.75)", ss
+    # A failed repeat has no ratio; the others still count.
+    assert cells(text, "ss_dict")[2] == "2.00 (2.00-2.00)"
+    assert cells(text, "pa_shuffle")[2] == "1.00 (1.00-1.00)"
+    meta["repeats"] = {"image": 3, "tab": 9}
+    assert "interleaved repeats (image 3, tab 9)" in parquet_bench.report(results, meta)
