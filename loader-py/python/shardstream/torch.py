@@ -38,6 +38,14 @@ transform's result must not keep views of them (copy what you keep). An exceptio
 transform reaches the trainer as the DataLoader re-raises it (its type, with the sample's key in
 the worker's traceback).
 
+With the default collate, each worker stacks a batch's large tensors (1 MiB and up, such as a
+batch of decoded images) into shared memory it reuses once the trainer holds no tensor, view or
+numpy array over that batch any more, instead of a new segment per batch: fresh pages cost the
+worker their zeroing and the trainer their freeing, ~1.3 CPU-s an epoch of 8,000 images in
+``bench/decode_bench.py``. Batches the trainer keeps are never overwritten. A batch tensor sent on
+to another process must be ``.clone()``d first (that process's mapping is not seen), or build
+the DataLoader with ``reuse_batch_memory=False``.
+
 Without a transform, in worker processes fields arrive as ``bytes`` (batches cross a process
 boundary by pickling, which memoryviews cannot: every byte is copied twice, into the pickle and
 out of it); with ``num_workers=0`` they are zero-copy memoryviews.
@@ -56,6 +64,7 @@ and for equal-length lists. ``format="arrow"`` yields ``pyarrow.RecordBatch`` ob
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -64,6 +73,7 @@ import torch
 import torch.utils.data
 
 from . import Batch, Loader, resolve_address
+from ._batch_memory import BatchMemory, Pooled
 
 
 def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
@@ -159,6 +169,9 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         self.transform = transform
         self.batch_transform = batch_transform
         self.collate_fn: Callable[[list[Any]], Any] = collate_fn or torch.utils.data.default_collate
+        self._default_collate = collate_fn is None
+        # Set by shardstream.torch.DataLoader before its workers start (see _batch_memory).
+        self._memory: BatchMemory | None = None
         # Resolved here, in the parent: forked or spawned workers then reach the same daemon
         # (an embedded server, if one was started, lives in the parent).
         address = resolve_address(connect)
@@ -207,21 +220,25 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         loader.load_state_dict(state)
         # Stacked fields, and the numeric columns of an Arrow batch in the dict form, become tensors.
         stacked = self._kwargs["collate"] == "stack" or (loader.arrow and self._kwargs["format"] == "dict")
+        collate_fn = self.collate_fn
+        if self._memory is not None and info is not None and self.transform is not None and self._default_collate:
+            collate_fn = self._memory.collate_fn(worker)
         for batch in loader:
             if stacked:
                 batch = _as_tensors(batch)
             if transformed:
-                yield _transform_batch(batch, self.transform, self.batch_transform, self.collate_fn)
+                yield _transform_batch(batch, self.transform, self.batch_transform, collate_fn)
             else:
                 yield batch
             del batch  # not kept alive (with its lease) while the consumer holds the next one
 
 
 def _convert(data: Any) -> Any:
-    """The DataLoader's per-batch conversion (``batch_size=None``): a raw batch as it is, anything
-    else (a transform's result) through torch's ``default_convert``. ``default_convert`` treats a
+    """The DataLoader's per-batch conversion (``batch_size=None``): a raw batch, or one stacked into
+    reused memory (already collated), as it is; anything else (a transform's result) through
+    torch's ``default_convert``. ``default_convert`` treats a
     memoryview as a sequence and would turn each field of a zero-copy batch into lists of ints."""
-    if isinstance(data, Batch):
+    if isinstance(data, (Batch, Pooled)):
         return data
     return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
@@ -229,9 +246,18 @@ def _convert(data: Any) -> Any:
 class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` over a shardstream :class:`IterableDataset` that counts the
     batches it yields, so ``state_dict()`` / ``load_state_dict()`` resume exactly (also in a new
-    process after a crash). ``batch_size`` is fixed to None: the daemon forms the batches."""
+    process after a crash). ``batch_size`` is fixed to None: the daemon forms the batches.
 
-    def __init__(self, dataset: IterableDataset, **kwargs: Any) -> None:
+    ``reuse_batch_memory`` (default True): with workers and a per-sample ``transform`` whose results
+    go through the default collate, each worker stacks a batch's large tensors (1 MiB and up) into
+    shared memory it reuses once the trainer holds no reference to that batch any more, instead of
+    a new segment per batch (see the module's docs). Not with ``pin_memory=True`` (the pinned copy
+    is what the trainer keeps) or a ``collate_fn`` given to the DataLoader. A tensor of a batch
+    sent on to another process must be ``.clone()``d first, or pass False.
+    ``batch_memory_counts()`` says how many tensors were stacked into a reused slot, into a new
+    one, and outside the slots (all of a worker's slots held by the trainer)."""
+
+    def __init__(self, dataset: IterableDataset, *, reuse_batch_memory: bool = True, **kwargs: Any) -> None:
         if not isinstance(dataset, IterableDataset):
             raise TypeError("shardstream.torch.DataLoader needs a shardstream.torch.IterableDataset")
         if kwargs.pop("batch_size", None) is not None:
@@ -240,14 +266,42 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         super().__init__(dataset, batch_size=None, **kwargs)
         self._ss_dataset = dataset
         self._consumed = 0
+        self._reuse_memory = bool(reuse_batch_memory) and self.collate_fn is _convert and not self.pin_memory
+        self._memory: BatchMemory | None = None
+
+    def _start_memory(self) -> BatchMemory | None:
+        """The batch memory the workers about to start will use: new ones each iteration, unless
+        they persist (then the memory they were started with)."""
+        if not self._reuse_memory or self.num_workers == 0:
+            return None
+        if self.persistent_workers and self._memory is not None:
+            return self._memory
+        context = self.multiprocessing_context or multiprocessing
+        assert self.prefetch_factor is not None  # torch sets it whenever there are workers
+        self._memory = BatchMemory(context, self.num_workers, self.prefetch_factor)
+        return self._memory
+
+    def batch_memory_counts(self) -> dict[str, int]:
+        """Tensors stacked into reused memory, into newly allocated slots, and without a slot, over
+        the current (or last) iteration; all zero when the memory is not reused."""
+        if self._memory is None:
+            return {"reused": 0, "allocated": 0, "unpooled": 0}
+        return self._memory.counts()
 
     # A generator over the parent's iterator (it counts consumed batches), not the parent's
     # iterator type: nothing calls the _BaseDataLoaderIter methods on a DataLoader's __iter__().
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self._ss_dataset
         self._consumed = ds.start_batch
+        memory = ds._memory = self._start_memory()
         for batch in super().__iter__():
             self._consumed += 1
+            if isinstance(batch, Pooled):
+                assert memory is not None
+                # The batch before this one is usually still held by the caller's loop variable;
+                # its slots come free on a later call.
+                memory.collect()
+                batch = memory.receive(batch)
             yield batch
         ds.start_batch = 0
 
