@@ -180,20 +180,22 @@ def _ss_decode(sample: dict[str, Any]) -> Sample:
     return decode(sample["jpg"], sample["__key__"])
 
 
-def shardstream(data: Path, workers: int, addr: str) -> Batches:
-    """The documented fast way: the transform decodes in each worker, on the zero-copy views."""
+def shardstream(data: Path, workers: int, addr: str, reuse_batch_memory: bool = True) -> Batches:
+    """The documented fast way: the transform decodes in each worker, on the zero-copy views. Its
+    results go through the default collate (`default_collate`, as `collate` above), which lets the
+    workers stack each batch into memory they reuse (`reuse_batch_memory`)."""
     import shardstream.torch as sst
 
     ds = sst.IterableDataset(
-        str(data / "wds"),
-        batch_size=BATCH,
-        shuffle=True,
-        seed=SEED,
-        connect=addr,
-        transform=_ss_decode,
-        collate_fn=collate,
+        str(data / "wds"), batch_size=BATCH, shuffle=True, seed=SEED, connect=addr, transform=_ss_decode
     )
-    return sst.DataLoader(ds, num_workers=workers, worker_init_fn=seed_worker)
+    return sst.DataLoader(ds, num_workers=workers, worker_init_fn=seed_worker, reuse_batch_memory=reuse_batch_memory)
+
+
+def shardstream_fresh(data: Path, workers: int, addr: str) -> Batches:
+    """As `shardstream`, but every batch stacked into a new shared-memory segment, as
+    `default_collate` does in a worker: what reusing the batch memory saves."""
+    return shardstream(data, workers, addr, reuse_batch_memory=False)
 
 
 def shardstream_main(data: Path, workers: int, addr: str) -> Iterator[tuple[Any, Any, Any]]:
@@ -212,6 +214,7 @@ READERS: dict[str, tuple[str, Make, tuple[str, ...]]] = {
     "mosaicml": ("mds", mosaicml, ("streaming", "streaming.base.util")),
     "litdata": ("litdata", litdata, ("litdata",)),
     "shardstream": ("wds", shardstream, ("shardstream", "shardstream.torch")),
+    "shardstream-fresh-memory": ("wds", shardstream_fresh, ("shardstream", "shardstream.torch")),
     "shardstream-main-decode": ("wds", shardstream_main, ("shardstream", "shardstream.torch")),
 }
 
