@@ -1,5 +1,6 @@
-"""DataLoader workers stack a transform's large results into memory they reuse, and never while
-the trainer still holds any tensor, view or numpy array over it (`shardstream._batch_memory`)."""
+"""A transform's large results are stacked into memory that is reused (each DataLoader worker's,
+or the trainer's without workers), and never while the trainer still holds any tensor, view or
+numpy array over it (`shardstream._batch_memory`)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def loader(root: str, addr: str, workers: int, **kwargs: Any) -> sst.DataLoader:
     return sst.DataLoader(ds, num_workers=workers, **kwargs)
 
 
-def test_a_worker_reuses_a_batchs_memory_once_the_trainer_lets_go(daemon, dataset) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batchs_memory_is_reused_once_the_trainer_lets_go(daemon, dataset, workers: int) -> None:
     root, samples = dataset
-    dl = loader(str(root), daemon.addr, 2)
+    dl = loader(str(root), daemon.addr, workers)
     seen: collections.Counter[int] = collections.Counter()
     for batch in dl:
         assert intact(batch["x"], batch["i"]), "a batch arrived with another batch's bytes"
@@ -50,16 +52,18 @@ def test_a_worker_reuses_a_batchs_memory_once_the_trainer_lets_go(daemon, datase
     batches = len(dl.dataset)
     assert counts["reused"] + counts["allocated"] + counts["unpooled"] == batches, counts
     # Each worker allocates at most its slots; with the trainer dropping batches, the rest reuse.
-    assert counts["allocated"] <= 2 * dl._memory.slots_per_worker, counts
-    assert counts["reused"] >= batches - 2 * dl._memory.slots_per_worker, counts
+    slots = max(workers, 1) * dl._memory.slots_per_worker
+    assert counts["allocated"] <= slots, counts
+    assert counts["reused"] >= batches - slots, counts
     assert counts["unpooled"] == 0, counts
 
 
-def test_what_the_trainer_keeps_is_never_overwritten(daemon, dataset) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_what_the_trainer_keeps_is_never_overwritten(daemon, dataset, workers: int) -> None:
     """Whole batches, views of a few rows, numpy arrays over them: whatever still references a
-    slot's memory keeps the slot, so the workers run out of slots and allocate outside them."""
-    root, samples = dataset
-    dl = loader(str(root), daemon.addr, 2)
+    slot's memory keeps the slot, so the slots run out and batches are stacked outside them."""
+    root, _ = dataset
+    dl = loader(str(root), daemon.addr, workers)
     kept: list[tuple[Any, Any]] = []
     for n, batch in enumerate(dl):
         x, i = batch["x"], batch["i"].clone()
@@ -116,19 +120,35 @@ def test_memory_is_not_reused_when_turned_off_or_the_dataloader_collates(daemon,
     assert dl.batch_memory_counts() == {"reused": 0, "allocated": 0, "unpooled": 0}
 
 
-def test_a_failed_stack_gives_its_slot_back() -> None:
-    memory = BatchMemory(multiprocessing, workers=1, prefetch_factor=1)
+@pytest.mark.parametrize("context", [multiprocessing, None], ids=["worker", "no-workers"])
+def test_a_failed_stack_gives_its_slot_back(context: Any) -> None:
+    memory = BatchMemory(context, workers=1, prefetch_factor=1)
     collate = memory.collate_fn(0)
     rows = [torch.zeros(ROW_BYTES, dtype=torch.uint8) for _ in range(BATCH - 1)]
     with pytest.raises(RuntimeError):
         collate([*rows, torch.zeros(ROW_BYTES + 1, dtype=torch.uint8)])
     assert not any(memory._flags.get_obj()), "a stack that failed kept its slot"
-    # A stack that succeeds holds its slot until the trainer lets go (which the DataLoader tests
-    # watch: in one process the slot's own storage keeps the memory alive).
+    # A stack that succeeds (into the memory the failed one allocated) holds its slot.
     out = collate([*rows, torch.ones(ROW_BYTES, dtype=torch.uint8)])
-    # (into the segment the failed stack allocated)
     assert sum(memory._flags.get_obj()) == 1 and (out.reused, out.allocated) == (1, 0)
     assert bool((out.data[-1] == 1).all()) and not bool(out.data[:-1].any())
+
+
+def test_without_workers_the_slot_comes_free_when_the_last_view_goes() -> None:
+    """In one process the slot's own storage stays in the pool; what the trainer gets is a
+    storage of its own over the same memory, and that is what is watched."""
+    memory = BatchMemory(None, workers=1, prefetch_factor=0)
+    rows = [torch.full((ROW_BYTES,), 7, dtype=torch.uint8) for _ in range(BATCH)]
+    batch = memory.receive(memory.collate_fn(0)(rows))
+    view = batch[5:6].numpy()
+    del batch
+    memory.collect()
+    assert sum(memory._flags.get_obj()) == 1, "freed while a numpy array still viewed it"
+    del view
+    memory.collect()
+    assert not any(memory._flags.get_obj())
+    again = memory.collate_fn(0)(rows)
+    assert (again.reused, again.allocated) == (1, 0)
 
 
 def test_small_tensors_stay_with_default_collate() -> None:

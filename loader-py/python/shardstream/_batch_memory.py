@@ -1,40 +1,62 @@
-"""Memory that DataLoader workers reuse for the batches their transform's results are stacked into.
+"""Memory reused for the batches a transform's results are stacked into (``shardstream.torch``).
 
-``default_collate`` in a worker stacks each batch's tensors into a new shared-memory segment. A
-segment of tens of MiB comes from the kernel as fresh pages: the worker pays for zeroing and
-mapping them, and the trainer, dropping the last mapping, for freeing them. For 224x224 images in
-batches of 256 that was ~1.3 CPU-s an epoch of 8,000 images on the 2-core bench machine, more than
-everything else the loader did (``bench/DECODE_RESULTS.md``). Here each worker keeps a few slots
-(shared segments) and stacks a batch's large tensors into a free one: the pages stay mapped in the
-worker, so the stack is a plain copy, and the trainer's unmapping frees nothing.
+``default_collate`` stacks each batch's tensors into memory of its own: in a DataLoader worker a
+new shared-memory segment, in the trainer (no workers) a new ``malloc`` block, which at tens of MiB
+is a fresh mapping too. Fresh pages cost zeroing and mapping them, and freeing them once the batch
+is dropped: for 224x224 images in batches of 256 (38.5 MB) ~29 ms of a worker's CPU a batch, more
+than everything else the loader did with 2 workers (``bench/DECODE_RESULTS.md``). Here a few slots
+are kept (per worker) and a batch's large tensors are stacked into a free one: its pages stay
+mapped, so the stack is a plain copy, and dropping the batch frees nothing.
 
-A slot is free again once the trainer holds no reference to its memory. The trainer watches the
-storage of every pooled tensor it receives with torch's ``StorageWeakRef``, which expires when the
-last tensor, view or numpy array over that memory in the trainer is gone, and then clears the
-slot's flag in a small array shared with the workers; a worker only takes slots whose flag is
-clear. A trainer that keeps batches keeps their slots, and a worker with no free slot stacks into a
-new segment, as ``default_collate`` would.
+A slot is free again once the trainer holds no reference to its memory. The trainer watches every
+pooled tensor it receives with torch's ``StorageWeakRef`` on the tensor's storage, which expires
+when the last tensor, view or numpy array over that storage is gone, and then clears the slot's
+flag; a slot is only taken while its flag is clear. With workers the flags are a small array
+shared with them (under its lock) and the storage watched is the trainer's own mapping of the
+slot. Without workers the slot's storage stays in the pool, so the batch is handed out through
+DLPack (``torch.utils.dlpack.from_dlpack``): a storage of its own over the same memory, which is what is
+watched. Batches the trainer keeps keep their slots, and with no slot free a batch is stacked into
+new memory, as ``default_collate`` would.
 
-What the trainer cannot see: a batch's tensor sent on to a third process (a ``torch.multiprocessing``
-queue, say) maps the same segment, and once the trainer drops its own reference the worker may
-reuse it. ``.clone()`` what is sent on, or build the DataLoader with ``reuse_batch_memory=False``.
+What the trainer cannot see: with workers, a batch's tensor sent on to a third process (a
+``torch.multiprocessing`` queue, say) maps the same segment, and once the trainer drops its own
+reference the worker may reuse it. ``.clone()`` what is sent on, or build the DataLoader with
+``reuse_batch_memory=False``. (Without workers the slot is private memory, which torch copies into
+a new segment to send.)
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+from torch.utils.dlpack import from_dlpack
 
 # Below this a batch tensor comes from malloc's arenas or a small segment, and reusing it saves
 # little; labels, ids and other per-sample scalars stay with default_collate.
 MIN_BYTES = 1 << 20
-# Slots a worker keeps beyond its prefetched batches: the one it is building, the one the trainer
-# holds while asking for the next, and the one just received (see `DataLoader.__iter__`).
+# Slots a worker keeps beyond its prefetched batches (and all a trainer without workers keeps): the
+# one being built, the one the trainer holds while asking for the next, and the one before it,
+# dropped by then but only found free once the next batch arrives (see `DataLoader.__iter__`).
 SPARE_SLOTS = 3
+
+
+class _LocalFlags:
+    """The flags of a trainer without workers: one process, so no lock and no shared memory
+    (the interface of ``multiprocessing.Array`` that `BatchMemory` uses)."""
+
+    def __init__(self, size: int) -> None:
+        self._flags = bytearray(size)
+
+    def get_lock(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def get_obj(self) -> bytearray:
+        return self._flags
 
 
 class Pooled:
@@ -53,34 +75,38 @@ class Pooled:
 
 class BatchMemory:
     """Slots of ``slots_per_worker`` per worker, with their flags (1 = holds a batch the trainer
-    may still use) in an array shared by the trainer and its workers.
+    may still use). ``context`` is the DataLoader's multiprocessing context, whose shared array
+    holds the flags, or None for a DataLoader without workers (``workers`` 1, the trainer).
 
-    The storages live only in the worker that fills them (dropped when pickled to a spawned
+    The storages live only in the process that fills them (dropped when pickled to a spawned
     worker); what the trainer tracks lives only in the trainer."""
 
     def __init__(self, context: Any, workers: int, prefetch_factor: int) -> None:
         if workers < 1:
-            raise ValueError("batch memory is for DataLoader workers; without them nothing crosses processes")
+            raise ValueError(f"batch memory needs a process that collates, got {workers} workers")
         self.slots_per_worker = prefetch_factor + SPARE_SLOTS
-        # A lock of its own: the flags are written by one process and read by another, and the
-        # lock's acquire and release order those accesses with the tensors' reads and writes.
-        self._flags = context.Array("b", workers * self.slots_per_worker)
+        self._shared = context is not None
+        # With workers, a lock of their own: the flags are written by one process and read by
+        # another, and the lock's acquire and release order those accesses with the tensors'.
+        size = workers * self.slots_per_worker
+        self._flags = context.Array("b", size) if self._shared else _LocalFlags(size)
         self._storages: dict[int, torch.UntypedStorage] = {}
         self._held: list[tuple[int, StorageWeakRef]] = []
         self.reused = self.allocated = self.unpooled = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"slots_per_worker": self.slots_per_worker, "_flags": self._flags}
+        return {"slots_per_worker": self.slots_per_worker, "_shared": self._shared, "_flags": self._flags}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._storages, self._held = {}, []
         self.reused = self.allocated = self.unpooled = 0
 
-    # --- in a worker ---
+    # --- where batches are collated: a worker, or the trainer without workers ---
 
     def collate_fn(self, worker: int) -> Callable[[list[Any]], Pooled]:
-        """``default_collate`` for worker ``worker``, with large tensors stacked into its slots."""
+        """``default_collate`` for worker ``worker`` (0 without workers), with large tensors
+        stacked into its slots."""
 
         def collate_pooled(samples: list[Any]) -> Pooled:
             taken: list[tuple[int, torch.Tensor]] = []
@@ -122,6 +148,10 @@ class BatchMemory:
             # Tensor.untyped_storage() itself returns and set_ takes it (the tests run this path).
             out.set_(storage, 0, (len(batch), *elem.shape))  # type: ignore[call-overload]
             torch.stack(batch, 0, out=out)
+            if not self._shared:
+                # A storage of its own over the slot's memory, alive exactly as long as the
+                # trainer's tensors, views and arrays over it (the slot's own storage stays here).
+                out = from_dlpack(out)
         except BaseException:
             self._release([slot])
             raise
@@ -142,7 +172,11 @@ class BatchMemory:
             slot = fits[0] if fits else free[0]
             flags[slot] = 1
         if not fits:
-            self._storages[slot] = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+            self._storages[slot] = (
+                torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+                if self._shared
+                else torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
+            )
         return slot, self._storages[slot], bool(fits)
 
     def _release(self, slots: list[int]) -> None:

@@ -38,13 +38,13 @@ transform's result must not keep views of them (copy what you keep). An exceptio
 transform reaches the trainer as the DataLoader re-raises it (its type, with the sample's key in
 the worker's traceback).
 
-With the default collate, each worker stacks a batch's large tensors (1 MiB and up, such as a
-batch of decoded images) into shared memory it reuses once the trainer holds no tensor, view or
-numpy array over that batch any more, instead of a new segment per batch: fresh pages cost the
-worker their zeroing and the trainer their freeing, ~1.3 CPU-s an epoch of 8,000 images in
-``bench/decode_bench.py``. Batches the trainer keeps are never overwritten. A batch tensor sent on
-to another process must be ``.clone()``d first (that process's mapping is not seen), or build
-the DataLoader with ``reuse_batch_memory=False``.
+With the default collate, a batch's large tensors (1 MiB and up, such as a batch of decoded
+images) are stacked into memory reused once the trainer holds no tensor, view or numpy array over
+that batch any more (each worker's shared memory; the trainer's own without workers), instead of
+new memory per batch, whose fresh pages cost zeroing and freeing: it halved the loader's CPU with
+2 workers in ``bench/decode_bench.py``. Batches the trainer keeps are never overwritten. With
+workers, a batch tensor sent on to another process must be ``.clone()``d first (that process's
+mapping is not seen), or build the DataLoader with ``reuse_batch_memory=False``.
 
 Without a transform, in worker processes fields arrive as ``bytes`` (batches cross a process
 boundary by pickling, which memoryviews cannot: every byte is copied twice, into the pickle and
@@ -221,7 +221,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         # Stacked fields, and the numeric columns of an Arrow batch in the dict form, become tensors.
         stacked = self._kwargs["collate"] == "stack" or (loader.arrow and self._kwargs["format"] == "dict")
         collate_fn = self.collate_fn
-        if self._memory is not None and info is not None and self.transform is not None and self._default_collate:
+        if self._memory is not None and self.transform is not None and self._default_collate:
             collate_fn = self._memory.collate_fn(worker)
         for batch in loader:
             if stacked:
@@ -248,14 +248,15 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     batches it yields, so ``state_dict()`` / ``load_state_dict()`` resume exactly (also in a new
     process after a crash). ``batch_size`` is fixed to None: the daemon forms the batches.
 
-    ``reuse_batch_memory`` (default True): with workers and a per-sample ``transform`` whose results
-    go through the default collate, each worker stacks a batch's large tensors (1 MiB and up) into
-    shared memory it reuses once the trainer holds no reference to that batch any more, instead of
-    a new segment per batch (see the module's docs). Not with ``pin_memory=True`` (the pinned copy
-    is what the trainer keeps) or a ``collate_fn`` given to the DataLoader. A tensor of a batch
-    sent on to another process must be ``.clone()``d first, or pass False.
-    ``batch_memory_counts()`` says how many tensors were stacked into a reused slot, into a new
-    one, and outside the slots (all of a worker's slots held by the trainer)."""
+    ``reuse_batch_memory`` (default True): with a per-sample ``transform`` whose results go through
+    the default collate, a batch's large tensors (1 MiB and up) are stacked into memory reused once
+    the trainer holds no reference to that batch any more (each worker's shared memory, or the
+    trainer's own without workers), instead of new memory per batch (see the module's docs). Not
+    with ``pin_memory=True`` (the pinned copy is what the trainer keeps) or a ``collate_fn`` given
+    to the DataLoader. With workers, a tensor of a batch sent on to another process must be
+    ``.clone()``d first, or pass False. ``batch_memory_counts()`` says how many tensors were
+    stacked into a reused slot, into a new one, and outside the slots (all of them held by the
+    trainer)."""
 
     def __init__(self, dataset: IterableDataset, *, reuse_batch_memory: bool = True, **kwargs: Any) -> None:
         if not isinstance(dataset, IterableDataset):
@@ -270,10 +271,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._memory: BatchMemory | None = None
 
     def _start_memory(self) -> BatchMemory | None:
-        """The batch memory the workers about to start will use: new ones each iteration, unless
-        they persist (then the memory they were started with)."""
-        if not self._reuse_memory or self.num_workers == 0:
+        """The batch memory of the iteration about to start: a new one each iteration (its
+        workers are new), unless the workers persist (then the memory they were started with)."""
+        if not self._reuse_memory:
             return None
+        if self.num_workers == 0:
+            self._memory = BatchMemory(None, 1, 0)
+            return self._memory
         if self.persistent_workers and self._memory is not None:
             return self._memory
         context = self.multiprocessing_context or multiprocessing
@@ -283,7 +287,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def batch_memory_counts(self) -> dict[str, int]:
         """Tensors stacked into reused memory, into newly allocated slots, and without a slot, over
-        the current (or last) iteration; all zero when the memory is not reused."""
+        the current (or last) iteration, or since persistent workers started; all zero when the
+        memory is not reused."""
         if self._memory is None:
             return {"reused": 0, "allocated": 0, "unpooled": 0}
         return self._memory.counts()
