@@ -193,8 +193,8 @@ def shardstream(data: Path, workers: int, addr: str, reuse_batch_memory: bool = 
 
 
 def shardstream_fresh(data: Path, workers: int, addr: str) -> Batches:
-    """As `shardstream`, but every batch stacked into a new shared-memory segment, as
-    `default_collate` does in a worker: what reusing the batch memory saves."""
+    """As `shardstream`, but every batch stacked into new memory (a shared-memory segment in a
+    worker), as `default_collate` does: what reusing the batch memory saves."""
     return shardstream(data, workers, addr, reuse_batch_memory=False)
 
 
