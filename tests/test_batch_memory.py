@@ -157,3 +157,36 @@ def test_small_tensors_stay_with_default_collate() -> None:
     out = memory.collate_fn(0)([torch.zeros(row, dtype=torch.uint8)] * BATCH)
     assert out.tensors == [] and (out.reused, out.allocated, out.unpooled) == (0, 0, 0)
     assert out.data.shape == (BATCH, row)
+
+
+def test_batches_of_several_large_tensors_reuse_a_slot_each() -> None:
+    """Images and masks, say: each large tensor takes a slot of its own, and once the trainer
+    drops the batches every one of them is reused."""
+    memory = BatchMemory(None, workers=1, prefetch_factor=0)
+    collate = memory.collate_fn(0)
+    sample = {
+        "image": torch.zeros(ROW_BYTES, dtype=torch.uint8),
+        "mask": torch.zeros(ROW_BYTES // 2, dtype=torch.int16),
+    }
+    previous = None
+    for n in range(12):
+        batch = memory.receive(collate([{k: v + n for k, v in sample.items()} for _ in range(BATCH)]))
+        assert bool((batch["image"] == n).all()) and bool((batch["mask"] == n).all())
+        previous = batch  # held while the next one is made, as a training loop's variable is
+        del batch
+        memory.collect()
+    del previous
+    counts = memory.counts()
+    assert counts["unpooled"] == 0 and counts["reused"] + counts["allocated"] == 24, counts
+    assert counts["allocated"] <= 2 * memory.batches_kept, counts
+
+
+def test_the_slots_hold_no_more_than_their_batches_whatever_the_trainer_keeps() -> None:
+    memory = BatchMemory(None, workers=1, prefetch_factor=0)
+    collate = memory.collate_fn(0)
+    rows = [torch.zeros(ROW_BYTES, dtype=torch.uint8) for _ in range(BATCH)]
+    kept = [memory.receive(collate(rows)) for _ in range(10)]
+    counts = memory.counts()
+    assert (counts["allocated"], counts["unpooled"]) == (memory.batches_kept, 10 - memory.batches_kept), counts
+    assert memory._pooled_bytes == memory.batches_kept * BATCH * ROW_BYTES
+    assert all(bool((b == 0).all()) for b in kept)

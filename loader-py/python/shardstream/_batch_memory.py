@@ -16,7 +16,8 @@ shared with them (under its lock) and the storage watched is the trainer's own m
 slot. Without workers the slot's storage stays in the pool, so the batch is handed out through
 DLPack (``torch.utils.dlpack.from_dlpack``): a storage of its own over the same memory, which is what is
 watched. Batches the trainer keeps keep their slots, and with no slot free a batch is stacked into
-new memory, as ``default_collate`` would.
+new memory, as ``default_collate`` would: the slots never hold more than prefetch_factor + 3
+batches' large tensors per worker (3 batches without workers), whatever the trainer keeps.
 
 What the trainer cannot see: with workers, a batch's tensor sent on to a third process (a
 ``torch.multiprocessing`` queue, say) maps the same segment, and once the trainer drops its own
@@ -43,6 +44,9 @@ MIN_BYTES = 1 << 20
 # one being built, the one the trainer holds while asking for the next, and the one before it,
 # dropped by then but only found free once the next batch arrives (see `DataLoader.__iter__`).
 SPARE_SLOTS = 3
+# Large tensors a batch may have (images and masks, say) each take a slot of their own; slots are
+# only allocated when no free one fits, so a batch of one large tensor never uses the others.
+TENSORS_PER_BATCH = 4
 
 
 class _LocalFlags:
@@ -57,6 +61,19 @@ class _LocalFlags:
 
     def get_obj(self) -> bytearray:
         return self._flags
+
+
+class _Collating:
+    """One batch being collated: its worker, the slots it took with their tensors, its counts
+    (reused, allocated, unpooled), and the bytes of its large tensors so far."""
+
+    __slots__ = ("worker", "taken", "counts", "large_bytes")
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self.taken: list[tuple[int, torch.Tensor]] = []
+        self.counts = [0, 0, 0]
+        self.large_bytes = 0
 
 
 class Pooled:
@@ -84,23 +101,33 @@ class BatchMemory:
     def __init__(self, context: Any, workers: int, prefetch_factor: int) -> None:
         if workers < 1:
             raise ValueError(f"batch memory needs a process that collates, got {workers} workers")
-        self.slots_per_worker = prefetch_factor + SPARE_SLOTS
+        self.batches_kept = prefetch_factor + SPARE_SLOTS
+        self.slots_per_worker = self.batches_kept * TENSORS_PER_BATCH
         self._shared = context is not None
         # With workers, a lock of their own: the flags are written by one process and read by
         # another, and the lock's acquire and release order those accesses with the tensors'.
         size = workers * self.slots_per_worker
         self._flags = context.Array("b", size) if self._shared else _LocalFlags(size)
+        self._local_state()
+
+    def _local_state(self) -> None:
+        # Where batches are collated: the slots' storages, their bytes, and the most bytes of
+        # large tensors one batch has had (the slots hold at most `batches_kept` such batches,
+        # whatever the trainer keeps).
         self._storages: dict[int, torch.UntypedStorage] = {}
+        self._pooled_bytes = 0
+        self._largest_batch = 0
+        # In the trainer.
         self._held: list[tuple[int, StorageWeakRef]] = []
         self.reused = self.allocated = self.unpooled = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"slots_per_worker": self.slots_per_worker, "_shared": self._shared, "_flags": self._flags}
+        keep = ("batches_kept", "slots_per_worker", "_shared", "_flags")
+        return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._storages, self._held = {}, []
-        self.reused = self.allocated = self.unpooled = 0
+        self._local_state()
 
     # --- where batches are collated: a worker, or the trainer without workers ---
 
@@ -109,36 +136,37 @@ class BatchMemory:
         stacked into its slots."""
 
         def collate_pooled(samples: list[Any]) -> Pooled:
-            taken: list[tuple[int, torch.Tensor]] = []
-            counts = [0, 0, 0]
+            one = _Collating(worker)
 
             def stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
-                return self._stack(batch, worker, taken, counts)
+                return self._stack(batch, one)
 
             fns = {**default_collate_fn_map, torch.Tensor: stack}
             try:
                 data = collate(samples, collate_fn_map=fns)
             except BaseException:
-                self._release([slot for slot, _ in taken])
+                self._release([slot for slot, _ in one.taken])
                 raise
-            return Pooled(data, taken, counts)
+            self._largest_batch = max(self._largest_batch, one.large_bytes)
+            return Pooled(data, one.taken, one.counts)
 
         return collate_pooled
 
-    def _stack(
-        self, batch: list[torch.Tensor], worker: int, taken: list[tuple[int, torch.Tensor]], counts: list[int]
-    ) -> torch.Tensor:
+    def _stack(self, batch: list[torch.Tensor], one: _Collating) -> torch.Tensor:
         elem = batch[0]
         nbytes = len(batch) * elem.numel() * elem.element_size()
         poolable = (
-            elem.device.type == "cpu"
+            nbytes >= MIN_BYTES
+            and elem.device.type == "cpu"
             and elem.layout == torch.strided
             and not elem.is_nested
             and not any(x.requires_grad for x in batch)
         )
-        got = self._take(worker, nbytes) if nbytes >= MIN_BYTES and poolable else None
+        if poolable:
+            one.large_bytes += nbytes
+        got = self._take(one.worker, nbytes, one.large_bytes) if poolable else None
         if got is None:
-            counts[2] += nbytes >= MIN_BYTES and poolable
+            one.counts[2] += poolable
             fresh: torch.Tensor = collate_tensor_fn(batch)
             return fresh
         slot, storage, reused = got
@@ -155,13 +183,15 @@ class BatchMemory:
         except BaseException:
             self._release([slot])
             raise
-        taken.append((slot, out))
-        counts[0 if reused else 1] += 1
+        one.taken.append((slot, out))
+        one.counts[0 if reused else 1] += 1
         return out
 
-    def _take(self, worker: int, nbytes: int) -> tuple[int, torch.UntypedStorage, bool] | None:
-        """A free slot of this worker, flagged as taken: one whose segment is large enough, else
-        one to (re)allocate; None if the trainer holds them all."""
+    def _take(self, worker: int, nbytes: int, batch_bytes: int) -> tuple[int, torch.UntypedStorage, bool] | None:
+        """A free slot of this worker, flagged as taken: the smallest whose memory is large
+        enough, else one to (re)allocate; None if the trainer holds them all, or allocating would
+        take the slots past `batches_kept` batches of ``batch_bytes`` (this one's large tensors so
+        far) or of the largest batch before."""
         base = worker * self.slots_per_worker
         with self._flags.get_lock():
             flags = self._flags.get_obj()
@@ -169,14 +199,28 @@ class BatchMemory:
             if not free:
                 return None
             fits = [s for s in free if s in self._storages and self._storages[s].nbytes() >= nbytes]
-            slot = fits[0] if fits else free[0]
+            # The smallest that fits; else an unused slot; else the smallest free one grows (a
+            # larger one may fit the batch's other tensors).
+            empty = [s for s in free if s not in self._storages]
+            old = 0
+            if fits:
+                slot = min(fits, key=lambda s: self._storages[s].nbytes())
+            else:
+                slot = empty[0] if empty else min(free, key=lambda s: self._storages[s].nbytes())
+                old = self._storages[slot].nbytes() if slot in self._storages else 0
+                limit = self.batches_kept * max(self._largest_batch, batch_bytes)
+                if self._pooled_bytes - old + nbytes > limit:
+                    return None
             flags[slot] = 1
         if not fits:
+            self._storages.pop(slot, None)
+            self._pooled_bytes -= old
             self._storages[slot] = (
                 torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
                 if self._shared
                 else torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
             )
+            self._pooled_bytes += nbytes
         return slot, self._storages[slot], bool(fits)
 
     def _release(self, slots: list[int]) -> None:
