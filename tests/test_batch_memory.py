@@ -5,6 +5,7 @@ numpy array over it (`shardstream._batch_memory`)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing
 from typing import Any
 
@@ -190,3 +191,35 @@ def test_the_slots_hold_no_more_than_their_batches_whatever_the_trainer_keeps() 
     assert (counts["allocated"], counts["unpooled"]) == (memory.batches_kept, 10 - memory.batches_kept), counts
     assert memory._pooled_bytes == memory.batches_kept * BATCH * ROW_BYTES
     assert all(bool((b == 0).all()) for b in kept)
+
+
+def test_a_pinned_batch_frees_its_slot_once_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's pin-memory thread calls the batch's ``pin_memory()`` in the trainer. Pinning
+    needs an accelerator this machine lacks, so a copy stands in for it here: the trainer gets
+    the copy, and the slot comes free while the trainer still holds it."""
+    from torch.utils.data._utils import pin_memory as pinning
+
+    monkeypatch.setattr(pinning, "pin_memory", lambda data, device=None: data.clone())
+    memory = BatchMemory(None, workers=1, prefetch_factor=0)
+    pooled = memory.collate_fn(0)([torch.full((ROW_BYTES,), 3, dtype=torch.uint8) for _ in range(BATCH)])
+    batch = memory.receive(pooled.pin_memory())
+    del pooled
+    memory.collect()
+    assert not any(memory._flags.get_obj()), "the slot stayed taken after its batch was copied"
+    assert bool((batch == 3).all())
+
+
+def test_pin_memory_keeps_the_reuse_and_the_bytes(daemon, dataset) -> None:
+    """With an accelerator the trainer gets pinned copies; without one (this machine) torch warns
+    and skips pinning. Either way the batches come through the reused memory, intact."""
+    root, samples = dataset
+    dl = loader(str(root), daemon.addr, 2, pin_memory=True)
+    accelerator = torch.cuda.is_available()
+    got = []
+    with contextlib.nullcontext() if accelerator else pytest.warns(UserWarning, match="pin_memory"):
+        for batch in dl:
+            assert intact(batch["x"], batch["i"])
+            assert batch["x"].is_pinned() == accelerator
+            got += batch["i"].tolist()
+    assert sorted(got) == sorted(index_of(k) for k in samples)
+    assert dl.batch_memory_counts()["reused"] > 0

@@ -89,6 +89,18 @@ class Pooled:
         self.tensors = tensors
         self.reused, self.allocated, self.unpooled = counts
 
+    def pin_memory(self, device: Any = None) -> Pooled:
+        """What torch's pin-memory thread calls, in the trainer (``DataLoader(pin_memory=True)``):
+        the data copied into pinned memory, which is what the trainer gets. The slots' tensors
+        ride along so that the trainer still watches them; nothing but this object holds them any
+        more, so their slots come free as soon as the batch is unwrapped."""
+        from torch.utils.data._utils import pin_memory as pinning
+
+        # (torch leaves pin_memory untyped)
+        pin: Callable[..., Any] = pinning.pin_memory
+        pinned = pin(self.data) if device is None else pin(self.data, device)
+        return Pooled(pinned, self.tensors, [self.reused, self.allocated, self.unpooled])
+
 
 class BatchMemory:
     """Slots of ``slots_per_worker`` per worker, with their flags (1 = holds a batch the trainer

@@ -251,12 +251,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     ``reuse_batch_memory`` (default True): with a per-sample ``transform`` whose results go through
     the default collate, a batch's large tensors (1 MiB and up) are stacked into memory reused once
     the trainer holds no reference to that batch any more (each worker's shared memory, or the
-    trainer's own without workers), instead of new memory per batch (see the module's docs). Not
-    with ``pin_memory=True`` (the pinned copy is what the trainer keeps) or a ``collate_fn`` given
-    to the DataLoader. With workers, a tensor of a batch sent on to another process must be
-    ``.clone()``d first, or pass False. ``batch_memory_counts()`` says how many tensors were
-    stacked into a reused slot, into a new one, and outside the slots (all of them held by the
-    trainer)."""
+    trainer's own without workers), instead of new memory per batch (see the module's docs); with
+    ``pin_memory=True`` the trainer gets the pinned copy and the slot comes free once it is made.
+    Not with a ``collate_fn`` given to the DataLoader. With workers, a tensor of a batch sent on to
+    another process must be ``.clone()``d first, or pass False. ``batch_memory_counts()`` says how
+    many tensors were stacked into a reused slot, into a new one, and outside the slots (all of
+    them held by the trainer)."""
 
     def __init__(self, dataset: IterableDataset, *, reuse_batch_memory: bool = True, **kwargs: Any) -> None:
         if not isinstance(dataset, IterableDataset):
@@ -267,7 +267,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         super().__init__(dataset, batch_size=None, **kwargs)
         self._ss_dataset = dataset
         self._consumed = 0
-        self._reuse_memory = bool(reuse_batch_memory) and self.collate_fn is _convert and not self.pin_memory
+        self._reuse_memory = bool(reuse_batch_memory) and self.collate_fn is _convert
         self._memory: BatchMemory | None = None
 
     def _start_memory(self) -> BatchMemory | None:
