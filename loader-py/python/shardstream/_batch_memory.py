@@ -14,10 +14,12 @@ when the last tensor, view or numpy array over that storage is gone, and then cl
 flag; a slot is only taken while its flag is clear. With workers the flags are a small array
 shared with them (under its lock) and the storage watched is the trainer's own mapping of the
 slot. Without workers the slot's storage stays in the pool, so the batch is handed out through
-DLPack (``torch.utils.dlpack.from_dlpack``): a storage of its own over the same memory, which is what is
-watched. Batches the trainer keeps keep their slots, and with no slot free a batch is stacked into
-new memory, as ``default_collate`` would: the slots never hold more than prefetch_factor + 3
-batches' large tensors per worker (3 batches without workers), whatever the trainer keeps.
+DLPack (``torch.utils.dlpack.from_dlpack``): a storage of its own over the same memory, which is
+what is watched. With ``pin_memory=True`` the trainer gets the pinned copy, and the slot comes
+free once it is made. Batches the trainer keeps keep their slots, and with no slot free a batch is
+stacked into new memory, as ``default_collate`` would: the slots never hold more than
+prefetch_factor + 3 batches' large tensors per worker (3 batches without workers), whatever the
+trainer keeps.
 
 What the trainer cannot see: with workers, a batch's tensor sent on to a third process (a
 ``torch.multiprocessing`` queue, say) maps the same segment, and once the trainer drops its own
@@ -77,7 +79,7 @@ class _Collating:
 
 
 class Pooled:
-    """A collated batch whose large tensors lie in slots, on its way from a worker to the trainer;
+    """A collated batch whose large tensors lie in slots, on its way to the trainer's loop;
     ``shardstream.torch.DataLoader`` unwraps it (`BatchMemory.receive`) before the user sees it."""
 
     __slots__ = ("data", "tensors", "reused", "allocated", "unpooled")
