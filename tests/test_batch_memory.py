@@ -7,8 +7,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,3 +225,47 @@ def test_pin_memory_keeps_the_reuse_and_the_bytes(daemon, dataset) -> None:
             got += batch["i"].tolist()
     assert sorted(got) == sorted(index_of(k) for k in samples)
     assert dl.batch_memory_counts()["reused"] > 0
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """3,000 token blocks of 4 KiB and a label, by webdataset: a batch of 256 is 1 MiB."""
+    import webdataset as wds
+
+    root = tmp_path_factory.mktemp("blocks")
+    rng = np.random.default_rng(11)
+    records: dict[str, bytes] = {}
+    with wds.ShardWriter(str(root / "tok-%04d.tar"), maxcount=400, verbose=0) as sink:
+        for i in range(3000):
+            block = rng.integers(0, 50_000, 1024, dtype=np.int32)
+            block[0] = i
+            records[f"b{i:05d}"] = block.tobytes()
+            sink.write({"__key__": f"b{i:05d}", "tok": block.tobytes(), "lbl": (i % 7).to_bytes(4, "little")})
+    return root, records
+
+
+def test_stacked_fields_cross_from_workers_in_reused_slots(daemon, blocks) -> None:
+    """collate="stack" in workers: each field is copied out of the daemon's ring once, the large
+    ones into slots; kept batches stay intact and every block arrives once, byte for byte."""
+    root, records = blocks
+    ds = sst.IterableDataset(
+        str(root), batch_size=256, seed=2, fields=["tok", "lbl"], collate="stack", connect=daemon.addr
+    )
+    dl = sst.DataLoader(ds, num_workers=2)
+    kept, seen = [], []
+    for n, batch in enumerate(dl):
+        tok, lbl = batch["tok"], batch["lbl"]
+        assert tok.shape[1] == 4096 and lbl.shape[1] == 4
+        if n % 4 == 0:
+            kept.append(batch)
+        seen += batch["__key__"]
+        for key, row, label in zip(batch["__key__"], tok, lbl.view(torch.int32)[:, 0].tolist(), strict=True):
+            assert row.numpy().tobytes() == records[key] and label == int(key[1:]) % 7
+        del batch, tok, lbl
+    assert sorted(seen) == sorted(records)
+    for batch in kept:
+        rows = batch["tok"].view(torch.int32)[:, 0].tolist()
+        assert rows == [int(k[1:]) for k in batch["__key__"]], "a kept batch was overwritten"
+    # The full batches' blocks are 1 MiB each, the slots' least; the last batch (184) stays out.
+    counts = dl.batch_memory_counts()
+    assert counts["reused"] > 0 and sum(counts.values()) == len(records) // 256, counts

@@ -31,6 +31,7 @@ a new segment to send.)
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,10 @@ SPARE_SLOTS = 3
 # Large tensors a batch may have (images and masks, say) each take a slot of their own; slots are
 # only allocated when no free one fits, so a batch of one large tensor never uses the others.
 TENSORS_PER_BATCH = 4
+
+
+def _copy_of(src: torch.Tensor) -> Callable[[torch.Tensor], Any]:
+    return lambda dst: dst.copy_(src)
 
 
 class _LocalFlags:
@@ -166,30 +171,60 @@ class BatchMemory:
 
         return collate_pooled
 
+    def adopt(self, batch: dict[str, Any], worker: int) -> Pooled:
+        """A batch of stacked fields (``collate="stack"``, tensors over the daemon's ring) copied
+        out of the ring in a worker, large tensors into slots, the rest into new memory; the
+        caller then returns the batch's lease (the copies are what crosses to the trainer)."""
+        one = _Collating(worker)
+        out: dict[str, Any] = {}
+        try:
+            for name, value in batch.items():
+                if isinstance(value, torch.Tensor):
+                    out[name] = self._fill([value], (), one, _copy_of(value))
+                else:
+                    out[name] = value
+        except BaseException:
+            self._release([slot for slot, _ in one.taken])
+            raise
+        self._largest_batch = max(self._largest_batch, one.large_bytes)
+        return Pooled(out, one.taken, one.counts)
+
     def _stack(self, batch: list[torch.Tensor], one: _Collating) -> torch.Tensor:
-        elem = batch[0]
-        nbytes = len(batch) * elem.numel() * elem.element_size()
+        return self._fill(batch, (len(batch),), one, lambda dst: torch.stack(batch, 0, out=dst))
+
+    def _fill(
+        self,
+        parts: list[torch.Tensor],
+        outer: tuple[int, ...],
+        one: _Collating,
+        write: Callable[[torch.Tensor], Any],
+    ) -> torch.Tensor:
+        """A tensor of shape ``outer + parts[0].shape`` written by ``write``: into a slot when it
+        is large enough to be worth one and a slot is free, else into new memory (a stack of
+        ``parts``, as default_collate makes it, or a copy of the one part)."""
+        elem = parts[0]
+        nbytes = math.prod(outer) * elem.numel() * elem.element_size()
         poolable = (
             nbytes >= MIN_BYTES
             and elem.device.type == "cpu"
             and elem.layout == torch.strided
             and not elem.is_nested
-            and not any(x.requires_grad for x in batch)
+            and not any(x.requires_grad for x in parts)
         )
         if poolable:
             one.large_bytes += nbytes
         got = self._take(one.worker, nbytes, one.large_bytes) if poolable else None
         if got is None:
             one.counts[2] += poolable
-            fresh: torch.Tensor = collate_tensor_fn(batch)
+            fresh: torch.Tensor = collate_tensor_fn(parts) if outer else elem.clone()
             return fresh
         slot, storage, reused = got
         try:
             out = torch.empty(0, dtype=elem.dtype)
             # torch's stubs type set_'s source as a TypedStorage; an UntypedStorage is what
             # Tensor.untyped_storage() itself returns and set_ takes it (the tests run this path).
-            out.set_(storage, 0, (len(batch), *elem.shape))  # type: ignore[call-overload]
-            torch.stack(batch, 0, out=out)
+            out.set_(storage, 0, (*outer, *elem.shape))  # type: ignore[call-overload]
+            write(out)
             if not self._shared:
                 # A storage of its own over the slot's memory, alive exactly as long as the
                 # trainer's tensors, views and arrays over it (the slot's own storage stays here).

@@ -53,7 +53,9 @@ out of it); with ``num_workers=0`` they are zero-copy memoryviews.
 With ``collate="stack"`` each field is one ``uint8`` tensor of shape ``(samples, record_bytes)``
 (``.view(torch.int32)`` etc. for typed records). With ``num_workers=0`` and shared memory it lies
 in the daemon's ring, without a copy (read-only memory: do not write into it; ``pin_memory``
-copies it out); in workers it is copied once and travels to the trainer as torch shared memory.
+copies it out); in workers each field is copied out of the ring once, large ones (1 MiB a batch
+and up) into shared memory the worker reuses as described above, and crosses to the trainer as
+torch shared memory. Without a transform the rank's batches are fastest with ``num_workers=0``.
 
 Parquet datasets: every numeric column without nulls (and ``"__row__"``) becomes a tensor over the
 record batch's memory (``torch.from_numpy``, no copy with ``num_workers=0``); a column with nulls
@@ -196,6 +198,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         self._kwargs["rank"], self._kwargs["world_size"] = probe.rank, probe.world_size
         self._state_template = probe.state_dict()
         self._batches_per_rank = len(probe)
+        self._arrow = probe.arrow
         probe.close()
         self.epoch = 0
         self.start_batch = 0
@@ -212,22 +215,34 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         transformed = self.transform is not None or self.batch_transform is not None
+        memory = self._memory if info is not None or transformed else None
+        # Stacked TAR fields in a worker are copied out of the ring by the batch memory (large
+        # ones into its slots) rather than by the loader and then again by torch's pickling.
+        adopt = memory is not None and not transformed and self._kwargs["collate"] == "stack" and not self._arrow
         # A worker without a transform pickles whole batches, which memoryviews cannot be: copy. With
         # one, the transform reads the views in place and only its result is pickled.
-        copy = info is not None and not transformed
+        copy = info is not None and not transformed and not adopt
         loader = Loader(self.url, copy=copy, _worker=(worker, num_workers), **self._kwargs)
         state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
         loader.load_state_dict(state)
         # Stacked fields, and the numeric columns of an Arrow batch in the dict form, become tensors.
         stacked = self._kwargs["collate"] == "stack" or (loader.arrow and self._kwargs["format"] == "dict")
         collate_fn = self.collate_fn
-        if self._memory is not None and self.transform is not None and self._default_collate:
-            collate_fn = self._memory.collate_fn(worker)
+        if memory is not None and self.transform is not None and self._default_collate:
+            collate_fn = memory.collate_fn(worker)
         for batch in loader:
             if stacked:
                 batch = _as_tensors(batch)
             if transformed:
                 yield _transform_batch(batch, self.transform, self.batch_transform, collate_fn)
+            elif adopt:
+                assert memory is not None
+                try:
+                    pooled = memory.adopt(batch, worker)
+                finally:
+                    batch.release(at_once=False)
+                yield pooled
+                del pooled
             else:
                 yield batch
             del batch  # not kept alive (with its lease) while the consumer holds the next one
