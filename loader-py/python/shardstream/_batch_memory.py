@@ -1,4 +1,5 @@
-"""Memory reused for the batches a transform's results are stacked into (``shardstream.torch``).
+"""Memory reused for the batches a transform's results are stacked into, and for stacked fields
+(``collate="stack"``) copied out of the daemon's ring in DataLoader workers (``shardstream.torch``).
 
 ``default_collate`` stacks each batch's tensors into memory of its own: in a DataLoader worker a
 new shared-memory segment, in the trainer (no workers) a new ``malloc`` block, which at tens of MiB

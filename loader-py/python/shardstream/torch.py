@@ -251,8 +251,8 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
 def _convert(data: Any) -> Any:
     """The DataLoader's per-batch conversion (``batch_size=None``): a raw batch, or one stacked into
     reused memory (already collated), as it is; anything else (a transform's result) through
-    torch's ``default_convert``. ``default_convert`` treats a
-    memoryview as a sequence and would turn each field of a zero-copy batch into lists of ints."""
+    torch's ``default_convert``, which treats a memoryview as a sequence and would turn each field
+    of a zero-copy batch into lists of ints."""
     if isinstance(data, (Batch, Pooled)):
         return data
     return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
@@ -266,7 +266,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     ``reuse_batch_memory`` (default True): with a per-sample ``transform`` whose results go through
     the default collate, a batch's large tensors (1 MiB and up) are stacked into memory reused once
     the trainer holds no reference to that batch any more (each worker's shared memory, or the
-    trainer's own without workers), instead of new memory per batch (see the module's docs); with
+    trainer's own without workers), instead of new memory per batch (see the module's docs); so
+    are stacked fields (``collate="stack"``) that workers copy out of the daemon's ring; with
     ``pin_memory=True`` the trainer gets the pinned copy and the slot comes free once it is made.
     Not with a ``collate_fn`` given to the DataLoader. With workers, a tensor of a batch sent on to
     another process must be ``.clone()``d first, or pass False. ``batch_memory_counts()`` says how
