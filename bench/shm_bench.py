@@ -10,7 +10,12 @@ written to bench/SHM_RESULTS.md:
 3. **packed mode**: fixed-size 4 KiB records (token blocks) with `collate="stack"`: the daemon
    gathers each batch into a ring slot, the consumer gets one (batch, 4096) array per batch and
    touches one byte per page of it; GB/s against this machine's memcpy bandwidth measured in the
-   same run.
+   same run;
+4. **packed mode through DataLoader workers**: the same records through
+   `shardstream.torch.DataLoader` with `TORCH_WORKERS` workers, each worker copying the batch out of
+   the ring into memory it reuses (`reuse_batch_memory`, the default) or into torch's new segment
+   per batch (`reuse_batch_memory=False`), alternating, each epoch in a fresh interpreter; the
+   process tree's CPU per epoch.
 
 Both use a daemon that has served the dataset once already (index resident, shards verified), as
 the node's daemon has; see bench/README.md."""
@@ -45,6 +50,8 @@ BATCH = 256
 LARGE_BATCH = 16
 # Packed epochs measured (each ~0.1 s; the ratio is the best of them against the best memcpy).
 PACKED_REPEATS = 5
+TORCH_WORKERS = 2
+TORCH_REPEATS = 3
 
 
 def tar_dataset(d: Path, samples: int, size: int, per_shard: int, ext: str, label: bool) -> list[Path]:
@@ -113,6 +120,56 @@ def packed_epoch(addr: str, url: str, batch: int, cache: str = "copy") -> dict:
     }
 
 
+def torch_packed_main(addr: str, url: str, batch: int, workers: int, reuse: bool) -> None:
+    """One packed epoch through shardstream.torch.DataLoader (run as a subprocess, so that its
+    workers' CPU is its own children's): prints one JSON line."""
+    import resource
+
+    import torch
+
+    import shardstream.torch as sst
+
+    torch.set_num_threads(1)  # as bench/decode_peers.py: no spinning intra-op pool in the trainer
+    ds = sst.IterableDataset(url, batch_size=batch, seed=0, fields=["tok"], collate="stack", connect=addr, cache="copy")
+    dl = sst.DataLoader(ds, num_workers=workers, reuse_batch_memory=reuse)
+    before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    t0 = time.perf_counter()
+    n = touched = 0
+    ids: list[int] = []
+    for b in dl:
+        t = b["tok"]
+        touched += int(t[:, ::4096].sum())
+        ids += t[:, :8].contiguous().view(torch.int64)[:, 0].tolist()
+        n += t.shape[0]
+    seconds = time.perf_counter() - t0
+    after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before, strict=True))
+    print(json.dumps({"samples": n, "seconds": seconds, "cpu": cpu, "ids": ids, "counts": dl.batch_memory_counts()}))
+
+
+def torch_packed(addr: str, url: str, batch: int, records: int) -> dict[str, dict[str, Any]]:
+    """TORCH_REPEATS epochs each with the batch memory reused and with new memory, alternating."""
+    runs: dict[str, list[dict[str, Any]]] = {"reused": [], "new": []}
+    for _ in range(TORCH_REPEATS):
+        for name in runs:
+            cmd = [sys.executable, __file__, "--torch-packed", addr, url, str(batch), str(TORCH_WORKERS), name]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            run = json.loads(done.stdout.strip().splitlines()[-1])
+            run["check"] = consumer.verdict(run.pop("ids"), records)
+            runs[name].append(run)
+    out = {}
+    for name, rs in runs.items():
+        rate = [r["samples"] / r["seconds"] for r in rs]
+        out[name] = {
+            "rate": statistics.median(rate),
+            "rates": rate,
+            "cpu": statistics.median(r["cpu"] for r in rs),
+            "check": "; ".join(sorted({r["check"] for r in rs})),
+            "counts": rs[-1]["counts"],
+        }
+    return out
+
+
 def rank_main(addr: str, url: str, rank: int, world: int, out: Path) -> None:
     """One of the concurrent ranks (run as a subprocess), started together by a barrier file."""
     import shardstream  # noqa: F401 - imported before the clock, as in run.py
@@ -163,6 +220,10 @@ def main() -> None:
         rank, world = int(sys.argv[2]), int(sys.argv[4])
         rank_main(sys.argv[5], sys.argv[6], rank, world, Path(sys.argv[7]))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--torch-packed":
+        addr, url, batch, workers, reuse = sys.argv[2:7]
+        torch_packed_main(addr, url, int(batch), int(workers), reuse == "reused")
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=100_000, help="small-sample dataset (as run.py)")
     ap.add_argument("--large", type=int, default=2048, help="large samples")
@@ -211,6 +272,12 @@ def main() -> None:
             packed["all_gbps"] = [r["bytes"] / 1e9 / r["seconds"] for r in runs]
             packed["median_gbps"] = statistics.median(packed["all_gbps"])
             print(f"packed: {packed['bytes'] / 1e9 / packed['seconds']:.2f} GB/s, memcpy {memcpy:.2f} GB/s", flush=True)
+            in_workers = torch_packed(srv.addr, packed_url, args.packed_batch, args.packed)
+            print(
+                f"packed, {TORCH_WORKERS} DataLoader workers: reused {in_workers['reused']['rate']:,.0f}, "
+                f"new {in_workers['new']['rate']:,.0f} records/s",
+                flush=True,
+            )
             epoch(srv.addr, str(small), "jpg", BATCH, gen.ID_OFFSET)
             many = concurrent(srv.addr, str(small), args.world, Path(tmp) / "ranks", srv.pid)
             many["check"] = consumer.verdict(many.pop("ids"), args.samples)
@@ -253,6 +320,22 @@ def main() -> None:
         f"| CPU for that best packed epoch | daemon {packed['daemon_cpu']:.2f} s,"
         f" client {packed['client_cpu']:.2f} s | |",
     ]
+    # Records of 4 KiB: the median packed epoch without workers, in records/s.
+    packed_rate = packed["median_gbps"] * 1e9 / 4096
+    for name, label in (("reused", "batch memory reused (default)"), ("new", "`reuse_batch_memory=False`")):
+        r = in_workers[name]
+        lines.append(
+            f"| packed mode through `shardstream.torch.DataLoader`, {TORCH_WORKERS} workers, {label};"
+            f" median of {TORCH_REPEATS} epochs ({', '.join(f'{x:,.0f}' for x in r['rates'])}), each in a"
+            f" fresh interpreter ({r['check']}; slots {r['counts']}) | {r['rate']:,.0f} records/s,"
+            f" {r['cpu']:.2f} CPU-s of the trainer and its workers |"
+            f" {r['rate'] / packed_rate:.2f} of packed mode without workers (median) |"
+        )
+    lines.append(
+        f"| reused against new memory, {TORCH_WORKERS} workers | "
+        f"{in_workers['reused']['rate'] / in_workers['new']['rate']:.2f}x the records/s, "
+        f"{in_workers['reused']['cpu'] / in_workers['new']['cpu']:.2f}x the CPU | |"
+    )
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.write_text(text + earlier_runs(args.out))
