@@ -269,3 +269,44 @@ def test_stacked_fields_cross_from_workers_in_reused_slots(daemon, blocks) -> No
     # The full batches' blocks are 1 MiB each, the slots' least; the last batch (184) stays out.
     counts = dl.batch_memory_counts()
     assert counts["reused"] > 0 and sum(counts.values()) == len(records) // 256, counts
+
+
+def test_a_lock_left_held_never_hangs_the_trainer() -> None:
+    """A worker killed (say by the OOM killer) inside its few microseconds under the flags' lock
+    leaves it held for good; torch then reports the dead worker, and the trainer must get that
+    far: collecting slots gives up on the lock instead of waiting for it, and retries later."""
+    import threading
+    import time
+
+    memory = BatchMemory(multiprocessing, workers=1, prefetch_factor=0)
+    pooled = memory.collate_fn(0)([torch.zeros(ROW_BYTES, dtype=torch.uint8) for _ in range(BATCH)])
+    memory.receive(pooled)
+    memory._held = [(slot, _Expired()) for slot, _ in memory._held]  # the trainer has let go
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the dead worker: takes the lock and never gives it back
+        memory._flags.get_lock().acquire()
+        held.set()
+        done.wait()
+        memory._flags.get_lock().release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        t0 = time.monotonic()
+        memory.collect()
+        assert time.monotonic() - t0 < 5, "collect waited for a lock that is never released"
+        assert sum(memory._flags.get_obj()) == 1, "freed without the lock"
+    finally:
+        done.set()
+        holder.join()
+    memory.collect()
+    assert not any(memory._flags.get_obj()), "the slot was not freed once the lock came back"
+
+
+class _Expired:
+    """A StorageWeakRef whose storage is gone."""
+
+    def expired(self) -> bool:
+        return True

@@ -31,8 +31,8 @@ a new segment to send.)
 
 from __future__ import annotations
 
-import contextlib
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +48,10 @@ MIN_BYTES = 1 << 20
 # one being built, the one the trainer holds while asking for the next, and the one before it,
 # dropped by then but only found free once the next batch arrives (see `DataLoader.__iter__`).
 SPARE_SLOTS = 3
+# How long the trainer waits for the flags' lock before it leaves the slots it found free for its
+# next batch. Workers hold the lock for microseconds; one killed while holding it (the OOM killer)
+# leaves it held for good, and the trainer must not hang on it: torch reports the dead worker.
+COLLECT_WAIT_S = 0.5
 # Large tensors a batch may have (images and masks, say) each take a slot of their own; slots are
 # only allocated when no free one fits, so a batch of one large tensor never uses the others.
 TENSORS_PER_BATCH = 4
@@ -58,14 +62,15 @@ def _copy_of(src: torch.Tensor) -> Callable[[torch.Tensor], Any]:
 
 
 class _LocalFlags:
-    """The flags of a trainer without workers: one process, so no lock and no shared memory
-    (the interface of ``multiprocessing.Array`` that `BatchMemory` uses)."""
+    """The flags of a trainer without workers: one process, no shared memory (the interface of
+    ``multiprocessing.Array`` that `BatchMemory` uses)."""
 
     def __init__(self, size: int) -> None:
         self._flags = bytearray(size)
+        self._lock = threading.Lock()
 
-    def get_lock(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
+    def get_lock(self) -> threading.Lock:
+        return self._lock
 
     def get_obj(self) -> bytearray:
         return self._flags
@@ -293,11 +298,20 @@ class BatchMemory:
         return batch.data
 
     def collect(self) -> None:
-        """Frees the slots whose memory the trainer no longer references."""
+        """Frees the slots whose memory the trainer no longer references; if the flags' lock
+        cannot be had within COLLECT_WAIT_S, leaves them for the next call."""
         done = [i for i, (_, ref) in enumerate(self._held) if ref.expired()]  # type: ignore[no-untyped-call]
         if not done:
             return
-        self._release([self._held[i][0] for i in done])
+        lock = self._flags.get_lock()
+        if not lock.acquire(timeout=COLLECT_WAIT_S):
+            return
+        try:
+            flags = self._flags.get_obj()
+            for i in done:
+                flags[self._held[i][0]] = 0
+        finally:
+            lock.release()
         gone = set(done)
         self._held = [h for i, h in enumerate(self._held) if i not in gone]
 
