@@ -76,31 +76,21 @@ class _LocalFlags:
         return self._flags
 
 
-class _Collating:
-    """One batch being collated: its worker, the slots it took with their tensors, its counts
-    (reused, allocated, unpooled), and the bytes of its large tensors so far."""
-
-    __slots__ = ("worker", "taken", "counts", "large_bytes")
-
-    def __init__(self, worker: int) -> None:
-        self.worker = worker
-        self.taken: list[tuple[int, torch.Tensor]] = []
-        self.counts = [0, 0, 0]
-        self.large_bytes = 0
-
-
 class Pooled:
     """A collated batch whose large tensors lie in slots, on its way to the trainer's loop;
-    ``shardstream.torch.DataLoader`` unwraps it (`BatchMemory.receive`) before the user sees it."""
+    ``shardstream.torch.DataLoader`` unwraps it (`BatchMemory.receive`) before the user sees it.
+    While it is being built it also carries the bytes of its large tensors so far."""
 
-    __slots__ = ("data", "tensors", "reused", "allocated", "unpooled")
+    __slots__ = ("data", "tensors", "reused", "allocated", "unpooled", "worker", "large_bytes")
 
-    def __init__(self, data: Any, tensors: list[tuple[int, torch.Tensor]], counts: list[int]) -> None:
-        self.data = data
+    def __init__(self, worker: int) -> None:
+        self.data: Any = None
         # (slot, tensor): pickled with `data` in one pickle, so in the trainer each tensor here is
         # the very object inside `data`, over the same storage.
-        self.tensors = tensors
-        self.reused, self.allocated, self.unpooled = counts
+        self.tensors: list[tuple[int, torch.Tensor]] = []
+        self.reused = self.allocated = self.unpooled = 0
+        self.worker = worker
+        self.large_bytes = 0
 
     def pin_memory(self, device: Any = None) -> Pooled:
         """What torch's pin-memory thread calls, in the trainer (``DataLoader(pin_memory=True)``):
@@ -111,8 +101,8 @@ class Pooled:
 
         # (torch leaves pin_memory untyped)
         pin: Callable[..., Any] = pinning.pin_memory
-        pinned = pin(self.data) if device is None else pin(self.data, device)
-        return Pooled(pinned, self.tensors, [self.reused, self.allocated, self.unpooled])
+        self.data = pin(self.data) if device is None else pin(self.data, device)
+        return self
 
 
 class BatchMemory:
@@ -161,19 +151,13 @@ class BatchMemory:
         stacked into its slots."""
 
         def collate_pooled(samples: list[Any]) -> Pooled:
-            one = _Collating(worker)
+            def build(one: Pooled) -> Any:
+                def stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+                    return self._fill(batch, (len(batch),), one, lambda dst: torch.stack(batch, 0, out=dst))
 
-            def stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
-                return self._stack(batch, one)
+                return collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: stack})
 
-            fns = {**default_collate_fn_map, torch.Tensor: stack}
-            try:
-                data = collate(samples, collate_fn_map=fns)
-            except BaseException:
-                self._release([slot for slot, _ in one.taken])
-                raise
-            self._largest_batch = max(self._largest_batch, one.large_bytes)
-            return Pooled(data, one.taken, one.counts)
+            return self._build(worker, build)
 
         return collate_pooled
 
@@ -181,28 +165,32 @@ class BatchMemory:
         """A batch of stacked fields (``collate="stack"``, tensors over the daemon's ring) copied
         out of the ring in a worker, large tensors into slots, the rest into new memory; the
         caller then returns the batch's lease (the copies are what crosses to the trainer)."""
-        one = _Collating(worker)
-        out: dict[str, Any] = {}
+
+        def build(one: Pooled) -> dict[str, Any]:
+            return {
+                name: self._fill([value], (), one, _copy_of(value)) if isinstance(value, torch.Tensor) else value
+                for name, value in batch.items()
+            }
+
+        return self._build(worker, build)
+
+    def _build(self, worker: int, build: Callable[[Pooled], Any]) -> Pooled:
+        """A batch made by ``build`` (which fills its slots through `_fill`); on failure the
+        slots it took are given back."""
+        one = Pooled(worker)
         try:
-            for name, value in batch.items():
-                if isinstance(value, torch.Tensor):
-                    out[name] = self._fill([value], (), one, _copy_of(value))
-                else:
-                    out[name] = value
+            one.data = build(one)
         except BaseException:
-            self._release([slot for slot, _ in one.taken])
+            self._release([slot for slot, _ in one.tensors])
             raise
         self._largest_batch = max(self._largest_batch, one.large_bytes)
-        return Pooled(out, one.taken, one.counts)
-
-    def _stack(self, batch: list[torch.Tensor], one: _Collating) -> torch.Tensor:
-        return self._fill(batch, (len(batch),), one, lambda dst: torch.stack(batch, 0, out=dst))
+        return one
 
     def _fill(
         self,
         parts: list[torch.Tensor],
         outer: tuple[int, ...],
-        one: _Collating,
+        one: Pooled,
         write: Callable[[torch.Tensor], Any],
     ) -> torch.Tensor:
         """A tensor of shape ``outer + parts[0].shape`` written by ``write``: into a slot when it
@@ -221,7 +209,7 @@ class BatchMemory:
             one.large_bytes += nbytes
         got = self._take(one.worker, nbytes, one.large_bytes) if poolable else None
         if got is None:
-            one.counts[2] += poolable
+            one.unpooled += poolable
             fresh: torch.Tensor = collate_tensor_fn(parts) if outer else elem.clone()
             return fresh
         slot, storage, reused = got
@@ -238,8 +226,11 @@ class BatchMemory:
         except BaseException:
             self._release([slot])
             raise
-        one.taken.append((slot, out))
-        one.counts[0 if reused else 1] += 1
+        one.tensors.append((slot, out))
+        if reused:
+            one.reused += 1
+        else:
+            one.allocated += 1
         return out
 
     def _take(self, worker: int, nbytes: int, batch_bytes: int) -> tuple[int, torch.UntypedStorage, bool] | None:
@@ -278,13 +269,22 @@ class BatchMemory:
             self._pooled_bytes += nbytes
         return slot, self._storages[slot], bool(fits)
 
-    def _release(self, slots: list[int]) -> None:
+    def _release(self, slots: list[int], timeout: float | None = None) -> bool:
+        """Clears the slots' flags; False if the lock could not be had within ``timeout``
+        seconds (None waits as long as it takes). Not ``timeout=-1``: ``threading.Lock`` reads
+        it as no limit, a multiprocessing lock as no wait at all."""
         if not slots:
-            return
-        with self._flags.get_lock():
+            return True
+        lock = self._flags.get_lock()
+        if not (lock.acquire() if timeout is None else lock.acquire(timeout=timeout)):
+            return False
+        try:
             flags = self._flags.get_obj()
             for slot in slots:
                 flags[slot] = 0
+        finally:
+            lock.release()
+        return True
 
     # --- in the trainer ---
 
@@ -300,20 +300,16 @@ class BatchMemory:
     def collect(self) -> None:
         """Frees the slots whose memory the trainer no longer references; if the flags' lock
         cannot be had within COLLECT_WAIT_S, leaves them for the next call."""
-        done = [i for i, (_, ref) in enumerate(self._held) if ref.expired()]  # type: ignore[no-untyped-call]
-        if not done:
-            return
-        lock = self._flags.get_lock()
-        if not lock.acquire(timeout=COLLECT_WAIT_S):
-            return
-        try:
-            flags = self._flags.get_obj()
-            for i in done:
-                flags[self._held[i][0]] = 0
-        finally:
-            lock.release()
-        gone = set(done)
-        self._held = [h for i, h in enumerate(self._held) if i not in gone]
+        # One pass: a reference that expires after it was looked at stays for the next call.
+        free: list[int] = []
+        held: list[tuple[int, StorageWeakRef]] = []
+        for slot, ref in self._held:
+            if ref.expired():  # type: ignore[no-untyped-call]
+                free.append(slot)
+            else:
+                held.append((slot, ref))
+        if self._release(free, timeout=COLLECT_WAIT_S):
+            self._held = held
 
     def counts(self) -> dict[str, int]:
         return {"reused": self.reused, "allocated": self.allocated, "unpooled": self.unpooled}
