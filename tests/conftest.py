@@ -72,6 +72,23 @@ def write_dataset(
     return samples
 
 
+def write_token_blocks(
+    root: Path, n: int, record_bytes: int, per_shard: int, seed: int, label_mod: int
+) -> dict[str, bytes]:
+    """Writes `n` fixed-size token blocks (int32, the first one the sample's index) and a 4-byte
+    label (index % label_mod) with webdataset.ShardWriter; returns {key: block bytes}, keys t00000..."""
+    rng = np.random.default_rng(seed)
+    records: dict[str, bytes] = {}
+    with wds.ShardWriter(str(root / "tok-%04d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(n):
+            key = f"t{i:05d}"
+            block = rng.integers(0, 50_000, record_bytes // 4, dtype=np.int32)
+            block[0] = i
+            records[key] = block.tobytes()
+            sink.write({"__key__": key, "tok": block.tobytes(), "lbl": (i % label_mod).to_bytes(4, "little")})
+    return records
+
+
 def wait_for(cond, timeout: float = 5.0) -> bool:
     """Polls `cond` until it holds or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

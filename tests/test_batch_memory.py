@@ -10,11 +10,11 @@ import multiprocessing
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 import shardstream.torch as sst
+from conftest import write_token_blocks
 from shardstream._batch_memory import MIN_BYTES, BatchMemory
 
 BATCH = 64
@@ -230,18 +230,8 @@ def test_pin_memory_keeps_the_reuse_and_the_bytes(daemon, dataset) -> None:
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     """3,000 token blocks of 4 KiB and a label, by webdataset: a batch of 256 is 1 MiB."""
-    import webdataset as wds
-
     root = tmp_path_factory.mktemp("blocks")
-    rng = np.random.default_rng(11)
-    records: dict[str, bytes] = {}
-    with wds.ShardWriter(str(root / "tok-%04d.tar"), maxcount=400, verbose=0) as sink:
-        for i in range(3000):
-            block = rng.integers(0, 50_000, 1024, dtype=np.int32)
-            block[0] = i
-            records[f"b{i:05d}"] = block.tobytes()
-            sink.write({"__key__": f"b{i:05d}", "tok": block.tobytes(), "lbl": (i % 7).to_bytes(4, "little")})
-    return root, records
+    return root, write_token_blocks(root, 3000, 4096, per_shard=400, seed=11, label_mod=7)
 
 
 def test_stacked_fields_cross_from_workers_in_reused_slots(daemon, blocks) -> None:

@@ -18,7 +18,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, wait_for
+from conftest import SHARDSTREAM, Daemon, wait_for, write_token_blocks
 
 RECORD = 512
 
@@ -27,16 +27,7 @@ RECORD = 512
 def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     """1,000 samples of RECORD-byte token blocks (int32) and a 4-byte label, by webdataset."""
     root = tmp_path_factory.mktemp("tokens")
-    rng = np.random.default_rng(7)
-    records: dict[str, bytes] = {}
-    with wds.ShardWriter(str(root / "tok-%04d.tar"), maxcount=150, verbose=0) as sink:
-        for i in range(1000):
-            key = f"t{i:05d}"
-            block = rng.integers(0, 50_000, RECORD // 4, dtype=np.int32)
-            block[0] = i
-            records[key] = block.tobytes()
-            sink.write({"__key__": key, "tok": block.tobytes(), "lbl": (i % 10).to_bytes(4, "little")})
-    return root, records
+    return root, write_token_blocks(root, 1000, RECORD, per_shard=150, seed=7, label_mod=10)
 
 
 def test_packed_arrays_are_zero_copy_read_only_and_exactly_once(daemon, tokens) -> None:
