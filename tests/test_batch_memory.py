@@ -100,6 +100,31 @@ def test_persistent_workers_keep_their_slots_across_epochs(daemon, dataset) -> N
     assert counts["reused"] + counts["allocated"] == 2 * len(dl.dataset), counts
 
 
+def test_batches_dropped_by_an_epoch_left_early_give_their_slots_back(daemon, dataset) -> None:
+    """Leaving an epoch early with persistent workers: torch drops the batches still in flight
+    when the next epoch starts, unseen by the trainer's loop; their slots must come free all the
+    same, or every early exit costs each worker its prefetched batches' slots for good."""
+    root, samples = dataset
+    dl = loader(str(root), daemon.addr, 2, persistent_workers=True)
+    for epoch in range(12):
+        dl.dataset.set_epoch(epoch)
+        for batch in dl:
+            assert intact(batch["x"], batch["i"])
+            break
+        del batch
+    before = dict(dl.batch_memory_counts())
+    dl.dataset.set_epoch(12)
+    got = []
+    for batch in dl:
+        assert intact(batch["x"], batch["i"])
+        got += batch["i"].tolist()
+    assert sorted(got) == sorted(index_of(k) for k in samples)
+    after = dl.batch_memory_counts()
+    epoch_counts = {k: after[k] - before[k] for k in after}
+    assert epoch_counts["unpooled"] == 0, f"slots lost to the epochs left early: {epoch_counts}"
+    assert epoch_counts["reused"] + epoch_counts["allocated"] == len(dl.dataset), epoch_counts
+
+
 def test_spawned_workers_get_the_flags_and_none_of_the_slots(daemon, dataset) -> None:
     root, samples = dataset
     dl = loader(str(root), daemon.addr, 2, multiprocessing_context="spawn")
