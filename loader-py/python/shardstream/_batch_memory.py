@@ -20,7 +20,9 @@ what is watched. With ``pin_memory=True`` the trainer gets the pinned copy, and 
 free once it is made. Batches the trainer keeps keep their slots, and with no slot free a batch is
 stacked into new memory, as ``default_collate`` would: the slots never hold more than
 prefetch_factor + 3 batches' large tensors per worker (3 batches without workers), whatever the
-trainer keeps.
+trainer keeps. The trainer starts watching a batch's slots as the batch arrives from its worker,
+before torch hands it on: torch drops the batches still in flight when an epoch of persistent
+workers is left early (``break``), and their slots come free as those batches are gone.
 
 What the trainer cannot see: with workers, a batch's tensor sent on to a third process (a
 ``torch.multiprocessing`` queue, say) maps the same segment, and once the trainer drops its own
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +58,22 @@ COLLECT_WAIT_S = 0.5
 # Large tensors a batch may have (images and masks, say) each take a slot of their own; slots are
 # only allocated when no free one fits, so a batch of one large tensor never uses the others.
 TENSORS_PER_BATCH = 4
+
+# The slots of batches that reached this process from a worker, by the memory they came from
+# (`BatchMemory.id`): registered as each batch is unpickled (in the trainer's thread, or torch's
+# pin-memory thread), so that `collect` sees them even when torch drops a batch before the loop
+# does, and taken over by that memory's next `collect`.
+_arrived: dict[str, list[tuple[int, StorageWeakRef]]] = {}
+_arrived_lock = threading.Lock()
+
+
+def _refs(tensors: list[tuple[int, torch.Tensor]]) -> list[tuple[int, StorageWeakRef]]:
+    return [(slot, StorageWeakRef(t.untyped_storage())) for slot, t in tensors]  # type: ignore[no-untyped-call]
+
+
+def _arrivals(memory: str) -> list[tuple[int, StorageWeakRef]]:
+    with _arrived_lock:
+        return _arrived.pop(memory, [])
 
 
 def _copy_of(src: torch.Tensor) -> Callable[[torch.Tensor], Any]:
@@ -81,16 +100,31 @@ class Pooled:
     ``shardstream.torch.DataLoader`` unwraps it (`BatchMemory.receive`) before the user sees it.
     While it is being built it also carries the bytes of its large tensors so far."""
 
-    __slots__ = ("data", "tensors", "reused", "allocated", "unpooled", "worker", "large_bytes")
+    __slots__ = ("data", "tensors", "reused", "allocated", "unpooled", "worker", "memory", "large_bytes", "arrived")
 
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, memory: str) -> None:
         self.data: Any = None
         # (slot, tensor): pickled with `data` in one pickle, so in the trainer each tensor here is
         # the very object inside `data`, over the same storage.
         self.tensors: list[tuple[int, torch.Tensor]] = []
         self.reused = self.allocated = self.unpooled = 0
         self.worker = worker
+        self.memory = memory
         self.large_bytes = 0
+        # Unpickled from a worker, and so watched since (made in this process: once received).
+        self.arrived = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        # Watched from now on, whether or not torch hands it on.
+        self.arrived = True
+        refs = _refs(self.tensors)
+        with _arrived_lock:
+            _arrived.setdefault(self.memory, []).extend(refs)
 
     def pin_memory(self, device: Any = None) -> Pooled:
         """What torch's pin-memory thread calls, in the trainer (``DataLoader(pin_memory=True)``):
@@ -116,6 +150,7 @@ class BatchMemory:
     def __init__(self, context: Any, workers: int, prefetch_factor: int) -> None:
         if workers < 1:
             raise ValueError(f"batch memory needs a process that collates, got {workers} workers")
+        self.id = uuid.uuid4().hex
         self.batches_kept = prefetch_factor + SPARE_SLOTS
         self.slots_per_worker = self.batches_kept * TENSORS_PER_BATCH
         self._shared = context is not None
@@ -137,7 +172,7 @@ class BatchMemory:
         self.reused = self.allocated = self.unpooled = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("batches_kept", "slots_per_worker", "_shared", "_flags")
+        keep = ("id", "batches_kept", "slots_per_worker", "_shared", "_flags")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -177,7 +212,7 @@ class BatchMemory:
     def _build(self, worker: int, build: Callable[[Pooled], Any]) -> Pooled:
         """A batch made by ``build`` (which fills its slots through `_fill`); on failure the
         slots it took are given back."""
-        one = Pooled(worker)
+        one = Pooled(worker, self.id)
         try:
             one.data = build(one)
         except BaseException:
@@ -289,18 +324,20 @@ class BatchMemory:
     # --- in the trainer ---
 
     def receive(self, batch: Pooled) -> Any:
-        """The batch for the user; its slots are watched until the trainer lets go of them."""
+        """The batch for the user; its slots are watched until the trainer lets go of them (from
+        its arrival, for a batch from a worker)."""
         self.reused += batch.reused
         self.allocated += batch.allocated
         self.unpooled += batch.unpooled
-        for slot, tensor in batch.tensors:
-            self._held.append((slot, StorageWeakRef(tensor.untyped_storage())))  # type: ignore[no-untyped-call]
+        if not batch.arrived:
+            self._held += _refs(batch.tensors)
         return batch.data
 
     def collect(self) -> None:
         """Frees the slots whose memory the trainer no longer references; if the flags' lock
         cannot be had within COLLECT_WAIT_S, leaves them for the next call."""
         # One pass: a reference that expires after it was looked at stays for the next call.
+        self._held += _arrivals(self.id)
         free: list[int] = []
         held: list[tuple[int, StorageWeakRef]] = []
         for slot, ref in self._held:
@@ -310,6 +347,11 @@ class BatchMemory:
                 held.append((slot, ref))
         if self._release(free, timeout=COLLECT_WAIT_S):
             self._held = held
+
+    def forget(self) -> None:
+        """Stops watching this memory's batches (the DataLoader replaces it: its workers are gone)."""
+        _arrivals(self.id)
+        self._held = []
 
     def counts(self) -> dict[str, int]:
         return {"reused": self.reused, "allocated": self.allocated, "unpooled": self.unpooled}

@@ -291,6 +291,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         workers are new), unless the workers persist (then the memory they were started with)."""
         if not self._reuse_memory:
             return None
+        if self._memory is not None and not (self.persistent_workers and self.num_workers > 0):
+            self._memory.forget()
         if self.num_workers == 0:
             self._memory = BatchMemory(None, 1, 0)
             return self._memory
@@ -315,7 +317,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         ds = self._ss_dataset
         self._consumed = ds.start_batch
         memory = ds._memory = self._start_memory()
-        for batch in super().__iter__():
+        batches = super().__iter__()
+        if memory is not None:
+            # Persistent workers: torch has just dropped the batches the last iteration left in
+            # flight; their slots are free before the workers build this epoch's batches into them.
+            memory.collect()
+        for batch in batches:
             self._consumed += 1
             if isinstance(batch, Pooled):
                 assert memory is not None
