@@ -105,12 +105,13 @@ fn columns<'a>(slot: &'a mut [u8], records: &[u64], offsets: &[u64], n: usize) -
     for (&record, &offset) in records.iter().zip(offsets) {
         let gap = usize::try_from(offset.checked_sub(at).ok_or_else(outside)?).map_err(|_| outside())?;
         let len = usize::try_from(record).ok().and_then(|r| r.checked_mul(n)).ok_or_else(outside)?;
-        if rest.len() < gap + len {
+        if gap.checked_add(len).is_none_or(|end| rest.len() < end) {
             return Err(outside());
         }
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(gap);
         let (column, tail) = tail.split_at_mut(len);
         rest = tail;
+        // Within the slot (checked above), so within u64.
         at = offset + len as u64;
         out.push(column);
     }
@@ -282,4 +283,26 @@ fn payloads(fields: &[String], view: &SampleLocation, found: &mut Vec<Range<usiz
         found.push(range);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::columns;
+
+    #[test]
+    fn columns_split_a_slot_at_their_offsets() {
+        let mut slot = [0u8; 64];
+        let cols = columns(&mut slot, &[4, 2], &[8, 32], 3).expect("columns within the slot");
+        assert_eq!(cols.iter().map(|c| c.len()).collect::<Vec<_>>(), [12, 6]);
+    }
+
+    #[test]
+    fn columns_outside_the_slot_are_an_error_not_a_panic() {
+        let mut slot = [0u8; 64];
+        // Past the end, overlapping the column before, and sizes that overflow.
+        assert!(columns(&mut slot, &[4], &[56], 3).is_err());
+        assert!(columns(&mut slot, &[4, 4], &[0, 8], 3).is_err());
+        assert!(columns(&mut slot, &[u64::MAX], &[0], 2).is_err());
+        assert!(columns(&mut slot, &[1], &[u64::MAX], 1).is_err());
+    }
 }
