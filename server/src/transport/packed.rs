@@ -98,16 +98,22 @@ struct Rules<'a> {
 
 /// The slot's columns, one slice per field (`records[f] * n` bytes at `offsets[f]`).
 fn columns<'a>(slot: &'a mut [u8], records: &[u64], offsets: &[u64], n: usize) -> Result<Vec<&'a mut [u8]>> {
-    let outside = || Error::Internal("packed columns outside their slot".into());
+    let slot_bytes = slot.len();
     let mut out = Vec::with_capacity(records.len());
     let mut rest = slot;
     let mut at = 0u64;
-    for (&record, &offset) in records.iter().zip(offsets) {
-        let gap = usize::try_from(offset.checked_sub(at).ok_or_else(outside)?).map_err(|_| outside())?;
-        let len = usize::try_from(record).ok().and_then(|r| r.checked_mul(n)).ok_or_else(outside)?;
-        if gap.checked_add(len).is_none_or(|end| rest.len() < end) {
-            return Err(outside());
-        }
+    for (f, (&record, &offset)) in records.iter().zip(offsets).enumerate() {
+        let gap = offset.checked_sub(at).and_then(|g| usize::try_from(g).ok());
+        let len = usize::try_from(record).ok().and_then(|r| r.checked_mul(n));
+        let (gap, len) = match (gap, len) {
+            (Some(gap), Some(len)) if gap.checked_add(len).is_some_and(|end| end <= rest.len()) => (gap, len),
+            _ => {
+                return Err(Error::Internal(format!(
+                    "packed column {f} ({n} records of {record} bytes at offset {offset}) overlaps the column \
+                     before (which ends at {at}) or lies outside its slot of {slot_bytes} bytes"
+                )));
+            }
+        };
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(gap);
         let (column, tail) = tail.split_at_mut(len);
         rest = tail;
@@ -291,9 +297,11 @@ mod tests {
 
     #[test]
     fn columns_split_a_slot_at_their_offsets() {
-        let mut slot = [0u8; 64];
+        // Each byte holds its own offset, so a column's first byte says where it was cut.
+        let mut slot: [u8; 64] = std::array::from_fn(|i| i as u8);
         let cols = columns(&mut slot, &[4, 2], &[8, 32], 3).expect("columns within the slot");
         assert_eq!(cols.iter().map(|c| c.len()).collect::<Vec<_>>(), [12, 6]);
+        assert_eq!(cols.iter().map(|c| c[0]).collect::<Vec<_>>(), [8, 32]);
     }
 
     #[test]
@@ -304,5 +312,7 @@ mod tests {
         assert!(columns(&mut slot, &[4, 4], &[0, 8], 3).is_err());
         assert!(columns(&mut slot, &[u64::MAX], &[0], 2).is_err());
         assert!(columns(&mut slot, &[1], &[u64::MAX], 1).is_err());
+        let err = columns(&mut slot, &[2, 4], &[0, 56], 3).expect_err("past the end").to_string();
+        assert!(err.contains("column 1") && err.contains("offset 56") && err.contains("64 bytes"), "{err}");
     }
 }
