@@ -4,6 +4,7 @@ private socket."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -123,7 +124,8 @@ def within(deadline: float, f: Callable[[], object]) -> object:
 class Daemon:
     """`shardstream serve` as a real process. `args`: extra command-line options; `env`: extra
     environment (the S3 endpoint and credentials); `wrap`: a command to run it under; `binary`: another
-    build of the command (the failpoint build, SHARDSTREAM_FAIL_BIN)."""
+    build of the command (the failpoint build, SHARDSTREAM_FAIL_BIN); `log`: a file for its stderr
+    (its logs), for tests that read them."""
 
     def __init__(
         self,
@@ -133,6 +135,7 @@ class Daemon:
         wrap: list[str] | None = None,
         binary: str | None = None,
         addr: str | None = None,
+        log: Path | None = None,
     ) -> None:
         self.tmp = tmp
         self.addr = addr or f"unix://{tmp / 'sock'}"
@@ -141,11 +144,13 @@ class Daemon:
         self.env = env or {}
         self.wrap = wrap or []
         self.binary = binary or SHARDSTREAM
+        self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Daemon:
         cmd = [self.binary, "serve", "--listen", self.addr, "--cache-dir", str(self.cache_dir), "--log", "warn"]
-        self.proc = subprocess.Popen([*self.wrap, *cmd, *self.args], env={**os.environ, **self.env})
+        with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
+            self.proc = subprocess.Popen([*self.wrap, *cmd, *self.args], env={**os.environ, **self.env}, stderr=stderr)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
