@@ -279,3 +279,28 @@ def test_failpoint_a_prefetch_thread_that_cannot_start_gives_its_slot_back(tmp_p
     # Every shard is cached after the epoch, so nothing is left in flight.
     assert wait_for(lambda: in_flight() == 0, timeout=10), in_flight()
     stop(d)
+
+
+@pytest.mark.parametrize("backtrace", ["0", "1"])
+def test_failpoint_a_panic_is_one_error_in_the_log_and_the_daemon_serves_on(
+    tmp_path, fail_bin, local, backtrace: str
+) -> None:
+    """A panic the daemon did not expect (a bug, here injected into a shard read) fails that
+    stream only, and is one JSON log line of target shardstream::panic naming the thread and the
+    place, with the backtrace inside the line when RUST_BACKTRACE asks for one: never lines of
+    plain text on stderr that a log shipper splits into unrelated records."""
+    root, samples = local
+    log = tmp_path / "daemon.log"
+    env = {"FAILPOINTS": "local-read=1*panic(injected)", "RUST_BACKTRACE": backtrace}
+    d = Daemon(tmp_path, args=["--log-format", "json"], env=env, binary=fail_bin, log=log).start()
+    got = within(DEADLINE, lambda: epoch(d.addr, str(root), transport="inline"))
+    assert isinstance(got, (OSError, shardstream.ShardstreamError)), f"a panicked read passed: {got!r}"
+    assert within(DEADLINE, lambda: epoch(d.addr, str(root), transport="inline")) == samples
+    stop(d)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    panics = [line for line in lines if line.get("target") == "shardstream::panic"]
+    assert len(panics) == 1, lines
+    (p,) = panics
+    assert p["level"] == "ERROR" and p["message"] == "panic: injected" and p["thread"], p
+    assert ".rs:" in p["place"] and "/registry/src/" not in p["place"], p
+    assert ("backtrace" in p) == (backtrace == "1"), p

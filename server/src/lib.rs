@@ -32,8 +32,9 @@
 //!   which datasets; [`remote`]: TLS, bearer tokens and `--insecure` for TCP listeners;
 //!   [`cert_name`]: the subject CN a mutual-TLS client is known by.
 //! - [`cli`]: the `shardstream` command line; [`config`]: `serve --config` (TOML) merged with flags
-//!   and environment; [`logging`]: `--log` / `--log-format`; [`notify`]: sd_notify; [`malloc`]:
-//!   the allocator thresholds `serve` sets.
+//!   and environment; [`logging`]: `--log` / `--log-format`; [`panics`]: the panic hook that
+//!   logs through them, and `catch` for dependencies that panic on damaged input; [`notify`]:
+//!   sd_notify; [`malloc`]: the allocator thresholds `serve` sets.
 //!
 //! Lock order, where more than one is held: dataset registry -> shard table cache; prefetch
 //! consumers -> node cache table. No lock is held across an `.await` or a disk read.
@@ -70,6 +71,7 @@ pub mod metrics;
 pub mod nofile;
 pub mod notify;
 pub mod pack;
+pub mod panics;
 pub mod parallel;
 pub mod plan;
 pub mod prefetch;

@@ -4,7 +4,11 @@
 //! (tonic, h2, hyper, the AWS SDK) stay at `info` or quieter, so `--log debug` shows the daemon's
 //! decisions and not every HTTP/2 frame. A value with `=` or `,` is a full tracing directive and
 //! is used as given (`--log info,h2=debug`). Logs go to stderr; `--log-format json` writes one
-//! JSON object per line for log shippers (Kubernetes, journald forwarders).
+//! JSON object per line for log shippers (Kubernetes, journald forwarders). Text logs are coloured
+//! only on a terminal (and never with `NO_COLOR` set): a file or a pipe gets plain lines. Panics
+//! are logged too (see [`crate::panics`]).
+
+use std::io::IsTerminal;
 
 /// `--log-format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -28,19 +32,22 @@ pub fn directive(log: &str) -> String {
     format!("{deps},shardstream={level}")
 }
 
-/// Installs the global subscriber (once; later calls do nothing). A filter that does not parse
-/// falls back to `info` with a warning rather than leaving the daemon silent.
+/// Installs the global subscriber and the panic hook that logs through it (once; later calls do
+/// nothing). A filter that does not parse falls back to `info` with a warning rather than leaving
+/// the daemon silent.
 pub fn init(log: &str, format: LogFormat) {
     let wanted = directive(log);
     let (filter, bad) = match tracing_subscriber::EnvFilter::try_new(&wanted) {
         Ok(f) => (f, None),
         Err(e) => (tracing_subscriber::EnvFilter::new(directive("info")), Some(e)),
     };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(colour);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    crate::panics::install_hook();
     if let Some(e) = bad {
         tracing::warn!(log, error = %e, "bad --log filter, logging at info");
     }

@@ -6,7 +6,7 @@
 //! unselected column chunk is never read, locally or from S3), and a damaged page header that
 //! points elsewhere cannot make the decoder wander over the file.
 //!
-//! The decoder (arrow-rs) runs under `catch_unwind`: a corrupt page becomes a
+//! The decoder (arrow-rs) runs under `catch_unwind` ([`crate::panics::catch`]): a corrupt page becomes a
 //! [`ParquetError::BadData`] naming the row group, never a daemon panic and never garbage rows
 //! (the decoded row count is checked against the footer's).
 

@@ -6,7 +6,7 @@
 //! - [`footer`]: finds and decodes a file's footer from one speculative tail read (a second read
 //!   only when the footer is larger), validates it, and summarises it as a [`ParquetTable`]: row
 //!   groups with their row counts and each column chunk's byte range. Never panics on damaged
-//!   bytes: arrow-rs asserts on some malformed metadata, so decoding runs under `catch_unwind`
+//!   bytes: arrow-rs asserts on some malformed metadata, so decoding runs under `catch_unwind` ([`crate::panics::catch`])
 //!   and a panic becomes a [`ParquetError`].
 //! - [`pqidx`]: the per-file sidecar, which is the footer's own bytes behind a checked header, so a
 //!   restarted daemon or `shardstream index` output needs no tail read at all.
@@ -112,22 +112,13 @@ impl ParquetError {
 }
 
 /// Runs `f`, turning a panic inside arrow-rs (it asserts on some malformed input) into an error
-/// made by `on_panic` from the panic's message.
+/// made by `on_panic` from the panic's message and place (see [`crate::panics::catch`]: the
+/// daemon's log then shows the error, not the panic).
 pub(crate) fn no_panic<T>(
     f: impl FnOnce() -> Result<T, ParquetError>,
     on_panic: impl FnOnce(String) -> ParquetError,
 ) -> Result<T, ParquetError> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "the Parquet decoder gave up".to_string());
-            Err(on_panic(msg))
-        }
-    }
+    crate::panics::catch(f).unwrap_or_else(|caught| Err(on_panic(caught.to_string())))
 }
 
 #[cfg(test)]
