@@ -464,14 +464,9 @@ def test_a_corrupt_page_is_a_shard_error_and_no_garbage_rows(daemon, tmp_path: P
     assert len(got) <= 2000
 
 
-def test_a_page_the_decoder_panics_on_is_one_warning_in_the_log_not_a_thread_panic(tmp_path: Path) -> None:
-    """arrow-rs (60) asserts, that is panics, on definition levels that claim more values than their
-    page holds. The daemon catches that at the decoder and serves a ShardError; its log must say so
-    once, as a warning naming the file and the place the decoder gave up (for a report upstream),
-    not as "thread ... panicked at" with a backtrace, which reads like a crash to an operator and
-    breaks the one-object-per-line JSON logs. If a newer arrow-rs returns an error here instead of
-    panicking, the first assertion says so: this test then needs another page arrow-rs panics on."""
-    root = tmp_path / "ds"
+def panicking_page(root: Path) -> Path:
+    """A file of `root` whose only page arrow-rs (60) panics on: definition levels that claim more
+    values than the page holds. Asserts that the damage could be made."""
     root.mkdir()
     path = root / "p-000.parquet"
     pq.write_table(pa.table({"v": pa.array(range(16), pa.int64())}), path, compression="none")
@@ -481,6 +476,17 @@ def test_a_page_the_decoder_panics_on_is_one_warning_in_the_log_not_a_thread_pan
     assert at > 0, "pyarrow no longer writes these definition levels as a single RLE run"
     data[at + 4] = 0x23  # a bit-packed run of 17 groups of 8: 136 levels in 1 byte
     path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_page_the_decoder_panics_on_is_one_warning_in_the_log_not_a_thread_panic(tmp_path: Path) -> None:
+    """arrow-rs (60) asserts, that is panics, on definition levels that claim more values than their
+    page holds. The daemon catches that at the decoder and serves a ShardError; its log must say so
+    once, as a warning naming the file and the place the decoder gave up (for a report upstream),
+    not as "thread ... panicked at" with a backtrace, which reads like a crash to an operator and
+    breaks the one-object-per-line JSON logs. If a newer arrow-rs returns an error here instead of
+    panicking, the first assertion says so: this test then needs another page arrow-rs panics on."""
+    root = panicking_page(tmp_path / "ds").parent
     for log_format, line_of in [("text", str), ("json", json.loads)]:
         log = tmp_path / f"daemon-{log_format}.log"
         # A backtrace asked for, as `cargo` users and many images set: still none for a caught panic.
@@ -500,6 +506,28 @@ def test_a_page_the_decoder_panics_on_is_one_warning_in_the_log_not_a_thread_pan
         named = [line for line in lines if "p-000.parquet" in str(line)]
         assert len(named) == 1, text
         assert "WARN" in str(named[0]), named[0]
+
+
+def test_a_page_the_decoder_panics_on_prints_nothing_in_a_process_with_the_embedded_daemon(tmp_path: Path) -> None:
+    """Without `connect`, the daemon runs inside the trainer's process: the decoder's caught panic
+    must not print "thread ... panicked at" into the user's terminal or notebook either; the
+    ShardError is the whole story, with the place the decoder gave up."""
+    root = panicking_page(tmp_path / "ds").parent
+    code = textwrap.dedent(
+        f"""
+        import shardstream
+        try:
+            list(shardstream.Loader({str(root)!r}, batch_size=4))
+        except shardstream.ShardError as e:
+            print("ShardError:", e)
+        """
+    )
+    env = {**os.environ, "RUST_BACKTRACE": "1", "XDG_RUNTIME_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "ShardError:" in out.stdout and "p-000.parquet" in out.stdout, out.stdout
+    assert "(at arrow-buffer-" in out.stdout, f"the error names where the decoder gave up: {out.stdout}"
+    assert "panicked at" not in out.stderr and "backtrace" not in out.stderr, out.stderr
 
 
 def test_files_written_by_hugging_face_datasets_with_an_image_column(daemon, tmp_path: Path) -> None:
