@@ -11,7 +11,9 @@
 //! any other panic, a bug, is one `error` event of target `shardstream::panic` with its thread,
 //! place, message and, when `RUST_BACKTRACE` asks for one, its backtrace. Before a subscriber is
 //! installed, or with errors filtered out, the default hook prints it as usual: a bug is never
-//! silent.
+//! silent. In a process that is not the daemon's own (the Python package's embedded daemon runs
+//! inside the trainer), [`quiet_when_caught`] only keeps caught panics quiet and leaves every
+//! other panic to the hook the process had.
 
 use std::any::Any;
 use std::backtrace::{Backtrace, BacktraceStatus};
@@ -83,12 +85,35 @@ pub fn install_hook() {
     });
 }
 
+/// For a process whose panic hook is not ours to replace: keeps a panic under [`catch`] quiet
+/// (its place recorded for its error) and hands every other panic to the hook the process had.
+/// Calling it again does nothing.
+pub fn quiet_when_caught() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !caught(info) {
+                previous(info)
+            }
+        }));
+    });
+}
+
 type Hook = dyn Fn(&PanicHookInfo<'_>) + Send + Sync;
 
-fn hook(info: &PanicHookInfo<'_>, default: &Hook) {
+/// True for a panic under [`catch`] on this thread, whose place is then recorded for its error.
+fn caught(info: &PanicHookInfo<'_>) -> bool {
+    if CATCHING.try_with(Cell::get).unwrap_or(0) == 0 {
+        return false;
+    }
     let place = info.location().map(|l| place(l.file(), l.line()));
-    if CATCHING.try_with(Cell::get).unwrap_or(0) > 0 {
-        let _ = CAUGHT_AT.try_with(|c| *c.borrow_mut() = place);
+    let _ = CAUGHT_AT.try_with(|c| *c.borrow_mut() = place);
+    true
+}
+
+fn hook(info: &PanicHookInfo<'_>, default: &Hook) {
+    if caught(info) {
         return;
     }
     let logged = tracing::dispatcher::has_been_set()
@@ -100,12 +125,12 @@ fn hook(info: &PanicHookInfo<'_>, default: &Hook) {
     let thread = std::thread::current();
     let thread = thread.name().unwrap_or("unnamed");
     let message = message(info.payload()).unwrap_or("a panic without a message");
-    let place = place.as_deref().unwrap_or("unknown");
+    let at = info.location().map_or_else(|| "unknown".to_owned(), |l| place(l.file(), l.line()));
     let backtrace = Backtrace::capture();
     if backtrace.status() == BacktraceStatus::Captured {
-        tracing::error!(target: "shardstream::panic", thread, place, %backtrace, "panic: {message}");
+        tracing::error!(target: "shardstream::panic", thread, place = at, %backtrace, "panic: {message}");
     } else {
-        tracing::error!(target: "shardstream::panic", thread, place, "panic: {message}");
+        tracing::error!(target: "shardstream::panic", thread, place = at, "panic: {message}");
     }
     let _ = IN_HOOK.try_with(|h| h.set(false));
 }
