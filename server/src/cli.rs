@@ -213,6 +213,9 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
+    // Every command: a panic arrow-rs raises on a damaged file and the decoder catches is its
+    // error alone (`index` reads footers too); `serve` and `pack` also log other panics.
+    crate::panics::install_hook();
     let cli = match crate::config::parse(args) {
         Ok(c) => c,
         Err(crate::config::ParseError::Clap(e)) => {

@@ -6,7 +6,7 @@
 //! is used as given (`--log info,h2=debug`). Logs go to stderr; `--log-format json` writes one
 //! JSON object per line for log shippers (Kubernetes, journald forwarders). Text logs are coloured
 //! only on a terminal (and never with `NO_COLOR` set): a file or a pipe gets plain lines. Panics
-//! are logged too (see [`crate::panics`]).
+//! are logged too, once a subscriber is installed (see [`crate::panics`]).
 
 use std::io::IsTerminal;
 
@@ -32,9 +32,8 @@ pub fn directive(log: &str) -> String {
     format!("{deps},shardstream={level}")
 }
 
-/// Installs the global subscriber and the panic hook that logs through it (once; later calls do
-/// nothing). A filter that does not parse falls back to `info` with a warning rather than leaving
-/// the daemon silent.
+/// Installs the global subscriber (once; later calls do nothing). A filter that does not parse
+/// falls back to `info` with a warning rather than leaving the daemon silent.
 pub fn init(log: &str, format: LogFormat) {
     let wanted = directive(log);
     let (filter, bad) = match tracing_subscriber::EnvFilter::try_new(&wanted) {
@@ -47,7 +46,6 @@ pub fn init(log: &str, format: LogFormat) {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
-    crate::panics::install_hook();
     if let Some(e) = bad {
         tracing::warn!(log, error = %e, "bad --log filter, logging at info");
     }

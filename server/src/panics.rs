@@ -75,8 +75,8 @@ pub fn place(file: &str, line: u32) -> String {
     format!("{file}:{line}")
 }
 
-/// Replaces the panic hook (see the module docs). Call once the log subscriber is installed;
-/// calling it again does nothing.
+/// Replaces the panic hook (see the module docs); the `shardstream` command does at its start.
+/// Calling it again does nothing.
 pub fn install_hook() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
