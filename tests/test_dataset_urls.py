@@ -1,0 +1,126 @@
+"""Which files a dataset URL names: a directory, a glob in the file name (`data/train-*.parquet`,
+as Hugging Face's `data_files` takes it) or a brace pattern, locally and on the real S3 server;
+and a directory that holds the files of several splits side by side (the Hugging Face Hub's
+`data/` layout, `imagenet-train-*` beside `imagenet-val-*`) refused rather than served as one
+dataset that mixes them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from s3server import S3Server
+
+import shardstream
+from conftest import Daemon
+
+# The Hugging Face Hub's layout of a dataset's Parquet files: (split, files, rows per file).
+HUB = [("train", 2, 30), ("test", 1, 20), ("validation", 1, 10)]
+
+
+def write_hub_layout(data: Path) -> dict[str, set[int]]:
+    """Writes `data/{split}-{i:05d}-of-{n:05d}.parquet` with pyarrow; returns each split's ids."""
+    data.mkdir(parents=True, exist_ok=True)
+    ids: dict[str, set[int]] = {}
+    first = 0
+    for split, files, rows in HUB:
+        ids[split] = set()
+        for i in range(files):
+            values = list(range(first, first + rows))
+            pq.write_table(pa.table({"id": values}), data / f"{split}-{i:05d}-of-{files:05d}.parquet")
+            ids[split] |= set(values)
+            first += rows
+    return ids
+
+
+def read_ids(url: str, addr: str) -> list[int]:
+    return [int(v) for b in shardstream.Loader(url, batch_size=7, connect=addr) for v in b["id"]]
+
+
+@pytest.fixture(scope="module")
+def s3_daemon(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("urls-s3"), env=s3.env()).start()
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_glob_picks_one_split_of_the_hub_layout(daemon, s3, s3_daemon, tmp_path: Path, where: str) -> None:
+    if where == "local":
+        base, addr = tmp_path / "data", daemon.addr
+        ids = write_hub_layout(base)
+        url = str(base) + "/"
+    else:
+        ids = write_hub_layout(s3.bucket("hub") / "ds" / "data")
+        url, addr = "s3://hub/ds/data/", s3_daemon.addr
+    got = read_ids(url + "train-*.parquet", addr)
+    assert sorted(got) == sorted(ids["train"])
+    assert sorted(read_ids(url + "test-0000?-of-*.parquet", addr)) == sorted(ids["test"])
+    assert sorted(read_ids(url + "{test,validation}-*.parquet", addr)) == sorted(ids["test"] | ids["validation"])
+    assert sorted(read_ids(url + "[tv]*.parquet", addr)) == sorted(ids["test"] | ids["validation"])
+    with pytest.raises(FileNotFoundError, match=r"nothing-\*\.parquet"):
+        read_ids(url + "nothing-*.parquet", addr)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_directory_of_several_splits_is_refused_naming_them(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    if where == "local":
+        write_hub_layout(tmp_path / "data")
+        url, addr = str(tmp_path / "data"), daemon.addr
+    else:
+        write_hub_layout(s3.bucket("hub") / "mixed")
+        url, addr = "s3://hub/mixed/", s3_daemon.addr
+    with pytest.raises(ValueError, match="several splits") as e:
+        read_ids(url, addr)
+    msg = str(e.value)
+    for split, example in [("train", "train-00000-of-00002"), ("test", "test-00000"), ("validation", "validation-")]:
+        assert split in msg and example in msg, msg
+    assert "train-*" in msg, f"the error shows the pattern that picks one split: {msg}"
+    # The explicit pattern for everything is the way to serve them together, knowingly.
+    assert len(read_ids(url.rstrip("/") + "/*.parquet", addr)) == sum(f * r for _, f, r in HUB)
+
+
+def test_webdataset_shards_of_two_splits_and_a_glob(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "imagenet"
+    root.mkdir()
+    keys: dict[str, set[str]] = {}
+    for split, n in [("train", 30), ("val", 10)]:
+        keys[split] = set()
+        with wds.ShardWriter(str(root / f"imagenet-{split}-%06d.tar"), maxcount=8, verbose=0) as sink:
+            for i in range(n):
+                key = f"{split}/{i:04d}"
+                sink.write({"__key__": key, "cls": b"1"})
+                keys[split].add(key)
+    with pytest.raises(ValueError, match="several splits"):
+        list(shardstream.Loader(str(root), batch_size=8, connect=daemon.addr))
+    got = [
+        k
+        for b in shardstream.Loader(f"{root}/imagenet-val-*.tar", batch_size=8, connect=daemon.addr)
+        for k in b["__key__"]
+    ]
+    assert sorted(got) == sorted(keys["val"])
+    # Words that only contain a split's name are no split: one dataset, served whole.
+    plain = tmp_path / "words"
+    plain.mkdir()
+    for name in ["pretrained-000000.tar", "contest-000000.tar", "latest-000000.tar"]:
+        with wds.TarWriter(str(plain / name)) as sink:
+            sink.write({"__key__": name[:-4], "cls": b"1"})
+    assert (
+        len([k for b in shardstream.Loader(str(plain), batch_size=8, connect=daemon.addr) for k in b["__key__"]]) == 3
+    )
+
+
+def test_a_directory_whose_name_looks_like_a_glob_is_a_directory(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "run[1]"
+    ids = write_hub_layout(root / "data")
+    assert sorted(read_ids(f"{root}/data/train-*.parquet", daemon.addr)) == sorted(ids["train"])
+    only = tmp_path / "only[train]"
+    only.mkdir()
+    pq.write_table(pa.table({"id": [1, 2, 3]}), only / "part-0.parquet")
+    assert sorted(read_ids(str(only), daemon.addr)) == [1, 2, 3]
