@@ -6,6 +6,7 @@ dataset that mixes them."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import webdataset as wds
 from s3server import S3Server
 
 import shardstream
-from conftest import Daemon
+from conftest import SHARDSTREAM, Daemon
 
 # The Hugging Face Hub's layout of a dataset's Parquet files: (split, files, rows per file).
 HUB = [("train", 2, 30), ("test", 1, 20), ("validation", 1, 10)]
@@ -61,7 +62,7 @@ def test_a_glob_picks_one_split_of_the_hub_layout(daemon, s3, s3_daemon, tmp_pat
     assert sorted(got) == sorted(ids["train"])
     assert sorted(read_ids(url + "test-0000?-of-*.parquet", addr)) == sorted(ids["test"])
     assert sorted(read_ids(url + "{test,validation}-*.parquet", addr)) == sorted(ids["test"] | ids["validation"])
-    assert sorted(read_ids(url + "[tv]*.parquet", addr)) == sorted(ids["test"] | ids["validation"])
+    assert sorted(read_ids(url + "[tv][ae]*.parquet", addr)) == sorted(ids["test"] | ids["validation"])
     with pytest.raises(FileNotFoundError, match=r"nothing-\*\.parquet"):
         read_ids(url + "nothing-*.parquet", addr)
 
@@ -124,3 +125,17 @@ def test_a_directory_whose_name_looks_like_a_glob_is_a_directory(daemon, tmp_pat
     only.mkdir()
     pq.write_table(pa.table({"id": [1, 2, 3]}), only / "part-0.parquet")
     assert sorted(read_ids(str(only), daemon.addr)) == [1, 2, 3]
+
+
+def test_index_takes_a_directory_of_one_split_not_a_pattern(tmp_path: Path) -> None:
+    """`index` writes the directory's manifest.json, which every later open of the directory reads
+    (patterns included): one written for some of its files would hide the others."""
+    write_hub_layout(tmp_path / "data")
+    for url, says in [
+        (f"{tmp_path}/data/train-*.parquet", "not a glob"),
+        (f"{tmp_path}/data/train-{{00000..00001}}-of-00002.parquet", "not a brace pattern"),
+        (f"{tmp_path}/data", "several splits"),
+    ]:
+        p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0 and says in p.stderr, (url, p.stderr)
+    assert not (tmp_path / "data" / "manifest.json").exists()

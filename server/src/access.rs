@@ -23,7 +23,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::storage::DatasetUrl;
+use crate::storage::{DatasetUrl, Pick};
 use crate::{Error, Result};
 
 /// One entry of the config file's `allow` list.
@@ -217,17 +217,17 @@ fn resolve(path: &Path) -> std::result::Result<PathBuf, String> {
 /// Every shard location (or the dataset directory / prefix) a URL names.
 fn locations(url: &str) -> Result<Vec<Root>> {
     match DatasetUrl::parse(url)? {
-        DatasetUrl::Local { dir, names } => {
-            let dirs = match names {
-                None => vec![dir],
-                Some(names) => names.iter().map(|n| dir.join(n)).collect(),
+        DatasetUrl::Local { dir, pick } => {
+            let dirs = match pick {
+                Pick::All | Pick::Glob(_) => vec![dir],
+                Pick::Names(names) => names.iter().map(|n| dir.join(n)).collect(),
             };
             dirs.iter().map(|d| resolve(d).map(Root::Dir).map_err(Error::InvalidArgument)).collect()
         }
-        DatasetUrl::S3 { bucket, prefix, names } => {
-            let keys = match names {
-                None => vec![prefix],
-                Some(names) => names.iter().map(|n| format!("{prefix}{n}")).collect(),
+        DatasetUrl::S3 { bucket, prefix, pick } => {
+            let keys = match pick {
+                Pick::All | Pick::Glob(_) => vec![prefix],
+                Pick::Names(names) => names.iter().map(|n| format!("{prefix}{n}")).collect(),
             };
             keys.iter()
                 .map(|k| {

@@ -190,6 +190,11 @@ def _stack_fields(batch: dict[str, Any]) -> None:
 class Loader:
     """Iterates one rank's batches of a dataset, shuffled the same way on every machine.
 
+    ``url``: a directory (or ``s3://bucket/prefix/``) of ``*.tar`` or ``*.parquet`` shards, or some
+    of them by a pattern in the file name: ``train-{000000..000099}.tar`` or a glob such as
+    ``data/train-*.parquet``. A directory whose shards belong to several splits (``train-*`` beside
+    ``test-*``) is a ``ValueError`` naming them: pick one with a glob.
+
     Every sample is delivered exactly once per epoch across all ranks (without ``drop_last`` the
     last ranks get up to one repeated sample each so every rank has the same number of batches; see
     the README). Batches are dicts: ``"__key__"`` -> list of str, each field -> list of read-only

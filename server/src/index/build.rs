@@ -30,9 +30,9 @@ use crate::format::parquet::dataset::read_table;
 use crate::format::parquet::{ParquetTable, footers};
 use crate::format::{Format, ShardTable};
 use crate::index::manifest::{ChecksumScope, MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
-use crate::storage::DatasetUrl;
 use crate::storage::local::{self, ShardFile};
 use crate::storage::s3::{ObjectRef, S3Store};
+use crate::storage::{DatasetUrl, Pick};
 use crate::{Error, Result};
 
 /// Progress of an index run, reported after each shard.
@@ -101,14 +101,14 @@ fn list_with_format(url: &str, s3: Option<&S3Store>) -> Result<(Format, Vec<List
 
 fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<Listed>> {
     match DatasetUrl::parse(url)? {
-        DatasetUrl::Local { dir, names } => Ok(local::list_shards(&dir, names.as_deref())?
+        DatasetUrl::Local { dir, pick } => Ok(local::list_shards(&dir, &pick)?
             .into_iter()
             .map(|s| Listed { name: s.name, len: s.len, etag: None })
             .collect()),
-        DatasetUrl::S3 { bucket, prefix, names } => {
+        DatasetUrl::S3 { bucket, prefix, pick } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
-            let listed = store.block_on(store.list(&bucket, &prefix))?;
-            Ok(crate::storage::s3::shards_in_listing(listed, &bucket, &prefix, names.as_deref())?
+            let listed = store.block_on(store.list(&bucket, &crate::storage::s3::listing_prefix(&prefix, &pick)))?;
+            Ok(crate::storage::s3::shards_in_listing(listed, &bucket, &prefix, &pick)?
                 .into_iter()
                 .map(|(name, o)| Listed { name, len: o.size, etag: o.etag })
                 .collect())
@@ -119,6 +119,15 @@ fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<Listed>> {
 /// Indexes every shard of `url` with `threads` threads and writes the manifest and sidecars.
 /// `s3`: the connection for `s3://` URLs (blocking calls enter its runtime).
 pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: &dyn Progress) -> Result<IndexSummary> {
+    // The manifest is read for every later open of the directory, patterns or not: one written
+    // for some of its shards would hide the others from all of them.
+    if let pick @ (Pick::Names(_) | Pick::Glob(_)) = DatasetUrl::parse(url)?.pick() {
+        let what = if matches!(pick, Pick::Glob(_)) { "a glob" } else { "a brace pattern" };
+        return Err(Error::invalid(format!(
+            "{url}: `index` writes one manifest.json for every shard of a directory (or prefix), so it \
+             takes the directory, not {what}; a directory holding several splits wants a directory per split"
+        )));
+    }
     let (format, listed) = list_with_format(url, s3)?;
     format.check_served(url)?;
     if format == Format::Parquet {

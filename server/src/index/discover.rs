@@ -7,7 +7,7 @@ use std::path::Path;
 use super::manifest::{self, Manifest};
 use super::{Backends, ShardMeta};
 use crate::format::Format;
-use crate::storage::{DatasetUrl, ShardSource, local};
+use crate::storage::{DatasetUrl, Pick, ShardSource, local};
 use crate::{Error, Result};
 
 /// A dataset's shard list as found by one manifest read or one listing, before any shard is
@@ -46,12 +46,12 @@ impl Discovered {
         let parsed = DatasetUrl::parse(url)?;
         let base = parsed.base();
         match &parsed {
-            DatasetUrl::Local { dir, names } => {
+            DatasetUrl::Local { dir, pick } => {
                 let place = Place::Dir(dir);
                 if let Some(manifest) = Manifest::read(dir)? {
-                    return Self::from_manifest(url, base, &place, names.as_deref(), manifest);
+                    return Self::from_manifest(url, base, &place, pick, manifest);
                 }
-                let listed = local::list_shards(dir, names.as_deref())?;
+                let listed = local::list_shards(dir, pick)?;
                 let format = Format::of_shards(listed.iter().map(|l| l.name.as_str()), &base)?;
                 let shards = listed
                     .into_iter()
@@ -70,19 +70,20 @@ impl Discovered {
                     .collect();
                 Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None, footers: None })
             }
-            DatasetUrl::S3 { bucket, prefix, names } => {
+            DatasetUrl::S3 { bucket, prefix, pick } => {
                 let store = backends.s3()?;
                 let place = Place::Bucket { bucket, prefix };
                 let manifest_key = format!("{prefix}{}", manifest::MANIFEST_FILE);
                 if let Some(bytes) = store.block_on(store.get_small(bucket, &manifest_key))? {
                     let m = Manifest::parse(&bytes, &format!("s3://{bucket}/{manifest_key}"))?;
-                    return Self::from_manifest(url, base, &place, names.as_deref(), m);
+                    return Self::from_manifest(url, base, &place, pick, m);
                 }
+                let listing = crate::storage::s3::listing_prefix(prefix, pick);
                 let listed = crate::storage::s3::shards_in_listing(
-                    store.block_on(store.list(bucket, prefix))?,
+                    store.block_on(store.list(bucket, &listing))?,
                     bucket,
                     prefix,
-                    names.as_deref(),
+                    pick,
                 )?;
                 let format = Format::of_shards(listed.iter().map(|(n, _)| n.as_str()), &base)?;
                 let shards = listed
@@ -105,13 +106,7 @@ impl Discovered {
         }
     }
 
-    fn from_manifest(
-        url: &str,
-        base: String,
-        place: &Place<'_>,
-        names: Option<&[String]>,
-        m: Manifest,
-    ) -> Result<Self> {
+    fn from_manifest(url: &str, base: String, place: &Place<'_>, pick: &Pick, m: Manifest) -> Result<Self> {
         let format = m.format()?;
         let footer_scope = m.checksum_scope() == manifest::ChecksumScope::Footer;
         let to_meta = |s: &manifest::ManifestShard| ShardMeta {
@@ -132,9 +127,13 @@ impl Discovered {
             content: None,
             largest: s.largest(),
         };
-        let shards: Vec<ShardMeta> = match names {
-            None => m.shards.iter().map(to_meta).collect(),
-            Some(names) => {
+        let shards: Vec<ShardMeta> = match pick {
+            // The manifest is the listing: the same glob and the same split check.
+            Pick::All | Pick::Glob(_) => {
+                let listed: Vec<&manifest::ManifestShard> = m.shards.iter().collect();
+                pick.keep_listed(listed, |s| s.name.as_str(), &base)?.into_iter().map(to_meta).collect()
+            }
+            Pick::Names(names) => {
                 let by_name: HashMap<&str, &manifest::ManifestShard> =
                     m.shards.iter().map(|s| (s.name.as_str(), s)).collect();
                 names

@@ -46,7 +46,9 @@ pub fn parse_dest(dest: &str) -> Result<Dest> {
     let dest = dest.trim();
     if dest.starts_with("s3://") {
         return match crate::storage::DatasetUrl::parse(dest)? {
-            crate::storage::DatasetUrl::S3 { bucket, prefix, names: None } => Ok(Dest::S3 { bucket, prefix }),
+            crate::storage::DatasetUrl::S3 { bucket, prefix, pick: crate::storage::Pick::All } => {
+                Ok(Dest::S3 { bucket, prefix })
+            }
             _ => Err(Error::invalid(format!("{dest}: an S3 output is a prefix (s3://bucket/prefix/), not a pattern"))),
         };
     }

@@ -9,6 +9,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crate::format::Format;
+use crate::storage::Pick;
 use crate::storage::append::Append;
 use crate::{Error, Result};
 
@@ -20,57 +21,53 @@ pub struct ListedShard {
     pub mtime_ns: i64,
 }
 
-/// Lists the shards of a dataset directory, sorted by name. With `names`, exactly those files (in
-/// the given order) must exist; without, every file with the extension of a shard format
-/// ([`Format::is_shard_name`]) is a shard.
-pub fn list_shards(dir: &Path, names: Option<&[String]>) -> Result<Vec<ListedShard>> {
+/// Lists the shards of a dataset directory that `pick` takes. [`Pick::Names`]: exactly those
+/// files (in the given order) must exist, and nothing is listed; otherwise every file with the
+/// extension of a shard format ([`Format::is_shard_name`]) that the pick keeps, sorted by name,
+/// and stat'ed only once kept (a glob over a directory of millions stats its matches alone).
+pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
     let meta = std::fs::metadata(dir).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::NotFound { what: "dataset", path: dir.display().to_string() },
         _ => Error::io("cannot read dataset directory", dir, e),
     })?;
     if !meta.is_dir() {
         return Err(Error::invalid(format!(
-            "dataset {} is a file, not a directory of shards (name its directory, or use a brace pattern)",
+            "dataset {} is a file, not a directory of shards (name its directory, or use a pattern)",
             dir.display()
         )));
     }
     crate::metrics::local_stat(1);
-    let shards = match names {
+    let stat = |name: &str| -> Result<ListedShard> {
+        let path = dir.join(name);
+        crate::metrics::local_stat(1);
+        let meta = match std::fs::metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::NotFound { what: "shard", path: path.display().to_string() });
+            }
+            // std::fs::metadata follows symlinks: a shard may well be a symlink into a PFS.
+            m => shard_metadata(&path, m)?,
+        };
+        Ok(ListedShard { name: name.to_owned(), len: meta.len(), mtime_ns: mtime_ns(&meta) })
+    };
+    let shards = match pick {
         // A brace pattern names its files: stat exactly those, never list the directory (which
         // may hold millions of other entries, each a metadata request on a PFS).
-        Some(names) => {
-            let mut out = Vec::with_capacity(names.len());
-            for name in names {
-                let path = dir.join(name);
-                crate::metrics::local_stat(1);
-                let meta = match std::fs::metadata(&path) {
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        return Err(Error::NotFound { what: "shard", path: path.display().to_string() });
-                    }
-                    m => shard_metadata(&path, m)?,
-                };
-                out.push(ListedShard { name: name.clone(), len: meta.len(), mtime_ns: mtime_ns(&meta) });
-            }
-            out
-        }
-        None => {
+        Pick::Names(names) => names.iter().map(|n| stat(n)).collect::<Result<Vec<_>>>()?,
+        Pick::All | Pick::Glob(_) => {
             let mut found = Vec::new();
             crate::metrics::local_list(1);
             let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
             for entry in entries {
                 let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
                 let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-                if !Format::is_shard_name(&name) {
-                    continue;
+                if Format::is_shard_name(&name) {
+                    found.push(name);
                 }
-                // DirEntry::metadata follows no symlink; a shard may well be a symlink into a PFS.
-                let path = entry.path();
-                crate::metrics::local_stat(1);
-                let meta = shard_metadata(&path, std::fs::metadata(&path))?;
-                found.push(ListedShard { name, len: meta.len(), mtime_ns: mtime_ns(&meta) });
             }
-            found.sort_by(|a, b| a.name.cmp(&b.name));
-            found
+            found.sort();
+            let place = format!("{}/", dir.display().to_string().trim_end_matches('/'));
+            let kept = pick.keep_listed(found, String::as_str, &place)?;
+            kept.iter().map(|n| stat(n)).collect::<Result<Vec<_>>>()?
         }
     };
     if shards.is_empty() {

@@ -1,14 +1,17 @@
 //! Where shard bytes come from: dataset URLs and the backends that list and read them.
 //!
 //! A dataset URL is `file:///dir/`, a plain path to a directory, or a path whose file name is a
-//! brace pattern over shard names (`/data/train-{000000..000099}.tar`, `/data/{a,b}.tar`).
-//! Patterns are only allowed in the file name, never in directories, so a dataset is always one
-//! directory and is found with one listing. `s3://bucket/prefix/` names a prefix of an S3 (or
-//! S3-compatible) bucket, found with one paginated listing (or one manifest GET), with the same
-//! brace patterns in the last component.
+//! brace pattern over shard names (`/data/train-{000000..000099}.tar`, `/data/{a,b}.tar`) or a
+//! glob (`/data/train-*.parquet`; see [`pick`]). Patterns are only allowed in the file name, never
+//! in directories, so a dataset is always one directory and is found with one listing (a brace
+//! pattern, with none). `s3://bucket/prefix/` names a prefix of an S3 (or S3-compatible) bucket,
+//! found with one paginated listing (or one manifest GET), with the same patterns in the last
+//! component.
 //!
 //! - [`append`]: the buffers sample reads append to (a growing `Vec`, a fixed rdma staging buffer).
 //! - [`local`]: directories on local disks and parallel file systems, read in place.
+//! - [`pick`]: which of a directory's shards a URL picks (all, brace names, a glob), and the
+//!   refusal of a directory that holds several splits.
 //! - [`s3`]: S3 objects, downloaded into the node cache with parallel ranged GETs.
 //! - [`s3_write`]: uploads to S3 (single PUT or multipart from a local file), HEAD and DELETE,
 //!   for `shardstream pack`.
@@ -16,11 +19,14 @@
 
 pub mod append;
 pub mod local;
+pub mod pick;
 pub mod retry;
 pub mod s3;
 pub mod s3_write;
 
 use std::path::PathBuf;
+
+pub use pick::Pick;
 
 use crate::{Error, Result};
 
@@ -55,12 +61,11 @@ impl ShardSource {
 /// A parsed dataset location.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DatasetUrl {
-    /// A directory on a local or parallel file system, optionally restricted to the shard names
-    /// a brace pattern expands to.
-    Local { dir: PathBuf, names: Option<Vec<String>> },
-    /// A prefix of an S3 bucket (`prefix` is empty or ends with `/`), optionally restricted to
-    /// the object names (relative to the prefix) a brace pattern expands to.
-    S3 { bucket: String, prefix: String, names: Option<Vec<String>> },
+    /// A directory on a local or parallel file system, or the shards of it that `pick` names.
+    Local { dir: PathBuf, pick: Pick },
+    /// A prefix of an S3 bucket (`prefix` is empty or ends with `/`), or the objects directly
+    /// under it that `pick` names.
+    S3 { bucket: String, prefix: String, pick: Pick },
 }
 
 impl DatasetUrl {
@@ -72,37 +77,39 @@ impl DatasetUrl {
         }
     }
 
-    pub fn names(&self) -> Option<&[String]> {
+    pub fn pick(&self) -> &Pick {
         match self {
-            DatasetUrl::Local { names, .. } | DatasetUrl::S3 { names, .. } => names.as_deref(),
+            DatasetUrl::Local { pick, .. } | DatasetUrl::S3 { pick, .. } => pick,
         }
     }
+}
+
+fn pattern_in_directory(url: &str) -> Error {
+    Error::invalid(format!("patterns are allowed only in the shard file name, not in directories: {url}"))
 }
 
 /// Parses `s3://bucket[/prefix[/pattern]]`.
 fn parse_s3(url: &str, rest: &str) -> Result<DatasetUrl> {
     let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
-    if bucket.is_empty() || bucket.contains('{') {
+    if bucket.is_empty() || bucket.contains(['{', '*', '?', '[']) {
         return Err(Error::invalid(format!("S3 URL without a bucket name: {url}")));
     }
     let (dir, last) = key.rsplit_once('/').unwrap_or(("", key));
-    if dir.contains('{') {
-        return Err(Error::invalid(format!(
-            "brace patterns are allowed only in the shard file name, not in directories: {url}"
-        )));
+    if dir.contains(['{', '*', '?']) {
+        return Err(pattern_in_directory(url));
     }
     let dir_prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
-    if last.contains('{') {
-        let names = expand_braces(last)?;
-        return Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix: dir_prefix, names: Some(names) });
+    if let Some(pick) = Pick::parse(last)? {
+        return Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix: dir_prefix, pick });
     }
     // `s3://b/train` and `s3://b/train/` both name the prefix `train/`: a dataset is a "directory".
     let prefix = if last.is_empty() { dir_prefix } else { format!("{dir_prefix}{last}/") };
-    Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix, names: None })
+    Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix, pick: Pick::All })
 }
 
 impl DatasetUrl {
-    /// Parses a dataset URL as given by a user.
+    /// Parses a dataset URL as given by a user. A local path whose last component reads as a glob
+    /// but names an existing directory (`/data/run[1]`) is that directory.
     pub fn parse(url: &str) -> Result<Self> {
         let url = url.trim();
         if url.is_empty() {
@@ -122,16 +129,17 @@ impl DatasetUrl {
         let path = PathBuf::from(path);
         let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let dir = path.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-        if dir.to_string_lossy().contains('{') {
-            return Err(Error::invalid(format!(
-                "brace patterns are allowed only in the shard file name, not in directories: {url}"
-            )));
+        let dir_name = dir.to_string_lossy();
+        let missing = |p: &std::path::Path| matches!(std::fs::symlink_metadata(p), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+        if dir_name.contains('{') || (dir_name.contains(['*', '?']) && missing(&dir)) {
+            return Err(pattern_in_directory(url));
         }
-        if file_name.contains('{') {
-            let names = expand_braces(file_name)?;
-            return Ok(DatasetUrl::Local { dir, names: Some(names) });
+        let is_dir = |p: &std::path::Path| std::fs::metadata(p).is_ok_and(|m| m.is_dir());
+        match Pick::parse(file_name)? {
+            Some(Pick::Glob(_)) if is_dir(&path) => Ok(DatasetUrl::Local { dir: path, pick: Pick::All }),
+            Some(pick) => Ok(DatasetUrl::Local { dir, pick }),
+            None => Ok(DatasetUrl::Local { dir: path, pick: Pick::All }),
         }
-        Ok(DatasetUrl::Local { dir: path, names: None })
     }
 }
 
@@ -233,10 +241,13 @@ mod tests {
 
     #[test]
     fn parses_paths_and_file_urls() {
-        assert_eq!(DatasetUrl::parse("/data/x/").unwrap(), DatasetUrl::Local { dir: "/data/x/".into(), names: None });
+        assert_eq!(
+            DatasetUrl::parse("/data/x/").unwrap(),
+            DatasetUrl::Local { dir: "/data/x/".into(), pick: Pick::All }
+        );
         assert_eq!(
             DatasetUrl::parse("file:///data/x").unwrap(),
-            DatasetUrl::Local { dir: "/data/x".into(), names: None }
+            DatasetUrl::Local { dir: "/data/x".into(), pick: Pick::All }
         );
         assert!(DatasetUrl::parse("file://rel/x").is_err());
         assert!(DatasetUrl::parse("gs://b/x").is_err());
@@ -247,7 +258,7 @@ mod tests {
         let s3 = |bucket: &str, prefix: &str, names: Option<Vec<&str>>| DatasetUrl::S3 {
             bucket: bucket.into(),
             prefix: prefix.into(),
-            names: names.map(|n| n.into_iter().map(String::from).collect()),
+            pick: names.map_or(Pick::All, |n| Pick::Names(n.into_iter().map(String::from).collect())),
         };
         assert_eq!(DatasetUrl::parse("s3://b/laion/").unwrap(), s3("b", "laion/", None));
         assert_eq!(DatasetUrl::parse("s3://b/laion").unwrap(), s3("b", "laion/", None));
@@ -266,10 +277,38 @@ mod tests {
     #[test]
     fn expands_brace_patterns() {
         let url = DatasetUrl::parse("/d/train-{000008..000011}.tar").unwrap();
-        let DatasetUrl::Local { dir, names } = url else { panic!("not local") };
+        let DatasetUrl::Local { dir, pick: Pick::Names(names) } = url else { panic!("not local names") };
         assert_eq!(dir, PathBuf::from("/d"));
-        assert_eq!(names.unwrap(), ["train-000008.tar", "train-000009.tar", "train-000010.tar", "train-000011.tar"]);
+        assert_eq!(names, ["train-000008.tar", "train-000009.tar", "train-000010.tar", "train-000011.tar"]);
         assert_eq!(expand_braces("{a,b}-{1..2}.tar").unwrap(), ["a-1.tar", "a-2.tar", "b-1.tar", "b-2.tar"]);
+    }
+
+    #[test]
+    fn a_glob_in_the_file_name_picks_from_its_directory() {
+        let glob = |p: &str| Pick::Glob(pick::NameGlob::new(p).unwrap());
+        assert_eq!(
+            DatasetUrl::parse("/nonexistent/d/train-*.parquet").unwrap(),
+            DatasetUrl::Local { dir: "/nonexistent/d".into(), pick: glob("train-*.parquet") }
+        );
+        assert_eq!(
+            DatasetUrl::parse("s3://b/hub/data/{test,validation}-*.parquet").unwrap(),
+            DatasetUrl::S3 {
+                bucket: "b".into(),
+                prefix: "hub/data/".into(),
+                pick: glob("{test,validation}-*.parquet")
+            }
+        );
+        for bad in ["/nonexistent/*/x.tar", "s3://b/*/x.tar", "s3://b?/x.tar", "/d/[a-.tar"] {
+            assert!(DatasetUrl::parse(bad).is_err(), "{bad}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let odd = dir.path().join("run[1]");
+        std::fs::create_dir(&odd).unwrap();
+        assert_eq!(
+            DatasetUrl::parse(odd.to_str().unwrap()).unwrap(),
+            DatasetUrl::Local { dir: odd.clone(), pick: Pick::All },
+            "an existing directory whose name reads as a glob is that directory"
+        );
     }
 
     #[test]

@@ -194,7 +194,7 @@ pub fn shards_in_listing(
     listed: Vec<ObjectInfo>,
     bucket: &str,
     prefix: &str,
-    names: Option<&[String]>,
+    pick: &crate::storage::Pick,
 ) -> Result<Vec<(String, ObjectInfo)>> {
     let mut found: Vec<(String, ObjectInfo)> = listed
         .into_iter()
@@ -203,13 +203,8 @@ pub fn shards_in_listing(
             (!name.is_empty() && !name.contains('/')).then_some((name, o))
         })
         .collect();
-    let shards = match names {
-        None => {
-            found.retain(|(n, _)| crate::format::Format::is_shard_name(n));
-            found.sort_by(|a, b| a.0.cmp(&b.0));
-            found
-        }
-        Some(names) => {
+    let shards = match pick {
+        crate::storage::Pick::Names(names) => {
             let mut by_name: std::collections::HashMap<String, ObjectInfo> = found.into_iter().collect();
             names
                 .iter()
@@ -221,6 +216,11 @@ pub fn shards_in_listing(
                 })
                 .collect::<Result<_>>()?
         }
+        crate::storage::Pick::All | crate::storage::Pick::Glob(_) => {
+            found.retain(|(n, _)| crate::format::Format::is_shard_name(n));
+            found.sort_by(|a, b| a.0.cmp(&b.0));
+            pick.keep_listed(found, |(n, _)| n.as_str(), &format!("s3://{bucket}/{prefix}"))?
+        }
     };
     if shards.is_empty() {
         return Err(Error::NotFound {
@@ -229,6 +229,15 @@ pub fn shards_in_listing(
         });
     }
     Ok(shards)
+}
+
+/// The prefix to list for the objects of `prefix` that `pick` can take: a glob's literal start
+/// narrows the listing (`train-*` under a prefix of train, test and validation files).
+pub fn listing_prefix(prefix: &str, pick: &crate::storage::Pick) -> String {
+    match pick {
+        crate::storage::Pick::Glob(g) => format!("{prefix}{}", g.literal_prefix()),
+        _ => prefix.to_owned(),
+    }
 }
 
 impl S3Store {
@@ -846,6 +855,8 @@ async fn next_chunk(body: &mut ByteStream) -> std::result::Result<Option<Bytes>,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::storage::Pick;
+    use crate::storage::pick::NameGlob;
 
     fn obj(key: &str) -> ObjectInfo {
         ObjectInfo { key: key.into(), size: 1, etag: None }
@@ -916,15 +927,22 @@ mod tests {
     #[test]
     fn a_listing_yields_the_prefix_shards_in_name_order() {
         let listed = vec![obj("p/b.tar"), obj("p/a.tar"), obj("p/sub/c.tar"), obj("p/manifest.json"), obj("q/x.tar")];
-        let got = shards_in_listing(listed.clone(), "bk", "p/", None).unwrap();
+        let got = shards_in_listing(listed.clone(), "bk", "p/", &Pick::All).unwrap();
         assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["a.tar", "b.tar"]);
         let names = vec!["b.tar".to_string(), "a.tar".to_string()];
-        let got = shards_in_listing(listed.clone(), "bk", "p/", Some(&names)).unwrap();
+        let got = shards_in_listing(listed.clone(), "bk", "p/", &Pick::Names(names)).unwrap();
         assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["b.tar", "a.tar"]);
         let missing = vec!["z.tar".to_string()];
-        let err = shards_in_listing(listed.clone(), "bk", "p/", Some(&missing)).unwrap_err().to_string();
+        let err = shards_in_listing(listed.clone(), "bk", "p/", &Pick::Names(missing)).unwrap_err().to_string();
         assert!(err.contains("s3://bk/p/z.tar"), "{err}");
-        let err = shards_in_listing(listed, "bk", "empty/", None).unwrap_err().to_string();
+        let err = shards_in_listing(listed.clone(), "bk", "empty/", &Pick::All).unwrap_err().to_string();
         assert!(err.contains("s3://bk/empty/"), "{err}");
+        let glob = Pick::Glob(NameGlob::new("b*").unwrap());
+        let got = shards_in_listing(listed.clone(), "bk", "p/", &glob).unwrap();
+        assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["b.tar"]);
+        assert_eq!(listing_prefix("p/", &glob), "p/b");
+        let none = Pick::Glob(NameGlob::new("z*").unwrap());
+        let err = shards_in_listing(listed, "bk", "p/", &none).unwrap_err().to_string();
+        assert!(err.contains("s3://bk/p/z*"), "{err}");
     }
 }
