@@ -94,6 +94,25 @@ def test_a_brace_pattern_does_not_stat_the_directory(tmp_path: Path) -> None:
         assert d.stop() == 0
 
 
+def test_a_glob_lists_once_and_stats_only_its_matches(tmp_path: Path) -> None:
+    root = tmp_path / "wds"
+    write_dataset(root, n=400, per_shard=10)  # 40 shards, train-000000.tar ...
+    for i in range(300):
+        (root / f"other-{i:06d}.tar").write_bytes(b"x")  # shards by name, not matched
+    port = free_port()
+    d = Daemon(tmp_path / "d", args=["--metrics-addr", f"127.0.0.1:{port}"]).start()
+    try:
+        info = shardstream._native.Connection(d.addr).open(str(root / "train-00000[2-5].tar"))
+        assert (info["num_shards"], info["num_samples"]) == (4, 40)
+        m = scrape(port)
+        assert m["shardstream_local_lists_total"] == 1, m
+        # The open's fixed stats, as for the brace pattern above, and one a match: none of the
+        # 336 shards the glob does not match is stat'ed.
+        assert m["shardstream_local_stats_total"] == 2 + 1 + 4, m
+    finally:
+        assert d.stop() == 0
+
+
 RECORD = 512
 
 
