@@ -120,8 +120,11 @@ fn split_of(name: &str) -> Option<(&'static str, usize)> {
         match (c.is_ascii_alphabetic(), start) {
             (true, None) => start = Some(i),
             (false, Some(s)) => {
-                let word = stem[s..i].to_ascii_lowercase();
-                if let Some((split, _)) = SPLITS.iter().find(|(_, words)| words.contains(&word.as_str())) {
+                // Without allocating: a manifest of millions of shards is checked at every open.
+                let word = &stem[s..i];
+                if let Some((split, _)) =
+                    SPLITS.iter().find(|(_, words)| words.iter().any(|w| w.eq_ignore_ascii_case(word)))
+                {
                     return Some((split, i));
                 }
                 start = None;
