@@ -28,7 +28,8 @@ pub enum Command {
     /// Write manifest.json and per-shard index sidecars for shards made elsewhere (for Parquet,
     /// also every footer in one object).
     Index {
-        /// Dataset: a directory, file:// URL, s3://bucket/prefix/, or brace pattern of shards.
+        /// Dataset: a directory, file:// URL or s3://bucket/prefix/ (not a pattern: the manifest
+        /// describes every shard of the directory).
         url: String,
         /// Threads reading shards in parallel.
         #[arg(long, default_value_t = default_threads(), value_parser = limits::parse_threads)]
@@ -38,7 +39,8 @@ pub enum Command {
     Pack(crate::pack::PackArgs),
     /// Stage a dataset into a running daemon's node cache, in the order an epoch will use it.
     Prefetch {
-        /// Dataset: s3://bucket/prefix/ (or a path, with --cache copy).
+        /// Dataset: s3://bucket/prefix/ (or a path, with --cache copy); a brace pattern or a glob in
+        /// the file name picks some shards (quote a glob, or the shell expands it).
         url: String,
         /// Daemon address (default: $SHARDSTREAM_ADDR, else the default socket).
         #[arg(long, env = "SHARDSTREAM_ADDR", default_value = "unix:///run/shardstream/sock")]
