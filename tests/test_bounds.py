@@ -77,40 +77,37 @@ def test_concurrent_opens_build_one_index_and_reopens_do_not_stat_every_shard(tm
         assert d.stop() == 0
 
 
-def test_a_brace_pattern_does_not_stat_the_directory(tmp_path: Path) -> None:
+def open_counting_metadata(tmp_path: Path, others: str, pattern: str) -> tuple[dict, dict[str, float]]:
+    """Opens `pattern` over 40 shards (train-000000.tar ...) beside 300 other files named `others`
+    % i, on a daemon of its own; returns the open's answer and the daemon's metrics after it."""
     root = tmp_path / "wds"
-    write_dataset(root, n=400, per_shard=10)  # 40 shards, train-000000.tar ...
+    write_dataset(root, n=400, per_shard=10)
     for i in range(300):
-        (root / f"unrelated-{i}.bin").write_bytes(b"x")
+        (root / (others % i)).write_bytes(b"x")
     port = free_port()
     d = Daemon(tmp_path / "d", args=["--metrics-addr", f"127.0.0.1:{port}"]).start()
     try:
-        info = shardstream._native.Connection(d.addr).open(str(root / "train-{000002..000005}.tar"))
-        assert (info["num_shards"], info["num_samples"]) == (4, 40)
-        m = scrape(port)
-        assert m.get("shardstream_local_lists_total", 0) == 0
-        assert m["shardstream_local_stats_total"] == 2 + 1 + 4, m
+        info = shardstream._native.Connection(d.addr).open(str(root / pattern))
+        return info, scrape(port)
     finally:
         assert d.stop() == 0
+
+
+def test_a_brace_pattern_does_not_stat_the_directory(tmp_path: Path) -> None:
+    info, m = open_counting_metadata(tmp_path, "unrelated-%d.bin", "train-{000002..000005}.tar")
+    assert (info["num_shards"], info["num_samples"]) == (4, 40)
+    assert m.get("shardstream_local_lists_total", 0) == 0
+    assert m["shardstream_local_stats_total"] == 2 + 1 + 4, m
 
 
 def test_a_glob_lists_once_and_stats_only_its_matches(tmp_path: Path) -> None:
-    root = tmp_path / "wds"
-    write_dataset(root, n=400, per_shard=10)  # 40 shards, train-000000.tar ...
-    for i in range(300):
-        (root / f"other-{i:06d}.tar").write_bytes(b"x")  # shards by name, not matched
-    port = free_port()
-    d = Daemon(tmp_path / "d", args=["--metrics-addr", f"127.0.0.1:{port}"]).start()
-    try:
-        info = shardstream._native.Connection(d.addr).open(str(root / "train-00000[2-5].tar"))
-        assert (info["num_shards"], info["num_samples"]) == (4, 40)
-        m = scrape(port)
-        assert m["shardstream_local_lists_total"] == 1, m
-        # The open's fixed stats, as for the brace pattern above, and one a match: none of the
-        # 336 shards the glob does not match is stat'ed.
-        assert m["shardstream_local_stats_total"] == 2 + 1 + 4, m
-    finally:
-        assert d.stop() == 0
+    # The others are shards by name, which the glob does not match.
+    info, m = open_counting_metadata(tmp_path, "other-%06d.tar", "train-00000[2-5].tar")
+    assert (info["num_shards"], info["num_samples"]) == (4, 40)
+    assert m["shardstream_local_lists_total"] == 1, m
+    # The open's fixed stats, as for the brace pattern above, and one a match: none of the
+    # 336 shards the glob does not match is stat'ed.
+    assert m["shardstream_local_stats_total"] == 2 + 1 + 4, m
 
 
 RECORD = 512

@@ -97,11 +97,7 @@ pub fn no_panic<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(payload) => {
-            let msg = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = shardstream::panics::message(payload.as_ref()).unwrap_or("unknown panic");
             Err(ShardstreamError::new_err(format!(
                 "internal error in shardstream ({what}): {msg}; this is a bug, please report it"
             )))

@@ -446,7 +446,8 @@ fn start_embedded_server(py: Python<'_>, socket: PathBuf, cache_dir: PathBuf) ->
         use shardstream::daemon::{BoundDaemon, DaemonConfig};
         // The daemon's decoder catches arrow-rs's panics on damaged pages and serves a
         // ShardError; without this the process's hook would also print each one to the user.
-        shardstream::panics::quiet_when_caught();
+        // Every other panic still goes to that hook (no log subscriber is installed here).
+        shardstream::panics::install_hook();
         let config = DaemonConfig::new(Address::Unix(socket), cache_dir);
         let bound = block_on(py, async move { BoundDaemon::bind(config).await })?.map_err(errors::daemon_error)?;
         let address = bound.address().to_string();

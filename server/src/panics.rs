@@ -11,9 +11,9 @@
 //! any other panic, a bug, is one `error` event of target `shardstream::panic` with its thread,
 //! place, message and, when `RUST_BACKTRACE` asks for one, its backtrace. Before a subscriber is
 //! installed, or with errors filtered out, the default hook prints it as usual: a bug is never
-//! silent. In a process that is not the daemon's own (the Python package's embedded daemon runs
-//! inside the trainer), [`quiet_when_caught`] only keeps caught panics quiet and leaves every
-//! other panic to the hook the process had.
+//! silent. So in a process that is not the daemon's own and never installs a subscriber (the
+//! Python package's embedded daemon runs inside the trainer) the same hook only keeps caught
+//! panics quiet and leaves every other one to the hook the process had.
 
 use std::any::Any;
 use std::backtrace::{Backtrace, BacktraceStatus};
@@ -61,7 +61,8 @@ pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, Caught> {
     })
 }
 
-fn message(payload: &(dyn Any + Send)) -> Option<&str> {
+/// A panic payload's message: a `&str` or `String` (what `panic!` makes), else `None`.
+pub fn message(payload: &(dyn Any + Send)) -> Option<&str> {
     (payload.downcast_ref::<&str>().copied()).or_else(|| payload.downcast_ref::<String>().map(String::as_str))
 }
 
@@ -75,28 +76,14 @@ pub fn place(file: &str, line: u32) -> String {
     format!("{file}:{line}")
 }
 
-/// Replaces the panic hook (see the module docs); the `shardstream` command does at its start.
-/// Calling it again does nothing.
+/// Replaces the panic hook, keeping the one it replaces for the panics it does not log (see the
+/// module docs); the `shardstream` command does at its start, the Python package when it starts
+/// an embedded daemon. Calling it again does nothing.
 pub fn install_hook() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let default = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| hook(info, &default)));
-    });
-}
-
-/// For a process whose panic hook is not ours to replace: keeps a panic under [`catch`] quiet
-/// (its place recorded for its error) and hands every other panic to the hook the process had.
-/// Calling it again does nothing.
-pub fn quiet_when_caught() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if !caught(info) {
-                previous(info)
-            }
-        }));
     });
 }
 

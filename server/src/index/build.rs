@@ -107,8 +107,8 @@ fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<Listed>> {
             .collect()),
         DatasetUrl::S3 { bucket, prefix, pick } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
-            let listed = store.block_on(store.list(&bucket, &crate::storage::s3::listing_prefix(&prefix, &pick)))?;
-            Ok(crate::storage::s3::shards_in_listing(listed, &bucket, &prefix, &pick)?
+            Ok(store
+                .list_picked(&bucket, &prefix, &pick)?
                 .into_iter()
                 .map(|(name, o)| Listed { name, len: o.size, etag: o.etag })
                 .collect())

@@ -78,13 +78,7 @@ impl Discovered {
                     let m = Manifest::parse(&bytes, &format!("s3://{bucket}/{manifest_key}"))?;
                     return Self::from_manifest(url, base, &place, pick, m);
                 }
-                let listing = crate::storage::s3::listing_prefix(prefix, pick);
-                let listed = crate::storage::s3::shards_in_listing(
-                    store.block_on(store.list(bucket, &listing))?,
-                    bucket,
-                    prefix,
-                    pick,
-                )?;
+                let listed = store.list_picked(bucket, prefix, pick)?;
                 let format = Format::of_shards(listed.iter().map(|(n, _)| n.as_str()), &base)?;
                 let shards = listed
                     .into_iter()

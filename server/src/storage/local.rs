@@ -65,8 +65,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 }
             }
             found.sort();
-            let place = format!("{}/", dir.display().to_string().trim_end_matches('/'));
-            let kept = pick.keep_listed(found, String::as_str, &place)?;
+            let kept = pick.keep_listed(found, String::as_str, &super::dir_base(dir))?;
             kept.iter().map(|n| stat(n)).collect::<Result<Vec<_>>>()?
         }
     };

@@ -72,7 +72,7 @@ impl DatasetUrl {
     /// The dataset's location as a URL prefix that a shard name is appended to.
     pub fn base(&self) -> String {
         match self {
-            DatasetUrl::Local { dir, .. } => format!("{}/", dir.display().to_string().trim_end_matches('/')),
+            DatasetUrl::Local { dir, .. } => dir_base(dir),
             DatasetUrl::S3 { bucket, prefix, .. } => format!("s3://{bucket}/{prefix}"),
         }
     }
@@ -82,6 +82,11 @@ impl DatasetUrl {
             DatasetUrl::Local { pick, .. } | DatasetUrl::S3 { pick, .. } => pick,
         }
     }
+}
+
+/// A directory as the prefix a shard name is appended to (`/data/train/`).
+pub fn dir_base(dir: &std::path::Path) -> String {
+    format!("{}/", dir.display().to_string().trim_end_matches('/'))
 }
 
 fn pattern_in_directory(url: &str) -> Error {

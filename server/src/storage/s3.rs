@@ -189,8 +189,9 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
 }
 
 /// Picks a dataset's shards from a listing of its prefix: objects directly under it with a shard
-/// extension (sorted by name), or exactly `names` in the given order. Returns (name, object).
-pub fn shards_in_listing(
+/// extension (sorted by name) that `pick` keeps, or exactly its names in the given order.
+/// Returns (name, object).
+fn shards_in_listing(
     listed: Vec<ObjectInfo>,
     bucket: &str,
     prefix: &str,
@@ -233,7 +234,7 @@ pub fn shards_in_listing(
 
 /// The prefix to list for the objects of `prefix` that `pick` can take: a glob's literal start
 /// narrows the listing (`train-*` under a prefix of train, test and validation files).
-pub fn listing_prefix(prefix: &str, pick: &crate::storage::Pick) -> String {
+fn listing_prefix(prefix: &str, pick: &crate::storage::Pick) -> String {
     match pick {
         crate::storage::Pick::Glob(g) => format!("{prefix}{}", g.literal_prefix()),
         _ => prefix.to_owned(),
@@ -288,6 +289,18 @@ impl S3Store {
     /// fail: the runtime's connections are gone with it).
     pub fn close(&self) {
         self.closing.cancel();
+    }
+
+    /// The shards of `s3://bucket/prefix` that `pick` takes ([`shards_in_listing`]) from one
+    /// listing, narrowed to a glob's literal prefix. Blocking, as [`S3Store::block_on`].
+    pub fn list_picked(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        pick: &crate::storage::Pick,
+    ) -> Result<Vec<(String, ObjectInfo)>> {
+        let listed = self.block_on(self.list(bucket, &listing_prefix(prefix, pick)))?;
+        shards_in_listing(listed, bucket, prefix, pick)
     }
 
     /// Runs `f` on the store's runtime from a blocking thread (never from async code).

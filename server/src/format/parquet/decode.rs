@@ -6,9 +6,9 @@
 //! unselected column chunk is never read, locally or from S3), and a damaged page header that
 //! points elsewhere cannot make the decoder wander over the file.
 //!
-//! The decoder (arrow-rs) runs under `catch_unwind` ([`crate::panics::catch`]): a corrupt page becomes a
-//! [`ParquetError::BadData`] naming the row group, never a daemon panic and never garbage rows
-//! (the decoded row count is checked against the footer's).
+//! The decoder (arrow-rs) runs under [`crate::panics::catch`]: a corrupt page becomes a
+//! [`ParquetError::BadData`] naming the row group and where arrow-rs gave up, never a daemon
+//! panic and never garbage rows (the decoded row count is checked against the footer's).
 
 use std::ops::Range;
 

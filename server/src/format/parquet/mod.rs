@@ -6,8 +6,8 @@
 //! - [`footer`]: finds and decodes a file's footer from one speculative tail read (a second read
 //!   only when the footer is larger), validates it, and summarises it as a [`ParquetTable`]: row
 //!   groups with their row counts and each column chunk's byte range. Never panics on damaged
-//!   bytes: arrow-rs asserts on some malformed metadata, so decoding runs under `catch_unwind` ([`crate::panics::catch`])
-//!   and a panic becomes a [`ParquetError`].
+//!   bytes: arrow-rs asserts on some malformed metadata, so decoding runs under
+//!   [`crate::panics::catch`] and a panic becomes a [`ParquetError`].
 //! - [`pqidx`]: the per-file sidecar, which is the footer's own bytes behind a checked header, so a
 //!   restarted daemon or `shardstream index` output needs no tail read at all.
 //! - [`footers`]: every file's sidecar in one object, which `shardstream index` writes beside the
