@@ -238,6 +238,38 @@ def test_torch_tensors_without_a_copy_and_stack(daemon, varied) -> None:
     assert n == TOTAL
 
 
+def test_stack_over_a_pandas_frame_with_categorical_and_all_null_columns(daemon, tmp_path) -> None:
+    # pandas writes a categorical as `dictionary<string>` in the file's Arrow schema, which the
+    # daemon keeps: with collate="stack" it must come as the strings the dict form gives, and a
+    # column pandas wrote as all-None (Arrow's null type) as a ValueError naming it, in workers too.
+    import pandas as pd
+
+    n = 300
+    frame = pd.DataFrame(
+        {
+            "id": np.arange(n, dtype=np.int64),
+            "kind": pd.Categorical([("cat", "dog", "bird")[i % 3] for i in range(n)]),
+            "x": np.arange(n, dtype=np.float32) / 2,
+            "note": [None] * n,
+        }
+    )
+    frame.iloc[:150].to_parquet(tmp_path / "a.parquet", row_group_size=40)
+    frame.iloc[150:].to_parquet(tmp_path / "b.parquet", row_group_size=40)
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "a.parquet").field("kind").type)
+    ds = sst.IterableDataset(
+        str(tmp_path), batch_size=32, seed=3, connect=daemon.addr, fields=["id", "kind", "x"], collate="stack"
+    )
+    seen: collections.Counter[int] = collections.Counter()
+    for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+        ids = batch["id"].tolist()
+        assert batch["kind"] == [("cat", "dog", "bird")[i % 3] for i in ids]
+        assert batch["x"].tolist() == [i / 2 for i in ids]
+        seen.update(ids)
+    assert seen == collections.Counter(range(n))
+    with pytest.raises(ValueError, match="'note' is null in row"):
+        next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr, fields=["id", "note"], collate="stack")))
+
+
 def test_two_ranks_two_workers_exactly_once_by_row_id(daemon, varied) -> None:
     root, rows = varied
     seen: collections.Counter[int] = collections.Counter()

@@ -170,6 +170,26 @@ def test_stack_makes_2d_views_and_refuses_ragged_or_null() -> None:
         _arrow.stack(nulls, _arrow.to_dict(nulls, np.array([3, 4], np.uint64)))
 
 
+def test_stack_keeps_dictionary_strings_as_strings_and_names_an_all_null_column() -> None:
+    # A pandas categorical of strings is `dictionary<string>` in Parquet's Arrow schema: the dict
+    # form decodes it to str like any string column, so stack must keep it as one too.
+    rb = pa.record_batch(
+        {
+            "cat": pa.array(["x", "y", "x"]).dictionary_encode(),
+            "big": pa.array(["p", "q", "p"], pa.large_string()).dictionary_encode(),
+            "codes": pa.array([3, 4, 3], pa.int64()).dictionary_encode(),
+        }
+    )
+    rec = reopen(ipc_bytes(rb))
+    out = _arrow.stack(rec, _arrow.to_dict(rec, np.array([5, 6, 7], np.uint64)))
+    assert out["cat"] == ["x", "y", "x"] and out["big"] == ["p", "q", "p"]
+    assert type(out["codes"]) is np.ndarray and out["codes"].tolist() == [3, 4, 3]
+    # A column of Arrow's null type has no validity buffer, yet every row is null.
+    nothing = pa.record_batch({"y": pa.array([1, 2], pa.int8()), "gone": pa.nulls(2)})
+    with pytest.raises(ValueError, match="'gone' is null in row 8"):
+        _arrow.stack(nothing, _arrow.to_dict(nothing, np.array([8, 9], np.uint64)))
+
+
 def test_row_ids_column_is_appended_once() -> None:
     rb = pa.record_batch({"v": pa.array([1, 2], pa.int32())})
     out = _arrow.with_row_ids(rb, np.array([8, 9], np.uint64))
