@@ -178,12 +178,14 @@ def test_stack_keeps_dictionary_strings_as_strings_and_names_an_all_null_column(
             "cat": pa.array(["x", "y", "x"]).dictionary_encode(),
             "big": pa.array(["p", "q", "p"], pa.large_string()).dictionary_encode(),
             "codes": pa.array([3, 4, 3], pa.int64()).dictionary_encode(),
+            "raw": pa.array([b"ab", b"cd", b"ab"], pa.binary()).dictionary_encode(),
         }
     )
     rec = reopen(ipc_bytes(rb))
     out = _arrow.stack(rec, _arrow.to_dict(rec, np.array([5, 6, 7], np.uint64)))
     assert out["cat"] == ["x", "y", "x"] and out["big"] == ["p", "q", "p"]
     assert type(out["codes"]) is np.ndarray and out["codes"].tolist() == [3, 4, 3]
+    assert out["raw"].shape == (3, 2) and [bytes(r) for r in out["raw"]] == [b"ab", b"cd", b"ab"]
     # A column of Arrow's null type has no validity buffer, yet every row is null.
     nothing = pa.record_batch({"y": pa.array([1, 2], pa.int8()), "gone": pa.nulls(2)})
     with pytest.raises(ValueError, match="'gone' is null in row 8"):

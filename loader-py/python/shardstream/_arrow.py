@@ -199,9 +199,12 @@ def _bits(buf: Any, offset: int, n: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
 
 
 def _null_mask(arr: pa.Array) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    validity = arr.buffers()[0]
-    if validity is None or arr.null_count == 0:
+    if arr.null_count == 0:
         return np.zeros(len(arr), dtype=bool)
+    validity = arr.buffers()[0]
+    if validity is None:
+        # Arrow's null type (pandas' all-None column) has no validity buffer: every value is null.
+        return np.ones(len(arr), dtype=bool)
     return ~_bits(validity, arr.offset, len(arr))
 
 
@@ -363,6 +366,10 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
         if name == "__key__":
             continue
         t = arr.type
+        if pa.types.is_dictionary(t):
+            # Stacked as the dict form gives it: decoded (a categorical of strings stays str).
+            arr = arr.dictionary_decode()
+            t = arr.type
         if arr.null_count:
             row = int(np.flatnonzero(_null_mask(arr))[0])
             raise ValueError(
