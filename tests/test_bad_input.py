@@ -81,6 +81,10 @@ def test_member_larger_than_shard(daemon, dataset, tmp_path: Path) -> None:
         ({"rank": 0, "world_size": 1 << 40}, "world"),
         ({"fields": ["nope"]}, "nope"),
         ({"fields": "jpg"}, "fields"),
+        # An empty list travels as "no selection", which the daemon reads as every field: a user
+        # who filtered their list down to nothing would get everything without a word.
+        ({"fields": []}, r"fields=\[\] selects no field.*fields=None"),
+        ({"fields": ["jpg", 7]}, "field names.*7"),
         ({"seed": -1}, "seed"),
         ({"transport": "carrier-pigeon"}, "transport"),
     ],
