@@ -193,7 +193,9 @@ class Loader:
     ``url``: a directory (or ``s3://bucket/prefix/``) of ``*.tar`` or ``*.parquet`` shards, or some
     of them by a pattern in the file name: ``train-{000000..000099}.tar`` or a glob such as
     ``data/train-*.parquet``. A directory whose shards belong to several splits (``train-*`` beside
-    ``test-*``) is a ``ValueError`` naming them: pick one with a glob.
+    ``test-*``) is a ``ValueError`` naming them: pick one with a glob. ``fields``: the fields to
+    deliver (WebDataset extensions such as ``["jpg", "cls"]``, or Parquet columns); ``None`` for
+    all of them (an empty list is a ``ValueError``, not "all").
 
     Every sample is delivered exactly once per epoch across all ranks (without ``drop_last`` the
     last ranks get up to one repeated sample each so every rank has the same number of batches; see
@@ -251,6 +253,14 @@ class Loader:
     ) -> None:
         if isinstance(fields, str):
             raise ValueError("fields must be a list of field names, e.g. ['jpg', 'cls'], not a string")
+        if fields is not None:
+            fields = list(fields)
+            if not fields:
+                # The wire's empty list means "every field"; an empty selection is a mistake upstream.
+                raise ValueError("fields=[] selects no field; pass fields=None for all of them")
+            for name in fields:
+                if not isinstance(name, str):
+                    raise ValueError(f"fields must be a list of field names (str), but it holds {name!r}")
         if cache not in _CACHE_MODES:
             raise ValueError(f"cache must be one of {_CACHE_MODES}, not {cache!r}")
         if transport not in _TRANSPORTS:
@@ -278,7 +288,7 @@ class Loader:
         self.batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.seed = seed
-        self.fields = list(fields) if fields is not None else []
+        self.fields = fields if fields is not None else []
         self.rank = rank
         self.world_size = world_size
         self.drop_last = bool(drop_last)
