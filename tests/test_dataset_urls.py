@@ -139,3 +139,27 @@ def test_index_takes_a_directory_of_one_split_not_a_pattern(tmp_path: Path) -> N
         p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and says in p.stderr, (url, p.stderr)
     assert not (tmp_path / "data" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_directory_whose_shards_are_in_subdirectories_names_them(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    # A partitioned dataset as pyarrow writes it (`year=2020/<uuid>-0.parquet`): a dataset is the
+    # files of the directory named, so the error must say where the shards are instead of "none".
+    table = pa.table({"year": [2020] * 5 + [2021] * 5, "v": list(range(10))})
+    if where == "local":
+        root, addr = tmp_path / "parted", daemon.addr
+        url = str(root)
+    else:
+        root, addr = s3.bucket("hub") / "parted", s3_daemon.addr
+        url = "s3://hub/parted/"
+    pq.write_to_dataset(table, str(root), partition_cols=["year"])
+    (root / "notes").mkdir()
+    (root / "notes" / "README.txt").write_text("no shards here\n")
+    with pytest.raises(FileNotFoundError, match="holds none") as e:
+        read_ids(url, addr)
+    message = str(e.value)
+    assert "year=2020/" in message and "year=2021/" in message, message
+    assert "notes/" not in message, message
+    assert sorted(read_ids(url.rstrip("/") + "/year=2021/", addr)) == list(range(5, 10))
