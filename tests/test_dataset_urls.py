@@ -147,7 +147,7 @@ def test_a_directory_whose_shards_are_in_subdirectories_names_them(
 ) -> None:
     # A partitioned dataset as pyarrow writes it (`year=2020/<uuid>-0.parquet`): a dataset is the
     # files of the directory named, so the error must say where the shards are instead of "none".
-    table = pa.table({"year": [2020] * 5 + [2021] * 5, "v": list(range(10))})
+    table = pa.table({"year": [2020] * 5 + [2021] * 5, "id": list(range(10))})
     if where == "local":
         root, addr = tmp_path / "parted", daemon.addr
         url = str(root)

@@ -55,6 +55,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         Pick::Names(names) => names.iter().map(|n| stat(n)).collect::<Result<Vec<_>>>()?,
         Pick::All | Pick::Glob(_) => {
             let mut found = Vec::new();
+            let mut subdirs = Vec::new();
             crate::metrics::local_list(1);
             let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
             for entry in entries {
@@ -62,7 +63,18 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
                 if Format::is_shard_name(&name) {
                     found.push(name);
+                } else if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    subdirs.push(name);
                 }
+            }
+            if found.is_empty() {
+                subdirs.sort();
+                return Err(super::no_shards(
+                    "shards (*.tar or *.parquet files)",
+                    dir.display().to_string(),
+                    "directory",
+                    &subdirs_with_shards(dir, subdirs),
+                ));
             }
             found.sort();
             let kept = pick.keep_listed(found, String::as_str, &super::dir_base(dir))?;
@@ -70,13 +82,29 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         }
     };
     if shards.is_empty() {
-        return Err(Error::NotFound {
-            what: "shards (*.tar or *.parquet files)",
-            path: format!("{} (the directory holds none)", dir.display()),
-        });
+        return Err(super::no_shards("shards (*.tar or *.parquet files)", dir.display().to_string(), "directory", &[]));
     }
     Ok(shards)
 }
+
+/// Which of `subdirs` (names in `dir`) hold shards of their own, for the error of a directory
+/// that holds none. Only on that error path, and at most [`SUBDIRS_LOOKED_INTO`] listings: a
+/// PFS directory of many subdirectories is not walked to word an error.
+fn subdirs_with_shards(dir: &Path, subdirs: Vec<String>) -> Vec<String> {
+    subdirs
+        .into_iter()
+        .take(SUBDIRS_LOOKED_INTO)
+        .filter(|sub| {
+            crate::metrics::local_list(1);
+            std::fs::read_dir(dir.join(sub)).is_ok_and(|entries| {
+                entries.flatten().any(|e| e.file_name().to_str().is_some_and(Format::is_shard_name))
+            })
+        })
+        .collect()
+}
+
+/// How many subdirectories a directory without shards has listed to say where its shards are.
+const SUBDIRS_LOOKED_INTO: usize = 64;
 
 /// A shard's metadata, refusing a shard's name on something that is not a file (a directory or
 /// FIFO put in a shard's place) with an error naming it: skipping it would silently train on

@@ -89,6 +89,29 @@ pub fn dir_base(dir: &std::path::Path) -> String {
     format!("{}/", dir.display().to_string().trim_end_matches('/'))
 }
 
+/// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
+/// its subdirectories (sorted) whose own entries include shards, as a partitioned dataset
+/// (`year=2020/...`) or a directory per split has them; a dataset is the shards of the one place
+/// named, so the user is told which places to name instead of "none".
+pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String]) -> Error {
+    const SHOWN: usize = 4;
+    let mut path = format!("{place} (the {holder} holds none");
+    if !nested.is_empty() {
+        let names: Vec<String> = nested.iter().take(SHOWN).map(|n| format!("{n}/")).collect();
+        let more = match nested.len().saturating_sub(SHOWN) {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        path.push_str(&format!(
+            "; its subdirectories {}{more} do: a dataset is the shards of the one place named, so \
+             name one of those",
+            names.join(", ")
+        ));
+    }
+    path.push(')');
+    Error::NotFound { what, path }
+}
+
 fn pattern_in_directory(url: &str) -> Error {
     Error::invalid(format!("patterns are allowed only in the shard file name, not in directories: {url}"))
 }

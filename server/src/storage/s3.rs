@@ -197,13 +197,22 @@ fn shards_in_listing(
     prefix: &str,
     pick: &crate::storage::Pick,
 ) -> Result<Vec<(String, ObjectInfo)>> {
-    let mut found: Vec<(String, ObjectInfo)> = listed
-        .into_iter()
-        .filter_map(|o| {
-            let name = o.key.strip_prefix(prefix)?.to_owned();
-            (!name.is_empty() && !name.contains('/')).then_some((name, o))
-        })
-        .collect();
+    // The listing is recursive: keys below a "subdirectory" are not the dataset's, but they say
+    // where its shards are when the prefix holds none of its own.
+    let mut nested = std::collections::BTreeSet::new();
+    let mut found: Vec<(String, ObjectInfo)> = Vec::new();
+    for o in listed {
+        let Some(name) = o.key.strip_prefix(prefix) else { continue };
+        match name.split_once('/') {
+            None if !name.is_empty() => found.push((name.to_owned(), o)),
+            Some((sub, rest))
+                if !rest.contains('/') && crate::format::Format::is_shard_name(rest) && !nested.contains(sub) =>
+            {
+                nested.insert(sub.to_owned());
+            }
+            _ => {}
+        }
+    }
     let shards = match pick {
         crate::storage::Pick::Names(names) => {
             let mut by_name: std::collections::HashMap<String, ObjectInfo> = found.into_iter().collect();
@@ -224,10 +233,13 @@ fn shards_in_listing(
         }
     };
     if shards.is_empty() {
-        return Err(Error::NotFound {
-            what: "shards (*.tar or *.parquet objects)",
-            path: format!("s3://{bucket}/{prefix} (the prefix holds none)"),
-        });
+        let nested: Vec<String> = nested.into_iter().collect();
+        return Err(crate::storage::no_shards(
+            "shards (*.tar or *.parquet objects)",
+            format!("s3://{bucket}/{prefix}"),
+            "prefix",
+            &nested,
+        ));
     }
     Ok(shards)
 }
