@@ -136,8 +136,10 @@ class Daemon:
         binary: str | None = None,
         addr: str | None = None,
         log: Path | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.tmp = tmp
+        self.cwd = cwd
         self.addr = addr or f"unix://{tmp / 'sock'}"
         self.cache_dir = tmp / "cache"
         self.args = args or []
@@ -150,7 +152,9 @@ class Daemon:
     def start(self) -> Daemon:
         cmd = [self.binary, "serve", "--listen", self.addr, "--cache-dir", str(self.cache_dir), "--log", "warn"]
         with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
-            self.proc = subprocess.Popen([*self.wrap, *cmd, *self.args], env={**os.environ, **self.env}, stderr=stderr)
+            self.proc = subprocess.Popen(
+                [*self.wrap, *cmd, *self.args], env={**os.environ, **self.env}, stderr=stderr, cwd=self.cwd
+            )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -163,3 +163,28 @@ def test_a_directory_whose_shards_are_in_subdirectories_names_them(
     assert "year=2020/" in message and "year=2021/" in message, message
     assert "notes/" not in message, message
     assert sorted(read_ids(url.rstrip("/") + "/year=2021/", addr)) == list(range(5, 10))
+
+
+def test_a_relative_or_home_path_is_the_clients_not_the_daemons(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The daemon runs in its own working directory, where a directory of the same relative name
+    # holds another dataset: the client's `ds` must be served, never the daemon's.
+    daemon_cwd, client_cwd = tmp_path / "daemon-cwd", tmp_path / "client-cwd"
+    for where, first in ((daemon_cwd, 1000), (client_cwd, 0)):
+        (where / "ds").mkdir(parents=True)
+        pq.write_table(pa.table({"id": list(range(first, first + 10))}), where / "ds" / "part-0.parquet")
+    d = Daemon(tmp_path / "run", cwd=daemon_cwd).start()
+    try:
+        monkeypatch.chdir(client_cwd)
+        assert sorted(read_ids("ds", d.addr)) == list(range(10))
+        assert sorted(read_ids("ds/part-*.parquet", d.addr)) == list(range(10))
+        monkeypatch.setenv("HOME", str(client_cwd))
+        assert sorted(read_ids("~/ds/", d.addr)) == list(range(10))
+        staged = subprocess.run(
+            [str(SHARDSTREAM), "prefetch", "ds", "--connect", d.addr], capture_output=True, text=True, timeout=60
+        )
+        assert staged.returncode == 0, staged.stderr
+        assert str(client_cwd / "ds") in staged.stdout + staged.stderr, staged.stdout + staged.stderr
+    finally:
+        assert d.stop() == 0

@@ -159,6 +159,10 @@ async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
         (StreamRequest { fields: vec!["png".into()], ..request(&fx.data, 4) }, Code::InvalidArgument, "png"),
         (StreamRequest { start_batch: 1 << 40, ..request(&fx.data, 4) }, Code::InvalidArgument, "batch"),
         (StreamRequest { url: "gs://b/p/".into(), ..request(&fx.data, 4) }, Code::InvalidArgument, "gs://b/p/"),
+        // A relative path would name files under the daemon's working directory, not the
+        // client's: a dataset of the same name there would be served in its place.
+        (StreamRequest { url: "data".into(), ..request(&fx.data, 4) }, Code::InvalidArgument, "absolute"),
+        (StreamRequest { url: "./data/part-*.tar".into(), ..request(&fx.data, 4) }, Code::InvalidArgument, "absolute"),
         (StreamRequest { cache: "sometimes".into(), ..request(&fx.data, 4) }, Code::InvalidArgument, "sometimes"),
         (
             StreamRequest { url: "s3://b/p/".into(), cache: "direct".into(), ..request(&fx.data, 4) },
@@ -171,6 +175,8 @@ async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
         assert_eq!(err.code(), code, "{req:?}: {err:?}");
         assert!(err.message().contains(needle), "{:?} does not mention {needle}", err.message());
     }
+    let err = shardstream_client::open(&mut client, "data", "").await.map_err(status).unwrap_err();
+    assert_eq!((err.code(), err.message().contains("absolute")), (Code::InvalidArgument, true), "{err:?}");
     assert_eq!(collect(&mut client, request(&fx.data, 7)).await.unwrap().len(), samples.len());
     fx.shutdown.cancel();
     fx.server.await.unwrap().unwrap();
