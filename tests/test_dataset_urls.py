@@ -182,7 +182,10 @@ def test_a_relative_or_home_path_is_the_clients_not_the_daemons(
         monkeypatch.setenv("HOME", str(client_cwd))
         assert sorted(read_ids("~/ds/", d.addr)) == list(range(10))
         staged = subprocess.run(
-            [str(SHARDSTREAM), "prefetch", "ds", "--connect", d.addr], capture_output=True, text=True, timeout=60
+            [str(SHARDSTREAM), "prefetch", "ds", "--cache", "copy", "--connect", d.addr],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert staged.returncode == 0, staged.stderr
         assert str(client_cwd / "ds") in staged.stdout + staged.stderr, staged.stdout + staged.stderr

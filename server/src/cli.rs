@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use shardstream_client::Address;
 use tokio_util::sync::CancellationToken;
@@ -264,7 +265,7 @@ pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()>
         }
         Command::Prefetch { url, connect, shards, seed, epoch, no_shuffle, cache } => {
             let req = shardstream_proto::PrefetchRequest {
-                url,
+                url: client_url(url)?,
                 protocol_version: shardstream_proto::PROTOCOL_VERSION,
                 max_shards: shards.unwrap_or(0),
                 seed,
@@ -405,6 +406,20 @@ fn index(url: &str, threads: usize) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A local dataset path made absolute from this process's working directory: the daemon has its
+/// own, and refuses relative paths.
+fn client_url(url: String) -> anyhow::Result<String> {
+    if url.contains("://") || url.starts_with('/') {
+        return Ok(url);
+    }
+    let path = std::path::absolute(&url).with_context(|| format!("cannot make {url:?} an absolute path"))?;
+    let mut absolute = path.display().to_string();
+    if url.ends_with('/') && !absolute.ends_with('/') {
+        absolute.push('/');
+    }
+    Ok(absolute)
 }
 
 fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::Result<()> {

@@ -187,6 +187,16 @@ def _stack_fields(batch: dict[str, Any]) -> None:
         batch[name] = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), record)
 
 
+def _dataset_url(url: str | os.PathLike[str]) -> str:
+    """A local path as the daemon must get it: absolute, from this process's working directory and
+    home (a daemon has its own, and refuses relative paths). URLs (``s3://``, ``file://``) as given."""
+    text = os.fspath(url) if isinstance(url, os.PathLike) else str(url)
+    if "://" in text:
+        return text
+    absolute = os.path.abspath(os.path.expanduser(text))
+    return absolute + "/" if text.endswith("/") and not absolute.endswith("/") else absolute
+
+
 class Loader:
     """Iterates one rank's batches of a dataset, shuffled the same way on every machine.
 
@@ -284,7 +294,7 @@ class Loader:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << bits:
                 raise ValueError(f"{name} must be an integer from 0 to 2**{bits}-1, not {value!r}")
-        self.url = str(url)
+        self.url = _dataset_url(url)
         self.batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.seed = seed

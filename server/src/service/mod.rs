@@ -160,6 +160,19 @@ impl Service {
     }
 }
 
+/// Refuses a relative local path: the daemon would resolve it in its own working directory, not
+/// the client's, and serve whatever dataset has that name there. Clients make paths absolute.
+fn absolute(url: &str) -> Result<(), Status> {
+    if url.contains("://") || url.starts_with('/') {
+        return Ok(());
+    }
+    Err(Status::invalid_argument(format!(
+        "dataset path {url:?} is relative: a daemon resolves paths in its own working directory, not \
+         the client's; give an absolute path (the Python client and the shardstream command make \
+         one from theirs)"
+    )))
+}
+
 /// Runs blocking work (disk reads, scans, plan computation) on the blocking pool.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f).await.map_err(|e| Error::Internal(format!("worker task failed: {e}")))?
@@ -224,6 +237,7 @@ fn next_ranges(
 impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
         crate::limits::check_request("OpenDataset", request.get_ref())?;
+        absolute(&request.get_ref().url)?;
         self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
@@ -240,6 +254,7 @@ impl Shardstream for Service {
         // Only a client on the Unix socket can be on this host and reach the side channel.
         let same_host = request.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some();
         crate::limits::check_request("StreamBatches", request.get_ref())?;
+        absolute(&request.get_ref().url)?;
         self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         let ds = self.open(req.url.clone(), req.cache.clone()).await.map_err(to_status)?;
@@ -342,6 +357,7 @@ impl Shardstream for Service {
 
     async fn prefetch(&self, request: Request<PrefetchRequest>) -> Result<Response<Self::PrefetchStream>, Status> {
         crate::limits::check_request("Prefetch", request.get_ref())?;
+        absolute(&request.get_ref().url)?;
         self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
