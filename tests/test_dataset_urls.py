@@ -191,3 +191,39 @@ def test_a_relative_or_home_path_is_the_clients_not_the_daemons(
         assert str(client_cwd / "ds") in staged.stdout + staged.stderr, staged.stdout + staged.stderr
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_shard_file_is_a_dataset_of_one_and_a_directory_named_like_one_is_a_directory(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    # `pd.read_parquet("train.parquet")`, `load_dataset("parquet", data_files=...)` and
+    # `wds.WebDataset("shard.tar")` take one file; Spark writes a *directory* named `out.parquet`.
+    if where == "local":
+        base, addr = tmp_path, daemon.addr
+        url = str(base)
+    else:
+        base, addr = s3.bucket("hub") / "single", s3_daemon.addr
+        url = "s3://hub/single"
+    ids = write_hub_layout(base / "data")
+    first = sorted(ids["train"])[:30]
+    assert sorted(read_ids(f"{url}/data/train-00000-of-00002.parquet", addr)) == first
+    spark = base / "out.parquet"
+    spark.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"id": [100 + i, 200 + i]}), spark / f"part-{i:05d}.snappy.parquet")
+    assert sorted(read_ids(f"{url}/out.parquet/", addr)) == [100, 101, 200, 201]
+    if where == "local":
+        assert sorted(read_ids(f"{url}/out.parquet", addr)) == [100, 101, 200, 201]
+    else:
+        # No request can tell an S3 object from a prefix of that name in advance: the URL says.
+        with pytest.raises(FileNotFoundError, match=r"out\.parquet/.*end the URL with '/'"):
+            read_ids(f"{url}/out.parquet", addr)
+    with wds.TarWriter(str(base / "one.tar")) as sink:
+        for i in range(5):
+            sink.write({"__key__": f"s{i}", "cls": b"1"})
+    keys = [k for b in shardstream.Loader(f"{url}/one.tar", batch_size=2, connect=addr) for k in b["__key__"]]
+    assert sorted(keys) == [f"s{i}" for i in range(5)]
+    (base / "notes.txt").write_text("not a shard\n")
+    with pytest.raises((ValueError, FileNotFoundError), match="notes.txt"):
+        read_ids(f"{url}/notes.txt", addr)
