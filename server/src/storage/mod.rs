@@ -130,6 +130,16 @@ fn parse_s3(url: &str, rest: &str) -> Result<DatasetUrl> {
     if let Some(pick) = Pick::parse(last)? {
         return Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix: dir_prefix, pick });
     }
+    // A shard's name is that one object: no request can tell it from a prefix of the same name
+    // (Spark's `out.parquet/`) in advance, so the URL says which; the listing then names a prefix
+    // found in its place.
+    if crate::format::Format::is_shard_name(last) {
+        return Ok(DatasetUrl::S3 {
+            bucket: bucket.to_owned(),
+            prefix: dir_prefix,
+            pick: Pick::Names(vec![last.to_owned()]),
+        });
+    }
     // `s3://b/train` and `s3://b/train/` both name the prefix `train/`: a dataset is a "directory".
     let prefix = if last.is_empty() { dir_prefix } else { format!("{dir_prefix}{last}/") };
     Ok(DatasetUrl::S3 { bucket: bucket.to_owned(), prefix, pick: Pick::All })
@@ -137,7 +147,9 @@ fn parse_s3(url: &str, rest: &str) -> Result<DatasetUrl> {
 
 impl DatasetUrl {
     /// Parses a dataset URL as given by a user. A local path whose last component reads as a glob
-    /// but names an existing directory (`/data/run[1]`) is that directory.
+    /// but names an existing directory (`/data/run[1]`) is that directory; one that names a shard
+    /// file is a dataset of that one shard (a directory named like one, as Spark writes
+    /// `out.parquet/`, is a directory).
     pub fn parse(url: &str) -> Result<Self> {
         let url = url.trim();
         if url.is_empty() {
@@ -166,7 +178,15 @@ impl DatasetUrl {
         match Pick::parse(file_name)? {
             Some(Pick::Glob(_)) if is_dir(&path) => Ok(DatasetUrl::Local { dir: path, pick: Pick::All }),
             Some(pick) => Ok(DatasetUrl::Local { dir, pick }),
-            None => Ok(DatasetUrl::Local { dir: path, pick: Pick::All }),
+            None => match std::fs::metadata(&path) {
+                Ok(m) if m.is_file() && crate::format::Format::is_shard_name(file_name) => {
+                    Ok(DatasetUrl::Local { dir, pick: Pick::Names(vec![file_name.to_owned()]) })
+                }
+                Ok(m) if m.is_file() => Err(Error::invalid(format!(
+                    "dataset {url} is a file, but neither a *.tar nor a *.parquet shard nor a directory of them"
+                ))),
+                _ => Ok(DatasetUrl::Local { dir: path, pick: Pick::All }),
+            },
         }
     }
 }
@@ -279,6 +299,23 @@ mod tests {
         );
         assert!(DatasetUrl::parse("file://rel/x").is_err());
         assert!(DatasetUrl::parse("gs://b/x").is_err());
+        // An existing shard file is a dataset of one; another file is refused by name; a
+        // directory named like a shard is a directory.
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("a.tar"), b"").unwrap();
+        std::fs::write(tmp.path().join("notes.txt"), b"").unwrap();
+        std::fs::create_dir(tmp.path().join("out.parquet")).unwrap();
+        assert_eq!(
+            DatasetUrl::parse(&tmp.path().join("a.tar").display().to_string()).unwrap(),
+            DatasetUrl::Local { dir: tmp.path().into(), pick: Pick::Names(vec!["a.tar".into()]) }
+        );
+        let err = DatasetUrl::parse(&tmp.path().join("notes.txt").display().to_string()).unwrap_err();
+        assert!(err.to_string().contains("notes.txt is a file"), "{err}");
+        let spark = tmp.path().join("out.parquet");
+        assert_eq!(
+            DatasetUrl::parse(&spark.display().to_string()).unwrap(),
+            DatasetUrl::Local { dir: spark, pick: Pick::All }
+        );
     }
 
     #[test]
@@ -297,6 +334,10 @@ mod tests {
             s3("b", "a/c/", Some(vec!["t-1.tar", "t-2.tar"]))
         );
         assert_eq!(DatasetUrl::parse("s3://b/a/").unwrap().base(), "s3://b/a/");
+        // A shard's name is that object; with a '/' it is a prefix (Spark's `out.parquet/`).
+        assert_eq!(DatasetUrl::parse("s3://b/a/x.parquet").unwrap(), s3("b", "a/", Some(vec!["x.parquet"])));
+        assert_eq!(DatasetUrl::parse("s3://b/a/x.parquet/").unwrap(), s3("b", "a/x.parquet/", None));
+        assert_eq!(DatasetUrl::parse("s3://b/t.tar").unwrap(), s3("b", "", Some(vec!["t.tar"])));
         for bad in ["s3://", "s3:///x", "s3://b/{a,b}/x.tar"] {
             assert!(DatasetUrl::parse(bad).is_err(), "{bad}");
         }

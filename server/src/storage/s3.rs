@@ -219,10 +219,16 @@ fn shards_in_listing(
             names
                 .iter()
                 .map(|n| {
-                    by_name
-                        .remove(n)
-                        .map(|o| (n.clone(), o))
-                        .ok_or_else(|| Error::NotFound { what: "shard", path: format!("s3://{bucket}/{prefix}{n}") })
+                    by_name.remove(n).map(|o| (n.clone(), o)).ok_or_else(|| match nested.contains(n) {
+                        true => Error::NotFound {
+                            what: "S3 object",
+                            path: format!(
+                                "s3://{bucket}/{prefix}{n} (a prefix of shards has that name: \
+                                 s3://{bucket}/{prefix}{n}/; end the URL with '/' to read it)"
+                            ),
+                        },
+                        false => Error::NotFound { what: "shard", path: format!("s3://{bucket}/{prefix}{n}") },
+                    })
                 })
                 .collect::<Result<_>>()?
         }
