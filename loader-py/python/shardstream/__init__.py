@@ -193,8 +193,9 @@ def _dataset_url(url: str | os.PathLike[str]) -> str:
     text = os.fspath(url) if isinstance(url, os.PathLike) else str(url)
     if "://" in text:
         return text
-    absolute = os.path.abspath(os.path.expanduser(text))
-    return absolute + "/" if text.endswith("/") and not absolute.endswith("/") else absolute
+    text = os.path.expanduser(text)
+    # Joined, not normalised: `..` after a symlink is the kernel's to resolve, as for any path.
+    return text if os.path.isabs(text) else os.path.join(os.getcwd(), text)
 
 
 class Loader:
