@@ -189,6 +189,23 @@ def test_a_relative_or_home_path_is_the_clients_not_the_daemons(
         )
         assert staged.returncode == 0, staged.stderr
         assert str(client_cwd / "ds") in staged.stdout + staged.stderr, staged.stdout + staged.stderr
+        # The daemon's refusal reads as its message, once, as `status` prints it (not a gRPC dump).
+        missing = subprocess.run(
+            [str(SHARDSTREAM), "prefetch", "gone", "--cache", "copy", "--connect", d.addr],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert missing.returncode == 1
+        assert missing.stderr == f"shardstream: error: dataset not found: {client_cwd / 'gone'}\n", missing.stderr
+        nowhere = subprocess.run(
+            [str(SHARDSTREAM), "prefetch", "ds", "--connect", f"unix://{tmp_path / 'no.sock'}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert nowhere.returncode == 1 and nowhere.stderr.count("\n") == 1, nowhere.stderr
+        assert nowhere.stderr.count("No such file or directory") == 1, nowhere.stderr
     finally:
         assert d.stop() == 0
 
