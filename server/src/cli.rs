@@ -429,11 +429,14 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::R
     let last = runtime()?.block_on(async {
         let mut client = tokio::time::timeout(Duration::from_secs(10), shardstream_client::connect(&addr))
             .await
-            .map_err(|_| anyhow::anyhow!("timed out connecting to {addr}"))??;
-        let mut stream = client.prefetch(req).await?.into_inner();
+            .map_err(|_| anyhow::anyhow!("timed out connecting to {addr}"))?
+            // Its message carries the causes already; as a source they would print again.
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let refused = |s: tonic::Status| anyhow::anyhow!("{}", s.message());
+        let mut stream = client.prefetch(req).await.map_err(refused)?.into_inner();
         let mut bar: Option<indicatif::ProgressBar> = None;
         let mut last = shardstream_proto::PrefetchProgress::default();
-        while let Some(p) = stream.message().await? {
+        while let Some(p) = stream.message().await.map_err(refused)? {
             let b = bar.get_or_insert_with(|| bytes_bar(p.bytes_total));
             b.set_position(p.bytes_done);
             b.set_message(format!("{}/{} shards {}", p.shards_done, p.shards_total, p.shard));
