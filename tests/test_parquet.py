@@ -270,6 +270,29 @@ def test_stack_over_a_pandas_frame_with_categorical_and_all_null_columns(daemon,
         next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr, fields=["id", "note"], collate="stack")))
 
 
+def test_empty_row_groups_and_files_as_pyarrow_and_pandas_write_them(daemon, tmp_path) -> None:
+    # pyarrow writes an empty table as a row group of 0 rows whose chunks claim a data page at
+    # offset 0 (ParquetWriter with an empty batch between others; pandas' empty DataFrame): a
+    # valid file that pyarrow reads back, so its rows must be served and the empty file skipped.
+    import pandas as pd
+
+    t = pa.table({"id": pa.array([0, 1, 2], pa.int64()), "s": ["a", "b", "c"]})
+    with pq.ParquetWriter(tmp_path / "a.parquet", t.schema) as w:
+        w.write_table(t)
+        w.write_table(t.slice(0, 0))
+        w.write_table(pa.table({"id": pa.array([3, 4, 5], pa.int64()), "s": ["d", "e", "f"]}))
+    middle = pq.ParquetFile(tmp_path / "a.parquet").metadata.row_group(1)
+    assert middle.num_rows == 0 and middle.column(0).data_page_offset == 0
+    pd.DataFrame({"id": pd.Series([], dtype="int64"), "s": pd.Series([], dtype="str")}).to_parquet(
+        tmp_path / "b.parquet"
+    )
+    assert pq.read_table(tmp_path / "a.parquet").num_rows == 6 and pq.read_table(tmp_path / "b.parquet").num_rows == 0
+    got = {}
+    for batch in shardstream.Loader(str(tmp_path), batch_size=4, connect=daemon.addr):
+        got.update(zip(batch["id"].tolist(), batch["s"], strict=True))
+    assert got == dict(enumerate("abcdef"))
+
+
 def test_two_ranks_two_workers_exactly_once_by_row_id(daemon, varied) -> None:
     root, rows = varied
     seen: collections.Counter[int] = collections.Counter()
