@@ -367,3 +367,36 @@ def test_tcp_gets_inline_and_refuses_shm(dataset, tmp_path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("kind", ["webdataset", "parquet", "packed"])
+def test_a_rank_without_a_batch_gets_an_empty_epoch(daemon, tmp_path, transport: str, kind: str) -> None:
+    # drop_last with more ranks (or a larger batch) than the data fills: a rank's stream has no
+    # batch at all. Its epoch is empty, as torch's DataLoader makes it; not an attach error.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch.utils.data
+    import webdataset as wds
+
+    import shardstream.torch as sst
+
+    if kind == "parquet":
+        pq.write_table(pa.table({"id": list(range(20))}), tmp_path / "a.parquet")
+    else:
+        with wds.TarWriter(str(tmp_path / "a-000000.tar")) as sink:
+            for i in range(20):
+                sink.write({"__key__": f"k{i:02d}", "cls": b"%d" % i})
+    extra = {"collate": "stack", "fields": ["cls"]} if kind == "packed" else {}
+    for kw in ({"batch_size": 64}, {"batch_size": 8, "rank": 2, "world_size": 3}):
+        loader = shardstream.Loader(
+            str(tmp_path), connect=daemon.addr, transport=transport, drop_last=True, **kw, **extra
+        )
+        assert len(loader) == 0 and list(loader) == [], kw
+        loader.set_epoch(1)
+        assert list(loader) == [], kw
+        ds = sst.IterableDataset(str(tmp_path), connect=daemon.addr, transport=transport, drop_last=True, **kw, **extra)
+        assert list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)) == [], kw
+    # The daemon serves on: the ranks with batches get theirs.
+    got = shardstream.Loader(str(tmp_path), connect=daemon.addr, transport=transport, batch_size=8, drop_last=True)
+    assert sum(len(b["__key__"]) for b in got) == 16
