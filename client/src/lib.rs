@@ -594,7 +594,9 @@ pub async fn stream_from(
         other => return Err(ClientError::Protocol(format!("expected a stream header, got {other:?}"))),
     };
     let arrow = stream_format(header.batch_format)? == BatchFormat::Arrow;
-    let shm = if header.transport == shardstream_proto::Transport::Shm as i32 {
+    // A stream without a batch (drop_last, more ranks than full batches) has nothing to map, and
+    // the daemon may have ended it, and closed its session, before an attach would arrive.
+    let shm = if header.transport == shardstream_proto::Transport::Shm as i32 && header.batches_in_stream > 0 {
         let socket = std::path::PathBuf::from(&header.shm_socket);
         let token = header.shm_token.clone();
         // Attaching is a few blocking syscalls on a local socket.
