@@ -145,3 +145,25 @@ def test_resume_after_last_batch_does_not_replay(daemon, dataset, mode: str) -> 
     epochs.set_epoch(2)
     nxt = [k for b in it for k in b["__key__"]]
     assert sorted(nxt) == sorted(samples) and nxt != first
+
+
+def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(daemon, dataset) -> None:
+    # A checkpoint's state from another loader, a truncated dict, or a value of the wrong type
+    # must be refused by name before any batch, never a KeyError or a resume at a wrong place.
+    import shardstream
+
+    root, _ = dataset
+    loader = shardstream.Loader(str(root), batch_size=64, connect=daemon.addr)
+    good = loader.state_dict()
+    cases = [
+        ({"version": good["version"]}, "missing.*batch_size"),
+        ({k: v for k, v in good.items() if k != "fingerprint"}, "missing.*fingerprint"),
+        ({**good, "batches_consumed": -3}, "batches_consumed"),
+        ({**good, "epoch": "one"}, "epoch"),
+        ([1, 2], "a dict"),
+    ]
+    for state, match in cases:
+        with pytest.raises(ValueError, match=match):
+            loader.load_state_dict(state)  # type: ignore[arg-type]
+    loader.load_state_dict(good)
+    assert sum(len(b["__key__"]) for b in loader) == len(dataset[1])
