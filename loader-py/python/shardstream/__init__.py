@@ -198,6 +198,22 @@ def _dataset_url(url: str | os.PathLike[str]) -> str:
     return text if os.path.isabs(text) else os.path.join(os.getcwd(), text)
 
 
+#: What ``Loader.state_dict`` holds, every key needed to resume.
+_STATE_KEYS = (
+    "version",
+    "fingerprint",
+    "epoch",
+    "batches_consumed",
+    "batch_size",
+    "seed",
+    "shuffle",
+    "shuffle_window",
+    "rank",
+    "world_size",
+    "drop_last",
+)
+
+
 class Loader:
     """Iterates one rank's batches of a dataset, shuffled the same way on every machine.
 
@@ -534,8 +550,17 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a ``state_dict``: the next iteration starts at the following batch."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a loader state is a dict from state_dict(), not {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported state version {state.get('version')!r} (expected {STATE_VERSION})")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"the state is missing {', '.join(missing)}: it is not from a Loader's state_dict()")
+        for key in ("epoch", "batches_consumed"):
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"the state's {key} must be a non-negative integer, not {value!r}")
         for key in ("batch_size", "seed", "shuffle", "shuffle_window", "world_size", "drop_last", "rank"):
             if state[key] != getattr(self, key):
                 raise ValueError(
