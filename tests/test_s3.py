@@ -372,3 +372,20 @@ def test_prometheus_metrics(tmp_path: Path, s3: S3Server, small: Samples) -> Non
             assert name in text, name
     finally:
         d.stop()
+
+
+def test_an_unreachable_s3_endpoint_is_named_as_such_not_as_the_daemon(tmp_path: Path, s3: S3Server) -> None:
+    # The daemon answers; S3 does not. The error must say that, once and readably: the URL and
+    # the OS's reason, not "shardstream daemon unavailable" and not the SDK's Debug dump.
+    closed = free_port()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed}"}
+    d = Daemon(tmp_path, args=["--s3-max-retries", "1"], env=env).start()
+    try:
+        with pytest.raises(ConnectionError) as e:
+            next(iter(shardstream.Loader("s3://data/nowhere/", batch_size=4, connect=d.addr)))
+        message = str(e.value)
+        assert "s3://data/nowhere/" in message and "Connection refused" in message, message
+        assert "daemon unavailable" not in message and "DispatchFailure(" not in message, message
+        assert d.alive() and "datasets" in d.status()  # the daemon still answers
+    finally:
+        assert d.stop() == 0
