@@ -122,8 +122,9 @@ pub fn is_transport_failure(s: &tonic::Status) -> bool {
 }
 
 /// An error and its causes, so "transport error" says which (e.g. "invalid peer certificate:
-/// UnknownIssuer").
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// UnknownIssuer"); a cause whose text the chain already holds is not repeated. The daemon words
+/// its S3 SDK errors with it too.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

@@ -72,6 +72,11 @@ fn status_to_pyerr(s: &tonic::Status) -> PyErr {
             let offset = meta(error_metadata::OFFSET).and_then(|o| o.parse::<u64>().ok());
             shard_error(msg, shard.as_deref().unwrap_or_default(), offset)
         }
+        // From the daemon (no source): something it depends on is unavailable (S3, its
+        // shutdown), and its message says what. Made here from a transport failure: the daemon.
+        Code::Unavailable | Code::Cancelled if std::error::Error::source(s).is_none() => {
+            PyConnectionError::new_err(msg)
+        }
         Code::Unavailable | Code::Cancelled => {
             PyConnectionError::new_err(format!("shardstream daemon unavailable: {msg}"))
         }

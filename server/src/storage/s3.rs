@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
 use bytes::Bytes;
 use tokio::sync::Semaphore;
@@ -159,8 +159,9 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
 ) -> Failure {
     let status = err.raw_response().map(|r| r.status().as_u16());
     let code = err.code().map(str::to_owned);
-    // DisplayErrorContext shows the whole cause chain; plain Display hides it.
-    let detail = DisplayErrorContext(&err).to_string();
+    // The whole cause chain (plain Display hides it), without the Debug dump that the SDK's
+    // DisplayErrorContext appends: the message reaches trainers.
+    let detail = shardstream_client::error_chain(&err);
     match (&err, status) {
         (SdkError::TimeoutError(_) | SdkError::DispatchFailure(_), _) => Failure::Transient(detail),
         (_, Some(404)) => Failure::Permanent(Error::NotFound { what: "S3 object", path: url.to_owned() }),
@@ -248,6 +249,11 @@ fn shards_in_listing(
         ));
     }
     Ok(shards)
+}
+
+/// "1 retry", "3 retries": how a failure that outlasted its retries says so.
+fn retries(n: u32) -> String {
+    if n == 1 { "1 retry".into() } else { format!("{n} retries") }
 }
 
 /// The prefix to list for the objects of `prefix` that `pick` can take: a glob's literal start
@@ -382,8 +388,8 @@ impl S3Store {
                     }
                     None => {
                         return Err(Error::Unavailable(format!(
-                            "{url}: {what} failed after {} retries in {:.1} s: {msg}",
-                            backoff.attempts(),
+                            "{url}: {what} failed after {} in {:.1} s: {msg}",
+                            retries(backoff.attempts()),
                             backoff.elapsed().as_secs_f64()
                         )));
                     }
@@ -751,8 +757,8 @@ impl S3Store {
                     }
                     None => {
                         return Err(Error::Unavailable(format!(
-                            "{url}: download failed at byte {pos} after {} retries in {:.1} s: {msg}",
-                            backoff.attempts(),
+                            "{url}: download failed at byte {pos} after {} in {:.1} s: {msg}",
+                            retries(backoff.attempts()),
                             backoff.elapsed().as_secs_f64()
                         )));
                     }
