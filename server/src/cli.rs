@@ -240,7 +240,8 @@ where
     match run(cli, allow) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("shardstream: error: {e:#}");
+            // The chain, each cause once: most errors here already name their cause in their message.
+            eprintln!("shardstream: error: {}", shardstream_client::error_chain(e.as_ref()));
             1
         }
     }
@@ -429,9 +430,7 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::R
     let last = runtime()?.block_on(async {
         let mut client = tokio::time::timeout(Duration::from_secs(10), shardstream_client::connect(&addr))
             .await
-            .map_err(|_| anyhow::anyhow!("timed out connecting to {addr}"))?
-            // Its message carries the causes already; as a source they would print again.
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            .map_err(|_| anyhow::anyhow!("timed out connecting to {addr}"))??;
         let refused = |s: tonic::Status| anyhow::anyhow!("{}", s.message());
         let mut stream = client.prefetch(req).await.map_err(refused)?.into_inner();
         let mut bar: Option<indicatif::ProgressBar> = None;
