@@ -293,6 +293,24 @@ def test_empty_row_groups_and_files_as_pyarrow_and_pandas_write_them(daemon, tmp
     assert got == dict(enumerate("abcdef"))
 
 
+def test_a_column_named_like_the_row_ids_is_refused_not_mistaken_for_them(daemon, tmp_path) -> None:
+    # Batches written back to Parquet keep their `__row__` column. Served again, the Arrow form
+    # delivered those old values as the row ids and the dict form dropped them for the new ids:
+    # neither may happen silently.
+    pq.write_table(pa.table({"__row__": pa.array([7, 7, 9], pa.uint64()), "v": [1, 2, 3]}), tmp_path / "a.parquet")
+    for form in ("dict", "arrow"):
+        with pytest.raises(ValueError, match=r"__row__.*fields="):
+            next(iter(shardstream.Loader(str(tmp_path), batch_size=3, connect=daemon.addr, format=form)))
+    rb = next(
+        iter(
+            shardstream.Loader(
+                str(tmp_path), batch_size=3, shuffle=False, connect=daemon.addr, fields=["v"], format="arrow"
+            )
+        )
+    )
+    assert rb.to_pydict() == {"v": [1, 2, 3], "__row__": [0, 1, 2]}
+
+
 def test_two_ranks_two_workers_exactly_once_by_row_id(daemon, varied) -> None:
     root, rows = varied
     seen: collections.Counter[int] = collections.Counter()
