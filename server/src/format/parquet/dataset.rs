@@ -195,8 +195,8 @@ pub fn read_recycled(file: &crate::storage::local::ShardFile, len: usize, offset
     Ok(pool.share(buf))
 }
 
-/// The column of each delivered batch that holds its rows' ids (`uint64`, last), unless the
-/// projection has a column of that name (then that column is delivered as it is). Clients used to
+/// The column of each delivered batch that holds its rows' ids (`uint64`, last); a dataset column
+/// of that name is refused when selected (it would pass for the ids). Clients used to
 /// append it to every batch themselves, a fixed cost per batch as large as opening the batch
 /// (bench/PARQUET_PROFILE.md); written by the daemon it is 8 bytes a row in the same copy.
 pub const ROW_COLUMN: &str = "__row__";
@@ -207,9 +207,9 @@ pub const ROW_COLUMN: &str = "__row__";
 pub struct BatchAssembler {
     dataset: Arc<ParquetDataset>,
     projection: Projection,
-    /// What batches hold: the projection's columns, then [`ROW_COLUMN`] when `with_ids`.
+    /// What batches hold: the projection's columns, then [`ROW_COLUMN`] (the projection has
+    /// no column of that name: [`Projection::new`] refuses one).
     delivered: SchemaRef,
-    with_ids: bool,
     per_file: Vec<FileProjection>,
     cache: Arc<DecodedCache>,
     /// Names the dataset version in cache keys (its fingerprint).
@@ -368,20 +368,14 @@ impl BatchAssembler {
             .collect::<Result<Vec<_>>>()?;
         let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
         let schema = projection.schema();
-        let with_ids = schema.field_with_name(ROW_COLUMN).is_err();
-        let delivered = if with_ids {
-            let mut fields = schema.fields().to_vec();
-            fields.push(Arc::new(arrow_schema::Field::new(ROW_COLUMN, DataType::UInt64, true)));
-            Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
-        } else {
-            schema.clone()
-        };
+        let mut fields = schema.fields().to_vec();
+        fields.push(Arc::new(arrow_schema::Field::new(ROW_COLUMN, DataType::UInt64, true)));
+        let delivered = Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()));
         let schema_message = direct::schema_message(&delivered).map_err(|e| Error::Internal(e.to_string()))?;
         Ok(Self {
             dataset,
             projection,
             delivered,
-            with_ids,
             per_file,
             cache,
             dataset_id: DatasetTag::new(dataset_id),
@@ -489,7 +483,7 @@ impl BatchAssembler {
         &self.projection
     }
 
-    /// The schema of the batches: the projection's, then [`ROW_COLUMN`] unless it has one.
+    /// The schema of the batches: the projection's, then [`ROW_COLUMN`].
     pub fn schema(&self) -> &SchemaRef {
         &self.delivered
     }
@@ -591,7 +585,7 @@ impl BatchAssembler {
         if sources.len() != units.len() {
             return Err(Error::Internal("a row group of the batch was neither cached nor decoded".into()));
         }
-        let ids = self.with_ids.then(|| row_ids.to_vec());
+        let ids = Some(row_ids.to_vec());
         Ok(BatchRows { sources, rows, ids })
     }
 

@@ -77,6 +77,13 @@ pub enum ParquetError {
     /// A selected column the file does not have (a request error, not a damaged file).
     #[error("has no column {column:?} (its columns: {available})")]
     MissingColumn { column: String, available: String },
+    /// A selected column named like the row-id column every batch gets
+    /// ([`dataset::ROW_COLUMN`]): its values would be taken for the row ids, or hidden by them.
+    #[error(
+        "has a column {column:?}, the name of the row ids every batch gets; leave it out with fields=[...] \
+         or rename it in the files"
+    )]
+    ReservedColumn { column: String },
     /// A selected column whose type differs from the dataset's (first file's).
     #[error("column {column:?} is {found} here but {expected} in the dataset's first file")]
     TypeMismatch { column: String, expected: String, found: String },
@@ -102,6 +109,7 @@ impl ParquetError {
         match self {
             e @ (ParquetError::MissingColumn { .. }
             | ParquetError::TypeMismatch { .. }
+            | ParquetError::ReservedColumn { .. }
             | ParquetError::UnsupportedCodec { .. }) => Error::InvalidArgument(format!("Parquet file {file}: {e}")),
             e @ (ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }) => {
                 Error::Internal(format!("Parquet file {file}: {e}"))

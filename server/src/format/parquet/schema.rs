@@ -68,6 +68,9 @@ impl Projection {
                 out
             }
         };
+        if let Some(f) = picked.iter().find(|f| f.name() == super::dataset::ROW_COLUMN) {
+            return Err(ParquetError::ReservedColumn { column: f.name().clone() });
+        }
         Ok(Self { schema: Arc::new(Schema::new_with_metadata(picked, first.metadata().clone())) })
     }
 
