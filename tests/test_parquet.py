@@ -486,23 +486,6 @@ def test_a_column_missing_in_one_file_is_a_value_error_naming_it(daemon, tmp_pat
     assert sorted(got) == [0, 1, 2, 3]
 
 
-def test_a_dataset_with_its_own_row_column(daemon, tmp_path: Path) -> None:
-    """A dataset that has a ``__row__`` column (say, batches saved from an earlier run): the Arrow
-    form delivers that column as it is (the daemon adds none), and the dict form's ``__row__`` is
-    the rows' ids as always, valid after ``copy=True`` has given the slot back."""
-    theirs = np.arange(40, dtype=np.int64) * 1000 + 7
-    pq.write_table(pa.table({"__row__": theirs, "x": np.arange(40, dtype=np.int32)}), tmp_path / "d-0.parquet")
-    for rb in shardstream.Loader(str(tmp_path), batch_size=16, seed=1, connect=daemon.addr, format="arrow"):
-        assert rb.schema.names == ["__row__", "x"]
-        assert rb.column("__row__").to_pylist() == [int(v) * 1000 + 7 for v in rb.column("x").to_pylist()]
-    seen = []
-    for batch in shardstream.Loader(str(tmp_path), batch_size=16, seed=1, connect=daemon.addr, copy=True):
-        ids = np.asarray(batch["__row__"]).tolist()
-        assert ids == np.asarray(batch["x"]).tolist(), "the ids, not the dataset's column"
-        seen.extend(ids)
-    assert sorted(seen) == list(range(40))
-
-
 def copy_dataset(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for f in sorted(src.glob("*.parquet")):
