@@ -134,6 +134,7 @@ def test_index_takes_a_directory_of_one_split_not_a_pattern(tmp_path: Path) -> N
     for url, says in [
         (f"{tmp_path}/data/train-*.parquet", "not a glob"),
         (f"{tmp_path}/data/train-{{00000..00001}}-of-00002.parquet", "not a brace pattern"),
+        (f"{tmp_path}/data/train-00000-of-00002.parquet", "not one of its shards"),
         (f"{tmp_path}/data", "several splits"),
     ]:
         p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60)

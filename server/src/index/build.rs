@@ -122,7 +122,11 @@ pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: 
     // The manifest is read for every later open of the directory, patterns or not: one written
     // for some of its shards would hide the others from all of them.
     if let pick @ (Pick::Names(_) | Pick::Glob(_)) = DatasetUrl::parse(url)?.pick() {
-        let what = if matches!(pick, Pick::Glob(_)) { "a glob" } else { "a brace pattern" };
+        let what = match pick {
+            Pick::Glob(_) => "a glob",
+            Pick::Names(_) if url.contains('{') => "a brace pattern",
+            _ => "one of its shards",
+        };
         return Err(Error::invalid(format!(
             "{url}: `index` writes one manifest.json for every shard of a directory (or prefix), so it \
              takes the directory, not {what}; a directory holding several splits wants a directory per split"
