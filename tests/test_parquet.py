@@ -311,6 +311,26 @@ def test_a_column_named_like_the_row_ids_is_refused_not_mistaken_for_them(daemon
     assert rb.to_pydict() == {"v": [1, 2, 3], "__row__": [0, 1, 2]}
 
 
+def test_a_column_typed_otherwise_in_a_later_file_is_named_with_the_way_out(daemon, tmp_path) -> None:
+    # Files written one by one (pandas, a script per shard) disagree: a label inferred int32 in
+    # one and int64 in another; a caption that is None throughout one file has no type there at
+    # all (pyarrow's null). Each must be a ValueError at open naming the file, the column and both
+    # types, and for the typeless column the two ways out.
+    import pandas as pd
+
+    pq.write_table(pa.table({"id": pa.array([0, 1], pa.int64()), "cap": ["a", None]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": pa.array([2, 3], pa.int32()), "cap": ["b", "c"]}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r'b\.parquet: column "id" is Int32 here but Int64'):
+        next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr, fields=["id"])))
+    (tmp_path / "b.parquet").unlink()
+    pd.DataFrame({"id": [2, 3], "cap": [None, None]}).to_parquet(tmp_path / "b.parquet")
+    assert pa.types.is_null(pq.read_schema(tmp_path / "b.parquet").field("cap").type)
+    with pytest.raises(ValueError, match=r'b\.parquet: column "cap" is Null here.*every value.*schema.*fields='):
+        next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr)))
+    ids = [i for b in shardstream.Loader(str(tmp_path), connect=daemon.addr, fields=["id"]) for i in b["id"].tolist()]
+    assert sorted(ids) == [0, 1, 2, 3]
+
+
 def test_two_ranks_two_workers_exactly_once_by_row_id(daemon, varied) -> None:
     root, rows = varied
     seen: collections.Counter[int] = collections.Counter()
