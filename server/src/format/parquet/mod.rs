@@ -85,8 +85,8 @@ pub enum ParquetError {
     )]
     ReservedColumn { column: String },
     /// A selected column whose type differs from the dataset's (first file's).
-    #[error("column {column:?} is {found} here but {expected} in the dataset's first file")]
-    TypeMismatch { column: String, expected: String, found: String },
+    #[error("column {column:?} is {found} here but {expected} in the dataset's first file{hint}")]
+    TypeMismatch { column: String, expected: String, found: String, hint: &'static str },
     /// A selected column compressed with a codec this build does not decode.
     #[error(
         "column {column:?} is compressed with {codec}, which this build does not decode (snappy, zstd, gzip and uncompressed are)"

@@ -91,10 +91,20 @@ impl Projection {
         for (i, want) in self.schema.fields().iter().enumerate() {
             let got = file.field_with_name(want.name()).map_err(|_| missing(file, want.name()))?;
             if !got.data_type().equals_datatype(want.data_type()) {
+                // What pandas writes for a column whose every value in the file is None.
+                let hint = match got.data_type() {
+                    DataType::Null => {
+                        " (every value of it in this file is None, written without a type: write every file \
+                         with the dataset's schema, e.g. pyarrow's write_table(table.cast(schema)) or pandas' \
+                         to_parquet(schema=...), or leave the column out with fields=[...])"
+                    }
+                    _ => "",
+                };
                 return Err(ParquetError::TypeMismatch {
                     column: want.name().clone(),
                     expected: want.data_type().to_string(),
                     found: got.data_type().to_string(),
+                    hint,
                 });
             }
             if got.is_nullable() && !want.is_nullable() {
