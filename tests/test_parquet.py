@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 import torch.utils.data
@@ -313,22 +314,50 @@ def test_a_column_named_like_the_row_ids_is_refused_not_mistaken_for_them(daemon
 
 def test_a_column_typed_otherwise_in_a_later_file_is_named_with_the_way_out(daemon, tmp_path) -> None:
     # Files written one by one (pandas, a script per shard) disagree: a label inferred int32 in
-    # one and int64 in another; a caption that is None throughout one file has no type there at
-    # all (pyarrow's null). Each must be a ValueError at open naming the file, the column and both
-    # types, and for the typeless column the two ways out.
-    import pandas as pd
-
-    pq.write_table(pa.table({"id": pa.array([0, 1], pa.int64()), "cap": ["a", None]}), tmp_path / "a.parquet")
-    pq.write_table(pa.table({"id": pa.array([2, 3], pa.int32()), "cap": ["b", "c"]}), tmp_path / "b.parquet")
+    # one and int64 in another is a ValueError at open naming the file, the column and both types.
+    pq.write_table(pa.table({"id": pa.array([0, 1], pa.int64())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": pa.array([2, 3], pa.int32())}), tmp_path / "b.parquet")
     with pytest.raises(ValueError, match=r'b\.parquet: column "id" is Int32 here but Int64'):
         next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr, fields=["id"])))
-    (tmp_path / "b.parquet").unlink()
-    pd.DataFrame({"id": [2, 3], "cap": [None, None]}).to_parquet(tmp_path / "b.parquet")
+
+
+@pytest.mark.parametrize("mode", ["dict", "arrow", "views-copy", "inline"])
+def test_a_column_none_throughout_a_later_file_is_served_as_nulls_of_its_type(daemon, tmp_path, mode: str) -> None:
+    # pandas writes a column whose every value in a file is None as pyarrow's null type (no type
+    # at all); pyarrow.dataset reads it as nulls of the dataset's type, and so must the daemon,
+    # through every decode path (a copy in the node cache mapped, views, the inline transport).
+    import pandas as pd
+
+    pd.DataFrame({"id": [0, 1], "cap": ["a", None], "img": [b"xy", None]}).to_parquet(tmp_path / "a.parquet")
+    pd.DataFrame({"id": [2, 3], "cap": [None, None], "img": [None, None]}).to_parquet(tmp_path / "b.parquet")
     assert pa.types.is_null(pq.read_schema(tmp_path / "b.parquet").field("cap").type)
-    with pytest.raises(ValueError, match=r'b\.parquet: column "cap" is Null here.*every value.*schema.*fields='):
+    expected = pads.dataset(str(tmp_path)).to_table()
+    kw: dict = {"batch_size": 3, "shuffle": False, "connect": daemon.addr}
+    if mode == "views-copy":
+        kw.update(format="arrow", binary_views=True, cache="copy")
+    elif mode == "inline":
+        kw.update(format="arrow", transport="inline")
+    elif mode == "arrow":
+        kw.update(format="arrow")
+    got: dict[str, list] = {"id": [], "cap": [], "img": []}
+    for b in shardstream.Loader(str(tmp_path), **kw):
+        if mode == "dict":
+            got["id"] += b["id"].tolist()
+            got["cap"] += b["cap"]
+            got["img"] += [None if v is None else bytes(v) for v in b["img"]]
+        else:
+            want = expected.schema.field("img").type if mode != "views-copy" else pa.binary_view()
+            assert b.schema.field("cap").type == expected.schema.field("cap").type
+            assert b.schema.field("img").type == want
+            for name in got:
+                got[name] += b.column(name).to_pylist()
+    assert got == {n: expected.column(n).to_pylist() for n in got}
+    # The first file decides the dataset's types: a typeless column there is named, with the way out.
+    (tmp_path / "a.parquet").rename(tmp_path / "c.parquet")
+    with pytest.raises(
+        ValueError, match=r'c\.parquet: column "cap" is .* but Null in the dataset.s first file.*schema'
+    ):
         next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr)))
-    ids = [i for b in shardstream.Loader(str(tmp_path), connect=daemon.addr, fields=["id"]) for i in b["id"].tolist()]
-    assert sorted(ids) == [0, 1, 2, 3]
 
 
 def test_two_ranks_two_workers_exactly_once_by_row_id(daemon, varied) -> None:
