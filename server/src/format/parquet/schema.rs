@@ -83,18 +83,21 @@ impl Projection {
         self.schema.fields().iter().map(|f| f.name().as_str())
     }
 
-    /// Checks that `table`'s file has every selected column with the dataset's type, and widens
-    /// the delivered nullability to the file's.
+    /// Checks that `table`'s file has every selected column with the dataset's type (or with no
+    /// type: all nulls), and widens the delivered nullability to the file's.
     pub fn agree(&mut self, table: &ParquetTable) -> Result<(), ParquetError> {
         let file = table.schema();
         let mut widened = None;
         for (i, want) in self.schema.fields().iter().enumerate() {
             let got = file.field_with_name(want.name()).map_err(|_| missing(file, want.name()))?;
-            if !got.data_type().equals_datatype(want.data_type()) {
-                // What pandas writes for a column whose every value in the file is None.
-                let hint = match got.data_type() {
+            // A column with no type here (pandas' for one that is None throughout the file) is
+            // delivered as nulls of the dataset's type ([`FileProjection::arrange`]), as
+            // pyarrow.dataset reads it.
+            let typeless = got.data_type() == &DataType::Null;
+            if !typeless && !got.data_type().equals_datatype(want.data_type()) {
+                let hint = match want.data_type() {
                     DataType::Null => {
-                        " (every value of it in this file is None, written without a type: write every file \
+                        " (every value of it there is None, written without a type: write every file \
                          with the dataset's schema, e.g. pyarrow's write_table(table.cast(schema)) or pandas' \
                          to_parquet(schema=...), or leave the column out with fields=[...])"
                     }
@@ -139,7 +142,13 @@ impl Projection {
         check_codecs(table, &mask)?;
         let flat = self.schema.fields().iter().all(|f| super::direct::is_flat(f.data_type()));
         let leaves = strings::Leaves::of(table.reader_metadata().parquet_schema());
-        let (decode, views) = decode_metadata(table, &leaves, flat)?;
+        let (decode, mut views) = decode_metadata(table, &leaves, flat)?;
+        // A file without a bytes column of its own has none to decode as views; when the
+        // projection has some, this file holds them typeless (`agree`), and delivers them as
+        // nulls of the view type like every other file's views.
+        if !views && flat && file.fields().iter().all(|f| view_type(f.data_type()).is_none()) {
+            views = self.schema.fields().iter().any(|f| view_type(f.data_type()).is_some());
+        }
         let schema = if views { with_views(&self.schema) } else { self.schema.clone() };
         let check = roots.iter().map(|&r| leaves.json.get(r) == Some(&true)).collect();
         Ok(FileProjection { mask, reorder, schema, views, decode, check })
@@ -241,7 +250,10 @@ impl FileProjection {
             .ok_or_else(|| bad("the decoder lost a column".into()))?;
         for ((col, field), &check) in cols.iter_mut().zip(self.schema.fields()).zip(&self.check) {
             let named = |e: arrow_schema::ArrowError| bad(format!("column {:?}: {e}", field.name()));
-            if col.data_type() != field.data_type() {
+            if col.data_type() == &DataType::Null {
+                // A column with no type in this file (see `Projection::agree`): all nulls.
+                *col = arrow_array::new_null_array(field.data_type(), col.len());
+            } else if col.data_type() != field.data_type() {
                 *col = strings::retype(col, field.data_type()).map_err(named)?;
             } else if check {
                 strings::check(col).map_err(named)?;
