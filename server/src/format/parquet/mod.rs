@@ -15,6 +15,8 @@
 //! - [`schema`]: the dataset's Arrow schema from the first file, the projection of the selected
 //!   fields, and the agreement check of every other file (a `ValueError`-kind error naming the file
 //!   and column, raised when the dataset is opened, not mid-epoch).
+//! - [`widen`]: the narrower types a later file may hold a column in (int32 for int64, string for
+//!   large_string), widened as its row groups are decoded.
 //! - [`decode`]: decodes one row group of the selected columns; only their column chunks are read.
 //! - [`pages`]: checks a column chunk's page headers against its bytes before arrow-rs sizes
 //!   buffers from them.
@@ -49,6 +51,7 @@ pub mod projected;
 pub mod recycled;
 pub mod schema;
 pub mod strings;
+pub mod widen;
 
 pub use footer::ParquetTable;
 pub use schema::Projection;

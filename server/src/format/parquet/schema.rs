@@ -3,8 +3,9 @@
 //! The dataset's schema is its first file's (as pyarrow and Hugging Face `datasets` take it).
 //! `fields` selects top-level columns (None = all, in file order; a list keeps its own order, as
 //! pyarrow's `columns=` does). Every file must have every selected column with the same Arrow type
-//! (nested field names such as a list's `item`/`element` aside); a file that does not is named,
-//! with the column, when the dataset is opened, never mid-epoch. A column that is nullable in any
+//! (nested field names such as a list's `item`/`element` aside), a narrower one that widens to it
+//! without loss ([`super::widen`]), or none at all (pandas' column of Nones: delivered as nulls);
+//! a file that does not is named, with the column, when the dataset is opened, never mid-epoch. A column that is nullable in any
 //! file is nullable in the delivered schema.
 //!
 //! When every selected column is flat (what [`super::direct`] writes), binary and string columns
@@ -83,8 +84,9 @@ impl Projection {
         self.schema.fields().iter().map(|f| f.name().as_str())
     }
 
-    /// Checks that `table`'s file has every selected column with the dataset's type (or with no
-    /// type: all nulls), and widens the delivered nullability to the file's.
+    /// Checks that `table`'s file has every selected column with the dataset's type (or one that
+    /// widens to it without loss, [`super::widen`], or with no type: all nulls), and widens the
+    /// delivered nullability to the file's.
     pub fn agree(&mut self, table: &ParquetTable) -> Result<(), ParquetError> {
         let file = table.schema();
         let mut widened = None;
@@ -94,7 +96,8 @@ impl Projection {
             // delivered as nulls of the dataset's type ([`FileProjection::arrange`]), as
             // pyarrow.dataset reads it.
             let typeless = got.data_type() == &DataType::Null;
-            if !typeless && !got.data_type().equals_datatype(want.data_type()) {
+            let widens = super::widen::widening(got.data_type(), want.data_type()).is_some();
+            if !typeless && !widens && !got.data_type().equals_datatype(want.data_type()) {
                 let hint = match want.data_type() {
                     DataType::Null => {
                         " (every value of it there is None, written without a type: write every file \
@@ -253,6 +256,8 @@ impl FileProjection {
             if col.data_type() == &DataType::Null {
                 // A column with no type in this file (see `Projection::agree`): all nulls.
                 *col = arrow_array::new_null_array(field.data_type(), col.len());
+            } else if let Some(widen) = super::widen::widening(col.data_type(), field.data_type()) {
+                *col = widen(col).map_err(named)?;
             } else if col.data_type() != field.data_type() {
                 *col = strings::retype(col, field.data_type()).map_err(named)?;
             } else if check {
