@@ -245,3 +245,23 @@ def test_a_shard_file_is_a_dataset_of_one_and_a_directory_named_like_one_is_a_di
     (base / "notes.txt").write_text("not a shard\n")
     with pytest.raises((ValueError, FileNotFoundError), match="notes.txt"):
         read_ids(f"{url}/notes.txt", addr)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_directory_of_compressed_shards_says_they_are_not_served(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    # webdataset reads `.tar.gz` shards; shardstream serves members in place, which compression
+    # rules out. "holds none" would send the user looking for a wrong path.
+    if where == "local":
+        root, addr, url = tmp_path / "gz", daemon.addr, str(tmp_path / "gz")
+    else:
+        root, addr, url = s3.bucket("hub") / "gz", s3_daemon.addr, "s3://hub/gz/"
+    root.mkdir()
+    for i in range(3):
+        with wds.TarWriter(str(root / f"shard-{i:06d}.tar.gz"), compress=True) as sink:
+            sink.write({"__key__": f"k{i}", "cls": b"1"})
+    (root / "README.md").write_text("about\n")
+    with pytest.raises(FileNotFoundError, match=r"3 files ending in \.tar\.gz.*uncompressed") as e:
+        read_ids(url, addr)
+    assert "README" not in str(e.value), e.value
