@@ -56,6 +56,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         Pick::All | Pick::Glob(_) => {
             let mut found = Vec::new();
             let mut subdirs = Vec::new();
+            let mut compressed = super::Compressed::default();
             crate::metrics::local_list(1);
             let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
             for entry in entries {
@@ -65,6 +66,8 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                     found.push(name);
                 } else if entry.file_type().is_ok_and(|t| t.is_dir()) {
                     subdirs.push(name);
+                } else {
+                    compressed.note(&name);
                 }
             }
             if found.is_empty() {
@@ -74,6 +77,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                     dir.display().to_string(),
                     "directory",
                     &subdirs_with_shards(dir, subdirs),
+                    &compressed,
                 ));
             }
             found.sort();
@@ -82,7 +86,13 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         }
     };
     if shards.is_empty() {
-        return Err(super::no_shards("shards (*.tar or *.parquet files)", dir.display().to_string(), "directory", &[]));
+        return Err(super::no_shards(
+            "shards (*.tar or *.parquet files)",
+            dir.display().to_string(),
+            "directory",
+            &[],
+            &super::Compressed::default(),
+        ));
     }
     Ok(shards)
 }

@@ -201,11 +201,15 @@ fn shards_in_listing(
     // The listing is recursive: keys below a "subdirectory" are not the dataset's, but they say
     // where its shards are when the prefix holds none of its own.
     let mut nested = std::collections::BTreeSet::new();
+    let mut compressed = crate::storage::Compressed::default();
     let mut found: Vec<(String, ObjectInfo)> = Vec::new();
     for o in listed {
         let Some(name) = o.key.strip_prefix(prefix) else { continue };
         match name.split_once('/') {
-            None if !name.is_empty() => found.push((name.to_owned(), o)),
+            None if !name.is_empty() => {
+                compressed.note(name);
+                found.push((name.to_owned(), o));
+            }
             Some((sub, rest))
                 if !rest.contains('/') && crate::format::Format::is_shard_name(rest) && !nested.contains(sub) =>
             {
@@ -246,6 +250,7 @@ fn shards_in_listing(
             format!("s3://{bucket}/{prefix}"),
             "prefix",
             &nested,
+            &compressed,
         ));
     }
     Ok(shards)
