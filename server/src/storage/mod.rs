@@ -118,8 +118,9 @@ pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[Stri
     const SHOWN: usize = 4;
     let mut path = format!("{place} (the {holder} holds none");
     if let Some((ext, n)) = compressed.most() {
+        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
         path.push_str(&format!(
-            "; it holds {n} files ending in {ext}: shards compressed whole are not served (members are \
+            "; it holds {files} ending in {ext}: shards compressed whole are not served (members are \
              read in place), so store them uncompressed (e.g. gunzip, zstd -d)"
         ));
     }
