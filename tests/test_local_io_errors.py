@@ -118,3 +118,35 @@ def test_permission_denied_shard(daemon, tmp_path: Path) -> None:
     finally:
         if d is not daemon:
             assert d.stop() == 0
+
+
+@pytest.mark.parametrize("kind", ["parquet", "webdataset"])
+def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(daemon, tmp_path: Path, kind: str) -> None:
+    # A notebook rewrites its data file in place (pyarrow and tarfile truncate and write the same
+    # inode: the directory's mtime does not move) and reads it again within the minute the daemon
+    # trusts an unchanged directory. The open that finds the shard changed fails naming it; the
+    # next one must list the dataset again and read the new rows, not fail for the rest of the minute.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import webdataset as wds
+
+    def write(n: int) -> None:
+        if kind == "parquet":
+            pq.write_table(pa.table({"id": list(range(n))}), tmp_path / "a.parquet")
+        else:
+            with open(tmp_path / "a-000000.tar", "r+b" if (tmp_path / "a-000000.tar").exists() else "wb") as f:
+                f.truncate(0)
+                with wds.TarWriter(f) as sink:
+                    for i in range(n):
+                        sink.write({"__key__": f"k{i:03d}", "id": b"%d" % i})
+
+    def ids() -> list[int]:
+        loader = shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr)
+        return sorted(int(v) if kind == "parquet" else int(bytes(v)) for b in loader for v in b["id"])
+
+    write(10)
+    assert ids() == list(range(10))
+    write(25)
+    with pytest.raises(shardstream.ShardError, match=r"a(-000000)?\.(parquet|tar).*changed.*again"):
+        ids()
+    assert ids() == list(range(25))
