@@ -379,6 +379,9 @@ pub struct Dataset {
     /// once, while loads of different shards proceed in parallel.
     load_locks: Vec<Mutex<()>>,
     verified: Vec<AtomicBool>,
+    /// A shard read in place was found changed (another length) or gone since the dataset was
+    /// listed: the registry lists it again at the next open instead of trusting its directory.
+    changed: AtomicBool,
     /// The largest sample known when the dataset opens: of every shard when all were scanned, of
     /// the shards whose manifest entry records it (`max_sample`) otherwise. What the inline transport checks
     /// against its message limit before a stream starts. None from an older manifest: the check
@@ -549,6 +552,7 @@ impl Dataset {
             tables: Mutex::new(TableCache::default()),
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            changed: AtomicBool::new(false),
             largest_sample: None,
             parquet: None,
         }
@@ -603,6 +607,11 @@ impl Dataset {
         Some((shard, id - self.prefix[shard]))
     }
 
+    /// Whether a shard read in place was found changed or gone since the dataset was listed.
+    pub fn changed(&self) -> bool {
+        self.changed.load(Ordering::Acquire)
+    }
+
     /// (resident tables, their bytes).
     pub fn resident(&self) -> (usize, usize) {
         let t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
@@ -636,7 +645,20 @@ impl Dataset {
                     }
                     self.verified[i].store(true, Ordering::Release);
                 }
-                (ShardFile::open(path.clone(), meta.len)?, None)
+                // A file rewritten in place keeps its directory's mtime, which the registry trusts:
+                // marked, the next open lists the dataset again.
+                let file = ShardFile::open(path.clone(), meta.len).map_err(|e| {
+                    self.changed.store(true, Ordering::Release);
+                    match e {
+                        Error::Shard { shard, offset, reason } => Error::Shard {
+                            shard,
+                            offset,
+                            reason: format!("{reason}; open the dataset again (a new Loader) to read it as it is now"),
+                        },
+                        e => e,
+                    }
+                })?;
+                (file, None)
             }
             _ => {
                 let pin = self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;

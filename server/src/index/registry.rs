@@ -10,7 +10,8 @@
 //!   for up to [`LOCAL_REVALIDATE`]: two `stat` calls per open instead of one per shard (the
 //!   metadata storm this daemon exists to prevent). A replaced or added shard goes through a
 //!   rename or a new directory entry, which moves the directory's mtime; a shard rewritten in
-//!   place is still caught at the next full check, and by the length check when it is opened.
+//!   place (pyarrow, tarfile) fails the length check when it is opened, which marks the dataset
+//!   changed ([`Dataset::changed`]), and the next open lists it again.
 //!   An S3 dataset is trusted for [`super::REMOTE_REDISCOVERY`].
 //! - **Bounds.** At most `max_datasets` entries and `max_index_bytes` of shard tables; the least
 //!   recently opened entries that no stream holds are evicted first. A dataset in use is never
@@ -210,6 +211,7 @@ impl Registry {
             && stamp.is_some()
             && stamp == *old
             && checked.elapsed() < LOCAL_REVALIDATE
+            && !ds.changed()
         {
             // Nothing was added, removed or renamed since the last full check: no listing.
             return Ok((ds.clone(), stamp, *checked));

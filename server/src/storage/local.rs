@@ -163,7 +163,7 @@ impl ShardFile {
                 shard: path.display().to_string(),
                 offset: None,
                 reason: format!(
-                    "is {len} bytes but the dataset index says {expected_len}; it changed since it was indexed"
+                    "is {len} bytes but the dataset index says {expected_len}: it changed since the dataset was listed"
                 ),
             });
         }
