@@ -5,6 +5,7 @@ would send a trainer's reconnect logic into a loop."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import threading
@@ -150,3 +151,37 @@ def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(daemon, tmp_pa
     with pytest.raises(shardstream.ShardError, match=r"a(-000000)?\.(parquet|tar).*changed.*again"):
         ids()
     assert ids() == list(range(25))
+
+
+def test_a_shard_rewritten_in_place_at_the_same_size_is_never_read_with_the_old_index(daemon, tmp_path: Path) -> None:
+    # TAR pads members to 512 bytes: a member of 3 bytes rewritten as one of 5 leaves the file's
+    # length as it was, and the index made for the old file would cut the new value to 3 bytes.
+    import tarfile
+
+    shard = tmp_path / "a-000000.tar"
+
+    def write(value: bytes) -> None:
+        with open(shard, "r+b" if shard.exists() else "wb") as f:
+            f.truncate(0)
+            with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+                info = tarfile.TarInfo("k0.id")
+                info.size = len(value)
+                tf.addfile(info, io.BytesIO(value))
+
+    def values() -> list[bytes]:
+        loader = shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr)
+        return [bytes(v) for b in loader for v in b["id"]]
+
+    write(b"111")
+    assert values() == [b"111"]
+    size = shard.stat().st_size
+    time.sleep(0.01)  # a new mtime, even on a coarse clock
+    write(b"22222")
+    assert shard.stat().st_size == size
+    try:
+        got = values()
+    except shardstream.ShardError as e:
+        assert "a-000000.tar" in str(e) and "changed" in str(e), e
+    else:
+        assert got == [b"22222"], got
+    assert values() == [b"22222"]
