@@ -647,7 +647,8 @@ impl Dataset {
                 }
                 // A file rewritten in place keeps its directory's mtime, which the registry trusts:
                 // marked, the next open lists the dataset again.
-                let file = ShardFile::open(path.clone(), meta.len).map_err(|e| {
+                let opened = ShardFile::open(path.clone(), meta.len);
+                let file = opened.and_then(|f| f.check_mtime(meta.mtime_ns).map(|()| f)).map_err(|e| {
                     self.changed.store(true, Ordering::Release);
                     match e {
                         Error::Shard { shard, offset, reason } => Error::Shard {

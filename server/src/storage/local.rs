@@ -144,6 +144,8 @@ pub struct ShardFile {
     pub path: PathBuf,
     pub file: File,
     pub len: u64,
+    /// Its modification time when opened (what a listing records of a shard read in place).
+    pub mtime_ns: i64,
     /// How errors name the shard: its path, or its `s3://` URL when `path` is a cache copy.
     pub name: String,
 }
@@ -157,7 +159,8 @@ impl ShardFile {
     /// Opens a local copy of the shard `name` (a node-cache file of an S3 object).
     pub fn open_as(path: PathBuf, expected_len: u64, name: String) -> Result<Self> {
         let file = open_regular(&path)?;
-        let len = file.metadata().map_err(|e| Error::io("cannot stat shard", &path, e))?.len();
+        let meta = file.metadata().map_err(|e| Error::io("cannot stat shard", &path, e))?;
+        let (len, mtime_ns) = (meta.len(), mtime_ns(&meta));
         if len != expected_len {
             return Err(Error::Shard {
                 shard: path.display().to_string(),
@@ -167,7 +170,23 @@ impl ShardFile {
                 ),
             });
         }
-        Ok(Self { path, file, len, name })
+        Ok(Self { path, file, len, mtime_ns, name })
+    }
+
+    /// Refuses a file whose modification time is not the one the dataset was listed with: a
+    /// shard rewritten in place at the same length (TAR pads members to 512 bytes) would be read
+    /// with the old index, values cut or run on. None: nothing recorded (a manifest's shard is
+    /// checked by its CRC instead).
+    pub fn check_mtime(&self, listed_ns: Option<i64>) -> Result<()> {
+        match listed_ns {
+            Some(listed) if listed != self.mtime_ns => Err(Error::Shard {
+                shard: self.path.display().to_string(),
+                offset: None,
+                reason: "has the same length but another modification time: it changed since the dataset was listed"
+                    .into(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
