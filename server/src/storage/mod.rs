@@ -6,12 +6,13 @@
 //! in directories, so a dataset is always one directory and is found with one listing (a brace
 //! pattern, with none). `s3://bucket/prefix/` names a prefix of an S3 (or S3-compatible) bucket,
 //! found with one paginated listing (or one manifest GET), with the same patterns in the last
-//! component.
+//! component; a URL naming one shard file (or object) is a dataset of that shard.
 //!
 //! - [`append`]: the buffers sample reads append to (a growing `Vec`, a fixed rdma staging buffer).
 //! - [`local`]: directories on local disks and parallel file systems, read in place.
 //! - [`pick`]: which of a directory's shards a URL picks (all, brace names, a glob), and the
 //!   refusal of a directory that holds several splits.
+//! - [`no_shards`]: the error for a place without shards, naming what it holds instead.
 //! - [`s3`]: S3 objects, downloaded into the node cache with parallel ranged GETs.
 //! - [`s3_write`]: uploads to S3 (single PUT or multipart from a local file), HEAD and DELETE,
 //!   for `shardstream pack`.
@@ -19,6 +20,7 @@
 
 pub mod append;
 pub mod local;
+mod no_shards;
 pub mod pick;
 pub mod retry;
 pub mod s3;
@@ -26,6 +28,7 @@ pub mod s3_write;
 
 use std::path::PathBuf;
 
+pub use no_shards::{Compressed, no_shards};
 pub use pick::Pick;
 
 use crate::{Error, Result};
@@ -87,57 +90,6 @@ impl DatasetUrl {
 /// A directory as the prefix a shard name is appended to (`/data/train/`).
 pub fn dir_base(dir: &std::path::Path) -> String {
     format!("{}/", dir.display().to_string().trim_end_matches('/'))
-}
-
-/// Shards compressed whole, which webdataset reads but the daemon cannot serve (it reads members
-/// in place), counted by extension while a place is listed, for the error when it holds no shard.
-#[derive(Debug, Default)]
-pub struct Compressed(std::collections::BTreeMap<&'static str, usize>);
-
-impl Compressed {
-    const EXTENSIONS: [&'static str; 6] = [".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz", ".tar.lz4"];
-
-    pub fn note(&mut self, name: &str) {
-        if let Some(ext) = Self::EXTENSIONS.iter().find(|e| name.ends_with(*e)) {
-            *self.0.entry(ext).or_default() += 1;
-        }
-    }
-
-    /// The most common extension and its count.
-    fn most(&self) -> Option<(&'static str, usize)> {
-        self.0.iter().max_by_key(|(_, n)| **n).map(|(e, n)| (*e, *n))
-    }
-}
-
-/// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
-/// its subdirectories (sorted) whose own entries include shards, as a partitioned dataset
-/// (`year=2020/...`) or a directory per split has them; a dataset is the shards of the one place
-/// named, so the user is told which places to name instead of "none". `compressed`: what it holds
-/// of shards compressed whole.
-pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String], compressed: &Compressed) -> Error {
-    const SHOWN: usize = 4;
-    let mut path = format!("{place} (the {holder} holds none");
-    if let Some((ext, n)) = compressed.most() {
-        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
-        path.push_str(&format!(
-            "; it holds {files} ending in {ext}: shards compressed whole are not served (members are \
-             read in place), so store them uncompressed (e.g. gunzip, zstd -d)"
-        ));
-    }
-    if !nested.is_empty() {
-        let names: Vec<String> = nested.iter().take(SHOWN).map(|n| format!("{n}/")).collect();
-        let more = match nested.len().saturating_sub(SHOWN) {
-            0 => String::new(),
-            n => format!(" and {n} more"),
-        };
-        path.push_str(&format!(
-            "; its subdirectories {}{more} do: a dataset is the shards of the one place named, so \
-             name one of those",
-            names.join(", ")
-        ));
-    }
-    path.push(')');
-    Error::NotFound { what, path }
 }
 
 fn pattern_in_directory(url: &str) -> Error {

@@ -1,0 +1,57 @@
+//! The error for a dataset place (a directory, an S3 prefix) that holds no shard of its own,
+//! saying what it holds instead: subdirectories with shards (a partitioned dataset, a directory
+//! per split), or shards compressed whole. "Holds none" alone sends the user looking for a wrong
+//! path.
+
+use crate::Error;
+
+/// Shards compressed whole, which webdataset reads but the daemon cannot serve (it reads members
+/// in place), counted by extension while a place is listed, for the error when it holds no shard.
+#[derive(Debug, Default)]
+pub struct Compressed(std::collections::BTreeMap<&'static str, usize>);
+
+impl Compressed {
+    const EXTENSIONS: [&'static str; 6] = [".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz", ".tar.lz4"];
+
+    pub fn note(&mut self, name: &str) {
+        if let Some(ext) = Self::EXTENSIONS.iter().find(|e| name.ends_with(*e)) {
+            *self.0.entry(ext).or_default() += 1;
+        }
+    }
+
+    /// The most common extension and its count.
+    fn most(&self) -> Option<(&'static str, usize)> {
+        self.0.iter().max_by_key(|(_, n)| **n).map(|(e, n)| (*e, *n))
+    }
+}
+
+/// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
+/// its subdirectories (sorted) whose own entries include shards, as a partitioned dataset
+/// (`year=2020/...`) or a directory per split has them; a dataset is the shards of the one place
+/// named, so the user is told which places to name instead of "none". `compressed`: what it holds
+/// of shards compressed whole.
+pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String], compressed: &Compressed) -> Error {
+    const SHOWN: usize = 4;
+    let mut path = format!("{place} (the {holder} holds none");
+    if let Some((ext, n)) = compressed.most() {
+        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        path.push_str(&format!(
+            "; it holds {files} ending in {ext}: shards compressed whole are not served (members are \
+             read in place), so store them uncompressed (e.g. gunzip, zstd -d)"
+        ));
+    }
+    if !nested.is_empty() {
+        let names: Vec<String> = nested.iter().take(SHOWN).map(|n| format!("{n}/")).collect();
+        let more = match nested.len().saturating_sub(SHOWN) {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        path.push_str(&format!(
+            "; its subdirectories {}{more} do: a dataset is the shards of the one place named, so \
+             name one of those",
+            names.join(", ")
+        ));
+    }
+    path.push(')');
+    Error::NotFound { what, path }
+}
