@@ -265,3 +265,42 @@ def test_a_directory_of_compressed_shards_says_they_are_not_served(
     with pytest.raises(FileNotFoundError, match=r"3 files ending in \.tar\.gz.*uncompressed") as e:
         read_ids(url, addr)
     assert "README" not in str(e.value), e.value
+
+
+def s3_lists(port: int) -> int:
+    """S3 listing requests the daemon has made (its `kind="list"` request counter)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("shardstream_storage_requests_total{") and 'kind="list"' in line
+    )
+
+
+def test_named_shards_on_s3_list_only_what_their_names_share(s3, tmp_path: Path) -> None:
+    # A brace pattern or one shard's name under a prefix of thousands of other objects: the
+    # listing starts at what the names share, one page, not every page of the prefix.
+    from s3server import free_port
+
+    root = s3.bucket("hub") / "many"
+    root.mkdir()
+    for i in range(2100):  # three pages of 1,000 keys
+        (root / f"junk-{i:05d}.bin").write_bytes(b"")
+    for i in range(3):
+        with wds.TarWriter(str(root / f"a-{i:06d}.tar")) as sink:
+            sink.write({"__key__": f"k{i}", "cls": b"1"})
+    port = free_port()
+    d = Daemon(tmp_path, args=["--metrics-addr", f"127.0.0.1:{port}"], env=s3.env()).start()
+    try:
+        for url, keys in [
+            ("s3://hub/many/a-{000000..000001}.tar", {"k0", "k1"}),
+            ("s3://hub/many/a-000002.tar", {"k2"}),
+        ]:
+            before = s3_lists(port)
+            got = {k for b in shardstream.Loader(url, batch_size=4, connect=d.addr) for k in b["__key__"]}
+            assert got == keys, url
+            assert s3_lists(port) - before == 1, url
+    finally:
+        assert d.stop() == 0
