@@ -261,13 +261,28 @@ fn retries(n: u32) -> String {
     if n == 1 { "1 retry".into() } else { format!("{n} retries") }
 }
 
-/// The prefix to list for the objects of `prefix` that `pick` can take: a glob's literal start
-/// narrows the listing (`train-*` under a prefix of train, test and validation files).
+/// The prefix to list for the objects of `prefix` that `pick` can take: a glob's literal start,
+/// or what named shards' names share (`train-{000000..000099}.tar`: `train-0000`), narrows the
+/// listing of a prefix that holds other files (train, test and validation side by side).
 fn listing_prefix(prefix: &str, pick: &crate::storage::Pick) -> String {
     match pick {
         crate::storage::Pick::Glob(g) => format!("{prefix}{}", g.literal_prefix()),
-        _ => prefix.to_owned(),
+        crate::storage::Pick::Names(names) => format!("{prefix}{}", shared_start(names)),
+        crate::storage::Pick::All => prefix.to_owned(),
     }
+}
+
+/// The longest start every name has (cut back to a character boundary).
+fn shared_start(names: &[String]) -> &str {
+    let Some((first, rest)) = names.split_first() else { return "" };
+    let mut end = first.len();
+    for n in rest {
+        end = first.bytes().zip(n.bytes()).take(end).take_while(|(a, b)| a == b).count();
+    }
+    while !first.is_char_boundary(end) {
+        end -= 1;
+    }
+    &first[..end]
 }
 
 impl S3Store {
@@ -983,6 +998,13 @@ mod tests {
         let got = shards_in_listing(listed.clone(), "bk", "p/", &glob).unwrap();
         assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["b.tar"]);
         assert_eq!(listing_prefix("p/", &glob), "p/b");
+        let names = |n: &[&str]| Pick::Names(n.iter().map(|s| s.to_string()).collect());
+        assert_eq!(listing_prefix("p/", &names(&["t-000098.tar", "t-000099.tar", "t-000100.tar"])), "p/t-000");
+        assert_eq!(listing_prefix("p/", &names(&["one.tar"])), "p/one.tar");
+        assert_eq!(listing_prefix("p/", &names(&["a.tar", "b.tar"])), "p/");
+        // A shared start that ends inside a character is cut back to its boundary.
+        assert_eq!(listing_prefix("", &names(&["é1.tar", "è2.tar"])), "");
+        assert_eq!(listing_prefix("", &names(&["éa.tar", "éb.tar"])), "é");
         let none = Pick::Glob(NameGlob::new("z*").unwrap());
         let err = shards_in_listing(listed, "bk", "p/", &none).unwrap_err().to_string();
         assert!(err.contains("s3://bk/p/z*"), "{err}");
