@@ -412,7 +412,7 @@ fn index(url: &str, threads: usize) -> anyhow::Result<()> {
 /// A local dataset path made absolute from this process's working directory: the daemon has its
 /// own, and refuses relative paths.
 fn client_url(url: String) -> anyhow::Result<String> {
-    if url.contains("://") || url.starts_with('/') {
+    if !crate::storage::is_relative_path(&url) {
         return Ok(url);
     }
     let path = std::path::absolute(&url).with_context(|| format!("cannot make {url:?} an absolute path"))?;

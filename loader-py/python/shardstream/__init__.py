@@ -198,22 +198,6 @@ def _dataset_url(url: str | os.PathLike[str]) -> str:
     return text if os.path.isabs(text) else os.path.join(os.getcwd(), text)
 
 
-#: What ``Loader.state_dict`` holds, every key needed to resume.
-_STATE_KEYS = (
-    "version",
-    "fingerprint",
-    "epoch",
-    "batches_consumed",
-    "batch_size",
-    "seed",
-    "shuffle",
-    "shuffle_window",
-    "rank",
-    "world_size",
-    "drop_last",
-)
-
-
 class Loader:
     """Iterates one rank's batches of a dataset, shuffled the same way on every machine.
 
@@ -554,7 +538,7 @@ class Loader:
             raise ValueError(f"a loader state is a dict from state_dict(), not {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported state version {state.get('version')!r} (expected {STATE_VERSION})")
-        missing = [k for k in _STATE_KEYS if k not in state]
+        missing = [k for k in self.state_dict() if k not in state]
         if missing:
             raise ValueError(f"the state is missing {', '.join(missing)}: it is not from a Loader's state_dict()")
         for key in ("epoch", "batches_consumed"):

@@ -648,16 +648,19 @@ impl Dataset {
                 // A file rewritten in place keeps its directory's mtime, which the registry trusts:
                 // marked, the next open lists the dataset again.
                 let opened = ShardFile::open(path.clone(), meta.len);
-                let file = opened.and_then(|f| f.check_mtime(meta.mtime_ns).map(|()| f)).map_err(|e| {
-                    self.changed.store(true, Ordering::Release);
-                    match e {
-                        Error::Shard { shard, offset, reason } => Error::Shard {
-                            shard,
-                            offset,
-                            reason: format!("{reason}; open the dataset again (a new Loader) to read it as it is now"),
-                        },
-                        e => e,
+                // Only a file changed or gone marks it: a transient failure (EMFILE, EIO) would
+                // otherwise cost every later open a full listing.
+                let file = opened.and_then(|f| f.check_mtime(meta.mtime_ns).map(|()| f)).map_err(|e| match e {
+                    Error::Shard { shard, offset, reason } => {
+                        self.changed.store(true, Ordering::Release);
+                        let reason = format!("{reason}; open the dataset again (a new Loader) to read it as it is now");
+                        Error::Shard { shard, offset, reason }
                     }
+                    e @ Error::NotFound { .. } => {
+                        self.changed.store(true, Ordering::Release);
+                        e
+                    }
+                    e => e,
                 })?;
                 (file, None)
             }

@@ -163,7 +163,7 @@ impl Service {
 /// Refuses a relative local path: the daemon would resolve it in its own working directory, not
 /// the client's, and serve whatever dataset has that name there. Clients make paths absolute.
 fn absolute(url: &str) -> Result<(), Status> {
-    if url.contains("://") || url.starts_with('/') {
+    if !crate::storage::is_relative_path(url) {
         return Ok(());
     }
     Err(Status::invalid_argument(format!(

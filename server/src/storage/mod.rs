@@ -87,6 +87,13 @@ impl DatasetUrl {
     }
 }
 
+/// Whether `url` is a relative local path: not a URL (`s3://`, `file://`) and not starting at `/`.
+/// A daemon would resolve one in its own working directory, so clients make it absolute and the
+/// daemon refuses it.
+pub fn is_relative_path(url: &str) -> bool {
+    !url.contains("://") && !url.starts_with('/')
+}
+
 /// A directory as the prefix a shard name is appended to (`/data/train/`).
 pub fn dir_base(dir: &std::path::Path) -> String {
     format!("{}/", dir.display().to_string().trim_end_matches('/'))

@@ -253,13 +253,16 @@ impl FileProjection {
             .ok_or_else(|| bad("the decoder lost a column".into()))?;
         for ((col, field), &check) in cols.iter_mut().zip(self.schema.fields()).zip(&self.check) {
             let named = |e: arrow_schema::ArrowError| bad(format!("column {:?}: {e}", field.name()));
-            if col.data_type() == &DataType::Null {
-                // A column with no type in this file (see `Projection::agree`): all nulls.
-                *col = arrow_array::new_null_array(field.data_type(), col.len());
-            } else if let Some(widen) = super::widen::widening(col.data_type(), field.data_type()) {
-                *col = widen(col).map_err(named)?;
-            } else if col.data_type() != field.data_type() {
-                *col = strings::retype(col, field.data_type()).map_err(named)?;
+            if col.data_type() != field.data_type() {
+                // Only a file that differs from the dataset pays for the lookups below.
+                *col = if col.data_type() == &DataType::Null {
+                    // A column with no type in this file (see `Projection::agree`): all nulls.
+                    arrow_array::new_null_array(field.data_type(), col.len())
+                } else if let Some(widen) = super::widen::widening(col.data_type(), field.data_type()) {
+                    widen(col).map_err(named)?
+                } else {
+                    strings::retype(col, field.data_type()).map_err(named)?
+                };
             } else if check {
                 strings::check(col).map_err(named)?;
             }
