@@ -367,6 +367,80 @@ def test_a_later_file_with_narrower_types_is_served_in_the_first_files(daemon, t
     assert got == {n: expected.column(n).to_pylist() for n in names}
 
 
+@pytest.mark.parametrize("mode", ["dict", "arrow", "views-copy", "inline"])
+def test_struct_children_are_matched_by_name_and_widened_inside_as_pyarrow_dataset_does(
+    daemon, tmp_path, mode: str
+) -> None:
+    # A struct's children are named, not placed: a later file may hold them in another order (a
+    # dict built in another order), wider (a Hugging Face image's bytes as large_binary, as pandas
+    # 3 and polars write it), with one missing or one more. pyarrow.dataset matches them by name,
+    # widens them and fills a missing one with nulls; the daemon served them by position (the
+    # other child's values under a name) or refused a wider one.
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    first = pa.table(
+        {
+            "id": pa.array([0, 1], pa.int64()),
+            "img": pa.array([{"bytes": b"\xff\xd8a", "path": "a.jpg"}, None], image),
+            "xy": pa.array([{"x": 1, "y": 10}, {"x": 2, "y": None}]),
+            "pts": pa.array([[{"x": 1, "y": 2}], []], pa.list_(pa.struct([("x", pa.int64()), ("y", pa.int64())]))),
+        }
+    )
+    later = pa.table(
+        {
+            "id": pa.array([2, 3], pa.int64()),
+            "img": pa.array(
+                [{"path": "c.jpg", "bytes": b"\xff\xd8c"}, {"path": None, "bytes": b"\xff\xd8d"}],
+                pa.struct([("path", pa.large_string()), ("bytes", pa.large_binary())]),
+            ),
+            "xy": pa.array([{"y": 30, "x": 3}, {"y": 40, "x": 4}]),
+            "pts": pa.array(
+                [[{"y": 6, "x": 5}, {"y": 8, "x": 7}], None],
+                pa.large_list(pa.struct([("y", pa.int32()), ("x", pa.int32())])),
+            ),
+        }
+    )
+    missing = pa.table(
+        {
+            "id": pa.array([4], pa.int64()),
+            "img": pa.array([{"bytes": b"\xff\xd8e", "path": "e.jpg"}], image),
+            "xy": pa.array([{"x": 5, "z": 99}]),
+            "pts": pa.array([[{"x": 9, "y": 9}]], pa.list_(pa.struct([("x", pa.int64()), ("y", pa.int64())]))),
+        }
+    )
+    pq.write_table(first, tmp_path / "a.parquet")
+    pq.write_table(later, tmp_path / "b.parquet")
+    pq.write_table(missing, tmp_path / "c.parquet")
+    expected = pads.dataset(str(tmp_path)).to_table()
+    assert expected.column("xy").to_pylist()[2:] == [{"x": 3, "y": 30}, {"x": 4, "y": 40}, {"x": 5, "y": None}]
+    kw: dict = {"batch_size": 2, "shuffle": False, "connect": daemon.addr}
+    if mode == "views-copy":
+        kw.update(format="arrow", binary_views=True, cache="copy")
+    elif mode == "inline":
+        kw.update(format="arrow", transport="inline")
+    elif mode == "arrow":
+        kw.update(format="arrow")
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        return bytes(v) if isinstance(v, memoryview) else v
+
+    # Views are for flat columns only: no list there.
+    names = ["id", "img", "xy"] + ([] if mode == "views-copy" else ["pts"])
+    got: dict[str, list] = {n: [] for n in names}
+    for b in shardstream.Loader(str(tmp_path), fields=names, **kw):
+        for n in names:
+            if mode == "dict":
+                got[n] += b[n].tolist() if n == "id" else plain(list(b[n]))
+            else:
+                if mode != "views-copy":
+                    assert b.schema.field(n).type == expected.schema.field(n).type, (n, b.schema)
+                got[n] += b.column(n).to_pylist()
+    assert got == {n: expected.column(n).to_pylist() for n in names}
+
+
 def test_a_column_typed_otherwise_in_a_later_file_is_named_with_the_way_out(daemon, tmp_path) -> None:
     # A later file whose type could lose values in the first file's (int64 where the dataset has
     # int32, strings where it has numbers) is a ValueError at open naming the file, column, types.
