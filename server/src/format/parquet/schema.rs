@@ -85,19 +85,18 @@ impl Projection {
     }
 
     /// Checks that `table`'s file has every selected column with the dataset's type (or one that
-    /// widens to it without loss, [`super::widen`], or with no type: all nulls), and widens the
-    /// delivered nullability to the file's.
+    /// converts to it without loss, [`super::widen`], or with no type: all nulls), and widens the
+    /// delivered nullability (nested children's included) to the file's.
     pub fn agree(&mut self, table: &ParquetTable) -> Result<(), ParquetError> {
         let file = table.schema();
-        let mut widened = None;
-        for (i, want) in self.schema.fields().iter().enumerate() {
+        let mut changed = false;
+        let mut fields: Vec<Field> = Vec::with_capacity(self.schema.fields().len());
+        for want in self.schema.fields() {
             let got = file.field_with_name(want.name()).map_err(|_| missing(file, want.name()))?;
             // A column with no type here (pandas' for one that is None throughout the file) is
             // delivered as nulls of the dataset's type ([`FileProjection::arrange`]), as
             // pyarrow.dataset reads it.
-            let typeless = got.data_type() == &DataType::Null;
-            let widens = super::widen::widening(got.data_type(), want.data_type()).is_some();
-            if !typeless && !widens && !got.data_type().equals_datatype(want.data_type()) {
+            let t = super::widen::join(got.data_type(), want.data_type()).map_err(|m| {
                 let hint = match want.data_type() {
                     DataType::Null => {
                         " (every value of it there is None, written without a type: write every file \
@@ -106,25 +105,18 @@ impl Projection {
                     }
                     _ => "",
                 };
-                return Err(ParquetError::TypeMismatch {
-                    column: want.name().clone(),
-                    expected: want.data_type().to_string(),
-                    found: got.data_type().to_string(),
+                ParquetError::TypeMismatch {
+                    column: format!("{}{}", want.name(), m.path),
+                    expected: m.expected.to_string(),
+                    found: m.found.to_string(),
                     hint,
-                });
-            }
-            if got.is_nullable() && !want.is_nullable() {
-                widened.get_or_insert_with(Vec::new).push(i);
-            }
+                }
+            })?;
+            let nullable = want.is_nullable() || got.is_nullable();
+            changed |= nullable != want.is_nullable() || &t != want.data_type();
+            fields.push(want.as_ref().clone().with_data_type(t).with_nullable(nullable));
         }
-        if let Some(idx) = widened {
-            let fields: Vec<Field> = self
-                .schema
-                .fields()
-                .iter()
-                .enumerate()
-                .map(|(i, f)| f.as_ref().clone().with_nullable(f.is_nullable() || idx.contains(&i)))
-                .collect();
+        if changed {
             self.schema = Arc::new(Schema::new_with_metadata(fields, self.schema.metadata().clone()));
         }
         Ok(())
@@ -254,16 +246,11 @@ impl FileProjection {
         for ((col, field), &check) in cols.iter_mut().zip(self.schema.fields()).zip(&self.check) {
             let named = |e: arrow_schema::ArrowError| bad(format!("column {:?}: {e}", field.name()));
             if col.data_type() != field.data_type() {
-                // Only a file that differs from the dataset pays for the lookups below.
-                *col = if col.data_type() == &DataType::Null {
-                    // A column with no type in this file (see `Projection::agree`): all nulls.
-                    arrow_array::new_null_array(field.data_type(), col.len())
-                } else if let Some(widen) = super::widen::widening(col.data_type(), field.data_type()) {
-                    widen(col).map_err(named)?
-                } else {
-                    strings::retype(col, field.data_type()).map_err(named)?
-                };
-            } else if check {
+                // Only a file that differs from the dataset pays for the conversion (a column
+                // with no type, a narrower one, strings decoded as bytes: see `Projection::agree`).
+                *col = super::widen::convert(col, field.data_type()).map_err(named)?;
+            }
+            if check {
                 strings::check(col).map_err(named)?;
             }
         }

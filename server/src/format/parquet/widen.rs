@@ -1,15 +1,21 @@
-//! The narrower types a later file may hold a dataset's column in, and their widening to the
-//! dataset's type (its first file's), as `pyarrow.dataset` reads a directory of files written by
-//! different tools: pandas 3 writes `large_string` where `pyarrow.table` writes `string`, a script
-//! infers `int32` or `float32` for one shard and `int64` or `float64` for the next.
+//! The types a later file may hold a dataset's column in besides the dataset's own (its first
+//! file's), and their conversion to the dataset's type, as `pyarrow.dataset` reads a directory of
+//! files written by different tools: pandas 3 writes `large_string` where `pyarrow.table` writes
+//! `string`, a script infers `int32` or `float32` for one shard and `int64` or `float64` for the
+//! next, a struct's children come in another order (a dict built in another order) or one of them
+//! is missing, a Hugging Face image's `bytes` is `large_binary` in one shard.
 //!
 //! Only conversions that keep every value: integers into wider integers that hold each value of
 //! the narrower one (signed from signed, signed or unsigned from unsigned), `float32` into
-//! `float64`, and strings or binary between 32- and 64-bit offsets (the values are shared, the
-//! offsets rewritten; 64-bit offsets past 2 GiB in one row group cannot fit 32 bits and fail that
-//! row group by name). A narrowing could lose values mid-epoch, so it is not here: the dataset
-//! refuses the file when it is opened ([`super::schema`]). Row groups are widened as they are
-//! decoded ([`super::schema::FileProjection::arrange`]).
+//! `float64`, strings or binary between 32- and 64-bit offsets (the values are shared, the offsets
+//! rewritten; 64-bit offsets past 2 GiB in one row group cannot fit 32 bits and fail that row
+//! group by name), lists between offset widths, and inside structs and lists the same, recursively.
+//! A struct's children are matched by name, never by place: a child the file lacks is delivered
+//! as nulls, one the dataset lacks is not delivered. A narrowing could lose values mid-epoch, so it
+//! is not here: the dataset refuses the file when it is opened ([`super::schema`]). [`join`] is
+//! that open-time check (and the delivered type, whose nested children become nullable where a
+//! file's are or lacks them); [`convert`] turns each row group into it as it is decoded
+//! ([`super::schema::FileProjection::arrange`]).
 
 use std::sync::Arc;
 
@@ -17,16 +23,116 @@ use arrow_array::cast::AsArray;
 use arrow_array::types::{
     Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
 };
-use arrow_array::{Array, ArrayRef, GenericBinaryArray, GenericStringArray, OffsetSizeTrait};
+use arrow_array::{
+    Array, ArrayRef, FixedSizeListArray, GenericBinaryArray, GenericListArray, GenericStringArray, OffsetSizeTrait,
+    StructArray, new_null_array,
+};
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
-use arrow_schema::{ArrowError, DataType};
+use arrow_schema::{ArrowError, DataType, Field, FieldRef, Fields};
+
+/// Where, inside a column, a file's type cannot be delivered as the dataset's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch {
+    /// The path below the column (`.bytes`, `[]` for a list's values); empty at the top.
+    pub path: String,
+    pub found: DataType,
+    pub expected: DataType,
+}
+
+/// The type to deliver a column as, given the file's type `found` for a column the dataset
+/// delivers as `expected`: `expected`, with nested children made nullable where `found`'s are,
+/// are typeless or missing. A [`Mismatch`] where no lossless conversion exists.
+pub fn join(found: &DataType, expected: &DataType) -> Result<DataType, Mismatch> {
+    use DataType as T;
+    let mismatch = || Mismatch { path: String::new(), found: found.clone(), expected: expected.clone() };
+    let inside = |m: Mismatch, at: &str| Mismatch { path: format!("{at}{}", m.path), ..m };
+    match (found, expected) {
+        _ if found == expected => Ok(expected.clone()),
+        (T::Null, _) => Ok(expected.clone()),
+        (T::Struct(got), T::Struct(want)) => {
+            // A struct sharing no child with the dataset's is another column, not a narrower one.
+            if !want.iter().any(|w| got.find(w.name()).is_some()) {
+                return Err(mismatch());
+            }
+            let fields = want
+                .iter()
+                .map(|w| {
+                    let g = got.find(w.name()).map(|(_, g)| g.as_ref());
+                    join_field(g, w).map_err(|m| inside(m, &format!(".{}", w.name())))
+                })
+                .collect::<Result<Fields, _>>()?;
+            Ok(T::Struct(fields))
+        }
+        (T::List(g) | T::LargeList(g), T::List(w)) => Ok(T::List(join_list(g, w)?)),
+        (T::List(g) | T::LargeList(g), T::LargeList(w)) => Ok(T::LargeList(join_list(g, w)?)),
+        (T::FixedSizeList(g, n), T::FixedSizeList(w, m)) if n == m => Ok(T::FixedSizeList(join_list(g, w)?, *m)),
+        // Maps and dictionaries as they were: the same type, up to their children's names.
+        (T::Map(..) | T::Dictionary(..), _) if found.equals_datatype(expected) => Ok(expected.clone()),
+        _ if widening(found, expected).is_some() => Ok(expected.clone()),
+        _ => Err(mismatch()),
+    }
+}
+
+fn join_list(got: &Field, want: &FieldRef) -> Result<FieldRef, Mismatch> {
+    join_field(Some(got), want).map(Arc::new).map_err(|m| Mismatch { path: format!("[]{}", m.path), ..m })
+}
+
+/// `want` as delivered given the file's `got` (None: the file lacks it, delivered as nulls).
+fn join_field(got: Option<&Field>, want: &Field) -> Result<Field, Mismatch> {
+    let Some(got) = got else { return Ok(want.clone().with_nullable(true)) };
+    let t = join(got.data_type(), want.data_type())?;
+    let nullable = want.is_nullable() || got.is_nullable() || got.data_type() == &DataType::Null;
+    Ok(want.clone().with_data_type(t).with_nullable(nullable))
+}
+
+/// `a` as type `to`, which [`join`] gave for `a`'s type (or which holds `a`'s bytes retyped as
+/// strings, [`super::strings::retype`]): structs by their children's names, lists by their
+/// values, leaves by [`widening`].
+pub fn convert(a: &ArrayRef, to: &DataType) -> Result<ArrayRef, ArrowError> {
+    use DataType as T;
+    match (a.data_type(), to) {
+        (from, to) if from == to => Ok(a.clone()),
+        (T::Null, to) => Ok(new_null_array(to, a.len())),
+        (T::Struct(_), T::Struct(fields)) => {
+            let s = a.as_struct();
+            let columns = fields
+                .iter()
+                .map(|f| match s.column_by_name(f.name()) {
+                    Some(c) => convert(c, f.data_type()),
+                    None => Ok(new_null_array(f.data_type(), s.len())),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(Arc::new(StructArray::try_new(fields.clone(), columns, s.nulls().cloned())?))
+        }
+        (T::List(_), T::List(f)) => list::<i32, i32>(a, f),
+        (T::List(_), T::LargeList(f)) => list::<i32, i64>(a, f),
+        (T::LargeList(_), T::List(f)) => list::<i64, i32>(a, f),
+        (T::LargeList(_), T::LargeList(f)) => list::<i64, i64>(a, f),
+        (T::FixedSizeList(_, _), T::FixedSizeList(f, n)) => {
+            let l = a.as_fixed_size_list();
+            let values = convert(l.values(), f.data_type())?;
+            Ok(Arc::new(FixedSizeListArray::try_new(f.clone(), *n, values, l.nulls().cloned())?))
+        }
+        (from, to) => match widening(from, to) {
+            Some(widen) => widen(a),
+            None => super::strings::retype(a, to),
+        },
+    }
+}
+
+fn list<F: OffsetSizeTrait, O: OffsetSizeTrait>(a: &ArrayRef, field: &FieldRef) -> Result<ArrayRef, ArrowError> {
+    let l = a.as_list::<F>();
+    let offsets = offsets::<F, O>(l.offsets())?;
+    let values = convert(l.values(), field.data_type())?;
+    Ok(Arc::new(GenericListArray::<O>::try_new(field.clone(), offsets, values, l.nulls().cloned())?))
+}
 
 /// Turns a column of one type into the same values of another.
 pub type Widen = fn(&ArrayRef) -> Result<ArrayRef, ArrowError>;
 
-/// How to make a column of type `from` one of type `to` without losing a value; None when that
-/// cannot be done, or for the same type.
-pub fn widening(from: &DataType, to: &DataType) -> Option<Widen> {
+/// How to make a leaf column of type `from` one of type `to` without losing a value; None when
+/// that cannot be done, or for the same type.
+fn widening(from: &DataType, to: &DataType) -> Option<Widen> {
     use DataType as T;
     // Each pair is lossless by `From` between the native types: the compiler checks the table.
     macro_rules! numbers {
@@ -82,7 +188,7 @@ fn offsets<F: OffsetSizeTrait, O: OffsetSizeTrait>(from: &OffsetBuffer<F>) -> Re
         .map(|o| {
             O::from_usize(o.as_usize()).ok_or_else(|| {
                 ArrowError::InvalidArgumentError(format!(
-                    "{} bytes of values in one row group do not fit the dataset's 32-bit offsets",
+                    "offset {} in one row group does not fit the dataset's 32-bit offsets",
                     o.as_usize()
                 ))
             })
@@ -126,5 +232,84 @@ mod tests {
         ] {
             assert!(widening(&from, &to).is_none(), "{from} -> {to}");
         }
+    }
+
+    fn field(name: &str, t: DataType, nullable: bool) -> FieldRef {
+        Arc::new(Field::new(name, t, nullable))
+    }
+
+    #[test]
+    fn struct_children_go_by_name_widened_inside_and_filled_when_missing() {
+        use arrow_array::{Int64Array, LargeStringArray, ListArray, StringArray};
+        // The file's struct: {y: int32 (nullable), x: int64, z: utf8}, the dataset's {x, y: int64
+        // (not nullable), w: large_utf8}, inside a list of each list type.
+        let file = Fields::from(vec![
+            field("y", DataType::Int32, true),
+            field("x", DataType::Int64, false),
+            field("z", DataType::Utf8, false),
+        ]);
+        let want = Fields::from(vec![
+            field("x", DataType::Int64, false),
+            field("y", DataType::Int64, false),
+            field("w", DataType::LargeUtf8, false),
+        ]);
+        let from = DataType::LargeList(field("element", DataType::Struct(file.clone()), true));
+        let to = DataType::List(field("item", DataType::Struct(want), true));
+        let joined = join(&from, &to).unwrap();
+        let DataType::List(item) = &joined else { panic!("{joined}") };
+        let DataType::Struct(children) = item.data_type() else { panic!("{item}") };
+        let nullable: Vec<_> = children.iter().map(|f| (f.name().as_str(), f.is_nullable())).collect();
+        assert_eq!(nullable, [("x", false), ("y", true), ("w", true)]);
+
+        let s = StructArray::try_new(
+            file,
+            vec![
+                Arc::new(Int32Array::from(vec![Some(10), None, Some(30)])),
+                Arc::new(Int64Array::from(vec![1, 2, 3])),
+                Arc::new(StringArray::from(vec!["a", "b", "c"])),
+            ],
+            None,
+        )
+        .unwrap();
+        let DataType::LargeList(element) = &from else { unreachable!() };
+        let list = arrow_array::LargeListArray::try_new(
+            element.clone(),
+            OffsetBuffer::new(ScalarBuffer::from(vec![0i64, 1, 3])),
+            Arc::new(s),
+            None,
+        )
+        .unwrap();
+        let list: ArrayRef = Arc::new(list.slice(1, 1));
+        let got = convert(&list, &joined).unwrap();
+        assert_eq!(got.data_type(), &joined);
+        let got: &ListArray = got.as_list::<i32>();
+        let row = got.value(0);
+        let row = row.as_struct();
+        assert_eq!(row.column(0).as_primitive::<Int64Type>().values().to_vec(), [2, 3]);
+        assert_eq!(row.column(1).as_primitive::<Int64Type>().iter().collect::<Vec<_>>(), [None, Some(30)]);
+        assert_eq!(row.column(2).as_any().downcast_ref::<LargeStringArray>().unwrap().null_count(), 2);
+    }
+
+    #[test]
+    fn a_nested_narrowing_is_named_by_its_path() {
+        let from = DataType::Struct(Fields::from(vec![field(
+            "pts",
+            DataType::List(field("item", DataType::Int64, true)),
+            true,
+        )]));
+        let to = DataType::Struct(Fields::from(vec![field(
+            "pts",
+            DataType::List(field("element", DataType::Int32, true)),
+            true,
+        )]));
+        let m = join(&from, &to).unwrap_err();
+        assert_eq!((m.path.as_str(), m.found, m.expected), (".pts[]", DataType::Int64, DataType::Int32));
+        // A struct sharing no child with the dataset's is another column.
+        let other = DataType::Struct(Fields::from(vec![field("q", DataType::Int64, true)]));
+        assert_eq!(join(&other, &to).unwrap_err().path, "");
+        // A list's values name is the writer's (pyarrow "item", Spark and Parquet "element").
+        let a = DataType::List(field("item", DataType::Int64, true));
+        let b = DataType::List(field("element", DataType::Int64, true));
+        assert_eq!(join(&a, &b).unwrap(), b);
     }
 }
