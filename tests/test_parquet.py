@@ -814,6 +814,54 @@ def test_files_written_by_hugging_face_datasets_with_an_image_column(daemon, tmp
     assert seen == set(range(150))
 
 
+def test_hugging_face_arrays_and_nested_sequences_come_as_n_dimensional_arrays(daemon, tmp_path: Path) -> None:
+    # Hugging Face `Array2D`/`Array3D` features (precomputed pixel values, spectrograms, features)
+    # are stored as lists of lists of numbers (an extension type over them, registered only where
+    # `datasets` is imported); `datasets`' numpy format gives each row an N-D array. The dict form
+    # gave nested Python lists and collate="stack" refused the column.
+    import datasets
+
+    n = 60
+    feats = datasets.Features(
+        {
+            "id": datasets.Value("int64"),
+            "pix": datasets.Array3D(shape=(2, 3, 4), dtype="uint8"),
+            "spec": datasets.Array2D(shape=(None, 3), dtype="float32"),
+            "boxes": datasets.Sequence(datasets.Sequence(datasets.Value("int32"), length=4)),
+        }
+    )
+    pix = [np.arange(24, dtype=np.uint8).reshape(2, 3, 4) + i for i in range(n)]
+    spec = [np.full((1 + i % 3, 3), i, np.float32) for i in range(n)]
+    boxes = [[[i, j, i + j, 7] for j in range(2)] for i in range(n)]
+    ds = datasets.Dataset.from_dict({"id": list(range(n)), "pix": pix, "spec": spec, "boxes": boxes}, features=feats)
+    ds.to_parquet(str(tmp_path / "train-00000-of-00001.parquet"))
+    seen = set()
+    for b in shardstream.Loader(str(tmp_path), batch_size=8, seed=2, connect=daemon.addr):
+        for j, i in enumerate(b["id"].tolist()):
+            assert isinstance(b["pix"][j], np.ndarray) and b["pix"][j].shape == (2, 3, 4)
+            np.testing.assert_array_equal(b["pix"][j], pix[i])
+            assert b["spec"][j].dtype == np.float32 and b["spec"][j].shape == spec[i].shape
+            np.testing.assert_array_equal(b["spec"][j], spec[i])
+            np.testing.assert_array_equal(b["boxes"][j], boxes[i])
+            seen.add(i)
+    assert seen == set(range(n))
+    ds = sst.IterableDataset(
+        str(tmp_path), batch_size=8, seed=2, connect=daemon.addr, fields=["id", "pix", "boxes"], collate="stack"
+    )
+    seen = set()
+    for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+        assert b["pix"].shape == (len(b["id"]), 2, 3, 4) and b["pix"].dtype == torch.uint8
+        assert b["boxes"].shape == (len(b["id"]), 2, 4)
+        for j, i in enumerate(b["id"].tolist()):
+            assert torch.equal(b["pix"][j], torch.from_numpy(pix[i]))
+            seen.add(i)
+    assert seen == set(range(n))
+    # Rows of different shapes cannot be one array: named, with the rows.
+    with pytest.raises(ValueError, match=r"equal-shaped 'spec' within a batch: row \d+ has 2 at dimension 1"):
+        for _ in shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr, fields=["spec"], collate="stack"):
+            pass
+
+
 def test_a_pack_format_parquet_dataset_is_served_as_is(daemon, tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
     src = tmp_path / "src"
