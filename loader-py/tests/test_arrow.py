@@ -170,6 +170,68 @@ def test_stack_makes_2d_views_and_refuses_ragged_or_null() -> None:
         _arrow.stack(nulls, _arrow.to_dict(nulls, np.array([3, 4], np.uint64)))
 
 
+def test_nested_lists_are_n_dimensional_views_at_every_slice_offset() -> None:
+    # Lists of lists (Hugging Face Array2D/Array3D, Sequence(Sequence)) walk offsets level by
+    # level, each list type its own way (a fixed-size list's child ignores the parent's offset):
+    # every slice of every nesting is checked against pyarrow's reading of the same rows.
+    rng = np.random.default_rng(5)
+    n = 23
+    cube = [rng.integers(0, 255, (int(k % 3), 2, 3)).tolist() for k in range(n)]
+    rb = pa.record_batch(
+        {
+            "cube": pa.array(cube, pa.list_(pa.list_(pa.list_(pa.uint8())))),
+            "boxes": pa.array(
+                [[[k, j, 0, 1] for j in range(int(k % 4))] for k in range(n)], pa.large_list(pa.list_(pa.int32(), 4))
+            ),
+            "grid": pa.array(
+                [[[k, k + 1], [k + 2, k + 3]] if k % 5 else None for k in range(n)],
+                pa.list_(pa.list_(pa.float32(), 2), 2),
+            ),
+            "ragged": pa.array([[[1], [2, 3]] if k == 7 else [[k]] for k in range(n)], pa.list_(pa.list_(pa.int64()))),
+            "holes": pa.array([[[1, None]] if k == 3 else [[k, k]] for k in range(n)], pa.list_(pa.list_(pa.int64()))),
+        }
+    )
+    region = ipc_bytes(rb)
+    whole = reopen(region)
+    for start in range(0, n, 2):
+        for length in (0, 1, 5, n - start):
+            part = whole.slice(start, length)
+            d = _arrow.to_dict(part, np.arange(length, dtype=np.uint64))
+            for name in ("cube", "boxes", "grid"):
+                want = part.column(name).to_pylist()
+                got = d[name]
+                assert [None if g is None else g.tolist() for g in got] == want, (name, start, length)
+                for g in got:
+                    assert g is None or inside(region, g.ctypes.data, g.nbytes), name
+            assert all(g is None or g.ndim == 3 for g in d["cube"])
+            # A ragged row, or a null inside, leaves the column as Python lists (in the batches
+            # holding them); others are arrays.
+            ragged = 7 in range(start, start + length)
+            if length:
+                assert (type(d["ragged"][0]) is list) == ragged, (start, length)
+            if ragged:
+                assert d["ragged"] == part.column("ragged").to_pylist()
+            if 3 in range(start, start + length):
+                assert d["holes"] == part.column("holes").to_pylist()
+    rows = np.arange(n, dtype=np.uint64) + 100
+    rec = whole.slice(10, 10)
+    sub = rows[10:20]
+    out = _arrow.stack(
+        rec.select(["grid"]).filter(pa.array([k % 5 != 0 for k in range(10, 20)])),
+        {"__row__": sub[[k % 5 != 0 for k in range(10, 20)]]},
+    )
+    assert out["grid"].shape == (8, 2, 2) and out["grid"][0].tolist() == [[11, 12], [13, 14]]
+    with pytest.raises(
+        ValueError, match=r"equal-shaped 'cube' within a batch: row 111 has 2 at dimension 1, row 110 has 1"
+    ):
+        _arrow.stack(rec.select(["cube"]), {"__row__": sub})
+    with pytest.raises(ValueError, match=r"'holes' has a null inside its lists in row 103"):
+        _arrow.stack(whole.slice(2, 3).select(["holes"]), {"__row__": rows[2:5]})
+    same = whole.slice(3, 6).select(["cube"]).filter(pa.array([k % 3 == 2 for k in range(3, 9)]))
+    stacked = _arrow.stack(reopen(ipc_bytes(same)), {"__row__": np.array([5, 8], np.uint64)})["cube"]
+    assert stacked.shape == (2, 2, 2, 3) and stacked.tolist() == [cube[5], cube[8]]
+
+
 def test_stack_keeps_dictionary_strings_as_strings_and_names_an_all_null_column() -> None:
     # A pandas categorical of strings is `dictionary<string>` in Parquet's Arrow schema: the dict
     # form decodes it to str like any string column, so stack must keep it as one too.

@@ -20,6 +20,11 @@ slice, array or memoryview made from it are gone.
 - ``fixed_size_list`` of a fixed-width type (embeddings, token blocks): one 2-D array
   ``(rows, list_size)`` over the values buffer, masked by row when lists are null.
 - ``list``/``large_list`` of a fixed-width type: a list of 1-D array views (None for a null list).
+- lists of lists (any of the three list types, at any depth) of a fixed-width type, as Hugging Face
+  ``Array2D``/``Array3D`` and ``Sequence(Sequence(...))`` features are stored (their extension
+  type or not): each row an N-D array view of the values buffer (None for a null row). A row
+  whose inner lists differ in length is no N-D array: a batch with one gives ``to_pylist()``, as
+  does one with a null inside the lists.
 - binary columns (``binary``, ``large_binary``, ``fixed_size_binary``): a list of read-only
   memoryviews into the batch (``bytes`` with ``copy=True``), None for nulls.
 - ``binary_view`` columns (``binary_views=True``): read-only memoryviews into the mapped decoded
@@ -27,7 +32,7 @@ slice, array or memoryview made from it are gone.
   child's value as its own column would give it (a Hugging Face image: ``{"bytes": memoryview,
   "path": str}``).
 - strings: a list of ``str`` (None for nulls). Dictionary columns are decoded first. Anything
-  else (structs, maps, nested lists of non-fixed-width types): ``to_pylist()``.
+  else (structs, maps, lists of non-fixed-width types): ``to_pylist()``.
 - ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the batch has one, else each
   row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
 
@@ -221,6 +226,105 @@ def _offsets(arr: pa.Array) -> np.ndarray[Any, Any]:
     return np.frombuffer(buf, dtype, count=len(arr) + 1, offset=arr.offset * dtype.itemsize)
 
 
+def _is_list(t: pa.DataType) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t))
+
+
+def _storage(arr: pa.Array) -> pa.Array:
+    """An extension-typed column (Hugging Face's ``Array2D``..., registered where ``datasets`` is
+    imported) as the arrays it is stored in."""
+    import pyarrow as pa
+
+    return arr.storage if isinstance(arr.type, pa.BaseExtensionType) else arr
+
+
+def _nested_numbers(t: pa.DataType) -> bool:
+    """Whether ``t`` is lists of lists (two levels or more) of a fixed-width type."""
+    depth = 0
+    while _is_list(t):
+        t, depth = t.value_type, depth + 1
+    return depth >= 2 and _fixed_width(t)
+
+
+class _Nested:
+    """A column of nested lists of a fixed-width type (``_nested_numbers``) walked down to its
+    values, without a copy: for each list level, each row's range of elements there (``bounds``,
+    ``rows + 1`` absolute indices) and each element's length (``lengths``, for the elements of all
+    the rows); ``bounds[-1]`` are the rows' ranges in ``values``. ``null_inside`` holds the rows
+    with a null inside their lists (a null row's own elements, which a fixed-size list keeps and
+    writers null, are the row's: `column_value` gives None for it)."""
+
+    def __init__(self, arr: pa.Array) -> None:
+        import pyarrow as pa
+
+        a = arr
+        bounds = np.arange(len(a) + 1, dtype=np.int64)
+        self.bounds: list[np.ndarray[Any, Any]] = []
+        self.lengths: list[np.ndarray[Any, Any]] = []
+        self.sizes: list[int | None] = []
+        self.null_inside = np.zeros(len(arr), dtype=bool)
+        while _is_list(a.type):
+            lo, hi = int(bounds[0]), int(bounds[-1])
+            if a is not arr:
+                self._nulls(a, bounds)
+            if pa.types.is_fixed_size_list(a.type):
+                size = a.type.list_size
+                # `values` ignores the array's own offset: elements start at `offset * size`.
+                offsets = (a.offset + np.arange(lo, hi + 1, dtype=np.int64)) * size
+                self.sizes.append(size)
+            else:
+                offsets = _offsets(a)[lo : hi + 1].astype(np.int64)
+                self.sizes.append(None)
+            self.bounds.append(bounds)
+            self.lengths.append(np.diff(offsets))
+            bounds = offsets[bounds - lo]
+            a = a.values
+        self._nulls(a, bounds)
+        self.bounds.append(bounds)
+        self.values = _values(a)
+
+    def _nulls(self, a: pa.Array, bounds: np.ndarray[Any, Any]) -> None:
+        """Marks the rows owning a null among ``a``'s elements in ``bounds``' range."""
+        lo, hi = int(bounds[0]), int(bounds[-1])
+        part = a.slice(lo, hi - lo)
+        if hi > lo and part.null_count:
+            owner = np.searchsorted(bounds, np.flatnonzero(_null_mask(part)) + lo, side="right") - 1
+            self.null_inside[owner] = True
+
+    def level_row(self, level: int, element: int) -> int:
+        """The row holding element ``element`` (relative to the level's first) of ``level``."""
+        b = self.bounds[level]
+        return int(np.searchsorted(b, int(b[0]) + element, side="right")) - 1
+
+    def rows(self, valid: list[bool], copy: bool) -> list[Any] | None:
+        """Each row as an N-D array view (None where not ``valid``); None when a valid row's
+        inner lists differ in length."""
+        n = len(valid)
+        dims = []
+        for level, lengths in enumerate(self.lengths):
+            b = self.bounds[level]
+            owner = np.searchsorted(b, np.arange(int(b[0]), int(b[-1])), side="right") - 1
+            ragged = owner[1:][(lengths[1:] != lengths[:-1]) & (owner[1:] == owner[:-1])]
+            if any(valid[int(r)] for r in ragged):
+                return None
+            has = b[1:] > b[:-1]
+            first = np.clip(b[:-1] - b[0], 0, max(len(lengths) - 1, 0))
+            default = self.sizes[level] or 0
+            dims.append(np.where(has, lengths[first] if len(lengths) else default, default).tolist())
+        b = self.bounds[-1].tolist()
+        shapes = list(zip(*dims, strict=True)) if dims else [()] * n
+        out: list[Any] = []
+        for i, ok in enumerate(valid):
+            if not ok:
+                out.append(None)
+                continue
+            row = self.values[b[i] : b[i + 1]].reshape(shapes[i])
+            out.append(row.copy() if copy else row)
+        return out
+
+
 def _binary(arr: pa.Array, copy: bool) -> list[Any]:
     import pyarrow as pa
 
@@ -282,10 +386,16 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
     """One column in the dict form (see the module docs)."""
     import pyarrow as pa
 
+    arr = _storage(arr)
     t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
         t = arr.type
+    if _nested_numbers(t):
+        nested = _Nested(arr)
+        present = ~_null_mask(arr)
+        rows = None if (nested.null_inside & present).any() else nested.rows(present.tolist(), copy)
+        return arr.to_pylist() if rows is None else rows
     if pa.types.is_boolean(t):
         # Arrow packs booleans into bits: numpy needs one byte each, so this is a new array.
         values = _bits(arr.buffers()[1], arr.offset, len(arr)) if len(arr) else np.zeros(0, dtype=bool)
@@ -357,14 +467,16 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
     """``collate="stack"`` for an Arrow batch: every column as one array of ``rows`` records.
     Fixed-width columns are 1-D already; ``fixed_size_list`` columns are 2-D; ``list`` columns of
     equal-length lists and binary columns of equal-length values become a 2-D view of their values
-    buffer (``uint8`` for binary), without a copy. A null, or lists/values of different lengths,
-    is a ``ValueError`` naming the column and row."""
+    buffer (``uint8`` for binary), lists of lists of equal shape an N-D one (Hugging Face
+    ``Array2D``/``Array3D``: ``(rows, *shape)``), without a copy. A null, or lists/values of
+    different lengths, is a ``ValueError`` naming the column and row."""
     import pyarrow as pa
 
     rows = out[ROW]
     for name, arr in zip(batch.schema.names, batch.columns, strict=True):
         if name == "__key__":
             continue
+        arr = _storage(arr)
         t = arr.type
         if pa.types.is_dictionary(t):
             # Stacked as the dict form gives it: decoded (a categorical of strings stays str).
@@ -377,6 +489,9 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
                 f"{int(rows[row])}; fill it, select other fields, or use collate=None"
             )
         if pa.types.is_string(t) or pa.types.is_large_string(t):
+            continue
+        if _nested_numbers(t):
+            out[name] = _stack_nested(name, _Nested(arr), rows)
             continue
         value = out[name]
         if isinstance(value, np.ndarray) or pa.types.is_fixed_size_binary(t):
@@ -403,3 +518,25 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
             )
         out[name] = flat.reshape(len(arr), int(lengths[0]) if len(lengths) else 0)
     return out
+
+
+def _stack_nested(name: str, nested: _Nested, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A column of lists of lists of equal shape as one ``(rows, *shape)`` view of its values."""
+    if nested.null_inside.any():
+        row = int(rows[int(np.flatnonzero(nested.null_inside)[0])])
+        raise ValueError(
+            f'collate="stack" needs a value in every row, but column {name!r} has a null inside its lists '
+            f"in row {row}; fill it, select other fields, or use collate=None"
+        )
+    shape = [len(rows)]
+    for level, lengths in enumerate(nested.lengths):
+        if len(lengths) and (lengths != lengths[0]).any():
+            e = int(np.flatnonzero(lengths != lengths[0])[0])
+            bad, first = nested.level_row(level, e), nested.level_row(level, 0)
+            raise ValueError(
+                f'collate="stack" needs equal-shaped {name!r} within a batch: row {int(rows[bad])} has '
+                f"{int(lengths[e])} at dimension {level + 1}, row {int(rows[first])} has {int(lengths[0])}"
+            )
+        shape.append(int(lengths[0]) if len(lengths) else (nested.sizes[level] or 0))
+    b = nested.bounds[-1]
+    return nested.values[int(b[0]) : int(b[-1])].reshape(shape)
