@@ -61,7 +61,8 @@ Parquet datasets: every numeric column without nulls (and ``"__row__"``) becomes
 record batch's memory (``torch.from_numpy``, no copy with ``num_workers=0``); a column with nulls
 stays a ``numpy.ma.MaskedArray`` (torch has no null), binary columns stay lists of memoryviews /
 bytes, strings lists of str. ``collate="stack"`` gives 2-D tensors for ``fixed_size_list`` columns
-and for equal-length lists. ``format="arrow"`` yields ``pyarrow.RecordBatch`` objects untouched.
+and for equal-length lists, ``(rows, *shape)`` ones for lists of lists of equal shape (Hugging Face
+``Array2D``/``Array3D``). ``format="arrow"`` yields ``pyarrow.RecordBatch`` objects untouched.
 """
 
 from __future__ import annotations
