@@ -441,6 +441,42 @@ def test_struct_children_are_matched_by_name_and_widened_inside_as_pyarrow_datas
     assert got == {n: expected.column(n).to_pylist() for n in names}
 
 
+def test_categoricals_of_any_size_and_plain_strings_in_other_files_are_one_column(daemon, tmp_path) -> None:
+    # pandas writes a categorical as dictionary<int8> up to 127 categories and dictionary<int16>
+    # past them, so shards of one column differ by their categories' count; another shard holds
+    # the column as plain strings (not made categorical). pyarrow.dataset fails on the first
+    # ("Integer value 134 not in range: -128 to 127"); the daemon refused it at open. The values
+    # are strings in every file: they are served as one column.
+    import pandas as pd
+
+    cats = pd.DataFrame({"id": [0, 1, 2], "cat": pd.Series(["a", "b", "a"]).astype("category")})
+    cats.to_parquet(tmp_path / "a.parquet")
+    many = [f"c{i}" for i in range(200)]
+    pd.DataFrame({"id": range(3, 203), "cat": pd.Series(many).astype("category")}).to_parquet(tmp_path / "b.parquet")
+    types = {f: pq.read_schema(tmp_path / f).field("cat").type for f in ("a.parquet", "b.parquet")}
+    assert [t.index_type for t in types.values()] == [pa.int8(), pa.int16()]
+    want = dict(enumerate(["a", "b", "a", *many]))
+    got = {}
+    for b in shardstream.Loader(str(tmp_path), batch_size=64, connect=daemon.addr):
+        got.update(zip(b["id"].tolist(), b["cat"], strict=True))
+    assert got == want
+    # All categoricals: the Arrow form keeps a dictionary, with the wider index.
+    rb = next(iter(shardstream.Loader(str(tmp_path), batch_size=300, connect=daemon.addr, format="arrow")))
+    assert pa.types.is_dictionary(rb.schema.field("cat").type) and rb.schema.field("cat").type.index_type == pa.int16()
+    assert dict(zip(rb.column("id").to_pylist(), rb.column("cat").to_pylist(), strict=True)) == want
+    # A file with plain strings: the column is plain strings in every batch.
+    pd.DataFrame({"id": [203], "cat": ["z"]}).to_parquet(tmp_path / "c.parquet")
+    want[203] = "z"
+    for kw in ({}, {"format": "arrow"}, {"format": "arrow", "transport": "inline"}):
+        got = {}
+        for b in shardstream.Loader(str(tmp_path), batch_size=64, seed=1, connect=daemon.addr, **kw):
+            if kw:
+                assert not pa.types.is_dictionary(b.schema.field("cat").type), b.schema
+                b = {"id": b.column("id").to_numpy(), "cat": b.column("cat").to_pylist()}
+            got.update(zip(b["id"].tolist(), b["cat"], strict=True))
+        assert got == want, kw
+
+
 def test_a_column_typed_otherwise_in_a_later_file_is_named_with_the_way_out(daemon, tmp_path) -> None:
     # A later file whose type could lose values in the first file's (int64 where the dataset has
     # int32, strings where it has numbers) is a ValueError at open naming the file, column, types.
