@@ -3,13 +3,16 @@
 //! files written by different tools: pandas 3 writes `large_string` where `pyarrow.table` writes
 //! `string`, a script infers `int32` or `float32` for one shard and `int64` or `float64` for the
 //! next, a struct's children come in another order (a dict built in another order) or one of them
-//! is missing, a Hugging Face image's `bytes` is `large_binary` in one shard.
+//! is missing, a Hugging Face image's `bytes` is `large_binary` in one shard, a pandas categorical
+//! has int8 indices in one shard and int16 in the next, or plain strings.
 //!
 //! Only conversions that keep every value: integers into wider integers that hold each value of
 //! the narrower one (signed from signed, signed or unsigned from unsigned), `float32` into
 //! `float64`, strings or binary between 32- and 64-bit offsets (the values are shared, the offsets
 //! rewritten; 64-bit offsets past 2 GiB in one row group cannot fit 32 bits and fail that row
 //! group by name), lists between offset widths, and inside structs and lists the same, recursively.
+//! A dictionary column is delivered with the wider files' indices, or decoded when a file holds
+//! its values plain (the delivered type is then the values', from every file).
 //! A struct's children are matched by name, never by place: a child the file lacks is delivered
 //! as nulls, one the dataset lacks is not delivered. A narrowing could lose values mid-epoch, so it
 //! is not here: the dataset refuses the file when it is opened ([`super::schema`]). [`join`] is
@@ -24,8 +27,8 @@ use arrow_array::types::{
     Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
 };
 use arrow_array::{
-    Array, ArrayRef, FixedSizeListArray, GenericBinaryArray, GenericListArray, GenericStringArray, OffsetSizeTrait,
-    StructArray, new_null_array,
+    Array, ArrayRef, BinaryViewArray, FixedSizeListArray, GenericBinaryArray, GenericListArray, GenericStringArray,
+    OffsetSizeTrait, StringViewArray, StructArray, make_array, new_null_array,
 };
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
 use arrow_schema::{ArrowError, DataType, Field, FieldRef, Fields};
@@ -66,8 +69,26 @@ pub fn join(found: &DataType, expected: &DataType) -> Result<DataType, Mismatch>
         (T::List(g) | T::LargeList(g), T::List(w)) => Ok(T::List(join_list(g, w)?)),
         (T::List(g) | T::LargeList(g), T::LargeList(w)) => Ok(T::LargeList(join_list(g, w)?)),
         (T::FixedSizeList(g, n), T::FixedSizeList(w, m)) if n == m => Ok(T::FixedSizeList(join_list(g, w)?, *m)),
-        // Maps and dictionaries as they were: the same type, up to their children's names.
-        (T::Map(..) | T::Dictionary(..), _) if found.equals_datatype(expected) => Ok(expected.clone()),
+        // Dictionaries (pandas' categoricals): indices as wide as the wider file's (pandas writes
+        // int8 up to 127 categories, int16 past them), values joined.
+        (T::Dictionary(gk, gv), T::Dictionary(wk, wv)) => {
+            let values = join(gv, wv)?;
+            let keys = if gk == wk || widening(gk, wk).is_some() {
+                wk
+            } else if widening(wk, gk).is_some() {
+                gk
+            } else {
+                return Err(mismatch());
+            };
+            Ok(T::Dictionary(keys.clone(), Box::new(values)))
+        }
+        // A dictionary here, its values in the dataset: decoded.
+        (T::Dictionary(_, gv), _) => join(gv, expected),
+        // Plain values here, a dictionary in the dataset: the column is delivered decoded, from
+        // every file (its values are the same in either form).
+        (_, T::Dictionary(_, wv)) => join(found, wv),
+        // Maps as they were: the same type, up to their children's names.
+        (T::Map(..), _) if found.equals_datatype(expected) => Ok(expected.clone()),
         _ if widening(found, expected).is_some() => Ok(expected.clone()),
         _ => Err(mismatch()),
     }
@@ -113,6 +134,23 @@ pub fn convert(a: &ArrayRef, to: &DataType) -> Result<ArrayRef, ArrowError> {
             let values = convert(l.values(), f.data_type())?;
             Ok(Arc::new(FixedSizeListArray::try_new(f.clone(), *n, values, l.nulls().cloned())?))
         }
+        (T::Dictionary(_, _), T::Dictionary(keys, values)) => {
+            let d = a.as_any_dictionary();
+            let k = convert(&make_array(d.keys().to_data()), keys)?;
+            let v = convert(d.values(), values)?;
+            let data = k.to_data().into_builder().data_type(to.clone()).child_data(vec![v.to_data()]);
+            Ok(make_array(data.build()?))
+        }
+        (T::Dictionary(_, _), to) => {
+            let d = a.as_any_dictionary();
+            convert(&arrow_select::take::take(d.values().as_ref(), d.keys(), None)?, to)
+        }
+        // The view types a flat projection's row groups are delivered in ([`super::schema`]),
+        // for a column decoded otherwise (a dictionary in this file, decoded above).
+        (T::Utf8, T::Utf8View) => Ok(Arc::new(StringViewArray::from(a.as_string::<i32>()))),
+        (T::LargeUtf8, T::Utf8View) => Ok(Arc::new(StringViewArray::from(a.as_string::<i64>()))),
+        (T::Binary, T::BinaryView) => Ok(Arc::new(BinaryViewArray::from(a.as_binary::<i32>()))),
+        (T::LargeBinary, T::BinaryView) => Ok(Arc::new(BinaryViewArray::from(a.as_binary::<i64>()))),
         (from, to) => match widening(from, to) {
             Some(widen) => widen(a),
             None => super::strings::retype(a, to),
@@ -200,7 +238,7 @@ fn offsets<F: OffsetSizeTrait, O: OffsetSizeTrait>(from: &OffsetBuffer<F>) -> Re
 
 #[cfg(test)]
 mod tests {
-    use arrow_array::{Int32Array, LargeBinaryArray, StringArray, UInt8Array};
+    use arrow_array::{Int8Array, Int32Array, LargeBinaryArray, StringArray, UInt8Array};
 
     use super::*;
 
@@ -311,5 +349,29 @@ mod tests {
         let a = DataType::List(field("item", DataType::Int64, true));
         let b = DataType::List(field("element", DataType::Int64, true));
         assert_eq!(join(&a, &b).unwrap(), b);
+    }
+
+    #[test]
+    fn dictionaries_take_the_wider_indices_or_are_decoded_beside_plain_values() {
+        use arrow_array::{DictionaryArray, StringArray};
+        let dict8 = DataType::Dictionary(Box::new(DataType::Int8), Box::new(DataType::LargeUtf8));
+        let dict16 = DataType::Dictionary(Box::new(DataType::Int16), Box::new(DataType::LargeUtf8));
+        assert_eq!(join(&dict16, &dict8).unwrap(), dict16);
+        assert_eq!(join(&dict8, &dict16).unwrap(), dict16);
+        assert_eq!(join(&DataType::LargeUtf8, &dict8).unwrap(), DataType::LargeUtf8);
+        assert_eq!(join(&dict16, &DataType::LargeUtf8).unwrap(), DataType::LargeUtf8);
+        let numbers = DataType::Dictionary(Box::new(DataType::Int8), Box::new(DataType::Int64));
+        assert!(join(&numbers, &dict8).is_err());
+
+        let keys = Int8Array::from(vec![Some(1), None, Some(0), Some(1)]);
+        let a: ArrayRef =
+            Arc::new(DictionaryArray::try_new(keys, Arc::new(StringArray::from(vec!["x", "y"]))).unwrap());
+        let a = a.slice(1, 3);
+        let wide = convert(&a, &dict16).unwrap();
+        assert_eq!(wide.data_type(), &dict16);
+        let plain = convert(&wide, &DataType::LargeUtf8).unwrap();
+        assert_eq!(plain.as_string::<i64>().iter().collect::<Vec<_>>(), [None, Some("x"), Some("y")]);
+        let views = convert(&a, &DataType::Utf8View).unwrap();
+        assert_eq!(views.as_string_view().iter().collect::<Vec<_>>(), [None, Some("x"), Some("y")]);
     }
 }
