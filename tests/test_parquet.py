@@ -312,6 +312,28 @@ def test_a_column_named_like_the_row_ids_is_refused_not_mistaken_for_them(daemon
     assert rb.to_pydict() == {"v": [1, 2, 3], "__row__": [0, 1, 2]}
 
 
+def test_a_column_name_twice_in_a_file_is_refused_by_name_not_called_corrupt(daemon, tmp_path) -> None:
+    # Arrow tables may repeat a column name and pyarrow writes them. Columns are selected by name,
+    # so which one is meant cannot be known: pyarrow.dataset refuses ("Multiple matches"). The
+    # daemon called the file corrupt when every column was selected, and served the first of the
+    # two for fields=["x"].
+    t = pa.Table.from_arrays([pa.array([1, 2]), pa.array([10, 20]), pa.array(["a", "b"])], names=["x", "x", "s"])
+    pq.write_table(t, tmp_path / "a.parquet")
+    for kw in ({}, {"fields": ["x"]}, {"fields": ["s", "x"], "format": "arrow"}):
+        with pytest.raises(ValueError, match=r'a\.parquet: column "x" appears 2 times'):
+            next(iter(shardstream.Loader(str(tmp_path), batch_size=2, connect=daemon.addr, **kw)))
+    # The other columns are still served.
+    b = next(iter(shardstream.Loader(str(tmp_path), batch_size=2, shuffle=False, connect=daemon.addr, fields=["s"])))
+    assert b["s"] == ["a", "b"]
+    # ...and in a later file too.
+    other = tmp_path / "other"
+    other.mkdir()
+    pq.write_table(pa.table({"x": [0], "s": ["z"]}), other / "a.parquet")
+    pq.write_table(t, other / "b.parquet")
+    with pytest.raises(ValueError, match=r'b\.parquet: column "x" appears 2 times'):
+        next(iter(shardstream.Loader(str(other), batch_size=2, connect=daemon.addr)))
+
+
 @pytest.mark.parametrize("mode", ["dict", "arrow", "views-copy", "inline", "nested"])
 def test_a_later_file_with_narrower_types_is_served_in_the_first_files(daemon, tmp_path, mode: str) -> None:
     # Shards written by different tools disagree on widths: pandas 3 writes large_string where
