@@ -87,6 +87,12 @@ pub enum ParquetError {
          or rename it in the files"
     )]
     ReservedColumn { column: String },
+    /// A selected column whose name the file gives to more than one column.
+    #[error(
+        "column {column:?} appears {count} times in this file: columns are selected by name, so which one is \
+         meant cannot be told; select the others with fields=[...] or rename one in the files"
+    )]
+    DuplicateColumn { column: String, count: usize },
     /// A selected column whose type differs from the dataset's (first file's).
     #[error("column {column:?} is {found} here but {expected} in the dataset's first file{hint}")]
     TypeMismatch { column: String, expected: String, found: String, hint: &'static str },
@@ -113,6 +119,7 @@ impl ParquetError {
             e @ (ParquetError::MissingColumn { .. }
             | ParquetError::TypeMismatch { .. }
             | ParquetError::ReservedColumn { .. }
+            | ParquetError::DuplicateColumn { .. }
             | ParquetError::UnsupportedCodec { .. }) => Error::InvalidArgument(format!("Parquet file {file}: {e}")),
             e @ (ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }) => {
                 Error::Internal(format!("Parquet file {file}: {e}"))

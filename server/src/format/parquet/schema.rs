@@ -56,15 +56,19 @@ impl Projection {
     /// schema.
     pub fn new(first: &Schema, fields: Option<&[String]>) -> Result<Self, ParquetError> {
         let picked: Vec<Field> = match fields {
-            None => first.fields().iter().map(|f| f.as_ref().clone()).collect(),
+            None => {
+                for f in first.fields() {
+                    named(first, f.name())?;
+                }
+                first.fields().iter().map(|f| f.as_ref().clone()).collect()
+            }
             Some(names) => {
                 let mut out: Vec<Field> = Vec::with_capacity(names.len());
                 for n in names {
                     if out.iter().any(|f| f.name() == n) {
                         continue;
                     }
-                    let f = first.field_with_name(n).map_err(|_| missing(first, n))?;
-                    out.push(f.clone());
+                    out.push(named(first, n)?.1.clone());
                 }
                 out
             }
@@ -92,7 +96,7 @@ impl Projection {
         let mut changed = false;
         let mut fields: Vec<Field> = Vec::with_capacity(self.schema.fields().len());
         for want in self.schema.fields() {
-            let got = file.field_with_name(want.name()).map_err(|_| missing(file, want.name()))?;
+            let (_, got) = named(file, want.name())?;
             // A column with no type here (pandas' for one that is None throughout the file) is
             // delivered as nulls of the dataset's type ([`FileProjection::arrange`]), as
             // pyarrow.dataset reads it.
@@ -127,7 +131,7 @@ impl Projection {
         let file = table.schema();
         let mut roots = Vec::with_capacity(self.schema.fields().len());
         for want in self.schema.fields() {
-            let (i, _) = file.column_with_name(want.name()).ok_or_else(|| missing(file, want.name()))?;
+            let (i, _) = named(file, want.name())?;
             roots.push(i);
         }
         let mut sorted = roots.clone();
@@ -285,6 +289,17 @@ fn check_codecs(table: &ParquetTable, mask: &ProjectionMask) -> Result<(), Parqu
     Ok(())
 }
 
+/// The one column of `schema` named `name`, and its index: an error when there is none, or more
+/// than one (Arrow schemas may repeat a name; which one a name selects cannot be told).
+fn named<'a>(schema: &'a Schema, name: &str) -> Result<(usize, &'a Field), ParquetError> {
+    let mut found = schema.fields().iter().enumerate().filter(|(_, f)| f.name() == name);
+    let (i, f) = found.next().ok_or_else(|| missing(schema, name))?;
+    match found.count() {
+        0 => Ok((i, f.as_ref())),
+        more => Err(ParquetError::DuplicateColumn { column: name.to_string(), count: more + 1 }),
+    }
+}
+
 fn missing(schema: &Schema, column: &str) -> ParquetError {
     let available = schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(", ");
     ParquetError::MissingColumn { column: column.to_string(), available }
@@ -324,6 +339,19 @@ mod tests {
         let e = Projection::new(t.schema(), Some(&["nope".to_string()])).unwrap_err();
         let msg = e.into_error("a.parquet").to_string();
         assert!(msg.contains("a.parquet") && msg.contains("\"nope\"") && msg.contains("caption"), "{msg}");
+    }
+
+    #[test]
+    fn a_name_given_to_two_columns_selects_neither() {
+        let s = Schema::new(vec![
+            Field::new("x", DataType::Int64, false),
+            Field::new("s", DataType::Utf8, false),
+            Field::new("x", DataType::Int32, false),
+        ]);
+        assert!(matches!(Projection::new(&s, None), Err(ParquetError::DuplicateColumn { count: 2, .. })));
+        let x = Projection::new(&s, Some(&["s".to_string(), "x".to_string()]));
+        assert!(matches!(x, Err(ParquetError::DuplicateColumn { column, .. }) if column == "x"));
+        assert_eq!(names(&Projection::new(&s, Some(&["s".to_string()])).unwrap()), ["s"]);
     }
 
     #[test]
