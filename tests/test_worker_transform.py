@@ -125,3 +125,21 @@ def test_dataloader_without_workers_keeps_the_views(daemon, dataset) -> None:
         assert [bytes(v) for v in batch["jpg"]] == [samples[k]["jpg"] for k in batch["__key__"]]
         n += len(batch["__key__"])
     assert n == len(samples)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batching", [{}, {"batch_size": 4}])
+def test_a_plain_dataloader_that_would_batch_the_batches_again_is_refused(
+    daemon, dataset, workers: int, batching: dict[str, int]
+) -> None:
+    # torch's DataLoader batches by default (batch_size=1): given the dataset's batches, it wrapped
+    # each one in a batch of one (a leading dimension of 1 on every tensor, keys as lists of
+    # lists), or merged several (batch_size=4), without a word. The dataset sees it from the
+    # DataLoader's fetcher and says what to do.
+    root, _ = dataset
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr, fields=["cls"])
+    with pytest.raises(ValueError, match=r"batch_size=None.*shardstream\.torch\.DataLoader"):
+        next(iter(torch.utils.data.DataLoader(ds, num_workers=workers, **batching)))
+    # batch_size=None is the way, and works.
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)))
+    assert len(batch["__key__"]) == 64
