@@ -68,6 +68,8 @@ and for equal-length lists, ``(rows, *shape)`` ones for lists of lists of equal 
 from __future__ import annotations
 
 import multiprocessing
+import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -213,6 +215,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        _refuse_batching_again(sys._getframe(1))
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         transformed = self.transform is not None or self.batch_transform is not None
@@ -247,6 +250,33 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             else:
                 yield batch
             del batch  # not kept alive (with its lease) while the consumer holds the next one
+
+
+def _refuse_batching_again(frame: types.FrameType | None) -> None:
+    """A ``ValueError`` when a DataLoader that batches (its default ``batch_size=1``, any
+    ``batch_size`` or ``batch_sampler``) is asking for this dataset's items: it would wrap each
+    batch in another (a leading dimension of 1 on every tensor) or merge several, without a word.
+
+    The IterableDataset cannot see its DataLoader; the DataLoader's fetcher, which calls ``next``
+    on this generator from its ``fetch`` (in the trainer, or in each worker), can be seen on the
+    stack with its ``auto_collation``. Should torch move that, nothing is found and nothing is
+    refused (the documented ``batch_size=None`` is unaffected either way)."""
+    from torch.utils.data._utils.fetch import _IterableDatasetFetcher
+
+    for _ in range(4):
+        if frame is None:
+            return
+        fetcher = frame.f_locals.get("self")
+        if isinstance(fetcher, _IterableDatasetFetcher):
+            if getattr(fetcher, "auto_collation", False):
+                raise ValueError(
+                    "shardstream.torch.IterableDataset yields whole batches (its batch_size); a "
+                    "torch DataLoader that batches (batch_size=1 by default, or a batch_size or "
+                    "batch_sampler) would batch them again: give the DataLoader batch_size=None, "
+                    "or use shardstream.torch.DataLoader, which does"
+                )
+            return
+        frame = frame.f_back
 
 
 def _convert(data: Any) -> Any:
