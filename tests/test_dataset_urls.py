@@ -304,3 +304,44 @@ def test_named_shards_on_s3_list_only_what_their_names_share(s3, tmp_path: Path)
             assert s3_lists(port) - before == 1, url
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_hidden_and_underscore_files_beside_the_shards_are_left_out(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    # A dataset copied from a Mac carries an AppleDouble `._name` file beside each shard (4 KiB of
+    # resource fork under the shard's extension); job outputs leave `_`-prefixed files. pyarrow.dataset
+    # and Spark leave names starting with '.' or '_' out of a directory; the daemon took them for
+    # shards and failed the epoch on them.
+    if where == "local":
+        root, addr = tmp_path / "copied", daemon.addr
+        url = str(root)
+    else:
+        root, addr = s3.bucket("hub") / "copied", s3_daemon.addr
+        url = "s3://hub/copied/"
+    root.mkdir(parents=True)
+    apple = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(4096 - 24)
+    for i in range(2):
+        pq.write_table(pa.table({"id": list(range(5 * i, 5 * i + 5))}), root / f"part-{i}.parquet")
+        (root / f"._part-{i}.parquet").write_bytes(apple)
+    (root / "_tmp-part-2.parquet").write_bytes(b"PAR1 half written")
+    assert sorted(read_ids(url, addr)) == list(range(10))
+    # Only hidden ones: said so, with the way to read them anyway.
+    only = root / "only" if where == "local" else s3.bucket("hub") / "only-hidden"
+    only.mkdir()
+    pq.write_table(pa.table({"id": [1]}), only / "_part-0.parquet")
+    with pytest.raises(FileNotFoundError, match=r"_part-0\.parquet.*start with '\.' or '_'"):
+        read_ids(str(only) if where == "local" else "s3://hub/only-hidden/", addr)
+    # A shard named explicitly is read whatever its name.
+    named = (str(only) if where == "local" else "s3://hub/only-hidden") + "/_part-0.parquet"
+    assert read_ids(named, addr) == [1]
+
+
+def test_hidden_webdataset_shards_are_left_out_too(daemon, tmp_path: Path) -> None:
+    with wds.ShardWriter(str(tmp_path / "shard-%06d.tar"), maxcount=10, verbose=0) as sink:
+        for i in range(20):
+            sink.write({"__key__": f"{i:04d}", "cls": str(i).encode()})
+    (tmp_path / "._shard-000000.tar").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X" + bytes(4072))
+    keys = [k for b in shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr) for k in b["__key__"]]
+    assert sorted(keys) == [f"{i:04d}" for i in range(20)]
