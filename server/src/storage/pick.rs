@@ -43,7 +43,28 @@ impl Pick {
     /// everything: its names are looked up, not filtered from a listing.
     pub fn keep_listed<T>(&self, mut listed: Vec<T>, name: impl Fn(&T) -> &str, place: &str) -> Result<Vec<T>> {
         match self {
-            Pick::All => check_one_split(listed.iter().map(&name), place)?,
+            Pick::All => {
+                let hidden: Vec<String> =
+                    listed.iter().map(&name).filter(|n| is_hidden(n)).map(str::to_owned).collect();
+                if !hidden.is_empty() {
+                    listed.retain(|t| !is_hidden(name(t)));
+                    tracing::debug!(place, left_out = hidden.len(), "hidden shard names left out of the listing");
+                }
+                if listed.is_empty() && !hidden.is_empty() {
+                    let shown: Vec<&str> = hidden.iter().take(3).map(String::as_str).collect();
+                    let more = if hidden.len() > shown.len() { ", ..." } else { "" };
+                    return Err(Error::NotFound {
+                        what: "shards",
+                        path: format!(
+                            "{place} (the only shards there, {}{more}, start with '.' or '_': a listing leaves \
+                             those out, as pyarrow.dataset and Spark do (macOS' ._ copies, temporary and job \
+                             files); name them in the URL to read them)",
+                            shown.join(", ")
+                        ),
+                    });
+                }
+                check_one_split(listed.iter().map(&name), place)?
+            }
             Pick::Glob(g) => {
                 listed.retain(|t| g.matches(name(t)));
                 if listed.is_empty() {
@@ -57,6 +78,14 @@ impl Pick {
         }
         Ok(listed)
     }
+}
+
+/// Whether a directory listing leaves `name` out: names starting with `.` (hidden: macOS'
+/// AppleDouble `._shard.tar` copied beside each shard, an upload in progress) or `_` (a job's
+/// `_temporary` and `_SUCCESS`), as pyarrow.dataset, Spark and Hadoop do. A glob leaves out the
+/// first by its own rule; named shards are read whatever their names.
+pub fn is_hidden(name: &str) -> bool {
+    name.starts_with('.') || name.starts_with('_')
 }
 
 /// A glob over shard file names: `*` any run of characters, `?` one, `[abc]`/`[a-z]`/`[!a]` a
@@ -194,6 +223,17 @@ mod tests {
         assert!(e.contains("e.g. /d/a-train-*.tar (or /d/*.tar for all of them)"), "{e}");
         let e = check_one_split(["test-0.parquet", "train-0.parquet"].into_iter(), "s3://b/").unwrap_err();
         assert!(e.to_string().contains("e.g. s3://b/train-*.parquet"), "the training split first: {e}");
+    }
+
+    #[test]
+    fn a_listing_leaves_hidden_names_out_unless_they_are_all_there_is() {
+        let listed = vec!["._a.parquet", "_tmp.parquet", "a.parquet", "b.parquet"];
+        assert_eq!(Pick::All.keep_listed(listed.clone(), |n| n, "/d/").unwrap(), ["a.parquet", "b.parquet"]);
+        let e = Pick::All.keep_listed(vec!["._a.parquet", "_b.parquet"], |n| n, "/d/").unwrap_err().to_string();
+        assert!(e.contains("._a.parquet, _b.parquet") && e.contains("name them"), "{e}");
+        // A glob says for itself: `*` never matches a leading dot, but does match a `_`.
+        let g = Pick::Glob(NameGlob::new("*.parquet").unwrap());
+        assert_eq!(g.keep_listed(listed, |n| n, "/d/").unwrap(), ["_tmp.parquet", "a.parquet", "b.parquet"]);
     }
 
     #[test]
