@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::integrity::content_digest;
-use super::{Backends, SCAN_THREADS, ShardMeta, fetch_into, map_pinned};
+use super::{Backends, FOOTER_THREADS, SCAN_THREADS, ShardMeta, fetch_into, map_pinned};
 use crate::cache::Want;
 use crate::format::parquet::ParquetTable;
 use crate::format::{Format, ShardTable};
@@ -90,7 +90,10 @@ pub(super) fn scan_all(
     bundled: &[Option<Arc<ParquetTable>>],
 ) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
-    crate::parallel::try_map(&indexed, SCAN_THREADS, |&i| {
+    // S3 Parquet files give their tables from their footers alone: latency-bound ranged GETs.
+    let footers_only = format == Format::Parquet && shards.iter().all(|s| matches!(s.source, ShardSource::S3 { .. }));
+    let threads = if footers_only { FOOTER_THREADS } else { SCAN_THREADS };
+    crate::parallel::try_map(&indexed, threads, |&i| {
         scan_one(format, &shards[i], keys.get(i), backends, cache, bundled.get(i).cloned().flatten())
     })
 }
