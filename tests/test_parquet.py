@@ -501,6 +501,49 @@ def test_categoricals_of_any_size_and_plain_strings_in_other_files_are_one_colum
         assert got == want, kw
 
 
+def test_times_in_another_unit_in_a_later_file_are_served_in_the_finer(daemon, tmp_path) -> None:
+    # pandas writes timestamps in nanoseconds, Spark and polars in microseconds: one column's
+    # shards disagree on the unit. The finer unit holds both; time zones must agree.
+    import datetime as dt
+
+    first = pa.table(
+        {
+            "id": [0, 1],
+            "t": pa.array([dt.datetime(2024, 1, 1, 0, 0, 0, 1), None], pa.timestamp("us", tz="UTC")),
+            "d": pa.array([1, 2], pa.duration("ms")),
+        }
+    )
+    later = pa.table(
+        {
+            "id": [2, 3],
+            "t": pa.array([1_700_000_000_123_456_789, 5], pa.timestamp("ns", tz="UTC")),
+            "d": pa.array([3, 4], pa.duration("s")),
+        }
+    )
+    pq.write_table(first, tmp_path / "a.parquet")
+    pq.write_table(later, tmp_path / "b.parquet", coerce_timestamps=None, version="2.6")
+    assert pq.read_schema(tmp_path / "b.parquet").field("t").type == pa.timestamp("ns", tz="UTC")
+    want_t = first.column("t").cast(pa.timestamp("ns", tz="UTC")).to_pylist() + later.column("t").to_pylist()
+    rb = pa.Table.from_batches(
+        list(shardstream.Loader(str(tmp_path), batch_size=3, shuffle=False, connect=daemon.addr, format="arrow"))
+    )
+    assert rb.schema.field("t").type == pa.timestamp("ns", tz="UTC") and rb.schema.field("d").type == pa.duration("ms")
+    assert rb.column("t").to_pylist() == want_t
+    assert rb.column("d").cast(pa.int64()).to_pylist() == [1, 2, 3000, 4000]
+    b = next(iter(shardstream.Loader(str(tmp_path), batch_size=4, shuffle=False, connect=daemon.addr)))
+    assert b["t"].dtype == np.dtype("datetime64[ns]") and b["t"][2] == np.datetime64(1_700_000_000_123_456_789, "ns")
+    # Another time zone (or none) is another meaning, not another unit: refused, naming both.
+    other = tmp_path / "other"
+    other.mkdir()
+    pq.write_table(first, other / "a.parquet")
+    pq.write_table(
+        pa.table({"id": [2], "t": pa.array([5], pa.timestamp("us")), "d": pa.array([1], pa.duration("ms"))}),
+        other / "b.parquet",
+    )
+    with pytest.raises(ValueError, match=r'column "t" is Timestamp\(µs\) here'):
+        next(iter(shardstream.Loader(str(other), connect=daemon.addr)))
+
+
 def test_a_column_typed_otherwise_in_a_later_file_is_named_with_the_way_out(daemon, tmp_path) -> None:
     # A later file whose type could lose values in the first file's (int64 where the dataset has
     # int32, strings where it has numbers) is a ValueError at open naming the file, column, types.
