@@ -11,6 +11,9 @@
 //! `float64`, strings or binary between 32- and 64-bit offsets (the values are shared, the offsets
 //! rewritten; 64-bit offsets past 2 GiB in one row group cannot fit 32 bits and fail that row
 //! group by name), lists between offset widths, and inside structs and lists the same, recursively.
+//! Timestamps and durations in another unit are delivered in the finer one (pandas writes
+//! nanoseconds, Spark and polars microseconds; a value past what 64-bit nanoseconds hold fails its
+//! row group by name), timestamps only within one time zone.
 //! A dictionary column is delivered with the wider files' indices, or decoded when a file holds
 //! its values plain (the delivered type is then the values', from every file).
 //! A struct's children are matched by name, never by place: a child the file lacks is delivered
@@ -31,7 +34,8 @@ use arrow_array::{
     OffsetSizeTrait, StringViewArray, StructArray, make_array, new_null_array,
 };
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
-use arrow_schema::{ArrowError, DataType, Field, FieldRef, Fields};
+use arrow_data::ArrayData;
+use arrow_schema::{ArrowError, DataType, Field, FieldRef, Fields, TimeUnit};
 
 /// Where, inside a column, a file's type cannot be delivered as the dataset's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +56,11 @@ pub fn join(found: &DataType, expected: &DataType) -> Result<DataType, Mismatch>
     match (found, expected) {
         _ if found == expected => Ok(expected.clone()),
         (T::Null, _) => Ok(expected.clone()),
+        // Times in another unit (pandas writes nanoseconds, Spark and polars microseconds): the
+        // finer unit of the two holds both, in the same time zone only (a zone-less timestamp is
+        // a wall-clock time, not an instant).
+        (T::Timestamp(g, gz), T::Timestamp(w, wz)) if gz == wz => Ok(T::Timestamp(finer(*g, *w), wz.clone())),
+        (T::Duration(g), T::Duration(w)) => Ok(T::Duration(finer(*g, *w))),
         (T::Struct(got), T::Struct(want)) => {
             // A struct sharing no child with the dataset's is another column, not a narrower one.
             if !want.iter().any(|w| got.find(w.name()).is_some()) {
@@ -134,6 +143,9 @@ pub fn convert(a: &ArrayRef, to: &DataType) -> Result<ArrayRef, ArrowError> {
             let values = convert(l.values(), f.data_type())?;
             Ok(Arc::new(FixedSizeListArray::try_new(f.clone(), *n, values, l.nulls().cloned())?))
         }
+        (T::Timestamp(from, _), T::Timestamp(to_unit, _)) | (T::Duration(from), T::Duration(to_unit)) => {
+            finer_ticks(a, *from, *to_unit, to)
+        }
         (T::Dictionary(_, _), T::Dictionary(keys, values)) => {
             let d = a.as_any_dictionary();
             let k = convert(&make_array(d.keys().to_data()), keys)?;
@@ -156,6 +168,50 @@ pub fn convert(a: &ArrayRef, to: &DataType) -> Result<ArrayRef, ArrowError> {
             None => super::strings::retype(a, to),
         },
     }
+}
+
+/// The finer of two time units.
+fn finer(a: TimeUnit, b: TimeUnit) -> TimeUnit {
+    let rank = |u: TimeUnit| match u {
+        TimeUnit::Second => 0,
+        TimeUnit::Millisecond => 1,
+        TimeUnit::Microsecond => 2,
+        TimeUnit::Nanosecond => 3,
+    };
+    if rank(a) >= rank(b) { a } else { b }
+}
+
+/// `a`'s times (i64 ticks of `from`) in the finer unit `unit`, as type `to`: an error naming the
+/// first value whose ticks overflow (before 1677 or after 2262 in nanoseconds).
+fn finer_ticks(a: &ArrayRef, from: TimeUnit, unit: TimeUnit, to: &DataType) -> Result<ArrayRef, ArrowError> {
+    let per_second = |u: TimeUnit| match u {
+        TimeUnit::Second => 1i64,
+        TimeUnit::Millisecond => 1_000,
+        TimeUnit::Microsecond => 1_000_000,
+        TimeUnit::Nanosecond => 1_000_000_000,
+    };
+    let (f, t) = (per_second(from), per_second(unit));
+    if t < f || t % f != 0 {
+        return Err(ArrowError::InvalidArgumentError(format!("{from:?} cannot be made {unit:?} without loss")));
+    }
+    let factor = t / f;
+    let data = a.to_data();
+    let ticks = data.buffer::<i64>(0).get(..a.len()).unwrap_or_default();
+    let scaled = ticks
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| match v.checked_mul(factor) {
+            Some(s) => Ok(s),
+            // A null slot's value is whatever the writer left there.
+            None if a.is_null(i) => Ok(0),
+            None => Err(ArrowError::InvalidArgumentError(format!(
+                "{v} {from:?} ticks do not fit the dataset's {unit:?} (64-bit ticks)"
+            ))),
+        })
+        .collect::<Result<Vec<i64>, _>>()?;
+    let data =
+        ArrayData::builder(to.clone()).len(a.len()).add_buffer(scaled.into()).nulls(a.logical_nulls()).build()?;
+    Ok(make_array(data))
 }
 
 fn list<F: OffsetSizeTrait, O: OffsetSizeTrait>(a: &ArrayRef, field: &FieldRef) -> Result<ArrayRef, ArrowError> {
@@ -373,5 +429,30 @@ mod tests {
         assert_eq!(plain.as_string::<i64>().iter().collect::<Vec<_>>(), [None, Some("x"), Some("y")]);
         let views = convert(&a, &DataType::Utf8View).unwrap();
         assert_eq!(views.as_string_view().iter().collect::<Vec<_>>(), [None, Some("x"), Some("y")]);
+    }
+
+    #[test]
+    fn times_go_to_the_finer_unit_and_an_overflow_is_named() {
+        use arrow_array::TimestampSecondArray;
+        let utc = Some(Arc::from("UTC"));
+        let ns = DataType::Timestamp(TimeUnit::Nanosecond, utc.clone());
+        let s = DataType::Timestamp(TimeUnit::Second, utc.clone());
+        assert_eq!(join(&ns, &s).unwrap(), ns);
+        assert_eq!(join(&s, &ns).unwrap(), ns);
+        assert!(join(&DataType::Timestamp(TimeUnit::Second, None), &s).is_err());
+        assert_eq!(
+            join(&DataType::Duration(TimeUnit::Millisecond), &DataType::Duration(TimeUnit::Second)).unwrap(),
+            DataType::Duration(TimeUnit::Millisecond)
+        );
+        // A null slot's value may be anything: it does not fail the conversion.
+        let a = TimestampSecondArray::from(vec![Some(7), Some(1), None, Some(2)]).with_timezone("UTC");
+        let a: ArrayRef = Arc::new(a.slice(1, 3));
+        let got = convert(&a, &ns).unwrap();
+        assert_eq!(got.data_type(), &ns);
+        let got = got.as_primitive::<arrow_array::types::TimestampNanosecondType>();
+        assert_eq!(got.iter().collect::<Vec<_>>(), [Some(1_000_000_000), None, Some(2_000_000_000)]);
+        let far: ArrayRef = Arc::new(TimestampSecondArray::from(vec![i64::MAX / 10]).with_timezone("UTC"));
+        let e = convert(&far, &ns).unwrap_err().to_string();
+        assert!(e.contains("do not fit"), "{e}");
     }
 }
