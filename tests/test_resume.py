@@ -167,3 +167,36 @@ def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(dae
             loader.load_state_dict(state)  # type: ignore[arg-type]
     loader.load_state_dict(good)
     assert sum(len(b["__key__"]) for b in loader) == len(dataset[1])
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, plain: bool) -> None:
+    """Persistent workers keep the dataset object they were started with. They served every
+    epoch in the order of the epoch they started with (set_epoch in the trainer never reached
+    them), and after a resume every later epoch from the resumed batch on: epochs of the same
+    order, missing their first batches. Each epoch must be the one a fresh loader gives."""
+    import torch.utils.data
+
+    import shardstream
+    import shardstream.torch as sst
+
+    root, samples = dataset
+    kw = dict(batch_size=64, seed=3, rank=0, world_size=1, connect=daemon.addr)
+
+    def reference(epoch: int, start: int = 0) -> list[str]:
+        loader = shardstream.Loader(str(root), **kw)
+        loader.load_state_dict(dict(loader.state_dict(), epoch=epoch, batches_consumed=start))
+        return [k for b in loader for k in b["__key__"]]
+
+    ds = sst.IterableDataset(str(root), **kw)
+    if plain:
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    else:
+        dl = sst.DataLoader(ds, num_workers=2, persistent_workers=True)
+        dl.load_state_dict(dict(dl.state_dict(), epoch=0, batches_consumed=3))
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        got = [k for b in dl for k in b["__key__"]]
+        want = reference(epoch, 3 if (epoch == 0 and not plain) else 0)
+        assert got == want, f"epoch {epoch}: {len(got)} samples, {len(want)} wanted"
+    assert reference(1) != reference(2) and len(reference(2)) == len(samples)
