@@ -169,8 +169,8 @@ def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(dae
     assert sum(len(b["__key__"]) for b in loader) == len(dataset[1])
 
 
-@pytest.mark.parametrize("plain", [False, True])
-def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, plain: bool) -> None:
+@pytest.mark.parametrize("mode", ["sst", "plain", "spawn"])
+def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, mode: str) -> None:
     """Persistent workers keep the dataset object they were started with. They served every
     epoch in the order of the epoch they started with (set_epoch in the trainer never reached
     them), and after a resume every later epoch from the resumed batch on: epochs of the same
@@ -189,10 +189,12 @@ def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, plain
         return [k for b in loader for k in b["__key__"]]
 
     ds = sst.IterableDataset(str(root), **kw)
+    plain = mode == "plain"
     if plain:
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
     else:
-        dl = sst.DataLoader(ds, num_workers=2, persistent_workers=True)
+        context = "spawn" if mode == "spawn" else None
+        dl = sst.DataLoader(ds, num_workers=2, persistent_workers=True, multiprocessing_context=context)
         dl.load_state_dict(dict(dl.state_dict(), epoch=0, batches_consumed=3))
     for epoch in range(3):
         ds.set_epoch(epoch)
@@ -200,3 +202,11 @@ def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, plain
         want = reference(epoch, 3 if (epoch == 0 and not plain) else 0)
         assert got == want, f"epoch {epoch}: {len(got)} samples, {len(want)} wanted"
     assert reference(1) != reference(2) and len(reference(2)) == len(samples)
+    # A copy made outside a worker's start has the values in memory of its own.
+    import copy
+
+    fresh = sst.IterableDataset(str(root), **kw)
+    fresh.set_epoch(2)
+    twin = copy.deepcopy(fresh)
+    twin.set_epoch(7)
+    assert (twin.epoch, fresh.epoch) == (7, 2)

@@ -137,8 +137,8 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
     ``batch_transform`` (per batch), the worker-side fast path (see the module's docs): they run on
     the zero-copy views where the batch is read, in each DataLoader worker, and only their result
     crosses to the trainer. With ``transform`` the batch's results go through ``collate_fn``
-    (default ``torch.utils.data.default_collate``). Call ``set_epoch`` before iterating a new epoch
-    (with ``persistent_workers=True`` the workers keep the epoch they started with).
+    (default ``torch.utils.data.default_collate``). Call ``set_epoch`` before iterating a new epoch:
+    workers read the epoch (and a resumed start) when each iteration begins, persistent ones too.
     """
 
     def __init__(
@@ -203,8 +203,43 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         self._batches_per_rank = len(probe)
         self._arrow = probe.arrow
         probe.close()
-        self.epoch = 0
-        self.start_batch = 0
+        # The epoch and the batch to start it at, in memory the DataLoader's workers share with
+        # this process: persistent workers keep the dataset object they were started with, and
+        # read these when each iteration begins (see `__getstate__`).
+        self._position = _shared_position()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._position[0])
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._position[0] = int(epoch)
+
+    @property
+    def start_batch(self) -> int:
+        return int(self._position[1])
+
+    @start_batch.setter
+    def start_batch(self, batch: int) -> None:
+        self._position[1] = int(batch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # To a worker being started: the shared memory itself. Any other pickle or copy (a
+        # deepcopy, a spawn outside a DataLoader) gets the values, in memory of its own.
+        if _spawning() is None:
+            state["_position"] = [self.epoch, self.start_batch]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        position = state.pop("_position")
+        self.__dict__.update(state)
+        if isinstance(position, list):
+            self._position = _shared_position()
+            self._position[0], self._position[1] = position
+        else:
+            self._position = position
 
     def __len__(self) -> int:
         return self._batches_per_rank
@@ -250,6 +285,19 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             else:
                 yield batch
             del batch  # not kept alive (with its lease) while the consumer holds the next one
+
+
+def _shared_position() -> Any:
+    """Two int64 (epoch, start batch) in shared memory that forked and spawned workers inherit."""
+    return multiprocessing.RawArray("q", 2)
+
+
+def _spawning() -> Any:
+    """The process being started while this one pickles its arguments, if any (the only time
+    shared memory may be pickled)."""
+    from multiprocessing import context
+
+    return context.get_spawning_popen()
 
 
 def _refuse_batching_again(frame: types.FrameType | None) -> None:
