@@ -215,6 +215,12 @@ pub fn parquet_footer(data: &[u8]) {
     let leaves = table.reader_metadata().parquet_schema().num_columns();
     for rg in 0..table.num_row_groups() {
         for c in 0..leaves {
+            // A row group of no rows has its chunks unchecked and never read (pyarrow writes
+            // them with data pages at offset 0): no range.
+            if table.row_group_rows(rg) == 0 {
+                assert_eq!(table.chunk_range(rg, c), None, "an empty row group's chunk has a range");
+                continue;
+            }
             let r = table.chunk_range(rg, c).expect("a checked table has every chunk range");
             assert!(r.start >= 4 && r.end <= len - 8 - foot.len() as u64, "chunk {r:?} outside the data");
         }
