@@ -16,6 +16,7 @@
 //! set, bench/PARQUET_PROFILE.md). The views stay inside the daemon's decoded row groups: the
 //! direct writer turns them back into the delivered type as it copies each row into the batch.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use arrow_array::RecordBatch;
@@ -57,18 +58,21 @@ impl Projection {
     pub fn new(first: &Schema, fields: Option<&[String]>) -> Result<Self, ParquetError> {
         let picked: Vec<Field> = match fields {
             None => {
-                for f in first.fields() {
-                    named(first, f.name())?;
-                }
-                first.fields().iter().map(|f| f.as_ref().clone()).collect()
+                let columns = ByName::new(first);
+                first
+                    .fields()
+                    .iter()
+                    .map(|f| columns.one(f.name()).map(|(_, f)| f.clone()))
+                    .collect::<Result<_, _>>()?
             }
             Some(names) => {
+                let columns = ByName::new(first);
                 let mut out: Vec<Field> = Vec::with_capacity(names.len());
                 for n in names {
                     if out.iter().any(|f| f.name() == n) {
                         continue;
                     }
-                    out.push(named(first, n)?.1.clone());
+                    out.push(columns.one(n)?.1.clone());
                 }
                 out
             }
@@ -95,8 +99,9 @@ impl Projection {
         let file = table.schema();
         let mut changed = false;
         let mut fields: Vec<Field> = Vec::with_capacity(self.schema.fields().len());
+        let columns = ByName::new(file);
         for want in self.schema.fields() {
-            let (_, got) = named(file, want.name())?;
+            let (_, got) = columns.one(want.name())?;
             // A column with no type here (pandas' for one that is None throughout the file) is
             // delivered as nulls of the dataset's type ([`FileProjection::arrange`]), as
             // pyarrow.dataset reads it.
@@ -130,8 +135,9 @@ impl Projection {
     pub fn for_file(&self, table: &ParquetTable) -> Result<FileProjection, ParquetError> {
         let file = table.schema();
         let mut roots = Vec::with_capacity(self.schema.fields().len());
+        let columns = ByName::new(file);
         for want in self.schema.fields() {
-            let (i, _) = named(file, want.name())?;
+            let (i, _) = columns.one(want.name())?;
             roots.push(i);
         }
         let mut sorted = roots.clone();
@@ -289,14 +295,32 @@ fn check_codecs(table: &ParquetTable, mask: &ProjectionMask) -> Result<(), Parqu
     Ok(())
 }
 
-/// The one column of `schema` named `name`, and its index: an error when there is none, or more
-/// than one (Arrow schemas may repeat a name; which one a name selects cannot be told).
-fn named<'a>(schema: &'a Schema, name: &str) -> Result<(usize, &'a Field), ParquetError> {
-    let mut found = schema.fields().iter().enumerate().filter(|(_, f)| f.name() == name);
-    let (i, f) = found.next().ok_or_else(|| missing(schema, name))?;
-    match found.count() {
-        0 => Ok((i, f.as_ref())),
-        more => Err(ParquetError::DuplicateColumn { column: name.to_string(), count: more + 1 }),
+/// A schema's columns by name, indexed once: every stream's projection looks up each selected
+/// column in every file, and a wide table (thousands of columns) over many files made a linear
+/// search per lookup a cost of each stream's start.
+struct ByName<'a> {
+    schema: &'a Schema,
+    /// Each name's first column, and how many columns have it.
+    index: HashMap<&'a str, (usize, usize)>,
+}
+
+impl<'a> ByName<'a> {
+    fn new(schema: &'a Schema) -> Self {
+        let mut index: HashMap<&str, (usize, usize)> = HashMap::with_capacity(schema.fields().len());
+        for (i, f) in schema.fields().iter().enumerate() {
+            index.entry(f.name().as_str()).or_insert((i, 0)).1 += 1;
+        }
+        Self { schema, index }
+    }
+
+    /// The one column named `name`, and its index: an error when there is none, or more than one
+    /// (Arrow schemas may repeat a name; which one a name selects cannot be told).
+    fn one(&self, name: &str) -> Result<(usize, &'a Field), ParquetError> {
+        match self.index.get(name) {
+            None => Err(missing(self.schema, name)),
+            Some(&(i, 1)) => Ok((i, self.schema.field(i))),
+            Some(&(_, count)) => Err(ParquetError::DuplicateColumn { column: name.to_string(), count }),
+        }
     }
 }
 

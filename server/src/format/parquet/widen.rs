@@ -222,7 +222,7 @@ fn list<F: OffsetSizeTrait, O: OffsetSizeTrait>(a: &ArrayRef, field: &FieldRef) 
 }
 
 /// Turns a column of one type into the same values of another.
-pub type Widen = fn(&ArrayRef) -> Result<ArrayRef, ArrowError>;
+type Widen = fn(&ArrayRef) -> Result<ArrayRef, ArrowError>;
 
 /// How to make a leaf column of type `from` one of type `to` without losing a value; None when
 /// that cannot be done, or for the same type.
