@@ -44,15 +44,10 @@ impl Pick {
     pub fn keep_listed<T>(&self, mut listed: Vec<T>, name: impl Fn(&T) -> &str, place: &str) -> Result<Vec<T>> {
         match self {
             Pick::All => {
-                let hidden: Vec<String> =
-                    listed.iter().map(&name).filter(|n| is_hidden(n)).map(str::to_owned).collect();
-                if !hidden.is_empty() {
-                    listed.retain(|t| !is_hidden(name(t)));
-                    tracing::debug!(place, left_out = hidden.len(), "hidden shard names left out of the listing");
-                }
-                if listed.is_empty() && !hidden.is_empty() {
-                    let shown: Vec<&str> = hidden.iter().take(3).map(String::as_str).collect();
-                    let more = if hidden.len() > shown.len() { ", ..." } else { "" };
+                let hidden = listed.iter().filter(|t| is_hidden(name(t))).count();
+                if hidden > 0 && hidden == listed.len() {
+                    let shown: Vec<&str> = listed.iter().take(3).map(&name).collect();
+                    let more = if hidden > shown.len() { ", ..." } else { "" };
                     return Err(Error::NotFound {
                         what: "shards",
                         path: format!(
@@ -62,6 +57,10 @@ impl Pick {
                             shown.join(", ")
                         ),
                     });
+                }
+                if hidden > 0 {
+                    listed.retain(|t| !is_hidden(name(t)));
+                    tracing::debug!(place, left_out = hidden, "hidden shard names left out of the listing");
                 }
                 check_one_split(listed.iter().map(&name), place)?
             }
