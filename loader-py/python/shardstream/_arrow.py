@@ -298,7 +298,7 @@ class _Nested:
         b = self.bounds[level]
         return int(np.searchsorted(b, int(b[0]) + element, side="right")) - 1
 
-    def rows(self, valid: list[bool], copy: bool) -> list[Any] | None:
+    def rows(self, valid: np.ndarray[Any, np.dtype[np.bool_]], copy: bool) -> list[Any] | None:
         """Each row as an N-D array view (None where not ``valid``); None when a valid row's
         inner lists differ in length."""
         n = len(valid)
@@ -307,7 +307,7 @@ class _Nested:
             b = self.bounds[level]
             owner = np.searchsorted(b, np.arange(int(b[0]), int(b[-1])), side="right") - 1
             ragged = owner[1:][(lengths[1:] != lengths[:-1]) & (owner[1:] == owner[:-1])]
-            if any(valid[int(r)] for r in ragged):
+            if valid[ragged].any():
                 return None
             has = b[1:] > b[:-1]
             first = np.clip(b[:-1] - b[0], 0, max(len(lengths) - 1, 0))
@@ -316,7 +316,7 @@ class _Nested:
         b = self.bounds[-1].tolist()
         shapes = list(zip(*dims, strict=True)) if dims else [()] * n
         out: list[Any] = []
-        for i, ok in enumerate(valid):
+        for i, ok in enumerate(valid.tolist()):
             if not ok:
                 out.append(None)
                 continue
@@ -394,7 +394,7 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
     if _nested_numbers(t):
         nested = _Nested(arr)
         present = ~_null_mask(arr)
-        rows = None if (nested.null_inside & present).any() else nested.rows(present.tolist(), copy)
+        rows = None if (nested.null_inside & present).any() else nested.rows(present, copy)
         return arr.to_pylist() if rows is None else rows
     if pa.types.is_boolean(t):
         # Arrow packs booleans into bits: numpy needs one byte each, so this is a new array.
