@@ -38,6 +38,17 @@ LAYOUT = [(237, 7, "snappy"), (301, 50, "zstd"), (199, 128, "gzip"), (263, 1000,
 TOTAL = sum(n for n, _, _ in LAYOUT)
 
 
+# A later file's converted columns reach the trainer through each decode path, by a test's mode:
+# the dict form and Arrow over shared memory, views over the node cache's mapped copy, the inline
+# transport.
+DECODE_PATHS: dict[str, dict] = {
+    "dict": {},
+    "arrow": {"format": "arrow"},
+    "views-copy": {"format": "arrow", "binary_views": True, "cache": "copy"},
+    "inline": {"format": "arrow", "transport": "inline"},
+}
+
+
 def table(first: int, n: int, rng: np.random.Generator) -> pa.Table:
     ids = np.arange(first, first + n, dtype=np.int64)
     label = pa.array([None if i % 11 == 0 else int(i % 7) for i in ids], pa.int32())
@@ -365,13 +376,8 @@ def test_a_later_file_with_narrower_types_is_served_in_the_first_files(daemon, t
     expected = pads.dataset(str(tmp_path)).to_table()
     assert expected.schema.field("s").type == pa.string() and expected.column("u").to_pylist() == [1, 2, 3, 255]
     names = ["id", "s", "b", "f", "u"] + (["t"] if mode == "nested" else [])
-    kw: dict = {"batch_size": 3, "shuffle": False, "connect": daemon.addr, "fields": names}
-    if mode == "views-copy":
-        kw.update(format="arrow", binary_views=True, cache="copy")
-    elif mode == "inline":
-        kw.update(format="arrow", transport="inline")
-    elif mode in ("arrow", "nested"):
-        kw.update(format="arrow")
+    path = DECODE_PATHS["arrow" if mode == "nested" else mode]
+    kw: dict = {"batch_size": 3, "shuffle": False, "connect": daemon.addr, "fields": names, **path}
     got: dict[str, list] = {n: [] for n in names}
     for batch in shardstream.Loader(str(tmp_path), **kw):
         if mode == "dict":
@@ -434,13 +440,7 @@ def test_struct_children_are_matched_by_name_and_widened_inside_as_pyarrow_datas
     pq.write_table(missing, tmp_path / "c.parquet")
     expected = pads.dataset(str(tmp_path)).to_table()
     assert expected.column("xy").to_pylist()[2:] == [{"x": 3, "y": 30}, {"x": 4, "y": 40}, {"x": 5, "y": None}]
-    kw: dict = {"batch_size": 2, "shuffle": False, "connect": daemon.addr}
-    if mode == "views-copy":
-        kw.update(format="arrow", binary_views=True, cache="copy")
-    elif mode == "inline":
-        kw.update(format="arrow", transport="inline")
-    elif mode == "arrow":
-        kw.update(format="arrow")
+    kw: dict = {"batch_size": 2, "shuffle": False, "connect": daemon.addr, **DECODE_PATHS[mode]}
 
     def plain(v):
         if isinstance(v, dict):
@@ -570,13 +570,7 @@ def test_a_column_none_throughout_a_later_file_is_served_as_nulls_of_its_type(da
     pd.DataFrame({"id": [2, 3], "cap": [None, None], "img": [None, None]}).to_parquet(tmp_path / "b.parquet")
     assert pa.types.is_null(pq.read_schema(tmp_path / "b.parquet").field("cap").type)
     expected = pads.dataset(str(tmp_path)).to_table()
-    kw: dict = {"batch_size": 3, "shuffle": False, "connect": daemon.addr}
-    if mode == "views-copy":
-        kw.update(format="arrow", binary_views=True, cache="copy")
-    elif mode == "inline":
-        kw.update(format="arrow", transport="inline")
-    elif mode == "arrow":
-        kw.update(format="arrow")
+    kw: dict = {"batch_size": 3, "shuffle": False, "connect": daemon.addr, **DECODE_PATHS[mode]}
     got: dict[str, list] = {"id": [], "cap": [], "img": []}
     for b in shardstream.Loader(str(tmp_path), **kw):
         if mode == "dict":
