@@ -38,6 +38,19 @@ def write_hub_layout(data: Path) -> dict[str, set[int]]:
     return ids
 
 
+def place(where: str, name: str, tmp_path: Path, daemon, s3, s3_daemon) -> tuple[Path, str, str]:
+    """A dataset place `name`, a local directory or an S3 prefix: where to write its files, its
+    URL, and the daemon that reads it."""
+    if where == "local":
+        return tmp_path / name, str(tmp_path / name), daemon.addr
+    return s3.bucket("hub") / name, f"s3://hub/{name}/", s3_daemon.addr
+
+
+# A macOS AppleDouble file (`._name`, the resource fork a copy from a Mac leaves beside a file):
+# its header, then padding to the 4 KiB such files take.
+APPLE_DOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(4096 - 24)
+
+
 def read_ids(url: str, addr: str) -> list[int]:
     return [int(v) for b in shardstream.Loader(url, batch_size=7, connect=addr) for v in b["id"]]
 
@@ -149,12 +162,7 @@ def test_a_directory_whose_shards_are_in_subdirectories_names_them(
     # A partitioned dataset as pyarrow writes it (`year=2020/<uuid>-0.parquet`): a dataset is the
     # files of the directory named, so the error must say where the shards are instead of "none".
     table = pa.table({"year": [2020] * 5 + [2021] * 5, "id": list(range(10))})
-    if where == "local":
-        root, addr = tmp_path / "parted", daemon.addr
-        url = str(root)
-    else:
-        root, addr = s3.bucket("hub") / "parted", s3_daemon.addr
-        url = "s3://hub/parted/"
+    root, url, addr = place(where, "parted", tmp_path, daemon, s3, s3_daemon)
     pq.write_to_dataset(table, str(root), partition_cols=["year"])
     (root / "notes").mkdir()
     (root / "notes" / "README.txt").write_text("no shards here\n")
@@ -253,10 +261,7 @@ def test_a_directory_of_compressed_shards_says_they_are_not_served(
 ) -> None:
     # webdataset reads `.tar.gz` shards; shardstream serves members in place, which compression
     # rules out. "holds none" would send the user looking for a wrong path.
-    if where == "local":
-        root, addr, url = tmp_path / "gz", daemon.addr, str(tmp_path / "gz")
-    else:
-        root, addr, url = s3.bucket("hub") / "gz", s3_daemon.addr, "s3://hub/gz/"
+    root, url, addr = place(where, "gz", tmp_path, daemon, s3, s3_daemon)
     root.mkdir()
     for i in range(3):
         with wds.TarWriter(str(root / f"shard-{i:06d}.tar.gz"), compress=True) as sink:
@@ -314,34 +319,27 @@ def test_hidden_and_underscore_files_beside_the_shards_are_left_out(
     # resource fork under the shard's extension); job outputs leave `_`-prefixed files. pyarrow.dataset
     # and Spark leave names starting with '.' or '_' out of a directory; the daemon took them for
     # shards and failed the epoch on them.
-    if where == "local":
-        root, addr = tmp_path / "copied", daemon.addr
-        url = str(root)
-    else:
-        root, addr = s3.bucket("hub") / "copied", s3_daemon.addr
-        url = "s3://hub/copied/"
+    root, url, addr = place(where, "copied", tmp_path, daemon, s3, s3_daemon)
     root.mkdir(parents=True)
-    apple = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(4096 - 24)
     for i in range(2):
         pq.write_table(pa.table({"id": list(range(5 * i, 5 * i + 5))}), root / f"part-{i}.parquet")
-        (root / f"._part-{i}.parquet").write_bytes(apple)
+        (root / f"._part-{i}.parquet").write_bytes(APPLE_DOUBLE)
     (root / "_tmp-part-2.parquet").write_bytes(b"PAR1 half written")
     assert sorted(read_ids(url, addr)) == list(range(10))
     # Only hidden ones: said so, with the way to read them anyway.
-    only = root / "only" if where == "local" else s3.bucket("hub") / "only-hidden"
+    only, only_url, _ = place(where, "only-hidden", tmp_path, daemon, s3, s3_daemon)
     only.mkdir()
     pq.write_table(pa.table({"id": [1]}), only / "_part-0.parquet")
     with pytest.raises(FileNotFoundError, match=r"_part-0\.parquet.*start with '\.' or '_'"):
-        read_ids(str(only) if where == "local" else "s3://hub/only-hidden/", addr)
+        read_ids(only_url, addr)
     # A shard named explicitly is read whatever its name.
-    named = (str(only) if where == "local" else "s3://hub/only-hidden") + "/_part-0.parquet"
-    assert read_ids(named, addr) == [1]
+    assert read_ids(only_url.rstrip("/") + "/_part-0.parquet", addr) == [1]
 
 
 def test_hidden_webdataset_shards_are_left_out_too(daemon, tmp_path: Path) -> None:
     with wds.ShardWriter(str(tmp_path / "shard-%06d.tar"), maxcount=10, verbose=0) as sink:
         for i in range(20):
             sink.write({"__key__": f"{i:04d}", "cls": str(i).encode()})
-    (tmp_path / "._shard-000000.tar").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X" + bytes(4072))
+    (tmp_path / "._shard-000000.tar").write_bytes(APPLE_DOUBLE)
     keys = [k for b in shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr) for k in b["__key__"]]
     assert sorted(keys) == [f"{i:04d}" for i in range(20)]
