@@ -2,9 +2,10 @@
 has not described: one footer (a small ranged GET) per file, each waiting its round trip.
 
 Usage: ``python bench/s3_open_many.py --bin NAME=PATH [--bin NAME=PATH ...] [--files N]
-[--hold S] [--rounds R]``. Writes N two-row files with pyarrow into a local s3s-fs, puts the chaos
-suite's proxy in front of it holding every object GET for S seconds (S3's round trip, which the
-server on 127.0.0.1 does not have; 0 for none), then per round starts each daemon binary fresh
+[--hold S | --direct] [--rounds R]``. Writes N two-row files with pyarrow into a local s3s-fs, puts
+the chaos suite's proxy in front of it holding every object GET for S seconds (S3's round trip,
+which the server on 127.0.0.1 does not have; 0 for none; ``--direct``: no proxy, and no count of
+GETs in flight), then per round starts each daemon binary fresh
 (empty node cache, the order rotated by one per round) and times its open of the dataset
 (``Connection.open``: listing and footers, no rows). Prints one markdown row per binary: the
 median and spread over the rounds, and the most GETs the proxy saw in flight at once.
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--bin", type=binary, action="append", required=True, dest="bins")
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--hold", type=float, default=0.03)
+    ap.add_argument("--direct", action="store_true", help="no proxy: the daemons ask s3s-fs itself")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="s3-open-") as tmp:
@@ -82,7 +84,9 @@ def main() -> None:
             root.mkdir(parents=True)
             for i in range(args.files):
                 pq.write_table(pa.table({"id": [2 * i, 2 * i + 1]}), root / f"part-{i:05d}.parquet")
-            env = {**os.environ, **s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+            env = {**os.environ, **s3.env()}
+            if not args.direct:
+                env["AWS_ENDPOINT_URL"] = proxy.endpoint
             times: dict[str, list[float]] = {name: [] for name, _ in args.bins}
             peaks: dict[str, int] = {name: 0 for name, _ in args.bins}
             for r in range(args.rounds):
@@ -93,12 +97,14 @@ def main() -> None:
                     proxy.reset_peak()
                     times[name].append(open_once(exe, work, env, "s3://data/many/"))
                     peaks[name] = max(peaks[name], proxy.peak_gets)
-            print(f"{args.files} files, every object GET held {args.hold * 1000:.0f} ms, {args.rounds} rounds")
+            how = "no proxy" if args.direct else f"every object GET held {args.hold * 1000:.0f} ms"
+            print(f"{args.files} files, {how}, {args.rounds} rounds")
             print("| binary | open (s) median (min-max) | GETs in flight, most |")
             print("|---|---|---|")
             for name, _ in args.bins:
                 t = times[name]
-                print(f"| {name} | {statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {peaks[name]} |")
+                peak = "-" if args.direct else str(peaks[name])
+                print(f"| {name} | {statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {peak} |")
         finally:
             proxy.stop()
             s3.stop()
