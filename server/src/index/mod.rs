@@ -66,8 +66,9 @@ const SCAN_THREADS: usize = 8;
 
 /// Threads that read S3 Parquet footers when a dataset without a footers bundle is opened. Each
 /// footer is one small ranged GET whose time is the round trip (~30 ms on S3), not bandwidth or
-/// CPU: 8 at a time made opening 10,000 files take ~40 s, 32 take ~10 s, within the daemon's
-/// 64 GETs in flight (`storage::s3::MAX_GETS_IN_FLIGHT`). `shardstream index` makes it 2 GETs.
+/// CPU: at that, 10,000 files cost ~40 s of round trips 8 at a time and ~10 s 32 at a time (3,000
+/// measured in bench/S3_RESULTS.md), within the daemon's 64 GETs in flight
+/// (`storage::s3::MAX_GETS_IN_FLIGHT`). `shardstream index` makes it 2 GETs.
 const FOOTER_THREADS: usize = 32;
 
 /// How a dataset's shards reach the reader.
