@@ -254,7 +254,10 @@ async fn corrupt_shards_are_data_loss_naming_shard_and_offset() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_is_noticed() {
-    let (fx, _) = start(4, 50).await;
+    // Large enough that the stream cannot be built whole into the HTTP/2 windows and the queue
+    // while the client reads one batch: with 200 batches of ~600 bytes (~120 KB), a loaded
+    // machine let the daemon finish the stream before the status call, which then saw none.
+    let (fx, _) = start(4, 500).await;
     let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
     let mut s = shardstream_client::stream(&mut client, request(&fx.data, 1)).await.unwrap();
     s.next().await.unwrap().unwrap();
