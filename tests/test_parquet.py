@@ -282,6 +282,27 @@ def test_stack_over_a_pandas_frame_with_categorical_and_all_null_columns(daemon,
         next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr, fields=["id", "note"], collate="stack")))
 
 
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_stack_names_a_null_inside_a_row_s_list_instead_of_serving_a_zero(daemon, tmp_path, transport: str) -> None:
+    # Token lists with a missing token (a null element, not a null row): collate="stack" served the
+    # zero Parquet decoding leaves under it as if it were token 0.
+    n = 60
+    tokens = [[i, None, i + 2] if i == 41 else [i, i + 1, i + 2] for i in range(n)]
+    pq.write_table(
+        pa.table({"id": pa.array(range(n), pa.int64()), "tok": pa.array(tokens, pa.list_(pa.int32()))}),
+        tmp_path / "a.parquet",
+        row_group_size=16,
+    )
+    loader = shardstream.Loader(
+        str(tmp_path), batch_size=n, seed=2, connect=daemon.addr, transport=transport, collate="stack"
+    )
+    with pytest.raises(ValueError, match="'tok' has a null inside its lists in row 41"):
+        next(iter(loader))
+    # The dict form shows the null as pyarrow does.
+    (batch,) = shardstream.Loader(str(tmp_path), batch_size=n, shuffle=False, connect=daemon.addr, transport=transport)
+    assert batch["tok"][41] == [41, None, 43]
+
+
 def test_empty_row_groups_and_files_as_pyarrow_and_pandas_write_them(daemon, tmp_path) -> None:
     # pyarrow writes an empty table as a row group of 0 rows whose chunks claim a data page at
     # offset 0 (ParquetWriter with an empty batch between others; pandas' empty DataFrame): a

@@ -170,6 +170,28 @@ def test_stack_makes_2d_views_and_refuses_ragged_or_null() -> None:
         _arrow.stack(nulls, _arrow.to_dict(nulls, np.array([3, 4], np.uint64)))
 
 
+def test_stack_refuses_a_null_inside_a_list_rather_than_serve_what_lies_under_it() -> None:
+    # A list's elements have a validity bitmap of their own: a null token inside a row is no
+    # null row, and the values buffer holds whatever the writer put under it (0 from Parquet).
+    rb = pa.record_batch(
+        {
+            "tok": pa.array([[1, 2], [3, None], [5, 6], [7, 8]], pa.list_(pa.int32())),
+            "big": pa.array([[1, 2], [3, 4], [5, None], [7, 8]], pa.large_list(pa.int64())),
+            "emb": pa.array([[1.0, 2.0], [None, 4.0], [5.0, 6.0], [7.0, 8.0]], pa.list_(pa.float32(), 2)),
+        }
+    )
+    rec = reopen(ipc_bytes(rb))
+    rows = np.array([6, 7, 8, 9], np.uint64)
+    for name, row in (("tok", 7), ("big", 8), ("emb", 7)):
+        part = rec.select([name])
+        with pytest.raises(ValueError, match=rf"'{name}' has a null inside its lists in row {row}"):
+            _arrow.stack(part, _arrow.to_dict(part, rows))
+    # Only the batch's own rows count: a slice past the nulls stacks.
+    tail = rec.slice(3, 1)
+    out = _arrow.stack(tail, _arrow.to_dict(tail, rows[3:]))
+    assert out["tok"].tolist() == [[7, 8]] and out["big"].tolist() == [[7, 8]] and out["emb"].tolist() == [[7.0, 8.0]]
+
+
 def test_nested_lists_are_n_dimensional_views_at_every_slice_offset() -> None:
     # Lists of lists (Hugging Face Array2D/Array3D, Sequence(Sequence)) walk offsets level by
     # level, each list type its own way (a fixed-size list's child ignores the parent's offset):
