@@ -447,10 +447,16 @@ impl BatchAssembler {
     /// such column or is not decoded as views (a list or other nested column).
     pub fn with_binary_views(mut self) -> Result<Self> {
         if !self.per_file.iter().all(FileProjection::views) {
-            return Err(Error::invalid(
+            // A file's bytes columns may also fail to decode as views (arrow-rs refusing the
+            // hint) although every column is flat: then no column is to blame.
+            let why = match self.delivered.fields().iter().find(|f| !direct::is_flat(f.data_type())) {
+                Some(f) => format!("column {:?} is {}, not flat", f.name(), f.data_type()),
+                None => "a file's bytes columns cannot be decoded as views".to_string(),
+            };
+            return Err(Error::invalid(format!(
                 "binary_views needs every selected column to be flat (numbers, strings, binary, \
-                 structs of those); select fewer fields",
-            ));
+                 structs of those), but {why}; select fewer fields"
+            )));
         }
         let mut any = false;
         let fields: Vec<arrow_schema::FieldRef> =
