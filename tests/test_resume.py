@@ -210,3 +210,27 @@ def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, mode:
     twin = copy.deepcopy(fresh)
     twin.set_epoch(7)
     assert (twin.epoch, fresh.epoch) == (7, 2)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_copy_of_a_dataset_or_dataloader_after_an_epoch_iterates_the_same(daemon, dataset, workers: int) -> None:
+    """Frameworks copy loaders (a deepcopy of the trainer's DataLoader, a dataset pickled to
+    another process). After an epoch through shardstream.torch.DataLoader both copies failed: the
+    dataset kept the DataLoader's batch memory (a lock, shared flags), which no copy can take and
+    which belongs to that DataLoader's workers only."""
+    import copy
+    import pickle
+
+    import shardstream.torch as sst
+
+    root, samples = dataset
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr)
+    dl = sst.DataLoader(ds, num_workers=workers)
+    ds.set_epoch(1)
+    first = [k for b in dl for k in b["__key__"]]
+    assert sorted(first) == sorted(samples)
+    twin = copy.deepcopy(dl)
+    assert [k for b in twin for k in b["__key__"]] == first
+    again = pickle.loads(pickle.dumps(ds))
+    assert again.epoch == 1
+    assert [k for b in sst.DataLoader(again, num_workers=workers) for k in b["__key__"]] == first
