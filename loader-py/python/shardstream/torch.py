@@ -227,9 +227,11 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         # To a worker being started: the shared memory itself. Any other pickle or copy (a
-        # deepcopy, a spawn outside a DataLoader) gets the values, in memory of its own.
+        # deepcopy, a spawn outside a DataLoader) gets the values, in memory of its own, and no
+        # batch memory: that is the DataLoader's workers' (a copy's DataLoader sets its own).
         if _spawning() is None:
             state["_position"] = [self.epoch, self.start_batch]
+            state["_memory"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -364,6 +366,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._consumed = 0
         self._reuse_memory = bool(reuse_batch_memory) and self.collate_fn is _convert
         self._memory: BatchMemory | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (a deepcopy of the trainer's loader) starts batch memory of its own when it
+        # iterates; this one's belongs to this loader's workers.
+        state = self.__dict__.copy()
+        state["_memory"] = None
+        return state
 
     def _start_memory(self) -> BatchMemory | None:
         """The batch memory of the iteration about to start: a new one each iteration (its
