@@ -32,9 +32,10 @@ pub enum Command {
         /// Dataset: a directory, file:// URL or s3://bucket/prefix/ (not a pattern: the manifest
         /// describes every shard of the directory).
         url: String,
-        /// Threads reading shards in parallel.
-        #[arg(long, default_value_t = default_threads(), value_parser = limits::parse_threads)]
-        threads: usize,
+        /// Threads reading shards in parallel [default: one per core, at most 16, for TAR shards,
+        /// which are read whole; 32 for Parquet files, whose footer reads wait on the round trip].
+        #[arg(long, value_parser = limits::parse_threads)]
+        threads: Option<usize>,
     },
     /// Turn a tree of small files into shards (WebDataset TAR or Parquet) with a manifest.
     Pack(crate::pack::PackArgs),
@@ -206,10 +207,6 @@ fn parse_seconds(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
-fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(16)
-}
-
 /// Runs the CLI with the given arguments (argv[0] included) and returns the exit code.
 pub fn main_with_args<I, T>(args: I) -> i32
 where
@@ -359,7 +356,7 @@ fn bytes_bar(total: u64) -> indicatif::ProgressBar {
     )
 }
 
-fn index(url: &str, threads: usize) -> anyhow::Result<()> {
+fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
     let rt = runtime()?;
     let s3 = match crate::storage::DatasetUrl::parse(url)? {
         crate::storage::DatasetUrl::S3 { .. } => {

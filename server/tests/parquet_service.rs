@@ -206,7 +206,7 @@ async fn an_indexed_dataset_serves_and_a_crc_mismatch_is_data_loss_before_any_ro
     let url = dir.display().to_string();
     let summary = tokio::task::spawn_blocking({
         let url = url.clone();
-        move || shardstream::index::build::index_dataset(&url, 2, None, &())
+        move || shardstream::index::build::index_dataset(&url, Some(2), None, &())
     })
     .await
     .unwrap()

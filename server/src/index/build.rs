@@ -29,6 +29,7 @@ use bytes::Bytes;
 use crate::format::parquet::dataset::read_table;
 use crate::format::parquet::{ParquetTable, footers};
 use crate::format::{Format, ShardTable};
+use crate::index::FOOTER_THREADS;
 use crate::index::manifest::{ChecksumScope, MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
 use crate::storage::local::{self, ShardFile};
 use crate::storage::s3::{ObjectRef, S3Store};
@@ -116,9 +117,22 @@ fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<Listed>> {
     }
 }
 
+/// TAR shards indexed at a time by default: one a core (at most 16); each is read whole.
+fn shard_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(16)
+}
+
 /// Indexes every shard of `url` with `threads` threads and writes the manifest and sidecars.
-/// `s3`: the connection for `s3://` URLs (blocking calls enter its runtime).
-pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: &dyn Progress) -> Result<IndexSummary> {
+/// `threads` None: [`shard_threads`] TAR shards at a time (each read whole: CPU and bandwidth),
+/// [`FOOTER_THREADS`] Parquet files (each one small read that waits on the round trip, as when
+/// the daemon opens an unindexed dataset). `s3`: the connection for `s3://` URLs (blocking calls
+/// enter its runtime).
+pub fn index_dataset(
+    url: &str,
+    threads: Option<usize>,
+    s3: Option<&S3Store>,
+    progress: &dyn Progress,
+) -> Result<IndexSummary> {
     // The manifest is read for every later open of the directory, patterns or not: one written
     // for some of its shards would hide the others from all of them.
     if let pick @ (Pick::Names(_) | Pick::Glob(_)) = DatasetUrl::parse(url)?.pick() {
@@ -135,8 +149,9 @@ pub fn index_dataset(url: &str, threads: usize, s3: Option<&S3Store>, progress: 
     let (format, listed) = list_with_format(url, s3)?;
     format.check_served(url)?;
     if format == Format::Parquet {
-        return index_parquet(url, &listed, threads, s3, progress);
+        return index_parquet(url, &listed, threads.unwrap_or(FOOTER_THREADS), s3, progress);
     }
+    let threads = threads.unwrap_or_else(shard_threads);
     let shards: Vec<(String, u64)> = listed.into_iter().map(|s| (s.name, s.len)).collect();
     match DatasetUrl::parse(url)? {
         DatasetUrl::Local { dir, .. } => {
@@ -374,7 +389,7 @@ mod tests {
         let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
         assert!(files[0].1.len() > 2 << 20, "{} bytes", files[0].1.len());
         let url = dir.path().display().to_string();
-        let summary = index_dataset(&url, 2, None, &()).unwrap();
+        let summary = index_dataset(&url, Some(2), None, &()).unwrap();
         let reads = summary.footer_reads.unwrap();
         assert_eq!(reads.reads, 4, "{reads:?}");
         let big_footer = {
@@ -421,7 +436,7 @@ mod tests {
             std::fs::write(dir.join(name), testdata::mixed_from(first, 3000, 1000, testdata::Codec::None)).unwrap();
         }
         let url = dir.display().to_string();
-        let summary = index_dataset(&url, 2, None, &()).unwrap();
+        let summary = index_dataset(&url, Some(2), None, &()).unwrap();
         (url, summary)
     }
 

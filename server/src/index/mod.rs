@@ -68,8 +68,9 @@ const SCAN_THREADS: usize = 8;
 /// footer is one small ranged GET whose time is the round trip (~30 ms on S3), not bandwidth or
 /// CPU: at that, 10,000 files cost ~40 s of round trips 8 at a time and ~10 s 32 at a time (3,000
 /// measured in bench/S3_RESULTS.md), within the daemon's 64 GETs in flight
-/// (`storage::s3::MAX_GETS_IN_FLIGHT`). `shardstream index` makes it 2 GETs.
-const FOOTER_THREADS: usize = 32;
+/// (`storage::s3::MAX_GETS_IN_FLIGHT`). `shardstream index` reads them as many at a time, and
+/// makes every later open 2 GETs.
+pub(crate) const FOOTER_THREADS: usize = 32;
 
 /// How a dataset's shards reach the reader.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
