@@ -1331,6 +1331,41 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
         d.stop()
 
 
+def test_an_s3_projection_reads_the_whole_files_already_on_the_node(tmp_path: Path, s3) -> None:
+    """A dataset staged whole (`shardstream prefetch` in a job's prolog, or an epoch of every
+    column) and then read with `fields=`: the projection fetched its column chunks from S3 again,
+    beside whole copies on the node that hold them. It must download nothing."""
+    bucket = s3.bucket("data") / "pqstaged"
+    bucket.mkdir(parents=True)
+    write_big_files(bucket)
+    d = Daemon(tmp_path, env=s3.env()).start()
+    try:
+        p = subprocess.run(
+            [SHARDSTREAM, "prefetch", "--connect", d.addr, "s3://data/pqstaged/"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr
+        staged = d.status()
+        got: list[int] = []
+        loader = shardstream.Loader(
+            "s3://data/pqstaged/", batch_size=50, seed=1, fields=["id", "label"], connect=d.addr
+        )
+        for batch in loader:
+            ids = np.asarray(batch["id"]).tolist()
+            assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
+            got.extend(ids)
+        assert sorted(got) == list(range(1200))
+        after = d.status()
+        assert (after["storage_requests"], after["storage_bytes"]) == (
+            staged["storage_requests"],
+            staged["storage_bytes"],
+        ), (staged, after)
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Path, s3) -> None:
     """A batch's files are checked (footers) and their column chunks fetched concurrently, not one
     request after the other, each waiting its round trip. Behind a proxy that holds every GET, the
