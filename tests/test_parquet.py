@@ -1338,8 +1338,8 @@ def test_an_s3_projection_reads_the_whole_files_already_on_the_node(tmp_path: Pa
     bucket = s3.bucket("data") / "pqstaged"
     bucket.mkdir(parents=True)
     write_big_files(bucket)
-    d = Daemon(tmp_path, env=s3.env()).start()
-    try:
+
+    def staged_then_projected(d: Daemon) -> None:
         p = subprocess.run(
             [SHARDSTREAM, "prefetch", "--connect", d.addr, "s3://data/pqstaged/"],
             capture_output=True,
@@ -1362,6 +1362,18 @@ def test_an_s3_projection_reads_the_whole_files_already_on_the_node(tmp_path: Pa
             staged["storage_requests"],
             staged["storage_bytes"],
         ), (staged, after)
+
+    # Unindexed: the footers this daemon read at open vouch for the objects behind the copies.
+    d = Daemon(tmp_path / "unindexed", env=s3.env()).start()
+    try:
+        staged_then_projected(d)
+    finally:
+        assert d.stop() == 0
+    # Indexed: the manifest's footer checksums do (no footer is read at open).
+    index_s3(s3, "s3://data/pqstaged/")
+    d = Daemon(tmp_path / "indexed", env=s3.env()).start()
+    try:
+        staged_then_projected(d)
     finally:
         assert d.stop() == 0
 

@@ -11,7 +11,9 @@
 //!
 //! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes and every file is
 //! an S3 object whose manifest (if any) checksums its footer: a whole-file CRC (as `pack` writes)
-//! can only be checked on the whole file, which then goes through the cache as before.
+//! can only be checked on the whole file, which then goes through the cache as before. Nor when
+//! the node cache already holds the files whole (`shardstream prefetch`, an epoch of every
+//! column), so that the stream would download less reading those than fetching its copies.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -53,13 +55,22 @@ impl ProjectedReads {
         let proj_id = crate::stable_hash::hash_parts(names.iter().map(|n| n.as_bytes()));
         let mut files = HashMap::new();
         let (mut selected, mut total) = (0u64, 0u64);
+        // What each way would still download, given what the node cache holds now.
+        let (mut copies_missing, mut wholes_missing) = (0u64, 0u64);
         for (f, per_file) in asm.dataset().files().iter().zip(asm.per_file()) {
             let pf = ProjectedFile::new(&f.table, per_file);
+            let key = ds.projected_key(f.index, proj_id);
             selected += pf.len();
             total += f.table.file_len();
-            files.insert(f.index, (Arc::new(pf), ds.projected_key(f.index, proj_id)));
+            if !ds.is_cached(&key) {
+                copies_missing += pf.len();
+            }
+            if !whole_copy_serves(ds, f.index) {
+                wholes_missing += f.table.file_len();
+            }
+            files.insert(f.index, (Arc::new(pf), key));
         }
-        if total == 0 || selected as f64 > MAX_SHARE * total as f64 {
+        if total == 0 || selected as f64 > MAX_SHARE * total as f64 || wholes_missing < copies_missing {
             return Ok(None);
         }
         Ok(Some(Self { ds: ds.clone(), files }))
@@ -78,6 +89,19 @@ impl ProjectedReads {
     pub fn reader(&self) -> ProjectedReader<'_> {
         ProjectedReader { reads: self, open: Mutex::new(HashMap::new()), fetched: AtomicBool::new(false) }
     }
+}
+
+/// Whether the node cache's whole copy of S3 file `i` may serve a projection in place of its
+/// compact copy. A compact copy's fetch checks the object's footer on S3 (a changed object is
+/// refused); a whole copy is checked against what keys it: the manifest's footer CRC, or the
+/// ETag the listing gave. Without either (a store that lists no ETags, no manifest), only a
+/// footer this daemon has checked on S3 vouches for the object behind the copy.
+fn whole_copy_serves(ds: &Dataset, i: usize) -> bool {
+    let keyed = ds
+        .shards
+        .get(i)
+        .is_some_and(|m| m.footer_crc32c.is_some() || matches!(m.source, ShardSource::S3 { etag: Some(_), .. }));
+    ds.is_local(i) && (keyed || ds.footer_verified(i))
 }
 
 impl crate::prefetch::ProjectedFetch for ProjectedReads {
