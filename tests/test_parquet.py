@@ -1378,6 +1378,60 @@ def test_an_s3_projection_reads_the_whole_files_already_on_the_node(tmp_path: Pa
         assert d.stop() == 0
 
 
+def test_prefetch_fields_stages_only_the_column_chunks_a_projection_reads(tmp_path: Path, s3, dataset) -> None:
+    """`shardstream prefetch --fields` (a job's prolog that knows its columns) stages each file's
+    copy of those columns' chunks, the node-cache entries the job's projection reads: a fraction
+    of the files' bytes, and the epoch downloads nothing."""
+    bucket = s3.bucket("data") / "pqfields"
+    bucket.mkdir(parents=True)
+    write_big_files(bucket)
+    size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
+    d = Daemon(tmp_path, env=s3.env()).start()
+    try:
+
+        def prefetch(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [SHARDSTREAM, "prefetch", "--connect", d.addr, *args, url],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+
+        p = prefetch("s3://data/pqfields/", "--fields", "label,id")
+        assert p.returncode == 0, p.stderr
+        assert "staged 3 of 3" in p.stdout, p.stdout
+        staged = d.status()
+        assert staged["storage_bytes"] * 20 < size, (staged["storage_bytes"], size)
+        got: list[int] = []
+        loader = shardstream.Loader(
+            "s3://data/pqfields/", batch_size=50, seed=1, fields=["id", "label"], connect=d.addr
+        )
+        for batch in loader:
+            ids = np.asarray(batch["id"]).tolist()
+            assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
+            got.extend(ids)
+        assert sorted(got) == list(range(1200))
+        after = d.status()
+        assert (after["storage_requests"], after["storage_bytes"]) == (
+            staged["storage_requests"],
+            staged["storage_bytes"],
+        ), (staged, after)
+        # Again: nothing more to stage.
+        p = prefetch("s3://data/pqfields/", "--fields", "id,label")
+        assert p.returncode == 0 and "3 already cached" in p.stdout, p.stdout
+        # A column the files lack, and TAR shards (whose fields are not stored apart), are refused.
+        p = prefetch("s3://data/pqfields/", "--fields", "id,nope")
+        assert p.returncode != 0 and "nope" in p.stderr, p.stderr
+        tar = s3.bucket("data") / "wdsfields"
+        tar.mkdir(parents=True)
+        for f in sorted(dataset[0].glob("*.tar"))[:2]:
+            (tar / f.name).write_bytes(f.read_bytes())
+        p = prefetch("s3://data/wdsfields/", "--fields", "jpg")
+        assert p.returncode != 0 and "Parquet" in p.stderr, p.stderr
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Path, s3) -> None:
     """A batch's files are checked (footers) and their column chunks fetched concurrently, not one
     request after the other, each waiting its round trip. Behind a proxy that holds every GET, the
