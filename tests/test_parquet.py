@@ -1389,12 +1389,13 @@ def test_prefetch_fields_stages_only_the_column_chunks_a_projection_reads(tmp_pa
     d = Daemon(tmp_path, env=s3.env()).start()
     try:
 
-        def prefetch(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+        def prefetch(url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
                 [SHARDSTREAM, "prefetch", "--connect", d.addr, *args, url],
                 capture_output=True,
                 text=True,
                 timeout=300,
+                env={**os.environ, **(env or {})},
             )
 
         p = prefetch("s3://data/pqfields/", "--fields", "label,id")
@@ -1416,8 +1417,9 @@ def test_prefetch_fields_stages_only_the_column_chunks_a_projection_reads(tmp_pa
             staged["storage_requests"],
             staged["storage_bytes"],
         ), (staged, after)
-        # Again: nothing more to stage.
-        p = prefetch("s3://data/pqfields/", "--fields", "id,label")
+        # Again, the columns from the variable a job sets beside SHARDSTREAM_DATASET (the Slurm
+        # TaskProlog's): nothing more to stage.
+        p = prefetch("s3://data/pqfields/", env={"SHARDSTREAM_DATASET_FIELDS": "id,label"})
         assert p.returncode == 0 and "3 already cached" in p.stdout, p.stdout
         # A column the files lack, and TAR shards (whose fields are not stored apart), are refused.
         p = prefetch("s3://data/pqfields/", "--fields", "id,nope")

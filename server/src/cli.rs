@@ -61,6 +61,11 @@ pub enum Command {
         /// How the dataset is read: copy (through the node cache) or auto.
         #[arg(long, default_value = "auto")]
         cache: String,
+        /// Parquet: stage what trainers selecting these columns read (comma-separated, as their
+        /// `fields=`): on S3, each file's copy of those columns' chunks instead of the whole file.
+        /// The variable pairs with SHARDSTREAM_DATASET, which the Slurm TaskProlog stages.
+        #[arg(long, env = "SHARDSTREAM_DATASET_FIELDS", value_delimiter = ',')]
+        fields: Vec<String>,
     },
     /// Show what a running daemon is doing. Exits 0 only when the daemon answers, so it doubles
     /// as a readiness/liveness probe (Kubernetes exec probe, scripts).
@@ -261,7 +266,12 @@ pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()>
             );
             crate::pack::run_cli(args)
         }
-        Command::Prefetch { url, connect, shards, seed, epoch, no_shuffle, cache } => {
+        Command::Prefetch { url, connect, shards, seed, epoch, no_shuffle, cache, fields } => {
+            // An empty SHARDSTREAM_DATASET_FIELDS (or `--fields ''`) is no selection.
+            let fields = if fields == [""] { Vec::new() } else { fields };
+            if fields.iter().any(String::is_empty) {
+                anyhow::bail!("--fields: an empty column name (give names separated by commas)");
+            }
             let req = shardstream_proto::PrefetchRequest {
                 url: client_url(url)?,
                 protocol_version: shardstream_proto::PROTOCOL_VERSION,
@@ -271,6 +281,7 @@ pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()>
                 shuffle: !no_shuffle,
                 shuffle_window: 0,
                 cache,
+                fields,
             };
             prefetch(&connect, req)
         }
@@ -422,7 +433,10 @@ fn client_url(url: String) -> anyhow::Result<String> {
 
 fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::Result<()> {
     let addr: Address = connect.parse()?;
-    let url = req.url.clone();
+    let what = match req.fields.as_slice() {
+        [] => req.url.clone(),
+        fields => format!("{} (columns {})", req.url, fields.join(", ")),
+    };
     let started = std::time::Instant::now();
     let last = runtime()?.block_on(async {
         let mut client = tokio::time::timeout(Duration::from_secs(10), shardstream_client::connect(&addr))
@@ -445,7 +459,7 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::R
     })?;
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "staged {} of {} shards of {url} ({:.1} of {:.1} MB, {} already cached) in {secs:.1} s",
+        "staged {} of {} shards of {what} ({:.1} of {:.1} MB, {} already cached) in {secs:.1} s",
         last.shards_done,
         last.shards_total,
         last.bytes_done as f64 / 1e6,

@@ -917,9 +917,14 @@ impl Dataset {
 
     /// True when the node cache has free room for shard `i` without evicting anything.
     pub fn has_room_for(&self, i: usize) -> bool {
+        self.has_room(self.shards[i].len)
+    }
+
+    /// True when the node cache has `bytes` of free room without evicting anything.
+    pub fn has_room(&self, bytes: u64) -> bool {
         self.backends.cache.as_ref().is_some_and(|c| {
             let s = c.stats();
-            s.capacity.saturating_sub(s.used) >= self.shards[i].len
+            s.capacity.saturating_sub(s.used) >= bytes
         })
     }
 

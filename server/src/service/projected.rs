@@ -80,6 +80,11 @@ impl ProjectedReads {
         self.files.get(&shard).ok_or_else(|| Error::Internal(format!("no column-chunk plan for file {shard}")))
     }
 
+    /// The bytes of file `shard`'s compact copy (0 for a file this plan does not know).
+    pub fn copy_len(&self, shard: usize) -> u64 {
+        self.files.get(&shard).map_or(0, |(pf, _)| pf.len())
+    }
+
     /// True when file `shard`'s compact copy is in the node cache, ready to read.
     pub fn is_ready(&self, shard: usize) -> bool {
         self.files.get(&shard).is_some_and(|(_, key)| self.ds.is_cached(key))

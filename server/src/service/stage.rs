@@ -1,7 +1,9 @@
 //! `Prefetch`: stages a dataset into the node cache before training starts (SLURM prologs,
 //! Kubernetes init containers), in the order an epoch will first use its shards, so that even a
 //! partial staging (`max_shards`, or a cache smaller than the dataset) holds what is needed first.
-//! Staging never evicts: it stops when the cache has no free room left, and says so.
+//! Staging never evicts: it stops when the cache has no free room left, and says so. With
+//! `fields` (Parquet), it stages what a stream selecting those columns reads: on S3, each file's
+//! copy of their column chunks ([`super::projected`]), else whole files as without.
 
 use std::sync::Arc;
 
@@ -10,10 +12,13 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
+use super::projected::ProjectedReads;
 use super::{DEFAULT_SHUFFLE_WINDOW, blocking, to_status};
 use crate::cache::Want;
+use crate::format::parquet::dataset::BatchAssembler;
 use crate::index::{CacheMode, Dataset, Registry};
 use crate::plan::{self, EpochParams};
+use crate::prefetch::ProjectedFetch;
 use crate::{Error, Result};
 
 /// Shards staged at once: each is itself fetched with parallel ranged GETs, so a few in flight
@@ -45,6 +50,56 @@ fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
     Ok(order)
 }
 
+/// What staging puts in the node cache for each file.
+enum Staging {
+    /// Whole shards, as streams without a column selection (and every TAR stream) read them.
+    Whole,
+    /// Each file's copy of the selected column chunks, as a stream selecting them reads them.
+    Columns(ProjectedReads),
+}
+
+impl Staging {
+    /// What a stream selecting `fields` (empty: all) of `ds` reads.
+    fn of(ds: &Arc<Dataset>, fields: &[String]) -> Result<Self> {
+        if fields.is_empty() {
+            return Ok(Staging::Whole);
+        }
+        let Some(pq) = &ds.parquet else {
+            return Err(Error::invalid(format!(
+                "fields select the columns of a Parquet dataset; {} is a {:?} dataset, whose shards are staged \
+                 whole (leave the fields out)",
+                ds.url, ds.format
+            )));
+        };
+        let projection = pq.projection(Some(fields))?;
+        // As a stream's assembler is made (`stream_plan`), for the same copies' keys.
+        let id = format!("{}@{}", ds.fingerprint, ds.url);
+        let asm = BatchAssembler::new(pq.clone(), projection, crate::format::parquet::decoded::shared(), &id)?;
+        Ok(ProjectedReads::plan(ds, &asm)?.map_or(Staging::Whole, Staging::Columns))
+    }
+
+    fn len(&self, ds: &Dataset, i: usize) -> u64 {
+        match self {
+            Staging::Whole => ds.shards[i].len,
+            Staging::Columns(reads) => reads.copy_len(i),
+        }
+    }
+
+    fn is_cached(&self, ds: &Dataset, i: usize) -> bool {
+        match self {
+            Staging::Whole => ds.is_local(i),
+            Staging::Columns(reads) => reads.is_ready(i),
+        }
+    }
+
+    fn fetch(&self, ds: &Dataset, i: usize) -> Result<()> {
+        match self {
+            Staging::Whole => ds.fetch(i, Want::NOW).map(|_| ()),
+            Staging::Columns(reads) => reads.fetch(i, Want::NOW),
+        }
+    }
+}
+
 pub async fn stage(
     registry: Arc<Registry>,
     req: PrefetchRequest,
@@ -59,20 +114,30 @@ pub async fn stage(
         ))));
     }
     let job = ds.clone();
-    let mut order = blocking(move || epoch_order(&job, &req).map(|o| (o, req.max_shards))).await.map_err(to_status)?;
-    if order.1 > 0 {
-        order.0.truncate(usize::try_from(order.1).unwrap_or(usize::MAX));
-    }
-    let order = order.0;
+    let (order, staging) = blocking(move || {
+        let staging = Staging::of(&job, &req.fields)?;
+        let mut order = epoch_order(&job, &req)?;
+        if req.max_shards > 0 {
+            order.truncate(usize::try_from(req.max_shards).unwrap_or(usize::MAX));
+        }
+        Ok((order, staging))
+    })
+    .await
+    .map_err(to_status)?;
     let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(run(ds, order, tx));
+    tokio::spawn(run(ds, Arc::new(staging), order, tx));
     Ok(ReceiverStream::new(rx))
 }
 
-async fn run(ds: Arc<Dataset>, order: Vec<usize>, tx: mpsc::Sender<Result<PrefetchProgress, Status>>) {
+async fn run(
+    ds: Arc<Dataset>,
+    staging: Arc<Staging>,
+    order: Vec<usize>,
+    tx: mpsc::Sender<Result<PrefetchProgress, Status>>,
+) {
     let mut progress = PrefetchProgress {
         shards_total: order.len() as u64,
-        bytes_total: order.iter().map(|&i| ds.shards[i].len).sum(),
+        bytes_total: order.iter().map(|&i| staging.len(&ds, i)).sum(),
         ..Default::default()
     };
     let mut tasks = tokio::task::JoinSet::new();
@@ -81,16 +146,16 @@ async fn run(ds: Arc<Dataset>, order: Vec<usize>, tx: mpsc::Sender<Result<Prefet
     loop {
         while !full && tasks.len() < STAGE_PARALLEL {
             let Some(i) = next.next() else { break };
-            let job = ds.clone();
+            let (job, staging) = (ds.clone(), staging.clone());
             // Room is checked before each fetch starts: staging fills free space, never evicts.
             let started = blocking(move || {
-                if job.is_local(i) {
+                if staging.is_cached(&job, i) {
                     return Ok(Some(true));
                 }
-                if !job.has_room_for(i) {
+                if !job.has_room(staging.len(&job, i)) {
                     return Ok(None);
                 }
-                job.fetch(i, Want::NOW).map(|_| Some(false))
+                staging.fetch(&job, i).map(|()| Some(false))
             });
             tasks.spawn(async move { (i, started.await) });
         }
@@ -102,7 +167,7 @@ async fn run(ds: Arc<Dataset>, order: Vec<usize>, tx: mpsc::Sender<Result<Prefet
         match outcome {
             Ok(Some(cached)) => {
                 progress.shards_done += 1;
-                progress.bytes_done += ds.shards[i].len;
+                progress.bytes_done += staging.len(&ds, i);
                 progress.already_cached += u64::from(cached);
                 progress.shard = ds.shards[i].name.clone();
                 if tx.send(Ok(progress.clone())).await.is_err() {
