@@ -776,6 +776,9 @@ def test_fields_select_columns_and_a_missing_one_is_a_value_error(daemon, varied
         list(shardstream.Loader(str(root), batch_size=64, connect=daemon.addr, fields=["id", "nope"]))
     with pytest.raises(ValueError, match="format must be"):
         shardstream.Loader(str(root), connect=daemon.addr, format="rows")
+    # collate="stack" shapes the dict form; with format="arrow" it was dropped without a word.
+    with pytest.raises(ValueError, match='collate="stack".*format="arrow"'):
+        shardstream.Loader(str(root), connect=daemon.addr, format="arrow", collate="stack")
 
 
 def test_a_column_missing_in_one_file_is_a_value_error_naming_it(daemon, tmp_path: Path) -> None:
