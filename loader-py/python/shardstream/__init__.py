@@ -280,6 +280,11 @@ class Loader:
             raise ValueError(f"collate must be one of {_COLLATES}, not {collate!r}")
         if format not in _FORMATS:
             raise ValueError(f"format must be one of {_FORMATS}, not {format!r}")
+        if format == "arrow" and collate == "stack":
+            raise ValueError(
+                'collate="stack" makes one array of each column of the dict form; format="arrow" yields each '
+                "pyarrow.RecordBatch as it is (its columns are arrays already): pass one or the other"
+            )
         if rank is None or world_size is None:
             r, w = _default_rank_world()
             rank = r if rank is None else rank
