@@ -1071,6 +1071,28 @@ def test_record_batches_cross_dataloader_workers(daemon, varied) -> None:
     assert sorted(seen) == list(range(TOTAL))
 
 
+def arrow_ids(rb: pa.RecordBatch) -> list[int]:
+    """A batch_transform: the ids of a record batch's rows, read in the worker."""
+    assert isinstance(rb, pa.RecordBatch)
+    return rb.column("id").to_pylist()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_transform_gets_record_batches_in_the_workers(daemon, varied, workers: int) -> None:
+    """The worker-side path (decode where the batch is read, only the result crosses) with
+    format="arrow": batch_transform gets each pyarrow.RecordBatch. It failed on every batch
+    (an AttributeError: the Arrow form has no release, its buffers hold the slot); a per-sample
+    transform has no samples to give there and is refused when the dataset is made."""
+    root, _ = varied
+    ds = sst.IterableDataset(
+        str(root), batch_size=64, seed=2, connect=daemon.addr, format="arrow", batch_transform=arrow_ids
+    )
+    seen = [i for ids in sst.DataLoader(ds, num_workers=workers) for i in ids]
+    assert sorted(seen) == list(range(TOTAL))
+    with pytest.raises(ValueError, match='batch_transform.*format="arrow"'):
+        sst.IterableDataset(str(root), connect=daemon.addr, format="arrow", transform=arrow_ids)
+
+
 def write_big_files(root: Path, files: int = 3, rows: int = 400) -> dict[int, bytes]:
     """`files` files of ~2 MB (random 5 KiB payloads, row groups of 100 rows); {id: payload}."""
     rng = np.random.default_rng(11)
