@@ -30,7 +30,8 @@ the trainer process::
 ``transform`` is called once per sample with a dict ``{"__key__": str, field: memoryview or None}``
 and the batch's results are combined by ``collate_fn`` (default
 ``torch.utils.data.default_collate``); ``batch_transform`` is called once per batch with the whole
-batch (``"__key__"`` -> list of str, field -> list of memoryviews) and its result is yielded as is.
+batch (``"__key__"`` -> list of str, field -> list of memoryviews; with ``format="arrow"`` the
+``pyarrow.RecordBatch``, where ``transform`` is refused) and its result is yielded as is.
 Either runs where the batch is read: in each worker, or in the trainer with ``num_workers=0``. The
 batch's lease on the daemon's memory is released as soon as the transform returns; memoryviews
 stay readable afterwards, but with ``collate="stack"`` the arrays' ring slot is reused, so a
@@ -127,7 +128,10 @@ def _transform_batch(
                 raise
         return collate_fn(out)
     finally:
-        batch.release(at_once=False)
+        # A dict batch holds its lease until released; an Arrow batch's buffers hold its slot
+        # until they are gone (once the transform's result no longer refers to them).
+        if isinstance(batch, Batch):
+            batch.release(at_once=False)
 
 
 class IterableDataset(torch.utils.data.IterableDataset[Any]):
@@ -171,6 +175,11 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         for name, fn in (("transform", transform), ("batch_transform", batch_transform), ("collate_fn", collate_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable, not {type(fn).__name__}")
+        if transform is not None and format == "arrow":
+            raise ValueError(
+                'transform is called on each sample of the dict form; with format="arrow" give batch_transform, '
+                "which gets each pyarrow.RecordBatch"
+            )
         self.transform = transform
         self.batch_transform = batch_transform
         self.collate_fn: Callable[[list[Any]], Any] = collate_fn or torch.utils.data.default_collate
