@@ -1459,6 +1459,23 @@ def test_prefetch_fields_stages_only_the_column_chunks_a_projection_reads(tmp_pa
         assert d.stop() == 0
 
 
+def test_a_file_larger_than_the_node_cache_is_named_by_its_url(tmp_path: Path, s3) -> None:
+    """A file that cannot fit the node cache at all fails the stream; the error named the cache's
+    internal entry (`a09ec0a59f46a1e1-big-000.parquet`), not the object the user knows."""
+    bucket = s3.bucket("data") / "pqhuge"
+    bucket.mkdir(parents=True)
+    write_big_files(bucket)
+    d = Daemon(tmp_path, env=s3.env(), args=["--cache-size", "1MiB"]).start()
+    try:
+        with pytest.raises(shardstream.ShardstreamError) as err:
+            list(shardstream.Loader("s3://data/pqhuge/", batch_size=64, shuffle=False, connect=d.addr))
+        message = str(err.value)
+        assert "s3://data/pqhuge/big-000.parquet" in message and "larger than the node cache" in message, message
+        assert "--cache-size" in message, message
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Path, s3) -> None:
     """A batch's files are checked (footers) and their column chunks fetched concurrently, not one
     request after the other, each waiting its round trip. Behind a proxy that holds every GET, the
