@@ -417,7 +417,8 @@ impl NodeCache {
                         Begin::NoSpace { needed, evictable } if want.wait => {
                             if needed > t.capacity() {
                                 return Err(Error::CacheFull(format!(
-                                    "shard {key} ({needed} bytes) is larger than the node cache ({} bytes in {}); raise --cache-size",
+                                    "its copy ({needed} bytes) is larger than the node cache ({} bytes in {}; entry \
+                                     {key}); raise --cache-size",
                                     t.capacity(),
                                     self.dir.display()
                                 )));

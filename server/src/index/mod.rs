@@ -799,31 +799,34 @@ impl Dataset {
             }
         }
         let ranges: Vec<std::ops::Range<u64>> = gets.iter().map(|(r, _, _)| r.clone()).collect();
-        cache.get(key, pf.len(), want, &mut |tmp, file| {
-            let mut checked = !check;
-            store.block_on(store.get_ranges(&obj, &ranges, |g, bytes| {
-                let (r, at, keep) =
-                    gets.get(g).ok_or_else(|| Error::Internal(format!("{}: no GET {g} of the copy", meta.url())))?;
-                let short = || Error::Internal(format!("{}: GET {g} of the copy came back short", meta.url()));
-                let keep = usize::try_from(*keep).map_err(|_| short())?;
-                let piece = bytes.get(..keep).ok_or_else(short)?;
-                // A GET of the footer alone puts nothing in the copy.
-                if !piece.is_empty() {
-                    file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
+        cache
+            .get(key, pf.len(), want, &mut |tmp, file| {
+                let mut checked = !check;
+                store.block_on(store.get_ranges(&obj, &ranges, |g, bytes| {
+                    let (r, at, keep) = gets
+                        .get(g)
+                        .ok_or_else(|| Error::Internal(format!("{}: no GET {g} of the copy", meta.url())))?;
+                    let short = || Error::Internal(format!("{}: GET {g} of the copy came back short", meta.url()));
+                    let keep = usize::try_from(*keep).map_err(|_| short())?;
+                    let piece = bytes.get(..keep).ok_or_else(short)?;
+                    // A GET of the footer alone puts nothing in the copy.
+                    if !piece.is_empty() {
+                        file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
+                    }
+                    if check && r.end == footer.end {
+                        let from = usize::try_from(footer.start - r.start).map_err(|_| short())?;
+                        self.check_footer(i, bytes.get(from..).ok_or_else(short)?)?;
+                        checked = true;
+                    }
+                    Ok(())
+                }))?;
+                if !checked {
+                    return Err(Error::Internal(format!("{}: no GET of the copy read its footer", meta.url())));
                 }
-                if check && r.end == footer.end {
-                    let from = usize::try_from(footer.start - r.start).map_err(|_| short())?;
-                    self.check_footer(i, bytes.get(from..).ok_or_else(short)?)?;
-                    checked = true;
-                }
+                self.verified[i].store(true, Ordering::Release);
                 Ok(())
-            }))?;
-            if !checked {
-                return Err(Error::Internal(format!("{}: no GET of the copy read its footer", meta.url())));
-            }
-            self.verified[i].store(true, Ordering::Release);
-            Ok(())
-        })
+            })
+            .map_err(|e| named_in_cache(e, meta))
     }
 
     /// Checks S3 Parquet file `i`'s footer once before its rows are served from column-chunk
@@ -985,7 +988,18 @@ fn fetch_into(
     };
     let spec =
         FetchSpec { source: &meta.source, len: meta.len, crc32c: meta.crc32c, footer_crc32c: meta.footer_crc32c };
-    cache.get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
+    cache
+        .get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
+        .map_err(|e| named_in_cache(e, meta))
+}
+
+/// A node-cache refusal (no room) prefixed with the shard it was for: the cache knows only its
+/// entry's name, which the user never gave.
+fn named_in_cache(e: Error, meta: &ShardMeta) -> Error {
+    match e {
+        Error::CacheFull(m) => Error::CacheFull(format!("{}: {m}", meta.url())),
+        e => e,
+    }
 }
 
 /// How long an S3 dataset's shard list is trusted before the next open lists (or reads the
