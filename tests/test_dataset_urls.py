@@ -6,6 +6,8 @@ dataset that mixes them."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,7 +142,7 @@ def test_a_directory_whose_name_looks_like_a_glob_is_a_directory(daemon, tmp_pat
     assert sorted(read_ids(str(only), daemon.addr)) == [1, 2, 3]
 
 
-def test_index_takes_a_directory_of_one_split_not_a_pattern(tmp_path: Path) -> None:
+def test_index_takes_a_directory_not_a_pattern(tmp_path: Path) -> None:
     """`index` writes the directory's manifest.json, which every later open of the directory reads
     (patterns included): one written for some of its files would hide the others."""
     write_hub_layout(tmp_path / "data")
@@ -148,11 +150,34 @@ def test_index_takes_a_directory_of_one_split_not_a_pattern(tmp_path: Path) -> N
         (f"{tmp_path}/data/train-*.parquet", "not a glob"),
         (f"{tmp_path}/data/train-{{00000..00001}}-of-00002.parquet", "not a brace pattern"),
         (f"{tmp_path}/data/train-00000-of-00002.parquet", "not one of its shards"),
-        (f"{tmp_path}/data", "several splits"),
     ]:
         p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and says in p.stderr, (url, p.stderr)
     assert not (tmp_path / "data" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_index_describes_a_directory_of_several_splits_and_opens_still_pick_one(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    """The Hub's layout (splits side by side in `data/`) could not be indexed at all: `index`
+    refused the directory for its splits and pointed to a glob, which it refuses too. The
+    manifest describes every file; the opens that read it keep their own rules (the directory
+    is refused for its splits, a glob picks one)."""
+    base, url, addr = place(where, "indexed-hub", tmp_path, daemon, s3, s3_daemon)
+    ids = write_hub_layout(base)
+    env = None if where == "local" else {**os.environ, **s3.env()}
+    p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    manifest = json.loads((base / "manifest.json").read_text())
+    assert sorted(s["name"] for s in manifest["shards"]) == sorted(p.name for p in base.glob("*.parquet"))
+    with pytest.raises(ValueError, match="several splits"):
+        read_ids(url, addr)
+    glob_url = url.rstrip("/") + "/train-*.parquet"
+    assert sorted(read_ids(glob_url, addr)) == sorted(ids["train"])
+    assert sorted(read_ids(url.rstrip("/") + "/{test,validation}-*.parquet", addr)) == sorted(
+        ids["test"] | ids["validation"]
+    )
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
