@@ -219,14 +219,14 @@ fn locations(url: &str) -> Result<Vec<Root>> {
     match DatasetUrl::parse(url)? {
         DatasetUrl::Local { dir, pick } => {
             let dirs = match pick {
-                Pick::All | Pick::Glob(_) => vec![dir],
+                Pick::All | Pick::Every | Pick::Glob(_) => vec![dir],
                 Pick::Names(names) => names.iter().map(|n| dir.join(n)).collect(),
             };
             dirs.iter().map(|d| resolve(d).map(Root::Dir).map_err(Error::InvalidArgument)).collect()
         }
         DatasetUrl::S3 { bucket, prefix, pick } => {
             let keys = match pick {
-                Pick::All | Pick::Glob(_) => vec![prefix],
+                Pick::All | Pick::Every | Pick::Glob(_) => vec![prefix],
                 Pick::Names(names) => names.iter().map(|n| format!("{prefix}{n}")).collect(),
             };
             keys.iter()

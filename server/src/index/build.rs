@@ -101,15 +101,18 @@ fn list_with_format(url: &str, s3: Option<&S3Store>) -> Result<(Format, Vec<List
 }
 
 fn list_shards(url: &str, s3: Option<&S3Store>) -> Result<Vec<Listed>> {
+    // The manifest describes every shard of the place, whatever its splits: the opens that read
+    // it apply their own pick, the split check of a plain directory included.
+    let every = |pick: Pick| if pick == Pick::All { Pick::Every } else { pick };
     match DatasetUrl::parse(url)? {
-        DatasetUrl::Local { dir, pick } => Ok(local::list_shards(&dir, &pick)?
+        DatasetUrl::Local { dir, pick } => Ok(local::list_shards(&dir, &every(pick))?
             .into_iter()
             .map(|s| Listed { name: s.name, len: s.len, etag: None })
             .collect()),
         DatasetUrl::S3 { bucket, prefix, pick } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
             Ok(store
-                .list_picked(&bucket, &prefix, &pick)?
+                .list_picked(&bucket, &prefix, &every(pick))?
                 .into_iter()
                 .map(|(name, o)| Listed { name, len: o.size, etag: o.etag })
                 .collect())
@@ -143,7 +146,8 @@ pub fn index_dataset(
         };
         return Err(Error::invalid(format!(
             "{url}: `index` writes one manifest.json for every shard of a directory (or prefix), so it \
-             takes the directory, not {what}; a directory holding several splits wants a directory per split"
+             takes the directory, not {what}; trainers then name the files they read (a glob for a split) and \
+             the manifest serves those"
         )));
     }
     let (format, listed) = list_with_format(url, s3)?;

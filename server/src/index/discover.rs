@@ -123,7 +123,7 @@ impl Discovered {
         };
         let shards: Vec<ShardMeta> = match pick {
             // The manifest is the listing: the same glob and the same split check.
-            Pick::All | Pick::Glob(_) => {
+            Pick::All | Pick::Every | Pick::Glob(_) => {
                 let listed: Vec<&manifest::ManifestShard> = m.shards.iter().collect();
                 pick.keep_listed(listed, |s| s.name.as_str(), &base)?.into_iter().map(to_meta).collect()
             }

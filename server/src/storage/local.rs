@@ -53,7 +53,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         // A brace pattern names its files: stat exactly those, never list the directory (which
         // may hold millions of other entries, each a metadata request on a PFS).
         Pick::Names(names) => names.iter().map(|n| stat(n)).collect::<Result<Vec<_>>>()?,
-        Pick::All | Pick::Glob(_) => {
+        Pick::All | Pick::Every | Pick::Glob(_) => {
             let mut found = Vec::new();
             let mut subdirs = Vec::new();
             let mut compressed = super::Compressed::default();

@@ -21,6 +21,10 @@ pub enum Pick {
     Names(Vec<String>),
     /// The shards whose names match.
     Glob(NameGlob),
+    /// Every shard the listing finds, of whatever splits: what `shardstream index` describes.
+    /// Never made from a URL: the manifest it writes is the listing of every later open, which
+    /// applies its own pick (the split check of [`Pick::All`] included).
+    Every,
 }
 
 impl Pick {
@@ -40,10 +44,11 @@ impl Pick {
     /// Keeps the listed shards this pick takes (`name` gives each one's name): refuses, for
     /// [`Pick::All`], shards of several splits, and for [`Pick::Glob`], no match at all. `place`:
     /// the directory or prefix as errors name it, ending with `/`. [`Pick::Names`] keeps
-    /// everything: its names are looked up, not filtered from a listing.
+    /// everything: its names are looked up, not filtered from a listing. [`Pick::Every`] leaves
+    /// hidden names out as [`Pick::All`] does, and keeps every split.
     pub fn keep_listed<T>(&self, mut listed: Vec<T>, name: impl Fn(&T) -> &str, place: &str) -> Result<Vec<T>> {
         match self {
-            Pick::All => {
+            Pick::All | Pick::Every => {
                 let hidden = listed.iter().filter(|t| is_hidden(name(t))).count();
                 if hidden > 0 && hidden == listed.len() {
                     let shown: Vec<&str> = listed.iter().take(3).map(&name).collect();
@@ -62,7 +67,9 @@ impl Pick {
                     listed.retain(|t| !is_hidden(name(t)));
                     tracing::debug!(place, left_out = hidden, "hidden shard names left out of the listing");
                 }
-                check_one_split(listed.iter().map(&name), place)?
+                if *self == Pick::All {
+                    check_one_split(listed.iter().map(&name), place)?
+                }
             }
             Pick::Glob(g) => {
                 listed.retain(|t| g.matches(name(t)));
@@ -222,6 +229,14 @@ mod tests {
         assert!(e.contains("e.g. /d/a-train-*.tar (or /d/*.tar for all of them)"), "{e}");
         let e = check_one_split(["test-0.parquet", "train-0.parquet"].into_iter(), "s3://b/").unwrap_err();
         assert!(e.to_string().contains("e.g. s3://b/train-*.parquet"), "the training split first: {e}");
+    }
+
+    #[test]
+    fn every_keeps_all_splits_and_leaves_hidden_names_out() {
+        let listed = vec!["._test-0.parquet", "test-0.parquet", "train-0.parquet", "train-1.parquet"];
+        assert!(Pick::All.keep_listed(listed.clone(), |n| n, "/d/").is_err());
+        let kept = Pick::Every.keep_listed(listed, |n| n, "/d/").unwrap();
+        assert_eq!(kept, ["test-0.parquet", "train-0.parquet", "train-1.parquet"]);
     }
 
     #[test]

@@ -237,7 +237,7 @@ fn shards_in_listing(
                 })
                 .collect::<Result<_>>()?
         }
-        crate::storage::Pick::All | crate::storage::Pick::Glob(_) => {
+        crate::storage::Pick::All | crate::storage::Pick::Every | crate::storage::Pick::Glob(_) => {
             found.retain(|(n, _)| crate::format::Format::is_shard_name(n));
             found.sort_by(|a, b| a.0.cmp(&b.0));
             pick.keep_listed(found, |(n, _)| n.as_str(), &format!("s3://{bucket}/{prefix}"))?
@@ -268,7 +268,7 @@ fn listing_prefix(prefix: &str, pick: &crate::storage::Pick) -> String {
     match pick {
         crate::storage::Pick::Glob(g) => format!("{prefix}{}", g.literal_prefix()),
         crate::storage::Pick::Names(names) => format!("{prefix}{}", shared_start(names)),
-        crate::storage::Pick::All => prefix.to_owned(),
+        crate::storage::Pick::All | crate::storage::Pick::Every => prefix.to_owned(),
     }
 }
 
