@@ -297,6 +297,22 @@ def test_a_directory_of_compressed_shards_says_they_are_not_served(
     assert "README" not in str(e.value), e.value
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_parquet_files_named_otherwise_are_named_in_the_error(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    # pyarrow writes whatever name it is given (`x.pq`, `y.parq`); the listing goes by the
+    # `.parquet` extension, and "the directory holds none" hid the files that are there.
+    root, url, addr = place(where, "pqnames", tmp_path, daemon, s3, s3_daemon)
+    root.mkdir()
+    pq.write_table(pa.table({"id": [1, 2]}), root / "part-0.pq")
+    pq.write_table(pa.table({"id": [3, 4]}), root / "part-1.pq")
+    pq.write_table(pa.table({"id": [5, 6]}), root / "part-2.parq")
+    with pytest.raises(FileNotFoundError, match=r"3 files ending in \.pq or \.parq.*\*\.parquet") as e:
+        read_ids(url, addr)
+    assert "holds none" in str(e.value), e.value
+
+
 def s3_lists(port: int) -> int:
     """S3 listing requests the daemon has made (its `kind="list"` request counter)."""
     import urllib.request
