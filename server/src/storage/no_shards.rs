@@ -1,43 +1,65 @@
 //! The error for a dataset place (a directory, an S3 prefix) that holds no shard of its own,
 //! saying what it holds instead: subdirectories with shards (a partitioned dataset, a directory
-//! per split), or shards compressed whole. "Holds none" alone sends the user looking for a wrong
-//! path.
+//! per split), shards compressed whole, or Parquet files under another extension. "Holds none"
+//! alone sends the user looking for a wrong path.
 
 use crate::Error;
 
-/// Shards compressed whole, which webdataset reads but the daemon cannot serve (it reads members
-/// in place), counted by extension while a place is listed, for the error when it holds no shard.
+/// Files that look like shards but are not served, counted by extension while a place is listed,
+/// for the error when it holds no shard: shards compressed whole, which webdataset reads but the
+/// daemon cannot serve (it reads members in place), and Parquet files named otherwise (pyarrow
+/// writes whatever name it is given; the listing goes by the `.parquet` extension).
 #[derive(Debug, Default)]
-pub struct Compressed(std::collections::BTreeMap<&'static str, usize>);
+pub struct LookAlikes {
+    compressed: std::collections::BTreeMap<&'static str, usize>,
+    parquet_named_otherwise: usize,
+}
 
-impl Compressed {
+impl LookAlikes {
     const EXTENSIONS: [&'static str; 6] = [".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz", ".tar.lz4"];
+    const PARQUET_OTHERWISE: [&'static str; 2] = [".pq", ".parq"];
 
     pub fn note(&mut self, name: &str) {
         if let Some(ext) = Self::EXTENSIONS.iter().find(|e| name.ends_with(*e)) {
-            *self.0.entry(ext).or_default() += 1;
+            *self.compressed.entry(ext).or_default() += 1;
+        } else if Self::PARQUET_OTHERWISE.iter().any(|e| name.ends_with(e)) {
+            self.parquet_named_otherwise += 1;
         }
     }
 
     /// The most common extension and its count.
     fn most(&self) -> Option<(&'static str, usize)> {
-        self.0.iter().max_by_key(|(_, n)| **n).map(|(e, n)| (*e, *n))
+        self.compressed.iter().max_by_key(|(_, n)| **n).map(|(e, n)| (*e, *n))
     }
 }
 
 /// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
 /// its subdirectories (sorted) whose own entries include shards, as a partitioned dataset
 /// (`year=2020/...`) or a directory per split has them; a dataset is the shards of the one place
-/// named, so the user is told which places to name instead of "none". `compressed`: what it holds
-/// of shards compressed whole.
-pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String], compressed: &Compressed) -> Error {
+/// named, so the user is told which places to name instead of "none". `look_alikes`: what it holds
+/// of shards compressed whole and of Parquet files named otherwise.
+pub fn no_shards(
+    what: &'static str,
+    place: String,
+    holder: &str,
+    nested: &[String],
+    look_alikes: &LookAlikes,
+) -> Error {
     const SHOWN: usize = 4;
     let mut path = format!("{place} (the {holder} holds none");
-    if let Some((ext, n)) = compressed.most() {
+    if let Some((ext, n)) = look_alikes.most() {
         let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
         path.push_str(&format!(
             "; it holds {files} ending in {ext}: shards compressed whole are not served (members are \
              read in place), so store them uncompressed (e.g. gunzip, zstd -d)"
+        ));
+    }
+    if look_alikes.parquet_named_otherwise > 0 {
+        let n = look_alikes.parquet_named_otherwise;
+        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        path.push_str(&format!(
+            "; it holds {files} ending in .pq or .parq: Parquet shards are found by their name, \
+             *.parquet, so rename them"
         ));
     }
     if !nested.is_empty() {
