@@ -56,7 +56,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         Pick::All | Pick::Every | Pick::Glob(_) => {
             let mut found = Vec::new();
             let mut subdirs = Vec::new();
-            let mut look_alikes = super::LookAlikes::default();
+            let mut unserved = super::Unserved::default();
             crate::metrics::local_list(1);
             let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
             for entry in entries {
@@ -67,7 +67,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 } else if entry.file_type().is_ok_and(|t| t.is_dir()) {
                     subdirs.push(name);
                 } else {
-                    look_alikes.note(&name);
+                    unserved.note(&name);
                 }
             }
             if found.is_empty() {
@@ -77,7 +77,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                     dir.display().to_string(),
                     "directory",
                     &subdirs_with_shards(dir, subdirs),
-                    &look_alikes,
+                    &unserved,
                 ));
             }
             found.sort();
@@ -91,7 +91,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
             dir.display().to_string(),
             "directory",
             &[],
-            &super::LookAlikes::default(),
+            &super::Unserved::default(),
         ));
     }
     Ok(shards)

@@ -28,7 +28,7 @@ pub mod s3_write;
 
 use std::path::PathBuf;
 
-pub use no_shards::{LookAlikes, no_shards};
+pub use no_shards::{Unserved, no_shards};
 pub use pick::Pick;
 
 use crate::{Error, Result};

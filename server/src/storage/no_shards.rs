@@ -10,12 +10,12 @@ use crate::Error;
 /// daemon cannot serve (it reads members in place), and Parquet files named otherwise (pyarrow
 /// writes whatever name it is given; the listing goes by the `.parquet` extension).
 #[derive(Debug, Default)]
-pub struct LookAlikes {
+pub struct Unserved {
     compressed: std::collections::BTreeMap<&'static str, usize>,
     parquet_named_otherwise: usize,
 }
 
-impl LookAlikes {
+impl Unserved {
     const EXTENSIONS: [&'static str; 6] = [".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz", ".tar.lz4"];
     const PARQUET_OTHERWISE: [&'static str; 2] = [".pq", ".parq"];
 
@@ -36,26 +36,20 @@ impl LookAlikes {
 /// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
 /// its subdirectories (sorted) whose own entries include shards, as a partitioned dataset
 /// (`year=2020/...`) or a directory per split has them; a dataset is the shards of the one place
-/// named, so the user is told which places to name instead of "none". `look_alikes`: what it holds
+/// named, so the user is told which places to name instead of "none". `unserved`: what it holds
 /// of shards compressed whole and of Parquet files named otherwise.
-pub fn no_shards(
-    what: &'static str,
-    place: String,
-    holder: &str,
-    nested: &[String],
-    look_alikes: &LookAlikes,
-) -> Error {
+pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String], unserved: &Unserved) -> Error {
     const SHOWN: usize = 4;
     let mut path = format!("{place} (the {holder} holds none");
-    if let Some((ext, n)) = look_alikes.most() {
+    if let Some((ext, n)) = unserved.most() {
         let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
         path.push_str(&format!(
             "; it holds {files} ending in {ext}: shards compressed whole are not served (members are \
              read in place), so store them uncompressed (e.g. gunzip, zstd -d)"
         ));
     }
-    if look_alikes.parquet_named_otherwise > 0 {
-        let n = look_alikes.parquet_named_otherwise;
+    if unserved.parquet_named_otherwise > 0 {
+        let n = unserved.parquet_named_otherwise;
         let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
         path.push_str(&format!(
             "; it holds {files} ending in .pq or .parq: Parquet shards are found by their name, \

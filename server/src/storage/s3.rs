@@ -201,13 +201,13 @@ fn shards_in_listing(
     // The listing is recursive: keys below a "subdirectory" are not the dataset's, but they say
     // where its shards are when the prefix holds none of its own.
     let mut nested = std::collections::BTreeSet::new();
-    let mut look_alikes = crate::storage::LookAlikes::default();
+    let mut unserved = crate::storage::Unserved::default();
     let mut found: Vec<(String, ObjectInfo)> = Vec::new();
     for o in listed {
         let Some(name) = o.key.strip_prefix(prefix) else { continue };
         match name.split_once('/') {
             None if !name.is_empty() => {
-                look_alikes.note(name);
+                unserved.note(name);
                 found.push((name.to_owned(), o));
             }
             Some((sub, rest))
@@ -250,7 +250,7 @@ fn shards_in_listing(
             format!("s3://{bucket}/{prefix}"),
             "prefix",
             &nested,
-            &look_alikes,
+            &unserved,
         ));
     }
     Ok(shards)
