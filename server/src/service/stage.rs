@@ -15,7 +15,6 @@ use tonic::Status;
 use super::projected::ProjectedReads;
 use super::{DEFAULT_SHUFFLE_WINDOW, blocking, to_status};
 use crate::cache::Want;
-use crate::format::parquet::dataset::BatchAssembler;
 use crate::index::{CacheMode, Dataset, Registry};
 use crate::plan::{self, EpochParams};
 use crate::prefetch::ProjectedFetch;
@@ -71,10 +70,10 @@ impl Staging {
                 ds.url, ds.format
             )));
         };
-        let projection = pq.projection(Some(fields))?;
-        // As a stream's assembler is made (`stream_plan`), for the same copies' keys.
-        let id = format!("{}@{}", ds.fingerprint, ds.url);
-        let asm = BatchAssembler::new(pq.clone(), projection, crate::format::parquet::decoded::shared(), &id)?;
+        // A stream's assembler, for the same copies' keys (a stream drops repeated names too).
+        let mut seen = std::collections::HashSet::new();
+        let fields: Vec<String> = fields.iter().filter(|f| seen.insert(*f)).cloned().collect();
+        let asm = super::stream_plan::assembler(ds, pq, &fields)?;
         Ok(ProjectedReads::plan(ds, &asm)?.map_or(Staging::Whole, Staging::Columns))
     }
 

@@ -101,12 +101,8 @@ pub(super) fn plan_stream(
     let start = batches.peek().map_or(sequence.len(), |b| b.start);
     let arrow = match &ds.parquet {
         Some(pq) => {
-            let selection = (!req.fields.is_empty()).then_some(&fields[..]);
-            let projection = pq.projection(selection)?;
-            let cache = crate::format::parquet::decoded::shared();
-            // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
-            let id = format!("{}@{}", ds.fingerprint, ds.url);
-            let asm = BatchAssembler::new(pq.clone(), projection, cache, &id)?.with_window(params.window_shards);
+            let selected: &[String] = if req.fields.is_empty() { &[] } else { &fields };
+            let asm = assembler(&ds, pq, selected)?.with_window(params.window_shards);
             let asm = if req.arrow_binary_views { asm.with_binary_views()? } else { asm };
             // Row groups decoded for views, and others decoded a second time, are kept on the
             // node's disk, for this daemon and the next one (see `format::parquet::kept`).
@@ -249,6 +245,21 @@ pub(super) fn plan_stream(
 /// Refuses an inline stream with a sample larger than any message before it starts, naming the
 /// sample so it can be found. A batch of many samples beyond the limit is split over several
 /// messages instead (see [`build_batch`](super::batches::build_batch)).
+/// The assembler of the Parquet dataset `ds` (`pq`) for the columns `fields` (empty: all of
+/// them), before any stream's options: its projection is what streams and `Prefetch` key their
+/// column-chunk copies by.
+pub(super) fn assembler(
+    ds: &Dataset,
+    pq: &Arc<crate::format::parquet::dataset::ParquetDataset>,
+    fields: &[String],
+) -> Result<BatchAssembler> {
+    let projection = pq.projection((!fields.is_empty()).then_some(fields))?;
+    let cache = crate::format::parquet::decoded::shared();
+    // The URL too: two copies of a dataset share a fingerprint, not their bytes' checks.
+    let id = format!("{}@{}", ds.fingerprint, ds.url);
+    BatchAssembler::new(pq.clone(), projection, cache, &id)
+}
+
 fn check_inline_fits(ds: &Dataset) -> Result<()> {
     if let Some(l) = ds.largest_sample
         && l.bytes > inline::payload_limit()
