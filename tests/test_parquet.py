@@ -1356,6 +1356,34 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
         d.stop()
 
 
+def prefetch(addr: str, url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`shardstream prefetch` of `url` into the daemon at `addr`."""
+    return subprocess.run(
+        [SHARDSTREAM, "prefetch", "--connect", addr, *args, url],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def id_label_epoch_downloads_nothing(d: Daemon, url: str) -> None:
+    """An epoch of `id` and `label` over `write_big_files`' dataset at `url`: every row once, with
+    the labels written, and not one request or byte more from S3."""
+    before = d.status()
+    got: list[int] = []
+    for batch in shardstream.Loader(url, batch_size=50, seed=1, fields=["id", "label"], connect=d.addr):
+        ids = np.asarray(batch["id"]).tolist()
+        assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
+        got.extend(ids)
+    assert sorted(got) == list(range(1200))
+    after = d.status()
+    assert (after["storage_requests"], after["storage_bytes"]) == (
+        before["storage_requests"],
+        before["storage_bytes"],
+    ), (before, after)
+
+
 def test_an_s3_projection_reads_the_whole_files_already_on_the_node(tmp_path: Path, s3) -> None:
     """A dataset staged whole (`shardstream prefetch` in a job's prolog, or an epoch of every
     column) and then read with `fields=`: the projection fetched its column chunks from S3 again,
@@ -1365,28 +1393,9 @@ def test_an_s3_projection_reads_the_whole_files_already_on_the_node(tmp_path: Pa
     write_big_files(bucket)
 
     def staged_then_projected(d: Daemon) -> None:
-        p = subprocess.run(
-            [SHARDSTREAM, "prefetch", "--connect", d.addr, "s3://data/pqstaged/"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        p = prefetch(d.addr, "s3://data/pqstaged/")
         assert p.returncode == 0, p.stderr
-        staged = d.status()
-        got: list[int] = []
-        loader = shardstream.Loader(
-            "s3://data/pqstaged/", batch_size=50, seed=1, fields=["id", "label"], connect=d.addr
-        )
-        for batch in loader:
-            ids = np.asarray(batch["id"]).tolist()
-            assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
-            got.extend(ids)
-        assert sorted(got) == list(range(1200))
-        after = d.status()
-        assert (after["storage_requests"], after["storage_bytes"]) == (
-            staged["storage_requests"],
-            staged["storage_bytes"],
-        ), (staged, after)
+        id_label_epoch_downloads_nothing(d, "s3://data/pqstaged/")
 
     # Unindexed: the footers this daemon read at open vouch for the objects behind the copies.
     d = Daemon(tmp_path / "unindexed", env=s3.env()).start()
@@ -1413,47 +1422,24 @@ def test_prefetch_fields_stages_only_the_column_chunks_a_projection_reads(tmp_pa
     size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
     d = Daemon(tmp_path, env=s3.env()).start()
     try:
-
-        def prefetch(url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [SHARDSTREAM, "prefetch", "--connect", d.addr, *args, url],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env={**os.environ, **(env or {})},
-            )
-
-        p = prefetch("s3://data/pqfields/", "--fields", "label,id")
+        p = prefetch(d.addr, "s3://data/pqfields/", "--fields", "label,id")
         assert p.returncode == 0, p.stderr
         assert "staged 3 of 3" in p.stdout, p.stdout
         staged = d.status()
         assert staged["storage_bytes"] * 20 < size, (staged["storage_bytes"], size)
-        got: list[int] = []
-        loader = shardstream.Loader(
-            "s3://data/pqfields/", batch_size=50, seed=1, fields=["id", "label"], connect=d.addr
-        )
-        for batch in loader:
-            ids = np.asarray(batch["id"]).tolist()
-            assert np.asarray(batch["label"]).tolist() == [i % 10 for i in ids]
-            got.extend(ids)
-        assert sorted(got) == list(range(1200))
-        after = d.status()
-        assert (after["storage_requests"], after["storage_bytes"]) == (
-            staged["storage_requests"],
-            staged["storage_bytes"],
-        ), (staged, after)
+        id_label_epoch_downloads_nothing(d, "s3://data/pqfields/")
         # Again, the columns from the variable a job sets beside SHARDSTREAM_DATASET (the Slurm
         # TaskProlog's): nothing more to stage.
-        p = prefetch("s3://data/pqfields/", env={"SHARDSTREAM_DATASET_FIELDS": "id,label"})
+        p = prefetch(d.addr, "s3://data/pqfields/", env={"SHARDSTREAM_DATASET_FIELDS": "id,label"})
         assert p.returncode == 0 and "3 already cached" in p.stdout, p.stdout
         # A column the files lack, and TAR shards (whose fields are not stored apart), are refused.
-        p = prefetch("s3://data/pqfields/", "--fields", "id,nope")
+        p = prefetch(d.addr, "s3://data/pqfields/", "--fields", "id,nope")
         assert p.returncode != 0 and "nope" in p.stderr, p.stderr
         tar = s3.bucket("data") / "wdsfields"
         tar.mkdir(parents=True)
         for f in sorted(dataset[0].glob("*.tar"))[:2]:
             (tar / f.name).write_bytes(f.read_bytes())
-        p = prefetch("s3://data/wdsfields/", "--fields", "jpg")
+        p = prefetch(d.addr, "s3://data/wdsfields/", "--fields", "jpg")
         assert p.returncode != 0 and "Parquet" in p.stderr, p.stderr
     finally:
         assert d.stop() == 0

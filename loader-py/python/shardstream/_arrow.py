@@ -494,8 +494,10 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
         if _nested_numbers(t):
             out[name] = _stack_nested(name, _Nested(arr), rows)
             continue
-        if _is_list(t) and (inside := _first_null_inside(arr)) is not None:
-            raise _null_inside(name, int(rows[inside]))
+        if _is_list(t) and _fixed_width(t.value_type):
+            # The elements' own nulls (a list's validity says only which rows are null): the
+            # values buffer under them holds whatever the writer left there.
+            _refuse_null_inside(name, _Nested(arr), rows)
         value = out[name]
         if isinstance(value, np.ndarray) or pa.types.is_fixed_size_binary(t):
             if pa.types.is_fixed_size_binary(t):
@@ -523,37 +525,18 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _first_null_inside(arr: pa.Array) -> int | None:
-    """The first row of a list column (one level) with a null among its elements, or None. Those
-    nulls are the elements' own (a list's validity says only which rows are null): the values
-    buffer under them holds whatever the writer left there."""
-    import pyarrow as pa
-
-    if pa.types.is_fixed_size_list(arr.type):
-        size = arr.type.list_size
-        # `values` ignores the array's own offset: elements start at `offset * size`.
-        bounds = (arr.offset + np.arange(len(arr) + 1, dtype=np.int64)) * size
-    else:
-        bounds = _offsets(arr).astype(np.int64)
-    lo, hi = int(bounds[0]), int(bounds[-1])
-    part = arr.values.slice(lo, hi - lo)
-    if not part.null_count:
-        return None
-    first = int(np.flatnonzero(_null_mask(part))[0]) + lo
-    return int(np.searchsorted(bounds, first, side="right")) - 1
-
-
-def _null_inside(name: str, row: int) -> ValueError:
-    return ValueError(
-        f'collate="stack" needs a value in every row, but column {name!r} has a null inside its lists '
-        f"in row {row}; fill it, select other fields, or use collate=None"
-    )
+def _refuse_null_inside(name: str, nested: _Nested, rows: np.ndarray[Any, Any]) -> None:
+    if nested.null_inside.any():
+        row = int(rows[int(np.flatnonzero(nested.null_inside)[0])])
+        raise ValueError(
+            f'collate="stack" needs a value in every row, but column {name!r} has a null inside its lists '
+            f"in row {row}; fill it, select other fields, or use collate=None"
+        )
 
 
 def _stack_nested(name: str, nested: _Nested, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """A column of lists of lists of equal shape as one ``(rows, *shape)`` view of its values."""
-    if nested.null_inside.any():
-        raise _null_inside(name, int(rows[int(np.flatnonzero(nested.null_inside)[0])]))
+    _refuse_null_inside(name, nested, rows)
     shape = [len(rows)]
     for level, lengths in enumerate(nested.lengths):
         if len(lengths) and (lengths != lengths[0]).any():
