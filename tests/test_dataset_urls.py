@@ -184,19 +184,21 @@ def test_index_describes_a_directory_of_several_splits_and_opens_still_pick_one(
 def test_a_directory_whose_shards_are_in_subdirectories_names_them(
     daemon, s3, s3_daemon, tmp_path: Path, where: str
 ) -> None:
-    # A partitioned dataset as pyarrow writes it (`year=2020/<uuid>-0.parquet`): a dataset is the
-    # files of the directory named, so the error must say where the shards are instead of "none".
-    table = pa.table({"year": [2020] * 5 + [2021] * 5, "id": list(range(10))})
-    root, url, addr = place(where, "parted", tmp_path, daemon, s3, s3_daemon)
-    pq.write_to_dataset(table, str(root), partition_cols=["year"])
+    # A directory per split (not `key=value` partitions, which are served with their keys as
+    # columns: test_partitions.py): a dataset is the files of the directory named, so the error
+    # must say where the shards are instead of "none".
+    root, url, addr = place(where, "splits", tmp_path, daemon, s3, s3_daemon)
+    for sub, first in (("train", 0), ("test", 5)):
+        (root / sub).mkdir(parents=True)
+        pq.write_table(pa.table({"id": list(range(first, first + 5))}), root / sub / "part-0.parquet")
     (root / "notes").mkdir()
     (root / "notes" / "README.txt").write_text("no shards here\n")
     with pytest.raises(FileNotFoundError, match="holds none") as e:
         read_ids(url, addr)
     message = str(e.value)
-    assert "year=2020/" in message and "year=2021/" in message, message
+    assert "train/" in message and "test/" in message, message
     assert "notes/" not in message, message
-    assert sorted(read_ids(url.rstrip("/") + "/year=2021/", addr)) == list(range(5, 10))
+    assert sorted(read_ids(url.rstrip("/") + "/test/", addr)) == list(range(5, 10))
 
 
 def test_a_relative_or_home_path_is_the_clients_not_the_daemons(

@@ -1,0 +1,160 @@
+"""Hive-partitioned Parquet directories (`year=2020/part-0.parquet`, as pyarrow's
+`write_to_dataset`, Spark's `partitionBy` and Hive write them): served whole, with each partition
+key as a column of the type pyarrow.dataset infers, locally and on the real S3 server, listed or
+indexed; and the layouts that are not one dataset refused by name."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+import torch.utils.data
+from s3server import S3Server
+
+import shardstream
+import shardstream.torch as sst
+from conftest import SHARDSTREAM, Daemon
+
+ROWS = 240
+
+
+def write_partitioned(root: Path) -> None:
+    """`ROWS` rows partitioned by an int year and a string region whose values need escaping (a
+    space, a '/', a null), plus what jobs leave beside them: `_SUCCESS`, a `_temporary/` file."""
+    rng = np.random.default_rng(5)
+    regions = ["eu west", "us/east", None]
+    table = pa.table(
+        {
+            "id": pa.array(range(ROWS), pa.int64()),
+            "x": pa.array(rng.random(ROWS), pa.float64()),
+            "caption": pa.array([f"row {i}" for i in range(ROWS)]),
+            "year": pa.array([2020 + i % 3 for i in range(ROWS)], pa.int64()),
+            "region": pa.array([regions[i % 7 % 3] for i in range(ROWS)]),
+        }
+    )
+    pq.write_to_dataset(table, str(root), partition_cols=["year", "region"], row_group_size=16)
+    (root / "_SUCCESS").write_bytes(b"")
+    (root / "_temporary" / "0").mkdir(parents=True)
+    pq.write_table(table.slice(0, 3), root / "_temporary" / "0" / "part-9.parquet")
+
+
+def expected(root: Path) -> pa.Table:
+    return pads.dataset(str(root), partitioning="hive").to_table()
+
+
+def by_id(t: pa.Table) -> list[dict]:
+    return sorted(t.to_pylist(), key=lambda r: r["id"])
+
+
+def served(url: str, addr: str, **kw) -> pa.Table:
+    batches = list(shardstream.Loader(url, batch_size=13, connect=addr, format="arrow", **kw))
+    return pa.Table.from_batches(batches)
+
+
+@pytest.fixture(scope="module")
+def s3_daemon(s3: S3Server, tmp_path_factory: pytest.TempPathFactory):
+    d = Daemon(tmp_path_factory.mktemp("partitions-s3"), env=s3.env()).start()
+    yield d
+    assert d.stop() == 0
+
+
+def place(where: str, name: str, tmp_path: Path, daemon, s3, s3_daemon) -> tuple[Path, str, str]:
+    if where == "local":
+        return tmp_path / name, str(tmp_path / name), daemon.addr
+    return s3.bucket("parts") / name, f"s3://parts/{name}/", s3_daemon.addr
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_partitioned_directory_is_served_with_its_keys_as_columns(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    root, url, addr = place(where, "parted", tmp_path, daemon, s3, s3_daemon)
+    write_partitioned(root)
+    want = expected(root)
+    got = served(url, addr)
+    assert got.schema.names == want.schema.names == ["id", "x", "caption", "year", "region"]
+    assert got.schema.field("year").type == pa.int32() and got.schema.field("region").type == pa.string()
+    assert by_id(got) == by_id(want)
+    # A selection names partition keys like any column, in its own order.
+    picked = served(url, addr, fields=["region", "id", "year"])
+    assert picked.schema.names == ["region", "id", "year"]
+    assert by_id(picked) == by_id(want.select(["region", "id", "year"]))
+    # The dict form and the torch tensors carry them too.
+    years = {}
+    for b in shardstream.Loader(url, batch_size=13, connect=addr, fields=["id", "year", "region"]):
+        for i, y, r in zip(b["id"].tolist(), b["year"].tolist(), b["region"], strict=True):
+            years[i] = (y, r)
+    assert years == {r["id"]: (r["year"], r["region"]) for r in want.to_pylist()}
+
+
+def test_only_partition_keys_selected_reads_rows_and_no_column(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "keys"
+    write_partitioned(root)
+    got = served(str(root), daemon.addr, fields=["year"])
+    assert sorted(got.column("year").to_pylist()) == sorted(expected(root).column("year").to_pylist())
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_indexed_partitioned_directory_serves_the_same_rows(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    root, url, addr = place(where, "indexed", tmp_path, daemon, s3, s3_daemon)
+    write_partitioned(root)
+    env = s3.env() if where == "s3" else None
+    p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    names = sorted(s["name"] for s in json.loads((root / "manifest.json").read_text())["shards"])
+    assert names == sorted(str(f.relative_to(root)) for f in root.glob("year=*/region=*/*.parquet"))
+    assert all(n.startswith("year=") for n in names), names
+    assert by_id(served(url, addr)) == by_id(expected(root))
+
+
+def test_two_ranks_two_workers_exactly_once_with_partition_tensors(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "ranks"
+    write_partitioned(root)
+    year_of = {r["id"]: r["year"] for r in expected(root).to_pylist()}
+    seen: collections.Counter[int] = collections.Counter()
+    for rank in range(2):
+        ds = sst.IterableDataset(
+            str(root), batch_size=10, seed=3, rank=rank, world_size=2, connect=daemon.addr, fields=["id", "year"]
+        )
+        for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+            assert batch["year"].dtype == torch.int32
+            ids = batch["id"].tolist()
+            assert batch["year"].tolist() == [year_of[i] for i in ids]
+            seen.update(ids)
+    assert seen == collections.Counter(range(ROWS))
+
+
+def test_keys_that_differ_between_directories_are_refused_naming_both(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "mixed"
+    for sub, first in (("year=2020", 0), ("month=1", 10)):
+        (root / sub).mkdir(parents=True)
+        pq.write_table(pa.table({"id": list(range(first, first + 10))}), root / sub / "part-0.parquet")
+    with pytest.raises(ValueError, match="partition") as e:
+        served(str(root), daemon.addr)
+    assert "year=2020/part-0.parquet" in str(e.value) and "month=1/part-0.parquet" in str(e.value), e.value
+
+
+def test_a_key_that_is_also_a_column_of_the_files_is_refused_naming_it(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "twice"
+    (root / "id=1").mkdir(parents=True)
+    pq.write_table(pa.table({"id": [1, 2, 3]}), root / "id=1" / "part-0.parquet")
+    with pytest.raises(ValueError, match='"id"'):
+        served(str(root), daemon.addr)
+
+
+def test_a_partition_is_still_a_dataset_of_its_own_without_the_key(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "one"
+    write_partitioned(root)
+    got = served(str(root / "year=2021"), daemon.addr)
+    assert got.schema.names == ["id", "x", "caption", "region"]
+    want = pads.dataset(str(root / "year=2021"), partitioning="hive").to_table()
+    assert by_id(got) == by_id(want)
