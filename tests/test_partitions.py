@@ -55,7 +55,7 @@ def by_id(t: pa.Table) -> list[dict]:
 
 def served(url: str, addr: str, **kw) -> pa.Table:
     batches = list(shardstream.Loader(url, batch_size=13, connect=addr, format="arrow", **kw))
-    return pa.Table.from_batches(batches)
+    return pa.Table.from_batches(batches).drop_columns(["__row__"])
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +107,14 @@ def test_an_indexed_partitioned_directory_serves_the_same_rows(
 ) -> None:
     root, url, addr = place(where, "indexed", tmp_path, daemon, s3, s3_daemon)
     write_partitioned(root)
+    want = expected(root)  # before the manifest, which pyarrow.dataset would take for a Parquet file
     env = s3.env() if where == "s3" else None
     p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
     names = sorted(s["name"] for s in json.loads((root / "manifest.json").read_text())["shards"])
     assert names == sorted(str(f.relative_to(root)) for f in root.glob("year=*/region=*/*.parquet"))
     assert all(n.startswith("year=") for n in names), names
-    assert by_id(served(url, addr)) == by_id(expected(root))
+    assert by_id(served(url, addr)) == by_id(want)
 
 
 def test_two_ranks_two_workers_exactly_once_with_partition_tensors(daemon, tmp_path: Path) -> None:
@@ -158,3 +159,39 @@ def test_a_partition_is_still_a_dataset_of_its_own_without_the_key(daemon, tmp_p
     assert got.schema.names == ["id", "x", "caption", "region"]
     want = pads.dataset(str(root / "year=2021"), partitioning="hive").to_table()
     assert by_id(got) == by_id(want)
+
+
+def test_a_file_added_to_a_partition_is_in_the_next_open(daemon, tmp_path: Path) -> None:
+    # The daemon trusts a listing while the dataset's directory keeps its mtime; a file added in
+    # `year=2021/region=x/` moves that directory's mtime only.
+    root = tmp_path / "grows"
+    write_partitioned(root)
+    assert len(served(str(root), daemon.addr)) == ROWS
+    part = next(root.glob("year=2021/region=*"))
+    pq.write_table(pa.table({"id": [ROWS], "x": [0.5], "caption": ["late"]}), part / "late.parquet")
+    got = served(str(root), daemon.addr)
+    assert len(got) == ROWS + 1 and ROWS in got.column("id").to_pylist()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_shards_beside_partitions_are_refused_and_a_glob_picks_them(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    root, url, addr = place(where, "beside", tmp_path, daemon, s3, s3_daemon)
+    write_partitioned(root)
+    pq.write_table(pa.table({"id": [1000, 1001]}), root / "stray.parquet")
+    with pytest.raises(ValueError, match="beside partition directories") as e:
+        served(url, addr)
+    assert "stray.parquet" in str(e.value) and "year=20" in str(e.value), e.value
+    assert served(url.rstrip("/") + "/*.parquet", addr).column("id").to_pylist() == [1000, 1001]
+
+
+def test_a_split_partition_is_a_column_not_a_mix_of_splits(daemon, tmp_path: Path) -> None:
+    # Files named by split beside each other are refused (test_dataset_urls.py); a `split=`
+    # partition puts the split in every row, where the trainer can see it.
+    root = tmp_path / "splits"
+    t = pa.table({"id": list(range(20)), "split": ["train"] * 15 + ["test"] * 5})
+    pq.write_to_dataset(t, str(root), partition_cols=["split"])
+    got = served(str(root), daemon.addr)
+    assert by_id(got) == by_id(expected(root))
+    assert got.schema.field("split").type == pa.string()

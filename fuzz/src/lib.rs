@@ -235,9 +235,9 @@ pub fn parquet_footer(data: &[u8]) {
     let idx = pqidx::encode(b"fuzz", len, &foot);
     let again = pqidx::load(&idx, b"fuzz").expect("a sidecar of an accepted footer loads").expect("same identity");
     assert_eq!((again.num_rows(), again.num_row_groups()), (table.num_rows(), table.num_row_groups()));
-    if let Ok(proj) = Projection::new(table.schema(), None) {
+    if let Ok(proj) = Projection::new(table.schema(), &[], None) {
         // A file agrees with its own schema; a codec this build does not decode is refused here.
-        let fp = match proj.for_file(&table) {
+        let fp = match proj.for_file(&table, &[]) {
             Ok(fp) => fp,
             Err(ParquetError::UnsupportedCodec { .. }) => return,
             Err(e) => panic!("a file disagrees with its own schema: {e}"),
@@ -284,17 +284,17 @@ pub fn parquet_row_group(data: &[u8]) {
         let src = usize::try_from(off).ok().and_then(|o| data.get(o..o.checked_add(n)?));
         src.map(<[u8]>::to_vec).ok_or_else(|| ParquetError::Truncated(format!("{n} bytes at {off}")))
     };
-    let Ok(all) = Projection::new(table.schema(), None) else { return };
+    let Ok(all) = Projection::new(table.schema(), &[], None) else { return };
     // A codec this build does not decode is refused here, before any page is read.
-    let all_fp = match all.for_file(&table) {
+    let all_fp = match all.for_file(&table, &[]) {
         Ok(fp) => fp,
         Err(ParquetError::UnsupportedCodec { .. }) => return,
         Err(e) => panic!("a file disagrees with its own schema: {e}"),
     };
     let flat_names: Vec<String> =
         (all.schema().fields().iter()).filter(|f| direct::is_flat(f.data_type())).map(|f| f.name().clone()).collect();
-    let flat = Projection::new(table.schema(), Some(&flat_names)).expect("the file's own columns");
-    let flat_fp = flat.for_file(&table).expect("the file's own columns, whose codecs it accepted");
+    let flat = Projection::new(table.schema(), &[], Some(&flat_names)).expect("the file's own columns");
+    let flat_fp = flat.for_file(&table, &[]).expect("the file's own columns, whose codecs it accepted");
     let flat_cols: Vec<usize> =
         flat_names.iter().map(|n| all.schema().index_of(n).expect("a column of the file")).collect();
     let message = direct::schema_message(flat.schema()).expect("a flat schema has a message");

@@ -223,7 +223,12 @@ fn index_parquet(
                 let (mut entry, fields, sidecar) = describe_parquet(&s.name, s.len, table, None);
                 // Each file's own sidecar too: what a daemon reads when the bundle is stale.
                 let sidecar_name = format!("{}.idx", s.name);
-                local::write_atomic(&sidecar_dir.join(&sidecar_name), &sidecar)?;
+                let sidecar_path = sidecar_dir.join(&sidecar_name);
+                // A partitioned dataset's sidecars mirror its directories.
+                if let Some(parent) = sidecar_path.parent() {
+                    std::fs::create_dir_all(parent).map_err(|e| Error::io("cannot create", parent, e))?;
+                }
+                local::write_atomic(&sidecar_path, &sidecar)?;
                 entry.index = Some(format!("{SIDECAR_DIR}/{sidecar_name}"));
                 progress.shard_done(&s.name, s.len);
                 Ok((entry, fields, sidecar))

@@ -254,8 +254,13 @@ impl Manifest {
             if s.crc().is_none() || s.crc32c.len() != 8 {
                 return bad(format!("shard {}: crc32c {:?} is not 8 hex digits", s.name, s.crc32c));
             }
-            if s.name.is_empty() || s.name.contains('/') || s.name == ".." {
-                return bad(format!("shard name {:?} must be a plain file name", s.name));
+            // A partitioned dataset's shards are paths below it (`year=2020/part-0.parquet`); no
+            // name may leave the dataset or name a directory.
+            if s.name.starts_with('/') || s.name.split('/').any(|part| part.is_empty() || part == "." || part == "..") {
+                return bad(format!(
+                    "shard name {:?} must be a file name or a relative path inside the dataset",
+                    s.name
+                ));
             }
             if let Some(idx) = &s.index
                 && (idx.starts_with('/') || idx.split('/').any(|c| c == ".."))
@@ -330,9 +335,16 @@ mod tests {
         m.version = 2;
         let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
         assert!(err.contains("version 2"), "{err}");
+        for outside in ["../etc/passwd", "/etc/passwd", "", "year=1/../../x", "year=1//a.tar", "./a.tar", "year=1/"] {
+            let mut m = sample();
+            m.shards[0].name = outside.into();
+            let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+            assert!(err.contains("relative path inside the dataset"), "{outside}: {err}");
+        }
+        // A partitioned dataset's shard is a path below it.
         let mut m = sample();
-        m.shards[0].name = "../etc/passwd".into();
-        assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_err());
+        m.shards[0].name = "year=2020/region=eu%20west/part-0.tar".into();
+        assert_eq!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap(), m);
         let mut m = sample();
         m.shards[0].index = Some("../../x".into());
         assert!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").is_err());

@@ -488,16 +488,20 @@ impl Dataset {
                 Some(LargestSample { shard, local, offset, bytes })
             })
             .max_by_key(|s| s.bytes);
-        let fields: Vec<String> = match format {
-            // The dataset's columns are its first file's, in file order (as pyarrow shows them).
-            Format::Parquet => {
-                tables.iter().find(|t| t.num_samples() > 0).map(|t| t.fields().to_vec()).unwrap_or_default()
-            }
-            Format::WebDataset => fields.into_iter().collect(),
-        };
         let parquet = match format {
             Format::Parquet => Some(Arc::new(parquet_dataset(&shards, &tables)?)),
             Format::WebDataset => None,
+        };
+        let fields: Vec<String> = match &parquet {
+            // The dataset's columns are its first file's, in file order, then its partition keys
+            // (as pyarrow.dataset shows them).
+            Some(pq) => {
+                let mut columns =
+                    tables.iter().find(|t| t.num_samples() > 0).map(|t| t.fields().to_vec()).unwrap_or_default();
+                columns.extend(pq.keys().iter().map(|k| k.name().clone()));
+                columns
+            }
+            None => fields.into_iter().collect(),
         };
         let mut ds =
             Self::assemble(&url, format, mode, base, shards, fields, from_manifest, sidecar_cache, backends, keys);

@@ -9,7 +9,8 @@
 //!   shards when its directory (and manifest) carry the same mtime as when it was last checked,
 //!   for up to [`LOCAL_REVALIDATE`]: two `stat` calls per open instead of one per shard (the
 //!   metadata storm this daemon exists to prevent). A replaced or added shard goes through a
-//!   rename or a new directory entry, which moves the directory's mtime; a shard rewritten in
+//!   rename or a new directory entry, which moves the directory's mtime (a partitioned dataset's
+//!   partition directories are stat'ed too: one `stat` each); a shard rewritten in
 //!   place (pyarrow, tarfile) fails the length check when it is opened, which marks the dataset
 //!   changed ([`Dataset::changed`]), and the next open lists it again.
 //!   An S3 dataset is trusted for [`super::REMOTE_REDISCOVERY`].
@@ -70,18 +71,40 @@ type Key = (String, CacheMode);
 struct DirStamp {
     dir_mtime_ns: i64,
     manifest_mtime_ns: Option<i64>,
+    /// The mtimes of a partitioned dataset's partition directories (a file added to
+    /// `year=2020/` moves that directory's mtime, not the dataset's).
+    parts: Vec<Option<i64>>,
 }
 
 impl DirStamp {
-    /// Two `stat` calls: the directory and its manifest (absent is a valid state).
-    fn read(dir: &Path) -> Option<Self> {
+    /// Two `stat` calls, the directory and its manifest (absent is a valid state), and one per
+    /// partition directory in `parts` (paths below `dir`).
+    fn read(dir: &Path, parts: &[String]) -> Option<Self> {
         let meta = std::fs::metadata(dir).ok()?;
         crate::metrics::local_stat(1);
         let manifest = dir.join(super::manifest::MANIFEST_FILE);
         crate::metrics::local_stat(1);
         let manifest_mtime_ns = std::fs::metadata(manifest).ok().map(|m| local::mtime_ns(&m));
-        Some(Self { dir_mtime_ns: local::mtime_ns(&meta), manifest_mtime_ns })
+        crate::metrics::local_stat(parts.len() as u64);
+        let parts = parts.iter().map(|p| std::fs::metadata(dir.join(p)).ok().map(|m| local::mtime_ns(&m))).collect();
+        Some(Self { dir_mtime_ns: local::mtime_ns(&meta), manifest_mtime_ns, parts })
     }
+}
+
+/// The partition directories of a dataset's shards (every directory on their paths below the
+/// dataset's, each once, sorted); none for a dataset that is not partitioned.
+fn partition_dirs(ds: &Dataset) -> Vec<String> {
+    let mut dirs = std::collections::BTreeSet::new();
+    for s in &ds.shards {
+        let mut at = s.name.as_str();
+        while let Some((parent, _)) = at.rsplit_once('/') {
+            if !dirs.insert(parent.to_owned()) {
+                break;
+            }
+            at = parent;
+        }
+    }
+    dirs.into_iter().collect()
 }
 
 #[derive(Debug)]
@@ -203,9 +226,20 @@ impl Registry {
         mode: CacheMode,
         existing: Option<(Arc<Dataset>, Instant, Option<DirStamp>)>,
     ) -> Result<(Arc<Dataset>, Option<DirStamp>, Instant)> {
+        let parts = existing.as_ref().map(|(ds, _, _)| partition_dirs(ds)).unwrap_or_default();
         let stamp = match parsed {
-            DatasetUrl::Local { dir, .. } => DirStamp::read(dir),
+            DatasetUrl::Local { dir, .. } => DirStamp::read(dir, &parts),
             DatasetUrl::S3 { .. } => None,
+        };
+        // The stamp of a dataset first found partitioned, or partitioned otherwise than before,
+        // is taken again for its directories after the listing (a file added in between is seen
+        // by the open after LOCAL_REVALIDATE, as a change to an S3 dataset is).
+        let restamp = |ds: &Dataset, stamp: Option<DirStamp>| match parsed {
+            DatasetUrl::Local { dir, .. } => {
+                let now = partition_dirs(ds);
+                if now == parts { stamp } else { DirStamp::read(dir, &now) }
+            }
+            DatasetUrl::S3 { .. } => stamp,
         };
         if let Some((ds, checked, old)) = &existing
             && stamp.is_some()
@@ -221,11 +255,13 @@ impl Registry {
         if let Some((ds, _, _)) = existing
             && ds.same_shards(&found)
         {
+            let stamp = restamp(&ds, stamp);
             return Ok((ds, stamp, now));
         }
         self.stats.builds.fetch_add(1, Relaxed);
         crate::metrics::dataset_build();
         let ds = Arc::new(Dataset::build(found, mode, self.cache_dir.as_deref(), self.backends.clone())?);
+        let stamp = restamp(&ds, stamp);
         Ok((ds, stamp, now))
     }
 

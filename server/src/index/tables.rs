@@ -17,9 +17,10 @@ use crate::{Error, Result};
 
 pub(super) fn cache_sidecar_path(cache: &Path, meta: &ShardMeta) -> PathBuf {
     // Keyed by the shard's location (path or URL); the identity inside the file guards against
-    // reuse for other bytes.
+    // reuse for other bytes. A partitioned dataset's shard names are paths: flattened, the hash
+    // tells them apart.
     let h = crate::stable_hash::hash(meta.url().as_bytes());
-    cache.join(format!("{h:016x}-{}.idx", meta.name))
+    cache.join(format!("{h:016x}-{}.idx", meta.name.replace('/', "_")))
 }
 
 /// The shard's member table: from the manifest's sidecar, the daemon's sidecar cache, or a
@@ -71,7 +72,13 @@ pub(super) fn parquet_dataset(
             ShardTable::Tar(_) => Err(Error::Internal(format!("{} is not a Parquet table", meta.url()))),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(ParquetDataset::new(files)?.0)
+    let names: Vec<&str> = shards.iter().map(|m| m.name.as_str()).collect();
+    let place = shards.first().map_or(String::new(), |m| {
+        let url = m.url();
+        url.strip_suffix(m.name.as_str()).map_or(url.clone(), str::to_owned)
+    });
+    let partitions = crate::format::parquet::partitions::Partitions::of(&names, &place)?;
+    Ok(ParquetDataset::new(files)?.0.with_partitions(partitions))
 }
 
 /// Loads every shard's table, in parallel (a dataset opened without manifest), and the content

@@ -70,6 +70,17 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                     unserved.note(&name);
                 }
             }
+            let part = subdirs.iter().find(|s| super::partitions::key_value(s).is_some());
+            if let (Some(part), Pick::All | Pick::Every) = (part, pick) {
+                let place = super::dir_base(dir);
+                if let Some(shard) = found.iter().find(|n| !super::pick::is_hidden(n)) {
+                    return Err(super::partitions::beside_partitions(&place, shard, part));
+                }
+                let mut nested = Vec::new();
+                walk_partitions(dir, "", &mut nested)?;
+                nested.sort();
+                found = super::partitions::partitioned(nested, String::as_str, &place)?;
+            }
             if found.is_empty() {
                 subdirs.sort();
                 return Err(super::no_shards(
@@ -95,6 +106,31 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         ));
     }
     Ok(shards)
+}
+
+/// Appends to `out` the shards below `dir` (in its subdirectories at any depth, hidden ones left
+/// out), named by their paths below it; `rel`: where `dir` is below the dataset's directory
+/// (empty, or ending with `/`). One listing per directory, as pyarrow.dataset's discovery.
+fn walk_partitions(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<()> {
+    crate::metrics::local_list(1);
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+        if super::pick::is_hidden(&name) {
+            continue;
+        }
+        // A symlink is followed (as the stat of a listed shard is); other entries need no stat.
+        let is_dir = entry
+            .file_type()
+            .is_ok_and(|t| t.is_dir() || (t.is_symlink() && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir())));
+        if is_dir {
+            walk_partitions(&entry.path(), &format!("{rel}{name}/"), out)?;
+        } else if !rel.is_empty() && Format::is_shard_name(&name) {
+            out.push(format!("{rel}{name}"));
+        }
+    }
+    Ok(())
 }
 
 /// Which of `subdirs` (names in `dir`) hold shards of their own, for the error of a directory

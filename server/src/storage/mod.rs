@@ -4,7 +4,7 @@
 //! brace pattern over shard names (`/data/train-{000000..000099}.tar`, `/data/{a,b}.tar`) or a
 //! glob (`/data/train-*.parquet`; see [`pick`]). Patterns are only allowed in the file name, never
 //! in directories, so a dataset is always one directory and is found with one listing (a brace
-//! pattern, with none). `s3://bucket/prefix/` names a prefix of an S3 (or S3-compatible) bucket,
+//! pattern, with none; a Hive-partitioned directory, with one per partition directory). `s3://bucket/prefix/` names a prefix of an S3 (or S3-compatible) bucket,
 //! found with one paginated listing (or one manifest GET), with the same patterns in the last
 //! component; a URL naming one shard file (or object) is a dataset of that shard.
 //!
@@ -13,6 +13,8 @@
 //! - [`pick`]: which of a directory's shards a URL picks (all, brace names, a glob), and the
 //!   refusal of a directory that holds several splits.
 //! - [`no_shards`]: the error for a place without shards, naming what it holds instead.
+//! - [`partitions`]: Hive-partitioned places (`year=2020/part-0.parquet`): which shards are
+//!   theirs, the keys each file's directories give.
 //! - [`s3`]: S3 objects, downloaded into the node cache with parallel ranged GETs.
 //! - [`s3_write`]: uploads to S3 (single PUT or multipart from a local file), HEAD and DELETE,
 //!   for `shardstream pack`.
@@ -21,6 +23,7 @@
 pub mod append;
 pub mod local;
 mod no_shards;
+pub mod partitions;
 pub mod pick;
 pub mod retry;
 pub mod s3;

@@ -1,7 +1,8 @@
 //! The error for a dataset place (a directory, an S3 prefix) that holds no shard of its own,
-//! saying what it holds instead: subdirectories with shards (a partitioned dataset, a directory
-//! per split), shards compressed whole, or Parquet files under another extension. "Holds none"
-//! alone sends the user looking for a wrong path.
+//! saying what it holds instead: subdirectories with shards (a directory per split; `key=value`
+//! partitions are a dataset of their own, [`super::partitions`]), shards compressed whole, or
+//! Parquet files under another extension. "Holds none" alone sends the user looking for a wrong
+//! path.
 
 use crate::Error;
 
@@ -34,10 +35,10 @@ impl Unserved {
 }
 
 /// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
-/// its subdirectories (sorted) whose own entries include shards, as a partitioned dataset
-/// (`year=2020/...`) or a directory per split has them; a dataset is the shards of the one place
-/// named, so the user is told which places to name instead of "none". `unserved`: what it holds
-/// of shards compressed whole and of Parquet files named otherwise.
+/// its subdirectories (sorted) whose own entries include shards, as a directory per split has
+/// them; a dataset is the shards of the one place named, so the user is told which places to name
+/// instead of "none". `unserved`: what it holds of shards compressed whole and of Parquet files
+/// named otherwise.
 pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String], unserved: &Unserved) -> Error {
     const SHOWN: usize = 4;
     let mut path = format!("{place} (the {holder} holds none");

@@ -68,7 +68,9 @@ impl Pick {
                     tracing::debug!(place, left_out = hidden, "hidden shard names left out of the listing");
                 }
                 if *self == Pick::All {
-                    check_one_split(listed.iter().map(&name), place)?
+                    // A partitioned dataset's `split=train/` is a column the trainer sees, not a
+                    // mix it cannot tell apart: only file names count.
+                    check_one_split(listed.iter().map(|t| file_name(name(t))), place)?
                 }
             }
             Pick::Glob(g) => {
@@ -84,6 +86,12 @@ impl Pick {
         }
         Ok(listed)
     }
+}
+
+/// The file name of a shard's path below its place (a partitioned dataset's shard has
+/// directories).
+fn file_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
 }
 
 /// Whether a directory listing leaves `name` out: names starting with `.` (hidden: macOS'

@@ -203,6 +203,9 @@ fn shards_in_listing(
     let mut nested = std::collections::BTreeSet::new();
     let mut unserved = crate::storage::Unserved::default();
     let mut found: Vec<(String, ObjectInfo)> = Vec::new();
+    // Shards at any depth below a subdirectory, for a partitioned prefix ([`partitions`]).
+    let mut below: Vec<(String, ObjectInfo)> = Vec::new();
+    let mut partitioned: Option<String> = None;
     for o in listed {
         let Some(name) = o.key.strip_prefix(prefix) else { continue };
         match name.split_once('/') {
@@ -210,13 +213,30 @@ fn shards_in_listing(
                 unserved.note(name);
                 found.push((name.to_owned(), o));
             }
-            Some((sub, rest))
-                if !rest.contains('/') && crate::format::Format::is_shard_name(rest) && !nested.contains(sub) =>
-            {
-                nested.insert(sub.to_owned());
+            Some((sub, rest)) => {
+                if partitioned.is_none() && crate::storage::partitions::key_value(sub).is_some() {
+                    partitioned = Some(sub.to_owned());
+                }
+                let file = rest.rsplit('/').next().unwrap_or(rest);
+                if crate::format::Format::is_shard_name(file) && !crate::storage::partitions::hidden_path(name) {
+                    if !rest.contains('/') && !nested.contains(sub) {
+                        nested.insert(sub.to_owned());
+                    }
+                    below.push((name.to_owned(), o));
+                }
             }
             _ => {}
         }
+    }
+    if let (Some(part), crate::storage::Pick::All | crate::storage::Pick::Every) = (&partitioned, pick) {
+        let place = format!("s3://{bucket}/{prefix}");
+        let here =
+            found.iter().find(|(n, _)| crate::format::Format::is_shard_name(n) && !crate::storage::pick::is_hidden(n));
+        if let Some((shard, _)) = here {
+            return Err(crate::storage::partitions::beside_partitions(&place, shard, part));
+        }
+        below.sort_by(|a, b| a.0.cmp(&b.0));
+        found = crate::storage::partitions::partitioned(below, |(n, _)| n.as_str(), &place)?;
     }
     let shards = match pick {
         crate::storage::Pick::Names(names) => {

@@ -23,6 +23,7 @@ use bytes::Bytes;
 use super::decode::{chunk_ranges, decode_row_group, projected_bytes, read_row_group};
 use super::decoded::{DatasetTag, DecodedCache, OutgrownShare, RowGroupKey};
 use super::mapped::{self, MappedFile};
+use super::partitions::Partitions;
 use super::schema::{FileProjection, Projection};
 use super::{ParquetError, ParquetTable, direct, footer, ipc, recycled};
 use crate::{Error, Result};
@@ -48,6 +49,8 @@ pub struct ParquetDataset {
     unit_rows: Vec<u64>,
     /// First row id of every unit, then the total.
     unit_starts: Vec<u64>,
+    /// The partition keys of a Hive-partitioned dataset (values by [`DatasetFile::index`]).
+    partitions: Option<Arc<Partitions>>,
 }
 
 impl ParquetDataset {
@@ -77,7 +80,23 @@ impl ParquetDataset {
             }
             kept.push(f);
         }
-        Ok((Self { files: kept, units, unit_rows, unit_starts }, skipped))
+        Ok((Self { files: kept, units, unit_rows, unit_starts, partitions: None }, skipped))
+    }
+
+    /// This dataset with the partition keys its files' directories give.
+    pub fn with_partitions(mut self, partitions: Option<Partitions>) -> Self {
+        self.partitions = partitions.map(Arc::new);
+        self
+    }
+
+    /// The partition keys as columns (none when the dataset is not partitioned).
+    pub fn keys(&self) -> &[arrow_schema::Field] {
+        self.partitions.as_ref().map_or(&[], |p| p.fields())
+    }
+
+    /// The partition values of `file` ([`DatasetFile::index`]).
+    fn key_values(&self, file: &DatasetFile) -> &[super::partitions::KeyValue] {
+        self.partitions.as_ref().map_or(&[], |p| p.values(file.index))
     }
 
     pub fn files(&self) -> &[DatasetFile] {
@@ -120,7 +139,8 @@ impl ParquetDataset {
         let Some(first) = self.files.first() else {
             return Err(Error::invalid("the Parquet dataset has no rows"));
         };
-        let mut p = Projection::new(first.table.schema(), fields).map_err(|e| e.into_error(&first.name))?;
+        let mut p =
+            Projection::new(first.table.schema(), self.keys(), fields).map_err(|e| e.into_error(&first.name))?;
         for f in &self.files[1..] {
             p.agree(&f.table).map_err(|e| e.into_error(&f.name))?;
         }
@@ -364,7 +384,7 @@ impl BatchAssembler {
         let per_file = dataset
             .files
             .iter()
-            .map(|f| projection.for_file(&f.table).map_err(|e| e.into_error(&f.name)))
+            .map(|f| projection.for_file(&f.table, dataset.key_values(f)).map_err(|e| e.into_error(&f.name)))
             .collect::<Result<Vec<_>>>()?;
         let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
         let schema = projection.schema();

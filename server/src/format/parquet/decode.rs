@@ -172,6 +172,17 @@ pub fn decode_row_group(
         return Err(bad(format!("the file has {} row groups", table.num_row_groups())));
     }
     let batch_rows = usize::try_from(rows).map_err(|_| bad(format!("{rows} rows")))?.max(1);
+    if proj.reads_nothing() {
+        // Only partition keys: the row group's rows are its row count, nothing is decoded.
+        let options = arrow_array::RecordBatchOptions::new().with_row_count(Some(batch_rows));
+        let none =
+            RecordBatch::try_new_with_options(std::sync::Arc::new(arrow_schema::Schema::empty()), vec![], &options)
+                .map_err(|e| bad(e.to_string()))?;
+        return proj.arrange(&none).map_err(|e| match e {
+            ParquetError::BadData { reason, .. } => bad(reason),
+            e => e,
+        });
+    }
     check_pages(table, rg, proj, &chunks).map_err(bad)?;
     let decoded = no_panic(
         || {
@@ -240,7 +251,8 @@ pub fn read_row_group<B: Into<Bytes>>(
 #[cfg(test)]
 mod tests {
     use arrow_array::cast::AsArray;
-    use arrow_array::types::Int64Type;
+    use arrow_array::types::{Int32Type, Int64Type};
+    use arrow_schema::{DataType, Field};
 
     use super::super::schema::Projection;
     use super::super::{footer, testdata};
@@ -275,7 +287,7 @@ mod tests {
             for rg_rows in [1, 7, 64, 1000] {
                 let bytes = testdata::mixed(150, rg_rows, codec);
                 let t = table(&bytes);
-                let proj = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+                let proj = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
                 let mut rows = Vec::new();
                 for rg in 0..t.num_row_groups() {
                     let (b, _) = read_row_group(&t, rg, &proj, reader(&bytes)).unwrap();
@@ -288,12 +300,59 @@ mod tests {
     }
 
     #[test]
+    fn partition_keys_are_constant_columns_where_the_selection_puts_them() {
+        use super::super::partitions::KeyValue;
+        let bytes = testdata::mixed(40, 16, testdata::Codec::Snappy);
+        let t = table(&bytes);
+        let keys = [Field::new("year", DataType::Int32, true), Field::new("region", DataType::Utf8, true)];
+        let values = [KeyValue::Int(2021), KeyValue::Str("eu west, a value past twelve bytes".into())];
+        let all = Projection::new(t.schema(), &keys, None).unwrap();
+        let names: Vec<&str> = all.names().collect();
+        assert_eq!(names, ["id", "label", "caption", "image", "blob", "text", "tokens", "year", "region"]);
+        let sel: Vec<String> = ["region", "id", "year"].map(String::from).to_vec();
+        for flat in [true, false] {
+            // Flat selections decode bytes as views (the region a StringView), others as delivered.
+            let mut sel = sel.clone();
+            if !flat {
+                sel.push("tokens".into());
+            }
+            let fp = Projection::new(t.schema(), &keys, Some(&sel)).unwrap().for_file(&t, &values).unwrap();
+            let (b, _) = read_row_group(&t, 2, &fp, reader(&bytes)).unwrap();
+            assert_eq!(b.num_rows(), 8);
+            let region: Vec<Option<&str>> = match b.column(0).data_type() {
+                DataType::Utf8View => b.column(0).as_string_view().iter().collect(),
+                _ => b.column(0).as_string::<i32>().iter().collect(),
+            };
+            assert_eq!(region, vec![Some("eu west, a value past twelve bytes"); 8], "flat: {flat}");
+            assert_eq!(b.column(1).as_primitive::<Int64Type>().values().to_vec(), (32..40).collect::<Vec<i64>>());
+            assert_eq!(b.column(2).as_primitive::<Int32Type>().values().to_vec(), vec![2021; 8]);
+        }
+        // Only keys: no column chunk is read, the rows are the row group's.
+        let only: Vec<String> = vec!["year".into()];
+        let fp = Projection::new(t.schema(), &keys, Some(&only))
+            .unwrap()
+            .for_file(&t, &[KeyValue::Null, KeyValue::Null])
+            .unwrap();
+        assert!(fp.reads_nothing() && chunk_ranges(&t, 0, &fp).is_empty());
+        let b = decode_row_group(&t, 0, &fp, ChunkSet::default()).unwrap();
+        assert_eq!((b.num_rows(), b.column(0).null_count()), (16, 16));
+        // A key named like a column of the files is refused by name.
+        let clash = [Field::new("label", DataType::Int32, true)];
+        assert!(
+            matches!(Projection::new(t.schema(), &clash, None), Err(ParquetError::KeyIsColumn { column }) if column == "label")
+        );
+        // A missing column's error lists the keys too.
+        let e = Projection::new(t.schema(), &keys, Some(&["nope".to_string()])).unwrap_err().to_string();
+        assert!(e.contains("partition keys: year, region"), "{e}");
+    }
+
+    #[test]
     fn only_the_selected_column_chunks_are_read() {
         let bytes = testdata::mixed(2000, 500, testdata::Codec::None);
         let t = table(&bytes);
         let sel = vec!["label".to_string(), "id".to_string()];
-        let p = Projection::new(t.schema(), Some(&sel)).unwrap();
-        let fp = p.for_file(&t).unwrap();
+        let p = Projection::new(t.schema(), &[], Some(&sel)).unwrap();
+        let fp = p.for_file(&t, &[]).unwrap();
         let (b, read) = read_row_group(&t, 1, &fp, reader(&bytes)).unwrap();
         // The image column alone is ~250 bytes per row: far more than id + label.
         let image_chunk = t.chunk_range(1, 3).unwrap();
@@ -334,10 +393,10 @@ mod tests {
         for codec in [testdata::Codec::None, testdata::Codec::Snappy, testdata::Codec::Zstd] {
             let bytes = testdata::mixed(300, 64, codec);
             let t = table(&bytes);
-            let flat = Projection::new(t.schema(), Some(&flat_fields())).unwrap();
-            let fp = flat.for_file(&t).unwrap();
+            let flat = Projection::new(t.schema(), &[], Some(&flat_fields())).unwrap();
+            let fp = flat.for_file(&t, &[]).unwrap();
             assert!(fp.views());
-            let all = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+            let all = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
             assert!(!all.views(), "a list column: decoded as delivered");
             let message = direct::schema_message(flat.schema()).unwrap();
             for rg in 0..t.num_row_groups() {
@@ -384,8 +443,8 @@ mod tests {
         .unwrap();
         let file = testdata::with_batch(&batch);
         let t = table(&file);
-        let p = Projection::new(t.schema(), None).unwrap();
-        let fp = p.for_file(&t).unwrap();
+        let p = Projection::new(t.schema(), &[], None).unwrap();
+        let fp = p.for_file(&t, &[]).unwrap();
         assert!(fp.views());
         let message = direct::schema_message(p.schema()).unwrap();
         // The same file decoded as delivered by arrow-rs itself (not `batch`: a null struct
@@ -428,7 +487,7 @@ mod tests {
         ] {
             let good = testdata::mixed(60, 20, codec);
             let t = table(&good);
-            let fp = Projection::new(t.schema(), fields).unwrap().for_file(&t).unwrap();
+            let fp = Projection::new(t.schema(), &[], fields).unwrap().for_file(&t, &[]).unwrap();
             let data_end = (good.len() as u64 - 8 - t.footer_bytes()) as usize;
             let want = match fields {
                 None => testdata::mixed_batch(0..60).schema(),
@@ -473,7 +532,7 @@ mod tests {
         let t = table(&bytes);
         let id = t.reader_metadata().metadata().row_group(0).column(0);
         assert_eq!((id.dictionary_page_offset(), id.data_page_offset()), (Some(47), 4), "the input's damage");
-        let fp = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+        let fp = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
         let e = read_row_group(&t, 0, &fp, reader(&bytes)).unwrap_err().to_string();
         assert!(e.contains("page at byte 47") && e.contains("no dictionary page before it"), "{e}");
     }

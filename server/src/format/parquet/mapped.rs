@@ -220,7 +220,7 @@ mod tests {
         let bytes = testdata::mixed(300, 64, testdata::Codec::None);
         let t = table(&bytes);
         let fields = ["id", "label", "caption", "image", "blob", "text"].map(String::from).to_vec();
-        let fp = Projection::new(t.schema(), Some(&fields)).unwrap().for_file(&t).unwrap();
+        let fp = Projection::new(t.schema(), &[], Some(&fields)).unwrap().for_file(&t, &[]).unwrap();
         let m = MappedFile::map(copy_of(&bytes), "f.parquet", bytes.len() as u64, None).unwrap();
         for rg in 0..t.num_row_groups() {
             let chunks = m.chunks(&chunk_ranges(&t, rg, &fp)).unwrap();
@@ -251,7 +251,7 @@ mod tests {
     ) -> (Vec<u8>, MappedFile, RecordBatch, super::super::ParquetTable, super::super::schema::FileProjection) {
         let bytes = testdata::mixed(rows, rg_rows, codec);
         let t = table(&bytes);
-        let fp = Projection::new(t.schema(), Some(&["image".to_string()])).unwrap().for_file(&t).unwrap();
+        let fp = Projection::new(t.schema(), &[], Some(&["image".to_string()])).unwrap().for_file(&t, &[]).unwrap();
         let m = MappedFile::map(copy_of(&bytes), "f.parquet", bytes.len() as u64, None).unwrap();
         let chunks = m.chunks(&chunk_ranges(&t, rg, &fp)).unwrap();
         let decoded = decode_row_group(&t, rg, &fp, chunks).unwrap();
@@ -327,7 +327,7 @@ mod tests {
     fn a_copy_shorter_than_the_footer_says_is_an_error_not_a_fault() {
         let bytes = testdata::mixed(200, 64, testdata::Codec::None);
         let t = table(&bytes);
-        let fp = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+        let fp = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
         let m = MappedFile::map(copy_of(&bytes[..bytes.len() / 2]), "f.parquet", bytes.len() as u64, None).unwrap();
         let last = t.num_row_groups() - 1;
         let e = m.chunks(&chunk_ranges(&t, last, &fp)).unwrap_err();

@@ -15,6 +15,8 @@
 //! - [`schema`]: the dataset's Arrow schema from the first file, the projection of the selected
 //!   fields, and the agreement check of every other file (a `ValueError`-kind error naming the file
 //!   and column, raised when the dataset is opened, not mid-epoch).
+//! - [`partitions`]: the keys of a Hive-partitioned dataset's directories as typed columns, one
+//!   constant column per file.
 //! - [`widen`]: the narrower types a later file may hold a column in (int32 for int64, string for
 //!   large_string), widened as its row groups are decoded.
 //! - [`decode`]: decodes one row group of the selected columns; only their column chunks are read.
@@ -46,6 +48,7 @@ pub mod ipc;
 pub mod kept;
 pub mod mapped;
 pub mod pages;
+pub mod partitions;
 pub mod pqidx;
 pub mod projected;
 pub mod recycled;
@@ -87,6 +90,13 @@ pub enum ParquetError {
          or rename it in the files"
     )]
     ReservedColumn { column: String },
+    /// A partition key (a `key=value` directory) that is also a column of the files: which one
+    /// a row's value is cannot be told.
+    #[error(
+        "has a column {column:?}, which is also a partition key of the dataset's directories (key=value): rename \
+         the column or the directories"
+    )]
+    KeyIsColumn { column: String },
     /// A selected column whose name the file gives to more than one column.
     #[error(
         "column {column:?} appears {count} times in this file: columns are selected by name, so which one is \
@@ -120,6 +130,7 @@ impl ParquetError {
             | ParquetError::TypeMismatch { .. }
             | ParquetError::ReservedColumn { .. }
             | ParquetError::DuplicateColumn { .. }
+            | ParquetError::KeyIsColumn { .. }
             | ParquetError::UnsupportedCodec { .. }) => Error::InvalidArgument(format!("Parquet file {file}: {e}")),
             e @ (ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }) => {
                 Error::Internal(format!("Parquet file {file}: {e}"))

@@ -80,7 +80,7 @@ mod tests {
     fn one_column_is_a_small_copy_that_every_row_group_read_maps_into() {
         let file = testdata::mixed(4000, 500, testdata::Codec::None);
         let t = table(&file);
-        let p = Projection::new(t.schema(), Some(&["id".to_string()])).unwrap().for_file(&t).unwrap();
+        let p = Projection::new(t.schema(), &[], Some(&["id".to_string()])).unwrap().for_file(&t, &[]).unwrap();
         let pf = ProjectedFile::new(&t, &p);
         assert!(!pf.is_empty() && pf.len() * 10 < file.len() as u64, "{} of {}", pf.len(), file.len());
         for rg in 0..t.num_row_groups() {
@@ -100,7 +100,7 @@ mod tests {
         }
         assert_eq!(next, pf.len());
         // A read of another column's bytes is not in it.
-        let all = Projection::new(t.schema(), None).unwrap().for_file(&t).unwrap();
+        let all = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
         let whole = ProjectedFile::new(&t, &all);
         assert!(whole.len() > pf.len());
         let outside = chunk_ranges(&t, 0, &all).into_iter().find(|r| pf.locate(r.clone()).is_none());

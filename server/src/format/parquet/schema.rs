@@ -24,12 +24,27 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
 
+use super::partitions::KeyValue;
 use super::{ParquetError, ParquetTable, strings};
 
 /// The selected columns of a dataset, as delivered.
 #[derive(Debug, Clone)]
 pub struct Projection {
     schema: SchemaRef,
+    /// For each delivered column: the partition key it is (its position among the dataset's
+    /// keys, [`super::partitions`]), None for a column of the files.
+    keys: Vec<Option<usize>>,
+    /// Every partition key's name: no file may have a column of that name.
+    key_names: Vec<String>,
+}
+
+/// Where a delivered column comes from in one file.
+#[derive(Debug, Clone)]
+enum Source {
+    /// The decoded column at this position (the decoder yields file order).
+    Decoded(usize),
+    /// The file's value of a partition key, the same in every row.
+    Key(KeyValue),
 }
 
 /// How to read a [`Projection`] out of one file: the column chunks to decode, and the order to
@@ -37,8 +52,10 @@ pub struct Projection {
 #[derive(Debug, Clone)]
 pub struct FileProjection {
     pub mask: ProjectionMask,
-    /// Output column i is decoded column `reorder[i]` (the decoder yields file order).
-    reorder: Vec<usize>,
+    /// Where each output column comes from.
+    reorder: Vec<Source>,
+    /// Whether no column chunk is read (only partition keys are selected).
+    reads_nothing: bool,
     /// The decoded row groups' schema: the delivered one, with views for bytes columns when
     /// `views` is set.
     schema: SchemaRef,
@@ -54,33 +71,48 @@ pub struct FileProjection {
 
 impl Projection {
     /// The projection of `fields` (None = all) of the dataset whose first file has `first`'s
-    /// schema.
-    pub fn new(first: &Schema, fields: Option<&[String]>) -> Result<Self, ParquetError> {
-        let picked: Vec<Field> = match fields {
+    /// schema and whose directories give the partition keys `keys` (none when it is not
+    /// partitioned): all is the files' columns, then the keys, as pyarrow.dataset orders them.
+    pub fn new(first: &Schema, keys: &[Field], fields: Option<&[String]>) -> Result<Self, ParquetError> {
+        let columns = ByName::new(first);
+        if let Some(k) = keys.iter().find(|k| columns.index.contains_key(k.name().as_str())) {
+            return Err(ParquetError::KeyIsColumn { column: k.name().clone() });
+        }
+        let key_at = |name: &str| keys.iter().position(|k| k.name() == name);
+        let mut picked: Vec<(Field, Option<usize>)> = match fields {
             None => {
-                let columns = ByName::new(first);
-                first
+                let mut all = first
                     .fields()
                     .iter()
-                    .map(|f| columns.one(f.name()).map(|(_, f)| f.clone()))
-                    .collect::<Result<_, _>>()?
+                    .map(|f| columns.one(f.name()).map(|(_, f)| (f.clone(), None)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                all.extend(keys.iter().enumerate().map(|(i, k)| (k.clone(), Some(i))));
+                all
             }
             Some(names) => {
-                let columns = ByName::new(first);
-                let mut out: Vec<Field> = Vec::with_capacity(names.len());
+                let mut out: Vec<(Field, Option<usize>)> = Vec::with_capacity(names.len());
                 for n in names {
-                    if out.iter().any(|f| f.name() == n) {
+                    if out.iter().any(|(f, _)| f.name() == n) {
                         continue;
                     }
-                    out.push(columns.one(n)?.1.clone());
+                    out.push(match key_at(n) {
+                        Some(i) => (keys[i].clone(), Some(i)),
+                        None => (columns.one(n).map_err(|e| with_keys(e, keys))?.1.clone(), None),
+                    });
                 }
                 out
             }
         };
-        if let Some(f) = picked.iter().find(|f| f.name() == super::dataset::ROW_COLUMN) {
+        if let Some((f, _)) = picked.iter().find(|(f, _)| f.name() == super::dataset::ROW_COLUMN) {
             return Err(ParquetError::ReservedColumn { column: f.name().clone() });
         }
-        Ok(Self { schema: Arc::new(Schema::new_with_metadata(picked, first.metadata().clone())) })
+        let key_of = picked.iter().map(|(_, k)| *k).collect();
+        let fields: Vec<Field> = picked.drain(..).map(|(f, _)| f).collect();
+        Ok(Self {
+            schema: Arc::new(Schema::new_with_metadata(fields, first.metadata().clone())),
+            keys: key_of,
+            key_names: keys.iter().map(|k| k.name().clone()).collect(),
+        })
     }
 
     /// The schema of every batch delivered.
@@ -100,7 +132,14 @@ impl Projection {
         let mut changed = false;
         let mut fields: Vec<Field> = Vec::with_capacity(self.schema.fields().len());
         let columns = ByName::new(file);
-        for want in self.schema.fields() {
+        if let Some(k) = self.key_names.iter().find(|k| columns.index.contains_key(k.as_str())) {
+            return Err(ParquetError::KeyIsColumn { column: k.clone() });
+        }
+        for (want, key) in self.schema.fields().iter().zip(&self.keys) {
+            if key.is_some() {
+                fields.push(want.as_ref().clone());
+                continue;
+            }
             let (_, got) = columns.one(want.name())?;
             // A column with no type here (pandas' for one that is None throughout the file) is
             // delivered as nulls of the dataset's type ([`FileProjection::arrange`]), as
@@ -131,18 +170,30 @@ impl Projection {
         Ok(())
     }
 
-    /// How to read this projection out of `table`'s file (whose agreement was checked).
-    pub fn for_file(&self, table: &ParquetTable) -> Result<FileProjection, ParquetError> {
+    /// How to read this projection out of `table`'s file (whose agreement was checked), whose
+    /// partition keys have the values `values` (none when the dataset is not partitioned).
+    pub fn for_file(&self, table: &ParquetTable, values: &[KeyValue]) -> Result<FileProjection, ParquetError> {
         let file = table.schema();
         let mut roots = Vec::with_capacity(self.schema.fields().len());
         let columns = ByName::new(file);
-        for want in self.schema.fields() {
-            let (i, _) = columns.one(want.name())?;
-            roots.push(i);
+        for (want, key) in self.schema.fields().iter().zip(&self.keys) {
+            if key.is_none() {
+                roots.push(columns.one(want.name())?.0);
+            }
         }
         let mut sorted = roots.clone();
         sorted.sort_unstable();
-        let reorder = roots.iter().map(|r| sorted.partition_point(|s| s < r)).collect();
+        let mut next_root = roots.iter();
+        let reorder = (self.keys.iter())
+            .map(|key| match key {
+                Some(k) => Ok(Source::Key(values.get(*k).cloned().unwrap_or(KeyValue::Null))),
+                None => {
+                    let r = next_root.next().ok_or_else(|| ParquetError::Ipc("a projection lost a column".into()))?;
+                    Ok(Source::Decoded(sorted.partition_point(|s| s < r)))
+                }
+            })
+            .collect::<Result<_, ParquetError>>()?;
+        let reads_nothing = sorted.is_empty();
         let mask = ProjectionMask::roots(table.reader_metadata().parquet_schema(), sorted);
         check_codecs(table, &mask)?;
         let flat = self.schema.fields().iter().all(|f| super::direct::is_flat(f.data_type()));
@@ -155,8 +206,11 @@ impl Projection {
             views = self.schema.fields().iter().any(|f| view_type(f.data_type()).is_some());
         }
         let schema = if views { with_views(&self.schema) } else { self.schema.clone() };
-        let check = roots.iter().map(|&r| leaves.json.get(r) == Some(&true)).collect();
-        Ok(FileProjection { mask, reorder, schema, views, decode, check })
+        let mut next_root = roots.iter();
+        let check = (self.keys.iter())
+            .map(|key| key.is_none() && next_root.next().is_some_and(|&r| leaves.json.get(r) == Some(&true)))
+            .collect();
+        Ok(FileProjection { mask, reorder, reads_nothing, schema, views, decode, check })
     }
 }
 
@@ -239,6 +293,12 @@ impl FileProjection {
     pub fn schema(&self) -> &SchemaRef {
         &self.schema
     }
+
+    /// Whether no column chunk is read: only partition keys are selected, and a row group's
+    /// rows are its row count.
+    pub fn reads_nothing(&self) -> bool {
+        self.reads_nothing
+    }
 }
 
 impl FileProjection {
@@ -247,12 +307,16 @@ impl FileProjection {
     /// are checked and typed as strings again.
     pub fn arrange(&self, decoded: &RecordBatch) -> Result<RecordBatch, ParquetError> {
         let bad = |reason: String| ParquetError::BadData { row_group: 0, reason };
-        let mut cols = self
-            .reorder
-            .iter()
-            .map(|&i| decoded.columns().get(i).cloned())
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| bad("the decoder lost a column".into()))?;
+        let mut cols = (self.reorder.iter().zip(self.schema.fields()))
+            .map(|(source, field)| match source {
+                Source::Decoded(i) => {
+                    decoded.columns().get(*i).cloned().ok_or_else(|| bad("the decoder lost a column".into()))
+                }
+                Source::Key(v) => {
+                    super::partitions::constant_column(v, decoded.num_rows(), field.data_type()).map_err(bad)
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         for ((col, field), &check) in cols.iter_mut().zip(self.schema.fields()).zip(&self.check) {
             let named = |e: arrow_schema::ArrowError| bad(format!("column {:?}: {e}", field.name()));
             if col.data_type() != field.data_type() {
@@ -264,7 +328,8 @@ impl FileProjection {
                 strings::check(col).map_err(named)?;
             }
         }
-        RecordBatch::try_new(self.schema.clone(), cols).map_err(|e| ParquetError::BadData {
+        let options = arrow_array::RecordBatchOptions::new().with_row_count(Some(decoded.num_rows()));
+        RecordBatch::try_new_with_options(self.schema.clone(), cols, &options).map_err(|e| ParquetError::BadData {
             row_group: 0,
             reason: format!("decoded columns do not match the dataset schema: {e}"),
         })
@@ -324,6 +389,18 @@ impl<'a> ByName<'a> {
     }
 }
 
+/// A missing column's error listing the partition keys beside the files' columns.
+fn with_keys(e: ParquetError, keys: &[Field]) -> ParquetError {
+    match e {
+        ParquetError::MissingColumn { column, mut available } if !keys.is_empty() => {
+            let keys: Vec<&str> = keys.iter().map(|k| k.name().as_str()).collect();
+            available.push_str(&format!("; partition keys: {}", keys.join(", ")));
+            ParquetError::MissingColumn { column, available }
+        }
+        e => e,
+    }
+}
+
 fn missing(schema: &Schema, column: &str) -> ParquetError {
     let available = schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(", ");
     ParquetError::MissingColumn { column: column.to_string(), available }
@@ -354,13 +431,13 @@ mod tests {
     #[test]
     fn selection_keeps_the_requested_order_and_all_means_file_order() {
         let t = table(&testdata::mixed(10, 5, testdata::Codec::None));
-        let all = Projection::new(t.schema(), None).unwrap();
+        let all = Projection::new(t.schema(), &[], None).unwrap();
         assert_eq!(names(&all), ["id", "label", "caption", "image", "blob", "text", "tokens"]);
         let sel: Vec<String> = ["text", "id"].map(String::from).to_vec();
-        let p = Projection::new(t.schema(), Some(&sel)).unwrap();
+        let p = Projection::new(t.schema(), &[], Some(&sel)).unwrap();
         assert_eq!(names(&p), ["text", "id"]);
         assert_eq!(p.schema().field(0).data_type(), &DataType::LargeUtf8);
-        let e = Projection::new(t.schema(), Some(&["nope".to_string()])).unwrap_err();
+        let e = Projection::new(t.schema(), &[], Some(&["nope".to_string()])).unwrap_err();
         let msg = e.into_error("a.parquet").to_string();
         assert!(msg.contains("a.parquet") && msg.contains("\"nope\"") && msg.contains("caption"), "{msg}");
     }
@@ -372,17 +449,17 @@ mod tests {
             Field::new("s", DataType::Utf8, false),
             Field::new("x", DataType::Int32, false),
         ]);
-        assert!(matches!(Projection::new(&s, None), Err(ParquetError::DuplicateColumn { count: 2, .. })));
-        let x = Projection::new(&s, Some(&["s".to_string(), "x".to_string()]));
+        assert!(matches!(Projection::new(&s, &[], None), Err(ParquetError::DuplicateColumn { count: 2, .. })));
+        let x = Projection::new(&s, &[], Some(&["s".to_string(), "x".to_string()]));
         assert!(matches!(x, Err(ParquetError::DuplicateColumn { column, .. }) if column == "x"));
-        assert_eq!(names(&Projection::new(&s, Some(&["s".to_string()])).unwrap()), ["s"]);
+        assert_eq!(names(&Projection::new(&s, &[], Some(&["s".to_string()])).unwrap()), ["s"]);
     }
 
     #[test]
     fn a_file_without_a_column_or_with_another_type_is_named() {
         let first = table(&testdata::mixed(10, 5, testdata::Codec::None));
         let sel: Vec<String> = vec!["id".into(), "label".into()];
-        let mut p = Projection::new(first.schema(), Some(&sel)).unwrap();
+        let mut p = Projection::new(first.schema(), &[], Some(&sel)).unwrap();
         // Same names, label as int64: a type mismatch, an InvalidArgument naming file and column.
         let s = Arc::new(Schema::new(vec![
             Field::new("id", DataType::Int64, false),
