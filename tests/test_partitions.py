@@ -17,10 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch.utils.data
 from s3server import S3Server
+from test_parquet import daemon_maps, prefetch
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon
+from conftest import SHARDSTREAM, Daemon, wait_for
 
 ROWS = 240
 
@@ -195,3 +196,59 @@ def test_a_split_partition_is_a_column_not_a_mix_of_splits(daemon, tmp_path: Pat
     got = served(str(root), daemon.addr)
     assert by_id(got) == by_id(expected(root))
     assert got.schema.field("split").type == pa.string()
+
+
+def test_partition_columns_survive_row_groups_kept_on_disk_past_the_decoded_budget(tmp_path: Path) -> None:
+    # Past `--decoded-budget`, a stream's decoded row groups (key columns included) are written
+    # to the node cache and served from there by later epochs.
+    root = tmp_path / "big"
+    rng = np.random.default_rng(2)
+    blobs = [rng.integers(0, 256, 5120, dtype=np.uint8).tobytes() for _ in range(1200)]
+    t = pa.table(
+        {
+            "id": pa.array(range(1200), pa.int64()),
+            "payload": pa.array(blobs, pa.binary()),
+            "shard": [f"s{i % 3}" for i in range(1200)],
+        }
+    )
+    pq.write_to_dataset(t, str(root), partition_cols=["shard"], row_group_size=100, compression="none")
+    d = Daemon(tmp_path / "d", args=["--decoded-budget", "1MiB"]).start()
+
+    def epoch(seed: int) -> None:
+        seen = set()
+        for b in shardstream.Loader(str(root), batch_size=50, seed=seed, connect=d.addr, transport="shm"):
+            ids = [int(i) for i in b["id"]]
+            assert [bytes(p) for p in b["payload"]] == [blobs[i] for i in ids]
+            assert b["shard"] == [f"s{i % 3}" for i in ids]
+            seen.update(ids)
+        assert seen == set(range(1200))
+
+    try:
+        epoch(1)
+        epoch(2)
+        shards = d.cache_dir / "shards"
+        assert wait_for(lambda: d.status()["cache"]["decoded_row_groups"] == 12, timeout=30), d.status()
+        kept = {p.name for p in shards.glob("derived-*")}
+        assert len(kept) == 12, kept
+        epoch(3)
+        assert daemon_maps(d, shards) & kept, "the third epoch read no kept row group"
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_partitioned_s3_prefix_staged_by_prefetch_with_a_key_downloads_nothing_more(
+    s3, s3_daemon, tmp_path: Path
+) -> None:
+    root = s3.bucket("parts") / "staged"
+    write_partitioned(root)
+    want = expected(root)
+    url = "s3://parts/staged/"
+    p = prefetch(s3_daemon.addr, url, "--fields", "id,year")
+    assert p.returncode == 0, p.stderr
+    before = s3_daemon.status()
+    assert by_id(served(url, s3_daemon.addr, fields=["id", "year"])) == by_id(want.select(["id", "year"]))
+    after = s3_daemon.status()
+    assert (after["storage_requests"], after["storage_bytes"]) == (
+        before["storage_requests"],
+        before["storage_bytes"],
+    ), (before, after)
