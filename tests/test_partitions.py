@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch.utils.data
 from s3server import S3Server
+from test_bounds import free_port, scrape
 from test_parquet import daemon_maps, prefetch
 
 import shardstream
@@ -252,3 +253,25 @@ def test_a_partitioned_s3_prefix_staged_by_prefetch_with_a_key_downloads_nothing
         before["storage_requests"],
         before["storage_bytes"],
     ), (before, after)
+
+
+def test_a_reopen_stats_the_partition_directories_and_lists_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "reopen"
+    write_partitioned(root)  # 3 years x 3 regions: 12 partition directories
+    dirs = {p.parent for p in root.glob("year=*/region=*/*.parquet")} | set(root.glob("year=*"))
+    port = free_port()
+    d = Daemon(tmp_path / "d", args=["--metrics-addr", f"127.0.0.1:{port}"]).start()
+    try:
+        conn = shardstream._native.Connection(d.addr)
+        assert conn.open(str(root))["num_samples"] == ROWS
+        m = scrape(port)
+        # One listing for the dataset's directory and one for each partition directory.
+        assert m["shardstream_local_lists_total"] == 1 + len(dirs), m
+        for _ in range(5):
+            conn.open(str(root))
+        after = scrape(port)
+        assert after["shardstream_local_lists_total"] == m["shardstream_local_lists_total"]
+        assert after["shardstream_local_stats_total"] - m["shardstream_local_stats_total"] == 5 * (2 + len(dirs))
+        assert after["shardstream_dataset_builds_total"] == 1
+    finally:
+        assert d.stop() == 0

@@ -77,7 +77,9 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                     return Err(super::partitions::beside_partitions(&place, shard, part));
                 }
                 let mut nested = Vec::new();
-                walk_partitions(dir, "", &mut nested)?;
+                for sub in subdirs.iter().filter(|s| !super::pick::is_hidden(s)) {
+                    walk_partitions(&dir.join(sub), &format!("{sub}/"), &mut nested)?;
+                }
                 nested.sort();
                 found = super::partitions::partitioned(nested, String::as_str, &place)?;
             }
@@ -108,9 +110,9 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
     Ok(shards)
 }
 
-/// Appends to `out` the shards below `dir` (in its subdirectories at any depth, hidden ones left
-/// out), named by their paths below it; `rel`: where `dir` is below the dataset's directory
-/// (empty, or ending with `/`). One listing per directory, as pyarrow.dataset's discovery.
+/// Appends to `out` the shards in `dir` and in its subdirectories at any depth (hidden ones left
+/// out), named by their paths below the dataset's directory; `rel`: where `dir` is below it
+/// (ending with `/`). One listing per directory, as pyarrow.dataset's discovery.
 fn walk_partitions(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<()> {
     crate::metrics::local_list(1);
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
@@ -126,7 +128,7 @@ fn walk_partitions(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<()> {
             .is_ok_and(|t| t.is_dir() || (t.is_symlink() && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir())));
         if is_dir {
             walk_partitions(&entry.path(), &format!("{rel}{name}/"), out)?;
-        } else if !rel.is_empty() && Format::is_shard_name(&name) {
+        } else if Format::is_shard_name(&name) {
             out.push(format!("{rel}{name}"));
         }
     }
