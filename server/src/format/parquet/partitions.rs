@@ -56,6 +56,13 @@ impl Partitions {
             raw.push(pairs.iter().map(|(_, v)| decode_value(v)).collect());
         }
         let keys = keys.unwrap_or_default();
+        if let Some((i, k)) = keys.iter().enumerate().find(|(i, k)| keys[..*i].contains(k)) {
+            return Err(Error::invalid(format!(
+                "{place}{} names the partition key {k:?} twice (directory {} of its path): a key is one column",
+                names[0],
+                i + 1
+            )));
+        }
         let ints: Vec<bool> = (0..keys.len())
             .map(|k| raw.iter().filter_map(|file| file[k].as_deref()).all(|v| v.parse::<i32>().is_ok()))
             .collect();
@@ -128,6 +135,8 @@ mod tests {
         assert_eq!(big.fields()[0].data_type(), &DataType::Utf8);
         assert_eq!(big.values(0), [KeyValue::Str("1".into())]);
         assert_eq!(Partitions::of(&["a.parquet", "b.parquet"], "/d/").unwrap(), None);
+        let e = Partitions::of(&["y=1/y=2/a.parquet"], "/d/").unwrap_err().to_string();
+        assert!(e.contains("names the partition key \"y\" twice"), "{e}");
         let e = Partitions::of(&["y=1/a.parquet", "m=1/b.parquet"], "/d/").unwrap_err().to_string();
         assert!(e.contains("/d/m=1/b.parquet is partitioned by m"), "{e}");
     }
