@@ -64,12 +64,16 @@ impl Partitions {
             )));
         }
         let ints: Vec<bool> = (0..keys.len())
-            .map(|k| raw.iter().filter_map(|file| file[k].as_deref()).all(|v| v.parse::<i32>().is_ok()))
+            .map(|k| raw.iter().filter_map(|file| file[k].as_deref()).all(|v| int32(v).is_some()))
             .collect();
+        // Keys are escaped like values (`k%20x=1` is the key "k x").
         let fields = keys
             .iter()
             .zip(&ints)
-            .map(|(k, &int)| Field::new(*k, if int { DataType::Int32 } else { DataType::Utf8 }, true))
+            .map(|(k, &int)| {
+                let name = decode_value(k).unwrap_or_else(|| (*k).to_owned());
+                Field::new(name, if int { DataType::Int32 } else { DataType::Utf8 }, true)
+            })
             .collect();
         let values = raw
             .into_iter()
@@ -78,7 +82,7 @@ impl Partitions {
                     .zip(&ints)
                     .map(|(v, &int)| match v {
                         None => KeyValue::Null,
-                        Some(v) if int => v.parse().map_or(KeyValue::Null, KeyValue::Int),
+                        Some(v) if int => int32(&v).map_or(KeyValue::Null, KeyValue::Int),
                         Some(v) => KeyValue::Str(v),
                     })
                     .collect()
@@ -96,6 +100,15 @@ impl Partitions {
     pub fn values(&self, file: usize) -> &[KeyValue] {
         self.values.get(file).map_or(&[], Vec::as_slice)
     }
+}
+
+/// `v` as an int32 as pyarrow's inference reads one: digits with an optional `-` (`05` is 5),
+/// no `+`, no blanks.
+fn int32(v: &str) -> Option<i32> {
+    if v.starts_with('+') {
+        return None;
+    }
+    v.parse().ok()
 }
 
 /// A column of `rows` copies of `value`, as `data_type` (the key's type, or its view type when
@@ -135,6 +148,14 @@ mod tests {
         assert_eq!(big.fields()[0].data_type(), &DataType::Utf8);
         assert_eq!(big.values(0), [KeyValue::Str("1".into())]);
         assert_eq!(Partitions::of(&["a.parquet", "b.parquet"], "/d/").unwrap(), None);
+        // As pyarrow infers: `05` and `-3` are ints, `+5` and ` 3` are not; keys are unescaped.
+        let odd = Partitions::of(&["k%20x=05/a.parquet", "k%20x=-3/b.parquet"], "/d/").unwrap().unwrap();
+        assert_eq!(odd.fields(), [Field::new("k x", DataType::Int32, true)]);
+        assert_eq!((odd.values(0), odd.values(1)), (&[KeyValue::Int(5)][..], &[KeyValue::Int(-3)][..]));
+        for not_int in ["+5", " 3", "1.5", ""] {
+            let p = Partitions::of(&["k=1/a.parquet", &format!("k={not_int}/b.parquet")], "/d/").unwrap().unwrap();
+            assert_eq!(p.fields()[0].data_type(), &DataType::Utf8, "{not_int:?}");
+        }
         let e = Partitions::of(&["y=1/y=2/a.parquet"], "/d/").unwrap_err().to_string();
         assert!(e.contains("names the partition key \"y\" twice"), "{e}");
         let e = Partitions::of(&["y=1/a.parquet", "m=1/b.parquet"], "/d/").unwrap_err().to_string();
