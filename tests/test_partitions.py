@@ -113,6 +113,7 @@ def test_an_indexed_partitioned_directory_serves_the_same_rows(
     env = s3.env() if where == "s3" else None
     p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
+    assert "fields: caption, id, x; partition keys: year, region;" in p.stdout, p.stdout
     names = sorted(s["name"] for s in json.loads((root / "manifest.json").read_text())["shards"])
     assert names == sorted(str(f.relative_to(root)) for f in root.glob("year=*/region=*/*.parquet"))
     assert all(n.startswith("year=") for n in names), names

@@ -382,8 +382,12 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let m = &summary.manifest;
     let secs = started.elapsed().as_secs_f64();
+    let keys = match summary.partition_keys.as_slice() {
+        [] => String::new(),
+        keys => format!("; partition keys: {}", keys.join(", ")),
+    };
     println!(
-        "indexed {} shards, {} samples, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}; wrote {}",
+        "indexed {} shards, {} samples, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
         m.shards.len(),
         m.total_samples,
         m.total_bytes as f64 / 1e6,

@@ -52,6 +52,8 @@ pub struct IndexSummary {
     pub location: String,
     /// Parquet datasets: the reads of file bytes the run made (footers only).
     pub footer_reads: Option<FooterReads>,
+    /// A partitioned Parquet dataset's keys (columns its directories give), in order.
+    pub partition_keys: Vec<String>,
 }
 
 /// Reads of Parquet file bytes made by an index run: every one is a footer (tail) read.
@@ -173,7 +175,12 @@ pub fn index_dataset(
             })?;
             let manifest = assemble(format, done);
             manifest.write_atomic(&dir)?;
-            Ok(IndexSummary { manifest, location: dir.join(MANIFEST_FILE).display().to_string(), footer_reads: None })
+            Ok(IndexSummary {
+                manifest,
+                location: dir.join(MANIFEST_FILE).display().to_string(),
+                footer_reads: None,
+                partition_keys: Vec::new(),
+            })
         }
         DatasetUrl::S3 { bucket, prefix, .. } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
@@ -196,7 +203,12 @@ pub fn index_dataset(
             let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
             let key = format!("{prefix}{MANIFEST_FILE}");
             store.block_on(store.put(&bucket, &key, Bytes::from(json)))?;
-            Ok(IndexSummary { manifest, location: format!("s3://{bucket}/{key}"), footer_reads: None })
+            Ok(IndexSummary {
+                manifest,
+                location: format!("s3://{bucket}/{key}"),
+                footer_reads: None,
+                partition_keys: Vec::new(),
+            })
         }
     }
 }
@@ -210,6 +222,11 @@ fn index_parquet(
     progress: &dyn Progress,
 ) -> Result<IndexSummary> {
     let counter = ReadCounter::default();
+    // A partitioned dataset's keys, checked before any footer is read (and named in the summary).
+    let place = DatasetUrl::parse(url)?.base();
+    let names: Vec<&str> = listed.iter().map(|s| s.name.as_str()).collect();
+    let partitions = crate::format::parquet::partitions::Partitions::of(&names, &place)?;
+    let partition_keys: Vec<String> = partitions.iter().flat_map(|p| p.fields()).map(|f| f.name().clone()).collect();
     match DatasetUrl::parse(url)? {
         DatasetUrl::Local { dir, .. } => {
             let sidecar_dir = dir.join(SIDECAR_DIR);
@@ -237,7 +254,7 @@ fn index_parquet(
             local::write_atomic(&dir.join(footers::NAME), &bundle)?;
             manifest.write_atomic(&dir)?;
             let location = dir.join(MANIFEST_FILE).display().to_string();
-            Ok(IndexSummary { manifest, location, footer_reads: Some(counter.total()) })
+            Ok(IndexSummary { manifest, location, footer_reads: Some(counter.total()), partition_keys })
         }
         DatasetUrl::S3 { bucket, prefix, .. } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
@@ -269,7 +286,12 @@ fn index_parquet(
             store.block_on(store.put(&bucket, &format!("{prefix}{}", footers::NAME), Bytes::from(bundle)))?;
             let key = format!("{prefix}{MANIFEST_FILE}");
             store.block_on(store.put(&bucket, &key, Bytes::from(manifest.to_json()?)))?;
-            Ok(IndexSummary { manifest, location: format!("s3://{bucket}/{key}"), footer_reads: Some(counter.total()) })
+            Ok(IndexSummary {
+                manifest,
+                location: format!("s3://{bucket}/{key}"),
+                footer_reads: Some(counter.total()),
+                partition_keys,
+            })
         }
     }
 }
