@@ -6,7 +6,9 @@
 //! (nested field names such as a list's `item`/`element` aside), a narrower one that widens to it
 //! without loss ([`super::widen`]), or none at all (pandas' column of Nones: delivered as nulls);
 //! a file that does not is named, with the column, when the dataset is opened, never mid-epoch. A column that is nullable in any
-//! file is nullable in the delivered schema.
+//! file is nullable in the delivered schema. A partitioned dataset's keys ([`super::partitions`])
+//! are selected like columns and come after the files' own in "all"; no file may have a column
+//! named like a key; a key's column is made from the file's value, never read.
 //!
 //! When every selected column is flat (what [`super::direct`] writes), binary and string columns
 //! are decoded as views (`BinaryView`/`Utf8View`): arrow-rs then points each value into the
