@@ -17,7 +17,9 @@ use std::io::Cursor;
 use arrow_array::Array;
 use arrow_array::cast::AsArray;
 use arrow_schema::DataType;
-use shardstream::format::parquet::{ParquetError, ParquetTable, Projection, decode, direct, footer, footers, pqidx};
+use shardstream::format::parquet::{
+    ParquetError, ParquetTable, Projection, decode, direct, footer, footers, partitions, pqidx,
+};
 use shardstream::format::{sidecar, tar};
 use shardstream::index::manifest::Manifest;
 use shardstream::pack::journal;
@@ -126,6 +128,14 @@ pub fn manifest(data: &[u8]) {
     let json = m.to_json().expect("an accepted manifest serialises");
     let again = Manifest::parse(&json, "fuzz (re-serialised)").expect("a re-serialised manifest parses");
     assert_eq!(again, m);
+    // An accepted manifest's names may be partition paths: their keys are read from them when a
+    // Parquet dataset is built, and every file then has one value per key.
+    let names: Vec<&str> = m.shards.iter().map(|s| s.name.as_str()).collect();
+    if let Ok(Some(p)) = partitions::Partitions::of(&names, "/d/") {
+        for i in 0..names.len() {
+            assert_eq!(p.values(i).len(), p.fields().len(), "{names:?}");
+        }
+    }
 }
 
 /// The pack journal (`_shardstream/pack-journal.jsonl`, read back from a local directory or a
