@@ -73,13 +73,19 @@ def place(where: str, name: str, tmp_path: Path, daemon, s3, s3_daemon) -> tuple
     return s3.bucket("parts") / name, f"s3://parts/{name}/", s3_daemon.addr
 
 
+def partitioned_place(where: str, name: str, tmp_path: Path, daemon, s3, s3_daemon) -> tuple[Path, str, str, pa.Table]:
+    """`write_partitioned` at a new place: its root, URL, daemon, and the table pyarrow.dataset
+    reads there (read before anything else is written beside the files)."""
+    root, url, addr = place(where, name, tmp_path, daemon, s3, s3_daemon)
+    write_partitioned(root)
+    return root, url, addr, expected(root)
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_partitioned_directory_is_served_with_its_keys_as_columns(
     daemon, s3, s3_daemon, tmp_path: Path, where: str
 ) -> None:
-    root, url, addr = place(where, "parted", tmp_path, daemon, s3, s3_daemon)
-    write_partitioned(root)
-    want = expected(root)
+    _, url, addr, want = partitioned_place(where, "parted", tmp_path, daemon, s3, s3_daemon)
     got = served(url, addr)
     assert got.schema.names == want.schema.names == ["id", "x", "caption", "year", "region"]
     assert got.schema.field("year").type == pa.int32() and got.schema.field("region").type == pa.string()
@@ -88,7 +94,7 @@ def test_a_partitioned_directory_is_served_with_its_keys_as_columns(
     picked = served(url, addr, fields=["region", "id", "year"])
     assert picked.schema.names == ["region", "id", "year"]
     assert by_id(picked) == by_id(want.select(["region", "id", "year"]))
-    # The dict form and the torch tensors carry them too.
+    # The dict form carries them too (the torch tensors: the two-rank test below).
     years = {}
     for b in shardstream.Loader(url, batch_size=13, connect=addr, fields=["id", "year", "region"]):
         for i, y, r in zip(b["id"].tolist(), b["year"].tolist(), b["region"], strict=True):
@@ -107,9 +113,8 @@ def test_only_partition_keys_selected_reads_rows_and_no_column(daemon, tmp_path:
 def test_an_indexed_partitioned_directory_serves_the_same_rows(
     daemon, s3, s3_daemon, tmp_path: Path, where: str
 ) -> None:
-    root, url, addr = place(where, "indexed", tmp_path, daemon, s3, s3_daemon)
-    write_partitioned(root)
-    want = expected(root)  # before the manifest, which pyarrow.dataset would take for a Parquet file
+    # `want` is read before the manifest, which pyarrow.dataset would take for a Parquet file.
+    root, url, addr, want = partitioned_place(where, "indexed", tmp_path, daemon, s3, s3_daemon)
     env = s3.env() if where == "s3" else None
     p = subprocess.run([SHARDSTREAM, "index", url], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
