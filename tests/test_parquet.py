@@ -524,7 +524,7 @@ def test_categoricals_of_any_size_and_plain_strings_in_other_files_are_one_colum
 
 def test_times_in_another_unit_in_a_later_file_are_served_in_the_finer(daemon, tmp_path) -> None:
     # pandas writes timestamps in nanoseconds, Spark and polars in microseconds: one column's
-    # shards disagree on the unit. The finer unit holds both; time zones must agree.
+    # shards disagree on the unit. The finer unit holds both; zone-less times stay apart.
     import datetime as dt
 
     first = pa.table(
@@ -553,7 +553,20 @@ def test_times_in_another_unit_in_a_later_file_are_served_in_the_finer(daemon, t
     assert rb.column("d").cast(pa.int64()).to_pylist() == [1, 2, 3000, 4000]
     b = next(iter(shardstream.Loader(str(tmp_path), batch_size=4, shuffle=False, connect=daemon.addr)))
     assert b["t"].dtype == np.dtype("datetime64[ns]") and b["t"][2] == np.datetime64(1_700_000_000_123_456_789, "ns")
-    # Another time zone (or none) is another meaning, not another unit: refused, naming both.
+    # Another time zone is the same instants shown elsewhere (Parquet stores them in UTC): served
+    # in the first file's zone, as pyarrow.dataset serves them.
+    zoned = tmp_path / "zoned"
+    zoned.mkdir()
+    pq.write_table(first, zoned / "a.parquet")
+    paris = pa.array([dt.datetime(2024, 6, 1, 12, tzinfo=dt.UTC)], pa.timestamp("ms", tz="Europe/Paris"))
+    pq.write_table(pa.table({"id": [2], "t": paris, "d": pa.array([1], pa.duration("ms"))}), zoned / "b.parquet")
+    rb = pa.Table.from_batches(
+        list(shardstream.Loader(str(zoned), batch_size=3, shuffle=False, connect=daemon.addr, format="arrow"))
+    )
+    assert rb.schema.field("t").type == pa.timestamp("us", tz="UTC")
+    assert rb.column("t").to_pylist() == pads.dataset(str(zoned)).to_table().column("t").to_pylist()
+    assert rb.column("t")[2].as_py() == dt.datetime(2024, 6, 1, 12, tzinfo=dt.UTC)
+    # No time zone is a wall-clock time, not an instant: refused, naming both.
     other = tmp_path / "other"
     other.mkdir()
     pq.write_table(first, other / "a.parquet")
