@@ -13,7 +13,8 @@
 //! group by name), lists between offset widths, and inside structs and lists the same, recursively.
 //! Timestamps and durations in another unit are delivered in the finer one (pandas writes
 //! nanoseconds, Spark and polars microseconds; a value past what 64-bit nanoseconds hold fails its
-//! row group by name), timestamps only within one time zone.
+//! row group by name); zoned timestamps in the dataset's zone (the same instants), zone-less ones
+//! only with zone-less ones.
 //! A dictionary column is delivered with the wider files' indices, or decoded when a file holds
 //! its values plain (the delivered type is then the values', from every file).
 //! A struct's children are matched by name, never by place: a child the file lacks is delivered
@@ -57,9 +58,12 @@ pub fn join(found: &DataType, expected: &DataType) -> Result<DataType, Mismatch>
         _ if found == expected => Ok(expected.clone()),
         (T::Null, _) => Ok(expected.clone()),
         // Times in another unit (pandas writes nanoseconds, Spark and polars microseconds): the
-        // finer unit of the two holds both, in the same time zone only (a zone-less timestamp is
-        // a wall-clock time, not an instant).
-        (T::Timestamp(g, gz), T::Timestamp(w, wz)) if gz == wz => Ok(T::Timestamp(finer(*g, *w), wz.clone())),
+        // finer unit of the two holds both. Zoned times are UTC instants whatever their zone
+        // (which only says how to show them): shown in the dataset's zone, as pyarrow.dataset
+        // does. A zone-less timestamp is a wall-clock time, not an instant: only with another.
+        (T::Timestamp(g, gz), T::Timestamp(w, wz)) if gz.is_some() == wz.is_some() => {
+            Ok(T::Timestamp(finer(*g, *w), wz.clone()))
+        }
         (T::Duration(g), T::Duration(w)) => Ok(T::Duration(finer(*g, *w))),
         (T::Struct(got), T::Struct(want)) => {
             // A struct sharing no child with the dataset's is another column, not a narrower one.
@@ -440,6 +444,14 @@ mod tests {
         assert_eq!(join(&ns, &s).unwrap(), ns);
         assert_eq!(join(&s, &ns).unwrap(), ns);
         assert!(join(&DataType::Timestamp(TimeUnit::Second, None), &s).is_err());
+        assert!(join(&s, &DataType::Timestamp(TimeUnit::Second, None)).is_err());
+        let paris = DataType::Timestamp(TimeUnit::Millisecond, Some(Arc::from("Europe/Paris")));
+        assert_eq!(join(&paris, &s).unwrap(), DataType::Timestamp(TimeUnit::Millisecond, utc.clone()));
+        // The same ticks, shown in the dataset's zone.
+        let p: ArrayRef = Arc::new(arrow_array::TimestampMillisecondArray::from(vec![5]).with_timezone("Europe/Paris"));
+        let got = convert(&p, &ns).unwrap();
+        assert_eq!(got.data_type(), &ns);
+        assert_eq!(got.as_primitive::<arrow_array::types::TimestampNanosecondType>().value(0), 5_000_000);
         assert_eq!(
             join(&DataType::Duration(TimeUnit::Millisecond), &DataType::Duration(TimeUnit::Second)).unwrap(),
             DataType::Duration(TimeUnit::Millisecond)
