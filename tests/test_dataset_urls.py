@@ -386,3 +386,24 @@ def test_hidden_webdataset_shards_are_left_out_too(daemon, tmp_path: Path) -> No
     (tmp_path / "._shard-000000.tar").write_bytes(APPLE_DOUBLE)
     keys = [k for b in shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr) for k in b["__key__"]]
     assert sorted(keys) == [f"{i:04d}" for i in range(20)]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("partitioned", [False, True], ids=["flat", "partitioned"])
+def test_a_delta_lake_table_is_refused_for_the_rows_it_removed(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str, partitioned: bool
+) -> None:
+    # A Delta table's directory keeps the files an overwrite (or DELETE, UPDATE) removed until
+    # VACUUM: its Parquet files are not its rows. Served as files, the epoch would train on both.
+    from deltalake import write_deltalake
+
+    root, url, addr = place(where, f"delta-{partitioned}", tmp_path, daemon, s3, s3_daemon)
+    by = ["year"] if partitioned else None
+    write_deltalake(str(root), pa.table({"id": [1, 2, 3], "year": [2020, 2020, 2021]}), partition_by=by)
+    write_deltalake(str(root), pa.table({"id": [10, 20], "year": [2021, 2021]}), partition_by=by, mode="overwrite")
+    with pytest.raises(ValueError, match="Delta Lake table") as e:
+        read_ids(url, addr)
+    assert "_delta_log" in str(e.value), e.value
+    if not partitioned:
+        # A glob serves the files there knowingly, removed ones included.
+        assert sorted(read_ids(url.rstrip("/") + "/*.parquet", addr)) == [1, 2, 3, 10, 20]
