@@ -65,6 +65,9 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 if Format::is_shard_name(&name) {
                     found.push(name);
                 } else if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    if name == super::table_log::DELTA_LOG && matches!(pick, Pick::All | Pick::Every) {
+                        return Err(super::table_log::delta_table(&super::dir_base(dir)));
+                    }
                     subdirs.push(name);
                 } else {
                     unserved.note(&name);

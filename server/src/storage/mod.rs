@@ -19,6 +19,8 @@
 //! - [`s3_write`]: uploads to S3 (single PUT or multipart from a local file), HEAD and DELETE,
 //!   for `shardstream pack`.
 //! - [`retry`]: the retry policy every remote request follows.
+//! - [`table_log`]: places that are tables with a log (Delta Lake), whose files are not their
+//!   rows: refused when listed.
 
 pub mod append;
 pub mod local;
@@ -28,6 +30,7 @@ pub mod pick;
 pub mod retry;
 pub mod s3;
 pub mod s3_write;
+pub mod table_log;
 
 use std::path::PathBuf;
 

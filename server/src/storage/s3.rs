@@ -206,12 +206,17 @@ fn shards_in_listing(
     // Shards at any depth below a subdirectory, for a partitioned prefix ([`partitions`]).
     let mut below: Vec<(String, ObjectInfo)> = Vec::new();
     let mut partitioned: Option<String> = None;
+    // A listing of the whole place (not a glob's or named files' pick).
+    let whole = matches!(pick, crate::storage::Pick::All | crate::storage::Pick::Every);
     for o in listed {
         let Some(name) = o.key.strip_prefix(prefix) else { continue };
         match name.split_once('/') {
             None if !name.is_empty() => {
                 unserved.note(name);
                 found.push((name.to_owned(), o));
+            }
+            Some((sub, _)) if sub == crate::storage::table_log::DELTA_LOG && whole => {
+                return Err(crate::storage::table_log::delta_table(&format!("s3://{bucket}/{prefix}")));
             }
             Some((sub, rest)) => {
                 if partitioned.is_none() && crate::storage::partitions::key_value(sub).is_some() {
@@ -228,7 +233,7 @@ fn shards_in_listing(
             _ => {}
         }
     }
-    if let (Some(part), crate::storage::Pick::All | crate::storage::Pick::Every) = (&partitioned, pick) {
+    if let (Some(part), true) = (&partitioned, whole) {
         let place = format!("s3://{bucket}/{prefix}");
         let here =
             found.iter().find(|(n, _)| crate::format::Format::is_shard_name(n) && !crate::storage::pick::is_hidden(n));
