@@ -22,7 +22,7 @@ from test_parquet import daemon_maps, prefetch
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon, wait_for
+from conftest import SHARDSTREAM, Daemon, wait_for, within
 
 ROWS = 240
 
@@ -281,3 +281,22 @@ def test_a_reopen_stats_the_partition_directories_and_lists_nothing(tmp_path: Pa
         assert after["shardstream_dataset_builds_total"] == 1
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("link", ["loops", "twin"])
+def test_a_directory_met_twice_through_a_symlink_is_refused_not_walked_again(
+    own_daemon, tmp_path: Path, link: str
+) -> None:
+    # Symbolic links that lead back up the tree make every level of the walk list the whole tree
+    # again, once per link (two links: 2^40 listings before the kernel's ELOOP); one that leads
+    # to a sibling partition would serve its files twice under two keys.
+    root = tmp_path / link
+    write_partitioned(root)
+    if link == "loops":
+        for year in ("2020", "2021"):
+            (root / f"year={year}" / "year=2030").symlink_to(root, target_is_directory=True)
+    else:
+        (root / "year=2030").symlink_to(root / "year=2020", target_is_directory=True)
+    got = within(60, lambda: served(str(root), own_daemon.addr))
+    assert isinstance(got, ValueError), got
+    assert "symbolic link" in str(got) and "year=2030" in str(got), got
