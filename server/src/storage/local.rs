@@ -4,6 +4,7 @@
 //! kept open by the dataset. Listings and stats are counted (`shardstream_local_*_total`): they
 //! are the metadata load a PFS feels.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -64,7 +65,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
                 if Format::is_shard_name(&name) {
                     found.push(name);
-                } else if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                } else if is_dir(&entry) {
                     if name == super::table_log::DELTA_LOG && matches!(pick, Pick::All | Pick::Every) {
                         return Err(super::table_log::delta_table(&super::dir_base(dir)));
                     }
@@ -79,10 +80,13 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 if let Some(shard) = found.iter().find(|n| !super::pick::is_hidden(n)) {
                     return Err(super::partitions::beside_partitions(&place, shard, part));
                 }
-                let mut nested = Vec::new();
+                // The dataset's own directory counts as walked: a link back to it is a loop.
+                let seen = HashMap::from([((meta.dev(), meta.ino()), String::new())]);
+                let mut walk = PartitionWalk { place: &place, seen, shards: Vec::new() };
                 for sub in subdirs.iter().filter(|s| !super::pick::is_hidden(s)) {
-                    walk_partitions(&dir.join(sub), &format!("{sub}/"), &mut nested)?;
+                    walk.dir(&dir.join(sub), &format!("{sub}/"))?;
                 }
+                let mut nested = walk.shards;
                 nested.sort();
                 found = super::partitions::partitioned(nested, String::as_str, &place)?;
             }
@@ -113,29 +117,56 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
     Ok(shards)
 }
 
-/// Appends to `out` the shards in `dir` and in its subdirectories at any depth (hidden ones left
-/// out), named by their paths below the dataset's directory; `rel`: where `dir` is below it
-/// (ending with `/`). One listing per directory, as pyarrow.dataset's discovery.
-fn walk_partitions(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<()> {
-    crate::metrics::local_list(1);
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
-        let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-        if super::pick::is_hidden(&name) {
-            continue;
+/// Whether a listed entry is a directory, or a symbolic link to one (followed, as the stat of a
+/// listed shard follows it); only a link costs a `stat`.
+fn is_dir(entry: &std::fs::DirEntry) -> bool {
+    entry
+        .file_type()
+        .is_ok_and(|t| t.is_dir() || (t.is_symlink() && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir())))
+}
+
+/// The walk of a partitioned directory's subdirectories (one listing each, as pyarrow.dataset's
+/// discovery), following symbolic links as the stat of a listed shard does.
+struct PartitionWalk<'a> {
+    /// The dataset's directory as errors name it (ending with `/`).
+    place: &'a str,
+    /// Every directory walked, by (device, inode), and its path below the dataset's: one met
+    /// again through a symbolic link is refused, since a link back up the tree would make each
+    /// level list the whole tree again (once per such link, until the kernel's ELOOP), and a
+    /// link to a sibling partition would serve its files twice, under two keys.
+    seen: HashMap<(u64, u64), String>,
+    /// The shards found, by their paths below the dataset's directory.
+    shards: Vec<String>,
+}
+
+impl PartitionWalk<'_> {
+    /// Walks `dir`, which is `rel` (ending with `/`) below the dataset's directory.
+    fn dir(&mut self, dir: &Path, rel: &str) -> Result<()> {
+        crate::metrics::local_stat(1);
+        let meta = std::fs::metadata(dir).map_err(|e| Error::io("cannot stat", dir, e))?;
+        if let Some(first) = self.seen.insert((meta.dev(), meta.ino()), rel.to_owned()) {
+            return Err(Error::invalid(format!(
+                "{place}{rel} is the directory {place}{first} again, through a symbolic link: its files would be \
+                 read twice under two partitions (or, through a link back up the tree, without end); remove the link",
+                place = self.place
+            )));
         }
-        // A symlink is followed (as the stat of a listed shard is); other entries need no stat.
-        let is_dir = entry
-            .file_type()
-            .is_ok_and(|t| t.is_dir() || (t.is_symlink() && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir())));
-        if is_dir {
-            walk_partitions(&entry.path(), &format!("{rel}{name}/"), out)?;
-        } else if Format::is_shard_name(&name) {
-            out.push(format!("{rel}{name}"));
+        crate::metrics::local_list(1);
+        let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            if super::pick::is_hidden(&name) {
+                continue;
+            }
+            if is_dir(&entry) {
+                self.dir(&entry.path(), &format!("{rel}{name}/"))?;
+            } else if Format::is_shard_name(&name) {
+                self.shards.push(format!("{rel}{name}"));
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Which of `subdirs` (names in `dir`) hold shards of their own, for the error of a directory
