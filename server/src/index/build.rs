@@ -223,11 +223,11 @@ fn index_parquet(
 ) -> Result<IndexSummary> {
     let counter = ReadCounter::default();
     // A partitioned dataset's keys, checked before any footer is read (and named in the summary).
-    let place = DatasetUrl::parse(url)?.base();
+    let parsed = DatasetUrl::parse(url)?;
     let names: Vec<&str> = listed.iter().map(|s| s.name.as_str()).collect();
-    let partitions = crate::format::parquet::partitions::Partitions::of(&names, &place)?;
+    let partitions = crate::format::parquet::partitions::Partitions::of(&names, &parsed.base())?;
     let partition_keys: Vec<String> = partitions.iter().flat_map(|p| p.fields()).map(|f| f.name().clone()).collect();
-    match DatasetUrl::parse(url)? {
+    match parsed {
         DatasetUrl::Local { dir, .. } => {
             let sidecar_dir = dir.join(SIDECAR_DIR);
             std::fs::create_dir_all(&sidecar_dir).map_err(|e| Error::io("cannot create", &sidecar_dir, e))?;

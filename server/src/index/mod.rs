@@ -489,7 +489,7 @@ impl Dataset {
             })
             .max_by_key(|s| s.bytes);
         let parquet = match format {
-            Format::Parquet => Some(Arc::new(parquet_dataset(&shards, &tables)?)),
+            Format::Parquet => Some(Arc::new(parquet_dataset(&base, &shards, &tables)?)),
             Format::WebDataset => None,
         };
         let fields: Vec<String> = match &parquet {

@@ -71,23 +71,32 @@ type Key = (String, CacheMode);
 struct DirStamp {
     dir_mtime_ns: i64,
     manifest_mtime_ns: Option<i64>,
-    /// The mtimes of a partitioned dataset's partition directories (a file added to
-    /// `year=2020/` moves that directory's mtime, not the dataset's).
-    parts: Vec<Option<i64>>,
+    /// A partitioned dataset's partition directories (paths below `dir`) and their mtimes: a
+    /// file added to `year=2020/` moves that directory's mtime, not the dataset's.
+    parts: Vec<(String, Option<i64>)>,
 }
 
 impl DirStamp {
     /// Two `stat` calls, the directory and its manifest (absent is a valid state), and one per
     /// partition directory in `parts` (paths below `dir`).
-    fn read(dir: &Path, parts: &[String]) -> Option<Self> {
+    fn read<'a>(dir: &Path, parts: impl Iterator<Item = &'a str>) -> Option<Self> {
         let meta = std::fs::metadata(dir).ok()?;
         crate::metrics::local_stat(1);
         let manifest = dir.join(super::manifest::MANIFEST_FILE);
         crate::metrics::local_stat(1);
         let manifest_mtime_ns = std::fs::metadata(manifest).ok().map(|m| local::mtime_ns(&m));
-        crate::metrics::local_stat(parts.len() as u64);
-        let parts = parts.iter().map(|p| std::fs::metadata(dir.join(p)).ok().map(|m| local::mtime_ns(&m))).collect();
+        let parts = parts
+            .map(|p| {
+                crate::metrics::local_stat(1);
+                (p.to_owned(), std::fs::metadata(dir.join(p)).ok().map(|m| local::mtime_ns(&m)))
+            })
+            .collect();
         Some(Self { dir_mtime_ns: local::mtime_ns(&meta), manifest_mtime_ns, parts })
+    }
+
+    /// The partition directories this stamp covers.
+    fn part_names(&self) -> impl Iterator<Item = &str> {
+        self.parts.iter().map(|(p, _)| p.as_str())
     }
 }
 
@@ -226,20 +235,25 @@ impl Registry {
         mode: CacheMode,
         existing: Option<(Arc<Dataset>, Instant, Option<DirStamp>)>,
     ) -> Result<(Arc<Dataset>, Option<DirStamp>, Instant)> {
-        let parts = existing.as_ref().map(|(ds, _, _)| partition_dirs(ds)).unwrap_or_default();
+        // The partition directories the last check stat'ed, stat'ed again.
+        let old_stamp = existing.as_ref().and_then(|(_, _, old)| old.as_ref());
         let stamp = match parsed {
-            DatasetUrl::Local { dir, .. } => DirStamp::read(dir, &parts),
+            DatasetUrl::Local { dir, .. } => DirStamp::read(dir, old_stamp.into_iter().flat_map(DirStamp::part_names)),
             DatasetUrl::S3 { .. } => None,
         };
         // The stamp of a dataset first found partitioned, or partitioned otherwise than before,
         // is taken again for its directories after the listing (a file added in between is seen
         // by the open after LOCAL_REVALIDATE, as a change to an S3 dataset is).
-        let restamp = |ds: &Dataset, stamp: Option<DirStamp>| match parsed {
-            DatasetUrl::Local { dir, .. } => {
+        let restamp = |ds: &Dataset, stamp: Option<DirStamp>| match (parsed, stamp) {
+            (DatasetUrl::Local { dir, .. }, Some(stamp)) => {
                 let now = partition_dirs(ds);
-                if now == parts { stamp } else { DirStamp::read(dir, &now) }
+                if stamp.part_names().eq(now.iter().map(String::as_str)) {
+                    Some(stamp)
+                } else {
+                    DirStamp::read(dir, now.iter().map(String::as_str))
+                }
             }
-            DatasetUrl::S3 { .. } => stamp,
+            (_, stamp) => stamp,
         };
         if let Some((ds, checked, old)) = &existing
             && stamp.is_some()

@@ -56,9 +56,10 @@ pub(super) fn load_table(
     Ok(table)
 }
 
-/// The Parquet view of a scanned dataset: its files (shard `i` of the dataset is file index `i`)
-/// with their footer tables.
+/// The Parquet view of a scanned dataset at `base` (its URL prefix): its files (shard `i` of the
+/// dataset is file index `i`) with their footer tables, and the keys of a partitioned one.
 pub(super) fn parquet_dataset(
+    base: &str,
     shards: &[ShardMeta],
     tables: &[ShardTable],
 ) -> Result<crate::format::parquet::dataset::ParquetDataset> {
@@ -73,11 +74,7 @@ pub(super) fn parquet_dataset(
         })
         .collect::<Result<Vec<_>>>()?;
     let names: Vec<&str> = shards.iter().map(|m| m.name.as_str()).collect();
-    let place = shards.first().map_or(String::new(), |m| {
-        let url = m.url();
-        url.strip_suffix(m.name.as_str()).map_or(url.clone(), str::to_owned)
-    });
-    let partitions = crate::format::parquet::partitions::Partitions::of(&names, &place)?;
+    let partitions = crate::format::parquet::partitions::Partitions::of(&names, base)?;
     Ok(ParquetDataset::new(files)?.0.with_partitions(partitions))
 }
 

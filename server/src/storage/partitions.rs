@@ -62,32 +62,40 @@ pub fn beside_partitions(place: &str, shard: &str, part: &str) -> Error {
     ))
 }
 
+/// Each of `names`' `(key, raw value)` pairs, checked to be the same keys in the same order
+/// throughout, each key once.
+pub fn keys_of_all<'a>(names: &[&'a str], place: &str) -> Result<Vec<Vec<(&'a str, &'a str)>>> {
+    let all = names.iter().map(|n| keys_of(n, place)).collect::<Result<Vec<_>>>()?;
+    let keys = |pairs: &[(&'a str, &'a str)]| pairs.iter().map(|(k, _)| *k).collect::<Vec<_>>();
+    let (Some(first), Some(want)) = (names.first(), all.first().map(|p| keys(p))) else { return Ok(all) };
+    if let Some((i, k)) = want.iter().enumerate().find(|(i, k)| want[..*i].contains(k)) {
+        return Err(Error::invalid(format!(
+            "{place}{first} names the partition key {k:?} twice (directory {} of its path): a key is one column",
+            i + 1
+        )));
+    }
+    if let Some((n, other)) = names.iter().zip(&all).map(|(n, p)| (n, keys(p))).find(|(_, k)| *k != want) {
+        return Err(Error::invalid(format!(
+            "{place} has files partitioned by different keys: {place}{first} by {} but {place}{n} by {}; \
+             every file of a partitioned dataset must have the same key=value directories",
+            want.join("/"),
+            other.join("/")
+        )));
+    }
+    Ok(all)
+}
+
 /// The shards of a partitioned place among `nested` (names below it with at least one directory,
 /// hidden paths left out, sorted): each checked to sit in partitions with the keys of the first.
 pub fn partitioned<T>(nested: Vec<T>, name: impl Fn(&T) -> &str, place: &str) -> Result<Vec<T>> {
-    let mut first: Option<(&str, Vec<&str>)> = None;
-    for t in &nested {
-        let n = name(t);
-        if Format::of_file(n) == Some(Format::WebDataset) {
-            return Err(Error::invalid(format!(
-                "{place} is partitioned (key=value directories), which is served for Parquet files, whose keys \
-                 become columns; {place}{n} is a TAR shard: name one partition's directory instead"
-            )));
-        }
-        let keys: Vec<&str> = keys_of(n, place)?.into_iter().map(|(k, _)| k).collect();
-        match &first {
-            None => first = Some((n, keys)),
-            Some((f, want)) if *want != keys => {
-                return Err(Error::invalid(format!(
-                    "{place} has files partitioned by different keys: {place}{f} by {} but {place}{n} by {}; \
-                     every file of a partitioned dataset must have the same key=value directories",
-                    want.join("/"),
-                    keys.join("/")
-                )));
-            }
-            Some(_) => {}
-        }
+    let names: Vec<&str> = nested.iter().map(&name).collect();
+    if let Some(n) = names.iter().find(|n| Format::of_file(n) == Some(Format::WebDataset)) {
+        return Err(Error::invalid(format!(
+            "{place} is partitioned (key=value directories), which is served for Parquet files, whose keys \
+             become columns; {place}{n} is a TAR shard: name one partition's directory instead"
+        )));
     }
+    keys_of_all(&names, place)?;
     Ok(nested)
 }
 

@@ -90,7 +90,7 @@ impl Pick {
 
 /// The file name of a shard's path below its place (a partitioned dataset's shard has
 /// directories).
-fn file_name(path: &str) -> &str {
+pub fn file_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 

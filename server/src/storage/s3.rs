@@ -222,7 +222,7 @@ fn shards_in_listing(
                 if partitioned.is_none() && crate::storage::partitions::key_value(sub).is_some() {
                     partitioned = Some(sub.to_owned());
                 }
-                let file = rest.rsplit('/').next().unwrap_or(rest);
+                let file = crate::storage::pick::file_name(rest);
                 if crate::format::Format::is_shard_name(file) && !crate::storage::partitions::hidden_path(name) {
                     if !rest.contains('/') && !nested.contains(sub) {
                         nested.insert(sub.to_owned());

@@ -171,17 +171,21 @@ pub fn decode_row_group(
     if rg >= table.num_row_groups() {
         return Err(bad(format!("the file has {} row groups", table.num_row_groups())));
     }
-    let batch_rows = usize::try_from(rows).map_err(|_| bad(format!("{rows} rows")))?.max(1);
+    let exact_rows = usize::try_from(rows).map_err(|_| bad(format!("{rows} rows")))?;
+    let batch_rows = exact_rows.max(1);
+    let arrange = |decoded: &RecordBatch| {
+        proj.arrange(decoded).map_err(|e| match e {
+            ParquetError::BadData { reason, .. } => bad(reason),
+            e => e,
+        })
+    };
     if proj.reads_nothing() {
         // Only partition keys: the row group's rows are its row count, nothing is decoded.
-        let options = arrow_array::RecordBatchOptions::new().with_row_count(Some(batch_rows));
+        let options = arrow_array::RecordBatchOptions::new().with_row_count(Some(exact_rows));
         let none =
             RecordBatch::try_new_with_options(std::sync::Arc::new(arrow_schema::Schema::empty()), vec![], &options)
                 .map_err(|e| bad(e.to_string()))?;
-        return proj.arrange(&none).map_err(|e| match e {
-            ParquetError::BadData { reason, .. } => bad(reason),
-            e => e,
-        });
+        return arrange(&none);
     }
     check_pages(table, rg, proj, &chunks).map_err(bad)?;
     let decoded = no_panic(
@@ -205,10 +209,7 @@ pub fn decode_row_group(
     if decoded.num_rows() as u64 != rows {
         return Err(bad(format!("decoded {} rows but the footer says {rows}", decoded.num_rows())));
     }
-    proj.arrange(&decoded).map_err(|e| match e {
-        ParquetError::BadData { reason, .. } => bad(reason),
-        e => e,
-    })
+    arrange(&decoded)
 }
 
 /// Checks the page headers of every selected column chunk of row group `rg` (see [`pages`]),

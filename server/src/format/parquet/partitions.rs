@@ -9,8 +9,8 @@ use std::sync::Arc;
 use arrow_array::{ArrayRef, Int32Array, StringArray, StringViewArray, new_null_array};
 use arrow_schema::{DataType, Field};
 
-use crate::storage::partitions::{decode_value, keys_of};
-use crate::{Error, Result};
+use crate::Result;
+use crate::storage::partitions::{decode_value, keys_of_all};
 
 /// One file's value of one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,34 +35,12 @@ impl Partitions {
         if !names.iter().any(|n| n.contains('/')) {
             return Ok(None);
         }
-        // Raw values, checked to have the same keys throughout (the listing checked it; a
-        // manifest is read as written).
-        let mut keys: Option<Vec<&str>> = None;
-        let mut raw: Vec<Vec<Option<String>>> = Vec::with_capacity(names.len());
-        for name in names {
-            let pairs = keys_of(name, place)?;
-            let these: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
-            match &keys {
-                None => keys = Some(these),
-                Some(k) if *k != these => {
-                    return Err(Error::invalid(format!(
-                        "{place}{name} is partitioned by {} where the dataset's first file is partitioned by {}",
-                        these.join("/"),
-                        k.join("/")
-                    )));
-                }
-                Some(_) => {}
-            }
-            raw.push(pairs.iter().map(|(_, v)| decode_value(v)).collect());
-        }
-        let keys = keys.unwrap_or_default();
-        if let Some((i, k)) = keys.iter().enumerate().find(|(i, k)| keys[..*i].contains(k)) {
-            return Err(Error::invalid(format!(
-                "{place}{} names the partition key {k:?} twice (directory {} of its path): a key is one column",
-                names[0],
-                i + 1
-            )));
-        }
+        // The same keys throughout, each once (the listing checked it too; a manifest is read as
+        // written).
+        let pairs = keys_of_all(names, place)?;
+        let keys: Vec<&str> = pairs.first().map(|p| p.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+        let raw: Vec<Vec<Option<String>>> =
+            pairs.iter().map(|file| file.iter().map(|(_, v)| decode_value(v)).collect()).collect();
         let ints: Vec<bool> = (0..keys.len())
             .map(|k| raw.iter().filter_map(|file| file[k].as_deref()).all(|v| int32(v).is_some()))
             .collect();
@@ -159,7 +137,7 @@ mod tests {
         let e = Partitions::of(&["y=1/y=2/a.parquet"], "/d/").unwrap_err().to_string();
         assert!(e.contains("names the partition key \"y\" twice"), "{e}");
         let e = Partitions::of(&["y=1/a.parquet", "m=1/b.parquet"], "/d/").unwrap_err().to_string();
-        assert!(e.contains("/d/m=1/b.parquet is partitioned by m"), "{e}");
+        assert!(e.contains("/d/m=1/b.parquet by m"), "{e}");
     }
 
     #[test]

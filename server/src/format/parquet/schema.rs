@@ -176,30 +176,30 @@ impl Projection {
     /// partition keys have the values `values` (none when the dataset is not partitioned).
     pub fn for_file(&self, table: &ParquetTable, values: &[KeyValue]) -> Result<FileProjection, ParquetError> {
         let file = table.schema();
-        let mut roots = Vec::with_capacity(self.schema.fields().len());
         let columns = ByName::new(file);
-        for (want, key) in self.schema.fields().iter().zip(&self.keys) {
-            if key.is_none() {
-                roots.push(columns.one(want.name())?.0);
+        // Each delivered column: the file's root column it is read from (its place among the
+        // decoded columns once all are known), or a key's value.
+        let mut reorder = (self.schema.fields().iter().zip(&self.keys))
+            .map(|(want, key)| match key {
+                Some(k) => Ok(Source::Key(values.get(*k).cloned().unwrap_or(KeyValue::Null))),
+                None => columns.one(want.name()).map(|(root, _)| Source::Decoded(root)),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut sorted: Vec<usize> =
+            reorder.iter().filter_map(|s| if let Source::Decoded(r) = s { Some(*r) } else { None }).collect();
+        sorted.sort_unstable();
+        let leaves = strings::Leaves::of(table.reader_metadata().parquet_schema());
+        let check =
+            reorder.iter().map(|s| matches!(s, Source::Decoded(r) if leaves.json.get(*r) == Some(&true))).collect();
+        for s in &mut reorder {
+            if let Source::Decoded(r) = s {
+                *r = sorted.partition_point(|c| c < r);
             }
         }
-        let mut sorted = roots.clone();
-        sorted.sort_unstable();
-        let mut next_root = roots.iter();
-        let reorder = (self.keys.iter())
-            .map(|key| match key {
-                Some(k) => Ok(Source::Key(values.get(*k).cloned().unwrap_or(KeyValue::Null))),
-                None => {
-                    let r = next_root.next().ok_or_else(|| ParquetError::Ipc("a projection lost a column".into()))?;
-                    Ok(Source::Decoded(sorted.partition_point(|s| s < r)))
-                }
-            })
-            .collect::<Result<_, ParquetError>>()?;
         let reads_nothing = sorted.is_empty();
         let mask = ProjectionMask::roots(table.reader_metadata().parquet_schema(), sorted);
         check_codecs(table, &mask)?;
         let flat = self.schema.fields().iter().all(|f| super::direct::is_flat(f.data_type()));
-        let leaves = strings::Leaves::of(table.reader_metadata().parquet_schema());
         let (decode, mut views) = decode_metadata(table, &leaves, flat)?;
         // A file without a bytes column of its own has none to decode as views; when the
         // projection has some, this file holds them typeless (`agree`), and delivers them as
@@ -208,10 +208,6 @@ impl Projection {
             views = self.schema.fields().iter().any(|f| view_type(f.data_type()).is_some());
         }
         let schema = if views { with_views(&self.schema) } else { self.schema.clone() };
-        let mut next_root = roots.iter();
-        let check = (self.keys.iter())
-            .map(|key| key.is_none() && next_root.next().is_some_and(|&r| leaves.json.get(r) == Some(&true)))
-            .collect();
         Ok(FileProjection { mask, reorder, reads_nothing, schema, views, decode, check })
     }
 }
