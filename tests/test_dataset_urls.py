@@ -407,3 +407,47 @@ def test_a_delta_lake_table_is_refused_for_the_rows_it_removed(
     if not partitioned:
         # A glob serves the files there knowingly, removed ones included.
         assert sorted(read_ids(url.rstrip("/") + "/*.parquet", addr)) == [1, 2, 3, 10, 20]
+
+
+def write_iceberg_table(root: Path, partitioned: bool, catalog_dir: Path) -> list[int]:
+    """An Iceberg table at `root` written by pyiceberg (a SQLite catalog in `catalog_dir`): three
+    rows, then an overwrite with two, so that `data/` keeps the first snapshot's files. Returns the
+    ids of the table's current snapshot."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    catalog = SqlCatalog("t", uri=f"sqlite:///{catalog_dir / 'catalog.db'}", warehouse=f"file://{catalog_dir}")
+    catalog.create_namespace_if_not_exists("ns")
+    first = pa.table({"id": pa.array([1, 2, 3], pa.int64()), "year": pa.array([2020, 2020, 2021], pa.int64())})
+    table = catalog.create_table(f"ns.{root.name.replace('-', '_')}", schema=first.schema, location=f"file://{root}")
+    if partitioned:
+        with table.update_spec() as spec:
+            spec.add_identity("year")
+    table.append(first)
+    table.overwrite(pa.table({"id": pa.array([10, 20], pa.int64()), "year": pa.array([2021, 2021], pa.int64())}))
+    return sorted(table.scan().to_arrow().column("id").to_pylist())
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("partitioned", [False, True], ids=["flat", "partitioned"])
+def test_an_iceberg_table_is_refused_for_the_rows_its_snapshot_dropped(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str, partitioned: bool
+) -> None:
+    # An Iceberg table keeps under data/ the files an overwrite, delete or compaction dropped from
+    # its current snapshot, until the snapshots expire; only metadata/ says which files are
+    # current. Named by its directory, the daemon said to name data/ instead; data/ was served as
+    # a directory of Parquet files, dropped rows and all.
+    root, url, addr = place(where, f"iceberg-{partitioned}", tmp_path, daemon, s3, s3_daemon)
+    assert write_iceberg_table(root, partitioned, tmp_path) == [10, 20]
+    data_url = url.rstrip("/") + "/data" + ("/" if where == "s3" else "")
+    for named in (url, data_url):
+        with pytest.raises(ValueError, match="Iceberg table") as e:
+            read_ids(named, addr)
+        assert "metadata/" in str(e.value) and "pyiceberg" in str(e.value), e.value
+    if not partitioned:
+        # A glob serves the files there knowingly, dropped ones included.
+        assert sorted(read_ids(data_url.rstrip("/") + "/*.parquet", addr)) == [1, 2, 3, 10, 20]
+    if where == "local":
+        # `index` lists the same way, so it writes no manifest that would serve them later.
+        out = subprocess.run([SHARDSTREAM, "index", data_url], capture_output=True, text=True)
+        assert out.returncode != 0 and "Iceberg table" in out.stderr, out.stderr
+        assert not (root / "data" / "manifest.json").exists()
