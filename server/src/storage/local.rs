@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use crate::format::Format;
 use crate::storage::Pick;
 use crate::storage::append::Append;
+use crate::storage::table_log::ICEBERG_METADATA;
 use crate::{Error, Result};
 
 /// A shard found by listing: its file name within the dataset directory, size and mtime.
@@ -55,6 +56,9 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         // may hold millions of other entries, each a metadata request on a PFS).
         Pick::Names(names) => names.iter().map(|n| stat(n)).collect::<Result<Vec<_>>>()?,
         Pick::All | Pick::Every | Pick::Glob(_) => {
+            if matches!(pick, Pick::All | Pick::Every) {
+                refuse_iceberg_data(dir)?;
+            }
             let mut found = Vec::new();
             let mut subdirs = Vec::new();
             let mut unserved = super::Unserved::default();
@@ -91,6 +95,11 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 found = super::partitions::partitioned(nested, String::as_str, &place)?;
             }
             if found.is_empty() {
+                if subdirs.iter().any(|s| s == ICEBERG_METADATA) && holds_iceberg_metadata(&dir.join(ICEBERG_METADATA))
+                {
+                    let place = super::dir_base(dir);
+                    return Err(super::table_log::iceberg_table(&place, &place));
+                }
                 subdirs.sort();
                 return Err(super::no_shards(
                     "shards (*.tar or *.parquet files)",
@@ -115,6 +124,26 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
         ));
     }
     Ok(shards)
+}
+
+/// Refuses `dir` when it is an Iceberg table's `data/` ([`super::table_log`]). Costs a listing of
+/// the `metadata/` beside it, for a directory named `data` only.
+fn refuse_iceberg_data(dir: &Path) -> Result<()> {
+    let place = super::dir_base(dir);
+    match super::table_log::iceberg_table_above(&place) {
+        Some(table) if holds_iceberg_metadata(&Path::new(table).join(ICEBERG_METADATA)) => {
+            Err(super::table_log::iceberg_table(table, &place))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether `dir` exists and holds an Iceberg table's metadata.
+fn holds_iceberg_metadata(dir: &Path) -> bool {
+    crate::metrics::local_list(1);
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries.flatten().any(|e| e.file_name().to_str().is_some_and(super::table_log::is_iceberg_metadata))
+    })
 }
 
 /// Whether a listed entry is a directory, or a symbolic link to one (followed, as the stat of a
@@ -463,5 +492,26 @@ mod tests {
             "{err}"
         );
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn an_iceberg_tables_directory_and_its_data_are_refused_but_not_a_data_directory_of_another_kind() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let table = root.path().join("t");
+        std::fs::create_dir_all(table.join("data")).expect("data dir");
+        std::fs::create_dir_all(table.join("metadata")).expect("metadata dir");
+        std::fs::write(table.join("data/00000-0-a.parquet"), b"PAR1").expect("data file");
+        std::fs::write(table.join("metadata/00000-b.metadata.json"), b"{}").expect("metadata file");
+        for named in [table.clone(), table.join("data")] {
+            let err = list_shards(&named, &Pick::All).expect_err("an Iceberg table").to_string();
+            assert!(err.contains("Iceberg table") && err.contains("/t/metadata/ holds"), "{err}");
+        }
+        // A glob over data/ is the user's pick.
+        let glob = Pick::Glob(crate::storage::pick::NameGlob::new("*.parquet").expect("glob"));
+        assert_eq!(list_shards(&table.join("data"), &glob).expect("glob")[0].name, "00000-0-a.parquet");
+        // A `metadata/` of other files beside a `data/` is no table's.
+        std::fs::remove_file(table.join("metadata/00000-b.metadata.json")).expect("remove");
+        std::fs::write(table.join("metadata/labels.json"), b"{}").expect("other file");
+        assert_eq!(list_shards(&table.join("data"), &Pick::All).expect("plain data dir").len(), 1);
     }
 }

@@ -29,6 +29,7 @@ use bytes::Bytes;
 use tokio::sync::Semaphore;
 
 use super::retry::RetryConfig;
+use crate::storage::table_log::ICEBERG_METADATA;
 use crate::{Error, Result};
 
 /// Bytes per ranged GET. S3 serves ~50-100 MB/s per connection, so a 32 MiB part takes ~0.3-0.6 s
@@ -208,6 +209,8 @@ fn shards_in_listing(
     let mut partitioned: Option<String> = None;
     // A listing of the whole place (not a glob's or named files' pick).
     let whole = matches!(pick, crate::storage::Pick::All | crate::storage::Pick::Every);
+    // An Iceberg table's own prefix holds no shard but `metadata/` and `data/` below it.
+    let mut iceberg = false;
     for o in listed {
         let Some(name) = o.key.strip_prefix(prefix) else { continue };
         match name.split_once('/') {
@@ -219,6 +222,7 @@ fn shards_in_listing(
                 return Err(crate::storage::table_log::delta_table(&format!("s3://{bucket}/{prefix}")));
             }
             Some((sub, rest)) => {
+                iceberg |= sub == ICEBERG_METADATA && crate::storage::table_log::is_iceberg_metadata(rest);
                 if partitioned.is_none() && crate::storage::partitions::key_value(sub).is_some() {
                     partitioned = Some(sub.to_owned());
                 }
@@ -233,10 +237,15 @@ fn shards_in_listing(
             _ => {}
         }
     }
+    let own_shard =
+        |(n, _): &&(String, ObjectInfo)| crate::format::Format::is_shard_name(n) && !crate::storage::pick::is_hidden(n);
+    if iceberg && whole && !found.iter().any(|f| own_shard(&f)) {
+        let place = format!("s3://{bucket}/{prefix}");
+        return Err(crate::storage::table_log::iceberg_table(&place, &place));
+    }
     if let (Some(part), true) = (&partitioned, whole) {
         let place = format!("s3://{bucket}/{prefix}");
-        let here =
-            found.iter().find(|(n, _)| crate::format::Format::is_shard_name(n) && !crate::storage::pick::is_hidden(n));
+        let here = found.iter().find(own_shard);
         if let Some((shard, _)) = here {
             return Err(crate::storage::partitions::beside_partitions(&place, shard, part));
         }
@@ -368,8 +377,33 @@ impl S3Store {
         prefix: &str,
         pick: &crate::storage::Pick,
     ) -> Result<Vec<(String, ObjectInfo)>> {
-        let listed = self.block_on(self.list(bucket, &listing_prefix(prefix, pick)))?;
+        let whole = matches!(pick, crate::storage::Pick::All | crate::storage::Pick::Every);
+        let listing = listing_prefix(prefix, pick);
+        let (listed, iceberg) = self
+            .block_on(async { tokio::join!(self.list(bucket, &listing), self.iceberg_data(bucket, prefix, whole)) });
+        // The prefix's own failure first: a missing bucket is named by the URL given.
+        let listed = listed?;
+        if let Some(table) = iceberg? {
+            return Err(crate::storage::table_log::iceberg_table(
+                &format!("s3://{bucket}/{table}"),
+                &format!("s3://{bucket}/{prefix}"),
+            ));
+        }
         shards_in_listing(listed, bucket, prefix, pick)
+    }
+
+    /// The table above `prefix` when it is an Iceberg table's `data/` ([`crate::storage::table_log`]),
+    /// for a listing of the `whole` prefix: one page of the `metadata/` beside it, for a prefix
+    /// named `data/` only.
+    async fn iceberg_data<'a>(&self, bucket: &str, prefix: &'a str, whole: bool) -> Result<Option<&'a str>> {
+        let Some(table) = crate::storage::table_log::iceberg_table_above(prefix).filter(|_| whole) else {
+            return Ok(None);
+        };
+        let page = self.list_pages(bucket, &format!("{table}{ICEBERG_METADATA}/"), Some(1)).await?;
+        let found = page
+            .iter()
+            .any(|o| crate::storage::table_log::is_iceberg_metadata(crate::storage::pick::file_name(&o.key)));
+        Ok(found.then_some(table))
     }
 
     /// Runs `f` on the store's runtime from a blocking thread (never from async code).
@@ -445,10 +479,15 @@ impl S3Store {
 
     /// Lists every object under `prefix`, page by page (each page retried on its own).
     pub async fn list(&self, bucket: &str, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.list_pages(bucket, prefix, None).await
+    }
+
+    /// Lists the objects under `prefix` on at most `most_pages` pages (all when `None`).
+    async fn list_pages(&self, bucket: &str, prefix: &str, most_pages: Option<usize>) -> Result<Vec<ObjectInfo>> {
         let url = format!("s3://{bucket}/{prefix}");
         let mut out = Vec::new();
         let mut token: Option<String> = None;
-        loop {
+        for page_number in 1.. {
             let page = self
                 .retrying(&url, "list", || async {
                     self.client
@@ -474,10 +513,11 @@ impl S3Store {
                 });
             }
             token = page.next_continuation_token().map(str::to_owned);
-            if page.is_truncated() != Some(true) || token.is_none() {
-                return Ok(out);
+            if page.is_truncated() != Some(true) || token.is_none() || most_pages == Some(page_number) {
+                break;
             }
         }
+        Ok(out)
     }
 
     /// Reads a whole small object (a manifest); `Ok(None)` when it does not exist.
@@ -1004,6 +1044,30 @@ mod tests {
         assert!(!etag_changed(&answered, Some("\"a\"")));
         assert!(etag_changed(&answered, Some("\"b\"")), "another part saw another version");
         assert_eq!(answered.lock().unwrap().as_deref(), Some("\"a\""));
+    }
+
+    #[test]
+    fn an_iceberg_tables_own_prefix_is_refused_and_a_prefix_with_shards_of_its_own_is_not() {
+        let table = vec![
+            obj("t/data/00000-0-a.parquet"),
+            obj("t/metadata/00000-b.metadata.json"),
+            obj("t/metadata/snap-1-0-c.avro"),
+        ];
+        let err = shards_in_listing(table.clone(), "bk", "t/", &Pick::All).unwrap_err().to_string();
+        assert!(err.contains("s3://bk/t/ is an Iceberg table") && err.contains("pyiceberg"), "{err}");
+        // A glob over the table's prefix is the user's pick: it meets no shard there.
+        let glob = Pick::Glob(NameGlob::new("*.parquet").unwrap());
+        let err = shards_in_listing(table.clone(), "bk", "t/", &glob).unwrap_err().to_string();
+        assert!(!err.contains("Iceberg"), "{err}");
+        // Shards of its own: a dataset that happens to keep a `metadata/` beside them.
+        let mut own = table;
+        own.push(obj("t/a.tar"));
+        let got = shards_in_listing(own, "bk", "t/", &Pick::All).unwrap();
+        assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["a.tar"]);
+        // Other files in a `metadata/` are not a table's.
+        let other = vec![obj("u/data/x.parquet"), obj("u/metadata/labels.json")];
+        let err = shards_in_listing(other, "bk", "u/", &Pick::All).unwrap_err().to_string();
+        assert!(!err.contains("Iceberg") && err.contains("data/"), "{err}");
     }
 
     #[test]
