@@ -121,19 +121,27 @@ def test_permission_denied_shard(daemon, tmp_path: Path) -> None:
             assert d.stop() == 0
 
 
-@pytest.mark.parametrize("kind", ["parquet", "webdataset"])
-def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(daemon, tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("cache", ["direct", "copy"])
+@pytest.mark.parametrize("kind", ["parquet", "parquet-views", "webdataset"])
+def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(
+    daemon, tmp_path: Path, kind: str, cache: str
+) -> None:
     # A notebook rewrites its data file in place (pyarrow and tarfile truncate and write the same
     # inode: the directory's mtime does not move) and reads it again within the minute the daemon
     # trusts an unchanged directory. The open that finds the shard changed fails naming it; the
-    # next one must list the dataset again and read the new rows, not fail for the rest of the minute.
+    # next one must list the dataset again and read the new rows, not fail for the rest of the
+    # minute. With cache="copy" the shards are read from the node cache's copies (and Parquet
+    # views from the row groups kept there), which must not stand in for a source that changed.
     import pyarrow as pa
     import pyarrow.parquet as pq
     import webdataset as wds
 
+    views = {"format": "arrow", "binary_views": True} if kind == "parquet-views" else {}
+
     def write(n: int) -> None:
-        if kind == "parquet":
-            pq.write_table(pa.table({"id": list(range(n))}), tmp_path / "a.parquet")
+        if kind.startswith("parquet"):
+            blobs = pa.array([b"%d" % i * 40 for i in range(n)], pa.binary())
+            pq.write_table(pa.table({"id": list(range(n)), "b": blobs}), tmp_path / "a.parquet")
         else:
             with open(tmp_path / "a-000000.tar", "r+b" if (tmp_path / "a-000000.tar").exists() else "wb") as f:
                 f.truncate(0)
@@ -142,7 +150,9 @@ def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(daemon, tmp_pa
                         sink.write({"__key__": f"k{i:03d}", "id": b"%d" % i})
 
     def ids() -> list[int]:
-        loader = shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr)
+        loader = shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr, cache=cache, **views)
+        if views:
+            return sorted(v for b in loader for v in b.column("id").to_pylist())
         return sorted(int(v) if kind == "parquet" else int(bytes(v)) for b in loader for v in b["id"])
 
     write(10)
@@ -153,7 +163,10 @@ def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(daemon, tmp_pa
     assert ids() == list(range(25))
 
 
-def test_a_shard_rewritten_in_place_at_the_same_size_is_never_read_with_the_old_index(daemon, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", ["direct", "copy"])
+def test_a_shard_rewritten_in_place_at_the_same_size_is_never_read_with_the_old_index(
+    daemon, tmp_path: Path, cache: str
+) -> None:
     # TAR pads members to 512 bytes: a member of 3 bytes rewritten as one of 5 leaves the file's
     # length as it was, and the index made for the old file would cut the new value to 3 bytes.
     import tarfile
@@ -169,7 +182,7 @@ def test_a_shard_rewritten_in_place_at_the_same_size_is_never_read_with_the_old_
                 tf.addfile(info, io.BytesIO(value))
 
     def values() -> list[bytes]:
-        loader = shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr)
+        loader = shardstream.Loader(str(tmp_path), batch_size=8, connect=daemon.addr, cache=cache)
         return [bytes(v) for b in loader for v in b["id"]]
 
     write(b"111")
