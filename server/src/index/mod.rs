@@ -31,7 +31,7 @@ mod tables;
 use foldhash::HashMap;
 use std::collections::hash_map::Entry;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -387,9 +387,18 @@ pub struct Dataset {
     /// once, while loads of different shards proceed in parallel.
     load_locks: Vec<Mutex<()>>,
     verified: Vec<AtomicBool>,
-    /// A shard read in place was found changed (another length) or gone since the dataset was
+    /// A local shard was found changed (another length or mtime) or gone since the dataset was
     /// listed: the registry lists it again at the next open instead of trusting its directory.
     changed: AtomicBool,
+    /// How many times the registry handed the dataset out again without listing it
+    /// ([`Self::reopened_unlisted`]).
+    unlisted_opens: AtomicU64,
+    /// Per shard, the value of `unlisted_opens` when its local source was last known to be as
+    /// listed (`copy` mode): a node-cache copy stands in for its source for the open that listed
+    /// it; after an open that listed nothing (every stream's, within a minute of a listing), the
+    /// source is stat'ed once before its copy is used again, so a file changed or gone is refused
+    /// as a shard read in place is. A shard in use keeps the copy it opened.
+    source_checked: Vec<AtomicU64>,
     /// The largest sample known when the dataset opens: of every shard when all were scanned, of
     /// the shards whose manifest entry records it (`max_sample`) otherwise. What the inline transport checks
     /// against its message limit before a stream starts. None from an older manifest: the check
@@ -565,6 +574,8 @@ impl Dataset {
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
             changed: AtomicBool::new(false),
+            unlisted_opens: AtomicU64::new(0),
+            source_checked: (0..n).map(|_| AtomicU64::new(0)).collect(),
             largest_sample: None,
             parquet: None,
         }
@@ -619,9 +630,52 @@ impl Dataset {
         Some((shard, id - self.prefix[shard]))
     }
 
-    /// Whether a shard read in place was found changed or gone since the dataset was listed.
+    /// Whether a local shard was found changed or gone since the dataset was listed.
     pub fn changed(&self) -> bool {
         self.changed.load(Ordering::Acquire)
+    }
+
+    /// The registry hands the dataset out again without listing it (its directory did not
+    /// change): the local sources of node-cache copies are checked again as they are used.
+    pub fn reopened_unlisted(&self) {
+        self.unlisted_opens.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Refuses the node-cache copy of local shard `i` (at `path`) when its source is no longer
+    /// as listed, the first time it is used after an open that listed nothing: one `stat`, where
+    /// a shard read in place costs an open and its `fstat`.
+    fn check_copy_source(&self, i: usize, path: &Path, meta: &ShardMeta) -> Result<()> {
+        let opens = self.unlisted_opens.load(Ordering::Acquire);
+        if self.source_checked[i].load(Ordering::Acquire) >= opens {
+            return Ok(());
+        }
+        crate::metrics::local_stat(1);
+        let now = std::fs::metadata(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::NotFound { what: "shard", path: path.display().to_string() },
+            _ => Error::io("cannot stat shard", path, e),
+        });
+        now.and_then(|now| crate::storage::local::check_listed(path, &now, meta.len, meta.mtime_ns))
+            .map_err(|e| self.changed_if(e))?;
+        self.source_checked[i].fetch_max(opens, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// `e`, from opening a local shard or checking it against its listing; a file changed or
+    /// gone marks the dataset [`changed`](Self::changed), and the error says what to do. A
+    /// transient failure (EMFILE, EIO) does not: it would cost every later open a full listing.
+    fn changed_if(&self, e: Error) -> Error {
+        match e {
+            Error::Shard { shard, offset, reason } => {
+                self.changed.store(true, Ordering::Release);
+                let reason = format!("{reason}; open the dataset again (a new Loader) to read it as it is now");
+                Error::Shard { shard, offset, reason }
+            }
+            e @ Error::NotFound { .. } => {
+                self.changed.store(true, Ordering::Release);
+                e
+            }
+            e => e,
+        }
     }
 
     /// (resident tables, their bytes).
@@ -660,23 +714,14 @@ impl Dataset {
                 // A file rewritten in place keeps its directory's mtime, which the registry trusts:
                 // marked, the next open lists the dataset again.
                 let opened = ShardFile::open(path.clone(), meta.len);
-                // Only a file changed or gone marks it: a transient failure (EMFILE, EIO) would
-                // otherwise cost every later open a full listing.
-                let file = opened.and_then(|f| f.check_mtime(meta.mtime_ns).map(|()| f)).map_err(|e| match e {
-                    Error::Shard { shard, offset, reason } => {
-                        self.changed.store(true, Ordering::Release);
-                        let reason = format!("{reason}; open the dataset again (a new Loader) to read it as it is now");
-                        Error::Shard { shard, offset, reason }
-                    }
-                    e @ Error::NotFound { .. } => {
-                        self.changed.store(true, Ordering::Release);
-                        e
-                    }
-                    e => e,
-                })?;
+                let file =
+                    opened.and_then(|f| f.check_mtime(meta.mtime_ns).map(|()| f)).map_err(|e| self.changed_if(e))?;
                 (file, None)
             }
-            _ => {
+            (source, _) => {
+                if let ShardSource::Local(path) = source {
+                    self.check_copy_source(i, path, meta)?;
+                }
                 let pin = self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                 (ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?, Some(pin))
             }

@@ -11,8 +11,10 @@
 //!   metadata storm this daemon exists to prevent). A replaced or added shard goes through a
 //!   rename or a new directory entry, which moves the directory's mtime (a partitioned dataset's
 //!   partition directories are stat'ed too: one `stat` each); a shard rewritten in
-//!   place (pyarrow, tarfile) fails the length check when it is opened, which marks the dataset
-//!   changed ([`Dataset::changed`]), and the next open lists it again.
+//!   place (pyarrow, tarfile) fails the length or mtime check when it is opened (served from a
+//!   node-cache copy, when the copy is first used after such an open: one `stat` of the
+//!   source), which marks the dataset changed ([`Dataset::changed`]), and the next open lists it
+//!   again.
 //!   An S3 dataset is trusted for [`super::REMOTE_REDISCOVERY`].
 //! - **Bounds.** At most `max_datasets` entries and `max_index_bytes` of shard tables; the least
 //!   recently opened entries that no stream holds are evicted first. A dataset in use is never
@@ -262,6 +264,7 @@ impl Registry {
             && !ds.changed()
         {
             // Nothing was added, removed or renamed since the last full check: no listing.
+            ds.reopened_unlisted();
             return Ok((ds.clone(), stamp, *checked));
         }
         let found = Discovered::discover(url, &self.backends)?;

@@ -251,6 +251,33 @@ pub struct ShardFile {
     pub name: String,
 }
 
+/// Refuses a local shard whose metadata `now` is not what the dataset was listed with (`len`,
+/// and `mtime_ns` when recorded), as opening a shard read in place does: for a shard served from
+/// a node-cache copy, whose source is not opened.
+pub fn check_listed(path: &Path, now: &std::fs::Metadata, len: u64, mtime_ns: Option<i64>) -> Result<()> {
+    unlike_listing(path, (now.len(), self::mtime_ns(now)), len, mtime_ns)
+}
+
+/// The error of a local shard whose (length, mtime) `now` are not what the dataset was listed
+/// with: `len`, and `mtime_ns` when recorded (a manifest's shard is checked by its CRC instead).
+/// A shard rewritten in place at the same length (TAR pads members to 512 bytes) would otherwise
+/// be read with the old index, values cut or run on.
+fn unlike_listing(path: &Path, now: (u64, i64), len: u64, mtime_ns: Option<i64>) -> Result<()> {
+    let changed = |reason: String| Error::Shard { shard: path.display().to_string(), offset: None, reason };
+    if now.0 != len {
+        return Err(changed(format!(
+            "is {} bytes but the dataset index says {len}: it changed since the dataset was listed",
+            now.0
+        )));
+    }
+    match mtime_ns {
+        Some(listed) if listed != now.1 => Err(changed(
+            "has the same length but another modification time: it changed since the dataset was listed".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
 impl ShardFile {
     pub fn open(path: PathBuf, expected_len: u64) -> Result<Self> {
         let name = path.display().to_string();
@@ -262,32 +289,14 @@ impl ShardFile {
         let file = open_regular(&path)?;
         let meta = file.metadata().map_err(|e| Error::io("cannot stat shard", &path, e))?;
         let (len, mtime_ns) = (meta.len(), mtime_ns(&meta));
-        if len != expected_len {
-            return Err(Error::Shard {
-                shard: path.display().to_string(),
-                offset: None,
-                reason: format!(
-                    "is {len} bytes but the dataset index says {expected_len}: it changed since the dataset was listed"
-                ),
-            });
-        }
+        unlike_listing(&path, (len, mtime_ns), expected_len, None)?;
         Ok(Self { path, file, len, mtime_ns, name })
     }
 
-    /// Refuses a file whose modification time is not the one the dataset was listed with: a
-    /// shard rewritten in place at the same length (TAR pads members to 512 bytes) would be read
-    /// with the old index, values cut or run on. None: nothing recorded (a manifest's shard is
-    /// checked by its CRC instead).
+    /// Refuses a file whose modification time is not the one the dataset was listed with
+    /// (`None`: nothing recorded), see [`unlike_listing`].
     pub fn check_mtime(&self, listed_ns: Option<i64>) -> Result<()> {
-        match listed_ns {
-            Some(listed) if listed != self.mtime_ns => Err(Error::Shard {
-                shard: self.path.display().to_string(),
-                offset: None,
-                reason: "has the same length but another modification time: it changed since the dataset was listed"
-                    .into(),
-            }),
-            _ => Ok(()),
-        }
+        unlike_listing(&self.path, (self.len, self.mtime_ns), self.len, listed_ns)
     }
 
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
