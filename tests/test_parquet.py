@@ -948,6 +948,59 @@ def test_files_written_by_hugging_face_datasets_with_an_image_column(daemon, tmp
     assert seen == set(range(150))
 
 
+def write_with_duckdb(path: Path, n: int) -> None:
+    import duckdb
+
+    duckdb.connect().execute(
+        f"""COPY (SELECT i::BIGINT AS id, (i % 7)::INTEGER AS label, 'row ' || i AS caption,
+            CASE WHEN i % 5 = 0 THEN NULL ELSE i * 1.5 END AS x, [i, i + 1] AS pair,
+            {{'a': i, 'b': 'x' || i}} AS st, DATE '2020-01-01' + i::INTEGER AS day,
+            TIMESTAMP '2020-01-01' + INTERVAL (i) SECOND AS ts, i::DECIMAL(18, 3) / 7 AS price,
+            i % 2 = 0 AS flag, repeat('z', i % 50)::BLOB AS blob, MAP {{'k': i}} AS m
+            FROM range({n}) t(i)) TO '{path}' (FORMAT PARQUET, ROW_GROUP_SIZE 512, COMPRESSION zstd)"""
+    )
+
+
+def write_with_polars(path: Path, n: int) -> None:
+    import polars as pl
+
+    i = np.arange(n)
+    pl.DataFrame(
+        {
+            "id": i.astype(np.int64),
+            "label": (i % 7).astype(np.int32),
+            "caption": [f"row {k}" for k in i],
+            "x": [None if k % 5 == 0 else k * 1.5 for k in i],
+            "pair": [[int(k), int(k) + 1] for k in i],
+            "cat": pl.Series([str(k % 4) for k in i], dtype=pl.Categorical),
+            "blob": [b"z" * (int(k) % 50) for k in i],
+            "flag": i % 2 == 0,
+            "st": [{"a": int(k), "b": f"x{k}"} for k in i],
+        }
+    ).write_parquet(path, row_group_size=512)
+
+
+@pytest.mark.parametrize("writer", [write_with_duckdb, write_with_polars], ids=["duckdb", "polars"])
+def test_files_written_by_duckdb_and_polars(daemon, tmp_path: Path, writer) -> None:
+    # Two writers with their own Parquet code and type choices: DuckDB (decimals, maps, dates,
+    # zstd) and Polars (large strings, lists and binaries, categoricals with uint32 indices).
+    n = 3000
+    writer(tmp_path / "part-0.parquet", n)
+    written = pq.read_table(tmp_path / "part-0.parquet")
+    want = {name: written.column(name).to_pylist() for name in written.column_names}
+    loader = shardstream.Loader(str(tmp_path), batch_size=100, seed=2, connect=daemon.addr, format="arrow")
+    seen = []
+    for rb in loader:
+        rows = rb.column("__row__").to_pylist()
+        for name in written.column_names:
+            assert rb.column(name).to_pylist() == [want[name][r] for r in rows], name
+        seen.extend(rows)
+    assert sorted(seen) == list(range(n))
+    # The dict form of the same rows: the numbers as numpy, every row once.
+    ids = [int(i) for b in shardstream.Loader(str(tmp_path), batch_size=100, connect=daemon.addr) for i in b["id"]]
+    assert sorted(ids) == list(range(n))
+
+
 def test_hugging_face_arrays_and_nested_sequences_come_as_n_dimensional_arrays(daemon, tmp_path: Path) -> None:
     # Hugging Face `Array2D`/`Array3D` features (precomputed pixel values, spectrograms, features)
     # are stored as lists of lists of numbers (an extension type over them, registered only where
