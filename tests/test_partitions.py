@@ -152,12 +152,46 @@ def test_keys_that_differ_between_directories_are_refused_naming_both(daemon, tm
     assert "year=2020/part-0.parquet" in str(e.value) and "month=1/part-0.parquet" in str(e.value), e.value
 
 
-def test_a_key_that_is_also_a_column_of_the_files_is_refused_naming_it(daemon, tmp_path: Path) -> None:
-    root = tmp_path / "twice"
-    (root / "id=1").mkdir(parents=True)
-    pq.write_table(pa.table({"id": [1, 2, 3]}), root / "id=1" / "part-0.parquet")
-    with pytest.raises(ValueError, match='"id"'):
+def test_partitions_written_by_polars_keep_their_keys_in_the_files_and_are_served_from_them(
+    daemon, tmp_path: Path
+) -> None:
+    # Polars' `write_parquet(partition_by=...)` writes each key into the files as well as into the
+    # directory names. pyarrow.dataset then fails ("Field year has incompatible types: int64 vs
+    # int32"); Polars reads the files' own columns. The daemon refused the key as a column.
+    import polars as pl
+
+    root = tmp_path / "polars"
+    i = np.arange(ROWS)
+    regions = ["eu west" if k % 2 else "us/east" for k in i]
+    pl.DataFrame({"id": i, "year": 2020 + i % 3, "region": regions}).write_parquet(
+        root, partition_by=["year", "region"]
+    )
+    want = pl.read_parquet(root, hive_partitioning=True)
+    got = served(str(root), daemon.addr)
+    assert got.schema.names == ["id", "year", "region"]
+    assert got.schema.field("year").type == pa.int64(), "the files' type, as Polars reads it"
+    assert by_id(got) == sorted(want.to_dicts(), key=lambda r: r["id"])
+    # A key selected alone is read from the files too.
+    assert sorted(served(str(root), daemon.addr, fields=["year"]).column("year").to_pylist()) == sorted(want["year"])
+    # A file whose column says otherwise than its directory (moved to another partition by hand)
+    # is refused at open, naming the file, the key and both values: the footer's statistics say.
+    moved = next((root / "year=2020").rglob("*.parquet"))
+    target = root / "year=2021" / "region=eu west"
+    moved.rename(target / "moved.parquet")
+    with pytest.raises(ValueError, match="moved.parquet") as e:
         served(str(root), daemon.addr)
+    assert '"year"' in str(e.value) and "2020" in str(e.value) and "2021" in str(e.value), e.value
+
+
+def test_a_key_that_is_a_column_of_some_files_only_is_refused_naming_it(daemon, tmp_path: Path) -> None:
+    root = tmp_path / "twice"
+    for year, first, with_key in ((2020, 0, True), (2021, 10, False)):
+        (root / f"year={year}").mkdir(parents=True)
+        cols = {"id": list(range(first, first + 3))} | ({"year": [year] * 3} if with_key else {})
+        pq.write_table(pa.table(cols), root / f"year={year}" / "part-0.parquet")
+    with pytest.raises(ValueError, match='"year"') as e:
+        served(str(root), daemon.addr)
+    assert "year=2021/part-0.parquet" in str(e.value), e.value
 
 
 def test_a_partition_is_still_a_dataset_of_its_own_without_the_key(daemon, tmp_path: Path) -> None:
