@@ -99,11 +99,14 @@ pub fn partitioned<T>(nested: Vec<T>, name: impl Fn(&T) -> &str, place: &str) ->
     Ok(nested)
 }
 
+/// How a directory names a null partition value (Hive's, as pyarrow and Spark write it).
+pub const HIVE_NULL: &str = "__HIVE_DEFAULT_PARTITION__";
+
 /// A partition value as written: `%XX` escapes decoded (pyarrow and Spark escape `/`, `=`, `%`
 /// and more), the text kept when an escape is malformed or decodes to no UTF-8, as pyarrow keeps
 /// it; None for Hive's null, `__HIVE_DEFAULT_PARTITION__`.
 pub fn decode_value(raw: &str) -> Option<String> {
-    if raw == "__HIVE_DEFAULT_PARTITION__" {
+    if raw == HIVE_NULL {
         return None;
     }
     if !raw.contains('%') {

@@ -144,6 +144,15 @@ impl ParquetDataset {
         for f in &self.files[1..] {
             p.agree(&f.table).map_err(|e| e.into_error(&f.name))?;
         }
+        // Keys the files hold as columns too: each file's column must be what its directory says.
+        if let Some(parts) = &self.partitions {
+            for f in &self.files {
+                for (key, name) in p.key_columns() {
+                    super::partitions::check_key_column(&f.table, name, parts.raw_value(f.index, *key))
+                        .map_err(|e| e.into_error(&f.name))?;
+                }
+            }
+        }
         Ok(p)
     }
 }

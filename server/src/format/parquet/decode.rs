@@ -337,10 +337,14 @@ mod tests {
         assert!(fp.reads_nothing() && chunk_ranges(&t, 0, &fp).is_empty());
         let b = decode_row_group(&t, 0, &fp, ChunkSet::default()).unwrap();
         assert_eq!((b.num_rows(), b.column(0).null_count()), (16, 16));
-        // A key named like a column of the files is refused by name.
-        let clash = [Field::new("label", DataType::Int32, true)];
-        assert!(
-            matches!(Projection::new(t.schema(), &clash, None), Err(ParquetError::KeyIsColumn { column }) if column == "label")
+        // A key named like a column of the first file is that column (once, the file's type).
+        let clash = [Field::new("label", DataType::Utf8, true)];
+        let p = Projection::new(t.schema(), &clash, None).unwrap();
+        assert_eq!(p.key_columns(), [(0, "label".to_string())]);
+        assert_eq!(p.names().filter(|n| *n == "label").count(), 1);
+        assert_eq!(
+            p.schema().field_with_name("label").unwrap().data_type(),
+            t.schema().field_with_name("label").unwrap().data_type()
         );
         // A missing column's error lists the keys too.
         let e = Projection::new(t.schema(), &keys, Some(&["nope".to_string()])).unwrap_err().to_string();

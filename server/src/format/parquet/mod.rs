@@ -90,13 +90,25 @@ pub enum ParquetError {
          or rename it in the files"
     )]
     ReservedColumn { column: String },
-    /// A partition key (a `key=value` directory) that is also a column of the files: which one
-    /// a row's value is cannot be told.
+    /// A partition key (a `key=value` directory) that is a column of some files and not of
+    /// others (`here`: of this file, not of the dataset's first).
     #[error(
-        "has a column {column:?}, which is also a partition key of the dataset's directories (key=value): rename \
-         the column or the directories"
+        "{}", if *here {
+            format!("has a column {column:?}, a partition key of the dataset's directories (key=value) that the \
+                dataset's first file has no column for: write it into every file or into none")
+        } else {
+            format!("has no column {column:?}, a partition key of the dataset's directories (key=value) that the \
+                dataset's first file has as a column too: write it into every file or into none")
+        }
     )]
-    KeyIsColumn { column: String },
+    KeyColumnInSome { column: String, here: bool },
+    /// A file whose column for a partition key holds other values than its directory names (the
+    /// footer's statistics say): the file is not in its partition.
+    #[error(
+        "holds {found} in column {column:?} (its footer's statistics, row group {row_group}) but its directory \
+         says {column}={value}: the file is not in its partition; move it or correct the column"
+    )]
+    KeyColumnDiffers { column: String, value: String, found: String, row_group: usize },
     /// A selected column whose name the file gives to more than one column.
     #[error(
         "column {column:?} appears {count} times in this file: columns are selected by name, so which one is \
@@ -130,7 +142,8 @@ impl ParquetError {
             | ParquetError::TypeMismatch { .. }
             | ParquetError::ReservedColumn { .. }
             | ParquetError::DuplicateColumn { .. }
-            | ParquetError::KeyIsColumn { .. }
+            | ParquetError::KeyColumnInSome { .. }
+            | ParquetError::KeyColumnDiffers { .. }
             | ParquetError::UnsupportedCodec { .. }) => Error::InvalidArgument(format!("Parquet file {file}: {e}")),
             e @ (ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }) => {
                 Error::Internal(format!("Parquet file {file}: {e}"))

@@ -9,8 +9,11 @@ use std::sync::Arc;
 use arrow_array::{ArrayRef, Int32Array, StringArray, StringViewArray, new_null_array};
 use arrow_schema::{DataType, Field};
 
+use parquet::file::statistics::Statistics;
+
+use super::{ParquetError, ParquetTable};
 use crate::Result;
-use crate::storage::partitions::{decode_value, keys_of_all};
+use crate::storage::partitions::{HIVE_NULL, decode_value, keys_of_all};
 
 /// One file's value of one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,6 +29,9 @@ pub struct Partitions {
     fields: Vec<Field>,
     /// Per file (in the dataset's order of shards), per key.
     values: Vec<Vec<KeyValue>>,
+    /// The same as the directories spell them (unescaped; None: the key's null), for checking a
+    /// file's own column for a key ([`check_key_column`]): `05` is the int 5 but the string "05".
+    raw: Vec<Vec<Option<String>>>,
 }
 
 impl Partitions {
@@ -54,19 +60,24 @@ impl Partitions {
             })
             .collect();
         let values = raw
-            .into_iter()
+            .iter()
             .map(|file| {
-                file.into_iter()
+                file.iter()
                     .zip(&ints)
                     .map(|(v, &int)| match v {
                         None => KeyValue::Null,
-                        Some(v) if int => int32(&v).map_or(KeyValue::Null, KeyValue::Int),
-                        Some(v) => KeyValue::Str(v),
+                        Some(v) if int => int32(v).map_or(KeyValue::Null, KeyValue::Int),
+                        Some(v) => KeyValue::Str(v.clone()),
                     })
                     .collect()
             })
             .collect();
-        Ok(Some(Self { fields, values }))
+        Ok(Some(Self { fields, values, raw }))
+    }
+
+    /// File `file`'s value of key `key` as its directory spells it (None: null or no such key).
+    pub fn raw_value(&self, file: usize, key: usize) -> Option<&str> {
+        self.raw.get(file)?.get(key)?.as_deref()
     }
 
     /// The keys as columns, in directory order.
@@ -78,6 +89,61 @@ impl Partitions {
     pub fn values(&self, file: usize) -> &[KeyValue] {
         self.values.get(file).map_or(&[], Vec::as_slice)
     }
+}
+
+/// Checks the column `name` of `table`'s file, a partition key the files hold too, against the
+/// value `raw` its directory gives the key (None: null): by the footer's statistics, every row
+/// group's smallest and largest value must be that value (or, for null, every value null). Integer
+/// and string columns are checked; a row group without statistics, or a column of another type
+/// (a date, say), is served as the file holds it, the files' columns being what is delivered.
+pub fn check_key_column(table: &ParquetTable, name: &str, raw: Option<&str>) -> Result<(), ParquetError> {
+    let meta = table.reader_metadata().metadata();
+    let leaf = meta.file_metadata().schema_descr().columns().iter().position(|c| c.path().parts() == [name]);
+    let Some(leaf) = leaf else { return Ok(()) };
+    let shown = raw.unwrap_or(HIVE_NULL);
+    for (i, rg) in meta.row_groups().iter().enumerate() {
+        let Some(stats) = rg.column(leaf).statistics() else { continue };
+        let rows = u64::try_from(rg.num_rows()).unwrap_or(0);
+        let all_null = stats.null_count_opt() == Some(rows);
+        let differs = |found: String| ParquetError::KeyColumnDiffers {
+            column: name.to_owned(),
+            value: shown.to_owned(),
+            found,
+            row_group: i,
+        };
+        if rows == 0 || (raw.is_none() && all_null) {
+            continue;
+        }
+        let Some(raw) = raw else {
+            return Err(differs("values where the directory says null".into()));
+        };
+        if stats.null_count_opt().is_some_and(|n| n > 0) {
+            return Err(differs("nulls".into()));
+        }
+        let (min, max) = match stats {
+            Statistics::Int32(s) => (s.min_opt().map(|v| i64::from(*v)), s.max_opt().map(|v| i64::from(*v))),
+            Statistics::Int64(s) => (s.min_opt().copied(), s.max_opt().copied()),
+            Statistics::ByteArray(s) => match (s.min_opt(), s.max_opt()) {
+                (Some(lo), Some(hi)) if lo.data() == raw.as_bytes() && hi.data() == raw.as_bytes() => continue,
+                (Some(lo), Some(hi)) => {
+                    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+                    return Err(differs(range(&text(lo.data()), &text(hi.data()))));
+                }
+                _ => continue,
+            },
+            _ => return Ok(()),
+        };
+        let (Some(min), Some(max)) = (min, max) else { continue };
+        if raw.parse::<i64>().ok() != Some(min) || min != max {
+            return Err(differs(range(&min.to_string(), &max.to_string())));
+        }
+    }
+    Ok(())
+}
+
+/// A row group's values from `lo` to `hi`, for an error.
+fn range(lo: &str, hi: &str) -> String {
+    if lo == hi { lo.to_owned() } else { format!("{lo} to {hi}") }
 }
 
 /// `v` as an int32 as pyarrow's inference reads one: digits with an optional `-` (`05` is 5),
@@ -138,6 +204,45 @@ mod tests {
         assert!(e.contains("names the partition key \"y\" twice"), "{e}");
         let e = Partitions::of(&["y=1/a.parquet", "m=1/b.parquet"], "/d/").unwrap_err().to_string();
         assert!(e.contains("/d/m=1/b.parquet by m"), "{e}");
+    }
+
+    fn table_of(columns: Vec<(&str, ArrayRef)>) -> ParquetTable {
+        let batch = arrow_array::RecordBatch::try_from_iter(columns).unwrap();
+        let bytes = super::super::testdata::with_batch(&batch);
+        let footer = super::super::footer::read_footer(bytes.len() as u64, |o, b| {
+            let o = usize::try_from(o).unwrap();
+            b.copy_from_slice(&bytes[o..o + b.len()]);
+            Ok(())
+        })
+        .unwrap();
+        ParquetTable::decode(&footer, bytes.len() as u64).unwrap()
+    }
+
+    #[test]
+    fn a_key_column_is_checked_against_its_directory_by_the_statistics() {
+        let ints: ArrayRef = Arc::new(arrow_array::Int64Array::from(vec![2020, 2020]));
+        let t = table_of(vec![("year", ints)]);
+        check_key_column(&t, "year", Some("2020")).unwrap();
+        let e = check_key_column(&t, "year", Some("2021")).unwrap_err().to_string();
+        assert!(e.contains("holds 2020 in column \"year\"") && e.contains("says year=2021"), "{e}");
+        let e = check_key_column(&t, "year", None).unwrap_err().to_string();
+        assert!(e.contains("year=__HIVE_DEFAULT_PARTITION__"), "{e}");
+        let mixed: ArrayRef = Arc::new(Int32Array::from(vec![1, 2]));
+        let e = check_key_column(&table_of(vec![("k", mixed)]), "k", Some("1")).unwrap_err().to_string();
+        assert!(e.contains("holds 1 to 2"), "{e}");
+        // Strings compare as written: "05" is not "5".
+        let text: ArrayRef = Arc::new(StringArray::from(vec!["05", "05"]));
+        let t = table_of(vec![("day", text)]);
+        check_key_column(&t, "day", Some("05")).unwrap();
+        assert!(check_key_column(&t, "day", Some("5")).is_err());
+        // Nulls where the directory says null pass; a value there does not.
+        let nulls: ArrayRef = Arc::new(StringArray::from(vec![None::<&str>, None]));
+        check_key_column(&table_of(vec![("r", nulls)]), "r", None).unwrap();
+        let one: ArrayRef = Arc::new(StringArray::from(vec![Some("eu"), None]));
+        assert!(check_key_column(&table_of(vec![("r", one)]), "r", Some("eu")).is_err());
+        // A type the statistics cannot be compared for is served as the file holds it.
+        let floats: ArrayRef = Arc::new(arrow_array::Float64Array::from(vec![1.5]));
+        check_key_column(&table_of(vec![("f", floats)]), "f", Some("2")).unwrap();
     }
 
     #[test]

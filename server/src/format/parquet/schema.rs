@@ -36,8 +36,12 @@ pub struct Projection {
     /// For each delivered column: the partition key it is (its position among the dataset's
     /// keys, [`super::partitions`]), None for a column of the files.
     keys: Vec<Option<usize>>,
-    /// Every partition key's name: no file may have a column of that name.
+    /// Every partition key the files have no column for, by name: no file may have one.
     key_names: Vec<String>,
+    /// The partition keys the first file has as columns too (as Polars writes partitions), by
+    /// position among the dataset's keys and name: served from the files' columns, which every
+    /// file must have ([`Self::key_columns`]).
+    key_columns: Vec<(usize, String)>,
 }
 
 /// Where a delivered column comes from in one file.
@@ -74,13 +78,13 @@ pub struct FileProjection {
 impl Projection {
     /// The projection of `fields` (None = all) of the dataset whose first file has `first`'s
     /// schema and whose directories give the partition keys `keys` (none when it is not
-    /// partitioned): all is the files' columns, then the keys, as pyarrow.dataset orders them.
+    /// partitioned): all is the files' columns, then the keys, as pyarrow.dataset orders them. A
+    /// key the first file has as a column is that column (Polars writes partitions so; pyarrow
+    /// fails on them).
     pub fn new(first: &Schema, keys: &[Field], fields: Option<&[String]>) -> Result<Self, ParquetError> {
         let columns = ByName::new(first);
-        if let Some(k) = keys.iter().find(|k| columns.index.contains_key(k.name().as_str())) {
-            return Err(ParquetError::KeyIsColumn { column: k.name().clone() });
-        }
-        let key_at = |name: &str| keys.iter().position(|k| k.name() == name);
+        let in_files = |k: &Field| columns.index.contains_key(k.name().as_str());
+        let key_at = |name: &str| keys.iter().position(|k| k.name() == name && !in_files(k));
         let mut picked: Vec<(Field, Option<usize>)> = match fields {
             None => {
                 let mut all = first
@@ -88,7 +92,7 @@ impl Projection {
                     .iter()
                     .map(|f| columns.one(f.name()).map(|(_, f)| (f.clone(), None)))
                     .collect::<Result<Vec<_>, _>>()?;
-                all.extend(keys.iter().enumerate().map(|(i, k)| (k.clone(), Some(i))));
+                all.extend(keys.iter().enumerate().filter(|(_, k)| !in_files(k)).map(|(i, k)| (k.clone(), Some(i))));
                 all
             }
             Some(names) => {
@@ -113,8 +117,20 @@ impl Projection {
         Ok(Self {
             schema: Arc::new(Schema::new_with_metadata(fields, first.metadata().clone())),
             keys: key_of,
-            key_names: keys.iter().map(|k| k.name().clone()).collect(),
+            key_names: keys.iter().filter(|k| !in_files(k)).map(|k| k.name().clone()).collect(),
+            key_columns: keys
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| in_files(k))
+                .map(|(i, k)| (i, k.name().clone()))
+                .collect(),
         })
+    }
+
+    /// The partition keys served from the files' own columns: (position among the dataset's
+    /// keys, name).
+    pub fn key_columns(&self) -> &[(usize, String)] {
+        &self.key_columns
     }
 
     /// The schema of every batch delivered.
@@ -135,7 +151,10 @@ impl Projection {
         let mut fields: Vec<Field> = Vec::with_capacity(self.schema.fields().len());
         let columns = ByName::new(file);
         if let Some(k) = self.key_names.iter().find(|k| columns.index.contains_key(k.as_str())) {
-            return Err(ParquetError::KeyIsColumn { column: k.clone() });
+            return Err(ParquetError::KeyColumnInSome { column: k.clone(), here: true });
+        }
+        if let Some((_, k)) = self.key_columns.iter().find(|(_, k)| !columns.index.contains_key(k.as_str())) {
+            return Err(ParquetError::KeyColumnInSome { column: k.clone(), here: false });
         }
         for (want, key) in self.schema.fields().iter().zip(&self.keys) {
             if key.is_some() {
