@@ -315,6 +315,20 @@ def test_parquet_files_named_otherwise_are_named_in_the_error(
     assert "holds none" in str(e.value), e.value
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_files_without_an_extension_are_named_in_the_error(daemon, s3, s3_daemon, tmp_path: Path, where: str) -> None:
+    # Hive names a table's data files `000000_0` (Hadoop jobs `part-00000`), Parquet or not, with no
+    # extension; the listing goes by the extension, and "the directory holds none" did not say
+    # what it does hold.
+    root, url, addr = place(where, "hive", tmp_path, daemon, s3, s3_daemon)
+    root.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"id": [i]}), root / f"00000{i}_0")
+    (root / "README.md").write_text("about\n")
+    with pytest.raises(FileNotFoundError, match=r"2 files without an extension \(000000_0, 000001_0\).*\*\.parquet"):
+        read_ids(url, addr)
+
+
 def s3_lists(port: int) -> int:
     """S3 listing requests the daemon has made (its `kind="list"` request counter)."""
     import urllib.request

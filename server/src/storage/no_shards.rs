@@ -14,6 +14,9 @@ use crate::Error;
 pub struct Unserved {
     compressed: std::collections::BTreeMap<&'static str, usize>,
     parquet_named_otherwise: usize,
+    /// Files whose name has no extension at all (Hive's `000000_0`, Hadoop's `part-00000`):
+    /// how many, and the first few by name.
+    no_extension: (usize, std::collections::BTreeSet<String>),
 }
 
 impl Unserved {
@@ -25,6 +28,13 @@ impl Unserved {
             *self.compressed.entry(ext).or_default() += 1;
         } else if Self::PARQUET_OTHERWISE.iter().any(|e| name.ends_with(e)) {
             self.parquet_named_otherwise += 1;
+        } else if !name.contains('.') && !super::pick::is_hidden(name) {
+            let (count, first) = &mut self.no_extension;
+            *count += 1;
+            first.insert(name.to_owned());
+            if first.len() > SHOWN {
+                first.pop_last();
+            }
         }
     }
 
@@ -34,13 +44,15 @@ impl Unserved {
     }
 }
 
+/// How many names an error shows of a kind.
+const SHOWN: usize = 4;
+
 /// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
 /// its subdirectories (sorted) whose own entries include shards, as a directory per split has
 /// them; a dataset is the shards of the one place named, so the user is told which places to name
 /// instead of "none". `unserved`: what it holds of shards compressed whole and of Parquet files
 /// named otherwise.
 pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String], unserved: &Unserved) -> Error {
-    const SHOWN: usize = 4;
     let mut path = format!("{place} (the {holder} holds none");
     if let Some((ext, n)) = unserved.most() {
         let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
@@ -55,6 +67,16 @@ pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[Stri
         path.push_str(&format!(
             "; it holds {files} ending in .pq or .parq: Parquet shards are found by their name, \
              *.parquet, so rename them"
+        ));
+    }
+    if let (n @ 1.., first) = &unserved.no_extension {
+        let files = if *n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        let names: Vec<&str> = first.iter().map(String::as_str).collect();
+        let more = if *n > first.len() { ", ..." } else { "" };
+        path.push_str(&format!(
+            "; it holds {files} without an extension ({}{more}), as Hive and Hadoop jobs name theirs: shards \
+             are found by their extension, *.tar or *.parquet, so rename them",
+            names.join(", ")
         ));
     }
     if !nested.is_empty() {
