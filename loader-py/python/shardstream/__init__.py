@@ -94,6 +94,41 @@ def _default_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: How many Loaders of each dataset URL this process made with a process group: the n-th of one
+#: rank is compared with the n-th of the others (every rank runs the same program).
+_opened_with_group: dict[str, int] = {}
+
+
+def _ranks_agree(url: str, fingerprint: str, rank: int, world_size: int) -> None:
+    """Refuses to go on with a dataset this rank opened otherwise than the rank that opened it
+    first: each node's daemon lists the dataset when its rank opens it, and a directory that
+    changes between two listings (a writer still adding shards) would give the ranks different
+    plans, whose union repeats or drops samples. Through the torch.distributed process group's
+    store, when there is one over exactly these ranks: the first rank's fingerprint (and rank) is
+    set (``compare_set``, no waiting on the others), and every later one compares its own with it.
+    Not in DataLoader workers: a forked worker must not use its parent's store connection."""
+    dist = sys.modules.get("torch.distributed")
+    if world_size < 2 or dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    data = sys.modules.get("torch.utils.data")
+    if dist.get_world_size() != world_size or (data is not None and data.get_worker_info() is not None):
+        return
+    from torch.distributed import distributed_c10d
+
+    n = _opened_with_group[url] = _opened_with_group.get(url, 0) + 1
+    key = f"shardstream/fingerprint/{n}/{url}"
+    mine = f"{fingerprint} {rank}"
+    stored = distributed_c10d._get_default_store().compare_set(key, "", mine)
+    first, _, first_rank = (stored.decode() if isinstance(stored, bytes) else str(stored)).partition(" ")
+    if first != fingerprint:
+        raise ValueError(
+            f"rank {rank} opened {url} with fingerprint {fingerprint}, but rank {first_rank} opened it with {first}: "
+            "its shards changed between the ranks' listings (a writer still adding files?), and ranks that read "
+            "different shards would repeat or drop samples. Let the writer finish, or write a manifest "
+            f"(shardstream index {url}) that every rank then reads, and start the job again"
+        )
+
+
 class Batch(dict[str, Any]):
     """One batch: ``"__key__"`` -> list of str, each field -> list of bytes-like objects.
 
@@ -330,6 +365,8 @@ class Loader:
                 with contextlib.suppress(ShardstreamError):
                     _native.fabric_warm_up()
         self.info: dict[str, Any] = self._conn.open(self.url, self.cache)
+        if _worker == (0, 1):
+            _ranks_agree(self.url, str(self.info["fingerprint"]), rank, world_size)
         self.format = format
         # Arrow batches (Parquet): the daemon describes the dataset with an Arrow schema.
         self.arrow = bool(self.info.get("arrow_schema")) or self.info.get("format") == "parquet"
