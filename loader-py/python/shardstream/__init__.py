@@ -116,7 +116,10 @@ def _ranks_agree(url: str, fingerprint: str, rank: int, world_size: int) -> None
     from torch.distributed import distributed_c10d
 
     n = _opened_with_group[url] = _opened_with_group.get(url, 0) + 1
-    key = f"shardstream/fingerprint/{n}/{url}"
+    # torchrun's agent may keep its store across the restarts of a job's workers, which start
+    # counting again: a restart's keys are its own.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"shardstream/fingerprint/{attempt}/{n}/{url}"
     mine = f"{fingerprint} {rank}"
     stored = distributed_c10d._get_default_store().compare_set(key, "", mine)
     first, _, first_rank = (stored.decode() if isinstance(stored, bytes) else str(stored)).partition(" ")
