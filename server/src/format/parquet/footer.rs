@@ -311,6 +311,18 @@ mod tests {
     }
 
     #[test]
+    fn a_list_declaring_more_elements_than_its_bytes_is_refused_before_arrow_rs_walks_it() {
+        // Found by the parquet_footer fuzz target: a 49-byte file whose footer declares a list of
+        // ~2^31 booleans in an unknown field. arrow-rs skips such a list an element at a time
+        // without reading the byte each takes, so the decode kept a thread busy for seconds.
+        let file =
+            b"PR1\x15\x03\x00<\xf1\xf1\xf1\xf1\xf1\xf1\xf1\xf1\xf1\xf1\xf1\xf1\xf9\xf1\xf1\xf1\xf1\xf3\x07\x0e\x0e\x0e\
+                     \xf1\xf1\xf1\xf1\xf1\xf12\xfb\xe6\xd9\xfb\x08%\x00\x00\x00PAR1";
+        let err = table(file).map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains("declares") && err.contains("elements"), "{err}");
+    }
+
+    #[test]
     fn one_tail_read_for_a_small_footer_two_for_a_large_one() {
         let small = testdata::mixed(100, 30, testdata::Codec::Snappy);
         let mut reads = 0;
