@@ -54,6 +54,7 @@ pub mod projected;
 pub mod recycled;
 pub mod schema;
 pub mod strings;
+mod thrift_walk;
 pub mod widen;
 
 pub use footer::ParquetTable;
