@@ -139,7 +139,7 @@ impl ParquetTable {
     pub fn decode(footer: &[u8], file_len: u64) -> Result<Self, ParquetError> {
         no_panic(
             || {
-                super::thrift_walk::check(footer).map_err(|e| ParquetError::BadFooter(format!("its Thrift {e}")))?;
+                super::thrift::check_struct(footer).map_err(|e| ParquetError::BadFooter(format!("its Thrift {e}")))?;
                 let meta = ParquetMetaDataReader::decode_metadata(footer)
                     .map_err(|e| ParquetError::BadFooter(e.to_string()))?;
                 Self::from_metadata(Arc::new(meta), file_len, footer)

@@ -54,7 +54,7 @@ pub mod projected;
 pub mod recycled;
 pub mod schema;
 pub mod strings;
-mod thrift_walk;
+mod thrift;
 pub mod widen;
 
 pub use footer::ParquetTable;

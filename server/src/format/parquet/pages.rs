@@ -22,12 +22,15 @@
 //! only, as zstd's ratio has no useful bound; a gzip page expands to what its stream holds,
 //! at most ~1,032 times its stored bytes (deflate's bound), whatever its header says.
 //!
-//! The headers are Thrift compact protocol (`PageHeader` of parquet.thrift); only the fields
-//! checked here are read, everything else is skipped by type. arrow-rs parses the same headers
-//! again when it decodes: a header is a few dozen bytes against pages of up to a MiB.
+//! The headers are Thrift compact protocol (`PageHeader` of parquet.thrift, read by
+//! [`super::thrift::Reader`]); only the fields checked here are read, everything else is skipped
+//! by type. arrow-rs parses the same headers again when it decodes: a header is a few dozen bytes
+//! against pages of up to a MiB.
 
 use parquet::basic::{Compression, Type as PhysicalType};
 use parquet::file::metadata::ColumnChunkMetaData;
+
+use super::thrift::{BOOL_FALSE, BOOL_TRUE, I32, Reader, STRUCT};
 
 /// Snappy output is at most ~21.4x its input (a 3-byte copy element yields at most 64 bytes);
 /// pages that claim more than this cannot be snappy data.
@@ -127,7 +130,7 @@ fn value_width(ty: PhysicalType, type_length: i32) -> Width {
 
 /// Reads a `PageHeader` from the start of `buf`: the fields checked, and the header's length.
 fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
-    let mut r = Reader { buf, pos: 0 };
+    let mut r = Reader::new(buf, MAX_DEPTH, "header");
     let mut h = Header::default();
     let (mut seen_type, mut seen_sizes) = (false, 0);
     r.fields(0, |r, id, ty| {
@@ -171,163 +174,14 @@ fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
     if !seen_type || seen_sizes != 2 {
         return Err("a page header without its type or sizes".into());
     }
-    Ok((h, r.pos))
-}
-
-// Compact protocol type ids.
-const BOOL_TRUE: u8 = 1;
-const BOOL_FALSE: u8 = 2;
-const BYTE: u8 = 3;
-const I16: u8 = 4;
-const I32: u8 = 5;
-const I64: u8 = 6;
-const DOUBLE: u8 = 7;
-const BINARY: u8 = 8;
-const LIST: u8 = 9;
-const SET: u8 = 10;
-const MAP: u8 = 11;
-const STRUCT: u8 = 12;
-
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl Reader<'_> {
-    fn byte(&mut self) -> Result<u8, String> {
-        let b = *self.buf.get(self.pos).ok_or("ends inside the header")?;
-        self.pos += 1;
-        Ok(b)
-    }
-
-    fn varint(&mut self) -> Result<u64, String> {
-        let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let b = self.byte()?;
-            v |= u64::from(b & 0x7f) << shift;
-            if b & 0x80 == 0 {
-                return Ok(v);
-            }
-        }
-        Err("a varint longer than 64 bits".into())
-    }
-
-    fn zigzag(&mut self) -> Result<i64, String> {
-        let v = self.varint()?;
-        Ok((v >> 1) as i64 ^ -((v & 1) as i64))
-    }
-
-    fn i32(&mut self) -> Result<i32, String> {
-        let v = self.zigzag()?;
-        i32::try_from(v).map_err(|_| format!("{v} does not fit an i32"))
-    }
-
-    fn advance(&mut self, n: u64) -> Result<(), String> {
-        let end = usize::try_from(n).ok().and_then(|n| self.pos.checked_add(n)).filter(|&e| e <= self.buf.len());
-        self.pos = end.ok_or("ends inside the header")?;
-        Ok(())
-    }
-
-    /// The fields of a struct, up to its stop byte: `f(reader, field id, type)` reads or skips each.
-    fn fields(
-        &mut self,
-        depth: u32,
-        mut f: impl FnMut(&mut Self, i16, u8) -> Result<(), String>,
-    ) -> Result<(), String> {
-        if depth > MAX_DEPTH {
-            return Err("structs nested too deep".into());
-        }
-        let mut last = 0i16;
-        loop {
-            let b = self.byte()?;
-            if b == 0 {
-                return Ok(());
-            }
-            let (delta, ty) = (b >> 4, b & 0x0f);
-            let id = if delta == 0 {
-                i16::try_from(self.zigzag()?).map_err(|_| "a field id out of range".to_string())?
-            } else {
-                last.checked_add(i16::from(delta)).ok_or("a field id out of range")?
-            };
-            last = id;
-            f(self, id, ty)?;
-        }
-    }
-
-    /// Field `want` (an i32) of a struct nested in the header, skipping its other fields.
-    fn nested_i32(&mut self, want: i16) -> Result<Option<i32>, String> {
-        let mut got = None;
-        self.fields(1, |r, id, ty| match (id, ty) {
-            (id, I32) if id == want => {
-                got = Some(r.i32()?);
-                Ok(())
-            }
-            _ => r.skip(ty, 2),
-        })?;
-        Ok(got)
-    }
-
-    /// Skips a value of type `ty`.
-    fn skip(&mut self, ty: u8, depth: u32) -> Result<(), String> {
-        if depth > MAX_DEPTH {
-            return Err("values nested too deep".into());
-        }
-        match ty {
-            BOOL_TRUE | BOOL_FALSE => Ok(()),
-            BYTE => self.advance(1),
-            I16 | I32 | I64 => self.varint().map(drop),
-            DOUBLE => self.advance(8),
-            BINARY => {
-                let n = self.varint()?;
-                self.advance(n)
-            }
-            LIST | SET => {
-                let b = self.byte()?;
-                let (n, elem) = match b >> 4 {
-                    15 => (self.varint()?, b & 0x0f),
-                    n => (u64::from(n), b & 0x0f),
-                };
-                self.skip_n(n, elem, depth)
-            }
-            MAP => {
-                let n = self.varint()?;
-                if n == 0 {
-                    return Ok(());
-                }
-                let kv = self.byte()?;
-                for _ in 0..n {
-                    self.skip_element(kv >> 4, depth)?;
-                    self.skip_element(kv & 0x0f, depth)?;
-                }
-                Ok(())
-            }
-            STRUCT => self.fields(depth + 1, |r, _, ty| r.skip(ty, depth + 1)),
-            other => Err(format!("unknown field type {other}")),
-        }
-    }
-
-    /// `n` elements of a list, set or map: every element takes at least a byte, so a count larger
-    /// than the bytes left fails at the end of the buffer, in at most that many steps.
-    fn skip_n(&mut self, n: u64, elem: u8, depth: u32) -> Result<(), String> {
-        for _ in 0..n {
-            self.skip_element(elem, depth)?;
-        }
-        Ok(())
-    }
-
-    /// An element of a collection: booleans take a byte there, unlike in a field.
-    fn skip_element(&mut self, ty: u8, depth: u32) -> Result<(), String> {
-        match ty {
-            BOOL_TRUE | BOOL_FALSE => self.advance(1),
-            _ => self.skip(ty, depth + 1),
-        }
-    }
+    Ok((h, r.pos()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::{footer, testdata};
     use super::*;
+    use crate::format::parquet::thrift::{I64, LIST};
     use crate::format::parquet::{ParquetError, ParquetTable};
 
     fn table(bytes: &[u8]) -> ParquetTable {
@@ -503,6 +357,6 @@ mod tests {
         let deep = [vec![(1 << 4) | STRUCT; 64], vec![0; 64]].concat();
         assert!(check_chunk(&deep, 0, &meta).unwrap_err().contains("too deep"));
         let list = [vec![(9 << 4) | LIST, 0xf0 | I64], vec![0xff, 0xff, 0xff, 0xff, 0x0f]].concat();
-        assert!(check_chunk(&list, 0, &meta).unwrap_err().contains("ends inside the header"));
+        assert!(check_chunk(&list, 0, &meta).unwrap_err().contains("declares"));
     }
 }

@@ -1,0 +1,220 @@
+//! The Thrift compact protocol as Parquet's footer and page headers use it: a reader of the few
+//! fields the daemon checks itself, skipping everything else by type, in steps that each read at
+//! least one byte. Run over a footer before arrow-rs decodes it ([`check_struct`]), and over each
+//! page header before arrow-rs sizes anything from it (`super::pages`).
+//!
+//! arrow-rs 60 skips a list of booleans in a field it does not know one element at a time without
+//! reading the byte each element takes in the compact protocol, so a 49-byte file whose footer
+//! declares 2^31 of them kept a thread busy for seconds (found by the `parquet_footer` fuzz
+//! target). Every element of a list, set or map takes at least a byte, so one that declares more
+//! elements than the bytes left is refused here, before any is walked.
+
+// Compact protocol type ids.
+pub(super) const BOOL_TRUE: u8 = 1;
+pub(super) const BOOL_FALSE: u8 = 2;
+pub(super) const BYTE: u8 = 3;
+pub(super) const I16: u8 = 4;
+pub(super) const I32: u8 = 5;
+pub(super) const I64: u8 = 6;
+pub(super) const DOUBLE: u8 = 7;
+pub(super) const BINARY: u8 = 8;
+pub(super) const LIST: u8 = 9;
+pub(super) const SET: u8 = 10;
+pub(super) const MAP: u8 = 11;
+pub(super) const STRUCT: u8 = 12;
+pub(super) const UUID: u8 = 13;
+
+/// How deep a footer's structs and containers may nest (arrow-rs's own skip limit).
+const FOOTER_DEPTH: u32 = 64;
+
+/// Walks the struct at the start of `footer` (a `FileMetaData`) to its end: the error says what
+/// is wrong and where.
+pub(super) fn check_struct(footer: &[u8]) -> Result<(), String> {
+    Reader::new(footer, FOOTER_DEPTH, "footer").skip(STRUCT, 0)
+}
+
+pub(super) struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    /// How deep structs and containers may nest.
+    max_depth: u32,
+    /// What is read, for errors ("header", "footer").
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    pub(super) fn new(buf: &'a [u8], max_depth: u32, what: &'static str) -> Self {
+        Self { buf, pos: 0, max_depth, what }
+    }
+
+    /// Bytes read so far.
+    pub(super) fn pos(&self) -> usize {
+        self.pos
+    }
+
+    fn ends_inside(&self) -> String {
+        format!("ends inside the {}", self.what)
+    }
+
+    pub(super) fn byte(&mut self) -> Result<u8, String> {
+        let b = *self.buf.get(self.pos).ok_or_else(|| self.ends_inside())?;
+        self.pos += 1;
+        Ok(b)
+    }
+
+    pub(super) fn varint(&mut self) -> Result<u64, String> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.byte()?;
+            v |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err("a varint longer than 64 bits".into())
+    }
+
+    pub(super) fn zigzag(&mut self) -> Result<i64, String> {
+        let v = self.varint()?;
+        Ok((v >> 1) as i64 ^ -((v & 1) as i64))
+    }
+
+    pub(super) fn i32(&mut self) -> Result<i32, String> {
+        let v = self.zigzag()?;
+        i32::try_from(v).map_err(|_| format!("{v} does not fit an i32"))
+    }
+
+    fn advance(&mut self, n: u64) -> Result<(), String> {
+        let end = usize::try_from(n).ok().and_then(|n| self.pos.checked_add(n)).filter(|&e| e <= self.buf.len());
+        self.pos = end.ok_or_else(|| self.ends_inside())?;
+        Ok(())
+    }
+
+    /// The fields of a struct, up to its stop byte: `f(reader, field id, type)` reads or skips each.
+    pub(super) fn fields(
+        &mut self,
+        depth: u32,
+        mut f: impl FnMut(&mut Self, i16, u8) -> Result<(), String>,
+    ) -> Result<(), String> {
+        if depth > self.max_depth {
+            return Err("structs nested too deep".into());
+        }
+        let mut last = 0i16;
+        loop {
+            let b = self.byte()?;
+            if b == 0 {
+                return Ok(());
+            }
+            let (delta, ty) = (b >> 4, b & 0x0f);
+            let id = if delta == 0 {
+                i16::try_from(self.zigzag()?).map_err(|_| "a field id out of range".to_string())?
+            } else {
+                last.checked_add(i16::from(delta)).ok_or("a field id out of range")?
+            };
+            last = id;
+            f(self, id, ty)?;
+        }
+    }
+
+    /// Field `want` (an i32) of a nested struct, skipping its other fields.
+    pub(super) fn nested_i32(&mut self, want: i16) -> Result<Option<i32>, String> {
+        let mut got = None;
+        self.fields(1, |r, id, ty| match (id, ty) {
+            (id, I32) if id == want => {
+                got = Some(r.i32()?);
+                Ok(())
+            }
+            _ => r.skip(ty, 2),
+        })?;
+        Ok(got)
+    }
+
+    /// Skips a value of type `ty` (a field's: a boolean field's value is its type).
+    pub(super) fn skip(&mut self, ty: u8, depth: u32) -> Result<(), String> {
+        if depth > self.max_depth {
+            return Err("values nested too deep".into());
+        }
+        match ty {
+            BOOL_TRUE | BOOL_FALSE => Ok(()),
+            BYTE => self.advance(1),
+            I16 | I32 | I64 => self.varint().map(drop),
+            DOUBLE => self.advance(8),
+            BINARY => {
+                let n = self.varint()?;
+                self.advance(n)
+            }
+            UUID => self.advance(16),
+            LIST | SET => {
+                let b = self.byte()?;
+                let n = match b >> 4 {
+                    15 => self.varint()?,
+                    n => u64::from(n),
+                };
+                self.elements(n, 1)?;
+                (0..n).try_for_each(|_| self.skip_element(b & 0x0f, depth))
+            }
+            MAP => {
+                let n = self.varint()?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let kv = self.byte()?;
+                self.elements(n, 2)?;
+                (0..n).try_for_each(|_| {
+                    self.skip_element(kv >> 4, depth)?;
+                    self.skip_element(kv & 0x0f, depth)
+                })
+            }
+            STRUCT => self.fields(depth + 1, |r, _, ty| r.skip(ty, depth + 1)),
+            other => Err(format!("unknown field type {other}")),
+        }
+    }
+
+    /// Refuses `n` elements of at least `bytes` bytes each where fewer bytes are left.
+    fn elements(&self, n: u64, bytes: u64) -> Result<(), String> {
+        let left = self.buf.len() - self.pos;
+        if n.saturating_mul(bytes) > left as u64 {
+            return Err(format!("a collection declares {n} elements in the {left} bytes left of the {}", self.what));
+        }
+        Ok(())
+    }
+
+    /// An element of a collection: booleans take a byte there, unlike in a field.
+    fn skip_element(&mut self, ty: u8, depth: u32) -> Result<(), String> {
+        match ty {
+            BOOL_TRUE | BOOL_FALSE => self.advance(1),
+            _ => self.skip(ty, depth + 1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn footers_as_writers_make_them_pass() {
+        use super::super::testdata::{Codec, mixed, wide};
+        for bytes in [mixed(100, 30, Codec::Snappy), wide(10, 5, 40)] {
+            let len = bytes.len();
+            let footer_len = u32::from_le_bytes(bytes[len - 8..len - 4].try_into().unwrap()) as usize;
+            check_struct(&bytes[len - 8 - footer_len..len - 8]).unwrap();
+        }
+    }
+
+    #[test]
+    fn what_no_writer_makes_is_refused_in_a_step_a_byte() {
+        // Field 1, a list (type 9) of 2^31-1 booleans, in 7 bytes.
+        let e = check_struct(&[0x19, 0xf1, 0xff, 0xff, 0xff, 0xff, 0x07]).unwrap_err();
+        assert!(e.contains("declares 2147483647 elements"), "{e}");
+        // A list of three booleans takes three bytes.
+        check_struct(&[0x19, 0x31, 1, 1, 2, 0]).unwrap();
+        assert!(check_struct(&[0x19, 0x31, 1, 1]).unwrap_err().contains("declares 3"));
+        // A map of 5 pairs in 4 bytes; a binary longer than what is left.
+        assert!(check_struct(&[0x1b, 0x05, 0x33, 1, 2, 3, 4]).unwrap_err().contains("declares 5"));
+        assert!(check_struct(&[0x18, 0x10, 1, 2]).unwrap_err().contains("ends inside the footer"));
+        let deep: Vec<u8> = std::iter::repeat_n(0x1c, 100).collect();
+        assert!(check_struct(&deep).unwrap_err().contains("too deep"));
+        assert!(check_struct(&[0x1e]).unwrap_err().contains("unknown field type 14"));
+    }
+}
