@@ -94,7 +94,9 @@ fn concurrent_opens_of_a_missing_dataset_all_fail_with_the_same_error() {
 #[test]
 fn a_second_open_does_not_list_or_stat_every_shard() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+    // Not `data/`: a directory of that name is also looked at for an Iceberg table's
+    // `metadata/` beside it (one more listing, `storage::table_log`).
+    let data = tmp.path().join("shards");
     write_shards(&data, 60, 3);
     let reg = registry(tmp.path(), RegistryLimits::default());
     let url = data.display().to_string();
