@@ -324,6 +324,23 @@ mod tests {
     }
 
     #[test]
+    fn a_field_arrow_rs_knows_given_another_type_is_refused_before_arrow_rs_reads_it() {
+        // arrow-rs reads a field it knows by its id, whatever type the wire gives it: here field 1
+        // (`version`, an i32) sent as a 7-byte binary. Read as an i32 it takes one byte, and
+        // arrow-rs goes on to read the binary's bytes as fields: field 16, unknown, a list of
+        // 2^31-1 booleans, which arrow-rs skips an element at a time without reading a byte. A
+        // walk by wire type alone skips the binary and passes the footer (the `parquet_footer`
+        // fuzz target found a 1,548-byte footer of this kind).
+        let footer = [0x18, 0x07, 0xf9, 0xf1, 0xff, 0xff, 0xff, 0xff, 0x07, 0x00];
+        let mut file = b"PAR1".to_vec();
+        file.extend_from_slice(&footer);
+        file.extend_from_slice(&(footer.len() as u32).to_le_bytes());
+        file.extend_from_slice(b"PAR1");
+        let err = table(&file).map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains("field 1 ") && err.contains("i32"), "{err}");
+    }
+
+    #[test]
     fn one_tail_read_for_a_small_footer_two_for_a_large_one() {
         let small = testdata::mixed(100, 30, testdata::Codec::Snappy);
         let mut reads = 0;

@@ -207,14 +207,26 @@ mod tests {
         // Field 1, a list (type 9) of 2^31-1 booleans, in 7 bytes.
         let e = check_struct(&[0x19, 0xf1, 0xff, 0xff, 0xff, 0xff, 0x07]).unwrap_err();
         assert!(e.contains("declares 2147483647 elements"), "{e}");
-        // A list of three booleans takes three bytes.
-        check_struct(&[0x19, 0x31, 1, 1, 2, 0]).unwrap();
-        assert!(check_struct(&[0x19, 0x31, 1, 1]).unwrap_err().contains("declares 3"));
+        // An unknown field (15): a list of three booleans takes three bytes, which arrow-rs
+        // does not read when it skips them, so it would read them as fields; the same as a map's
+        // keys or values; an empty list of them is nothing to misread.
+        assert!(check_struct(&[0xf9, 0x31, 1, 1, 2, 0]).unwrap_err().contains("booleans"));
+        assert!(check_struct(&[0xfb, 0x02, 0x15, 1, 0, 1, 0, 0]).unwrap_err().contains("booleans"));
+        check_struct(&[0xf9, 0x01, 0]).unwrap();
+        check_struct(&[0xfb, 0x02, 0x55, 2, 4, 6, 8, 0]).unwrap();
         // A map of 5 pairs in 4 bytes; a binary longer than what is left.
-        assert!(check_struct(&[0x1b, 0x05, 0x33, 1, 2, 3, 4]).unwrap_err().contains("declares 5"));
-        assert!(check_struct(&[0x18, 0x10, 1, 2]).unwrap_err().contains("ends inside the footer"));
-        let deep: Vec<u8> = std::iter::repeat_n(0x1c, 100).collect();
+        assert!(check_struct(&[0xfb, 0x05, 0x55, 1, 2, 3, 4]).unwrap_err().contains("declares 5"));
+        assert!(check_struct(&[0xf8, 0x10, 1, 2]).unwrap_err().contains("ends inside the footer"));
+        // Fields arrow-rs reads by id must have parquet.thrift's type: `version` (1) as a
+        // binary, a list of schema elements (2) as a list of i32, a row group's columns given
+        // as a binary inside a list of row groups.
+        assert!(
+            check_struct(&[0x18, 0x07, 0xf9, 0xf1, 0xff, 0xff, 0xff, 0xff, 0x07, 0]).unwrap_err().contains("field 1 ")
+        );
+        assert!(check_struct(&[0x29, 0x15, 2, 4, 0]).unwrap_err().contains("field 2 "));
+        assert!(check_struct(&[0x49, 0x1c, 0x18, 0x00, 0x00, 0x00]).unwrap_err().contains("field 1 "));
+        let deep: Vec<u8> = std::iter::once(0xfc).chain(std::iter::repeat_n(0x1c, 100)).collect();
         assert!(check_struct(&deep).unwrap_err().contains("too deep"));
-        assert!(check_struct(&[0x1e]).unwrap_err().contains("unknown field type 14"));
+        assert!(check_struct(&[0xfe]).unwrap_err().contains("unknown field type 14"));
     }
 }
