@@ -44,6 +44,7 @@ pub mod decoded;
 pub mod direct;
 pub mod footer;
 pub mod footers;
+mod idl;
 pub mod ipc;
 pub mod kept;
 pub mod mapped;

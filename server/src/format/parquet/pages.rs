@@ -23,8 +23,8 @@
 //! at most ~1,032 times its stored bytes (deflate's bound), whatever its header says.
 //!
 //! The headers are Thrift compact protocol (`PageHeader` of parquet.thrift, read by
-//! [`super::thrift::Reader`]); only the fields checked here are read, everything else is skipped
-//! by type. arrow-rs parses the same headers again when it decodes: a header is a few dozen bytes
+//! [`super::thrift::Reader`]): walked first as arrow-rs reads them (every field it knows must have
+//! its type, see [`super::thrift`]), then read for the fields checked here. arrow-rs parses the same headers again when it decodes: a header is a few dozen bytes
 //! against pages of up to a MiB.
 
 use parquet::basic::{Compression, Type as PhysicalType};
@@ -130,6 +130,8 @@ fn value_width(ty: PhysicalType, type_length: i32) -> Width {
 
 /// Reads a `PageHeader` from the start of `buf`: the fields checked, and the header's length.
 fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
+    // First as arrow-rs will read it, every field it knows of the type it knows.
+    Reader::new(buf, MAX_DEPTH, "header").walk(super::idl::PAGE_HEADER, 0)?;
     let mut r = Reader::new(buf, MAX_DEPTH, "header");
     let mut h = Header::default();
     let (mut seen_type, mut seen_sizes) = (false, 0);
@@ -353,10 +355,14 @@ mod tests {
                 let _ = check_chunk(&bad, 0, &meta);
             }
         }
-        // Deep nesting, and a list claiming more elements than there are bytes.
-        let deep = [vec![(1 << 4) | STRUCT; 64], vec![0; 64]].concat();
+        // Deep nesting (in a field arrow-rs skips), a list claiming more elements than there
+        // are bytes, and a field arrow-rs knows sent as another type.
+        let deep = [vec![(9 << 4) | STRUCT], vec![(1 << 4) | STRUCT; 63], vec![0; 64]].concat();
         assert!(check_chunk(&deep, 0, &meta).unwrap_err().contains("too deep"));
         let list = [vec![(9 << 4) | LIST, 0xf0 | I64], vec![0xff, 0xff, 0xff, 0xff, 0x0f]].concat();
         assert!(check_chunk(&list, 0, &meta).unwrap_err().contains("declares"));
+        let typed = [vec![(1 << 4) | I64, 4], header(DICTIONARY_PAGE, 80, 80, Some(10))].concat();
+        let e = check_chunk(&typed, 0, &meta).unwrap_err();
+        assert!(e.contains("field 1 is an i64 where parquet.thrift has an i32"), "{e}");
     }
 }

@@ -1,13 +1,18 @@
-//! The Thrift compact protocol as Parquet's footer and page headers use it: a reader of the few
-//! fields the daemon checks itself, skipping everything else by type, in steps that each read at
-//! least one byte. Run over a footer before arrow-rs decodes it ([`check_struct`]), and over each
-//! page header before arrow-rs sizes anything from it (`super::pages`).
+//! The Thrift compact protocol as Parquet's footer and page headers use it: a walk of a footer
+//! or page header before arrow-rs reads it ([`check_struct`]), and a reader of the few fields the
+//! daemon checks itself (`super::pages`).
 //!
-//! arrow-rs 60 skips a list of booleans in a field it does not know one element at a time without
-//! reading the byte each element takes in the compact protocol, so a 49-byte file whose footer
-//! declares 2^31 of them kept a thread busy for seconds (found by the `parquet_footer` fuzz
-//! target). Every element of a list, set or map takes at least a byte, so one that declares more
-//! elements than the bytes left is refused here, before any is walked.
+//! arrow-rs 60 is not safe to hand hostile Thrift, in two ways this walk closes:
+//! - It skips a list, set or map of booleans (in a field it does not know) one element at a time
+//!   without reading the byte each element takes, so a 49-byte file whose footer declares 2^31 of
+//!   them kept a thread busy for seconds (found by the `parquet_footer` fuzz target), and it goes
+//!   on to read those bytes as fields. The walk refuses such a collection unless it is empty, and
+//!   any collection that declares more elements than the bytes left (each takes at least one).
+//! - It reads a field it knows by its id, as the type parquet.thrift gives it, whatever type the
+//!   wire says: an i32 sent as a binary is read as one varint, and the binary's bytes as fields
+//!   (the fuzz target's next find, a 1,548-byte footer). The walk reads the same fields by id with
+//!   the same types ([`super::idl`]) and refuses a field whose wire type is not that type, so
+//!   every byte arrow-rs reads is one the walk read the same way, in as many steps.
 
 // Compact protocol type ids.
 pub(super) const BOOL_TRUE: u8 = 1;
@@ -27,10 +32,77 @@ pub(super) const UUID: u8 = 13;
 /// How deep a footer's structs and containers may nest (arrow-rs's own skip limit).
 const FOOTER_DEPTH: u32 = 64;
 
-/// Walks the struct at the start of `footer` (a `FileMetaData`) to its end: the error says what
-/// is wrong and where.
+/// Walks the `FileMetaData` at the start of `footer` to its end: the error says what is wrong
+/// and where.
 pub(super) fn check_struct(footer: &[u8]) -> Result<(), String> {
-    Reader::new(footer, FOOTER_DEPTH, "footer").skip(STRUCT, 0)
+    Reader::new(footer, FOOTER_DEPTH, "footer").walk(super::idl::FILE_META_DATA, 0)
+}
+
+/// A value's type as parquet.thrift declares it and arrow-rs reads it (enums are i32, strings
+/// binary, unions structs).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Ty {
+    Bool,
+    Byte,
+    I16,
+    I32,
+    I64,
+    Double,
+    Binary,
+    List(&'static Ty),
+    /// Its fields by id: those arrow-rs reads; others are skipped by their wire type.
+    Struct(&'static [(i16, Ty)]),
+}
+
+impl Ty {
+    /// Whether a field of wire type `wire` (an element's, in a collection) holds this type.
+    fn is(self, wire: u8) -> bool {
+        matches!(
+            (self, wire),
+            (Ty::Bool, BOOL_TRUE | BOOL_FALSE)
+                | (Ty::Byte, BYTE)
+                | (Ty::I16, I16)
+                | (Ty::I32, I32)
+                | (Ty::I64, I64)
+                | (Ty::Double, DOUBLE)
+                | (Ty::Binary, BINARY)
+                | (Ty::List(_), LIST)
+                | (Ty::Struct(_), STRUCT)
+        )
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Ty::Bool => "a bool",
+            Ty::Byte => "a byte",
+            Ty::I16 => "an i16",
+            Ty::I32 => "an i32",
+            Ty::I64 => "an i64",
+            Ty::Double => "a double",
+            Ty::Binary => "a binary",
+            Ty::List(_) => "a list",
+            Ty::Struct(_) => "a struct",
+        }
+    }
+}
+
+/// What wire type `ty` is, for errors.
+fn wire_name(ty: u8) -> &'static str {
+    match ty {
+        BOOL_TRUE | BOOL_FALSE => "a bool",
+        BYTE => "a byte",
+        I16 => "an i16",
+        I32 => "an i32",
+        I64 => "an i64",
+        DOUBLE => "a double",
+        BINARY => "a binary",
+        LIST => "a list",
+        SET => "a set",
+        MAP => "a map",
+        STRUCT => "a struct",
+        UUID => "a uuid",
+        _ => "of an unknown type",
+    }
 }
 
 pub(super) struct Reader<'a> {
@@ -116,6 +188,60 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Walks a struct whose fields are `fields`: one of them must have its type, any other is
+    /// skipped.
+    pub(super) fn walk(&mut self, fields: &'static [(i16, Ty)], depth: u32) -> Result<(), String> {
+        self.fields(depth, |r, id, wire| match fields.iter().find(|(f, _)| *f == id) {
+            Some(&(_, ty)) if !ty.is(wire) => {
+                Err(format!("field {id} is {} where parquet.thrift has {}", wire_name(wire), ty.name()))
+            }
+            Some(&(_, ty)) => r.typed(id, ty, depth),
+            None => r.skip(wire, depth),
+        })
+    }
+
+    /// A value of field `id`, of type `ty` (its wire type checked).
+    fn typed(&mut self, id: i16, ty: Ty, depth: u32) -> Result<(), String> {
+        match ty {
+            Ty::Bool => Ok(()),
+            Ty::Byte => self.advance(1),
+            Ty::I16 | Ty::I32 | Ty::I64 => self.varint().map(drop),
+            Ty::Double => self.advance(8),
+            Ty::Binary => {
+                let n = self.varint()?;
+                self.advance(n)
+            }
+            Ty::List(elem) => {
+                let (kind, n) = self.collection()?;
+                if n > 0 && !elem.is(kind) {
+                    return Err(format!(
+                        "field {id} is a list of {} where parquet.thrift has a list of {}",
+                        wire_name(kind),
+                        elem.name()
+                    ));
+                }
+                (0..n).try_for_each(|_| match *elem {
+                    Ty::Bool => self.advance(1),
+                    Ty::Struct(fields) => self.walk(fields, depth + 1),
+                    other => self.typed(id, other, depth + 1),
+                })
+            }
+            Ty::Struct(fields) => self.walk(fields, depth + 1),
+        }
+    }
+
+    /// A list's or set's header: its elements' type and count, the count checked against the
+    /// bytes left.
+    fn collection(&mut self) -> Result<(u8, u64), String> {
+        let b = self.byte()?;
+        let n = match b >> 4 {
+            15 => self.varint()?,
+            n => u64::from(n),
+        };
+        self.elements(n, 1)?;
+        Ok((b & 0x0f, n))
+    }
+
     /// Field `want` (an i32) of a nested struct, skipping its other fields.
     pub(super) fn nested_i32(&mut self, want: i16) -> Result<Option<i32>, String> {
         let mut got = None;
@@ -145,13 +271,11 @@ impl<'a> Reader<'a> {
             }
             UUID => self.advance(16),
             LIST | SET => {
-                let b = self.byte()?;
-                let n = match b >> 4 {
-                    15 => self.varint()?,
-                    n => u64::from(n),
-                };
-                self.elements(n, 1)?;
-                (0..n).try_for_each(|_| self.skip_element(b & 0x0f, depth))
+                let (kind, n) = self.collection()?;
+                if n > 0 {
+                    skippable(kind)?;
+                }
+                (0..n).try_for_each(|_| self.skip(kind, depth + 1))
             }
             MAP => {
                 let n = self.varint()?;
@@ -160,9 +284,11 @@ impl<'a> Reader<'a> {
                 }
                 let kv = self.byte()?;
                 self.elements(n, 2)?;
+                skippable(kv >> 4)?;
+                skippable(kv & 0x0f)?;
                 (0..n).try_for_each(|_| {
-                    self.skip_element(kv >> 4, depth)?;
-                    self.skip_element(kv & 0x0f, depth)
+                    self.skip(kv >> 4, depth + 1)?;
+                    self.skip(kv & 0x0f, depth + 1)
                 })
             }
             STRUCT => self.fields(depth + 1, |r, _, ty| r.skip(ty, depth + 1)),
@@ -178,13 +304,16 @@ impl<'a> Reader<'a> {
         }
         Ok(())
     }
+}
 
-    /// An element of a collection: booleans take a byte there, unlike in a field.
-    fn skip_element(&mut self, ty: u8, depth: u32) -> Result<(), String> {
-        match ty {
-            BOOL_TRUE | BOOL_FALSE => self.advance(1),
-            _ => self.skip(ty, depth + 1),
+/// Refuses the elements of a collection arrow-rs cannot skip: booleans, which take a byte each
+/// in a collection and which arrow-rs skips as if they took none, as in a field.
+fn skippable(kind: u8) -> Result<(), String> {
+    match kind {
+        BOOL_TRUE | BOOL_FALSE => {
+            Err("a collection of booleans in a field arrow-rs skips (it skips them without reading their bytes)".into())
         }
+        _ => Ok(()),
     }
 }
 
@@ -204,8 +333,8 @@ mod tests {
 
     #[test]
     fn what_no_writer_makes_is_refused_in_a_step_a_byte() {
-        // Field 1, a list (type 9) of 2^31-1 booleans, in 7 bytes.
-        let e = check_struct(&[0x19, 0xf1, 0xff, 0xff, 0xff, 0xff, 0x07]).unwrap_err();
+        // Field 15 (unknown), a list (type 9) of 2^31-1 booleans, in 7 bytes.
+        let e = check_struct(&[0xf9, 0xf1, 0xff, 0xff, 0xff, 0xff, 0x07]).unwrap_err();
         assert!(e.contains("declares 2147483647 elements"), "{e}");
         // An unknown field (15): a list of three booleans takes three bytes, which arrow-rs
         // does not read when it skips them, so it would read them as fields; the same as a map's
