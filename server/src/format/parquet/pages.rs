@@ -24,8 +24,8 @@
 //!
 //! The headers are Thrift compact protocol (`PageHeader` of parquet.thrift, read by
 //! [`super::thrift::Reader`]): walked first as arrow-rs reads them (every field it knows must have
-//! its type, see [`super::thrift`]), then read for the fields checked here. arrow-rs parses the same headers again when it decodes: a header is a few dozen bytes
-//! against pages of up to a MiB.
+//! its type, see [`super::thrift`]), then read for the fields checked here. arrow-rs parses the
+//! same headers again when it decodes: a header is a few dozen bytes against pages of up to a MiB.
 
 use parquet::basic::{Compression, Type as PhysicalType};
 use parquet::file::metadata::ColumnChunkMetaData;
