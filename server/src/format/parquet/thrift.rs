@@ -191,11 +191,11 @@ impl<'a> Reader<'a> {
     /// Walks a struct whose fields are `fields`: one of them must have its type, any other is
     /// skipped.
     pub(super) fn walk(&mut self, fields: &'static [(i16, Ty)], depth: u32) -> Result<(), String> {
-        self.fields(depth, |r, id, wire| match fields.iter().find(|(f, _)| *f == id) {
-            Some(&(_, ty)) if !ty.is(wire) => {
+        self.fields(depth, |r, id, wire| match field(fields, id) {
+            Some(ty) if !ty.is(wire) => {
                 Err(format!("field {id} is {} where parquet.thrift has {}", wire_name(wire), ty.name()))
             }
-            Some(&(_, ty)) => r.typed(id, ty, depth),
+            Some(ty) => r.typed(id, ty, depth),
             None => r.skip(wire, depth),
         })
     }
@@ -303,6 +303,16 @@ impl<'a> Reader<'a> {
             return Err(format!("a collection declares {n} elements in the {left} bytes left of the {}", self.what));
         }
         Ok(())
+    }
+}
+
+/// The type of field `id` in `fields`. Most tables list ids 1, 2, 3... in order, so the id's own
+/// slot is tried first: a footer has a dozen fields per column chunk, a million chunks at most.
+fn field(fields: &[(i16, Ty)], id: i16) -> Option<Ty> {
+    let slot = usize::try_from(id).ok().and_then(|i| i.checked_sub(1)).and_then(|i| fields.get(i));
+    match slot {
+        Some(&(f, ty)) if f == id => Some(ty),
+        _ => fields.iter().find(|(f, _)| *f == id).map(|&(_, ty)| ty),
     }
 }
 
