@@ -56,6 +56,28 @@ fi
 # `cargo +nightly fuzz` finds the cargo-fuzz binary on PATH.
 PATH="$(dirname "$(bash scripts/tool.sh cargo-fuzz)"):$PATH"
 for t in "${targets[@]}"; do "${build[@]}" "$t" >&2; done
+
+# Every change to the project's crates leaves their instrumented artifacts of the build before
+# beside the new ones (ten ~160 MB target binaries and the crates' rlibs: ~1.7 GB), and cargo never
+# removes them: 19 GB here after a week of commits, on the disk the test suite's datasets need.
+# Only the newest build of the project's own crates and targets is kept; dependencies are left
+# alone (one crate may rightly be built twice, with different features, and they rarely change).
+prune_stale() {
+  local deps name newest hash f
+  for deps in "$target_dir"/*/release/deps; do
+    [ -d "$deps" ] || continue
+    for name in "${all_targets[@]}" {lib,}shardstream{,_proto,_client,_fabric,_fuzz}; do
+      newest=$(ls -t "$deps/$name"-* 2>/dev/null | head -n 1) || true
+      [ -n "$newest" ] || continue
+      hash=$(basename "$newest" | sed -E "s/^$name-([0-9a-f]{16}).*/\1/")
+      for f in "$deps/$name"-*; do
+        case $(basename "$f") in "$name-$hash"*) ;; *) rm -f "$f" ;; esac
+      done
+    done
+  done
+}
+mapfile -t all_targets < <(ls fuzz/fuzz_targets | sed -n 's/\.rs$//p')
+prune_stale
 for t in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
   echo "==> fuzz: $t for ${seconds}s"

@@ -29,4 +29,20 @@ if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 ln -sfn "$venv" "$link"
+# Each change to the requirements makes a new environment of ~6.5 GB, and the old ones would fill
+# the disk the tests' datasets need. Kept: the two last used of each kind (tests, bench), so going
+# back and forth between two commits does not rebuild one every time.
+kind=${link#.}
+echo "$kind" >"$venv/.kind"
+touch "$venv/.used"
+kept=0
+while read -r used; do
+  dir=$(dirname "$used")
+  [ "$(cat "$dir/.kind" 2>/dev/null)" = "$kind" ] || continue
+  kept=$((kept + 1))
+  if [ $kept -gt 2 ]; then
+    echo "==> removing $dir (an older Python environment)" >&2
+    rm -rf "$dir"
+  fi
+done < <(ls -t "$cache"/venv-*/.used 2>/dev/null)
 echo "$venv"
