@@ -6,7 +6,8 @@
 //! format later) may be left out, as the walk then skips it as arrow-rs does. A field listed that arrow-rs skips only
 //! makes the walk stricter than arrow-rs, never laxer; a field arrow-rs reads that is missing here
 //! lets the two read a hostile footer differently, which is what this module exists to prevent.
-//! So when arrow-rs is upgraded, compare with its `file/metadata/thrift/mod.rs` and `basic.rs`.
+//! So when arrow-rs is upgraded, compare with its `file/metadata/thrift/mod.rs` and `basic.rs`;
+//! the workspace pins `parquet` exactly so that an upgrade is never a side effect of `cargo update`.
 
 use super::thrift::Ty::{self, Binary, Bool, Byte, Double, I16, I32, I64, List, Struct};
 
