@@ -3,11 +3,21 @@
 //! header to before arrow-rs sees it.
 //!
 //! A field arrow-rs reads is listed here with its type; a field it skips (fields added to the
-//! format later) may be left out, as the walk then skips it as arrow-rs does. A field listed that arrow-rs skips only
-//! makes the walk stricter than arrow-rs, never laxer; a field arrow-rs reads that is missing here
-//! lets the two read a hostile footer differently, which is what this module exists to prevent.
-//! So when arrow-rs is upgraded, compare with its `file/metadata/thrift/mod.rs` and `basic.rs`;
-//! the workspace pins `parquet` exactly so that an upgrade is never a side effect of `cargo update`.
+//! format later) may be left out, as the walk then skips it as arrow-rs does. A field listed that
+//! arrow-rs skips only makes the walk stricter than arrow-rs, never laxer; a field arrow-rs reads
+//! that is missing here lets the two read a hostile footer differently, which is what this module
+//! exists to prevent.
+//!
+//! So an upgrade of arrow-rs compares this module with every reader it has for these structs:
+//! - `file/metadata/thrift/mod.rs`: the `thrift_struct!` ones and the hand-written ones
+//!   (`ColumnMetaData`, `ColumnChunk`, `RowGroup`, `FileMetaData`, the page headers read without
+//!   statistics);
+//! - `basic.rs`: the unions and the `LogicalType` variants;
+//! - `parquet_thrift.rs`: the scalar reads (an `i8` is one byte);
+//! - should the `encryption` feature ever be turned on, `file/metadata/thrift/encryption.rs` and
+//!   `file/column_crypto_metadata.rs` (with it off, arrow-rs skips the fields listed here for them).
+//!
+//! The workspace pins `parquet` exactly so that an upgrade is never a side effect of `cargo update`.
 
 use super::thrift::Ty::{self, Binary, Bool, Byte, Double, I16, I32, I64, List, Struct};
 
