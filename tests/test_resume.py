@@ -234,3 +234,67 @@ def test_a_copy_of_a_dataset_or_dataloader_after_an_epoch_iterates_the_same(daem
     again = pickle.loads(pickle.dumps(ds))
     assert again.epoch == 1
     assert [k for b in sst.DataLoader(again, num_workers=workers) for k in b["__key__"]] == first
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_saved_after_set_epoch_is_the_start_of_that_epoch(daemon, dataset, workers: int) -> None:
+    """``state_dict()`` says where the next iteration starts. The DataLoader counted the batches
+    it yielded and took that count back only when an iteration began, while ``set_epoch`` (on
+    the dataset) reset the dataset's start alone: a state saved after ``set_epoch(e + 1)`` named
+    epoch e + 1 with epoch e's count, and a loader resumed from it yielded nothing of e + 1 (or
+    skipped the batches e had got to before a ``break``). The same after ``load_state_dict``
+    followed by ``set_epoch`` of another epoch. Each resumed loader must give exactly the rest of
+    the epoch its state names, by key."""
+    import shardstream
+    import shardstream.torch as sst
+
+    root, samples = dataset
+    kw = dict(batch_size=64, seed=3, rank=0, world_size=1, connect=daemon.addr)
+
+    def reference(epoch: int, start: int = 0) -> list[str]:
+        loader = shardstream.Loader(str(root), **kw)
+        loader.load_state_dict(dict(loader.state_dict(), epoch=epoch, batches_consumed=start))
+        return [k for b in loader for k in b["__key__"]]
+
+    def resumed(state: dict) -> list[str]:
+        ds = sst.IterableDataset(str(root), **kw)
+        dl = sst.DataLoader(ds, num_workers=workers)
+        dl.load_state_dict(state)
+        ds.set_epoch(state["epoch"])  # what a training loop does before iterating
+        return [k for b in dl for k in b["__key__"]]
+
+    ds = sst.IterableDataset(str(root), **kw)
+    dl = sst.DataLoader(ds, num_workers=workers)
+    ds.set_epoch(0)
+    assert sorted(k for b in dl for k in b["__key__"]) == sorted(samples)
+    ds.set_epoch(1)
+    state = dl.state_dict()
+    assert (state["epoch"], state["batches_consumed"]) == (1, 0), state
+    assert resumed(state) == reference(1) and len(reference(1)) == len(samples)
+
+    # Stopped after 3 batches of epoch 1: a state saved there resumes at the 4th; one saved
+    # after set_epoch(2) at the start of epoch 2.
+    got = []
+    for n, batch in enumerate(dl, 1):
+        got.extend(batch["__key__"])
+        if n == 3:
+            break
+    assert got == reference(1)[: len(got)]
+    state = dl.state_dict()
+    assert (state["epoch"], state["batches_consumed"]) == (1, 3), state
+    assert got + resumed(state) == reference(1)
+    ds.set_epoch(2)
+    state = dl.state_dict()
+    assert (state["epoch"], state["batches_consumed"]) == (2, 0), state
+    assert resumed(state) == reference(2)
+
+    # Restored mid-epoch, then moved to another epoch: the state is that epoch's start, and so is
+    # what this loader iterates.
+    dl.load_state_dict(dict(state, epoch=1, batches_consumed=5))
+    assert dl.state_dict()["batches_consumed"] == 5
+    ds.set_epoch(4)
+    state = dl.state_dict()
+    assert (state["epoch"], state["batches_consumed"]) == (4, 0), state
+    assert resumed(state) == reference(4)
+    assert [k for b in dl for k in b["__key__"]] == reference(4)
+    assert dl.state_dict()["batches_consumed"] == len(dl)
