@@ -216,6 +216,11 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         # this process: persistent workers keep the dataset object they were started with, and
         # read these when each iteration begins (see `__getstate__`).
         self._position = _shared_position()
+        # Where the trainer stands in the epoch: the rank's batches it has taken through a
+        # shardstream.torch.DataLoader (what its state_dict() saves). Kept here, with the epoch,
+        # so that set_epoch moves both: a count the DataLoader kept was the last epoch's until
+        # its next iteration began.
+        self._consumed = 0
 
     @property
     def epoch(self) -> int:
@@ -256,8 +261,11 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         return self._batches_per_rank
 
     def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next iteration follows, from its start (a DataLoader's
+        ``state_dict()`` then says so); the same epoch again keeps the position (a resumed one)."""
         if epoch != self.epoch:
             self.start_batch = 0
+            self._consumed = 0
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -372,7 +380,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         kwargs.setdefault("collate_fn", _convert)
         super().__init__(dataset, batch_size=None, **kwargs)
         self._ss_dataset = dataset
-        self._consumed = 0
         self._reuse_memory = bool(reuse_batch_memory) and self.collate_fn is _convert
         self._memory: BatchMemory | None = None
 
@@ -412,7 +419,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     # iterator type: nothing calls the _BaseDataLoaderIter methods on a DataLoader's __iter__().
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self._ss_dataset
-        self._consumed = ds.start_batch
+        ds._consumed = ds.start_batch
         memory = ds._memory = self._start_memory()
         batches = super().__iter__()
         if memory is not None:
@@ -420,7 +427,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # flight; their slots are free before the workers build this epoch's batches into them.
             memory.collect()
         for batch in batches:
-            self._consumed += 1
+            ds._consumed += 1
             if isinstance(batch, Pooled):
                 assert memory is not None
                 # The batch before this one is usually still held by the caller's loop variable;
@@ -431,8 +438,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         ds.start_batch = 0
 
     def state_dict(self) -> dict[str, Any]:
+        """Where the trainer stands: a loader given this state continues after the batches yielded
+        so far in the epoch, or from the start of the epoch ``set_epoch`` selected since."""
         ds = self._ss_dataset
-        return dict(ds._state_template, epoch=ds.epoch, batches_consumed=self._consumed)
+        return dict(ds._state_template, epoch=ds.epoch, batches_consumed=ds._consumed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ds = self._ss_dataset
@@ -443,4 +452,4 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         ds.epoch = int(state["epoch"])
         # After the epoch's last batch: the epoch yields nothing more (as with Loader).
         ds.start_batch = min(int(state["batches_consumed"]), len(ds))
-        self._consumed = ds.start_batch
+        ds._consumed = ds.start_batch
