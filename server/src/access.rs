@@ -314,6 +314,26 @@ mod tests {
     }
 
     #[test]
+    fn parent_of_a_symlink_is_the_target_s_parent() {
+        // The kernel follows `link` before `..`: root/link/../secret is outside/secret.
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let outside = dir.path().join("outside");
+        for d in [root.join("sub"), outside.join("inner"), outside.join("secret")] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        std::os::unix::fs::symlink(outside.join("inner"), root.join("link")).unwrap();
+        std::os::unix::fs::symlink(root.join("sub"), root.join("inside")).unwrap();
+        let l = list(&[(None, None, &[root.to_str().unwrap()])]);
+        let at = |rel: &str| format!("{}/{rel}", root.display());
+        assert!(l.check(ALICE, &at("link/../secret")).is_err());
+        assert!(l.check(ALICE, &at("link/../../outside/secret")).is_err());
+        // Links that stay inside, and `..` over real directories, are still allowed.
+        assert!(l.check(ALICE, &at("inside/../sub")).is_ok());
+        assert!(l.check(ALICE, &at("sub/../sub/new")).is_ok());
+    }
+
+    #[test]
     fn bad_rules_are_named() {
         let e = AllowList::new(&[AllowRule { uid: None, gid: None, client: None, roots: vec!["data".into()] }])
             .unwrap_err();
