@@ -630,6 +630,28 @@ mod tests {
     }
 
     #[test]
+    fn a_second_cache_on_the_same_directory_is_refused() {
+        // A second daemon on the same directory would delete the first one's fills in progress
+        // as a crash's leftovers, and evict files the first still lists as ready.
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        let pin = cache
+            .get("k", 5, Want::NOW, &mut |tmp, mut f: &File| {
+                let e = NodeCache::open(dir.path(), Some(1), Policy::Lru).unwrap_err().to_string();
+                assert!(e.contains("in use by another") && e.contains(&dir.path().display().to_string()), "{e}");
+                assert!(tmp.try_exists().unwrap(), "the fill in progress was deleted");
+                f.write_all(b"hello").map_err(|e| Error::io("write", "x", e))
+            })
+            .unwrap()
+            .unwrap();
+        assert!(cache.is_ready("k"));
+        assert!(NodeCache::open(dir.path(), Some(100), Policy::Lru).is_err(), "a pin keeps the cache open");
+        drop((pin, cache));
+        let again = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        assert!(again.is_ready("k"), "the next daemon adopts the copy once the first is gone");
+    }
+
+    #[test]
     fn a_failed_fill_leaves_nothing_behind() {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
