@@ -311,6 +311,35 @@ def test_cache_smaller_than_an_epoch_evicts_and_stays_under_capacity(tmp_path: P
         assert d.stop() == 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_full_cache_does_not_keep_the_prefetcher_busy(tmp_path: Path, s3: S3Server) -> None:
+    # The cache holds 3 of 40 shards, each needed before any shard the prefetcher would fetch next:
+    # every prefetch gives up for lack of room. A consumer that stops (a trainer checkpointing)
+    # must leave the daemon idle, not retrying those prefetches back to back.
+    big_dataset(s3, "fullcache", shards=40, per_shard=1, size=400_000)
+    shards = sorted((s3.root / "data/fullcache").glob("*.tar"))
+    capacity = 3 * max(p.stat().st_size for p in shards)
+    d = start_daemon(tmp_path, s3, "--cache-size", str(capacity))
+    try:
+        loader = shardstream.Loader("s3://data/fullcache/", batch_size=1, seed=1, shuffle_window=1, connect=d.addr)
+        it = iter(loader)
+        next(it)
+        time.sleep(1.0)  # the prefetches it started run out of room
+        assert d.proc is not None
+        before = cpu_seconds(d.proc.pid)
+        time.sleep(4.0)
+        busy = cpu_seconds(d.proc.pid) - before
+        assert busy < 0.5, f"the idle daemon spent {busy:.2f} CPU-s in 4 s"
+        del it, loader
+    finally:
+        assert d.stop() == 0
+
+
 def test_daemon_killed_mid_download_never_serves_a_partial_file(tmp_path: Path, s3: S3Server) -> None:
     samples = big_dataset(s3, "sigkill", shards=4)
     d = start_daemon(tmp_path, s3, *SLOW)
