@@ -384,6 +384,34 @@ def test_a_full_cache_disk_evicts_instead_of_failing(tmp_path: Path, s3: S3Serve
         d.stop()
 
 
+def test_a_disk_that_frees_up_gives_the_capacity_back(tmp_path: Path, s3: S3Server) -> None:
+    """A 3 MiB tmpfs holding 2 MiB of another user's file: the cache's writes hit ENOSPC and its
+    capacity is lowered to the ~1 MiB left. Once that file is gone, a 1.5 MiB shard must be served
+    (the disk has room again), not refused as larger than the cache."""
+    small = big_dataset(s3, "regain-small", shards=10, per_shard=1, size=200_000)
+    large = big_dataset(s3, "regain-large", shards=1, per_shard=1, size=1_500_000)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    ballast = cache / "other-user.bin"
+    mount = f'mount -t tmpfs -o size=3m tmpfs {cache} && head -c 2097152 /dev/zero > {ballast} && exec "$@"'
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    wrap = ["unshare", *userns, "--mount", "sh", "-c", mount, "sh"]
+    d = Daemon(tmp_path, args=["--cache-size", "1GiB"], env=s3.env(), wrap=wrap)
+    d.start()
+    try:
+        assert epoch(d.addr, "s3://data/regain-small/", batch_size=1, shuffle_window=1) == small
+        lowered = d.status()["cache"]["capacity_bytes"]
+        assert lowered < 1 << 20, lowered
+        # The tmpfs is mounted in the daemon's own mount namespace: reach it through its root.
+        assert d.proc is not None
+        Path(f"/proc/{d.proc.pid}/root{ballast}").unlink()
+        assert epoch(d.addr, "s3://data/regain-large/", batch_size=1, shuffle_window=1) == large
+        regained = d.status()["cache"]["capacity_bytes"]
+        assert 1_500_000 < regained < 3 << 20, regained
+    finally:
+        d.stop()
+
+
 def test_prometheus_metrics(tmp_path: Path, s3: S3Server, small: Samples) -> None:
     port = free_port()
     d = start_daemon(tmp_path, s3, "--metrics-addr", f"127.0.0.1:{port}")
