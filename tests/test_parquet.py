@@ -1159,6 +1159,77 @@ def test_a_batch_transform_gets_record_batches_in_the_workers(daemon, varied, wo
         sst.IterableDataset(str(root), connect=daemon.addr, format="arrow", transform=arrow_ids)
 
 
+def fixed_rows(root: Path, n: int = 1000) -> Path:
+    """``n`` rows of an ``id`` and a 16-byte ``blob`` made from it (binary), written by pyarrow:
+    every full message of a stream of them has the same size, so one ring serves the stream."""
+    ids = np.arange(n, dtype=np.int64)
+    blob = pa.array([int(i).to_bytes(8, "little") * 2 for i in ids], pa.binary())
+    pq.write_table(pa.table({"id": ids, "blob": blob}), root / "rows.parquet", row_group_size=100)
+    return root
+
+
+def keep_batch(batch: dict) -> tuple[list[str], torch.Tensor, list]:
+    """A batch_transform that keeps what it was given, without a copy: the id tensor (over the
+    batch's Arrow buffer) and arrays over the blob memoryviews (torch's conversion of a
+    DataLoader's items would copy a memoryview into a list of ints, not an array)."""
+    return batch["__key__"], batch["id"], [np.frombuffer(v, np.uint8) for v in batch["blob"]]
+
+
+def keep_sample(sample: dict) -> tuple[str, torch.Tensor, np.ndarray]:
+    """A per-sample transform that keeps its sample's values, without a copy: a 0-d tensor view
+    of the id column, an array over the blob's memoryview."""
+    return sample["__key__"], sample["id"], np.frombuffer(sample["blob"], np.uint8)
+
+
+def sum_ids(batch: dict) -> int:
+    """A batch_transform that keeps nothing of the batch."""
+    return int(batch["id"].sum())
+
+
+@pytest.mark.parametrize("per", ["batch", "sample"])
+def test_what_a_transform_keeps_of_a_dict_batch_is_never_overwritten(daemon, tmp_path: Path, per: str) -> None:
+    """A Parquet batch in the dict form lies in a slot of the stream's ring (8 slots): its numeric
+    columns are tensors over it, its binary values memoryviews into it. The transform path
+    released the batch's lease as soon as the transform returned, so the daemon reused the slot
+    while the result still pointed into it: kept past ~8 further messages, it read another
+    batch's bytes. Batches of 4 rows: 250 batches in 17 messages, more than the ring's slots. The
+    first two batches' results are kept: the first message (one batch) may lie in a ring of
+    smaller slots, which the daemon leaves for a larger one when the next messages outgrow it."""
+    root = fixed_rows(tmp_path)
+    kw: dict = {"batch_transform": keep_batch} if per == "batch" else {"transform": keep_sample, "collate_fn": list}
+    ds = sst.IterableDataset(str(root), batch_size=4, seed=2, connect=daemon.addr, **kw)
+    it = iter(sst.DataLoader(ds))
+    kept = []
+    for result in (next(it), next(it)):
+        kept += list(zip(*result, strict=True)) if per == "batch" else result
+    assert len(kept) == 8 and all(isinstance(i, torch.Tensor) for _, i, _ in kept)
+
+    def check() -> None:
+        for key, i, blob in kept:
+            assert int(i) == int(key), f"row {key}: the kept id tensor reads {int(i)}"
+            want = int(key).to_bytes(8, "little") * 2
+            assert np.asarray(blob).tobytes() == want, f"row {key}: the kept blob changed"
+
+    check()
+    rest = sum(1 for _ in it)
+    assert rest == len(ds) - 2 == 248
+    check()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_that_keeps_nothing_never_stalls_the_ring(daemon, varied, workers: int) -> None:
+    """What a transform is given holds the batch's ring slot only while something refers to it:
+    a transform that keeps nothing lets every slot go back, and an epoch of 250 batches (many
+    more messages than the ring's 8 slots) completes, each row once."""
+    root, _ = varied
+    ds = sst.IterableDataset(
+        str(root), batch_size=4, seed=2, connect=daemon.addr, fields=["id", "img"], batch_transform=sum_ids
+    )
+    sums = list(sst.DataLoader(ds, num_workers=workers))
+    assert len(sums) == 250 and sum(sums) == sum(range(TOTAL))
+
+
 def write_big_files(root: Path, files: int = 3, rows: int = 400) -> dict[int, bytes]:
     """`files` files of ~2 MB (random 5 KiB payloads, row groups of 100 rows); {id: payload}."""
     rng = np.random.default_rng(11)

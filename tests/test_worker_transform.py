@@ -7,11 +7,13 @@ import collections
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data
 
 import shardstream.torch as sst
+from conftest import Daemon, write_token_blocks
 
 BAD_KEY = "s0/000500"
 
@@ -143,3 +145,80 @@ def test_a_plain_dataloader_that_would_batch_the_batches_again_is_refused(
     # batch_size=None is the way, and works.
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)))
     assert len(batch["__key__"]) == 64
+
+
+def keep_tokens(batch: dict[str, Any]) -> tuple[list[str], torch.Tensor]:
+    """A batch_transform that keeps the stacked token tensor as it was given (over the ring)."""
+    return batch["__key__"], batch["tok"]
+
+
+def test_what_a_transform_keeps_of_a_stacked_batch_is_never_overwritten(daemon, tmp_path) -> None:
+    """With collate="stack" over shared memory a TAR batch's fields are tensors over a slot of the
+    stream's ring (8 slots). The transform path released the slot as soon as the transform
+    returned, so a result that kept such a tensor read other batches' records once the daemon
+    reused the slot: a transform's result is the trainer's and must never change."""
+    records = write_token_blocks(tmp_path, 400, 256, per_shard=100, seed=5, label_mod=3)
+    ds = sst.IterableDataset(
+        str(tmp_path),
+        batch_size=8,
+        seed=4,
+        connect=daemon.addr,
+        fields=["tok"],
+        collate="stack",
+        batch_transform=keep_tokens,
+    )
+    it = iter(sst.DataLoader(ds))
+    keys, tok = next(it)
+    assert tok.shape == (8, 256)
+    # Zero copy: the tensor lies in the ring (a memfd this process maps).
+    rings = [line.split()[0].split("-") for line in open("/proc/self/maps") if "memfd:" in line]
+    assert any(int(lo, 16) <= tok.data_ptr() < int(hi, 16) for lo, hi in rings), "the tensor is a copy"
+
+    def check() -> None:
+        for key, row in zip(keys, tok, strict=True):
+            assert row.numpy().tobytes() == records[key], f"the kept tensor's record of {key} changed"
+
+    check()
+    assert sum(1 for _ in it) == len(ds) - 1 == 49
+    check()
+
+
+def keep_views(batch: dict[str, Any]) -> list[tuple[str, memoryview]]:
+    """A batch_transform that keeps the batch's jpg memoryviews, into the mapped shards."""
+    assert all(type(v.obj).__name__ == "Region" for v in batch["jpg"])
+    return list(zip(batch["__key__"], batch["jpg"], strict=True))
+
+
+def test_views_a_transform_keeps_of_shards_stay_readable_after_their_eviction(dataset, tmp_path) -> None:
+    """A TAR batch over shared memory hands out memoryviews into the node cache's copies of its
+    shards (mapped), and the transform path returns its lease as soon as the transform returns,
+    so the daemon may evict those shards: the documented promise is that the views stay readable
+    (an evicted copy is unlinked, never truncated or rewritten). A cache of half the dataset
+    evicts during the epoch; the first batch's views, kept to the end, read what was written."""
+    root, samples = dataset
+    total = sum(p.stat().st_size for p in root.glob("*.tar"))
+    d = Daemon(tmp_path, args=["--cache-size", str(total // 2)]).start()
+    try:
+        ds = sst.IterableDataset(
+            str(root),
+            batch_size=16,
+            seed=8,
+            connect=d.addr,
+            cache="copy",
+            shuffle_window=2,
+            batch_transform=keep_views,
+        )
+        # torch's conversion would turn each view into a list of ints: keep the items as they are.
+        it = iter(sst.DataLoader(ds, collate_fn=lambda item: item))
+        first = next(it)
+        assert len(first) == 16 and all(bytes(v) == samples[k]["jpg"] for k, v in first)
+        assert sum(len(b) for b in it) == len(samples) - 16
+        assert d.status()["cache"]["evictions"] > 0
+        # Mappings of evicted (unlinked) cache files: some kept view lies in one.
+        gone = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("(deleted)")]
+        at = [np.frombuffer(v, np.uint8).ctypes.data for _, v in first]
+        assert any(int(lo, 16) <= a < int(hi, 16) for a in at for lo, hi in gone), "no kept view's shard was evicted"
+        for key, view in first:
+            assert bytes(view) == samples[key]["jpg"], f"the kept view of {key} changed after eviction"
+    finally:
+        assert d.stop() == 0
