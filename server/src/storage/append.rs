@@ -3,8 +3,6 @@
 //! registered with libfabric, which a batch is gathered straight into instead of being copied
 //! there afterwards).
 
-use std::ops::Range;
-
 use crate::{Error, Result};
 
 /// A byte buffer that samples are appended to, and compacted in place.
@@ -27,9 +25,6 @@ pub trait Append {
 
     /// Keeps the first `len` bytes (no-op when there are fewer).
     fn truncate(&mut self, len: usize);
-
-    /// Appends a copy of `range` of the filled bytes.
-    fn extend_from_within(&mut self, range: Range<usize>) -> Result<()>;
 
     fn len(&self) -> usize {
         self.filled().len()
@@ -61,14 +56,6 @@ impl Append for Vec<u8> {
 
     fn truncate(&mut self, len: usize) {
         Vec::truncate(self, len);
-    }
-
-    fn extend_from_within(&mut self, range: Range<usize>) -> Result<()> {
-        if range.start > range.end || range.end > Vec::len(self) {
-            return Err(Error::Internal(format!("range {range:?} outside {} filled bytes", Vec::len(self))));
-        }
-        Vec::extend_from_within(self, range);
-        Ok(())
     }
 }
 
@@ -121,17 +108,6 @@ impl Append for Fixed<'_> {
     fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
-
-    fn extend_from_within(&mut self, range: Range<usize>) -> Result<()> {
-        if range.start > range.end || range.end > self.len {
-            return Err(Error::Internal(format!("range {range:?} outside {} filled bytes", self.len)));
-        }
-        self.room(range.len())?;
-        let at = self.len;
-        self.buf.copy_within(range.clone(), at);
-        self.len += range.len();
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -149,7 +125,7 @@ mod tests {
         Ok(())
     }
 
-    /// Both buffers hold the same bytes after the same appends, compaction and copies.
+    /// Both buffers hold the same bytes after the same appends and compaction.
     #[test]
     fn a_fixed_region_fills_like_a_vec() {
         let mut region = [0u8; 32];
@@ -159,11 +135,9 @@ mod tests {
             append(b, b"hello, world").unwrap();
             b.filled_mut().copy_within(7..12, 0);
             b.truncate(5);
-            b.extend_from_within(1..3).unwrap();
             append(b, b"!").unwrap();
-            assert!(b.extend_from_within(4..9).is_err(), "a range past the filled bytes");
         }
-        assert_eq!(fixed.filled(), b"worldor!");
+        assert_eq!(fixed.filled(), b"world!");
         assert_eq!(fixed.filled(), vec.filled());
     }
 
@@ -174,9 +148,8 @@ mod tests {
         append(&mut fixed, b"abcdef").unwrap();
         let err = append(&mut fixed, b"xyz").expect_err("9 bytes in 8");
         assert!(err.to_string().contains("3 more bytes do not fit: 6 of the buffer's 8 bytes"), "{err}");
-        assert!(fixed.extend_from_within(0..3).is_err());
-        fixed.extend_from_within(0..2).unwrap();
-        assert_eq!(fixed.filled(), b"abcdefab");
+        append(&mut fixed, b"gh").unwrap();
+        assert_eq!(fixed.filled(), b"abcdefgh");
         assert_eq!(fixed.capacity(), 8);
     }
 }

@@ -4,8 +4,8 @@
 //! Each sample is read with one positioned read straight into the batch buffer. When every field
 //! is wanted, the payloads stay where the read put them (the TAR headers between them travel
 //! along, ~1 KiB per sample, cheaper than moving 20 KiB); when only some fields are wanted, the
-//! wanted payloads are moved down over the rest, in place, so unwanted fields never cross the
-//! socket.
+//! wanted payloads are moved down over the rest, in place and in the shard's order (whatever order
+//! the fields are asked in), so unwanted fields never cross the socket.
 //!
 //! The same builder gathers an rdma batch straight into its registered staging buffer
 //! ([`InlineBatchBuilder::into_parts`] over a [`Fixed`] buffer): the bytes are laid out as an
@@ -14,6 +14,8 @@
 //! A batch whose bytes do not fit one message (the 512 MiB message limit, or a lower limit set
 //! with `SHARDSTREAM_INLINE_MESSAGE_BYTES`, a knob for tests) is sent as several parts, each a
 //! run of whole samples; the client joins them.
+
+use std::ops::Range;
 
 use bytes::Bytes;
 use shardstream_proto::{FieldColumn, InlineBatch};
@@ -66,6 +68,10 @@ pub struct InlineBatchBuilder<B = Vec<u8>> {
     /// True when the consumer wants every field of the dataset (no compaction needed).
     all_fields: bool,
     loc: SampleLocation,
+    /// The current sample's payload for each column (None: the sample lacks the field).
+    found: Vec<Option<Range<usize>>>,
+    /// The wanted payloads' (start, column) in the shard's order, for [`Self::compact`].
+    order: Vec<(usize, usize)>,
     payload_bytes: u64,
 }
 
@@ -100,6 +106,8 @@ impl<B: Append> InlineBatchBuilder<B> {
             data,
             all_fields,
             loc: SampleLocation::default(),
+            found: Vec::with_capacity(fields.len()),
+            order: Vec::with_capacity(fields.len()),
             payload_bytes: 0,
         }
     }
@@ -109,34 +117,21 @@ impl<B: Append> InlineBatchBuilder<B> {
         let region_start = self.data.len();
         shard.table.read_sample(&shard.file, local, &mut self.data, &mut self.loc)?;
         let sample_index = self.keys.len() as u32;
-        let mut write = region_start;
-        for col in &mut self.columns {
-            // A sample has a handful of fields: a linear search beats any map here.
-            let found = self.loc.fields().iter().find(|(name, _)| *name == col.name).map(|(_, r)| r.clone());
+        self.found.clear();
+        for col in &self.columns {
+            self.found.push(self.loc.field(&col.name));
+        }
+        if !self.all_fields {
+            self.compact(region_start).map_err(|why| {
+                crate::Error::invalid(format!("sample {} of {}: {why}", self.loc.key, shard.file.name))
+            })?;
+        }
+        for (col, found) in self.columns.iter_mut().zip(&self.found) {
             match found {
                 Some(range) => {
-                    let len = range.len();
-                    let start = if self.all_fields {
-                        range.start
-                    } else {
-                        // Payloads appear in shard order and are written in column order, so
-                        // only move when that order agrees; otherwise copy to the end.
-                        if range.start >= write {
-                            self.data.filled_mut().copy_within(range.clone(), write);
-                            write += len;
-                            write - len
-                        } else {
-                            let at = self.data.len();
-                            // Only a fixed buffer (rdma) can refuse: name the sample.
-                            self.data.extend_from_within(range).map_err(|e| {
-                                crate::Error::invalid(format!("sample {} of {}: {e}", self.loc.key, shard.file.name))
-                            })?;
-                            at
-                        }
-                    };
-                    col.starts.push(start as u64);
-                    col.lengths.push(len as u64);
-                    self.payload_bytes += len as u64;
+                    col.starts.push(range.start as u64);
+                    col.lengths.push(range.len() as u64);
+                    self.payload_bytes += range.len() as u64;
                 }
                 None => {
                     col.starts.push(0);
@@ -145,26 +140,32 @@ impl<B: Append> InlineBatchBuilder<B> {
                 }
             }
         }
-        if !self.all_fields {
-            // Everything past the last moved payload is headers or unwanted fields, unless a
-            // payload was appended after the region (rare order mismatch): keep those.
-            let end_of_region = self.region_end(region_start);
-            if end_of_region <= write {
-                self.data.truncate(write);
-            }
-        }
         self.keys.push(std::mem::take(&mut self.loc.key));
         Ok(())
     }
 
-    /// The furthest byte any column of the current sample points at.
-    fn region_end(&self, region_start: usize) -> usize {
-        self.columns
-            .iter()
-            .filter_map(|c| Some(c.starts.last()? + c.lengths.last()?))
-            .map(|e| e as usize)
-            .max()
-            .unwrap_or(region_start)
+    /// Moves the current sample's wanted payloads (`found`) down over its headers and unwanted
+    /// fields, in place, and drops what is left after them. They are moved in the shard's order,
+    /// whatever order the columns ask for: each lands at or before its own start and after every
+    /// payload that precedes it, so no move overwrites bytes a later one has still to take.
+    fn compact(&mut self, region_start: usize) -> std::result::Result<(), String> {
+        self.order.clear();
+        self.order.extend(self.found.iter().enumerate().filter_map(|(i, r)| Some((r.as_ref()?.start, i))));
+        self.order.sort_unstable();
+        let mut write = region_start;
+        for &(start, i) in &self.order {
+            let Some(range) = self.found[i].clone() else { continue };
+            if start < write {
+                // Two wanted fields over the same bytes: the earlier move has overwritten them.
+                return Err(format!("field {:?} overlaps another field", self.columns[i].name));
+            }
+            let len = range.len();
+            self.data.filled_mut().copy_within(range, write);
+            self.found[i] = Some(write..write + len);
+            write += len;
+        }
+        self.data.truncate(write);
+        Ok(())
     }
 
     /// Bytes gathered so far, TAR headers included: what the message will carry.
