@@ -183,34 +183,48 @@ fn s3_segments(key: &str) -> std::result::Result<Vec<String>, String> {
     Ok(out)
 }
 
-/// An absolute path, normalised lexically and then through symlinks as far as it exists.
+/// An absolute path as the kernel walks it: each existing component's symlinks are followed
+/// before the `..` after it is taken (`root/link/..` is the parent of the link's target, not
+/// `root`), so a link inside a root that points outside it does not pass, however it is reached.
+/// Components past the last existing one are taken lexically: nothing can link through them yet.
 fn resolve(path: &Path) -> std::result::Result<PathBuf, String> {
     if !path.is_absolute() {
         return Err(format!("{} is not an absolute path", path.display()));
     }
-    let mut norm = PathBuf::from("/");
+    let mut real = PathBuf::from("/");
+    // `real` exists and has no symlink in it.
+    let mut exists = true;
+    let canonical = |p: &Path| match std::fs::canonicalize(p) {
+        Ok(r) => Ok(Some(r)),
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => Ok(None),
+        Err(e) => Err(format!("cannot resolve {}: {e}", p.display())),
+    };
     for c in path.components() {
         match c {
-            Component::Normal(n) => norm.push(n),
+            Component::Normal(n) => {
+                real.push(n);
+                if exists {
+                    match canonical(&real)? {
+                        Some(r) => real = r,
+                        // A link to nothing yet: where it leads once its target appears is unknown.
+                        None if real.symlink_metadata().is_ok_and(|m| m.is_symlink()) => {
+                            return Err(format!("{} is a symbolic link to a path that does not exist", real.display()));
+                        }
+                        None => exists = false,
+                    }
+                }
+            }
             Component::ParentDir => {
-                norm.pop();
+                real.pop();
+                // Back over the missing part: what remains may exist (and hold links) again.
+                if !exists && let Some(r) = canonical(&real)? {
+                    real = r;
+                    exists = true;
+                }
             }
             Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
         }
     }
-    // Resolve symlinks in the longest existing ancestor, so a link inside a root that points
-    // outside it does not pass.
-    let mut existing = norm.clone();
-    let mut rest = Vec::new();
-    while !existing.try_exists().map_err(|e| format!("cannot resolve {}: {e}", existing.display()))? {
-        match existing.file_name() {
-            Some(n) => rest.push(n.to_owned()),
-            None => break,
-        }
-        existing.pop();
-    }
-    let mut real = std::fs::canonicalize(&existing).unwrap_or(existing);
-    real.extend(rest.iter().rev());
     Ok(real)
 }
 
@@ -331,6 +345,9 @@ mod tests {
         // Links that stay inside, and `..` over real directories, are still allowed.
         assert!(l.check(ALICE, &at("inside/../sub")).is_ok());
         assert!(l.check(ALICE, &at("sub/../sub/new")).is_ok());
+        // A link to nothing may lead anywhere once its target is made.
+        std::os::unix::fs::symlink(outside.join("later"), root.join("dangling")).unwrap();
+        assert!(l.check(ALICE, &at("dangling")).is_err());
     }
 
     #[test]
