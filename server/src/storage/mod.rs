@@ -257,7 +257,8 @@ fn brace_alternatives(body: &str, pattern: &str) -> Result<Vec<String>> {
         if a > b {
             return Err(Error::invalid(format!("empty range {{{body}}} in pattern {pattern}")));
         }
-        let count = b - a + 1;
+        // {0..18446744073709551615} has one name more than a u64 counts.
+        let count = (b - a).saturating_add(1);
         if count > MAX_PATTERN_NAMES as u64 {
             return Err(Error::invalid(format!("pattern {pattern} expands to more than {MAX_PATTERN_NAMES} names")));
         }
@@ -375,7 +376,15 @@ mod tests {
 
     #[test]
     fn rejects_bad_patterns() {
-        for p in ["x-{1..", "x-{2..1}.tar", "x-{}.tar", "x-{a{b}}.tar", "x}.tar", "x-{1..99999999999}", "x-{0..18446744073709551615}.tar"] {
+        for p in [
+            "x-{1..",
+            "x-{2..1}.tar",
+            "x-{}.tar",
+            "x-{a{b}}.tar",
+            "x}.tar",
+            "x-{1..99999999999}",
+            "x-{0..18446744073709551615}.tar",
+        ] {
             assert!(expand_braces(p).is_err(), "{p}");
         }
         assert!(DatasetUrl::parse("/d/{a,b}/x.tar").is_err());
