@@ -145,6 +145,11 @@ class Batch(dict[str, Any]):
     array; over shared memory it lies in a slot of the stream's ring, held until every array is
     gone. ``release()`` hands the slot back at once: the daemon then reuses it, so the arrays must
     not be used afterwards (copy what you keep, e.g. ``torch.from_numpy(a.copy())``).
+
+    A Parquet batch (the dict form) lies in a ring slot the same way: its zero-copy values
+    (fixed-width arrays, binary memoryviews) are views of the record batch's buffers, which hold
+    the slot until every one of them is gone; after ``release()`` (once every batch cut from the
+    same message has been released) they must not be used either.
     """
 
     __slots__ = ("_native",)

@@ -32,12 +32,17 @@ and the batch's results are combined by ``collate_fn`` (default
 ``torch.utils.data.default_collate``); ``batch_transform`` is called once per batch with the whole
 batch (``"__key__"`` -> list of str, field -> list of memoryviews; with ``format="arrow"`` the
 ``pyarrow.RecordBatch``, where ``transform`` is refused) and its result is yielded as is.
-Either runs where the batch is read: in each worker, or in the trainer with ``num_workers=0``. The
-batch's lease on the daemon's memory is released as soon as the transform returns; memoryviews
-stay readable afterwards, but with ``collate="stack"`` the arrays' ring slot is reused, so a
-transform's result must not keep views of them (copy what you keep). An exception raised by the
-transform reaches the trainer as the DataLoader re-raises it (its type, with the sample's key in
-the worker's traceback).
+Either runs where the batch is read: in each worker, or in the trainer with ``num_workers=0``.
+Nothing a transform returns is ever overwritten. A batch of WebDataset shards returns its lease
+on them as soon as the transform returns (its memoryviews stay readable: the daemon at most
+unlinks a shard's cache copy). A batch that lies in a slot of the stream's ring (Parquet
+datasets, ``collate="stack"``) keeps its slot until nothing refers to it any more: a result that
+holds a view of it (a tensor over a column, a memoryview of a binary value, a 0-d tensor of a
+sample's value with a ``collate_fn`` that does not stack) keeps the slot, and the ring has 8 by
+default; so a trainer that keeps such results of that many batches stalls its own stream. Copy
+what you keep (``.clone()``, ``bytes(view)``); ``default_collate`` copies as it stacks. An
+exception raised by the transform reaches the trainer as the DataLoader re-raises it (its type,
+with the sample's key in the worker's traceback).
 
 With the default collate, a batch's large tensors (1 MiB and up, such as a batch of decoded
 images) are stacked into memory reused once the trainer holds no tensor, view or numpy array over
@@ -78,7 +83,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from . import Batch, Loader, resolve_address
+from . import Batch, Loader, _native, resolve_address
 from ._batch_memory import BatchMemory, Pooled
 
 
@@ -111,8 +116,9 @@ def _transform_batch(
     batch_transform: Callable[[Any], Any] | None,
     collate_fn: Callable[[list[Any]], Any],
 ) -> Any:
-    """Runs the user's transform over one batch of zero-copy views, then returns the batch's lease
-    (only the result lives on: in a worker, it is what gets pickled to the trainer)."""
+    """Runs the user's transform over one batch of zero-copy views (only the result lives on: in a
+    worker, it is what gets pickled to the trainer), then returns the batch's lease where what
+    the result may keep outlives it (`_release_early`)."""
     try:
         if batch_transform is not None:
             return batch_transform(batch)
@@ -128,10 +134,21 @@ def _transform_batch(
                 raise
         return collate_fn(out)
     finally:
-        # A dict batch holds its lease until released; an Arrow batch's buffers hold its slot
-        # until they are gone (once the transform's result no longer refers to them).
-        if isinstance(batch, Batch):
-            batch.release(at_once=False)
+        _release_early(batch)
+
+
+def _release_early(batch: Any) -> None:
+    """Returns the lease of a batch its transform is done with, if the values the batch handed
+    out stay valid without it: memoryviews into WebDataset shards (the daemon may then evict a
+    node-cache copy, which it only ever unlinks; a shard read in place was read into the batch's
+    own memory). Not a batch that lies in a ring slot (Arrow/Parquet, ``collate="stack"``): the
+    daemon rewrites a released slot, so its arrays, tensors and memoryviews, which the
+    transform's result may keep, hold the slot themselves until the last of them is gone (when
+    the batch is dropped, if the result keeps none). A ``pyarrow.RecordBatch``
+    (``format="arrow"``) has no lease of its own: its buffers hold the slot."""
+    native = getattr(batch, "_native", None) if isinstance(batch, Batch) else None
+    if isinstance(native, _native.Batch) and not (native.arrow or native.packed):
+        native.release(False)
 
 
 class IterableDataset(torch.utils.data.IterableDataset[Any]):
