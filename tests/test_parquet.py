@@ -1216,6 +1216,25 @@ def test_what_a_transform_keeps_of_a_dict_batch_is_never_overwritten(daemon, tmp
     check()
 
 
+def test_the_schema_a_stream_keeps_holds_no_ring_slot(daemon, tmp_path: Path) -> None:
+    """The reader keeps a stream's schema message to read each later batch past it. It kept a
+    slice of the first message's buffer, which holds that message's ring slot (one of the
+    stream's 8 credits) for as long as the stream lasts, after every batch of the message is
+    gone. The kept bytes must be a copy, outside the ring, and later batches still read past
+    them."""
+    root = fixed_rows(tmp_path)
+    loader = shardstream.Loader(str(root), batch_size=4, seed=2, connect=daemon.addr, transport="shm")
+    it = iter(loader)
+    first = next(it)
+    assert any(lo <= first["id"].ctypes.data < hi for lo, hi in mapped_memfds()), "the batch is not in the ring"
+    prefix = loader._arrow_reader._prefix
+    assert prefix is not None and prefix.size > 8
+    assert not any(lo <= prefix.address < hi for lo, hi in mapped_memfds()), "the kept schema message is in the ring"
+    ids = first["id"].tolist() + [i for b in it for i in b["id"].tolist()]
+    assert sorted(ids) == list(range(1000))
+    assert loader._arrow_reader is not None and loader._arrow_reader._prefix is prefix
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_transform_that_keeps_nothing_never_stalls_the_ring(daemon, varied, workers: int) -> None:
