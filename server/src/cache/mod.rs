@@ -16,6 +16,9 @@
 //! - **A full disk evicts instead of failing**: when a write hits ENOSPC the capacity is lowered
 //!   to what the disk really holds and the fill is retried once after evicting; only if that
 //!   fails too does the stream get an error naming the cache directory.
+//! - **One daemon per directory**: the cache holds an `flock` on `<cache-dir>/lock` for its
+//!   life. A second daemon on the same directory would take the first one's fills in progress for
+//!   a crash's leftovers and delete them, and evict files the first still serves: it is refused.
 //!
 //! - **Derived entries** (keys starting [`DERIVED_PREFIX`]: row groups this daemon decoded, see
 //!   `format::parquet::kept`) are made from other bytes and can be made again, so they are
@@ -61,6 +64,9 @@ const DEFAULT_CAPACITY_SHARE: f64 = 0.9;
 /// How long a stream waits for pinned shards to be released when the cache is full before it
 /// fails: long enough for other streams to move on from their current shards.
 const SPACE_WAIT: Duration = Duration::from_secs(60);
+
+/// The lock file in the cache directory (see the module docs).
+pub const LOCK_FILE: &str = "lock";
 
 /// Fills retried after ENOSPC (each after lowering the capacity to what the disk holds): more
 /// than one, because concurrent fills can hit a full disk together.
@@ -129,6 +135,8 @@ pub struct NodeCache {
     /// Whether this run published a derived entry (unsynced): only then does [`NodeCache::close`]
     /// sync the file system.
     wrote_derived: std::sync::atomic::AtomicBool,
+    /// The `flock` on [`LOCK_FILE`], released with the cache (and by the kernel at exit).
+    _lock: File,
 }
 
 impl std::fmt::Debug for NodeCache {
@@ -184,6 +192,8 @@ impl NodeCache {
     pub fn open(cache_dir: &Path, capacity: Option<u64>, policy: Policy) -> Result<Arc<Self>> {
         let dir = cache_dir.join(SHARDS_DIR);
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create cache directory", &dir, e))?;
+        // Before anything below deletes or evicts: those files may be another daemon's.
+        let lock = lock_dir(cache_dir)?;
         // Consumed now, and durably: should this daemon crash, the derived entries it writes
         // unsynced must not be trusted by the next one.
         let marker = cache_dir.join(CLEAN_MARKER);
@@ -247,6 +257,7 @@ impl NodeCache {
             closed: RwLock::new(false),
             keep_derived: std::sync::atomic::AtomicBool::new(true),
             wrote_derived: std::sync::atomic::AtomicBool::new(false),
+            _lock: lock,
         });
         cache.publish_gauges();
         Ok(cache)
@@ -577,6 +588,28 @@ impl NodeCache {
 }
 
 /// Bytes of the files in `dir` (the shards directory: ready copies and fills in progress).
+/// Opens and locks `<cache_dir>/lock` (see the module docs); refused while another daemon holds it.
+fn lock_dir(cache_dir: &Path) -> Result<File> {
+    let path = cache_dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io("cannot open the node cache's lock file", &path, e))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(Error::invalid(format!(
+            "the node cache {} is in use by another shardstream daemon (it holds {}): connect to that \
+             daemon, or give this one a --cache-dir of its own (SHARDSTREAM_CACHE_DIR for a server \
+             started inside a trainer)",
+            cache_dir.display(),
+            path.display()
+        ))),
+        Err(e) => Err(Error::io("cannot lock", &path, e.into())),
+    }
+}
+
 fn bytes_in(dir: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
     entries.filter_map(|e| e.ok()?.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
