@@ -63,10 +63,11 @@ class BatchReader:
 
     Every batch of a stream begins with the same schema message. Parsing it again for each batch
     (``pyarrow.ipc.open_stream``) was a fixed cost per batch, large beside a batch of small rows; so
-    the first batch is opened as a stream and its schema message kept, and each later batch whose
-    bytes begin with that same message is read past it (``pyarrow.ipc.read_record_batch`` with the
-    kept schema). A batch that begins otherwise, or a schema with dictionary columns (their
-    dictionaries travel in the stream, between schema and batch), is opened as a whole stream.
+    the first batch is opened as a stream and its schema message kept (a copy: the first batch's
+    slot goes back to the daemon with the batch), and each later batch whose bytes begin with that
+    same message is read past it (``pyarrow.ipc.read_record_batch`` with the kept schema). A batch
+    that begins otherwise, or a schema with dictionary columns (their dictionaries travel in the
+    stream, between schema and batch), is opened as a whole stream.
 
     A stream with views (``views=True``: ``binary_views``) is opened in native code instead
     (``_native.ArrowReader``): it decodes the stream the same way, rebuilds the view columns as
@@ -79,7 +80,7 @@ class BatchReader:
 
     def __init__(self, views: bool = False) -> None:
         self._schema: Any = None
-        self._prefix: Any = None  # the schema message's bytes (a pyarrow.Buffer)
+        self._prefix: Any = None  # the schema message's bytes (a pyarrow.Buffer of its own)
         self._schema_has_row = False
         self._native = _native.ArrowReader() if views else None
         self._generation = -1  # the native reader's schema generation `_schema` is of
@@ -136,7 +137,9 @@ class BatchReader:
         head = np.frombuffer(buf, dtype="<i4", count=2) if buf.size >= 8 else None
         if head is None or head[0] != -1 or head[1] <= 0 or 8 + int(head[1]) >= buf.size:
             return
-        self._schema, self._prefix = schema, buf.slice(0, 8 + int(head[1]))
+        # A copy (a few hundred bytes once a stream): a slice of `buf` would hold the first
+        # message's ring slot, one of the stream's credits, for as long as the stream lasts.
+        self._schema, self._prefix = schema, pa.py_buffer(buf.slice(0, 8 + int(head[1])).to_pybytes())
         self._schema_has_row = ROW in schema.names
 
 
