@@ -15,7 +15,9 @@
 //!   than the cache would fill the disk with copies its trainers still map.
 //! - **A full disk evicts instead of failing**: when a write hits ENOSPC the capacity is lowered
 //!   to what the disk really holds and the fill is retried once after evicting; only if that
-//!   fails too does the stream get an error naming the cache directory.
+//!   fails too does the stream get an error naming the cache directory. Once the disk has room
+//!   again (measured at most once a second, and before refusing a shard as larger than the
+//!   cache), the capacity rises back towards what was configured.
 //! - **One daemon per directory**: the cache holds an `flock` on `<cache-dir>/lock` for its
 //!   life. A second daemon on the same directory would take the first one's fills in progress for
 //!   a crash's leftovers and delete them, and evict files the first still serves: it is refused.
@@ -64,6 +66,10 @@ const DEFAULT_CAPACITY_SHARE: f64 = 0.9;
 /// How long a stream waits for pinned shards to be released when the cache is full before it
 /// fails: long enough for other streams to move on from their current shards.
 const SPACE_WAIT: Duration = Duration::from_secs(60);
+
+/// How often a capacity lowered by a full disk is measured again, to raise it once the disk has
+/// room (the other user's files are gone).
+const REGAIN_EVERY: Duration = Duration::from_secs(1);
 
 /// The lock file in the cache directory (see the module docs).
 pub const LOCK_FILE: &str = "lock";
@@ -135,6 +141,10 @@ pub struct NodeCache {
     /// Whether this run published a derived entry (unsynced): only then does [`NodeCache::close`]
     /// sync the file system.
     wrote_derived: std::sync::atomic::AtomicBool,
+    /// The capacity given at open: a full disk lowers the table's, never above this.
+    configured: u64,
+    /// When a full disk lowered the capacity, the last time the disk was measured to raise it.
+    lowered_at: Mutex<Option<Instant>>,
     /// The `flock` on [`LOCK_FILE`], released with the cache (and by the kernel at exit).
     _lock: File,
 }
@@ -257,6 +267,8 @@ impl NodeCache {
             closed: RwLock::new(false),
             keep_derived: std::sync::atomic::AtomicBool::new(true),
             wrote_derived: std::sync::atomic::AtomicBool::new(false),
+            configured: capacity,
+            lowered_at: Mutex::new(None),
             _lock: lock,
         });
         cache.publish_gauges();
@@ -411,7 +423,9 @@ impl NodeCache {
         fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
     ) -> Result<Option<Pin>> {
         let mut disk_full_retries = 0;
+        let mut measured_for_this = false;
         let started = Instant::now();
+        self.regain_capacity(false);
         loop {
             let ev = self.eviction();
             let begun = {
@@ -426,6 +440,14 @@ impl NodeCache {
                                 .0;
                         }
                         Begin::NoSpace { needed, evictable } if want.wait => {
+                            if needed > t.capacity() && !measured_for_this && self.is_lowered() {
+                                // Lowered by a full disk that may have room again by now.
+                                measured_for_this = true;
+                                drop(t);
+                                self.regain_capacity(true);
+                                t = self.lock();
+                                continue;
+                            }
                             if needed > t.capacity() {
                                 return Err(Error::CacheFull(format!(
                                     "its copy ({needed} bytes) is larger than the node cache ({} bytes in {}; entry \
@@ -525,6 +547,8 @@ impl NodeCache {
                             let real = (on_disk + free).max(t.used()).min(t.capacity());
                             tracing::warn!(dir = %self.dir.display(), capacity = real, "cache disk full, lowering capacity");
                             t.set_capacity(real);
+                            let mut at = self.lowered_at.lock().unwrap_or_else(|p| p.into_inner());
+                            *at = Some(at.unwrap_or_else(Instant::now));
                         }
                         bytes <= t.capacity()
                     };
@@ -545,6 +569,42 @@ impl NodeCache {
                 }
             }
         }
+    }
+
+    fn is_lowered(&self) -> bool {
+        self.lowered_at.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Raises a capacity that a full disk lowered back towards the configured one, as far as the
+    /// disk now has room: the cache's own files plus the free space, measured as when it was
+    /// lowered. At most once a [`REGAIN_EVERY`] unless `now`; nothing to do while not lowered.
+    fn regain_capacity(&self, now: bool) {
+        {
+            let mut at = self.lowered_at.lock().unwrap_or_else(|p| p.into_inner());
+            match *at {
+                None => return,
+                Some(t) if !now && t.elapsed() < REGAIN_EVERY => return,
+                Some(_) => *at = Some(Instant::now()),
+            }
+        }
+        // Measured without the table's lock (I/O), like the lowering.
+        let Some(free) = free_bytes(&self.dir) else { return };
+        let held = bytes_in(&self.dir);
+        let raised = {
+            let mut t = self.lock();
+            let real = held.max(t.ready_bytes()).saturating_add(free).min(self.configured);
+            if real <= t.capacity() {
+                return;
+            }
+            t.set_capacity(real);
+            real
+        };
+        if raised == self.configured {
+            *self.lowered_at.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        tracing::info!(dir = %self.dir.display(), capacity = raised, "cache disk has room again, raising capacity");
+        self.changed.notify_all();
+        self.publish_gauges();
     }
 
     fn remove_evicted(&self, evicted: &[String]) {
