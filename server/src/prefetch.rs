@@ -39,6 +39,11 @@ const DEFAULT_RATE: f64 = 1000.0;
 /// How often the plan is recomputed without an event (new consumer, fetch done, progress).
 const TICK: Duration = Duration::from_millis(100);
 
+/// How long a shard whose prefetch failed is left to the streams before it is prefetched again: a
+/// changed or damaged object fails every try (each up to three downloads), and retrying it every
+/// tick would spend the network and the server on it while the consumers are elsewhere.
+const FAILED_RETRY: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Clone)]
 pub struct PrefetchConfig {
     /// How far ahead of each consumer to fetch, in seconds of its consumption.
@@ -128,7 +133,9 @@ impl UseSpans {
 /// selects, `service::projected`): the prefetcher asks it for a shard's cache key and fetch.
 pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
     fn key(&self, shard: usize) -> Option<String>;
-    fn fetch(&self, shard: usize, want: Want) -> crate::Result<()>;
+    /// True when the copy is in the cache; false when the cache gave up (no room, or another fill
+    /// of it under way).
+    fn fetch(&self, shard: usize, want: Want) -> crate::Result<bool>;
 }
 
 /// One active stream as the prefetcher sees it.
@@ -227,6 +234,8 @@ pub struct Prefetcher {
     /// Cache key -> seconds until its next use by any consumer (as of the last tick).
     next_use: RwLock<HashMap<String, f64>>,
     inflight: Mutex<HashSet<String>>,
+    /// Shards whose prefetch failed, and when they may be tried again ([`FAILED_RETRY`]).
+    failed: Mutex<HashMap<String, Instant>>,
     wake: (Mutex<bool>, Condvar),
     horizon_s: Mutex<f64>,
     stopped: AtomicBool,
@@ -272,6 +281,7 @@ impl Prefetcher {
             next_id: AtomicU64::new(0),
             next_use: RwLock::default(),
             inflight: Mutex::default(),
+            failed: Mutex::default(),
             wake: (Mutex::new(false), Condvar::new()),
             horizon_s: Mutex::new(0.0),
             stopped: AtomicBool::new(false),
@@ -397,8 +407,10 @@ impl Prefetcher {
 
         wanted.sort_by(|a, b| a.0.total_cmp(&b.0));
         wanted.dedup_by(|a, b| a.1 == b.1);
+        let now = Instant::now();
+        self.failed.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, retry| *retry > now);
         for (secs, key) in wanted {
-            if self.cache.is_present(&key) {
+            if self.cache.is_present(&key) || self.failed.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key) {
                 continue;
             }
             {
@@ -419,16 +431,26 @@ impl Prefetcher {
                 let want = Want { urgency: secs, wait: false };
                 let fetched = match &c.projected {
                     Some(p) => p.fetch(shard, want),
-                    None => ds.fetch(shard, want).map(|_| ()),
+                    None => ds.fetch(shard, want).map(|pin| pin.is_some()),
                 };
-                match fetched {
-                    Ok(()) => {}
+                let brought_in = match fetched {
+                    Ok(done) => done,
                     Err(e) => {
-                        tracing::warn!(dataset = %ds.url, shard = %ds.shards[shard].name, error = %e, "prefetch failed")
+                        tracing::warn!(dataset = %ds.url, shard = %ds.shards[shard].name, error = %e, "prefetch failed");
+                        me.failed
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(fetching.clone(), Instant::now() + FAILED_RETRY);
+                        false
                     }
-                }
+                };
                 me.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&fetching);
-                me.wake();
+                // Only a shard brought in frees the way for the next one at once. A prefetch that
+                // gave up (no room: everything cached is needed sooner) or failed is tried again
+                // at the next tick: waking now would start the same refusals back to back.
+                if brought_in {
+                    me.wake();
+                }
             });
             if let Err(e) = spawned {
                 // It never started, so it is not in flight; counted so, it would hold its slot for

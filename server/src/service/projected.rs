@@ -114,9 +114,9 @@ impl crate::prefetch::ProjectedFetch for ProjectedReads {
         self.files.get(&shard).map(|(_, k)| k.clone())
     }
 
-    fn fetch(&self, shard: usize, want: Want) -> Result<()> {
+    fn fetch(&self, shard: usize, want: Want) -> Result<bool> {
         let (pf, key) = self.file(shard)?;
-        self.ds.fetch_projected(shard, pf, key, want).map(|_| ())
+        self.ds.fetch_projected(shard, pf, key, want).map(|pin| pin.is_some())
     }
 }
 

@@ -94,7 +94,7 @@ impl Staging {
     fn fetch(&self, ds: &Dataset, i: usize) -> Result<()> {
         match self {
             Staging::Whole => ds.fetch(i, Want::NOW).map(|_| ()),
-            Staging::Columns(reads) => reads.fetch(i, Want::NOW),
+            Staging::Columns(reads) => reads.fetch(i, Want::NOW).map(drop),
         }
     }
 }
