@@ -166,7 +166,9 @@ fn read_head(ipc: &Buffer) -> Result<(Known, usize, Option<HashMap<i64, ArrayRef
         .header_as_schema()
         .ok_or_else(|| stream_err(format!("expected a schema message first, found {:?}", message.header_type())))?;
     let received = Arc::new(arrow_ipc::convert::try_fb_to_schema(fb).map_err(stream_err)?);
-    let prefix = ipc.slice_with_length(0, at);
+    // A copy (a few hundred bytes once a stream): a slice would hold the first message's buffer,
+    // its ring slot, for as long as the stream lasts.
+    let prefix = Buffer::from(ipc.as_slice().get(..at).ok_or_else(|| stream_err("its schema message overruns it"))?);
     let mut views = false;
     let fields: Fields = received.fields().iter().map(|f| delivered_field(f, &mut views)).collect();
     let delivered = Arc::new(Schema::new_with_metadata(fields, received.metadata().clone()));
