@@ -187,3 +187,33 @@ def test_a_sample_beyond_a_lowered_limit_is_refused_by_name(split_daemon, tmp_pa
         next(iter(loader))
     msg = str(err.value)
     assert "k-000001.tar" in msg and "sample 3" in msg, msg
+
+
+def test_a_batch_split_over_messages_is_sent_as_it_is_read(tmp_path: Path) -> None:
+    """A 160 MiB batch of 512 KiB samples under a 1 MiB message limit: the daemon sends each part as soon as it is
+    made, so its memory grows by a few parts, not by the batch (a client's batch_size times its
+    samples would otherwise be the daemon's memory, shared with every other client on the node)."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    blob = b"z" * (1 << 19)
+    with wds.ShardWriter(str(root / "m-%06d.tar"), maxcount=40, verbose=0) as sink:
+        for i in range(320):
+            sink.write({"__key__": f"m{i:03d}", "bin": blob})
+    d = Daemon(tmp_path / "d", env={"SHARDSTREAM_INLINE_MESSAGE_BYTES": str(1 << 20)}).start()
+    try:
+        assert d.proc is not None
+
+        def peak_mib() -> float:
+            status = Path(f"/proc/{d.proc.pid}/status").read_text()
+            return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
+
+        loader = shardstream.Loader(str(root), batch_size=320, shuffle=False, transport="inline", connect=d.addr)
+        it = iter(loader)
+        before = peak_mib()
+        batch = next(it)
+        grew = peak_mib() - before
+        assert len(batch["__key__"]) == 320 and all(len(v) == 1 << 19 for v in batch["bin"])
+        assert grew < 48, f"the daemon's peak memory grew by {grew:.0f} MiB for one 160 MiB batch"
+        del batch, it, loader
+    finally:
+        assert d.stop() == 0
