@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use foldhash::HashMap;
 
-use shardstream_proto::{FieldColumn, PackedBatch, RdmaBatch, ShmBatch, StreamMessage, stream_message};
+use shardstream_proto::{FieldColumn, InlineBatch, PackedBatch, RdmaBatch, ShmBatch, StreamMessage, stream_message};
 
 use super::stream_plan::oversized_sample;
 use crate::index::{CacheMode, Dataset, LargestSample, Working};
@@ -72,7 +72,11 @@ fn gather<B: Append>(
 
 /// Reads one batch (blocking): one message, or several when the batch's bytes exceed
 /// [`inline::payload_limit`] (each part a run of whole samples; `InlineBatch.more` on all but the
-/// last).
+/// last). Each full part goes to `send_part` as soon as it is made, so a stream holds at most one
+/// part while it reads the next, whatever the batch's size (a batch of 65,536 samples of 1 MiB
+/// would otherwise be 64 GiB of the daemon's memory before its first byte is sent); `send_part`
+/// answers false when the client is gone. Returns the last part, and the batch's payload bytes and
+/// samples over every part.
 pub(super) fn build_batch(
     ds: &Dataset,
     working: &mut Working,
@@ -80,27 +84,29 @@ pub(super) fn build_batch(
     all_fields: bool,
     ids: &[u64],
     index: u64,
-) -> Result<(Vec<StreamMessage>, u64)> {
+    send_part: &mut dyn FnMut(StreamMessage) -> bool,
+) -> Result<(StreamMessage, u64)> {
     let limit = inline::payload_limit();
     let avg = ds.total_bytes().checked_div(ds.num_samples()).unwrap_or(0) as usize;
     let capacity = |n: usize| avg.saturating_mul(n).saturating_add(4096).min(limit as usize);
     working.preload(ds, ids)?;
     let mut b = InlineBatchBuilder::new(fields, all_fields, ids.len(), capacity(ids.len()));
-    let (mut parts, mut bytes) = (Vec::new(), 0);
+    let mut bytes = 0;
     let too_large = || format!("the inline message limit of {}", inline::limit_text());
+    let message = |p: InlineBatch| StreamMessage { kind: Some(stream_message::Kind::InlineBatch(p)) };
     gather(ds, working, ids, &mut b, limit, &too_large, |b, i, region| {
         if !b.is_empty() && b.data_len() as u64 + region > limit {
             let left = ids.len() - i;
             let full = std::mem::replace(b, InlineBatchBuilder::new(fields, all_fields, left, capacity(left)));
             bytes += full.payload_bytes();
-            parts.push(full.finish(index, true));
+            if !send_part(message(full.finish(index, true))) {
+                return Err(Error::Unavailable("stream cancelled".into()));
+            }
         }
         Ok(())
     })?;
     bytes += b.payload_bytes();
-    parts.push(b.finish(index, false));
-    let messages = parts.into_iter().map(|p| StreamMessage { kind: Some(stream_message::Kind::InlineBatch(p)) });
-    Ok((messages.collect(), bytes))
+    Ok((message(b.finish(index, false)), bytes))
 }
 
 /// Reserves a staging buffer of the stream's rdma sender for batch `index` (blocking: may wait

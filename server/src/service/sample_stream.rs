@@ -51,12 +51,17 @@ impl SampleStream {
                 return;
             }
             let started = Instant::now();
-            let built = self.build(&mut working, &ids, range.start / self.core.batch_size);
+            // The parts of a batch split over several messages go out as they are made.
+            let mut sent = 0;
+            let built = self.build(&mut working, &ids, range.start / self.core.batch_size, &mut |part| {
+                sent += samples_in(&part);
+                self.core.send(vec![Ok(part)])
+            });
             self.core.built(started);
             match built {
-                Ok((messages, bytes)) => {
-                    let samples = messages.iter().map(samples_in).sum();
-                    group.extend(messages.into_iter().map(Ok));
+                Ok((message, bytes)) => {
+                    let samples = sent + samples_in(&message);
+                    group.push(Ok(message));
                     self.core.served(samples, bytes, range.end, working.take_wait());
                 }
                 Err(e) => return self.core.fail(group, e),
@@ -78,18 +83,20 @@ impl SampleStream {
         self.core.session.as_ref().is_some_and(|s| !s.ready_now()) || !working.holds_all(&self.core.dataset, ids)
     }
 
-    /// One batch's messages (an inline batch may take several) and its payload bytes.
+    /// One batch's message and its payload bytes. An inline batch split over several messages
+    /// hands the parts before its last to `send_part` as it goes (see [`build_batch`]).
     fn build(
         &self,
         working: &mut Working,
         ids: &[u64],
         index: u64,
-    ) -> Result<(Vec<shardstream_proto::StreamMessage>, u64)> {
+        send_part: &mut dyn FnMut(shardstream_proto::StreamMessage) -> bool,
+    ) -> Result<(shardstream_proto::StreamMessage, u64)> {
         let (ds, fields) = (&*self.core.dataset, &self.fields[..]);
         let cancelled = || self.core.cancelled();
         let built = match &self.core.session {
-            Some(s) => build_shm_batch(ds, working, s, fields, ids, index, &cancelled).map(|(m, b)| (vec![m], b)),
-            None => build_batch(ds, working, fields, self.all_fields, ids, index),
+            Some(s) => build_shm_batch(ds, working, s, fields, ids, index, &cancelled),
+            None => build_batch(ds, working, fields, self.all_fields, ids, index, send_part),
         };
         let dropped = working.end_batch();
         if let Some(s) = &self.core.session

@@ -242,9 +242,6 @@ pub(super) fn plan_stream(
     })
 }
 
-/// Refuses an inline stream with a sample larger than any message before it starts, naming the
-/// sample so it can be found. A batch of many samples beyond the limit is split over several
-/// messages instead (see [`build_batch`](super::batches::build_batch)).
 /// The assembler of the Parquet dataset `ds` (`pq`) for the columns `fields` (empty: all of
 /// them), before any stream's options: its projection is what streams and `Prefetch` key their
 /// column-chunk copies by.
@@ -260,6 +257,9 @@ pub(super) fn assembler(
     BatchAssembler::new(pq.clone(), projection, cache, &id)
 }
 
+/// Refuses an inline stream with a sample larger than any message before it starts, naming the
+/// sample so it can be found. A batch of many samples beyond the limit is split over several
+/// messages instead (see [`build_batch`](super::batches::build_batch)).
 fn check_inline_fits(ds: &Dataset) -> Result<()> {
     if let Some(l) = ds.largest_sample
         && l.bytes > inline::payload_limit()
