@@ -24,6 +24,12 @@ use crate::{Error, Result};
 
 /// Writes one stream may have in flight.
 pub const RDMA_WINDOW: usize = 4;
+/// Largest ring slot a client may offer: the daemon stages [`RDMA_WINDOW`] batches of that size
+/// in registered (pinned) memory per stream, 4 GiB at most. A batch is one slot; larger batches
+/// go over shared memory or inline, which splits them.
+pub const MAX_SLOT_BYTES: u64 = 1 << 30;
+/// Most ring slots a client may offer: a write's immediate data names its slot in 16 bits.
+pub const MAX_SLOTS: u32 = 1 << 16;
 /// How long the progress thread waits in libfabric at a time; a sender that wants the stream
 /// wakes it sooner ([`shardstream_fabric::CompletionQueue::signal`]).
 const PROGRESS_WAIT: Duration = Duration::from_millis(20);
@@ -58,9 +64,7 @@ impl RdmaHub {
     /// Opens this stream's endpoint and sender for the client's offer (blocking: a few
     /// libfabric calls and one registration of the staging buffers).
     pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer) -> Result<RdmaStream> {
-        if offer.slots == 0 || offer.slot_bytes == 0 || offer.address.is_empty() {
-            return Err(Error::invalid("transport \"rdma\": the request carries no usable rdma_offer"));
-        }
+        check_offer(offer)?;
         let provider = match &self.provider {
             Some(p) if !same_provider(p, &offer.provider) => {
                 return Err(Error::invalid(format!(
@@ -104,6 +108,34 @@ impl RdmaHub {
         self.ring_bytes.fetch_add(offer.ring_bytes, Ordering::Relaxed);
         Ok(RdmaStream { hub: self.clone(), sender, address, provider, ring_bytes: offer.ring_bytes })
     }
+}
+
+/// Refuses an offer the daemon cannot or will not serve before anything is opened or registered
+/// for it: the client chooses these sizes, and the daemon's staging memory follows them.
+fn check_offer(offer: &RdmaOffer) -> Result<()> {
+    if offer.slots == 0 || offer.slot_bytes == 0 || offer.address.is_empty() {
+        return Err(Error::invalid("transport \"rdma\": the request carries no usable rdma_offer"));
+    }
+    if offer.slots > MAX_SLOTS {
+        return Err(Error::invalid(format!(
+            "transport \"rdma\": the client's ring has {} slots, more than the {MAX_SLOTS} a write can name",
+            offer.slots
+        )));
+    }
+    if offer.slot_bytes > MAX_SLOT_BYTES {
+        return Err(Error::invalid(format!(
+            "transport \"rdma\": the client's ring slots of {} bytes are larger than the daemon stages ({MAX_SLOT_BYTES} \
+             bytes at most; SHARDSTREAM_RDMA_SLOT_BYTES); use smaller batches, or transport=\"shm\" on the same host",
+            offer.slot_bytes
+        )));
+    }
+    if offer.ring_bytes < u64::from(offer.slots).saturating_mul(offer.slot_bytes) {
+        return Err(Error::invalid(format!(
+            "transport \"rdma\": the client's ring of {} bytes cannot hold {} slots of {} bytes",
+            offer.ring_bytes, offer.slots, offer.slot_bytes
+        )));
+    }
+    Ok(())
 }
 
 /// "tcp" names the same provider stack as "tcp;ofi_rxm" (what libfabric reports for it).
@@ -175,6 +207,26 @@ fn progress_loop(pipe: Weak<RdmaPipe>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn offers_the_daemon_would_stage_without_bound_are_refused() {
+        let ok = RdmaOffer {
+            address: b"127.0.0.1:1".to_vec(),
+            slots: 4,
+            slot_bytes: 32 << 20,
+            ring_bytes: 4 * (32 << 20),
+            ..Default::default()
+        };
+        assert!(check_offer(&ok).is_ok());
+        let refused = |o: RdmaOffer, why: &str| {
+            let e = check_offer(&o).expect_err(why).to_string();
+            assert!(e.contains(why), "{e}");
+        };
+        refused(RdmaOffer { slot_bytes: 64 << 30, ring_bytes: 64 << 30, slots: 1, ..ok.clone() }, "larger than");
+        refused(RdmaOffer { slots: (1 << 16) + 1, slot_bytes: 1, ring_bytes: 1 << 20, ..ok.clone() }, "slots");
+        refused(RdmaOffer { ring_bytes: 1 << 20, ..ok.clone() }, "cannot hold");
+        refused(RdmaOffer { address: Vec::new(), ..ok.clone() }, "no usable");
+    }
 
     #[test]
     fn providers_compare_by_their_core() {
