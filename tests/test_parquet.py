@@ -147,6 +147,33 @@ ALL = ["id", "label", "score", "emb", "tokens", "img", "caption"]
 FLAT = ["id", "label", "score", "img", "caption"]
 
 
+def test_projections_whose_names_run_together_keep_their_own_columns(daemon, tmp_path: Path) -> None:
+    """fields=["a", "bc"] and fields=["ab", "c"] spell the same bytes: the decoded row groups (and
+    S3 column-chunk copies) one projection leaves in the daemon must never serve the other."""
+    root = tmp_path / "names"
+    root.mkdir()
+    n = 300
+    table = pa.table(
+        {
+            name: pa.array(np.arange(n, dtype=np.int64) + base)
+            for name, base in (("a", 0), ("bc", 1000), ("ab", 2000), ("c", 3000))
+        }
+    )
+    pq.write_table(table, root / "part-0.parquet", row_group_size=100)
+    for fields, bases in ((["a", "bc"], (0, 1000)), (["ab", "c"], (2000, 3000))):
+        loader = shardstream.Loader(str(root), batch_size=50, seed=1, fields=fields, connect=daemon.addr)
+        seen = 0
+        for b in loader:
+            rows = np.asarray(b["__row__"]) if "__row__" in b else None
+            for name, base in zip(fields, bases, strict=True):
+                values = np.asarray(b[name])
+                assert ((values >= base) & (values < base + n)).all(), f"{name} holds another column's values"
+                if rows is not None:
+                    assert (values == rows + base).all(), f"{name} differs"
+            seen += len(b[fields[0]])
+        assert seen == n
+
+
 @pytest.mark.parametrize("fields", [None, FLAT], ids=["all", "flat"])
 def test_arrow_form_is_zero_copy_over_the_ring(daemon, varied, fields: list[str] | None) -> None:
     root, rows = varied
