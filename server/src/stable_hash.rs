@@ -69,6 +69,16 @@ pub fn hash(bytes: &[u8]) -> u64 {
     Fnv1a::new().bytes(bytes).finish()
 }
 
+/// FNV-1a of `parts` as a sequence of fields ([`Fnv1a::field`]): ("ab", "c") and ("a", "bc")
+/// differ, as names in a list must.
+pub fn hash_fields<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    let mut h = Fnv1a::new();
+    for p in parts {
+        h.field(p);
+    }
+    h.finish()
+}
+
 /// Plain FNV-1a of the concatenation of `parts`.
 pub fn hash_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
     let mut h = Fnv1a::new();
@@ -89,6 +99,15 @@ mod tests {
         assert_eq!(hash(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(hash(b"foobar"), 0x8594_4171_f739_67e8);
         assert_eq!(hash_parts([&b"foo"[..], b"bar"]), hash(b"foobar"));
+    }
+
+    #[test]
+    fn lists_of_names_are_framed_and_pinned() {
+        // Projection ids: they name decoded row groups and the node cache's column-chunk copies.
+        let a_bc = hash_fields([&b"a"[..], b"bc"]);
+        assert_ne!(a_bc, hash_fields([&b"ab"[..], b"c"]));
+        assert_eq!(a_bc, Fnv1a::new().field(b"a").field(b"bc").finish());
+        assert_eq!(a_bc, 0x4018_01fc_84f3_ca79);
     }
 
     #[test]

@@ -52,7 +52,7 @@ impl ProjectedReads {
         // The same chunks whatever the order the columns were asked in: one copy for both.
         let mut names: Vec<&str> = asm.projection().names().collect();
         names.sort_unstable();
-        let proj_id = crate::stable_hash::hash_parts(names.iter().map(|n| n.as_bytes()));
+        let proj_id = crate::stable_hash::hash_fields(names.iter().map(|n| n.as_bytes()));
         let mut files = HashMap::new();
         let (mut selected, mut total) = (0u64, 0u64);
         // What each way would still download, given what the node cache holds now.

@@ -395,7 +395,7 @@ impl BatchAssembler {
             .iter()
             .map(|f| projection.for_file(&f.table, dataset.key_values(f)).map_err(|e| e.into_error(&f.name)))
             .collect::<Result<Vec<_>>>()?;
-        let projection_id = crate::stable_hash::hash_parts(projection.names().map(str::as_bytes));
+        let projection_id = crate::stable_hash::hash_fields(projection.names().map(str::as_bytes));
         let schema = projection.schema();
         let mut fields = schema.fields().to_vec();
         fields.push(Arc::new(arrow_schema::Field::new(ROW_COLUMN, DataType::UInt64, true)));
