@@ -153,6 +153,15 @@ fn replace_views(a: &ArrayRef, rebuilt: &mut impl Iterator<Item = ArrayRef>) -> 
     }
 }
 
+/// Refuses an arena of `total` bytes that a view's 32-bit offset could not address throughout
+/// (the offsets below are shifted into a view's top 32 bits, and would wrap).
+fn fits_views(total: u64) -> Result<(), ParquetError> {
+    if total > u64::from(u32::MAX) {
+        return Err(ParquetError::ViewsTooLarge { bytes: total });
+    }
+    Ok(())
+}
+
 fn fail(what: &str, e: impl std::fmt::Display) -> ParquetError {
     ParquetError::Io(format!("cannot {what} a shared-memory segment for decoded values: {e}"))
 }
@@ -175,6 +184,7 @@ pub fn into_arena(batch: RecordBatch, name: &str) -> Result<(RecordBatch, Option
             }
         }
     }
+    fits_views(total)?;
     let fd: OwnedFd = rustix::fs::memfd_create(
         format!("shardstream-decoded-{}", std::process::id()),
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -285,6 +295,15 @@ mod tests {
     use super::*;
     use arrow_array::{Int64Array, StringViewArray};
     use arrow_schema::{Field, Schema};
+
+    #[test]
+    fn an_arena_views_could_not_address_is_refused_by_size() {
+        // An offset past 4 GiB shifted into a view's top 32 bits would wrap to another value's.
+        assert!(fits_views(u64::from(u32::MAX)).is_ok());
+        let e = fits_views(1 << 32).unwrap_err();
+        assert!(matches!(e, ParquetError::ViewsTooLarge { bytes } if bytes == 1 << 32), "{e}");
+        assert!(e.to_string().contains("without binary_views"), "{e}");
+    }
 
     fn batch(values: &[Option<&[u8]>]) -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![

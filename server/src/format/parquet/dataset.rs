@@ -746,8 +746,11 @@ impl BatchAssembler {
                         return Ok(kept);
                     }
                     // Not the file's fault: the segment is the daemon's (memory, descriptors).
-                    let (batch, _) = super::arena::into_arena(batch, &file.name).map_err(|e| {
-                        Error::Unavailable(format!("Parquet file {}: a row group for binary_views: {e}", file.name))
+                    let (batch, _) = super::arena::into_arena(batch, &file.name).map_err(|e| match e {
+                        ParquetError::ViewsTooLarge { .. } => {
+                            Error::invalid(format!("Parquet file {}: row group {rg}: {e}", file.name))
+                        }
+                        e => Error::Unavailable(format!("Parquet file {}: a row group for binary_views: {e}", file.name)),
                     })?;
                     Ok(batch)
                 }

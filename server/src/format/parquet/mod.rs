@@ -132,6 +132,12 @@ pub enum ParquetError {
     SlotTooSmall { needed: usize, capacity: usize },
     #[error("I/O: {0}")]
     Io(String),
+    /// A row group whose out-of-line binary values do not fit the 32-bit offsets of views.
+    #[error(
+        "its binary values total {bytes} bytes, over the 4 GiB a binary view can address: read it without \
+         binary_views, or write the file with smaller row groups"
+    )]
+    ViewsTooLarge { bytes: u64 },
 }
 
 impl ParquetError {
