@@ -46,7 +46,8 @@ pub fn projected_bytes(table: &ParquetTable, rg: usize, proj: &FileProjection) -
         .enumerate()
         .filter(|&(c, _)| proj.mask.leaf_included(c))
         .map(|(_, chunk)| u64::try_from(chunk.uncompressed_size()).unwrap_or(0))
-        .sum()
+        // The sizes are the footer's, any i64: summed as they are, two near i64::MAX would wrap.
+        .fold(0, u64::saturating_add)
 }
 
 /// `ranges` sorted by start, overlapping ones and ones at most [`MERGE_GAP`] apart made one.
