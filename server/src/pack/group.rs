@@ -345,6 +345,22 @@ mod tests {
         p.iter().map(|s| s.to_string()).collect()
     }
 
+    #[test]
+    fn metadata_names_as_fields_are_refused() {
+        // A member x.__key__ would be read back as the sample's key by webdataset (which then
+        // finds the key twice), by shardstream's loader (the batch's "__key__" replaced by its
+        // bytes) and in a Parquet shard (two columns named __key__).
+        let r = Reporter::new(false, &());
+        let cat =
+            Catalog::build(paths(&["a/x.jpg", "a/x.__key__", "a/y.jpg", "a/y.__URL__"]), GroupOptions::default(), &r)
+                .unwrap();
+        assert_eq!(r.counts().get(&BadKind::BadKey), Some(&2));
+        assert!(cat.fields.iter().all(|f| !f.starts_with("__")), "{:?}", cat.fields);
+        assert_eq!(key_problem("a/x", "__key__"), key_problem("a/x", "__url__"));
+        assert!(key_problem("a/x", "__key__").is_some());
+        assert!(key_problem("a/x", "_x_").is_none());
+    }
+
     /// (key, [(field, path)], class) of every sample.
     type Listing = Vec<(String, Vec<(String, String)>, Option<u32>)>;
 
