@@ -164,6 +164,9 @@ fn key_problem(key: &str, field: &str) -> Option<&'static str> {
     if field.contains('/') || field.contains('\0') || key.contains('\0') {
         return Some("field contains '/' or NUL");
     }
+    if field.len() >= 4 && field.starts_with("__") && field.ends_with("__") {
+        return Some("a field __like_this__ is reserved for WebDataset metadata (__key__, __url__)");
+    }
     None
 }
 
