@@ -464,12 +464,15 @@ def test_pack_parquet_to_s3_serves_views_from_the_node_cache_copies(tmp_path: Pa
         assert d.stop() == 0
 
 
-def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree) -> None:
+@pytest.mark.parametrize("resume_on", ["this machine", "another machine"])
+def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree, resume_on: str) -> None:
+    # Another machine has none of the pack's local state: only what the bucket holds.
     src, _, local = s3_tree
     env = s3_env(s3, tmp_path / "cache")
+    out = f"s3://out/killed-{resume_on.split()[0]}/"
     s3.bucket("out")
     proc = subprocess.Popen(
-        [SHARDSTREAM, "pack", str(src), "--output", "s3://out/killed/", *S3_OPTS],
+        [SHARDSTREAM, "pack", str(src), "--output", out, *S3_OPTS],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
@@ -485,9 +488,13 @@ def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree) ->
     assert proc.poll() is None, "pack finished before it could be killed; make the tree larger"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    prefix = s3.root / "out" / "killed"
+    prefix = s3.root / "out" / out.removeprefix("s3://out/").rstrip("/")
     assert not (prefix / "manifest.json").exists()
 
-    p = pack(src, "--output", "s3://out/killed/", *S3_OPTS, "--resume", env=env)
-    assert "kept from the interrupted run" in p.stdout, p.stdout
+    if resume_on == "this machine":
+        p = pack(src, "--output", out, *S3_OPTS, "--resume", env=env)
+        assert "kept from the interrupted run" in p.stdout, p.stdout
+    else:
+        p = pack(src, "--output", out, *S3_OPTS, "--resume", env=s3_env(s3, tmp_path / "elsewhere"), check=False)
+        assert p.returncode == 0, p.stderr
     assert tree_bytes(prefix) == tree_bytes(local)
