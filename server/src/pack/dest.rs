@@ -14,9 +14,11 @@
 //! ```
 //!
 //! The journal is also uploaded next to the shards (`_shardstream/pack-journal.jsonl`, as a local
-//! pack leaves it in DEST), so a pack from another machine, or after the state directory was
-//! cleaned, still knows whose dataset the prefix holds and can resume it. When both exist and
-//! disagree, the bucket's wins: it describes what is actually there.
+//! pack leaves it in DEST): before the first new shard, then at most every 10 s as shards become
+//! durable, and at the end. So a pack from another machine, or after the state directory was
+//! cleaned, still knows whose dataset the prefix holds and can resume it (packing again what the
+//! bucket's copy did not list yet). When both exist and disagree, the bucket's wins: it describes
+//! what is actually there.
 
 use std::fs::File;
 use std::os::unix::fs::DirBuilderExt;

@@ -86,6 +86,10 @@ pub const CLASSES_FILE: &str = "classes.json";
 /// server is being hammered rather than used.
 const MAX_DEFAULT_THREADS: usize = 32;
 
+/// How often an S3 destination's copy of the resume journal is brought up to date (besides once
+/// before the first new shard): an upload of the whole journal, so not after every shard.
+const JOURNAL_SHARE_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The shard format of a pack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ShardFormat {
@@ -410,6 +414,10 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
         .take_while(|r| sink.has_shard(r, with_sidecar))
         .collect();
     let mut journal = Journal::create(dest.journal_path(), &fingerprint, &kept)?;
+    // Before the first new shard reaches the destination: whoever finds shards there from now on
+    // also finds whose they are, and can resume (from another machine too).
+    sink.share_journal(dest.journal_path())?;
+    let journal_path = dest.journal_path();
 
     let total_files = catalog.num_files() as u64;
     let kept_files: u64 = kept.iter().map(|r| r.files).sum();
@@ -462,11 +470,18 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
                 let mut done = Vec::new();
                 // Handed to the sink, not yet durable: journaled as the sink reports them done.
                 let mut pending = std::collections::VecDeque::new();
+                let mut shared = std::time::Instant::now();
                 let mut record = |n: usize, pending: &mut std::collections::VecDeque<ShardRecord>| -> Result<()> {
                     for rec in pending.drain(..n.min(pending.len())) {
                         journal.append(&rec)?;
                         progress.shard_done(&rec.name, rec.bytes);
                         done.push(rec);
+                    }
+                    // The destination's copy, at most every JOURNAL_SHARE_EVERY: a resume elsewhere
+                    // packs again at most what was done since (the same bytes, overwritten).
+                    if n > 0 && shared.elapsed() >= JOURNAL_SHARE_EVERY {
+                        sink_ref.share_journal(journal_path)?;
+                        shared = std::time::Instant::now();
                     }
                     Ok(())
                 };

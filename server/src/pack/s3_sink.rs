@@ -251,6 +251,11 @@ impl Sink for S3Sink {
         t.store.block_on(t.store.put(&t.bucket, &t.key(rel), Bytes::copy_from_slice(bytes)))
     }
 
+    fn share_journal(&self, journal: &Path) -> Result<()> {
+        let bytes = std::fs::read(journal).map_err(|e| Error::io("cannot read pack journal", journal, e))?;
+        self.put_file(&format!("{SIDECAR_DIR}/{JOURNAL_FILE}"), &bytes)
+    }
+
     fn publish(&self, names: &[String], prefix: &str, ext: &str) -> Result<()> {
         self.flush()?;
         let t = &self.target;

@@ -57,6 +57,11 @@ pub trait Sink: Send + Sync {
     fn has_shard(&self, rec: &ShardRecord, sidecar: bool) -> bool;
     /// Writes a small file (e.g. `classes.json`) atomically, relative to the destination.
     fn put_file(&self, rel: &str, bytes: &[u8]) -> Result<()>;
+    /// Copies the resume journal at `journal` to the destination, where a `--resume` on another
+    /// machine finds it (S3). A local destination holds the journal itself: nothing to do.
+    fn share_journal(&self, _journal: &Path) -> Result<()> {
+        Ok(())
+    }
     /// Publishes the shards `names` (all of them, in order) and removes shards named like ours
     /// (`<prefix>-NNNNNN.<ext>`) that are not among them, left from an earlier run.
     fn publish(&self, names: &[String], prefix: &str, ext: &str) -> Result<()>;
