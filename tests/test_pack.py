@@ -490,6 +490,14 @@ def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree, re
     proc.wait()
     prefix = s3.root / "out" / out.removeprefix("s3://out/").rstrip("/")
     assert not (prefix / "manifest.json").exists()
+    if resume_on == "this machine":
+        # Shards and no manifest: an unfinished pack, which a reader must not take for a dataset.
+        d = Daemon(tmp_path / "daemon", env=s3.env()).start()
+        try:
+            with pytest.raises(ValueError, match="unfinished"):
+                next(iter(shardstream.Loader(out, batch_size=4, connect=d.addr)))
+        finally:
+            d.stop()
 
     if resume_on == "this machine":
         p = pack(src, "--output", out, *S3_OPTS, "--resume", env=env)
