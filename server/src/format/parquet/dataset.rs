@@ -9,8 +9,8 @@
 //! exactly-once, equal counts per rank, `drop_last`, worker split and resume hold as for TAR.
 //!
 //! Files without rows (zero row groups, or only empty ones) are skipped with a warning when the
-//! dataset is built: they own no row id, so nothing in the plan changes for them. A 0-byte file is
-//! skipped the same way (a writer that never finished); any other damaged file is an error.
+//! dataset is built: they own no row id, so nothing in the plan changes for them. A 0-byte file (a
+//! writer that never finished) is a `ShardError` naming it, like any other damaged file.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -820,10 +820,10 @@ pub fn read_table(
     Ok(table)
 }
 
-/// Reads and decodes the footer of a local file: its table, or `Ok(None)` for a 0-byte file.
+/// Reads and decodes the footer of a local file: its table, or `Ok(None)` for a 0-byte file
+/// (which has no footer to read; the caller names it).
 pub fn open_local(file: &crate::storage::local::ShardFile) -> Result<Option<ParquetTable>> {
     if file.len == 0 {
-        tracing::warn!(file = %file.name, "skipping an empty (0-byte) Parquet file");
         return Ok(None);
     }
     let footer = read_local_footer(file)?;
