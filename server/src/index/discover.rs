@@ -78,17 +78,8 @@ impl Discovered {
                     let m = Manifest::parse(&bytes, &format!("s3://{bucket}/{manifest_key}"))?;
                     return Self::from_manifest(url, base, &place, pick, m);
                 }
-                // `pack` uploads each shard to its final key as it completes, and its journal
-                // before the first: a journal without a manifest is a pack still running or
-                // interrupted, whose shards are only part of the dataset.
-                let journal_key = format!("{prefix}{}/{}", manifest::SIDECAR_DIR, crate::pack::journal::JOURNAL_FILE);
-                if store.block_on(store.get_small(bucket, &journal_key))?.is_some() {
-                    return Err(Error::invalid(format!(
-                        "s3://{bucket}/{prefix} is an unfinished `shardstream pack` (s3://{bucket}/{journal_key} is \
-                         there, its manifest.json is not yet): wait for the pack to finish, or finish it with \
-                         `shardstream pack ... --resume`"
-                    )));
-                }
+                // A prefix `pack` is still writing (or was interrupted writing) is refused by the
+                // listing (`storage::s3::shards_in_listing`).
                 let listed = store.list_picked(bucket, prefix, pick)?;
                 let format = Format::of_shards(listed.iter().map(|(n, _)| n.as_str()), &base)?;
                 let shards = listed

@@ -211,15 +211,23 @@ fn shards_in_listing(
     let whole = matches!(pick, crate::storage::Pick::All | crate::storage::Pick::Every);
     // An Iceberg table's own prefix holds no shard but `metadata/` and `data/` below it.
     let mut iceberg = false;
+    // `pack`'s journal, and whether the manifest it writes last is there.
+    let (mut pack_journal, mut manifest) = (None, false);
     for o in listed {
         let Some(name) = o.key.strip_prefix(prefix) else { continue };
         match name.split_once('/') {
             None if !name.is_empty() => {
+                manifest |= name == crate::index::manifest::MANIFEST_FILE;
                 unserved.note(name);
                 found.push((name.to_owned(), o));
             }
             Some((sub, _)) if sub == crate::storage::table_log::DELTA_LOG && whole => {
                 return Err(crate::storage::table_log::delta_table(&format!("s3://{bucket}/{prefix}")));
+            }
+            Some((sub, rest))
+                if sub == crate::index::manifest::SIDECAR_DIR && rest == crate::pack::journal::JOURNAL_FILE =>
+            {
+                pack_journal = Some(o.key.clone());
             }
             Some((sub, rest)) => {
                 iceberg |= sub == ICEBERG_METADATA && crate::storage::table_log::is_iceberg_metadata(rest);
@@ -236,6 +244,15 @@ fn shards_in_listing(
             }
             _ => {}
         }
+    }
+    // `pack` uploads each shard to its final key as it completes, its journal before the first
+    // and the manifest last: a journal without a manifest is a pack still running or interrupted,
+    // whose shards are only part of its dataset.
+    if let Some(journal) = pack_journal.filter(|_| whole && !manifest) {
+        return Err(Error::invalid(format!(
+            "s3://{bucket}/{prefix} is an unfinished `shardstream pack` (s3://{bucket}/{journal} is there, its \
+             manifest.json is not yet): wait for the pack to finish, or finish it with `shardstream pack ... --resume`"
+        )));
     }
     let own_shard =
         |(n, _): &&(String, ObjectInfo)| crate::format::Format::is_shard_name(n) && !crate::storage::pick::is_hidden(n);
@@ -1068,6 +1085,16 @@ mod tests {
         let other = vec![obj("u/data/x.parquet"), obj("u/metadata/labels.json")];
         let err = shards_in_listing(other, "bk", "u/", &Pick::All).unwrap_err().to_string();
         assert!(!err.contains("Iceberg") && err.contains("data/"), "{err}");
+    }
+
+    #[test]
+    fn a_pack_journal_without_its_manifest_is_an_unfinished_pack() {
+        let running = vec![obj("p/shard-000000.tar"), obj("p/_shardstream/pack-journal.jsonl")];
+        let err = shards_in_listing(running.clone(), "bk", "p/", &Pick::All).unwrap_err().to_string();
+        assert!(err.contains("unfinished") && err.contains("s3://bk/p/_shardstream/pack-journal.jsonl"), "{err}");
+        // Done: the manifest is written last (an `index` of a packed prefix lists it too).
+        let done = [running, vec![obj("p/manifest.json")]].concat();
+        assert_eq!(shards_in_listing(done, "bk", "p/", &Pick::All).unwrap().len(), 1);
     }
 
     #[test]
