@@ -90,6 +90,17 @@ def write_token_blocks(
     return records
 
 
+def mapped_memfds(name: str = "") -> list[tuple[int, int]]:
+    """Address ranges of this process's shared-memory segments (the ring is a memfd), of those
+    whose name begins with `name`."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if f"memfd:{name}" in line:
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
 def wait_for(cond, timeout: float = 5.0) -> bool:
     """Polls `cond` until it holds or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

@@ -31,7 +31,7 @@ from test_bounds import free_port, scrape
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon, wait_for
+from conftest import SHARDSTREAM, Daemon, mapped_memfds, wait_for
 
 # (rows, row-group size, codec) per file, in name order: row ids run through them in this order.
 LAYOUT = [(237, 7, "snappy"), (301, 50, "zstd"), (199, 128, "gzip"), (263, 1000, "none")]
@@ -129,17 +129,6 @@ def test_every_row_once_with_the_values_written(daemon, varied, transport: str) 
     assert sorted(order) == list(range(TOTAL))
     assert order != sorted(order), "a shuffled epoch came out in file order"
     assert loader.stats()["transport"] == transport
-
-
-def mapped_memfds(name: str = "") -> list[tuple[int, int]]:
-    """Address ranges of this process's shared-memory segments (the ring is a memfd), of those
-    whose name begins with `name`."""
-    out = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        if f"memfd:{name}" in line:
-            lo, hi = line.split()[0].split("-")
-            out.append((int(lo, 16), int(hi, 16)))
-    return out
 
 
 ALL = ["id", "label", "score", "emb", "tokens", "img", "caption"]

@@ -169,6 +169,16 @@ def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(dae
     assert sum(len(b["__key__"]) for b in loader) == len(dataset[1])
 
 
+def reference_keys(root: Path, kw: dict, epoch: int, start: int = 0) -> list[str]:
+    """The keys a plain Loader with `kw` gives for `epoch` from batch `start` on: what any resumed
+    loader must reproduce."""
+    import shardstream
+
+    loader = shardstream.Loader(str(root), **kw)
+    loader.load_state_dict(dict(loader.state_dict(), epoch=epoch, batches_consumed=start))
+    return [k for b in loader for k in b["__key__"]]
+
+
 @pytest.mark.parametrize("mode", ["sst", "plain", "spawn"])
 def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, mode: str) -> None:
     """Persistent workers keep the dataset object they were started with. They served every
@@ -177,16 +187,13 @@ def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, mode:
     order, missing their first batches. Each epoch must be the one a fresh loader gives."""
     import torch.utils.data
 
-    import shardstream
     import shardstream.torch as sst
 
     root, samples = dataset
     kw = dict(batch_size=64, seed=3, rank=0, world_size=1, connect=daemon.addr)
 
     def reference(epoch: int, start: int = 0) -> list[str]:
-        loader = shardstream.Loader(str(root), **kw)
-        loader.load_state_dict(dict(loader.state_dict(), epoch=epoch, batches_consumed=start))
-        return [k for b in loader for k in b["__key__"]]
+        return reference_keys(root, kw, epoch, start)
 
     ds = sst.IterableDataset(str(root), **kw)
     plain = mode == "plain"
@@ -245,16 +252,13 @@ def test_a_state_saved_after_set_epoch_is_the_start_of_that_epoch(daemon, datase
     skipped the batches e had got to before a ``break``). The same after ``load_state_dict``
     followed by ``set_epoch`` of another epoch. Each resumed loader must give exactly the rest of
     the epoch its state names, by key."""
-    import shardstream
     import shardstream.torch as sst
 
     root, samples = dataset
     kw = dict(batch_size=64, seed=3, rank=0, world_size=1, connect=daemon.addr)
 
     def reference(epoch: int, start: int = 0) -> list[str]:
-        loader = shardstream.Loader(str(root), **kw)
-        loader.load_state_dict(dict(loader.state_dict(), epoch=epoch, batches_consumed=start))
-        return [k for b in loader for k in b["__key__"]]
+        return reference_keys(root, kw, epoch, start)
 
     def resumed(state: dict) -> list[str]:
         ds = sst.IterableDataset(str(root), **kw)

@@ -359,6 +359,17 @@ def test_daemon_killed_mid_download_never_serves_a_partial_file(tmp_path: Path, 
         d.stop()
 
 
+def tmpfs_cache_daemon(tmp_path: Path, s3: S3Server, then: str = "") -> Daemon:
+    """A daemon (not started) whose cache directory is a 3 MiB tmpfs in a mount namespace of its
+    own, while it is told it may use 1 GiB; `then`: a shell command run there before it starts."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    mount = f"mount -t tmpfs -o size=3m tmpfs {cache}" + (f" && {then}" if then else "") + ' && exec "$@"'
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    wrap = ["unshare", *userns, "--mount", "sh", "-c", mount, "sh"]
+    return Daemon(tmp_path, args=["--cache-size", "1GiB"], env=s3.env(), wrap=wrap)
+
+
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_a_full_cache_disk_evicts_instead_of_failing(tmp_path: Path, s3: S3Server, transport: str) -> None:
     """The cache directory is a 3 MiB tmpfs (in a private mount namespace) while the daemon is
@@ -367,13 +378,7 @@ def test_a_full_cache_disk_evicts_instead_of_failing(tmp_path: Path, s3: S3Serve
     Over shared memory the client maps every shard it reads: it must let go of the ones the
     daemon evicts (an unlinked file that is still mapped keeps its space), or the disk fills."""
     samples = big_dataset(s3, "diskfull", shards=20, per_shard=1, size=200_000)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    mount = f'mount -t tmpfs -o size=3m tmpfs {cache} && exec "$@"'
-    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    wrap = ["unshare", *userns, "--mount", "sh", "-c", mount, "sh"]
-    d = Daemon(tmp_path, args=["--cache-size", "1GiB"], env=s3.env(), wrap=wrap)
-    d.start()
+    d = tmpfs_cache_daemon(tmp_path, s3).start()
     try:
         got = epoch(d.addr, "s3://data/diskfull/", batch_size=1, shuffle_window=1, transport=transport)
         assert got == samples
@@ -390,14 +395,8 @@ def test_a_disk_that_frees_up_gives_the_capacity_back(tmp_path: Path, s3: S3Serv
     (the disk has room again), not refused as larger than the cache."""
     small = big_dataset(s3, "regain-small", shards=10, per_shard=1, size=200_000)
     large = big_dataset(s3, "regain-large", shards=1, per_shard=1, size=1_500_000)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    ballast = cache / "other-user.bin"
-    mount = f'mount -t tmpfs -o size=3m tmpfs {cache} && head -c 2097152 /dev/zero > {ballast} && exec "$@"'
-    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    wrap = ["unshare", *userns, "--mount", "sh", "-c", mount, "sh"]
-    d = Daemon(tmp_path, args=["--cache-size", "1GiB"], env=s3.env(), wrap=wrap)
-    d.start()
+    ballast = tmp_path / "cache" / "other-user.bin"
+    d = tmpfs_cache_daemon(tmp_path, s3, then=f"head -c 2097152 /dev/zero > {ballast}").start()
     try:
         assert epoch(d.addr, "s3://data/regain-small/", batch_size=1, shuffle_window=1) == small
         lowered = d.status()["cache"]["capacity_bytes"]

@@ -408,9 +408,13 @@ impl Prefetcher {
         wanted.sort_by(|a, b| a.0.total_cmp(&b.0));
         wanted.dedup_by(|a, b| a.1 == b.1);
         let now = Instant::now();
-        self.failed.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, retry| *retry > now);
+        let backed_off: HashSet<String> = {
+            let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+            failed.retain(|_, retry| *retry > now);
+            failed.keys().cloned().collect()
+        };
         for (secs, key) in wanted {
-            if self.cache.is_present(&key) || self.failed.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key) {
+            if self.cache.is_present(&key) || backed_off.contains(&key) {
                 continue;
             }
             {

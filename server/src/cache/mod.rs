@@ -547,8 +547,8 @@ impl NodeCache {
                             let real = (on_disk + free).max(t.used()).min(t.capacity());
                             tracing::warn!(dir = %self.dir.display(), capacity = real, "cache disk full, lowering capacity");
                             t.set_capacity(real);
-                            let mut at = self.lowered_at.lock().unwrap_or_else(|p| p.into_inner());
-                            *at = Some(at.unwrap_or_else(Instant::now));
+                            // Just measured: the next look is a REGAIN_EVERY away.
+                            *self.lowered_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
                         }
                         bytes <= t.capacity()
                     };
@@ -647,7 +647,6 @@ impl NodeCache {
     }
 }
 
-/// Bytes of the files in `dir` (the shards directory: ready copies and fills in progress).
 /// Opens and locks `<cache_dir>/lock` (see the module docs); refused while another daemon holds it.
 fn lock_dir(cache_dir: &Path) -> Result<File> {
     let path = cache_dir.join(LOCK_FILE);
@@ -670,6 +669,7 @@ fn lock_dir(cache_dir: &Path) -> Result<File> {
     }
 }
 
+/// Bytes of the files in `dir` (the shards directory: ready copies and fills in progress).
 fn bytes_in(dir: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
     entries.filter_map(|e| e.ok()?.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()

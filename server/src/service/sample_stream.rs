@@ -51,7 +51,9 @@ impl SampleStream {
                 return;
             }
             let started = Instant::now();
-            // The parts of a batch split over several messages go out as they are made.
+            // The parts of a batch split over several messages go out as they are made. Only shm
+            // batches are grouped, so for an inline one `group` is empty here: no part overtakes
+            // an earlier message.
             let mut sent = 0;
             let built = self.build(&mut working, &ids, range.start / self.core.batch_size, &mut |part| {
                 sent += samples_in(&part);

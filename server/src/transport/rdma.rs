@@ -28,8 +28,6 @@ pub const RDMA_WINDOW: usize = 4;
 /// in registered (pinned) memory per stream, 4 GiB at most. A batch is one slot; larger batches
 /// go over shared memory or inline, which splits them.
 pub const MAX_SLOT_BYTES: u64 = 1 << 30;
-/// Most ring slots a client may offer: a write's immediate data names its slot in 16 bits.
-pub const MAX_SLOTS: u32 = 1 << 16;
 /// How long the progress thread waits in libfabric at a time; a sender that wants the stream
 /// wakes it sooner ([`shardstream_fabric::CompletionQueue::signal`]).
 const PROGRESS_WAIT: Duration = Duration::from_millis(20);
@@ -116,9 +114,10 @@ fn check_offer(offer: &RdmaOffer) -> Result<()> {
     if offer.slots == 0 || offer.slot_bytes == 0 || offer.address.is_empty() {
         return Err(Error::invalid("transport \"rdma\": the request carries no usable rdma_offer"));
     }
-    if offer.slots > MAX_SLOTS {
+    // A write's immediate data names its slot: the fabric crate says how many it can.
+    if shardstream_fabric::credits::Immediate::for_slots(offer.slots).is_none() {
         return Err(Error::invalid(format!(
-            "transport \"rdma\": the client's ring has {} slots, more than the {MAX_SLOTS} a write can name",
+            "transport \"rdma\": the client's ring has {} slots, more than a write can name",
             offer.slots
         )));
     }
@@ -223,7 +222,10 @@ mod tests {
             assert!(e.contains(why), "{e}");
         };
         refused(RdmaOffer { slot_bytes: 64 << 30, ring_bytes: 64 << 30, slots: 1, ..ok.clone() }, "larger than");
-        refused(RdmaOffer { slots: (1 << 16) + 1, slot_bytes: 1, ring_bytes: 1 << 20, ..ok.clone() }, "slots");
+        refused(
+            RdmaOffer { slots: (1 << 16) + 1, slot_bytes: 1, ring_bytes: 1 << 20, ..ok.clone() },
+            "more than a write can name",
+        );
         refused(RdmaOffer { ring_bytes: 1 << 20, ..ok.clone() }, "cannot hold");
         refused(RdmaOffer { address: Vec::new(), ..ok.clone() }, "no usable");
     }
