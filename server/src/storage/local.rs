@@ -504,6 +504,30 @@ mod tests {
     }
 
     #[test]
+    fn a_pack_journal_without_its_manifest_is_an_unfinished_pack() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let dir = root.path();
+        std::fs::create_dir_all(dir.join("_shardstream")).expect("sidecar dir");
+        std::fs::write(dir.join("shard-000000.tar"), b"").expect("shard");
+        std::fs::write(dir.join("_shardstream/shard-000000.tar.idx"), b"").expect("sidecar");
+        // Sidecars alone (an `index` whose manifest went missing) are no pack's.
+        assert_eq!(list_shards(dir, &Pick::All).expect("indexed dir").len(), 1);
+        std::fs::write(dir.join("_shardstream/pack-journal.jsonl"), b"{}\n").expect("journal");
+        let glob = Pick::Glob(crate::storage::pick::NameGlob::new("shard-*.tar").expect("glob"));
+        for pick in [Pick::All, glob.clone()] {
+            let err = list_shards(dir, &pick).expect_err("an unfinished pack").to_string();
+            assert!(err.contains("unfinished") && err.contains("_shardstream/pack-journal.jsonl"), "{err}");
+        }
+        let named = Pick::Names(vec!["shard-000000.tar".into()]);
+        assert_eq!(list_shards(dir, &named).expect("named shard").len(), 1);
+        // The manifest is written last: with it, the pack is done.
+        std::fs::write(dir.join("manifest.json"), b"{}").expect("manifest");
+        for pick in [Pick::All, glob] {
+            assert_eq!(list_shards(dir, &pick).expect("a finished pack").len(), 1);
+        }
+    }
+
+    #[test]
     fn an_iceberg_tables_directory_and_its_data_are_refused_but_not_a_data_directory_of_another_kind() {
         let root = tempfile::tempdir().expect("temp dir");
         let table = root.path().join("t");

@@ -1093,8 +1093,16 @@ mod tests {
         let err = shards_in_listing(running.clone(), "bk", "p/", &Pick::All).unwrap_err().to_string();
         assert!(err.contains("unfinished") && err.contains("s3://bk/p/_shardstream/pack-journal.jsonl"), "{err}");
         // Done: the manifest is written last (an `index` of a packed prefix lists it too).
-        let done = [running, vec![obj("p/manifest.json")]].concat();
-        assert_eq!(shards_in_listing(done, "bk", "p/", &Pick::All).unwrap().len(), 1);
+        let done = [running.clone(), vec![obj("p/manifest.json")]].concat();
+        assert_eq!(shards_in_listing(done.clone(), "bk", "p/", &Pick::All).unwrap().len(), 1);
+        // A glob over its shards takes only those uploaded so far: refused alike, unless done.
+        let glob = Pick::Glob(NameGlob::new("shard-*.tar").unwrap());
+        let err = shards_in_listing(running.clone(), "bk", "p/", &glob).unwrap_err().to_string();
+        assert!(err.contains("unfinished"), "{err}");
+        assert_eq!(shards_in_listing(done, "bk", "p/", &glob).unwrap().len(), 1);
+        // Named shards are each there whole or not found by name: no subset passes for the whole.
+        let named = Pick::Names(vec!["shard-000000.tar".into()]);
+        assert_eq!(shards_in_listing(running, "bk", "p/", &named).unwrap().len(), 1);
     }
 
     #[test]
