@@ -1,7 +1,8 @@
 //! The pack journal (`_shardstream/pack-journal.jsonl` in DEST): what a pack has made durable so
 //! far, so that `--resume` skips it, and whose dataset DEST holds. For S3 output the journal is
-//! kept in a local state directory while packing and uploaded next to the shards at the end (see
-//! [`super::dest`]).
+//! kept in a local state directory while packing and uploaded next to the shards as they become
+//! durable (see [`super::dest`]). A journal without the manifest beside it is a pack running or
+//! interrupted, which a reader refuses ([`unfinished`]).
 //!
 //! JSON lines, appended and fsynced one per completed shard, after the shard and its sidecar are
 //! durable:
@@ -110,6 +111,18 @@ fn fingerprint_for(version: &str, options: &str, catalog: &Catalog, order: &[u32
 
 pub fn journal_path(dest: &Path) -> PathBuf {
     dest.join(crate::index::manifest::SIDECAR_DIR).join(JOURNAL_FILE)
+}
+
+/// The refusal of a dataset place (ending with `/`) that holds a pack's `journal` (a path or URL)
+/// and no manifest. `pack` writes the manifest last, so the shards there are only part of its
+/// dataset: a listing or a glob would serve them as the whole. Named shards are each there whole
+/// or not found by name, so naming them is how to serve them knowingly.
+pub fn unfinished(place: &str, journal: &str) -> Error {
+    Error::invalid(format!(
+        "{place} is an unfinished `shardstream pack` ({journal} is there, its manifest.json is not yet): \
+         wait for the pack to finish, or finish it with `shardstream pack ... --resume`. To serve the shards \
+         there so far knowingly, name them ({place}shard-{{000000..000009}}.tar)"
+    ))
 }
 
 /// Reads a journal; `Ok(None)` when there is none.

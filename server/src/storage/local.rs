@@ -62,6 +62,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
             let mut found = Vec::new();
             let mut subdirs = Vec::new();
             let mut unserved = super::Unserved::default();
+            let mut manifest = false;
             crate::metrics::local_list(1);
             let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
             for entry in entries {
@@ -75,7 +76,20 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                     }
                     subdirs.push(name);
                 } else {
+                    manifest |= name == crate::index::manifest::MANIFEST_FILE;
                     unserved.note(&name);
+                }
+            }
+            // A local pack publishes its shards from staging right before its manifest: a kill
+            // between the two leaves its journal and no manifest (as an S3 pack does all along).
+            if !manifest && subdirs.iter().any(|s| s == crate::index::manifest::SIDECAR_DIR) {
+                let journal = crate::pack::journal::journal_path(dir);
+                crate::metrics::local_stat(1);
+                if journal.try_exists().map_err(|e| Error::io("cannot inspect", &journal, e))? {
+                    return Err(crate::pack::journal::unfinished(
+                        &super::dir_base(dir),
+                        &journal.display().to_string(),
+                    ));
                 }
             }
             let part = subdirs.iter().find(|s| super::partitions::key_value(s).is_some());

@@ -247,12 +247,14 @@ fn shards_in_listing(
     }
     // `pack` uploads each shard to its final key as it completes, its journal before the first
     // and the manifest last: a journal without a manifest is a pack still running or interrupted,
-    // whose shards are only part of its dataset.
-    if let Some(journal) = pack_journal.filter(|_| whole && !manifest) {
-        return Err(Error::invalid(format!(
-            "s3://{bucket}/{prefix} is an unfinished `shardstream pack` (s3://{bucket}/{journal} is there, its \
-             manifest.json is not yet): wait for the pack to finish, or finish it with `shardstream pack ... --resume`"
-        )));
+    // whose shards are only part of its dataset. [`S3Store::list_picked`] adds the journal and
+    // manifest to a glob's narrowed listing.
+    let names = matches!(pick, crate::storage::Pick::Names(_));
+    if let Some(journal) = pack_journal.filter(|_| !names && !manifest) {
+        return Err(crate::pack::journal::unfinished(
+            &format!("s3://{bucket}/{prefix}"),
+            &format!("s3://{bucket}/{journal}"),
+        ));
     }
     let own_shard =
         |(n, _): &&(String, ObjectInfo)| crate::format::Format::is_shard_name(n) && !crate::storage::pick::is_hidden(n);
@@ -396,10 +398,16 @@ impl S3Store {
     ) -> Result<Vec<(String, ObjectInfo)>> {
         let whole = matches!(pick, crate::storage::Pick::All | crate::storage::Pick::Every);
         let listing = listing_prefix(prefix, pick);
-        let (listed, iceberg) = self
-            .block_on(async { tokio::join!(self.list(bucket, &listing), self.iceberg_data(bucket, prefix, whole)) });
+        let (listed, iceberg, journal) = self.block_on(async {
+            tokio::join!(
+                self.list(bucket, &listing),
+                self.iceberg_data(bucket, prefix, whole),
+                self.pack_journal_beside(bucket, prefix, &listing, pick)
+            )
+        });
         // The prefix's own failure first: a missing bucket is named by the URL given.
-        let listed = listed?;
+        let mut listed = listed?;
+        listed.extend(journal?);
         if let Some(table) = iceberg? {
             return Err(crate::storage::table_log::iceberg_table(
                 &format!("s3://{bucket}/{table}"),
@@ -407,6 +415,30 @@ impl S3Store {
             ));
         }
         shards_in_listing(listed, bucket, prefix, pick)
+    }
+
+    /// For a glob, whose listing starts at its literal prefix: a pack journal under `prefix` and,
+    /// when there is one, the manifest beside it, which the narrowed listing cannot hold. One
+    /// request of one key, and one more only beside a journal.
+    async fn pack_journal_beside(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        listing: &str,
+        pick: &crate::storage::Pick,
+    ) -> Result<Vec<ObjectInfo>> {
+        use crate::index::manifest::{MANIFEST_FILE, SIDECAR_DIR};
+        let key = format!("{prefix}{SIDECAR_DIR}/{}", crate::pack::journal::JOURNAL_FILE);
+        if !matches!(pick, crate::storage::Pick::Glob(_)) || key.starts_with(listing) {
+            return Ok(Vec::new());
+        }
+        let mut found = self.list_pages(bucket, &key, Some(1)).await?;
+        found.retain(|o| o.key == key);
+        if !found.is_empty() {
+            let manifest = format!("{prefix}{MANIFEST_FILE}");
+            found.extend(self.list_pages(bucket, &manifest, Some(1)).await?.into_iter().filter(|o| o.key == manifest));
+        }
+        Ok(found)
     }
 
     /// The table above `prefix` when it is an Iceberg table's `data/` ([`crate::storage::table_log`]),
