@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +189,54 @@ def test_a_client_that_never_releases_is_bounded_and_reclaimed_after_sigkill(tok
         loader = shardstream.Loader(str(root), batch_size=4, fields=["tok"], collate="stack", connect=d.addr)
         assert sum(len(b["__key__"]) for b in loader) == 1000
         assert (d.status()["rings_made"], d.status()["rings_reused"]) == (1, 1)
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["view", "packed"])
+def test_a_stream_stalled_by_the_batches_its_process_holds_says_so(tokens, tmp_path, mode: str) -> None:
+    # A trainer (or a transform's results) keeping every batch it was given holds every credit of
+    # its stream: the daemon can make no more, and the loop waits for good. It must say why, once,
+    # and go on as soon as batches are let go (another thread may well be about to).
+    root, records = tokens
+    flag = "--shm-credits" if mode == "view" else "--ring-slots"
+    d = Daemon(tmp_path, args=[flag, "3"]).start()
+    try:
+        kwargs = {"fields": ["tok"], "collate": "stack"} if mode == "packed" else {"fields": ["tok"]}
+        loader = shardstream.Loader(str(root), batch_size=50, cache="copy", connect=d.addr, **kwargs)
+        held: list[object] = []
+        keys: list[str] = []
+
+        def let_go_once_warned() -> None:
+            while not caught:
+                time.sleep(0.05)
+            keys.extend(k for b in held for k in b["__key__"])  # type: ignore[index]
+            held.clear()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            helper = threading.Thread(target=let_go_once_warned, daemon=True)
+            helper.start()
+            t0 = time.monotonic()
+            for batch in loader:
+                if helper.is_alive():
+                    held.append(batch)
+                else:
+                    keys.extend(batch["__key__"])
+            helper.join(timeout=5)
+        stalled = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(stalled) == 1, [str(w.message) for w in caught]
+        message = str(stalled[0].message)
+        assert "all 3" in message and "release()" in message, message
+        assert time.monotonic() - t0 < 30
+        assert sorted(keys) == sorted(records)
+        # Holding every batch of a stream to its end is no stall: the end needs no credit.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            few = shardstream.Loader(str(root), batch_size=400, cache="copy", connect=d.addr, **kwargs)
+            kept = list(few)
+        assert len(kept) == 3 and not caught, [str(w.message) for w in caught]
     finally:
         assert d.stop() == 0
 
