@@ -497,6 +497,17 @@ impl BatchStream {
         let _waiting = self.shm.as_ref().map(|shm| shm.waiting());
         self.rx.recv().await
     }
+
+    /// When every credit of the stream is held by batches not released yet, `(held, credits)`:
+    /// the daemon can make no batch until one is, so a wait for the next can last for good.
+    /// Credits are the leases a shared-memory client may hold (`shm_credits`) and, for packed
+    /// and Arrow batches, the slots of their ring. The end of the stream needs none.
+    pub fn held_every_credit(&self) -> Option<(usize, u32)> {
+        let shm = self.shm.as_ref()?;
+        let credits = shm.ring_slots().map_or(self.header.shm_credits, |slots| slots.min(self.header.shm_credits));
+        let held = shm.unreleased();
+        (credits > 0 && held >= credits as usize).then_some((held, credits))
+    }
 }
 
 impl Drop for BatchStream {
@@ -616,6 +627,7 @@ pub async fn stream_from(
         r.connect(&header.rdma_address, header.batches_in_stream)?;
     }
     let ring_in_task = ring.clone();
+    let shm_in_task = shm.clone();
     let queue = if shm.is_some() { CLIENT_QUEUE_SHM } else { CLIENT_QUEUE };
     let (tx, rx) = mpsc::channel(queue);
     let expected = header.batches_in_stream;
@@ -719,6 +731,9 @@ pub async fn stream_from(
             };
             if let Some(i) = index {
                 pushed_in_task.store(i + 1, std::sync::atomic::Ordering::Release);
+                if let Some(s) = &shm_in_task {
+                    s.received_leased();
+                }
             }
             permit.send(item);
             if stop {

@@ -20,6 +20,7 @@ use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -302,6 +303,8 @@ pub struct ShmSession {
     /// Releases not sent yet ([`Self::release`]): at most [`RELEASES_HELD`], and none while the
     /// stream waits for a batch ([`Self::waiting`]).
     held: Mutex<Held>,
+    /// Batches received with a lease or ring slot and not released yet ([`Self::unreleased`]).
+    unreleased: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -381,7 +384,7 @@ impl ShmSession {
             .name("shardstream-shm".into())
             .spawn(move || reader.receive_loop())
             .map_err(|e| frame_error(format!("cannot start the shm receiver thread: {e}")))?;
-        Ok(Arc::new(Self { inner, pid: std::process::id(), held: Mutex::default() }))
+        Ok(Arc::new(Self { inner, pid: std::process::id(), held: Mutex::default(), unreleased: AtomicUsize::new(0) }))
     }
 
     /// The mapping of `slot`, waiting briefly for its descriptor if it is still in flight.
@@ -398,6 +401,9 @@ impl ShmSession {
     /// next few ([`RELEASES_HELD`]), and at once while a thread waits for a batch. Never blocks
     /// for long: a frame is 64 bytes and the daemon reads them as they come.
     pub fn release(&self, batch: u64) {
+        // Saturating: a batch released that was never counted (a test's made-up index) must not
+        // wrap the count.
+        let _ = self.unreleased.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         if self.pid != std::process::id() {
             return;
         }
@@ -409,6 +415,24 @@ impl ShmSession {
         if let Some(batches) = send {
             self.send_releases(&batches);
         }
+    }
+
+    /// A batch holding a lease or ring slot arrived: counted until [`Self::release`]d.
+    pub fn received_leased(&self) {
+        self.unreleased.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Batches that arrived with a lease or ring slot and are not released yet: those the
+    /// process still refers to, and those queued for it.
+    pub fn unreleased(&self) -> usize {
+        self.unreleased.load(Ordering::Acquire)
+    }
+
+    /// The fewest slots of the packed or Arrow rings the stream has announced so far: each
+    /// unreleased batch of one holds a slot of it, whatever credits are left.
+    pub fn ring_slots(&self) -> Option<u32> {
+        let s = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
+        s.rings.values().map(|r| r.header.slot_count).min()
     }
 
     /// Tells the daemon now, with any releases held back.

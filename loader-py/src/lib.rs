@@ -30,6 +30,12 @@ use crate::runtime::{block_on, runtime};
 /// How often a blocked call wakes up to let Python handle signals (Ctrl-C).
 const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
+/// How long a wait for the next batch lasts, with every credit held by the process's own
+/// batches, before a `RuntimeWarning` says so. A trainer's batches are let go within a step, so
+/// a wait this long is the loop or a transform keeping them; another thread may yet let go, so
+/// it is a warning and the wait goes on.
+const STALL_WARNING: Duration = Duration::from_secs(5);
+
 /// Connects (or reconnects after fork) to a daemon.
 #[pyclass(module = "shardstream._native")]
 struct Connection {
@@ -262,6 +268,19 @@ impl Connection {
     }
 }
 
+/// Says why a wait for the next batch does not end: the process holds every credit.
+fn warn_held_every_credit(py: Python<'_>, held: usize, credits: u32) -> PyResult<()> {
+    let message = format!(
+        "shardstream: waited {} s for the next batch while this process holds all {credits} of the stream's \
+         credits ({held} batches not released). The daemon cannot make another batch until one is: let batches \
+         go once used, and keep copies (np.array(x), tensor.clone()) rather than batches or views of them; a \
+         transform's result that views its batch keeps the batch too. The wait goes on.",
+        STALL_WARNING.as_secs()
+    );
+    let message = std::ffi::CString::new(message).unwrap_or_default();
+    PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyRuntimeWarning>(), &message, 1)
+}
+
 /// Where a stream stands. The stream is taken out while a thread waits on it, so another thread
 /// can close it meanwhile without waiting for the next batch.
 enum StreamState {
@@ -368,12 +387,32 @@ impl Stream {
                 }
             };
             let closed = self.closed.clone();
-            let next = block_on(py, async {
-                tokio::select! {
-                    n = stream.next() => Some(n),
-                    _ = closed.cancelled() => None,
+            let mut warned = false;
+            let next = loop {
+                let waited = block_on(py, async {
+                    let next = async {
+                        tokio::select! {
+                            n = stream.next() => Some(n),
+                            _ = closed.cancelled() => None,
+                        }
+                    };
+                    // Both arms are cancel-safe: a batch that arrives is never lost to the timeout.
+                    tokio::time::timeout(STALL_WARNING, next).await.ok()
+                });
+                match waited {
+                    Ok(Some(next)) => break Ok(next),
+                    Ok(None) => {}
+                    Err(interrupted) => break Err(interrupted),
                 }
-            });
+                if let Some((held, credits)) = stream.held_every_credit().filter(|_| !warned) {
+                    warned = true;
+                    if let Err(raised) = warn_held_every_credit(py, held, credits) {
+                        // A warning filter turned it into an exception: as Ctrl-C, the stream
+                        // stays usable.
+                        break Err(raised);
+                    }
+                }
+            };
             let next = match next {
                 Ok(Some(n)) if !self.closed.is_cancelled() => n,
                 Ok(_) => {

@@ -39,7 +39,8 @@ unlinks a shard's cache copy). A batch that lies in a slot of the stream's ring 
 datasets, ``collate="stack"``) keeps its slot until nothing refers to it any more: a result that
 holds a view of it (a tensor over a column, a memoryview of a binary value, a 0-d tensor of a
 sample's value with a ``collate_fn`` that does not stack) keeps the slot, and the ring has 8 by
-default; so a trainer that keeps such results of that many batches stalls its own stream. Copy
+default; so a trainer that keeps such results of that many batches stalls its own stream (a
+``RuntimeWarning`` says so after 5 s, where the batches are read). Copy
 what you keep (``.clone()``, ``bytes(view)``); ``default_collate`` copies as it stacks. An
 exception raised by the transform reaches the trainer as the DataLoader re-raises it (its type,
 with the sample's key in the worker's traceback).
