@@ -4,6 +4,7 @@ datasets a peer (SO_PEERCRED) may open: a refused dataset is a PermissionError n
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -212,5 +213,57 @@ def test_allow_list_is_per_uid(shared_dir: Path) -> None:
         out = run_client(str(b), d.addr, NOBODY, NOBODY)
         assert out.startswith("PermissionError") and str(b) in out, out
         assert run_client(str(b), d.addr).startswith("ok 0")
+    finally:
+        assert d.stop() == 0
+
+
+def test_shards_linked_from_inside_a_root_to_outside_it_are_refused(tmp_path: Path) -> None:
+    # The allow list checks the URL, but the daemon reads the shards the listing finds: a link to
+    # a shard (or a partition directory, or a manifest's entry) outside the root, made by anyone
+    # who may write inside it, must not serve the files it leads to.
+    allowed, secret = tmp_path / "allowed", tmp_path / "secret"
+    write_dataset(secret, n=20, per_shard=10, seed=5)
+    own = write_dataset(allowed / "own", n=20, per_shard=10, seed=1)
+    links = {"evil": secret, "inside": allowed / "own"}
+    for name, target in links.items():
+        (allowed / name).mkdir()
+        for shard in sorted(target.glob("*.tar")):
+            (allowed / name / shard.name).symlink_to(shard)
+    (allowed / "parts").mkdir()
+    (allowed / "parts" / "split=a").symlink_to(secret, target_is_directory=True)
+    (allowed / "listed").mkdir()
+    (allowed / "listed" / "sub").symlink_to(secret, target_is_directory=True)
+    shards = sorted(secret.glob("*.tar"))
+    manifest = {
+        "version": 1,
+        "shard_format": "webdataset",
+        "shards": [{"name": f"sub/{s.name}", "bytes": s.stat().st_size} for s in shards],
+    }
+    (allowed / "listed" / "manifest.json").write_text(json.dumps(manifest))
+    cfg = write_config(
+        tmp_path / "shardstream.toml",
+        f"""
+        [[allow]]
+        uid = {os.getuid()}
+        roots = ["{allowed}"]
+        """,
+    )
+    d = Daemon(tmp_path / "d", args=["--config", str(cfg)])
+    d.tmp.mkdir()
+    d.start()
+    try:
+
+        def keys(url: str) -> set[str]:
+            return {k for b in shardstream.Loader(url, batch_size=8, connect=d.addr) for k in b["__key__"]}
+
+        assert keys(str(allowed / "own")) == set(own)
+        # Links that stay inside the roots are as good as the files.
+        assert keys(str(allowed / "inside")) == set(own)
+        for url in [allowed / "evil", f"{allowed / 'evil'}/*.tar", allowed / "parts", allowed / "listed"]:
+            with pytest.raises(PermissionError, match=str(secret)):
+                keys(str(url))
+            # Nothing of it is described either: no sample count, no size.
+            with pytest.raises(PermissionError):
+                shardstream._native.Connection(d.addr).open(str(url), "auto")
     finally:
         assert d.stop() == 0
