@@ -14,6 +14,8 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import shardstream
@@ -229,16 +231,20 @@ def test_shards_linked_from_inside_a_root_to_outside_it_are_refused(tmp_path: Pa
         (allowed / name).mkdir()
         for shard in sorted(target.glob("*.tar")):
             (allowed / name / shard.name).symlink_to(shard)
+    # Partitions are Parquet's: a linked `key=value` directory of Parquet files.
+    secret_pq = tmp_path / "secret-pq"
+    secret_pq.mkdir()
+    pq.write_table(pa.table({"id": list(range(10))}), secret_pq / "part-0.parquet")
     (allowed / "parts").mkdir()
-    (allowed / "parts" / "split=a").symlink_to(secret, target_is_directory=True)
+    (allowed / "parts" / "split=a").symlink_to(secret_pq, target_is_directory=True)
     (allowed / "listed").mkdir()
     (allowed / "listed" / "sub").symlink_to(secret, target_is_directory=True)
-    shards = sorted(secret.glob("*.tar"))
-    manifest = {
-        "version": 1,
-        "shard_format": "webdataset",
-        "shards": [{"name": f"sub/{s.name}", "bytes": s.stat().st_size} for s in shards],
-    }
+    # The secret dataset's own manifest, its shards named through the link.
+    subprocess.run([SHARDSTREAM, "index", str(secret)], check=True, capture_output=True, timeout=60)
+    manifest = json.loads((secret / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        shard["name"] = f"sub/{shard['name']}"
+        shard.pop("index", None)
     (allowed / "listed" / "manifest.json").write_text(json.dumps(manifest))
     cfg = write_config(
         tmp_path / "shardstream.toml",
@@ -259,8 +265,14 @@ def test_shards_linked_from_inside_a_root_to_outside_it_are_refused(tmp_path: Pa
         assert keys(str(allowed / "own")) == set(own)
         # Links that stay inside the roots are as good as the files.
         assert keys(str(allowed / "inside")) == set(own)
-        for url in [allowed / "evil", f"{allowed / 'evil'}/*.tar", allowed / "parts", allowed / "listed"]:
-            with pytest.raises(PermissionError, match=str(secret)):
+        refused = [
+            (allowed / "evil", secret),
+            (f"{allowed / 'evil'}/*.tar", secret),
+            (allowed / "parts", secret_pq),
+            (allowed / "listed", secret),
+        ]
+        for url, target in refused:
+            with pytest.raises(PermissionError, match=str(target)):
                 keys(str(url))
             # Nothing of it is described either: no sample count, no size.
             with pytest.raises(PermissionError):

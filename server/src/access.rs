@@ -134,6 +134,32 @@ impl AllowList {
     }
 }
 
+impl AllowList {
+    /// Ok when every local shard of `url` (by the location it really has: the daemon resolves
+    /// each when it confines opens, [`crate::storage::confine`]) lies under a root of some rule
+    /// for `who`; otherwise `PermissionDenied` naming the URL and the first shard outside. Pure
+    /// comparisons, no file system access: it runs on every open, reused datasets included.
+    pub fn check_shards(&self, who: &Requester, url: &str, shards: &[crate::index::ShardMeta]) -> Result<()> {
+        let rules: Vec<&Rule> = self.rules.iter().filter(|r| matches_peer(r, who)).collect();
+        for shard in shards {
+            let crate::storage::ShardSource::Local(real) = &shard.source else { continue };
+            let at = Root::Dir(real.clone());
+            if !rules.iter().any(|rule| rule.roots.iter().any(|root| under(&at, root))) {
+                return Err(Error::PermissionDenied {
+                    path: url.to_owned(),
+                    reason: format!(
+                        "its shard {} lies at {}, not under any root the daemon's allow list gives to {who} \
+                         (a symbolic link leads out of the roots)",
+                        shard.name,
+                        real.display()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 fn matches_peer(rule: &Rule, who: &Requester) -> bool {
     match who {
         Requester::Local(p) => {

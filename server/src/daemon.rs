@@ -197,6 +197,10 @@ impl BoundDaemon {
         let backends =
             Arc::new(crate::index::Backends::new(Some(cache), cfg.s3.clone(), Some(tokio::runtime::Handle::current())));
         let registry = Arc::new(Registry::new(Some(cfg.cache_dir.clone()), backends.clone()));
+        if cfg.allow.is_some() {
+            // Before the first request: every dataset is listed and opened confined.
+            crate::storage::confine::confine();
+        }
         let service = Service::new(
             registry,
             self.metrics.clone(),

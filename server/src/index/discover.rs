@@ -31,13 +31,15 @@ enum Place<'a> {
 }
 
 impl Place<'_> {
-    fn source(&self, name: &str, etag: Option<String>) -> ShardSource {
-        match self {
-            Place::Dir(dir) => ShardSource::Local(dir.join(name)),
+    /// A local shard is where its path leads when opens are confined
+    /// ([`crate::storage::confine::real_location`]): that is what the allow list checks, and what is opened.
+    fn source(&self, name: &str, etag: Option<String>) -> Result<ShardSource> {
+        Ok(match self {
+            Place::Dir(dir) => ShardSource::Local(crate::storage::confine::real_location(dir.join(name))?),
             Place::Bucket { bucket, prefix } => {
                 ShardSource::S3 { bucket: (*bucket).to_owned(), key: format!("{prefix}{name}"), etag }
             }
-        }
+        })
     }
 }
 
@@ -55,19 +57,21 @@ impl Discovered {
                 let format = Format::of_shards(listed.iter().map(|l| l.name.as_str()), &base)?;
                 let shards = listed
                     .into_iter()
-                    .map(|l| ShardMeta {
-                        source: place.source(&l.name, None),
-                        name: l.name,
-                        len: l.len,
-                        samples: 0,
-                        crc32c: None,
-                        footer_crc32c: None,
-                        mtime_ns: Some(l.mtime_ns),
-                        sidecar: None,
-                        content: None,
-                        largest: None,
+                    .map(|l| {
+                        Ok(ShardMeta {
+                            source: place.source(&l.name, None)?,
+                            name: l.name,
+                            len: l.len,
+                            samples: 0,
+                            crc32c: None,
+                            footer_crc32c: None,
+                            mtime_ns: Some(l.mtime_ns),
+                            sidecar: None,
+                            content: None,
+                            largest: None,
+                        })
                     })
-                    .collect();
+                    .collect::<Result<_>>()?;
                 Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None, footers: None })
             }
             DatasetUrl::S3 { bucket, prefix, pick } => {
@@ -84,19 +88,21 @@ impl Discovered {
                 let format = Format::of_shards(listed.iter().map(|(n, _)| n.as_str()), &base)?;
                 let shards = listed
                     .into_iter()
-                    .map(|(name, o)| ShardMeta {
-                        source: place.source(&name, o.etag.clone()),
-                        name,
-                        len: o.size,
-                        samples: 0,
-                        crc32c: None,
-                        footer_crc32c: None,
-                        mtime_ns: None,
-                        sidecar: None,
-                        content: None,
-                        largest: None,
+                    .map(|(name, o)| {
+                        Ok(ShardMeta {
+                            source: place.source(&name, o.etag.clone())?,
+                            name,
+                            len: o.size,
+                            samples: 0,
+                            crc32c: None,
+                            footer_crc32c: None,
+                            mtime_ns: None,
+                            sidecar: None,
+                            content: None,
+                            largest: None,
+                        })
                     })
-                    .collect();
+                    .collect::<Result<_>>()?;
                 Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: None, footers: None })
             }
         }
@@ -105,29 +111,31 @@ impl Discovered {
     fn from_manifest(url: &str, base: String, place: &Place<'_>, pick: &Pick, m: Manifest) -> Result<Self> {
         let format = m.format()?;
         let footer_scope = m.checksum_scope() == manifest::ChecksumScope::Footer;
-        let to_meta = |s: &manifest::ManifestShard| ShardMeta {
-            name: s.name.clone(),
-            // A recorded ETag makes every GET of the object conditional on it (If-Match).
-            source: place.source(&s.name, s.etag.clone()),
-            len: s.bytes,
-            samples: s.samples,
-            crc32c: s.crc().filter(|_| !footer_scope),
-            footer_crc32c: s.crc().filter(|_| footer_scope),
-            mtime_ns: None,
-            // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
-            // from its cache copy (headers only, already in the page cache).
-            sidecar: match place {
-                Place::Dir(dir) => s.index.as_ref().map(|i| dir.join(i)),
-                Place::Bucket { .. } => None,
-            },
-            content: None,
-            largest: s.largest(),
+        let to_meta = |s: &manifest::ManifestShard| -> Result<ShardMeta> {
+            Ok(ShardMeta {
+                name: s.name.clone(),
+                // A recorded ETag makes every GET of the object conditional on it (If-Match).
+                source: place.source(&s.name, s.etag.clone())?,
+                len: s.bytes,
+                samples: s.samples,
+                crc32c: s.crc().filter(|_| !footer_scope),
+                footer_crc32c: s.crc().filter(|_| footer_scope),
+                mtime_ns: None,
+                // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
+                // from its cache copy (headers only, already in the page cache).
+                sidecar: match place {
+                    Place::Dir(dir) => s.index.as_ref().map(|i| dir.join(i)),
+                    Place::Bucket { .. } => None,
+                },
+                content: None,
+                largest: s.largest(),
+            })
         };
         let shards: Vec<ShardMeta> = match pick {
             // The manifest is the listing: the same glob and the same split check.
             Pick::All | Pick::Every | Pick::Glob(_) => {
                 let listed: Vec<&manifest::ManifestShard> = m.shards.iter().collect();
-                pick.keep_listed(listed, |s| s.name.as_str(), &base)?.into_iter().map(to_meta).collect()
+                pick.keep_listed(listed, |s| s.name.as_str(), &base)?.into_iter().map(to_meta).collect::<Result<_>>()?
             }
             Pick::Names(names) => {
                 let by_name: HashMap<&str, &manifest::ManifestShard> =
@@ -135,10 +143,10 @@ impl Discovered {
                 names
                     .iter()
                     .map(|n| {
-                        by_name.get(n.as_str()).map(|s| to_meta(s)).ok_or_else(|| Error::NotFound {
-                            what: "shard (in manifest.json)",
-                            path: format!("{base}{n}"),
-                        })
+                        by_name.get(n.as_str()).map_or_else(
+                            || Err(Error::NotFound { what: "shard (in manifest.json)", path: format!("{base}{n}") }),
+                            |s| to_meta(s),
+                        )
                     })
                     .collect::<Result<_>>()?
             }
@@ -146,7 +154,7 @@ impl Discovered {
         if shards.is_empty() {
             return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
         }
-        let footers = m.footers.as_ref().map(|f| place.source(f, None));
+        let footers = m.footers.as_ref().map(|f| place.source(f, None)).transpose()?;
         Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields), footers })
     }
 }

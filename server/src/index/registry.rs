@@ -130,12 +130,32 @@ struct Entry {
 /// One open in progress; the others wait on it.
 #[derive(Debug, Default)]
 struct Flight {
-    done: Mutex<Option<std::result::Result<Arc<Dataset>, Shared>>>,
+    /// Set once the leader is done: its result, or `None` when it was refused.
+    done: Mutex<Option<Option<Outcome>>>,
     cond: Condvar,
+}
+
+/// A requester's check of the shards of a dataset it opens ([`Registry::open_admitted`]).
+pub type Admit<'a> = dyn Fn(&[super::ShardMeta]) -> Result<()> + 'a;
+
+/// Why an open it led failed, for the leader: the requester's own refusal, which its waiters
+/// must not take for theirs, or anything else, which they share.
+enum Failed {
+    Refused(Error),
+    Other(Error),
+}
+
+impl From<Error> for Failed {
+    fn from(e: Error) -> Self {
+        Failed::Other(e)
+    }
 }
 
 /// An error as every waiter of a flight receives it (the crate's error is not `Clone`).
 type Shared = Arc<Error>;
+
+/// A finished open, as a flight hands it to every waiter.
+type Outcome = std::result::Result<Arc<Dataset>, Shared>;
 
 #[derive(Debug, Default)]
 struct Inner {
@@ -173,8 +193,18 @@ impl Registry {
     /// Opens (or reuses) a dataset; `mode`: what the client asked for ("", "auto", "direct",
     /// "copy"). Blocking; concurrent opens of the same dataset share one open.
     pub fn open(&self, url: &str, mode: &str) -> Result<Arc<Dataset>> {
+        self.open_admitted(url, mode, &|_| Ok(()))
+    }
+
+    /// As [`Registry::open`], for a requester whom `admit` must accept every shard of (where it
+    /// lies: [`crate::access::AllowList::check_shards`]): checked on the shards found before
+    /// any of them is read, and on every dataset handed out, shared or reused. A refusal is this
+    /// requester's alone: an open it led is not shared, and the ones waiting on it open anew.
+    pub fn open_admitted(&self, url: &str, mode: &str, admit: &Admit<'_>) -> Result<Arc<Dataset>> {
+        let admitted = |ds: Arc<Dataset>| admit(&ds.shards).map(|()| ds);
         self.stats.opens.fetch_add(1, Relaxed);
         crate::metrics::dataset_open();
+        let requested = mode;
         let parsed = DatasetUrl::parse(url)?;
         let mode = CacheMode::resolve(mode, &parsed)?;
         let key = (url.to_owned(), mode);
@@ -184,7 +214,11 @@ impl Registry {
                 drop(g);
                 self.stats.coalesced.fetch_add(1, Relaxed);
                 crate::metrics::dataset_open_coalesced();
-                return f.wait();
+                return match f.wait() {
+                    // Its leader was refused: that says nothing of this requester.
+                    None => self.open_admitted(url, requested, admit),
+                    Some(got) => got.and_then(admitted),
+                };
             }
             g.clock += 1;
             let clock = g.clock;
@@ -198,7 +232,7 @@ impl Registry {
                 && matches!(parsed, DatasetUrl::S3 { .. })
                 && checked.elapsed() < REMOTE_REDISCOVERY
             {
-                return Ok(ds.clone());
+                return admitted(ds.clone());
             }
             let flight = Arc::new(Flight::default());
             g.flights.insert(key.clone(), flight.clone());
@@ -207,7 +241,7 @@ impl Registry {
         // The leader: whatever happens (a panic included), the waiters get an answer and the
         // flight ends.
         let mut leader = Leader { registry: self, key: Some(key), flight };
-        let result = self.open_uncoalesced(url, &parsed, mode, existing);
+        let result = self.open_uncoalesced(url, &parsed, mode, existing, admit);
         let key = leader.key.take().unwrap_or_else(|| (url.to_owned(), mode));
         let flight = leader.flight.clone();
         let shared = {
@@ -221,11 +255,16 @@ impl Registry {
                     self.evict(&mut g);
                     Ok(ds)
                 }
-                Err(e) => Err(Arc::new(e)),
+                Err(Failed::Other(e)) => Err(Arc::new(e)),
+                Err(Failed::Refused(e)) => {
+                    drop(g);
+                    flight.finish(None);
+                    return Err(e);
+                }
             }
         };
-        flight.finish(&shared);
-        shared.map_err(|e| replicate(&e))
+        flight.finish(Some(&shared));
+        shared.map_err(|e| replicate(&e)).and_then(admitted)
     }
 
     /// Discovery and, when the shards changed, the index build; no registry lock held (a scan
@@ -236,7 +275,8 @@ impl Registry {
         parsed: &DatasetUrl,
         mode: CacheMode,
         existing: Option<(Arc<Dataset>, Instant, Option<DirStamp>)>,
-    ) -> Result<(Arc<Dataset>, Option<DirStamp>, Instant)> {
+        admit: &Admit<'_>,
+    ) -> std::result::Result<(Arc<Dataset>, Option<DirStamp>, Instant), Failed> {
         // The partition directories the last check stat'ed, stat'ed again.
         let old_stamp = existing.as_ref().and_then(|(_, _, old)| old.as_ref());
         let stamp = match parsed {
@@ -268,6 +308,8 @@ impl Registry {
             return Ok((ds.clone(), stamp, *checked));
         }
         let found = Discovered::discover(url, &self.backends)?;
+        // Before a byte of a shard is read (a scan's or a footer's error could tell of it).
+        admit(&found.shards).map_err(Failed::Refused)?;
         let now = Instant::now();
         if let Some((ds, _, _)) = existing
             && ds.same_shards(&found)
@@ -332,24 +374,25 @@ impl Drop for Leader<'_> {
     fn drop(&mut self) {
         if let Some(key) = self.key.take() {
             self.registry.lock().flights.remove(&key);
-            self.flight.finish(&Err(Arc::new(Error::Internal(format!("opening {} failed unexpectedly", key.0)))));
+            self.flight.finish(Some(&Err(Arc::new(Error::Internal(format!("opening {} failed unexpectedly", key.0))))));
         }
     }
 }
 
 impl Flight {
-    fn wait(&self) -> Result<Arc<Dataset>> {
+    /// The leader's result; `None` when the leader was refused ([`Failed::Refused`]).
+    fn wait(&self) -> Option<Result<Arc<Dataset>>> {
         let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(r) = &*done {
-                return r.clone().map_err(|e| replicate(&e));
+                return r.as_ref().map(|r| r.clone().map_err(|e| replicate(&e)));
             }
             done = self.cond.wait(done).unwrap_or_else(|p| p.into_inner());
         }
     }
 
-    fn finish(&self, result: &std::result::Result<Arc<Dataset>, Shared>) {
-        *self.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(result.clone());
+    fn finish(&self, result: Option<&Outcome>) {
+        *self.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(result.cloned());
         self.cond.notify_all();
     }
 }

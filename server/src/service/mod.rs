@@ -135,8 +135,9 @@ impl Service {
     }
 
     /// Refuses (`PermissionDenied`, naming the URL) a dataset outside the peer's allowed roots.
-    fn authorize<T>(&self, request: &Request<T>, url: &str) -> Result<(), Status> {
-        let Some(allow) = &self.access else { return Ok(()) };
+    /// Returns what then admits the dataset's shards where they lie ([`Admission`]).
+    fn authorize<T>(&self, request: &Request<T>, url: &str) -> Result<Admission, Status> {
+        let Some(allow) = &self.access else { return Ok(Admission(None)) };
         let local = request
             .extensions()
             .get::<tonic::transport::server::UdsConnectInfo>()
@@ -149,14 +150,15 @@ impl Service {
             (None, None) => crate::access::Requester::Remote { client: None },
         };
         allow.check_requester(&who, url).map_err(|e| {
-            tracing::warn!(%who, %url, "dataset refused by the allow list");
+            tracing::warn!(%who, url = ?url, "dataset refused by the allow list");
             to_status(e)
-        })
+        })?;
+        Ok(Admission(Some((allow.clone(), who))))
     }
 
-    async fn open(&self, url: String, cache: String) -> Result<Arc<Dataset>> {
+    async fn open(&self, url: String, cache: String, admission: Admission) -> Result<Arc<Dataset>> {
         let registry = self.registry.clone();
-        blocking(move || registry.open(&url, &cache)).await
+        blocking(move || admission.open(&registry, &url, &cache)).await
     }
 }
 
@@ -238,10 +240,10 @@ impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
         crate::limits::check_request("OpenDataset", request.get_ref())?;
         absolute(&request.get_ref().url)?;
-        self.authorize(&request, &request.get_ref().url)?;
+        let admission = self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
-        let ds = self.open(req.url, req.cache).await.map_err(to_status)?;
+        let ds = self.open(req.url, req.cache, admission).await.map_err(to_status)?;
         Ok(Response::new(dataset_info(&ds)))
     }
 
@@ -255,9 +257,9 @@ impl Shardstream for Service {
         let same_host = request.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some();
         crate::limits::check_request("StreamBatches", request.get_ref())?;
         absolute(&request.get_ref().url)?;
-        self.authorize(&request, &request.get_ref().url)?;
+        let admission = self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
-        let ds = self.open(req.url.clone(), req.cache.clone()).await.map_err(to_status)?;
+        let ds = self.open(req.url.clone(), req.cache.clone(), admission).await.map_err(to_status)?;
         let hub = self.shm.clone().filter(|_| same_host);
         let rdma = self.rdma.clone();
         let prefetch = self.prefetch.clone();
@@ -358,10 +360,28 @@ impl Shardstream for Service {
     async fn prefetch(&self, request: Request<PrefetchRequest>) -> Result<Response<Self::PrefetchStream>, Status> {
         crate::limits::check_request("Prefetch", request.get_ref())?;
         absolute(&request.get_ref().url)?;
-        self.authorize(&request, &request.get_ref().url)?;
+        let admission = self.authorize(&request, &request.get_ref().url)?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
-        stage::stage(self.registry.clone(), req).await.map(Response::new)
+        stage::stage(self.registry.clone(), req, admission).await.map(Response::new)
+    }
+}
+
+/// What a request that passed the allow list needs for the dataset's shards: the list and the
+/// requester, whose roots every shard must lie under too; nothing without an allow list.
+pub(crate) struct Admission(Option<(Arc<crate::access::AllowList>, crate::access::Requester)>);
+
+impl Admission {
+    /// Opens `url` for this requester ([`Registry::open_admitted`]). Blocking.
+    pub(crate) fn open(&self, registry: &Registry, url: &str, cache: &str) -> Result<Arc<Dataset>> {
+        match &self.0 {
+            None => registry.open(url, cache),
+            Some((allow, who)) => registry.open_admitted(url, cache, &|shards| {
+                allow.check_shards(who, url, shards).inspect_err(|_| {
+                    tracing::warn!(%who, url = ?url, "dataset refused by the allow list: a shard lies outside the roots");
+                })
+            }),
+        }
     }
 }
 

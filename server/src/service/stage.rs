@@ -99,12 +99,13 @@ impl Staging {
     }
 }
 
-pub async fn stage(
+pub(crate) async fn stage(
     registry: Arc<Registry>,
     req: PrefetchRequest,
+    admission: super::Admission,
 ) -> Result<ReceiverStream<Result<PrefetchProgress, Status>>, Status> {
     let (url, mode) = (req.url.clone(), req.cache.clone());
-    let ds = blocking(move || registry.open(&url, &mode)).await.map_err(to_status)?;
+    let ds = blocking(move || admission.open(&registry, &url, &mode)).await.map_err(to_status)?;
     if ds.mode != CacheMode::Copy {
         return Err(to_status(Error::invalid(format!(
             "{} is read in place (cache=\"direct\"); nothing to stage. Stage it with cache=\"copy\" \

@@ -411,6 +411,7 @@ pub fn open_regular(path: &Path) -> Result<File> {
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| Error::io("cannot open shard", path, e))?;
+    super::confine::check_opened(&file, path)?;
     let kind = file.metadata().map_err(|e| Error::io("cannot stat shard", path, e))?.file_type();
     if kind.is_dir() {
         return Err(Error::io("cannot read shard", path, std::io::Error::from_raw_os_error(libc::EISDIR)));

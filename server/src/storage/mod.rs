@@ -23,6 +23,7 @@
 //!   rows: refused when listed.
 
 pub mod append;
+pub mod confine;
 pub mod local;
 mod no_shards;
 pub mod partitions;
