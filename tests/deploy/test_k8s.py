@@ -68,6 +68,21 @@ def test_renders_and_validates_strictly(target: str) -> None:
     assert out.count("passed for resource") == len(core), out
 
 
+CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_objects_render_into_one_namespace(target: str) -> None:
+    """`kubectl apply -k` puts an object without a namespace into the current context's: a
+    PodMonitor or PrometheusRule there selects (or alerts on) nothing of the DaemonSet's pods."""
+    docs = render(target)
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] not in CLUSTER_SCOPED}
+    assert len(namespaces) == 1, {d["kind"]: d["metadata"].get("namespace") for d in docs}
+    daemonsets = [d for d in docs if d["kind"] == "DaemonSet"]
+    if daemonsets:
+        assert namespaces == {daemonsets[0]["metadata"].get("namespace")}
+
+
 def pod_spec(doc: dict) -> dict:
     return doc["spec"]["template"]["spec"]
 
