@@ -162,6 +162,76 @@ def test_shipped_config_is_accepted_by_the_daemon(target: str, tmp_path: Path) -
     assert effective.get("allow", []) == shipped.get("allow", [])
 
 
+_QUANTITY = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_QUANTITY.update({"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40})
+MEMORY_BUDGETS = ("packed-budget", "decoded-budget")
+# Beside the two budgets: the index, gRPC buffers, the allocator's slack.
+MEMORY_HEADROOM = 1 << 30
+
+
+def quantity_bytes(q: object) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?)?", str(q))
+    assert m, f"not a memory quantity: {q!r}"
+    return int(float(m.group(1)) * _QUANTITY[m.group(2) or ""])
+
+
+def daemon_containers(spec: dict) -> list[dict]:
+    containers = spec["containers"] + spec.get("initContainers", [])
+    return [c for c in containers if c.get("command", [])[:2] == ["shardstream", "serve"]]
+
+
+def effective_config(docs: list[dict], spec: dict, daemon: dict, tmp_path: Path) -> tuple[dict, set[str]]:
+    """What the container's daemon runs with (`--print-config` over its command, its config file
+    from the ConfigMap, its environment), and the keys the manifests set rather than defaults."""
+    argv = [*daemon["command"][1:], *daemon.get("args", [])]
+    env = container_env(daemon, {})
+    explicit = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    explicit |= {k.removeprefix("SHARDSTREAM_").lower().replace("_", "-") for k in env if k.startswith("SHARDSTREAM_")}
+    if "--config" in argv:
+        path = argv[argv.index("--config") + 1]
+        mount = next(m for m in daemon["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
+        text = cm["data"][path.removeprefix(mount["mountPath"] + "/")]
+        explicit |= set(tomllib.loads(text))
+        local = tmp_path / f"{daemon['name']}.toml"
+        local.write_text(text)
+        argv[argv.index("--config") + 1] = str(local)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    r = subprocess.run(
+        [daemon_binary(), *argv, "--print-config"], capture_output=True, text=True, timeout=30, env={**clean, **env}
+    )
+    assert r.returncode == 0, r.stderr
+    return tomllib.loads(r.stdout), explicit
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_memory_budgets_fit_the_memory_limit(target: str, tmp_path: Path) -> None:
+    """A daemon container with a memory limit is told its budgets (a file that replaces the base
+    config whole must carry them over), and they fit: the packed rings, about twice the decoded
+    budget at peak (see base/shardstream.toml), and headroom stay under the limit."""
+    docs = render(target)
+    checked = 0
+    for doc in docs:
+        if doc["kind"] not in {"DaemonSet", "Job", "Deployment", "StatefulSet"}:
+            continue
+        spec = pod_spec(doc)
+        for daemon in daemon_containers(spec):
+            limit = daemon.get("resources", {}).get("limits", {}).get("memory")
+            if limit is None:
+                continue
+            config, explicit = effective_config(docs, spec, daemon, tmp_path)
+            where = f"{doc['kind']} {doc['metadata']['name']}, container {daemon['name']}"
+            for key in MEMORY_BUDGETS:
+                assert key in explicit, f"{where}: memory limit {limit} but no {key}"
+            packed, decoded = (size_bytes(config[k]) for k in MEMORY_BUDGETS)
+            used = packed + 2 * decoded + MEMORY_HEADROOM
+            assert used <= quantity_bytes(limit), f"{where}: budgets need {used} bytes, limit {limit}"
+            checked += 1
+    if target != "examples/training-job":
+        assert checked, "no daemon container with a memory limit"
+
+
 def only_container(spec: dict, name: str) -> dict:
     return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name)
 
