@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 
-from deployutil import DEPLOY, REPO, tool
+from deployutil import DEPLOY, REPO, STOP_HEADROOM, drain_timeout, tool
 
 HOOKS = ("prolog", "epilog", "task-prolog")
 
@@ -49,3 +49,14 @@ def test_no_admin_example_takes_a_cache_per_job_and_waits_bounded() -> None:
     waits = [line for line in lines if "shardstream status" in line]
     assert waits and all(re.search(r"--wait[ =]\d+", line) for line in waits), waits
     assert not any(re.search(r"\b(until|while)\b", line) for line in lines), "an unbounded wait loop"
+
+
+def test_epilog_waits_out_the_drain_before_sigkill() -> None:
+    """The Epilog's SIGTERM-to-SIGKILL wait outlasts the drain of a daemon the Prolog started (its
+    default drain timeout): a daemon still ending its streams is not killed."""
+    text = (DEPLOY / "slurm" / "epilog").read_text()
+    loop = text[text.index("kill -TERM") : text.index("kill -KILL")]
+    rounds = int(re.search(r"seq 1 (\d+)", loop).group(1))
+    pause = float(re.search(r"sleep ([0-9.]+)", loop).group(1))
+    drain = drain_timeout("--listen", "unix:///run/shardstream-test/sock", "--cache-dir", "/nonexistent")
+    assert rounds * pause >= drain + STOP_HEADROOM, f"waits {rounds * pause} s, drain-timeout is {drain} s"
