@@ -83,6 +83,35 @@ def test_objects_render_into_one_namespace(target: str) -> None:
         assert namespaces == {daemonsets[0]["metadata"].get("namespace")}
 
 
+CRITICAL_PRIORITY = {"system-node-critical", "system-cluster-critical"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_critical_priority_outside_kube_system_has_its_quota(target: str) -> None:
+    """Clusters that limit the critical priority classes (GKE; `limitedResources` in the
+    ResourceQuota admission configuration) refuse such pods outside kube-system ("insufficient
+    quota to match these scopes") unless the namespace has a ResourceQuota selecting the class."""
+    docs = render(target)
+    for doc in docs:
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        cls = spec.get("priorityClassName")
+        ns = doc["metadata"].get("namespace")
+        if cls not in CRITICAL_PRIORITY or ns == "kube-system":
+            continue
+        quotas = [
+            q
+            for q in docs
+            if q["kind"] == "ResourceQuota"
+            and q["metadata"].get("namespace") == ns
+            and "pods" in q["spec"].get("hard", {})
+            and any(
+                e["scopeName"] == "PriorityClass" and e["operator"] == "In" and cls in e["values"]
+                for e in q["spec"].get("scopeSelector", {}).get("matchExpressions", [])
+            )
+        ]
+        assert quotas, f"{doc['kind']} {doc['metadata']['name']}: {cls} in namespace {ns} without its ResourceQuota"
+
+
 def pod_spec(doc: dict) -> dict:
     return doc["spec"]["template"]["spec"]
 
