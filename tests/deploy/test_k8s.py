@@ -278,6 +278,8 @@ def test_monitoring_uses_exported_metrics_and_selects_the_daemon(tmp_path: Path)
     assert all(labels.get(k) == v for k, v in pm["spec"]["selector"]["matchLabels"].items())
     ports = {p["name"] for c in pod_spec(ds)["containers"] for p in c.get("ports", [])}
     assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} <= ports
+    # ShardstreamDown tells the daemon's targets by the pod's name label, whatever the job is called.
+    assert "app.kubernetes.io/name" in pm["spec"].get("podTargetLabels", [])
     prometheus_rule = only(docs, "PrometheusRule")
     rules = [r for g in prometheus_rule["spec"]["groups"] for r in g["rules"]]
     names = exported_metrics()
