@@ -7,9 +7,12 @@
 # world-readable (0644: the TaskProlog runs as the job's user) file of VAR=value lines sourced by
 # the hooks. Recognised:
 #   SHARDSTREAM_BIN            the daemon binary (default /usr/local/bin/shardstream)
-#   SHARDSTREAM_RUN_DIR        parent of the per-job socket directories (default /run/shardstream)
-#   SHARDSTREAM_JOB_CACHE_DIR  parent of the per-job caches (default /var/cache/shardstream/jobs;
+#   SHARDSTREAM_RUN_DIR        parent of the per-job socket directories (default
+#                              /run/shardstream-jobs)
+#   SHARDSTREAM_JOB_CACHE_DIR  parent of the per-job caches (default /var/cache/shardstream-jobs;
 #                              put it on node-local NVMe)
+#   Neither may be inside the node-wide systemd unit's /run/shardstream or /var/cache/shardstream:
+#   systemd deletes the first at every stop and restart, and gives both to the unit's user (0750).
 #   SHARDSTREAM_LOG_DIR        hook and daemon logs (default /var/log/shardstream)
 #   SHARDSTREAM_CACHE_SIZE     cache capacity per job (default: the daemon's, 90% of free space)
 #   SHARDSTREAM_SERVE_ARGS     extra `serve` options, split on spaces
@@ -28,8 +31,8 @@ ss_conf_dir() {
 
 ss_load_settings() {
   SHARDSTREAM_BIN=/usr/local/bin/shardstream
-  SHARDSTREAM_RUN_DIR=/run/shardstream
-  SHARDSTREAM_JOB_CACHE_DIR=/var/cache/shardstream/jobs
+  SHARDSTREAM_RUN_DIR=/run/shardstream-jobs
+  SHARDSTREAM_JOB_CACHE_DIR=/var/cache/shardstream-jobs
   SHARDSTREAM_LOG_DIR=/var/log/shardstream
   SHARDSTREAM_CACHE_SIZE=
   SHARDSTREAM_SERVE_ARGS=

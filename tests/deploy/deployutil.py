@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,24 @@ def shardstream_binary() -> Path:
         if c and _is_elf(Path(c)):
             return Path(c)
     pytest.fail(f"no compiled shardstream binary (tried {candidates}); run `cargo build -p shardstream`")
+
+
+# What a stop needs beyond the daemon's drain: the node cache's syncfs, and the exit.
+STOP_HEADROOM = 5
+
+
+def drain_timeout(*serve_args: str) -> int:
+    """The daemon's drain timeout (seconds) with these `serve` options, as it reports it."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    r = subprocess.run(
+        [str(shardstream_binary()), "serve", *serve_args, "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean,
+    )
+    assert r.returncode == 0, r.stderr
+    return int(tomllib.loads(r.stdout)["drain-timeout"])
 
 
 def tool(name: str) -> str:

@@ -68,6 +68,50 @@ def test_renders_and_validates_strictly(target: str) -> None:
     assert out.count("passed for resource") == len(core), out
 
 
+CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_objects_render_into_one_namespace(target: str) -> None:
+    """`kubectl apply -k` puts an object without a namespace into the current context's: a
+    PodMonitor or PrometheusRule there selects (or alerts on) nothing of the DaemonSet's pods."""
+    docs = render(target)
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] not in CLUSTER_SCOPED}
+    assert len(namespaces) == 1, {d["kind"]: d["metadata"].get("namespace") for d in docs}
+    daemonsets = [d for d in docs if d["kind"] == "DaemonSet"]
+    if daemonsets:
+        assert namespaces == {daemonsets[0]["metadata"].get("namespace")}
+
+
+CRITICAL_PRIORITY = {"system-node-critical", "system-cluster-critical"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_critical_priority_outside_kube_system_has_its_quota(target: str) -> None:
+    """Clusters that limit the critical priority classes (GKE; `limitedResources` in the
+    ResourceQuota admission configuration) refuse such pods outside kube-system ("insufficient
+    quota to match these scopes") unless the namespace has a ResourceQuota selecting the class."""
+    docs = render(target)
+    for doc in docs:
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        cls = spec.get("priorityClassName")
+        ns = doc["metadata"].get("namespace")
+        if cls not in CRITICAL_PRIORITY or ns == "kube-system":
+            continue
+        quotas = [
+            q
+            for q in docs
+            if q["kind"] == "ResourceQuota"
+            and q["metadata"].get("namespace") == ns
+            and "pods" in q["spec"].get("hard", {})
+            and any(
+                e["scopeName"] == "PriorityClass" and e["operator"] == "In" and cls in e["values"]
+                for e in q["spec"].get("scopeSelector", {}).get("matchExpressions", [])
+            )
+        ]
+        assert quotas, f"{doc['kind']} {doc['metadata']['name']}: {cls} in namespace {ns} without its ResourceQuota"
+
+
 def pod_spec(doc: dict) -> dict:
     return doc["spec"]["template"]["spec"]
 
@@ -147,6 +191,76 @@ def test_shipped_config_is_accepted_by_the_daemon(target: str, tmp_path: Path) -
     assert effective.get("allow", []) == shipped.get("allow", [])
 
 
+_QUANTITY = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_QUANTITY.update({"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40})
+MEMORY_BUDGETS = ("packed-budget", "decoded-budget")
+# Beside the two budgets: the index, gRPC buffers, the allocator's slack.
+MEMORY_HEADROOM = 1 << 30
+
+
+def quantity_bytes(q: object) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?)?", str(q))
+    assert m, f"not a memory quantity: {q!r}"
+    return int(float(m.group(1)) * _QUANTITY[m.group(2) or ""])
+
+
+def daemon_containers(spec: dict) -> list[dict]:
+    containers = spec["containers"] + spec.get("initContainers", [])
+    return [c for c in containers if c.get("command", [])[:2] == ["shardstream", "serve"]]
+
+
+def effective_config(docs: list[dict], spec: dict, daemon: dict, tmp_path: Path) -> tuple[dict, set[str]]:
+    """What the container's daemon runs with (`--print-config` over its command, its config file
+    from the ConfigMap, its environment), and the keys the manifests set rather than defaults."""
+    argv = [*daemon["command"][1:], *daemon.get("args", [])]
+    env = container_env(daemon, {})
+    explicit = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    explicit |= {k.removeprefix("SHARDSTREAM_").lower().replace("_", "-") for k in env if k.startswith("SHARDSTREAM_")}
+    if "--config" in argv:
+        path = argv[argv.index("--config") + 1]
+        mount = next(m for m in daemon["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
+        text = cm["data"][path.removeprefix(mount["mountPath"] + "/")]
+        explicit |= set(tomllib.loads(text))
+        local = tmp_path / f"{daemon['name']}.toml"
+        local.write_text(text)
+        argv[argv.index("--config") + 1] = str(local)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    r = subprocess.run(
+        [daemon_binary(), *argv, "--print-config"], capture_output=True, text=True, timeout=30, env={**clean, **env}
+    )
+    assert r.returncode == 0, r.stderr
+    return tomllib.loads(r.stdout), explicit
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_memory_budgets_fit_the_memory_limit(target: str, tmp_path: Path) -> None:
+    """A daemon container with a memory limit is told its budgets (a file that replaces the base
+    config whole must carry them over), and they fit: the packed rings, about twice the decoded
+    budget at peak (see base/shardstream.toml), and headroom stay under the limit."""
+    docs = render(target)
+    checked = 0
+    for doc in docs:
+        if doc["kind"] not in {"DaemonSet", "Job", "Deployment", "StatefulSet"}:
+            continue
+        spec = pod_spec(doc)
+        for daemon in daemon_containers(spec):
+            limit = daemon.get("resources", {}).get("limits", {}).get("memory")
+            if limit is None:
+                continue
+            config, explicit = effective_config(docs, spec, daemon, tmp_path)
+            where = f"{doc['kind']} {doc['metadata']['name']}, container {daemon['name']}"
+            for key in MEMORY_BUDGETS:
+                assert key in explicit, f"{where}: memory limit {limit} but no {key}"
+            packed, decoded = (size_bytes(config[k]) for k in MEMORY_BUDGETS)
+            used = packed + 2 * decoded + MEMORY_HEADROOM
+            assert used <= quantity_bytes(limit), f"{where}: budgets need {used} bytes, limit {limit}"
+            checked += 1
+    if target != "examples/training-job":
+        assert checked, "no daemon container with a memory limit"
+
+
 def only_container(spec: dict, name: str) -> dict:
     return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name)
 
@@ -164,6 +278,8 @@ def test_monitoring_uses_exported_metrics_and_selects_the_daemon(tmp_path: Path)
     assert all(labels.get(k) == v for k, v in pm["spec"]["selector"]["matchLabels"].items())
     ports = {p["name"] for c in pod_spec(ds)["containers"] for p in c.get("ports", [])}
     assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} <= ports
+    # ShardstreamDown tells the daemon's targets by the pod's name label, whatever the job is called.
+    assert "app.kubernetes.io/name" in pm["spec"].get("podTargetLabels", [])
     prometheus_rule = only(docs, "PrometheusRule")
     rules = [r for g in prometheus_rule["spec"]["groups"] for r in g["rules"]]
     names = exported_metrics()

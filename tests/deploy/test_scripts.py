@@ -4,9 +4,11 @@ clean. (That the hooks need no PATH is tested by running them with a useless one
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+from pathlib import Path
 
-from deployutil import DEPLOY, REPO, tool
+from deployutil import DEPLOY, REPO, STOP_HEADROOM, drain_timeout, tool
 
 HOOKS = ("prolog", "epilog", "task-prolog")
 
@@ -23,3 +25,64 @@ def test_hooks_are_executable_and_strict() -> None:
         path = DEPLOY / "slurm" / name
         assert os.access(path, os.X_OK), f"{name} is not executable"
         assert "\nset -u\n" in path.read_text(), f"{name}: set -u"
+
+
+def no_admin_example() -> list[str]:
+    """The commented commands of example.sbatch for a job without the Prolog, variables of its
+    `name=value` lines substituted."""
+    lines = [
+        line.removeprefix("#").strip()
+        for line in (DEPLOY / "slurm" / "example.sbatch").read_text().splitlines()
+        if line.startswith("#   ")
+    ]
+    assert lines, "example.sbatch shows no daemon run by the job itself"
+    assigned = dict(re.findall(r"\b(\w+)=(\S+)", " ".join(line for line in lines if re.match(r"\w+=", line))))
+    return [re.sub(r"\$(\w+)", lambda m: assigned.get(m.group(1), m.group(0)), line) for line in lines]
+
+
+def test_no_admin_example_takes_a_cache_per_job_and_waits_bounded() -> None:
+    """A cache directory serves one daemon at a time (a second is refused), so the job's own
+    daemon gets a cache of its own; and a daemon that never serves fails the job instead of
+    holding it until walltime."""
+    lines = no_admin_example()
+    caches = [m for line in lines for m in re.findall(r"--cache-dir[ =](\S+)", line)]
+    assert caches and all("$SLURM_JOB_ID" in c for c in caches), caches
+    waits = [line for line in lines if "shardstream status" in line]
+    assert waits and all(re.search(r"--wait[ =]\d+", line) for line in waits), waits
+    assert not any(re.search(r"\b(until|while)\b", line) for line in lines), "an unbounded wait loop"
+
+
+def test_epilog_waits_out_the_drain_before_sigkill() -> None:
+    """The Epilog's SIGTERM-to-SIGKILL wait outlasts the drain of a daemon the Prolog started (its
+    default drain timeout): a daemon still ending its streams is not killed."""
+    text = (DEPLOY / "slurm" / "epilog").read_text()
+    loop = text[text.index("kill -TERM") : text.index("kill -KILL")]
+    rounds = int(re.search(r"seq 1 (\d+)", loop).group(1))
+    pause = float(re.search(r"sleep ([0-9.]+)", loop).group(1))
+    drain = drain_timeout("--listen", "unix:///run/shardstream-test/sock", "--cache-dir", "/nonexistent")
+    assert rounds * pause >= drain + STOP_HEADROOM, f"waits {rounds * pause} s, drain-timeout is {drain} s"
+
+
+def test_per_job_state_is_outside_the_units_directories(tmp_path: Path) -> None:
+    """The hooks and the node-wide systemd unit may run on one node. systemd removes the unit's
+    RuntimeDirectory= at every stop and restart, and makes its exec directories the unit user's
+    (0750): per-job sockets, pidfiles and caches inside them would vanish or become unreachable
+    to the job's user."""
+    script = f". {DEPLOY / 'slurm' / 'common.sh'}; ss_load_settings; SLURM_JOB_ID=1; ss_job_paths; "
+    script += 'printf "%s\\n" "$JOB_DIR" "$JOB_PIDFILE" "$JOB_CACHE" "$JOB_LOG"'
+    r = subprocess.run(
+        ["/bin/bash", "-c", script], env={"SLURM_CONF": str(tmp_path / "slurm.conf")}, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    job_paths = [Path(p) for p in r.stdout.split()]
+    assert len(job_paths) == 4, r.stdout
+    roots = {"RuntimeDirectory": "/run", "StateDirectory": "/var/lib", "CacheDirectory": "/var/cache"}
+    roots["LogsDirectory"] = "/var/log"
+    owned = []
+    for line in (DEPLOY / "systemd" / "shardstream.service").read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key in roots:
+            owned += [Path(roots[key]) / d for d in value.split()]
+    assert owned
+    for path in job_paths:
+        assert not any(path.is_relative_to(d) for d in owned), f"{path} is in the unit's {owned}"

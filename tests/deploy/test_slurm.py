@@ -28,7 +28,7 @@ import shardstream
 from conftest import write_dataset
 
 JOB_USER = "shardstream-test"
-RUN_DIR = Path("/run/shardstream")
+RUN_DIR = Path("/run/shardstream-jobs")
 # Before the node cache is warm a debug build may be slow; the job itself takes seconds.
 JOB_TIMEOUT = 240
 

@@ -9,7 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from deployutil import DEPLOY, shardstream_binary, tool
+import yaml
+from deployutil import DEPLOY, STOP_HEADROOM, drain_timeout, shardstream_binary, tool
 
 UNIT = DEPLOY / "systemd" / "shardstream.service"
 
@@ -63,8 +64,14 @@ def test_unit_contract() -> None:
     exec_start = keys["ExecStart"][0].split()
     assert exec_start[0].startswith("/"), "ExecStart must be absolute"
     assert "unix:///run/shardstream/sock" in exec_start
-    # The daemon drains for 10 s on SIGTERM: systemd must wait longer before SIGKILL.
-    assert int(keys["TimeoutStopSec"][0]) > 10
+    # The daemon drains on SIGTERM, then syncs its cache: systemd must wait longer before SIGKILL.
+    drain = drain_timeout(*exec_start[2:])
+    assert int(keys["TimeoutStopSec"][0]) >= drain + STOP_HEADROOM, f"drain-timeout is {drain} s"
+    # READY=1 comes after the cache is adopted: as long as the DaemonSet's startupProbe allows it.
+    daemonset = yaml.safe_load((DEPLOY / "k8s" / "base" / "daemonset.yaml").read_text())
+    daemon = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "shardstream")
+    startup = daemon["startupProbe"]["periodSeconds"] * daemon["startupProbe"]["failureThreshold"]
+    assert int(keys["TimeoutStartSec"][0]) >= startup, f"the startupProbe allows {startup} s"
 
 
 def test_sysusers_and_tmpfiles_in_a_scratch_root(tmp_path: Path) -> None:
