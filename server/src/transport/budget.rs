@@ -9,6 +9,7 @@
 //! restart), then fails with [`Error::CacheFull`], gRPC `RESOURCE_EXHAUSTED`, whose message starts
 //! with "packed ring budget exhausted". A ring larger than the whole budget fails at once.
 
+use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,32 +25,78 @@ const POLL: Duration = Duration::from_millis(20);
 /// trainers that map them and to the page cache the shards are read through.
 const DEFAULT_FRACTION: u64 = 4;
 
-/// Budget when physical memory cannot be read.
+/// Budget when physical memory cannot be read (`sysinfo(2)` failed: never seen).
 const FALLBACK_BUDGET: u64 = 8 << 30;
 
+/// Where the cgroup file systems are mounted.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
 /// The default `--packed-budget`: a quarter of the memory the daemon may use, the smaller of
-/// physical memory and its cgroup's limit (a container's memory limit: a quarter of the node's
-/// memory could exceed it, and the kernel would kill the daemon instead of refusing a ring).
+/// physical memory and its cgroup's limit (a container's memory limit, or a systemd unit's
+/// `MemoryMax=`: a quarter of the node's memory could exceed it, and the kernel would kill the
+/// daemon instead of refusing a ring).
+///
+/// Physical memory comes from `sysinfo(2)`, not `/proc/meminfo`, which a unit with
+/// `ProcSubset=pid` hides; the cgroup is the daemon's own (`/proc/self/cgroup`, which that unit
+/// still shows), and every cgroup above it counts, as the kernel counts them.
 pub fn default_budget() -> u64 {
-    let physical = physical_memory();
-    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok().and_then(|s| parse_memory_max(&s));
-    let memory = match (physical, cgroup) {
-        (Some(p), Some(c)) => Some(p.min(c)),
-        (p, c) => p.or(c),
-    };
-    memory.map_or(FALLBACK_BUDGET, |m| (m / DEFAULT_FRACTION).max(1 << 20))
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let memory = [physical_memory(), cgroup_limit(Path::new(CGROUP_ROOT), &own)].into_iter().flatten().min();
+    match memory {
+        Some(m) => (m / DEFAULT_FRACTION).max(1 << 20),
+        None => {
+            tracing::warn!(
+                budget = FALLBACK_BUDGET,
+                "cannot tell the machine's memory: the packed-ring budget is 8 GiB; set --packed-budget"
+            );
+            FALLBACK_BUDGET
+        }
+    }
 }
 
-/// cgroup v2 `memory.max`: a byte count, or `max` (no limit).
+/// cgroup v2 `memory.max` or v1 `memory.limit_in_bytes`: a byte count, or `max` (no limit).
 fn parse_memory_max(s: &str) -> Option<u64> {
     s.trim().parse().ok()
 }
 
 fn physical_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    let mut info = std::mem::MaybeUninit::<libc::sysinfo>::zeroed();
+    // SAFETY: `sysinfo` fills the struct it is given, which lives for the call; on failure it is
+    // not read.
+    if unsafe { libc::sysinfo(info.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: zero-initialised, then filled by a successful call; every field is plain data.
+    let info = unsafe { info.assume_init() };
+    u64::from(info.totalram).checked_mul(u64::from(info.mem_unit.max(1)))
+}
+
+/// The smallest memory limit of the cgroup `own` names (the text of `/proc/self/cgroup`) and
+/// every cgroup above it, under `root`: cgroup v2 (`0::/path`, `memory.max`) and v1's memory
+/// controller (`N:memory:/path`, `memory.limit_in_bytes`). Inside a container the path is often
+/// the host's and missing from the container's view; its ancestors, up to the mount's root (the
+/// container's own cgroup), are read all the same.
+fn cgroup_limit(root: &Path, own: &str) -> Option<u64> {
+    let mut limits = Vec::new();
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        let (base, file) = match controllers {
+            "" => (root.to_path_buf(), "memory.max"),
+            c if c.split(',').any(|c| c == "memory") => (root.join("memory"), "memory.limit_in_bytes"),
+            _ => continue,
+        };
+        let mut dir = base.join(path.trim_start_matches('/'));
+        loop {
+            if let Some(limit) = std::fs::read_to_string(dir.join(file)).ok().and_then(|s| parse_memory_max(&s)) {
+                limits.push(limit);
+            }
+            if dir == base || !dir.pop() {
+                break;
+            }
+        }
+    }
+    limits.into_iter().min()
 }
 
 /// The packed-ring memory of the whole daemon.
@@ -169,6 +216,33 @@ mod tests {
         assert_eq!(parse_memory_max("max\n"), None);
         assert_eq!(parse_memory_max(""), None);
         assert!(default_budget() >= 1 << 20);
+    }
+
+    #[test]
+    fn the_limit_is_the_smallest_of_the_own_cgroup_and_those_above_it() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let put = |rel: &str, text: &str| {
+            let dir = root.path().join(rel);
+            std::fs::create_dir_all(&dir).expect("cgroup dir");
+            std::fs::write(
+                dir.join(if rel.starts_with("memory") { "memory.limit_in_bytes" } else { "memory.max" }),
+                text,
+            )
+            .expect("limit");
+        };
+        // v2: a unit's MemoryMax= below a slice's, the root's file absent (as on a host).
+        put("system.slice", "8589934592\n");
+        put("system.slice/shardstream.service", "2147483648\n");
+        assert_eq!(cgroup_limit(root.path(), "0::/system.slice/shardstream.service\n"), Some(2 << 30));
+        // No limit set anywhere ("max"): none.
+        put("user.slice", "max\n");
+        assert_eq!(cgroup_limit(root.path(), "0::/user.slice\n"), None);
+        // v1, inside a container: the host's path is not in its view, the mount's root is its own.
+        put("memory", "4294967296\n");
+        let v1 = "4:memory:/kubepods/pod1/abc\n3:cpuset:/\n0::/\n";
+        assert_eq!(cgroup_limit(root.path(), v1), Some(4 << 30));
+        // Unreadable or empty: none, and physical memory alone decides.
+        assert_eq!(cgroup_limit(root.path(), ""), None);
     }
 
     fn never() -> bool {
