@@ -158,3 +158,38 @@ def test_packed_streams_share_the_ring_budget(tmp_path: Path, tokens: Path) -> N
         )
     finally:
         assert d.stop() == 0
+
+
+def test_side_channel_connections_past_the_open_file_limit_leave_it_serving(tmp_path: Path) -> None:
+    # A burst of connections to the shared-memory side channel (many trainers starting, or one
+    # peer opening them on purpose) can exhaust the daemon's descriptors for a moment. Accepting
+    # must resume once they are gone: the zero-copy path of every client of the node hangs on it.
+    root = tmp_path / "data"
+    samples = write_dataset(root, n=40, per_shard=10)
+    d = Daemon(tmp_path / "d", wrap=["prlimit", "--nofile=256:256"]).start()
+    try:
+        side = str(tmp_path / "d" / "sock.shm")
+        held = []
+        for _ in range(400):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(0.5)
+            try:
+                s.connect(side)
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        assert len(held) > 200, len(held)
+        for s in held:
+            s.close()
+
+        def epoch() -> set[str]:
+            try:
+                loader = shardstream.Loader(str(root), batch_size=8, transport="shm", connect=d.addr)
+                return {k for b in loader for k in b["__key__"]}
+            except ConnectionError:
+                return set()
+
+        assert wait_for(lambda: epoch() == set(samples), timeout=20)
+    finally:
+        assert d.stop() == 0
