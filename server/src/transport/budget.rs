@@ -68,7 +68,10 @@ fn physical_memory() -> Option<u64> {
     }
     // SAFETY: zero-initialised, then filled by a successful call; every field is plain data.
     let info = unsafe { info.assume_init() };
-    u64::from(info.totalram).checked_mul(u64::from(info.mem_unit.max(1)))
+    // `c_ulong`: 64 bits here, 32 on 32-bit targets.
+    #[allow(clippy::useless_conversion)]
+    let total = u64::from(info.totalram);
+    total.checked_mul(u64::from(info.mem_unit.max(1)))
 }
 
 /// The smallest memory limit of the cgroup `own` names (the text of `/proc/self/cgroup`) and
