@@ -296,20 +296,58 @@ impl Drop for ShmHub {
     }
 }
 
+/// Connections accepted that have not said HELLO yet, at most: each holds a thread for up to
+/// [`ATTACH_TIMEOUT`]. Clients attach right after their stream starts, so more than this at once
+/// is a flood, not trainers; the newest are closed.
+const UNATTACHED_MAX: usize = 256;
+
+/// How long accepting pauses after a failure that passes (out of descriptors or memory).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How often the same accept failure is logged, at most.
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
+
 fn accept_loop(listener: OwnedFd, shared: Arc<HubShared>) {
+    use rustix::io::Errno;
+    let unattached = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut logged: Option<Instant> = None;
+    let mut log_once_in_a_while = |what: &str, error: &dyn std::fmt::Display| {
+        if logged.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+            logged = Some(Instant::now());
+            tracing::warn!(%error, "shm side channel: {what}");
+        }
+    };
     loop {
         let conn = match rustix::net::accept_with(&listener, rustix::net::SocketFlags::CLOEXEC) {
             Ok(c) => c,
-            Err(rustix::io::Errno::INTR) => continue,
+            Err(Errno::INTR | Errno::CONNABORTED) => continue,
+            // The process or the system is out of descriptors or memory for a moment (a burst of
+            // connections, or streams holding many shards): the connections wait in the backlog.
+            // Ending the loop would close the side channel until the daemon restarts.
+            Err(e @ (Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM | Errno::PROTO | Errno::PERM)) => {
+                log_once_in_a_while("cannot accept a connection now; retrying", &e);
+                std::thread::sleep(ACCEPT_BACKOFF);
+                continue;
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "shm side channel stopped accepting");
+                tracing::error!(error = %e, "shm side channel stopped accepting");
                 return;
             }
         };
-        let shared = shared.clone();
-        let spawned = std::thread::Builder::new().name("shm-session".into()).spawn(move || serve_conn(conn, shared));
+        if unattached.load(std::sync::atomic::Ordering::Acquire) >= UNATTACHED_MAX {
+            log_once_in_a_while(
+                "too many connections waiting to attach; closing new ones",
+                &format!("{UNATTACHED_MAX} waiting"),
+            );
+            continue;
+        }
+        unattached.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let (shared, waiting) = (shared.clone(), unattached.clone());
+        let spawned =
+            std::thread::Builder::new().name("shm-session".into()).spawn(move || serve_conn(conn, shared, &waiting));
         if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start a shm session thread");
+            unattached.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            log_once_in_a_while("cannot start a session thread", &e);
         }
     }
 }
@@ -347,14 +385,17 @@ fn recv_frame(sock: &impl AsFd) -> std::io::Result<Option<Vec<u8>>> {
     Ok(Some(buf[..r.bytes].to_vec()))
 }
 
-/// Serves one side-channel connection: HELLO, then RELEASE frames until it closes.
-fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>) {
+/// Serves one side-channel connection: HELLO, then RELEASE frames until it closes. `unattached`
+/// counts it until its first frame has come (or not).
+fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>, unattached: &std::sync::atomic::AtomicUsize) {
     let _ = rustix::net::sockopt::set_socket_timeout(&conn, rustix::net::sockopt::Timeout::Send, Some(SEND_TIMEOUT));
     let _ = rustix::net::sockopt::set_socket_timeout(&conn, rustix::net::sockopt::Timeout::Recv, Some(ATTACH_TIMEOUT));
     let reject = |conn: &OwnedFd, code, msg: &str| {
         let _ = send_frame(conn, &Frame::error(code, msg), None);
     };
-    let hello = match recv_frame(&conn) {
+    let hello = recv_frame(&conn);
+    unattached.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    let hello = match hello {
         Ok(Some(bytes)) => bytes,
         _ => return,
     };
