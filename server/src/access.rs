@@ -254,15 +254,34 @@ fn resolve(path: &Path) -> std::result::Result<PathBuf, String> {
     Ok(real)
 }
 
+/// Where the entry `name` of the resolved directory `dir` leads: itself, or, for a symbolic link,
+/// its target resolved ([`resolve`]).
+fn name_in(dir: &Path, name: &str) -> std::result::Result<PathBuf, String> {
+    let path = dir.join(name);
+    // `.`, `..` or a path: walked whole, as the kernel would.
+    if matches!(name, "" | "." | "..") || name.contains('/') {
+        return resolve(&path);
+    }
+    match path.symlink_metadata() {
+        Ok(m) if m.is_symlink() => resolve(&path),
+        _ => Ok(path),
+    }
+}
+
 /// Every shard location (or the dataset directory / prefix) a URL names.
 fn locations(url: &str) -> Result<Vec<Root>> {
     match DatasetUrl::parse(url)? {
         DatasetUrl::Local { dir, pick } => {
-            let dirs = match pick {
-                Pick::All | Pick::Every | Pick::Glob(_) => vec![dir],
-                Pick::Names(names) => names.iter().map(|n| dir.join(n)).collect(),
-            };
-            dirs.iter().map(|d| resolve(d).map(Root::Dir).map_err(Error::InvalidArgument)).collect()
+            let real = resolve(&dir).map_err(Error::InvalidArgument)?;
+            match pick {
+                Pick::All | Pick::Every | Pick::Glob(_) => Ok(vec![Root::Dir(real)]),
+                // A name holds no `/`: its directory is resolved once, and only a name that is a
+                // link is resolved on its own (a million names are a million `lstat`s, not a
+                // million walks of the whole path).
+                Pick::Names(names) => {
+                    names.iter().map(|n| name_in(&real, n).map(Root::Dir).map_err(Error::InvalidArgument)).collect()
+                }
+            }
         }
         DatasetUrl::S3 { bucket, prefix, pick } => {
             let keys = match pick {
@@ -374,6 +393,30 @@ mod tests {
         // A link to nothing may lead anywhere once its target is made.
         std::os::unix::fs::symlink(outside.join("later"), root.join("dangling")).unwrap();
         assert!(l.check(ALICE, &at("dangling")).is_err());
+    }
+
+    #[test]
+    fn a_patterns_names_are_checked_where_they_lead() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let (ds, out) = (root.path().join("r/ds"), root.path().join("out"));
+        std::fs::create_dir_all(&ds).expect("dataset dir");
+        std::fs::create_dir_all(&out).expect("outside dir");
+        std::fs::write(out.join("s.tar"), b"x").expect("outside file");
+        std::os::unix::fs::symlink(out.join("s.tar"), ds.join("b.tar")).expect("link out");
+        let allowed = root.path().join("r");
+        let l = AllowList::new(&[AllowRule {
+            uid: None,
+            gid: None,
+            client: None,
+            roots: vec![allowed.display().to_string()],
+        }])
+        .expect("rules");
+        let who = Requester::Local(Peer { uid: 1, gid: 1 });
+        let at = |p: &str| format!("{}/{p}", ds.display());
+        l.check_requester(&who, &at("{a,c}.tar")).expect("plain names inside");
+        assert!(l.check_requester(&who, &at("{a,b}.tar")).is_err(), "a name linked out of the root");
+        // A name `..` is the root's parent, however the pattern is parsed.
+        assert!(l.check_requester(&who, &format!("{}/{{..,a}}", allowed.display())).is_err());
     }
 
     #[test]

@@ -135,8 +135,9 @@ impl Service {
     }
 
     /// Refuses (`PermissionDenied`, naming the URL) a dataset outside the peer's allowed roots.
-    /// Returns what then admits the dataset's shards where they lie ([`Admission`]).
-    fn authorize<T>(&self, request: &Request<T>, url: &str) -> Result<Admission, Status> {
+    /// Returns what then admits the dataset's shards where they lie ([`Admission`]). The check
+    /// touches the file system (a pattern's every name), so it runs on the blocking pool.
+    async fn authorize<T>(&self, request: &Request<T>, url: &str) -> Result<Admission, Status> {
         let Some(allow) = &self.access else { return Ok(Admission(None)) };
         let local = request
             .extensions()
@@ -149,7 +150,8 @@ impl Service {
             (None, Some(r)) => crate::access::Requester::Remote { client: r.name.clone() },
             (None, None) => crate::access::Requester::Remote { client: None },
         };
-        allow.check_requester(&who, url).map_err(|e| {
+        let (list, asking, named) = (allow.clone(), who.clone(), url.to_owned());
+        blocking(move || list.check_requester(&asking, &named)).await.map_err(|e| {
             tracing::warn!(%who, url = ?url, "dataset refused by the allow list");
             to_status(e)
         })?;
@@ -240,7 +242,7 @@ impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
         crate::limits::check_request("OpenDataset", request.get_ref())?;
         absolute(&request.get_ref().url)?;
-        let admission = self.authorize(&request, &request.get_ref().url)?;
+        let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
         let ds = self.open(req.url, req.cache, admission).await.map_err(to_status)?;
@@ -257,7 +259,7 @@ impl Shardstream for Service {
         let same_host = request.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some();
         crate::limits::check_request("StreamBatches", request.get_ref())?;
         absolute(&request.get_ref().url)?;
-        let admission = self.authorize(&request, &request.get_ref().url)?;
+        let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         let ds = self.open(req.url.clone(), req.cache.clone(), admission).await.map_err(to_status)?;
         let hub = self.shm.clone().filter(|_| same_host);
@@ -360,7 +362,7 @@ impl Shardstream for Service {
     async fn prefetch(&self, request: Request<PrefetchRequest>) -> Result<Response<Self::PrefetchStream>, Status> {
         crate::limits::check_request("Prefetch", request.get_ref())?;
         absolute(&request.get_ref().url)?;
-        let admission = self.authorize(&request, &request.get_ref().url)?;
+        let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
         stage::stage(self.registry.clone(), req, admission).await.map(Response::new)
