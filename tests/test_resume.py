@@ -302,3 +302,27 @@ def test_a_state_saved_after_set_epoch_is_the_start_of_that_epoch(daemon, datase
     assert resumed(state) == reference(4)
     assert [k for b in dl for k in b["__key__"]] == reference(4)
     assert dl.state_dict()["batches_consumed"] == len(dl)
+
+
+def test_out_of_order_delivery_and_epochs_past_int64_are_refused_not_resumed_wrong(daemon, dataset) -> None:
+    """``state_dict()`` counts batches as a prefix of the rank's order. torch's ``in_order=False``
+    yields a worker's batches as they come (rank batches 1, 3, 5, 7 first): a state of 4 batches
+    then resumed into 20 repeated and 20 lost samples. And the epoch, a u64 everywhere else, was
+    kept in a signed int64: 2**63 came back from a DataLoader's state as -2**63."""
+    import shardstream.torch as sst
+
+    root, _ = dataset
+    kw = dict(batch_size=64, seed=3, rank=0, world_size=1, connect=daemon.addr)
+    with pytest.raises(ValueError, match="in_order"):
+        sst.DataLoader(sst.IterableDataset(str(root), **kw), num_workers=2, in_order=False)
+    ds = sst.IterableDataset(str(root), **kw)
+    dl = sst.DataLoader(ds)
+    ds.set_epoch(2**63)
+    state = dl.state_dict()
+    assert state["epoch"] == 2**63, state
+    again = sst.IterableDataset(str(root), **kw)
+    sst.DataLoader(again).load_state_dict(state)
+    assert again.epoch == 2**63
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="epoch"):
+            ds.set_epoch(bad)
