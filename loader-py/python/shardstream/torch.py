@@ -246,7 +246,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
 
     @epoch.setter
     def epoch(self, epoch: int) -> None:
-        self._position[0] = int(epoch)
+        self._position[0] = _checked_epoch(epoch)
 
     @property
     def start_batch(self) -> int:
@@ -281,7 +281,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration follows, from its start (a DataLoader's
         ``state_dict()`` then says so); the same epoch again keeps the position (a resumed one)."""
-        if epoch != self.epoch:
+        if _checked_epoch(epoch) != self.epoch:
             self.start_batch = 0
             self._consumed = 0
         self.epoch = int(epoch)
@@ -324,9 +324,18 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             del batch  # not kept alive (with its lease) while the consumer holds the next one
 
 
+def _checked_epoch(epoch: int) -> int:
+    """An epoch as the shared position holds it: ctypes would wrap one out of range silently."""
+    epoch = int(epoch)
+    if not 0 <= epoch < 2**64:
+        raise ValueError(f"epoch must be an integer from 0 to 2**64-1, not {epoch}")
+    return epoch
+
+
 def _shared_position() -> Any:
-    """Two int64 (epoch, start batch) in shared memory that forked and spawned workers inherit."""
-    return multiprocessing.RawArray("q", 2)
+    """Two uint64 (epoch, start batch) in shared memory that forked and spawned workers inherit
+    (an epoch is any u64, as for ``Loader``)."""
+    return multiprocessing.RawArray("Q", 2)
 
 
 def _spawning() -> Any:
@@ -395,6 +404,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             raise TypeError("shardstream.torch.DataLoader needs a shardstream.torch.IterableDataset")
         if kwargs.pop("batch_size", None) is not None:
             raise ValueError("batch_size is set on the dataset; the DataLoader must use batch_size=None")
+        if not kwargs.get("in_order", True):
+            # state_dict() counts the batches yielded as a prefix of the rank's order: batches out
+            # of order would resume with some repeated and others never seen.
+            raise ValueError(
+                "in_order=False is not supported: shardstream's resume state (state_dict) needs the "
+                "rank's batches in order"
+            )
         kwargs.setdefault("collate_fn", _convert)
         super().__init__(dataset, batch_size=None, **kwargs)
         self._ss_dataset = dataset
