@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import shardstream
+
 CONSUMER = textwrap.dedent(
     """
     import json, os, signal, sys
@@ -326,3 +328,26 @@ def test_out_of_order_delivery_and_epochs_past_int64_are_refused_not_resumed_wro
     for bad in (-1, 2**64):
         with pytest.raises(ValueError, match="epoch"):
             ds.set_epoch(bad)
+
+
+def test_a_dataset_that_changes_between_epochs_is_refused_not_streamed(daemon, tmp_path: Path) -> None:
+    """Ranks agree on the dataset's fingerprint when their loaders are made. A shard added (or
+    replaced) later was streamed at the next epoch by whichever rank opened it after the change:
+    ranks of one epoch then had different batch counts (a hang under DDP), samples went twice,
+    and the state saved named the old fingerprint. Every stream is now held to the fingerprint
+    the loader was made with."""
+    from conftest import write_dataset
+
+    root = tmp_path / "data"
+    samples = write_dataset(root, n=30, per_shard=10)
+    loader = shardstream.Loader(str(root), batch_size=8, seed=1, connect=daemon.addr)
+    assert sorted(k for b in loader for k in b["__key__"]) == sorted(samples)
+    write_dataset(tmp_path / "more", n=10, per_shard=10, seed=9)
+    (tmp_path / "more" / "train-000000.tar").rename(root / "train-000009.tar")
+    loader.set_epoch(1)
+    with pytest.raises(ValueError, match="changed"):
+        for _ in loader:
+            pass
+    # A loader made now sees the new shards, and streams them.
+    fresh = shardstream.Loader(str(root), batch_size=8, seed=1, connect=daemon.addr)
+    assert sum(len(b["__key__"]) for b in fresh) == 40
