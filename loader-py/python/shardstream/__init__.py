@@ -442,7 +442,9 @@ class Loader:
             fields=self.fields,
             shuffle_window=self.shuffle_window,
             transport=self.transport,
-            expected_fingerprint=self._expected_fingerprint,
+            # The dataset every rank agreed on when the loaders were made (and a resumed state
+            # names): a change since would give ranks different batches.
+            expected_fingerprint=str(self.info["fingerprint"]),
             cache=self.cache,
             # Arrow batches are stacked here, over the record batch's buffers.
             collate=None if self.arrow else self.collate,
@@ -451,7 +453,6 @@ class Loader:
             binary_views=self.binary_views,
         )
 
-    _expected_fingerprint = ""
     _arrow_reader: Any = None
 
     def _arrow_batches(self, native: _native.Batch) -> list[tuple[int, int, Any]]:
@@ -612,7 +613,6 @@ class Loader:
         consumed = min(int(state["batches_consumed"]), len(self))
         self._start_batch = consumed
         self._consumed = consumed
-        self._expected_fingerprint = state["fingerprint"]
 
     def stats(self) -> dict[str, Any]:
         """Throughput so far: samples/s and bytes/s over the wall time spent iterating, and the
