@@ -165,10 +165,9 @@ impl<M> RingReceiver<M> {
     }
 
     fn post_rx(&self, i: usize) -> crate::Result<()> {
-        while !self.ep.recv(SEND_CONTEXTS + i, &self.msgs, (SEND_CONTEXTS + i) * RELEASE_BYTES, RELEASE_BYTES)? {
-            self.ep.poll(None)?;
-        }
-        Ok(())
+        post_until_queued(&self.ep, || {
+            self.ep.recv(SEND_CONTEXTS + i, &self.msgs, (SEND_CONTEXTS + i) * RELEASE_BYTES, RELEASE_BYTES)
+        })
     }
 
     pub fn offer(&self) -> crate::Result<Offer> {
@@ -470,10 +469,7 @@ impl RingSender {
 
     fn post_release(&self, i: usize) -> crate::Result<()> {
         let op = self.window() + i;
-        while !self.ep.recv(op, &self.releases, i * RELEASE_BYTES, RELEASE_BYTES)? {
-            self.ep.poll(None)?;
-        }
-        Ok(())
+        post_until_queued(&self.ep, || self.ep.recv(op, &self.releases, i * RELEASE_BYTES, RELEASE_BYTES))
     }
 
     pub fn name(&self) -> crate::Result<Vec<u8>> {
@@ -684,4 +680,28 @@ impl RingSender {
     pub fn provider(&self) -> &str {
         self.ep.fabric().provider()
     }
+}
+
+/// How long posting a receive may find the provider's queue full before it is an error.
+const POST_WAIT: Duration = Duration::from_secs(1);
+
+/// Posts with `post` (false: the queue is full), driving progress between tries, for at most
+/// [`POST_WAIT`]. The first receives are posted before the stream's first write, when a queue
+/// still full never empties (more receives than its depth): retrying for good spun a thread at a
+/// core. A repost follows the completion that freed its place in the queue, so it finds room at
+/// once; a completion the progress drive read while it waited would be lost, which is why the
+/// wait is short and then an error, never a silent retry.
+fn post_until_queued(ep: &Endpoint, mut post: impl FnMut() -> crate::Result<bool>) -> crate::Result<()> {
+    let deadline = Instant::now() + POST_WAIT;
+    while !post()? {
+        if Instant::now() >= deadline {
+            return Err(crate::Error::Call {
+                call: "fi_recv",
+                code: libc::EAGAIN,
+                msg: "the provider's receive queue stays full (more receives posted than it holds)".into(),
+            });
+        }
+        ep.poll(None)?;
+    }
+    Ok(())
 }
