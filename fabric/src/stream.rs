@@ -42,6 +42,8 @@ pub enum StreamError {
     BadRelease(usize),
     #[error("a staged batch was posted to a sender that did not lend it, or twice")]
     NotStaged,
+    #[error("the wait for a credit was given up (the stream ended)")]
+    Stopped,
 }
 
 pub type StreamResult<T> = std::result::Result<T, StreamError>;
@@ -533,15 +535,26 @@ impl RingSender {
     /// it, then [`Self::post`] it. What [`Self::send`] does in one call, for a caller that fills
     /// the buffer without holding this sender.
     pub fn reserve(&mut self, batch: u64) -> StreamResult<Staged> {
-        let started = Instant::now();
+        let (started, stall) = (Instant::now(), self.stall);
+        self.reserve_while(batch, &|| started.elapsed() < stall).map_err(|e| match e {
+            StreamError::Stopped => StreamError::Stalled(stall),
+            e => e,
+        })
+    }
+
+    /// As [`Self::reserve`], waiting for as long as `waiting` says (asked between progress
+    /// drives, at least every 200 ms), not for the stall time: for a caller that knows its peer
+    /// is still there (its gRPC stream is open) while it holds every credit, as a trainer does
+    /// through an evaluation or a checkpoint. [`StreamError::Stopped`] once `waiting` says no.
+    pub fn reserve_while(&mut self, batch: u64, waiting: &dyn Fn() -> bool) -> StreamResult<Staged> {
         let (stage, slot) = loop {
             if let Some(stage) = self.staging_slot.iter().position(|s| *s == Stage::Free)
                 && let Some(slot) = self.tx.acquire(batch)
             {
                 break (stage, slot);
             }
-            if started.elapsed() >= self.stall {
-                return Err(StreamError::Stalled(self.stall));
+            if !waiting() {
+                return Err(StreamError::Stopped);
             }
             self.pump(Some(Duration::from_millis(200)))?;
         };

@@ -125,6 +125,67 @@ fn unknown_or_absent_provider_is_a_named_error() {
     }
 }
 
+/// A client that holds every credit for longer than the stall time (a trainer evaluating, or
+/// saving a checkpoint) and then releases them: a sender that knows the client is still there
+/// waits it out with `reserve_while`, and stops as soon as it is told to.
+#[test]
+fn a_sender_told_the_client_is_there_waits_past_the_stall_time() {
+    if !available() {
+        return;
+    }
+    let provider = "tcp;ofi_rxm";
+    let slots = 2u32;
+    let mut rx: RingReceiver<()> =
+        RingReceiver::new(open_endpoint(Some(provider), 64).unwrap(), slots, 4096, 0).unwrap();
+    let offer = rx.offer().unwrap();
+    let (name_tx, name_rx) = mpsc::channel();
+    let (meta_tx, meta_rx) = mpsc::channel();
+    let daemon = thread::spawn(move || {
+        let ep = open_endpoint(Some(provider), 16).unwrap();
+        let mut tx = RingSender::new(ep, &offer, 2).unwrap();
+        tx.stall = Duration::from_millis(300);
+        name_tx.send(tx.name().unwrap()).unwrap();
+        let mut stopped = None;
+        for b in 0..u64::from(slots) + 1 {
+            if b == u64::from(slots) {
+                // Every credit held, and told to stop: it does, at once.
+                stopped = tx.reserve_while(b, &|| false).map(|_| ()).err();
+            }
+            let started = std::time::Instant::now();
+            let staged = tx.reserve_while(b, &|| started.elapsed() < Duration::from_secs(20))?;
+            let slot = tx.post(staged, 1)?;
+            meta_tx.send((b, slot)).unwrap();
+        }
+        Ok::<_, StreamError>(stopped)
+    });
+    rx.connect(&name_rx.recv().unwrap()).unwrap();
+    let mut held = Vec::new();
+    while held.len() < slots as usize {
+        while let Ok((b, s)) = meta_rx.try_recv() {
+            rx.on_meta(b, s, ()).unwrap();
+        }
+        if let Some(got) = rx.next(Duration::from_millis(50)).unwrap() {
+            held.push(got);
+        }
+    }
+    // Well past the stall time with every credit held; then let them go.
+    thread::sleep(Duration::from_millis(1500));
+    assert!(!daemon.is_finished(), "the sender gave up while the client was there");
+    for r in held {
+        rx.release(r.slot, r.batch).unwrap();
+    }
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let mut third = None;
+    while third.is_none() && std::time::Instant::now() < until {
+        while let Ok((b, s)) = meta_rx.try_recv() {
+            rx.on_meta(b, s, ()).unwrap();
+        }
+        third = rx.next(Duration::from_millis(50)).unwrap();
+    }
+    assert!(third.is_some(), "the batch after the pause never came");
+    assert!(matches!(daemon.join().unwrap(), Ok(Some(StreamError::Stopped))));
+}
+
 /// A client that takes batches but never releases them holds exactly its credits; the daemon
 /// reports it stalled after its timeout instead of writing over held slots.
 #[test]

@@ -107,7 +107,7 @@ pub(super) fn build_arrow_batch(
     let mut msg = match (session, credit) {
         (None, _) if let Some(pipe) = rdma => {
             let (slot, length, ()) =
-                rdma_post(pipe, index, |buf| Ok((transport::arrow::write_rows(asm, &rows, buf)?, ())))?;
+                rdma_post(pipe, index, cancelled, |buf| Ok((transport::arrow::write_rows(asm, &rows, buf)?, ())))?;
             ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }
         }
         (Some(s), Some(credit)) => {

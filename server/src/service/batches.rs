@@ -109,21 +109,24 @@ pub(super) fn build_batch(
     Ok((message(b.finish(index, false)), bytes))
 }
 
-/// Reserves a staging buffer of the stream's rdma sender for batch `index` (blocking: may wait
-/// for a credit), lets `fill` write the batch at its start, returning its length and whatever else
-/// it made, and posts the RDMA write of those bytes into a slot of the client's ring. Returns the
-/// slot and what `fill` made. The sender is held only to reserve and to post, so its progress
-/// thread keeps earlier writes moving while `fill` runs; a `fill` that fails gives the buffer and
-/// the credit back.
+/// Reserves a staging buffer of the stream's rdma sender for batch `index` (blocking: waits for
+/// a credit for as long as the stream is not `cancelled`, as the other transports do: a trainer
+/// holding its batches through an evaluation or a checkpoint is still there), lets `fill` write
+/// the batch at its start, returning its length and whatever else it made, and posts the RDMA
+/// write of those bytes into a slot of the client's ring. Returns the slot and what `fill` made.
+/// The sender is held only to reserve and to post, so its progress thread keeps earlier writes
+/// moving while `fill` runs; a `fill` that fails gives the buffer and the credit back.
 pub(super) fn rdma_post<T>(
     rdma: &transport::rdma::RdmaPipe,
     index: u64,
+    cancelled: &dyn Fn() -> bool,
     fill: impl FnOnce(&mut [u8]) -> Result<(usize, T)>,
 ) -> Result<(u32, usize, T)> {
-    let failed = |e: shardstream_fabric::stream::StreamError| {
-        Error::Unavailable(format!("rdma stream to the client failed: {e}"))
+    let failed = |e: shardstream_fabric::stream::StreamError| match e {
+        shardstream_fabric::stream::StreamError::Stopped => Error::Unavailable("stream cancelled".into()),
+        e => Error::Unavailable(format!("rdma stream to the client failed: {e}")),
     };
-    let mut staged = rdma.lock()?.sender.reserve(index).map_err(failed)?;
+    let mut staged = rdma.lock()?.sender.reserve_while(index, &|| !cancelled()).map_err(failed)?;
     let filled = fill(staged.buffer());
     let mut r = rdma.lock()?;
     let (len, made) = match filled {
@@ -142,6 +145,7 @@ pub(super) fn rdma_post<T>(
 /// Reads one batch straight into a staging buffer of the stream's rdma sender (registered
 /// memory, laid out as an inline batch's `data`), posts it ([`rdma_post`]) and describes it as
 /// an `RdmaBatch`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn build_rdma_batch(
     ds: &Dataset,
     working: &mut Working,
@@ -150,9 +154,10 @@ pub(super) fn build_rdma_batch(
     ids: &[u64],
     index: u64,
     rdma: &transport::rdma::RdmaPipe,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<(StreamMessage, u64)> {
     working.preload(ds, ids)?;
-    let (slot, len, (bytes, keys, columns)) = rdma_post(rdma, index, |buf| {
+    let (slot, len, (bytes, keys, columns)) = rdma_post(rdma, index, cancelled, |buf| {
         let slot_bytes = buf.len() as u64;
         let mut b = InlineBatchBuilder::with_buffer(fields, all_fields, ids.len(), Fixed::new(buf));
         let too_large = || format!("the client's rdma ring slots of {slot_bytes} bytes (SHARDSTREAM_RDMA_SLOT_BYTES)");

@@ -484,14 +484,13 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
             // Not Arrow nor packed, so rdma: the other TAR streams are a `SampleStream`. A build
-            // here may wait for a credit of the client's ring; this loop leaves it behind when
-            // the client goes (the endpoint's stall time bounds it).
+            // here may wait for a credit of the client's ring, for as long as the stream lasts.
             let Some(r) = &rdma else {
                 return Err(Error::Internal("a stream of TAR batches outside a SampleStream without rdma".into()));
             };
             let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
-            let built =
-                build_rdma_batch(ds, &mut working, fields, all_fields, ids, index, r).map(|(m, b)| (vec![m], b));
+            let built = build_rdma_batch(ds, &mut working, fields, all_fields, ids, index, r, &cancelled)
+                .map(|(m, b)| (vec![m], b));
             working.end_batch();
             built.map(|b| (b, working.take_wait()))
         });
