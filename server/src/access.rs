@@ -343,6 +343,9 @@ mod tests {
             "s3://bucket/datasets/imagenet/../other/",
             "s3://other-bucket/datasets/imagenet/",
             "s3://bucket/datasets/",
+            // S3 takes `//` literally: these are other keys than the root's.
+            "s3://bucket//datasets/imagenet/",
+            "s3://bucket/datasets//imagenet/",
         ] {
             let e = l.check(ALICE, bad).unwrap_err();
             assert!(matches!(&e, Error::PermissionDenied { path, .. } if path == bad), "{bad}: {e:?}");
