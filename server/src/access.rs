@@ -196,13 +196,18 @@ fn parse_root(s: &str) -> std::result::Result<Root, String> {
     Ok(Root::Dir(resolve(Path::new(path))?))
 }
 
-/// Key segments of an S3 prefix; `.`/`..` segments are refused (S3 takes them literally, a
-/// reader of this list would not).
+/// Key segments of an S3 prefix; `.`/`..` segments and empty ones (`//`, or a key starting with
+/// `/`) are refused: S3 takes them literally, so `datasets//imagenet/` is another prefix than
+/// `datasets/imagenet/`, and a reader of this list would not tell them apart. One trailing `/`
+/// (a prefix) is fine.
 fn s3_segments(key: &str) -> std::result::Result<Vec<String>, String> {
     let mut out = Vec::new();
-    for seg in key.split('/').filter(|s| !s.is_empty()) {
-        if seg == "." || seg == ".." {
-            return Err(format!("the key {key:?} contains a {seg:?} segment"));
+    if key.is_empty() {
+        return Ok(out);
+    }
+    for seg in key.strip_suffix('/').unwrap_or(key).split('/') {
+        if seg.is_empty() || seg == "." || seg == ".." {
+            return Err(format!("the key {key:?} contains an empty, '.' or '..' segment ({seg:?})"));
         }
         out.push(seg.to_owned());
     }
