@@ -113,3 +113,13 @@ def test_slow_client_does_not_block_others(daemon, dataset) -> None:
     for _ in range(3):
         assert_still_serves(daemon, dataset)
     del it
+
+
+def test_a_dataset_url_with_control_characters_is_refused(daemon, dataset) -> None:
+    # The URL is logged as given: a newline in it wrote a line of the attacker's choosing into
+    # the daemon's log ("... INFO shardstream::daemon: forged line"). No dataset is named so.
+    root, _ = dataset
+    for url in (f"{root}\n2026-12-03T14:01:00.000000Z  INFO shardstream::daemon: forged", f"{root}\x1b[2J"):
+        with pytest.raises(ValueError, match="control character"):
+            shardstream._native.Connection(daemon.addr).open(url, "auto")
+    assert_still_serves(daemon, dataset)
