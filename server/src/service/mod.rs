@@ -166,7 +166,13 @@ impl Service {
 
 /// Refuses a relative local path: the daemon would resolve it in its own working directory, not
 /// the client's, and serve whatever dataset has that name there. Clients make paths absolute.
-fn absolute(url: &str) -> Result<(), Status> {
+fn check_url(url: &str) -> Result<(), Status> {
+    // Logged and echoed in errors as given: a newline would forge a line of the daemon's log.
+    if let Some(c) = url.chars().find(|c| c.is_control()) {
+        return Err(Status::invalid_argument(format!(
+            "dataset URL {url:?} holds a control character ({c:?}); no dataset is named so"
+        )));
+    }
     if !crate::storage::is_relative_path(url) {
         return Ok(());
     }
@@ -241,7 +247,7 @@ fn next_ranges(
 impl Shardstream for Service {
     async fn open_dataset(&self, request: Request<OpenRequest>) -> Result<Response<DatasetInfo>, Status> {
         crate::limits::check_request("OpenDataset", request.get_ref())?;
-        absolute(&request.get_ref().url)?;
+        check_url(&request.get_ref().url)?;
         let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
@@ -258,7 +264,7 @@ impl Shardstream for Service {
         // Only a client on the Unix socket can be on this host and reach the side channel.
         let same_host = request.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some();
         crate::limits::check_request("StreamBatches", request.get_ref())?;
-        absolute(&request.get_ref().url)?;
+        check_url(&request.get_ref().url)?;
         let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         let ds = self.open(req.url.clone(), req.cache.clone(), admission).await.map_err(to_status)?;
@@ -361,7 +367,7 @@ impl Shardstream for Service {
 
     async fn prefetch(&self, request: Request<PrefetchRequest>) -> Result<Response<Self::PrefetchStream>, Status> {
         crate::limits::check_request("Prefetch", request.get_ref())?;
-        absolute(&request.get_ref().url)?;
+        check_url(&request.get_ref().url)?;
         let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
