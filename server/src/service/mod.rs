@@ -164,10 +164,11 @@ impl Service {
     }
 }
 
-/// Refuses a relative local path: the daemon would resolve it in its own working directory, not
-/// the client's, and serve whatever dataset has that name there. Clients make paths absolute.
+/// Refuses a URL holding a control character (it is logged and echoed in errors as given: a
+/// newline would forge a line of the daemon's log), and a relative local path: the daemon would
+/// resolve it in its own working directory, not the client's, and serve whatever dataset has
+/// that name there. Clients make paths absolute.
 fn check_url(url: &str) -> Result<(), Status> {
-    // Logged and echoed in errors as given: a newline would forge a line of the daemon's log.
     if let Some(c) = url.chars().find(|c| c.is_control()) {
         return Err(Status::invalid_argument(format!(
             "dataset URL {url:?} holds a control character ({c:?}); no dataset is named so"
