@@ -323,3 +323,52 @@ def test_a_brace_pattern_of_a_million_names_does_not_hold_up_the_daemon(tmp_path
         assert time.monotonic() - started < 30
     finally:
         assert d.stop() == 0
+
+
+STATUS_CLIENT = textwrap.dedent(
+    """
+    import sys, os, json, shardstream
+    uid = int(sys.argv[2])
+    if uid != os.getuid():
+        os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    s = shardstream._native.Connection(sys.argv[1]).status()
+    print(json.dumps(sorted(d[0] if isinstance(d, (list, tuple)) else d["url"] for d in s["datasets"])))
+    """
+)
+
+
+@needs_root
+def test_status_names_only_the_datasets_the_peer_may_open(shared_dir: Path) -> None:
+    # The daemon's status listed every dataset any peer had opened: a user the allow list keeps
+    # out of another's data still learned its paths, sizes and sample counts.
+    a, b = shared_dir / "a-data", shared_dir / "b-data"
+    write_dataset(a, n=30, per_shard=10)
+    write_dataset(b, n=30, per_shard=10, seed=1)
+    cfg = write_config(
+        shared_dir / "cfg.toml",
+        f"""
+        socket-mode = "0666"
+        [[allow]]
+        uid = {NOBODY}
+        roots = ["{a}"]
+        [[allow]]
+        uid = 0
+        roots = ["{shared_dir}"]
+        """,
+    )
+    d = Daemon(shared_dir / "d", args=["--config", str(cfg)]).start()
+    try:
+        assert run_client(str(a), d.addr, NOBODY, NOBODY).startswith(f"ok {NOBODY}")
+        assert run_client(str(b), d.addr).startswith("ok 0")
+
+        def status_as(uid: int) -> list[str]:
+            r = subprocess.run(
+                [sys.executable, "-c", STATUS_CLIENT, d.addr, str(uid)], capture_output=True, text=True, timeout=60
+            )
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)
+
+        assert status_as(NOBODY) == [str(a)]
+        assert status_as(0) == sorted([str(a), str(b)])
+    finally:
+        assert d.stop() == 0
