@@ -138,7 +138,18 @@ impl Service {
     /// Returns what then admits the dataset's shards where they lie ([`Admission`]). The check
     /// touches the file system (a pattern's every name), so it runs on the blocking pool.
     async fn authorize<T>(&self, request: &Request<T>, url: &str) -> Result<Admission, Status> {
-        let Some(allow) = &self.access else { return Ok(Admission(None)) };
+        let Some((allow, who)) = self.requester(request) else { return Ok(Admission(None)) };
+        let (list, asking, named) = (allow.clone(), who.clone(), url.to_owned());
+        blocking(move || list.check_requester(&asking, &named)).await.map_err(|e| {
+            tracing::warn!(%who, url = ?url, "dataset refused by the allow list");
+            to_status(e)
+        })?;
+        Ok(Admission(Some((allow, who))))
+    }
+
+    /// The allow list and who sent `request`, when the daemon has an allow list.
+    fn requester<T>(&self, request: &Request<T>) -> Option<(Arc<crate::access::AllowList>, crate::access::Requester)> {
+        let allow = self.access.as_ref()?;
         let local = request
             .extensions()
             .get::<tonic::transport::server::UdsConnectInfo>()
@@ -150,12 +161,37 @@ impl Service {
             (None, Some(r)) => crate::access::Requester::Remote { client: r.name.clone() },
             (None, None) => crate::access::Requester::Remote { client: None },
         };
-        let (list, asking, named) = (allow.clone(), who.clone(), url.to_owned());
-        blocking(move || list.check_requester(&asking, &named)).await.map_err(|e| {
-            tracing::warn!(%who, url = ?url, "dataset refused by the allow list");
-            to_status(e)
-        })?;
-        Ok(Admission(Some((allow.clone(), who))))
+        Some((allow.clone(), who))
+    }
+
+    /// Which dataset URLs a status reply may name to `request`'s sender: with an allow list, only
+    /// those it may open (every shard where it lies included); `None`: all of them. A peer
+    /// learns nothing of the datasets others read.
+    async fn visible_to<T>(
+        &self,
+        request: &Request<T>,
+        datasets: &[Arc<Dataset>],
+        consumers: &[String],
+    ) -> Result<Option<std::collections::HashSet<String>>, Status> {
+        let Some((allow, who)) = self.requester(request) else { return Ok(None) };
+        let shards: Vec<(String, Arc<Dataset>)> = datasets.iter().map(|d| (d.url.clone(), d.clone())).collect();
+        let urls: Vec<String> = consumers.to_vec();
+        blocking(move || {
+            let mut seen = std::collections::HashSet::new();
+            for (url, ds) in &shards {
+                if allow.check_requester(&who, url).is_ok() && allow.check_shards(&who, url, &ds.shards).is_ok() {
+                    seen.insert(url.clone());
+                }
+            }
+            for url in urls {
+                if !seen.contains(&url) && allow.check_requester(&who, &url).is_ok() {
+                    seen.insert(url);
+                }
+            }
+            Ok(Some(seen))
+        })
+        .await
+        .map_err(to_status)
     }
 
     async fn open(&self, url: String, cache: String, admission: Admission) -> Result<Arc<Dataset>> {
@@ -289,10 +325,13 @@ impl Shardstream for Service {
         crate::limits::check_request("Status", request.get_ref())?;
         let m = &self.metrics;
         let prefetch = self.prefetch.as_ref().map(|p| p.status()).unwrap_or_default();
-        let datasets = self
-            .registry
-            .all()
+        let all = self.registry.all();
+        let consumer_urls: Vec<String> = prefetch.consumers.iter().map(|c| c.dataset.clone()).collect();
+        let visible = self.visible_to(&request, &all, &consumer_urls).await?;
+        let shown = |url: &String| visible.as_ref().is_none_or(|v| v.contains(url));
+        let datasets = all
             .iter()
+            .filter(|ds| shown(&ds.url))
             .map(|ds| {
                 let (tables, bytes) = ds.resident();
                 DatasetStatus {
@@ -350,6 +389,7 @@ impl Shardstream for Service {
             consumers: prefetch
                 .consumers
                 .iter()
+                .filter(|c| shown(&c.dataset))
                 .map(|c| ConsumerStatus {
                     url: c.dataset.clone(),
                     rank: c.rank,
