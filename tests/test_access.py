@@ -164,21 +164,40 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
+def own_uid_daemon(tmp: Path, *roots: str | Path) -> Daemon:
+    """A daemon whose allow list gives this process's uid `roots` only."""
+    listed = ", ".join(f'"{r}"' for r in roots)
+    cfg = write_config(tmp / "shardstream.toml", f"[[allow]]\nuid = {os.getuid()}\nroots = [{listed}]\n")
+    d = Daemon(tmp / "d", args=["--config", str(cfg)])
+    d.tmp.mkdir()
+    return d.start()
+
+
+def two_users_daemon(shared_dir: Path) -> tuple[Path, Path, Daemon]:
+    """Datasets a and b; nobody may open a, root everything: the daemon serving them."""
+    a, b = shared_dir / "a-data", shared_dir / "b-data"
+    write_dataset(a, n=30, per_shard=10)
+    write_dataset(b, n=30, per_shard=10, seed=1)
+    cfg = write_config(
+        shared_dir / "cfg.toml",
+        f"""
+        socket-mode = "0666"
+        [[allow]]
+        uid = {NOBODY}
+        roots = ["{a}"]
+        [[allow]]
+        uid = 0
+        roots = ["{shared_dir}"]
+        """,
+    )
+    return a, b, Daemon(shared_dir / "d", args=["--config", str(cfg)]).start()
+
+
 def test_dataset_outside_the_allow_list_is_a_permission_error(dataset, tmp_path: Path) -> None:
     root, samples = dataset
     other = tmp_path / "other"
     write_dataset(other, n=20, per_shard=10)
-    cfg = write_config(
-        tmp_path / "shardstream.toml",
-        f"""
-        [[allow]]
-        uid = {os.getuid()}
-        roots = ["{root}", "s3://allowed-bucket/datasets"]
-        """,
-    )
-    d = Daemon(tmp_path / "d", args=["--config", str(cfg)])
-    d.tmp.mkdir()
-    d.start()
+    d = own_uid_daemon(tmp_path, root, "s3://allowed-bucket/datasets")
     try:
         got = sum(len(b["__key__"]) for b in shardstream.Loader(str(root), batch_size=64, connect=d.addr))
         assert got == len(samples)
@@ -196,22 +215,7 @@ def test_dataset_outside_the_allow_list_is_a_permission_error(dataset, tmp_path:
 
 @needs_root
 def test_allow_list_is_per_uid(shared_dir: Path) -> None:
-    a, b = shared_dir / "a-data", shared_dir / "b-data"
-    write_dataset(a, n=30, per_shard=10)
-    write_dataset(b, n=30, per_shard=10, seed=1)
-    cfg = write_config(
-        shared_dir / "cfg.toml",
-        f"""
-        socket-mode = "0666"
-        [[allow]]
-        uid = {NOBODY}
-        roots = ["{a}"]
-        [[allow]]
-        uid = 0
-        roots = ["{shared_dir}"]
-        """,
-    )
-    d = Daemon(shared_dir / "d", args=["--config", str(cfg)]).start()
+    a, b, d = two_users_daemon(shared_dir)
     try:
         assert run_client(str(a), d.addr, NOBODY, NOBODY).startswith(f"ok {NOBODY}")
         out = run_client(str(b), d.addr, NOBODY, NOBODY)
@@ -248,17 +252,7 @@ def test_shards_linked_from_inside_a_root_to_outside_it_are_refused(tmp_path: Pa
         shard["name"] = f"sub/{shard['name']}"
         shard.pop("index", None)
     (allowed / "listed" / "manifest.json").write_text(json.dumps(manifest))
-    cfg = write_config(
-        tmp_path / "shardstream.toml",
-        f"""
-        [[allow]]
-        uid = {os.getuid()}
-        roots = ["{allowed}"]
-        """,
-    )
-    d = Daemon(tmp_path / "d", args=["--config", str(cfg)])
-    d.tmp.mkdir()
-    d.start()
+    d = own_uid_daemon(tmp_path, allowed)
     try:
 
         def keys(url: str) -> set[str]:
@@ -289,17 +283,7 @@ def test_a_brace_pattern_of_a_million_names_does_not_hold_up_the_daemon(tmp_path
     # two such requests in flight, no other client's request was answered for a minute.
     allowed = tmp_path / "allowed"
     write_dataset(allowed, n=10, per_shard=10)
-    cfg = write_config(
-        tmp_path / "shardstream.toml",
-        f"""
-        [[allow]]
-        uid = {os.getuid()}
-        roots = ["{allowed}"]
-        """,
-    )
-    d = Daemon(tmp_path / "d", args=["--config", str(cfg)])
-    d.tmp.mkdir()
-    d.start()
+    d = own_uid_daemon(tmp_path, allowed)
     try:
         url = f"{allowed}/x{{0..9}}{{0..9}}{{0..9}}{{0..9}}{{0..9}}{{0..9}}.tar"
 
@@ -341,22 +325,7 @@ STATUS_CLIENT = textwrap.dedent(
 def test_status_names_only_the_datasets_the_peer_may_open(shared_dir: Path) -> None:
     # The daemon's status listed every dataset any peer had opened: a user the allow list keeps
     # out of another's data still learned its paths, sizes and sample counts.
-    a, b = shared_dir / "a-data", shared_dir / "b-data"
-    write_dataset(a, n=30, per_shard=10)
-    write_dataset(b, n=30, per_shard=10, seed=1)
-    cfg = write_config(
-        shared_dir / "cfg.toml",
-        f"""
-        socket-mode = "0666"
-        [[allow]]
-        uid = {NOBODY}
-        roots = ["{a}"]
-        [[allow]]
-        uid = 0
-        roots = ["{shared_dir}"]
-        """,
-    )
-    d = Daemon(shared_dir / "d", args=["--config", str(cfg)]).start()
+    a, b, d = two_users_daemon(shared_dir)
     try:
         assert run_client(str(a), d.addr, NOBODY, NOBODY).startswith(f"ok {NOBODY}")
         assert run_client(str(b), d.addr).startswith("ok 0")

@@ -10,6 +10,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
+use shardstream_fabric::credits::Ready;
 use shardstream_fabric::stream::{Offer, RingReceiver, RingSender, StreamError, open_endpoint};
 
 fn available() -> bool {
@@ -125,6 +126,41 @@ fn unknown_or_absent_provider_is_a_named_error() {
     }
 }
 
+type Meta = mpsc::Receiver<(u64, u32)>;
+
+/// A client's ring of `slots` 4 KiB slots over `provider`, connected to a sender on a thread of
+/// its own (a window of 2, stalled after `stall`) that runs `daemon`, which tells the client each
+/// batch's (batch, slot) on the channel it is given, as gRPC does.
+fn client_and_daemon<T: Send + 'static>(
+    provider: &'static str,
+    slots: u32,
+    stall: Duration,
+    daemon: impl FnOnce(RingSender, mpsc::Sender<(u64, u32)>) -> T + Send + 'static,
+) -> (RingReceiver<()>, Meta, thread::JoinHandle<T>) {
+    let mut rx: RingReceiver<()> =
+        RingReceiver::new(open_endpoint(Some(provider), 64).unwrap(), slots, 4096, 0).unwrap();
+    let offer = rx.offer().unwrap();
+    let (name_tx, name_rx) = mpsc::channel();
+    let (meta_tx, meta_rx) = mpsc::channel();
+    let handle = thread::spawn(move || {
+        let ep = open_endpoint(Some(provider), 16).unwrap();
+        let mut tx = RingSender::new(ep, &offer, 2).unwrap();
+        tx.stall = stall;
+        name_tx.send(tx.name().unwrap()).unwrap();
+        daemon(tx, meta_tx)
+    });
+    rx.connect(&name_rx.recv().unwrap()).unwrap();
+    (rx, meta_rx, handle)
+}
+
+/// The client's next batch within `wait`, the metadata sent so far taken in first.
+fn next_arrived(rx: &mut RingReceiver<()>, meta: &Meta, wait: Duration) -> Option<Ready<()>> {
+    while let Ok((b, s)) = meta.try_recv() {
+        rx.on_meta(b, s, ()).unwrap();
+    }
+    rx.next(wait).unwrap()
+}
+
 /// A client that holds every credit for longer than the stall time (a trainer evaluating, or
 /// saving a checkpoint) and then releases them: a sender that knows the client is still there
 /// waits it out with `reserve_while`, and stops as soon as it is told to.
@@ -133,40 +169,25 @@ fn a_sender_told_the_client_is_there_waits_past_the_stall_time() {
     if !available() {
         return;
     }
-    let provider = "tcp;ofi_rxm";
     let slots = 2u32;
-    let mut rx: RingReceiver<()> =
-        RingReceiver::new(open_endpoint(Some(provider), 64).unwrap(), slots, 4096, 0).unwrap();
-    let offer = rx.offer().unwrap();
-    let (name_tx, name_rx) = mpsc::channel();
-    let (meta_tx, meta_rx) = mpsc::channel();
-    let daemon = thread::spawn(move || {
-        let ep = open_endpoint(Some(provider), 16).unwrap();
-        let mut tx = RingSender::new(ep, &offer, 2).unwrap();
-        tx.stall = Duration::from_millis(300);
-        name_tx.send(tx.name().unwrap()).unwrap();
-        let mut stopped = None;
-        for b in 0..u64::from(slots) + 1 {
-            if b == u64::from(slots) {
-                // Every credit held, and told to stop: it does, at once.
-                stopped = tx.reserve_while(b, &|| false).map(|_| ()).err();
+    let (mut rx, meta_rx, daemon) =
+        client_and_daemon("tcp;ofi_rxm", slots, Duration::from_millis(300), move |mut tx, meta_tx| {
+            let mut stopped = None;
+            for b in 0..u64::from(slots) + 1 {
+                if b == u64::from(slots) {
+                    // Every credit held, and told to stop: it does, at once.
+                    stopped = tx.reserve_while(b, &|| false).map(|_| ()).err();
+                }
+                let started = std::time::Instant::now();
+                let staged = tx.reserve_while(b, &|| started.elapsed() < Duration::from_secs(20))?;
+                let slot = tx.post(staged, 1)?;
+                meta_tx.send((b, slot)).unwrap();
             }
-            let started = std::time::Instant::now();
-            let staged = tx.reserve_while(b, &|| started.elapsed() < Duration::from_secs(20))?;
-            let slot = tx.post(staged, 1)?;
-            meta_tx.send((b, slot)).unwrap();
-        }
-        Ok::<_, StreamError>(stopped)
-    });
-    rx.connect(&name_rx.recv().unwrap()).unwrap();
+            Ok::<_, StreamError>(stopped)
+        });
     let mut held = Vec::new();
     while held.len() < slots as usize {
-        while let Ok((b, s)) = meta_rx.try_recv() {
-            rx.on_meta(b, s, ()).unwrap();
-        }
-        if let Some(got) = rx.next(Duration::from_millis(50)).unwrap() {
-            held.push(got);
-        }
+        held.extend(next_arrived(&mut rx, &meta_rx, Duration::from_millis(50)));
     }
     // Well past the stall time with every credit held; then let them go.
     thread::sleep(Duration::from_millis(1500));
@@ -177,10 +198,7 @@ fn a_sender_told_the_client_is_there_waits_past_the_stall_time() {
     let until = std::time::Instant::now() + Duration::from_secs(10);
     let mut third = None;
     while third.is_none() && std::time::Instant::now() < until {
-        while let Ok((b, s)) = meta_rx.try_recv() {
-            rx.on_meta(b, s, ()).unwrap();
-        }
-        third = rx.next(Duration::from_millis(50)).unwrap();
+        third = next_arrived(&mut rx, &meta_rx, Duration::from_millis(50));
     }
     assert!(third.is_some(), "the batch after the pause never came");
     assert!(matches!(daemon.join().unwrap(), Ok(Some(StreamError::Stopped))));
@@ -195,39 +213,27 @@ fn stalled_client_stalls_only_its_stream() {
     }
     for provider in ["tcp;ofi_rxm", "shm"] {
         let slots = 3u32;
-        let mut rx: RingReceiver<()> =
-            RingReceiver::new(open_endpoint(Some(provider), 64).unwrap(), slots, 4096, 0).unwrap();
-        let offer = rx.offer().unwrap();
-        let (name_tx, name_rx) = mpsc::channel();
-        let (meta_tx, meta_rx) = mpsc::channel();
-        let daemon = thread::spawn(move || {
-            let ep = open_endpoint(Some(provider), 16).unwrap();
-            let mut tx = RingSender::new(ep, &offer, 2).unwrap();
-            tx.stall = Duration::from_millis(1500);
-            name_tx.send(tx.name().unwrap()).unwrap();
-            let mut sent = 0u64;
-            let err = loop {
-                match tx.send(sent, |b| {
-                    b[0] = sent as u8;
-                    1
-                }) {
-                    Ok(slot) => {
-                        meta_tx.send((sent, slot)).unwrap();
-                        sent += 1;
+        let (mut rx, meta_rx, daemon) =
+            client_and_daemon(provider, slots, Duration::from_millis(1500), |mut tx, meta_tx| {
+                let mut sent = 0u64;
+                let err = loop {
+                    match tx.send(sent, |b| {
+                        b[0] = sent as u8;
+                        1
+                    }) {
+                        Ok(slot) => {
+                            meta_tx.send((sent, slot)).unwrap();
+                            sent += 1;
+                        }
+                        Err(e) => break e,
                     }
-                    Err(e) => break e,
-                }
-            };
-            (sent, err, tx.credits_in_use())
-        });
-        rx.connect(&name_rx.recv().unwrap()).unwrap();
+                };
+                (sent, err, tx.credits_in_use())
+            });
         let mut got = 0;
         let until = std::time::Instant::now() + Duration::from_secs(10);
         while !daemon.is_finished() && std::time::Instant::now() < until {
-            while let Ok((b, s)) = meta_rx.try_recv() {
-                rx.on_meta(b, s, ()).unwrap();
-            }
-            if rx.next(Duration::from_millis(50)).unwrap().is_some() {
+            if next_arrived(&mut rx, &meta_rx, Duration::from_millis(50)).is_some() {
                 got += 1; // held, never released
             }
         }
