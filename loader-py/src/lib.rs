@@ -263,6 +263,7 @@ impl Connection {
                 closed: tokio_util::sync::CancellationToken::new(),
                 pid: std::process::id(),
                 fields,
+                stall_warned: std::sync::atomic::AtomicBool::new(false),
             })
         })
     }
@@ -300,6 +301,8 @@ struct Stream {
     header: shardstream_proto::StreamHeader,
     pid: u32,
     fields: std::sync::Arc<Vec<String>>,
+    /// The stream has said once that the process holds every credit ([`STALL_WARNING`]).
+    stall_warned: std::sync::atomic::AtomicBool,
 }
 
 impl Stream {
@@ -387,7 +390,6 @@ impl Stream {
                 }
             };
             let closed = self.closed.clone();
-            let mut warned = false;
             let next = loop {
                 let waited = block_on(py, async {
                     let next = async {
@@ -404,13 +406,13 @@ impl Stream {
                     Ok(None) => {}
                     Err(interrupted) => break Err(interrupted),
                 }
-                if let Some((held, credits)) = stream.held_every_credit().filter(|_| !warned) {
-                    warned = true;
-                    if let Err(raised) = warn_held_every_credit(py, held, credits) {
-                        // A warning filter turned it into an exception: as Ctrl-C, the stream
-                        // stays usable.
-                        break Err(raised);
-                    }
+                // A warning filter that turns it into an exception: as Ctrl-C, the stream stays
+                // usable.
+                if let Some((held, credits)) = stream.held_every_credit()
+                    && !self.stall_warned.swap(true, std::sync::atomic::Ordering::Relaxed)
+                    && let Err(raised) = warn_held_every_credit(py, held, credits)
+                {
+                    break Err(raised);
                 }
             };
             let next = match next {

@@ -143,8 +143,8 @@ impl AllowList {
         let rules: Vec<&Rule> = self.rules.iter().filter(|r| matches_peer(r, who)).collect();
         for shard in shards {
             let crate::storage::ShardSource::Local(real) = &shard.source else { continue };
-            let at = Root::Dir(real.clone());
-            if !rules.iter().any(|rule| rule.roots.iter().any(|root| under(&at, root))) {
+            let inside = |root: &Root| matches!(root, Root::Dir(r) if real.starts_with(r));
+            if !rules.iter().any(|rule| rule.roots.iter().any(inside)) {
                 return Err(Error::PermissionDenied {
                     path: url.to_owned(),
                     reason: format!(

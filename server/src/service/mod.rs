@@ -174,13 +174,13 @@ impl Service {
         consumers: &[String],
     ) -> Result<Option<std::collections::HashSet<String>>, Status> {
         let Some((allow, who)) = self.requester(request) else { return Ok(None) };
-        let shards: Vec<(String, Arc<Dataset>)> = datasets.iter().map(|d| (d.url.clone(), d.clone())).collect();
-        let urls: Vec<String> = consumers.to_vec();
+        let (datasets, urls) = (datasets.to_vec(), consumers.to_vec());
         blocking(move || {
             let mut seen = std::collections::HashSet::new();
-            for (url, ds) in &shards {
-                if allow.check_requester(&who, url).is_ok() && allow.check_shards(&who, url, &ds.shards).is_ok() {
-                    seen.insert(url.clone());
+            for ds in &datasets {
+                if allow.check_requester(&who, &ds.url).is_ok() && allow.check_shards(&who, &ds.url, &ds.shards).is_ok()
+                {
+                    seen.insert(ds.url.clone());
                 }
             }
             for url in urls {
