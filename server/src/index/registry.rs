@@ -421,3 +421,41 @@ fn replicate(e: &Error) -> Error {
         Error::Internal(m) => Error::Internal(m.clone()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_shard(dir: &std::path::Path, name: &str) {
+        std::fs::create_dir_all(dir).expect("dataset dir");
+        let mut b = tar::Builder::new(std::fs::File::create(dir.join(name)).expect("shard"));
+        let mut h = tar::Header::new_gnu();
+        h.set_size(2);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, "k0.bin", &b"ab"[..]).expect("member");
+        b.finish().expect("tar end");
+    }
+
+    #[test]
+    fn a_refused_open_reads_nothing_keeps_nothing_and_is_that_requesters_alone() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().join("d");
+        write_shard(&dir, "part-0000.tar");
+        let url = dir.display().to_string();
+        let reg = Registry::new(None, Arc::new(Backends::local()));
+        let refuse = |_: &[crate::index::ShardMeta]| -> Result<()> {
+            Err(Error::PermissionDenied { path: "d".into(), reason: "not yours".into() })
+        };
+        let err = reg.open_admitted(&url, "", &refuse).expect_err("refused");
+        assert!(matches!(err, Error::PermissionDenied { .. }), "{err}");
+        // Refused before the build: nothing indexed, nothing kept for the next requester.
+        assert_eq!(reg.stats.builds.load(Relaxed), 0);
+        assert!(reg.all().is_empty());
+        let ds = reg.open(&url, "").expect("another requester");
+        assert_eq!((ds.num_samples(), reg.stats.builds.load(Relaxed)), (1, 1));
+        // A dataset kept in the registry is checked again for each requester.
+        assert!(reg.open_admitted(&url, "", &refuse).is_err());
+        assert!(reg.open(&url, "").is_ok());
+    }
+}
