@@ -166,20 +166,23 @@ def test_side_channel_connections_past_the_open_file_limit_leave_it_serving(tmp_
     # must resume once they are gone: the zero-copy path of every client of the node hangs on it.
     root = tmp_path / "data"
     samples = write_dataset(root, n=40, per_shard=10)
-    d = Daemon(tmp_path / "d", wrap=["prlimit", "--nofile=256:256"]).start()
+    limit = 64
+    d = Daemon(tmp_path / "d", wrap=["prlimit", f"--nofile={limit}:{limit}"]).start()
     try:
         side = str(tmp_path / "d" / "sock.shm")
         held = []
+        # More than the daemon has descriptors for: its backlog (128) alone holds more than 64.
+        # A connect the full backlog refuses (EAGAIN) is skipped.
         for _ in range(400):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            s.settimeout(0.5)
+            s.settimeout(2)
             try:
                 s.connect(side)
             except OSError:
                 s.close()
                 continue
             held.append(s)
-        assert len(held) > 200, len(held)
+        assert len(held) > limit, len(held)
         for s in held:
             s.close()
 
