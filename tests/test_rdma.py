@@ -482,3 +482,23 @@ def test_daemon_sigkill_mid_epoch_is_a_named_error(dataset, tmp_path: Path) -> N
     # (the credit's send loop used to spin for ever: a full suite run hung here one time in two).
     err = within(90, drain)
     assert isinstance(err, ConnectionError), repr(err)
+
+
+def test_batches_that_each_fit_a_ring_slot_are_not_grouped_past_it(rdma_daemon, tmp_path: Path) -> None:
+    """Small batches travel several to a ring slot, grouped by their rows' stored size. Rows that
+    compress well decode to far more than they store: 16 batches of 256 KiB each fit the 4 MiB
+    slot alone, not together. Every row arrives once, with its bytes, and no batch is refused."""
+    root = tmp_path / "zeros"
+    root.mkdir()
+    rows = 2048
+    blobs = [i.to_bytes(8, "little") + bytes(4088) for i in range(rows)]
+    t = pa.table({"id": np.arange(rows, dtype=np.int64), "blob": pa.array(blobs, pa.binary())})
+    pq.write_table(t, root / "part-000.parquet", compression="zstd", row_group_size=512)
+    loader = shardstream.Loader(str(root), batch_size=64, seed=3, connect=rdma_daemon.addr, transport="rdma")
+    seen = []
+    for batch in loader:
+        ids = np.asarray(batch["id"]).tolist()
+        assert len(ids) == 64
+        assert [bytes(v) for v in batch["blob"]] == [blobs[i] for i in ids]
+        seen.extend(ids)
+    assert sorted(seen) == list(range(rows))
