@@ -45,7 +45,8 @@ const PROJECTED_FILES_AT_ONCE: usize = 16;
 
 /// Builds one Arrow batch of a Parquet dataset (blocking): the rows `ids`, decoded through the
 /// daemon's shared row-group cache, as an IPC stream inline, in a ring slot (shm), or written
-/// into a slot of the client's ring (rdma).
+/// into a slot of the client's ring (rdma). `None`: the rows of several batches (`parts`) outgrow
+/// the client's rdma ring slot; nothing was sent, and fewer batches may fit.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn build_arrow_batch(
     ds: &Dataset,
@@ -60,7 +61,7 @@ pub(super) fn build_arrow_batch(
     parts: &[(u64, u32)],
     cancelled: &dyn Fn() -> bool,
     before_new_ring: &mut dyn FnMut() -> Result<()>,
-) -> Result<((StreamMessage, u64), std::time::Duration)> {
+) -> Result<Option<((StreamMessage, u64), std::time::Duration)>> {
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
     let places = asm.places(&ids)?;
@@ -106,8 +107,22 @@ pub(super) fn build_arrow_batch(
     };
     let mut msg = match (session, credit) {
         (None, _) if let Some(pipe) = rdma => {
-            let (slot, length, ()) =
-                rdma_post(pipe, index, cancelled, |buf| Ok((transport::arrow::write_rows(asm, &rows, buf)?, ())))?;
+            // Batches are grouped by their stored size, which says little of their decoded size
+            // (a column of repeated values stores a byte a row): a group that outgrows the slot
+            // each of its batches fits is given back, unsent, to go as fewer.
+            let outgrew = std::cell::Cell::new(false);
+            let posted =
+                rdma_post(pipe, index, cancelled, |buf| match transport::arrow::write_rows(asm, &rows, buf)? {
+                    transport::arrow::Written::Bytes(n) => Ok((n, ())),
+                    transport::arrow::Written::Outgrows(need) => {
+                        outgrew.set(parts.len() > 1);
+                        Err(transport::arrow::outgrows_slot(need, buf.len()))
+                    }
+                });
+            let (slot, length, ()) = match posted {
+                Err(_) if outgrew.get() => return Ok(None),
+                posted => posted?,
+            };
             ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }
         }
         (Some(s), Some(credit)) => {
@@ -140,7 +155,12 @@ pub(super) fn build_arrow_batch(
     }
     // The IPC stream's length: what crosses to the client, shm or inline.
     let bytes = msg.length;
-    Ok(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited))
+    Ok(Some(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited)))
+}
+
+/// What [`build_arrow_batch`] built of a single batch, which it never gives back unsent.
+pub(super) fn one_batch_sent<T>(built: Option<T>) -> Result<T> {
+    built.ok_or_else(|| Error::Internal("a single Arrow batch came back unsent".into()))
 }
 
 /// The slots of the arenas the batch's sources keep their binary values in, one per source in
@@ -227,6 +247,8 @@ impl SmallArrowStream {
             let parts: Vec<(u64, u32)> =
                 batches.iter().map(|(r, ids)| (r.start / self.core.batch_size, ids.len() as u32)).collect();
             let end = batches.last().map_or(0, |(r, _)| r.end);
+            // Kept to be taken again, as fewer, should the group outgrow an rdma ring slot.
+            let regroup = (self.rdma.is_some() && batches.len() > 1).then(|| batches.clone());
             let ids: Vec<u64> = match batches.len() {
                 1 => batches.pop().map(|(_, ids)| ids).unwrap_or_default(),
                 _ => batches.into_iter().flat_map(|(_, ids)| ids).collect(),
@@ -254,10 +276,17 @@ impl SmallArrowStream {
                 &cancelled,
                 &mut send_group,
             );
+            self.core.built(started);
+            if let (Ok(None), Some(again)) = (&built, regroup) {
+                // At most halved four times a stream (16 batches to 1): one batch that outgrows
+                // its slot is an error naming the knob.
+                self.parts = (again.len() / 2).max(1);
+                again.into_iter().rev().for_each(|b| ready.push_front(b));
+                continue;
+            }
             // Turns are this thread's messages, in order (a message may carry several batches).
             turn += 1;
-            self.core.built(started);
-            match built {
+            match built.and_then(one_batch_sent) {
                 Ok(((msg, bytes), waited)) => {
                     group.push(Ok(msg));
                     self.core.served(rows, bytes, end, waited);

@@ -522,6 +522,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     &cancelled,
                     &mut || Ok(()),
                 )
+                .and_then(arrow_stream::one_batch_sent)
                 .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
             }
             let ids = &ids[..];

@@ -77,27 +77,40 @@ pub fn shm_rows<'s>(
     })
 }
 
-/// Writes the rows' IPC stream at the start of `buf` (an rdma staging buffer) and returns its
+/// What [`write_rows`] did with a staging buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// The IPC stream's length, written at the buffer's start.
+    Bytes(usize),
+    /// The stream needs this many bytes, more than the buffer has: nothing was written.
+    Outgrows(usize),
+}
+
+/// Writes the rows' IPC stream at the start of `buf` (an rdma staging buffer) and says its
 /// length: straight from the decoded row groups when every column is flat (one copy of each
-/// byte), else gathered, encoded and copied. An error when it does not fit.
-pub fn write_rows(asm: &BatchAssembler, rows: &BatchRows, buf: &mut [u8]) -> Result<usize> {
+/// byte), else gathered, encoded and copied. Rows that do not fit are not an error here: a caller
+/// that grouped several batches sends fewer ([`outgrows_slot`] is the error otherwise).
+pub fn write_rows(asm: &BatchAssembler, rows: &BatchRows, buf: &mut [u8]) -> Result<Written> {
     let slot = buf.len();
-    let too_large = |need: usize| {
-        Error::invalid(format!(
-            "an Arrow batch of {need} bytes does not fit the client's {slot}-byte rdma ring slots; raise \
-             SHARDSTREAM_RDMA_SLOT_BYTES or lower batch_size"
-        ))
-    };
     let schema = asm.schema();
     rows.with_direct(schema, asm.schema_message(), |plan| match plan {
-        Some(plan) if plan.stream_len() > slot => Err(too_large(plan.stream_len())),
-        Some(plan) => plan.write(buf).map_err(ipc_error),
+        Some(plan) if plan.stream_len() > slot => Ok(Written::Outgrows(plan.stream_len())),
+        Some(plan) => plan.write(buf).map(Written::Bytes).map_err(ipc_error),
         None => {
             let bytes = rows.encode(schema, asm.schema_message())?;
-            buf.get_mut(..bytes.len()).ok_or_else(|| too_large(bytes.len()))?.copy_from_slice(&bytes);
-            Ok(bytes.len())
+            let Some(dst) = buf.get_mut(..bytes.len()) else { return Ok(Written::Outgrows(bytes.len())) };
+            dst.copy_from_slice(&bytes);
+            Ok(Written::Bytes(bytes.len()))
         }
     })
+}
+
+/// The error for a batch of `need` bytes that the client's `slot`-byte ring slots cannot hold.
+pub fn outgrows_slot(need: usize, slot: usize) -> Error {
+    Error::invalid(format!(
+        "an Arrow batch of {need} bytes does not fit the client's {slot}-byte rdma ring slots; raise \
+         SHARDSTREAM_RDMA_SLOT_BYTES or lower batch_size"
+    ))
 }
 
 /// The inline form of batch `batch_index` (rows `row_ids`) from its decoded rows.
