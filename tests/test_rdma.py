@@ -11,6 +11,7 @@ import collections
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,9 +61,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def tcp_daemon(tmp: Path, rdma: bool = True) -> Daemon:
+def tcp_daemon(tmp: Path, rdma: bool = True, extra: tuple[str, ...] = ()) -> Daemon:
     """A daemon on a loopback TCP listener (plaintext: --insecure), serving rdma unless told not to."""
-    args = ["--insecure", *(["--rdma", "--rdma-provider", "tcp"] if rdma else [])]
+    args = ["--insecure", *(["--rdma", "--rdma-provider", "tcp"] if rdma else []), *extra]
     return Daemon(tmp, args=args, addr=f"tcp://127.0.0.1:{_port()}").start()
 
 
@@ -502,3 +503,36 @@ def test_batches_that_each_fit_a_ring_slot_are_not_grouped_past_it(rdma_daemon, 
         assert [bytes(v) for v in batch["blob"]] == [blobs[i] for i in ids]
         seen.extend(ids)
     assert sorted(seen) == list(range(rows))
+
+
+def test_rdma_staging_memory_is_bounded_across_streams(
+    dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rdma stream stages up to 4 batches in memory registered with the NIC (pinned under
+    verbs and EFA), each one of the client's ring slots, a size the client chooses. All streams
+    together stay within --rdma-budget: a stream whose staging can never fit is refused at once,
+    one that does not fit beside the others waits, then fails, both naming the flag; and a stream
+    that ends gives its staging back."""
+    root, _ = dataset
+    d = tcp_daemon(tmp_path, extra=("--rdma-budget", "24MiB"))
+    try:
+
+        def loader() -> shardstream.Loader:
+            return shardstream.Loader(str(root), batch_size=8, seed=1, connect=d.addr, transport="rdma")
+
+        monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(8 << 20))
+        with pytest.raises(shardstream.ShardstreamError, match=r"rdma staging budget exhausted.*--rdma-budget"):
+            next(iter(loader()))
+        monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(4 << 20))
+        held = iter(loader())
+        next(held)
+        assert d.status()["rdma_staging_bytes"] == 16 << 20
+        got = within(30, lambda: next(iter(loader())))
+        assert isinstance(got, shardstream.ShardstreamError), got
+        assert re.search(r"rdma staging budget exhausted.*waited", str(got)), got
+        held.close()  # type: ignore[attr-defined]
+        assert wait_for(lambda: d.status()["rdma_staging_bytes"] == 0, timeout=30)
+        assert sum(len(b["__key__"]) for b in loader()) == 1003
+        assert d.proc.poll() is None
+    finally:
+        assert d.stop() == 0
