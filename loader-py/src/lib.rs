@@ -176,6 +176,8 @@ impl Connection {
             d.set_item("rdma_provider", r.rdma_provider)?;
             d.set_item("rdma_streams", r.rdma_streams)?;
             d.set_item("rdma_ring_bytes", r.rdma_ring_bytes)?;
+            d.set_item("rdma_staging_bytes", r.rdma_staging_bytes)?;
+            d.set_item("rdma_budget_bytes", r.rdma_budget_bytes)?;
             Ok(d)
         })
     }

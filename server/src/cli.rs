@@ -149,6 +149,13 @@ pub struct ServeArgs {
     /// client's (SHARDSTREAM_FI_PROVIDER / FI_PROVIDER also apply).
     #[arg(long)]
     pub rdma_provider: Option<String>,
+    /// With --rdma: staging memory all rdma streams together may hold (e.g. 4GiB; default a
+    /// quarter of physical memory or of the cgroup memory limit, whichever is smaller). Each
+    /// stream stages 4 of the client's ring slots (SHARDSTREAM_RDMA_SLOT_BYTES, 32 MiB by
+    /// default) in memory registered with the NIC, which verbs and EFA pin. A stream that does not
+    /// fit waits up to 10 s, then fails with RESOURCE_EXHAUSTED ("rdma staging budget exhausted").
+    #[arg(long, env = "SHARDSTREAM_RDMA_BUDGET", value_parser = crate::pack::cli::parse_size)]
+    pub rdma_budget: Option<u64>,
     /// Shared memory, view mode: unreleased batches one stream's client may hold before the
     /// daemon waits (each costs the daemon only its lease records).
     #[arg(long, env = "SHARDSTREAM_SHM_CREDITS", default_value_t = crate::transport::shm::DEFAULT_CREDITS, value_parser = limits::parse_shm_credits)]
@@ -327,6 +334,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
         ring_keep: Duration::from_secs_f64(args.ring_keep),
     };
     config.rdma = args.rdma.then(|| args.rdma_provider.clone());
+    config.rdma_budget = args.rdma_budget.unwrap_or_else(crate::transport::budget::default_budget);
     config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };
     config.drain_timeout = Duration::from_secs_f64(args.drain_timeout);
     config.sd_notify = true;

@@ -178,6 +178,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("insecure", Some(args.insecure.to_string())),
         ("rdma", Some(args.rdma.to_string())),
         ("rdma-provider", args.rdma_provider.clone()),
+        ("rdma-budget", args.rdma_budget.map(|b| b.to_string())),
         ("log", Some(args.log.clone())),
         ("log-format", Some(format!("{:?}", args.log_format).to_lowercase())),
     ];

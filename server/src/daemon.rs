@@ -49,6 +49,8 @@ pub struct DaemonConfig {
     pub shm: crate::transport::shm::ShmConfig,
     /// `Some(provider)`: serve transport="rdma" (`--rdma`), with that provider or the client's.
     pub rdma: Option<Option<String>>,
+    /// With `rdma`: bytes of staging buffers (registered memory) all rdma streams may hold.
+    pub rdma_budget: u64,
     /// Mode and group of the Unix sockets (owner-only by default).
     pub socket_access: crate::socket_file::SocketAccess,
     /// After SIGTERM: how long in-flight streams get to end before the daemon exits anyway.
@@ -77,6 +79,7 @@ impl DaemonConfig {
             metrics_addr: None,
             shm: crate::transport::shm::ShmConfig::default(),
             rdma: None,
+            rdma_budget: crate::transport::budget::default_budget(),
             socket_access: crate::socket_file::SocketAccess::default(),
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             sd_notify: false,
@@ -152,8 +155,8 @@ impl BoundDaemon {
         };
         let rdma = match &config.rdma {
             Some(provider) => {
-                let p = provider.clone();
-                let hub = tokio::task::spawn_blocking(move || crate::transport::rdma::RdmaHub::start(p))
+                let (p, budget) = (provider.clone(), config.rdma_budget);
+                let hub = tokio::task::spawn_blocking(move || crate::transport::rdma::RdmaHub::start(p, budget))
                     .await
                     .map_err(|e| Error::Internal(format!("rdma start-up failed: {e}")))??;
                 tracing::info!(provider = %hub.opened, "serving transport=\"rdma\"");

@@ -62,9 +62,14 @@ pub fn datasets_registered(n: u64) {
     metrics::gauge!("shardstream_datasets_registered").set(n as f64);
 }
 
-/// Bytes of packed rings reserved against `--packed-budget`, after a change.
-pub fn packed_budget_bytes(in_use: u64) {
-    metrics::gauge!("shardstream_packed_budget_used_bytes").set(in_use as f64);
+/// Bytes reserved against `--packed-budget` or `--rdma-budget`, after a change.
+pub fn budget_bytes(pool: crate::transport::budget::Pool, in_use: u64) {
+    use crate::transport::budget::Pool;
+    let gauge = match pool {
+        Pool::PackedRings => metrics::gauge!("shardstream_packed_budget_used_bytes"),
+        Pool::RdmaStaging => metrics::gauge!("shardstream_rdma_budget_used_bytes"),
+    };
+    gauge.set(in_use as f64);
 }
 
 /// Starts the Prometheus endpoint (`GET /metrics` on `addr`). Needs a tokio runtime.
@@ -114,6 +119,11 @@ fn describe() {
         "shardstream_packed_budget_used_bytes",
         Unit::Bytes,
         "packed ring bytes reserved against --packed-budget"
+    );
+    describe_gauge!(
+        "shardstream_rdma_budget_used_bytes",
+        Unit::Bytes,
+        "rdma staging bytes (registered memory) reserved against --rdma-budget"
     );
     describe_counter!("shardstream_samples_served_total", "samples delivered to consumers");
     describe_counter!("shardstream_bytes_served_total", Unit::Bytes, "payload bytes delivered to consumers");

@@ -153,7 +153,7 @@ def test_daemonset_follows_the_rules(target: str) -> None:
     assert only(docs, "ServiceAccount")["automountServiceAccountToken"] is False
 
 
-SIZE_KEYS = {"cache-size", "packed-budget", "s3-part-size", "decoded-budget"}
+SIZE_KEYS = {"cache-size", "packed-budget", "s3-part-size", "decoded-budget", "rdma-budget"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40})
 
@@ -255,6 +255,10 @@ def test_memory_budgets_fit_the_memory_limit(target: str, tmp_path: Path) -> Non
                 assert key in explicit, f"{where}: memory limit {limit} but no {key}"
             packed, decoded = (size_bytes(config[k]) for k in MEMORY_BUDGETS)
             used = packed + 2 * decoded + MEMORY_HEADROOM
+            if config.get("rdma") is True:
+                # rdma streams' staging buffers, registered memory of their own budget.
+                assert "rdma-budget" in explicit, f"{where}: --rdma with a memory limit {limit} but no rdma-budget"
+                used += size_bytes(config["rdma-budget"])
             assert used <= quantity_bytes(limit), f"{where}: budgets need {used} bytes, limit {limit}"
             checked += 1
     if target != "examples/training-job":

@@ -364,6 +364,8 @@ impl Shardstream for Service {
             rdma_provider: self.rdma.as_ref().map(|h| h.opened.clone()).unwrap_or_default(),
             rdma_streams: self.rdma.as_ref().map_or(0, |h| h.streams.load(std::sync::atomic::Ordering::Relaxed)),
             rdma_ring_bytes: self.rdma.as_ref().map_or(0, |h| h.ring_bytes.load(std::sync::atomic::Ordering::Relaxed)),
+            rdma_staging_bytes: self.rdma.as_ref().map_or(0, |h| h.staging.used()),
+            rdma_budget_bytes: self.rdma.as_ref().map_or(0, |h| h.staging.limit()),
             cache: self.registry.backends().cache.as_ref().map(|c| {
                 let s = c.stats();
                 CacheStatus {

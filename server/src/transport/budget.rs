@@ -1,13 +1,15 @@
-//! The daemon-wide budget of packed-ring memory (`serve --packed-budget`). Every packed stream's
-//! ring is a populated shared-memory segment of `ring_slots` whole batches; without a bound, 64
-//! streams of 64 MiB batches would pin 32 GiB. A ring reserves its bytes here before it is made
-//! and gives them back when the last mapping in the daemon goes ([`Reservation`] lives in the
-//! ring).
+//! Daemon-wide budgets of transport memory, one per pool: packed streams' rings
+//! (`serve --packed-budget`), each a populated shared-memory segment of `ring_slots` whole
+//! batches, and rdma streams' staging buffers (`serve --rdma-budget`), memory registered with the
+//! NIC (pinned under verbs and EFA) in sizes the client chooses. Without a bound, 64 streams of
+//! 64 MiB batches would pin 32 GiB. A stream reserves its bytes here before its memory is made and
+//! gives them back when the memory goes ([`Reservation`] lives with it).
 //!
-//! A stream whose ring does not fit waits up to [`BUDGET_WAIT`] for other streams to give ring
-//! memory back (a job's streams start together and end together, so a short wait absorbs a
-//! restart), then fails with [`Error::CacheFull`], gRPC `RESOURCE_EXHAUSTED`, whose message starts
-//! with "packed ring budget exhausted". A ring larger than the whole budget fails at once.
+//! A stream that does not fit waits up to [`BUDGET_WAIT`] for other streams to give memory back
+//! (a job's streams start together and end together, so a short wait absorbs a restart), then
+//! fails with [`Error::CacheFull`], gRPC `RESOURCE_EXHAUSTED`, whose message starts with "packed
+//! ring budget exhausted" or "rdma staging budget exhausted". One larger than the whole budget
+//! fails at once.
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
@@ -31,7 +33,7 @@ const FALLBACK_BUDGET: u64 = 8 << 30;
 /// Where the cgroup file systems are mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
-/// The default `--packed-budget`: a quarter of the memory the daemon may use, the smaller of
+/// The default `--packed-budget` and `--rdma-budget`: a quarter of the memory the daemon may use, the smaller of
 /// physical memory and its cgroup's limit (a container's memory limit, or a systemd unit's
 /// `MemoryMax=`: a quarter of the node's memory could exceed it, and the kernel would kill the
 /// daemon instead of refusing a ring).
@@ -47,7 +49,8 @@ pub fn default_budget() -> u64 {
         None => {
             tracing::warn!(
                 budget = FALLBACK_BUDGET,
-                "cannot tell the machine's memory: the packed-ring budget is 8 GiB; set --packed-budget"
+                "cannot tell the machine's memory: the packed-ring and rdma staging budgets are 8 GiB; set \
+                 --packed-budget and --rdma-budget"
             );
             FALLBACK_BUDGET
         }
@@ -102,17 +105,36 @@ fn cgroup_limit(root: &Path, own: &str) -> Option<u64> {
     limits.into_iter().min()
 }
 
-/// The packed-ring memory of the whole daemon.
+/// What a [`MemoryBudget`] bounds: its flag, its error's words and its gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// Packed streams' rings (`--packed-budget`).
+    PackedRings,
+    /// rdma streams' registered staging buffers (`--rdma-budget`).
+    RdmaStaging,
+}
+
+impl Pool {
+    fn flag(self) -> &'static str {
+        match self {
+            Pool::PackedRings => "--packed-budget",
+            Pool::RdmaStaging => "--rdma-budget",
+        }
+    }
+}
+
+/// One pool's memory for the whole daemon.
 #[derive(Debug)]
-pub struct PackedBudget {
+pub struct MemoryBudget {
+    pool: Pool,
     limit: u64,
     used: Mutex<u64>,
     freed: Condvar,
 }
 
-impl PackedBudget {
-    pub fn new(limit: u64) -> Arc<Self> {
-        Arc::new(Self { limit, used: Mutex::new(0), freed: Condvar::new() })
+impl MemoryBudget {
+    pub fn new(pool: Pool, limit: u64) -> Arc<Self> {
+        Arc::new(Self { pool, limit, used: Mutex::new(0), freed: Condvar::new() })
     }
 
     pub fn limit(&self) -> u64 {
@@ -152,7 +174,7 @@ impl PackedBudget {
                 }
                 if self.limit - *used >= bytes {
                     *used += bytes;
-                    crate::metrics::packed_budget_bytes(*used);
+                    crate::metrics::budget_bytes(self.pool, *used);
                     return Ok(Some(Reservation { budget: self.clone(), bytes }));
                 }
             }
@@ -167,16 +189,29 @@ impl PackedBudget {
 
     fn exhausted(&self, bytes: u64, used: Option<u64>) -> Error {
         let mib = |b: u64| b.div_ceil(1 << 20);
+        let (need, others, remedy) = match self.pool {
+            Pool::PackedRings => (
+                "packed ring budget exhausted: this stream needs a",
+                "packed",
+                "use smaller batches, fewer --ring-slots, a larger --packed-budget, or collate=None (views)",
+            ),
+            Pool::RdmaStaging => (
+                "rdma staging budget exhausted: this stream stages its batches in a",
+                "rdma",
+                "use smaller ring slots on the client (SHARDSTREAM_RDMA_SLOT_BYTES, which bound its batches) or a \
+                 larger --rdma-budget",
+            ),
+        };
         let why = match used {
             Some(u) => {
-                format!("{} MiB in use by other packed streams, waited {} s for them", mib(u), BUDGET_WAIT.as_secs())
+                format!("{} MiB in use by other {others} streams, waited {} s for them", mib(u), BUDGET_WAIT.as_secs())
             }
             None => "more than the whole budget".into(),
         };
         Error::CacheFull(format!(
-            "packed ring budget exhausted: this stream needs a {} MiB ring, --packed-budget is {} MiB ({why}); \
-             use smaller batches, fewer --ring-slots, a larger --packed-budget, or collate=None (views)",
+            "{need} {} MiB buffer, {} is {} MiB ({why}); {remedy}",
             mib(bytes),
+            self.pool.flag(),
             mib(self.limit)
         ))
     }
@@ -184,16 +219,16 @@ impl PackedBudget {
     fn release(&self, bytes: u64) {
         let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
         *used = used.saturating_sub(bytes);
-        crate::metrics::packed_budget_bytes(*used);
+        crate::metrics::budget_bytes(self.pool, *used);
         drop(used);
         self.freed.notify_all();
     }
 }
 
-/// Ring memory held against the budget; given back on drop.
+/// Memory held against a budget; given back on drop.
 #[derive(Debug)]
 pub struct Reservation {
-    budget: Arc<PackedBudget>,
+    budget: Arc<MemoryBudget>,
     bytes: u64,
 }
 
@@ -255,7 +290,7 @@ mod tests {
 
     #[test]
     fn reservations_add_up_to_the_limit_and_are_given_back() {
-        let b = PackedBudget::new(100);
+        let b = MemoryBudget::new(Pool::PackedRings, 100);
         let a = b.reserve(60, Duration::ZERO, NEVER, NEVER).unwrap().unwrap();
         let c = b.reserve(40, Duration::ZERO, NEVER, NEVER).unwrap().unwrap();
         assert_eq!(b.used(), 100);
@@ -271,7 +306,7 @@ mod tests {
 
     #[test]
     fn a_waiting_stream_gets_memory_another_gives_back() {
-        let b = PackedBudget::new(100);
+        let b = MemoryBudget::new(Pool::PackedRings, 100);
         let held = b.reserve(100, Duration::ZERO, NEVER, NEVER).unwrap();
         let waiter = {
             let b = b.clone();
@@ -286,7 +321,7 @@ mod tests {
 
     #[test]
     fn a_waiter_that_no_longer_needs_the_memory_stops_waiting() {
-        let b = PackedBudget::new(100);
+        let b = MemoryBudget::new(Pool::PackedRings, 100);
         let _held = b.reserve(100, Duration::ZERO, NEVER, NEVER).unwrap();
         let started = Instant::now();
         let done = std::sync::atomic::AtomicBool::new(false);
@@ -304,7 +339,7 @@ mod tests {
 
     #[test]
     fn too_large_fails_at_once_and_cancel_stops_the_wait() {
-        let b = PackedBudget::new(100);
+        let b = MemoryBudget::new(Pool::PackedRings, 100);
         let started = Instant::now();
         let e = b.reserve(101, Duration::from_secs(5), NEVER, NEVER).unwrap_err();
         assert!(matches!(e, Error::CacheFull(_)) && e.to_string().contains("more than the whole budget"), "{e}");

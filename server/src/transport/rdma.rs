@@ -20,12 +20,14 @@ use shardstream_fabric::handoff::Progressed;
 use shardstream_fabric::stream::{Offer, RingSender, open_endpoint_toward};
 use shardstream_proto::RdmaOffer;
 
+use super::budget::{BUDGET_WAIT, MemoryBudget, Pool, Reservation};
 use crate::{Error, Result};
 
 /// Writes one stream may have in flight.
 pub const RDMA_WINDOW: usize = 4;
 /// Largest ring slot a client may offer: the daemon stages [`RDMA_WINDOW`] batches of that size
-/// in registered (pinned) memory per stream, 4 GiB at most. A batch is one slot; larger batches
+/// in registered (pinned) memory per stream, 4 GiB at most, and all streams together within
+/// `--rdma-budget` ([`RdmaHub::staging`]). A batch is one slot; larger batches
 /// go over shared memory or inline, which splits them.
 pub const MAX_SLOT_BYTES: u64 = 1 << 30;
 
@@ -47,12 +49,15 @@ pub struct RdmaHub {
     pub opened: String,
     pub streams: AtomicU64,
     pub ring_bytes: AtomicU64,
+    /// Every stream's staging buffers (`--rdma-budget`).
+    pub staging: Arc<MemoryBudget>,
 }
 
 impl RdmaHub {
     /// Checks that libfabric loads and `provider` (or the default) opens: `serve --rdma` fails
-    /// at start-up otherwise, with the reason.
-    pub fn start(provider: Option<String>) -> Result<Self> {
+    /// at start-up otherwise, with the reason. Streams' staging buffers together stay within
+    /// `staging_budget` bytes.
+    pub fn start(provider: Option<String>, staging_budget: u64) -> Result<Self> {
         let provider = provider.or_else(shardstream_fabric::forced_provider);
         let fabric = shardstream_fabric::Fabric::open(provider.as_deref())
             .map_err(|e| Error::invalid(format!("--rdma: {e}")))?;
@@ -61,11 +66,13 @@ impl RdmaHub {
             opened: fabric.provider().to_owned(),
             streams: AtomicU64::new(0),
             ring_bytes: AtomicU64::new(0),
+            staging: MemoryBudget::new(Pool::RdmaStaging, staging_budget),
         })
     }
 
     /// Opens this stream's endpoint and sender for the client's offer (blocking: a few
-    /// libfabric calls and one registration of the staging buffers).
+    /// libfabric calls and one registration of the staging buffers, after their bytes are
+    /// reserved in the budget, which may wait up to [`BUDGET_WAIT`] for other streams to end).
     pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer) -> Result<RdmaStream> {
         check_offer(offer)?;
         let provider = match &self.provider {
@@ -100,6 +107,13 @@ impl RdmaHub {
         };
         // On the interface that routes to the client (its endpoint name is its socket address for
         // tcp): an endpoint on another interface, the loopback first of all, would be unreachable.
+        // Reserved before anything is opened, and held until the sender (its registration) is
+        // gone: `RdmaStream` drops the sender first.
+        let staged_bytes = (RDMA_WINDOW as u64).saturating_mul(offer.slot_bytes);
+        let reservation = self
+            .staging
+            .reserve(staged_bytes, BUDGET_WAIT, &|| false, &|| false)?
+            .ok_or_else(|| Error::Internal("an rdma staging reservation came back empty".into()))?;
         let toward = shardstream_fabric::objects::name_ip(&offer.address);
         let ep = open_endpoint_toward(Some(&provider), RDMA_WINDOW + offer.slots as usize + 4, toward)
             .map_err(|e| Error::invalid(format!("transport \"rdma\": {e}")))?;
@@ -109,7 +123,14 @@ impl RdmaHub {
         let provider = sender.provider().to_owned();
         self.streams.fetch_add(1, Ordering::Relaxed);
         self.ring_bytes.fetch_add(offer.ring_bytes, Ordering::Relaxed);
-        Ok(RdmaStream { hub: self.clone(), sender, address, provider, ring_bytes: offer.ring_bytes })
+        Ok(RdmaStream {
+            sender,
+            hub: self.clone(),
+            address,
+            provider,
+            ring_bytes: offer.ring_bytes,
+            _staging: reservation,
+        })
     }
 }
 
@@ -156,11 +177,14 @@ fn same_provider(a: &str, b: &str) -> bool {
 
 /// One stream's sender; counted in the hub while it lives.
 pub struct RdmaStream {
-    hub: Arc<RdmaHub>,
+    /// First, so it is dropped (its staging buffers deregistered and freed) before the
+    /// reservation below gives their bytes back.
     pub sender: RingSender,
+    hub: Arc<RdmaHub>,
     pub address: Vec<u8>,
     pub provider: String,
     ring_bytes: u64,
+    _staging: Reservation,
 }
 
 impl Drop for RdmaStream {

@@ -34,7 +34,7 @@ use rustix::net::{RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendAncil
 use shardstream_proto::ring::{PAGE, round_up};
 use shardstream_proto::shm::{self as wire, Frame};
 
-use super::budget::{BUDGET_WAIT, PackedBudget, Reservation};
+use super::budget::{BUDGET_WAIT, MemoryBudget, Pool, Reservation};
 use super::ring::{MAX_RING_BYTES, Ring, SlotTable};
 use super::ring_pool::{Fit, Owner, RingPool};
 use crate::{Error, Result};
@@ -173,7 +173,7 @@ struct HubShared {
     /// Bytes of packed-mode rings alive.
     ring_bytes: Arc<AtomicU64>,
     /// The daemon-wide bound on those bytes.
-    budget: Arc<PackedBudget>,
+    budget: Arc<MemoryBudget>,
     /// Rings kept for their users' next streams.
     pool: Arc<RingPool>,
     /// Ring ids are unique in the daemon, so a kept ring keeps its id (written in its header).
@@ -216,7 +216,7 @@ impl ShmHub {
             sessions: Mutex::default(),
             leases: Mutex::default(),
             ring_bytes: Arc::default(),
-            budget: PackedBudget::new(config.packed_budget),
+            budget: MemoryBudget::new(Pool::PackedRings, config.packed_budget),
             pool: RingPool::start(config.ring_keep),
             next_ring: AtomicU64::new(0),
             rings_made: AtomicU64::new(0),
