@@ -384,6 +384,50 @@ def test_warm_up_loads_libfabric_without_a_thread_so_forking_after_it_is_safe() 
     assert (before, loaded) == (after, "True")
 
 
+def test_loading_libfabric_keeps_the_process_signal_handlers() -> None:
+    """libfabric pulls in libinfinipath (PSM), whose constructor takes over SIGINT, SIGTERM,
+    SIGSEGV, SIGBUS, SIGILL and SIGABRT with a handler that exits with status 1. A trainer that
+    loads it must still get KeyboardInterrupt on Ctrl-C and its own SIGTERM handler (to save a
+    checkpoint), and a Rust process its stack-overflow handler."""
+    got = _fresh(
+        """
+        import os, signal
+        from shardstream import _native
+        terms = []
+        signal.signal(signal.SIGTERM, lambda *_: terms.append(1))
+        _native.fabric_warm_up()
+        assert "libinfinipath" in open("/proc/self/maps").read()
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            print("no-interrupt")
+        except KeyboardInterrupt:
+            print("interrupted")
+        print("terms", len(terms))
+        """
+    )
+    assert got == ["interrupted", "terms", "1"]
+
+
+def test_an_rdma_daemon_drains_on_sigterm(dataset, tmp_path: Path) -> None:
+    """`serve --rdma` stops as every daemon does on SIGTERM: it drains and exits 0 (systemd and
+    Kubernetes read anything else as a failure), with its shutdown in the log."""
+    root, _ = dataset
+    log = tmp_path / "daemon.log"
+    d = Daemon(
+        tmp_path / "d",
+        args=["--insecure", "--rdma", "--rdma-provider", "tcp"],
+        addr=f"tcp://127.0.0.1:{_port()}",
+        log=log,
+    ).start()
+    try:
+        loader = shardstream.Loader(str(root), batch_size=32, seed=1, connect=d.addr, transport="rdma")
+        assert sum(len(b["__key__"]) for b in loader) == 1003
+    finally:
+        code = d.stop()
+    assert code == 0, log.read_text()[-2000:]
+
+
 @pytest.mark.parametrize(
     ("transport", "auto_providers", "loads"),
     [("rdma", None, True), ("inline", None, False), ("auto", None, False), ("auto", "tcp", True)],
