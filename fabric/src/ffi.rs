@@ -429,8 +429,11 @@ impl Lib {
     pub fn load(path: &str) -> Result<Lib, String> {
         let cpath = std::ffi::CString::new(path).map_err(|_| format!("{path:?}: NUL in path"))?;
         // SAFETY: `cpath` is a valid C string; dlopen has no other precondition. RTLD_LOCAL keeps
-        // libfabric's symbols out of the global namespace.
-        let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        // libfabric's symbols out of the global namespace. Its dependencies' constructors may
+        // take over signals: the process's handlers are put back.
+        let handle = crate::signals::keeping_handlers(|| unsafe {
+            libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL)
+        });
         if handle.is_null() {
             return Err(dlerror_string());
         }

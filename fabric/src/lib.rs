@@ -7,6 +7,8 @@
 //!   memory), each closed on drop, children keeping their parents alive.
 //! - [`credits`]: the pure slot / credit / immediate state machine of the ring protocol.
 //! - [`handoff`]: the lock a stream's progress thread shares with the stream's users.
+//! - `signals`: the process's signal handlers, kept across loading libfabric (whose PSM
+//!   dependency takes over SIGINT and SIGTERM).
 //!
 //! The protocol (design and measurements: `shared/research/rdma-transport.md`): the client
 //! registers a ring, the daemon `fi_writedata`s each batch into a free slot with a 32-bit
@@ -17,6 +19,7 @@ pub mod credits;
 pub mod ffi;
 pub mod handoff;
 pub mod objects;
+mod signals;
 pub mod stream;
 
 use std::collections::BTreeMap;
