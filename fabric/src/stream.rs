@@ -576,8 +576,22 @@ impl RingSender {
     }
 
     /// Posts the write of the first `len` bytes of a filled buffer into its ring slot. Returns
-    /// the slot, which the metadata of the batch must name.
+    /// the slot, which the metadata of the batch must name. A provider queue that stays full for
+    /// the stall time is [`StreamError::Stalled`].
     pub fn post(&mut self, staged: Staged, len: usize) -> StreamResult<u32> {
+        let (started, stall) = (Instant::now(), self.stall);
+        self.post_while(staged, len, &|| started.elapsed() < stall).map_err(|e| match e {
+            StreamError::Stopped => StreamError::Stalled(stall),
+            e => e,
+        })
+    }
+
+    /// As [`Self::post`], waiting for room in the provider's queue for as long as `waiting` says
+    /// (asked between progress drives, every millisecond). Under manual progress (tcp) a client
+    /// that does not call into libfabric (a trainer evaluating, holding its batches) leaves the
+    /// queue full, and so does a client that left: the caller knows which from its gRPC stream.
+    /// [`StreamError::Stopped`] once `waiting` says no; the buffer and the credit are given back.
+    pub fn post_while(&mut self, staged: Staged, len: usize, waiting: &dyn Fn() -> bool) -> StreamResult<u32> {
         if !self.owns(&staged) {
             return Err(StreamError::NotStaged);
         }
@@ -591,7 +605,6 @@ impl RingSender {
             me.staging_slot[stage] = Stage::Free;
             me.tx.failed(slot);
         };
-        let started = Instant::now();
         let data = u64::from(self.imm.encode(batch, slot));
         let remote_offset = u64::from(slot) * self.slot_bytes as u64;
         loop {
@@ -607,11 +620,11 @@ impl RingSender {
             ) {
                 Ok(true) => break,
                 // The provider's queue is full. Under manual progress (tcp) that is also what a
-                // client that stopped driving its endpoint looks like: bounded by the stall time.
+                // client that stopped driving its endpoint looks like.
                 Ok(false) => {
-                    if started.elapsed() >= self.stall {
+                    if !waiting() {
                         fail(self);
-                        return Err(StreamError::Stalled(self.stall));
+                        return Err(StreamError::Stopped);
                     }
                     if let Err(e) = self.pump(Some(Duration::from_millis(1))) {
                         fail(self);

@@ -113,7 +113,8 @@ pub(super) fn build_batch(
 /// a credit for as long as the stream is not `cancelled`, as the other transports do: a trainer
 /// holding its batches through an evaluation or a checkpoint is still there), lets `fill` write
 /// the batch at its start, returning its length and whatever else it made, and posts the RDMA
-/// write of those bytes into a slot of the client's ring. Returns the slot and what `fill` made.
+/// write of those bytes into a slot of the client's ring (waiting for room in the provider's
+/// queue on the same terms: a client that left or a shutdown ends the wait at once). Returns the slot and what `fill` made.
 /// The sender is held only to reserve and to post, so its progress thread keeps earlier writes
 /// moving while `fill` runs; a `fill` that fails gives the buffer and the credit back.
 pub(super) fn rdma_post<T>(
@@ -126,7 +127,8 @@ pub(super) fn rdma_post<T>(
         shardstream_fabric::stream::StreamError::Stopped => Error::Unavailable("stream cancelled".into()),
         e => Error::Unavailable(format!("rdma stream to the client failed: {e}")),
     };
-    let mut staged = rdma.lock()?.sender.reserve_while(index, &|| !cancelled()).map_err(failed)?;
+    let waiting = || !cancelled();
+    let mut staged = rdma.lock()?.sender.reserve_while(index, &waiting).map_err(failed)?;
     let filled = fill(staged.buffer());
     let mut r = rdma.lock()?;
     let (len, made) = match filled {
@@ -138,7 +140,7 @@ pub(super) fn rdma_post<T>(
     };
     // Posted, not waited for: the metadata may overtake the bytes (the client joins the two in
     // either order) and the progress thread moves the write while the next batch is read.
-    let slot = r.sender.post(staged, len).map_err(failed)?;
+    let slot = r.sender.post_while(staged, len, &waiting).map_err(failed)?;
     Ok((slot, len, made))
 }
 
