@@ -75,8 +75,9 @@ mod tests {
         // (a foreign object's address cannot be had without loading one).
         keeping_handlers(|| install(libc::SIG_IGN));
         assert_eq!(current(libc::SIGUSR2).expect("sigaction").sa_sigaction, before.sa_sigaction);
-        keeping_handlers(|| install(our_handler as libc::sighandler_t));
-        assert_eq!(current(libc::SIGUSR2).expect("sigaction").sa_sigaction, our_handler as libc::sighandler_t);
+        let ours = our_handler as *const () as libc::sighandler_t;
+        keeping_handlers(|| install(ours));
+        assert_eq!(current(libc::SIGUSR2).expect("sigaction").sa_sigaction, ours);
         // SAFETY: puts back what the test found.
         unsafe { libc::sigaction(libc::SIGUSR2, &before, std::ptr::null_mut()) };
     }
