@@ -683,11 +683,20 @@ impl RingSender {
     /// end of a stream, after which the endpoint may close without resetting the connection
     /// under a write the client has not read.
     pub fn drain(&mut self) -> StreamResult<()> {
+        self.drain_while(&|| true)
+    }
+
+    /// As [`Self::drain`], and [`StreamError::Stopped`] as soon as `waiting` says no (asked
+    /// between progress drives, at least every 200 ms): a daemon shutting down does not wait.
+    pub fn drain_while(&mut self, waiting: &dyn Fn() -> bool) -> StreamResult<()> {
         self.flush()?;
         let started = Instant::now();
         while self.tx.in_use() > 0 && !self.finished {
             if started.elapsed() >= self.stall {
                 return Err(StreamError::Stalled(self.stall));
+            }
+            if !waiting() {
+                return Err(StreamError::Stopped);
             }
             self.pump(Some(Duration::from_millis(200)))?;
         }

@@ -348,15 +348,24 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     if !allow.is_empty() {
         config.allow = Some(std::sync::Arc::new(crate::access::AllowList::new(&allow)?));
     }
-    runtime()?.block_on(async move {
+    let rt = runtime()?;
+    let served = rt.block_on(async move {
         let shutdown = CancellationToken::new();
         crate::shutdown::install_signal_handlers(shutdown.clone());
         let daemon = BoundDaemon::bind(config).await?;
         daemon.run(shutdown).await?;
         tracing::info!("stopped");
         Ok(())
-    })
+    });
+    // The drain (--drain-timeout) is over: work still on the blocking pool (a build waiting in
+    // storage, an rdma endpoint waiting for a client's credits) must not hold the exit, which
+    // dropping the runtime would, for as long as that work takes.
+    rt.shutdown_timeout(EXIT_WAIT);
+    served
 }
+
+/// How long `serve` waits, after its drain, for blocking work to notice the shutdown.
+const EXIT_WAIT: Duration = Duration::from_secs(1);
 
 struct Bar(indicatif::ProgressBar);
 

@@ -484,11 +484,12 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         }
     }
     let _done = Done(session.clone());
+    let stopping = shutdown.clone();
     let core = StreamCore { dataset, session, sequence, batch_size, tx, metrics: metrics.clone(), consumer, shutdown };
     if let Some(asm) = arrow.clone().filter(|_| small_batches(&core.dataset, batch_size)) {
         let stream = SmallArrowStream { core, rdma: rdma.clone(), asm, projected, parts: batches_per_message };
         run_on_own_thread(move || stream.run(batches)).await;
-        return linger_for_credits(rdma);
+        return linger_for_credits(rdma, stopping);
     }
     if arrow.is_none() && !packed && rdma.is_none() {
         let stream = SampleStream { core, fields, all_fields };
@@ -617,7 +618,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         }
     }
     drop(tx);
-    linger_for_credits(rdma);
+    linger_for_credits(rdma, stopping);
 }
 
 /// Samples (rows) a batch message carries, for the served-samples metric.
@@ -636,11 +637,16 @@ fn samples_in(msg: &StreamMessage) -> u64 {
 /// earlier can reset the connection under the last write). The client returns the last credits
 /// only once its consumer drops those batches, which it may do only after the stream ended: so
 /// the stream ends (its sender of messages already dropped) and the endpoint lives on in the
-/// background until every credit is back or the client is gone (bounded by the stall time).
-fn linger_for_credits(rdma: Option<Arc<transport::rdma::RdmaPipe>>) {
+/// background until every credit is back or the client is gone (bounded by the stall time), or
+/// the daemon shuts down: a client holding its last batches must not hold the exit.
+fn linger_for_credits(rdma: Option<Arc<transport::rdma::RdmaPipe>>, shutdown: CancellationToken) {
     if let Some(r) = rdma {
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = r.lock().and_then(|mut s| s.sender.drain().map_err(|e| Error::Unavailable(e.to_string()))) {
+            let waiting = || !shutdown.is_cancelled();
+            let drained = r
+                .lock()
+                .and_then(|mut s| s.sender.drain_while(&waiting).map_err(|e| Error::Unavailable(e.to_string())));
+            if let Err(e) = drained {
                 tracing::debug!(error = %e, "rdma stream ended without every credit back");
             }
         });
