@@ -458,4 +458,36 @@ mod tests {
         assert!(reg.open_admitted(&url, "", &refuse).is_err());
         assert!(reg.open(&url, "").is_ok());
     }
+
+    #[test]
+    fn a_requester_waiting_on_a_refused_leader_opens_for_itself() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().join("d");
+        write_shard(&dir, "part-0000.tar");
+        let url = dir.display().to_string();
+        let reg = Registry::new(None, Arc::new(Backends::local()));
+        // The leader is refused only once the other requester waits on its flight.
+        let refuse_late = |_: &[crate::index::ShardMeta]| -> Result<()> {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while reg.stats.coalesced.load(Relaxed) == 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(Error::PermissionDenied { path: "d".into(), reason: "not yours".into() })
+        };
+        let (led, waited) = std::thread::scope(|s| {
+            let leader = s.spawn(|| reg.open_admitted(&url, "", &refuse_late));
+            // Starts once the leader holds the flight (its admit check runs before the build).
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while reg.lock().flights.is_empty() {
+                assert!(std::time::Instant::now() < deadline, "the leader never took the flight");
+                std::thread::yield_now();
+            }
+            let waited = reg.open(&url, "");
+            (leader.join().expect("leader thread"), waited)
+        });
+        assert_eq!(reg.stats.coalesced.load(Relaxed), 1, "the second open did not wait on the first");
+        assert!(matches!(led, Err(Error::PermissionDenied { .. })), "{:?}", led.err());
+        let ds = waited.expect("the waiter's own open");
+        assert_eq!((ds.num_samples(), reg.stats.builds.load(Relaxed)), (1, 1));
+    }
 }
