@@ -91,6 +91,8 @@ pub struct RingReceiver<M> {
     /// Slots whose [`Lent`] view was dropped, (slot, batch): their credits go back on the next
     /// call into this receiver.
     returned: Arc<Mutex<Vec<(u32, u64)>>>,
+    /// Completions read while a receive waited for room in the queue, handled by the next pump.
+    backlog: Vec<Completion>,
 }
 
 /// A delivered batch's bytes, read in place in the ring (no copy): the slot stays the client's
@@ -149,7 +151,7 @@ impl<M> RingReceiver<M> {
         // (1.17) reports remote CQ data only against a posted receive, without asking for it.
         let rx_posts = slots as usize;
         let msgs = MemoryRegion::new(&ep, (SEND_CONTEXTS + rx_posts) * RELEASE_BYTES, ffi::FI_SEND | ffi::FI_RECV)?;
-        let me = Self {
+        let mut me = Self {
             ep,
             ring,
             msgs,
@@ -159,6 +161,7 @@ impl<M> RingReceiver<M> {
             daemon: None,
             sends_busy: [false; SEND_CONTEXTS],
             returned: Arc::default(),
+            backlog: Vec::new(),
         };
         for i in 0..rx_posts {
             me.post_rx(i)?;
@@ -166,10 +169,10 @@ impl<M> RingReceiver<M> {
         Ok(me)
     }
 
-    fn post_rx(&self, i: usize) -> crate::Result<()> {
-        post_until_queued(&self.ep, || {
-            self.ep.recv(SEND_CONTEXTS + i, &self.msgs, (SEND_CONTEXTS + i) * RELEASE_BYTES, RELEASE_BYTES)
-        })
+    fn post_rx(&mut self, i: usize) -> crate::Result<()> {
+        let Self { ep, msgs, backlog, .. } = self;
+        let post = || ep.recv(SEND_CONTEXTS + i, msgs, (SEND_CONTEXTS + i) * RELEASE_BYTES, RELEASE_BYTES);
+        post_until_queued(ep, post, backlog)
     }
 
     pub fn offer(&self) -> crate::Result<Offer> {
@@ -214,7 +217,7 @@ impl<M> RingReceiver<M> {
 
     /// Handles available completions (waiting up to `wait` for the first); true if any came.
     fn pump(&mut self, wait: Option<Duration>) -> StreamResult<bool> {
-        let done = self.ep.poll(wait)?;
+        let done = take_completions(&self.ep, &mut self.backlog, wait)?;
         let any = !done.is_empty();
         for c in done {
             match c {
@@ -425,6 +428,8 @@ pub struct RingSender {
     peak_in_use: usize,
     /// The client sent FINISHED: it has every batch and sends nothing more.
     finished: bool,
+    /// Completions read while a receive waited for room in the queue, handled by the next pump.
+    backlog: Vec<Completion>,
 }
 
 impl RingSender {
@@ -445,7 +450,7 @@ impl RingSender {
         let staging = MemoryRegion::new(&ep, window * slot_bytes, ffi::FI_WRITE)?;
         let release_posts = offer.slots as usize + 4;
         let releases = MemoryRegion::new(&ep, release_posts * RELEASE_BYTES, ffi::FI_RECV)?;
-        let me = Self {
+        let mut me = Self {
             ep,
             staging,
             staging_slot: vec![Stage::Free; window],
@@ -458,6 +463,7 @@ impl RingSender {
             stall: Duration::from_secs(30),
             peak_in_use: 0,
             finished: false,
+            backlog: Vec::new(),
         };
         for i in 0..release_posts {
             me.post_release(i)?;
@@ -469,9 +475,10 @@ impl RingSender {
         self.staging_slot.len()
     }
 
-    fn post_release(&self, i: usize) -> crate::Result<()> {
+    fn post_release(&mut self, i: usize) -> crate::Result<()> {
         let op = self.window() + i;
-        post_until_queued(&self.ep, || self.ep.recv(op, &self.releases, i * RELEASE_BYTES, RELEASE_BYTES))
+        let Self { ep, releases, backlog, .. } = self;
+        post_until_queued(ep, || ep.recv(op, releases, i * RELEASE_BYTES, RELEASE_BYTES), backlog)
     }
 
     pub fn name(&self) -> crate::Result<Vec<u8>> {
@@ -480,7 +487,7 @@ impl RingSender {
 
     /// Handles completions (waiting up to `wait` for the first); true if any came.
     fn pump(&mut self, wait: Option<Duration>) -> StreamResult<bool> {
-        let done = self.ep.poll(wait)?;
+        let done = take_completions(&self.ep, &mut self.backlog, wait)?;
         let any = !done.is_empty();
         for c in done {
             match c {
@@ -723,10 +730,14 @@ const POST_WAIT: Duration = Duration::from_secs(1);
 /// Posts with `post` (false: the queue is full), driving progress between tries, for at most
 /// [`POST_WAIT`]. The first receives are posted before the stream's first write, when a queue
 /// still full never empties (more receives than its depth): retrying for good spun a thread at a
-/// core. A repost follows the completion that freed its place in the queue, so it finds room at
-/// once; a completion the progress drive read while it waited would be lost, which is why the
-/// wait is short and then an error, never a silent retry.
-fn post_until_queued(ep: &Endpoint, mut post: impl FnMut() -> crate::Result<bool>) -> crate::Result<()> {
+/// core. A repost follows the completion that freed its place in the queue, so it usually finds
+/// room at once; the completions a drive reads while it waits (a batch's arrival, a credit) go
+/// to `backlog`, for the stream's next pump, never dropped.
+fn post_until_queued(
+    ep: &Endpoint,
+    mut post: impl FnMut() -> crate::Result<bool>,
+    backlog: &mut Vec<Completion>,
+) -> crate::Result<()> {
     let deadline = Instant::now() + POST_WAIT;
     while !post()? {
         if Instant::now() >= deadline {
@@ -736,7 +747,19 @@ fn post_until_queued(ep: &Endpoint, mut post: impl FnMut() -> crate::Result<bool
                 msg: "the provider's receive queue stays full (more receives posted than it holds)".into(),
             });
         }
-        ep.poll(None)?;
+        backlog.extend(ep.poll(None)?);
     }
     Ok(())
+}
+
+/// The completions a pump handles: those left in `backlog`, then what the queue has (waiting up
+/// to `wait` for one only when there were none left).
+fn take_completions(
+    ep: &Endpoint,
+    backlog: &mut Vec<Completion>,
+    wait: Option<Duration>,
+) -> crate::Result<Vec<Completion>> {
+    let mut done = std::mem::take(backlog);
+    done.extend(ep.poll(if done.is_empty() { wait } else { None })?);
+    Ok(done)
 }
