@@ -17,6 +17,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -426,6 +429,39 @@ def test_an_rdma_daemon_drains_on_sigterm(dataset, tmp_path: Path) -> None:
     finally:
         code = d.stop()
     assert code == 0, log.read_text()[-2000:]
+
+
+def test_an_rdma_stream_stalled_by_the_batches_its_process_holds_says_so(rdma_daemon, dataset) -> None:
+    """As over shared memory (test_packed): a loop that keeps every rdma batch holds every slot of
+    its ring, the daemon can write no more, and the wait says why, once, and goes on as soon as
+    the batches go."""
+    root, samples = dataset
+    loader = shardstream.Loader(str(root), batch_size=50, seed=2, connect=rdma_daemon.addr, transport="rdma")
+    held: list[object] = []
+    keys: list[str] = []
+
+    def let_go_once_warned() -> None:
+        deadline = time.monotonic() + 30
+        while not caught and time.monotonic() < deadline:
+            time.sleep(0.05)
+        keys.extend(k for b in held for k in b["__key__"])  # type: ignore[index]
+        held.clear()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        helper = threading.Thread(target=let_go_once_warned, daemon=True)
+        helper.start()
+        for batch in loader:
+            if helper.is_alive():
+                held.append(batch)
+            else:
+                keys.extend(batch["__key__"])
+        helper.join(timeout=5)
+    stalled = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(stalled) == 1, [str(w.message) for w in caught]
+    message = str(stalled[0].message)
+    assert "all 4 of the stream's credits" in message and "not released" in message, message
+    assert sorted(keys) == sorted(samples)
 
 
 @pytest.mark.parametrize(
