@@ -501,8 +501,13 @@ impl BatchStream {
     /// When every credit of the stream is held by batches not released yet, `(held, credits)`:
     /// the daemon can make no batch until one is, so a wait for the next can last for good.
     /// Credits are the leases a shared-memory client may hold (`shm_credits`) and, for packed
-    /// and Arrow batches, the slots of their ring. The end of the stream needs none.
+    /// and Arrow batches, the slots of their ring; over rdma, the slots of the registered ring.
+    /// The end of the stream needs none.
     pub fn held_every_credit(&self) -> Option<(usize, u32)> {
+        if let Some(ring) = &self.rdma {
+            let (held, slots) = ring.held();
+            return (slots > 0 && held >= slots as usize).then_some((held, slots));
+        }
         let shm = self.shm.as_ref()?;
         let credits = shm.ring_slots().map_or(self.header.shm_credits, |slots| slots.min(self.header.shm_credits));
         let held = shm.unreleased();

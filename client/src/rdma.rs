@@ -150,6 +150,12 @@ impl RdmaRing {
         self.rx.lock()
     }
 
+    /// (slots held by batches of this process not released yet, slots of the ring).
+    pub fn held(&self) -> (usize, u32) {
+        let rx = self.lock();
+        (rx.held(), rx.slots())
+    }
+
     /// The daemon's endpoint and the stream's batch count, from the stream header.
     pub fn connect(&self, daemon: &[u8], batches: u64) -> Result<(), ClientError> {
         self.remaining.store(batches, Ordering::Relaxed);

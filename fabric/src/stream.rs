@@ -351,8 +351,14 @@ impl<M> RingReceiver<M> {
         Ok(())
     }
 
+    /// Slots delivered and not released yet (their views live, or their credits are queued).
     pub fn held(&self) -> usize {
         self.arrivals.held()
+    }
+
+    /// Slots of the ring: the stream's credits.
+    pub fn slots(&self) -> u32 {
+        self.slots
     }
 
     /// The completion queue, whose [`crate::CompletionQueue::signal`] wakes a thread blocked in
