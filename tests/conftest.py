@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -109,6 +110,34 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def hold_batches_until_warned(loader: object, wait: float = 30.0) -> tuple[list[str], list[str]]:
+    """Iterates `loader` keeping every batch, as a loop (or a transform's results) that holds on
+    to them does, until a warning comes (or `wait` s pass); then another thread lets the held
+    batches go and the rest of the epoch is taken as it comes. Returns the RuntimeWarnings'
+    messages and every batch's keys."""
+    held: list[object] = []
+    keys: list[str] = []
+
+    def let_go_once_warned() -> None:
+        deadline = time.monotonic() + wait
+        while not caught and time.monotonic() < deadline:
+            time.sleep(0.05)
+        keys.extend(k for b in held for k in b["__key__"])  # type: ignore[index]
+        held.clear()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        helper = threading.Thread(target=let_go_once_warned, daemon=True)
+        helper.start()
+        for batch in loader:  # type: ignore[attr-defined]
+            if helper.is_alive():
+                held.append(batch)
+            else:
+                keys.extend(batch["__key__"])
+        helper.join(timeout=5)
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], keys
 
 
 def within(deadline: float, f: Callable[[], object]) -> object:

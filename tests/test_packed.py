@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, wait_for, write_token_blocks
+from conftest import SHARDSTREAM, Daemon, hold_batches_until_warned, wait_for, write_token_blocks
 
 RECORD = 512
 
@@ -205,29 +204,10 @@ def test_a_stream_stalled_by_the_batches_its_process_holds_says_so(tokens, tmp_p
     try:
         kwargs = {"fields": ["tok"], "collate": "stack"} if mode == "packed" else {"fields": ["tok"]}
         loader = shardstream.Loader(str(root), batch_size=50, cache="copy", connect=d.addr, **kwargs)
-        held: list[object] = []
-        keys: list[str] = []
-
-        def let_go_once_warned() -> None:
-            while not caught:
-                time.sleep(0.05)
-            keys.extend(k for b in held for k in b["__key__"])  # type: ignore[index]
-            held.clear()
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            helper = threading.Thread(target=let_go_once_warned, daemon=True)
-            helper.start()
-            t0 = time.monotonic()
-            for batch in loader:
-                if helper.is_alive():
-                    held.append(batch)
-                else:
-                    keys.extend(batch["__key__"])
-            helper.join(timeout=5)
-        stalled = [w for w in caught if issubclass(w.category, RuntimeWarning)]
-        assert len(stalled) == 1, [str(w.message) for w in caught]
-        message = str(stalled[0].message)
+        t0 = time.monotonic()
+        stalled, keys = hold_batches_until_warned(loader)
+        assert len(stalled) == 1, stalled
+        message = stalled[0]
         assert "all 3 of the stream's credits" in message and "not released" in message, message
         assert time.monotonic() - t0 < 30
         assert sorted(keys) == sorted(records)

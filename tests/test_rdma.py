@@ -17,9 +17,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
-import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +30,7 @@ from test_parquet import TOTAL, epoch_rows
 
 import shardstream
 import shardstream.torch as sst
-from conftest import Daemon, wait_for, within
+from conftest import Daemon, hold_batches_until_warned, wait_for, within
 
 # The pyarrow dataset of test_parquet.py (4 files, one codec and row-group size each).
 varied = test_parquet.varied
@@ -437,29 +434,9 @@ def test_an_rdma_stream_stalled_by_the_batches_its_process_holds_says_so(rdma_da
     the batches go."""
     root, samples = dataset
     loader = shardstream.Loader(str(root), batch_size=50, seed=2, connect=rdma_daemon.addr, transport="rdma")
-    held: list[object] = []
-    keys: list[str] = []
-
-    def let_go_once_warned() -> None:
-        deadline = time.monotonic() + 30
-        while not caught and time.monotonic() < deadline:
-            time.sleep(0.05)
-        keys.extend(k for b in held for k in b["__key__"])  # type: ignore[index]
-        held.clear()
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        helper = threading.Thread(target=let_go_once_warned, daemon=True)
-        helper.start()
-        for batch in loader:
-            if helper.is_alive():
-                held.append(batch)
-            else:
-                keys.extend(batch["__key__"])
-        helper.join(timeout=5)
-    stalled = [w for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(stalled) == 1, [str(w.message) for w in caught]
-    message = str(stalled[0].message)
+    stalled, keys = hold_batches_until_warned(loader)
+    assert len(stalled) == 1, stalled
+    message = stalled[0]
     assert "all 4 of the stream's credits" in message and "not released" in message, message
     assert sorted(keys) == sorted(samples)
 

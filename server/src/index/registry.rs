@@ -437,16 +437,24 @@ mod tests {
         b.finish().expect("tar end");
     }
 
-    #[test]
-    fn a_refused_open_reads_nothing_keeps_nothing_and_is_that_requesters_alone() {
+    /// A local dataset of one shard (kept while the temp dir lives), its URL, a fresh registry.
+    fn one_shard_dataset() -> (tempfile::TempDir, String, Registry) {
         let tmp = tempfile::tempdir().expect("temp dir");
         let dir = tmp.path().join("d");
         write_shard(&dir, "part-0000.tar");
         let url = dir.display().to_string();
-        let reg = Registry::new(None, Arc::new(Backends::local()));
-        let refuse = |_: &[crate::index::ShardMeta]| -> Result<()> {
-            Err(Error::PermissionDenied { path: "d".into(), reason: "not yours".into() })
-        };
+        (tmp, url, Registry::new(None, Arc::new(Backends::local())))
+    }
+
+    /// What an allow list answers a requester outside it.
+    fn not_yours() -> Error {
+        Error::PermissionDenied { path: "d".into(), reason: "not yours".into() }
+    }
+
+    #[test]
+    fn a_refused_open_reads_nothing_keeps_nothing_and_is_that_requesters_alone() {
+        let (_tmp, url, reg) = one_shard_dataset();
+        let refuse = |_: &[crate::index::ShardMeta]| -> Result<()> { Err(not_yours()) };
         let err = reg.open_admitted(&url, "", &refuse).expect_err("refused");
         assert!(matches!(err, Error::PermissionDenied { .. }), "{err}");
         // Refused before the build: nothing indexed, nothing kept for the next requester.
@@ -461,18 +469,14 @@ mod tests {
 
     #[test]
     fn a_requester_waiting_on_a_refused_leader_opens_for_itself() {
-        let tmp = tempfile::tempdir().expect("temp dir");
-        let dir = tmp.path().join("d");
-        write_shard(&dir, "part-0000.tar");
-        let url = dir.display().to_string();
-        let reg = Registry::new(None, Arc::new(Backends::local()));
+        let (_tmp, url, reg) = one_shard_dataset();
         // The leader is refused only once the other requester waits on its flight.
         let refuse_late = |_: &[crate::index::ShardMeta]| -> Result<()> {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             while reg.stats.coalesced.load(Relaxed) == 0 && std::time::Instant::now() < deadline {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
-            Err(Error::PermissionDenied { path: "d".into(), reason: "not yours".into() })
+            Err(not_yours())
         };
         let (led, waited) = std::thread::scope(|s| {
             let leader = s.spawn(|| reg.open_admitted(&url, "", &refuse_late));
