@@ -189,7 +189,7 @@ pub(super) fn plan_stream(
                 offer.slot_bytes
             )));
         }
-        Some(hub.open_stream(offer)?)
+        Some(hub.open_stream(offer, &|| false)?)
     } else {
         None
     };

@@ -73,7 +73,7 @@ impl RdmaHub {
     /// Opens this stream's endpoint and sender for the client's offer (blocking: a few
     /// libfabric calls and one registration of the staging buffers, after their bytes are
     /// reserved in the budget, which may wait up to [`BUDGET_WAIT`] for other streams to end).
-    pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer) -> Result<RdmaStream> {
+    pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer, _cancelled: &dyn Fn() -> bool) -> Result<RdmaStream> {
         check_offer(offer)?;
         let provider = match &self.provider {
             Some(p) if !same_provider(p, &offer.provider) => {
@@ -263,6 +263,36 @@ mod tests {
         // tcp;ofi_rxm) the posting never succeeded, and a daemon thread spun at a core for good.
         refused(RdmaOffer { slots: 4096, slot_bytes: 1 << 16, ring_bytes: 1 << 28, ..ok.clone() }, "slots, more than");
         refused(RdmaOffer { address: Vec::new(), ..ok.clone() }, "no usable");
+    }
+
+    #[test]
+    fn an_open_waiting_for_staging_room_stops_when_its_client_leaves() {
+        // No libfabric here: the wait comes before anything is opened.
+        let hub = Arc::new(RdmaHub {
+            provider: Some("tcp".into()),
+            opened: "tcp;ofi_rxm".into(),
+            streams: AtomicU64::new(0),
+            ring_bytes: AtomicU64::new(0),
+            staging: MemoryBudget::new(Pool::RdmaStaging, 32 << 20),
+        });
+        let _others = hub.staging.reserve(32 << 20, Duration::ZERO, &|| false, &|| false).unwrap();
+        let offer = RdmaOffer {
+            address: b"127.0.0.1:1".to_vec(),
+            provider: "tcp".into(),
+            slots: 4,
+            slot_bytes: 4 << 20,
+            ring_bytes: 16 << 20,
+            ..Default::default()
+        };
+        let start = std::time::Instant::now();
+        let left = start + Duration::from_millis(200);
+        let Err(e) = hub.open_stream(&offer, &|| std::time::Instant::now() >= left) else {
+            panic!("opened beyond the budget")
+        };
+        // Not the full wait for room that ends in "exhausted": a client that left meanwhile
+        // held a daemon thread (and, once room came, a registration) for nothing.
+        assert!(start.elapsed() < Duration::from_secs(5), "waited {:?}", start.elapsed());
+        assert!(e.to_string().contains("cancelled"), "{e}");
     }
 
     #[test]
