@@ -165,7 +165,7 @@ class Daemon:
     """`shardstream serve` as a real process. `args`: extra command-line options; `env`: extra
     environment (the S3 endpoint and credentials); `wrap`: a command to run it under; `binary`: another
     build of the command (the failpoint build, SHARDSTREAM_FAIL_BIN); `log`: a file for its stderr
-    (its logs), for tests that read them."""
+    (its logs), for tests that read them; `level`: its `--log` level."""
 
     def __init__(
         self,
@@ -177,8 +177,10 @@ class Daemon:
         addr: str | None = None,
         log: Path | None = None,
         cwd: Path | None = None,
+        level: str = "warn",
     ) -> None:
         self.tmp = tmp
+        self.level = level
         self.cwd = cwd
         self.addr = addr or f"unix://{tmp / 'sock'}"
         self.cache_dir = tmp / "cache"
@@ -190,7 +192,7 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Daemon:
-        cmd = [self.binary, "serve", "--listen", self.addr, "--cache-dir", str(self.cache_dir), "--log", "warn"]
+        cmd = [self.binary, "serve", "--listen", self.addr, "--cache-dir", str(self.cache_dir), "--log", self.level]
         with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
             self.proc = subprocess.Popen(
                 [*self.wrap, *cmd, *self.args], env={**os.environ, **self.env}, stderr=stderr, cwd=self.cwd

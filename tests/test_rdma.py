@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -592,4 +593,45 @@ def test_rdma_staging_memory_is_bounded_across_streams(
         assert sum(len(b["__key__"]) for b in loader()) == 1003
         assert d.proc.poll() is None
     finally:
+        assert d.stop() == 0
+
+
+def test_a_client_that_leaves_while_its_stream_waits_for_staging_room_frees_the_daemon(
+    dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream that does not fit the rdma staging budget waits for room before it exists; its
+    client may give up meanwhile (a trainer killed, a job cancelled). The daemon then gives up the
+    wait at once, instead of holding a thread for the whole wait and, should room come, opening an
+    endpoint and registering buffers for nobody."""
+    root, _ = dataset
+    log = tmp_path / "daemon.log"
+    args = ["--insecure", "--rdma", "--rdma-provider", "tcp", "--rdma-budget", "24MiB"]
+    d = Daemon(tmp_path / "d", args=args, addr=f"tcp://127.0.0.1:{_port()}", log=log, level="info").start()
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(4 << 20))
+    waiter = None
+    try:
+        held = iter(shardstream.Loader(str(root), batch_size=8, seed=1, connect=d.addr, transport="rdma"))
+        next(held)
+        code = """
+            import sys, shardstream
+            print("opening", flush=True)
+            next(iter(shardstream.Loader(sys.argv[1], batch_size=8, seed=1, connect=sys.argv[2], transport="rdma")))
+            print("opened", flush=True)
+            """
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), str(root), d.addr], stdout=subprocess.PIPE, text=True
+        )
+        assert waiter.stdout is not None and waiter.stdout.readline() == "opening\n"
+        time.sleep(1.5)  # well inside the 10 s the daemon waits for room
+        assert waiter.poll() is None, "the second stream did not wait"
+        waiter.kill()
+        waiter.wait()
+        given_up = "rdma stream given up while it waited for staging room"
+        assert wait_for(lambda: given_up in log.read_text(), timeout=3), log.read_text()[-2000:]
+        assert d.status()["rdma_staging_bytes"] == 16 << 20
+        held.close()  # type: ignore[attr-defined]
+        assert wait_for(lambda: d.status()["rdma_staging_bytes"] == 0, timeout=30)
+    finally:
+        if waiter is not None and waiter.poll() is None:
+            waiter.kill()
         assert d.stop() == 0

@@ -309,9 +309,18 @@ impl Shardstream for Service {
         let rdma = self.rdma.clone();
         let prefetch = self.prefetch.clone();
         let uses = self.uses.clone();
-        let plan = blocking(move || plan_stream(ds, &req, hub.as_deref(), rdma.as_ref(), prefetch.as_ref(), &uses))
-            .await
-            .map_err(to_status)?;
+        // The plan may wait (an rdma stream for staging room) on a blocking thread, which
+        // outlives this future: a client that leaves meanwhile drops it, and the guard tells
+        // the wait.
+        let left = CancellationToken::new();
+        let _left_when_dropped = left.clone().drop_guard();
+        let stopping = self.shutdown.clone();
+        let cancelled = move || left.is_cancelled() || stopping.is_cancelled();
+        let plan = blocking(move || {
+            plan_stream(ds, &req, hub.as_deref(), rdma.as_ref(), prefetch.as_ref(), &uses, &cancelled)
+        })
+        .await
+        .map_err(to_status)?;
         let (tx, rx) = outbox::channel(STREAM_QUEUE);
         let header = StreamMessage { kind: Some(stream_message::Kind::Header(plan.header.clone())) };
         tx.send(Ok(header)).await.map_err(|_| Status::cancelled("client went away"))?;

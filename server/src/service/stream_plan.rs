@@ -53,6 +53,7 @@ pub(super) fn plan_stream(
     rdma_hub: Option<&Arc<transport::rdma::RdmaHub>>,
     prefetch: Option<&Arc<Prefetcher>>,
     uses_cache: &uses::UsesCache,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<StreamPlan> {
     if req.batch_size == 0 || req.batch_size > MAX_BATCH_SIZE {
         return Err(Error::invalid(format!("batch_size {} must be between 1 and {MAX_BATCH_SIZE}", req.batch_size)));
@@ -189,7 +190,7 @@ pub(super) fn plan_stream(
                 offer.slot_bytes
             )));
         }
-        Some(hub.open_stream(offer, &|| false)?)
+        Some(hub.open_stream(offer, cancelled)?)
     } else {
         None
     };

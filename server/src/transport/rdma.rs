@@ -72,8 +72,9 @@ impl RdmaHub {
 
     /// Opens this stream's endpoint and sender for the client's offer (blocking: a few
     /// libfabric calls and one registration of the staging buffers, after their bytes are
-    /// reserved in the budget, which may wait up to [`BUDGET_WAIT`] for other streams to end).
-    pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer, _cancelled: &dyn Fn() -> bool) -> Result<RdmaStream> {
+    /// reserved in the budget, which may wait up to [`BUDGET_WAIT`] for other streams to end, or
+    /// until `cancelled` (the client left, the daemon is stopping).
+    pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer, cancelled: &dyn Fn() -> bool) -> Result<RdmaStream> {
         check_offer(offer)?;
         let provider = match &self.provider {
             Some(p) if !same_provider(p, &offer.provider) => {
@@ -112,7 +113,15 @@ impl RdmaHub {
         let staged_bytes = (RDMA_WINDOW as u64).saturating_mul(offer.slot_bytes);
         let reservation = self
             .staging
-            .reserve(staged_bytes, BUDGET_WAIT, &|| false, &|| false)?
+            .reserve(staged_bytes, BUDGET_WAIT, cancelled, &|| false)
+            .inspect_err(|e| {
+                if matches!(e, Error::Unavailable(_)) {
+                    tracing::info!(
+                        bytes = staged_bytes,
+                        "rdma stream given up while it waited for staging room: its client left or the daemon is stopping"
+                    );
+                }
+            })?
             .ok_or_else(|| Error::Internal("an rdma staging reservation came back empty".into()))?;
         let toward = shardstream_fabric::objects::name_ip(&offer.address);
         let ep = open_endpoint_toward(Some(&provider), RDMA_WINDOW + offer.slots as usize + 4, toward)
