@@ -556,3 +556,45 @@ fn reserved_buffers_are_posted_or_given_back() {
     }
     daemon.join().unwrap().expect("daemon");
 }
+
+extern "C" fn ignore_signal(_: libc::c_int) {}
+
+/// A thread waiting for completions may be interrupted by a signal: a handler the process (or a
+/// trainer's library) installed, or a debugger or profiler attaching (`gdb`, `py-spy dump`).
+/// The wait then returns early with nothing, as a signalled queue does; it used to fail with
+/// "fi_cq_read failed: Interrupted system call", ending the stream on both sides.
+#[test]
+fn a_wait_interrupted_by_a_signal_is_not_an_error() {
+    if !available() {
+        return;
+    }
+    // SAFETY: a handler that does nothing, installed without SA_RESTART so that the blocked
+    // `epoll_wait` under `fi_cq_sread` returns EINTR; SIGUSR2 is sent to the waiting thread only.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = ignore_signal as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        assert_eq!(libc::sigaction(libc::SIGUSR2, &action, std::ptr::null_mut()), 0);
+    }
+    let (id_tx, id_rx) = mpsc::channel();
+    let waiter = thread::spawn(move || {
+        let ep = open_endpoint(Some("tcp;ofi_rxm"), 16).unwrap();
+        // SAFETY: pthread_self has no preconditions.
+        id_tx.send(unsafe { libc::pthread_self() }).unwrap();
+        let start = std::time::Instant::now();
+        let mut results = Vec::new();
+        while start.elapsed() < Duration::from_secs(1) {
+            results.push(ep.poll(Some(Duration::from_millis(200))).map(|c| c.len()).map_err(|e| e.to_string()));
+        }
+        results
+    });
+    let id = id_rx.recv().unwrap();
+    for _ in 0..5 {
+        thread::sleep(Duration::from_millis(90));
+        // SAFETY: the thread is alive until it has returned its results, which the join below
+        // waits for; it cannot have ended before 1 s.
+        unsafe { libc::pthread_kill(id, libc::SIGUSR2) };
+    }
+    let results = waiter.join().unwrap();
+    assert!(results.iter().all(|r| r == &Ok(0)), "{results:?}");
+}
