@@ -680,7 +680,8 @@ impl Endpoint {
     }
 
     /// Completions available now, or (with `wait`) after blocking up to `wait` for the first
-    /// one. An empty vector means none arrived in time (or the queue was signalled).
+    /// one. An empty vector means none arrived in time (or the queue was signalled, or a signal
+    /// interrupted the wait).
     pub fn poll(&self, wait: Option<Duration>) -> Result<Vec<Completion>> {
         let lib = self.fabric().lib;
         let mut entries =
@@ -702,7 +703,10 @@ impl Endpoint {
                 None => ((*(*cq).ops).read)(cq, entries.as_mut_ptr().cast(), entries.len()),
             }
         };
-        if rc == -ffi::FI_EAGAIN || rc == -(libc::ETIMEDOUT as isize) || rc == -(libc::ECANCELED as isize) {
+        // EINTR: a signal (a handler the process installed, a debugger or profiler attaching)
+        // interrupted the wait. Nothing arrived: callers treat it as a wake-up, as a signalled
+        // queue, and wait again within their own deadline.
+        if [ffi::FI_EAGAIN, libc::ETIMEDOUT as isize, libc::ECANCELED as isize, libc::EINTR as isize].contains(&-rc) {
             return Ok(Vec::new());
         }
         if rc == -ffi::FI_EAVAIL {
