@@ -410,6 +410,47 @@ def test_loading_libfabric_keeps_the_process_signal_handlers() -> None:
     assert got == ["interrupted", "terms", "1"]
 
 
+def test_a_daemon_paused_and_resumed_keeps_its_rdma_streams(rdma_daemon, dataset) -> None:
+    """A daemon stopped and continued (Ctrl-Z and `fg`, `kill -STOP`/`-CONT`, a debugger or
+    profiler attaching) sees its waits for completions return EINTR: Linux does not restart
+    `epoll_wait` after a stop. Its rdma streams must go on, every sample once."""
+    root, samples = dataset
+    loader = shardstream.Loader(str(root), batch_size=16, seed=4, connect=rdma_daemon.addr, transport="rdma")
+    assert rdma_daemon.proc is not None
+    keys: list[str] = []
+    for i, batch in enumerate(loader):
+        keys.extend(batch["__key__"])
+        if i % 10 == 5:
+            rdma_daemon.proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.1)
+            rdma_daemon.proc.send_signal(signal.SIGCONT)
+    assert sorted(keys) == sorted(samples)
+    assert rdma_daemon.alive()
+    # The trainer's side waits for its batches the same way.
+    code = """
+        import sys, time, shardstream
+        loader = shardstream.Loader(sys.argv[1], batch_size=16, seed=4, connect=sys.argv[2], transport="rdma")
+        keys = []
+        for b in loader:
+            if not keys:
+                print("streaming", flush=True)
+            keys.extend(b["__key__"])
+            time.sleep(0.02)
+        print(len(keys), len(set(keys)))
+        """
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), str(root), rdma_daemon.addr], stdout=subprocess.PIPE, text=True
+    )
+    assert trainer.stdout is not None and trainer.stdout.readline() == "streaming\n"
+    for _ in range(5):  # within its epoch of ~1.3 s
+        trainer.send_signal(signal.SIGSTOP)
+        time.sleep(0.1)
+        trainer.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+    out, _ = trainer.communicate(timeout=120)
+    assert trainer.returncode == 0 and out.split() == [str(len(samples))] * 2, out
+
+
 def test_an_rdma_daemon_drains_on_sigterm(dataset, tmp_path: Path) -> None:
     """`serve --rdma` stops as every daemon does on SIGTERM: it drains and exits 0 (systemd and
     Kubernetes read anything else as a failure), with its shutdown in the log."""
