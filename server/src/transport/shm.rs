@@ -1017,6 +1017,47 @@ mod tests {
         }
     }
 
+    extern "C" fn ignore_signal(_: libc::c_int) {}
+
+    /// A side-channel read with a timeout (the HELLO's) fails with EINTR when a signal handler
+    /// runs on its thread or the daemon is stopped and continued, SA_RESTART or not: the attach
+    /// must go on waiting for the frame, not refuse the client.
+    #[test]
+    fn a_side_channel_read_interrupted_by_a_signal_goes_on() {
+        // SAFETY: a handler that does nothing, installed without SA_RESTART; SIGUSR2 is sent to
+        // the reading thread only.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = ignore_signal as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut action.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR2, &action, std::ptr::null_mut()), 0);
+        }
+        let (daemon, client) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        rustix::net::sockopt::set_socket_timeout(&daemon, rustix::net::sockopt::Timeout::Recv, Some(ATTACH_TIMEOUT))
+            .unwrap();
+        let (id_tx, id_rx) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            // SAFETY: pthread_self has no preconditions.
+            id_tx.send(unsafe { libc::pthread_self() }).unwrap();
+            recv_frame(&daemon).map(|f| f.map(|b| Frame::decode(&b).map(|f| f.kind)))
+        });
+        let id = id_rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: the reader is blocked in its read until the frame below is sent.
+        assert_eq!(unsafe { libc::pthread_kill(id, libc::SIGUSR2) }, 0);
+        std::thread::sleep(Duration::from_millis(100));
+        let sent = send_frame(&client, &Frame::hello(&[7; 16]), None);
+        let got = reader.join().unwrap();
+        assert!(matches!(got, Ok(Some(Ok(wire::KIND_HELLO)))), "{got:?}");
+        sent.unwrap();
+    }
+
     #[test]
     fn the_next_stream_of_a_process_gets_its_ring_back_and_kept_rings_give_way_to_the_budget() {
         let dir = tempfile::tempdir().unwrap();
