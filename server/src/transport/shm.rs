@@ -364,15 +364,27 @@ fn send_frame(sock: &impl AsFd, frame: &Frame, fd: Option<BorrowedFd<'_>>) -> st
             return Err(std::io::Error::other("ancillary buffer too small"));
         }
     }
-    rustix::net::sendmsg(sock, &[IoSlice::new(&bytes)], &mut anc, SendFlags::NOSIGNAL)?;
-    Ok(())
+    // Sockets with a timeout are never restarted after a signal (a handler, a stop and
+    // continue): a datagram interrupted was not sent, so send it again.
+    loop {
+        match rustix::net::sendmsg(sock, &[IoSlice::new(&bytes)], &mut anc, SendFlags::NOSIGNAL) {
+            Err(rustix::io::Errno::INTR) => continue,
+            other => return other.map(drop).map_err(Into::into),
+        }
+    }
 }
 
 fn recv_frame(sock: &impl AsFd) -> std::io::Result<Option<Vec<u8>>> {
     let mut buf = [0u8; wire::FRAME_BYTES + 1];
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
     let mut anc = RecvAncillaryBuffer::new(&mut space);
-    let r = rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut buf)], &mut anc, RecvFlags::CMSG_CLOEXEC)?;
+    // As in `send_frame`: nothing was received, so wait again (the timeout starts over).
+    let r = loop {
+        match rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut buf)], &mut anc, RecvFlags::CMSG_CLOEXEC) {
+            Err(rustix::io::Errno::INTR) => continue,
+            other => break other?,
+        }
+    };
     // Descriptors a client sends are never wanted: close them.
     for msg in anc.drain() {
         if let rustix::net::RecvAncillaryMessage::ScmRights(fds) = msg {
