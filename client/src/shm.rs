@@ -713,6 +713,55 @@ mod tests {
 
     use super::*;
 
+    extern "C" fn ignore_signal(_: libc::c_int) {}
+
+    /// A release sent while the daemon's side of the socket is full blocks; a Python signal
+    /// handler (installed without SA_RESTART) or a stop and continue then interrupts it. The
+    /// release must still go: one dropped holds its batch's slot for the rest of the stream.
+    #[test]
+    fn a_frame_send_interrupted_by_a_signal_is_sent() {
+        // SAFETY: a handler that does nothing, installed without SA_RESTART; SIGUSR2 is sent to
+        // the sending thread only.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = ignore_signal as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut action.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR2, &action, std::ptr::null_mut()), 0);
+        }
+        let (client, daemon) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let frame = Frame::new(wire::KIND_RELEASE, 1, 0);
+        let mut queued = 0;
+        while rustix::net::send(&client, &frame.encode(), SendFlags::DONTWAIT | SendFlags::NOSIGNAL).is_ok() {
+            queued += 1;
+        }
+        let (id_tx, id_rx) = std::sync::mpsc::channel();
+        let sender = std::thread::spawn(move || {
+            // SAFETY: pthread_self has no preconditions.
+            id_tx.send(unsafe { libc::pthread_self() }).unwrap();
+            send(&client, &frame).map(|()| client)
+        });
+        let id = id_rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: the sender is blocked in its send until the frames below are read.
+        assert_eq!(unsafe { libc::pthread_kill(id, libc::SIGUSR2) }, 0);
+        std::thread::sleep(Duration::from_millis(100));
+        let mut buf = [0u8; wire::FRAME_BYTES];
+        for _ in 0..queued {
+            rustix::net::recv(&daemon, &mut buf, RecvFlags::empty()).unwrap();
+        }
+        // Room again: the interrupted send is the one left to arrive.
+        let got = sender.join().unwrap();
+        assert!(got.is_ok(), "{got:?}");
+        let last = rustix::net::recv(&daemon, &mut buf, RecvFlags::DONTWAIT).map(|(n, _)| n);
+        assert_eq!(last.ok(), Some(wire::FRAME_BYTES));
+    }
+
     fn segment(header: [u8; 64]) -> std::fs::File {
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(&header).unwrap();
