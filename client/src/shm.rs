@@ -669,8 +669,15 @@ fn new_slot_index(slot: u64, known: usize) -> Result<usize, String> {
 }
 
 fn send(sock: &impl AsFd, frame: &Frame) -> std::io::Result<()> {
-    rustix::net::send(sock, &frame.encode(), SendFlags::NOSIGNAL)?;
-    Ok(())
+    let bytes = frame.encode();
+    // A send blocks while the daemon's side is full, and a signal handler (Python's have no
+    // SA_RESTART) interrupts it before anything is sent: send it again.
+    loop {
+        match rustix::net::send(sock, &bytes, SendFlags::NOSIGNAL) {
+            Err(rustix::io::Errno::INTR) => continue,
+            other => return other.map(drop).map_err(Into::into),
+        }
+    }
 }
 
 fn recv(sock: &impl AsFd) -> std::io::Result<(Option<Vec<u8>>, Vec<OwnedFd>)> {
