@@ -204,6 +204,64 @@ fn a_sender_told_the_client_is_there_waits_past_the_stall_time() {
     assert!(matches!(daemon.join().unwrap(), Ok(Some(StreamError::Stopped))));
 }
 
+/// A client that stops driving its endpoint leaves the sender's queue full under tcp's manual
+/// progress: here it never drives again after connecting, so the connection the first write
+/// needs is never accepted. The sender waits for room as long as it is told (its gRPC stream is
+/// open: a trainer evaluating), past the stall time, and stops as soon as it is told to (the
+/// client left, the daemon is stopping), giving the staging buffer and the credit back.
+#[test]
+fn a_post_waiting_for_room_in_the_queue_waits_while_told_and_stops_when_told() {
+    if !available() {
+        return;
+    }
+    let told = Duration::from_millis(1500);
+    let (rx, _meta, daemon) = client_and_daemon("tcp;ofi_rxm", 2, Duration::from_millis(300), move |mut tx, _| {
+        let staged = tx.reserve_while(0, &|| true).expect("a credit to start with");
+        let asked = std::cell::Cell::new(0u32);
+        let started = std::time::Instant::now();
+        let posted = tx.post_while(staged, 1, &|| {
+            asked.set(asked.get() + 1);
+            started.elapsed() < told
+        });
+        (posted, started.elapsed(), asked.get(), tx.credits_in_use())
+    });
+    let (posted, took, asked, in_use) = daemon.join().unwrap();
+    drop(rx);
+    assert!(matches!(posted, Err(StreamError::Stopped)), "{posted:?}");
+    assert!(asked > 1, "the queue was never found full ({asked} asks)");
+    assert!(took >= told && took < told + Duration::from_secs(3), "stopped after {took:?}");
+    assert_eq!(in_use, 0, "the credit was not given back");
+}
+
+/// The end of a stream waits for the client to return its credits or say it has every batch;
+/// a client holding its last batch keeps it waiting. A daemon shutting down does not wait for
+/// that: the drain stops as soon as it is told, well before the stall time.
+#[test]
+fn a_drain_stops_when_told_while_the_client_holds_a_batch() {
+    if !available() {
+        return;
+    }
+    let (mut rx, meta_rx, daemon) = client_and_daemon("tcp;ofi_rxm", 2, Duration::from_secs(20), |mut tx, meta_tx| {
+        let slot = tx.send(0, |b| {
+            b[0] = 7;
+            1
+        })?;
+        meta_tx.send((0, slot)).unwrap();
+        let started = std::time::Instant::now();
+        let drained = tx.drain_while(&|| started.elapsed() < Duration::from_secs(1));
+        Ok::<_, StreamError>((drained, started.elapsed()))
+    });
+    let mut held = None;
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while !daemon.is_finished() && std::time::Instant::now() < until {
+        held = held.or(next_arrived(&mut rx, &meta_rx, Duration::from_millis(50)));
+    }
+    assert!(held.is_some(), "the batch never arrived");
+    let (drained, took) = daemon.join().unwrap().expect("the batch was sent");
+    assert!(matches!(drained, Err(StreamError::Stopped)), "{drained:?}");
+    assert!(took < Duration::from_secs(5), "the drain waited {took:?}");
+}
+
 /// A client that takes batches but never releases them holds exactly its credits; the daemon
 /// reports it stalled after its timeout instead of writing over held slots.
 #[test]
