@@ -42,7 +42,7 @@ pub enum StreamError {
     BadRelease(usize),
     #[error("a staged batch was posted to a sender that did not lend it, or twice")]
     NotStaged,
-    #[error("the wait for a credit was given up (the stream ended)")]
+    #[error("a wait (for a credit, room in the queue or the client's last releases) was given up: the stream ended")]
     Stopped,
 }
 
