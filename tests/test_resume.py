@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -48,10 +51,18 @@ CONSUMER = textwrap.dedent(
 
 
 def run(root: Path, addr: str, out: Path, mode: str, stop_after: int, state: Path) -> int:
-    return subprocess.run(
+    """The consumer in a session of its own, whose process group is killed once it has ended: a
+    trainer SIGKILLed leaves its DataLoader workers running for good (torch's: each joins a
+    result queue nobody reads), and CI machines collected two per run."""
+    proc = subprocess.Popen(
         [sys.executable, "-c", CONSUMER, str(root), addr, str(out), mode, str(stop_after), str(state)],
-        timeout=300,
-    ).returncode
+        start_new_session=True,
+    )
+    try:
+        return proc.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("mode", ["loader", "dataloader"])
