@@ -706,7 +706,9 @@ impl Endpoint {
         // EINTR: a signal (a handler the process installed, a debugger or profiler attaching)
         // interrupted the wait. Nothing arrived: callers treat it as a wake-up, as a signalled
         // queue, and wait again within their own deadline.
-        if [ffi::FI_EAGAIN, libc::ETIMEDOUT as isize, libc::ECANCELED as isize, libc::EINTR as isize].contains(&-rc) {
+        if rc < 0
+            && [ffi::FI_EAGAIN, libc::ETIMEDOUT as isize, libc::ECANCELED as isize, libc::EINTR as isize].contains(&-rc)
+        {
             return Ok(Vec::new());
         }
         if rc == -ffi::FI_EAVAIL {
