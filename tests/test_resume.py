@@ -173,6 +173,10 @@ def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(dae
         ({k: v for k, v in good.items() if k != "fingerprint"}, "missing.*fingerprint"),
         ({**good, "batches_consumed": -3}, "batches_consumed"),
         ({**good, "epoch": "one"}, "epoch"),
+        ({**good, "epoch": 1 << 64}, "epoch"),
+        # No state_dict() says more than the epoch's batches: such a state skipped the whole
+        # epoch without a word.
+        ({**good, "batches_consumed": len(loader) + 1}, f"batches_consumed.*{len(loader)}"),
         ([1, 2], "a dict"),
     ]
     for state, match in cases:
@@ -180,6 +184,25 @@ def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(dae
             loader.load_state_dict(state)  # type: ignore[arg-type]
     loader.load_state_dict(good)
     assert sum(len(b["__key__"]) for b in loader) == len(dataset[1])
+
+
+def test_an_epoch_out_of_range_or_not_an_integer_is_refused_when_set(daemon, dataset) -> None:
+    # set_epoch(-1) was taken, its iteration then failed with an OverflowError, and the loader's
+    # own state_dict() could not be loaded back; 1.7 became epoch 1 without a word.
+    import shardstream
+    import shardstream.torch
+
+    root, samples = dataset
+    loader = shardstream.Loader(str(root), batch_size=64, connect=daemon.addr)
+    ds = shardstream.torch.IterableDataset(str(root), batch_size=64, connect=daemon.addr)
+    for target in (loader, ds):
+        for bad in (-1, 1 << 64, 1.7, "2"):
+            with pytest.raises(ValueError, match="epoch must be an integer"):
+                target.set_epoch(bad)  # type: ignore[arg-type]
+        target.set_epoch((1 << 64) - 1)
+        assert target.epoch == (1 << 64) - 1
+    loader.load_state_dict(loader.state_dict())
+    assert sum(len(b["__key__"]) for b in loader) == len(samples)
 
 
 def reference_keys(root: Path, kw: dict, epoch: int, start: int = 0) -> list[str]:

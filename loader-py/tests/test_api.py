@@ -16,11 +16,30 @@ import shardstream
         ({"batch_size": 1.5}, "batch_size"),
         ({"seed": 1 << 64}, "seed"),
         ({"rank": True}, "rank"),
+        # The Loader's own arithmetic (len(), the torch wrapper's constructor) divides by these:
+        # a ZeroDivisionError named neither.
+        ({"batch_size": 0}, "batch_size must be at least 1"),
+        ({"world_size": 0, "rank": 0}, "world_size must be at least 1"),
+        ({"world_size": 2, "rank": 2}, "rank 2 .*world_size 2"),
+        # bool() made any non-empty string true: shuffle="False" shuffled, drop_last="no" dropped.
+        ({"shuffle": "False"}, "shuffle must be True or False"),
+        ({"drop_last": "no"}, "drop_last must be True or False"),
+        ({"copy": 1}, "copy must be True or False"),
+        ({"binary_views": None}, "binary_views must be True or False"),
     ],
 )
 def test_bad_arguments_fail_before_connecting(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock", **kwargs)
+
+
+@pytest.mark.parametrize(("var", "value"), [("WORLD_SIZE", "abc"), ("RANK", "1.5"), ("WORLD_SIZE", "0")])
+def test_a_bad_rank_or_world_size_in_the_environment_is_named(monkeypatch, var: str, value: str) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=f"{var}={value!r}"):
+        shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock")
 
 
 def test_explicit_address_is_used_as_given(monkeypatch) -> None:
