@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import operator
 import os
 import shutil
 import sys
@@ -91,7 +92,36 @@ def _default_rank_world() -> tuple[int, int]:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} in the environment is not an integer") from None
+
+
+def _flag(name: str, value: object) -> bool:
+    """A yes/no argument: ``bool()`` would make any non-empty string true (``shuffle="False"``)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, not {value!r}")
+
+
+def _checked_epoch(epoch: object) -> int:
+    """An epoch as the plan takes it (a u64): refused when set, not as an ``OverflowError`` when
+    the next iteration begins; a float is refused, never truncated."""
+    try:
+        value = operator.index(epoch)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if isinstance(epoch, bool) or not 0 <= value < 1 << 64:
+        raise ValueError(f"epoch must be an integer from 0 to 2**64-1, not {epoch!r}")
+    return value
 
 
 #: How many Loaders of each dataset URL this process made with a process group: the n-th of one
@@ -328,8 +358,12 @@ class Loader:
                 'collate="stack" makes one array of each column of the dict form; format="arrow" yields each '
                 "pyarrow.RecordBatch as it is (its columns are arrays already): pass one or the other"
             )
+        shuffle, drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
+        copy, binary_views = _flag("copy", copy), _flag("binary_views", binary_views)
         if rank is None or world_size is None:
             r, w = _default_rank_world()
+            if world_size is None and w < 1:
+                raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment must be at least 1")
             rank = r if rank is None else rank
             world_size = w if world_size is None else world_size
         # Types and wire ranges are checked here; the daemon checks the meaning (rank < world
@@ -343,14 +377,21 @@ class Loader:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << bits:
                 raise ValueError(f"{name} must be an integer from 0 to 2**{bits}-1, not {value!r}")
+        # The daemon checks the limits; these the Loader's own arithmetic (len()) depends on.
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, not {world_size}")
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {world_size} (ranks are 0 to world_size-1)")
         self.url = _dataset_url(url)
         self.batch_size = batch_size
-        self.shuffle = bool(shuffle)
+        self.shuffle = shuffle
         self.seed = seed
         self.fields = fields if fields is not None else []
         self.rank = rank
         self.world_size = world_size
-        self.drop_last = bool(drop_last)
+        self.drop_last = drop_last
         self.transport = transport
         if transport == "rdma":
             # libfabric's start-up (~0.3 s with Debian's build) is paid here, in the process that
@@ -383,7 +424,7 @@ class Loader:
                 f'format="arrow" is for Parquet datasets; {self.url} is a {self.info.get("format") or "sample"} '
                 'dataset: use format="dict"'
             )
-        self.binary_views = bool(binary_views)
+        self.binary_views = binary_views
         if self.binary_views:
             if not self.arrow:
                 raise ValueError(
@@ -421,10 +462,11 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose order the next iteration follows (like DistributedSampler)."""
+        epoch = _checked_epoch(epoch)
         if epoch != self.epoch:
             self._start_batch = 0
             self._consumed = 0
-        self.epoch = int(epoch)
+        self.epoch = epoch
 
     def _open_stream(self) -> Any:
         return self._conn.stream(
@@ -592,10 +634,10 @@ class Loader:
         missing = [k for k in self.state_dict() if k not in state]
         if missing:
             raise ValueError(f"the state is missing {', '.join(missing)}: it is not from a Loader's state_dict()")
-        for key in ("epoch", "batches_consumed"):
+        for key, bound in (("epoch", 1 << 64), ("batches_consumed", 1 << 64)):
             value = state[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"the state's {key} must be a non-negative integer, not {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+                raise ValueError(f"the state's {key} must be an integer from 0 to 2**64-1, not {value!r}")
         for key in ("batch_size", "seed", "shuffle", "shuffle_window", "world_size", "drop_last", "rank"):
             if state[key] != getattr(self, key):
                 raise ValueError(
@@ -607,10 +649,16 @@ class Loader:
                 f"state was saved for dataset fingerprint {state['fingerprint']} but {self.url} now has "
                 f"{self.info['fingerprint']}: the shards changed"
             )
-        self.epoch = int(state["epoch"])
         # A state saved after the epoch's last batch resumes at the end of that epoch: iterating
         # it yields nothing, and the next set_epoch() starts the following epoch from its start.
-        consumed = min(int(state["batches_consumed"]), len(self))
+        # No state_dict() says more: such a state would skip the epoch without a word.
+        consumed = int(state["batches_consumed"])
+        if consumed > len(self):
+            raise ValueError(
+                f"the state's batches_consumed ({consumed}) is more than this rank's {len(self)} batches an "
+                "epoch: it is not from this loader's state_dict()"
+            )
+        self.epoch = int(state["epoch"])
         self._start_batch = consumed
         self._consumed = consumed
 

@@ -84,7 +84,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from . import Batch, Loader, _native, resolve_address
+from . import Batch, Loader, _checked_epoch, _native, resolve_address
 from ._batch_memory import BatchMemory, Pooled
 
 
@@ -281,10 +281,11 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration follows, from its start (a DataLoader's
         ``state_dict()`` then says so); the same epoch again keeps the position (a resumed one)."""
-        if _checked_epoch(epoch) != self.epoch:
+        epoch = _checked_epoch(epoch)
+        if epoch != self.epoch:
             self.start_batch = 0
             self._consumed = 0
-        self.epoch = int(epoch)
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
         _refuse_batching_again(sys._getframe(1))
@@ -322,14 +323,6 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             else:
                 yield batch
             del batch  # not kept alive (with its lease) while the consumer holds the next one
-
-
-def _checked_epoch(epoch: int) -> int:
-    """An epoch as the shared position holds it: ctypes would wrap one out of range silently."""
-    epoch = int(epoch)
-    if not 0 <= epoch < 2**64:
-        raise ValueError(f"epoch must be an integer from 0 to 2**64-1, not {epoch}")
-    return epoch
 
 
 def _shared_position() -> Any:
