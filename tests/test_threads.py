@@ -62,6 +62,49 @@ def test_close_from_another_thread(daemon, dataset, transport: str) -> None:
         assert "Panic" not in type(e).__name__, repr(e)
 
 
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_an_iteration_cut_short_by_a_second_one_raises_not_ends(daemon, dataset, transport: str) -> None:
+    # A Loader has one position (its state_dict) and so one stream: a new iteration closes the
+    # one before. That one then ended as if its epoch were over, its remaining batches gone
+    # without a word: zip(loader, loader) gave one pair, and a second thread iterating the same
+    # loader cut the first thread's epoch short.
+    root, samples = dataset
+    loader = shardstream.Loader(str(root), batch_size=64, transport=transport, connect=daemon.addr)
+    first = iter(loader)
+    next(first)
+    assert sum(len(b["__key__"]) for b in loader) == len(samples)
+    with pytest.raises(RuntimeError, match="another iteration of the same Loader"):
+        next(first)
+    with pytest.raises(RuntimeError, match="another iteration of the same Loader"):
+        list(zip(loader, loader, strict=True))
+
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        try:
+            for _ in loader:
+                started.set()
+                time.sleep(0.05)
+        except BaseException as e:  # noqa: BLE001 - what the cut-short thread gets
+            errors.append(e)
+        finally:
+            started.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert started.wait(30)
+    assert sum(len(b["__key__"]) for b in loader) == len(samples)
+    t.join(30)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "another iteration of the same Loader" in str(errors[0])
+    # A loop left with `break` is finalized at once: the next iteration is not a second one.
+    for _ in loader:
+        break
+    assert sum(len(b["__key__"]) for b in loader) == len(samples)
+
+
 def test_stream_dropped_on_another_thread(own_daemon, dataset) -> None:
     daemon = own_daemon
     root, _ = dataset
