@@ -445,6 +445,9 @@ class Loader:
         self._start_batch = 0  # where the next iteration starts (set by load_state_dict)
         self._consumed = 0  # batches of the rank consumed in the current epoch
         self._stream: Any = None
+        # Which iteration is the current one: an earlier one whose stream a later one closed
+        # raises at its next batch instead of ending as if its epoch were over.
+        self._iterations = 0
         self._header: dict[str, Any] = {}
         self._stats = {"samples": 0, "bytes": 0, "batches": 0, "wait_s": 0.0, "elapsed_s": 0.0}
         self._first_batch_s: float | None = None
@@ -547,8 +550,12 @@ class Loader:
         return batches
 
     def __iter__(self) -> Iterator[Any]:
+        # One position (state_dict), so one stream: a new iteration ends the one before, which
+        # then raises (see _cut_short).
         if self._stream is not None:
             self._stream.close()
+        self._iterations += 1
+        mine = self._iterations
         if self._start_batch and self._start_batch >= len(self):
             # Resumed from a state saved after the epoch's last batch: the epoch is done.
             self._consumed = self._start_batch
@@ -571,11 +578,15 @@ class Loader:
         self._start_batch = 0
         try:
             while True:
+                if self._iterations != mine:
+                    raise self._cut_short()
                 t0 = time.perf_counter()
                 batch = stream.next_batch()
                 t1 = time.perf_counter()
                 self._stats["wait_s"] += t1 - t0
                 if batch is None:
+                    if self._iterations != mine:
+                        raise self._cut_short()
                     break
                 if self._first_batch_s is None:
                     self._first_batch_s = t1 - started
@@ -603,6 +614,13 @@ class Loader:
                 self._stream = None
             self._stats["elapsed_s"] += time.perf_counter() - started
             self._iter_started = None
+
+    def _cut_short(self) -> RuntimeError:
+        return RuntimeError(
+            "this iteration was cut short by another iteration of the same Loader (a Loader has one "
+            "position, its state_dict(), so it streams one iteration at a time): make a Loader for each "
+            "consumer, or finish or close() one iteration before starting the next"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: pass to ``load_state_dict`` (in a new process too) to continue
