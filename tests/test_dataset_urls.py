@@ -300,6 +300,28 @@ def test_a_directory_of_compressed_shards_says_they_are_not_served(
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
+def test_compressed_shards_beside_plain_ones_are_refused_not_left_out(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    # Half a dataset, silently: the .tar shards were served and the .tar.gz ones beside them left
+    # out, and `shardstream index` wrote a manifest of the half.
+    root, url, addr = place(where, "halfgz", tmp_path, daemon, s3, s3_daemon)
+    root.mkdir()
+    for i in range(4):
+        with wds.TarWriter(str(root / f"shard-{i:06d}.tar{'.gz' if i % 2 else ''}"), compress=bool(i % 2)) as sink:
+            sink.write({"__key__": f"k{i}", "cls": str(i).encode()})
+    match = r"2 files ending in \.tar\.gz \(shard-000001\.tar\.gz, shard-000003\.tar\.gz\) beside.*uncompressed.*\*\.tar"
+    with pytest.raises(ValueError, match=match):
+        shardstream.Loader(url, connect=addr)
+    keys = [k for b in shardstream.Loader(f"{url.rstrip('/')}/*.tar", connect=addr) for k in b["__key__"]]
+    assert sorted(keys) == ["k0", "k2"]
+    if where == "local":
+        out = subprocess.run([SHARDSTREAM, "index", str(root)], capture_output=True, text=True)
+        assert out.returncode != 0 and "shard-000001.tar.gz" in out.stderr, out
+        assert not (root / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
 def test_parquet_files_named_otherwise_are_named_in_the_error(
     daemon, s3, s3_daemon, tmp_path: Path, where: str
 ) -> None:

@@ -290,17 +290,32 @@ fn pax_paths_and_sizes_override_the_header() {
 }
 
 #[test]
-fn pax_sparse_members_are_skipped() {
+fn pax_sparse_members_are_refused_by_name() {
+    // A sparse member's stored bytes are a map and the data blocks, not the file: skipping it
+    // lost the field (or the sample) without a word.
     let mut b = tar::Builder::new(Vec::new());
+    add_file(&mut b, Style::Ustar, "plain.bin", b"data");
     b.append_pax_extensions([("GNU.sparse.major", &b"1"[..]), ("GNU.sparse.minor", &b"0"[..])]).unwrap();
     add_file(&mut b, Style::Ustar, "sparse.bin", b"map and data");
+    let bytes = b.into_inner().unwrap();
+    match index(&bytes) {
+        Err(e @ TarError::Sparse { offset: 1024, .. }) => assert!(e.to_string().contains("'sparse.bin'"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn sparse_members_without_a_sample_name_are_skipped() {
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([("GNU.sparse.major", &b"1"[..]), ("GNU.sparse.minor", &b"0"[..])]).unwrap();
+    add_file(&mut b, Style::Ustar, "README", b"map and data");
     add_file(&mut b, Style::Ustar, "plain.bin", b"data");
     let bytes = b.into_inner().unwrap();
     assert_eq!(samples_of(&bytes).unwrap(), vec![sample("plain", &[("bin", b"data")])]);
 }
 
 #[test]
-fn gnu_sparse_members_are_skipped_with_their_extension_blocks() {
+fn gnu_sparse_members_are_refused_after_their_extension_blocks_are_checked() {
     let mut h = tar::Header::new_gnu();
     h.set_path("sparse.bin").unwrap();
     h.set_entry_type(tar::EntryType::GNUSparse);
@@ -317,9 +332,40 @@ fn gnu_sparse_members_are_skipped_with_their_extension_blocks() {
     let mut b = tar::Builder::new(bytes);
     add_file(&mut b, Style::Gnu, "ok.txt", b"ok");
     let bytes = b.into_inner().unwrap();
-    assert_eq!(samples_of(&bytes).unwrap(), vec![sample("ok", &[("txt", b"ok")])]);
-    assert_eq!(index(&bytes).unwrap().boundaries[0], 2560);
+    assert!(matches!(index(&bytes), Err(TarError::Sparse { offset: 0, .. })), "{:?}", index(&bytes));
     assert!(matches!(index(&bytes[..1000]), Err(TarError::Truncated { offset: 512, .. })));
+}
+
+#[test]
+fn member_names_that_are_not_utf8_are_refused_not_merged() {
+    // Decoded lossily, b"caf\xe9" and b"caf\xe8" were one key: two samples served as one.
+    for style in STYLES {
+        let mut b = tar::Builder::new(Vec::new());
+        add_file(&mut b, style, "ok.txt", b"ok");
+        let mut h = header(style);
+        h.set_size(1);
+        let name: &[u8] = b"dir/caf\xe9.jpg";
+        if let Style::Pax = style {
+            b.append_pax_extensions([("path", name)]).unwrap();
+            h.set_path("decoy.bin").unwrap();
+        } else {
+            // The name field lies at the same place in every header style.
+            h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        }
+        h.set_cksum();
+        b.append(&h, &b"x"[..]).unwrap();
+        let bytes = b.into_inner().unwrap();
+        match index(&bytes) {
+            Err(e @ TarError::NotUtf8Name { .. }) => {
+                assert!(e.to_string().contains(r"'dir/caf\xe9.jpg'"), "{style:?}: {e}");
+            }
+            other => panic!("{style:?}: {other:?}"),
+        }
+        match parse_sample(&bytes[1024..]) {
+            Err(TarError::NotUtf8Name { .. }) => {}
+            other => panic!("{style:?}: parse_sample gave {other:?}"),
+        }
+    }
 }
 
 #[test]
