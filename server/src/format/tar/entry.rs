@@ -44,6 +44,22 @@ pub(super) fn resolve_name<'n>(loc: &NameLoc, get: impl Fn(Slot, &Range<u64>) ->
     }
 }
 
+/// The member name at `loc` escaped for an error (`caf\xe9.jpg`), when it is not UTF-8 as stored;
+/// None when it is. Only names [`resolve_name`] had to allocate for can fail.
+pub(super) fn non_utf8_name<'n>(loc: &NameLoc, get: impl Fn(Slot, &Range<u64>) -> &'n [u8]) -> Option<String> {
+    let parts = match loc {
+        NameLoc::Header { prefix, name } => {
+            [prefix.as_ref().map(|p| get(Slot::Header, p)), Some(get(Slot::Header, name))]
+        }
+        NameLoc::Long(r) => [None, Some(get(Slot::LongName, r))],
+        NameLoc::Pax(r) => [None, Some(get(Slot::Pax, r))],
+    };
+    if parts.iter().flatten().all(|p| std::str::from_utf8(p).is_ok()) {
+        return None;
+    }
+    Some(parts.iter().flatten().map(|p| p.escape_ascii().to_string()).collect::<Vec<_>>().join("/"))
+}
+
 /// One member, its extension headers applied.
 pub(super) struct Entry {
     /// Offset of the first block belonging to the member (extension headers included).
@@ -57,6 +73,9 @@ pub(super) struct Entry {
     /// call reports as truncation).
     pub(super) next: u64,
     pub(super) regular: bool,
+    /// The name of a member stored sparse (old GNU `S`, or a PAX `GNU.sparse.*` record), which is
+    /// never `regular`: resolved before its sparse map's blocks were read.
+    pub(super) sparse: Option<String>,
     pub(super) name: NameLoc,
 }
 
@@ -166,11 +185,20 @@ pub(super) fn next_entry(src: &mut impl Source, start: u64, shard_start: bool) -
                 offset = after_payload(data, header.size);
             }
             typeflag => {
+                let name = match (pax_path, long_name) {
+                    (Some(p), _) => NameLoc::Pax(p),
+                    (None, Some(l)) => NameLoc::Long(l),
+                    (None, None) => NameLoc::Header { prefix: header.prefix, name: header.name },
+                };
+                // Named now: reading a sparse map's extension blocks replaces the header in a
+                // reader's buffer.
+                let sparse = (sparse || typeflag == b'S')
+                    .then(|| resolve_name(&name, |slot, r| src.loaded(slot, r)).into_owned());
                 let mut data = data;
                 if header.sparse_extended {
                     // The payload starts after the sparse map's extension blocks. Reading them
                     // replaces the header in a reader's buffer, so an error about this member
-                    // may lack its name; sparse members are skipped in any case.
+                    // may lack its name.
                     let mut more = true;
                     while more {
                         if len.saturating_sub(data) < BLOCK {
@@ -185,11 +213,6 @@ pub(super) fn next_entry(src: &mut impl Source, start: u64, shard_start: bool) -
                 }
                 let has_data = !matches!(typeflag, b'1'..=b'6');
                 let size = if has_data { pax_size.unwrap_or(header.size) } else { 0 };
-                let name = match (pax_path, long_name) {
-                    (Some(p), _) => NameLoc::Pax(p),
-                    (None, Some(l)) => NameLoc::Long(l),
-                    (None, None) => NameLoc::Header { prefix: header.prefix, name: header.name },
-                };
                 if !fits(data, size, len) {
                     return Err(past_end(src, offset, &name, size));
                 }
@@ -200,7 +223,8 @@ pub(super) fn next_entry(src: &mut impl Source, start: u64, shard_start: bool) -
                     size,
                     next: after_payload(data, size),
                     // '0' regular, '\0' old regular, '7' contiguous (a regular file to everyone).
-                    regular: matches!(typeflag, b'0' | 0 | b'7') && !sparse,
+                    regular: matches!(typeflag, b'0' | 0 | b'7') && sparse.is_none(),
+                    sparse,
                     name,
                 }));
             }

@@ -14,8 +14,12 @@
 //! - fields are lower-cased (`abc.JPG` is field `jpg`);
 //! - a field appearing twice in one sample is an error ([`TarError::DuplicateField`]).
 //!
-//! Directories, links, devices, FIFOs and sparse files are skipped (a sparse member's bytes on disk
-//! are not the file's contents, and `webdataset` shards never hold one).
+//! Directories, links, devices and FIFOs are skipped. A sparse member (`tar --sparse`) that would
+//! be a sample's field is refused ([`TarError::Sparse`]): its stored bytes are a map and the data
+//! blocks, not the file `webdataset` reads, and samples are served from the shard's bytes in
+//! place; skipping it would lose the field without a word. So is a member name that is not UTF-8
+//! ([`TarError::NotUtf8Name`]): keys are text, and decoding it lossily would give different
+//! names one key (two samples merged).
 //!
 //! # Headers
 //!
@@ -98,6 +102,17 @@ pub enum TarError {
     DuplicateField { offset: u64, key: String, field: String },
     #[error("no sample member in the byte range at offset {offset}")]
     NoMembers { offset: u64 },
+    #[error(
+        "member '{name}' at offset {offset} is stored sparse (tar --sparse): its bytes in the shard are not the \
+         file's, and samples are served from the shard in place; re-create the shard without --sparse"
+    )]
+    Sparse { offset: u64, name: String },
+    #[error(
+        "member '{name}' at offset {offset} has a name that is not UTF-8: keys and fields are text, and \
+         decoding it would give other names the same key; rename the files in UTF-8 (e.g. with convmv) and \
+         re-create the shard"
+    )]
+    NotUtf8Name { offset: u64, name: String },
 }
 
 impl TarError {
@@ -115,7 +130,9 @@ impl TarError {
             | TarError::TooLong { offset, .. }
             | TarError::KeyMismatch { offset, .. }
             | TarError::DuplicateField { offset, .. }
-            | TarError::NoMembers { offset } => Some(*offset),
+            | TarError::NoMembers { offset }
+            | TarError::Sparse { offset, .. }
+            | TarError::NotUtf8Name { offset, .. } => Some(*offset),
         }
     }
 
@@ -136,7 +153,9 @@ impl TarError {
             | TarError::TooLong { offset, .. }
             | TarError::KeyMismatch { offset, .. }
             | TarError::DuplicateField { offset, .. }
-            | TarError::NoMembers { offset } => *offset = offset.saturating_add(base),
+            | TarError::NoMembers { offset }
+            | TarError::Sparse { offset, .. }
+            | TarError::NotUtf8Name { offset, .. } => *offset = offset.saturating_add(base),
         }
         self
     }

@@ -41,7 +41,14 @@ pub fn parse_sample(buf: &[u8]) -> Result<SampleView<'_>, TarError> {
         if !e.regular {
             continue;
         }
-        let Some((k, raw_field)) = split_name(resolve_name(&e.name, |_, r| src.bytes(r))) else { continue };
+        let name = resolve_name(&e.name, |_, r| src.bytes(r));
+        if let Cow::Owned(_) = name
+            && let Some(name) = non_utf8_name(&e.name, |_, r| src.bytes(r))
+        {
+            // Refused when the shard was indexed; an index from before that may still lead here.
+            return Err(TarError::NotUtf8Name { offset: e.header, name });
+        }
+        let Some((k, raw_field)) = split_name(name) else { continue };
         match &key {
             None => key = Some(k),
             Some(existing) if *existing == k => {}

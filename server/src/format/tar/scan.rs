@@ -79,11 +79,22 @@ impl Scan {
     fn run(&mut self, src: &mut impl Source, mut offset: u64) -> Result<(), TarError> {
         while let Some(e) = next_entry(src, offset, offset == 0)? {
             offset = e.next;
+            if let Some(name) = e.sparse {
+                if split_key(&name).is_some() {
+                    return Err(TarError::Sparse { offset: e.header, name });
+                }
+                continue;
+            }
             if !e.regular {
                 continue;
             }
             let name = resolve_name(&e.name, |slot, r| src.loaded(slot, r));
             let Some((k, field)) = split_key(&name) else { continue };
+            if let Cow::Owned(_) = name
+                && let Some(name) = non_utf8_name(&e.name, |slot, r| src.loaded(slot, r))
+            {
+                return Err(TarError::NotUtf8Name { offset: e.header, name });
+            }
             let field = normalize_field(Cow::Borrowed(field));
             if self.boundaries.is_empty() || k != self.key {
                 self.boundaries.push(e.start);
