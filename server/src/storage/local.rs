@@ -123,6 +123,11 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                     &unserved,
                 ));
             }
+            if matches!(pick, Pick::All | Pick::Every)
+                && let Some(e) = unserved.compressed_beside(&super::dir_base(dir))
+            {
+                return Err(e);
+            }
             found.sort();
             let kept = pick.keep_listed(found, String::as_str, &super::dir_base(dir))?;
             kept.iter().map(|n| stat(n)).collect::<Result<Vec<_>>>()?

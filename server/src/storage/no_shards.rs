@@ -13,6 +13,8 @@ use crate::Error;
 #[derive(Debug, Default)]
 pub struct Unserved {
     compressed: std::collections::BTreeMap<&'static str, usize>,
+    /// The first few of them by name.
+    compressed_names: std::collections::BTreeSet<String>,
     parquet_named_otherwise: usize,
     /// Files whose name has no extension at all (Hive's `000000_0`, Hadoop's `part-00000`):
     /// how many, and the first few by name.
@@ -26,6 +28,10 @@ impl Unserved {
     pub fn note(&mut self, name: &str) {
         if let Some(ext) = Self::EXTENSIONS.iter().find(|e| name.ends_with(*e)) {
             *self.compressed.entry(ext).or_default() += 1;
+            self.compressed_names.insert(name.to_owned());
+            if self.compressed_names.len() > SHOWN {
+                self.compressed_names.pop_last();
+            }
         } else if Self::PARQUET_OTHERWISE.iter().any(|e| name.ends_with(e)) {
             self.parquet_named_otherwise += 1;
         } else if !name.contains('.') && !super::pick::is_hidden(name) {
@@ -36,6 +42,28 @@ impl Unserved {
                 first.pop_last();
             }
         }
+    }
+
+    /// The error for a place (`place` ends with '/') whose whole listing found `.tar` shards and,
+    /// beside them, shards compressed whole: serving the `.tar` ones alone would be part of the
+    /// dataset, without a word. None when it holds none of those.
+    pub fn compressed_beside(&self, place: &str) -> Option<Error> {
+        let n: usize = self.compressed.values().sum();
+        if n == 0 {
+            return None;
+        }
+        let exts: Vec<&str> = self.compressed.keys().copied().collect();
+        let names: Vec<&str> = self.compressed_names.iter().map(String::as_str).collect();
+        let more = if n > names.len() { ", ..." } else { "" };
+        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        Some(Error::invalid(format!(
+            "{place} holds {files} ending in {} ({}{more}) beside the shards it serves: shards compressed \
+             whole are not served (members are read in place), and serving the others alone would be part \
+             of the dataset; store them uncompressed (e.g. gunzip, zstd -d), or pick the uncompressed ones \
+             with a glob (e.g. {place}*.tar)",
+            exts.join(" or "),
+            names.join(", ")
+        )))
     }
 
     /// The most common extension and its count.

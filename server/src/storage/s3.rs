@@ -292,6 +292,13 @@ fn shards_in_listing(
         }
         crate::storage::Pick::All | crate::storage::Pick::Every | crate::storage::Pick::Glob(_) => {
             found.retain(|(n, _)| crate::format::Format::is_shard_name(n));
+            if whole
+                && partitioned.is_none()
+                && !found.is_empty()
+                && let Some(e) = unserved.compressed_beside(&format!("s3://{bucket}/{prefix}"))
+            {
+                return Err(e);
+            }
             found.sort_by(|a, b| a.0.cmp(&b.0));
             pick.keep_listed(found, |(n, _)| n.as_str(), &format!("s3://{bucket}/{prefix}"))?
         }
