@@ -9,7 +9,9 @@
 //! A sample is a run of consecutive regular-file members sharing a key. For `dir/sub/abc.seg.png`
 //! the key is `dir/sub/abc` (the path up to the first dot of the *file name*; dots in directory
 //! names do not count) and the field is `seg.png`. As in the `webdataset` library:
-//! - members whose file name has no dot, starts with a dot, or ends with its first dot are skipped;
+//! - members whose file name has no dot are skipped; so, unlike `webdataset`, are those whose
+//!   file name starts with a dot (`dir/.hidden.jpg`, which it files under the key `dir/`) or
+//!   ends with its first dot (`abc.`, which it gives an empty field name no `fields=` can ask for);
 //! - WebDataset metadata (`__name__`, `__dir__/...`) is skipped;
 //! - fields are lower-cased (`abc.JPG` is field `jpg`);
 //! - a field appearing twice in one sample is an error ([`TarError::DuplicateField`]).
