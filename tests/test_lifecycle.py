@@ -196,6 +196,86 @@ def test_log_json_and_shardstream_only_filter(tmp_path: Path) -> None:
     assert any(t.startswith("shardstream") for t in targets)
 
 
+@pytest.mark.parametrize("level", ["warning", "verbose"])
+def test_a_log_level_that_is_not_one_is_refused_not_taken_as_a_target(tmp_path: Path, level: str) -> None:
+    # tracing reads a bare word as a target name: `--log warning` logged nothing at all, warnings
+    # included, and the daemon ran on.
+    out = serve(tmp_path, tmp_path / "sock", "--log", level)
+    assert out.returncode != 0 and level in out.stderr and "warn, info" in out.stderr, out
+    config = tmp_path / "d.toml"
+    config.write_text(f'log = "{level}"\n')
+    out = serve(tmp_path, tmp_path / "sock", "--config", str(config), "--print-config")
+    assert out.returncode != 0 and "log" in out.stderr and level in out.stderr, out
+
+
+def test_ctrl_c_stops_serve_as_sigterm_does(tmp_path: Path) -> None:
+    # The console script is Python: its SIGINT handler ran beside the daemon's, so after a clean
+    # drain the process died of a KeyboardInterrupt traceback (status -2), not 0.
+    d = Daemon(tmp_path, log=tmp_path / "d.log", level="info")
+    d.start()
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGINT)
+    assert d.proc.wait(timeout=30) == 0
+    log = (tmp_path / "d.log").read_text()
+    assert "stopped" in log and "Traceback" not in log and "KeyboardInterrupt" not in log, log
+
+
+def test_ctrl_c_stops_a_command_at_once(tmp_path: Path) -> None:
+    # Python's SIGINT handler only sets a flag while native code runs: Ctrl-C did nothing to
+    # `index` (or a long `pack`) until the command ended by itself, then printed a traceback.
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens: retried for ~18 s
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_REGION": "us-east-1",
+    }
+    proc = subprocess.Popen([SHARDSTREAM, "index", "s3://bucket/x/"], env=env, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    assert proc.poll() is None
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 5, err
+    assert proc.returncode != 0 and "KeyboardInterrupt" not in err, (proc.returncode, err)
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_stream_ended_by_a_shutdown_says_so(tmp_path: Path, transport: str) -> None:
+    # deploy/README promises "daemon is shutting down"; a shm stream whose build saw the
+    # shutdown first ended with "stream cancelled". A client far behind may find its queue full
+    # of batches, which the daemon does not wait to send the last word after: its stream ends
+    # short of its batch count, and the client says so.
+    said = "daemon is shutting down" if transport == "shm" else "daemon is shutting down|daemon stopped"
+    import numpy as np
+    import webdataset as wds
+
+    import shardstream
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    # 160 MB: more than an inline stream's 64 MiB flow-control window, so it cannot all be sent
+    # before the shutdown.
+    blob = np.random.default_rng(0).integers(0, 256, 400_000, dtype=np.uint8).tobytes()
+    with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=50, verbose=0) as sink:
+        for i in range(400):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    for attempt in range(3):
+        d = Daemon(tmp_path / f"d{attempt}")
+        d.tmp.mkdir()
+        d.start()
+        assert d.proc is not None
+        loader = shardstream.Loader(str(root), batch_size=4, connect=d.addr, transport=transport)
+        it = iter(loader)
+        next(it)
+        time.sleep(0.2)
+        d.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(ConnectionError, match=said):
+            for _ in it:
+                time.sleep(0.05)
+        assert d.proc.wait(timeout=30) == 0
+
+
 def open_file_limits(pid: int) -> tuple[str, str]:
     with open(f"/proc/{pid}/limits") as f:
         for line in f:
