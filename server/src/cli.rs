@@ -202,7 +202,7 @@ pub struct ServeArgs {
     pub insecure: bool,
     /// Log level of shardstream's own messages (error, warn, info, debug, trace; dependencies
     /// stay at info or quieter), or a full tracing directive such as `info,h2=debug`.
-    #[arg(long, env = "SHARDSTREAM_LOG", default_value = "info")]
+    #[arg(long, env = "SHARDSTREAM_LOG", default_value = "info", value_parser = crate::logging::parse_log)]
     pub log: String,
     /// Log format: text (for people) or json (one object per line, for log shippers).
     #[arg(long, env = "SHARDSTREAM_LOG_FORMAT", default_value = "text")]

@@ -32,6 +32,27 @@ pub fn directive(log: &str) -> String {
     format!("{deps},shardstream={level}")
 }
 
+/// `--log` as given, checked (its clap parser, so a config file's value is refused naming the
+/// key): a level, or a directive with `=` or `,` that tracing parses. A bare word that is not a
+/// level would parse as a target name, enabling that target alone: every other line, warnings
+/// included, silently off (`--log warning`).
+pub fn parse_log(s: &str) -> Result<String, String> {
+    let t = s.trim();
+    if t.contains('=') || t.contains(',') {
+        return match tracing_subscriber::EnvFilter::try_new(t) {
+            Ok(_) => Ok(s.to_owned()),
+            Err(e) => Err(format!("{s:?} is not a tracing directive: {e}")),
+        };
+    }
+    if LEVELS.contains(&t.to_ascii_lowercase().as_str()) {
+        return Ok(s.to_owned());
+    }
+    Err(format!(
+        "unknown log level {s:?}: give one of {}, or a tracing directive such as info,h2=debug",
+        LEVELS.join(", ")
+    ))
+}
+
 /// Installs the global subscriber (once; later calls do nothing). A filter that does not parse
 /// falls back to `info` with a warning rather than leaving the daemon silent.
 pub fn init(log: &str, format: LogFormat) {
@@ -63,5 +84,16 @@ mod tests {
         assert_eq!(directive("warn"), "warn,shardstream=warn");
         assert_eq!(directive("info,h2=debug"), "info,h2=debug");
         assert_eq!(directive("shardstream::cache=trace"), "shardstream::cache=trace");
+    }
+
+    #[test]
+    fn a_word_that_is_not_a_level_is_refused() {
+        for ok in ["warn", "DEBUG", " info ", "info,h2=debug", "shardstream::cache=trace", "off"] {
+            assert!(parse_log(ok).is_ok(), "{ok}");
+        }
+        for bad in ["warning", "verbose", "", "info,h2=loud"] {
+            assert!(parse_log(bad).is_err(), "{bad}");
+        }
+        assert!(parse_log("warning").unwrap_err().contains("off, error, warn, info, debug, trace"));
     }
 }
