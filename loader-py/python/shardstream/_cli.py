@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from . import _native
 
 
 def main() -> None:
+    # Python's SIGINT handler only sets a flag while native code runs: Ctrl-C would do nothing
+    # until the command ended, then raise KeyboardInterrupt. The default action makes the
+    # command behave as the native binary does (serve installs its own handler and drains).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.exit(_native.cli_main(["shardstream", *sys.argv[1:]]))
 
 
