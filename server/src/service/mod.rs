@@ -577,11 +577,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 let ids = blocking(move || ids_of(&mut seq.lock().unwrap_or_else(|p| p.into_inner()), take));
                 match ids.await {
                     Ok(ids) => ready.extend(ids),
-                    Err(e) => {
-                        tracing::warn!(dataset = %shared.0.url, error = %e, "stream failed");
-                        let _ = tx.send(Err(to_status(e))).await;
-                        return;
-                    }
+                    Err(e) => return fail(&tx, &shared.0.url, e, &shutdown).await,
                 }
             }
             let Some((range, ids)) = ready.pop_front() else { break };
@@ -597,7 +593,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 // try_send: a client that stopped reading must not hold up the shutdown. If the
                 // queue is full the client still learns: the stream ends short of its header's
                 // batch count.
-                tx.try_send(Err(Status::unavailable("daemon is shutting down")));
+                tx.try_send(Err(outbox::shutting_down()));
                 return;
             }
             _ = tx.closed() => return,
@@ -619,15 +615,24 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     c.consumer.advance(end, waited);
                 }
             }
-            Err(e) => {
-                tracing::warn!(dataset = %shared.0.url, error = %e, "stream failed");
-                let _ = tx.send(Err(to_status(e))).await;
-                return;
-            }
+            Err(e) => return fail(&tx, &shared.0.url, e, &shutdown).await,
         }
     }
     drop(tx);
     linger_for_credits(rdma, stopping);
+}
+
+/// Ends a stream with its error `e`; or, when the build gave up because the daemon is shutting
+/// down, with what a shutdown says (not waiting on a client that stopped reading, as the
+/// shutdown's own branch does not).
+async fn fail(tx: &outbox::Outbox, dataset: &str, e: Error, shutdown: &CancellationToken) {
+    if shutdown.is_cancelled() {
+        tracing::debug!(dataset, error = %e, "stream ended by the shutdown");
+        tx.try_send(Err(outbox::shutting_down()));
+        return;
+    }
+    tracing::warn!(dataset, error = %e, "stream failed");
+    let _ = tx.send(Err(to_status(e))).await;
 }
 
 /// Samples (rows) a batch message carries, for the served-samples metric.

@@ -64,8 +64,21 @@ impl Outbox {
     }
 
     /// Queues the batches built so far, then the error `e` of a stream of `dataset`, which ends
-    /// it (from a blocking thread).
-    pub fn blocking_fail(&self, mut group: Vec<Message>, dataset: &str, e: crate::Error) {
+    /// it (from a blocking thread). A build that gave up because the daemon is shutting down
+    /// says so instead, as [`Self::stop_before_next`] does.
+    pub fn blocking_fail(
+        &self,
+        mut group: Vec<Message>,
+        dataset: &str,
+        e: crate::Error,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) {
+        if shutdown.is_cancelled() {
+            tracing::debug!(dataset, error = %e, "stream ended by the shutdown");
+            group.push(Err(shutting_down()));
+            self.try_send_all(group);
+            return;
+        }
         tracing::warn!(dataset, error = %e, "stream failed");
         group.push(Err(super::to_status(e)));
         let _ = self.blocking_send_all(group);
@@ -82,7 +95,7 @@ impl Outbox {
             return false;
         }
         let mut last = std::mem::take(group);
-        last.push(Err(Status::unavailable("daemon is shutting down")));
+        last.push(Err(shutting_down()));
         self.try_send_all(last);
         true
     }
@@ -122,6 +135,11 @@ impl tokio_stream::Stream for Messages {
             }
         }
     }
+}
+
+/// What a stream's client is told when the daemon's shutdown ends it.
+pub fn shutting_down() -> Status {
+    Status::unavailable("daemon is shutting down")
 }
 
 #[cfg(test)]

@@ -62,7 +62,7 @@ impl StreamCore {
 
     /// Sends `group`, then `e`, which ends the stream.
     pub(super) fn fail(&self, group: Vec<outbox::Message>, e: Error) {
-        self.tx.blocking_fail(group, &self.dataset.url, e);
+        self.tx.blocking_fail(group, &self.dataset.url, e, &self.shutdown);
     }
 }
 
