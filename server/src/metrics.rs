@@ -243,3 +243,51 @@ impl Drop for ActiveStream<'_> {
         self.0.streams_active.fetch_sub(1, Relaxed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The quoted `shardstream_*` names that follow each `marker` in `text`.
+    fn names_after<'t>(text: &'t str, marker: &str) -> Vec<&'t str> {
+        text.match_indices(marker)
+            .filter_map(|(at, _)| {
+                let rest = text[at + marker.len()..].trim_start().strip_prefix('"')?;
+                let name = &rest[..rest.find('"')?];
+                name.starts_with("shardstream_").then_some(name)
+            })
+            .collect()
+    }
+
+    fn sources(dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push((path.display().to_string(), std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+
+    #[test]
+    fn every_metric_the_daemon_sets_has_a_help_text() {
+        // `promtool check metrics` fails a family without # HELP (exit 3): the Parquet gauges had none.
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        sources(&src, &mut files);
+        let described: Vec<&str> = files
+            .iter()
+            .flat_map(|(_, t)| [names_after(t, "describe_counter!("), names_after(t, "describe_gauge!(")].concat())
+            .collect();
+        let mut used = Vec::new();
+        for (path, text) in &files {
+            for marker in ["counter!(", "gauge!("] {
+                for name in names_after(text, marker) {
+                    used.push((name, path.clone()));
+                }
+            }
+        }
+        assert!(used.len() > 10, "{used:?}");
+        let missing: Vec<_> = used.iter().filter(|(n, _)| !described.contains(n)).collect();
+        assert!(missing.is_empty(), "metrics without a describe_*! help text: {missing:?}");
+    }
+}
