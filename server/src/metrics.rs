@@ -125,6 +125,16 @@ fn describe() {
         Unit::Bytes,
         "rdma staging bytes (registered memory) reserved against --rdma-budget"
     );
+    describe_gauge!(
+        "shardstream_parquet_decoded_bytes",
+        Unit::Bytes,
+        "decoded Parquet row groups held in memory for the streams' windows"
+    );
+    describe_gauge!(
+        "shardstream_parquet_decoded_budget_bytes",
+        Unit::Bytes,
+        "the bound on decoded Parquet row groups in memory (--decoded-budget)"
+    );
     describe_counter!("shardstream_samples_served_total", "samples delivered to consumers");
     describe_counter!("shardstream_bytes_served_total", Unit::Bytes, "payload bytes delivered to consumers");
 }
