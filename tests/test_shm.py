@@ -249,6 +249,22 @@ def test_an_epoch_over_more_shards_than_open_files_allowed(daemon, tmp_path) -> 
     assert sorted(keys) == sorted(samples) and len(keys) == len(set(keys))
 
 
+@pytest.mark.parametrize("fields", [None, ["cls"]])
+def test_bytes_served_counts_the_payload_delivered_on_every_transport(own_daemon, dataset, fields) -> None:
+    # status's bytes_served and shardstream_bytes_served_total ("payload bytes delivered") counted
+    # a shm batch's whole sample ranges: TAR headers and every field, 3.6x the payload here, and
+    # 5,000x it with fields=["cls"]. Inline counted the payload.
+    root, _ = dataset
+    got = {}
+    for transport in ("shm", "inline"):
+        before = own_daemon.status()["bytes_served"]
+        loader = shardstream.Loader(str(root), batch_size=64, fields=fields, transport=transport, connect=own_daemon.addr)
+        payload = sum(len(v) for b in loader for name, vs in b.items() if name != "__key__" for v in vs if v is not None)
+        assert loader.stats()["transport"] == transport
+        got[transport] = (payload, own_daemon.status()["bytes_served"] - before)
+    assert got["shm"] == got["inline"] and got["shm"][0] == got["shm"][1], got
+
+
 def test_inline_on_request(daemon, dataset) -> None:
     root, samples = dataset
     loader = shardstream.Loader(str(root), batch_size=64, transport="inline", connect=daemon.addr)
