@@ -234,6 +234,9 @@ pub(super) fn build_shm_batch(
         bytes += range.end - range.start;
         located.add(&resident.table, shard, local);
     }
+    // The metric's payload bytes, as inline batches count them; a batch with a shard indexed
+    // before layouts existed counts its samples' stored bytes.
+    let bytes = located.payload.filter(|_| located.ok).unwrap_or(bytes);
     located.finish(&mut b);
     session.lease(index, shards.into_values().map(|(_, r)| r.file.path.clone()).collect());
     Ok((StreamMessage { kind: Some(stream_message::Kind::ShmBatch(b)) }, bytes))
@@ -251,6 +254,9 @@ struct Located<'a> {
     /// The shard field index of each stream field, for the shard last seen (a lookup by name per
     /// shard switch, not per sample and field).
     map: (Option<usize>, Vec<Option<usize>>),
+    /// Payload bytes of the fields the client gets (all of them without a selection); counts
+    /// only while `ok`.
+    payload: Option<u64>,
 }
 
 impl<'a> Located<'a> {
@@ -268,12 +274,17 @@ impl<'a> Located<'a> {
             key_lengths: Vec::with_capacity(n),
             columns: fields.iter().map(column).collect(),
             map: (None, Vec::new()),
+            payload: Some(0),
         }
     }
 
     fn add(&mut self, table: &crate::format::ShardTable, shard: usize, local: u64) {
         if !self.ok {
             return;
+        }
+        if self.fields.is_empty() {
+            let all = (0..table.fields().len()).map(|f| table.field_at(local, f).map(|r| r.map_or(0, |r| r.len())));
+            self.payload = self.payload.zip(all.sum::<Option<usize>>()).map(|(p, n)| p + n as u64);
         }
         if self.map.0 != Some(shard) {
             let names = table.fields();
@@ -302,6 +313,9 @@ impl<'a> Located<'a> {
                 Some(r) => {
                     col.starts.push(r.start as u64);
                     col.lengths.push(r.len() as u64);
+                    if let Some(p) = &mut self.payload {
+                        *p += r.len() as u64;
+                    }
                 }
                 None => {
                     col.starts.push(0);
