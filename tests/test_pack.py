@@ -303,6 +303,21 @@ def test_bad_entries_in_files_from(tmp_path: Path) -> None:
         assert not (tmp_path / f"strict{i}" / "manifest.json").exists()
 
 
+def test_an_output_inside_src_that_holds_inputs_is_refused_not_left_out(tmp_path: Path) -> None:
+    # The walk skips the output directory: `pack SRC --output SRC/c001` packed c000 alone and
+    # said nothing of c001's 3 files.
+    src = tmp_path / "src"
+    make_tree(src, classes=2, per_class=3)
+    p = pack(src, "--output", src / "c001", check=False)
+    assert p.returncode != 0, p.stdout
+    assert "inside the source directory" in p.stderr and "000003.jpg" in p.stderr, p.stderr
+    assert not (src / "c001" / "manifest.json").exists()
+    # An output of its own inside SRC is fine, and so is packing into it again.
+    for _ in range(2):
+        pack(src, "--output", src / "packed")
+        assert json.loads((src / "packed" / "manifest.json").read_text())["total_samples"] == 6
+
+
 def test_files_from_refuses_symlinked_directory_leaving_src(tmp_path: Path) -> None:
     # Issue #13 defect 7: `a` is a symlink to a directory outside SRC; `a/x.jpg` must be refused
     # (named in the error), and none of the outside bytes may end up in a shard.
