@@ -47,7 +47,8 @@ pub struct PackArgs {
     pub src: PathBuf,
 
     /// Output directory (created if needed; file:// URLs accepted) or s3://bucket/prefix/. It must
-    /// be empty, or hold an earlier pack of the same input and options.
+    /// hold no other dataset: nothing, or an earlier pack of the same input and options. Inside
+    /// SRC (whose walk skips it) it must hold nothing else either.
     #[arg(short, long, value_name = "DEST")]
     pub output: String,
 

@@ -93,6 +93,9 @@ impl Destination {
                         dir.display()
                     )));
                 }
+                if dir.starts_with(src) {
+                    refuse_inputs_in_output(&dir, src)?;
+                }
                 let lock = lock_dir(&dir, &dir.display().to_string())?;
                 Ok(Self { journal: journal::journal_path(&dir), kind: Kind::Local { dir }, _lock: lock })
             }
@@ -222,6 +225,39 @@ impl Destination {
             )?),
         })
     }
+}
+
+/// Refuses an output directory inside SRC that holds anything a pack does not write: the walk of
+/// SRC skips the output, so those files would be left out of the pack without a word. Hidden
+/// names are skipped by the walk anyway.
+fn refuse_inputs_in_output(dir: &Path, src: &Path) -> Result<()> {
+    const SHOWN: usize = 4;
+    let ours = |name: &str| {
+        name == MANIFEST_FILE || name == SIDECAR_DIR || name.ends_with(".tar") || name.ends_with(".parquet")
+    };
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list output directory", dir, e))?;
+    let mut stray = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("cannot list output directory", dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with('.') && !ours(&name) {
+            stray.push(name);
+        }
+    }
+    if stray.is_empty() {
+        return Ok(());
+    }
+    stray.sort();
+    let n = stray.len();
+    let more = if n > SHOWN { ", ..." } else { "" };
+    stray.truncate(SHOWN);
+    Err(Error::invalid(format!(
+        "output {} lies inside the source directory {} and holds {n} entries a pack does not write ({}{more}): \
+         the walk skips the output, so they would be left out of the pack; pack into an empty directory",
+        dir.display(),
+        src.display(),
+        stray.join(", ")
+    )))
 }
 
 /// `$XDG_CACHE_HOME/shardstream`, else `~/.cache/shardstream`, else a per-user directory under
