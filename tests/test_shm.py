@@ -364,6 +364,27 @@ def test_side_channel_socket_is_private(daemon) -> None:
         assert os.stat(p).st_mode & 0o077 == 0, f"{p} is accessible to others"
 
 
+def test_the_node_cache_is_private_and_a_shared_one_is_warned_of(dataset, tmp_path) -> None:
+    # The cache was made 0755 with copies 0644: any local user could read the cached copy of a
+    # dataset the allow list refused them. Clients get descriptors, never paths, so the daemon's
+    # user alone needs it.
+    root, samples = dataset
+    d = Daemon(tmp_path / "own", log=tmp_path / "own.log")
+    d.tmp.mkdir()
+    d.start()
+    assert sum(len(b["__key__"]) for b in shardstream.Loader(str(root), cache="copy", connect=d.addr)) == len(samples)
+    assert d.stop() == 0
+    assert d.cache_dir.stat().st_mode & 0o777 == 0o700
+    assert "readable" not in (tmp_path / "own.log").read_text()
+    shared = Daemon(tmp_path / "shared", log=tmp_path / "shared.log")
+    shared.cache_dir.mkdir(parents=True, mode=0o755)
+    shared.cache_dir.chmod(0o755)
+    shared.start()
+    assert shared.stop() == 0
+    log = (tmp_path / "shared.log").read_text()
+    assert f"{shared.cache_dir}" in log and "0755" in log and "chmod 0700" in log, log
+
+
 def test_tcp_gets_inline_and_refuses_shm(dataset, tmp_path) -> None:
     root, samples = dataset
     with socket.socket() as s:
