@@ -119,6 +119,31 @@ pub struct BoundDaemon {
     pub metrics: Arc<Metrics>,
 }
 
+/// Creates the node cache directory for the daemon's user alone (clients get descriptors, never
+/// paths), and warns when one made elsewhere lets others in: they could read the cached copy of
+/// any dataset, whatever the allow list says. Its mode is the operator's to change.
+fn create_private_cache_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| Error::io("cannot create cache directory", dir, e))?;
+    let meta = std::fs::metadata(dir).map_err(|e| Error::io("cannot inspect cache directory", dir, e))?;
+    if !meta.is_dir() {
+        return Err(Error::invalid(format!("cache directory {} is not a directory", dir.display())));
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        tracing::warn!(
+            "node cache {} has mode {mode:04o}: other users can read the cached copies of every dataset, whatever \
+             the allow list says (clients need no access to it); chmod 0700 it",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 impl BoundDaemon {
     /// Creates the cache directory and binds the listener.
     pub async fn bind(config: DaemonConfig) -> Result<Self> {
@@ -127,8 +152,7 @@ impl BoundDaemon {
         if let Address::Unix(path) = &config.listen {
             crate::socket_file::prepare_dir(path, &config.socket_access)?;
         }
-        std::fs::create_dir_all(&config.cache_dir)
-            .map_err(|e| Error::io("cannot create cache directory", &config.cache_dir, e))?;
+        create_private_cache_dir(&config.cache_dir)?;
         let mut security = crate::remote::RemoteSecurity::default();
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {

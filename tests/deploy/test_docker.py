@@ -121,7 +121,7 @@ def open_tmp():
 def test_image_command_runs_as_its_user(open_tmp: Path) -> None:
     """The final stage's ENTRYPOINT + CMD run as its numeric USER, with the image's socket and
     cache directories mapped onto temporary ones made as the COPY --chown makes them (uid 65532,
-    0750): the daemon serves, `status` (the probe command) answers, /metrics answers, and SIGTERM
+    0750 and 0700): the daemon serves, `status` (the probe command) answers, /metrics answers, and SIGTERM
     stops it cleanly. The metrics port is moved to a free one, nothing else is changed."""
     require_root("running the daemon as the image's uid")
     final = stages()[-1]
@@ -132,8 +132,8 @@ def test_image_command_runs_as_its_user(open_tmp: Path) -> None:
     port = free_port()
     tmp_path = open_tmp
     mapping = {"/run/shardstream": tmp_path / "run", "/var/cache/shardstream": tmp_path / "cache"}
-    for d in mapping.values():
-        d.mkdir(mode=0o750)
+    for d, mode in zip(mapping.values(), (0o750, 0o700), strict=True):
+        d.mkdir(mode=mode)
         os.chown(d, int(uid), int(gid))
     args = []
     for a in cmd:
