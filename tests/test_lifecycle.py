@@ -41,6 +41,14 @@ def test_serve_refuses_to_replace_a_directory(tmp_path: Path) -> None:
     assert (tmp_path / "sock" / "keep").read_text() == "x"
 
 
+def test_a_cache_dir_that_is_a_file_is_named_as_such(tmp_path: Path) -> None:
+    # It said "cannot create cache directory ...: File exists (os error 17)".
+    (tmp_path / "cache").write_text("not a directory\n")
+    out = serve(tmp_path, tmp_path / "sock")
+    assert out.returncode != 0 and f"{tmp_path / 'cache'} is a file, not a directory" in out.stderr, out.stderr
+    assert not (tmp_path / "sock").exists()
+
+
 def test_serve_refuses_a_live_socket_of_another_program(tmp_path: Path) -> None:
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     other.bind(str(tmp_path / "sock"))
