@@ -854,6 +854,25 @@ def test_a_corrupt_page_is_a_shard_error_and_no_garbage_rows(daemon, tmp_path: P
     assert len(got) <= 2000
 
 
+def test_a_shard_error_in_dataloader_workers_reaches_the_trainer(daemon, tmp_path: Path) -> None:
+    # torch pickles a worker's exception to the trainer; ShardError's module was '_native', which
+    # no process can import: the pickling failed, the worker's error was dropped, and the epoch
+    # ended after 200 of 4000 rows as if it were whole.
+    t = pa.table({"v": np.arange(4000, dtype=np.int64)})
+    path = tmp_path / "c-000.parquet"
+    pq.write_table(t, path, row_group_size=1000, compression="zstd", use_dictionary=False)
+    col = pq.ParquetFile(path).metadata.row_group(2).column(0)
+    data = bytearray(path.read_bytes())
+    data[col.data_page_offset : col.data_page_offset + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    ds = sst.IterableDataset(str(tmp_path), batch_size=100, shuffle=False, connect=daemon.addr)
+    rows = 0
+    with pytest.raises(shardstream.ShardError, match="c-000.parquet"):
+        for b in sst.DataLoader(ds, num_workers=2):
+            rows += len(b["__row__"])
+    assert rows <= 2000
+
+
 def panicking_page(root: Path) -> Path:
     """A file of `root` whose only page arrow-rs (60) panics on: definition levels that claim more
     values than the page holds. Asserts that the damage could be made."""

@@ -54,6 +54,17 @@ def test_exceptions_are_exported() -> None:
     assert shardstream.__version__
 
 
+def test_the_package_exceptions_pickle_as_themselves() -> None:
+    # torch carries a DataLoader worker's exception to the trainer by pickling its type: with
+    # the module '_native' that failed, and the worker's error was lost.
+    import pickle
+
+    for cls in (shardstream.ShardError, shardstream.ShardstreamError):
+        e = pickle.loads(pickle.dumps(cls("shard x.tar: bad")))
+        assert type(e) is cls and str(e) == "shard x.tar: bad"
+        assert pickle.loads(pickle.dumps(cls)) is cls
+
+
 def test_a_rust_panic_is_an_ordinary_exception() -> None:
     # PyO3 would raise PanicException, a BaseException that `except Exception` misses.
     try:

@@ -95,6 +95,14 @@ def test_key_column_and_slices() -> None:
     assert d["v"].tolist() == [2, 3]
 
 
+def test_a_null_key_is_none_not_the_string_none() -> None:
+    # str(None) made a null key "None", the same as a row whose key is the string "None".
+    for keys in (pa.array(["a", None, "None"]), pa.array([b"a", None, b"None"], pa.binary()), pa.array([7, None, 9])):
+        batch = pa.record_batch({"__key__": keys, "v": pa.array([0, 1, 2])})
+        got = _arrow.to_dict(reopen(ipc_bytes(batch)), np.arange(3, dtype=np.uint64))["__key__"]
+        assert got[1] is None and got[0] in ("a", "7") and got[2] in ("None", "9"), got
+
+
 def test_values_read_from_buffers_match_pyarrow_at_every_slice_offset() -> None:
     # The dict form reads Arrow buffers itself (pyarrow's to_numpy imports pandas): offsets into
     # bitmaps and value buffers are where that goes wrong, so every slice start and length is
