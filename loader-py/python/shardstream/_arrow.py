@@ -447,11 +447,14 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
     return arr.to_pylist()
 
 
-def keys(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> list[str]:
+def keys(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> list[str | None]:
+    """The batch's keys: its key column's values as str (None where null: str() would make it
+    the key "None"), else the row ids."""
     for name in KEY_COLUMNS:
         if name in batch.schema.names:
             return [
-                v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in batch.column(name).to_pylist()
+                None if v is None else v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                for v in batch.column(name).to_pylist()
             ]
     return [str(r) for r in rows.tolist()]
 
