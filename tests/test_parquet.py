@@ -594,6 +594,39 @@ def test_times_in_another_unit_in_a_later_file_are_served_in_the_finer(daemon, t
         next(iter(shardstream.Loader(str(other), connect=daemon.addr)))
 
 
+def test_a_zoned_timestamp_stored_at_another_unit_keeps_its_zone(daemon, tmp_path) -> None:
+    # pyarrow stores timestamp[s, tz] in ms (and ms in us with coerce_timestamps="us"), keeping
+    # the zone in the file's Arrow schema; arrow-rs takes that zone only at the stored unit, so
+    # these came as UTC where pyarrow gives Europe/Paris (the instants were right).
+    import datetime as dt
+
+    t = pa.table(
+        {
+            "ts_s": pa.array([0, 1_700_000_000], pa.timestamp("s", tz="Europe/Paris")),
+            "ts_ms": pa.array([0, 1_700_000_000_000], pa.timestamp("ms", tz="Europe/Paris")),
+            "nested": pa.array([{"at": 0}, {"at": 5}], pa.struct([("at", pa.timestamp("s", tz="Asia/Tokyo"))])),
+        }
+    )
+    for name, kw in [("default", {}), ("us", {"coerce_timestamps": "us", "version": "2.4"})]:
+        d = tmp_path / name
+        d.mkdir()
+        pq.write_table(t, d / "a.parquet", **kw)
+        want = pq.read_table(d / "a.parquet")
+        for transport in ("shm", "inline"):
+            rb = next(
+                iter(
+                    shardstream.Loader(
+                        str(d), batch_size=8, shuffle=False, transport=transport, connect=daemon.addr, format="arrow"
+                    )
+                )
+            )
+            for col in ("ts_s", "ts_ms", "nested"):
+                assert rb.schema.field(col).type == want.schema.field(col).type, (name, col, rb.schema)
+                assert rb.column(col).to_pylist() == want.column(col).to_pylist(), (name, col)
+        assert str(rb.column("ts_s")[1].as_py().tzinfo) == "Europe/Paris"
+        assert rb.column("ts_s")[1].as_py() == dt.datetime(2023, 11, 14, 22, 13, 20, tzinfo=dt.UTC)
+
+
 def test_a_column_typed_otherwise_in_a_later_file_is_named_with_the_way_out(daemon, tmp_path) -> None:
     # A later file whose type could lose values in the first file's (int64 where the dataset has
     # int32, strings where it has numbers) is a ValueError at open naming the file, column, types.
