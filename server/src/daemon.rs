@@ -124,15 +124,17 @@ pub struct BoundDaemon {
 /// any dataset, whatever the allow list says. Its mode is the operator's to change.
 fn create_private_cache_dir(dir: &std::path::Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if let Ok(meta) = std::fs::metadata(dir)
+        && !meta.is_dir()
+    {
+        return Err(Error::invalid(format!("cache directory {} is a file, not a directory", dir.display())));
+    }
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
         .map_err(|e| Error::io("cannot create cache directory", dir, e))?;
     let meta = std::fs::metadata(dir).map_err(|e| Error::io("cannot inspect cache directory", dir, e))?;
-    if !meta.is_dir() {
-        return Err(Error::invalid(format!("cache directory {} is not a directory", dir.display())));
-    }
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         tracing::warn!(
