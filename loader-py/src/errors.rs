@@ -24,8 +24,15 @@ pyo3::create_exception!(
 );
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("ShardstreamError", m.py().get_type::<ShardstreamError>())?;
-    m.add("ShardError", m.py().get_type::<ShardError>())?;
+    for (name, ty) in
+        [("ShardstreamError", m.py().get_type::<ShardstreamError>()), ("ShardError", m.py().get_type::<ShardError>())]
+    {
+        // The module pickle imports to find the class: torch pickles a DataLoader worker's
+        // exception to the trainer, and '_native' (the macro's) cannot be imported, so the
+        // worker's error was dropped and its epoch ended early without one.
+        ty.setattr("__module__", "shardstream._native")?;
+        m.add(name, ty)?;
+    }
     Ok(())
 }
 
