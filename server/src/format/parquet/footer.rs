@@ -184,6 +184,7 @@ impl ParquetTable {
         }
         row_starts.push(rows);
         let meta = ArrowReaderMetadata::try_new(meta, ArrowReaderOptions::new())
+            .and_then(super::zones::rezone)
             .map_err(|e| ParquetError::BadFooter(format!("cannot map the schema to Arrow: {e}")))?;
         let columns = meta.schema().fields().iter().map(|f| f.name().clone()).collect();
         Ok(Self { meta, row_starts, file_len, footer_bytes, footer: footer.into(), columns })

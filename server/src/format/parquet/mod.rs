@@ -57,6 +57,7 @@ pub mod schema;
 pub mod strings;
 mod thrift;
 pub mod widen;
+pub mod zones;
 
 pub use footer::ParquetTable;
 pub use schema::Projection;
