@@ -17,6 +17,11 @@ use parquet::errors::ParquetError;
 /// `meta` with the embedded Arrow schema's zones on zoned timestamps arrow-rs read as UTC; `meta`
 /// itself when there are none (or no embedded schema it can read: arrow-rs ignored it too).
 pub fn rezone(meta: ArrowReaderMetadata) -> Result<ArrowReaderMetadata, ParquetError> {
+    // Every footer read comes here: the embedded schema is decoded again only for a file that
+    // has a timestamp arrow-rs read as UTC.
+    if !meta.schema().fields().iter().any(|f| has_utc_timestamp(f.data_type())) {
+        return Ok(meta);
+    }
     let Some(hint) = embedded_schema(&meta) else { return Ok(meta) };
     let schema = meta.schema();
     let mut changed = false;
@@ -36,6 +41,15 @@ pub fn rezone(meta: ArrowReaderMetadata) -> Result<ArrowReaderMetadata, ParquetE
     }
     let fixed = Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()));
     ArrowReaderMetadata::try_new(meta.metadata().clone(), ArrowReaderOptions::new().with_schema(fixed))
+}
+
+fn has_utc_timestamp(t: &DataType) -> bool {
+    match t {
+        DataType::Timestamp(_, Some(tz)) => matches!(tz.as_ref(), "UTC" | "+00:00"),
+        DataType::Struct(fs) => fs.iter().any(|f| has_utc_timestamp(f.data_type())),
+        DataType::List(f) | DataType::LargeList(f) | DataType::FixedSizeList(f, _) => has_utc_timestamp(f.data_type()),
+        _ => false,
+    }
 }
 
 /// The file's `ARROW:schema`, decoded as arrow-rs decodes it.
