@@ -310,7 +310,10 @@ def test_compressed_shards_beside_plain_ones_are_refused_not_left_out(
     for i in range(4):
         with wds.TarWriter(str(root / f"shard-{i:06d}.tar{'.gz' if i % 2 else ''}"), compress=bool(i % 2)) as sink:
             sink.write({"__key__": f"k{i}", "cls": str(i).encode()})
-    match = r"2 files ending in \.tar\.gz \(shard-000001\.tar\.gz, shard-000003\.tar\.gz\) beside.*uncompressed.*\*\.tar"
+    match = (
+        r"2 files ending in \.tar\.gz \(shard-000001\.tar\.gz, shard-000003\.tar\.gz\) beside"
+        r".*uncompressed.*\*\.tar"
+    )
     with pytest.raises(ValueError, match=match):
         shardstream.Loader(url, connect=addr)
     keys = [k for b in shardstream.Loader(f"{url.rstrip('/')}/*.tar", connect=addr) for k in b["__key__"]]

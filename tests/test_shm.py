@@ -258,8 +258,9 @@ def test_bytes_served_counts_the_payload_delivered_on_every_transport(own_daemon
     got = {}
     for transport in ("shm", "inline"):
         before = own_daemon.status()["bytes_served"]
-        loader = shardstream.Loader(str(root), batch_size=64, fields=fields, transport=transport, connect=own_daemon.addr)
-        payload = sum(len(v) for b in loader for name, vs in b.items() if name != "__key__" for v in vs if v is not None)
+        kw = {"fields": fields, "transport": transport, "connect": own_daemon.addr}
+        loader = shardstream.Loader(str(root), batch_size=64, **kw)
+        payload = sum(len(v) for b in loader for k, vs in b.items() if k != "__key__" for v in vs if v is not None)
         assert loader.stats()["transport"] == transport
         got[transport] = (payload, own_daemon.status()["bytes_served"] - before)
     assert got["shm"] == got["inline"] and got["shm"][0] == got["shm"][1], got
