@@ -870,15 +870,25 @@ def test_a_damaged_footer_is_a_shard_error_naming_the_file(daemon, varied, tmp_p
         list(shardstream.Loader(str(root), batch_size=64, connect=daemon.addr))
 
 
-def test_a_corrupt_page_is_a_shard_error_and_no_garbage_rows(daemon, tmp_path: Path) -> None:
-    t = pa.table({"v": np.arange(4000, dtype=np.int64)})
-    path = tmp_path / "c-000.parquet"
-    pq.write_table(t, path, row_group_size=1000, compression="zstd", use_dictionary=False)
+def corrupt_page(root: Path) -> None:
+    """`root/c-000.parquet`: 4000 rows `v` = 0..3999 in row groups of 1000, whose row group 2's
+    only data page header is Thrift that cannot decode."""
+    path = root / "c-000.parquet"
+    pq.write_table(
+        pa.table({"v": np.arange(4000, dtype=np.int64)}),
+        path,
+        row_group_size=1000,
+        compression="zstd",
+        use_dictionary=False,
+    )
     col = pq.ParquetFile(path).metadata.row_group(2).column(0)
     data = bytearray(path.read_bytes())
-    # The page header of row group 2's only data page: Thrift that cannot decode.
     data[col.data_page_offset : col.data_page_offset + 8] = b"\xff" * 8
     path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_page_is_a_shard_error_and_no_garbage_rows(daemon, tmp_path: Path) -> None:
+    corrupt_page(tmp_path)
     got: list[int] = []
     with pytest.raises(shardstream.ShardError, match="c-000.parquet"):
         for batch in shardstream.Loader(str(tmp_path), batch_size=100, shuffle=False, connect=daemon.addr):
@@ -891,13 +901,7 @@ def test_a_shard_error_in_dataloader_workers_reaches_the_trainer(daemon, tmp_pat
     # torch pickles a worker's exception to the trainer; ShardError's module was '_native', which
     # no process can import: the pickling failed, the worker's error was dropped, and the epoch
     # ended after 200 of 4000 rows as if it were whole.
-    t = pa.table({"v": np.arange(4000, dtype=np.int64)})
-    path = tmp_path / "c-000.parquet"
-    pq.write_table(t, path, row_group_size=1000, compression="zstd", use_dictionary=False)
-    col = pq.ParquetFile(path).metadata.row_group(2).column(0)
-    data = bytearray(path.read_bytes())
-    data[col.data_page_offset : col.data_page_offset + 8] = b"\xff" * 8
-    path.write_bytes(bytes(data))
+    corrupt_page(tmp_path)
     ds = sst.IterableDataset(str(tmp_path), batch_size=100, shuffle=False, connect=daemon.addr)
     rows = 0
     with pytest.raises(shardstream.ShardError, match="c-000.parquet"):
