@@ -33,10 +33,11 @@ def test_size_and_count_flags_out_of_range_are_refused(tmp_path: Path) -> None:
 
 def test_an_error_prints_each_cause_once(tmp_path: Path) -> None:
     # An I/O error's message holds its OS reason, and the CLI printed the cause chain after it:
-    # "File exists (os error 17): File exists (os error 17)".
+    # "File exists (os error 17): File exists (os error 17)". A directory below a file gives an
+    # OS error (a --cache-dir that is itself a file is named as such, without one).
     (tmp_path / "a-file").write_text("")
-    p = run("serve", "--listen", f"unix://{tmp_path / 'sock'}", "--cache-dir", str(tmp_path / "a-file"))
+    p = run("serve", "--listen", f"unix://{tmp_path / 'sock'}", "--cache-dir", str(tmp_path / "a-file" / "sub"))
     assert p.returncode == 1, p.stderr
-    assert p.stderr.count("File exists") == 1 and str(tmp_path / "a-file") in p.stderr, p.stderr
+    assert p.stderr.count("Not a directory") == 1 and str(tmp_path / "a-file") in p.stderr, p.stderr
     p = run("index", str(tmp_path / "a-file" / "x"))
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
