@@ -652,9 +652,9 @@ class Loader:
         missing = [k for k in self.state_dict() if k not in state]
         if missing:
             raise ValueError(f"the state is missing {', '.join(missing)}: it is not from a Loader's state_dict()")
-        for key, bound in (("epoch", 1 << 64), ("batches_consumed", 1 << 64)):
+        for key in ("epoch", "batches_consumed"):
             value = state[key]
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
                 raise ValueError(f"the state's {key} must be an integer from 0 to 2**64-1, not {value!r}")
         for key in ("batch_size", "seed", "shuffle", "shuffle_window", "world_size", "drop_last", "rank"):
             if state[key] != getattr(self, key):

@@ -622,17 +622,14 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
     linger_for_credits(rdma, stopping);
 }
 
-/// Ends a stream with its error `e`; or, when the build gave up because the daemon is shutting
-/// down, with what a shutdown says (not waiting on a client that stopped reading, as the
-/// shutdown's own branch does not).
+/// Ends a stream with its error `e` ([`outbox::last_word`]).
 async fn fail(tx: &outbox::Outbox, dataset: &str, e: Error, shutdown: &CancellationToken) {
-    if shutdown.is_cancelled() {
-        tracing::debug!(dataset, error = %e, "stream ended by the shutdown");
-        tx.try_send(Err(outbox::shutting_down()));
-        return;
+    match outbox::last_word(dataset, e, shutdown) {
+        outbox::Ending::Shutdown(status) => tx.try_send(Err(status)),
+        outbox::Ending::Failed(status) => {
+            let _ = tx.send(Err(status)).await;
+        }
     }
-    tracing::warn!(dataset, error = %e, "stream failed");
-    let _ = tx.send(Err(to_status(e))).await;
 }
 
 /// Samples (rows) a batch message carries, for the served-samples metric.

@@ -73,15 +73,16 @@ impl Outbox {
         e: crate::Error,
         shutdown: &tokio_util::sync::CancellationToken,
     ) {
-        if shutdown.is_cancelled() {
-            tracing::debug!(dataset, error = %e, "stream ended by the shutdown");
-            group.push(Err(shutting_down()));
-            self.try_send_all(group);
-            return;
+        match last_word(dataset, e, shutdown) {
+            Ending::Shutdown(status) => {
+                group.push(Err(status));
+                self.try_send_all(group);
+            }
+            Ending::Failed(status) => {
+                group.push(Err(status));
+                let _ = self.blocking_send_all(group);
+            }
         }
-        tracing::warn!(dataset, error = %e, "stream failed");
-        group.push(Err(super::to_status(e)));
-        let _ = self.blocking_send_all(group);
     }
 
     /// Whether a stream on a blocking thread must stop before its next batch: the client left, or
@@ -140,6 +141,23 @@ impl tokio_stream::Stream for Messages {
 /// What a stream's client is told when the daemon's shutdown ends it.
 pub fn shutting_down() -> Status {
     Status::unavailable("daemon is shutting down")
+}
+
+/// How a stream that failed with `e` ends, logged once: a build that gave up because the daemon
+/// is shutting down says so (sent without waiting on a client that stopped reading, as the
+/// shutdown's own branch is), any other failure is the error itself.
+pub enum Ending {
+    Shutdown(Status),
+    Failed(Status),
+}
+
+pub fn last_word(dataset: &str, e: crate::Error, shutdown: &tokio_util::sync::CancellationToken) -> Ending {
+    if shutdown.is_cancelled() {
+        tracing::debug!(dataset, error = %e, "stream ended by the shutdown");
+        return Ending::Shutdown(shutting_down());
+    }
+    tracing::warn!(dataset, error = %e, "stream failed");
+    Ending::Failed(super::to_status(e))
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ impl Unserved {
         let exts: Vec<&str> = self.compressed.keys().copied().collect();
         let names: Vec<&str> = self.compressed_names.iter().map(String::as_str).collect();
         let more = if n > names.len() { ", ..." } else { "" };
-        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        let files = files(n);
         Some(Error::invalid(format!(
             "{place} holds {files} ending in {} ({}{more}) beside the shards it serves: shards compressed \
              whole are not served (members are read in place), and serving the others alone would be part \
@@ -75,6 +75,11 @@ impl Unserved {
 /// How many names an error shows of a kind.
 const SHOWN: usize = 4;
 
+/// "1 file", "3 files".
+fn files(n: usize) -> String {
+    if n == 1 { "1 file".to_owned() } else { format!("{n} files") }
+}
+
 /// The error for a dataset place (a directory, an S3 prefix) with no shard of its own. `nested`:
 /// its subdirectories (sorted) whose own entries include shards, as a directory per split has
 /// them; a dataset is the shards of the one place named, so the user is told which places to name
@@ -83,7 +88,7 @@ const SHOWN: usize = 4;
 pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[String], unserved: &Unserved) -> Error {
     let mut path = format!("{place} (the {holder} holds none");
     if let Some((ext, n)) = unserved.most() {
-        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        let files = files(n);
         path.push_str(&format!(
             "; it holds {files} ending in {ext}: shards compressed whole are not served (members are \
              read in place), so store them uncompressed (e.g. gunzip, zstd -d)"
@@ -91,14 +96,14 @@ pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[Stri
     }
     if unserved.parquet_named_otherwise > 0 {
         let n = unserved.parquet_named_otherwise;
-        let files = if n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        let files = files(n);
         path.push_str(&format!(
             "; it holds {files} ending in .pq or .parq: Parquet shards are found by their name, \
              *.parquet, so rename them"
         ));
     }
     if let (n @ 1.., first) = &unserved.no_extension {
-        let files = if *n == 1 { "1 file".to_owned() } else { format!("{n} files") };
+        let files = files(*n);
         let names: Vec<&str> = first.iter().map(String::as_str).collect();
         let more = if *n > first.len() { ", ..." } else { "" };
         path.push_str(&format!(

@@ -43,9 +43,14 @@ pub fn rezone(meta: ArrowReaderMetadata) -> Result<ArrowReaderMetadata, ParquetE
     ArrowReaderMetadata::try_new(meta.metadata().clone(), ArrowReaderOptions::new().with_schema(fixed))
 }
 
+/// How arrow-rs names the zone of a timestamp Parquet marks as adjusted to UTC.
+fn is_utc(tz: &str) -> bool {
+    matches!(tz, "UTC" | "+00:00")
+}
+
 fn has_utc_timestamp(t: &DataType) -> bool {
     match t {
-        DataType::Timestamp(_, Some(tz)) => matches!(tz.as_ref(), "UTC" | "+00:00"),
+        DataType::Timestamp(_, Some(tz)) => is_utc(tz),
         DataType::Struct(fs) => fs.iter().any(|f| has_utc_timestamp(f.data_type())),
         DataType::List(f) | DataType::LargeList(f) | DataType::FixedSizeList(f, _) => has_utc_timestamp(f.data_type()),
         _ => false,
@@ -69,7 +74,7 @@ fn zoned(read: &DataType, hint: &DataType) -> Option<DataType> {
     let child = |f: &FieldRef, h: &FieldRef| zoned(f.data_type(), h.data_type()).map(|t| with_type(f, t));
     match (read, hint) {
         (DataType::Timestamp(unit, Some(read_tz)), DataType::Timestamp(hint_unit, Some(hint_tz)))
-            if unit != hint_unit && read_tz != hint_tz && matches!(read_tz.as_ref(), "UTC" | "+00:00") =>
+            if unit != hint_unit && read_tz != hint_tz && is_utc(read_tz) =>
         {
             Some(DataType::Timestamp(*unit, Some(hint_tz.clone())))
         }
