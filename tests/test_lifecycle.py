@@ -49,6 +49,18 @@ def test_a_cache_dir_that_is_a_file_is_named_as_such(tmp_path: Path) -> None:
     assert not (tmp_path / "sock").exists()
 
 
+def test_a_start_that_fails_after_binding_leaves_no_socket_behind(tmp_path: Path) -> None:
+    # With its metrics port taken the daemon exited but left its socket: `status` then said
+    # "Connection refused" until the next start replaced it as stale.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = serve(tmp_path, tmp_path / "sock", "--metrics-addr", f"127.0.0.1:{port}")
+    assert out.returncode != 0 and "metrics" in out.stderr, out.stderr
+    assert not (tmp_path / "sock").exists() and not (tmp_path / "sock.shm").exists()
+
+
 def test_serve_refuses_a_live_socket_of_another_program(tmp_path: Path) -> None:
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     other.bind(str(tmp_path / "sock"))

@@ -340,6 +340,42 @@ def test_a_full_cache_does_not_keep_the_prefetcher_busy(tmp_path: Path, s3: S3Se
         assert d.stop() == 0
 
 
+def test_prefetch_into_a_cache_smaller_than_the_dataset_stages_the_head_of_the_epoch(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    # Opening a dataset without a manifest indexes each shard through the node cache, which here
+    # kept whichever 3 of them came last; staging, which never evicts, then stopped at once
+    # ("staged 0 of 10") or counted those as "already cached", and the head of the epoch was
+    # missing. It may now replace the dataset's own copies needed later with those needed first.
+    big_dataset(s3, "tight", shards=10, per_shard=1, size=600_000)
+    shards = sorted((s3.root / "data/tight").glob("*.tar"))
+    capacity = 3 * max(p.stat().st_size for p in shards) + 4096
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "tight").mkdir()
+    ref = start_daemon(tmp_path / "ref", s3)
+    try:
+        keys = [k for b in shardstream.Loader("s3://data/tight/", batch_size=1, connect=ref.addr) for k in b["__key__"]]
+    finally:
+        assert ref.stop() == 0
+    order = [shards[int(k.rsplit("/", 1)[1])].name for k in keys]
+    d = start_daemon(tmp_path / "tight", s3, "--cache-size", str(capacity))
+    try:
+        for _ in range(2):
+            p = subprocess.run(
+                [SHARDSTREAM, "prefetch", "s3://data/tight/", "--connect", d.addr],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert p.returncode == 0 and "staged 3 of 10 shards" in p.stdout, (p.stdout, p.stderr)
+            assert "the node cache is full" in p.stderr, p.stderr
+            cached = {f.name.split("-", 1)[1] for f in (d.cache_dir / "shards").glob("*.tar")}
+            assert cached == set(order[:3]), (cached, order)
+        assert "3 already cached" in p.stdout, p.stdout
+    finally:
+        assert d.stop() == 0
+
+
 def test_daemon_killed_mid_download_never_serves_a_partial_file(tmp_path: Path, s3: S3Server) -> None:
     samples = big_dataset(s3, "sigkill", shards=4)
     d = start_daemon(tmp_path, s3, *SLOW)
