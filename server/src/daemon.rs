@@ -210,6 +210,14 @@ impl BoundDaemon {
 
     /// Serves until `shutdown` is cancelled, then lets in-flight streams end.
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        // A start that fails before serving (metrics port taken, cache locked by another daemon)
+        // removes the socket it bound: left behind, `status` said "connection refused" until
+        // the next start replaced it as stale. Disarmed once serving, when the path may be
+        // another daemon's by the time this one ends.
+        let mut unbind = Unbind(match &self.listener {
+            Listener::Unix(_, path) => Some(path.clone()),
+            Listener::Tcp(_) => None,
+        });
         if let Some(addr) = self.config.metrics_addr {
             crate::metrics::install_exporter(addr)?;
             tracing::info!(%addr, "serving prometheus metrics");
@@ -284,6 +292,7 @@ impl BoundDaemon {
                 (Box::pin(router.serve_with_incoming_shutdown(nodelay(TcpListenerStream::new(l)), signal)), None)
             }
         };
+        unbind.0 = None;
         if notify {
             // Connections made from now on are served (they queue in the backlog until the
             // server's first poll, a moment later).
@@ -315,6 +324,17 @@ impl BoundDaemon {
             }
         }
         served
+    }
+}
+
+/// Removes a Unix socket this daemon bound, when dropped armed.
+struct Unbind(Option<std::path::PathBuf>);
+
+impl Drop for Unbind {
+    fn drop(&mut self) {
+        if let Some(path) = &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
