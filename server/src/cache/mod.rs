@@ -309,6 +309,35 @@ impl NodeCache {
         self.lock().get(key).is_some()
     }
 
+    /// Frees `bytes` of room by evicting ready entries among `keys`, in their order, that nobody
+    /// pins or leases, and never another entry; true when the room is there. Staging replaces a
+    /// dataset's own copies needed later with those needed first this way: it evicts nobody
+    /// else's.
+    pub fn make_room_from(&self, bytes: u64, keys: &[&str]) -> bool {
+        let ev = self.eviction();
+        let (evicted, room) = {
+            let mut t = self.lock();
+            let free = |t: &CacheTable| t.capacity().saturating_sub(t.used());
+            let mut evicted = Vec::new();
+            for k in keys {
+                if free(&t) >= bytes {
+                    break;
+                }
+                let idle = t.get(k).is_some_and(|e| e.state == table::State::Ready && e.pins == 0);
+                if idle && !ev.leased(k) && t.remove_ready(k) {
+                    evicted.push((*k).to_owned());
+                }
+            }
+            (evicted, free(&t) >= bytes)
+        };
+        if !evicted.is_empty() {
+            self.remove_evicted(&evicted);
+            self.publish_gauges();
+            self.changed.notify_all();
+        }
+        room
+    }
+
     pub fn stats(&self) -> CacheStats {
         let t = self.lock();
         let (derived, derived_bytes) = t.count_prefixed(DERIVED_PREFIX);
@@ -777,6 +806,23 @@ mod tests {
         assert!(s.high_water <= 10 && s.evictions == 3, "{s:?}");
         let err = cache.get("huge", 11, Want::NOW, &mut write(b"")).unwrap_err().to_string();
         assert!(err.contains("larger than the node cache"), "{err}");
+    }
+
+    #[test]
+    fn making_room_evicts_only_the_listed_idle_entries_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(15), Policy::Lru).unwrap();
+        drop(cache.get("other", 5, Want::NOW, &mut write(b"ooooo")).unwrap().unwrap());
+        let pinned = cache.get("pinned", 5, Want::NOW, &mut write(b"ppppp")).unwrap().unwrap();
+        drop(cache.get("late", 5, Want::NOW, &mut write(b"lllll")).unwrap().unwrap());
+        assert!(!cache.make_room_from(10, &["pinned", "absent", "late"]), "a pinned copy is never taken");
+        assert!(cache.is_ready("pinned") && cache.is_ready("other") && !cache.is_ready("late"));
+        assert!(!dir.path().join("shards/late").try_exists().unwrap());
+        assert!(cache.make_room_from(5, &["other"]) && cache.is_ready("other"), "the room was free already");
+        drop(pinned);
+        assert!(cache.make_room_from(10, &["pinned", "other"]));
+        assert!(!cache.is_ready("pinned") && cache.is_ready("other"), "no more is evicted than the room needs");
+        assert_eq!(cache.stats().used, 5);
     }
 
     #[test]

@@ -972,6 +972,13 @@ impl Dataset {
         self.has_room(self.shards[i].len)
     }
 
+    /// Frees `bytes` of room in the node cache by evicting idle entries among `keys` only
+    /// ([`NodeCache::make_room_from`](crate::cache::NodeCache::make_room_from)); false without
+    /// a node cache.
+    pub fn make_room_from(&self, bytes: u64, keys: &[&str]) -> bool {
+        self.backends.cache.as_ref().is_some_and(|c| c.make_room_from(bytes, keys))
+    }
+
     /// True when the node cache has `bytes` of free room without evicting anything.
     pub fn has_room(&self, bytes: u64) -> bool {
         self.backends.cache.as_ref().is_some_and(|c| {

@@ -85,6 +85,11 @@ impl ProjectedReads {
         self.files.get(&shard).map_or(0, |(pf, _)| pf.len())
     }
 
+    /// The node-cache key of file `shard`'s compact copy.
+    pub fn copy_key(&self, shard: usize) -> Option<&str> {
+        self.files.get(&shard).map(|(_, key)| key.as_str())
+    }
+
     /// True when file `shard`'s compact copy is in the node cache, ready to read.
     pub fn is_ready(&self, shard: usize) -> bool {
         self.files.get(&shard).is_some_and(|(_, key)| self.ds.is_cached(key))

@@ -1,9 +1,12 @@
 //! `Prefetch`: stages a dataset into the node cache before training starts (SLURM prologs,
 //! Kubernetes init containers), in the order an epoch will first use its shards, so that even a
 //! partial staging (`max_shards`, or a cache smaller than the dataset) holds what is needed first.
-//! Staging never evicts: it stops when the cache has no free room left, and says so. With
-//! `fields` (Parquet), it stages what a stream selecting those columns reads: on S3, each file's
-//! copy of their column chunks ([`super::projected`]), else whole files as without.
+//! Staging evicts nobody else's data: when the cache has no free room it makes room only from the
+//! dataset's own idle copies needed later in the order (opening a dataset without a manifest
+//! indexes every shard through the cache, which keeps whichever fit), and stops, saying so, when
+//! those do not make enough. With `fields` (Parquet), it stages what a stream selecting those
+//! columns reads: on S3, each file's copy of their column chunks ([`super::projected`]), else whole
+//! files as without.
 
 use std::sync::Arc;
 
@@ -84,6 +87,14 @@ impl Staging {
         }
     }
 
+    /// The node-cache key of what is staged for file `i`.
+    fn key<'a>(&'a self, ds: &'a Dataset, i: usize) -> Option<&'a str> {
+        match self {
+            Staging::Whole => ds.cache_key(i),
+            Staging::Columns(reads) => reads.copy_key(i),
+        }
+    }
+
     fn is_cached(&self, ds: &Dataset, i: usize) -> bool {
         match self {
             Staging::Whole => ds.is_local(i),
@@ -114,46 +125,60 @@ pub(crate) async fn stage(
         ))));
     }
     let job = ds.clone();
+    let max_shards = req.max_shards;
     let (order, staging) = blocking(move || {
         let staging = Staging::of(&job, &req.fields)?;
-        let mut order = epoch_order(&job, &req)?;
-        if req.max_shards > 0 {
-            order.truncate(usize::try_from(req.max_shards).unwrap_or(usize::MAX));
-        }
-        Ok((order, staging))
+        Ok((epoch_order(&job, &req)?, staging))
     })
     .await
     .map_err(to_status)?;
+    let limit = match usize::try_from(max_shards) {
+        Ok(n) if n > 0 => n.min(order.len()),
+        _ => order.len(),
+    };
     let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(run(ds, Arc::new(staging), order, tx));
+    tokio::spawn(run(ds, Arc::new(staging), Arc::new(order), limit, tx));
     Ok(ReceiverStream::new(rx))
 }
 
+/// Stages the first `limit` files of `order` (the whole epoch's order, whose later files are
+/// the ones whose copies may make room for earlier ones).
 async fn run(
     ds: Arc<Dataset>,
     staging: Arc<Staging>,
-    order: Vec<usize>,
+    order: Arc<Vec<usize>>,
+    limit: usize,
     tx: mpsc::Sender<Result<PrefetchProgress, Status>>,
 ) {
+    let head = &order[..limit];
     let mut progress = PrefetchProgress {
-        shards_total: order.len() as u64,
-        bytes_total: order.iter().map(|&i| staging.len(&ds, i)).sum(),
+        shards_total: head.len() as u64,
+        bytes_total: head.iter().map(|&i| staging.len(&ds, i)).sum(),
         ..Default::default()
     };
+    // Several files at a time when what is missing fits in the free room; otherwise one at a
+    // time, so that no fetch in flight takes the room another one made.
+    let missing: u64 = head.iter().filter(|&&i| !staging.is_cached(&ds, i)).map(|&i| staging.len(&ds, i)).sum();
+    let parallel = if ds.has_room(missing) { STAGE_PARALLEL } else { 1 };
     let mut tasks = tokio::task::JoinSet::new();
-    let mut next = order.into_iter();
+    let mut next = 0..limit;
     let mut full = false;
     loop {
-        while !full && tasks.len() < STAGE_PARALLEL {
-            let Some(i) = next.next() else { break };
-            let (job, staging) = (ds.clone(), staging.clone());
-            // Room is checked before each fetch starts: staging fills free space, never evicts.
+        while !full && tasks.len() < parallel {
+            let Some(at) = next.next() else { break };
+            let (job, staging, order) = (ds.clone(), staging.clone(), order.clone());
+            let i = order[at];
             let started = blocking(move || {
                 if staging.is_cached(&job, i) {
                     return Ok(Some(true));
                 }
-                if !job.has_room(staging.len(&job, i)) {
-                    return Ok(None);
+                let len = staging.len(&job, i);
+                if !job.has_room(len) {
+                    // The copies needed last go first; the ones staged before this stay.
+                    let later: Vec<&str> = order[at + 1..].iter().rev().filter_map(|&j| staging.key(&job, j)).collect();
+                    if !job.make_room_from(len, &later) {
+                        return Ok(None);
+                    }
                 }
                 staging.fetch(&job, i).map(|()| Some(false))
             });
