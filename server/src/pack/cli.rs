@@ -188,9 +188,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         _ => return Err(format!("unknown size unit {unit:?} in {s:?} (use e.g. 512MiB, 1G, 2GB)")),
     };
     let value: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (use e.g. 512MiB, 1G, 2GB)"))?;
+    // Zero and fractions of a byte parse (as 0): each flag's range check then names its range.
     let bytes = value * mult as f64;
-    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
-        return Err(format!("size {s:?} is out of range"));
+    if !(bytes.is_finite() && bytes < u64::MAX as f64) {
+        return Err(format!("size {s:?} is too large"));
     }
     Ok(bytes as u64)
 }
@@ -313,7 +314,8 @@ mod tests {
         assert_eq!(parse_size("512mib").unwrap(), 512 << 20);
         assert_eq!(parse_size("1.5K").unwrap(), 1536);
         assert_eq!(parse_size("4096").unwrap(), 4096);
-        for bad in ["", "0", "G", "1Q", "-1G", "1e30T"] {
+        assert_eq!(parse_size("0").unwrap(), 0);
+        for bad in ["", "G", "1Q", "-1G", "1e30T", "99999999999T"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
     }
