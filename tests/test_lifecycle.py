@@ -61,6 +61,40 @@ def test_a_start_that_fails_after_binding_leaves_no_socket_behind(tmp_path: Path
     assert not (tmp_path / "sock").exists() and not (tmp_path / "sock.shm").exists()
 
 
+def a_socket_path(tmp: Path, length: int) -> Path:
+    """A path of `length` bytes ending in `/sock`, its directory made."""
+    pad = length - len(str(tmp)) - len("/sock") - 1
+    assert pad > 0, tmp
+    (tmp / ("d" * pad)).mkdir()
+    path = tmp / ("d" * pad) / "sock"
+    assert len(str(path)) == length
+    return path
+
+
+def test_a_socket_path_too_long_for_a_unix_address_is_named_with_the_limit(tmp_path: Path) -> None:
+    # It said "socket path too long <dir>/.ss1a2b3c4d/s: File name too long", naming a temporary
+    # directory of the daemon's, not the path given or how long it may be.
+    path = a_socket_path(tmp_path, 104)
+    out = serve(tmp_path, path)
+    assert out.returncode != 0, out.stderr
+    assert f"{path} is 104 bytes" in out.stderr and "at most 103" in out.stderr, out.stderr
+    assert ".ss" not in out.stderr, out.stderr
+    assert list(path.parent.iterdir()) == [] and not (tmp_path / "cache").exists()
+
+
+def test_the_longest_socket_path_that_fits_is_served(tmp_path: Path) -> None:
+    # The socket is bound in a temporary directory beside its final path, 9 bytes longer than
+    # `sock`: a path that fits was refused when that one did not.
+    path = a_socket_path(tmp_path, 103)
+    d = Daemon(tmp_path, addr=f"unix://{path}").start()
+    try:
+        out = subprocess.run([SHARDSTREAM, "status", "--connect", d.addr], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert sorted(p.name for p in path.parent.iterdir()) == ["sock", "sock.shm"]
+    finally:
+        assert d.stop() == 0
+
+
 def test_serve_refuses_a_live_socket_of_another_program(tmp_path: Path) -> None:
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     other.bind(str(tmp_path / "sock"))
