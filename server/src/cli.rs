@@ -97,7 +97,8 @@ pub struct ServeArgs {
     /// Print the effective configuration (after flags, environment and file) as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
-    /// Where to listen: unix:///path/to/socket or tcp://host:port.
+    /// Where to listen: unix:///path/to/socket or tcp://host:port. A socket path is at most 103
+    /// bytes (it and its side channel `<path>.shm` must fit in a Unix socket address).
     #[arg(long, env = "SHARDSTREAM_LISTEN", default_value = "unix:///run/shardstream/sock")]
     pub listen: String,
     /// Permission bits of the Unix sockets (octal; 0660 lets the socket's group connect).

@@ -152,6 +152,16 @@ impl BoundDaemon {
         // The socket directory first: when the cache lives beside the socket, creating the cache
         // directory must not create the socket's parent with the wrong mode.
         if let Address::Unix(path) = &config.listen {
+            // Checked before anything is made: the side channel's path is the longer one.
+            crate::socket_file::check_len(
+                path,
+                crate::socket_file::SUN_PATH_MAX - crate::transport::shm::SIDE_SUFFIX.len(),
+                &format!(
+                    "its side channel, {}, must fit in a Unix socket address's {}",
+                    crate::transport::shm::side_socket_path(path).display(),
+                    crate::socket_file::SUN_PATH_MAX
+                ),
+            )?;
             crate::socket_file::prepare_dir(path, &config.socket_access)?;
         }
         create_private_cache_dir(&config.cache_dir)?;

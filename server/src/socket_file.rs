@@ -20,6 +20,19 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use crate::{Error, Result};
 
+/// The longest path a Unix socket address holds: `sun_path` is 108 bytes with its NUL.
+pub const SUN_PATH_MAX: usize = 107;
+
+/// An error naming `path` and the limit when it is longer than `max` bytes; `why` says where the
+/// limit comes from (a caller binding two sockets from one path gives the shorter).
+pub fn check_len(path: &Path, max: usize, why: &str) -> Result<()> {
+    let n = path.as_os_str().len();
+    if n <= max {
+        return Ok(());
+    }
+    Err(Error::invalid(format!("socket path {} is {n} bytes; it may be at most {max} ({why})", path.display())))
+}
+
 /// Who may connect to the daemon's sockets: the file mode and (optionally) the group owning them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SocketAccess {
@@ -142,6 +155,7 @@ pub fn prepare_dir(path: &Path, access: &SocketAccess) -> Result<()> {
 /// Binds and listens on a Unix socket of type `ty` at `path` with `access` from the first moment
 /// (see the module docs). Refuses to replace anything but a stale socket.
 pub fn listen(path: &Path, ty: SocketType, access: &SocketAccess, backlog: i32) -> Result<OwnedFd> {
+    check_len(path, SUN_PATH_MAX, "what a Unix socket address holds")?;
     prepare_dir(path, access)?;
     clear_stale(path, ty)?;
     let staging = staging_dir(path)?;
@@ -170,8 +184,22 @@ fn bind_in(staging: &Path, path: &Path, ty: SocketType, access: &SocketAccess, b
     let tmp = staging.join("s");
     let fd = rustix::net::socket_with(AddressFamily::UNIX, ty, SocketFlags::CLOEXEC, None)
         .map_err(|e| errno("cannot create socket", path, e))?;
-    let addr = SocketAddrUnix::new(&tmp).map_err(|e| errno("socket path too long", &tmp, e))?;
-    rustix::net::bind(&fd, &addr).map_err(|e| errno("cannot bind", path, e))?;
+    if tmp.as_os_str().len() <= SUN_PATH_MAX {
+        let addr = SocketAddrUnix::new(&tmp).map_err(|e| errno("cannot bind", path, e))?;
+        rustix::net::bind(&fd, &addr).map_err(|e| errno("cannot bind", path, e))?;
+    } else {
+        // The staging directory's name makes this path longer than the final one, which fits:
+        // bind through the directory's descriptor (`/proc/self/fd/N/s` resolves to it).
+        let dir = rustix::fs::open(
+            staging,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| errno("cannot open the staging directory for", path, e))?;
+        let short = format!("/proc/self/fd/{}/s", std::os::fd::AsRawFd::as_raw_fd(&dir));
+        let addr = SocketAddrUnix::new(short.as_str()).map_err(|e| errno("cannot bind", path, e))?;
+        rustix::net::bind(&fd, &addr).map_err(|e| errno("cannot bind (through /proc/self/fd)", path, e))?;
+    }
     if let Some(gid) = access.group {
         rustix::fs::chown(&tmp, None, Some(Gid::from_raw(gid)))
             .map_err(|e| errno("cannot give the socket group (is the daemon a member?) to", path, e))?;

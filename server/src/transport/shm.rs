@@ -79,10 +79,13 @@ pub const MAX_CREDITS: u32 = 1024;
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What the side channel's path adds to the gRPC socket's.
+pub const SIDE_SUFFIX: &str = ".shm";
+
 /// Side-channel path for a daemon socket.
 pub fn side_socket_path(socket: &Path) -> PathBuf {
     let mut p = socket.as_os_str().to_owned();
-    p.push(".shm");
+    p.push(SIDE_SUFFIX);
     PathBuf::from(p)
 }
 
