@@ -96,11 +96,13 @@ def test_bad_socket_mode_is_refused(tmp_path: Path, bad: str) -> None:
 def test_group_member_of_another_uid_connects_only_with_group_access(shared_dir: Path) -> None:
     data = shared_dir / "data"
     write_dataset(data, n=50, per_shard=10)
-    # Owner-only (the default): nobody is refused by the kernel.
+    # Owner-only (the default): nobody is refused by the kernel, which is a PermissionError
+    # (it was a ConnectionError, as for a daemon that is down) that says who decides.
     d = Daemon(shared_dir / "a").start()
     try:
         out = run_client(str(data), d.addr, NOBODY, NOBODY)
-        assert out.startswith(("ConnectionError", "PermissionError")), out
+        assert out.startswith("PermissionError") and "--socket-mode" in out, out
+        assert "not serving" not in out and d.addr in out, out
     finally:
         assert d.stop() == 0
     # Group access for nogroup: nobody (primary group nogroup) streams the dataset.
@@ -339,5 +341,34 @@ def test_status_names_only_the_datasets_the_peer_may_open(shared_dir: Path) -> N
 
         assert status_as(NOBODY) == [str(a)]
         assert status_as(0) == sorted([str(a), str(b)])
+    finally:
+        assert d.stop() == 0
+
+
+CLI_AS = textwrap.dedent(
+    """
+    import sys, os, shardstream._native as native
+    uid = int(sys.argv[1])
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    sys.exit(native.cli_main(["shardstream", *sys.argv[2:]]))
+    """
+)
+
+
+@needs_root
+def test_status_of_a_user_the_socket_refuses_says_so_at_once(shared_dir: Path) -> None:
+    # It said "daemon at ... is not serving", and with --wait retried until the wait ran out.
+    d = Daemon(shared_dir / "a").start()
+    try:
+        started = time.monotonic()
+        r = subprocess.run(
+            [sys.executable, "-c", CLI_AS, str(NOBODY), "status", "--connect", d.addr, "--wait", "20"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode != 0 and time.monotonic() - started < 10, r.stderr
+        assert "not serving" not in r.stderr and "permission denied" in r.stderr.lower(), r.stderr
+        assert "--socket-mode" in r.stderr, r.stderr
     finally:
         assert d.stop() == 0
