@@ -69,6 +69,12 @@ pub enum ClientError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// The daemon's Unix socket does not let this user connect: no retry changes that.
+    #[error(
+        "permission denied connecting to the shardstream daemon at {addr}: its socket does not let \
+         this user in (the daemon's --socket-mode and --socket-group say who may connect)"
+    )]
+    Refused { addr: String },
     /// An error the daemon reported (its status code says which kind).
     #[error("{}", .0.message())]
     Status(tonic::Status),
@@ -329,6 +335,19 @@ pub fn is_loopback(host_port: &str) -> bool {
     }
 }
 
+/// [`ClientError::Refused`] when the socket refused this user (EACCES), else
+/// [`ClientError::Connect`].
+fn connect_error(addr: &Address, source: tonic::transport::Error) -> ClientError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&source);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied) {
+            return ClientError::Refused { addr: addr.to_string() };
+        }
+        cause = e.source();
+    }
+    ClientError::Connect { addr: addr.to_string(), source }
+}
+
 /// Connects to a daemon (waits for the connection, so a missing daemon is an error here), with
 /// the credentials of the environment ([`Credentials::from_env`]).
 pub async fn connect(addr: &Address) -> Result<Client, ClientError> {
@@ -337,7 +356,7 @@ pub async fn connect(addr: &Address) -> Result<Client, ClientError> {
 
 /// Connects to a daemon with the given credentials.
 pub async fn connect_with(addr: &Address, creds: &Credentials) -> Result<Client, ClientError> {
-    let connect_err = |source| ClientError::Connect { addr: addr.to_string(), source };
+    let connect_err = |source| connect_error(addr, source);
     let auth = Auth(creds.bearer(addr)?);
     let channel = match addr {
         Address::Tcp(hp) => tuned(Endpoint::from_shared(format!("http://{hp}")).map_err(connect_err)?)

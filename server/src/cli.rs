@@ -511,7 +511,12 @@ fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<
     let reply = loop {
         match rt.block_on(status_once(&addr, limit, timeout)) {
             Ok(r) => break r,
-            Err(e) if std::time::Instant::now() >= until => return Err(e),
+            Err(e)
+                if std::time::Instant::now() >= until
+                    || matches!(e.downcast_ref(), Some(shardstream_client::ClientError::Refused { .. })) =>
+            {
+                return Err(e);
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(500)),
         }
     };
@@ -519,11 +524,13 @@ fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<
 }
 
 /// One attempt: connect and ask, under one deadline (a daemon that accepts but hangs is not ready).
+/// A socket that refuses this user stays a `ClientError::Refused`: the one failure no wait changes.
 async fn status_once(addr: &Address, limit: Duration, timeout: f64) -> anyhow::Result<shardstream_proto::StatusReply> {
     tokio::time::timeout(limit, async {
-        let mut client = shardstream_client::connect(addr)
-            .await
-            .map_err(|e| anyhow::anyhow!("daemon at {addr} is not serving: {e}"))?;
+        let mut client = shardstream_client::connect(addr).await.map_err(|e| match e {
+            e @ shardstream_client::ClientError::Refused { .. } => anyhow::Error::new(e),
+            e => anyhow::anyhow!("daemon at {addr} is not serving: {e}"),
+        })?;
         let reply = client
             .status(shardstream_proto::StatusRequest {})
             .await
