@@ -103,6 +103,16 @@ def test_a_null_key_is_none_not_the_string_none() -> None:
         assert got[1] is None and got[0] in ("a", "7") and got[2] in ("None", "9"), got
 
 
+def test_a_binary_key_that_is_not_utf8_keeps_its_bytes() -> None:
+    # Decoded with replacement characters, b"caf\xe9" and b"caf\xe8" were both the key "caf\ufffd".
+    # As Python names undecodable file names (os.fsdecode), each key stays distinct and gives
+    # its bytes back with .encode("utf-8", "surrogateescape").
+    raw = [b"caf\xe9", b"caf\xe8", "café".encode()]
+    batch = pa.record_batch({"__key__": pa.array(raw, pa.binary()), "v": pa.array([0, 1, 2])})
+    got = _arrow.to_dict(reopen(ipc_bytes(batch)), np.arange(3, dtype=np.uint64))["__key__"]
+    assert [k.encode("utf-8", "surrogateescape") for k in got] == raw and got[2] == "café", got
+
+
 def test_values_read_from_buffers_match_pyarrow_at_every_slice_offset() -> None:
     # The dict form reads Arrow buffers itself (pyarrow's to_numpy imports pandas): offsets into
     # bitmaps and value buffers are where that goes wrong, so every slice start and length is
