@@ -33,8 +33,8 @@ slice, array or memoryview made from it are gone.
   "path": str}``).
 - strings: a list of ``str`` (None for nulls). Dictionary columns are decoded first. Anything
   else (structs, maps, lists of non-fixed-width types): ``to_pylist()``.
-- ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the batch has one, else each
-  row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
+- ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the batch has one (see
+  ``keys``), else each row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
 
 The daemon writes the rows' ids into each batch as a last ``__row__`` column. A dataset with a
 ``__row__`` column of its own gets none added: the Arrow form delivers the dataset's column, the
@@ -449,11 +449,13 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
 
 def keys(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> list[str | None]:
     """The batch's keys: its key column's values as str (None where null: str() would make it
-    the key "None"), else the row ids."""
+    the key "None"), else the row ids. Binary keys that are not UTF-8 are decoded as Python
+    decodes such file names (``surrogateescape``): distinct bytes stay distinct keys, and
+    ``key.encode("utf-8", "surrogateescape")`` gives the bytes back."""
     for name in KEY_COLUMNS:
         if name in batch.schema.names:
             return [
-                None if v is None else v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                None if v is None else v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else str(v)
                 for v in batch.column(name).to_pylist()
             ]
     return [str(r) for r in rows.tolist()]
