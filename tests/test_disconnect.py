@@ -1,8 +1,16 @@
 """A daemon that dies (SIGKILL: no goodbye on the wire) surfaces as the documented
 `ConnectionError`, on both transports and at every point of an epoch: before the first batch,
-mid-epoch, and while the trainer holds a batch. Never `ShardstreamError("Unknown: h2 ...")`."""
+mid-epoch, and while the trainer holds a batch. Never `ShardstreamError("Unknown: h2 ...")`.
+A remote daemon that stops answering without a reset (a host powered off or cut off, a frozen
+process) is one too, within `SHARDSTREAM_TCP_TIMEOUT` seconds or two of them."""
 
 from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +58,70 @@ def test_sigkill_is_connection_error(dataset, tmp_path, transport: str, point: s
     finally:
         if d.alive():
             d.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def outcome_within(seconds: float, work, unblock) -> tuple[BaseException | None, float]:
+    """Runs `work` in a thread; after `seconds` calls `unblock` (so that a hang ends the test
+    instead of blocking it). Returns what `work` raised and how long it took to end."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            out["error"] = e
+
+    started = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    took = time.monotonic() - started
+    unblock()
+    t.join(30)
+    return out.get("error"), took
+
+
+def test_a_tcp_daemon_that_stops_answering_is_a_connection_error(tmp_path: Path, monkeypatch) -> None:
+    # With no keepalive and no timeout the trainer waited forever on a frozen daemon (SIGSTOP,
+    # as a partitioned or powered-off host: no reset ever comes).
+    import webdataset as wds
+
+    root = tmp_path / "big"
+    root.mkdir()
+    with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=20, verbose=0) as sink:
+        for i in range(160):  # 160 MiB: more than the HTTP/2 windows and queues hold
+            sink.write({"__key__": f"k{i:04d}", "bin": bytes([i % 251]) * (1 << 20)})
+    monkeypatch.setenv("SHARDSTREAM_TCP_TIMEOUT", "2")
+    d = Daemon(tmp_path / "d", addr=f"tcp://127.0.0.1:{free_port()}", args=["--insecure"]).start()
+    try:
+        it = iter(shardstream.Loader(str(root), batch_size=2, connect=d.addr))
+        next(it)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGSTOP)
+        err, took = outcome_within(20, lambda: drain(it), d.kill)
+        assert isinstance(err, ConnectionError) and took < 20, (err, took)
+        assert not isinstance(err, shardstream.ShardstreamError)
+    finally:
+        if d.alive():
+            d.kill()
+
+
+def test_a_tcp_peer_that_accepts_but_never_answers_is_a_connection_error(dataset, monkeypatch) -> None:
+    root, _ = dataset
+    monkeypatch.setenv("SHARDSTREAM_TCP_TIMEOUT", "2")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the handshake; nobody ever reads or writes
+    addr = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        err, took = outcome_within(20, lambda: drain(shardstream.Loader(str(root), connect=addr)), silent.close)
+        assert isinstance(err, ConnectionError) and took < 20, (err, took)
+        assert addr in str(err), err
+    finally:
+        silent.close()
