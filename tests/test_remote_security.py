@@ -155,6 +155,8 @@ def test_plaintext_tcp_to_a_tls_daemon_fails(two_hosts: Hosts, tls_daemon: Remot
     plain = tls_daemon.addr.replace("tls://", "tcp://")
     got = trainer(two_hosts, str(a), plain, **creds(pki, token=None))
     assert not got["ok"] and got["type"] == "ConnectionError", got
+    # It said "lost the connection to the shardstream daemon: Unknown: transport error".
+    assert plain in got["msg"] and "tls://" in got["msg"], got
 
 
 def _serve_refused(args: list[str], want: str) -> None:

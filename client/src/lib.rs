@@ -12,6 +12,7 @@
 
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use shardstream_proto::ring::IPC_ALIGN;
@@ -60,7 +61,8 @@ fn refill(queue: usize) -> usize {
 pub enum ClientError {
     #[error("invalid daemon address {0:?}: expected unix:///path/to/socket, tls://host:port or tcp://host:port")]
     BadAddress(String),
-    /// TLS or token settings that cannot be used (a missing file, a token for plaintext).
+    /// Client settings of the environment that cannot be used (a missing TLS or token file, a
+    /// token for plaintext, a `SHARDSTREAM_TCP_TIMEOUT` that is not a number of seconds).
     #[error("{0}")]
     Credentials(String),
     #[error("cannot connect to the shardstream daemon at {addr}: {}", error_chain(.source))]
@@ -69,6 +71,12 @@ pub enum ClientError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// Connected, but the first request got no shardstream answer.
+    #[error(
+        "no shardstream daemon answered at {addr} ({detail}): is it a tls:// listener, another \
+         service, or a host that does not answer?"
+    )]
+    NoAnswer { addr: String, detail: String },
     /// The daemon's Unix socket does not let this user connect: no retry changes that.
     #[error(
         "permission denied connecting to the shardstream daemon at {addr}: its socket does not let \
@@ -198,6 +206,26 @@ impl std::fmt::Display for Address {
 pub struct Client {
     rpc: ShardstreamClient<InterceptedService<Channel, Auth>>,
     channel: InterceptedService<Channel, Auth>,
+    /// The daemon's address, for errors before it has answered once.
+    addr: String,
+}
+
+impl Client {
+    /// The error of a connection's first request (`open`, `status`): that is where a peer that
+    /// is no shardstream daemon shows (a TLS port spoken to in plaintext, another service, a
+    /// silent host), so a transport failure names the address.
+    pub fn first_answer(&self, s: tonic::Status) -> ClientError {
+        if is_transport_failure(&s) {
+            let detail = match std::error::Error::source(&s).map(error_chain) {
+                Some(chain) if !chain.contains(s.message()) => format!("{}: {chain}", s.message()),
+                Some(chain) => chain,
+                None => s.message().to_owned(),
+            };
+            ClientError::NoAnswer { addr: self.addr.clone(), detail }
+        } else {
+            s.into()
+        }
+    }
 }
 
 impl std::ops::Deref for Client {
@@ -359,14 +387,14 @@ pub async fn connect_with(addr: &Address, creds: &Credentials) -> Result<Client,
     let connect_err = |source| connect_error(addr, source);
     let auth = Auth(creds.bearer(addr)?);
     let channel = match addr {
-        Address::Tcp(hp) => tuned(Endpoint::from_shared(format!("http://{hp}")).map_err(connect_err)?)
+        Address::Tcp(hp) => remote(Endpoint::from_shared(format!("http://{hp}")).map_err(connect_err)?, tcp_timeout()?)
             .connect()
             .await
             .map_err(connect_err)?,
         Address::Tls(hp) => {
             let host = hp.rsplit_once(':').map_or(hp.as_str(), |(h, _)| h);
             let tls = creds.tls(host)?;
-            tuned(Endpoint::from_shared(format!("https://{hp}")).map_err(connect_err)?)
+            remote(Endpoint::from_shared(format!("https://{hp}")).map_err(connect_err)?, tcp_timeout()?)
                 .tls_config(tls)
                 .map_err(connect_err)?
                 .connect()
@@ -388,7 +416,36 @@ pub async fn connect_with(addr: &Address, creds: &Credentials) -> Result<Client,
     let rpc = ShardstreamClient::with_interceptor(channel.clone(), auth.clone())
         .max_decoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES);
-    Ok(Client { rpc, channel: InterceptedService::new(channel, auth) })
+    Ok(Client { rpc, channel: InterceptedService::new(channel, auth), addr: addr.to_string() })
+}
+
+/// How long a remote daemon may stay silent before the client gives up on it, unless
+/// `SHARDSTREAM_TCP_TIMEOUT` says otherwise: a TCP connect, and an HTTP/2 PING's answer sent
+/// after as long without one (so a host cut off or powered off, which never sends a reset, is a
+/// [`ClientError::Disconnected`] within two of these). The daemon pings its TCP clients likewise.
+pub const TCP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// [`TCP_TIMEOUT`], or `SHARDSTREAM_TCP_TIMEOUT` seconds (from 1 to 3600).
+fn tcp_timeout() -> Result<Duration, ClientError> {
+    let Some(v) = std::env::var_os("SHARDSTREAM_TCP_TIMEOUT").filter(|v| !v.is_empty()) else {
+        return Ok(TCP_TIMEOUT);
+    };
+    let text = v.to_string_lossy();
+    match text.trim().parse::<u64>() {
+        Ok(s @ 1..=3600) => Ok(Duration::from_secs(s)),
+        _ => Err(ClientError::Credentials(format!(
+            "SHARDSTREAM_TCP_TIMEOUT must be a whole number of seconds from 1 to 3600, not {text:?}"
+        ))),
+    }
+}
+
+/// A TCP endpoint that notices a silent peer ([`TCP_TIMEOUT`]).
+fn remote(e: Endpoint, timeout: Duration) -> Endpoint {
+    tuned(e)
+        .connect_timeout(timeout)
+        .http2_keep_alive_interval(timeout)
+        .keep_alive_timeout(timeout)
+        .keep_alive_while_idle(true)
 }
 
 fn tuned(e: Endpoint) -> Endpoint {
@@ -406,7 +463,7 @@ pub async fn open(client: &mut Client, url: &str, cache: &str) -> Result<Dataset
         protocol_version: shardstream_proto::PROTOCOL_VERSION,
         cache: cache.to_owned(),
     };
-    Ok(client.open_dataset(req).await?.into_inner())
+    client.rpc.open_dataset(req).await.map(|r| r.into_inner()).map_err(|s| client.first_answer(s))
 }
 
 /// A received batch: bytes inline, descriptors into shards mapped through `shm`, a slot of the

@@ -39,7 +39,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub fn to_pyerr(e: ClientError) -> PyErr {
     match e {
         ClientError::BadAddress(_) | ClientError::Credentials(_) => PyValueError::new_err(e.to_string()),
-        ClientError::Connect { .. } | ClientError::Disconnected(_) => PyConnectionError::new_err(e.to_string()),
+        ClientError::Connect { .. } | ClientError::Disconnected(_) | ClientError::NoAnswer { .. } => {
+            PyConnectionError::new_err(e.to_string())
+        }
         ClientError::Refused { .. } => PyPermissionError::new_err(e.to_string()),
         ClientError::Protocol(_) | ClientError::Shm(_) | ClientError::Rdma(_) => {
             ShardstreamError::new_err(e.to_string())

@@ -127,9 +127,12 @@ impl Connection {
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         errors::no_panic("Connection.status", || {
             let mut c = self.client(py)?;
-            let r = block_on(py, async move { c.status(shardstream_proto::StatusRequest {}).await })?
-                .map_err(|s| to_pyerr(s.into()))?
-                .into_inner();
+            let r = block_on(py, async move {
+                let r = c.status(shardstream_proto::StatusRequest {}).await;
+                r.map_err(|s| c.first_answer(s))
+            })?
+            .map_err(to_pyerr)?
+            .into_inner();
             let d = PyDict::new(py);
             d.set_item("version", r.version)?;
             d.set_item("uptime_ms", r.uptime_ms)?;

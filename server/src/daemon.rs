@@ -269,6 +269,13 @@ impl BoundDaemon {
             .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES);
         let svc = tonic::service::interceptor::InterceptedService::new(svc, auth);
         let mut builder = tonic::transport::Server::builder();
+        if let Listener::Tcp(_) = self.listener {
+            // A remote trainer cut off never sends a reset: its stream would hold its place
+            // (consumer slot, leased shards) for good. Local ones are watched by the kernel.
+            builder = builder
+                .http2_keepalive_interval(Some(shardstream_client::TCP_TIMEOUT))
+                .http2_keepalive_timeout(Some(shardstream_client::TCP_TIMEOUT));
+        }
         if let Some(tls) = self.security.tls.clone() {
             builder = builder.tls_config(tls).map_err(|e| Error::invalid(format!("TLS set-up failed: {e}")))?;
         }
