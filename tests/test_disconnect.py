@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -66,6 +68,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def big_tars(root: Path) -> Path:
+    """160 samples of 1 MiB: more than the HTTP/2 windows and the client's queue hold."""
+    import webdataset as wds
+
+    root.mkdir()
+    with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=20, verbose=0) as sink:
+        for i in range(160):
+            sink.write({"__key__": f"k{i:04d}", "bin": bytes([i % 251]) * (1 << 20)})
+    return root
+
+
 def outcome_within(seconds: float, work, unblock) -> tuple[BaseException | None, float]:
     """Runs `work` in a thread; after `seconds` calls `unblock` (so that a hang ends the test
     instead of blocking it). Returns what `work` raised and how long it took to end."""
@@ -90,13 +103,7 @@ def outcome_within(seconds: float, work, unblock) -> tuple[BaseException | None,
 def test_a_tcp_daemon_that_stops_answering_is_a_connection_error(tmp_path: Path, monkeypatch) -> None:
     # With no keepalive and no timeout the trainer waited forever on a frozen daemon (SIGSTOP,
     # as a partitioned or powered-off host: no reset ever comes).
-    import webdataset as wds
-
-    root = tmp_path / "big"
-    root.mkdir()
-    with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=20, verbose=0) as sink:
-        for i in range(160):  # 160 MiB: more than the HTTP/2 windows and queues hold
-            sink.write({"__key__": f"k{i:04d}", "bin": bytes([i % 251]) * (1 << 20)})
+    root = big_tars(tmp_path / "big")
     monkeypatch.setenv("SHARDSTREAM_TCP_TIMEOUT", "2")
     d = Daemon(tmp_path / "d", addr=f"tcp://127.0.0.1:{free_port()}", args=["--insecure"]).start()
     try:
@@ -125,3 +132,34 @@ def test_a_tcp_peer_that_accepts_but_never_answers_is_a_connection_error(dataset
         assert addr in str(err), err
     finally:
         silent.close()
+
+
+def test_a_remote_client_that_stops_answering_has_its_stream_ended(tmp_path: Path) -> None:
+    # The daemon waited on a frozen client's full window for good, its stream still active.
+    root = big_tars(tmp_path / "big")
+    d = Daemon(tmp_path / "d", addr=f"tcp://127.0.0.1:{free_port()}", args=["--insecure", "--tcp-timeout", "2"]).start()
+    client = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_CLIENT, str(root), d.addr], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert client.stdout is not None and client.stdout.readline().strip() == "streaming"
+        assert d.status()["active_streams"] == 1
+        client.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while d.status()["active_streams"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert d.status()["active_streams"] == 0
+    finally:
+        client.kill()
+        client.wait()
+        assert d.stop() == 0
+
+
+# Takes one batch of the epoch and waits (to be frozen with SIGSTOP).
+FROZEN_CLIENT = """
+import sys, time, shardstream
+it = iter(shardstream.Loader(sys.argv[1], batch_size=2, connect=sys.argv[2]))
+next(it)
+print("streaming", flush=True)
+time.sleep(600)
+"""

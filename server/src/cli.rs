@@ -201,6 +201,10 @@ pub struct ServeArgs {
     /// Allow plaintext TCP (no TLS). Refused unless the listen address is loopback.
     #[arg(long, env = "SHARDSTREAM_INSECURE")]
     pub insecure: bool,
+    /// Seconds a TCP client may stay silent before an HTTP/2 ping, and then its answer, are
+    /// waited for: a client cut off (no reset ever comes) has its stream ended within twice this.
+    #[arg(long, env = "SHARDSTREAM_TCP_TIMEOUT", default_value_t = shardstream_client::TCP_TIMEOUT.as_secs(), value_parser = limits::parse_tcp_timeout)]
+    pub tcp_timeout: u64,
     /// Log level of shardstream's own messages (error, warn, info, debug, trace; dependencies
     /// stay at info or quieter), or a full tracing directive such as `info,h2=debug`.
     #[arg(long, env = "SHARDSTREAM_LOG", default_value = "info", value_parser = crate::logging::parse_log)]
@@ -345,6 +349,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
         tls_client_ca: args.tls_client_ca,
         token_file: args.token_file,
         insecure: args.insecure,
+        tcp_timeout: Duration::from_secs(args.tcp_timeout),
     };
     if !allow.is_empty() {
         config.allow = Some(std::sync::Arc::new(crate::access::AllowList::new(&allow)?));

@@ -176,6 +176,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("tls-client-ca", args.tls_client_ca.as_ref().map(|p| p.display().to_string())),
         ("tokens", args.token_file.as_ref().map(|p| p.display().to_string())),
         ("insecure", Some(args.insecure.to_string())),
+        ("tcp-timeout", Some(args.tcp_timeout.to_string())),
         ("rdma", Some(args.rdma.to_string())),
         ("rdma-provider", args.rdma_provider.clone()),
         ("rdma-budget", args.rdma_budget.map(|b| b.to_string())),

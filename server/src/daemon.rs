@@ -273,8 +273,8 @@ impl BoundDaemon {
             // A remote trainer cut off never sends a reset: its stream would hold its place
             // (consumer slot, leased shards) for good. Local ones are watched by the kernel.
             builder = builder
-                .http2_keepalive_interval(Some(shardstream_client::TCP_TIMEOUT))
-                .http2_keepalive_timeout(Some(shardstream_client::TCP_TIMEOUT));
+                .http2_keepalive_interval(Some(self.config.remote.tcp_timeout))
+                .http2_keepalive_timeout(Some(self.config.remote.tcp_timeout));
         }
         if let Some(tls) = self.security.tls.clone() {
             builder = builder.tls_config(tls).map_err(|e| Error::invalid(format!("TLS set-up failed: {e}")))?;

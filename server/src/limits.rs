@@ -121,6 +121,9 @@ pub const CACHE_SIZE: SizeLimit = SizeLimit { flag: "--cache-size", min: MIB, ma
 pub const DECODED_BUDGET: SizeLimit =
     SizeLimit { flag: "--decoded-budget", min: MIB, max: 1 << 50, why: "memory for decoded Parquet row groups" };
 pub const PREFETCH_HORIZON_MAX_S: f64 = 86_400.0;
+/// Seconds of silence before a TCP peer is pinged (`serve --tcp-timeout`); as the client's
+/// `SHARDSTREAM_TCP_TIMEOUT`.
+pub const TCP_TIMEOUT_S: CountLimit = CountLimit { flag: "--tcp-timeout", min: 1, max: 3600 };
 pub const PREFETCH_PARALLEL: CountLimit = CountLimit { flag: "--prefetch-parallel", min: 1, max: 256 };
 /// Ranged GETs: below 64 KiB the request overhead dominates; above 1 GiB one GET is one shard.
 pub const S3_GET_PART_SIZE: SizeLimit =
@@ -171,6 +174,9 @@ pub fn parse_prefetch_horizon(s: &str) -> Result<f64, String> {
         || format!("--prefetch-horizon must be a number of seconds from 0 to {PREFETCH_HORIZON_MAX_S}, not {s:?}");
     let v: f64 = s.trim().parse().map_err(|_| bad())?;
     if v.is_finite() && (0.0..=PREFETCH_HORIZON_MAX_S).contains(&v) { Ok(v) } else { Err(bad()) }
+}
+pub fn parse_tcp_timeout(s: &str) -> Result<u64, String> {
+    TCP_TIMEOUT_S.parse(s)
 }
 pub fn parse_prefetch_parallel(s: &str) -> Result<usize, String> {
     PREFETCH_PARALLEL.parse(s)
@@ -260,6 +266,7 @@ mod tests {
             ("--shm-credits", "0", "1024", "--shm-credits must be from 1 to 1024, not 0"),
             ("--ring-slots", "1025", "2", "--ring-slots must be from 1 to 1024, not 1025"),
             ("--ring-slots", "x", "2", "--ring-slots must be a whole number"),
+            ("--tcp-timeout", "0", "1", "--tcp-timeout must be from 1 to 3600, not 0"),
         ] {
             if bad.is_empty() {
                 refused(&serve(&[flag]), needle); // flag=value (a negative number)

@@ -29,13 +29,16 @@ pub const AUTHORIZATION: &str = "authorization";
 pub const MIN_TOKEN_LEN: usize = 16;
 
 /// The operator's settings (flags or config keys), before they are checked.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RemoteOptions {
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub tls_client_ca: Option<PathBuf>,
     pub token_file: Option<PathBuf>,
     pub insecure: bool,
+    /// How long a TCP client may stay silent before it is pinged, and the ping's answer waited
+    /// for (`--tcp-timeout`).
+    pub tcp_timeout: std::time::Duration,
 }
 
 /// Checked settings of a TCP listener.
@@ -56,6 +59,19 @@ impl std::fmt::Debug for RemoteSecurity {
             .field("tokens", &self.tokens.as_ref().map(|t| t.len()))
             .field("mutual_tls", &self.mutual_tls)
             .finish()
+    }
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        Self {
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
+            token_file: None,
+            insecure: false,
+            tcp_timeout: shardstream_client::TCP_TIMEOUT,
+        }
     }
 }
 
@@ -323,9 +339,8 @@ mod tests {
         let o = RemoteOptions {
             tls_cert: Some("/nonexistent/cert.pem".into()),
             tls_key: Some("/nonexistent/key.pem".into()),
-            token_file: None,
             tls_client_ca: Some("/nonexistent/ca.pem".into()),
-            insecure: false,
+            ..Default::default()
         };
         let e = o.check("0.0.0.0:1").unwrap_err().to_string();
         assert!(e.contains("/nonexistent/cert.pem"), "{e}");
