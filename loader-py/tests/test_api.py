@@ -42,6 +42,13 @@ def test_a_bad_rank_or_world_size_in_the_environment_is_named(monkeypatch, var: 
         shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock")
 
 
+@pytest.mark.parametrize("value", ["0", "2.5", "soon", "3601"])
+def test_a_bad_tcp_timeout_in_the_environment_is_named(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("SHARDSTREAM_TCP_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f'SHARDSTREAM_TCP_TIMEOUT must be .* not "{value}"'):
+        shardstream.Loader("/nonexistent", connect="tcp://127.0.0.1:1")
+
+
 def test_explicit_address_is_used_as_given(monkeypatch) -> None:
     monkeypatch.setenv("SHARDSTREAM_ADDR", "unix:///elsewhere")
     assert shardstream.resolve_address("tcp://127.0.0.1:1") == "tcp://127.0.0.1:1"
