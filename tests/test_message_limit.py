@@ -189,6 +189,43 @@ def test_a_sample_beyond_a_lowered_limit_is_refused_by_name(split_daemon, tmp_pa
     assert "k-000001.tar" in msg and "sample 3" in msg, msg
 
 
+def test_a_parquet_row_or_batch_beyond_the_limit_is_named_with_the_way_out(split_daemon, tmp_path: Path) -> None:
+    """Parquet batches are one Arrow message each (not split as TAR batches are): a batch beyond
+    the limit said only "use a smaller batch_size", a single row beyond it the same, naming no
+    file or row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "pq"
+    root.mkdir()
+    for f in range(2):
+        rows = [b"y" * (3 * SPLIT_LIMIT if f == 1 and i == 3 else 100) for i in range(10)]
+        pq.write_table(pa.table({"v": pa.array(rows, pa.binary())}), root / f"p-{f}.parquet")
+    loader = shardstream.Loader(str(root), batch_size=1, shuffle=False, transport="inline", connect=split_daemon.addr)
+    with pytest.raises(ValueError) as err:
+        for _ in loader:
+            pass
+    msg = str(err.value)
+    assert "row 3 of" in msg and "p-1.parquet" in msg and 'transport="shm"' in msg, msg
+    small = tmp_path / "small"
+    small.mkdir()
+    pq.write_table(pa.table({"v": pa.array([b"z" * 100] * 400, pa.binary())}), small / "s.parquet")
+    loader = shardstream.Loader(str(small), batch_size=400, transport="inline", connect=split_daemon.addr)
+    with pytest.raises(ValueError) as err:
+        next(iter(loader))
+    msg = str(err.value)
+    assert "400 rows" in msg and "batch_size of at most" in msg and 'transport="shm"' in msg, msg
+    fits = int(msg.split("batch_size of at most ")[1].split()[0].rstrip(",;"))
+    assert 50 < fits < 400, msg
+    assert (
+        sum(
+            len(b["__key__"])
+            for b in shardstream.Loader(str(small), batch_size=fits, transport="inline", connect=split_daemon.addr)
+        )
+        == 400
+    )
+
+
 def test_a_batch_split_over_messages_is_sent_as_it_is_read(tmp_path: Path) -> None:
     """A 160 MiB batch of 512 KiB samples under a 1 MiB message limit: the daemon sends each part as soon as it is
     made, so its memory grows by a few parts, not by the batch (a client's batch_size times its
