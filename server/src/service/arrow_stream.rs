@@ -138,14 +138,10 @@ pub(super) fn build_arrow_batch(
             msg
         }
         _ => {
+            let (count, single) = (ids.len() as u64, (ids.len() == 1).then(|| ids[0]));
             let msg = transport::arrow::inline_rows(index, ids, asm, &rows)?;
             if msg.data.len() as u64 > inline::payload_limit() {
-                return Err(Error::invalid(format!(
-                    "an Arrow batch of {} bytes does not fit an inline message ({}); use a smaller batch_size \
-                     or fewer fields",
-                    msg.data.len(),
-                    inline::limit_text()
-                )));
+                return Err(beyond_inline(ds, count, single, msg.data.len() as u64));
             }
             msg
         }
@@ -156,6 +152,30 @@ pub(super) fn build_arrow_batch(
     // The IPC stream's length: what crosses to the client, shm or inline.
     let bytes = msg.length;
     Ok(Some(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited)))
+}
+
+/// The error for an Arrow batch of `count` rows, `bytes` long, beyond an inline message: an Arrow
+/// batch is one message (TAR batches are split over several). One row names its file; more give
+/// the batch size that fits at their bytes per row (with a tenth to spare).
+fn beyond_inline(ds: &Dataset, count: u64, single: Option<u64>, bytes: u64) -> Error {
+    let limit = inline::limit_text();
+    let shm = "transport=\"shm\" (same host)";
+    if let Some(id) = single {
+        let (file, row) = ds.locate(id).map_or_else(
+            || (format!("row id {id}"), id),
+            |(s, row)| (ds.shards.get(s).map_or_else(|| format!("#{s}"), |m| m.url()), row),
+        );
+        return Error::invalid(format!(
+            "row {row} of {file} is {bytes} bytes as Arrow, larger than the inline message limit of {limit}; \
+             read it over {shm} or select fewer fields"
+        ));
+    }
+    let fits = (u128::from(inline::payload_limit()) * u128::from(count) / u128::from(bytes.max(1)) * 9 / 10).max(1);
+    Error::invalid(format!(
+        "a batch of {count} rows is {bytes} bytes as Arrow, larger than the inline message limit of {limit} \
+         (a Parquet batch is one message); a batch_size of at most {fits} fits these rows, or use {shm} \
+         or fewer fields"
+    ))
 }
 
 /// What [`build_arrow_batch`] built of a single batch, which it never gives back unsent.
