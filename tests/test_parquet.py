@@ -266,6 +266,46 @@ def test_torch_tensors_without_a_copy_and_stack(daemon, varied) -> None:
     assert n == TOTAL
 
 
+WRITE_IN_PLACE = """
+import sys, torch, torch.utils.data, shardstream.torch as sst
+from conftest import mapped_memfds
+root, addr, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ds = sst.IterableDataset(root, batch_size=32, seed=4, connect=addr, transport="shm",
+                         fields=["id", "score", "emb"], collate="stack")
+for epoch in range(2):
+    ds.set_epoch(epoch)
+    n = 0
+    for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0):
+        emb = batch["emb"]
+        assert any(lo <= emb.data_ptr() < hi for lo, hi in mapped_memfds()), "emb was copied"
+        ids = batch["id"].tolist()
+        # What this batch's slot held before must never show: every slot is written below.
+        assert emb[:, 0].tolist() == [float(i * 4) for i in ids], (epoch, n)
+        emb.mul_(-1.0)   # in place, as a normalisation would be
+        batch["id"] += 1
+        assert emb[:, 0].tolist() == [-float(i * 4) for i in ids]
+        n += len(ids)
+    assert n == total, n
+print("ok")
+"""
+
+
+def test_a_torch_tensor_over_the_ring_can_be_written_in_place(daemon, varied) -> None:
+    """Tensors over the ring slot (zero copy) are what torch calls non-writable memory, which torch
+    cannot refuse to write: an in-place op on a batch (`x.mul_`, `x += 1`) killed the trainer
+    with SIGSEGV. It must work as on any tensor, and never show in a later batch's slot."""
+    root, _ = varied
+    out = subprocess.run(
+        [sys.executable, "-c", WRITE_IN_PLACE, str(root), daemon.addr, str(TOTAL)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent,
+    )
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
+    assert out.stdout.strip() == "ok"
+
+
 def test_stack_over_a_pandas_frame_with_categorical_and_all_null_columns(daemon, tmp_path) -> None:
     # pandas writes a categorical as `dictionary<string>` in the file's Arrow schema, which the
     # daemon keeps: with collate="stack" it must come as the strings the dict form gives, and a
