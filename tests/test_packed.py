@@ -309,6 +309,40 @@ def test_torch_dataloader_gets_tensors_exactly_once(daemon, tokens) -> None:
         assert sorted(keys) == sorted(records), f"num_workers={workers}"
 
 
+WRITE_TOKENS_IN_PLACE = """
+import sys, torch, shardstream.torch as sst
+from conftest import mapped_memfds
+root, addr = sys.argv[1], sys.argv[2]
+ds = sst.IterableDataset(root, batch_size=20, seed=2, fields=["tok"], collate="stack", connect=addr)
+n = 0
+for batch in sst.DataLoader(ds, num_workers=0):
+    t = batch["tok"]
+    assert any(lo <= t.data_ptr() < hi for lo, hi in mapped_memfds()), "the tensor is a copy"
+    ids = t.view(torch.int32)[:, 0].tolist()
+    assert ids == [int(k[1:]) for k in batch["__key__"]], n   # never what an earlier batch wrote
+    t.fill_(255)
+    n += len(ids)
+assert n == 1000, n
+print("ok")
+"""
+
+
+def test_a_packed_tensor_can_be_written_in_place(daemon, tokens) -> None:
+    """A packed batch's tensors lie in the ring (50 batches through 8 slots): writing into one
+    in place must neither kill the trainer (SIGSEGV in a read-only mapping) nor show in the
+    batches that reuse its slot."""
+    root, _ = tokens
+    out = subprocess.run(
+        [sys.executable, "-c", WRITE_TOKENS_IN_PLACE, str(root), daemon.addr],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent,
+    )
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
+    assert out.stdout.strip() == "ok"
+
+
 def test_ring_slots_out_of_range_are_refused_at_start(tmp_path) -> None:
     for flag in ("--ring-slots", "--shm-credits"):
         cmd = [SHARDSTREAM, "serve", "--listen", f"unix://{tmp_path / 'sock'}", "--cache-dir", str(tmp_path / "c")]

@@ -270,7 +270,7 @@ WRITE_IN_PLACE = """
 import sys, torch, torch.utils.data, shardstream.torch as sst
 from conftest import mapped_memfds
 root, addr, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ds = sst.IterableDataset(root, batch_size=32, seed=4, connect=addr, transport="shm",
+ds = sst.IterableDataset(root, batch_size=4, seed=4, connect=addr, transport="shm",
                          fields=["id", "score", "emb"], collate="stack")
 for epoch in range(2):
     ds.set_epoch(epoch)

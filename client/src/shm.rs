@@ -4,7 +4,7 @@
 //! (`shardstream_proto::ring`), checked for magic and layout version before anything in them is
 //! used.
 //!
-//! Safety of the mappings: they are `PROT_READ`, `MAP_SHARED` mappings of files the daemon opened
+//! Safety of the mappings: shards are `PROT_READ`, `MAP_SHARED` mappings of files the daemon opened
 //! read-only, so this process can never write into them (nor into daemon memory). Only shards in
 //! the daemon's cache are mapped: they are immutable once published and never truncated while
 //! leased. A shard of a dataset read in place (a local or parallel file system) can be truncated
@@ -13,7 +13,9 @@
 //! instead ([`Mapping::read_at`]), so a truncation is a [`ClientError::Shard`] naming the file.
 //! Unless the trainer vouches otherwise ([`map_in_place`], `SHARDSTREAM_MAP_IN_PLACE=1`): then
 //! those are mapped too, zero-copy, and a truncation is the trainer's SIGBUS.
-//! Ring segments are memfds whose seals are checked ([`check_ring_seals`]) before they are mapped.
+//! Ring segments are memfds whose seals are checked ([`check_ring_seals`]) before they are mapped;
+//! they are mapped private (copy-on-write), so that a torch tensor over a slot can be written in
+//! place without reaching the daemon's memory ([`RingMapping::map`]).
 
 use std::collections::HashMap;
 use std::io::IoSliceMut;
@@ -194,24 +196,49 @@ fn check_seals(file: &std::fs::File, required: rustix::fs::SealFlags, what: &str
 /// A packed-mode ring segment, mapped read-only, its header checked.
 #[derive(Debug)]
 pub struct RingMapping {
-    map: Mmap,
+    /// Private (copy-on-write) but only ever read here: see [`RingMapping::map`].
+    map: memmap2::MmapMut,
     pub header: RingHeader,
 }
 
 impl RingMapping {
-    /// Maps a ring segment read-only and checks its header (magic, layout version, geometry).
+    /// Maps a ring segment and checks its header (magic, layout version, geometry).
+    ///
+    /// The mapping is private and writable, though this crate only reads it: torch cannot make a
+    /// tensor read-only, so a tensor over a slot (zero copy) that the trainer writes into in
+    /// place (`x.mul_(...)`) would be SIGSEGV in a read-only mapping. In a private one the write
+    /// copies the page for this process alone, the daemon's memfd never changes, and
+    /// [`Self::discard_slot`] drops such copies before the slot is handed back. Pages never
+    /// written are the memfd's own pages, so they see what the daemon writes, as a shared
+    /// mapping would.
     pub fn map(file: &std::fs::File) -> Result<Self, String> {
         check_ring_seals(file)?;
-        // SAFETY: a read-only shared mapping of a memfd sealed against shrinking (checked just
-        // above: `F_SEAL_SHRINK` and `F_SEAL_SEAL`, so the seal cannot be lifted), so its pages
-        // stay valid for as long as this mapping lives; the daemon writes only into slots this
-        // client does not hold. Not populated: a read fault allocates the memfd's pages, and the
-        // daemon allocates a slot's pages only as far as its batches reach (the rest would be
-        // allocated for nothing); the pages a batch uses fault in as it is read, 64 KiB a fault.
-        let map =
-            unsafe { memmap2::MmapOptions::new().map(file) }.map_err(|e| format!("cannot map a ring segment: {e}"))?;
+        // SAFETY: a private mapping of a memfd sealed against shrinking (checked just above:
+        // `F_SEAL_SHRINK` and `F_SEAL_SEAL`, so the seal cannot be lifted), so its pages stay
+        // valid for as long as this mapping lives; the daemon writes only into slots this client
+        // does not hold, and this process's own writes (copy-on-write) never reach the memfd.
+        // Not populated: a read fault allocates the memfd's pages, and the daemon allocates a
+        // slot's pages only as far as its batches reach (the rest would be allocated for
+        // nothing); the pages a batch uses fault in as it is read, 64 KiB a fault.
+        let map = unsafe { memmap2::MmapOptions::new().map_copy(file) }
+            .map_err(|e| format!("cannot map a ring segment: {e}"))?;
         let header = RingHeader::decode(&map).map_err(|e: RingError| e.to_string())?;
         Ok(Self { map, header })
+    }
+
+    /// Drops whatever this process wrote into slot `k` (its private copies of the slot's pages),
+    /// so that the slot reads the daemon's bytes again. Called before a slot whose memory was
+    /// handed out writable (a torch tensor) goes back to the daemon; the next read of those pages
+    /// faults in the memfd's pages.
+    pub fn discard_slot(&self, k: u32) -> std::io::Result<()> {
+        let Some(range) = self.header.slot_range(k).filter(|r| r.end <= self.map.len()) else { return Ok(()) };
+        // SAFETY: MADV_DONTNEED on a private file mapping discards this process's copies of the
+        // pages, which then read the file again; no reference into the range is used across this
+        // call for its old contents: the slot's lease, the only thing handing out its bytes, is
+        // being returned (see the caller), and the bytes read afterwards are the daemon's.
+        unsafe {
+            self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.end - range.start)
+        }
     }
 
     /// The bytes of slot `k`.
@@ -395,6 +422,22 @@ impl ShmSession {
     /// The ring segment `id` of a packed stream, waiting briefly for its descriptor.
     pub fn ring(&self, id: u64) -> Result<Arc<RingMapping>, ClientError> {
         self.inner.ring(id)
+    }
+
+    /// Drops this process's writes into slot `slot` of ring `id` before the slot goes back (see
+    /// [`RingMapping::discard_slot`]). Should the kernel refuse (a locked mapping: `mlockall`),
+    /// the ring is taken out of use and the stream fails on its next batch in it, naming why:
+    /// the slot's next batches would otherwise show what this process wrote.
+    pub fn discard_slot(&self, ring: &RingMapping, id: u64, slot: u32) {
+        if let Err(e) = ring.discard_slot(slot) {
+            let mut s = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
+            s.rings.remove(&id);
+            s.error.get_or_insert(format!(
+                "cannot drop what this process wrote into slot {slot} of ring {id} (a tensor written in place): {e}"
+            ));
+            drop(s);
+            self.inner.arrived.notify_all();
+        }
     }
 
     /// Tells the daemon this batch's shards or slot are no longer used: at once, or with the
@@ -798,6 +841,30 @@ mod tests {
         assert_eq!(ring.slot(1).map(<[u8]>::len), Some(PAGE as usize));
         // Past the header page the memfd is still one hole.
         assert_eq!(rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(PAGE)), Err(rustix::io::Errno::NXIO));
+    }
+
+    #[test]
+    fn a_write_into_the_ring_stays_in_this_process_until_its_slot_is_discarded() {
+        use rustix::fs::SealFlags;
+        use std::os::unix::fs::FileExt;
+        let file = sealed(RingHeader::new(0, 2, PAGE).encode(), SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL);
+        let mut ring = RingMapping::map(&file).unwrap();
+        let at = ring.header.slot_range(1).unwrap().start;
+        // The daemon's write shows through a page this process never wrote.
+        file.write_at(b"one", at as u64).unwrap();
+        assert_eq!(&ring.slot(1).unwrap()[..3], b"one");
+        // A tensor written in place: the page is this process's copy; the memfd is untouched.
+        ring.map[at..at + 4].copy_from_slice(b"mine");
+        let mut daemon_sees = [0u8; 4];
+        file.read_exact_at(&mut daemon_sees, at as u64).unwrap();
+        assert_eq!(&daemon_sees[..3], b"one");
+        // The copy hides the daemon's next batch in the slot until it is discarded.
+        file.write_at(b"two!", at as u64).unwrap();
+        assert_eq!(&ring.slot(1).unwrap()[..4], b"mine");
+        ring.discard_slot(1).unwrap();
+        assert_eq!(&ring.slot(1).unwrap()[..4], b"two!");
+        // Out of range: nothing to do.
+        ring.discard_slot(2).unwrap();
     }
 
     #[test]

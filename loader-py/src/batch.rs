@@ -25,8 +25,8 @@
 use std::ffi::{c_int, c_void};
 use std::ptr;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use pyo3::exceptions::PyBufferError;
@@ -76,12 +76,28 @@ pub struct Lease {
     session: Arc<ShmSession>,
     batch: u64,
     released: AtomicBool,
+    /// The ring slot (ring, its id, slot) of a batch whose memory was handed out writable (torch
+    /// tensors, `Batch.may_be_written`): what this process wrote there is dropped before the
+    /// slot goes back, or the slot's next batches would read it.
+    written: OnceLock<(Arc<RingMapping>, u64, u32)>,
 }
 
 impl Lease {
+    fn new(session: &Arc<ShmSession>, batch: u64) -> Arc<Self> {
+        Arc::new(Self { session: session.clone(), batch, released: AtomicBool::new(false), written: OnceLock::new() })
+    }
+
+    /// Drops this process's writes into the slot, if any could have been made.
+    fn discard_writes(&self) {
+        if let Some((ring, id, slot)) = self.written.get() {
+            self.session.discard_slot(ring, *id, *slot);
+        }
+    }
+
     /// Done with the batch: the release may wait for a few more ([`ShmSession::release`]).
     fn release(&self) {
         if !self.released.swap(true, Ordering::AcqRel) {
+            self.discard_writes();
             self.session.release(self.batch);
         }
     }
@@ -89,6 +105,7 @@ impl Lease {
     /// The user asked for the release: sent now, with any held back.
     fn release_now(&self) {
         if !self.released.swap(true, Ordering::AcqRel) {
+            self.discard_writes();
             self.session.release_now(self.batch);
         }
     }
@@ -246,17 +263,14 @@ impl Batch {
                 if arrow { "Arrow record batches" } else { "samples" }
             )));
         }
-        let lease = |session: &Arc<ShmSession>, batch| {
-            Arc::new(Lease { session: session.clone(), batch, released: AtomicBool::new(false) })
-        };
         let kind = match (b, session) {
             (shardstream_client::Batch::Inline(b), _) => Kind::Inline(b),
             (shardstream_client::Batch::Shm(b), Some(session)) => {
-                let lease = lease(&session, b.batch_index);
+                let lease = Lease::new(&session, b.batch_index);
                 Kind::Shm { batch: b, session, lease }
             }
             (shardstream_client::Batch::Packed(b), Some(session)) => {
-                let lease = lease(&session, b.batch_index);
+                let lease = Lease::new(&session, b.batch_index);
                 Kind::Packed { batch: b, session, lease }
             }
             (shardstream_client::Batch::Arrow(mut b), session) if !b.data.is_empty() => {
@@ -267,7 +281,7 @@ impl Batch {
                 Kind::Arrow { batch: b, data, shm: None }
             }
             (shardstream_client::Batch::Arrow(b), Some(session)) => {
-                let lease = lease(&session, b.batch_index);
+                let lease = Lease::new(&session, b.batch_index);
                 Kind::Arrow { batch: b, data: Bytes::new(), shm: Some((session, lease)) }
             }
             (_, None) => {
@@ -493,6 +507,25 @@ impl Batch {
                 lease.release_now()
             } else {
                 lease.release()
+            }
+            Ok(())
+        })
+    }
+
+    /// Says that the batch's ring slot (a packed or Arrow batch over shared memory) is handed out
+    /// as memory that may be written: torch tensors, which torch cannot make read-only. What this
+    /// process writes there stays its own (the ring mapping is copy-on-write) and is dropped
+    /// before the slot goes back to the daemon. No-op for other batches.
+    fn may_be_written(&self) -> PyResult<()> {
+        crate::errors::no_panic("Batch.may_be_written", || {
+            let (session, lease, ring, slot) = match &self.kind {
+                Kind::Packed { batch, session, lease } => (session, lease, batch.ring, batch.slot),
+                Kind::Arrow { batch, shm: Some((session, lease)), .. } => (session, lease, batch.ring, batch.slot),
+                _ => return Ok(()),
+            };
+            if lease.written.get().is_none() {
+                let mapping = session.ring(ring).map_err(crate::errors::to_pyerr)?;
+                let _ = lease.written.set((mapping, ring, slot));
             }
             Ok(())
         })

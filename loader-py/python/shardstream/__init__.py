@@ -175,6 +175,9 @@ class Batch(dict[str, Any]):
     array; over shared memory it lies in a slot of the stream's ring, held until every array is
     gone. ``release()`` hands the slot back at once: the daemon then reuses it, so the arrays must
     not be used afterwards (copy what you keep, e.g. ``torch.from_numpy(a.copy())``).
+    ``shardstream.torch`` hands the same memory out as tensors, which may be written in place:
+    the ring is copy-on-write in this process, and what was written is dropped before the slot
+    goes back.
 
     A Parquet batch (the dict form) lies in a ring slot the same way: its zero-copy values
     (fixed-width arrays, binary memoryviews) are views of the record batch's buffers, which hold
@@ -191,6 +194,15 @@ class Batch(dict[str, Any]):
         native = getattr(self, "_native", None)
         if native is not None:
             native.release(at_once)
+
+    def _may_be_written(self) -> None:
+        """The batch's ring memory is handed out as torch tensors, which may be written in place:
+        the client drops those writes before the slot goes back (``shardstream.torch``)."""
+        native = getattr(self, "_native", None)
+        if isinstance(native, _LeaseShare):
+            native = native._shared._native
+        if native is not None:
+            native.may_be_written()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Crossing a process boundary (DataLoader workers) copies the data; the lease stays here.

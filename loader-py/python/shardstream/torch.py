@@ -90,16 +90,21 @@ from ._batch_memory import BatchMemory, Pooled
 
 def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
     """Numeric numpy fields as torch tensors over the same memory (masked arrays and lists stay as
-    they are). The ring is read-only, which torch warns about for every batch: the memory is the
-    daemon's, and writing into it is refused by the mapping itself, so the warning says nothing
-    useful here."""
+    they are). Over shared memory that is the batch's ring slot, read-only to numpy; torch has no
+    read-only tensors and warns about it for every batch. Writing into such a tensor in place is
+    allowed: the ring is mapped copy-on-write in this process, the write stays here, and the
+    batch tells the client (``_may_be_written``) to drop it before the slot goes back."""
     import numpy as np
 
+    over_ring = False
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, value in batch.items():
             if name != "__key__" and type(value) is np.ndarray and value.dtype.kind in "biuf":
+                over_ring = over_ring or not value.flags.writeable
                 batch[name] = torch.from_numpy(value)
+    if over_ring and isinstance(batch, Batch):
+        batch._may_be_written()
     return batch
 
 
