@@ -395,6 +395,34 @@ def test_daemon_killed_mid_download_never_serves_a_partial_file(tmp_path: Path, 
         d.stop()
 
 
+def test_a_cache_copy_damaged_while_the_daemon_was_down_is_fetched_again(tmp_path: Path, s3: S3Server) -> None:
+    """A copy cut short (a disk that lost the file's tail, a hand that truncated it) or grown
+    while no daemon ran was adopted as it was at the next start: every epoch then failed on that
+    shard, "changed since the dataset was listed", and nothing ever fetched it again. A copy
+    whose size is not the shard's is not the shard: it is fetched again, and said so."""
+    samples = write_dataset(s3.bucket("data") / "damaged", n=200, per_shard=50, seed=11)
+    d = start_daemon(tmp_path, s3, log=tmp_path / "daemon.log")
+    assert epoch(d.addr, "s3://data/damaged/") == samples
+    assert d.stop() == 0
+    copies = sorted(p for p in (d.cache_dir / "shards").iterdir() if p.name.endswith(".tar"))
+    assert len(copies) == 4
+    size = copies[0].stat().st_size
+    os.truncate(copies[0], size // 2)
+    with open(copies[1], "ab") as f:
+        f.write(b"\0" * 512)
+    d.start()
+    try:
+        before = d.status()["storage_bytes"]
+        assert epoch(d.addr, "s3://data/damaged/") == samples
+        st = d.status()
+        assert st["cache"]["misses"] == 2 and st["storage_bytes"] - before == size + copies[1].stat().st_size, st
+        assert copies[0].stat().st_size == size
+    finally:
+        assert d.stop() == 0
+    log = (tmp_path / "daemon.log").read_text()
+    assert log.count("fetched again") == 2 and copies[0].name in log, log[-3000:]
+
+
 def tmpfs_cache_daemon(tmp_path: Path, s3: S3Server, then: str = "") -> Daemon:
     """A daemon (not started) whose cache directory is a 3 MiB tmpfs in a mount namespace of its
     own, while it is told it may use 1 GiB; `then`: a shell command run there before it starts."""
