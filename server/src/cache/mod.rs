@@ -5,7 +5,8 @@
 //!   for that fill ([`table::Begin::Wait`]).
 //! - **Never half-visible**: a fill writes `.<key>.tmp.<pid>.<seq>`, the filler verifies it (size,
 //!   checksum), it is fsynced and renamed to `<key>`. Start-up deletes temporary leftovers of a
-//!   crashed daemon and re-adopts complete files.
+//!   crashed daemon and re-adopts complete files; one whose size is not its shard's when next
+//!   asked for is fetched again ([`NodeCache::drop_unlike_copy`]).
 //! - **Eviction** by the table's policy (Belady's rule with the prefetcher's knowledge of the
 //!   future, or LRU); a pinned shard (a stream is reading it) or one leased to a client is never
 //!   evicted. Evicted files are unlinked: a reader that still has one open or mapped keeps valid
@@ -451,6 +452,9 @@ impl NodeCache {
         durable: bool,
         fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
     ) -> Result<Option<Pin>> {
+        if durable {
+            self.drop_unlike_copy(key, bytes);
+        }
         let mut disk_full_retries = 0;
         let mut measured_for_this = false;
         let started = Instant::now();
@@ -636,6 +640,29 @@ impl NodeCache {
         self.publish_gauges();
     }
 
+    /// A ready copy of `key` whose size is not `bytes`, the shard's listed size, is not the
+    /// shard: a file adopted at start-up that was cut short or grown while no daemon ran (a
+    /// fill is verified before it is published). Kept, every stream reading it would fail on it
+    /// for good; dropped here (unless a stream or client holds it now), it is fetched again.
+    fn drop_unlike_copy(&self, key: &str, bytes: u64) {
+        let ev = self.eviction();
+        let dropped = {
+            let mut t = self.lock();
+            let unlike = t
+                .get(key)
+                .and_then(|e| (e.state == table::State::Ready && e.bytes != bytes && e.pins == 0).then_some(e.bytes));
+            unlike.filter(|_| !ev.leased(key) && t.remove_ready(key))
+        };
+        if let Some(had) = dropped {
+            tracing::warn!(
+                path = %self.path_of(key).display(), copy_bytes = had, shard_bytes = bytes,
+                "node-cache copy is not the size of its shard (changed while no daemon ran?): fetched again"
+            );
+            self.remove_evicted(&[key.to_owned()]);
+            self.publish_gauges();
+        }
+    }
+
     fn remove_evicted(&self, evicted: &[String]) {
         let ev = if evicted.is_empty() { None } else { Some(self.eviction()) };
         for k in evicted {
@@ -749,6 +776,24 @@ mod tests {
         assert!(!dir.path().join("shards/.k2.tmp.1.0").try_exists().unwrap());
         assert!(cache.is_ready("k1"));
         assert_eq!(cache.stats().used, 5);
+    }
+
+    #[test]
+    fn an_adopted_copy_of_another_size_is_filled_again_unless_held() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("shards")).unwrap();
+        std::fs::write(dir.path().join("shards/short"), b"hel").unwrap();
+        std::fs::write(dir.path().join("shards/held"), b"hel").unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        let _holder = cache.get("held", 3, Want::NOW, &mut |_, _| panic!("a hit")).unwrap().unwrap();
+        // The shard is 5 bytes: the 3 on disk are not it.
+        let pin = cache.get("short", 5, Want::NOW, &mut write(b"hello")).unwrap().unwrap();
+        assert!(pin.filled);
+        assert_eq!(std::fs::read(pin.path()).unwrap(), b"hello");
+        assert_eq!(cache.stats().used, 8);
+        // Held by a stream: left alone (its reader fails on it, naming the file).
+        let held = cache.get("held", 5, Want::NOW, &mut |_, _| panic!("replaced under its holder")).unwrap().unwrap();
+        assert!(!held.filled);
     }
 
     #[test]
