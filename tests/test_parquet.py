@@ -1730,6 +1730,43 @@ def test_a_file_larger_than_the_node_cache_is_named_by_its_url(tmp_path: Path, s
         assert d.stop() == 0
 
 
+@pytest.mark.parametrize("fields", [None, ["blob"]])
+def test_a_cache_smaller_than_an_s3_dataset_of_many_row_groups_serves_every_epoch(
+    tmp_path: Path, s3, fields: list[str] | None
+) -> None:
+    """A file's row groups are spread over the whole epoch, so under the default policy (Belady)
+    every cached file counted as needed now until its last row group was read: none could be
+    evicted, and the first batch that needed room waited 60 s and failed ("only 15228 bytes could
+    be freed") with 5 MiB of the cache held by nobody. A stream that waits may evict what nobody
+    holds, farthest next use first."""
+    name = "pqspread-" + ("-".join(fields) if fields else "all")
+    bucket = s3.bucket("data") / name
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(5)
+    for k in range(16):
+        ids = np.arange(k * 400, (k + 1) * 400)
+        blob = pa.array([rng.bytes(2500) for _ in ids], pa.binary())
+        pq.write_table(
+            pa.table({"id": ids, "blob": blob}),
+            bucket / f"part-{k:02d}.parquet",
+            row_group_size=100,
+            compression="none",
+        )
+    size = sum(p.stat().st_size for p in bucket.iterdir())
+    cache = 12 << 20
+    assert size > cache * 1.3
+    d = Daemon(tmp_path, env=s3.env(), args=["--cache-size", str(cache)]).start()
+    try:
+        for ep in range(2):
+            loader = shardstream.Loader(f"s3://data/{name}/", batch_size=32, seed=1, connect=d.addr, fields=fields)
+            loader.set_epoch(ep)
+            assert sorted(epoch_rows(loader)) == list(range(16 * 400)), ep
+        st = d.status()
+        assert st["cache"]["policy"] == "belady" and st["cache"]["used_bytes"] <= cache, st["cache"]
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Path, s3) -> None:
     """A batch's files are checked (footers) and their column chunks fetched concurrently, not one
     request after the other, each waiting its round trip. Behind a proxy that holds every GET, the
