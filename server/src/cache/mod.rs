@@ -464,7 +464,7 @@ impl NodeCache {
             let begun = {
                 let mut t = self.lock();
                 loop {
-                    match t.begin(key, bytes, want.urgency, ev.as_ref()) {
+                    match t.begin(key, bytes, want.urgency, want.wait, ev.as_ref()) {
                         Begin::Wait if want.wait => {
                             t = self
                                 .changed

@@ -155,8 +155,13 @@ impl CacheTable {
 
     /// Asks for `key` (of `bytes`). `urgency`: seconds until the caller needs it (0 for a
     /// stream waiting on it now); with [`Policy::Belady`] only shards needed later than that may
-    /// be evicted for it, so a prefetch never pushes out something needed sooner.
-    pub fn begin(&mut self, key: &str, bytes: u64, urgency: f64, ev: &dyn Eviction) -> Begin {
+    /// be evicted for it, so a prefetch never pushes out something needed sooner. `waiting`: the
+    /// caller is blocked on it (a stream), and may evict any entry nobody pins or leases,
+    /// farthest next use first: a shard in the middle of its span of the plan (a Parquet file
+    /// whose row groups are spread over the epoch) counts as needed now until its last use, and
+    /// protecting those too left a cache full of files nobody read and a stream waiting for room
+    /// that never came.
+    pub fn begin(&mut self, key: &str, bytes: u64, urgency: f64, waiting: bool, ev: &dyn Eviction) -> Begin {
         self.clock += 1;
         if let Some(e) = self.entries.get_mut(key) {
             return match e.state {
@@ -176,7 +181,7 @@ impl CacheTable {
                 .iter()
                 .filter(|(k, e)| e.state == State::Ready && e.pins == 0 && !ev.leased(k))
                 .map(|(k, e)| (k, e, ev.next_use(k).unwrap_or(f64::INFINITY)))
-                .filter(|(_, _, next)| self.policy == Policy::Lru || *next > urgency)
+                .filter(|(_, _, next)| self.policy == Policy::Lru || waiting || *next > urgency)
                 .collect();
             let evictable: u64 = candidates.iter().map(|(_, e, _)| e.bytes).sum();
             if bytes > free + evictable {
@@ -308,7 +313,7 @@ mod tests {
     }
 
     fn fill(t: &mut CacheTable, key: &str, bytes: u64, ev: &dyn Eviction) -> Vec<String> {
-        match t.begin(key, bytes, 0.0, ev) {
+        match t.begin(key, bytes, 0.0, false, ev) {
             Begin::Fill { evicted } => {
                 t.finish(key, true);
                 t.unpin(key);
@@ -321,13 +326,13 @@ mod tests {
     #[test]
     fn hit_wait_fill_and_single_flight() {
         let mut t = CacheTable::new(100, Policy::Lru);
-        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Fill { evicted: vec![] });
-        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Wait, "a second reader waits for the first fill");
+        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Fill { evicted: vec![] });
+        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Wait, "a second reader waits for the first fill");
         t.finish("a", true);
-        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Hit);
+        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Hit);
         assert_eq!(t.get("a").unwrap().pins, 2);
         assert_eq!(t.used(), 10);
-        assert_eq!(t.begin("b", 20, 0.0, &()), Begin::Fill { evicted: vec![] });
+        assert_eq!(t.begin("b", 20, 0.0, false, &()), Begin::Fill { evicted: vec![] });
         t.finish("b", false);
         assert!(t.get("b").is_none());
         assert_eq!(t.used(), 10, "a failed fill frees its reservation");
@@ -343,10 +348,28 @@ mod tests {
         assert_eq!(fill(&mut t, "d", 10, &future), vec!["b".to_string()]);
         // A prefetch of a shard needed in 10 s may not push out a (5 s), c (1 s) or d (2 s).
         let future = Future([("a".into(), 5.0), ("c".into(), 1.0), ("d".into(), 2.0)].into(), HashSet::new());
-        assert_eq!(t.begin("e", 10, 10.0, &future), Begin::NoSpace { needed: 10, evictable: 0 });
+        assert_eq!(t.begin("e", 10, 10.0, false, &future), Begin::NoSpace { needed: 10, evictable: 0 });
         // Shards nobody needs go first of all.
         let future = Future([("a".into(), 5.0), ("c".into(), 1.0)].into(), HashSet::new());
         assert_eq!(fill(&mut t, "e", 10, &future), vec!["d".to_string()]);
+    }
+
+    #[test]
+    fn a_waiting_stream_may_evict_idle_shards_in_the_middle_of_their_use() {
+        let mut t = CacheTable::new(30, Policy::Belady);
+        let far = Future([("a".into(), 0.0), ("b".into(), 0.0), ("c".into(), 0.0)].into(), HashSet::new());
+        for k in ["a", "b", "c"] {
+            fill(&mut t, k, 10, &far);
+        }
+        // Every one of them is within its span of the plan (next use 0), none is read now: a
+        // prefetch may not push them out, a stream blocked on "d" may (the least recent first).
+        assert_eq!(t.begin("d", 10, 0.0, false, &far), Begin::NoSpace { needed: 10, evictable: 0 });
+        assert_eq!(t.begin("d", 10, 0.0, true, &far), Begin::Fill { evicted: vec!["a".to_string()] });
+        // Farthest next use still first, and never what is pinned or leased.
+        t.finish("d", true);
+        let later = Future([("b".into(), 0.0), ("c".into(), 9.0)].into(), ["b".to_string()].into());
+        assert_eq!(t.begin("e", 10, 0.0, true, &later), Begin::Fill { evicted: vec!["c".to_string()] });
+        assert_eq!(t.begin("f", 10, 0.0, true, &later), Begin::NoSpace { needed: 10, evictable: 0 });
     }
 
     #[test]
@@ -355,7 +378,7 @@ mod tests {
         for k in ["a", "b", "c"] {
             fill(&mut t, k, 10, &());
         }
-        assert_eq!(t.begin("a", 10, 0.0, &()), Begin::Hit);
+        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Hit);
         t.unpin("a");
         assert_eq!(fill(&mut t, "d", 10, &()), vec!["b".to_string()]);
     }
@@ -364,19 +387,19 @@ mod tests {
     fn pinned_and_leased_entries_are_never_evicted() {
         let mut t = CacheTable::new(20, Policy::Belady);
         let leased = Future(Map::new(), ["b".to_string()].into());
-        assert!(matches!(t.begin("a", 10, 0.0, &leased), Begin::Fill { .. }));
+        assert!(matches!(t.begin("a", 10, 0.0, false, &leased), Begin::Fill { .. }));
         t.finish("a", true); // still pinned by its filler
         fill(&mut t, "b", 10, &leased);
-        assert_eq!(t.begin("c", 10, 0.0, &leased), Begin::NoSpace { needed: 10, evictable: 0 });
+        assert_eq!(t.begin("c", 10, 0.0, false, &leased), Begin::NoSpace { needed: 10, evictable: 0 });
         t.unpin("a");
-        assert_eq!(t.begin("c", 10, 0.0, &leased), Begin::Fill { evicted: vec!["a".to_string()] });
+        assert_eq!(t.begin("c", 10, 0.0, false, &leased), Begin::Fill { evicted: vec!["a".to_string()] });
         assert!(t.shrink_to(0, &leased).is_empty(), "c is pinned, b leased");
     }
 
     #[test]
     fn a_shard_larger_than_the_capacity_never_fits() {
         let mut t = CacheTable::new(10, Policy::Lru);
-        assert_eq!(t.begin("big", 11, 0.0, &()), Begin::NoSpace { needed: 11, evictable: 10 });
+        assert_eq!(t.begin("big", 11, 0.0, false, &()), Begin::NoSpace { needed: 11, evictable: 10 });
     }
 
     #[derive(Debug, Clone)]
@@ -416,7 +439,7 @@ mod tests {
                     Op::Begin(k, b, urgent) => {
                         let k = k.to_string();
                         let urgency = if urgent { 0.0 } else { 6.0 };
-                        if let Begin::Fill { evicted } = t.begin(&k, b, urgency, &future) {
+                        if let Begin::Fill { evicted } = t.begin(&k, b, urgency, false, &future) {
                             filling.insert(k);
                             for v in evicted { prop_assert!(!protected.contains(&v), "evicted protected {v}"); }
                         }
