@@ -782,8 +782,8 @@ mod tests {
     fn an_adopted_copy_of_another_size_is_filled_again_unless_held() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("shards")).unwrap();
-        std::fs::write(dir.path().join("shards/short"), b"hel").unwrap();
-        std::fs::write(dir.path().join("shards/held"), b"hel").unwrap();
+        std::fs::write(dir.path().join("shards/short"), b"abc").unwrap();
+        std::fs::write(dir.path().join("shards/held"), b"abc").unwrap();
         let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
         let _holder = cache.get("held", 3, Want::NOW, &mut |_, _| panic!("a hit")).unwrap().unwrap();
         // The shard is 5 bytes: the 3 on disk are not it.
