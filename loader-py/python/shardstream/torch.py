@@ -88,12 +88,14 @@ from . import Batch, Loader, _checked_epoch, _native, resolve_address
 from ._batch_memory import BatchMemory, Pooled
 
 
-def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+def _as_tensors(batch: dict[str, Any], handed_out: bool = True) -> dict[str, Any]:
     """Numeric numpy fields as torch tensors over the same memory (masked arrays and lists stay as
     they are). Over shared memory that is the batch's ring slot, read-only to numpy; torch has no
     read-only tensors and warns about it for every batch. Writing into such a tensor in place is
     allowed: the ring is mapped copy-on-write in this process, the write stays here, and the
-    batch tells the client (``_may_be_written``) to drop it before the slot goes back."""
+    batch tells the client (``_may_be_written``) to drop it before the slot goes back, which costs
+    the slot's pages a fault again next time: ``handed_out=False`` when only this module reads the
+    tensors (a worker copying them out) and no write can happen."""
     import numpy as np
 
     over_ring = False
@@ -103,7 +105,7 @@ def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
             if name != "__key__" and type(value) is np.ndarray and value.dtype.kind in "biuf":
                 over_ring = over_ring or not value.flags.writeable
                 batch[name] = torch.from_numpy(value)
-    if over_ring and isinstance(batch, Batch):
+    if over_ring and handed_out and isinstance(batch, Batch):
         batch._may_be_written()
     return batch
 
@@ -314,7 +316,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             collate_fn = memory.collate_fn(worker)
         for batch in loader:
             if stacked:
-                batch = _as_tensors(batch)
+                batch = _as_tensors(batch, handed_out=not adopt)
             if transformed:
                 yield _transform_batch(batch, self.transform, self.batch_transform, collate_fn)
             elif adopt:
