@@ -14,8 +14,9 @@
 //! Unless the trainer vouches otherwise ([`map_in_place`], `SHARDSTREAM_MAP_IN_PLACE=1`): then
 //! those are mapped too, zero-copy, and a truncation is the trainer's SIGBUS.
 //! Ring segments are memfds whose seals are checked ([`check_ring_seals`]) before they are mapped;
-//! they are mapped private (copy-on-write), so that a torch tensor over a slot can be written in
-//! place without reaching the daemon's memory ([`RingMapping::map`]).
+//! they are mapped private (copy-on-write) and read-only, and a slot whose batch is handed out as
+//! torch tensors is opened for writes, so that a tensor can be written in place without reaching
+//! the daemon's memory ([`RingMapping::map`]).
 
 use std::collections::HashMap;
 use std::io::IoSliceMut;
@@ -196,23 +197,29 @@ fn check_seals(file: &std::fs::File, required: rustix::fs::SealFlags, what: &str
 /// A packed-mode ring segment, mapped read-only, its header checked.
 #[derive(Debug)]
 pub struct RingMapping {
-    /// Private (copy-on-write) but only ever read here: see [`RingMapping::map`].
-    map: memmap2::MmapMut,
+    /// Private (copy-on-write) and read-only, but for slots opened for writes: see
+    /// [`RingMapping::map`].
+    map: Mmap,
     pub header: RingHeader,
     /// `/proc/self/pagemap`, opened at the first discard ([`Self::wrote_into`]).
     pagemap: std::sync::OnceLock<Option<std::fs::File>>,
+    /// Per slot: opened for writes ([`Self::open_slot`]).
+    open: Vec<std::sync::atomic::AtomicBool>,
 }
 
 impl RingMapping {
-    /// Maps a ring segment and checks its header (magic, layout version, geometry).
+    /// Maps a ring segment read-only and checks its header (magic, layout version, geometry).
     ///
-    /// The mapping is private and writable, though this crate only reads it: torch cannot make a
-    /// tensor read-only, so a tensor over a slot (zero copy) that the trainer writes into in
-    /// place (`x.mul_(...)`) would be SIGSEGV in a read-only mapping. In a private one the write
-    /// copies the page for this process alone, the daemon's memfd never changes, and
-    /// [`Self::discard_slot`] drops such copies before the slot is handed back. Pages never
-    /// written are the memfd's own pages, so they see what the daemon writes, as a shared
-    /// mapping would.
+    /// The mapping is private: torch cannot make a tensor read-only, so a tensor over a slot
+    /// (zero copy) that the trainer writes into in place (`x.mul_(...)`) is SIGSEGV in a read-only
+    /// mapping. The torch layer opens such a slot for writes ([`Self::open_slot`]); in a private
+    /// mapping a write then copies the page for this process alone, the daemon's memfd never
+    /// changes, and [`Self::close_slot`] drops such copies before the slot is handed back. Pages
+    /// never written are the memfd's own pages, so they see what the daemon writes, as a shared
+    /// mapping would. Read-only until then: a private writable mapping is charged in full to
+    /// the commit limit (a node with strict overcommit would refuse large rings), so only the
+    /// slots the torch layer hands out are opened, each once for the ring's life here (opening
+    /// and closing each batch's slot cost two `mprotect`s and their TLB flushes a batch).
     pub fn map(file: &std::fs::File) -> Result<Self, String> {
         check_ring_seals(file)?;
         // SAFETY: a private mapping of a memfd sealed against shrinking (checked just above:
@@ -222,20 +229,52 @@ impl RingMapping {
         // Not populated: a read fault allocates the memfd's pages, and the daemon allocates a
         // slot's pages only as far as its batches reach (the rest would be allocated for
         // nothing); the pages a batch uses fault in as it is read, 64 KiB a fault.
-        let map = unsafe { memmap2::MmapOptions::new().map_copy(file) }
+        let map = unsafe { memmap2::MmapOptions::new().map_copy_read_only(file) }
             .map_err(|e| format!("cannot map a ring segment: {e}"))?;
         let header = RingHeader::decode(&map).map_err(|e: RingError| e.to_string())?;
-        Ok(Self { map, header, pagemap: std::sync::OnceLock::new() })
+        let open = (0..header.slot_count).map(|_| std::sync::atomic::AtomicBool::new(false)).collect();
+        Ok(Self { map, header, pagemap: std::sync::OnceLock::new(), open })
     }
 
-    /// Drops whatever this process wrote into slot `k` (its private copies of the slot's pages),
-    /// so that the slot reads the daemon's bytes again. Called before a slot whose memory was
-    /// handed out writable (a torch tensor) goes back to the daemon. Most such slots were only
-    /// read: their pages are the memfd's, and discarding them would cost a fault per 64 KiB at
-    /// the slot's next batch (13% of a packed epoch through `shardstream.torch`), so the slot is
-    /// discarded only when [`Self::wrote_into`] finds a private page, or cannot tell.
-    pub fn discard_slot(&self, k: u32) -> std::io::Result<()> {
-        let Some(range) = self.header.slot_range(k).filter(|r| r.end <= self.map.len()) else { return Ok(()) };
+    /// Slot `k`'s byte range in the mapping, when it lies inside it.
+    fn slot_bounds(&self, k: u32) -> Option<std::ops::Range<usize>> {
+        self.header.slot_range(k).filter(|r| r.end <= self.map.len())
+    }
+
+    /// Sets slot `k`'s pages' protection (page-aligned: slots start and end on page boundaries).
+    fn protect(&self, k: u32, flags: rustix::mm::MprotectFlags) -> std::io::Result<()> {
+        let Some(range) = self.slot_bounds(k) else { return Ok(()) };
+        // SAFETY: the range lies inside this mapping, which lives as long as `self`; changing its
+        // protection moves no byte, and no Rust code here writes through it (writes come from
+        // the trainer's tensors, into this process's private copies of the pages).
+        unsafe {
+            let at = self.map.as_ptr().add(range.start) as *mut std::ffi::c_void;
+            rustix::mm::mprotect(at, range.end - range.start, flags)
+        }
+        .map_err(std::io::Error::from)
+    }
+
+    /// Lets this process write into slot `k` (a torch tensor over it may be written in place):
+    /// its pages stay the memfd's until written, then are this process's own copies. Once per
+    /// slot; it stays open.
+    pub fn open_slot(&self, k: u32) -> std::io::Result<()> {
+        let Some(open) = usize::try_from(k).ok().and_then(|i| self.open.get(i)) else { return Ok(()) };
+        if open.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        self.protect(k, rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE)?;
+        open.store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// Before slot `k`, opened with [`Self::open_slot`], goes back to the daemon: whatever this
+    /// process wrote there is dropped (its private copies of the pages), so that the slot reads
+    /// the daemon's bytes again. Most opened slots were only read: their pages are the memfd's,
+    /// and discarding them would cost a fault per 64 KiB at the slot's next batch (13% of a
+    /// packed epoch through `shardstream.torch`), so the pages are discarded only when
+    /// [`Self::wrote_into`] finds a private one, or cannot tell.
+    pub fn close_slot(&self, k: u32) -> std::io::Result<()> {
+        let Some(range) = self.slot_bounds(k) else { return Ok(()) };
         if self.wrote_into(range.clone()) == Some(false) {
             return Ok(());
         }
@@ -452,12 +491,22 @@ impl ShmSession {
         self.inner.ring(id)
     }
 
-    /// Drops this process's writes into slot `slot` of ring `id` before the slot goes back (see
-    /// [`RingMapping::discard_slot`]). Should the kernel refuse (a locked mapping: `mlockall`),
-    /// the ring is taken out of use and the stream fails on its next batch in it, naming why:
-    /// the slot's next batches would otherwise show what this process wrote.
-    pub fn discard_slot(&self, ring: &RingMapping, id: u64, slot: u32) {
-        if let Err(e) = ring.discard_slot(slot) {
+    /// Opens slot `slot` of ring `id` for writes ([`RingMapping::open_slot`]): its batch is handed
+    /// out as torch tensors, which may be written in place.
+    pub fn open_slot(&self, ring: &RingMapping, id: u64, slot: u32) -> Result<(), ClientError> {
+        ring.open_slot(slot).map_err(|e| {
+            ClientError::Shm(format!(
+                "cannot open slot {slot} of ring {id} for writes (a tensor written in place): {e}"
+            ))
+        })
+    }
+
+    /// Closes a slot [`Self::open_slot`] opened, dropping what this process wrote there, before
+    /// it goes back ([`RingMapping::close_slot`]). Should the kernel refuse (a locked mapping:
+    /// `mlockall`), the ring is taken out of use and the stream fails on its next batch in it,
+    /// naming why: the slot's next batches would otherwise show what this process wrote.
+    pub fn close_slot(&self, ring: &RingMapping, id: u64, slot: u32) {
+        if let Err(e) = ring.close_slot(slot) {
             let mut s = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
             s.rings.remove(&id);
             s.error.get_or_insert(format!(
@@ -871,38 +920,59 @@ mod tests {
         assert_eq!(rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(PAGE)), Err(rustix::io::Errno::NXIO));
     }
 
+    /// The permissions of the mapping holding `addr` (`r--p`, `rw-p`, ...).
+    fn perms(addr: usize) -> String {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        for line in maps.lines() {
+            let mut f = line.split_whitespace();
+            let (range, perms) = (f.next().unwrap(), f.next().unwrap());
+            let (lo, hi) = range.split_once('-').unwrap();
+            if (usize::from_str_radix(lo, 16).unwrap()..usize::from_str_radix(hi, 16).unwrap()).contains(&addr) {
+                return perms.to_owned();
+            }
+        }
+        panic!("{addr:#x} is not mapped")
+    }
+
     #[test]
-    fn a_write_into_the_ring_stays_in_this_process_until_its_slot_is_discarded() {
+    fn a_write_into_an_open_slot_stays_in_this_process_until_it_is_closed() {
         use rustix::fs::SealFlags;
         use std::os::unix::fs::FileExt;
         let file = sealed(RingHeader::new(0, 2, PAGE).encode(), SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL);
-        let mut ring = RingMapping::map(&file).unwrap();
-        let at = ring.header.slot_range(1).unwrap().start;
+        let ring = RingMapping::map(&file).unwrap();
+        let (slot0, slot1) = (ring.header.slot_range(0).unwrap(), ring.header.slot_range(1).unwrap());
+        let base = ring.map.as_ptr() as usize;
         // The daemon's write shows through a page this process never wrote.
-        file.write_at(b"one", at as u64).unwrap();
+        file.write_at(b"one", slot1.start as u64).unwrap();
         assert_eq!(&ring.slot(1).unwrap()[..3], b"one");
+        assert_eq!(perms(base + slot1.start), "r--p");
+        ring.open_slot(1).unwrap();
+        assert_eq!((perms(base + slot1.start), perms(base + slot0.start)), ("rw-p".into(), "r--p".into()));
         // A tensor written in place: the page is this process's copy; the memfd is untouched.
-        ring.map[at..at + 4].copy_from_slice(b"mine");
+        // SAFETY: slot 1 is open for writes and nothing here holds a reference into it.
+        unsafe { ((base + slot1.start) as *mut u8).copy_from_nonoverlapping(b"mine".as_ptr(), 4) };
         let mut daemon_sees = [0u8; 4];
-        file.read_exact_at(&mut daemon_sees, at as u64).unwrap();
+        file.read_exact_at(&mut daemon_sees, slot1.start as u64).unwrap();
         assert_eq!(&daemon_sees[..3], b"one");
-        // The copy hides the daemon's next batch in the slot until it is discarded.
-        file.write_at(b"two!", at as u64).unwrap();
+        // The copy hides the daemon's next batch in the slot until the slot is closed.
+        file.write_at(b"two!", slot1.start as u64).unwrap();
         assert_eq!(&ring.slot(1).unwrap()[..4], b"mine");
-        let slot = ring.header.slot_range(1).unwrap();
-        assert_eq!(ring.wrote_into(slot.clone()), Some(true));
-        assert_eq!(ring.wrote_into(ring.header.slot_range(0).unwrap()), Some(false), "slot 0 was only read");
-        ring.discard_slot(1).unwrap();
+        assert_eq!(ring.wrote_into(slot1.clone()), Some(true));
+        assert_eq!(ring.wrote_into(slot0), Some(false), "slot 0 was only read");
+        ring.close_slot(1).unwrap();
+        assert_eq!(perms(base + slot1.start), "rw-p", "opened once for the ring's life");
         assert_eq!(&ring.slot(1).unwrap()[..4], b"two!");
-        assert_eq!(ring.wrote_into(slot), Some(false));
-        // A slot only read is left mapped: no fault when it is read again.
+        assert_eq!(ring.wrote_into(slot1), Some(false));
+        // A slot opened but only read keeps its pages: no fault when it is read again.
         minor_faults(); // its own allocation warmed up
         let faults = minor_faults();
-        ring.discard_slot(1).unwrap();
+        ring.open_slot(1).unwrap();
+        ring.close_slot(1).unwrap();
         assert_eq!(&ring.slot(1).unwrap()[..4], b"two!");
         assert_eq!(minor_faults(), faults, "a slot only read was discarded");
         // Out of range: nothing to do.
-        ring.discard_slot(2).unwrap();
+        ring.open_slot(2).unwrap();
+        ring.close_slot(2).unwrap();
     }
 
     #[test]

@@ -90,7 +90,7 @@ impl Lease {
     /// Drops this process's writes into the slot, if any could have been made.
     fn discard_writes(&self) {
         if let Some((ring, id, slot)) = self.written.get() {
-            self.session.discard_slot(ring, *id, *slot);
+            self.session.close_slot(ring, *id, *slot);
         }
     }
 
@@ -525,7 +525,11 @@ impl Batch {
             };
             if lease.written.get().is_none() {
                 let mapping = session.ring(ring).map_err(crate::errors::to_pyerr)?;
-                let _ = lease.written.set((mapping, ring, slot));
+                session.open_slot(&mapping, ring, slot).map_err(crate::errors::to_pyerr)?;
+                if let Err((mapping, ..)) = lease.written.set((mapping, ring, slot)) {
+                    // Opened twice at once (another thread): one close is enough for both.
+                    drop(mapping);
+                }
             }
             Ok(())
         })
