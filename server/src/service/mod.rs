@@ -591,8 +591,8 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
             r = handle => r.map_err(|e| Error::Internal(format!("worker task failed: {e}"))).and_then(|r| r),
             _ = shutdown.cancelled() => {
                 // try_send: a client that stopped reading must not hold up the shutdown. If the
-                // queue is full the client still learns: the stream ends short of its header's
-                // batch count.
+                // queue is full the client still learns, once it has read what was queued
+                // (`outbox::Messages`).
                 tx.try_send(Err(outbox::shutting_down()));
                 return;
             }

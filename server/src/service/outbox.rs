@@ -7,6 +7,8 @@
 //! and the task encodes them into one write. The client sees the same messages, one per batch.
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use shardstream_proto::StreamMessage;
@@ -15,21 +17,26 @@ use tonic::Status;
 
 pub type Message = Result<StreamMessage, Status>;
 
-/// The producer's end.
+/// The producer's end. `unsaid`: a shutdown's last word did not fit the full queue.
 #[derive(Debug, Clone)]
-pub struct Outbox(mpsc::Sender<Vec<Message>>);
+pub struct Outbox(mpsc::Sender<Vec<Message>>, Arc<AtomicBool>);
 
 /// The connection's end: the messages one by one, in the order they were queued.
 #[derive(Debug)]
 pub struct Messages {
     rx: mpsc::Receiver<Vec<Message>>,
     group: std::vec::IntoIter<Message>,
+    /// Set by the producer when a shutdown's last word found the queue full (a client far
+    /// behind): said here once the queue is drained, so the stream never just ends short of its
+    /// batch count, which the client can only take for a daemon that died.
+    unsaid: Arc<AtomicBool>,
 }
 
 /// A queue of at most `groups` groups of messages ahead of the connection.
 pub fn channel(groups: usize) -> (Outbox, Messages) {
     let (tx, rx) = mpsc::channel(groups);
-    (Outbox(tx), Messages { rx, group: Vec::new().into_iter() })
+    let unsaid = Arc::new(AtomicBool::new(false));
+    (Outbox(tx, unsaid.clone()), Messages { rx, group: Vec::new().into_iter(), unsaid })
 }
 
 /// The client went away (the connection's end is gone).
@@ -86,8 +93,8 @@ impl Outbox {
     }
 
     /// Whether a stream on a blocking thread must stop before its next batch: the client left, or
-    /// the daemon is shutting down. The client then learns of the shutdown after `group` unless
-    /// its queue is full, when the stream ends short of its header's batch count.
+    /// the daemon is shutting down. The client then learns of the shutdown after `group` (and,
+    /// when its queue is full, after what the queue holds: [`Messages`]).
     pub fn stop_before_next(&self, group: &mut Vec<Message>, shutdown: &tokio_util::sync::CancellationToken) -> bool {
         if self.is_closed() {
             return true;
@@ -101,10 +108,14 @@ impl Outbox {
         true
     }
 
-    /// Queues `group` unless the queue is full or closed (a last word that must not block).
+    /// Queues `group`, a shutdown's last word, unless the queue is full or closed: it must not
+    /// block. When it is full, the connection's end says the shutdown itself once it has sent
+    /// what was queued ([`Messages`]).
     pub fn try_send_all(&self, group: Vec<Message>) {
-        if !group.is_empty() {
-            let _ = self.0.try_send(group);
+        if !group.is_empty()
+            && let Err(mpsc::error::TrySendError::Full(_)) = self.0.try_send(group)
+        {
+            self.1.store(true, Ordering::Release);
         }
     }
 
@@ -131,6 +142,9 @@ impl tokio_stream::Stream for Messages {
             }
             match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(group)) => self.group = group.into_iter(),
+                Poll::Ready(None) if self.unsaid.swap(false, Ordering::AcqRel) => {
+                    return Poll::Ready(Some(Err(shutting_down())));
+                }
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => return Poll::Pending,
             }
@@ -202,6 +216,24 @@ mod tests {
         }
         producer.await.unwrap();
         assert_eq!(got, [0, 1, 2, 3, 4]);
+    }
+
+    #[tokio::test]
+    async fn a_last_word_that_found_the_queue_full_is_said_after_what_was_queued() {
+        let (tx, mut rx) = channel(1);
+        tx.send(msg(0)).await.unwrap();
+        tx.try_send(Err(shutting_down())); // the queue is full: not queued
+        drop(tx);
+        assert_eq!(index(rx.next().await.unwrap()), 0);
+        let last = rx.next().await.unwrap().unwrap_err();
+        assert_eq!((last.code(), last.message()), (tonic::Code::Unavailable, "daemon is shutting down"));
+        assert!(rx.next().await.is_none(), "said once");
+        // A stream that ended whole says nothing more.
+        let (tx, mut rx) = channel(1);
+        tx.send(msg(0)).await.unwrap();
+        drop(tx);
+        assert_eq!(index(rx.next().await.unwrap()), 0);
+        assert!(rx.next().await.is_none());
     }
 
     #[tokio::test]
