@@ -102,6 +102,16 @@ def mapped_memfds(name: str = "") -> list[tuple[int, int]]:
     return out
 
 
+def run_child_ok(code: str, *args: str) -> None:
+    """Runs `code` in a new interpreter (with this directory importable), where a crash (a
+    signal) cannot take the test session down; it must exit 0 printing "ok"."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent
+    )
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
+    assert out.stdout.strip() == "ok", out.stdout[-3000:]
+
+
 def wait_for(cond, timeout: float = 5.0) -> bool:
     """Polls `cond` until it holds or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

@@ -19,7 +19,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, hold_batches_until_warned, wait_for, write_token_blocks
+from conftest import SHARDSTREAM, Daemon, hold_batches_until_warned, run_child_ok, wait_for, write_token_blocks
 
 RECORD = 512
 
@@ -332,15 +332,7 @@ def test_a_packed_tensor_can_be_written_in_place(daemon, tokens) -> None:
     in place must neither kill the trainer (SIGSEGV in a read-only mapping) nor show in the
     batches that reuse its slot."""
     root, _ = tokens
-    out = subprocess.run(
-        [sys.executable, "-c", WRITE_TOKENS_IN_PLACE, str(root), daemon.addr],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).parent,
-    )
-    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
-    assert out.stdout.strip() == "ok"
+    run_child_ok(WRITE_TOKENS_IN_PLACE, str(root), daemon.addr)
 
 
 def test_ring_slots_out_of_range_are_refused_at_start(tmp_path) -> None:

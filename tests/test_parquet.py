@@ -31,7 +31,7 @@ from test_bounds import free_port, scrape
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon, mapped_memfds, wait_for
+from conftest import SHARDSTREAM, Daemon, mapped_memfds, run_child_ok, wait_for
 
 # (rows, row-group size, codec) per file, in name order: row ids run through them in this order.
 LAYOUT = [(237, 7, "snappy"), (301, 50, "zstd"), (199, 128, "gzip"), (263, 1000, "none")]
@@ -295,15 +295,7 @@ def test_a_torch_tensor_over_the_ring_can_be_written_in_place(daemon, varied) ->
     cannot refuse to write: an in-place op on a batch (`x.mul_`, `x += 1`) killed the trainer
     with SIGSEGV. It must work as on any tensor, and never show in a later batch's slot."""
     root, _ = varied
-    out = subprocess.run(
-        [sys.executable, "-c", WRITE_IN_PLACE, str(root), daemon.addr, str(TOTAL)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).parent,
-    )
-    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
-    assert out.stdout.strip() == "ok"
+    run_child_ok(WRITE_IN_PLACE, str(root), daemon.addr, str(TOTAL))
 
 
 def test_stack_over_a_pandas_frame_with_categorical_and_all_null_columns(daemon, tmp_path) -> None:
