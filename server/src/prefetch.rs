@@ -63,8 +63,9 @@ impl Default for PrefetchConfig {
     }
 }
 
-/// One shard's span in a consumer's order: the positions (in samples of its rank sequence) of
-/// its first and last sample.
+/// One stretch of a shard's use in a consumer's order: the positions (in samples of its rank
+/// sequence) of its first and last sample there. A TAR shard has one; a Parquet file one per
+/// stretch of its row groups' uses (see [`shard_uses_streamed`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardUse {
     pub shard: u32,
@@ -81,7 +82,16 @@ pub fn shard_uses_streamed(
     offset: u64,
 ) -> crate::Result<Vec<ShardUse>> {
     const STEP: u64 = 1 << 16;
-    let mut spans = UseSpans::default();
+    // A Parquet file's row groups are plan units of their own, spread over the whole order: one
+    // span from its first use to its last would say "needed now" for most of the epoch. Its uses
+    // are cut into stretches wherever two lie further apart than a window's reach (a sample
+    // moves less than a window, and any window of outputs draws on at most three of input).
+    // A TAR shard is one unit: its uses are one stretch.
+    let gap = match ds.format {
+        crate::format::Format::Parquet => seq.most_held().saturating_mul(2),
+        crate::format::Format::WebDataset => u64::MAX,
+    };
+    let mut spans = UseSpans { gap, ..UseSpans::default() };
     loop {
         let at = offset + seq.position();
         let part = seq.take(STEP)?;
@@ -93,10 +103,13 @@ pub fn shard_uses_streamed(
     Ok(spans.finish())
 }
 
-/// Shard spans accumulated over consecutive parts of a sequence.
+/// Shard spans accumulated over consecutive parts of a sequence: a shard's current stretch of
+/// use in `by_shard`, its earlier ones (ended by more than `gap` positions without it) in `ended`.
 #[derive(Default)]
-struct UseSpans {
+pub(crate) struct UseSpans {
     by_shard: HashMap<u32, ShardUse>,
+    ended: Vec<ShardUse>,
+    gap: u64,
     last_shard: Option<(usize, u64, u64)>,
 }
 
@@ -116,14 +129,26 @@ impl UseSpans {
                     None => continue,
                 },
             };
-            let e =
-                self.by_shard.entry(shard as u32).or_insert(ShardUse { shard: shard as u32, first: pos, last: pos });
+            let fresh = ShardUse { shard: shard as u32, first: pos, last: pos };
+            let e = self.by_shard.entry(shard as u32).or_insert(fresh);
+            if pos - e.last > self.gap {
+                self.ended.push(std::mem::replace(e, fresh));
+            }
             e.last = pos;
         }
     }
 
+    /// The stretches of `ids` (positions from 0) with `gap` (tests of the cut).
+    #[cfg(test)]
+    pub(crate) fn of(ds: &Dataset, ids: &[u64], gap: u64) -> Vec<ShardUse> {
+        let mut spans = UseSpans { gap, ..UseSpans::default() };
+        spans.add(ds, ids, 0);
+        spans.finish()
+    }
+
     fn finish(self) -> Vec<ShardUse> {
-        let mut uses: Vec<ShardUse> = self.by_shard.into_values().collect();
+        let mut uses: Vec<ShardUse> = self.ended;
+        uses.extend(self.by_shard.into_values());
         uses.sort_by_key(|u| (u.first, u.shard));
         uses
     }
@@ -371,6 +396,8 @@ impl Prefetcher {
         for c in &consumers {
             let (pos, rate) = (c.position.load(Relaxed), c.rate());
             let mut ahead = 0usize;
+            // A shard's later stretches (Parquet) are not more shards ahead.
+            let mut counted: HashSet<u32> = HashSet::new();
             let mut ready_until: Option<f64> = None;
             for u in c.uses.iter().filter(|u| u.last >= pos) {
                 let shard = u.shard as usize;
@@ -392,7 +419,9 @@ impl Prefetcher {
                 if within {
                     wanted.push((secs, key.to_owned()));
                 }
-                ahead += 1;
+                if counted.insert(u.shard) {
+                    ahead += 1;
+                }
             }
             // All of its future is cached: the horizon is the rest of its order.
             let ready =

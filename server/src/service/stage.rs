@@ -41,13 +41,18 @@ fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
     };
     // Streamed: the whole dataset's order would be O(N) ids held at once.
     let mut seq = plan::RankStream::bounded(&ds.plan_units(), &params, super::MAX_PLAN_IDS)?;
-    let mut order: Vec<usize> =
-        crate::prefetch::shard_uses_streamed(ds, &mut seq, 0)?.iter().map(|u| u.shard as usize).collect();
-    // Shards without samples never appear in an order; stage them last all the same.
+    // By first use; a Parquet file has a stretch of use per group of its row groups, and is
+    // staged at its first.
     let mut seen = vec![false; ds.shards.len()];
-    for &i in &order {
-        seen[i] = true;
+    let mut order: Vec<usize> = Vec::with_capacity(ds.shards.len());
+    for u in crate::prefetch::shard_uses_streamed(ds, &mut seq, 0)? {
+        let i = u.shard as usize;
+        if seen.get(i).is_some_and(|s| !s) {
+            seen[i] = true;
+            order.push(i);
+        }
     }
+    // Shards without samples never appear in an order; stage them last all the same.
     order.extend((0..ds.shards.len()).filter(|&i| !seen[i]));
     Ok(order)
 }

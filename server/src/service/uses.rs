@@ -5,7 +5,8 @@
 //! each of `K` workers walked two whole epoch plans at start-up.
 //!
 //! Concurrent streams asking for the same plan wait for one walk (`OnceLock`). Entries are
-//! O(shards the rank uses) each and at most [`ENTRIES`] are kept, oldest first out.
+//! O(shards the rank uses) each (for Parquet, stretches of a file's use: at most one per row
+//! group) and at most [`ENTRIES`] are kept, oldest first out.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -120,9 +121,32 @@ mod tests {
         assert_eq!(&got[..], &shard_uses_streamed(&ds, &mut own, 0).unwrap()[..]);
         assert_eq!(got.iter().map(|u| u.first).min(), Some(0));
         assert_eq!(got.iter().map(|u| u.last).max(), Some(own.len() - 1));
+        // A TAR shard is one stretch of use, however far apart its samples come.
+        let mut shards: Vec<u32> = got.iter().map(|u| u.shard).collect();
+        shards.sort_unstable();
+        shards.dedup();
+        assert_eq!(shards.len(), got.len());
         // Another rank is another plan.
         cache.uses(&ds, &samples, &EpochParams { rank: 0, ..p }).unwrap();
         assert_eq!(cache.walks.load(Relaxed), 3);
+    }
+
+    #[test]
+    fn uses_further_apart_than_the_gap_are_stretches_of_their_own() {
+        use crate::prefetch::{ShardUse, UseSpans};
+        let tmp = tempfile::tempdir().unwrap();
+        write_shards(&tmp.path().join("d"), 3, 10);
+        let reg = Registry::new(None, Arc::new(Backends::local()));
+        let ds = reg.open(&tmp.path().join("d").display().to_string(), "").unwrap();
+        // Positions 0..8: shard 0, 0, 1, 2, 1, 2, 2, 0 (ids 0-9 are shard 0, 10-19 shard 1, ...).
+        let ids = [0, 1, 10, 20, 11, 21, 22, 2];
+        let span = |shard, first, last| ShardUse { shard, first, last };
+        assert_eq!(
+            UseSpans::of(&ds, &ids, 2),
+            [span(0, 0, 1), span(1, 2, 4), span(2, 3, 6), span(0, 7, 7)],
+            "shard 0 is unused for 6 positions: a second stretch"
+        );
+        assert_eq!(UseSpans::of(&ds, &ids, u64::MAX), [span(0, 0, 7), span(1, 2, 4), span(2, 3, 6)]);
     }
 
     #[test]
