@@ -86,12 +86,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn workers_of_a_rank_share_one_walk_per_epoch() {
+    /// A local TAR dataset of `shards` shards of `per_shard` samples, opened (with the directory
+    /// that holds it).
+    fn dataset(shards: usize, per_shard: usize) -> (tempfile::TempDir, Arc<crate::index::Dataset>) {
         let tmp = tempfile::tempdir().unwrap();
-        write_shards(&tmp.path().join("d"), 30, 10);
+        write_shards(&tmp.path().join("d"), shards, per_shard);
         let reg = Registry::new(None, Arc::new(Backends::local()));
         let ds = reg.open(&tmp.path().join("d").display().to_string(), "").unwrap();
+        (tmp, ds)
+    }
+
+    #[test]
+    fn workers_of_a_rank_share_one_walk_per_epoch() {
+        let (_tmp, ds) = dataset(30, 10);
         let samples = ds.shard_samples();
         let cache = UsesCache::default();
         let p = EpochParams {
@@ -134,10 +141,7 @@ mod tests {
     #[test]
     fn uses_further_apart_than_the_gap_are_stretches_of_their_own() {
         use crate::prefetch::{ShardUse, UseSpans};
-        let tmp = tempfile::tempdir().unwrap();
-        write_shards(&tmp.path().join("d"), 3, 10);
-        let reg = Registry::new(None, Arc::new(Backends::local()));
-        let ds = reg.open(&tmp.path().join("d").display().to_string(), "").unwrap();
+        let (_tmp, ds) = dataset(3, 10);
         // Positions 0..8: shard 0, 0, 1, 2, 1, 2, 2, 0 (ids 0-9 are shard 0, 10-19 shard 1, ...).
         let ids = [0, 1, 10, 20, 11, 21, 22, 2];
         let span = |shard, first, last| ShardUse { shard, first, last };
@@ -151,10 +155,7 @@ mod tests {
 
     #[test]
     fn the_cache_is_bounded() {
-        let tmp = tempfile::tempdir().unwrap();
-        write_shards(&tmp.path().join("d"), 3, 2);
-        let reg = Registry::new(None, Arc::new(Backends::local()));
-        let ds = reg.open(&tmp.path().join("d").display().to_string(), "").unwrap();
+        let (_tmp, ds) = dataset(3, 2);
         let samples = ds.shard_samples();
         let cache = UsesCache::default();
         for epoch in 0..(ENTRIES as u64 + 10) {
