@@ -92,10 +92,10 @@ def _as_tensors(batch: dict[str, Any], handed_out: bool = True) -> dict[str, Any
     """Numeric numpy fields as torch tensors over the same memory (masked arrays and lists stay as
     they are). Over shared memory that is the batch's ring slot, read-only to numpy; torch has no
     read-only tensors and warns about it for every batch. Writing into such a tensor in place is
-    allowed: the ring is mapped copy-on-write in this process, the write stays here, and the
-    batch tells the client (``_may_be_written``) to drop it before the slot goes back, which costs
-    the slot's pages a fault again next time: ``handed_out=False`` when only this module reads the
-    tensors (a worker copying them out) and no write can happen."""
+    allowed: the batch tells the client (``_may_be_written``), which opens the slot for writes in
+    its copy-on-write mapping of the ring, so a write stays in this process, and drops what was
+    written before the slot goes back. ``handed_out=False`` when only this module reads the
+    tensors (a worker copying them out): no write can happen, and the slot stays read-only."""
     import numpy as np
 
     over_ring = False
