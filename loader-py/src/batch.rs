@@ -526,10 +526,8 @@ impl Batch {
             if lease.written.get().is_none() {
                 let mapping = session.ring(ring).map_err(crate::errors::to_pyerr)?;
                 session.open_slot(&mapping, ring, slot).map_err(crate::errors::to_pyerr)?;
-                if let Err((mapping, ..)) = lease.written.set((mapping, ring, slot)) {
-                    // Opened twice at once (another thread): one close is enough for both.
-                    drop(mapping);
-                }
+                // Set already (another thread opened it at the same time): one close serves both.
+                let _ = lease.written.set((mapping, ring, slot));
             }
             Ok(())
         })
