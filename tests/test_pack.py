@@ -267,6 +267,22 @@ def test_bad_inputs_reported_skipped_or_fatal(tmp_path: Path) -> None:
     assert not (tmp_path / "strict" / "manifest.json").exists()
 
 
+def test_a_sample_left_out_for_one_bad_file_is_named_with_the_files_it_takes_along(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.jpg").write_bytes(b"readable")
+    (src / "a" / "x.json").symlink_to(src / "a" / "nothing")
+    (src / "a" / "y.jpg").write_bytes(b"2")
+    (src / "a" / "y.json").write_bytes(b"3")
+    out = tmp_path / "out"
+    p = pack(src, "--output", out)
+    assert "skipped a/x.json: vanished" in p.stderr, p.stderr
+    # a/x.jpg is readable, yet not packed: the report must say so, not only name a/x.json.
+    assert "left out sample a/x (1 other file not packed)" in p.stderr, p.stderr
+    assert "left out 1 sample (1 other file)" in p.stdout, p.stdout
+    assert json.loads((out / "manifest.json").read_text())["total_samples"] == 1
+
+
 def test_bad_entries_in_files_from(tmp_path: Path) -> None:
     src = tmp_path / "src"
     make_tree(src, classes=1, per_class=4)

@@ -361,6 +361,14 @@ mod tests {
         let mut m = sample();
         m.footers = Some("_shardstream/footers.idx".into());
         assert_eq!(Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap(), m);
+        // A shard listed twice would be read twice an epoch: exactly once would not hold.
+        let mut m = sample();
+        let again = m.shards[0].clone();
+        m.total_samples += again.samples;
+        m.total_bytes += again.bytes;
+        m.shards.push(again);
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "x").unwrap_err().to_string();
+        assert!(err.contains("listed twice") && err.contains(&m.shards[0].name), "{err}");
     }
 
     /// Found writing the `manifest` fuzz target: per-shard counts whose sum overflows u64 panicked in a

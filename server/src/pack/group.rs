@@ -430,6 +430,15 @@ mod tests {
             l.iter().map(|s| (s.0.as_str(), s.2)).collect::<Vec<_>>(),
             [("cat/2", Some(0)), ("cat/3", Some(0)), ("dog/1", Some(1))]
         );
+        // Deeper trees keep the class directly under SRC, as ImageFolder does: the year
+        // directories are not classes, and `dog` is one class however its files are filed.
+        let r2 = Reporter::new(false, &());
+        let nested = Catalog::build(paths(&["cat/2020/a.jpg", "dog/2020/b.jpg", "dog/2021/c.jpg"]), opts, &r2).unwrap();
+        assert_eq!(nested.classes, ["cat", "dog"]);
+        assert_eq!(
+            listing(&nested).iter().map(|s| (s.0.as_str(), s.2)).collect::<Vec<_>>(),
+            [("cat/2020/a", Some(0)), ("dog/2020/b", Some(1)), ("dog/2021/c", Some(1))]
+        );
         assert_eq!(cat.fields, ["cls", "jpg"]);
         let counts = r.counts();
         assert_eq!(counts.get(&BadKind::DuplicateKey), Some(&1)); // cat/3.cls

@@ -34,6 +34,9 @@ pub enum BadKind {
     BadKey,
     /// A payload the output format cannot hold (Parquet values are limited to 2 GiB).
     TooLarge,
+    /// A directory inside SRC that holds a shardstream dataset (`_shardstream/`): an earlier
+    /// pack's output, whose shards and manifest are not samples.
+    Dataset,
 }
 
 impl BadKind {
@@ -48,6 +51,7 @@ impl BadKind {
             BadKind::DuplicateKey => "duplicate key",
             BadKind::BadKey => "unusable key",
             BadKind::TooLarge => "too large",
+            BadKind::Dataset => "dataset inside SRC",
         }
     }
 }

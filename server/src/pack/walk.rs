@@ -307,6 +307,33 @@ mod tests {
     }
 
     #[test]
+    fn leaves_out_datasets_inside_src_and_reports_symlinked_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        // An earlier pack's output (or any indexed dataset) inside SRC: its shards, manifest and
+        // sidecars are not samples of this pack.
+        for p in ["cat/1.jpg", "wds/shard-000000.tar", "wds/manifest.json", "wds/_shardstream/pack-journal.jsonl"] {
+            touch(&root.join(p));
+        }
+        std::fs::create_dir_all(root.join("elsewhere/dog")).unwrap();
+        touch(&root.join("elsewhere/dog/2.jpg"));
+        std::os::unix::fs::symlink(root.join("elsewhere/dog"), root.join("dog")).unwrap();
+        std::os::unix::fs::symlink(root.join("nothing"), root.join("dangling.jpg")).unwrap();
+        let reporter = Reporter::new(false, &());
+        let mut got = walk(&root, None, 2, &reporter).unwrap();
+        got.sort();
+        // A dangling symlink is listed: opening it reports it (vanished), as for any file.
+        assert_eq!(got, ["cat/1.jpg", "dangling.jpg", "elsewhere/dog/2.jpg"]);
+        let counts = reporter.counts();
+        assert_eq!(counts.get(&BadKind::NotAFile), Some(&1), "{counts:?}"); // dog -> a directory
+        assert_eq!(counts.get(&BadKind::Dataset), Some(&1), "{counts:?}"); // wds
+        assert!(walk(&root, None, 2, &Reporter::new(true, &())).is_err());
+        // SRC that is itself a dataset is refused outright.
+        let err = walk(&root.join("wds"), None, 2, &Reporter::new(false, &())).unwrap_err().to_string();
+        assert!(err.contains("_shardstream"), "{err}");
+    }
+
+    #[test]
     fn normalizes_list_entries() {
         let src = Path::new("/data/src");
         let canon = Path::new("/mnt/real/src");

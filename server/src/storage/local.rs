@@ -547,6 +547,22 @@ mod tests {
         }
     }
 
+    /// A shard whose name is not UTF-8 cannot be named in a manifest or a plan; leaving it out
+    /// would serve part of the dataset without a word.
+    #[test]
+    fn a_shard_name_that_is_not_utf8_is_an_error_naming_it() {
+        use std::os::unix::ffi::OsStrExt;
+        let root = tempfile::tempdir().expect("temp dir");
+        let dir = root.path();
+        std::fs::write(dir.join("train-0.tar"), b"").expect("shard");
+        // Not a shard by its extension: not served either way, so no reason to refuse.
+        std::fs::write(dir.join(std::ffi::OsStr::from_bytes(b"notes-\xe9.txt")), b"").expect("other file");
+        assert_eq!(list_shards(dir, &Pick::All).expect("only a text file is not UTF-8").len(), 1);
+        std::fs::write(dir.join(std::ffi::OsStr::from_bytes(b"train-\xe9t\xe9.tar")), b"").expect("shard");
+        let err = list_shards(dir, &Pick::All).expect_err("a shard left out").to_string();
+        assert!(err.contains("not valid UTF-8") && err.contains("train-\u{fffd}t\u{fffd}.tar"), "{err}");
+    }
+
     #[test]
     fn an_iceberg_tables_directory_and_its_data_are_refused_but_not_a_data_directory_of_another_kind() {
         let root = tempfile::tempdir().expect("temp dir");
