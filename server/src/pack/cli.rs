@@ -86,8 +86,9 @@ pub struct PackArgs {
     #[arg(long, value_name = "REGEX")]
     pub key_regex: Option<String>,
 
-    /// Add a `cls` field with the index of each sample's parent directory name among all of them,
-    /// sorted (as torchvision's ImageFolder), and write DEST/classes.json mapping names to indices.
+    /// Add a `cls` field with the index of each sample's class directory (the one directly under
+    /// SRC, however deep the file lies) among all of them, sorted (as torchvision's ImageFolder),
+    /// and write DEST/classes.json mapping names to indices.
     #[arg(long)]
     pub label_from_dir: bool,
 

@@ -11,8 +11,9 @@
 //! Files are sorted by (key, field), byte-wise, so the members of a sample are adjacent and the
 //! default order is the same on every machine and locale. Two files with the same key and field
 //! are a bad input (the later one in path order is dropped). With `--label-from-dir` each sample
-//! gets a `cls` field: the index of its parent directory's name among all class names, sorted
-//! (as torchvision's `ImageFolder` numbers them).
+//! gets a `cls` field: the index of its class directory (the one directly under SRC, however deep
+//! the sample lies beneath it) among all class names, sorted, as torchvision's `ImageFolder`
+//! classes and numbers them.
 //!
 //! Memory: every path is kept once, in one string arena, with 40 bytes of bookkeeping per file.
 //! That is the pack's only per-file memory (ImageNet's 1.28 M files: about 100 MB).
@@ -284,11 +285,12 @@ impl Catalog {
         Ok(cat)
     }
 
-    /// The name of the directory holding the sample's first file.
+    /// The directory directly under SRC that holds the sample's first file, however deep: the
+    /// class `ImageFolder` gives it (`dog/2021/x.jpg` is a `dog`). Its parent directory would
+    /// make `cat/2020` and `dog/2020` one class.
     fn class_name(&self, s: &SampleRec) -> Option<&str> {
         let path = self.str(self.files[s.first].path);
-        let (dir, _) = path.rsplit_once('/')?;
-        Some(dir.rsplit('/').next().unwrap_or(dir))
+        path.split_once('/').map(|(top, _)| top)
     }
 
     fn assign_classes(&mut self, reporter: &Reporter) -> Result<()> {
