@@ -4,11 +4,15 @@
 //!
 //! The walk reads directories on several threads, because on a parallel file system each
 //! directory listing is a metadata round trip and the tree is wide. It descends into real
-//! directories only (symlinks to directories are not followed: that is how a walk loops), skips
-//! hidden entries (`.git`, `.DS_Store`: not samples by the WebDataset convention) and the output
-//! directory when it lies inside SRC, and reports FIFOs, sockets and devices (reading one would
-//! block or make no sense). Symlinks to files are listed; whether they stay inside SRC is checked
-//! when they are opened (`read`), the same way for the walk and for `--files-from`.
+//! directories only: a symlink to a directory is a bad input, named (following it is how a walk
+//! loops, or reads a tree twice under two keys, or leaves SRC). It skips hidden entries (`.git`,
+//! `.DS_Store`: not samples by the WebDataset convention) and the output directory when it lies
+//! inside SRC, and reports FIFOs, sockets and devices (reading one would block or make no sense)
+//! and directories holding a shardstream dataset (`_shardstream/`: an earlier pack's output,
+//! whose shards, manifest and journal are not samples; SRC itself being one is an error).
+//! Symlinks to files are listed; whether they stay inside SRC is checked when they are opened
+//! (`read`), the same way for the walk and for `--files-from`. Telling the two kinds of symlink
+//! apart costs a `stat` per symlink, none per file.
 //!
 //! A `--files-from` list trusts its entries as far as they go: each is made relative to SRC, and
 //! an entry with a `..` component, or an absolute one outside SRC, is a bad input. It is not
@@ -22,6 +26,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::{Condvar, Mutex};
 
 use super::report::{BadInput, BadKind, Reporter};
+use crate::index::manifest::SIDECAR_DIR;
 use crate::{Error, Result};
 
 /// Where a `--files-from` list comes from.
@@ -129,6 +134,10 @@ fn list_dir(
         }
         Err(e) => return reporter.bad(BadInput::new(BadKind::Unreadable, dir, format!("cannot list directory: {e}"))),
     };
+    // Kept apart until the listing ends: a `_shardstream/` among the entries makes the whole
+    // directory a dataset, whatever came before it.
+    let (mut here_dirs, mut here_files) = (Vec::new(), Vec::new());
+    let mut dataset = false;
     for entry in entries {
         let entry = match entry {
             Ok(e) => e,
@@ -167,13 +176,37 @@ fn list_dir(
             if exclude.is_some_and(|x| x == full.join(name)) {
                 continue; // the output directory, inside SRC
             }
-            subdirs.push(rel);
+            dataset |= name == SIDECAR_DIR;
+            here_dirs.push(rel);
+        } else if ft.is_symlink() && std::fs::metadata(full.join(name)).is_ok_and(|m| m.is_dir()) {
+            reporter.bad(BadInput::new(
+                BadKind::NotAFile,
+                rel,
+                "a symlink to a directory, not followed: move or copy the directory into SRC, or list its files \
+                 with --files-from",
+            ))?;
         } else if ft.is_file() || ft.is_symlink() {
-            files.push(rel);
+            here_files.push(rel);
         } else {
             reporter.bad(BadInput::new(BadKind::NotAFile, rel, "not a regular file (FIFO, socket or device)"))?;
         }
     }
+    if dataset {
+        if dir.is_empty() {
+            return Err(Error::invalid(format!(
+                "source {} holds a shardstream dataset ({SIDECAR_DIR}/): pack the files it was made from, not its \
+                 shards",
+                src.display()
+            )));
+        }
+        return reporter.bad(BadInput::new(
+            BadKind::Dataset,
+            dir,
+            format!("holds a shardstream dataset ({SIDECAR_DIR}/), an earlier pack's output most likely; not packed"),
+        ));
+    }
+    subdirs.append(&mut here_dirs);
+    files.append(&mut here_files);
     Ok(())
 }
 
