@@ -279,7 +279,7 @@ def test_a_sample_left_out_for_one_bad_file_is_named_with_the_files_it_takes_alo
     assert "skipped a/x.json: vanished" in p.stderr, p.stderr
     # a/x.jpg is readable, yet not packed: the report must say so, not only name a/x.json.
     assert "left out sample a/x (1 other file not packed)" in p.stderr, p.stderr
-    assert "left out 1 sample (1 other file)" in p.stdout, p.stdout
+    assert "left out 1 sample for its bad inputs (1 other file not packed)" in p.stdout, p.stdout
     assert json.loads((out / "manifest.json").read_text())["total_samples"] == 1
 
 

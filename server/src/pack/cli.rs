@@ -273,6 +273,13 @@ impl PackProgress for Display {
         self.bar.suspend(|| eprintln!("shardstream pack: skipped {bad}"));
     }
 
+    fn sample_left_out(&self, key: &str, other_files: u64) {
+        if other_files > 0 {
+            let files = if other_files == 1 { "1 other file".to_owned() } else { format!("{other_files} other files") };
+            self.bar.suspend(|| eprintln!("shardstream pack: left out sample {key} ({files} not packed)"));
+        }
+    }
+
     fn ignored(&self, path: &str, why: &str) {
         let n = self.ignored.fetch_add(1, Ordering::Relaxed);
         if n < IGNORED_SHOWN {

@@ -251,6 +251,8 @@ pub trait PackProgress: Sync {
     fn bad_input(&self, _bad: &BadInput) {}
     /// A file that is not part of any sample.
     fn ignored(&self, _path: &str, _why: &str) {}
+    /// A sample with bad inputs was left out, and `other_files` of its files with it.
+    fn sample_left_out(&self, _key: &str, _other_files: u64) {}
     /// Polled by the writer before each sample: true stops the pack as an interruption would
     /// (what is durable stays, `--resume` continues).
     fn stop_requested(&self) -> bool {
@@ -286,6 +288,9 @@ pub struct PackSummary {
     pub bad_inputs: BTreeMap<BadKind, u64>,
     /// Bad inputs the interrupted run skipped in the shards kept from it (`--resume`).
     pub resumed_bad_inputs: u64,
+    /// Samples this run left out for their bad inputs, and their other files.
+    pub left_out_samples: u64,
+    pub left_out_files: u64,
     /// Files that are not samples by convention (hidden, no extension, not matching the regex).
     pub ignored: u64,
     pub elapsed: Duration,
@@ -323,6 +328,13 @@ impl PackSummary {
                 kinds.push(format!("{} in kept shards", self.resumed_bad_inputs));
             }
             s += &format!("; skipped {} ({})", count(self.bad_total(), "bad input"), kinds.join(", "));
+        }
+        if self.left_out_samples > 0 {
+            s += &format!(
+                "; left out {} for its bad inputs ({} not packed)",
+                count(self.left_out_samples, "sample"),
+                count(self.left_out_files, "other file")
+            );
         }
         if self.ignored > 0 {
             s += &format!(
@@ -579,6 +591,8 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
         bad_inputs: reporter.counts(),
         resumed_bad_inputs: kept.iter().map(|r| r.bad_inputs).sum(),
         ignored: reporter.ignored_count(),
+        left_out_samples: reporter.left_out_counts().0,
+        left_out_files: reporter.left_out_counts().1,
         elapsed: started.elapsed(),
         manifest,
     })

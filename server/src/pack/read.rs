@@ -267,7 +267,9 @@ pub fn load_sample<'a>(ctx: &ReadContext<'a>, sample: u32) -> Loaded<'a> {
         }
     }
     if bad > 0 {
-        return Loaded::Skipped { bad, files: s.members().len() as u64 };
+        let members = s.members().len() as u64;
+        ctx.reporter.left_out(key, members.saturating_sub(bad));
+        return Loaded::Skipped { bad, files: members };
     }
     Loaded::Sample(LoadedSample { key, buf, members, streams, files, payload })
 }

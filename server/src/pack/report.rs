@@ -2,6 +2,9 @@
 //! path), and the one place that decides what happens to them: with `--strict` the first one
 //! ends the pack with an error; otherwise it is reported, skipped and counted for the summary.
 //!
+//! A sample with a bad file is left out whole (a sample missing a field would break the readers
+//! that expect it); the sample is named too, with how many of its other files go with it.
+//!
 //! Ignored files are not errors: hidden files and files without a field extension are not
 //! samples by the WebDataset convention (the `webdataset` reader would skip them too), nor are
 //! files a `--key-regex` does not match. They are counted and the first few are named.
@@ -83,11 +86,13 @@ pub struct Reporter<'a> {
     progress: &'a dyn PackProgress,
     counts: Mutex<BTreeMap<BadKind, u64>>,
     ignored: Mutex<u64>,
+    /// Samples left out for their bad inputs, and their other files (not packed either).
+    left_out: Mutex<(u64, u64)>,
 }
 
 impl<'a> Reporter<'a> {
     pub fn new(strict: bool, progress: &'a dyn PackProgress) -> Self {
-        Self { strict, progress, counts: Mutex::default(), ignored: Mutex::default() }
+        Self { strict, progress, counts: Mutex::default(), ignored: Mutex::default(), left_out: Mutex::default() }
     }
 
     /// Reports a bad input: an error under `--strict`, else counted and passed to the progress
@@ -105,6 +110,22 @@ impl<'a> Reporter<'a> {
     pub fn ignored(&self, path: &str, why: &str) {
         *self.ignored.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         self.progress.ignored(path, why);
+    }
+
+    /// Notes a sample left out because some of its files are bad (each reported already): its
+    /// `other_files`, readable or not yet tried, are not packed either, and would otherwise go
+    /// unmentioned.
+    pub fn left_out(&self, key: &str, other_files: u64) {
+        let mut l = self.left_out.lock().unwrap_or_else(|p| p.into_inner());
+        l.0 += 1;
+        l.1 += other_files;
+        drop(l);
+        self.progress.sample_left_out(key, other_files);
+    }
+
+    /// Samples left out for bad inputs, and how many other files they took along.
+    pub fn left_out_counts(&self) -> (u64, u64) {
+        *self.left_out.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn counts(&self) -> BTreeMap<BadKind, u64> {
