@@ -67,7 +67,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
             let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
             for entry in entries {
                 let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
-                let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+                let Some(name) = text_name(&entry, false)? else { continue };
                 if Format::is_shard_name(&name) {
                     found.push(name);
                 } else if is_dir(&entry) {
@@ -187,6 +187,26 @@ struct PartitionWalk<'a> {
     shards: Vec<String>,
 }
 
+/// An entry's name, if it is UTF-8. One that is not cannot be named in a manifest, a plan or an
+/// error as itself; leaving it out is right for a file that would not be served anyway, but a
+/// shard (or, in a partitioned dataset, a directory that may hold shards) left out would serve
+/// part of the dataset without a word: that is an error naming it.
+fn text_name(entry: &std::fs::DirEntry, dirs_matter: bool) -> Result<Option<String>> {
+    let os = entry.file_name();
+    if let Some(name) = os.to_str() {
+        return Ok(Some(name.to_owned()));
+    }
+    let lossy = os.to_string_lossy();
+    if Format::is_shard_name(&lossy) || (dirs_matter && !super::pick::is_hidden(&lossy) && is_dir(entry)) {
+        return Err(Error::invalid(format!(
+            "{}: the name is not valid UTF-8; shards are named as text in manifests and plans, so it would be \
+             left out of the dataset: rename it",
+            entry.path().to_string_lossy()
+        )));
+    }
+    Ok(None)
+}
+
 impl PartitionWalk<'_> {
     /// Walks `dir`, which is `rel` (ending with `/`) below the dataset's directory.
     fn dir(&mut self, dir: &Path, rel: &str) -> Result<()> {
@@ -203,7 +223,7 @@ impl PartitionWalk<'_> {
         let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
         for entry in entries {
             let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
-            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            let Some(name) = text_name(&entry, true)? else { continue };
             if super::pick::is_hidden(&name) {
                 continue;
             }
