@@ -110,7 +110,14 @@ pub(super) fn next_entry(src: &mut impl Source, start: u64, shard_start: bool) -
     loop {
         let remaining = len.saturating_sub(offset);
         if remaining == 0 {
-            return if offset == start {
+            return if shard_start && len == 0 {
+                // An empty archive is at least its end blocks: a 0-byte shard is a copy that never
+                // got its bytes (tarfile and webdataset refuse it too), not a shard of no samples.
+                Err(TarError::Truncated {
+                    offset: 0,
+                    what: "the file is empty (0 bytes), not a TAR archive: an interrupted copy?",
+                })
+            } else if offset == start {
                 Ok(None)
             } else {
                 Err(TarError::Truncated {
