@@ -250,6 +250,12 @@ impl Manifest {
         {
             return bad(format!("footers {f:?} must be a relative path inside the dataset"));
         }
+        // A shard listed twice would be read twice an epoch: exactly once would not hold.
+        let mut names: Vec<&str> = self.shards.iter().map(|s| s.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("shard {} is listed twice", w[0]));
+        }
         for s in &self.shards {
             if s.crc().is_none() || s.crc32c.len() != 8 {
                 return bad(format!("shard {}: crc32c {:?} is not 8 hex digits", s.name, s.crc32c));
