@@ -186,6 +186,39 @@ def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(dae
     assert sum(len(b["__key__"]) for b in loader) == len(dataset[1])
 
 
+def test_numpy_integers_are_integers_and_numpy_floats_are_not(daemon, dataset) -> None:
+    """A seed or batch size from numpy (a config computed with numpy, a checkpoint restored with
+    numpy scalars) was refused as "must be an integer ..., not np.int64(5)", while set_epoch took
+    the same value. Any integer type (``operator.index``) is an integer; a float or a bool is
+    not."""
+    import numpy as np
+
+    import shardstream
+
+    root, samples = dataset
+    kw = dict(batch_size=64, seed=5, rank=0, world_size=1, shuffle_window=2, connect=daemon.addr)
+    want = [k for b in shardstream.Loader(str(root), **kw) for k in b["__key__"]]
+    loader = shardstream.Loader(
+        str(root),
+        batch_size=np.int64(64),
+        seed=np.uint64(5),
+        rank=np.int32(0),
+        world_size=np.int64(1),
+        shuffle_window=np.uint8(2),
+        connect=daemon.addr,
+    )
+    assert [type(v) for v in (loader.batch_size, loader.seed, loader.rank, loader.world_size)] == [int] * 4
+    assert [k for b in loader for k in b["__key__"]] == want
+    state = loader.state_dict()
+    loader.load_state_dict(dict(state, epoch=np.int64(0), batches_consumed=np.int64(1)))
+    assert [k for b in loader for k in b["__key__"]] == want[64:]
+    for name, bad in (("seed", np.float64(5.0)), ("batch_size", np.bool_(True)), ("rank", True)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            shardstream.Loader(str(root), **dict(kw, **{name: bad}))
+    with pytest.raises(ValueError, match="batches_consumed must be an integer"):
+        loader.load_state_dict(dict(state, batches_consumed=np.float64(1)))
+
+
 def test_an_epoch_out_of_range_or_not_an_integer_is_refused_when_set(daemon, dataset) -> None:
     # set_epoch(-1) was taken, its iteration then failed with an OverflowError, and the loader's
     # own state_dict() could not be loaded back; 1.7 became epoch 1 without a word.
@@ -253,6 +286,31 @@ def test_persistent_workers_follow_set_epoch_and_a_resume(daemon, dataset, mode:
     twin = copy.deepcopy(fresh)
     twin.set_epoch(7)
     assert (twin.epoch, fresh.epoch) == (7, 2)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_iterated_again_after_a_resume_and_a_break_starts_at_its_first_batch(
+    daemon, dataset, workers: int, persistent: bool
+) -> None:
+    """A resumed epoch left with ``break`` and iterated again (``set_epoch`` of the same epoch)
+    started again at the resumed batch: the start was cleared only when an iteration ran to its
+    end, so the second pass lacked the epoch's first batches and gave the ones before the break
+    twice. It must be the whole epoch, as from a ``Loader`` and a plain torch DataLoader."""
+    import shardstream.torch as sst
+
+    root, _ = dataset
+    kw = dict(batch_size=16, seed=5, rank=0, world_size=2, connect=daemon.addr)
+    ds = sst.IterableDataset(str(root), **kw)
+    dl = sst.DataLoader(ds, num_workers=workers, persistent_workers=persistent and workers > 0)
+    dl.load_state_dict(dict(dl.state_dict(), epoch=1, batches_consumed=5))
+    for n, _batch in enumerate(dl, 1):
+        if n == 2:
+            break
+    assert dl.state_dict()["batches_consumed"] == 7
+    ds.set_epoch(1)
+    got = [k for b in dl for k in b["__key__"]]
+    assert got == reference_keys(root, kw, 1, 0), f"{len(got)} keys, {len(reference_keys(root, kw, 1, 0))} wanted"
 
 
 @pytest.mark.parametrize("workers", [0, 2])
