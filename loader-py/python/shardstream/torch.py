@@ -460,16 +460,22 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # Persistent workers: torch has just dropped the batches the last iteration left in
             # flight; their slots are free before the workers build this epoch's batches into them.
             memory.collect()
-        for batch in batches:
-            ds._consumed += 1
-            if isinstance(batch, Pooled):
-                assert memory is not None
-                # The batch before this one is usually still held by the caller's loop variable;
-                # its slots come free on a later call.
-                memory.collect()
-                batch = memory.receive(batch)
-            yield batch
-        ds.start_batch = 0
+        try:
+            for batch in batches:
+                ds._consumed += 1
+                if isinstance(batch, Pooled):
+                    assert memory is not None
+                    # The batch before this one is usually still held by the caller's loop
+                    # variable; its slots come free on a later call.
+                    memory.collect()
+                    batch = memory.receive(batch)
+                yield batch
+        finally:
+            # The start applies to this iteration alone, ended or left (a break): the next one
+            # begins the epoch, as a Loader's does. The workers have read it by now, or will not
+            # (non-persistent ones end with this iterator; persistent ones read it again when the
+            # next iteration starts). state_dict() still says where this one stood.
+            ds.start_batch = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Where the trainer stands: a loader given this state continues after the batches yielded
