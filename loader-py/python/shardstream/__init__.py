@@ -112,16 +112,23 @@ def _flag(name: str, value: object) -> bool:
     raise ValueError(f"{name} must be True or False, not {value!r}")
 
 
+def _checked_int(name: str, value: object, bits: int) -> int:
+    """``value`` as a Python int in the wire's range ``0 .. 2**bits-1``. Any integer type is one
+    (``operator.index``: numpy's too, as configs and checkpoints hold them); a bool or a float is
+    refused, never truncated."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = -1
+    if isinstance(value, bool) or not 0 <= number < 1 << bits:
+        raise ValueError(f"{name} must be an integer from 0 to 2**{bits}-1, not {value!r}")
+    return number
+
+
 def _checked_epoch(epoch: object) -> int:
     """An epoch as the plan takes it (a u64): refused when set, not as an ``OverflowError`` when
-    the next iteration begins; a float is refused, never truncated."""
-    try:
-        value = operator.index(epoch)  # type: ignore[arg-type]
-    except TypeError:
-        value = -1
-    if isinstance(epoch, bool) or not 0 <= value < 1 << 64:
-        raise ValueError(f"epoch must be an integer from 0 to 2**64-1, not {epoch!r}")
-    return value
+    the next iteration begins."""
+    return _checked_int("epoch", epoch, 64)
 
 
 #: How many Loaders of each dataset URL this process made with a process group: the n-th of one
@@ -380,15 +387,11 @@ class Loader:
             world_size = w if world_size is None else world_size
         # Types and wire ranges are checked here; the daemon checks the meaning (rank < world
         # size, limits) so every client gets the same rules.
-        for name, value, bits in (
-            ("batch_size", batch_size, 32),
-            ("seed", seed, 64),
-            ("rank", rank, 32),
-            ("world_size", world_size, 32),
-            ("shuffle_window", shuffle_window, 32),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << bits:
-                raise ValueError(f"{name} must be an integer from 0 to 2**{bits}-1, not {value!r}")
+        batch_size = _checked_int("batch_size", batch_size, 32)
+        seed = _checked_int("seed", seed, 64)
+        rank = _checked_int("rank", rank, 32)
+        world_size = _checked_int("world_size", world_size, 32)
+        shuffle_window = _checked_int("shuffle_window", shuffle_window, 32)
         # The daemon checks the limits; these the Loader's own arithmetic (len()) depends on.
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -573,7 +576,10 @@ class Loader:
             self._consumed = self._start_batch
             self._start_batch = 0
             return
-        started = time.perf_counter()
+        # Bound here: the generator's cleanup may run in the interpreter's teardown, after the
+        # module's globals (``time``) are None.
+        perf_counter = time.perf_counter
+        started = perf_counter()
         self._iter_started = started
         stream = self._stream = self._open_stream()
         self._header = stream.header
@@ -592,9 +598,9 @@ class Loader:
             while True:
                 if self._iterations != mine:
                     raise self._cut_short()
-                t0 = time.perf_counter()
+                t0 = perf_counter()
                 batch = stream.next_batch()
-                t1 = time.perf_counter()
+                t1 = perf_counter()
                 self._stats["wait_s"] += t1 - t0
                 if batch is None:
                     if self._iterations != mine:
@@ -624,7 +630,7 @@ class Loader:
             stream.close()
             if self._stream is stream:
                 self._stream = None
-            self._stats["elapsed_s"] += time.perf_counter() - started
+            self._stats["elapsed_s"] += perf_counter() - started
             self._iter_started = None
 
     def _cut_short(self) -> RuntimeError:
@@ -664,10 +670,9 @@ class Loader:
         missing = [k for k in self.state_dict() if k not in state]
         if missing:
             raise ValueError(f"the state is missing {', '.join(missing)}: it is not from a Loader's state_dict()")
+        state = dict(state)
         for key in ("epoch", "batches_consumed"):
-            value = state[key]
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
-                raise ValueError(f"the state's {key} must be an integer from 0 to 2**64-1, not {value!r}")
+            state[key] = _checked_int(f"the state's {key}", state[key], 64)
         for key in ("batch_size", "seed", "shuffle", "shuffle_window", "world_size", "drop_last", "rank"):
             if state[key] != getattr(self, key):
                 raise ValueError(
