@@ -494,6 +494,70 @@ def test_prometheus_metrics(tmp_path: Path, s3: S3Server, small: Samples) -> Non
         d.stop()
 
 
+def test_objects_encrypted_with_sse_kms_are_read(tmp_path: Path, s3: S3Server) -> None:
+    """S3 gives an object encrypted with SSE-KMS or SSE-C an ETag of 32 hex digits that is not
+    the MD5 of its bytes. The daemon took it for one: every shard was downloaded three times and
+    refused ("did not match the object's ETag (MD5) in 3 downloads"), a manifest retried for 20 s
+    and failed, so no dataset in a bucket with KMS default encryption could be read. The proxy
+    answers as S3 does for such objects; the bytes are the server's."""
+    samples = write_dataset(s3.bucket("data") / "kms", n=120, per_shard=40, seed=4)
+    proxy = FaultProxy(s3.port, rate=0.0, kms=True).start()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    try:
+        for indexed in (False, True):
+            if indexed:
+                p = subprocess.run(
+                    [SHARDSTREAM, "index", "s3://data/kms/"], env={**os.environ, **env}, capture_output=True, text=True
+                )
+                assert p.returncode == 0, p.stderr
+            d = Daemon(tmp_path / f"d{indexed}", env=env).start()
+            try:
+                assert epoch(d.addr, "s3://data/kms/") == samples
+            finally:
+                d.stop()
+    finally:
+        proxy.stop()
+
+
+def test_an_indexed_object_that_shrank_is_a_shard_error(tmp_path: Path, s3: S3Server) -> None:
+    """A TAR object cut short after `shardstream index` answered the ranged GET past its new end
+    with 416, which reached the trainer as ConnectionError ("S3 answered 416 ... InvalidRange"):
+    the class that reconnect logic retries. An object that changed is a ShardError naming it."""
+    write_dataset(s3.bucket("data") / "shrank", n=100, per_shard=50, seed=5)
+    index_s3(s3, "s3://data/shrank/")
+    victim = s3.root / "data/shrank/train-000001.tar"
+    victim.write_bytes(victim.read_bytes()[:4096])
+    d = start_daemon(tmp_path, s3)
+    try:
+        with pytest.raises(shardstream.ShardError) as err:
+            epoch(d.addr, "s3://data/shrank/")
+        assert err.value.shard == "s3://data/shrank/train-000001.tar", err.value
+    finally:
+        d.stop()
+
+
+def test_missing_credentials_or_a_malformed_endpoint_fail_at_once_saying_so(tmp_path: Path, s3: S3Server) -> None:
+    """No credentials anywhere, or AWS_ENDPOINT_URL without its scheme: nothing a retry can mend,
+    yet every request was retried ten times (20 s) and ended as ConnectionError, the class a
+    trainer's reconnect logic retries again."""
+    write_dataset(s3.bucket("data") / "creds", n=20, per_shard=10)
+    no_keys = {k: v for k, v in s3.env().items() if not k.startswith("AWS_ACCESS_KEY") and "SECRET" not in k}
+    host_port = s3.endpoint.removeprefix("http://")
+    for name, env, kind, words in (
+        ("nokeys", no_keys, PermissionError, "credentials"),
+        ("noscheme", {**s3.env(), "AWS_ENDPOINT_URL": host_port}, ValueError, "AWS_ENDPOINT_URL"),
+    ):
+        clean = {**env, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""} if name == "nokeys" else env
+        d = Daemon(tmp_path / name, env=clean).start()
+        try:
+            with pytest.raises(kind) as e:
+                epoch(d.addr, "s3://data/creds/")
+            message = str(e.value)
+            assert words in message and "retries" not in message, message
+        finally:
+            d.stop()
+
+
 def test_an_unreachable_s3_endpoint_is_named_as_such_not_as_the_daemon(tmp_path: Path, s3: S3Server) -> None:
     # The daemon answers; S3 does not. The error must say that, once and readably: the URL and
     # the OS's reason, not "shardstream daemon unavailable" and not the SDK's Debug dump.

@@ -11,14 +11,20 @@ spoils a share of them, picked at random, in one of the ways real networks and s
 listing: a listing's XML has no checksum for anyone to check, and S3 itself signs nothing there).
 What was injected is counted by kind in ``counts``.
 
+``kms`` answers as S3 does for objects encrypted with SSE-KMS (or SSE-C): every ETag, in headers
+and listings, is 32 hex digits that are not the MD5 of the bytes, and object responses carry
+``x-amz-server-side-encryption: aws:kms``; the bytes pass unchanged.
+
 ``hold`` keeps every object GET that long before forwarding it, and ``peak_gets`` is the most
 object GETs that were in the proxy at once: with a hold longer than a request takes, it tells how
 many requests a client makes concurrently, without timing anything."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import random
+import re
 import socket
 import struct
 import threading
@@ -38,6 +44,24 @@ SLOWDOWN = (
 )
 
 
+def kms_etag(etag: str) -> str:
+    """An ETag as SSE-KMS gives it: 32 hex digits, stable for the object, not its MD5."""
+    return '"' + hashlib.md5(b"kms:" + etag.strip('"').encode()).hexdigest() + '"'
+
+
+def kms_answer(status: int, headers: list[tuple[str, str]], data: bytes) -> tuple[list[tuple[str, str]], bytes]:
+    out = [(k, kms_etag(v) if k.lower() == "etag" else v) for k, v in headers]
+    if status in (200, 206) and any(k.lower() == "etag" for k, _ in headers):
+        out.append(("x-amz-server-side-encryption", "aws:kms"))
+    if b"<ListBucketResult" in data[:400]:
+        data = re.sub(
+            rb"<ETag>([^<]*)</ETag>",
+            lambda m: b"<ETag>" + kms_etag(m.group(1).decode().replace("&quot;", '"')).encode() + b"</ETag>",
+            data,
+        )
+    return out, data
+
+
 class FaultProxy:
     def __init__(
         self,
@@ -46,9 +70,11 @@ class FaultProxy:
         seed: int = 0,
         kinds: tuple[str, ...] = KINDS,
         hold: float = 0.0,
+        kms: bool = False,
     ) -> None:
         self.upstream_port = upstream_port
         self.hold = hold
+        self.kms = kms
         self.gets_in = 0
         self.peak_gets = 0
         self.rate = rate
@@ -160,6 +186,8 @@ class FaultProxy:
                 if fault == "corrupt" and status in (200, 206) and data:
                     proxy.count(fault)
                     data = proxy.flip(data)
+                if proxy.kms:
+                    resp_headers, data = kms_answer(status, resp_headers, data)
                 length = int(dict((k.lower(), v) for k, v in resp_headers).get("content-length", len(data)))
                 return self.send(status, reason, resp_headers, data, len(data) if self.command != "HEAD" else length)
 
