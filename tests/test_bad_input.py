@@ -160,3 +160,39 @@ def test_a_dataset_url_with_control_characters_is_refused(daemon, dataset) -> No
         with pytest.raises(ValueError, match="control character"):
             shardstream._native.Connection(daemon.addr).open(url, "auto")
     assert_still_serves(daemon, dataset)
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_a_parquet_page_whose_checksum_fails_is_a_shard_error(daemon, tmp_path: Path, views: bool) -> None:
+    """A writer that stores page checksums (pyarrow's ``write_page_checksum=True``) lets a reader
+    catch a flipped byte in a page; the README says they are checked, yet the daemon served the
+    damaged value (row 50 read 51). Nothing of a page whose checksum fails may be delivered."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "a.parquet"
+    ids = pa.array(range(100), pa.int64())
+    blobs = pa.array([i.to_bytes(8, "little") for i in range(100)], pa.binary())
+    pq.write_table(
+        pa.table({"id": ids, "blob": blobs}),
+        path,
+        compression="none",
+        use_dictionary=False,
+        write_page_checksum=True,
+    )
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find((50).to_bytes(8, "little"))  # row 50 of `id`, the first column
+    assert at > 0
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(OSError, match="(?i)crc|checksum"):
+        pq.read_table(path, page_checksum_verification=True)  # the damage is what pyarrow catches
+    got: list[int] = []
+    with pytest.raises(shardstream.ShardError, match="a.parquet"):
+        loader = shardstream.Loader(
+            str(tmp_path), batch_size=10, shuffle=False, binary_views=views, connect=daemon.addr
+        )
+        for batch in loader:
+            got.extend(np.asarray(batch["id"]).tolist())
+    assert got == [], "no row of a row group whose page fails its checksum"
