@@ -164,7 +164,22 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
     // DisplayErrorContext appends: the message reaches trainers.
     let detail = shardstream_client::error_chain(&err);
     match (&err, status) {
-        (SdkError::TimeoutError(_) | SdkError::DispatchFailure(_), _) => Failure::Transient(detail),
+        (SdkError::TimeoutError(_), _) => Failure::Transient(detail),
+        (SdkError::DispatchFailure(d), _) if d.as_connector_error().is_some_and(may_recover) => {
+            Failure::Transient(detail)
+        }
+        // The request could not be made at all, for a reason no retry mends: no credentials
+        // anywhere, an endpoint that is no URL.
+        (SdkError::DispatchFailure(_), _) if names_credentials(&err) => Failure::Permanent(Error::PermissionDenied {
+            path: url.to_owned(),
+            reason: format!(
+                "no usable AWS credentials ({detail}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, \
+                 AWS_PROFILE, or give the node a role"
+            ),
+        }),
+        (SdkError::DispatchFailure(_), _) => Failure::Permanent(Error::invalid(format!(
+            "{url}: the request could not be made: {detail} (check AWS_ENDPOINT_URL and the other AWS_* settings)"
+        ))),
         (_, Some(404)) => Failure::Permanent(Error::NotFound { what: "S3 object", path: url.to_owned() }),
         (_, Some(401 | 403)) => Failure::Permanent(Error::PermissionDenied {
             path: url.to_owned(),
@@ -178,6 +193,14 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
             offset: None,
             reason: "changed on the server while it was being read (ETag no longer matches)".into(),
         }),
+        // Bytes asked for by a manifest or listing lie past the object's end: it shrank since.
+        (_, Some(416)) => Failure::Permanent(Error::Shard {
+            shard: url.to_owned(),
+            offset: None,
+            reason: "shorter than when it was listed or indexed (the range asked for is past its end): it changed \
+                     on the server; index the dataset again"
+                .into(),
+        }),
         // A server that does not implement a request (some S3-compatible stores lack
         // AbortMultipartUpload, for one) will not implement it on the next try either.
         (_, Some(501)) => Failure::Permanent(Error::Unavailable(format!(
@@ -188,6 +211,28 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
         (_, Some(s)) => Failure::Permanent(Error::Unavailable(format!("{url}: S3 answered {s}: {detail}"))),
         _ => Failure::Permanent(Error::Unavailable(format!("{url}: {detail}"))),
     }
+}
+
+/// Whether a request that could not be sent may go through on a later try: a connection or
+/// timeout failure, or one the SDK itself calls transient. Anything else (no credentials, an
+/// endpoint that is no URL) fails the same way every time.
+fn may_recover(d: &aws_sdk_s3::error::ConnectorError) -> bool {
+    use aws_smithy_types::retry::ErrorKind;
+    d.is_io()
+        || d.is_timeout()
+        || matches!(d.as_other(), Some(ErrorKind::TransientError | ErrorKind::ThrottlingError | ErrorKind::ServerError))
+}
+
+/// Whether the credential chain's error is somewhere in `err`'s causes.
+fn names_credentials(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cause {
+        if e.is::<aws_credential_types::provider::error::CredentialsError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// Picks a dataset's shards from a listing of its prefix: objects directly under it with a shard
@@ -583,7 +628,10 @@ impl S3Store {
             .retrying(&url, "get", || async {
                 let resp =
                     self.client.get_object().bucket(bucket).key(key).send().await.map_err(|e| classify(&url, e))?;
-                let md5 = resp.e_tag().and_then(etag_md5);
+                let md5 = resp
+                    .e_tag()
+                    .filter(|_| etag_may_be_md5(resp.server_side_encryption(), resp.sse_customer_algorithm()))
+                    .and_then(etag_md5);
                 let body =
                     resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))?;
                 // A body changed in transit is fetched again, like a broken one.
@@ -731,7 +779,10 @@ impl S3Store {
     ) -> Result<u32> {
         for attempt in 1..=MAX_ETAG_MISMATCHES {
             let (crc, answered) = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
-            let want = match obj.etag.as_deref().or(answered.as_deref()).and_then(etag_md5) {
+            if answered.not_md5 {
+                return Ok(crc);
+            }
+            let want = match obj.etag.as_deref().or(answered.etag.as_deref()).and_then(etag_md5) {
                 Some(want) if check_md5 => want,
                 _ => return Ok(crc),
             };
@@ -767,11 +818,11 @@ impl S3Store {
         file: Arc<File>,
         dest: &Path,
         observer: Arc<dyn DownloadObserver>,
-    ) -> Result<(u32, Option<String>)> {
+    ) -> Result<(u32, Answered)> {
         if obj.len == 0 {
-            return Ok((0, None));
+            return Ok((0, Answered::default()));
         }
-        let answered: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+        let answered: Arc<std::sync::Mutex<Answered>> = Arc::default();
         let part = self.options.part_size.max(1);
         let parts: Vec<Range<u64>> =
             (0..obj.len.div_ceil(part)).map(|i| i * part..((i + 1) * part).min(obj.len)).collect();
@@ -803,7 +854,7 @@ impl S3Store {
         for (c, r) in crcs.iter().zip(&parts) {
             crc = crc32c::crc32c_combine(crc, *c, (r.end - r.start) as usize);
         }
-        let answered = answered.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let answered = std::mem::take(&mut *answered.lock().unwrap_or_else(|p| p.into_inner()));
         Ok((crc, answered))
     }
 
@@ -817,7 +868,7 @@ impl S3Store {
         dest: &Arc<PathBuf>,
         range: Range<u64>,
         observer: &dyn DownloadObserver,
-        answered: &std::sync::Mutex<Option<String>>,
+        answered: &std::sync::Mutex<Answered>,
     ) -> Result<u32> {
         let url = obj.url();
         let mut backoff = self.options.retry.start();
@@ -838,11 +889,19 @@ impl S3Store {
                 .await
             {
                 Err(e) => Some(classify(&url, e)),
-                Ok(resp) if etag_changed(answered, resp.e_tag()) => Some(Failure::Permanent(Error::Shard {
-                    shard: url.clone(),
-                    offset: None,
-                    reason: "changed on the server while it was being read (its ETag changed)".into(),
-                })),
+                Ok(resp)
+                    if etag_changed(
+                        answered,
+                        resp.e_tag(),
+                        etag_may_be_md5(resp.server_side_encryption(), resp.sse_customer_algorithm()),
+                    ) =>
+                {
+                    Some(Failure::Permanent(Error::Shard {
+                        shard: url.clone(),
+                        offset: None,
+                        reason: "changed on the server while it was being read (its ETag changed)".into(),
+                    }))
+                }
                 Ok(resp) => {
                     let mut body = resp.body;
                     loop {
@@ -982,14 +1041,34 @@ pub fn etag_md5(etag: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
-/// Records the first ETag a download's responses carry; true when a later one differs.
-fn etag_changed(answered: &std::sync::Mutex<Option<String>>, etag: Option<&str>) -> bool {
-    let Some(etag) = etag else { return false };
+/// Whether an object's ETag can be the MD5 of its bytes, by how the response says it is
+/// encrypted: S3 gives objects under SSE-KMS (`aws:kms`, `aws:kms:dsse`) or SSE-C ETags of the
+/// same 32-hex form that are not (its documentation says so), SSE-S3 (`AES256`) and unencrypted
+/// ones MD5s.
+fn etag_may_be_md5(sse: Option<&aws_sdk_s3::types::ServerSideEncryption>, sse_customer: Option<&str>) -> bool {
+    use aws_sdk_s3::types::ServerSideEncryption;
+    sse_customer.is_none() && matches!(sse, None | Some(ServerSideEncryption::Aes256))
+}
+
+/// What a download's responses said of the object.
+#[derive(Debug, Default)]
+struct Answered {
+    /// The ETag of the first response.
+    etag: Option<String>,
+    /// A response said the ETag is no MD5 of the bytes ([`etag_may_be_md5`]).
+    not_md5: bool,
+}
+
+/// Records the first ETag a download's responses carry (and whether it can be an MD5); true when
+/// a later one differs.
+fn etag_changed(answered: &std::sync::Mutex<Answered>, etag: Option<&str>, may_be_md5: bool) -> bool {
     let mut seen = answered.lock().unwrap_or_else(|p| p.into_inner());
-    match seen.as_deref() {
+    seen.not_md5 |= !may_be_md5;
+    let Some(etag) = etag else { return false };
+    match seen.etag.as_deref() {
         Some(first) => first != etag,
         None => {
-            *seen = Some(etag.to_owned());
+            seen.etag = Some(etag.to_owned());
             false
         }
     }
@@ -1094,12 +1173,26 @@ mod tests {
 
     #[test]
     fn a_changed_etag_mid_download_is_noticed() {
-        let answered = std::sync::Mutex::new(None);
-        assert!(!etag_changed(&answered, None), "a response without ETag says nothing");
-        assert!(!etag_changed(&answered, Some("\"a\"")), "the first ETag is recorded");
-        assert!(!etag_changed(&answered, Some("\"a\"")));
-        assert!(etag_changed(&answered, Some("\"b\"")), "another part saw another version");
-        assert_eq!(answered.lock().unwrap().as_deref(), Some("\"a\""));
+        let answered = std::sync::Mutex::new(Answered::default());
+        assert!(!etag_changed(&answered, None, true), "a response without ETag says nothing");
+        assert!(!etag_changed(&answered, Some("\"a\""), true), "the first ETag is recorded");
+        assert!(!etag_changed(&answered, Some("\"a\""), true));
+        assert!(etag_changed(&answered, Some("\"b\""), true), "another part saw another version");
+        let seen = answered.lock().unwrap();
+        assert_eq!((seen.etag.as_deref(), seen.not_md5), (Some("\"a\""), false));
+    }
+
+    #[test]
+    fn an_etag_is_an_md5_only_for_objects_not_encrypted_with_kms_or_a_customer_key() {
+        use aws_sdk_s3::types::ServerSideEncryption as Sse;
+        assert!(etag_may_be_md5(None, None));
+        assert!(etag_may_be_md5(Some(&Sse::Aes256), None));
+        assert!(!etag_may_be_md5(Some(&Sse::AwsKms), None));
+        assert!(!etag_may_be_md5(Some(&Sse::AwsKmsDsse), None));
+        assert!(!etag_may_be_md5(None, Some("AES256")), "SSE-C");
+        let answered = std::sync::Mutex::new(Answered::default());
+        assert!(!etag_changed(&answered, Some("\"a\""), false));
+        assert!(answered.lock().unwrap().not_md5, "one part's word is enough");
     }
 
     #[test]
