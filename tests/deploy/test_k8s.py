@@ -330,6 +330,26 @@ def test_sidecar_variant_is_a_native_sidecar() -> None:
     assert "emptyDir" in vols["socket-dir"], "the socket directory must be private to the pod"
 
 
+VOLUME = re.compile(r"((?:^ *#.*\n)+) *- name: (\S+)\n *(\w+):", re.MULTILINE)
+
+
+def test_volume_comments_say_where_the_data_lives() -> None:
+    """A generic ephemeral volume is a PersistentVolumeClaim from a StorageClass (by default often
+    a network disk), not the node's ephemeral storage an emptyDir uses: a cache sized and placed
+    by the comment's word would land elsewhere."""
+    found = {}
+    for path in K8S.rglob("*.yaml"):
+        for comment, name, kind in VOLUME.findall(path.read_text()):
+            found[f"{path.relative_to(K8S)}:{name}"] = kind
+            comment = " ".join(line.strip().lstrip("#").strip() for line in comment.splitlines())
+            where = f"{path.relative_to(K8S)}, volume {name}: {comment!r}"
+            if "ephemeral storage" in comment:
+                assert kind == "emptyDir", where
+            if kind == "ephemeral":
+                assert "PersistentVolumeClaim" in comment and "StorageClass" in comment, where
+    assert "ephemeral" in found.values(), f"no commented generic ephemeral volume: {found}"
+
+
 # --- running what the manifests say ---------------------------------------------------------
 
 

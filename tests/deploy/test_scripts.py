@@ -27,31 +27,6 @@ def test_hooks_are_executable_and_strict() -> None:
         assert "\nset -u\n" in path.read_text(), f"{name}: set -u"
 
 
-def no_admin_example() -> list[str]:
-    """The commented commands of example.sbatch for a job without the Prolog, variables of its
-    `name=value` lines substituted."""
-    lines = [
-        line.removeprefix("#").strip()
-        for line in (DEPLOY / "slurm" / "example.sbatch").read_text().splitlines()
-        if line.startswith("#   ")
-    ]
-    assert lines, "example.sbatch shows no daemon run by the job itself"
-    assigned = dict(re.findall(r"\b(\w+)=(\S+)", " ".join(line for line in lines if re.match(r"\w+=", line))))
-    return [re.sub(r"\$(\w+)", lambda m: assigned.get(m.group(1), m.group(0)), line) for line in lines]
-
-
-def test_no_admin_example_takes_a_cache_per_job_and_waits_bounded() -> None:
-    """A cache directory serves one daemon at a time (a second is refused), so the job's own
-    daemon gets a cache of its own; and a daemon that never serves fails the job instead of
-    holding it until walltime."""
-    lines = no_admin_example()
-    caches = [m for line in lines for m in re.findall(r"--cache-dir[ =](\S+)", line)]
-    assert caches and all("$SLURM_JOB_ID" in c for c in caches), caches
-    waits = [line for line in lines if "shardstream status" in line]
-    assert waits and all(re.search(r"--wait[ =]\d+", line) for line in waits), waits
-    assert not any(re.search(r"\b(until|while)\b", line) for line in lines), "an unbounded wait loop"
-
-
 def test_epilog_waits_out_the_drain_before_sigkill() -> None:
     """The Epilog's SIGTERM-to-SIGKILL wait outlasts the drain of a daemon the Prolog started (its
     default drain timeout): a daemon still ending its streams is not killed."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -167,28 +168,41 @@ def world() -> Iterator[World]:
                     shutil.rmtree(leftover, ignore_errors=True)
                 else:
                     leftover.unlink()
+        # The socket directories of jobs that ran their own daemon (example.sbatch's recipe).
+        for job in JOBS_STARTED:
+            shutil.rmtree(f"/tmp/shardstream-{job}", ignore_errors=True)
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def submit(world: World, dataset: str, url: str, step: str | None = None) -> str:
-    """Submits the job as JOB_USER; `step` replaces the streaming step (the srun line)."""
+def submit(
+    world: World,
+    dataset: str,
+    url: str,
+    step: str | None = None,
+    tasks_per_node: int = 1,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Submits the job as JOB_USER; `step` replaces the streaming step (the srun line), `env` is
+    added to the job's environment."""
     script = world.root / f"job-{len(list(world.root.glob('job-*.sbatch')))}.sbatch"
     text = JOB.format(dataset=dataset, url=url, out=world.out, step=world.root / "step.py")
     if step is not None:
         text = text[: text.index("srun ")] + step + "\n"
+    if tasks_per_node != 1:
+        text = text.replace("#SBATCH --time", f"#SBATCH --ntasks-per-node={tasks_per_node}\n#SBATCH --time", 1)
     script.write_text(text)
     script.chmod(0o644)
-    env = [
-        "/usr/bin/env",
-        "-i",
-        "PATH=/usr/bin:/bin",
-        f"HOME={world.user.pw_dir}",
-        f"SLURM_CONF={world.slurm / 'slurm.conf'}",
-        f"PYTHONPATH={world.root / 'py'}",
-    ]
+    job_env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": world.user.pw_dir,
+        "SLURM_CONF": str(world.slurm / "slurm.conf"),
+        "PYTHONPATH": str(world.root / "py"),
+        **(env or {}),
+    }
     r = subprocess.run(
-        ["runuser", "-u", JOB_USER, "--", *env, "sbatch", "--parsable", str(script)],
+        ["runuser", "-u", JOB_USER, "--", "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in job_env.items())]
+        + ["sbatch", "--parsable", str(script)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -420,3 +434,103 @@ def test_epilog_without_a_daemon_and_with_a_forged_pidfile(world: World, decoy) 
     time.sleep(0.5)
     assert decoy.poll() is None, "the Epilog killed a process that was not the job's daemon"
     assert not pidfile.exists()
+
+
+# A trainer for the job that runs its own daemon. It is given the address: this Slurm's TaskProlog
+# sets SHARDSTREAM_ADDR to the Prolog's daemon in every task, over the recipe's own.
+TRAINER = r"""
+import json, os, sys
+import shardstream
+
+url, addr, out = sys.argv[1:4]
+counts = {}
+for batch in shardstream.Loader(url, batch_size=16, seed=5, connect=addr):
+    for key in batch["__key__"]:
+        counts[key] = counts.get(key, 0) + 1
+with open(f"{out}/result-{os.environ['SLURM_JOB_ID']}-{os.environ['SLURM_PROCID']}.json", "w") as f:
+    json.dump(counts, f)
+"""
+
+
+def no_admin_example() -> str:
+    """The commented commands of example.sbatch for a job without the Prolog, uncommented."""
+    lines = [
+        line.removeprefix("#   ")
+        for line in (DEPLOY / "slurm" / "example.sbatch").read_text().splitlines()
+        if line.startswith("#   ")
+    ]
+    assert lines, "example.sbatch shows no daemon run by the job itself"
+    return "\n".join(lines)
+
+
+def job_output(world: World, job: str) -> str:
+    return (world.out / f"{job}.out").read_text(errors="replace")
+
+
+def test_no_admin_example_runs_one_daemon_per_node_that_drains(world: World) -> None:
+    """example.sbatch's job without the Prolog, run as written in a job of two tasks on the node:
+    its steps run once per node, not once per task (srun takes the job's task count unless given
+    one); at the end its daemon gets SIGTERM and drains (srun itself would SIGKILL it), and no
+    socket or cache of it is left. Its cache names the job (a cache directory serves one daemon
+    at a time), and a daemon that never serves fails the job instead of holding it until
+    walltime."""
+    recipe = no_admin_example()
+    caches = re.findall(r"\bcache=(\S+)", recipe)
+    assert caches and all("$SLURM_JOB_ID" in c for c in caches), caches
+    waits = [line for line in recipe.splitlines() if "shardstream status" in line]
+    assert waits and all(re.search(r"--wait[ =]\d+", line) for line in waits), waits
+    assert not re.search(r"\b(until|while)\b", recipe), "an unbounded wait loop"
+
+    url = "s3://data/slurm/"
+    nvme = world.root / "nvme"
+    nvme.mkdir(exist_ok=True)
+    nvme.chmod(0o1777)
+    trainer = world.root / "trainer.py"
+    trainer.write_text(TRAINER)
+    trainer.chmod(0o644)
+    script, n = re.subn(r"\bcache=\S*/(shardstream-)", rf"cache={nvme}/\1", recipe)
+    assert n == 1, recipe
+    script = script.replace("s3://my-bucket/datasets/laion-wds/", url)
+    script, n = re.subn(
+        r"\bpython train\.py .*", f'/usr/bin/python3 {trainer} {url} "unix://$sock" {world.out}', script
+    )
+    assert n == 1, recipe
+    env = {**world.s3.env(), "PATH": f"{world.bin.parent}:/usr/bin:/bin"}
+    # The Prolog's dataset does not exist: its daemon stages nothing, and stays out of the way.
+    job = submit(world, "s3://data/no-such-dataset/", url, step=script, tasks_per_node=2, env=env)
+    state = wait_done(world, job)
+    out = job_output(world, job)
+    diag = f"{state}\n{script}\n--- {job}.out\n{out}"
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", diag
+
+    assert "can't honor" not in out and "already listening" not in out, diag
+    assert out.count("staged 8 of 8 shards") == 1, f"one prefetch per node\n{diag}"
+    for task in range(2):
+        counts = json.loads((world.out / f"result-{job}-{task}.json").read_text())
+        assert counts == {k: 1 for k in world.samples}, f"task {task}: every sample once"
+    # The daemon drained: asked to once, no SIGKILL from srun, no task ended in error.
+    assert out.count("shutdown requested, draining") == 1, diag
+    assert len(re.findall(r"\bstopped$", out, re.MULTILINE)) == 1, f"the daemon did not exit cleanly\n{diag}"
+    for sign in ("forcing job termination", "Killed", "srun: error", "did not finish in time"):
+        assert sign not in out, f"{sign!r}\n{diag}"
+    assert not processes_naming(f"/tmp/shardstream-{job}/"), "a daemon outlived the job"
+    assert not Path(f"/tmp/shardstream-{job}").exists(), "socket directory left behind"
+    assert not (nvme / f"shardstream-{job}").exists(), "cache left behind"
+
+
+def test_node_wide_staging_runs_once_per_node(world: World) -> None:
+    """deploy/README.md's staging line for the node-wide daemon, in a job of two tasks on the
+    node (the TaskProlog's daemon stands in for the node's): one prefetch per node."""
+    readme = " ".join((DEPLOY / "README.md").read_text().split())
+    m = re.search(r"Staging is then `(srun [^`]*)`", readme)
+    assert m, "README.md shows no staging command for the node-wide daemon"
+    url = "s3://data/slurm/"
+    step = m.group(1).replace("URL", url)
+    env = {"PATH": f"{world.bin.parent}:/usr/bin:/bin"}
+    job = submit(world, "s3://data/no-such-dataset/", url, step=step, tasks_per_node=2, env=env)
+    state = wait_done(world, job)
+    out = job_output(world, job)
+    diag = f"{state}\n{step}\n--- {job}.out\n{out}"
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", diag
+    assert "can't honor" not in out, diag
+    assert out.count("staged 8 of 8 shards") == 1, f"one prefetch per node\n{diag}"
