@@ -94,3 +94,24 @@ def test_daemon_runs_from_a_config_file(dataset, tmp_path: Path) -> None:
         assert got == len(samples)
     finally:
         assert d.stop() == 0
+
+
+def test_every_serve_option_has_its_environment_variable() -> None:
+    """The README and deploy/README promise that every option is also SHARDSTREAM_<NAME> (a
+    container's env, a systemd EnvironmentFile); --rdma-provider had none, and its variable was
+    ignored without a word."""
+    import re
+
+    r = subprocess.run([SHARDSTREAM, "serve", "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    # Each option's block runs from its `--name` line to the next option's.
+    blocks = re.split(r"\n(?=\s+(?:-\w, )?--[a-z])", r.stdout)
+    missing = []
+    for block in blocks:
+        m = re.match(r"\s+(?:-\w, )?--([a-z0-9-]+)", block)
+        if not m or m.group(1) in ("help", "print-config", "version"):
+            continue
+        want = "SHARDSTREAM_" + m.group(1).upper().replace("-", "_")
+        if f"[env: {want}" not in block:
+            missing.append(m.group(1))
+    assert not missing, f"options without their SHARDSTREAM_* variable: {missing}"
