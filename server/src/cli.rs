@@ -148,7 +148,7 @@ pub struct ServeArgs {
     pub rdma: bool,
     /// With --rdma: the libfabric provider (e.g. "verbs;ofi_rxm", "efa", "tcp"); default the
     /// client's (SHARDSTREAM_FI_PROVIDER / FI_PROVIDER also apply).
-    #[arg(long)]
+    #[arg(long, env = "SHARDSTREAM_RDMA_PROVIDER")]
     pub rdma_provider: Option<String>,
     /// With --rdma: staging memory all rdma streams together may hold (e.g. 4GiB; default a
     /// quarter of physical memory or of the cgroup memory limit, whichever is smaller). Each
