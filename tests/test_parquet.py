@@ -875,6 +875,93 @@ def test_fields_select_columns_and_a_missing_one_is_a_value_error(daemon, varied
         shardstream.Loader(str(root), connect=daemon.addr, format="arrow", collate="stack")
 
 
+def keyed_table(column: str, n: int = 40) -> pa.Table:
+    """``n`` rows whose keys (in ``column``) are names, not row numbers."""
+    names = [f"{('cat', 'dog')[i % 2]}_{i:03d}" for i in range(n)]
+    return pa.table({column: names, "jpg": [b"img%03d" % i for i in range(n)], "cls": [i % 2 for i in range(n)]})
+
+
+@pytest.mark.parametrize("column", ["__key__", "key"])
+def test_fields_keep_the_key_column_as_the_key(daemon, tmp_path: Path, column: str) -> None:
+    # The key column is read for the keys whatever `fields=` selects, as a TAR dataset's keys
+    # never depend on it; it is delivered as a field only when selected.
+    t = keyed_table(column)
+    pq.write_table(t.slice(0, 25), tmp_path / "a.parquet", row_group_size=10)
+    pq.write_table(t.slice(25), tmp_path / "b.parquet")
+    names = t.column(column).to_pylist()
+    kw = dict(connect=daemon.addr, fields=["jpg", "cls"])
+    b = next(iter(shardstream.Loader(str(tmp_path), batch_size=3, shuffle=False, **kw)))
+    assert b["__key__"] == names[:3]
+    assert set(b) == {"__key__", "__row__", "jpg", "cls"}
+    whole = next(iter(shardstream.Loader(str(tmp_path), batch_size=3, shuffle=False, connect=daemon.addr)))
+    assert whole["__key__"] == b["__key__"]
+    if column == "key":
+        assert whole["key"] == names[:3]
+        picked = next(iter(shardstream.Loader(str(tmp_path), batch_size=3, shuffle=False, **{**kw, "fields": ["key"]})))
+        assert (
+            picked["__key__"] == names[:3]
+            and picked["key"] == names[:3]
+            and set(picked) == {"__key__", "__row__", "key"}
+        )
+    # Stacked, shuffled, every row once by key; the values belong to the key's row.
+    seen = collections.Counter()
+    for batch in shardstream.Loader(str(tmp_path), batch_size=8, seed=2, collate="stack", **kw):
+        assert set(batch) == {"__key__", "__row__", "jpg", "cls"}
+        assert batch["jpg"].shape[0] == len(batch["__key__"])
+        for key, row, cls in zip(batch["__key__"], batch["__row__"].tolist(), batch["cls"].tolist(), strict=True):
+            assert key == names[row] and cls == row % 2
+        seen.update(batch["__key__"])
+    assert seen == collections.Counter(names)
+    # The Arrow form is exactly the selected columns.
+    rb = next(iter(shardstream.Loader(str(tmp_path), batch_size=3, shuffle=False, format="arrow", **kw)))
+    assert rb.schema.names == ["jpg", "cls", "__row__"]
+    # shardstream.torch, in the trainer and in workers, with and without stacking.
+    for workers in (0, 2):
+        for collate in (None, "stack"):
+            ds = sst.IterableDataset(str(tmp_path), batch_size=8, seed=1, collate=collate, **kw)
+            got = collections.Counter()
+            for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers):
+                assert set(batch) == {"__key__", "__row__", "jpg", "cls"}, (workers, collate)
+                assert batch["__key__"] == [names[r] for r in batch["__row__"].tolist()], (workers, collate)
+                got.update(batch["__key__"])
+            assert got == collections.Counter(names), (workers, collate)
+
+
+def test_fields_take_the_keys_from_the_key_column_the_whole_dataset_would(daemon, tmp_path: Path) -> None:
+    # `__key__` before `key`, as without `fields=`, even when only `key` is selected; a key
+    # column of another type, or with nulls, read only for the keys never reaches a stack.
+    pq.write_table(
+        pa.table(
+            {
+                "__key__": pa.array(["a", None, "c", "d"]),
+                "key": pa.array([10, 11, None, 13], pa.int64()),
+                "x": np.arange(4, dtype=np.float32),
+            }
+        ),
+        tmp_path / "a.parquet",
+    )
+    load = functools.partial(shardstream.Loader, str(tmp_path), batch_size=4, shuffle=False, connect=daemon.addr)
+    whole = next(iter(load()))
+    assert whole["__key__"] == ["a", None, "c", "d"]
+    for fields in (["x"], ["key"], ["key", "x"]):
+        b = next(iter(load(fields=fields)))
+        assert b["__key__"] == whole["__key__"], fields
+        assert set(b) == {"__key__", "__row__", *fields}, fields
+    b = next(iter(load(fields=["x"], collate="stack")))
+    assert b["__key__"] == whole["__key__"] and b["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    only_key = tmp_path / "k"
+    only_key.mkdir()
+    pq.write_table(pa.table({"key": pa.array([7, None, 9]), "x": [1, 2, 3]}), only_key / "a.parquet")
+    b = next(
+        iter(
+            shardstream.Loader(
+                str(only_key), batch_size=3, shuffle=False, connect=daemon.addr, fields=["x"], collate="stack"
+            )
+        )
+    )
+    assert b["__key__"] == ["7", None, "9"] and set(b) == {"__key__", "__row__", "x"}
+
+
 def test_a_column_missing_in_one_file_is_a_value_error_naming_it(daemon, tmp_path: Path) -> None:
     pq.write_table(pa.table({"a": [1, 2], "b": [3, 4]}), tmp_path / "x-0.parquet")
     pq.write_table(pa.table({"a": [5, 6]}), tmp_path / "x-1.parquet")
@@ -1184,13 +1271,15 @@ def test_a_pack_format_parquet_dataset_is_served_as_is(daemon, tmp_path: Path) -
         capture_output=True,
         timeout=300,
     )
-    loader = shardstream.Loader(str(out), batch_size=20, seed=3, connect=daemon.addr)
-    got = {}
-    for batch in loader:
-        for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
-            assert key not in got
-            got[key] = bytes(jpg)
-    assert got == files
+    for fields in (None, ["jpg"]):
+        loader = shardstream.Loader(str(out), batch_size=20, seed=3, connect=daemon.addr, fields=fields)
+        got = {}
+        for batch in loader:
+            assert set(batch) == {"__key__", "__row__", "jpg"}
+            for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
+                assert key not in got
+                got[key] = bytes(jpg)
+        assert got == files, fields
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])

@@ -308,9 +308,10 @@ class Loader:
     Parquet datasets (a sample is a row; ``fields`` selects columns): with ``format="dict"`` (the
     default) each column is a numpy array (fixed-width types, zero copy; a ``numpy.ma.MaskedArray``
     when it has nulls, never a silent fill), a list of memoryviews (binary), or a list of str, plus
-    ``"__key__"`` (a ``__key__``/``key`` column, else the row id as str) and ``"__row__"`` (the
-    rows' ids, ``uint64``). With ``format="arrow"`` each batch is a ``pyarrow.RecordBatch`` whose
-    buffers lie in the shared-memory ring slot the daemon wrote (zero copy), with a ``__row__``
+    ``"__key__"`` (a ``__key__``/``key`` column, fetched for the keys alone when ``fields`` leaves
+    it out; else the row id as str) and ``"__row__"`` (the rows' ids, ``uint64``). With
+    ``format="arrow"`` each batch is a ``pyarrow.RecordBatch`` whose buffers lie in the
+    shared-memory ring slot the daemon wrote (zero copy), with a ``__row__``
     column of the rows' ids appended; the slot is the batch's until the record batch and every
     array made from it are gone. Batches of small rows arrive several to a message and are cut
     from its record batch (``RecordBatch.slice``, sharing its slot until all of them are gone);
@@ -439,6 +440,18 @@ class Loader:
                 f'format="arrow" is for Parquet datasets; {self.url} is a {self.info.get("format") or "sample"} '
                 'dataset: use format="dict"'
             )
+        # The dict form's keys come from the dataset's key column whatever `fields=` selects (a
+        # TAR dataset's keys never depend on it): one left out is fetched for them alone. The
+        # Arrow form is exactly the selected columns.
+        self._key_only: str | None = None
+        self._stream_fields = self.fields
+        if self.arrow and format == "dict" and self.fields:
+            from ._arrow import key_column
+
+            key = key_column(self._dataset_columns())
+            if key is not None and key not in self.fields:
+                self._key_only = key
+                self._stream_fields = [*self.fields, key]
         self.binary_views = binary_views
         if self.binary_views:
             if not self.arrow:
@@ -467,6 +480,18 @@ class Loader:
         self._stats = {"samples": 0, "bytes": 0, "batches": 0, "wait_s": 0.0, "elapsed_s": 0.0}
         self._first_batch_s: float | None = None
         self._iter_started: float | None = None
+
+    def _dataset_columns(self) -> list[str]:
+        """The dataset's columns (of an Arrow dataset), as the daemon described it when opened."""
+        names = self.info.get("fields")
+        if names:
+            return [str(n) for n in names]
+        schema = self.info.get("arrow_schema")
+        if not schema:
+            return []
+        import pyarrow as pa  # type: ignore[import-untyped]
+
+        return list(pa.ipc.read_schema(pa.py_buffer(schema)).names)
 
     def __len__(self) -> int:
         """Batches per rank per epoch (the same on every rank)."""
@@ -499,7 +524,7 @@ class Loader:
             num_workers=self._num_workers,
             start_batch=self._start_batch,
             drop_last=self.drop_last,
-            fields=self.fields,
+            fields=self._stream_fields,
             shuffle_window=self.shuffle_window,
             transport=self.transport,
             # The dataset every rank agreed on when the loaders were made (and a resumed state
@@ -549,9 +574,9 @@ class Loader:
         at = 0
         for index, n in parts:
             piece = rb.slice(at, n) if cut else rb
-            out_dict = Batch(_arrow.to_dict(piece, rows[at : at + n] if cut else rows, self.copy))
+            out_dict = Batch(_arrow.to_dict(piece, rows[at : at + n] if cut else rows, self.copy, self._key_only))
             if self.collate == "stack":
-                _arrow.stack(piece, out_dict)
+                _arrow.stack(piece, out_dict, self._key_only)
             if self.copy:
                 for name, value in out_dict.items():
                     if isinstance(value, np.ndarray) and name != _arrow.ROW:

@@ -33,8 +33,9 @@ slice, array or memoryview made from it are gone.
   "path": str}``).
 - strings: a list of ``str`` (None for nulls). Dictionary columns are decoded first. Anything
   else (structs, maps, lists of non-fixed-width types): ``to_pylist()``.
-- ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the batch has one (see
-  ``keys``), else each row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
+- ``"__key__"``: the ``__key__`` or ``key`` column as ``str`` when the dataset has one (see
+  ``keys``; ``Loader`` fetches it for the keys alone when ``fields=`` leaves it out), else each
+  row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
 
 The daemon writes the rows' ids into each batch as a last ``__row__`` column. A dataset with a
 ``__row__`` column of its own gets none added: the Arrow form delivers the dataset's column, the
@@ -43,6 +44,7 @@ dict form's ``"__row__"`` is still the ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -447,43 +449,51 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
     return arr.to_pylist()
 
 
+def key_column(names: Sequence[str]) -> str | None:
+    """Which of the columns ``names`` holds the keys: ``__key__``, else ``key``, else none."""
+    return next((name for name in KEY_COLUMNS if name in names), None)
+
+
 def keys(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> list[str | None]:
     """The batch's keys: its key column's values as str (None where null: str() would make it
     the key "None"), else the row ids. Binary keys that are not UTF-8 are decoded as Python
     decodes such file names (``surrogateescape``): distinct bytes stay distinct keys, and
     ``key.encode("utf-8", "surrogateescape")`` gives the bytes back."""
-    for name in KEY_COLUMNS:
-        if name in batch.schema.names:
-            return [
-                None if v is None else v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else str(v)
-                for v in batch.column(name).to_pylist()
-            ]
-    return [str(r) for r in rows.tolist()]
+    name = key_column(batch.schema.names)
+    if name is None:
+        return [str(r) for r in rows.tolist()]
+    return [
+        None if v is None else v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else str(v)
+        for v in batch.column(name).to_pylist()
+    ]
 
 
-def to_dict(batch: pa.RecordBatch, rows: np.ndarray[Any, Any], copy: bool = False) -> dict[str, Any]:
-    """The dict form of a record batch whose rows have ids ``rows``."""
+def to_dict(
+    batch: pa.RecordBatch, rows: np.ndarray[Any, Any], copy: bool = False, hidden: str | None = None
+) -> dict[str, Any]:
+    """The dict form of a record batch whose rows have ids ``rows``. ``hidden``: a column the
+    batch carries only for its keys (the key column ``fields=`` left out), not delivered."""
     out: dict[str, Any] = {"__key__": keys(batch, rows), ROW: rows}
     for name, arr in zip(batch.schema.names, batch.columns, strict=True):
-        if name in ("__key__", ROW):
+        if name in ("__key__", ROW) or name == hidden:
             continue
         out[name] = column_value(arr, copy)
     return out
 
 
-def stack(batch: pa.RecordBatch, out: dict[str, Any]) -> dict[str, Any]:
+def stack(batch: pa.RecordBatch, out: dict[str, Any], hidden: str | None = None) -> dict[str, Any]:
     """``collate="stack"`` for an Arrow batch: every column as one array of ``rows`` records.
     Fixed-width columns are 1-D already; ``fixed_size_list`` columns are 2-D; ``list`` columns of
     equal-length lists and binary columns of equal-length values become a 2-D view of their values
     buffer (``uint8`` for binary), lists of lists of equal shape an N-D one (Hugging Face
     ``Array2D``/``Array3D``: ``(rows, *shape)``), without a copy. A null (a row's, or one inside a
     row's lists), or lists/values of different lengths, is a ``ValueError`` naming the column and
-    row."""
+    row. ``hidden`` as for ``to_dict``: not stacked, nor checked for nulls."""
     import pyarrow as pa
 
     rows = out[ROW]
     for name, arr in zip(batch.schema.names, batch.columns, strict=True):
-        if name == "__key__":
+        if name == "__key__" or name == hidden:
             continue
         arr = _storage(arr)
         t = arr.type
