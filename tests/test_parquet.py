@@ -298,6 +298,53 @@ def test_a_torch_tensor_over_the_ring_can_be_written_in_place(daemon, varied) ->
     run_child_ok(WRITE_IN_PLACE, str(root), daemon.addr, str(TOTAL))
 
 
+@pytest.mark.parametrize("collate", [None, "stack"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_timestamps_and_durations_reach_torch_as_int64_counts_of_their_unit(
+    daemon, tmp_path, workers: int, collate: str | None
+) -> None:
+    # torch has no datetime dtype: its default_convert (a plain DataLoader with batch_size=None)
+    # raised a TypeError on the numpy datetime64 arrays. They come as the int64 counts Arrow
+    # stores, in the column's own unit.
+    import pandas as pd
+
+    n = 24
+    frame = pd.DataFrame(
+        {
+            "x": np.arange(n, dtype=np.float32),
+            "when": pd.date_range("2024-01-01", periods=n, freq="h"),
+            "took": pd.to_timedelta(np.arange(n), unit="s"),
+        }
+    )
+    # A column pandas writes (ns, or us in pandas 3), and one in milliseconds with a zone.
+    ms = pa.array(np.arange(n) * 1000 + 7, pa.timestamp("ms", tz="UTC"))
+    pq.write_table(
+        pa.Table.from_pandas(frame, preserve_index=False).append_column("ms", ms),
+        tmp_path / "a.parquet",
+        row_group_size=10,
+    )
+    written = pq.read_table(tmp_path / "a.parquet")
+    want = {name: written.column(name).cast(pa.int64()).to_pylist() for name in ("when", "took", "ms")}
+    ds = sst.IterableDataset(str(tmp_path), batch_size=4, seed=5, connect=daemon.addr, collate=collate)
+    for loader in (
+        torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers),
+        sst.DataLoader(ds, num_workers=workers),
+    ):
+        rows = []
+        for batch in loader:
+            ids = batch["__row__"].tolist()
+            for name, values in want.items():
+                assert isinstance(batch[name], torch.Tensor) and batch[name].dtype == torch.int64, name
+                assert batch[name].tolist() == [values[i] for i in ids], name
+            assert batch["x"].tolist() == [float(i) for i in ids]
+            rows.extend(ids)
+        assert sorted(rows) == list(range(n))
+    if workers == 0:
+        # Over the ring, without a copy.
+        batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=None)))
+        assert any(lo <= batch["when"].data_ptr() < hi for lo, hi in mapped_memfds()), "copied out of the ring"
+
+
 def test_stack_over_a_pandas_frame_with_categorical_and_all_null_columns(daemon, tmp_path) -> None:
     # pandas writes a categorical as `dictionary<string>` in the file's Arrow schema, which the
     # daemon keeps: with collate="stack" it must come as the strings the dict form gives, and a

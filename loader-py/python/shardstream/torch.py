@@ -65,11 +65,13 @@ and up) into shared memory the worker reuses as described above, and crosses to 
 torch shared memory. Without a transform the rank's batches are fastest with ``num_workers=0``.
 
 Parquet datasets: every numeric column without nulls (and ``"__row__"``) becomes a tensor over the
-record batch's memory (``torch.from_numpy``, no copy with ``num_workers=0``); a column with nulls
-stays a ``numpy.ma.MaskedArray`` (torch has no null), binary columns stay lists of memoryviews /
-bytes, strings lists of str. ``collate="stack"`` gives 2-D tensors for ``fixed_size_list`` columns
-and for equal-length lists, ``(rows, *shape)`` ones for lists of lists of equal shape (Hugging Face
-``Array2D``/``Array3D``). ``format="arrow"`` yields ``pyarrow.RecordBatch`` objects untouched.
+record batch's memory (``torch.from_numpy``, no copy with ``num_workers=0``), timestamps and
+durations an ``int64`` one of the counts of the column's unit Arrow stores (since the epoch, in UTC
+for zoned timestamps); a column with nulls stays a ``numpy.ma.MaskedArray`` (torch has no null),
+binary columns stay lists of memoryviews / bytes, strings lists of str. ``collate="stack"`` gives
+2-D tensors for ``fixed_size_list`` columns and for equal-length lists, ``(rows, *shape)`` ones for
+lists of lists of equal shape (Hugging Face ``Array2D``/``Array3D``). ``format="arrow"`` yields
+``pyarrow.RecordBatch`` objects untouched.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ from ._batch_memory import BatchMemory, Pooled
 
 def _as_tensors(batch: dict[str, Any], handed_out: bool = True) -> dict[str, Any]:
     """Numeric numpy fields as torch tensors over the same memory (masked arrays and lists stay as
-    they are). Over shared memory that is the batch's ring slot, read-only to numpy; torch has no
-    read-only tensors and warns about it for every batch. Writing into such a tensor in place is
+    they are); timestamps and durations as ``int64`` counts of their unit. Over shared memory
+    that is the batch's ring slot, read-only to numpy; torch has no read-only tensors and warns
+    about it for every batch. Writing into such a tensor in place is
     allowed: the batch tells the client (``_may_be_written``), which opens the slot for writes in
     its copy-on-write mapping of the ring, so a write stays in this process, and drops what was
     written before the slot goes back. ``handed_out=False`` when only this module reads the
@@ -102,9 +105,14 @@ def _as_tensors(batch: dict[str, Any], handed_out: bool = True) -> dict[str, Any
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, value in batch.items():
-            if name != "__key__" and type(value) is np.ndarray and value.dtype.kind in "biuf":
-                over_ring = over_ring or not value.flags.writeable
-                batch[name] = torch.from_numpy(value)
+            if name == "__key__" or type(value) is not np.ndarray or value.dtype.kind not in "biufMm":
+                continue
+            over_ring = over_ring or not value.flags.writeable
+            if value.dtype.kind in "Mm":
+                # torch has no datetime dtype (its default_convert raises on one): the int64
+                # counts of the column's unit Arrow stores, viewed in place.
+                value = value.view(np.int64)
+            batch[name] = torch.from_numpy(value)
     if over_ring and handed_out and isinstance(batch, Batch):
         batch._may_be_written()
     return batch
