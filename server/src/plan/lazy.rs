@@ -144,7 +144,8 @@ impl RankStream {
         let s = Self::new(shard_samples, p)?;
         let most = s.most_held();
         if most > limit {
-            return Err(PlanError::WindowTooLarge { window: most, limit });
+            let largest = shard_samples.iter().copied().max().unwrap_or(0);
+            return Err(PlanError::WindowTooLarge { window: most, limit, largest });
         }
         Ok(s)
     }
@@ -413,8 +414,16 @@ mod lazy_tests {
         let whole = EpochParams { window_shards: 5000, ..p };
         assert_eq!(
             RankStream::bounded(&shards, &whole, 1 << 16).unwrap_err(),
-            PlanError::WindowTooLarge { window: 1_000_000, limit: 1 << 16 }
+            PlanError::WindowTooLarge { window: 1_000_000, limit: 1 << 16, largest: 1000 }
         );
+        // One unit larger than the limit: the smallest window holds it whole, and the error
+        // must say the unit is the cause, not the window the caller chose.
+        let one = [40_000u64];
+        let smallest = EpochParams { window_shards: 1, ..p };
+        let err = RankStream::bounded(&one, &smallest, 1 << 15).unwrap_err();
+        assert_eq!(err, PlanError::WindowTooLarge { window: 40_000, limit: 1 << 15, largest: 40_000 });
+        let text = err.to_string();
+        assert!(text.contains("up to 40000 samples each") && text.contains("shuffle=False"), "{text}");
         assert!(RankStream::bounded(&shards, &p, 1 << 16).is_ok());
     }
 

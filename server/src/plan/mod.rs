@@ -110,11 +110,15 @@ pub enum PlanError {
     Overflow { what: &'static str },
     #[error("cannot allocate memory for {samples} entries of the plan")]
     OutOfMemory { samples: u64 },
+    /// `largest`: the most samples one shard (or Parquet row group) holds. A window spans whole
+    /// ones, so when one alone is near the limit no shuffle_window helps.
     #[error(
-        "a shuffle window of {window} samples exceeds the limit of {limit} samples a stream may hold; \
-         use a smaller shuffle_window"
+        "the shuffle would hold {window} sample ids at once, over the limit of {limit} a stream may hold: \
+         a shuffle window spans whole shards (or Parquet row groups), and this dataset's hold up to {largest} \
+         samples each; use a smaller shuffle_window if it is above 1, smaller shards or row groups, more \
+         ranks, or shuffle=False"
     )]
-    WindowTooLarge { window: u64, limit: u64 },
+    WindowTooLarge { window: u64, limit: u64, largest: u64 },
     #[error("plan position {position} is behind the stream's cursor at {cursor}; the plan only moves forward")]
     Rewind { position: u64, cursor: u64 },
 }
