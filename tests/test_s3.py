@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 import threading
 import time
 import urllib.request
@@ -556,6 +557,38 @@ def test_missing_credentials_or_a_malformed_endpoint_fail_at_once_saying_so(tmp_
             assert words in message and "retries" not in message, message
         finally:
             d.stop()
+
+
+def test_an_object_rewritten_at_its_size_on_a_store_that_lists_no_etags_is_fetched_again(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """Some S3-compatible stores (s3s-fs here) list objects without ETags. A shard's node-cache
+    copy was then known by its size alone: an object rewritten at the same size while no daemon
+    ran was served from the old copy, its old bytes, after a restart. The listing's LastModified
+    now names the version too."""
+    root = s3.bucket("data") / "noetag"
+    samples = write_dataset(root, n=60, per_shard=30, seed=6)
+    d = start_daemon(tmp_path, s3)
+    try:
+        assert epoch(d.addr, "s3://data/noetag/") == samples
+    finally:
+        d.stop()
+    victim = root / "train-000000.tar"
+    with tarfile.open(victim) as tar:
+        hit = next(m for m in tar.getmembers() if m.name.endswith(".jpg"))
+    key, field = hit.name.rsplit(".", 1)
+    raw = bytearray(victim.read_bytes())
+    raw[hit.offset_data] ^= 0xFF  # a payload byte: same size, other bytes
+    now = bytes(raw[hit.offset_data : hit.offset_data + hit.size])
+    time.sleep(1.1)  # a listing's LastModified may count whole seconds
+    victim.write_bytes(bytes(raw))
+    assert now != samples[key][field]
+    d = start_daemon(tmp_path, s3)  # the same cache directory: its copies are adopted
+    try:
+        got = epoch(d.addr, "s3://data/noetag/")
+        assert got[key][field] == now, "the old copy's bytes were served"
+    finally:
+        d.stop()
 
 
 def test_an_unreachable_s3_endpoint_is_named_as_such_not_as_the_daemon(tmp_path: Path, s3: S3Server) -> None:
