@@ -96,7 +96,9 @@ impl Discovered {
                             samples: 0,
                             crc32c: None,
                             footer_crc32c: None,
-                            mtime_ns: None,
+                            // Names the version (with the size) where the listing has no ETag:
+                            // the node-cache copy and the sidecar are keyed by it.
+                            mtime_ns: o.modified_ns,
                             sidecar: None,
                             content: None,
                             largest: None,

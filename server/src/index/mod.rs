@@ -118,6 +118,8 @@ pub struct ShardMeta {
     /// ([`footer_crc32c`](crate::format::parquet::footer::footer_crc32c)); checked before first
     /// use, like `crc32c`.
     pub footer_crc32c: Option<u32>,
+    /// A local file's mtime; an S3 object's LastModified from the listing (which names its
+    /// version where the store lists no ETag). None from a manifest.
     pub mtime_ns: Option<i64>,
     /// Sidecar path named by the manifest, if any.
     pub sidecar: Option<PathBuf>,

@@ -105,6 +105,9 @@ pub struct ObjectInfo {
     pub key: String,
     pub size: u64,
     pub etag: Option<String>,
+    /// LastModified, in ns since the Unix epoch: what names the version when a store lists no
+    /// ETags (some S3-compatible ones do not).
+    pub modified_ns: Option<i64>,
 }
 
 /// What a download needs to know about its object.
@@ -611,6 +614,9 @@ impl S3Store {
                     key: key.to_owned(),
                     size: u64::try_from(size).unwrap_or(0),
                     etag: o.e_tag().map(str::to_owned),
+                    modified_ns: o
+                        .last_modified()
+                        .and_then(|t| t.secs().checked_mul(1_000_000_000)?.checked_add(i64::from(t.subsec_nanos()))),
                 });
             }
             token = page.next_continuation_token().map(str::to_owned);
@@ -1116,7 +1122,7 @@ mod tests {
     use crate::storage::pick::NameGlob;
 
     fn obj(key: &str) -> ObjectInfo {
-        ObjectInfo { key: key.into(), size: 1, etag: None }
+        ObjectInfo { key: key.into(), size: 1, etag: None, modified_ns: None }
     }
 
     #[test]
