@@ -591,6 +591,27 @@ def test_an_object_rewritten_at_its_size_on_a_store_that_lists_no_etags_is_fetch
         d.stop()
 
 
+def test_a_new_loader_after_an_object_changed_reads_the_dataset_as_it_is_now(tmp_path: Path, s3: S3Server) -> None:
+    """The daemon reuses an S3 dataset's listing for a minute (every rank and worker opens it
+    every epoch). An object that changed under a listing failed its stream, as it must, but the
+    next Loader got the same listing and failed the same way until the minute was up, though
+    the error said to open the dataset again. A shard found changed now ends the reuse."""
+    root = s3.bucket("data") / "changing"
+    samples = write_dataset(root, n=2400, per_shard=600, seed=7)  # 4 shards of ~3.2 MB
+    # A cache of two shards and a bit: the first epoch's copy of shard 0 is gone by its end.
+    d = start_daemon(tmp_path, s3, "--cache-size", "7500000")
+    try:
+        assert epoch(d.addr, "s3://data/changing/", shuffle=False) == samples
+        replaced = write_dataset(tmp_path / "new", n=700, per_shard=700, seed=8)  # another size
+        shutil.copy(tmp_path / "new" / "train-000000.tar", root / "train-000000.tar")
+        with pytest.raises(shardstream.ShardError, match="train-000000.tar"):
+            epoch(d.addr, "s3://data/changing/", shuffle=False)
+        got = epoch(d.addr, "s3://data/changing/", shuffle=False)
+        assert {k for k in got if k.startswith("s8/")} == set(replaced), "the new object's samples"
+    finally:
+        d.stop()
+
+
 def test_an_unreachable_s3_endpoint_is_named_as_such_not_as_the_daemon(tmp_path: Path, s3: S3Server) -> None:
     # The daemon answers; S3 does not. The error must say that, once and readably: the URL and
     # the OS's reason, not "shardstream daemon unavailable" and not the SDK's Debug dump.
