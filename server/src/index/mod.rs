@@ -665,6 +665,16 @@ impl Dataset {
     /// `e`, from opening a local shard or checking it against its listing; a file changed or
     /// gone marks the dataset [`changed`](Self::changed), and the error says what to do. A
     /// transient failure (EMFILE, EIO) does not: it would cost every later open a full listing.
+    /// `e`, from fetching an S3 shard: an object gone, or not as listed or indexed (a changed
+    /// ETag, size or checksum), marks the dataset [`changed`](Self::changed), so that the next
+    /// open lists it (or reads its manifest) again instead of reusing this one for a minute.
+    fn s3_changed_if(&self, e: Error) -> Error {
+        if matches!(e, Error::Shard { .. } | Error::NotFound { .. }) {
+            self.changed.store(true, Ordering::Release);
+        }
+        e
+    }
+
     fn changed_if(&self, e: Error) -> Error {
         match e {
             Error::Shard { shard, offset, reason } => {
@@ -724,7 +734,13 @@ impl Dataset {
                 if let ShardSource::Local(path) = source {
                     self.check_copy_source(i, path, meta)?;
                 }
-                let pin = self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+                let fetched = self.fetch(i, Want::NOW);
+                let fetched = if matches!(source, ShardSource::S3 { .. }) {
+                    fetched.map_err(|e| self.s3_changed_if(e))
+                } else {
+                    fetched
+                };
+                let pin = fetched?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                 (ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?, Some(pin))
             }
         };

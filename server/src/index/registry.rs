@@ -231,6 +231,7 @@ impl Registry {
             if let Some((ds, checked, _)) = &existing
                 && matches!(parsed, DatasetUrl::S3 { .. })
                 && checked.elapsed() < REMOTE_REDISCOVERY
+                && !ds.changed()
             {
                 return admitted(ds.clone());
             }
