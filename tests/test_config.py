@@ -115,3 +115,21 @@ def test_every_serve_option_has_its_environment_variable() -> None:
         if f"[env: {want}" not in block:
             missing.append(m.group(1))
     assert not missing, f"options without their SHARDSTREAM_* variable: {missing}"
+
+
+def test_a_bad_variable_is_named_and_switches_read_as_a_shell_writes_them() -> None:
+    """A value from the environment was refused as if it were a flag ("invalid value '0' for
+    '--ring-slots'"), though the operator had set SHARDSTREAM_RING_SLOTS in a unit file or a pod
+    spec and passed no flag; and a switch took only "true"/"false", refusing the 1 such files
+    often hold."""
+    r = print_config(env={"SHARDSTREAM_RING_SLOTS": "0"})
+    assert r.returncode == 2 and "SHARDSTREAM_RING_SLOTS=0" in r.stderr, r.stderr
+    # Given as a flag, the flag is what is named.
+    r = print_config("--ring-slots", "0", env={"SHARDSTREAM_RING_SLOTS": "4"})
+    assert r.returncode == 2 and "--ring-slots" in r.stderr and "SHARDSTREAM_RING_SLOTS" not in r.stderr, r.stderr
+    for text, value in (("1", True), ("yes", True), ("on", True), ("true", True), ("0", False), ("off", False)):
+        r = print_config(env={"SHARDSTREAM_NO_KEEP_DECODED": text})
+        assert r.returncode == 0, r.stderr
+        assert tomllib.loads(r.stdout)["no-keep-decoded"] is value, text
+    r = print_config(env={"SHARDSTREAM_INSECURE": "maybe"})
+    assert r.returncode == 2 and "SHARDSTREAM_INSECURE=maybe" in r.stderr, r.stderr
