@@ -119,7 +119,7 @@ pub struct ServeArgs {
     /// Do not keep decoded Parquet row groups in the node cache (binary_views streams keep every
     /// row group they decode; others those decoded again past --decoded-budget): they then live
     /// in memory only, and every daemon, and past the budget every epoch, decodes them again.
-    #[arg(long, env = "SHARDSTREAM_NO_KEEP_DECODED")]
+    #[arg(long, env = "SHARDSTREAM_NO_KEEP_DECODED", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_keep_decoded: bool,
     /// Memory for decoded Parquet row groups, shared by all streams (e.g. 4GiB). A shuffled
     /// epoch decodes each row group about once while the dataset's selected columns, decoded,
@@ -144,7 +144,7 @@ pub struct ServeArgs {
     pub s3_max_retries: u32,
     /// Serve transport="rdma" streams (remote trainers; libfabric loaded at run time). The
     /// daemon refuses to start if libfabric or the provider cannot be opened.
-    #[arg(long, env = "SHARDSTREAM_RDMA")]
+    #[arg(long, env = "SHARDSTREAM_RDMA", value_parser = clap::builder::BoolishValueParser::new())]
     pub rdma: bool,
     /// With --rdma: the libfabric provider (e.g. "verbs;ofi_rxm", "efa", "tcp"); default the
     /// client's (SHARDSTREAM_FI_PROVIDER / FI_PROVIDER also apply).
@@ -199,7 +199,7 @@ pub struct ServeArgs {
     #[arg(long = "tokens", env = "SHARDSTREAM_TOKENS")]
     pub token_file: Option<PathBuf>,
     /// Allow plaintext TCP (no TLS). Refused unless the listen address is loopback.
-    #[arg(long, env = "SHARDSTREAM_INSECURE")]
+    #[arg(long, env = "SHARDSTREAM_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
     /// Seconds a TCP client may stay silent before an HTTP/2 ping, and then its answer, are
     /// waited for: a client cut off (no reset ever comes) has its stream ended within twice this.

@@ -32,6 +32,10 @@ pub enum ParseError {
     Clap(#[from] clap::Error),
     #[error("config file {path}: {reason}")]
     File { path: PathBuf, reason: String },
+    /// A value the environment gave (no flag on the command line): named as the variable, which
+    /// is what the operator wrote (a unit file, a pod spec).
+    #[error("{var}={value} in the environment: {reason}")]
+    Env { var: String, value: String, reason: String },
 }
 
 /// The config file's structured part; flag keys are checked against the `serve` options.
@@ -51,7 +55,7 @@ where
 {
     let argv: Vec<OsString> = args.into_iter().map(Into::into).collect();
     let cmd = Cli::command();
-    let matches = cmd.clone().try_get_matches_from(&argv)?;
+    let matches = cmd.clone().try_get_matches_from(&argv).map_err(|e| from_env(&cmd, &argv, e))?;
     let cli = Cli::from_arg_matches(&matches)?;
     let Command::Serve(serve) = &cli.command else { return Ok((cli, Vec::new())) };
     let Some(path) = serve.config.clone() else { return Ok((cli, Vec::new())) };
@@ -102,8 +106,43 @@ where
         return Err(file_err(&path, e.to_string()));
     }
     // `serve` takes no positional arguments, so file values can follow the user's.
-    let merged = cmd.try_get_matches_from(argv.into_iter().chain(extra))?;
+    let merged =
+        cmd.clone().try_get_matches_from(argv.iter().cloned().chain(extra)).map_err(|e| from_env(&cmd, &argv, e))?;
     Ok((Cli::from_arg_matches(&merged)?, allow))
+}
+
+/// A value error about an option the command line (`argv`) does not give but its environment
+/// variable does, as [`ParseError::Env`]; anything else as clap's own error.
+fn from_env(cmd: &clap::Command, argv: &[OsString], e: clap::Error) -> ParseError {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(e.kind(), ErrorKind::InvalidValue | ErrorKind::ValueValidation) {
+        return ParseError::Clap(e);
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else { return ParseError::Clap(e) };
+    let long = arg.trim_start_matches("--").split_whitespace().next().unwrap_or_default().to_owned();
+    let on_command_line = argv.iter().filter_map(|a| a.to_str()).any(|a| {
+        a.strip_prefix("--")
+            .is_some_and(|a| a == long || a.strip_prefix(long.as_str()).is_some_and(|r| r.starts_with('=')))
+    });
+    let env = cmd
+        .get_subcommands()
+        .flat_map(|c| c.get_arguments())
+        .chain(cmd.get_arguments())
+        .find(|a| a.get_long() == Some(long.as_str()))
+        .and_then(|a| a.get_env())
+        .and_then(|v| v.to_str())
+        .map(str::to_owned);
+    match env {
+        Some(var) if !on_command_line => match std::env::var_os(&var) {
+            Some(value) => ParseError::Env {
+                value: value.to_string_lossy().into_owned(),
+                var,
+                reason: first_line(&e.to_string()).to_owned(),
+            },
+            None => ParseError::Clap(e),
+        },
+        _ => ParseError::Clap(e),
+    }
 }
 
 fn file_err(path: &Path, reason: impl Into<String>) -> ParseError {
