@@ -283,6 +283,19 @@ def test_a_shard_file_is_a_dataset_of_one_and_a_directory_named_like_one_is_a_di
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_shard_whose_name_reads_as_a_glob_is_that_shard(daemon, s3, s3_daemon, tmp_path: Path, where: str) -> None:
+    # `run[1].parquet` (as some job schedulers name outputs) read as a glob matched only
+    # `run1.parquet`, and the file itself was "not found". A name matches itself too.
+    base, url, addr = place(where, "brackets", tmp_path, daemon, s3, s3_daemon)
+    base.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": [7, 8]}), base / "run[1].parquet")
+    assert sorted(read_ids(f"{url.rstrip('/')}/run[1].parquet", addr)) == [7, 8]
+    pq.write_table(pa.table({"id": [1]}), base / "run1.parquet")
+    # A glob still matches as one: both names now.
+    assert sorted(read_ids(f"{url.rstrip('/')}/run[1].parquet", addr)) == [1, 7, 8]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_directory_of_compressed_shards_says_they_are_not_served(
     daemon, s3, s3_daemon, tmp_path: Path, where: str
 ) -> None:
