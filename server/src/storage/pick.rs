@@ -136,8 +136,11 @@ impl NameGlob {
         &self.pattern
     }
 
+    /// Whether `name` matches, or is the pattern itself: a file named `run[1].parquet` is found
+    /// by its own name, which as a glob would match only `run1.parquet` (there is no escape to
+    /// write it otherwise).
     pub fn matches(&self, name: &str) -> bool {
-        self.alternatives.iter().any(|p| p.matches_with(name, MATCH))
+        name == self.pattern || self.alternatives.iter().any(|p| p.matches_with(name, MATCH))
     }
 
     /// The text every match begins with: an S3 listing need not look before it.
