@@ -2390,6 +2390,14 @@ def test_binary_views_refusals_say_what_to_do(daemon, blobs, varied, dataset) ->
         next(iter(shardstream.Loader(str(root), connect=daemon.addr, fields=["id"], binary_views=True)))
 
 
+def test_binary_views_of_numbers_alone_say_no_column_is_binary(daemon, tmp_path: Path) -> None:
+    # An int key with nulls and an int column: the refusal blamed "a file's bytes columns", of
+    # which there are none.
+    pq.write_table(pa.table({"key": pa.array([10, None, 12]), "x": pa.array([1, 2, 3])}), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match="none of the selected columns is binary"):
+        next(iter(shardstream.Loader(str(tmp_path), connect=daemon.addr, binary_views=True)))
+
+
 def maps_under(maps: Path, under: Path) -> dict[str, list[tuple[int, int]]]:
     """{file name: address ranges} of the files under `under` mapped in the process of `maps`."""
     out: dict[str, list[tuple[int, int]]] = {}
