@@ -475,6 +475,16 @@ impl BatchAssembler {
     /// arenas (cached apart from other streams' row groups). An error when the projection has no
     /// such column or is not decoded as views (a list or other nested column).
     pub fn with_binary_views(mut self) -> Result<Self> {
+        // No binary column first: then whether the others decode as views is beside the point.
+        let mut any = false;
+        let fields: Vec<arrow_schema::FieldRef> =
+            self.delivered.fields().iter().map(|f| Arc::new(as_views(f, &mut any))).collect();
+        if !any {
+            return Err(Error::invalid(
+                "binary_views: none of the selected columns is binary (binary or large_binary, at the top or \
+                 inside a struct)",
+            ));
+        }
         if !self.per_file.iter().all(FileProjection::views) {
             // A file's bytes columns may also fail to decode as views (arrow-rs refusing the
             // hint) although every column is flat: then no column is to blame.
@@ -486,15 +496,6 @@ impl BatchAssembler {
                 "binary_views needs every selected column to be flat (numbers, strings, binary, \
                  structs of those), but {why}; select fewer fields"
             )));
-        }
-        let mut any = false;
-        let fields: Vec<arrow_schema::FieldRef> =
-            self.delivered.fields().iter().map(|f| Arc::new(as_views(f, &mut any))).collect();
-        if !any {
-            return Err(Error::invalid(
-                "binary_views: none of the selected columns is binary (binary or large_binary, at the top or \
-                 inside a struct)",
-            ));
         }
         self.delivered = Arc::new(Schema::new_with_metadata(fields, self.delivered.metadata().clone()));
         self.schema_message = direct::schema_message(&self.delivered).map_err(|e| Error::Internal(e.to_string()))?;
