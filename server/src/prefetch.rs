@@ -179,11 +179,51 @@ pub struct Consumer {
     pub waited_us: AtomicU64,
 }
 
+/// A consumer's pace, in samples per second of its stream's deliveries. Batches are built in
+/// bursts (a client releases slots several at a time; small batches are grouped), microseconds
+/// apart and then a pause, so the pace is measured over spans of at least [`RATE_SPAN`]: one
+/// batch to the next would count a burst as the pace (100-1000x the trainer's) and the
+/// prefetcher would take its horizon for a fraction of a second.
 #[derive(Debug)]
 struct Rate {
     samples_per_s: f64,
-    last: Option<(Instant, u64)>,
+    /// Where the current span began.
+    span: Option<(Instant, u64)>,
+    /// A full span has been measured. Before that, the pace since the stream began stands in:
+    /// it errs high while the first batches are built ahead, so the prefetcher fetches more,
+    /// never less.
     measured: bool,
+}
+
+/// The shortest span a pace is measured over.
+const RATE_SPAN: Duration = Duration::from_secs(1);
+
+impl Rate {
+    fn new() -> Self {
+        Self { samples_per_s: DEFAULT_RATE, span: None, measured: false }
+    }
+
+    /// Notes that the stream had delivered everything before `position` at `now`.
+    fn note(&mut self, now: Instant, position: u64) {
+        let Some((at, pos)) = self.span else {
+            self.span = Some((now, position));
+            return;
+        };
+        let dt = now.duration_since(at);
+        if position <= pos || dt.is_zero() {
+            return;
+        }
+        let pace = (position - pos) as f64 / dt.as_secs_f64();
+        if dt >= RATE_SPAN {
+            // EWMA over spans: follows a change of pace within a few seconds, and a single slow
+            // step (a checkpoint) moves it by half a span's worth at most.
+            self.samples_per_s = if self.measured { 0.5 * self.samples_per_s + 0.5 * pace } else { pace };
+            self.measured = true;
+            self.span = Some((now, position));
+        } else if !self.measured {
+            self.samples_per_s = pace;
+        }
+    }
 }
 
 impl Consumer {
@@ -195,18 +235,7 @@ impl Consumer {
             self.waited_us.fetch_add(waited.as_micros() as u64, Relaxed);
             crate::metrics::consumer_wait(self.rank, self.worker, waited.as_secs_f64());
         }
-        let now = Instant::now();
-        let mut r = self.rate.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((at, pos)) = r.last {
-            let dt = now.duration_since(at).as_secs_f64();
-            if dt > 0.0 && position > pos {
-                let measured = (position - pos) as f64 / dt;
-                // EWMA: follows a change of pace within a few batches, ignores a single hiccup.
-                r.samples_per_s = if r.measured { 0.7 * r.samples_per_s + 0.3 * measured } else { measured };
-                r.measured = true;
-            }
-        }
-        r.last = Some((now, position));
+        self.rate.lock().unwrap_or_else(|p| p.into_inner()).note(Instant::now(), position);
     }
 
     fn rate(&self) -> f64 {
@@ -350,7 +379,7 @@ impl Prefetcher {
             projected,
             uses,
             position: AtomicU64::new(position),
-            rate: Mutex::new(Rate { samples_per_s: DEFAULT_RATE, last: None, measured: false }),
+            rate: Mutex::new(Rate::new()),
             rank,
             worker,
             waited_us: AtomicU64::new(0),
@@ -516,5 +545,49 @@ fn run(weak: Weak<Prefetcher>) {
             woken = cv.wait_timeout(woken, TICK).unwrap_or_else(|e| e.into_inner()).0;
         }
         *woken = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A trainer taking 64 samples/s whose batches are built in bursts of four (a client
+    /// releasing slots together, small batches grouped), microseconds apart: measured from one
+    /// batch to the next, the pace read 10,000-500,000 samples/s.
+    #[test]
+    fn a_pace_of_bursts_is_the_trainer_s_pace_not_the_burst_s() {
+        let start = Instant::now();
+        let mut rate = Rate::new();
+        let mut position = 0u64;
+        for burst in 0..40u64 {
+            // Four batches of 8 samples, a microsecond apart, every half second.
+            for b in 0..4u64 {
+                position += 8;
+                rate.note(start + Duration::from_millis(500 * burst) + Duration::from_micros(b), position);
+            }
+        }
+        let pace = rate.samples_per_s;
+        assert!((48.0..=90.0).contains(&pace), "measured {pace:.0} samples/s for 64");
+        // A change of pace is followed within a few spans.
+        for burst in 40..60u64 {
+            for b in 0..4u64 {
+                position += 32;
+                rate.note(start + Duration::from_millis(500 * burst) + Duration::from_micros(b), position);
+            }
+        }
+        let pace = rate.samples_per_s;
+        assert!((200.0..=320.0).contains(&pace), "measured {pace:.0} samples/s for 256");
+    }
+
+    /// Before a whole span, the pace since the start stands in, erring high, never at the
+    /// default: a stream's first second must not look slow to the prefetcher.
+    #[test]
+    fn the_first_span_takes_the_pace_since_the_start() {
+        let start = Instant::now();
+        let mut rate = Rate::new();
+        rate.note(start, 0);
+        rate.note(start + Duration::from_millis(100), 500);
+        assert!((rate.samples_per_s - 5000.0).abs() < 1.0, "{}", rate.samples_per_s);
     }
 }
