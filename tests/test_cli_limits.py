@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,3 +42,28 @@ def test_an_error_prints_each_cause_once(tmp_path: Path) -> None:
     assert p.stderr.count("Not a directory") == 1 and str(tmp_path / "a-file") in p.stderr, p.stderr
     p = run("index", str(tmp_path / "a-file" / "x"))
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(daemon, dataset, tmp_path) -> None:
+    """`shardstream status | head -1` (and `index ... | true`) panicked, exit 101 with a
+    backtrace ("failed printing to stdout: Broken pipe"), and `index` failed after writing its
+    manifest. A closed stdout ends a command's output as it ends any shell tool's."""
+    import shutil
+
+    root, _ = dataset
+    copy = tmp_path / "ds"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("manifest.json", "_shardstream"))
+    for args in (
+        ["status", "--connect", daemon.addr, "--json"],
+        ["status", "--connect", daemon.addr],
+        ["index", str(copy)],
+        ["serve", "--print-config"],
+    ):
+        r, w = os.pipe()
+        os.close(r)  # nobody reads: the first write fails with EPIPE
+        try:
+            p = subprocess.run([SHARDSTREAM, *args], stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(w)
+        assert p.returncode == 0 and "panicked" not in p.stderr, (args, p.returncode, p.stderr[-2000:])
+    assert (copy / "manifest.json").exists()
