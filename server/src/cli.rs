@@ -225,6 +225,24 @@ fn parse_seconds(s: &str) -> Result<f64, String> {
 }
 
 /// Runs the CLI with the given arguments (argv[0] included) and returns the exit code.
+/// stdout went away (`shardstream status | head -1`): the command's output ends there, quietly,
+/// as a shell tool's does; `println!` would panic.
+#[derive(Debug, thiserror::Error)]
+#[error("stdout was closed")]
+pub(crate) struct StdoutClosed;
+
+/// `println!` for a command's output: `?` ends the command on an error writing it, and a reader
+/// that went away ends it as a success ([`StdoutClosed`]).
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*).map_err(|e| -> anyhow::Error {
+            if e.kind() == std::io::ErrorKind::BrokenPipe { $crate::cli::StdoutClosed.into() } else { e.into() }
+        })
+    }};
+}
+pub(crate) use outln;
+
 pub fn main_with_args<I, T>(args: I) -> i32
 where
     I: IntoIterator<Item = T>,
@@ -248,11 +266,18 @@ where
     if let Command::Serve(args) = &cli.command
         && args.print_config
     {
-        print!("{}", crate::config::effective_toml(args, &allow));
-        return 0;
+        use std::io::Write as _;
+        return match write!(std::io::stdout().lock(), "{}", crate::config::effective_toml(args, &allow)) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                eprintln!("shardstream: error: cannot write the configuration: {e}");
+                1
+            }
+            _ => 0,
+        };
     }
     match run(cli, allow) {
         Ok(()) => 0,
+        Err(e) if e.downcast_ref::<StdoutClosed>().is_some() => 0,
         Err(e) => {
             // The chain, each cause once: most errors here already name their cause in their message.
             eprintln!("shardstream: error: {}", shardstream_client::error_chain(e.as_ref()));
@@ -409,7 +434,7 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         [] => String::new(),
         keys => format!("; partition keys: {}", keys.join(", ")),
     };
-    println!(
+    outln!(
         "indexed {} shards, {} samples, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
         m.shards.len(),
         m.total_samples,
@@ -417,29 +442,29 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         m.total_bytes as f64 / 1e6 / secs.max(1e-9),
         m.fields.join(", "),
         summary.location
-    );
+    )?;
     if let Some(r) = summary.footer_reads {
         // Parquet is indexed from footers alone: say what that cost, per file.
-        println!(
+        outln!(
             "read footers only: {} reads, {} bytes ({:.1} KiB per file)",
             r.reads,
             r.bytes,
             r.bytes as f64 / 1024.0 / m.shards.len().max(1) as f64
-        );
+        )?;
     }
     if let Some(footers) = &m.footers {
-        println!(
+        outln!(
             "footers of all {} files in {footers}: a daemon opens the dataset from it and the manifest",
             m.shards.len()
-        );
+        )?;
     }
     if s3.is_some() {
         use std::sync::atomic::Ordering::Relaxed;
-        println!(
+        outln!(
             "s3: {} requests, {} bytes downloaded",
             crate::metrics::STORAGE_REQUESTS.load(Relaxed),
             crate::metrics::STORAGE_BYTES.load(Relaxed)
-        );
+        )?;
     }
     Ok(())
 }
@@ -485,14 +510,14 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::R
         anyhow::Ok(last)
     })?;
     let secs = started.elapsed().as_secs_f64();
-    println!(
+    outln!(
         "staged {} of {} shards of {what} ({:.1} of {:.1} MB, {} already cached) in {secs:.1} s",
         last.shards_done,
         last.shards_total,
         last.bytes_done as f64 / 1e6,
         last.bytes_total as f64 / 1e6,
         last.already_cached
-    );
+    )?;
     if last.cache_full {
         eprintln!(
             "shardstream: warning: the node cache is full; the remaining {} shards will be fetched during training",
@@ -578,16 +603,16 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
                 "samples_per_s": c.samples_per_s, "wait_s": c.wait_s,
             })).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?)?;
         return Ok(());
     }
-    println!("shardstream {} at {addr}, up {:.0} s", reply.version, reply.uptime_ms as f64 / 1000.0);
-    println!("cache dir       {}", reply.cache_dir);
-    println!("streams         {} active, {} total", reply.active_streams, reply.streams_total);
-    println!("served          {} samples, {:.1} MB", reply.samples_served, reply.bytes_served as f64 / 1e6);
-    println!("read time       {:.1} s", reply.read_wait_ms as f64 / 1000.0);
+    outln!("shardstream {} at {addr}, up {:.0} s", reply.version, reply.uptime_ms as f64 / 1000.0)?;
+    outln!("cache dir       {}", reply.cache_dir)?;
+    outln!("streams         {} active, {} total", reply.active_streams, reply.streams_total)?;
+    outln!("served          {} samples, {:.1} MB", reply.samples_served, reply.bytes_served as f64 / 1e6)?;
+    outln!("read time       {:.1} s", reply.read_wait_ms as f64 / 1000.0)?;
     if let Some(c) = &reply.cache {
-        println!(
+        outln!(
             "node cache      {:.1} of {:.1} GB in {} shards ({}); {} hits, {} misses, {} evictions",
             c.used_bytes as f64 / 1e9,
             c.capacity_bytes as f64 / 1e9,
@@ -596,31 +621,36 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             c.hits,
             c.misses,
             c.evictions
-        );
+        )?;
         if c.decoded_row_groups > 0 {
-            println!(
+            outln!(
                 "                of which {:.1} GB in {} Parquet row groups kept decoded",
                 c.decoded_bytes as f64 / 1e9,
                 c.decoded_row_groups
-            );
+            )?;
         }
     }
-    println!(
+    outln!(
         "storage         {:.1} MB in {} requests ({} retried); prefetch horizon {:.1} s, {} in flight",
         reply.storage_bytes as f64 / 1e6,
         reply.storage_requests,
         reply.storage_retries,
         reply.prefetch_horizon_s,
         reply.prefetches_in_flight
-    );
+    )?;
     for c in &reply.consumers {
-        println!(
+        outln!(
             "consumer        rank {} worker {}: {} samples in, {:.0} samples/s, waited {:.1} s for data ({})",
-            c.rank, c.worker, c.position, c.samples_per_s, c.wait_s, c.url
-        );
+            c.rank,
+            c.worker,
+            c.position,
+            c.samples_per_s,
+            c.wait_s,
+            c.url
+        )?;
     }
     for d in &reply.datasets {
-        println!(
+        outln!(
             "dataset         {}: {} samples in {} shards ({:.1} MB); {} shard tables resident ({} KiB)",
             d.url,
             d.num_samples,
@@ -628,7 +658,7 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             d.total_bytes as f64 / 1e6,
             d.resident_shard_tables,
             d.resident_index_bytes / 1024
-        );
+        )?;
     }
     Ok(())
 }

@@ -306,7 +306,7 @@ pub fn run_cli(args: PackArgs) -> anyhow::Result<()> {
     let result = pack_with(&opts, s3.as_ref().map(|(_, store)| store), &display);
     display.bar.finish_and_clear();
     let summary = result?;
-    println!("{}", summary.line());
+    crate::cli::outln!("{}", summary.line())?;
     Ok(())
 }
 
