@@ -1737,10 +1737,13 @@ def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_pat
         assert st["storage_bytes"] == footers, (st, footers)
     finally:
         assert d.stop() == 0
-    # big-001's footer changes (same size; this store lists no ETags, so its identity is its
-    # size): the restarted daemon's check refuses it before any of its rows.
+    # big-001's footer changes, keeping its size and modification time (this store lists no
+    # ETags, so its identity is those two, and a listing cannot tell): the restarted daemon's
+    # check refuses it before any of its rows.
     victim = bucket / "big-001.parquet"
+    before = victim.stat()
     change_footer(victim)
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
     d = Daemon(tmp_path, env=s3.env()).start()
     try:
         got, error = ids_until_shard_error(
