@@ -196,3 +196,33 @@ def test_a_parquet_page_whose_checksum_fails_is_a_shard_error(daemon, tmp_path: 
         for batch in loader:
             got.extend(np.asarray(batch["id"]).tolist())
     assert got == [], "no row of a row group whose page fails its checksum"
+
+
+@pytest.mark.parametrize("what", ["manifest-fifo", "manifest-device", "sidecar-device"])
+def test_metadata_that_is_no_regular_file_is_an_error_at_once(daemon, tmp_path: Path, what: str) -> None:
+    """A FIFO in manifest.json's place held a daemon thread in open() for good; a link to
+    /dev/zero (a manifest, a sidecar) was read until the daemon ran out of memory (3 GB in 8 s).
+    A manifest that is no regular file is an error naming it, at once; a sidecar is passed over
+    (the shard is scanned instead, as for any sidecar that cannot be read)."""
+    import os
+
+    from conftest import SHARDSTREAM, write_dataset
+
+    root = tmp_path / "ds"
+    write_dataset(root, n=20, per_shard=10)
+    subprocess.run([SHARDSTREAM, "index", str(root)], check=True, capture_output=True, timeout=120)
+    if what.startswith("manifest"):
+        victim = root / "manifest.json"
+    else:
+        victim = next((root / "_shardstream").glob("*.idx"))
+    victim.unlink()
+    if what.endswith("fifo"):
+        os.mkfifo(victim)
+    else:
+        victim.symlink_to("/dev/zero")
+    if what.startswith("manifest"):
+        with pytest.raises((OSError, ValueError), match="not a regular file"):
+            next(iter(shardstream.Loader(str(root), batch_size=4, connect=daemon.addr)))
+    else:
+        got = sum(len(b["__key__"]) for b in shardstream.Loader(str(root), batch_size=4, connect=daemon.addr))
+        assert got == 20

@@ -181,7 +181,7 @@ impl Format {
                 Err(e) => Err(SidecarProblem::Unreadable(e)),
             },
             Format::Parquet => {
-                let bytes = match std::fs::read(path) {
+                let bytes = match crate::storage::local::read_metadata(path) {
                     Ok(b) => b,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
                     Err(source) => {

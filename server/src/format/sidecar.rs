@@ -253,7 +253,7 @@ pub fn write_atomic(path: &Path, identity: &[u8], index: &TarIndex) -> std::io::
 
 /// Reads a sidecar; `Ok(None)` when there is none or it describes other bytes.
 pub fn read(path: &Path, expected_identity: &[u8]) -> Result<Option<TarIndex>, SidecarError> {
-    match std::fs::read(path) {
+    match crate::storage::local::read_metadata(path) {
         Ok(bytes) => decode(&bytes, expected_identity),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(SidecarError::Io { path: path.to_owned(), source }),

@@ -206,7 +206,7 @@ impl Manifest {
     /// Reads `dir/manifest.json`; `Ok(None)` when there is none.
     pub fn read(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join(MANIFEST_FILE);
-        let bytes = match std::fs::read(&path) {
+        let bytes = match crate::storage::local::read_metadata(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io("cannot read manifest", &path, e)),

@@ -115,9 +115,9 @@ pub(super) fn bundled_tables(
         ShardSource::S3 { bucket, key, .. } => format!("s3://{bucket}/{key}"),
     };
     let bytes: Result<Option<bytes::Bytes>> = match at {
-        ShardSource::Local(path) => {
-            std::fs::read(path).map(|b| Some(b.into())).map_err(|e| Error::io("cannot read", path, e))
-        }
+        ShardSource::Local(path) => crate::storage::local::read_metadata(path)
+            .map(|b| Some(b.into()))
+            .map_err(|e| Error::io("cannot read", path, e)),
         ShardSource::S3 { bucket, key, .. } => {
             backends.s3().and_then(|store| store.block_on(store.get_small(bucket, key)))
         }

@@ -451,6 +451,41 @@ pub fn open_regular(path: &Path) -> Result<File> {
     Ok(file)
 }
 
+/// The most a dataset's own metadata file (`manifest.json`, a sidecar, the footers bundle) may
+/// hold: far above a manifest of a million shards, far below what a daemon can hold in memory.
+pub const METADATA_LIMIT: u64 = 1 << 30;
+
+/// Reads a dataset's metadata file whole: a regular file of at most [`METADATA_LIMIT`] bytes.
+/// Opened without blocking and checked before a byte is read: a FIFO in its place would hold a
+/// thread for good, and a device (`/dev/zero`) or a sparse file of terabytes would be read until
+/// the daemon runs out of memory. `NotFound` as the plain error, for callers that take a
+/// missing file as "none".
+pub fn read_metadata(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, socket, device or directory in its place)",
+        ));
+    }
+    if meta.len() > METADATA_LIMIT {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} bytes, over the limit of {METADATA_LIMIT} for a dataset's metadata file", meta.len()),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    // Bounded again: the file may grow while it is read.
+    file.take(METADATA_LIMIT + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > METADATA_LIMIT {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "grew past the limit while read"));
+    }
+    Ok(bytes)
+}
+
 /// Writes `bytes` to `path` so that readers see either the old file or the complete new one
 /// (see [`crate::atomic_write`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
