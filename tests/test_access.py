@@ -372,3 +372,30 @@ def test_status_of_a_user_the_socket_refuses_says_so_at_once(shared_dir: Path) -
         assert "--socket-mode" in r.stderr, r.stderr
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("linked", ["manifest", "sidecar"])
+def test_metadata_linked_out_of_the_roots_is_refused_not_read(tmp_path: Path, linked: str) -> None:
+    """Shards are checked against the roots where they really lie; a dataset's manifest.json
+    and the sidecars it names were read wherever a link led. Anyone who may write inside a root
+    could point them at another user's dataset: its shard names came back in errors, its counts
+    and fields were served as this dataset's."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    write_dataset(outside / "ds", n=20, per_shard=10)
+    subprocess.run([SHARDSTREAM, "index", str(outside / "ds")], check=True, capture_output=True, timeout=120)
+    mine = allowed / "mine"
+    write_dataset(mine, n=20, per_shard=10)  # the same shard names, inside the root
+    subprocess.run([SHARDSTREAM, "index", str(mine)], check=True, capture_output=True, timeout=120)
+    if linked == "manifest":
+        (mine / "manifest.json").unlink()
+        (mine / "manifest.json").symlink_to(outside / "ds" / "manifest.json")
+    else:
+        side = next((mine / "_shardstream").glob("*.idx"))
+        side.unlink()
+        side.symlink_to(outside / "ds" / "_shardstream" / side.name)
+    d = own_uid_daemon(tmp_path, allowed)
+    try:
+        with pytest.raises(PermissionError, match="leads out of the dataset's directory"):
+            next(iter(shardstream.Loader(str(mine), batch_size=4, connect=d.addr)))
+    finally:
+        assert d.stop() == 0

@@ -50,6 +50,7 @@ impl Discovered {
         match &parsed {
             DatasetUrl::Local { dir, pick } => {
                 let place = Place::Dir(dir);
+                confined_metadata(dir, &dir.join(manifest::MANIFEST_FILE), "its manifest.json")?;
                 if let Some(manifest) = Manifest::read(dir)? {
                     return Self::from_manifest(url, base, &place, pick, manifest);
                 }
@@ -126,7 +127,14 @@ impl Discovered {
                 // Sidecars named by the manifest are read in place; an S3 shard's table is scanned
                 // from its cache copy (headers only, already in the page cache).
                 sidecar: match place {
-                    Place::Dir(dir) => s.index.as_ref().map(|i| dir.join(i)),
+                    Place::Dir(dir) => match &s.index {
+                        Some(i) => {
+                            let path = dir.join(i);
+                            confined_metadata(dir, &path, "a sidecar its manifest names")?;
+                            Some(path)
+                        }
+                        None => None,
+                    },
                     Place::Bucket { .. } => None,
                 },
                 content: None,
@@ -156,7 +164,40 @@ impl Discovered {
         if shards.is_empty() {
             return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
         }
+        if let (Place::Dir(dir), Some(f)) = (place, &m.footers) {
+            confined_metadata(dir, &dir.join(f), "its footers bundle")?;
+        }
         let footers = m.footers.as_ref().map(|f| place.source(f, None)).transpose()?;
         Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields), footers })
     }
+}
+
+/// When opens are confined by an allow list ([`crate::storage::confine`]): refuses a dataset
+/// whose metadata file `path` (its manifest, a sidecar, the footers bundle) is really somewhere
+/// outside the dataset directory's real location. The shards are checked against the roots by
+/// where they really are; these files are read before that check, and one linked out of the
+/// roots would be read for anyone who may write inside one (its shard names then shown in
+/// errors, its counts served as this dataset's). A missing file is no one's: nothing is read.
+fn confined_metadata(dir: &Path, path: &Path, what: &str) -> Result<()> {
+    if !crate::storage::confine::confined() {
+        return Ok(());
+    }
+    let real = match std::fs::canonicalize(path) {
+        Ok(p) => p,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io("cannot resolve", path, e)),
+    };
+    let dir_real = std::fs::canonicalize(dir).map_err(|e| Error::io("cannot resolve", dir, e))?;
+    if real.starts_with(&dir_real) {
+        return Ok(());
+    }
+    Err(Error::PermissionDenied {
+        path: dir.display().to_string(),
+        reason: format!(
+            "{what} ({}) leads out of the dataset's directory, to {}: refused while the daemon confines \
+             opens to its allow list",
+            path.display(),
+            real.display()
+        ),
+    })
 }
