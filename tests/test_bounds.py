@@ -196,3 +196,30 @@ def test_side_channel_connections_past_the_open_file_limit_leave_it_serving(tmp_
         assert wait_for(lambda: epoch() == set(samples), timeout=20)
     finally:
         assert d.stop() == 0
+
+
+def test_streams_past_max_streams_are_refused_and_leave_opens_served(dataset, tmp_path: Path) -> None:
+    """Each stream whose client does not read holds a thread of the daemon's blocking pool,
+    which tokio caps at 512: 512 such streams (8 ranks of 64 idle DataLoader workers come
+    close) left no thread to open any other client's dataset, which then waited for good. The
+    daemon now serves --max-streams at once, refuses the next by name, and sizes the pool so
+    opens always have threads of their own."""
+    root, samples = dataset
+    d = Daemon(tmp_path, args=["--max-streams", "3"]).start()
+    try:
+        held = []
+        for _ in range(3):
+            it = iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr))
+            next(it)
+            held.append(it)
+        with pytest.raises(Exception, match=r"at most 3 streams at once \(--max-streams\)"):
+            next(iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr)))
+        assert shardstream._native.Connection(d.addr).open(str(root))  # an open is still served
+        for it in held[:1]:
+            it.close()  # type: ignore[attr-defined]
+        del held[:1]
+        assert wait_for(lambda: d.status()["active_streams"] < 3)
+        got = sum(len(b["__key__"]) for b in shardstream.Loader(str(root), batch_size=64, connect=d.addr))
+        assert got == len(samples)
+    finally:
+        d.stop()

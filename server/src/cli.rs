@@ -177,6 +177,12 @@ pub struct ServeArgs {
     /// way to any stream that needs the room.
     #[arg(long, env = "SHARDSTREAM_RING_KEEP", default_value_t = crate::transport::ring_pool::DEFAULT_KEEP_FOR.as_secs_f64(), value_parser = parse_seconds)]
     pub ring_keep: f64,
+    /// Streams the daemon serves at once, over all clients; one more is refused with
+    /// RESOURCE_EXHAUSTED naming this flag. A stream waiting on its client (a DataLoader worker
+    /// whose queue is full) holds a thread of the daemon's blocking pool, which is sized to this
+    /// and as much again for opening datasets and fetching, so streams cannot starve those.
+    #[arg(long, env = "SHARDSTREAM_MAX_STREAMS", default_value_t = crate::service::DEFAULT_MAX_STREAMS, value_parser = limits::parse_max_streams)]
+    pub max_streams: usize,
     /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
     #[arg(long, env = "SHARDSTREAM_METRICS_ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -367,6 +373,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     config.rdma_budget = args.rdma_budget.unwrap_or_else(crate::transport::budget::default_budget);
     config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };
     config.drain_timeout = Duration::from_secs_f64(args.drain_timeout);
+    config.max_streams = args.max_streams;
     config.sd_notify = true;
     config.remote = crate::remote::RemoteOptions {
         tls_cert: args.tls_cert,
@@ -379,7 +386,10 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     if !allow.is_empty() {
         config.allow = Some(std::sync::Arc::new(crate::access::AllowList::new(&allow)?));
     }
-    let rt = runtime()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(crate::service::blocking_threads(args.max_streams))
+        .build()?;
     let served = rt.block_on(async move {
         let shutdown = CancellationToken::new();
         crate::shutdown::install_signal_handlers(shutdown.clone());

@@ -62,6 +62,8 @@ pub struct DaemonConfig {
     pub allow: Option<Arc<crate::access::AllowList>>,
     /// TLS, tokens and `--insecure` for a TCP listener (unused on a Unix socket).
     pub remote: crate::remote::RemoteOptions,
+    /// Streams served at once (`--max-streams`).
+    pub max_streams: usize,
 }
 
 impl DaemonConfig {
@@ -85,6 +87,7 @@ impl DaemonConfig {
             sd_notify: false,
             allow: None,
             remote: crate::remote::RemoteOptions::default(),
+            max_streams: crate::service::DEFAULT_MAX_STREAMS,
         }
     }
 }
@@ -257,7 +260,8 @@ impl BoundDaemon {
             Some(prefetch.clone()),
         )
         .with_access(cfg.allow.clone())
-        .with_rdma(self.rdma.clone());
+        .with_rdma(self.rdma.clone())
+        .with_max_streams(cfg.max_streams);
         let auth = match self.listener {
             Listener::Unix(..) => crate::remote::Authenticator::unix(),
             Listener::Tcp(_) => crate::remote::Authenticator::tcp(self.security.tokens.clone()),

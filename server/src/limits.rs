@@ -134,6 +134,7 @@ pub const SHM_CREDITS: CountLimit =
     CountLimit { flag: "--shm-credits", min: 1, max: crate::transport::shm::MAX_CREDITS as u64 };
 pub const RING_SLOTS: CountLimit =
     CountLimit { flag: "--ring-slots", min: 1, max: crate::transport::shm::MAX_CREDITS as u64 };
+pub const MAX_STREAMS: CountLimit = CountLimit { flag: "--max-streams", min: 1, max: 16_384 };
 
 // prefetch
 
@@ -195,6 +196,9 @@ pub fn parse_shm_credits(s: &str) -> Result<u32, String> {
 }
 pub fn parse_ring_slots(s: &str) -> Result<u32, String> {
     RING_SLOTS.parse(s)
+}
+pub fn parse_max_streams(s: &str) -> Result<usize, String> {
+    MAX_STREAMS.parse(s)
 }
 pub fn parse_prefetch_shards(s: &str) -> Result<u64, String> {
     PREFETCH_SHARDS.parse(s)

@@ -108,6 +108,20 @@ pub struct Service {
     access: Option<Arc<crate::access::AllowList>>,
     /// `serve --rdma`: the rdma data plane.
     rdma: Option<Arc<transport::rdma::RdmaHub>>,
+    /// One permit per stream served at once (`--max-streams`).
+    streams: Arc<tokio::sync::Semaphore>,
+    max_streams: usize,
+}
+
+/// Streams a daemon serves at once by default: eight ranks of 64 DataLoader workers each, with
+/// room to spare.
+pub const DEFAULT_MAX_STREAMS: usize = 768;
+
+/// The blocking pool for a daemon of `max_streams`: a thread for each stream (one waiting on its
+/// client holds one), and as many again for what every client needs (opening a dataset, planning
+/// a stream, fetching, decoding), which streams must never be able to take all of.
+pub fn blocking_threads(max_streams: usize) -> usize {
+    max_streams.saturating_mul(2).max(512)
 }
 
 impl Service {
@@ -119,12 +133,31 @@ impl Service {
         shm: Option<Arc<ShmHub>>,
         prefetch: Option<Arc<Prefetcher>>,
     ) -> Self {
-        Self { registry, metrics, shutdown, cache_dir, shm, prefetch, uses: Arc::default(), access: None, rdma: None }
+        Self {
+            registry,
+            metrics,
+            shutdown,
+            cache_dir,
+            shm,
+            prefetch,
+            uses: Arc::default(),
+            access: None,
+            rdma: None,
+            streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
+            max_streams: DEFAULT_MAX_STREAMS,
+        }
     }
 
     /// Serves `transport="rdma"` streams through `hub`.
     pub fn with_rdma(mut self, hub: Option<Arc<transport::rdma::RdmaHub>>) -> Self {
         self.rdma = hub;
+        self
+    }
+
+    /// Serves at most `max` streams at once (`--max-streams`).
+    pub fn with_max_streams(mut self, max: usize) -> Self {
+        self.streams = Arc::new(tokio::sync::Semaphore::new(max));
+        self.max_streams = max;
         self
     }
 
@@ -303,6 +336,14 @@ impl Shardstream for Service {
         crate::limits::check_request("StreamBatches", request.get_ref())?;
         check_url(&request.get_ref().url)?;
         let admission = self.authorize(&request, &request.get_ref().url).await?;
+        let slot = self.streams.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "the daemon serves at most {} streams at once (--max-streams), and as many are open: end \
+                 unused loaders (close(), or DataLoader workers of finished epochs), use fewer workers, or raise \
+                 --max-streams",
+                self.max_streams
+            ))
+        })?;
         let req = request.into_inner();
         let ds = self.open(req.url.clone(), req.cache.clone(), admission).await.map_err(to_status)?;
         let hub = self.shm.clone().filter(|_| same_host);
@@ -326,7 +367,10 @@ impl Shardstream for Service {
         tx.send(Ok(header)).await.map_err(|_| Status::cancelled("client went away"))?;
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
-        tokio::spawn(produce(plan, tx, metrics, shutdown));
+        tokio::spawn(async move {
+            let _slot = slot;
+            produce(plan, tx, metrics, shutdown).await
+        });
         Ok(Response::new(rx))
     }
 
