@@ -23,6 +23,7 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+#[expect(clippy::large_enum_variant, reason = "parsed once per process, from the command line")]
 pub enum Command {
     /// Run the node daemon: serve datasets to trainer processes until SIGTERM/Ctrl-C.
     Serve(ServeArgs),
