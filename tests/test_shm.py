@@ -465,3 +465,29 @@ def test_views_of_many_epochs_leave_no_python_objects_behind(daemon, dataset, tr
     # Two fields per sample leaked ~4 blocks a sample; what may remain is noise.
     assert grown < len(samples) / 10, f"{grown:.0f} blocks more per epoch of {len(samples)} samples"
     loader.close()
+
+
+def test_copies_kept_do_not_hold_the_stream(daemon, dataset) -> None:
+    """With copy=True every value is bytes of its own, yet each batch kept its ring credit until
+    it was dropped: keeping 16 batches (list(loader), a validation set in memory) stalled the
+    stream for good, with a warning to "keep copies". A copied batch gives its credit back."""
+    import subprocess
+    import sys
+    import textwrap
+
+    root, samples = dataset
+    code = textwrap.dedent(
+        """
+        import sys, shardstream
+        loader = shardstream.Loader(sys.argv[1], batch_size=16, copy=True, connect=sys.argv[2])
+        kept = list(loader)
+        assert len(kept) == len(loader), (len(kept), len(loader))
+        assert all(isinstance(v, bytes) for b in kept for v in b["jpg"])
+        print(sum(len(b["__key__"]) for b in kept))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root), daemon.addr], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout) == len(samples)
