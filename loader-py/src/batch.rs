@@ -543,6 +543,11 @@ impl Batch {
                 Kind::Shm { batch, session, lease } => {
                     let (d, payload) = shm_dict(py, batch, session, lease, &self.fields, copy)?;
                     self.payload.store(payload, Ordering::Relaxed);
+                    if copy {
+                        // Every value is bytes of its own: the credit (and the shards it holds)
+                        // can go back now, not when the batch is dropped.
+                        lease.release();
+                    }
                     Ok(d)
                 }
                 Kind::Packed { batch, session, lease } => {
