@@ -9,6 +9,9 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -72,3 +75,48 @@ def test_a_child_drops_what_it_inherited_without_hanging(daemon, dataset) -> Non
         for t in threads:
             t.join(10)
     assert not hung, f"{len(hung)} of {FORKS} children hung dropping what they inherited (forks {hung})"
+
+
+def test_threads_of_a_child_first_using_an_inherited_connection_do_not_deadlock(daemon, dataset) -> None:
+    """After fork, a child's first call on an inherited connection connects anew. It did so
+    holding the connection's lock through a wait that gives up the GIL: a second thread, holding
+    the GIL and waiting for that lock, hung the child for good (17 of 20 children, with two
+    threads each). Every child must finish."""
+    root, _ = dataset
+    code = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        import shardstream
+        loader = shardstream.Loader(sys.argv[1], batch_size=32, connect=sys.argv[2])
+        conn = loader._conn
+        hung = 0
+        for _ in range(10):
+            pid = os.fork()
+            if pid == 0:
+                go = threading.Barrier(3)
+                def call():
+                    go.wait()
+                    conn.status()
+                threads = [threading.Thread(target=call) for _ in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                os._exit(0)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+                time.sleep(0.01)
+            else:
+                hung += 1
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+        print(hung)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root), daemon.addr], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "0", f"{out.stdout.strip()} of 10 children hung"
