@@ -48,14 +48,23 @@ struct Connection {
 impl Connection {
     fn client(&self, py: Python<'_>) -> PyResult<Client> {
         let pid = std::process::id();
-        let mut guard = self.client.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((owner, c)) = guard.as_ref()
+        if let Some((owner, c)) = self.client.lock().unwrap_or_else(|p| p.into_inner()).as_ref()
             && *owner == pid
         {
             return Ok(c.clone());
         }
+        // Connected without the lock: the wait gives up the GIL, and a thread that holds the GIL
+        // while it waits for the lock would never let this one have it back (a child's threads
+        // making their first calls after fork hung so). Two threads may both connect; the first
+        // to finish is kept.
         let addr = self.address.clone();
         let c = block_on(py, async move { shardstream_client::connect(&addr).await })?.map_err(to_pyerr)?;
+        let mut guard = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((owner, kept)) = guard.as_ref()
+            && *owner == pid
+        {
+            return Ok(kept.clone());
+        }
         if let Some(inherited) = guard.replace((pid, c.clone())) {
             forget_if_inherited(inherited);
         }
