@@ -153,6 +153,26 @@ def test_status_timeout_on_a_daemon_that_does_not_answer(tmp_path: Path) -> None
         assert d.stop() == 0
 
 
+def test_prefetch_gives_up_on_a_daemon_that_stops_answering(dataset, tmp_path: Path) -> None:
+    """`prefetch` bounded only its connect, which on a Unix socket succeeds without the daemon
+    doing anything: against a stopped (or frozen) daemon it waited for good, holding up the
+    SLURM prolog or init container that ran it. A ping left unanswered for --timeout ends it."""
+    root, _ = dataset
+    d = Daemon(tmp_path).start()
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        r = subprocess.run(
+            [SHARDSTREAM, "prefetch", "--connect", d.addr, "--timeout", "1", "--cache", "copy", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 1 and "stopped answering" in r.stderr, r.stderr
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        assert d.stop() == 0
+
+
 def recv(sock: socket.socket, timeout: float = 20.0) -> str:
     sock.settimeout(timeout)
     return sock.recv(4096).decode()

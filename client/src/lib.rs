@@ -384,6 +384,18 @@ pub async fn connect(addr: &Address) -> Result<Client, ClientError> {
 
 /// Connects to a daemon with the given credentials.
 pub async fn connect_with(addr: &Address, creds: &Credentials) -> Result<Client, ClientError> {
+    connect_inner(addr, creds, None).await
+}
+
+/// [`connect`] for a caller that may wait long for answers (`shardstream prefetch`): on a Unix
+/// socket too, a daemon that answers no HTTP/2 PING within `silence` (stopped, or not a daemon
+/// at all) ends the call with [`ClientError::Disconnected`], where the kernel would say nothing.
+/// Trainers' streams do without: their waits are bounded by what they wait for.
+pub async fn connect_watched(addr: &Address, silence: Duration) -> Result<Client, ClientError> {
+    connect_inner(addr, &Credentials::from_env(), Some(silence)).await
+}
+
+async fn connect_inner(addr: &Address, creds: &Credentials, silence: Option<Duration>) -> Result<Client, ClientError> {
     let connect_err = |source| connect_error(addr, source);
     let auth = Auth(creds.bearer(addr)?);
     let channel = match addr {
@@ -404,7 +416,14 @@ pub async fn connect_with(addr: &Address, creds: &Credentials) -> Result<Client,
         Address::Unix(path) => {
             let path = path.clone();
             // The URI is required by the API but unused: the connector dials the socket.
-            tuned(Endpoint::from_static("http://localhost"))
+            let endpoint = match silence {
+                Some(s) => tuned(Endpoint::from_static("http://localhost"))
+                    .http2_keep_alive_interval(s)
+                    .keep_alive_timeout(s)
+                    .keep_alive_while_idle(true),
+                None => tuned(Endpoint::from_static("http://localhost")),
+            };
+            endpoint
                 .connect_with_connector(tower::service_fn(move |_: Uri| {
                     let path = path.clone();
                     async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }

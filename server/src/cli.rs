@@ -67,6 +67,10 @@ pub enum Command {
         /// The variable pairs with SHARDSTREAM_DATASET, which the Slurm TaskProlog stages.
         #[arg(long, env = "SHARDSTREAM_DATASET_FIELDS", value_delimiter = ',')]
         fields: Vec<String>,
+        /// Seconds the daemon may leave a ping unanswered (stopped, frozen) before prefetch gives
+        /// up; a daemon busy opening a large dataset still answers pings.
+        #[arg(long, default_value_t = 20.0, value_parser = parse_seconds)]
+        timeout: f64,
     },
     /// Show what a running daemon is doing. Exits 0 only when the daemon answers, so it doubles
     /// as a readiness/liveness probe (Kubernetes exec probe, scripts).
@@ -310,7 +314,7 @@ pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()>
             );
             crate::pack::run_cli(args)
         }
-        Command::Prefetch { url, connect, shards, seed, epoch, no_shuffle, cache, fields } => {
+        Command::Prefetch { url, connect, shards, seed, epoch, no_shuffle, cache, fields, timeout } => {
             // An empty SHARDSTREAM_DATASET_FIELDS (or `--fields ''`) is no selection.
             let fields = if fields == [""] { Vec::new() } else { fields };
             if fields.iter().any(String::is_empty) {
@@ -327,7 +331,7 @@ pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()>
                 cache,
                 fields,
             };
-            prefetch(&connect, req)
+            prefetch(&connect, req, Duration::from_secs_f64(timeout.max(0.001)))
         }
         Command::Status { connect, json, timeout, wait } => status(&connect, json, timeout, wait),
     }
@@ -494,7 +498,7 @@ fn client_url(url: String) -> anyhow::Result<String> {
     Ok(absolute)
 }
 
-fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::Result<()> {
+fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Duration) -> anyhow::Result<()> {
     let addr: Address = connect.parse()?;
     let what = match req.fields.as_slice() {
         [] => req.url.clone(),
@@ -502,10 +506,24 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest) -> anyhow::R
     };
     let started = std::time::Instant::now();
     let last = runtime()?.block_on(async {
-        let mut client = tokio::time::timeout(Duration::from_secs(10), shardstream_client::connect(&addr))
-            .await
-            .map_err(|_| anyhow::anyhow!("timed out connecting to {addr}"))??;
-        let refused = |s: tonic::Status| anyhow::anyhow!("{}", s.message());
+        let mut client =
+            tokio::time::timeout(Duration::from_secs(10), shardstream_client::connect_watched(&addr, silence))
+                .await
+                .map_err(|_| anyhow::anyhow!("timed out connecting to {addr}"))??;
+        // A daemon that stops answering pings (stopped, frozen) ends the wait: an open without
+        // a manifest may take long, so no reply timeout could tell the two apart.
+        let refused = |s: tonic::Status| {
+            if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
+                anyhow::anyhow!(
+                    "the daemon at {addr} stopped answering (no reply to a ping within {} s; stopped, frozen or \
+                     shutting down?): {}",
+                    silence.as_secs_f64(),
+                    s.message()
+                )
+            } else {
+                anyhow::anyhow!("{}", s.message())
+            }
+        };
         let mut stream = client.prefetch(req).await.map_err(refused)?.into_inner();
         let mut bar: Option<indicatif::ProgressBar> = None;
         let mut last = shardstream_proto::PrefetchProgress::default();
