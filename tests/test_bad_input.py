@@ -226,3 +226,13 @@ def test_metadata_that_is_no_regular_file_is_an_error_at_once(daemon, tmp_path: 
     else:
         got = sum(len(b["__key__"]) for b in shardstream.Loader(str(root), batch_size=4, connect=daemon.addr))
         assert got == 20
+
+
+def test_a_parquet_dataset_of_empty_files_names_them(daemon, tmp_path: Path) -> None:
+    # It said "no samples (0 shards listed)" of a dataset whose one file was listed, and empty.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": pa.array([], pa.int64())}), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match=r"no samples: its 1 file holds none \(a\.parquet\)"):
+        next(iter(shardstream.Loader(str(tmp_path), batch_size=4, connect=daemon.addr)))
