@@ -96,7 +96,12 @@ pub(super) fn plan_stream(
         drop_last: req.drop_last,
     };
     let plan_units = ds.plan_units();
-    let summary = plan::summarize(&plan_units, &params)?;
+    let summary = plan::summarize(&plan_units, &params).map_err(|e| match e {
+        // The plan counts its units (a Parquet file's row groups, none in an empty file); the
+        // user listed files.
+        plan::PlanError::EmptyDataset { .. } => no_samples(&ds),
+        e => e.into(),
+    })?;
     let mut sequence = plan::RankStream::bounded(&plan_units, &params, MAX_PLAN_IDS)?;
     let worker = WorkerParams { num_workers: req.num_workers.max(1), worker: req.worker, start_batch: req.start_batch };
     let batches = plan::WorkerBatches::new(sequence.len(), req.batch_size, &worker)?;
@@ -281,4 +286,15 @@ pub(super) fn oversized_sample(ds: &Dataset, l: LargestSample, limit: &str) -> E
          (transport=\"shm\", same host) or split the sample",
         l.local, l.bytes,
     ))
+}
+
+/// "No samples", naming the files that hold none (the first few).
+fn no_samples(ds: &Dataset) -> Error {
+    let n = ds.shards.len();
+    let mut named: Vec<&str> = ds.shards.iter().take(3).map(|s| s.name.as_str()).collect();
+    if n > named.len() {
+        named.push("...");
+    }
+    let what = if n == 1 { "1 file holds".to_owned() } else { format!("{n} files hold") };
+    Error::invalid(format!("the dataset has no samples: its {what} none ({})", named.join(", ")))
 }
