@@ -612,6 +612,36 @@ def test_a_new_loader_after_an_object_changed_reads_the_dataset_as_it_is_now(tmp
         d.stop()
 
 
+def test_a_new_loader_after_a_parquet_object_changed_reads_its_columns_as_they_are_now(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """The same for a projection of S3 Parquet files, whose column chunks are fetched apart from
+    whole files: a file replaced under the listing failed its stream, and every new Loader of the
+    next minute got the same listing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = s3.bucket("data") / "pqchanging"
+    root.mkdir(parents=True)
+    for f in range(2):
+        ids = list(range(f * 100, f * 100 + 100))
+        pq.write_table(pa.table({"id": ids, "x": [float(i) for i in ids]}), root / f"f-{f}.parquet")
+    d = start_daemon(tmp_path, s3)
+    try:
+        url = "s3://data/pqchanging/"
+        first = shardstream.Loader(url, batch_size=10, shuffle=False, fields=["id"], connect=d.addr)
+        # Replaced after the listing, with more rows (another size, another footer).
+        pq.write_table(pa.table({"id": list(range(1000, 1150)), "x": [0.0] * 150}), root / "f-0.parquet")
+        with pytest.raises(shardstream.ShardError, match="f-0.parquet"):
+            for _ in first:
+                pass
+        loader = shardstream.Loader(url, batch_size=10, shuffle=False, fields=["id"], connect=d.addr)
+        got = sorted(int(i) for b in loader for i in b["id"])
+        assert got == list(range(100, 200)) + list(range(1000, 1150))
+    finally:
+        d.stop()
+
+
 def test_an_unreachable_s3_endpoint_is_named_as_such_not_as_the_daemon(tmp_path: Path, s3: S3Server) -> None:
     # The daemon answers; S3 does not. The error must say that, once and readably: the URL and
     # the OS's reason, not "shardstream daemon unavailable" and not the SDK's Debug dump.

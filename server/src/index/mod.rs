@@ -669,10 +669,19 @@ impl Dataset {
     /// ETag, size or checksum), marks the dataset [`changed`](Self::changed), so that the next
     /// open lists it (or reads its manifest) again instead of reusing this one for a minute.
     fn s3_changed_if(&self, e: Error) -> Error {
-        if matches!(e, Error::Shard { .. } | Error::NotFound { .. }) {
+        self.note_stream_failure(&e);
+        e
+    }
+
+    /// A stream of this dataset failed with `e`. For an S3 dataset, a shard found gone or not as
+    /// listed (by its fetch, or by the decoder: a Parquet file replaced under the listing whose
+    /// column chunks no longer match the footer read at open) ends the reuse of the listing, as
+    /// [`Self::s3_changed_if`] does. Damage that a new listing cannot mend costs one listing.
+    pub fn note_stream_failure(&self, e: &Error) {
+        let s3 = self.shards.iter().any(|s| matches!(s.source, ShardSource::S3 { .. }));
+        if s3 && matches!(e, Error::Shard { .. } | Error::NotFound { .. }) {
             self.changed.store(true, Ordering::Release);
         }
-        e
     }
 
     fn changed_if(&self, e: Error) -> Error {
@@ -825,6 +834,17 @@ impl Dataset {
     /// unless it was checked already, and publishes nothing if it does not match. `Ok(None)`: a
     /// prefetch that did not wait. Blocking.
     pub fn fetch_projected(
+        &self,
+        i: usize,
+        pf: &crate::format::parquet::projected::ProjectedFile,
+        key: &str,
+        want: Want,
+    ) -> Result<Option<Pin>> {
+        // An object found changed ends the reuse of this listing, as for a whole copy's fetch.
+        self.fetch_projected_copy(i, pf, key, want).map_err(|e| self.s3_changed_if(e))
+    }
+
+    fn fetch_projected_copy(
         &self,
         i: usize,
         pf: &crate::format::parquet::projected::ProjectedFile,

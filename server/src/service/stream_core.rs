@@ -62,6 +62,7 @@ impl StreamCore {
 
     /// Sends `group`, then `e`, which ends the stream.
     pub(super) fn fail(&self, group: Vec<outbox::Message>, e: Error) {
+        self.dataset.note_stream_failure(&e);
         self.tx.blocking_fail(group, &self.dataset.url, e, &self.shutdown);
     }
 }
