@@ -560,23 +560,21 @@ mod tests {
         let start = Instant::now();
         let mut rate = Rate::new();
         let mut position = 0u64;
-        for burst in 0..40u64 {
-            // Four batches of 8 samples, a microsecond apart, every half second.
-            for b in 0..4u64 {
-                position += 8;
-                rate.note(start + Duration::from_millis(500 * burst) + Duration::from_micros(b), position);
+        // Bursts `from..to` of four batches of `batch` samples, a microsecond apart, every half
+        // second; the pace read after them.
+        let mut bursts = |from: u64, to: u64, batch: u64| {
+            for burst in from..to {
+                for b in 0..4u64 {
+                    position += batch;
+                    rate.note(start + Duration::from_millis(500 * burst) + Duration::from_micros(b), position);
+                }
             }
-        }
-        let pace = rate.samples_per_s;
+            rate.samples_per_s
+        };
+        let pace = bursts(0, 40, 8);
         assert!((48.0..=90.0).contains(&pace), "measured {pace:.0} samples/s for 64");
         // A change of pace is followed within a few spans.
-        for burst in 40..60u64 {
-            for b in 0..4u64 {
-                position += 32;
-                rate.note(start + Duration::from_millis(500 * burst) + Duration::from_micros(b), position);
-            }
-        }
-        let pace = rate.samples_per_s;
+        let pace = bursts(40, 60, 32);
         assert!((200.0..=320.0).contains(&pace), "measured {pace:.0} samples/s for 256");
     }
 

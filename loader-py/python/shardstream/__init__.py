@@ -448,7 +448,8 @@ class Loader:
         if self.arrow and format == "dict" and self.fields:
             from ._arrow import key_column
 
-            key = key_column(self._dataset_columns())
+            # The open's description lists every column of a Parquet dataset.
+            key = key_column([str(n) for n in self.info.get("fields") or []])
             if key is not None and key not in self.fields:
                 self._key_only = key
                 self._stream_fields = [*self.fields, key]
@@ -480,18 +481,6 @@ class Loader:
         self._stats = {"samples": 0, "bytes": 0, "batches": 0, "wait_s": 0.0, "elapsed_s": 0.0}
         self._first_batch_s: float | None = None
         self._iter_started: float | None = None
-
-    def _dataset_columns(self) -> list[str]:
-        """The dataset's columns (of an Arrow dataset), as the daemon described it when opened."""
-        names = self.info.get("fields")
-        if names:
-            return [str(n) for n in names]
-        schema = self.info.get("arrow_schema")
-        if not schema:
-            return []
-        import pyarrow as pa  # type: ignore[import-untyped]
-
-        return list(pa.ipc.read_schema(pa.py_buffer(schema)).names)
 
     def __len__(self) -> int:
         """Batches per rank per epoch (the same on every rank)."""

@@ -50,7 +50,7 @@ impl Discovered {
         match &parsed {
             DatasetUrl::Local { dir, pick } => {
                 let place = Place::Dir(dir);
-                confined_metadata(dir, &dir.join(manifest::MANIFEST_FILE), "its manifest.json")?;
+                Confined::of(dir)?.check(&dir.join(manifest::MANIFEST_FILE), "its manifest.json")?;
                 if let Some(manifest) = Manifest::read(dir)? {
                     return Self::from_manifest(url, base, &place, pick, manifest);
                 }
@@ -114,6 +114,10 @@ impl Discovered {
     fn from_manifest(url: &str, base: String, place: &Place<'_>, pick: &Pick, m: Manifest) -> Result<Self> {
         let format = m.format()?;
         let footer_scope = m.checksum_scope() == manifest::ChecksumScope::Footer;
+        let confined = match place {
+            Place::Dir(dir) => Confined::of(dir)?,
+            Place::Bucket { .. } => Confined::default(),
+        };
         let to_meta = |s: &manifest::ManifestShard| -> Result<ShardMeta> {
             Ok(ShardMeta {
                 name: s.name.clone(),
@@ -130,7 +134,7 @@ impl Discovered {
                     Place::Dir(dir) => match &s.index {
                         Some(i) => {
                             let path = dir.join(i);
-                            confined_metadata(dir, &path, "a sidecar its manifest names")?;
+                            confined.check(&path, "a sidecar its manifest names")?;
                             Some(path)
                         }
                         None => None,
@@ -165,39 +169,54 @@ impl Discovered {
             return Err(Error::NotFound { what: "shards", path: format!("{base} (manifest.json lists none)") });
         }
         if let (Place::Dir(dir), Some(f)) = (place, &m.footers) {
-            confined_metadata(dir, &dir.join(f), "its footers bundle")?;
+            confined.check(&dir.join(f), "its footers bundle")?;
         }
         let footers = m.footers.as_ref().map(|f| place.source(f, None)).transpose()?;
         Ok(Self { url: url.to_owned(), base, format, shards, manifest_fields: Some(m.fields), footers })
     }
 }
 
-/// When opens are confined by an allow list ([`crate::storage::confine`]): refuses a dataset
-/// whose metadata file `path` (its manifest, a sidecar, the footers bundle) is really somewhere
-/// outside the dataset directory's real location. The shards are checked against the roots by
-/// where they really are; these files are read before that check, and one linked out of the
-/// roots would be read for anyone who may write inside one (its shard names then shown in
-/// errors, its counts served as this dataset's). A missing file is no one's: nothing is read.
-fn confined_metadata(dir: &Path, path: &Path, what: &str) -> Result<()> {
-    if !crate::storage::confine::confined() {
-        return Ok(());
+/// When opens are confined by an allow list ([`crate::storage::confine`]), a dataset's metadata
+/// files (its manifest, the sidecars it names, its footers bundle) must really lie inside its
+/// directory. The shards are checked against the roots by where they really are; these files
+/// are read before that check, and one linked out of the roots would be read for anyone who may
+/// write inside one (its shard names then shown in errors, its counts served as this dataset's).
+#[derive(Default)]
+struct Confined {
+    /// The dataset directory's real location; None when opens are not confined.
+    dir_real: Option<std::path::PathBuf>,
+    dir: std::path::PathBuf,
+}
+
+impl Confined {
+    /// Resolves `dir` once (a manifest names a sidecar per shard) when opens are confined.
+    fn of(dir: &Path) -> Result<Self> {
+        let dir_real = crate::storage::confine::confined()
+            .then(|| std::fs::canonicalize(dir).map_err(|e| Error::io("cannot resolve", dir, e)))
+            .transpose()?;
+        Ok(Self { dir_real, dir: dir.to_owned() })
     }
-    let real = match std::fs::canonicalize(path) {
-        Ok(p) => p,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(Error::io("cannot resolve", path, e)),
-    };
-    let dir_real = std::fs::canonicalize(dir).map_err(|e| Error::io("cannot resolve", dir, e))?;
-    if real.starts_with(&dir_real) {
-        return Ok(());
+
+    /// Refuses metadata file `path` (`what`) when it really lies outside the directory. A
+    /// missing file is no one's: nothing is read.
+    fn check(&self, path: &Path, what: &str) -> Result<()> {
+        let Some(dir_real) = &self.dir_real else { return Ok(()) };
+        let real = match std::fs::canonicalize(path) {
+            Ok(p) => p,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io("cannot resolve", path, e)),
+        };
+        if real.starts_with(dir_real) {
+            return Ok(());
+        }
+        Err(Error::PermissionDenied {
+            path: self.dir.display().to_string(),
+            reason: format!(
+                "{what} ({}) leads out of the dataset's directory, to {}: refused while the daemon confines \
+                 opens to its allow list",
+                path.display(),
+                real.display()
+            ),
+        })
     }
-    Err(Error::PermissionDenied {
-        path: dir.display().to_string(),
-        reason: format!(
-            "{what} ({}) leads out of the dataset's directory, to {}: refused while the daemon confines \
-             opens to its allow list",
-            path.display(),
-            real.display()
-        ),
-    })
 }

@@ -662,28 +662,24 @@ impl Dataset {
         Ok(())
     }
 
-    /// `e`, from opening a local shard or checking it against its listing; a file changed or
-    /// gone marks the dataset [`changed`](Self::changed), and the error says what to do. A
-    /// transient failure (EMFILE, EIO) does not: it would cost every later open a full listing.
-    /// `e`, from fetching an S3 shard: an object gone, or not as listed or indexed (a changed
-    /// ETag, size or checksum), marks the dataset [`changed`](Self::changed), so that the next
-    /// open lists it (or reads its manifest) again instead of reusing this one for a minute.
-    fn s3_changed_if(&self, e: Error) -> Error {
-        self.note_stream_failure(&e);
-        e
-    }
-
-    /// A stream of this dataset failed with `e`. For an S3 dataset, a shard found gone or not as
-    /// listed (by its fetch, or by the decoder: a Parquet file replaced under the listing whose
-    /// column chunks no longer match the footer read at open) ends the reuse of the listing, as
-    /// [`Self::s3_changed_if`] does. Damage that a new listing cannot mend costs one listing.
+    /// A stream of this dataset failed with `e` (every stream kind ends through here). For an S3
+    /// dataset, a shard found gone or not as listed or indexed (by a whole-copy or column-chunk
+    /// fetch: a changed ETag, size or checksum; or by the decoder: a Parquet file replaced under
+    /// the listing, whose chunks no longer match the footer read at open) marks the dataset
+    /// [`changed`](Self::changed): the next open lists it (or reads its manifest) again instead of
+    /// reusing this listing for a minute. Damage a new listing cannot mend costs one listing. A
+    /// local dataset is marked by [`Self::changed_if`], where its shards are checked.
     pub fn note_stream_failure(&self, e: &Error) {
-        let s3 = self.shards.iter().any(|s| matches!(s.source, ShardSource::S3 { .. }));
+        // A dataset's shards are all in one place: the first says where.
+        let s3 = self.shards.first().is_some_and(|s| matches!(s.source, ShardSource::S3 { .. }));
         if s3 && matches!(e, Error::Shard { .. } | Error::NotFound { .. }) {
             self.changed.store(true, Ordering::Release);
         }
     }
 
+    /// `e`, from opening a local shard or checking it against its listing; a file changed or
+    /// gone marks the dataset [`changed`](Self::changed), and the error says what to do. A
+    /// transient failure (EMFILE, EIO) does not: it would cost every later open a full listing.
     fn changed_if(&self, e: Error) -> Error {
         match e {
             Error::Shard { shard, offset, reason } => {
@@ -743,13 +739,7 @@ impl Dataset {
                 if let ShardSource::Local(path) = source {
                     self.check_copy_source(i, path, meta)?;
                 }
-                let fetched = self.fetch(i, Want::NOW);
-                let fetched = if matches!(source, ShardSource::S3 { .. }) {
-                    fetched.map_err(|e| self.s3_changed_if(e))
-                } else {
-                    fetched
-                };
-                let pin = fetched?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
+                let pin = self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                 (ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?, Some(pin))
             }
         };
@@ -834,17 +824,6 @@ impl Dataset {
     /// unless it was checked already, and publishes nothing if it does not match. `Ok(None)`: a
     /// prefetch that did not wait. Blocking.
     pub fn fetch_projected(
-        &self,
-        i: usize,
-        pf: &crate::format::parquet::projected::ProjectedFile,
-        key: &str,
-        want: Want,
-    ) -> Result<Option<Pin>> {
-        // An object found changed ends the reuse of this listing, as for a whole copy's fetch.
-        self.fetch_projected_copy(i, pf, key, want).map_err(|e| self.s3_changed_if(e))
-    }
-
-    fn fetch_projected_copy(
         &self,
         i: usize,
         pf: &crate::format::parquet::projected::ProjectedFile,

@@ -621,7 +621,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 let ids = blocking(move || ids_of(&mut seq.lock().unwrap_or_else(|p| p.into_inner()), take));
                 match ids.await {
                     Ok(ids) => ready.extend(ids),
-                    Err(e) => return fail(&tx, &shared.0.url, e, &shutdown).await,
+                    Err(e) => return fail(&tx, &shared.0, e, &shutdown).await,
                 }
             }
             let Some((range, ids)) = ready.pop_front() else { break };
@@ -659,7 +659,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     c.consumer.advance(end, waited);
                 }
             }
-            Err(e) => return fail(&tx, &shared.0.url, e, &shutdown).await,
+            Err(e) => return fail(&tx, &shared.0, e, &shutdown).await,
         }
     }
     drop(tx);
@@ -667,8 +667,9 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
 }
 
 /// Ends a stream with its error `e` ([`outbox::last_word`]).
-async fn fail(tx: &outbox::Outbox, dataset: &str, e: Error, shutdown: &CancellationToken) {
-    match outbox::last_word(dataset, e, shutdown) {
+async fn fail(tx: &outbox::Outbox, dataset: &Dataset, e: Error, shutdown: &CancellationToken) {
+    dataset.note_stream_failure(&e);
+    match outbox::last_word(&dataset.url, e, shutdown) {
         outbox::Ending::Shutdown(status) => tx.try_send(Err(status)),
         outbox::Ending::Failed(status) => {
             let _ = tx.send(Err(status)).await;
