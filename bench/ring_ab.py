@@ -1,7 +1,10 @@
-"""A/B of the packed read path between two builds of the Python package, alternated on one warm
-daemon: `Loader(collate="stack")` (numpy) and `shardstream.torch.DataLoader` without workers,
-65,536 records of 4 KiB in batches of 512, one byte a page touched; best of epochs 2-4 per run,
-and the run's minor faults. Used for the copy-on-write ring (bench/SHM_RESULTS.md):
+"""A/B of the shared-memory read paths between two builds of the Python package, alternated on
+one warm daemon: `Loader(collate="stack")` (numpy) and `shardstream.torch.DataLoader` without
+workers, 65,536 records of 4 KiB in batches of 512, one byte a page touched; and `views`, the same
+records as a plain `Loader` gives them (a memoryview per field of every sample, the view mode of
+small samples), one byte of each touched. Best of epochs 2-4 per run, and the run's minor faults.
+Used for the copy-on-write ring (bench/SHM_RESULTS.md, modes loader,torch) and the field views'
+slices (bench/SHM_RESULTS.md, mode views):
 
     maturin build --release -m loader-py/Cargo.toml -o /tmp/ab/new   # and the same at the old commit
     (cd /tmp/ab/new && mkdir pkg && cd pkg && python -m zipfile -e ../shardstream-*.whl .)
@@ -30,6 +33,9 @@ import shardstream
 if mode == "loader":
     it = shardstream.Loader(url, batch_size=512, seed=1, fields=["tok"], collate="stack", connect=addr)
     set_epoch = it.set_epoch
+elif mode == "views":
+    it = shardstream.Loader(url, batch_size=512, seed=1, connect=addr)
+    set_epoch = it.set_epoch
 else:
     import torch, shardstream.torch as sst
     torch.set_num_threads(1)
@@ -40,6 +46,9 @@ for epoch in range(4):
     set_epoch(epoch)
     n, t0 = 0, time.perf_counter()
     for b in it:
+        if mode == "views":
+            n += sum(len(v) for v in b["tok"] if v[0] >= 0) + sum(len(v) for v in b["cls"])
+            continue
         a = b["tok"]
         a = a.numpy() if hasattr(a, "numpy") else a
         n += int(a[:, ::4096].sum() >= 0) * a.nbytes
