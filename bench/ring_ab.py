@@ -47,7 +47,7 @@ for epoch in range(4):
     n, t0 = 0, time.perf_counter()
     for b in it:
         if mode == "views":
-            n += sum(len(v) for v in b["tok"] if v[0] >= 0) + sum(len(v) for v in b["cls"])
+            n += sum(len(v) for v in b["tok"] if v[0] >= 0) + sum(len(v) for v in b["lbl"])
             continue
         a = b["tok"]
         a = a.numpy() if hasattr(a, "numpy") else a
