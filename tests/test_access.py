@@ -399,3 +399,30 @@ def test_metadata_linked_out_of_the_roots_is_refused_not_read(tmp_path: Path, li
             next(iter(shardstream.Loader(str(mine), batch_size=4, connect=d.addr)))
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["linked", "relative"])
+def test_a_node_cache_named_through_a_link_or_relatively_serves_under_an_allow_list(tmp_path: Path, how: str) -> None:
+    """Confined opens compare where a descriptor leads with the path opened, and node-cache
+    copies were opened by the path `--cache-dir` gave: a cache directory named through a link
+    (`/var/cache` linked to a larger disk) or relatively had every copy refused as "replaced by a
+    link", so no S3 dataset (nor `cache="copy"`) could be read under an allow list."""
+    allowed = tmp_path / "allowed"
+    samples = write_dataset(allowed, n=20, per_shard=10)
+    cfg = write_config(tmp_path / "shardstream.toml", f'[[allow]]\nuid = {os.getuid()}\nroots = ["{allowed}"]\n')
+    d = Daemon(tmp_path / "d", args=["--config", str(cfg)], cwd=tmp_path)
+    d.tmp.mkdir()
+    (tmp_path / "disk").mkdir(mode=0o700)
+    if how == "linked":
+        (tmp_path / "cache-link").symlink_to(tmp_path / "disk")
+        d.cache_dir = tmp_path / "cache-link"
+    else:
+        d.cache_dir = Path("disk")
+    d.start()
+    try:
+        loader = shardstream.Loader(str(allowed), batch_size=4, connect=d.addr, cache="copy")
+        keys = [k for b in loader for k in b["__key__"]]
+        assert sorted(keys) == sorted(samples)
+        assert list((tmp_path / "disk" / "shards").iterdir()), "the copies are in the cache's real directory"
+    finally:
+        assert d.stop() == 0
