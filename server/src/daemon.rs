@@ -124,8 +124,12 @@ pub struct BoundDaemon {
 
 /// Creates the node cache directory for the daemon's user alone (clients get descriptors, never
 /// paths), and warns when one made elsewhere lets others in: they could read the cached copy of
-/// any dataset, whatever the allow list says. Its mode is the operator's to change.
-fn create_private_cache_dir(dir: &std::path::Path) -> Result<()> {
+/// any dataset, whatever the allow list says. Its mode is the operator's to change. Returns the
+/// directory's real location, by which the daemon then knows it: under an allow list every open
+/// is checked against where its descriptor really leads ([`crate::storage::confine`]), so a cache
+/// named relatively or through a link (`/var/cache` linked to a larger disk) would have each of its
+/// copies refused.
+fn create_private_cache_dir(dir: &std::path::Path) -> Result<std::path::PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     if let Ok(meta) = std::fs::metadata(dir)
         && !meta.is_dir()
@@ -146,12 +150,12 @@ fn create_private_cache_dir(dir: &std::path::Path) -> Result<()> {
             dir.display()
         );
     }
-    Ok(())
+    std::fs::canonicalize(dir).map_err(|e| Error::io("cannot resolve cache directory", dir, e))
 }
 
 impl BoundDaemon {
     /// Creates the cache directory and binds the listener.
-    pub async fn bind(config: DaemonConfig) -> Result<Self> {
+    pub async fn bind(mut config: DaemonConfig) -> Result<Self> {
         // The socket directory first: when the cache lives beside the socket, creating the cache
         // directory must not create the socket's parent with the wrong mode.
         if let Address::Unix(path) = &config.listen {
@@ -167,7 +171,7 @@ impl BoundDaemon {
             )?;
             crate::socket_file::prepare_dir(path, &config.socket_access)?;
         }
-        create_private_cache_dir(&config.cache_dir)?;
+        config.cache_dir = create_private_cache_dir(&config.cache_dir)?;
         let mut security = crate::remote::RemoteSecurity::default();
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {
