@@ -426,3 +426,24 @@ def test_a_node_cache_named_through_a_link_or_relatively_serves_under_an_allow_l
         assert list((tmp_path / "disk" / "shards").iterdir()), "the copies are in the cache's real directory"
     finally:
         assert d.stop() == 0
+
+
+def test_metadata_linked_inside_the_dataset_is_read_under_an_allow_list(tmp_path: Path) -> None:
+    """Metadata is read by its real location once the allow list has checked it; a manifest
+    linked to a file inside the dataset's directory still serves."""
+    allowed = tmp_path / "allowed"
+    mine = allowed / "mine"
+    samples = write_dataset(mine, n=20, per_shard=10)
+    subprocess.run([SHARDSTREAM, "index", str(mine)], check=True, capture_output=True, timeout=120)
+    manifest = json.loads((mine / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][:1]  # it lists one shard of two: what it serves shows it was read
+    manifest["total_samples"], manifest["total_bytes"] = manifest["shards"][0]["samples"], manifest["shards"][0]["bytes"]
+    (mine / "_shardstream" / "kept.json").write_text(json.dumps(manifest))
+    (mine / "manifest.json").unlink()
+    (mine / "manifest.json").symlink_to(mine / "_shardstream" / "kept.json")
+    d = own_uid_daemon(tmp_path, allowed)
+    try:
+        keys = [k for b in shardstream.Loader(str(mine), batch_size=4, connect=d.addr) for k in b["__key__"]]
+        assert len(keys) == 10 and set(keys) < set(samples)
+    finally:
+        assert d.stop() == 0

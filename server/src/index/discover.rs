@@ -50,8 +50,8 @@ impl Discovered {
         match &parsed {
             DatasetUrl::Local { dir, pick } => {
                 let place = Place::Dir(dir);
-                Confined::of(dir)?.check(&dir.join(manifest::MANIFEST_FILE), "its manifest.json")?;
-                if let Some(manifest) = Manifest::read(dir)? {
+                let at = Confined::of(dir)?.check(&dir.join(manifest::MANIFEST_FILE), "its manifest.json")?;
+                if let Some(manifest) = Manifest::read_file(&at)? {
                     return Self::from_manifest(url, base, &place, pick, manifest);
                 }
                 let listed = local::list_shards(dir, pick)?;
@@ -132,11 +132,7 @@ impl Discovered {
                 // from its cache copy (headers only, already in the page cache).
                 sidecar: match place {
                     Place::Dir(dir) => match &s.index {
-                        Some(i) => {
-                            let path = dir.join(i);
-                            confined.check(&path, "a sidecar its manifest names")?;
-                            Some(path)
-                        }
+                        Some(i) => Some(confined.check(&dir.join(i), "a sidecar its manifest names")?),
                         None => None,
                     },
                     Place::Bucket { .. } => None,
@@ -197,17 +193,19 @@ impl Confined {
         Ok(Self { dir_real, dir: dir.to_owned() })
     }
 
-    /// Refuses metadata file `path` (`what`) when it really lies outside the directory. A
-    /// missing file is no one's: nothing is read.
-    fn check(&self, path: &Path, what: &str) -> Result<()> {
-        let Some(dir_real) = &self.dir_real else { return Ok(()) };
+    /// Refuses metadata file `path` (`what`) when it really lies outside the directory, and
+    /// otherwise gives the path to read it by: its real location when opens are confined (the
+    /// read then refuses a descriptor that leads anywhere else, `storage::local::read_metadata`),
+    /// `path` as it is when not. A missing file is no one's: nothing is read.
+    fn check(&self, path: &Path, what: &str) -> Result<std::path::PathBuf> {
+        let Some(dir_real) = &self.dir_real else { return Ok(path.to_owned()) };
         let real = match std::fs::canonicalize(path) {
             Ok(p) => p,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(path.to_owned()),
             Err(e) => return Err(Error::io("cannot resolve", path, e)),
         };
         if real.starts_with(dir_real) {
-            return Ok(());
+            return Ok(real);
         }
         Err(Error::PermissionDenied {
             path: self.dir.display().to_string(),

@@ -203,13 +203,12 @@ impl Manifest {
         crate::format::Format::from_name(&self.shard_format)
     }
 
-    /// Reads `dir/manifest.json`; `Ok(None)` when there is none.
-    pub fn read(dir: &Path) -> Result<Option<Self>> {
-        let path = dir.join(MANIFEST_FILE);
-        let bytes = match crate::storage::local::read_metadata(&path) {
+    /// Reads the manifest at `path`; `Ok(None)` when there is none.
+    pub fn read_file(path: &Path) -> Result<Option<Self>> {
+        let bytes = match crate::storage::local::read_metadata(path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io("cannot read manifest", &path, e)),
+            Err(e) => return Err(Error::io("cannot read manifest", path, e)),
         };
         Self::parse(&bytes, &path.display().to_string()).map(Some)
     }
@@ -331,8 +330,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = sample();
         m.write_atomic(dir.path()).unwrap();
-        assert_eq!(Manifest::read(dir.path()).unwrap(), Some(m));
-        assert_eq!(Manifest::read(&dir.path().join("nope")).unwrap(), None);
+        assert_eq!(Manifest::read_file(&dir.path().join(MANIFEST_FILE)).unwrap(), Some(m));
+        assert_eq!(Manifest::read_file(&dir.path().join("nope").join(MANIFEST_FILE)).unwrap(), None);
     }
 
     #[test]

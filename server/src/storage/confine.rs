@@ -54,7 +54,7 @@ pub fn check_opened(file: &File, path: &Path) -> Result<()> {
     if confined() { opened_at(file, path) } else { Ok(()) }
 }
 
-fn opened_at(file: &File, path: &Path) -> Result<()> {
+pub(super) fn opened_at(file: &File, path: &Path) -> Result<()> {
     let fd = format!("/proc/self/fd/{}", file.as_raw_fd());
     let opened = std::fs::read_link(&fd).map_err(|e| {
         Error::io("cannot tell where an opened shard lies (the allow list needs /proc/self/fd)", path, e)

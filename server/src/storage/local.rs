@@ -460,10 +460,22 @@ pub const METADATA_LIMIT: u64 = 1 << 30;
 /// thread for good, and a device (`/dev/zero`) or a sparse file of terabytes would be read until
 /// the daemon runs out of memory. `NotFound` as the plain error, for callers that take a
 /// missing file as "none".
+///
+/// When opens are confined ([`super::confine`]), `path` must be the file's real location, and a
+/// descriptor that leads elsewhere (a link swapped in since that location was checked) is
+/// refused as PermissionDenied before a byte is read, as shards are.
 pub fn read_metadata(path: &Path) -> std::io::Result<Vec<u8>> {
+    read_metadata_as(path, super::confine::confined())
+}
+
+fn read_metadata_as(path: &Path, confined: bool) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    if confined {
+        super::confine::opened_at(&file, path)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::PermissionDenied, e.to_string()))?;
+    }
     let meta = file.metadata()?;
     if !meta.is_file() {
         return Err(std::io::Error::new(
@@ -576,6 +588,27 @@ mod tests {
             "{err}"
         );
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn confined_metadata_is_read_only_where_it_was_checked_to_lie() {
+        // The allow list's check finds a manifest's real location, then it is read: a directory
+        // on the way swapped for a link in between must not lead the read elsewhere.
+        let root = tempfile::tempdir().expect("temp dir");
+        let (mine, theirs) = (root.path().join("mine"), root.path().join("theirs"));
+        for (d, text) in [(&mine, "mine"), (&theirs, "theirs")] {
+            std::fs::create_dir(d).expect("dir");
+            std::fs::write(d.join("manifest.json"), text).expect("manifest");
+        }
+        let checked = std::fs::canonicalize(mine.join("manifest.json")).expect("real location");
+        assert_eq!(read_metadata_as(&checked, true).expect("read where checked"), b"mine");
+        std::fs::rename(&mine, root.path().join("moved")).expect("move away");
+        std::os::unix::fs::symlink(&theirs, &mine).expect("swap in a link");
+        let err = read_metadata_as(&checked, true).expect_err("refused");
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+        assert!(err.to_string().contains("theirs"), "names where it leads: {err}");
+        // Without confinement, paths are read as named.
+        assert_eq!(read_metadata_as(&checked, false).expect("read"), b"theirs");
     }
 
     #[test]
