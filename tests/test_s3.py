@@ -144,6 +144,32 @@ def test_prefetch_stages_the_dataset_then_an_epoch_downloads_nothing(
         d.stop()
 
 
+def test_prefetch_of_a_dataset_without_manifest_reports_the_open_s_indexing(
+    tmp_path: Path, s3: S3Server, small: Samples
+) -> None:
+    """Without a manifest the daemon opens a dataset by indexing every shard (on S3, each read
+    whole through the node cache): minutes for a large one, during which `prefetch` showed
+    nothing, then a summary calling every shard "already cached". The open's progress now comes
+    first, and the summary says the open indexed the shards. A proxy holds each GET 0.6 s so
+    that the open outlasts the progress tick."""
+    proxy = FaultProxy(s3.port, rate=0.0, hold=0.6).start()
+    d = Daemon(tmp_path, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
+    try:
+        p = subprocess.run(
+            [SHARDSTREAM, "prefetch", "s3://data/small/", "--connect", d.addr],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stderr
+        assert "the daemon is indexing s3://data/small/ (11 shards, no manifest.json)" in p.stderr, p.stderr
+        assert "shardstream index s3://data/small/" in p.stderr, p.stderr
+        assert "staged 11 of 11 shards" in p.stdout and "the open indexed 11 shards first" in p.stdout, p.stdout
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+
+
 def test_missing_bucket_prefix_and_bad_credentials_are_named(tmp_path: Path, s3: S3Server, small: Samples) -> None:
     d = start_daemon(tmp_path, s3)
     try:
