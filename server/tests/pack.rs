@@ -407,7 +407,10 @@ fn served_as_is(dest: &Path, expected: &Samples) {
         }
     }
     // Every footer in one bundle the manifest names, under the manifest's identities.
-    let manifest = shardstream::index::manifest::Manifest::read(dest).unwrap().unwrap();
+    let manifest =
+        shardstream::index::manifest::Manifest::read_file(&dest.join(shardstream::index::manifest::MANIFEST_FILE))
+            .unwrap()
+            .unwrap();
     let bundle_name = manifest.footers.clone().expect("a footers bundle");
     let bundle = std::fs::read(dest.join(bundle_name)).unwrap();
     let entries = shardstream::format::parquet::footers::decode(&bundle).unwrap();
