@@ -430,6 +430,13 @@ fn bytes_bar(total: u64) -> indicatif::ProgressBar {
     )
 }
 
+fn count_bar(total: u64, what: &'static str) -> indicatif::ProgressBar {
+    indicatif::ProgressBar::new(total).with_style(
+        indicatif::ProgressStyle::with_template(&format!("{{bar:40}} {{pos}}/{{len}} shards {what} eta {{eta}}"))
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    )
+}
+
 fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
     let rt = runtime()?;
     let s3 = match crate::storage::DatasetUrl::parse(url)? {
@@ -524,23 +531,45 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
                 anyhow::anyhow!("{}", s.message())
             }
         };
+        let url = req.url.clone();
         let mut stream = client.prefetch(req).await.map_err(refused)?.into_inner();
         let mut bar: Option<indicatif::ProgressBar> = None;
+        let mut indexing: Option<indicatif::ProgressBar> = None;
         let mut last = shardstream_proto::PrefetchProgress::default();
+        let mut indexed = 0;
         while let Some(p) = stream.message().await.map_err(refused)? {
+            if p.indexing {
+                let b = indexing.get_or_insert_with(|| {
+                    // Said even without a terminal (a job's log): the wait may be long.
+                    eprintln!(
+                        "shardstream: the daemon is indexing {url} ({} shards, no manifest.json) before staging; \
+                         `shardstream index {url}` writes a manifest once so that opens skip this",
+                        p.shards_total
+                    );
+                    count_bar(p.shards_total, "indexed")
+                });
+                b.set_position(p.shards_done);
+                indexed = p.shards_total;
+                continue;
+            }
+            if let Some(b) = indexing.take() {
+                b.finish_and_clear();
+            }
             let b = bar.get_or_insert_with(|| bytes_bar(p.bytes_total));
             b.set_position(p.bytes_done);
             b.set_message(format!("{}/{} shards {}", p.shards_done, p.shards_total, p.shard));
             last = p;
         }
-        if let Some(b) = bar {
+        for b in [indexing, bar].into_iter().flatten() {
             b.finish_and_clear();
         }
-        anyhow::Ok(last)
+        anyhow::Ok((last, indexed))
     })?;
+    let (last, indexed) = last;
     let secs = started.elapsed().as_secs_f64();
+    let first = if indexed > 0 { format!("; the open indexed {indexed} shards first") } else { String::new() };
     outln!(
-        "staged {} of {} shards of {what} ({:.1} of {:.1} MB, {} already cached) in {secs:.1} s",
+        "staged {} of {} shards of {what} ({:.1} of {:.1} MB, {} already cached{first}) in {secs:.1} s",
         last.shards_done,
         last.shards_total,
         last.bytes_done as f64 / 1e6,

@@ -25,6 +25,7 @@ pub mod build;
 mod discover;
 mod integrity;
 pub mod manifest;
+pub mod opening;
 pub mod registry;
 mod tables;
 
@@ -473,7 +474,9 @@ impl Dataset {
             (Some(at), Format::Parquet) => tables::bundled_tables(at, &shards, &backends),
             _ => Vec::new(),
         };
-        let scanned = scan_all(format, &shards, &keys, &backends, sidecar_cache.as_deref(), &bundled)?;
+        let opening = opening::Opening::begin(&url, shards.len());
+        let scanned = scan_all(format, &shards, &keys, &backends, sidecar_cache.as_deref(), &bundled, &opening)?;
+        drop(opening);
         let mut fields = std::collections::BTreeSet::new();
         let mut tables = Vec::with_capacity(scanned.len());
         // S3 Parquet files whose footer was just read from the object itself, and matches the

@@ -92,13 +92,16 @@ pub(super) fn scan_all(
     backends: &Backends,
     cache: Option<&Path>,
     bundled: &[Option<Arc<ParquetTable>>],
+    opening: &super::opening::Opening,
 ) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
     // S3 Parquet files give their tables from their footers alone: latency-bound ranged GETs.
     let footers_only = format == Format::Parquet && shards.iter().all(|s| matches!(s.source, ShardSource::S3 { .. }));
     let threads = if footers_only { FOOTER_THREADS } else { SCAN_THREADS };
     crate::parallel::try_map(&indexed, threads, |&i| {
-        scan_one(format, &shards[i], keys.get(i), backends, cache, bundled.get(i).cloned().flatten())
+        let scanned = scan_one(format, &shards[i], keys.get(i), backends, cache, bundled.get(i).cloned().flatten());
+        opening.shard_done();
+        scanned
     })
 }
 

@@ -467,7 +467,7 @@ impl Shardstream for Service {
         let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
-        stage::stage(self.registry.clone(), req, admission).await.map(Response::new)
+        Ok(Response::new(stage::stage(self.registry.clone(), req, admission)))
     }
 }
 

@@ -3,7 +3,8 @@
 //! partial staging (`max_shards`, or a cache smaller than the dataset) holds what is needed first.
 //! Staging evicts nobody else's data: when the cache has no free room it makes room only from the
 //! dataset's own idle copies needed later in the order (opening a dataset without a manifest
-//! indexes every shard through the cache, which keeps whichever fit), and stops, saying so, when
+//! indexes every shard through the cache, which keeps whichever fit, and reports how far it has
+//! come while it does: [`crate::index::opening`]), and stops, saying so, when
 //! those do not make enough. With `fields` (Parquet), it stages what a stream selecting those
 //! columns reads: on S3, each file's copy of their column chunks ([`super::projected`]), else whole
 //! files as without.
@@ -115,19 +116,59 @@ impl Staging {
     }
 }
 
-pub(crate) async fn stage(
+/// How often the progress of an open that indexes the dataset is sent.
+const OPENING_TICK: std::time::Duration = std::time::Duration::from_millis(500);
+
+pub(crate) fn stage(
     registry: Arc<Registry>,
     req: PrefetchRequest,
     admission: super::Admission,
-) -> Result<ReceiverStream<Result<PrefetchProgress, Status>>, Status> {
+) -> ReceiverStream<Result<PrefetchProgress, Status>> {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        let staged = open_and_plan(registry, req, admission, &tx).await;
+        match staged {
+            Ok(Some((ds, staging, order, limit))) => run(ds, Arc::new(staging), Arc::new(order), limit, tx).await,
+            Ok(None) => {} // the client left
+            Err(e) => {
+                let _ = tx.send(Err(to_status(e))).await;
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+/// What staging needs: the opened dataset, what to stage of each file, the epoch's order and
+/// how much of it to stage. An open that indexes the dataset (no manifest) reports how far it
+/// has come meanwhile (`indexing` messages). `None` when the client left.
+async fn open_and_plan(
+    registry: Arc<Registry>,
+    req: PrefetchRequest,
+    admission: super::Admission,
+    tx: &mpsc::Sender<Result<PrefetchProgress, Status>>,
+) -> Result<Option<(Arc<Dataset>, Staging, Vec<usize>, usize)>> {
     let (url, mode) = (req.url.clone(), req.cache.clone());
-    let ds = blocking(move || admission.open(&registry, &url, &mode)).await.map_err(to_status)?;
+    let opened = blocking(move || admission.open(&registry, &url, &mode));
+    tokio::pin!(opened);
+    let ds = loop {
+        tokio::select! {
+            ds = &mut opened => break ds?,
+            () = tokio::time::sleep(OPENING_TICK) => {
+                if let Some((done, total)) = crate::index::opening::progress(&req.url) {
+                    let p = PrefetchProgress { indexing: true, shards_done: done, shards_total: total, ..Default::default() };
+                    if tx.send(Ok(p)).await.is_err() {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    };
     if ds.mode != CacheMode::Copy {
-        return Err(to_status(Error::invalid(format!(
+        return Err(Error::invalid(format!(
             "{} is read in place (cache=\"direct\"); nothing to stage. Stage it with cache=\"copy\" \
              if trainers read it that way too",
             ds.url
-        ))));
+        )));
     }
     let job = ds.clone();
     let max_shards = req.max_shards;
@@ -135,15 +176,12 @@ pub(crate) async fn stage(
         let staging = Staging::of(&job, &req.fields)?;
         Ok((epoch_order(&job, &req)?, staging))
     })
-    .await
-    .map_err(to_status)?;
+    .await?;
     let limit = match usize::try_from(max_shards) {
         Ok(n) if n > 0 => n.min(order.len()),
         _ => order.len(),
     };
-    let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(run(ds, Arc::new(staging), Arc::new(order), limit, tx));
-    Ok(ReceiverStream::new(rx))
+    Ok(Some((ds, staging, order, limit)))
 }
 
 /// Stages the first `limit` files of `order` (the whole epoch's order, whose later files are
