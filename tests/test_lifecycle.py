@@ -9,10 +9,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import tlsutil
 
 from conftest import SHARDSTREAM, Daemon
 
@@ -168,6 +170,48 @@ def test_prefetch_gives_up_on_a_daemon_that_stops_answering(dataset, tmp_path: P
             timeout=60,
         )
         assert r.returncode == 1 and "stopped answering" in r.stderr, r.stderr
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "tls"])
+def test_a_remote_connect_to_a_frozen_daemon_is_a_connection_error_within_the_tcp_timeout(
+    dataset, tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen daemon's kernel still completes TCP connects from the listen backlog. The
+    client's connect timeout bounded the TCP connect alone, so a tls:// trainer (or `status`)
+    waited for the TLS handshake for good; the README promises a ConnectionError within twice
+    SHARDSTREAM_TCP_TIMEOUT. (tcp:// was bounded by the HTTP/2 pings: kept as the reference.)"""
+    if why := tlsutil.available():
+        pytest.fail(why)
+    root, _ = dataset
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pki = tlsutil.make_pki(tmp_path / "pki")
+    security = tlsutil.serve_args(pki) if scheme == "tls" else ["--insecure"]
+    for k, v in tlsutil.client_env(pki).items():
+        monkeypatch.setenv(k, v)  # the fixture's readiness probe connects as a trainer does
+    d = Daemon(tmp_path / "d", addr=f"{scheme}://127.0.0.1:{port}", args=security)
+    d.tmp.mkdir()
+    d.start()
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        code = (
+            "import shardstream, sys, time\n"
+            "t = time.monotonic()\n"
+            "try:\n"
+            f"    next(iter(shardstream.Loader({str(root)!r}, batch_size=4, connect={d.addr!r})))\n"
+            "except ConnectionError as e:\n"
+            "    print(round(time.monotonic() - t, 1), e)\n"
+            "    sys.exit(3)\n"
+        )
+        env = {**os.environ, "SHARDSTREAM_TCP_TIMEOUT": "2"}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 3, (r.stdout, r.stderr)
+        waited = float(r.stdout.split()[0])
+        assert waited < 8, r.stdout
     finally:
         d.proc.send_signal(signal.SIGCONT)
         assert d.stop() == 0
