@@ -399,19 +399,19 @@ async fn connect_inner(addr: &Address, creds: &Credentials, silence: Option<Dura
     let connect_err = |source| connect_error(addr, source);
     let auth = Auth(creds.bearer(addr)?);
     let channel = match addr {
-        Address::Tcp(hp) => remote(Endpoint::from_shared(format!("http://{hp}")).map_err(connect_err)?, tcp_timeout()?)
-            .connect()
-            .await
-            .map_err(connect_err)?,
+        Address::Tcp(hp) => {
+            let timeout = tcp_timeout()?;
+            let endpoint = remote(Endpoint::from_shared(format!("http://{hp}")).map_err(connect_err)?, timeout);
+            within(addr, timeout, endpoint.connect()).await?.map_err(connect_err)?
+        }
         Address::Tls(hp) => {
             let host = hp.rsplit_once(':').map_or(hp.as_str(), |(h, _)| h);
             let tls = creds.tls(host)?;
-            remote(Endpoint::from_shared(format!("https://{hp}")).map_err(connect_err)?, tcp_timeout()?)
+            let timeout = tcp_timeout()?;
+            let endpoint = remote(Endpoint::from_shared(format!("https://{hp}")).map_err(connect_err)?, timeout)
                 .tls_config(tls)
-                .map_err(connect_err)?
-                .connect()
-                .await
-                .map_err(connect_err)?
+                .map_err(connect_err)?;
+            within(addr, timeout, endpoint.connect()).await?.map_err(connect_err)?
         }
         Address::Unix(path) => {
             let path = path.clone();
@@ -436,6 +436,20 @@ async fn connect_inner(addr: &Address, creds: &Credentials, silence: Option<Dura
         .max_decoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(shardstream_proto::MAX_MESSAGE_BYTES);
     Ok(Client { rpc, channel: InterceptedService::new(channel, auth), addr: addr.to_string() })
+}
+
+/// `connect`, given up after `timeout`: the endpoint's connect timeout bounds the TCP connect
+/// alone, and a peer that accepts and then says nothing (a frozen daemon, whose kernel still
+/// completes connects from the listen backlog) held the TLS handshake, and with it the trainer,
+/// for good. HTTP/2 pings only watch a connection once it is made.
+async fn within<T>(addr: &Address, timeout: Duration, connect: impl Future<Output = T>) -> Result<T, ClientError> {
+    tokio::time::timeout(timeout, connect).await.map_err(|_| ClientError::NoAnswer {
+        addr: addr.to_string(),
+        detail: format!(
+            "connected, but no TLS handshake or HTTP/2 answer within {} s (SHARDSTREAM_TCP_TIMEOUT)",
+            timeout.as_secs()
+        ),
+    })
 }
 
 /// How long a remote daemon may stay silent before the client gives up on it, unless
