@@ -336,12 +336,15 @@ def test_a_packed_tensor_can_be_written_in_place(daemon, tokens) -> None:
 
 
 def test_ring_slots_out_of_range_are_refused_at_start(tmp_path) -> None:
+    # One credit (or slot) was accepted, and a plain `for b in loader:` then stopped for good after
+    # one batch: the loop variable holds the last batch, and its credit, while the next is asked for.
     for flag in ("--ring-slots", "--shm-credits"):
         cmd = [SHARDSTREAM, "serve", "--listen", f"unix://{tmp_path / 'sock'}", "--cache-dir", str(tmp_path / "c")]
-        r = subprocess.run(
-            [*cmd, flag, "0"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert r.returncode != 0 and f"{flag} must be from 1 to 1024, not 0" in r.stderr, r.stderr
+        for value in ("0", "1"):
+            r = subprocess.run(
+                [*cmd, flag, value],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert r.returncode != 0 and f"{flag} must be from 2 to 1024, not {value}" in r.stderr, r.stderr
