@@ -130,10 +130,12 @@ pub const S3_GET_PART_SIZE: SizeLimit =
     SizeLimit { flag: "--s3-part-size", min: 64 * KIB, max: GIB, why: "bytes per ranged GET" };
 pub const S3_CONCURRENCY: CountLimit = CountLimit { flag: "--s3-concurrency", min: 1, max: 256 };
 pub const S3_MAX_RETRIES: CountLimit = CountLimit { flag: "--s3-max-retries", min: 0, max: 100 };
+/// At least two: a plain `for batch in loader:` still holds the last batch (and its credit or
+/// slot) while it asks for the next, so with one it stops for good after the first batch.
 pub const SHM_CREDITS: CountLimit =
-    CountLimit { flag: "--shm-credits", min: 1, max: crate::transport::shm::MAX_CREDITS as u64 };
+    CountLimit { flag: "--shm-credits", min: 2, max: crate::transport::shm::MAX_CREDITS as u64 };
 pub const RING_SLOTS: CountLimit =
-    CountLimit { flag: "--ring-slots", min: 1, max: crate::transport::shm::MAX_CREDITS as u64 };
+    CountLimit { flag: "--ring-slots", min: 2, max: crate::transport::shm::MAX_CREDITS as u64 };
 pub const MAX_STREAMS: CountLimit = CountLimit { flag: "--max-streams", min: 1, max: 16_384 };
 
 // prefetch
