@@ -221,3 +221,46 @@ def test_views_a_transform_keeps_of_shards_stay_readable_after_their_eviction(da
             assert bytes(view) == samples[key]["jpg"], f"the kept view of {key} changed after eviction"
     finally:
         assert d.stop() == 0
+
+
+def keep_jpg_views(batch: dict[str, Any]) -> tuple[list[str], list[memoryview], np.ndarray]:
+    """A batch_transform that returns the batch's own views, as they are, and a numpy array."""
+    return batch["__key__"], batch["jpg"], np.arange(len(batch["jpg"]))
+
+
+def test_a_batch_transform_s_result_is_yielded_as_it_is(daemon, dataset) -> None:
+    """The README says a batch_transform's result is yielded as is; it went through torch's
+    default_convert, which took each memoryview for a sequence and made it a list of ints (a
+    Python int per byte of every image) and made tuples lists. Memoryviews and tuples now stay as
+    they were; numpy arrays become tensors as a plain DataLoader(batch_size=None) makes them."""
+    root, samples = dataset
+    got = 0
+    for result in loader(str(root), daemon.addr, 0, batch_transform=keep_jpg_views):
+        assert isinstance(result, tuple), type(result)
+        keys, views, numbers = result
+        assert all(isinstance(v, memoryview) for v in views), type(views[0])
+        assert [bytes(v) for v in views] == [samples[k]["jpg"] for k in keys]
+        assert isinstance(numbers, torch.Tensor) and numbers.tolist() == list(range(len(keys)))
+        got += len(keys)
+    assert got == len(samples)
+
+
+def big_tensor(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """A per-sample transform whose batches' tensors go into reused batch memory (over 1 MiB)."""
+    return torch.zeros(300, 300), len(sample["jpg"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_dataloader_after_a_shardstream_one_yields_batches(daemon, dataset, workers: int) -> None:
+    """The README lets a plain torch DataLoader(ds, batch_size=None) iterate the dataset. After a
+    shardstream.torch.DataLoader had, the dataset kept that loader's batch memory, stacked the
+    plain one's batches into it and yielded its internal handles (Pooled) in place of batches."""
+    root, samples = dataset
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr, transform=big_tensor)
+    for _ in sst.DataLoader(ds, num_workers=2):
+        pass
+    rows = 0
+    for images, lengths in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers):
+        assert isinstance(images, torch.Tensor) and images.shape[1:] == (300, 300), type(images)
+        rows += len(lengths)
+    assert rows == len(samples)
