@@ -437,7 +437,8 @@ def test_metadata_linked_inside_the_dataset_is_read_under_an_allow_list(tmp_path
     subprocess.run([SHARDSTREAM, "index", str(mine)], check=True, capture_output=True, timeout=120)
     manifest = json.loads((mine / "manifest.json").read_text())
     manifest["shards"] = manifest["shards"][:1]  # it lists one shard of two: what it serves shows it was read
-    manifest["total_samples"], manifest["total_bytes"] = manifest["shards"][0]["samples"], manifest["shards"][0]["bytes"]
+    first = manifest["shards"][0]
+    manifest["total_samples"], manifest["total_bytes"] = first["samples"], first["bytes"]
     (mine / "_shardstream" / "kept.json").write_text(json.dumps(manifest))
     (mine / "manifest.json").unlink()
     (mine / "manifest.json").symlink_to(mine / "_shardstream" / "kept.json")

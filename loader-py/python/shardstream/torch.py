@@ -31,7 +31,8 @@ the trainer process::
 and the batch's results are combined by ``collate_fn`` (default
 ``torch.utils.data.default_collate``); ``batch_transform`` is called once per batch with the whole
 batch (``"__key__"`` -> list of str, field -> list of memoryviews; with ``format="arrow"`` the
-``pyarrow.RecordBatch``, where ``transform`` is refused) and its result is yielded as is.
+``pyarrow.RecordBatch``, where ``transform`` is refused) and its result is yielded as it is (numpy
+arrays become tensors, as a plain ``DataLoader(batch_size=None)`` makes them).
 Either runs where the batch is read: in each worker, or in the trainer with ``num_workers=0``.
 Nothing a transform returns is ever overwritten. A batch of WebDataset shards returns its lease
 on them as soon as the transform returns (its memoryviews stay readable: the daemon at most
@@ -80,7 +81,7 @@ import multiprocessing
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -383,11 +384,24 @@ def _refuse_batching_again(frame: types.FrameType | None) -> None:
 
 def _convert(data: Any) -> Any:
     """The DataLoader's per-batch conversion (``batch_size=None``): a raw batch, or one stacked into
-    reused memory (already collated), as it is; anything else (a transform's result) through
-    torch's ``default_convert``, which treats a memoryview as a sequence and would turn each field
-    of a zero-copy batch into lists of ints."""
-    if isinstance(data, (Batch, Pooled)):
+    reused memory (already collated), as it is; a transform's result as it is too, but for numpy
+    arrays and scalars, which become tensors as a plain ``DataLoader(batch_size=None)`` makes them
+    (torch's ``default_convert``). Not ``default_convert`` itself: it takes a memoryview for a
+    sequence and made every field of a zero-copy batch a list of ints (a Python int per byte),
+    and tuples lists."""
+    if isinstance(data, (Batch, Pooled, memoryview, torch.Tensor, str, bytes)):
         return data
+    if isinstance(data, Mapping):
+        converted = {k: _convert(v) for k, v in data.items()}
+        try:
+            return type(data)(converted)  # type: ignore[call-arg]  # a Mapping of its own kind
+        except TypeError:
+            return converted
+    if isinstance(data, tuple):
+        items = [_convert(d) for d in data]
+        return type(data)(*items) if hasattr(data, "_fields") else tuple(items)
+    if isinstance(data, list):
+        return [_convert(d) for d in data]
     return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
 
@@ -484,6 +498,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # (non-persistent ones end with this iterator; persistent ones read it again when the
             # next iteration starts). state_dict() still says where this one stood.
             ds.start_batch = 0
+            # This iteration's batch memory is its own (persistent workers keep their copy): a
+            # plain DataLoader iterating the dataset next would stack its batches into it and
+            # yield the handles that only this loader unwraps.
+            if ds._memory is memory:
+                ds._memory = None
 
     def state_dict(self) -> dict[str, Any]:
         """Where the trainer stands: a loader given this state continues after the batches yielded
