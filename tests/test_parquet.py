@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -2599,3 +2600,25 @@ def test_opening_a_local_dataset_through_the_node_cache_reads_footers_not_whole_
         assert not [i for i in served if i >= 1100], "no row of the changed file"
     finally:
         d.stop()
+
+
+def test_copy_true_arrow_batches_are_copies_that_hold_no_ring_slot(daemon, varied) -> None:
+    """`copy=True` copies a batch out of the ring and gives its slot back (the dict form did); with
+    format="arrow" it only sent one batch a message, each RecordBatch still in its slot: keeping
+    them (`list(loader)`) stalled the stream after the ring's 8 slots, for good."""
+    root, rows = varied
+    loader = shardstream.Loader(str(root), batch_size=16, seed=1, connect=daemon.addr, format="arrow", copy=True)
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(list(loader)), daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        loader.close()
+        pytest.fail("list(loader) stalled: the kept record batches held their ring slots")
+    batches = done[0]
+    assert len(batches) == len(loader) > 8
+    ids = [i for rb in batches for i in rb.column("id").to_pylist()]
+    assert sorted(ids) == sorted(rows)
+    for rb in batches:
+        for i, img in zip(rb.column("id").to_pylist(), rb.column("img").to_pylist(), strict=True):
+            assert img == rows[i]["img"]
