@@ -316,7 +316,9 @@ class Loader:
     array made from it are gone. Batches of small rows arrive several to a message and are cut
     from its record batch (``RecordBatch.slice``, sharing its slot until all of them are gone);
     pickling such a slice writes the whole message's buffers, so with ``copy=True`` (for batches
-    that are pickled: ``shardstream.torch``'s workers set it) each batch comes alone.
+    that are pickled: ``shardstream.torch``'s workers set it) each batch comes alone. ``copy=True``
+    copies every batch out of its ring slot (once; Arrow IPC for a record batch) and gives the
+    slot back at once.
     ``collate="stack"`` makes each column one array: 2-D for
     ``fixed_size_list`` columns and for lists or binary values of equal length (see
     ``shardstream._arrow.stack``).
@@ -547,13 +549,16 @@ class Loader:
             # The daemon writes the rows' ids into the batch as its `__row__` column.
             if not self._arrow_reader.has_row:
                 rb = _arrow.with_row_ids(rb, _arrow.row_ids(native))
-            if not cut:
-                return [(parts[0][0], parts[0][1], rb)]
             out: list[tuple[int, int, Any]] = []
             at = 0
             for index, n in parts:
-                out.append((index, n, rb.slice(at, n)))
+                piece = rb.slice(at, n) if cut else rb
+                out.append((index, n, _arrow.copied(piece) if self.copy else piece))
                 at += n
+            if self.copy:
+                # Nothing of the slot is referenced any more: the daemon may reuse it.
+                del rb
+                native.release(at_once=False)
             return out
         rows = _arrow.row_ids(native)
         # Each batch cut from the message returns its share of the message's lease: the slot goes

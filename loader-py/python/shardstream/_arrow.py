@@ -149,6 +149,17 @@ def row_ids(native: _native.Batch) -> np.ndarray[Any, np.dtype[np.uint64]]:
     return np.frombuffer(native.row_id_bytes(), dtype="<u8").astype(np.uint64, copy=False)
 
 
+def copied(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` in memory of this process: its rows' values written once into one buffer (Arrow
+    IPC, which writes only a slice's own rows), and read back over it without another copy."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return pa.ipc.open_stream(sink.getvalue()).read_next_batch()
+
+
 def with_row_ids(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> pa.RecordBatch:
     """``batch`` with a ``__row__`` column of the rows' ids appended (its other columns shared):
     for batches of an older daemon, which did not write that column itself."""
