@@ -26,6 +26,16 @@ def test_missing_dataset(daemon, dataset, tmp_path: Path) -> None:
     assert_still_serves(daemon, dataset)
 
 
+def test_an_unknown_field_is_refused_when_the_loader_is_made(daemon, dataset) -> None:
+    """A typo in `fields` was accepted (len() answered) and refused at the first batch, inside a
+    DataLoader worker of the first epoch; the README promises a ValueError when the Loader is
+    made."""
+    root, _ = dataset
+    with pytest.raises(ValueError, match=r"field 'jpeg' is not in dataset .* \(fields: cls, jpg"):
+        shardstream.Loader(str(root), fields=["jpg", "jpeg"], connect=daemon.addr)
+    assert_still_serves(daemon, dataset)
+
+
 def test_empty_directory(daemon, dataset, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no"):
         shardstream.Loader(str(tmp_path), connect=daemon.addr)
