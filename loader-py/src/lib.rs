@@ -576,5 +576,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add("__version__", shardstream::VERSION)?;
     m.add("DEFAULT_SOCKET", shardstream_proto::DEFAULT_SOCKET)?;
+    m.add("MAX_BATCH_SIZE", shardstream_proto::MAX_BATCH_SIZE)?;
     Ok(())
 }

@@ -22,6 +22,10 @@ pub mod shm;
 /// Protocol version spoken by this build (sent in `OpenRequest.protocol_version`).
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// Largest batch a stream takes (samples). Bigger batches than this are a unit mistake
+/// (samples vs bytes); the Python client refuses them when the Loader is made.
+pub const MAX_BATCH_SIZE: u32 = 1 << 20;
+
 /// Largest gRPC message either side accepts. A batch of 256 samples of 1 MiB each is 256 MiB;
 /// beyond that a client should use smaller batches or the shared-memory transport.
 pub const MAX_MESSAGE_BYTES: usize = 512 << 20;

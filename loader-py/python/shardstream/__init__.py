@@ -396,8 +396,8 @@ class Loader:
         world_size = _checked_int("world_size", world_size, 32)
         shuffle_window = _checked_int("shuffle_window", shuffle_window, 32)
         # The daemon checks the limits; these the Loader's own arithmetic (len()) depends on.
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if not 1 <= batch_size <= _native.MAX_BATCH_SIZE:
+            raise ValueError(f"batch_size must be from 1 to {_native.MAX_BATCH_SIZE}, not {batch_size}")
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, not {world_size}")
         if rank >= world_size:
@@ -432,6 +432,12 @@ class Loader:
                 with contextlib.suppress(ShardstreamError):
                     _native.fabric_warm_up()
         self.info: dict[str, Any] = self._conn.open(self.url, self.cache)
+        # Checked now, not at the first batch (in a DataLoader worker, an epoch later), against
+        # the fields the daemon's open found, as its stream checks them.
+        known = [str(f) for f in self.info.get("fields") or []]
+        unknown = [f for f in self.fields if f not in known]
+        if unknown:
+            raise ValueError(f"field {unknown[0]!r} is not in dataset {self.url} (fields: {', '.join(known)})")
         if _worker == (0, 1):
             _ranks_agree(self.url, str(self.info["fingerprint"]), rank, world_size)
         self.format = format

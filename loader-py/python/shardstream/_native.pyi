@@ -20,11 +20,13 @@ __all__ = [
     "ShardError",
     "__version__",
     "DEFAULT_SOCKET",
+    "MAX_BATCH_SIZE",
     "_panic_for_tests",
 ]
 
 __version__: str
 DEFAULT_SOCKET: str
+MAX_BATCH_SIZE: int
 
 class ShardstreamError(Exception): ...
 

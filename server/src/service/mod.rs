@@ -80,8 +80,7 @@ const PACKED_PIPELINE: usize = 3;
 /// batch is taken per trip, however large.
 const IDS_AHEAD: u64 = 32 * 1024;
 
-/// Largest batch accepted. Bigger batches than this are a unit mistake (samples vs bytes).
-pub const MAX_BATCH_SIZE: u32 = 1 << 20;
+pub use shardstream_proto::MAX_BATCH_SIZE;
 
 /// Most sample ids a stream's plan holds at once (8 bytes each: 256 MiB). Only a shuffle window
 /// about as large as a rank's share of a dataset of tens of millions of samples comes near it.
