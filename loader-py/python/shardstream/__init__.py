@@ -707,7 +707,8 @@ class Loader:
         if state["fingerprint"] != self.info["fingerprint"]:
             raise ValueError(
                 f"state was saved for dataset fingerprint {state['fingerprint']} but {self.url} now has "
-                f"{self.info['fingerprint']}: the shards changed"
+                f"{self.info['fingerprint']}: the shards changed, or a manifest.json was written or removed since "
+                "(`shardstream index` changes the fingerprint of an unchanged dataset)"
             )
         # A state saved after the epoch's last batch resumes at the end of that epoch: iterating
         # it yields nothing, and the next set_epoch() starts the following epoch from its start.

@@ -64,8 +64,9 @@ pub(super) fn plan_stream(
     if !req.expected_fingerprint.is_empty() && req.expected_fingerprint != ds.fingerprint {
         return Err(Error::invalid(format!(
             "dataset {} changed since the loader opened it or saved its resume state (fingerprint {} now, {} \
-             then): every rank of an epoch, and a resume, must stream the same shards; make the loaders (and \
-             checkpoints) anew to use the new shards",
+             then; writing or removing its manifest.json with `shardstream index` changes it too): every rank \
+             of an epoch, and a resume, must stream the same shards; make the loaders (and checkpoints) anew to \
+             use the new shards",
             ds.url, ds.fingerprint, req.expected_fingerprint
         )));
     }
