@@ -448,3 +448,21 @@ def test_metadata_linked_inside_the_dataset_is_read_under_an_allow_list(tmp_path
         assert len(keys) == 10 and set(keys) < set(samples)
     finally:
         assert d.stop() == 0
+
+
+def test_a_refusal_naming_a_long_brace_pattern_is_a_permission_error(dataset, tmp_path: Path) -> None:
+    """A brace pattern of 1,300 shards (9 KB, inside the open's request limit) that the allow list
+    refuses: the URL went into the status message (percent-encoded: `{` and `,` three bytes each)
+    and again into its path metadata, the reply's headers outgrew the client's 16 KiB limit, and
+    the trainer got "no shardstream daemon answered" (h2 protocol error) for a PermissionError."""
+    root, _ = dataset
+    d = own_uid_daemon(tmp_path, tmp_path / "only-this")
+    try:
+        names = ",".join(f"{i:06d}" for i in range(1300))
+        with pytest.raises(PermissionError, match=r"bytes left out"):
+            shardstream.Loader(f"{root}/train-{{{names}}}.tar", batch_size=4, connect=d.addr)
+        # The daemon keeps serving.
+        with pytest.raises(PermissionError):
+            shardstream.Loader(str(root), batch_size=4, connect=d.addr)
+    finally:
+        assert d.stop() == 0
