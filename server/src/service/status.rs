@@ -6,8 +6,19 @@ use tonic::{Code, Status};
 
 use crate::Error;
 
+/// The most of an error's text a status carries. Messages name URLs and paths, and a URL may be
+/// a brace pattern of thousands of names (a 16 KiB request): the status travels in the reply's
+/// headers (`grpc-message`, percent-encoded: up to three bytes a character), and headers beyond
+/// the client's limit (16 KiB in tonic and grpcio) reset the stream, which the trainer then sees as
+/// a daemon that does not answer instead of the error.
+const MAX_MESSAGE_BYTES: usize = 2048;
+
+/// The most a metadata value (a path, a shard) may hold; a longer one is left out (the message
+/// still names it, shortened).
+const MAX_METADATA_BYTES: usize = 1024;
+
 pub fn to_status(e: Error) -> Status {
-    let msg = e.to_string();
+    let msg = bounded(e.to_string());
     match e {
         Error::NotFound { path, .. } => {
             let mut s = Status::new(Code::NotFound, msg);
@@ -49,9 +60,24 @@ pub fn to_status(e: Error) -> Status {
     }
 }
 
+/// `msg`, or its start and end with how much was left out between them when it is over
+/// [`MAX_MESSAGE_BYTES`].
+fn bounded(msg: String) -> String {
+    if msg.len() <= MAX_MESSAGE_BYTES {
+        return msg;
+    }
+    // (str::floor_char_boundary is newer than the minimum Rust this builds with.)
+    let head = (0..=MAX_MESSAGE_BYTES * 3 / 4).rev().find(|&i| msg.is_char_boundary(i)).unwrap_or(0);
+    let tail = (msg.len() - MAX_MESSAGE_BYTES / 8..=msg.len()).find(|&i| msg.is_char_boundary(i)).unwrap_or(msg.len());
+    format!("{} [... {} bytes left out ...] {}", &msg[..head], tail - head, &msg[tail..])
+}
+
 fn insert(s: &mut Status, key: &'static str, value: &str) {
-    // Metadata values must be visible ASCII; paths that are not go without the metadata entry
-    // (the message still names them).
+    // Metadata values must be visible ASCII; paths that are not, or that are too long for the
+    // reply's headers, go without the metadata entry (the message still names them).
+    if value.len() > MAX_METADATA_BYTES {
+        return;
+    }
     if let Ok(v) = value.parse() {
         s.metadata_mut().insert(key, v);
     }
@@ -60,6 +86,23 @@ fn insert(s: &mut Status, key: &'static str, value: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_message_and_path_are_cut_to_fit_the_reply_headers() {
+        let url = format!("/data/train-{{{}}}.tar", (0..1300).map(|i| format!("{i:06}")).collect::<Vec<_>>().join(","));
+        let s = to_status(Error::PermissionDenied { path: url.clone(), reason: "not in the allow list".into() });
+        assert!(s.message().len() <= MAX_MESSAGE_BYTES + 64, "{}", s.message().len());
+        assert!(s.message().starts_with("access denied to /data/train-{000000,"), "{}", s.message());
+        assert!(s.message().ends_with("not in the allow list"), "{}", s.message());
+        assert!(s.message().contains("bytes left out"), "{}", s.message());
+        assert!(s.metadata().get(error_metadata::PATH).is_none());
+        // Short ones stay whole.
+        let s = to_status(Error::PermissionDenied { path: "/d/x".into(), reason: "no".into() });
+        assert_eq!(s.metadata().get(error_metadata::PATH).unwrap(), "/d/x");
+        assert!(!s.message().contains("left out"));
+        // A cut never splits a character.
+        assert!(bounded("é".repeat(3000)).is_char_boundary(0));
+    }
 
     #[test]
     fn local_io_errors_name_the_file_and_errno_and_are_not_unavailable() {
