@@ -72,11 +72,8 @@ pub enum ClientError {
         source: tonic::transport::Error,
     },
     /// Connected, but the first request got no shardstream answer.
-    #[error(
-        "no shardstream daemon answered at {addr} ({detail}): is it a tls:// listener, another \
-         service, or a host that does not answer?"
-    )]
-    NoAnswer { addr: String, detail: String },
+    #[error("no shardstream daemon answered at {addr} ({detail}): {hint}")]
+    NoAnswer { addr: String, detail: String, hint: &'static str },
     /// The daemon's Unix socket does not let this user connect: no retry changes that.
     #[error(
         "permission denied connecting to the shardstream daemon at {addr}: its socket does not let \
@@ -221,7 +218,7 @@ impl Client {
                 Some(chain) => chain,
                 None => s.message().to_owned(),
             };
-            ClientError::NoAnswer { addr: self.addr.clone(), detail }
+            no_answer(&self.addr, detail)
         } else {
             s.into()
         }
@@ -443,13 +440,33 @@ async fn connect_inner(addr: &Address, creds: &Credentials, silence: Option<Dura
 /// completes connects from the listen backlog) held the TLS handshake, and with it the trainer,
 /// for good. HTTP/2 pings only watch a connection once it is made.
 async fn within<T>(addr: &Address, timeout: Duration, connect: impl Future<Output = T>) -> Result<T, ClientError> {
-    tokio::time::timeout(timeout, connect).await.map_err(|_| ClientError::NoAnswer {
-        addr: addr.to_string(),
-        detail: format!(
+    tokio::time::timeout(timeout, connect).await.map_err(|_| {
+        let detail = format!(
             "connected, but no TLS handshake or HTTP/2 answer within {} s (SHARDSTREAM_TCP_TIMEOUT)",
             timeout.as_secs()
-        ),
+        );
+        no_answer(&addr.to_string(), detail)
     })
+}
+
+/// [`ClientError::NoAnswer`] with what to check for this kind of address. A daemon that refuses
+/// a client certificate (none sent, expired, of another CA) does so in a TLS 1.3 alert that
+/// arrives with the first request, often as a broken pipe or a closed connection instead: the
+/// hint names client certificates for every `tls://` address, and says it plainly when the alert
+/// came through.
+fn no_answer(addr: &str, detail: String) -> ClientError {
+    let hint = if !addr.starts_with("tls://") {
+        "is it a tls:// listener, another service, or a host that does not answer?"
+    } else if detail.contains("Certificate") || detail.contains("UnknownCA") {
+        "the daemon refused this client's certificate: it requires one (--tls-client-ca) signed by a CA \
+         it trusts and not expired; this client sends the one SHARDSTREAM_TLS_CLIENT_CERT and \
+         SHARDSTREAM_TLS_CLIENT_KEY name"
+    } else {
+        "is it a shardstream tls:// listener, a host that does not answer, or a daemon that requires a \
+         client certificate (--tls-client-ca) this client does not send or that it refuses \
+         (SHARDSTREAM_TLS_CLIENT_CERT and SHARDSTREAM_TLS_CLIENT_KEY name the one sent)?"
+    };
+    ClientError::NoAnswer { addr: addr.to_owned(), detail, hint }
 }
 
 /// How long a remote daemon may stay silent before the client gives up on it, unless
