@@ -196,3 +196,82 @@ def test_a_shard_rewritten_in_place_at_the_same_size_is_never_read_with_the_old_
     else:
         assert got == [b"22222"], got
     assert values() == [b"22222"]
+
+
+def test_a_manifest_shard_rewritten_after_its_copy_was_made_is_not_served_from_the_copy(tmp_path: Path) -> None:
+    """`cache="copy"` of a dataset with a manifest: a shard rewritten with other bytes of the same
+    length (manifest not rewritten) was served from its old node-cache copy in every later epoch,
+    and after a restart too, where `cache="direct"` refuses the file by its manifest CRC. A copy is
+    its shard only while the source is not newer than it: the same refusal, in this daemon and
+    the next."""
+    import subprocess
+    import tarfile
+
+    from conftest import SHARDSTREAM
+
+    root = tmp_path / "ds"
+    samples = write_dataset(root, n=40, per_shard=20)
+    subprocess.run([SHARDSTREAM, "index", str(root)], check=True, capture_output=True, timeout=120)
+    d = Daemon(tmp_path / "d")
+    d.tmp.mkdir()
+
+    def keys_and_jpgs() -> dict[str, bytes]:
+        loader = shardstream.Loader(str(root), batch_size=8, connect=d.addr, cache="copy")
+        return {k: bytes(v) for b in loader for k, v in zip(b["__key__"], b["jpg"], strict=True)}
+
+    d.start()
+    try:
+        assert keys_and_jpgs() == {k: v["jpg"] for k, v in samples.items()}
+        victim = root / "train-000001.tar"
+        data = bytearray(victim.read_bytes())
+        with tarfile.open(victim) as tf:
+            for m in tf.getmembers():
+                if m.name.endswith(".jpg"):
+                    data[m.offset_data : m.offset_data + m.size] = bytes(
+                        b ^ 0xFF for b in data[m.offset_data : m.offset_data + m.size]
+                    )
+        time.sleep(0.01)  # a newer mtime than the copy's, even on a coarse clock
+        with open(victim, "r+b") as f:
+            f.write(bytes(data))
+        with pytest.raises(shardstream.ShardError, match="train-000001.tar.*does not match manifest.json"):
+            keys_and_jpgs()
+    finally:
+        assert d.stop() == 0
+    d.start()
+    try:
+        with pytest.raises(shardstream.ShardError, match="train-000001.tar.*does not match manifest.json"):
+            keys_and_jpgs()
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_node_cache_copy_damaged_on_disk_is_fetched_again_not_refused_for_good(tmp_path: Path) -> None:
+    """A copy whose TAR headers were damaged on disk after it was verified failed every epoch, on
+    every restart, with "bad header checksum" (the daemon never dropped it, the source was fine).
+    The failing open drops it; the next one copies the shard again."""
+    root = tmp_path / "ds"
+    samples = write_dataset(root, n=40, per_shard=20)
+    d = Daemon(tmp_path / "d")
+    d.tmp.mkdir()
+
+    def keys() -> list[str]:
+        loader = shardstream.Loader(str(root), batch_size=8, connect=d.addr, cache="copy")
+        return [k for b in loader for k in b["__key__"]]
+
+    d.start()
+    try:
+        assert sorted(keys()) == sorted(samples)
+    finally:
+        assert d.stop() == 0
+    copy = next(p for p in (d.cache_dir / "shards").iterdir() if "train-000001" in p.name)
+    damaged = bytearray(copy.read_bytes())
+    damaged[148:156] = b"0000000\0"  # the first header's checksum field
+    copy.write_bytes(bytes(damaged))
+    shutil.rmtree(d.cache_dir / "index", ignore_errors=True)  # no sidecar to stand in for the scan
+    d.start()
+    try:
+        with pytest.raises(shardstream.ShardError):
+            keys()
+        assert sorted(keys()) == sorted(samples)
+    finally:
+        assert d.stop() == 0
