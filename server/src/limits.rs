@@ -269,8 +269,8 @@ mod tests {
             ("--s3-concurrency", "0", "1", "--s3-concurrency must be from 1 to 256, not 0"),
             ("--s3-concurrency", "100000", "256", "not 100000"),
             ("--s3-max-retries", "101", "0", "--s3-max-retries must be from 0 to 100, not 101"),
-            ("--shm-credits", "0", "1024", "--shm-credits must be from 1 to 1024, not 0"),
-            ("--ring-slots", "1025", "2", "--ring-slots must be from 1 to 1024, not 1025"),
+            ("--shm-credits", "1", "1024", "--shm-credits must be from 2 to 1024, not 1"),
+            ("--ring-slots", "1025", "2", "--ring-slots must be from 2 to 1024, not 1025"),
             ("--ring-slots", "x", "2", "--ring-slots must be a whole number"),
             ("--tcp-timeout", "0", "1", "--tcp-timeout must be from 1 to 3600, not 0"),
         ] {
