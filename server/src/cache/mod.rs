@@ -663,6 +663,24 @@ impl NodeCache {
         }
     }
 
+    /// Drops the ready copy `key` (`why` says why, in the warning) so that its next use fetches
+    /// it again: a copy found not to be its shard (a local source rewritten since it was copied,
+    /// a copy damaged on disk). Refused (false) while a stream or a client holds it.
+    pub fn drop_copy(&self, key: &str, why: &str) -> bool {
+        let ev = self.eviction();
+        let dropped = {
+            let mut t = self.lock();
+            let idle = t.get(key).is_some_and(|e| e.state == table::State::Ready && e.pins == 0);
+            idle && !ev.leased(key) && t.remove_ready(key)
+        };
+        if dropped {
+            tracing::warn!(path = %self.path_of(key).display(), "node-cache copy dropped, fetched again at its next use: {why}");
+            self.remove_evicted(&[key.to_owned()]);
+            self.publish_gauges();
+        }
+        dropped
+    }
+
     fn remove_evicted(&self, evicted: &[String]) {
         let ev = if evicted.is_empty() { None } else { Some(self.eviction()) };
         for k in evicted {

@@ -390,6 +390,9 @@ pub struct Dataset {
     /// once, while loads of different shards proceed in parallel.
     load_locks: Vec<Mutex<()>>,
     verified: Vec<AtomicBool>,
+    /// Per shard (`copy` mode, local sources): its node-cache copy, made before this dataset was
+    /// opened, was found newer than its source (or fetched by this dataset).
+    copy_current: Vec<AtomicBool>,
     /// A local shard was found changed (another length or mtime) or gone since the dataset was
     /// listed: the registry lists it again at the next open instead of trusting its directory.
     changed: AtomicBool,
@@ -578,6 +581,7 @@ impl Dataset {
             tables: Mutex::new(TableCache::default()),
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            copy_current: (0..n).map(|_| AtomicBool::new(false)).collect(),
             changed: AtomicBool::new(false),
             unlisted_opens: AtomicU64::new(0),
             source_checked: (0..n).map(|_| AtomicU64::new(0)).collect(),
@@ -649,20 +653,66 @@ impl Dataset {
     /// Refuses the node-cache copy of local shard `i` (at `path`) when its source is no longer
     /// as listed, the first time it is used after an open that listed nothing: one `stat`, where
     /// a shard read in place costs an open and its `fstat`.
-    fn check_copy_source(&self, i: usize, path: &Path, meta: &ShardMeta) -> Result<()> {
+    /// Its `stat` when it took one.
+    fn check_copy_source(&self, i: usize, path: &Path, meta: &ShardMeta) -> Result<Option<std::fs::Metadata>> {
         let opens = self.unlisted_opens.load(Ordering::Acquire);
         if self.source_checked[i].load(Ordering::Acquire) >= opens {
-            return Ok(());
+            return Ok(None);
         }
         crate::metrics::local_stat(1);
         let now = std::fs::metadata(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::NotFound { what: "shard", path: path.display().to_string() },
             _ => Error::io("cannot stat shard", path, e),
         });
-        now.and_then(|now| crate::storage::local::check_listed(path, &now, meta.len, meta.mtime_ns))
+        let now = now
+            .and_then(|now| crate::storage::local::check_listed(path, &now, meta.len, meta.mtime_ns).map(|()| now))
             .map_err(|e| self.changed_if(e))?;
         self.source_checked[i].fetch_max(opens, Ordering::AcqRel);
-        Ok(())
+        Ok(Some(now))
+    }
+
+    fn fetch_now(&self, i: usize) -> Result<Pin> {
+        self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))
+    }
+
+    /// `pin`, the node-cache copy of local shard `i` made before this dataset was opened, or a
+    /// new copy when the source (`path`) was modified after it: a manifest names a shard by its
+    /// length and CRC, which a rewrite need not change in the manifest, so the copy's key stays,
+    /// and the old bytes were served for good where a shard read in place is checked against its
+    /// CRC once (`cache="direct"`). The new copy is checked against the manifest as it is made.
+    /// `stat`: the source's, when the caller just took it.
+    fn current_copy(&self, i: usize, path: &Path, stat: Option<std::fs::Metadata>, pin: Pin) -> Result<Pin> {
+        let source = match stat {
+            Some(m) => m.modified(),
+            None => std::fs::metadata(path).and_then(|m| m.modified()),
+        };
+        let source = source.map_err(|e| self.changed_if(Error::io("cannot stat shard", path, e)))?;
+        let copied = std::fs::metadata(pin.path()).and_then(|m| m.modified());
+        let copied = copied.map_err(|e| Error::io("cannot stat", pin.path(), e))?;
+        if source <= copied {
+            return Ok(pin);
+        }
+        let key = pin.key().to_owned();
+        drop(pin);
+        let why = format!("its source {} was modified after the copy was made", path.display());
+        let dropped = self.backends.cache.as_ref().is_some_and(|c| c.drop_copy(&key, &why));
+        if !dropped {
+            return Err(Error::Shard {
+                shard: path.display().to_string(),
+                offset: None,
+                reason: "was modified after its node-cache copy was made, which another stream still reads; \
+                         open the dataset again once that stream ends"
+                    .into(),
+            });
+        }
+        self.fetch_now(i)
+    }
+
+    fn drop_bad_copy(&self, pin: Option<Pin>, e: Error) -> Error {
+        match (pin, &self.backends.cache) {
+            (Some(pin), Some(cache)) => dropping_bad_copy(cache, pin, e),
+            _ => e,
+        }
     }
 
     /// A stream of this dataset failed with `e` (every stream kind ends through here). For an S3
@@ -739,21 +789,51 @@ impl Dataset {
                 (file, None)
             }
             (source, _) => {
+                let stat = match source {
+                    ShardSource::Local(path) => self.check_copy_source(i, path, meta)?,
+                    ShardSource::S3 { .. } => None,
+                };
+                let mut pin = self.fetch_now(i)?;
                 if let ShardSource::Local(path) = source {
-                    self.check_copy_source(i, path, meta)?;
+                    // Once for this dataset, and again after each open that trusted its listing.
+                    if !pin.filled && (stat.is_some() || !self.copy_current[i].load(Ordering::Acquire)) {
+                        pin = self.current_copy(i, path, stat, pin)?;
+                    }
+                    self.copy_current[i].store(true, Ordering::Release);
                 }
-                let pin = self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                 (ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?, Some(pin))
             }
         };
         let fetched = pin.as_ref().is_some_and(|p| p.filled);
+        let table = match self.checked_table(i, meta, &file, pin.as_ref()) {
+            Ok(t) => t,
+            Err(e) => return Err(self.drop_bad_copy(pin, e)),
+        };
+        let resident = Arc::new(ResidentShard { file, table, pin, mapped: std::sync::OnceLock::new() });
+        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        if t.open.len() > 2 * MAX_RESIDENT_TABLES {
+            t.open.retain(|_, w| w.strong_count() > 0);
+        }
+        t.open.insert(i, Arc::downgrade(&resident));
+        Ok((resident, fetched))
+    }
+
+    /// Shard `i`'s member table (resident, or loaded from a sidecar or a scan of `file`), checked
+    /// against the footer its copy ends in and against the manifest.
+    fn checked_table(
+        &self,
+        i: usize,
+        meta: &ShardMeta,
+        file: &ShardFile,
+        pin: Option<&Pin>,
+    ) -> Result<Arc<ShardTable>> {
         let table = match self.table(i) {
             Some(t) => t,
             None => {
                 // A node-cache copy is scanned through a mapping (dropped before `pin`); a shard
                 // read in place is not the daemon's to map (see `cached_bytes`).
-                let scan = pin.as_ref().and_then(|_| map_pinned(&file, false));
-                let t = Arc::new(load_table(self.format, meta, &file, scan.as_deref(), self.sidecar_cache.as_deref())?);
+                let scan = pin.and_then(|_| map_pinned(file, false));
+                let t = Arc::new(load_table(self.format, meta, file, scan.as_deref(), self.sidecar_cache.as_deref())?);
                 self.insert_table(i, t.clone());
                 t
             }
@@ -761,8 +841,8 @@ impl Dataset {
         // A Parquet dataset's tables come from footers read before any copy was made (S3 tails,
         // local files): a copy decoded with one must end in that footer, or its chunk offsets
         // point at other bytes (the file changed in between).
-        if let (Some(_), ShardTable::Parquet(t)) = (&pin, table.as_ref()) {
-            verify_copy_footer(&file, meta, t.footer_crc32c())?;
+        if let (Some(_), ShardTable::Parquet(t)) = (pin, table.as_ref()) {
+            verify_copy_footer(file, meta, t.footer_crc32c())?;
         }
         // The file's footer was checked above (or as its copy was cached); the table the rows are
         // decoded with came from a sidecar or an earlier read: it must be that same footer.
@@ -783,13 +863,7 @@ impl Dataset {
                 reason: format!("holds {} samples but manifest.json says {}", table.num_samples(), meta.samples),
             });
         }
-        let resident = Arc::new(ResidentShard { file, table, pin, mapped: std::sync::OnceLock::new() });
-        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
-        if t.open.len() > 2 * MAX_RESIDENT_TABLES {
-            t.open.retain(|_, w| w.strong_count() > 0);
-        }
-        t.open.insert(i, Arc::downgrade(&resident));
-        Ok((resident, fetched))
+        Ok(table)
     }
 
     /// Node-cache key of the compact copy of Parquet file `i`'s column chunks for projection
@@ -1048,6 +1122,18 @@ impl Dataset {
             }
         }
     }
+}
+
+/// `e`, an error reading shard copy `pin` as its shard (its headers, its footer, its sample
+/// count): a shard error drops the copy, so that the next use fetches it again rather than failing
+/// on the same bytes for good (a copy damaged on disk after it was verified and published).
+fn dropping_bad_copy(cache: &NodeCache, pin: Pin, e: Error) -> Error {
+    if matches!(e, Error::Shard { .. }) {
+        let key = pin.key().to_owned();
+        drop(pin);
+        cache.drop_copy(&key, &format!("reading it failed: {e}"));
+    }
+    e
 }
 
 /// Fetches one shard into the node cache with its verification.

@@ -218,9 +218,11 @@ fn scan_one(
                     let pin = fetch_into(node, backends, meta, key, Want::NOW)?
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                     let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
-                    // Dropped before `pin` (declared after it), which keeps the copy immutable.
+                    // Dropped before `pin`, which keeps the copy immutable while it is mapped.
                     let mapped = map_pinned(&file, false);
-                    load_table(format, meta, &file, mapped.as_deref(), cache)?
+                    let table = load_table(format, meta, &file, mapped.as_deref(), cache);
+                    drop(mapped);
+                    table.map_err(|e| super::dropping_bad_copy(node, pin, e))?
                 }
             };
             let content = digest(&table, None)?;
