@@ -16,7 +16,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers the `two_ho
 from tlsutil import TOKEN_A, TOKEN_B, WRONG
 
 import shardstream
-from conftest import SHARDSTREAM, write_dataset
+from conftest import SHARDSTREAM, Daemon, wait_for, write_dataset
 
 pytestmark = pytest.mark.skipif(tlsutil.available() is not None, reason=str(tlsutil.available()))
 
@@ -284,6 +286,83 @@ def test_mutual_tls_without_tokens(two_hosts: Hosts, tmp_path: Path, pki: Path, 
         assert not refused["ok"] and refused["type"] in ("ConnectionError", "PermissionError"), refused
     finally:
         d.stop()
+
+
+# `--tcp-timeout` of the idle-connection tests: short, so they take seconds.
+IDLE_TIMEOUT = 2
+
+
+def _closed_after(sock: socket.socket, limit: float) -> float | None:
+    """Seconds until the daemon closes `sock` (end of stream or a reset), reading and dropping
+    whatever it sends first (a plaintext HTTP/2 server sends its SETTINGS unasked); None if the
+    socket is still open after `limit` seconds."""
+    started = time.monotonic()
+    while (left := started + limit - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(4096):
+                break
+        except ConnectionResetError:
+            break
+        except TimeoutError:
+            return None
+    else:
+        return None
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "insecure"])
+def test_a_connection_that_never_speaks_is_closed(tmp_path: Path, pki: Path, datasets, tls: bool) -> None:
+    """A TCP connection that never starts TLS (or, in plaintext, never sends the HTTP/2 preface)
+    was kept open for good: 400 of them from a client with no credentials exhausted the daemon's
+    open-file limit. Now it gets --tcp-timeout from its accept, and real clients are served
+    meanwhile."""
+    a, _, samples = datasets
+    security = tls_args(pki) if tls else ["--insecure"]
+    args = [*security, "--tcp-timeout", str(IDLE_TIMEOUT)]
+    d = Remote(Hosts(), tmp_path, args, ip="127.0.0.1", scheme="tls" if tls else "tcp").wait()
+    idle: list[socket.socket] = []
+    try:
+        # Serving, not only bound: a connection's deadline starts when the daemon accepts it.
+        assert wait_for(lambda: "serving" in d.log.read_text(), timeout=30), d.log.read_text()
+        idle = [socket.create_connection(("127.0.0.1", d.port)) for _ in range(8)]
+        with ThreadPoolExecutor(len(idle)) as pool:
+            closing = [pool.submit(_closed_after, s, 4 * IDLE_TIMEOUT) for s in idle]
+            got = trainer(Hosts(), str(a), d.addr, **(creds(pki) if tls else {}))
+            took = [c.result() for c in closing]
+        assert got["ok"] and sorted(got["keys"]) == sorted(samples), got
+        assert all(t is not None and IDLE_TIMEOUT / 2 <= t <= 2 * IDLE_TIMEOUT for t in took), took
+    finally:
+        for s in idle:
+            s.close()
+        log = d.stop()
+    assert any("WARN" in line and "127.0.0.1:" in line for line in log.splitlines()), log
+
+
+def test_a_refused_client_certificate_is_logged(tmp_path: Path, pki: Path, datasets, monkeypatch) -> None:
+    """A mutual-TLS daemon refusing a client without a certificate logged nothing at its default
+    level (tonic logs handshake failures at debug): neither side named the certificate problem."""
+    a, _, _ = datasets
+    # The test's own connections (the fixture's start-up probe) present the trainer certificate.
+    monkeypatch.delenv("SHARDSTREAM_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("SHARDSTREAM_TLS_CA", str(pki / "ca.pem"))
+    monkeypatch.setenv("SHARDSTREAM_TLS_CLIENT_CERT", str(pki / "trainer.pem"))
+    monkeypatch.setenv("SHARDSTREAM_TLS_CLIENT_KEY", str(pki / "trainer.key"))
+    log = tmp_path / "daemon.log"
+    args = ["--tls-cert", str(pki / "daemon.pem"), "--tls-key", str(pki / "daemon.key"),
+            "--tls-client-ca", str(pki / "ca.pem")]  # fmt: skip
+    d = Daemon(tmp_path, args=args, addr=f"tls://127.0.0.1:{free_port()}", log=log).start()
+    try:
+        refused = trainer(Hosts(), str(a), d.addr, **creds(pki, token=None))
+        assert not refused["ok"] and refused["type"] in ("ConnectionError", "PermissionError"), refused
+        # The trainer's side names it too (it read "is it a tls:// listener, another service...").
+        assert "client certificate" in refused["msg"] and "SHARDSTREAM_TLS_CLIENT_CERT" in refused["msg"], refused
+    finally:
+        d.stop()
+    # e.g. "WARN ... TLS handshake failed: connection closed peer=127.0.0.1:PORT error=peer sent no certificates"
+    text = log.read_text()
+    words = ("WARN", "TLS handshake", "127.0.0.1:", "certificate")
+    assert any(all(w in line for w in words) for line in text.splitlines()), text
 
 
 # One rank on the trainer's host: a torch DataLoader with 2 workers, each worker its own TLS
