@@ -8,7 +8,9 @@
 //!
 //! A TCP listener (`tcp://` or `tls://`) must be secured as [`crate::remote`] says: TLS with
 //! tokens or client certificates, or plaintext on loopback with `--insecure`; `bind` refuses
-//! anything else. Requests are bounded per RPC ([`crate::limits::request_limit`]).
+//! anything else. Its connections are accepted, and TLS handshakes done, by [`crate::tcp_accept`]
+//! (each with `--tcp-timeout` to start speaking HTTP/2). Requests are bounded per RPC
+//! ([`crate::limits::request_limit`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use shardstream_client::Address;
 use shardstream_proto::shardstream_server::ShardstreamServer;
 use tokio::net::{TcpListener, UnixListener};
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::index::Registry;
@@ -90,20 +92,6 @@ impl DaemonConfig {
             max_streams: crate::service::DEFAULT_MAX_STREAMS,
         }
     }
-}
-
-/// Accepted TCP connections with Nagle's algorithm off. `serve_with_incoming` takes the sockets as
-/// they are (tonic's own `tcp_nodelay` applies only to listeners it binds), and with Nagle on the
-/// tail of every batch message waits for the client's ACK of the data before it.
-fn nodelay(
-    incoming: TcpListenerStream,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
-    use tokio_stream::StreamExt;
-    incoming.map(|conn| {
-        let conn = conn?;
-        conn.set_nodelay(true)?;
-        Ok(conn)
-    })
 }
 
 enum Listener {
@@ -284,9 +272,6 @@ impl BoundDaemon {
                 .http2_keepalive_interval(Some(self.config.remote.tcp_timeout))
                 .http2_keepalive_timeout(Some(self.config.remote.tcp_timeout));
         }
-        if let Some(tls) = self.security.tls.clone() {
-            builder = builder.tls_config(tls).map_err(|e| Error::invalid(format!("TLS set-up failed: {e}")))?;
-        }
         let router = builder
             .initial_stream_window_size(shardstream_client::STREAM_WINDOW)
             .initial_connection_window_size(shardstream_client::CONNECTION_WINDOW)
@@ -309,12 +294,24 @@ impl BoundDaemon {
             shutdown.cancelled().await;
             tokio::time::sleep(drain).await;
         };
-        let (serve, socket): (std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>, _) = match self.listener {
+        type Serving = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>>;
+        let (serve, socket): (Serving, _) = match self.listener {
             Listener::Unix(l, path) => {
                 (Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), signal)), Some(path))
             }
+            // TCP connections are accepted, and TLS ones' handshakes done, by tcp_accept: each with
+            // --tcp-timeout to start speaking HTTP/2 (tonic's own TLS accept waits forever).
             Listener::Tcp(l) => {
-                (Box::pin(router.serve_with_incoming_shutdown(nodelay(TcpListenerStream::new(l)), signal)), None)
+                let timeout = self.config.remote.tcp_timeout;
+                let serve: Serving = match self.security.tls.clone() {
+                    Some(tls) => {
+                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::tls(l, tls, timeout), signal))
+                    }
+                    None => {
+                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::plaintext(l, timeout), signal))
+                    }
+                };
+                (serve, None)
             }
         };
         unbind.0 = None;

@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use subtle::ConstantTimeEq;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+use tokio_rustls::rustls::{self, RootCertStore, ServerConfig, crypto::CryptoProvider};
 
 use crate::{Error, Result};
 
@@ -44,8 +45,9 @@ pub struct RemoteOptions {
 /// Checked settings of a TCP listener.
 #[derive(Clone, Default)]
 pub struct RemoteSecurity {
-    /// TLS for the listener; `None` only with `--insecure` on loopback.
-    pub tls: Option<ServerTlsConfig>,
+    /// TLS for the listener (the daemon does the handshake itself, [`crate::tcp_accept`]); `None`
+    /// only with `--insecure` on loopback.
+    pub tls: Option<Arc<ServerConfig>>,
     /// Known tokens; `None`: no token is asked for (mutual TLS, or `--insecure` without a file).
     pub tokens: Option<Arc<Tokens>>,
     /// Client certificates are required (and verified against the client CA).
@@ -91,20 +93,25 @@ impl RemoteOptions {
         let tokens = self.token_file.as_deref().map(Tokens::load).transpose()?.map(Arc::new);
         match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => {
-                let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
-                if let Some(ca) = &self.tls_client_ca {
-                    tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
-                }
-                if tokens.is_none() && self.tls_client_ca.is_none() {
+                let (cert_pem, key_pem) = (read(cert)?, read(key)?);
+                let ca_pem = self.tls_client_ca.as_deref().map(read).transpose()?;
+                if tokens.is_none() && ca_pem.is_none() {
                     return Err(bad("TLS alone does not say who may connect: give --tokens (bearer \
                                     tokens) or --tls-client-ca (client certificates), or both"
                         .into()));
                 }
-                // Parse the PEM now, so a bad certificate or key stops the daemon at start.
-                tonic::transport::Server::builder().tls_config(tls.clone()).map_err(|e| {
+                // Parsed now, so a bad certificate, key or CA stops the daemon at start.
+                let verifier = match (&self.tls_client_ca, &ca_pem) {
+                    (Some(ca), Some(pem)) => Some(
+                        client_verifier(pem)
+                            .map_err(|e| bad(format!("bad client CA certificate ({}): {e}", ca.display())))?,
+                    ),
+                    _ => None,
+                };
+                let tls = server_config(&cert_pem, &key_pem, verifier).map_err(|e| {
                     bad(format!("bad TLS certificate or key ({}, {}): {e}", cert.display(), key.display()))
                 })?;
-                Ok(RemoteSecurity { tls: Some(tls), tokens, mutual_tls: self.tls_client_ca.is_some() })
+                Ok(RemoteSecurity { tls: Some(Arc::new(tls)), tokens, mutual_tls: ca_pem.is_some() })
             }
             (Some(_), None) | (None, Some(_)) => Err(bad("--tls-cert and --tls-key go together".into())),
             (None, None) => {
@@ -125,6 +132,56 @@ impl RemoteOptions {
             }
         }
     }
+}
+
+/// The crypto provider tonic's own TLS set-up would use: the process default if something installed
+/// one, else ring (the only provider built in: tonic's `tls-ring`, and deny.toml bans aws-lc).
+fn provider() -> Arc<CryptoProvider> {
+    CryptoProvider::get_default().cloned().unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()))
+}
+
+/// Client certificates required and verified against the CAs in `ca_pem` (`--tls-client-ca`), as
+/// tonic 0.14's `ServerTlsConfig::client_ca_root` without `client_auth_optional` did: a client
+/// without a certificate is refused in the handshake. Unparsable certificates in the file are
+/// skipped, as tonic did; a file with none is an error.
+fn client_verifier(ca_pem: &[u8]) -> std::result::Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, String> {
+    let certs = CertificateDer::pem_slice_iter(ca_pem)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let mut roots = RootCertStore::empty();
+    roots.add_parsable_certificates(certs);
+    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+/// The TLS configuration of a TCP listener, the one tonic 0.14 built from a `ServerTlsConfig` with
+/// this identity (its `TlsAcceptor::new`): the default protocol versions (TLS 1.2 and 1.3), the
+/// certificate chain and key, ALPN `h2`, and client certificates as `client_verifier` says (none
+/// asked without a client CA). Built here because the daemon does the TLS accept itself
+/// ([`crate::tcp_accept`]), with a deadline tonic's accept lacks.
+fn server_config(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    client_verifier: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+) -> std::result::Result<ServerConfig, String> {
+    let chain = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| format!("certificate: {e}"))?;
+    if chain.is_empty() {
+        return Err("no certificate (PEM \"BEGIN CERTIFICATE\") in the certificate file".into());
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("private key: {e}"))?;
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?;
+    let builder = match client_verifier {
+        Some(v) => builder.with_client_cert_verifier(v),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(chain, key).map_err(|e| e.to_string())?;
+    config.alpn_protocols.push(b"h2".to_vec());
+    Ok(config)
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {
@@ -346,6 +403,26 @@ mod tests {
         assert!(e.contains("/nonexistent/cert.pem"), "{e}");
         let o = RemoteOptions { token_file: Some("/nonexistent/tokens".into()), insecure: true, ..Default::default() };
         assert!(o.check("127.0.0.1:1").unwrap_err().to_string().contains("/nonexistent/tokens"));
+    }
+
+    #[test]
+    fn files_without_pem_are_refused_at_start_naming_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let junk = dir.path().join("junk.pem");
+        std::fs::write(&junk, "not PEM\n").unwrap();
+        let tokens = dir.path().join("tokens");
+        std::fs::write(&tokens, format!("trainer-a:{SECRET}\n")).unwrap();
+        let tls = RemoteOptions {
+            tls_cert: Some(junk.clone()),
+            tls_key: Some(junk.clone()),
+            token_file: Some(tokens),
+            ..Default::default()
+        };
+        let e = tls.check("0.0.0.0:1").unwrap_err().to_string();
+        assert!(e.contains("bad TLS certificate or key") && e.contains("junk.pem"), "{e}");
+        let mutual = RemoteOptions { tls_client_ca: Some(junk.clone()), ..tls };
+        let e = mutual.check("0.0.0.0:1").unwrap_err().to_string();
+        assert!(e.contains("bad client CA certificate (") && e.contains("junk.pem"), "{e}");
     }
 
     fn request(auth: Option<&str>) -> tonic::Request<()> {

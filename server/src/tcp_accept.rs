@@ -1,0 +1,514 @@
+//! Accepting a TCP listener's connections for the gRPC server: each gets `--tcp-timeout` from its
+//! accept to finish the TLS handshake and send the HTTP/2 preface, or it is closed.
+//!
+//! Why the daemon does this and not tonic (0.14): tonic's `Server::tls_config` runs the TLS accept
+//! with no deadline, and hyper's HTTP/2 server waits for a client's preface forever, so a
+//! connection that never says anything (no ClientHello; on an `--insecure` listener, no preface)
+//! was held for good. A few hundred of them, from a peer with no credentials at all, used up the
+//! daemon's open-file limit, and real clients then failed or hung. Worse, once the limit was
+//! reached, tonic's accept loop retried at once without end (a core spinning) and said so at
+//! trace level only; and it logged a refused handshake (an expired client certificate, none at
+//! all for a `--tls-client-ca` daemon) at debug level: at the daemon's level, nothing.
+//!
+//! So here, for plaintext and TLS alike:
+//! - every connection has one deadline, its accept plus `--tcp-timeout`, by which its TLS
+//!   handshake must be done ([`tls`]: each in a task of its own, so a slow one delays no other)
+//!   and its first 24 bytes, the HTTP/2 client preface, read ([`PrefaceDeadline`]). From then on
+//!   HTTP/2 keepalive (set in [`crate::daemon`]) watches it;
+//! - at most [`MAX_HANDSHAKING`] connections may be in that phase at once: more are closed at
+//!   once;
+//! - an accept error pauses accepting for [`ACCEPT_PAUSE`] instead of retrying at once;
+//! - each of these, and every failed or timed-out TLS handshake, is logged as a warning at most
+//!   once every [`WARN_EVERY`] per kind, with the count left out: a peer makes
+//!   them as fast as it opens connections.
+//!
+//! The TLS configuration is the one tonic built ([`crate::remote`]), and the streams handed to
+//! tonic are `tokio_rustls::server::TlsStream<TcpStream>` (inside [`PrefaceDeadline`], which passes
+//! their connection info on), so `Request::peer_certs` and `remote_addr` work as before.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::{Instant, Sleep};
+use tokio_rustls::rustls::ServerConfig;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::Connected;
+
+/// Connections at most between their accept and their HTTP/2 preface (TLS handshake included);
+/// more are closed as soon as they are accepted. Far above what real clients need (a trainer
+/// opens a few connections per worker, and each leaves this phase within a round trip or two),
+/// and far below a daemon's open-file limit (raised to the hard one, see [`crate::nofile`]): a
+/// flood of idle connections is refused before it can take the descriptors the daemon's streams
+/// need. Each is closed by its deadline anyway; this bounds how many the flood holds meanwhile.
+pub const MAX_HANDSHAKING: usize = 1024;
+
+/// The HTTP/2 client preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`): what a client must send first.
+const PREFACE_LEN: usize = 24;
+
+/// How long accepting pauses after an accept error that is not one connection's own: out of
+/// descriptors, retrying at once would only spin a core until some are closed.
+pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// At most one warning of each kind in this long.
+pub const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Connections ready but not yet taken by the server (it takes them as fast as they come; while
+/// it does not, accepting waits, and new connections wait in the kernel's backlog).
+const READY_QUEUE: usize = 64;
+
+/// The connections of a listener, ready for `serve_with_incoming`. Never yields an error: each is
+/// dealt with here (tonic ends serving on an accept error it does not know as transient).
+pub type Incoming<IO> = ReceiverStream<io::Result<PrefaceDeadline<IO>>>;
+
+/// A plaintext (`--insecure`) listener's connections, handed over as soon as they are accepted
+/// (so none waits for another); [`PrefaceDeadline`] bounds their wait for the preface.
+pub fn plaintext(listener: TcpListener, timeout: Duration) -> Incoming<TcpStream> {
+    start(listener, timeout, MAX_HANDSHAKING, |stream| std::future::ready(Ok(stream)))
+}
+
+/// A TLS listener's connections, each handed over once its handshake with `config` is done.
+pub fn tls(listener: TcpListener, config: Arc<ServerConfig>, timeout: Duration) -> Incoming<TlsStream<TcpStream>> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    start(listener, timeout, MAX_HANDSHAKING, move |stream| acceptor.accept(stream))
+}
+
+/// Spawns the accept loop; `handshake` is what a connection goes through before it is served
+/// (only a TLS one can fail or take time).
+fn start<IO, F, Fut>(listener: TcpListener, timeout: Duration, max: usize, handshake: F) -> Incoming<IO>
+where
+    IO: Send + 'static,
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = io::Result<IO>> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(READY_QUEUE);
+    let shared = Arc::new(Shared {
+        timeout,
+        max,
+        handshaking: AtomicUsize::new(0),
+        handshake_failed_warn: Throttle::default(),
+        handshake_timeout_warn: Throttle::default(),
+        preface_warn: Throttle::default(),
+    });
+    tokio::spawn(accept_loop(listener, shared, handshake, tx));
+    ReceiverStream::new(rx)
+}
+
+/// What the accept loop, its handshake tasks and the connections' deadlines share.
+struct Shared {
+    timeout: Duration,
+    /// [`MAX_HANDSHAKING`] (smaller in tests).
+    max: usize,
+    /// Connections accepted whose preface has not been read yet (see [`Handshaking`]).
+    handshaking: AtomicUsize,
+    /// Apart from the timeouts: a flood of idle connections must not hide a refused certificate.
+    handshake_failed_warn: Throttle,
+    handshake_timeout_warn: Throttle,
+    preface_warn: Throttle,
+}
+
+impl Shared {
+    /// Counts one more connection in its handshake, unless `max` already are.
+    fn enter(self: &Arc<Self>) -> Option<Handshaking> {
+        // Only the accept loop adds, so the load and the add cannot race past `max`.
+        if self.handshaking.load(Ordering::Relaxed) >= self.max {
+            return None;
+        }
+        self.handshaking.fetch_add(1, Ordering::Relaxed);
+        Some(Handshaking(self.clone()))
+    }
+}
+
+/// One connection counted in [`Shared::handshaking`], until its preface is read or it is closed.
+struct Handshaking(Arc<Shared>);
+
+impl Drop for Handshaking {
+    fn drop(&mut self) {
+        self.0.handshaking.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// `tracing::warn!` when `$throttle` lets it through, with `suppressed`: how many it left out since
+/// the last (absent when none).
+macro_rules! throttled_warn {
+    ($throttle:expr, $($arg:tt)+) => {
+        if let Some(suppressed) = $throttle.admit() {
+            let suppressed = (suppressed > 0).then_some(suppressed);
+            tracing::warn!(suppressed, $($arg)+);
+        }
+    };
+}
+
+async fn accept_loop<IO, F, Fut>(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    handshake: F,
+    tx: mpsc::Sender<io::Result<PrefaceDeadline<IO>>>,
+) where
+    IO: Send + 'static,
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = io::Result<IO>> + Send + 'static,
+{
+    // Dropped with the loop: handshakes still running end with it.
+    let mut handshakes = JoinSet::new();
+    let (accept_warn, full_warn) = (Throttle::default(), Throttle::default());
+    loop {
+        let accepted = tokio::select! {
+            // The server stopped taking connections (shutdown): returning closes the listener,
+            // so new clients are refused instead of left waiting in the backlog.
+            () = tx.closed() => return,
+            Some(_) = handshakes.join_next(), if !handshakes.is_empty() => continue,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                let failure = AcceptFailure::of(&e);
+                match failure {
+                    AcceptFailure::Connection => {
+                        tracing::debug!(error = %e, "a connection failed before it was accepted")
+                    }
+                    AcceptFailure::OutOfFiles => throttled_warn!(
+                        accept_warn,
+                        error = %e,
+                        "cannot accept connections: the daemon's open-file limit is reached; retrying every {} ms \
+                         (raise its limit: LimitNOFILE in its systemd unit, `ulimit -n`)",
+                        ACCEPT_PAUSE.as_millis()
+                    ),
+                    AcceptFailure::Other => throttled_warn!(
+                        accept_warn,
+                        error = %e,
+                        "cannot accept connections; retrying every {} ms",
+                        ACCEPT_PAUSE.as_millis()
+                    ),
+                }
+                if failure != AcceptFailure::Connection {
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                }
+                continue;
+            }
+        };
+        // Nagle off: `serve_with_incoming` takes the sockets as they are (tonic's `tcp_nodelay`
+        // applies only to listeners it binds), and with Nagle on the tail of every batch message
+        // waits for the client's ACK of the data before it.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "connection gone as it was accepted");
+            continue;
+        }
+        let Some(counted) = shared.enter() else {
+            throttled_warn!(
+                full_warn,
+                %peer,
+                "{} connections are already waiting for their TLS handshake or HTTP/2 preface: closing new \
+                 ones at once until fewer are (idle connections from some peer?)",
+                shared.max
+            );
+            continue;
+        };
+        let deadline = Instant::now() + shared.timeout;
+        let handshake = handshake(stream);
+        let tx = tx.clone();
+        handshakes.spawn(async move {
+            let shared = counted.0.clone();
+            match tokio::time::timeout_at(deadline, handshake).await {
+                Ok(Ok(io)) => {
+                    // Fails only when the server has stopped taking connections: this one closes.
+                    let _ = tx.send(Ok(PrefaceDeadline::new(io, deadline, peer, counted))).await;
+                }
+                // The peer left mid-handshake: a TCP health check connects and closes, which is
+                // no failure worth a warning.
+                Ok(Err(e)) if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake: the peer closed the connection");
+                }
+                Ok(Err(e)) => throttled_warn!(
+                    shared.handshake_failed_warn,
+                    %peer,
+                    error = %e,
+                    "TLS handshake failed: connection closed"
+                ),
+                Err(_) => throttled_warn!(
+                    shared.handshake_timeout_warn,
+                    %peer,
+                    "TLS handshake not done {} s after connecting (--tcp-timeout): connection closed",
+                    shared.timeout.as_secs_f64()
+                ),
+            }
+        });
+    }
+}
+
+/// Kinds of accept errors, by what the loop does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AcceptFailure {
+    /// One connection's own (reset before it was accepted, or a network error accept(2) passes
+    /// on, which its man page says to treat like EAGAIN): accept the next at once, quietly.
+    Connection,
+    /// Out of descriptors (EMFILE for the process, ENFILE for the system): warn and pause.
+    OutOfFiles,
+    /// Anything else (out of socket buffers or memory, ...): warn and pause; never stop serving.
+    Other,
+}
+
+impl AcceptFailure {
+    fn of(e: &io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(libc::EMFILE | libc::ENFILE) => Self::OutOfFiles,
+            Some(
+                libc::ECONNABORTED
+                | libc::ECONNRESET
+                | libc::EINTR
+                | libc::EAGAIN
+                | libc::ETIMEDOUT
+                | libc::EPROTO
+                | libc::EPERM
+                | libc::ENETDOWN
+                | libc::ENOPROTOOPT
+                | libc::EHOSTDOWN
+                | libc::ENONET
+                | libc::EHOSTUNREACH
+                | libc::EOPNOTSUPP
+                | libc::ENETUNREACH,
+            ) => Self::Connection,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// Lets a kind of warning through at most once every [`WARN_EVERY`], counting those it holds back.
+#[derive(Default)]
+struct Throttle(Mutex<ThrottleState>);
+
+#[derive(Default)]
+struct ThrottleState {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl Throttle {
+    /// `Some(n)`: log this one (n were held back since the last); `None`: hold it back.
+    fn admit(&self) -> Option<u64> {
+        // A panic elsewhere cannot leave the state inconsistent: two plain fields.
+        let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        if state.last.is_some_and(|last| now.duration_since(last) < WARN_EVERY) {
+            state.suppressed += 1;
+            return None;
+        }
+        state.last = Some(now);
+        Some(std::mem::take(&mut state.suppressed))
+    }
+}
+
+/// A connection whose reads fail with `TimedOut` once its deadline passes before the first
+/// 24 bytes (the HTTP/2 client preface) were read; after them, it is `IO` as it is.
+/// hyper then ends the connection, which closes it. Its connection info is `IO`'s, so tonic puts
+/// the same request extensions in (`TlsConnectInfo<TcpConnectInfo>` for TLS: the peer's
+/// certificates and address).
+pub struct PrefaceDeadline<IO> {
+    inner: IO,
+    /// `None` once the preface is read.
+    waiting: Option<Waiting>,
+}
+
+struct Waiting {
+    deadline: Pin<Box<Sleep>>,
+    read: usize,
+    peer: SocketAddr,
+    /// Released with the preface (or the connection).
+    counted: Handshaking,
+}
+
+impl<IO> PrefaceDeadline<IO> {
+    fn new(inner: IO, deadline: Instant, peer: SocketAddr, counted: Handshaking) -> Self {
+        let deadline = Box::pin(tokio::time::sleep_until(deadline));
+        Self { inner, waiting: Some(Waiting { deadline, read: 0, peer, counted }) }
+    }
+}
+
+impl<IO: Connected> Connected for PrefaceDeadline<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        let Some(waiting) = &mut this.waiting else { return polled };
+        match polled {
+            Poll::Ready(Ok(())) => {
+                waiting.read += buf.filled().len() - before;
+                if waiting.read >= PREFACE_LEN {
+                    this.waiting = None;
+                }
+                Poll::Ready(Ok(()))
+            }
+            // Bytes that came are taken even at the deadline; only a wait past it fails.
+            Poll::Pending => match waiting.deadline.as_mut().poll(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(()) => {
+                    let shared = &waiting.counted.0;
+                    throttled_warn!(
+                        shared.preface_warn,
+                        peer = %waiting.peer,
+                        "no HTTP/2 request {} s after connecting (--tcp-timeout): connection closed",
+                        shared.timeout.as_secs_f64()
+                    );
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no HTTP/2 preface within --tcp-timeout of connecting",
+                    )))
+                }
+            },
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_stream::StreamExt;
+
+    use super::*;
+
+    const PREFACE: &[u8; PREFACE_LEN] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+    fn shared(timeout: Duration, max: usize) -> Arc<Shared> {
+        Arc::new(Shared {
+            timeout,
+            max,
+            handshaking: AtomicUsize::new(0),
+            handshake_failed_warn: Throttle::default(),
+            handshake_timeout_warn: Throttle::default(),
+            preface_warn: Throttle::default(),
+        })
+    }
+
+    fn peer() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 1))
+    }
+
+    /// Short real deadlines (tokio's paused clock needs its `test-util` feature, not built here).
+    const DEADLINE: Duration = Duration::from_millis(200);
+
+    #[tokio::test]
+    async fn a_connection_silent_past_its_deadline_fails_its_read() {
+        let s = shared(DEADLINE, 8);
+        let (_client, server) = tokio::io::duplex(64);
+        let counted = s.enter().unwrap();
+        let started = Instant::now();
+        let mut conn = PrefaceDeadline::new(server, started + s.timeout, peer(), counted);
+        let err = conn.read(&mut [0u8; 64]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= DEADLINE && started.elapsed() < 10 * DEADLINE, "{:?}", started.elapsed());
+        drop(conn);
+        assert_eq!(s.handshaking.load(Ordering::Relaxed), 0, "a closed connection is no longer counted");
+    }
+
+    #[tokio::test]
+    async fn a_preface_in_pieces_in_time_lifts_the_deadline() {
+        let s = shared(DEADLINE, 8);
+        let (mut client, server) = tokio::io::duplex(64);
+        let counted = s.enter().unwrap();
+        let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
+        let mut buf = [0u8; 64];
+        for piece in PREFACE.chunks(10) {
+            client.write_all(piece).await.unwrap();
+            assert_eq!(conn.read(&mut buf).await.unwrap(), piece.len());
+        }
+        assert_eq!(s.handshaking.load(Ordering::Relaxed), 0, "counted only until the preface");
+        // Past the deadline, an idle connection is HTTP/2's to watch (keepalive), not ours.
+        tokio::time::sleep(2 * DEADLINE).await;
+        client.write_all(b"x").await.unwrap();
+        assert_eq!(conn.read(&mut buf).await.unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn connections_beyond_the_cap_are_closed_and_idle_ones_time_out() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = start(listener, Duration::from_secs(1), 2, |s| std::future::ready(Ok(s)));
+        let mut idle = Vec::new();
+        for _ in 0..2 {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            let mut conn = incoming.next().await.unwrap().unwrap();
+            // What the server would do: wait for the preface, which never comes.
+            tokio::spawn(async move { conn.read(&mut [0u8; 64]).await });
+        }
+        // The third is closed at once: it reads end-of-stream well before any deadline.
+        let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_millis(500), third.read(&mut [0u8; 8])).await;
+        assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "{n:?}");
+        // Once the idle ones time out (their reads fail and the server drops them), there is room.
+        for mut c in idle {
+            let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut [0u8; 8])).await;
+            assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "{n:?}");
+        }
+        let mut fourth = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut conn = incoming.next().await.unwrap().unwrap();
+        fourth.write_all(PREFACE).await.unwrap();
+        let mut buf = [0u8; PREFACE_LEN];
+        conn.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, PREFACE);
+    }
+
+    #[test]
+    fn out_of_descriptors_pauses_and_a_lost_connection_does_not() {
+        let os = io::Error::from_raw_os_error;
+        assert_eq!(AcceptFailure::of(&os(libc::EMFILE)), AcceptFailure::OutOfFiles);
+        assert_eq!(AcceptFailure::of(&os(libc::ENFILE)), AcceptFailure::OutOfFiles);
+        assert_eq!(AcceptFailure::of(&os(libc::ECONNABORTED)), AcceptFailure::Connection);
+        assert_eq!(AcceptFailure::of(&os(libc::ENOBUFS)), AcceptFailure::Other);
+    }
+
+    #[test]
+    fn the_throttle_lets_one_through_and_counts_the_rest() {
+        let t = Throttle::default();
+        assert_eq!(t.admit(), Some(0));
+        assert_eq!(t.admit(), None);
+        assert_eq!(t.admit(), None);
+        t.0.lock().unwrap().last = std::time::Instant::now().checked_sub(WARN_EVERY);
+        assert_eq!(t.admit(), Some(2), "the next one says how many were left out");
+    }
+}
