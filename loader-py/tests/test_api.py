@@ -83,3 +83,18 @@ def test_a_rust_panic_is_an_ordinary_exception() -> None:
         assert "deliberate panic" in str(e) and "bug" in str(e)
     else:
         raise AssertionError("no exception")
+
+
+def test_a_world_size_without_a_rank_in_the_environment_is_refused(monkeypatch) -> None:
+    # A launcher that sets WORLD_SIZE but not RANK (srun with WORLD_SIZE exported) gave every
+    # process rank 0: each read the same share, the rest of the data never, and nothing said.
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 in the environment but RANK is not set"):
+        shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock")
+    # An explicit rank, or a world of one, needs no RANK.
+    with pytest.raises(ConnectionError):
+        shardstream.Loader("/nonexistent", rank=1, connect="unix:///nonexistent/sock")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConnectionError):
+        shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock")
