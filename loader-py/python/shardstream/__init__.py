@@ -86,13 +86,21 @@ def resolve_address(connect: str = "auto") -> str:
     return _start_embedded()
 
 
-def _default_rank_world() -> tuple[int, int]:
+def _default_rank_world(need_rank: bool) -> tuple[int, int]:
     # A process group exists only if the trainer imported torch.distributed: look it up instead
     # of importing torch, which costs a trainer without torch 1.5-2 s per Loader.
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    world = _env_int("WORLD_SIZE", 1)
+    if need_rank and world > 1 and os.environ.get("RANK") is None:
+        # Every process would take rank 0: each read the same share, three quarters of the data
+        # never read with 4 of them, and nothing said.
+        raise ValueError(
+            f"WORLD_SIZE={world} in the environment but RANK is not set: every process would read rank 0's "
+            "share; set RANK in each process (torchrun does; under srun, RANK=$SLURM_PROCID) or pass rank="
+        )
+    return _env_int("RANK", 0), world
 
 
 def _env_int(name: str, default: int) -> int:
@@ -383,7 +391,7 @@ class Loader:
         shuffle, drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
         copy, binary_views = _flag("copy", copy), _flag("binary_views", binary_views)
         if rank is None or world_size is None:
-            r, w = _default_rank_world()
+            r, w = _default_rank_world(need_rank=rank is None)
             if world_size is None and w < 1:
                 raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment must be at least 1")
             rank = r if rank is None else rank
