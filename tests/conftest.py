@@ -211,8 +211,8 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}")
-            # The socket accepts connections as soon as it is bound, before the daemon has opened
-            # its node cache (which clears partial downloads) and serves: wait for an answer.
+            # The socket accepts connections as soon as it is bound, a moment before the daemon
+            # serves: wait for an answer.
             if shardstream._native.probe(self.addr):
                 try:
                     shardstream._native.Connection(self.addr).status()

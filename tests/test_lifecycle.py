@@ -217,6 +217,47 @@ def test_a_remote_connect_to_a_frozen_daemon_is_a_connection_error_within_the_tc
         assert d.stop() == 0
 
 
+EMBEDDED_ON_A_HELD_CACHE = """
+import sys, shardstream
+url = sys.argv[1]
+try:
+    shardstream.Loader(url, batch_size=4)
+except ValueError as e:
+    print("refused:", e, flush=True)
+sys.stdin.readline()  # the test stops the daemon that holds the cache
+print("then:", sum(len(b["__key__"]) for b in shardstream.Loader(url, batch_size=4)), flush=True)
+"""
+
+
+def test_an_embedded_server_on_a_held_cache_says_so_and_a_retry_works(dataset, tmp_path: Path) -> None:
+    """Two trainers with one SHARDSTREAM_CACHE_DIR and no node daemon: the second one's embedded
+    server was refused the cache after it had bound its socket, so the trainer got a
+    ConnectionError (the reason on stderr only), and every retry in that process failed too, even
+    after the first trainer had exited."""
+    root, samples = dataset
+    d = Daemon(tmp_path / "d")
+    d.tmp.mkdir()
+    d.start()
+    env = {k: v for k, v in os.environ.items() if k != "SHARDSTREAM_ADDR"}
+    env["SHARDSTREAM_CACHE_DIR"] = str(d.cache_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDED_ON_A_HELD_CACHE, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("refused:") and "in use by another shardstream daemon" in line, line
+    finally:
+        assert d.stop() == 0
+    out, err = proc.communicate("\n", timeout=120)
+    assert proc.returncode == 0 and f"then: {len(samples)}" in out, (out, err)
+
+
 def recv(sock: socket.socket, timeout: float = 20.0) -> str:
     sock.settimeout(timeout)
     return sock.recv(4096).decode()
