@@ -106,6 +106,8 @@ pub struct BoundDaemon {
     security: crate::remote::RemoteSecurity,
     shm: Option<Arc<crate::transport::shm::ShmHub>>,
     rdma: Option<Arc<crate::transport::rdma::RdmaHub>>,
+    /// The node cache, opened and locked by `bind`.
+    cache: Arc<crate::cache::NodeCache>,
     config: DaemonConfig,
     pub metrics: Arc<Metrics>,
 }
@@ -142,7 +144,7 @@ fn create_private_cache_dir(dir: &std::path::Path) -> Result<std::path::PathBuf>
 }
 
 impl BoundDaemon {
-    /// Creates the cache directory and binds the listener.
+    /// Creates and opens the node cache, then binds the listener.
     pub async fn bind(mut config: DaemonConfig) -> Result<Self> {
         // The socket directory first: when the cache lives beside the socket, creating the cache
         // directory must not create the socket's parent with the wrong mode.
@@ -160,6 +162,13 @@ impl BoundDaemon {
             crate::socket_file::prepare_dir(path, &config.socket_access)?;
         }
         config.cache_dir = create_private_cache_dir(&config.cache_dir)?;
+        // Opened (and locked) before the listener is bound: a daemon whose cache another one holds
+        // fails here, naming it, before it exists for clients. An embedded server's caller gets
+        // that error; opened after the bind, it showed a connection that failed, for good.
+        let (dir, size, policy) = (config.cache_dir.clone(), config.cache_size, config.cache_policy);
+        let cache = tokio::task::spawn_blocking(move || crate::cache::NodeCache::open(&dir, size, policy))
+            .await
+            .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
         let mut security = crate::remote::RemoteSecurity::default();
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {
@@ -198,7 +207,7 @@ impl BoundDaemon {
         if matches!(config.listen, Address::Unix(_)) && config.remote.any() {
             tracing::warn!("--tls-*, --tokens and --insecure apply to TCP listeners only; ignored on a Unix socket");
         }
-        Ok(Self { listener, security, shm, rdma, config, metrics: Arc::default() })
+        Ok(Self { listener, security, shm, rdma, cache, config, metrics: Arc::default() })
     }
 
     /// The address clients use (with the real port when TCP port 0 was asked for).
@@ -215,8 +224,7 @@ impl BoundDaemon {
 
     /// Serves until `shutdown` is cancelled, then lets in-flight streams end.
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        // A start that fails before serving (metrics port taken, cache locked by another daemon)
-        // removes the socket it bound: left behind, `status` said "connection refused" until
+        // A start that fails before serving (metrics port taken) removes the socket it bound: left behind, `status` said "connection refused" until
         // the next start replaced it as stale. Disarmed once serving, when the path may be
         // another daemon's by the time this one ends.
         let mut unbind = Unbind(match &self.listener {
@@ -228,10 +236,7 @@ impl BoundDaemon {
             tracing::info!(%addr, "serving prometheus metrics");
         }
         let cfg = &self.config;
-        let (dir, size, policy) = (cfg.cache_dir.clone(), cfg.cache_size, cfg.cache_policy);
-        let cache = tokio::task::spawn_blocking(move || crate::cache::NodeCache::open(&dir, size, policy))
-            .await
-            .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
+        let cache = self.cache.clone();
         cache.set_keep_derived(cfg.keep_decoded);
         crate::format::parquet::decoded::shared().set_budget(cfg.decoded_budget);
         let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
