@@ -92,15 +92,7 @@ where
     Fut: Future<Output = io::Result<IO>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(READY_QUEUE);
-    let shared = Arc::new(Shared {
-        timeout,
-        max,
-        handshaking: AtomicUsize::new(0),
-        handshake_failed_warn: Throttle::default(),
-        handshake_timeout_warn: Throttle::default(),
-        preface_warn: Throttle::default(),
-    });
-    tokio::spawn(accept_loop(listener, shared, handshake, tx));
+    tokio::spawn(accept_loop(listener, Shared::new(timeout, max), handshake, tx));
     ReceiverStream::new(rx)
 }
 
@@ -118,6 +110,17 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(timeout: Duration, max: usize) -> Arc<Self> {
+        Arc::new(Shared {
+            timeout,
+            max,
+            handshaking: AtomicUsize::new(0),
+            handshake_failed_warn: Throttle::default(),
+            handshake_timeout_warn: Throttle::default(),
+            preface_warn: Throttle::default(),
+        })
+    }
+
     /// Counts one more connection in its handshake, unless `max` already are.
     fn enter(self: &Arc<Self>) -> Option<Handshaking> {
         // Only the accept loop adds, so the load and the add cannot race past `max`.
@@ -414,17 +417,6 @@ mod tests {
 
     const PREFACE: &[u8; PREFACE_LEN] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-    fn shared(timeout: Duration, max: usize) -> Arc<Shared> {
-        Arc::new(Shared {
-            timeout,
-            max,
-            handshaking: AtomicUsize::new(0),
-            handshake_failed_warn: Throttle::default(),
-            handshake_timeout_warn: Throttle::default(),
-            preface_warn: Throttle::default(),
-        })
-    }
-
     fn peer() -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], 1))
     }
@@ -434,7 +426,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_silent_past_its_deadline_fails_its_read() {
-        let s = shared(DEADLINE, 8);
+        let s = Shared::new(DEADLINE, 8);
         let (_client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let started = Instant::now();
@@ -448,7 +440,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_preface_in_pieces_in_time_lifts_the_deadline() {
-        let s = shared(DEADLINE, 8);
+        let s = Shared::new(DEADLINE, 8);
         let (mut client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
