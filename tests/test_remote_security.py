@@ -400,3 +400,20 @@ def test_two_ranks_of_two_workers_get_every_sample_once_over_tls(
         assert p.returncode == 0, err
         keys += json.loads(out.strip().splitlines()[-1])
     assert sorted(keys) == sorted(samples), "120 samples, 2 ranks: each exactly once, none padded"
+
+
+def test_connections_that_never_sent_a_request_do_not_hold_a_stop(tmp_path: Path) -> None:
+    """hyper's graceful shutdown waits for a connection that has not sent its HTTP/2 preface: one
+    port scan or silent client held every stop (a rolling update, a restart) for the whole drain
+    timeout. They are closed as the stop begins."""
+    d = Daemon(tmp_path, args=["--insecure", "--tcp-timeout", "60"], addr=f"tcp://127.0.0.1:{free_port()}").start()
+    port = int(d.addr.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+    try:
+        time.sleep(0.5)  # accepted
+        started = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - started < 10, "the stop waited for the silent connections"
+    finally:
+        for s in idle:
+            s.close()
