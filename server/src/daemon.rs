@@ -307,13 +307,14 @@ impl BoundDaemon {
             // TCP connections are accepted, and TLS ones' handshakes done, by tcp_accept: each with
             // --tcp-timeout to start speaking HTTP/2 (tonic's own TLS accept waits forever).
             Listener::Tcp(l) => {
-                let timeout = self.config.remote.tcp_timeout;
+                let limits =
+                    crate::tcp_accept::Limits { timeout: self.config.remote.tcp_timeout, shutdown: shutdown.clone() };
                 let serve: Serving = match self.security.tls.clone() {
                     Some(tls) => {
-                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::tls(l, tls, timeout), signal))
+                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::tls(l, tls, limits), signal))
                     }
                     None => {
-                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::plaintext(l, timeout), signal))
+                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::plaintext(l, limits), signal))
                     }
                 };
                 (serve, None)

@@ -43,6 +43,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_rustls::rustls::ServerConfig;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::transport::server::Connected;
 
 /// Connections at most between their accept and their HTTP/2 preface (TLS handshake included);
@@ -71,34 +72,44 @@ const READY_QUEUE: usize = 64;
 /// dealt with here (tonic ends serving on an accept error it does not know as transient).
 pub type Incoming<IO> = ReceiverStream<io::Result<PrefaceDeadline<IO>>>;
 
+/// What bounds a connection before its preface: `--tcp-timeout` from its accept, and the daemon's
+/// shutdown (hyper's graceful shutdown waits for a connection that never sent its preface, which
+/// held every stop for the whole drain timeout).
+#[derive(Clone)]
+pub struct Limits {
+    pub timeout: Duration,
+    pub shutdown: CancellationToken,
+}
+
 /// A plaintext (`--insecure`) listener's connections, handed over as soon as they are accepted
 /// (so none waits for another); [`PrefaceDeadline`] bounds their wait for the preface.
-pub fn plaintext(listener: TcpListener, timeout: Duration) -> Incoming<TcpStream> {
-    start(listener, timeout, MAX_HANDSHAKING, |stream| std::future::ready(Ok(stream)))
+pub fn plaintext(listener: TcpListener, limits: Limits) -> Incoming<TcpStream> {
+    start(listener, limits, MAX_HANDSHAKING, |stream| std::future::ready(Ok(stream)))
 }
 
 /// A TLS listener's connections, each handed over once its handshake with `config` is done.
-pub fn tls(listener: TcpListener, config: Arc<ServerConfig>, timeout: Duration) -> Incoming<TlsStream<TcpStream>> {
+pub fn tls(listener: TcpListener, config: Arc<ServerConfig>, limits: Limits) -> Incoming<TlsStream<TcpStream>> {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    start(listener, timeout, MAX_HANDSHAKING, move |stream| acceptor.accept(stream))
+    start(listener, limits, MAX_HANDSHAKING, move |stream| acceptor.accept(stream))
 }
 
 /// Spawns the accept loop; `handshake` is what a connection goes through before it is served
 /// (only a TLS one can fail or take time).
-fn start<IO, F, Fut>(listener: TcpListener, timeout: Duration, max: usize, handshake: F) -> Incoming<IO>
+fn start<IO, F, Fut>(listener: TcpListener, limits: Limits, max: usize, handshake: F) -> Incoming<IO>
 where
     IO: Send + 'static,
     F: Fn(TcpStream) -> Fut + Send + 'static,
     Fut: Future<Output = io::Result<IO>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(READY_QUEUE);
-    tokio::spawn(accept_loop(listener, Shared::new(timeout, max), handshake, tx));
+    tokio::spawn(accept_loop(listener, Shared::new(limits, max), handshake, tx));
     ReceiverStream::new(rx)
 }
 
 /// What the accept loop, its handshake tasks and the connections' deadlines share.
 struct Shared {
     timeout: Duration,
+    shutdown: CancellationToken,
     /// [`MAX_HANDSHAKING`] (smaller in tests).
     max: usize,
     /// Connections accepted whose preface has not been read yet (see [`Handshaking`]).
@@ -110,9 +121,10 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(timeout: Duration, max: usize) -> Arc<Self> {
+    fn new(limits: Limits, max: usize) -> Arc<Self> {
         Arc::new(Shared {
-            timeout,
+            timeout: limits.timeout,
+            shutdown: limits.shutdown,
             max,
             handshaking: AtomicUsize::new(0),
             handshake_failed_warn: Throttle::default(),
@@ -325,6 +337,7 @@ pub struct PrefaceDeadline<IO> {
 
 struct Waiting {
     deadline: Pin<Box<Sleep>>,
+    stopping: Pin<Box<WaitForCancellationFutureOwned>>,
     read: usize,
     peer: SocketAddr,
     /// Released with the preface (or the connection).
@@ -334,7 +347,8 @@ struct Waiting {
 impl<IO> PrefaceDeadline<IO> {
     fn new(inner: IO, deadline: Instant, peer: SocketAddr, counted: Handshaking) -> Self {
         let deadline = Box::pin(tokio::time::sleep_until(deadline));
-        Self { inner, waiting: Some(Waiting { deadline, read: 0, peer, counted }) }
+        let stopping = Box::pin(counted.0.shutdown.clone().cancelled_owned());
+        Self { inner, waiting: Some(Waiting { deadline, stopping, read: 0, peer, counted }) }
     }
 }
 
@@ -361,6 +375,10 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
                 Poll::Ready(Ok(()))
             }
             // Bytes that came are taken even at the deadline; only a wait past it fails.
+            Poll::Pending if waiting.stopping.as_mut().poll(cx).is_ready() => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the daemon is shutting down, and this connection has sent no HTTP/2 request",
+            ))),
             Poll::Pending => match waiting.deadline.as_mut().poll(cx) {
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(()) => {
@@ -424,9 +442,30 @@ mod tests {
     /// Short real deadlines (tokio's paused clock needs its `test-util` feature, not built here).
     const DEADLINE: Duration = Duration::from_millis(200);
 
+    fn limits(timeout: Duration) -> Limits {
+        Limits { timeout, shutdown: CancellationToken::new() }
+    }
+
+    #[tokio::test]
+    async fn a_connection_without_its_preface_ends_when_the_daemon_stops() {
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let (_client, server) = tokio::io::duplex(64);
+        let counted = s.enter().unwrap();
+        let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
+        let stop = s.shutdown.clone();
+        let started = Instant::now();
+        tokio::spawn(async move {
+            tokio::time::sleep(DEADLINE).await;
+            stop.cancel();
+        });
+        let err = conn.read(&mut [0u8; 64]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(started.elapsed() < 10 * DEADLINE, "ended at the stop, not at --tcp-timeout: {:?}", started.elapsed());
+    }
+
     #[tokio::test]
     async fn a_connection_silent_past_its_deadline_fails_its_read() {
-        let s = Shared::new(DEADLINE, 8);
+        let s = Shared::new(limits(DEADLINE), 8);
         let (_client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let started = Instant::now();
@@ -440,7 +479,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_preface_in_pieces_in_time_lifts_the_deadline() {
-        let s = Shared::new(DEADLINE, 8);
+        let s = Shared::new(limits(DEADLINE), 8);
         let (mut client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
@@ -460,7 +499,7 @@ mod tests {
     async fn connections_beyond_the_cap_are_closed_and_idle_ones_time_out() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut incoming = start(listener, Duration::from_secs(1), 2, |s| std::future::ready(Ok(s)));
+        let mut incoming = start(listener, limits(Duration::from_secs(1)), 2, |s| std::future::ready(Ok(s)));
         let mut idle = Vec::new();
         for _ in 0..2 {
             idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
