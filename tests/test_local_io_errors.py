@@ -219,9 +219,21 @@ def test_a_manifest_shard_rewritten_after_its_copy_was_made_is_not_served_from_t
         loader = shardstream.Loader(str(root), batch_size=8, connect=d.addr, cache="copy")
         return {k: bytes(v) for b in loader for k, v in zip(b["__key__"], b["jpg"], strict=True)}
 
+    # Files from a host whose clock runs an hour ahead: a copy is current by its source's time,
+    # not by comparing that with the copy's own (which had every copy made again at every open).
+    ahead = time.time() + 3600
+    for shard in root.glob("*.tar"):
+        os.utime(shard, (ahead, ahead))
+
+    def copies() -> dict[str, int]:
+        return {p.name: p.stat().st_ino for p in (d.cache_dir / "shards").iterdir()}
+
     d.start()
     try:
         assert keys_and_jpgs() == {k: v["jpg"] for k, v in samples.items()}
+        made = copies()
+        assert keys_and_jpgs() == {k: v["jpg"] for k, v in samples.items()}
+        assert copies() == made, "copies of unchanged sources were made again"
         victim = root / "train-000001.tar"
         data = bytearray(victim.read_bytes())
         with tarfile.open(victim) as tf:

@@ -108,9 +108,14 @@ fn copy_footer_crc(file: &File, tmp: &Path, len: u64, url: &str) -> Result<u32> 
 /// every later epoch's mappings then fault in 16 pages at a time. Large writes leave large folios.
 /// On this project's VM the kernel's copy made the copying epoch 2x faster and the epochs after
 /// it 17% slower (bench/PARQUET_PROFILE.md, "folio sizes").
+///
+/// The copy takes the source's modification time (as read when it was opened): a dataset whose
+/// manifest names its shards by CRC alone tells a copy made before its source was modified by
+/// that time (`index::Dataset::shard_fetched`).
 fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
     // Not a plain open: a FIFO in a shard's place would block the fill forever.
     let mut from = crate::storage::local::open_regular(src)?;
+    let modified = from.metadata().and_then(|m| m.modified()).map_err(|e| Error::io("cannot stat shard", src, e))?;
     let mut buf = vec![0u8; COPY_CHUNK];
     let (mut pos, mut crc) = (0u64, 0u32);
     loop {
@@ -126,6 +131,7 @@ fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
         pos += n as u64;
     }
     crate::metrics::storage_bytes("local", pos);
+    file.set_modified(modified).map_err(|e| Error::io("cannot set the modification time of", tmp, e))?;
     Ok(crc)
 }
 

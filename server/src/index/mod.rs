@@ -675,37 +675,43 @@ impl Dataset {
         self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))
     }
 
-    /// `pin`, the node-cache copy of local shard `i` made before this dataset was opened, or a
-    /// new copy when the source (`path`) was modified after it: a manifest names a shard by its
-    /// length and CRC, which a rewrite need not change in the manifest, so the copy's key stays,
-    /// and the old bytes were served for good where a shard read in place is checked against its
-    /// CRC once (`cache="direct"`). The new copy is checked against the manifest as it is made.
-    /// `stat`: the source's, when the caller just took it.
+    /// `pin`, the node-cache copy of local shard `i` made before this dataset was opened, once
+    /// its source (`path`) is known to hold the bytes the manifest names. A manifest names a
+    /// shard by its length and CRC, which a rewrite need not change in the manifest: the copy's
+    /// key stays, and the old bytes were served for good, where a shard read in place is checked
+    /// against its CRC once (`cache="direct"`). A copy takes its source's modification time when
+    /// it is made: the same time on both, one `stat` each, says the source is what was copied
+    /// (whatever the clocks of the host that wrote it); another time has the source checked
+    /// against the manifest as a shard read in place is (a `ShardError` when it no longer matches),
+    /// and then recorded on the copy. `stat`: the source's, when the caller just took it.
     fn current_copy(&self, i: usize, path: &Path, stat: Option<std::fs::Metadata>, pin: Pin) -> Result<Pin> {
+        let meta = &self.shards[i];
+        if meta.mtime_ns.is_some() || (meta.crc32c.is_none() && meta.footer_crc32c.is_none()) {
+            // Listed with its time, the copy's key holds it; without a checksum nothing to check.
+            return Ok(pin);
+        }
         let source = match stat {
             Some(m) => m.modified(),
             None => std::fs::metadata(path).and_then(|m| m.modified()),
         };
         let source = source.map_err(|e| self.changed_if(Error::io("cannot stat shard", path, e)))?;
-        let copied = std::fs::metadata(pin.path()).and_then(|m| m.modified());
-        let copied = copied.map_err(|e| Error::io("cannot stat", pin.path(), e))?;
-        if source <= copied {
+        let copied = std::fs::File::open(pin.path()).map_err(|e| Error::io("cannot open", pin.path(), e))?;
+        let recorded =
+            copied.metadata().and_then(|m| m.modified()).map_err(|e| Error::io("cannot stat", pin.path(), e))?;
+        if same_time(source, recorded) {
             return Ok(pin);
         }
-        let key = pin.key().to_owned();
-        drop(pin);
-        let why = format!("its source {} was modified after the copy was made", path.display());
-        let dropped = self.backends.cache.as_ref().is_some_and(|c| c.drop_copy(&key, &why));
-        if !dropped {
-            return Err(Error::Shard {
-                shard: path.display().to_string(),
-                offset: None,
-                reason: "was modified after its node-cache copy was made, which another stream still reads; \
-                         open the dataset again once that stream ends"
-                    .into(),
-            });
+        if let Some(expected) = meta.crc32c {
+            verify(path, meta, expected).map_err(|e| self.changed_if(e))?;
+        } else if let Some(expected) = meta.footer_crc32c {
+            verify_footer(&ShardFile::open(path.to_owned(), meta.len)?, meta, expected)
+                .map_err(|e| self.changed_if(e))?;
         }
-        self.fetch_now(i)
+        // The source holds the manifest's bytes, and so does the copy (checked when it was made).
+        if let Err(e) = copied.set_modified(source) {
+            tracing::warn!(copy = %pin.path().display(), error = %e, "cannot record its source's time on a node-cache copy");
+        }
+        Ok(pin)
     }
 
     fn drop_bad_copy(&self, pin: Option<Pin>, e: Error) -> Error {
@@ -1121,6 +1127,18 @@ impl Dataset {
                 t.bytes -= old.heap_bytes();
             }
         }
+    }
+}
+
+/// Whether a copy's recorded modification time is its source's `source`: equal, or equal but
+/// for the sub-second part a file system with whole-second times (the cache's) leaves out.
+fn same_time(source: std::time::SystemTime, recorded: std::time::SystemTime) -> bool {
+    let secs =
+        |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map(|d| (d.as_secs(), d.subsec_nanos()));
+    match (secs(source), secs(recorded)) {
+        (Ok((s, _)), Ok((r, 0))) => s == r,
+        (Ok(s), Ok(r)) => s == r,
+        _ => source == recorded,
     }
 }
 
