@@ -237,19 +237,20 @@ impl Service {
 /// resolve it in its own working directory, not the client's, and serve whatever dataset has
 /// that name there. Clients make paths absolute.
 fn check_url(url: &str) -> Result<(), Status> {
+    // Through `to_status`, which bounds the message: the URL may be a pattern of thousands of names.
     if let Some(c) = url.chars().find(|c| c.is_control()) {
-        return Err(Status::invalid_argument(format!(
+        return Err(to_status(Error::invalid(format!(
             "dataset URL {url:?} holds a control character ({c:?}); no dataset is named so"
-        )));
+        ))));
     }
     if !crate::storage::is_relative_path(url) {
         return Ok(());
     }
-    Err(Status::invalid_argument(format!(
+    Err(to_status(Error::invalid(format!(
         "dataset path {url:?} is relative: a daemon resolves paths in its own working directory, not \
          the client's; give an absolute path (the Python client and the shardstream command make \
          one from theirs)"
-    )))
+    ))))
 }
 
 /// Runs blocking work (disk reads, scans, plan computation) on the blocking pool.
