@@ -223,9 +223,12 @@ def test_views_a_transform_keeps_of_shards_stay_readable_after_their_eviction(da
         assert d.stop() == 0
 
 
-def keep_jpg_views(batch: dict[str, Any]) -> tuple[list[str], list[memoryview], np.ndarray]:
-    """A batch_transform that returns the batch's own views, as they are, and a numpy array."""
-    return batch["__key__"], batch["jpg"], np.arange(len(batch["jpg"]))
+def keep_jpg_views(batch: dict[str, Any]) -> tuple[list[str], list[memoryview], np.ndarray, dict]:
+    """A batch_transform that returns the batch's own views, as they are, a numpy array, and a
+    defaultdict."""
+    counts: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+    counts["n"].append(len(batch["jpg"]))
+    return batch["__key__"], batch["jpg"], np.arange(len(batch["jpg"])), counts
 
 
 def test_a_batch_transform_s_result_is_yielded_as_it_is(daemon, dataset) -> None:
@@ -237,7 +240,8 @@ def test_a_batch_transform_s_result_is_yielded_as_it_is(daemon, dataset) -> None
     got = 0
     for result in loader(str(root), daemon.addr, 0, batch_transform=keep_jpg_views):
         assert isinstance(result, tuple), type(result)
-        keys, views, numbers = result
+        keys, views, numbers, counts = result
+        assert isinstance(counts, collections.defaultdict) and counts["missing"] == [], type(counts)
         assert all(isinstance(v, memoryview) for v in views), type(views[0])
         assert [bytes(v) for v in views] == [samples[k]["jpg"] for k in keys]
         assert isinstance(numbers, torch.Tensor) and numbers.tolist() == list(range(len(keys)))
