@@ -77,11 +77,12 @@ lists of lists of equal shape (Hugging Face ``Array2D``/``Array3D``). ``format="
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -393,7 +394,13 @@ def _convert(data: Any) -> Any:
         return data
     if isinstance(data, Mapping):
         converted = {k: _convert(v) for k, v in data.items()}
+        # As default_convert keeps a mapping's kind: a defaultdict keeps its factory, an
+        # OrderedDict its order.
         try:
+            if isinstance(data, MutableMapping):
+                clone = copy.copy(data)
+                clone.update(converted)
+                return clone
             return type(data)(converted)  # type: ignore[call-arg]  # a Mapping of its own kind
         except TypeError:
             return converted
