@@ -90,11 +90,18 @@ def test_a_world_size_without_a_rank_in_the_environment_is_refused(monkeypatch) 
     # process rank 0: each read the same share, the rest of the data never, and nothing said.
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="WORLD_SIZE=4 in the environment but RANK is not set"):
+    with pytest.raises(ValueError, match="world_size is 4 but no rank is given"):
         shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock")
-    # An explicit rank, or a world of one, needs no RANK.
+    # The world size given as an argument, without a rank: the same.
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match="world_size is 4 but no rank is given"):
+        shardstream.Loader("/nonexistent", world_size=4, connect="unix:///nonexistent/sock")
+    # An explicit rank, or a world of one (from the environment or the argument), needs no RANK.
+    monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConnectionError):
         shardstream.Loader("/nonexistent", rank=1, connect="unix:///nonexistent/sock")
+    with pytest.raises(ConnectionError):
+        shardstream.Loader("/nonexistent", world_size=1, connect="unix:///nonexistent/sock")
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConnectionError):
         shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock")

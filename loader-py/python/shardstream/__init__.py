@@ -86,21 +86,16 @@ def resolve_address(connect: str = "auto") -> str:
     return _start_embedded()
 
 
-def _default_rank_world(need_rank: bool) -> tuple[int, int]:
+def _default_rank_world() -> tuple[int | None, int]:
+    """The process group's rank and world size, else RANK and WORLD_SIZE's (rank None when RANK
+    is not set)."""
     # A process group exists only if the trainer imported torch.distributed: look it up instead
     # of importing torch, which costs a trainer without torch 1.5-2 s per Loader.
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    world = _env_int("WORLD_SIZE", 1)
-    if need_rank and world > 1 and os.environ.get("RANK") is None:
-        # Every process would take rank 0: each read the same share, three quarters of the data
-        # never read with 4 of them, and nothing said.
-        raise ValueError(
-            f"WORLD_SIZE={world} in the environment but RANK is not set: every process would read rank 0's "
-            "share; set RANK in each process (torchrun does; under srun, RANK=$SLURM_PROCID) or pass rank="
-        )
-    return _env_int("RANK", 0), world
+    rank = _env_int("RANK", 0) if os.environ.get("RANK") is not None else None
+    return rank, _env_int("WORLD_SIZE", 1)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -391,11 +386,19 @@ class Loader:
         shuffle, drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
         copy, binary_views = _flag("copy", copy), _flag("binary_views", binary_views)
         if rank is None or world_size is None:
-            r, w = _default_rank_world(need_rank=rank is None)
+            r, w = _default_rank_world()
             if world_size is None and w < 1:
                 raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment must be at least 1")
-            rank = r if rank is None else rank
             world_size = w if world_size is None else world_size
+            if rank is None and r is None and _checked_int("world_size", world_size, 32) > 1:
+                # Every process would take rank 0: each read the same share, three quarters of the
+                # data never read with 4 of them, and nothing said.
+                raise ValueError(
+                    f"world_size is {world_size} but no rank is given (rank=, a torch.distributed process group, "
+                    "or RANK in the environment): every process would read rank 0's share; set RANK in each "
+                    "process (torchrun does; under srun, RANK=$SLURM_PROCID) or pass rank="
+                )
+            rank = (r or 0) if rank is None else rank
         # Types and wire ranges are checked here; the daemon checks the meaning (rank < world
         # size, limits) so every client gets the same rules.
         batch_size = _checked_int("batch_size", batch_size, 32)
