@@ -390,6 +390,9 @@ pub struct Dataset {
     /// once, while loads of different shards proceed in parallel.
     load_locks: Vec<Mutex<()>>,
     verified: Vec<AtomicBool>,
+    /// Per shard read in place: 1 + the modification time (ns) of the file verified against the
+    /// manifest; 0 before it was.
+    verified_mtime: Vec<AtomicU64>,
     /// Per shard (`copy` mode, local sources): its node-cache copy, made before this dataset was
     /// opened, was found newer than its source (or fetched by this dataset).
     copy_current: Vec<AtomicBool>,
@@ -581,6 +584,7 @@ impl Dataset {
             tables: Mutex::new(TableCache::default()),
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            verified_mtime: (0..n).map(|_| AtomicU64::new(0)).collect(),
             copy_current: (0..n).map(|_| AtomicBool::new(false)).collect(),
             changed: AtomicBool::new(false),
             unlisted_opens: AtomicU64::new(0),
@@ -650,11 +654,21 @@ impl Dataset {
         self.unlisted_opens.fetch_add(1, Ordering::AcqRel);
     }
 
+    /// The registry listed the dataset again (it was marked changed) and found the same shards
+    /// (a manifest names a shard by CRC, which a rewrite of it need not change): handed out again,
+    /// its local sources are checked again as they are used, as after an open without listing,
+    /// and the next open need not list it again for the same cause.
+    pub fn relisted_unchanged(&self) {
+        self.changed.store(false, Ordering::Release);
+        self.reopened_unlisted();
+    }
+
     /// Refuses the node-cache copy of local shard `i` (at `path`) when its source is no longer
     /// as listed, the first time it is used after an open that listed nothing: one `stat`, where
     /// a shard read in place costs an open and its `fstat`.
-    /// Its `stat` when it took one.
-    fn check_copy_source(&self, i: usize, path: &Path, meta: &ShardMeta) -> Result<Option<std::fs::Metadata>> {
+    /// Its `stat`, and the open count to record as checked once the copy is known to be the
+    /// source's ([`Self::current_copy`]), when it took one.
+    fn check_copy_source(&self, i: usize, path: &Path, meta: &ShardMeta) -> Result<Option<(std::fs::Metadata, u64)>> {
         let opens = self.unlisted_opens.load(Ordering::Acquire);
         if self.source_checked[i].load(Ordering::Acquire) >= opens {
             return Ok(None);
@@ -667,8 +681,7 @@ impl Dataset {
         let now = now
             .and_then(|now| crate::storage::local::check_listed(path, &now, meta.len, meta.mtime_ns).map(|()| now))
             .map_err(|e| self.changed_if(e))?;
-        self.source_checked[i].fetch_max(opens, Ordering::AcqRel);
-        Ok(Some(now))
+        Ok(Some((now, opens)))
     }
 
     fn fetch_now(&self, i: usize) -> Result<Pin> {
@@ -779,33 +792,44 @@ impl Dataset {
         let meta = &self.shards[i];
         let (file, pin) = match (&meta.source, self.mode) {
             (ShardSource::Local(path), CacheMode::Direct) => {
-                if !self.verified[i].load(Ordering::Acquire) {
-                    if let Some(expected) = meta.crc32c {
-                        verify(path, meta, expected)?;
-                    } else if let Some(expected) = meta.footer_crc32c {
-                        verify_footer(&ShardFile::open(path.clone(), meta.len)?, meta, expected)?;
-                    }
-                    self.verified[i].store(true, Ordering::Release);
-                }
                 // A file rewritten in place keeps its directory's mtime, which the registry trusts:
                 // marked, the next open lists the dataset again.
                 let opened = ShardFile::open(path.clone(), meta.len);
                 let file =
                     opened.and_then(|f| f.check_mtime(meta.mtime_ns).map(|()| f)).map_err(|e| self.changed_if(e))?;
+                // Checked against the manifest's CRC at its first use, and again whenever the
+                // file's time is not the one it had then (a manifest names a file by CRC alone:
+                // a rewrite keeps its entry).
+                let at = (file.mtime_ns as u64).wrapping_add(1);
+                if self.verified_mtime[i].load(Ordering::Acquire) != at {
+                    if let Some(expected) = meta.crc32c {
+                        verify(path, meta, expected).map_err(|e| self.changed_if(e))?;
+                    } else if let Some(expected) = meta.footer_crc32c {
+                        verify_footer(&file, meta, expected).map_err(|e| self.changed_if(e))?;
+                    }
+                    self.verified[i].store(true, Ordering::Release);
+                    self.verified_mtime[i].store(at, Ordering::Release);
+                }
                 (file, None)
             }
             (source, _) => {
-                let stat = match source {
+                let checked = match source {
                     ShardSource::Local(path) => self.check_copy_source(i, path, meta)?,
                     ShardSource::S3 { .. } => None,
                 };
                 let mut pin = self.fetch_now(i)?;
                 if let ShardSource::Local(path) = source {
-                    // Once for this dataset, and again after each open that trusted its listing.
+                    // Once for this dataset, and again after each open that trusted its listing;
+                    // recorded only once the copy is known current, so a refusal is said again.
+                    let (stat, opens) = checked.map_or((None, None), |(m, o)| (Some(m), Some(o)));
                     if !pin.filled && (stat.is_some() || !self.copy_current[i].load(Ordering::Acquire)) {
+                        self.copy_current[i].store(false, Ordering::Release);
                         pin = self.current_copy(i, path, stat, pin)?;
                     }
                     self.copy_current[i].store(true, Ordering::Release);
+                    if let Some(opens) = opens {
+                        self.source_checked[i].fetch_max(opens, Ordering::AcqRel);
+                    }
                 }
                 (ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?, Some(pin))
             }

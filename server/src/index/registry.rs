@@ -315,6 +315,7 @@ impl Registry {
         if let Some((ds, _, _)) = existing
             && ds.same_shards(&found)
         {
+            ds.relisted_unchanged();
             let stamp = restamp(&ds, stamp);
             return Ok((ds, stamp, now));
         }
