@@ -403,12 +403,17 @@ def test_two_ranks_of_two_workers_get_every_sample_once_over_tls(
 
 
 def test_connections_that_never_sent_a_request_do_not_hold_a_stop(tmp_path: Path) -> None:
-    """hyper's graceful shutdown waits for a connection that has not sent its HTTP/2 preface: one
-    port scan or silent client held every stop (a rolling update, a restart) for the whole drain
-    timeout. They are closed as the stop begins."""
+    """hyper's graceful shutdown waits for a connection that has not sent its HTTP/2 preface, or
+    has and then answers nothing: one port scan or silent client held every stop (a rolling
+    update, a restart) for the whole drain timeout. They are closed as the stop begins (a second
+    later once they spoke)."""
     d = Daemon(tmp_path, args=["--insecure", "--tcp-timeout", "60"], addr=f"tcp://127.0.0.1:{free_port()}").start()
     port = int(d.addr.rsplit(":", 1)[1])
-    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+    # Half say the HTTP/2 preface and then nothing (as a client stopped with Ctrl-Z does): the
+    # stop's GOAWAY is never answered.
+    for s in idle[:3]:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
     try:
         time.sleep(0.5)  # accepted
         started = time.monotonic()
