@@ -333,6 +333,51 @@ pub struct PrefaceDeadline<IO> {
     inner: IO,
     /// `None` once the preface is read.
     waiting: Option<Waiting>,
+    /// After the preface: the connection's end when the daemon stops.
+    stop: Stop,
+}
+
+/// How long a connection may stay without a byte either way once the daemon is stopping. hyper's
+/// graceful shutdown waits for each connection to answer its GOAWAY: a client that is stopped
+/// (Ctrl-Z) or silent held every stop for the whole drain timeout. Streams still open at the stop
+/// end at once (with the daemon's "shutting down" error), so a connection quiet this long after it
+/// is one no request is using.
+pub const STOP_GRACE: Duration = Duration::from_secs(1);
+
+struct Stop {
+    token: CancellationToken,
+    /// Wakes the reader when the stop begins.
+    stopping: Pin<Box<WaitForCancellationFutureOwned>>,
+    last_io: Instant,
+    /// Wakes the reader when the connection has been quiet for [`STOP_GRACE`] after the stop.
+    grace: Option<Pin<Box<Sleep>>>,
+}
+
+impl Stop {
+    /// `written`, noting that bytes moved.
+    fn wrote(&mut self, written: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        if let Poll::Ready(Ok(n)) = &written
+            && *n > 0
+        {
+            self.last_io = Instant::now();
+        }
+        written
+    }
+
+    /// Whether the connection is to end now: the daemon is stopping and nothing moved on it for
+    /// [`STOP_GRACE`] (when not yet, the reader is woken when it will be).
+    fn quiet_past_grace(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.token.is_cancelled() && self.stopping.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        let until = self.last_io + STOP_GRACE;
+        if Instant::now() >= until {
+            return true;
+        }
+        let grace = self.grace.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
+        grace.as_mut().reset(until);
+        grace.as_mut().poll(cx).is_ready()
+    }
 }
 
 struct Waiting {
@@ -347,8 +392,11 @@ struct Waiting {
 impl<IO> PrefaceDeadline<IO> {
     fn new(inner: IO, deadline: Instant, peer: SocketAddr, counted: Handshaking) -> Self {
         let deadline = Box::pin(tokio::time::sleep_until(deadline));
+        let token = counted.0.shutdown.clone();
+        let stop =
+            Stop { stopping: Box::pin(token.clone().cancelled_owned()), token, last_io: Instant::now(), grace: None };
         let stopping = Box::pin(counted.0.shutdown.clone().cancelled_owned());
-        Self { inner, waiting: Some(Waiting { deadline, stopping, read: 0, peer, counted }) }
+        Self { inner, waiting: Some(Waiting { deadline, stopping, read: 0, peer, counted }), stop }
     }
 }
 
@@ -365,7 +413,18 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
         let this = self.get_mut();
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
-        let Some(waiting) = &mut this.waiting else { return polled };
+        if buf.filled().len() > before {
+            this.stop.last_io = Instant::now();
+        }
+        let Some(waiting) = &mut this.waiting else {
+            return match polled {
+                Poll::Pending if this.stop.quiet_past_grace(cx) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "the daemon is stopping, and nothing has moved on this connection since",
+                ))),
+                polled => polled,
+            };
+        };
         match polled {
             Poll::Ready(Ok(())) => {
                 waiting.read += buf.filled().len() - before;
@@ -402,7 +461,8 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
 
 impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        this.stop.wrote(Pin::new(&mut this.inner).poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -410,7 +470,8 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        this.stop.wrote(Pin::new(&mut this.inner).poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -444,6 +505,22 @@ mod tests {
 
     fn limits(timeout: Duration) -> Limits {
         Limits { timeout, shutdown: CancellationToken::new() }
+    }
+
+    #[tokio::test]
+    async fn a_quiet_connection_ends_a_grace_after_the_daemon_stops() {
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let (mut client, server) = tokio::io::duplex(64);
+        let counted = s.enter().unwrap();
+        let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
+        client.write_all(PREFACE).await.unwrap();
+        conn.read_exact(&mut [0u8; PREFACE_LEN]).await.unwrap();
+        s.shutdown.cancel();
+        let started = Instant::now();
+        let err = conn.read(&mut [0u8; 64]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
+        let took = started.elapsed();
+        assert!(took >= STOP_GRACE / 2 && took < 5 * STOP_GRACE, "{took:?}");
     }
 
     #[tokio::test]
