@@ -223,12 +223,16 @@ def test_views_a_transform_keeps_of_shards_stay_readable_after_their_eviction(da
         assert d.stop() == 0
 
 
+class Keys(list):
+    """A list of its own kind, to see it kept."""
+
+
 def keep_jpg_views(batch: dict[str, Any]) -> tuple[list[str], list[memoryview], np.ndarray, dict]:
-    """A batch_transform that returns the batch's own views, as they are, a numpy array, and a
-    defaultdict."""
+    """A batch_transform that returns the batch's own views, as they are, a numpy array, a
+    defaultdict and a list subclass."""
     counts: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
     counts["n"].append(len(batch["jpg"]))
-    return batch["__key__"], batch["jpg"], np.arange(len(batch["jpg"])), counts
+    return Keys(batch["__key__"]), batch["jpg"], np.arange(len(batch["jpg"])), counts
 
 
 def test_a_batch_transform_s_result_is_yielded_as_it_is(daemon, dataset) -> None:
@@ -241,6 +245,7 @@ def test_a_batch_transform_s_result_is_yielded_as_it_is(daemon, dataset) -> None
     for result in loader(str(root), daemon.addr, 0, batch_transform=keep_jpg_views):
         assert isinstance(result, tuple), type(result)
         keys, views, numbers, counts = result
+        assert isinstance(keys, Keys), type(keys)
         assert isinstance(counts, collections.defaultdict) and counts["missing"] == [], type(counts)
         assert all(isinstance(v, memoryview) for v in views), type(views[0])
         assert [bytes(v) for v in views] == [samples[k]["jpg"] for k in keys]

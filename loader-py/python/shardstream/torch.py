@@ -408,7 +408,13 @@ def _convert(data: Any) -> Any:
         items = [_convert(d) for d in data]
         return type(data)(*items) if hasattr(data, "_fields") else tuple(items)
     if isinstance(data, list):
-        return [_convert(d) for d in data]
+        items = [_convert(d) for d in data]
+        if type(data) is list:
+            return items
+        # A list of its own kind keeps it, as default_convert keeps it.
+        kept = copy.copy(data)
+        kept[:] = items
+        return kept
     return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
 
