@@ -131,7 +131,11 @@ fn copy(src: &Path, file: &File, tmp: &Path, len: u64) -> Result<u32> {
         pos += n as u64;
     }
     crate::metrics::storage_bytes("local", pos);
-    file.set_modified(modified).map_err(|e| Error::io("cannot set the modification time of", tmp, e))?;
+    if let Err(e) = file.set_modified(modified) {
+        // Not the copy's failure: without the time, its source is checked against the manifest
+        // again (once per open) instead of by one stat.
+        tracing::warn!(copy = %tmp.display(), error = %e, "cannot give a node-cache copy its source's modification time");
+    }
     Ok(crc)
 }
 
