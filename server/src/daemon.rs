@@ -162,13 +162,6 @@ impl BoundDaemon {
             crate::socket_file::prepare_dir(path, &config.socket_access)?;
         }
         config.cache_dir = create_private_cache_dir(&config.cache_dir)?;
-        // Opened (and locked) before the listener is bound: a daemon whose cache another one holds
-        // fails here, naming it, before it exists for clients. An embedded server's caller gets
-        // that error; opened after the bind, it showed a connection that failed, for good.
-        let (dir, size, policy) = (config.cache_dir.clone(), config.cache_size, config.cache_policy);
-        let cache = tokio::task::spawn_blocking(move || crate::cache::NodeCache::open(&dir, size, policy))
-            .await
-            .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
         let mut security = crate::remote::RemoteSecurity::default();
         let (listener, shm) = match &config.listen {
             Address::Unix(path) => {
@@ -207,6 +200,19 @@ impl BoundDaemon {
         if matches!(config.listen, Address::Unix(_)) && config.remote.any() {
             tracing::warn!("--tls-*, --tokens and --insecure apply to TCP listeners only; ignored on a Unix socket");
         }
+        // Opened (and locked) here, after the listener (whose errors, such as a socket directory
+        // the daemon may not write, come first) and before anyone is served: a daemon whose cache
+        // another one holds fails in `bind`, naming it, and its socket goes again. An embedded
+        // server's caller gets that error; opened later, it showed a connection that failed.
+        let mut unbind = Unbind(match &listener {
+            Listener::Unix(_, path) => Some(path.clone()),
+            Listener::Tcp(_) => None,
+        });
+        let (dir, size, policy) = (config.cache_dir.clone(), config.cache_size, config.cache_policy);
+        let cache = tokio::task::spawn_blocking(move || crate::cache::NodeCache::open(&dir, size, policy))
+            .await
+            .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
+        unbind.0 = None;
         Ok(Self { listener, security, shm, rdma, cache, config, metrics: Arc::default() })
     }
 
@@ -234,6 +240,8 @@ impl BoundDaemon {
         if let Some(addr) = self.config.metrics_addr {
             crate::metrics::install_exporter(addr)?;
             tracing::info!(%addr, "serving prometheus metrics");
+            // The cache's gauges were set as it opened, before there was an exporter to keep them.
+            self.cache.publish_gauges();
         }
         let cfg = &self.config;
         let cache = self.cache.clone();

@@ -356,7 +356,7 @@ impl NodeCache {
         }
     }
 
-    fn publish_gauges(&self) {
+    pub fn publish_gauges(&self) {
         let (used, capacity) = {
             let t = self.lock();
             (t.used(), t.capacity())
