@@ -8,7 +8,9 @@ SHARDSTREAM_SKIP_RDMA=1 says this host is known not to have it."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import io
 import json
 import os
 import re
@@ -16,7 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +35,7 @@ from test_parquet import TOTAL, epoch_rows
 
 import shardstream
 import shardstream.torch as sst
-from conftest import Daemon, hold_batches_until_warned, wait_for, within
+from conftest import SHARDSTREAM, Daemon, hold_batches_until_warned, wait_for, within
 
 # The pyarrow dataset of test_parquet.py (4 files, one codec and row-group size each).
 varied = test_parquet.varied
@@ -145,6 +149,30 @@ def test_a_batch_that_outgrows_its_ring_slot_is_refused_by_name(
     }
     assert len(got) == 200
     assert got["s00005"] == bytes([5]) * (400 << 10) and got["s00199"] == bytes([199]) * 512
+
+
+@pytest.mark.parametrize("slot_bytes", [(1 << 30) + 1, 1 << 62])
+def test_a_ring_slot_larger_than_a_daemon_stages_is_refused_by_name(
+    rdma_daemon, dataset, monkeypatch: pytest.MonkeyPatch, slot_bytes: int
+) -> None:
+    """SHARDSTREAM_RDMA_SLOT_BYTES past the 1 GiB a daemon stages is refused naming the variable,
+    by the client before it registers a ring of 4 such slots; 2^62 overflowed the ring's size and
+    panicked the client ("attempt to multiply with overflow")."""
+    root, _ = dataset
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(slot_bytes))
+    loader = shardstream.Loader(str(root), batch_size=16, connect=rdma_daemon.addr, transport="rdma")
+    with pytest.raises(shardstream.ShardstreamError) as e:
+        next(iter(loader))
+    assert "panicked" not in str(e.value)
+    assert re.search(rf"SHARDSTREAM_RDMA_SLOT_BYTES={slot_bytes} is larger than a daemon stages", str(e.value)), e.value
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(4 << 20))
+    assert (
+        sum(
+            len(b["__key__"])
+            for b in shardstream.Loader(str(root), batch_size=16, connect=rdma_daemon.addr, transport="rdma")
+        )
+        == 1003
+    )
 
 
 def test_parquet_rows_over_rdma_with_the_values_written(rdma_daemon, varied) -> None:
@@ -278,6 +306,57 @@ def test_rdma_from_a_daemon_without_it_names_why(dataset, tmp_path: Path) -> Non
             next(iter(shardstream.Loader(str(root), connect=d.addr, transport="rdma")))
     finally:
         d.stop()
+
+
+def test_a_daemon_serves_only_the_provider_it_opened_at_start(
+    dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain `serve --rdma` opened its provider at start-up (and reports it in status), but then
+    opened whatever a client named: `shm` or `udp;ofi_rxd` from a daemon that said tcp, and
+    `sockets`, over which every stream deadlocked after 4 batches. Another provider is now refused
+    by name, and `sockets` is refused at start."""
+    root, _ = dataset
+    monkeypatch.delenv("SHARDSTREAM_FI_PROVIDER", raising=False)
+    monkeypatch.delenv("FI_PROVIDER", raising=False)
+    d = Daemon(tmp_path / "d", args=["--insecure", "--rdma"], addr=f"tcp://127.0.0.1:{_port()}").start()
+    try:
+        opened = d.status()["rdma_provider"]
+        other = "shm" if not opened.startswith("shm") else "tcp"
+        for named in (other, "sockets"):
+            monkeypatch.setenv("SHARDSTREAM_FI_PROVIDER", named)
+            got = within(
+                60, lambda: next(iter(shardstream.Loader(str(root), batch_size=16, connect=d.addr, transport="rdma")))
+            )
+            assert isinstance(got, ValueError), got
+            assert "no common provider" in str(got) and f'"{named}"' in str(got), got
+        monkeypatch.setenv("SHARDSTREAM_FI_PROVIDER", opened)
+        assert (
+            sum(
+                len(b["__key__"])
+                for b in shardstream.Loader(str(root), batch_size=16, connect=d.addr, transport="rdma")
+            )
+            == 1003
+        )
+    finally:
+        assert d.stop() == 0
+    out = subprocess.run(
+        [
+            SHARDSTREAM,
+            "serve",
+            "--listen",
+            f"tcp://127.0.0.1:{_port()}",
+            "--insecure",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--rdma",
+            "--rdma-provider",
+            "sockets",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "sockets" in out.stderr and "not supported" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("daemon_value", [None, "8192"])
@@ -676,3 +755,148 @@ def test_a_client_that_leaves_while_its_stream_waits_for_staging_room_frees_the_
         if waiter is not None and waiter.poll() is None:
             waiter.kill()
         assert d.stop() == 0
+
+
+# The daemon's anonymous memory over test_rdma_streams_give_their_endpoint_memory_back: with the
+# trim its peak measured 88-122 MiB (the stream's pools, until the trim after it ends); without it
+# it grew every few streams, 350-380 MiB after 20 (debug and release builds alike).
+RSS_BOUND_KIB = 200 << 10
+
+
+def _rss_anon_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
+
+
+def test_rdma_streams_give_their_endpoint_memory_back(tmp_path: Path) -> None:
+    """Every rdma stream opens an endpoint whose libfabric pools (rxm's buffers, a few tens of
+    MiB) are malloc'ed, and `serve` keeps freed heap memory for reuse (malloc.rs): without a trim
+    when the stream's sender goes, the daemon's RSS grew by each stream's pools, up to ~0.5 GB,
+    and never shrank. One stream at a time here, so what stays is a single stream's worth."""
+    rows = 1000
+    root = tmp_path / "data"
+    root.mkdir()
+    for s in range(0, rows, 100):
+        with tarfile.open(root / f"shard-{s // 100:06d}.tar", "w") as tf:
+            for i in range(s, s + 100):
+                data = os.urandom(20000)
+                ti = tarfile.TarInfo(f"s{i:06d}.bin")
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+    d = tcp_daemon(tmp_path)
+    try:
+        assert d.proc is not None
+        peak = 0
+        for epoch in range(20):
+            loader = shardstream.Loader(str(root), batch_size=16, connect=d.addr, transport="rdma", seed=1)
+            loader.set_epoch(epoch)
+            assert sum(len(b["__key__"]) for b in loader) == rows
+            del loader
+            assert wait_for(lambda: d.status()["rdma_streams"] == 0, timeout=10)
+            peak = max(peak, _rss_anon_kib(d.proc.pid))
+        assert peak < RSS_BOUND_KIB, f"daemon RssAnon reached {peak} KiB over 20 one-at-a-time rdma streams"
+    finally:
+        assert d.stop() == 0
+
+
+@contextlib.contextmanager
+def _rewriting_relay(daemon_addr: str, ip: str, port: int) -> Iterator[tuple[str, list[int]]]:
+    """A plaintext TCP relay to the daemon that rewrites the client's tcp endpoint name (a
+    sockaddr_in on 127.0.0.1) in the requests to `ip`:`port`, as a client could send: yields the
+    address to connect to and the list of rewrites done."""
+    relay = socket.socket()
+    relay.bind(("127.0.0.1", 0))
+    relay.listen(5)
+    relay.settimeout(0.2)
+    dport = int(daemon_addr.rsplit(":", 1)[1])
+    name = re.compile(rb"\x02\x00..\x7f\x00\x00\x01\x00{8}", re.S)
+    new = b"\x02\x00" + port.to_bytes(2, "big") + socket.inet_aton(ip) + b"\x00" * 8
+    rewrites: list[int] = []
+    done = threading.Event()
+
+    def pipe(a: socket.socket, b: socket.socket, rewrite: bool) -> None:
+        try:
+            while data := a.recv(65536):
+                if rewrite:
+                    data, n = name.subn(new, data)
+                    rewrites.extend([port] * n)
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                c, _ = relay.accept()
+            except TimeoutError:
+                continue
+            c.settimeout(None)
+            u = socket.create_connection(("127.0.0.1", dport))
+            threading.Thread(target=pipe, args=(c, u, True), daemon=True).start()
+            threading.Thread(target=pipe, args=(u, c, False), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"tcp://127.0.0.1:{relay.getsockname()[1]}", rewrites
+    finally:
+        done.set()
+        relay.close()
+
+
+def test_an_rdma_offer_naming_another_hosts_endpoint_is_refused(dataset, rdma_daemon) -> None:
+    """The daemon connects to the endpoint address in the request's rdma_offer and writes to it:
+    an authenticated client could name any host and port and have the daemon open connections
+    there. A relay rewrites the client's endpoint name (a sockaddr_in for tcp) in the plaintext
+    request from 127.0.0.1 to a listener on 127.0.0.2: refused as PermissionDenied naming both
+    addresses, and the listener is never connected to."""
+    root, _ = dataset
+    victim = socket.socket()
+    victim.bind(("127.0.0.2", 0))
+    victim.listen(5)
+    victim.settimeout(0.2)
+    try:
+        with _rewriting_relay(rdma_daemon.addr, "127.0.0.2", victim.getsockname()[1]) as (addr, rewrites):
+            got = within(
+                60, lambda: next(iter(shardstream.Loader(str(root), batch_size=16, connect=addr, transport="rdma")))
+            )
+        assert rewrites, "the relay found no endpoint name to rewrite"
+        contacted = False
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not contacted:
+            try:
+                victim.accept()[0].close()
+                contacted = True
+            except TimeoutError:
+                pass
+        assert not contacted, "the daemon connected to the address the offer named"
+        assert isinstance(got, PermissionError), got
+        assert "127.0.0.2" in str(got) and "127.0.0.1" in str(got), got
+    finally:
+        victim.close()
+
+
+def test_a_client_endpoint_the_daemon_cannot_reach_fails_the_stream_by_name(dataset, rdma_daemon) -> None:
+    """A daemon whose writes cannot reach the client's endpoint (a port refused here; a firewall
+    or no route elsewhere) saw the provider's queue stay full, and waited for as long as the
+    client's gRPC stream stayed open: the stream hung for good. Nothing completing within the
+    daemon's first-completion wait (30 s) now fails it, naming the address it could not reach."""
+    root, _ = dataset
+    closed = _port()
+    with _rewriting_relay(rdma_daemon.addr, "127.0.0.1", closed) as (addr, rewrites):
+        started = time.monotonic()
+        got = within(
+            90, lambda: next(iter(shardstream.Loader(str(root), batch_size=16, connect=addr, transport="rdma")))
+        )
+    assert rewrites, "the relay found no endpoint name to rewrite"
+    # Unavailable, as every rdma stream the daemon loses: ConnectionError.
+    assert isinstance(got, ConnectionError), got
+    assert f"could not reach the client's rdma endpoint at 127.0.0.1:{closed}" in str(got), got
+    assert time.monotonic() - started < 60
+    # The failed stream's endpoint is closed as it ends.
+    assert wait_for(lambda: rdma_daemon.status()["rdma_streams"] == 0, timeout=10)
