@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use shardstream_fabric::handoff::Progressed;
-use shardstream_fabric::stream::{RingReceiver, open_endpoint_toward};
+use shardstream_fabric::stream::{MAX_SLOT_BYTES, RingReceiver, open_endpoint_toward};
 use shardstream_proto::{ArrowBatch, InlineBatch, RdmaBatch, RdmaOffer};
 
 use crate::ClientError;
@@ -116,6 +116,14 @@ impl RdmaRing {
             })
             .transpose()?
             .unwrap_or(DEFAULT_SLOT_BYTES);
+        // Refused here, before a ring of 4 such slots is registered (a huge value overflowed the
+        // ring's size and panicked): no daemon would stage slots past this anyway.
+        if slot_bytes > MAX_SLOT_BYTES {
+            return Err(err(format!(
+                "SHARDSTREAM_RDMA_SLOT_BYTES={slot_bytes} is larger than a daemon stages ({MAX_SLOT_BYTES} bytes \
+                 at most); use smaller batches, or transport=\"shm\" on the same host"
+            )));
+        }
         let ep = open_endpoint_toward(provider, 64, daemon).map_err(err)?;
         let rx =
             RingReceiver::new(ep, RDMA_SLOTS, usize::try_from(slot_bytes).map_err(err)?, first_batch).map_err(err)?;

@@ -40,6 +40,11 @@ pub enum StreamError {
     TooLarge { len: usize, slot_bytes: usize },
     #[error("malformed RELEASE message of {0} bytes")]
     BadRelease(usize),
+    #[error(
+        "the daemon could not reach the client's rdma endpoint at {address}: nothing completed in {waited:?} \
+         (a firewall, or an address the daemon has no route to)"
+    )]
+    Unreachable { address: String, waited: Duration },
     #[error("a staged batch was posted to a sender that did not lend it, or twice")]
     NotStaged,
     #[error("a wait (for a credit, room in the queue or the client's last releases) was given up: the stream ended")]
@@ -47,6 +52,29 @@ pub enum StreamError {
 }
 
 pub type StreamResult<T> = std::result::Result<T, StreamError>;
+
+/// Largest ring slot a daemon stages (it keeps a few batches of a slot's size in registered
+/// memory per stream): a client refuses a larger SHARDSTREAM_RDMA_SLOT_BYTES before it registers
+/// anything, and the daemon refuses a larger offer.
+pub const MAX_SLOT_BYTES: u64 = 1 << 30;
+
+/// How long a daemon waits for the first completion of a stream (a write landing, a release
+/// arriving) before it gives up on reaching the client's endpoint: an address refused or
+/// blackholed otherwise left the provider's queue full for as long as the client's gRPC stream
+/// stayed open, the stream hung for good. A reachable client completes its first write in
+/// milliseconds; later stalls (a trainer holding its batches) are the caller's to judge.
+pub const FIRST_COMPLETION_WAIT: Duration = Duration::from_secs(30);
+
+/// An endpoint name for messages: `ip:port` for socket-address providers, else its length.
+pub fn describe_name(name: &[u8]) -> String {
+    match crate::objects::name_ip(name) {
+        // sockaddr_in and sockaddr_in6 both keep the port, big-endian, at bytes 2..4.
+        Some(ip) if name.len() >= 4 => {
+            std::net::SocketAddr::new(ip, u16::from_be_bytes([name[2], name[3]])).to_string()
+        }
+        _ => format!("a {}-byte provider address", name.len()),
+    }
+}
 
 /// Opens fabric, domain, completion queue and endpoint for one side.
 pub fn open_endpoint(provider: Option<&str>, contexts: usize) -> crate::Result<Endpoint> {
@@ -140,13 +168,17 @@ impl Drop for Lent {
 impl<M> RingReceiver<M> {
     /// Registers a ring of `slots` x `slot_bytes` (bytes rounded up to pages).
     pub fn new(ep: Endpoint, slots: u32, slot_bytes: usize, first_batch: u64) -> StreamResult<Self> {
-        let slot_bytes = slot_bytes.max(1).div_ceil(4096) * 4096;
+        // Checked: the size comes from the environment (SHARDSTREAM_RDMA_SLOT_BYTES), and a huge one
+        // overflowed here (a panic in the client) instead of being refused.
+        let too_large = || StreamError::TooLarge { len: slot_bytes, slot_bytes: MAX_SLOT_BYTES as usize };
+        let slot_bytes = slot_bytes.max(1).div_ceil(4096).checked_mul(4096).ok_or_else(too_large)?;
+        let ring_bytes = (slots as usize).checked_mul(slot_bytes).ok_or_else(too_large)?;
         let arrivals = Arrivals::new(slots, first_batch).ok_or(StreamError::Protocol(ProtocolError::NoSuchSlot {
             imm: 0,
             slot: slots,
             slots,
         }))?;
-        let ring = MemoryRegion::new(&ep, slots as usize * slot_bytes, ffi::FI_REMOTE_WRITE)?;
+        let ring = MemoryRegion::new(&ep, ring_bytes, ffi::FI_REMOTE_WRITE)?;
         // Receives stay posted on every provider, not only where FI_RX_CQ_DATA says so: shm
         // (1.17) reports remote CQ data only against a posted receive, without asking for it.
         let rx_posts = slots as usize;
@@ -436,6 +468,14 @@ pub struct RingSender {
     finished: bool,
     /// Completions read while a receive waited for room in the queue, handled by the next pump.
     backlog: Vec<Completion>,
+    /// When the first write was attempted, and whether anything has completed since: until
+    /// something does, the client's endpoint may be unreachable ([`FIRST_COMPLETION_WAIT`]).
+    /// Counted from the first write, not the open: building the first batch may take long (a
+    /// cold shard download), and nothing can complete before a write is posted.
+    first_post: Option<Instant>,
+    reached: bool,
+    /// The client's endpoint, for the error when it is never reached.
+    client_name: String,
 }
 
 impl RingSender {
@@ -470,6 +510,9 @@ impl RingSender {
             peak_in_use: 0,
             finished: false,
             backlog: Vec::new(),
+            first_post: None,
+            reached: false,
+            client_name: describe_name(&offer.name),
         };
         for i in 0..release_posts {
             me.post_release(i)?;
@@ -495,6 +538,9 @@ impl RingSender {
     fn pump(&mut self, wait: Option<Duration>) -> StreamResult<bool> {
         let done = take_completions(&self.ep, &mut self.backlog, wait)?;
         let any = !done.is_empty();
+        // A failed completion is returned below as the error; any other shows the client's
+        // endpoint was reached.
+        self.reached |= done.iter().any(|c| !matches!(c, Completion::Failed { .. }));
         for c in done {
             match c {
                 Completion::Written { op } => {
@@ -569,6 +615,7 @@ impl RingSender {
             if !waiting() {
                 return Err(StreamError::Stopped);
             }
+            self.check_reached()?;
             self.pump(Some(Duration::from_millis(200)))?;
         };
         self.peak_in_use = self.peak_in_use.max(self.tx.in_use());
@@ -581,6 +628,17 @@ impl RingSender {
         if self.owns(&staged) {
             self.staging_slot[staged.stage] = Stage::Free;
             self.tx.failed(staged.slot);
+        }
+    }
+
+    /// [`StreamError::Unreachable`] once nothing has completed for [`FIRST_COMPLETION_WAIT`]
+    /// since the first write was attempted: checked where the sender waits for the provider.
+    fn check_reached(&self) -> StreamResult<()> {
+        match self.first_post.map(|t| t.elapsed()) {
+            Some(waited) if !self.reached && waited >= FIRST_COMPLETION_WAIT => {
+                Err(StreamError::Unreachable { address: self.client_name.clone(), waited })
+            }
+            _ => Ok(()),
         }
     }
 
@@ -618,6 +676,7 @@ impl RingSender {
             me.staging_slot[stage] = Stage::Free;
             me.tx.failed(slot);
         };
+        self.first_post.get_or_insert_with(Instant::now);
         let data = u64::from(self.imm.encode(batch, slot));
         let remote_offset = u64::from(slot) * self.slot_bytes as u64;
         loop {
@@ -638,6 +697,10 @@ impl RingSender {
                     if !waiting() {
                         fail(self);
                         return Err(StreamError::Stopped);
+                    }
+                    if let Err(e) = self.check_reached() {
+                        fail(self);
+                        return Err(e);
                     }
                     if let Err(e) = self.pump(Some(Duration::from_millis(1))) {
                         fail(self);
@@ -768,4 +831,18 @@ fn take_completions(
     let mut done = std::mem::take(backlog);
     done.extend(ep.poll(if done.is_empty() { wait } else { None })?);
     Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreachable_endpoint_is_named_by_its_socket_address() {
+        // sockaddr_in: AF_INET, port 8080, 10.0.0.7.
+        let mut name = vec![2, 0, 0x1f, 0x90, 10, 0, 0, 7];
+        name.extend_from_slice(&[0; 8]);
+        assert_eq!(describe_name(&name), "10.0.0.7:8080");
+        assert_eq!(describe_name(b"fi_shm://1"), "a 10-byte provider address");
+    }
 }

@@ -344,7 +344,17 @@ impl Shardstream for Service {
                 self.max_streams
             ))
         })?;
+        // The daemon connects to the endpoint an rdma offer names (whichever transport the request
+        // asks for, "auto" may become rdma): only the asking client's own.
+        let peer = match request.remote_addr() {
+            Some(a) => transport::rdma::RequestPeer::Ip(a.ip()),
+            None if same_host => transport::rdma::RequestPeer::ThisHost,
+            None => transport::rdma::RequestPeer::Unknown,
+        };
         let req = request.into_inner();
+        if let Some(offer) = &req.rdma_offer {
+            transport::rdma::check_offer_peer(offer, peer).map_err(Status::permission_denied)?;
+        }
         let ds = self.open(req.url.clone(), req.cache.clone(), admission).await.map_err(to_status)?;
         let hub = self.shm.clone().filter(|_| same_host);
         let rdma = self.rdma.clone();

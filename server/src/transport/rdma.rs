@@ -29,12 +29,16 @@ pub const RDMA_WINDOW: usize = 4;
 /// in registered (pinned) memory per stream, 4 GiB at most, and all streams together within
 /// `--rdma-budget` ([`RdmaHub::staging`]). A batch is one slot; larger batches
 /// go over shared memory or inline, which splits them.
-pub const MAX_SLOT_BYTES: u64 = 1 << 30;
+/// The fabric crate's, which clients check too.
+pub const MAX_SLOT_BYTES: u64 = shardstream_fabric::stream::MAX_SLOT_BYTES;
 
 /// The most ring slots a client may offer. The daemon posts a receive per slot (and a few more)
 /// for the slots' releases, and a provider's receive queue is bounded (2,044 with tcp;ofi_rxm,
 /// less on some NICs); the client uses 4 (its read-ahead and the batch in use).
 pub const MAX_SLOTS: u32 = 256;
+/// libfabric's `sockets` provider: the daemon's receives for the client's releases never complete
+/// over it (libfabric 1.17), so a stream deadlocks once its first [`RDMA_WINDOW`] writes are out.
+const UNSUPPORTED_PROVIDER: &str = "sockets";
 /// How long the progress thread waits in libfabric at a time; a sender that wants the stream
 /// wakes it sooner ([`shardstream_fabric::CompletionQueue::signal`]).
 const PROGRESS_WAIT: Duration = Duration::from_millis(20);
@@ -42,8 +46,8 @@ const PROGRESS_WAIT: Duration = Duration::from_millis(20);
 /// The daemon's rdma settings and counters.
 #[derive(Debug)]
 pub struct RdmaHub {
-    /// The provider every stream uses (`--rdma-provider`, SHARDSTREAM_FI_PROVIDER or
-    /// FI_PROVIDER); None: the client's.
+    /// The provider asked for at start (`--rdma-provider`, SHARDSTREAM_FI_PROVIDER or
+    /// FI_PROVIDER); None: libfabric's first, and streams open [`Self::opened`].
     provider: Option<String>,
     /// The provider the start-up check opened.
     pub opened: String,
@@ -61,6 +65,13 @@ impl RdmaHub {
         let provider = provider.or_else(shardstream_fabric::forced_provider);
         let fabric = shardstream_fabric::Fabric::open(provider.as_deref())
             .map_err(|e| Error::invalid(format!("--rdma: {e}")))?;
+        if shardstream_fabric::core_provider(fabric.provider()) == UNSUPPORTED_PROVIDER {
+            return Err(Error::invalid(format!(
+                "--rdma: provider {:?} is not supported: the client's credits (its slot releases) never \
+                 arrive over it, so every stream stalls after {RDMA_WINDOW} batches; use tcp, verbs or efa",
+                fabric.provider()
+            )));
+        }
         Ok(Self {
             provider,
             opened: fabric.provider().to_owned(),
@@ -76,17 +87,17 @@ impl RdmaHub {
     /// until `cancelled` (the client left, the daemon is stopping).
     pub fn open_stream(self: &Arc<Self>, offer: &RdmaOffer, cancelled: &dyn Fn() -> bool) -> Result<RdmaStream> {
         check_offer(offer)?;
-        let provider = match &self.provider {
-            Some(p) if !same_provider(p, &offer.provider) => {
-                return Err(Error::invalid(format!(
-                    "transport \"rdma\": no common provider: the client opened {:?}, this daemon uses {p:?} \
-                     (set SHARDSTREAM_FI_PROVIDER on the client)",
-                    offer.provider
-                )));
-            }
-            Some(p) => p.clone(),
-            None => offer.provider.clone(),
-        };
+        // Only the provider the start-up check opened (the one status reports), whatever the
+        // client names: a daemon that opened the client's choice served providers it had never
+        // checked, `sockets` among them, whose streams deadlock.
+        if !same_provider(&self.opened, &offer.provider) {
+            return Err(Error::invalid(format!(
+                "transport \"rdma\": no common provider: the client opened {:?}, this daemon uses {:?} \
+                 (set SHARDSTREAM_FI_PROVIDER on the client)",
+                offer.provider, self.opened
+            )));
+        }
+        let provider = self.provider.clone().unwrap_or_else(|| self.opened.clone());
         // rxm (under tcp and verbs) stalls every write when the two ends' settings differ:
         // refuse now, by name, instead of a stream that times out.
         if offer.provider.contains("rxm") {
@@ -134,6 +145,7 @@ impl RdmaHub {
         self.ring_bytes.fetch_add(offer.ring_bytes, Ordering::Relaxed);
         Ok(RdmaStream {
             sender,
+            _trim: TrimAfterEndpoint,
             hub: self.clone(),
             address,
             provider,
@@ -141,6 +153,53 @@ impl RdmaHub {
             _staging: reservation,
         })
     }
+}
+
+/// Where a stream's gRPC request came from, for [`check_offer_peer`].
+#[derive(Debug, Clone, Copy)]
+pub enum RequestPeer {
+    /// A TCP (or TLS) client at this address.
+    Ip(std::net::IpAddr),
+    /// A client on the Unix socket: on this host.
+    ThisHost,
+    /// Neither is known.
+    Unknown,
+}
+
+/// Refuses an offer whose endpoint is not the requesting client's own: the daemon connects to the
+/// address in `rdma_offer.address` and writes to it, so an authenticated client could otherwise
+/// make it open connections to any host and port it names. For socket-address providers (tcp,
+/// verbs over IP, ...) the address's IP must be the gRPC peer's; a Unix-socket client is on this
+/// host, so its endpoint must be on one of this host's addresses. Provider-specific names (no IP
+/// in them: shm, efa) cannot point past the provider's own fabric and are left to it.
+/// The error is the message of the PermissionDenied status the request gets.
+pub fn check_offer_peer(offer: &RdmaOffer, peer: RequestPeer) -> std::result::Result<(), String> {
+    let Some(ip) = shardstream_fabric::objects::name_ip(&offer.address) else {
+        return Ok(());
+    };
+    let (ok, expected) = match peer {
+        RequestPeer::Ip(p) => (same_ip(p, ip), p.to_string()),
+        // Binding succeeds only to an address of this host (EADDRNOTAVAIL otherwise): the client
+        // opened its endpoint on whichever of them libfabric picked, the loopback or another.
+        RequestPeer::ThisHost => (
+            ip.is_loopback() || std::net::UdpSocket::bind((ip, 0)).is_ok(),
+            "an address of this host (the client is on its Unix socket)".to_owned(),
+        ),
+        RequestPeer::Unknown => (false, "unknown (no peer address for the request)".to_owned()),
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(format!(
+        "transport \"rdma\": the client's rdma endpoint address {ip} is not the client's own (its gRPC peer \
+         address is {expected}): the daemon connects only to the endpoint of the client that asks"
+    ))
+}
+
+/// Equal IPs, an IPv4 address and its IPv6-mapped form alike (a dual-stack listener reports the
+/// peer as ::ffff:a.b.c.d).
+fn same_ip(a: std::net::IpAddr, b: std::net::IpAddr) -> bool {
+    a.to_canonical() == b.to_canonical()
 }
 
 /// Refuses an offer the daemon cannot or will not serve before anything is opened or registered
@@ -189,6 +248,8 @@ pub struct RdmaStream {
     /// First, so it is dropped (its staging buffers deregistered and freed) before the
     /// reservation below gives their bytes back.
     pub sender: RingSender,
+    /// Declared right after the sender, so dropped right after it: gives the endpoint's memory back.
+    _trim: TrimAfterEndpoint,
     hub: Arc<RdmaHub>,
     pub address: Vec<u8>,
     pub provider: String,
@@ -200,6 +261,23 @@ impl Drop for RdmaStream {
     fn drop(&mut self) {
         self.hub.streams.fetch_sub(1, Ordering::Relaxed);
         self.hub.ring_bytes.fetch_sub(self.ring_bytes, Ordering::Relaxed);
+    }
+}
+
+/// Returns the heap's free memory to the kernel once a stream's endpoint is closed. libfabric
+/// (rxm's buffer pools under tcp and verbs) mallocs tens of MiB per endpoint, and `serve` keeps
+/// freed heap memory for reuse (`crate::malloc`): without this, every stream's pools stayed in
+/// glibc's arenas after the stream ended and the daemon's RSS grew to ~0.5 GB, never shrinking.
+struct TrimAfterEndpoint;
+
+impl Drop for TrimAfterEndpoint {
+    fn drop(&mut self) {
+        // A trim walks every arena (a few ms over a large heap): on a thread of its own, since the
+        // stream may end on an async worker. Without a thread (the process is at its limit), here.
+        let spawned = std::thread::Builder::new().name("shardstream-rdma-trim".into()).spawn(crate::malloc::trim);
+        if spawned.is_err() {
+            crate::malloc::trim();
+        }
     }
 }
 
@@ -302,6 +380,30 @@ mod tests {
         // held a daemon thread (and, once room came, a registration) for nothing.
         assert!(start.elapsed() < Duration::from_secs(5), "waited {:?}", start.elapsed());
         assert!(e.to_string().contains("cancelled"), "{e}");
+    }
+
+    #[test]
+    fn an_offer_must_name_the_asking_clients_own_address() {
+        // A sockaddr_in as libfabric's tcp provider names an endpoint (AF_INET, port, IPv4).
+        let name = |ip: [u8; 4]| {
+            let mut n = vec![2, 0, 0x1f, 0x90];
+            n.extend_from_slice(&ip);
+            n.extend_from_slice(&[0; 8]);
+            n
+        };
+        let offer = |ip| RdmaOffer { address: name(ip), ..Default::default() };
+        let peer = |s: &str| RequestPeer::Ip(s.parse().expect("an IP"));
+        assert!(check_offer_peer(&offer([10, 0, 0, 7]), peer("10.0.0.7")).is_ok());
+        // A dual-stack listener reports an IPv4 peer in its IPv6-mapped form.
+        assert!(check_offer_peer(&offer([10, 0, 0, 7]), peer("::ffff:10.0.0.7")).is_ok());
+        let e = check_offer_peer(&offer([192, 0, 2, 1]), peer("10.0.0.7")).expect_err("another host");
+        assert!(e.contains("192.0.2.1") && e.contains("10.0.0.7"), "{e}");
+        assert!(check_offer_peer(&offer([127, 0, 0, 1]), RequestPeer::ThisHost).is_ok());
+        assert!(check_offer_peer(&offer([192, 0, 2, 1]), RequestPeer::ThisHost).is_err());
+        assert!(check_offer_peer(&offer([127, 0, 0, 1]), RequestPeer::Unknown).is_err());
+        // No IP in the name (shm, efa): the provider's own fabric, nothing to compare.
+        let shm = RdmaOffer { address: b"fi_shm://1234".to_vec(), ..Default::default() };
+        assert!(check_offer_peer(&shm, peer("10.0.0.7")).is_ok());
     }
 
     #[test]
