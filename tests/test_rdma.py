@@ -836,6 +836,8 @@ def _rewriting_relay(daemon_addr: str, ip: str, port: int) -> Iterator[tuple[str
                 c, _ = relay.accept()
             except TimeoutError:
                 continue
+            except OSError:
+                return  # closed as the test ends
             c.settimeout(None)
             u = socket.create_connection(("127.0.0.1", dport))
             threading.Thread(target=pipe, args=(c, u, True), daemon=True).start()
