@@ -195,8 +195,8 @@ def test_a_remote_connect_to_a_frozen_daemon_is_a_connection_error_within_the_tc
         monkeypatch.setenv(k, v)  # the fixture's readiness probe connects as a trainer does
     d = Daemon(tmp_path / "d", addr=f"{scheme}://127.0.0.1:{port}", args=security)
     d.tmp.mkdir()
-    d.start()
     try:
+        d.start()  # inside: a start that fails still has its process stopped below
         d.proc.send_signal(signal.SIGSTOP)
         code = (
             "import shardstream, sys, time\n"
@@ -213,8 +213,9 @@ def test_a_remote_connect_to_a_frozen_daemon_is_a_connection_error_within_the_tc
         waited = float(r.stdout.split()[0])
         assert waited < 8, r.stdout
     finally:
-        d.proc.send_signal(signal.SIGCONT)
-        assert d.stop() == 0
+        if d.proc is not None:
+            d.proc.send_signal(signal.SIGCONT)
+            assert d.stop() == 0
 
 
 EMBEDDED_ON_A_HELD_CACHE = """
