@@ -458,9 +458,9 @@ fn no_answer(addr: &str, detail: String) -> ClientError {
     let hint = if !addr.starts_with("tls://") {
         "is it a tls:// listener, another service, or a host that does not answer?"
     } else if detail.contains("Certificate") || detail.contains("UnknownCA") {
-        "the daemon refused this client's certificate: it requires one (--tls-client-ca) signed by a CA \
-         it trusts and not expired; this client sends the one SHARDSTREAM_TLS_CLIENT_CERT and \
-         SHARDSTREAM_TLS_CLIENT_KEY name"
+        "the daemon refused this client's certificate, or its lack of one: it requires a client \
+         certificate (--tls-client-ca) signed by a CA it trusts and not expired; this client sends the \
+         one SHARDSTREAM_TLS_CLIENT_CERT and SHARDSTREAM_TLS_CLIENT_KEY name"
     } else {
         "is it a shardstream tls:// listener, a host that does not answer, or a daemon that requires a \
          client certificate (--tls-client-ca) this client does not send or that it refuses \
