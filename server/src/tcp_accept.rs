@@ -364,10 +364,15 @@ impl Stop {
         written
     }
 
+    /// Whether the daemon is stopping (when not yet, the reader is woken when it does).
+    fn stopped(&mut self, cx: &mut Context<'_>) -> bool {
+        self.token.is_cancelled() || self.stopping.as_mut().poll(cx).is_ready()
+    }
+
     /// Whether the connection is to end now: the daemon is stopping and nothing moved on it for
     /// [`STOP_GRACE`] (when not yet, the reader is woken when it will be).
     fn quiet_past_grace(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.token.is_cancelled() && self.stopping.as_mut().poll(cx).is_pending() {
+        if !self.stopped(cx) {
             return false;
         }
         let until = self.last_io + STOP_GRACE;
@@ -382,7 +387,6 @@ impl Stop {
 
 struct Waiting {
     deadline: Pin<Box<Sleep>>,
-    stopping: Pin<Box<WaitForCancellationFutureOwned>>,
     read: usize,
     peer: SocketAddr,
     /// Released with the preface (or the connection).
@@ -395,8 +399,7 @@ impl<IO> PrefaceDeadline<IO> {
         let token = counted.0.shutdown.clone();
         let stop =
             Stop { stopping: Box::pin(token.clone().cancelled_owned()), token, last_io: Instant::now(), grace: None };
-        let stopping = Box::pin(counted.0.shutdown.clone().cancelled_owned());
-        Self { inner, waiting: Some(Waiting { deadline, stopping, read: 0, peer, counted }), stop }
+        Self { inner, waiting: Some(Waiting { deadline, read: 0, peer, counted }), stop }
     }
 }
 
@@ -434,7 +437,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
                 Poll::Ready(Ok(()))
             }
             // Bytes that came are taken even at the deadline; only a wait past it fails.
-            Poll::Pending if waiting.stopping.as_mut().poll(cx).is_ready() => Poll::Ready(Err(io::Error::new(
+            Poll::Pending if this.stop.stopped(cx) => Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "the daemon is shutting down, and this connection has sent no HTTP/2 request",
             ))),

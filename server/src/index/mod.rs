@@ -393,8 +393,8 @@ pub struct Dataset {
     /// Per shard read in place: 1 + the modification time (ns) of the file verified against the
     /// manifest; 0 before it was.
     verified_mtime: Vec<AtomicU64>,
-    /// Per shard (`copy` mode, local sources): its node-cache copy, made before this dataset was
-    /// opened, was found newer than its source (or fetched by this dataset).
+    /// Per shard (`copy` mode, local sources): its node-cache copy is known to hold its source's
+    /// bytes, checked by this dataset ([`Self::current_copy`]) or fetched by it.
     copy_current: Vec<AtomicBool>,
     /// A local shard was found changed (another length or mtime) or gone since the dataset was
     /// listed: the registry lists it again at the next open instead of trusting its directory.
@@ -665,9 +665,9 @@ impl Dataset {
 
     /// Refuses the node-cache copy of local shard `i` (at `path`) when its source is no longer
     /// as listed, the first time it is used after an open that listed nothing: one `stat`, where
-    /// a shard read in place costs an open and its `fstat`.
-    /// Its `stat`, and the open count to record as checked once the copy is known to be the
-    /// source's ([`Self::current_copy`]), when it took one.
+    /// a shard read in place costs an open and its `fstat`. Gives that `stat` when it took one,
+    /// with the open count to record as checked once the copy is known to be the source's
+    /// ([`Self::current_copy`]).
     fn check_copy_source(&self, i: usize, path: &Path, meta: &ShardMeta) -> Result<Option<(std::fs::Metadata, u64)>> {
         let opens = self.unlisted_opens.load(Ordering::Acquire);
         if self.source_checked[i].load(Ordering::Acquire) >= opens {
