@@ -310,7 +310,8 @@ class Loader:
 
     Parquet datasets (a sample is a row; ``fields`` selects columns): with ``format="dict"`` (the
     default) each column is a numpy array (fixed-width types, zero copy; a ``numpy.ma.MaskedArray``
-    when it has nulls, never a silent fill), a list of memoryviews (binary), or a list of str, plus
+    in every batch when it may hold a null anywhere in the dataset, never a silent fill), a list
+    of memoryviews (binary), or a list of str, plus
     ``"__key__"`` (a ``__key__``/``key`` column, fetched for the keys alone when ``fields`` leaves
     it out; else the row id as str) and ``"__row__"`` (the rows' ids, ``uint64``). With
     ``format="arrow"`` each batch is a ``pyarrow.RecordBatch`` whose buffers lie in the

@@ -13,12 +13,16 @@ slice, array or memoryview made from it are gone.
 ``to_dict`` is the default form (what ``Loader(..., format="dict")`` yields):
 
 - fixed-width columns (integers, floats, timestamps, durations): a 1-D numpy array over the Arrow
-  buffer, without a copy. With nulls, a ``numpy.ma.MaskedArray``: its data is still the Arrow
-  buffer (zero copy; the values under masked entries are whatever the writer left there), its mask
-  a new boolean array. Nothing is filled in silently. Booleans are bit-packed in Arrow, so they
-  become a new ``bool`` array (a copy), masked the same way.
+  buffer, without a copy. A column that may hold a null anywhere in the dataset is a
+  ``numpy.ma.MaskedArray`` in every batch (in those without a null too, its mask all false), so
+  its form never changes mid-epoch: its data is still the Arrow buffer (zero copy; the values
+  under masked entries are whatever the writer left there), its mask a new boolean array. Nothing
+  is filled in silently. The daemon knows which columns may hold one from the files' footers
+  (each column chunk's statistics count its nulls) and marks them (``NULLS_KEY`` in the field's
+  metadata); a file written without statistics cannot show a column null-free. Booleans are
+  bit-packed in Arrow, so they become a new ``bool`` array (a copy), masked the same way.
 - ``fixed_size_list`` of a fixed-width type (embeddings, token blocks): one 2-D array
-  ``(rows, list_size)`` over the values buffer, masked by row when lists are null.
+  ``(rows, list_size)`` over the values buffer, masked by row the same way.
 - ``list``/``large_list`` of a fixed-width type: a list of 1-D array views (None for a null list).
 - lists of lists (any of the three list types, at any depth) of a fixed-width type, as Hugging Face
   ``Array2D``/``Array3D`` and ``Sequence(Sequence(...))`` features are stored (their extension
@@ -398,11 +402,14 @@ def _binary_views(arr: pa.Array, copy: bool) -> list[Any]:
 _VIEW = np.dtype([("len", "<i4"), ("prefix", "S4"), ("buf", "<i4"), ("off", "<i4")])
 
 
-def column_value(arr: pa.Array, copy: bool = False) -> Any:
-    """One column in the dict form (see the module docs)."""
+def column_value(arr: pa.Array, copy: bool = False, nulls: bool = False) -> Any:
+    """One column in the dict form (see the module docs). ``nulls``: the column may hold a null
+    somewhere in the dataset (``may_hold_nulls``), so its null-aware form is given even when this
+    batch has none."""
     import pyarrow as pa
 
     arr = _storage(arr)
+    masked = nulls or arr.null_count > 0
     t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
@@ -417,12 +424,12 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
         values = _bits(arr.buffers()[1], arr.offset, len(arr)) if len(arr) else np.zeros(0, dtype=bool)
         if arr.null_count:
             values &= ~_null_mask(arr)
-        return np.ma.MaskedArray(values, mask=_null_mask(arr)) if arr.null_count else values
+        return np.ma.MaskedArray(values, mask=_null_mask(arr)) if masked else values
     if _fixed_width(t):
         values = _values(arr)
         if copy:
             values = values.copy()
-        return np.ma.MaskedArray(values, mask=_null_mask(arr)) if arr.null_count else values
+        return np.ma.MaskedArray(values, mask=_null_mask(arr)) if masked else values
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return _binary(arr, copy)
     if pa.types.is_binary_view(t):
@@ -443,7 +450,7 @@ def column_value(arr: pa.Array, copy: bool = False) -> Any:
         values = _values(child).reshape(len(arr), size)
         if copy:
             values = values.copy()
-        if arr.null_count:
+        if masked:
             mask = np.repeat(_null_mask(arr)[:, None], size, axis=1)
             return np.ma.MaskedArray(values, mask=mask)
         return values
@@ -485,11 +492,24 @@ def to_dict(
     """The dict form of a record batch whose rows have ids ``rows``. ``hidden``: a column the
     batch carries only for its keys (the key column ``fields=`` left out), not delivered."""
     out: dict[str, Any] = {"__key__": keys(batch, rows), ROW: rows}
-    for name, arr in zip(batch.schema.names, batch.columns, strict=True):
+    for field, arr in zip(batch.schema, batch.columns, strict=True):
+        name = field.name
         if name in ("__key__", ROW) or name == hidden:
             continue
-        out[name] = column_value(arr, copy)
+        out[name] = column_value(arr, copy, may_hold_nulls(field))
     return out
+
+
+#: The field metadata the daemon puts on a column that may hold a null somewhere in the dataset
+#: (its footers' statistics do not show it null-free): such a column has its null-aware form in
+#: every batch, so that its form does not change from batch to batch.
+NULLS_KEY = b"shardstream.nulls"
+
+
+def may_hold_nulls(field: pa.Field) -> bool:
+    """Whether the daemon marked ``field`` as possibly holding a null somewhere in the dataset."""
+    meta = field.metadata
+    return meta is not None and meta.get(NULLS_KEY) == b"possible"
 
 
 def stack(batch: pa.RecordBatch, out: dict[str, Any], hidden: str | None = None) -> dict[str, Any]:
@@ -528,6 +548,10 @@ def stack(batch: pa.RecordBatch, out: dict[str, Any], hidden: str | None = None)
             # values buffer under them holds whatever the writer left there.
             _refuse_null_inside(name, _Nested(arr), rows)
         value = out[name]
+        if isinstance(value, np.ma.MaskedArray):
+            # Null-aware because the dataset may hold a null somewhere; none is in this batch
+            # (refused above), and a stacked batch is plain.
+            value = out[name] = value.data
         if isinstance(value, np.ndarray) or pa.types.is_fixed_size_binary(t):
             if pa.types.is_fixed_size_binary(t):
                 data = np.frombuffer(arr.buffers()[1], dtype=np.uint8)

@@ -65,10 +65,11 @@ copies it out); in workers each field is copied out of the ring once, large ones
 and up) into shared memory the worker reuses as described above, and crosses to the trainer as
 torch shared memory. Without a transform the rank's batches are fastest with ``num_workers=0``.
 
-Parquet datasets: every numeric column without nulls (and ``"__row__"``) becomes a tensor over the
-record batch's memory (``torch.from_numpy``, no copy with ``num_workers=0``), timestamps and
-durations an ``int64`` one of the counts of the column's unit Arrow stores (since the epoch, in UTC
-for zoned timestamps); a column with nulls stays a ``numpy.ma.MaskedArray`` (torch has no null),
+Parquet datasets: every numeric column that holds no null anywhere in the dataset (and
+``"__row__"``) becomes a tensor over the record batch's memory (``torch.from_numpy``, no copy with
+``num_workers=0``), timestamps and durations an ``int64`` one of the counts of the column's unit
+Arrow stores (since the epoch, in UTC for zoned timestamps); a column that may hold one stays a
+``numpy.ma.MaskedArray`` in every batch (torch has no null; which columns may: the README),
 binary columns stay lists of memoryviews / bytes, strings lists of str. ``collate="stack"`` gives
 2-D tensors for ``fixed_size_list`` columns and for equal-length lists, ``(rows, *shape)`` ones for
 lists of lists of equal shape (Hugging Face ``Array2D``/``Array3D``). ``format="arrow"`` yields

@@ -134,7 +134,7 @@ impl ParquetDataset {
 
     /// The projection of `fields` (None = all), checked against every file: a file without a
     /// selected column, or with another type for it, is an `InvalidArgument` naming the file and
-    /// the column.
+    /// the column. Columns that may hold a null in some file are marked ([`super::nulls`]).
     pub fn projection(&self, fields: Option<&[String]>) -> Result<Projection> {
         let Some(first) = self.files.first() else {
             return Err(Error::invalid("the Parquet dataset has no rows"));
@@ -153,6 +153,7 @@ impl ParquetDataset {
                 }
             }
         }
+        p.mark_nulls(self.files.iter().map(|f| (&*f.table, self.key_values(f))));
         Ok(p)
     }
 }

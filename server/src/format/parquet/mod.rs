@@ -15,6 +15,9 @@
 //! - [`schema`]: the dataset's Arrow schema from the first file, the projection of the selected
 //!   fields, and the agreement check of every other file (a `ValueError`-kind error naming the file
 //!   and column, raised when the dataset is opened, not mid-epoch).
+//! - [`nulls`]: which delivered columns may hold a null anywhere in the dataset (from the
+//!   footers' statistics), marked on their fields so a column's form in Python is the same in
+//!   every batch.
 //! - [`partitions`]: the keys of a Hive-partitioned dataset's directories as typed columns, one
 //!   constant column per file.
 //! - [`widen`]: the narrower types a later file may hold a column in (int32 for int64, string for
@@ -48,6 +51,7 @@ mod idl;
 pub mod ipc;
 pub mod kept;
 pub mod mapped;
+pub mod nulls;
 pub mod pages;
 pub mod partitions;
 pub mod pqidx;

@@ -191,6 +191,36 @@ impl Projection {
         Ok(())
     }
 
+    /// Marks every delivered column that may hold a null in some file of `files` (each with its
+    /// partition keys' values, whose agreement was checked) with [`super::nulls::KEY`] in its
+    /// field metadata ([`super::nulls`]).
+    pub fn mark_nulls<'t>(&mut self, files: impl IntoIterator<Item = (&'t ParquetTable, &'t [KeyValue])>) {
+        let mut possible = vec![false; self.keys.len()];
+        for (table, values) in files {
+            let columns = ByName::new(table.schema());
+            for ((p, field), key) in possible.iter_mut().zip(self.schema.fields()).zip(&self.keys) {
+                *p = *p
+                    || match key {
+                        Some(k) => matches!(values.get(*k), None | Some(KeyValue::Null)),
+                        // `agree` found each column once in every file.
+                        None => columns.one(field.name()).map_or(true, |(root, _)| super::nulls::may_hold(table, root)),
+                    };
+            }
+        }
+        let fields: Vec<Field> = (self.schema.fields().iter().zip(possible))
+            .map(|(f, possible)| {
+                let mut meta = f.metadata().clone();
+                if possible {
+                    meta.insert(super::nulls::KEY.to_owned(), super::nulls::POSSIBLE.to_owned());
+                } else {
+                    meta.remove(super::nulls::KEY);
+                }
+                f.as_ref().clone().with_metadata(meta)
+            })
+            .collect();
+        self.schema = Arc::new(Schema::new_with_metadata(fields, self.schema.metadata().clone()));
+    }
+
     /// How to read this projection out of `table`'s file (whose agreement was checked), whose
     /// partition keys have the values `values` (none when the dataset is not partitioned).
     pub fn for_file(&self, table: &ParquetTable, values: &[KeyValue]) -> Result<FileProjection, ParquetError> {
@@ -516,5 +546,37 @@ mod tests {
         assert!(!p.schema().field(0).is_nullable());
         p.agree(&table(&testdata::with_batch(&b))).unwrap();
         assert!(p.schema().field(0).is_nullable());
+    }
+
+    #[test]
+    fn columns_and_keys_that_may_hold_a_null_are_marked_and_nothing_else() {
+        use super::super::nulls::{KEY, POSSIBLE};
+        let t = table(&testdata::mixed(40, 16, testdata::Codec::Snappy));
+        let keys = [Field::new("year", DataType::Int32, true), Field::new("region", DataType::Utf8, true)];
+        let marked = |p: &Projection| -> Vec<String> {
+            let fields = p.schema().fields().iter();
+            fields
+                .filter(|f| f.metadata().get(KEY).map(String::as_str) == Some(POSSIBLE))
+                .map(|f| f.name().clone())
+                .collect()
+        };
+        let mut p = Projection::new(t.schema(), &keys, None).unwrap();
+        let (a, b) = ([KeyValue::Int(2021), KeyValue::Str("eu".into())], [KeyValue::Int(2022), KeyValue::Null]);
+        // label, caption and tokens have nulls in the rows written; region is null in one directory.
+        p.mark_nulls([(&t, &a[..]), (&t, &b[..])]);
+        assert_eq!(marked(&p), ["label", "caption", "tokens", "region"]);
+        p.mark_nulls([(&t, &a[..])]);
+        assert_eq!(marked(&p), ["label", "caption", "tokens"], "marked again from other files, not kept");
+        // A file's own field metadata stays beside the mark.
+        let first = t.schema().as_ref().clone();
+        let fields: Vec<Field> = first
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_metadata(HashMap::from([("k".to_string(), "v".to_string())])))
+            .collect();
+        let mut p = Projection::new(&Schema::new(fields), &[], Some(&["label".to_string()])).unwrap();
+        p.mark_nulls([(&t, &[][..])]);
+        assert_eq!(p.schema().field(0).metadata().get("k").map(String::as_str), Some("v"));
+        assert_eq!(marked(&p), ["label"]);
     }
 }
