@@ -460,6 +460,28 @@ def test_a_column_with_a_null_anywhere_has_one_form_in_every_batch(daemon, tmp_p
         assert type(b["y"]) is np.ndarray
 
 
+def test_a_column_marked_for_nulls_is_stacked_plain_when_no_batch_holds_one(daemon, tmp_path: Path) -> None:
+    """`collate="stack"` refuses nulls, so a column that may hold one (here: a file without its
+    statistics) but holds none stacks into a plain array, a tensor under shardstream.torch."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    for k in range(2):
+        ids = np.arange(k * 40, (k + 1) * 40, dtype=np.int64)
+        t = pa.table({"id": ids, "x": ids.astype(np.float32)})
+        pq.write_table(t, root / f"p{k}.parquet", row_group_size=16, write_statistics=["id"] if k else True)
+    ds = sst.IterableDataset(str(root), batch_size=8, seed=2, connect=daemon.addr, collate="stack")
+    seen = []
+    for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0):
+        assert isinstance(b["x"], torch.Tensor), type(b["x"])
+        assert b["x"].tolist() == [float(i) for i in b["id"].tolist()]
+        seen += b["id"].tolist()
+    assert sorted(seen) == list(range(80))
+    with pytest.raises(ValueError, match="'x' is null in row"):
+        few = few_nulls(tmp_path / "nulls")
+        for _ in shardstream.Loader(str(few), batch_size=8, connect=daemon.addr, fields=["id", "x"], collate="stack"):
+            pass
+
+
 def test_the_arrow_form_marks_the_columns_that_may_hold_a_null(daemon, tmp_path: Path) -> None:
     root = few_nulls(tmp_path / "ds")
     for fields, views in ((None, False), (["id", "x", "y", "flag", "b"], True)):
