@@ -586,7 +586,11 @@ class Loader:
         at = 0
         for index, n in parts:
             piece = rb.slice(at, n) if cut else rb
-            out_dict = Batch(_arrow.to_dict(piece, rows[at : at + n] if cut else rows, self.copy, self._key_only))
+            out_dict = Batch(
+                _arrow.to_dict(
+                    piece, rows[at : at + n] if cut else rows, self.copy, self._key_only, self._arrow_reader.nulls
+                )
+            )
             if self.collate == "stack":
                 _arrow.stack(piece, out_dict, self._key_only)
             if self.copy:

@@ -93,6 +93,9 @@ class BatchReader:
         #: Whether the batch ``open`` returned last has a ``__row__`` column (the daemon writes
         #: one into every batch; an older daemon did not, and the client appends it then).
         self.has_row = False
+        #: The columns of the batch ``open`` returned last that may hold a null somewhere in the
+        #: dataset (``nulls_of``), found once per schema: ``to_dict`` takes them from here.
+        self.nulls: frozenset[str] = frozenset()
 
     def open(self, native: _native.Batch) -> pa.RecordBatch:
         import pyarrow as pa
@@ -108,6 +111,7 @@ class BatchReader:
             else:
                 batch = pa.ipc.open_stream(buf).read_next_batch()
                 self.has_row = ROW in batch.schema.names
+                self.nulls = nulls_of(batch.schema)
                 self._remember(buf, batch.schema)
         except (pa.ArrowInvalid, StopIteration) as e:
             raise ShardstreamError(f"arrow batch {native.index}: not a valid Arrow IPC stream: {e}") from None
@@ -123,6 +127,7 @@ class BatchReader:
         out = reader.open(native)
         if reader.schema_generation != self._generation:
             self._schema, self._generation = pa.schema(out), reader.schema_generation
+            self.nulls = nulls_of(self._schema)
         self.has_row = reader.has_row
         # The arrays alone, with the schema imported once per schema: the whole batch through
         # the public PyCapsule interface (`pa.record_batch(out)`) exported and imported its
@@ -404,7 +409,7 @@ _VIEW = np.dtype([("len", "<i4"), ("prefix", "S4"), ("buf", "<i4"), ("off", "<i4
 
 def column_value(arr: pa.Array, copy: bool = False, nulls: bool = False) -> Any:
     """One column in the dict form (see the module docs). ``nulls``: the column may hold a null
-    somewhere in the dataset (``may_hold_nulls``), so its null-aware form is given even when this
+    somewhere in the dataset (``nulls_of``), so its null-aware form is given even when this
     batch has none."""
     import pyarrow as pa
 
@@ -487,16 +492,23 @@ def keys(batch: pa.RecordBatch, rows: np.ndarray[Any, Any]) -> list[str | None]:
 
 
 def to_dict(
-    batch: pa.RecordBatch, rows: np.ndarray[Any, Any], copy: bool = False, hidden: str | None = None
+    batch: pa.RecordBatch,
+    rows: np.ndarray[Any, Any],
+    copy: bool = False,
+    hidden: str | None = None,
+    nulls: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """The dict form of a record batch whose rows have ids ``rows``. ``hidden``: a column the
-    batch carries only for its keys (the key column ``fields=`` left out), not delivered."""
+    batch carries only for its keys (the key column ``fields=`` left out), not delivered.
+    ``nulls``: ``nulls_of(batch.schema)``, when the caller knows it already (``BatchReader.nulls``:
+    walking a schema's fields costs a batch of small rows as much as two of its columns)."""
+    if nulls is None:
+        nulls = nulls_of(batch.schema)
     out: dict[str, Any] = {"__key__": keys(batch, rows), ROW: rows}
-    for field, arr in zip(batch.schema, batch.columns, strict=True):
-        name = field.name
+    for name, arr in zip(batch.schema.names, batch.columns, strict=True):
         if name in ("__key__", ROW) or name == hidden:
             continue
-        out[name] = column_value(arr, copy, may_hold_nulls(field))
+        out[name] = column_value(arr, copy, name in nulls)
     return out
 
 
@@ -506,10 +518,10 @@ def to_dict(
 NULLS_KEY = b"shardstream.nulls"
 
 
-def may_hold_nulls(field: pa.Field) -> bool:
-    """Whether the daemon marked ``field`` as possibly holding a null somewhere in the dataset."""
-    meta = field.metadata
-    return meta is not None and meta.get(NULLS_KEY) == b"possible"
+def nulls_of(schema: pa.Schema) -> frozenset[str]:
+    """The columns of ``schema`` the daemon marked as possibly holding a null somewhere in the
+    dataset."""
+    return frozenset(f.name for f in schema if (f.metadata or {}).get(NULLS_KEY) == b"possible")
 
 
 def stack(batch: pa.RecordBatch, out: dict[str, Any], hidden: str | None = None) -> dict[str, Any]:
