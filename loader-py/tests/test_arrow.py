@@ -392,3 +392,18 @@ def test_a_row_column_the_daemon_wrote_is_read_once_and_not_repeated() -> None:
     stream = sink.getvalue().to_pybytes()
     older = _arrow.BatchReader()  # an older daemon's batch: no ids, so the client appends them
     assert older.open(Native()).schema.names == ["v"] and not older.has_row  # type: ignore[arg-type]
+
+
+def test_columns_the_schema_names_for_nulls_are_masked_in_every_batch() -> None:
+    schema = pa.schema([("x", pa.float64()), ("y", pa.int32())], metadata={b"shardstream.nulls": b'["x"]'})
+    rb = reopen(ipc_bytes(pa.record_batch([pa.array([1.0, 2.0]), pa.array([3, 4], pa.int32())], schema=schema)))
+    assert _arrow.nulls_of(rb.schema) == {"x"}
+    out = _arrow.to_dict(rb, np.array([0, 1], np.uint64))
+    # No null in this batch, yet `x` may hold one elsewhere in the dataset: null-aware all the same.
+    assert isinstance(out["x"], np.ma.MaskedArray) and not out["x"].mask.any()
+    assert type(out["y"]) is np.ndarray
+    # A schema without the entry (another writer's batch) decides by the batch's own nulls.
+    assert _arrow.nulls_of(pa.schema([("x", pa.float64())])) == frozenset()
+    for bad in (b"x", b'{"x": 1}', b"[1]"):
+        with pytest.raises(_arrow.ShardstreamError, match="columns with nulls"):
+            _arrow.nulls_of(pa.schema([("x", pa.float64())], metadata={b"shardstream.nulls": bad}))

@@ -18,7 +18,7 @@ slice, array or memoryview made from it are gone.
   its form never changes mid-epoch: its data is still the Arrow buffer (zero copy; the values
   under masked entries are whatever the writer left there), its mask a new boolean array. Nothing
   is filled in silently. The daemon knows which columns may hold one from the files' footers
-  (each column chunk's statistics count its nulls) and marks them (``NULLS_KEY`` in the field's
+  (each column chunk's statistics count its nulls) and names them (``NULLS_KEY`` in the schema's
   metadata); a file written without statistics cannot show a column null-free. Booleans are
   bit-packed in Arrow, so they become a new ``bool`` array (a copy), masked the same way.
 - ``fixed_size_list`` of a fixed-width type (embeddings, token blocks): one 2-D array
@@ -48,6 +48,7 @@ dict form's ``"__row__"`` is still the ids.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -512,16 +513,27 @@ def to_dict(
     return out
 
 
-#: The field metadata the daemon puts on a column that may hold a null somewhere in the dataset
-#: (its footers' statistics do not show it null-free): such a column has its null-aware form in
-#: every batch, so that its form does not change from batch to batch.
+#: The schema metadata where the daemon names (a JSON list) the columns that may hold a null
+#: somewhere in the dataset (its footers' statistics do not show them null-free): such a column
+#: has its null-aware form in every batch, so that its form does not change from batch to batch.
 NULLS_KEY = b"shardstream.nulls"
 
 
 def nulls_of(schema: pa.Schema) -> frozenset[str]:
-    """The columns of ``schema`` the daemon marked as possibly holding a null somewhere in the
-    dataset."""
-    return frozenset(f.name for f in schema if (f.metadata or {}).get(NULLS_KEY) == b"possible")
+    """The columns of ``schema`` the daemon names as possibly holding a null somewhere in the
+    dataset (none for a schema that names none)."""
+    named = (schema.metadata or {}).get(NULLS_KEY)
+    if named is None:
+        return frozenset()
+    try:
+        names = json.loads(named)
+    except ValueError:
+        raise ShardstreamError(
+            f"the batch's schema names its columns with nulls as {named!r}, not a JSON list"
+        ) from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ShardstreamError(f"the batch's schema names its columns with nulls as {named!r}, not a list of names")
+    return frozenset(names)
 
 
 def stack(batch: pa.RecordBatch, out: dict[str, Any], hidden: str | None = None) -> dict[str, Any]:

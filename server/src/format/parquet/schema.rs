@@ -191,9 +191,10 @@ impl Projection {
         Ok(())
     }
 
-    /// Marks every delivered column that may hold a null in some file of `files` (each with its
-    /// partition keys' values, whose agreement was checked) with [`super::nulls::KEY`] in its
-    /// field metadata ([`super::nulls`]).
+    /// Names every delivered column that may hold a null in some file of `files` (each with its
+    /// partition keys' values, whose agreement was checked) under [`super::nulls::KEY`] in the
+    /// schema's metadata ([`super::nulls`]), replacing what the first file's metadata held there
+    /// (a file written from batches shardstream delivered).
     pub fn mark_nulls<'t>(&mut self, files: impl IntoIterator<Item = (&'t ParquetTable, &'t [KeyValue])>) {
         let mut possible = vec![false; self.keys.len()];
         for (table, values) in files {
@@ -207,18 +208,12 @@ impl Projection {
                     };
             }
         }
-        let fields: Vec<Field> = (self.schema.fields().iter().zip(possible))
-            .map(|(f, possible)| {
-                let mut meta = f.metadata().clone();
-                if possible {
-                    meta.insert(super::nulls::KEY.to_owned(), super::nulls::POSSIBLE.to_owned());
-                } else {
-                    meta.remove(super::nulls::KEY);
-                }
-                f.as_ref().clone().with_metadata(meta)
-            })
-            .collect();
-        self.schema = Arc::new(Schema::new_with_metadata(fields, self.schema.metadata().clone()));
+        let names: Vec<&str> =
+            self.names().zip(possible).filter_map(|(name, possible)| possible.then_some(name)).collect();
+        let mut meta = self.schema.metadata().clone();
+        // A list of strings always serializes.
+        meta.insert(super::nulls::KEY.to_owned(), serde_json::to_string(&names).unwrap_or_else(|_| "[]".into()));
+        self.schema = Arc::new(Schema::new_with_metadata(self.schema.fields().clone(), meta));
     }
 
     /// How to read this projection out of `table`'s file (whose agreement was checked), whose
@@ -550,15 +545,11 @@ mod tests {
 
     #[test]
     fn columns_and_keys_that_may_hold_a_null_are_marked_and_nothing_else() {
-        use super::super::nulls::{KEY, POSSIBLE};
+        use super::super::nulls::KEY;
         let t = table(&testdata::mixed(40, 16, testdata::Codec::Snappy));
         let keys = [Field::new("year", DataType::Int32, true), Field::new("region", DataType::Utf8, true)];
         let marked = |p: &Projection| -> Vec<String> {
-            let fields = p.schema().fields().iter();
-            fields
-                .filter(|f| f.metadata().get(KEY).map(String::as_str) == Some(POSSIBLE))
-                .map(|f| f.name().clone())
-                .collect()
+            serde_json::from_str(p.schema().metadata().get(KEY).expect("always named")).unwrap()
         };
         let mut p = Projection::new(t.schema(), &keys, None).unwrap();
         let (a, b) = ([KeyValue::Int(2021), KeyValue::Str("eu".into())], [KeyValue::Int(2022), KeyValue::Null]);
@@ -566,17 +557,13 @@ mod tests {
         p.mark_nulls([(&t, &a[..]), (&t, &b[..])]);
         assert_eq!(marked(&p), ["label", "caption", "tokens", "region"]);
         p.mark_nulls([(&t, &a[..])]);
-        assert_eq!(marked(&p), ["label", "caption", "tokens"], "marked again from other files, not kept");
-        // A file's own field metadata stays beside the mark.
+        assert_eq!(marked(&p), ["label", "caption", "tokens"], "named again from other files, not kept");
+        // The file's own metadata stays beside the names; a stale list of its own is replaced.
         let first = t.schema().as_ref().clone();
-        let fields: Vec<Field> = first
-            .fields()
-            .iter()
-            .map(|f| f.as_ref().clone().with_metadata(HashMap::from([("k".to_string(), "v".to_string())])))
-            .collect();
-        let mut p = Projection::new(&Schema::new(fields), &[], Some(&["label".to_string()])).unwrap();
+        let meta = HashMap::from([("k".to_string(), "v".to_string()), (KEY.to_string(), r#"["id"]"#.to_string())]);
+        let mut p = Projection::new(&first.with_metadata(meta), &[], Some(&["id".to_string()])).unwrap();
         p.mark_nulls([(&t, &[][..])]);
-        assert_eq!(p.schema().field(0).metadata().get("k").map(String::as_str), Some("v"));
-        assert_eq!(marked(&p), ["label"]);
+        assert_eq!(p.schema().metadata().get("k").map(String::as_str), Some("v"));
+        assert!(marked(&p).is_empty());
     }
 }
