@@ -26,6 +26,9 @@ class Row:
     peak_pss_mib: float = 0.0
     pss_samples: int = 0
     cpu_s: float = 0.0
+    # The daemon's CPU during the measured epoch, when the reader counted it itself (untimed
+    # epochs before it); None: the harness counts it around the whole reader process.
+    daemon_cpu: float | None = None
     error: str = ""  # the run failed: no figures
     mismatch: str = ""  # the run finished but did not deliver the dataset exactly once
 

@@ -78,6 +78,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per reader run")
     ap.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="epochs each reader runs in its interpreter, the last one measured (default 1: its first; "
+        "from 2, a trainer's later epochs, every library's first-use costs behind it)",
+    )
+    ap.add_argument(
         "--extra-json",
         type=Path,
         nargs="+",
@@ -93,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.worker_counts = [int(w) for w in args.workers.split(",") if w]
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.epochs < 1:
+        ap.error("--epochs must be at least 1")
     return args
 
 
@@ -233,11 +242,15 @@ def fill(row: report.Row, done: Finished, samples: int, payload_bytes: int) -> N
     row.samples, row.bytes, row.seconds = result["samples"], result["bytes"], result["seconds"]
     row.ttfb = result["ttfb"]
     row.cpu_s = epoch_cpu(done, result)
+    row.daemon_cpu = result.get("daemon_cpu")
     row.mismatch = mismatch(result, samples, payload_bytes)
 
 
-def run_reader(reader: str, workers: int, base: Path, scratch: Path, timeout: float) -> tuple[report.Row, str]:
-    """One epoch of one reader in a subprocess. Returns the row and the subprocess's stderr."""
+def run_reader(
+    reader: str, workers: int, base: Path, scratch: Path, timeout: float, epochs: int = 1
+) -> tuple[report.Row, str]:
+    """One measured epoch of one reader in a subprocess (after `epochs - 1` untimed ones there).
+    Returns the row and the subprocess's stderr."""
     row = report.Row(reader, workers)
     samples = json.loads((base / "spec.json").read_text())["spec"]["samples"]
     cmd = [sys.executable, str(BENCH / "peers.py"), reader, str(workers), str(base), str(samples)]
@@ -249,7 +262,14 @@ def run_reader(reader: str, workers: int, base: Path, scratch: Path, timeout: fl
                 warm_up = [*cmd[:2], peers.WARM_DAEMON[reader], *cmd[3:], srv.addr]
                 subprocess.run(warm_up, check=True, capture_output=True, timeout=timeout)
                 daemon_cpu0 = measure.cpu_seconds(srv.pid) or 0.0
-            done = watch(cmd + ([srv.addr] if srv else []), scratch, timeout, also)
+            os.environ["BENCH_EPOCHS"] = str(epochs)
+            if srv and epochs > 1:
+                os.environ["BENCH_DAEMON_PID"] = str(srv.pid)
+            try:
+                done = watch(cmd + ([srv.addr] if srv else []), scratch, timeout, also)
+            finally:
+                os.environ.pop("BENCH_EPOCHS", None)
+                os.environ.pop("BENCH_DAEMON_PID", None)
             daemon_cpu = (measure.cpu_seconds(srv.pid) or daemon_cpu0) - daemon_cpu0 if srv else 0.0
             daemon_log = srv.log_tail() if srv else ""
     except daemon.DaemonError as e:
@@ -259,6 +279,8 @@ def run_reader(reader: str, workers: int, base: Path, scratch: Path, timeout: fl
         row.error = f"could not run {reader}: {e}"
         return row, ""
     fill(row, done, samples, gen.expected_payload_bytes(base))
+    # Counted by the reader around its measured epoch when it ran untimed ones first.
+    daemon_cpu = row.daemon_cpu if row.daemon_cpu is not None else daemon_cpu
     if done.timed_out:
         row.error = f"timed out after {timeout:g} s"
     if row.error and daemon_log:
@@ -358,7 +380,14 @@ def header(
         f"(hot page cache, best of 3); memcpy **{limits[1]:.2f} GB/s** (numpy copy of 1 GiB, best of 3).",
         f"- Versions: {versions}.",
         f"- Method: {args.rounds} round(s); in each, one shuffled epoch per (reader, workers) pair, "
-        "interleaved (the order rotated by one reader per round), each in a fresh interpreter, batch "
+        "interleaved (the order rotated by one reader per round), each in a fresh interpreter"
+        + (
+            f" after {args.epochs - 1} untimed epoch(s) of the same reader in that interpreter (a trainer's "
+            "later epochs: each library's first-use costs behind it; the warm rows' daemon warmed as well)"
+            if args.epochs > 1
+            else " (the reader's first epoch: the `-warm` rows' daemon has served one before, the peers have not)"
+        )
+        + ", batch "
         "size 256, data hot in the page cache (the reader's files read once just before each run, and "
         "dropped from it once before the first run, so that they sit there as a read from storage "
         "leaves them); "
@@ -440,7 +469,7 @@ def main(argv: list[str]) -> None:
                 )
                 scratch = Path(tmp) / f"{reader}-{workers}-r{rnd + 1}"
                 scratch.mkdir()
-                row, stderr = run_reader(reader, workers, base, scratch, args.timeout)
+                row, stderr = run_reader(reader, workers, base, scratch, args.timeout, args.epochs)
                 print_row(row, stderr)
                 rows.append(row)
             rounds.append(rows)
