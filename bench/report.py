@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PEER_EXCLUDED = "shardstream"  # the reader the peers are compared with
+# Rows that are not peers: shardstream (what the peers are compared with) and `floor` (the
+# consumer alone, the most any reader can reach).
+PEER_EXCLUDED = ("shardstream", "floor")
 
 
 @dataclass
