@@ -153,8 +153,12 @@ async fn every_row_once_over_two_ranks_and_two_workers_as_arrow_batches() {
     for (row_ids, batch) in &got {
         assert_eq!(&row_column(batch), row_ids);
         let columns = batch.project(&(0..full.num_columns()).collect::<Vec<_>>()).unwrap();
+        // The schema names the columns the rows written hold nulls in, and only those.
+        let named = batch.schema().metadata().get("shardstream.nulls").cloned();
+        assert_eq!(named.as_deref(), Some(r#"["label","caption","tokens"]"#));
+        assert_eq!(columns.schema().fields(), full.schema().fields());
         for (k, &id) in row_ids.iter().enumerate() {
-            assert_eq!(columns.slice(k, 1), full.slice(id as usize, 1), "row {id}");
+            assert_eq!(columns.slice(k, 1).columns(), full.slice(id as usize, 1).columns(), "row {id}");
         }
     }
 
