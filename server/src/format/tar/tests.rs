@@ -369,6 +369,37 @@ fn member_names_that_are_not_utf8_are_refused_not_merged() {
 }
 
 #[test]
+fn a_name_that_is_no_sample_member_is_skipped_whatever_its_bytes() {
+    // A member without an extension names no field: the index skipped it, but parsing the
+    // sample's bytes refused its non-UTF-8 name, so a shard indexed fine and failed at serve time
+    // (found by libFuzzer's tar_index target). Both now skip it.
+    for style in STYLES {
+        let mut b = tar::Builder::new(Vec::new());
+        add_file(&mut b, style, "k.txt", b"ok");
+        let mut h = header(style);
+        h.set_size(1);
+        let name: &[u8] = b"dir/README\xe9";
+        if let Style::Pax = style {
+            b.append_pax_extensions([("path", name)]).unwrap();
+            h.set_path("decoy").unwrap();
+        } else {
+            h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        }
+        h.set_cksum();
+        b.append(&h, &b"x"[..]).unwrap();
+        // A member of the same sample after it: the stray member lies inside the sample's range.
+        add_file(&mut b, style, "k.json", b"{}");
+        let bytes = b.into_inner().unwrap();
+        let ix = index(&bytes).unwrap_or_else(|e| panic!("{style:?}: {e}"));
+        assert_eq!(ix.num_samples(), 1, "{style:?}");
+        let range = ix.sample_range(0).unwrap();
+        let view = parse_sample(&bytes[range.start as usize..range.end as usize])
+            .unwrap_or_else(|e| panic!("{style:?}: parse_sample refused what the index took: {e}"));
+        assert_eq!((view.key.as_ref(), view.members.len()), ("k", 2), "{style:?}");
+    }
+}
+
+#[test]
 fn v7_headers_old_regular_type_and_signed_checksums() {
     let mut bytes = Vec::new();
     // Typeflag '\0' (old regular file), v7 header without magic.
