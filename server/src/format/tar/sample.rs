@@ -42,13 +42,14 @@ pub fn parse_sample(buf: &[u8]) -> Result<SampleView<'_>, TarError> {
             continue;
         }
         let name = resolve_name(&e.name, |_, r| src.bytes(r));
-        if let Cow::Owned(_) = name
-            && let Some(name) = non_utf8_name(&e.name, |_, r| src.bytes(r))
-        {
+        let decoded = matches!(name, Cow::Owned(_));
+        // A member that is no sample member is skipped whatever its name's bytes, as the index
+        // skips it.
+        let Some((k, raw_field)) = split_name(name) else { continue };
+        if decoded && let Some(name) = non_utf8_name(&e.name, |_, r| src.bytes(r)) {
             // Refused when the shard was indexed; an index from before that may still lead here.
             return Err(TarError::NotUtf8Name { offset: e.header, name });
         }
-        let Some((k, raw_field)) = split_name(name) else { continue };
         match &key {
             None => key = Some(k),
             Some(existing) if *existing == k => {}
