@@ -293,6 +293,18 @@ fn chunk_range(rg: &RowGroupMetaData, col: usize) -> Option<Range<u64>> {
     Some(start..start.checked_add(len)?)
 }
 
+/// The table of a whole Parquet file held in memory: what the modules' tests read their files with.
+#[cfg(test)]
+pub(crate) fn table_of(bytes: &[u8]) -> ParquetTable {
+    let len = bytes.len() as u64;
+    let footer = read_footer(len, |o, b| {
+        b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
+        Ok(())
+    })
+    .expect("a footer");
+    ParquetTable::decode(&footer, len).expect("a table")
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testdata;

@@ -193,7 +193,7 @@ mod tests {
 
     use super::super::decode::{chunk_ranges, decode_row_group, read_row_group};
     use super::super::schema::Projection;
-    use super::super::{footer, testdata};
+    use super::super::testdata;
     use super::*;
 
     fn copy_of(bytes: &[u8]) -> std::fs::File {
@@ -202,14 +202,7 @@ mod tests {
         f
     }
 
-    fn table(bytes: &[u8]) -> super::super::ParquetTable {
-        let f = footer::read_footer(bytes.len() as u64, |o, b| {
-            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
-            Ok(())
-        })
-        .unwrap();
-        super::super::ParquetTable::decode(&f, bytes.len() as u64).unwrap()
-    }
+    use super::super::footer::table_of as table;
 
     fn read(bytes: &[u8]) -> impl FnMut(u64, usize) -> Result<Vec<u8>, ParquetError> + '_ {
         move |o, len| Ok(bytes[o as usize..o as usize + len].to_vec())

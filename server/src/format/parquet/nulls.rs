@@ -74,13 +74,7 @@ mod tests {
         let mut w = ArrowWriter::try_new(&mut out, batch.schema(), Some(props)).unwrap();
         w.write(batch).unwrap();
         w.close().unwrap();
-        let len = out.len() as u64;
-        let footer = super::super::footer::read_footer(len, |o, b| {
-            b.copy_from_slice(&out[o as usize..o as usize + b.len()]);
-            Ok(())
-        })
-        .unwrap();
-        ParquetTable::decode(&footer, len).unwrap()
+        super::super::footer::table_of(&out)
     }
 
     fn batch() -> RecordBatch {

@@ -64,17 +64,10 @@ impl ProjectedFile {
 #[cfg(test)]
 mod tests {
     use super::super::schema::Projection;
-    use super::super::{footer, testdata};
+    use super::super::testdata;
     use super::*;
 
-    fn table(bytes: &[u8]) -> ParquetTable {
-        let f = footer::read_footer(bytes.len() as u64, |o, b| {
-            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
-            Ok(())
-        })
-        .unwrap();
-        ParquetTable::decode(&f, bytes.len() as u64).unwrap()
-    }
+    use super::super::footer::table_of as table;
 
     #[test]
     fn one_column_is_a_small_copy_that_every_row_group_read_maps_into() {

@@ -456,15 +456,7 @@ mod tests {
     use super::super::testdata;
     use super::*;
 
-    fn table(bytes: &[u8]) -> ParquetTable {
-        let len = bytes.len() as u64;
-        let footer = super::super::footer::read_footer(len, |o, b| {
-            b.copy_from_slice(&bytes[o as usize..o as usize + b.len()]);
-            Ok(())
-        })
-        .unwrap();
-        ParquetTable::decode(&footer, len).unwrap()
-    }
+    use super::super::footer::table_of as table;
 
     fn names(p: &Projection) -> Vec<&str> {
         p.names().collect()

@@ -336,24 +336,29 @@ fn gnu_sparse_members_are_refused_after_their_extension_blocks_are_checked() {
     assert!(matches!(index(&bytes[..1000]), Err(TarError::Truncated { offset: 512, .. })));
 }
 
+/// Appends a one-byte member named `name` as stored (bytes that need not be UTF-8): in a PAX
+/// `path` record over a header naming `decoy`, or in the header's own name field.
+fn add_raw_name(b: &mut tar::Builder<Vec<u8>>, style: Style, name: &[u8], decoy: &str) {
+    let mut h = header(style);
+    h.set_size(1);
+    if let Style::Pax = style {
+        b.append_pax_extensions([("path", name)]).unwrap();
+        h.set_path(decoy).unwrap();
+    } else {
+        // The name field lies at the same place in every header style.
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+    }
+    h.set_cksum();
+    b.append(&h, &b"x"[..]).unwrap();
+}
+
 #[test]
 fn member_names_that_are_not_utf8_are_refused_not_merged() {
     // Decoded lossily, b"caf\xe9" and b"caf\xe8" were one key: two samples served as one.
     for style in STYLES {
         let mut b = tar::Builder::new(Vec::new());
         add_file(&mut b, style, "ok.txt", b"ok");
-        let mut h = header(style);
-        h.set_size(1);
-        let name: &[u8] = b"dir/caf\xe9.jpg";
-        if let Style::Pax = style {
-            b.append_pax_extensions([("path", name)]).unwrap();
-            h.set_path("decoy.bin").unwrap();
-        } else {
-            // The name field lies at the same place in every header style.
-            h.as_old_mut().name[..name.len()].copy_from_slice(name);
-        }
-        h.set_cksum();
-        b.append(&h, &b"x"[..]).unwrap();
+        add_raw_name(&mut b, style, b"dir/caf\xe9.jpg", "decoy.bin");
         let bytes = b.into_inner().unwrap();
         match index(&bytes) {
             Err(e @ TarError::NotUtf8Name { .. }) => {
@@ -376,17 +381,7 @@ fn a_name_that_is_no_sample_member_is_skipped_whatever_its_bytes() {
     for style in STYLES {
         let mut b = tar::Builder::new(Vec::new());
         add_file(&mut b, style, "k.txt", b"ok");
-        let mut h = header(style);
-        h.set_size(1);
-        let name: &[u8] = b"dir/README\xe9";
-        if let Style::Pax = style {
-            b.append_pax_extensions([("path", name)]).unwrap();
-            h.set_path("decoy").unwrap();
-        } else {
-            h.as_old_mut().name[..name.len()].copy_from_slice(name);
-        }
-        h.set_cksum();
-        b.append(&h, &b"x"[..]).unwrap();
+        add_raw_name(&mut b, style, b"dir/README\xe9", "decoy");
         // A member of the same sample after it: the stray member lies inside the sample's range.
         add_file(&mut b, style, "k.json", b"{}");
         let bytes = b.into_inner().unwrap();
