@@ -179,11 +179,9 @@ def shardstream_cache(data: Path, workers: int, addr: str) -> Iterator[Payloads]
 _FLOOR: list[list[memoryview]] = []
 
 
-def floor(data: Path, _workers: int, _addr: str) -> Iterator[Payloads]:
-    """Not a reader: the consumer alone over payloads already in memory (`floor_batches`, made
-    before the clock), the most any reader can reach on this machine; no peer."""
-    if not _FLOOR:
-        _FLOOR.extend(floor_batches(data))
+def floor(_data: Path, _workers: int, _addr: str) -> Iterator[Payloads]:
+    """Not a reader: the consumer alone over payloads already in memory (`floor_batches`, which
+    `main` makes before the clock), the most any reader can reach on this machine; no peer."""
     return iter(_FLOOR)
 
 

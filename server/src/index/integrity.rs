@@ -43,7 +43,7 @@ pub(super) fn content_digest(file: &ShardFile, table: &ShardTable) -> Result<u64
     Ok(h.finish())
 }
 
-pub(super) fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
+fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()> {
     let (len, crc) = local::file_crc32c(path).map_err(|e| match e {
         Error::NotFound { .. } => Error::NotFound { what: "shard", path: path.display().to_string() },
         other => other,
@@ -61,9 +61,25 @@ pub(super) fn verify(path: &Path, meta: &ShardMeta, expected: u32) -> Result<()>
     Ok(())
 }
 
+/// Checks local shard `path` against what the manifest records of it: its CRC, or for a Parquet
+/// file its footer's (`opened`: the file, when the caller has it open); nothing when it records
+/// neither.
+pub(super) fn verify_source(path: &Path, meta: &ShardMeta, opened: Option<&ShardFile>) -> Result<()> {
+    if let Some(expected) = meta.crc32c {
+        verify(path, meta, expected)
+    } else if let Some(expected) = meta.footer_crc32c {
+        match opened {
+            Some(file) => verify_footer(file, meta, expected),
+            None => verify_footer(&ShardFile::open(path.to_owned(), meta.len)?, meta, expected),
+        }
+    } else {
+        Ok(())
+    }
+}
+
 /// Checks a Parquet file's footer against the CRC a `crc32c-footer` manifest records (its length
 /// was checked when `file` was opened): one tail read, never the whole file.
-pub(super) fn verify_footer(file: &ShardFile, meta: &ShardMeta, expected: u32) -> Result<()> {
+fn verify_footer(file: &ShardFile, meta: &ShardMeta, expected: u32) -> Result<()> {
     let got = footer_crc(file)?;
     if got != expected {
         return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));

@@ -46,7 +46,7 @@ use crate::{Error, Result};
 pub use registry::{Registry, RegistryLimits};
 
 use discover::Discovered;
-use integrity::{fingerprint, footer_mismatch, verify, verify_copy_footer, verify_footer};
+use integrity::{fingerprint, footer_mismatch, verify_copy_footer, verify_source};
 use tables::{load_table, parquet_dataset, scan_all};
 
 /// Member tables kept resident at most, per dataset. A consumer needs about `window + 1` shards at
@@ -714,12 +714,7 @@ impl Dataset {
         if same_time(source, recorded) {
             return Ok(pin);
         }
-        if let Some(expected) = meta.crc32c {
-            verify(path, meta, expected).map_err(|e| self.changed_if(e))?;
-        } else if let Some(expected) = meta.footer_crc32c {
-            verify_footer(&ShardFile::open(path.to_owned(), meta.len)?, meta, expected)
-                .map_err(|e| self.changed_if(e))?;
-        }
+        verify_source(path, meta, None).map_err(|e| self.changed_if(e))?;
         // The source holds the manifest's bytes, and so does the copy (checked when it was made).
         if let Err(e) = copied.set_modified(source) {
             tracing::warn!(copy = %pin.path().display(), error = %e, "cannot record its source's time on a node-cache copy");
@@ -802,11 +797,7 @@ impl Dataset {
                 // a rewrite keeps its entry).
                 let at = (file.mtime_ns as u64).wrapping_add(1);
                 if self.verified_mtime[i].load(Ordering::Acquire) != at {
-                    if let Some(expected) = meta.crc32c {
-                        verify(path, meta, expected).map_err(|e| self.changed_if(e))?;
-                    } else if let Some(expected) = meta.footer_crc32c {
-                        verify_footer(&file, meta, expected).map_err(|e| self.changed_if(e))?;
-                    }
+                    verify_source(path, meta, Some(&file)).map_err(|e| self.changed_if(e))?;
                     self.verified[i].store(true, Ordering::Release);
                     self.verified_mtime[i].store(at, Ordering::Release);
                 }
