@@ -482,6 +482,46 @@ def test_a_column_marked_for_nulls_is_stacked_plain_when_no_batch_holds_one(daem
             pass
 
 
+@pytest.mark.parametrize("mode", ["dict", "torch"])
+def test_a_null_element_inside_a_list_keeps_the_columns_form_in_every_batch(daemon, tmp_path: Path, mode: str) -> None:
+    """A null element inside a list made its batch `to_pylist()` where the others had arrays. Here
+    `emb` (fixed_size_list) and `seq` (list) hold one null element each, in one file of three:
+    `emb` is a 2-D MaskedArray in every batch (its statistics count the null, so the daemon names
+    it), and `seq` a list of 1-D arrays (tensors under a DataLoader), the row with the null a
+    MaskedArray."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    for k in range(3):
+        ids = np.arange(k * 32, (k + 1) * 32, dtype=np.int64)
+        emb = [[float(i), None if i == 40 else float(-i)] for i in ids]
+        seq = [[int(i)] * int(i % 3) + ([None] if i == 50 else []) for i in ids]
+        t = pa.table(
+            {"id": ids, "emb": pa.array(emb, pa.list_(pa.float32(), 2)), "seq": pa.array(seq, pa.list_(pa.int64()))}
+        )
+        pq.write_table(t, root / f"p{k}.parquet", row_group_size=8)
+    opts = {"batch_size": 8, "seed": 3, "connect": daemon.addr}
+    if mode == "torch":
+        batches = list(
+            torch.utils.data.DataLoader(sst.IterableDataset(str(root), **opts), batch_size=None, num_workers=2)
+        )
+    else:
+        batches = list(shardstream.Loader(str(root), **opts))
+    seen = []
+    for b in batches:
+        ids = np.asarray(b["id"]).tolist()
+        seen += ids
+        emb = b["emb"]
+        assert isinstance(emb, np.ma.MaskedArray) and emb.shape == (len(ids), 2), type(emb)
+        for row, i in zip(emb.tolist(), ids, strict=True):
+            assert row == [float(i), None if i == 40 else float(-i)]
+        for row, i in zip(b["seq"], ids, strict=True):
+            # Under a DataLoader, default_convert makes the plain rows tensors; torch has no null.
+            plain = torch.Tensor if mode == "torch" else np.ndarray
+            assert type(row) is (np.ma.MaskedArray if i == 50 else plain), (i, type(row))
+            assert row.tolist() == [i] * (i % 3) + ([None] if i == 50 else [])
+    assert sorted(seen) == list(range(96))
+
+
 def test_the_arrow_form_marks_the_columns_that_may_hold_a_null(daemon, tmp_path: Path) -> None:
     root = few_nulls(tmp_path / "ds")
     for fields, views in ((None, False), (["id", "x", "y", "flag", "b"], True)):

@@ -407,3 +407,41 @@ def test_columns_the_schema_names_for_nulls_are_masked_in_every_batch() -> None:
     for bad in (b"x", b'{"x": 1}', b"[1]"):
         with pytest.raises(_arrow.ShardstreamError, match="columns with nulls"):
             _arrow.nulls_of(pa.schema([("x", pa.float64())], metadata={b"shardstream.nulls": bad}))
+
+
+def test_a_null_element_inside_a_list_keeps_the_columns_form_at_every_slice_offset() -> None:
+    """A null element inside a list made that batch `to_pylist()` (Python lists of floats) where
+    every other batch had arrays, so a trainer met the other form mid-epoch. A `fixed_size_list`
+    column is a 2-D array in every batch (masked where an element or a row is null, and in every
+    batch of a column the schema names for nulls); a `list` column a list of 1-D arrays, the rows
+    holding a null element masked there (a MaskedArray is an ndarray)."""
+    emb = pa.array([[1, 2], [3, None], None, [7, 8], [9, 10]], pa.list_(pa.float32(), 2))
+    seq = pa.array([[1, 2, 3], [None, 5], [], None, [6]], pa.large_list(pa.int64()))
+    whole = reopen(ipc_bytes(pa.record_batch({"emb": emb, "seq": seq})))
+    for start in range(5):
+        for length in range(5 - start + 1):
+            part = whole.slice(start, length)
+            d = _arrow.to_dict(part, np.arange(length, dtype=np.uint64))
+            want = part.column("emb").to_pylist()
+            got = d["emb"]
+            assert isinstance(got, np.ndarray) and got.shape == (length, 2), (start, length)
+            has_null = any(row is None or None in row for row in want)
+            assert isinstance(got, np.ma.MaskedArray) == has_null, (start, length)
+            flat = [
+                None if m else v for v, m in zip(got.ravel().tolist(), np.ma.getmaskarray(got).ravel(), strict=True)
+            ]
+            assert flat == [v for row in want for v in (row or [None, None])], (start, length)
+            rows = d["seq"]
+            assert len(rows) == length
+            for row, w in zip(rows, part.column("seq").to_pylist(), strict=True):
+                if w is None:
+                    assert row is None
+                    continue
+                assert isinstance(row, np.ndarray) and row.dtype == np.int64, (start, length, w)
+                assert isinstance(row, np.ma.MaskedArray) == (None in w), (start, length, w)
+                assert [None if m else v for v, m in zip(row.tolist(), np.ma.getmaskarray(row), strict=True)] == w
+    # A fixed_size_list column the schema names for nulls is masked in a batch without one too.
+    schema = pa.schema([("emb", emb.type)], metadata={b"shardstream.nulls": b'["emb"]'})
+    clean = pa.record_batch([pa.array([[1, 2]], emb.type)], schema=schema)
+    out = _arrow.to_dict(reopen(ipc_bytes(clean)), np.array([0], np.uint64))["emb"]
+    assert isinstance(out, np.ma.MaskedArray) and out.shape == (1, 2) and not out.mask.any()
