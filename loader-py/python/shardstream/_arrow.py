@@ -22,8 +22,10 @@ slice, array or memoryview made from it are gone.
   metadata); a file written without statistics cannot show a column null-free. Booleans are
   bit-packed in Arrow, so they become a new ``bool`` array (a copy), masked the same way.
 - ``fixed_size_list`` of a fixed-width type (embeddings, token blocks): one 2-D array
-  ``(rows, list_size)`` over the values buffer, masked by row the same way.
-- ``list``/``large_list`` of a fixed-width type: a list of 1-D array views (None for a null list).
+  ``(rows, list_size)`` over the values buffer, masked the same way (a null row's whole row, a
+  null element its own place).
+- ``list``/``large_list`` of a fixed-width type: a list of 1-D array views (None for a null list;
+  a row holding a null element a ``MaskedArray``, an ndarray too, masked there).
 - lists of lists (any of the three list types, at any depth) of a fixed-width type, as Hugging Face
   ``Array2D``/``Array3D`` and ``Sequence(Sequence(...))`` features are stored (their extension
   type or not): each row an N-D array view of the values buffer (None for a null row). A row
@@ -451,25 +453,29 @@ def column_value(arr: pa.Array, copy: bool = False, nulls: bool = False) -> Any:
     if pa.types.is_fixed_size_list(t) and _fixed_width(t.value_type):
         size = t.list_size
         child = arr.values.slice(arr.offset * size, len(arr) * size)
-        if child.null_count:
-            return arr.to_pylist()
         values = _values(child).reshape(len(arr), size)
         if copy:
             values = values.copy()
-        if masked:
-            mask = np.repeat(_null_mask(arr)[:, None], size, axis=1)
+        if masked or child.null_count:
+            # A null row masks its whole row, a null element its own place: still one 2-D array.
+            mask = np.repeat(_null_mask(arr)[:, None], size, axis=1) | _null_mask(child).reshape(len(arr), size)
             return np.ma.MaskedArray(values, mask=mask)
         return values
     if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _fixed_width(t.value_type):
-        if arr.values.null_count:
-            return arr.to_pylist()
         flat = _values(arr.values)
         offsets = _offsets(arr).tolist()
         valid = (~_null_mask(arr)).tolist() if arr.null_count else [True] * len(arr)
-        return [
-            (flat[a:z].copy() if copy else flat[a:z]) if ok else None
-            for a, z, ok in zip(offsets[:-1], offsets[1:], valid, strict=True)
-        ]
+        # A row holding a null element is a MaskedArray (an ndarray too) masked there; the others
+        # stay plain views. The element mask is read once for the batch, only when it has nulls.
+        inner = _null_mask(arr.values) if arr.values.null_count else None
+
+        def row(a: int, z: int) -> np.ndarray[Any, Any]:
+            values = flat[a:z].copy() if copy else flat[a:z]
+            if inner is not None and inner[a:z].any():
+                return np.ma.MaskedArray(values, mask=inner[a:z].copy())
+            return values
+
+        return [row(a, z) if ok else None for a, z, ok in zip(offsets[:-1], offsets[1:], valid, strict=True)]
     return arr.to_pylist()
 
 
