@@ -26,6 +26,7 @@ pub use shardstream_proto as proto;
 
 pub mod arrow;
 pub mod frames;
+mod handoff;
 pub mod inline;
 pub mod rdma;
 mod retained;
@@ -608,8 +609,8 @@ pub struct BatchStream {
     pub rdma: Option<std::sync::Arc<rdma::RdmaRing>>,
     rx: mpsc::Receiver<Result<Batch, ClientError>>,
     task: tokio::task::JoinHandle<()>,
-    /// Index + 1 of the last batch put into `rx` (0: none yet).
-    pushed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// What the task has put into `rx`, and whether the stream is gone (see [`handoff`]).
+    handoff: std::sync::Arc<handoff::Handoff>,
 }
 
 impl BatchStream {
@@ -643,7 +644,11 @@ impl BatchStream {
 
 impl Drop for BatchStream {
     fn drop(&mut self) {
-        // Dropping the response stream resets the HTTP/2 stream: the daemon notices at once.
+        // Dropping the response stream resets the HTTP/2 stream: the daemon notices at once. The
+        // task may be between counting a batch and queueing it on another thread, where an abort
+        // does not reach: the hand-off lets that batch into the queue before this drains it, or
+        // keeps it out and uncounted.
+        let pushed = self.handoff.close();
         self.task.abort();
         if let Some(shm) = &self.shm {
             // Batches received but never handed out, and those still in flight, are released
@@ -655,7 +660,7 @@ impl Drop for BatchStream {
                     shm.release(b.index());
                 }
             }
-            shm.stream_end(self.pushed.load(std::sync::atomic::Ordering::Acquire));
+            shm.stream_end(pushed);
         }
     }
 }
@@ -762,8 +767,8 @@ pub async fn stream_from(
     let queue = if shm.is_some() { CLIENT_QUEUE_SHM } else { CLIENT_QUEUE };
     let (tx, rx) = mpsc::channel(queue);
     let expected = header.batches_in_stream;
-    let pushed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let pushed_in_task = pushed.clone();
+    let handoff = std::sync::Arc::new(handoff::Handoff::default());
+    let handoff_in_task = handoff.clone();
     let task = tokio::spawn(async move {
         let mut received = 0u64;
         let mut joiner = inline::Joiner::default();
@@ -850,7 +855,7 @@ pub async fn stream_from(
                 Ok(b) if b.is_leased() => Some(b.index()),
                 _ => None,
             };
-            // Reserve first, so that "pushed" is updated before the batch can be taken.
+            // Reserve first: a batch is counted and queued in one step that must not wait.
             let permit = match places.as_mut().and_then(Iterator::next) {
                 Some(p) => p,
                 None => {
@@ -860,19 +865,20 @@ pub async fn stream_from(
                     p
                 }
             };
-            if let Some(i) = index {
-                pushed_in_task.store(i + 1, std::sync::atomic::Ordering::Release);
-                if let Some(s) = &shm_in_task {
+            let queued = handoff_in_task.pass(index, || {
+                if index.is_some()
+                    && let Some(s) = &shm_in_task
+                {
                     s.received_leased();
                 }
-            }
-            permit.send(item);
-            if stop {
+                permit.send(item);
+            });
+            if stop || !queued {
                 return;
             }
         }
     });
-    Ok(BatchStream { header, shm, rdma: ring, rx, task, pushed })
+    Ok(BatchStream { header, shm, rdma: ring, rx, task, handoff })
 }
 
 #[cfg(test)]
