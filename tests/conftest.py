@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,6 +121,17 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def hold_streams(url: str, n: int, **opts: Any) -> list[Iterator[Any]]:
+    """`n` streams of `url` (`shardstream.Loader` options `opts`, batches of one sample), each
+    past its first batch and held open, as a client's idle DataLoader workers hold theirs."""
+    held = []
+    for _ in range(n):
+        it = iter(shardstream.Loader(url, batch_size=1, **opts))
+        next(it)
+        held.append(it)
+    return held
 
 
 def hold_batches_until_warned(loader: object, wait: float = 30.0) -> tuple[list[str], list[str]]:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, wait_for, write_dataset
+from conftest import SHARDSTREAM, Daemon, hold_streams, wait_for, write_dataset
 
 NOBODY = 65534  # nobody:nogroup on Debian
 
@@ -110,6 +110,30 @@ def test_group_member_of_another_uid_connects_only_with_group_access(shared_dir:
     try:
         out = run_client(str(data), d.addr, NOBODY, NOBODY)
         assert out.startswith(f"ok {NOBODY} "), out
+    finally:
+        assert d.stop() == 0
+
+
+@needs_root
+def test_one_client_past_its_streams_is_refused_and_another_is_served(shared_dir: Path) -> None:
+    """--max-streams bounds streams over all clients, so one client holding streams it never
+    reads could take every one of them. With --max-streams-per-client each client (a uid on the
+    Unix socket) gets its own bound: the next stream of the client at it is refused by name,
+    another uid's stream is served meanwhile, and an ended stream frees its place."""
+    data = shared_dir / "data"
+    samples = write_dataset(data, n=50, per_shard=10)
+    args = ["--socket-mode", "0660", "--socket-group", "nogroup", "--max-streams-per-client", "2"]
+    d = Daemon(shared_dir / "run", args=args).start()
+    try:
+        held = hold_streams(str(data), 2, connect=d.addr)
+        refused = r"at most 2 streams at once \(--max-streams-per-client\), and uid 0 holds as many"
+        with pytest.raises(shardstream.ShardstreamError, match=refused):
+            hold_streams(str(data), 1, connect=d.addr)
+        assert run_client(str(data), d.addr, NOBODY, NOBODY) == f"ok {NOBODY} {len(samples)}"
+        held.pop().close()  # type: ignore[attr-defined]
+        assert wait_for(lambda: d.status()["active_streams"] < 2)
+        got = sum(len(b["__key__"]) for b in shardstream.Loader(str(data), batch_size=16, connect=d.addr))
+        assert got == len(samples)
     finally:
         assert d.stop() == 0
 

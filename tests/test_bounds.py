@@ -16,7 +16,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import Daemon, wait_for, write_dataset
+from conftest import Daemon, hold_streams, wait_for, write_dataset
 
 
 def free_port() -> int:
@@ -207,11 +207,7 @@ def test_streams_past_max_streams_are_refused_and_leave_opens_served(dataset, tm
     root, samples = dataset
     d = Daemon(tmp_path, args=["--max-streams", "3"]).start()
     try:
-        held = []
-        for _ in range(3):
-            it = iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr))
-            next(it)
-            held.append(it)
+        held = hold_streams(str(root), 3, connect=d.addr)
         with pytest.raises(Exception, match=r"at most 3 streams at once \(--max-streams\)"):
             next(iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr)))
         assert shardstream._native.Connection(d.addr).open(str(root))  # an open is still served

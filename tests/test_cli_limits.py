@@ -19,6 +19,7 @@ def test_size_and_count_flags_out_of_range_are_refused(tmp_path: Path) -> None:
         ([*serve, "--s3-part-size", "1"], "--s3-part-size must be at least 64 KiB and at most 1 GiB"),
         ([*serve, "--s3-concurrency", "0"], "--s3-concurrency must be from 1 to 256, not 0"),
         ([*serve, "--prefetch-parallel", "100000"], "--prefetch-parallel must be from 1 to 256, not 100000"),
+        ([*serve, "--max-streams-per-client", "0"], "--max-streams-per-client must be from 1 to 16384, not 0"),
         (["index", str(tmp_path), "--threads", "0"], "--threads must be from 1 to 1024, not 0"),
         (["prefetch", "s3://b/p/", "--shards", "0"], "--shards must be from 1 to"),
         (["pack", str(tmp_path), "--output", str(tmp_path / "o"), "--s3-part-size", "1"], "at least 5 MiB"),

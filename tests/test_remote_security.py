@@ -27,7 +27,7 @@ from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers the `two_ho
 from tlsutil import TOKEN_A, TOKEN_B, WRONG
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, wait_for, write_dataset
+from conftest import SHARDSTREAM, Daemon, hold_streams, wait_for, write_dataset
 
 pytestmark = pytest.mark.skipif(tlsutil.available() is not None, reason=str(tlsutil.available()))
 
@@ -205,6 +205,32 @@ def test_bad_certificate_files_are_named_at_start(tmp_path: Path, pki: Path) -> 
         ["--listen", f"tcp://127.0.0.1:{free_port()}", "--insecure", "--tokens", str(tmp_path / "missing")],
         "missing",
     )
+
+
+def test_a_token_past_its_streams_is_refused_and_another_token_is_served(
+    tmp_path: Path, pki: Path, datasets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--max-streams-per-client over TCP: a client is its token's name, so one team's trainer at
+    its bound is refused by name while another token's trainer is served."""
+    a, _, samples = datasets
+    d = Remote(Hosts(), tmp_path, [*tls_args(pki), "--max-streams-per-client", "1"], ip="127.0.0.1").wait()
+    try:
+        for var, value in creds(pki, token="a").items():
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, value)
+        opts = {"connect": d.addr, "rank": 0, "world_size": 1}
+        (held,) = hold_streams(str(a), 1, **opts)
+        refused = r'at most 1 streams at once \(--max-streams-per-client\), and client "trainer-a" holds as many'
+        with pytest.raises(shardstream.ShardstreamError, match=refused):
+            hold_streams(str(a), 1, **opts)
+        got = trainer(Hosts(), str(a), d.addr, **creds(pki, token="b"))
+        assert got["ok"] and sorted(got["keys"]) == sorted(samples), got
+        held.close()  # type: ignore[attr-defined]
+    finally:
+        log = d.stop()
+    assert TOKEN_A not in log and TOKEN_B not in log
 
 
 def test_allow_list_applies_to_remote_clients(two_hosts: Hosts, tmp_path: Path, pki: Path, datasets) -> None:

@@ -188,6 +188,13 @@ pub struct ServeArgs {
     /// and as much again for opening datasets and fetching, so streams cannot starve those.
     #[arg(long, env = "SHARDSTREAM_MAX_STREAMS", default_value_t = crate::service::DEFAULT_MAX_STREAMS, value_parser = limits::parse_max_streams)]
     pub max_streams: usize,
+    /// Streams the daemon serves one client at once (unset: as many as --max-streams); one more
+    /// is refused with RESOURCE_EXHAUSTED naming this flag, and other clients are served. A
+    /// client is a uid on the Unix socket; over TCP the name its token or client certificate
+    /// gives it, else its IP address. Set it where several jobs or teams share a daemon, so that
+    /// one cannot hold every stream.
+    #[arg(long, env = "SHARDSTREAM_MAX_STREAMS_PER_CLIENT", value_parser = limits::parse_max_streams_per_client)]
+    pub max_streams_per_client: Option<usize>,
     /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
     #[arg(long, env = "SHARDSTREAM_METRICS_ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -380,6 +387,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };
     config.drain_timeout = Duration::from_secs_f64(args.drain_timeout);
     config.max_streams = args.max_streams;
+    config.max_streams_per_client = args.max_streams_per_client;
     config.sd_notify = true;
     config.remote = crate::remote::RemoteOptions {
         tls_cert: args.tls_cert,

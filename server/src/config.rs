@@ -174,7 +174,7 @@ fn scalar(v: &toml::Value) -> Option<String> {
 }
 
 /// Keys whose values are printed as TOML numbers (the others as strings).
-const NUMERIC: [&str; 10] = [
+const NUMERIC: [&str; 11] = [
     "prefetch-horizon",
     "prefetch-parallel",
     "s3-concurrency",
@@ -183,6 +183,7 @@ const NUMERIC: [&str; 10] = [
     "ring-slots",
     "ring-keep",
     "max-streams",
+    "max-streams-per-client",
     "drain-timeout",
     "socket-group",
 ];
@@ -210,6 +211,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("packed-budget", args.packed_budget.map(|b| b.to_string())),
         ("ring-keep", Some(args.ring_keep.to_string())),
         ("max-streams", Some(args.max_streams.to_string())),
+        ("max-streams-per-client", args.max_streams_per_client.map(|n| n.to_string())),
         ("metrics-addr", args.metrics_addr.map(|a| a.to_string())),
         ("drain-timeout", Some(args.drain_timeout.to_string())),
         ("tls-cert", args.tls_cert.as_ref().map(|p| p.display().to_string())),

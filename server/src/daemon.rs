@@ -66,6 +66,9 @@ pub struct DaemonConfig {
     pub remote: crate::remote::RemoteOptions,
     /// Streams served at once (`--max-streams`).
     pub max_streams: usize,
+    /// Streams served to one client at once (`--max-streams-per-client`); `None`: no bound of
+    /// its own.
+    pub max_streams_per_client: Option<usize>,
 }
 
 impl DaemonConfig {
@@ -90,6 +93,7 @@ impl DaemonConfig {
             allow: None,
             remote: crate::remote::RemoteOptions::default(),
             max_streams: crate::service::DEFAULT_MAX_STREAMS,
+            max_streams_per_client: None,
         }
     }
 }
@@ -266,7 +270,8 @@ impl BoundDaemon {
         )
         .with_access(cfg.allow.clone())
         .with_rdma(self.rdma.clone())
-        .with_max_streams(cfg.max_streams);
+        .with_max_streams(cfg.max_streams)
+        .with_max_streams_per_client(cfg.max_streams_per_client);
         let auth = match self.listener {
             Listener::Unix(..) => crate::remote::Authenticator::unix(),
             Listener::Tcp(_) => crate::remote::Authenticator::tcp(self.security.tokens.clone()),

@@ -137,6 +137,7 @@ pub const SHM_CREDITS: CountLimit =
 pub const RING_SLOTS: CountLimit =
     CountLimit { flag: "--ring-slots", min: 2, max: crate::transport::shm::MAX_CREDITS as u64 };
 pub const MAX_STREAMS: CountLimit = CountLimit { flag: "--max-streams", min: 1, max: 16_384 };
+pub const MAX_STREAMS_PER_CLIENT: CountLimit = CountLimit { flag: "--max-streams-per-client", min: 1, max: 16_384 };
 
 // prefetch
 
@@ -201,6 +202,9 @@ pub fn parse_ring_slots(s: &str) -> Result<u32, String> {
 }
 pub fn parse_max_streams(s: &str) -> Result<usize, String> {
     MAX_STREAMS.parse(s)
+}
+pub fn parse_max_streams_per_client(s: &str) -> Result<usize, String> {
+    MAX_STREAMS_PER_CLIENT.parse(s)
 }
 pub fn parse_prefetch_shards(s: &str) -> Result<u64, String> {
     PREFETCH_SHARDS.parse(s)

@@ -10,6 +10,7 @@ mod kept;
 mod kept_writer;
 mod outbox;
 mod projected;
+mod quota;
 mod sample_stream;
 mod stage;
 pub mod status;
@@ -110,6 +111,8 @@ pub struct Service {
     /// One permit per stream served at once (`--max-streams`).
     streams: Arc<tokio::sync::Semaphore>,
     max_streams: usize,
+    /// Streams per client (`--max-streams-per-client`).
+    per_client: Arc<quota::StreamQuota>,
 }
 
 /// Streams a daemon serves at once by default: eight ranks of 64 DataLoader workers each, with
@@ -144,6 +147,7 @@ impl Service {
             rdma: None,
             streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
             max_streams: DEFAULT_MAX_STREAMS,
+            per_client: Arc::default(),
         }
     }
 
@@ -158,6 +162,26 @@ impl Service {
         self.streams = Arc::new(tokio::sync::Semaphore::new(max));
         self.max_streams = max;
         self
+    }
+
+    /// Serves each client at most `max` streams at once (`--max-streams-per-client`; `None`: as
+    /// many as `--max-streams`).
+    pub fn with_max_streams_per_client(mut self, max: Option<usize>) -> Self {
+        self.per_client = Arc::new(quota::StreamQuota::new(max));
+        self
+    }
+
+    /// Who a stream of `request` counts against (see [`quota`]).
+    fn client_key<T>(request: &Request<T>) -> quota::ClientKey {
+        if let Some(cred) =
+            request.extensions().get::<tonic::transport::server::UdsConnectInfo>().and_then(|c| c.peer_cred)
+        {
+            return quota::ClientKey::Uid(cred.uid());
+        }
+        if let Some(name) = request.extensions().get::<crate::remote::RemoteClient>().and_then(|r| r.name.clone()) {
+            return quota::ClientKey::Named(name);
+        }
+        request.remote_addr().map_or(quota::ClientKey::Unknown, |a| quota::ClientKey::Ip(a.ip()))
     }
 
     /// Restricts the datasets each peer may open to its roots in `allow`.
@@ -344,6 +368,14 @@ impl Shardstream for Service {
                 self.max_streams
             ))
         })?;
+        let client = Self::client_key(&request);
+        let client_slot = self.per_client.acquire(client.clone()).map_err(|most| {
+            Status::resource_exhausted(format!(
+                "the daemon serves one client at most {most} streams at once (--max-streams-per-client), and \
+                 {client} holds as many: end unused loaders (close(), or DataLoader workers of finished epochs), \
+                 use fewer workers, or raise --max-streams-per-client"
+            ))
+        })?;
         // The daemon connects to the endpoint an rdma offer names (whichever transport the request
         // asks for, "auto" may become rdma): only the asking client's own.
         let peer = match request.remote_addr() {
@@ -378,7 +410,7 @@ impl Shardstream for Service {
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
         tokio::spawn(async move {
-            let _slot = slot;
+            let _slots = (slot, client_slot);
             produce(plan, tx, metrics, shutdown).await
         });
         Ok(Response::new(rx))
