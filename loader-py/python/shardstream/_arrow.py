@@ -465,17 +465,18 @@ def column_value(arr: pa.Array, copy: bool = False, nulls: bool = False) -> Any:
         flat = _values(arr.values)
         offsets = _offsets(arr).tolist()
         valid = (~_null_mask(arr)).tolist() if arr.null_count else [True] * len(arr)
-        # A row holding a null element is a MaskedArray (an ndarray too) masked there; the others
-        # stay plain views. The element mask is read once for the batch, only when it has nulls.
-        inner = _null_mask(arr.values) if arr.values.null_count else None
-
-        def row(a: int, z: int) -> np.ndarray[Any, Any]:
-            values = flat[a:z].copy() if copy else flat[a:z]
-            if inner is not None and inner[a:z].any():
-                return np.ma.MaskedArray(values, mask=inner[a:z].copy())
-            return values
-
-        return [row(a, z) if ok else None for a, z, ok in zip(offsets[:-1], offsets[1:], valid, strict=True)]
+        rows = [
+            (flat[a:z].copy() if copy else flat[a:z]) if ok else None
+            for a, z, ok in zip(offsets[:-1], offsets[1:], valid, strict=True)
+        ]
+        if arr.values.null_count:
+            # A row holding a null element is a MaskedArray (an ndarray too) masked there; the
+            # others stay plain views. Only batches with such a null pay for the mask.
+            inner = _null_mask(arr.values)
+            for i, (a, z) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+                if rows[i] is not None and inner[a:z].any():
+                    rows[i] = np.ma.MaskedArray(rows[i], mask=inner[a:z].copy())
+        return rows
     return arr.to_pylist()
 
 
