@@ -458,7 +458,9 @@ def column_value(arr: pa.Array, copy: bool = False, nulls: bool = False) -> Any:
             values = values.copy()
         if masked or child.null_count:
             # A null row masks its whole row, a null element its own place: still one 2-D array.
-            mask = np.repeat(_null_mask(arr)[:, None], size, axis=1) | _null_mask(child).reshape(len(arr), size)
+            mask = np.repeat(_null_mask(arr)[:, None], size, axis=1)
+            if child.null_count:
+                mask |= _null_mask(child).reshape(len(arr), size)
             return np.ma.MaskedArray(values, mask=mask)
         return values
     if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _fixed_width(t.value_type):
