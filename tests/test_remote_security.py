@@ -222,6 +222,7 @@ def test_a_token_past_its_streams_is_refused_and_another_token_is_served(
                 monkeypatch.setenv(var, value)
         opts = {"connect": d.addr, "rank": 0, "world_size": 1}
         (held,) = hold_streams(str(a), 1, **opts)
+        time.sleep(1.0)  # time for the daemon to send all it can, as a trainer busy elsewhere gives it
         refused = r'at most 1 streams at once \(--max-streams-per-client\), and client "trainer-a" holds as many'
         with pytest.raises(shardstream.ShardstreamError, match=refused):
             hold_streams(str(a), 1, **opts)
