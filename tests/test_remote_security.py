@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import tlsutil
+import webdataset as wds
 from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers the `two_hosts` fixture)
 from tlsutil import TOKEN_A, TOKEN_B, WRONG
 
@@ -213,6 +214,14 @@ def test_a_token_past_its_streams_is_refused_and_another_token_is_served(
     """--max-streams-per-client over TCP: a client is its token's name, so one team's trainer at
     its bound is refused by name while another token's trainer is served."""
     a, _, samples = datasets
+    # A stream counts while the daemon produces it. Over TCP the client's receive window (64 MiB a
+    # stream) takes a small epoch whole, so the daemon ends such a stream before its trainer reads a
+    # batch: the held stream must be larger than what its client takes without reading.
+    held_url = tmp_path / "large"
+    held_url.mkdir()
+    with wds.ShardWriter(str(held_url / "large-%04d.tar"), maxcount=32, verbose=0) as sink:
+        for i in range(96):
+            sink.write({"__key__": f"l{i:03d}", "bin": bytes(1 << 20)})
     d = Remote(Hosts(), tmp_path, [*tls_args(pki), "--max-streams-per-client", "1"], ip="127.0.0.1").wait()
     try:
         for var, value in creds(pki, token="a").items():
@@ -221,7 +230,7 @@ def test_a_token_past_its_streams_is_refused_and_another_token_is_served(
             else:
                 monkeypatch.setenv(var, value)
         opts = {"connect": d.addr, "rank": 0, "world_size": 1}
-        (held,) = hold_streams(str(a), 1, **opts)
+        (held,) = hold_streams(str(held_url), 1, **opts)
         time.sleep(1.0)  # time for the daemon to send all it can, as a trainer busy elsewhere gives it
         refused = r'at most 1 streams at once \(--max-streams-per-client\), and client "trainer-a" holds as many'
         with pytest.raises(shardstream.ShardstreamError, match=refused):
