@@ -117,7 +117,7 @@ bench: venv-bench
 	$(BENCH_VENV)/bin/pip install --quiet --force-reinstall --no-deps target/bench-wheel/shardstream-*.whl
 	$(CARGO) build --release -p shardstream --bin shardstream --example plan_quality --example index_memory --example s3_fetch --example s3_put
 	$(BENCH_VENV)/bin/python bench/run.py --epochs 2 --out bench/RESULTS.md $(BENCH_ARGS)
-	$(BENCH_VENV)/bin/python bench/decode_bench.py --out bench/DECODE_RESULTS.md $(DECODE_BENCH_ARGS)
+	$(BENCH_VENV)/bin/python bench/decode_bench.py --epochs 2 --out bench/DECODE_RESULTS.md $(DECODE_BENCH_ARGS)
 	$(BENCH_VENV)/bin/python bench/shm_bench.py --out bench/SHM_RESULTS.md
 	$(BENCH_VENV)/bin/python bench/parquet_bench.py --out bench/PARQUET_RESULTS.md
 	@# The image set as `pack --format parquet` writes it (uncompressed PLAIN), read also

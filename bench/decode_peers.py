@@ -2,6 +2,10 @@
 
     python bench/decode_peers.py READER WORKERS DATASET_DIR SAMPLES [ADDRESS]
 
+With `BENCH_EPOCHS=N` (`decode_bench.py --epochs N`), N-1 untimed epochs come first, each with a
+reader made anew, as in bench/peers.py; `BENCH_DAEMON_PID` names the daemon whose CPU is then
+counted around the measured epoch.
+
 The pipeline is the same for every reader and runs where each reader's documentation puts it: in
 the DataLoader workers (in the reader process with 0 workers). Per image: Pillow decodes the JPEG,
 a random-resized crop (scale 0.08-1, aspect 3/4-4/3, torchvision's defaults) is resized to 224x224
@@ -26,7 +30,6 @@ import json
 import math
 import os
 import random
-import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import consumer
+import measure
 import numpy as np
 import peers
 
@@ -219,13 +223,9 @@ READERS: dict[str, tuple[str, Make, tuple[str, ...]]] = {
 }
 
 
-def cpu_self() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 def epoch(make: Make, data: Path, workers: int, addr: str, expected: int) -> dict[str, Any]:
-    cpu_before = cpu_self()
+    # The tree's: the untimed epochs' DataLoader workers are waited-for children by now.
+    cpu_before = peers.cpu_tree()
     t0 = time.perf_counter()
     ttfb = None
     ids: list[int] = []
@@ -267,7 +267,15 @@ def main() -> None:
     # the CPU. (DataLoader workers run with one thread already.)
     torch.set_num_threads(1)
     seed_worker(-1)
+    for _ in range(int(os.environ.get("BENCH_EPOCHS", "1")) - 1):
+        untimed = epoch(make, data, workers, addr, expected)
+        if untimed["samples"] != expected or untimed["missing"] or untimed["duplicated"]:
+            raise SystemExit(f"an untimed epoch delivered {untimed['samples']} images of {expected}")
+    daemon = int(os.environ.get("BENCH_DAEMON_PID", "0"))
+    daemon_cpu0 = measure.cpu_seconds(daemon) if daemon else None
     result = epoch(make, data, workers, addr, expected)
+    if daemon_cpu0 is not None:
+        result["daemon_cpu"] = (measure.cpu_seconds(daemon) or daemon_cpu0) - daemon_cpu0
     result["cpu_at_exit"] = peers.cpu_tree()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     os._exit(0)  # some peers' background threads make interpreter teardown slow or hang
