@@ -123,6 +123,20 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
     return cond()
 
 
+def kept_row_groups(d: Daemon, n: int, timeout: float = 30.0) -> set[str]:
+    """Waits until the daemon `d` has kept `n` decoded row groups in its node cache, written in
+    the background, and returns their file names. The status counts a row group from the start of
+    its write and its file gets its name at the end, so both are awaited."""
+    shards = d.cache_dir / "shards"
+
+    def names() -> set[str]:
+        return {p.name for p in shards.glob("derived-*")}
+
+    assert wait_for(lambda: len(names()) == n, timeout), (sorted(names()), d.status())
+    assert d.status()["cache"]["decoded_row_groups"] == n, d.status()
+    return names()
+
+
 def hold_streams(url: str, n: int, **opts: Any) -> list[Iterator[Any]]:
     """`n` streams of `url` (`shardstream.Loader` options `opts`, batches of one sample), each
     past its first batch and held open, as a client's idle DataLoader workers hold theirs."""

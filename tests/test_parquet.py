@@ -32,7 +32,7 @@ from test_bounds import free_port, scrape
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon, mapped_memfds, run_child_ok, wait_for
+from conftest import SHARDSTREAM, Daemon, kept_row_groups, mapped_memfds, run_child_ok, wait_for
 
 # (rows, row-group size, codec) per file, in name order: row ids run through them in this order.
 LAYOUT = [(237, 7, "snappy"), (301, 50, "zstd"), (199, 128, "gzip"), (263, 1000, "none")]
@@ -2435,9 +2435,8 @@ def test_row_groups_decoded_again_past_the_budget_are_kept_and_served_from_disk(
         # again within the first epoch already, and the second decodes every one again. They are
         # written in the background.
         assert sorted(payload_epoch(d.addr, root, want, 2)) == list(range(1200))
-        assert wait_for(lambda: d.status()["cache"]["decoded_row_groups"] == 12, timeout=30), d.status()
+        kept_row_groups(d, 12)
         kept = file_versions(shards)
-        assert len(kept) == 12, sorted(kept)
         third = payload_epoch(d.addr, root, want, 3)
         assert sorted(third) == list(range(1200)) and third != first
         assert file_versions(shards) == kept, "none written again"

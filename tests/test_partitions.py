@@ -22,7 +22,7 @@ from test_parquet import daemon_maps, prefetch
 
 import shardstream
 import shardstream.torch as sst
-from conftest import SHARDSTREAM, Daemon, wait_for, within
+from conftest import SHARDSTREAM, Daemon, kept_row_groups, within
 
 ROWS = 240
 
@@ -267,9 +267,7 @@ def test_partition_columns_survive_row_groups_kept_on_disk_past_the_decoded_budg
         epoch(1)
         epoch(2)
         shards = d.cache_dir / "shards"
-        assert wait_for(lambda: d.status()["cache"]["decoded_row_groups"] == 12, timeout=30), d.status()
-        kept = {p.name for p in shards.glob("derived-*")}
-        assert len(kept) == 12, kept
+        kept = kept_row_groups(d, 12)
         epoch(3)
         assert daemon_maps(d, shards) & kept, "the third epoch read no kept row group"
     finally:
