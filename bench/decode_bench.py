@@ -100,14 +100,8 @@ def run_one(reader: str, workers: int, base: Path, samples: int, scratch: Path, 
         with run.daemon_for(reader, scratch) as srv:
             also = [srv.pid] if srv else []
             daemon_cpu0 = (measure.cpu_seconds(srv.pid) or 0.0) if srv else 0.0
-            os.environ["BENCH_EPOCHS"] = str(epochs)
-            if srv and epochs > 1:
-                os.environ["BENCH_DAEMON_PID"] = str(srv.pid)
-            try:
+            with run.epochs_env(srv, epochs):
                 done = run.watch(cmd + ([srv.addr] if srv else []), scratch, timeout * epochs, also)
-            finally:
-                os.environ.pop("BENCH_EPOCHS", None)
-                os.environ.pop("BENCH_DAEMON_PID", None)
             daemon_cpu = ((measure.cpu_seconds(srv.pid) or daemon_cpu0) - daemon_cpu0) if srv else 0.0
     except (daemon.DaemonError, OSError) as e:
         row.error = f"could not run {reader}: {e}"

@@ -219,6 +219,21 @@ def daemon_for(reader: str, scratch: Path) -> Iterator[daemon.Daemon | None]:
             print(f"    daemon exited with {code}: {srv.log_tail()}", flush=True)
 
 
+@contextmanager
+def epochs_env(srv: daemon.Daemon | None, epochs: int) -> Iterator[None]:
+    """The environment a reader subprocess started inside reads (bench/peers.py,
+    bench/decode_peers.py): `BENCH_EPOCHS`, and with untimed epochs first the daemon whose CPU it
+    counts around the measured one (`BENCH_DAEMON_PID`)."""
+    os.environ["BENCH_EPOCHS"] = str(epochs)
+    if srv and epochs > 1:
+        os.environ["BENCH_DAEMON_PID"] = str(srv.pid)
+    try:
+        yield
+    finally:
+        os.environ.pop("BENCH_EPOCHS", None)
+        os.environ.pop("BENCH_DAEMON_PID", None)
+
+
 def epoch_cpu(done: Finished, result: dict[str, Any]) -> float:
     """The reader's CPU seconds from the start of its clock to the end of its epoch: without the
     imports before (`cpu_before`) nor tearing the interpreter down after (what the reader and its
@@ -262,14 +277,8 @@ def run_reader(
                 warm_up = [*cmd[:2], peers.WARM_DAEMON[reader], *cmd[3:], srv.addr]
                 subprocess.run(warm_up, check=True, capture_output=True, timeout=timeout)
                 daemon_cpu0 = measure.cpu_seconds(srv.pid) or 0.0
-            os.environ["BENCH_EPOCHS"] = str(epochs)
-            if srv and epochs > 1:
-                os.environ["BENCH_DAEMON_PID"] = str(srv.pid)
-            try:
+            with epochs_env(srv, epochs):
                 done = watch(cmd + ([srv.addr] if srv else []), scratch, timeout, also)
-            finally:
-                os.environ.pop("BENCH_EPOCHS", None)
-                os.environ.pop("BENCH_DAEMON_PID", None)
             daemon_cpu = (measure.cpu_seconds(srv.pid) or daemon_cpu0) - daemon_cpu0 if srv else 0.0
             daemon_log = srv.log_tail() if srv else ""
     except daemon.DaemonError as e:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 import tlsutil
-import webdataset as wds
 from netns import Hosts, two_hosts_fixture  # noqa: F401  (registers the `two_hosts` fixture)
+from test_disconnect import big_tars
 from tlsutil import TOKEN_A, TOKEN_B, WRONG
 
 import shardstream
@@ -217,11 +217,7 @@ def test_a_token_past_its_streams_is_refused_and_another_token_is_served(
     # A stream counts while the daemon produces it. Over TCP the client's receive window (64 MiB a
     # stream) takes a small epoch whole, so the daemon ends such a stream before its trainer reads a
     # batch: the held stream must be larger than what its client takes without reading.
-    held_url = tmp_path / "large"
-    held_url.mkdir()
-    with wds.ShardWriter(str(held_url / "large-%04d.tar"), maxcount=32, verbose=0) as sink:
-        for i in range(96):
-            sink.write({"__key__": f"l{i:03d}", "bin": bytes(1 << 20)})
+    held_url = big_tars(tmp_path / "large")
     d = Remote(Hosts(), tmp_path, [*tls_args(pki), "--max-streams-per-client", "1"], ip="127.0.0.1").wait()
     try:
         for var, value in creds(pki, token="a").items():
