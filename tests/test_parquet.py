@@ -486,18 +486,24 @@ def test_a_column_marked_for_nulls_is_stacked_plain_when_no_batch_holds_one(daem
 @pytest.mark.parametrize("mode", ["dict", "torch"])
 def test_a_null_element_inside_a_list_keeps_the_columns_form_in_every_batch(daemon, tmp_path: Path, mode: str) -> None:
     """A null element inside a list made its batch `to_pylist()` where the others had arrays. Here
-    `emb` (fixed_size_list) and `seq` (list) hold one null element each, in one file of three:
-    `emb` is a 2-D MaskedArray in every batch (its statistics count the null, so the daemon names
-    it), and `seq` a list of 1-D arrays (tensors under a DataLoader), the row with the null a
-    MaskedArray."""
+    `emb` (fixed_size_list), `seq` (list) and `grid` (lists of lists) hold one null element each,
+    in one file of three: `emb` is a 2-D MaskedArray in every batch (its statistics count the
+    null, so the daemon names it), `seq` a list of 1-D arrays and `grid` a list of 2-D ones
+    (tensors under a DataLoader), the row with the null a MaskedArray."""
     root = tmp_path / "ds"
     root.mkdir()
     for k in range(3):
         ids = np.arange(k * 32, (k + 1) * 32, dtype=np.int64)
         emb = [[float(i), None if i == 40 else float(-i)] for i in ids]
         seq = [[int(i)] * int(i % 3) + ([None] if i == 50 else []) for i in ids]
+        grid = [[[int(i), int(i)], [None if i == 60 else int(i), 0]] for i in ids]
         t = pa.table(
-            {"id": ids, "emb": pa.array(emb, pa.list_(pa.float32(), 2)), "seq": pa.array(seq, pa.list_(pa.int64()))}
+            {
+                "id": ids,
+                "emb": pa.array(emb, pa.list_(pa.float32(), 2)),
+                "seq": pa.array(seq, pa.list_(pa.int64())),
+                "grid": pa.array(grid, pa.list_(pa.list_(pa.int32()))),
+            }
         )
         pq.write_table(t, root / f"p{k}.parquet", row_group_size=8)
     opts = {"batch_size": 8, "seed": 3, "connect": daemon.addr}
@@ -520,6 +526,10 @@ def test_a_null_element_inside_a_list_keeps_the_columns_form_in_every_batch(daem
             plain = torch.Tensor if mode == "torch" else np.ndarray
             assert type(row) is (np.ma.MaskedArray if i == 50 else plain), (i, type(row))
             assert row.tolist() == [i] * (i % 3) + ([None] if i == 50 else [])
+        for row, i in zip(b["grid"], ids, strict=True):
+            plain = torch.Tensor if mode == "torch" else np.ndarray
+            assert type(row) is (np.ma.MaskedArray if i == 60 else plain), (i, type(row))
+            assert row.tolist() == [[i, i], [None if i == 60 else i, 0]]
     assert sorted(seen) == list(range(96))
 
 
