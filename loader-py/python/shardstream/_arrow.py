@@ -28,9 +28,10 @@ slice, array or memoryview made from it are gone.
   a row holding a null element a ``MaskedArray``, an ndarray too, masked there).
 - lists of lists (any of the three list types, at any depth) of a fixed-width type, as Hugging Face
   ``Array2D``/``Array3D`` and ``Sequence(Sequence(...))`` features are stored (their extension
-  type or not): each row an N-D array view of the values buffer (None for a null row). A row
-  whose inner lists differ in length is no N-D array: a batch with one gives ``to_pylist()``, as
-  does one with a null inside the lists.
+  type or not): each row an N-D array view of the values buffer (None for a null row); a row
+  holding a null inside (an element, or an inner fixed-size list) a ``MaskedArray`` masked there.
+  A row whose inner lists differ in length is no N-D array: a batch with one gives
+  ``to_pylist()`` (so does a null inner variable-size list shorter than its siblings).
 - binary columns (``binary``, ``large_binary``, ``fixed_size_binary``): a list of read-only
   memoryviews into the batch (``bytes`` with ``copy=True``), None for nulls.
 - ``binary_view`` columns (``binary_views=True``): read-only memoryviews into the mapped decoded
@@ -282,7 +283,9 @@ class _Nested:
     ``rows + 1`` absolute indices) and each element's length (``lengths``, for the elements of all
     the rows); ``bounds[-1]`` are the rows' ranges in ``values``. ``null_inside`` holds the rows
     with a null inside their lists (a null row's own elements, which a fixed-size list keeps and
-    writers null, are the row's: `column_value` gives None for it)."""
+    writers null, are the row's: `column_value` gives None for it); ``hidden`` then marks the
+    values under a null, an element's own or an inner list's (relative to ``bounds[-1][0]``), and
+    is None when no row has one."""
 
     def __init__(self, arr: pa.Array) -> None:
         import pyarrow as pa
@@ -293,10 +296,13 @@ class _Nested:
         self.lengths: list[np.ndarray[Any, Any]] = []
         self.sizes: list[int | None] = []
         self.null_inside = np.zeros(len(arr), dtype=bool)
+        # The nulls of the elements of the level being walked, within the rows' range, and of
+        # every list above them: a null inner list hides all it holds.
+        hidden: np.ndarray[Any, np.dtype[np.bool_]] | None = None
         while _is_list(a.type):
             lo, hi = int(bounds[0]), int(bounds[-1])
             if a is not arr:
-                self._nulls(a, bounds)
+                hidden = _either(hidden, self._nulls(a, bounds))
             if pa.types.is_fixed_size_list(a.type):
                 size = a.type.list_size
                 # `values` ignores the array's own offset: elements start at `offset * size`.
@@ -306,20 +312,27 @@ class _Nested:
                 offsets = _offsets(a)[lo : hi + 1].astype(np.int64)
                 self.sizes.append(None)
             self.bounds.append(bounds)
-            self.lengths.append(np.diff(offsets))
+            lengths = np.diff(offsets)
+            self.lengths.append(lengths)
+            if hidden is not None:
+                hidden = np.repeat(hidden, lengths)
             bounds = offsets[bounds - lo]
             a = a.values
-        self._nulls(a, bounds)
+        self.hidden = _either(hidden, self._nulls(a, bounds))
         self.bounds.append(bounds)
         self.values = _values(a)
 
-    def _nulls(self, a: pa.Array, bounds: np.ndarray[Any, Any]) -> None:
-        """Marks the rows owning a null among ``a``'s elements in ``bounds``' range."""
+    def _nulls(self, a: pa.Array, bounds: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.bool_]] | None:
+        """Marks the rows owning a null among ``a``'s elements in ``bounds``' range; those
+        elements' nulls (None when there are none)."""
         lo, hi = int(bounds[0]), int(bounds[-1])
         part = a.slice(lo, hi - lo)
         if hi > lo and part.null_count:
-            owner = np.searchsorted(bounds, np.flatnonzero(_null_mask(part)) + lo, side="right") - 1
+            mask = _null_mask(part)
+            owner = np.searchsorted(bounds, np.flatnonzero(mask) + lo, side="right") - 1
             self.null_inside[owner] = True
+            return mask
+        return None
 
     def level_row(self, level: int, element: int) -> int:
         """The row holding element ``element`` (relative to the level's first) of ``level``."""
@@ -344,13 +357,28 @@ class _Nested:
         b = self.bounds[-1].tolist()
         shapes = list(zip(*dims, strict=True)) if dims else [()] * n
         out: list[Any] = []
-        for i, ok in enumerate(valid.tolist()):
+        for i, (ok, inside) in enumerate(zip(valid.tolist(), self.null_inside.tolist(), strict=True)):
             if not ok:
                 out.append(None)
                 continue
             row = self.values[b[i] : b[i + 1]].reshape(shapes[i])
-            out.append(row.copy() if copy else row)
+            if copy:
+                row = row.copy()
+            if inside and self.hidden is not None:
+                # The mask is the row's own (a copy), so a trainer may change it.
+                mask = self.hidden[b[i] - b[0] : b[i + 1] - b[0]].reshape(shapes[i]).copy()
+                row = np.ma.MaskedArray(row, mask=mask)
+            out.append(row)
         return out
+
+
+def _either(
+    a: np.ndarray[Any, np.dtype[np.bool_]] | None, b: np.ndarray[Any, np.dtype[np.bool_]] | None
+) -> np.ndarray[Any, np.dtype[np.bool_]] | None:
+    """The union of two masks over the same elements, None standing for all False."""
+    if a is None:
+        return b
+    return a if b is None else a | b
 
 
 def _binary(arr: pa.Array, copy: bool) -> list[Any]:
@@ -423,9 +451,7 @@ def column_value(arr: pa.Array, copy: bool = False, nulls: bool = False) -> Any:
         arr = arr.dictionary_decode()
         t = arr.type
     if _nested_numbers(t):
-        nested = _Nested(arr)
-        present = ~_null_mask(arr)
-        rows = None if (nested.null_inside & present).any() else nested.rows(present, copy)
+        rows = _Nested(arr).rows(~_null_mask(arr), copy)
         return arr.to_pylist() if rows is None else rows
     if pa.types.is_boolean(t):
         # Arrow packs booleans into bits: numpy needs one byte each, so this is a new array.
