@@ -521,6 +521,56 @@ def test_prometheus_metrics(tmp_path: Path, s3: S3Server, small: Samples) -> Non
         d.stop()
 
 
+@pytest.mark.parametrize("mode", ["tar", "tar-stack", "parquet-files", "parquet-columns"])
+def test_a_wait_for_storage_that_ends_in_an_error_counts_as_the_consumers_wait(
+    tmp_path: Path, s3: S3Server, indexed: Samples, mode: str
+) -> None:
+    """The consumer-wait metric (the GPU stall an operator watches) counted a stream's waits for
+    shard copies only when the batch was then served: a stream that waited for storage until the
+    storage failed it showed no wait at all. Once the dataset is open, the proxy answers every
+    request with 503 SlowDown, so the first batch waits through two retries (at least 0.05 + 0.1 s
+    of backoff) and the stream fails. Each mode takes another of the daemon's stream loops: TAR
+    views, packed TAR batches, Parquet files through the node cache, Parquet column-chunk copies."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    url = "s3://data/indexed/"
+    if mode.startswith("parquet"):
+        root = s3.bucket("data") / f"pqwait-{mode}"
+        root.mkdir(parents=True)
+        for k in range(3):
+            t = pa.table({"id": pa.array(range(k * 100, (k + 1) * 100), pa.int64()), "blob": [b"x" * 500] * 100})
+            pq.write_table(t, root / f"p{k}.parquet", row_group_size=25)
+        url = f"s3://data/pqwait-{mode}/"
+    proxy = FaultProxy(s3.port, rate=0.0, kinds=("slowdown",)).start()
+    port = free_port()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    args = ["--metrics-addr", f"127.0.0.1:{port}", "--s3-max-retries", "2"]
+    d = Daemon(tmp_path, args=args, env=env).start()
+    try:
+        shardstream._native.Connection(d.addr).open(url)
+        proxy.rate = 1.0
+        opts: dict[str, object] = {"batch_size": 16, "connect": d.addr}
+        if mode == "tar-stack":
+            opts["collate"] = "stack"
+        elif mode == "parquet-columns":
+            opts["fields"] = ["id"]
+        started = time.monotonic()
+        with pytest.raises((OSError, shardstream.ShardstreamError), match="SlowDown|503") as got:
+            next(iter(shardstream.Loader(url, **opts)))
+        took = time.monotonic() - started
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        waited = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("shardstream_consumer_wait_seconds_total{")
+        )
+        assert 0.15 <= waited <= took, (waited, took, got.value)
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+
+
 def test_objects_encrypted_with_sse_kms_are_read(tmp_path: Path, s3: S3Server) -> None:
     """S3 gives an object encrypted with SSE-KMS or SSE-C an ETag of 32 hex digits that is not
     the MD5 of its bytes. The daemon took it for one: every shard was downloaded three times and
