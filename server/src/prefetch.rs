@@ -231,11 +231,17 @@ impl Consumer {
     /// data while producing it.
     pub fn advance(&self, position: u64, waited: Duration) {
         self.position.store(position, Relaxed);
+        self.waited(waited);
+        self.rate.lock().unwrap_or_else(|p| p.into_inner()).note(Instant::now(), position);
+    }
+
+    /// Records that the stream waited `waited` for data without delivering it (a wait that
+    /// ended in an error): still time the trainer stalled.
+    pub fn waited(&self, waited: Duration) {
         if !waited.is_zero() {
             self.waited_us.fetch_add(waited.as_micros() as u64, Relaxed);
             crate::metrics::consumer_wait(self.rank, self.worker, waited.as_secs_f64());
         }
-        self.rate.lock().unwrap_or_else(|p| p.into_inner()).note(Instant::now(), position);
     }
 
     fn rate(&self) -> f64 {

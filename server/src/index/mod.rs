@@ -294,11 +294,12 @@ impl Working {
             Entry::Occupied(held) => held.into_mut(),
             Entry::Vacant(slot) => {
                 let started = Instant::now();
-                let (s, fetched) = ds.shard_fetched(i)?;
-                if fetched {
+                // A fetch that fails was waited for too (the stream ends with its error).
+                let got = ds.shard_fetched(i);
+                if got.as_ref().map_or(true, |&(_, fetched)| fetched) {
                     self.waited += started.elapsed();
                 }
-                slot.insert((s, batch))
+                slot.insert((got?.0, batch))
             }
         };
         entry.1 = batch;
@@ -324,9 +325,9 @@ impl Working {
             return Ok(());
         }
         let started = Instant::now();
-        let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| ds.shard_fetched(s))?;
+        let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| ds.shard_fetched(s));
         self.waited += started.elapsed();
-        for (s, (shard, _)) in missing.into_iter().zip(got) {
+        for (s, (shard, _)) in missing.into_iter().zip(got?) {
             self.shards.insert(s, (shard, self.batch));
         }
         Ok(())
@@ -359,6 +360,11 @@ impl Working {
             keep
         });
         dropped
+    }
+
+    /// Counts `d` of waiting for storage done outside this set (a batch's column-chunk copies).
+    pub fn add_wait(&mut self, d: Duration) {
+        self.waited += d;
     }
 
     pub fn take_wait(&mut self) -> Duration {

@@ -83,14 +83,19 @@ pub(super) fn build_arrow_batch(
             reader.open_copy(shard)?;
             ds.verify_remote_footer(shard)
         };
-        if cold.len() > 1 {
-            crate::parallel::try_map(&cold, cold.len().min(PROJECTED_FILES_AT_ONCE), check_and_open)?;
+        let opened = if cold.len() > 1 {
+            crate::parallel::try_map(&cold, cold.len().min(PROJECTED_FILES_AT_ONCE), check_and_open).map(drop)
         } else {
-            cold.iter().try_for_each(check_and_open)?;
+            cold.iter().try_for_each(check_and_open)
+        };
+        let fetch_failed = opened.is_err();
+        let rows = opened.and_then(|()| asm.rows_at(places, &ids, &reader));
+        let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
+        // A fetch that failed was waited for too: the stream counts it as it ends.
+        if reader.fetched() || fetch_failed {
+            working.add_wait(started.elapsed());
         }
-        let rows = asm.rows_at(places, &ids, &reader)?;
-        let waited = if reader.fetched() { started.elapsed() } else { std::time::Duration::ZERO };
-        (rows, waited)
+        (rows?, working.take_wait())
     } else {
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
         working.preload(ds, &touched)?;
@@ -262,7 +267,7 @@ impl SmallArrowStream {
             let mut batches = match self.take_batches(&mut ready, &mut ranges, most) {
                 Ok(b) if b.is_empty() => break,
                 Ok(b) => b,
-                Err(e) => return self.core.fail(group, e),
+                Err(e) => return self.core.fail(group, e, super::take_wait(&working)),
             };
             let parts: Vec<(u64, u32)> =
                 batches.iter().map(|(r, ids)| (r.start / self.core.batch_size, ids.len() as u32)).collect();
@@ -311,7 +316,7 @@ impl SmallArrowStream {
                     group.push(Ok(msg));
                     self.core.served(rows, bytes, end, waited);
                 }
-                Err(e) => return self.core.fail(group, e),
+                Err(e) => return self.core.fail(group, e, super::take_wait(&working)),
             }
             // Over rdma every batch holds a credit the client returns only once it has the
             // batch's message: a message held back here could leave the next batch waiting for

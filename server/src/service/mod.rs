@@ -663,7 +663,10 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 let ids = blocking(move || ids_of(&mut seq.lock().unwrap_or_else(|p| p.into_inner()), take));
                 match ids.await {
                     Ok(ids) => ready.extend(ids),
-                    Err(e) => return fail(&tx, &shared.0, e, &shutdown).await,
+                    Err(e) => {
+                        consumer_waited(&consumer, &shared.3);
+                        return fail(&tx, &shared.0, e, &shutdown).await;
+                    }
                 }
             }
             let Some((range, ids)) = ready.pop_front() else { break };
@@ -701,11 +704,27 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     c.consumer.advance(end, waited);
                 }
             }
-            Err(e) => return fail(&tx, &shared.0, e, &shutdown).await,
+            Err(e) => {
+                consumer_waited(&consumer, &shared.3);
+                return fail(&tx, &shared.0, e, &shutdown).await;
+            }
         }
     }
     drop(tx);
     linger_for_credits(rdma, stopping);
+}
+
+/// Counts what a failing stream waited for storage and never served (the wait that ended in its
+/// error) as its consumer's wait: still time the trainer stalled.
+fn consumer_waited(consumer: &Option<crate::prefetch::ConsumerGuard>, working: &std::sync::Mutex<Working>) {
+    if let Some(c) = consumer {
+        c.consumer.waited(take_wait(working));
+    }
+}
+
+/// What the builds sharing `working` waited for storage since it was last taken.
+fn take_wait(working: &std::sync::Mutex<Working>) -> std::time::Duration {
+    working.lock().unwrap_or_else(|p| p.into_inner()).take_wait()
 }
 
 /// Ends a stream with its error `e` ([`outbox::last_word`]).

@@ -43,7 +43,7 @@ impl SampleStream {
             if ready.is_empty() {
                 match ids_of(&mut self.core.sequence, next_ranges(&mut ranges, IDS_AHEAD)) {
                     Ok(ids) => ready.extend(ids),
-                    Err(e) => return self.core.fail(group, e),
+                    Err(e) => return self.core.fail(group, e, working.take_wait()),
                 }
             }
             let Some((range, ids)) = ready.pop_front() else { break };
@@ -66,7 +66,7 @@ impl SampleStream {
                     group.push(Ok(message));
                     self.core.served(samples, bytes, range.end, working.take_wait());
                 }
-                Err(e) => return self.core.fail(group, e),
+                Err(e) => return self.core.fail(group, e, working.take_wait()),
             }
             if !grouped || !sent_any || group.len() >= SMALL_GROUP {
                 if !self.core.send(std::mem::take(&mut group)) {

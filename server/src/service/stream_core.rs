@@ -60,8 +60,12 @@ impl StreamCore {
         self.tx.blocking_send_group(group)
     }
 
-    /// Sends `group`, then `e`, which ends the stream.
-    pub(super) fn fail(&self, group: Vec<outbox::Message>, e: Error) {
+    /// Sends `group`, then `e`, which ends the stream; `waited`: what the stream waited for
+    /// storage and never served (the wait that ended in `e`).
+    pub(super) fn fail(&self, group: Vec<outbox::Message>, e: Error, waited: std::time::Duration) {
+        if let Some(c) = &self.consumer {
+            c.consumer.waited(waited);
+        }
         self.dataset.note_stream_failure(&e);
         self.tx.blocking_fail(group, &self.dataset.url, e, &self.shutdown);
     }
