@@ -357,18 +357,18 @@ class _Nested:
         b = self.bounds[-1].tolist()
         shapes = list(zip(*dims, strict=True)) if dims else [()] * n
         out: list[Any] = []
-        for i, (ok, inside) in enumerate(zip(valid.tolist(), self.null_inside.tolist(), strict=True)):
+        for i, ok in enumerate(valid.tolist()):
             if not ok:
                 out.append(None)
                 continue
             row = self.values[b[i] : b[i + 1]].reshape(shapes[i])
-            if copy:
-                row = row.copy()
-            if inside and self.hidden is not None:
-                # The mask is the row's own (a copy), so a trainer may change it.
+            out.append(row.copy() if copy else row)
+        if self.hidden is not None:
+            # Only a batch with a null inside pays for masks. Each mask is the row's own (a
+            # copy), so a trainer may change it.
+            for i in np.flatnonzero(self.null_inside & valid).tolist():
                 mask = self.hidden[b[i] - b[0] : b[i + 1] - b[0]].reshape(shapes[i]).copy()
-                row = np.ma.MaskedArray(row, mask=mask)
-            out.append(row)
+                out[i] = np.ma.MaskedArray(out[i], mask=mask)
         return out
 
 
