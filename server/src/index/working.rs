@@ -1,0 +1,115 @@
+//! A stream's working set ([`Working`]): the shards its last batches used, held open and pinned
+//! between batches, and the time the stream waited for storage to get them (the consumer-wait
+//! metric, taken per batch and when the stream fails).
+
+use std::collections::hash_map::Entry;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use foldhash::HashMap;
+
+use super::{CacheMode, Dataset, ResidentShard};
+use crate::Result;
+
+/// A stream's working set: the shards it used in its last batches, kept open (and pinned) so a
+/// windowed shuffle that hops between a dozen shards per batch opens each once, not per sample.
+#[derive(Debug, Default)]
+pub struct Working {
+    shards: HashMap<usize, (Arc<ResidentShard>, u64)>,
+    batch: u64,
+    /// Time spent waiting for shards to be fetched (cache misses), since the last `take_wait`.
+    waited: Duration,
+}
+
+/// Shards of one batch fetched at once when none of them is cached yet (a cold start): each is
+/// itself a set of parallel ranged GETs, bounded daemon-wide.
+const PRELOAD_THREADS: usize = 8;
+
+/// Batches a shard stays in a working set after its last use: the shuffle window makes a shard
+/// reappear within a batch or two, or not at all.
+const WORKING_BATCHES: u64 = 2;
+
+impl Working {
+    pub fn get(&mut self, ds: &Dataset, i: usize) -> Result<&Arc<ResidentShard>> {
+        let batch = self.batch;
+        let entry = match self.shards.entry(i) {
+            Entry::Occupied(held) => held.into_mut(),
+            Entry::Vacant(slot) => {
+                let started = Instant::now();
+                // A fetch that fails was waited for too (the stream ends with its error).
+                let got = ds.shard_fetched(i);
+                if got.as_ref().map_or(true, |&(_, fetched)| fetched) {
+                    self.waited += started.elapsed();
+                }
+                slot.insert((got?.0, batch))
+            }
+        };
+        entry.1 = batch;
+        Ok(&entry.0)
+    }
+
+    /// Fetches, in parallel, the shards of a batch (`ids`: its sample ids) that are neither in
+    /// the working set nor ready locally: a batch drawing on a dozen shards then waits for the
+    /// slowest download, not for the sum of them. Datasets read in place skip this.
+    pub fn preload(&mut self, ds: &Dataset, ids: &[u64]) -> Result<()> {
+        if ds.mode == CacheMode::Direct {
+            return Ok(());
+        }
+        let mut missing: Vec<usize> = ids
+            .iter()
+            .filter_map(|&id| ds.locate(id).map(|(s, _)| s))
+            .filter(|s| !self.shards.contains_key(s))
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        missing.retain(|&s| !ds.is_local(s));
+        if missing.len() < 2 {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| ds.shard_fetched(s));
+        self.waited += started.elapsed();
+        for (s, (shard, _)) in missing.into_iter().zip(got?) {
+            self.shards.insert(s, (shard, self.batch));
+        }
+        Ok(())
+    }
+
+    /// Whether every shard of the samples `ids` is in the working set: a batch of them is then
+    /// built without opening, fetching or verifying a shard, so without waiting for storage.
+    pub fn holds_all(&self, ds: &Dataset, ids: &[u64]) -> bool {
+        let mut last = None;
+        ids.iter().all(|&id| match ds.locate(id) {
+            Some((s, _)) if last == Some(s) => true,
+            Some((s, _)) => {
+                last = Some(s);
+                self.shards.contains_key(&s)
+            }
+            None => false,
+        })
+    }
+
+    /// Ends a batch: shards unused for [`WORKING_BATCHES`] batches are let go; returns them.
+    pub fn end_batch(&mut self) -> Vec<Arc<ResidentShard>> {
+        self.batch += 1;
+        let keep_from = self.batch.saturating_sub(WORKING_BATCHES);
+        let mut dropped = Vec::new();
+        self.shards.retain(|_, (shard, used)| {
+            let keep = *used >= keep_from;
+            if !keep {
+                dropped.push(shard.clone());
+            }
+            keep
+        });
+        dropped
+    }
+
+    /// Counts `d` of waiting for storage done outside this set (a batch's column-chunk copies).
+    pub fn add_wait(&mut self, d: Duration) {
+        self.waited += d;
+    }
+
+    pub fn take_wait(&mut self) -> Duration {
+        std::mem::take(&mut self.waited)
+    }
+}
