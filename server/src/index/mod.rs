@@ -44,7 +44,7 @@ use crate::storage::s3::{S3Options, S3Store};
 use crate::storage::{DatasetUrl, ShardSource};
 use crate::{Error, Result};
 pub use registry::{Registry, RegistryLimits};
-pub use working::Working;
+pub use working::{Waits, Working};
 
 use discover::Discovered;
 use integrity::{fingerprint, footer_mismatch, verify_copy_footer, verify_source};

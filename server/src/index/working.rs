@@ -4,6 +4,7 @@
 
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use foldhash::HashMap;
@@ -18,7 +19,7 @@ pub struct Working {
     shards: HashMap<usize, (Arc<ResidentShard>, u64)>,
     batch: u64,
     /// Time spent waiting for shards to be fetched (cache misses), since the last `take_wait`.
-    waited: Duration,
+    waited: Waits,
 }
 
 /// Shards of one batch fetched at once when none of them is cached yet (a cold start): each is
@@ -39,7 +40,7 @@ impl Working {
                 // A fetch that fails was waited for too (the stream ends with its error).
                 let got = ds.shard_fetched(i);
                 if got.as_ref().map_or(true, |&(_, fetched)| fetched) {
-                    self.waited += started.elapsed();
+                    self.waited.add(started.elapsed());
                 }
                 slot.insert((got?.0, batch))
             }
@@ -68,7 +69,7 @@ impl Working {
         }
         let started = Instant::now();
         let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| ds.shard_fetched(s));
-        self.waited += started.elapsed();
+        self.waited.add(started.elapsed());
         for (s, (shard, _)) in missing.into_iter().zip(got?) {
             self.shards.insert(s, (shard, self.batch));
         }
@@ -106,10 +107,32 @@ impl Working {
 
     /// Counts `d` of waiting for storage done outside this set (a batch's column-chunk copies).
     pub fn add_wait(&mut self, d: Duration) {
-        self.waited += d;
+        self.waited.add(d);
+    }
+
+    /// The set's clock of waits, readable without the set: a failing stream takes what its
+    /// builds waited while another build, ahead of it, holds the set waiting for storage.
+    pub fn waits(&self) -> Waits {
+        self.waited.clone()
     }
 
     pub fn take_wait(&mut self) -> Duration {
-        std::mem::take(&mut self.waited)
+        self.waited.take()
+    }
+}
+
+/// Time waited for storage and not yet taken, in microseconds, shared by a working set and its
+/// stream.
+#[derive(Debug, Default, Clone)]
+pub struct Waits(Arc<AtomicU64>);
+
+impl Waits {
+    fn add(&self, d: Duration) {
+        self.0.fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// What was waited since the last take.
+    pub fn take(&self) -> Duration {
+        Duration::from_micros(self.0.swap(0, Ordering::Relaxed))
     }
 }

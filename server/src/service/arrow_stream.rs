@@ -251,7 +251,9 @@ pub(super) struct SmallArrowStream {
 impl SmallArrowStream {
     pub(super) fn run(mut self, ranges: impl Iterator<Item = std::ops::Range<u64>>) {
         let mut ranges = ranges.peekable();
-        let working = std::sync::Mutex::new(Working::default());
+        let working = Working::default();
+        let waits = working.waits();
+        let working = std::sync::Mutex::new(working);
         let mut ready: std::collections::VecDeque<ReadyBatch> = std::collections::VecDeque::new();
         let mut group: Vec<outbox::Message> = Vec::with_capacity(SMALL_GROUP);
         let mut sent_any = false;
@@ -267,7 +269,7 @@ impl SmallArrowStream {
             let mut batches = match self.take_batches(&mut ready, &mut ranges, most) {
                 Ok(b) if b.is_empty() => break,
                 Ok(b) => b,
-                Err(e) => return self.core.fail(group, e, super::take_wait(&working)),
+                Err(e) => return self.core.fail(group, e, waits.take()),
             };
             let parts: Vec<(u64, u32)> =
                 batches.iter().map(|(r, ids)| (r.start / self.core.batch_size, ids.len() as u32)).collect();
@@ -316,7 +318,7 @@ impl SmallArrowStream {
                     group.push(Ok(msg));
                     self.core.served(rows, bytes, end, waited);
                 }
-                Err(e) => return self.core.fail(group, e, super::take_wait(&working)),
+                Err(e) => return self.core.fail(group, e, waits.take()),
             }
             // Over rdma every batch holds a credit the client returns only once it has the
             // batch's message: a message held back here could leave the next batch waiting for

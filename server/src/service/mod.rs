@@ -592,7 +592,11 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         return;
     }
     let StreamCore { dataset, session, sequence, tx, consumer, shutdown, .. } = core;
-    let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(Working::default()), arrow, projected));
+    let working = Working::default();
+    // Read without the set's lock, which a build ahead of a failed one may hold for as long as
+    // storage keeps it waiting.
+    let waits = working.waits();
+    let shared = Arc::new((dataset, fields, session, std::sync::Mutex::new(working), arrow, projected));
     let sequence = Arc::new(std::sync::Mutex::new(sequence));
     let spawn_build = |turn: u64, range: std::ops::Range<u64>, ids: Vec<u64>| {
         // Every batch but the rank's last is full, so its index in the rank's order is this.
@@ -664,7 +668,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 match ids.await {
                     Ok(ids) => ready.extend(ids),
                     Err(e) => {
-                        consumer_waited(&consumer, &shared.3);
+                        consumer_waited(&consumer, &waits);
                         return fail(&tx, &shared.0, e, &shutdown).await;
                     }
                 }
@@ -705,7 +709,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 }
             }
             Err(e) => {
-                consumer_waited(&consumer, &shared.3);
+                consumer_waited(&consumer, &waits);
                 return fail(&tx, &shared.0, e, &shutdown).await;
             }
         }
@@ -716,15 +720,10 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
 
 /// Counts what a failing stream waited for storage and never served (the wait that ended in its
 /// error) as its consumer's wait: still time the trainer stalled.
-fn consumer_waited(consumer: &Option<crate::prefetch::ConsumerGuard>, working: &std::sync::Mutex<Working>) {
+fn consumer_waited(consumer: &Option<crate::prefetch::ConsumerGuard>, waits: &crate::index::Waits) {
     if let Some(c) = consumer {
-        c.consumer.waited(take_wait(working));
+        c.consumer.waited(waits.take());
     }
-}
-
-/// What the builds sharing `working` waited for storage since it was last taken.
-fn take_wait(working: &std::sync::Mutex<Working>) -> std::time::Duration {
-    working.lock().unwrap_or_else(|p| p.into_inner()).take_wait()
 }
 
 /// Ends a stream with its error `e` ([`outbox::last_word`]).
