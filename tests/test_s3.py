@@ -571,6 +571,49 @@ def test_a_wait_for_storage_that_ends_in_an_error_counts_as_the_consumers_wait(
         proxy.stop()
 
 
+@pytest.mark.parametrize("mode", ["tar", "tar-stack", "parquet-files"])
+def test_a_stream_that_joins_a_failing_download_fails_with_it_instead_of_downloading_again(
+    tmp_path: Path, s3: S3Server, indexed: Samples, mode: str
+) -> None:
+    """A stream that found its shard being downloaded (by the prefetcher, or by the batch before
+    it) waited for that download, and when it failed after its retries, began its own with the
+    same retries; each batch built ahead did so again: the stream reported the error after two to
+    four times the retry policy's time (41 s with the default retries for a Parquet file that one
+    download gave up on after 20 s). Once the dataset is open, every request gets 503 SlowDown
+    after 0.2 s (so the prefetcher's downloads are still trying when the stream asks for the same
+    shards): every object is downloaded once, with its three tries (two retries), and the stream
+    fails."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    url = "s3://data/indexed/"
+    if mode.startswith("parquet"):
+        root = s3.bucket("data") / "pqjoin"
+        if not root.exists():
+            root.mkdir(parents=True)
+            for k in range(3):
+                t = pa.table({"id": pa.array(range(k * 100, (k + 1) * 100), pa.int64()), "blob": [b"x" * 500] * 100})
+                pq.write_table(t, root / f"p{k}.parquet", row_group_size=25)
+        url = "s3://data/pqjoin/"
+    proxy = FaultProxy(s3.port, rate=0.0, kinds=("slowdown",), hold=0.2).start()
+    d = Daemon(tmp_path, args=["--s3-max-retries", "2"], env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
+    try:
+        shardstream._native.Connection(d.addr).open(url)
+        proxy.object_gets.clear()
+        proxy.rate = 1.0
+        opts: dict[str, object] = {"batch_size": 16, "connect": d.addr}
+        if mode == "tar-stack":
+            opts["collate"] = "stack"
+        with pytest.raises((OSError, shardstream.ShardstreamError), match="SlowDown"):
+            next(iter(shardstream.Loader(url, **opts)))
+        gets = dict(proxy.object_gets)
+        assert gets, "no object was downloaded"
+        assert max(gets.values()) <= 3, sorted(gets.items())
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+
+
 def test_objects_encrypted_with_sse_kms_are_read(tmp_path: Path, s3: S3Server) -> None:
     """S3 gives an object encrypted with SSE-KMS or SSE-C an ETag of 32 hex digits that is not
     the MD5 of its bytes. The daemon took it for one: every shard was downloaded three times and

@@ -15,9 +15,10 @@ What was injected is counted by kind in ``counts``.
 and listings, is 32 hex digits that are not the MD5 of the bytes, and object responses carry
 ``x-amz-server-side-encryption: aws:kms``; the bytes pass unchanged.
 
-``hold`` keeps every object GET that long before forwarding it, and ``peak_gets`` is the most
-object GETs that were in the proxy at once: with a hold longer than a request takes, it tells how
-many requests a client makes concurrently, without timing anything."""
+``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
+and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
+a request takes, it tells how many requests a client makes concurrently, without timing anything.
+``object_gets`` counts the object GETs by path."""
 
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+        # Object GETs by path (bucket/key), faulted or not.
+        self.object_gets: Counter[str] = Counter()
         self.server: ThreadingHTTPServer | None = None
 
     @property
@@ -89,10 +92,12 @@ class FaultProxy:
         assert self.server is not None
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def pick(self, object_get: bool) -> str | None:
-        """The fault for the next request, or None."""
+    def pick(self, object_get: bool, path: str = "") -> str | None:
+        """The fault for the next request (of the object at `path` when `object_get`), or None."""
         with self.lock:
             self.counts["requests"] += 1
+            if object_get:
+                self.object_gets[path] += 1
             if self.rng.random() >= self.rate:
                 return None
             kinds = [k for k in self.kinds if object_get or k in ("reset", "slowdown")]
@@ -158,12 +163,15 @@ class FaultProxy:
                 # Path style: /bucket/key?x-id=GetObject for an object, /bucket?list-type=2 a listing.
                 target = urlsplit(self.path)
                 object_get = self.command == "GET" and "list-type" not in target.query and "/" in target.path.strip("/")
-                fault = proxy.pick(object_get)
+                fault = proxy.pick(object_get, target.path)
                 if fault == "reset":
                     proxy.count(fault)
                     return self.reset()
                 if fault == "slowdown":
                     proxy.count(fault)
+                    if object_get and proxy.hold:
+                        # An object GET takes its round trip to be refused too.
+                        time.sleep(proxy.hold)
                     return self.send(503, "Slow Down", [("Content-Type", "application/xml")], SLOWDOWN, len(SLOWDOWN))
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
                 if object_get:
