@@ -55,6 +55,31 @@ impl Error {
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
     }
+
+    /// The same error again, for another caller that waited on the work that failed (an I/O
+    /// error keeps its kind and message; `std::io::Error` cannot be cloned).
+    pub fn again(&self) -> Self {
+        match self {
+            Error::NotFound { what, path } => Error::NotFound { what, path: path.clone() },
+            Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+            Error::Shard { shard, offset, reason } => {
+                Error::Shard { shard: shard.clone(), offset: *offset, reason: reason.clone() }
+            }
+            Error::Io { op, path, source } => {
+                let source = match source.raw_os_error() {
+                    Some(code) => std::io::Error::from_raw_os_error(code),
+                    None => std::io::Error::new(source.kind(), source.to_string()),
+                };
+                Error::Io { op, path: path.clone(), source }
+            }
+            Error::PermissionDenied { path, reason } => {
+                Error::PermissionDenied { path: path.clone(), reason: reason.clone() }
+            }
+            Error::CacheFull(m) => Error::CacheFull(m.clone()),
+            Error::Unavailable(m) => Error::Unavailable(m.clone()),
+            Error::Internal(m) => Error::Internal(m.clone()),
+        }
+    }
 }
 
 impl From<crate::plan::PlanError> for Error {

@@ -39,6 +39,7 @@
 pub mod download;
 pub mod table;
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -146,6 +147,10 @@ pub struct NodeCache {
     configured: u64,
     /// When a full disk lowered the capacity, the last time the disk was measured to raise it.
     lowered_at: Mutex<Option<Instant>>,
+    /// The last failed fill of each key, and when it failed: a caller that waited on that fill
+    /// fails with it rather than begin the same download again with the same retries (locked
+    /// inside `table`'s lock).
+    failures: Mutex<HashMap<String, (Instant, Error)>>,
     /// The `flock` on [`LOCK_FILE`], released with the cache (and by the kernel at exit).
     _lock: File,
 }
@@ -190,11 +195,17 @@ pub struct Want {
     pub urgency: f64,
     /// Wait for another fill or for space (a stream), or give up at once (a prefetch).
     pub wait: bool,
+    /// When the caller began asking for the shard, if before this call (it waited for another
+    /// caller of the same shard first): a fill of it that fails after that is its failure too.
+    pub since: Option<Instant>,
 }
 
 impl Want {
-    pub const NOW: Want = Want { urgency: 0.0, wait: true };
+    pub const NOW: Want = Want { urgency: 0.0, wait: true, since: None };
 }
+
+/// How long a fill's failure is kept for the callers that waited on it.
+const FAILURE_KEPT: Duration = Duration::from_secs(60);
 
 impl NodeCache {
     /// Opens the cache in `cache_dir`: deletes temporary leftovers, re-adopts complete shards,
@@ -270,6 +281,7 @@ impl NodeCache {
             wrote_derived: std::sync::atomic::AtomicBool::new(false),
             configured: capacity,
             lowered_at: Mutex::new(None),
+            failures: Mutex::new(HashMap::new()),
             _lock: lock,
         });
         cache.publish_gauges();
@@ -423,7 +435,7 @@ impl NodeCache {
         debug_assert!(key.starts_with(DERIVED_PREFIX));
         // Evicts only what is never needed again (`next_use` None): `f64::MAX` is later than
         // every known use.
-        self.get_or_fill(key, bytes, Want { urgency: f64::MAX, wait: false }, false, fill)
+        self.get_or_fill(key, bytes, Want { urgency: f64::MAX, wait: false, since: None }, false, fill)
     }
 
     /// Makes this run's derived entries durable and says so to the next start-up (see the module
@@ -458,14 +470,20 @@ impl NodeCache {
         let mut disk_full_retries = 0;
         let mut measured_for_this = false;
         let started = Instant::now();
+        // From when this caller waits on another's fill of `key`: that fill's failure is its own.
+        let mut waiting_since = want.since;
         self.regain_capacity(false);
         loop {
             let ev = self.eviction();
             let begun = {
                 let mut t = self.lock();
                 loop {
+                    if let Some(e) = waiting_since.and_then(|since| self.failed_since(key, since)) {
+                        return Err(e);
+                    }
                     match t.begin(key, bytes, want.urgency, want.wait, ev.as_ref()) {
                         Begin::Wait if want.wait => {
+                            waiting_since.get_or_insert_with(Instant::now);
                             t = self
                                 .changed
                                 .wait_timeout(t, Duration::from_millis(200))
@@ -566,7 +584,7 @@ impl NodeCache {
                     let free = disk_full.then(|| free_bytes(&self.dir)).flatten();
                     // What the cache's files hold on disk, ready or still being written by other fills.
                     let held = disk_full.then(|| bytes_in(&self.dir));
-                    let fits_after_evicting = {
+                    let last = {
                         let mut t = self.lock();
                         t.finish(key, false);
                         if let Some(free) = free {
@@ -586,25 +604,48 @@ impl NodeCache {
                             // Just measured: the next look is a REGAIN_EVERY away.
                             *self.lowered_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
                         }
-                        bytes <= t.capacity()
+                        let fits = bytes <= t.capacity();
+                        let last = match e {
+                            _ if disk_full && fits && disk_full_retries < MAX_DISK_FULL_RETRIES => None,
+                            _ if disk_full => Some(Error::CacheFull(format!(
+                                "node cache {} ran out of disk space writing shard {key} ({bytes} bytes) even \
+                                 after evicting; free space there or lower --cache-size",
+                                self.dir.display()
+                            ))),
+                            e => Some(e),
+                        };
+                        // Recorded before the entry's waiters can see it gone (under the table's
+                        // lock): they fail with this fill rather than start another.
+                        if let Some(e) = &last {
+                            self.note_failure(key, e);
+                        }
+                        last
                     };
                     self.changed.notify_all();
                     self.publish_gauges();
-                    if disk_full && fits_after_evicting && disk_full_retries < MAX_DISK_FULL_RETRIES {
-                        disk_full_retries += 1;
-                        continue;
+                    // None: the disk was full and the shard fits once more is evicted.
+                    if let Some(e) = last {
+                        return Err(e);
                     }
-                    if disk_full {
-                        return Err(Error::CacheFull(format!(
-                            "node cache {} ran out of disk space writing shard {key} ({bytes} bytes) even after \
-                             evicting; free space there or lower --cache-size",
-                            self.dir.display()
-                        )));
-                    }
-                    return Err(e);
+                    disk_full_retries += 1;
                 }
             }
         }
+    }
+
+    /// Records that the fill of `key` failed with `e` now (called under the table's lock).
+    fn note_failure(&self, key: &str, e: &Error) {
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        failures.retain(|_, (at, _)| now.duration_since(*at) < FAILURE_KEPT);
+        failures.insert(key.to_owned(), (now, e.again()));
+    }
+
+    /// The failure of a fill of `key` that ended at or after `since` (called under the table's
+    /// lock, so a fill that fails is recorded before its entry is gone).
+    fn failed_since(&self, key: &str, since: Instant) -> Option<Error> {
+        let failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        failures.get(key).filter(|(at, _)| *at >= since).map(|(_, e)| e.again())
     }
 
     fn is_lowered(&self) -> bool {
@@ -892,11 +933,46 @@ mod tests {
     }
 
     #[test]
+    fn a_caller_that_waited_on_a_failed_fill_fails_with_it_and_a_later_one_fills_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        let (began, in_flight) = std::sync::mpsc::channel();
+        let filler = {
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                let mut fill = |_: &Path, _: &File| {
+                    began.send(()).unwrap();
+                    std::thread::sleep(Duration::from_millis(300));
+                    Err(Error::Unavailable("storage said no after its retries".into()))
+                };
+                cache.get("k", 5, Want::NOW, &mut fill).map(drop)
+            })
+        };
+        in_flight.recv().unwrap();
+        let err = cache.get("k", 5, Want::NOW, &mut |_, _| panic!("a waiter downloaded again")).unwrap_err();
+        assert_eq!(err.to_string(), "storage said no after its retries");
+        assert!(filler.join().unwrap().is_err());
+        // Asked after the failure: downloaded again (the store may be back).
+        assert!(cache.get("k", 5, Want::NOW, &mut write(b"hello")).unwrap().unwrap().filled);
+
+        // `since`: a caller that began asking before a failure (waiting behind another caller)
+        // fails with it, an I/O error keeping its kind; one that began after fills again.
+        let asked = Instant::now();
+        let broken = || Error::io("read", "s3://b/j", std::io::ErrorKind::ConnectionReset.into());
+        let first = cache.get("j", 5, Want::NOW, &mut |_, _| Err(broken())).unwrap_err();
+        let joined = Want { since: Some(asked), ..Want::NOW };
+        let again = cache.get("j", 5, joined, &mut |_, _| panic!("downloaded again")).unwrap_err();
+        assert_eq!(again.to_string(), first.to_string());
+        assert!(matches!(again, Error::Io { ref source, .. } if source.kind() == std::io::ErrorKind::ConnectionReset));
+        assert!(cache.get("j", 5, Want::NOW, &mut write(b"jjjjj")).unwrap().unwrap().filled);
+    }
+
+    #[test]
     fn a_prefetch_does_not_wait() {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(5), Policy::Lru).unwrap();
         let _a = cache.get("a", 5, Want::NOW, &mut write(b"aaaaa")).unwrap().unwrap();
-        let later = Want { urgency: 1.0, wait: false };
+        let later = Want { urgency: 1.0, wait: false, since: None };
         assert!(cache.get("b", 5, later, &mut write(b"bbbbb")).unwrap().is_none());
     }
 

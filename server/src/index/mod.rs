@@ -34,7 +34,7 @@ use foldhash::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::cache::download::{self, FetchSpec};
 use crate::cache::{NodeCache, Pin, Want};
@@ -588,8 +588,11 @@ impl Dataset {
         Ok(Some((now, opens)))
     }
 
-    fn fetch_now(&self, i: usize) -> Result<Pin> {
-        self.fetch(i, Want::NOW)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))
+    /// Shard `i`'s copy, fetched now if it is not in the cache; `asked`: when the caller began
+    /// asking for it (a fetch of it that fails after that is the caller's failure too).
+    fn fetch_now(&self, i: usize, asked: Instant) -> Result<Pin> {
+        let want = Want { since: Some(asked), ..Want::NOW };
+        self.fetch(i, want)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))
     }
 
     /// `pin`, the node-cache copy of local shard `i` made before this dataset was opened, once
@@ -683,6 +686,9 @@ impl Dataset {
         if let Some(s) = self.open_shard(i) {
             return Ok((s, false));
         }
+        // Another stream (or this stream's batch before) may be loading it: a fetch that fails
+        // while this one waits for the lock fails this one too, not a second round of retries.
+        let asked = Instant::now();
         let lock = self.load_locks.get(i).ok_or_else(|| Error::Internal(format!("shard {i} out of range")))?;
         let _loading = lock.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = self.open_shard(i) {
@@ -712,7 +718,7 @@ impl Dataset {
                     ShardSource::Local(path) => self.check_copy_source(i, path, meta)?,
                     ShardSource::S3 { .. } => None,
                 };
-                let mut pin = self.fetch_now(i)?;
+                let mut pin = self.fetch_now(i, asked)?;
                 if let ShardSource::Local(path) = source {
                     // Once for this dataset, and again after each open that trusted its listing;
                     // recorded only once the copy is known current, so a refusal is said again.

@@ -20,6 +20,10 @@ pub struct Working {
     batch: u64,
     /// Time spent waiting for shards to be fetched (cache misses), since the last `take_wait`.
     waited: Waits,
+    /// Shards whose fetch failed, and how: the stream ends with that error, and the batches
+    /// built ahead of it that need the same shard fail with it too rather than fetch it again,
+    /// each with the store's whole retry policy.
+    failed: HashMap<usize, crate::Error>,
 }
 
 /// Shards of one batch fetched at once when none of them is cached yet (a cold start): each is
@@ -36,13 +40,22 @@ impl Working {
         let entry = match self.shards.entry(i) {
             Entry::Occupied(held) => held.into_mut(),
             Entry::Vacant(slot) => {
+                if let Some(e) = self.failed.get(&i) {
+                    return Err(e.again());
+                }
                 let started = Instant::now();
                 // A fetch that fails was waited for too (the stream ends with its error).
                 let got = ds.shard_fetched(i);
                 if got.as_ref().map_or(true, |&(_, fetched)| fetched) {
                     self.waited.add(started.elapsed());
                 }
-                slot.insert((got?.0, batch))
+                match got {
+                    Ok((shard, _)) => slot.insert((shard, batch)),
+                    Err(e) => {
+                        self.failed.insert(i, e.again());
+                        return Err(e);
+                    }
+                }
             }
         };
         entry.1 = batch;
@@ -64,12 +77,19 @@ impl Working {
         missing.sort_unstable();
         missing.dedup();
         missing.retain(|&s| !ds.is_local(s));
+        if let Some(e) = missing.iter().find_map(|s| self.failed.get(s)) {
+            return Err(e.again());
+        }
         if missing.len() < 2 {
             return Ok(());
         }
         let started = Instant::now();
-        let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| ds.shard_fetched(s));
+        let failed = std::sync::Mutex::new(Vec::new());
+        let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| {
+            ds.shard_fetched(s).inspect_err(|e| failed.lock().unwrap_or_else(|p| p.into_inner()).push((s, e.again())))
+        });
         self.waited.add(started.elapsed());
+        self.failed.extend(failed.into_inner().unwrap_or_else(|p| p.into_inner()));
         for (s, (shard, _)) in missing.into_iter().zip(got?) {
             self.shards.insert(s, (shard, self.batch));
         }
