@@ -56,8 +56,10 @@ impl Error {
         Error::InvalidArgument(msg.into())
     }
 
-    /// The same error again, for another caller that waited on the work that failed (an I/O
-    /// error keeps its kind and message; `std::io::Error` cannot be cloned).
+    /// The same error again, for another caller that waited on the work that failed (a
+    /// dataset's open, a shard's download): the same kind and message, so it maps to the same
+    /// status and Python exception (an I/O error keeps its OS code or kind; `std::io::Error`
+    /// cannot be cloned).
     pub fn again(&self) -> Self {
         match self {
             Error::NotFound { what, path } => Error::NotFound { what, path: path.clone() },

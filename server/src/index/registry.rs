@@ -265,7 +265,7 @@ impl Registry {
             }
         };
         flight.finish(Some(&shared));
-        shared.map_err(|e| replicate(&e)).and_then(admitted)
+        shared.map_err(|e| e.again()).and_then(admitted)
     }
 
     /// Discovery and, when the shards changed, the index build; no registry lock held (a scan
@@ -387,7 +387,7 @@ impl Flight {
         let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(r) = &*done {
-                return r.as_ref().map(|r| r.clone().map_err(|e| replicate(&e)));
+                return r.as_ref().map(|r| r.clone().map_err(|e| e.again()));
             }
             done = self.cond.wait(done).unwrap_or_else(|p| p.into_inner());
         }
@@ -396,31 +396,6 @@ impl Flight {
     fn finish(&self, result: Option<&Outcome>) {
         *self.done.lock().unwrap_or_else(|p| p.into_inner()) = Some(result.cloned());
         self.cond.notify_all();
-    }
-}
-
-/// The leader's error, for one waiter: the same kind and message (an I/O error keeps its kind,
-/// so it maps to the same status and Python exception).
-fn replicate(e: &Error) -> Error {
-    match e {
-        Error::NotFound { what, path } => Error::NotFound { what, path: path.clone() },
-        Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
-        Error::Shard { shard, offset, reason } => {
-            Error::Shard { shard: shard.clone(), offset: *offset, reason: reason.clone() }
-        }
-        Error::Io { op, path, source } => {
-            let source = match source.raw_os_error() {
-                Some(code) => std::io::Error::from_raw_os_error(code),
-                None => std::io::Error::new(source.kind(), source.to_string()),
-            };
-            Error::Io { op, path: path.clone(), source }
-        }
-        Error::PermissionDenied { path, reason } => {
-            Error::PermissionDenied { path: path.clone(), reason: reason.clone() }
-        }
-        Error::CacheFull(m) => Error::CacheFull(m.clone()),
-        Error::Unavailable(m) => Error::Unavailable(m.clone()),
-        Error::Internal(m) => Error::Internal(m.clone()),
     }
 }
 
