@@ -478,7 +478,12 @@ impl Prefetcher {
             failed.keys().cloned().collect()
         };
         for (secs, key) in wanted {
-            if self.cache.is_present(&key) || backed_off.contains(&key) {
+            // Backed off after its own failure, or after a stream's (the prefetch gave the fill
+            // to a stream, which then failed it).
+            if self.cache.is_present(&key)
+                || backed_off.contains(&key)
+                || self.cache.failed_recently(&key, FAILED_RETRY)
+            {
                 continue;
             }
             {

@@ -648,6 +648,13 @@ impl NodeCache {
         failures.get(key).filter(|(at, _)| *at >= since).map(|(_, e)| e.again())
     }
 
+    /// Whether a fill of `key` failed less than `within` ago (the prefetcher's backoff: a shard
+    /// whose download a stream just gave up on is not begun again at the next tick).
+    pub fn failed_recently(&self, key: &str, within: Duration) -> bool {
+        let failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        failures.get(key).is_some_and(|(at, _)| at.elapsed() < within)
+    }
+
     fn is_lowered(&self) -> bool {
         self.lowered_at.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
