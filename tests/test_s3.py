@@ -571,7 +571,7 @@ def test_a_wait_for_storage_that_ends_in_an_error_counts_as_the_consumers_wait(
         proxy.stop()
 
 
-@pytest.mark.parametrize("mode", ["tar", "tar-stack", "parquet-files"])
+@pytest.mark.parametrize("mode", ["tar", "tar-stack", "parquet-files", "parquet-columns"])
 def test_a_stream_that_joins_a_failing_download_fails_with_it_instead_of_downloading_again(
     tmp_path: Path, s3: S3Server, indexed: Samples, mode: str
 ) -> None:
@@ -581,8 +581,8 @@ def test_a_stream_that_joins_a_failing_download_fails_with_it_instead_of_downloa
     four times the retry policy's time (41 s with the default retries for a Parquet file that one
     download gave up on after 20 s). Once the dataset is open, every request gets 503 SlowDown
     after 0.2 s (so the prefetcher's downloads are still trying when the stream asks for the same
-    shards): every object is downloaded once, with its three tries (two retries), and the stream
-    fails."""
+    shards): every object (every column chunk's range, for a stream of some columns) is downloaded
+    once, with its three tries (two retries), and the stream fails."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -604,6 +604,8 @@ def test_a_stream_that_joins_a_failing_download_fails_with_it_instead_of_downloa
         opts: dict[str, object] = {"batch_size": 16, "connect": d.addr}
         if mode == "tar-stack":
             opts["collate"] = "stack"
+        elif mode == "parquet-columns":
+            opts["fields"] = ["id"]
         with pytest.raises((OSError, shardstream.ShardstreamError), match="SlowDown"):
             next(iter(shardstream.Loader(url, **opts)))
         gets = dict(proxy.object_gets)

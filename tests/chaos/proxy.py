@@ -18,7 +18,7 @@ and listings, is 32 hex digits that are not the MD5 of the bytes, and object res
 ``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
 and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
 a request takes, it tells how many requests a client makes concurrently, without timing anything.
-``object_gets`` counts the object GETs by path."""
+``object_gets`` counts the object GETs by path and range."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
-        # Object GETs by path (bucket/key), faulted or not.
+        # Object GETs by path (bucket/key) and Range header ("" for none), faulted or not.
         self.object_gets: Counter[str] = Counter()
         self.server: ThreadingHTTPServer | None = None
 
@@ -163,7 +163,7 @@ class FaultProxy:
                 # Path style: /bucket/key?x-id=GetObject for an object, /bucket?list-type=2 a listing.
                 target = urlsplit(self.path)
                 object_get = self.command == "GET" and "list-type" not in target.query and "/" in target.path.strip("/")
-                fault = proxy.pick(object_get, target.path)
+                fault = proxy.pick(object_get, f"{target.path} {self.headers.get('Range', '')}".rstrip())
                 if fault == "reset":
                     proxy.count(fault)
                     return self.reset()
