@@ -561,6 +561,8 @@ impl NodeCache {
                         if durable { None } else { std::fs::metadata(self.path_of(key)).ok().map(|m| m.len()) };
                     let mut t = self.lock();
                     t.finish(key, true);
+                    // A caller still waiting since an earlier fill failed takes this copy instead.
+                    self.failures.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
                     if let Some(len) = written {
                         t.settle(key, len);
                     }
@@ -623,7 +625,7 @@ impl NodeCache {
                     };
                     self.changed.notify_all();
                     self.publish_gauges();
-                    // None: the disk was full and the shard fits once more is evicted.
+                    // None: the disk was full, and the shard fits once more is evicted: again.
                     if let Some(e) = last {
                         return Err(e);
                     }
@@ -972,6 +974,9 @@ mod tests {
         assert_eq!(again.to_string(), first.to_string());
         assert!(matches!(again, Error::Io { ref source, .. } if source.kind() == std::io::ErrorKind::ConnectionReset));
         assert!(cache.get("j", 5, Want::NOW, &mut write(b"jjjjj")).unwrap().unwrap().filled);
+        // A copy made since the failure serves whoever asked before it.
+        let copy = cache.get("j", 5, joined, &mut |_, _| panic!("downloaded again")).unwrap().unwrap();
+        assert!(!copy.filled);
     }
 
     #[test]
