@@ -521,6 +521,35 @@ def test_prometheus_metrics(tmp_path: Path, s3: S3Server, small: Samples) -> Non
         d.stop()
 
 
+def refused_after_open_url(s3: S3Server, mode: str) -> str:
+    """The dataset a stream loop of `mode` reads (see `refused_after_open_opts`): the indexed TAR
+    shards, or three small Parquet files written once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not mode.startswith("parquet"):
+        return "s3://data/indexed/"
+    root = s3.bucket("data") / "pqrefused"
+    if not root.exists():
+        root.mkdir(parents=True)
+        for k in range(3):
+            t = pa.table({"id": pa.array(range(k * 100, (k + 1) * 100), pa.int64()), "blob": [b"x" * 500] * 100})
+            pq.write_table(t, root / f"p{k}.parquet", row_group_size=25)
+    return "s3://data/pqrefused/"
+
+
+def refused_after_open_opts(mode: str, addr: str) -> dict[str, object]:
+    """Loader options that take one of the daemon's stream loops: TAR views (`tar`), packed TAR
+    batches (`tar-stack`), Parquet files through the node cache (`parquet-files`), Parquet
+    column-chunk copies (`parquet-columns`)."""
+    opts: dict[str, object] = {"batch_size": 16, "connect": addr}
+    if mode == "tar-stack":
+        opts["collate"] = "stack"
+    elif mode == "parquet-columns":
+        opts["fields"] = ["id"]
+    return opts
+
+
 @pytest.mark.parametrize("mode", ["tar", "tar-stack", "parquet-files", "parquet-columns"])
 def test_a_wait_for_storage_that_ends_in_an_error_counts_as_the_consumers_wait(
     tmp_path: Path, s3: S3Server, indexed: Samples, mode: str
@@ -529,19 +558,8 @@ def test_a_wait_for_storage_that_ends_in_an_error_counts_as_the_consumers_wait(
     shard copies only when the batch was then served: a stream that waited for storage until the
     storage failed it showed no wait at all. Once the dataset is open, the proxy answers every
     request with 503 SlowDown, so the first batch waits through two retries (at least 0.05 + 0.1 s
-    of backoff) and the stream fails. Each mode takes another of the daemon's stream loops: TAR
-    views, packed TAR batches, Parquet files through the node cache, Parquet column-chunk copies."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    url = "s3://data/indexed/"
-    if mode.startswith("parquet"):
-        root = s3.bucket("data") / f"pqwait-{mode}"
-        root.mkdir(parents=True)
-        for k in range(3):
-            t = pa.table({"id": pa.array(range(k * 100, (k + 1) * 100), pa.int64()), "blob": [b"x" * 500] * 100})
-            pq.write_table(t, root / f"p{k}.parquet", row_group_size=25)
-        url = f"s3://data/pqwait-{mode}/"
+    of backoff) and the stream fails, in each of the daemon's stream loops."""
+    url = refused_after_open_url(s3, mode)
     proxy = FaultProxy(s3.port, rate=0.0, kinds=("slowdown",)).start()
     port = free_port()
     env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
@@ -550,11 +568,7 @@ def test_a_wait_for_storage_that_ends_in_an_error_counts_as_the_consumers_wait(
     try:
         shardstream._native.Connection(d.addr).open(url)
         proxy.rate = 1.0
-        opts: dict[str, object] = {"batch_size": 16, "connect": d.addr}
-        if mode == "tar-stack":
-            opts["collate"] = "stack"
-        elif mode == "parquet-columns":
-            opts["fields"] = ["id"]
+        opts = refused_after_open_opts(mode, d.addr)
         started = time.monotonic()
         with pytest.raises((OSError, shardstream.ShardstreamError), match="SlowDown|503") as got:
             next(iter(shardstream.Loader(url, **opts)))
@@ -582,30 +596,15 @@ def test_a_stream_that_joins_a_failing_download_fails_with_it_instead_of_downloa
     download gave up on after 20 s). Once the dataset is open, every request gets 503 SlowDown
     after 0.2 s (so the prefetcher's downloads are still trying when the stream asks for the same
     shards): every object (every column chunk's range, for a stream of some columns) is downloaded
-    once, with its three tries (two retries), and the stream fails."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    url = "s3://data/indexed/"
-    if mode.startswith("parquet"):
-        root = s3.bucket("data") / "pqjoin"
-        if not root.exists():
-            root.mkdir(parents=True)
-            for k in range(3):
-                t = pa.table({"id": pa.array(range(k * 100, (k + 1) * 100), pa.int64()), "blob": [b"x" * 500] * 100})
-                pq.write_table(t, root / f"p{k}.parquet", row_group_size=25)
-        url = "s3://data/pqjoin/"
+    once, with its three tries (two retries), and the stream fails, in each stream loop."""
+    url = refused_after_open_url(s3, mode)
     proxy = FaultProxy(s3.port, rate=0.0, kinds=("slowdown",), hold=0.2).start()
     d = Daemon(tmp_path, args=["--s3-max-retries", "2"], env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
     try:
         shardstream._native.Connection(d.addr).open(url)
         proxy.object_gets.clear()
         proxy.rate = 1.0
-        opts: dict[str, object] = {"batch_size": 16, "connect": d.addr}
-        if mode == "tar-stack":
-            opts["collate"] = "stack"
-        elif mode == "parquet-columns":
-            opts["fields"] = ["id"]
+        opts = refused_after_open_opts(mode, d.addr)
         with pytest.raises((OSError, shardstream.ShardstreamError), match="SlowDown"):
             next(iter(shardstream.Loader(url, **opts)))
         gets = dict(proxy.object_gets)
