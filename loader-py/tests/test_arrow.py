@@ -244,13 +244,14 @@ def test_nested_lists_are_n_dimensional_views_at_every_slice_offset() -> None:
                 for g in got:
                     assert g is None or inside(region, g.ctypes.data, g.nbytes), name
             assert all(g is None or g.ndim == 3 for g in d["cube"])
-            # A ragged row, or a null inside, leaves the column as Python lists (in the batches
-            # holding them); others are arrays.
-            ragged = 7 in range(start, start + length)
-            if length:
-                assert (type(d["ragged"][0]) is list) == ragged, (start, length)
-            if ragged:
-                assert d["ragged"] == part.column("ragged").to_pylist()
+            # A ragged row is a list of 1-D views, whatever batch it comes in; the others are
+            # N-D arrays.
+            for g, w in zip(d["ragged"], part.column("ragged").to_pylist(), strict=True):
+                if w == [[1], [2, 3]]:
+                    assert type(g) is list and [x.tolist() for x in g] == w, (start, length)
+                    assert all(inside(region, x.ctypes.data, x.nbytes) for x in g)
+                else:
+                    assert isinstance(g, np.ndarray) and g.ndim == 2 and g.tolist() == w, (start, length)
     rows = np.arange(n, dtype=np.uint64) + 100
     rec = whole.slice(10, 10)
     sub = rows[10:20]
@@ -327,6 +328,62 @@ def test_a_null_inside_lists_of_lists_keeps_the_columns_form_at_every_slice_offs
     copied = _arrow.column_value(whole.column("holes").slice(1, 1), copy=True)[0]
     assert isinstance(copied, np.ma.MaskedArray) and not inside(region, copied.data.ctypes.data)
     assert copied.mask.tolist() == [[False, True], [False, False]]
+
+
+def test_ragged_rows_of_lists_of_lists_are_lists_of_views_at_every_slice_offset() -> None:
+    """A row whose inner lists differ in length made its whole batch `to_pylist()` (Python ints,
+    slow, and another form than the batches without one). Such a row is now lists down to 1-D
+    views of its innermost lists, whatever batch it comes in; nulls at every level (a null row,
+    a null inner list, a null value) and every nesting of the three list types are checked
+    against pyarrow's reading of the same rows."""
+    rng = np.random.default_rng(11)
+    n = 19
+
+    def inner(k: int, j: int) -> list[int | None] | None:
+        if (k + j) % 9 == 4:
+            return None
+        return [None if (k * j + v) % 13 == 5 else k * 10 + v for v in range(int(rng.integers(0, 4)))]
+
+    rows2 = [None if k % 8 == 6 else [inner(k, j) for j in range(int(rng.integers(0, 4)))] for k in range(n)]
+    rows3 = [None if k % 7 == 3 else [[[k, j], [j, k]] if j % 2 else [[k]] for j in range(k % 3)] for k in range(n)]
+    rb = pa.record_batch(
+        {
+            "turns": pa.array(rows2, pa.list_(pa.list_(pa.int32()))),
+            "large": pa.array(rows2, pa.large_list(pa.large_list(pa.int64()))),
+            "deep": pa.array(rows3, pa.list_(pa.list_(pa.list_(pa.uint8())))),
+        }
+    )
+    region = ipc_bytes(rb)
+    whole = reopen(region)
+
+    def plain(v: object) -> object:
+        if isinstance(v, np.ndarray):
+            return v.tolist()
+        return None if v is None else [plain(x) for x in v]  # type: ignore[attr-defined]
+
+    def leaves(v: object) -> list[np.ndarray]:
+        if isinstance(v, np.ndarray) or v is None:
+            return [] if v is None else [v]
+        return [leaf for x in v for leaf in leaves(x)]  # type: ignore[attr-defined]
+
+    for start in range(n):
+        for length in range(n - start + 1):
+            part = whole.slice(start, length)
+            d = _arrow.to_dict(part, np.arange(length, dtype=np.uint64))
+            for name in ("turns", "large", "deep"):
+                got, want = d[name], part.column(name).to_pylist()
+                assert [plain(g) for g in got] == want, (name, start, length)
+                for g in got:
+                    for leaf in leaves(g):
+                        if not isinstance(leaf, np.ma.MaskedArray):
+                            assert inside(region, leaf.ctypes.data, leaf.nbytes), (name, start, length)
+            # Each row's form is the same in every batch: the one it has alone.
+            for i, g in enumerate(d["turns"]):
+                alone = _arrow.to_dict(whole.slice(start + i, 1), np.zeros(1, np.uint64))["turns"][0]
+                assert type(g) is type(alone), (start, length, i)
+    copied = _arrow.column_value(whole.column("turns"), copy=True)
+    assert [plain(g) for g in copied] == whole.column("turns").to_pylist()
+    assert not any(inside(region, leaf.ctypes.data) for g in copied for leaf in leaves(g) if leaf.size)
 
 
 def test_stack_keeps_dictionary_strings_as_strings_and_names_an_all_null_column() -> None:

@@ -30,8 +30,10 @@ slice, array or memoryview made from it are gone.
   ``Array2D``/``Array3D`` and ``Sequence(Sequence(...))`` features are stored (their extension
   type or not): each row an N-D array view of the values buffer (None for a null row); a row
   holding a null inside (an element, or an inner fixed-size list) a ``MaskedArray`` masked there.
-  A row whose inner lists differ in length is no N-D array: a batch with one gives
-  ``to_pylist()`` (so does a null inner variable-size list shorter than its siblings).
+  A row whose inner lists differ in length (a null inner variable-size list shorter than its
+  siblings too) is no N-D array: it is a list (of lists...) of 1-D array views, one for each
+  innermost list (None for a null list, a ``MaskedArray`` where a value is null). A row's form
+  depends on the row alone, never on the batch it comes in.
 - binary columns (``binary``, ``large_binary``, ``fixed_size_binary``): a list of read-only
   memoryviews into the batch (``bytes`` with ``copy=True``), None for nulls.
 - ``binary_view`` columns (``binary_views=True``): read-only memoryviews into the mapped decoded
@@ -285,7 +287,10 @@ class _Nested:
     with a null inside their lists (a null row's own elements, which a fixed-size list keeps and
     writers null, are the row's: `column_value` gives None for it); ``hidden`` then marks the
     values under a null, an element's own or an inner list's (relative to ``bounds[-1][0]``), and
-    is None when no row has one."""
+    is None when no row has one. ``offsets[level]``: each element's range in the level below
+    (absolute, ``elements + 1``); ``nulls[level]``: the level's own nulls, relative to
+    ``bounds[level][0]`` (None for none; level 0, the rows, has none here): a ragged row is built
+    from these."""
 
     def __init__(self, arr: pa.Array) -> None:
         import pyarrow as pa
@@ -295,14 +300,17 @@ class _Nested:
         self.bounds: list[np.ndarray[Any, Any]] = []
         self.lengths: list[np.ndarray[Any, Any]] = []
         self.sizes: list[int | None] = []
+        self.offsets: list[np.ndarray[Any, Any]] = []
+        self.nulls: list[np.ndarray[Any, np.dtype[np.bool_]] | None] = []
         self.null_inside = np.zeros(len(arr), dtype=bool)
         # The nulls of the elements of the level being walked, within the rows' range, and of
         # every list above them: a null inner list hides all it holds.
         hidden: np.ndarray[Any, np.dtype[np.bool_]] | None = None
         while _is_list(a.type):
             lo, hi = int(bounds[0]), int(bounds[-1])
-            if a is not arr:
-                hidden = _either(hidden, self._nulls(a, bounds))
+            own = self._nulls(a, bounds) if a is not arr else None
+            self.nulls.append(own)
+            hidden = _either(hidden, own)
             if pa.types.is_fixed_size_list(a.type):
                 size = a.type.list_size
                 # `values` ignores the array's own offset: elements start at `offset * size`.
@@ -312,13 +320,16 @@ class _Nested:
                 offsets = _offsets(a)[lo : hi + 1].astype(np.int64)
                 self.sizes.append(None)
             self.bounds.append(bounds)
+            self.offsets.append(offsets)
             lengths = np.diff(offsets)
             self.lengths.append(lengths)
             if hidden is not None:
                 hidden = np.repeat(hidden, lengths)
             bounds = offsets[bounds - lo]
             a = a.values
-        self.hidden = _either(hidden, self._nulls(a, bounds))
+        own = self._nulls(a, bounds)
+        self.nulls.append(own)
+        self.hidden = _either(hidden, own)
         self.bounds.append(bounds)
         self.values = _values(a)
 
@@ -339,37 +350,57 @@ class _Nested:
         b = self.bounds[level]
         return int(np.searchsorted(b, int(b[0]) + element, side="right")) - 1
 
-    def rows(self, valid: np.ndarray[Any, np.dtype[np.bool_]], copy: bool) -> list[Any] | None:
-        """Each row as an N-D array view (None where not ``valid``); None when a valid row's
-        inner lists differ in length."""
+    def rows(self, valid: np.ndarray[Any, np.dtype[np.bool_]], copy: bool) -> list[Any]:
+        """Each row as an N-D array view (None where not ``valid``); a row whose inner lists
+        differ in length as lists down to 1-D arrays (``_ragged``)."""
         n = len(valid)
         dims = []
+        ragged_rows = np.zeros(n, dtype=bool)
         for level, lengths in enumerate(self.lengths):
             b = self.bounds[level]
             owner = np.searchsorted(b, np.arange(int(b[0]), int(b[-1])), side="right") - 1
-            ragged = owner[1:][(lengths[1:] != lengths[:-1]) & (owner[1:] == owner[:-1])]
-            if valid[ragged].any():
-                return None
+            ragged_rows[owner[1:][(lengths[1:] != lengths[:-1]) & (owner[1:] == owner[:-1])]] = True
             has = b[1:] > b[:-1]
             first = np.clip(b[:-1] - b[0], 0, max(len(lengths) - 1, 0))
             default = self.sizes[level] or 0
             dims.append(np.where(has, lengths[first] if len(lengths) else default, default).tolist())
         b = self.bounds[-1].tolist()
         shapes = list(zip(*dims, strict=True)) if dims else [()] * n
+        ragged_rows &= valid
         out: list[Any] = []
-        for i, ok in enumerate(valid.tolist()):
+        for i, ok in enumerate((valid & ~ragged_rows).tolist()):
             if not ok:
                 out.append(None)
                 continue
             row = self.values[b[i] : b[i + 1]].reshape(shapes[i])
             out.append(row.copy() if copy else row)
+        for i in np.flatnonzero(ragged_rows).tolist():
+            out[i] = self._ragged(0, i, copy)
         if self.hidden is not None:
             # Only a batch with a null inside pays for masks. Each mask is the row's own (a
             # copy), so a trainer may change it.
-            for i in np.flatnonzero(self.null_inside & valid).tolist():
+            for i in np.flatnonzero(self.null_inside & valid & ~ragged_rows).tolist():
                 mask = self.hidden[b[i] - b[0] : b[i + 1] - b[0]].reshape(shapes[i]).copy()
                 out[i] = np.ma.MaskedArray(out[i], mask=mask)
         return out
+
+    def _ragged(self, level: int, k: int, copy: bool) -> Any:
+        """Element ``k`` of ``level`` (absolute): for the innermost lists a 1-D array view of
+        their values (a ``MaskedArray`` masked where a value is null), above them a list of the
+        elements below (None for a null list)."""
+        offsets = self.offsets[level]
+        at = k - int(self.bounds[level][0])
+        lo, hi = int(offsets[at]), int(offsets[at + 1])
+        base = int(self.bounds[level + 1][0])
+        nulls = self.nulls[level + 1]
+        if level + 1 == len(self.offsets):
+            leaf = self.values[lo:hi].copy() if copy else self.values[lo:hi]
+            if nulls is not None and nulls[lo - base : hi - base].any():
+                return np.ma.MaskedArray(leaf, mask=nulls[lo - base : hi - base].copy())
+            return leaf
+        return [
+            None if nulls is not None and nulls[c - base] else self._ragged(level + 1, c, copy) for c in range(lo, hi)
+        ]
 
 
 def _either(
@@ -451,8 +482,7 @@ def column_value(arr: pa.Array, copy: bool = False, nulls: bool = False) -> Any:
         arr = arr.dictionary_decode()
         t = arr.type
     if _nested_numbers(t):
-        rows = _Nested(arr).rows(~_null_mask(arr), copy)
-        return arr.to_pylist() if rows is None else rows
+        return _Nested(arr).rows(~_null_mask(arr), copy)
     if pa.types.is_boolean(t):
         # Arrow packs booleans into bits: numpy needs one byte each, so this is a new array.
         values = _bits(arr.buffers()[1], arr.offset, len(arr)) if len(arr) else np.zeros(0, dtype=bool)
