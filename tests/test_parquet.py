@@ -486,8 +486,8 @@ def test_a_column_marked_for_nulls_is_stacked_plain_when_no_batch_holds_one(daem
 @pytest.mark.parametrize("mode", ["dict", "torch"])
 def test_a_null_element_inside_a_list_keeps_the_columns_form_in_every_batch(daemon, tmp_path: Path, mode: str) -> None:
     """A null element inside a list made its batch `to_pylist()` where the others had arrays. Here
-    `emb` (fixed_size_list), `seq` (list) and `grid` (lists of lists) hold one null element each,
-    in one file of three: `emb` is a 2-D MaskedArray in every batch (its statistics count the
+    `emb` (fixed_size_list), `seq` (list) and `grid` (lists of lists, one row of it ragged) hold
+    one null element each, in one file of three: `emb` is a 2-D MaskedArray in every batch (its statistics count the
     null, so the daemon names it), `seq` a list of 1-D arrays and `grid` a list of 2-D ones
     (tensors under a DataLoader), the row with the null a MaskedArray."""
     root = tmp_path / "ds"
@@ -496,7 +496,10 @@ def test_a_null_element_inside_a_list_keeps_the_columns_form_in_every_batch(daem
         ids = np.arange(k * 32, (k + 1) * 32, dtype=np.int64)
         emb = [[float(i), None if i == 40 else float(-i)] for i in ids]
         seq = [[int(i)] * int(i % 3) + ([None] if i == 50 else []) for i in ids]
-        grid = [[[int(i), int(i)], [None if i == 60 else int(i), 0]] for i in ids]
+        # Row 70 is ragged: a list of 1-D arrays (tensors under a DataLoader), in whatever batch.
+        grid = [
+            [[int(i)], [int(i), 0]] if i == 70 else [[int(i), int(i)], [None if i == 60 else int(i), 0]] for i in ids
+        ]
         t = pa.table(
             {
                 "id": ids,
@@ -528,6 +531,10 @@ def test_a_null_element_inside_a_list_keeps_the_columns_form_in_every_batch(daem
             assert row.tolist() == [i] * (i % 3) + ([None] if i == 50 else [])
         for row, i in zip(b["grid"], ids, strict=True):
             plain = torch.Tensor if mode == "torch" else np.ndarray
+            if i == 70:
+                assert type(row) is list and all(type(x) is plain for x in row), (i, row)
+                assert [x.tolist() for x in row] == [[70], [70, 0]]
+                continue
             assert type(row) is (np.ma.MaskedArray if i == 60 else plain), (i, type(row))
             assert row.tolist() == [[i, i], [None if i == 60 else i, 0]]
     assert sorted(seen) == list(range(96))
