@@ -982,6 +982,20 @@ mod tests {
     }
 
     #[test]
+    fn a_full_disk_fails_only_its_filler_not_a_caller_that_waited() {
+        // A disk-full failure depends on what its filler may evict (a prefetch may evict less
+        // than a stream): a caller that waited behind it tries with its own rights.
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        let asked = Instant::now();
+        let full = || Error::io("write", "k", std::io::Error::from_raw_os_error(libc::ENOSPC));
+        let err = cache.get("k", 5, Want::NOW, &mut |_, _| Err(full())).unwrap_err();
+        assert!(matches!(err, Error::CacheFull(_)), "{err}");
+        let joined = Want { since: Some(asked), ..Want::NOW };
+        assert!(cache.get("k", 5, joined, &mut write(b"hello")).unwrap().unwrap().filled);
+    }
+
+    #[test]
     fn a_prefetch_does_not_wait() {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(5), Policy::Lru).unwrap();
