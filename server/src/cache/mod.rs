@@ -619,8 +619,10 @@ impl NodeCache {
                             e => Some(e),
                         };
                         // Recorded before the entry's waiters can see it gone (under the table's
-                        // lock): they fail with this fill rather than start another.
-                        if let Some(e) = &last {
+                        // lock): they fail with this fill rather than start another. Not a full
+                        // disk: that depends on what this filler may evict (a prefetch may evict
+                        // less than a stream), and a waiter tries with its own rights.
+                        if let Some(e) = last.as_ref().filter(|_| !disk_full) {
                             self.note_failure(key, e);
                         }
                         last
