@@ -4,7 +4,8 @@
 //! - **Single flight**: a shard wanted by eight ranks at once is fetched once; the others wait
 //!   for that fill ([`table::Begin::Wait`]), and when it fails (after the store's retries) they
 //!   fail with it: each starting the download again would repeat the whole retry policy once per
-//!   waiter. A caller that asks after the failure fetches again ([`Want::since`]).
+//!   waiter. A caller that asks after the failure fetches again ([`Want::since`]), and a full
+//!   disk fails only its filler (what a fill may evict depends on who fills).
 //! - **Never half-visible**: a fill writes `.<key>.tmp.<pid>.<seq>`, the filler verifies it (size,
 //!   checksum), it is fsynced and renamed to `<key>`. Start-up deletes temporary leftovers of a
 //!   crashed daemon and re-adopts complete files; one whose size is not its shard's when next
