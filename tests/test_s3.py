@@ -15,6 +15,7 @@ import tarfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import pytest
 import webdataset as wds
 from chaos.proxy import FaultProxy
 from s3server import S3Server, free_port
+from test_bounds import scrape
 
 import shardstream
 from conftest import SHARDSTREAM, Daemon, write_dataset
@@ -538,16 +540,32 @@ def refused_after_open_url(s3: S3Server, mode: str) -> str:
     return "s3://data/pqrefused/"
 
 
-def refused_after_open_opts(mode: str, addr: str) -> dict[str, object]:
-    """Loader options that take one of the daemon's stream loops: TAR views (`tar`), packed TAR
-    batches (`tar-stack`), Parquet files through the node cache (`parquet-files`), Parquet
-    column-chunk copies (`parquet-columns`)."""
-    opts: dict[str, object] = {"batch_size": 16, "connect": addr}
-    if mode == "tar-stack":
-        opts["collate"] = "stack"
-    elif mode == "parquet-columns":
-        opts["fields"] = ["id"]
-    return opts
+@contextlib.contextmanager
+def refused_after_open(
+    tmp_path: Path, s3: S3Server, mode: str, *args: str, hold: float = 0.0
+) -> Iterator[tuple[str, dict[str, object], FaultProxy]]:
+    """A daemon (two retries per request, `args` more) behind a proxy that answers every request
+    503 SlowDown (after `hold` s) once the dataset of `mode` is open. Yields the dataset's URL,
+    Loader options that take `mode`'s stream loop (TAR views `tar`, packed TAR batches
+    `tar-stack`, Parquet files through the node cache `parquet-files`, Parquet column-chunk
+    copies `parquet-columns`), and the proxy (its object GETs counted from the refusals on)."""
+    url = refused_after_open_url(s3, mode)
+    proxy = FaultProxy(s3.port, rate=0.0, kinds=("slowdown",), hold=hold).start()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    d = Daemon(tmp_path, args=["--s3-max-retries", "2", *args], env=env).start()
+    try:
+        shardstream._native.Connection(d.addr).open(url)
+        proxy.object_gets.clear()
+        proxy.rate = 1.0
+        opts: dict[str, object] = {"batch_size": 16, "connect": d.addr}
+        if mode == "tar-stack":
+            opts["collate"] = "stack"
+        elif mode == "parquet-columns":
+            opts["fields"] = ["id"]
+        yield url, opts, proxy
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
 
 
 @pytest.mark.parametrize("mode", ["tar", "tar-stack", "parquet-files", "parquet-columns"])
@@ -559,30 +577,14 @@ def test_a_wait_for_storage_that_ends_in_an_error_counts_as_the_consumers_wait(
     storage failed it showed no wait at all. Once the dataset is open, the proxy answers every
     request with 503 SlowDown, so the first batch waits through two retries (at least 0.05 + 0.1 s
     of backoff) and the stream fails, in each of the daemon's stream loops."""
-    url = refused_after_open_url(s3, mode)
-    proxy = FaultProxy(s3.port, rate=0.0, kinds=("slowdown",)).start()
     port = free_port()
-    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
-    args = ["--metrics-addr", f"127.0.0.1:{port}", "--s3-max-retries", "2"]
-    d = Daemon(tmp_path, args=args, env=env).start()
-    try:
-        shardstream._native.Connection(d.addr).open(url)
-        proxy.rate = 1.0
-        opts = refused_after_open_opts(mode, d.addr)
+    with refused_after_open(tmp_path, s3, mode, "--metrics-addr", f"127.0.0.1:{port}") as (url, opts, _):
         started = time.monotonic()
         with pytest.raises((OSError, shardstream.ShardstreamError), match="SlowDown|503") as got:
             next(iter(shardstream.Loader(url, **opts)))
         took = time.monotonic() - started
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        waited = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("shardstream_consumer_wait_seconds_total{")
-        )
+        waited = scrape(port).get("shardstream_consumer_wait_seconds_total", 0.0)
         assert 0.15 <= waited <= took, (waited, took, got.value)
-    finally:
-        assert d.stop() == 0
-        proxy.stop()
 
 
 @pytest.mark.parametrize("mode", ["tar", "tar-stack", "parquet-files", "parquet-columns"])
@@ -597,22 +599,12 @@ def test_a_stream_that_joins_a_failing_download_fails_with_it_instead_of_downloa
     after 0.2 s (so the prefetcher's downloads are still trying when the stream asks for the same
     shards): every object (every column chunk's range, for a stream of some columns) is downloaded
     once, with its three tries (two retries), and the stream fails, in each stream loop."""
-    url = refused_after_open_url(s3, mode)
-    proxy = FaultProxy(s3.port, rate=0.0, kinds=("slowdown",), hold=0.2).start()
-    d = Daemon(tmp_path, args=["--s3-max-retries", "2"], env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
-    try:
-        shardstream._native.Connection(d.addr).open(url)
-        proxy.object_gets.clear()
-        proxy.rate = 1.0
-        opts = refused_after_open_opts(mode, d.addr)
+    with refused_after_open(tmp_path, s3, mode, hold=0.2) as (url, opts, proxy):
         with pytest.raises((OSError, shardstream.ShardstreamError), match="SlowDown"):
             next(iter(shardstream.Loader(url, **opts)))
         gets = dict(proxy.object_gets)
         assert gets, "no object was downloaded"
         assert max(gets.values()) <= 3, sorted(gets.items())
-    finally:
-        assert d.stop() == 0
-        proxy.stop()
 
 
 def test_objects_encrypted_with_sse_kms_are_read(tmp_path: Path, s3: S3Server) -> None:
