@@ -10,35 +10,26 @@ use bytes::BytesMut;
 use shardstream_proto::{FieldColumn, InlineBatch};
 
 use crate::ClientError;
+use crate::parts::Part;
 
-/// The parts of the batch being received.
-#[derive(Debug, Default)]
-pub struct Joiner {
-    parts: Vec<InlineBatch>,
-}
+impl Part for InlineBatch {
+    const KIND: &'static str = "batch";
 
-impl Joiner {
-    /// Takes one message; returns the whole batch once its last part is in.
-    pub fn push(&mut self, part: InlineBatch) -> Result<Option<InlineBatch>, ClientError> {
-        if let Some(first) = self.parts.first()
-            && first.batch_index != part.batch_index
-        {
-            return Err(ClientError::Protocol(format!(
-                "batch {} ended without its last part (batch {} followed)",
-                first.batch_index, part.batch_index
-            )));
-        }
-        if part.more {
-            self.parts.push(part);
-            return Ok(None);
-        }
-        if self.parts.is_empty() {
-            return Ok(Some(part));
-        }
-        self.parts.push(part);
-        join(std::mem::take(&mut self.parts)).map(Some)
+    fn batch_index(&self) -> u64 {
+        self.batch_index
+    }
+
+    fn more(&self) -> bool {
+        self.more
+    }
+
+    fn join(parts: Vec<Self>) -> Result<Self, ClientError> {
+        join(parts)
     }
 }
+
+/// Joins a stream's split inline batches.
+pub type Joiner = crate::parts::Joiner<InlineBatch>;
 
 /// One batch from its parts, in order: keys and columns concatenated, each part's starts moved by
 /// the bytes and its missing-sample indices by the samples of the parts before it.

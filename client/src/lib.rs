@@ -25,9 +25,11 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 pub use shardstream_proto as proto;
 
 pub mod arrow;
+pub mod arrow_join;
 pub mod frames;
 mod handoff;
 pub mod inline;
+pub mod parts;
 pub mod rdma;
 mod retained;
 pub mod shm;
@@ -772,6 +774,7 @@ pub async fn stream_from(
     let task = tokio::spawn(async move {
         let mut received = 0u64;
         let mut joiner = inline::Joiner::default();
+        let mut arrow_joiner = arrow_join::ArrowJoiner::default();
         // Places in the queue reserved and not used yet.
         let mut places: Option<mpsc::PermitIterator<'_, _>> = None;
         loop {
@@ -814,20 +817,27 @@ pub async fn stream_from(
                     Ok(Batch::Packed(b))
                 }
                 Ok(Some(shardstream_proto::StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(b)) })) => {
-                    match (arrow_parts(&b, parts_allowed).map(|p| p.len() as u64), ring_in_task.clone()) {
-                        (Err(e), _) => Err(e),
-                        (Ok(batches), None) => {
-                            received += batches;
-                            let mut b = b;
-                            b.data = aligned_ipc(std::mem::take(&mut b.data));
-                            Ok(Batch::Arrow(b))
-                        }
-                        // Over rdma the IPC stream is in a slot of the ring: read in place.
-                        (Ok(batches), Some(r)) => {
-                            received += batches;
-                            match tokio::task::spawn_blocking(move || r.receive_arrow(b, batches)).await {
-                                Ok(got) => got.map(Batch::Arrow),
-                                Err(e) => Err(ClientError::Rdma(format!("receive task failed: {e}"))),
+                    match arrow_joiner.push(b) {
+                        // A part of a batch split over several messages: wait for the rest.
+                        Ok(None) => continue,
+                        Err(e) => Err(e),
+                        Ok(Some(b)) => {
+                            match (arrow_parts(&b, parts_allowed).map(|p| p.len() as u64), ring_in_task.clone()) {
+                                (Err(e), _) => Err(e),
+                                (Ok(batches), None) => {
+                                    received += batches;
+                                    let mut b = b;
+                                    b.data = aligned_ipc(std::mem::take(&mut b.data));
+                                    Ok(Batch::Arrow(b))
+                                }
+                                // Over rdma the IPC stream is in a slot of the ring: read in place.
+                                (Ok(batches), Some(r)) => {
+                                    received += batches;
+                                    match tokio::task::spawn_blocking(move || r.receive_arrow(b, batches)).await {
+                                        Ok(got) => got.map(Batch::Arrow),
+                                        Err(e) => Err(ClientError::Rdma(format!("receive task failed: {e}"))),
+                                    }
+                                }
                             }
                         }
                     }

@@ -265,6 +265,7 @@ impl Connection {
                 max_batches_per_message: batches_per_message,
                 packed_keys_joined: true,
                 arrow_binary_views: binary_views,
+                arrow_parts_joined: true,
             };
             let mut c = self.client(py)?;
             let daemon = self.address.clone();

@@ -692,3 +692,63 @@ fn a_row_group_another_stream_kept_is_not_kept_again() {
     assert_eq!(DirKept::count(&kept.writes), units, "every row group kept");
     assert_eq!(DirKept::count(&kept.again), 0, "none asked for twice");
 }
+
+/// An inline batch beyond the message limit goes as runs of its rows, in order, each an IPC
+/// stream within the limit, `more` on all but the last; together exactly the batch sent whole.
+/// Flat columns are measured without being written (`encoded_len`), a list column is not: both
+/// ways are split. A row beyond the limit by itself is named; a client that joins no parts
+/// gets the batch's size.
+#[test]
+fn an_inline_batch_beyond_the_message_limit_is_split_into_runs_of_rows_within_it() {
+    use shardstream::transport::arrow::{Inline, inline_rows};
+    let dir = tempfile::tempdir().unwrap();
+    let (ds, files, _) = open(dir.path(), &three_files()).unwrap();
+    let cache = Arc::new(DecodedCache::new(64 << 20));
+    let batch_ids: Vec<u64> = (0..400).rev().step_by(3).collect();
+    for (fields, flat) in [(&["id", "image", "caption"][..], true), (&["id", "image", "tokens"][..], false)] {
+        let fields: Vec<String> = fields.iter().map(|f| f.to_string()).collect();
+        let asm = BatchAssembler::new(ds.clone(), ds.projection(Some(&fields)).unwrap(), cache.clone(), "ds").unwrap();
+        let rows = asm.rows(&batch_ids, &files).unwrap();
+        assert_eq!(rows.encoded_len(asm.schema(), asm.schema_message()).unwrap().is_some(), flat, "{fields:?}");
+        let whole = asm.batch(&batch_ids, &files).unwrap();
+        let Inline::Sent(one) = inline_rows(7, batch_ids.clone(), &asm, &rows, 1 << 30, true).unwrap() else {
+            panic!("a batch within the limit is sent")
+        };
+        assert_eq!(one.len(), 1);
+        let size = one[0].data.len() as u64;
+        let limit = size / 5;
+        let Inline::Sent(parts) = inline_rows(7, batch_ids.clone(), &asm, &rows, limit, true).unwrap() else {
+            panic!("{fields:?}: a batch of small rows is split")
+        };
+        assert!(parts.len() >= 5, "{fields:?}: {} parts of at most {limit} bytes for {size}", parts.len());
+        let mut joined = Vec::new();
+        for (k, p) in parts.iter().enumerate() {
+            assert_eq!(p.more, k + 1 < parts.len(), "{fields:?}: `more` on all parts but the last");
+            assert!(p.batch_index == 7 && p.part_indices.is_empty());
+            assert!(p.data.len() as u64 <= limit && p.length == p.data.len() as u64, "{fields:?}: part {k}");
+            let b = read_one(&p.data);
+            assert_eq!(row_column(&b), p.row_ids, "{fields:?}: part {k}'s rows are its row ids");
+            joined.push(b);
+        }
+        let joined = arrow_select::concat::concat_batches(&whole.schema(), &joined).unwrap();
+        assert_eq!(joined, whole, "{fields:?}: the parts are the batch, in order");
+        // One row alone beyond the limit: named, whatever the batch around it.
+        let tiny = 64;
+        match inline_rows(7, batch_ids.clone(), &asm, &rows, tiny, true).unwrap() {
+            Inline::RowTooLarge { row, bytes } => assert!(batch_ids.contains(&row) && bytes > tiny),
+            other => panic!("{fields:?}: {other:?}"),
+        }
+        // A client that joins no parts: the batch's size, for the batch size that would fit.
+        match inline_rows(7, batch_ids.clone(), &asm, &rows, limit, false).unwrap() {
+            Inline::BatchTooLarge { bytes } => assert_eq!(bytes, size),
+            other => panic!("{fields:?}: {other:?}"),
+        }
+    }
+}
+
+fn read_one(bytes: &[u8]) -> RecordBatch {
+    let mut r = arrow_ipc::reader::StreamReader::try_new(Cursor::new(bytes), None).unwrap();
+    let b = r.next().unwrap().unwrap();
+    assert!(r.next().is_none(), "one record batch a part");
+    b
+}

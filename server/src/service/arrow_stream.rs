@@ -12,6 +12,7 @@ use super::stream_core::StreamCore;
 use super::{IDS_AHEAD, MESSAGE_ROWS_BYTES, ReadyBatch, SMALL_GROUP, ids_of, next_ranges, outbox, projected};
 use crate::format::parquet::dataset::BatchAssembler;
 use crate::index::{Dataset, Working};
+use crate::transport::arrow::Inline;
 use crate::transport::shm::Session;
 use crate::transport::{self, inline};
 use crate::{Error, Result};
@@ -43,10 +44,16 @@ impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
 /// concurrent GETs, within the store's daemon-wide cap): the files of a default shuffle window.
 const PROJECTED_FILES_AT_ONCE: usize = 16;
 
+/// One Arrow batch built: its messages (one, or the parts of a split inline batch) and their
+/// bytes, and how long its build waited for storage.
+pub(super) type BuiltArrow = ((Vec<StreamMessage>, u64), std::time::Duration);
+
 /// Builds one Arrow batch of a Parquet dataset (blocking): the rows `ids`, decoded through the
 /// daemon's shared row-group cache, as an IPC stream inline, in a ring slot (shm), or written
-/// into a slot of the client's ring (rdma). `None`: the rows of several batches (`parts`) outgrow
-/// the client's rdma ring slot; nothing was sent, and fewer batches may fit.
+/// into a slot of the client's ring (rdma). Inline, a batch beyond one message is several
+/// messages when the client joins them (`split_inline`), else an error. `None`: the rows of
+/// several batches (`parts`) outgrow the client's rdma ring slot; nothing was sent, and fewer
+/// batches may fit.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn build_arrow_batch(
     ds: &Dataset,
@@ -59,9 +66,10 @@ pub(super) fn build_arrow_batch(
     ids: Vec<u64>,
     index: u64,
     parts: &[(u64, u32)],
+    split_inline: bool,
     cancelled: &dyn Fn() -> bool,
     before_new_ring: &mut dyn FnMut() -> Result<()>,
-) -> Result<Option<((StreamMessage, u64), std::time::Duration)>> {
+) -> Result<Option<BuiltArrow>> {
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
     let places = asm.places(&ids)?;
@@ -110,7 +118,7 @@ pub(super) fn build_arrow_batch(
         working.end_batch();
         (rows?, working.take_wait())
     };
-    let mut msg = match (session, credit) {
+    let mut msgs = match (session, credit) {
         (None, _) if let Some(pipe) = rdma => {
             // Batches are grouped by their stored size, which says little of their decoded size
             // (a column of repeated values stores a byte a row): a group that outgrows the slot
@@ -128,7 +136,7 @@ pub(super) fn build_arrow_batch(
                 Err(_) if outgrew.get() => return Ok(None),
                 posted => posted?,
             };
-            ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }
+            vec![ArrowBatch { batch_index: index, row_ids: ids, slot, length: length as u64, ..Default::default() }]
         }
         (Some(s), Some(credit)) => {
             let view_slots = if asm.binary_views() { segment_slots(s, &rows, index)? } else { Vec::new() };
@@ -140,46 +148,53 @@ pub(super) fn build_arrow_batch(
             })?;
             guard.publish(index);
             msg.view_slots = view_slots;
-            msg
+            vec![msg]
         }
         _ => {
-            let (count, single) = (ids.len() as u64, (ids.len() == 1).then(|| ids[0]));
-            let msg = transport::arrow::inline_rows(index, ids, asm, &rows)?;
-            if msg.data.len() as u64 > inline::payload_limit() {
-                return Err(beyond_inline(ds, count, single, msg.data.len() as u64));
+            let count = ids.len() as u64;
+            match transport::arrow::inline_rows(index, ids, asm, &rows, inline::payload_limit(), split_inline)? {
+                Inline::Sent(msgs) => msgs,
+                Inline::RowTooLarge { row, bytes } => return Err(row_beyond_inline(ds, row, bytes)),
+                Inline::BatchTooLarge { bytes } => return Err(batch_beyond_inline(count, bytes)),
             }
-            msg
         }
     };
-    if parts.len() > 1 {
+    if let ([msg], true) = (&mut msgs[..], parts.len() > 1) {
         (msg.part_indices, msg.part_rows) = parts.iter().copied().unzip();
     }
-    // The IPC stream's length: what crosses to the client, shm or inline.
-    let bytes = msg.length;
-    Ok(Some(((StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(msg)) }, bytes), waited)))
+    // The IPC streams' length: what crosses to the client, shm or inline.
+    let bytes = msgs.iter().map(|m| m.length).sum();
+    let msgs = msgs.into_iter().map(|m| StreamMessage { kind: Some(stream_message::Kind::ArrowBatch(m)) }).collect();
+    Ok(Some(((msgs, bytes), waited)))
 }
 
-/// The error for an Arrow batch of `count` rows, `bytes` long, beyond an inline message: an Arrow
-/// batch is one message (TAR batches are split over several). One row names its file; more give
-/// the batch size that fits at their bytes per row (with a tenth to spare).
-fn beyond_inline(ds: &Dataset, count: u64, single: Option<u64>, bytes: u64) -> Error {
-    let limit = inline::limit_text();
-    let shm = "transport=\"shm\" (same host)";
-    if let Some(id) = single {
-        let (file, row) = ds.locate(id).map_or_else(
-            || (format!("row id {id}"), id),
-            |(s, row)| (ds.shards.get(s).map_or_else(|| format!("#{s}"), |m| m.url()), row),
-        );
-        return Error::invalid(format!(
-            "row {row} of {file} is {bytes} bytes as Arrow, larger than the inline message limit of {limit}; \
-             read it over {shm} or select fewer fields"
-        ));
-    }
+/// The error for row `id`, `bytes` long as Arrow by itself, beyond any inline message.
+fn row_beyond_inline(ds: &Dataset, id: u64, bytes: u64) -> Error {
+    let (file, row) = ds.locate(id).map_or_else(
+        || (format!("row id {id}"), id),
+        |(s, row)| (ds.shards.get(s).map_or_else(|| format!("#{s}"), |m| m.url()), row),
+    );
+    Error::invalid(format!(
+        "row {row} of {file} is {bytes} bytes as Arrow, larger than the inline message limit of {}; read it \
+         over {INLINE_WAY_OUT}",
+        inline::limit_text()
+    ))
+}
+
+/// The other ways to read a row too large for inline messages.
+const INLINE_WAY_OUT: &str = "transport=\"shm\" (same host) or select fewer fields";
+
+/// The error for a batch of `count` rows, `bytes` long as Arrow, beyond an inline message, for a
+/// client that joins no parts (one older than `StreamRequest.arrow_parts_joined`): the batch size
+/// that fits at its bytes per row (with a tenth to spare).
+fn batch_beyond_inline(count: u64, bytes: u64) -> Error {
     let fits = (u128::from(inline::payload_limit()) * u128::from(count) / u128::from(bytes.max(1)) * 9 / 10).max(1);
     Error::invalid(format!(
-        "a batch of {count} rows is {bytes} bytes as Arrow, larger than the inline message limit of {limit} \
-         (a Parquet batch is one message); a batch_size of at most {fits} fits these rows, or use {shm} \
-         or fewer fields"
+        "a batch of {count} rows is {bytes} bytes as Arrow, larger than the inline message limit of {} (this \
+         client reads a Parquet batch as one message); a batch_size of at most {fits} fits these rows; or \
+         upgrade the shardstream client, which joins a batch sent as several messages, or read over \
+         {INLINE_WAY_OUT}",
+        inline::limit_text()
     ))
 }
 
@@ -246,6 +261,8 @@ pub(super) struct SmallArrowStream {
     pub(super) projected: Option<Arc<projected::ProjectedReads>>,
     /// Most batches one message carries ([`MAX_BATCHES_PER_MESSAGE`](super::MAX_BATCHES_PER_MESSAGE)).
     pub(super) parts: usize,
+    /// Inline batches beyond one message go as parts the client joins.
+    pub(super) split_inline: bool,
 }
 
 impl SmallArrowStream {
@@ -300,6 +317,7 @@ impl SmallArrowStream {
                 ids,
                 parts[0].0,
                 &parts,
+                self.split_inline,
                 &cancelled,
                 &mut send_group,
             );
@@ -314,8 +332,8 @@ impl SmallArrowStream {
             // Turns are this thread's messages, in order (a message may carry several batches).
             turn += 1;
             match built.and_then(one_batch_sent) {
-                Ok(((msg, bytes), waited)) => {
-                    group.push(Ok(msg));
+                Ok(((msgs, bytes), waited)) => {
+                    group.extend(msgs.into_iter().map(Ok));
                     self.core.served(rows, bytes, end, waited);
                 }
                 Err(e) => return self.core.fail(group, e, waits.take()),

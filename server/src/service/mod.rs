@@ -559,6 +559,7 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         rdma,
         batches_per_message,
         joined_keys,
+        split_inline,
         ..
     } = plan;
     let rdma = match rdma.map(transport::rdma::RdmaPipe::start).transpose() {
@@ -582,7 +583,8 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
     let stopping = shutdown.clone();
     let core = StreamCore { dataset, session, sequence, batch_size, tx, metrics: metrics.clone(), consumer, shutdown };
     if let Some(asm) = arrow.clone().filter(|_| small_batches(&core.dataset, batch_size)) {
-        let stream = SmallArrowStream { core, rdma: rdma.clone(), asm, projected, parts: batches_per_message };
+        let stream =
+            SmallArrowStream { core, rdma: rdma.clone(), asm, projected, parts: batches_per_message, split_inline };
         run_on_own_thread(move || stream.run(batches)).await;
         return linger_for_credits(rdma, stopping);
     }
@@ -621,11 +623,11 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                     ids,
                     index,
                     &[],
+                    split_inline,
                     &cancelled,
                     &mut || Ok(()),
                 )
-                .and_then(arrow_stream::one_batch_sent)
-                .map(|((msg, bytes), waited)| ((vec![msg], bytes), waited));
+                .and_then(arrow_stream::one_batch_sent);
             }
             let ids = &ids[..];
             if let (Some(s), true) = (session, packed) {

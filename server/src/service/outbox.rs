@@ -4,7 +4,7 @@
 //! `epoll_wait` round and a socket write: for batches of a few hundred small rows, built in
 //! ~80 us, those hand-offs were a third of the daemon's time (bench/PARQUET_PROFILE.md). So an
 //! item is a group of messages: a producer that has several batches ready queues them at once,
-//! and the task encodes them into one write. The client sees the same messages, one per batch.
+//! and the task encodes them into one write. The client sees the same messages as without groups.
 
 use std::pin::Pin;
 use std::sync::Arc;

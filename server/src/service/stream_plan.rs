@@ -44,6 +44,9 @@ pub(super) struct StreamPlan {
     pub(super) batches_per_message: usize,
     /// Packed batches carry their keys joined (`StreamRequest.packed_keys_joined`).
     pub(super) joined_keys: bool,
+    /// Inline Arrow batches beyond one message go as parts the client joins
+    /// (`StreamRequest.arrow_parts_joined`).
+    pub(super) split_inline: bool,
 }
 
 pub(super) fn plan_stream(
@@ -247,6 +250,7 @@ pub(super) fn plan_stream(
         rdma,
         batches_per_message: req.max_batches_per_message.clamp(1, MAX_BATCHES_PER_MESSAGE) as usize,
         joined_keys: req.packed_keys_joined,
+        split_inline: req.arrow_parts_joined,
     })
 }
 

@@ -113,9 +113,95 @@ pub fn outgrows_slot(need: usize, slot: usize) -> Error {
     ))
 }
 
-/// The inline form of batch `batch_index` (rows `row_ids`) from its decoded rows.
-pub fn inline_rows(batch_index: u64, row_ids: Vec<u64>, asm: &BatchAssembler, rows: &BatchRows) -> Result<ArrowBatch> {
-    Ok(inline_message(batch_index, row_ids, rows.encode(asm.schema(), asm.schema_message())?))
+/// What [`inline_rows`] made of a batch.
+#[derive(Debug)]
+pub enum Inline {
+    /// The batch's messages: one, or (split) several with `more` set on all but the last.
+    Sent(Vec<ArrowBatch>),
+    /// The row with id `row` is `bytes` long as Arrow by itself, beyond any message.
+    RowTooLarge { row: u64, bytes: u64 },
+    /// The batch is `bytes` long, beyond one message, and the client joins no parts.
+    BatchTooLarge { bytes: u64 },
+}
+
+/// The inline form of batch `batch_index` (rows `row_ids`) from its decoded rows: one message when
+/// its IPC stream is at most `limit` bytes, else, when the client joins parts (`split`), runs of
+/// its rows in order, each its own IPC stream of at most `limit` bytes (a run that turns out
+/// longer is split again: rows differ in size). A split costs a copy of the batch per part's
+/// encoding and no more memory than the batch itself, which the messages hold until sent.
+pub fn inline_rows(
+    batch_index: u64,
+    row_ids: Vec<u64>,
+    asm: &BatchAssembler,
+    rows: &BatchRows,
+    limit: u64,
+    split: bool,
+) -> Result<Inline> {
+    let (schema, schema_message) = (asm.schema(), asm.schema_message());
+    // Measured first when that is free, so a batch to split is not also encoded whole.
+    let whole = match rows.encoded_len(schema, schema_message)? {
+        Some(len) if len as u64 > limit => None,
+        _ => Some(rows.encode(schema, schema_message)?),
+    };
+    let bytes = match whole {
+        Some(data) if data.len() as u64 <= limit => {
+            return Ok(Inline::Sent(vec![inline_message(batch_index, row_ids, data)]));
+        }
+        Some(data) => data.len() as u64,
+        None => rows.encoded_len(schema, schema_message)?.unwrap_or(0) as u64,
+    };
+    if let [row] = row_ids[..] {
+        return Ok(Inline::RowTooLarge { row, bytes });
+    }
+    if !split {
+        return Ok(Inline::BatchTooLarge { bytes });
+    }
+    let mut parts = Vec::new();
+    if let Some(too_large) = split_runs(batch_index, &row_ids, rows, 0..row_ids.len(), bytes, limit, asm, &mut parts)? {
+        return Ok(too_large);
+    }
+    let last = parts.len().saturating_sub(1);
+    for part in &mut parts[..last] {
+        part.more = true;
+    }
+    Ok(Inline::Sent(parts))
+}
+
+/// Appends to `parts` the messages of the rows `run` (`bytes` long as one stream, beyond
+/// `limit`): as many even runs as the bytes need with a tenth to spare, each split again should
+/// it still not fit. `Some`: a single row beyond the limit.
+#[allow(clippy::too_many_arguments)]
+fn split_runs(
+    batch_index: u64,
+    row_ids: &[u64],
+    rows: &BatchRows,
+    run: std::ops::Range<usize>,
+    bytes: u64,
+    limit: u64,
+    asm: &BatchAssembler,
+    parts: &mut Vec<ArrowBatch>,
+) -> Result<Option<Inline>> {
+    let n = run.len();
+    let pieces = usize::try_from((bytes + bytes / 10).div_ceil(limit.max(1))).unwrap_or(n).clamp(2, n.max(2));
+    for k in 0..pieces {
+        let sub = run.start + n * k / pieces..run.start + n * (k + 1) / pieces;
+        if sub.is_empty() {
+            continue;
+        }
+        let part = rows.run(sub.clone()).ok_or_else(|| Error::Internal(format!("rows {sub:?} of a batch of {n}")))?;
+        let data = part.encode(asm.schema(), asm.schema_message())?;
+        let ids = &row_ids[sub.clone()];
+        if data.len() as u64 <= limit {
+            parts.push(inline_message(batch_index, ids.to_vec(), data));
+        } else if let [row] = ids[..] {
+            return Ok(Some(Inline::RowTooLarge { row, bytes: data.len() as u64 }));
+        } else if let Some(too_large) =
+            split_runs(batch_index, row_ids, rows, sub, data.len() as u64, limit, asm, parts)?
+        {
+            return Ok(Some(too_large));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -316,6 +316,22 @@ impl BatchRows {
         self.sources.iter().map(|b| b.as_ref()).collect()
     }
 
+    /// The rows `run` of the batch (in batch order), over the same decoded row groups: a part of
+    /// a batch sent as several messages. `None` when `run` is not within the batch.
+    pub fn run(&self, run: std::ops::Range<usize>) -> Option<BatchRows> {
+        let ids = match &self.ids {
+            Some(ids) => Some(ids.get(run.clone())?.to_vec()),
+            None => None,
+        };
+        Some(BatchRows { sources: self.sources.clone(), rows: self.rows.get(run)?.to_vec(), ids })
+    }
+
+    /// The length of [`Self::encode`]'s stream, measured without writing it when every column
+    /// is flat (`None`: it must be encoded to be measured).
+    pub fn encoded_len(&self, schema: &Schema, schema_message: &[u8]) -> Result<Option<usize>> {
+        self.with_direct(schema, schema_message, |plan| Ok(plan.map(|p| p.stream_len())))
+    }
+
     /// The rows gathered from the sources into a batch of `schema` (the delivered schema), the
     /// ids appended as its last column when the batch has them.
     fn gather_sources(&self, schema: &SchemaRef) -> Result<RecordBatch> {
