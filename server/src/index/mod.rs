@@ -1224,6 +1224,24 @@ mod golden {
 mod tests {
     use super::*;
 
+    /// A copy's recorded time is its source's as the cache's file system keeps it: exact, whole
+    /// seconds (ext4 with small inodes), or even seconds (FAT, which also drops the fraction).
+    /// Any other time is a changed source.
+    #[test]
+    fn a_recorded_time_matches_its_source_at_the_cache_file_systems_grain() {
+        let at = |s: u64, ns: u32| std::time::UNIX_EPOCH + std::time::Duration::new(s, ns);
+        let source = at(1_764_950_001, 700_000_000);
+        assert!(same_time(source, source));
+        assert!(same_time(source, at(1_764_950_001, 0)), "whole seconds");
+        assert!(same_time(source, at(1_764_950_000, 0)), "FAT: even seconds");
+        assert!(same_time(at(1_764_950_000, 300), at(1_764_950_000, 0)));
+        assert!(!same_time(source, at(1_764_950_001, 600_000_000)), "another time at the nanosecond");
+        assert!(!same_time(source, at(1_764_949_999, 0)), "an odd second is no FAT rounding");
+        assert!(!same_time(source, at(1_764_949_998, 0)), "two seconds before");
+        assert!(!same_time(source, at(1_764_950_002, 0)), "after the source");
+        assert!(!same_time(at(1_764_950_002, 0), at(1_764_950_000, 0)), "a whole-second source two seconds on");
+    }
+
     #[test]
     fn resident_tables_are_bounded_in_bytes() {
         let ds = Dataset::assemble(
