@@ -1055,13 +1055,16 @@ impl Dataset {
     }
 }
 
-/// Whether a copy's recorded modification time is its source's `source`: equal, or equal but
-/// for the sub-second part a file system with whole-second times (the cache's) leaves out.
+/// Whether a copy's recorded modification time is its source's `source` as the cache's file
+/// system keeps it: equal; equal but for the sub-second part (whole-second times: ext4 with small
+/// inodes); or the even second at or before it (FAT, which keeps times to two seconds). Without
+/// the last, half the copies on a FAT cache looked changed, and each open read their sources
+/// whole to check them.
 fn same_time(source: std::time::SystemTime, recorded: std::time::SystemTime) -> bool {
     let secs =
         |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map(|d| (d.as_secs(), d.subsec_nanos()));
     match (secs(source), secs(recorded)) {
-        (Ok((s, _)), Ok((r, 0))) => s == r,
+        (Ok((s, _)), Ok((r, 0))) => s == r || (r % 2 == 0 && s == r + 1),
         (Ok(s), Ok(r)) => s == r,
         _ => source == recorded,
     }
