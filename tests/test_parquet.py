@@ -2076,6 +2076,61 @@ def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Pat
         proxy.stop()
 
 
+@pytest.mark.parametrize("manifest", [False, True])
+def test_column_chunks_corrupted_in_transit_are_fetched_again_and_never_served(
+    tmp_path: Path, s3, manifest: bool
+) -> None:
+    """Column-chunk copies come from ranged GETs, which no ETag covers: a file written with page
+    checksums (pyarrow's `write_page_checksum`) lets the fetch check every page it brings, as a
+    whole shard's download is checked against its CRC or MD5. Behind a proxy that inverts a byte
+    in the first answer to every object GET (after the open), every copy is fetched twice and
+    every row arrives as written. Before, the first bad page ended the stream ("Page CRC checksum
+    mismatch"), and with a manifest a footer spoilt in transit was taken for a file changed since
+    it was indexed."""
+    name = "pqflip-indexed" if manifest else "pqflip"
+    url = f"s3://data/{name}/"
+    bucket = s3.bucket("data") / name
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    truth: dict[int, bytes] = {}
+    for k in range(4):
+        ids = np.arange(k * 200, (k + 1) * 200, dtype=np.int64)
+        blobs = [rng.bytes(3000) for _ in ids]
+        truth.update(zip(ids.tolist(), blobs, strict=True))
+        table = pa.table(
+            {"id": ids, "blob": pa.array(blobs, pa.binary()), "other": pa.array([rng.bytes(20000) for _ in ids])}
+        )
+        pq.write_table(
+            table,
+            bucket / f"part-{k}.parquet",
+            row_group_size=50,
+            compression="none",
+            use_dictionary=False,
+            write_page_checksum=True,
+        )
+    if manifest:
+        index_s3(s3, url)
+    proxy = FaultProxy(s3.port, rate=0.0).start()
+    d = Daemon(tmp_path, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
+    try:
+        shardstream._native.Connection(d.addr).open(url)
+        proxy.first_try = "corrupt"
+        got: dict[int, bytes] = {}
+        loader = shardstream.Loader(url, batch_size=40, seed=2, connect=d.addr, fields=["id", "blob"])
+        for batch in loader:
+            for i, blob in zip(np.asarray(batch["id"]).tolist(), batch["blob"], strict=True):
+                assert i not in got, i
+                got[i] = bytes(blob)
+        assert got.keys() == truth.keys()
+        assert [i for i in got if got[i] != truth[i]] == [], "rows served with a byte inverted"
+        ranged = [k for k in proxy.object_gets if "part-" in k]
+        assert ranged and all("bytes=" in k for k in ranged), "column chunks by ranged GETs, not whole files"
+        assert proxy.counts["corrupt"] >= 4, proxy.counts
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+
+
 def test_the_footers_of_an_unindexed_s3_dataset_are_read_many_at_once(tmp_path: Path, s3) -> None:
     """Opening an S3 Parquet dataset without `shardstream index` reads one footer per file, each a
     small ranged GET whose time is the round trip: 8 at a time, 10,000 files took ~40 s at S3's

@@ -18,7 +18,9 @@ and listings, is 32 hex digits that are not the MD5 of the bytes, and object res
 ``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
 and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
 a request takes, it tells how many requests a client makes concurrently, without timing anything.
-``object_gets`` counts the object GETs by path and range."""
+``object_gets`` counts the object GETs by path and range. ``first_try`` (a kind, settable at
+any time) spoils, besides the random share, the first GET of each object and range from then on:
+every download meets the fault once, and its next try gets through."""
 
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ class FaultProxy:
         self.counts: Counter[str] = Counter()
         # Object GETs by path (bucket/key) and Range header ("" for none), faulted or not.
         self.object_gets: Counter[str] = Counter()
+        self.first_try: str | None = None
+        self.tried: set[str] = set()
         self.server: ThreadingHTTPServer | None = None
 
     @property
@@ -98,6 +102,9 @@ class FaultProxy:
             self.counts["requests"] += 1
             if object_get:
                 self.object_gets[path] += 1
+                if self.first_try and path not in self.tried:
+                    self.tried.add(path)
+                    return self.first_try
             if self.rng.random() >= self.rate:
                 return None
             kinds = [k for k in self.kinds if object_get or k in ("reset", "slowdown")]
