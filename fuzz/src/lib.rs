@@ -308,6 +308,18 @@ pub fn parquet_row_group(data: &[u8]) {
         Err(ParquetError::UnsupportedCodec { .. }) => return,
         Err(e) => panic!("a file disagrees with its own schema: {e}"),
     };
+    // The page checksums a column-chunk copy's fetch checks: over the copy made of the file's
+    // bytes (pieces past its end read as zeros), a reason or nothing, never a panic.
+    let pf = shardstream::format::parquet::projected::ProjectedFile::new(&table, &all_fp);
+    let mut copy = Vec::new();
+    for (range, _) in pf.pieces().iter().take(64) {
+        let (start, end) = (usize::try_from(range.start).unwrap_or(usize::MAX), usize::try_from(range.end).unwrap_or(0));
+        copy.extend((start..end.min(start.saturating_add(1 << 20))).map(|k| data.get(k).copied().unwrap_or(0)));
+    }
+    let _ = pf.check_pages(|at, buf| {
+        let src = usize::try_from(at).ok().and_then(|a| copy.get(a..a.checked_add(buf.len())?));
+        src.map(|s| buf.copy_from_slice(s)).ok_or_else(|| "past the copy".to_string())
+    });
     let flat_names: Vec<String> =
         (all.schema().fields().iter()).filter(|f| direct::is_flat(f.data_type())).map(|f| f.name().clone()).collect();
     let flat = Projection::new(table.schema(), &[], Some(&flat_names)).expect("the file's own columns");

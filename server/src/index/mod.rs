@@ -22,6 +22,7 @@
 //! stream keeps its own working set alive with a [`Working`] set.
 
 pub mod build;
+mod column_copies;
 mod discover;
 mod integrity;
 pub mod manifest;
@@ -43,6 +44,7 @@ use crate::storage::local::ShardFile;
 use crate::storage::s3::{S3Options, S3Store};
 use crate::storage::{DatasetUrl, ShardSource};
 use crate::{Error, Result};
+pub use column_copies::PROJECTED_GET;
 pub use registry::{Registry, RegistryLimits};
 pub use working::{Waits, Working};
 
@@ -265,10 +267,6 @@ impl Backends {
         Ok(self.s3.get_or_init(|| store))
     }
 }
-
-/// Largest ranged GET of a column-chunk copy: a piece larger than this (one column of a huge row
-/// group) is fetched in parts, so no GET holds more than this in memory.
-pub const PROJECTED_GET: u64 = 8 << 20;
 
 /// An opened dataset.
 #[derive(Debug)]
@@ -824,149 +822,6 @@ impl Dataset {
             &format!("{}.rg{rg}.arrow", m.name),
         );
         format!("{}{key}", crate::cache::DERIVED_PREFIX)
-    }
-
-    /// Fetches the pieces `pf` of S3 Parquet file `i` into the node cache entry `key` (ranged
-    /// GETs of at most [`PROJECTED_GET`] bytes, all at once, `If-Match` on the file's ETag when
-    /// known), or pins it there. A fetch also checks the file's footer (`check_footer`)
-    /// unless it was checked already, and publishes nothing if it does not match. `Ok(None)`: a
-    /// prefetch that did not wait. Blocking.
-    pub fn fetch_projected(
-        &self,
-        i: usize,
-        pf: &crate::format::parquet::projected::ProjectedFile,
-        key: &str,
-        want: Want,
-    ) -> Result<Option<Pin>> {
-        use std::os::unix::fs::FileExt;
-        let cache =
-            self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
-        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let obj = s3_object(meta)?;
-        let store = self.backends.s3()?;
-        let footer = self.footer_range(i)?;
-        // Every GET of the copy: (the bytes of the file, where they go in the copy, how many of
-        // them go there: a GET that also reads the footer goes on past its piece).
-        let mut gets: Vec<(std::ops::Range<u64>, u64, u64)> = Vec::new();
-        for (range, at) in pf.pieces() {
-            let mut start = range.start;
-            while start < range.end {
-                let end = range.end.min(start + PROJECTED_GET);
-                gets.push((start..end, at + (start - range.start), end - start));
-                start = end;
-            }
-        }
-        // The footer is checked from the GETs that fill the copy, before the copy is published
-        // (see `check_footer`), unless it was checked already: read with the last piece when at
-        // most a merge gap separates them (the columns after it), else by a GET of its own among
-        // the others. A separate GET per file, after the copy, was a fifth of a cold `label`
-        // epoch's requests on the bench's set.
-        let check = !self.footer_verified(i);
-        if check {
-            match gets.last_mut() {
-                Some((r, _, _))
-                    if r.end <= footer.start && footer.start - r.end <= crate::format::parquet::decode::MERGE_GAP =>
-                {
-                    r.end = footer.end;
-                }
-                _ => gets.push((footer.clone(), 0, 0)),
-            }
-        }
-        let ranges: Vec<std::ops::Range<u64>> = gets.iter().map(|(r, _, _)| r.clone()).collect();
-        cache
-            .get(key, pf.len(), want, &mut |tmp, file| {
-                let mut checked = !check;
-                store.block_on(store.get_ranges(&obj, &ranges, |g, bytes| {
-                    let (r, at, keep) = gets
-                        .get(g)
-                        .ok_or_else(|| Error::Internal(format!("{}: no GET {g} of the copy", meta.url())))?;
-                    let short = || Error::Internal(format!("{}: GET {g} of the copy came back short", meta.url()));
-                    let keep = usize::try_from(*keep).map_err(|_| short())?;
-                    let piece = bytes.get(..keep).ok_or_else(short)?;
-                    // A GET of the footer alone puts nothing in the copy.
-                    if !piece.is_empty() {
-                        file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
-                    }
-                    if check && r.end == footer.end {
-                        let from = usize::try_from(footer.start - r.start).map_err(|_| short())?;
-                        self.check_footer(i, bytes.get(from..).ok_or_else(short)?)?;
-                        checked = true;
-                    }
-                    Ok(())
-                }))?;
-                if !checked {
-                    return Err(Error::Internal(format!("{}: no GET of the copy read its footer", meta.url())));
-                }
-                self.verified[i].store(true, Ordering::Release);
-                Ok(())
-            })
-            .map_err(|e| named_in_cache(e, meta))
-    }
-
-    /// Checks S3 Parquet file `i`'s footer once before its rows are served from column-chunk
-    /// copies (`check_footer`): a no-op when the fetch of its copy checked it, else one
-    /// ranged GET of exactly the footer.
-    pub fn verify_remote_footer(&self, i: usize) -> Result<()> {
-        if self.footer_verified(i) {
-            return Ok(());
-        }
-        // Streams building batches at once check a file once, not once each.
-        let lock = self.load_locks.get(i).ok_or_else(|| Error::Internal(format!("shard {i} out of range")))?;
-        let _checking = lock.lock().unwrap_or_else(|p| p.into_inner());
-        if self.verified[i].load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let obj = s3_object(meta)?;
-        let tail = self.footer_range(i)?.start;
-        let s3 = self.backends.s3()?;
-        let (bytes, _) = s3.block_on(s3.get_range(&obj, tail..meta.len))?;
-        self.check_footer(i, &bytes)?;
-        self.verified[i].store(true, Ordering::Release);
-        Ok(())
-    }
-
-    /// The bytes of S3 Parquet file `i` that [`Self::check_footer`] checks: its footer, its length
-    /// and magic, as the dataset knows them.
-    fn footer_range(&self, i: usize) -> Result<std::ops::Range<u64>> {
-        let (meta, table) = self.parquet_file(i)?;
-        Ok(meta.len.saturating_sub(table.footer_bytes() + crate::format::parquet::footer::FOOTER_TAIL_BYTES)..meta.len)
-    }
-
-    /// Shard `i` and the footer table the dataset was opened with.
-    fn parquet_file(&self, i: usize) -> Result<(&ShardMeta, &crate::format::parquet::ParquetTable)> {
-        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
-        let file = self.parquet.as_ref().and_then(|p| p.files().iter().find(|f| f.index == i));
-        let file = file.ok_or_else(|| Error::Internal(format!("{}: no footer table", meta.url())))?;
-        Ok((meta, &file.table))
-    }
-
-    /// Checks `bytes` (file `i`'s [`Self::footer_range`], as just read from the object): their
-    /// CRC is the footer checksum, against the manifest's when there is one, and in any case
-    /// against the footer the dataset was opened with (the chunk offsets the decoder uses come
-    /// from it). A footer of another length changes the length field it covers.
-    fn check_footer(&self, i: usize, bytes: &[u8]) -> Result<()> {
-        let (meta, table) = self.parquet_file(i)?;
-        let opened = table.footer_crc32c();
-        let got = crc32c::crc32c(bytes);
-        if let Some(expected) = meta.footer_crc32c {
-            if got != expected {
-                return Err(footer_mismatch(&meta.url(), got, expected, "its footer"));
-            }
-            if opened != expected {
-                return Err(footer_mismatch(&meta.url(), opened, expected, "the footer its table was decoded from"));
-            }
-        } else if got != opened {
-            return Err(Error::Shard {
-                shard: meta.url(),
-                offset: None,
-                reason: format!(
-                    "its footer changed since the dataset was opened (crc32c {got:08x}, was {opened:08x}); \
-                     refusing to serve it"
-                ),
-            });
-        }
-        Ok(())
     }
 
     /// Node-cache key of shard `i` (`copy` mode).

@@ -27,13 +27,20 @@ pub const MERGE_GAP: u64 = 64 << 10;
 /// The file ranges to read to decode row group `rg` of `proj`: the selected leaf columns' chunks,
 /// sorted and merged when at most [`MERGE_GAP`] apart.
 pub fn chunk_ranges(table: &ParquetTable, rg: usize, proj: &FileProjection) -> Vec<Range<u64>> {
+    merge_ranges(leaf_chunks(table, rg, proj).collect())
+}
+
+/// The byte ranges of the selected leaf columns' chunks of row group `rg`, one each, unmerged.
+pub fn leaf_chunks<'a>(
+    table: &'a ParquetTable,
+    rg: usize,
+    proj: &'a FileProjection,
+) -> impl Iterator<Item = Range<u64>> + 'a {
     let leaves = table.reader_metadata().parquet_schema().num_columns();
-    let ranges: Vec<Range<u64>> = (0..leaves)
+    (0..leaves)
         .filter(|&c| proj.mask.leaf_included(c))
-        .filter_map(|c| table.chunk_range(rg, c))
+        .filter_map(move |c| table.chunk_range(rg, c))
         .filter(|r| !r.is_empty())
-        .collect();
-    merge_ranges(ranges)
 }
 
 /// What row group `rg` of `proj` takes decoded, as the footer tells it without reading a page:

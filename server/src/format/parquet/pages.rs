@@ -57,6 +57,8 @@ struct Header {
     v2_compressed: Option<bool>,
     /// A data page's (v1 or v2) value encoding.
     data_encoding: Option<i32>,
+    /// The page's CRC-32 (of its stored bytes), when the writer gave one.
+    crc: Option<i32>,
 }
 
 /// Checks every page header of a column chunk (`chunk`: its bytes, as the footer's range gives
@@ -110,6 +112,99 @@ pub fn check_chunk(chunk: &[u8], start: u64, meta: &ColumnChunkMetaData) -> Resu
     Ok(())
 }
 
+/// Checks the checksum of every page of a column chunk that has one (`chunk`: its bytes, from
+/// file offset `start`): see [`check_crcs_with`].
+pub fn check_crcs(chunk: &[u8], start: u64) -> Result<(), String> {
+    check_crcs_with(chunk.len() as u64, start, |at, buf| {
+        let at = usize::try_from(at).map_err(|_| "past the chunk".to_string())?;
+        let src = chunk.get(at..at.saturating_add(buf.len())).ok_or_else(|| "past the chunk".to_string())?;
+        buf.copy_from_slice(src);
+        Ok(())
+    })
+}
+
+/// Room for a page header first; a header longer than that (large statistics) is read again
+/// with 8 times the room, up to [`MAX_HEADER_READ`].
+const HEADER_READ: usize = 16 << 10;
+const MAX_HEADER_READ: usize = 16 << 20;
+/// Bytes of the chunk read at a time (headers and the checksummed bytes after them): memory
+/// stays about this, whatever the chunk's size.
+const WINDOW: usize = 1 << 20;
+
+/// Checks the checksum of every page of a column chunk of `len` bytes from file offset `start`
+/// that has one: the CRC-32 of the page's stored bytes, as its header gives it (pyarrow's
+/// `write_page_checksum`, parquet-mr's `parquet.page.write-checksum.enabled`). `read(at, buf)`
+/// fills `buf` from byte `at` of the chunk. Ranged reads of column chunks have no other check:
+/// no ETag or manifest covers a range. The chunk is read a window at a time, so memory does not
+/// grow with it. The reason when a page does not match (or its header cannot be read), naming the
+/// page's file offset.
+pub fn check_crcs_with(
+    len: u64,
+    start: u64,
+    read: impl FnMut(u64, &mut [u8]) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut w = Window { read, len, at: 0, buf: Vec::new() };
+    let mut pos = 0u64;
+    while pos < len {
+        let offset = start + pos;
+        let left = usize::try_from(len - pos).unwrap_or(usize::MAX);
+        let mut room = HEADER_READ.min(left);
+        let (h, header_len) = loop {
+            match read_header(w.bytes(pos, room)?) {
+                Ok(h) => break h,
+                // Perhaps cut short: once more with more room, while there is more.
+                Err(_) if room < left && room < MAX_HEADER_READ => room = (room * 8).min(left).min(MAX_HEADER_READ),
+                Err(e) => return Err(format!("page header at byte {offset}: {e}")),
+            }
+        };
+        let stored = u64::try_from(h.compressed).map_err(|_| format!("page at byte {offset}: a negative size"))?;
+        let body = pos + header_len as u64;
+        let end = body.saturating_add(stored);
+        if end > len {
+            return Err(format!("page at byte {offset}: {stored} stored bytes run past the chunk's {len}"));
+        }
+        if let Some(crc) = h.crc {
+            let mut hasher = crc32fast::Hasher::new();
+            let mut at = body;
+            while at < end {
+                let n = usize::try_from(end - at).unwrap_or(WINDOW).min(WINDOW);
+                hasher.update(w.bytes(at, n)?);
+                at += n as u64;
+            }
+            // parquet.thrift keeps the unsigned CRC in an i32.
+            let (got, said) = (hasher.finalize(), crc as u32);
+            if got != said {
+                return Err(format!("page at byte {offset}: its bytes' CRC-32 is {got:08x}, its header says {said:08x}"));
+            }
+        }
+        pos = end;
+    }
+    Ok(())
+}
+
+/// The bytes of a chunk last read, from `at`: small pages' headers and bodies come from one read.
+struct Window<F> {
+    read: F,
+    len: u64,
+    at: u64,
+    buf: Vec<u8>,
+}
+
+impl<F: FnMut(u64, &mut [u8]) -> Result<(), String>> Window<F> {
+    /// Bytes `from..from + n` of the chunk (`n` at most what is left of it).
+    fn bytes(&mut self, from: u64, n: usize) -> Result<&[u8], String> {
+        let inside = from >= self.at && from + n as u64 <= self.at + self.buf.len() as u64;
+        if !inside {
+            let left = usize::try_from(self.len.saturating_sub(from)).unwrap_or(usize::MAX);
+            self.buf.resize(n.max(WINDOW).min(left), 0);
+            (self.read)(from, &mut self.buf)?;
+            self.at = from;
+        }
+        let skip = usize::try_from(from - self.at).map_err(|_| "past the chunk".to_string())?;
+        self.buf.get(skip..skip + n).ok_or_else(|| format!("{n} bytes at {from} past the chunk's {}", self.len))
+    }
+}
+
 /// The least room one value of a column takes in a PLAIN page (dictionaries are PLAIN).
 enum Width {
     Bits,
@@ -149,6 +244,7 @@ fn read_header(buf: &[u8]) -> Result<(Header, usize), String> {
                 h.compressed = r.i32()?;
                 seen_sizes += 1;
             }
+            (4, I32) => h.crc = Some(r.i32()?),
             // A v1 data page header's encoding; a dictionary page header's value count.
             (5, STRUCT) => h.data_encoding = r.nested_i32(2)?,
             (7, STRUCT) => h.dictionary_values = r.nested_i32(1)?,
@@ -239,6 +335,72 @@ mod tests {
         pick.unwrap().clone()
     }
 
+    /// Pages of `bodies`, each with a header of its sizes and, where given, its CRC field.
+    fn pages_with_crcs(bodies: &[(&[u8], Option<u32>)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (body, crc) in bodies {
+            let n = body.len() as i32;
+            out.extend([i32_field(1, 0), i32_field(1, n), i32_field(1, n)].concat());
+            if let Some(c) = crc {
+                out.extend(i32_field(1, *c as i32));
+            }
+            out.push(0);
+            out.extend_from_slice(body);
+        }
+        out
+    }
+
+    #[test]
+    fn page_checksums_are_checked_where_the_writer_gave_them() {
+        let (a, b) = (&b"first page's bytes"[..], &b"second"[..]);
+        let good = pages_with_crcs(&[(a, Some(crc32fast::hash(a))), (b, None), (b, Some(crc32fast::hash(b)))]);
+        check_crcs(&good, 1000).unwrap();
+        // One byte of the first page's body inverted: named by the page's offset.
+        let mut bad = good.clone();
+        let at = good.windows(a.len()).position(|w| w == a).unwrap() + 3;
+        bad[at] ^= 0xff;
+        let e = check_crcs(&bad, 1000).unwrap_err();
+        assert!(e.starts_with("page at byte 1000: its bytes' CRC-32 is"), "{e}");
+        // In the page without a checksum nothing can tell.
+        let mut unchecked = good.clone();
+        let second = good.windows(b.len()).position(|w| w == b).unwrap();
+        unchecked[second] ^= 0xff;
+        check_crcs(&unchecked, 0).unwrap();
+        // A chunk cut short, and a header spoilt, are refused too.
+        assert!(check_crcs(&good[..good.len() - 1], 0).unwrap_err().contains("run past the chunk"));
+        let mut header = good.clone();
+        header[0] = 0xff;
+        assert!(check_crcs(&header, 7).unwrap_err().starts_with("page header at byte 7"));
+    }
+
+    /// A chunk larger than the window, pages of every size across its edges: read a window at a
+    /// time (about the chunk once, never more than a window at once), every checksum checked.
+    #[test]
+    fn a_large_chunk_is_checked_a_window_at_a_time() {
+        let bodies: Vec<Vec<u8>> = [10usize, WINDOW + WINDOW / 2, 700 << 10, 300 << 10, 1, WINDOW - 5, 3 << 10]
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| (0..n).map(|i| (i * 31 + k) as u8).collect())
+            .collect();
+        let pages: Vec<(&[u8], Option<u32>)> = bodies.iter().map(|b| (&b[..], Some(crc32fast::hash(b)))).collect();
+        let chunk = pages_with_crcs(&pages);
+        let (mut reads, mut largest, mut bytes) = (0, 0, 0);
+        let counted = |at: u64, buf: &mut [u8]| {
+            reads += 1;
+            largest = largest.max(buf.len());
+            bytes += buf.len();
+            buf.copy_from_slice(&chunk[at as usize..at as usize + buf.len()]);
+            Ok(())
+        };
+        check_crcs_with(chunk.len() as u64, 0, counted).unwrap();
+        assert!(largest <= WINDOW, "{largest}");
+        assert!(bytes < chunk.len() * 2 && reads < 16, "{reads} reads of {bytes} bytes for {}", chunk.len());
+        let mut bad = chunk.clone();
+        let last = bad.len() - 2;
+        bad[last] ^= 1;
+        assert!(check_crcs(&bad, 0).unwrap_err().contains("its bytes' CRC-32"));
+    }
+
     #[test]
     fn every_page_of_files_written_by_arrow_passes() {
         for codec in [testdata::Codec::None, testdata::Codec::Snappy, testdata::Codec::Zstd] {
@@ -252,6 +414,7 @@ mod tests {
                         let chunk = &bytes[r.start as usize..r.end as usize];
                         check_chunk(chunk, r.start, md.row_group(rg).column(c))
                             .unwrap_or_else(|e| panic!("{codec:?} rg {rg} column {c}: {e}"));
+                        check_crcs(chunk, r.start).unwrap_or_else(|e| panic!("{codec:?} rg {rg} column {c}: {e}"));
                     }
                 }
             }

@@ -11,8 +11,9 @@ use std::ops::Range;
 
 use super::ParquetTable;
 #[cfg(test)]
-use super::decode::MERGE_GAP;
-use super::decode::{chunk_ranges, merge_ranges};
+use super::decode::{MERGE_GAP, chunk_ranges};
+use super::decode::{leaf_chunks, merge_ranges};
+use super::pages;
 use super::schema::FileProjection;
 
 /// The pieces of a file a projection needs, and where each sits in the compact copy.
@@ -20,13 +21,17 @@ use super::schema::FileProjection;
 pub struct ProjectedFile {
     /// (file range, offset in the copy), sorted by file offset, disjoint.
     pieces: Vec<(Range<u64>, u64)>,
+    /// The file range of every column chunk in the copy, one each (what [`Self::check_pages`]
+    /// walks).
+    chunks: Vec<Range<u64>>,
     len: u64,
 }
 
 impl ProjectedFile {
     /// The pieces of `table`'s file that `proj` reads, over every row group.
     pub fn new(table: &ParquetTable, proj: &FileProjection) -> Self {
-        let merged = merge_ranges((0..table.num_row_groups()).flat_map(|rg| chunk_ranges(table, rg, proj)).collect());
+        let chunks: Vec<Range<u64>> = (0..table.num_row_groups()).flat_map(|rg| leaf_chunks(table, rg, proj)).collect();
+        let merged = merge_ranges(chunks.clone());
         let mut at = 0u64;
         let pieces = merged
             .into_iter()
@@ -36,7 +41,19 @@ impl ProjectedFile {
                 (r, here)
             })
             .collect();
-        Self { pieces, len: at }
+        Self { pieces, chunks, len: at }
+    }
+
+    /// Checks the page checksums of every column chunk in the copy ([`pages::check_crcs_with`]:
+    /// the pages that carry one), reading with `read(offset in the copy, buf)`. The reason when
+    /// one does not match, naming the chunk.
+    pub fn check_pages(&self, mut read: impl FnMut(u64, &mut [u8]) -> Result<(), String>) -> Result<(), String> {
+        for chunk in &self.chunks {
+            let at = self.locate(chunk.clone()).ok_or_else(|| format!("chunk {chunk:?} is not in the copy"))?;
+            pages::check_crcs_with(chunk.end - chunk.start, chunk.start, |from, buf| read(at + from, buf))
+                .map_err(|e| format!("column chunk at byte {}: {e}", chunk.start))?;
+        }
+        Ok(())
     }
 
     /// Bytes of the compact copy.
