@@ -2076,20 +2076,9 @@ def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Pat
         proxy.stop()
 
 
-@pytest.mark.parametrize("manifest", [False, True])
-def test_column_chunks_corrupted_in_transit_are_fetched_again_and_never_served(
-    tmp_path: Path, s3, manifest: bool
-) -> None:
-    """Column-chunk copies come from ranged GETs, which no ETag covers: a file written with page
-    checksums (pyarrow's `write_page_checksum`) lets the fetch check every page it brings, as a
-    whole shard's download is checked against its CRC or MD5. Behind a proxy that inverts a byte
-    in the first answer to every object GET (after the open), every copy is fetched twice and
-    every row arrives as written. Before, the first bad page ended the stream ("Page CRC checksum
-    mismatch"), and with a manifest a footer spoilt in transit was taken for a file changed since
-    it was indexed."""
-    name = "pqflip-indexed" if manifest else "pqflip"
-    url = f"s3://data/{name}/"
-    bucket = s3.bucket("data") / name
+def write_checksummed_files(bucket: Path) -> dict[int, bytes]:
+    """Four files written with page checksums (pyarrow's `write_page_checksum`), row groups of 50
+    rows of `id`, a 3 KB `blob` and a 20 KB `other`, stored plain; {id: blob}."""
     bucket.mkdir(parents=True)
     rng = np.random.default_rng(3)
     truth: dict[int, bytes] = {}
@@ -2108,27 +2097,73 @@ def test_column_chunks_corrupted_in_transit_are_fetched_again_and_never_served(
             use_dictionary=False,
             write_page_checksum=True,
         )
-    if manifest:
-        index_s3(s3, url)
-    proxy = FaultProxy(s3.port, rate=0.0).start()
+    return truth
+
+
+def blobs_through_spoiling_proxy(
+    tmp_path: Path, s3, url: str, fields: list[str] | None, kms: bool = False
+) -> tuple[dict[int, bytes], FaultProxy]:
+    """Every `blob` a stream of `fields` delivers, by id, from a daemon behind a proxy that
+    inverts a byte in the first answer to every object GET after the dataset is open (`kms`: its
+    ETags are no MD5s, as SSE-KMS gives them); and the proxy."""
+    proxy = FaultProxy(s3.port, rate=0.0, kms=kms).start()
     d = Daemon(tmp_path, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
     try:
         shardstream._native.Connection(d.addr).open(url)
         proxy.first_try = "corrupt"
         got: dict[int, bytes] = {}
-        loader = shardstream.Loader(url, batch_size=40, seed=2, connect=d.addr, fields=["id", "blob"])
-        for batch in loader:
+        for batch in shardstream.Loader(url, batch_size=40, seed=2, connect=d.addr, fields=fields):
             for i, blob in zip(np.asarray(batch["id"]).tolist(), batch["blob"], strict=True):
                 assert i not in got, i
                 got[i] = bytes(blob)
-        assert got.keys() == truth.keys()
-        assert [i for i in got if got[i] != truth[i]] == [], "rows served with a byte inverted"
-        ranged = [k for k in proxy.object_gets if "part-" in k]
-        assert ranged and all("bytes=" in k for k in ranged), "column chunks by ranged GETs, not whole files"
-        assert proxy.counts["corrupt"] >= 4, proxy.counts
+        return got, proxy
     finally:
         assert d.stop() == 0
         proxy.stop()
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_column_chunks_corrupted_in_transit_are_fetched_again_and_never_served(
+    tmp_path: Path, s3, manifest: bool
+) -> None:
+    """Column-chunk copies come from ranged GETs, which no ETag covers: a file written with page
+    checksums lets the fetch check every page it brings, as a whole shard's download is checked
+    against its CRC or MD5. Behind a proxy that spoils the first answer to every object GET, every
+    copy is fetched twice and every row arrives as written. Before, the first bad page ended the
+    stream ("Page CRC checksum mismatch"), and with a manifest a footer spoilt in transit was
+    taken for a file changed since it was indexed."""
+    name = "pqflip-indexed" if manifest else "pqflip"
+    url = f"s3://data/{name}/"
+    truth = write_checksummed_files(s3.bucket("data") / name)
+    if manifest:
+        index_s3(s3, url)
+    got, proxy = blobs_through_spoiling_proxy(tmp_path, s3, url, ["id", "blob"])
+    assert got.keys() == truth.keys()
+    assert [i for i in got if got[i] != truth[i]] == [], "rows served with a byte inverted"
+    ranged = [k for k in proxy.object_gets if "part-" in k]
+    assert ranged and all("bytes=" in k for k in ranged), "column chunks by ranged GETs, not whole files"
+    assert proxy.counts["corrupt"] >= 4, proxy.counts
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_whole_files_no_checksum_covers_are_checked_by_their_pages(tmp_path: Path, s3, manifest: bool) -> None:
+    """A whole file's download is checked against the MD5 its ETag holds, or a manifest's
+    whole-file CRC-32C (`pack`); under SSE-KMS the ETag is no MD5, and `shardstream index` records
+    only the footer's CRC of a Parquet file, so nothing covered the rest. Its pages' checksums
+    now do: behind a proxy answering as SSE-KMS does and spoiling the first answer to every
+    object GET, every file is fetched again and every row arrives as written. Before, the first
+    bad page ended the stream, and a spoilt page without checksum would be served."""
+    name = "pqkms-indexed" if manifest else "pqkms"
+    url = f"s3://data/{name}/"
+    truth = write_checksummed_files(s3.bucket("data") / name)
+    if manifest:
+        index_s3(s3, url)
+    got, proxy = blobs_through_spoiling_proxy(tmp_path, s3, url, None, kms=True)
+    assert got.keys() == truth.keys()
+    assert [i for i in got if got[i] != truth[i]] == [], "rows served with a byte inverted"
+    whole = [k for k in proxy.object_gets if "part-" in k and "bytes=" not in k]
+    assert whole, f"whole files, not column chunks: {list(proxy.object_gets)[:4]}"
+    assert proxy.counts["corrupt"] >= 4, proxy.counts
 
 
 def test_the_footers_of_an_unindexed_s3_dataset_are_read_many_at_once(tmp_path: Path, s3) -> None:
