@@ -313,7 +313,8 @@ pub fn parquet_row_group(data: &[u8]) {
     let pf = shardstream::format::parquet::projected::ProjectedFile::new(&table, &all_fp);
     let mut copy = Vec::new();
     for (range, _) in pf.pieces().iter().take(64) {
-        let (start, end) = (usize::try_from(range.start).unwrap_or(usize::MAX), usize::try_from(range.end).unwrap_or(0));
+        let (start, end) =
+            (usize::try_from(range.start).unwrap_or(usize::MAX), usize::try_from(range.end).unwrap_or(0));
         copy.extend((start..end.min(start.saturating_add(1 << 20))).map(|k| data.get(k).copied().unwrap_or(0)));
     }
     let _ = pf.check_pages(|at, buf| {

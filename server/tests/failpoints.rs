@@ -139,7 +139,13 @@ fn failpoint_local_copy_read_error_names_the_source_shard() {
     let cache = NodeCache::open(&dir.path().join("cache"), Some(100), Policy::Lru).unwrap();
     fail::cfg("cache-copy-read", "return(EIO)").unwrap();
     let source = ShardSource::Local(src.clone());
-    let spec = FetchSpec { source: &source, len: 10, crc32c: Some(crc32c::crc32c(b"0123456789")), footer_crc32c: None };
+    let spec = FetchSpec {
+        source: &source,
+        len: 10,
+        crc32c: Some(crc32c::crc32c(b"0123456789")),
+        footer_crc32c: None,
+        parquet: false,
+    };
     let err = cache
         .get("a", 10, Want::NOW, &mut |tmp: &Path, file: &File| fill(&spec, None, tmp, file, std::sync::Arc::new(())));
     let err = err.unwrap_err();

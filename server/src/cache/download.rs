@@ -4,9 +4,11 @@
 //! (computed while the bytes stream in, so verification costs no second read), the CRC-32C of a
 //! Parquet file's footer when the manifest gives that instead (one tail read of the copy, from the
 //! page cache), and for an S3 object without a whole-file CRC, its ETag when that is an MD5 (one read back from the page cache; see
-//! `S3Store::download_checked`). A CRC-32C mismatch is fetched again (a bit flip in transit
-//! should not fail a training run), up to [`MAX_CHECKSUM_FETCHES`] fetches; the last mismatch is
-//! final and names the shard.
+//! `S3Store::download_checked`). A Parquet copy that neither covers (an SSE-KMS ETag, a local
+//! copy, a manifest of footer CRCs) has its pages' own checksums checked, where the writer gave
+//! them (`format::parquet::pages::check_crcs_with`; headers only for pages without one). A
+//! mismatch is fetched again (a bit flip in transit should not fail a training run), up to
+//! [`MAX_CHECKSUM_FETCHES`] fetches; the last mismatch is final and names the shard.
 
 use std::fs::File;
 use std::io::Read;
@@ -34,6 +36,9 @@ pub struct FetchSpec<'a> {
     pub crc32c: Option<u32>,
     /// CRC-32C of a Parquet file's footer (a `crc32c-footer` manifest), checked on the copy.
     pub footer_crc32c: Option<u32>,
+    /// A Parquet file: when nothing checks the copy as a whole (no whole-file CRC-32C, no MD5
+    /// ETag), its pages' checksums are checked.
+    pub parquet: bool,
 }
 
 /// Writes the shard into `file` (a fresh temporary file at `tmp`) and verifies it.
@@ -48,7 +53,7 @@ pub fn fill(
     let mut attempt = 0;
     loop {
         attempt += 1;
-        let crc = match spec.source {
+        let (crc, md5_checked) = match spec.source {
             ShardSource::S3 { bucket, key, etag } => {
                 let store = store.ok_or_else(|| Error::Internal(format!("{url}: no S3 connection")))?;
                 let obj = ObjectRef { bucket: bucket.clone(), key: key.clone(), len: spec.len, etag: etag.clone() };
@@ -56,7 +61,7 @@ pub fn fill(
                 // A manifest's CRC-32C is checked below; without one the ETag's MD5 is.
                 store.block_on(store.download_checked(&obj, shared, tmp, observer.clone(), spec.crc32c.is_none()))?
             }
-            ShardSource::Local(path) => copy(path, file, tmp, spec.len)?,
+            ShardSource::Local(path) => (copy(path, file, tmp, spec.len)?, false),
         };
         let written = file.metadata().map_err(|e| Error::io("cannot stat", tmp, e))?.len();
         if written != spec.len {
@@ -70,24 +75,63 @@ pub fn fill(
             Some(_) => (copy_footer_crc(file, tmp, spec.len, &url)?, "the footer's crc32c"),
             None => (crc, "crc32c"),
         };
-        match spec.crc32c.or(spec.footer_crc32c) {
-            Some(expected) if expected != crc && attempt < MAX_CHECKSUM_FETCHES => {
+        let mismatch = match spec.crc32c.or(spec.footer_crc32c) {
+            Some(expected) if expected != crc => Some(format!(
+                "{what} {crc:08x} does not match manifest.json ({expected:08x}), also after {} re-fetches: the \
+                 object changed after the manifest was written; refusing to serve it",
+                MAX_CHECKSUM_FETCHES - 1
+            )),
+            // Neither a whole-file CRC nor an MD5 covered the copy: the pages' own checksums do.
+            _ if spec.parquet && spec.crc32c.is_none() && !md5_checked => {
+                copy_pages_fail(file, tmp, spec.len).map_err(|e| Error::io("cannot read back", tmp, e))?.map(|why| {
+                    format!("{why}, also after {} re-fetches: the object's bytes are damaged", MAX_CHECKSUM_FETCHES - 1)
+                })
+            }
+            _ => None,
+        };
+        match mismatch {
+            Some(_) if attempt < MAX_CHECKSUM_FETCHES => {
                 tracing::warn!(shard = %url, "checksum mismatch after download, fetching once more");
                 file.set_len(0).map_err(|e| Error::io("cannot truncate", tmp, e))?;
             }
-            Some(expected) if expected != crc => {
-                return Err(Error::Shard {
-                    shard: url,
-                    offset: None,
-                    reason: format!(
-                        "{what} {crc:08x} does not match manifest.json ({expected:08x}), also after {} re-fetches: \
-                         the object changed after the manifest was written; refusing to serve it",
-                        MAX_CHECKSUM_FETCHES - 1
-                    ),
-                });
-            }
-            _ => return Ok(()),
+            Some(reason) => return Err(Error::Shard { shard: url, offset: None, reason }),
+            None => return Ok(()),
         }
+    }
+}
+
+/// Why the pages of the Parquet copy in `file` (`len` bytes) fail their checksums
+/// ([`pages::check_crcs_with`](crate::format::parquet::pages::check_crcs_with), every column
+/// chunk the copy's own footer names), or None; an error only when the copy cannot be read.
+fn copy_pages_fail(file: &File, tmp: &Path, len: u64) -> std::io::Result<Option<String>> {
+    use crate::format::parquet::{ParquetError, ParquetTable, footer, pages};
+    let mut unreadable: Option<std::io::Error> = None;
+    let mut read_at = |off: u64, buf: &mut [u8]| match file.read_exact_at(buf, off) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let said = format!("{}: {e}", tmp.display());
+            unreadable = Some(e);
+            Err(said)
+        }
+    };
+    let table = footer::read_footer(len, |off, buf| read_at(off, buf).map_err(ParquetError::Io))
+        .and_then(|f| ParquetTable::decode(&f, len));
+    let failed = match table {
+        Err(e) => Some(format!("its footer: {e}")),
+        Ok(ref t) => (0..t.num_row_groups())
+            .flat_map(|rg| {
+                let cols = t.reader_metadata().metadata().row_group(rg).num_columns();
+                (0..cols).filter_map(move |c| t.chunk_range(rg, c))
+            })
+            .find_map(|r| {
+                pages::check_crcs_with(r.end - r.start, r.start, |from, buf| read_at(r.start + from, buf))
+                    .err()
+                    .map(|e| format!("column chunk at byte {}: {e}", r.start))
+            }),
+    };
+    match unreadable {
+        Some(e) => Err(e),
+        None => Ok(failed),
     }
 }
 
@@ -144,7 +188,7 @@ mod tests {
     use super::*;
 
     fn local_spec(source: &ShardSource, len: u64, crc32c: Option<u32>) -> FetchSpec<'_> {
-        FetchSpec { source, len, crc32c, footer_crc32c: None }
+        FetchSpec { source, len, crc32c, footer_crc32c: None, parquet: false }
     }
 
     /// Bytes no two chunks of the copy share, so a chunk written twice or skipped shows.

@@ -874,7 +874,7 @@ impl Dataset {
         let (Some(key), Some(cache)) = (self.keys.get(i), &self.backends.cache) else {
             return Err(Error::Internal(format!("{}: shard {i} is not read through the cache", self.url)));
         };
-        fetch_into(cache, &self.backends, &self.shards[i], key, want)
+        fetch_into(cache, &self.backends, &self.shards[i], self.format, key, want)
     }
 
     fn open_shard(&self, i: usize) -> Option<Arc<ResidentShard>> {
@@ -942,6 +942,7 @@ fn fetch_into(
     cache: &Arc<NodeCache>,
     backends: &Backends,
     meta: &ShardMeta,
+    format: Format,
     key: &str,
     want: Want,
 ) -> Result<Option<Pin>> {
@@ -949,8 +950,13 @@ fn fetch_into(
         ShardSource::S3 { .. } => Some(backends.s3()?),
         ShardSource::Local(_) => None,
     };
-    let spec =
-        FetchSpec { source: &meta.source, len: meta.len, crc32c: meta.crc32c, footer_crc32c: meta.footer_crc32c };
+    let spec = FetchSpec {
+        source: &meta.source,
+        len: meta.len,
+        crc32c: meta.crc32c,
+        footer_crc32c: meta.footer_crc32c,
+        parquet: format == Format::Parquet,
+    };
     cache
         .get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
         .map_err(|e| named_in_cache(e, meta))

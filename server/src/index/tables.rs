@@ -215,7 +215,7 @@ fn scan_one(
                     table
                 }
                 None => {
-                    let pin = fetch_into(node, backends, meta, key, Want::NOW)?
+                    let pin = fetch_into(node, backends, meta, format, key, Want::NOW)?
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                     let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
                     // Dropped before `pin`, which keeps the copy immutable while it is mapped.

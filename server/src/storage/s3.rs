@@ -767,7 +767,7 @@ impl S3Store {
         dest: &Path,
         observer: Arc<dyn DownloadObserver>,
     ) -> Result<u32> {
-        self.download_checked(obj, file, dest, observer, true).await
+        self.download_checked(obj, file, dest, observer, true).await.map(|(crc, _)| crc)
     }
 
     /// [`Self::download`], where `check_md5` says whether to check the bytes against the object's
@@ -775,6 +775,8 @@ impl S3Store {
     /// single-part uploads: the file is read back once (from the page cache) and a mismatch, a
     /// body corrupted in transit, downloads the object again, up to [`MAX_ETAG_MISMATCHES`]
     /// times. A caller that verifies the bytes another way (a manifest's CRC-32C) passes false.
+    /// Returns the bytes' CRC-32C and whether their MD5 was checked (false: no MD5 to check them
+    /// by, or not asked).
     pub async fn download_checked(
         &self,
         obj: &ObjectRef,
@@ -782,15 +784,15 @@ impl S3Store {
         dest: &Path,
         observer: Arc<dyn DownloadObserver>,
         check_md5: bool,
-    ) -> Result<u32> {
+    ) -> Result<(u32, bool)> {
         for attempt in 1..=MAX_ETAG_MISMATCHES {
             let (crc, answered) = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
             if answered.not_md5 {
-                return Ok(crc);
+                return Ok((crc, false));
             }
             let want = match obj.etag.as_deref().or(answered.etag.as_deref()).and_then(etag_md5) {
                 Some(want) if check_md5 => want,
-                _ => return Ok(crc),
+                _ => return Ok((crc, false)),
             };
             // Read back through a new descriptor: the caller's may be open for writing only.
             let (path, len) = (dest.to_owned(), obj.len);
@@ -800,7 +802,7 @@ impl S3Store {
             .await
             .map_err(|e| Error::Internal(format!("md5 task failed: {e}")))??;
             if got == want {
-                return Ok(crc);
+                return Ok((crc, true));
             }
             crate::metrics::storage_retry("s3");
             observer.retry();

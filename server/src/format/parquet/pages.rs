@@ -150,7 +150,7 @@ pub fn check_crcs_with(
         let left = usize::try_from(len - pos).unwrap_or(usize::MAX);
         let mut room = HEADER_READ.min(left);
         let (h, header_len) = loop {
-            match read_header(w.bytes(pos, room)?) {
+            match read_header(w.bytes(pos, room, room)?) {
                 Ok(h) => break h,
                 // Perhaps cut short: once more with more room, while there is more.
                 Err(_) if room < left && room < MAX_HEADER_READ => room = (room * 8).min(left).min(MAX_HEADER_READ),
@@ -168,13 +168,15 @@ pub fn check_crcs_with(
             let mut at = body;
             while at < end {
                 let n = usize::try_from(end - at).unwrap_or(WINDOW).min(WINDOW);
-                hasher.update(w.bytes(at, n)?);
+                hasher.update(w.bytes(at, n, WINDOW)?);
                 at += n as u64;
             }
             // parquet.thrift keeps the unsigned CRC in an i32.
             let (got, said) = (hasher.finalize(), crc as u32);
             if got != said {
-                return Err(format!("page at byte {offset}: its bytes' CRC-32 is {got:08x}, its header says {said:08x}"));
+                return Err(format!(
+                    "page at byte {offset}: its bytes' CRC-32 is {got:08x}, its header says {said:08x}"
+                ));
             }
         }
         pos = end;
@@ -182,7 +184,8 @@ pub fn check_crcs_with(
     Ok(())
 }
 
-/// The bytes of a chunk last read, from `at`: small pages' headers and bodies come from one read.
+/// The bytes of a chunk last read, from `at`: small pages' headers and bodies come from one read,
+/// and a page without a checksum costs the read of its header only.
 struct Window<F> {
     read: F,
     len: u64,
@@ -191,12 +194,13 @@ struct Window<F> {
 }
 
 impl<F: FnMut(u64, &mut [u8]) -> Result<(), String>> Window<F> {
-    /// Bytes `from..from + n` of the chunk (`n` at most what is left of it).
-    fn bytes(&mut self, from: u64, n: usize) -> Result<&[u8], String> {
+    /// Bytes `from..from + n` of the chunk (`n` at most what is left of it), read with up to
+    /// `ahead` bytes when they are not at hand.
+    fn bytes(&mut self, from: u64, n: usize, ahead: usize) -> Result<&[u8], String> {
         let inside = from >= self.at && from + n as u64 <= self.at + self.buf.len() as u64;
         if !inside {
             let left = usize::try_from(self.len.saturating_sub(from)).unwrap_or(usize::MAX);
-            self.buf.resize(n.max(WINDOW).min(left), 0);
+            self.buf.resize(n.max(ahead).min(left), 0);
             (self.read)(from, &mut self.buf)?;
             self.at = from;
         }
