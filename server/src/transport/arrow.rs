@@ -138,17 +138,28 @@ pub fn inline_rows(
     split: bool,
 ) -> Result<Inline> {
     let (schema, schema_message) = (asm.schema(), asm.schema_message());
-    // Measured first when that is free, so a batch to split is not also encoded whole.
-    let whole = match rows.encoded_len(schema, schema_message)? {
-        Some(len) if len as u64 > limit => None,
-        _ => Some(rows.encode(schema, schema_message)?),
+    // Flat columns are measured before they are written, so a batch to split is not also
+    // written whole (Err: its length, beyond the limit); others are gathered and encoded.
+    let flat = rows.with_direct(schema, schema_message, |plan| {
+        let Some(plan) = plan else { return Ok(None) };
+        let len = plan.stream_len();
+        if len as u64 > limit {
+            return Ok(Some(Err(len as u64)));
+        }
+        let mut out = vec![0u8; len];
+        plan.write(&mut out).map_err(ipc_error)?;
+        Ok(Some(Ok(out)))
+    })?;
+    let whole = match flat {
+        Some(whole) => whole,
+        None => Ok(rows.encode(schema, schema_message)?),
     };
     let bytes = match whole {
-        Some(data) if data.len() as u64 <= limit => {
+        Ok(data) if data.len() as u64 <= limit => {
             return Ok(Inline::Sent(vec![inline_message(batch_index, row_ids, data)]));
         }
-        Some(data) => data.len() as u64,
-        None => rows.encoded_len(schema, schema_message)?.unwrap_or(0) as u64,
+        Ok(data) => data.len() as u64,
+        Err(len) => len,
     };
     if let [row] = row_ids[..] {
         return Ok(Inline::RowTooLarge { row, bytes });

@@ -326,12 +326,6 @@ impl BatchRows {
         Some(BatchRows { sources: self.sources.clone(), rows: self.rows.get(run)?.to_vec(), ids })
     }
 
-    /// The length of [`Self::encode`]'s stream, measured without writing it when every column
-    /// is flat (`None`: it must be encoded to be measured).
-    pub fn encoded_len(&self, schema: &Schema, schema_message: &[u8]) -> Result<Option<usize>> {
-        self.with_direct(schema, schema_message, |plan| Ok(plan.map(|p| p.stream_len())))
-    }
-
     /// The rows gathered from the sources into a batch of `schema` (the delivered schema), the
     /// ids appended as its last column when the batch has them.
     fn gather_sources(&self, schema: &SchemaRef) -> Result<RecordBatch> {
