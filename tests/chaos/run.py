@@ -110,8 +110,10 @@ bound fails instead of writing this file.
 - **S3 faults**: `tests/chaos/proxy.py` forwards to the real s3s-fs server and spoils 10% of the
   requests: connection reset, `503 SlowDown`, a body cut halfway, or a body with one byte inverted.
   Each round is a fresh daemon (empty cache, 256 KiB GET parts) reading one dataset with a manifest
-  (the CRC-32C catches wrong bytes) and one without (the ETag, an MD5, catches them). Every byte is
-  compared with what `webdataset` wrote.
+  (the CRC-32C catches wrong bytes), one without (the ETag, an MD5, catches them), and a Parquet
+  dataset read by three of its four columns, whose chunks come by ranged GETs that only the pages'
+  checksums (pyarrow `write_page_checksum`) can check. Every byte is compared with what
+  `webdataset` or pyarrow wrote.
 - **Concurrent clients**: one daemon, each client a whole epoch with its own seed, all at once.
 - **Disk full**: the node cache on a tmpfs far smaller than the dataset, with a `--cache-size` that
   promises more than the disk holds, so fills hit ENOSPC mid-write. Decision: the cache lowers its

@@ -5,7 +5,8 @@ invariant and returning its figures for CHAOS.md:
 - :func:`kills`: the daemon SIGKILLed at random points of random epochs; the consumer resumes from
   its last ``state_dict()``; every sample of every epoch arrives exactly once.
 - :func:`s3_faults`: 10% of S3 requests reset, throttled, truncated or corrupted; every epoch
-  completes and every byte matches what was written.
+  completes and every byte matches what was written (TAR shards, and a Parquet dataset read by
+  column chunks, whose page checksums are all that checks a ranged GET).
 - :func:`concurrent_clients`: many clients on one daemon; all finish, exactly once each, and the
   daemon's peak RSS stays under a stated bound.
 - :func:`disk_full`: the node cache on a small tmpfs that fills mid-fill; the epoch completes
@@ -214,8 +215,8 @@ def s3_faults(
             # Small parts: more requests per shard, so more of them to spoil.
             d = Daemon(tmp / f"{name}-{r}", args=["--s3-part-size", "256KiB"], env=env).start()
             try:
-                addr, url = d.addr, f"s3://chaos/{name}/"
-                got = within(EPOCH_DEADLINE, lambda: epoch_of(addr, url, seed=r))  # noqa: B023 - called at once
+                addr, url, kw = d.addr, f"s3://chaos/{name}/", READ_AS.get(name, {})
+                got = within(EPOCH_DEADLINE, lambda: epoch_of(addr, url, seed=r, **kw))  # noqa: B023 - called at once
                 if isinstance(got, BaseException):
                     raise AssertionError(f"{name}, round {r}: the epoch failed: {got!r}") from got
                 assert isinstance(got, dict)
@@ -378,14 +379,49 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
             unmount(mnt)
 
 
+# How the S3 scenario reads each dataset: the Parquet one by its small columns, so that each file
+# reaches the cache as a copy of those columns' chunks (ranged GETs), not whole.
+READ_AS: dict[str, dict] = {"parquet": {"fields": ["__key__", "jpg", "cls"]}}
+
+
 def write_s3_datasets(s3: S3Server, n: int, per_shard: int) -> dict[str, Samples]:
-    """Two datasets in s3://chaos/: `plain` (no manifest: the ETag guards the bytes) and `indexed`
-    (manifest.json with a CRC-32C per shard, by `shardstream index` against the real server)."""
+    """Three datasets in s3://chaos/: `plain` (no manifest: the ETag guards the bytes), `indexed`
+    (manifest.json with a CRC-32C per shard, by `shardstream index` against the real server) and
+    `parquet` (indexed; read by column chunks, which only the pages' checksums guard)."""
     bucket = s3.bucket("chaos")
     plain = write_large(bucket / "plain", n=n, per_shard=per_shard, seed=21)
     indexed = write_large(bucket / "indexed", n=n, per_shard=per_shard, seed=22)
     index_s3(s3, "s3://chaos/indexed/")
-    return {"plain": plain, "indexed": indexed}
+    parquet = write_parquet(bucket / "parquet", n=n, per_file=per_shard, seed=23)
+    index_s3(s3, "s3://chaos/parquet/")
+    return {"plain": plain, "indexed": indexed, "parquet": parquet}
+
+
+def write_parquet(root: Path, n: int, per_file: int, seed: int) -> Samples:
+    """Samples as in :func:`write_large`, as Parquet rows (`__key__`, `jpg`, `cls`) written by
+    pyarrow with page checksums, beside a 60 KB `pad` column no stream here reads; row groups of
+    10 rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    samples: Samples = {}
+    for f, start in enumerate(range(0, n, per_file)):
+        keys = [f"c{seed}/{i:06d}" for i in range(start, min(n, start + per_file))]
+        jpg = [rng.integers(0, 256, int(rng.integers(4000, 20000)), dtype=np.uint8).tobytes() for _ in keys]
+        cls = [str(i % 7).encode() for i in range(start, start + len(keys))]
+        samples.update({k: {"jpg": j, "cls": c} for k, j, c in zip(keys, jpg, cls, strict=True)})
+        table = pa.table(
+            {
+                "__key__": keys,
+                "jpg": pa.array(jpg, pa.binary()),
+                "cls": pa.array(cls, pa.binary()),
+                "pad": pa.array([rng.bytes(60000) for _ in keys], pa.binary()),
+            }
+        )
+        pq.write_table(table, root / f"part-{f:04d}.parquet", row_group_size=10, write_page_checksum=True)
+    return samples
 
 
 def write_large(root: Path, n: int, per_shard: int, seed: int) -> Samples:
