@@ -2168,6 +2168,32 @@ def test_whole_files_no_checksum_covers_are_checked_by_their_pages(tmp_path: Pat
     assert proxy.counts["corrupt"] >= 4, proxy.counts
 
 
+@pytest.mark.parametrize("fields", [None, ["id", "blob"]])
+def test_a_footer_spoilt_in_transit_at_open_is_read_again(tmp_path: Path, s3, fields: list[str] | None) -> None:
+    """Opening a dataset without manifest reads each file's footer by a ranged GET that nothing
+    checks but the footer's own form. Behind a proxy that inverts the last byte of the first
+    answer to every object GET from the start (the footer's magic, at open), the open reads each
+    footer again, and the stream (whole files, or column chunks) gets through its own spoilt
+    first answers: every row as written. Before, the open failed on the first file ("not a Parquet file")."""
+    name = "pqopen-" + ("cols" if fields else "whole")
+    url = f"s3://data/{name}/"
+    truth = write_checksummed_files(s3.bucket("data") / name)
+    proxy = FaultProxy(s3.port, rate=0.0).start()
+    proxy.first_try, proxy.flip_at = "corrupt", -1
+    d = Daemon(tmp_path, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
+    try:
+        got: dict[int, bytes] = {}
+        for batch in shardstream.Loader(url, batch_size=40, seed=2, connect=d.addr, fields=fields):
+            for i, blob in zip(np.asarray(batch["id"]).tolist(), batch["blob"], strict=True):
+                got[i] = bytes(blob)
+        assert got == truth
+        footers = [k for k in proxy.object_gets if "part-" in k and proxy.object_gets[k] >= 2]
+        assert len(footers) >= 4, dict(proxy.object_gets)
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+
+
 def test_the_footers_of_an_unindexed_s3_dataset_are_read_many_at_once(tmp_path: Path, s3) -> None:
     """Opening an S3 Parquet dataset without `shardstream index` reads one footer per file, each a
     small ranged GET whose time is the round trip: 8 at a time, 10,000 files took ~40 s at S3's

@@ -20,7 +20,8 @@ and ``peak_gets`` is the most object GETs that were in the proxy at once: with a
 a request takes, it tells how many requests a client makes concurrently, without timing anything.
 ``object_gets`` counts the object GETs by path and range. ``first_try`` (a kind, settable at
 any time) spoils, besides the random share, the first GET of each object and range from then on:
-every download meets the fault once, and its next try gets through."""
+every download meets the fault once, and its next try gets through. ``flip_at`` (an index into
+the body, negative from its end) makes ``corrupt`` invert that byte rather than one at random."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class FaultProxy:
         # Object GETs by path (bucket/key) and Range header ("" for none), faulted or not.
         self.object_gets: Counter[str] = Counter()
         self.first_try: str | None = None
+        self.flip_at: int | None = None
         self.tried: set[str] = set()
         self.server: ThreadingHTTPServer | None = None
 
@@ -130,7 +132,7 @@ class FaultProxy:
 
     def flip(self, data: bytes) -> bytes:
         with self.lock:
-            at = self.rng.randrange(len(data))
+            at = self.rng.randrange(len(data)) if self.flip_at is None else self.flip_at % len(data)
         return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
 
     def start(self) -> FaultProxy:
