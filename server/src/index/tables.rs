@@ -248,10 +248,26 @@ fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<ShardTable>
     };
     let obj =
         crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() };
-    let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
-        let (got, _) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
-        buf.copy_from_slice(&got);
-        Ok(())
-    })?;
-    Ok(ShardTable::Parquet(Arc::new(table)))
+    let mut read = 0;
+    loop {
+        read += 1;
+        let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
+            let (got, _) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+            buf.copy_from_slice(&got);
+            Ok(())
+        });
+        match table {
+            Ok(table) => return Ok(ShardTable::Parquet(Arc::new(table))),
+            // Nothing checks a ranged GET but the footer's own form: a spoilt one may read
+            // well the next time, a damaged file fails every time.
+            Err(e @ Error::Shard { .. }) if read < FOOTER_READS => {
+                tracing::warn!(shard = %meta.url(), read, error = %e, "a footer did not decode; reading it again");
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
+
+/// Reads of a footer that does not decode before the file is refused: as many as a shard's
+/// downloads on a checksum mismatch.
+const FOOTER_READS: u32 = 3;
