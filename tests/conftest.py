@@ -46,6 +46,16 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    # The venv is shared by every clone on the machine (scripts/venv.sh), so the package it
+    # imports, and the daemon beside it, are what the last `make develop` anywhere installed.
+    here = Path(__file__).resolve().parents[1] / "loader-py" / "python"
+    imported = Path(shardstream.__file__).resolve().parents[1]
+    if imported != here:
+        pytest.exit(
+            f"these tests would run another checkout's build: the shardstream package comes from {imported}, "
+            f"not {here} (the venv is shared by the checkouts on this machine); run `make develop` here",
+            returncode=3,
+        )
     tmp = tempfile.gettempdir()
     free = _free_bytes(tmp)
     if free < DISK_NEEDED:
