@@ -54,11 +54,12 @@ fn join(parts: Vec<ArrowBatch>) -> Result<ArrowBatch, ClientError> {
     for (i, part) in parts.into_iter().enumerate() {
         let reader = arrow_ipc::reader::StreamReader::try_new(Cursor::new(&part.data[..]), None)
             .map_err(|e| bad(format!("part {i} is no Arrow IPC stream: {e}")))?;
-        let before = batches.iter().map(RecordBatch::num_rows).sum::<usize>();
+        let mut rows = 0;
         for b in reader {
-            batches.push(b.map_err(|e| bad(format!("part {i}: {e}")))?);
+            let b = b.map_err(|e| bad(format!("part {i}: {e}")))?;
+            rows += b.num_rows();
+            batches.push(b);
         }
-        let rows = batches.iter().map(RecordBatch::num_rows).sum::<usize>() - before;
         if rows != part.row_ids.len() {
             return Err(bad(format!("part {i} holds {rows} rows but names {} row ids", part.row_ids.len())));
         }

@@ -31,13 +31,7 @@ impl Dataset {
     /// known), or pins it there. A fetch also checks the file's footer (`check_footer`)
     /// unless it was checked already, and publishes nothing if it does not match. `Ok(None)`: a
     /// prefetch that did not wait. Blocking.
-    pub fn fetch_projected(
-        &self,
-        i: usize,
-        pf: &crate::format::parquet::projected::ProjectedFile,
-        key: &str,
-        want: Want,
-    ) -> Result<Option<Pin>> {
+    pub fn fetch_projected(&self, i: usize, pf: &ProjectedFile, key: &str, want: Want) -> Result<Option<Pin>> {
         let cache =
             self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
