@@ -2048,6 +2048,63 @@ def test_a_cache_smaller_than_an_s3_dataset_of_many_row_groups_serves_every_epoc
         assert d.stop() == 0
 
 
+def test_a_projection_larger_than_the_node_cache_fetches_each_row_group_once_an_epoch(tmp_path: Path, s3) -> None:
+    """A node cache smaller than a projection's column chunks: a file's row groups are spread over
+    the whole epoch by the shuffle, so a copy of the whole file's chunks was evicted between two
+    of them and fetched again (1.4-1.5x the chunks' bytes in a first epoch here). Copied a row
+    group at a time, each is fetched about once an epoch, and the next epoch finds the part of
+    the cache the prefetcher kept for it."""
+    bucket = s3.bucket("data") / "pqsmallcache"
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(11)
+    for k in range(16):
+        ids = np.arange(k * 400, (k + 1) * 400)
+        table = pa.table(
+            {
+                "id": ids,
+                "blob": pa.array([rng.bytes(2500) for _ in ids], pa.binary()),
+                "other": pa.array([rng.bytes(2500) for _ in ids], pa.binary()),
+            }
+        )
+        pq.write_table(table, bucket / f"part-{k:02d}.parquet", row_group_size=100, compression="none")
+    selected, size = 0, 0
+    for f in sorted(bucket.glob("*.parquet")):
+        md = pq.ParquetFile(f).metadata
+        size += f.stat().st_size
+        for g in range(md.num_row_groups):
+            assert md.num_row_groups == 4
+            for c in range(md.num_columns):
+                col = md.row_group(g).column(c)
+                if col.path_in_schema in ("id", "blob"):
+                    selected += col.total_compressed_size
+    assert selected < 0.6 * size
+    cache = selected * 3 // 4
+    d = Daemon(tmp_path, env=s3.env(), args=["--cache-size", str(cache)]).start()
+    try:
+        shardstream._native.Connection(d.addr).open("s3://data/pqsmallcache/")
+        at_open = d.status()["storage_bytes"]
+        fetched = []
+        for ep in range(2):
+            before = d.status()["storage_bytes"]
+            loader = shardstream.Loader(
+                "s3://data/pqsmallcache/", batch_size=32, seed=2, fields=["id", "blob"], connect=d.addr
+            )
+            loader.set_epoch(ep)
+            assert sorted(epoch_rows(loader)) == list(range(16 * 400)), ep
+            fetched.append(d.status()["storage_bytes"] - before)
+        st = d.status()
+        assert st["cache"]["used_bytes"] <= cache, st["cache"]
+        # The footers are checked once per file (at most one GET of 64 KiB each), the chunks
+        # fetched about once: a stream that starts ahead of the prefetcher may fetch a row group
+        # the prefetcher is fetching too, not a file's worth.
+        footers = 16 * 65536
+        assert fetched[0] <= 1.1 * selected + footers, (fetched, selected, at_open)
+        # A quarter of the chunks did not stay; what stayed is what the next epoch needs first.
+        assert fetched[1] <= 0.5 * selected, (fetched, selected)
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Path, s3) -> None:
     """A batch's files are checked (footers) and their column chunks fetched concurrently, not one
     request after the other, each waiting its round trip. Behind a proxy that holds every GET, the
