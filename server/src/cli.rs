@@ -48,7 +48,8 @@ pub enum Command {
         /// Daemon address (default: $SHARDSTREAM_ADDR, else the default socket).
         #[arg(long, env = "SHARDSTREAM_ADDR", default_value = "unix:///run/shardstream/sock")]
         connect: String,
-        /// Stage only the first N shards of the epoch's order (default: all that fit).
+        /// Stage only the first N shards of the epoch's order (default: all that fit); with
+        /// --fields into a node cache smaller than those columns' chunks, the first N row groups.
         #[arg(long, value_parser = limits::parse_prefetch_shards)]
         shards: Option<u64>,
         /// The order to follow: the trainers' seed and epoch.
@@ -566,7 +567,7 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
             }
             let b = bar.get_or_insert_with(|| bytes_bar(p.bytes_total));
             b.set_position(p.bytes_done);
-            b.set_message(format!("{}/{} shards {}", p.shards_done, p.shards_total, p.shard));
+            b.set_message(format!("{}/{} {} {}", p.shards_done, p.shards_total, unit_of(&p), p.shard));
             last = p;
         }
         for b in [indexing, bar].into_iter().flatten() {
@@ -578,20 +579,28 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
     let secs = started.elapsed().as_secs_f64();
     let first = if indexed > 0 { format!("; the open indexed {indexed} shards first") } else { String::new() };
     outln!(
-        "staged {} of {} shards of {what} ({:.1} of {:.1} MB, {} already cached{first}) in {secs:.1} s",
+        "staged {} of {} {} of {what} ({:.1} of {:.1} MB, {} already cached{first}) in {secs:.1} s",
         last.shards_done,
         last.shards_total,
+        unit_of(&last),
         last.bytes_done as f64 / 1e6,
         last.bytes_total as f64 / 1e6,
         last.already_cached
     )?;
     if last.cache_full {
         eprintln!(
-            "shardstream: warning: the node cache is full; the remaining {} shards will be fetched during training",
-            last.shards_total - last.shards_done
+            "shardstream: warning: the node cache is full; the remaining {} {} will be fetched during training",
+            last.shards_total - last.shards_done,
+            unit_of(&last)
         );
     }
     Ok(())
+}
+
+/// What a staging's progress counts: shards, or the row groups of a node cache that keeps a copy
+/// per row group.
+fn unit_of(p: &shardstream_proto::PrefetchProgress) -> &str {
+    if p.unit.is_empty() { "shards" } else { &p.unit }
 }
 
 fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<()> {

@@ -81,6 +81,18 @@ pub fn shard_uses_streamed(
     seq: &mut crate::plan::RankStream,
     offset: u64,
 ) -> crate::Result<Vec<ShardUse>> {
+    uses_streamed(ds, seq, offset, false)
+}
+
+/// [`shard_uses_streamed`], or with `by_unit` the uses of the plan's units (a Parquet dataset's
+/// row groups, whose `shard` field then names the unit): what a stream that caches a row group at
+/// a time fetches by (`service::projected`).
+pub fn uses_streamed(
+    ds: &Dataset,
+    seq: &mut crate::plan::RankStream,
+    offset: u64,
+    by_unit: bool,
+) -> crate::Result<Vec<ShardUse>> {
     const STEP: u64 = 1 << 16;
     // A Parquet file's row groups are plan units of their own, spread over the whole order: one
     // span from its first use to its last would say "needed now" for most of the epoch. Its uses
@@ -91,7 +103,8 @@ pub fn shard_uses_streamed(
         crate::format::Format::Parquet => seq.most_held().saturating_mul(2),
         crate::format::Format::WebDataset => u64::MAX,
     };
-    let mut spans = UseSpans { gap, ..UseSpans::default() };
+    let units = if by_unit { ds.parquet.clone() } else { None };
+    let mut spans = UseSpans { gap, units, ..UseSpans::default() };
     loop {
         let at = offset + seq.position();
         let part = seq.take(STEP)?;
@@ -110,6 +123,8 @@ pub(crate) struct UseSpans {
     by_shard: HashMap<u32, ShardUse>,
     ended: Vec<ShardUse>,
     gap: u64,
+    /// Set when the spans are of the plan's units (row groups), not shards.
+    units: Option<Arc<crate::format::parquet::dataset::ParquetDataset>>,
     last_shard: Option<(usize, u64, u64)>,
 }
 
@@ -120,14 +135,18 @@ impl UseSpans {
             // Consecutive samples often share a shard: skip the binary search then.
             let shard = match self.last_shard {
                 Some((s, lo, hi)) if id >= lo && id < hi => s,
-                _ => match ds.locate(id) {
-                    Some((s, local)) => {
-                        let lo = id - local;
-                        self.last_shard = Some((s, lo, lo + ds.shards[s].samples));
-                        s
-                    }
-                    None => continue,
-                },
+                _ => {
+                    let found = match &self.units {
+                        Some(pq) => pq.locate(id).and_then(|(u, row)| {
+                            let rows = pq.unit_rows().get(u)?;
+                            Some((u, id - row as u64, *rows))
+                        }),
+                        None => ds.locate(id).map(|(s, local)| (s, id - local, ds.shards[s].samples)),
+                    };
+                    let Some((s, lo, n)) = found else { continue };
+                    self.last_shard = Some((s, lo, lo + n));
+                    s
+                }
             };
             let fresh = ShardUse { shard: shard as u32, first: pos, last: pos };
             let e = self.by_shard.entry(shard as u32).or_insert(fresh);
@@ -138,10 +157,12 @@ impl UseSpans {
         }
     }
 
-    /// The stretches of `ids` (positions from 0) with `gap` (tests of the cut).
+    /// The stretches of `ids` (positions from 0) with `gap`, of shards or with `by_unit` of plan
+    /// units (tests of the cut).
     #[cfg(test)]
-    pub(crate) fn of(ds: &Dataset, ids: &[u64], gap: u64) -> Vec<ShardUse> {
-        let mut spans = UseSpans { gap, ..UseSpans::default() };
+    pub(crate) fn of(ds: &Dataset, ids: &[u64], gap: u64, by_unit: bool) -> Vec<ShardUse> {
+        let units = if by_unit { ds.parquet.clone() } else { None };
+        let mut spans = UseSpans { gap, units, ..UseSpans::default() };
         spans.add(ds, ids, 0);
         spans.finish()
     }
@@ -155,12 +176,19 @@ impl UseSpans {
 }
 
 /// What a stream caches instead of whole shards (the column chunks of S3 Parquet files it
-/// selects, `service::projected`): the prefetcher asks it for a shard's cache key and fetch.
+/// selects, `service::projected`): the prefetcher asks it for the cache key and the fetch of
+/// what a use names, a shard or, when [`Self::by_unit`], a plan unit (a Parquet row group).
 pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
-    fn key(&self, shard: usize) -> Option<String>;
+    fn key(&self, n: usize) -> Option<String>;
     /// True when the copy is in the cache; false when the cache gave up (no room, or another fill
     /// of it under way).
-    fn fetch(&self, shard: usize, want: Want) -> crate::Result<bool>;
+    fn fetch(&self, n: usize, want: Want) -> crate::Result<bool>;
+    /// The shard `n` is of (for messages).
+    fn shard(&self, n: usize) -> Option<usize>;
+    /// The bytes of what `n` names in the cache.
+    fn len(&self, n: usize) -> u64;
+    /// True when the consumer's uses name plan units, not shards ([`shard_uses_streamed`]).
+    fn by_unit(&self) -> bool;
 }
 
 /// One active stream as the prefetcher sees it.
@@ -426,7 +454,8 @@ impl Prefetcher {
         let horizon = self.config.horizon.as_secs_f64();
         // key -> (seconds until next use, the consumer, shard)
         let mut next: HashMap<String, (f64, Arc<Consumer>, usize)> = HashMap::new();
-        let mut wanted: Vec<(f64, String)> = Vec::new();
+        // (seconds until next use, key, bytes)
+        let mut wanted: Vec<(f64, String, u64)> = Vec::new();
         let mut horizon_s = f64::INFINITY;
         for c in &consumers {
             let (pos, rate) = (c.position.load(Relaxed), c.rate());
@@ -452,7 +481,11 @@ impl Prefetcher {
                 }
                 let within = if clairvoyant { secs <= horizon || ahead < MIN_AHEAD } else { ahead < MIN_AHEAD };
                 if within {
-                    wanted.push((secs, key.to_owned()));
+                    let bytes = match &c.projected {
+                        Some(p) => p.len(shard),
+                        None => c.dataset.shards.get(shard).map_or(0, |m| m.len),
+                    };
+                    wanted.push((secs, key.to_owned(), bytes));
                 }
                 if counted.insert(u.shard) {
                     ahead += 1;
@@ -477,7 +510,7 @@ impl Prefetcher {
             failed.retain(|_, retry| *retry > now);
             failed.keys().cloned().collect()
         };
-        for (secs, key) in wanted {
+        for (secs, key, _) in wanted {
             // Backed off after its own failure, or after a stream's (the prefetch gave the fill
             // to a stream, which then failed it).
             if self.cache.is_present(&key)
@@ -509,7 +542,12 @@ impl Prefetcher {
                 let brought_in = match fetched {
                     Ok(done) => done,
                     Err(e) => {
-                        tracing::warn!(dataset = %ds.url, shard = %ds.shards[shard].name, error = %e, "prefetch failed");
+                        let of = match &c.projected {
+                            Some(p) => p.shard(shard),
+                            None => Some(shard),
+                        };
+                        let name = of.and_then(|i| ds.shards.get(i)).map_or("?", |m| m.name.as_str());
+                        tracing::warn!(dataset = %ds.url, shard = %name, error = %e, "prefetch failed");
                         me.failed
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())

@@ -354,6 +354,11 @@ impl NodeCache {
         room
     }
 
+    /// Bytes the cache may hold now (lowered while the disk is fuller than configured).
+    pub fn capacity(&self) -> u64 {
+        self.lock().capacity()
+    }
+
     pub fn stats(&self) -> CacheStats {
         let t = self.lock();
         let (derived, derived_bytes) = t.count_prefixed(DERIVED_PREFIX);

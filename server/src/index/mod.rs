@@ -806,6 +806,17 @@ impl Dataset {
         )
     }
 
+    /// Node-cache key of the compact copy of row group `rg` of Parquet file `i`'s column chunks
+    /// for projection `proj_id`, when a small node cache holds copies a row group at a time.
+    pub fn projected_rg_key(&self, i: usize, proj_id: u64, rg: usize) -> String {
+        let m = &self.shards[i];
+        crate::cache::key_for(
+            &format!("{}#columns={proj_id:016x};row_group={rg}", m.url()),
+            &m.identity(),
+            &format!("{}.rg{rg}.cols", m.name),
+        )
+    }
+
     /// The daemon's node cache, when it has one.
     pub fn node_cache(&self) -> Option<&Arc<NodeCache>> {
         self.backends.cache.as_ref()

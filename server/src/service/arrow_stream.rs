@@ -30,7 +30,7 @@ impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
         crate::format::parquet::dataset::read_recycled(&working.get(self.ds, file)?.file, len, offset)
     }
 
-    fn cached_copy(&self, file: usize) -> Result<Option<crate::format::parquet::dataset::CachedCopy>> {
+    fn cached_copy(&self, file: usize, _rg: usize) -> Result<Option<crate::format::parquet::dataset::CachedCopy>> {
         let mut working = self.working.lock().unwrap_or_else(|p| p.into_inner());
         let Some(copy) = working.get(self.ds, file)?.cache_copy() else { return Ok(None) };
         let dup = copy.file.try_clone().map_err(|e| Error::io("cannot open a node-cache copy", &copy.path, e))?;
@@ -73,23 +73,22 @@ pub(super) fn build_arrow_batch(
     // The turn first: shm batches are published in order.
     let credit = session.map(|s| s.take_turn(turn, cancelled)).transpose()?;
     let places = asm.places(&ids)?;
-    // One row id per file the batch draws on, from the row groups it draws on (not per row).
-    let touched = asm.first_row_per_file(&places);
     let (rows, waited) = if let Some(pr) = projected {
         // Only the selected column chunks: no whole file is opened. Every file the batch draws
-        // on is verified first (its footer, once): the files not yet verified or cached are
-        // verified and fetched here, all at once (one file after the other, a first batch over
-        // the 4-8 files of a shuffle window waited a round trip per footer and per chunk); the
-        // others were verified before.
+        // on is verified first (its footer, once): the copies not yet cached, or of files not
+        // yet verified, are fetched and verified here, all at once (one file after the other, a
+        // first batch over the 4-8 files of a shuffle window waited a round trip per footer and
+        // per chunk); the others were verified before.
         let started = Instant::now();
         let reader = pr.reader();
-        let shards: Vec<usize> = touched.iter().filter_map(|&id| ds.locate(id).map(|(s, _)| s)).collect();
-        let cold: Vec<usize> = shards.iter().copied().filter(|&s| !ds.footer_verified(s) || !pr.is_ready(s)).collect();
+        let copies = pr.copies_of_units(&places.units);
+        let unverified = |c: usize| pr.shard_of(c).is_some_and(|s| !ds.footer_verified(s));
+        let cold: Vec<usize> = copies.into_iter().filter(|&c| !pr.copy_ready(c) || unverified(c)).collect();
         // The copy first: a copy fetched now checks its footer from its own GETs (see
         // `Dataset::fetch_projected`), and the check after it is then a no-op.
-        let check_and_open = |&shard: &usize| {
-            reader.open_copy(shard)?;
-            ds.verify_remote_footer(shard)
+        let check_and_open = |&c: &usize| {
+            reader.open_copy(c)?;
+            pr.shard_of(c).map_or(Ok(()), |s| ds.verify_remote_footer(s))
         };
         let opened = if cold.len() > 1 {
             crate::parallel::try_map(&cold, cold.len().min(PROJECTED_FILES_AT_ONCE), check_and_open).map(drop)
@@ -105,6 +104,8 @@ pub(super) fn build_arrow_batch(
         }
         (rows?, working.take_wait())
     } else {
+        // One row id per file the batch draws on, from the row groups it draws on (not per row).
+        let touched = asm.first_row_per_file(&places);
         let mut working = working.lock().unwrap_or_else(|p| p.into_inner());
         working.preload(ds, &touched)?;
         // Every file the batch draws on is opened (and verified against the manifest) even when

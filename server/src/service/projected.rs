@@ -9,6 +9,13 @@
 //! GETs that fetch its copy when they fetch it (`Dataset::fetch_projected`), else by a GET of
 //! exactly the footer.
 //!
+//! A node cache smaller than every file's copy together holds **a copy per row group** instead:
+//! the shuffle spreads a file's row groups over the whole epoch, so a whole file's copy was
+//! evicted between two of them and fetched again (1.75x the chunks' bytes in a first epoch at a
+//! cache of 3/4 of them). The prefetcher then follows the plan's units (row groups) rather than
+//! files. A cache that holds them all keeps one copy per file: the chunks of neighbouring row
+//! groups merge into fewer GETs.
+//!
 //! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes and every file is
 //! an S3 object whose manifest (if any) checksums its footer: a whole-file CRC (as `pack` writes)
 //! can only be checked on the whole file, which then goes through the cache as before. Nor when
@@ -17,6 +24,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -32,12 +40,26 @@ use crate::{Error, Result};
 /// bytes; above it, one GET of the whole file is as good.
 pub const MAX_SHARE: f64 = 0.9;
 
-/// One stream's projection over an S3 Parquet dataset: the compact copy of each file.
+/// One compact copy: some row groups' selected chunks of one file.
+#[derive(Debug)]
+struct Copy {
+    /// The file's shard index.
+    shard: usize,
+    pf: Arc<ProjectedFile>,
+    key: String,
+}
+
+/// One stream's projection over an S3 Parquet dataset: the compact copies of its files.
 #[derive(Debug)]
 pub struct ProjectedReads {
     ds: Arc<Dataset>,
-    /// Shard index -> (its pieces, its node-cache key).
-    files: HashMap<usize, (Arc<ProjectedFile>, String)>,
+    copies: Vec<Copy>,
+    /// Shard index -> its copies in row-group order (one for the whole file, or one per row
+    /// group: see [`Self::per_row_group`]).
+    by_file: HashMap<usize, Vec<usize>>,
+    /// Plan unit -> its copy.
+    by_unit: Vec<usize>,
+    per_row_group: bool,
 }
 
 impl ProjectedReads {
@@ -53,46 +75,129 @@ impl ProjectedReads {
         let mut names: Vec<&str> = asm.projection().names().collect();
         names.sort_unstable();
         let proj_id = crate::stable_hash::hash_fields(names.iter().map(|n| n.as_bytes()));
-        let mut files = HashMap::new();
+        let files = asm.dataset().files();
         let (mut selected, mut total) = (0u64, 0u64);
-        // What each way would still download, given what the node cache holds now.
-        let (mut copies_missing, mut wholes_missing) = (0u64, 0u64);
-        for (f, per_file) in asm.dataset().files().iter().zip(asm.per_file()) {
+        let mut whole: Vec<ProjectedFile> = Vec::with_capacity(files.len());
+        for (f, per_file) in files.iter().zip(asm.per_file()) {
             let pf = ProjectedFile::new(&f.table, per_file);
-            let key = ds.projected_key(f.index, proj_id);
             selected += pf.len();
             total += f.table.file_len();
-            if !ds.is_cached(&key) {
-                copies_missing += pf.len();
-            }
-            if !whole_copy_serves(ds, f.index) {
-                wholes_missing += f.table.file_len();
-            }
-            files.insert(f.index, (Arc::new(pf), key));
+            whole.push(pf);
         }
-        if total == 0 || selected as f64 > MAX_SHARE * total as f64 || wholes_missing < copies_missing {
+        if total == 0 || selected as f64 > MAX_SHARE * total as f64 {
             return Ok(None);
         }
-        Ok(Some(Self { ds: ds.clone(), files }))
+        let capacity = ds.node_cache().map_or(u64::MAX, |c| c.capacity());
+        let per_row_group = selected > capacity;
+        let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
+        let mut first_copy = Vec::with_capacity(files.len());
+        for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {
+            let groups = f.table.num_row_groups();
+            first_copy.push(copies.len());
+            let mut add = |rgs: Range<usize>, pf: ProjectedFile| {
+                // A copy of every row group is the file's copy, whichever way it was asked for.
+                let key = if rgs.len() == groups {
+                    ds.projected_key(f.index, proj_id)
+                } else {
+                    ds.projected_rg_key(f.index, proj_id, rgs.start)
+                };
+                copies.push(Copy { shard: f.index, pf: Arc::new(pf), key });
+                copies.len() - 1
+            };
+            let mine: Vec<usize> = if per_row_group && groups > 1 {
+                (0..groups)
+                    .map(|rg| add(rg..rg + 1, ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
+                    .collect()
+            } else {
+                vec![add(0..groups, pf)]
+            };
+            by_file.insert(f.index, mine);
+        }
+        let pq = asm.dataset();
+        let mut by_unit = Vec::with_capacity(pq.unit_rows().len());
+        for u in 0..pq.unit_rows().len() {
+            let (fi, rg) = pq.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
+            let first = first_copy.get(fi).copied().ok_or_else(|| Error::Internal(format!("no file {fi}")))?;
+            by_unit.push(if per_row_group && files[fi].table.num_row_groups() > 1 { first + rg } else { first });
+        }
+        // What each way would still download, given what the node cache holds now.
+        let copies_missing: u64 = copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.pf.len()).sum();
+        let wholes_missing: u64 =
+            files.iter().filter(|f| !whole_copy_serves(ds, f.index)).map(|f| f.table.file_len()).sum();
+        if wholes_missing < copies_missing {
+            return Ok(None);
+        }
+        Ok(Some(Self { ds: ds.clone(), copies, by_file, by_unit, per_row_group }))
     }
 
-    fn file(&self, shard: usize) -> Result<&(Arc<ProjectedFile>, String)> {
-        self.files.get(&shard).ok_or_else(|| Error::Internal(format!("no column-chunk plan for file {shard}")))
+    /// True when the copies are one per row group (the node cache is smaller than every file's
+    /// copy together): the prefetcher then follows the plan's units, not its files.
+    pub fn per_row_group(&self) -> bool {
+        self.per_row_group
     }
 
-    /// The bytes of file `shard`'s compact copy (0 for a file this plan does not know).
-    pub fn copy_len(&self, shard: usize) -> u64 {
-        self.files.get(&shard).map_or(0, |(pf, _)| pf.len())
+    fn copy(&self, c: usize) -> Result<&Copy> {
+        self.copies.get(c).ok_or_else(|| Error::Internal(format!("no column-chunk copy {c}")))
     }
 
-    /// The node-cache key of file `shard`'s compact copy.
-    pub fn copy_key(&self, shard: usize) -> Option<&str> {
-        self.files.get(&shard).map(|(_, key)| key.as_str())
+    fn file_copies(&self, shard: usize) -> &[usize] {
+        self.by_file.get(&shard).map_or(&[], Vec::as_slice)
     }
 
-    /// True when file `shard`'s compact copy is in the node cache, ready to read.
-    pub fn is_ready(&self, shard: usize) -> bool {
-        self.files.get(&shard).is_some_and(|(_, key)| self.ds.is_cached(key))
+    /// The copy holding row group `rg` of file `shard`.
+    fn copy_of(&self, shard: usize, rg: usize) -> Result<usize> {
+        let mine = self.file_copies(shard);
+        let c = if mine.len() > 1 { mine.get(rg) } else { mine.first() };
+        c.copied().ok_or_else(|| Error::Internal(format!("no column-chunk copy of file {shard}, row group {rg}")))
+    }
+
+    /// The copies plan units `units` read, each once, in the order first read.
+    pub fn copies_of_units(&self, units: &[usize]) -> Vec<usize> {
+        let mut out: Vec<usize> = Vec::new();
+        for c in units.iter().filter_map(|&u| self.by_unit.get(u).copied()) {
+            if !out.contains(&c) {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// The file (shard index) copy `c` is of.
+    pub fn shard_of(&self, c: usize) -> Option<usize> {
+        self.copies.get(c).map(|c| c.shard)
+    }
+
+    /// True when copy `c` is in the node cache, ready to read.
+    pub fn copy_ready(&self, c: usize) -> bool {
+        self.copies.get(c).is_some_and(|c| self.ds.is_cached(&c.key))
+    }
+
+    /// How many copies there are (copies are numbered from 0).
+    pub fn copies(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// The copy a prefetcher's or staging's use `n` names: file `n`'s copy or, a copy per row
+    /// group, plan unit `n`'s.
+    pub fn copy_of_use(&self, n: usize) -> Option<usize> {
+        if self.per_row_group { self.by_unit.get(n).copied() } else { self.file_copies(n).first().copied() }
+    }
+
+    /// The bytes of copy `c` (0 for no such copy).
+    pub fn copy_len(&self, c: usize) -> u64 {
+        self.copies.get(c).map_or(0, |c| c.pf.len())
+    }
+
+    /// The node-cache key of copy `c`.
+    pub fn copy_key(&self, c: usize) -> Option<&str> {
+        self.copies.get(c).map(|c| c.key.as_str())
+    }
+
+    /// Fetches (or pins) copy `c`. False when the cache gave up (no room without evicting what
+    /// is needed sooner, or another fill of it under way).
+    pub fn fetch_copy(&self, c: usize, want: Want) -> Result<bool> {
+        let copy = self.copy(c)?;
+        self.ds.fetch_projected(copy.shard, &copy.pf, &copy.key, want).map(|pin| pin.is_some())
     }
 
     /// A reader for one batch.
@@ -114,20 +219,34 @@ fn whole_copy_serves(ds: &Dataset, i: usize) -> bool {
     ds.is_local(i) && (keyed || ds.footer_verified(i))
 }
 
+/// The prefetcher's uses name files (one copy each) or, a copy per row group, plan units.
 impl crate::prefetch::ProjectedFetch for ProjectedReads {
-    fn key(&self, shard: usize) -> Option<String> {
-        self.files.get(&shard).map(|(_, k)| k.clone())
+    fn key(&self, n: usize) -> Option<String> {
+        self.copy_of_use(n).and_then(|c| self.copy_key(c)).map(str::to_owned)
     }
 
-    fn fetch(&self, shard: usize, want: Want) -> Result<bool> {
-        let (pf, key) = self.file(shard)?;
-        self.ds.fetch_projected(shard, pf, key, want).map(|pin| pin.is_some())
+    fn fetch(&self, n: usize, want: Want) -> Result<bool> {
+        let c = self.copy_of_use(n).ok_or_else(|| Error::Internal(format!("no column-chunk copy for use {n}")))?;
+        self.fetch_copy(c, want)
+    }
+
+    fn shard(&self, n: usize) -> Option<usize> {
+        self.copy_of_use(n).and_then(|c| self.shard_of(c))
+    }
+
+    fn len(&self, n: usize) -> u64 {
+        self.copy_of_use(n).map_or(0, |c| self.copy_len(c))
+    }
+
+    fn by_unit(&self) -> bool {
+        self.per_row_group
     }
 }
 
 /// Reads file bytes from the compact copies, fetching (and pinning) a copy on first use.
 pub struct ProjectedReader<'a> {
     reads: &'a ProjectedReads,
+    /// Copy -> its pin and the copy opened.
     open: Mutex<HashMap<usize, (Pin, File)>>,
     fetched: AtomicBool,
 }
@@ -137,29 +256,27 @@ impl ProjectedReader<'_> {
     pub fn fetched(&self) -> bool {
         self.fetched.load(Relaxed)
     }
-}
 
-impl ProjectedReader<'_> {
-    /// Fetches (if need be), pins and opens file `file`'s compact copy for this batch, so that
-    /// the decoder finds it at hand. Called for several files at once, from several threads: the
-    /// fetch runs outside the reader's lock.
-    pub fn open_copy(&self, file: usize) -> Result<()> {
-        self.with_copy(file, |_, _, _| Ok(()))
+    /// Fetches (if need be), pins and opens copy `c` for this batch, so that the decoder finds
+    /// it at hand. Called for several copies at once, from several threads: the fetch runs
+    /// outside the reader's lock.
+    pub fn open_copy(&self, c: usize) -> Result<()> {
+        self.with_copy(c, |_, _, _| Ok(()))
     }
 
-    /// Runs `f` on file `file`'s compact copy (fetched and pinned on first use) and its pieces.
-    fn with_copy<R>(&self, file: usize, then: impl FnOnce(&Arc<ProjectedFile>, &Pin, &File) -> Result<R>) -> Result<R> {
-        let (pf, key) = self.reads.file(file)?;
+    /// Runs `f` on copy `c` (fetched and pinned on first use) and its pieces.
+    fn with_copy<R>(&self, c: usize, then: impl FnOnce(&Arc<ProjectedFile>, &Pin, &File) -> Result<R>) -> Result<R> {
+        let copy = self.reads.copy(c)?;
         {
             let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((pin, copy)) = open.get(&file) {
-                return then(pf, pin, copy);
+            if let Some((pin, file)) = open.get(&c) {
+                return then(&copy.pf, pin, file);
             }
         }
         let pin = self
             .reads
             .ds
-            .fetch_projected(file, pf, key, Want::NOW)?
+            .fetch_projected(copy.shard, &copy.pf, &copy.key, Want::NOW)?
             .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
         if pin.filled {
             self.fetched.store(true, Relaxed);
@@ -168,19 +285,28 @@ impl ProjectedReader<'_> {
             File::open(pin.path()).map_err(|e| Error::io("cannot open cached column chunks", pin.path(), e))?;
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         // Another thread of the batch may have opened it meanwhile: its copy is as good.
-        let (pin, copy) = open.entry(file).or_insert((pin, opened));
-        then(pf, pin, copy)
+        let (pin, file) = open.entry(c).or_insert((pin, opened));
+        then(&copy.pf, pin, file)
     }
 }
 
 impl FileReader for ProjectedReader<'_> {
     fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<bytes::Bytes> {
         // Rarely taken: the decoder maps these copies (`cached_copy`), so a zero fill is no cost.
-        self.with_copy(file, |pf, pin, copy| {
-            let at = pf.locate(offset..offset + len as u64).ok_or_else(|| {
-                let url = self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
-                Error::Internal(format!("{url}: read of bytes {offset}+{len} outside the selected column chunks"))
-            })?;
+        let range = offset..offset + len as u64;
+        let c = self
+            .reads
+            .file_copies(file)
+            .iter()
+            .copied()
+            .find(|&c| self.reads.copies[c].pf.locate(range.clone()).is_some());
+        let c = c.ok_or_else(|| {
+            let url = self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
+            Error::Internal(format!("{url}: read of bytes {offset}+{len} outside the selected column chunks"))
+        })?;
+        self.with_copy(c, |pf, pin, copy| {
+            let at =
+                pf.locate(range.clone()).ok_or_else(|| Error::Internal(format!("bytes {range:?} left copy {c}")))?;
             let mut buf = vec![0; len];
             copy.read_exact_at(&mut buf, at)
                 .map_err(|e| Error::io("cannot read cached column chunks", pin.path(), e))?;
@@ -188,8 +314,9 @@ impl FileReader for ProjectedReader<'_> {
         })
     }
 
-    fn cached_copy(&self, file: usize) -> Result<Option<CachedCopy>> {
-        self.with_copy(file, |pf, pin, copy| {
+    fn cached_copy(&self, file: usize, rg: usize) -> Result<Option<CachedCopy>> {
+        let c = self.reads.copy_of(file, rg)?;
+        self.with_copy(c, |pf, pin, copy| {
             let dup = copy.try_clone().map_err(|e| Error::io("cannot open cached column chunks", pin.path(), e))?;
             let copy = CachedCopy::new(dup, Some(pf.clone()))
                 .map_err(|e| Error::io("cannot stat cached column chunks", pin.path(), e))?;

@@ -21,15 +21,15 @@ use super::{DEFAULT_SHUFFLE_WINDOW, blocking, to_status};
 use crate::cache::Want;
 use crate::index::{CacheMode, Dataset, Registry};
 use crate::plan::{self, EpochParams};
-use crate::prefetch::ProjectedFetch;
 use crate::{Error, Result};
 
 /// Shards staged at once: each is itself fetched with parallel ranged GETs, so a few in flight
 /// keep the link busy between one shard's last part and the next shard's first.
 const STAGE_PARALLEL: usize = 4;
 
-/// The dataset's shards in order of first use by an epoch (one consumer, the whole dataset).
-fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
+/// What an epoch (one consumer, the whole dataset) uses, in order of first use: its shards, or
+/// with `by_unit` its plan's units (a Parquet dataset's row groups).
+fn epoch_order(ds: &Dataset, req: &PrefetchRequest, by_unit: bool) -> Result<Vec<usize>> {
     let params = EpochParams {
         seed: req.seed,
         epoch: req.epoch,
@@ -40,13 +40,15 @@ fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
         batch_size: 1,
         drop_last: false,
     };
+    let units = ds.plan_units();
     // Streamed: the whole dataset's order would be O(N) ids held at once.
-    let mut seq = plan::RankStream::bounded(&ds.plan_units(), &params, super::MAX_PLAN_IDS)?;
+    let mut seq = plan::RankStream::bounded(&units, &params, super::MAX_PLAN_IDS)?;
     // By first use; a Parquet file has a stretch of use per group of its row groups, and is
     // staged at its first.
-    let mut seen = vec![false; ds.shards.len()];
-    let mut order: Vec<usize> = Vec::with_capacity(ds.shards.len());
-    for u in crate::prefetch::shard_uses_streamed(ds, &mut seq, 0)? {
+    let count = if by_unit { units.len() } else { ds.shards.len() };
+    let mut seen = vec![false; count];
+    let mut order: Vec<usize> = Vec::with_capacity(count);
+    for u in crate::prefetch::uses_streamed(ds, &mut seq, 0, by_unit)? {
         let i = u.shard as usize;
         if seen.get(i).is_some_and(|s| !s) {
             seen[i] = true;
@@ -54,15 +56,17 @@ fn epoch_order(ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
         }
     }
     // Shards without samples never appear in an order; stage them last all the same.
-    order.extend((0..ds.shards.len()).filter(|&i| !seen[i]));
+    order.extend((0..count).filter(|&i| !seen[i]));
     Ok(order)
 }
 
-/// What staging puts in the node cache for each file.
+/// What staging puts in the node cache, item by item (the progress counts items).
 enum Staging {
     /// Whole shards, as streams without a column selection (and every TAR stream) read them.
+    /// An item is a shard.
     Whole,
-    /// Each file's copy of the selected column chunks, as a stream selecting them reads them.
+    /// The copies of the selected column chunks a stream selecting them reads: an item is a
+    /// copy, each file's or, in a node cache too small for those, each row group's.
     Columns(ProjectedReads),
 }
 
@@ -86,6 +90,33 @@ impl Staging {
         Ok(ProjectedReads::plan(ds, &asm)?.map_or(Staging::Whole, Staging::Columns))
     }
 
+    /// The items in the order an epoch first reads them.
+    fn order(&self, ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
+        match self {
+            Staging::Whole => epoch_order(ds, req, false),
+            Staging::Columns(reads) => {
+                let uses = epoch_order(ds, req, reads.per_row_group())?;
+                let mut seen = vec![false; reads.copies()];
+                let mut order = Vec::with_capacity(seen.len());
+                for c in uses.into_iter().filter_map(|n| reads.copy_of_use(n)) {
+                    if seen.get(c).is_some_and(|s| !s) {
+                        seen[c] = true;
+                        order.push(c);
+                    }
+                }
+                Ok(order)
+            }
+        }
+    }
+
+    /// What the progress calls an item.
+    fn unit(&self) -> &'static str {
+        match self {
+            Staging::Columns(reads) if reads.per_row_group() => "row groups",
+            _ => "shards",
+        }
+    }
+
     fn len(&self, ds: &Dataset, i: usize) -> u64 {
         match self {
             Staging::Whole => ds.shards[i].len,
@@ -93,7 +124,7 @@ impl Staging {
         }
     }
 
-    /// The node-cache key of what is staged for file `i`.
+    /// The node-cache key of item `i`.
     fn key<'a>(&'a self, ds: &'a Dataset, i: usize) -> Option<&'a str> {
         match self {
             Staging::Whole => ds.cache_key(i),
@@ -101,17 +132,26 @@ impl Staging {
         }
     }
 
+    /// The name of the shard item `i` is (of).
+    fn name<'a>(&self, ds: &'a Dataset, i: usize) -> &'a str {
+        let shard = match self {
+            Staging::Whole => Some(i),
+            Staging::Columns(reads) => reads.shard_of(i),
+        };
+        shard.and_then(|s| ds.shards.get(s)).map_or("", |m| m.name.as_str())
+    }
+
     fn is_cached(&self, ds: &Dataset, i: usize) -> bool {
         match self {
             Staging::Whole => ds.is_local(i),
-            Staging::Columns(reads) => reads.is_ready(i),
+            Staging::Columns(reads) => reads.copy_ready(i),
         }
     }
 
     fn fetch(&self, ds: &Dataset, i: usize) -> Result<()> {
         match self {
             Staging::Whole => ds.fetch(i, Want::NOW).map(|_| ()),
-            Staging::Columns(reads) => reads.fetch(i, Want::NOW).map(drop),
+            Staging::Columns(reads) => reads.fetch_copy(i, Want::NOW).map(drop),
         }
     }
 }
@@ -174,7 +214,7 @@ async fn open_and_plan(
     let max_shards = req.max_shards;
     let (order, staging) = blocking(move || {
         let staging = Staging::of(&job, &req.fields)?;
-        Ok((epoch_order(&job, &req)?, staging))
+        Ok((staging.order(&job, &req)?, staging))
     })
     .await?;
     let limit = match usize::try_from(max_shards) {
@@ -195,6 +235,10 @@ async fn run(
 ) {
     let head = &order[..limit];
     let mut progress = PrefetchProgress {
+        unit: match staging.unit() {
+            "shards" => String::new(),
+            unit => unit.to_owned(),
+        },
         shards_total: head.len() as u64,
         bytes_total: head.iter().map(|&i| staging.len(&ds, i)).sum(),
         ..Default::default()
@@ -237,7 +281,7 @@ async fn run(
                 progress.shards_done += 1;
                 progress.bytes_done += staging.len(&ds, i);
                 progress.already_cached += u64::from(cached);
-                progress.shard = ds.shards[i].name.clone();
+                progress.shard = staging.name(&ds, i).to_owned();
                 if tx.send(Ok(progress.clone())).await.is_err() {
                     return; // the client left: stop staging
                 }

@@ -147,8 +147,12 @@ pub(super) fn plan_stream(
             // Each is one streamed walk of its plan (O(window + shards) memory), done once per
             // rank and epoch and shared by the rank's workers.
             let next = EpochParams { epoch: params.epoch.wrapping_add(1), ..params };
-            let (this_epoch, next_epoch) =
-                (uses_cache.uses(&ds, &plan_units, &params)?, uses_cache.uses(&ds, &plan_units, &next)?);
+            // A stream caching a row group at a time is fetched for by its row groups' uses.
+            let by_unit = projected.as_ref().is_some_and(|p| p.per_row_group());
+            let (this_epoch, next_epoch) = (
+                uses_cache.uses(&ds, &plan_units, &params, by_unit)?,
+                uses_cache.uses(&ds, &plan_units, &next, by_unit)?,
+            );
             let len = sequence.len();
             let mut uses = Vec::with_capacity(this_epoch.len() + next_epoch.len());
             uses.extend_from_slice(&this_epoch);

@@ -15,12 +15,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::Result;
 use crate::index::Dataset;
 use crate::plan::{EpochParams, RankStream};
-use crate::prefetch::{ShardUse, shard_uses_streamed};
+use crate::prefetch::{ShardUse, uses_streamed};
 
 /// Plans kept: a node's ranks times two epochs, with room for a few jobs.
 pub const ENTRIES: usize = 64;
 
-type Key = (String, String, EpochParams);
+/// (dataset, fingerprint, epoch parameters, uses by plan unit rather than shard).
+type Key = (String, String, EpochParams, bool);
 
 /// A walk's result as waiters share it: `None` if the walk failed (each caller then walks for
 /// itself and gets the error).
@@ -35,9 +36,10 @@ pub struct UsesCache {
 
 impl UsesCache {
     /// The shard uses of rank `p.rank`'s sequence in epoch `p.epoch`, positions from 0;
-    /// `plan_units` is the plan's input (`Dataset::plan_units`).
-    pub fn uses(&self, ds: &Dataset, plan_units: &[u64], p: &EpochParams) -> Result<Arc<[ShardUse]>> {
-        let key = (ds.url.clone(), ds.fingerprint.clone(), *p);
+    /// `plan_units` is the plan's input (`Dataset::plan_units`). With `by_unit`, the uses of the
+    /// plan's units instead (`prefetch::uses_streamed`).
+    pub fn uses(&self, ds: &Dataset, plan_units: &[u64], p: &EpochParams, by_unit: bool) -> Result<Arc<[ShardUse]>> {
+        let key = (ds.url.clone(), ds.fingerprint.clone(), *p, by_unit);
         let cell = {
             let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             match entries.iter().find(|(k, _)| *k == key) {
@@ -55,7 +57,7 @@ impl UsesCache {
         let walk = || -> Result<Arc<[ShardUse]>> {
             self.walks.fetch_add(1, Relaxed);
             let mut seq = RankStream::new(plan_units, p)?;
-            Ok(shard_uses_streamed(ds, &mut seq, 0)?.into())
+            Ok(uses_streamed(ds, &mut seq, 0, by_unit)?.into())
         };
         match cell.get_or_init(|| walk().ok()) {
             Some(u) => Ok(u.clone()),
@@ -115,17 +117,17 @@ mod tests {
         std::thread::scope(|s| {
             for _ in 0..4 {
                 s.spawn(|| {
-                    let this = cache.uses(&ds, &samples, &p).unwrap();
-                    let next = cache.uses(&ds, &samples, &EpochParams { epoch: 1, ..p }).unwrap();
+                    let this = cache.uses(&ds, &samples, &p, false).unwrap();
+                    let next = cache.uses(&ds, &samples, &EpochParams { epoch: 1, ..p }, false).unwrap();
                     assert!(!this.is_empty() && !next.is_empty());
                 });
             }
         });
         assert_eq!(cache.walks.load(Relaxed), 2, "one walk per epoch plan, shared by the workers");
         // The same spans as a walk of its own, and every shard of the rank's share appears.
-        let got = cache.uses(&ds, &samples, &p).unwrap();
+        let got = cache.uses(&ds, &samples, &p, false).unwrap();
         let mut own = RankStream::new(&samples, &p).unwrap();
-        assert_eq!(&got[..], &shard_uses_streamed(&ds, &mut own, 0).unwrap()[..]);
+        assert_eq!(&got[..], &crate::prefetch::shard_uses_streamed(&ds, &mut own, 0).unwrap()[..]);
         assert_eq!(got.iter().map(|u| u.first).min(), Some(0));
         assert_eq!(got.iter().map(|u| u.last).max(), Some(own.len() - 1));
         // A TAR shard is one stretch of use, however far apart its samples come.
@@ -134,7 +136,7 @@ mod tests {
         shards.dedup();
         assert_eq!(shards.len(), got.len());
         // Another rank is another plan.
-        cache.uses(&ds, &samples, &EpochParams { rank: 0, ..p }).unwrap();
+        cache.uses(&ds, &samples, &EpochParams { rank: 0, ..p }, false).unwrap();
         assert_eq!(cache.walks.load(Relaxed), 3);
     }
 
@@ -146,11 +148,50 @@ mod tests {
         let ids = [0, 1, 10, 20, 11, 21, 22, 2];
         let span = |shard, first, last| ShardUse { shard, first, last };
         assert_eq!(
-            UseSpans::of(&ds, &ids, 2),
+            UseSpans::of(&ds, &ids, 2, false),
             [span(0, 0, 1), span(1, 2, 4), span(2, 3, 6), span(0, 7, 7)],
             "shard 0 is unused for 6 positions: a second stretch"
         );
-        assert_eq!(UseSpans::of(&ds, &ids, u64::MAX), [span(0, 0, 7), span(1, 2, 4), span(2, 3, 6)]);
+        assert_eq!(UseSpans::of(&ds, &ids, u64::MAX, false), [span(0, 0, 7), span(1, 2, 4), span(2, 3, 6)]);
+    }
+
+    #[test]
+    fn the_uses_of_a_stream_caching_row_groups_name_the_plan_s_units() {
+        use crate::format::parquet::testdata::{Codec, mixed};
+        use crate::prefetch::{ShardUse, UseSpans};
+        // Two files of 4 row groups of 10 rows: units 0-3 are file 0's, 4-7 file 1's.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("d");
+        std::fs::create_dir_all(&dir).unwrap();
+        for k in 0..2 {
+            std::fs::write(dir.join(format!("part-{k}.parquet")), mixed(40, 10, Codec::None)).unwrap();
+        }
+        let reg = Registry::new(None, Arc::new(Backends::local()));
+        let ds = reg.open(&dir.display().to_string(), "").unwrap();
+        assert_eq!(ds.plan_units(), [10; 8]);
+        let ids = [0, 15, 40, 79, 11, 1];
+        let span = |shard, first, last| ShardUse { shard, first, last };
+        assert_eq!(
+            UseSpans::of(&ds, &ids, u64::MAX, true),
+            [span(0, 0, 5), span(1, 1, 4), span(4, 2, 2), span(7, 3, 3)]
+        );
+        assert_eq!(UseSpans::of(&ds, &ids, u64::MAX, false), [span(0, 0, 5), span(1, 2, 3)]);
+        // A whole plan's walk by unit names every unit once and only units.
+        let p = EpochParams {
+            seed: 1,
+            epoch: 0,
+            shuffle: true,
+            window_shards: 2,
+            world_size: 1,
+            rank: 0,
+            batch_size: 4,
+            drop_last: false,
+        };
+        let by_unit = UsesCache::default().uses(&ds, &ds.plan_units(), &p, true).unwrap();
+        let mut units: Vec<u32> = by_unit.iter().map(|u| u.shard).collect();
+        units.sort_unstable();
+        units.dedup();
+        assert_eq!(units, (0..8).collect::<Vec<u32>>());
     }
 
     #[test]
@@ -169,7 +210,7 @@ mod tests {
                 batch_size: 1,
                 drop_last: false,
             };
-            cache.uses(&ds, &samples, &p).unwrap();
+            cache.uses(&ds, &samples, &p, false).unwrap();
         }
         assert_eq!(cache.entries.lock().unwrap().len(), ENTRIES);
     }

@@ -178,9 +178,9 @@ pub trait FileReader: Sync {
     /// of new buffers 10-12% (bench/PARQUET_PROFILE.md).
     fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<Bytes>;
 
-    /// The node-cache copy `file` is read from, which the daemon may map because it never
-    /// changes (see [`super::mapped`]); None for a file read in place.
-    fn cached_copy(&self, _file: usize) -> Result<Option<CachedCopy>> {
+    /// The node-cache copy row group `rg` of `file` is read from, which the daemon may map
+    /// because it never changes (see [`super::mapped`]); None for a file read in place.
+    fn cached_copy(&self, _file: usize, _rg: usize) -> Result<Option<CachedCopy>> {
         Ok(None)
     }
 }
@@ -711,10 +711,11 @@ impl BatchAssembler {
         }
     }
 
-    /// File `fi`'s node-cache copy mapped ([`super::mapped`]), when it is read from one.
-    fn mapped_copy(&self, fi: usize, files: &dyn FileReader) -> Result<Option<MappedFile>> {
+    /// The node-cache copy of file `fi`'s row group `rg` mapped ([`super::mapped`]), when it is
+    /// read from one.
+    fn mapped_copy(&self, fi: usize, rg: usize, files: &dyn FileReader) -> Result<Option<MappedFile>> {
         let file = &self.dataset.files[fi];
-        let Some(copy) = files.cached_copy(file.index)? else { return Ok(None) };
+        let Some(copy) = files.cached_copy(file.index, rg)? else { return Ok(None) };
         MappedFile::shared(copy.file, copy.identity, &file.name, file.table.file_len(), copy.locate)
             .map(Some)
             .map_err(|e| e.into_error(&file.name))
@@ -731,7 +732,7 @@ impl BatchAssembler {
                 return Ok(batch);
             }
             let mut io_error = None;
-            let copy = self.mapped_copy(fi, files)?;
+            let copy = self.mapped_copy(fi, rg, files)?;
             let decoded = match &copy {
                 Some(m) => m
                     .chunks(&chunk_ranges(&file.table, rg, &self.per_file[fi]))

@@ -1,5 +1,6 @@
-//! The selected column chunks of a whole file as one compact byte string: what the node cache
-//! holds of an S3 Parquet file when a stream selects only some of its columns.
+//! The selected column chunks of a file (or of some of its row groups) as one compact byte
+//! string: what the node cache holds of an S3 Parquet file when a stream selects only some of
+//! its columns.
 //!
 //! The chunks of every row group are collected ([`chunk_ranges`]), sorted and merged when at most
 //! [`MERGE_GAP`] apart (a small gap costs less than another request), and laid end to end: piece
@@ -30,7 +31,13 @@ pub struct ProjectedFile {
 impl ProjectedFile {
     /// The pieces of `table`'s file that `proj` reads, over every row group.
     pub fn new(table: &ParquetTable, proj: &FileProjection) -> Self {
-        let chunks: Vec<Range<u64>> = (0..table.num_row_groups()).flat_map(|rg| leaf_chunks(table, rg, proj)).collect();
+        Self::of_row_groups(table, proj, 0..table.num_row_groups())
+    }
+
+    /// The pieces of `table`'s file that `proj` reads in row groups `rgs` only: the copy of one
+    /// row group, when a node cache too small for whole files' copies holds row groups.
+    pub fn of_row_groups(table: &ParquetTable, proj: &FileProjection, rgs: Range<usize>) -> Self {
+        let chunks: Vec<Range<u64>> = rgs.flat_map(|rg| leaf_chunks(table, rg, proj)).collect();
         let merged = merge_ranges(chunks.clone());
         let mut at = 0u64;
         let pieces = merged
@@ -115,5 +122,31 @@ mod tests {
         assert!(whole.len() > pf.len());
         let outside = chunk_ranges(&t, 0, &all).into_iter().find(|r| pf.locate(r.clone()).is_none());
         assert!(outside.is_some());
+    }
+
+    #[test]
+    fn a_row_group_s_copy_holds_its_own_chunks_and_no_other_s() {
+        let file = testdata::mixed(4000, 500, testdata::Codec::None);
+        let t = table(&file);
+        let p = Projection::new(t.schema(), &[], Some(&["id".to_string(), "label".to_string()]))
+            .unwrap()
+            .for_file(&t, &[])
+            .unwrap();
+        let whole = ProjectedFile::new(&t, &p);
+        assert!(t.num_row_groups() > 2);
+        let mut sum = 0;
+        for rg in 0..t.num_row_groups() {
+            let one = ProjectedFile::of_row_groups(&t, &p, rg..rg + 1);
+            sum += one.len();
+            for r in chunk_ranges(&t, rg, &p) {
+                let at = one.locate(r.clone()).expect("the row group's reads are in its copy");
+                assert!(at + (r.end - r.start) <= one.len());
+            }
+            let other = (rg + 1) % t.num_row_groups();
+            assert!(chunk_ranges(&t, other, &p).into_iter().all(|r| one.locate(r).is_none()));
+        }
+        // The same chunks, each once: only the gaps merged into the whole file's pieces differ.
+        assert!(sum <= whole.len(), "{sum} {}", whole.len());
+        assert_eq!(ProjectedFile::of_row_groups(&t, &p, 0..t.num_row_groups()), whole);
     }
 }
