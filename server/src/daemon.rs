@@ -350,9 +350,10 @@ impl BoundDaemon {
             let _ = std::fs::remove_file(path);
         }
         // Fetches still running (the prefetcher's threads are not joined) fail from now on
-        // instead of retrying on a runtime about to go.
-        backends.close();
+        // instead of retrying on a runtime about to go; the prefetcher first, so that it takes
+        // their failures for the stop they are, not for warnings.
         prefetch.stop();
+        backends.close();
         if served.is_ok() {
             // Only a clean exit vouches for the derived entries written unsynced (cache docs).
             let closed = tokio::task::spawn_blocking(move || node_cache.close()).await;

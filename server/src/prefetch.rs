@@ -548,7 +548,12 @@ impl Prefetcher {
                             None => Some(shard),
                         };
                         let name = of.and_then(|i| ds.shards.get(i)).map_or("?", |m| m.name.as_str());
-                        tracing::warn!(dataset = %ds.url, shard = %name, error = %e, "prefetch failed");
+                        if me.stopped.load(Relaxed) {
+                            // The daemon is stopping: the store refuses requests from now on.
+                            tracing::debug!(dataset = %ds.url, shard = %name, error = %e, "prefetch ended by the stop");
+                        } else {
+                            tracing::warn!(dataset = %ds.url, shard = %name, error = %e, "prefetch failed");
+                        }
                         me.failed
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
