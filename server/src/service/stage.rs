@@ -6,8 +6,9 @@
 //! indexes every shard through the cache, which keeps whichever fit, and reports how far it has
 //! come while it does: [`crate::index::opening`]), and stops, saying so, when
 //! those do not make enough. With `fields` (Parquet), it stages what a stream selecting those
-//! columns reads: on S3, each file's copy of their column chunks ([`super::projected`]), else whole
-//! files as without.
+//! columns reads: on S3, each file's copy of their column chunks ([`super::projected`]), or each
+//! row group's, in the order the epoch first reads them, when the node cache cannot hold every
+//! file's; else whole files as without.
 
 use std::sync::Arc;
 
