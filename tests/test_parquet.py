@@ -2132,6 +2132,83 @@ def test_a_projection_larger_than_the_node_cache_fetches_each_row_group_once_an_
         assert d.stop() == 0
 
 
+def test_every_column_of_multipart_uploads_larger_than_the_node_cache_comes_a_row_group_at_a_time(
+    tmp_path: Path, s3
+) -> None:
+    """Every column of files whose ETags are no MD5 (multipart uploads, as large files get from
+    `aws s3 cp`) through a node cache smaller than the files: each file was one whole copy,
+    evicted between its row groups and fetched again, and here, where the whole files a stream's
+    window holds nearly fill the cache, the stream failed after a minute ("node cache ... is
+    full"). Nothing checks such a file whole, so it is copied a row group at a time, as column
+    chunks are, and checked by its pages. Files whose ETags are their MD5s still go whole,
+    checked by it."""
+    bucket = s3.bucket("data") / "pqmultipart"
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(12)
+    truth: dict[int, bytes] = {}
+    for k in range(16):
+        ids = np.arange(k * 400, (k + 1) * 400)
+        blobs = [rng.bytes(2500) for _ in ids]
+        truth.update(zip(ids.tolist(), blobs, strict=True))
+        pq.write_table(
+            pa.table({"id": ids, "blob": pa.array(blobs, pa.binary())}),
+            bucket / f"part-{k:02d}.parquet",
+            row_group_size=100,
+            # Compressed: values stored plain are served from the node cache's copies, and the
+            # batches in flight would hold more whole files than this cache has room for.
+            compression="snappy",
+            write_page_checksum=True,
+        )
+    size = sum(p.stat().st_size for p in bucket.iterdir())
+    cache = size * 3 // 4
+
+    def epochs(d: Daemon, n: int) -> list[int]:
+        """`n` epochs of every column, each row's blob as written; the bytes each downloaded."""
+        fetched = []
+        for ep in range(n):
+            before = d.status()["storage_bytes"]
+            loader = shardstream.Loader("s3://data/pqmultipart/", batch_size=32, seed=3, connect=d.addr)
+            loader.set_epoch(ep)
+            seen = []
+            for batch in loader:
+                ids = np.asarray(batch["id"]).tolist()
+                assert [bytes(b) for b in batch["blob"]] == [truth[i] for i in ids]
+                seen.extend(ids)
+            assert sorted(seen) == list(range(16 * 400)), ep
+            fetched.append(d.status()["storage_bytes"] - before)
+        return fetched
+
+    def copies(d: Daemon) -> tuple[int, int]:
+        """(whole copies, row groups' copies) in the node cache."""
+        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
+        return sum(n.endswith(".parquet") for n in names), sum(".rg" in n and n.endswith(".cols") for n in names)
+
+    proxy = FaultProxy(s3.port, rate=0.0, multipart=True).start()
+    d = Daemon(
+        tmp_path / "multipart",
+        env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint},
+        args=["--cache-size", str(cache)],
+    ).start()
+    try:
+        shardstream._native.Connection(d.addr).open("s3://data/pqmultipart/")
+        fetched = epochs(d, 2)
+        assert fetched[0] <= 1.1 * size, (fetched, size)
+        assert fetched[1] <= 0.5 * size, (fetched, size)
+        whole, row_groups = copies(d)
+        assert whole == 0 and row_groups > 16, (whole, row_groups)
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+    # A cache with room for a few more whole files than a stream's window holds at once.
+    d = Daemon(tmp_path / "md5", env=s3.env(), args=["--cache-size", str(size * 9 // 10)]).start()
+    try:
+        epochs(d, 1)
+        whole, row_groups = copies(d)
+        assert whole > 0 and row_groups == 0, (whole, row_groups)
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_files_of_an_s3_projection_s_batch_are_fetched_at_once(tmp_path: Path, s3) -> None:
     """A batch's files are checked (footers) and their column chunks fetched concurrently, not one
     request after the other, each waiting its round trip. Behind a proxy that holds every GET, the

@@ -13,7 +13,9 @@ What was injected is counted by kind in ``counts``.
 
 ``kms`` answers as S3 does for objects encrypted with SSE-KMS (or SSE-C): every ETag, in headers
 and listings, is 32 hex digits that are not the MD5 of the bytes, and object responses carry
-``x-amz-server-side-encryption: aws:kms``; the bytes pass unchanged.
+``x-amz-server-side-encryption: aws:kms``; the bytes pass unchanged. ``multipart`` gives every
+ETag, in headers and listings, the form of a multipart upload's (``"<32 hex>-2"``), which says
+nothing of the bytes either.
 
 ``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
 and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
@@ -35,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 KINDS = ("reset", "slowdown", "truncate", "corrupt")
 
@@ -66,6 +68,26 @@ def kms_answer(status: int, headers: list[tuple[str, str]], data: bytes) -> tupl
     return out, data
 
 
+def multipart_etag(path: str) -> str:
+    """The ETag of the object at `path` (`/bucket/key`) as if it was a multipart upload: a digest
+    and a part count, derived here from the path (the store behind lists no ETags to derive it
+    from), so listings and GETs agree."""
+    return '"' + hashlib.md5(b"parts:" + path.encode()).hexdigest() + '-2"'
+
+
+def multipart_answer(path: str, headers: list[tuple[str, str]], data: bytes) -> tuple[list[tuple[str, str]], bytes]:
+    out = [(k, multipart_etag(path) if k.lower() == "etag" else v) for k, v in headers]
+    if b"<ListBucketResult" in data[:400]:
+        bucket = path.strip("/").split("/")[0]
+        data = re.sub(rb"<ETag>[^<]*</ETag>", b"", data)
+        data = re.sub(
+            rb"<Key>([^<]*)</Key>",
+            lambda m: m.group(0) + b"<ETag>" + multipart_etag(f"/{bucket}/{m.group(1).decode()}").encode() + b"</ETag>",
+            data,
+        )
+    return out, data
+
+
 class FaultProxy:
     def __init__(
         self,
@@ -75,10 +97,12 @@ class FaultProxy:
         kinds: tuple[str, ...] = KINDS,
         hold: float = 0.0,
         kms: bool = False,
+        multipart: bool = False,
     ) -> None:
         self.upstream_port = upstream_port
         self.hold = hold
         self.kms = kms
+        self.multipart = multipart
         self.gets_in = 0
         self.peak_gets = 0
         self.rate = rate
@@ -205,6 +229,8 @@ class FaultProxy:
                     data = proxy.flip(data)
                 if proxy.kms:
                     resp_headers, data = kms_answer(status, resp_headers, data)
+                elif proxy.multipart:
+                    resp_headers, data = multipart_answer(unquote(target.path), resp_headers, data)
                 length = int(dict((k.lower(), v) for k, v in resp_headers).get("content-length", len(data)))
                 return self.send(status, reason, resp_headers, data, len(data) if self.command != "HEAD" else length)
 
