@@ -16,7 +16,8 @@
 //! files. A cache that holds them all keeps one copy per file: the chunks of neighbouring row
 //! groups merge into fewer GETs.
 //!
-//! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes and every file is
+//! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes (or, copied a row
+//! group at a time, when no file has an ETag that is its MD5: see [`ProjectedReads::plan`]) and every file is
 //! an S3 object whose manifest (if any) checksums its footer: a whole-file CRC (as `pack` writes)
 //! can only be checked on the whole file, which then goes through the cache as before. Nor when
 //! the node cache already holds the files whole (`shardstream prefetch`, an epoch of every
@@ -34,6 +35,7 @@ use crate::format::parquet::dataset::{BatchAssembler, CachedCopy, FileReader};
 use crate::format::parquet::projected::ProjectedFile;
 use crate::index::{CacheMode, Dataset};
 use crate::storage::ShardSource;
+use crate::storage::s3::etag_md5;
 use crate::{Error, Result};
 
 /// Column-chunk reads are used when the selected chunks are at most this share of the files'
@@ -84,11 +86,22 @@ impl ProjectedReads {
             total += f.table.file_len();
             whole.push(pf);
         }
-        if total == 0 || selected as f64 > MAX_SHARE * total as f64 {
-            return Ok(None);
-        }
         let capacity = ds.node_cache().map_or(u64::MAX, |c| c.capacity());
         let per_row_group = selected > capacity;
+        // Most of the bytes: one GET of a whole file is as good, and its ETag's MD5 checks it
+        // whole. Unless the node cache is too small for the files and every file's listed ETag
+        // says it has no MD5 to check (a multipart upload's, as large files get from
+        // `aws s3 cp`): then a whole file is checked by its pages as a row group's copy is, and
+        // a row group at a time it is fetched about once an epoch instead of once per row group
+        // evicted before. A store that lists no ETag may still answer a GET with an MD5.
+        let no_md5 = ds
+            .shards
+            .iter()
+            .all(|s| matches!(&s.source, ShardSource::S3 { etag: Some(e), .. } if etag_md5(e).is_none()));
+        let most = selected as f64 > MAX_SHARE * total as f64;
+        if total == 0 || (most && !(per_row_group && no_md5)) {
+            return Ok(None);
+        }
         let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
         let mut first_copy = Vec::with_capacity(files.len());
         for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {

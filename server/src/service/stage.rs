@@ -75,7 +75,14 @@ impl Staging {
     /// What a stream selecting `fields` (empty: all) of `ds` reads.
     fn of(ds: &Arc<Dataset>, fields: &[String]) -> Result<Self> {
         if fields.is_empty() {
-            return Ok(Staging::Whole);
+            // Every column of a Parquet dataset: whole files, unless the node cache is too small
+            // for them and they are read a row group at a time (see `ProjectedReads::plan`).
+            let Some(pq) = &ds.parquet else { return Ok(Staging::Whole) };
+            let asm = super::stream_plan::assembler(ds, pq, &[])?;
+            return Ok(match ProjectedReads::plan(ds, &asm)? {
+                Some(reads) if reads.per_row_group() => Staging::Columns(reads),
+                _ => Staging::Whole,
+            });
         }
         let Some(pq) = &ds.parquet else {
             return Err(Error::invalid(format!(
