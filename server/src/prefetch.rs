@@ -187,7 +187,7 @@ pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
     fn shard(&self, n: usize) -> Option<usize>;
     /// The bytes of what `n` names in the cache.
     fn len(&self, n: usize) -> u64;
-    /// True when the consumer's uses name plan units, not shards ([`shard_uses_streamed`]).
+    /// True when the consumer's uses name plan units, not shards ([`uses_streamed`]).
     fn by_unit(&self) -> bool;
 }
 
@@ -629,9 +629,6 @@ fn run(weak: Weak<Prefetcher>) {
 mod tests {
     use super::*;
 
-    /// A trainer taking 64 samples/s whose batches are built in bursts of four (a client
-    /// releasing slots together, small batches grouped), microseconds apart: measured from one
-    /// batch to the next, the pace read 10,000-500,000 samples/s.
     #[test]
     fn only_the_soonest_needed_that_fit_together_are_wanted() {
         let w = |secs: f64, key: &str, bytes: u64| (secs, key.to_string(), bytes);
@@ -648,6 +645,9 @@ mod tests {
         assert!(wanted.is_empty(), "nothing after what cannot fit");
     }
 
+    /// A trainer taking 64 samples/s whose batches are built in bursts of four (a client
+    /// releasing slots together, small batches grouped), microseconds apart: measured from one
+    /// batch to the next, the pace read 10,000-500,000 samples/s.
     #[test]
     fn a_pace_of_bursts_is_the_trainer_s_pace_not_the_burst_s() {
         let start = Instant::now();
