@@ -127,7 +127,7 @@ def main() -> int:
         "tar": ("s3://bench/wds/", None, tar_bytes // 2, tar_bytes, spec.samples, s3.env()),
     }
     cases = {k: v for k, v in cases.items() if not args.cases or k in args.cases}
-    results: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, str, str], list[tuple[float, float, float, float]]] = {}
     try:
         for r in range(args.rounds):
             builds = [("old", args.old), ("new", args.new)]

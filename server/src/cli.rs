@@ -48,8 +48,9 @@ pub enum Command {
         /// Daemon address (default: $SHARDSTREAM_ADDR, else the default socket).
         #[arg(long, env = "SHARDSTREAM_ADDR", default_value = "unix:///run/shardstream/sock")]
         connect: String,
-        /// Stage only the first N shards of the epoch's order (default: all that fit); with
-        /// --fields into a node cache smaller than those columns' chunks, the first N row groups.
+        /// Stage only the first N shards of the epoch's order (default: all that fit); the first
+        /// N row groups where a Parquet dataset goes through a node cache smaller than it a row
+        /// group at a time (the progress says which it counts).
         #[arg(long, value_parser = limits::parse_prefetch_shards)]
         shards: Option<u64>,
         /// The order to follow: the trainers' seed and epoch.

@@ -28,8 +28,10 @@ use crate::cache::{NodeCache, Want};
 use crate::index::Dataset;
 use crate::transport::shm::ShmHub;
 
-/// Shards each consumer always has fetched ahead, whatever its rate: the shuffle window draws on
-/// a few shards at once, so the next two must be there before the window reaches them.
+/// Shards (or row groups, for a stream caching a row group at a time) each consumer always has
+/// fetched ahead, whatever its rate: the shuffle window draws on a few at once, so the next two
+/// must be there before the window reaches them. Unless the cache cannot hold them with what is
+/// needed sooner ([`soonest_that_fit`]).
 pub const MIN_AHEAD: usize = 2;
 
 /// Assumed consumption rate before a consumer's first batches are measured (samples/s): only
@@ -177,7 +179,8 @@ impl UseSpans {
 
 /// What a stream caches instead of whole shards (the column chunks of S3 Parquet files it
 /// selects, `service::projected`): the prefetcher asks it for the cache key and the fetch of
-/// what a use names, a shard or, when [`Self::by_unit`], a plan unit (a Parquet row group).
+/// what a use names, a shard or, for a stream that caches a row group at a time, a plan unit (a
+/// Parquet row group: the consumer's uses are then [`uses_streamed`]'s `by_unit`).
 pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
     fn key(&self, n: usize) -> Option<String>;
     /// True when the copy is in the cache; false when the cache gave up (no room, or another fill
@@ -187,8 +190,6 @@ pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
     fn shard(&self, n: usize) -> Option<usize>;
     /// The bytes of what `n` names in the cache.
     fn len(&self, n: usize) -> u64;
-    /// True when the consumer's uses name plan units, not shards ([`uses_streamed`]).
-    fn by_unit(&self) -> bool;
 }
 
 /// One active stream as the prefetcher sees it.
@@ -452,7 +453,8 @@ impl Prefetcher {
         let consumers: Vec<Arc<Consumer>> = self.lock_consumers().values().cloned().collect();
         let clairvoyant = self.cache.policy() == Policy::Belady;
         let horizon = self.config.horizon.as_secs_f64();
-        // key -> (seconds until next use, the consumer, shard)
+        // key -> (seconds until next use, the consumer, what the use names: a shard, or a plan
+        // unit for a stream caching a row group at a time)
         let mut next: HashMap<String, (f64, Arc<Consumer>, usize)> = HashMap::new();
         // (seconds until next use, key, bytes)
         let mut wanted: Vec<(f64, String, u64)> = Vec::new();

@@ -28,6 +28,7 @@ the body, negative from its end) makes ``corrupt`` invert that byte rather than 
 from __future__ import annotations
 
 import hashlib
+import html
 import http.client
 import random
 import re
@@ -76,13 +77,19 @@ def multipart_etag(path: str) -> str:
 
 
 def multipart_answer(path: str, headers: list[tuple[str, str]], data: bytes) -> tuple[list[tuple[str, str]], bytes]:
+    # Path-style requests (`/bucket/key`, `/bucket?list-type=2`), as the daemon makes them here.
     out = [(k, multipart_etag(path) if k.lower() == "etag" else v) for k, v in headers]
     if b"<ListBucketResult" in data[:400]:
         bucket = path.strip("/").split("/")[0]
         data = re.sub(rb"<ETag>[^<]*</ETag>", b"", data)
         data = re.sub(
             rb"<Key>([^<]*)</Key>",
-            lambda m: m.group(0) + b"<ETag>" + multipart_etag(f"/{bucket}/{m.group(1).decode()}").encode() + b"</ETag>",
+            lambda m: (
+                m.group(0)
+                + b"<ETag>"
+                + multipart_etag(f"/{bucket}/{html.unescape(m.group(1).decode())}").encode()
+                + b"</ETag>"
+            ),
             data,
         )
     return out, data

@@ -359,6 +359,12 @@ impl NodeCache {
         self.lock().capacity()
     }
 
+    /// Bytes the cache was given at open: what [`Self::capacity`] returns to once the disk has
+    /// room.
+    pub fn configured_capacity(&self) -> u64 {
+        self.configured
+    }
+
     pub fn stats(&self) -> CacheStats {
         let t = self.lock();
         let (derived, derived_bytes) = t.count_prefixed(DERIVED_PREFIX);

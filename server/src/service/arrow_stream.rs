@@ -40,9 +40,9 @@ impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
     }
 }
 
-/// Files of one batch whose column-chunk copies are fetched at once (each with its own
-/// concurrent GETs, within the store's daemon-wide cap): the files of a default shuffle window.
-const PROJECTED_FILES_AT_ONCE: usize = 16;
+/// Column-chunk copies of one batch fetched at once (each with its own concurrent GETs, within
+/// the store's daemon-wide cap): the files (or row groups) of a default shuffle window.
+const PROJECTED_COPIES_AT_ONCE: usize = 16;
 
 /// One Arrow batch built: its messages (one, or the parts of a split inline batch) and their
 /// bytes, and how long its build waited for storage.
@@ -91,7 +91,7 @@ pub(super) fn build_arrow_batch(
             pr.shard_of(c).map_or(Ok(()), |s| ds.verify_remote_footer(s))
         };
         let opened = if cold.len() > 1 {
-            crate::parallel::try_map(&cold, cold.len().min(PROJECTED_FILES_AT_ONCE), check_and_open).map(drop)
+            crate::parallel::try_map(&cold, cold.len().min(PROJECTED_COPIES_AT_ONCE), check_and_open).map(drop)
         } else {
             cold.iter().try_for_each(check_and_open)
         };

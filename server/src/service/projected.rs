@@ -44,7 +44,7 @@ pub const MAX_SHARE: f64 = 0.9;
 
 /// One compact copy: some row groups' selected chunks of one file.
 #[derive(Debug)]
-struct Copy {
+struct ChunkCopy {
     /// The file's shard index.
     shard: usize,
     pf: Arc<ProjectedFile>,
@@ -55,7 +55,7 @@ struct Copy {
 #[derive(Debug)]
 pub struct ProjectedReads {
     ds: Arc<Dataset>,
-    copies: Vec<Copy>,
+    copies: Vec<ChunkCopy>,
     /// Shard index -> its copies in row-group order (one for the whole file, or one per row
     /// group: see [`Self::per_row_group`]).
     by_file: HashMap<usize, Vec<usize>>,
@@ -68,9 +68,7 @@ impl ProjectedReads {
     /// The column-chunk plan of `asm`'s projection over `ds`, or None when whole files serve it
     /// better (or it is not an S3 dataset checked by footers).
     pub fn plan(ds: &Arc<Dataset>, asm: &BatchAssembler) -> Result<Option<Self>> {
-        let remote = ds.mode == CacheMode::Copy
-            && ds.shards.iter().all(|s| matches!(s.source, ShardSource::S3 { .. }) && s.crc32c.is_none());
-        if !remote {
+        if !Self::remote(ds) {
             return Ok(None);
         }
         // The same chunks whatever the order the columns were asked in: one copy for both.
@@ -86,7 +84,9 @@ impl ProjectedReads {
             total += f.table.file_len();
             whole.push(pf);
         }
-        let capacity = ds.node_cache().map_or(u64::MAX, |c| c.capacity());
+        // The capacity configured, not the one a full disk lowered for a while: streams and
+        // staging must agree on the copies' keys.
+        let capacity = ds.node_cache().map_or(u64::MAX, |c| c.configured_capacity());
         let per_row_group = selected > capacity;
         // Most of the bytes: one GET of a whole file is as good, and its ETag's MD5 checks it
         // whole. Unless the node cache is too small for the files and every file's listed ETag
@@ -114,7 +114,7 @@ impl ProjectedReads {
                 } else {
                     ds.projected_rg_key(f.index, proj_id, rgs.start)
                 };
-                copies.push(Copy { shard: f.index, pf: Arc::new(pf), key });
+                copies.push(ChunkCopy { shard: f.index, pf: Arc::new(pf), key });
                 copies.len() - 1
             };
             let mine: Vec<usize> = if per_row_group && groups > 1 {
@@ -143,13 +143,20 @@ impl ProjectedReads {
         Ok(Some(Self { ds: ds.clone(), copies, by_file, by_unit, per_row_group }))
     }
 
+    /// True when `ds` may be read by column-chunk copies: S3 objects through the node cache,
+    /// checked by their footers (a manifest's whole-file CRC is checked on whole files only).
+    pub fn remote(ds: &Dataset) -> bool {
+        ds.mode == CacheMode::Copy
+            && ds.shards.iter().all(|s| matches!(s.source, ShardSource::S3 { .. }) && s.crc32c.is_none())
+    }
+
     /// True when the copies are one per row group (the node cache is smaller than every file's
     /// copy together): the prefetcher then follows the plan's units, not its files.
     pub fn per_row_group(&self) -> bool {
         self.per_row_group
     }
 
-    fn copy(&self, c: usize) -> Result<&Copy> {
+    fn copy(&self, c: usize) -> Result<&ChunkCopy> {
         self.copies.get(c).ok_or_else(|| Error::Internal(format!("no column-chunk copy {c}")))
     }
 
@@ -166,13 +173,8 @@ impl ProjectedReads {
 
     /// The copies plan units `units` read, each once, in the order first read.
     pub fn copies_of_units(&self, units: &[usize]) -> Vec<usize> {
-        let mut out: Vec<usize> = Vec::new();
-        for c in units.iter().filter_map(|&u| self.by_unit.get(u).copied()) {
-            if !out.contains(&c) {
-                out.push(c);
-            }
-        }
-        out
+        let mut seen = std::collections::HashSet::new();
+        units.iter().filter_map(|&u| self.by_unit.get(u).copied()).filter(|&c| seen.insert(c)).collect()
     }
 
     /// The file (shard index) copy `c` is of.
@@ -249,10 +251,6 @@ impl crate::prefetch::ProjectedFetch for ProjectedReads {
 
     fn len(&self, n: usize) -> u64 {
         self.copy_of_use(n).map_or(0, |c| self.copy_len(c))
-    }
-
-    fn by_unit(&self) -> bool {
-        self.per_row_group
     }
 }
 

@@ -8,7 +8,8 @@
 //! those do not make enough. With `fields` (Parquet), it stages what a stream selecting those
 //! columns reads: on S3, each file's copy of their column chunks ([`super::projected`]), or each
 //! row group's, in the order the epoch first reads them, when the node cache cannot hold every
-//! file's; else whole files as without.
+//! file's; else whole files as without. Without `fields`, whole files, or the row groups' copies
+//! of every column where a stream reads them so ([`ProjectedReads::plan`]).
 
 use std::sync::Arc;
 
@@ -77,7 +78,9 @@ impl Staging {
         if fields.is_empty() {
             // Every column of a Parquet dataset: whole files, unless the node cache is too small
             // for them and they are read a row group at a time (see `ProjectedReads::plan`).
-            let Some(pq) = &ds.parquet else { return Ok(Staging::Whole) };
+            let Some(pq) = ds.parquet.as_ref().filter(|_| ProjectedReads::remote(ds)) else {
+                return Ok(Staging::Whole);
+            };
             let asm = super::stream_plan::assembler(ds, pq, &[])?;
             return Ok(match ProjectedReads::plan(ds, &asm)? {
                 Some(reads) if reads.per_row_group() => Staging::Columns(reads),
