@@ -81,7 +81,11 @@ pub(super) fn build_arrow_batch(
         // per chunk); the others were verified before.
         let started = Instant::now();
         let reader = pr.reader();
-        let copies = pr.copies_of_units(&places.units);
+        // Not the copies of row groups decoded already: a copy evicted since would be fetched
+        // again only to be pinned. Their files' footers were checked before they were decoded;
+        // a row group that leaves memory meanwhile is fetched by the decoder (`cached_copy`).
+        let undecoded: Vec<usize> = places.units.iter().copied().filter(|&u| !asm.is_decoded(u)).collect();
+        let copies = pr.copies_of_units(&undecoded);
         let unverified = |c: usize| pr.shard_of(c).is_some_and(|s| !ds.footer_verified(s));
         let cold: Vec<usize> = copies.into_iter().filter(|&c| !pr.copy_ready(c) || unverified(c)).collect();
         // The copy first: a copy fetched now checks its footer from its own GETs (see

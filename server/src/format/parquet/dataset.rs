@@ -668,6 +668,12 @@ impl BatchAssembler {
 
     /// Plan unit `u` when it is decoded already (and need not be kept now: see
     /// [`Self::row_group`]).
+    /// True when plan unit `u` is decoded in memory: a batch drawing on it reads no file bytes
+    /// for it (unless the decoded row group leaves memory before the batch takes it).
+    pub fn is_decoded(&self, u: usize) -> bool {
+        self.cached(u).is_some()
+    }
+
     fn cached(&self, u: usize) -> Option<Arc<RecordBatch>> {
         let (fi, rg) = self.dataset.unit(u)?;
         if self.spills() && self.keeping.get(u).is_some_and(|s| s.load(Relaxed) == UNKEPT) {
