@@ -1815,19 +1815,27 @@ def test_a_local_dataset_is_indexed_from_footers_and_a_changed_footer_is_refused
     assert got == list(range(800)), "rows of the other files, none of the changed one"
 
 
+def chunk_bytes(root: Path, columns: tuple[str, ...]) -> int:
+    """Bytes of the column chunks of `columns` in every Parquet file of `root` (from the footers)."""
+    total = 0
+    for f in sorted(root.glob("*.parquet")):
+        md = pq.ParquetFile(f).metadata
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            total += sum(
+                rg.column(c).total_compressed_size
+                for c in range(rg.num_columns)
+                if rg.column(c).path_in_schema in columns
+            )
+    return total
+
+
 def test_an_s3_projection_fetches_only_its_column_chunks_and_caches_them(tmp_path: Path, s3) -> None:
     bucket = s3.bucket("data") / "pqcols"
     bucket.mkdir(parents=True)
     payloads = write_big_files(bucket)
     size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
-    selected = 0
-    for f in sorted(bucket.glob("*.parquet")):
-        md = pq.ParquetFile(f).metadata
-        for g in range(md.num_row_groups):
-            for c in range(md.num_columns):
-                col = md.row_group(g).column(c)
-                if col.path_in_schema in ("id", "label"):
-                    selected += col.total_compressed_size
+    selected = chunk_bytes(bucket, ("id", "label"))
     assert selected * 100 < size
     d = Daemon(tmp_path, env=s3.env()).start()
     try:
@@ -2068,16 +2076,9 @@ def test_a_projection_larger_than_the_node_cache_fetches_each_row_group_once_an_
             }
         )
         pq.write_table(table, bucket / f"part-{k:02d}.parquet", row_group_size=100, compression="none")
-    selected, size = 0, 0
-    for f in sorted(bucket.glob("*.parquet")):
-        md = pq.ParquetFile(f).metadata
-        size += f.stat().st_size
-        for g in range(md.num_row_groups):
-            assert md.num_row_groups == 4
-            for c in range(md.num_columns):
-                col = md.row_group(g).column(c)
-                if col.path_in_schema in ("id", "blob"):
-                    selected += col.total_compressed_size
+    assert all(pq.ParquetFile(f).metadata.num_row_groups == 4 for f in bucket.glob("*.parquet"))
+    selected = chunk_bytes(bucket, ("id", "blob"))
+    size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
     assert selected < 0.6 * size
     cache = selected * 3 // 4
     log = tmp_path / "daemon.log"

@@ -796,25 +796,15 @@ impl Dataset {
     }
 
     /// Node-cache key of the compact copy of Parquet file `i`'s column chunks for projection
-    /// `proj_id` (see `service::projected`).
-    pub fn projected_key(&self, i: usize, proj_id: u64) -> String {
+    /// `proj_id` (see `service::projected`): of the whole file, or of row group `rg` alone when
+    /// a small node cache holds copies a row group at a time.
+    pub fn projected_key(&self, i: usize, proj_id: u64, rg: Option<usize>) -> String {
         let m = &self.shards[i];
-        crate::cache::key_for(
-            &format!("{}#columns={proj_id:016x}", m.url()),
-            &m.identity(),
-            &format!("{}.cols", m.name),
-        )
-    }
-
-    /// Node-cache key of the compact copy of row group `rg` of Parquet file `i`'s column chunks
-    /// for projection `proj_id`, when a small node cache holds copies a row group at a time.
-    pub fn projected_rg_key(&self, i: usize, proj_id: u64, rg: usize) -> String {
-        let m = &self.shards[i];
-        crate::cache::key_for(
-            &format!("{}#columns={proj_id:016x};row_group={rg}", m.url()),
-            &m.identity(),
-            &format!("{}.rg{rg}.cols", m.name),
-        )
+        let (part, name) = match rg {
+            Some(rg) => (format!(";row_group={rg}"), format!("{}.rg{rg}.cols", m.name)),
+            None => (String::new(), format!("{}.cols", m.name)),
+        };
+        crate::cache::key_for(&format!("{}#columns={proj_id:016x}{part}", m.url()), &m.identity(), &name)
     }
 
     /// The daemon's node cache, when it has one.

@@ -25,7 +25,6 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -103,36 +102,33 @@ impl ProjectedReads {
             return Ok(None);
         }
         let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
-        let mut first_copy = Vec::with_capacity(files.len());
         for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {
             let groups = f.table.num_row_groups();
-            first_copy.push(copies.len());
-            let mut add = |rgs: Range<usize>, pf: ProjectedFile| {
-                // A copy of every row group is the file's copy, whichever way it was asked for.
-                let key = if rgs.len() == groups {
-                    ds.projected_key(f.index, proj_id)
-                } else {
-                    ds.projected_rg_key(f.index, proj_id, rgs.start)
-                };
+            let mut add = |rg: Option<usize>, pf: ProjectedFile| {
+                let key = ds.projected_key(f.index, proj_id, rg);
                 copies.push(ChunkCopy { shard: f.index, pf: Arc::new(pf), key });
                 copies.len() - 1
             };
+            // A file of one row group keeps its file's copy (and key) either way.
             let mine: Vec<usize> = if per_row_group && groups > 1 {
                 (0..groups)
-                    .map(|rg| add(rg..rg + 1, ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
+                    .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
                     .collect()
             } else {
-                vec![add(0..groups, pf)]
+                vec![add(None, pf)]
             };
             by_file.insert(f.index, mine);
         }
         let pq = asm.dataset();
-        let mut by_unit = Vec::with_capacity(pq.unit_rows().len());
-        for u in 0..pq.unit_rows().len() {
-            let (fi, rg) = pq.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
-            let first = first_copy.get(fi).copied().ok_or_else(|| Error::Internal(format!("no file {fi}")))?;
-            by_unit.push(if per_row_group && files[fi].table.num_row_groups() > 1 { first + rg } else { first });
-        }
+        let by_unit = (0..pq.unit_rows().len())
+            .map(|u| {
+                let (fi, rg) = pq.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
+                let file = files.get(fi).ok_or_else(|| Error::Internal(format!("no file {fi} of plan unit {u}")))?;
+                let mine = by_file.get(&file.index).map_or(&[][..], Vec::as_slice);
+                copy_in(mine, rg)
+                    .ok_or_else(|| Error::Internal(format!("{}: no column-chunk copy of row group {rg}", file.name)))
+            })
+            .collect::<Result<Vec<usize>>>()?;
         // What each way would still download, given what the node cache holds now.
         let copies_missing: u64 = copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.pf.len()).sum();
         let wholes_missing: u64 =
@@ -166,9 +162,10 @@ impl ProjectedReads {
 
     /// The copy holding row group `rg` of file `shard`.
     fn copy_of(&self, shard: usize, rg: usize) -> Result<usize> {
-        let mine = self.file_copies(shard);
-        let c = if mine.len() > 1 { mine.get(rg) } else { mine.first() };
-        c.copied().ok_or_else(|| Error::Internal(format!("no column-chunk copy of file {shard}, row group {rg}")))
+        copy_in(self.file_copies(shard), rg).ok_or_else(|| {
+            let url = self.ds.shards.get(shard).map(|m| m.url()).unwrap_or_else(|| format!("file {shard}"));
+            Error::Internal(format!("{url}: no column-chunk copy of row group {rg}"))
+        })
     }
 
     /// The copies plan units `units` read, each once, in the order first read.
@@ -185,11 +182,6 @@ impl ProjectedReads {
     /// True when copy `c` is in the node cache, ready to read.
     pub fn copy_ready(&self, c: usize) -> bool {
         self.copies.get(c).is_some_and(|c| self.ds.is_cached(&c.key))
-    }
-
-    /// How many copies there are (copies are numbered from 0).
-    pub fn copies(&self) -> usize {
-        self.copies.len()
     }
 
     /// The copy a prefetcher's or staging's use `n` names: file `n`'s copy or, a copy per row
@@ -219,6 +211,11 @@ impl ProjectedReads {
     pub fn reader(&self) -> ProjectedReader<'_> {
         ProjectedReader { reads: self, open: Mutex::new(HashMap::new()), fetched: AtomicBool::new(false) }
     }
+}
+
+/// Among a file's copies (one, or one per row group), the one holding row group `rg`.
+fn copy_in(mine: &[usize], rg: usize) -> Option<usize> {
+    if mine.len() > 1 { mine.get(rg) } else { mine.first() }.copied()
 }
 
 /// Whether the node cache's whole copy of S3 file `i` may serve a projection in place of its

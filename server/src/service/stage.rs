@@ -105,26 +105,19 @@ impl Staging {
     fn order(&self, ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
         match self {
             Staging::Whole => epoch_order(ds, req, false),
-            Staging::Columns(reads) => {
-                let uses = epoch_order(ds, req, reads.per_row_group())?;
-                let mut seen = vec![false; reads.copies()];
-                let mut order = Vec::with_capacity(seen.len());
-                for c in uses.into_iter().filter_map(|n| reads.copy_of_use(n)) {
-                    if seen.get(c).is_some_and(|s| !s) {
-                        seen[c] = true;
-                        order.push(c);
-                    }
-                }
-                Ok(order)
-            }
+            // Each use (a file, or a row group) names one copy of its own, each use once.
+            Staging::Columns(reads) => Ok(epoch_order(ds, req, reads.per_row_group())?
+                .into_iter()
+                .filter_map(|n| reads.copy_of_use(n))
+                .collect()),
         }
     }
 
-    /// What the progress calls an item.
+    /// What the progress counts, as `PrefetchProgress.unit` says it: empty for shards.
     fn unit(&self) -> &'static str {
         match self {
             Staging::Columns(reads) if reads.per_row_group() => "row groups",
-            _ => "shards",
+            _ => "",
         }
     }
 
@@ -246,10 +239,7 @@ async fn run(
 ) {
     let head = &order[..limit];
     let mut progress = PrefetchProgress {
-        unit: match staging.unit() {
-            "shards" => String::new(),
-            unit => unit.to_owned(),
-        },
+        unit: staging.unit().to_owned(),
         shards_total: head.len() as u64,
         bytes_total: head.iter().map(|&i| staging.len(&ds, i)).sum(),
         ..Default::default()

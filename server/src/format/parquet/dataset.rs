@@ -666,14 +666,14 @@ impl BatchAssembler {
         super::kept::load_or_discard(&**kept, file.index, rg, &file.name, opened, batch.schema_ref(), batch.num_rows())
     }
 
-    /// Plan unit `u` when it is decoded already (and need not be kept now: see
-    /// [`Self::row_group`]).
     /// True when plan unit `u` is decoded in memory: a batch drawing on it reads no file bytes
     /// for it (unless the decoded row group leaves memory before the batch takes it).
     pub fn is_decoded(&self, u: usize) -> bool {
         self.cached(u).is_some()
     }
 
+    /// Plan unit `u` when it is decoded already (and need not be kept now: see
+    /// [`Self::row_group`]).
     fn cached(&self, u: usize) -> Option<Arc<RecordBatch>> {
         let (fi, rg) = self.dataset.unit(u)?;
         if self.spills() && self.keeping.get(u).is_some_and(|s| s.load(Relaxed) == UNKEPT) {
