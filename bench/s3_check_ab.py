@@ -44,29 +44,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def write_files(bucket: Path, rng: np.random.Generator, checksums: bool = False) -> None:
+    """`FILES` files x `ROWS` rows of `id`, `label`, a 5 KB `blob` and a 10 KB `other`, row groups
+    of 500, stored plain, into `bucket` (also `small_cache_ab.py`'s set)."""
+    bucket.mkdir(parents=True)
+    for k in range(FILES):
+        ids = np.arange(k * ROWS, (k + 1) * ROWS)
+        table = pa.table(
+            {
+                "id": ids,
+                "label": (ids % 10).astype(np.int32),
+                "blob": pa.array([rng.bytes(5000) for _ in ids], pa.binary()),
+                "other": pa.array([rng.bytes(10000) for _ in ids], pa.binary()),
+            }
+        )
+        pq.write_table(
+            table,
+            bucket / f"part-{k:02d}.parquet",
+            row_group_size=500,
+            compression="none",
+            use_dictionary=False,
+            write_page_checksum=checksums,
+        )
+
+
 def write_sets(s3: S3Server) -> None:
     rng = np.random.default_rng(1)
     for checksums in (False, True):
-        bucket = s3.bucket("data") / ("crc" if checksums else "plain")
-        bucket.mkdir(parents=True)
-        for k in range(FILES):
-            ids = np.arange(k * ROWS, (k + 1) * ROWS)
-            table = pa.table(
-                {
-                    "id": ids,
-                    "label": (ids % 10).astype(np.int32),
-                    "blob": pa.array([rng.bytes(5000) for _ in ids], pa.binary()),
-                    "other": pa.array([rng.bytes(10000) for _ in ids], pa.binary()),
-                }
-            )
-            pq.write_table(
-                table,
-                bucket / f"part-{k:02d}.parquet",
-                row_group_size=500,
-                compression="none",
-                use_dictionary=False,
-                write_page_checksum=checksums,
-            )
+        write_files(s3.bucket("data") / ("crc" if checksums else "plain"), rng, checksums)
 
 
 def main() -> int:

@@ -6,6 +6,8 @@ Cases, each on a fresh daemon with a node cache smaller than what the epochs rea
 - `parquet-cols`: 16 Parquet files x 2,000 rows (`id`, `label`, a 5 KB `blob`, a 10 KB `other`;
   row groups of 500, stored plain), a stream of `id,blob` (column-chunk copies), a cache of 3/4 of
   those columns' chunks;
+- `parquet-cols-staged`: the same, the cache first staged by `shardstream prefetch --fields
+  id,blob` (the epoch's first row groups, until it is full);
 - `parquet-all`: the same files, every column (whole files), a cache of 3/4 of the files;
 - `parquet-all-mp`: the same, through a proxy that gives every ETag a multipart upload's form
   (`tests/chaos/proxy.py`), as large files get from `aws s3 cp`: no MD5 checks a whole file;
@@ -37,8 +39,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -46,39 +46,20 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gen  # noqa: E402
 from chaos.proxy import FaultProxy  # noqa: E402
+from parquet_bench import chunk_bytes  # noqa: E402
+from s3_check_ab import FILES, ROWS, write_files  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 import shardstream  # noqa: E402
 from conftest import Daemon  # noqa: E402
 
-FILES, ROWS, GROUP = 16, 2000, 500
 BATCH = 256
 
 
 def write_parquet(bucket: Path) -> tuple[int, int]:
     """The Parquet set; (bytes of the `id,blob` chunks, bytes of the files)."""
-    bucket.mkdir(parents=True)
-    rng = np.random.default_rng(1)
-    selected = 0
-    for k in range(FILES):
-        ids = np.arange(k * ROWS, (k + 1) * ROWS)
-        table = pa.table(
-            {
-                "id": ids,
-                "label": (ids % 10).astype(np.int32),
-                "blob": pa.array([rng.bytes(5000) for _ in ids], pa.binary()),
-                "other": pa.array([rng.bytes(10000) for _ in ids], pa.binary()),
-            }
-        )
-        path = bucket / f"part-{k:02d}.parquet"
-        pq.write_table(table, path, row_group_size=GROUP, compression="none", use_dictionary=False)
-        md = pq.ParquetFile(path).metadata
-        for g in range(md.num_row_groups):
-            for c in range(md.num_columns):
-                col = md.row_group(g).column(c)
-                if col.path_in_schema in ("id", "blob"):
-                    selected += col.total_compressed_size
-    return selected, sum(p.stat().st_size for p in bucket.iterdir())
+    write_files(bucket, np.random.default_rng(1))
+    return chunk_bytes(bucket, ["id", "blob"]), sum(p.stat().st_size for p in bucket.iterdir())
 
 
 def epoch(addr: str, url: str, e: int, fields: list[str] | None, pause: float) -> int:
@@ -120,8 +101,10 @@ def main() -> int:
     proxy = FaultProxy(s3.port, rate=0.0, multipart=True).start()
     multipart = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
     # (url, fields, cache bytes, bytes an epoch reads, rows an epoch delivers, environment)
+    cols = ("s3://bench/pq/", ["id", "blob"], selected * 3 // 4, selected, FILES * ROWS, s3.env())
     cases = {
-        "parquet-cols": ("s3://bench/pq/", ["id", "blob"], selected * 3 // 4, selected, FILES * ROWS, s3.env()),
+        "parquet-cols": cols,
+        "parquet-cols-staged": cols,
         "parquet-all": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, s3.env()),
         "parquet-all-mp": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, multipart),
         "tar": ("s3://bench/wds/", None, tar_bytes // 2, tar_bytes, spec.samples, s3.env()),
@@ -140,6 +123,14 @@ def main() -> int:
                         d = Daemon(tmp / f"d-{name}", binary=binary, env=env, args=["--cache-size", str(cache)])
                         d.start()
                         try:
+                            if case.endswith("-staged"):
+                                staged = subprocess.run(
+                                    [binary, "prefetch", "--connect", d.addr, "--fields", ",".join(fields or []), url],
+                                    capture_output=True,
+                                    text=True,
+                                    env={**os.environ, **env},
+                                )
+                                assert staged.returncode == 0, staged.stderr
                             got, secs = [], []
                             for e in range(2):
                                 before = d.status()["storage_bytes"]

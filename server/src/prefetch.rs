@@ -587,21 +587,23 @@ impl Prefetcher {
 /// needed that the cache can hold together, counting what it holds already: a fetch past that
 /// could only evict what is needed after it, which is itself wanted and fetched again a tick
 /// later, evicting the next. With a cache smaller than an epoch, the row groups at the edge of
-/// what fits chased each other out: a staged cache was fetched over almost whole again in the
-/// epoch after (0.95x of it, for a trainer at 1,000 rows/s). A key wanted by several consumers
-/// counts once.
+/// what fits chased each other out: a staged cache's first epoch at a trainer's pace fetched
+/// 0.79x of the chunks where 0.25x were missing, 0.59x with the cut (bench/S3_RESULTS.md, "The
+/// prefetcher's cut"). A key wanted by several consumers counts once.
 fn soonest_that_fit(wanted: &mut Vec<(f64, String, u64)>, capacity: u64) {
-    let mut seen: HashSet<String> = HashSet::new();
-    let mut held = 0u64;
-    let fits = wanted
-        .iter()
-        .take_while(|(_, key, bytes)| {
-            if seen.insert(key.clone()) {
-                held = held.saturating_add(*bytes);
-            }
-            held <= capacity
-        })
-        .count();
+    let fits = {
+        let mut seen: HashSet<&str> = HashSet::new();
+        let mut held = 0u64;
+        wanted
+            .iter()
+            .take_while(|(_, key, bytes)| {
+                if seen.insert(key.as_str()) {
+                    held = held.saturating_add(*bytes);
+                }
+                held <= capacity
+            })
+            .count()
+    };
     wanted.truncate(fits);
 }
 
