@@ -15,13 +15,19 @@
 //! With the LRU policy (kept for comparison) the prefetcher only reads ahead each consumer's next
 //! [`MIN_AHEAD`] shards, like a streaming loader without knowledge of the future would.
 //!
+//! A tick walks each consumer's horizon; once a [`FULL_WALK`] it walks every future whole for
+//! the next use of everything cached. Consumers with one future and the same keys (a rank's
+//! workers) are walked as one.
+//!
 //! One thread runs the loop; fetches run on up to `parallel` threads of their own. Lock order:
 //! consumers -> (released) -> node cache table; the snapshot lock is never held with another.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant};
+
+use foldhash::{HashMap as FoldMap, HashSet as FoldSet};
 
 use crate::cache::table::{Eviction, Policy};
 use crate::cache::{NodeCache, Want};
@@ -40,6 +46,14 @@ const DEFAULT_RATE: f64 = 1000.0;
 
 /// How often the plan is recomputed without an event (new consumer, fetch done, progress).
 const TICK: Duration = Duration::from_millis(100);
+
+/// How often a tick walks every consumer's whole future: the next use of everything cached (the
+/// order Belady's rule evicts in) and the horizon reported. The ticks between walk each
+/// consumer's horizon only, and refresh the next uses of what lies in it: a second's staleness
+/// shifts every later use alike, and a use that passed meanwhile leaves its key looking needed
+/// for a second at most. Walking everything every tick kept most of a core busy with 16 streams
+/// over 32,000 row groups (bench/S3_RESULTS.md, "What a stream costs").
+const FULL_WALK: Duration = Duration::from_secs(1);
 
 /// How long a shard whose prefetch failed is left to the streams before it is prefetched again: a
 /// changed or damaged object fails every try (each up to three downloads), and retrying it every
@@ -182,7 +196,7 @@ impl UseSpans {
 /// what a use names, a shard or, for a stream that caches a row group at a time, a plan unit (a
 /// Parquet row group: the consumer's uses are then [`uses_streamed`]'s `by_unit`).
 pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
-    fn key(&self, n: usize) -> Option<String>;
+    fn key(&self, n: usize) -> Option<&str>;
     /// True when the copy is in the cache; false when the cache gave up (no room, or another fill
     /// of it under way).
     fn fetch(&self, n: usize, want: Want) -> crate::Result<bool>;
@@ -190,6 +204,61 @@ pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
     fn shard(&self, n: usize) -> Option<usize>;
     /// The bytes of what `n` names in the cache.
     fn len(&self, n: usize) -> u64;
+    /// Equal for two fetchers that name the same keys for the same uses (streams sharing one
+    /// plan of copies): the tick walks consumers with the same future and keys once.
+    fn keys_id(&self) -> usize;
+}
+
+/// A consumer's future: its uses this epoch, then the next epoch's (positions offset by this
+/// epoch's length), ordered by first use. Both halves are shared by a rank's workers and
+/// streams (`service::uses`), not copied per stream: a plan of a million row groups is tens of
+/// megabytes of uses.
+#[derive(Debug, Clone)]
+pub struct Future {
+    this: Arc<[ShardUse]>,
+    next: Arc<[ShardUse]>,
+    /// Where the next epoch's positions start.
+    len: u64,
+}
+
+impl Future {
+    /// `this` epoch's uses, then `next`'s from position `len` on.
+    pub fn new(this: Arc<[ShardUse]>, next: Arc<[ShardUse]>, len: u64) -> Self {
+        Self { this, next, len }
+    }
+
+    /// The uses from the `i`-th on.
+    fn iter_from(&self, i: usize) -> impl Iterator<Item = ShardUse> + '_ {
+        let len = self.len;
+        let (this, next) = (self.this.get(i..).unwrap_or(&[]), self.next.get(i.saturating_sub(self.this.len())..));
+        let next = next.unwrap_or(&[]).iter().map(move |u| ShardUse { first: u.first + len, last: u.last + len, ..*u });
+        this.iter().copied().chain(next)
+    }
+
+    /// The `i`-th use.
+    fn get(&self, i: usize) -> Option<ShardUse> {
+        match self.this.get(i) {
+            Some(u) => Some(*u),
+            None => {
+                let u = self.next.get(i - self.this.len())?;
+                Some(ShardUse { first: u.first + self.len, last: u.last + self.len, ..*u })
+            }
+        }
+    }
+
+    fn last(&self) -> Option<ShardUse> {
+        match self.next.last() {
+            Some(u) => Some(ShardUse { first: u.first + self.len, last: u.last + self.len, ..*u }),
+            None => self.this.last().copied(),
+        }
+    }
+}
+
+/// A single epoch's uses (tests).
+impl From<Vec<ShardUse>> for Future {
+    fn from(uses: Vec<ShardUse>) -> Self {
+        Self { this: uses.into(), next: Arc::new([]), len: 0 }
+    }
 }
 
 /// One active stream as the prefetcher sees it.
@@ -198,7 +267,9 @@ pub struct Consumer {
     dataset: Arc<Dataset>,
     /// Set when the stream caches column chunks instead of whole shards.
     projected: Option<Arc<dyn ProjectedFetch>>,
-    uses: Vec<ShardUse>,
+    uses: Future,
+    /// Uses before this index end before `position` (the tick skips them; positions only grow).
+    done: AtomicUsize,
     /// Samples of its rank sequence consumed so far (where its next batch starts).
     position: AtomicU64,
     rate: Mutex<Rate>,
@@ -276,6 +347,35 @@ impl Consumer {
     fn rate(&self) -> f64 {
         self.rate.lock().unwrap_or_else(|p| p.into_inner()).samples_per_s.max(1.0)
     }
+
+    /// The index of its first use that does not end before `pos`, the uses before it skipped
+    /// for good.
+    fn skip_done(&self, pos: u64) -> usize {
+        let mut i = self.done.load(Relaxed);
+        while self.uses.get(i).is_some_and(|u| u.last < pos) {
+            i += 1;
+        }
+        self.done.fetch_max(i, Relaxed).max(i)
+    }
+
+    /// The cache key of what use `n` names.
+    fn key(&self, n: usize) -> Option<&str> {
+        match &self.projected {
+            Some(p) => p.key(n),
+            None => self.dataset.cache_key(n),
+        }
+    }
+
+    /// Equal for consumers with the same future and keys (a rank's workers).
+    fn walk_id(&self) -> (usize, usize, u64, usize) {
+        let keys = self.projected.as_ref().map_or(Arc::as_ptr(&self.dataset) as usize, |p| p.keys_id());
+        (
+            Arc::as_ptr(&self.uses.this).cast::<()>() as usize,
+            Arc::as_ptr(&self.uses.next).cast::<()>() as usize,
+            self.uses.len,
+            keys,
+        )
+    }
 }
 
 /// Unregisters its consumer when the stream ends, however it ends.
@@ -290,6 +390,7 @@ impl Drop for ConsumerGuard {
     fn drop(&mut self) {
         if let Some(p) = self.prefetcher.upgrade() {
             p.lock_consumers().remove(&self.id);
+            p.generation.fetch_add(1, Relaxed);
             p.wake();
         }
     }
@@ -320,8 +421,12 @@ pub struct Prefetcher {
     config: PrefetchConfig,
     consumers: Mutex<HashMap<u64, Arc<Consumer>>>,
     next_id: AtomicU64,
+    /// Bumped when a consumer comes or goes: the next tick walks every future whole.
+    generation: AtomicU64,
+    /// When the last whole walk ran, and the generation it saw.
+    walked: Mutex<Option<(Instant, u64)>>,
     /// Cache key -> seconds until its next use by any consumer (as of the last tick).
-    next_use: RwLock<HashMap<String, f64>>,
+    next_use: RwLock<FoldMap<String, f64>>,
     inflight: Mutex<HashSet<String>>,
     /// Shards whose prefetch failed, and when they may be tried again ([`FAILED_RETRY`]).
     failed: Mutex<HashMap<String, Instant>>,
@@ -368,6 +473,8 @@ impl Prefetcher {
             config,
             consumers: Mutex::default(),
             next_id: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            walked: Mutex::new(None),
             next_use: RwLock::default(),
             inflight: Mutex::default(),
             failed: Mutex::default(),
@@ -403,7 +510,7 @@ impl Prefetcher {
     pub fn register(
         self: &Arc<Self>,
         dataset: Arc<Dataset>,
-        uses: Vec<ShardUse>,
+        uses: impl Into<Future>,
         position: u64,
         rank: u32,
         worker: u32,
@@ -412,7 +519,8 @@ impl Prefetcher {
         let consumer = Arc::new(Consumer {
             dataset,
             projected,
-            uses,
+            uses: uses.into(),
+            done: AtomicUsize::new(0),
             position: AtomicU64::new(position),
             rate: Mutex::new(Rate::new()),
             rank,
@@ -421,6 +529,7 @@ impl Prefetcher {
         });
         let id = self.next_id.fetch_add(1, Relaxed);
         self.lock_consumers().insert(id, consumer.clone());
+        self.generation.fetch_add(1, Relaxed);
         // Plan at once, so the first shards are on their way before the first batch asks.
         self.tick();
         self.wake();
@@ -447,62 +556,38 @@ impl Prefetcher {
         }
     }
 
-    /// One planning round: recompute every cached shard's next use, start fetches, measure the
-    /// horizon.
+    /// One planning round: start fetches for what each consumer needs within its horizon and,
+    /// once a [`FULL_WALK`], recompute every cached shard's next use and measure the horizon.
+    /// Keys are borrowed from the consumers' plans and hashed with foldhash, never allocated per
+    /// use.
     fn tick(self: &Arc<Self>) {
         let consumers: Vec<Arc<Consumer>> = self.lock_consumers().values().cloned().collect();
         let clairvoyant = self.cache.policy() == Policy::Belady;
         let horizon = self.config.horizon.as_secs_f64();
-        // key -> (seconds until next use, the consumer, what the use names: a shard, or a plan
-        // unit for a stream caching a row group at a time)
-        let mut next: HashMap<String, (f64, Arc<Consumer>, usize)> = HashMap::new();
-        // (seconds until next use, key, bytes)
-        let mut wanted: Vec<(f64, String, u64)> = Vec::new();
-        let mut horizon_s = f64::INFINITY;
-        for c in &consumers {
-            let (pos, rate) = (c.position.load(Relaxed), c.rate());
-            let mut ahead = 0usize;
-            // A shard's later stretches (Parquet) are not more shards ahead.
-            let mut counted: HashSet<u32> = HashSet::new();
-            let mut ready_until: Option<f64> = None;
-            for u in c.uses.iter().filter(|u| u.last >= pos) {
-                let shard = u.shard as usize;
-                let key = match &c.projected {
-                    Some(p) => p.key(shard),
-                    None => c.dataset.cache_key(shard).map(str::to_owned),
-                };
-                let Some(key) = key else { continue };
-                let key = key.as_str();
-                let secs = u.first.saturating_sub(pos) as f64 / rate;
-                let e = next.entry(key.to_owned()).or_insert((secs, c.clone(), shard));
-                if secs < e.0 {
-                    *e = (secs, c.clone(), shard);
-                }
-                if ready_until.is_none() && !self.cache.is_ready(key) {
-                    ready_until = Some(secs);
-                }
-                let within = if clairvoyant { secs <= horizon || ahead < MIN_AHEAD } else { ahead < MIN_AHEAD };
-                if within {
-                    let bytes = match &c.projected {
-                        Some(p) => p.len(shard),
-                        None => c.dataset.shards.get(shard).map_or(0, |m| m.len),
-                    };
-                    wanted.push((secs, key.to_owned(), bytes));
-                }
-                if counted.insert(u.shard) {
-                    ahead += 1;
+        let whole = {
+            let generation = self.generation.load(Relaxed);
+            let mut walked = self.walked.lock().unwrap_or_else(|p| p.into_inner());
+            let due = walked.is_none_or(|(at, g)| g != generation || at.elapsed() >= FULL_WALK);
+            if due {
+                *walked = Some((Instant::now(), generation));
+            }
+            due
+        };
+        let groups = walk_groups(&consumers);
+        let (next, mut wanted) = within_horizon(&consumers, &groups, clairvoyant, horizon);
+        if whole {
+            self.walk_whole(&consumers, &groups);
+        } else {
+            let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
+            for (k, (secs, _, _)) in &next {
+                match next_use.get_mut(*k) {
+                    Some(s) => *s = *secs,
+                    None => {
+                        next_use.insert((*k).to_owned(), *secs);
+                    }
                 }
             }
-            // All of its future is cached: the horizon is the rest of its order.
-            let ready =
-                ready_until.unwrap_or_else(|| c.uses.last().map_or(0.0, |u| u.last.saturating_sub(pos) as f64 / rate));
-            horizon_s = horizon_s.min(ready);
         }
-        let horizon_s = if horizon_s.is_finite() { horizon_s } else { 0.0 };
-        *self.horizon_s.lock().unwrap_or_else(|p| p.into_inner()) = horizon_s;
-        crate::metrics::prefetch_horizon(horizon_s);
-        *self.next_use.write().unwrap_or_else(|p| p.into_inner()) =
-            next.iter().map(|(k, (s, _, _))| (k.clone(), *s)).collect();
 
         wanted.sort_by(|a, b| a.0.total_cmp(&b.0));
         soonest_that_fit(&mut wanted, self.cache.capacity());
@@ -516,10 +601,7 @@ impl Prefetcher {
         for (secs, key, _) in wanted {
             // Backed off after its own failure, or after a stream's (the prefetch gave the fill
             // to a stream, which then failed it).
-            if self.cache.is_present(&key)
-                || backed_off.contains(&key)
-                || self.cache.failed_recently(&key, FAILED_RETRY)
-            {
+            if self.cache.is_present(key) || backed_off.contains(key) || self.cache.failed_recently(key, FAILED_RETRY) {
                 continue;
             }
             {
@@ -527,11 +609,14 @@ impl Prefetcher {
                 if inflight.len() >= self.config.parallel.max(1) {
                     break;
                 }
-                if !inflight.insert(key.clone()) {
+                if inflight.contains(key) {
                     continue;
                 }
+                inflight.insert(key.to_owned());
             }
-            let Some((_, c, shard)) = next.get(&key).cloned() else { continue };
+            let Some(&(_, ci, shard)) = next.get(key) else { continue };
+            let Some(c) = consumers.get(ci).cloned() else { continue };
+            let key = key.to_owned();
             let ds = c.dataset.clone();
             let me = self.clone();
             let fetching = key.clone();
@@ -583,6 +668,159 @@ impl Prefetcher {
     }
 }
 
+/// Key -> (seconds until its next use, the consumer's index, what the use names).
+type Near<'a> = FoldMap<&'a str, (f64, usize, usize)>;
+/// (seconds until next use, key, bytes), a use at a time.
+type Wanted<'a> = Vec<(f64, &'a str, u64)>;
+
+/// What each consumer needs within its horizon (and the first [`MIN_AHEAD`] shards it has
+/// ahead, whatever the horizon): key -> (seconds until its next use there, the consumer's index,
+/// what the use names: a shard, or a plan unit for a stream caching a row group at a time), and
+/// the (seconds, key, bytes) of every such use, a group's (see [`walk_groups`]) at the soonest
+/// of its members.
+fn within_horizon<'a>(
+    consumers: &'a [Arc<Consumer>],
+    groups: &[Vec<usize>],
+    clairvoyant: bool,
+    horizon: f64,
+) -> (Near<'a>, Wanted<'a>) {
+    let mut next = Near::default();
+    let mut wanted = Wanted::new();
+    for members in groups {
+        let Some(lead) = members.first().and_then(|&ci| consumers.get(ci)) else { continue };
+        let mut at: Vec<Ahead> = members
+            .iter()
+            .filter_map(|&ci| consumers.get(ci).map(|c| (ci, c)))
+            .map(|(ci, c)| {
+                let pos = c.position.load(Relaxed);
+                Ahead { ci, pos, rate: c.rate(), start: c.skip_done(pos), shards: Vec::new(), done: false }
+            })
+            .collect();
+        let start = at.iter().map(|a| a.start).min().unwrap_or(0);
+        for u in lead.uses.iter_from(start) {
+            if at.iter().all(|a| a.done) {
+                break;
+            }
+            let shard = u.shard as usize;
+            let Some(key) = lead.key(shard) else { continue };
+            // The soonest of the members that want it: (seconds, consumer).
+            let mut soonest: Option<(f64, usize)> = None;
+            for a in at.iter_mut().filter(|a| !a.done && u.last >= a.pos) {
+                let secs = u.first.saturating_sub(a.pos) as f64 / a.rate;
+                // Uses are in order of first use: past the horizon (and the first shards
+                // every consumer has ahead) all the rest are too.
+                let ahead = a.shards.len();
+                let within = if clairvoyant { secs <= horizon || ahead < MIN_AHEAD } else { ahead < MIN_AHEAD };
+                if !within {
+                    a.done = true;
+                    continue;
+                }
+                if soonest.is_none_or(|(s, _)| secs < s) {
+                    soonest = Some((secs, a.ci));
+                }
+                // A shard's later stretches (Parquet) are not more shards ahead.
+                if ahead < MIN_AHEAD && !a.shards.contains(&u.shard) {
+                    a.shards.push(u.shard);
+                }
+            }
+            let Some((secs, ci)) = soonest else { continue };
+            let e = next.entry(key).or_insert((secs, ci, shard));
+            if secs < e.0 {
+                *e = (secs, ci, shard);
+            }
+            let bytes = match &lead.projected {
+                Some(p) => p.len(shard),
+                None => lead.dataset.shards.get(shard).map_or(0, |m| m.len),
+            };
+            wanted.push((secs, key, bytes));
+        }
+    }
+    (next, wanted)
+}
+
+/// One consumer of a group as a tick walks its horizon.
+struct Ahead {
+    /// Its index among the tick's consumers.
+    ci: usize,
+    pos: u64,
+    rate: f64,
+    /// Its first use not ended ([`Consumer::skip_done`]).
+    start: usize,
+    /// The first [`MIN_AHEAD`] distinct shards it has ahead.
+    shards: Vec<u32>,
+    /// Past its horizon: the rest of its uses are not wanted now.
+    done: bool,
+}
+
+/// The tick's consumers (indices) grouped by future and keys ([`Consumer::walk_id`]): a rank's
+/// workers are walked once, each use's next time the soonest among them.
+fn walk_groups(consumers: &[Arc<Consumer>]) -> Vec<Vec<usize>> {
+    let mut groups: FoldMap<(usize, usize, u64, usize), Vec<usize>> = FoldMap::default();
+    for (ci, c) in consumers.iter().enumerate() {
+        groups.entry(c.walk_id()).or_default().push(ci);
+    }
+    groups.into_values().collect()
+}
+
+impl Prefetcher {
+    /// Walks every consumer's whole future: the next use of every key any of them will read
+    /// (the order eviction follows) and the seconds of data ready ahead of the least-served.
+    /// Consumers with the same future and keys (a rank's workers) are walked once, each use's
+    /// next time the soonest among them.
+    fn walk_whole(&self, consumers: &[Arc<Consumer>], groups: &[Vec<usize>]) {
+        let mut next: FoldMap<&str, f64> = FoldMap::default();
+        let mut horizon_s = f64::INFINITY;
+        for members in groups {
+            let members: Vec<&Arc<Consumer>> = members.iter().filter_map(|&ci| consumers.get(ci)).collect();
+            let Some(lead) = members.first() else { continue };
+            // (position, rate, seconds until its first use not ready)
+            let mut at: Vec<(u64, f64, Option<f64>)> =
+                members.iter().map(|c| (c.position.load(Relaxed), c.rate(), None)).collect();
+            let start = members.iter().zip(&at).map(|(c, a)| c.skip_done(a.0)).min().unwrap_or(0);
+            let mut unready = members.len();
+            for u in lead.uses.iter_from(start) {
+                let secs = at
+                    .iter()
+                    .filter(|a| u.last >= a.0)
+                    .map(|a| u.first.saturating_sub(a.0) as f64 / a.1)
+                    .fold(f64::INFINITY, f64::min);
+                if secs == f64::INFINITY {
+                    continue;
+                }
+                let Some(key) = lead.key(u.shard as usize) else { continue };
+                let e = next.entry(key).or_insert(secs);
+                *e = e.min(secs);
+                if unready > 0 && !self.cache.is_ready(key) {
+                    for a in at.iter_mut().filter(|a| a.2.is_none() && u.last >= a.0) {
+                        a.2 = Some(u.first.saturating_sub(a.0) as f64 / a.1);
+                        unready -= 1;
+                    }
+                }
+            }
+            for (pos, rate, ready) in at {
+                // All of its future is cached: the horizon is the rest of its order.
+                let ready =
+                    ready.unwrap_or_else(|| lead.uses.last().map_or(0.0, |u| u.last.saturating_sub(pos) as f64 / rate));
+                horizon_s = horizon_s.min(ready);
+            }
+        }
+        let horizon_s = if horizon_s.is_finite() { horizon_s } else { 0.0 };
+        *self.horizon_s.lock().unwrap_or_else(|p| p.into_inner()) = horizon_s;
+        crate::metrics::prefetch_horizon(horizon_s);
+        // Updated in place: a key still in the future keeps its allocation from walk to walk.
+        let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
+        next_use.retain(|k, _| next.contains_key(k.as_str()));
+        for (k, secs) in next {
+            match next_use.get_mut(k) {
+                Some(s) => *s = secs,
+                None => {
+                    next_use.insert(k.to_owned(), secs);
+                }
+            }
+        }
+    }
+}
+
 /// Cuts `wanted` (seconds until next use, cache key, bytes; sorted by the first) to the soonest
 /// needed that the cache can hold together, counting what it holds already: a fetch past that
 /// could only evict what is needed after it, which is itself wanted and fetched again a tick
@@ -590,14 +828,14 @@ impl Prefetcher {
 /// what fits chased each other out: a staged cache's first epoch at a trainer's pace fetched
 /// 0.79x of the chunks where 0.25x were missing, 0.59x with the cut (bench/S3_RESULTS.md, "The
 /// prefetcher's cut"). A key wanted by several consumers counts once.
-fn soonest_that_fit(wanted: &mut Vec<(f64, String, u64)>, capacity: u64) {
+fn soonest_that_fit(wanted: &mut Vec<(f64, &str, u64)>, capacity: u64) {
     let fits = {
-        let mut seen: HashSet<&str> = HashSet::new();
+        let mut seen: FoldSet<&str> = FoldSet::default();
         let mut held = 0u64;
         wanted
             .iter()
             .take_while(|(_, key, bytes)| {
-                if seen.insert(key.as_str()) {
+                if seen.insert(*key) {
                     held = held.saturating_add(*bytes);
                 }
                 held <= capacity
@@ -632,14 +870,178 @@ fn run(weak: Weak<Prefetcher>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::{Backends, Registry};
+
+    /// A local TAR dataset of `shards` shards of 10 samples read through a node cache (copy
+    /// mode), the cache, and the directories holding them.
+    fn copied(shards: usize) -> (tempfile::TempDir, Arc<NodeCache>, Arc<Dataset>) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("d");
+        std::fs::create_dir_all(&dir).unwrap();
+        for s in 0..shards {
+            let mut b = tar::Builder::new(std::fs::File::create(dir.join(format!("p-{s:03}.tar"))).unwrap());
+            for i in 0..10 {
+                let mut h = tar::Header::new_gnu();
+                h.set_size(1);
+                h.set_mode(0o644);
+                h.set_cksum();
+                b.append_data(&mut h, format!("k{s:03}_{i:02}.bin"), &[i as u8][..]).unwrap();
+            }
+            b.finish().unwrap();
+        }
+        let cache = NodeCache::open(&tmp.path().join("cache"), Some(1 << 30), Policy::Belady).unwrap();
+        let backends = Backends::new(Some(cache.clone()), crate::storage::s3::S3Options::default(), None);
+        let ds = Registry::new(None, Arc::new(backends)).open(&dir.display().to_string(), "copy").unwrap();
+        (tmp, cache, ds)
+    }
+
+    fn span(shard: u32, first: u64, last: u64) -> ShardUse {
+        ShardUse { shard, first, last }
+    }
+
+    #[test]
+    fn a_future_reads_on_into_the_next_epoch() {
+        let f = Future::new(vec![span(0, 0, 9), span(1, 5, 19)].into(), vec![span(1, 0, 4), span(2, 3, 9)].into(), 20);
+        let all: Vec<ShardUse> = f.iter_from(0).collect();
+        assert_eq!(all, [span(0, 0, 9), span(1, 5, 19), span(1, 20, 24), span(2, 23, 29)]);
+        assert_eq!(f.iter_from(3).collect::<Vec<_>>(), [span(2, 23, 29)]);
+        assert_eq!(f.iter_from(9).count(), 0);
+        assert_eq!((f.get(2), f.get(4)), (Some(span(1, 20, 24)), None));
+        assert_eq!(f.last(), Some(span(2, 23, 29)));
+    }
+
+    fn consumer(ds: &Arc<Dataset>, uses: Future, pos: u64) -> Arc<Consumer> {
+        Arc::new(Consumer {
+            dataset: ds.clone(),
+            projected: None,
+            uses,
+            done: AtomicUsize::new(0),
+            position: AtomicU64::new(pos),
+            rate: Mutex::new(Rate::new()),
+            rank: 0,
+            worker: 0,
+            waited_us: AtomicU64::new(0),
+        })
+    }
+
+    /// Stretches of `shards` shards over `len` positions, in order of first use (as
+    /// `uses_streamed` gives them), from a seed.
+    fn random_uses(seed: &mut u64, shards: u32, len: u64) -> Vec<ShardUse> {
+        let mut next = || {
+            *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            *seed >> 33
+        };
+        let mut uses: Vec<ShardUse> = (0..40)
+            .map(|_| {
+                let first = next() % len;
+                span((next() % u64::from(shards)) as u32, first, (first + next() % 30).min(len - 1))
+            })
+            .collect();
+        uses.sort_by_key(|u| (u.first, u.shard));
+        uses
+    }
+
+    #[test]
+    fn a_group_walked_once_wants_what_each_of_its_members_wants() {
+        let (_tmp, _cache, ds) = copied(12);
+        let mut seed = 7u64;
+        for round in 0..50 {
+            // Three ranks' futures, each shared by 1-3 workers at their own positions.
+            let mut consumers = Vec::new();
+            for _ in 0..3 {
+                let this: Arc<[ShardUse]> = random_uses(&mut seed, 12, 200).into();
+                let next: Arc<[ShardUse]> = random_uses(&mut seed, 12, 200).into();
+                for _ in 0..=(seed % 3) {
+                    let pos = (seed >> 20) % 260;
+                    seed = seed.wrapping_mul(2862933555777941757).wrapping_add(3037000493);
+                    consumers.push(consumer(&ds, Future::new(this.clone(), next.clone(), 200), pos));
+                }
+            }
+            for (clairvoyant, horizon) in [(true, 0.02), (true, 0.3), (false, 0.02)] {
+                let (near, wanted) = within_horizon(&consumers, &walk_groups(&consumers), clairvoyant, horizon);
+                // Each consumer on its own, every use on, as a tick walked them one by one.
+                let mut want: HashMap<&str, f64> = HashMap::new();
+                for c in &consumers {
+                    let (pos, rate) = (c.position.load(Relaxed), c.rate());
+                    let mut counted = HashSet::new();
+                    for u in c.uses.iter_from(0).filter(|u| u.last >= pos) {
+                        let secs = u.first.saturating_sub(pos) as f64 / rate;
+                        let ahead = counted.len();
+                        if if clairvoyant { secs <= horizon || ahead < MIN_AHEAD } else { ahead < MIN_AHEAD } {
+                            let e = want.entry(c.key(u.shard as usize).unwrap()).or_insert(secs);
+                            *e = e.min(secs);
+                        }
+                        counted.insert(u.shard);
+                    }
+                }
+                let got: HashMap<&str, f64> = near.iter().map(|(k, v)| (*k, v.0)).collect();
+                assert_eq!(got, want, "round {round}, {clairvoyant} {horizon}");
+                let mut listed: HashMap<&str, f64> = HashMap::new();
+                for (secs, key, bytes) in wanted {
+                    let i = (0..ds.shards.len()).find(|&i| ds.cache_key(i) == Some(key)).unwrap();
+                    assert_eq!(bytes, ds.shards[i].len);
+                    let e = listed.entry(key).or_insert(secs);
+                    *e = e.min(secs);
+                }
+                assert_eq!(listed, want, "round {round}: the wanted list, key by key");
+                for (key, (secs, ci, shard)) in near {
+                    let c = &consumers[ci];
+                    assert_eq!(c.key(shard), Some(key));
+                    let pos = c.position.load(Relaxed);
+                    assert!(c.uses.iter_from(0).any(|u| u.shard as usize == shard
+                        && u.last >= pos
+                        && u.first.saturating_sub(pos) as f64 / c.rate() == secs));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_whole_walk_finds_each_keys_soonest_use_among_consumers_sharing_a_future() {
+        let (_tmp, cache, ds) = copied(6);
+        let p = Prefetcher::start(cache, None, PrefetchConfig::default()).unwrap();
+        // Its thread stopped (ticks from here on are this test's, positions and all).
+        p.stop();
+        std::thread::sleep(Duration::from_millis(200));
+        // Two workers of one rank (one future, shared) and another rank's stream.
+        let this: Arc<[ShardUse]> = vec![span(0, 0, 9), span(1, 10, 19), span(2, 20, 29), span(0, 30, 39)].into();
+        let next: Arc<[ShardUse]> = vec![span(3, 0, 9), span(1, 10, 19)].into();
+        let other: Vec<ShardUse> = vec![span(4, 0, 9), span(2, 10, 19), span(5, 20, 29)];
+        let a = p.register(ds.clone(), Future::new(this.clone(), next.clone(), 40), 0, 0, 0, None);
+        let b = p.register(ds.clone(), Future::new(this, next, 40), 0, 0, 1, None);
+        let c = p.register(ds.clone(), other, 0, 1, 0, None);
+        a.consumer.advance(12, Duration::ZERO);
+        b.consumer.advance(31, Duration::ZERO);
+        let consumers = [a.consumer.clone(), b.consumer.clone(), c.consumer.clone()];
+        assert_eq!(consumers[0].walk_id(), consumers[1].walk_id());
+        assert_ne!(consumers[0].walk_id(), consumers[2].walk_id());
+        p.walk_whole(&consumers, &walk_groups(&consumers));
+        // Every consumer's every use on, one at a time.
+        let mut want: HashMap<String, f64> = HashMap::new();
+        for c in &consumers {
+            let (pos, rate) = (c.position.load(Relaxed), c.rate());
+            for u in c.uses.iter_from(0).filter(|u| u.last >= pos) {
+                let secs = u.first.saturating_sub(pos) as f64 / rate;
+                let e = want.entry(c.key(u.shard as usize).unwrap().to_owned()).or_insert(secs);
+                *e = e.min(secs);
+            }
+        }
+        let got: HashMap<String, f64> = p.next_use.read().unwrap().iter().map(|(k, v)| (k.clone(), *v)).collect();
+        assert_eq!(got, want);
+        // Shard 0: 18 samples ahead of the worker at 12, in use for the one at 31; shard 3 (the
+        // next epoch's first): 28 and 9 samples ahead.
+        let key = |i: usize| ds.cache_key(i).unwrap().to_owned();
+        assert_eq!(got[&key(0)], 0.0);
+        assert_eq!(got[&key(3)], (40 - 31) as f64 / DEFAULT_RATE);
+    }
 
     #[test]
     fn only_the_soonest_needed_that_fit_together_are_wanted() {
-        let w = |secs: f64, key: &str, bytes: u64| (secs, key.to_string(), bytes);
+        let w = |secs: f64, key: &'static str, bytes: u64| (secs, key, bytes);
         let mut wanted = vec![w(0.0, "a", 40), w(1.0, "b", 30), w(1.5, "a", 40), w(2.0, "c", 30), w(3.0, "d", 10)];
         // a, b and c make 100 (a's second use costs nothing more); d would make 110.
         soonest_that_fit(&mut wanted, 100);
-        let keys: Vec<&str> = wanted.iter().map(|(_, k, _)| k.as_str()).collect();
+        let keys: Vec<&str> = wanted.iter().map(|(_, k, _)| *k).collect();
         assert_eq!(keys, ["a", "b", "a", "c"], "d is past what the cache holds with the sooner ones");
         let mut wanted = vec![w(0.0, "a", 40), w(1.0, "b", 30)];
         soonest_that_fit(&mut wanted, 69);

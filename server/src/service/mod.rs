@@ -104,6 +104,8 @@ pub struct Service {
     prefetch: Option<Arc<Prefetcher>>,
     /// Rank plans' shard futures, shared by the rank's worker streams.
     uses: Arc<uses::UsesCache>,
+    /// Projections' column-chunk copies, shared by the streams reading them.
+    copy_plans: Arc<projected::CopyPlans>,
     /// The config file's `allow` list; `None`: every dataset is allowed.
     access: Option<Arc<crate::access::AllowList>>,
     /// `serve --rdma`: the rdma data plane.
@@ -143,6 +145,7 @@ impl Service {
             shm,
             prefetch,
             uses: Arc::default(),
+            copy_plans: Arc::default(),
             access: None,
             rdma: None,
             streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
@@ -391,7 +394,7 @@ impl Shardstream for Service {
         let hub = self.shm.clone().filter(|_| same_host);
         let rdma = self.rdma.clone();
         let prefetch = self.prefetch.clone();
-        let uses = self.uses.clone();
+        let (uses, copy_plans) = (self.uses.clone(), self.copy_plans.clone());
         // The plan may wait (an rdma stream for staging room) on a blocking thread, which
         // outlives this future: a client that leaves meanwhile drops it, and the guard tells
         // the wait.
@@ -400,7 +403,8 @@ impl Shardstream for Service {
         let stopping = self.shutdown.clone();
         let cancelled = move || left.is_cancelled() || stopping.is_cancelled();
         let plan = blocking(move || {
-            plan_stream(ds, &req, hub.as_deref(), rdma.as_ref(), prefetch.as_ref(), &uses, &cancelled)
+            let shared = stream_plan::Shared { uses: &uses, copies: &copy_plans };
+            plan_stream(ds, &req, hub.as_deref(), rdma.as_ref(), prefetch.as_ref(), shared, &cancelled)
         })
         .await
         .map_err(to_status)?;

@@ -50,23 +50,69 @@ struct ChunkCopy {
     key: String,
 }
 
-/// One stream's projection over an S3 Parquet dataset: the compact copies of its files.
+/// The compact copies of one projection of one dataset version: O(row groups) of pieces and
+/// keys (about 600 bytes a row group, copied a row group at a time), built once and shared by
+/// every stream and staging that reads those columns ([`CopyPlans`]).
 #[derive(Debug)]
-pub struct ProjectedReads {
-    ds: Arc<Dataset>,
+struct CopyPlan {
     copies: Vec<ChunkCopy>,
     /// Shard index -> its copies in row-group order (one for the whole file, or one per row
-    /// group: see [`Self::per_row_group`]).
+    /// group: see [`ProjectedReads::per_row_group`]).
     by_file: HashMap<usize, Vec<usize>>,
     /// Plan unit -> its copy.
     by_unit: Vec<usize>,
     per_row_group: bool,
 }
 
+/// (dataset URL, its fingerprint, the projection's id, a copy per row group)
+type PlanKey = (String, String, u64, bool);
+
+/// The copy plans streams use now, one per dataset version and projection: each stream of a
+/// node's ranks and workers held one of its own, 16 MiB a stream over 32,000 row groups
+/// (bench/S3_RESULTS.md, "What a stream costs"). Held weakly: a plan lives while a stream (or
+/// staging) reads by it.
+#[derive(Debug, Default)]
+pub struct CopyPlans {
+    plans: Mutex<HashMap<PlanKey, std::sync::Weak<CopyPlan>>>,
+    /// Plans built (a test checks that streams share them).
+    pub built: std::sync::atomic::AtomicU64,
+}
+
+impl CopyPlans {
+    /// The plan under `key`, built by `build` when no stream holds one.
+    fn get_or_build(&self, key: PlanKey, build: impl FnOnce() -> Result<CopyPlan>) -> Result<Arc<CopyPlan>> {
+        let lock = || self.plans.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(plan) = lock().get(&key).and_then(std::sync::Weak::upgrade) {
+            return Ok(plan);
+        }
+        // Built outside the lock (O(row groups)): two streams starting together may both build;
+        // the first to return keeps its plan and the other takes it.
+        let built = Arc::new(build()?);
+        self.built.fetch_add(1, Relaxed);
+        let mut plans = lock();
+        plans.retain(|_, p| p.strong_count() > 0);
+        match plans.get(&key).and_then(std::sync::Weak::upgrade) {
+            Some(plan) => Ok(plan),
+            None => {
+                plans.insert(key, Arc::downgrade(&built));
+                Ok(built)
+            }
+        }
+    }
+}
+
+/// One stream's projection over an S3 Parquet dataset: the compact copies of its files.
+#[derive(Debug)]
+pub struct ProjectedReads {
+    ds: Arc<Dataset>,
+    plan: Arc<CopyPlan>,
+}
+
 impl ProjectedReads {
-    /// The column-chunk plan of `asm`'s projection over `ds`, or None when whole files serve it
-    /// better (or it is not an S3 dataset checked by footers).
-    pub fn plan(ds: &Arc<Dataset>, asm: &BatchAssembler) -> Result<Option<Self>> {
+    /// The column-chunk plan of `asm`'s projection over `ds` (shared through `plans` with the
+    /// other streams reading those columns), or None when whole files serve it better (or it is
+    /// not an S3 dataset checked by footers).
+    pub fn plan(ds: &Arc<Dataset>, asm: &BatchAssembler, plans: &CopyPlans) -> Result<Option<Self>> {
         if !Self::remote(ds) {
             return Ok(None);
         }
@@ -101,42 +147,48 @@ impl ProjectedReads {
         if total == 0 || (most && !(per_row_group && no_md5)) {
             return Ok(None);
         }
-        let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
-        for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {
-            let groups = f.table.num_row_groups();
-            let mut add = |rg: Option<usize>, pf: ProjectedFile| {
-                let key = ds.projected_key(f.index, proj_id, rg);
-                copies.push(ChunkCopy { shard: f.index, pf: Arc::new(pf), key });
-                copies.len() - 1
-            };
-            // A file of one row group keeps its file's copy (and key) either way.
-            let mine: Vec<usize> = if per_row_group && groups > 1 {
-                (0..groups)
-                    .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
-                    .collect()
-            } else {
-                vec![add(None, pf)]
-            };
-            by_file.insert(f.index, mine);
-        }
-        let pq = asm.dataset();
-        let by_unit = (0..pq.unit_rows().len())
-            .map(|u| {
-                let (fi, rg) = pq.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
-                let file = files.get(fi).ok_or_else(|| Error::Internal(format!("no file {fi} of plan unit {u}")))?;
-                let mine = by_file.get(&file.index).map_or(&[][..], Vec::as_slice);
-                copy_in(mine, rg)
-                    .ok_or_else(|| Error::Internal(format!("{}: no column-chunk copy of row group {rg}", file.name)))
-            })
-            .collect::<Result<Vec<usize>>>()?;
+        let key = (ds.url.clone(), ds.fingerprint.clone(), proj_id, per_row_group);
+        let plan = plans.get_or_build(key, || {
+            let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
+            for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {
+                let groups = f.table.num_row_groups();
+                let mut add = |rg: Option<usize>, pf: ProjectedFile| {
+                    let key = ds.projected_key(f.index, proj_id, rg);
+                    copies.push(ChunkCopy { shard: f.index, pf: Arc::new(pf), key });
+                    copies.len() - 1
+                };
+                // A file of one row group keeps its file's copy (and key) either way.
+                let mine: Vec<usize> = if per_row_group && groups > 1 {
+                    (0..groups)
+                        .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
+                        .collect()
+                } else {
+                    vec![add(None, pf)]
+                };
+                by_file.insert(f.index, mine);
+            }
+            let pq = asm.dataset();
+            let by_unit = (0..pq.unit_rows().len())
+                .map(|u| {
+                    let (fi, rg) = pq.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
+                    let file =
+                        files.get(fi).ok_or_else(|| Error::Internal(format!("no file {fi} of plan unit {u}")))?;
+                    let mine = by_file.get(&file.index).map_or(&[][..], Vec::as_slice);
+                    copy_in(mine, rg).ok_or_else(|| {
+                        Error::Internal(format!("{}: no column-chunk copy of row group {rg}", file.name))
+                    })
+                })
+                .collect::<Result<Vec<usize>>>()?;
+            Ok(CopyPlan { copies, by_file, by_unit, per_row_group })
+        })?;
         // What each way would still download, given what the node cache holds now.
-        let copies_missing: u64 = copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.pf.len()).sum();
+        let copies_missing: u64 = plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.pf.len()).sum();
         let wholes_missing: u64 =
             files.iter().filter(|f| !whole_copy_serves(ds, f.index)).map(|f| f.table.file_len()).sum();
         if wholes_missing < copies_missing {
             return Ok(None);
         }
-        Ok(Some(Self { ds: ds.clone(), copies, by_file, by_unit, per_row_group }))
+        Ok(Some(Self { ds: ds.clone(), plan }))
     }
 
     /// True when `ds` may be read by column-chunk copies: S3 objects through the node cache,
@@ -149,15 +201,15 @@ impl ProjectedReads {
     /// True when the copies are one per row group (the node cache is smaller than every file's
     /// copy together): the prefetcher then follows the plan's units, not its files.
     pub fn per_row_group(&self) -> bool {
-        self.per_row_group
+        self.plan.per_row_group
     }
 
     fn copy(&self, c: usize) -> Result<&ChunkCopy> {
-        self.copies.get(c).ok_or_else(|| Error::Internal(format!("no column-chunk copy {c}")))
+        self.plan.copies.get(c).ok_or_else(|| Error::Internal(format!("no column-chunk copy {c}")))
     }
 
     fn file_copies(&self, shard: usize) -> &[usize] {
-        self.by_file.get(&shard).map_or(&[], Vec::as_slice)
+        self.plan.by_file.get(&shard).map_or(&[], Vec::as_slice)
     }
 
     /// The copy holding row group `rg` of file `shard`.
@@ -171,33 +223,33 @@ impl ProjectedReads {
     /// The copies plan units `units` read, each once, in the order first read.
     pub fn copies_of_units(&self, units: &[usize]) -> Vec<usize> {
         let mut seen = std::collections::HashSet::new();
-        units.iter().filter_map(|&u| self.by_unit.get(u).copied()).filter(|&c| seen.insert(c)).collect()
+        units.iter().filter_map(|&u| self.plan.by_unit.get(u).copied()).filter(|&c| seen.insert(c)).collect()
     }
 
     /// The file (shard index) copy `c` is of.
     pub fn shard_of(&self, c: usize) -> Option<usize> {
-        self.copies.get(c).map(|c| c.shard)
+        self.plan.copies.get(c).map(|c| c.shard)
     }
 
     /// True when copy `c` is in the node cache, ready to read.
     pub fn copy_ready(&self, c: usize) -> bool {
-        self.copies.get(c).is_some_and(|c| self.ds.is_cached(&c.key))
+        self.plan.copies.get(c).is_some_and(|c| self.ds.is_cached(&c.key))
     }
 
     /// The copy a prefetcher's or staging's use `n` names: file `n`'s copy or, a copy per row
     /// group, plan unit `n`'s.
     pub fn copy_of_use(&self, n: usize) -> Option<usize> {
-        if self.per_row_group { self.by_unit.get(n).copied() } else { self.file_copies(n).first().copied() }
+        if self.plan.per_row_group { self.plan.by_unit.get(n).copied() } else { self.file_copies(n).first().copied() }
     }
 
     /// The bytes of copy `c` (0 for no such copy).
     pub fn copy_len(&self, c: usize) -> u64 {
-        self.copies.get(c).map_or(0, |c| c.pf.len())
+        self.plan.copies.get(c).map_or(0, |c| c.pf.len())
     }
 
     /// The node-cache key of copy `c`.
     pub fn copy_key(&self, c: usize) -> Option<&str> {
-        self.copies.get(c).map(|c| c.key.as_str())
+        self.plan.copies.get(c).map(|c| c.key.as_str())
     }
 
     /// Fetches (or pins) copy `c`. False when the cache gave up (no room without evicting what
@@ -233,8 +285,8 @@ fn whole_copy_serves(ds: &Dataset, i: usize) -> bool {
 
 /// The prefetcher's uses name files (one copy each) or, a copy per row group, plan units.
 impl crate::prefetch::ProjectedFetch for ProjectedReads {
-    fn key(&self, n: usize) -> Option<String> {
-        self.copy_of_use(n).and_then(|c| self.copy_key(c)).map(str::to_owned)
+    fn key(&self, n: usize) -> Option<&str> {
+        self.copy_of_use(n).and_then(|c| self.copy_key(c))
     }
 
     fn fetch(&self, n: usize, want: Want) -> Result<bool> {
@@ -248,6 +300,10 @@ impl crate::prefetch::ProjectedFetch for ProjectedReads {
 
     fn len(&self, n: usize) -> u64 {
         self.copy_of_use(n).map_or(0, |c| self.copy_len(c))
+    }
+
+    fn keys_id(&self) -> usize {
+        Arc::as_ptr(&self.plan) as usize
     }
 }
 
@@ -307,7 +363,7 @@ impl FileReader for ProjectedReader<'_> {
             .file_copies(file)
             .iter()
             .copied()
-            .find(|&c| self.reads.copies[c].pf.locate(range.clone()).is_some());
+            .find(|&c| self.reads.plan.copies[c].pf.locate(range.clone()).is_some());
         let c = c.ok_or_else(|| {
             let url = self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
             Error::Internal(format!("{url}: read of bytes {offset}+{len} outside the selected column chunks"))
@@ -330,5 +386,33 @@ impl FileReader for ProjectedReader<'_> {
                 .map_err(|e| Error::io("cannot stat cached column chunks", pin.path(), e))?;
             Ok(Some(copy))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn empty() -> Result<CopyPlan> {
+        Ok(CopyPlan { copies: Vec::new(), by_file: HashMap::new(), by_unit: Vec::new(), per_row_group: true })
+    }
+
+    #[test]
+    fn streams_reading_the_same_columns_share_one_plan_while_any_holds_it() {
+        let plans = CopyPlans::default();
+        let key = |proj: u64| ("s3://b/d/".to_owned(), "f1".to_owned(), proj, true);
+        let a = plans.get_or_build(key(1), empty).unwrap();
+        let b = plans.get_or_build(key(1), || panic!("built again while a stream holds it")).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let other = plans.get_or_build(key(2), empty).unwrap();
+        assert!(!Arc::ptr_eq(&a, &other), "other columns, another plan");
+        assert_eq!(plans.built.load(Relaxed), 2);
+        drop((a, b));
+        let again = plans.get_or_build(key(1), empty).unwrap();
+        assert_eq!(plans.built.load(Relaxed), 3, "no stream held it: built anew, not kept");
+        assert_eq!(Arc::strong_count(&again), 1);
+        // A failed build leaves nothing behind.
+        assert!(plans.get_or_build(key(3), || Err(Error::Internal("no".into()))).is_err());
+        assert_eq!(plans.built.load(Relaxed), 3);
     }
 }

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use super::projected::ProjectedReads;
+use super::projected::{CopyPlans, ProjectedReads};
 use super::{DEFAULT_SHUFFLE_WINDOW, blocking, to_status};
 use crate::cache::Want;
 use crate::index::{CacheMode, Dataset, Registry};
@@ -73,7 +73,9 @@ enum Staging {
 }
 
 impl Staging {
-    /// What a stream selecting `fields` (empty: all) of `ds` reads.
+    /// What a stream selecting `fields` (empty: all) of `ds` reads. Staging builds its plan of
+    /// copies for itself (`CopyPlans::default()`): it runs once, before the streams that share
+    /// theirs, and the copies' keys are the same either way.
     fn of(ds: &Arc<Dataset>, fields: &[String]) -> Result<Self> {
         if fields.is_empty() {
             // Every column of a Parquet dataset: whole files, unless the node cache is too small
@@ -82,7 +84,7 @@ impl Staging {
                 return Ok(Staging::Whole);
             };
             let asm = super::stream_plan::assembler(ds, pq, &[])?;
-            return Ok(match ProjectedReads::plan(ds, &asm)? {
+            return Ok(match ProjectedReads::plan(ds, &asm, &CopyPlans::default())? {
                 Some(reads) if reads.per_row_group() => Staging::Columns(reads),
                 _ => Staging::Whole,
             });
@@ -98,7 +100,7 @@ impl Staging {
         let mut seen = std::collections::HashSet::new();
         let fields: Vec<String> = fields.iter().filter(|f| seen.insert(*f)).cloned().collect();
         let asm = super::stream_plan::assembler(ds, pq, &fields)?;
-        Ok(ProjectedReads::plan(ds, &asm)?.map_or(Staging::Whole, Staging::Columns))
+        Ok(ProjectedReads::plan(ds, &asm, &CopyPlans::default())?.map_or(Staging::Whole, Staging::Columns))
     }
 
     /// The items in the order an epoch first reads them.

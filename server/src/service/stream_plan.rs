@@ -49,13 +49,21 @@ pub(super) struct StreamPlan {
     pub(super) split_inline: bool,
 }
 
+/// What streams plan once for all of them: the rank futures the prefetcher follows (shared by a
+/// rank's workers), the column-chunk copies of a projection (shared by every stream reading it).
+#[derive(Clone, Copy)]
+pub(super) struct Shared<'a> {
+    pub uses: &'a uses::UsesCache,
+    pub copies: &'a projected::CopyPlans,
+}
+
 pub(super) fn plan_stream(
     ds: Arc<Dataset>,
     req: &StreamRequest,
     shm: Option<&ShmHub>,
     rdma_hub: Option<&Arc<transport::rdma::RdmaHub>>,
     prefetch: Option<&Arc<Prefetcher>>,
-    uses_cache: &uses::UsesCache,
+    shared: Shared<'_>,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<StreamPlan> {
     if req.batch_size == 0 || req.batch_size > MAX_BATCH_SIZE {
@@ -137,7 +145,7 @@ pub(super) fn plan_stream(
     // An S3 Parquet stream that selects a fraction of the columns caches and fetches only their
     // column chunks (see `projected`); the others read whole files through the node cache.
     let projected = match &arrow {
-        Some(asm) => projected::ProjectedReads::plan(&ds, asm)?.map(Arc::new),
+        Some(asm) => projected::ProjectedReads::plan(&ds, asm, shared.copies)?.map(Arc::new),
         None => None,
     };
     let consumer = match prefetch {
@@ -150,17 +158,10 @@ pub(super) fn plan_stream(
             // A stream caching a row group at a time is fetched for by its row groups' uses.
             let by_unit = projected.as_ref().is_some_and(|p| p.per_row_group());
             let (this_epoch, next_epoch) = (
-                uses_cache.uses(&ds, &plan_units, &params, by_unit)?,
-                uses_cache.uses(&ds, &plan_units, &next, by_unit)?,
+                shared.uses.uses(&ds, &plan_units, &params, by_unit)?,
+                shared.uses.uses(&ds, &plan_units, &next, by_unit)?,
             );
-            let len = sequence.len();
-            let mut uses = Vec::with_capacity(this_epoch.len() + next_epoch.len());
-            uses.extend_from_slice(&this_epoch);
-            uses.extend(next_epoch.iter().map(|u| crate::prefetch::ShardUse {
-                first: u.first + len,
-                last: u.last + len,
-                ..*u
-            }));
+            let uses = crate::prefetch::Future::new(this_epoch, next_epoch, sequence.len());
             let fetch = projected.clone().map(|p| p as Arc<dyn crate::prefetch::ProjectedFetch>);
             Some(p.register(ds.clone(), uses, start, req.rank, req.worker, fetch))
         }
