@@ -4,6 +4,7 @@ SIGTERM, and logs an operator can filter or ship as JSON."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import tlsutil
 
+import shardstream
 from conftest import SHARDSTREAM, Daemon
 
 
@@ -457,3 +459,32 @@ def test_serve_raises_its_open_file_limit_to_the_hard_one(tmp_path: Path, hard: 
         assert open_file_limits(d.proc.pid) == (str(hard), str(hard))
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_trainer_that_leaves_mid_epoch_is_no_warning(dataset, tmp_path: Path, transport: str) -> None:
+    """A trainer that stops early (a step budget, a `break` out of the loop) drops its loader
+    mid-epoch: its streams end because their client left, which is no failure for the operator's
+    log. The daemon serves the next loader as before."""
+    root, samples = dataset
+    log = tmp_path / "daemon.log"
+    d = Daemon(tmp_path, log=log, level="info").start()
+    try:
+        for _ in range(3):
+            loader = shardstream.Loader(str(root), batch_size=16, seed=1, connect=d.addr, transport=transport)
+            it = iter(loader)
+            for _ in range(2):
+                next(it)
+            del it, loader
+            gc.collect()
+        # Its streams gone, the daemon serves a whole epoch.
+        keys = [k for b in shardstream.Loader(str(root), batch_size=64, seed=1, connect=d.addr) for k in b["__key__"]]
+        assert sorted(keys) == sorted(samples)
+        deadline = time.monotonic() + 10
+        while d.status()["active_streams"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.status()["active_streams"] == 0
+    finally:
+        assert d.stop() == 0
+    warnings = [line for line in log.read_text().splitlines() if "WARN" in line or "ERROR" in line]
+    assert not warnings, "\n".join(warnings)
