@@ -38,6 +38,12 @@ pub enum Error {
     #[error("{0}")]
     Unavailable(String),
 
+    /// A stream's client left: it dropped its loader (a trainer that stops mid-epoch), closed
+    /// its stream or its shared-memory channel. No failure of the daemon's: logged at debug.
+    /// Told to a client still listening as [`Error::Unavailable`] is.
+    #[error("{0}")]
+    ClientGone(String),
+
     /// A bug: something the code assumed cannot happen did.
     #[error("internal error: {0}")]
     Internal(String),
@@ -79,6 +85,7 @@ impl Error {
             }
             Error::CacheFull(m) => Error::CacheFull(m.clone()),
             Error::Unavailable(m) => Error::Unavailable(m.clone()),
+            Error::ClientGone(m) => Error::ClientGone(m.clone()),
             Error::Internal(m) => Error::Internal(m.clone()),
         }
     }

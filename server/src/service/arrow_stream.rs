@@ -308,7 +308,7 @@ impl SmallArrowStream {
             let mut send_group = || -> Result<()> {
                 core.tx
                     .blocking_send_all(std::mem::take(&mut group))
-                    .map_err(|_| Error::Unavailable("the client went away".into()))
+                    .map_err(|_| Error::ClientGone("the client went away".into()))
             };
             let started = Instant::now();
             let built = build_arrow_batch(

@@ -100,7 +100,7 @@ pub(super) fn build_batch(
             let full = std::mem::replace(b, InlineBatchBuilder::new(fields, all_fields, left, capacity(left)));
             bytes += full.payload_bytes();
             if !send_part(message(full.finish(index, true))) {
-                return Err(Error::Unavailable("stream cancelled".into()));
+                return Err(Error::ClientGone("stream cancelled".into()));
             }
         }
         Ok(())
@@ -124,7 +124,7 @@ pub(super) fn rdma_post<T>(
     fill: impl FnOnce(&mut [u8]) -> Result<(usize, T)>,
 ) -> Result<(u32, usize, T)> {
     let failed = |e: shardstream_fabric::stream::StreamError| match e {
-        shardstream_fabric::stream::StreamError::Stopped => Error::Unavailable("stream cancelled".into()),
+        shardstream_fabric::stream::StreamError::Stopped => Error::ClientGone("stream cancelled".into()),
         e => Error::Unavailable(format!("rdma stream to the client failed: {e}")),
     };
     let waiting = || !cancelled();

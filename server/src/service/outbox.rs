@@ -159,7 +159,8 @@ pub fn shutting_down() -> Status {
 
 /// How a stream that failed with `e` ends, logged once: a build that gave up because the daemon
 /// is shutting down says so (sent without waiting on a client that stopped reading, as the
-/// shutdown's own branch is), any other failure is the error itself.
+/// shutdown's own branch is), any other failure is the error itself, a warning unless its client
+/// left ([`crate::Error::ClientGone`]).
 pub enum Ending {
     Shutdown(Status),
     Failed(Status),
@@ -170,7 +171,12 @@ pub fn last_word(dataset: &str, e: crate::Error, shutdown: &tokio_util::sync::Ca
         tracing::debug!(dataset, error = %e, "stream ended by the shutdown");
         return Ending::Shutdown(shutting_down());
     }
-    tracing::warn!(dataset, error = %e, "stream failed");
+    if matches!(e, crate::Error::ClientGone(_)) {
+        // A trainer that stops mid-epoch (a step budget, a `break`) drops its loader: routine.
+        tracing::debug!(dataset, error = %e, "stream ended: its client left");
+    } else {
+        tracing::warn!(dataset, error = %e, "stream failed");
+    }
     Ending::Failed(super::to_status(e))
 }
 

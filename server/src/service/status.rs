@@ -55,7 +55,7 @@ pub fn to_status(e: Error) -> Status {
             }
             s
         }
-        Error::Unavailable(_) => Status::new(Code::Unavailable, msg),
+        Error::Unavailable(_) | Error::ClientGone(_) => Status::new(Code::Unavailable, msg),
         Error::Internal(_) => Status::new(Code::Internal, msg),
     }
 }

@@ -179,7 +179,7 @@ impl MemoryBudget {
                 }
             }
             if cancelled() {
-                return Err(Error::Unavailable("stream cancelled".into()));
+                return Err(Error::ClientGone("stream cancelled".into()));
             }
             if unneeded() {
                 return Ok(None);

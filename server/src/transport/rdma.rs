@@ -126,7 +126,7 @@ impl RdmaHub {
             .staging
             .reserve(staged_bytes, BUDGET_WAIT, cancelled, &|| false)
             .inspect_err(|e| {
-                if matches!(e, Error::Unavailable(_)) {
+                if matches!(e, Error::Unavailable(_) | Error::ClientGone(_)) {
                     tracing::info!(
                         bytes = staged_bytes,
                         "rdma stream given up while it waited for staging room: its client left or the daemon is stopping"

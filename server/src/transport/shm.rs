@@ -355,6 +355,14 @@ fn accept_loop(listener: OwnedFd, shared: Arc<HubShared>) {
     }
 }
 
+/// A failed send of `what` to the client: the client gone when its end of the channel is closed
+/// (it dropped its loader), else the error.
+fn to_client(what: &str, e: std::io::Error) -> Error {
+    let gone = matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset);
+    let msg = format!("cannot {what} to the client: {e}");
+    if gone { Error::ClientGone(msg) } else { Error::Unavailable(msg) }
+}
+
 fn send_frame(sock: &impl AsFd, frame: &Frame, fd: Option<BorrowedFd<'_>>) -> std::io::Result<()> {
     fail_point!("shm-send", |a| Err(crate::failpoints::io_error(a)));
     let bytes = frame.encode();
@@ -620,10 +628,10 @@ impl Session {
         let mut st = lock(&self.state);
         loop {
             if st.closed {
-                return Err(Error::Unavailable("the client closed its shared-memory side channel".into()));
+                return Err(Error::ClientGone("the client closed its shared-memory side channel".into()));
             }
             if cancelled() {
-                return Err(Error::Unavailable("stream cancelled".into()));
+                return Err(Error::ClientGone("stream cancelled".into()));
             }
             if st.sock.is_some() && ready(&st) {
                 return Ok(st);
@@ -652,12 +660,12 @@ impl Session {
             st.done.remove(path); // used again: not done after all
             return Ok(slot);
         }
-        let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
+        let sock = st.sock.clone().ok_or_else(|| Error::ClientGone("shared-memory client detached".into()))?;
         let slot = st.next_slot;
         let fd = file.try_clone().map_err(|e| Error::io("cannot duplicate descriptor of", path, e))?;
         let fd: OwnedFd = fd.into();
         send_frame(&*sock, &Frame::shard_fd(u64::from(slot), len, mutable), Some(fd.as_fd()))
-            .map_err(|e| Error::Unavailable(format!("cannot pass shard descriptor to the client: {e}")))?;
+            .map_err(|e| to_client("pass shard descriptor", e))?;
         st.sent.insert(path.to_owned(), slot);
         st.next_slot += 1;
         Ok(slot)
@@ -678,10 +686,10 @@ impl Session {
         if let Some(&slot) = st.sent.get(path) {
             return Ok(slot);
         }
-        let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
+        let sock = st.sock.clone().ok_or_else(|| Error::ClientGone("shared-memory client detached".into()))?;
         let slot = st.next_slot;
         send_frame(&*sock, &Frame::arena_fd(u64::from(slot), len), Some(file.as_fd()))
-            .map_err(|e| Error::Unavailable(format!("cannot pass a decoded row group to the client: {e}")))?;
+            .map_err(|e| to_client("pass a decoded row group", e))?;
         st.sent.insert(path.to_owned(), slot);
         st.segments.insert(path.to_owned(), alive);
         st.next_slot += 1;
@@ -746,7 +754,7 @@ impl Session {
         let mut st = lock(&self.state);
         let mut reserved: Option<Reservation> = None;
         while st.needs_ring(need) {
-            let sock = st.sock.clone().ok_or_else(|| Error::Unavailable("shared-memory client detached".into()))?;
+            let sock = st.sock.clone().ok_or_else(|| Error::ClientGone("shared-memory client detached".into()))?;
             let want = round_up(need, PAGE).filter(|&b| b <= max_slot).ok_or_else(|| {
                 Error::invalid(format!(
                     "a packed batch of {need} bytes exceeds the largest ring slot ({} MiB); use smaller batches",
@@ -811,7 +819,7 @@ impl Session {
     /// Passes `ring` to the client and makes it the one new batches go to.
     fn adopt_ring(&self, st: &mut SessionState, sock: &OwnedFd, ring: Arc<Ring>) -> Result<()> {
         send_frame(sock, &Frame::new(wire::KIND_RING_FD, ring.id(), ring.segment_bytes()), Some(ring.fd()))
-            .map_err(|e| Error::Unavailable(format!("cannot pass a ring to the client: {e}")))?;
+            .map_err(|e| to_client("pass a ring", e))?;
         st.rings.push(RingEntry { ring, slots: SlotTable::new(self.credits) });
         retire_idle(st);
         Ok(())
