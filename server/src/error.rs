@@ -39,7 +39,7 @@ pub enum Error {
     Unavailable(String),
 
     /// A stream's client left: it dropped its loader (a trainer that stops mid-epoch), closed
-    /// its stream or its shared-memory channel. No failure of the daemon's: logged at debug.
+    /// its stream or its shared-memory channel. No failure of the daemon's: logged at info.
     /// Told to a client still listening as [`Error::Unavailable`] is.
     #[error("{0}")]
     ClientGone(String),

@@ -23,7 +23,7 @@
 //! consumers -> (released) -> node cache table; the snapshot lock is never held with another.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -51,7 +51,9 @@ const TICK: Duration = Duration::from_millis(100);
 /// order Belady's rule evicts in) and the horizon reported. The ticks between walk each
 /// consumer's horizon only, and refresh the next uses of what lies in it: a second's staleness
 /// shifts every later use alike, and a use that passed meanwhile leaves its key looking needed
-/// for a second at most. Walking everything every tick kept most of a core busy with 16 streams
+/// for a second at most. (A key one consumer needs only past its horizon and another within
+/// its own, later, reads the later use until the next whole walk: eviction may keep it a little
+/// less.) Walking everything every tick kept most of a core busy with 16 streams
 /// over 32,000 row groups (bench/S3_RESULTS.md, "What a stream costs").
 const FULL_WALK: Duration = Duration::from_secs(1);
 
@@ -254,7 +256,7 @@ impl Future {
     }
 }
 
-/// A single epoch's uses (tests).
+/// A single epoch's uses, owned by one consumer.
 impl From<Vec<ShardUse>> for Future {
     fn from(uses: Vec<ShardUse>) -> Self {
         Self { this: uses.into(), next: Arc::new([]), len: 0 }
@@ -390,7 +392,7 @@ impl Drop for ConsumerGuard {
     fn drop(&mut self) {
         if let Some(p) = self.prefetcher.upgrade() {
             p.lock_consumers().remove(&self.id);
-            p.generation.fetch_add(1, Relaxed);
+            p.generation.fetch_add(1, SeqCst);
             p.wake();
         }
     }
@@ -425,7 +427,8 @@ pub struct Prefetcher {
     generation: AtomicU64,
     /// When the last whole walk ran, and the generation it saw.
     walked: Mutex<Option<(Instant, u64)>>,
-    /// Cache key -> seconds until its next use by any consumer (as of the last tick).
+    /// Cache key -> seconds until its next use by any consumer: as of the last whole walk, those
+    /// within a consumer's horizon as of the last tick ([`FULL_WALK`]).
     next_use: RwLock<FoldMap<String, f64>>,
     inflight: Mutex<HashSet<String>>,
     /// Shards whose prefetch failed, and when they may be tried again ([`FAILED_RETRY`]).
@@ -529,7 +532,7 @@ impl Prefetcher {
         });
         let id = self.next_id.fetch_add(1, Relaxed);
         self.lock_consumers().insert(id, consumer.clone());
-        self.generation.fetch_add(1, Relaxed);
+        self.generation.fetch_add(1, SeqCst);
         // Plan at once, so the first shards are on their way before the first batch asks.
         self.tick();
         self.wake();
@@ -561,11 +564,13 @@ impl Prefetcher {
     /// Keys are borrowed from the consumers' plans and hashed with foldhash, never allocated per
     /// use.
     fn tick(self: &Arc<Self>) {
+        // Read before the consumers: a consumer registered after it bumps the generation again,
+        // so its own tick walks everything even when this one records a walk without it.
+        let generation = self.generation.load(SeqCst);
         let consumers: Vec<Arc<Consumer>> = self.lock_consumers().values().cloned().collect();
         let clairvoyant = self.cache.policy() == Policy::Belady;
         let horizon = self.config.horizon.as_secs_f64();
         let whole = {
-            let generation = self.generation.load(Relaxed);
             let mut walked = self.walked.lock().unwrap_or_else(|p| p.into_inner());
             let due = walked.is_none_or(|(at, g)| g != generation || at.elapsed() >= FULL_WALK);
             if due {

@@ -172,8 +172,9 @@ pub fn last_word(dataset: &str, e: crate::Error, shutdown: &tokio_util::sync::Ca
         return Ending::Shutdown(shutting_down());
     }
     if matches!(e, crate::Error::ClientGone(_)) {
-        // A trainer that stops mid-epoch (a step budget, a `break`) drops its loader: routine.
-        tracing::debug!(dataset, error = %e, "stream ended: its client left");
+        // A trainer that stops mid-epoch (a step budget, a `break`) drops its loader: routine,
+        // but said (at info) for a remote client whose connection died.
+        tracing::info!(dataset, error = %e, "stream ended: its client left");
     } else {
         tracing::warn!(dataset, error = %e, "stream failed");
     }

@@ -52,7 +52,7 @@ struct ChunkCopy {
 
 /// The compact copies of one projection of one dataset version: O(row groups) of pieces and
 /// keys (about 600 bytes a row group, copied a row group at a time), built once and shared by
-/// every stream and staging that reads those columns ([`CopyPlans`]).
+/// the streams that read those columns ([`CopyPlans`]; staging builds its own).
 #[derive(Debug)]
 struct CopyPlan {
     copies: Vec<ChunkCopy>,
