@@ -10,14 +10,16 @@ rank's workers) each take one batch and are held open; the daemon's resident mem
 read with none open, then with all, and its CPU over 5 s while they wait (a trainer busy with
 its batch).
 
-Usage: ``python bench/plan_memory.py BIN [BIN ...] [--streams 16]``, each a `shardstream`
-binary. Needs the S3 server (``SHARDSTREAM_S3_SERVER="$(bash scripts/s3-server.sh)"``).
+Usage: ``python bench/plan_memory.py BIN [BIN ...] [--streams 16] [--workers] [--wrap CMD]``,
+each a `shardstream` binary (`--wrap`: a profiler the daemon runs under; its CPU and memory then
+include the profiler's, so read the profile, not the figures). Needs the S3 server
+(``SHARDSTREAM_S3_SERVER="$(bash scripts/s3-server.sh)"``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -30,7 +32,9 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import measure  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 import shardstream  # noqa: E402
@@ -67,18 +71,20 @@ def rss_mib(pid: int) -> float:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid`."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of the daemon `pid` (`measure.cpu_seconds`)."""
+    cpu = measure.cpu_seconds(pid)
+    if cpu is None:
+        raise RuntimeError(f"daemon {pid} is gone")
+    return cpu
 
 
-def measure(
-    binary: str, tmp: Path, env: dict[str, str], cache: int, streams: int, workers: bool
+def one_daemon(
+    binary: str, tmp: Path, env: dict[str, str], cache: int, streams: int, workers: bool, wrap: list[str]
 ) -> tuple[float, float, float, float, float]:
     """(RSS with no stream, with `streams` open, seconds to open them all, the daemon's CPU
     share while they are open and waiting, what it fetched meanwhile in node caches' worth) of
     one daemon; the streams are ranks of one job, or with `workers` the workers of one rank."""
-    d = Daemon(tmp / "d", binary=binary, env=env, args=["--cache-size", str(cache)])
+    d = Daemon(tmp / "d", binary=binary, env=env, args=["--cache-size", str(cache)], wrap=wrap)
     d.start()
     held = []
     try:
@@ -125,6 +131,9 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", action="store_true", help="the streams are one rank's workers, not ranks")
+    ap.add_argument(
+        "--wrap", default="", help='a profiler the daemon runs under, e.g. "heaptrack -o /tmp/heap" or "perf record -g"'
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="plan-memory-"))
     ids = write_set(tmp / "s3" / "bench" / "pq", args.files, args.row_groups)
@@ -136,7 +145,9 @@ def main() -> int:
         for r in range(args.rounds):
             bins = args.bins if r % 2 == 0 else list(reversed(args.bins))
             for b in bins:
-                base, full, took, idle, fetched = measure(b, tmp, s3.env(), ids // 2, args.streams, args.workers)
+                base, full, took, idle, fetched = one_daemon(
+                    b, tmp, s3.env(), ids // 2, args.streams, args.workers, shlex.split(args.wrap)
+                )
                 per = (full - base) / args.streams
                 print(
                     f"round {r} {b}: {base:.0f} MiB with none, {full:.0f} MiB with {args.streams} "

@@ -159,7 +159,7 @@ impl UseSpans {
                             let rows = pq.unit_rows().get(u)?;
                             Some((u, id - row as u64, *rows))
                         }),
-                        None => ds.locate(id).map(|(s, local)| (s, id - local, ds.shards[s].samples)),
+                        None => ds.locate(id).and_then(|(s, local)| Some((s, id - local, ds.shards.get(s)?.samples))),
                     };
                     let Some((s, lo, n)) = found else { continue };
                     self.last_shard = Some((s, lo, lo + n));
@@ -584,14 +584,7 @@ impl Prefetcher {
             self.walk_whole(&consumers, &groups);
         } else {
             let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
-            for (k, (secs, _, _)) in &next {
-                match next_use.get_mut(*k) {
-                    Some(s) => *s = *secs,
-                    None => {
-                        next_use.insert((*k).to_owned(), *secs);
-                    }
-                }
-            }
+            refresh(&mut next_use, next.iter().map(|(k, (secs, _, _))| (*k, *secs)));
         }
 
         wanted.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -609,6 +602,8 @@ impl Prefetcher {
             if self.cache.is_present(key) || backed_off.contains(key) || self.cache.failed_recently(key, FAILED_RETRY) {
                 continue;
             }
+            let Some(&(_, ci, shard)) = next.get(key) else { continue };
+            let Some(c) = consumers.get(ci).cloned() else { continue };
             {
                 let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
                 if inflight.len() >= self.config.parallel.max(1) {
@@ -619,8 +614,6 @@ impl Prefetcher {
                 }
                 inflight.insert(key.to_owned());
             }
-            let Some(&(_, ci, shard)) = next.get(key) else { continue };
-            let Some(c) = consumers.get(ci).cloned() else { continue };
             let key = key.to_owned();
             let ds = c.dataset.clone();
             let me = self.clone();
@@ -693,15 +686,16 @@ fn within_horizon<'a>(
     let mut wanted = Wanted::new();
     for members in groups {
         let Some(lead) = members.first().and_then(|&ci| consumers.get(ci)) else { continue };
+        let mut start = usize::MAX;
         let mut at: Vec<Ahead> = members
             .iter()
             .filter_map(|&ci| consumers.get(ci).map(|c| (ci, c)))
             .map(|(ci, c)| {
                 let pos = c.position.load(Relaxed);
-                Ahead { ci, pos, rate: c.rate(), start: c.skip_done(pos), shards: Vec::new(), done: false }
+                start = start.min(c.skip_done(pos));
+                Ahead { ci, pos, rate: c.rate(), shards: Vec::new(), done: false }
             })
             .collect();
-        let start = at.iter().map(|a| a.start).min().unwrap_or(0);
         for u in lead.uses.iter_from(start) {
             if at.iter().all(|a| a.done) {
                 break;
@@ -711,7 +705,7 @@ fn within_horizon<'a>(
             // The soonest of the members that want it: (seconds, consumer).
             let mut soonest: Option<(f64, usize)> = None;
             for a in at.iter_mut().filter(|a| !a.done && u.last >= a.pos) {
-                let secs = u.first.saturating_sub(a.pos) as f64 / a.rate;
+                let secs = secs_until(&u, a.pos, a.rate);
                 // Uses are in order of first use: past the horizon (and the first shards
                 // every consumer has ahead) all the rest are too.
                 let ahead = a.shards.len();
@@ -749,8 +743,6 @@ struct Ahead {
     ci: usize,
     pos: u64,
     rate: f64,
-    /// Its first use not ended ([`Consumer::skip_done`]).
-    start: usize,
     /// The first [`MIN_AHEAD`] distinct shards it has ahead.
     shards: Vec<u32>,
     /// Past its horizon: the rest of its uses are not wanted now.
@@ -784,11 +776,8 @@ impl Prefetcher {
             let start = members.iter().zip(&at).map(|(c, a)| c.skip_done(a.0)).min().unwrap_or(0);
             let mut unready = members.len();
             for u in lead.uses.iter_from(start) {
-                let secs = at
-                    .iter()
-                    .filter(|a| u.last >= a.0)
-                    .map(|a| u.first.saturating_sub(a.0) as f64 / a.1)
-                    .fold(f64::INFINITY, f64::min);
+                let secs =
+                    at.iter().filter(|a| u.last >= a.0).map(|a| secs_until(&u, a.0, a.1)).fold(f64::INFINITY, f64::min);
                 if secs == f64::INFINITY {
                     continue;
                 }
@@ -797,7 +786,7 @@ impl Prefetcher {
                 *e = e.min(secs);
                 if unready > 0 && !self.cache.is_ready(key) {
                     for a in at.iter_mut().filter(|a| a.2.is_none() && u.last >= a.0) {
-                        a.2 = Some(u.first.saturating_sub(a.0) as f64 / a.1);
+                        a.2 = Some(secs_until(&u, a.0, a.1));
                         unready -= 1;
                     }
                 }
@@ -812,18 +801,29 @@ impl Prefetcher {
         let horizon_s = if horizon_s.is_finite() { horizon_s } else { 0.0 };
         *self.horizon_s.lock().unwrap_or_else(|p| p.into_inner()) = horizon_s;
         crate::metrics::prefetch_horizon(horizon_s);
-        // Updated in place: a key still in the future keeps its allocation from walk to walk.
         let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
         next_use.retain(|k, _| next.contains_key(k.as_str()));
-        for (k, secs) in next {
-            match next_use.get_mut(k) {
-                Some(s) => *s = secs,
-                None => {
-                    next_use.insert(k.to_owned(), secs);
-                }
+        refresh(&mut next_use, next.into_iter());
+    }
+}
+
+/// Sets the next use of each key, in place: a key still in the future keeps its allocation from
+/// tick to tick.
+fn refresh<'a>(next_use: &mut FoldMap<String, f64>, uses: impl Iterator<Item = (&'a str, f64)>) {
+    for (k, secs) in uses {
+        match next_use.get_mut(k) {
+            Some(s) => *s = secs,
+            None => {
+                next_use.insert(k.to_owned(), secs);
             }
         }
     }
+}
+
+/// Seconds until use `u` for a consumer at `pos` consuming `rate` samples a second (0 when
+/// it is in use).
+fn secs_until(u: &ShardUse, pos: u64, rate: f64) -> f64 {
+    u.first.saturating_sub(pos) as f64 / rate
 }
 
 /// Cuts `wanted` (seconds until next use, cache key, bytes; sorted by the first) to the soonest

@@ -64,8 +64,9 @@ struct CopyPlan {
     per_row_group: bool,
 }
 
-/// (dataset URL, its fingerprint, the projection's id, a copy per row group)
-type PlanKey = (String, String, u64, bool);
+/// (dataset URL, its fingerprint, the projection's id): with the node cache's configured
+/// capacity, fixed for the daemon's life, all a plan depends on.
+type PlanKey = (String, String, u64);
 
 /// The copy plans streams use now, one per dataset version and projection: each stream of a
 /// node's ranks and workers held one of its own, 16 MiB a stream over 32,000 row groups
@@ -79,23 +80,29 @@ pub struct CopyPlans {
 }
 
 impl CopyPlans {
-    /// The plan under `key`, built by `build` when no stream holds one.
-    fn get_or_build(&self, key: PlanKey, build: impl FnOnce() -> Result<CopyPlan>) -> Result<Arc<CopyPlan>> {
+    /// The plan under `key`, built by `build` when no stream holds one; None when `build` says
+    /// whole files serve the projection better (not kept: nothing holds it).
+    fn get_or_build(
+        &self,
+        key: PlanKey,
+        build: impl FnOnce() -> Result<Option<CopyPlan>>,
+    ) -> Result<Option<Arc<CopyPlan>>> {
         let lock = || self.plans.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(plan) = lock().get(&key).and_then(std::sync::Weak::upgrade) {
-            return Ok(plan);
+            return Ok(Some(plan));
         }
         // Built outside the lock (O(row groups)): two streams starting together may both build;
         // the first to return keeps its plan and the other takes it.
-        let built = Arc::new(build()?);
+        let Some(built) = build()? else { return Ok(None) };
+        let built = Arc::new(built);
         self.built.fetch_add(1, Relaxed);
         let mut plans = lock();
         plans.retain(|_, p| p.strong_count() > 0);
         match plans.get(&key).and_then(std::sync::Weak::upgrade) {
-            Some(plan) => Ok(plan),
+            Some(plan) => Ok(Some(plan)),
             None => {
                 plans.insert(key, Arc::downgrade(&built));
-                Ok(built)
+                Ok(Some(built))
             }
         }
     }
@@ -121,6 +128,28 @@ impl ProjectedReads {
         names.sort_unstable();
         let proj_id = crate::stable_hash::hash_fields(names.iter().map(|n| n.as_bytes()));
         let files = asm.dataset().files();
+        // The configured capacity (fixed for the daemon's life, never the one a full disk lowered
+        // for a while) decides the copies with the dataset and the projection: streams and
+        // staging agree on their keys, and the key below need not name it.
+        let capacity = ds.node_cache().map_or(u64::MAX, |c| c.configured_capacity());
+        let key = (ds.url.clone(), ds.fingerprint.clone(), proj_id);
+        let Some(plan) = plans.get_or_build(key, || Self::build(ds, asm, proj_id, capacity))? else {
+            return Ok(None);
+        };
+        // What each way would still download, given what the node cache holds now.
+        let copies_missing: u64 = plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.pf.len()).sum();
+        let wholes_missing: u64 =
+            files.iter().filter(|f| !whole_copy_serves(ds, f.index)).map(|f| f.table.file_len()).sum();
+        if wholes_missing < copies_missing {
+            return Ok(None);
+        }
+        Ok(Some(Self { ds: ds.clone(), plan }))
+    }
+
+    /// The copies of projection `proj_id` (`asm`'s) over `ds` through a node cache of
+    /// `capacity`, or None when whole files serve it better.
+    fn build(ds: &Dataset, asm: &BatchAssembler, proj_id: u64, capacity: u64) -> Result<Option<CopyPlan>> {
+        let files = asm.dataset().files();
         let (mut selected, mut total) = (0u64, 0u64);
         let mut whole: Vec<ProjectedFile> = Vec::with_capacity(files.len());
         for (f, per_file) in files.iter().zip(asm.per_file()) {
@@ -129,9 +158,6 @@ impl ProjectedReads {
             total += f.table.file_len();
             whole.push(pf);
         }
-        // The capacity configured, not the one a full disk lowered for a while: streams and
-        // staging must agree on the copies' keys.
-        let capacity = ds.node_cache().map_or(u64::MAX, |c| c.configured_capacity());
         let per_row_group = selected > capacity;
         // Most of the bytes: one GET of a whole file is as good, and its ETag's MD5 checks it
         // whole. Unless the node cache is too small for the files and every file's listed ETag
@@ -147,48 +173,35 @@ impl ProjectedReads {
         if total == 0 || (most && !(per_row_group && no_md5)) {
             return Ok(None);
         }
-        let key = (ds.url.clone(), ds.fingerprint.clone(), proj_id, per_row_group);
-        let plan = plans.get_or_build(key, || {
-            let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
-            for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {
-                let groups = f.table.num_row_groups();
-                let mut add = |rg: Option<usize>, pf: ProjectedFile| {
-                    let key = ds.projected_key(f.index, proj_id, rg);
-                    copies.push(ChunkCopy { shard: f.index, pf: Arc::new(pf), key });
-                    copies.len() - 1
-                };
-                // A file of one row group keeps its file's copy (and key) either way.
-                let mine: Vec<usize> = if per_row_group && groups > 1 {
-                    (0..groups)
-                        .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
-                        .collect()
-                } else {
-                    vec![add(None, pf)]
-                };
-                by_file.insert(f.index, mine);
-            }
-            let pq = asm.dataset();
-            let by_unit = (0..pq.unit_rows().len())
-                .map(|u| {
-                    let (fi, rg) = pq.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
-                    let file =
-                        files.get(fi).ok_or_else(|| Error::Internal(format!("no file {fi} of plan unit {u}")))?;
-                    let mine = by_file.get(&file.index).map_or(&[][..], Vec::as_slice);
-                    copy_in(mine, rg).ok_or_else(|| {
-                        Error::Internal(format!("{}: no column-chunk copy of row group {rg}", file.name))
-                    })
-                })
-                .collect::<Result<Vec<usize>>>()?;
-            Ok(CopyPlan { copies, by_file, by_unit, per_row_group })
-        })?;
-        // What each way would still download, given what the node cache holds now.
-        let copies_missing: u64 = plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.pf.len()).sum();
-        let wholes_missing: u64 =
-            files.iter().filter(|f| !whole_copy_serves(ds, f.index)).map(|f| f.table.file_len()).sum();
-        if wholes_missing < copies_missing {
-            return Ok(None);
+        let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
+        for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {
+            let groups = f.table.num_row_groups();
+            let mut add = |rg: Option<usize>, pf: ProjectedFile| {
+                let key = ds.projected_key(f.index, proj_id, rg);
+                copies.push(ChunkCopy { shard: f.index, pf: Arc::new(pf), key });
+                copies.len() - 1
+            };
+            // A file of one row group keeps its file's copy (and key) either way.
+            let mine: Vec<usize> = if per_row_group && groups > 1 {
+                (0..groups)
+                    .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
+                    .collect()
+            } else {
+                vec![add(None, pf)]
+            };
+            by_file.insert(f.index, mine);
         }
-        Ok(Some(Self { ds: ds.clone(), plan }))
+        let pq = asm.dataset();
+        let by_unit = (0..pq.unit_rows().len())
+            .map(|u| {
+                let (fi, rg) = pq.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
+                let file = files.get(fi).ok_or_else(|| Error::Internal(format!("no file {fi} of plan unit {u}")))?;
+                let mine = by_file.get(&file.index).map_or(&[][..], Vec::as_slice);
+                copy_in(mine, rg)
+                    .ok_or_else(|| Error::Internal(format!("{}: no column-chunk copy of row group {rg}", file.name)))
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        Ok(Some(CopyPlan { copies, by_file, by_unit, per_row_group }))
     }
 
     /// True when `ds` may be read by column-chunk copies: S3 objects through the node cache,
@@ -363,7 +376,7 @@ impl FileReader for ProjectedReader<'_> {
             .file_copies(file)
             .iter()
             .copied()
-            .find(|&c| self.reads.plan.copies[c].pf.locate(range.clone()).is_some());
+            .find(|&c| self.reads.plan.copies.get(c).is_some_and(|copy| copy.pf.locate(range.clone()).is_some()));
         let c = c.ok_or_else(|| {
             let url = self.reads.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
             Error::Internal(format!("{url}: read of bytes {offset}+{len} outside the selected column chunks"))
@@ -393,26 +406,29 @@ impl FileReader for ProjectedReader<'_> {
 mod tests {
     use super::*;
 
-    fn empty() -> Result<CopyPlan> {
-        Ok(CopyPlan { copies: Vec::new(), by_file: HashMap::new(), by_unit: Vec::new(), per_row_group: true })
+    fn empty() -> Result<Option<CopyPlan>> {
+        Ok(Some(CopyPlan { copies: Vec::new(), by_file: HashMap::new(), by_unit: Vec::new(), per_row_group: true }))
     }
 
     #[test]
     fn streams_reading_the_same_columns_share_one_plan_while_any_holds_it() {
         let plans = CopyPlans::default();
-        let key = |proj: u64| ("s3://b/d/".to_owned(), "f1".to_owned(), proj, true);
-        let a = plans.get_or_build(key(1), empty).unwrap();
-        let b = plans.get_or_build(key(1), || panic!("built again while a stream holds it")).unwrap();
+        let key = |proj: u64| ("s3://b/d/".to_owned(), "f1".to_owned(), proj);
+        let a = plans.get_or_build(key(1), empty).unwrap().unwrap();
+        let b = plans.get_or_build(key(1), || panic!("built again while a stream holds it")).unwrap().unwrap();
         assert!(Arc::ptr_eq(&a, &b));
-        let other = plans.get_or_build(key(2), empty).unwrap();
+        let other = plans.get_or_build(key(2), empty).unwrap().unwrap();
         assert!(!Arc::ptr_eq(&a, &other), "other columns, another plan");
         assert_eq!(plans.built.load(Relaxed), 2);
         drop((a, b));
-        let again = plans.get_or_build(key(1), empty).unwrap();
+        let again = plans.get_or_build(key(1), empty).unwrap().unwrap();
         assert_eq!(plans.built.load(Relaxed), 3, "no stream held it: built anew, not kept");
         assert_eq!(Arc::strong_count(&again), 1);
         // A failed build leaves nothing behind.
         assert!(plans.get_or_build(key(3), || Err(Error::Internal("no".into()))).is_err());
+        assert_eq!(plans.built.load(Relaxed), 3);
+        // Whole files serve it: nothing built, nothing kept.
+        assert!(plans.get_or_build(key(4), || Ok(None)).unwrap().is_none());
         assert_eq!(plans.built.load(Relaxed), 3);
     }
 }
