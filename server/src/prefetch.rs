@@ -5,9 +5,9 @@
 //! - fetches shards into the node cache in order of first future use, as far ahead as a horizon
 //!   measured in *seconds of consumption* (each consumer's measured samples/s turns its sample
 //!   positions into time, so a fast consumer is served further ahead than a slow one);
-//! - tells the cache, when it must evict, how far away each shard's next use is, so it evicts
-//!   the one needed farthest in the future (Belady's rule) and never one needed sooner than the
-//!   shard it is making room for;
+//! - tells the cache how far away each cached shard's next use is (pushed after each walk:
+//!   `NodeCache::set_next_uses`), so that when it must evict it evicts the one needed farthest in
+//!   the future (Belady's rule) and never one needed sooner than the shard it is making room for;
 //! - looks one epoch beyond the current one (a trainer that finishes epoch `e` asks for `e + 1`
 //!   with the same parameters), which is what keeps the right half of a too-small cache across
 //!   the epoch boundary.
@@ -583,8 +583,10 @@ impl Prefetcher {
         if whole {
             self.walk_whole(&consumers, &groups);
         } else {
-            let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
-            refresh(&mut next_use, next.iter().map(|(k, (secs, _, _))| (*k, *secs)));
+            let near = || next.iter().map(|(k, (secs, _, _))| (*k, *secs));
+            refresh(&mut self.next_use.write().unwrap_or_else(|p| p.into_inner()), near());
+            // Not under the map's lock: the cache asks the map under its own.
+            self.cache.set_next_uses(near(), false);
         }
 
         wanted.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -801,9 +803,12 @@ impl Prefetcher {
         let horizon_s = if horizon_s.is_finite() { horizon_s } else { 0.0 };
         *self.horizon_s.lock().unwrap_or_else(|p| p.into_inner()) = horizon_s;
         crate::metrics::prefetch_horizon(horizon_s);
-        let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
-        next_use.retain(|k, _| next.contains_key(k.as_str()));
-        refresh(&mut next_use, next.into_iter());
+        {
+            let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
+            next_use.retain(|k, _| next.contains_key(k.as_str()));
+            refresh(&mut next_use, next.iter().map(|(k, s)| (*k, *s)));
+        }
+        self.cache.set_next_uses(next.iter().map(|(k, s)| (*k, *s)), true);
     }
 }
 

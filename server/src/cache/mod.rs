@@ -308,6 +308,13 @@ impl NodeCache {
         *self.eviction.write().unwrap_or_else(|p| p.into_inner()) = ev;
     }
 
+    /// Tells the entries among `uses` (key, seconds until its next use) their next use; with
+    /// `whole`, `uses` names every key a consumer will read and the other entries are needed by
+    /// none ([`CacheTable::set_next_uses`]).
+    pub fn set_next_uses<'a>(&self, uses: impl IntoIterator<Item = (&'a str, f64)>, whole: bool) {
+        self.lock().set_next_uses(uses, whole);
+    }
+
     fn eviction(&self) -> Arc<dyn Eviction + Send + Sync> {
         self.eviction.read().unwrap_or_else(|p| p.into_inner()).clone()
     }

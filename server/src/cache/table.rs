@@ -12,8 +12,18 @@
 //! Space is accounted when a fill begins (its full size is reserved), so concurrent fills can
 //! never overshoot the capacity together. A pinned entry (a stream reads it, or a client holds a
 //! lease on it) is never chosen for eviction.
+//!
+//! Each entry carries its next use ([`Entry::next`]): asked of the [`Eviction`] oracle once, when
+//! the entry is made, then pushed by whoever knows the future ([`CacheTable::set_next_uses`],
+//! the prefetcher after each of its walks). Choosing victims thus reads no map: asking the oracle
+//! for every entry at every eviction (a hash of a ~70-byte key each), then sorting them all, took
+//! most of the daemon's CPU once the cache held a copy per row group (16,000 entries:
+//! bench/S3_RESULTS.md, "Choosing what to evict").
 
-use std::collections::HashMap;
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use foldhash::HashMap;
 
 /// How victims are chosen when space is needed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +59,9 @@ pub struct Entry {
     pub pins: u32,
     /// Logical time of the last pin (for LRU).
     pub last_used: u64,
+    /// Seconds until an active consumer next needs it (infinite: none will), as last told
+    /// ([`CacheTable::set_next_uses`]).
+    pub next: f64,
 }
 
 /// The answer to [`CacheTable::begin`].
@@ -66,7 +79,8 @@ pub enum Begin {
 
 /// How the caller ranks and protects entries when space is needed.
 pub trait Eviction {
-    /// Seconds until the shard is next needed by an active consumer; `None`: not needed.
+    /// Seconds until the shard is next needed by an active consumer; `None`: not needed. Asked
+    /// when an entry is made; later changes come through [`CacheTable::set_next_uses`].
     fn next_use(&self, key: &str) -> Option<f64>;
     /// True while a client holds a lease on the shard (checked in addition to pins).
     fn leased(&self, key: &str) -> bool;
@@ -97,7 +111,7 @@ pub struct CacheTable {
 
 impl CacheTable {
     pub fn new(capacity: u64, policy: Policy) -> Self {
-        Self { entries: HashMap::new(), capacity, used: 0, clock: 0, policy }
+        Self { entries: HashMap::default(), capacity, used: 0, clock: 0, policy }
     }
 
     pub fn capacity(&self) -> u64 {
@@ -150,7 +164,24 @@ impl CacheTable {
             return;
         }
         self.used += bytes;
-        self.entries.insert(key.to_owned(), Entry { state: State::Ready, bytes, pins: 0, last_used: 0 });
+        let e = Entry { state: State::Ready, bytes, pins: 0, last_used: 0, next: f64::INFINITY };
+        self.entries.insert(key.to_owned(), e);
+    }
+
+    /// Sets the next use of the entries among `uses` (key, seconds until its next use); with
+    /// `whole`, `uses` is every key any consumer will read, and the entries missing from it are
+    /// needed by none.
+    pub fn set_next_uses<'a>(&mut self, uses: impl IntoIterator<Item = (&'a str, f64)>, whole: bool) {
+        if whole {
+            for e in self.entries.values_mut() {
+                e.next = f64::INFINITY;
+            }
+        }
+        for (k, secs) in uses {
+            if let Some(e) = self.entries.get_mut(k) {
+                e.next = secs;
+            }
+        }
     }
 
     /// Asks for `key` (of `bytes`). `urgency`: seconds until the caller needs it (0 for a
@@ -176,31 +207,12 @@ impl CacheTable {
         let free = self.capacity.saturating_sub(self.used);
         let mut evicted = Vec::new();
         if bytes > free {
-            let mut candidates: Vec<(&String, &Entry, f64)> = self
-                .entries
-                .iter()
-                .filter(|(k, e)| e.state == State::Ready && e.pins == 0 && !ev.leased(k))
-                .map(|(k, e)| (k, e, ev.next_use(k).unwrap_or(f64::INFINITY)))
-                .filter(|(_, _, next)| self.policy == Policy::Lru || waiting || *next > urgency)
-                .collect();
-            let evictable: u64 = candidates.iter().map(|(_, e, _)| e.bytes).sum();
-            if bytes > free + evictable {
-                return Begin::NoSpace { needed: bytes, evictable: free + evictable };
-            }
-            match self.policy {
-                // Farthest next use first; among equals (e.g. never needed again), least recent.
-                Policy::Belady => candidates
-                    .sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.last_used.cmp(&b.1.last_used)).then(a.0.cmp(b.0))),
-                Policy::Lru => candidates.sort_by(|a, b| a.1.last_used.cmp(&b.1.last_used).then(a.0.cmp(b.0))),
-            }
-            let mut freed = free;
-            for (k, e, _) in candidates {
-                if freed >= bytes {
-                    break;
-                }
-                freed += e.bytes;
-                evicted.push(k.clone());
-            }
+            let lru = self.policy == Policy::Lru;
+            let candidates = self.idle().filter(|v| lru || waiting || v.next > urgency);
+            evicted = match self.choose(candidates, bytes - free, ev) {
+                Ok(chosen) => chosen,
+                Err(freeable) => return Begin::NoSpace { needed: bytes, evictable: free + freeable },
+            };
             for k in &evicted {
                 if let Some(e) = self.entries.remove(k) {
                     self.used -= e.bytes;
@@ -208,8 +220,46 @@ impl CacheTable {
             }
         }
         self.used += bytes;
-        self.entries.insert(key.to_owned(), Entry { state: State::Filling, bytes, pins: 1, last_used: self.clock });
+        let next = ev.next_use(key).unwrap_or(f64::INFINITY);
+        let e = Entry { state: State::Filling, bytes, pins: 1, last_used: self.clock, next };
+        self.entries.insert(key.to_owned(), e);
         Begin::Fill { evicted }
+    }
+
+    /// The Ready entries nobody pins, as eviction candidates (leases are checked only on the few
+    /// chosen: [`Self::choose`]).
+    fn idle(&self) -> impl Iterator<Item = Victim<'_>> {
+        let lru = self.policy == Policy::Lru;
+        self.entries.iter().filter(|(_, e)| e.state == State::Ready && e.pins == 0).map(move |(key, e)| Victim {
+            // LRU ranks by recency alone.
+            next: if lru { 0.0 } else { e.next },
+            last_used: e.last_used,
+            key,
+            bytes: e.bytes,
+        })
+    }
+
+    /// Victims among `candidates` freeing at least `need` bytes, first to evict first: with
+    /// [`Policy::Belady`] the farthest next use (those never needed again before all), then the
+    /// least recent; never one `ev` says is leased. `Err(bytes)`: only `bytes` could be freed.
+    /// A heap, not a sort: an eviction usually takes one or two of thousands.
+    fn choose<'a>(
+        &self,
+        candidates: impl Iterator<Item = Victim<'a>>,
+        need: u64,
+        ev: &dyn Eviction,
+    ) -> Result<Vec<String>, u64> {
+        let mut heap: BinaryHeap<Victim<'a>> = candidates.collect();
+        let (mut freed, mut chosen) = (0u64, Vec::new());
+        while freed < need {
+            let Some(v) = heap.pop() else { return Err(freed) };
+            if ev.leased(v.key) {
+                continue;
+            }
+            freed += v.bytes;
+            chosen.push(v.key.clone());
+        }
+        Ok(chosen)
     }
 
     /// Ends a fill begun by [`begin`](Self::begin): the entry becomes Ready (still pinned by the
@@ -273,28 +323,52 @@ impl CacheTable {
     /// Evicts unpinned, unleased Ready entries until `used <= target` (a lowered capacity, or a
     /// disk that filled up under us); returns the keys whose files to delete.
     pub fn shrink_to(&mut self, target: u64, ev: &dyn Eviction) -> Vec<String> {
-        let mut candidates: Vec<(String, u64, f64, u64)> = self
-            .entries
-            .iter()
-            .filter(|(k, e)| e.state == State::Ready && e.pins == 0 && !ev.leased(k))
-            .map(|(k, e)| (k.clone(), e.bytes, ev.next_use(k).unwrap_or(f64::INFINITY), e.last_used))
-            .collect();
-        match self.policy {
-            Policy::Belady => candidates.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.3.cmp(&b.3))),
-            Policy::Lru => candidates.sort_by_key(|c| c.3),
+        let need = self.used.saturating_sub(target);
+        if need == 0 {
+            return Vec::new();
         }
-        let mut out = Vec::new();
-        for (k, bytes, _, _) in candidates {
-            if self.used <= target {
-                break;
+        // Not enough can go: all that can, as far towards the target as it gets.
+        let chosen = self
+            .choose(self.idle(), need, ev)
+            .unwrap_or_else(|_| self.idle().filter(|v| !ev.leased(v.key)).map(|v| v.key.clone()).collect());
+        for k in &chosen {
+            if let Some(e) = self.entries.remove(k) {
+                self.used -= e.bytes;
             }
-            self.entries.remove(&k);
-            self.used -= bytes;
-            out.push(k);
         }
-        out
+        chosen
     }
 }
+
+/// An eviction candidate, ordered so that the greatest is the first to evict.
+struct Victim<'a> {
+    next: f64,
+    last_used: u64,
+    key: &'a String,
+    bytes: u64,
+}
+
+impl Ord for Victim<'_> {
+    fn cmp(&self, o: &Self) -> Ordering {
+        // Farthest next use, then least recently used, then (adopted entries share a time) the
+        // key, for an order that does not depend on the map's.
+        self.next.total_cmp(&o.next).then(o.last_used.cmp(&self.last_used)).then_with(|| o.key.cmp(self.key))
+    }
+}
+
+impl PartialOrd for Victim<'_> {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+impl PartialEq for Victim<'_> {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+
+impl Eq for Victim<'_> {}
 
 #[cfg(test)]
 mod tests {
@@ -310,6 +384,11 @@ mod tests {
         fn leased(&self, key: &str) -> bool {
             self.1.contains(key)
         }
+    }
+
+    /// Tells the table a whole future, as the prefetcher does after a whole walk.
+    fn tell(t: &mut CacheTable, future: &Future) {
+        t.set_next_uses(future.0.iter().map(|(k, s)| (k.as_str(), *s)), true);
     }
 
     fn fill(t: &mut CacheTable, key: &str, bytes: u64, ev: &dyn Eviction) -> Vec<String> {
@@ -346,12 +425,46 @@ mod tests {
             fill(&mut t, k, 10, &future);
         }
         assert_eq!(fill(&mut t, "d", 10, &future), vec!["b".to_string()]);
-        // A prefetch of a shard needed in 10 s may not push out a (5 s), c (1 s) or d (2 s).
+        // d was made not needed (its next use asked then); told 2 s now, a prefetch of a shard
+        // needed in 10 s may not push out a (5 s), c (1 s) or d.
         let future = Future([("a".into(), 5.0), ("c".into(), 1.0), ("d".into(), 2.0)].into(), HashSet::new());
+        tell(&mut t, &future);
         assert_eq!(t.begin("e", 10, 10.0, false, &future), Begin::NoSpace { needed: 10, evictable: 0 });
-        // Shards nobody needs go first of all.
+        // Shards nobody needs go first of all: a whole future that no longer names d says so.
         let future = Future([("a".into(), 5.0), ("c".into(), 1.0)].into(), HashSet::new());
+        tell(&mut t, &future);
         assert_eq!(fill(&mut t, "e", 10, &future), vec!["d".to_string()]);
+        // A partial telling changes only the entries it names.
+        t.set_next_uses([("a", 90.0), ("e", 3.0)], false);
+        assert_eq!((t.get("a").unwrap().next, t.get("c").unwrap().next), (90.0, 1.0));
+        assert_eq!(fill(&mut t, "f", 10, &future), vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn the_first_to_go_are_the_farthest_then_the_least_recent_whatever_the_cache_holds() {
+        // Many entries, a few of equal next use: each eviction takes exactly what a full sort of
+        // the candidates would have put first, and skips the leased.
+        let mut t = CacheTable::new(1000, Policy::Belady);
+        let old = (0..100).map(|k| (k.to_string(), f64::from(k % 7)));
+        let new = (0..30).map(|n| (format!("new{n}"), 0.5));
+        let future = Future(old.chain(new).collect(), ["96".to_string()].into());
+        for k in 0..100 {
+            fill(&mut t, &k.to_string(), 10, &future);
+        }
+        let mut expect: Vec<(f64, u64, String)> = t
+            .entries
+            .iter()
+            .filter(|(k, _)| !future.leased(k))
+            .map(|(k, e)| (-e.next, e.last_used, k.clone()))
+            .collect();
+        expect.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let mut got = Vec::new();
+        for n in 0..30 {
+            got.extend(fill(&mut t, &format!("new{n}"), if n % 3 == 0 { 20 } else { 10 }, &future));
+        }
+        let want: Vec<String> = expect.into_iter().map(|e| e.2).take(got.len()).collect();
+        assert_eq!(got, want);
+        assert!(!got.contains(&"96".to_string()), "leased");
     }
 
     #[test]
@@ -368,6 +481,7 @@ mod tests {
         // Farthest next use still first, and never what is pinned or leased.
         t.finish("d", true);
         let later = Future([("b".into(), 0.0), ("c".into(), 9.0)].into(), ["b".to_string()].into());
+        tell(&mut t, &later);
         assert_eq!(t.begin("e", 10, 0.0, true, &later), Begin::Fill { evicted: vec!["c".to_string()] });
         assert_eq!(t.begin("f", 10, 0.0, true, &later), Begin::NoSpace { needed: 10, evictable: 0 });
     }
