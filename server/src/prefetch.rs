@@ -17,7 +17,9 @@
 //!
 //! A tick walks each consumer's horizon; once a [`FULL_WALK`] it walks every future whole for
 //! the next use of everything cached. Consumers with one future and the same keys (a rank's
-//! workers) are walked as one.
+//! workers) are walked as one. A tick keeps the fetches it chose ([`Plan`]): a fetch done fills
+//! its slot from them, and the horizons are walked again at the next [`TICK`] or when a consumer
+//! comes or goes.
 //!
 //! One thread runs the loop; fetches run on up to `parallel` threads of their own. Lock order:
 //! consumers -> (released) -> node cache table; the snapshot lock is never held with another.
@@ -44,7 +46,8 @@ pub const MIN_AHEAD: usize = 2;
 /// orders consumers against each other until real figures arrive.
 const DEFAULT_RATE: f64 = 1000.0;
 
-/// How often the plan is recomputed without an event (new consumer, fetch done, progress).
+/// How often the plan is recomputed without an event (a consumer come or gone); the fetches
+/// done meanwhile start the next of the plan made last ([`Plan`]).
 const TICK: Duration = Duration::from_millis(100);
 
 /// How often a tick walks every consumer's whole future: the next use of everything cached (the
@@ -433,7 +436,9 @@ pub struct Prefetcher {
     inflight: Mutex<HashSet<String>>,
     /// Shards whose prefetch failed, and when they may be tried again ([`FAILED_RETRY`]).
     failed: Mutex<HashMap<String, Instant>>,
-    wake: (Mutex<bool>, Condvar),
+    wake: (Mutex<Woken>, Condvar),
+    /// The last tick's plan of fetches, for the slots freed until the next ([`Plan`]).
+    plan: Mutex<Option<Plan>>,
     horizon_s: Mutex<f64>,
     stopped: AtomicBool,
 }
@@ -481,7 +486,8 @@ impl Prefetcher {
             next_use: RwLock::default(),
             inflight: Mutex::default(),
             failed: Mutex::default(),
-            wake: (Mutex::new(false), Condvar::new()),
+            wake: (Mutex::default(), Condvar::new()),
+            plan: Mutex::new(None),
             horizon_s: Mutex::new(0.0),
             stopped: AtomicBool::new(false),
         });
@@ -503,8 +509,16 @@ impl Prefetcher {
         self.consumers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Something changed that the plan depends on (a consumer came or went, the daemon stops):
+    /// the prefetch thread ticks now.
     pub fn wake(&self) {
-        *self.wake.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.wake.0.lock().unwrap_or_else(|p| p.into_inner()).changed = true;
+        self.wake.1.notify_one();
+    }
+
+    /// A prefetch brought its shard in: the prefetch thread starts the next of the last plan.
+    fn slot_freed(&self) {
+        self.wake.0.lock().unwrap_or_else(|p| p.into_inner()).slot_freed = true;
         self.wake.1.notify_one();
     }
 
@@ -592,25 +606,60 @@ impl Prefetcher {
         wanted.sort_by(|a, b| a.0.total_cmp(&b.0));
         soonest_that_fit(&mut wanted, self.cache.capacity());
         wanted.dedup_by(|a, b| a.1 == b.1);
+        let fetches = wanted
+            .iter()
+            .filter_map(|&(secs, key, _)| {
+                let &(_, ci, unit) = next.get(key)?;
+                Some(Planned { secs, consumer: consumers.get(ci)?.clone(), unit })
+            })
+            .collect();
+        let mut plan = Plan { at: Instant::now(), generation, fetches, started: 0 };
+        self.start_fetches(&mut plan);
+        *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
+    }
+
+    /// Fills the slot a fetch done freed from the last tick's plan while it is fresh (younger
+    /// than a [`TICK`], with the same consumers); else ticks.
+    fn refill(self: &Arc<Self>) {
+        let generation = self.generation.load(SeqCst);
+        let mut kept = self.plan.lock().unwrap_or_else(|p| p.into_inner());
+        match kept.as_mut() {
+            Some(plan) if plan.generation == generation && plan.at.elapsed() < TICK => self.start_fetches(plan),
+            _ => {
+                drop(kept);
+                self.tick();
+            }
+        }
+    }
+
+    /// Starts the fetches of `plan` in its order, from where the last call stopped, until
+    /// [`PrefetchConfig::parallel`] are in flight: those already cached (or being filled), in
+    /// flight or backed off after a failure are passed over.
+    fn start_fetches(self: &Arc<Self>, plan: &mut Plan) {
         let now = Instant::now();
         let backed_off: HashSet<String> = {
             let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
             failed.retain(|_, retry| *retry > now);
             failed.keys().cloned().collect()
         };
-        for (secs, key, _) in wanted {
+        while let Some(f) = plan.fetches.get(plan.started) {
+            let (secs, c, shard) = (f.secs, f.consumer.clone(), f.unit);
+            let Some(key) = c.key(shard) else {
+                plan.started += 1;
+                continue;
+            };
             // Backed off after its own failure, or after a stream's (the prefetch gave the fill
             // to a stream, which then failed it).
             if self.cache.is_present(key) || backed_off.contains(key) || self.cache.failed_recently(key, FAILED_RETRY) {
+                plan.started += 1;
                 continue;
             }
-            let Some(&(_, ci, shard)) = next.get(key) else { continue };
-            let Some(c) = consumers.get(ci).cloned() else { continue };
             {
                 let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
                 if inflight.len() >= self.config.parallel.max(1) {
                     break;
                 }
+                plan.started += 1;
                 if inflight.contains(key) {
                     continue;
                 }
@@ -653,7 +702,7 @@ impl Prefetcher {
                 // gave up (no room: everything cached is needed sooner) or failed is tried again
                 // at the next tick: waking now would start the same refusals back to back.
                 if brought_in {
-                    me.wake();
+                    me.slot_freed();
                 }
             });
             if let Err(e) = spawned {
@@ -666,6 +715,26 @@ impl Prefetcher {
             }
         }
     }
+}
+
+/// The fetches a tick chose (the soonest needed that fit, soonest first), kept for the fetches
+/// done until the next tick: each frees a slot, and walking every horizon again to fill it
+/// (after every fetch done, hundreds a second over row-group copies of a few hundred bytes)
+/// took most of the daemon's CPU (bench/S3_RESULTS.md, "Choosing what to evict").
+struct Plan {
+    at: Instant,
+    /// The consumers' generation it was made for.
+    generation: u64,
+    fetches: Vec<Planned>,
+    /// The fetches before it are started, cached or passed over.
+    started: usize,
+}
+
+/// A fetch of a plan: `consumer`'s use `unit`, needed in `secs`.
+struct Planned {
+    secs: f64,
+    consumer: Arc<Consumer>,
+    unit: usize,
 }
 
 /// Key -> (seconds until its next use, the consumer's index, what the use names).
@@ -861,19 +930,33 @@ fn spawn_fetch(fetch: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     std::thread::Builder::new().name("prefetch-fetch".into()).spawn(fetch).map(drop)
 }
 
+/// Why the prefetch thread woke before its [`TICK`].
+#[derive(Debug, Default)]
+struct Woken {
+    changed: bool,
+    slot_freed: bool,
+}
+
 fn run(weak: Weak<Prefetcher>) {
+    let mut replan = true;
     loop {
         let Some(p) = weak.upgrade() else { return };
         if p.stopped.load(Relaxed) {
             return;
         }
-        p.tick();
+        if replan {
+            p.tick()
+        } else {
+            p.refill()
+        }
         let (lock, cv) = &p.wake;
         let mut woken = lock.lock().unwrap_or_else(|e| e.into_inner());
-        if !*woken {
+        if !woken.changed && !woken.slot_freed {
             woken = cv.wait_timeout(woken, TICK).unwrap_or_else(|e| e.into_inner()).0;
         }
-        *woken = false;
+        // A tick's time (neither flag) or a change: plan again; a slot freed: fill it.
+        replan = woken.changed || !woken.slot_freed;
+        *woken = Woken::default();
     }
 }
 
@@ -1043,6 +1126,57 @@ mod tests {
         let key = |i: usize| ds.cache_key(i).unwrap().to_owned();
         assert_eq!(got[&key(0)], 0.0);
         assert_eq!(got[&key(3)], (40 - 31) as f64 / DEFAULT_RATE);
+    }
+
+    /// Waits (at most 10 s) until `n` of `ds`'s shards are in the cache and nothing is in flight.
+    fn until_cached(p: &Prefetcher, ds: &Dataset, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let cached = || (0..ds.shards.len()).filter(|&s| ds.cache_key(s).is_some_and(|k| p.cache.is_ready(k))).count();
+        while (cached() < n || !p.inflight.lock().unwrap().is_empty()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(cached(), n);
+    }
+
+    #[test]
+    fn a_fetch_done_starts_the_next_of_the_last_plan_without_walking_again() {
+        let (_tmp, cache, ds) = copied(6);
+        let p = Prefetcher::start(cache, None, PrefetchConfig::default()).unwrap();
+        p.stop();
+        std::thread::sleep(Duration::from_millis(200));
+        let uses: Vec<ShardUse> = (0..6).map(|s| span(s, u64::from(s) * 10, u64::from(s) * 10 + 9)).collect();
+        // Registering ticks once: a plan of the six shards, all started.
+        let _guard = p.register(ds.clone(), uses, 0, 0, 0, None);
+        until_cached(&p, &ds, 6);
+        let made = |p: &Prefetcher| p.plan.lock().unwrap().as_ref().map(|plan| (plan.at, plan.started));
+        assert_eq!(made(&p).unwrap().1, 6);
+        let drop_two = || {
+            for s in [1, 4] {
+                assert!(p.cache.drop_copy(ds.cache_key(s).unwrap(), "test"));
+            }
+        };
+        // A plan still fresh (as a fetch done finds it within a tick), from its start: the two
+        // missing are fetched from it, the others passed over.
+        drop_two();
+        let at = Instant::now();
+        {
+            let mut kept = p.plan.lock().unwrap();
+            let plan = kept.as_mut().unwrap();
+            (plan.at, plan.started) = (at, 0);
+        }
+        p.refill();
+        until_cached(&p, &ds, 6);
+        assert_eq!(made(&p), Some((at, 6)), "the same plan, to its end");
+        // A tick old, or made for other consumers: planned again.
+        drop_two();
+        p.plan.lock().unwrap().as_mut().unwrap().at = at - TICK;
+        p.refill();
+        until_cached(&p, &ds, 6);
+        let again = made(&p).unwrap().0;
+        assert!(again > at, "planned again");
+        p.generation.fetch_add(1, SeqCst);
+        p.refill();
+        assert!(made(&p).unwrap().0 > again, "planned again");
     }
 
     #[test]
