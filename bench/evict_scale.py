@@ -20,7 +20,6 @@ import argparse
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import plan_memory  # noqa: E402
-from s3server import S3Server  # noqa: E402
 
 import shardstream  # noqa: E402
 from conftest import Daemon  # noqa: E402
@@ -64,24 +62,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--wrap", default="", help='a profiler the daemon runs under, e.g. "perf record -o /tmp/p"')
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="evict-scale-"))
-    ids = plan_memory.write_set(tmp / "s3" / "bench" / "pq", args.files, args.row_groups)
-    s3 = S3Server(tmp / "s3").start()
     groups = args.files * args.row_groups
-    print(f"{args.files} files x {args.row_groups} row groups ({groups:,}), a stream of `id`, cache {ids // 2:,} B")
-    try:
-        for r in range(args.rounds):
-            bins = args.bins if r % 2 == 0 else list(reversed(args.bins))
-            for b in bins:
-                took, cpu, rows, fetched = one_epoch(b, tmp, s3.env(), ids // 2, shlex.split(args.wrap))
-                print(
-                    f"round {r} {b}: {rows:,} rows in {took:.1f} s ({groups / took:,.0f} row groups/s), "
-                    f"daemon CPU {cpu:.1f} s, fetched {fetched:,} B",
-                    flush=True,
-                )
-    finally:
-        s3.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def each(binary: str, tmp: Path, env: dict[str, str], cache: int) -> str:
+        took, cpu, rows, fetched = one_epoch(binary, tmp, env, cache, shlex.split(args.wrap))
+        return (
+            f"{rows:,} rows in {took:.1f} s ({groups / took:,.0f} row groups/s), "
+            f"daemon CPU {cpu:.1f} s, fetched {fetched:,} B"
+        )
+
+    plan_memory.over_builds(args, "a stream of `id`, a node cache of half its chunks", each)
     return 0
 
 

@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,24 @@ def one_daemon(
         shutil.rmtree(tmp / "d", ignore_errors=True)
 
 
+def over_builds(args: argparse.Namespace, what: str, each: Callable[[str, Path, dict[str, str], int], str]) -> None:
+    """Writes the set (`args.files` x `args.row_groups`), starts the S3 server, and runs `each`
+    (binary, scratch directory, the server's environment, a node cache of half the `id` chunks)
+    for every build in `args.bins` and round, the builds' order alternating by round, printing
+    what it says."""
+    tmp = Path(tempfile.mkdtemp(prefix="plan-memory-"))
+    ids = write_set(tmp / "s3" / "bench" / "pq", args.files, args.row_groups)
+    s3 = S3Server(tmp / "s3").start()
+    print(f"{args.files} files x {args.row_groups} row groups ({args.files * args.row_groups:,}), {what}")
+    try:
+        for r in range(args.rounds):
+            for b in args.bins if r % 2 == 0 else list(reversed(args.bins)):
+                print(f"round {r} {b}: {each(b, tmp, s3.env(), ids // 2)}", flush=True)
+    finally:
+        s3.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("bins", nargs="+")
@@ -135,29 +154,21 @@ def main() -> int:
         "--wrap", default="", help='a profiler the daemon runs under, e.g. "heaptrack -o /tmp/heap" or "perf record -g"'
     )
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="plan-memory-"))
-    ids = write_set(tmp / "s3" / "bench" / "pq", args.files, args.row_groups)
-    s3 = S3Server(tmp / "s3").start()
     groups = args.files * args.row_groups
+
+    def each(binary: str, tmp: Path, env: dict[str, str], cache: int) -> str:
+        base, full, took, idle, fetched = one_daemon(
+            binary, tmp, env, cache, args.streams, args.workers, shlex.split(args.wrap)
+        )
+        per = (full - base) / args.streams
+        return (
+            f"{base:.0f} MiB with none, {full:.0f} MiB with {args.streams} "
+            f"({per:.1f} MiB a stream, {per * 2**20 / groups:.0f} bytes a row group); opened in {took:.1f} s; "
+            f"{idle:.2f} cores busy while they wait, fetching {fetched:.2f}x the node cache"
+        )
+
     who = "one rank's workers" if args.workers else "ranks"
-    print(f"{args.files} files x {args.row_groups} row groups ({groups:,}), {args.streams} streams of `id` ({who})")
-    try:
-        for r in range(args.rounds):
-            bins = args.bins if r % 2 == 0 else list(reversed(args.bins))
-            for b in bins:
-                base, full, took, idle, fetched = one_daemon(
-                    b, tmp, s3.env(), ids // 2, args.streams, args.workers, shlex.split(args.wrap)
-                )
-                per = (full - base) / args.streams
-                print(
-                    f"round {r} {b}: {base:.0f} MiB with none, {full:.0f} MiB with {args.streams} "
-                    f"({per:.1f} MiB a stream, {per * 2**20 / groups:.0f} bytes a row group); opened in {took:.1f} s; "
-                    f"{idle:.2f} cores busy while they wait, fetching {fetched:.2f}x the node cache",
-                    flush=True,
-                )
-    finally:
-        s3.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+    over_builds(args, f"{args.streams} streams of `id` ({who})", each)
     return 0
 
 
