@@ -1089,13 +1089,18 @@ mod tests {
         }
     }
 
+    /// A prefetcher whose thread has stopped: ticks from here on are the test's, positions and all.
+    fn stopped(cache: Arc<NodeCache>) -> Arc<Prefetcher> {
+        let p = Prefetcher::start(cache, None, PrefetchConfig::default()).unwrap();
+        p.stop();
+        std::thread::sleep(Duration::from_millis(200));
+        p
+    }
+
     #[test]
     fn a_whole_walk_finds_each_keys_soonest_use_among_consumers_sharing_a_future() {
         let (_tmp, cache, ds) = copied(6);
-        let p = Prefetcher::start(cache, None, PrefetchConfig::default()).unwrap();
-        // Its thread stopped (ticks from here on are this test's, positions and all).
-        p.stop();
-        std::thread::sleep(Duration::from_millis(200));
+        let p = stopped(cache);
         // Two workers of one rank (one future, shared) and another rank's stream.
         let this: Arc<[ShardUse]> = vec![span(0, 0, 9), span(1, 10, 19), span(2, 20, 29), span(0, 30, 39)].into();
         let next: Arc<[ShardUse]> = vec![span(3, 0, 9), span(1, 10, 19)].into();
@@ -1141,9 +1146,7 @@ mod tests {
     #[test]
     fn a_fetch_done_starts_the_next_of_the_last_plan_without_walking_again() {
         let (_tmp, cache, ds) = copied(6);
-        let p = Prefetcher::start(cache, None, PrefetchConfig::default()).unwrap();
-        p.stop();
-        std::thread::sleep(Duration::from_millis(200));
+        let p = stopped(cache);
         let uses: Vec<ShardUse> = (0..6).map(|s| span(s, u64::from(s) * 10, u64::from(s) * 10 + 9)).collect();
         // Registering ticks once: a plan of the six shards, all started.
         let _guard = p.register(ds.clone(), uses, 0, 0, 0, None);
