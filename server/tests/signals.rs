@@ -1,0 +1,38 @@
+//! The daemon's signal handlers are in place when `install_signal_handlers` returns, before
+//! `serve` goes on to anything that may load libfabric (`--rdma`'s start-up check).
+//!
+//! Loading libfabric runs its PSM dependency's constructor, which takes SIGTERM and SIGINT with a
+//! handler that exits 1; the fabric crate puts back what the process had before the load. A
+//! handler the daemon installed from another thread *during* that load was then lost: the
+//! library's replaced it, and the restore wrote back the default action, so the daemon died of
+//! its first SIGTERM (exit -15 instead of a drain). Installed before the load, it is what the
+//! restore puts back. Its own test binary: the handlers stay for the life of the process.
+
+use std::ffi::c_int;
+
+use tokio_util::sync::CancellationToken;
+
+fn handler_of(signal: c_int) -> libc::sighandler_t {
+    let mut action = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
+    // SAFETY: a null new action only reads the current one into `action`, which lives for the call.
+    let rc = unsafe { libc::sigaction(signal, std::ptr::null(), action.as_mut_ptr()) };
+    assert_eq!(rc, 0, "sigaction({signal}) failed");
+    // SAFETY: zero-initialised, then filled by the successful call; every field is plain data.
+    unsafe { action.assume_init() }.sa_sigaction
+}
+
+#[test]
+fn the_handlers_are_in_place_when_installing_returns() {
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        assert_eq!(handler_of(signal), libc::SIG_DFL, "signal {signal} handled before the test");
+    }
+    // One thread: a task spawned to install them would not have run before the checks below.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    rt.block_on(async {
+        shardstream::shutdown::install_signal_handlers(CancellationToken::new());
+        for signal in [libc::SIGTERM, libc::SIGINT] {
+            let handler = handler_of(signal);
+            assert!(handler != libc::SIG_DFL && handler != libc::SIG_IGN, "signal {signal}: no handler yet");
+        }
+    });
+}
