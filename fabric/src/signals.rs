@@ -11,7 +11,10 @@ use std::ffi::{c_int, c_void};
 
 /// Runs `load` and then restores every catchable signal's disposition that it changed. A handler
 /// this crate's own object file installed meanwhile (the daemon's or the client's signal handling,
-/// from another thread) is left in place: only what another library put there is undone.
+/// from another thread) is left in place: only what another library put there is undone. But one
+/// installed meanwhile and then replaced by the library is lost (the restore writes back what was
+/// there before it): a process installs its handlers before anything loads libfabric, as
+/// `shardstream serve` does.
 pub(crate) fn keeping_handlers<T>(load: impl FnOnce() -> T) -> T {
     let before: Vec<(c_int, libc::sigaction)> =
         (1..libc::SIGRTMIN()).filter(|&s| catchable(s)).filter_map(|s| current(s).map(|a| (s, a))).collect();
@@ -77,6 +80,9 @@ mod tests {
         assert_eq!(current(libc::SIGUSR2).expect("sigaction").sa_sigaction, before.sa_sigaction);
         let ours = our_handler as *const () as libc::sighandler_t;
         keeping_handlers(|| install(ours));
+        assert_eq!(current(libc::SIGUSR2).expect("sigaction").sa_sigaction, ours);
+        // Ours in place before the load, a library's replacing it: ours is what comes back.
+        keeping_handlers(|| install(libc::SIG_IGN));
         assert_eq!(current(libc::SIGUSR2).expect("sigaction").sa_sigaction, ours);
         // SAFETY: puts back what the test found.
         unsafe { libc::sigaction(libc::SIGUSR2, &before, std::ptr::null_mut()) };

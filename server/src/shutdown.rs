@@ -2,23 +2,28 @@
 //! accepting, streams end with `UNAVAILABLE`, the process exits once they have drained); a second
 //! signal exits at once.
 
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
-/// Cancels `token` on the first SIGTERM/SIGINT and exits the process on the second.
+/// Cancels `token` on the first SIGTERM/SIGINT and exits the process on the second. Must run in a
+/// runtime, before anything that may load libfabric: the handlers are in place when it returns.
 // Only `shardstream serve` installs these (the embedded server in a trainer does not): exiting is
 // what its operator asked for with the second signal.
+//
+// Why before: loading libfabric runs a dependency's constructor that takes SIGTERM and SIGINT,
+// and the fabric crate then writes back the actions it found before the load. A handler installed
+// by another thread in the middle of that load (as a spawned task did, racing `--rdma`'s start-up
+// check) was replaced and then reset to the default: the daemon died of its first SIGTERM.
 #[expect(clippy::exit, reason = "the daemon's second signal means exit now")]
 pub fn install_signal_handlers(token: CancellationToken) {
+    let Some(mut term) = listen(SignalKind::terminate(), "SIGTERM") else { return };
+    let mut int = listen(SignalKind::interrupt(), "SIGINT");
     tokio::spawn(async move {
-        let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
-            tracing::error!("cannot install the SIGTERM handler; shut down with SIGKILL");
-            return;
-        };
         let mut signals = 0;
         loop {
             tokio::select! {
                 _ = term.recv() => {}
-                r = tokio::signal::ctrl_c() => if r.is_err() { return },
+                Some(()) = async { int.as_mut()?.recv().await } => {}
             }
             signals += 1;
             if signals == 1 {
@@ -30,4 +35,10 @@ pub fn install_signal_handlers(token: CancellationToken) {
             }
         }
     });
+}
+
+fn listen(kind: SignalKind, name: &str) -> Option<Signal> {
+    signal(kind)
+        .map_err(|e| tracing::error!("cannot install the {name} handler ({e}): it will not drain the daemon"))
+        .ok()
 }
