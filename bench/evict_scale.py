@@ -6,7 +6,10 @@ node cache of half of them, so that nearly every copy fetched evicts another
 The set is `plan_memory.py`'s: `--files` files of `--row-groups` row groups of 10 rows; the
 stream reads `id` only (a copy of ~700 bytes a row group). Each build gets a fresh daemon per
 round, the builds' order alternating by round. Reported: the epoch's seconds, the daemon's CPU
-seconds over it, and what it fetched (the same for every build: the plan does not change).
+seconds over it, its prefetch thread's over the daemon's life (the walks: a steadier figure than
+the whole daemon's, which the fetches' and the stream's threads move by several seconds from run
+to run), and what
+it fetched (the same for every build: the plan does not change).
 
 Usage: ``python bench/evict_scale.py BIN [BIN ...] [--files 64] [--row-groups 500] [--rounds 2]
 [--wrap CMD]``. Needs the S3 server (``SHARDSTREAM_S3_SERVER="$(bash scripts/s3-server.sh)"``).
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import measure  # noqa: E402
 import plan_memory  # noqa: E402
 
 import shardstream  # noqa: E402
@@ -35,8 +39,9 @@ from conftest import Daemon  # noqa: E402
 
 def one_epoch(
     binary: str, tmp: Path, env: dict[str, str], cache: int, wrap: list[str]
-) -> tuple[float, float, int, int]:
-    """(seconds, daemon CPU seconds, rows, bytes fetched) of a first epoch on a fresh daemon."""
+) -> tuple[float, float, float, int, int]:
+    """(seconds, daemon CPU seconds, its prefetch thread's, rows, bytes fetched) of a first
+    epoch on a fresh daemon."""
     d = Daemon(tmp / "d", binary=binary, env=env, args=["--cache-size", str(cache)], wrap=wrap)
     d.start()
     try:
@@ -48,7 +53,8 @@ def one_epoch(
         for batch in loader:
             rows += batch.num_rows
         took = time.perf_counter() - t0
-        return took, plan_memory.cpu_s(d.proc.pid) - c0, rows, d.status()["storage_bytes"]
+        walks = measure.thread_cpu_seconds(d.proc.pid, "prefetch")
+        return took, plan_memory.cpu_s(d.proc.pid) - c0, walks, rows, d.status()["storage_bytes"]
     finally:
         d.stop()
         shutil.rmtree(tmp / "d", ignore_errors=True)
@@ -65,10 +71,10 @@ def main() -> int:
     groups = args.files * args.row_groups
 
     def each(binary: str, tmp: Path, env: dict[str, str], cache: int) -> str:
-        took, cpu, rows, fetched = one_epoch(binary, tmp, env, cache, shlex.split(args.wrap))
+        took, cpu, walks, rows, fetched = one_epoch(binary, tmp, env, cache, shlex.split(args.wrap))
         return (
             f"{rows:,} rows in {took:.1f} s ({groups / took:,.0f} row groups/s), "
-            f"daemon CPU {cpu:.1f} s, fetched {fetched:,} B"
+            f"daemon CPU {cpu:.1f} s (prefetch thread {walks:.1f} s), fetched {fetched:,} B"
         )
 
     plan_memory.over_builds(args, "a stream of `id`, a node cache of half its chunks", each)
