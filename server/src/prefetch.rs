@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use foldhash::{HashMap as FoldMap, HashSet as FoldSet};
 
+use crate::cache::key::{KeyMap, KeyRef};
 use crate::cache::table::{Eviction, Policy};
 use crate::cache::{NodeCache, Want};
 use crate::index::Dataset;
@@ -201,7 +202,7 @@ impl UseSpans {
 /// what a use names, a shard or, for a stream that caches a row group at a time, a plan unit (a
 /// Parquet row group: the consumer's uses are then [`uses_streamed`]'s `by_unit`).
 pub trait ProjectedFetch: Send + Sync + std::fmt::Debug {
-    fn key(&self, n: usize) -> Option<&str>;
+    fn key(&self, n: usize) -> Option<KeyRef<'_>>;
     /// True when the copy is in the cache; false when the cache gave up (no room, or another fill
     /// of it under way).
     fn fetch(&self, n: usize, want: Want) -> crate::Result<bool>;
@@ -364,10 +365,10 @@ impl Consumer {
     }
 
     /// The cache key of what use `n` names.
-    fn key(&self, n: usize) -> Option<&str> {
+    fn key(&self, n: usize) -> Option<KeyRef<'_>> {
         match &self.projected {
             Some(p) => p.key(n),
-            None => self.dataset.cache_key(n),
+            None => self.dataset.cache_key_ref(n),
         }
     }
 
@@ -432,7 +433,7 @@ pub struct Prefetcher {
     walked: Mutex<Option<(Instant, u64)>>,
     /// Cache key -> seconds until its next use by any consumer: as of the last whole walk, those
     /// within a consumer's horizon as of the last tick ([`FULL_WALK`]).
-    next_use: RwLock<FoldMap<String, f64>>,
+    next_use: RwLock<KeyMap<f64>>,
     inflight: Mutex<HashSet<String>>,
     /// Shards whose prefetch failed, and when they may be tried again ([`FAILED_RETRY`]).
     failed: Mutex<HashMap<String, Instant>>,
@@ -440,6 +441,9 @@ pub struct Prefetcher {
     /// The last tick's plan of fetches, for the slots freed until the next ([`Plan`]).
     plan: Mutex<Option<Plan>>,
     horizon_s: Mutex<f64>,
+    /// Keys the last tick's horizon walk found: the next walk's maps start that large, not
+    /// growing (and rehashing) from empty every tick.
+    near_hint: AtomicUsize,
     stopped: AtomicBool,
 }
 
@@ -455,7 +459,7 @@ struct Oracle(Weak<Prefetcher>);
 impl Eviction for Oracle {
     fn next_use(&self, key: &str) -> Option<f64> {
         let p = self.0.upgrade()?;
-        p.next_use.read().unwrap_or_else(|e| e.into_inner()).get(key).copied()
+        p.next_use.read().unwrap_or_else(|e| e.into_inner()).get(&KeyRef::from(key)).copied()
     }
 
     fn leased(&self, key: &str) -> bool {
@@ -489,6 +493,7 @@ impl Prefetcher {
             wake: (Mutex::default(), Condvar::new()),
             plan: Mutex::new(None),
             horizon_s: Mutex::new(0.0),
+            near_hint: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
         });
         cache.set_eviction(Arc::new(Oracle(Arc::downgrade(&p))));
@@ -575,8 +580,8 @@ impl Prefetcher {
 
     /// One planning round: start fetches for what each consumer needs within its horizon and,
     /// once a [`FULL_WALK`], recompute every cached shard's next use and measure the horizon.
-    /// Keys are borrowed from the consumers' plans and hashed with foldhash, never allocated per
-    /// use.
+    /// Keys are borrowed from the consumers' plans with the hash they were made with
+    /// ([`KeyRef`]): never allocated, nor their bytes hashed again, per use.
     fn tick(self: &Arc<Self>) {
         // Read before the consumers: a consumer registered after it bumps the generation again,
         // so its own tick walks everything even when this one records a walk without it.
@@ -593,7 +598,9 @@ impl Prefetcher {
             due
         };
         let groups = walk_groups(&consumers);
-        let (next, mut wanted) = within_horizon(&consumers, &groups, clairvoyant, horizon);
+        let (next, mut wanted) =
+            within_horizon(&consumers, &groups, clairvoyant, horizon, self.near_hint.load(Relaxed));
+        self.near_hint.store(next.len(), Relaxed);
         if whole {
             self.walk_whole(&consumers, &groups);
         } else {
@@ -609,7 +616,7 @@ impl Prefetcher {
         let fetches = wanted
             .iter()
             .filter_map(|&(secs, key, _)| {
-                let &(_, ci, unit) = next.get(key)?;
+                let &(_, ci, unit) = next.get(&key)?;
                 Some(Planned { secs, consumer: consumers.get(ci)?.clone(), unit })
             })
             .collect();
@@ -644,7 +651,7 @@ impl Prefetcher {
         };
         while let Some(f) = plan.fetches.get(plan.started) {
             let (secs, c, shard) = (f.secs, f.consumer.clone(), f.unit);
-            let Some(key) = c.key(shard) else {
+            let Some(key) = c.key(shard).map(|k| k.as_str()) else {
                 plan.started += 1;
                 continue;
             };
@@ -738,23 +745,24 @@ struct Planned {
 }
 
 /// Key -> (seconds until its next use, the consumer's index, what the use names).
-type Near<'a> = FoldMap<&'a str, (f64, usize, usize)>;
+type Near<'a> = FoldMap<KeyRef<'a>, (f64, usize, usize)>;
 /// (seconds until next use, key, bytes), a use at a time.
-type Wanted<'a> = Vec<(f64, &'a str, u64)>;
+type Wanted<'a> = Vec<(f64, KeyRef<'a>, u64)>;
 
 /// What each consumer needs within its horizon (and the first [`MIN_AHEAD`] shards it has
 /// ahead, whatever the horizon): key -> (seconds until its next use there, the consumer's index,
 /// what the use names: a shard, or a plan unit for a stream caching a row group at a time), and
 /// the (seconds, key, bytes) of every such use, a group's (see [`walk_groups`]) at the soonest
-/// of its members.
+/// of its members. `hint`: how many keys it is likely to find (the last walk's).
 fn within_horizon<'a>(
     consumers: &'a [Arc<Consumer>],
     groups: &[Vec<usize>],
     clairvoyant: bool,
     horizon: f64,
+    hint: usize,
 ) -> (Near<'a>, Wanted<'a>) {
-    let mut next = Near::default();
-    let mut wanted = Wanted::new();
+    let mut next = Near::with_capacity_and_hasher(hint, Default::default());
+    let mut wanted = Wanted::with_capacity(hint);
     for members in groups {
         let Some(lead) = members.first().and_then(|&ci| consumers.get(ci)) else { continue };
         let mut start = usize::MAX;
@@ -836,7 +844,9 @@ impl Prefetcher {
     /// Consumers with the same future and keys (a rank's workers) are walked once, each use's
     /// next time the soonest among them.
     fn walk_whole(&self, consumers: &[Arc<Consumer>], groups: &[Vec<usize>]) {
-        let mut next: FoldMap<&str, f64> = FoldMap::default();
+        // As many keys as the last whole walk's, most likely.
+        let known = self.next_use.read().unwrap_or_else(|p| p.into_inner()).len();
+        let mut next: FoldMap<KeyRef<'_>, f64> = FoldMap::with_capacity_and_hasher(known, Default::default());
         let mut horizon_s = f64::INFINITY;
         for members in groups {
             let members: Vec<&Arc<Consumer>> = members.iter().filter_map(|&ci| consumers.get(ci)).collect();
@@ -855,7 +865,7 @@ impl Prefetcher {
                 let Some(key) = lead.key(u.shard as usize) else { continue };
                 let e = next.entry(key).or_insert(secs);
                 *e = e.min(secs);
-                if unready > 0 && !self.cache.is_ready(key) {
+                if unready > 0 && !self.cache.is_ready(key.as_str()) {
                     for a in at.iter_mut().filter(|a| a.2.is_none() && u.last >= a.0) {
                         a.2 = Some(secs_until(&u, a.0, a.1));
                         unready -= 1;
@@ -874,7 +884,7 @@ impl Prefetcher {
         crate::metrics::prefetch_horizon(horizon_s);
         {
             let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
-            next_use.retain(|k, _| next.contains_key(k.as_str()));
+            next_use.retain(|k, _| next.contains_key(&k.key_ref()));
             refresh(&mut next_use, next.iter().map(|(k, s)| (*k, *s)));
         }
         self.cache.set_next_uses(next.iter().map(|(k, s)| (*k, *s)), true);
@@ -883,12 +893,12 @@ impl Prefetcher {
 
 /// Sets the next use of each key, in place: a key still in the future keeps its allocation from
 /// tick to tick.
-fn refresh<'a>(next_use: &mut FoldMap<String, f64>, uses: impl Iterator<Item = (&'a str, f64)>) {
+fn refresh<'a>(next_use: &mut KeyMap<f64>, uses: impl Iterator<Item = (KeyRef<'a>, f64)>) {
     for (k, secs) in uses {
-        match next_use.get_mut(k) {
+        match next_use.get_mut(&k) {
             Some(s) => *s = secs,
             None => {
-                next_use.insert(k.to_owned(), secs);
+                next_use.insert(k.into(), secs);
             }
         }
     }
@@ -907,9 +917,9 @@ fn secs_until(u: &ShardUse, pos: u64, rate: f64) -> f64 {
 /// what fits chased each other out: a staged cache's first epoch at a trainer's pace fetched
 /// 0.79x of the chunks where 0.25x were missing, 0.59x with the cut (bench/S3_RESULTS.md, "The
 /// prefetcher's cut"). A key wanted by several consumers counts once.
-fn soonest_that_fit(wanted: &mut Vec<(f64, &str, u64)>, capacity: u64) {
+fn soonest_that_fit(wanted: &mut Vec<(f64, KeyRef<'_>, u64)>, capacity: u64) {
     let fits = {
-        let mut seen: FoldSet<&str> = FoldSet::default();
+        let mut seen: FoldSet<KeyRef<'_>> = FoldSet::with_capacity_and_hasher(wanted.len(), Default::default());
         let mut held = 0u64;
         wanted
             .iter()
@@ -1051,7 +1061,7 @@ mod tests {
                 }
             }
             for (clairvoyant, horizon) in [(true, 0.02), (true, 0.3), (false, 0.02)] {
-                let (near, wanted) = within_horizon(&consumers, &walk_groups(&consumers), clairvoyant, horizon);
+                let (near, wanted) = within_horizon(&consumers, &walk_groups(&consumers), clairvoyant, horizon, 0);
                 // Each consumer on its own, every use on, as a tick walked them one by one.
                 let mut want: HashMap<&str, f64> = HashMap::new();
                 for c in &consumers {
@@ -1061,19 +1071,19 @@ mod tests {
                         let secs = u.first.saturating_sub(pos) as f64 / rate;
                         let ahead = counted.len();
                         if if clairvoyant { secs <= horizon || ahead < MIN_AHEAD } else { ahead < MIN_AHEAD } {
-                            let e = want.entry(c.key(u.shard as usize).unwrap()).or_insert(secs);
+                            let e = want.entry(c.key(u.shard as usize).unwrap().as_str()).or_insert(secs);
                             *e = e.min(secs);
                         }
                         counted.insert(u.shard);
                     }
                 }
-                let got: HashMap<&str, f64> = near.iter().map(|(k, v)| (*k, v.0)).collect();
+                let got: HashMap<&str, f64> = near.iter().map(|(k, v)| (k.as_str(), v.0)).collect();
                 assert_eq!(got, want, "round {round}, {clairvoyant} {horizon}");
                 let mut listed: HashMap<&str, f64> = HashMap::new();
                 for (secs, key, bytes) in wanted {
-                    let i = (0..ds.shards.len()).find(|&i| ds.cache_key(i) == Some(key)).unwrap();
+                    let i = (0..ds.shards.len()).find(|&i| ds.cache_key(i) == Some(key.as_str())).unwrap();
                     assert_eq!(bytes, ds.shards[i].len);
-                    let e = listed.entry(key).or_insert(secs);
+                    let e = listed.entry(key.as_str()).or_insert(secs);
                     *e = e.min(secs);
                 }
                 assert_eq!(listed, want, "round {round}: the wanted list, key by key");
@@ -1120,11 +1130,11 @@ mod tests {
             let (pos, rate) = (c.position.load(Relaxed), c.rate());
             for u in c.uses.iter_from(0).filter(|u| u.last >= pos) {
                 let secs = u.first.saturating_sub(pos) as f64 / rate;
-                let e = want.entry(c.key(u.shard as usize).unwrap().to_owned()).or_insert(secs);
+                let e = want.entry(c.key(u.shard as usize).unwrap().as_str().to_owned()).or_insert(secs);
                 *e = e.min(secs);
             }
         }
-        let got: HashMap<String, f64> = p.next_use.read().unwrap().iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let got: HashMap<String, f64> = p.next_use.read().unwrap().iter().map(|(k, v)| (k.to_string(), *v)).collect();
         assert_eq!(got, want);
         // Shard 0: 18 samples ahead of the worker at 12, in use for the one at 31; shard 3 (the
         // next epoch's first): 28 and 9 samples ahead.
@@ -1184,11 +1194,11 @@ mod tests {
 
     #[test]
     fn only_the_soonest_needed_that_fit_together_are_wanted() {
-        let w = |secs: f64, key: &'static str, bytes: u64| (secs, key, bytes);
+        let w = |secs: f64, key: &'static str, bytes: u64| (secs, KeyRef::from(key), bytes);
         let mut wanted = vec![w(0.0, "a", 40), w(1.0, "b", 30), w(1.5, "a", 40), w(2.0, "c", 30), w(3.0, "d", 10)];
         // a, b and c make 100 (a's second use costs nothing more); d would make 110.
         soonest_that_fit(&mut wanted, 100);
-        let keys: Vec<&str> = wanted.iter().map(|(_, k, _)| *k).collect();
+        let keys: Vec<&str> = wanted.iter().map(|(_, k, _)| k.as_str()).collect();
         assert_eq!(keys, ["a", "b", "a", "c"], "d is past what the cache holds with the sooner ones");
         let mut wanted = vec![w(0.0, "a", 40), w(1.0, "b", 30)];
         soonest_that_fit(&mut wanted, 69);

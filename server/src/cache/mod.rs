@@ -40,6 +40,7 @@
 //! (read, by a derived fill) or the closing sync (write), and never while taking the table mutex.
 
 pub mod download;
+pub mod key;
 pub mod table;
 
 use std::collections::HashMap;
@@ -311,7 +312,7 @@ impl NodeCache {
     /// Tells the entries among `uses` (key, seconds until its next use) their next use; with
     /// `whole`, `uses` names every key a consumer will read and the other entries are needed by
     /// none ([`CacheTable::set_next_uses`]).
-    pub fn set_next_uses<'a>(&self, uses: impl IntoIterator<Item = (&'a str, f64)>, whole: bool) {
+    pub fn set_next_uses<'a>(&self, uses: impl IntoIterator<Item = (key::KeyRef<'a>, f64)>, whole: bool) {
         self.lock().set_next_uses(uses, whole);
     }
 
@@ -402,14 +403,14 @@ impl NodeCache {
     /// the shard into the temporary file it is given and verifies it; it runs without any lock
     /// held. Blocking. `Ok(None)` only when `want.wait` is false and the shard is being filled by
     /// someone else or does not fit without evicting sooner-needed shards.
-    pub fn get(
+    pub fn get<'k>(
         self: &Arc<Self>,
-        key: &str,
+        key: impl Into<key::KeyRef<'k>>,
         bytes: u64,
         want: Want,
         fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
     ) -> Result<Option<Pin>> {
-        self.get_or_fill(key, bytes, want, true, fill)
+        self.get_or_fill(key.into(), bytes, want, true, fill)
     }
 
     /// The derived entry `key` pinned when it is ready. Never fills.
@@ -456,7 +457,7 @@ impl NodeCache {
         debug_assert!(key.starts_with(DERIVED_PREFIX));
         // Evicts only what is never needed again (`next_use` None): `f64::MAX` is later than
         // every known use.
-        self.get_or_fill(key, bytes, Want { urgency: f64::MAX, wait: false, since: None }, false, fill)
+        self.get_or_fill(key.into(), bytes, Want { urgency: f64::MAX, wait: false, since: None }, false, fill)
     }
 
     /// Makes this run's derived entries durable and says so to the next start-up (see the module
@@ -479,12 +480,13 @@ impl NodeCache {
 
     fn get_or_fill(
         self: &Arc<Self>,
-        key: &str,
+        entry: key::KeyRef<'_>,
         bytes: u64,
         want: Want,
         durable: bool,
         fill: &mut dyn FnMut(&Path, &File) -> Result<()>,
     ) -> Result<Option<Pin>> {
+        let key = entry.as_str();
         if durable {
             self.drop_unlike_copy(key, bytes);
         }
@@ -502,7 +504,7 @@ impl NodeCache {
                     if let Some(e) = waiting_since.and_then(|since| self.failed_since(key, since)) {
                         return Err(e);
                     }
-                    match t.begin(key, bytes, want.urgency, want.wait, ev.as_ref()) {
+                    match t.begin(entry, bytes, want.urgency, want.wait, ev.as_ref()) {
                         Begin::Wait if want.wait => {
                             waiting_since.get_or_insert_with(Instant::now);
                             t = self

@@ -19,11 +19,15 @@
 //! for every entry at every eviction (a hash of a ~70-byte key each), then sorting them all, took
 //! most of the daemon's CPU once the cache held a copy per row group (16,000 entries:
 //! bench/S3_RESULTS.md, "Choosing what to evict").
+//!
+//! Entries are keyed by [`CacheKey`] (the key and its hash): the prefetcher tells next uses by
+//! [`KeyRef`], so its tens of thousands of lookups a second hash no key's bytes; a caller holding
+//! only the string pays one hash per call.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use foldhash::HashMap;
+use super::key::{CacheKey, KeyMap, KeyRef};
 
 /// How victims are chosen when space is needed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +105,7 @@ impl Eviction for () {
 
 #[derive(Debug)]
 pub struct CacheTable {
-    entries: HashMap<String, Entry>,
+    entries: KeyMap<Entry>,
     capacity: u64,
     /// Bytes of Ready entries plus reservations of Filling ones.
     used: u64,
@@ -111,7 +115,7 @@ pub struct CacheTable {
 
 impl CacheTable {
     pub fn new(capacity: u64, policy: Policy) -> Self {
-        Self { entries: HashMap::default(), capacity, used: 0, clock: 0, policy }
+        Self { entries: KeyMap::default(), capacity, used: 0, clock: 0, policy }
     }
 
     pub fn capacity(&self) -> u64 {
@@ -141,11 +145,11 @@ impl CacheTable {
     }
 
     pub fn get(&self, key: &str) -> Option<&Entry> {
-        self.entries.get(key)
+        self.entries.get(&KeyRef::from(key))
     }
 
     pub fn is_ready(&self, key: &str) -> bool {
-        self.entries.get(key).is_some_and(|e| e.state == State::Ready)
+        self.entries.get(&KeyRef::from(key)).is_some_and(|e| e.state == State::Ready)
     }
 
     /// Bytes of complete (Ready) entries.
@@ -160,25 +164,25 @@ impl CacheTable {
 
     /// Registers a file found complete in the cache directory at start-up (Ready, unpinned).
     pub fn adopt(&mut self, key: &str, bytes: u64) {
-        if self.entries.contains_key(key) {
+        if self.entries.contains_key(&KeyRef::from(key)) {
             return;
         }
         self.used += bytes;
         let e = Entry { state: State::Ready, bytes, pins: 0, last_used: 0, next: f64::INFINITY };
-        self.entries.insert(key.to_owned(), e);
+        self.entries.insert(CacheKey::new(key), e);
     }
 
     /// Sets the next use of the entries among `uses` (key, seconds until its next use); with
     /// `whole`, `uses` is every key any consumer will read, and the entries missing from it are
     /// needed by none.
-    pub fn set_next_uses<'a>(&mut self, uses: impl IntoIterator<Item = (&'a str, f64)>, whole: bool) {
+    pub fn set_next_uses<'a>(&mut self, uses: impl IntoIterator<Item = (KeyRef<'a>, f64)>, whole: bool) {
         if whole {
             for e in self.entries.values_mut() {
                 e.next = f64::INFINITY;
             }
         }
         for (k, secs) in uses {
-            if let Some(e) = self.entries.get_mut(k) {
+            if let Some(e) = self.entries.get_mut(&k) {
                 e.next = secs;
             }
         }
@@ -192,9 +196,17 @@ impl CacheTable {
     /// whose row groups are spread over the epoch) counts as needed now until its last use, and
     /// protecting those too left a cache full of files nobody read and a stream waiting for room
     /// that never came.
-    pub fn begin(&mut self, key: &str, bytes: u64, urgency: f64, waiting: bool, ev: &dyn Eviction) -> Begin {
+    pub fn begin<'k>(
+        &mut self,
+        key: impl Into<KeyRef<'k>>,
+        bytes: u64,
+        urgency: f64,
+        waiting: bool,
+        ev: &dyn Eviction,
+    ) -> Begin {
+        let key = key.into();
         self.clock += 1;
-        if let Some(e) = self.entries.get_mut(key) {
+        if let Some(e) = self.entries.get_mut(&key) {
             return match e.state {
                 State::Ready => {
                     e.pins += 1;
@@ -214,15 +226,16 @@ impl CacheTable {
                 Err(freeable) => return Begin::NoSpace { needed: bytes, evictable: free + freeable },
             };
             for k in &evicted {
-                if let Some(e) = self.entries.remove(k) {
+                if let Some(e) = self.entries.remove(&KeyRef::from(k)) {
                     self.used -= e.bytes;
                 }
             }
         }
         self.used += bytes;
-        let next = ev.next_use(key).unwrap_or(f64::INFINITY);
+        let next = ev.next_use(key.as_str()).unwrap_or(f64::INFINITY);
         let e = Entry { state: State::Filling, bytes, pins: 1, last_used: self.clock, next };
-        self.entries.insert(key.to_owned(), e);
+        // Made from the caller's borrow: the prefetcher's lookups of it compare pointers.
+        self.entries.insert(key.into(), e);
         Begin::Fill { evicted }
     }
 
@@ -257,7 +270,7 @@ impl CacheTable {
                 continue;
             }
             freed += v.bytes;
-            chosen.push(v.key.clone());
+            chosen.push(v.key.as_str().to_owned());
         }
         Ok(chosen)
     }
@@ -266,10 +279,10 @@ impl CacheTable {
     /// filler), or disappears and frees its reservation.
     pub fn finish(&mut self, key: &str, ok: bool) {
         if ok {
-            if let Some(e) = self.entries.get_mut(key) {
+            if let Some(e) = self.entries.get_mut(&KeyRef::from(key)) {
                 e.state = State::Ready;
             }
-        } else if let Some(e) = self.entries.remove(key) {
+        } else if let Some(e) = self.entries.remove(&KeyRef::from(key)) {
             self.used -= e.bytes;
         }
     }
@@ -282,7 +295,7 @@ impl CacheTable {
     /// Pins `key` when it is ready (a hit), without ever starting a fill.
     pub fn pin_ready(&mut self, key: &str) -> bool {
         self.clock += 1;
-        match self.entries.get_mut(key) {
+        match self.entries.get_mut(&KeyRef::from(key)) {
             Some(e) if e.state == State::Ready => {
                 e.pins += 1;
                 e.last_used = self.clock;
@@ -295,7 +308,7 @@ impl CacheTable {
     /// Accounts a just-filled entry at the `bytes` it really holds, when its filler could only
     /// bound its size beforehand.
     pub fn settle(&mut self, key: &str, bytes: u64) {
-        if let Some(e) = self.entries.get_mut(key) {
+        if let Some(e) = self.entries.get_mut(&KeyRef::from(key)) {
             self.used = self.used - e.bytes + bytes;
             e.bytes = bytes;
         }
@@ -304,10 +317,10 @@ impl CacheTable {
     /// Forgets a ready entry whatever its pins (its file is to be deleted: readers that opened it
     /// keep their bytes); true when there was one.
     pub fn remove_ready(&mut self, key: &str) -> bool {
-        match self.entries.get(key) {
+        match self.entries.get(&KeyRef::from(key)) {
             Some(e) if e.state == State::Ready => {
                 self.used -= e.bytes;
-                self.entries.remove(key);
+                self.entries.remove(&KeyRef::from(key));
                 true
             }
             _ => false,
@@ -315,7 +328,7 @@ impl CacheTable {
     }
 
     pub fn unpin(&mut self, key: &str) {
-        if let Some(e) = self.entries.get_mut(key) {
+        if let Some(e) = self.entries.get_mut(&KeyRef::from(key)) {
             e.pins = e.pins.saturating_sub(1);
         }
     }
@@ -330,9 +343,9 @@ impl CacheTable {
         // Not enough can go: all that can, as far towards the target as it gets.
         let chosen = self
             .choose(self.idle(), need, ev)
-            .unwrap_or_else(|_| self.idle().filter(|v| !ev.leased(v.key)).map(|v| v.key.clone()).collect());
+            .unwrap_or_else(|_| self.idle().filter(|v| !ev.leased(v.key)).map(|v| v.key.as_str().to_owned()).collect());
         for k in &chosen {
-            if let Some(e) = self.entries.remove(k) {
+            if let Some(e) = self.entries.remove(&KeyRef::from(k)) {
                 self.used -= e.bytes;
             }
         }
@@ -344,7 +357,7 @@ impl CacheTable {
 struct Victim<'a> {
     next: f64,
     last_used: u64,
-    key: &'a String,
+    key: &'a CacheKey,
     bytes: u64,
 }
 
@@ -388,7 +401,7 @@ mod tests {
 
     /// Tells the table a whole future, as the prefetcher does after a whole walk.
     fn tell(t: &mut CacheTable, future: &Future) {
-        t.set_next_uses(future.0.iter().map(|(k, s)| (k.as_str(), *s)), true);
+        t.set_next_uses(future.0.iter().map(|(k, s)| (KeyRef::from(k), *s)), true);
     }
 
     fn fill(t: &mut CacheTable, key: &str, bytes: u64, ev: &dyn Eviction) -> Vec<String> {
@@ -435,7 +448,7 @@ mod tests {
         tell(&mut t, &future);
         assert_eq!(fill(&mut t, "e", 10, &future), vec!["d".to_string()]);
         // A partial telling changes only the entries it names.
-        t.set_next_uses([("a", 90.0), ("e", 3.0)], false);
+        t.set_next_uses([("a".into(), 90.0), ("e".into(), 3.0)], false);
         assert_eq!((t.get("a").unwrap().next, t.get("c").unwrap().next), (90.0, 1.0));
         assert_eq!(fill(&mut t, "f", 10, &future), vec!["a".to_string()]);
     }
@@ -455,7 +468,7 @@ mod tests {
             .entries
             .iter()
             .filter(|(k, _)| !future.leased(k))
-            .map(|(k, e)| (-e.next, e.last_used, k.clone()))
+            .map(|(k, e)| (-e.next, e.last_used, k.to_string()))
             .collect();
         expect.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let mut got = Vec::new();
@@ -547,7 +560,7 @@ mod tests {
             for op in ops {
                 let protected: HashSet<String> = t.entries.iter()
                     .filter(|(k, e)| e.pins > 0 || future.leased(k))
-                    .map(|(k, _)| k.clone())
+                    .map(|(k, _)| k.to_string())
                     .collect();
                 match op {
                     Op::Begin(k, b, urgent) => {

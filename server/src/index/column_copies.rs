@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 
 use super::integrity::footer_mismatch;
 use super::{Dataset, ShardMeta, named_in_cache, s3_object};
+use crate::cache::key::KeyRef;
 use crate::cache::{Pin, Want};
 use crate::format::parquet::projected::ProjectedFile;
 use crate::storage::s3::{ObjectRef, S3Store};
@@ -31,7 +32,7 @@ impl Dataset {
     /// known), or pins it there. A fetch also checks the file's footer (`check_footer`)
     /// unless it was checked already, and publishes nothing if it does not match. `Ok(None)`: a
     /// prefetch that did not wait. Blocking.
-    pub fn fetch_projected(&self, i: usize, pf: &ProjectedFile, key: &str, want: Want) -> Result<Option<Pin>> {
+    pub fn fetch_projected(&self, i: usize, pf: &ProjectedFile, key: KeyRef<'_>, want: Want) -> Result<Option<Pin>> {
         let cache =
             self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;

@@ -38,6 +38,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::cache::download::{self, FetchSpec};
+use crate::cache::key::{CacheKey, KeyRef};
 use crate::cache::{NodeCache, Pin, Want};
 use crate::format::{Format, ShardTable};
 use crate::storage::local::ShardFile;
@@ -286,7 +287,7 @@ pub struct Dataset {
     sidecar_cache: Option<PathBuf>,
     backends: Arc<Backends>,
     /// Node-cache key of each shard (`copy` mode only).
-    keys: Vec<String>,
+    keys: Vec<CacheKey>,
     tables: Mutex<TableCache>,
     /// One lock per shard so that a shard needed by many streams at once is loaded (and verified)
     /// once, while loads of different shards proceed in parallel.
@@ -354,9 +355,11 @@ impl Dataset {
         if mode == CacheMode::Copy && backends.cache.is_none() {
             return Err(Error::invalid(format!("{url} is read through the node cache, and this server has none")));
         }
-        let keys: Vec<String> = match mode {
+        let keys: Vec<CacheKey> = match mode {
             CacheMode::Direct => Vec::new(),
-            CacheMode::Copy => shards.iter().map(|m| crate::cache::key_for(&m.url(), &m.identity(), &m.name)).collect(),
+            CacheMode::Copy => {
+                shards.iter().map(|m| CacheKey::new(crate::cache::key_for(&m.url(), &m.identity(), &m.name))).collect()
+            }
         };
         // Parquet files are always opened by their footers (from sidecars when the daemon or
         // `shardstream index` saved them): the schema agreement and row groups come from there.
@@ -460,7 +463,7 @@ impl Dataset {
         from_manifest: bool,
         sidecar_cache: Option<PathBuf>,
         backends: Arc<Backends>,
-        keys: Vec<String>,
+        keys: Vec<CacheKey>,
     ) -> Self {
         let mut prefix = Vec::with_capacity(shards.len() + 1);
         let mut total = 0u64;
@@ -508,7 +511,7 @@ impl Dataset {
             + std::mem::size_of::<Mutex<()>>()
             + std::mem::size_of::<AtomicBool>();
         let names: usize = self.shards.iter().map(|s| 2 * s.name.len() + s.url().len()).sum();
-        let keys: usize = self.keys.iter().map(String::len).sum();
+        let keys: usize = self.keys.iter().map(|k| k.len()).sum();
         (self.shards.len() * per_shard + names + keys) as u64
     }
 
@@ -827,7 +830,12 @@ impl Dataset {
 
     /// Node-cache key of shard `i` (`copy` mode).
     pub fn cache_key(&self, i: usize) -> Option<&str> {
-        self.keys.get(i).map(String::as_str)
+        self.keys.get(i).map(CacheKey::as_str)
+    }
+
+    /// Node-cache key of shard `i` with its hash (`copy` mode; what the prefetcher's walks use).
+    pub fn cache_key_ref(&self, i: usize) -> Option<KeyRef<'_>> {
+        self.keys.get(i).map(CacheKey::key_ref)
     }
 
     /// True when the node cache holds entry `key` ready to read (false without a node cache).
@@ -875,7 +883,7 @@ impl Dataset {
         let (Some(key), Some(cache)) = (self.keys.get(i), &self.backends.cache) else {
             return Err(Error::Internal(format!("{}: shard {i} is not read through the cache", self.url)));
         };
-        fetch_into(cache, &self.backends, &self.shards[i], self.format, key, want)
+        fetch_into(cache, &self.backends, &self.shards[i], self.format, key.key_ref(), want)
     }
 
     fn open_shard(&self, i: usize) -> Option<Arc<ResidentShard>> {
@@ -944,7 +952,7 @@ fn fetch_into(
     backends: &Backends,
     meta: &ShardMeta,
     format: Format,
-    key: &str,
+    key: KeyRef<'_>,
     want: Want,
 ) -> Result<Option<Pin>> {
     let store = match meta.source {

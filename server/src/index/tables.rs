@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::integrity::content_digest;
 use super::{Backends, FOOTER_THREADS, SCAN_THREADS, ShardMeta, fetch_into, map_pinned};
 use crate::cache::Want;
+use crate::cache::key::CacheKey;
 use crate::format::parquet::ParquetTable;
 use crate::format::{Format, ShardTable};
 use crate::storage::ShardSource;
@@ -88,7 +89,7 @@ pub(super) fn parquet_dataset(
 pub(super) fn scan_all(
     format: Format,
     shards: &[ShardMeta],
-    keys: &[String],
+    keys: &[CacheKey],
     backends: &Backends,
     cache: Option<&Path>,
     bundled: &[Option<Arc<ParquetTable>>],
@@ -163,7 +164,7 @@ pub(super) fn bundled_tables(
 fn scan_one(
     format: Format,
     meta: &ShardMeta,
-    key: Option<&String>,
+    key: Option<&CacheKey>,
     backends: &Backends,
     cache: Option<&Path>,
     bundled: Option<Arc<ParquetTable>>,
@@ -215,7 +216,7 @@ fn scan_one(
                     table
                 }
                 None => {
-                    let pin = fetch_into(node, backends, meta, format, key, Want::NOW)?
+                    let pin = fetch_into(node, backends, meta, format, key.key_ref(), Want::NOW)?
                         .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
                     let file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
                     // Dropped before `pin`, which keeps the copy immutable while it is mapped.

@@ -29,6 +29,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
+use crate::cache::key::{CacheKey, KeyRef};
 use crate::cache::{Pin, Want};
 use crate::format::parquet::dataset::{BatchAssembler, CachedCopy, FileReader};
 use crate::format::parquet::projected::ProjectedFile;
@@ -47,7 +48,10 @@ struct ChunkCopy {
     /// The file's shard index.
     shard: usize,
     pf: Arc<ProjectedFile>,
-    key: String,
+    key: CacheKey,
+    /// `pf`'s bytes, beside the key: the prefetcher asks both of every use it walks, and a
+    /// reach into `pf` was a cache miss each.
+    len: u64,
 }
 
 /// The compact copies of one projection of one dataset version: O(row groups) of pieces and
@@ -137,7 +141,7 @@ impl ProjectedReads {
             return Ok(None);
         };
         // What each way would still download, given what the node cache holds now.
-        let copies_missing: u64 = plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.pf.len()).sum();
+        let copies_missing: u64 = plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.len).sum();
         let wholes_missing: u64 =
             files.iter().filter(|f| !whole_copy_serves(ds, f.index)).map(|f| f.table.file_len()).sum();
         if wholes_missing < copies_missing {
@@ -178,7 +182,7 @@ impl ProjectedReads {
             let groups = f.table.num_row_groups();
             let mut add = |rg: Option<usize>, pf: ProjectedFile| {
                 let key = ds.projected_key(f.index, proj_id, rg);
-                copies.push(ChunkCopy { shard: f.index, pf: Arc::new(pf), key });
+                copies.push(ChunkCopy { shard: f.index, len: pf.len(), pf: Arc::new(pf), key: CacheKey::new(key) });
                 copies.len() - 1
             };
             // A file of one row group keeps its file's copy (and key) either way.
@@ -257,7 +261,7 @@ impl ProjectedReads {
 
     /// The bytes of copy `c` (0 for no such copy).
     pub fn copy_len(&self, c: usize) -> u64 {
-        self.plan.copies.get(c).map_or(0, |c| c.pf.len())
+        self.plan.copies.get(c).map_or(0, |c| c.len)
     }
 
     /// The node-cache key of copy `c`.
@@ -269,7 +273,7 @@ impl ProjectedReads {
     /// is needed sooner, or another fill of it under way).
     pub fn fetch_copy(&self, c: usize, want: Want) -> Result<bool> {
         let copy = self.copy(c)?;
-        self.ds.fetch_projected(copy.shard, &copy.pf, &copy.key, want).map(|pin| pin.is_some())
+        self.ds.fetch_projected(copy.shard, &copy.pf, copy.key.key_ref(), want).map(|pin| pin.is_some())
     }
 
     /// A reader for one batch.
@@ -298,8 +302,8 @@ fn whole_copy_serves(ds: &Dataset, i: usize) -> bool {
 
 /// The prefetcher's uses name files (one copy each) or, a copy per row group, plan units.
 impl crate::prefetch::ProjectedFetch for ProjectedReads {
-    fn key(&self, n: usize) -> Option<&str> {
-        self.copy_of_use(n).and_then(|c| self.copy_key(c))
+    fn key(&self, n: usize) -> Option<KeyRef<'_>> {
+        self.copy_of_use(n).and_then(|c| self.plan.copies.get(c)).map(|c| c.key.key_ref())
     }
 
     fn fetch(&self, n: usize, want: Want) -> Result<bool> {
@@ -353,7 +357,7 @@ impl ProjectedReader<'_> {
         let pin = self
             .reads
             .ds
-            .fetch_projected(copy.shard, &copy.pf, &copy.key, Want::NOW)?
+            .fetch_projected(copy.shard, &copy.pf, copy.key.key_ref(), Want::NOW)?
             .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
         if pin.filled {
             self.fetched.store(true, Relaxed);
