@@ -96,6 +96,38 @@ def test_a_process_cpu_is_read_to_below_a_clock_tick_and_counts_threads_that_end
     assert measure.cpu_seconds(child.pid) is None, "a reaped process has no CPU time"
 
 
+def test_a_named_thread_s_cpu_is_read_apart_from_its_process() -> None:
+    import subprocess
+
+    import measure
+
+    # A child's thread named `burner` burns CPU and stays alive; its main thread burns more.
+    code = (
+        "import threading, time, sys\n"
+        "def spin(s):\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < s: pass\n"
+        "def burner():\n"
+        "    open(f'/proc/self/task/{threading.get_native_id()}/comm', 'w').write('burner')\n"
+        "    spin(0.123); print('done', flush=True); sys.stdin.readline()\n"
+        "threading.Thread(target=burner, daemon=True).start()\n"
+        "spin(0.2); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "done"
+        burner = measure.thread_cpu_seconds(child.pid, "burner")
+        assert 0.123 <= burner < 0.2, burner
+        assert measure.thread_cpu_seconds(child.pid, "no-such-thread") == 0.0
+    finally:
+        if child.stdin is not None:
+            child.stdin.write("\n\n")
+            child.stdin.close()
+        child.wait()
+    assert measure.thread_cpu_seconds(child.pid, "burner") == 0.0, "a reaped process has no threads"
+
+
 def test_cpu_is_compared_with_the_same_rounds_fastest_peer() -> None:
     # The fastest peer of each round is the reference, not the cheapest one.
     rounds = [
