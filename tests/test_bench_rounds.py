@@ -3,7 +3,10 @@ to the best peer taken within each round before the median."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,8 +66,23 @@ def test_round_order_rotates_by_one_reader() -> None:
     assert sorted(run.round_order(runs, 2, 2)) == sorted(runs)
 
 
+@contextlib.contextmanager
+def child_burning(code: str) -> Iterator[int]:
+    """The pid of a Python child running `code`, once it has printed `done`; on leaving, the child
+    is told to go on (a line for each of up to two waits on its stdin) and reaped."""
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "done"
+        yield child.pid
+    finally:
+        if child.stdin is not None:
+            child.stdin.write("\n\n")
+            child.stdin.close()
+        child.wait()
+
+
 def test_a_process_cpu_is_read_to_below_a_clock_tick_and_counts_threads_that_ended() -> None:
-    import subprocess
     import time
 
     import measure
@@ -78,27 +96,17 @@ def test_a_process_cpu_is_read_to_below_a_clock_tick_and_counts_threads_that_end
         "th = threading.Thread(target=burn); th.start(); th.join()\n"
         "print('done', flush=True); sys.stdin.readline()\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "done"
-        cpu = measure.cpu_seconds(child.pid)
+    with child_burning(code) as pid:
+        cpu = measure.cpu_seconds(pid)
         assert cpu is not None and cpu >= 0.123
         # Clock ticks (10 ms) would give a multiple of 0.01; the CPU clock gives nanoseconds.
         assert round(cpu * 100) != cpu * 100
         time.sleep(0.05)
-        assert measure.cpu_seconds(child.pid) == pytest.approx(cpu, abs=0.005)
-    finally:
-        if child.stdin is not None:
-            child.stdin.write("\n")
-            child.stdin.close()
-        child.wait()
-    assert measure.cpu_seconds(child.pid) is None, "a reaped process has no CPU time"
+        assert measure.cpu_seconds(pid) == pytest.approx(cpu, abs=0.005)
+    assert measure.cpu_seconds(pid) is None, "a reaped process has no CPU time"
 
 
 def test_a_named_thread_s_cpu_is_read_apart_from_its_process() -> None:
-    import subprocess
-
     import measure
 
     # A child's thread named `burner` burns CPU and stays alive; its main thread burns more.
@@ -113,19 +121,11 @@ def test_a_named_thread_s_cpu_is_read_apart_from_its_process() -> None:
         "threading.Thread(target=burner, daemon=True).start()\n"
         "spin(0.2); sys.stdin.readline()\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "done"
-        burner = measure.thread_cpu_seconds(child.pid, "burner")
+    with child_burning(code) as pid:
+        burner = measure.thread_cpu_seconds(pid, "burner")
         assert 0.123 <= burner < 0.2, burner
-        assert measure.thread_cpu_seconds(child.pid, "no-such-thread") == 0.0
-    finally:
-        if child.stdin is not None:
-            child.stdin.write("\n\n")
-            child.stdin.close()
-        child.wait()
-    assert measure.thread_cpu_seconds(child.pid, "burner") == 0.0, "a reaped process has no threads"
+        assert measure.thread_cpu_seconds(pid, "no-such-thread") == 0.0
+    assert measure.thread_cpu_seconds(pid, "burner") == 0.0, "a reaped process has no threads"
 
 
 def test_cpu_is_compared_with_the_same_rounds_fastest_peer() -> None:

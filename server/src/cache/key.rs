@@ -63,12 +63,6 @@ impl std::fmt::Debug for CacheKey {
     }
 }
 
-impl std::fmt::Display for CacheKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.key.fmt(f)
-    }
-}
-
 impl PartialEq for CacheKey {
     fn eq(&self, o: &Self) -> bool {
         self.key_ref() == o.key_ref()

@@ -317,10 +317,11 @@ impl CacheTable {
     /// Forgets a ready entry whatever its pins (its file is to be deleted: readers that opened it
     /// keep their bytes); true when there was one.
     pub fn remove_ready(&mut self, key: &str) -> bool {
-        match self.entries.get(&KeyRef::from(key)) {
+        let key = KeyRef::from(key);
+        match self.entries.get(&key) {
             Some(e) if e.state == State::Ready => {
                 self.used -= e.bytes;
-                self.entries.remove(&KeyRef::from(key));
+                self.entries.remove(&key);
                 true
             }
             _ => false,
