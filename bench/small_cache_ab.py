@@ -11,6 +11,9 @@ Cases, each on a fresh daemon with a node cache smaller than what the epochs rea
 - `parquet-all`: the same files, every column (whole files), a cache of 3/4 of the files;
 - `parquet-all-mp`: the same, through a proxy that gives every ETag a multipart upload's form
   (`tests/chaos/proxy.py`), as large files get from `aws s3 cp`: no MD5 checks a whole file;
+- `parquet-all-mixed`: the same, but one file (`part-15`) keeps the ETag the store gives (an MD5,
+  as a small file under `aws s3 cp`'s multipart threshold gets): a dataset uploaded partly in one
+  part;
 - `tar`: WebDataset shards (`bench/gen.py`, 20,000 samples of 16-20 KiB, 250 a shard), a cache
   of half of them (the case of `s3_bench.py`'s "Epoch 2" table, on smaller shards so that half
   the dataset holds many more than a shuffle window's), indexed (`shardstream index`).
@@ -100,6 +103,8 @@ def main() -> int:
     s3 = S3Server(s3root).start()
     proxy = FaultProxy(s3.port, rate=0.0, multipart=True).start()
     multipart = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    mixed_proxy = FaultProxy(s3.port, rate=0.0, multipart=lambda path: "part-15" not in path).start()
+    mixed = {**s3.env(), "AWS_ENDPOINT_URL": mixed_proxy.endpoint}
     # (url, fields, cache bytes, bytes an epoch reads, rows an epoch delivers, environment)
     cols = ("s3://bench/pq/", ["id", "blob"], selected * 3 // 4, selected, FILES * ROWS, s3.env())
     cases = {
@@ -107,6 +112,7 @@ def main() -> int:
         "parquet-cols-staged": cols,
         "parquet-all": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, s3.env()),
         "parquet-all-mp": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, multipart),
+        "parquet-all-mixed": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, mixed),
         "tar": ("s3://bench/wds/", None, tar_bytes // 2, tar_bytes, spec.samples, s3.env()),
     }
     cases = {k: v for k, v in cases.items() if not args.cases or k in args.cases}
@@ -147,6 +153,7 @@ def main() -> int:
                         print(f"round {r} {case} {pace} {name}: {got[0]:.2f} {got[1]:.2f} ({took})", flush=True)
     finally:
         proxy.stop()
+        mixed_proxy.stop()
         s3.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     print()

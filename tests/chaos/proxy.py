@@ -15,7 +15,9 @@ What was injected is counted by kind in ``counts``.
 and listings, is 32 hex digits that are not the MD5 of the bytes, and object responses carry
 ``x-amz-server-side-encryption: aws:kms``; the bytes pass unchanged. ``multipart`` gives every
 ETag, in headers and listings, the form of a multipart upload's (``"<32 hex>-2"``), which says
-nothing of the bytes either.
+nothing of the bytes either; given a predicate of the object's path (``/bucket/key``) rather than
+``True``, only the objects it picks (the others answer and list as the store does: a dataset
+uploaded partly in one part, partly in several).
 
 ``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
 and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
@@ -37,6 +39,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
@@ -76,22 +79,22 @@ def multipart_etag(path: str) -> str:
     return '"' + hashlib.md5(b"parts:" + path.encode()).hexdigest() + '-2"'
 
 
-def multipart_answer(path: str, headers: list[tuple[str, str]], data: bytes) -> tuple[list[tuple[str, str]], bytes]:
+def multipart_answer(
+    path: str, headers: list[tuple[str, str]], data: bytes, picked: Callable[[str], bool]
+) -> tuple[list[tuple[str, str]], bytes]:
+    """An answer as if the objects `picked` (by path) were multipart uploads; the others' ETags
+    pass as the store gave them (none, in its listings)."""
     # Path-style requests (`/bucket/key`, `/bucket?list-type=2`), as the daemon makes them here.
-    out = [(k, multipart_etag(path) if k.lower() == "etag" else v) for k, v in headers]
+    out = [(k, multipart_etag(path) if k.lower() == "etag" and picked(path) else v) for k, v in headers]
     if b"<ListBucketResult" in data[:400]:
         bucket = path.strip("/").split("/")[0]
+
+        def listed(m: re.Match[bytes]) -> bytes:
+            key = f"/{bucket}/{html.unescape(m.group(1).decode())}"
+            return m.group(0) + (b"<ETag>" + multipart_etag(key).encode() + b"</ETag>" if picked(key) else b"")
+
         data = re.sub(rb"<ETag>[^<]*</ETag>", b"", data)
-        data = re.sub(
-            rb"<Key>([^<]*)</Key>",
-            lambda m: (
-                m.group(0)
-                + b"<ETag>"
-                + multipart_etag(f"/{bucket}/{html.unescape(m.group(1).decode())}").encode()
-                + b"</ETag>"
-            ),
-            data,
-        )
+        data = re.sub(rb"<Key>([^<]*)</Key>", listed, data)
     return out, data
 
 
@@ -104,7 +107,7 @@ class FaultProxy:
         kinds: tuple[str, ...] = KINDS,
         hold: float = 0.0,
         kms: bool = False,
-        multipart: bool = False,
+        multipart: bool | Callable[[str], bool] = False,
     ) -> None:
         self.upstream_port = upstream_port
         self.hold = hold
@@ -237,7 +240,8 @@ class FaultProxy:
                 if proxy.kms:
                     resp_headers, data = kms_answer(status, resp_headers, data)
                 elif proxy.multipart:
-                    resp_headers, data = multipart_answer(unquote(target.path), resp_headers, data)
+                    picked = proxy.multipart if callable(proxy.multipart) else lambda _: True
+                    resp_headers, data = multipart_answer(unquote(target.path), resp_headers, data, picked)
                 length = int(dict((k.lower(), v) for k, v in resp_headers).get("content-length", len(data)))
                 return self.send(status, reason, resp_headers, data, len(data) if self.command != "HEAD" else length)
 

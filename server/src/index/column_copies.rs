@@ -9,8 +9,10 @@
 //! miss their CRC or MD5 is: a byte spoilt in transit is rare and random, a file that fails
 //! every time is damaged (or changed) at its source, and is reported so. Pages without a
 //! checksum (pyarrow's default) cannot be checked: their bytes are as good as the transport
-//! (TLS, for S3 over HTTPS).
+//! (TLS, for S3 over HTTPS). A copy of a whole file ([`ProjectedFile::whole`]) whose GETs answer
+//! an ETag that is its MD5 is checked against it instead, every byte, as a whole download is.
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
@@ -39,34 +41,9 @@ impl Dataset {
         let obj = s3_object(meta)?;
         let store = self.backends.s3()?;
         let footer = self.footer_range(i)?;
-        // Every GET of the copy: (the bytes of the file, where they go in the copy, how many of
-        // them go there: a GET that also reads the footer goes on past its piece).
-        let mut gets: Vec<(std::ops::Range<u64>, u64, u64)> = Vec::new();
-        for (range, at) in pf.pieces() {
-            let mut start = range.start;
-            while start < range.end {
-                let end = range.end.min(start + PROJECTED_GET);
-                gets.push((start..end, at + (start - range.start), end - start));
-                start = end;
-            }
-        }
-        // The footer is checked from the GETs that fill the copy, before the copy is published
-        // (see `check_footer`), unless it was checked already: read with the last piece when at
-        // most a merge gap separates them (the columns after it), else by a GET of its own among
-        // the others. A separate GET per file, after the copy, was a fifth of a cold `label`
-        // epoch's requests on the bench's set.
         let check = !self.footer_verified(i);
-        if check {
-            match gets.last_mut() {
-                Some((r, _, _))
-                    if r.end <= footer.start && footer.start - r.end <= crate::format::parquet::decode::MERGE_GAP =>
-                {
-                    r.end = footer.end;
-                }
-                _ => gets.push((footer.clone(), 0, 0)),
-            }
-        }
-        let ranges: Vec<std::ops::Range<u64>> = gets.iter().map(|(r, _, _)| r.clone()).collect();
+        let gets = copy_gets(pf.pieces(), &footer, check, PROJECTED_GET);
+        let ranges: Vec<Range<u64>> = gets.iter().map(|(r, _, _)| r.clone()).collect();
         let copy = CopyGets { i, meta, obj: &obj, store, gets: &gets, ranges: &ranges, footer: &footer, check, pf };
         cache
             .get(key, pf.len(), want, &mut |tmp, file| {
@@ -95,7 +72,8 @@ impl Dataset {
         let url = || c.meta.url();
         let mut footer_seen = !c.check;
         let mut mismatch: Option<Error> = None;
-        c.store
+        let answered = c
+            .store
             .block_on(c.store.get_ranges(c.obj, c.ranges, |g, bytes| {
                 let (r, at, keep) =
                     c.gets.get(g).ok_or_else(|| Error::Internal(format!("{}: no GET {g} of the copy", url())))?;
@@ -106,7 +84,8 @@ impl Dataset {
                 if !piece.is_empty() {
                     file.write_all_at(piece, *at).map_err(|e| Error::io("cannot write", tmp, e))?;
                 }
-                if c.check && r.end == c.footer.end {
+                // (A whole file's footer across two GETs is read by a GET of its own too.)
+                if c.check && r.end == c.footer.end && r.start <= c.footer.start {
                     let from = usize::try_from(c.footer.start - r.start).map_err(|_| short())?;
                     // Noted, not returned: the other GETs go on, and the fetch is tried again.
                     if let Err(e) = self.check_footer(c.i, bytes.get(from..).ok_or_else(short)?) {
@@ -122,6 +101,20 @@ impl Dataset {
         }
         if !footer_seen {
             return Err(Fill::Failed(Error::Internal(format!("{}: no GET of the copy read its footer", url()))));
+        }
+        // A whole file's copy is checked whole when its ETag is an MD5 (a one-part upload's), as a
+        // download of it is: every byte, pages with checksums or not.
+        if let Some(want) = answered.md5(c.obj).filter(|_| c.pf.is_whole()) {
+            let got = crate::storage::s3::file_md5(file, c.pf.len())
+                .map_err(|e| Fill::Failed(Error::io("cannot read back", tmp, e)))?;
+            if got != want {
+                return Err(Fill::Mismatch(Error::Shard {
+                    shard: url(),
+                    offset: None,
+                    reason: "the downloaded bytes do not match the object's ETag (MD5)".into(),
+                }));
+            }
+            return Ok(());
         }
         let mut unreadable: Option<std::io::Error> = None;
         let pages = c.pf.check_pages(|at, buf| {
@@ -213,6 +206,44 @@ impl Dataset {
     }
 }
 
+/// Every GET of a copy of `pieces` ([`ProjectedFile::pieces`]): (the bytes of the file, where they
+/// go in the copy, how many of them go there: a GET that also reads the footer goes on past its
+/// piece), each of at most `most` bytes.
+///
+/// With `check_footer`, the footer (`footer`) is checked from the GETs that fill the copy, before
+/// the copy is published (see `check_footer`): read with the last piece when at most a merge gap
+/// separates them (the columns after it), within the last GET of a whole file's copy, else by a
+/// GET of its own among the others. A separate GET per file, after the copy, was a fifth of a cold
+/// `label` epoch's requests on the bench's set.
+fn copy_gets(
+    pieces: &[(Range<u64>, u64)],
+    footer: &Range<u64>,
+    check_footer: bool,
+    most: u64,
+) -> Vec<(Range<u64>, u64, u64)> {
+    let mut gets: Vec<(Range<u64>, u64, u64)> = Vec::new();
+    for (range, at) in pieces {
+        let mut start = range.start;
+        while start < range.end {
+            let end = range.end.min(start + most.max(1));
+            gets.push((start..end, at + (start - range.start), end - start));
+            start = end;
+        }
+    }
+    if check_footer {
+        match gets.last_mut() {
+            Some((r, _, _)) if r.start <= footer.start && r.end == footer.end => {}
+            Some((r, _, _))
+                if r.end <= footer.start && footer.start - r.end <= crate::format::parquet::decode::MERGE_GAP =>
+            {
+                r.end = footer.end;
+            }
+            _ => gets.push((footer.clone(), 0, 0)),
+        }
+    }
+    gets
+}
+
 /// Fetches of a copy (or reads of a footer) before one that fails its check every time is
 /// reported: as many as a whole shard's downloads on a checksum mismatch.
 const FETCHES: u32 = 3;
@@ -249,5 +280,52 @@ fn in_fetches(e: Error) -> Error {
             reason: format!("{reason} (in the last of {FETCHES} fetches, each of which failed a check)"),
         },
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::parquet::decode::MERGE_GAP;
+
+    #[test]
+    fn a_copy_s_gets_read_its_footer_once_and_never_before_a_get_s_start() {
+        const END: u64 = 1_000_000;
+        let footer = END - 100..END;
+        // A compact copy: two pieces, the last far from the footer, split in GETs of 300 bytes.
+        let pieces = [(4..500, 0), (2_000..2_700, 496)];
+        let gets = copy_gets(&pieces, &footer, true, 300);
+        assert_eq!(
+            gets,
+            vec![
+                (4..304, 0, 300),
+                (304..500, 300, 196),
+                (2_000..2_300, 496, 300),
+                (2_300..2_600, 796, 300),
+                (2_600..2_700, 1_096, 100),
+                (footer.clone(), 0, 0),
+            ]
+        );
+        assert_eq!(copy_gets(&pieces, &footer, false, 300).len(), 5, "no footer GET when it was checked");
+        // The last piece within a merge gap of the footer: its GET reads on to the file's end.
+        let near = [(4..footer.start - MERGE_GAP, 0)];
+        let gets = copy_gets(&near, &footer, true, 1 << 20);
+        assert_eq!(gets, vec![(4..END, 0, footer.start - MERGE_GAP - 4)]);
+        // A whole file: its last GET holds the footer, which starts inside it.
+        let whole = [(0..END, 0)];
+        let gets = copy_gets(&whole, &footer, true, 400_000);
+        assert_eq!(
+            gets,
+            vec![(0..400_000, 0, 400_000), (400_000..800_000, 400_000, 400_000), (800_000..END, 800_000, 200_000)]
+        );
+        // A whole file whose footer straddles two GETs: the footer has a GET of its own, and the
+        // GET that ends the file starts after the footer's start (the fill checks the footer
+        // from the one GET that holds it all).
+        let gets = copy_gets(&whole, &footer, true, END / 2 - 30);
+        let (last, _, _) = &gets[gets.len() - 2];
+        assert!(last.end == END && last.start > footer.start, "{gets:?}");
+        assert_eq!(gets.last(), Some(&(footer.clone(), 0, 0)));
+        let holding = gets.iter().filter(|(r, _, _)| r.start <= footer.start && r.end == footer.end).count();
+        assert_eq!(holding, 1, "{gets:?}");
     }
 }

@@ -17,7 +17,8 @@
 //! groups merge into fewer GETs.
 //!
 //! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes (or, copied a row
-//! group at a time, when no file has an ETag that is its MD5: see [`ProjectedReads::plan`]) and every file is
+//! group at a time, when some file's listed ETag is no MD5; each file whose ETag may be one is
+//! then copied whole, checked by it: see [`ProjectedReads::plan`]) and every file is
 //! an S3 object whose manifest (if any) checksums its footer: a whole-file CRC (as `pack` writes)
 //! can only be checked on the whole file, which then goes through the cache as before. Nor when
 //! the node cache already holds the files whole (`shardstream prefetch`, an epoch of every
@@ -42,7 +43,7 @@ use crate::{Error, Result};
 /// bytes; above it, one GET of the whole file is as good.
 pub const MAX_SHARE: f64 = 0.9;
 
-/// One compact copy: some row groups' selected chunks of one file.
+/// One compact copy: some row groups' selected chunks of one file, or the whole file.
 #[derive(Debug)]
 struct ChunkCopy {
     /// The file's shard index.
@@ -66,6 +67,8 @@ struct CopyPlan {
     /// Plan unit -> its copy.
     by_unit: Vec<usize>,
     per_row_group: bool,
+    /// Some copy is a whole file ([`ProjectedFile::whole`]).
+    whole_files: bool,
 }
 
 /// (dataset URL, its fingerprint, the projection's id): with the node cache's configured
@@ -164,17 +167,20 @@ impl ProjectedReads {
         }
         let per_row_group = selected > capacity;
         // Most of the bytes: one GET of a whole file is as good, and its ETag's MD5 checks it
-        // whole. Unless the node cache is too small for the files and every file's listed ETag
-        // says it has no MD5 to check (a multipart upload's, as large files get from
-        // `aws s3 cp`): then a whole file is checked by its pages as a row group's copy is, and
-        // a row group at a time it is fetched about once an epoch instead of once per row group
-        // evicted before. A store that lists no ETag may still answer a GET with an MD5.
-        let no_md5 = ds
-            .shards
-            .iter()
-            .all(|s| matches!(&s.source, ShardSource::S3 { etag: Some(e), .. } if etag_md5(e).is_none()));
+        // whole. Unless the node cache is too small for the files: then a file whose listed
+        // ETag says it has no MD5 to check (a multipart upload's, as large files get from
+        // `aws s3 cp`) is checked by its pages as a row group's copy is, and a row group at a
+        // time it is fetched about once an epoch instead of once per row group evicted before.
+        // The others (a store that lists no ETag may still answer a GET with an MD5) are copied
+        // whole, checked by that MD5: one file uploaded in one part no longer keeps them all
+        // whole. Without any multipart upload, whole files go through the cache as before.
+        let no_md5 = |i: usize| {
+            ds.shards
+                .get(i)
+                .is_some_and(|s| matches!(&s.source, ShardSource::S3 { etag: Some(e), .. } if etag_md5(e).is_none()))
+        };
         let most = selected as f64 > MAX_SHARE * total as f64;
-        if total == 0 || (most && !(per_row_group && no_md5)) {
+        if total == 0 || (most && !(per_row_group && files.iter().any(|f| no_md5(f.index)))) {
             return Ok(None);
         }
         let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
@@ -186,7 +192,9 @@ impl ProjectedReads {
                 copies.len() - 1
             };
             // A file of one row group keeps its file's copy (and key) either way.
-            let mine: Vec<usize> = if per_row_group && groups > 1 {
+            let mine: Vec<usize> = if most && !no_md5(f.index) {
+                vec![add(None, ProjectedFile::whole(&f.table, per_file))]
+            } else if per_row_group && groups > 1 {
                 (0..groups)
                     .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
                     .collect()
@@ -205,7 +213,8 @@ impl ProjectedReads {
                     .ok_or_else(|| Error::Internal(format!("{}: no column-chunk copy of row group {rg}", file.name)))
             })
             .collect::<Result<Vec<usize>>>()?;
-        Ok(Some(CopyPlan { copies, by_file, by_unit, per_row_group }))
+        let whole_files = copies.iter().any(|c| c.pf.is_whole());
+        Ok(Some(CopyPlan { copies, by_file, by_unit, per_row_group, whole_files }))
     }
 
     /// True when `ds` may be read by column-chunk copies: S3 objects through the node cache,
@@ -219,6 +228,12 @@ impl ProjectedReads {
     /// copy together): the prefetcher then follows the plan's units, not its files.
     pub fn per_row_group(&self) -> bool {
         self.plan.per_row_group
+    }
+
+    /// True when some file is copied whole ([`ProjectedFile::whole`]: one its ETag's MD5 checks,
+    /// among files copied a row group at a time).
+    pub fn copies_whole_files(&self) -> bool {
+        self.plan.whole_files
     }
 
     fn copy(&self, c: usize) -> Result<&ChunkCopy> {
@@ -411,7 +426,13 @@ mod tests {
     use super::*;
 
     fn empty() -> Result<Option<CopyPlan>> {
-        Ok(Some(CopyPlan { copies: Vec::new(), by_file: HashMap::new(), by_unit: Vec::new(), per_row_group: true }))
+        Ok(Some(CopyPlan {
+            copies: Vec::new(),
+            by_file: HashMap::new(),
+            by_unit: Vec::new(),
+            per_row_group: true,
+            whole_files: false,
+        }))
     }
 
     #[test]

@@ -107,17 +107,23 @@ impl Staging {
     fn order(&self, ds: &Dataset, req: &PrefetchRequest) -> Result<Vec<usize>> {
         match self {
             Staging::Whole => epoch_order(ds, req, false),
-            // Each use (a file, or a row group) names one copy of its own, each use once.
-            Staging::Columns(reads) => Ok(epoch_order(ds, req, reads.per_row_group())?
-                .into_iter()
-                .filter_map(|n| reads.copy_of_use(n))
-                .collect()),
+            // Each use (a file, or a row group) names a copy; a file copied whole a row group
+            // at a time is named by each of its row groups, and staged once.
+            Staging::Columns(reads) => {
+                let mut seen = std::collections::HashSet::new();
+                Ok(epoch_order(ds, req, reads.per_row_group())?
+                    .into_iter()
+                    .filter_map(|n| reads.copy_of_use(n))
+                    .filter(|&c| seen.insert(c))
+                    .collect())
+            }
         }
     }
 
     /// What the progress counts, as `PrefetchProgress.unit` says it: empty for shards.
     fn unit(&self) -> &'static str {
         match self {
+            Staging::Columns(reads) if reads.copies_whole_files() => "row groups and files",
             Staging::Columns(reads) if reads.per_row_group() => "row groups",
             _ => "",
         }

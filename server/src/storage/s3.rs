@@ -664,10 +664,16 @@ impl S3Store {
     /// bytes come from the version the caller listed. A short or long body is an error. Returns
     /// the bytes and the ETag the server answered with (a listing may not give one).
     pub async fn get_range(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, Option<String>)> {
+        self.get_range_answered(obj, range).await.map(|(bytes, etag, _)| (bytes, etag))
+    }
+
+    /// [`Self::get_range`], and whether the answer's ETag may be the MD5 of the object's bytes
+    /// ([`etag_may_be_md5`]).
+    async fn get_range_answered(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, Option<String>, bool)> {
         let url = obj.url();
         let want = range.end.saturating_sub(range.start);
         if want == 0 {
-            return Ok((Bytes::new(), obj.etag.clone()));
+            return Ok((Bytes::new(), obj.etag.clone(), true));
         }
         let got = self
             .retrying(&url, "get", || async {
@@ -682,6 +688,7 @@ impl S3Store {
                     .await
                     .map_err(|e| classify(&url, e))?;
                 let etag = resp.e_tag().map(str::to_owned);
+                let may_be_md5 = etag_may_be_md5(resp.server_side_encryption(), resp.sse_customer_algorithm());
                 let body =
                     resp.body.collect().await.map(|b| b.into_bytes()).map_err(|e| Failure::Transient(e.to_string()))?;
                 if body.len() as u64 != want {
@@ -691,7 +698,7 @@ impl S3Store {
                         body.len()
                     )));
                 }
-                Ok((body, etag))
+                Ok((body, etag, may_be_md5))
             })
             .await?;
         crate::metrics::storage_bytes("s3", got.0.len() as u64);
@@ -702,15 +709,18 @@ impl S3Store {
     /// store's per-shard concurrency at once and within its daemon-wide cap, and hands each
     /// range's bytes to `each` with the range's index, in the order they arrive (one after the
     /// other, each range cost its round trip). The first failure ends the call and cancels the
-    /// GETs still running.
+    /// GETs still running. Returns what the GETs answered of the object (its ETag); GETs that
+    /// answered different ETags (the object replaced between them, possible only without
+    /// `obj.etag`, which every GET sends as `If-Match`) are an error naming it.
     pub async fn get_ranges(
         &self,
         obj: &ObjectRef,
         ranges: &[Range<u64>],
         mut each: impl FnMut(usize, Bytes) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<Answered> {
         let per_call = Arc::new(Semaphore::new(self.options.concurrency.max(1)));
         let shared = Arc::new(obj.clone());
+        let answered = std::sync::Mutex::new(Answered::default());
         let mut tasks = tokio::task::JoinSet::new();
         for (i, range) in ranges.iter().cloned().enumerate() {
             let (store, obj, per_call) = (self.clone(), shared.clone(), per_call.clone());
@@ -718,12 +728,21 @@ impl S3Store {
                 let _slot = per_call.acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
                 let _get =
                     store.gets.clone().acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
-                store.get_range(&obj, range).await.map(|(bytes, _)| (i, bytes))
+                store.get_range_answered(&obj, range).await.map(|got| (i, got))
             });
         }
         while let Some(joined) = tasks.join_next().await {
             match joined {
-                Ok(Ok((i, bytes))) => each(i, bytes)?,
+                Ok(Ok((i, (bytes, etag, may_be_md5)))) => {
+                    if etag_changed(&answered, etag.as_deref(), may_be_md5) {
+                        return Err(Error::Shard {
+                            shard: obj.url(),
+                            offset: None,
+                            reason: "changed on the server while it was being read (its ETag changed)".into(),
+                        });
+                    }
+                    each(i, bytes)?
+                }
                 // Dropping the set aborts the other GETs at once.
                 Ok(Err(e)) => return Err(e),
                 Err(e) if e.is_cancelled() => {
@@ -735,7 +754,7 @@ impl S3Store {
                 Err(e) => return Err(Error::Internal(format!("a ranged GET of {} failed: {e}", obj.url()))),
             }
         }
-        Ok(())
+        Ok(answered.into_inner().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Writes a whole object.
@@ -787,10 +806,7 @@ impl S3Store {
     ) -> Result<(u32, bool)> {
         for attempt in 1..=MAX_ETAG_MISMATCHES {
             let (crc, answered) = self.download_once(obj, file.clone(), dest, observer.clone()).await?;
-            if answered.not_md5 {
-                return Ok((crc, false));
-            }
-            let want = match obj.etag.as_deref().or(answered.etag.as_deref()).and_then(etag_md5) {
+            let want = match answered.md5(obj) {
                 Some(want) if check_md5 => want,
                 _ => return Ok((crc, false)),
             };
@@ -1060,11 +1076,22 @@ fn etag_may_be_md5(sse: Option<&aws_sdk_s3::types::ServerSideEncryption>, sse_cu
 
 /// What a download's responses said of the object.
 #[derive(Debug, Default)]
-struct Answered {
+pub struct Answered {
     /// The ETag of the first response.
     etag: Option<String>,
     /// A response said the ETag is no MD5 of the bytes ([`etag_may_be_md5`]).
     not_md5: bool,
+}
+
+impl Answered {
+    /// The MD5 of `obj`'s bytes its ETag holds (the listed one, else the one answered), when no
+    /// response said it cannot be one.
+    pub fn md5(&self, obj: &ObjectRef) -> Option<[u8; 16]> {
+        if self.not_md5 {
+            return None;
+        }
+        obj.etag.as_deref().or(self.etag.as_deref()).and_then(etag_md5)
+    }
 }
 
 /// Records the first ETag a download's responses carry (and whether it can be an MD5); true when
@@ -1088,7 +1115,7 @@ fn md5_of(bytes: &[u8]) -> [u8; 16] {
 }
 
 /// MD5 of the first `len` bytes of `file`, read with positioned reads.
-fn file_md5(file: &File, len: u64) -> std::io::Result<[u8; 16]> {
+pub fn file_md5(file: &File, len: u64) -> std::io::Result<[u8; 16]> {
     use md5::Digest;
     let mut hasher = md5::Md5::new();
     let mut buf = vec![0u8; MD5_CHUNK];

@@ -7,6 +7,9 @@
 //! `k` of the file (`range`) sits at `at` in the compact copy. A read of file bytes (what the
 //! row-group decoder asks for: one merged run of a row group's chunks) maps to the copy when it
 //! lies inside one piece; anything else is an error, never a silent fetch.
+//!
+//! A copy may also be the whole file ([`ProjectedFile::whole`]): one piece, every byte where the
+//! file has it, so that the MD5 its ETag may hold checks it as a whole download is checked.
 
 use std::ops::Range;
 
@@ -26,6 +29,8 @@ pub struct ProjectedFile {
     /// walks).
     chunks: Vec<Range<u64>>,
     len: u64,
+    /// The copy is the whole file ([`Self::whole`]).
+    whole: bool,
 }
 
 impl ProjectedFile {
@@ -48,7 +53,20 @@ impl ProjectedFile {
                 (r, here)
             })
             .collect();
-        Self { pieces, chunks, len: at }
+        Self { pieces, chunks, len: at, whole: false }
+    }
+
+    /// The whole of `table`'s file as one piece, its bytes at their own offsets (a copy an MD5
+    /// can check), with the column chunks `proj` reads to check by their pages when no MD5 can.
+    pub fn whole(table: &ParquetTable, proj: &FileProjection) -> Self {
+        let chunks = (0..table.num_row_groups()).flat_map(|rg| leaf_chunks(table, rg, proj)).collect();
+        let len = table.file_len();
+        Self { pieces: vec![(0..len, 0)], chunks, len, whole: true }
+    }
+
+    /// True when the copy is the whole file, byte for byte ([`Self::whole`]).
+    pub fn is_whole(&self) -> bool {
+        self.whole
     }
 
     /// Checks the page checksums of every column chunk in the copy ([`pages::check_crcs_with`]:
@@ -148,5 +166,34 @@ mod tests {
         // The same chunks, each once: only the gaps merged into the whole file's pieces differ.
         assert!(sum <= whole.len(), "{sum} {}", whole.len());
         assert_eq!(ProjectedFile::of_row_groups(&t, &p, 0..t.num_row_groups()), whole);
+        assert!(!whole.is_whole());
+    }
+
+    #[test]
+    fn a_whole_file_s_copy_holds_every_byte_where_the_file_has_it() {
+        let file = testdata::mixed(4000, 500, testdata::Codec::None);
+        let t = table(&file);
+        let p = Projection::new(t.schema(), &[], Some(&["id".to_string()])).unwrap().for_file(&t, &[]).unwrap();
+        let whole = ProjectedFile::whole(&t, &p);
+        assert!(whole.is_whole());
+        assert_eq!(whole.len(), file.len() as u64);
+        let len = file.len() as u64;
+        // Any read at all, the footer's too, is at its own offset.
+        for r in [0..4, len - 8..len, 100..200, 0..len] {
+            assert_eq!(whole.locate(r.clone()), Some(r.start), "{r:?}");
+        }
+        // Its pages are those of the selected chunks, checked where the file has them: a read
+        // outside the file would fail the check.
+        let mut read = Vec::new();
+        whole
+            .check_pages(|at, buf| {
+                let bytes = file.get(at as usize..at as usize + buf.len()).ok_or("outside the file")?;
+                buf.copy_from_slice(bytes);
+                read.push(at);
+                Ok(())
+            })
+            .unwrap();
+        let first = chunk_ranges(&t, 0, &p).first().unwrap().start;
+        assert!(read.contains(&first), "the first chunk's first page header is read at its offset");
     }
 }
