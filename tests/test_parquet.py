@@ -2398,6 +2398,47 @@ def test_column_chunks_corrupted_in_transit_are_fetched_again_and_never_served(
     assert proxy.counts["corrupt"] >= 4, proxy.counts
 
 
+def test_a_copy_whose_page_header_was_spoilt_in_transit_is_fetched_again(tmp_path: Path, s3) -> None:
+    """A page checksum covers the page's bytes, not its header (Parquet has no checksum of a
+    header), so a column-chunk copy whose header byte was spoilt in transit passed its checks and
+    failed the decode ("Unexpected Encoding"): the stream failed, and the copy stayed in the node
+    cache to fail every stream after it. Behind a proxy that inverts byte 18 of the first answer to
+    every object GET (inside the first page header of each copy, the `id` column's: found by
+    trying each byte of it, the others fail the checks or change nothing), each copy that does
+    not decode is fetched again, dropped from the cache or, held by a batch in flight, apart from
+    it; every row arrives once, as written, in two epochs."""
+    bucket = s3.bucket("data") / "pqheader"
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for k in range(2):
+        ids = np.arange(k * 200, (k + 1) * 200)
+        blobs = pa.array([rng.bytes(3000) for _ in ids], pa.binary())
+        pq.write_table(
+            pa.table({"id": ids, "blob": blobs}),
+            bucket / f"part-{k}.parquet",
+            row_group_size=100,
+            compression="snappy",
+            write_page_checksum=True,
+        )
+    proxy = FaultProxy(s3.port, rate=0.0).start()
+    log = tmp_path / "daemon.log"
+    d = Daemon(tmp_path / "d", env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, log=log).start()
+    try:
+        shardstream._native.Connection(d.addr).open("s3://data/pqheader/")
+        proxy.first_try, proxy.flip_at = "corrupt", 18
+        for ep in range(2):
+            loader = shardstream.Loader("s3://data/pqheader/", batch_size=50, seed=1, connect=d.addr, fields=["id"])
+            loader.set_epoch(ep)
+            seen = [i for b in loader for i in np.asarray(b["id"]).tolist()]
+            assert sorted(seen) == list(range(400)), ep
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+    text = log.read_text()
+    again = text.count("does not decode: ") + text.count("fetching it again apart")
+    assert again >= 2, "each file's copy did not decode once and was fetched again:\n" + text[-3000:]
+
+
 @pytest.mark.parametrize("manifest", [False, True])
 def test_whole_files_no_checksum_covers_are_checked_by_their_pages(tmp_path: Path, s3, manifest: bool) -> None:
     """A whole file's download is checked against the MD5 its ETag holds, or a manifest's

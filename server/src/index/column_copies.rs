@@ -38,31 +38,52 @@ impl Dataset {
         let cache =
             self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
         let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
+        let check = !self.footer_verified(i);
+        cache
+            .get(key, pf.len(), want, &mut |tmp, file| self.fill_checked(i, pf, check, tmp, file))
+            .map_err(|e| named_in_cache(e, meta))
+    }
+
+    /// Fetches the pieces `pf` of S3 Parquet file `i` once more, with every check of
+    /// [`Self::fetch_projected`], into a file that no other read sees (a temporary of the node
+    /// cache's entry `key`, gone once fetched: the descriptor returned keeps its bytes). What a
+    /// read whose cached copy does not decode takes when that copy cannot be dropped (another
+    /// read holds it). Blocking.
+    pub fn fetch_projected_apart(&self, i: usize, pf: &ProjectedFile, key: &str) -> Result<std::fs::File> {
+        let cache =
+            self.backends.cache.as_ref().ok_or_else(|| Error::Internal(format!("{}: no node cache", self.url)))?;
+        let dest = cache.path_of(key);
+        // Named as a fill's temporary: start-up deletes one a crash left behind.
+        let tmp = crate::atomic_write::AtomicFile::create(&dest)
+            .map_err(|e| Error::io("cannot create a temporary copy", &dest, e))?;
+        self.fill_checked(i, pf, true, tmp.temp_path(), tmp.file())?;
+        tmp.file().try_clone().map_err(|e| Error::io("cannot open a temporary copy", tmp.temp_path(), e))
+    }
+
+    /// Fetches the pieces `pf` of S3 Parquet file `i` into `file` (`tmp`), checked (the footer
+    /// too when `check`), fetching again on a mismatch up to [`FETCHES`] times in all.
+    fn fill_checked(&self, i: usize, pf: &ProjectedFile, check: bool, tmp: &Path, file: &std::fs::File) -> Result<()> {
+        let meta = self.shards.get(i).ok_or_else(|| Error::Internal(format!("no shard {i}")))?;
         let obj = s3_object(meta)?;
         let store = self.backends.s3()?;
         let footer = self.footer_range(i)?;
-        let check = !self.footer_verified(i);
         let gets = copy_gets(pf.pieces(), &footer, check, PROJECTED_GET);
         let ranges: Vec<Range<u64>> = gets.iter().map(|(r, _, _)| r.clone()).collect();
         let copy = CopyGets { i, meta, obj: &obj, store, gets: &gets, ranges: &ranges, footer: &footer, check, pf };
-        cache
-            .get(key, pf.len(), want, &mut |tmp, file| {
-                for fetch in 1..=FETCHES {
-                    match self.fill_copy(&copy, tmp, file) {
-                        Ok(()) => break,
-                        Err(Fill::Mismatch(e)) if fetch < FETCHES => {
-                            tracing::warn!(shard = %meta.url(), fetch, error = %e, "column chunks failed their check; fetching them again");
-                        }
-                        Err(Fill::Mismatch(e)) => return Err(in_fetches(e)),
-                        Err(Fill::Failed(e)) => return Err(e),
-                    }
+        for fetch in 1..=FETCHES {
+            match self.fill_copy(&copy, tmp, file) {
+                Ok(()) => break,
+                Err(Fill::Mismatch(e)) if fetch < FETCHES => {
+                    tracing::warn!(shard = %meta.url(), fetch, error = %e, "column chunks failed their check; fetching them again");
                 }
-                if check {
-                    self.verified[i].store(true, Ordering::Release);
-                }
-                Ok(())
-            })
-            .map_err(|e| named_in_cache(e, meta))
+                Err(Fill::Mismatch(e)) => return Err(in_fetches(e)),
+                Err(Fill::Failed(e)) => return Err(e),
+            }
+        }
+        if check {
+            self.verified[i].store(true, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// One fetch of a compact copy into `file` (`tmp`): every GET, the footer's check when asked,

@@ -410,6 +410,26 @@ impl FileReader for ProjectedReader<'_> {
         })
     }
 
+    fn fetch_again(&self, file: usize, rg: usize, why: &str) -> Result<Option<CachedCopy>> {
+        let c = self.reads.copy_of(file, rg)?;
+        let copy = self.reads.copy(c)?;
+        let Some(cache) = self.reads.ds.node_cache() else { return Ok(None) };
+        // This batch's pin goes first: the cache drops no copy anyone holds.
+        self.open.lock().unwrap_or_else(|p| p.into_inner()).remove(&c);
+        if cache.drop_copy(copy.key.as_str(), &format!("row group {rg} does not decode: {why}")) {
+            return self.cached_copy(file, rg);
+        }
+        // Held by another read (a batch in flight waiting on this decode, as like as not): a
+        // copy of this read's own, and the cached one dropped at a later read that finds it bad.
+        let url = self.reads.ds.shards.get(copy.shard).map(|m| m.url()).unwrap_or_default();
+        tracing::warn!(shard = %url, row_group = rg, error = %why, "a node-cache copy does not decode and is in use: fetching it again apart");
+        let apart = self.reads.ds.fetch_projected_apart(copy.shard, &copy.pf, copy.key.as_str())?;
+        self.fetched.store(true, Relaxed);
+        let apart = CachedCopy::new(apart, Some(copy.pf.clone()))
+            .map_err(|e| Error::Internal(format!("{url}: cannot stat a copy fetched apart: {e}")))?;
+        Ok(Some(apart))
+    }
+
     fn cached_copy(&self, file: usize, rg: usize) -> Result<Option<CachedCopy>> {
         let c = self.reads.copy_of(file, rg)?;
         self.with_copy(c, |pf, pin, copy| {

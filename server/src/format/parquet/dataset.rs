@@ -183,6 +183,15 @@ pub trait FileReader: Sync {
     fn cached_copy(&self, _file: usize, _rg: usize) -> Result<Option<CachedCopy>> {
         Ok(None)
     }
+
+    /// The node-cache copy row group `rg` of `file` is read from ([`Self::cached_copy`]) fetched
+    /// again, because it did not decode (`why`); None when there is no copy to fetch again. A
+    /// copy's checks cover its pages' bytes, not their headers (no Parquet checksum does), so a
+    /// header spoilt in transit is found only by decoding; kept, it failed every stream that
+    /// read it until evicted.
+    fn fetch_again(&self, _file: usize, _rg: usize, _why: &str) -> Result<Option<CachedCopy>> {
+        Ok(None)
+    }
 }
 
 /// A node-cache copy of a dataset file ([`FileReader::cached_copy`]).
@@ -722,8 +731,13 @@ impl BatchAssembler {
     fn mapped_copy(&self, fi: usize, rg: usize, files: &dyn FileReader) -> Result<Option<MappedFile>> {
         let file = &self.dataset.files[fi];
         let Some(copy) = files.cached_copy(file.index, rg)? else { return Ok(None) };
+        self.map_copy(fi, copy).map(Some)
+    }
+
+    /// Node-cache copy `copy` of file `fi` mapped.
+    fn map_copy(&self, fi: usize, copy: CachedCopy) -> Result<MappedFile> {
+        let file = &self.dataset.files[fi];
         MappedFile::shared(copy.file, copy.identity, &file.name, file.table.file_len(), copy.locate)
-            .map(Some)
             .map_err(|e| e.into_error(&file.name))
     }
 
@@ -738,11 +752,26 @@ impl BatchAssembler {
                 return Ok(batch);
             }
             let mut io_error = None;
-            let copy = self.mapped_copy(fi, rg, files)?;
-            let decoded = match &copy {
-                Some(m) => m
-                    .chunks(&chunk_ranges(&file.table, rg, &self.per_file[fi]))
-                    .and_then(|chunks| decode_row_group(&file.table, rg, &self.per_file[fi], chunks)),
+            let mut copy = self.mapped_copy(fi, rg, files)?;
+            let decode_copy = |m: &MappedFile| {
+                m.chunks(&chunk_ranges(&file.table, rg, &self.per_file[fi]))
+                    .and_then(|chunks| decode_row_group(&file.table, rg, &self.per_file[fi], chunks))
+            };
+            let mut decoded = copy.as_ref().map(decode_copy);
+            // A copy that does not decode is fetched again, once (see `FileReader::fetch_again`):
+            // a file damaged at its source fails the same way again, and that is the error.
+            if let Some(Err(ParquetError::BadData { reason, .. })) = &decoded {
+                let why = reason.clone();
+                // Unmapped first: nothing of this read holds the copy then.
+                copy = None;
+                if let Some(again) = files.fetch_again(file.index, rg, &why)? {
+                    let m = self.map_copy(fi, again)?;
+                    decoded = Some(decode_copy(&m));
+                    copy = Some(m);
+                }
+            }
+            let decoded = match decoded {
+                Some(decoded) => decoded,
                 None => read_row_group(&file.table, rg, &self.per_file[fi], |off, len| {
                     files.read_bytes(file.index, off, len).map_err(|e| {
                         let msg = e.to_string();
@@ -863,5 +892,88 @@ pub fn read_local_footer(file: &crate::storage::local::ShardFile) -> Result<Vec<
         (Ok(f), _) => Ok(f),
         (Err(_), Some(e)) => Err(e),
         (Err(e), None) => Err(e.into_error(&file.name)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::format::parquet::footer::table_of;
+    use crate::format::parquet::testdata;
+
+    /// A node cache of one whole-file copy, its first column chunk's first page header
+    /// overwritten (as a byte spoilt in transit that no page checksum covers); fetched again,
+    /// `again` (none: no copy to fetch again).
+    struct Copies {
+        dir: tempfile::TempDir,
+        again: Option<&'static str>,
+        asked: Mutex<Vec<String>>,
+    }
+
+    impl Copies {
+        fn new(good: &[u8], again: Option<bool>) -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let mut spoilt = good.to_vec();
+            spoilt[4..20].fill(0xff);
+            std::fs::write(dir.path().join("good"), good).unwrap();
+            std::fs::write(dir.path().join("spoilt"), &spoilt).unwrap();
+            let again = again.map(|good| if good { "good" } else { "spoilt" });
+            Self { dir, again, asked: Mutex::new(Vec::new()) }
+        }
+
+        fn open(&self, name: &str) -> CachedCopy {
+            CachedCopy::new(std::fs::File::open(self.dir.path().join(name)).unwrap(), None).unwrap()
+        }
+    }
+
+    impl FileReader for Copies {
+        fn read_bytes(&self, _file: usize, _offset: u64, _len: usize) -> Result<Bytes> {
+            Err(Error::Internal("read from the copy's mapping only".into()))
+        }
+
+        fn cached_copy(&self, _file: usize, _rg: usize) -> Result<Option<CachedCopy>> {
+            Ok(Some(self.open("spoilt")))
+        }
+
+        fn fetch_again(&self, _file: usize, rg: usize, why: &str) -> Result<Option<CachedCopy>> {
+            self.asked.lock().unwrap().push(format!("{rg}: {why}"));
+            Ok(self.again.map(|name| self.open(name)))
+        }
+    }
+
+    fn assembler(bytes: &[u8]) -> BatchAssembler {
+        let table = Arc::new(table_of(bytes));
+        let file = DatasetFile { name: "s3://b/part-0.parquet".into(), table, index: 0 };
+        let (ds, _) = ParquetDataset::new(vec![file]).unwrap();
+        let ds = Arc::new(ds);
+        let projection = ds.projection(None).unwrap();
+        BatchAssembler::new(ds, projection, Arc::new(DecodedCache::new(1 << 30)), "test").unwrap()
+    }
+
+    #[test]
+    fn a_cached_copy_that_does_not_decode_is_fetched_again_once() {
+        let bytes = testdata::mixed(300, 100, testdata::Codec::None);
+        // Fetched again: the row group as written.
+        let copies = Copies::new(&bytes, Some(true));
+        let batch = assembler(&bytes).row_group(0, &copies).unwrap();
+        assert_eq!(batch.num_rows(), 100);
+        let asked = copies.asked.lock().unwrap().clone();
+        assert_eq!(asked.len(), 1, "{asked:?}");
+        assert!(asked[0].starts_with("0: "), "{asked:?}");
+        // Damaged at its source (fetched again, as damaged): its error, after one more fetch.
+        let copies = Copies::new(&bytes, Some(false));
+        let e = assembler(&bytes).row_group(0, &copies).unwrap_err();
+        assert!(matches!(e, Error::Shard { .. }) && e.to_string().contains("row group 0"), "{e}");
+        assert_eq!(copies.asked.lock().unwrap().len(), 1, "fetched again once, not on and on");
+        // No copy to fetch again: the error.
+        let copies = Copies::new(&bytes, None);
+        let e = assembler(&bytes).row_group(0, &copies).unwrap_err();
+        assert!(e.to_string().contains("row group 0"), "{e}");
+        // Row groups the spoilt bytes do not touch decode from the copy as it is.
+        let copies = Copies::new(&bytes, None);
+        assert_eq!(assembler(&bytes).row_group(1, &copies).unwrap().num_rows(), 100);
+        assert!(copies.asked.lock().unwrap().is_empty());
     }
 }
