@@ -2398,39 +2398,70 @@ def test_column_chunks_corrupted_in_transit_are_fetched_again_and_never_served(
     assert proxy.counts["corrupt"] >= 4, proxy.counts
 
 
-def test_a_copy_whose_page_header_was_spoilt_in_transit_is_fetched_again(tmp_path: Path, s3) -> None:
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_copy_whose_page_header_was_spoilt_in_transit_is_fetched_again(tmp_path: Path, s3, whole: bool) -> None:
     """A page checksum covers the page's bytes, not its header (Parquet has no checksum of a
-    header), so a column-chunk copy whose header byte was spoilt in transit passed its checks and
-    failed the decode ("Unexpected Encoding"): the stream failed, and the copy stayed in the node
-    cache to fail every stream after it. Behind a proxy that inverts byte 18 of the first answer to
-    every object GET (inside the first page header of each copy, the `id` column's: found by
-    trying each byte of it, the others fail the checks or change nothing), each copy that does
-    not decode is fetched again, dropped from the cache or, held by a batch in flight, apart from
-    it; every row arrives once, as written, in two epochs."""
-    bucket = s3.bucket("data") / "pqheader"
+    header), so a copy whose header byte was spoilt in transit passed its checks and failed the
+    decode ("Required field encoding is missing"): the stream failed, and the copy stayed in the
+    node cache to fail every stream after it. Behind a proxy that inverts one byte of the first
+    answer to every object GET, inside the `id` column's first page header (byte 18 of it: found
+    by trying each byte, the others fail the checks or change nothing), each copy that does not
+    decode is fetched again, dropped from the cache or, held by a batch in flight or by the other
+    rank, apart from it; every row arrives once, as written, in two epochs of two ranks. Column
+    chunks (`id`), and whole files listed as multipart uploads (nothing but their pages checks
+    them)."""
+    name = "pqheader-whole" if whole else "pqheader"
+    bucket = s3.bucket("data") / name
     bucket.mkdir(parents=True)
     rng = np.random.default_rng(1)
+    truth: dict[int, bytes] = {}
     for k in range(2):
         ids = np.arange(k * 200, (k + 1) * 200)
-        blobs = pa.array([rng.bytes(3000) for _ in ids], pa.binary())
+        blobs = [rng.bytes(3000) for _ in ids]
+        truth.update(zip(ids.tolist(), blobs, strict=True))
         pq.write_table(
-            pa.table({"id": ids, "blob": blobs}),
+            pa.table({"id": ids, "blob": pa.array(blobs, pa.binary())}),
             bucket / f"part-{k}.parquet",
             row_group_size=100,
             compression="snappy",
             write_page_checksum=True,
         )
-    proxy = FaultProxy(s3.port, rate=0.0).start()
+    url = f"s3://data/{name}/"
+    proxy = FaultProxy(s3.port, rate=0.0, multipart=whole).start()
     log = tmp_path / "daemon.log"
     d = Daemon(tmp_path / "d", env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, log=log).start()
     try:
-        shardstream._native.Connection(d.addr).open("s3://data/pqheader/")
-        proxy.first_try, proxy.flip_at = "corrupt", 18
+        shardstream._native.Connection(d.addr).open(url)
+        # A copy of `id`'s chunks starts at the chunk; a whole file, 4 bytes (its magic) before.
+        proxy.first_try, proxy.flip_at = "corrupt", 18 + (4 if whole else 0)
+
+        def rank(r: int, ep: int, seen: list[int], errors: list[BaseException]) -> None:
+            try:
+                fields = None if whole else ["id"]
+                loader = shardstream.Loader(
+                    url, batch_size=10, seed=1, connect=d.addr, fields=fields, rank=r, world_size=2
+                )
+                loader.set_epoch(ep)
+                for b in loader:
+                    ids = np.asarray(b["id"]).tolist()
+                    if whole:
+                        assert [bytes(x) for x in b["blob"]] == [truth[i] for i in ids]
+                    seen.extend(ids)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+                errors.append(e)
+
         for ep in range(2):
-            loader = shardstream.Loader("s3://data/pqheader/", batch_size=50, seed=1, connect=d.addr, fields=["id"])
-            loader.set_epoch(ep)
-            seen = [i for b in loader for i in np.asarray(b["id"]).tolist()]
-            assert sorted(seen) == list(range(400)), ep
+            # Two ranks at once, as DDP reads: a copy one rank finds bad, the other may hold.
+            seen: list[list[int]] = [[], []]
+            errors: list[BaseException] = []
+            threads = [threading.Thread(target=rank, args=(r, ep, seen[r], errors)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            assert sorted(seen[0] + seen[1]) == list(range(400)), ep
     finally:
         assert d.stop() == 0
         proxy.stop()

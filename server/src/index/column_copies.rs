@@ -60,6 +60,18 @@ impl Dataset {
         tmp.file().try_clone().map_err(|e| Error::io("cannot open a temporary copy", tmp.temp_path(), e))
     }
 
+    /// The whole of S3 Parquet file `i` fetched as [`Self::fetch_projected_apart`] fetches a
+    /// copy: by ranged GETs, checked by its footer, its MD5 when its ETag is one, else its pages.
+    /// None for a file that is no S3 object read through the node cache.
+    pub fn fetch_whole_apart(&self, i: usize) -> Result<Option<std::fs::File>> {
+        let (Some(meta), Some(key)) = (self.shards.get(i), self.cache_key(i)) else { return Ok(None) };
+        if s3_object(meta).is_err() {
+            return Ok(None);
+        }
+        let (_, table) = self.parquet_file(i)?;
+        self.fetch_projected_apart(i, &ProjectedFile::whole(table), key).map(Some)
+    }
+
     /// Fetches the pieces `pf` of S3 Parquet file `i` into `file` (`tmp`), checked (the footer
     /// too when `check`), fetching again on a mismatch up to [`FETCHES`] times in all.
     fn fill_checked(&self, i: usize, pf: &ProjectedFile, check: bool, tmp: &Path, file: &std::fs::File) -> Result<()> {

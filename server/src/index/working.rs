@@ -62,6 +62,12 @@ impl Working {
         Ok(&entry.0)
     }
 
+    /// Lets go of shard `i` at once (its copy is found bad: the cache drops no copy a stream
+    /// holds).
+    pub fn forget(&mut self, i: usize) {
+        self.shards.remove(&i);
+    }
+
     /// Fetches, in parallel, the shards of a batch (`ids`: its sample ids) that are neither in
     /// the working set nor ready locally: a batch drawing on a dozen shards then waits for the
     /// slowest download, not for the sum of them. Datasets read in place skip this.

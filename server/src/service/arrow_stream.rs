@@ -38,6 +38,28 @@ impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
             .map_err(|e| Error::io("cannot stat a node-cache copy", &copy.path, e))?;
         Ok(Some(copy))
     }
+
+    fn fetch_again(
+        &self,
+        file: usize,
+        rg: usize,
+        why: &str,
+    ) -> Result<Option<crate::format::parquet::dataset::CachedCopy>> {
+        let (Some(key), Some(cache)) = (self.ds.cache_key(file), self.ds.node_cache()) else { return Ok(None) };
+        // This stream's hold goes first: the cache drops no copy anyone holds.
+        self.working.lock().unwrap_or_else(|p| p.into_inner()).forget(file);
+        if cache.drop_copy(key, &format!("row group {rg} does not decode: {why}")) {
+            return self.cached_copy(file, rg);
+        }
+        // Held by another stream: a copy of this read's own, and the cached one dropped at a
+        // later read that finds it bad.
+        let url = self.ds.shards.get(file).map(|m| m.url()).unwrap_or_default();
+        tracing::warn!(shard = %url, row_group = rg, error = %why, "a node-cache copy does not decode and is in use: fetching it again apart");
+        let Some(apart) = self.ds.fetch_whole_apart(file)? else { return Ok(None) };
+        let apart = crate::format::parquet::dataset::CachedCopy::new(apart, None)
+            .map_err(|e| Error::Internal(format!("{url}: cannot stat a copy fetched apart: {e}")))?;
+        Ok(Some(apart))
+    }
 }
 
 /// Column-chunk copies of one batch fetched at once (each with its own concurrent GETs, within

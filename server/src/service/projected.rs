@@ -193,7 +193,7 @@ impl ProjectedReads {
             };
             // A file of one row group keeps its file's copy (and key) either way.
             let mine: Vec<usize> = if most && !no_md5(f.index) {
-                vec![add(None, ProjectedFile::whole(&f.table, per_file))]
+                vec![add(None, ProjectedFile::whole(&f.table))]
             } else if per_row_group && groups > 1 {
                 (0..groups)
                     .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))

@@ -57,9 +57,13 @@ impl ProjectedFile {
     }
 
     /// The whole of `table`'s file as one piece, its bytes at their own offsets (a copy an MD5
-    /// can check), with the column chunks `proj` reads to check by their pages when no MD5 can.
-    pub fn whole(table: &ParquetTable, proj: &FileProjection) -> Self {
-        let chunks = (0..table.num_row_groups()).flat_map(|rg| leaf_chunks(table, rg, proj)).collect();
+    /// can check), with every column chunk to check by its pages when no MD5 can.
+    pub fn whole(table: &ParquetTable) -> Self {
+        let leaves = table.reader_metadata().parquet_schema().num_columns();
+        let chunks = (0..table.num_row_groups())
+            .flat_map(|rg| (0..leaves).filter_map(move |c| table.chunk_range(rg, c)))
+            .filter(|r| !r.is_empty())
+            .collect();
         let len = table.file_len();
         Self { pieces: vec![(0..len, 0)], chunks, len, whole: true }
     }
@@ -174,7 +178,7 @@ mod tests {
         let file = testdata::mixed(4000, 500, testdata::Codec::None);
         let t = table(&file);
         let p = Projection::new(t.schema(), &[], Some(&["id".to_string()])).unwrap().for_file(&t, &[]).unwrap();
-        let whole = ProjectedFile::whole(&t, &p);
+        let whole = ProjectedFile::whole(&t);
         assert!(whole.is_whole());
         assert_eq!(whole.len(), file.len() as u64);
         let len = file.len() as u64;
@@ -182,8 +186,8 @@ mod tests {
         for r in [0..4, len - 8..len, 100..200, 0..len] {
             assert_eq!(whole.locate(r.clone()), Some(r.start), "{r:?}");
         }
-        // Its pages are those of the selected chunks, checked where the file has them: a read
-        // outside the file would fail the check.
+        // Its pages are those of every chunk, checked where the file has them: a read outside
+        // the file would fail the check.
         let mut read = Vec::new();
         whole
             .check_pages(|at, buf| {
@@ -195,5 +199,8 @@ mod tests {
             .unwrap();
         let first = chunk_ranges(&t, 0, &p).first().unwrap().start;
         assert!(read.contains(&first), "the first chunk's first page header is read at its offset");
+        let all = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
+        let last = leaf_chunks(&t, t.num_row_groups() - 1, &all).last().unwrap();
+        assert!(read.iter().any(|&at| last.contains(&at)), "the last column's last chunk is checked too");
     }
 }
