@@ -2135,6 +2135,51 @@ def test_a_projection_larger_than_the_node_cache_fetches_each_row_group_once_an_
         assert d.stop() == 0
 
 
+def write_blob_files(
+    bucket: Path,
+    seed: int,
+    files: int = 16,
+    rows: int = 400,
+    blob: int = 2500,
+    checksums: Callable[[int], bool] = lambda _: True,
+) -> dict[int, bytes]:
+    """`files` files x `rows` rows of `id` and a `blob` of that many bytes, row groups of 100,
+    snappy, into `bucket`; file `k` with page checksums when `checksums(k)`. Each row's blob, by
+    id."""
+    bucket.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    truth: dict[int, bytes] = {}
+    for k in range(files):
+        ids = np.arange(k * rows, (k + 1) * rows)
+        blobs = [rng.bytes(blob) for _ in ids]
+        truth.update(zip(ids.tolist(), blobs, strict=True))
+        pq.write_table(
+            pa.table({"id": ids, "blob": pa.array(blobs, pa.binary())}),
+            bucket / f"part-{k:02d}.parquet",
+            row_group_size=100,
+            # Compressed: values stored plain are served from the node cache's copies, and the
+            # batches in flight would hold more whole files than a cache of 3/4 has room for.
+            compression="snappy",
+            write_page_checksum=checksums(k),
+        )
+    return truth
+
+
+def blob_epoch(d: Daemon, url: str, seed: int, ep: int, truth: dict[int, bytes]) -> int:
+    """Epoch `ep` of every column of `write_blob_files`' dataset at `url`: every row once, its
+    blob as written. The bytes it downloaded."""
+    before = d.status()["storage_bytes"]
+    loader = shardstream.Loader(url, batch_size=32, seed=seed, connect=d.addr)
+    loader.set_epoch(ep)
+    seen = []
+    for batch in loader:
+        ids = np.asarray(batch["id"]).tolist()
+        assert [bytes(b) for b in batch["blob"]] == [truth[i] for i in ids], "a row not as written"
+        seen.extend(ids)
+    assert sorted(seen) == list(range(16 * 400)), ep
+    return d.status()["storage_bytes"] - before
+
+
 def test_every_column_of_multipart_uploads_larger_than_the_node_cache_comes_a_row_group_at_a_time(
     tmp_path: Path, s3
 ) -> None:
@@ -2146,40 +2191,12 @@ def test_every_column_of_multipart_uploads_larger_than_the_node_cache_comes_a_ro
     chunks are, and checked by its pages. Files listed without an ETag (as this store lists them)
     still go whole: a GET answers the MD5 that checks them whole."""
     bucket = s3.bucket("data") / "pqmultipart"
-    bucket.mkdir(parents=True)
-    rng = np.random.default_rng(12)
-    truth: dict[int, bytes] = {}
-    for k in range(16):
-        ids = np.arange(k * 400, (k + 1) * 400)
-        blobs = [rng.bytes(2500) for _ in ids]
-        truth.update(zip(ids.tolist(), blobs, strict=True))
-        pq.write_table(
-            pa.table({"id": ids, "blob": pa.array(blobs, pa.binary())}),
-            bucket / f"part-{k:02d}.parquet",
-            row_group_size=100,
-            # Compressed: values stored plain are served from the node cache's copies, and the
-            # batches in flight would hold more whole files than this cache has room for.
-            compression="snappy",
-            write_page_checksum=True,
-        )
+    truth = write_blob_files(bucket, 12)
     size = sum(p.stat().st_size for p in bucket.iterdir())
     cache = size * 3 // 4
 
     def epochs(d: Daemon, n: int) -> list[int]:
-        """`n` epochs of every column, each row's blob as written; the bytes each downloaded."""
-        fetched = []
-        for ep in range(n):
-            before = d.status()["storage_bytes"]
-            loader = shardstream.Loader("s3://data/pqmultipart/", batch_size=32, seed=3, connect=d.addr)
-            loader.set_epoch(ep)
-            seen = []
-            for batch in loader:
-                ids = np.asarray(batch["id"]).tolist()
-                assert [bytes(b) for b in batch["blob"]] == [truth[i] for i in ids]
-                seen.extend(ids)
-            assert sorted(seen) == list(range(16 * 400)), ep
-            fetched.append(d.status()["storage_bytes"] - before)
-        return fetched
+        return [blob_epoch(d, "s3://data/pqmultipart/", 3, ep, truth) for ep in range(n)]
 
     def copies(d: Daemon) -> tuple[int, int]:
         """(whole copies, row groups' copies) in the node cache."""
@@ -2224,22 +2241,9 @@ def test_in_a_dataset_uploaded_partly_in_one_part_each_file_goes_its_own_way(tmp
     catches what its pages (written without checksums) cannot: behind a proxy spoiling the
     first answer to every object GET, every row still arrives as written."""
     bucket = s3.bucket("data") / "pqmixed"
-    bucket.mkdir(parents=True)
-    rng = np.random.default_rng(13)
-    truth: dict[int, bytes] = {}
-    for k in range(16):
-        ids = np.arange(k * 400, (k + 1) * 400)
-        blobs = [rng.bytes(2500) for _ in ids]
-        truth.update(zip(ids.tolist(), blobs, strict=True))
-        pq.write_table(
-            pa.table({"id": ids, "blob": pa.array(blobs, pa.binary())}),
-            bucket / f"part-{k:02d}.parquet",
-            row_group_size=100,
-            compression="snappy",
-            # The one-part upload's pages carry no checksum (pyarrow's default): only its MD5
-            # can tell a spoilt byte there.
-            write_page_checksum=k != 15,
-        )
+    # The one-part upload's pages carry no checksum (pyarrow's default): only its MD5 can tell a
+    # spoilt byte there.
+    truth = write_blob_files(bucket, 13, checksums=lambda k: k != 15)
     sizes = {p.name: p.stat().st_size for p in bucket.iterdir()}
     size = sum(sizes.values())
     one_part = f"/data/pqmixed/part-15.parquet bytes=0-{sizes['part-15.parquet'] - 1}"
@@ -2247,17 +2251,7 @@ def test_in_a_dataset_uploaded_partly_in_one_part_each_file_goes_its_own_way(tmp
     env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
 
     def epoch(d: Daemon, ep: int) -> int:
-        """One epoch of every column, each row's blob as written; the bytes it downloaded."""
-        before = d.status()["storage_bytes"]
-        loader = shardstream.Loader("s3://data/pqmixed/", batch_size=32, seed=4, connect=d.addr)
-        loader.set_epoch(ep)
-        seen = []
-        for batch in loader:
-            ids = np.asarray(batch["id"]).tolist()
-            assert [bytes(b) for b in batch["blob"]] == [truth[i] for i in ids], "a row not as written"
-            seen.extend(ids)
-        assert sorted(seen) == list(range(16 * 400)), ep
-        return d.status()["storage_bytes"] - before
+        return blob_epoch(d, "s3://data/pqmixed/", 4, ep, truth)
 
     try:
         d = Daemon(tmp_path / "clean", env=env, args=["--cache-size", str(size * 3 // 4)]).start()
@@ -2411,21 +2405,7 @@ def test_a_copy_whose_page_header_was_spoilt_in_transit_is_fetched_again(tmp_pat
     chunks (`id`), and whole files listed as multipart uploads (nothing but their pages checks
     them)."""
     name = "pqheader-whole" if whole else "pqheader"
-    bucket = s3.bucket("data") / name
-    bucket.mkdir(parents=True)
-    rng = np.random.default_rng(1)
-    truth: dict[int, bytes] = {}
-    for k in range(2):
-        ids = np.arange(k * 200, (k + 1) * 200)
-        blobs = [rng.bytes(3000) for _ in ids]
-        truth.update(zip(ids.tolist(), blobs, strict=True))
-        pq.write_table(
-            pa.table({"id": ids, "blob": pa.array(blobs, pa.binary())}),
-            bucket / f"part-{k}.parquet",
-            row_group_size=100,
-            compression="snappy",
-            write_page_checksum=True,
-        )
+    truth = write_blob_files(s3.bucket("data") / name, 1, files=2, rows=200, blob=3000)
     url = f"s3://data/{name}/"
     proxy = FaultProxy(s3.port, rate=0.0, multipart=whole).start()
     log = tmp_path / "daemon.log"
