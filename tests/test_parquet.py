@@ -2450,6 +2450,26 @@ def test_a_copy_whose_page_header_was_spoilt_in_transit_is_fetched_again(tmp_pat
     assert again >= 2, "each file's copy did not decode once and was fetched again:\n" + text[-3000:]
 
 
+def test_a_copy_whose_gets_answer_different_etags_is_refused(tmp_path: Path, s3) -> None:
+    """A column-chunk copy comes from several ranged GETs (its chunks, the file's footer); from a
+    store that lists no ETags they carry no `If-Match`, so an object rewritten between two of
+    them in the same layout passed the footer's check and mixed two versions in one copy. The GETs'
+    answers are compared now, as a whole download's parts are: behind a proxy answering each range
+    with an ETag of its own (as if the object changed between any two GETs), the stream fails
+    naming the file, and nothing of it is served."""
+    write_blob_files(s3.bucket("data") / "pqetags", 1, files=2, rows=200, blob=3000)
+    proxy = FaultProxy(s3.port, rate=0.0, etag_per_range=True).start()
+    d = Daemon(tmp_path, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}).start()
+    try:
+        loader = shardstream.Loader("s3://data/pqetags/", batch_size=50, seed=1, connect=d.addr, fields=["id"])
+        with pytest.raises(shardstream.ShardError, match=r"pqetags/part-0[01]\.parquet.*changed on the server"):
+            for _ in loader:
+                pass
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+
+
 @pytest.mark.parametrize("manifest", [False, True])
 def test_whole_files_no_checksum_covers_are_checked_by_their_pages(tmp_path: Path, s3, manifest: bool) -> None:
     """A whole file's download is checked against the MD5 its ETag holds, or a manifest's

@@ -19,6 +19,9 @@ nothing of the bytes either; given a predicate of the object's path (``/bucket/k
 ``True``, only the objects it picks (the others answer and list as the store does: a dataset
 uploaded partly in one part, partly in several).
 
+``etag_per_range`` answers every object GET with an ETag of its own range (32 hex digits), as
+if the object were rewritten between any two GETs of it; listings pass as they are.
+
 ``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
 and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
 a request takes, it tells how many requests a client makes concurrently, without timing anything.
@@ -108,8 +111,10 @@ class FaultProxy:
         hold: float = 0.0,
         kms: bool = False,
         multipart: bool | Callable[[str], bool] = False,
+        etag_per_range: bool = False,
     ) -> None:
         self.upstream_port = upstream_port
+        self.etag_per_range = etag_per_range
         self.hold = hold
         self.kms = kms
         self.multipart = multipart
@@ -242,6 +247,9 @@ class FaultProxy:
                 elif proxy.multipart:
                     picked = proxy.multipart if callable(proxy.multipart) else lambda _: True
                     resp_headers, data = multipart_answer(unquote(target.path), resp_headers, data, picked)
+                if proxy.etag_per_range and object_get:
+                    rewritten = hashlib.md5(f"{target.path} {self.headers.get('Range', '')}".encode()).hexdigest()
+                    resp_headers = [(k, f'"{rewritten}"' if k.lower() == "etag" else v) for k, v in resp_headers]
                 length = int(dict((k.lower(), v) for k, v in resp_headers).get("content-length", len(data)))
                 return self.send(status, reason, resp_headers, data, len(data) if self.command != "HEAD" else length)
 
