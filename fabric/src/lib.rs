@@ -26,6 +26,9 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
 pub use objects::{Completion, CompletionQueue, Domain, Endpoint, Fabric, MemoryRegion, PeerAddr, RemoteRegion};
+/// What a signal's disposition is now: what the crate compares before and after loading
+/// libfabric, and what a test of a process's handlers reads.
+pub use signals::current as signal_disposition;
 
 /// Environment variable naming the libfabric to load (a path, e.g. the AWS EFA installer's
 /// `/opt/amazon/efa/lib/libfabric.so.1`); default: `libfabric.so.1` from the loader's path.

@@ -35,7 +35,9 @@ fn catchable(signal: c_int) -> bool {
     signal != libc::SIGKILL && signal != libc::SIGSTOP
 }
 
-fn current(signal: c_int) -> Option<libc::sigaction> {
+/// The current disposition of `signal` (its handler, mask and flags), or None when `sigaction`
+/// refuses to tell (not a signal number).
+pub fn current(signal: c_int) -> Option<libc::sigaction> {
     let mut action = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
     // SAFETY: a null new action only reads the current one into `action`, which lives for the call.
     if unsafe { libc::sigaction(signal, std::ptr::null(), action.as_mut_ptr()) } != 0 {

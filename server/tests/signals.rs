@@ -13,12 +13,7 @@ use std::ffi::c_int;
 use tokio_util::sync::CancellationToken;
 
 fn handler_of(signal: c_int) -> libc::sighandler_t {
-    let mut action = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
-    // SAFETY: a null new action only reads the current one into `action`, which lives for the call.
-    let rc = unsafe { libc::sigaction(signal, std::ptr::null(), action.as_mut_ptr()) };
-    assert_eq!(rc, 0, "sigaction({signal}) failed");
-    // SAFETY: zero-initialised, then filled by the successful call; every field is plain data.
-    unsafe { action.assume_init() }.sa_sigaction
+    shardstream_fabric::signal_disposition(signal).unwrap_or_else(|| panic!("sigaction({signal}) failed")).sa_sigaction
 }
 
 #[test]
