@@ -16,14 +16,19 @@ use tokio_util::sync::CancellationToken;
 // check) was replaced and then reset to the default: the daemon died of its first SIGTERM.
 #[expect(clippy::exit, reason = "the daemon's second signal means exit now")]
 pub fn install_signal_handlers(token: CancellationToken) {
-    let Some(mut term) = listen(SignalKind::terminate(), "SIGTERM") else { return };
+    // Each on its own: one that cannot be installed leaves the other working.
+    let mut term = listen(SignalKind::terminate(), "SIGTERM");
     let mut int = listen(SignalKind::interrupt(), "SIGINT");
+    if term.is_none() && int.is_none() {
+        return;
+    }
     tokio::spawn(async move {
         let mut signals = 0;
         loop {
             tokio::select! {
-                _ = term.recv() => {}
+                Some(()) = async { term.as_mut()?.recv().await } => {}
                 Some(()) = async { int.as_mut()?.recv().await } => {}
+                else => return,
             }
             signals += 1;
             if signals == 1 {
