@@ -720,7 +720,7 @@ impl S3Store {
     ) -> Result<Answered> {
         let per_call = Arc::new(Semaphore::new(self.options.concurrency.max(1)));
         let shared = Arc::new(obj.clone());
-        let answered = std::sync::Mutex::new(Answered::default());
+        let mut answered = Answered::default();
         let mut tasks = tokio::task::JoinSet::new();
         for (i, range) in ranges.iter().cloned().enumerate() {
             let (store, obj, per_call) = (self.clone(), shared.clone(), per_call.clone());
@@ -734,12 +734,8 @@ impl S3Store {
         while let Some(joined) = tasks.join_next().await {
             match joined {
                 Ok(Ok((i, (bytes, etag, may_be_md5)))) => {
-                    if etag_changed(&answered, etag.as_deref(), may_be_md5) {
-                        return Err(Error::Shard {
-                            shard: obj.url(),
-                            offset: None,
-                            reason: "changed on the server while it was being read (its ETag changed)".into(),
-                        });
+                    if answered.record(etag.as_deref(), may_be_md5) {
+                        return Err(changed_mid_read(obj.url()));
                     }
                     each(i, bytes)?
                 }
@@ -754,7 +750,7 @@ impl S3Store {
                 Err(e) => return Err(Error::Internal(format!("a ranged GET of {} failed: {e}", obj.url()))),
             }
         }
-        Ok(answered.into_inner().unwrap_or_else(|p| p.into_inner()))
+        Ok(answered)
     }
 
     /// Writes a whole object.
@@ -920,11 +916,7 @@ impl S3Store {
                         etag_may_be_md5(resp.server_side_encryption(), resp.sse_customer_algorithm()),
                     ) =>
                 {
-                    Some(Failure::Permanent(Error::Shard {
-                        shard: url.clone(),
-                        offset: None,
-                        reason: "changed on the server while it was being read (its ETag changed)".into(),
-                    }))
+                    Some(Failure::Permanent(changed_mid_read(url.clone())))
                 }
                 Ok(resp) => {
                     let mut body = resp.body;
@@ -1092,20 +1084,33 @@ impl Answered {
         }
         obj.etag.as_deref().or(self.etag.as_deref()).and_then(etag_md5)
     }
+
+    /// Records what one response said: the first ETag (and whether it can be an MD5); true when
+    /// this one differs from the first.
+    fn record(&mut self, etag: Option<&str>, may_be_md5: bool) -> bool {
+        self.not_md5 |= !may_be_md5;
+        let Some(etag) = etag else { return false };
+        match self.etag.as_deref() {
+            Some(first) => first != etag,
+            None => {
+                self.etag = Some(etag.to_owned());
+                false
+            }
+        }
+    }
 }
 
-/// Records the first ETag a download's responses carry (and whether it can be an MD5); true when
-/// a later one differs.
+/// [`Answered::record`] of a download whose parts answer from several tasks.
 fn etag_changed(answered: &std::sync::Mutex<Answered>, etag: Option<&str>, may_be_md5: bool) -> bool {
-    let mut seen = answered.lock().unwrap_or_else(|p| p.into_inner());
-    seen.not_md5 |= !may_be_md5;
-    let Some(etag) = etag else { return false };
-    match seen.etag.as_deref() {
-        Some(first) => first != etag,
-        None => {
-            seen.etag = Some(etag.to_owned());
-            false
-        }
+    answered.lock().unwrap_or_else(|p| p.into_inner()).record(etag, may_be_md5)
+}
+
+/// The error of an object whose GETs answered different ETags.
+fn changed_mid_read(url: String) -> Error {
+    Error::Shard {
+        shard: url,
+        offset: None,
+        reason: "changed on the server while it was being read (its ETag changed)".into(),
     }
 }
 
