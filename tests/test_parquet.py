@@ -2188,8 +2188,8 @@ def test_every_column_of_multipart_uploads_larger_than_the_node_cache_comes_a_ro
     evicted between its row groups and fetched again, and here, where the whole files a stream's
     window holds nearly fill the cache, the stream failed after a minute ("node cache ... is
     full"). Nothing checks such a file whole, so it is copied a row group at a time, as column
-    chunks are, and checked by its pages. Files listed without an ETag (as this store lists them)
-    still go whole: a GET answers the MD5 that checks them whole."""
+    chunks are, and checked by its pages (files listed without an ETag, as this store lists
+    them, are the next test's)."""
     bucket = s3.bucket("data") / "pqmultipart"
     truth = write_blob_files(bucket, 12)
     size = sum(p.stat().st_size for p in bucket.iterdir())
@@ -2219,15 +2219,55 @@ def test_every_column_of_multipart_uploads_larger_than_the_node_cache_comes_a_ro
     finally:
         assert d.stop() == 0
         proxy.stop()
-    # Straight to the store, which lists no ETags: whole copies, each checked by the MD5 its GET
-    # answers. A cache with room for a few more whole files than a stream's window holds at once.
-    d = Daemon(tmp_path / "md5", env=s3.env(), args=["--cache-size", str(size * 9 // 10)]).start()
+
+
+@pytest.mark.parametrize(
+    ("checksums", "kms"),
+    [(True, False), (False, False), (False, True)],
+    ids=["page-checksums", "no-page-checksums", "no-page-checksums-sse-kms"],
+)
+def test_one_part_uploads_larger_than_the_node_cache_go_a_row_group_at_a_time_when_that_is_checked_as_well(
+    tmp_path: Path, s3, checksums: bool, kms: bool
+) -> None:
+    """Every column of files uploaded in one part (their ETags may be their MD5s; this store lists
+    none) through a node cache smaller than the files: each file was one whole copy, evicted
+    between its row groups and fetched again (1.5-1.6x the files in a first epoch), and the
+    stream failed after a minute where the whole files of a window filled the cache. A row
+    group's copy is checked by its pages, so a file goes a row group at a time when that checks
+    it as well as a whole copy: its pages carry checksums, or (`kms`: answered as SSE-KMS
+    answers) its ETag is no MD5, so its pages were all a whole copy had too. Both are read from
+    each file's first page header, once per dataset. Files whose MD5 checks them and whose pages
+    carry no checksum stay whole."""
+    name = ("pqcrc" if checksums else "pqplain") + ("-kms" if kms else "")
+    bucket = s3.bucket("data") / name
+    truth = write_blob_files(bucket, 14, checksums=lambda _: checksums)
+    size = sum(p.stat().st_size for p in bucket.iterdir())
+    proxy = FaultProxy(s3.port, rate=0.0, kms=kms).start()
+    by_row_group = checksums or kms
+    # Whole copies need room for a few more files than a stream's window holds at once.
+    cache = size * 3 // 4 if by_row_group else size * 9 // 10
+    d = Daemon(
+        tmp_path / name, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, args=["--cache-size", str(cache)]
+    ).start()
     try:
-        epochs(d, 1)
-        whole, row_groups = copies(d)
-        assert whole > 0 and row_groups == 0, (whole, row_groups)
+        shardstream._native.Connection(d.addr).open(f"s3://data/{name}/")
+        fetched = [blob_epoch(d, f"s3://data/{name}/", 5, ep, truth) for ep in range(2)]
+        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
     finally:
         assert d.stop() == 0
+        proxy.stop()
+    whole = [n for n in names if n.endswith(".parquet")]
+    row_groups = [n for n in names if ".rg" in n and n.endswith(".cols")]
+    # The first page header of each file, read once for both epochs' streams.
+    probes = [k for k in proxy.object_gets if k.endswith(" bytes=4-67")]
+    assert len(probes) == 16 and all(proxy.object_gets[k] == 1 for k in probes), sorted(proxy.object_gets)
+    if by_row_group:
+        # The build before: every file whole, and the first epoch failed after a minute ("node
+        # cache ... is full"): the whole files of a window and of the batches in flight.
+        assert fetched[0] <= 1.15 * size and fetched[1] <= 0.3 * size, (fetched, size)
+        assert not whole and len(row_groups) > 16, names
+    else:
+        assert whole and not row_groups, names
 
 
 def test_in_a_dataset_uploaded_partly_in_one_part_each_file_goes_its_own_way(tmp_path: Path, s3) -> None:

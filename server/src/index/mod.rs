@@ -27,6 +27,7 @@ mod discover;
 mod integrity;
 pub mod manifest;
 pub mod opening;
+mod page_probe;
 pub mod registry;
 mod tables;
 mod working;
@@ -293,6 +294,9 @@ pub struct Dataset {
     /// once, while loads of different shards proceed in parallel.
     load_locks: Vec<Mutex<()>>,
     verified: Vec<AtomicBool>,
+    /// Per S3 Parquet file: whether a row group's copy is checked as well as a whole one, once
+    /// read (`page_probe`).
+    row_group_checked: Vec<std::sync::OnceLock<bool>>,
     /// Per shard read in place: 1 + the modification time (ns) of the file verified against the
     /// manifest; 0 before it was.
     verified_mtime: Vec<AtomicU64>,
@@ -489,6 +493,7 @@ impl Dataset {
             tables: Mutex::new(TableCache::default()),
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            row_group_checked: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
             verified_mtime: (0..n).map(|_| AtomicU64::new(0)).collect(),
             copy_current: (0..n).map(|_| AtomicBool::new(false)).collect(),
             changed: AtomicBool::new(false),

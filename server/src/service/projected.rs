@@ -17,14 +17,15 @@
 //! groups merge into fewer GETs.
 //!
 //! Used when the selected chunks are under [`MAX_SHARE`] of the dataset's bytes (or, copied a row
-//! group at a time, when some file's listed ETag is no MD5; each file whose ETag may be one is
-//! then copied whole, checked by it: see [`ProjectedReads::plan`]) and every file is
+//! group at a time, when some file's ETag is no MD5 or its pages carry checksums; each
+//! other file, whose ETag may be its MD5, is then copied whole, checked by it: see
+//! [`ProjectedReads::plan`]) and every file is
 //! an S3 object whose manifest (if any) checksums its footer: a whole-file CRC (as `pack` writes)
 //! can only be checked on the whole file, which then goes through the cache as before. Nor when
 //! the node cache already holds the files whole (`shardstream prefetch`, an epoch of every
 //! column), so that the stream would download less reading those than fetching its copies.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -167,20 +168,31 @@ impl ProjectedReads {
         }
         let per_row_group = selected > capacity;
         // Most of the bytes: one GET of a whole file is as good, and its ETag's MD5 checks it
-        // whole. Unless the node cache is too small for the files: then a file whose listed
-        // ETag says it has no MD5 to check (a multipart upload's, as large files get from
-        // `aws s3 cp`) is checked by its pages as a row group's copy is, and a row group at a
-        // time it is fetched about once an epoch instead of once per row group evicted before.
-        // The others (a store that lists no ETag may still answer a GET with an MD5) are copied
-        // whole, checked by that MD5: one file uploaded in one part no longer keeps them all
-        // whole. Without any multipart upload, whole files go through the cache as before.
+        // whole. Unless the node cache is too small for the files: a whole copy is then evicted
+        // between its row groups and fetched again (1.5x the files in a first epoch), or, when
+        // the whole files a stream's window holds fill the cache, the stream fails after a
+        // minute's wait for room. A row group's copy is checked by its pages, so a file goes a
+        // row group at a time when nothing checks it whole anyway (its listed ETag says it has
+        // no MD5: a multipart upload's, as large files get from `aws s3 cp`; or its GET says so,
+        // as SSE-KMS does) or when its pages carry checksums (both read from its first page
+        // header). The others, one-part uploads whose pages carry none (pyarrow's default), are
+        // copied whole, checked by their MD5 (a store that lists no ETag may still answer a GET
+        // with one); with no file of the first kinds, whole files go through the cache as before.
         let no_md5 = |i: usize| {
             ds.shards
                 .get(i)
                 .is_some_and(|s| matches!(&s.source, ShardSource::S3 { etag: Some(e), .. } if etag_md5(e).is_none()))
         };
         let most = selected as f64 > MAX_SHARE * total as f64;
-        if total == 0 || (most && !(per_row_group && files.iter().any(|f| no_md5(f.index)))) {
+        let by_row_groups: HashSet<usize> = if most && per_row_group {
+            let maybe_md5: Vec<usize> = files.iter().map(|f| f.index).filter(|&i| !no_md5(i)).collect();
+            let checked = ds.row_group_copies_checked(&maybe_md5)?;
+            let checked = maybe_md5.iter().zip(checked).filter_map(|(&i, c)| c.then_some(i));
+            files.iter().map(|f| f.index).filter(|&i| no_md5(i)).chain(checked).collect()
+        } else {
+            HashSet::new()
+        };
+        if total == 0 || (most && by_row_groups.is_empty()) {
             return Ok(None);
         }
         let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
@@ -192,7 +204,7 @@ impl ProjectedReads {
                 copies.len() - 1
             };
             // A file of one row group keeps its file's copy (and key) either way.
-            let mine: Vec<usize> = if most && !no_md5(f.index) {
+            let mine: Vec<usize> = if most && !by_row_groups.contains(&f.index) {
                 vec![add(None, ProjectedFile::whole(&f.table))]
             } else if per_row_group && groups > 1 {
                 (0..groups)

@@ -184,6 +184,36 @@ pub fn check_crcs_with(
     Ok(())
 }
 
+/// Bytes of a column chunk's start that hold its first page header's CRC field when it has one:
+/// the fields before it are three varints, and compact Thrift writes fields in id order.
+pub const CRC_PROBE_BYTES: u64 = 64;
+
+/// Whether the page header at the start of `prefix` carries a CRC-32 of its page (read from its
+/// first fields only, so a prefix of [`CRC_PROBE_BYTES`] will do, whatever statistics follow);
+/// None when the prefix does not say (no page header there, or cut inside its first fields).
+/// Writers checksum every page of a file or none (pyarrow's `write_page_checksum`, parquet-mr's
+/// `parquet.page.write-checksum.enabled`), so one header tells of the file.
+pub fn header_has_crc(prefix: &[u8]) -> Option<bool> {
+    let mut r = Reader::new(prefix, MAX_DEPTH, "header");
+    let mut said: Option<bool> = None;
+    // Stops at the first field after the sizes: an error of its own, not the header's.
+    // A type and sizes no header has (a spoilt answer, say) say nothing either.
+    let walked = r.fields(0, |r, id, ty| match (id, ty) {
+        (1, I32) => r.i32().and_then(|t| if (0..=3).contains(&t) { Ok(()) } else { Err(String::new()) }),
+        (2..=3, I32) => r.i32().and_then(|n| if n >= 0 { Ok(()) } else { Err(String::new()) }),
+        _ => {
+            said = Some(id == 4 && ty == I32);
+            Err(String::new())
+        }
+    });
+    match (said, walked) {
+        (Some(crc), _) => Some(crc),
+        // A header with nothing after its sizes has no CRC, if it has its sizes at all.
+        (None, Ok(())) => Some(false),
+        (None, Err(_)) => None,
+    }
+}
+
 /// The bytes of a chunk last read, from `at`: small pages' headers and bodies come from one read,
 /// and a page without a checksum costs the read of its header only.
 struct Window<F> {
@@ -352,6 +382,30 @@ mod tests {
             out.extend_from_slice(body);
         }
         out
+    }
+
+    #[test]
+    fn a_first_page_header_tells_whether_the_file_checksums_its_pages() {
+        let body = &b"a page"[..];
+        let with = pages_with_crcs(&[(body, Some(crc32fast::hash(body)))]);
+        let without = pages_with_crcs(&[(body, None)]);
+        assert_eq!(header_has_crc(&with), Some(true));
+        assert_eq!(header_has_crc(&without), Some(false));
+        // A prefix is enough, and one cut inside the sizes does not say.
+        assert_eq!(header_has_crc(&with[..10]), Some(true));
+        assert_eq!(header_has_crc(&with[..3]), None);
+        assert_eq!(header_has_crc(b""), None);
+        // No page type or size a header has.
+        let odd_type = [i32_field(1, 9), i32_field(1, 6), i32_field(1, 6), i32_field(1, 7)].concat();
+        assert_eq!(header_has_crc(&odd_type), None);
+        let negative = [i32_field(1, 0), i32_field(1, -6), i32_field(1, 6), i32_field(1, 7)].concat();
+        assert_eq!(header_has_crc(&negative), None);
+        // arrow-rs writes no page checksums (pyarrow's are read end to end, in test_parquet.py).
+        for codec in [testdata::Codec::None, testdata::Codec::Snappy] {
+            let bytes = testdata::mixed(40, 40, codec);
+            let start = table(&bytes).chunk_range(0, 0).unwrap().start as usize;
+            assert_eq!(header_has_crc(&bytes[start..start + CRC_PROBE_BYTES as usize]), Some(false), "{codec:?}");
+        }
     }
 
     #[test]
