@@ -14,6 +14,9 @@ Cases, each on a fresh daemon with a node cache smaller than what the epochs rea
 - `parquet-all-mixed`: the same, but one file (`part-15`) keeps the ETag the store gives (an MD5,
   as a small file under `aws s3 cp`'s multipart threshold gets): a dataset uploaded partly in one
   part;
+- `parquet-all-crc`: `parquet-all` on the same rows written with page checksums (pyarrow
+  `write_page_checksum=True`), straight to the store: one-part uploads whose pages a row group's
+  copy is checked by;
 - `tar`: WebDataset shards (`bench/gen.py`, 20,000 samples of 16-20 KiB, 250 a shard), a cache
   of half of them (the case of `s3_bench.py`'s "Epoch 2" table, on smaller shards so that half
   the dataset holds many more than a shuffle window's), indexed (`shardstream index`).
@@ -59,15 +62,16 @@ from conftest import Daemon  # noqa: E402
 BATCH = 256
 
 
-def write_parquet(bucket: Path) -> tuple[int, int]:
-    """The Parquet set; (bytes of the `id,blob` chunks, bytes of the files)."""
-    write_files(bucket, np.random.default_rng(1))
+def write_parquet(bucket: Path, checksums: bool = False) -> tuple[int, int]:
+    """The Parquet set (with page checksums or not); (bytes of the `id,blob` chunks, bytes of the
+    files)."""
+    write_files(bucket, np.random.default_rng(1), checksums)
     return chunk_bytes(bucket, ["id", "blob"]), sum(p.stat().st_size for p in bucket.iterdir())
 
 
 def epoch(addr: str, url: str, e: int, fields: list[str] | None, pause: float) -> int:
     """One epoch of one consumer (Parquet as Arrow record batches); the rows it delivered."""
-    parquet = "/pq/" in url
+    parquet = "/pq" in url
     extra = {"fields": fields, "format": "arrow"} if parquet else {}
     loader = shardstream.Loader(url, batch_size=BATCH, seed=0, connect=addr, **extra)
     loader.set_epoch(e)
@@ -90,6 +94,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="small-cache-ab-"))
     s3root = tmp / "s3"
     selected, pq_bytes = write_parquet(s3root / "bench" / "pq")
+    _, crc_bytes = write_parquet(s3root / "bench" / "pqcrc", checksums=True)
     spec = gen.Spec(samples=20_000, per_shard=250)
     base = gen.ensure(ROOT / "bench/data", spec, ["wds"])
     wds = s3root / "bench" / "wds"
@@ -113,6 +118,7 @@ def main() -> int:
         "parquet-all": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, s3.env()),
         "parquet-all-mp": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, multipart),
         "parquet-all-mixed": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, mixed),
+        "parquet-all-crc": ("s3://bench/pqcrc/", None, crc_bytes * 3 // 4, crc_bytes, FILES * ROWS, s3.env()),
         "tar": ("s3://bench/wds/", None, tar_bytes // 2, tar_bytes, spec.samples, s3.env()),
     }
     cases = {k: v for k, v in cases.items() if not args.cases or k in args.cases}
