@@ -2,10 +2,10 @@
 //! each file's first page header. It decides how a file read in every column through a node
 //! cache too small for the files reaches that cache (`service::projected`): a copy a row group
 //! at a time is checked by its pages only, so a file is copied whole when its ETag's MD5 checks
-//! every byte there and its pages carry no checksum. One ranged GET of [`CRC_PROBE_BYTES`] per
-//! file asked about, all at once, once per dataset: the answers are kept with it. The same GET
-//! answers whether the ETag may be an MD5 at all (SSE-KMS says it is not, with an ETag of an
-//! MD5's form in the listing).
+//! every byte there and its pages carry no checksum. One ranged GET per file asked about (the
+//! first [`CRC_PROBE_BYTES`] of its first column chunk, room for any page header), all at once,
+//! once per dataset: the answers are kept with it. The same GET answers whether the ETag may be
+//! an MD5 at all (SSE-KMS says it is not, with an ETag of an MD5's form in the listing).
 
 use super::{Dataset, s3_object};
 use crate::Result;
@@ -26,7 +26,7 @@ impl Dataset {
             match (0..table.num_row_groups()).find_map(|rg| table.chunk_range(rg, 0)) {
                 Some(r) => {
                     reads.push((s3_object(meta)?, r.start..r.end.min(r.start + CRC_PROBE_BYTES)));
-                    asked.push(i);
+                    asked.push((i, r.end - r.start));
                 }
                 None => self.note_row_group_checked(i, false),
             }
@@ -37,8 +37,8 @@ impl Dataset {
             // Each error names its object, as a fetch's does.
             let got = store.block_on(store.get_each(&reads))?;
             let (mut with_crcs, mut no_md5) = (0, 0);
-            for (&i, (bytes, may_be_md5)) in asked.iter().zip(&got) {
-                let crc = header_has_crc(bytes);
+            for (&(i, chunk_len), (bytes, may_be_md5)) in asked.iter().zip(&got) {
+                let crc = header_has_crc(bytes, chunk_len);
                 if crc.is_none() {
                     let url = self.shards.get(i).map(|m| m.url()).unwrap_or_default();
                     tracing::warn!(shard = %url, "its first page header does not say whether its pages carry checksums; taken as none");

@@ -184,34 +184,22 @@ pub fn check_crcs_with(
     Ok(())
 }
 
-/// Bytes of a column chunk's start that hold its first page header's CRC field when it has one:
-/// the fields before it are three varints, and compact Thrift writes fields in id order.
-pub const CRC_PROBE_BYTES: u64 = 64;
+/// Bytes of a column chunk's start read to tell whether its first page carries a checksum: room
+/// for the whole header, statistics and all (writers drop statistics larger than 4 KiB).
+pub const CRC_PROBE_BYTES: u64 = HEADER_READ as u64;
 
-/// Whether the page header at the start of `prefix` carries a CRC-32 of its page (read from its
-/// first fields only, so a prefix of [`CRC_PROBE_BYTES`] will do, whatever statistics follow);
-/// None when the prefix does not say (no page header there, or cut inside its first fields).
-/// Writers checksum every page of a file or none (pyarrow's `write_page_checksum`, parquet-mr's
-/// `parquet.page.write-checksum.enabled`), so one header tells of the file.
-pub fn header_has_crc(prefix: &[u8]) -> Option<bool> {
-    let mut r = Reader::new(prefix, MAX_DEPTH, "header");
-    let mut said: Option<bool> = None;
-    // Stops at the first field after the sizes: an error of its own, not the header's.
-    // A type and sizes no header has (a spoilt answer, say) say nothing either.
-    let walked = r.fields(0, |r, id, ty| match (id, ty) {
-        (1, I32) => r.i32().and_then(|t| if (0..=3).contains(&t) { Ok(()) } else { Err(String::new()) }),
-        (2..=3, I32) => r.i32().and_then(|n| if n >= 0 { Ok(()) } else { Err(String::new()) }),
-        _ => {
-            said = Some(id == 4 && ty == I32);
-            Err(String::new())
-        }
-    });
-    match (said, walked) {
-        (Some(crc), _) => Some(crc),
-        // A header with nothing after its sizes has no CRC, if it has its sizes at all.
-        (None, Ok(())) => Some(false),
-        (None, Err(_)) => None,
-    }
+/// Whether the page header at the start of `prefix` (the first bytes of a column chunk of
+/// `chunk_len` bytes) carries a CRC-32 of its page; None when the prefix does not hold a whole
+/// page header that fits the chunk. Writers checksum every page of a file or none (pyarrow's
+/// `write_page_checksum`, parquet-mr's `parquet.page.write-checksum.enabled`), so one header
+/// tells of the file. The header is read whole, as arrow-rs will read it, and its page must fit
+/// the chunk: a byte spoilt in transit that made a header seem to have a CRC field (one bit of
+/// the first field's header does, read by its first fields alone) spoils the rest of it too.
+pub fn header_has_crc(prefix: &[u8], chunk_len: u64) -> Option<bool> {
+    let (h, header_len) = read_header(prefix).ok()?;
+    let page_end = u64::try_from(h.compressed).ok()?.checked_add(header_len as u64)?;
+    let known_type = (0..=3).contains(&h.page_type);
+    (known_type && h.uncompressed >= 0 && page_end <= chunk_len).then_some(h.crc.is_some())
 }
 
 /// The bytes of a chunk last read, from `at`: small pages' headers and bodies come from one read,
@@ -389,22 +377,31 @@ mod tests {
         let body = &b"a page"[..];
         let with = pages_with_crcs(&[(body, Some(crc32fast::hash(body)))]);
         let without = pages_with_crcs(&[(body, None)]);
-        assert_eq!(header_has_crc(&with), Some(true));
-        assert_eq!(header_has_crc(&without), Some(false));
-        // A prefix is enough, and one cut inside the sizes does not say.
-        assert_eq!(header_has_crc(&with[..10]), Some(true));
-        assert_eq!(header_has_crc(&with[..3]), None);
-        assert_eq!(header_has_crc(b""), None);
-        // No page type or size a header has.
-        let odd_type = [i32_field(1, 9), i32_field(1, 6), i32_field(1, 6), i32_field(1, 7)].concat();
-        assert_eq!(header_has_crc(&odd_type), None);
-        let negative = [i32_field(1, 0), i32_field(1, -6), i32_field(1, 6), i32_field(1, 7)].concat();
-        assert_eq!(header_has_crc(&negative), None);
+        let len = with.len() as u64;
+        assert_eq!(header_has_crc(&with, len), Some(true));
+        assert_eq!(header_has_crc(&without, len), Some(false));
+        // A prefix must hold the whole header, and its page must fit the chunk.
+        assert_eq!(header_has_crc(&with[..10], len), None);
+        assert_eq!(header_has_crc(b"", len), None);
+        assert_eq!(header_has_crc(&with, 8), None);
+        let odd_type = [i32_field(1, 9), i32_field(1, 6), i32_field(1, 6), i32_field(1, 7), vec![0]].concat();
+        assert_eq!(header_has_crc(&odd_type, 100), None);
         // arrow-rs writes no page checksums (pyarrow's are read end to end, in test_parquet.py).
         for codec in [testdata::Codec::None, testdata::Codec::Snappy] {
             let bytes = testdata::mixed(40, 40, codec);
-            let start = table(&bytes).chunk_range(0, 0).unwrap().start as usize;
-            assert_eq!(header_has_crc(&bytes[start..start + CRC_PROBE_BYTES as usize]), Some(false), "{codec:?}");
+            let chunk = table(&bytes).chunk_range(0, 0).unwrap();
+            let (start, len) = (chunk.start as usize, chunk.end - chunk.start);
+            let prefix = &bytes[start..start + (CRC_PROBE_BYTES.min(len) as usize)];
+            assert_eq!(header_has_crc(prefix, len), Some(false), "{codec:?}");
+            // A byte spoilt in transit (inverted, or one bit of it) never makes a header without
+            // a CRC field say it has one: the file then stays whole, checked by its MD5.
+            for at in 0..prefix.len().min(256) {
+                for flip in [0xffu8, 1, 2, 4, 8, 16, 32, 64, 128] {
+                    let mut spoilt = prefix.to_vec();
+                    spoilt[at] ^= flip;
+                    assert_ne!(header_has_crc(&spoilt, len), Some(true), "{codec:?}: byte {at} ^ {flip:#x}");
+                }
+            }
         }
     }
 
