@@ -5,8 +5,10 @@ invariant and returning its figures for CHAOS.md:
 - :func:`kills`: the daemon SIGKILLed at random points of random epochs; the consumer resumes from
   its last ``state_dict()``; every sample of every epoch arrives exactly once.
 - :func:`s3_faults`: 10% of S3 requests reset, throttled, truncated or corrupted; every epoch
-  completes and every byte matches what was written (TAR shards, and a Parquet dataset read by
-  column chunks, whose page checksums are all that checks a ranged GET).
+  completes and every byte matches what was written (TAR shards, a Parquet dataset read by
+  column chunks, whose page checksums are all that checks a ranged GET, and one read in every
+  column through a node cache smaller than its files: a row group at a time, the files' first
+  page headers read to choose so, every copy checked by its pages).
 - :func:`concurrent_clients`: many clients on one daemon; all finish, exactly once each, and the
   daemon's peak RSS stays under a stated bound.
 - :func:`disk_full`: the node cache on a small tmpfs that fills mid-fill; the epoch completes
@@ -213,7 +215,11 @@ def s3_faults(
             proxy = FaultProxy(s3.port, rate=rate, seed=seed * 1000 + r).start()
             env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
             # Small parts: more requests per shard, so more of them to spoil.
-            d = Daemon(tmp / f"{name}-{r}", args=["--s3-part-size", "256KiB"], env=env).start()
+            args = ["--s3-part-size", "256KiB"]
+            if name in CACHE_SHARE:
+                files = (s3.bucket("chaos") / name).iterdir()
+                args += ["--cache-size", str(int(CACHE_SHARE[name] * sum(f.stat().st_size for f in files)))]
+            d = Daemon(tmp / f"{name}-{r}", args=args, env=env).start()
             try:
                 addr, url, kw = d.addr, f"s3://chaos/{name}/", READ_AS.get(name, {})
                 got = within(EPOCH_DEADLINE, lambda: epoch_of(addr, url, seed=r, **kw))  # noqa: B023 - called at once
@@ -223,6 +229,9 @@ def s3_faults(
                 assert got.keys() == samples.keys(), f"{name}, round {r}: samples lost or invented"
                 bad += corrupt_bytes(got, samples)
                 samples_checked += len(got)
+                if name in CACHE_SHARE:
+                    copies = [f.name for f in (d.cache_dir / "shards").iterdir()]
+                    assert any(".rg" in c for c in copies), f"{name}: no row group's copy: {copies}"
             finally:
                 stop(d)
                 proxy.stop()
@@ -382,25 +391,30 @@ def disk_full(tmp: Path, s3: S3Server, fail_bin: str | None, n: int = 480) -> di
 # How the S3 scenario reads each dataset: the Parquet one by its small columns, so that each file
 # reaches the cache as a copy of those columns' chunks (ranged GETs), not whole.
 READ_AS: dict[str, dict] = {"parquet": {"fields": ["__key__", "jpg", "cls"]}}
+# Datasets read through a node cache of this share of their files (the rest: unbounded).
+CACHE_SHARE: dict[str, float] = {"parquet-small-cache": 0.75}
 
 
 def write_s3_datasets(s3: S3Server, n: int, per_shard: int) -> dict[str, Samples]:
-    """Three datasets in s3://chaos/: `plain` (no manifest: the ETag guards the bytes), `indexed`
-    (manifest.json with a CRC-32C per shard, by `shardstream index` against the real server) and
-    `parquet` (indexed; read by column chunks, which only the pages' checksums guard)."""
+    """Four datasets in s3://chaos/: `plain` (no manifest: the ETag guards the bytes), `indexed`
+    (manifest.json with a CRC-32C per shard, by `shardstream index` against the real server),
+    `parquet` (indexed; read by column chunks, which only the pages' checksums guard) and
+    `parquet-small-cache` (no manifest, no pad; every column through a node cache of 3/4 of the
+    files: row groups' copies of one-part uploads, checked by their pages)."""
     bucket = s3.bucket("chaos")
     plain = write_large(bucket / "plain", n=n, per_shard=per_shard, seed=21)
     indexed = write_large(bucket / "indexed", n=n, per_shard=per_shard, seed=22)
     index_s3(s3, "s3://chaos/indexed/")
     parquet = write_parquet(bucket / "parquet", n=n, per_file=per_shard, seed=23)
     index_s3(s3, "s3://chaos/parquet/")
-    return {"plain": plain, "indexed": indexed, "parquet": parquet}
+    small_cache = write_parquet(bucket / "parquet-small-cache", n=n, per_file=per_shard, seed=24, pad=0)
+    return {"plain": plain, "indexed": indexed, "parquet": parquet, "parquet-small-cache": small_cache}
 
 
-def write_parquet(root: Path, n: int, per_file: int, seed: int) -> Samples:
+def write_parquet(root: Path, n: int, per_file: int, seed: int, pad: int = 60000) -> Samples:
     """Samples as in :func:`write_large`, as Parquet rows (`__key__`, `jpg`, `cls`) written by
-    pyarrow with page checksums, beside a 60 KB `pad` column no stream here reads; row groups of
-    10 rows."""
+    pyarrow with page checksums, beside a `pad` column of that many bytes a row (none for 0)
+    no stream here reads; row groups of 10 rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -412,14 +426,10 @@ def write_parquet(root: Path, n: int, per_file: int, seed: int) -> Samples:
         jpg = [rng.integers(0, 256, int(rng.integers(4000, 20000)), dtype=np.uint8).tobytes() for _ in keys]
         cls = [str(i % 7).encode() for i in range(start, start + len(keys))]
         samples.update({k: {"jpg": j, "cls": c} for k, j, c in zip(keys, jpg, cls, strict=True)})
-        table = pa.table(
-            {
-                "__key__": keys,
-                "jpg": pa.array(jpg, pa.binary()),
-                "cls": pa.array(cls, pa.binary()),
-                "pad": pa.array([rng.bytes(60000) for _ in keys], pa.binary()),
-            }
-        )
+        columns = {"__key__": keys, "jpg": pa.array(jpg, pa.binary()), "cls": pa.array(cls, pa.binary())}
+        if pad:
+            columns["pad"] = pa.array([rng.bytes(pad) for _ in keys], pa.binary())
+        table = pa.table(columns)
         pq.write_table(table, root / f"part-{f:04d}.parquet", row_group_size=10, write_page_checksum=True)
     return samples
 
