@@ -2274,6 +2274,38 @@ def test_one_part_uploads_larger_than_the_node_cache_go_a_row_group_at_a_time_wh
         assert whole and not row_groups, names
 
 
+def test_a_file_whose_first_page_header_cannot_be_read_is_copied_whole_and_the_rest_still_by_row_group(
+    tmp_path: Path, s3
+) -> None:
+    """The read of a file's first page header only chooses how its copies are made: one refused
+    every time (here `403 AccessDenied` on exactly that range) failed the plan, so every stream
+    of the dataset failed to open, though the file's own reads would have gone through. That
+    file is now copied whole (checked by its MD5), the others a row group at a time, and every
+    row arrives as written."""
+    bucket = s3.bucket("data") / "pqprobe403"
+    truth = write_blob_files(bucket, 15)
+    size = sum(p.stat().st_size for p in bucket.iterdir())
+    first = pq.ParquetFile(bucket / "part-03.parquet").metadata.row_group(0).column(0)
+    start = first.dictionary_page_offset or first.data_page_offset
+    probe = f"/data/pqprobe403/part-03.parquet bytes={start}-{start + min(first.total_compressed_size, 16 << 10) - 1}"
+    proxy = FaultProxy(s3.port, rate=0.0, refuse=lambda get: get == probe).start()
+    # Room for the one whole copy besides the row groups' copies a stream holds.
+    d = Daemon(
+        tmp_path, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, args=["--cache-size", str(size * 3 // 4)]
+    ).start()
+    try:
+        blob_epoch(d, "s3://data/pqprobe403/", 6, 0, truth)
+        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+    assert proxy.object_gets[probe] == 1, "refused, and not asked again"
+    row_groups = {n.split(".parquet")[0] for n in names if ".rg" in n}
+    assert "part-03" not in row_groups and len(row_groups) >= 8, names
+    whole = f"/data/pqprobe403/part-03.parquet bytes=0-{(bucket / 'part-03.parquet').stat().st_size - 1}"
+    assert proxy.object_gets[whole] >= 1, "copied whole"
+
+
 def test_in_a_dataset_uploaded_partly_in_one_part_each_file_goes_its_own_way(tmp_path: Path, s3) -> None:
     """A dataset uploaded partly in several parts, partly in one (as `aws s3 cp` does with files
     either side of its multipart threshold), read in every column through a node cache smaller

@@ -22,6 +22,9 @@ uploaded partly in one part, partly in several).
 ``etag_per_range`` answers every object GET with an ETag of its own range (32 hex digits), as
 if the object were rewritten between any two GETs of it; listings pass as they are.
 
+``refuse`` (a predicate of an object GET's ``"/bucket/key Range"``, as ``object_gets`` counts
+it) answers the GETs it picks ``403 AccessDenied``, every time: a read no retry gets through.
+
 ``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
 and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
 a request takes, it tells how many requests a client makes concurrently, without timing anything.
@@ -54,6 +57,9 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te"
 SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n'
     b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+)
+DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
 )
 
 
@@ -112,7 +118,9 @@ class FaultProxy:
         kms: bool = False,
         multipart: bool | Callable[[str], bool] = False,
         etag_per_range: bool = False,
+        refuse: Callable[[str], bool] | None = None,
     ) -> None:
+        self.refuse = refuse
         self.upstream_port = upstream_port
         self.etag_per_range = etag_per_range
         self.hold = hold
@@ -211,7 +219,10 @@ class FaultProxy:
                 # Path style: /bucket/key?x-id=GetObject for an object, /bucket?list-type=2 a listing.
                 target = urlsplit(self.path)
                 object_get = self.command == "GET" and "list-type" not in target.query and "/" in target.path.strip("/")
-                fault = proxy.pick(object_get, f"{target.path} {self.headers.get('Range', '')}".rstrip())
+                counted = f"{target.path} {self.headers.get('Range', '')}".rstrip()
+                fault = proxy.pick(object_get, counted)
+                if object_get and proxy.refuse and proxy.refuse(counted):
+                    return self.send(403, "Forbidden", [("Content-Type", "application/xml")], DENIED, len(DENIED))
                 if fault == "reset":
                     proxy.count(fault)
                     return self.reset()

@@ -158,7 +158,12 @@ impl Dataset {
             })
         });
         match (pages, unreadable) {
-            (Ok(()), _) => Ok(()),
+            (Ok(unchecked), _) => {
+                if unchecked > 0 {
+                    self.note_unchecked_pages(c.i, unchecked);
+                }
+                Ok(())
+            }
             (Err(_), Some(e)) => Err(Fill::Failed(Error::io("cannot read back", tmp, e))),
             (Err(reason), None) => Err(Fill::Mismatch(Error::Shard { shard: url(), offset: None, reason })),
         }

@@ -296,7 +296,11 @@ pub struct Dataset {
     verified: Vec<AtomicBool>,
     /// Per S3 Parquet file: whether a row group's copy is checked as well as a whole one, once
     /// read (`page_probe`).
-    row_group_checked: Vec<std::sync::OnceLock<bool>>,
+    row_group_checked: Vec<std::sync::OnceLock<page_probe::RowGroupCheck>>,
+    /// Per file: pages without a checksum were reported (`page_probe`).
+    unchecked_warned: Vec<AtomicBool>,
+    /// Held while files' first page headers are read: two plans built at once read each once.
+    probing: Mutex<()>,
     /// Per shard read in place: 1 + the modification time (ns) of the file verified against the
     /// manifest; 0 before it was.
     verified_mtime: Vec<AtomicU64>,
@@ -494,6 +498,8 @@ impl Dataset {
             load_locks: (0..n).map(|_| Mutex::new(())).collect(),
             verified: (0..n).map(|_| AtomicBool::new(false)).collect(),
             row_group_checked: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
+            probing: Mutex::new(()),
+            unchecked_warned: (0..n).map(|_| AtomicBool::new(false)).collect(),
             verified_mtime: (0..n).map(|_| AtomicU64::new(0)).collect(),
             copy_current: (0..n).map(|_| AtomicBool::new(false)).collect(),
             changed: AtomicBool::new(false),
@@ -813,6 +819,15 @@ impl Dataset {
             None => (String::new(), format!("{}.cols", m.name)),
         };
         crate::cache::key_for(&format!("{}#columns={proj_id:016x}{part}", m.url()), &m.identity(), &name)
+    }
+
+    /// Node-cache key of a whole copy of S3 Parquet file `i` made as its column chunks' copies
+    /// are (see `service::projected`): the same bytes for every projection, and never the key
+    /// of a copy of some chunks (a file of one row group has both kinds; a whole copy was keyed
+    /// as its chunks', so a cache kept across a change of choice met a copy of other bytes).
+    pub fn whole_copy_key(&self, i: usize) -> Option<String> {
+        let m = self.shards.get(i)?;
+        Some(crate::cache::key_for(&format!("{}#whole", m.url()), &m.identity(), &format!("{}.whole", m.name)))
     }
 
     /// The daemon's node cache, when it has one.

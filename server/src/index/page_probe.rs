@@ -3,22 +3,40 @@
 //! cache too small for the files reaches that cache (`service::projected`): a copy a row group
 //! at a time is checked by its pages only, so a file is copied whole when its ETag's MD5 checks
 //! every byte there and its pages carry no checksum. One ranged GET per file asked about (the
-//! first [`CRC_PROBE_BYTES`] of its first column chunk, room for any page header), all at once,
-//! once per dataset: the answers are kept with it. The same GET answers whether the ETag may be
+//! first [`CRC_PROBE_BYTES`] of its first column chunk, room for any page header), many at
+//! once, once per dataset: the answers are kept with it. The same GET answers whether the ETag may be
 //! an MD5 at all (SSE-KMS says it is not, with an ETag of an MD5's form in the listing).
+
+use std::sync::atomic::Ordering;
 
 use super::{Dataset, s3_object};
 use crate::Result;
 use crate::format::parquet::pages::{CRC_PROBE_BYTES, header_has_crc};
 
+/// How a row group's copy of a file is checked, as its first page header's GET said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowGroupCheck {
+    /// Not as well as a whole copy: its MD5 checks a whole copy, its pages carry no checksum (or
+    /// the header could not be read or did not say).
+    Worse,
+    /// By its pages' checksums.
+    Pages,
+    /// As well as a whole copy, by whatever pages carry checksums: no MD5 checks it whole.
+    NoMd5,
+}
+
 impl Dataset {
     /// For each of S3 Parquet files `files` (shard indexes): true when a copy of one row group's
-    /// chunks is checked as well as the whole file's: its first page header carries a CRC-32 of
-    /// its page (writers checksum every page of a file or none), or its GET answers an ETag that
-    /// is no MD5 (SSE-KMS, SSE-C: nothing checks it whole). False otherwise, and when the header
-    /// does not say. Blocking: one GET per file not asked about before, at once.
+    /// chunks is checked as well as the whole file's (but for page headers, which nothing
+    /// checks): its first page header carries a CRC-32 of its page (writers checksum every page
+    /// of a file or none), or its GET answers an ETag that is no MD5 (a multipart upload's,
+    /// SSE-KMS, SSE-C: nothing checks it whole). False otherwise, and when the header cannot be
+    /// read or does not say. Blocking: one GET per file not asked about before, up to
+    /// [`crate::storage::s3::PROBES_IN_FLIGHT`] at once; an error only when the daemon stops.
     pub fn row_group_copies_checked(&self, files: &[usize]) -> Result<Vec<bool>> {
         let said = |i: usize| self.row_group_checked.get(i).and_then(|c| c.get().copied());
+        // Two plans built at once (streams, staging) read each header once: the second waits.
+        let _probing = self.probing.lock().unwrap_or_else(|p| p.into_inner());
         let (mut reads, mut asked) = (Vec::new(), Vec::new());
         for i in files.iter().copied().filter(|&i| said(i).is_none()) {
             let (meta, table) = self.parquet_file(i)?;
@@ -28,41 +46,73 @@ impl Dataset {
                     reads.push((s3_object(meta)?, r.start..r.end.min(r.start + CRC_PROBE_BYTES)));
                     asked.push((i, r.end - r.start));
                 }
-                None => self.note_row_group_checked(i, false),
+                None => self.note_row_group_checked(i, RowGroupCheck::Worse),
             }
         }
         if !reads.is_empty() {
             let store = self.backends.s3()?;
             let started = std::time::Instant::now();
-            // Each error names its object, as a fetch's does.
             let got = store.block_on(store.get_each(&reads))?;
-            let (mut with_crcs, mut no_md5) = (0, 0);
-            for (&(i, chunk_len), (bytes, may_be_md5)) in asked.iter().zip(&got) {
-                let crc = header_has_crc(bytes, chunk_len);
-                if crc.is_none() {
-                    let url = self.shards.get(i).map(|m| m.url()).unwrap_or_default();
-                    tracing::warn!(shard = %url, "its first page header does not say whether its pages carry checksums; taken as none");
-                }
-                with_crcs += usize::from(crc == Some(true));
-                no_md5 += usize::from(!may_be_md5);
-                self.note_row_group_checked(i, crc == Some(true) || !may_be_md5);
+            let (mut with_crcs, mut no_md5, mut failed) = (0, 0, 0);
+            for (&(i, chunk_len), answer) in asked.iter().zip(got) {
+                let url = || self.shards.get(i).map(|m| m.url()).unwrap_or_default();
+                // Only a choice of copies rides on it: a file whose header cannot be read (or
+                // does not say) is copied whole, and its fetch reports what is wrong with it.
+                let checked = match answer {
+                    Ok((bytes, md5)) => {
+                        let crc = header_has_crc(&bytes, chunk_len);
+                        if crc.is_none() {
+                            tracing::warn!(shard = %url(), "its first page header does not say whether its pages carry checksums; taken as none");
+                        }
+                        with_crcs += usize::from(crc == Some(true));
+                        no_md5 += usize::from(!md5);
+                        match (crc, md5) {
+                            (Some(true), _) => RowGroupCheck::Pages,
+                            (_, false) => RowGroupCheck::NoMd5,
+                            _ => RowGroupCheck::Worse,
+                        }
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        tracing::warn!(shard = %url(), error = %e, "cannot read its first page header; copying it whole");
+                        RowGroupCheck::Worse
+                    }
+                };
+                self.note_row_group_checked(i, checked);
             }
             tracing::info!(
                 dataset = %self.url,
                 files = asked.len(),
                 with_page_checksums = with_crcs,
-                etag_no_md5 = no_md5,
+                no_md5,
+                failed,
                 ms = started.elapsed().as_millis() as u64,
                 "read files' first page headers: how their row groups' copies are checked"
             );
         }
-        Ok(files.iter().map(|&i| said(i).unwrap_or(false)).collect())
+        Ok(files.iter().map(|&i| said(i).is_some_and(|c| c != RowGroupCheck::Worse)).collect())
     }
 
-    fn note_row_group_checked(&self, i: usize, checked: bool) {
+    fn note_row_group_checked(&self, i: usize, checked: RowGroupCheck) {
         if let Some(c) = self.row_group_checked.get(i) {
             // Another stream may have read it meanwhile: the same file, the same answer.
             let _ = c.set(checked);
+        }
+    }
+
+    /// Notes that a copy of S3 Parquet file `i` held `unchecked` pages without a checksum: said
+    /// once per file when its first page header had one, so that its copies went a row group at
+    /// a time, where its MD5 would have checked a whole copy (a file whose writers mixed).
+    pub(super) fn note_unchecked_pages(&self, i: usize, unchecked: u64) {
+        let expected = self.row_group_checked.get(i).and_then(|c| c.get()) == Some(&RowGroupCheck::Pages);
+        if expected && self.unchecked_warned.get(i).is_some_and(|w| !w.swap(true, Ordering::Relaxed)) {
+            let url = self.shards.get(i).map(|m| m.url()).unwrap_or_default();
+            tracing::warn!(
+                shard = %url,
+                pages = unchecked,
+                "pages without a checksum in a file whose first page has one: they are checked by \
+                 nothing in its row groups' copies (a whole copy would have been checked by its MD5)"
+            );
         }
     }
 }

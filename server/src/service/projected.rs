@@ -198,20 +198,23 @@ impl ProjectedReads {
         let (mut copies, mut by_file) = (Vec::new(), HashMap::new());
         for ((f, per_file), pf) in files.iter().zip(asm.per_file()).zip(whole) {
             let groups = f.table.num_row_groups();
-            let mut add = |rg: Option<usize>, pf: ProjectedFile| {
-                let key = ds.projected_key(f.index, proj_id, rg);
+            let mut add = |key: String, pf: ProjectedFile| {
                 copies.push(ChunkCopy { shard: f.index, len: pf.len(), pf: Arc::new(pf), key: CacheKey::new(key) });
                 copies.len() - 1
             };
+            let chunks = |rg: Option<usize>| ds.projected_key(f.index, proj_id, rg);
             // A file of one row group keeps its file's copy (and key) either way.
             let mine: Vec<usize> = if most && !by_row_groups.contains(&f.index) {
-                vec![add(None, ProjectedFile::whole(&f.table))]
+                let key = ds
+                    .whole_copy_key(f.index)
+                    .ok_or_else(|| Error::Internal(format!("{}: no shard {}", f.name, f.index)))?;
+                vec![add(key, ProjectedFile::whole(&f.table))]
             } else if per_row_group && groups > 1 {
                 (0..groups)
-                    .map(|rg| add(Some(rg), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
+                    .map(|rg| add(chunks(Some(rg)), ProjectedFile::of_row_groups(&f.table, per_file, rg..rg + 1)))
                     .collect()
             } else {
-                vec![add(None, pf)]
+                vec![add(chunks(None), pf)]
             };
             by_file.insert(f.index, mine);
         }

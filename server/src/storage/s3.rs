@@ -48,6 +48,10 @@ pub const DEFAULT_CONCURRENCY: usize = 8;
 /// sockets and buffers (64 x [`WRITE_CHUNK`]) whatever the number of shards in flight.
 pub const MAX_GETS_IN_FLIGHT: usize = 64;
 
+/// Small GETs of many objects in flight for the whole daemon ([`S3Store::get_each`]): half of
+/// [`MAX_GETS_IN_FLIGHT`], so the fetches of streams already running keep the other half.
+pub const PROBES_IN_FLIGHT: usize = MAX_GETS_IN_FLIGHT / 2;
+
 /// Received bytes are held until this many have arrived, then written with one positioned
 /// vectored write: large enough that the write syscall is negligible, small enough that a
 /// download holds little memory. The body's own buffers are written as they are: gathering them
@@ -143,6 +147,8 @@ pub struct S3Store {
     pub(super) client: aws_sdk_s3::Client,
     options: S3Options,
     gets: Arc<Semaphore>,
+    /// Slots of [`Self::get_each`]'s GETs, within `gets`.
+    probes: Arc<Semaphore>,
     /// Where blocking callers run their requests.
     rt: tokio::runtime::Handle,
     /// Cancelled when the daemon stops ([`Self::close`]): no request is retried after that.
@@ -426,6 +432,7 @@ impl S3Store {
             client: aws_sdk_s3::Client::from_conf(config.build()),
             options,
             gets: Arc::new(Semaphore::new(MAX_GETS_IN_FLIGHT)),
+            probes: Arc::new(Semaphore::new(PROBES_IN_FLIGHT)),
             rt: tokio::runtime::Handle::current(),
             closing: tokio_util::sync::CancellationToken::new(),
         })
@@ -722,72 +729,71 @@ impl S3Store {
         let shared = Arc::new(obj.clone());
         let mut answered = Answered::default();
         let mut tasks = tokio::task::JoinSet::new();
-        for (i, range) in ranges.iter().cloned().enumerate() {
-            let (store, obj, per_call) = (self.clone(), shared.clone(), per_call.clone());
-            tasks.spawn(async move {
-                let _slot = per_call.acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
-                let _get =
-                    store.gets.clone().acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
-                store.get_range_answered(&obj, range).await.map(|got| (i, got))
-            });
-        }
+        self.spawn_gets(&mut tasks, &per_call, ranges.iter().cloned().enumerate().map(|(i, r)| (i, shared.clone(), r)));
         while let Some(joined) = tasks.join_next().await {
-            match joined {
-                Ok(Ok((i, (bytes, etag, may_be_md5)))) => {
-                    if answered.record(etag.as_deref(), may_be_md5) {
-                        return Err(changed_mid_read(obj.url()));
-                    }
-                    each(i, bytes)?
-                }
-                // Dropping the set aborts the other GETs at once.
-                Ok(Err(e)) => return Err(e),
-                Err(e) if e.is_cancelled() => {
-                    return Err(Error::Unavailable(format!(
-                        "{}: a ranged GET was cancelled: the daemon is stopping",
-                        obj.url()
-                    )));
-                }
-                Err(e) => return Err(Error::Internal(format!("a ranged GET of {} failed: {e}", obj.url()))),
+            // Dropping the set aborts the other GETs at once.
+            let (i, got) = joined.map_err(|e| join_failed(e, &obj.url()))?;
+            let (bytes, etag, may_be_md5) = got?;
+            if answered.record(etag.as_deref(), may_be_md5) {
+                return Err(changed_mid_read(obj.url()));
             }
+            each(i, bytes)?
         }
         Ok(answered)
     }
 
-    /// Reads one range of each of `reads` (a few bytes of many objects: their first page
-    /// headers), up to half the daemon-wide cap at once (each GET is a round trip, not a
-    /// transfer: at 30 ms each, 10,000 files would take 38 s a shard's 8 at a time, 9 s 32 at a
-    /// time; the other half stays free for the fetches of streams already running); the bytes in
-    /// the order of `reads`, each with whether its answer's ETag may be the object's MD5
-    /// ([`etag_may_be_md5`]: SSE-KMS says it is not). The first failure ends the call and cancels
-    /// the rest.
-    pub async fn get_each(&self, reads: &[(ObjectRef, Range<u64>)]) -> Result<Vec<(Bytes, bool)>> {
-        let per_call = Arc::new(Semaphore::new(MAX_GETS_IN_FLIGHT / 2));
+    /// Reads one range of each of `reads` (a few KiB of many objects: their first page
+    /// headers), at most [`PROBES_IN_FLIGHT`] of them at once in the daemon and within its cap
+    /// (each GET is a round trip, not a transfer: at 30 ms each, 10,000 files would take 38 s a
+    /// shard's 8 at a time, 9 s 32 at a time; the rest of the cap stays free for the fetches of
+    /// streams already running). Each read's bytes, in the order of `reads`, with whether an MD5
+    /// may check its object whole (its answer's ETag has an MD5's form and `etag_may_be_md5`:
+    /// not under SSE-KMS), or its own error: one object that fails leaves the others' answers.
+    /// An error for the whole call only when the daemon stops.
+    pub async fn get_each(&self, reads: &[(ObjectRef, Range<u64>)]) -> Result<Vec<Result<(Bytes, bool)>>> {
         let mut tasks = tokio::task::JoinSet::new();
-        for (i, (obj, range)) in reads.iter().cloned().enumerate() {
-            let (store, per_call) = (self.clone(), per_call.clone());
-            tasks.spawn(async move {
-                let _slot = per_call.acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
-                let _get =
-                    store.gets.clone().acquire_owned().await.map_err(|_| Error::Internal("semaphore closed".into()))?;
-                store.get_range_answered(&obj, range).await.map(|(bytes, _, md5)| (i, (bytes, md5)))
-            });
-        }
-        let mut got = vec![(Bytes::new(), true); reads.len()];
+        self.spawn_gets(
+            &mut tasks,
+            &self.probes,
+            reads.iter().cloned().enumerate().map(|(i, (obj, r))| (i, Arc::new(obj), r)),
+        );
+        let mut got: Vec<Result<(Bytes, bool)>> = reads
+            .iter()
+            .map(|(o, _)| Err(Error::Internal(format!("{}: no answer to a ranged GET", o.url()))))
+            .collect();
         while let Some(joined) = tasks.join_next().await {
-            match joined {
-                Ok(Ok((i, answer))) => {
-                    if let Some(slot) = got.get_mut(i) {
-                        *slot = answer;
-                    }
-                }
-                Ok(Err(e)) => return Err(e),
-                Err(e) if e.is_cancelled() => {
-                    return Err(Error::Unavailable("a ranged GET was cancelled: the daemon is stopping".into()));
-                }
-                Err(e) => return Err(Error::Internal(format!("a ranged GET failed: {e}"))),
+            let (i, answer) = joined.map_err(|e| join_failed(e, "a ranged GET of many objects"))?;
+            let answer = answer.map(|(bytes, etag, may_be_md5)| {
+                let md5 = may_be_md5 && etag.as_deref().and_then(etag_md5).is_some();
+                (bytes, md5)
+            });
+            if let Some(slot) = got.get_mut(i) {
+                *slot = answer;
             }
         }
         Ok(got)
+    }
+
+    /// Starts a ranged GET of each `(index, object, range)` of `gets` on `tasks`, each waiting
+    /// for a slot of `per_call` and of the daemon-wide cap; each task answers its index.
+    fn spawn_gets(
+        &self,
+        tasks: &mut tokio::task::JoinSet<(usize, Result<RangeAnswer>)>,
+        per_call: &Arc<Semaphore>,
+        gets: impl IntoIterator<Item = (usize, Arc<ObjectRef>, Range<u64>)>,
+    ) {
+        for (i, obj, range) in gets {
+            let (store, per_call) = (self.clone(), per_call.clone());
+            tasks.spawn(async move {
+                let closed = || Error::Internal("semaphore closed".into());
+                let got = async {
+                    let _slot = per_call.acquire_owned().await.map_err(|_| closed())?;
+                    let _get = store.gets.clone().acquire_owned().await.map_err(|_| closed())?;
+                    store.get_range_answered(&obj, range).await
+                };
+                (i, got.await)
+            });
+        }
     }
 
     /// Writes a whole object.
@@ -1140,6 +1146,19 @@ impl Answered {
 /// [`Answered::record`] of a download whose parts answer from several tasks.
 fn etag_changed(answered: &std::sync::Mutex<Answered>, etag: Option<&str>, may_be_md5: bool) -> bool {
     answered.lock().unwrap_or_else(|p| p.into_inner()).record(etag, may_be_md5)
+}
+
+/// A ranged GET's bytes, the ETag it answered, and whether that ETag may be the object's MD5.
+type RangeAnswer = (Bytes, Option<String>, bool);
+
+/// A GET task that did not finish (`what`: the object or the reads it served): cancelled when
+/// the daemon stops, else failed.
+fn join_failed(e: tokio::task::JoinError, what: &str) -> Error {
+    if e.is_cancelled() {
+        Error::Unavailable(format!("{what}: a ranged GET was cancelled: the daemon is stopping"))
+    } else {
+        Error::Internal(format!("a ranged GET of {what} failed: {e}"))
+    }
 }
 
 /// The error of an object whose GETs answered different ETags.

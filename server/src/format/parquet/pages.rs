@@ -114,7 +114,7 @@ pub fn check_chunk(chunk: &[u8], start: u64, meta: &ColumnChunkMetaData) -> Resu
 
 /// Checks the checksum of every page of a column chunk that has one (`chunk`: its bytes, from
 /// file offset `start`): see [`check_crcs_with`].
-pub fn check_crcs(chunk: &[u8], start: u64) -> Result<(), String> {
+pub fn check_crcs(chunk: &[u8], start: u64) -> Result<u64, String> {
     check_crcs_with(chunk.len() as u64, start, |at, buf| {
         let at = usize::try_from(at).map_err(|_| "past the chunk".to_string())?;
         let src = chunk.get(at..at.saturating_add(buf.len())).ok_or_else(|| "past the chunk".to_string())?;
@@ -136,15 +136,15 @@ const WINDOW: usize = 1 << 20;
 /// `write_page_checksum`, parquet-mr's `parquet.page.write-checksum.enabled`). `read(at, buf)`
 /// fills `buf` from byte `at` of the chunk. Ranged reads of column chunks have no other check:
 /// no ETag or manifest covers a range. The chunk is read a window at a time, so memory does not
-/// grow with it. The reason when a page does not match (or its header cannot be read), naming the
-/// page's file offset.
+/// grow with it. The pages without a checksum (checked by nothing); the reason when a page does
+/// not match (or its header cannot be read), naming the page's file offset.
 pub fn check_crcs_with(
     len: u64,
     start: u64,
     read: impl FnMut(u64, &mut [u8]) -> Result<(), String>,
-) -> Result<(), String> {
+) -> Result<u64, String> {
     let mut w = Window { read, len, at: 0, buf: Vec::new() };
-    let mut pos = 0u64;
+    let (mut pos, mut unchecked) = (0u64, 0u64);
     while pos < len {
         let offset = start + pos;
         let left = usize::try_from(len - pos).unwrap_or(usize::MAX);
@@ -178,10 +178,12 @@ pub fn check_crcs_with(
                     "page at byte {offset}: its bytes' CRC-32 is {got:08x}, its header says {said:08x}"
                 ));
             }
+        } else {
+            unchecked += 1;
         }
         pos = end;
     }
-    Ok(())
+    Ok(unchecked)
 }
 
 /// Bytes of a column chunk's start read to tell whether its first page carries a checksum: room
@@ -409,7 +411,8 @@ mod tests {
     fn page_checksums_are_checked_where_the_writer_gave_them() {
         let (a, b) = (&b"first page's bytes"[..], &b"second"[..]);
         let good = pages_with_crcs(&[(a, Some(crc32fast::hash(a))), (b, None), (b, Some(crc32fast::hash(b)))]);
-        check_crcs(&good, 1000).unwrap();
+        // The page without one is counted: checked by nothing.
+        assert_eq!(check_crcs(&good, 1000), Ok(1));
         // One byte of the first page's body inverted: named by the page's offset.
         let mut bad = good.clone();
         let at = good.windows(a.len()).position(|w| w == a).unwrap() + 3;
@@ -420,7 +423,7 @@ mod tests {
         let mut unchecked = good.clone();
         let second = good.windows(b.len()).position(|w| w == b).unwrap();
         unchecked[second] ^= 0xff;
-        check_crcs(&unchecked, 0).unwrap();
+        assert_eq!(check_crcs(&unchecked, 0), Ok(1));
         // A chunk cut short, and a header spoilt, are refused too.
         assert!(check_crcs(&good[..good.len() - 1], 0).unwrap_err().contains("run past the chunk"));
         let mut header = good.clone();

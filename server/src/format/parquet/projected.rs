@@ -74,15 +74,16 @@ impl ProjectedFile {
     }
 
     /// Checks the page checksums of every column chunk in the copy ([`pages::check_crcs_with`]:
-    /// the pages that carry one), reading with `read(offset in the copy, buf)`. The reason when
-    /// one does not match, naming the chunk.
-    pub fn check_pages(&self, mut read: impl FnMut(u64, &mut [u8]) -> Result<(), String>) -> Result<(), String> {
+    /// the pages that carry one), reading with `read(offset in the copy, buf)`. The pages
+    /// without one; the reason when one does not match, naming the chunk.
+    pub fn check_pages(&self, mut read: impl FnMut(u64, &mut [u8]) -> Result<(), String>) -> Result<u64, String> {
+        let mut unchecked = 0;
         for chunk in &self.chunks {
             let at = self.locate(chunk.clone()).ok_or_else(|| format!("chunk {chunk:?} is not in the copy"))?;
-            pages::check_crcs_with(chunk.end - chunk.start, chunk.start, |from, buf| read(at + from, buf))
+            unchecked += pages::check_crcs_with(chunk.end - chunk.start, chunk.start, |from, buf| read(at + from, buf))
                 .map_err(|e| format!("column chunk at byte {}: {e}", chunk.start))?;
         }
-        Ok(())
+        Ok(unchecked)
     }
 
     /// Bytes of the compact copy.
