@@ -752,39 +752,54 @@ impl S3Store {
     /// An error for the whole call only when the daemon stops.
     pub async fn get_each(&self, reads: &[(ObjectRef, Range<u64>)]) -> Result<Vec<Result<(Bytes, bool)>>> {
         let mut tasks = tokio::task::JoinSet::new();
-        self.spawn_gets(
+        let ids = self.spawn_gets(
             &mut tasks,
             &self.probes,
             reads.iter().cloned().enumerate().map(|(i, (obj, r))| (i, Arc::new(obj), r)),
         );
-        let mut got: Vec<Result<(Bytes, bool)>> = reads
-            .iter()
-            .map(|(o, _)| Err(Error::Internal(format!("{}: no answer to a ranged GET", o.url()))))
-            .collect();
-        while let Some(joined) = tasks.join_next().await {
-            let (i, answer) = joined.map_err(|e| join_failed(e, "a ranged GET of many objects"))?;
+        let mut got: Vec<Option<Result<(Bytes, bool)>>> = reads.iter().map(|_| None).collect();
+        while let Some(joined) = tasks.join_next_with_id().await {
+            let (i, answer) = match joined {
+                Ok((_, (i, answer))) => (i, answer),
+                // The daemon stops: nothing of the call is wanted any more.
+                Err(e) if e.is_cancelled() => return Err(join_failed(e, &format!("{} objects", reads.len()))),
+                // One task that did not finish is its object's error, named.
+                Err(e) => {
+                    let Some(&i) = ids.get(&e.id()) else { return Err(join_failed(e, "an unknown object")) };
+                    let url = reads.get(i).map(|(o, _)| o.url()).unwrap_or_default();
+                    (i, Err(join_failed(e, &url)))
+                }
+            };
             let answer = answer.map(|(bytes, etag, may_be_md5)| {
                 let md5 = may_be_md5 && etag.as_deref().and_then(etag_md5).is_some();
                 (bytes, md5)
             });
             if let Some(slot) = got.get_mut(i) {
-                *slot = answer;
+                *slot = Some(answer);
             }
         }
-        Ok(got)
+        Ok(got
+            .into_iter()
+            .zip(reads)
+            .map(|(answer, (o, _))| {
+                answer.unwrap_or_else(|| Err(Error::Internal(format!("{}: no answer to a ranged GET", o.url()))))
+            })
+            .collect())
     }
 
     /// Starts a ranged GET of each `(index, object, range)` of `gets` on `tasks`, each waiting
-    /// for a slot of `per_call` and of the daemon-wide cap; each task answers its index.
+    /// for a slot of `per_call` and of the daemon-wide cap; each task answers its index, and the
+    /// index of each task is returned by its id (for a task that panicked).
     fn spawn_gets(
         &self,
         tasks: &mut tokio::task::JoinSet<(usize, Result<RangeAnswer>)>,
         per_call: &Arc<Semaphore>,
         gets: impl IntoIterator<Item = (usize, Arc<ObjectRef>, Range<u64>)>,
-    ) {
+    ) -> std::collections::HashMap<tokio::task::Id, usize> {
+        let mut ids = std::collections::HashMap::new();
         for (i, obj, range) in gets {
             let (store, per_call) = (self.clone(), per_call.clone());
-            tasks.spawn(async move {
+            let task = tasks.spawn(async move {
                 let closed = || Error::Internal("semaphore closed".into());
                 let got = async {
                     let _slot = per_call.acquire_owned().await.map_err(|_| closed())?;
@@ -793,7 +808,9 @@ impl S3Store {
                 };
                 (i, got.await)
             });
+            ids.insert(task.id(), i);
         }
+        ids
     }
 
     /// Writes a whole object.
