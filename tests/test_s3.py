@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tlsutil
 import webdataset as wds
 from chaos.proxy import FaultProxy
 from s3server import S3Server, free_port
@@ -769,3 +770,45 @@ def test_an_unreachable_s3_endpoint_is_named_as_such_not_as_the_daemon(tmp_path:
         assert d.alive() and "datasets" in d.status()  # the daemon still answers
     finally:
         assert d.stop() == 0
+
+
+def test_a_store_behind_a_private_ca_is_read_over_https_with_aws_ca_bundle_and_a_bad_bundle_is_named(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """S3-compatible stores on premises often answer HTTPS with a certificate of the site's own CA,
+    which the AWS CLI and boto3 trust through AWS_CA_BUNDLE: the daemon ignored it (only
+    SSL_CERT_FILE, which replaces the system's roots, reached it). Read over HTTPS with the bundle;
+    a bundle that cannot be read or holds no certificate fails the open naming AWS_CA_BUNDLE (the
+    SDK panics on a certificate it cannot parse); a store whose certificate no trusted CA signed
+    fails at once, saying so, not after every retry."""
+    if why := tlsutil.available():
+        pytest.fail(why)
+    pki = tlsutil.make_pki(tmp_path / "pki")
+    written = write_dataset(s3.bucket("data") / "overtls", n=60, per_shard=20)
+    proxy = FaultProxy(s3.port, rate=0.0, tls=(pki / "daemon.pem", pki / "daemon.key")).start()
+    https = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    assert proxy.endpoint.startswith("https://")
+    try:
+        d = Daemon(tmp_path / "ok", env={**https, "AWS_CA_BUNDLE": str(pki / "ca.pem")}).start()
+        try:
+            assert epoch(d.addr, "s3://data/overtls/") == written
+        finally:
+            assert d.stop() == 0
+        for name, bundle, kind, words in (
+            ("missing", tmp_path / "nowhere.pem", ValueError, ["AWS_CA_BUNDLE", "nowhere.pem", "cannot be read"]),
+            ("keyonly", pki / "daemon.key", ValueError, ["AWS_CA_BUNDLE", "daemon.key", "no PEM certificate"]),
+            ("otherca", pki / "other-ca.pem", ValueError, ["s3://data/overtls/", "not trusted", "UnknownIssuer"]),
+        ):
+            d = Daemon(tmp_path / name, env={**https, "AWS_CA_BUNDLE": str(bundle)}).start()
+            try:
+                started = time.monotonic()
+                with pytest.raises(kind) as e:
+                    epoch(d.addr, "s3://data/overtls/")
+                message = str(e.value)
+                assert all(w in message for w in words), (name, message)
+                assert time.monotonic() - started < 10, (name, "retried", message)
+                assert d.alive()
+            finally:
+                assert d.stop() == 0
+    finally:
+        proxy.stop()

@@ -25,6 +25,9 @@ if the object were rewritten between any two GETs of it; listings pass as they a
 ``refuse`` (a predicate of an object GET's ``"/bucket/key Range"``, as ``object_gets`` counts
 it) answers the GETs it picks ``403 AccessDenied``, every time: a read no retry gets through.
 
+``tls`` (a certificate and its key, PEM files) makes the proxy an ``https://`` endpoint: the
+store as S3 itself is reached, over TLS (each connection's handshake runs in its own thread).
+
 ``hold`` keeps every object GET that long before forwarding it (or refusing it with ``slowdown``),
 and ``peak_gets`` is the most object GETs that were in the proxy at once: with a hold longer than
 a request takes, it tells how many requests a client makes concurrently, without timing anything.
@@ -41,12 +44,14 @@ import http.client
 import random
 import re
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 KINDS = ("reset", "slowdown", "truncate", "corrupt")
@@ -107,6 +112,31 @@ def multipart_answer(
     return out, data
 
 
+class _TlsServer(ThreadingHTTPServer):
+    """An HTTPS server on 127.0.0.1: each accepted connection is wrapped in its own thread, so a
+    handshake that stalls (or fails: a client that does not trust the certificate) holds up no
+    other connection."""
+
+    def __init__(self, tls: tuple[Path, Path], handler: type[BaseHTTPRequestHandler]) -> None:
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(str(tls[0]), str(tls[1]))
+        super().__init__(("127.0.0.1", 0), handler)
+
+    def finish_request(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's signature
+        try:
+            tls = self.context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):
+            return
+        try:
+            super().finish_request(tls, client_address)
+        except (ssl.SSLError, ConnectionError):
+            pass  # the client went mid-request (a daemon stopping, a stream cancelled)
+        finally:
+            # The accepted socket's descriptor is the TLS socket's now: socketserver closes only
+            # the emptied one.
+            tls.close()
+
+
 class FaultProxy:
     def __init__(
         self,
@@ -119,8 +149,10 @@ class FaultProxy:
         multipart: bool | Callable[[str], bool] = False,
         etag_per_range: bool = False,
         refuse: Callable[[str], bool] | None = None,
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
         self.refuse = refuse
+        self.tls = tls
         self.upstream_port = upstream_port
         self.etag_per_range = etag_per_range
         self.hold = hold
@@ -143,7 +175,7 @@ class FaultProxy:
     @property
     def endpoint(self) -> str:
         assert self.server is not None
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.server.server_address[1]}"
 
     def pick(self, object_get: bool, path: str = "") -> str | None:
         """The fault for the next request (of the object at `path` when `object_get`), or None."""
@@ -281,7 +313,7 @@ class FaultProxy:
                             raise
                 raise OSError("unreachable")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _TlsServer(self.tls, Handler) if self.tls else ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self

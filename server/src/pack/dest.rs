@@ -76,7 +76,8 @@ pub struct Destination {
 
 enum Kind {
     Local { dir: PathBuf },
-    S3 { store: S3Store, bucket: String, prefix: String, state: PathBuf },
+    // Boxed: the store is ten times the local variant.
+    S3 { store: Box<S3Store>, bucket: String, prefix: String, state: PathBuf },
 }
 
 impl Destination {
@@ -114,7 +115,7 @@ impl Destination {
                 let lock = lock_dir(&state, &url)?;
                 Ok(Self {
                     journal: state.join(JOURNAL_FILE),
-                    kind: Kind::S3 { store: store.clone(), bucket, prefix, state },
+                    kind: Kind::S3 { store: Box::new(store.clone()), bucket, prefix, state },
                     _lock: lock,
                 })
             }
@@ -216,7 +217,7 @@ impl Destination {
         Ok(match &self.kind {
             Kind::Local { dir } => Box::new(LocalSink::open(dir)?),
             Kind::S3 { store, bucket, prefix, state } => Box::new(S3Sink::open(
-                store.clone(),
+                S3Store::clone(store),
                 bucket.clone(),
                 prefix.clone(),
                 &state.join(SCRATCH_DIR),
