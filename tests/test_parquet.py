@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
+import tlsutil
 import torch.utils.data
 from chaos.proxy import FaultProxy
 from test_bounds import free_port, scrape
@@ -2272,6 +2273,42 @@ def test_one_part_uploads_larger_than_the_node_cache_go_a_row_group_at_a_time_wh
         assert not whole and len(row_groups) > 16, names
     else:
         assert whole and not row_groups, names
+
+
+def test_over_https_one_part_uploads_without_page_checksums_go_a_row_group_at_a_time_unasked(
+    tmp_path: Path, s3
+) -> None:
+    """Every column of one-part uploads written without page checksums (pyarrow's default) through
+    a node cache smaller than the files: over plain HTTP each file is one whole copy, the only
+    way its MD5 checks it (the test above), evicted between its row groups and fetched again,
+    and the stream may fail with the cache full. Over HTTPS, as S3 itself is reached, TLS checks
+    every GET's bytes in transit, what the MD5 adds there: every file goes a row group at a time,
+    and no first page header is read to decide it."""
+    if why := tlsutil.available():
+        pytest.fail(why)
+    pki = tlsutil.make_pki(tmp_path / "pki")
+    bucket = s3.bucket("data") / "pqtls"
+    truth = write_blob_files(bucket, 14, checksums=lambda _: False)
+    size = sum(p.stat().st_size for p in bucket.iterdir())
+    proxy = FaultProxy(s3.port, rate=0.0, tls=(pki / "daemon.pem", pki / "daemon.key")).start()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_CA_BUNDLE": str(pki / "ca.pem")}
+    d = Daemon(tmp_path / "d", env=env, args=["--cache-size", str(size * 3 // 4)]).start()
+    try:
+        fetched = [blob_epoch(d, "s3://data/pqtls/", 5, ep, truth) for ep in range(2)]
+        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+    whole = [n for n in names if n.endswith(".parquet")]
+    row_groups = [n for n in names if ".rg" in n and n.endswith(".cols")]
+    # The build before: every file whole, 1.5x the files in the first epoch, or the cache full.
+    assert not whole and len(row_groups) > 16, names
+    assert fetched[0] <= 1.15 * size and fetched[1] <= 0.3 * size, (fetched, size)
+    for f in sorted(bucket.iterdir()):
+        first = pq.ParquetFile(f).metadata.row_group(0).column(0)
+        start = first.dictionary_page_offset or first.data_page_offset
+        probe = f"/data/pqtls/{f.name} bytes={start}-{start + min(first.total_compressed_size, 16 << 10) - 1}"
+        assert probe not in proxy.object_gets, (probe, sorted(proxy.object_gets))
 
 
 def test_a_file_whose_first_page_header_cannot_be_read_is_copied_whole_and_the_rest_still_by_row_group(

@@ -6,6 +6,11 @@
 //! first [`CRC_PROBE_BYTES`] of its first column chunk, room for any page header), many at
 //! once, once per dataset: the answers are kept with it. The same GET answers whether the ETag may be
 //! an MD5 at all (SSE-KMS says it is not, with an ETag of an MD5's form in the listing).
+//!
+//! No file is asked about when the store answers over TLS ([`Dataset::answers_over_tls`]): its
+//! record MACs check every ranged GET in transit, so a row group's copy is checked on the way as
+//! a whole copy's MD5 would check it (not at rest: S3 checks that itself), the stance
+//! column-chunk copies of a projection take for every file.
 
 use std::sync::atomic::Ordering;
 
@@ -26,6 +31,12 @@ pub enum RowGroupCheck {
 }
 
 impl Dataset {
+    /// True when the dataset's store answers over TLS ([`crate::storage::s3::S3Store::answers_over_tls`]).
+    /// Connects on first use (blocking).
+    pub fn answers_over_tls(&self) -> Result<bool> {
+        Ok(self.backends.s3()?.answers_over_tls())
+    }
+
     /// For each of S3 Parquet files `files` (shard indexes): true when a copy of one row group's
     /// chunks is checked as well as the whole file's (but for page headers, which nothing
     /// checks): its first page header carries a CRC-32 of its page (writers checksum every page

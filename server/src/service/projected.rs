@@ -178,13 +178,23 @@ impl ProjectedReads {
         // header). The others, one-part uploads whose pages carry none (pyarrow's default), are
         // copied whole, checked by their MD5 (a store that lists no ETag may still answer a GET
         // with one); with no file of the first kinds, whole files go through the cache as before.
+        // Over TLS every file goes a row group at a time, unasked: TLS checks each GET's bytes in
+        // transit, the check a whole copy's MD5 adds there, and the cache-full failure goes.
         let no_md5 = |i: usize| {
             ds.shards
                 .get(i)
                 .is_some_and(|s| matches!(&s.source, ShardSource::S3 { etag: Some(e), .. } if etag_md5(e).is_none()))
         };
         let most = selected as f64 > MAX_SHARE * total as f64;
-        let by_row_groups: HashSet<usize> = if most && per_row_group {
+        let by_row_groups: HashSet<usize> = if most && per_row_group && ds.answers_over_tls()? {
+            tracing::info!(
+                dataset = %ds.url,
+                files = files.len(),
+                "every column through a node cache smaller than the files: copied a row group at a time, \
+                 checked in transit by TLS (and by page checksums where the files carry them)"
+            );
+            files.iter().map(|f| f.index).collect()
+        } else if most && per_row_group {
             let maybe_md5: Vec<usize> = files.iter().map(|f| f.index).filter(|&i| !no_md5(i)).collect();
             let checked = ds.row_group_copies_checked(&maybe_md5)?;
             let checked = maybe_md5.iter().zip(checked).filter_map(|(&i, c)| c.then_some(i));
