@@ -2311,6 +2311,27 @@ def test_over_https_one_part_uploads_without_page_checksums_go_a_row_group_at_a_
         assert probe not in proxy.object_gets, (probe, sorted(proxy.object_gets))
 
 
+def test_a_whole_file_the_node_cache_cannot_hold_over_plain_http_says_how_its_row_groups_could_go_apart(
+    tmp_path: Path, s3
+) -> None:
+    """Every column of files only their MD5 checks (no page checksums, plain HTTP) goes whole
+    through the node cache, and a cache that cannot hold them refuses the stream: the refusal said
+    to raise --cache-size only, though serving the store over HTTPS or writing page checksums lets
+    the files go a row group at a time (the test above)."""
+    bucket = s3.bucket("data") / "pqhint"
+    truth = write_blob_files(bucket, 16, files=3, blob=10_000, checksums=lambda _: False)
+    largest = max(p.stat().st_size for p in bucket.iterdir())
+    d = Daemon(tmp_path, env=s3.env(), args=["--cache-size", str(largest // 2)]).start()
+    try:
+        with pytest.raises(shardstream.ShardstreamError) as e:
+            blob_epoch(d, "s3://data/pqhint/", 7, 0, truth)
+    finally:
+        assert d.stop() == 0
+    message = str(e.value)
+    assert "s3://data/pqhint/part-0" in message and "larger than the node cache" in message, message
+    assert "https://" in message and "write_page_checksum=True" in message, message
+
+
 def test_a_file_whose_first_page_header_cannot_be_read_is_copied_whole_and_the_rest_still_by_row_group(
     tmp_path: Path, s3
 ) -> None:
