@@ -17,6 +17,9 @@ Cases, each on a fresh daemon with a node cache smaller than what the epochs rea
 - `parquet-all-crc`: `parquet-all` on the same rows written with page checksums (pyarrow
   `write_page_checksum=True`), straight to the store: one-part uploads whose pages a row group's
   copy is checked by;
+- `parquet-all-tls`: `parquet-all` through an HTTPS proxy (`tests/chaos/proxy.py`, certificates
+  by `tests/tlsutil.py`, trusted through `AWS_CA_BUNDLE` and, for builds that read only that,
+  `SSL_CERT_FILE`): the store as AWS S3 is reached;
 - `tar`: WebDataset shards (`bench/gen.py`, 20,000 samples of 16-20 KiB, 250 a shard), a cache
   of half of them (the case of `s3_bench.py`'s "Epoch 2" table, on smaller shards so that half
   the dataset holds many more than a shuffle window's), indexed (`shardstream index`).
@@ -51,6 +54,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gen  # noqa: E402
+import tlsutil  # noqa: E402
 from chaos.proxy import FaultProxy  # noqa: E402
 from parquet_bench import chunk_bytes  # noqa: E402
 from s3_check_ab import FILES, ROWS, write_files  # noqa: E402
@@ -110,6 +114,10 @@ def main() -> int:
     multipart = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
     mixed_proxy = FaultProxy(s3.port, rate=0.0, multipart=lambda path: "part-15" not in path).start()
     mixed = {**s3.env(), "AWS_ENDPOINT_URL": mixed_proxy.endpoint}
+    pki = tlsutil.make_pki(tmp / "pki")
+    tls_proxy = FaultProxy(s3.port, rate=0.0, tls=(pki / "daemon.pem", pki / "daemon.key")).start()
+    ca = str(pki / "ca.pem")
+    over_tls = {**s3.env(), "AWS_ENDPOINT_URL": tls_proxy.endpoint, "AWS_CA_BUNDLE": ca, "SSL_CERT_FILE": ca}
     # (url, fields, cache bytes, bytes an epoch reads, rows an epoch delivers, environment)
     cols = ("s3://bench/pq/", ["id", "blob"], selected * 3 // 4, selected, FILES * ROWS, s3.env())
     cases = {
@@ -119,6 +127,7 @@ def main() -> int:
         "parquet-all-mp": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, multipart),
         "parquet-all-mixed": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, mixed),
         "parquet-all-crc": ("s3://bench/pqcrc/", None, crc_bytes * 3 // 4, crc_bytes, FILES * ROWS, s3.env()),
+        "parquet-all-tls": ("s3://bench/pq/", None, pq_bytes * 3 // 4, pq_bytes, FILES * ROWS, over_tls),
         "tar": ("s3://bench/wds/", None, tar_bytes // 2, tar_bytes, spec.samples, s3.env()),
     }
     cases = {k: v for k, v in cases.items() if not args.cases or k in args.cases}
@@ -160,6 +169,7 @@ def main() -> int:
     finally:
         proxy.stop()
         mixed_proxy.stop()
+        tls_proxy.stop()
         s3.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     print()
