@@ -4,8 +4,13 @@
 //! at a time is checked by its pages only, so a file is copied whole when its ETag's MD5 checks
 //! every byte there and its pages carry no checksum. One ranged GET per file asked about (the
 //! first [`CRC_PROBE_BYTES`] of its first column chunk, room for any page header), many at
-//! once, once per dataset: the answers are kept with it. The same GET answers whether the ETag may be
-//! an MD5 at all (SSE-KMS says it is not, with an ETag of an MD5's form in the listing).
+//! once, once per dataset: the answers are kept with it (and in the node cache, below). The same
+//! GET answers whether the ETag may be an MD5 at all (SSE-KMS says it is not, with an ETag of an
+//! MD5's form in the listing).
+//!
+//! Each answer read is also kept in the node cache's index directory, beside the file's sidecar
+//! and guarded by its identity as the sidecar is: a daemon restarted on its cache (a SLURM job's
+//! daemon on the node's disk) asks again only about files that changed or are new.
 //!
 //! No file is asked about when the store answers over TLS ([`Dataset::answers_over_tls`]): its
 //! record MACs check every ranged GET in transit, so a row group's copy is checked on the way as
@@ -14,6 +19,7 @@
 
 use std::sync::atomic::Ordering;
 
+use super::tables::cache_sidecar_path;
 use super::{Dataset, s3_object};
 use crate::Result;
 use crate::format::parquet::pages::{CRC_PROBE_BYTES, header_has_crc};
@@ -29,6 +35,22 @@ pub enum RowGroupCheck {
     /// As well as a whole copy, by whatever pages carry checksums: no MD5 checks it whole.
     NoMd5,
 }
+
+impl RowGroupCheck {
+    const ALL: [Self; 3] = [Self::Worse, Self::Pages, Self::NoMd5];
+
+    /// How a kept answer names it.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Worse => "worse",
+            Self::Pages => "pages",
+            Self::NoMd5 => "no-md5",
+        }
+    }
+}
+
+/// The extension of a kept answer's file, beside the file's sidecar (`.idx`).
+const KEPT_EXTENSION: &str = "rgcheck";
 
 impl Dataset {
     /// True when the dataset's store answers over TLS ([`crate::storage::s3::S3Store::answers_over_tls`]).
@@ -50,6 +72,10 @@ impl Dataset {
         let _probing = self.probing.lock().unwrap_or_else(|p| p.into_inner());
         let (mut reads, mut asked) = (Vec::new(), Vec::new());
         for i in files.iter().copied().filter(|&i| said(i).is_none()) {
+            if let Some(kept) = self.kept_answer(i) {
+                self.note_row_group_checked(i, kept);
+                continue;
+            }
             let (meta, table) = self.parquet_file(i)?;
             // The first column chunk that has rows: its first page (a dictionary's, or data).
             match (0..table.num_row_groups()).find_map(|rg| table.chunk_range(rg, 0)) {
@@ -77,11 +103,13 @@ impl Dataset {
                         }
                         with_crcs += usize::from(crc == Some(true));
                         no_md5 += usize::from(!md5);
-                        match (crc, md5) {
+                        let checked = match (crc, md5) {
                             (Some(true), _) => RowGroupCheck::Pages,
                             (_, false) => RowGroupCheck::NoMd5,
                             _ => RowGroupCheck::Worse,
-                        }
+                        };
+                        self.keep_answer(i, checked);
+                        checked
                     }
                     Err(e) => {
                         failed += 1;
@@ -102,6 +130,44 @@ impl Dataset {
             );
         }
         Ok(files.iter().map(|&i| said(i).is_some_and(|c| c != RowGroupCheck::Worse)).collect())
+    }
+
+    /// Where file `i`'s answer is kept, or None without a node cache or for a file whose identity
+    /// is its length alone (nothing would tell another object of that length from it).
+    fn kept_answer_path(&self, i: usize) -> Option<(std::path::PathBuf, Vec<u8>)> {
+        let (dir, meta) = (self.sidecar_cache.as_deref()?, self.shards.get(i)?);
+        let identity = meta.identity();
+        let weak = identity == format!("len={}", meta.len).into_bytes();
+        (!weak).then(|| (cache_sidecar_path(dir, meta).with_extension(KEPT_EXTENSION), identity))
+    }
+
+    /// File `i`'s answer kept by an earlier daemon on this cache, when it was kept for the file
+    /// as it is now.
+    fn kept_answer(&self, i: usize) -> Option<RowGroupCheck> {
+        let (path, identity) = self.kept_answer_path(i)?;
+        let kept = std::fs::read(&path).ok()?;
+        let (answer, for_identity) = kept.split_at(kept.iter().position(|&b| b == b'\n')?);
+        if for_identity.get(1..) != Some(identity.as_slice()) {
+            return None;
+        }
+        RowGroupCheck::ALL.into_iter().find(|c| c.name().as_bytes() == answer)
+    }
+
+    /// Keeps file `i`'s answer for the next daemon on this cache: written whole or not at all (a
+    /// failure only costs that daemon the GET again).
+    fn keep_answer(&self, i: usize, checked: RowGroupCheck) {
+        let Some((path, identity)) = self.kept_answer_path(i) else { return };
+        let write = || -> std::io::Result<()> {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            let tmp = crate::atomic_write::AtomicFile::create(&path)?;
+            std::io::Write::write_all(&mut tmp.file(), &[checked.name().as_bytes(), b"\n", &identity].concat())?;
+            tmp.commit_unsynced()
+        };
+        if let Err(e) = write() {
+            tracing::debug!(path = %path.display(), error = %e, "cannot keep a first page header's answer");
+        }
     }
 
     fn note_row_group_checked(&self, i: usize, checked: RowGroupCheck) {
