@@ -777,10 +777,11 @@ def test_a_store_behind_a_private_ca_is_read_over_https_with_aws_ca_bundle_and_a
 ) -> None:
     """S3-compatible stores on premises often answer HTTPS with a certificate of the site's own CA,
     which the AWS CLI and boto3 trust through AWS_CA_BUNDLE: the daemon ignored it (only
-    SSL_CERT_FILE, which replaces the system's roots, reached it). Read over HTTPS with the bundle;
-    a bundle that cannot be read or holds no certificate fails the open naming AWS_CA_BUNDLE (the
-    SDK panics on a certificate it cannot parse); a store whose certificate no trusted CA signed
-    fails at once, saying so, not after every retry."""
+    SSL_CERT_FILE, which replaces the system's roots, reached it). Read over HTTPS with the bundle
+    (a certificate in it that cannot be a root left out); a bundle that cannot be read or holds no
+    certificate fails the open naming AWS_CA_BUNDLE (the SDK panics on a certificate it cannot
+    parse); a store whose certificate no trusted CA signed fails at once, saying so, not after
+    every retry."""
     if why := tlsutil.available():
         pytest.fail(why)
     pki = tlsutil.make_pki(tmp_path / "pki")
@@ -789,7 +790,12 @@ def test_a_store_behind_a_private_ca_is_read_over_https_with_aws_ca_bundle_and_a
     https = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
     assert proxy.endpoint.startswith("https://")
     try:
-        d = Daemon(tmp_path / "ok", env={**https, "AWS_CA_BUNDLE": str(pki / "ca.pem")}).start()
+        # A system bundle with the site's CA appended may hold roots rustls refuses: left out.
+        bundle = tmp_path / "bundle.pem"
+        bundle.write_bytes(
+            b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n" + (pki / "ca.pem").read_bytes()
+        )
+        d = Daemon(tmp_path / "ok", env={**https, "AWS_CA_BUNDLE": str(bundle)}).start()
         try:
             assert epoch(d.addr, "s3://data/overtls/") == written
         finally:

@@ -41,7 +41,8 @@ impl Dataset {
         let check = !self.footer_verified(i);
         cache
             .get(key, pf.len(), want, &mut |tmp, file| self.fill_checked(i, pf, check, tmp, file))
-            .map_err(|e| named_in_cache(e, meta, pf.is_whole() && !self.answers_over_tls().unwrap_or(true)))
+            .map_err(|e| named_in_cache(e, meta))
+            .map_err(|e| if pf.is_whole() { self.how_row_groups_could_go_apart(i, e) } else { e })
     }
 
     /// Fetches the pieces `pf` of S3 Parquet file `i` once more, with every check of

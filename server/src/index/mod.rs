@@ -904,6 +904,7 @@ impl Dataset {
             return Err(Error::Internal(format!("{}: shard {i} is not read through the cache", self.url)));
         };
         fetch_into(cache, &self.backends, &self.shards[i], self.format, key.key_ref(), want)
+            .map_err(|e| self.how_row_groups_could_go_apart(i, e))
     }
 
     fn open_shard(&self, i: usize) -> Option<Arc<ResidentShard>> {
@@ -986,25 +987,15 @@ fn fetch_into(
         footer_crc32c: meta.footer_crc32c,
         parquet: format == Format::Parquet,
     };
-    let whole_parquet = format == Format::Parquet && store.is_some_and(|s| !s.answers_over_tls());
     cache
         .get(key, meta.len, want, &mut |tmp, file| download::fill(&spec, store, tmp, file, Arc::new(())))
-        .map_err(|e| named_in_cache(e, meta, whole_parquet))
+        .map_err(|e| named_in_cache(e, meta))
 }
 
 /// A node-cache refusal (no room) prefixed with the shard it was for: the cache knows only its
-/// entry's name, which the user never gave. `whole_parquet`: the copy was a whole S3 Parquet
-/// file fetched over plain HTTP, which the refusal also says how to avoid when nothing but its
-/// MD5 kept it whole.
-fn named_in_cache(e: Error, meta: &ShardMeta, whole_parquet: bool) -> Error {
+/// entry's name, which the user never gave.
+fn named_in_cache(e: Error, meta: &ShardMeta) -> Error {
     match e {
-        Error::CacheFull(m) if whole_parquet && meta.crc32c.is_none() => Error::CacheFull(format!(
-            "{}: {m}. In a node cache smaller than the dataset's files, every column of a Parquet \
-             file whose pages carry no checksum goes whole over plain HTTP (only its MD5 checks its \
-             bytes); over an https:// endpoint, or written with page checksums (pyarrow \
-             write_page_checksum=True), it goes a row group at a time",
-            meta.url()
-        )),
         Error::CacheFull(m) => Error::CacheFull(format!("{}: {m}", meta.url())),
         e => e,
     }

@@ -13,16 +13,18 @@
 //! daemon on the node's disk) asks again only about files that changed or are new.
 //!
 //! No file is asked about when the store answers over TLS ([`Dataset::answers_over_tls`]): its
-//! record MACs check every ranged GET in transit, so a row group's copy is checked on the way as
-//! a whole copy's MD5 would check it (not at rest: S3 checks that itself), the stance
-//! column-chunk copies of a projection take for every file.
+//! record MACs check every ranged GET in transit, where a whole copy's MD5 would, the stance
+//! column-chunk copies of a projection take for every file. The MD5 also caught bytes spoilt
+//! before TLS (by the store, or a TLS-terminating proxy before it) and a wrong joining of ranges;
+//! such a copy leaves those to its footer, the page checksums the file has and decoding.
 
 use std::sync::atomic::Ordering;
 
 use super::tables::cache_sidecar_path;
 use super::{Dataset, s3_object};
-use crate::Result;
+use crate::format::Format;
 use crate::format::parquet::pages::{CRC_PROBE_BYTES, header_has_crc};
+use crate::{Error, Result};
 
 /// How a row group's copy of a file is checked, as its first page header's GET said.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +170,27 @@ impl Dataset {
         if let Err(e) = write() {
             tracing::debug!(path = %path.display(), error = %e, "cannot keep a first page header's answer");
         }
+    }
+
+    /// `e`, a node cache's refusal of a whole copy of file `i`, saying how the file's row groups
+    /// could have gone apart, where only its MD5 kept it whole: a file of several row groups, no
+    /// manifest CRC, no page checksums, over plain HTTP. Any other error as it is.
+    pub(super) fn how_row_groups_could_go_apart(&self, i: usize, e: Error) -> Error {
+        let Error::CacheFull(m) = e else { return e };
+        let md5_only = self.format == Format::Parquet
+            && self.shards.get(i).is_some_and(|s| s.crc32c.is_none() && s3_object(s).is_ok())
+            && self.row_group_checked.get(i).and_then(|c| c.get()) != Some(&RowGroupCheck::Pages)
+            && self.parquet_file(i).is_ok_and(|(_, t)| t.num_row_groups() > 1)
+            && self.answers_over_tls().is_ok_and(|tls| !tls);
+        if !md5_only {
+            return Error::CacheFull(m);
+        }
+        Error::CacheFull(format!(
+            "{m}. In a node cache smaller than the dataset's files, every column of a Parquet file \
+             whose pages carry no checksum goes whole over plain HTTP (only its MD5 checks its bytes); \
+             over an https:// endpoint, or written with page checksums (pyarrow \
+             write_page_checksum=True), it goes a row group at a time"
+        ))
     }
 
     fn note_row_group_checked(&self, i: usize, checked: RowGroupCheck) {

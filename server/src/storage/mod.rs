@@ -30,6 +30,7 @@ pub mod partitions;
 pub mod pick;
 pub mod retry;
 pub mod s3;
+mod s3_tls;
 pub mod s3_write;
 pub mod table_log;
 

@@ -29,6 +29,7 @@ use bytes::Bytes;
 use tokio::sync::Semaphore;
 
 use super::retry::RetryConfig;
+use super::s3_tls;
 use crate::storage::table_log::ICEBERG_METADATA;
 use crate::{Error, Result};
 
@@ -174,14 +175,17 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
     // The whole cause chain (plain Display hides it), without the Debug dump that the SDK's
     // DisplayErrorContext appends: the message reaches trainers.
     let detail = shardstream_client::error_chain(&err);
+    // The handshake with the store was refused (its certificate not trusted, nothing in common):
+    // every later one ends the same way, and ten retries would only hide why. (A credential
+    // provider's own refusal is the credentials' error, below.)
+    if matches!(err, SdkError::DispatchFailure(_))
+        && !names_credentials(&err)
+        && let Some(why) = s3_tls::handshake_refused(&err)
+    {
+        return Failure::Permanent(Error::invalid(format!("{url}: {why}: {detail}")));
+    }
     match (&err, status) {
         (SdkError::TimeoutError(_), _) => Failure::Transient(detail),
-        // The store's certificate is refused (no trusted CA signed it, the wrong name, expired):
-        // every later handshake ends the same way, and ten retries would only hide why.
-        (SdkError::DispatchFailure(_), _) if tls_refused(&err) => Failure::Permanent(Error::invalid(format!(
-            "{url}: the store's TLS certificate is not trusted: {detail} (AWS_CA_BUNDLE names a file of CA \
-             certificates to trust besides the system's)"
-        ))),
         (SdkError::DispatchFailure(d), _) if d.as_connector_error().is_some_and(may_recover) => {
             Failure::Transient(detail)
         }
@@ -230,58 +234,6 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
     }
 }
 
-/// The S3 endpoint the SDK will use, or None for AWS's own: the client configuration's
-/// (`--s3-endpoint`), else the S3-specific one (`AWS_ENDPOINT_URL_S3`, a profile's `services`
-/// section), else the general one (`AWS_ENDPOINT_URL`, a profile's `endpoint_url`), the
-/// precedence `aws_sdk_s3::config::Builder::from` applies.
-fn s3_endpoint(sdk: &aws_config::SdkConfig) -> Option<String> {
-    if sdk.get_origin("endpoint_url").is_client_config() {
-        return sdk.endpoint_url().map(str::to_owned);
-    }
-    let key = aws_types::service_config::ServiceConfigKey::builder()
-        .service_id("S3")
-        .env("AWS_ENDPOINT_URL")
-        .profile("endpoint_url")
-        .build()
-        .ok()?;
-    sdk.service_config().and_then(|c| c.load_config(key)).or_else(|| sdk.endpoint_url().map(str::to_owned))
-}
-
-fn is_https(endpoint: &str) -> bool {
-    endpoint.trim_start().get(..8).is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"))
-}
-
-/// The PEM certificates of `AWS_CA_BUNDLE` (what the AWS CLI and boto3 read too), trusted besides
-/// the system's roots: an S3-compatible store behind a private CA. Checked here, as the SDK
-/// would panic on a certificate it cannot parse at the first connection.
-fn ca_bundle() -> Result<Option<Vec<u8>>> {
-    let Some(path) = std::env::var_os("AWS_CA_BUNDLE").filter(|p| !p.is_empty()) else {
-        return Ok(None);
-    };
-    let shown = Path::new(&path).display().to_string();
-    let bad = |why: String| Error::invalid(format!("AWS_CA_BUNDLE={shown}: {why}"));
-    let pem = std::fs::read(&path).map_err(|e| bad(format!("cannot be read: {e}")))?;
-    check_ca_bundle(&pem).map_err(bad)?;
-    Ok(Some(pem))
-}
-
-/// Why `pem` is no bundle of CA certificates rustls can trust, if it is not.
-fn check_ca_bundle(pem: &[u8]) -> std::result::Result<(), String> {
-    use tokio_rustls::rustls::pki_types::CertificateDer;
-    use tokio_rustls::rustls::pki_types::pem::PemObject;
-    let certs = CertificateDer::pem_slice_iter(pem)
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| format!("not PEM certificates: {e}"))?;
-    if certs.is_empty() {
-        return Err("holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into());
-    }
-    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
-    for (n, cert) in certs.into_iter().enumerate() {
-        roots.add(cert).map_err(|e| format!("certificate {} cannot be trusted as a root: {e}", n + 1))?;
-    }
-    Ok(())
-}
-
 /// Whether a request that could not be sent may go through on a later try: a connection or
 /// timeout failure, or one the SDK itself calls transient. Anything else (no credentials, an
 /// endpoint that is no URL) fails the same way every time.
@@ -294,38 +246,7 @@ fn may_recover(d: &aws_sdk_s3::error::ConnectorError) -> bool {
 
 /// Whether the credential chain's error is somewhere in `err`'s causes.
 fn names_credentials(err: &(dyn std::error::Error + 'static)) -> bool {
-    causes(err).any(|e| e.is::<aws_credential_types::provider::error::CredentialsError>())
-}
-
-/// Whether the TLS handshake refused the store's certificate (or found nothing in common with
-/// it) somewhere in `err`'s causes.
-fn tls_refused(err: &(dyn std::error::Error + 'static)) -> bool {
-    use tokio_rustls::rustls::Error as Tls;
-    causes(err).filter_map(|e| e.downcast_ref::<Tls>()).any(|e| {
-        matches!(
-            e,
-            Tls::InvalidCertificate(_)
-                | Tls::NoCertificatesPresented
-                | Tls::UnsupportedNameType
-                | Tls::PeerIncompatible(_)
-                | Tls::InvalidCertRevocationList(_)
-        )
-    })
-}
-
-/// `err` and its causes, including the error an `io::Error` wraps (whose `source` skips it).
-fn causes<'a>(
-    err: &'a (dyn std::error::Error + 'static),
-) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
-    let mut next = Some(err);
-    std::iter::from_fn(move || {
-        let e = next?;
-        next = match e.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
-            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
-            None => e.source(),
-        };
-        Some(e)
-    })
+    s3_tls::causes(err).any(|e| e.is::<aws_credential_types::provider::error::CredentialsError>())
 }
 
 /// Picks a dataset's shards from a listing of its prefix: objects directly under it with a shard
@@ -488,17 +409,9 @@ impl S3Store {
     /// chain may query instance metadata.
     pub async fn connect(options: S3Options) -> Result<Self> {
         use aws_smithy_http_client::tls;
-        let mut trust = tls::TrustStore::default();
-        if let Some(pem) = ca_bundle()? {
-            trust = trust.with_pem_certificate(pem);
-        }
-        let tls_context = tls::TlsContext::builder()
-            .with_trust_store(trust)
-            .build()
-            .map_err(|e| Error::invalid(format!("TLS settings for S3: {}", shardstream_client::error_chain(&e))))?;
         let http = aws_smithy_http_client::Builder::new()
             .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
-            .tls_context(tls_context)
+            .tls_context(s3_tls::context()?)
             .build_https();
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
             .http_client(http)
@@ -513,7 +426,7 @@ impl S3Store {
             loader = loader.endpoint_url(endpoint);
         }
         let sdk = loader.load().await;
-        let endpoint = s3_endpoint(&sdk);
+        let endpoint = s3_tls::endpoint(&sdk);
         let mut config = aws_sdk_s3::config::Builder::from(&sdk)
             .force_path_style(options.force_path_style.unwrap_or(endpoint.is_some()));
         if sdk.region().is_none() {
@@ -523,7 +436,7 @@ impl S3Store {
         Ok(Self {
             client: aws_sdk_s3::Client::from_conf(config.build()),
             options,
-            tls: endpoint.as_deref().is_none_or(is_https),
+            tls: endpoint.as_deref().is_none_or(s3_tls::is_https),
             gets: Arc::new(Semaphore::new(MAX_GETS_IN_FLIGHT)),
             probes: Arc::new(Semaphore::new(PROBES_IN_FLIGHT)),
             rt: tokio::runtime::Handle::current(),
@@ -1392,28 +1305,6 @@ mod tests {
         assert!(etag_changed(&answered, Some("\"b\""), true), "another part saw another version");
         let seen = answered.lock().unwrap();
         assert_eq!((seen.etag.as_deref(), seen.not_md5), (Some("\"a\""), false));
-    }
-
-    #[test]
-    fn answers_cross_tls_only_from_an_https_endpoint() {
-        assert!(is_https("https://s3.example.com"));
-        assert!(is_https("HTTPS://minio.local:9000/"));
-        assert!(!is_https("http://127.0.0.1:9000"));
-        assert!(!is_https("https:/typo"));
-        assert!(!is_https("s3.example.com"));
-    }
-
-    #[test]
-    fn a_ca_bundle_that_is_no_pem_certificate_is_refused_before_any_connection() {
-        let no_pem = check_ca_bundle(b"just some text\n").unwrap_err();
-        assert!(no_pem.contains("no PEM certificate"), "{no_pem}");
-        let key_only = check_ca_bundle(b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n").unwrap_err();
-        assert!(key_only.contains("no PEM certificate"), "{key_only}");
-        // Base64 that decodes, DER that does not parse: the SDK would have panicked on it.
-        let garbage = check_ca_bundle(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").unwrap_err();
-        assert!(garbage.contains("certificate 1 cannot be trusted"), "{garbage}");
-        let broken = check_ca_bundle(b"-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----\n").unwrap_err();
-        assert!(broken.contains("not PEM"), "{broken}");
     }
 
     #[test]
