@@ -795,7 +795,17 @@ def test_a_store_behind_a_private_ca_is_read_over_https_with_aws_ca_bundle_and_a
         bundle.write_bytes(
             b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n" + (pki / "ca.pem").read_bytes()
         )
-        d = Daemon(tmp_path / "ok", env={**https, "AWS_CA_BUNDLE": str(bundle)}).start()
+        trusted = {**https, "AWS_CA_BUNDLE": str(bundle)}
+        # The command-line tools connect as the daemon does.
+        indexed = subprocess.run(
+            [SHARDSTREAM, "index", "s3://data/overtls/"],
+            env={**os.environ, **trusted},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert indexed.returncode == 0 and "indexed 3 shards, 60 samples" in indexed.stdout, indexed.stderr
+        d = Daemon(tmp_path / "ok", env=trusted).start()
         try:
             assert epoch(d.addr, "s3://data/overtls/") == written
         finally:
