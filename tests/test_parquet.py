@@ -2181,6 +2181,23 @@ def blob_epoch(d: Daemon, url: str, seed: int, ep: int, truth: dict[int, bytes])
     return d.status()["storage_bytes"] - before
 
 
+def two_blob_epochs(
+    d: Daemon, proxy: FaultProxy, url: str, truth: dict[int, bytes]
+) -> tuple[list[int], list[str], list[str]]:
+    """Two epochs (seed 5) of `write_blob_files`' dataset at `url` through daemon `d`, started
+    (stopped here, and `proxy` with it): the bytes each downloaded, and the node cache's whole
+    copies and row groups' copies after them."""
+    try:
+        shardstream._native.Connection(d.addr).open(url)
+        fetched = [blob_epoch(d, url, 5, ep, truth) for ep in range(2)]
+        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
+    finally:
+        assert d.stop() == 0
+        proxy.stop()
+    whole = [n for n in names if n.endswith(".parquet")]
+    return fetched, whole, [n for n in names if ".rg" in n and n.endswith(".cols")]
+
+
 def probe_get(prefix: str, f: Path) -> str:
     """The daemon's read of file `f`'s first page header, as the chaos proxy counts it (`prefix`:
     /bucket/dir/): the first 16 KiB of its first column chunk."""
@@ -2258,15 +2275,7 @@ def test_one_part_uploads_larger_than_the_node_cache_go_a_row_group_at_a_time_wh
     d = Daemon(
         tmp_path / name, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, args=["--cache-size", str(cache)]
     ).start()
-    try:
-        shardstream._native.Connection(d.addr).open(f"s3://data/{name}/")
-        fetched = [blob_epoch(d, f"s3://data/{name}/", 5, ep, truth) for ep in range(2)]
-        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
-    finally:
-        assert d.stop() == 0
-        proxy.stop()
-    whole = [n for n in names if n.endswith(".parquet")]
-    row_groups = [n for n in names if ".rg" in n and n.endswith(".cols")]
+    fetched, whole, row_groups = two_blob_epochs(d, proxy, f"s3://data/{name}/", truth)
     # The first page header of each file (the start of its first column chunk), read once for
     # both epochs' streams.
     for f in sorted(bucket.iterdir()):
@@ -2276,9 +2285,9 @@ def test_one_part_uploads_larger_than_the_node_cache_go_a_row_group_at_a_time_wh
         # The build before: every file whole, and the first epoch failed after a minute ("node
         # cache ... is full"): the whole files of a window and of the batches in flight.
         assert fetched[0] <= 1.15 * size and fetched[1] <= 0.3 * size, (fetched, size)
-        assert not whole and len(row_groups) > 16, names
+        assert not whole and len(row_groups) > 16, (whole, row_groups)
     else:
-        assert whole and not row_groups, names
+        assert whole and not row_groups, (whole, row_groups)
 
 
 def test_over_https_one_part_uploads_without_page_checksums_go_a_row_group_at_a_time_unasked(
@@ -2299,16 +2308,9 @@ def test_over_https_one_part_uploads_without_page_checksums_go_a_row_group_at_a_
     proxy = FaultProxy(s3.port, rate=0.0, tls=(pki / "daemon.pem", pki / "daemon.key")).start()
     env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_CA_BUNDLE": str(pki / "ca.pem")}
     d = Daemon(tmp_path / "d", env=env, args=["--cache-size", str(size * 3 // 4)]).start()
-    try:
-        fetched = [blob_epoch(d, "s3://data/pqtls/", 5, ep, truth) for ep in range(2)]
-        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
-    finally:
-        assert d.stop() == 0
-        proxy.stop()
-    whole = [n for n in names if n.endswith(".parquet")]
-    row_groups = [n for n in names if ".rg" in n and n.endswith(".cols")]
+    fetched, whole, row_groups = two_blob_epochs(d, proxy, "s3://data/pqtls/", truth)
     # The build before: every file whole, 1.5x the files in the first epoch, or the cache full.
-    assert not whole and len(row_groups) > 16, names
+    assert not whole and len(row_groups) > 16, (whole, row_groups)
     assert fetched[0] <= 1.15 * size and fetched[1] <= 0.3 * size, (fetched, size)
     for f in sorted(bucket.iterdir()):
         probe = probe_get("/data/pqtls/", f)
