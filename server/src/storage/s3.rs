@@ -433,10 +433,13 @@ impl S3Store {
             // S3-compatible stores ignore the region but SigV4 needs one; AWS itself redirects.
             config = config.region(aws_sdk_s3::config::Region::from_static("us-east-1"));
         }
+        let tls = endpoint.as_deref().is_none_or(s3_tls::is_https);
+        // What decides how Parquet copies are checked (`answers_over_tls`), said once.
+        tracing::info!(endpoint = endpoint.as_deref().unwrap_or("AWS"), tls, "S3 connection");
         Ok(Self {
             client: aws_sdk_s3::Client::from_conf(config.build()),
             options,
-            tls: endpoint.as_deref().is_none_or(s3_tls::is_https),
+            tls,
             gets: Arc::new(Semaphore::new(MAX_GETS_IN_FLIGHT)),
             probes: Arc::new(Semaphore::new(PROBES_IN_FLIGHT)),
             rt: tokio::runtime::Handle::current(),
