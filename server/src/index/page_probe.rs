@@ -110,7 +110,11 @@ impl Dataset {
                             (_, false) => RowGroupCheck::NoMd5,
                             _ => RowGroupCheck::Worse,
                         };
-                        self.keep_answer(i, checked);
+                        // A header that did not say may have been spoilt on the way: asked
+                        // again by the next daemon rather than kept whole for good.
+                        if crc.is_some() || !md5 {
+                            self.keep_answer(i, checked);
+                        }
                         checked
                     }
                     Err(e) => {
