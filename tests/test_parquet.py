@@ -2342,10 +2342,10 @@ def test_a_daemon_restarted_on_its_node_cache_reads_first_page_headers_only_of_f
     tmp_path: Path, s3
 ) -> None:
     """The first stream of a dataset read every file's first page header (2,000 files: 1.4-2.0 s
-    here, 4.8-5.2 s at 30 ms a GET, before its first batch), and so did every daemon after, as a
-    SLURM job's daemon on the node's disk is started each job. The answers are kept in the node
-    cache's index, guarded by each file's identity: a daemon restarted on the cache asks only
-    about a file rewritten meanwhile."""
+    here, 4.8-5.2 s at 30 ms a GET, before its first batch), and so did every daemon after it on
+    the same cache (an upgrade, a crash). The answers are kept in the node cache's index, guarded
+    by each file's identity: a daemon restarted on the cache asks only about a file rewritten
+    meanwhile."""
     bucket = s3.bucket("data") / "pqkept"
     truth = write_blob_files(bucket, 18)
     size = sum(p.stat().st_size for p in bucket.iterdir())

@@ -9,8 +9,8 @@
 //! MD5's form in the listing).
 //!
 //! Each answer read is also kept in the node cache's index directory, beside the file's sidecar
-//! and guarded by its identity as the sidecar is: a daemon restarted on its cache (a SLURM job's
-//! daemon on the node's disk) asks again only about files that changed or are new.
+//! and guarded by its identity as the sidecar is: a daemon restarted on its cache (an upgrade, a
+//! crash) asks again only about files that changed or are new.
 //!
 //! No file is asked about when the store answers over TLS ([`Dataset::answers_over_tls`]): its
 //! record MACs check every ranged GET in transit, where a whole copy's MD5 would, the stance
