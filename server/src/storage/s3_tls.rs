@@ -28,9 +28,10 @@ pub(super) fn context() -> Result<TlsContext> {
 }
 
 /// The S3 endpoint the SDK will use, or None for AWS's own: the client configuration's
-/// (`--s3-endpoint`), else the S3-specific one (`AWS_ENDPOINT_URL_S3`, a profile's `services`
-/// section), else the general one (`AWS_ENDPOINT_URL`, a profile's `endpoint_url`): the
-/// precedence of `aws_sdk_s3::config::Builder::from`.
+/// ([`S3Options::endpoint`](super::s3::S3Options::endpoint)), else the S3-specific one
+/// (`AWS_ENDPOINT_URL_S3`, a profile's `services` section), else the general one
+/// (`AWS_ENDPOINT_URL`, a profile's `endpoint_url`): the precedence of
+/// `aws_sdk_s3::config::Builder::from`.
 pub(super) fn endpoint(sdk: &aws_config::SdkConfig) -> Option<String> {
     if sdk.get_origin("endpoint_url").is_client_config() {
         return sdk.endpoint_url().map(str::to_owned);
@@ -183,7 +184,7 @@ mod tests {
         assert_eq!(endpoint(&specific).as_deref(), Some("https://s3only:9000"));
         // Without one, the general setting.
         assert_eq!(endpoint(&general().service_config(Env(&[])).build()).as_deref(), Some("http://general:9000"));
-        // The client's own configuration (`--s3-endpoint`) wins over both.
+        // The client's own configuration (`S3Options::endpoint`) wins over both.
         let mut client = general().service_config(Env(&[("AWS_ENDPOINT_URL_S3", "https://s3only:9000")]));
         client.insert_origin("endpoint_url", Origin::shared_config());
         assert_eq!(endpoint(&client.build()).as_deref(), Some("http://general:9000"));
