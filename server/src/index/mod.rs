@@ -401,7 +401,9 @@ impl Dataset {
         // S3 Parquet files whose footer was just read from the object itself, and matches the
         // manifest if there is one: already verified for column-chunk reads.
         let mut footer_checked = Vec::with_capacity(scanned.len());
-        for (meta, (table, content, fresh)) in shards.iter_mut().zip(scanned) {
+        let mut from_tails = Vec::with_capacity(scanned.len());
+        for (meta, tables::Scanned { table, content, fresh, from_tail }) in shards.iter_mut().zip(scanned) {
+            from_tails.push(from_tail);
             let matches = match (&table, meta.footer_crc32c) {
                 (ShardTable::Parquet(t), expected) => expected.is_none_or(|e| e == t.footer_crc32c()),
                 (ShardTable::Tar(_), _) => false,
@@ -440,6 +442,11 @@ impl Dataset {
             Self::assemble(&url, format, mode, base, shards, fields, from_manifest, sidecar_cache, backends, keys);
         ds.largest_sample = largest_sample;
         ds.parquet = parquet;
+        for (i, checked) in from_tails.into_iter().enumerate() {
+            if let Some(c) = checked {
+                ds.note_row_group_checked(i, c);
+            }
+        }
         for (flag, checked) in ds.verified.iter().zip(footer_checked) {
             if checked {
                 flag.store(true, Ordering::Release);

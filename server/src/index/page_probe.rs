@@ -8,6 +8,10 @@
 //! GET answers whether the ETag may be an MD5 at all (SSE-KMS says it is not, with an ETag of an
 //! MD5's form in the listing).
 //!
+//! Many files need no GET of their own: the tail read for a file's footer at open often holds a
+//! column chunk's first page header (the last row group's chunks, when they are small), and its
+//! answer says whether the ETag may be an MD5 ([`RowGroupCheck::from_tail`]).
+//!
 //! Each answer read is also kept in the node cache's index directory, beside the file's sidecar
 //! and guarded by its identity as the sidecar is: a daemon restarted on its cache (an upgrade, a
 //! crash) asks again only about files that changed or are new.
@@ -23,6 +27,7 @@ use std::sync::atomic::Ordering;
 use super::tables::cache_sidecar_path;
 use super::{Dataset, s3_object};
 use crate::format::Format;
+use crate::format::parquet::ParquetTable;
 use crate::format::parquet::pages::{CRC_PROBE_BYTES, header_has_crc};
 use crate::{Error, Result};
 
@@ -40,6 +45,29 @@ pub enum RowGroupCheck {
 
 impl RowGroupCheck {
     const ALL: [Self; 3] = [Self::Worse, Self::Pages, Self::NoMd5];
+
+    /// The answer of a GET of a page header that said `crc` (None: it did not say), whose ETag
+    /// may check the object whole when `md5`.
+    fn of(crc: Option<bool>, md5: bool) -> Self {
+        match (crc, md5) {
+            (Some(true), _) => Self::Pages,
+            (_, false) => Self::NoMd5,
+            _ => Self::Worse,
+        }
+    }
+
+    /// The answer the tail of S3 Parquet file `table` already gives (`tail`: its bytes from
+    /// `tail_at`, read for its footer, whose ETag may check the object whole when `md5`), when
+    /// the tail holds a column chunk's first page header (the last row group's small chunks
+    /// often start there) or the ETag is no MD5: no GET of the file's first page then.
+    pub(super) fn from_tail(table: &ParquetTable, tail_at: u64, tail: &[u8], md5: bool) -> Option<Self> {
+        let in_tail = |r: &std::ops::Range<u64>| r.start.checked_sub(tail_at).and_then(|o| tail.get(o as usize..));
+        let crc = (0..table.num_row_groups())
+            .rev()
+            .flat_map(|rg| (0..).map_while(move |col| table.chunk_range(rg, col)))
+            .find_map(|r| header_has_crc(in_tail(&r)?, r.end - r.start));
+        (crc.is_some() || !md5).then(|| Self::of(crc, md5))
+    }
 
     /// How a kept answer names it.
     fn name(self) -> &'static str {
@@ -72,6 +100,13 @@ impl Dataset {
         let said = |i: usize| self.row_group_checked.get(i).and_then(|c| c.get().copied());
         // Two plans built at once (streams, staging) read each header once: the second waits.
         let _probing = self.probing.lock().unwrap_or_else(|p| p.into_inner());
+        // Answers the files' tails gave at open (`from_tail`), kept now that a plan needs them:
+        // the next daemon may open the dataset from its sidecars, without reading the tails.
+        for i in files.iter().copied() {
+            if let Some(c) = said(i).filter(|&c| self.kept_answer(i) != Some(c)) {
+                self.keep_answer(i, c);
+            }
+        }
         let (mut reads, mut asked) = (Vec::new(), Vec::new());
         for i in files.iter().copied().filter(|&i| said(i).is_none()) {
             if let Some(kept) = self.kept_answer(i) {
@@ -105,11 +140,7 @@ impl Dataset {
                         }
                         with_crcs += usize::from(crc == Some(true));
                         no_md5 += usize::from(!md5);
-                        let checked = match (crc, md5) {
-                            (Some(true), _) => RowGroupCheck::Pages,
-                            (_, false) => RowGroupCheck::NoMd5,
-                            _ => RowGroupCheck::Worse,
-                        };
+                        let checked = RowGroupCheck::of(crc, md5);
                         // A header that did not say may have been spoilt on the way: asked
                         // again by the next daemon rather than kept whole for good.
                         if crc.is_some() || !md5 {
@@ -197,7 +228,7 @@ impl Dataset {
         ))
     }
 
-    fn note_row_group_checked(&self, i: usize, checked: RowGroupCheck) {
+    pub(super) fn note_row_group_checked(&self, i: usize, checked: RowGroupCheck) {
         if let Some(c) = self.row_group_checked.get(i) {
             // Another stream may have read it meanwhile: the same file, the same answer.
             let _ = c.set(checked);

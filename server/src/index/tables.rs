@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::integrity::content_digest;
+use super::page_probe::RowGroupCheck;
 use super::{Backends, FOOTER_THREADS, SCAN_THREADS, ShardMeta, fetch_into, map_pinned};
 use crate::cache::Want;
 use crate::cache::key::CacheKey;
@@ -86,6 +87,17 @@ pub(super) fn parquet_dataset(
 ///
 /// `bundled`: tables known already (from the manifest's footers bundle), by shard; those shards
 /// are not read (a manifest names them by CRC, so no content digest either).
+/// A shard's table as opening the dataset found it.
+pub(super) struct Scanned {
+    pub table: ShardTable,
+    /// A local shard's content digest (S3 shards keep their ETag as identity).
+    pub content: Option<u64>,
+    /// The table was just read from the object itself (an S3 Parquet footer).
+    pub fresh: bool,
+    /// What that read's tail told of how the file's row groups' copies are checked.
+    pub from_tail: Option<RowGroupCheck>,
+}
+
 pub(super) fn scan_all(
     format: Format,
     shards: &[ShardMeta],
@@ -94,7 +106,7 @@ pub(super) fn scan_all(
     cache: Option<&Path>,
     bundled: &[Option<Arc<ParquetTable>>],
     opening: &super::opening::Opening,
-) -> Result<Vec<(ShardTable, Option<u64>, bool)>> {
+) -> Result<Vec<Scanned>> {
     let indexed: Vec<usize> = (0..shards.len()).collect();
     // S3 Parquet files give their tables from their footers alone: latency-bound ranged GETs.
     let footers_only = format == Format::Parquet && shards.iter().all(|s| matches!(s.source, ShardSource::S3 { .. }));
@@ -168,7 +180,7 @@ fn scan_one(
     backends: &Backends,
     cache: Option<&Path>,
     bundled: Option<Arc<ParquetTable>>,
-) -> Result<(ShardTable, Option<u64>, bool)> {
+) -> Result<Scanned> {
     let digest = |table: &ShardTable, file: Option<&ShardFile>| -> Result<Option<u64>> {
         // A manifest's CRC names the file in the fingerprint (`ShardMeta::content_identity`): a
         // digest would be read for nothing, and a dataset opened from its manifest and footers
@@ -186,7 +198,7 @@ fn scan_one(
     };
     if let Some(table) = bundled.map(ShardTable::Parquet) {
         let content = digest(&table, None)?;
-        return Ok((table, content, false));
+        return Ok(Scanned { table, content, fresh: false, from_tail: None });
     }
     // A local Parquet file's table is its footer, read from the file itself also when its rows go
     // through the node cache: copying every file to read its footer cost the first batch the
@@ -195,7 +207,7 @@ fn scan_one(
     let footer_in_place = format == Format::Parquet && matches!(meta.source, ShardSource::Local(_));
     match (key, &backends.cache) {
         (Some(key), Some(node)) if !footer_in_place => {
-            let mut fresh = false;
+            let (mut fresh, mut from_tail) = (false, None);
             let table = match cache.and_then(|c| {
                 format.read_sidecar(&cache_sidecar_path(c, meta), &meta.identity(), meta.len).ok().flatten()
             }) {
@@ -203,7 +215,8 @@ fn scan_one(
                 // A Parquet file's table is its footer: one ranged GET, not the whole object (which
                 // is fetched, and verified, when a stream first needs its rows).
                 None if format == Format::Parquet && matches!(meta.source, ShardSource::S3 { .. }) => {
-                    let table = remote_parquet_table(backends.s3()?, meta)?;
+                    let (table, checked) = remote_parquet_table(backends.s3()?, meta)?;
+                    from_tail = checked;
                     fresh = true;
                     if let Some(c) = cache {
                         let path = cache_sidecar_path(c, meta);
@@ -227,7 +240,7 @@ fn scan_one(
                 }
             };
             let content = digest(&table, None)?;
-            Ok((table, content, fresh))
+            Ok(Scanned { table, content, fresh, from_tail })
         }
         _ => {
             let ShardSource::Local(path) = &meta.source else {
@@ -236,14 +249,15 @@ fn scan_one(
             let file = ShardFile::open(path.clone(), meta.len)?;
             let table = load_table(format, meta, &file, None, cache)?;
             let content = digest(&table, Some(&file))?;
-            Ok((table, content, false))
+            Ok(Scanned { table, content, fresh: false, from_tail: None })
         }
     }
 }
 
 /// The footer table of an S3 Parquet file, read with one ranged GET of its tail (two for a footer
-/// larger than the tail).
-fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<ShardTable> {
+/// larger than the tail), and what that tail tells of how a row group's copy is checked
+/// ([`RowGroupCheck::from_tail`]).
+fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<(ShardTable, Option<RowGroupCheck>)> {
     let ShardSource::S3 { bucket, key, etag } = &meta.source else {
         return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
     };
@@ -252,13 +266,19 @@ fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<ShardTable>
     let mut read = 0;
     loop {
         read += 1;
+        // The first read is the tail (`footer::read_footer`).
+        let mut tail = None;
         let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
-            let (got, _) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+            let (got, md5) = store.block_on(store.get_range_md5(&obj, off..off + buf.len() as u64))?;
             buf.copy_from_slice(&got);
+            tail.get_or_insert((off, got, md5));
             Ok(())
         });
         match table {
-            Ok(table) => return Ok(ShardTable::Parquet(Arc::new(table))),
+            Ok(table) => {
+                let checked = tail.and_then(|(at, bytes, md5)| RowGroupCheck::from_tail(&table, at, &bytes, md5));
+                return Ok((ShardTable::Parquet(Arc::new(table)), checked));
+            }
             // Nothing checks a ranged GET but the footer's own form: a spoilt one may read
             // well the next time, a damaged file fails every time.
             Err(e @ Error::Shard { .. }) if read < FOOTER_READS => {

@@ -689,6 +689,13 @@ impl S3Store {
         self.get_range_answered(obj, range).await.map(|(bytes, etag, _)| (bytes, etag))
     }
 
+    /// [`Self::get_range`], and whether the answer's ETag may check its object whole (the MD5's
+    /// form, and [`etag_may_be_md5`]), as [`Self::get_each`] says it.
+    pub async fn get_range_md5(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, bool)> {
+        let (bytes, etag, may_be_md5) = self.get_range_answered(obj, range).await?;
+        Ok((bytes, answer_may_be_md5(etag.as_deref(), may_be_md5)))
+    }
+
     /// [`Self::get_range`], and whether the answer's ETag may be the MD5 of the object's bytes
     /// ([`etag_may_be_md5`]).
     async fn get_range_answered(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, Option<String>, bool)> {
@@ -786,7 +793,7 @@ impl S3Store {
                 }
             };
             let answer = answer.map(|(bytes, etag, may_be_md5)| {
-                let md5 = may_be_md5 && etag.as_deref().and_then(etag_md5).is_some();
+                let md5 = answer_may_be_md5(etag.as_deref(), may_be_md5);
                 (bytes, md5)
             });
             if let Some(slot) = got.get_mut(i) {
@@ -1130,6 +1137,12 @@ pub fn etag_md5(etag: &str) -> Option<[u8; 16]> {
         *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
     }
     Some(out)
+}
+
+/// Whether an answer with `etag` (and headers that let it be an MD5: `may_be_md5`) may check its
+/// object whole.
+fn answer_may_be_md5(etag: Option<&str>, may_be_md5: bool) -> bool {
+    may_be_md5 && etag.and_then(etag_md5).is_some()
 }
 
 /// Whether an object's ETag can be the MD5 of its bytes, by how the response says it is
