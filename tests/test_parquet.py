@@ -2262,7 +2262,7 @@ def test_one_part_uploads_larger_than_the_node_cache_go_a_row_group_at_a_time_wh
     group's copy is checked by its pages, so a file goes a row group at a time when that checks
     it as well as a whole copy: its pages carry checksums, or (`kms`: answered as SSE-KMS
     answers) its ETag is no MD5, so its pages were all a whole copy had too. Both are read from
-    each file's first page header, once per dataset (under SSE-KMS the GET of the file's footer
+    each file's first page header, once per file (under SSE-KMS the GET of the file's footer
     already says its ETag is no MD5: no header is read). Files whose MD5 checks them and whose
     pages carry no checksum stay whole."""
     name = ("pqcrc" if checksums else "pqplain") + ("-kms" if kms else "")
@@ -2356,14 +2356,20 @@ def test_a_first_page_header_in_the_tail_read_for_the_footer_is_not_read_again(
     env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
     cache = size * 3 // 4 if checksums else size * 9 // 10
     d = Daemon(tmp_path, env=env, args=["--cache-size", str(cache)]).start()
-    _, whole, row_groups = two_blob_epochs(d, proxy, f"s3://data/{name}/", truth)
+    copies = [two_blob_epochs(d, proxy, f"s3://data/{name}/", truth)[1:]]
+    # A daemon restarted on the cache opens the files from its sidecars, reading no tail: the
+    # tails' answers were kept.
+    again = FaultProxy(s3.port, rate=0.0).start()
+    d = Daemon(tmp_path, env={**env, "AWS_ENDPOINT_URL": again.endpoint}, args=["--cache-size", str(cache)]).start()
+    copies.append(two_blob_epochs(d, again, f"s3://data/{name}/", truth)[1:])
     for f in sorted(bucket.iterdir()):
         probe = probe_get(f"/data/{name}/", f)
-        assert probe not in proxy.object_gets, (probe, sorted(proxy.object_gets))
-    if checksums:
-        assert not whole and len(row_groups) > 16, (whole, row_groups)
-    else:
-        assert whole and not row_groups, (whole, row_groups)
+        assert probe not in proxy.object_gets and probe not in again.object_gets, (probe, sorted(again.object_gets))
+    for whole, row_groups in copies:
+        if checksums:
+            assert not whole and len(row_groups) > 16, (whole, row_groups)
+        else:
+            assert whole and not row_groups, (whole, row_groups)
 
 
 def test_a_daemon_restarted_on_its_node_cache_reads_first_page_headers_only_of_files_that_changed(
@@ -2391,11 +2397,15 @@ def test_a_daemon_restarted_on_its_node_cache_reads_first_page_headers_only_of_f
         rewritten.write_bytes(data)
         d.start()
         blob_epoch(d, "s3://data/pqkept/", 5, 1, truth)
+        names = [f.name for f in (d.cache_dir / "shards").iterdir()]
         assert d.stop() == 0
     finally:
         proxy.stop()
     asked = {f.name: proxy.object_gets[probe_get("/data/pqkept/", f)] for f in sorted(bucket.iterdir())}
     assert asked.pop("part-03.parquet") == 2 and set(asked.values()) == {1}, asked
+    # The kept answers were read back as given: every file (page checksums) by row group.
+    assert not [n for n in names if n.endswith(".parquet")], names
+    assert len([n for n in names if ".rg" in n and n.endswith(".cols")]) > 16, names
 
 
 def test_a_file_whose_first_page_header_cannot_be_read_is_copied_whole_and_the_rest_still_by_row_group(
@@ -2418,10 +2428,15 @@ def test_a_file_whose_first_page_header_cannot_be_read_is_copied_whole_and_the_r
     try:
         blob_epoch(d, "s3://data/pqprobe403/", 6, 0, truth)
         names = [f.name for f in (d.cache_dir / "shards").iterdir()]
+        assert d.stop() == 0
+        assert proxy.object_gets[probe] == 1, "refused, and not asked again"
+        # No answer was kept for it: a daemon restarted on the cache asks again.
+        d.start()
+        blob_epoch(d, "s3://data/pqprobe403/", 6, 1, truth)
     finally:
         assert d.stop() == 0
         proxy.stop()
-    assert proxy.object_gets[probe] == 1, "refused, and not asked again"
+    assert proxy.object_gets[probe] == 2, "asked again after a restart"
     row_groups = {n.split(".parquet")[0] for n in names if ".rg" in n}
     assert "part-03" not in row_groups and len(row_groups) >= 8, names
     whole = f"/data/pqprobe403/part-03.parquet bytes=0-{(bucket / 'part-03.parquet').stat().st_size - 1}"

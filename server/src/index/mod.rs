@@ -403,12 +403,14 @@ impl Dataset {
         let mut footer_checked = Vec::with_capacity(scanned.len());
         let mut from_tails = Vec::with_capacity(scanned.len());
         for (meta, tables::Scanned { table, content, fresh, from_tail }) in shards.iter_mut().zip(scanned) {
-            from_tails.push(from_tail);
             let matches = match (&table, meta.footer_crc32c) {
                 (ShardTable::Parquet(t), expected) => expected.is_none_or(|e| e == t.footer_crc32c()),
                 (ShardTable::Tar(_), _) => false,
             };
             footer_checked.push(fresh && matches && meta.crc32c.is_none());
+            // A footer that does not match the manifest is another version of the file: its
+            // answer is not this one's.
+            from_tails.push(from_tail.filter(|_| matches));
             meta.samples = table.num_samples();
             meta.content = content;
             fields.extend(table.fields().iter().cloned());
@@ -442,9 +444,16 @@ impl Dataset {
             Self::assemble(&url, format, mode, base, shards, fields, from_manifest, sidecar_cache, backends, keys);
         ds.largest_sample = largest_sample;
         ds.parquet = parquet;
+        // What the footers' tails said of how row groups' copies are checked (`page_probe`):
+        // kept for the next daemon on this cache, which may open the dataset from its sidecars
+        // without reading the tails. Over TLS nothing asks (`service::projected`).
+        let keep = from_tails.iter().any(Option::is_some) && !ds.answers_over_tls().unwrap_or(true);
         for (i, checked) in from_tails.into_iter().enumerate() {
             if let Some(c) = checked {
                 ds.note_row_group_checked(i, c);
+                if keep {
+                    ds.keep_answer(i, c);
+                }
             }
         }
         for (flag, checked) in ds.verified.iter().zip(footer_checked) {

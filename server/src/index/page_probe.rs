@@ -13,8 +13,10 @@
 //! answer says whether the ETag may be an MD5 ([`RowGroupCheck::from_tail`]).
 //!
 //! Each answer read is also kept in the node cache's index directory, beside the file's sidecar
-//! and guarded by its identity as the sidecar is: a daemon restarted on its cache (an upgrade, a
-//! crash) asks again only about files that changed or are new.
+//! and guarded by the object's identity, ETag and modification time: a daemon restarted on its
+//! cache (an upgrade, a crash) asks again only about files that changed or are new. One page
+//! header speaks for its file (the first's, or one in the tail), for as long as the answer is
+//! kept: a file whose writers mixed is logged when a copy meets pages without a checksum.
 //!
 //! No file is asked about when the store answers over TLS ([`Dataset::answers_over_tls`]): its
 //! record MACs check every ranged GET in transit, where a whole copy's MD5 would, the stance
@@ -29,6 +31,7 @@ use super::{Dataset, s3_object};
 use crate::format::Format;
 use crate::format::parquet::ParquetTable;
 use crate::format::parquet::pages::{CRC_PROBE_BYTES, header_has_crc};
+use crate::storage::ShardSource;
 use crate::{Error, Result};
 
 /// How a row group's copy of a file is checked, as its first page header's GET said.
@@ -61,7 +64,12 @@ impl RowGroupCheck {
     /// the tail holds a column chunk's first page header (the last row group's small chunks
     /// often start there) or the ETag is no MD5: no GET of the file's first page then.
     pub(super) fn from_tail(table: &ParquetTable, tail_at: u64, tail: &[u8], md5: bool) -> Option<Self> {
-        let in_tail = |r: &std::ops::Range<u64>| r.start.checked_sub(tail_at).and_then(|o| tail.get(o as usize..));
+        // As much of a chunk's start as the probe would read.
+        let in_tail = |r: &std::ops::Range<u64>| {
+            let rest = tail.get(usize::try_from(r.start.checked_sub(tail_at)?).ok()?..)?;
+            let len = usize::try_from((r.end - r.start).min(CRC_PROBE_BYTES)).ok()?;
+            rest.get(..len.min(rest.len()))
+        };
         let crc = (0..table.num_row_groups())
             .rev()
             .flat_map(|rg| (0..).map_while(move |col| table.chunk_range(rg, col)))
@@ -100,13 +108,6 @@ impl Dataset {
         let said = |i: usize| self.row_group_checked.get(i).and_then(|c| c.get().copied());
         // Two plans built at once (streams, staging) read each header once: the second waits.
         let _probing = self.probing.lock().unwrap_or_else(|p| p.into_inner());
-        // Answers the files' tails gave at open (`from_tail`), kept now that a plan needs them:
-        // the next daemon may open the dataset from its sidecars, without reading the tails.
-        for i in files.iter().copied() {
-            if let Some(c) = said(i).filter(|&c| self.kept_answer(i) != Some(c)) {
-                self.keep_answer(i, c);
-            }
-        }
         let (mut reads, mut asked) = (Vec::new(), Vec::new());
         for i in files.iter().copied().filter(|&i| said(i).is_none()) {
             if let Some(kept) = self.kept_answer(i) {
@@ -169,13 +170,20 @@ impl Dataset {
         Ok(files.iter().map(|&i| said(i).is_some_and(|c| c != RowGroupCheck::Worse)).collect())
     }
 
-    /// Where file `i`'s answer is kept, or None without a node cache or for a file whose identity
-    /// is its length alone (nothing would tell another object of that length from it).
+    /// Where file `i`'s answer is kept, and what guards it: the file's identity (its sidecar's)
+    /// with the object's ETag and modification time, which name its upload and encryption too
+    /// (a footer CRC does not: an object copied onto itself to drop SSE-KMS keeps its footer).
+    /// None without a node cache, or for an object known by neither: nothing would tell another
+    /// upload of those bytes from it.
     fn kept_answer_path(&self, i: usize) -> Option<(std::path::PathBuf, Vec<u8>)> {
         let (dir, meta) = (self.sidecar_cache.as_deref()?, self.shards.get(i)?);
-        let identity = meta.identity();
-        let weak = identity == format!("len={}", meta.len).into_bytes();
-        (!weak).then(|| (cache_sidecar_path(dir, meta).with_extension(KEPT_EXTENSION), identity))
+        let ShardSource::S3 { etag, .. } = &meta.source else { return None };
+        if etag.is_none() && meta.mtime_ns.is_none() {
+            return None;
+        }
+        let mut guard = meta.identity();
+        guard.extend_from_slice(format!(";etag={etag:?};mtime_ns={:?}", meta.mtime_ns).as_bytes());
+        Some((cache_sidecar_path(dir, meta).with_extension(KEPT_EXTENSION), guard))
     }
 
     /// File `i`'s answer kept by an earlier daemon on this cache, when it was kept for the file
@@ -192,7 +200,7 @@ impl Dataset {
 
     /// Keeps file `i`'s answer for the next daemon on this cache: written whole or not at all (a
     /// failure only costs that daemon the GET again).
-    fn keep_answer(&self, i: usize, checked: RowGroupCheck) {
+    pub(super) fn keep_answer(&self, i: usize, checked: RowGroupCheck) {
         let Some((path, identity)) = self.kept_answer_path(i) else { return };
         let write = || -> std::io::Result<()> {
             if let Some(dir) = path.parent() {
@@ -214,7 +222,7 @@ impl Dataset {
         let Error::CacheFull(m) = e else { return e };
         let md5_only = self.format == Format::Parquet
             && self.shards.get(i).is_some_and(|s| s.crc32c.is_none() && s3_object(s).is_ok())
-            && self.row_group_checked.get(i).and_then(|c| c.get()) != Some(&RowGroupCheck::Pages)
+            && matches!(self.row_group_checked.get(i).and_then(|c| c.get()), None | Some(RowGroupCheck::Worse))
             && self.parquet_file(i).is_ok_and(|(_, t)| t.num_row_groups() > 1)
             && self.answers_over_tls().is_ok_and(|tls| !tls);
         if !md5_only {

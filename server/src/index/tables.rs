@@ -80,13 +80,6 @@ pub(super) fn parquet_dataset(
     Ok(ParquetDataset::new(files)?.0.with_partitions(partitions))
 }
 
-/// Loads every shard's table, in parallel (a dataset opened without manifest), and the content
-/// digest of each local shard. Shards read through the node cache are fetched first, unless the
-/// daemon's sidecar cache already knows them: a restarted daemon reopens an S3 dataset without
-/// downloading it again.
-///
-/// `bundled`: tables known already (from the manifest's footers bundle), by shard; those shards
-/// are not read (a manifest names them by CRC, so no content digest either).
 /// A shard's table as opening the dataset found it.
 pub(super) struct Scanned {
     pub table: ShardTable,
@@ -98,6 +91,13 @@ pub(super) struct Scanned {
     pub from_tail: Option<RowGroupCheck>,
 }
 
+/// Loads every shard's table, in parallel (a dataset opened without manifest), and the content
+/// digest of each local shard. Shards read through the node cache are fetched first, unless the
+/// daemon's sidecar cache already knows them: a restarted daemon reopens an S3 dataset without
+/// downloading it again.
+///
+/// `bundled`: tables known already (from the manifest's footers bundle), by shard; those shards
+/// are not read (a manifest names them by CRC, so no content digest either).
 pub(super) fn scan_all(
     format: Format,
     shards: &[ShardMeta],
