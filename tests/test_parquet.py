@@ -2372,6 +2372,37 @@ def test_a_first_page_header_in_the_tail_read_for_the_footer_is_not_read_again(
             assert whole and not row_groups, (whole, row_groups)
 
 
+def test_shardstream_index_records_what_the_tails_say_and_the_daemon_reads_no_first_page_header(
+    tmp_path: Path, s3
+) -> None:
+    """A dataset opened from its manifest and footers bundle reads no tail at open, so every file's
+    first page header was read before an every-column stream through a small cache, on every
+    daemon. `shardstream index` reads each file's tail for its footer anyway (one read a file):
+    it records whether a page header there carries a checksum and whether the GET's ETag may be
+    an MD5, and the daemon decides with that."""
+    bucket = s3.bucket("data") / "pqindexed"
+    truth = write_blob_files(bucket, 23, rows=403)
+    size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
+    indexed = subprocess.run(
+        [SHARDSTREAM, "index", "s3://data/pqindexed/"],
+        env={**os.environ, **s3.env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert indexed.returncode == 0, indexed.stderr
+    entries = json.loads((bucket / "manifest.json").read_text())["shards"]
+    assert [(e["page_checksums"], e["etag_md5"]) for e in entries] == [(True, True)] * 16, entries
+    proxy = FaultProxy(s3.port, rate=0.0).start()
+    env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    d = Daemon(tmp_path, env=env, args=["--cache-size", str(size * 3 // 4)]).start()
+    _, whole, row_groups = two_blob_epochs(d, proxy, "s3://data/pqindexed/", truth)
+    for f in sorted(bucket.glob("*.parquet")):
+        probe = probe_get("/data/pqindexed/", f)
+        assert probe not in proxy.object_gets, (probe, sorted(proxy.object_gets))
+    assert not whole and len(row_groups) > 16, (whole, row_groups)
+
+
 def test_a_daemon_restarted_on_its_node_cache_reads_first_page_headers_only_of_files_that_changed(
     tmp_path: Path, s3
 ) -> None:

@@ -31,6 +31,7 @@ use crate::format::parquet::{ParquetTable, footers};
 use crate::format::{Format, ShardTable};
 use crate::index::FOOTER_THREADS;
 use crate::index::manifest::{ChecksumScope, MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
+use crate::index::page_probe::tail_page_crc;
 use crate::storage::local::{self, ShardFile};
 use crate::storage::s3::{ObjectRef, S3Store};
 use crate::storage::{DatasetUrl, Pick};
@@ -233,11 +234,16 @@ fn index_parquet(
             std::fs::create_dir_all(&sidecar_dir).map_err(|e| Error::io("cannot create", &sidecar_dir, e))?;
             let done = crate::parallel::try_map(listed, threads, |s| {
                 let file = ShardFile::open(dir.join(&s.name), s.len)?;
+                let mut tail = None;
                 let table = read_table(&file.name, s.len, |off, buf| {
                     counter.count(buf.len());
-                    file.read_exact_at(buf, off)
+                    file.read_exact_at(buf, off)?;
+                    tail.get_or_insert_with(|| (off, buf.to_vec()));
+                    Ok(())
                 })?;
+                let page_checksums = tail.and_then(|(at, bytes)| tail_page_crc(&table, at, &bytes));
                 let (mut entry, fields, sidecar) = describe_parquet(&s.name, s.len, table, None);
+                entry.page_checksums = page_checksums;
                 // Each file's own sidecar too: what a daemon reads when the bundle is stale.
                 let sidecar_name = format!("{}.idx", s.name);
                 let sidecar_path = sidecar_dir.join(&sidecar_name);
@@ -268,17 +274,28 @@ fn index_parquet(
                     etag: s.etag.clone(),
                 };
                 let url = obj.url();
+                // The first read is the tail (`footer::read_footer`): what it says of the file's
+                // row groups' copies is recorded at no extra read (`page_probe`).
+                let mut tail = None;
                 let table = read_table(&url, s.len, |off, buf| {
-                    let (got, etag) = store.block_on(store.get_range(&obj, off..off + buf.len() as u64))?;
+                    let (got, etag, md5) =
+                        store.block_on(store.get_range_etag_md5(&obj, off..off + buf.len() as u64))?;
                     counter.count(got.len());
                     buf.copy_from_slice(&got);
                     obj.etag = obj.etag.take().or(etag);
+                    tail.get_or_insert((off, got, md5));
                     Ok(())
                 })?;
+                let (page_checksums, etag_md5) = match &tail {
+                    Some((at, bytes, md5)) => (tail_page_crc(&table, *at, bytes), Some(*md5)),
+                    None => (None, None),
+                };
                 // No sidecar object per file: a daemon opens an S3 dataset from the bundle, which
                 // holds them all (one PUT here, one GET there, where a sidecar each was as many
                 // requests as the files' own tail reads).
-                let r = describe_parquet(&s.name, s.len, table, obj.etag.clone());
+                let mut r = describe_parquet(&s.name, s.len, table, obj.etag.clone());
+                r.0.page_checksums = page_checksums;
+                r.0.etag_md5 = etag_md5;
                 progress.shard_done(&s.name, s.len);
                 Ok(r)
             })?;
@@ -384,6 +401,8 @@ fn entry(
         max_sample: None,
         max_sample_bytes: None,
         etag,
+        page_checksums: None,
+        etag_md5: None,
     }
 }
 

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use super::manifest::{self, Manifest};
+use super::page_probe::RowGroupCheck;
 use super::{Backends, ShardMeta};
 use crate::format::Format;
 use crate::storage::{DatasetUrl, Pick, ShardSource, local};
@@ -70,6 +71,7 @@ impl Discovered {
                             sidecar: None,
                             content: None,
                             largest: None,
+                            row_group_check: None,
                         })
                     })
                     .collect::<Result<_>>()?;
@@ -103,6 +105,7 @@ impl Discovered {
                             sidecar: None,
                             content: None,
                             largest: None,
+                            row_group_check: None,
                         })
                     })
                     .collect::<Result<_>>()?;
@@ -139,6 +142,11 @@ impl Discovered {
                 },
                 content: None,
                 largest: s.largest(),
+                // An answer about the ETag holds only for the upload the recorded ETag pins.
+                row_group_check: RowGroupCheck::from_manifest(
+                    s.page_checksums,
+                    s.etag_md5.filter(|_| s.etag.is_some()),
+                ),
             })
         };
         let shards: Vec<ShardMeta> = match pick {

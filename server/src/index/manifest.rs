@@ -56,6 +56,13 @@
 //!   largest sample and the shard bytes it spans (TAR headers included). They let the daemon
 //!   refuse an inline stream that could not carry that sample when the stream opens, without
 //!   reading any shard's member table; without them it happens as each batch is built.
+//! - `page_checksums` / `etag_md5` (optional, Parquet, `shardstream index`): what the tail read
+//!   for a file's footer said at no extra read: whether a page header in it carried a CRC (when
+//!   the tail held one: a small last row group's chunks start there), and, on S3, whether the
+//!   ETag its GET answered may be the object's MD5 (not under SSE-KMS or SSE-C, not a multipart
+//!   upload's). The daemon decides with them how a row group's copy is checked, instead of a
+//!   GET of the file's first page header (`index::page_probe`); an `etag_md5` counts only beside
+//!   a recorded `etag`.
 //! - Readers refuse a manifest whose `version` is newer than [`MANIFEST_VERSION`] and ignore
 //!   fields they do not know (so version 1 readers can read additions that keep the meaning).
 
@@ -121,6 +128,15 @@ pub struct ManifestShard {
     /// GET of the object carries it as `If-Match`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub etag: Option<String>,
+    /// Parquet: whether a page header in the tail read for the footer carried a CRC-32 of its
+    /// page (writers checksum every page of a file or none); absent when the tail held no page
+    /// header. With `etag_md5`, how the daemon checks a row group's copy (`page_probe`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_checksums: Option<bool>,
+    /// S3 Parquet: whether the ETag the tail's GET answered may be the object's MD5 (false for a
+    /// multipart upload's, SSE-KMS, SSE-C).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etag_md5: Option<bool>,
 }
 
 /// A shard's largest sample as its manifest entry records it.
@@ -321,6 +337,8 @@ mod tests {
                 max_sample: Some(2),
                 max_sample_bytes: Some(4096),
                 etag: None,
+                page_checksums: None,
+                etag_md5: None,
             }],
         )
     }

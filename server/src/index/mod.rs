@@ -135,6 +135,9 @@ pub struct ShardMeta {
     /// The shard's largest sample as its manifest entry records it (None without manifest, or
     /// from a manifest written before it was recorded).
     pub largest: Option<manifest::LargestInShard>,
+    /// How a row group's copy of this S3 Parquet file is checked, as its manifest entry records
+    /// it (`page_checksums`, `etag_md5`; None without them): no GET of its first page header.
+    pub row_group_check: Option<page_probe::RowGroupCheck>,
 }
 
 impl ShardMeta {
@@ -454,6 +457,13 @@ impl Dataset {
                 if keep {
                     ds.keep_answer(i, c);
                 }
+            }
+        }
+        // What the manifest recorded from the same tails (read with it at every open: not kept).
+        let recorded: Vec<_> = ds.shards.iter().map(|m| m.row_group_check).collect();
+        for (i, checked) in recorded.into_iter().enumerate() {
+            if let Some(c) = checked {
+                ds.note_row_group_checked(i, c);
             }
         }
         for (flag, checked) in ds.verified.iter().zip(footer_checked) {
@@ -1051,6 +1061,7 @@ mod golden {
             sidecar: None,
             content: None,
             largest: None,
+            row_group_check: None,
         }
     }
 

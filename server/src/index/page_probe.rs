@@ -10,7 +10,8 @@
 //!
 //! Many files need no GET of their own: the tail read for a file's footer at open often holds a
 //! column chunk's first page header (the last row group's chunks, when they are small), and its
-//! answer says whether the ETag may be an MD5 ([`RowGroupCheck::from_tail`]).
+//! answer says whether the ETag may be an MD5 ([`RowGroupCheck::from_tail`]); `shardstream
+//! index` records the same in the manifest ([`RowGroupCheck::from_manifest`]).
 //!
 //! Each answer read is also kept in the node cache's index directory, beside the file's sidecar
 //! and guarded by the object's identity, ETag and modification time: a daemon restarted on its
@@ -64,17 +65,21 @@ impl RowGroupCheck {
     /// the tail holds a column chunk's first page header (the last row group's small chunks
     /// often start there) or the ETag is no MD5: no GET of the file's first page then.
     pub(super) fn from_tail(table: &ParquetTable, tail_at: u64, tail: &[u8], md5: bool) -> Option<Self> {
-        // As much of a chunk's start as the probe would read.
-        let in_tail = |r: &std::ops::Range<u64>| {
-            let rest = tail.get(usize::try_from(r.start.checked_sub(tail_at)?).ok()?..)?;
-            let len = usize::try_from((r.end - r.start).min(CRC_PROBE_BYTES)).ok()?;
-            rest.get(..len.min(rest.len()))
-        };
-        let crc = (0..table.num_row_groups())
-            .rev()
-            .flat_map(|rg| (0..).map_while(move |col| table.chunk_range(rg, col)))
-            .find_map(|r| header_has_crc(in_tail(&r)?, r.end - r.start));
+        let crc = tail_page_crc(table, tail_at, tail);
         (crc.is_some() || !md5).then(|| Self::of(crc, md5))
+    }
+
+    /// The answer a manifest records (`shardstream index`, from the same tail): whether a page
+    /// header in the tail carried a CRC, and whether the ETag its GET answered may be an MD5
+    /// (trusted only where the manifest also records the ETag, which pins every GET to that
+    /// upload: a footer does not name the upload's form or encryption).
+    pub(super) fn from_manifest(page_checksums: Option<bool>, etag_md5: Option<bool>) -> Option<Self> {
+        match (page_checksums, etag_md5) {
+            (Some(true), _) => Some(Self::Pages),
+            (_, Some(false)) => Some(Self::NoMd5),
+            (Some(false), Some(true)) => Some(Self::Worse),
+            _ => None,
+        }
     }
 
     /// How a kept answer names it.
@@ -85,6 +90,22 @@ impl RowGroupCheck {
             Self::NoMd5 => "no-md5",
         }
     }
+}
+
+/// Whether a page header in `tail` (Parquet file `table`'s bytes from `tail_at`, read for its
+/// footer) carries a CRC of its page: the first column chunk from the end that starts there and
+/// whose header tells. None when no header in the tail does.
+pub(super) fn tail_page_crc(table: &ParquetTable, tail_at: u64, tail: &[u8]) -> Option<bool> {
+    // As much of a chunk's start as the probe would read.
+    let in_tail = |r: &std::ops::Range<u64>| {
+        let rest = tail.get(usize::try_from(r.start.checked_sub(tail_at)?).ok()?..)?;
+        let len = usize::try_from((r.end - r.start).min(CRC_PROBE_BYTES)).ok()?;
+        rest.get(..len.min(rest.len()))
+    };
+    (0..table.num_row_groups())
+        .rev()
+        .flat_map(|rg| (0..).map_while(move |col| table.chunk_range(rg, col)))
+        .find_map(|r| header_has_crc(in_tail(&r)?, r.end - r.start))
 }
 
 /// The extension of a kept answer's file, beside the file's sidecar (`.idx`).

@@ -569,6 +569,8 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
                 max_sample: None,
                 max_sample_bytes: None,
                 etag: None,
+                page_checksums: None,
+                etag_md5: None,
             }
             .with_largest(r.largest)
         })

@@ -692,8 +692,18 @@ impl S3Store {
     /// [`Self::get_range`], and whether the answer's ETag may check its object whole (the MD5's
     /// form, and [`etag_may_be_md5`]), as [`Self::get_each`] says it.
     pub async fn get_range_md5(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, bool)> {
+        self.get_range_etag_md5(obj, range).await.map(|(bytes, _, md5)| (bytes, md5))
+    }
+
+    /// [`Self::get_range_md5`], with the ETag answered, as [`Self::get_range`] gives it.
+    pub async fn get_range_etag_md5(
+        &self,
+        obj: &ObjectRef,
+        range: Range<u64>,
+    ) -> Result<(Bytes, Option<String>, bool)> {
         let (bytes, etag, may_be_md5) = self.get_range_answered(obj, range).await?;
-        Ok((bytes, answer_may_be_md5(etag.as_deref(), may_be_md5)))
+        let md5 = answer_may_be_md5(etag.as_deref(), may_be_md5);
+        Ok((bytes, etag, md5))
     }
 
     /// [`Self::get_range`], and whether the answer's ETag may be the MD5 of the object's bytes
