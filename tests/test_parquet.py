@@ -2198,6 +2198,20 @@ def two_blob_epochs(
     return fetched, whole, [n for n in names if ".rg" in n and n.endswith(".cols")]
 
 
+def assert_copies(whole: list[str], row_groups: list[str], by_row_group: bool) -> None:
+    """The node cache's copies (`two_blob_epochs`) were row groups' only, or whole files' only."""
+    if by_row_group:
+        assert not whole and len(row_groups) > 16, (whole, row_groups)
+    else:
+        assert whole and not row_groups, (whole, row_groups)
+
+
+def first_header_gets(proxy: FaultProxy, prefix: str, bucket: Path) -> dict[str, int]:
+    """How many times `proxy` forwarded a GET of each Parquet file's first page header
+    (`probe_get`) in `bucket`, by file name."""
+    return {f.name: proxy.object_gets[probe_get(prefix, f)] for f in sorted(bucket.glob("*.parquet"))}
+
+
 def probe_get(prefix: str, f: Path) -> str:
     """The daemon's read of file `f`'s first page header, as the chaos proxy counts it (`prefix`:
     /bucket/dir/): the first 16 KiB of its first column chunk."""
@@ -2279,16 +2293,13 @@ def test_one_part_uploads_larger_than_the_node_cache_go_a_row_group_at_a_time_wh
     fetched, whole, row_groups = two_blob_epochs(d, proxy, f"s3://data/{name}/", truth)
     # The first page header of each file (the start of its first column chunk), read once for
     # both epochs' streams (not at all when the footer's GET answered it).
-    for f in sorted(bucket.iterdir()):
-        probe = probe_get(f"/data/{name}/", f)
-        assert proxy.object_gets[probe] == (0 if kms else 1), (probe, sorted(proxy.object_gets))
+    asked = first_header_gets(proxy, f"/data/{name}/", bucket)
+    assert set(asked.values()) == {0 if kms else 1}, (asked, sorted(proxy.object_gets))
     if by_row_group:
         # The build before: every file whole, and the first epoch failed after a minute ("node
         # cache ... is full"): the whole files of a window and of the batches in flight.
         assert fetched[0] <= 1.15 * size and fetched[1] <= 0.3 * size, (fetched, size)
-        assert not whole and len(row_groups) > 16, (whole, row_groups)
-    else:
-        assert whole and not row_groups, (whole, row_groups)
+    assert_copies(whole, row_groups, by_row_group)
 
 
 def test_over_https_one_part_uploads_without_page_checksums_go_a_row_group_at_a_time_unasked(
@@ -2313,9 +2324,8 @@ def test_over_https_one_part_uploads_without_page_checksums_go_a_row_group_at_a_
     # The build before: every file whole, 1.5x the files in the first epoch, or the cache full.
     assert not whole and len(row_groups) > 16, (whole, row_groups)
     assert fetched[0] <= 1.15 * size and fetched[1] <= 0.3 * size, (fetched, size)
-    for f in sorted(bucket.iterdir()):
-        probe = probe_get("/data/pqtls/", f)
-        assert probe not in proxy.object_gets, (probe, sorted(proxy.object_gets))
+    asked = first_header_gets(proxy, "/data/pqtls/", bucket)
+    assert set(asked.values()) == {0}, (asked, sorted(proxy.object_gets))
 
 
 def test_a_whole_file_the_node_cache_cannot_hold_over_plain_http_says_how_its_row_groups_could_go_apart(
@@ -2362,14 +2372,11 @@ def test_a_first_page_header_in_the_tail_read_for_the_footer_is_not_read_again(
     again = FaultProxy(s3.port, rate=0.0).start()
     d = Daemon(tmp_path, env={**env, "AWS_ENDPOINT_URL": again.endpoint}, args=["--cache-size", str(cache)]).start()
     copies.append(two_blob_epochs(d, again, f"s3://data/{name}/", truth)[1:])
-    for f in sorted(bucket.iterdir()):
-        probe = probe_get(f"/data/{name}/", f)
-        assert probe not in proxy.object_gets and probe not in again.object_gets, (probe, sorted(again.object_gets))
+    for p in (proxy, again):
+        asked = first_header_gets(p, f"/data/{name}/", bucket)
+        assert set(asked.values()) == {0}, (asked, sorted(p.object_gets))
     for whole, row_groups in copies:
-        if checksums:
-            assert not whole and len(row_groups) > 16, (whole, row_groups)
-        else:
-            assert whole and not row_groups, (whole, row_groups)
+        assert_copies(whole, row_groups, checksums)
 
 
 def test_shardstream_index_records_what_the_tails_say_and_the_daemon_reads_no_first_page_header(
@@ -2383,23 +2390,15 @@ def test_shardstream_index_records_what_the_tails_say_and_the_daemon_reads_no_fi
     bucket = s3.bucket("data") / "pqindexed"
     truth = write_blob_files(bucket, 23, rows=403)
     size = sum(p.stat().st_size for p in bucket.glob("*.parquet"))
-    indexed = subprocess.run(
-        [SHARDSTREAM, "index", "s3://data/pqindexed/"],
-        env={**os.environ, **s3.env()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert indexed.returncode == 0, indexed.stderr
+    index_s3(s3, "s3://data/pqindexed/")
     entries = json.loads((bucket / "manifest.json").read_text())["shards"]
     assert [(e["page_checksums"], e["etag_md5"]) for e in entries] == [(True, True)] * 16, entries
     proxy = FaultProxy(s3.port, rate=0.0).start()
     env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
     d = Daemon(tmp_path, env=env, args=["--cache-size", str(size * 3 // 4)]).start()
     _, whole, row_groups = two_blob_epochs(d, proxy, "s3://data/pqindexed/", truth)
-    for f in sorted(bucket.glob("*.parquet")):
-        probe = probe_get("/data/pqindexed/", f)
-        assert probe not in proxy.object_gets, (probe, sorted(proxy.object_gets))
+    asked = first_header_gets(proxy, "/data/pqindexed/", bucket)
+    assert set(asked.values()) == {0}, (asked, sorted(proxy.object_gets))
     assert not whole and len(row_groups) > 16, (whole, row_groups)
 
 
@@ -2432,7 +2431,7 @@ def test_a_daemon_restarted_on_its_node_cache_reads_first_page_headers_only_of_f
         assert d.stop() == 0
     finally:
         proxy.stop()
-    asked = {f.name: proxy.object_gets[probe_get("/data/pqkept/", f)] for f in sorted(bucket.iterdir())}
+    asked = first_header_gets(proxy, "/data/pqkept/", bucket)
     assert asked.pop("part-03.parquet") == 2 and set(asked.values()) == {1}, asked
     # The kept answers were read back as given: every file (page checksums) by row group.
     assert not [n for n in names if n.endswith(".parquet")], names

@@ -143,10 +143,7 @@ impl Discovered {
                 content: None,
                 largest: s.largest(),
                 // An answer about the ETag holds only for the upload the recorded ETag pins.
-                row_group_check: RowGroupCheck::from_manifest(
-                    s.page_checksums,
-                    s.etag_md5.filter(|_| s.etag.is_some()),
-                ),
+                row_group_check: RowGroupCheck::from_facts(s.page_checksums, s.etag_md5.filter(|_| s.etag.is_some())),
             })
         };
         let shards: Vec<ShardMeta> = match pick {

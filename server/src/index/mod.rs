@@ -449,20 +449,16 @@ impl Dataset {
         ds.parquet = parquet;
         // What the footers' tails said of how row groups' copies are checked (`page_probe`):
         // kept for the next daemon on this cache, which may open the dataset from its sidecars
-        // without reading the tails. Over TLS nothing asks (`service::projected`).
+        // without reading the tails (over TLS nothing asks: `service::projected`); else what a
+        // manifest recorded from the same tails (read with it at every open: not kept).
         let keep = from_tails.iter().any(Option::is_some) && !ds.answers_over_tls().unwrap_or(true);
-        for (i, checked) in from_tails.into_iter().enumerate() {
-            if let Some(c) = checked {
+        for (i, from_tail) in from_tails.into_iter().enumerate() {
+            if let Some(c) = from_tail {
                 ds.note_row_group_checked(i, c);
                 if keep {
                     ds.keep_answer(i, c);
                 }
-            }
-        }
-        // What the manifest recorded from the same tails (read with it at every open: not kept).
-        let recorded: Vec<_> = ds.shards.iter().map(|m| m.row_group_check).collect();
-        for (i, checked) in recorded.into_iter().enumerate() {
-            if let Some(c) = checked {
+            } else if let Some(c) = ds.shards.get(i).and_then(|m| m.row_group_check) {
                 ds.note_row_group_checked(i, c);
             }
         }

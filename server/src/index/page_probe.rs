@@ -10,8 +10,8 @@
 //!
 //! Many files need no GET of their own: the tail read for a file's footer at open often holds a
 //! column chunk's first page header (the last row group's chunks, when they are small), and its
-//! answer says whether the ETag may be an MD5 ([`RowGroupCheck::from_tail`]); `shardstream
-//! index` records the same in the manifest ([`RowGroupCheck::from_manifest`]).
+//! answer says whether the ETag may be an MD5 ([`tail_page_crc`]); `shardstream index` records
+//! the same in the manifest ([`RowGroupCheck::from_facts`]).
 //!
 //! Each answer read is also kept in the node cache's index directory, beside the file's sidecar
 //! and guarded by the object's identity, ETag and modification time: a daemon restarted on its
@@ -50,31 +50,14 @@ pub enum RowGroupCheck {
 impl RowGroupCheck {
     const ALL: [Self; 3] = [Self::Worse, Self::Pages, Self::NoMd5];
 
-    /// The answer of a GET of a page header that said `crc` (None: it did not say), whose ETag
-    /// may check the object whole when `md5`.
-    fn of(crc: Option<bool>, md5: bool) -> Self {
-        match (crc, md5) {
-            (Some(true), _) => Self::Pages,
-            (_, false) => Self::NoMd5,
-            _ => Self::Worse,
-        }
-    }
-
-    /// The answer the tail of S3 Parquet file `table` already gives (`tail`: its bytes from
-    /// `tail_at`, read for its footer, whose ETag may check the object whole when `md5`), when
-    /// the tail holds a column chunk's first page header (the last row group's small chunks
-    /// often start there) or the ETag is no MD5: no GET of the file's first page then.
-    pub(super) fn from_tail(table: &ParquetTable, tail_at: u64, tail: &[u8], md5: bool) -> Option<Self> {
-        let crc = tail_page_crc(table, tail_at, tail);
-        (crc.is_some() || !md5).then(|| Self::of(crc, md5))
-    }
-
-    /// The answer a manifest records (`shardstream index`, from the same tail): whether a page
-    /// header in the tail carried a CRC, and whether the ETag its GET answered may be an MD5
-    /// (trusted only where the manifest also records the ETag, which pins every GET to that
-    /// upload: a footer does not name the upload's form or encryption).
-    pub(super) fn from_manifest(page_checksums: Option<bool>, etag_md5: Option<bool>) -> Option<Self> {
-        match (page_checksums, etag_md5) {
+    /// The answer, when the facts give one: whether a page header of the file carries a CRC
+    /// (None: none read, or it did not say), and whether the ETag a GET of it answered may be its
+    /// MD5 (None: not known). The probe's GET, the tail read for the footer at open
+    /// ([`tail_page_crc`]) and a manifest `shardstream index` wrote from that tail all give these
+    /// (a manifest's ETag answer counts only beside its recorded ETag, which pins every GET to
+    /// that upload: a footer does not name the upload's form or encryption).
+    pub(super) fn from_facts(page_crc: Option<bool>, etag_md5: Option<bool>) -> Option<Self> {
+        match (page_crc, etag_md5) {
             (Some(true), _) => Some(Self::Pages),
             (_, Some(false)) => Some(Self::NoMd5),
             (Some(false), Some(true)) => Some(Self::Worse),
@@ -162,13 +145,15 @@ impl Dataset {
                         }
                         with_crcs += usize::from(crc == Some(true));
                         no_md5 += usize::from(!md5);
-                        let checked = RowGroupCheck::of(crc, md5);
-                        // A header that did not say may have been spoilt on the way: asked
-                        // again by the next daemon rather than kept whole for good.
-                        if crc.is_some() || !md5 {
-                            self.keep_answer(i, checked);
+                        // A header that did not say may have been spoilt on the way: the file
+                        // goes whole here, and the next daemon asks again (nothing is kept).
+                        match RowGroupCheck::from_facts(crc, Some(md5)) {
+                            Some(checked) => {
+                                self.keep_answer(i, checked);
+                                checked
+                            }
+                            None => RowGroupCheck::Worse,
                         }
-                        checked
                     }
                     Err(e) => {
                         failed += 1;
@@ -278,5 +263,24 @@ impl Dataset {
                  nothing in its row groups' copies (a whole copy would have been checked by its MD5)"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowGroupCheck::{self, NoMd5, Pages, Worse};
+
+    #[test]
+    fn page_checksums_decide_first_then_an_etag_that_is_no_md5_and_nothing_else_decides() {
+        let decide = RowGroupCheck::from_facts;
+        assert_eq!(decide(Some(true), Some(true)), Some(Pages));
+        assert_eq!(decide(Some(true), None), Some(Pages));
+        assert_eq!(decide(Some(false), Some(false)), Some(NoMd5));
+        assert_eq!(decide(None, Some(false)), Some(NoMd5));
+        assert_eq!(decide(Some(false), Some(true)), Some(Worse));
+        // A header that did not say, or an ETag not known: asked (the probe), never guessed.
+        assert_eq!(decide(None, Some(true)), None);
+        assert_eq!(decide(Some(false), None), None);
+        assert_eq!(decide(None, None), None);
     }
 }

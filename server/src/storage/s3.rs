@@ -411,7 +411,7 @@ impl S3Store {
         use aws_smithy_http_client::tls;
         let http = aws_smithy_http_client::Builder::new()
             .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
-            .tls_context(s3_tls::context()?)
+            .tls_context(s3_tls::context().await?)
             .build_https();
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
             .http_client(http)
@@ -691,11 +691,6 @@ impl S3Store {
 
     /// [`Self::get_range`], and whether the answer's ETag may check its object whole (the MD5's
     /// form, and [`etag_may_be_md5`]), as [`Self::get_each`] says it.
-    pub async fn get_range_md5(&self, obj: &ObjectRef, range: Range<u64>) -> Result<(Bytes, bool)> {
-        self.get_range_etag_md5(obj, range).await.map(|(bytes, _, md5)| (bytes, md5))
-    }
-
-    /// [`Self::get_range_md5`], with the ETag answered, as [`Self::get_range`] gives it.
     pub async fn get_range_etag_md5(
         &self,
         obj: &ObjectRef,

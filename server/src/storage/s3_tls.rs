@@ -16,9 +16,9 @@ use crate::{Error, Result};
 /// The client's TLS settings: the system's roots, and the certificates of `AWS_CA_BUNDLE`
 /// besides them (boto3 and the AWS CLI trust that file instead of the defaults; the daemon adds
 /// it, so a bundle of the site's CA alone still reaches AWS itself).
-pub(super) fn context() -> Result<TlsContext> {
+pub(super) async fn context() -> Result<TlsContext> {
     let mut trust = TrustStore::default();
-    if let Some(pem) = ca_bundle()? {
+    if let Some(pem) = ca_bundle().await? {
         trust = trust.with_pem_certificate(pem);
     }
     TlsContext::builder()
@@ -52,13 +52,14 @@ pub(super) fn is_https(endpoint: &str) -> bool {
 
 /// The certificates of `AWS_CA_BUNDLE` that can be trusted, as PEM, or None when it is not set.
 /// Checked here: the SDK panics on a certificate it cannot parse, at the first connection.
-fn ca_bundle() -> Result<Option<Vec<u8>>> {
+async fn ca_bundle() -> Result<Option<Vec<u8>>> {
     let Some(path) = std::env::var_os("AWS_CA_BUNDLE").filter(|p| !p.is_empty()) else {
         return Ok(None);
     };
     let shown = Path::new(&path).display().to_string();
     let bad = |why: String| Error::invalid(format!("AWS_CA_BUNDLE={shown}: {why}"));
-    let pem = std::fs::read(&path).map_err(|e| bad(format!("cannot be read: {e}")))?;
+    // Read on the runtime's blocking pool: `S3Store::connect` is async.
+    let pem = tokio::fs::read(&path).await.map_err(|e| bad(format!("cannot be read: {e}")))?;
     let (kept, skipped) = trusted_certificates(&pem).map_err(bad)?;
     if skipped > 0 {
         // A system bundle with the site's CA appended may hold a few roots rustls refuses: the
