@@ -237,6 +237,24 @@ def test_status_and_cli(daemon, dataset) -> None:
         assert cmd in helptext
 
 
+def test_a_shard_the_manifest_lists_but_the_disk_lacks_says_so(daemon, tmp_path: Path) -> None:
+    """Opening from a manifest reads no shard, so a shard deleted since is found at its first use;
+    the error said only "path not found", as if the dataset had been listed."""
+    import subprocess
+
+    from conftest import SHARDSTREAM, write_dataset
+
+    root = tmp_path / "ds"
+    write_dataset(root, n=200, per_shard=100, seed=4)
+    subprocess.run([SHARDSTREAM, "index", str(root)], check=True, capture_output=True)
+    (root / "train-000001.tar").unlink()
+    loader = shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=daemon.addr)
+    gone = r"shard listed in manifest.json \(restore it, or run `shardstream index` again\) not found: .*train-000001"
+    with pytest.raises(FileNotFoundError, match=gone):
+        for _ in loader:
+            pass
+
+
 def test_index_writes_manifest_and_is_verified(daemon, tmp_path: Path) -> None:
     import json
     import subprocess
@@ -273,4 +291,8 @@ def test_index_writes_manifest_and_is_verified(daemon, tmp_path: Path) -> None:
             delivered += b["__key__"]
     assert "train-000001.tar" in str(err.value) and "crc32c" in str(err.value)
     assert err.value.shard.endswith("train-000001.tar")
+    # A new Loader reads the same manifest: the way out is the manifest's (it said "open the
+    # dataset again (a new Loader)", which fails the same way).
+    assert "restore it, or describe it as it is now with `shardstream index`" in str(err.value)
+    assert "new Loader" not in str(err.value)
     assert not any(k.startswith("s11/0001") for k in delivered), "no sample of the corrupt shard was delivered"

@@ -70,6 +70,11 @@ pub const MAX_RESIDENT_TABLE_BYTES: usize = 64 << 20;
 /// even on 2 cores.
 const SCAN_THREADS: usize = 8;
 
+/// What a local shard that manifest.json lists but the disk no longer has is, in its
+/// `NotFound` ("... not found: PATH"): the manifest is what to mend (restore the file, or
+/// `shardstream index` again), where a listed dataset's next open lists it as it is.
+const MANIFEST_SHARD_GONE: &str = "shard listed in manifest.json (restore it, or run `shardstream index` again)";
+
 /// Threads that read S3 Parquet footers when a dataset without a footers bundle is opened. Each
 /// footer is one small ranged GET whose time is the round trip (~30 ms on S3), not bandwidth or
 /// CPU: at that, 10,000 files cost ~40 s of round trips 8 at a time and ~10 s 32 at a time (3,000
@@ -688,16 +693,26 @@ impl Dataset {
     /// `e`, from opening a local shard or checking it against its listing; a file changed or
     /// gone marks the dataset [`changed`](Self::changed), and the error says what to do. A
     /// transient failure (EMFILE, EIO) does not: it would cost every later open a full listing.
+    /// A dataset opened from its manifest is opened from it again, which still describes the
+    /// shard as it was: the way out is the manifest's, not a new Loader's.
     fn changed_if(&self, e: Error) -> Error {
         match e {
             Error::Shard { shard, offset, reason } => {
                 self.changed.store(true, Ordering::Release);
-                let reason = format!("{reason}; open the dataset again (a new Loader) to read it as it is now");
+                let reason = if self.from_manifest {
+                    format!(
+                        "{reason}; manifest.json describes it as it was: restore it, or describe it as it is now \
+                         with `shardstream index` and open the dataset again"
+                    )
+                } else {
+                    format!("{reason}; open the dataset again (a new Loader) to read it as it is now")
+                };
                 Error::Shard { shard, offset, reason }
             }
-            e @ Error::NotFound { .. } => {
+            Error::NotFound { what, path } => {
                 self.changed.store(true, Ordering::Release);
-                e
+                let what = if self.from_manifest { MANIFEST_SHARD_GONE } else { what };
+                Error::NotFound { what, path }
             }
             e => e,
         }
