@@ -22,6 +22,8 @@ def test_size_and_count_flags_out_of_range_are_refused(tmp_path: Path) -> None:
         ([*serve, "--max-streams-per-client", "0"], "--max-streams-per-client must be from 1 to 16384, not 0"),
         (["index", str(tmp_path), "--threads", "0"], "--threads must be from 1 to 1024, not 0"),
         (["prefetch", "s3://b/p/", "--shards", "0"], "--shards must be from 1 to"),
+        # Was sent to the daemon and refused there, exit code 1.
+        (["prefetch", "s3://b/p/", "--cache", "bogus"], "invalid value 'bogus' for '--cache <CACHE>'"),
         (["pack", str(tmp_path), "--output", str(tmp_path / "o"), "--s3-part-size", "1"], "at least 5 MiB"),
         (["pack", str(tmp_path), "--output", str(tmp_path / "o"), "--shard-size", "10"], "--shard-size must be"),
     ]

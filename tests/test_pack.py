@@ -264,7 +264,22 @@ def test_bad_inputs_reported_skipped_or_fatal(tmp_path: Path) -> None:
     p = pack(src, "--output", tmp_path / "strict", "--strict", check=False)
     assert p.returncode == 1 and "--strict" in p.stderr
     assert any(name in p.stderr for name in ("escape.jpg", "dangling.jpg", "bad\ufffdname.jpg")), p.stderr
-    assert not (tmp_path / "strict" / "manifest.json").exists()
+    assert not (tmp_path / "strict").exists(), "a refused pack left the output directory it made"
+
+
+def test_a_pack_refused_before_writing_leaves_no_output_directory_it_made(tmp_path: Path) -> None:
+    # "nothing to pack" (a wrong source directory) left an empty output directory behind.
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "README").write_text("no field extension: ignored")
+    p = pack(src, "--output", tmp_path / "out", check=False)
+    assert p.returncode == 1 and "nothing to pack" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
+    # One that was there before stays, as do the parents a pack made for its output.
+    (tmp_path / "mine").mkdir()
+    assert pack(src, "--output", tmp_path / "mine", check=False).returncode == 1
+    assert pack(src, "--output", tmp_path / "a" / "b", check=False).returncode == 1
+    assert (tmp_path / "mine").is_dir() and (tmp_path / "a").is_dir() and not (tmp_path / "a" / "b").exists()
 
 
 def test_a_sample_left_out_for_one_bad_file_is_named_with_the_files_it_takes_along(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ pub enum Command {
         #[arg(long)]
         no_shuffle: bool,
         /// How the dataset is read: copy (through the node cache) or auto.
-        #[arg(long, default_value = "auto")]
+        #[arg(long, default_value = "auto", value_parser = ["auto", "copy"])]
         cache: String,
         /// Parquet: stage what trainers selecting these columns read (comma-separated, as their
         /// `fields=`): on S3, each file's copy of those columns' chunks instead of the whole file.

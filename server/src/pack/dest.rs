@@ -75,9 +75,18 @@ pub struct Destination {
 }
 
 enum Kind {
-    Local { dir: PathBuf },
+    /// `made`: this pack created the directory.
+    Local {
+        dir: PathBuf,
+        made: bool,
+    },
     // Boxed: the store is ten times the local variant.
-    S3 { store: Box<S3Store>, bucket: String, prefix: String, state: PathBuf },
+    S3 {
+        store: Box<S3Store>,
+        bucket: String,
+        prefix: String,
+        state: PathBuf,
+    },
 }
 
 impl Destination {
@@ -85,6 +94,10 @@ impl Destination {
     pub fn open(dest: &str, src: &Path, s3: Option<&S3Store>) -> Result<Self> {
         match parse_dest(dest)? {
             Dest::Local(dir) => {
+                // Only a directory known to be absent counts as made here (then removed if the
+                // pack is refused before writing); any doubt leaves it alone.
+                let made =
+                    matches!(std::fs::symlink_metadata(&dir), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
                 std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create output directory", &dir, e))?;
                 let dir =
                     std::fs::canonicalize(&dir).map_err(|e| Error::io("cannot open output directory", &dir, e))?;
@@ -98,7 +111,7 @@ impl Destination {
                     refuse_inputs_in_output(&dir, src)?;
                 }
                 let lock = lock_dir(&dir, &dir.display().to_string())?;
-                Ok(Self { journal: journal::journal_path(&dir), kind: Kind::Local { dir }, _lock: lock })
+                Ok(Self { journal: journal::journal_path(&dir), kind: Kind::Local { dir, made }, _lock: lock })
             }
             Dest::S3 { bucket, prefix } => {
                 let store = s3.ok_or_else(|| {
@@ -122,17 +135,28 @@ impl Destination {
         }
     }
 
+    /// Removes the output directory if this pack made it and it is still empty: a pack refused
+    /// before it wrote anything (nothing to pack, a bad list of inputs) leaves none behind.
+    pub fn remove_if_made_and_empty(&self) {
+        if let Kind::Local { dir, made: true } = &self.kind
+            // remove_dir refuses a directory that is not empty: whatever is in it stays.
+            && let Err(e) = std::fs::remove_dir(dir)
+        {
+            tracing::debug!(dir = %dir.display(), error = %e, "output directory left in place");
+        }
+    }
+
     /// The destination as a user names it: a path or an `s3://` URL.
     pub fn location(&self) -> String {
         match &self.kind {
-            Kind::Local { dir } => dir.display().to_string(),
+            Kind::Local { dir, .. } => dir.display().to_string(),
             Kind::S3 { bucket, prefix, .. } => format!("s3://{bucket}/{prefix}"),
         }
     }
 
     pub fn manifest_location(&self) -> String {
         match &self.kind {
-            Kind::Local { dir } => dir.join(MANIFEST_FILE).display().to_string(),
+            Kind::Local { dir, .. } => dir.join(MANIFEST_FILE).display().to_string(),
             Kind::S3 { bucket, prefix, .. } => format!("s3://{bucket}/{prefix}{MANIFEST_FILE}"),
         }
     }
@@ -140,7 +164,7 @@ impl Destination {
     /// A local directory the walk of SRC must skip: the output, or the S3 state directory.
     pub fn local_dir(&self) -> &Path {
         match &self.kind {
-            Kind::Local { dir } => dir,
+            Kind::Local { dir, .. } => dir,
             Kind::S3 { state, .. } => state,
         }
     }
@@ -168,7 +192,7 @@ impl Destination {
     /// True when the destination holds a manifest (a complete dataset).
     pub fn has_manifest(&self) -> Result<bool> {
         match &self.kind {
-            Kind::Local { dir } => {
+            Kind::Local { dir, .. } => {
                 let path = dir.join(MANIFEST_FILE);
                 path.try_exists().map_err(|e| Error::io("cannot inspect", &path, e))
             }
@@ -186,7 +210,7 @@ impl Destination {
             name == MANIFEST_FILE || name == SIDECAR_DIR || name.ends_with(".tar") || name.ends_with(".parquet")
         };
         match &self.kind {
-            Kind::Local { dir } => {
+            Kind::Local { dir, .. } => {
                 let entries = match std::fs::read_dir(dir) {
                     Ok(e) => e,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -215,7 +239,7 @@ impl Destination {
     /// Opens the sink that writes into this destination.
     pub fn sink(&self, upload: UploadOptions) -> Result<Box<dyn Sink>> {
         Ok(match &self.kind {
-            Kind::Local { dir } => Box::new(LocalSink::open(dir)?),
+            Kind::Local { dir, .. } => Box::new(LocalSink::open(dir)?),
             Kind::S3 { store, bucket, prefix, state } => Box::new(S3Sink::open(
                 S3Store::clone(store),
                 bucket.clone(),

@@ -367,23 +367,27 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
     let reporter = Reporter::new(opts.strict, progress);
 
     // 1. Names only: walk or list, group, order.
-    let paths = match &opts.files_from {
-        None => walk::walk(&src, Some(dest.local_dir()), opts.threads, &reporter)?,
-        Some(list) => walk::read_list(list, opts.null_separated, &opts.src, &src, &reporter)?,
+    let named = || -> Result<group::Catalog> {
+        let paths = match &opts.files_from {
+            None => walk::walk(&src, Some(dest.local_dir()), opts.threads, &reporter)?,
+            Some(list) => walk::read_list(list, opts.null_separated, &opts.src, &src, &reporter)?,
+        };
+        let catalog = group::Catalog::build(
+            paths,
+            group::GroupOptions { key_regex: key_regex.as_ref(), label_from_dir: opts.label_from_dir },
+            &reporter,
+        )?;
+        if catalog.num_samples() == 0 {
+            return Err(Error::invalid(format!(
+                "nothing to pack: no samples found in {} ({} files ignored, {} bad inputs)",
+                opts.src.display(),
+                reporter.ignored_count(),
+                reporter.counts().values().sum::<u64>()
+            )));
+        }
+        Ok(catalog)
     };
-    let catalog = group::Catalog::build(
-        paths,
-        group::GroupOptions { key_regex: key_regex.as_ref(), label_from_dir: opts.label_from_dir },
-        &reporter,
-    )?;
-    if catalog.num_samples() == 0 {
-        return Err(Error::invalid(format!(
-            "nothing to pack: no samples found in {} ({} files ignored, {} bad inputs)",
-            opts.src.display(),
-            reporter.ignored_count(),
-            reporter.counts().values().sum::<u64>()
-        )));
-    }
+    let catalog = named().inspect_err(|_| dest.remove_if_made_and_empty())?;
     let order = catalog.order(opts.shuffle, opts.seed);
     let fingerprint = journal::fingerprint(&opts.shaping(), &catalog, &order);
 
