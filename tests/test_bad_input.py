@@ -255,5 +255,14 @@ def test_a_parquet_dataset_of_empty_files_names_them(daemon, tmp_path: Path) -> 
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"x": pa.array([], pa.int64())}), tmp_path / "a.parquet")
+    # When the Loader is made: it was at the first batch, after len() had answered 0.
     with pytest.raises(ValueError, match=r"no samples: its 1 file holds none \(a\.parquet\)"):
-        next(iter(shardstream.Loader(str(tmp_path), batch_size=4, connect=daemon.addr)))
+        shardstream.Loader(str(tmp_path), batch_size=4, connect=daemon.addr)
+
+
+def test_a_tar_dataset_without_samples_is_refused_when_the_loader_is_made(daemon, dataset, tmp_path: Path) -> None:
+    for i in range(2):
+        tarfile.open(tmp_path / f"e-{i:06d}.tar", "w").close()
+    with pytest.raises(ValueError, match=r"no samples: its 2 files hold none \(e-000000\.tar, e-000001\.tar\)"):
+        shardstream.Loader(str(tmp_path), batch_size=4, connect=daemon.addr)
+    assert_still_serves(daemon, dataset)

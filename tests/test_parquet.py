@@ -577,9 +577,11 @@ def test_a_column_named_like_the_row_ids_is_refused_not_mistaken_for_them(daemon
     # delivered those old values as the row ids and the dict form dropped them for the new ids:
     # neither may happen silently.
     pq.write_table(pa.table({"__row__": pa.array([7, 7, 9], pa.uint64()), "v": [1, 2, 3]}), tmp_path / "a.parquet")
+    # Refused when the Loader is made (it was at the first batch: in a DataLoader worker, wrapped).
     for form in ("dict", "arrow"):
-        with pytest.raises(ValueError, match=r"__row__.*fields="):
-            next(iter(shardstream.Loader(str(tmp_path), batch_size=3, connect=daemon.addr, format=form)))
+        for fields in (None, ["v", "__row__"]):
+            with pytest.raises(ValueError, match=r"__row__.*fields="):
+                shardstream.Loader(str(tmp_path), batch_size=3, connect=daemon.addr, format=form, fields=fields)
     rb = next(
         iter(
             shardstream.Loader(

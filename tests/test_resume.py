@@ -121,7 +121,7 @@ def test_state_dict_follows_a_copy_but_not_a_content_change(daemon, tmp_path: Pa
     data[member.offset_data] ^= 0xFF
     shard.write_bytes(bytes(data))
     other = shardstream.Loader(str(changed), **kw)
-    with pytest.raises(ValueError, match="the shards changed"):
+    with pytest.raises(ValueError, match=f"saved for {src} .* reads {changed} .* a copy of it whose shards differ"):
         other.load_state_dict(state)
 
 
@@ -184,6 +184,34 @@ def test_a_state_that_is_not_a_loaders_is_a_value_error_naming_what_is_wrong(dae
             loader.load_state_dict(state)  # type: ignore[arg-type]
     loader.load_state_dict(good)
     assert sum(len(b["__key__"]) for b in loader) == len(dataset[1])
+
+
+def test_a_state_loads_where_the_order_is_the_same_and_names_the_dataset_it_is_for(daemon, dataset, tmp_path) -> None:
+    """shuffle_window=0 is the daemon's default window: a state saved with it was refused by a
+    loader given that window by number ("the order would differ"; it does not). A state of
+    another dataset said that dataset's shards had changed."""
+    import shardstream
+    from conftest import write_dataset
+
+    root, _ = dataset
+    default = shardstream._native.DEFAULT_SHUFFLE_WINDOW
+    kw = dict(batch_size=64, seed=2, connect=daemon.addr)
+    first = shardstream.Loader(str(root), shuffle_window=0, **kw)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    rest = [k for b in it for k in b["__key__"]]
+    resumed = shardstream.Loader(str(root), shuffle_window=default, **kw)
+    resumed.load_state_dict(state)
+    assert [k for b in resumed for k in b["__key__"]] == rest
+    shardstream.Loader(str(root), shuffle_window=0, **kw).load_state_dict(resumed.state_dict())
+    with pytest.raises(ValueError, match="shuffle_window=0 but this loader has 4"):
+        shardstream.Loader(str(root), shuffle_window=4, **kw).load_state_dict(state)
+
+    other = tmp_path / "other"
+    write_dataset(other, n=50, per_shard=25, seed=9)
+    with pytest.raises(ValueError, match=f"saved for {root}.* but this loader reads {other}.*another dataset"):
+        shardstream.Loader(str(other), **kw).load_state_dict(state)
 
 
 def test_numpy_integers_are_integers_and_numpy_floats_are_not(daemon, dataset) -> None:

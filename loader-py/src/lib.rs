@@ -578,5 +578,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", shardstream::VERSION)?;
     m.add("DEFAULT_SOCKET", shardstream_proto::DEFAULT_SOCKET)?;
     m.add("MAX_BATCH_SIZE", shardstream_proto::MAX_BATCH_SIZE)?;
+    m.add("MAX_WORLD_SIZE", shardstream::plan::MAX_WORLD_SIZE)?;
+    m.add("DEFAULT_SHUFFLE_WINDOW", shardstream::service::DEFAULT_SHUFFLE_WINDOW)?;
     Ok(())
 }

@@ -21,7 +21,9 @@ import shardstream
         ({"batch_size": 0}, "batch_size must be from 1 to 1048576, not 0"),
         # The daemon's limit, refused when the Loader is made rather than at its first batch.
         ({"batch_size": 2_000_000}, "batch_size must be from 1 to 1048576, not 2000000"),
-        ({"world_size": 0, "rank": 0}, "world_size must be at least 1"),
+        ({"world_size": 0, "rank": 0}, "world_size must be from 1 to 1048576, not 0"),
+        # The plan's limit: refused at the first batch before.
+        ({"world_size": 1 << 31, "rank": 0}, "world_size must be from 1 to 1048576, not 2147483648"),
         ({"world_size": 2, "rank": 2}, "rank 2 .*world_size 2"),
         # bool() made any non-empty string true: shuffle="False" shuffled, drop_last="no" dropped.
         ({"shuffle": "False"}, "shuffle must be True or False"),
@@ -33,6 +35,38 @@ import shardstream
 def test_bad_arguments_fail_before_connecting(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         shardstream.Loader("/nonexistent", connect="unix:///nonexistent/sock", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"transport": "shm"}, 'transport "shm" needs .* tcp://127.0.0.1:1 is a TCP address'),
+        ({"binary_views": True}, "binary_views needs the shared-memory transport .* tcp://127.0.0.1:1 is a TCP"),
+    ],
+)
+def test_what_no_stream_over_tcp_can_do_is_refused_before_connecting(kwargs, match) -> None:
+    """Accepted (len() answered) and refused at the first batch, in a DataLoader worker."""
+    with pytest.raises(ValueError, match=match):
+        shardstream.Loader("/nonexistent", connect="tcp://127.0.0.1:1", **kwargs)
+
+
+@pytest.mark.parametrize("url", [None, 123, 1.5, ["/data"]])
+def test_a_url_that_is_no_path_is_a_type_error(url) -> None:
+    # str() made a path of anything: Loader(None) looked for "./None" and said it was not found.
+    with pytest.raises(TypeError, match=f"url must be a path or URL .* not {type(url).__name__}"):
+        shardstream.Loader(url, connect="unix:///nonexistent/sock")
+
+
+def test_a_bytes_or_pathlike_url_is_a_path_and_an_empty_one_is_refused(tmp_path) -> None:
+    import pathlib
+
+    from shardstream import _dataset_url
+
+    assert _dataset_url(b"/data/train/") == "/data/train/"
+    assert _dataset_url(pathlib.Path("/data/x")) == "/data/x"
+    assert _dataset_url(b"rel") == str(pathlib.Path.cwd() / "rel")
+    with pytest.raises(ValueError, match="url is empty"):
+        shardstream.Loader("", connect="unix:///nonexistent/sock")
 
 
 @pytest.mark.parametrize(("var", "value"), [("WORLD_SIZE", "abc"), ("RANK", "1.5"), ("WORLD_SIZE", "0")])

@@ -282,10 +282,15 @@ def _stack_fields(batch: dict[str, Any]) -> None:
         batch[name] = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), record)
 
 
-def _dataset_url(url: str | os.PathLike[str]) -> str:
+def _dataset_url(url: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
     """A local path as the daemon must get it: absolute, from this process's working directory and
     home (a daemon has its own, and refuses relative paths). URLs (``s3://``, ``file://``) as given."""
-    text = os.fspath(url) if isinstance(url, os.PathLike) else str(url)
+    if not isinstance(url, (str, bytes, os.PathLike)):
+        # str() would make a path of anything: Loader(None) looked for "./None".
+        raise TypeError(f"url must be a path or URL (str, bytes or os.PathLike), not {type(url).__name__}")
+    text = os.fsdecode(os.fspath(url))
+    if not text:
+        raise ValueError("url is empty: give the dataset's directory, pattern or s3:// URL")
     if "://" in text:
         return text
     text = os.path.expanduser(text)
@@ -410,8 +415,8 @@ class Loader:
         # The daemon checks the limits; these the Loader's own arithmetic (len()) depends on.
         if not 1 <= batch_size <= _native.MAX_BATCH_SIZE:
             raise ValueError(f"batch_size must be from 1 to {_native.MAX_BATCH_SIZE}, not {batch_size}")
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, not {world_size}")
+        if not 1 <= world_size <= _native.MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be from 1 to {_native.MAX_WORLD_SIZE}, not {world_size}")
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size} (ranks are 0 to world_size-1)")
         self.url = _dataset_url(url)
@@ -434,13 +439,31 @@ class Loader:
         self.collate = collate
         self._worker, self._num_workers = _worker
         self.address = resolve_address(connect)
+        # What the stream would refuse at its first batch (in a DataLoader worker, wrapped) is
+        # refused here, where the arguments are given.
+        over_tcp = self.address.startswith(("tcp://", "tls://"))
+        if over_tcp and transport == "shm":
+            raise ValueError(
+                f'transport "shm" needs a client on the daemon\'s host connected over its Unix socket, and '
+                f'{self.address} is a TCP address: use transport="inline" or "auto"'
+            )
+        if over_tcp and binary_views:
+            raise ValueError(
+                f"binary_views needs the shared-memory transport (same host, Unix socket), and {self.address} "
+                "is a TCP address: use binary_views=False"
+            )
         self._conn = _native.Connection(self.address)
-        if transport == "auto" and self.address.startswith(("tcp://", "tls://")):
+        if transport == "rdma" or (transport == "auto" and over_tcp):
+            provider = str(self._conn.status().get("rdma_provider", ""))
+            if transport == "rdma" and not provider:
+                raise ValueError(
+                    f'transport "rdma": the daemon at {self.address} does not serve rdma (start it with '
+                    '`shardstream serve --rdma`); use transport="inline" or "auto"'
+                )
             # auto takes rdma toward a daemon serving it over a hardware provider: load libfabric
             # here, as for "rdma", so forked DataLoader workers do not each pay its start-up. If
             # it cannot be had, the stream finds out again and goes inline.
-            provider = str(self._conn.status().get("rdma_provider", ""))
-            if provider and _native.rdma_auto_picks(provider):
+            if transport == "auto" and provider and _native.rdma_auto_picks(provider):
                 with contextlib.suppress(ShardstreamError):
                     _native.fabric_warm_up()
         self.info: dict[str, Any] = self._conn.open(self.url, self.cache)
@@ -473,6 +496,11 @@ class Loader:
             if key is not None and key not in self.fields:
                 self._key_only = key
                 self._stream_fields = [*self.fields, key]
+        if self.arrow and "__row__" in known and (not self.fields or "__row__" in self.fields):
+            raise ValueError(
+                f'the Parquet dataset {self.url} has a column "__row__", the name of the row ids every batch '
+                "gets; leave it out with fields=[...] or rename it in the files"
+            )
         self.binary_views = binary_views
         if self.binary_views:
             if not self.arrow:
@@ -715,11 +743,20 @@ class Loader:
         for key in ("epoch", "batches_consumed"):
             state[key] = _checked_int(f"the state's {key}", state[key], 64)
         for key in ("batch_size", "seed", "shuffle", "shuffle_window", "world_size", "drop_last", "rank"):
-            if state[key] != getattr(self, key):
+            saved, mine = state[key], getattr(self, key)
+            if key == "shuffle_window":
+                # 0 is the daemon's default window: the same order as that window given.
+                saved, mine = (w or _native.DEFAULT_SHUFFLE_WINDOW if isinstance(w, int) else w for w in (saved, mine))
+            if saved != mine:
                 raise ValueError(
                     f"state was saved with {key}={state[key]!r} but this loader has {getattr(self, key)!r}; "
                     "the order would differ"
                 )
+        if state["fingerprint"] != self.info["fingerprint"] and state["url"] != self.url:
+            raise ValueError(
+                f"state was saved for {state['url']} (fingerprint {state['fingerprint']}), but this loader reads "
+                f"{self.url} ({self.info['fingerprint']}): another dataset, or a copy of it whose shards differ"
+            )
         if state["fingerprint"] != self.info["fingerprint"]:
             raise ValueError(
                 f"state was saved for dataset fingerprint {state['fingerprint']} but {self.url} now has "

@@ -47,8 +47,8 @@ slice, array or memoryview made from it are gone.
   row's id as ``str``; ``"__row__"``: the rows' ids (global row numbers), a ``uint64`` array.
 
 The daemon writes the rows' ids into each batch as a last ``__row__`` column. A dataset with a
-``__row__`` column of its own gets none added: the Arrow form delivers the dataset's column, the
-dict form's ``"__row__"`` is still the ids.
+``__row__`` column of its own is a ``ValueError`` when the Loader is made, unless ``fields=``
+leaves that column out.
 """
 
 from __future__ import annotations

@@ -21,12 +21,16 @@ __all__ = [
     "__version__",
     "DEFAULT_SOCKET",
     "MAX_BATCH_SIZE",
+    "MAX_WORLD_SIZE",
+    "DEFAULT_SHUFFLE_WINDOW",
     "_panic_for_tests",
 ]
 
 __version__: str
 DEFAULT_SOCKET: str
 MAX_BATCH_SIZE: int
+MAX_WORLD_SIZE: int
+DEFAULT_SHUFFLE_WINDOW: int
 
 class ShardstreamError(Exception): ...
 

@@ -173,7 +173,8 @@ def _release_early(batch: Any) -> None:
 class IterableDataset(torch.utils.data.IterableDataset[Any]):
     """One rank's share of a dataset as batches (dicts), split among DataLoader workers.
 
-    Takes the same arguments as :class:`shardstream.Loader`, plus ``transform`` (per sample) or
+    Takes the arguments of :class:`shardstream.Loader` but ``copy`` (each worker's loader copies
+    exactly when its batches are pickled whole: without a transform), plus ``transform`` (per sample) or
     ``batch_transform`` (per batch), the worker-side fast path (see the module's docs): they run on
     the zero-copy views where the batch is read, in each DataLoader worker, and only their result
     crosses to the trainer. With ``transform`` the batch's results go through ``collate_fn``

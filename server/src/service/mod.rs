@@ -349,6 +349,11 @@ impl Shardstream for Service {
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
         let ds = self.open(req.url, req.cache, admission).await.map_err(to_status)?;
+        if ds.num_samples() == 0 {
+            // Every stream of it would be refused: refused here, when the loader is made, not at
+            // its first batch (in a DataLoader worker, an epoch later).
+            return Err(to_status(stream_plan::no_samples(&ds)));
+        }
         Ok(Response::new(dataset_info(&ds)))
     }
 

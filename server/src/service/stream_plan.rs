@@ -299,7 +299,7 @@ pub(super) fn oversized_sample(ds: &Dataset, l: LargestSample, limit: &str) -> E
 }
 
 /// "No samples", naming the files that hold none (the first few).
-fn no_samples(ds: &Dataset) -> Error {
+pub(super) fn no_samples(ds: &Dataset) -> Error {
     let n = ds.shards.len();
     let mut named: Vec<&str> = ds.shards.iter().take(3).map(|s| s.name.as_str()).collect();
     if n > named.len() {
