@@ -210,13 +210,35 @@ def test_a_parquet_page_whose_checksum_fails_is_a_shard_error(daemon, tmp_path: 
     with pytest.raises(OSError, match="(?i)crc|checksum"):
         pq.read_table(path, page_checksum_verification=True)  # the damage is what pyarrow catches
     got: list[int] = []
-    with pytest.raises(shardstream.ShardError, match="a.parquet"):
+    with pytest.raises(shardstream.ShardError, match="a.parquet") as err:
         loader = shardstream.Loader(
             str(tmp_path), batch_size=10, shuffle=False, binary_views=views, connect=daemon.addr
         )
         for batch in loader:
             got.extend(np.asarray(batch["id"]).tolist())
     assert got == [], "no row of a row group whose page fails its checksum"
+    # Where the row group's chunks begin (it was None for every Parquet error).
+    chunk = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    assert err.value.offset == (chunk.dictionary_page_offset or chunk.data_page_offset)
+
+
+def test_a_later_files_times_that_the_datasets_unit_cannot_hold_are_a_value_error(daemon, tmp_path: Path) -> None:
+    """A later file in milliseconds is served in the dataset's nanoseconds; a year-3000 time does
+    not fit 64-bit nanoseconds. The file is sound (pyarrow reads it): the error said "corrupt
+    data" and was a ShardError."""
+    import datetime as dt
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"t": pa.array([0, 1], pa.timestamp("ns"))}), tmp_path / "a.parquet")
+    late = pa.array([dt.datetime(2000, 1, 1), dt.datetime(3000, 1, 1)], pa.timestamp("ms"))
+    pq.write_table(pa.table({"t": late}), tmp_path / "b.parquet")
+    assert pq.read_table(tmp_path / "b.parquet").num_rows == 2
+    with pytest.raises(ValueError, match=r"b\.parquet: row group 0: column \"t\" holds values .* do not fit") as err:
+        for _ in shardstream.Loader(str(tmp_path), batch_size=2, shuffle=False, connect=daemon.addr):
+            pass
+    assert not isinstance(err.value, shardstream.ShardError) and "corrupt" not in str(err.value)
 
 
 @pytest.mark.parametrize("what", ["manifest-fifo", "manifest-device", "sidecar-device"])

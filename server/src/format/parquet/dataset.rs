@@ -813,7 +813,12 @@ impl BatchAssembler {
                 }
                 // The storage's own error (a truncated shard, a failing disk) says more.
                 (Err(_), Some(e)) => Err(e),
-                (Err(e), None) => Err(e.into_error(&file.name)),
+                (Err(e), None) => {
+                    // Where the row group's selected chunks begin: a ShardError's `offset` (the
+                    // message names the column, and the page where the decoder said one).
+                    let at = super::decode::leaf_chunks(&file.table, rg, &self.per_file[fi]).map(|r| r.start).min();
+                    Err(e.into_error_at(&file.name, at))
+                }
             }
         })?;
         // Every row group a spilling stream uses in memory is kept: those it decodes again, and

@@ -184,6 +184,7 @@ pub fn decode_row_group(
     let arrange = |decoded: &RecordBatch| {
         proj.arrange(decoded).map_err(|e| match e {
             ParquetError::BadData { reason, .. } => bad(reason),
+            ParquetError::Unfit { reason, .. } => ParquetError::Unfit { row_group: rg, reason },
             e => e,
         })
     };

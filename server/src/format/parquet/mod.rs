@@ -87,6 +87,11 @@ pub enum ParquetError {
     BadFooter(String),
     #[error("corrupt data in row group {row_group}: {reason}")]
     BadData { row_group: usize, reason: String },
+    /// Values of a later file's narrower type that do not fit the dataset's type (times past
+    /// what 64-bit ticks of a finer unit hold, offsets past 32 bits): the file is sound, the
+    /// dataset's files do not agree ([`widen`]).
+    #[error("row group {row_group}: {reason}")]
+    Unfit { row_group: usize, reason: String },
     /// A selected column the file does not have (a request error, not a damaged file).
     #[error("has no column {column:?} (its columns: {available})")]
     MissingColumn { column: String, available: String },
@@ -150,6 +155,11 @@ impl ParquetError {
     /// column errors are the caller's (`InvalidArgument`, a Python `ValueError`), everything
     /// else is a damaged shard.
     pub fn into_error(self, file: &str) -> Error {
+        self.into_error_at(file, None)
+    }
+
+    /// As [`Self::into_error`], a damaged shard's error saying where in the file (`at`).
+    pub fn into_error_at(self, file: &str, at: Option<u64>) -> Error {
         match self {
             e @ (ParquetError::MissingColumn { .. }
             | ParquetError::TypeMismatch { .. }
@@ -157,11 +167,12 @@ impl ParquetError {
             | ParquetError::DuplicateColumn { .. }
             | ParquetError::KeyColumnInSome { .. }
             | ParquetError::KeyColumnDiffers { .. }
-            | ParquetError::UnsupportedCodec { .. }) => Error::InvalidArgument(format!("Parquet file {file}: {e}")),
+            | ParquetError::UnsupportedCodec { .. }
+            | ParquetError::Unfit { .. }) => Error::InvalidArgument(format!("Parquet file {file}: {e}")),
             e @ (ParquetError::Ipc(_) | ParquetError::SlotTooSmall { .. }) => {
                 Error::Internal(format!("Parquet file {file}: {e}"))
             }
-            e => Error::Shard { shard: file.to_string(), offset: None, reason: e.to_string() },
+            e => Error::Shard { shard: file.to_string(), offset: at, reason: e.to_string() },
         }
     }
 }

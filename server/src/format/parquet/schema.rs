@@ -364,7 +364,21 @@ impl FileProjection {
             if col.data_type() != field.data_type() {
                 // Only a file that differs from the dataset pays for the conversion (a column
                 // with no type, a narrower one, strings decoded as bytes: see `Projection::agree`).
-                *col = super::widen::convert(col, field.data_type()).map_err(named)?;
+                let from = col.data_type().clone();
+                *col = super::widen::convert(col, field.data_type()).map_err(|e| {
+                    match super::widen::unfit_reason(&e) {
+                        // Values the dataset's type cannot hold: the file is sound, the files disagree.
+                        Some(m) => ParquetError::Unfit {
+                            row_group: 0,
+                            reason: format!(
+                                "column {:?} holds values of its {from} that the dataset's {} cannot: {m}",
+                                field.name(),
+                                field.data_type()
+                            ),
+                        },
+                        None => named(e),
+                    }
+                })?;
             }
             if check {
                 strings::check(col).map_err(named)?;
