@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import decimal
 import functools
 import json
 import os
@@ -628,6 +629,9 @@ def test_a_later_file_with_narrower_types_is_served_in_the_first_files(daemon, t
             "f": pa.array([0.5, 1.5], pa.float64()),
             "u": pa.array([1, 2], pa.int64()),
             "t": pa.array([[1], []], pa.list_(pa.int32())),
+            "d": pa.array([decimal.Decimal("1234567890.12"), None], pa.decimal128(12, 2)),
+            "h": pa.array([0.25, 1.0], pa.float32()),
+            "i": pa.array([0.5, 1.0], pa.float64()),
         }
     )
     later = pa.table(
@@ -638,13 +642,18 @@ def test_a_later_file_with_narrower_types_is_served_in_the_first_files(daemon, t
             "f": pa.array([2.5, None], pa.float32()),
             "u": pa.array([3, 255], pa.uint8()),
             "t": pa.array([[2, 3], [4]], pa.list_(pa.int32())),
+            # Refused before (pyarrow.dataset reads them): a smaller precision of the same scale, a
+            # half float, integers every one of which a float64 holds exactly.
+            "d": pa.array([decimal.Decimal("-999999.99"), decimal.Decimal("0.01")], pa.decimal128(8, 2)),
+            "h": pa.array([np.float16(0.5), np.float16(65504)], pa.float16()),
+            "i": pa.array([-(2**31), 2**31 - 1], pa.int32()),
         }
     )
     pq.write_table(first, tmp_path / "a.parquet")
     pq.write_table(later, tmp_path / "b.parquet")
     expected = pads.dataset(str(tmp_path)).to_table()
     assert expected.schema.field("s").type == pa.string() and expected.column("u").to_pylist() == [1, 2, 3, 255]
-    names = ["id", "s", "b", "f", "u"] + (["t"] if mode == "nested" else [])
+    names = ["id", "s", "b", "f", "u", "d", "h", "i"] + (["t"] if mode == "nested" else [])
     path = DECODE_PATHS["arrow" if mode == "nested" else mode]
     kw: dict = {"batch_size": 3, "shuffle": False, "connect": daemon.addr, "fields": names, **path}
     got: dict[str, list] = {n: [] for n in names}
@@ -655,7 +664,11 @@ def test_a_later_file_with_narrower_types_is_served_in_the_first_files(daemon, t
             got["b"] += [None if v is None else bytes(v) for v in batch["b"]]
             got["f"] += batch["f"].tolist(fill_value=None) if np.ma.isMaskedArray(batch["f"]) else batch["f"].tolist()
             got["u"] += batch["u"].tolist()
+            got["d"] += batch["d"]
+            got["h"] += batch["h"].tolist()
+            got["i"] += batch["i"].tolist()
             assert batch["id"].dtype == np.int64 and batch["u"].dtype == np.int64, batch
+            assert batch["h"].dtype == np.float32 and batch["i"].dtype == np.float64, batch
             continue
         for n in names:
             want = pa.binary_view() if (mode == "views-copy" and n == "b") else expected.schema.field(n).type

@@ -7,8 +7,11 @@
 //! has int8 indices in one shard and int16 in the next, or plain strings.
 //!
 //! Only conversions that keep every value: integers into wider integers that hold each value of
-//! the narrower one (signed from signed, signed or unsigned from unsigned), `float32` into
-//! `float64`, strings or binary between 32- and 64-bit offsets (the values are shared, the offsets
+//! the narrower one (signed from signed, signed or unsigned from unsigned), `float16` and
+//! `float32` into wider floats, integers into floats whose mantissa holds every one of their
+//! values exactly (up to 16 bits into `float32`, up to 32 into `float64`: a column inferred as
+//! integers in a shard whose values happened to be whole), decimals into decimals of the same
+//! scale and a precision at least theirs (the same stored integers), strings or binary between 32- and 64-bit offsets (the values are shared, the offsets
 //! rewritten; 64-bit offsets past 2 GiB in one row group cannot fit 32 bits and fail that row
 //! group by name), lists between offset widths, and inside structs and lists the same, recursively.
 //! Timestamps and durations in another unit are delivered in the finer one (pandas writes
@@ -28,7 +31,8 @@ use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
-    Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+    Decimal128Type, Decimal256Type, Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type,
+    UInt8Type, UInt16Type, UInt32Type, UInt64Type,
 };
 use arrow_array::{
     Array, ArrayRef, BinaryViewArray, FixedSizeListArray, GenericBinaryArray, GenericListArray, GenericStringArray,
@@ -37,6 +41,25 @@ use arrow_array::{
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
 use arrow_data::ArrayData;
 use arrow_schema::{ArrowError, DataType, Field, FieldRef, Fields, TimeUnit};
+
+/// Values of a file's narrower type that the dataset's type cannot hold, found as a row group is
+/// converted (carried inside an [`ArrowError::ExternalError`] so that [`convert`]'s callers can
+/// tell it from damaged data: [`unfit_reason`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Unfit(String);
+
+fn unfit(reason: String) -> ArrowError {
+    ArrowError::ExternalError(Box::new(Unfit(reason)))
+}
+
+/// What did not fit, when `e` is a conversion's [`Unfit`].
+pub fn unfit_reason(e: &ArrowError) -> Option<String> {
+    match e {
+        ArrowError::ExternalError(inner) => inner.downcast_ref::<Unfit>().map(|u| u.0.clone()),
+        _ => None,
+    }
+}
 
 /// Where, inside a column, a file's type cannot be delivered as the dataset's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +125,12 @@ pub fn join(found: &DataType, expected: &DataType) -> Result<DataType, Mismatch>
         (_, T::Dictionary(_, wv)) => join(found, wv),
         // Maps as they were: the same type, up to their children's names.
         (T::Map(..), _) if found.equals_datatype(expected) => Ok(expected.clone()),
+        // The same scale: a precision at least the file's holds each stored integer as it is.
+        (T::Decimal128(gp, gs), T::Decimal128(wp, ws)) | (T::Decimal256(gp, gs), T::Decimal256(wp, ws))
+            if gs == ws && gp <= wp =>
+        {
+            Ok(expected.clone())
+        }
         _ if widening(found, expected).is_some() => Ok(expected.clone()),
         _ => Err(mismatch()),
     }
@@ -161,6 +190,12 @@ pub fn convert(a: &ArrayRef, to: &DataType) -> Result<ArrayRef, ArrowError> {
             let d = a.as_any_dictionary();
             convert(&arrow_select::take::take(d.values().as_ref(), d.keys(), None)?, to)
         }
+        (T::Decimal128(..), T::Decimal128(p, s)) => {
+            Ok(Arc::new(a.as_primitive::<Decimal128Type>().clone().with_precision_and_scale(*p, *s)?))
+        }
+        (T::Decimal256(..), T::Decimal256(p, s)) => {
+            Ok(Arc::new(a.as_primitive::<Decimal256Type>().clone().with_precision_and_scale(*p, *s)?))
+        }
         // The view types a flat projection's row groups are delivered in ([`super::schema`]),
         // for a column decoded otherwise (a dictionary in this file, decoded above).
         (T::Utf8, T::Utf8View) => Ok(Arc::new(StringViewArray::from(a.as_string::<i32>()))),
@@ -196,7 +231,7 @@ fn finer_ticks(a: &ArrayRef, from: TimeUnit, unit: TimeUnit, to: &DataType) -> R
     };
     let (f, t) = (per_second(from), per_second(unit));
     if t < f || t % f != 0 {
-        return Err(ArrowError::InvalidArgumentError(format!("{from:?} cannot be made {unit:?} without loss")));
+        return Err(unfit(format!("{from:?} cannot be made {unit:?} without loss")));
     }
     let factor = t / f;
     let data = a.to_data();
@@ -208,9 +243,7 @@ fn finer_ticks(a: &ArrayRef, from: TimeUnit, unit: TimeUnit, to: &DataType) -> R
             Some(s) => Ok(s),
             // A null slot's value is whatever the writer left there.
             None if a.is_null(i) => Ok(0),
-            None => Err(ArrowError::InvalidArgumentError(format!(
-                "{v} {from:?} ticks do not fit the dataset's {unit:?} (64-bit ticks)"
-            ))),
+            None => Err(unfit(format!("{v} {from:?} ticks do not fit the dataset's {unit:?} (64-bit ticks)"))),
         })
         .collect::<Result<Vec<i64>, _>>()?;
     let data =
@@ -258,6 +291,18 @@ fn widening(from: &DataType, to: &DataType) -> Option<Widen> {
         (T::UInt32, T::UInt64) => numbers!(UInt32Type => UInt64Type),
         (T::UInt32, T::Int64) => numbers!(UInt32Type => Int64Type),
         (T::Float32, T::Float64) => numbers!(Float32Type => Float64Type),
+        (T::Float16, T::Float32) => numbers!(Float16Type => Float32Type),
+        (T::Float16, T::Float64) => numbers!(Float16Type => Float64Type),
+        (T::Int8, T::Float32) => numbers!(Int8Type => Float32Type),
+        (T::Int16, T::Float32) => numbers!(Int16Type => Float32Type),
+        (T::UInt8, T::Float32) => numbers!(UInt8Type => Float32Type),
+        (T::UInt16, T::Float32) => numbers!(UInt16Type => Float32Type),
+        (T::Int8, T::Float64) => numbers!(Int8Type => Float64Type),
+        (T::Int16, T::Float64) => numbers!(Int16Type => Float64Type),
+        (T::Int32, T::Float64) => numbers!(Int32Type => Float64Type),
+        (T::UInt8, T::Float64) => numbers!(UInt8Type => Float64Type),
+        (T::UInt16, T::Float64) => numbers!(UInt16Type => Float64Type),
+        (T::UInt32, T::Float64) => numbers!(UInt32Type => Float64Type),
         (T::Utf8, T::LargeUtf8) => strings::<i32, i64>,
         (T::LargeUtf8, T::Utf8) => strings::<i64, i32>,
         (T::Binary, T::LargeBinary) => binary::<i32, i64>,
@@ -285,10 +330,7 @@ fn offsets<F: OffsetSizeTrait, O: OffsetSizeTrait>(from: &OffsetBuffer<F>) -> Re
         .iter()
         .map(|o| {
             O::from_usize(o.as_usize()).ok_or_else(|| {
-                ArrowError::InvalidArgumentError(format!(
-                    "offset {} in one row group does not fit the dataset's 32-bit offsets",
-                    o.as_usize()
-                ))
+                unfit(format!("offset {} in one row group does not fit the dataset's 32-bit offsets", o.as_usize()))
             })
         })
         .collect::<Result<Vec<O>, _>>()?;
@@ -298,7 +340,9 @@ fn offsets<F: OffsetSizeTrait, O: OffsetSizeTrait>(from: &OffsetBuffer<F>) -> Re
 
 #[cfg(test)]
 mod tests {
-    use arrow_array::{Int8Array, Int32Array, LargeBinaryArray, StringArray, UInt8Array};
+    use arrow_array::{
+        Decimal128Array, Float16Array, Int8Array, Int32Array, LargeBinaryArray, StringArray, UInt8Array,
+    };
 
     use super::*;
 
@@ -319,17 +363,49 @@ mod tests {
         let b: ArrayRef = Arc::new(LargeBinaryArray::from(vec![Some(&b"xyz"[..]), None]));
         let small = widening(&DataType::LargeBinary, &DataType::Binary).unwrap()(&b).unwrap();
         assert_eq!(small.as_binary::<i32>().iter().collect::<Vec<_>>(), [Some(&b"xyz"[..]), None]);
+        let ints: ArrayRef = Arc::new(Int32Array::from(vec![Some(i32::MIN), None, Some(i32::MAX)]));
+        let floats = widening(&DataType::Int32, &DataType::Float64).unwrap()(&ints).unwrap();
+        assert_eq!(
+            floats.as_primitive::<Float64Type>().iter().collect::<Vec<_>>(),
+            [Some(f64::from(i32::MIN)), None, Some(f64::from(i32::MAX))]
+        );
+        type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
+        let halves: ArrayRef = Arc::new(Float16Array::from(vec![F16::from_f32(0.5), F16::MAX]));
+        let floats = widening(&DataType::Float16, &DataType::Float32).unwrap()(&halves).unwrap();
+        assert_eq!(floats.as_primitive::<Float32Type>().values().to_vec(), [0.5, 65504.0]);
         for (from, to) in [
             (DataType::Int64, DataType::Int32),
             (DataType::Int8, DataType::UInt64),
             (DataType::UInt64, DataType::Int64),
             (DataType::Float64, DataType::Float32),
             (DataType::Int64, DataType::Float64),
+            // 2^24 + 1 has no float32: only up to 16-bit integers go into one.
+            (DataType::Int32, DataType::Float32),
+            (DataType::UInt64, DataType::Float64),
+            (DataType::Float32, DataType::Float16),
             (DataType::Int64, DataType::Utf8),
             (DataType::Int32, DataType::Int32),
         ] {
             assert!(widening(&from, &to).is_none(), "{from} -> {to}");
         }
+    }
+
+    #[test]
+    fn decimals_of_the_same_scale_widen_to_a_larger_precision_only() {
+        let (narrow, wide) = (DataType::Decimal128(8, 2), DataType::Decimal128(12, 2));
+        assert_eq!(join(&narrow, &wide), Ok(wide.clone()));
+        for (found, expected) in [
+            (wide.clone(), narrow.clone()),
+            (DataType::Decimal128(8, 2), DataType::Decimal128(12, 3)),
+            (DataType::Decimal128(8, 2), DataType::Decimal256(12, 2)),
+        ] {
+            assert!(join(&found, &expected).is_err(), "{found} -> {expected}");
+        }
+        let values: ArrayRef =
+            Arc::new(Decimal128Array::from(vec![Some(-99_999_999), None]).with_precision_and_scale(8, 2).unwrap());
+        let got = convert(&values, &wide).unwrap();
+        assert_eq!(got.data_type(), &wide);
+        assert_eq!(got.as_primitive::<Decimal128Type>().iter().collect::<Vec<_>>(), [Some(-99_999_999), None]);
     }
 
     fn field(name: &str, t: DataType, nullable: bool) -> FieldRef {
