@@ -97,6 +97,10 @@ fn describe() {
         Unit::Seconds,
         "seconds of data cached ahead of the slowest-served consumer"
     );
+    describe_gauge!(
+        "shardstream_prefetch_consumers",
+        "streams reading through the node cache, which the prefetcher serves (the horizon's consumers)"
+    );
     // A gauge only because the facade's counters are integers; it only ever grows.
     describe_gauge!(
         "shardstream_consumer_wait_seconds_total",
@@ -182,8 +186,12 @@ pub fn ring_bytes(bytes: u64) {
     metrics::gauge!("shardstream_shm_ring_bytes").set(bytes as f64);
 }
 
-pub fn prefetch_horizon(seconds: f64) {
+/// The horizon over the `consumers` streams that read through the node cache. Without one (every
+/// stream reads in place, or none is open) the horizon is 0, which says nothing: the consumer
+/// count tells the alert so.
+pub fn prefetch_horizon(seconds: f64, consumers: usize) {
     metrics::gauge!("shardstream_prefetch_horizon_seconds").set(seconds);
+    metrics::gauge!("shardstream_prefetch_consumers").set(consumers as f64);
 }
 
 /// Time one consumer's stream waited for shard bytes (labels: its rank and DataLoader worker).

@@ -881,7 +881,7 @@ impl Prefetcher {
         }
         let horizon_s = if horizon_s.is_finite() { horizon_s } else { 0.0 };
         *self.horizon_s.lock().unwrap_or_else(|p| p.into_inner()) = horizon_s;
-        crate::metrics::prefetch_horizon(horizon_s);
+        crate::metrics::prefetch_horizon(horizon_s, consumers.len());
         {
             let mut next_use = self.next_use.write().unwrap_or_else(|p| p.into_inner());
             next_use.retain(|k, _| next.contains_key(&k.key_ref()));
