@@ -9,6 +9,9 @@
 //!   place (no-replace) before `listen`: nobody can reach it at a wider mode, ever. This instead of
 //!   a umask around `bind`, because umask is process-wide and the daemon also runs embedded in a
 //!   multithreaded Python process whose other threads create files meanwhile.
+//! - An existing directory for the socket must be the daemon's user's or root's: another user who
+//!   owns it (one who made `/tmp/shardstream-<job>` before the job did) could rename the socket
+//!   away and put their own in its place, and trainers would take that user's data.
 
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileTypeExt;
@@ -137,11 +140,12 @@ pub fn clear_stale(path: &Path, ty: SocketType) -> Result<()> {
 }
 
 /// Creates the socket's directory when it is missing, with the mode and group `access` needs.
-/// An existing directory is used as it is (the operator's, kubelet's or systemd's).
+/// An existing directory is used as it is (the operator's, kubelet's or systemd's) when it
+/// belongs to this process's user or root (see the module docs).
 pub fn prepare_dir(path: &Path, access: &SocketAccess) -> Result<()> {
     let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
     if dir.try_exists().map_err(|e| Error::io("cannot check socket directory", dir, e))? {
-        return Ok(());
+        return check_owner(dir, rustix::process::geteuid().as_raw());
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create socket directory", dir, e))?;
     if let Some(gid) = access.group {
@@ -150,6 +154,21 @@ pub fn prepare_dir(path: &Path, access: &SocketAccess) -> Result<()> {
     }
     rustix::fs::chmod(dir, Mode::from_raw_mode(access.dir_mode()))
         .map_err(|e| errno("cannot set the mode of socket directory", dir, e))
+}
+
+/// Refuses the existing socket directory `dir` unless user `me` or root owns it.
+fn check_owner(dir: &Path, me: u32) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let owner = std::fs::metadata(dir).map_err(|e| Error::io("cannot check socket directory", dir, e))?.uid();
+    if owner == me || owner == 0 {
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "socket directory {} belongs to uid {owner}, not to this daemon's user (uid {me}) or root: its owner could \
+         replace the socket with their own; listen in a directory of your own (a missing one is created, mode \
+         0700 or as --socket-mode needs)",
+        dir.display()
+    )))
 }
 
 /// Binds and listens on a Unix socket of type `ty` at `path` with `access` from the first moment
@@ -229,6 +248,26 @@ mod tests {
         assert!(parse_mode("rw").is_err());
         assert_eq!(SocketAccess { mode: 0o660, group: None }.dir_mode(), 0o750);
         assert_eq!(SocketAccess::default().dir_mode(), 0o700);
+    }
+
+    #[test]
+    fn a_socket_directory_of_another_user_is_refused() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let owner = std::fs::metadata(dir.path()).unwrap().uid();
+        assert!(check_owner(dir.path(), owner).is_ok());
+        // The other user: anyone but the owner, and the owner anyone but root.
+        let (me, theirs) = if owner == 0 {
+            rustix::fs::chown(dir.path(), Some(rustix::fs::Uid::from_raw(65534)), None).unwrap();
+            (0, 65534)
+        } else {
+            (owner + 1, owner)
+        };
+        let e = check_owner(dir.path(), me).unwrap_err().to_string();
+        assert!(e.contains(&format!("belongs to uid {theirs}, not to this daemon's user (uid {me})")), "{e}");
+        assert!(check_owner(dir.path(), theirs).is_ok());
+        // Root's directories (kubelet's hostPath, an emptyDir) are used as they are.
+        assert!(check_owner(Path::new("/"), me).is_ok());
     }
 
     #[test]
