@@ -14,7 +14,9 @@
 #   Neither may be inside the node-wide systemd unit's /run/shardstream or /var/cache/shardstream:
 #   systemd deletes the first at every stop and restart, and gives both to the unit's user (0750).
 #   SHARDSTREAM_LOG_DIR        hook and daemon logs (default /var/log/shardstream)
-#   SHARDSTREAM_CACHE_SIZE     cache capacity per job (default: the daemon's, 90% of free space)
+#   SHARDSTREAM_CACHE_SIZE     cache capacity per job (default: the daemon's, 90% of the free
+#                              space when it starts; jobs that share a node each take that much
+#                              of the same disk: set a per-job size where nodes are shared)
 #   SHARDSTREAM_SERVE_ARGS     extra `serve` options, split on spaces
 #   SHARDSTREAM_START_TIMEOUT  seconds the prolog waits for the daemon to serve (default 60)
 #   SHARDSTREAM_PREFETCH_WAIT  seconds the prolog waits for staging before the job starts
@@ -46,11 +48,26 @@ ss_load_settings() {
     . "$env_file"
     set +a
   fi
+  # Used in shell arithmetic, where "60s" or "08" is an error that would fail the hook (and a
+  # failed Prolog drains the node): a value that is no plain number of seconds is logged and
+  # the default used.
+  ss_seconds SHARDSTREAM_START_TIMEOUT 60 "$env_file"
+  ss_seconds SHARDSTREAM_PREFETCH_WAIT 0 "$env_file"
+}
+
+# ss_seconds VAR DEFAULT FILE: VAR as a plain number of seconds, else DEFAULT (logged).
+ss_seconds() {
+  local var=$1 default=$2 file=$3
+  [[ ${!var-} =~ ^(0|[1-9][0-9]{0,5})$ ]] && return 0
+  ss_log settings "$var='${!var-}' in $file is not a number of seconds; using $default"
+  printf -v "$var" '%s' "$default"
 }
 
 # The job's socket directory and the daemon's pidfile. The pidfile is root's (outside the
-# user-owned directory), so a job cannot point the epilog at another process.
+# user-owned directory), so a job cannot point the epilog at another process. Fails (the hook
+# then exits 0) without a numeric SLURM_JOB_ID: nothing of a job can be named.
 ss_job_paths() {
+  [[ ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]] || return 1
   JOB_DIR="$SHARDSTREAM_RUN_DIR/job-$SLURM_JOB_ID"
   JOB_SOCK="$JOB_DIR/sock"
   JOB_PIDFILE="$SHARDSTREAM_RUN_DIR/job-$SLURM_JOB_ID.pid"

@@ -61,3 +61,120 @@ def test_per_job_state_is_outside_the_units_directories(tmp_path: Path) -> None:
     assert owned
     for path in job_paths:
         assert not any(path.is_relative_to(d) for d in owned), f"{path} is in the unit's {owned}"
+
+
+def run_hook(name: str, tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A hook as Slurm runs it: no PATH, only the variables given (and settings beside SLURM_CONF)."""
+    base = {"SLURM_CONF": str(tmp_path / "slurm.conf")}
+    return subprocess.run(
+        [str(DEPLOY / "slurm" / name)], env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_hook_without_a_job_id_exits_0(tmp_path: Path) -> None:
+    """ss_job_paths expanded $SLURM_JOB_ID under `set -u` before the hooks' own check: 'unbound
+    variable', exit 1; a failed Prolog or Epilog drains the node."""
+    for name in HOOKS:
+        r = run_hook(name, tmp_path, {"SLURM_JOB_UID": "65534"})
+        assert r.returncode == 0 and "unbound" not in r.stderr, (name, r.stderr)
+
+
+def test_settings_that_are_no_number_of_seconds_are_logged_and_the_defaults_used(tmp_path: Path) -> None:
+    """SHARDSTREAM_START_TIMEOUT=60s (or 08) ended the Prolog in shell arithmetic ('value too
+    great for base', exit 1), though nothing of shardstream may fail it."""
+    logs = tmp_path / "log"
+    (tmp_path / "shardstream.env").write_text(
+        f"SHARDSTREAM_LOG_DIR={logs}\nSHARDSTREAM_START_TIMEOUT=60s\nSHARDSTREAM_PREFETCH_WAIT=08\n"
+    )
+    logs.mkdir()
+    script = f". {DEPLOY / 'slurm' / 'common.sh'}; ss_load_settings; "
+    script += 'printf "%s %s\\n" "$SHARDSTREAM_START_TIMEOUT" "$SHARDSTREAM_PREFETCH_WAIT"'
+    r = subprocess.run(
+        ["/bin/bash", "-c", script], env={"SLURM_CONF": str(tmp_path / "slurm.conf")}, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.split() == ["60", "0"], r.stdout + r.stderr
+    log = (logs / "slurm-hooks.log").read_text()
+    assert "SHARDSTREAM_START_TIMEOUT='60s' in" in log and "using 60" in log, log
+    assert "SHARDSTREAM_PREFETCH_WAIT='08' in" in log and "using 0" in log, log
+    (tmp_path / "shardstream.env").write_text(f"SHARDSTREAM_LOG_DIR={logs}\nSHARDSTREAM_START_TIMEOUT=5\n")
+    r = subprocess.run(
+        ["/bin/bash", "-c", script], env={"SLURM_CONF": str(tmp_path / "slurm.conf")}, capture_output=True, text=True
+    )
+    assert r.stdout.split() == ["5", "0"], r.stdout + r.stderr
+
+
+def test_a_daemon_that_exits_at_start_is_not_also_logged_as_a_timeout(tmp_path: Path) -> None:
+    logs, run, cache = tmp_path / "log", tmp_path / "run", tmp_path / "cache"
+    settings = [
+        f"SHARDSTREAM_LOG_DIR={logs}",
+        f"SHARDSTREAM_RUN_DIR={run}",
+        f"SHARDSTREAM_JOB_CACHE_DIR={cache}",
+        f"SHARDSTREAM_BIN={tmp_path / 'no-such-binary'}",
+        "SHARDSTREAM_START_TIMEOUT=5",
+    ]
+    (tmp_path / "shardstream.env").write_text("\n".join(settings) + "\n")
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_UID": "65534", "SLURM_JOB_GID": "65534", "SLURM_JOB_USER": "nobody"}
+    r = run_hook("prolog", tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    log = (logs / "slurm-hooks.log").read_text()
+    assert "daemon exited at start-up" in log and "not serving after" not in log, log
+
+
+def test_task_prolog_stages_once_and_again_after_a_step_ended_its_staging(tmp_path: Path) -> None:
+    """The staging a task starts runs in its step, whose end ends it (Slurm's process tracking);
+    a marker made when it started kept every later step from starting it again, so a job whose
+    first step was short (a `shardstream status` check) never had its dataset staged."""
+    import signal
+    import socket
+    import time
+
+    run, logs = tmp_path / "run", tmp_path / "log"
+    job_dir = run / "job-7"
+    job_dir.mkdir(parents=True)
+    logs.mkdir()
+    calls = tmp_path / "calls"
+    fake = tmp_path / "shardstream"
+    # `prefetch` that records its call, then finishes, or lasts while `hold` exists.
+    fake.write_text(f'#!/bin/bash\necho "$*" >>{calls}\nwhile [ -e {tmp_path}/hold ]; do /usr/bin/sleep 0.05; done\n')
+    fake.chmod(0o755)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(job_dir / "sock"))
+    settings = [f"SHARDSTREAM_LOG_DIR={logs}", f"SHARDSTREAM_RUN_DIR={run}", f"SHARDSTREAM_BIN={fake}"]
+    (tmp_path / "shardstream.env").write_text("\n".join(settings) + "\n")
+    env = {"SLURM_JOB_ID": "7", "SHARDSTREAM_DATASET": "s3://b/d/"}
+
+    def task() -> None:
+        r = run_hook("task-prolog", tmp_path, env)
+        assert r.returncode == 0 and r.stdout == f"export SHARDSTREAM_ADDR=unix://{job_dir / 'sock'}\n", r
+
+    def started() -> int:
+        return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+    def wait(cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline, calls.read_text() if calls.exists() else "never started"
+            time.sleep(0.05)
+
+    try:
+        (tmp_path / "hold").touch()
+        task()
+        wait(lambda: started() == 1)
+        task()  # another task of the step: the staging under way is left alone
+        assert started() == 1
+        # The step ends: Slurm kills its processes, the staging with them.
+        os.killpg(int((job_dir / "prefetch.pid").read_text()), signal.SIGKILL)
+        wait(lambda: not Path(f"/proc/{(job_dir / 'prefetch.pid').read_text().strip()}").exists())
+        (tmp_path / "hold").unlink()
+        task()  # the next step's first task starts it again; it finishes
+        wait(lambda: (job_dir / "prefetch-done").exists())
+        assert (
+            started() == 2
+            and calls.read_text().splitlines()[-1] == f"prefetch --connect unix://{job_dir / 'sock'} s3://b/d/"
+        )
+        task()  # staged: nothing more
+        time.sleep(0.3)
+        assert started() == 2 and not (job_dir / "prefetch-lock").exists()
+    finally:
+        (tmp_path / "hold").unlink(missing_ok=True)
+        listener.close()
