@@ -755,6 +755,74 @@ def test_a_new_loader_after_a_parquet_object_changed_reads_its_columns_as_they_a
         d.stop()
 
 
+def test_an_object_rewritten_at_its_size_after_the_listing_is_a_shard_error_not_served(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """A store that lists no ETags (s3s-fs) gives the GETs nothing to pin (If-Match): a shard
+    rewritten at its size between the listing and its download was served with its new bytes
+    (another shard's samples, delivered twice), and a Parquet file's column chunks read apart
+    the same. Each GET's Last-Modified is now held to the listed one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = s3.bucket("data") / "rewritten"
+    samples = write_dataset(root, n=2400, per_shard=600, seed=9)  # 4 shards of ~3.2 MB
+    pqroot = s3.bucket("data") / "pqrewritten"
+    pqroot.mkdir(parents=True)
+    for f in range(2):
+        ids = list(range(f * 50, f * 50 + 50))
+        pq.write_table(pa.table({"id": ids, "x": [float(i) for i in ids]}), pqroot / f"f-{f}.parquet")
+    # A cache of two shards and a bit: opening indexes all four, and shard 0's copy is gone by then.
+    d = start_daemon(tmp_path, s3, "--cache-size", "7500000")
+    try:
+        tar_loader = shardstream.Loader("s3://data/rewritten/", batch_size=100, shuffle=False, connect=d.addr)
+        pq_loader = shardstream.Loader(
+            "s3://data/pqrewritten/", batch_size=10, shuffle=False, fields=["x"], connect=d.addr
+        )
+        time.sleep(1.1)  # Last-Modified counts whole seconds
+        victim = root / "train-000000.tar"
+        with tarfile.open(victim) as tar:
+            hit = next(m for m in tar.getmembers() if m.name.endswith(".jpg"))
+        raw = bytearray(victim.read_bytes())
+        raw[hit.offset_data] ^= 0xFF  # same size, other bytes: the GET's own ETag (MD5) agrees
+        victim.write_bytes(bytes(raw))
+        got: list[str] = []
+        with pytest.raises(shardstream.ShardError, match="modified on the server .* after it was listed") as err:
+            for b in tar_loader:
+                got += b["__key__"]
+        assert err.value.shard == "s3://data/rewritten/train-000000.tar", err.value
+        assert not set(got) - set(samples) and len(got) == len(set(got))
+
+        pq_victim = pqroot / "f-1.parquet"
+        pq_victim.write_bytes(pq_victim.read_bytes())  # the same bytes, a new version
+        with pytest.raises(shardstream.ShardError, match="f-1.parquet.*modified on the server"):
+            for _ in pq_loader:
+                pass
+        # A new Loader lists the dataset as it is now, and reads it.
+        assert len(epoch(d.addr, "s3://data/rewritten/", shuffle=False)) == len(samples)
+    finally:
+        d.stop()
+
+
+def test_an_indexed_object_that_grew_is_a_shard_error_not_cut_to_its_indexed_bytes(
+    tmp_path: Path, s3: S3Server
+) -> None:
+    """The manifest's CRC covers the bytes it indexed: a shard rewritten with more samples after
+    `shardstream index` was read to its indexed length, its CRC matched, and the rest was lost
+    unsaid. A GET's answer names the object's size (Content-Range)."""
+    write_dataset(s3.bucket("data") / "grew", n=100, per_shard=50, seed=5)
+    index_s3(s3, "s3://data/grew/")
+    victim = s3.root / "data/grew/train-000001.tar"
+    victim.write_bytes(victim.read_bytes() + bytes(10240))
+    d = start_daemon(tmp_path, s3)
+    try:
+        with pytest.raises(shardstream.ShardError, match="bytes on the server, not the .*shardstream index") as err:
+            epoch(d.addr, "s3://data/grew/")
+        assert err.value.shard == "s3://data/grew/train-000001.tar", err.value
+    finally:
+        d.stop()
+
+
 def test_an_unreachable_s3_endpoint_is_named_as_such_not_as_the_daemon(tmp_path: Path, s3: S3Server) -> None:
     # The daemon answers; S3 does not. The error must say that, once and readably: the URL and
     # the OS's reason, not "shardstream daemon unavailable" and not the SDK's Debug dump.

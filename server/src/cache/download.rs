@@ -33,6 +33,8 @@ const COPY_CHUNK: usize = 4 << 20;
 pub struct FetchSpec<'a> {
     pub source: &'a ShardSource,
     pub len: u64,
+    /// The object's LastModified as listed (S3; see `ObjectRef::modified_ns`).
+    pub modified_ns: Option<i64>,
     pub crc32c: Option<u32>,
     /// CRC-32C of a Parquet file's footer (a `crc32c-footer` manifest), checked on the copy.
     pub footer_crc32c: Option<u32>,
@@ -56,7 +58,13 @@ pub fn fill(
         let (crc, md5_checked) = match spec.source {
             ShardSource::S3 { bucket, key, etag } => {
                 let store = store.ok_or_else(|| Error::Internal(format!("{url}: no S3 connection")))?;
-                let obj = ObjectRef { bucket: bucket.clone(), key: key.clone(), len: spec.len, etag: etag.clone() };
+                let obj = ObjectRef {
+                    bucket: bucket.clone(),
+                    key: key.clone(),
+                    len: spec.len,
+                    etag: etag.clone(),
+                    modified_ns: spec.modified_ns,
+                };
                 let shared = Arc::new(file.try_clone().map_err(|e| Error::io("cannot reopen", tmp, e))?);
                 // A manifest's CRC-32C is checked below; without one the ETag's MD5 is.
                 store.block_on(store.download_checked(&obj, shared, tmp, observer.clone(), spec.crc32c.is_none()))?
@@ -191,7 +199,7 @@ mod tests {
     use super::*;
 
     fn local_spec(source: &ShardSource, len: u64, crc32c: Option<u32>) -> FetchSpec<'_> {
-        FetchSpec { source, len, crc32c, footer_crc32c: None, parquet: false }
+        FetchSpec { source, len, modified_ns: None, crc32c, footer_crc32c: None, parquet: false }
     }
 
     /// Bytes no two chunks of the copy share, so a chunk written twice or skipped shows.

@@ -221,7 +221,13 @@ fn s3_object(meta: &ShardMeta) -> Result<crate::storage::s3::ObjectRef> {
     let ShardSource::S3 { bucket, key, etag } = &meta.source else {
         return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
     };
-    Ok(crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() })
+    Ok(crate::storage::s3::ObjectRef {
+        bucket: bucket.clone(),
+        key: key.clone(),
+        len: meta.len,
+        etag: etag.clone(),
+        modified_ns: meta.mtime_ns,
+    })
 }
 
 /// `file` mapped read-only; only for a node-cache copy held by a [`Pin`] for as long as the
@@ -1020,6 +1026,7 @@ fn fetch_into(
     let spec = FetchSpec {
         source: &meta.source,
         len: meta.len,
+        modified_ns: meta.mtime_ns,
         crc32c: meta.crc32c,
         footer_crc32c: meta.footer_crc32c,
         parquet: format == Format::Parquet,

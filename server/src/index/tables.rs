@@ -261,8 +261,13 @@ fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<(ShardTable
     let ShardSource::S3 { bucket, key, etag } = &meta.source else {
         return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
     };
-    let obj =
-        crate::storage::s3::ObjectRef { bucket: bucket.clone(), key: key.clone(), len: meta.len, etag: etag.clone() };
+    let obj = crate::storage::s3::ObjectRef {
+        bucket: bucket.clone(),
+        key: key.clone(),
+        len: meta.len,
+        etag: etag.clone(),
+        modified_ns: meta.mtime_ns,
+    };
     let mut read = 0;
     loop {
         read += 1;

@@ -115,6 +115,37 @@ pub struct ObjectInfo {
     pub modified_ns: Option<i64>,
 }
 
+/// Why a GET's answer is of another version of `obj` than the one listed (or indexed): the
+/// object's whole size (`Content-Range`'s total) is not `obj.len`, or, for an object listed
+/// without an ETag (whose GETs carry no `If-Match`), its `Last-Modified` is not the listed one
+/// (to the second, what the header holds). A manifest's CRC covers only the bytes it indexed: a
+/// shard grown since would lose what was appended, unsaid.
+fn changed_since_listed(
+    obj: &ObjectRef,
+    content_range: Option<&str>,
+    modified: Option<&aws_sdk_s3::primitives::DateTime>,
+) -> Option<String> {
+    let total = content_range.and_then(|r| r.rsplit_once('/')).and_then(|(_, t)| t.trim().parse::<u64>().ok());
+    if let Some(total) = total
+        && total != obj.len
+    {
+        return Some(format!(
+            "is {total} bytes on the server, not the {} it was listed or indexed with: it changed since; open the \
+             dataset again (with a manifest.json: run `shardstream index` again)",
+            obj.len
+        ));
+    }
+    let (None, Some(listed), Some(now)) = (&obj.etag, obj.modified_ns, modified) else { return None };
+    (now.secs() != listed.div_euclid(1_000_000_000)).then(|| {
+        format!(
+            "was modified on the server (Last-Modified {}) after it was listed ({} s since the epoch): it changed \
+             since; open the dataset again",
+            now.secs(),
+            listed.div_euclid(1_000_000_000)
+        )
+    })
+}
+
 /// What a download needs to know about its object.
 #[derive(Debug, Clone)]
 pub struct ObjectRef {
@@ -126,6 +157,9 @@ pub struct ObjectRef {
     /// 32 hex digits) is also checked against the downloaded bytes: the integrity check of a
     /// dataset without manifest, whose CRC-32C nobody knows.
     pub etag: Option<String>,
+    /// LastModified as listed (ns since the Unix epoch): without an ETag, what names the version
+    /// listed, which every GET's answer must still have ([`changed_since_listed`]).
+    pub modified_ns: Option<i64>,
 }
 
 impl ObjectRef {
@@ -721,6 +755,9 @@ impl S3Store {
                     .send()
                     .await
                     .map_err(|e| classify(&url, e))?;
+                if let Some(why) = changed_since_listed(obj, resp.content_range(), resp.last_modified()) {
+                    return Err(Failure::Permanent(Error::Shard { shard: url.clone(), offset: None, reason: why }));
+                }
                 let etag = resp.e_tag().map(str::to_owned);
                 let may_be_md5 = etag_may_be_md5(resp.server_side_encryption(), resp.sse_customer_algorithm());
                 let body =
@@ -996,6 +1033,9 @@ impl S3Store {
                 .await
             {
                 Err(e) => Some(classify(&url, e)),
+                Ok(resp) if let Some(why) = changed_since_listed(obj, resp.content_range(), resp.last_modified()) => {
+                    Some(Failure::Permanent(Error::Shard { shard: url.clone(), offset: None, reason: why }))
+                }
                 Ok(resp)
                     if etag_changed(
                         answered,
@@ -1272,7 +1312,7 @@ mod tests {
         let options = S3Options { endpoint: Some("http://127.0.0.1:9".into()), ..S3Options::default() };
         let store = rt.block_on(S3Store::connect(options)).unwrap();
         store.close();
-        let obj = ObjectRef { bucket: "b".into(), key: "k".into(), len: 10, etag: None };
+        let obj = ObjectRef { bucket: "b".into(), key: "k".into(), len: 10, etag: None, modified_ns: None };
         let requests = || crate::metrics::STORAGE_REQUESTS.load(std::sync::atomic::Ordering::Relaxed);
         let before = requests();
         let started = std::time::Instant::now();
@@ -1283,6 +1323,26 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
         // No lib test but this one talks to S3, so the process-wide count is this test's.
         assert_eq!(requests(), before, "a closed store sent requests");
+    }
+
+    #[test]
+    fn an_answer_of_another_size_or_time_than_listed_is_named() {
+        use aws_sdk_s3::primitives::DateTime;
+        let listed_ns = 1_700_000_000_250_000_000; // listed with its milliseconds
+        let obj = ObjectRef { bucket: "b".into(), key: "k".into(), len: 100, etag: None, modified_ns: Some(listed_ns) };
+        let same = DateTime::from_secs(1_700_000_000); // the header's seconds
+        assert_eq!(changed_since_listed(&obj, Some("bytes 0-9/100"), Some(&same)), None);
+        assert_eq!(changed_since_listed(&obj, None, None), None);
+        let grown = changed_since_listed(&obj, Some("bytes 0-9/110"), Some(&same)).unwrap();
+        assert!(grown.starts_with("is 110 bytes on the server, not the 100"), "{grown}");
+        let later = DateTime::from_secs(1_700_000_001);
+        let rewritten = changed_since_listed(&obj, Some("bytes 0-9/100"), Some(&later)).unwrap();
+        assert!(rewritten.contains("Last-Modified 1700000001) after it was listed (1700000000 s"), "{rewritten}");
+        // With an ETag every GET carries If-Match: the time is not compared (a store may list it
+        // otherwise than it answers it).
+        let pinned = ObjectRef { etag: Some("\"e\"".into()), ..obj.clone() };
+        assert_eq!(changed_since_listed(&pinned, Some("bytes 0-9/100"), Some(&later)), None);
+        assert!(changed_since_listed(&pinned, Some("bytes 0-9/99"), Some(&same)).is_some());
     }
 
     #[test]
