@@ -326,9 +326,16 @@ impl Credentials {
             .tls_server_name
             .clone()
             .unwrap_or_else(|| host.trim_start_matches('[').trim_end_matches(']').to_owned());
-        let mut cfg = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(read(ca, "SHARDSTREAM_TLS_CA")?))
-            .domain_name(name);
+        let pem = read(ca, "SHARDSTREAM_TLS_CA")?;
+        if !pem.windows(CERTIFICATE_BEGIN.len()).any(|w| w == CERTIFICATE_BEGIN) {
+            // Else every handshake fails as "UnknownIssuer", a ConnectionError naming no file.
+            return Err(ClientError::Credentials(format!(
+                "{} (SHARDSTREAM_TLS_CA) holds no PEM certificate (no \"-----BEGIN CERTIFICATE-----\" line): \
+                 give the daemon's CA certificate",
+                ca.display()
+            )));
+        }
+        let mut cfg = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)).domain_name(name);
         match (&self.tls_client_cert, &self.tls_client_key) {
             (Some(c), Some(k)) => {
                 cfg = cfg.identity(Identity::from_pem(
@@ -346,6 +353,9 @@ impl Credentials {
         Ok(cfg)
     }
 }
+
+/// What a PEM certificate begins with (a key, a token or a DER file has none).
+const CERTIFICATE_BEGIN: &[u8] = b"-----BEGIN CERTIFICATE-----";
 
 /// True when `host:port` is a loopback address (an IP, or a name resolving only to loopback).
 pub fn is_loopback(host_port: &str) -> bool {

@@ -50,6 +50,17 @@ def test_what_no_stream_over_tcp_can_do_is_refused_before_connecting(kwargs, mat
         shardstream.Loader("/nonexistent", connect="tcp://127.0.0.1:1", **kwargs)
 
 
+def test_a_tls_ca_file_that_holds_no_certificate_is_named(monkeypatch, tmp_path) -> None:
+    # A token or key given as the CA: every handshake then failed as "UnknownIssuer", a
+    # ConnectionError naming no file.
+    wrong = tmp_path / "token"
+    wrong.write_text("0123456789abcdef0123456789abcdef\n")
+    monkeypatch.setenv("SHARDSTREAM_TLS_CA", str(wrong))
+    monkeypatch.setenv("SHARDSTREAM_TOKEN_FILE", str(wrong))
+    with pytest.raises(ValueError, match=f"{wrong} \\(SHARDSTREAM_TLS_CA\\) holds no PEM certificate"):
+        shardstream.Loader("/nonexistent", connect="tls://127.0.0.1:1")
+
+
 @pytest.mark.parametrize("url", [None, 123, 1.5, ["/data"]])
 def test_a_url_that_is_no_path_is_a_type_error(url) -> None:
     # str() made a path of anything: Loader(None) looked for "./None" and said it was not found.
