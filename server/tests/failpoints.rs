@@ -142,6 +142,7 @@ fn failpoint_local_copy_read_error_names_the_source_shard() {
     let spec = FetchSpec {
         source: &source,
         len: 10,
+        modified_ns: None,
         crc32c: Some(crc32c::crc32c(b"0123456789")),
         footer_crc32c: None,
         parquet: false,
