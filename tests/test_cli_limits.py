@@ -70,3 +70,15 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(daemon, dataset, tmp_pa
             os.close(w)
         assert p.returncode == 0 and "panicked" not in p.stderr, (args, p.returncode, p.stderr[-2000:])
     assert (copy / "manifest.json").exists()
+
+
+def test_status_shows_a_small_node_cache_in_megabytes(tmp_path: Path) -> None:
+    # A cache of a few MB read "node cache 0.0 of 0.0 GB".
+    from conftest import Daemon
+
+    d = Daemon(tmp_path, args=["--cache-size", "8MB"]).start()
+    try:
+        out = run("status", "--connect", d.addr).stdout
+        assert "node cache      0.0 of 8.0 MB in 0 shards" in out, out
+    finally:
+        d.stop()

@@ -689,10 +689,12 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
     outln!("served          {} samples, {:.1} MB", reply.samples_served, reply.bytes_served as f64 / 1e6)?;
     outln!("read time       {:.1} s", reply.read_wait_ms as f64 / 1000.0)?;
     if let Some(c) = &reply.cache {
+        // In the capacity's unit: a cache of a few MB read "0.0 of 0.0 GB".
+        let (scale, unit) = if c.capacity_bytes >= 1_000_000_000 { (1e9, "GB") } else { (1e6, "MB") };
         outln!(
-            "node cache      {:.1} of {:.1} GB in {} shards ({}); {} hits, {} misses, {} evictions",
-            c.used_bytes as f64 / 1e9,
-            c.capacity_bytes as f64 / 1e9,
+            "node cache      {:.1} of {:.1} {unit} in {} shards ({}); {} hits, {} misses, {} evictions",
+            c.used_bytes as f64 / scale,
+            c.capacity_bytes as f64 / scale,
             c.shards,
             c.policy,
             c.hits,
@@ -701,8 +703,8 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
         )?;
         if c.decoded_row_groups > 0 {
             outln!(
-                "                of which {:.1} GB in {} Parquet row groups kept decoded",
-                c.decoded_bytes as f64 / 1e9,
+                "                of which {:.1} {unit} in {} Parquet row groups kept decoded",
+                c.decoded_bytes as f64 / scale,
                 c.decoded_row_groups
             )?;
         }
