@@ -156,19 +156,42 @@ pub fn prepare_dir(path: &Path, access: &SocketAccess) -> Result<()> {
         .map_err(|e| errno("cannot set the mode of socket directory", dir, e))
 }
 
-/// Refuses the existing socket directory `dir` unless user `me` or root owns it.
+/// Refuses the existing socket directory `dir` unless user `me` or root owns it, and, when it is
+/// a symlink, the link too (its owner could point it elsewhere later). Inside a user namespace
+/// (Apptainer, rootless containers) root's files show as the overflow uid, which is then
+/// accepted too: there the check cannot tell root from another user it does not map.
 fn check_owner(dir: &Path, me: u32) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let owner = std::fs::metadata(dir).map_err(|e| Error::io("cannot check socket directory", dir, e))?.uid();
-    if owner == me || owner == 0 {
+    let trusted = |owner: u32| owner == me || owner == 0 || Some(owner) == unmapped_owner();
+    let stat = |follow: bool| {
+        let m = if follow { std::fs::metadata(dir) } else { std::fs::symlink_metadata(dir) };
+        m.map_err(|e| Error::io("cannot check socket directory", dir, e))
+    };
+    let link = stat(false)?;
+    let (what, owner) = match link.file_type().is_symlink() {
+        true if !trusted(link.uid()) => ("is a symlink that ", link.uid()),
+        _ => ("", stat(true)?.uid()),
+    };
+    if what.is_empty() && trusted(owner) {
         return Ok(());
     }
     Err(Error::invalid(format!(
-        "socket directory {} belongs to uid {owner}, not to this daemon's user (uid {me}) or root: its owner could \
-         replace the socket with their own; listen in a directory of your own (a missing one is created, mode \
-         0700 or as --socket-mode needs)",
+        "socket directory {} {what}belongs to uid {owner}, not to this daemon's user (uid {me}) or root: its \
+         owner could replace the socket with their own; listen in a directory of your own (a missing one is \
+         created, mode 0700 or as --socket-mode needs)",
         dir.display()
     )))
+}
+
+/// The uid that files of users this process's user namespace does not map show as, when it runs
+/// in one that does not map every uid (outside any, None).
+fn unmapped_owner() -> Option<u32> {
+    let map = std::fs::read_to_string("/proc/self/uid_map").ok()?;
+    let whole = map.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]);
+    if whole {
+        return None;
+    }
+    std::fs::read_to_string("/proc/sys/kernel/overflowuid").ok()?.trim().parse().ok()
 }
 
 /// Binds and listens on a Unix socket of type `ty` at `path` with `access` from the first moment
@@ -268,6 +291,15 @@ mod tests {
         assert!(check_owner(dir.path(), theirs).is_ok());
         // Root's directories (kubelet's hostPath, an emptyDir) are used as they are.
         assert!(check_owner(Path::new("/"), me).is_ok());
+        // A link the other user owns, to a directory the daemon may use: they could repoint it.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("/", &link).unwrap();
+        if owner == 0 {
+            std::os::unix::fs::lchown(&link, Some(theirs), None).unwrap();
+        }
+        let e = check_owner(&link, me).unwrap_err().to_string();
+        assert!(e.contains(&format!("is a symlink that belongs to uid {theirs}")), "{e}");
+        assert!(check_owner(&link, theirs).is_ok());
     }
 
     #[test]
