@@ -237,7 +237,8 @@ def test_status_and_cli(daemon, dataset) -> None:
         assert cmd in helptext
 
 
-def test_a_shard_the_manifest_lists_but_the_disk_lacks_says_so(daemon, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", ["direct", "copy"])
+def test_a_shard_the_manifest_lists_but_the_disk_lacks_says_so(daemon, tmp_path: Path, cache: str) -> None:
     """Opening from a manifest reads no shard, so a shard deleted since is found at its first use;
     the error said only "path not found", as if the dataset had been listed."""
     import subprocess
@@ -248,7 +249,7 @@ def test_a_shard_the_manifest_lists_but_the_disk_lacks_says_so(daemon, tmp_path:
     write_dataset(root, n=200, per_shard=100, seed=4)
     subprocess.run([SHARDSTREAM, "index", str(root)], check=True, capture_output=True)
     (root / "train-000001.tar").unlink()
-    loader = shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=daemon.addr)
+    loader = shardstream.Loader(str(root), batch_size=50, shuffle=False, cache=cache, connect=daemon.addr)
     gone = r"shard listed in manifest.json \(restore it, or run `shardstream index` again\) not found: .*train-000001"
     with pytest.raises(FileNotFoundError, match=gone):
         for _ in loader:

@@ -946,7 +946,10 @@ impl Dataset {
         let (Some(key), Some(cache)) = (self.keys.get(i), &self.backends.cache) else {
             return Err(Error::Internal(format!("{}: shard {i} is not read through the cache", self.url)));
         };
+        let local = matches!(self.shards[i].source, ShardSource::Local(_));
         fetch_into(cache, &self.backends, &self.shards[i], self.format, key.key_ref(), want)
+            // A local source gone or not as indexed, found by its copy: as when read in place.
+            .map_err(|e| if local { self.changed_if(e) } else { e })
             .map_err(|e| self.how_row_groups_could_go_apart(i, e))
     }
 
