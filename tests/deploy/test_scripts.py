@@ -175,6 +175,17 @@ def test_task_prolog_stages_once_and_again_after_a_step_ended_its_staging(tmp_pa
         task()  # staged: nothing more
         time.sleep(0.3)
         assert started() == 2 and not (job_dir / "prefetch-lock").exists()
+        # A lock a killed task left behind is stale after a minute; a pid that is no longer the
+        # job's staging (reused by another process: this one) does not count as staging.
+        (job_dir / "prefetch-done").unlink()
+        (job_dir / "prefetch-lock").mkdir()
+        task()
+        time.sleep(0.3)
+        assert started() == 2, "a fresh lock is another task deciding"
+        os.utime(job_dir / "prefetch-lock", (time.time() - 120, time.time() - 120))
+        (job_dir / "prefetch.pid").write_text(f"{os.getpid()}\n")
+        task()
+        wait(lambda: started() == 3 and (job_dir / "prefetch-done").exists())
     finally:
         (tmp_path / "hold").unlink(missing_ok=True)
         listener.close()
