@@ -26,12 +26,11 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bytes::Bytes;
 
-use crate::format::parquet::dataset::read_table;
 use crate::format::parquet::{ParquetTable, footers};
 use crate::format::{Format, ShardTable};
 use crate::index::FOOTER_THREADS;
 use crate::index::manifest::{ChecksumScope, MANIFEST_FILE, Manifest, ManifestShard, SIDECAR_DIR};
-use crate::index::page_probe::tail_page_crc;
+use crate::index::page_probe::read_table_noting_tail;
 use crate::storage::local::{self, ShardFile};
 use crate::storage::s3::{ObjectRef, S3Store};
 use crate::storage::{DatasetUrl, Pick};
@@ -240,16 +239,13 @@ fn index_parquet(
             std::fs::create_dir_all(&sidecar_dir).map_err(|e| Error::io("cannot create", &sidecar_dir, e))?;
             let done = crate::parallel::try_map(listed, threads, |s| {
                 let file = ShardFile::open(dir.join(&s.name), s.len)?;
-                let mut tail = None;
-                let table = read_table(&file.name, s.len, |off, buf| {
+                let (table, tail) = read_table_noting_tail(&file.name, s.len, |off, buf| {
                     counter.count(buf.len());
                     file.read_exact_at(buf, off)?;
-                    tail.get_or_insert_with(|| (off, buf.to_vec()));
-                    Ok(())
+                    Ok(None)
                 })?;
-                let page_checksums = tail.and_then(|(at, bytes)| tail_page_crc(&table, at, &bytes));
                 let (mut entry, fields, sidecar) = describe_parquet(&s.name, s.len, table, None);
-                entry.page_checksums = page_checksums;
+                entry.page_checksums = tail.page_crc;
                 // Each file's own sidecar too: what a daemon reads when the bundle is stale.
                 let sidecar_name = format!("{}.idx", s.name);
                 let sidecar_path = sidecar_dir.join(&sidecar_name);
@@ -283,26 +279,20 @@ fn index_parquet(
                 let url = obj.url();
                 // The first read is the tail (`footer::read_footer`): what it says of the file's
                 // row groups' copies is recorded at no extra read (`page_probe`).
-                let mut tail = None;
-                let table = read_table(&url, s.len, |off, buf| {
+                let (table, tail) = read_table_noting_tail(&url, s.len, |off, buf| {
                     let (got, etag, md5) =
                         store.block_on(store.get_range_etag_md5(&obj, off..off + buf.len() as u64))?;
                     counter.count(got.len());
                     buf.copy_from_slice(&got);
                     obj.etag = obj.etag.take().or(etag);
-                    tail.get_or_insert((off, got, md5));
-                    Ok(())
+                    Ok(Some(md5))
                 })?;
-                let (page_checksums, etag_md5) = match &tail {
-                    Some((at, bytes, md5)) => (tail_page_crc(&table, *at, bytes), Some(*md5)),
-                    None => (None, None),
-                };
                 // No sidecar object per file: a daemon opens an S3 dataset from the bundle, which
                 // holds them all (one PUT here, one GET there, where a sidecar each was as many
                 // requests as the files' own tail reads).
                 let mut r = describe_parquet(&s.name, s.len, table, obj.etag.clone());
-                r.0.page_checksums = page_checksums;
-                r.0.etag_md5 = etag_md5;
+                r.0.page_checksums = tail.page_crc;
+                r.0.etag_md5 = tail.etag_md5;
                 progress.shard_done(&s.name, s.len);
                 Ok(r)
             })?;

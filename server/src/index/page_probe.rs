@@ -25,6 +25,7 @@
 //! before TLS (by the store, or a TLS-terminating proxy before it) and a wrong joining of ranges;
 //! such a copy leaves those to its footer, the page checksums the file has and decoding.
 
+use std::path::Path;
 use std::sync::atomic::Ordering;
 
 use super::tables::cache_sidecar_path;
@@ -78,6 +79,36 @@ impl RowGroupCheck {
 /// Whether a page header in `tail` (Parquet file `table`'s bytes from `tail_at`, read for its
 /// footer) carries a CRC of its page: the first column chunk from the end that starts there and
 /// whose header tells. None when no header in the tail does.
+/// What a Parquet file's tail, the first read of its footer, tells of its row groups' copies:
+/// whether its pages carry checksums ([`tail_page_crc`]) and whether the store's ETag may be its
+/// MD5 (None for a local file, or when nothing was read).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct TailFacts {
+    pub page_crc: Option<bool>,
+    pub etag_md5: Option<bool>,
+}
+
+/// File `shown_as`'s footer table (`len` bytes), read with `read_at`, which fills the buffer at
+/// the offset it is given and says whether the answer's ETag may be the MD5 of the object; and
+/// what the first read, its tail, tells ([`TailFacts`]).
+pub(super) fn read_table_noting_tail(
+    shown_as: &str,
+    len: u64,
+    mut read_at: impl FnMut(u64, &mut [u8]) -> Result<Option<bool>>,
+) -> Result<(ParquetTable, TailFacts)> {
+    let mut tail = None;
+    let table = crate::format::parquet::dataset::read_table(shown_as, len, |off, buf| {
+        let etag_md5 = read_at(off, buf)?;
+        tail.get_or_insert_with(|| (off, buf.to_vec(), etag_md5));
+        Ok(())
+    })?;
+    let facts = tail.map_or_else(TailFacts::default, |(at, bytes, etag_md5)| TailFacts {
+        page_crc: tail_page_crc(&table, at, &bytes),
+        etag_md5,
+    });
+    Ok((table, facts))
+}
+
 pub(super) fn tail_page_crc(table: &ParquetTable, tail_at: u64, tail: &[u8]) -> Option<bool> {
     // As much of a chunk's start as the probe would read.
     let in_tail = |r: &std::ops::Range<u64>| {
@@ -209,10 +240,14 @@ impl Dataset {
     pub(super) fn keep_answer(&self, i: usize, checked: RowGroupCheck) {
         let Some((path, identity)) = self.kept_answer_path(i) else { return };
         let write = || -> std::io::Result<()> {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)?;
-            }
-            let tmp = crate::atomic_write::AtomicFile::create(&path)?;
+            // The directory is there but for a dataset's first answer: made then, not each time.
+            let tmp = match crate::atomic_write::AtomicFile::create(&path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
+                    crate::atomic_write::AtomicFile::create(&path)?
+                }
+                made => made?,
+            };
             std::io::Write::write_all(&mut tmp.file(), &[checked.name().as_bytes(), b"\n", &identity].concat())?;
             tmp.commit_unsynced()
         };
@@ -227,7 +262,7 @@ impl Dataset {
     pub(super) fn how_row_groups_could_go_apart(&self, i: usize, e: Error) -> Error {
         let Error::CacheFull(m) = e else { return e };
         let md5_only = self.format == Format::Parquet
-            && self.shards.get(i).is_some_and(|s| s.crc32c.is_none() && s3_object(s).is_ok())
+            && self.shards.get(i).is_some_and(|s| s.crc32c.is_none() && matches!(s.source, ShardSource::S3 { .. }))
             && matches!(self.row_group_checked.get(i).and_then(|c| c.get()), None | Some(RowGroupCheck::Worse))
             && self.parquet_file(i).is_ok_and(|(_, t)| t.num_row_groups() > 1)
             && self.answers_over_tls().is_ok_and(|tls| !tls);

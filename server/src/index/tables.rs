@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::integrity::content_digest;
-use super::page_probe::{RowGroupCheck, tail_page_crc};
+use super::page_probe::{RowGroupCheck, read_table_noting_tail};
 use super::{Backends, FOOTER_THREADS, SCAN_THREADS, ShardMeta, fetch_into, map_pinned};
 use crate::cache::Want;
 use crate::cache::key::CacheKey;
@@ -258,32 +258,18 @@ fn scan_one(
 /// larger than the tail), and what that tail tells of how a row group's copy is checked
 /// ([`RowGroupCheck::from_facts`]).
 fn remote_parquet_table(store: &S3Store, meta: &ShardMeta) -> Result<(ShardTable, Option<RowGroupCheck>)> {
-    let ShardSource::S3 { bucket, key, etag } = &meta.source else {
-        return Err(Error::Internal(format!("{} is not an S3 object", meta.url())));
-    };
-    let obj = crate::storage::s3::ObjectRef {
-        bucket: bucket.clone(),
-        key: key.clone(),
-        len: meta.len,
-        etag: etag.clone(),
-        modified_ns: meta.mtime_ns,
-    };
+    let obj = super::s3_object(meta)?;
     let mut read = 0;
     loop {
         read += 1;
-        // The first read is the tail (`footer::read_footer`).
-        let mut tail = None;
-        let table = crate::format::parquet::dataset::read_table(&meta.url(), meta.len, |off, buf| {
+        let table = read_table_noting_tail(&meta.url(), meta.len, |off, buf| {
             let (got, _, md5) = store.block_on(store.get_range_etag_md5(&obj, off..off + buf.len() as u64))?;
             buf.copy_from_slice(&got);
-            tail.get_or_insert((off, got, md5));
-            Ok(())
+            Ok(Some(md5))
         });
         match table {
-            Ok(table) => {
-                let checked = tail.and_then(|(at, bytes, md5)| {
-                    RowGroupCheck::from_facts(tail_page_crc(&table, at, &bytes), Some(md5))
-                });
+            Ok((table, tail)) => {
+                let checked = RowGroupCheck::from_facts(tail.page_crc, tail.etag_md5);
                 return Ok((ShardTable::Parquet(Arc::new(table)), checked));
             }
             // Nothing checks a ranged GET but the footer's own form: a spoilt one may read
