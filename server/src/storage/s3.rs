@@ -118,8 +118,9 @@ pub struct ObjectInfo {
 /// Why a GET's answer is of another version of `obj` than the one listed (or indexed): the
 /// object's whole size (`Content-Range`'s total) is not `obj.len`, or, for an object listed
 /// without an ETag (whose GETs carry no `If-Match`), its `Last-Modified` is more than a second
-/// from the listed one (the header holds whole seconds; a rewrite within that goes unseen). A manifest's CRC covers only the bytes it indexed: a
-/// shard grown since would lose what was appended, unsaid.
+/// from the listed one (the header holds whole seconds; a rewrite within that goes unseen). A
+/// manifest's CRC covers only the bytes it indexed: a shard grown since would lose what was
+/// appended, unsaid.
 fn changed_since_listed(
     obj: &ObjectRef,
     content_range: Option<&str>,
@@ -135,15 +136,15 @@ fn changed_since_listed(
             obj.len
         ));
     }
-    let (None, Some(listed), Some(now)) = (&obj.etag, obj.modified_ns, modified) else { return None };
+    let (None, Some(listed_ns), Some(now)) = (&obj.etag, obj.modified_ns, modified) else { return None };
+    let listed = listed_ns.div_euclid(1_000_000_000);
     // Within a second either way: the header holds whole seconds, which a store may round up
     // from the listing's fractions (Swift does) or down (S3 does).
-    (now.secs().abs_diff(listed.div_euclid(1_000_000_000)) > 1).then(|| {
+    (now.secs().abs_diff(listed) > 1).then(|| {
         format!(
-            "was modified on the server (Last-Modified {}) after it was listed ({} s since the epoch): it changed \
-             since; open the dataset again",
-            now.secs(),
-            listed.div_euclid(1_000_000_000)
+            "was modified on the server (Last-Modified {}) after it was listed ({listed} s since the epoch): it \
+             changed since; open the dataset again",
+            now.secs()
         )
     })
 }
