@@ -60,8 +60,9 @@ out of it); with ``num_workers=0`` they are zero-copy memoryviews.
 
 With ``collate="stack"`` each field is one ``uint8`` tensor of shape ``(samples, record_bytes)``
 (``.view(torch.int32)`` etc. for typed records). With ``num_workers=0`` and shared memory it lies
-in the daemon's ring, without a copy (read-only memory: do not write into it; ``pin_memory``
-copies it out); in workers each field is copied out of the ring once, large ones (1 MiB a batch
+in the daemon's ring, without a copy (mapped copy-on-write: an in-place write such as ``x.mul_(2)``
+copies the page for this process alone, never reaching the daemon or later batches;
+``pin_memory`` copies it out); in workers each field is copied out of the ring once, large ones (1 MiB a batch
 and up) into shared memory the worker reuses as described above, and crosses to the trainer as
 torch shared memory. Without a transform the rank's batches are fastest with ``num_workers=0``.
 
