@@ -6,6 +6,7 @@ dies, and the inline transport gives the same arrays."""
 from __future__ import annotations
 
 import gc
+import json
 import signal
 import subprocess
 import sys
@@ -267,6 +268,12 @@ def test_each_epoch_reuses_the_ring_of_the_one_before_in_this_process_or_another
         st = d.status()
         assert (st["rings_made"], st["rings_reused"]) == (1, 2), st
         assert wait_for(lambda: d.status()["kept_rings"] == 1, timeout=10)
+        # `shardstream status` shows the same figures (README points there for them).
+        cli = [SHARDSTREAM, "status", "--connect", d.addr]
+        shown = json.loads(subprocess.run([*cli, "--json"], capture_output=True, text=True, check=True).stdout)
+        assert (shown["kept_rings"], shown["rings_made"], shown["rings_reused"]) == (1, 1, 2), shown
+        text = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+        assert "1 kept" in text and "1 made, 2 reused" in text, text
     finally:
         assert d.stop() == 0
 

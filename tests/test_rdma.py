@@ -143,7 +143,7 @@ def test_a_batch_that_outgrows_its_ring_slot_is_refused_by_name(
     with pytest.raises(ValueError, match=r"batch 0 of 32 samples outgrows the client's 1048576-byte ring slots"):
         for _ in shardstream.Loader(str(root), **args):
             pass
-    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", str(4 << 20))
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", "4MiB")  # a size as the daemon's flags take one
     got = {
         k: bytes(v) for b in shardstream.Loader(str(root), **args) for k, v in zip(b["__key__"], b["bin"], strict=True)
     }
@@ -322,6 +322,8 @@ def test_a_daemon_serves_only_the_provider_it_opened_at_start(
     d = Daemon(tmp_path / "d", args=["--insecure", "--rdma"], addr=f"tcp://127.0.0.1:{_port()}").start()
     try:
         opened = d.status()["rdma_provider"]
+        shown = subprocess.run([SHARDSTREAM, "status", "--connect", d.addr], capture_output=True, text=True, check=True)
+        assert f"provider {opened};" in shown.stdout, shown.stdout
         other = "shm" if not opened.startswith("shm") else "tcp"
         for named in (other, "sockets"):
             monkeypatch.setenv("SHARDSTREAM_FI_PROVIDER", named)

@@ -153,8 +153,8 @@ pub struct ServeArgs {
     /// daemon refuses to start if libfabric or the provider cannot be opened.
     #[arg(long, env = "SHARDSTREAM_RDMA", value_parser = clap::builder::BoolishValueParser::new())]
     pub rdma: bool,
-    /// With --rdma: the libfabric provider (e.g. "verbs;ofi_rxm", "efa", "tcp"); default the
-    /// client's (SHARDSTREAM_FI_PROVIDER / FI_PROVIDER also apply).
+    /// With --rdma: the libfabric provider (e.g. "verbs;ofi_rxm", "efa", "tcp"), the only one it
+    /// serves; default SHARDSTREAM_FI_PROVIDER / FI_PROVIDER, else libfabric's first.
     #[arg(long, env = "SHARDSTREAM_RDMA_PROVIDER")]
     pub rdma_provider: Option<String>,
     /// With --rdma: staging memory all rdma streams together may hold (e.g. 4GiB; default a
@@ -675,6 +675,12 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             "storage_bytes": reply.storage_bytes, "storage_requests": reply.storage_requests,
             "storage_retries": reply.storage_retries, "prefetch_horizon_s": reply.prefetch_horizon_s,
             "prefetches_in_flight": reply.prefetches_in_flight,
+            "shm_sessions": reply.shm_sessions, "leased_shards": reply.leased_shards,
+            "ring_bytes": reply.ring_bytes, "kept_rings": reply.kept_rings,
+            "kept_ring_bytes": reply.kept_ring_bytes, "rings_made": reply.rings_made,
+            "rings_reused": reply.rings_reused, "rdma_provider": reply.rdma_provider,
+            "rdma_streams": reply.rdma_streams, "rdma_ring_bytes": reply.rdma_ring_bytes,
+            "rdma_staging_bytes": reply.rdma_staging_bytes, "rdma_budget_bytes": reply.rdma_budget_bytes,
             "consumers": reply.consumers.iter().map(|c| serde_json::json!({
                 "url": c.url, "rank": c.rank, "worker": c.worker, "position": c.position,
                 "samples_per_s": c.samples_per_s, "wait_s": c.wait_s,
@@ -717,6 +723,26 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
         reply.prefetch_horizon_s,
         reply.prefetches_in_flight
     )?;
+    outln!(
+        "shared memory   {} sessions, {} shards leased; packed rings {:.1} MB in use, {} kept ({:.1} MB), {} made, {} reused",
+        reply.shm_sessions,
+        reply.leased_shards,
+        reply.ring_bytes as f64 / 1e6,
+        reply.kept_rings,
+        reply.kept_ring_bytes as f64 / 1e6,
+        reply.rings_made,
+        reply.rings_reused
+    )?;
+    if !reply.rdma_provider.is_empty() {
+        outln!(
+            "rdma            provider {}; {} streams, {:.1} MB of client rings, {:.1} of {:.1} MB staging",
+            reply.rdma_provider,
+            reply.rdma_streams,
+            reply.rdma_ring_bytes as f64 / 1e6,
+            reply.rdma_staging_bytes as f64 / 1e6,
+            reply.rdma_budget_bytes as f64 / 1e6
+        )?;
+    }
     for c in &reply.consumers {
         outln!(
             "consumer        rank {} worker {}: {} samples in, {:.0} samples/s, waited {:.1} s for data ({})",
