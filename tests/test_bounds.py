@@ -38,6 +38,25 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def test_counters_a_dashboard_divides_by_are_exported_at_zero_from_the_start(tmp_path: Path) -> None:
+    """A fresh daemon's scrape lacked the eviction and retry counters until their first increment:
+    Grafana's eviction and retry-ratio panels read "No data" on a healthy node."""
+    port = free_port()
+    d = Daemon(tmp_path, args=["--metrics-addr", f"127.0.0.1:{port}"]).start()
+    try:
+        assert wait_for(lambda: "shardstream_cache_bytes" in scrape(port), timeout=10)
+        m = scrape(port)
+        for name in (
+            "shardstream_cache_evictions_total",
+            "shardstream_cache_hits_total",
+            "shardstream_storage_retries_total",
+            "shardstream_samples_served_total",
+        ):
+            assert m.get(name) == 0, (name, m)
+    finally:
+        d.stop()
+
+
 def test_concurrent_opens_build_one_index_and_reopens_do_not_stat_every_shard(tmp_path: Path) -> None:
     root = tmp_path / "wds"
     write_dataset(root, n=2000, per_shard=20)  # 100 shards

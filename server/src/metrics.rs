@@ -79,7 +79,31 @@ pub fn install_exporter(addr: SocketAddr) -> crate::Result<()> {
         .install()
         .map_err(|e| crate::Error::Unavailable(format!("cannot serve metrics on {addr}: {e}")))?;
     describe();
+    publish_counters_at_zero();
     Ok(())
+}
+
+/// Counters a scrape shows from the start, at 0. A series the facade has not seen yet is absent,
+/// and a dashboard's rate or ratio over it (evictions, retries per request) reads "No data" where
+/// it should read 0. `increment(0)` registers the series without touching a count already made.
+fn publish_counters_at_zero() {
+    for name in [
+        "shardstream_cache_hits_total",
+        "shardstream_cache_misses_total",
+        "shardstream_cache_evictions_total",
+        "shardstream_local_lists_total",
+        "shardstream_local_stats_total",
+        "shardstream_dataset_opens_total",
+        "shardstream_dataset_opens_coalesced_total",
+        "shardstream_dataset_builds_total",
+        "shardstream_dataset_evictions_total",
+        "shardstream_samples_served_total",
+        "shardstream_bytes_served_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    // Retries are labelled by backend, and only S3 retries.
+    metrics::counter!("shardstream_storage_retries_total", "backend" => "s3").increment(0);
 }
 
 fn describe() {
