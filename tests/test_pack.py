@@ -334,6 +334,31 @@ def test_bad_entries_in_files_from(tmp_path: Path) -> None:
         assert not (tmp_path / f"strict{i}" / "manifest.json").exists()
 
 
+def test_a_list_relative_to_the_working_directory_or_of_files_all_gone_packs_nothing_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """`find raw | shardstream pack raw --files-from -` named every file from the working
+    directory: each was reported "vanished" under SRC, a manifest of 0 samples was written, exit 0."""
+    src = tmp_path / "raw"
+    make_tree(src, classes=1, per_class=3)
+    listing = "".join(f"raw/{p.relative_to(src)}\n" for p in sorted(src.rglob("*.jpg")))
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [SHARDSTREAM, "pack", "raw", "--output", str(out), "--files-from", "-"],
+        input=listing, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stdout
+    assert "--files-from entries are relative to SRC" in p.stderr and '"raw/c000/' in p.stderr, p.stderr
+    assert not out.exists(), "the output directory it made is removed"
+    # Files named right but gone (or unreadable) by the time they are read: nothing to publish.
+    lst = tmp_path / "gone"
+    lst.write_text("c000/nope-1.jpg\nc000/nope-2.jpg\n")
+    p = pack(src, "--output", out, "--files-from", lst, check=False)
+    assert p.returncode == 1, p.stdout
+    assert "nothing packed: none of the 2 files named in" in p.stderr and "(2 vanished)" in p.stderr, p.stderr
+    assert not (out / "manifest.json").exists()
+
+
 def test_an_output_inside_src_that_holds_inputs_is_refused_not_left_out(tmp_path: Path) -> None:
     # The walk skips the output directory: `pack SRC --output SRC/c001` packed c000 alone and
     # said nothing of c001's 3 files.

@@ -551,6 +551,16 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
 
     // 4. Publish: shards, classes, and the manifest last.
     let all: Vec<ShardRecord> = kept.iter().cloned().chain(new_shards).collect();
+    if all.iter().all(|r| r.samples == 0) {
+        // Every file named was bad (gone, unreadable): a manifest of no samples is no dataset.
+        let bad: Vec<String> = reporter.counts().iter().map(|(k, n)| format!("{n} {}", k.describe())).collect();
+        return Err(Error::invalid(format!(
+            "nothing packed: none of the {} files named in {} could be read ({}); no manifest written",
+            catalog.num_files(),
+            opts.src.display(),
+            bad.join(", ")
+        )));
+    }
     let names: Vec<String> = all.iter().map(|r| r.name.clone()).collect();
     sink.publish(&names, &opts.prefix, opts.format.extension())?;
     if opts.label_from_dir {

@@ -240,7 +240,26 @@ pub fn read_list(
             Err(bad) => reporter.bad(bad)?,
         }
     }
+    if let Some(first) = out.first() {
+        relative_to_src(first, src, src_canonical)?;
+    }
     Ok(out)
+}
+
+/// Refuses a list written relative to the working directory (`find raw | shardstream pack raw
+/// --files-from -`), the one mistake a list makes wholesale: each entry would be reported missing
+/// under SRC and the pack would end with nothing. One `lstat` of the first entry tells it apart.
+fn relative_to_src(first: &str, src: &Path, src_canonical: &Path) -> Result<()> {
+    let here = Path::new(first);
+    if std::fs::symlink_metadata(src_canonical.join(first)).is_ok() || std::fs::symlink_metadata(here).is_err() {
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "--files-from entries are relative to SRC ({}): the first, {first:?}, is not there but is a path from the \
+         working directory; list the files from inside SRC (`cd SRC && find . -type f | shardstream pack . \
+         --files-from - ...`, or `find SRC -type f -printf '%P\\n'`)",
+        src.display()
+    )))
 }
 
 fn split_list(bytes: &[u8], nul: bool) -> Vec<Vec<u8>> {
