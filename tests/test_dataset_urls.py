@@ -234,6 +234,12 @@ def test_a_relative_or_home_path_is_the_clients_not_the_daemons(
         )
         assert missing.returncode == 1
         assert missing.stderr == f"shardstream: error: dataset not found: {client_cwd / 'gone'}\n", missing.stderr
+        # A local dataset is read in place unless asked otherwise: the advice is in the CLI's words.
+        in_place = subprocess.run(
+            [str(SHARDSTREAM), "prefetch", "ds", "--connect", d.addr], capture_output=True, text=True, timeout=60
+        )
+        assert in_place.returncode == 1
+        assert "nothing to stage. Stage it with `shardstream prefetch --cache copy`" in in_place.stderr, in_place.stderr
         nowhere = subprocess.run(
             [str(SHARDSTREAM), "prefetch", "ds", "--connect", f"unix://{tmp_path / 'no.sock'}"],
             capture_output=True,

@@ -217,8 +217,8 @@ async fn open_and_plan(
     };
     if ds.mode != CacheMode::Copy {
         return Err(Error::invalid(format!(
-            "{} is read in place (cache=\"direct\"); nothing to stage. Stage it with cache=\"copy\" \
-             if trainers read it that way too",
+            "{} is read in place (cache=\"direct\"); nothing to stage. Stage it with \
+             `shardstream prefetch --cache copy` if trainers read it with cache=\"copy\" too",
             ds.url
         )));
     }
