@@ -357,6 +357,10 @@ def test_a_list_relative_to_the_working_directory_or_of_files_all_gone_packs_not
     assert p.returncode == 1, p.stdout
     assert "nothing packed: none of the 2 files named in" in p.stderr and "(2 vanished)" in p.stderr, p.stderr
     assert not (out / "manifest.json").exists()
+    # Its journal holds no shard: the list put right packs into the same output.
+    lst.write_text("".join(f"{p.relative_to(src)}\n" for p in sorted(src.rglob("*.jpg"))))
+    pack(src, "--output", out, "--files-from", lst)
+    assert json.loads((out / "manifest.json").read_text())["total_samples"] == 3
 
 
 def test_an_output_inside_src_that_holds_inputs_is_refused_not_left_out(tmp_path: Path) -> None:

@@ -400,6 +400,9 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
                 Vec::new()
             }
         }
+        // A pack that finished no shard (stopped early, or every input was bad) left nothing to
+        // resume or to protect: a pack of other inputs starts over there.
+        Some((prior, _)) if prior.shards.is_empty() && !dest.has_manifest()? => Vec::new(),
         Some((_, journal_at)) => {
             let state = if dest.has_manifest()? { "a complete" } else { "an unfinished pack of a" };
             return Err(Error::invalid(format!(
