@@ -293,3 +293,41 @@ def test_a_node_cache_copy_damaged_on_disk_is_fetched_again_not_refused_for_good
         assert sorted(keys()) == sorted(samples)
     finally:
         assert d.stop() == 0
+
+
+def test_node_cache_copies_removed_or_truncated_by_another_hand_are_fetched_again(tmp_path: Path) -> None:
+    """Copies deleted or truncated in the cache directory (a clean-up script, a user) stayed in
+    the cache's table: every later stream failed on them ("path not found", or "is 1000 bytes but
+    the dataset index says ...: it changed since the dataset was listed", naming the copy), and
+    status counted bytes no longer on disk. They are dropped and fetched again at their next use."""
+    root = tmp_path / "ds"
+    samples = write_dataset(root, n=400, per_shard=50)
+    log = tmp_path / "daemon.log"
+    d = Daemon(tmp_path / "d", log=log).start()
+    try:
+
+        def epoch(seed: int) -> None:
+            seen: list[str] = []
+            loader = shardstream.Loader(str(root), batch_size=40, seed=seed, cache="copy", connect=d.addr)
+            for batch in loader:
+                for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
+                    assert bytes(jpg) == samples[key]["jpg"], key
+                seen.extend(batch["__key__"])
+            assert sorted(seen) == sorted(samples)
+
+        epoch(1)
+        copies = sorted((d.cache_dir / "shards").glob("*-train-*.tar"))
+        assert len(copies) == 8, copies
+        copies[0].unlink()
+        copies[3].unlink()
+        with open(copies[5], "r+b") as f:
+            f.truncate(1000)
+        epoch(2)
+        epoch(3)
+        on_disk = sum(p.stat().st_size for p in (d.cache_dir / "shards").glob("*-train-*.tar"))
+        assert d.status()["cache"]["used_bytes"] == on_disk
+        assert d.stop() == 0
+        assert log.read_text().count("node-cache copy dropped, fetched again") == 3, "each said in the log"
+    finally:
+        if d.alive():
+            d.stop()

@@ -674,6 +674,21 @@ impl Dataset {
         Ok(pin)
     }
 
+    /// Shard `i`'s copy again, for `pin`, a copy made before that opening found gone or not its
+    /// size (`e`). The daemon never changes a published copy: another hand did (a clean-up of
+    /// the cache directory, a truncation), and a copy kept in the table would fail every later
+    /// stream. Dropped and fetched once more; a copy another stream still pins (it holds the file
+    /// open) cannot be dropped, and `e` is the answer until it is let go of.
+    fn fetch_lost_copy(&self, i: usize, pin: Pin, e: Error, asked: Instant) -> Result<Pin> {
+        let Some(cache) = &self.backends.cache else { return Err(e) };
+        let key = pin.key().to_owned();
+        drop(pin);
+        if !cache.drop_copy(&key, &format!("opening it failed: {e}")) {
+            return Err(e);
+        }
+        self.fetch_now(i, asked)
+    }
+
     fn drop_bad_copy(&self, pin: Option<Pin>, e: Error) -> Error {
         match (pin, &self.backends.cache) {
             (Some(pin), Some(cache)) => dropping_bad_copy(cache, pin, e),
@@ -787,7 +802,15 @@ impl Dataset {
                         self.source_checked[i].fetch_max(opens, Ordering::AcqRel);
                     }
                 }
-                (ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?, Some(pin))
+                let file = match ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url()) {
+                    Ok(file) => file,
+                    Err(e) if !pin.filled && matches!(e, Error::NotFound { .. } | Error::Shard { .. }) => {
+                        pin = self.fetch_lost_copy(i, pin, e, asked)?;
+                        ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?
+                    }
+                    Err(e) => return Err(e),
+                };
+                (file, Some(pin))
             }
         };
         let fetched = pin.as_ref().is_some_and(|p| p.filled);
