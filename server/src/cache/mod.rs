@@ -105,6 +105,41 @@ pub fn key_for(source: &str, identity: &[u8], name: &str) -> String {
     format!("{h:016x}-{safe}")
 }
 
+/// Whether `name` in the shards directory may be one of the cache's entries: not a file a node
+/// cache keeps beside its shards directory (its lock, its clean-shutdown marker), which only a
+/// daemon given this shards directory as its `--cache-dir` puts here. Counted, the lock was
+/// evicted first under pressure: a third daemon then started on that directory beside the second.
+fn is_entry_name(name: &str) -> bool {
+    !matches!(name, LOCK_FILE | CLEAN_MARKER)
+}
+
+/// Refuses a cache directory inside another node cache's shards directory: the two daemons'
+/// locks would not see each other, and each would hold the other's files.
+fn refuse_nested(cache_dir: &Path) -> Result<()> {
+    // Resolved as far as it exists (symlinks, `..`): it is made only once it is known to be fine.
+    let Some((full, rest)) = cache_dir.ancestors().find_map(|a| {
+        let real = std::fs::canonicalize(a).ok()?;
+        Some((real, cache_dir.strip_prefix(a).ok()?.to_path_buf()))
+    }) else {
+        return Ok(());
+    };
+    let full = full.join(rest);
+    for dir in full.ancestors() {
+        if dir.file_name().is_some_and(|n| n == SHARDS_DIR)
+            && let Some(outer) = dir.parent()
+            && outer.join(LOCK_FILE).is_file()
+        {
+            return Err(Error::invalid(format!(
+                "--cache-dir {} is inside the node cache {} (its {SHARDS_DIR} directory): give this daemon a \
+                 directory of its own, outside it",
+                cache_dir.display(),
+                outer.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Counters of the cache since start-up.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct CacheStats {
@@ -216,6 +251,7 @@ impl NodeCache {
     /// and evicts down to `capacity` (default: [`DEFAULT_CAPACITY_SHARE`] of the space the file
     /// system gives it).
     pub fn open(cache_dir: &Path, capacity: Option<u64>, policy: Policy) -> Result<Arc<Self>> {
+        refuse_nested(cache_dir)?;
         let dir = cache_dir.join(SHARDS_DIR);
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create cache directory", &dir, e))?;
         // Before anything below deletes or evicts: those files may be another daemon's.
@@ -245,6 +281,10 @@ impl NodeCache {
             if !clean && name.starts_with(DERIVED_PREFIX) {
                 std::fs::remove_file(&path).map_err(|e| Error::io("cannot remove unsynced derived entry", &path, e))?;
                 unclean += 1;
+                continue;
+            }
+            if !is_entry_name(&name) {
+                tracing::warn!(path = %path.display(), "not a node-cache entry: left alone, not counted");
                 continue;
             }
             let meta = entry.metadata().map_err(|e| Error::io("cannot stat", &path, e))?;
@@ -834,6 +874,34 @@ fn is_disk_full(e: &Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_entries_are_adopted_and_a_cache_inside_another_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let outer = dir.path().join("outer");
+        drop(NodeCache::open(&outer, Some(1 << 20), Policy::Lru).unwrap());
+        let shards = outer.join(SHARDS_DIR);
+        let key = key_for("/d/a.tar", b"len=3", "a.tar");
+        std::fs::write(shards.join(&key), b"abc").unwrap();
+        std::fs::write(shards.join(format!("{DERIVED_PREFIX}{key}")), b"de").unwrap();
+        for stranger in [LOCK_FILE, CLEAN_MARKER] {
+            std::fs::write(shards.join(stranger), b"0123456789").unwrap();
+        }
+        // A clean shutdown's marker, so that the derived entry is trusted.
+        std::fs::write(outer.join(CLEAN_MARKER), b"").unwrap();
+        let cache = NodeCache::open(&outer, Some(1 << 20), Policy::Lru).unwrap();
+        let st = cache.stats();
+        assert_eq!((st.shards, st.derived, st.used), (1, 1, 5));
+        assert!(shards.join("lock").try_exists().unwrap(), "a stranger is left alone");
+        drop(cache);
+        for nested in [shards.clone(), shards.join("deeper")] {
+            let e = NodeCache::open(&nested, Some(1 << 20), Policy::Lru).unwrap_err().to_string();
+            assert!(e.contains("is inside the node cache") && e.contains("outer"), "{e}");
+            assert!(!nested.join(SHARDS_DIR).try_exists().unwrap(), "nothing made there");
+        }
+        // Beside the shards directory is the user's choice, and harmless.
+        NodeCache::open(&outer.join("job2"), Some(1 << 20), Policy::Lru).unwrap();
+    }
 
     #[test]
     fn cache_keys_are_pinned() {
