@@ -169,11 +169,12 @@ KEPT_MAPPINGS_TRAINER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("limit", [None, "0"])
+@pytest.mark.parametrize("limit", [None, "0", "64MiB"])
 def test_a_process_keeps_its_shard_mappings_for_the_next_epoch(daemon, dataset, limit: str | None) -> None:
     """The shards a stream mapped stay mapped after it (the next epoch's stream uses them: each
-    shard is mapped once in the process, not once per epoch), within SHARDSTREAM_KEEP_MAPPED_BYTES;
-    0 keeps none, and every mapping goes with its stream (read once per process: a subprocess)."""
+    shard is mapped once in the process, not once per epoch), within SHARDSTREAM_KEEP_MAPPED_BYTES
+    (a size as the daemon's flags take one); 0 keeps none, and every mapping goes with its stream
+    (read once per process: a subprocess)."""
     import hashlib
     import json
 
@@ -204,13 +205,13 @@ def test_a_bad_keep_mapped_bytes_fails_the_stream_naming_it(daemon, dataset) -> 
     root, _ = dataset
     r = subprocess.run(
         [sys.executable, "-c", KEPT_MAPPINGS_TRAINER, str(root), daemon.addr],
-        env={**os.environ, "SHARDSTREAM_KEEP_MAPPED_BYTES": "8GiB"},
+        env={**os.environ, "SHARDSTREAM_KEEP_MAPPED_BYTES": "8 gigs"},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode != 0
-    assert 'SHARDSTREAM_KEEP_MAPPED_BYTES="8GiB" is not a byte count' in r.stderr, r.stderr
+    assert 'SHARDSTREAM_KEEP_MAPPED_BYTES: unknown size unit "gigs" in "8 gigs"' in r.stderr, r.stderr
 
 
 MANY_SHARDS_TRAINER = textwrap.dedent(

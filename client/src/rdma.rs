@@ -112,7 +112,7 @@ impl RdmaRing {
         let slot_bytes = std::env::var("SHARDSTREAM_RDMA_SLOT_BYTES")
             .ok()
             .map(|v| {
-                v.parse::<u64>().map_err(|_| err(format!("SHARDSTREAM_RDMA_SLOT_BYTES={v:?} is not a byte count")))
+                shardstream_proto::size::parse_size(&v).map_err(|e| err(format!("SHARDSTREAM_RDMA_SLOT_BYTES: {e}")))
             })
             .transpose()?
             .unwrap_or(DEFAULT_SLOT_BYTES);

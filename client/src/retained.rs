@@ -170,7 +170,7 @@ fn limit() -> Result<u64, String> {
     LIMIT
         .get_or_init(|| match std::env::var(LIMIT_VAR) {
             Err(std::env::VarError::NotPresent) => Ok(DEFAULT_LIMIT),
-            Ok(v) => v.trim().parse::<u64>().map_err(|_| format!("{LIMIT_VAR}={v:?} is not a byte count")),
+            Ok(v) => shardstream_proto::size::parse_size(&v).map_err(|e| format!("{LIMIT_VAR}: {e}")),
             Err(e) => Err(format!("{LIMIT_VAR}: {e}")),
         })
         .clone()

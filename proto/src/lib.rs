@@ -18,6 +18,7 @@ pub mod keys;
 mod le;
 pub mod ring;
 pub mod shm;
+pub mod size;
 
 /// Protocol version spoken by this build (sent in `OpenRequest.protocol_version`).
 pub const PROTOCOL_VERSION: u32 = 1;
