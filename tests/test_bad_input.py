@@ -132,7 +132,9 @@ def test_member_names_that_are_not_utf8_are_refused_not_merged(daemon, dataset, 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"batch_size": 0}, "batch_size"),
+        # One message whatever side of the range (-1 said "from 0 to 2**32-1", 0 "from 1").
+        ({"batch_size": 0}, r"batch_size must be an integer from 1 to 1048576, not 0"),
+        ({"batch_size": -1}, r"batch_size must be an integer from 1 to 1048576, not -1"),
         ({"batch_size": 1 << 30}, "batch_size"),
         ({"rank": 4, "world_size": 4}, "rank 4"),
         ({"rank": 0, "world_size": 0}, "world"),

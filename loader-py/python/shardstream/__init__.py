@@ -115,16 +115,18 @@ def _flag(name: str, value: object) -> bool:
     raise ValueError(f"{name} must be True or False, not {value!r}")
 
 
-def _checked_int(name: str, value: object, bits: int) -> int:
-    """``value`` as a Python int in the wire's range ``0 .. 2**bits-1``. Any integer type is one
-    (``operator.index``: numpy's too, as configs and checkpoints hold them); a bool or a float is
-    refused, never truncated."""
+def _checked_int(name: str, value: object, bits: int, low: int = 0, high: int | None = None) -> int:
+    """``value`` as a Python int in ``low .. high`` (by default the wire's range ``0 ..
+    2**bits-1``). Any integer type is one (``operator.index``: numpy's too, as configs and
+    checkpoints hold them); a bool or a float is refused, never truncated."""
     try:
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        number = -1
-    if isinstance(value, bool) or not 0 <= number < 1 << bits:
-        raise ValueError(f"{name} must be an integer from 0 to 2**{bits}-1, not {value!r}")
+        number = low - 1
+    top = (1 << bits) - 1 if high is None else high
+    if isinstance(value, bool) or not low <= number <= top:
+        shown = f"2**{bits}-1" if high is None else str(high)
+        raise ValueError(f"{name} must be an integer from {low} to {shown}, not {value!r}")
     return number
 
 
@@ -407,16 +409,12 @@ class Loader:
             rank = (r or 0) if rank is None else rank
         # Types and wire ranges are checked here; the daemon checks the meaning (rank < world
         # size, limits) so every client gets the same rules.
-        batch_size = _checked_int("batch_size", batch_size, 32)
+        # The daemon checks the limits; these two the Loader's own arithmetic (len()) depends on.
+        batch_size = _checked_int("batch_size", batch_size, 32, 1, _native.MAX_BATCH_SIZE)
         seed = _checked_int("seed", seed, 64)
         rank = _checked_int("rank", rank, 32)
-        world_size = _checked_int("world_size", world_size, 32)
+        world_size = _checked_int("world_size", world_size, 32, 1, _native.MAX_WORLD_SIZE)
         shuffle_window = _checked_int("shuffle_window", shuffle_window, 32)
-        # The daemon checks the limits; these the Loader's own arithmetic (len()) depends on.
-        if not 1 <= batch_size <= _native.MAX_BATCH_SIZE:
-            raise ValueError(f"batch_size must be from 1 to {_native.MAX_BATCH_SIZE}, not {batch_size}")
-        if not 1 <= world_size <= _native.MAX_WORLD_SIZE:
-            raise ValueError(f"world_size must be from 1 to {_native.MAX_WORLD_SIZE}, not {world_size}")
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size} (ranks are 0 to world_size-1)")
         self.url = _dataset_url(url)
