@@ -26,7 +26,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -184,6 +184,9 @@ struct HubShared {
     /// Rings made, and rings a stream got back from the pool instead.
     rings_made: AtomicU64,
     rings_reused: AtomicU64,
+    /// Sessions with a side channel attached: counted here so that `status` takes no session's
+    /// lock (a send under one may wait out [`SEND_TIMEOUT`] for a client that does not read).
+    attached: AtomicUsize,
 }
 
 /// The daemon's side-channel listener and all shm sessions.
@@ -224,6 +227,7 @@ impl ShmHub {
             next_ring: AtomicU64::new(0),
             rings_made: AtomicU64::new(0),
             rings_reused: AtomicU64::new(0),
+            attached: AtomicUsize::new(0),
         };
         let hub = Arc::new(Self { socket, config, shared: Arc::new(shared) });
         let shared = hub.shared.clone();
@@ -288,7 +292,7 @@ impl ShmHub {
 
     /// (attached sessions, leased shards).
     pub fn counts(&self) -> (usize, usize) {
-        let attached = lock(&self.shared.sessions).values().filter(|s| lock(&s.state).sock.is_some()).count();
+        let attached = self.shared.attached.load(Ordering::Relaxed);
         (attached, lock(&self.shared.leases).values().filter(|&&n| n > 0).count())
     }
 }
@@ -451,29 +455,35 @@ fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>, unattached: &std::sync::ato
             return;
         }
         st.sock = Some(conn.clone());
+        shared.attached.fetch_add(1, Ordering::Relaxed);
         st.peer = peer;
         st.forgets = frame.a & wire::HELLO_FORGETS != 0;
     }
     session.changed.notify_all();
     let _ = rustix::net::sockopt::set_socket_timeout(&*conn, rustix::net::sockopt::Timeout::Recv, None);
-    // Ends when the socket closes or fails: the client is gone.
+    // Ends when the socket closes or fails (the client is gone), or at the client's first frame
+    // that breaks the protocol: answered once, and the session ends. Answering every bad frame let
+    // a client that never reads fill its own socket with answers, and the next send to it (a
+    // shard's descriptor, under the session's lock) then waited out SEND_TIMEOUT. The client
+    // library takes any ERROR frame as its stream's end, so it never goes on past one either.
     while let Ok(Some(bytes)) = recv_frame(&*conn) {
-        match Frame::decode(&bytes) {
-            Ok(f) if f.kind == wire::KIND_STREAM_END => session.release_from(f.a),
+        let (code, msg) = match Frame::decode(&bytes) {
+            Ok(f) if f.kind == wire::KIND_STREAM_END => {
+                session.release_from(f.a);
+                continue;
+            }
             Ok(f) if f.kind == wire::KIND_RELEASE => {
-                if !session.release(f.a) {
-                    let msg = format!("batch {} is not held by this session", f.a);
-                    let _ = send_frame(&*conn, &Frame::error(wire::ERR_NOT_HELD, &msg), None);
+                if session.release(f.a) {
+                    continue;
                 }
+                (wire::ERR_NOT_HELD, format!("batch {} is not held by this session", f.a))
             }
-            Ok(f) => {
-                let msg = format!("unexpected frame kind {}", f.kind);
-                let _ = send_frame(&*conn, &Frame::error(wire::ERR_MALFORMED, &msg), None);
-            }
-            Err(e) => {
-                let _ = send_frame(&*conn, &Frame::error(wire::ERR_MALFORMED, &e.to_string()), None);
-            }
-        }
+            Ok(f) => (wire::ERR_MALFORMED, format!("unexpected frame kind {}", f.kind)),
+            Err(e) => (wire::ERR_MALFORMED, e.to_string()),
+        };
+        tracing::warn!("shm side channel closed: {msg}");
+        let _ = send_frame(&*conn, &Frame::error(code, &format!("{msg}; the side channel is closed")), None);
+        break;
     }
     session.close();
 }
@@ -483,7 +493,9 @@ impl Session {
     pub fn close(&self) {
         let mut st = lock(&self.state);
         st.closed = true;
-        st.sock = None;
+        if st.sock.take().is_some() {
+            self.hub.attached.fetch_sub(1, Ordering::Relaxed);
+        }
         let held: Vec<PathBuf> = st.outstanding.drain().flat_map(|(_, v)| v.shards).collect();
         // The daemon's mappings and descriptors go now; the memory itself when the client's
         // mapping goes too (at once for a dead client). The current ring is kept for the same
@@ -1120,6 +1132,36 @@ mod tests {
         assert_eq!(hub.ring_counts(), (2, 1));
         assert_eq!(hub.kept_rings(), (0, 0));
         assert_eq!(hub.packed_budget().0, RingHeader::new(0, 2, large).segment_bytes().unwrap());
+    }
+
+    #[test]
+    fn a_bad_frame_is_answered_once_and_ends_the_session_and_counts_take_no_session_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let session = hub.new_session(2).unwrap();
+        let sock = attach(&hub, &session, wire::HELLO_FORGETS);
+        assert_eq!(hub.counts().0, 1);
+        // A send under the session's lock (to a client that does not read) holds it: counting
+        // the attached sessions does not wait for it.
+        let held = lock(&session.state);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let hub2 = hub.clone();
+        std::thread::spawn(move || tx.send(hub2.counts()).unwrap());
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), (1, 0));
+        drop(held);
+        // A client that sends junk and never reads used to get an answer per frame, until its
+        // socket was full and the daemon's next send to it waited 10 s under the session lock.
+        for _ in 0..64 {
+            if send_frame(&sock, &Frame::new(99, 0, 0), None).is_err() {
+                break;
+            }
+        }
+        let answer = next_frame(&sock);
+        assert_eq!(answer.kind, wire::KIND_ERROR);
+        assert!(answer.message().contains("unexpected frame kind 99"), "{}", answer.message());
+        assert_eq!(recv_frame(&sock).unwrap(), None, "then the side channel closes");
+        eventually(|| hub.counts().0 == 0);
+        assert!(lock(&session.state).closed);
     }
 
     #[test]
