@@ -413,15 +413,13 @@ impl Shardstream for Service {
         })
         .await
         .map_err(to_status)?;
-        let (tx, rx) = outbox::channel(STREAM_QUEUE);
+        let (tx, mut rx) = outbox::channel(STREAM_QUEUE);
+        rx.hold((slot, client_slot));
         let header = StreamMessage { kind: Some(stream_message::Kind::Header(plan.header.clone())) };
         tx.send(Ok(header)).await.map_err(|_| Status::cancelled("client went away"))?;
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
-        tokio::spawn(async move {
-            let _slots = (slot, client_slot);
-            produce(plan, tx, metrics, shutdown).await
-        });
+        tokio::spawn(produce(plan, tx, metrics, shutdown));
         Ok(Response::new(rx))
     }
 

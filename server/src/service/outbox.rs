@@ -30,13 +30,24 @@ pub struct Messages {
     /// behind): said here once the queue is drained, so the stream never just ends short of its
     /// batch count, which the client can only take for a daemon that died.
     unsaid: Arc<AtomicBool>,
+    /// What the stream holds while its messages exist ([`Self::hold`]).
+    held: Option<Held>,
+}
+
+/// A stream's admission (its places under `--max-streams` and `--max-streams-per-client`).
+struct Held(#[allow(dead_code)] Box<dyn Send>);
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Held")
+    }
 }
 
 /// A queue of at most `groups` groups of messages ahead of the connection.
 pub fn channel(groups: usize) -> (Outbox, Messages) {
     let (tx, rx) = mpsc::channel(groups);
     let unsaid = Arc::new(AtomicBool::new(false));
-    (Outbox(tx, unsaid.clone()), Messages { rx, group: Vec::new().into_iter(), unsaid })
+    (Outbox(tx, unsaid.clone()), Messages { rx, group: Vec::new().into_iter(), unsaid, held: None })
 }
 
 /// The client went away (the connection's end is gone).
@@ -132,6 +143,16 @@ impl Outbox {
     }
 }
 
+impl Messages {
+    /// Keeps `admission` until the connection lets go of these messages (its client read them
+    /// all, or left), not only until the producer is done: a client that does not read holds a
+    /// whole queue of batches in the daemon, and must go on counting against the stream limits
+    /// while it does, or one client could hold any number of such queues.
+    pub fn hold(&mut self, admission: impl Send + 'static) {
+        self.held = Some(Held(Box::new(admission)));
+    }
+}
+
 impl tokio_stream::Stream for Messages {
     type Item = Message;
 
@@ -223,6 +244,27 @@ mod tests {
         }
         producer.await.unwrap();
         assert_eq!(got, [0, 1, 2, 3, 4]);
+    }
+
+    #[tokio::test]
+    async fn what_a_stream_holds_is_let_go_of_with_its_unread_messages_not_with_its_producer() {
+        struct Flag(Arc<AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        let gone = Arc::new(AtomicBool::new(false));
+        let (tx, mut rx) = channel(2);
+        rx.hold(Flag(gone.clone()));
+        tx.send(msg(0)).await.unwrap();
+        tx.send(msg(1)).await.unwrap();
+        drop(tx); // the producer is done; its messages are not read yet
+        assert!(!gone.load(Ordering::Acquire), "held while messages wait for the client");
+        assert_eq!(index(rx.next().await.unwrap()), 0);
+        assert!(!gone.load(Ordering::Acquire));
+        drop(rx); // read whole, or the client left: the connection drops its end
+        assert!(gone.load(Ordering::Acquire));
     }
 
     #[tokio::test]
