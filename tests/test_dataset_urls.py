@@ -286,6 +286,14 @@ def test_a_shard_file_is_a_dataset_of_one_and_a_directory_named_like_one_is_a_di
     (base / "notes.txt").write_text("not a shard\n")
     with pytest.raises((ValueError, FileNotFoundError), match="notes.txt"):
         read_ids(f"{url}/notes.txt", addr)
+    if where == "local":
+        # Read as directories, these said "cannot read manifest .../manifest.json: Not a directory".
+        os.mkfifo(base / "fifo.tar")
+        with pytest.raises(ValueError, match=r"fifo\.tar is not a regular file nor a directory \(a FIFO"):
+            read_ids(f"{url}/fifo.tar", addr)
+        (base / "loop").symlink_to(base / "loop")
+        with pytest.raises(OSError, match=r"cannot open dataset .*loop: Too many levels of symbolic links"):
+            read_ids(f"{url}/loop", addr)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

@@ -180,6 +180,12 @@ impl DatasetUrl {
                 Ok(m) if m.is_file() => Err(Error::invalid(format!(
                     "dataset {url} is a file, but neither a *.tar nor a *.parquet shard nor a directory of them"
                 ))),
+                // Read as a directory, these said "cannot read manifest {url}/manifest.json: Not a
+                // directory".
+                Ok(m) if !m.is_dir() => Err(Error::invalid(format!(
+                    "dataset {url} is not a regular file nor a directory (a FIFO, socket or device)"
+                ))),
+                Err(e) if e.raw_os_error() == Some(libc::ELOOP) => Err(Error::io("cannot open dataset", &path, e)),
                 _ => Ok(DatasetUrl::Local { dir: path, pick: Pick::All }),
             },
         }
