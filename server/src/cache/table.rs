@@ -314,12 +314,15 @@ impl CacheTable {
         }
     }
 
-    /// Forgets a ready entry whatever its pins (its file is to be deleted: readers that opened it
+    /// Forgets a ready entry nothing pins (its file is to be deleted: readers that opened it
     /// keep their bytes); true when there was one.
     pub fn remove_ready(&mut self, key: &str) -> bool {
         let key = KeyRef::from(key);
         match self.entries.get(&key) {
-            Some(e) if e.state == State::Ready => {
+            // Not while pinned: pins are given back by key, so a pin of the entry removed would
+            // later count against an entry made again under the same key, which could then be
+            // evicted while in use.
+            Some(e) if e.state == State::Ready && e.pins == 0 => {
                 self.used -= e.bytes;
                 self.entries.remove(&key);
                 true
@@ -509,6 +512,17 @@ mod tests {
         assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Hit);
         t.unpin("a");
         assert_eq!(fill(&mut t, "d", 10, &()), vec!["b".to_string()]);
+    }
+
+    #[test]
+    fn a_pinned_entry_is_not_removed_so_its_pin_never_counts_against_a_new_one() {
+        let mut t = CacheTable::new(30, Policy::Lru);
+        fill(&mut t, "a", 10, &());
+        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Hit); // pinned by a reader
+        assert!(!t.remove_ready("a"));
+        t.unpin("a");
+        assert!(t.remove_ready("a"));
+        assert_eq!(t.used, 0);
     }
 
     #[test]
