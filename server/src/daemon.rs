@@ -21,7 +21,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::index::Registry;
+use crate::index::{Registry, sidecar_cache};
 use crate::metrics::Metrics;
 use crate::service::Service;
 use crate::{Error, Result};
@@ -216,6 +216,9 @@ impl BoundDaemon {
         let cache = tokio::task::spawn_blocking(move || crate::cache::NodeCache::open(&dir, size, policy))
             .await
             .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
+        // Outside --cache-size: bounded on its own (its module docs).
+        let sidecars = config.cache_dir.join(sidecar_cache::DIR);
+        sidecar_cache::trim_in_background(sidecars, sidecar_cache::bound(cache.stats().capacity));
         unbind.0 = None;
         Ok(Self { listener, security, shm, rdma, cache, config, metrics: Arc::default() })
     }

@@ -29,6 +29,7 @@ pub mod manifest;
 pub mod opening;
 mod page_probe;
 pub mod registry;
+pub mod sidecar_cache;
 mod tables;
 mod working;
 
@@ -371,7 +372,7 @@ impl Dataset {
     }
 
     fn build(found: Discovered, mode: CacheMode, cache_dir: Option<&Path>, backends: Arc<Backends>) -> Result<Self> {
-        let sidecar_cache = cache_dir.map(|c| c.join("index"));
+        let sidecar_cache = cache_dir.map(|c| c.join(sidecar_cache::DIR));
         let Discovered { url, base, format, mut shards, manifest_fields, footers } = found;
         format.check_served(&url)?;
         if mode == CacheMode::Copy && backends.cache.is_none() {
