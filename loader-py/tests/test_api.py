@@ -18,12 +18,12 @@ import shardstream
         ({"rank": True}, "rank"),
         # The Loader's own arithmetic (len(), the torch wrapper's constructor) divides by these:
         # a ZeroDivisionError named neither.
-        ({"batch_size": 0}, "batch_size must be from 1 to 1048576, not 0"),
+        ({"batch_size": 0}, "batch_size must be an integer from 1 to 1048576, not 0"),
         # The daemon's limit, refused when the Loader is made rather than at its first batch.
-        ({"batch_size": 2_000_000}, "batch_size must be from 1 to 1048576, not 2000000"),
-        ({"world_size": 0, "rank": 0}, "world_size must be from 1 to 1048576, not 0"),
+        ({"batch_size": 2_000_000}, "batch_size must be an integer from 1 to 1048576, not 2000000"),
+        ({"world_size": 0, "rank": 0}, "world_size must be an integer from 1 to 1048576, not 0"),
         # The plan's limit: refused at the first batch before.
-        ({"world_size": 1 << 31, "rank": 0}, "world_size must be from 1 to 1048576, not 2147483648"),
+        ({"world_size": 1 << 31, "rank": 0}, "world_size must be an integer from 1 to 1048576, not 2147483648"),
         ({"world_size": 2, "rank": 2}, "rank 2 .*world_size 2"),
         # bool() made any non-empty string true: shuffle="False" shuffled, drop_last="no" dropped.
         ({"shuffle": "False"}, "shuffle must be True or False"),
