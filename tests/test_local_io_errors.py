@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import shardstream
-from conftest import Daemon, write_dataset
+from conftest import SHARDSTREAM, Daemon, write_dataset
 
 BROKEN = "train-000007.tar"
 
@@ -295,13 +296,19 @@ def test_a_node_cache_copy_damaged_on_disk_is_fetched_again_not_refused_for_good
         assert d.stop() == 0
 
 
-def test_node_cache_copies_removed_or_truncated_by_another_hand_are_fetched_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("manifest", [False, True])
+def test_node_cache_copies_removed_or_truncated_by_another_hand_are_fetched_again(
+    tmp_path: Path, manifest: bool
+) -> None:
     """Copies deleted or truncated in the cache directory (a clean-up script, a user) stayed in
     the cache's table: every later stream failed on them ("path not found", or "is 1000 bytes but
     the dataset index says ...: it changed since the dataset was listed", naming the copy), and
-    status counted bytes no longer on disk. They are dropped and fetched again at their next use."""
+    status counted bytes no longer on disk. They are dropped and fetched again at their next use
+    (with a manifest too, whose copies are checked against their sources' times first)."""
     root = tmp_path / "ds"
     samples = write_dataset(root, n=400, per_shard=50)
+    if manifest:
+        subprocess.run([SHARDSTREAM, "index", str(root)], check=True, capture_output=True)
     log = tmp_path / "daemon.log"
     d = Daemon(tmp_path / "d", log=log).start()
     try:

@@ -790,6 +790,16 @@ impl Dataset {
                     ShardSource::S3 { .. } => None,
                 };
                 let mut pin = self.fetch_now(i, asked)?;
+                // Opened first: checking a local copy's source below opens the copy too, and a
+                // copy gone would fail there without being fetched again.
+                let file = match ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url()) {
+                    Ok(file) => file,
+                    Err(e) if !pin.filled && matches!(e, Error::NotFound { .. } | Error::Shard { .. }) => {
+                        pin = self.fetch_lost_copy(i, pin, e, asked)?;
+                        ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?
+                    }
+                    Err(e) => return Err(e),
+                };
                 if let ShardSource::Local(path) = source {
                     // Once for this dataset, and again after each open that trusted its listing;
                     // recorded only once the copy is known current, so a refusal is said again.
@@ -803,14 +813,6 @@ impl Dataset {
                         self.source_checked[i].fetch_max(opens, Ordering::AcqRel);
                     }
                 }
-                let file = match ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url()) {
-                    Ok(file) => file,
-                    Err(e) if !pin.filled && matches!(e, Error::NotFound { .. } | Error::Shard { .. }) => {
-                        pin = self.fetch_lost_copy(i, pin, e, asked)?;
-                        ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?
-                    }
-                    Err(e) => return Err(e),
-                };
                 (file, Some(pin))
             }
         };
