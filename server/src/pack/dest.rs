@@ -146,6 +146,12 @@ impl Destination {
         }
     }
 
+    /// True when the lock this pack holds keeps every other pack out of the destination (a
+    /// local directory); an S3 prefix's lock is one machine's.
+    pub fn locked_everywhere(&self) -> bool {
+        matches!(self.kind, Kind::Local { .. })
+    }
+
     /// The destination as a user names it: a path or an `s3://` URL.
     pub fn location(&self) -> String {
         match &self.kind {

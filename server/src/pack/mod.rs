@@ -401,8 +401,10 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
             }
         }
         // A pack that finished no shard (stopped early, or every input was bad) left nothing to
-        // resume or to protect: a pack of other inputs starts over there.
-        Some((prior, _)) if prior.shards.is_empty() && !dest.has_manifest()? => Vec::new(),
+        // resume or to protect: a pack of other inputs starts over there. Only where this pack's
+        // lock keeps every other out: an S3 prefix's journal of no shard may be another
+        // machine's pack writing its first one.
+        Some((prior, _)) if prior.shards.is_empty() && dest.locked_everywhere() && !dest.has_manifest()? => Vec::new(),
         Some((_, journal_at)) => {
             let state = if dest.has_manifest()? { "a complete" } else { "an unfinished pack of a" };
             return Err(Error::invalid(format!(
