@@ -414,12 +414,18 @@ impl Shardstream for Service {
         .await
         .map_err(to_status)?;
         let (tx, mut rx) = outbox::channel(STREAM_QUEUE);
-        rx.hold((slot, client_slot));
+        // Held by the messages and by the producer: let go of when both are gone (a client that
+        // leaves drops its messages at once, while a fetch in progress keeps the producer).
+        let admission = Arc::new((slot, client_slot));
+        rx.hold(admission.clone());
         let header = StreamMessage { kind: Some(stream_message::Kind::Header(plan.header.clone())) };
         tx.send(Ok(header)).await.map_err(|_| Status::cancelled("client went away"))?;
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
-        tokio::spawn(produce(plan, tx, metrics, shutdown));
+        tokio::spawn(async move {
+            let _admission = admission;
+            produce(plan, tx, metrics, shutdown).await
+        });
         Ok(Response::new(rx))
     }
 

@@ -145,7 +145,7 @@ impl Outbox {
 
 impl Messages {
     /// Keeps `admission` until the connection lets go of these messages (its client read them
-    /// all, or left), not only until the producer is done: a client that does not read holds a
+    /// all, or left), not only until the producer is done (which holds it as well): a client that does not read holds a
     /// whole queue of batches in the daemon, and must go on counting against the stream limits
     /// while it does, or one client could hold any number of such queues.
     pub fn hold(&mut self, admission: impl Send + 'static) {
