@@ -488,3 +488,19 @@ def test_a_trainer_that_leaves_mid_epoch_is_no_warning(dataset, tmp_path: Path, 
         assert d.stop() == 0
     warnings = [line for line in log.read_text().splitlines() if "WARN" in line or "ERROR" in line]
     assert not warnings, "\n".join(warnings)
+
+
+def test_a_cache_dir_inside_another_daemons_cache_is_refused_and_left_unmade(tmp_path: Path) -> None:
+    """`--cache-dir` set to a running daemon's shards directory (or below it) was taken: the two
+    locks did not see each other, and the outer daemon counted the inner one's lock as a cached
+    shard, evicting it first under pressure."""
+    d = Daemon(tmp_path / "outer").start()
+    try:
+        nested = d.cache_dir / "shards" / "job2"
+        cmd = [SHARDSTREAM, "serve", "--listen", f"unix://{tmp_path / 's2'}", "--cache-dir", str(nested)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0
+        assert f"--cache-dir {nested} is inside the node cache {d.cache_dir}" in r.stderr, r.stderr
+        assert not nested.exists() and not (tmp_path / "s2").exists()
+    finally:
+        d.stop()

@@ -165,6 +165,8 @@ impl BoundDaemon {
             )?;
             crate::socket_file::prepare_dir(path, &config.socket_access)?;
         }
+        // Before the directory is made: a refused one leaves nothing behind.
+        crate::cache::refuse_nested(&config.cache_dir)?;
         config.cache_dir = create_private_cache_dir(&config.cache_dir)?;
         let mut security = crate::remote::RemoteSecurity::default();
         let (listener, shm) = match &config.listen {
@@ -218,7 +220,8 @@ impl BoundDaemon {
             .map_err(|e| Error::Internal(format!("cache start-up failed: {e}")))??;
         // Outside --cache-size: bounded on its own (its module docs).
         let sidecars = config.cache_dir.join(sidecar_cache::DIR);
-        sidecar_cache::trim_in_background(sidecars, sidecar_cache::bound(cache.stats().capacity));
+        let bound = sidecar_cache::bound(cache.stats().capacity);
+        sidecar_cache::trim_in_background(sidecars, bound, Arc::downgrade(&cache));
         unbind.0 = None;
         Ok(Self { listener, security, shm, rdma, cache, config, metrics: Arc::default() })
     }

@@ -115,7 +115,7 @@ fn is_entry_name(name: &str) -> bool {
 
 /// Refuses a cache directory inside another node cache's shards directory: the two daemons'
 /// locks would not see each other, and each would hold the other's files.
-fn refuse_nested(cache_dir: &Path) -> Result<()> {
+pub fn refuse_nested(cache_dir: &Path) -> Result<()> {
     // Resolved as far as it exists (symlinks, `..`): it is made only once it is known to be fine.
     let Some((full, rest)) = cache_dir.ancestors().find_map(|a| {
         let real = std::fs::canonicalize(a).ok()?;
