@@ -10,6 +10,7 @@ import glob
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tarfile
@@ -350,6 +351,17 @@ def test_a_list_relative_to_the_working_directory_or_of_files_all_gone_packs_not
     assert p.returncode == 1, p.stdout
     assert "--files-from entries are relative to SRC" in p.stderr and '"raw/c000/' in p.stderr, p.stderr
     assert not out.exists(), "the output directory it made is removed"
+    # A first entry gone from SRC whose name happens to exist from the working directory, outside
+    # SRC (an older copy of the tree), is not that mistake: reported gone, the rest packed.
+    (tmp_path / "c000").mkdir()
+    (tmp_path / "c000" / "gone.jpg").write_bytes(b"old")
+    p = subprocess.run(
+        [SHARDSTREAM, "pack", "raw", "--output", str(out), "--files-from", "-"],
+        input="c000/gone.jpg\nc000/000000.jpg\n", cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0 and "skipped c000/gone.jpg: vanished" in p.stderr, p.stderr
+    assert json.loads((out / "manifest.json").read_text())["total_samples"] == 1
+    shutil.rmtree(out)
     # Files named right but gone (or unreadable) by the time they are read: nothing to publish.
     lst = tmp_path / "gone"
     lst.write_text("c000/nope-1.jpg\nc000/nope-2.jpg\n")

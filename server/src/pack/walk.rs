@@ -248,10 +248,12 @@ pub fn read_list(
 
 /// Refuses a list written relative to the working directory (`find raw | shardstream pack raw
 /// --files-from -`), the one mistake a list makes wholesale: each entry would be reported missing
-/// under SRC and the pack would end with nothing. One `lstat` of the first entry tells it apart.
+/// under SRC and the pack would end with nothing. The first entry tells it apart: not under SRC
+/// as named, but a file inside SRC when read from the working directory.
 fn relative_to_src(first: &str, src: &Path, src_canonical: &Path) -> Result<()> {
-    let here = Path::new(first);
-    if std::fs::symlink_metadata(src_canonical.join(first)).is_ok() || std::fs::symlink_metadata(here).is_err() {
+    if std::fs::symlink_metadata(src_canonical.join(first)).is_ok()
+        || !std::fs::canonicalize(first).is_ok_and(|p| p.starts_with(src_canonical))
+    {
         return Ok(());
     }
     Err(Error::invalid(format!(
