@@ -17,20 +17,26 @@ pub const DIR: &str = "index";
 const CAPACITY_SHARE: u64 = 32;
 const MIN_BOUND: u64 = 1 << 30;
 
-/// How often a running daemon trims it.
+/// How often a running daemon trims it, and how often its thread looks whether the daemon is
+/// gone.
 const EVERY: Duration = Duration::from_secs(3600);
+const LOOK: Duration = Duration::from_secs(5);
 
 /// The directory's bound for a node cache of `capacity` bytes.
 pub fn bound(capacity: u64) -> u64 {
     (capacity / CAPACITY_SHARE).max(MIN_BOUND)
 }
 
-/// Trims `dir` on a thread of its own, now and every [`EVERY`], for as long as the daemon runs.
-pub fn trim_in_background(dir: PathBuf, bound: u64) {
-    let started = std::thread::Builder::new().name("sidecar-trim".into()).spawn(move || -> ! {
-        loop {
+/// Trims `dir` on a thread of its own, now and every [`EVERY`], for as long as `cache` (the
+/// daemon's node cache) lives: the thread ends within [`LOOK`] of the daemon.
+pub fn trim_in_background(dir: PathBuf, bound: u64, cache: std::sync::Weak<crate::cache::NodeCache>) {
+    let started = std::thread::Builder::new().name("sidecar-trim".into()).spawn(move || {
+        while cache.strong_count() > 0 {
             trim(&dir, bound);
-            std::thread::sleep(EVERY);
+            let next = std::time::Instant::now() + EVERY;
+            while cache.strong_count() > 0 && std::time::Instant::now() < next {
+                std::thread::sleep(LOOK);
+            }
         }
     });
     if let Err(e) = started {
