@@ -70,8 +70,37 @@ pub const CLEAN_MARKER: &str = "derived.clean";
 const DEFAULT_CAPACITY_SHARE: f64 = 0.9;
 
 /// How long a stream waits for pinned shards to be released when the cache is full before it
-/// fails: long enough for other streams to move on from their current shards.
+/// fails: long enough for other streams to move on from their current shards. Timed from the
+/// last release of any pin seen, and [`SPACE_WAIT_MOST`] at most in all ([`SpaceWait`]).
 const SPACE_WAIT: Duration = Duration::from_secs(60);
+const SPACE_WAIT_MOST: Duration = Duration::from_secs(600);
+
+/// A fill's wait for room that pins hold. Streams of several jobs that each need room the others
+/// pin begin waiting about together: timed from its start alone, every wait ran out within
+/// moments of the others and every job failed, where the first one's end (its pins let go of)
+/// would have let the rest through. So a wait runs out after [`SPACE_WAIT`] in which no pinned
+/// byte was let go of (the streams wait on each other), or after [`SPACE_WAIT_MOST`].
+#[derive(Debug)]
+struct SpaceWait {
+    started: Instant,
+    progress: Instant,
+    pinned: u64,
+}
+
+impl SpaceWait {
+    fn new(now: Instant) -> Self {
+        Self { started: now, progress: now, pinned: u64::MAX }
+    }
+
+    /// Whether to give up at `now`, with `pinned` bytes pinned.
+    fn expired(&mut self, pinned: u64, now: Instant) -> bool {
+        if pinned < self.pinned {
+            self.progress = now;
+        }
+        self.pinned = pinned;
+        now.duration_since(self.progress) > SPACE_WAIT || now.duration_since(self.started) > SPACE_WAIT_MOST
+    }
+}
 
 /// How often a capacity lowered by a full disk is measured again, to raise it once the disk has
 /// room (the other user's files are gone).
@@ -532,7 +561,7 @@ impl NodeCache {
         }
         let mut disk_full_retries = 0;
         let mut measured_for_this = false;
-        let started = Instant::now();
+        let mut space_wait = SpaceWait::new(Instant::now());
         // From when this caller waits on another's fill of `key`: that fill's failure is its own.
         let mut waiting_since = want.since;
         self.regain_capacity(false);
@@ -570,7 +599,7 @@ impl NodeCache {
                                     self.dir.display()
                                 )));
                             }
-                            if started.elapsed() > SPACE_WAIT {
+                            if space_wait.expired(t.pinned_bytes(), Instant::now()) {
                                 return Err(Error::CacheFull(format!(
                                     "node cache {} is full: {} of {} bytes are pinned by active streams or leased \
                                      to clients and {needed} more are needed (only {evictable} could be freed). \
@@ -874,6 +903,24 @@ fn is_disk_full(e: &Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_for_room_runs_out_a_minute_after_the_last_pin_let_go_of() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut w = SpaceWait::new(t0);
+        assert!(!w.expired(100, at(0)));
+        assert!(!w.expired(120, at(50)), "more pinned: no progress");
+        assert!(!w.expired(90, at(59)), "a pin let go of");
+        assert!(!w.expired(90, at(110)));
+        assert!(w.expired(90, at(120)), "a minute without one");
+        // However the pins come and go, not past ten minutes.
+        let mut w = SpaceWait::new(t0);
+        for s in (0..600).step_by(30) {
+            assert!(!w.expired(if s % 60 == 0 { 100 } else { 90 }, at(s)), "{s}");
+        }
+        assert!(w.expired(80, at(601)));
+    }
 
     #[test]
     fn only_entries_are_adopted_and_a_cache_inside_another_is_refused() {
