@@ -74,12 +74,15 @@ const DEFAULT_CAPACITY_SHARE: f64 = 0.9;
 /// last release of any pin seen, and [`SPACE_WAIT_MOST`] at most in all ([`SpaceWait`]).
 const SPACE_WAIT: Duration = Duration::from_secs(60);
 const SPACE_WAIT_MOST: Duration = Duration::from_secs(600);
+const SPACE_FAILURES_APART: Duration = Duration::from_secs(10);
 
 /// A fill's wait for room that pins hold. Streams of several jobs that each need room the others
 /// pin begin waiting about together: timed from its start alone, every wait ran out within
 /// moments of the others and every job failed, where the first one's end (its pins let go of)
 /// would have let the rest through. So a wait runs out after [`SPACE_WAIT`] in which no pinned
-/// byte was let go of (the streams wait on each other), or after [`SPACE_WAIT_MOST`].
+/// byte was let go of (the streams wait on each other), or after [`SPACE_WAIT_MOST`]; and one
+/// wait at a time: a wait that runs out within [`SPACE_FAILURES_APART`] of another's goes on
+/// ([`SpaceWait::spare`]), for the stream that failed to let go of its pins.
 #[derive(Debug)]
 struct SpaceWait {
     started: Instant,
@@ -99,6 +102,20 @@ impl SpaceWait {
         }
         self.pinned = pinned;
         now.duration_since(self.progress) > SPACE_WAIT || now.duration_since(self.started) > SPACE_WAIT_MOST
+    }
+
+    /// Whether a wait that ran out at `now` goes on because another ran out at `last` (the
+    /// cache's last), and if not, records `now` there. Spared, it runs out a minute later, as if
+    /// a pin had been let go of now; the overall bound stays.
+    fn spare(&mut self, last: &mut Option<Instant>, now: Instant) -> bool {
+        let spared = last.is_some_and(|at| now.saturating_duration_since(at) < SPACE_FAILURES_APART)
+            && now.duration_since(self.started) <= SPACE_WAIT_MOST;
+        if spared {
+            self.progress = now;
+        } else {
+            *last = Some(now);
+        }
+        spared
     }
 }
 
@@ -215,6 +232,9 @@ pub struct NodeCache {
     configured: u64,
     /// When a full disk lowered the capacity, the last time the disk was measured to raise it.
     lowered_at: Mutex<Option<Instant>>,
+    /// When a wait for room last ran out ([`SpaceWait`]): the others wait on, for its stream's
+    /// pins to be let go of, rather than fail with it.
+    space_failed_at: Mutex<Option<Instant>>,
     /// The last failed fill of each key, and when it failed: a caller that waited on that fill
     /// fails with it rather than begin the same download again with the same retries (locked
     /// inside `table`'s lock).
@@ -354,6 +374,7 @@ impl NodeCache {
             wrote_derived: std::sync::atomic::AtomicBool::new(false),
             configured: capacity,
             lowered_at: Mutex::new(None),
+            space_failed_at: Mutex::new(None),
             failures: Mutex::new(HashMap::new()),
             _lock: lock,
         });
@@ -599,7 +620,11 @@ impl NodeCache {
                                     self.dir.display()
                                 )));
                             }
-                            if space_wait.expired(t.pinned_bytes(), Instant::now()) {
+                            let now = Instant::now();
+                            if space_wait.expired(t.pinned_bytes(), now)
+                                && !space_wait
+                                    .spare(&mut self.space_failed_at.lock().unwrap_or_else(|p| p.into_inner()), now)
+                            {
                                 return Err(Error::CacheFull(format!(
                                     "node cache {} is full: {} of {} bytes are pinned by active streams or leased \
                                      to clients and {needed} more are needed (only {evictable} could be freed). \
@@ -920,6 +945,14 @@ mod tests {
             assert!(!w.expired(if s % 60 == 0 { 100 } else { 90 }, at(s)), "{s}");
         }
         assert!(w.expired(80, at(601)));
+        // Waits that run out together fail one at a time, ten seconds apart at least.
+        let mut last = None;
+        let (mut a, mut b) = (SpaceWait::new(t0), SpaceWait::new(t0));
+        assert!(!a.expired(100, t0) && !b.expired(100, t0));
+        assert!(a.expired(100, at(61)) && !a.spare(&mut last, at(61)), "the first fails");
+        assert!(b.expired(100, at(61)) && b.spare(&mut last, at(61)), "the second goes on");
+        assert!(!b.expired(100, at(100)));
+        assert!(b.expired(100, at(122)) && !b.spare(&mut last, at(122)), "a minute later, alone");
     }
 
     #[test]
