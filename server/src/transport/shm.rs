@@ -79,6 +79,10 @@ pub const MAX_CREDITS: u32 = 1024;
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Frames of a client that broke the protocol read off its socket at most before it is closed
+/// (more than a socket's buffer holds of them).
+const DRAIN_AT_CLOSE: usize = 4096;
+
 /// What the side channel's path adds to the gRPC socket's.
 pub const SIDE_SUFFIX: &str = ".shm";
 
@@ -484,10 +488,15 @@ fn serve_conn(conn: OwnedFd, shared: Arc<HubShared>, unattached: &std::sync::ato
         tracing::warn!("shm side channel closed: {msg}");
         let _ = send_frame(&*conn, &Frame::error(code, &format!("{msg}; the side channel is closed")), None);
         // Frames left unread at the close would reach the client as ECONNRESET ahead of this
-        // answer: the write side ends after it, and what the client sent is drained first.
+        // answer: the write side ends after it, and what the client sent is drained first (what
+        // its socket holds, bounded: a client that keeps sending is not waited for).
         let _ = rustix::net::shutdown(&*conn, rustix::net::Shutdown::Write);
         let mut buf = [0u8; wire::FRAME_BYTES];
-        while matches!(rustix::net::recv(&*conn, &mut buf, RecvFlags::DONTWAIT), Ok((n, _)) if n > 0) {}
+        for _ in 0..DRAIN_AT_CLOSE {
+            if !matches!(rustix::net::recv(&*conn, &mut buf, RecvFlags::DONTWAIT), Ok((n, _)) if n > 0) {
+                break;
+            }
+        }
         break;
     }
     session.close();
