@@ -186,13 +186,7 @@ pub fn index_dataset(
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
             let scratch = tempfile_dir()?;
             let done = crate::parallel::try_map(&shards, threads, |(name, len)| {
-                let obj = ObjectRef {
-                    bucket: bucket.clone(),
-                    key: format!("{prefix}{name}"),
-                    len: *len,
-                    etag: None,
-                    modified_ns: None,
-                };
+                let obj = ObjectRef::new(bucket.clone(), format!("{prefix}{name}"), *len);
                 let path = scratch.path().join(format!("{}.part", name.replace('/', "_")));
                 let file =
                     std::fs::File::create(&path).map_err(|e| Error::io("cannot create scratch file", &path, e))?;
@@ -270,11 +264,8 @@ fn index_parquet(
                 // If-Match on the listed ETag (else on the one the first GET answered): every read
                 // is of the version the manifest will name.
                 let mut obj = ObjectRef {
-                    bucket: bucket.clone(),
-                    key: format!("{prefix}{}", s.name),
-                    len: s.len,
                     etag: s.etag.clone(),
-                    modified_ns: None,
+                    ..ObjectRef::new(bucket.clone(), format!("{prefix}{}", s.name), s.len)
                 };
                 let url = obj.url();
                 // The first read is the tail (`footer::read_footer`): what it says of the file's

@@ -76,9 +76,6 @@ impl RowGroupCheck {
     }
 }
 
-/// Whether a page header in `tail` (Parquet file `table`'s bytes from `tail_at`, read for its
-/// footer) carries a CRC of its page: the first column chunk from the end that starts there and
-/// whose header tells. None when no header in the tail does.
 /// What a Parquet file's tail, the first read of its footer, tells of its row groups' copies:
 /// whether its pages carry checksums ([`tail_page_crc`]) and whether the store's ETag may be its
 /// MD5 (None for a local file, or when nothing was read).
@@ -109,6 +106,9 @@ pub(super) fn read_table_noting_tail(
     Ok((table, facts))
 }
 
+/// Whether a page header in `tail` (Parquet file `table`'s bytes from `tail_at`, read for its
+/// footer) carries a CRC of its page: the first column chunk from the end that starts there and
+/// whose header tells. None when no header in the tail does.
 pub(super) fn tail_page_crc(table: &ParquetTable, tail_at: u64, tail: &[u8]) -> Option<bool> {
     // As much of a chunk's start as the probe would read.
     let in_tail = |r: &std::ops::Range<u64>| {

@@ -279,13 +279,7 @@ impl Sink for S3Sink {
 
     fn read_published(&self, name: &str, len: u64, offset: u64, buf: &mut [u8]) -> Result<()> {
         let t = &self.target;
-        let obj = crate::storage::s3::ObjectRef {
-            bucket: t.bucket.clone(),
-            key: t.key(name),
-            len,
-            etag: None,
-            modified_ns: None,
-        };
+        let obj = crate::storage::s3::ObjectRef::new(t.bucket.clone(), t.key(name), len);
         let (got, _) = t.store.block_on(t.store.get_range(&obj, offset..offset + buf.len() as u64))?;
         buf.copy_from_slice(&got);
         Ok(())

@@ -166,6 +166,12 @@ pub struct ObjectRef {
 }
 
 impl ObjectRef {
+    /// An object known by its name and size alone: no ETag or time to hold its GETs to (what
+    /// `pack` reads back, what `index` lists).
+    pub fn new(bucket: impl Into<String>, key: impl Into<String>, len: u64) -> Self {
+        Self { bucket: bucket.into(), key: key.into(), len, etag: None, modified_ns: None }
+    }
+
     pub fn url(&self) -> String {
         format!("s3://{}/{}", self.bucket, self.key)
     }
@@ -1315,7 +1321,7 @@ mod tests {
         let options = S3Options { endpoint: Some("http://127.0.0.1:9".into()), ..S3Options::default() };
         let store = rt.block_on(S3Store::connect(options)).unwrap();
         store.close();
-        let obj = ObjectRef { bucket: "b".into(), key: "k".into(), len: 10, etag: None, modified_ns: None };
+        let obj = ObjectRef::new("b", "k", 10);
         let requests = || crate::metrics::STORAGE_REQUESTS.load(std::sync::atomic::Ordering::Relaxed);
         let before = requests();
         let started = std::time::Instant::now();
@@ -1332,7 +1338,7 @@ mod tests {
     fn an_answer_of_another_size_or_time_than_listed_is_named() {
         use aws_sdk_s3::primitives::DateTime;
         let listed_ns = 1_700_000_000_250_000_000; // listed with its milliseconds
-        let obj = ObjectRef { bucket: "b".into(), key: "k".into(), len: 100, etag: None, modified_ns: Some(listed_ns) };
+        let obj = ObjectRef { modified_ns: Some(listed_ns), ..ObjectRef::new("b", "k", 100) };
         let same = DateTime::from_secs(1_700_000_000); // the header's seconds
         assert_eq!(changed_since_listed(&obj, Some("bytes 0-9/100"), Some(&same)), None);
         assert_eq!(changed_since_listed(&obj, None, None), None);

@@ -1032,6 +1032,11 @@ mod tests {
         sock
     }
 
+    /// A hub of the default configuration listening in `dir`.
+    fn default_hub(dir: &Path) -> Arc<ShmHub> {
+        ShmHub::bind(dir.join("sock.shm"), ShmConfig::default(), Default::default()).unwrap()
+    }
+
     fn next_frame(sock: &OwnedFd) -> Frame {
         Frame::decode(&recv_frame(sock).unwrap().unwrap()).unwrap()
     }
@@ -1151,7 +1156,7 @@ mod tests {
     #[test]
     fn a_bad_frame_is_answered_once_and_ends_the_session_and_counts_take_no_session_lock() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let hub = default_hub(dir.path());
         let session = hub.new_session(2).unwrap();
         let sock = attach(&hub, &session, wire::HELLO_FORGETS);
         assert_eq!(hub.counts().0, 1);
@@ -1177,7 +1182,7 @@ mod tests {
     #[test]
     fn ready_now_says_whether_wait_ready_would_wait_for_the_client() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let hub = default_hub(dir.path());
         let session = hub.new_session(2).unwrap();
         assert!(!session.ready_now(), "not attached yet");
         let _sock = attach(&hub, &session, wire::HELLO_FORGETS);
@@ -1200,7 +1205,7 @@ mod tests {
     #[test]
     fn an_evicted_shard_is_forgotten_by_the_sessions_that_were_sent_it() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let hub = default_hub(dir.path());
         let shard = dir.path().join("copy.tar");
         std::fs::write(&shard, b"shard bytes").unwrap();
         let file = std::fs::File::open(&shard).unwrap();
@@ -1231,7 +1236,7 @@ mod tests {
     #[test]
     fn a_shard_the_stream_moved_past_is_forgotten_once_no_batch_holds_it() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let hub = default_hub(dir.path());
         let [a, b] = ["a.tar", "b.tar"].map(|n| dir.path().join(n));
         for p in [&a, &b] {
             std::fs::write(p, b"shard").unwrap();
@@ -1286,7 +1291,7 @@ mod tests {
     #[test]
     fn a_segment_is_sent_once_and_forgotten_as_evicted_once_let_go_and_released() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = ShmHub::bind(dir.path().join("sock.shm"), ShmConfig::default(), Default::default()).unwrap();
+        let hub = default_hub(dir.path());
         let session = hub.new_session(4).unwrap();
         let sock = attach(&hub, &session, wire::HELLO_FORGETS);
         let file = tempfile::tempfile().unwrap();
