@@ -50,7 +50,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use table::{Begin, CacheTable, Eviction, Policy};
+use table::{Begin, CacheTable, Eviction, Policy, Rights};
 
 use crate::atomic_write::AtomicFile;
 use crate::{Error, Result};
@@ -286,10 +286,23 @@ pub struct Want {
     /// When the caller began asking for the shard, if before this call (it waited for another
     /// caller of the same shard first): a fill of it that fails after that is its failure too.
     pub since: Option<Instant>,
+    /// May evict other entries for it (as `urgency` and `wait` allow); without, it takes free
+    /// room only, and gets `Ok(None)` at once when there is not enough of it.
+    pub evict: bool,
 }
 
 impl Want {
-    pub const NOW: Want = Want { urgency: 0.0, wait: true, since: None };
+    pub const NOW: Want = Want { urgency: 0.0, wait: true, since: None, evict: true };
+    /// Staging: waits for another caller's fill of the same shard, evicts nothing.
+    pub const FREE_ROOM: Want = Want { evict: false, ..Want::NOW };
+
+    fn rights(&self) -> Rights {
+        match (self.evict, self.wait) {
+            (false, _) => Rights::Nothing,
+            (true, true) => Rights::Idle,
+            (true, false) => Rights::NeededAfter(self.urgency),
+        }
+    }
 }
 
 /// How long a fill's failure is kept for the callers that waited on it.
@@ -492,7 +505,8 @@ impl NodeCache {
     /// Returns the shard pinned in the cache, filling it with `fill` on a miss. `fill` writes
     /// the shard into the temporary file it is given and verifies it; it runs without any lock
     /// held. Blocking. `Ok(None)` only when `want.wait` is false and the shard is being filled by
-    /// someone else or does not fit without evicting sooner-needed shards.
+    /// someone else or does not fit without evicting sooner-needed shards, or when `want.evict`
+    /// is false and the free room is short.
     pub fn get<'k>(
         self: &Arc<Self>,
         key: impl Into<key::KeyRef<'k>>,
@@ -547,7 +561,13 @@ impl NodeCache {
         debug_assert!(key.starts_with(DERIVED_PREFIX));
         // Evicts only what is never needed again (`next_use` None): `f64::MAX` is later than
         // every known use.
-        self.get_or_fill(key.into(), bytes, Want { urgency: f64::MAX, wait: false, since: None }, false, fill)
+        self.get_or_fill(
+            key.into(),
+            bytes,
+            Want { urgency: f64::MAX, wait: false, since: None, evict: true },
+            false,
+            fill,
+        )
     }
 
     /// Makes this run's derived entries durable and says so to the next start-up (see the module
@@ -594,7 +614,8 @@ impl NodeCache {
                     if let Some(e) = waiting_since.and_then(|since| self.failed_since(key, since)) {
                         return Err(e);
                     }
-                    match t.begin(entry, bytes, want.urgency, want.wait, ev.as_ref()) {
+                    let begun = t.begin(entry, bytes, want.rights(), ev.as_ref());
+                    match begun {
                         Begin::Wait if want.wait => {
                             waiting_since.get_or_insert_with(Instant::now);
                             t = self
@@ -603,7 +624,7 @@ impl NodeCache {
                                 .unwrap_or_else(|p| p.into_inner())
                                 .0;
                         }
-                        Begin::NoSpace { needed, evictable } if want.wait => {
+                        Begin::NoSpace { needed, evictable } if want.wait && want.evict => {
                             if needed > t.capacity() && !measured_for_this && self.is_lowered() {
                                 // Lowered by a full disk that may have room again by now.
                                 measured_for_this = true;
@@ -1115,6 +1136,33 @@ mod tests {
     }
 
     #[test]
+    fn free_room_takes_only_free_room_and_still_waits_for_a_fill_under_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(10), Policy::Lru).unwrap();
+        drop(cache.get("idle", 5, Want::NOW, &mut write(b"iiiii")).unwrap().unwrap());
+        assert!(cache.get("staged", 5, Want::FREE_ROOM, &mut write(b"sssss")).unwrap().is_some());
+        assert!(cache.get("more", 5, Want::FREE_ROOM, &mut |_, _| panic!("no room")).unwrap().is_none());
+        assert!(cache.is_ready("idle") && cache.is_ready("staged"), "nothing evicted");
+        // Another caller's fill of the same entry is waited for, then served as a hit.
+        let (began, in_flight) = std::sync::mpsc::channel();
+        let filler = {
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                let mut fill = |tmp: &Path, f: &File| {
+                    began.send(()).unwrap();
+                    std::thread::sleep(Duration::from_millis(200));
+                    write(b"wwwww")(tmp, f)
+                };
+                cache.get("waited", 5, Want::NOW, &mut fill).map(drop)
+            })
+        };
+        in_flight.recv().unwrap();
+        let pin = cache.get("waited", 5, Want::FREE_ROOM, &mut |_, _| panic!("filled twice")).unwrap().unwrap();
+        assert!(!pin.filled);
+        filler.join().unwrap().unwrap();
+    }
+
+    #[test]
     fn a_caller_that_waited_on_a_failed_fill_fails_with_it_and_a_later_one_fills_again() {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
@@ -1171,7 +1219,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(5), Policy::Lru).unwrap();
         let _a = cache.get("a", 5, Want::NOW, &mut write(b"aaaaa")).unwrap().unwrap();
-        let later = Want { urgency: 1.0, wait: false, since: None };
+        let later = Want { urgency: 1.0, wait: false, since: None, evict: true };
         assert!(cache.get("b", 5, later, &mut write(b"bbbbb")).unwrap().is_none());
     }
 

@@ -29,6 +29,21 @@ use std::collections::BinaryHeap;
 
 use super::key::{CacheKey, KeyMap, KeyRef};
 
+/// What a caller asking for an entry may evict to make room for it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rights {
+    /// Any entry nobody pins or leases, farthest next use first: a stream blocked on the entry.
+    /// A shard in the middle of its span of the plan (a Parquet file whose row groups are spread
+    /// over the epoch) counts as needed now until its last use, and protecting those too left a
+    /// cache full of files nobody read and a stream waiting for room that never came.
+    Idle,
+    /// With [`Policy::Belady`], only entries needed later than this many seconds from now, so a
+    /// prefetch never pushes out something needed sooner (with [`Policy::Lru`], any idle entry).
+    NeededAfter(f64),
+    /// Nothing: only free room (staging, which makes its room from its own dataset's copies).
+    Nothing,
+}
+
 /// How victims are chosen when space is needed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -188,22 +203,9 @@ impl CacheTable {
         }
     }
 
-    /// Asks for `key` (of `bytes`). `urgency`: seconds until the caller needs it (0 for a
-    /// stream waiting on it now); with [`Policy::Belady`] only shards needed later than that may
-    /// be evicted for it, so a prefetch never pushes out something needed sooner. `waiting`: the
-    /// caller is blocked on it (a stream), and may evict any entry nobody pins or leases,
-    /// farthest next use first: a shard in the middle of its span of the plan (a Parquet file
-    /// whose row groups are spread over the epoch) counts as needed now until its last use, and
-    /// protecting those too left a cache full of files nobody read and a stream waiting for room
-    /// that never came.
-    pub fn begin<'k>(
-        &mut self,
-        key: impl Into<KeyRef<'k>>,
-        bytes: u64,
-        urgency: f64,
-        waiting: bool,
-        ev: &dyn Eviction,
-    ) -> Begin {
+    /// Asks for `key` (of `bytes`), evicting for it what `rights` allow when the free room is
+    /// short (see [`Rights`]).
+    pub fn begin<'k>(&mut self, key: impl Into<KeyRef<'k>>, bytes: u64, rights: Rights, ev: &dyn Eviction) -> Begin {
         let key = key.into();
         self.clock += 1;
         if let Some(e) = self.entries.get_mut(&key) {
@@ -220,7 +222,11 @@ impl CacheTable {
         let mut evicted = Vec::new();
         if bytes > free {
             let lru = self.policy == Policy::Lru;
-            let candidates = self.idle().filter(|v| lru || waiting || v.next > urgency);
+            let candidates = self.idle().filter(|v| match rights {
+                Rights::Idle => true,
+                Rights::NeededAfter(secs) => lru || v.next > secs,
+                Rights::Nothing => false,
+            });
             evicted = match self.choose(candidates, bytes - free, ev) {
                 Ok(chosen) => chosen,
                 Err(freeable) => return Begin::NoSpace { needed: bytes, evictable: free + freeable },
@@ -409,7 +415,7 @@ mod tests {
     }
 
     fn fill(t: &mut CacheTable, key: &str, bytes: u64, ev: &dyn Eviction) -> Vec<String> {
-        match t.begin(key, bytes, 0.0, false, ev) {
+        match t.begin(key, bytes, Rights::NeededAfter(0.0), ev) {
             Begin::Fill { evicted } => {
                 t.finish(key, true);
                 t.unpin(key);
@@ -422,13 +428,17 @@ mod tests {
     #[test]
     fn hit_wait_fill_and_single_flight() {
         let mut t = CacheTable::new(100, Policy::Lru);
-        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Fill { evicted: vec![] });
-        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Wait, "a second reader waits for the first fill");
+        assert_eq!(t.begin("a", 10, Rights::NeededAfter(0.0), &()), Begin::Fill { evicted: vec![] });
+        assert_eq!(
+            t.begin("a", 10, Rights::NeededAfter(0.0), &()),
+            Begin::Wait,
+            "a second reader waits for the first fill"
+        );
         t.finish("a", true);
-        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Hit);
+        assert_eq!(t.begin("a", 10, Rights::NeededAfter(0.0), &()), Begin::Hit);
         assert_eq!(t.get("a").unwrap().pins, 2);
         assert_eq!(t.used(), 10);
-        assert_eq!(t.begin("b", 20, 0.0, false, &()), Begin::Fill { evicted: vec![] });
+        assert_eq!(t.begin("b", 20, Rights::NeededAfter(0.0), &()), Begin::Fill { evicted: vec![] });
         t.finish("b", false);
         assert!(t.get("b").is_none());
         assert_eq!(t.used(), 10, "a failed fill frees its reservation");
@@ -446,7 +456,7 @@ mod tests {
         // needed in 10 s may not push out a (5 s), c (1 s) or d.
         let future = Future([("a".into(), 5.0), ("c".into(), 1.0), ("d".into(), 2.0)].into(), HashSet::new());
         tell(&mut t, &future);
-        assert_eq!(t.begin("e", 10, 10.0, false, &future), Begin::NoSpace { needed: 10, evictable: 0 });
+        assert_eq!(t.begin("e", 10, Rights::NeededAfter(10.0), &future), Begin::NoSpace { needed: 10, evictable: 0 });
         // Shards nobody needs go first of all: a whole future that no longer names d says so.
         let future = Future([("a".into(), 5.0), ("c".into(), 1.0)].into(), HashSet::new());
         tell(&mut t, &future);
@@ -493,14 +503,14 @@ mod tests {
         }
         // Every one of them is within its span of the plan (next use 0), none is read now: a
         // prefetch may not push them out, a stream blocked on "d" may (the least recent first).
-        assert_eq!(t.begin("d", 10, 0.0, false, &far), Begin::NoSpace { needed: 10, evictable: 0 });
-        assert_eq!(t.begin("d", 10, 0.0, true, &far), Begin::Fill { evicted: vec!["a".to_string()] });
+        assert_eq!(t.begin("d", 10, Rights::NeededAfter(0.0), &far), Begin::NoSpace { needed: 10, evictable: 0 });
+        assert_eq!(t.begin("d", 10, Rights::Idle, &far), Begin::Fill { evicted: vec!["a".to_string()] });
         // Farthest next use still first, and never what is pinned or leased.
         t.finish("d", true);
         let later = Future([("b".into(), 0.0), ("c".into(), 9.0)].into(), ["b".to_string()].into());
         tell(&mut t, &later);
-        assert_eq!(t.begin("e", 10, 0.0, true, &later), Begin::Fill { evicted: vec!["c".to_string()] });
-        assert_eq!(t.begin("f", 10, 0.0, true, &later), Begin::NoSpace { needed: 10, evictable: 0 });
+        assert_eq!(t.begin("e", 10, Rights::Idle, &later), Begin::Fill { evicted: vec!["c".to_string()] });
+        assert_eq!(t.begin("f", 10, Rights::Idle, &later), Begin::NoSpace { needed: 10, evictable: 0 });
     }
 
     #[test]
@@ -509,16 +519,38 @@ mod tests {
         for k in ["a", "b", "c"] {
             fill(&mut t, k, 10, &());
         }
-        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Hit);
+        assert_eq!(t.begin("a", 10, Rights::NeededAfter(0.0), &()), Begin::Hit);
         t.unpin("a");
         assert_eq!(fill(&mut t, "d", 10, &()), vec!["b".to_string()]);
+    }
+
+    #[test]
+    fn a_caller_without_rights_takes_free_room_only() {
+        for policy in [Policy::Lru, Policy::Belady] {
+            let mut t = CacheTable::new(30, policy);
+            let never = Future(Map::new(), HashSet::new()); // no entry is needed again
+            fill(&mut t, "a", 10, &never);
+            fill(&mut t, "b", 10, &never);
+            assert_eq!(t.begin("c", 10, Rights::Nothing, &never), Begin::Fill { evicted: vec![] }, "{policy:?}");
+            t.finish("c", true);
+            t.unpin("c");
+            assert_eq!(
+                t.begin("d", 10, Rights::Nothing, &never),
+                Begin::NoSpace { needed: 10, evictable: 0 },
+                "{policy:?}"
+            );
+            assert_eq!(t.used, 30, "{policy:?}: nothing evicted");
+            // Another caller's fill of the same entry is still waited for, and then a hit.
+            assert!(matches!(t.begin("d", 10, Rights::Idle, &never), Begin::Fill { .. }));
+            assert_eq!(t.begin("d", 10, Rights::Nothing, &never), Begin::Wait, "{policy:?}");
+        }
     }
 
     #[test]
     fn a_pinned_entry_is_not_removed_so_its_pin_never_counts_against_a_new_one() {
         let mut t = CacheTable::new(30, Policy::Lru);
         fill(&mut t, "a", 10, &());
-        assert_eq!(t.begin("a", 10, 0.0, false, &()), Begin::Hit); // pinned by a reader
+        assert_eq!(t.begin("a", 10, Rights::NeededAfter(0.0), &()), Begin::Hit); // pinned by a reader
         assert!(!t.remove_ready("a"));
         t.unpin("a");
         assert!(t.remove_ready("a"));
@@ -529,19 +561,19 @@ mod tests {
     fn pinned_and_leased_entries_are_never_evicted() {
         let mut t = CacheTable::new(20, Policy::Belady);
         let leased = Future(Map::new(), ["b".to_string()].into());
-        assert!(matches!(t.begin("a", 10, 0.0, false, &leased), Begin::Fill { .. }));
+        assert!(matches!(t.begin("a", 10, Rights::NeededAfter(0.0), &leased), Begin::Fill { .. }));
         t.finish("a", true); // still pinned by its filler
         fill(&mut t, "b", 10, &leased);
-        assert_eq!(t.begin("c", 10, 0.0, false, &leased), Begin::NoSpace { needed: 10, evictable: 0 });
+        assert_eq!(t.begin("c", 10, Rights::NeededAfter(0.0), &leased), Begin::NoSpace { needed: 10, evictable: 0 });
         t.unpin("a");
-        assert_eq!(t.begin("c", 10, 0.0, false, &leased), Begin::Fill { evicted: vec!["a".to_string()] });
+        assert_eq!(t.begin("c", 10, Rights::NeededAfter(0.0), &leased), Begin::Fill { evicted: vec!["a".to_string()] });
         assert!(t.shrink_to(0, &leased).is_empty(), "c is pinned, b leased");
     }
 
     #[test]
     fn a_shard_larger_than_the_capacity_never_fits() {
         let mut t = CacheTable::new(10, Policy::Lru);
-        assert_eq!(t.begin("big", 11, 0.0, false, &()), Begin::NoSpace { needed: 11, evictable: 10 });
+        assert_eq!(t.begin("big", 11, Rights::NeededAfter(0.0), &()), Begin::NoSpace { needed: 11, evictable: 10 });
     }
 
     #[derive(Debug, Clone)]
@@ -581,7 +613,7 @@ mod tests {
                     Op::Begin(k, b, urgent) => {
                         let k = k.to_string();
                         let urgency = if urgent { 0.0 } else { 6.0 };
-                        if let Begin::Fill { evicted } = t.begin(&k, b, urgency, false, &future) {
+                        if let Begin::Fill { evicted } = t.begin(&k, b, Rights::NeededAfter(urgency), &future) {
                             filling.insert(k);
                             for v in evicted { prop_assert!(!protected.contains(&v), "evicted protected {v}"); }
                         }

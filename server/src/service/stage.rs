@@ -29,6 +29,9 @@ use crate::{Error, Result};
 /// keep the link busy between one shard's last part and the next shard's first.
 const STAGE_PARALLEL: usize = 4;
 
+/// Times a shard's staging makes room and fetches into it before it takes the cache as full.
+const STAGE_ATTEMPTS: usize = 3;
+
 /// What an epoch (one consumer, the whole dataset) uses, in order of first use: its shards, or
 /// with `by_unit` its plan's units (a Parquet dataset's row groups).
 fn epoch_order(ds: &Dataset, req: &PrefetchRequest, by_unit: bool) -> Result<Vec<usize>> {
@@ -160,11 +163,37 @@ impl Staging {
         }
     }
 
-    fn fetch(&self, ds: &Dataset, i: usize) -> Result<()> {
+    /// Fetches item `i` into free room only ([`Want::FREE_ROOM`]): false when another fill took
+    /// that room first.
+    fn fetch(&self, ds: &Dataset, i: usize) -> Result<bool> {
         match self {
-            Staging::Whole => ds.fetch(i, Want::NOW).map(|_| ()),
-            Staging::Columns(reads) => reads.fetch_copy(i, Want::NOW).map(drop),
+            Staging::Whole => ds.fetch(i, Want::FREE_ROOM).map(|pin| pin.is_some()),
+            Staging::Columns(reads) => reads.fetch_copy(i, Want::FREE_ROOM),
         }
+    }
+
+    /// Stages item `i`, at `at` in `order`: into free room, or room made from the dataset's own
+    /// idle copies needed after it (the last needed first). `Ok(None)`: not enough of either.
+    fn stage_one(&self, ds: &Dataset, order: &[usize], at: usize) -> Result<Option<bool>> {
+        let i = order[at];
+        if self.is_cached(ds, i) {
+            return Ok(Some(true));
+        }
+        let len = self.len(ds, i);
+        // A fill elsewhere (a stream, the prefetcher, another staging) may take the room made
+        // before this fetch begins: then again, a few times.
+        for _ in 0..STAGE_ATTEMPTS {
+            if !ds.has_room(len) {
+                let later: Vec<&str> = order[at + 1..].iter().rev().filter_map(|&j| self.key(ds, j)).collect();
+                if !ds.make_room_from(len, &later) {
+                    return Ok(None);
+                }
+            }
+            if self.fetch(ds, i)? {
+                return Ok(Some(false));
+            }
+        }
+        Ok(None)
     }
 }
 
@@ -264,20 +293,7 @@ async fn run(
             let Some(at) = next.next() else { break };
             let (job, staging, order) = (ds.clone(), staging.clone(), order.clone());
             let i = order[at];
-            let started = blocking(move || {
-                if staging.is_cached(&job, i) {
-                    return Ok(Some(true));
-                }
-                let len = staging.len(&job, i);
-                if !job.has_room(len) {
-                    // The copies needed last go first; the ones staged before this stay.
-                    let later: Vec<&str> = order[at + 1..].iter().rev().filter_map(|&j| staging.key(&job, j)).collect();
-                    if !job.make_room_from(len, &later) {
-                        return Ok(None);
-                    }
-                }
-                staging.fetch(&job, i).map(|()| Some(false))
-            });
+            let started = blocking(move || staging.stage_one(&job, &order, at));
             tasks.spawn(async move { (i, started.await) });
         }
         let Some(done) = tasks.join_next().await else { break };
