@@ -438,6 +438,51 @@ def test_a_stream_ended_by_a_shutdown_says_so(tmp_path: Path, transport: str) ->
         assert d.proc.wait(timeout=30) == 0
 
 
+def test_a_stream_waiting_for_cache_room_ends_with_the_shutdown(tmp_path: Path) -> None:
+    """A stream whose shuffle window does not fit the node cache waits for room (until a minute
+    passes in which no pin is let go of). A SIGTERM did not end that wait: the drain ran out after
+    `--drain-timeout` and the client saw a broken connection instead of "daemon is shutting down"."""
+    import threading
+
+    import webdataset as wds
+
+    import shardstream
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    blob = bytes(range(256)) * 800  # 200 KiB
+    with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(40):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    # Ten shards of ~800 KiB; the cache holds one, the stream's window is eight.
+    d = Daemon(tmp_path / "d", args=["--cache-size", "1MiB", "--drain-timeout", "60"])
+    d.tmp.mkdir()
+    d.start()
+    assert d.proc is not None
+    loader = shardstream.Loader(str(root), batch_size=4, connect=d.addr, cache="copy")
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            for _ in loader:
+                pass
+        except BaseException as e:  # noqa: BLE001 - whatever ends it is the finding
+            errors.append(e)
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    time.sleep(3)
+    assert reader.is_alive() and not errors, errors
+    asked = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the stream still waits after the shutdown began"
+    assert time.monotonic() - asked < 15
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionError), errors
+    assert "daemon is shutting down" in str(errors[0]), errors[0]
+    assert d.proc.wait(timeout=30) == 0
+
+
 def open_file_limits(pid: int) -> tuple[str, str]:
     with open(f"/proc/{pid}/limits") as f:
         for line in f:

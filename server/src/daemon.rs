@@ -258,6 +258,13 @@ impl BoundDaemon {
         cache.set_keep_derived(cfg.keep_decoded);
         crate::format::parquet::decoded::shared().set_budget(cfg.decoded_budget);
         let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
+        // A stream waiting for cache room (up to minutes) would outlast the drain.
+        let waits = cache.clone();
+        let draining = shutdown.clone();
+        tokio::spawn(async move {
+            draining.cancelled().await;
+            waits.stop_waits();
+        });
         let node_cache = cache.clone();
         let backends =
             Arc::new(crate::index::Backends::new(Some(cache), cfg.s3.clone(), Some(tokio::runtime::Handle::current())));

@@ -228,6 +228,9 @@ pub struct NodeCache {
     /// Whether this run published a derived entry (unsynced): only then does [`NodeCache::close`]
     /// sync the file system.
     wrote_derived: std::sync::atomic::AtomicBool,
+    /// Set when the daemon begins to drain ([`NodeCache::stop_waits`]): callers waiting for room or
+    /// for another's fill give up, so that their streams end with the shutdown, not after it.
+    stopping: std::sync::atomic::AtomicBool,
     /// The capacity given at open: a full disk lowers the table's, never above this.
     configured: u64,
     /// When a full disk lowered the capacity, the last time the disk was measured to raise it.
@@ -383,6 +386,7 @@ impl NodeCache {
             eviction: RwLock::new(Arc::new(())),
             counters: Counters::default(),
             closed: RwLock::new(false),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             keep_derived: std::sync::atomic::AtomicBool::new(true),
             wrote_derived: std::sync::atomic::AtomicBool::new(false),
             configured: capacity,
@@ -570,6 +574,16 @@ impl NodeCache {
         )
     }
 
+    /// Ends every wait for room or for another caller's fill, now and later, with
+    /// [`Error::Unavailable`] (the daemon drains: a wait could outlast the drain, and its stream
+    /// would end in a broken connection instead of the shutdown's word). Fills under way finish.
+    pub fn stop_waits(&self) {
+        self.stopping.store(true, Relaxed);
+        // Under the table's lock, so that no waiter between its check and its wait misses it.
+        drop(self.lock());
+        self.changed.notify_all();
+    }
+
     /// Makes this run's derived entries durable and says so to the next start-up (see the module
     /// docs). At a clean shutdown, after the last fill; blocking (a `syncfs` of the cache's file
     /// system, when this run wrote any: the earlier runs' were synced by their own close).
@@ -615,6 +629,13 @@ impl NodeCache {
                         return Err(e);
                     }
                     let begun = t.begin(entry, bytes, want.rights(), ev.as_ref());
+                    if want.wait && matches!(begun, Begin::Wait | Begin::NoSpace { .. }) && self.stopping.load(Relaxed)
+                    {
+                        return Err(Error::Unavailable(format!(
+                            "daemon is shutting down (shard {key} was waiting for room in the node cache or for \
+                             another stream's download of it)"
+                        )));
+                    }
                     match begun {
                         Begin::Wait if want.wait => {
                             waiting_since.get_or_insert_with(Instant::now);
@@ -1160,6 +1181,27 @@ mod tests {
         let pin = cache.get("waited", 5, Want::FREE_ROOM, &mut |_, _| panic!("filled twice")).unwrap().unwrap();
         assert!(!pin.filled);
         filler.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_drain_ends_waits_for_room_and_for_fills() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(5), Policy::Lru).unwrap();
+        let _held = cache.get("held", 5, Want::NOW, &mut write(b"hhhhh")).unwrap().unwrap();
+        let waiter = {
+            let cache = cache.clone();
+            std::thread::spawn(move || cache.get("next", 5, Want::NOW, &mut |_, _| panic!("no room")).map(drop))
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!waiter.is_finished(), "waits for room while the cache is full");
+        let asked = Instant::now();
+        cache.stop_waits();
+        let err = waiter.join().unwrap().unwrap_err();
+        assert!(matches!(err, Error::Unavailable(_)) && err.to_string().contains("shutting down"), "{err}");
+        assert!(asked.elapsed() < Duration::from_secs(2));
+        // Later callers that would wait give up at once; a hit is still served.
+        assert!(cache.get("next", 5, Want::NOW, &mut |_, _| panic!("no room")).is_err());
+        assert!(cache.get("held", 5, Want::NOW, &mut |_, _| panic!("a hit")).unwrap().is_some());
     }
 
     #[test]
