@@ -483,6 +483,52 @@ def test_a_stream_waiting_for_cache_room_ends_with_the_shutdown(tmp_path: Path) 
     assert d.proc.wait(timeout=30) == 0
 
 
+def test_unix_socket_connections_that_never_speak_are_closed_and_hold_no_stop(tmp_path: Path) -> None:
+    """The Unix socket's connections were taken as they came: one that never sent the HTTP/2
+    preface was held for good (a launcher connecting in a loop used up the daemon's open files for
+    every job on the node), and a client stopped with Ctrl-Z held every stop for the whole drain
+    timeout. They get what TCP connections get: --tcp-timeout to speak, a second once stopping."""
+    d = Daemon(tmp_path, args=["--tcp-timeout", "2"]).start()
+    assert d.proc is not None
+    path = str(tmp_path / "sock")
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        return s
+
+    def closed_within(s: socket.socket, limit: float) -> bool:
+        deadline = time.monotonic() + limit
+        while (left := deadline - time.monotonic()) > 0:
+            s.settimeout(left)
+            try:
+                if not s.recv(4096):  # the daemon's SETTINGS come first
+                    return True
+            except ConnectionResetError:
+                return True
+            except TimeoutError:
+                return False
+        return False
+
+    silent = connect()
+    try:
+        assert closed_within(silent, 8), "a connection that never spoke is still open"
+    finally:
+        silent.close()
+    # Said the preface and then nothing, as a client stopped with Ctrl-Z: the stop's GOAWAY is
+    # never answered. Another that has not spoken yet.
+    stopped, quiet = connect(), connect()
+    stopped.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
+    try:
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - started < 10, "the stop waited for the silent connections"
+    finally:
+        stopped.close()
+        quiet.close()
+
+
 def open_file_limits(pid: int) -> tuple[str, str]:
     with open(f"/proc/{pid}/limits") as f:
         for line in f:

@@ -223,7 +223,8 @@ pub struct ServeArgs {
     pub insecure: bool,
     /// Seconds a TCP client may stay silent before an HTTP/2 ping, and then its answer, are
     /// waited for: a client cut off (no reset ever comes) has its stream ended within twice this.
-    /// Also the time a new connection has to finish its TLS handshake and start HTTP/2.
+    /// Also the time a new connection (TCP or the Unix socket) has to finish its TLS handshake
+    /// and start HTTP/2.
     #[arg(long, env = "SHARDSTREAM_TCP_TIMEOUT", default_value_t = shardstream_client::TCP_TIMEOUT.as_secs(), value_parser = limits::parse_tcp_timeout)]
     pub tcp_timeout: u64,
     /// Log level of shardstream's own messages (error, warn, info, debug, trace; dependencies

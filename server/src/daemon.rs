@@ -8,8 +8,8 @@
 //!
 //! A TCP listener (`tcp://` or `tls://`) must be secured as [`crate::remote`] says: TLS with
 //! tokens or client certificates, or plaintext on loopback with `--insecure`; `bind` refuses
-//! anything else. Its connections are accepted, and TLS handshakes done, by [`crate::tcp_accept`]
-//! (each with `--tcp-timeout` to start speaking HTTP/2). Requests are bounded per RPC
+//! anything else. Its connections, and the Unix socket's, are accepted (and TLS handshakes done)
+//! by [`crate::accept`]: each with `--tcp-timeout` to start speaking HTTP/2. Requests are bounded per RPC
 //! ([`crate::limits::request_limit`]).
 
 use std::path::{Path, PathBuf};
@@ -18,7 +18,6 @@ use std::sync::Arc;
 use shardstream_client::Address;
 use shardstream_proto::shardstream_server::ShardstreamServer;
 use tokio::net::{TcpListener, UnixListener};
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::index::{Registry, sidecar_cache};
@@ -326,22 +325,20 @@ impl BoundDaemon {
             tokio::time::sleep(drain).await;
         };
         type Serving = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>>;
+        let limits = crate::accept::Limits { timeout: self.config.remote.tcp_timeout, shutdown: shutdown.clone() };
         let (serve, socket): (Serving, _) = match self.listener {
+            // Connections are accepted, and TLS ones' handshakes done, by `accept`: each with
+            // --tcp-timeout to start speaking HTTP/2 (tonic's own TLS accept, and hyper's wait for
+            // a preface, wait forever).
             Listener::Unix(l, path) => {
-                (Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), signal)), Some(path))
+                (Box::pin(router.serve_with_incoming_shutdown(crate::accept::unix(l, limits), signal)), Some(path))
             }
-            // TCP connections are accepted, and TLS ones' handshakes done, by tcp_accept: each with
-            // --tcp-timeout to start speaking HTTP/2 (tonic's own TLS accept waits forever).
             Listener::Tcp(l) => {
-                let limits =
-                    crate::tcp_accept::Limits { timeout: self.config.remote.tcp_timeout, shutdown: shutdown.clone() };
                 let serve: Serving = match self.security.tls.clone() {
                     Some(tls) => {
-                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::tls(l, tls, limits), signal))
+                        Box::pin(router.serve_with_incoming_shutdown(crate::accept::tls(l, tls, limits), signal))
                     }
-                    None => {
-                        Box::pin(router.serve_with_incoming_shutdown(crate::tcp_accept::plaintext(l, limits), signal))
-                    }
+                    None => Box::pin(router.serve_with_incoming_shutdown(crate::accept::plaintext(l, limits), signal)),
                 };
                 (serve, None)
             }

@@ -30,7 +30,7 @@
 //! - [`socket_file`]: the daemon's Unix socket files: mode, group, stale-socket replacement.
 //! - [`access`]: the config file's `allow` list: which peer (uid/gid, or remote client name) may open
 //!   which datasets; [`remote`]: TLS, bearer tokens and `--insecure` for TCP listeners;
-//!   [`tcp_accept`]: a TCP listener's connections, each given a deadline for its handshake;
+//!   [`accept`]: a listener's connections (TCP or Unix), each given a deadline for its handshake;
 //!   [`cert_name`]: the subject CN a mutual-TLS client is known by.
 //! - [`cli`]: the `shardstream` command line; [`config`]: `serve --config` (TOML) merged with flags
 //!   and environment; [`logging`]: `--log` / `--log-format`; [`panics`]: the panic hook that
@@ -52,6 +52,7 @@ macro_rules! fail_point {
     ($($t:tt)*) => {};
 }
 
+pub mod accept;
 pub mod access;
 pub mod atomic_write;
 pub mod cache;
@@ -82,7 +83,6 @@ pub mod shutdown;
 pub mod socket_file;
 pub mod stable_hash;
 pub mod storage;
-pub mod tcp_accept;
 pub mod transport;
 
 pub use error::{Error, Result};

@@ -45,7 +45,7 @@ pub struct RemoteOptions {
 /// Checked settings of a TCP listener.
 #[derive(Clone, Default)]
 pub struct RemoteSecurity {
-    /// TLS for the listener (the daemon does the handshake itself, [`crate::tcp_accept`]); `None`
+    /// TLS for the listener (the daemon does the handshake itself, [`crate::accept`]); `None`
     /// only with `--insecure` on loopback.
     pub tls: Option<Arc<ServerConfig>>,
     /// Known tokens; `None`: no token is asked for (mutual TLS, or `--insecure` without a file).
@@ -159,7 +159,7 @@ fn client_verifier(ca_pem: &[u8]) -> std::result::Result<Arc<dyn rustls::server:
 /// this identity (its `TlsAcceptor::new`): the default protocol versions (TLS 1.2 and 1.3), the
 /// certificate chain and key, ALPN `h2`, and client certificates as `client_verifier` says (none
 /// asked without a client CA). Built here because the daemon does the TLS accept itself
-/// ([`crate::tcp_accept`]), with a deadline tonic's accept lacks.
+/// ([`crate::accept`]), with a deadline tonic's accept lacks.
 fn server_config(
     cert_pem: &[u8],
     key_pem: &[u8],

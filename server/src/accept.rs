@@ -1,21 +1,26 @@
-//! Accepting a TCP listener's connections for the gRPC server: each gets `--tcp-timeout` from its
-//! accept to finish the TLS handshake and send the HTTP/2 preface, or it is closed.
+//! Accepting a listener's connections (TCP or the Unix socket) for the gRPC server: each gets
+//! `--tcp-timeout` from its accept to finish the TLS handshake and send the HTTP/2 preface, or it
+//! is closed.
 //!
 //! Why the daemon does this and not tonic (0.14): tonic's `Server::tls_config` runs the TLS accept
 //! with no deadline, and hyper's HTTP/2 server waits for a client's preface forever, so a
-//! connection that never says anything (no ClientHello; on an `--insecure` listener, no preface)
-//! was held for good. A few hundred of them, from a peer with no credentials at all, used up the
-//! daemon's open-file limit, and real clients then failed or hung. Worse, once the limit was
-//! reached, tonic's accept loop retried at once without end (a core spinning) and said so at
-//! trace level only; and it logged a refused handshake (an expired client certificate, none at
-//! all for a `--tls-client-ca` daemon) at debug level: at the daemon's level, nothing.
+//! connection that never says anything (no ClientHello; on an `--insecure` listener or the Unix
+//! socket, no preface) was held for good. A few hundred of them, from a peer with no credentials
+//! at all, used up the daemon's open-file limit, and real clients then failed or hung. Worse, once
+//! the limit was reached, tonic's accept loop retried at once without end (a core spinning) and
+//! said so at trace level only; and it logged a refused handshake (an expired client certificate,
+//! none at all for a `--tls-client-ca` daemon) at debug level: at the daemon's level, nothing. The
+//! Unix socket admits only its owner (or `--socket-group`), but one of them connecting in a loop
+//! (a buggy launcher) did the same to every other job on the node, and a client stopped with
+//! Ctrl-Z held every shutdown for the whole drain timeout.
 //!
-//! So here, for plaintext and TLS alike:
+//! So here, for plaintext, TLS and the Unix socket alike:
 //! - every connection has one deadline, its accept plus `--tcp-timeout`, by which its TLS
 //!   handshake must be done ([`tls`]: each in a task of its own, so a slow one delays no other)
 //!   and its first 24 bytes, the HTTP/2 client preface, read ([`PrefaceDeadline`]). From then on
-//!   HTTP/2 keepalive (set in [`crate::daemon`]) watches it;
-//! - at most [`MAX_HANDSHAKING`] connections may be in that phase at once: more are closed at
+//!   HTTP/2 keepalive (set in [`crate::daemon`], TCP only) watches it, and a stop ends it once it
+//!   is quiet ([`STOP_GRACE`]);
+//! - at most [`max_handshaking`] connections may be in that phase at once: more are closed at
 //!   once;
 //! - an accept error pauses accepting for [`ACCEPT_PAUSE`] instead of retrying at once;
 //! - each of these, and every failed or timed-out TLS handshake, is logged as a warning at most
@@ -23,8 +28,9 @@
 //!   them as fast as it opens connections.
 //!
 //! The TLS configuration is the one tonic built ([`crate::remote`]), and the streams handed to
-//! tonic are `tokio_rustls::server::TlsStream<TcpStream>` (inside [`PrefaceDeadline`], which passes
-//! their connection info on), so `Request::peer_certs` and `remote_addr` work as before.
+//! tonic are `tokio_rustls::server::TlsStream<TcpStream>` or `UnixStream` (inside
+//! [`PrefaceDeadline`], which passes their connection info on), so `Request::peer_certs`,
+//! `remote_addr` and the Unix peer's credentials work as before.
 
 use std::future::Future;
 use std::io;
@@ -36,7 +42,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
@@ -49,10 +55,19 @@ use tonic::transport::server::Connected;
 /// Connections at most between their accept and their HTTP/2 preface (TLS handshake included);
 /// more are closed as soon as they are accepted. Far above what real clients need (a trainer
 /// opens a few connections per worker, and each leaves this phase within a round trip or two),
-/// and far below a daemon's open-file limit (raised to the hard one, see [`crate::nofile`]): a
-/// flood of idle connections is refused before it can take the descriptors the daemon's streams
-/// need. Each is closed by its deadline anyway; this bounds how many the flood holds meanwhile.
+/// and below a daemon's open-file limit (raised to the hard one, see [`crate::nofile`]): a flood
+/// of idle connections is refused before it can take the descriptors the daemon's streams need.
+/// Each is closed by its deadline anyway; this bounds how many the flood holds meanwhile.
 pub const MAX_HANDSHAKING: usize = 1024;
+
+/// The cap on connections in their handshake for this process: [`MAX_HANDSHAKING`], or a quarter
+/// of the open-file limit when that is lower (a hard limit of 1,024 is common), so that a flood
+/// leaves most descriptors to the streams; never below 16.
+pub fn max_handshaking() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+    let quarter = limit.map_or(usize::MAX, |n| usize::try_from(n / 4).unwrap_or(usize::MAX));
+    quarter.clamp(16, MAX_HANDSHAKING)
+}
 
 /// The HTTP/2 client preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`): what a client must send first.
 const PREFACE_LEN: usize = 24;
@@ -72,6 +87,67 @@ const READY_QUEUE: usize = 64;
 /// dealt with here (tonic ends serving on an accept error it does not know as transient).
 pub type Incoming<IO> = ReceiverStream<io::Result<PrefaceDeadline<IO>>>;
 
+/// Who is at the other end of a connection, for the warnings about it.
+#[derive(Debug, Clone, Copy)]
+pub enum Peer {
+    Tcp(SocketAddr),
+    /// A Unix-socket client's credentials (`None`: the kernel gave none).
+    Unix {
+        uid: Option<u32>,
+        pid: Option<i32>,
+    },
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Tcp(addr) => addr.fmt(f),
+            Peer::Unix { uid, pid } => {
+                f.write_str("unix socket client")?;
+                if let Some(uid) = uid {
+                    write!(f, " uid {uid}")?;
+                }
+                if let Some(pid) = pid {
+                    write!(f, " pid {pid}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A listening socket whose connections [`start`] accepts.
+pub trait Listen: Send + 'static {
+    type Stream: Send + 'static;
+    /// The next connection, ready to be handed over (or handshaken), and its peer.
+    fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, Peer)>> + Send;
+}
+
+impl Listen for TcpListener {
+    type Stream = TcpStream;
+
+    async fn accept(&self) -> io::Result<(TcpStream, Peer)> {
+        let (stream, peer) = TcpListener::accept(self).await?;
+        // Nagle off: `serve_with_incoming` takes the sockets as they are (tonic's `tcp_nodelay`
+        // applies only to listeners it binds), and with Nagle on the tail of every batch message
+        // waits for the client's ACK of the data before it. A failure here is the connection's
+        // own (gone as it was accepted).
+        stream.set_nodelay(true).map_err(|e| io::Error::new(io::ErrorKind::ConnectionAborted, e))?;
+        Ok((stream, Peer::Tcp(peer)))
+    }
+}
+
+impl Listen for UnixListener {
+    type Stream = UnixStream;
+
+    async fn accept(&self) -> io::Result<(UnixStream, Peer)> {
+        let (stream, _) = UnixListener::accept(self).await?;
+        let cred = stream.peer_cred().ok();
+        let peer = Peer::Unix { uid: cred.map(|c| c.uid()), pid: cred.and_then(|c| c.pid()) };
+        Ok((stream, peer))
+    }
+}
+
 /// What bounds a connection before its preface: `--tcp-timeout` from its accept, and the daemon's
 /// shutdown (hyper's graceful shutdown waits for a connection that never sent its preface, which
 /// held every stop for the whole drain timeout).
@@ -84,21 +160,27 @@ pub struct Limits {
 /// A plaintext (`--insecure`) listener's connections, handed over as soon as they are accepted
 /// (so none waits for another); [`PrefaceDeadline`] bounds their wait for the preface.
 pub fn plaintext(listener: TcpListener, limits: Limits) -> Incoming<TcpStream> {
-    start(listener, limits, MAX_HANDSHAKING, |stream| std::future::ready(Ok(stream)))
+    start(listener, limits, max_handshaking(), |stream| std::future::ready(Ok(stream)))
+}
+
+/// The Unix socket's connections, as [`plaintext`]'s.
+pub fn unix(listener: UnixListener, limits: Limits) -> Incoming<UnixStream> {
+    start(listener, limits, max_handshaking(), |stream| std::future::ready(Ok(stream)))
 }
 
 /// A TLS listener's connections, each handed over once its handshake with `config` is done.
 pub fn tls(listener: TcpListener, config: Arc<ServerConfig>, limits: Limits) -> Incoming<TlsStream<TcpStream>> {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    start(listener, limits, MAX_HANDSHAKING, move |stream| acceptor.accept(stream))
+    start(listener, limits, max_handshaking(), move |stream| acceptor.accept(stream))
 }
 
 /// Spawns the accept loop; `handshake` is what a connection goes through before it is served
 /// (only a TLS one can fail or take time).
-fn start<IO, F, Fut>(listener: TcpListener, limits: Limits, max: usize, handshake: F) -> Incoming<IO>
+fn start<L, IO, F, Fut>(listener: L, limits: Limits, max: usize, handshake: F) -> Incoming<IO>
 where
+    L: Listen,
     IO: Send + 'static,
-    F: Fn(TcpStream) -> Fut + Send + 'static,
+    F: Fn(L::Stream) -> Fut + Send + 'static,
     Fut: Future<Output = io::Result<IO>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(READY_QUEUE);
@@ -110,7 +192,7 @@ where
 struct Shared {
     timeout: Duration,
     shutdown: CancellationToken,
-    /// [`MAX_HANDSHAKING`] (smaller in tests).
+    /// [`max_handshaking`] (smaller in tests).
     max: usize,
     /// Connections accepted whose preface has not been read yet (see [`Handshaking`]).
     handshaking: AtomicUsize,
@@ -164,14 +246,15 @@ macro_rules! throttled_warn {
     };
 }
 
-async fn accept_loop<IO, F, Fut>(
-    listener: TcpListener,
+async fn accept_loop<L, IO, F, Fut>(
+    listener: L,
     shared: Arc<Shared>,
     handshake: F,
     tx: mpsc::Sender<io::Result<PrefaceDeadline<IO>>>,
 ) where
+    L: Listen,
     IO: Send + 'static,
-    F: Fn(TcpStream) -> Fut + Send + 'static,
+    F: Fn(L::Stream) -> Fut + Send + 'static,
     Fut: Future<Output = io::Result<IO>> + Send + 'static,
 {
     // Dropped with the loop: handshakes still running end with it.
@@ -213,13 +296,6 @@ async fn accept_loop<IO, F, Fut>(
                 continue;
             }
         };
-        // Nagle off: `serve_with_incoming` takes the sockets as they are (tonic's `tcp_nodelay`
-        // applies only to listeners it binds), and with Nagle on the tail of every batch message
-        // waits for the client's ACK of the data before it.
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(%peer, error = %e, "connection gone as it was accepted");
-            continue;
-        }
         let Some(counted) = shared.enter() else {
             throttled_warn!(
                 full_warn,
@@ -266,7 +342,8 @@ async fn accept_loop<IO, F, Fut>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AcceptFailure {
     /// One connection's own (reset before it was accepted, or a network error accept(2) passes
-    /// on, which its man page says to treat like EAGAIN): accept the next at once, quietly.
+    /// on, which its man page says to treat like EAGAIN; gone as it was set up): accept the next
+    /// at once, quietly.
     Connection,
     /// Out of descriptors (EMFILE for the process, ENFILE for the system): warn and pause.
     OutOfFiles,
@@ -294,6 +371,7 @@ impl AcceptFailure {
                 | libc::EOPNOTSUPP
                 | libc::ENETUNREACH,
             ) => Self::Connection,
+            None if e.kind() == io::ErrorKind::ConnectionAborted => Self::Connection,
             _ => Self::Other,
         }
     }
@@ -341,7 +419,8 @@ pub struct PrefaceDeadline<IO> {
 /// graceful shutdown waits for each connection to answer its GOAWAY: a client that is stopped
 /// (Ctrl-Z) or silent held every stop for the whole drain timeout. Streams still open at the stop
 /// end at once (with the daemon's "shutting down" error), so a connection quiet this long after it
-/// is one no request is using.
+/// is one no request is using. Counted from the stop at the earliest: a stream quiet before it
+/// (waiting for cache room) would otherwise lose its last word to the abort.
 pub const STOP_GRACE: Duration = Duration::from_secs(1);
 
 struct Stop {
@@ -349,6 +428,8 @@ struct Stop {
     /// Wakes the reader when the stop begins.
     stopping: Pin<Box<WaitForCancellationFutureOwned>>,
     last_io: Instant,
+    /// When this connection first saw the stop.
+    stopped_at: Option<Instant>,
     /// Wakes the reader when the connection has been quiet for [`STOP_GRACE`] after the stop.
     grace: Option<Pin<Box<Sleep>>>,
 }
@@ -366,7 +447,11 @@ impl Stop {
 
     /// Whether the daemon is stopping (when not yet, the reader is woken when it does).
     fn stopped(&mut self, cx: &mut Context<'_>) -> bool {
-        self.token.is_cancelled() || self.stopping.as_mut().poll(cx).is_ready()
+        let stopped = self.token.is_cancelled() || self.stopping.as_mut().poll(cx).is_ready();
+        if stopped && self.stopped_at.is_none() {
+            self.stopped_at = Some(Instant::now());
+        }
+        stopped
     }
 
     /// Whether the connection is to end now: the daemon is stopping and nothing moved on it for
@@ -375,7 +460,7 @@ impl Stop {
         if !self.stopped(cx) {
             return false;
         }
-        let until = self.last_io + STOP_GRACE;
+        let until = self.last_io.max(self.stopped_at.unwrap_or(self.last_io)) + STOP_GRACE;
         if Instant::now() >= until {
             return true;
         }
@@ -388,17 +473,22 @@ impl Stop {
 struct Waiting {
     deadline: Pin<Box<Sleep>>,
     read: usize,
-    peer: SocketAddr,
+    peer: Peer,
     /// Released with the preface (or the connection).
     counted: Handshaking,
 }
 
 impl<IO> PrefaceDeadline<IO> {
-    fn new(inner: IO, deadline: Instant, peer: SocketAddr, counted: Handshaking) -> Self {
+    fn new(inner: IO, deadline: Instant, peer: Peer, counted: Handshaking) -> Self {
         let deadline = Box::pin(tokio::time::sleep_until(deadline));
         let token = counted.0.shutdown.clone();
-        let stop =
-            Stop { stopping: Box::pin(token.clone().cancelled_owned()), token, last_io: Instant::now(), grace: None };
+        let stop = Stop {
+            stopping: Box::pin(token.clone().cancelled_owned()),
+            token,
+            last_io: Instant::now(),
+            stopped_at: None,
+            grace: None,
+        };
         Self { inner, waiting: Some(Waiting { deadline, read: 0, peer, counted }), stop }
     }
 }
@@ -499,8 +589,8 @@ mod tests {
 
     const PREFACE: &[u8; PREFACE_LEN] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-    fn peer() -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], 1))
+    fn peer() -> Peer {
+        Peer::Tcp(SocketAddr::from(([127, 0, 0, 1], 1)))
     }
 
     /// Short real deadlines (tokio's paused clock needs its `test-util` feature, not built here).
@@ -524,6 +614,24 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
         let took = started.elapsed();
         assert!(took >= STOP_GRACE / 2 && took < 5 * STOP_GRACE, "{took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_quiet_before_the_stop_gets_its_grace_from_the_stop() {
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let (mut client, server) = tokio::io::duplex(64);
+        let counted = s.enter().unwrap();
+        let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
+        client.write_all(PREFACE).await.unwrap();
+        conn.read_exact(&mut [0u8; PREFACE_LEN]).await.unwrap();
+        tokio::time::sleep(STOP_GRACE + DEADLINE).await; // a stream waiting, nothing moving
+        let read = tokio::spawn(async move { conn.read(&mut [0u8; 64]).await });
+        tokio::time::sleep(DEADLINE).await;
+        let stopped = Instant::now();
+        s.shutdown.cancel();
+        let err = read.await.unwrap().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(stopped.elapsed() >= STOP_GRACE / 2, "aborted {:?} after the stop", stopped.elapsed());
     }
 
     #[tokio::test]
@@ -604,6 +712,29 @@ mod tests {
         assert_eq!(&buf, PREFACE);
     }
 
+    #[tokio::test]
+    async fn unix_socket_connections_have_the_same_cap_and_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let mut incoming = start(listener, limits(DEADLINE), 1, |s| std::future::ready(Ok(s)));
+        let mut idle = UnixStream::connect(&path).await.unwrap();
+        let mut conn = incoming.next().await.unwrap().unwrap();
+        let peer = conn.waiting.as_ref().unwrap().peer.to_string();
+        assert!(peer.contains(&format!("pid {}", std::process::id())), "{peer}");
+        // The credentials tonic hands the authenticator pass through.
+        assert!(conn.connect_info().peer_cred.is_some());
+        let read = tokio::spawn(async move { conn.read(&mut [0u8; 64]).await });
+        let mut second = UnixStream::connect(&path).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_millis(500), second.read(&mut [0u8; 8])).await;
+        assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "beyond the cap: closed at once, {n:?}");
+        let err = read.await.unwrap().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "no preface within the deadline");
+        drop(err);
+        let n = tokio::time::timeout(Duration::from_secs(5), idle.read(&mut [0u8; 8])).await;
+        assert!(matches!(n, Ok(Ok(_)) | Ok(Err(_))), "{n:?}");
+    }
+
     #[test]
     fn out_of_descriptors_pauses_and_a_lost_connection_does_not() {
         let os = io::Error::from_raw_os_error;
@@ -611,6 +742,8 @@ mod tests {
         assert_eq!(AcceptFailure::of(&os(libc::ENFILE)), AcceptFailure::OutOfFiles);
         assert_eq!(AcceptFailure::of(&os(libc::ECONNABORTED)), AcceptFailure::Connection);
         assert_eq!(AcceptFailure::of(&os(libc::ENOBUFS)), AcceptFailure::Other);
+        let gone = io::Error::new(io::ErrorKind::ConnectionAborted, os(libc::EINVAL));
+        assert_eq!(AcceptFailure::of(&gone), AcceptFailure::Connection, "gone as it was set up");
     }
 
     #[test]
