@@ -600,14 +600,20 @@ mod tests {
         Limits { timeout, shutdown: CancellationToken::new() }
     }
 
-    #[tokio::test]
-    async fn a_quiet_connection_ends_a_grace_after_the_daemon_stops() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+    /// A connection that has said its preface, and its client's end.
+    async fn spoken(s: &Arc<Shared>) -> (tokio::io::DuplexStream, PrefaceDeadline<tokio::io::DuplexStream>) {
         let (mut client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
         client.write_all(PREFACE).await.unwrap();
         conn.read_exact(&mut [0u8; PREFACE_LEN]).await.unwrap();
+        (client, conn)
+    }
+
+    #[tokio::test]
+    async fn a_quiet_connection_ends_a_grace_after_the_daemon_stops() {
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let (_client, mut conn) = spoken(&s).await;
         s.shutdown.cancel();
         let started = Instant::now();
         let err = conn.read(&mut [0u8; 64]).await.unwrap_err();
@@ -619,11 +625,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_quiet_before_the_stop_gets_its_grace_from_the_stop() {
         let s = Shared::new(limits(Duration::from_secs(60)), 8);
-        let (mut client, server) = tokio::io::duplex(64);
-        let counted = s.enter().unwrap();
-        let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
-        client.write_all(PREFACE).await.unwrap();
-        conn.read_exact(&mut [0u8; PREFACE_LEN]).await.unwrap();
+        let (_client, mut conn) = spoken(&s).await;
         tokio::time::sleep(STOP_GRACE + DEADLINE).await; // a stream waiting, nothing moving
         let read = tokio::spawn(async move { conn.read(&mut [0u8; 64]).await });
         tokio::time::sleep(DEADLINE).await;
