@@ -11,15 +11,14 @@
 //! said so at trace level only; and it logged a refused handshake (an expired client certificate,
 //! none at all for a `--tls-client-ca` daemon) at debug level: at the daemon's level, nothing. The
 //! Unix socket admits only its owner (or `--socket-group`), but one of them connecting in a loop
-//! (a buggy launcher) did the same to every other job on the node, and a client stopped with
-//! Ctrl-Z held every shutdown for the whole drain timeout.
+//! (a buggy launcher) did the same to every other job on the node.
 //!
 //! So here, for plaintext, TLS and the Unix socket alike:
 //! - every connection has one deadline, its accept plus `--tcp-timeout`, by which its TLS
 //!   handshake must be done ([`tls`]: each in a task of its own, so a slow one delays no other)
 //!   and its first 24 bytes, the HTTP/2 client preface, read ([`PrefaceDeadline`]). From then on
-//!   HTTP/2 keepalive (set in [`crate::daemon`], TCP only) watches it, and a stop ends it once it
-//!   is quiet ([`STOP_GRACE`]);
+//!   HTTP/2 keepalive (set in [`crate::daemon`]) watches a TCP one, and a stop ends a TCP one once
+//!   it is quiet ([`STOP_GRACE`]; a Unix one, the drain timeout: [`Listen::STOP_GRACE`]);
 //! - at most [`max_handshaking`] connections may be in that phase at once: more are closed at
 //!   once;
 //! - an accept error pauses accepting for [`ACCEPT_PAUSE`] instead of retrying at once;
@@ -119,12 +118,16 @@ impl std::fmt::Display for Peer {
 /// A listening socket whose connections [`start`] accepts.
 pub trait Listen: Send + 'static {
     type Stream: Send + 'static;
+    /// How long a connection past its preface may stay quiet once the daemon stops
+    /// ([`STOP_GRACE`]), or `None`: until the drain timeout.
+    const STOP_GRACE: Option<Duration>;
     /// The next connection, ready to be handed over (or handshaken), and its peer.
     fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, Peer)>> + Send;
 }
 
 impl Listen for TcpListener {
     type Stream = TcpStream;
+    const STOP_GRACE: Option<Duration> = Some(STOP_GRACE);
 
     async fn accept(&self) -> io::Result<(TcpStream, Peer)> {
         let (stream, peer) = TcpListener::accept(self).await?;
@@ -139,6 +142,10 @@ impl Listen for TcpListener {
 
 impl Listen for UnixListener {
     type Stream = UnixStream;
+    /// None: a client on this node that stops reading with its queue full (a trainer in a long
+    /// step) is to get its batches and then the shutdown's word, within the drain timeout, as
+    /// README promises; cut a second after the stop, it saw a broken connection instead.
+    const STOP_GRACE: Option<Duration> = None;
 
     async fn accept(&self) -> io::Result<(UnixStream, Peer)> {
         let (stream, _) = UnixListener::accept(self).await?;
@@ -184,7 +191,7 @@ where
     Fut: Future<Output = io::Result<IO>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(READY_QUEUE);
-    tokio::spawn(accept_loop(listener, Shared::new(limits, max), handshake, tx));
+    tokio::spawn(accept_loop(listener, Shared::new(limits, max, L::STOP_GRACE), handshake, tx));
     ReceiverStream::new(rx)
 }
 
@@ -194,6 +201,8 @@ struct Shared {
     shutdown: CancellationToken,
     /// [`max_handshaking`] (smaller in tests).
     max: usize,
+    /// [`Listen::STOP_GRACE`] of the listener.
+    stop_grace: Option<Duration>,
     /// Connections accepted whose preface has not been read yet (see [`Handshaking`]).
     handshaking: AtomicUsize,
     /// Apart from the timeouts: a flood of idle connections must not hide a refused certificate.
@@ -203,11 +212,12 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(limits: Limits, max: usize) -> Arc<Self> {
+    fn new(limits: Limits, max: usize, stop_grace: Option<Duration>) -> Arc<Self> {
         Arc::new(Shared {
             timeout: limits.timeout,
             shutdown: limits.shutdown,
             max,
+            stop_grace,
             handshaking: AtomicUsize::new(0),
             handshake_failed_warn: Throttle::default(),
             handshake_timeout_warn: Throttle::default(),
@@ -428,6 +438,8 @@ struct Stop {
     /// Wakes the reader when the stop begins.
     stopping: Pin<Box<WaitForCancellationFutureOwned>>,
     last_io: Instant,
+    /// [`Listen::STOP_GRACE`] of the listener.
+    grace_len: Option<Duration>,
     /// When this connection first saw the stop.
     stopped_at: Option<Instant>,
     /// Wakes the reader when the connection has been quiet for [`STOP_GRACE`] after the stop.
@@ -457,10 +469,11 @@ impl Stop {
     /// Whether the connection is to end now: the daemon is stopping and nothing moved on it for
     /// [`STOP_GRACE`] (when not yet, the reader is woken when it will be).
     fn quiet_past_grace(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(grace_len) = self.grace_len else { return false };
         if !self.stopped(cx) {
             return false;
         }
-        let until = self.last_io.max(self.stopped_at.unwrap_or(self.last_io)) + STOP_GRACE;
+        let until = self.last_io.max(self.stopped_at.unwrap_or(self.last_io)) + grace_len;
         if Instant::now() >= until {
             return true;
         }
@@ -486,6 +499,7 @@ impl<IO> PrefaceDeadline<IO> {
             stopping: Box::pin(token.clone().cancelled_owned()),
             token,
             last_io: Instant::now(),
+            grace_len: counted.0.stop_grace,
             stopped_at: None,
             grace: None,
         };
@@ -612,7 +626,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_quiet_connection_ends_a_grace_after_the_daemon_stops() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let s = Shared::new(limits(Duration::from_secs(60)), 8, Some(STOP_GRACE));
         let (_client, mut conn) = spoken(&s).await;
         s.shutdown.cancel();
         let started = Instant::now();
@@ -624,7 +638,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_quiet_before_the_stop_gets_its_grace_from_the_stop() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let s = Shared::new(limits(Duration::from_secs(60)), 8, Some(STOP_GRACE));
         let (_client, mut conn) = spoken(&s).await;
         tokio::time::sleep(STOP_GRACE + DEADLINE).await; // a stream waiting, nothing moving
         let read = tokio::spawn(async move { conn.read(&mut [0u8; 64]).await });
@@ -637,8 +651,17 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn without_a_stop_grace_a_quiet_connection_waits_for_the_drain() {
+        let s = Shared::new(limits(Duration::from_secs(60)), 8, <UnixListener as Listen>::STOP_GRACE);
+        let (_client, mut conn) = spoken(&s).await;
+        s.shutdown.cancel();
+        let read = tokio::time::timeout(3 * STOP_GRACE, conn.read(&mut [0u8; 64])).await;
+        assert!(read.is_err(), "still open: {read:?}");
+    }
+
+    #[tokio::test]
     async fn a_connection_without_its_preface_ends_when_the_daemon_stops() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let s = Shared::new(limits(Duration::from_secs(60)), 8, Some(STOP_GRACE));
         let (_client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
@@ -655,7 +678,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_silent_past_its_deadline_fails_its_read() {
-        let s = Shared::new(limits(DEADLINE), 8);
+        let s = Shared::new(limits(DEADLINE), 8, Some(STOP_GRACE));
         let (_client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let started = Instant::now();
@@ -669,7 +692,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_preface_in_pieces_in_time_lifts_the_deadline() {
-        let s = Shared::new(limits(DEADLINE), 8);
+        let s = Shared::new(limits(DEADLINE), 8, Some(STOP_GRACE));
         let (mut client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
