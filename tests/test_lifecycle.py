@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import tlsutil
+from s3server import free_port
 
 import shardstream
 from conftest import SHARDSTREAM, Daemon
@@ -288,9 +289,12 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
         assert d.proc.wait(timeout=30) == 0
 
 
-def test_drain_timeout_bounds_shutdown_with_a_stuck_client(tmp_path: Path) -> None:
+@pytest.mark.parametrize("listen", ["unix", "tcp"])
+def test_drain_timeout_bounds_shutdown_with_a_stuck_client(tmp_path: Path, listen: str) -> None:
     """A client that stops reading mid-stream holds its stream open; the daemon still exits 0
-    within --drain-timeout, and the client's iteration ends with ConnectionError, never a hang."""
+    within --drain-timeout, and the client's iteration ends with ConnectionError, never a hang.
+    Over TCP, such a client was cut a second after the stop (taken for one stopped with Ctrl-Z),
+    though its HTTP/2 layer answered the stop: it lost the batches it would still have read."""
     import numpy as np
     import webdataset as wds
 
@@ -303,7 +307,10 @@ def test_drain_timeout_bounds_shutdown_with_a_stuck_client(tmp_path: Path) -> No
     with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
         for i in range(n):
             sink.write({"__key__": f"{i:05d}", "bin": blob})
-    d = Daemon(tmp_path / "d", args=["--drain-timeout", "2"])
+    if listen == "tcp":
+        d = Daemon(tmp_path / "d", args=["--drain-timeout", "2", "--insecure"], addr=f"tcp://127.0.0.1:{free_port()}")
+    else:
+        d = Daemon(tmp_path / "d", args=["--drain-timeout", "2"])
     d.tmp.mkdir()
     d.start()
     loader = shardstream.Loader(str(root), batch_size=1, connect=d.addr, transport="inline")
@@ -486,8 +493,9 @@ def test_a_stream_waiting_for_cache_room_ends_with_the_shutdown(tmp_path: Path) 
 def test_unix_socket_connections_that_never_speak_are_closed_and_hold_no_stop(tmp_path: Path) -> None:
     """The Unix socket's connections were taken as they came: one that never sent the HTTP/2
     preface was held for good (a launcher connecting in a loop used up the daemon's open files for
-    every job on the node), and held every stop for the whole drain timeout. They get what TCP
-    connections get: --tcp-timeout to speak, and none once the daemon stops."""
+    every job on the node), and one that answered nothing (a client stopped with Ctrl-Z) held every
+    stop for the whole drain timeout. They get what TCP connections get: --tcp-timeout to speak,
+    none once the daemon stops, and a second to answer the stop once they have spoken."""
     d = Daemon(tmp_path, args=["--tcp-timeout", "2"]).start()
     assert d.proc is not None
     path = str(tmp_path / "sock")
@@ -515,13 +523,17 @@ def test_unix_socket_connections_that_never_speak_are_closed_and_hold_no_stop(tm
         assert closed_within(silent, 8), "a connection that never spoke is still open"
     finally:
         silent.close()
-    quiet = connect()
+    # One says the preface and then nothing, as a client stopped with Ctrl-Z: the stop's GOAWAY and
+    # PING are never answered. Another has not spoken yet.
+    stopped, quiet = connect(), connect()
+    stopped.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
     try:
         time.sleep(0.5)
         started = time.monotonic()
         assert d.stop() == 0
-        assert time.monotonic() - started < 10, "the stop waited for a connection that never spoke"
+        assert time.monotonic() - started < 10, "the stop waited for the silent connections"
     finally:
+        stopped.close()
         quiet.close()
 
 

@@ -17,8 +17,8 @@
 //! - every connection has one deadline, its accept plus `--tcp-timeout`, by which its TLS
 //!   handshake must be done ([`tls`]: each in a task of its own, so a slow one delays no other)
 //!   and its first 24 bytes, the HTTP/2 client preface, read ([`PrefaceDeadline`]). From then on
-//!   HTTP/2 keepalive (set in [`crate::daemon`]) watches a TCP one, and a stop ends a TCP one once
-//!   it is quiet ([`STOP_GRACE`]; a Unix one, the drain timeout: [`Listen::STOP_GRACE`]);
+//!   HTTP/2 keepalive (set in [`crate::daemon`]) watches a TCP one, and a stop ends one whose
+//!   client answers nothing ([`STOP_GRACE`]);
 //! - at most [`max_handshaking`] connections may be in that phase at once: more are closed at
 //!   once;
 //! - an accept error pauses accepting for [`ACCEPT_PAUSE`] instead of retrying at once;
@@ -118,16 +118,12 @@ impl std::fmt::Display for Peer {
 /// A listening socket whose connections [`start`] accepts.
 pub trait Listen: Send + 'static {
     type Stream: Send + 'static;
-    /// How long a connection past its preface may stay quiet once the daemon stops
-    /// ([`STOP_GRACE`]), or `None`: until the drain timeout.
-    const STOP_GRACE: Option<Duration>;
     /// The next connection, ready to be handed over (or handshaken), and its peer.
     fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, Peer)>> + Send;
 }
 
 impl Listen for TcpListener {
     type Stream = TcpStream;
-    const STOP_GRACE: Option<Duration> = Some(STOP_GRACE);
 
     async fn accept(&self) -> io::Result<(TcpStream, Peer)> {
         let (stream, peer) = TcpListener::accept(self).await?;
@@ -142,10 +138,6 @@ impl Listen for TcpListener {
 
 impl Listen for UnixListener {
     type Stream = UnixStream;
-    /// None: a client on this node that stops reading with its queue full (a trainer in a long
-    /// step) is to get its batches and then the shutdown's word, within the drain timeout, as
-    /// README promises; cut a second after the stop, it saw a broken connection instead.
-    const STOP_GRACE: Option<Duration> = None;
 
     async fn accept(&self) -> io::Result<(UnixStream, Peer)> {
         let (stream, _) = UnixListener::accept(self).await?;
@@ -191,7 +183,7 @@ where
     Fut: Future<Output = io::Result<IO>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(READY_QUEUE);
-    tokio::spawn(accept_loop(listener, Shared::new(limits, max, L::STOP_GRACE), handshake, tx));
+    tokio::spawn(accept_loop(listener, Shared::new(limits, max), handshake, tx));
     ReceiverStream::new(rx)
 }
 
@@ -201,8 +193,6 @@ struct Shared {
     shutdown: CancellationToken,
     /// [`max_handshaking`] (smaller in tests).
     max: usize,
-    /// [`Listen::STOP_GRACE`] of the listener.
-    stop_grace: Option<Duration>,
     /// Connections accepted whose preface has not been read yet (see [`Handshaking`]).
     handshaking: AtomicUsize,
     /// Apart from the timeouts: a flood of idle connections must not hide a refused certificate.
@@ -212,12 +202,11 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(limits: Limits, max: usize, stop_grace: Option<Duration>) -> Arc<Self> {
+    fn new(limits: Limits, max: usize) -> Arc<Self> {
         Arc::new(Shared {
             timeout: limits.timeout,
             shutdown: limits.shutdown,
             max,
-            stop_grace,
             handshaking: AtomicUsize::new(0),
             handshake_failed_warn: Throttle::default(),
             handshake_timeout_warn: Throttle::default(),
@@ -425,38 +414,28 @@ pub struct PrefaceDeadline<IO> {
     stop: Stop,
 }
 
-/// How long a connection may stay without a byte either way once the daemon is stopping. hyper's
-/// graceful shutdown waits for each connection to answer its GOAWAY: a client that is stopped
-/// (Ctrl-Z) or silent held every stop for the whole drain timeout. Streams still open at the stop
-/// end at once (with the daemon's "shutting down" error), so a connection quiet this long after it
-/// is one no request is using. Counted from the stop at the earliest: a stream quiet before it
-/// (waiting for cache room) would otherwise lose its last word to the abort.
+/// How long a connection's client has to answer the stop. hyper's graceful shutdown sends each
+/// connection a GOAWAY and a PING and waits for the answer: a client that is stopped (Ctrl-Z) or
+/// gone held every stop for the whole drain timeout. A live client's HTTP/2 layer answers at
+/// once, even while its trainer reads nothing (a long step with its queue full), and such a
+/// connection is left to end with its streams, within the drain timeout: cut when it was merely
+/// quiet, the trainer saw a broken connection instead of its queued batches and "daemon is
+/// shutting down". Counted from the stop: a connection quiet before it is no sign of anything.
 pub const STOP_GRACE: Duration = Duration::from_secs(1);
 
 struct Stop {
     token: CancellationToken,
     /// Wakes the reader when the stop begins.
     stopping: Pin<Box<WaitForCancellationFutureOwned>>,
-    last_io: Instant,
-    /// [`Listen::STOP_GRACE`] of the listener.
-    grace_len: Option<Duration>,
     /// When this connection first saw the stop.
     stopped_at: Option<Instant>,
-    /// Wakes the reader when the connection has been quiet for [`STOP_GRACE`] after the stop.
+    /// Whether the client has sent a byte since the stop began.
+    answered: bool,
+    /// Wakes the reader [`STOP_GRACE`] after the stop.
     grace: Option<Pin<Box<Sleep>>>,
 }
 
 impl Stop {
-    /// `written`, noting that bytes moved.
-    fn wrote(&mut self, written: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
-        if let Poll::Ready(Ok(n)) = &written
-            && *n > 0
-        {
-            self.last_io = Instant::now();
-        }
-        written
-    }
-
     /// Whether the daemon is stopping (when not yet, the reader is woken when it does).
     fn stopped(&mut self, cx: &mut Context<'_>) -> bool {
         let stopped = self.token.is_cancelled() || self.stopping.as_mut().poll(cx).is_ready();
@@ -466,19 +445,24 @@ impl Stop {
         stopped
     }
 
-    /// Whether the connection is to end now: the daemon is stopping and nothing moved on it for
-    /// [`STOP_GRACE`] (when not yet, the reader is woken when it will be).
-    fn quiet_past_grace(&mut self, cx: &mut Context<'_>) -> bool {
-        let Some(grace_len) = self.grace_len else { return false };
-        if !self.stopped(cx) {
+    /// Notes that the client sent bytes.
+    fn heard(&mut self) {
+        if self.stopped_at.is_some() || self.token.is_cancelled() {
+            self.answered = true;
+        }
+    }
+
+    /// Whether the connection is to end now: the daemon stopped [`STOP_GRACE`] ago and the client
+    /// has sent nothing since (when not yet, the reader is woken when it will be).
+    fn unanswered_past_grace(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.answered || !self.stopped(cx) {
             return false;
         }
-        let until = self.last_io.max(self.stopped_at.unwrap_or(self.last_io)) + grace_len;
+        let Some(until) = self.stopped_at.map(|at| at + STOP_GRACE) else { return false };
         if Instant::now() >= until {
             return true;
         }
         let grace = self.grace.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
-        grace.as_mut().reset(until);
         grace.as_mut().poll(cx).is_ready()
     }
 }
@@ -498,9 +482,8 @@ impl<IO> PrefaceDeadline<IO> {
         let stop = Stop {
             stopping: Box::pin(token.clone().cancelled_owned()),
             token,
-            last_io: Instant::now(),
-            grace_len: counted.0.stop_grace,
             stopped_at: None,
+            answered: false,
             grace: None,
         };
         Self { inner, waiting: Some(Waiting { deadline, read: 0, peer, counted }), stop }
@@ -521,13 +504,13 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
-            this.stop.last_io = Instant::now();
+            this.stop.heard();
         }
         let Some(waiting) = &mut this.waiting else {
             return match polled {
-                Poll::Pending if this.stop.quiet_past_grace(cx) => Poll::Ready(Err(io::Error::new(
+                Poll::Pending if this.stop.unanswered_past_grace(cx) => Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::ConnectionAborted,
-                    "the daemon is stopping, and nothing has moved on this connection since",
+                    "the daemon is stopping, and the client has not answered since",
                 ))),
                 polled => polled,
             };
@@ -568,8 +551,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
 
 impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        this.stop.wrote(Pin::new(&mut this.inner).poll_write(cx, buf))
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -577,8 +559,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        this.stop.wrote(Pin::new(&mut this.inner).poll_write_vectored(cx, bufs))
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -626,7 +607,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_quiet_connection_ends_a_grace_after_the_daemon_stops() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8, Some(STOP_GRACE));
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
         let (_client, mut conn) = spoken(&s).await;
         s.shutdown.cancel();
         let started = Instant::now();
@@ -638,7 +619,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_quiet_before_the_stop_gets_its_grace_from_the_stop() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8, Some(STOP_GRACE));
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
         let (_client, mut conn) = spoken(&s).await;
         tokio::time::sleep(STOP_GRACE + DEADLINE).await; // a stream waiting, nothing moving
         let read = tokio::spawn(async move { conn.read(&mut [0u8; 64]).await });
@@ -651,17 +632,24 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn without_a_stop_grace_a_quiet_connection_waits_for_the_drain() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8, <UnixListener as Listen>::STOP_GRACE);
-        let (_client, mut conn) = spoken(&s).await;
+    async fn a_client_that_answers_the_stop_is_left_to_the_drain() {
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let (mut client, mut conn) = spoken(&s).await;
         s.shutdown.cancel();
-        let read = tokio::time::timeout(3 * STOP_GRACE, conn.read(&mut [0u8; 64])).await;
-        assert!(read.is_err(), "still open: {read:?}");
+        let read = tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            let n = conn.read(&mut buf).await;
+            (tokio::time::timeout(3 * STOP_GRACE, conn.read(&mut buf)).await, n)
+        });
+        client.write_all(b"ping ack").await.unwrap(); // its HTTP/2 layer answers the GOAWAY's PING
+        let (later, first) = read.await.unwrap();
+        assert_eq!(first.unwrap(), 8);
+        assert!(later.is_err(), "cut although its client answered: {later:?}");
     }
 
     #[tokio::test]
     async fn a_connection_without_its_preface_ends_when_the_daemon_stops() {
-        let s = Shared::new(limits(Duration::from_secs(60)), 8, Some(STOP_GRACE));
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
         let (_client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
@@ -678,7 +666,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_silent_past_its_deadline_fails_its_read() {
-        let s = Shared::new(limits(DEADLINE), 8, Some(STOP_GRACE));
+        let s = Shared::new(limits(DEADLINE), 8);
         let (_client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let started = Instant::now();
@@ -692,7 +680,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_preface_in_pieces_in_time_lifts_the_deadline() {
-        let s = Shared::new(limits(DEADLINE), 8, Some(STOP_GRACE));
+        let s = Shared::new(limits(DEADLINE), 8);
         let (mut client, server) = tokio::io::duplex(64);
         let counted = s.enter().unwrap();
         let mut conn = PrefaceDeadline::new(server, Instant::now() + s.timeout, peer(), counted);
