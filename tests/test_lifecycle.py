@@ -537,6 +537,53 @@ def test_unix_socket_connections_that_never_speak_are_closed_and_hold_no_stop(tm
         quiet.close()
 
 
+FROZEN_TRAINER = """
+import sys, time, shardstream
+it = iter(shardstream.Loader(sys.argv[1], batch_size=1, connect=sys.argv[2], transport="inline"))
+next(it)
+print("first batch", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("listen", ["unix", "tcp"])
+def test_a_trainer_frozen_mid_stream_does_not_hold_the_stop(tmp_path: Path, listen: str) -> None:
+    """A trainer stopped with Ctrl-Z mid-stream answers nothing, and the daemon's writes to it
+    block once the socket's buffers are full: hyper then reads nothing more, and the stop, which
+    only looked at reads, waited out the whole drain timeout (20 s)."""
+    import numpy as np
+    import webdataset as wds
+
+    root = tmp_path / "big"
+    root.mkdir()
+    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
+    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
+        for i in range(400):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    if listen == "tcp":
+        d = Daemon(tmp_path / "d", args=["--insecure"], addr=f"tcp://127.0.0.1:{free_port()}")
+    else:
+        d = Daemon(tmp_path / "d")
+    d.tmp.mkdir()
+    d.start()
+    assert d.proc is not None
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_TRAINER, str(root), d.addr], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "first batch"
+        trainer.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)  # the daemon writes on until the socket's buffers are full
+        started = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < 8, "the stop waited for the frozen trainer"
+    finally:
+        trainer.send_signal(signal.SIGCONT)
+        trainer.kill()
+        trainer.wait()
+
+
 def open_file_limits(pid: int) -> tuple[str, str]:
     with open(f"/proc/{pid}/limits") as f:
         for line in f:

@@ -420,7 +420,10 @@ pub struct PrefaceDeadline<IO> {
 /// once, even while its trainer reads nothing (a long step with its queue full), and such a
 /// connection is left to end with its streams, within the drain timeout: cut when it was merely
 /// quiet, the trainer saw a broken connection instead of its queued batches and "daemon is
-/// shutting down". Counted from the stop: a connection quiet before it is no sign of anything.
+/// shutting down". Counted from the stop, or from the last write that moved bytes after it (a
+/// client on a slow link may take longer to get to the PING); checked where the connection waits,
+/// reading or writing (a client frozen mid-stream leaves the daemon's writes blocked, and hyper
+/// reads nothing until they go out).
 pub const STOP_GRACE: Duration = Duration::from_secs(1);
 
 struct Stop {
@@ -431,7 +434,9 @@ struct Stop {
     stopped_at: Option<Instant>,
     /// Whether the client has sent a byte since the stop began.
     answered: bool,
-    /// Wakes the reader [`STOP_GRACE`] after the stop.
+    /// The last write after the stop that moved bytes.
+    wrote_at: Option<Instant>,
+    /// Wakes the connection's task when its [`STOP_GRACE`] runs out.
     grace: Option<Pin<Box<Sleep>>>,
 }
 
@@ -452,18 +457,44 @@ impl Stop {
         }
     }
 
-    /// Whether the connection is to end now: the daemon stopped [`STOP_GRACE`] ago and the client
-    /// has sent nothing since (when not yet, the reader is woken when it will be).
+    /// Notes a write's outcome.
+    fn wrote<T>(&mut self, written: &Poll<io::Result<T>>, moved: impl FnOnce(&T) -> bool) {
+        if let Poll::Ready(Ok(n)) = written
+            && moved(n)
+            && (self.stopped_at.is_some() || self.token.is_cancelled())
+        {
+            self.wrote_at = Some(Instant::now());
+        }
+    }
+
+    /// Whether the connection is to end now: the daemon stopped, the client has sent nothing since,
+    /// and [`STOP_GRACE`] has passed since the stop and since the last write that moved bytes (when
+    /// not yet, the task is woken when it will have).
     fn unanswered_past_grace(&mut self, cx: &mut Context<'_>) -> bool {
         if self.answered || !self.stopped(cx) {
             return false;
         }
-        let Some(until) = self.stopped_at.map(|at| at + STOP_GRACE) else { return false };
+        let Some(at) = self.stopped_at else { return false };
+        let until = self.wrote_at.map_or(at, |w| w.max(at)) + STOP_GRACE;
         if Instant::now() >= until {
             return true;
         }
         let grace = self.grace.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
+        if grace.deadline() != until {
+            grace.as_mut().reset(until);
+        }
         grace.as_mut().poll(cx).is_ready()
+    }
+
+    /// `polled`, or the connection's end when it is still waiting past the grace.
+    fn or_cut<T>(&mut self, polled: Poll<io::Result<T>>, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        match polled {
+            Poll::Pending if self.unanswered_past_grace(cx) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the daemon is stopping, and the client has not answered since",
+            ))),
+            polled => polled,
+        }
     }
 }
 
@@ -484,6 +515,7 @@ impl<IO> PrefaceDeadline<IO> {
             token,
             stopped_at: None,
             answered: false,
+            wrote_at: None,
             grace: None,
         };
         Self { inner, waiting: Some(Waiting { deadline, read: 0, peer, counted }), stop }
@@ -507,13 +539,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
             this.stop.heard();
         }
         let Some(waiting) = &mut this.waiting else {
-            return match polled {
-                Poll::Pending if this.stop.unanswered_past_grace(cx) => Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::ConnectionAborted,
-                    "the daemon is stopping, and the client has not answered since",
-                ))),
-                polled => polled,
-            };
+            return this.stop.or_cut(polled, cx);
         };
         match polled {
             Poll::Ready(Ok(())) => {
@@ -526,7 +552,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
             // Bytes that came are taken even at the deadline; only a wait past it fails.
             Poll::Pending if this.stop.stopped(cx) => Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
-                "the daemon is shutting down, and this connection has sent no HTTP/2 request",
+                "the daemon is shutting down, and this connection has not sent the HTTP/2 preface",
             ))),
             Poll::Pending => match waiting.deadline.as_mut().poll(cx) {
                 Poll::Pending => Poll::Pending,
@@ -551,7 +577,10 @@ impl<IO: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<IO> {
 
 impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.stop.wrote(&polled, |n| *n > 0);
+        this.stop.or_cut(polled, cx)
     }
 
     fn poll_write_vectored(
@@ -559,7 +588,10 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.stop.wrote(&polled, |n| *n > 0);
+        this.stop.or_cut(polled, cx)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -567,7 +599,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<IO> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_flush(cx);
+        this.stop.or_cut(polled, cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -629,6 +663,19 @@ mod tests {
         let err = read.await.unwrap().unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
         assert!(stopped.elapsed() >= STOP_GRACE / 2, "aborted {:?} after the stop", stopped.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_client_frozen_with_the_daemons_writes_blocked_is_cut_at_the_grace() {
+        let s = Shared::new(limits(Duration::from_secs(60)), 8);
+        let (_client, mut conn) = spoken(&s).await;
+        conn.write_all(&[0u8; 64]).await.unwrap(); // the pipe is full: the client reads nothing
+        s.shutdown.cancel();
+        let stopped = Instant::now();
+        let written = tokio::time::timeout(5 * STOP_GRACE, conn.write_all(b"GOAWAY, PING")).await;
+        let err = written.expect("still blocked past the grace").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(stopped.elapsed() >= STOP_GRACE / 2, "cut {:?} after the stop", stopped.elapsed());
     }
 
     #[tokio::test]
@@ -737,13 +784,13 @@ mod tests {
         assert!(peer.contains(&format!("pid {}", std::process::id())), "{peer}");
         // The credentials tonic hands the authenticator pass through.
         assert!(conn.connect_info().peer_cred.is_some());
-        let read = tokio::spawn(async move { conn.read(&mut [0u8; 64]).await });
+        // Checked before anything reads `conn`: unread, it stays counted whatever the machine's load.
         let mut second = UnixStream::connect(&path).await.unwrap();
-        let n = tokio::time::timeout(Duration::from_millis(500), second.read(&mut [0u8; 8])).await;
+        let n = tokio::time::timeout(Duration::from_secs(5), second.read(&mut [0u8; 8])).await;
         assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "beyond the cap: closed at once, {n:?}");
-        let err = read.await.unwrap().unwrap_err();
+        let err = conn.read(&mut [0u8; 64]).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut, "no preface within the deadline");
-        drop(err);
+        drop(conn); // as the server does with a connection whose read failed
         let n = tokio::time::timeout(Duration::from_secs(5), idle.read(&mut [0u8; 8])).await;
         assert!(matches!(n, Ok(Ok(_)) | Ok(Err(_))), "{n:?}");
     }
