@@ -537,6 +537,49 @@ def test_unix_socket_connections_that_never_speak_are_closed_and_hold_no_stop(tm
         quiet.close()
 
 
+def test_an_open_and_a_prefetch_under_way_end_with_the_shutdown(tmp_path: Path) -> None:
+    """An open that takes long (a store that retries; indexing a dataset without a manifest) and a
+    `prefetch` run (a SLURM epilog stops staging with the daemon) did not watch the shutdown: they
+    ran on until their connection was cut, then said "no shardstream daemon answered ... is it a
+    tls:// listener" and "stopped answering (no reply to a ping within 20 s)"."""
+    import threading
+
+    env = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens: the store is retried for ~20 s
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_REGION": "us-east-1",
+    }
+    d = Daemon(tmp_path, env=env).start()
+    assert d.proc is not None
+    said: dict[str, BaseException] = {}
+
+    def open_loader() -> None:
+        try:
+            shardstream.Loader("s3://bucket/x/", batch_size=4, connect=d.addr)
+        except BaseException as e:  # noqa: BLE001 - whatever ends it is the finding
+            said["open"] = e
+
+    opener = threading.Thread(target=open_loader, daemon=True)
+    opener.start()
+    staging = subprocess.Popen(
+        [SHARDSTREAM, "prefetch", "--connect", d.addr, "s3://bucket/x/"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+    time.sleep(2)
+    started = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    opener.join(timeout=30)
+    _, err = staging.communicate(timeout=30)
+    assert time.monotonic() - started < 8, "they ran on past the stop"
+    assert isinstance(said.get("open"), ConnectionError), said
+    assert "daemon is shutting down" in str(said["open"]), said["open"]
+    assert staging.returncode == 1 and "is shutting down" in err, err
+    assert d.proc.wait(timeout=30) == 0
+
+
 FROZEN_TRAINER = """
 import sys, time, shardstream
 it = iter(shardstream.Loader(sys.argv[1], batch_size=1, connect=sys.argv[2], transport="inline"))

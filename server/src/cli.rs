@@ -532,7 +532,15 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
         // A daemon that stops answering pings (stopped, frozen) ends the wait: an open without
         // a manifest may take long, so no reply timeout could tell the two apart.
         let refused = |s: tonic::Status| {
-            if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
+            if s.message().starts_with(crate::service::SHUTTING_DOWN) {
+                anyhow::anyhow!(
+                    "the daemon at {addr} is shutting down: staging stopped there (what it staged stays in the \
+                     cache); run prefetch again once a daemon serves"
+                )
+            } else if std::error::Error::source(&s).is_none() {
+                // The daemon's own answer (a store's failure, say), not the connection's.
+                anyhow::anyhow!("{}", s.message())
+            } else if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
                 anyhow::anyhow!(
                     "the daemon at {addr} stopped answering (no reply to a ping within {} s; stopped, frozen or \
                      shutting down?): {}",

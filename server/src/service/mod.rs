@@ -45,6 +45,9 @@ use sample_stream::SampleStream;
 use stream_core::{StreamCore, run_on_own_thread};
 use stream_plan::{StreamPlan, plan_stream};
 
+/// The message of the `Unavailable` status a request ended by the daemon's shutdown gets.
+pub const SHUTTING_DOWN: &str = "daemon is shutting down";
+
 /// Batches (groups of batches, see [`outbox`]) queued per stream ahead of the client: two keeps
 /// the socket busy while the next batch is read, and bounds a slow client's footprint to two.
 const STREAM_QUEUE: usize = 2;
@@ -348,7 +351,12 @@ impl Shardstream for Service {
         let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
-        let ds = self.open(req.url, req.cache, admission).await.map_err(to_status)?;
+        // An open may take long (indexing a dataset without a manifest, a store that retries): at a
+        // shutdown its client is told so, not cut off by the drain's end.
+        let ds = tokio::select! {
+            opened = self.open(req.url, req.cache, admission) => opened.map_err(to_status)?,
+            () = self.shutdown.cancelled() => return Err(outbox::shutting_down()),
+        };
         if ds.num_samples() == 0 {
             // Every stream of it would be refused: refused here, when the loader is made, not at
             // its first batch (in a DataLoader worker, an epoch later).
@@ -522,7 +530,7 @@ impl Shardstream for Service {
         let admission = self.authorize(&request, &request.get_ref().url).await?;
         let req = request.into_inner();
         check_protocol(req.protocol_version)?;
-        Ok(Response::new(stage::stage(self.registry.clone(), req, admission)))
+        Ok(Response::new(stage::stage(self.registry.clone(), req, admission, self.shutdown.clone())))
     }
 }
 

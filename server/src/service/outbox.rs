@@ -175,7 +175,7 @@ impl tokio_stream::Stream for Messages {
 
 /// What a stream's client is told when the daemon's shutdown ends it.
 pub fn shutting_down() -> Status {
-    Status::unavailable("daemon is shutting down")
+    Status::unavailable(super::SHUTTING_DOWN)
 }
 
 /// How a stream that failed with `e` ends, logged once: a build that gave up because the daemon

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use shardstream_proto::{PrefetchProgress, PrefetchRequest};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use super::projected::{CopyPlans, ProjectedReads};
@@ -200,19 +201,34 @@ impl Staging {
 /// How often the progress of an open that indexes the dataset is sent.
 const OPENING_TICK: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// Stages `req`'s dataset, its progress sent on the stream returned; a shutdown ends it with
+/// "daemon is shutting down" (fetches under way finish on their blocking threads).
 pub(crate) fn stage(
     registry: Arc<Registry>,
     req: PrefetchRequest,
     admission: super::Admission,
+    shutdown: CancellationToken,
 ) -> ReceiverStream<Result<PrefetchProgress, Status>> {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
-        let staged = open_and_plan(registry, req, admission, &tx).await;
-        match staged {
-            Ok(Some((ds, staging, order, limit))) => run(ds, Arc::new(staging), Arc::new(order), limit, tx).await,
-            Ok(None) => {} // the client left
-            Err(e) => {
-                let _ = tx.send(Err(to_status(e))).await;
+        let staging = async {
+            let staged = open_and_plan(registry, req, admission, &tx).await;
+            match staged {
+                Ok(Some((ds, staging, order, limit))) => {
+                    run(ds, Arc::new(staging), Arc::new(order), limit, tx.clone()).await
+                }
+                Ok(None) => {} // the client left
+                Err(e) => {
+                    let _ = tx.send(Err(to_status(e))).await;
+                }
+            }
+        };
+        tokio::select! {
+            () = staging => {}
+            // Sent after the progress already queued; a client that stopped reading is ended by the
+            // drain's timeout.
+            () = shutdown.cancelled() => {
+                let _ = tx.send(Err(super::outbox::shutting_down())).await;
             }
         }
     });
