@@ -260,7 +260,7 @@ impl BoundDaemon {
         // A stream waiting for cache room (up to minutes) would outlast the drain.
         let waits = cache.clone();
         let draining = shutdown.clone();
-        tokio::spawn(async move {
+        let stop_waits = tokio::spawn(async move {
             draining.cancelled().await;
             waits.stop_waits();
         });
@@ -364,6 +364,8 @@ impl BoundDaemon {
         // their failures for the stop they are, not for warnings.
         prefetch.stop();
         backends.close();
+        // Serving may have ended without a shutdown (the server failed): the task holds the cache.
+        stop_waits.abort();
         if served.is_ok() {
             // Only a clean exit vouches for the derived entries written unsynced (cache docs).
             let closed = tokio::task::spawn_blocking(move || node_cache.close()).await;

@@ -629,8 +629,12 @@ impl NodeCache {
                         return Err(e);
                     }
                     let begun = t.begin(entry, bytes, want.rights(), ev.as_ref());
-                    if want.wait && matches!(begun, Begin::Wait | Begin::NoSpace { .. }) && self.stopping.load(Relaxed)
-                    {
+                    let waits = match begun {
+                        Begin::Wait => want.wait,
+                        Begin::NoSpace { .. } => want.wait && want.evict,
+                        _ => false,
+                    };
+                    if waits && self.stopping.load(Relaxed) {
                         return Err(Error::Unavailable(format!(
                             "daemon is shutting down (shard {key} was waiting for room in the node cache or for \
                              another stream's download of it)"
@@ -1199,9 +1203,43 @@ mod tests {
         let err = waiter.join().unwrap().unwrap_err();
         assert!(matches!(err, Error::Unavailable(_)) && err.to_string().contains("shutting down"), "{err}");
         assert!(asked.elapsed() < Duration::from_secs(2));
-        // Later callers that would wait give up at once; a hit is still served.
+        // Later callers that would wait give up at once; a hit is still served, and staging's
+        // free room says "no room" as before.
         assert!(cache.get("next", 5, Want::NOW, &mut |_, _| panic!("no room")).is_err());
         assert!(cache.get("held", 5, Want::NOW, &mut |_, _| panic!("a hit")).unwrap().is_some());
+        assert!(cache.get("next", 5, Want::FREE_ROOM, &mut |_, _| panic!("no room")).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_drain_ends_a_wait_for_another_callers_fill() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
+        let (began, in_flight) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let filler = {
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                let mut fill = |tmp: &Path, f: &File| {
+                    began.send(()).unwrap();
+                    released.recv().unwrap();
+                    write(b"fffff")(tmp, f)
+                };
+                cache.get("k", 5, Want::NOW, &mut fill).map(drop)
+            })
+        };
+        in_flight.recv().unwrap();
+        let waiter = {
+            let cache = cache.clone();
+            std::thread::spawn(move || cache.get("k", 5, Want::NOW, &mut |_, _| panic!("filled twice")).map(drop))
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!waiter.is_finished(), "waits for the fill under way");
+        cache.stop_waits();
+        let err = waiter.join().unwrap().unwrap_err();
+        assert!(err.to_string().contains("shutting down"), "{err}");
+        release.send(()).unwrap();
+        filler.join().unwrap().unwrap(); // the fill under way finishes
+        assert!(cache.is_ready("k"));
     }
 
     #[test]

@@ -181,17 +181,16 @@ impl Staging {
             return Ok(Some(true));
         }
         let len = self.len(ds, i);
-        // A fill elsewhere (a stream, the prefetcher, another staging) may take the room made
-        // before this fetch begins: then again, a few times.
+        // Fetched first: another caller may be filling it already (waited for, not made room
+        // for). A fill elsewhere (a stream, the prefetcher, another staging) may take the room
+        // made before the fetch begins: then again, a few times.
         for _ in 0..STAGE_ATTEMPTS {
-            if !ds.has_room(len) {
-                let later: Vec<&str> = order[at + 1..].iter().rev().filter_map(|&j| self.key(ds, j)).collect();
-                if !ds.make_room_from(len, &later) {
-                    return Ok(None);
-                }
-            }
             if self.fetch(ds, i)? {
                 return Ok(Some(false));
+            }
+            let later: Vec<&str> = order[at + 1..].iter().rev().filter_map(|&j| self.key(ds, j)).collect();
+            if !ds.make_room_from(len, &later) {
+                return Ok(None);
             }
         }
         Ok(None)
