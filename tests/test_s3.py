@@ -651,6 +651,17 @@ def test_an_indexed_object_that_shrank_is_a_shard_error(tmp_path: Path, s3: S3Se
         d.stop()
 
 
+def test_a_request_the_store_refuses_is_a_value_error(tmp_path: Path, s3: S3Server) -> None:
+    """A bucket name the store refuses (400 InvalidBucketName) reached the trainer as
+    ConnectionError, the class its reconnect logic retries for good."""
+    d = start_daemon(tmp_path, s3)
+    try:
+        with pytest.raises(ValueError, match="InvalidBucketName|400"):
+            shardstream.Loader("s3://bk/x/", batch_size=4, connect=d.addr)
+    finally:
+        d.stop()
+
+
 def test_missing_credentials_or_a_malformed_endpoint_fail_at_once_saying_so(tmp_path: Path, s3: S3Server) -> None:
     """No credentials anywhere, or AWS_ENDPOINT_URL without its scheme: nothing a retry can mend,
     yet every request was retried ten times (20 s) and ended as ConnectionError, the class a

@@ -272,6 +272,11 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
         ))),
         (_, Some(408 | 429 | 500..=599)) => Failure::Transient(detail),
         (SdkError::ResponseError(_), _) => Failure::Transient(detail),
+        // The request itself is refused (a bucket name the store does not take, say): nothing the
+        // connection did, and the same on every try.
+        (_, Some(s @ 400..=499)) => {
+            Failure::Permanent(Error::invalid(format!("{url}: S3 refused the request ({s}): {detail}")))
+        }
         (_, Some(s)) => Failure::Permanent(Error::Unavailable(format!("{url}: S3 answered {s}: {detail}"))),
         _ => Failure::Permanent(Error::Unavailable(format!("{url}: {detail}"))),
     }
