@@ -580,6 +580,38 @@ def test_an_open_and_a_prefetch_under_way_end_with_the_shutdown(tmp_path: Path) 
     assert d.proc.wait(timeout=30) == 0
 
 
+def test_a_second_signal_exits_at_once_and_removes_the_sockets(tmp_path: Path) -> None:
+    """A second signal during the drain exited at once but left the socket and its side channel
+    behind: until the next daemon replaced them, they read as a daemon that refuses connections."""
+    import numpy as np
+    import webdataset as wds
+
+    root = tmp_path / "big"
+    root.mkdir()
+    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
+    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
+        for i in range(400):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    d = Daemon(tmp_path / "d")
+    d.tmp.mkdir()
+    d.start()
+    assert d.proc is not None
+    sockets = [tmp_path / "d" / "sock", tmp_path / "d" / "sock.shm"]
+    assert all(p.exists() for p in sockets)
+    # A reader that stops reading: the drain waits for it (up to --drain-timeout, 20 s).
+    it = iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr, transport="inline"))
+    next(it)
+    time.sleep(0.5)
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert d.proc.poll() is None, "draining"
+    started = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=10) == 130
+    assert time.monotonic() - started < 5
+    assert not any(p.exists() for p in sockets), [p for p in sockets if p.exists()]
+
+
 FROZEN_TRAINER = """
 import sys, time, shardstream
 it = iter(shardstream.Loader(sys.argv[1], batch_size=1, connect=sys.argv[2], transport="inline"))

@@ -176,8 +176,10 @@ impl BoundDaemon {
                 let side = crate::transport::shm::side_socket_path(path);
                 crate::socket_file::clear_stale(path, rustix::net::SocketType::STREAM)?;
                 crate::socket_file::clear_stale(&side, rustix::net::SocketType::SEQPACKET)?;
-                let hub = crate::transport::shm::ShmHub::bind(side, config.shm, config.socket_access)?;
+                let hub = crate::transport::shm::ShmHub::bind(side.clone(), config.shm, config.socket_access)?;
                 let l = bind_unix(path, &config.socket_access)?;
+                crate::shutdown::remove_at_forced_exit(path);
+                crate::shutdown::remove_at_forced_exit(&side);
                 (Listener::Unix(l, path.clone()), Some(hub))
             }
             Address::Tcp(hp) | Address::Tls(hp) => {

@@ -1,6 +1,9 @@
 //! One shutdown token for the whole daemon: the first SIGTERM or Ctrl-C cancels it (listeners stop
 //! accepting, streams end with `UNAVAILABLE`, the process exits once they have drained); a second
-//! signal exits at once.
+//! signal exits at once (status 130), removing the daemon's socket files first.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
@@ -36,10 +39,26 @@ pub fn install_signal_handlers(token: CancellationToken) {
                 token.cancel();
             } else {
                 tracing::warn!("second signal, exiting now");
+                remove_registered();
                 std::process::exit(130);
             }
         }
     });
+}
+
+/// Socket files a second signal's exit removes: the drain's end removes them otherwise, and left
+/// behind they read as a daemon that refuses connections until the next one replaces them.
+static REMOVED_AT_EXIT: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Registers `path` (a socket this process bound) for removal at a second signal's exit.
+pub fn remove_at_forced_exit(path: &Path) {
+    REMOVED_AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).push(path.to_owned());
+}
+
+fn remove_registered() {
+    for path in REMOVED_AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 fn listen(kind: SignalKind, name: &str) -> Option<Signal> {
