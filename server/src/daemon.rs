@@ -258,6 +258,19 @@ impl BoundDaemon {
         let cache = self.cache.clone();
         cache.set_keep_derived(cfg.keep_decoded);
         crate::format::parquet::decoded::shared().set_budget(cfg.decoded_budget);
+        // Decoded row groups no stream has used for a while go, so that an idle daemon does not
+        // hold up to --decoded-budget for datasets served long ago (or deleted since).
+        let releasing = tokio::spawn(async {
+            use crate::format::parquet::decoded;
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(60));
+            loop {
+                every.tick().await;
+                let released = decoded::shared().release_unused(std::time::Instant::now(), decoded::UNUSED_FOR);
+                if released > 0 {
+                    tracing::debug!(bytes = released, "let go of decoded row groups no stream has used lately");
+                }
+            }
+        });
         let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
         // A stream waiting for cache room (up to minutes) would outlast the drain.
         let waits = cache.clone();
@@ -368,6 +381,7 @@ impl BoundDaemon {
         backends.close();
         // Serving may have ended without a shutdown (the server failed): the task holds the cache.
         stop_waits.abort();
+        releasing.abort();
         if served.is_ok() {
             // Only a clean exit vouches for the derived entries written unsynced (cache docs).
             let closed = tokio::task::spawn_blocking(move || node_cache.close()).await;

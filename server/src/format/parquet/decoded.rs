@@ -21,6 +21,10 @@
 //! projection claims an [`OutgrownShare`] of [`OUTGROWN_WINDOWS`] windows, and the row groups of
 //! outgrown projections are kept only up to what the live shares claim (at least a quarter of the
 //! budget), least recently used first; the rest of the budget stays for projections that fit.
+//!
+//! Row groups no stream has used for [`UNUSED_FOR`] are let go of ([`DecodedCache::release_unused`],
+//! called every minute by the daemon): the budget bounds what streams being served hold, not what
+//! datasets served hours ago, or deleted since, leave behind in an idle daemon.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -126,8 +130,15 @@ struct State {
     /// [`MAX_LET_GO`] keys, which only makes a later [`DecodedCache::decoded_before`] say no.
     let_go: HashSet<RowGroupKey>,
     tick: u64,
+    /// When the cache's use count ([`State::tick`]) had which value: [`DecodedCache::release_unused`]
+    /// marks it at each call, so that what was last used before a mark old enough is known
+    /// without a clock read per lookup.
+    marks: std::collections::VecDeque<(std::time::Instant, u64)>,
     stats: DecodedStats,
 }
+
+/// How long a row group no stream uses stays decoded (see the module docs).
+pub const UNUSED_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Bound of [`State::let_go`]: a million keys (some tens of MB).
 const MAX_LET_GO: usize = 1 << 20;
@@ -207,6 +218,42 @@ impl DecodedCache {
         st.evict_outgrown_to(0);
         st.evict_to(0);
         crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
+    }
+
+    /// Lets go of the row groups last used before the newest of its earlier calls that is at
+    /// least `unused_for` before `now` (called periodically, so: unused for about `unused_for`).
+    /// Unlike an eviction for room, a row group let go of here is not "decoded before" (its
+    /// projection fits the budget; it was only idle). Returns the bytes let go of.
+    pub fn release_unused(&self, now: std::time::Instant, unused_for: std::time::Duration) -> u64 {
+        let mut st = self.lock();
+        let tick = st.tick;
+        st.marks.push_back((now, tick));
+        let mut upto = None;
+        while let Some(&(at, tick)) = st.marks.front() {
+            if now.saturating_duration_since(at) < unused_for {
+                break;
+            }
+            upto = Some(tick);
+            st.marks.pop_front();
+        }
+        let Some(upto) = upto else { return 0 };
+        let before = st.stats.bytes;
+        while let Some((&last_use, _)) = st.lru.first_key_value() {
+            if last_use > upto {
+                break;
+            }
+            let Some((_, key)) = st.lru.pop_first() else { break };
+            if let Some(e) = st.map.remove(&key) {
+                st.stats.bytes -= e.bytes;
+                if e.outgrown {
+                    st.outgrown_lru.remove(&e.last_use);
+                    st.stats.outgrown_bytes -= e.bytes;
+                }
+            }
+        }
+        st.stats.entries = st.map.len() as u64;
+        crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
+        before - st.stats.bytes
     }
 
     /// Bounds the cache at `budget` bytes from now on, evicting the least recently used row
@@ -513,6 +560,27 @@ mod tests {
         assert!(cache.get(&key(1)).is_none() && cache.get(&key(2)).is_none());
         cache.set_budget(8 * size);
         assert_eq!(cache.stats().entries, 2, "a larger budget evicts nothing");
+    }
+
+    #[test]
+    fn row_groups_unused_for_a_while_are_let_go_of_and_not_taken_for_outgrown() {
+        let size = held_bytes(&testdata::mixed_batch(0..100));
+        let cache = DecodedCache::new(8 * size);
+        for rg in 0..4 {
+            cache.get_or_decode(&key(rg), || Ok::<_, ()>(testdata::mixed_batch(0..100))).unwrap();
+        }
+        let (t0, unused_for) = (std::time::Instant::now(), std::time::Duration::from_secs(600));
+        assert_eq!(cache.release_unused(t0, unused_for), 0, "the first call only marks");
+        cache.get(&key(1)); // used after the mark
+        assert_eq!(cache.release_unused(t0 + unused_for / 2, unused_for), 0, "no mark old enough yet");
+        let released = cache.release_unused(t0 + unused_for, unused_for);
+        assert_eq!(released, 3 * size);
+        assert_eq!((cache.stats().entries, cache.stats().bytes, cache.stats().evictions), (1, size, 0));
+        assert!(cache.get(&key(1)).is_some());
+        assert!(!cache.decoded_before(&key(0)), "idle, not outgrown: no stream is to spill for it");
+        // The mark made half way lets go of what was unused since, at its turn.
+        assert_eq!(cache.release_unused(t0 + unused_for * 3 / 2, unused_for), 0, "key 1 was used after it");
+        assert_eq!(cache.release_unused(t0 + unused_for * 3, unused_for), size);
     }
 
     #[test]
