@@ -184,9 +184,12 @@ impl Staging {
         // Fetched first: another caller may be filling it already (waited for, not made room
         // for). A fill elsewhere (a stream, the prefetcher, another staging) may take the room
         // made before the fetch begins: then again, a few times.
-        for _ in 0..STAGE_ATTEMPTS {
+        for attempt in 1..=STAGE_ATTEMPTS {
             if self.fetch(ds, i)? {
                 return Ok(Some(false));
+            }
+            if attempt == STAGE_ATTEMPTS {
+                break; // no room made that no fetch would use
             }
             let later: Vec<&str> = order[at + 1..].iter().rev().filter_map(|&j| self.key(ds, j)).collect();
             if !ds.make_room_from(len, &later) {
