@@ -139,6 +139,30 @@ ALL = ["id", "label", "score", "emb", "tokens", "img", "caption"]
 FLAT = ["id", "label", "score", "img", "caption"]
 
 
+def test_status_shows_the_row_groups_decoded_in_memory(tmp_path: Path, varied) -> None:
+    """The decoded row groups a daemon holds in memory (up to --decoded-budget) showed nowhere in
+    `status`: its decoded_bytes counts those kept on the node cache's disk, and read 0 while a
+    long-running daemon held hundreds of MB of them."""
+    src, rows = varied
+    d = Daemon(tmp_path, args=["--decoded-budget", "64MiB"]).start()
+    try:
+        assert sorted(epoch_rows(shardstream.Loader(str(src), batch_size=64, connect=d.addr), rows)) == sorted(rows)
+        st = d.status()
+        assert 0 < st["decoded_memory_bytes"] <= st["decoded_budget_bytes"] == 64 << 20, st
+        text = subprocess.run(
+            [SHARDSTREAM, "status", "--connect", d.addr], capture_output=True, text=True, check=True
+        ).stdout
+        assert "decoded" in text and "of 67.1 MB of Parquet row groups in memory" in text, text
+        js = json.loads(
+            subprocess.run(
+                [SHARDSTREAM, "status", "--connect", d.addr, "--json"], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        assert js["decoded_memory_bytes"] == st["decoded_memory_bytes"], js
+    finally:
+        d.stop()
+
+
 def test_projections_whose_names_run_together_keep_their_own_columns(daemon, tmp_path: Path) -> None:
     """fields=["a", "bc"] and fields=["ab", "c"] spell the same bytes: the decoded row groups (and
     S3 column-chunk copies) one projection leaves in the daemon must never serve the other."""

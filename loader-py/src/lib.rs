@@ -190,6 +190,8 @@ impl Connection {
             d.set_item("rdma_ring_bytes", r.rdma_ring_bytes)?;
             d.set_item("rdma_staging_bytes", r.rdma_staging_bytes)?;
             d.set_item("rdma_budget_bytes", r.rdma_budget_bytes)?;
+            d.set_item("decoded_memory_bytes", r.decoded_memory_bytes)?;
+            d.set_item("decoded_budget_bytes", r.decoded_budget_bytes)?;
             Ok(d)
         })
     }

@@ -690,6 +690,7 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             "rings_reused": reply.rings_reused, "rdma_provider": reply.rdma_provider,
             "rdma_streams": reply.rdma_streams, "rdma_ring_bytes": reply.rdma_ring_bytes,
             "rdma_staging_bytes": reply.rdma_staging_bytes, "rdma_budget_bytes": reply.rdma_budget_bytes,
+            "decoded_memory_bytes": reply.decoded_memory_bytes, "decoded_budget_bytes": reply.decoded_budget_bytes,
             "consumers": reply.consumers.iter().map(|c| serde_json::json!({
                 "url": c.url, "rank": c.rank, "worker": c.worker, "position": c.position,
                 "samples_per_s": c.samples_per_s, "wait_s": c.wait_s,
@@ -742,6 +743,13 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
         reply.rings_made,
         reply.rings_reused
     )?;
+    if reply.decoded_memory_bytes > 0 {
+        outln!(
+            "decoded         {:.1} of {:.1} MB of Parquet row groups in memory (--decoded-budget)",
+            reply.decoded_memory_bytes as f64 / 1e6,
+            reply.decoded_budget_bytes as f64 / 1e6
+        )?;
+    }
     if !reply.rdma_provider.is_empty() {
         outln!(
             "rdma            provider {}; {} streams, {:.1} MB of client rings, {:.1} of {:.1} MB staging",

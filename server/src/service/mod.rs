@@ -460,6 +460,7 @@ impl Shardstream for Service {
                 }
             })
             .collect();
+        let decoded = crate::format::parquet::decoded::shared().stats();
         Ok(Response::new(StatusReply {
             version: crate::VERSION.into(),
             uptime_ms: m.uptime_ms(),
@@ -482,6 +483,8 @@ impl Shardstream for Service {
             rdma_ring_bytes: self.rdma.as_ref().map_or(0, |h| h.ring_bytes.load(std::sync::atomic::Ordering::Relaxed)),
             rdma_staging_bytes: self.rdma.as_ref().map_or(0, |h| h.staging.used()),
             rdma_budget_bytes: self.rdma.as_ref().map_or(0, |h| h.staging.limit()),
+            decoded_memory_bytes: decoded.bytes,
+            decoded_budget_bytes: decoded.budget,
             cache: self.registry.backends().cache.as_ref().map(|c| {
                 let s = c.stats();
                 CacheStatus {
