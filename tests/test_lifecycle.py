@@ -612,6 +612,17 @@ def test_a_second_signal_exits_at_once_and_removes_the_sockets(tmp_path: Path) -
     assert not any(p.exists() for p in sockets), [p for p in sockets if p.exists()]
 
 
+def test_a_loader_used_after_its_daemon_stopped_says_its_socket_is_gone(dataset, tmp_path: Path) -> None:
+    """A loader made before a stop and iterated after it read "lost the connection ...:
+    Unavailable: No such file or directory (os error 2)", which names no socket and no stop."""
+    root, _ = dataset
+    d = Daemon(tmp_path).start()
+    loader = shardstream.Loader(str(root), batch_size=4, connect=d.addr)
+    assert d.stop() == 0
+    with pytest.raises(ConnectionError, match="socket is gone"):
+        next(iter(loader))
+
+
 FROZEN_TRAINER = """
 import sys, time, shardstream
 it = iter(shardstream.Loader(sys.argv[1], batch_size=1, connect=sys.argv[2], transport="inline"))

@@ -109,7 +109,9 @@ impl From<tonic::Status> for ClientError {
     /// [`ClientError::Disconnected`]; statuses the daemon sent stay [`ClientError::Status`].
     fn from(s: tonic::Status) -> Self {
         if is_transport_failure(&s) {
-            ClientError::Disconnected(format!("{:?}: {}", s.code(), s.message()))
+            // A channel that reconnects to a Unix socket the daemon removed as it stopped.
+            let gone = if socket_gone(&s) { "the daemon's socket is gone (it stopped): " } else { "" };
+            ClientError::Disconnected(format!("{gone}{:?}: {}", s.code(), s.message()))
         } else {
             ClientError::Status(s)
         }
@@ -128,6 +130,18 @@ pub fn is_transport_failure(s: &tonic::Status) -> bool {
             || e.is::<std::io::Error>()
             || e.is::<tonic::transport::Error>()
         {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// Whether `s` failed on a Unix socket path that no longer exists (ENOENT at connect).
+fn socket_gone(s: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(s);
+    while let Some(e) = source {
+        if e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::NotFound) {
             return true;
         }
         source = e.source();
