@@ -289,24 +289,33 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
         assert d.proc.wait(timeout=30) == 0
 
 
+BIG_SAMPLES = 400  # of 512 KiB: 200 MB, far more than a stream's 64 MiB flow-control window
+
+
+def write_big(tmp_path: Path) -> Path:
+    """A WebDataset of BIG_SAMPLES samples of 512 KiB, for streams the daemon cannot send at once."""
+    import numpy as np
+    import webdataset as wds
+
+    root = tmp_path / "big"
+    root.mkdir()
+    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
+    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
+        for i in range(BIG_SAMPLES):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    return root
+
+
 @pytest.mark.parametrize("listen", ["unix", "tcp"])
 def test_drain_timeout_bounds_shutdown_with_a_stuck_client(tmp_path: Path, listen: str) -> None:
     """A client that stops reading mid-stream holds its stream open; the daemon still exits 0
     within --drain-timeout, and the client's iteration ends with ConnectionError, never a hang.
     Over TCP, such a client was cut a second after the stop (taken for one stopped with Ctrl-Z),
     though its HTTP/2 layer answered the stop: it lost the batches it would still have read."""
-    import numpy as np
-    import webdataset as wds
-
     import shardstream
 
-    root = tmp_path / "big"
-    root.mkdir()
-    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
-    n = 400  # 200 MB: far more than the stream's 64 MiB flow-control window
-    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
-        for i in range(n):
-            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    root = write_big(tmp_path)
+    n = BIG_SAMPLES
     if listen == "tcp":
         d = Daemon(tmp_path / "d", args=["--drain-timeout", "2", "--insecure"], addr=f"tcp://127.0.0.1:{free_port()}")
     else:
@@ -583,15 +592,7 @@ def test_an_open_and_a_prefetch_under_way_end_with_the_shutdown(tmp_path: Path) 
 def test_a_second_signal_exits_at_once_and_removes_the_sockets(tmp_path: Path) -> None:
     """A second signal during the drain exited at once but left the socket and its side channel
     behind: until the next daemon replaced them, they read as a daemon that refuses connections."""
-    import numpy as np
-    import webdataset as wds
-
-    root = tmp_path / "big"
-    root.mkdir()
-    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
-    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
-        for i in range(400):
-            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    root = write_big(tmp_path)
     d = Daemon(tmp_path / "d")
     d.tmp.mkdir()
     d.start()
@@ -637,15 +638,7 @@ def test_a_trainer_frozen_mid_stream_does_not_hold_the_stop(tmp_path: Path, list
     """A trainer stopped with Ctrl-Z mid-stream answers nothing, and the daemon's writes to it
     block once the socket's buffers are full: hyper then reads nothing more, and the stop, which
     only looked at reads, waited out the whole drain timeout (20 s)."""
-    import numpy as np
-    import webdataset as wds
-
-    root = tmp_path / "big"
-    root.mkdir()
-    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
-    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
-        for i in range(400):
-            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    root = write_big(tmp_path)
     if listen == "tcp":
         d = Daemon(tmp_path / "d", args=["--insecure"], addr=f"tcp://127.0.0.1:{free_port()}")
     else:
