@@ -270,15 +270,39 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
         (_, Some(501)) => Failure::Permanent(Error::Unavailable(format!(
             "{url}: the server does not implement this request: {detail}"
         ))),
-        (_, Some(408 | 429 | 500..=599)) => Failure::Transient(detail),
+        (_, Some(408 | 425 | 429 | 499 | 500..=599)) => Failure::Transient(detail),
         (SdkError::ResponseError(_), _) => Failure::Transient(detail),
-        // The request itself is refused (a bucket name the store does not take, say): nothing the
-        // connection did, and the same on every try.
-        (_, Some(s @ 400..=499)) => {
-            Failure::Permanent(Error::invalid(format!("{url}: S3 refused the request ({s}): {detail}")))
-        }
+        (_, Some(s @ 400..=499)) => refused(url, s, code.as_deref(), detail),
         (_, Some(s)) => Failure::Permanent(Error::Unavailable(format!("{url}: S3 answered {s}: {detail}"))),
         _ => Failure::Permanent(Error::Unavailable(format!("{url}: {detail}"))),
+    }
+}
+
+/// A 4xx not handled on its own, by S3's error code: a code that comes and goes (the SDK's own
+/// transient and throttling codes, a conflicting operation S3 says to try again, a body cut short
+/// on its way) is retried; credentials that expired mid-epoch are the credentials' error; any
+/// other refuses the request itself (a bucket name the store does not take, say), the same on
+/// every try: a `ValueError`, not the `ConnectionError` reconnect logic retries for good.
+fn refused(url: &str, status: u16, code: Option<&str>, detail: String) -> Failure {
+    match code {
+        Some(
+            "RequestTimeout"
+            | "RequestTimeoutException"
+            | "RequestLimitExceeded"
+            | "BandwidthLimitExceeded"
+            | "Throttling"
+            | "ThrottlingException"
+            | "SlowDown"
+            | "OperationAborted"
+            | "IncompleteBody",
+        ) => Failure::Transient(detail),
+        Some(c @ ("ExpiredToken" | "InvalidToken" | "TokenRefreshRequired")) => {
+            Failure::Permanent(Error::PermissionDenied {
+                path: url.to_owned(),
+                reason: format!("{c} (the credentials expired or are not valid: refresh them)"),
+            })
+        }
+        _ => Failure::Permanent(Error::invalid(format!("{url}: S3 refused the request ({status}): {detail}"))),
     }
 }
 
@@ -1317,6 +1341,20 @@ mod tests {
 
     fn obj(key: &str) -> ObjectInfo {
         ObjectInfo { key: key.into(), size: 1, etag: None, modified_ns: None }
+    }
+
+    #[test]
+    fn a_refused_request_is_retried_a_credentials_error_or_a_value_error_by_its_code() {
+        let url = "s3://b/k";
+        for code in ["RequestTimeout", "OperationAborted", "SlowDown", "IncompleteBody", "RequestLimitExceeded"] {
+            assert!(matches!(refused(url, 400, Some(code), String::new()), Failure::Transient(_)), "{code}");
+        }
+        let expired = refused(url, 400, Some("ExpiredToken"), String::new());
+        assert!(matches!(expired, Failure::Permanent(Error::PermissionDenied { .. })));
+        for code in [Some("InvalidBucketName"), Some("InvalidArgument"), None] {
+            let Failure::Permanent(e) = refused(url, 400, code, "detail".into()) else { panic!("{code:?}: retried") };
+            assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("S3 refused"), "{e}");
+        }
     }
 
     #[test]
