@@ -258,6 +258,7 @@ impl BoundDaemon {
         let cache = self.cache.clone();
         cache.set_keep_derived(cfg.keep_decoded);
         crate::format::parquet::decoded::shared().set_budget(cfg.decoded_budget);
+        let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
         // Decoded row groups no stream has used for a while go, so that an idle daemon does not
         // hold up to --decoded-budget for datasets served long ago (or deleted since).
         let releasing = tokio::spawn(async {
@@ -271,7 +272,6 @@ impl BoundDaemon {
                 }
             }
         });
-        let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
         // A stream waiting for cache room (up to minutes) would outlast the drain.
         let waits = cache.clone();
         let draining = shutdown.clone();
@@ -373,6 +373,8 @@ impl BoundDaemon {
         };
         if let Some(path) = socket {
             let _ = std::fs::remove_file(path);
+            // From here the path may be another daemon's: a second signal removes nothing.
+            crate::shutdown::forget_registered();
         }
         // Fetches still running (the prefetcher's threads are not joined) fail from now on
         // instead of retrying on a runtime about to go; the prefetcher first, so that it takes

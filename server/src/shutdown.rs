@@ -55,6 +55,12 @@ pub fn remove_at_forced_exit(path: &Path) {
     REMOVED_AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).push(path.to_owned());
 }
 
+/// Forgets the registered socket files: removed by the drain's end, their paths may be bound by
+/// another daemon while this one syncs its cache and exits.
+pub fn forget_registered() {
+    REMOVED_AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
 fn remove_registered() {
     for path in REMOVED_AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let _ = std::fs::remove_file(path);

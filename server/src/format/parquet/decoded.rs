@@ -238,6 +238,8 @@ impl DecodedCache {
         }
         let Some(upto) = upto else { return 0 };
         let before = st.stats.bytes;
+        // Dropped after the lock (a row group loaded from a kept file unmaps it): lookups go on.
+        let mut released = Vec::new();
         while let Some((&last_use, _)) = st.lru.first_key_value() {
             if last_use > upto {
                 break;
@@ -249,11 +251,15 @@ impl DecodedCache {
                     st.outgrown_lru.remove(&e.last_use);
                     st.stats.outgrown_bytes -= e.bytes;
                 }
+                released.push(e.batch);
             }
         }
         st.stats.entries = st.map.len() as u64;
         crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
-        before - st.stats.bytes
+        let bytes = before - st.stats.bytes;
+        drop(st);
+        drop(released);
+        bytes
     }
 
     /// Bounds the cache at `budget` bytes from now on, evicting the least recently used row
