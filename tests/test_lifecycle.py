@@ -19,7 +19,7 @@ import tlsutil
 from s3server import free_port
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon
+from conftest import SHARDSTREAM, Daemon, wait_for
 
 
 def serve(tmp: Path, listen: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -559,25 +559,27 @@ def test_an_open_and_a_prefetch_under_way_end_with_the_shutdown(tmp_path: Path) 
         "AWS_SECRET_ACCESS_KEY": "b",
         "AWS_REGION": "us-east-1",
     }
-    d = Daemon(tmp_path, env=env).start()
+    log = tmp_path / "daemon.log"
+    d = Daemon(tmp_path, env=env, log=log).start()
     assert d.proc is not None
     said: dict[str, BaseException] = {}
 
     def open_loader() -> None:
         try:
-            shardstream.Loader("s3://bucket/x/", batch_size=4, connect=d.addr)
+            shardstream.Loader("s3://bucket/opened/", batch_size=4, connect=d.addr)
         except BaseException as e:  # noqa: BLE001 - whatever ends it is the finding
             said["open"] = e
 
     opener = threading.Thread(target=open_loader, daemon=True)
     opener.start()
     staging = subprocess.Popen(
-        [SHARDSTREAM, "prefetch", "--connect", d.addr, "s3://bucket/x/"],
+        [SHARDSTREAM, "prefetch", "--connect", d.addr, "s3://bucket/staged/"],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **env},
     )
-    time.sleep(2)
+    # Both under way: the daemon retries the store for each (a warning per retry).
+    assert wait_for(lambda: all(f"bucket/{u}/" in log.read_text() for u in ("opened", "staged")), timeout=60)
     started = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     opener.join(timeout=30)
