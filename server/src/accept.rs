@@ -796,6 +796,15 @@ mod tests {
     }
 
     #[test]
+    fn the_cap_leaves_three_quarters_of_the_open_files_to_the_streams() {
+        let cap = max_handshaking();
+        assert!((16..=MAX_HANDSHAKING).contains(&cap), "{cap}");
+        if let Some(limit) = rustix::process::getrlimit(rustix::process::Resource::Nofile).current {
+            assert!(cap as u64 <= (limit / 4).max(16), "cap {cap} under an open-file limit of {limit}");
+        }
+    }
+
+    #[test]
     fn out_of_descriptors_pauses_and_a_lost_connection_does_not() {
         let os = io::Error::from_raw_os_error;
         assert_eq!(AcceptFailure::of(&os(libc::EMFILE)), AcceptFailure::OutOfFiles);

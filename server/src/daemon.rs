@@ -266,7 +266,12 @@ impl BoundDaemon {
             let mut every = tokio::time::interval(std::time::Duration::from_secs(60));
             loop {
                 every.tick().await;
-                let released = decoded::shared().release_unused(std::time::Instant::now(), decoded::UNUSED_FOR);
+                // Blocking: what it lets go of may unmap kept files.
+                let released = tokio::task::spawn_blocking(|| {
+                    decoded::shared().release_unused(std::time::Instant::now(), decoded::UNUSED_FOR)
+                })
+                .await
+                .unwrap_or(0);
                 if released > 0 {
                     tracing::debug!(bytes = released, "let go of decoded row groups no stream has used lately");
                 }

@@ -1048,6 +1048,28 @@ mod tests {
         move |_, mut f: &File| f.write_all(bytes).map_err(|e| Error::io("write", "x", e))
     }
 
+    /// Fills `key` (5 bytes) on a thread of its own, returning once the fill is under way; `end`
+    /// says how it ends (the bytes written, or the fill's error).
+    fn fill_under_way(
+        cache: &Arc<NodeCache>,
+        key: &'static str,
+        end: impl FnOnce() -> Result<&'static [u8]> + Send + 'static,
+    ) -> std::thread::JoinHandle<Result<()>> {
+        let (began, in_flight) = std::sync::mpsc::channel();
+        let cache = cache.clone();
+        let filler = std::thread::spawn(move || {
+            let mut end = Some(end);
+            let mut fill = |tmp: &Path, f: &File| {
+                began.send(()).unwrap();
+                let bytes = end.take().expect("one fill")()?;
+                write(bytes)(tmp, f)
+            };
+            cache.get(key, 5, Want::NOW, &mut fill).map(drop)
+        });
+        in_flight.recv().unwrap();
+        filler
+    }
+
     #[test]
     fn fills_once_hits_after_and_survives_a_restart() {
         let dir = tempfile::tempdir().unwrap();
@@ -1169,19 +1191,10 @@ mod tests {
         assert!(cache.get("more", 5, Want::FREE_ROOM, &mut |_, _| panic!("no room")).unwrap().is_none());
         assert!(cache.is_ready("idle") && cache.is_ready("staged"), "nothing evicted");
         // Another caller's fill of the same entry is waited for, then served as a hit.
-        let (began, in_flight) = std::sync::mpsc::channel();
-        let filler = {
-            let cache = cache.clone();
-            std::thread::spawn(move || {
-                let mut fill = |tmp: &Path, f: &File| {
-                    began.send(()).unwrap();
-                    std::thread::sleep(Duration::from_millis(200));
-                    write(b"wwwww")(tmp, f)
-                };
-                cache.get("waited", 5, Want::NOW, &mut fill).map(drop)
-            })
-        };
-        in_flight.recv().unwrap();
+        let filler = fill_under_way(&cache, "waited", || {
+            std::thread::sleep(Duration::from_millis(200));
+            Ok(b"wwwww")
+        });
         let pin = cache.get("waited", 5, Want::FREE_ROOM, &mut |_, _| panic!("filled twice")).unwrap().unwrap();
         assert!(!pin.filled);
         filler.join().unwrap().unwrap();
@@ -1214,20 +1227,11 @@ mod tests {
     fn a_drain_ends_a_wait_for_another_callers_fill() {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
-        let (began, in_flight) = std::sync::mpsc::channel();
         let (release, released) = std::sync::mpsc::channel::<()>();
-        let filler = {
-            let cache = cache.clone();
-            std::thread::spawn(move || {
-                let mut fill = |tmp: &Path, f: &File| {
-                    began.send(()).unwrap();
-                    released.recv().unwrap();
-                    write(b"fffff")(tmp, f)
-                };
-                cache.get("k", 5, Want::NOW, &mut fill).map(drop)
-            })
-        };
-        in_flight.recv().unwrap();
+        let filler = fill_under_way(&cache, "k", move || {
+            released.recv().unwrap();
+            Ok(b"fffff")
+        });
         let waiter = {
             let cache = cache.clone();
             std::thread::spawn(move || cache.get("k", 5, Want::NOW, &mut |_, _| panic!("filled twice")).map(drop))
@@ -1246,19 +1250,10 @@ mod tests {
     fn a_caller_that_waited_on_a_failed_fill_fails_with_it_and_a_later_one_fills_again() {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(100), Policy::Lru).unwrap();
-        let (began, in_flight) = std::sync::mpsc::channel();
-        let filler = {
-            let cache = cache.clone();
-            std::thread::spawn(move || {
-                let mut fill = |_: &Path, _: &File| {
-                    began.send(()).unwrap();
-                    std::thread::sleep(Duration::from_millis(300));
-                    Err(Error::Unavailable("storage said no after its retries".into()))
-                };
-                cache.get("k", 5, Want::NOW, &mut fill).map(drop)
-            })
-        };
-        in_flight.recv().unwrap();
+        let filler = fill_under_way(&cache, "k", || {
+            std::thread::sleep(Duration::from_millis(300));
+            Err(Error::Unavailable("storage said no after its retries".into()))
+        });
         let err = cache.get("k", 5, Want::NOW, &mut |_, _| panic!("a waiter downloaded again")).unwrap_err();
         assert_eq!(err.to_string(), "storage said no after its retries");
         assert!(filler.join().unwrap().is_err());
