@@ -123,30 +123,19 @@ impl From<tonic::Status> for ClientError {
 /// `Unavailable`, `Internal`, `Cancelled`), always with the underlying error as its source; a
 /// status received in trailers never has a source.
 pub fn is_transport_failure(s: &tonic::Status) -> bool {
-    let mut source = std::error::Error::source(s);
-    while let Some(e) = source {
-        if e.is::<h2::Error>()
-            || e.is::<hyper::Error>()
-            || e.is::<std::io::Error>()
-            || e.is::<tonic::transport::Error>()
-        {
-            return true;
-        }
-        source = e.source();
-    }
-    false
+    causes(s).any(|e| {
+        e.is::<h2::Error>() || e.is::<hyper::Error>() || e.is::<std::io::Error>() || e.is::<tonic::transport::Error>()
+    })
+}
+
+/// The errors behind `s`, nearest first.
+fn causes(s: &tonic::Status) -> impl Iterator<Item = &(dyn std::error::Error + 'static)> {
+    std::iter::successors(std::error::Error::source(s), |e| e.source())
 }
 
 /// Whether `s` failed on a Unix socket path that no longer exists (ENOENT at connect).
 fn socket_gone(s: &tonic::Status) -> bool {
-    let mut source = std::error::Error::source(s);
-    while let Some(e) = source {
-        if e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::NotFound) {
-            return true;
-        }
-        source = e.source();
-    }
-    false
+    causes(s).any(|e| e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::NotFound))
 }
 
 /// An error and its causes, so "transport error" says which (e.g. "invalid peer certificate:

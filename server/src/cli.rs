@@ -537,7 +537,7 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
                     "the daemon at {addr} is shutting down: staging stopped there (what it staged stays in the \
                      cache); run prefetch again once a daemon serves"
                 )
-            } else if std::error::Error::source(&s).is_none() {
+            } else if !shardstream_client::is_transport_failure(&s) {
                 // The daemon's own answer (a store's failure, say), not the connection's.
                 anyhow::anyhow!("{}", s.message())
             } else if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
