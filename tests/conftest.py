@@ -85,6 +85,20 @@ def write_dataset(
     return samples
 
 
+BIG_SAMPLES = 400  # of 512 KiB: 200 MB, far more than a stream's 64 MiB flow-control window
+
+
+def write_big(tmp_path: Path) -> Path:
+    """A WebDataset of BIG_SAMPLES samples of 512 KiB, for streams the daemon cannot send at once."""
+    root = tmp_path / "big"
+    root.mkdir()
+    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
+    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
+        for i in range(BIG_SAMPLES):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    return root
+
+
 def write_token_blocks(
     root: Path, n: int, record_bytes: int, per_shard: int, seed: int, label_mod: int
 ) -> dict[str, bytes]:

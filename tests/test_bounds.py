@@ -1,13 +1,16 @@
 """Memory and metadata bounds end to end, on a real `shardstream serve` process and datasets
 written by webdataset, read through the daemon's Prometheus endpoint: concurrent opens of one
 dataset build one index, later opens do not list or stat the shards again, and packed streams
-share a daemon-wide ring budget (`--packed-budget`)."""
+share a daemon-wide ring budget (`--packed-budget`), inline batches queued for clients a
+daemon-wide byte budget (`--inline-budget`)."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import Daemon, hold_streams, wait_for, write_dataset
+from conftest import BIG_SAMPLES, Daemon, hold_streams, wait_for, write_big, write_dataset
 
 
 def free_port() -> int:
@@ -175,6 +178,73 @@ def test_packed_streams_share_the_ring_budget(tmp_path: Path, tokens: Path) -> N
             lambda: scrape(port)["shardstream_packed_budget_used_bytes"] == d.status()["kept_ring_bytes"] > 0,
             timeout=10,
         )
+    finally:
+        assert d.stop() == 0
+
+
+def settled(read: Callable[[], int], quiet: float = 1.0, timeout: float = 30.0) -> int:
+    """`read()` once it has not changed for `quiet` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = read(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return now
+    raise AssertionError(f"still changing after {timeout} s: {last}")
+
+
+def write_big_parquet(tmp_path: Path, same: bool) -> Path:
+    """BIG_SAMPLES rows of 512 KiB written by pyarrow, keyed as `write_big`'s samples. `same`:
+    every row holds the same bytes, which pyarrow stores once (a dictionary page): files of 2 MB
+    whose batches are as large as the others'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "big-parquet"
+    root.mkdir()
+    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
+    per_file = BIG_SAMPLES // 4
+    for k in range(4):
+        ids = range(k * per_file, (k + 1) * per_file)
+        rows = [blob if same else i.to_bytes(8, "little") + blob[8:] for i in ids]
+        t = pa.table({"__key__": [f"{i:05d}" for i in ids], "bin": pa.array(rows, pa.binary())})
+        pq.write_table(t, root / f"big-{k}.parquet", row_group_size=25, compression="none", use_dictionary=same)
+    return root
+
+
+# TAR batches are built on the stream's own thread; Arrow batches this large on the general loop,
+# unless their files are small (dictionary-encoded), which gives them a thread of their own too.
+@pytest.mark.parametrize("fmt", ["tar", "parquet", "parquet-dictionary"])
+def test_inline_streams_that_stop_reading_keep_a_batch_each_past_the_inline_budget(tmp_path: Path, fmt: str) -> None:
+    """A client that stops reading inline batches leaves them queued in the daemon: each such
+    stream kept four (two in its queue, one waiting for room there, one being sent), 8 MiB each
+    here, and 768 streams may be served at once. Past --inline-budget a stream with batches still
+    queued builds no more until they are read; one with none builds its next: a client that reads
+    is served whole meanwhile, and the stopped ones, read again, get every sample exactly once."""
+    root = write_big(tmp_path) if fmt == "tar" else write_big_parquet(tmp_path, same=fmt == "parquet-dictionary")
+    everything = sorted(f"{i:05d}" for i in range(BIG_SAMPLES))
+    batch = 16
+    batch_bytes = batch * (512 << 10)
+    d = Daemon(tmp_path / "d", args=["--inline-budget", "1MiB"]).start()
+    try:
+        stopped = []
+        for seed in range(4):
+            loader = shardstream.Loader(str(root), batch_size=batch, seed=seed, connect=d.addr, transport="inline")
+            it = iter(loader)
+            stopped.append((list(next(it)["__key__"]), it))
+        # Each client's flow-control window (64 MiB) takes eight batches; then the daemon queues.
+        queued = settled(lambda: d.status()["inline_queued_bytes"])
+        assert d.status()["inline_budget_bytes"] == 1 << 20
+        assert 4 * batch_bytes <= queued <= 4 * batch_bytes * 1.1, queued / batch_bytes
+        reader = shardstream.Loader(str(root), batch_size=batch, seed=99, connect=d.addr, transport="inline")
+        assert sorted(k for b in reader for k in b["__key__"]) == everything
+        for keys, it in stopped:
+            keys.extend(k for b in it for k in b["__key__"])
+            assert sorted(keys) == everything
+        assert wait_for(lambda: d.status()["inline_queued_bytes"] == 0, timeout=10)
     finally:
         assert d.stop() == 0
 

@@ -19,7 +19,7 @@ import tlsutil
 from s3server import free_port
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon, wait_for
+from conftest import BIG_SAMPLES, SHARDSTREAM, Daemon, wait_for, write_big
 
 
 def serve(tmp: Path, listen: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -287,23 +287,6 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
         d.proc.send_signal(signal.SIGTERM)
         assert recv(rx) == "STOPPING=1"
         assert d.proc.wait(timeout=30) == 0
-
-
-BIG_SAMPLES = 400  # of 512 KiB: 200 MB, far more than a stream's 64 MiB flow-control window
-
-
-def write_big(tmp_path: Path) -> Path:
-    """A WebDataset of BIG_SAMPLES samples of 512 KiB, for streams the daemon cannot send at once."""
-    import numpy as np
-    import webdataset as wds
-
-    root = tmp_path / "big"
-    root.mkdir()
-    blob = np.random.default_rng(0).integers(0, 256, 512 << 10, dtype=np.uint8).tobytes()
-    with wds.ShardWriter(str(root / "big-%04d.tar"), maxcount=50, verbose=0) as sink:
-        for i in range(BIG_SAMPLES):
-            sink.write({"__key__": f"{i:05d}", "bin": blob})
-    return root
 
 
 @pytest.mark.parametrize("listen", ["unix", "tcp"])

@@ -192,6 +192,8 @@ impl Connection {
             d.set_item("rdma_budget_bytes", r.rdma_budget_bytes)?;
             d.set_item("decoded_memory_bytes", r.decoded_memory_bytes)?;
             d.set_item("decoded_budget_bytes", r.decoded_budget_bytes)?;
+            d.set_item("inline_queued_bytes", r.inline_queued_bytes)?;
+            d.set_item("inline_budget_bytes", r.inline_budget_bytes)?;
             Ok(d)
         })
     }

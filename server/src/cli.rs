@@ -178,6 +178,13 @@ pub struct ServeArgs {
     /// budget exhausted").
     #[arg(long, env = "SHARDSTREAM_PACKED_BUDGET", value_parser = crate::pack::cli::parse_size)]
     pub packed_budget: Option<u64>,
+    /// Inline batches (TCP, transport="inline"): their bytes all streams together may keep
+    /// queued for clients that have not read them yet (e.g. 2GiB; default a quarter of physical
+    /// memory or of the cgroup memory limit, whichever is smaller). Past it a stream with batches
+    /// still queued builds no more until its client reads them; one with none queued always
+    /// builds its next, so the bound is this plus about a batch per stream.
+    #[arg(long, env = "SHARDSTREAM_INLINE_BUDGET", value_parser = limits::parse_inline_budget)]
+    pub inline_budget: Option<u64>,
     /// Shared memory, packed mode and Arrow batches: seconds a stream's ring is kept after the
     /// stream ends, for the next stream of a client with the same uid and gid (its next epoch
     /// then skips making one); 0 keeps none. Kept rings count against --packed-budget and give
@@ -387,6 +394,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
     };
     config.rdma = args.rdma.then(|| args.rdma_provider.clone());
     config.rdma_budget = args.rdma_budget.unwrap_or_else(crate::transport::budget::default_budget);
+    config.inline_budget = args.inline_budget.unwrap_or_else(crate::transport::budget::default_budget);
     config.socket_access = crate::socket_file::SocketAccess { mode: args.socket_mode, group: args.socket_group };
     config.drain_timeout = Duration::from_secs_f64(args.drain_timeout);
     config.max_streams = args.max_streams;
@@ -691,6 +699,7 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             "rdma_streams": reply.rdma_streams, "rdma_ring_bytes": reply.rdma_ring_bytes,
             "rdma_staging_bytes": reply.rdma_staging_bytes, "rdma_budget_bytes": reply.rdma_budget_bytes,
             "decoded_memory_bytes": reply.decoded_memory_bytes, "decoded_budget_bytes": reply.decoded_budget_bytes,
+            "inline_queued_bytes": reply.inline_queued_bytes, "inline_budget_bytes": reply.inline_budget_bytes,
             "consumers": reply.consumers.iter().map(|c| serde_json::json!({
                 "url": c.url, "rank": c.rank, "worker": c.worker, "position": c.position,
                 "samples_per_s": c.samples_per_s, "wait_s": c.wait_s,
@@ -748,6 +757,13 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             "decoded         {:.1} of {:.1} MB of Parquet row groups in memory (--decoded-budget)",
             reply.decoded_memory_bytes as f64 / 1e6,
             reply.decoded_budget_bytes as f64 / 1e6
+        )?;
+    }
+    if reply.inline_queued_bytes > 0 {
+        outln!(
+            "inline          {:.1} of {:.1} MB of batches queued for clients (--inline-budget)",
+            reply.inline_queued_bytes as f64 / 1e6,
+            reply.inline_budget_bytes as f64 / 1e6
         )?;
     }
     if !reply.rdma_provider.is_empty() {

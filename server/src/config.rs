@@ -209,6 +209,7 @@ pub fn effective_toml(args: &ServeArgs, allow: &[AllowRule]) -> String {
         ("shm-credits", Some(args.shm_credits.to_string())),
         ("ring-slots", Some(args.ring_slots.to_string())),
         ("packed-budget", args.packed_budget.map(|b| b.to_string())),
+        ("inline-budget", args.inline_budget.map(|b| b.to_string())),
         ("ring-keep", Some(args.ring_keep.to_string())),
         ("max-streams", Some(args.max_streams.to_string())),
         ("max-streams-per-client", args.max_streams_per_client.map(|n| n.to_string())),

@@ -52,6 +52,8 @@ pub struct DaemonConfig {
     pub rdma: Option<Option<String>>,
     /// With `rdma`: bytes of staging buffers (registered memory) all rdma streams may hold.
     pub rdma_budget: u64,
+    /// Inline batch bytes queued for clients, all streams together (`serve --inline-budget`).
+    pub inline_budget: u64,
     /// Mode and group of the Unix sockets (owner-only by default).
     pub socket_access: crate::socket_file::SocketAccess,
     /// After SIGTERM: how long in-flight streams get to end before the daemon exits anyway.
@@ -86,6 +88,7 @@ impl DaemonConfig {
             shm: crate::transport::shm::ShmConfig::default(),
             rdma: None,
             rdma_budget: crate::transport::budget::default_budget(),
+            inline_budget: crate::transport::budget::default_budget(),
             socket_access: crate::socket_file::SocketAccess::default(),
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             sd_notify: false,
@@ -303,7 +306,8 @@ impl BoundDaemon {
         .with_access(cfg.allow.clone())
         .with_rdma(self.rdma.clone())
         .with_max_streams(cfg.max_streams)
-        .with_max_streams_per_client(cfg.max_streams_per_client);
+        .with_max_streams_per_client(cfg.max_streams_per_client)
+        .with_inline_budget(cfg.inline_budget);
         let auth = match self.listener {
             Listener::Unix(..) => crate::remote::Authenticator::unix(),
             Listener::Tcp(_) => crate::remote::Authenticator::tcp(self.security.tokens.clone()),

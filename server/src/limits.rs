@@ -117,9 +117,11 @@ pub const THREADS: CountLimit = CountLimit { flag: "--threads", min: 1, max: 102
 // serve
 
 pub const CACHE_SIZE: SizeLimit = SizeLimit { flag: "--cache-size", min: MIB, max: 1 << 50, why: "" };
-/// Seconds of consumption fetched ahead; a day is far past any useful horizon.
 pub const DECODED_BUDGET: SizeLimit =
     SizeLimit { flag: "--decoded-budget", min: MIB, max: 1 << 50, why: "memory for decoded Parquet row groups" };
+pub const INLINE_BUDGET: SizeLimit =
+    SizeLimit { flag: "--inline-budget", min: MIB, max: 1 << 50, why: "memory for inline batches queued for clients" };
+/// Seconds of consumption fetched ahead; a day is far past any useful horizon.
 pub const PREFETCH_HORIZON_MAX_S: f64 = 86_400.0;
 /// Seconds of silence before a TCP peer is pinged (`serve --tcp-timeout`); as the client's
 /// `SHARDSTREAM_TCP_TIMEOUT`.
@@ -172,6 +174,9 @@ pub fn parse_cache_size(s: &str) -> Result<u64, String> {
 }
 pub fn parse_decoded_budget(s: &str) -> Result<u64, String> {
     DECODED_BUDGET.parse(s)
+}
+pub fn parse_inline_budget(s: &str) -> Result<u64, String> {
+    INLINE_BUDGET.parse(s)
 }
 pub fn parse_prefetch_horizon(s: &str) -> Result<f64, String> {
     let bad =

@@ -72,6 +72,11 @@ pub fn budget_bytes(pool: crate::transport::budget::Pool, in_use: u64) {
     gauge.set(in_use as f64);
 }
 
+/// Bytes of inline batches queued for clients (`--inline-budget`), after a change.
+pub fn inline_queued_bytes(bytes: u64) {
+    metrics::gauge!("shardstream_inline_queued_bytes").set(bytes as f64);
+}
+
 /// Starts the Prometheus endpoint (`GET /metrics` on `addr`). Needs a tokio runtime.
 pub fn install_exporter(addr: SocketAddr) -> crate::Result<()> {
     metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -152,6 +157,11 @@ fn describe() {
         "shardstream_rdma_budget_used_bytes",
         Unit::Bytes,
         "rdma staging bytes (registered memory) reserved against --rdma-budget"
+    );
+    describe_gauge!(
+        "shardstream_inline_queued_bytes",
+        Unit::Bytes,
+        "inline batch bytes queued for clients, bounded by --inline-budget"
     );
     describe_gauge!(
         "shardstream_parquet_decoded_bytes",

@@ -153,7 +153,7 @@ def test_daemonset_follows_the_rules(target: str) -> None:
     assert only(docs, "ServiceAccount")["automountServiceAccountToken"] is False
 
 
-SIZE_KEYS = {"cache-size", "packed-budget", "s3-part-size", "decoded-budget", "rdma-budget"}
+SIZE_KEYS = {"cache-size", "packed-budget", "s3-part-size", "decoded-budget", "rdma-budget", "inline-budget"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40})
 
@@ -193,8 +193,8 @@ def test_shipped_config_is_accepted_by_the_daemon(target: str, tmp_path: Path) -
 
 _QUANTITY = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _QUANTITY.update({"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40})
-MEMORY_BUDGETS = ("packed-budget", "decoded-budget")
-# Beside the two budgets: the index, gRPC buffers, the allocator's slack.
+MEMORY_BUDGETS = ("packed-budget", "decoded-budget", "inline-budget")
+# Beside the budgets: the index, gRPC buffers, the allocator's slack.
 MEMORY_HEADROOM = 1 << 30
 
 
@@ -238,7 +238,8 @@ def effective_config(docs: list[dict], spec: dict, daemon: dict, tmp_path: Path)
 def test_memory_budgets_fit_the_memory_limit(target: str, tmp_path: Path) -> None:
     """A daemon container with a memory limit is told its budgets (a file that replaces the base
     config whole must carry them over), and they fit: the packed rings, about twice the decoded
-    budget at peak (see base/shardstream.toml), and headroom stay under the limit."""
+    budget at peak (see base/shardstream.toml), the inline batches queued, and headroom stay under
+    the limit."""
     docs = render(target)
     checked = 0
     for doc in docs:
@@ -253,8 +254,8 @@ def test_memory_budgets_fit_the_memory_limit(target: str, tmp_path: Path) -> Non
             where = f"{doc['kind']} {doc['metadata']['name']}, container {daemon['name']}"
             for key in MEMORY_BUDGETS:
                 assert key in explicit, f"{where}: memory limit {limit} but no {key}"
-            packed, decoded = (size_bytes(config[k]) for k in MEMORY_BUDGETS)
-            used = packed + 2 * decoded + MEMORY_HEADROOM
+            packed, decoded, inline = (size_bytes(config[k]) for k in MEMORY_BUDGETS)
+            used = packed + 2 * decoded + inline + MEMORY_HEADROOM
             if config.get("rdma") is True:
                 # rdma streams' staging buffers, registered memory of their own budget.
                 assert "rdma-budget" in explicit, f"{where}: --rdma with a memory limit {limit} but no rdma-budget"

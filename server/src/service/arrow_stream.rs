@@ -301,6 +301,8 @@ impl SmallArrowStream {
         let mut ready: std::collections::VecDeque<ReadyBatch> = std::collections::VecDeque::new();
         let mut group: Vec<outbox::Message> = Vec::with_capacity(SMALL_GROUP);
         let mut sent_any = false;
+        // Rows' bytes of the messages in `group`.
+        let mut held_bytes = 0u64;
         let mut turn = 0u64;
         loop {
             if self.core.stop_before_next(&mut group) {
@@ -360,20 +362,31 @@ impl SmallArrowStream {
             turn += 1;
             match built.and_then(one_batch_sent) {
                 Ok(((msgs, bytes), waited)) => {
+                    if group.is_empty() {
+                        // Sent meanwhile (before the build waited, or at the top of the loop).
+                        held_bytes = 0;
+                    }
                     group.extend(msgs.into_iter().map(Ok));
+                    held_bytes += bytes;
                     self.core.served(rows, bytes, end, waited);
                 }
                 Err(e) => return self.core.fail(group, e, waits.take()),
             }
             // Over rdma every batch holds a credit the client returns only once it has the
             // batch's message: a message held back here could leave the next batch waiting for
-            // a credit that cannot come, so each goes at once.
-            let next_waits = self.core.session.as_ref().is_some_and(|s| !s.credit_free()) || self.rdma.is_some();
+            // a credit that cannot come, so each goes at once. Inline, a message carries its
+            // rows: past MESSAGE_ROWS_BYTES a wake-up saved is nothing beside them, and what is
+            // held back here is not counted against the inline budget (`inline_budget`).
+            let inline = self.core.session.is_none() && self.rdma.is_none();
+            let next_waits = self.core.session.as_ref().is_some_and(|s| !s.credit_free())
+                || self.rdma.is_some()
+                || (inline && held_bytes >= MESSAGE_ROWS_BYTES);
             if !sent_any || group.len() >= SMALL_GROUP || next_waits {
                 if !self.core.send(std::mem::take(&mut group)) {
                     return;
                 }
                 sent_any = true;
+                held_bytes = 0;
             }
         }
         self.core.send(group);

@@ -6,6 +6,7 @@
 
 mod arrow_stream;
 mod batches;
+mod inline_budget;
 mod kept;
 mod kept_writer;
 mod outbox;
@@ -118,6 +119,8 @@ pub struct Service {
     max_streams: usize,
     /// Streams per client (`--max-streams-per-client`).
     per_client: Arc<quota::StreamQuota>,
+    /// Inline batch bytes queued for clients (`--inline-budget`).
+    inline: Arc<inline_budget::InlineBudget>,
 }
 
 /// Streams a daemon serves at once by default: eight ranks of 64 DataLoader workers each, with
@@ -154,7 +157,14 @@ impl Service {
             streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
             max_streams: DEFAULT_MAX_STREAMS,
             per_client: Arc::default(),
+            inline: inline_budget::InlineBudget::new(transport::budget::default_budget()),
         }
+    }
+
+    /// Bounds the inline batch bytes queued for clients at `bytes` (`--inline-budget`).
+    pub fn with_inline_budget(mut self, bytes: u64) -> Self {
+        self.inline = inline_budget::InlineBudget::new(bytes);
+        self
     }
 
     /// Serves `transport="rdma"` streams through `hub`.
@@ -421,7 +431,9 @@ impl Shardstream for Service {
         })
         .await
         .map_err(to_status)?;
-        let (tx, mut rx) = outbox::channel(STREAM_QUEUE);
+        // Shared-memory and rdma messages are descriptors; inline ones carry the batch's bytes.
+        let inline = plan.session.is_none() && plan.rdma.is_none();
+        let (tx, mut rx) = outbox::channel(STREAM_QUEUE, inline.then(|| self.inline.account()));
         // Held by the messages and by the producer: let go of when both are gone (a client that
         // leaves drops its messages at once, while a fetch in progress keeps the producer).
         let admission = Arc::new((slot, client_slot));
@@ -483,6 +495,8 @@ impl Shardstream for Service {
             rdma_ring_bytes: self.rdma.as_ref().map_or(0, |h| h.ring_bytes.load(std::sync::atomic::Ordering::Relaxed)),
             rdma_staging_bytes: self.rdma.as_ref().map_or(0, |h| h.staging.used()),
             rdma_budget_bytes: self.rdma.as_ref().map_or(0, |h| h.staging.limit()),
+            inline_queued_bytes: self.inline.used(),
+            inline_budget_bytes: self.inline.limit(),
             decoded_memory_bytes: decoded.bytes,
             decoded_budget_bytes: decoded.budget,
             cache: self.registry.backends().cache.as_ref().map(|c| {
@@ -700,6 +714,16 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
                 }
             }
             let Some((range, ids)) = ready.pop_front() else { break };
+            // An inline stream whose messages wait while the inline budget is spent builds
+            // nothing more until they are taken (`inline_budget`).
+            tokio::select! {
+                () = tx.room() => {}
+                _ = shutdown.cancelled() => {
+                    tx.try_send(Err(outbox::shutting_down()));
+                    return;
+                }
+                _ = tx.closed() => return,
+            }
             pending.push_back(spawn_build(turn, range, ids));
             turn += 1;
         }

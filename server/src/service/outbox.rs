@@ -5,31 +5,51 @@
 //! ~80 us, those hand-offs were a third of the daemon's time (bench/PARQUET_PROFILE.md). So an
 //! item is a group of messages: a producer that has several batches ready queues them at once,
 //! and the task encodes them into one write. The client sees the same messages as without groups.
+//!
+//! An inline stream's queue counts its bytes against the daemon's `--inline-budget`
+//! ([`super::inline_budget`]): from when a group is queued until the connection has taken its
+//! last message.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
+use prost::Message as _;
 use shardstream_proto::StreamMessage;
 use tokio::sync::mpsc;
 use tonic::Status;
 
+use super::inline_budget::StreamBytes;
+
 pub type Message = Result<StreamMessage, Status>;
 
-/// The producer's end. `unsaid`: a shutdown's last word did not fit the full queue.
+/// A group of messages and the bytes counted for it against the inline budget.
+type Item = (Vec<Message>, u64);
+
+/// The producer's end.
 #[derive(Debug, Clone)]
-pub struct Outbox(mpsc::Sender<Vec<Message>>, Arc<AtomicBool>);
+pub struct Outbox {
+    tx: mpsc::Sender<Item>,
+    /// A shutdown's last word did not fit the full queue.
+    unsaid: Arc<AtomicBool>,
+    /// An inline stream's account against `--inline-budget`.
+    bytes: Option<Arc<StreamBytes>>,
+}
 
 /// The connection's end: the messages one by one, in the order they were queued.
 #[derive(Debug)]
 pub struct Messages {
-    rx: mpsc::Receiver<Vec<Message>>,
+    rx: mpsc::Receiver<Item>,
     group: std::vec::IntoIter<Message>,
+    /// What the group being handed out counts against the inline budget, given back once its
+    /// last message is taken.
+    group_bytes: u64,
     /// Set by the producer when a shutdown's last word found the queue full (a client far
     /// behind): said here once the queue is drained, so the stream never just ends short of its
     /// batch count, which the client can only take for a daemon that died.
     unsaid: Arc<AtomicBool>,
+    bytes: Option<Arc<StreamBytes>>,
     /// What the stream holds while its messages exist ([`Self::hold`]).
     held: Option<Held>,
 }
@@ -43,11 +63,14 @@ impl std::fmt::Debug for Held {
     }
 }
 
-/// A queue of at most `groups` groups of messages ahead of the connection.
-pub fn channel(groups: usize) -> (Outbox, Messages) {
+/// A queue of at most `groups` groups of messages ahead of the connection; `bytes`: an inline
+/// stream's account, which its queued messages count against.
+pub fn channel(groups: usize, bytes: Option<StreamBytes>) -> (Outbox, Messages) {
     let (tx, rx) = mpsc::channel(groups);
     let unsaid = Arc::new(AtomicBool::new(false));
-    (Outbox(tx, unsaid.clone()), Messages { rx, group: Vec::new().into_iter(), unsaid, held: None })
+    let bytes = bytes.map(Arc::new);
+    let outbox = Outbox { tx, unsaid: unsaid.clone(), bytes: bytes.clone() };
+    (outbox, Messages { rx, group: Vec::new().into_iter(), group_bytes: 0, unsaid, bytes, held: None })
 }
 
 /// The client went away (the connection's end is gone).
@@ -56,7 +79,18 @@ pub struct Closed;
 
 impl Outbox {
     pub async fn send(&self, m: Message) -> Result<(), Closed> {
-        self.0.send(vec![m]).await.map_err(|_| Closed)
+        let group = vec![m];
+        let bytes = self.charge(&group)?;
+        self.tx.send((group, bytes)).await.map_err(|_| Closed)
+    }
+
+    /// Counts `group` against the inline budget (an inline stream's; nothing otherwise): its
+    /// messages' encoded bytes. A failed send after this needs no release: it fails only once the
+    /// connection's end is gone, whose account gave back everything when it went.
+    fn charge(&self, group: &[Message]) -> Result<u64, Closed> {
+        let Some(account) = &self.bytes else { return Ok(0) };
+        let bytes = group.iter().map(|m| m.as_ref().map_or(0, |m| m.encoded_len() as u64)).sum();
+        if account.charge(bytes) { Ok(bytes) } else { Err(Closed) }
     }
 
     /// Queues `group` as one item (from a blocking thread); an empty group queues nothing.
@@ -64,7 +98,8 @@ impl Outbox {
         if group.is_empty() {
             return Ok(());
         }
-        self.0.blocking_send(group).map_err(|_| Closed)
+        let bytes = self.charge(&group)?;
+        self.tx.blocking_send((group, bytes)).map_err(|_| Closed)
     }
 
     /// Queues `group` from a blocking thread; false when the client left (a stream then stops).
@@ -105,8 +140,18 @@ impl Outbox {
 
     /// Whether a stream on a blocking thread must stop before its next batch: the client left, or
     /// the daemon is shutting down. The client then learns of the shutdown after `group` (and,
-    /// when its queue is full, after what the queue holds: [`Messages`]).
+    /// when its queue is full, after what the queue holds: [`Messages`]). An inline stream waits
+    /// here first while the inline budget is spent and its own messages wait
+    /// ([`super::inline_budget`]), once it has queued `group` (its client may be waiting for it).
     pub fn stop_before_next(&self, group: &mut Vec<Message>, shutdown: &tokio_util::sync::CancellationToken) -> bool {
+        if let Some(account) = &self.bytes
+            && !account.may_build()
+        {
+            if !group.is_empty() && self.blocking_send_all(std::mem::take(group)).is_err() {
+                return true;
+            }
+            account.wait_blocking(&|| self.is_closed() || shutdown.is_cancelled());
+        }
         if self.is_closed() {
             return true;
         }
@@ -123,10 +168,15 @@ impl Outbox {
     /// block. When it is full, the connection's end says the shutdown itself once it has sent
     /// what was queued ([`Messages`]).
     pub fn try_send_all(&self, group: Vec<Message>) {
-        if !group.is_empty()
-            && let Err(mpsc::error::TrySendError::Full(_)) = self.0.try_send(group)
-        {
-            self.1.store(true, Ordering::Release);
+        if group.is_empty() {
+            return;
+        }
+        let Ok(bytes) = self.charge(&group) else { return };
+        if let Err(mpsc::error::TrySendError::Full(_)) = self.tx.try_send((group, bytes)) {
+            self.unsaid.store(true, Ordering::Release);
+            if let Some(account) = &self.bytes {
+                account.release(bytes);
+            }
         }
     }
 
@@ -134,12 +184,26 @@ impl Outbox {
         self.try_send_all(vec![m]);
     }
 
+    /// Resolves once the stream may build its next batch: at once but for an inline stream
+    /// whose messages wait while the inline budget is spent ([`super::inline_budget`]).
+    pub async fn room(&self) {
+        if let Some(account) = &self.bytes {
+            account.room().await;
+        }
+    }
+
+    /// Whether the stream may build its next batch now ([`Self::room`]).
+    #[cfg(test)]
+    pub fn may_build(&self) -> bool {
+        self.bytes.as_ref().is_none_or(|a| a.may_build())
+    }
+
     pub fn is_closed(&self) -> bool {
-        self.0.is_closed()
+        self.tx.is_closed()
     }
 
     pub async fn closed(&self) {
-        self.0.closed().await;
+        self.tx.closed().await;
     }
 }
 
@@ -161,14 +225,33 @@ impl tokio_stream::Stream for Messages {
             if let Some(m) = self.group.next() {
                 return Poll::Ready(Some(m));
             }
+            // The connection has taken the whole group.
+            let taken = std::mem::take(&mut self.group_bytes);
+            if let Some(account) = self.bytes.as_ref().filter(|_| taken > 0) {
+                account.release(taken);
+            }
             match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(group)) => self.group = group.into_iter(),
+                Poll::Ready(Some((group, bytes))) => {
+                    self.group = group.into_iter();
+                    self.group_bytes = bytes;
+                }
                 Poll::Ready(None) if self.unsaid.swap(false, Ordering::AcqRel) => {
                     return Poll::Ready(Some(Err(shutting_down())));
                 }
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => return Poll::Pending,
             }
+        }
+    }
+}
+
+impl Drop for Messages {
+    /// The connection lets go of the stream (read whole, or its client left): what is still
+    /// queued goes with it, and so does its count, before the queue itself is dropped (a producer
+    /// that queues after this counts nothing: [`StreamBytes::charge`]).
+    fn drop(&mut self) {
+        if let Some(account) = &self.bytes {
+            account.close();
         }
     }
 }
@@ -226,7 +309,7 @@ mod tests {
 
     #[tokio::test]
     async fn groups_arrive_as_single_messages_in_order() {
-        let (tx, mut rx) = channel(2);
+        let (tx, mut rx) = channel(2, None);
         tx.send(msg(0)).await.unwrap();
         let producer = {
             let tx = tx.clone();
@@ -255,7 +338,7 @@ mod tests {
             }
         }
         let gone = Arc::new(AtomicBool::new(false));
-        let (tx, mut rx) = channel(2);
+        let (tx, mut rx) = channel(2, None);
         rx.hold(Flag(gone.clone()));
         tx.send(msg(0)).await.unwrap();
         tx.send(msg(1)).await.unwrap();
@@ -269,7 +352,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_last_word_that_found_the_queue_full_is_said_after_what_was_queued() {
-        let (tx, mut rx) = channel(1);
+        let (tx, mut rx) = channel(1, None);
         tx.send(msg(0)).await.unwrap();
         tx.try_send(Err(shutting_down())); // the queue is full: not queued
         drop(tx);
@@ -278,7 +361,7 @@ mod tests {
         assert_eq!((last.code(), last.message()), (tonic::Code::Unavailable, "daemon is shutting down"));
         assert!(rx.next().await.is_none(), "said once");
         // A stream that ended whole says nothing more.
-        let (tx, mut rx) = channel(1);
+        let (tx, mut rx) = channel(1, None);
         tx.send(msg(0)).await.unwrap();
         drop(tx);
         assert_eq!(index(rx.next().await.unwrap()), 0);
@@ -286,8 +369,39 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_inline_queue_counts_its_bytes_until_the_connection_takes_each_group() {
+        let budget = crate::service::inline_budget::InlineBudget::new(1);
+        let (tx, mut rx) = channel(2, Some(budget.account()));
+        let len = |i: u64| msg(i).map_or(0, |m| m.encoded_len() as u64);
+        assert!(tx.may_build(), "nothing queued");
+        tx.send(msg(0)).await.unwrap();
+        let blocking = tx.clone();
+        tokio::task::spawn_blocking(move || blocking.blocking_send_all(vec![msg(1), msg(2)])).await.unwrap().unwrap();
+        assert_eq!(budget.used(), len(0) + len(1) + len(2));
+        assert!(!tx.may_build(), "over the budget with messages waiting");
+        assert_eq!(index(rx.next().await.unwrap()), 0);
+        assert_eq!(index(rx.next().await.unwrap()), 1);
+        assert_eq!(budget.used(), len(1) + len(2), "the group is counted until its last message is taken");
+        assert_eq!(index(rx.next().await.unwrap()), 2);
+        // The next poll finds the group taken whole (and nothing else queued).
+        assert!(tokio::time::timeout(std::time::Duration::from_millis(50), rx.next()).await.is_err());
+        assert_eq!(budget.used(), 0);
+        assert!(tx.may_build());
+        // A full queue's last word is not queued, nor counted.
+        tx.send(msg(3)).await.unwrap();
+        tx.send(msg(4)).await.unwrap();
+        tx.try_send(Err(shutting_down()));
+        assert_eq!(budget.used(), len(3) + len(4));
+        // The connection goes: everything it held is given back, and later sends count nothing.
+        drop(rx);
+        assert_eq!(budget.used(), 0);
+        assert!(tx.send(msg(5)).await.is_err());
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[tokio::test]
     async fn a_gone_connection_is_closed_for_the_producer() {
-        let (tx, rx) = channel(1);
+        let (tx, rx) = channel(1, None);
         drop(rx);
         assert!(tx.is_closed());
         assert!(tx.send(msg(0)).await.is_err());
