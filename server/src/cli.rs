@@ -180,9 +180,9 @@ pub struct ServeArgs {
     pub packed_budget: Option<u64>,
     /// Inline batches (TCP, transport="inline"): their bytes all streams together may keep
     /// queued for clients that have not read them yet (e.g. 2GiB; default a quarter of physical
-    /// memory or of the cgroup memory limit, whichever is smaller). Past it a stream with batches
-    /// still queued builds no more until its client reads them; one with none queued always
-    /// builds its next, so the bound is this plus about a batch per stream.
+    /// memory or of the cgroup memory limit, whichever is smaller). Past it a stream with more
+    /// than 1 MiB still queued builds no more until its client reads them; one under that goes
+    /// on, so the bound is this plus about 1 MiB and a batch per stream.
     #[arg(long, env = "SHARDSTREAM_INLINE_BUDGET", value_parser = limits::parse_inline_budget)]
     pub inline_budget: Option<u64>,
     /// Shared memory, packed mode and Arrow batches: seconds a stream's ring is kept after the

@@ -157,7 +157,8 @@ impl Service {
             streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
             max_streams: DEFAULT_MAX_STREAMS,
             per_client: Arc::default(),
-            inline: inline_budget::InlineBudget::new(transport::budget::default_budget()),
+            // Unbounded until the daemon sets its --inline-budget (`with_inline_budget`).
+            inline: inline_budget::InlineBudget::new(u64::MAX),
         }
     }
 

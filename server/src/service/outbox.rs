@@ -145,6 +145,8 @@ impl Outbox {
     /// ([`super::inline_budget`]), once it has queued `group` (its client may be waiting for it).
     pub fn stop_before_next(&self, group: &mut Vec<Message>, shutdown: &tokio_util::sync::CancellationToken) -> bool {
         if let Some(account) = &self.bytes
+            && !self.is_closed()
+            && !shutdown.is_cancelled()
             && !account.may_build()
         {
             if !group.is_empty() && self.blocking_send_all(std::mem::take(group)).is_err() {
@@ -370,13 +372,25 @@ mod tests {
 
     #[tokio::test]
     async fn an_inline_queue_counts_its_bytes_until_the_connection_takes_each_group() {
-        let budget = crate::service::inline_budget::InlineBudget::new(1);
+        use crate::service::inline_budget::{ALLOWANCE, InlineBudget};
+        // Messages of half the allowance each: a stream holding two may not build past the budget.
+        let big = |i: u64| {
+            Ok(StreamMessage {
+                kind: Some(shardstream_proto::stream_message::Kind::ArrowBatch(shardstream_proto::ArrowBatch {
+                    batch_index: i,
+                    data: vec![0; ALLOWANCE as usize / 2].into(),
+                    ..Default::default()
+                })),
+            })
+        };
+        let budget = InlineBudget::new(1);
         let (tx, mut rx) = channel(2, Some(budget.account()));
-        let len = |i: u64| msg(i).map_or(0, |m| m.encoded_len() as u64);
+        let len = |i: u64| big(i).map_or(0, |m: StreamMessage| m.encoded_len() as u64);
         assert!(tx.may_build(), "nothing queued");
-        tx.send(msg(0)).await.unwrap();
+        tx.send(big(0)).await.unwrap();
+        assert!(tx.may_build(), "under the stream's allowance");
         let blocking = tx.clone();
-        tokio::task::spawn_blocking(move || blocking.blocking_send_all(vec![msg(1), msg(2)])).await.unwrap().unwrap();
+        tokio::task::spawn_blocking(move || blocking.blocking_send_all(vec![big(1), big(2)])).await.unwrap().unwrap();
         assert_eq!(budget.used(), len(0) + len(1) + len(2));
         assert!(!tx.may_build(), "over the budget with messages waiting");
         assert_eq!(index(rx.next().await.unwrap()), 0);
@@ -388,8 +402,8 @@ mod tests {
         assert_eq!(budget.used(), 0);
         assert!(tx.may_build());
         // A full queue's last word is not queued, nor counted.
-        tx.send(msg(3)).await.unwrap();
-        tx.send(msg(4)).await.unwrap();
+        tx.send(big(3)).await.unwrap();
+        tx.send(big(4)).await.unwrap();
         tx.try_send(Err(shutting_down()));
         assert_eq!(budget.used(), len(3) + len(4));
         // The connection goes: everything it held is given back, and later sends count nothing.

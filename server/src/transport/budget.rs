@@ -49,8 +49,8 @@ pub fn default_budget() -> u64 {
         None => {
             tracing::warn!(
                 budget = FALLBACK_BUDGET,
-                "cannot tell the machine's memory: the packed-ring and rdma staging budgets are 8 GiB; set \
-                 --packed-budget and --rdma-budget"
+                "cannot tell the machine's memory: the packed-ring, rdma staging and inline budgets are 8 GiB; \
+                 set --packed-budget, --rdma-budget and --inline-budget"
             );
             FALLBACK_BUDGET
         }
