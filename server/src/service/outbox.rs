@@ -153,6 +153,10 @@ impl Outbox {
                 return true;
             }
             account.wait_blocking(&|| self.is_closed() || shutdown.is_cancelled());
+            if account.is_closed() {
+                // Let through because its connection went (the queue itself goes a moment later).
+                return true;
+            }
         }
         if self.is_closed() {
             return true;
@@ -411,6 +415,51 @@ mod tests {
         assert_eq!(budget.used(), 0);
         assert!(tx.send(msg(5)).await.is_err());
         assert_eq!(budget.used(), 0);
+    }
+
+    /// A stream over the inline budget, its queue full: `(tx, rx, the shutdown)`.
+    async fn blocked_by_the_budget() -> (Outbox, Messages, tokio_util::sync::CancellationToken) {
+        use crate::service::inline_budget::{ALLOWANCE, InlineBudget};
+        let big = |i: u64| {
+            Ok(StreamMessage {
+                kind: Some(shardstream_proto::stream_message::Kind::ArrowBatch(shardstream_proto::ArrowBatch {
+                    batch_index: i,
+                    data: vec![0; ALLOWANCE as usize].into(),
+                    ..Default::default()
+                })),
+            })
+        };
+        let (tx, rx) = channel(2, Some(InlineBudget::new(1).account()));
+        tx.send(big(0)).await.unwrap();
+        tx.send(big(1)).await.unwrap();
+        assert!(!tx.may_build());
+        (tx, rx, tokio_util::sync::CancellationToken::new())
+    }
+
+    #[tokio::test]
+    async fn a_stream_blocked_by_the_budget_stops_at_once_at_a_shutdown_without_queueing_its_group() {
+        let (tx, mut rx, shutdown) = blocked_by_the_budget().await;
+        shutdown.cancel();
+        let stopped = tokio::task::spawn_blocking(move || {
+            // A group held back: queueing it would wait on the full queue for good.
+            let mut group = vec![msg(2)];
+            tx.stop_before_next(&mut group, &shutdown)
+        });
+        assert!(tokio::time::timeout(std::time::Duration::from_secs(5), stopped).await.unwrap().unwrap());
+        assert_eq!(index(rx.next().await.unwrap()), 0);
+        assert_eq!(index(rx.next().await.unwrap()), 1);
+        let last = rx.next().await.unwrap().unwrap_err();
+        assert_eq!(last.message(), "daemon is shutting down", "said once the queue is read");
+    }
+
+    #[tokio::test]
+    async fn a_stream_blocked_by_the_budget_stops_when_its_client_leaves() {
+        let (tx, rx, shutdown) = blocked_by_the_budget().await;
+        let stopped = tokio::task::spawn_blocking(move || tx.stop_before_next(&mut Vec::new(), &shutdown));
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!stopped.is_finished(), "blocked while its client has not read");
+        drop(rx);
+        assert!(tokio::time::timeout(std::time::Duration::from_secs(5), stopped).await.unwrap().unwrap());
     }
 
     #[tokio::test]
