@@ -6,7 +6,9 @@ daemon-wide byte budget (`--inline-budget`)."""
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -19,7 +21,7 @@ import pytest
 import webdataset as wds
 
 import shardstream
-from conftest import BIG_SAMPLES, Daemon, hold_streams, wait_for, write_big, write_dataset
+from conftest import BIG_SAMPLES, SHARDSTREAM, Daemon, hold_streams, wait_for, write_big, write_dataset
 
 
 def free_port() -> int:
@@ -239,6 +241,13 @@ def test_inline_streams_that_stop_reading_keep_a_batch_each_past_the_inline_budg
         queued = settled(lambda: d.status()["inline_queued_bytes"])
         assert d.status()["inline_budget_bytes"] == 1 << 20
         assert 4 * batch_bytes <= queued <= 4 * batch_bytes * 1.1, queued / batch_bytes
+        # What an operator reads: `shardstream status` says it too.
+        shown = subprocess.run(
+            [SHARDSTREAM, "status", "--connect", d.addr], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        assert re.search(
+            r"^inline +[\d.]+ of 1\.0 MB of batches queued for clients \(--inline-budget\)$", shown, re.M
+        ), shown
         reader = shardstream.Loader(str(root), batch_size=batch, seed=99, connect=d.addr, transport="inline")
         assert sorted(k for b in reader for k in b["__key__"]) == everything
         for keys, it in stopped:

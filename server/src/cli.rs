@@ -752,19 +752,24 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
         reply.rings_made,
         reply.rings_reused
     )?;
-    if reply.decoded_memory_bytes > 0 {
-        outln!(
-            "decoded         {:.1} of {:.1} MB of Parquet row groups in memory (--decoded-budget)",
-            reply.decoded_memory_bytes as f64 / 1e6,
-            reply.decoded_budget_bytes as f64 / 1e6
-        )?;
-    }
-    if reply.inline_queued_bytes > 0 {
-        outln!(
-            "inline          {:.1} of {:.1} MB of batches queued for clients (--inline-budget)",
-            reply.inline_queued_bytes as f64 / 1e6,
-            reply.inline_budget_bytes as f64 / 1e6
-        )?;
+    // Memory held against a budget, said only when some is.
+    for (label, used, budget, what) in [
+        (
+            "decoded",
+            reply.decoded_memory_bytes,
+            reply.decoded_budget_bytes,
+            "Parquet row groups in memory (--decoded-budget)",
+        ),
+        (
+            "inline",
+            reply.inline_queued_bytes,
+            reply.inline_budget_bytes,
+            "batches queued for clients (--inline-budget)",
+        ),
+    ] {
+        if used > 0 {
+            outln!("{label:<16}{:.1} of {:.1} MB of {what}", used as f64 / 1e6, budget as f64 / 1e6)?;
+        }
     }
     if !reply.rdma_provider.is_empty() {
         outln!(

@@ -41,7 +41,15 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// Physical memory comes from `sysinfo(2)`, not `/proc/meminfo`, which a unit with
 /// `ProcSubset=pid` hides; the cgroup is the daemon's own (`/proc/self/cgroup`, which that unit
 /// still shows), and every cgroup above it counts, as the kernel counts them.
+///
+/// Measured once per process: the three budgets' defaults and the daemon's config all ask, and a
+/// machine whose memory cannot be read was warned about once for each.
 pub fn default_budget() -> u64 {
+    static MEASURED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *MEASURED.get_or_init(measure_default_budget)
+}
+
+fn measure_default_budget() -> u64 {
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
     let memory = [physical_memory(), cgroup_limit(Path::new(CGROUP_ROOT), &own)].into_iter().flatten().min();
     match memory {
