@@ -256,6 +256,11 @@ impl BoundDaemon {
             tracing::info!(%addr, "serving prometheus metrics");
             // The cache's gauges were set as it opened, before there was an exporter to keep them.
             self.cache.publish_gauges();
+            crate::metrics::budgets(
+                self.shm.as_ref().map_or(self.config.shm.packed_budget, |h| h.packed_budget().1),
+                self.rdma.as_ref().map_or(0, |h| h.staging.limit()),
+                self.config.inline_budget,
+            );
         }
         let cfg = &self.config;
         let cache = self.cache.clone();

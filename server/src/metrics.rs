@@ -72,6 +72,21 @@ pub fn budget_bytes(pool: crate::transport::budget::Pool, in_use: u64) {
     gauge.set(in_use as f64);
 }
 
+/// The memory budgets' bounds (`--packed-budget`; `--rdma-budget`, 0 without rdma, as `status`
+/// says; `--inline-budget`) and their use at 0, set as the exporter starts, before any stream:
+/// a use gauge is otherwise first set when something is held, and a dashboard read "No data"
+/// where it should read 0 against its bound.
+pub fn budgets(packed: u64, rdma: u64, inline: u64) {
+    for (bound, used, bytes) in [
+        ("shardstream_packed_budget_bytes", "shardstream_packed_budget_used_bytes", packed),
+        ("shardstream_rdma_budget_bytes", "shardstream_rdma_budget_used_bytes", rdma),
+        ("shardstream_inline_budget_bytes", "shardstream_inline_queued_bytes", inline),
+    ] {
+        metrics::gauge!(bound).set(bytes as f64);
+        metrics::gauge!(used).set(0.0);
+    }
+}
+
 /// Bytes of inline batches queued for clients (`--inline-budget`), after a change.
 pub fn inline_queued_bytes(bytes: u64) {
     metrics::gauge!("shardstream_inline_queued_bytes").set(bytes as f64);
@@ -162,6 +177,17 @@ fn describe() {
         "shardstream_inline_queued_bytes",
         Unit::Bytes,
         "inline batch bytes queued for clients, bounded by --inline-budget"
+    );
+    describe_gauge!("shardstream_packed_budget_bytes", Unit::Bytes, "the bound on packed ring bytes (--packed-budget)");
+    describe_gauge!(
+        "shardstream_rdma_budget_bytes",
+        Unit::Bytes,
+        "the bound on rdma staging bytes (--rdma-budget; 0 without rdma)"
+    );
+    describe_gauge!(
+        "shardstream_inline_budget_bytes",
+        Unit::Bytes,
+        "the bound on inline batch bytes queued for clients (--inline-budget)"
     );
     describe_gauge!(
         "shardstream_parquet_decoded_bytes",

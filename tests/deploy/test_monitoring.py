@@ -162,6 +162,13 @@ def test_every_metric_used_is_exported_by_a_real_daemon(tmp_path: Path, s3: S3Se
             "1",
             "--prefetch-parallel",
             "1",
+            # Read back from the budgets' gauges below.
+            "--packed-budget",
+            "96MiB",
+            "--inline-budget",
+            "40MiB",
+            "--decoded-budget",
+            "24MiB",
         ],
         env=s3.env(),
     ).start()
@@ -210,3 +217,13 @@ def test_every_metric_used_is_exported_by_a_real_daemon(tmp_path: Path, s3: S3Se
     exported = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", text, re.M))
     missing = used - exported - NOT_EXPORTED
     assert not missing, f"used by the rules or the dashboard but not exported: {sorted(missing)}"
+    gauges = {name: float(v) for name, v in re.findall(r"^(\w+) (\S+)$", text, re.M)}
+    assert gauges["shardstream_packed_budget_bytes"] == 96 << 20
+    assert gauges["shardstream_inline_budget_bytes"] == 40 << 20
+    assert gauges["shardstream_parquet_decoded_budget_bytes"] == 24 << 20
+    assert gauges["shardstream_rdma_budget_bytes"] == 0, "no --rdma: no staging budget, as status says"
+    # Every stream ended: no inline batch is queued, and what the packed budget still holds is
+    # the ring kept for this user's next packed stream.
+    assert gauges["shardstream_inline_queued_bytes"] == 0
+    assert status["kept_ring_bytes"] > 0 and status["ring_bytes"] == 0, status
+    assert gauges["shardstream_packed_budget_used_bytes"] == status["kept_ring_bytes"]
