@@ -156,6 +156,18 @@ def test_index_takes_a_directory_not_a_pattern(tmp_path: Path) -> None:
     assert not (tmp_path / "data" / "manifest.json").exists()
 
 
+def test_index_reads_a_home_path_as_the_shell_does(tmp_path: Path) -> None:
+    (tmp_path / "home" / "ds").mkdir(parents=True)
+    pq.write_table(pa.table({"id": list(range(10))}), tmp_path / "home" / "ds" / "part-0.parquet")
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    r = subprocess.run(
+        [SHARDSTREAM, "index", "~/ds"], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "home" / "ds" / "manifest.json").is_file()
+    assert not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_index_describes_a_directory_of_several_splits_and_opens_still_pick_one(
     daemon, s3, s3_daemon, tmp_path: Path, where: str
@@ -225,6 +237,17 @@ def test_a_relative_or_home_path_is_the_clients_not_the_daemons(
         )
         assert staged.returncode == 0, staged.stderr
         assert str(client_cwd / "ds") in staged.stdout + staged.stderr, staged.stdout + staged.stderr
+        # A quoted `~` (a Kubernetes exec-form command, a job's SHARDSTREAM_DATASET) reaches the
+        # command unexpanded: the home directory's `ds`, as the Loader reads it, from any directory.
+        home = subprocess.run(
+            [str(SHARDSTREAM), "prefetch", "~/ds", "--cache", "copy", "--connect", d.addr],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+        assert home.returncode == 0, home.stderr
+        assert str(client_cwd / "ds") in home.stdout + home.stderr, home.stdout + home.stderr
         # The daemon's refusal reads as its message, once, as `status` prints it (not a gRPC dump).
         missing = subprocess.run(
             [str(SHARDSTREAM), "prefetch", "gone", "--cache", "copy", "--connect", d.addr],

@@ -323,7 +323,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn run(cli: Cli, allow: Vec<crate::access::AllowRule>) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args, allow),
-        Command::Index { url, threads } => index(&url, threads),
+        Command::Index { url, threads } => index(&expand_home(url)?, threads),
         Command::Pack(args) => {
             // Warnings only (e.g. the no-openat2 fallback): progress and bad inputs have their own display.
             crate::logging::init(
@@ -511,9 +511,30 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `~` and `~/...` as the shell and the Python client (`os.path.expanduser`) read them: the home
+/// directory (`$HOME`, else the user's entry in the password database). A quoted `~` reaches the
+/// command unexpanded (a Kubernetes exec-form command, a job's `SHARDSTREAM_DATASET` in the
+/// Slurm task prolog), and read literally it named a directory `~` in the working directory
+/// while the trainers read the home directory's.
+fn expand_home(url: String) -> anyhow::Result<String> {
+    home_expanded(url, std::env::home_dir)
+}
+
+fn home_expanded(url: String, home_dir: impl FnOnce() -> Option<std::path::PathBuf>) -> anyhow::Result<String> {
+    let Some(rest) = url.strip_prefix('~').filter(|rest| rest.is_empty() || rest.starts_with('/')) else {
+        return Ok(url);
+    };
+    let home = home_dir()
+        .filter(|h| !h.as_os_str().is_empty())
+        .ok_or_else(|| anyhow::anyhow!("cannot expand {url:?}: no home directory (HOME is not set)"))?;
+    let expanded = format!("{}{rest}", home.display().to_string().trim_end_matches('/'));
+    Ok(if expanded.is_empty() { "/".into() } else { expanded })
+}
+
 /// A local dataset path made absolute from this process's working directory: the daemon has its
 /// own, and refuses relative paths.
 fn client_url(url: String) -> anyhow::Result<String> {
+    let url = expand_home(url)?;
     if !crate::storage::is_relative_path(&url) {
         return Ok(url);
     }
@@ -804,4 +825,32 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::home_expanded;
+
+    #[test]
+    fn a_home_path_is_expanded_as_the_shell_does_and_nothing_else_is() {
+        let home = |h: &str| {
+            let h = PathBuf::from(h);
+            move || Some(h)
+        };
+        let expand = |url: &str, h: &str| home_expanded(url.into(), home(h)).unwrap();
+        assert_eq!(expand("~/ds", "/home/u"), "/home/u/ds");
+        assert_eq!(expand("~/ds", "/home/u/"), "/home/u/ds");
+        assert_eq!(expand("~", "/home/u"), "/home/u");
+        assert_eq!(expand("~", "/"), "/");
+        assert_eq!(expand("~/ds", "/"), "/ds");
+        // Another user's home, a name starting with `~`, and every other URL: as given.
+        for url in ["~other/ds", "~ds", "ds/~", "/data/~/ds", "s3://b/~/ds"] {
+            assert_eq!(expand(url, "/home/u"), url);
+        }
+        let none = home_expanded("~/ds".into(), || None).unwrap_err().to_string();
+        assert!(none.contains("no home directory"), "{none}");
+        assert_eq!(home_expanded("ds".into(), || None).unwrap(), "ds");
+    }
 }
