@@ -51,10 +51,16 @@ pub struct JoinedKeys {
 }
 
 impl JoinedKeys {
-    /// Room for `keys` keys of about `key_len` bytes each.
+    /// Room for `keys` keys of about `key_len` bytes each, up to [`Self::MOST_RESERVED`] bytes
+    /// of them (more grows as keys come): the first key of a batch guesses the others' length,
+    /// and a first key of a megabyte (a PAX path) times a large batch asked for tens of GB.
     pub fn with_capacity(keys: usize, key_len: usize) -> Self {
-        Self { bytes: Vec::with_capacity(keys.saturating_mul(key_len)), ends: Vec::with_capacity(keys) }
+        let bytes = keys.saturating_mul(key_len).min(Self::MOST_RESERVED);
+        Self { bytes: Vec::with_capacity(bytes), ends: Vec::with_capacity(keys) }
     }
+
+    /// The most key bytes [`Self::with_capacity`] reserves.
+    pub const MOST_RESERVED: usize = 16 << 20;
 
     pub fn len(&self) -> usize {
         self.ends.len()
@@ -89,6 +95,14 @@ impl JoinedKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_first_key_reserves_a_bounded_guess() {
+        // A 1 MiB first key (a PAX path) and a batch of 32 Ki samples: 32 GiB guessed before.
+        let keys = JoinedKeys::with_capacity(32 << 10, 1 << 20);
+        assert!(keys.bytes.capacity() <= JoinedKeys::MOST_RESERVED);
+        assert_eq!(JoinedKeys::with_capacity(256, 20).bytes.capacity(), 5120);
+    }
 
     fn batch(keys: &JoinedKeys) -> PackedBatch {
         PackedBatch { key_bytes: keys.bytes.clone().into(), key_ends: keys.ends.clone(), ..Default::default() }

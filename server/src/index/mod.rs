@@ -561,7 +561,9 @@ impl Dataset {
     }
 
     pub fn total_bytes(&self) -> u64 {
-        self.shards.iter().map(|s| s.len).sum()
+        // Saturating: sizes from a listing are the store's word (an S3-compatible store may say
+        // up to 2^63, a sparse local file too), and a debug build's sum panicked on the overflow.
+        self.shards.iter().fold(0u64, |sum, s| sum.saturating_add(s.len))
     }
 
     /// Per-shard sample counts, in shard order.

@@ -145,9 +145,12 @@ impl ProjectedReads {
             return Ok(None);
         };
         // What each way would still download, given what the node cache holds now.
-        let copies_missing: u64 = plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.len).sum();
-        let wholes_missing: u64 =
-            files.iter().filter(|f| !whole_copy_serves(ds, f.index)).map(|f| f.table.file_len()).sum();
+        let copies_missing =
+            plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).fold(0u64, |sum, c| sum.saturating_add(c.len));
+        let wholes_missing: u64 = files
+            .iter()
+            .filter(|f| !whole_copy_serves(ds, f.index))
+            .fold(0u64, |sum, f| sum.saturating_add(f.table.file_len()));
         if wholes_missing < copies_missing {
             return Ok(None);
         }

@@ -17,6 +17,10 @@ use crate::transport::shm::{Session, ShmHub};
 use crate::transport::{self, inline};
 use crate::{Error, Result};
 
+/// The most (sample, field) locations a TAR batch may hold: 64 Mi, 1 GiB of them (a million
+/// samples of 64 fields).
+const MAX_BATCH_LOCATIONS: u64 = 1 << 26;
+
 /// A validated stream request.
 pub(super) struct StreamPlan {
     pub(super) dataset: Arc<Dataset>,
@@ -97,6 +101,19 @@ pub(super) fn plan_stream(
         req.fields.iter().filter(|f| seen.insert(*f)).cloned().collect()
     };
     let all_fields = fields.len() == ds.fields.len();
+    // A TAR batch records where each of its samples' fields lies (16 bytes a sample and field,
+    // built whole before it is sent): a dataset of many distinct fields, read whole with a large
+    // batch_size, would have had the daemon allocate that at once (and abort).
+    let locations = fields.len() as u64 * u64::from(req.batch_size);
+    if ds.parquet.is_none() && locations > MAX_BATCH_LOCATIONS {
+        return Err(Error::invalid(format!(
+            "batch_size {} with {} fields of dataset {} is {locations} field locations a batch, more than the \
+             {MAX_BATCH_LOCATIONS} one may hold: select fields (fields=[...]) or a smaller batch_size",
+            req.batch_size,
+            fields.len(),
+            ds.url
+        )));
+    }
     let params = EpochParams {
         seed: req.seed,
         epoch: req.epoch,

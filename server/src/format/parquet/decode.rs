@@ -166,6 +166,10 @@ impl ChunkReader for ChunkSet {
     }
 }
 
+/// The most rows arrow-rs decodes in one batch of a row group: pyarrow's default row group
+/// (1 Mi rows) is still one batch.
+const DECODE_BATCH_ROWS: usize = 1 << 20;
+
 /// Decodes row group `rg` of `proj` from `chunks` (which hold at least [`chunk_ranges`]) into one
 /// record batch in the delivered schema and column order.
 pub fn decode_row_group(
@@ -180,7 +184,10 @@ pub fn decode_row_group(
         return Err(bad(format!("the file has {} row groups", table.num_row_groups())));
     }
     let exact_rows = usize::try_from(rows).map_err(|_| bad(format!("{rows} rows")))?;
-    let batch_rows = exact_rows.max(1);
+    // arrow-rs reserves a batch's rows up front: sized by the footer alone, a row group claiming
+    // 2^40 rows aborted the daemon on that allocation. A larger row group decodes in batches of
+    // this many rows, concatenated (a copy only those pay).
+    let batch_rows = exact_rows.clamp(1, DECODE_BATCH_ROWS);
     let arrange = |decoded: &RecordBatch| {
         proj.arrange(decoded).map_err(|e| match e {
             ParquetError::BadData { reason, .. } => bad(reason),
@@ -280,6 +287,19 @@ mod tests {
         })
         .unwrap();
         ParquetTable::decode(&f, bytes.len() as u64).unwrap()
+    }
+
+    #[test]
+    fn a_row_group_beyond_one_decode_batch_decodes_whole_and_in_order() {
+        let rows = DECODE_BATCH_ROWS + 5;
+        let bytes = testdata::wide(rows, rows, 1);
+        let t = table(&bytes);
+        assert_eq!((t.num_row_groups(), t.row_group_rows(0)), (1, rows as u64));
+        let proj = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
+        let (b, _) = read_row_group(&t, 0, &proj, reader(&bytes)).unwrap();
+        let c = b.column(0).as_primitive::<Int32Type>();
+        assert_eq!(c.len(), rows);
+        assert!(c.values().iter().enumerate().all(|(i, &v)| v == i as i32));
     }
 
     #[test]

@@ -34,6 +34,12 @@ pub const FOOTER_TAIL_BYTES: u64 = 8;
 /// Leading magic plus the footer tail: the smallest possible file (an empty footer aside).
 pub const MIN_FILE_BYTES: u64 = 4 + FOOTER_TAIL_BYTES;
 
+/// The most rows a row group may claim. A row group is decoded whole (its rows held at once in
+/// the daemon), and a few bytes of run-length encoding can claim any number of rows: a footer
+/// claiming 2^40 had the daemon size allocations from it. pyarrow's largest default row group
+/// (64 Mi rows, before version 13) fits with room.
+pub const MAX_ROW_GROUP_ROWS: u64 = 1 << 27;
+
 /// The file range to read first: its last [`TAIL_READ`] bytes, or all of it.
 pub fn tail_range(file_len: u64) -> Result<Range<u64>, ParquetError> {
     if file_len < MIN_FILE_BYTES {
@@ -159,6 +165,12 @@ impl ParquetTable {
             row_starts.push(rows);
             let n = u64::try_from(rg.num_rows())
                 .map_err(|_| ParquetError::BadFooter(format!("row group {i} has {} rows", rg.num_rows())))?;
+            if n > MAX_ROW_GROUP_ROWS {
+                return Err(ParquetError::BadFooter(format!(
+                    "row group {i} claims {n} rows, more than the {MAX_ROW_GROUP_ROWS} a row group may hold here \
+                     (each is decoded whole); write the file with smaller row groups (pyarrow: row_group_size)"
+                )));
+            }
             rows = rows.checked_add(n).ok_or_else(|| ParquetError::BadFooter("the row count overflows".into()))?;
             if rg.num_columns() != leaves {
                 return Err(ParquetError::BadFooter(format!(
@@ -390,6 +402,29 @@ mod tests {
         let tail = &file[file.len() - footer.len() - 8..];
         assert_eq!(footer_crc32c(&footer), crc32c::crc32c(tail));
         assert_eq!(ParquetTable::decode(&footer, file.len() as u64).unwrap().footer_crc32c(), crc32c::crc32c(tail));
+    }
+
+    /// `file` with its footer rewritten so that every row group claims `rows` rows.
+    fn claiming(file: &[u8], rows: i64) -> Vec<u8> {
+        let meta = ParquetMetaDataReader::new().parse_and_finish(&bytes::Bytes::copy_from_slice(file)).unwrap();
+        let mut b = meta.into_builder();
+        let groups = b.take_row_groups().into_iter().map(|rg| rg.into_builder().set_num_rows(rows).build().unwrap());
+        let meta = b.set_row_groups(groups.collect()).build();
+        let footer_len = u32::from_le_bytes(file[file.len() - 8..file.len() - 4].try_into().unwrap()) as usize;
+        let mut out = file[..file.len() - 8 - footer_len].to_vec();
+        parquet::file::metadata::ParquetMetaDataWriter::new(&mut out, &meta).finish().unwrap();
+        out
+    }
+
+    #[test]
+    fn a_row_group_claiming_more_rows_than_one_may_hold_is_refused() {
+        // A few bytes of run-length encoding can claim any number of rows, and a row group is
+        // decoded whole: a footer claiming 2^40 had the decoder (and a projection of partition
+        // keys, which decodes nothing) allocate by the claim, and the daemon abort.
+        let good = testdata::mixed(50, 20, testdata::Codec::None);
+        assert!(table(&claiming(&good, MAX_ROW_GROUP_ROWS as i64)).is_ok());
+        let Err(ParquetError::BadFooter(e)) = table(&claiming(&good, 1 << 40)) else { panic!("accepted") };
+        assert!(e.contains("row group 0 claims 1099511627776 rows") && e.contains("row_group_size"), "{e}");
     }
 
     #[test]

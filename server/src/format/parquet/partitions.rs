@@ -161,7 +161,17 @@ pub fn constant_column(value: &KeyValue, rows: usize, data_type: &DataType) -> R
     Ok(match (value, data_type) {
         (KeyValue::Null, t) => new_null_array(t, rows),
         (KeyValue::Int(v), DataType::Int32) => Arc::new(Int32Array::from_value(*v, rows)),
-        (KeyValue::Str(s), DataType::Utf8) => Arc::new(StringArray::from_iter_values(std::iter::repeat_n(s, rows))),
+        (KeyValue::Str(s), DataType::Utf8) => {
+            // Arrow's string offsets are i32: past 2 GiB of repeated value arrow-rs panics.
+            if s.len().checked_mul(rows).is_none_or(|bytes| bytes > i32::MAX as usize) {
+                return Err(format!(
+                    "the partition value {s:?} repeated over the row group's {rows} rows exceeds the 2 GiB an \
+                     Arrow string column holds; select a flat projection (its keys are string views) or write \
+                     smaller row groups"
+                ));
+            }
+            Arc::new(StringArray::from_iter_values(std::iter::repeat_n(s, rows)))
+        }
         (KeyValue::Str(s), DataType::Utf8View) => {
             Arc::new(StringViewArray::from_iter_values(std::iter::repeat_n(s, rows)))
         }
@@ -254,5 +264,11 @@ mod tests {
         let n = constant_column(&KeyValue::Null, 4, &DataType::Utf8).unwrap();
         assert_eq!(n.null_count(), 4);
         assert!(constant_column(&KeyValue::Str("x".into()), 1, &DataType::Int32).is_err());
+        // 2^31 bytes of a key over a large row group: an error, not arrow-rs's offset panic
+        // (checked before anything is allocated).
+        let long = KeyValue::Str("k".repeat(256));
+        let e = constant_column(&long, 1 << 23, &DataType::Utf8).unwrap_err();
+        assert!(e.contains("2 GiB"), "{e}");
+        assert!(constant_column(&long, usize::MAX, &DataType::Utf8).is_err());
     }
 }

@@ -10,6 +10,10 @@
 
 use std::ops::Range;
 
+/// The most layout words per location it records (a key or a member); a shard whose samples
+/// share their fields takes 2.
+const MAX_SLOTS_PER_LOCATION: usize = 64;
+
 /// Offset of a field the sample does not have.
 pub const MISSING: u32 = u32::MAX;
 
@@ -148,7 +152,14 @@ impl LayoutBuilder {
         }
         let to_sorted: Vec<usize> = self.seen.iter().map(|f| fields.binary_search(f).ok()).collect::<Option<_>>()?;
         let stride = Layout::stride(fields.len());
-        let mut words = vec![MISSING; self.keys.len().checked_mul(stride)?];
+        let len = self.keys.len().checked_mul(stride)?;
+        // A slot per sample and field of the shard: where few samples have most of the fields
+        // (one sample of a thousand, then samples of one) that is mostly empty slots, up to
+        // thousands of times the members' count; such a shard is parsed per sample instead.
+        if len > MAX_SLOTS_PER_LOCATION.saturating_mul(self.keys.len() + self.members.len()) {
+            return None;
+        }
+        let mut words = vec![MISSING; len];
         for (i, (off, len)) in self.keys.iter().enumerate() {
             words[i * stride] = *off;
             words[i * stride + 1] = *len;

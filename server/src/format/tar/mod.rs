@@ -63,7 +63,7 @@ use std::ops::Range;
 
 pub use naming::split_key;
 pub use sample::{Member, SampleView, parse_sample};
-pub use scan::{ScanAsWritten, index_tar, index_tar_bytes};
+pub use scan::{MAX_SHARD_FIELDS, ScanAsWritten, index_tar, index_tar_bytes};
 
 /// TAR block size: every header and every padded payload is a multiple of it.
 pub const BLOCK: u64 = 512;
@@ -105,6 +105,12 @@ pub enum TarError {
     #[error("no sample member in the byte range at offset {offset}")]
     NoMembers { offset: u64 },
     #[error(
+        "member '{name}' at offset {offset} is the shard's {max}th distinct field (extension) and more is \
+         refused: a sample's fields are a handful (jpg, cls, json); a name whose key and extension split \
+         elsewhere than meant (keys with dots) can make every member its own field"
+    )]
+    TooManyFields { offset: u64, name: String, max: usize },
+    #[error(
         "member '{name}' at offset {offset} is stored sparse (tar --sparse): its bytes in the shard are not the \
          file's, and samples are served from the shard in place; re-create the shard without --sparse"
     )]
@@ -132,6 +138,7 @@ impl TarError {
             | TarError::TooLong { offset, .. }
             | TarError::KeyMismatch { offset, .. }
             | TarError::DuplicateField { offset, .. }
+            | TarError::TooManyFields { offset, .. }
             | TarError::NoMembers { offset }
             | TarError::Sparse { offset, .. }
             | TarError::NotUtf8Name { offset, .. } => Some(*offset),
@@ -155,6 +162,7 @@ impl TarError {
             | TarError::TooLong { offset, .. }
             | TarError::KeyMismatch { offset, .. }
             | TarError::DuplicateField { offset, .. }
+            | TarError::TooManyFields { offset, .. }
             | TarError::NoMembers { offset }
             | TarError::Sparse { offset, .. }
             | TarError::NotUtf8Name { offset, .. } => *offset = offset.saturating_add(base),

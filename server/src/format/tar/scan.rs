@@ -61,6 +61,9 @@ fn index_source(src: &mut impl Source) -> Result<TarIndex, TarError> {
     Ok(scan.finish())
 }
 
+/// The most distinct fields (extensions) a shard may have.
+pub const MAX_SHARD_FIELDS: usize = 1024;
+
 /// The state of indexing one shard, kept between calls so a shard can be indexed in parts, in
 /// order: whole ([`index_source`]) or one sample at a time as it is written
 /// ([`ScanAsWritten`]). The same walk either way, so the two give the same index.
@@ -114,6 +117,16 @@ impl Scan {
             }
             self.sample_fields.push(&field);
             if !self.fields.contains(&*field) {
+                // Every sample's locations take a slot per field of the shard (the layout), and
+                // every batch a column per field of the dataset: unbounded, a small shard of
+                // distinct names had the daemon allocate samples x fields and abort.
+                if self.fields.len() >= MAX_SHARD_FIELDS {
+                    return Err(TarError::TooManyFields {
+                        offset: e.header,
+                        name: name.to_string(),
+                        max: MAX_SHARD_FIELDS + 1,
+                    });
+                }
                 self.fields.insert(field.into_owned());
             }
             self.end = e.next;

@@ -849,3 +849,36 @@ proptest! {
         let _ = parse_sample(&bytes);
     }
 }
+
+#[test]
+fn a_shard_of_more_distinct_fields_than_a_shard_may_have_is_refused_naming_the_member() {
+    // Members `s.f0000` .. of one sample: each its own field.
+    let names: Vec<String> = (0..=MAX_SHARD_FIELDS).map(|f| format!("s.f{f:04}")).collect();
+    let members: Vec<(&str, &[u8])> = names.iter().map(|n| (n.as_str(), &b""[..])).collect();
+    let most = archive(&members[..MAX_SHARD_FIELDS], Style::Gnu);
+    assert_eq!(index(&most).unwrap().fields.len(), MAX_SHARD_FIELDS);
+    let too_many = archive(&members, Style::Gnu);
+    let e = index(&too_many).unwrap_err();
+    assert!(matches!(&e, TarError::TooManyFields { name, .. } if name == "s.f1024"), "{e:?}");
+    assert_eq!(e.offset(), Some(512 * MAX_SHARD_FIELDS as u64));
+}
+
+#[test]
+fn a_shard_whose_layout_would_be_mostly_empty_slots_has_none_and_parses_per_sample() {
+    // One sample of 200 fields, then 2,000 samples of one: a layout would hold 2,001 x 402 slots
+    // for 2,200 members.
+    let mut names: Vec<String> = (0..200).map(|f| format!("wide.f{f:03}")).collect();
+    names.extend((0..2000).map(|i| format!("n{i:04}.f000")));
+    let members: Vec<(&str, &[u8])> = names.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
+    let bytes = archive(&members, Style::Gnu);
+    let ix = index(&bytes).unwrap();
+    assert_eq!((ix.num_samples(), ix.fields.len()), (2001, 200));
+    assert!(ix.layout.is_none());
+    let parsed = samples_of(&bytes).unwrap();
+    assert_eq!(parsed[0].1.len(), 200);
+    assert_eq!(parsed[2000], ("n1999".into(), vec![("f000".into(), b"x".to_vec())]));
+    // The same fields shared by every sample keep their layout.
+    let shared: Vec<String> = (0..50).flat_map(|i| [format!("s{i:02}.cls"), format!("s{i:02}.jpg")]).collect();
+    let members: Vec<(&str, &[u8])> = shared.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
+    assert!(index(&archive(&members, Style::Gnu)).unwrap().layout.is_some());
+}
