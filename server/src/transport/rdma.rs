@@ -142,14 +142,15 @@ impl RdmaHub {
         let address = sender.name().map_err(|e| Error::Internal(format!("rdma endpoint address: {e}")))?;
         let provider = sender.provider().to_owned();
         self.streams.fetch_add(1, Ordering::Relaxed);
-        self.ring_bytes.fetch_add(offer.ring_bytes, Ordering::Relaxed);
+        let written = written_bytes(offer);
+        self.ring_bytes.fetch_add(written, Ordering::Relaxed);
         Ok(RdmaStream {
             sender,
             _trim: TrimAfterEndpoint,
             hub: self.clone(),
             address,
             provider,
-            ring_bytes: offer.ring_bytes,
+            ring_bytes: written,
             _staging: reservation,
         })
     }
@@ -236,6 +237,13 @@ fn check_offer(offer: &RdmaOffer) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The bytes of a client's ring a stream writes into (status `rdma_ring_bytes`): its slots. The
+/// client's word for its whole ring is bounded only from below ([`check_offer`]), and summed
+/// unbounded it could wrap the figure.
+fn written_bytes(offer: &RdmaOffer) -> u64 {
+    offer.ring_bytes.min(u64::from(offer.slots).saturating_mul(offer.slot_bytes))
 }
 
 /// "tcp" names the same provider stack as "tcp;ofi_rxm" (what libfabric reports for it).
@@ -350,6 +358,10 @@ mod tests {
         // tcp;ofi_rxm) the posting never succeeded, and a daemon thread spun at a core for good.
         refused(RdmaOffer { slots: 4096, slot_bytes: 1 << 16, ring_bytes: 1 << 28, ..ok.clone() }, "slots, more than");
         refused(RdmaOffer { address: Vec::new(), ..ok.clone() }, "no usable");
+        // A ring claimed larger than its slots is taken (it can hold them) and counted as them.
+        let large = RdmaOffer { ring_bytes: u64::MAX, ..ok.clone() };
+        assert!(check_offer(&large).is_ok());
+        assert_eq!((written_bytes(&large), written_bytes(&ok)), (4 * (32 << 20), 4 * (32 << 20)));
     }
 
     #[test]
