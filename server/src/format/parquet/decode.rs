@@ -188,12 +188,19 @@ pub fn decode_row_group(
     // 2^40 rows aborted the daemon on that allocation. A larger row group decodes in batches of
     // this many rows, concatenated (a copy only those pay).
     let batch_rows = exact_rows.clamp(1, DECODE_BATCH_ROWS);
+    // Caught too: partition keys, widenings and string checks call arrow-rs kernels that assert
+    // on what they are given (a text key past 2 GiB of offsets did, before it was refused).
     let arrange = |decoded: &RecordBatch| {
-        proj.arrange(decoded).map_err(|e| match e {
-            ParquetError::BadData { reason, .. } => bad(reason),
-            ParquetError::Unfit { reason, .. } => ParquetError::Unfit { row_group: rg, reason },
-            e => e,
-        })
+        no_panic(
+            || {
+                proj.arrange(decoded).map_err(|e| match e {
+                    ParquetError::BadData { reason, .. } => bad(reason),
+                    ParquetError::Unfit { reason, .. } => ParquetError::Unfit { row_group: rg, reason },
+                    e => e,
+                })
+            },
+            |msg| bad(format!("arranging the decoded columns panicked: {msg}")),
+        )
     };
     if proj.reads_nothing() {
         // Only partition keys: the row group's rows are its row count, nothing is decoded.
