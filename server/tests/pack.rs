@@ -663,3 +663,22 @@ fn a_journal_record_past_the_end_of_the_order_is_not_trusted() {
     assert_eq!(s.resumed_shards as usize, s.manifest.shards.len() - 1);
     assert_eq!(tree_bytes(&dest), tree_bytes(&clean));
 }
+
+#[test]
+fn a_sample_of_more_fields_than_a_shard_may_have_fails_the_pack_naming_it() {
+    // A thousand frames of a clip named `clip.0000.jpg` ..: one sample (the key ends at the first
+    // dot) of a field per frame. Packed, every reader re-indexing the shard refuses it.
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let fields = shardstream::format::tar::MAX_SHARD_FIELDS;
+    for f in 0..fields {
+        write(&src, &format!("clip.{f:04}.jpg"), b"x");
+    }
+    let dest = tmp.path().join("out");
+    pack::pack(&opts(&src, &dest), &()).unwrap();
+    assert_eq!(read_back(&dest).0["clip"].len(), fields);
+    write(&src, &format!("clip.{fields:04}.jpg"), b"x");
+    let again = tmp.path().join("again");
+    let e = pack::pack(&opts(&src, &again), &()).unwrap_err().to_string();
+    assert!(e.contains("sample \"clip\"") && e.contains("'clip.1024.jpg'"), "{e}");
+}

@@ -198,6 +198,10 @@ pub fn decode(bytes: &[u8], expected_identity: &[u8]) -> Result<Option<TarIndex>
         return Ok(None);
     }
     let nfields = r.count("field count larger than the file")?;
+    // What indexing the shard again would refuse (an older `pack` wrote such sidecars).
+    if nfields > crate::format::tar::MAX_SHARD_FIELDS {
+        return Err(SidecarError::Malformed { what: "more distinct fields than a shard may have" });
+    }
     let mut fields = Vec::with_capacity(nfields);
     for _ in 0..nfields {
         let name = r.bytes("field name length larger than the file")?;
@@ -314,6 +318,16 @@ mod tests {
             let bytes = encode(ID, &TarIndex { boundaries, fields: vec![], layout: None });
             assert_eq!(decode(&bytes, ID).unwrap(), Some(TarIndex::default()));
         }
+    }
+
+    #[test]
+    fn a_sidecar_of_more_fields_than_a_shard_may_have_is_malformed() {
+        let fields = |n: usize| (0..n).map(|f| format!("f{f:04}")).collect::<Vec<_>>();
+        let most =
+            TarIndex { boundaries: vec![0, 512], fields: fields(crate::format::tar::MAX_SHARD_FIELDS), layout: None };
+        assert!(decode(&encode(ID, &most), ID).unwrap().is_some());
+        let more = TarIndex { fields: fields(crate::format::tar::MAX_SHARD_FIELDS + 1), ..most };
+        assert!(matches!(decode(&encode(ID, &more), ID), Err(SidecarError::Malformed { .. })));
     }
 
     #[test]

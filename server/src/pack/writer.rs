@@ -28,7 +28,7 @@ use super::read::{Loaded, LoadedSample, Window};
 use super::report::{BadInput, BadKind, Reporter};
 use super::shard_file::{CrcFile, WriteRoute};
 use super::{PackProgress, ShardFormat, ustar};
-use crate::format::tar::{ScanAsWritten, TarIndex};
+use crate::format::tar::{ScanAsWritten, TarError, TarIndex};
 use crate::{Error, Result};
 
 /// Chunk in which streamed (large) members are copied.
@@ -81,8 +81,10 @@ impl TarShard {
     }
 
     /// Indexes sample `s`, written at `start`, from its buffer and the lengths of its streams.
-    fn scan(&mut self, start: u64, s: &LoadedSample<'_>) {
-        let Some(scan) = &mut self.scan else { return };
+    /// A sample the scan cannot lay out costs the shard its layout; one every reader of the
+    /// shard refuses fails the pack.
+    fn scan(&mut self, start: u64, s: &LoadedSample<'_>) -> Result<()> {
+        let Some(scan) = &mut self.scan else { return Ok(()) };
         let end = start + s.buf.len() as u64;
         let scanned = if s.streams.is_empty() {
             // Most samples: one piece, and no allocation per sample.
@@ -98,8 +100,17 @@ impl TarShard {
             parts.push((at, &s.buf[from..]));
             scan.sample(start, at + (s.buf.len() - from) as u64, &parts)
         };
-        if scanned.is_err() {
-            self.scan = None;
+        match scanned {
+            Ok(()) => Ok(()),
+            // The daemon indexes the shard again wherever its sidecar is missing or stale, and
+            // refuses it there: better said now, naming the sample's files.
+            Err(e @ TarError::TooManyFields { .. }) => {
+                Err(Error::invalid(format!("cannot pack sample {:?}: {e}", s.key)))
+            }
+            Err(_) => {
+                self.scan = None;
+                Ok(())
+            }
         }
     }
 
@@ -107,7 +118,7 @@ impl TarShard {
     fn add(&mut self, s: &mut LoadedSample<'_>, reporter: &Reporter) -> Result<bool> {
         let (start, start_crc) = (self.out.len, self.out.crc);
         if s.streams.is_empty() {
-            self.scan(start, s);
+            self.scan(start, s)?;
             self.out.append_owned(std::mem::take(&mut s.buf))?;
             self.boundaries.push(start);
             return Ok(true);
@@ -123,7 +134,7 @@ impl TarShard {
             }
         }
         self.out.append(&s.buf[prev..])?;
-        self.scan(start, s);
+        self.scan(start, s)?;
         self.boundaries.push(start);
         Ok(true)
     }
