@@ -88,7 +88,7 @@ fuzz:
 # names the clone that last ran `make develop`: a run here imports this clone's package (and its
 # `shardstream` command's daemon) whatever another clone does meanwhile. Not for the bench, whose
 # wheel must not be shadowed by the debug module in the tree.
-demo py-test chaos test-deploy: export PYTHONPATH := $(CURDIR)/loader-py/python$(if $(PYTHONPATH),:$(PYTHONPATH))
+demo py-test typecheck chaos test-deploy: export PYTHONPATH := $(CURDIR)/loader-py/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # The end-to-end tests run a real S3-compatible server (s3s-fs, built once per machine); the
 # failpoint tests a daemon built with `--features failpoints`; tests/chaos the short chaos suite.

@@ -522,9 +522,12 @@ fn expand_home(url: String) -> anyhow::Result<String> {
 }
 
 fn home_expanded(url: String, home_dir: impl FnOnce() -> Option<std::path::PathBuf>) -> anyhow::Result<String> {
-    let Some(rest) = url.strip_prefix('~').filter(|rest| rest.is_empty() || rest.starts_with('/')) else {
-        return Ok(url);
-    };
+    let Some(rest) = url.strip_prefix('~') else { return Ok(url) };
+    if !(rest.is_empty() || rest.starts_with('/')) {
+        // The Loader reads `~name/...` as name's home directory: read literally here, staging
+        // would stage another path than the trainers read.
+        anyhow::bail!("{url:?}: another user's home directory (~name) is not expanded here; give its path");
+    }
     let home = home_dir()
         .filter(|h| !h.as_os_str().is_empty())
         .ok_or_else(|| anyhow::anyhow!("cannot expand {url:?}: no home directory (HOME is not set)"))?;
@@ -846,9 +849,15 @@ mod tests {
         assert_eq!(expand("~", "/home/u"), "/home/u");
         assert_eq!(expand("~", "/"), "/");
         assert_eq!(expand("~/ds", "/"), "/ds");
-        // Another user's home, a name starting with `~`, and every other URL: as given.
-        for url in ["~other/ds", "~ds", "ds/~", "/data/~/ds", "s3://b/~/ds"] {
+        // Every other URL: as given.
+        for url in ["ds/~", "/data/~/ds", "s3://b/~/ds", "ds"] {
             assert_eq!(expand(url, "/home/u"), url);
+        }
+        // Another user's home (or a name starting with `~`, which the Loader reads as one):
+        // refused rather than read otherwise than the trainers read it.
+        for url in ["~other/ds", "~ds"] {
+            let e = home_expanded(url.into(), home("/home/u")).unwrap_err().to_string();
+            assert!(e.contains("~name"), "{e}");
         }
         let none = home_expanded("~/ds".into(), || None).unwrap_err().to_string();
         assert!(none.contains("no home directory"), "{none}");

@@ -184,30 +184,33 @@ async fn bad_requests_get_their_status_and_the_daemon_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_more_field_locations_than_one_may_hold_is_refused_before_it_is_built() {
-    // 65 fields (one sample has them all) x the largest batch_size: 2^26 + 2^20 locations, 16
-    // bytes each, that the daemon would have allocated at once.
+    // One sample of 1,024 fields and 65,536 of one: a batch of every sample with every field is
+    // 2^26 + 2^20 locations, 16 bytes each, that the daemon would have built at once.
     let (fx, _) = start(1, 3).await;
     let f = std::fs::File::create(fx.data.join("wide.tar")).unwrap();
-    let mut b = tar::Builder::new(f);
-    for field in 0..65 {
+    let mut b = tar::Builder::new(std::io::BufWriter::new(f));
+    let mut member = |name: String| {
         let mut h = tar::Header::new_gnu();
-        h.set_size(1);
+        h.set_size(0);
         h.set_mode(0o644);
         h.set_cksum();
-        b.append_data(&mut h, format!("wide.f{field:02}"), &b"x"[..]).unwrap();
+        b.append_data(&mut h, name, std::io::empty()).unwrap();
+    };
+    for field in 0..1022 {
+        member(format!("wide.f{field:04}"));
     }
-    b.finish().unwrap();
-    drop(b);
+    for i in 0..65_536 {
+        member(format!("n{i:05}.f0000"));
+    }
+    b.into_inner().unwrap();
     let mut client = shardstream_client::connect(&fx.addr).await.unwrap();
     let whole = request(&fx.data, shardstream_proto::MAX_BATCH_SIZE);
     let err = collect(&mut client, whole.clone()).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("67 fields") && err.message().contains("select fields"), "{}", err.message());
-    // The same batch_size with the fields a trainer reads: every sample, the wide one with its one field.
-    let some = StreamRequest { fields: vec!["f00".into(), "jpg".into()], ..whole };
-    let got = collect(&mut client, some).await.unwrap();
-    assert_eq!(got.len(), 4);
-    assert!(got.iter().any(|(k, f)| k == "wide" && f.len() == 1 && f["f00"] == b"x"));
+    assert!(err.message().contains("1024 fields") && err.message().contains("select fields"), "{}", err.message());
+    // The same batch_size with the fields a trainer reads.
+    let some = StreamRequest { fields: vec!["f0000".into(), "jpg".into()], ..whole };
+    assert_eq!(collect(&mut client, some).await.unwrap().len(), 65_540);
     fx.shutdown.cancel();
     fx.server.await.unwrap().unwrap();
 }

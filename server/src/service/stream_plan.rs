@@ -101,19 +101,6 @@ pub(super) fn plan_stream(
         req.fields.iter().filter(|f| seen.insert(*f)).cloned().collect()
     };
     let all_fields = fields.len() == ds.fields.len();
-    // A TAR batch records where each of its samples' fields lies (16 bytes a sample and field,
-    // built whole before it is sent): a dataset of many distinct fields, read whole with a large
-    // batch_size, would have had the daemon allocate that at once (and abort).
-    let locations = fields.len() as u64 * u64::from(req.batch_size);
-    if ds.parquet.is_none() && locations > MAX_BATCH_LOCATIONS {
-        return Err(Error::invalid(format!(
-            "batch_size {} with {} fields of dataset {} is {locations} field locations a batch, more than the \
-             {MAX_BATCH_LOCATIONS} one may hold: select fields (fields=[...]) or a smaller batch_size",
-            req.batch_size,
-            fields.len(),
-            ds.url
-        )));
-    }
     let params = EpochParams {
         seed: req.seed,
         epoch: req.epoch,
@@ -232,6 +219,20 @@ pub(super) fn plan_stream(
     let collate =
         Collate::try_from(req.collate).map_err(|_| Error::invalid(format!("unknown collate mode {}", req.collate)))?;
     let packed = transport == Transport::Shm && (collate == Collate::Stack || arrow.is_some());
+    // A TAR batch that is not packed records where each of its samples' fields lies (16 bytes a
+    // sample and field, built whole before it is sent): a dataset of many distinct fields, read
+    // whole with a large batch_size, would have had the daemon allocate that at once (and abort).
+    let per_batch = u64::from(req.batch_size).min(sequence.len());
+    let locations = (fields.len() as u64).saturating_mul(per_batch);
+    if ds.parquet.is_none() && !packed && locations > MAX_BATCH_LOCATIONS {
+        return Err(Error::invalid(format!(
+            "batch_size {} with {} fields of dataset {} is {locations} field locations a batch, more than the \
+             {MAX_BATCH_LOCATIONS} one may hold: select fields (fields=[...]) or a smaller batch_size",
+            req.batch_size,
+            fields.len(),
+            ds.url
+        )));
+    }
     let session = match (transport, shm) {
         (Transport::Shm, Some(hub)) => {
             Some(hub.new_session(if packed { hub.config.ring_slots } else { hub.config.credits })?)

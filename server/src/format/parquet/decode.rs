@@ -166,8 +166,8 @@ impl ChunkReader for ChunkSet {
     }
 }
 
-/// The most rows arrow-rs decodes in one batch of a row group: pyarrow's default row group
-/// (1 Mi rows) is still one batch.
+/// The most rows arrow-rs decodes in one batch of a row group whose rows its bytes do not
+/// account for (see [`decode_row_group`]).
 const DECODE_BATCH_ROWS: usize = 1 << 20;
 
 /// Decodes row group `rg` of `proj` from `chunks` (which hold at least [`chunk_ranges`]) into one
@@ -184,10 +184,19 @@ pub fn decode_row_group(
         return Err(bad(format!("the file has {} row groups", table.num_row_groups())));
     }
     let exact_rows = usize::try_from(rows).map_err(|_| bad(format!("{rows} rows")))?;
-    // arrow-rs reserves a batch's rows up front: sized by the footer alone, a row group claiming
-    // 2^40 rows aborted the daemon on that allocation. A larger row group decodes in batches of
-    // this many rows, concatenated (a copy only those pay).
-    let batch_rows = exact_rows.clamp(1, DECODE_BATCH_ROWS);
+    // arrow-rs reserves a batch's rows up front, sized by the footer's claim. A row group whose
+    // selected chunks could hold its rows (a bit a row at least) decodes in one batch, as ever;
+    // rows out of proportion to the bytes (a crafted claim, or long runs of one value) decode in
+    // batches of DECODE_BATCH_ROWS, concatenated, so that what is reserved before a page is read
+    // is bounded by the bytes there are.
+    let bits = {
+        let meta = table.reader_metadata().metadata().row_group(rg);
+        (0..meta.num_columns())
+            .filter(|&c| proj.mask.leaf_included(c))
+            .fold(0u64, |sum, c| sum.saturating_add(u64::try_from(meta.column(c).uncompressed_size()).unwrap_or(0)))
+            .saturating_mul(8)
+    };
+    let batch_rows = if rows <= bits { exact_rows.max(1) } else { exact_rows.clamp(1, DECODE_BATCH_ROWS) };
     // Caught too: partition keys, widenings and string checks call arrow-rs kernels that assert
     // on what they are given (a text key past 2 GiB of offsets did, before it was refused).
     let arrange = |decoded: &RecordBatch| {
@@ -297,16 +306,26 @@ mod tests {
     }
 
     #[test]
-    fn a_row_group_beyond_one_decode_batch_decodes_whole_and_in_order() {
+    fn a_row_group_of_more_rows_than_its_bytes_account_for_decodes_whole_in_batches() {
+        // A column of one value, run-length encoded: a few hundred bytes for a million rows and
+        // more, so decoded DECODE_BATCH_ROWS at a time, then joined.
         let rows = DECODE_BATCH_ROWS + 5;
-        let bytes = testdata::wide(rows, rows, 1);
+        let bytes = testdata::constant(rows, 7);
         let t = table(&bytes);
         assert_eq!((t.num_row_groups(), t.row_group_rows(0)), (1, rows as u64));
+        assert!(t.reader_metadata().metadata().row_group(0).column(0).uncompressed_size() * 8 < rows as i64);
         let proj = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
         let (b, _) = read_row_group(&t, 0, &proj, reader(&bytes)).unwrap();
         let c = b.column(0).as_primitive::<Int32Type>();
         assert_eq!(c.len(), rows);
-        assert!(c.values().iter().enumerate().all(|(i, &v)| v == i as i32));
+        assert!(c.values().iter().all(|&v| v == 7));
+        // Rows its bytes account for: one batch, whatever their count.
+        let bytes = testdata::wide(rows, rows, 1);
+        let t = table(&bytes);
+        let proj = Projection::new(t.schema(), &[], None).unwrap().for_file(&t, &[]).unwrap();
+        let (b, _) = read_row_group(&t, 0, &proj, reader(&bytes)).unwrap();
+        let c = b.column(0).as_primitive::<Int32Type>();
+        assert!(c.values().iter().enumerate().all(|(i, &v)| v == i as i32) && c.len() == rows);
     }
 
     #[test]

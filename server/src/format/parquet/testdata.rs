@@ -107,6 +107,17 @@ pub fn wide(rows: usize, rg_rows: usize, cols: usize) -> Vec<u8> {
     w.into_inner().expect("finish")
 }
 
+/// `rows` rows of one int32 column `c` holding `value`: run-length encoded, a few hundred bytes
+/// whatever the count; one row group.
+pub fn constant(rows: usize, value: i32) -> Vec<u8> {
+    let schema = Arc::new(Schema::new(vec![Field::new("c", DataType::Int32, false)]));
+    let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(Int32Array::from_value(value, rows)) as ArrayRef])
+        .expect("test batch");
+    let mut w = ArrowWriter::try_new(Vec::new(), schema, Some(props(Codec::None, rows))).expect("writer");
+    w.write(&batch).expect("write");
+    w.into_inner().expect("finish")
+}
+
 /// A file with the given schema and one batch (for schema-mismatch tests).
 pub fn with_batch(batch: &RecordBatch) -> Vec<u8> {
     let mut w = ArrowWriter::try_new(Vec::new(), batch.schema(), None).expect("writer");

@@ -10,9 +10,10 @@
 
 use std::ops::Range;
 
-/// The most layout words per location it records (a key or a member); a shard whose samples
-/// share their fields takes 2.
-const MAX_SLOTS_PER_LOCATION: usize = 64;
+/// The most layout words per location it records (a key or a member): a shard whose samples
+/// share their fields takes 2, one whose samples each have one of a hundred optional fields
+/// about 100; one sample of a thousand fields then samples of one, about a thousand.
+const MAX_SLOTS_PER_LOCATION: usize = 256;
 
 /// Offset of a field the sample does not have.
 pub const MISSING: u32 = u32::MAX;

@@ -865,19 +865,22 @@ fn a_shard_of_more_distinct_fields_than_a_shard_may_have_is_refused_naming_the_m
 
 #[test]
 fn a_shard_whose_layout_would_be_mostly_empty_slots_has_none_and_parses_per_sample() {
-    // One sample of 200 fields, then 2,000 samples of one: a layout would hold 2,001 x 402 slots
-    // for 2,200 members.
-    let mut names: Vec<String> = (0..200).map(|f| format!("wide.f{f:03}")).collect();
+    // One sample of 600 fields, then 2,000 samples of one: a layout would hold 2,001 x 1,202
+    // slots for 4,601 locations.
+    let mut names: Vec<String> = (0..600).map(|f| format!("wide.f{f:03}")).collect();
     names.extend((0..2000).map(|i| format!("n{i:04}.f000")));
     let members: Vec<(&str, &[u8])> = names.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
     let bytes = archive(&members, Style::Gnu);
     let ix = index(&bytes).unwrap();
-    assert_eq!((ix.num_samples(), ix.fields.len()), (2001, 200));
+    assert_eq!((ix.num_samples(), ix.fields.len()), (2001, 600));
     assert!(ix.layout.is_none());
     let parsed = samples_of(&bytes).unwrap();
-    assert_eq!(parsed[0].1.len(), 200);
+    assert_eq!(parsed[0].1.len(), 600);
     assert_eq!(parsed[2000], ("n1999".into(), vec![("f000".into(), b"x".to_vec())]));
-    // The same fields shared by every sample keep their layout.
+    // Samples of one of 100 optional fields each keep theirs, as do fields every sample shares.
+    let optional: Vec<String> = (0..300).map(|i| format!("s{i:03}.f{:02}", i % 100)).collect();
+    let members: Vec<(&str, &[u8])> = optional.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
+    assert!(index(&archive(&members, Style::Gnu)).unwrap().layout.is_some());
     let shared: Vec<String> = (0..50).flat_map(|i| [format!("s{i:02}.cls"), format!("s{i:02}.jpg")]).collect();
     let members: Vec<(&str, &[u8])> = shared.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
     assert!(index(&archive(&members, Style::Gnu)).unwrap().layout.is_some());
