@@ -465,8 +465,7 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         }
         crate::storage::DatasetUrl::Local { .. } => None,
     };
-    let total =
-        crate::index::build::list(url, s3.as_ref())?.iter().fold(0u64, |sum, (_, len)| sum.saturating_add(*len));
+    let total = crate::index::build::list(url, s3.as_ref())?.iter().map(|&(_, len)| len).fold(0, u64::saturating_add);
     let bar = bytes_bar(total);
     let started = std::time::Instant::now();
     let summary = crate::index::build::index_dataset(url, threads, s3.as_ref(), &Bar(bar.clone()))?;

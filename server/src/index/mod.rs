@@ -563,7 +563,7 @@ impl Dataset {
     pub fn total_bytes(&self) -> u64 {
         // Saturating: sizes from a listing are the store's word (an S3-compatible store may say
         // up to 2^63, a sparse local file too), and a debug build's sum panicked on the overflow.
-        self.shards.iter().fold(0u64, |sum, s| sum.saturating_add(s.len))
+        self.shards.iter().map(|s| s.len).fold(0, u64::saturating_add)
     }
 
     /// Per-shard sample counts, in shard order.

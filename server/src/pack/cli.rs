@@ -32,8 +32,8 @@ Examples:
 
 Samples: files with the same directory and name up to the first dot form one sample (WebDataset
 convention): a/x.jpg and a/x.json are sample a/x with fields jpg and json. Hidden files and files
-without an extension are ignored. A shard may have 1024 distinct fields (clip.0000.jpg .. as one
-sample's frames counts one a frame); past that the pack fails naming the sample. Output: DEST/PREFIX-000000.tar ..., DEST/_shardstream/*.idx
+without an extension are ignored. A shard may have 1024 distinct fields (clip.0000.jpg, clip.0001.jpg, ...
+are one sample with a field per frame); past that the pack fails naming the sample. Output: DEST/PREFIX-000000.tar ..., DEST/_shardstream/*.idx
 (member tables) and DEST/manifest.json, written last. An interrupted pack (Ctrl-C, crash) is
 finished by running the same command with --resume; the result is byte-identical.
 

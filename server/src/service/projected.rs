@@ -146,11 +146,12 @@ impl ProjectedReads {
         };
         // What each way would still download, given what the node cache holds now.
         let copies_missing =
-            plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).fold(0u64, |sum, c| sum.saturating_add(c.len));
-        let wholes_missing: u64 = files
+            plan.copies.iter().filter(|c| !ds.is_cached(&c.key)).map(|c| c.len).fold(0, u64::saturating_add);
+        let wholes_missing = files
             .iter()
             .filter(|f| !whole_copy_serves(ds, f.index))
-            .fold(0u64, |sum, f| sum.saturating_add(f.table.file_len()));
+            .map(|f| f.table.file_len())
+            .fold(0, u64::saturating_add);
         if wholes_missing < copies_missing {
             return Ok(None);
         }

@@ -296,15 +296,13 @@ async fn run(
     let mut progress = PrefetchProgress {
         unit: staging.unit().to_owned(),
         shards_total: head.len() as u64,
-        bytes_total: head.iter().fold(0u64, |sum, &i| sum.saturating_add(staging.len(&ds, i))),
+        bytes_total: head.iter().map(|&i| staging.len(&ds, i)).fold(0, u64::saturating_add),
         ..Default::default()
     };
     // Several files at a time when what is missing fits in the free room; otherwise one at a
     // time, so that no fetch in flight takes the room another one made.
-    let missing = head
-        .iter()
-        .filter(|&&i| !staging.is_cached(&ds, i))
-        .fold(0u64, |sum, &i| sum.saturating_add(staging.len(&ds, i)));
+    let missing =
+        head.iter().filter(|&&i| !staging.is_cached(&ds, i)).map(|&i| staging.len(&ds, i)).fold(0, u64::saturating_add);
     let parallel = if ds.has_room(missing) { STAGE_PARALLEL } else { 1 };
     let mut tasks = tokio::task::JoinSet::new();
     let mut next = 0..limit;

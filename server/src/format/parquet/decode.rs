@@ -193,7 +193,8 @@ pub fn decode_row_group(
         let meta = table.reader_metadata().metadata().row_group(rg);
         (0..meta.num_columns())
             .filter(|&c| proj.mask.leaf_included(c))
-            .fold(0u64, |sum, c| sum.saturating_add(u64::try_from(meta.column(c).uncompressed_size()).unwrap_or(0)))
+            .map(|c| u64::try_from(meta.column(c).uncompressed_size()).unwrap_or(0))
+            .fold(0, u64::saturating_add)
             .saturating_mul(8)
     };
     let batch_rows = if rows <= bits { exact_rows.max(1) } else { exact_rows.clamp(1, DECODE_BATCH_ROWS) };

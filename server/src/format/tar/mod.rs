@@ -105,9 +105,9 @@ pub enum TarError {
     #[error("no sample member in the byte range at offset {offset}")]
     NoMembers { offset: u64 },
     #[error(
-        "member '{name}' at offset {offset} is the shard's {max}th distinct field (extension) and more is \
-         refused: a sample's fields are a handful (jpg, cls, json); a name whose key and extension split \
-         elsewhere than meant (keys with dots) can make every member its own field"
+        "member '{name}' at offset {offset} brings the shard past the {max} distinct fields (extensions) a \
+         shard may have: a sample's fields are a handful (jpg, cls, json); a name whose key and extension \
+         split elsewhere than meant (keys with dots) can make every member its own field"
     )]
     TooManyFields { offset: u64, name: String, max: usize },
     #[error(

@@ -124,7 +124,7 @@ impl Scan {
                     return Err(TarError::TooManyFields {
                         offset: e.header,
                         name: name.to_string(),
-                        max: MAX_SHARD_FIELDS + 1,
+                        max: MAX_SHARD_FIELDS,
                     });
                 }
                 self.fields.insert(field.into_owned());
