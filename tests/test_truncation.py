@@ -1,7 +1,9 @@
 """A shard of a dataset read in place (local or parallel file system) truncated by someone else
 while a trainer uses it: the trainer gets `ShardError` naming the shard, and never dies of SIGBUS
 (which a mapping of the file would give it). The trainer runs in a subprocess so that a SIGBUS
-shows as its exit status instead of killing the test run."""
+shows as its exit status instead of killing the test run. And one rewritten in place at its
+length while a stream reads it: a `ShardError` too, never the new file's samples read at the
+old index's offsets."""
 
 from __future__ import annotations
 
@@ -88,3 +90,66 @@ def test_truncated_shard_is_shard_error_not_sigbus(daemon, tmp_path: Path, trans
     assert out["shard"] and re.search(r"train-00000[0-2]\.tar$", out["shard"]), out
     if when == "held":
         assert out["held_ok"]
+
+
+def write_equal_shards(root: Path, prefix: str, shards: int, seed: int) -> None:
+    """`shards` WebDataset shards of 150 samples of SAMPLE_BYTES, keys `<prefix>/NNNNNN`: shards of
+    equal length whatever the prefix (one character) and the bytes."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    with wds.ShardWriter(str(root / "train-%06d.tar"), maxcount=150, verbose=0) as sink:
+        for i in range(150 * shards):
+            payload = rng.integers(0, 256, SAMPLE_BYTES, dtype=np.uint8).tobytes()
+            sink.write({"__key__": f"{prefix}/{i:06d}", "jpg": payload, "cls": b"3"})
+
+
+@pytest.mark.parametrize(("transport", "collate"), [("inline", None), ("shm", None), ("shm", "stack")])
+def test_a_shard_rewritten_in_place_while_read_is_shard_error_not_other_samples(
+    daemon, tmp_path: Path, transport: str, collate: str | None
+) -> None:
+    import shardstream
+
+    root, other = tmp_path / "ds", tmp_path / "other"
+    write_equal_shards(root, "s", 3, seed=5)
+    write_equal_shards(other, "r", 1, seed=6)
+    target, replacement = root / "train-000002.tar", (other / "train-000000.tar").read_bytes()
+    assert target.stat().st_size == len(replacement)
+    # Shuffled: the window holds all three shards, and a batch of 32 draws on each of them, so
+    # the stream keeps each open (and checked against its listing, before the rewrite) from its
+    # first batch on (a shard no batch draws on for a while is let go of, and checked again when
+    # opened again). Inline, the daemon may have sent up to 64 MiB ahead: 5 of 14 batches.
+    loader = shardstream.Loader(
+        str(root), batch_size=32, shuffle=True, seed=0, transport=transport, collate=collate, connect=daemon.addr
+    )
+    it = iter(loader)
+    keys = list(next(it)["__key__"])
+    assert any(k >= "s/000300" for k in keys)
+    inode = target.stat().st_ino
+    # In place and never shorter (a truncation is the test above): every later read succeeds,
+    # at the old index's offsets, in the other file's samples.
+    with open(target, "r+b") as f:
+        f.write(replacement)
+    assert target.stat().st_ino == inode
+    with pytest.raises(shardstream.ShardError) as e:
+        for batch in it:
+            keys.extend(batch["__key__"])
+    assert "changed while a stream read it" in str(e.value), e.value
+    assert e.value.shard and e.value.shard.endswith("train-000002.tar"), e.value.shard
+    assert not [k for k in keys if not k.startswith("s/")], "a sample of the rewritten file was delivered"
+    assert len(keys) == len(set(keys)) < 450
+
+    # The next open lists the dataset again and reads the shard as it is now, once the daemon saw
+    # the change. In view mode the client reads the shard and may see it first (the daemon checks
+    # the batches it describes, and may have described none since): then that open reuses the
+    # listing, and the shard's open refuses it (marking the dataset changed for the open after).
+    def epoch() -> list[str]:
+        again = shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=daemon.addr)
+        return [k for b in again for k in b["__key__"]]
+
+    try:
+        now = epoch()
+    except shardstream.ShardError as stale:
+        assert (transport, collate) == ("shm", None), stale
+        assert "changed since the dataset was listed; open the dataset again" in str(stale), stale
+        now = epoch()
+    assert sorted(now) == sorted([f"s/{i:06d}" for i in range(300)] + [f"r/{i:06d}" for i in range(150)])

@@ -46,6 +46,9 @@ pub struct Mapping {
     map: Option<Mmap>,
     /// Set for a shard that must be read, not mapped.
     file: Option<std::fs::File>,
+    /// A shard that is read: the length and modification time it must keep
+    /// ([`Self::check_unchanged`]).
+    unchanged: (u64, i64),
     /// The shard's path as this process sees it (for errors).
     pub name: String,
 }
@@ -54,7 +57,7 @@ impl Mapping {
     /// A shard with no bytes to hand out (tests of what holds mappings).
     #[cfg(test)]
     pub(crate) fn unmapped(name: String) -> Self {
-        Self { map: None, file: None, name }
+        Self { map: None, file: None, unchanged: (0, 0), name }
     }
 
     /// The mapped bytes; empty for a shard that is read ([`Self::is_mapped`] false).
@@ -81,6 +84,30 @@ impl Mapping {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = offset;
+    }
+
+    /// Refuses a shard that is read (not mapped) once its length or modification time are not
+    /// those the daemon opened it with: rewritten in place, the bytes read at the daemon's
+    /// offsets may be other samples than it indexed, or none. Called after a batch's reads and
+    /// before its samples are handed out; a write moves the time before it copies a byte, so
+    /// every rewrite a read saw is caught. One `fstat`; nothing to do for a mapped shard.
+    pub fn check_unchanged(&self) -> Result<(), ClientError> {
+        let Some(f) = &self.file else { return Ok(()) };
+        let shard_error = |reason: String| ClientError::Shard { shard: self.name.clone(), offset: None, reason };
+        let meta = f.metadata().map_err(|e| shard_error(format!("cannot stat it: {e}")))?;
+        let now = (meta.len(), mtime_ns(&meta));
+        if now == self.unchanged {
+            return Ok(());
+        }
+        let what = if now.0 == self.unchanged.0 {
+            "its modification time moved".to_owned()
+        } else {
+            format!("it is {} bytes, {} when the daemon opened it", now.0, self.unchanged.0)
+        };
+        Err(shard_error(format!(
+            "changed while a stream read it ({what}): rewritten in place, so what was read may not be the samples \
+             it was indexed with; open the dataset again (a new Loader) to read it as it is now"
+        )))
     }
 
     /// Reads `buf.len()` bytes at `offset` of a shard that is read: a short read means the shard
@@ -134,6 +161,12 @@ fn advise_huge_folios(map: &Mmap) {
     let _ = map.advise(memmap2::Advice::HugePage);
     #[cfg(not(target_os = "linux"))]
     let _ = map;
+}
+
+/// A file's modification time in nanoseconds since the epoch, as the daemon records it.
+fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
+    use std::os::unix::fs::MetadataExt;
+    meta.mtime().saturating_mul(1_000_000_000).saturating_add(meta.mtime_nsec())
 }
 
 /// The path behind a received descriptor, for error messages (best effort).
@@ -617,7 +650,9 @@ impl Inner {
                 Ok((None, _)) | Err(_) => break,
             };
             let outcome = match Frame::decode(&bytes) {
-                Ok(f) if f.kind == wire::KIND_SHARD_FD => self.adopt(f.a, f.b, f.shard_mutable(), f.shard_arena(), fds),
+                Ok(f) if f.kind == wire::KIND_SHARD_FD => {
+                    self.adopt(f.a, f.b, f.shard_in_place(), f.shard_arena(), fds)
+                }
                 Ok(f) if f.kind == wire::KIND_RING_FD => self.adopt_ring(f.a, f.b, fds),
                 Ok(f) if f.kind == wire::KIND_SHARD_FORGET => {
                     self.forget(f.a, f.b == wire::FORGET_EVICTED);
@@ -643,7 +678,16 @@ impl Inner {
         self.arrived.notify_all();
     }
 
-    fn adopt(&self, slot: u64, len: u64, mutable: bool, arena: bool, mut fds: Vec<OwnedFd>) -> Result<(), String> {
+    /// `in_place`: a shard read in place (`SHARD_MUTABLE`), and the modification time the daemon
+    /// opened it with (`SHARD_MTIME`; None from a daemon before it: the file's time now).
+    fn adopt(
+        &self,
+        slot: u64,
+        len: u64,
+        in_place: Option<Option<i64>>,
+        arena: bool,
+        mut fds: Vec<OwnedFd>,
+    ) -> Result<(), String> {
         let fd = fds.pop().ok_or("SHARD_FD frame without a descriptor")?;
         let file = std::fs::File::from(fd);
         let name = fd_name(&file, slot);
@@ -653,9 +697,10 @@ impl Inner {
             return Err(format!("shard {name} is {actual} bytes, the daemon announced {len}"));
         }
         let map = if len == 0 {
-            Arc::new(Mapping { map: None, file: None, name })
-        } else if mutable && !map_in_place() {
-            Arc::new(Mapping { map: None, file: Some(file), name })
+            Arc::new(Mapping { map: None, file: None, unchanged: (0, 0), name })
+        } else if let Some(mtime) = in_place.filter(|_| !map_in_place()) {
+            let unchanged = (len, mtime.unwrap_or_else(|| mtime_ns(&meta)));
+            Arc::new(Mapping { map: None, file: Some(file), unchanged, name })
         } else if arena {
             // A decoded row group's sealed segment: no later stream is sent it again, so it is
             // not kept ([`retained`]).
@@ -670,7 +715,7 @@ impl Inner {
             // row group in its consumer (or in the check of the views, which reads each value's
             // first bytes).
             prefault(&map);
-            Arc::new(Mapping { map: Some(map), file: None, name })
+            Arc::new(Mapping { map: Some(map), file: None, unchanged: (0, 0), name })
         } else {
             // Mapped once per process while unchanged: a later stream finds it kept.
             retained::mapping(&file, &meta, |file| {
@@ -683,7 +728,7 @@ impl Inner {
                 let map = map.map_err(|e| format!("cannot map shard {name}: {e}"))?;
                 advise_huge_folios(&map);
                 prefault(&map);
-                Ok(Mapping { map: Some(map), file: None, name })
+                Ok(Mapping { map: Some(map), file: None, unchanged: (0, 0), name })
             })?
         };
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
@@ -1015,7 +1060,7 @@ mod tests {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         f.write_all(&[7u8; 4096]).unwrap();
         let file = f.reopen().unwrap();
-        let m = Mapping { map: None, file: Some(file), name: f.path().display().to_string() };
+        let m = Mapping { map: None, file: Some(file), unchanged: (0, 0), name: f.path().display().to_string() };
         let mut buf = [0u8; 100];
         m.read_at(&mut buf, 1000).unwrap();
         assert_eq!(buf, [7u8; 100]);
@@ -1028,6 +1073,40 @@ mod tests {
             }
             other => panic!("expected a shard error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_shard_read_in_place_and_rewritten_at_its_length_is_refused_after_the_read() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[7u8; 4096]).unwrap();
+        let meta = f.as_file().metadata().unwrap();
+        let m = Mapping {
+            map: None,
+            file: Some(f.reopen().unwrap()),
+            unchanged: (4096, mtime_ns(&meta)),
+            name: f.path().display().to_string(),
+        };
+        let mut buf = [0u8; 100];
+        m.read_at(&mut buf, 1000).unwrap();
+        m.check_unchanged().unwrap();
+        // Rewritten in place at the same length: every read still succeeds, with other bytes.
+        // The time is set apart from the first write's, which a coarse clock might repeat.
+        use std::io::Seek;
+        f.as_file_mut().rewind().unwrap();
+        f.write_all(&[9u8; 4096]).unwrap();
+        let later = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(2_000_000_000);
+        f.as_file().set_modified(later).unwrap();
+        m.read_at(&mut buf, 1000).unwrap();
+        assert_eq!(buf, [9u8; 100], "the read sees the new bytes: only the check can tell");
+        match m.check_unchanged() {
+            Err(ClientError::Shard { shard, offset: None, reason }) => {
+                assert_eq!(shard, f.path().display().to_string());
+                assert!(reason.contains("changed while a stream read it") && reason.contains("time moved"), "{reason}");
+            }
+            other => panic!("expected a shard error, got {other:?}"),
+        }
+        // A mapped shard (a node-cache copy, immutable) has nothing to check.
+        Mapping::unmapped("copy".into()).check_unchanged().unwrap();
     }
 
     /// Minor page faults of the calling thread so far (`/proc/thread-self/stat`, field 10).
@@ -1083,7 +1162,7 @@ mod tests {
         std::fs::write(&path, vec![4u8; 8192]).unwrap();
         let fd = || vec![OwnedFd::from(std::fs::File::open(&path).unwrap())];
         let inner = unattached();
-        inner.adopt(0, 8192, false, false, fd()).unwrap();
+        inner.adopt(0, 8192, None, false, fd()).unwrap();
         let held = inner.mapping(0).unwrap(); // a batch view still holding it
         inner.forget(0, true);
         let err = inner.mapping(0).unwrap_err().to_string();
@@ -1091,7 +1170,7 @@ mod tests {
         assert_eq!(held.bytes()[0], 4, "views keep their mapping");
         assert_eq!(Arc::strong_count(&held), 1, "neither the session nor the process keeps it");
         // The next slot is unaffected, and the same file sent again is mapped anew.
-        inner.adopt(1, 8192, false, false, fd()).unwrap();
+        inner.adopt(1, 8192, None, false, fd()).unwrap();
         assert!(!Arc::ptr_eq(&held, &inner.mapping(1).unwrap()));
         inner.forget(7, true); // unknown: ignored
 
@@ -1099,7 +1178,7 @@ mod tests {
         inner.forget(1, false);
         assert!(inner.mapping(1).is_err());
         let again = unattached();
-        again.adopt(0, 8192, false, false, fd()).unwrap();
+        again.adopt(0, 8192, None, false, fd()).unwrap();
         let kept = again.mapping(0).unwrap();
         assert_eq!(Arc::strong_count(&kept), 3, "the session's, the kept table's, this");
         // Then evicted: named by its old slot, the kept mapping goes too.
@@ -1130,7 +1209,7 @@ mod tests {
         let path = dir.path().join("shard.tar");
         std::fs::write(&path, vec![3u8; 4 << 20]).unwrap();
         let inner = unattached();
-        inner.adopt(0, 4 << 20, false, false, vec![OwnedFd::from(std::fs::File::open(&path).unwrap())]).unwrap();
+        inner.adopt(0, 4 << 20, None, false, vec![OwnedFd::from(std::fs::File::open(&path).unwrap())]).unwrap();
         let m = inner.mapping(0).unwrap();
         // `hg`: MADV_HUGEPAGE is set on the mapping (whether the kernel then makes 2 MiB folios
         // depends on its THP setting and the file system; bench/map_cost.py measures that).
@@ -1147,8 +1226,8 @@ mod tests {
         f.write_all(&[1u8; 4096]).unwrap();
         // SAFETY: a temporary file nobody else truncates.
         let map = unsafe { memmap2::MmapOptions::new().map(f.as_file()) }.unwrap();
-        let mapped = Mapping { map: Some(map), file: None, name: "mapped".into() };
-        let read = Mapping { map: None, file: Some(f.reopen().unwrap()), name: "read".into() };
+        let mapped = Mapping { map: Some(map), file: None, unchanged: (0, 0), name: "mapped".into() };
+        let read = Mapping { map: None, file: Some(f.reopen().unwrap()), unchanged: (0, 0), name: "read".into() };
         for offset in [0, 4095, 4096, usize::MAX] {
             mapped.prefetch(offset);
             read.prefetch(offset);
@@ -1244,13 +1323,13 @@ mod tests {
             f.write_all(b"abc").unwrap();
             vec![OwnedFd::from(f)]
         };
-        let err = inner.adopt(1 << 40, 3, false, false, shard()).unwrap_err();
+        let err = inner.adopt(1 << 40, 3, None, false, shard()).unwrap_err();
         assert!(err.contains("slot 1099511627776") && err.contains("only 0 slots"), "{err}");
-        inner.adopt(0, 3, false, false, shard()).unwrap();
-        inner.adopt(1, 3, false, false, shard()).unwrap();
-        inner.adopt(1, 3, false, false, shard()).unwrap();
-        assert!(inner.adopt(3, 3, false, false, shard()).is_err());
-        assert!(inner.adopt(u64::MAX, 3, false, false, shard()).is_err());
+        inner.adopt(0, 3, None, false, shard()).unwrap();
+        inner.adopt(1, 3, None, false, shard()).unwrap();
+        inner.adopt(1, 3, None, false, shard()).unwrap();
+        assert!(inner.adopt(3, 3, None, false, shard()).is_err());
+        assert!(inner.adopt(u64::MAX, 3, None, false, shard()).is_err());
         assert_eq!(inner.slots.lock().unwrap().maps.len(), 2);
         assert_eq!(inner.mapping(1).unwrap().bytes(), b"abc");
     }
@@ -1269,7 +1348,7 @@ mod tests {
         let fd = || vec![OwnedFd::from(std::fs::File::open(&path).unwrap())];
         let adopted = |fds| {
             let inner = unattached();
-            inner.adopt(0, 3 << 16, false, false, fds).unwrap();
+            inner.adopt(0, 3 << 16, None, false, fds).unwrap();
             inner.mapping(0).unwrap()
         };
         let first = adopted(fd());
@@ -1295,11 +1374,11 @@ mod tests {
         let f = unnamed();
         let a = {
             let inner = unattached();
-            inner.adopt(0, 4096, false, false, vec![OwnedFd::from(f.try_clone().unwrap())]).unwrap();
+            inner.adopt(0, 4096, None, false, vec![OwnedFd::from(f.try_clone().unwrap())]).unwrap();
             inner.mapping(0).unwrap()
         };
         let inner = unattached();
-        inner.adopt(0, 4096, false, false, vec![OwnedFd::from(f)]).unwrap();
+        inner.adopt(0, 4096, None, false, vec![OwnedFd::from(f)]).unwrap();
         assert!(!Arc::ptr_eq(&a, &inner.mapping(0).unwrap()));
     }
 

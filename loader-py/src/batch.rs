@@ -745,8 +745,14 @@ fn shm_dict<'py>(
             }
             out
         };
-        py.detach(|| reads.into_iter().try_for_each(|(map, buf, offset)| map.read_at(buf, offset)))
-            .map_err(crate::errors::to_pyerr)?;
+        // The shards read here, checked after their reads: one rewritten in place meanwhile is
+        // a ShardError, not other samples at the daemon's offsets.
+        let read: Vec<&Mapping> = regions.iter().map(|r| &*r.1).filter(|m| !m.is_mapped()).collect();
+        py.detach(|| {
+            reads.into_iter().try_for_each(|(map, buf, offset)| map.read_at(buf, offset))?;
+            read.into_iter().try_for_each(Mapping::check_unchanged)
+        })
+        .map_err(crate::errors::to_pyerr)?;
     }
     let copied = if copied.len == 0 { Bytes::new() } else { Bytes::from_owner(copied) };
     let copied_view = if copy || copied.is_empty() {

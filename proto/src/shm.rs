@@ -15,7 +15,8 @@
 //!  kind   direction          a                   b                 payload
 //!  HELLO  client -> daemon   flags               0                 session token (16 bytes), zeros
 //!  ATTACHED daemon -> client 0                   0                 zeros
-//!  SHARD_FD daemon -> client shard slot          shard length      flags (byte 0)   + SCM_RIGHTS fd
+//!  SHARD_FD daemon -> client shard slot          shard length      flags (byte 0), mtime (bytes 8-15)
+//!                                                                      + SCM_RIGHTS fd
 //!  RELEASE client -> daemon  batch index         0                 zeros
 //!  STREAM_END client->daemon first unreceived   0                 zeros
 //!                            batch index (every outstanding batch from it on is released:
@@ -36,7 +37,12 @@
 //! (node-cache copies, immutable while leased) the client maps the shard. Daemons before the flag
 //! sent zeros there: a client then maps, as before. [`SHARD_ARENA`] marks a sealed memfd of a
 //! decoded Parquet row group's bytes, which `binary_view` batches point into: mapped, and never
-//! kept for a later stream (no later stream is sent the same segment).
+//! kept for a later stream (no later stream is sent the same segment). [`SHARD_MTIME`], with
+//! [`SHARD_MUTABLE`]: payload bytes 8-15 hold the file's modification time (nanoseconds since the
+//! epoch, `i64`) when the daemon opened and checked it; the client refuses the shard once its
+//! length or time is not that any more, after reading a batch's samples and before handing them
+//! out (a rewrite in place at the same length would otherwise read as other samples). Daemons
+//! before the flag sent zeros there: a client then takes the time the file has when it arrives.
 //!
 //! SHARD_FORGET says no batch will name that slot again: the client drops the slot's mapping or
 //! descriptor (batch views keep their own). Without it a client kept every shard of its stream
@@ -83,6 +89,9 @@ pub const SHARD_MUTABLE: u8 = 1;
 /// SHARD_FD flag (payload byte 0): a sealed segment of a decoded row group's bytes the daemon
 /// made (`binary_view` Arrow streams); map it, and keep no mapping of it past its SHARD_FORGET.
 pub const SHARD_ARENA: u8 = 2;
+/// SHARD_FD flag (payload byte 0), with [`SHARD_MUTABLE`]: payload bytes 8-15 are the shard's
+/// modification time as the daemon opened it (see the module docs).
+pub const SHARD_MTIME: u8 = 4;
 
 /// Error codes of ERROR frames.
 pub const ERR_UNKNOWN_SESSION: u64 = 1;
@@ -139,13 +148,27 @@ impl Frame {
         f
     }
 
-    /// A SHARD_FD frame for `slot`, `len` bytes long; `mutable`: see [`SHARD_MUTABLE`].
-    pub fn shard_fd(slot: u64, len: u64, mutable: bool) -> Self {
+    /// A SHARD_FD frame for `slot`, `len` bytes long; `in_place`: the modification time of a
+    /// file read in place ([`SHARD_MUTABLE`], [`SHARD_MTIME`]), None for one the client maps.
+    pub fn shard_fd(slot: u64, len: u64, in_place: Option<i64>) -> Self {
         let mut f = Self::new(KIND_SHARD_FD, slot, len);
-        if mutable {
-            f.payload[0] |= SHARD_MUTABLE;
+        if let Some(mtime_ns) = in_place {
+            f.payload[0] |= SHARD_MUTABLE | SHARD_MTIME;
+            f.payload[8..16].copy_from_slice(&mtime_ns.to_le_bytes());
         }
         f
+    }
+
+    /// A SHARD_FD frame's shard read in place ([`SHARD_MUTABLE`]), with its modification time
+    /// when the frame gives it ([`SHARD_MTIME`]); None for a shard the client maps.
+    pub fn shard_in_place(&self) -> Option<Option<i64>> {
+        self.shard_mutable().then(|| self.shard_mtime())
+    }
+
+    /// The modification time a SHARD_FD frame gives its mutable shard ([`SHARD_MTIME`]).
+    pub fn shard_mtime(&self) -> Option<i64> {
+        (self.shard_mutable() && self.payload[0] & SHARD_MTIME != 0)
+            .then(|| i64::from_le_bytes(self.payload[8..16].try_into().unwrap_or_default()))
     }
 
     /// A SHARD_FD frame of a decoded row group's segment ([`SHARD_ARENA`]).
@@ -223,10 +246,15 @@ mod tests {
         let mut bad = bytes;
         bad[0] = b'X';
         assert!(matches!(Frame::decode(&bad), Err(FrameError::Magic(_))));
-        for mutable in [false, true] {
-            let f = Frame::decode(&Frame::shard_fd(3, 99, mutable).encode()).unwrap();
-            assert_eq!((f.kind, f.a, f.b, f.shard_mutable()), (KIND_SHARD_FD, 3, 99, mutable));
+        for in_place in [None, Some(-1), Some(1_733_000_000_123_456_789)] {
+            let f = Frame::decode(&Frame::shard_fd(3, 99, in_place).encode()).unwrap();
+            assert_eq!((f.kind, f.a, f.b, f.shard_mutable()), (KIND_SHARD_FD, 3, 99, in_place.is_some()));
+            assert_eq!(f.shard_mtime(), in_place);
         }
+        // A daemon before SHARD_MTIME: mutable, and no time given (not a time of 0).
+        let mut old = Frame::new(KIND_SHARD_FD, 3, 99);
+        old.payload[0] = SHARD_MUTABLE;
+        assert_eq!((old.shard_mutable(), old.shard_mtime()), (true, None));
         let e = Frame::error(ERR_NOT_HELD, &"é".repeat(40));
         assert!(e.message().chars().all(|c| c == 'é'));
     }

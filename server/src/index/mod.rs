@@ -742,6 +742,16 @@ impl Dataset {
         }
     }
 
+    /// Refuses shard `r` when it is read in place and changed since it was opened
+    /// ([`ShardFile::check_unchanged`]); the dataset is then marked changed, so the next open
+    /// lists it again. A node-cache copy never changes: nothing to check.
+    pub fn check_in_place(&self, r: &ResidentShard) -> Result<()> {
+        if r.pin.is_some() {
+            return Ok(());
+        }
+        r.file.check_unchanged().map_err(|e| self.changed_if(e))
+    }
+
     /// (resident tables, their bytes).
     pub fn resident(&self) -> (usize, usize) {
         let t = self.tables.lock().unwrap_or_else(|p| p.into_inner());

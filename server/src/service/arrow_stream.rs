@@ -27,7 +27,12 @@ struct WorkingFiles<'a> {
 impl crate::format::parquet::dataset::FileReader for WorkingFiles<'_> {
     fn read_bytes(&self, file: usize, offset: u64, len: usize) -> Result<bytes::Bytes> {
         let mut working = self.working.lock().unwrap_or_else(|p| p.into_inner());
-        crate::format::parquet::dataset::read_recycled(&working.get(self.ds, file)?.file, len, offset)
+        let r = working.get(self.ds, file)?;
+        let bytes = crate::format::parquet::dataset::read_recycled(&r.file, len, offset)?;
+        // A file rewritten in place since it was opened: refused before its bytes are decoded
+        // (and kept decoded for other streams).
+        self.ds.check_in_place(r)?;
+        Ok(bytes)
     }
 
     fn cached_copy(&self, file: usize, _rg: usize) -> Result<Option<crate::format::parquet::dataset::CachedCopy>> {

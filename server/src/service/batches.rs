@@ -37,10 +37,35 @@ pub(super) fn sample_of(
     }
 }
 
-/// Reads the samples `ids` into `b`, in order. Before each sample is read, a sample whose stored
-/// bytes exceed `limit` is refused by name (`too_large` says what it is larger than), then
-/// `before(b, i, region)` sees the builder, the sample's place in `ids` and its stored bytes: to
-/// end a part and start the next, or to refuse a batch that outgrows its buffer.
+/// The shards read in place (a local dataset's, `cache="direct"`) that a batch's samples were
+/// read from, each once: [`Self::check`]ed after the reads and before the batch goes out, so a
+/// shard rewritten in place while a stream uses it is a `ShardError`, never samples of another
+/// file at the indexed offsets ([`crate::storage::local::ShardFile::check_unchanged`]).
+/// Node-cache copies never change and are not kept.
+#[derive(Default)]
+pub(super) struct ReadInPlace(Vec<Arc<crate::index::ResidentShard>>);
+
+impl ReadInPlace {
+    pub(super) fn note(&mut self, r: &Arc<crate::index::ResidentShard>) {
+        // A batch draws on the shuffle window's few shards: a short list, the last one first.
+        if r.cache_copy().is_some() || self.0.iter().rev().any(|seen| Arc::ptr_eq(seen, r)) {
+            return;
+        }
+        self.0.push(r.clone());
+    }
+
+    /// Checks every shard noted since the last check, and forgets them.
+    pub(super) fn check(&mut self, ds: &Dataset) -> Result<()> {
+        self.0.drain(..).try_for_each(|r| ds.check_in_place(&r))
+    }
+}
+
+/// Reads the samples `ids` into `b`, in order, and returns the shards read in place among theirs.
+/// Before each sample is read, a sample whose stored bytes exceed `limit` is refused by name
+/// (`too_large` says what it is larger than), then `before(b, i, region, reads)` sees the builder,
+/// the sample's place in `ids`, its stored bytes and the shards read in place so far: to end a
+/// part and start the next (checking `reads` first), or to refuse a batch that outgrows its
+/// buffer. The caller checks what is returned before the batch goes out.
 fn gather<B: Append>(
     ds: &Dataset,
     working: &mut Working,
@@ -48,9 +73,10 @@ fn gather<B: Append>(
     b: &mut InlineBatchBuilder<B>,
     limit: u64,
     too_large: &dyn Fn() -> String,
-    mut before: impl FnMut(&mut InlineBatchBuilder<B>, usize, u64) -> Result<()>,
-) -> Result<()> {
+    mut before: impl FnMut(&mut InlineBatchBuilder<B>, usize, u64, &mut ReadInPlace) -> Result<()>,
+) -> Result<ReadInPlace> {
     let mut current = None;
+    let mut reads = ReadInPlace::default();
     for (i, &id) in ids.iter().enumerate() {
         let (resident, local) = sample_of(ds, working, id, &mut current)?;
         // The region the sample's read appends (its TAR members).
@@ -64,10 +90,11 @@ fn gather<B: Append>(
             let l = LargestSample { shard: *shard, local, offset: Some(range.start), bytes: region };
             return Err(oversized_sample(ds, l, &too_large()));
         }
-        before(b, i, region)?;
+        before(b, i, region, &mut reads)?;
         b.add_sample(&resident, local)?;
+        reads.note(&resident);
     }
-    Ok(())
+    Ok(reads)
 }
 
 /// Reads one batch (blocking): one message, or several when the batch's bytes exceed
@@ -94,8 +121,9 @@ pub(super) fn build_batch(
     let mut bytes = 0;
     let too_large = || format!("the inline message limit of {}", inline::limit_text());
     let message = |p: InlineBatch| StreamMessage { kind: Some(stream_message::Kind::InlineBatch(p)) };
-    gather(ds, working, ids, &mut b, limit, &too_large, |b, i, region| {
+    let mut reads = gather(ds, working, ids, &mut b, limit, &too_large, |b, i, region, reads| {
         if !b.is_empty() && b.data_len() as u64 + region > limit {
+            reads.check(ds)?;
             let left = ids.len() - i;
             let full = std::mem::replace(b, InlineBatchBuilder::new(fields, all_fields, left, capacity(left)));
             bytes += full.payload_bytes();
@@ -105,6 +133,7 @@ pub(super) fn build_batch(
         }
         Ok(())
     })?;
+    reads.check(ds)?;
     bytes += b.payload_bytes();
     Ok((message(b.finish(index, false)), bytes))
 }
@@ -163,7 +192,7 @@ pub(super) fn build_rdma_batch(
         let slot_bytes = buf.len() as u64;
         let mut b = InlineBatchBuilder::with_buffer(fields, all_fields, ids.len(), Fixed::new(buf));
         let too_large = || format!("the client's rdma ring slots of {slot_bytes} bytes (SHARDSTREAM_RDMA_SLOT_BYTES)");
-        gather(ds, working, ids, &mut b, slot_bytes, &too_large, |b, _, region| {
+        let mut reads = gather(ds, working, ids, &mut b, slot_bytes, &too_large, |b, _, region, _| {
             if b.data_len() as u64 + region > slot_bytes {
                 return Err(Error::invalid(format!(
                     "transport \"rdma\": batch {index} of {} samples outgrows the client's {slot_bytes}-byte ring \
@@ -174,6 +203,8 @@ pub(super) fn build_rdma_batch(
             }
             Ok(())
         })?;
+        // Before the write is posted: the client never sees the batch.
+        reads.check(ds)?;
         let bytes = b.payload_bytes();
         let (keys, columns, len) = b.into_parts();
         Ok((len, (bytes, keys, columns)))
@@ -220,7 +251,8 @@ pub(super) fn build_shm_batch(
                 // the client then reads it rather than maps it (SIGBUS otherwise).
                 let mutable = ds.mode == CacheMode::Direct
                     && matches!(ds.shards.get(shard).map(|m| &m.source), Some(crate::storage::ShardSource::Local(_)));
-                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len, mutable)?;
+                let in_place = mutable.then_some(r.file.mtime_ns);
+                let slot = session.slot_for(&r.file.path, &r.file.file, r.file.len, in_place)?;
                 e.insert((slot, r))
             }
         };
@@ -233,6 +265,12 @@ pub(super) fn build_shm_batch(
         b.lengths.push(range.end - range.start);
         bytes += range.end - range.start;
         located.add(&resident.table, shard, local);
+    }
+    // The client reads the shards read in place itself and checks them after its reads; this
+    // check refuses to describe a batch of a shard known changed, and marks the dataset changed
+    // (the next open lists it again) even when the client's check came first.
+    for (_, r) in shards.values() {
+        ds.check_in_place(r)?;
     }
     // The metric's payload bytes, as inline batches count them; a batch with a shard indexed
     // before layouts existed counts its samples' stored bytes.
@@ -360,6 +398,10 @@ pub(super) fn build_packed_batch<'s>(
         (samples?, working.take_wait())
     };
     let g = packed::gather(fields, &samples, index, |need| session.acquire_slot(credit, need, cancelled))?;
+    // Before the slot is published (an unpublished slot goes back to the ring).
+    let mut reads = ReadInPlace::default();
+    samples.iter().for_each(|(r, _)| reads.note(r));
+    reads.check(ds)?;
     let mut batch =
         PackedBatch { batch_index: index, ring: g.guard.ring(), slot: g.guard.slot(), ..Default::default() };
     if joined_keys {

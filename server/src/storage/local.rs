@@ -338,6 +338,34 @@ impl ShardFile {
         unlike_listing(&self.path, (self.len, self.mtime_ns), self.len, listed_ns)
     }
 
+    /// Refuses a file no longer as it was opened (its length or modification time): a shard
+    /// read in place that was rewritten while a stream read it. The open's check against the
+    /// listing cannot see that, and a rewrite at the same length (TAR pads members to 512 bytes)
+    /// reads as a well-formed shard: other samples at the indexed offsets, or garbage. Called
+    /// after a batch's reads from the file and before the batch is handed out, it catches every
+    /// rewrite a read saw: a write moves the time before it copies a byte. One `fstat` of the
+    /// open descriptor, no path lookup.
+    pub fn check_unchanged(&self) -> Result<()> {
+        let now = self.file.metadata().map_err(|e| Error::io("cannot stat shard", &self.path, e))?;
+        let (len, mtime) = (now.len(), mtime_ns(&now));
+        if (len, mtime) == (self.len, self.mtime_ns) {
+            return Ok(());
+        }
+        let what = if len == self.len {
+            format!("its modification time moved ({} ns after the open's)", mtime.saturating_sub(self.mtime_ns))
+        } else {
+            format!("it is {len} bytes, {} when opened", self.len)
+        };
+        Err(Error::Shard {
+            shard: self.name.clone(),
+            offset: None,
+            reason: format!(
+                "changed while a stream read it ({what}): rewritten in place, so what was read may not be the \
+                 samples it was indexed with"
+            ),
+        })
+    }
+
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
     /// after it was indexed and is reported as a shard error naming the offset.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
@@ -554,6 +582,32 @@ mod tests {
         assert_eq!(&buf[4..5004], &data[1234..6234]);
         assert_eq!(buf[5004], data[9999]);
         assert_eq!(buf.len(), 5005);
+    }
+
+    #[test]
+    fn a_shard_rewritten_in_place_since_it_was_opened_is_refused_by_its_check() {
+        use std::os::unix::fs::FileExt;
+        let data = vec![7u8; 4096];
+        let (_dir, f) = shard(&data);
+        f.check_unchanged().expect("as opened");
+        // Rewritten at its length, without truncation: every read succeeds, with other bytes.
+        let writer = std::fs::OpenOptions::new().write(true).open(&f.path).expect("open for writing");
+        writer.write_all_at(&[9u8; 4096], 0).expect("rewrite");
+        // Apart from the first write's time, which a coarse clock might repeat.
+        writer.set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(2_000_000_000)).expect("set time");
+        assert_eq!(f.read_vec(4, 100).expect("read"), [9u8; 4]);
+        let err = f.check_unchanged().expect_err("rewritten");
+        assert!(
+            matches!(&err, Error::Shard { offset: None, reason, .. }
+                if reason.contains("changed while a stream read it") && reason.contains("modification time moved")),
+            "{err}"
+        );
+        writer.set_len(5000).expect("grow");
+        let err = f.check_unchanged().expect_err("grown");
+        assert!(
+            matches!(&err, Error::Shard { reason, .. } if reason.contains("5000 bytes, 4096 when opened")),
+            "{err}"
+        );
     }
 
     #[test]

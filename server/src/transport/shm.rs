@@ -678,9 +678,10 @@ impl Session {
     }
 
     /// The slot of `shard` for this client, sending its descriptor first if needed.
-    /// `mutable`: the file is read in place and may change under the client (see
-    /// [`wire::SHARD_MUTABLE`]): the client reads it instead of mapping it.
-    pub fn slot_for(&self, path: &Path, file: &std::fs::File, len: u64, mutable: bool) -> Result<u32> {
+    /// `in_place`: the file is read in place and may change under the client (see
+    /// [`wire::SHARD_MUTABLE`]): the client reads it instead of mapping it, and refuses it once
+    /// it no longer has `len` bytes and this modification time ([`wire::SHARD_MTIME`]).
+    pub fn slot_for(&self, path: &Path, file: &std::fs::File, len: u64, in_place: Option<i64>) -> Result<u32> {
         let mut st = lock(&self.state);
         if let Some(&slot) = st.sent.get(path) {
             st.done.remove(path); // used again: not done after all
@@ -690,7 +691,7 @@ impl Session {
         let slot = st.next_slot;
         let fd = file.try_clone().map_err(|e| Error::io("cannot duplicate descriptor of", path, e))?;
         let fd: OwnedFd = fd.into();
-        send_frame(&*sock, &Frame::shard_fd(u64::from(slot), len, mutable), Some(fd.as_fd()))
+        send_frame(&*sock, &Frame::shard_fd(u64::from(slot), len, in_place), Some(fd.as_fd()))
             .map_err(|e| to_client("pass shard descriptor", e))?;
         st.sent.insert(path.to_owned(), slot);
         st.next_slot += 1;
@@ -1212,7 +1213,7 @@ mod tests {
         let (told, untold) = (hub.new_session(4).unwrap(), hub.new_session(4).unwrap());
         let (told_sock, untold_sock) = (attach(&hub, &told, wire::HELLO_FORGETS), attach(&hub, &untold, 0));
         for (s, sock) in [(&told, &told_sock), (&untold, &untold_sock)] {
-            assert_eq!(s.slot_for(&shard, &file, 11, false).unwrap(), 0);
+            assert_eq!(s.slot_for(&shard, &file, 11, None).unwrap(), 0);
             assert_eq!(next_frame(sock).kind, wire::KIND_SHARD_FD);
         }
 
@@ -1225,7 +1226,7 @@ mod tests {
 
         // Needed again (a new copy at the same path): a new slot and descriptor, never slot 0.
         for (s, sock) in [(&told, &told_sock), (&untold, &untold_sock)] {
-            assert_eq!(s.slot_for(&shard, &file, 11, false).unwrap(), 1);
+            assert_eq!(s.slot_for(&shard, &file, 11, None).unwrap(), 1);
             let f = next_frame(sock);
             assert_eq!((f.kind, f.a), (wire::KIND_SHARD_FD, 1));
         }
@@ -1244,7 +1245,7 @@ mod tests {
         let session = hub.new_session(4).unwrap();
         let sock = attach(&hub, &session, wire::HELLO_FORGETS);
         for p in [&a, &b] {
-            session.slot_for(p, &std::fs::File::open(p).unwrap(), 5, true).unwrap();
+            session.slot_for(p, &std::fs::File::open(p).unwrap(), 5, Some(0)).unwrap();
         }
         assert_eq!(pending(&sock).len(), 2);
         session.lease(7, vec![a.clone()]);
@@ -1261,12 +1262,12 @@ mod tests {
         assert_eq!((f.len(), f[0].a, f[0].b), (1, 0, wire::FORGET_DONE));
 
         // Used again before its last batch was released: not forgotten.
-        let slot = session.slot_for(&a, &std::fs::File::open(&a).unwrap(), 5, true).unwrap();
+        let slot = session.slot_for(&a, &std::fs::File::open(&a).unwrap(), 5, Some(0)).unwrap();
         assert_eq!(slot, 2);
         let _ = pending(&sock);
         session.lease(9, vec![a.clone()]);
         session.done_with(std::iter::once(a.as_path()));
-        assert_eq!(session.slot_for(&a, &std::fs::File::open(&a).unwrap(), 5, true).unwrap(), 2);
+        assert_eq!(session.slot_for(&a, &std::fs::File::open(&a).unwrap(), 5, Some(0)).unwrap(), 2);
         assert!(session.release(9));
         assert!(pending(&sock).is_empty(), "a was used again after the working set let it go");
 
@@ -1281,11 +1282,11 @@ mod tests {
         // A client that cannot be told keeps its slots.
         let old = hub.new_session(4).unwrap();
         let old_sock = attach(&hub, &old, 0);
-        assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, true).unwrap(), 0);
+        assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, Some(0)).unwrap(), 0);
         let _ = pending(&old_sock);
         old.done_with(std::iter::once(b.as_path()));
         assert!(pending(&old_sock).is_empty());
-        assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, true).unwrap(), 0);
+        assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, Some(0)).unwrap(), 0);
     }
 
     #[test]
