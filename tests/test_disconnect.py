@@ -163,3 +163,46 @@ next(it)
 print("streaming", flush=True)
 time.sleep(600)
 """
+
+
+@pytest.mark.parametrize(("transport", "workers"), [("shm", None), ("inline", None), ("auto", 2)])
+def test_iterating_again_after_a_restart_continues_where_the_daemon_was_lost(
+    dataset, tmp_path, transport: str, workers: int | None
+) -> None:
+    """A retry loop around an epoch (catch ConnectionError, wait for the daemon, iterate again) gets
+    every sample once: the position stays where the lost iteration stopped. It started the epoch
+    over, repeating every batch taken before the daemon went away."""
+    import shardstream.torch as sst
+
+    root, samples = dataset
+    d = Daemon(tmp_path).start()
+    try:
+        if workers is None:
+            loader = shardstream.Loader(str(root), batch_size=8, seed=3, transport=transport, connect=d.addr)
+            epoch = loader
+        else:
+            ds = sst.IterableDataset(str(root), batch_size=8, seed=3, connect=d.addr)
+            epoch = loader = sst.DataLoader(ds, num_workers=workers)
+        keys: list[str] = []
+        lost = 0
+        while True:
+            try:
+                for batch in epoch:
+                    keys.extend(batch["__key__"])
+                    if lost == 0 and len(keys) >= 80:
+                        d.kill()
+                break
+            except ConnectionError:
+                lost += 1
+                assert lost == 1, "lost the daemon twice"
+                assert loader.state_dict()["batches_consumed"] * 8 == len(keys)
+                d = Daemon(tmp_path).start()
+        assert lost == 1
+        assert len(keys) == len(set(keys)), f"{len(keys) - len(set(keys))} samples repeated"
+        assert sorted(keys) == sorted(samples)
+        # A break is the caller's: the next iteration begins the epoch.
+        first = next(iter(epoch))["__key__"]
+        assert list(next(iter(epoch))["__key__"]) == list(first)
+    finally:
+        if d.alive():
+            d.kill()

@@ -666,7 +666,17 @@ class Loader:
                 if self._iterations != mine:
                     raise self._cut_short()
                 t0 = perf_counter()
-                batch = stream.next_batch()
+                try:
+                    batch = stream.next_batch()
+                except ConnectionError:
+                    # The daemon went away (a restart, a crash): the position stays where this
+                    # iteration stopped, so iterating again once it is back continues with the
+                    # next batch, as load_state_dict(state_dict()) would; starting the epoch over
+                    # would repeat every batch taken. A break, by contrast, is the caller's: the
+                    # next iteration begins the epoch, as a DataLoader's does.
+                    if self._iterations == mine:
+                        self._start_batch = self._consumed
+                    raise
                 t1 = perf_counter()
                 self._stats["wait_s"] += t1 - t0
                 if batch is None:

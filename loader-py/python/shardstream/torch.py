@@ -498,6 +498,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             # Persistent workers: torch has just dropped the batches the last iteration left in
             # flight; their slots are free before the workers build this epoch's batches into them.
             memory.collect()
+        lost = False
         try:
             for batch in batches:
                 ds._consumed += 1
@@ -508,12 +509,17 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                     memory.collect()
                     batch = memory.receive(batch)
                 yield batch
+        except ConnectionError:
+            lost = True
+            raise
         finally:
             # The start applies to this iteration alone, ended or left (a break): the next one
-            # begins the epoch, as a Loader's does. The workers have read it by now, or will not
-            # (non-persistent ones end with this iterator; persistent ones read it again when the
-            # next iteration starts). state_dict() still says where this one stood.
-            ds.start_batch = 0
+            # begins the epoch, as a Loader's does; but after a lost daemon (a worker's
+            # ConnectionError, re-raised here), where this one stopped, as a Loader's does too.
+            # The workers have read it by now, or will not (non-persistent ones end with this
+            # iterator; persistent ones read it again when the next iteration starts).
+            # state_dict() still says where this one stood.
+            ds.start_batch = ds._consumed if lost else 0
             # This iteration's batch memory is its own (persistent workers keep their copy): a
             # plain DataLoader iterating the dataset next would stack its batches into it and
             # yield the handles that only this loader unwraps.
