@@ -10,6 +10,7 @@ import glob
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -583,8 +584,14 @@ def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree, re
         d = Daemon(tmp_path / "daemon", env=s3.env()).start()
         try:
             for url in (out, f"{out}shard-*.tar"):
-                with pytest.raises(ValueError, match="unfinished"):
+                with pytest.raises(ValueError, match="unfinished") as refused:
                     next(iter(shardstream.Loader(url, batch_size=4, connect=d.addr)))
+            # The refusal names the shards uploaded so far (two at least), by a pattern that opens.
+            named = re.search(r"shards there so far knowingly, name them \((s3://\S+\.tar)\)", str(refused.value))
+            assert named, refused.value
+            uploaded = sorted(p.name for p in prefix.glob("shard-*.tar"))
+            assert named.group(1) == f"{out}shard-{{{uploaded[0][6:12]}..{uploaded[-1][6:12]}}}.tar", uploaded
+            assert sum(len(b) for b in shardstream.Loader(named.group(1), batch_size=4, connect=d.addr)) > 0
         finally:
             d.stop()
 

@@ -116,13 +116,49 @@ pub fn journal_path(dest: &Path) -> PathBuf {
 /// The refusal of a dataset place (ending with `/`) that holds a pack's `journal` (a path or URL)
 /// and no manifest. `pack` writes the manifest last, so the shards there are only part of its
 /// dataset: a listing or a glob would serve them as the whole. Named shards are each there whole
-/// or not found by name, so naming them is how to serve them knowingly.
-pub fn unfinished(place: &str, journal: &str) -> Error {
+/// or not found by name, so naming them is how to serve them knowingly: `shards`, the shard names
+/// the listing found there, give the pattern to name them by (a local pack keeps its shards in
+/// staging until it publishes them with its manifest, so there are usually none).
+pub fn unfinished(place: &str, journal: &str, shards: &[&str]) -> Error {
+    let serve = match shards {
+        [] => format!(" None of its shards is at {place} yet."),
+        [one] => format!(" To serve the one shard there so far knowingly, name it ({place}{one})."),
+        _ => match brace_pattern(shards) {
+            Some(pattern) => {
+                format!(" To serve the {} shards there so far knowingly, name them ({place}{pattern}).", shards.len())
+            }
+            None => format!(
+                " To serve the {} shards there so far knowingly, name them in a brace pattern ({place}{}, ...).",
+                shards.len(),
+                shards[0]
+            ),
+        },
+    };
     Error::invalid(format!(
         "{place} is an unfinished `shardstream pack` ({journal} is there, its manifest.json is not yet): \
-         wait for the pack to finish, or finish it with `shardstream pack ... --resume`. To serve the shards \
-         there so far knowingly, name them ({place}shard-{{000000..000009}}.tar)"
+         wait for the pack to finish, or finish it with `shardstream pack ... --resume`.{serve}"
     ))
+}
+
+/// The brace pattern naming exactly `names` (`train-{000000..000011}.tar`) when they are one
+/// numbered run: a stem, consecutive numbers of one width, an extension. None otherwise.
+fn brace_pattern(names: &[&str]) -> Option<String> {
+    let split = |name: &'_ str| -> Option<(String, String, String)> {
+        let (base, ext) = name.rsplit_once('.')?;
+        let digits = base.len() - base.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+        (digits > 0).then(|| {
+            let (stem, number) = base.split_at(base.len() - digits);
+            (stem.to_owned(), number.to_owned(), ext.to_owned())
+        })
+    };
+    let mut parts = names.iter().map(|n| split(n)).collect::<Option<Vec<_>>>()?;
+    parts.sort_by(|a, b| a.1.cmp(&b.1));
+    let (stem, first, ext) = parts.first()?.clone();
+    let same = parts.iter().all(|(s, n, e)| *s == stem && n.len() == first.len() && *e == ext);
+    let numbers = parts.iter().map(|(_, n, _)| n.parse::<u64>().ok()).collect::<Option<Vec<_>>>()?;
+    let consecutive = numbers.windows(2).all(|w| w[0].checked_add(1) == Some(w[1]));
+    let last = &parts.last()?.1;
+    (same && consecutive).then(|| format!("{stem}{{{first}..{last}}}.{ext}"))
 }
 
 /// Reads a journal; `Ok(None)` when there is none.
@@ -205,6 +241,21 @@ mod tests {
     use super::*;
     use crate::pack::group::GroupOptions;
     use crate::pack::report::Reporter;
+
+    #[test]
+    fn a_brace_pattern_names_one_numbered_run_or_nothing() {
+        assert_eq!(brace_pattern(&["a-000003.tar", "a-000002.tar"]).as_deref(), Some("a-{000002..000003}.tar"));
+        assert_eq!(brace_pattern(&["x9.parquet", "x10.parquet"]), None, "numbers of two widths");
+        assert_eq!(brace_pattern(&["a-01.tar", "a-03.tar"]), None, "a gap");
+        assert_eq!(brace_pattern(&["a-01.tar", "b-02.tar"]), None, "two stems");
+        assert_eq!(brace_pattern(&["a-01.tar", "a-02.parquet"]), None, "two formats");
+        assert_eq!(brace_pattern(&["a.tar", "b.tar"]), None, "no numbers");
+        let err = unfinished("d/", "d/_shardstream/pack-journal.jsonl", &["a.tar", "b.tar"]).to_string();
+        assert!(
+            err.contains("the 2 shards there so far knowingly, name them in a brace pattern (d/a.tar, ...)"),
+            "{err}"
+        );
+    }
 
     fn rec(shard: u64, first: u64, end: u64) -> ShardRecord {
         ShardRecord {

@@ -86,9 +86,12 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 let journal = crate::pack::journal::journal_path(dir);
                 crate::metrics::local_stat(1);
                 if journal.try_exists().map_err(|e| Error::io("cannot inspect", &journal, e))? {
+                    let shards: Vec<&str> =
+                        found.iter().map(String::as_str).filter(|n| !super::pick::is_hidden(n)).collect();
                     return Err(crate::pack::journal::unfinished(
                         &super::dir_base(dir),
                         &journal.display().to_string(),
+                        &shards,
                     ));
                 }
             }
@@ -679,6 +682,8 @@ mod tests {
         for pick in [Pick::All, glob.clone()] {
             let err = list_shards(dir, &pick).expect_err("an unfinished pack").to_string();
             assert!(err.contains("unfinished") && err.contains("_shardstream/pack-journal.jsonl"), "{err}");
+            let named = format!("name it ({}/shard-000000.tar)", dir.display());
+            assert!(err.contains(&named), "{err}");
         }
         let named = Pick::Names(vec!["shard-000000.tar".into()]);
         assert_eq!(list_shards(dir, &named).expect("named shard").len(), 1);

@@ -382,9 +382,15 @@ fn shards_in_listing(
     // manifest to a glob's narrowed listing.
     let names = matches!(pick, crate::storage::Pick::Names(_));
     if let Some(journal) = pack_journal.filter(|_| !names && !manifest) {
+        let shards: Vec<&str> = found
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .filter(|n| crate::format::Format::is_shard_name(n) && !crate::storage::pick::is_hidden(n))
+            .collect();
         return Err(crate::pack::journal::unfinished(
             &format!("s3://{bucket}/{prefix}"),
             &format!("s3://{bucket}/{journal}"),
+            &shards,
         ));
     }
     let own_shard =
@@ -1485,6 +1491,18 @@ mod tests {
         let running = vec![obj("p/shard-000000.tar"), obj("p/_shardstream/pack-journal.jsonl")];
         let err = shards_in_listing(running.clone(), "bk", "p/", &Pick::All).unwrap_err().to_string();
         assert!(err.contains("unfinished") && err.contains("s3://bk/p/_shardstream/pack-journal.jsonl"), "{err}");
+        assert!(err.contains("name it (s3://bk/p/shard-000000.tar)"), "{err}");
+        // The shards there so far, by the pattern that names them (the listing's order is not).
+        let three = vec![obj("p/train-0002.tar"), obj("p/train-0000.tar"), obj("p/train-0001.tar")];
+        let err =
+            shards_in_listing([three, vec![obj("p/_shardstream/pack-journal.jsonl")]].concat(), "bk", "p/", &Pick::All);
+        let err = err.unwrap_err().to_string();
+        assert!(
+            err.contains("the 3 shards there so far knowingly, name them (s3://bk/p/train-{0000..0002}.tar)"),
+            "{err}"
+        );
+        let none = shards_in_listing(vec![obj("p/_shardstream/pack-journal.jsonl")], "bk", "p/", &Pick::All);
+        assert!(none.unwrap_err().to_string().contains("None of its shards is at s3://bk/p/ yet"));
         // Done: the manifest is written last (an `index` of a packed prefix lists it too).
         let done = [running.clone(), vec![obj("p/manifest.json")]].concat();
         assert_eq!(shards_in_listing(done.clone(), "bk", "p/", &Pick::All).unwrap().len(), 1);
