@@ -477,8 +477,9 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         keys => format!("; partition keys: {}", keys.join(", ")),
     };
     outln!(
-        "indexed {} shards, {} samples, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
+        "indexed {} shard{}, {} samples, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
         m.shards.len(),
+        if m.shards.len() == 1 { "" } else { "s" },
         m.total_samples,
         m.total_bytes as f64 / 1e6,
         m.total_bytes as f64 / 1e6 / secs.max(1e-9),

@@ -93,8 +93,8 @@ impl RemoteOptions {
         let tokens = self.token_file.as_deref().map(Tokens::load).transpose()?.map(Arc::new);
         match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => {
-                let (cert_pem, key_pem) = (read(cert)?, read(key)?);
-                let ca_pem = self.tls_client_ca.as_deref().map(read).transpose()?;
+                let (cert_pem, key_pem) = (read("--tls-cert", cert)?, read("--tls-key", key)?);
+                let ca_pem = self.tls_client_ca.as_deref().map(|ca| read("--tls-client-ca", ca)).transpose()?;
                 if tokens.is_none() && ca_pem.is_none() {
                     return Err(bad("TLS alone does not say who may connect: give --tokens (bearer \
                                     tokens) or --tls-client-ca (client certificates), or both"
@@ -184,8 +184,10 @@ fn server_config(
     Ok(config)
 }
 
-fn read(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| Error::io("cannot read", path, e))
+/// The file the option `flag` names; an error names both (a bare "not found" left the user to
+/// guess which of three files it was).
+fn read(flag: &str, path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::invalid(format!("{flag} {}: cannot read it: {e}", path.display())))
 }
 
 /// True when every address `host:port` names is a loopback address.
@@ -400,7 +402,7 @@ mod tests {
             ..Default::default()
         };
         let e = o.check("0.0.0.0:1").unwrap_err().to_string();
-        assert!(e.contains("/nonexistent/cert.pem"), "{e}");
+        assert!(e.contains("--tls-cert /nonexistent/cert.pem: cannot read it"), "{e}");
         let o = RemoteOptions { token_file: Some("/nonexistent/tokens".into()), insecure: true, ..Default::default() };
         assert!(o.check("127.0.0.1:1").unwrap_err().to_string().contains("/nonexistent/tokens"));
     }

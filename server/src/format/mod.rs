@@ -99,7 +99,8 @@ impl Format {
                 Some((g, first)) if g != f => {
                     return Err(Error::invalid(format!(
                         "dataset {origin} mixes shard formats ({first} is {}, {name} is {}); \
-                         put each format in its own directory or name the shards with a brace pattern",
+                         put each format in its own directory (a Loader may also read one format's shards \
+                         by naming them with a brace pattern; `shardstream index` takes a directory of one format)",
                         g.name(),
                         f.name()
                     )));

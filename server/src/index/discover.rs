@@ -146,6 +146,9 @@ impl Discovered {
                 row_group_check: RowGroupCheck::from_facts(s.page_checksums, s.etag_md5.filter(|_| s.etag.is_some())),
             })
         };
+        /// A shard a pattern names that the manifest does not list (the manifest is the listing).
+        const MANIFEST_LACKS: &str =
+            "shard (not in the dataset's manifest.json: run `shardstream index` again if it was added since)";
         let shards: Vec<ShardMeta> = match pick {
             // The manifest is the listing: the same glob and the same split check.
             Pick::All | Pick::Every | Pick::Glob(_) => {
@@ -159,7 +162,7 @@ impl Discovered {
                     .iter()
                     .map(|n| {
                         by_name.get(n.as_str()).map_or_else(
-                            || Err(Error::NotFound { what: "shard (in manifest.json)", path: format!("{base}{n}") }),
+                            || Err(Error::NotFound { what: MANIFEST_LACKS, path: format!("{base}{n}") }),
                             |s| to_meta(s),
                         )
                     })

@@ -155,12 +155,16 @@ fn key_problem(key: &str, field: &str) -> Option<&'static str> {
     if first.len() >= 4 && first.starts_with("__") && first.ends_with("__") {
         return Some("a first component __like_this__ is reserved for WebDataset metadata");
     }
+    // Before the dot: a key regex whose key took the whole name (`^(.*)$`) leaves no field, and
+    // its key's dot is only the symptom.
+    if field.is_empty() {
+        return Some(
+            "empty field (the field is the (?P<field>...) group, else what follows the key's match, after a dot)",
+        );
+    }
     let last = key.rsplit('/').next().unwrap_or(key);
     if last.contains('.') {
         return Some("the key's last component contains a dot (it would read back as a shorter key)");
-    }
-    if field.is_empty() {
-        return Some("empty field");
     }
     if field.contains('/') || field.contains('\0') || key.contains('\0') {
         return Some("field contains '/' or NUL");

@@ -238,17 +238,20 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
             path: url.to_owned(),
             reason: format!(
                 "no usable AWS credentials ({detail}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, \
-                 AWS_PROFILE, or give the node a role"
+                 AWS_PROFILE, or give the node a role, in the environment of the process that reads the bucket \
+                 (the daemon's, for a Loader or `shardstream prefetch`)"
             ),
         }),
         (SdkError::DispatchFailure(_), _) => Failure::Permanent(Error::invalid(format!(
-            "{url}: the request could not be made: {detail} (check AWS_ENDPOINT_URL and the other AWS_* settings)"
+            "{url}: the request could not be made: {detail} (check AWS_ENDPOINT_URL and the other AWS_* settings \
+             of the process that reads the bucket: the daemon's, for a Loader or `shardstream prefetch`)"
         ))),
         (_, Some(404)) => Failure::Permanent(Error::NotFound { what: "S3 object", path: url.to_owned() }),
         (_, Some(401 | 403)) => Failure::Permanent(Error::PermissionDenied {
             path: url.to_owned(),
             reason: format!(
-                "{} (check the AWS_* credentials and the bucket policy)",
+                "{} (check the bucket policy, and the AWS_* credentials of the process that reads the bucket: \
+                 the daemon's, for a Loader or `shardstream prefetch`)",
                 code.as_deref().unwrap_or("denied")
             ),
         }),
