@@ -262,6 +262,63 @@ def test_an_embedded_server_on_a_held_cache_says_so_and_a_retry_works(dataset, t
     assert proc.returncode == 0 and f"then: {len(samples)}" in out, (out, err)
 
 
+EMBEDDED_THEN_KILLED = """
+import sys, shardstream
+next(iter(shardstream.Loader(sys.argv[1], batch_size=4, cache="copy")))
+print("streaming", flush=True)
+sys.stdin.readline()  # killed here: no atexit runs
+"""
+
+
+def test_the_directory_a_killed_trainers_embedded_server_left_goes_at_the_next_ones_start(
+    dataset, tmp_path: Path
+) -> None:
+    """A trainer without a node daemon runs an embedded server in a private directory of $TMPDIR
+    (its socket, and node-cache copies with cache="copy"), removed at exit; a SIGKILLed trainer's
+    stayed there for good, one per killed run."""
+    root, _ = dataset
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDSTREAM_ADDR", "SHARDSTREAM_CACHE_DIR")}
+    env["TMPDIR"] = str(tmp)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDED_THEN_KILLED, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "streaming\n", proc.stderr
+        (left,) = tmp.glob("shardstream-*")
+        assert any((left / "cache").rglob("*.tar")), "the embedded server copied no shard"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert left.exists(), "nothing removes it at a SIGKILL"
+    # Named alike but no embedded server's (no owner file), and one whose owner still runs: kept.
+    (tmp / "shardstream-other").mkdir()
+    alive = tmp / "shardstream-alive"
+    alive.mkdir()
+    (alive / "owner").write_text(f"{os.getpid()} {shardstream._process_start(os.getpid())}\n")
+    # A trainer given the same pid later is not the owner: its start time differs.
+    reused = tmp / "shardstream-reused"
+    reused.mkdir()
+    (reused / "owner").write_text(f"{os.getpid()} 1\n")
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, shardstream; shardstream.Loader(sys.argv[1], batch_size=4)", str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    # The killed one's and the stale one's went at that start; its own at its exit.
+    assert sorted(p.name for p in tmp.iterdir()) == ["shardstream-alive", "shardstream-other"]
+
+
 def recv(sock: socket.socket, timeout: float = 20.0) -> str:
     sock.settimeout(timeout)
     return sock.recv(4096).decode()

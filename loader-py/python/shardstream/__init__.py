@@ -46,13 +46,61 @@ _embedded_lock = threading.Lock()
 _embedded_addr: str | None = None
 
 
+# In an embedded server's private directory: "<pid> <start time>" of the process that made it, so
+# that a later one can tell a directory whose owner was killed (no atexit ran) from a live one.
+_OWNER_FILE = "owner"
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22),
+    which tells it from a later process given the same pid; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from its closing one.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields[19].decode() if len(fields) > 19 else None
+
+
+def _sweep_embedded(parent: str) -> None:
+    """Removes the private directories (socket, node-cache copies) that embedded servers of this
+    user left in ``parent`` when their process was killed: only those whose owner file names a
+    process that no longer runs. Anything else named alike is left alone."""
+    uid = os.getuid()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith("shardstream-"):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            with open(os.path.join(entry.path, _OWNER_FILE)) as f:
+                pid, start = f.read().split()
+        except (OSError, ValueError):
+            continue
+        if _process_start(int(pid)) != start:
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def _start_embedded() -> str:
     """Starts a daemon inside this process on a private socket (once per process tree: forked
-    DataLoader workers inherit the address and connect to the parent's server)."""
+    DataLoader workers inherit the address and connect to the parent's server). Its directory
+    goes at exit; one a killed process left is removed by the next embedded server's start."""
     global _embedded_addr
     with _embedded_lock:
         if _embedded_addr is None:
+            started = _process_start(os.getpid())
+            if started is not None:
+                _sweep_embedded(tempfile.gettempdir())
             private = tempfile.mkdtemp(prefix="shardstream-")  # mode 0700
+            if started is not None:
+                with open(os.path.join(private, _OWNER_FILE), "w") as f:
+                    f.write(f"{os.getpid()} {started}\n")
             cache = os.environ.get("SHARDSTREAM_CACHE_DIR") or os.path.join(private, "cache")
             _embedded_addr = _native.start_embedded_server(os.path.join(private, "sock"), cache)
             owner = os.getpid()
