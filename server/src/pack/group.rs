@@ -18,7 +18,7 @@
 //! Memory: every path is kept once, in one string arena, with 40 bytes of bookkeeping per file.
 //! That is the pack's only per-file memory (ImageNet's 1.28 M files: about 100 MB).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 use regex::Regex;
 
@@ -190,6 +190,14 @@ impl Catalog {
 
     /// Groups relative paths into samples.
     pub fn build(mut paths: Vec<String>, opts: GroupOptions<'_>, reporter: &Reporter) -> Result<Self> {
+        // The keys of samples with a file found bad before grouping (not a regular file, a name
+        // not UTF-8, read lossily here) or here (a field that cannot be stored): left out whole,
+        // as read errors leave theirs (report.rs), never packed without that field.
+        let key_of = |path: &'_ str| match opts.key_regex {
+            None => split_key(path).map(|(k, _)| k.to_owned()),
+            Some(re) => regex_key(re, path).map(|(k, _)| k.to_owned()),
+        };
+        let mut bad_keys: HashSet<String> = reporter.bad_paths().iter().filter_map(|p| key_of(p)).collect();
         let mut cat = Catalog::default();
         cat.arena.reserve(paths.iter().map(String::len).sum());
         cat.files.reserve(paths.len());
@@ -217,6 +225,11 @@ impl Catalog {
                     path.as_str(),
                     format!("key {key:?}, field {field:?}: {problem}"),
                 ))?;
+                // A `__key__`-like metadata name is no field the sample's readers expect: the
+                // sample goes without it, as before. Any other field would be missing.
+                if !(field.starts_with("__") && field.ends_with("__")) {
+                    bad_keys.insert(key.to_owned());
+                }
                 continue;
             }
             // Fields are lower-cased, as every WebDataset reader does (`x.JPG` is field `jpg`).
@@ -268,6 +281,11 @@ impl Catalog {
             let mut j = i + 1;
             while j < cat.files.len() && &cat.str(cat.files[j].name)[..cat.files[j].key_len as usize] == key {
                 j += 1;
+            }
+            if bad_keys.contains(key) {
+                reporter.left_out(key, (j - i) as u64);
+                i = j;
+                continue;
             }
             for g in &cat.files[i..j] {
                 let field = &cat.str(g.name)[g.key_len as usize + 1..];
@@ -365,9 +383,30 @@ mod tests {
                 .unwrap();
         assert_eq!(r.counts().get(&BadKind::BadKey), Some(&2));
         assert!(cat.fields.iter().all(|f| !f.starts_with("__")), "{:?}", cat.fields);
+        assert_eq!(cat.num_samples(), 2, "metadata names are skipped, their samples packed");
         assert_eq!(key_problem("a/x", "__key__"), key_problem("a/x", "__url__"));
         assert!(key_problem("a/x", "__key__").is_some());
         assert!(key_problem("a/x", "_x_").is_none());
+    }
+
+    #[test]
+    fn a_sample_with_a_file_found_bad_before_grouping_is_left_out_whole() {
+        let r = Reporter::new(false, &());
+        // Reported by the walk: a FIFO and a name not UTF-8 (read lossily) beside readable files.
+        r.bad(BadInput::new(BadKind::NotAFile, "c/s1.txt", "not a regular file (FIFO, socket or device)")).unwrap();
+        r.bad(BadInput::new(BadKind::NotUtf8, "c/s3.\u{fffd}", "file name is not valid UTF-8")).unwrap();
+        let all = paths(&["c/s1.jpg", "c/s2.jpg", "c/s2.txt", "c/s3.jpg", "c/s4.jpg", "c/s4.txt"]);
+        let cat = Catalog::build(all, GroupOptions::default(), &r).unwrap();
+        let keys: Vec<String> = listing(&cat).into_iter().map(|(k, _, _)| k).collect();
+        assert_eq!(keys, ["c/s2", "c/s4"]);
+        assert_eq!(r.left_out_counts(), (2, 2), "two samples, one other file each");
+        // A field that cannot be stored leaves its sample out too (a key regex leaving it empty).
+        let re = regex::Regex::new(r"^(?P<key>[^.]+)\.?(?P<field>[a-z]*)$").unwrap();
+        let r = Reporter::new(false, &());
+        let opts = GroupOptions { key_regex: Some(&re), label_from_dir: false };
+        let cat = Catalog::build(paths(&["a.jpg", "a", "b.jpg"]), opts, &r).unwrap();
+        assert_eq!(listing(&cat).into_iter().map(|(k, _, _)| k).collect::<Vec<_>>(), ["b"]);
+        assert_eq!(r.left_out_counts(), (1, 1));
     }
 
     /// (key, [(field, path)], class) of every sample.

@@ -126,7 +126,17 @@ pub struct ReadContext<'a> {
 /// component) and non-files.
 pub fn open_checked(src: &SrcDir, rel: &str) -> std::result::Result<(File, u64), BadInput> {
     let classify = |e: std::io::Error, what: &str| match e.kind() {
-        std::io::ErrorKind::NotFound => BadInput::new(BadKind::Vanished, rel, format!("{what}: no longer exists")),
+        std::io::ErrorKind::NotFound => {
+            // Invisible on a terminal: a list written with Windows line ends.
+            let cr = if rel.ends_with('\r') {
+                " (its name ends with a carriage return: a --files-from list with CRLF line ends? end its lines with \
+                 LF)"
+            } else {
+                ""
+            };
+            let why = "not found: gone since it was listed, a dangling symlink, or never there";
+            BadInput::new(BadKind::Vanished, rel, format!("{what}: {why}{cr}"))
+        }
         _ => BadInput::new(BadKind::Unreadable, rel, format!("{what}: {e}")),
     };
     let file = match src.open_file(rel) {

@@ -88,11 +88,21 @@ pub struct Reporter<'a> {
     ignored: Mutex<u64>,
     /// Samples left out for their bad inputs, and their other files (not packed either).
     left_out: Mutex<(u64, u64)>,
+    /// The path of every bad input reported so far: those found before the files are grouped
+    /// into samples (a FIFO, a name not UTF-8) leave their samples out whole there.
+    bad_paths: Mutex<Vec<String>>,
 }
 
 impl<'a> Reporter<'a> {
     pub fn new(strict: bool, progress: &'a dyn PackProgress) -> Self {
-        Self { strict, progress, counts: Mutex::default(), ignored: Mutex::default(), left_out: Mutex::default() }
+        Self {
+            strict,
+            progress,
+            counts: Mutex::default(),
+            ignored: Mutex::default(),
+            left_out: Mutex::default(),
+            bad_paths: Mutex::default(),
+        }
     }
 
     /// Reports a bad input: an error under `--strict`, else counted and passed to the progress
@@ -103,7 +113,13 @@ impl<'a> Reporter<'a> {
         }
         *self.counts.lock().unwrap_or_else(|p| p.into_inner()).entry(bad.kind).or_default() += 1;
         self.progress.bad_input(&bad);
+        self.bad_paths.lock().unwrap_or_else(|p| p.into_inner()).push(bad.path);
         Ok(())
+    }
+
+    /// The paths of the bad inputs reported so far.
+    pub fn bad_paths(&self) -> Vec<String> {
+        self.bad_paths.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Notes a file that is not part of any sample by convention.
