@@ -32,8 +32,10 @@ Examples:
 
 Samples: files with the same directory and name up to the first dot form one sample (WebDataset
 convention): a/x.jpg and a/x.json are sample a/x with fields jpg and json. Hidden files and files
-without an extension are ignored. A shard may have 1024 distinct fields (clip.0000.jpg, clip.0001.jpg, ...
-are one sample with a field per frame); past that the pack fails naming the sample. Output: DEST/PREFIX-000000.tar ..., DEST/_shardstream/*.idx
+without an extension are ignored, and so are hidden directories. Extensions are lower-cased (x.JPG is
+field jpg). A TAR shard may have 1024 distinct fields (clip.0000.jpg, clip.0001.jpg, ... are one sample
+with a field per frame); past that the pack fails naming the sample (a Parquet shard has a column per
+field, and no such limit). Output: DEST/PREFIX-000000.tar ..., DEST/_shardstream/*.idx
 (member tables) and DEST/manifest.json, written last. An interrupted pack (Ctrl-C, crash) is
 finished by running the same command with --resume; the result is byte-identical.
 
@@ -88,8 +90,9 @@ pub struct PackArgs {
     pub key_regex: Option<String>,
 
     /// Add a `cls` field with the index of each sample's class directory (the one directly under
-    /// SRC, however deep the file lies) among all of them, sorted (as torchvision's ImageFolder),
-    /// and write DEST/classes.json mapping names to indices.
+    /// SRC, however deep the file lies) among all of them, sorted (as torchvision's ImageFolder
+    /// numbers them, except that hidden directories such as .ipynb_checkpoints, which it would
+    /// count, are no classes here), and write DEST/classes.json mapping names to indices.
     #[arg(long)]
     pub label_from_dir: bool,
 
