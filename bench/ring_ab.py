@@ -10,6 +10,11 @@ slices (bench/SHM_RESULTS.md, mode views):
     (cd /tmp/ab/new && mkdir pkg && cd pkg && python -m zipfile -e ../shardstream-*.whl .)
     cargo build --release -p shardstream --bin shardstream
     python bench/ring_ab.py --variant old=/tmp/ab/old/pkg --variant new=/tmp/ab/new/pkg --rounds 4
+
+`--daemon-per-variant` runs each variant against a daemon of its own package (`shardstream serve`
+from the wheel's native module) instead of one `--daemon` for all: for changes on both sides (the
+checks of shards read in place, bench/SHM_RESULTS.md). Mode `inline` reads the `views` records
+over gRPC (`transport="inline"`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ import shardstream
 if mode == "loader":
     it = shardstream.Loader(url, batch_size=512, seed=1, fields=["tok"], collate="stack", connect=addr)
     set_epoch = it.set_epoch
-elif mode == "views":
-    it = shardstream.Loader(url, batch_size=512, seed=1, connect=addr)
+elif mode in ("views", "inline"):
+    transport = "inline" if mode == "inline" else "auto"
+    it = shardstream.Loader(url, batch_size=512, seed=1, connect=addr, transport=transport)
     set_epoch = it.set_epoch
 else:
     import torch, shardstream.torch as sst
@@ -46,7 +52,7 @@ for epoch in range(4):
     set_epoch(epoch)
     n, t0 = 0, time.perf_counter()
     for b in it:
-        if mode == "views":
+        if mode in ("views", "inline"):
             n += sum(len(v) for v in b["tok"] if v[0] >= 0) + sum(len(v) for v in b["lbl"])
             continue
         a = b["tok"]
@@ -65,6 +71,7 @@ def main() -> None:
     ap.add_argument("--modes", default="loader,torch")
     ap.add_argument("--data", type=Path, default=ROOT / "bench/data/ring-ab")
     ap.add_argument("--daemon", default=str(ROOT / "target/release/shardstream"))
+    ap.add_argument("--daemon-per-variant", action="store_true", help="each variant's own package serves it")
     args = ap.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -74,15 +81,24 @@ def main() -> None:
         args.data.mkdir(parents=True)
         write_token_blocks(args.data, 65536, 4096, per_shard=4096, seed=1, label_mod=10)
     tmp = Path(tempfile.mkdtemp())
-    addr = f"unix://{tmp}/sock"
-    daemon = subprocess.Popen(
-        [args.daemon, "serve", "--listen", addr, "--cache-dir", str(tmp / "cache"), "--log", "warn"]
-    )
+
+    def serve(name: str, env: dict[str, str] | None, command: list[str]) -> tuple[str, subprocess.Popen[bytes]]:
+        addr = f"unix://{tmp}/{name}.sock"
+        serve = ["serve", "--listen", addr, "--cache-dir", str(tmp / f"cache-{name}"), "--log", "warn"]
+        return addr, subprocess.Popen([*command, *serve], env=env)
+
+    cli = [sys.executable, "-c", "from shardstream._cli import main; main()"]
+    if args.daemon_per_variant:
+        daemons = {n: serve(n, dict(os.environ, PYTHONPATH=pkg), cli) for n, pkg in variants.items()}
+    else:
+        one = serve("all", None, [args.daemon])
+        daemons = dict.fromkeys(variants, one)
     time.sleep(1.5)
     got: dict[tuple[str, str], list[tuple[float, int]]] = {}
     try:
         for rnd in range(args.rounds):
             for name, pkg in variants.items():
+                addr = daemons[name][0]
                 for mode in args.modes.split(","):
                     env = dict(os.environ, PYTHONPATH=pkg)
                     cmd = [sys.executable, "-c", CHILD, mode, addr, str(args.data)]
@@ -93,8 +109,9 @@ def main() -> None:
                     got.setdefault((name, mode), []).append((r["gbps"], r["minflt"]))
                     print(rnd, name, mode, f"{r['gbps']:.2f} GB/s", r["minflt"], "minor faults", flush=True)
     finally:
-        daemon.terminate()
-        daemon.wait()
+        for _, daemon in {id(d[1]): d for d in daemons.values()}.values():
+            daemon.terminate()
+            daemon.wait()
     print("load", os.getloadavg())
     for (name, mode), runs in sorted(got.items()):
         gbps = [g for g, _ in runs]
