@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,14 +93,14 @@ def test_truncated_shard_is_shard_error_not_sigbus(daemon, tmp_path: Path, trans
         assert out["held_ok"]
 
 
-def write_equal_shards(root: Path, prefix: str, shards: int, seed: int) -> None:
-    """`shards` WebDataset shards of 150 samples of SAMPLE_BYTES, keys `<prefix>/NNNNNN`: shards of
+def write_equal_shards(root: Path, prefix: str, shards: int, seed: int, size: int = SAMPLE_BYTES) -> None:
+    """`shards` WebDataset shards of 150 samples of `size` bytes, keys `<prefix>/NNNNNN`: shards of
     equal length whatever the prefix (one character) and the bytes."""
     root.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     with wds.ShardWriter(str(root / "train-%06d.tar"), maxcount=150, verbose=0) as sink:
         for i in range(150 * shards):
-            payload = rng.integers(0, 256, SAMPLE_BYTES, dtype=np.uint8).tobytes()
+            payload = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
             sink.write({"__key__": f"{prefix}/{i:06d}", "jpg": payload, "cls": b"3"})
 
 
@@ -150,6 +151,33 @@ def test_a_shard_rewritten_in_place_while_read_is_shard_error_not_other_samples(
         now = epoch()
     except shardstream.ShardError as stale:
         assert (transport, collate) == ("shm", None), stale
-        assert "changed since the dataset was listed; open the dataset again" in str(stale), stale
+        assert "changed since the dataset was listed" in str(stale), stale
+        assert "it changed before the dataset's latest open, which reused the daemon's listing" in str(stale), stale
         now = epoch()
     assert sorted(now) == sorted([f"s/{i:06d}" for i in range(300)] + [f"r/{i:06d}" for i in range(150)])
+
+
+def test_a_loader_made_after_a_rewrite_in_place_within_the_listings_minute_says_why(daemon, tmp_path: Path) -> None:
+    """Regenerate a dataset in place, then start the next run at once: its open reuses the listing
+    an open made less than a minute before (the directory's time did not move), and the first use
+    of a rewritten shard refuses it. The error told a Loader made after the change to make a new
+    Loader, as if it were an old one; it says why now, and the next open reads the new files."""
+    import shardstream
+
+    root, other = tmp_path / "ds", tmp_path / "other"
+    write_equal_shards(root, "s", 2, seed=7, size=1000)
+    write_equal_shards(other, "r", 2, seed=8, size=1000)
+
+    def keys() -> list[str]:
+        loader = shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=daemon.addr)
+        return [k for b in loader for k in b["__key__"]]
+
+    assert len(keys()) == 300  # the run before: its open listed the dataset
+    time.sleep(0.05)  # apart from the listed times on a coarse clock
+    for name in ("train-000000.tar", "train-000001.tar"):
+        with open(root / name, "r+b") as f:  # in place, as a writer regenerating it does
+            f.write((other / name).read_bytes())
+    with pytest.raises(shardstream.ShardError) as e:
+        keys()
+    assert "it changed before the dataset's latest open, which reused the daemon's listing" in str(e.value), e.value
+    assert sorted(keys()) == sorted(f"r/{i:06d}" for i in range(300))

@@ -328,6 +328,10 @@ pub struct Dataset {
     /// How many times the registry handed the dataset out again without listing it
     /// ([`Self::reopened_unlisted`]).
     unlisted_opens: AtomicU64,
+    /// When the registry last handed the dataset out without listing it (wall clock, ns since the
+    /// epoch, as file times are; 0: never): a shard found changed at a time before it was changed
+    /// before that open, which could not see it ([`Self::stale_listing_if`]).
+    reused_at_ns: std::sync::atomic::AtomicI64,
     /// Per shard, the value of `unlisted_opens` when its local source was last known to be as
     /// listed (`copy` mode): a node-cache copy stands in for its source for the open that listed
     /// it; after an open that listed nothing (every stream's, within a minute of a listing), the
@@ -538,6 +542,7 @@ impl Dataset {
             copy_current: (0..n).map(|_| AtomicBool::new(false)).collect(),
             changed: AtomicBool::new(false),
             unlisted_opens: AtomicU64::new(0),
+            reused_at_ns: std::sync::atomic::AtomicI64::new(0),
             source_checked: (0..n).map(|_| AtomicU64::new(0)).collect(),
             largest_sample: None,
             parquet: None,
@@ -604,6 +609,30 @@ impl Dataset {
     /// change): the local sources of node-cache copies are checked again as they are used.
     pub fn reopened_unlisted(&self) {
         self.unlisted_opens.fetch_add(1, Ordering::AcqRel);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        self.reused_at_ns.store(i64::try_from(now.as_nanos()).unwrap_or(i64::MAX), Ordering::Release);
+    }
+
+    /// `e`, a local shard found unlike its listing, saying why a Loader made after the change
+    /// met it when the file's time (`mtime_ns` now) is before the latest open that reused the
+    /// listing: a file rewritten in place leaves its directory's time as it was, and the daemon
+    /// reuses a listing for a minute while that time stands still. Without this the error told
+    /// a Loader made just now to make a new Loader.
+    fn stale_listing_if(&self, e: Error, mtime_ns: i64) -> Error {
+        let reused = self.reused_at_ns.load(Ordering::Acquire);
+        match e {
+            Error::Shard { shard, offset, reason } if reused > 0 && mtime_ns <= reused => Error::Shard {
+                shard,
+                offset,
+                reason: format!(
+                    "{reason} (it changed before the dataset's latest open, which reused the daemon's listing of \
+                     it from less than {} s before: a file rewritten in place leaves its directory's time as it \
+                     was, so only its own open sees the change; the next open lists the dataset again)",
+                    registry::LOCAL_REVALIDATE.as_secs()
+                ),
+            },
+            e => e,
+        }
     }
 
     /// The registry listed the dataset again (it was marked changed) and found the same shards
@@ -631,7 +660,12 @@ impl Dataset {
             _ => Error::io("cannot stat shard", path, e),
         });
         let now = now
-            .and_then(|now| crate::storage::local::check_listed(path, &now, meta.len, meta.mtime_ns).map(|()| now))
+            .and_then(|now| {
+                let mtime_ns = crate::storage::local::mtime_ns(&now);
+                crate::storage::local::check_listed(path, &now, meta.len, meta.mtime_ns)
+                    .map_err(|e| self.stale_listing_if(e, mtime_ns))
+                    .map(|()| now)
+            })
             .map_err(|e| self.changed_if(e))?;
         Ok(Some((now, opens)))
     }
@@ -783,8 +817,12 @@ impl Dataset {
                 // A file rewritten in place keeps its directory's mtime, which the registry trusts:
                 // marked, the next open lists the dataset again.
                 let opened = ShardFile::open(path.clone(), meta.len);
-                let file =
-                    opened.and_then(|f| f.check_mtime(meta.mtime_ns).map(|()| f)).map_err(|e| self.changed_if(e))?;
+                let file = opened
+                    .and_then(|f| match f.check_mtime(meta.mtime_ns) {
+                        Ok(()) => Ok(f),
+                        Err(e) => Err(self.stale_listing_if(e, f.mtime_ns)),
+                    })
+                    .map_err(|e| self.changed_if(e))?;
                 // Checked against the manifest's CRC at its first use, and again whenever the
                 // file's time is not the one it had then (a manifest names a file by CRC alone:
                 // a rewrite keeps its entry).
