@@ -771,3 +771,23 @@ def test_a_cache_dir_inside_another_daemons_cache_is_refused_and_left_unmade(tmp
         assert not nested.exists() and not (tmp_path / "s2").exists()
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_read_time_counts_no_trainer_that_does_not_read(dataset, tmp_path: Path, transport: str) -> None:
+    """`status`'s read time is the daemon's stall for storage: a trainer that sleeps between batches
+    (the daemon waiting for its credits, or for room in the stream) is its own pace. It counted
+    the sleep: 651 s of "read time" for 5 MB served after a trainer's pauses."""
+    root, samples = dataset
+    d = Daemon(tmp_path / "d").start()
+    try:
+        it = iter(shardstream.Loader(str(root), batch_size=4, transport=transport, connect=d.addr))
+        n = len(next(it)["__key__"])
+        time.sleep(2.0)
+        n += sum(len(b["__key__"]) for b in it)
+        assert n == len(samples)
+        out = json.loads(status(d.addr, "--json").stdout)
+        assert out["samples_served"] == len(samples)
+        assert out["read_wait_ms"] < 500, out["read_wait_ms"]
+    finally:
+        assert d.stop() == 0

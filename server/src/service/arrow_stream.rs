@@ -355,7 +355,6 @@ impl SmallArrowStream {
                 &cancelled,
                 &mut send_group,
             );
-            self.core.built(started);
             if let (Ok(None), Some(again)) = (&built, regroup) {
                 // At most halved four times a stream (16 batches to 1): one batch that outgrows
                 // its slot is an error naming the knob.
@@ -373,9 +372,14 @@ impl SmallArrowStream {
                     }
                     group.extend(msgs.into_iter().map(Ok));
                     held_bytes += bytes;
+                    self.core.built(started, waited);
                     self.core.served(rows, bytes, end, waited);
                 }
-                Err(e) => return self.core.fail(group, e, waits.take()),
+                Err(e) => {
+                    let waited = waits.take();
+                    self.core.built(started, waited);
+                    return self.core.fail(group, e, waited);
+                }
             }
             // Over rdma every batch holds a credit the client returns only once it has the
             // batch's message: a message held back here could leave the next batch waiting for

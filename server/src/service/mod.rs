@@ -742,9 +742,11 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
             }
             _ = tx.closed() => return,
         };
-        metrics.read_wait_us.fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
         match built {
             Ok(((messages, bytes), waited)) => {
+                // The stream's stall for this batch, as far as storage made it (a build waiting
+                // for the client's credit is the trainer's pace).
+                stream_core::count_read_wait(&metrics, started.elapsed().min(waited));
                 let mut samples = 0;
                 for msg in messages {
                     samples += samples_in(&msg);

@@ -59,14 +59,15 @@ impl SampleStream {
                 sent += samples_in(&part);
                 self.core.send(vec![Ok(part)])
             });
-            self.core.built(started);
+            let waited = working.take_wait();
+            self.core.built(started, waited);
             match built {
                 Ok((message, bytes)) => {
                     let samples = sent + samples_in(&message);
                     group.push(Ok(message));
-                    self.core.served(samples, bytes, range.end, working.take_wait());
+                    self.core.served(samples, bytes, range.end, waited);
                 }
-                Err(e) => return self.core.fail(group, e, working.take_wait()),
+                Err(e) => return self.core.fail(group, e, waited),
             }
             if !grouped || !sent_any || group.len() >= SMALL_GROUP {
                 if !self.core.send(std::mem::take(&mut group)) {

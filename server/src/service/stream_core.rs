@@ -40,10 +40,12 @@ impl StreamCore {
         self.tx.stop_before_next(group, &self.shutdown)
     }
 
-    /// Counts the time of a build begun at `started` (what the stream waited for it).
-    pub(super) fn built(&self, started: Instant) {
-        let us = started.elapsed().as_micros() as u64;
-        self.metrics.read_wait_us.fetch_add(us, std::sync::atomic::Ordering::Relaxed);
+    /// Counts what the stream waited for storage in a build begun at `started`: the build's
+    /// waits for shards (`waited`), at most its time. A build also waits for the client (a credit,
+    /// a ring slot, a split part's send): the trainer's pace, which counted as the daemon's read
+    /// time made a sleeping trainer look like slow storage.
+    pub(super) fn built(&self, started: Instant, waited: std::time::Duration) {
+        count_read_wait(&self.metrics, started.elapsed().min(waited));
     }
 
     /// Counts a built batch: `samples` samples or rows of `bytes`; the prefetcher learns the
@@ -76,4 +78,9 @@ pub(super) async fn run_on_own_thread(run: impl FnOnce() + Send + 'static) {
     if let Err(e) = tokio::task::spawn_blocking(run).await {
         tracing::warn!(error = %e, "stream task failed");
     }
+}
+
+/// Adds `waited` to the daemon's read time (`StatusReply.read_wait_ms`).
+pub(super) fn count_read_wait(metrics: &crate::metrics::Metrics, waited: std::time::Duration) {
+    metrics.read_wait_us.fetch_add(waited.as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
 }
