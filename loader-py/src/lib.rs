@@ -293,8 +293,9 @@ fn warn_held_every_credit(py: Python<'_>, held: usize, credits: u32) -> PyResult
     let message = format!(
         "shardstream: waited {} s for the next batch while this process holds all {credits} of the stream's \
          credits ({held} batches not released). The daemon cannot make another batch until one is: let batches \
-         go once used, and keep copies (np.array(x), tensor.clone()) rather than batches or views of them; a \
-         transform's result that views its batch keeps the batch too. The wait goes on.",
+         go once used, and keep copies (np.array(x), tensor.clone(); np.asarray(x) is a view) rather than batches \
+         or views of them, or make the Loader with copy=True; a transform's result that views its batch keeps \
+         the batch too. The wait goes on.",
         STALL_WARNING.as_secs()
     );
     let message = std::ffi::CString::new(message).unwrap_or_default();
