@@ -233,6 +233,18 @@ print("then:", sum(len(b["__key__"]) for b in shardstream.Loader(url, batch_size
 """
 
 
+def trainer(script: str, root: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """`script` run with the dataset `root` as its argument, its standard streams piped (text)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
 def test_an_embedded_server_on_a_held_cache_says_so_and_a_retry_works(dataset, tmp_path: Path) -> None:
     """Two trainers with one SHARDSTREAM_CACHE_DIR and no node daemon: the second one's embedded
     server was refused the cache after it had bound its socket, so the trainer got a
@@ -244,14 +256,7 @@ def test_an_embedded_server_on_a_held_cache_says_so_and_a_retry_works(dataset, t
     d.start()
     env = {k: v for k, v in os.environ.items() if k != "SHARDSTREAM_ADDR"}
     env["SHARDSTREAM_CACHE_DIR"] = str(d.cache_dir)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", EMBEDDED_ON_A_HELD_CACHE, str(root)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = trainer(EMBEDDED_ON_A_HELD_CACHE, root, env)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         line = proc.stdout.readline()
@@ -281,14 +286,7 @@ def test_the_directory_a_killed_trainers_embedded_server_left_goes_at_the_next_o
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDSTREAM_ADDR", "SHARDSTREAM_CACHE_DIR")}
     env["TMPDIR"] = str(tmp)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", EMBEDDED_THEN_KILLED, str(root)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = trainer(EMBEDDED_THEN_KILLED, root, env)
     assert proc.stdout is not None
     try:
         assert proc.stdout.readline() == "streaming\n", proc.stderr
