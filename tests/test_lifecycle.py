@@ -300,11 +300,16 @@ def test_the_directory_a_killed_trainers_embedded_server_left_goes_at_the_next_o
     (tmp / "shardstream-other").mkdir()
     alive = tmp / "shardstream-alive"
     alive.mkdir()
-    (alive / "owner").write_text(f"{os.getpid()} {shardstream._process_start(os.getpid())}\n")
+    namespace = os.readlink("/proc/self/ns/pid")
+    (alive / "owner").write_text(f"{os.getpid()} {shardstream._process_start(os.getpid())} {namespace}\n")
     # A trainer given the same pid later is not the owner: its start time differs.
     reused = tmp / "shardstream-reused"
     reused.mkdir()
-    (reused / "owner").write_text(f"{os.getpid()} 1\n")
+    (reused / "owner").write_text(f"{os.getpid()} 1 {namespace}\n")
+    # Another container's (another pid namespace, sharing $TMPDIR): its pids are not ours to judge.
+    elsewhere = tmp / "shardstream-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "owner").write_text("1 1 pid:[1]\n")
     r = subprocess.run(
         [sys.executable, "-c", "import sys, shardstream; shardstream.Loader(sys.argv[1], batch_size=4)", str(root)],
         capture_output=True,
@@ -314,7 +319,7 @@ def test_the_directory_a_killed_trainers_embedded_server_left_goes_at_the_next_o
     )
     assert r.returncode == 0, r.stderr
     # The killed one's and the stale one's went at that start; its own at its exit.
-    assert sorted(p.name for p in tmp.iterdir()) == ["shardstream-alive", "shardstream-other"]
+    assert sorted(p.name for p in tmp.iterdir()) == ["shardstream-alive", "shardstream-elsewhere", "shardstream-other"]
 
 
 def recv(sock: socket.socket, timeout: float = 20.0) -> str:

@@ -46,9 +46,17 @@ _embedded_lock = threading.Lock()
 _embedded_addr: str | None = None
 
 
-# In an embedded server's private directory: "<pid> <start time>" of the process that made it, so
-# that a later one can tell a directory whose owner was killed (no atexit ran) from a live one.
+# In an embedded server's private directory: "<pid> <start time> <pid namespace>" of the process
+# that made it, so that a later one can tell a directory whose owner was killed (no atexit ran)
+# from a live one. The namespace: a container sharing $TMPDIR sees other pids, or none.
 _OWNER_FILE = "owner"
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _process_start(pid: int) -> str | None:
@@ -67,8 +75,8 @@ def _process_start(pid: int) -> str | None:
 def _sweep_embedded(parent: str) -> None:
     """Removes the private directories (socket, node-cache copies) that embedded servers of this
     user left in ``parent`` when their process was killed: only those whose owner file names a
-    process that no longer runs. Anything else named alike is left alone."""
-    uid = os.getuid()
+    process of this pid namespace that no longer runs. Anything else named alike is left alone."""
+    uid, namespace = os.getuid(), _pid_namespace()
     try:
         entries = list(os.scandir(parent))
     except OSError:
@@ -80,10 +88,10 @@ def _sweep_embedded(parent: str) -> None:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
             with open(os.path.join(entry.path, _OWNER_FILE)) as f:
-                pid, start = f.read().split()
+                pid, start, owner_namespace = f.read().split()
         except (OSError, ValueError):
             continue
-        if _process_start(int(pid)) != start:
+        if owner_namespace == namespace and _process_start(int(pid)) != start:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
@@ -94,13 +102,13 @@ def _start_embedded() -> str:
     global _embedded_addr
     with _embedded_lock:
         if _embedded_addr is None:
-            started = _process_start(os.getpid())
-            if started is not None:
+            started, namespace = _process_start(os.getpid()), _pid_namespace()
+            if started is not None and namespace is not None:
                 _sweep_embedded(tempfile.gettempdir())
             private = tempfile.mkdtemp(prefix="shardstream-")  # mode 0700
-            if started is not None:
+            if started is not None and namespace is not None:
                 with open(os.path.join(private, _OWNER_FILE), "w") as f:
-                    f.write(f"{os.getpid()} {started}\n")
+                    f.write(f"{os.getpid()} {started} {namespace}\n")
             cache = os.environ.get("SHARDSTREAM_CACHE_DIR") or os.path.join(private, "cache")
             _embedded_addr = _native.start_embedded_server(os.path.join(private, "sock"), cache)
             owner = os.getpid()

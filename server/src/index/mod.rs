@@ -329,8 +329,8 @@ pub struct Dataset {
     /// ([`Self::reopened_unlisted`]).
     unlisted_opens: AtomicU64,
     /// When the registry last handed the dataset out without listing it (wall clock, ns since the
-    /// epoch, as file times are; 0: never): a shard found changed at a time before it was changed
-    /// before that open, which could not see it ([`Self::stale_listing_if`]).
+    /// epoch, as file times are; 0: never): a shard found changed whose file's time is earlier
+    /// changed before that open, which could not see it ([`Self::stale_listing_if`]).
     reused_at_ns: std::sync::atomic::AtomicI64,
     /// Per shard, the value of `unlisted_opens` when its local source was last known to be as
     /// listed (`copy` mode): a node-cache copy stands in for its source for the open that listed
