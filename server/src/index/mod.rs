@@ -613,6 +613,24 @@ impl Dataset {
         self.reused_at_ns.store(i64::try_from(now.as_nanos()).unwrap_or(i64::MAX), Ordering::Release);
     }
 
+    /// Whether any of up to `most` local shards spread over the dataset (the first, the last, and
+    /// evenly between) no longer has the length and time it was listed with: one `stat` each.
+    /// An open that reuses the listing asks first, so a dataset regenerated in place (its
+    /// directory's time unmoved) is listed again rather than met shard by shard at first use. A
+    /// single file rewritten among many may still be (then [`Self::stale_listing_if`] says so).
+    /// Shards a manifest names (checked by CRC, without a listed time) are not looked at.
+    pub fn spot_changed(&self, most: usize) -> bool {
+        let n = self.shards.len();
+        let picks = most.min(n);
+        (0..picks).map(|k| if picks > 1 { k * (n - 1) / (picks - 1) } else { 0 }).any(|i| {
+            let meta = &self.shards[i];
+            let (ShardSource::Local(path), Some(listed)) = (&meta.source, meta.mtime_ns) else { return false };
+            crate::metrics::local_stat(1);
+            std::fs::metadata(path)
+                .map_or(true, |now| now.len() != meta.len || crate::storage::local::mtime_ns(&now) != listed)
+        })
+    }
+
     /// `e`, a local shard found unlike its listing, saying why a Loader made after the change
     /// met it when the file's time (`mtime_ns` now) is before the latest open that reused the
     /// listing: a file rewritten in place leaves its directory's time as it was, and the daemon

@@ -34,6 +34,11 @@ use crate::{Error, Result};
 /// How long a local dataset whose directory did not change is trusted without a full listing.
 pub const LOCAL_REVALIDATE: Duration = Duration::from_secs(60);
 
+/// Shards `stat`'ed by an open that reuses a local listing ([`Dataset::spot_changed`]): a dataset
+/// rewritten in place (which leaves its directory's time as it was) is listed again at once. A
+/// burst of opens (every rank and worker of a job) costs this many each, not a listing each.
+const SPOT_CHECKS: usize = 8;
+
 /// Datasets kept open at most when no stream uses them (default).
 pub const DEFAULT_MAX_DATASETS: usize = 64;
 
@@ -303,6 +308,7 @@ impl Registry {
             && stamp == *old
             && checked.elapsed() < LOCAL_REVALIDATE
             && !ds.changed()
+            && !ds.spot_changed(SPOT_CHECKS)
         {
             // Nothing was added, removed or renamed since the last full check: no listing.
             ds.reopened_unlisted();
