@@ -146,6 +146,66 @@ def test_a_shard_rewritten_in_place_while_read_is_shard_error_not_other_samples(
     assert sorted(now) == sorted([f"s/{i:06d}" for i in range(300)] + [f"r/{i:06d}" for i in range(150)])
 
 
+def write_equal_parquet(path: Path, prefix: str, seed: int, rows: int = 300) -> None:
+    """A Parquet file of `rows` rows of SAMPLE_BYTES in row groups of 10, keys `<prefix>/NNNNNN`,
+    plain and uncompressed without statistics: files of equal length whatever the prefix (one
+    character) and the bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    table = pa.table(
+        {
+            "__key__": [f"{prefix}/{i:06d}" for i in range(rows)],
+            "jpg": pa.array([rng.bytes(SAMPLE_BYTES) for _ in range(rows)], pa.binary()),
+            "cls": pa.array(np.full(rows, 3, np.int64)),
+        }
+    )
+    pq.write_table(table, path, row_group_size=10, compression="none", use_dictionary=False, write_statistics=False)
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_parquet_file_rewritten_in_place_while_read_is_shard_error_not_other_rows(
+    daemon, tmp_path: Path, transport: str
+) -> None:
+    """The daemon reads a local Parquet file's column chunks in place, a row group at a time: a
+    file rewritten at its length while a stream reads it is refused at the next row group read
+    from it, never decoded as the listed file's rows; and the next open reads the file as it is
+    now, none of the row groups decoded from it before (the daemon keeps them for other streams)
+    served again."""
+    import shardstream
+
+    root, other = tmp_path / "ds", tmp_path / "other"
+    root.mkdir()
+    other.mkdir()
+    target = root / "part-0.parquet"
+    write_equal_parquet(target, "s", seed=5)
+    write_equal_parquet(other / "part-0.parquet", "r", seed=6)
+    replacement = (other / "part-0.parquet").read_bytes()
+    assert target.stat().st_size == len(replacement)
+    # In order, 30 row groups of 4 MiB: the stream holds the file open from its first batch on,
+    # and whatever it built ahead (the ring's slots, or up to 64 MiB inline) leaves row groups to
+    # read after the rewrite.
+    loader = shardstream.Loader(str(root), batch_size=10, shuffle=False, transport=transport, connect=daemon.addr)
+    it = iter(loader)
+    keys = list(next(it)["__key__"])
+    inode = target.stat().st_ino
+    with open(target, "r+b") as f:
+        f.write(replacement)
+    assert target.stat().st_ino == inode
+    with pytest.raises(shardstream.ShardError) as e:
+        for batch in it:
+            keys.extend(batch["__key__"])
+    assert "changed while a stream read it" in str(e.value), e.value
+    assert e.value.shard and e.value.shard.endswith("part-0.parquet"), e.value.shard
+    assert not [k for k in keys if not k.startswith("s/")], "a row of the rewritten file was delivered"
+    assert len(keys) == len(set(keys)) < 300
+
+    again = shardstream.Loader(str(root), batch_size=50, shuffle=False, connect=daemon.addr)
+    now = [k for b in again for k in b["__key__"]]
+    assert now == [f"r/{i:06d}" for i in range(300)], "rows decoded from the file before its rewrite served"
+
+
 def test_a_loader_made_after_a_rewrite_in_place_within_the_listings_minute(daemon, tmp_path: Path) -> None:
     """Regenerate a dataset in place, then start the next run at once: its open could reuse the
     listing an open made less than a minute before (the directory's time did not move), and the
