@@ -199,7 +199,10 @@ def test_parquet_layout_serves_payloads_as_plain_uncompressed_bytes(imagenet, tm
         assert codecs == {"ZSTD"}
 
 
-def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
+def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: Path, stop: signal.Signals) -> None:
+    """Killed, or stopped by Ctrl-C or SIGTERM, which also say how to finish the pack (they were
+    silent) and still end the process by the signal."""
     src = tmp_path / "src"
     make_tree(src, classes=10, per_class=150, max_bytes=3000)
     # ~90 shards: every shard is fsynced, so the pack takes long enough to be killed midway.
@@ -212,7 +215,8 @@ def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: P
     proc = subprocess.Popen(
         [SHARDSTREAM, "pack", str(src), "--output", str(out), *common],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -220,8 +224,11 @@ def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: P
             break
         time.sleep(0.002)
     assert proc.poll() is None, "pack finished before it could be killed; make the tree larger"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(stop)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -stop, (proc.returncode, err)
+    if stop != signal.SIGKILL:
+        assert f"readers refuse {out} until it does: the same command with --resume finishes it" in err, err
     # Nothing presented as complete: no manifest, no shard in DEST itself.
     assert not (out / "manifest.json").exists()
     assert not list(out.glob("*.tar"))

@@ -281,6 +281,11 @@ pub fn run_cli(args: PackArgs) -> anyhow::Result<()> {
         }
         super::Dest::Local(_) => None,
     };
+    super::interrupt::tell_on_interrupt(&format!(
+        "shardstream pack: interrupted before it finished; readers refuse {} until it does: the same \
+         command with --resume finishes it, keeping the shards written so far",
+        opts.dest
+    ))?;
     let display = Display::new();
     let result = pack_with(&opts, s3.as_ref().map(|(_, store)| store), &display);
     display.bar.finish_and_clear();

@@ -21,7 +21,8 @@
 //!   ([`s3_sink`]: uploads overlapping with packing).
 //! - [`journal`]: the resume journal and the dataset fingerprint.
 //! - [`report`]: bad inputs, `--strict`, and what the summary counts.
-//! - [`cli`]: the `shardstream pack` command line and its progress bar.
+//! - [`cli`]: the `shardstream pack` command line and its progress bar; [`interrupt`] says how
+//!   to finish a pack stopped by Ctrl-C or SIGTERM.
 //!
 //! Guarantees: the same input and options give byte-identical output, whatever the thread
 //! count (order and shard boundaries are decided in one place, headers carry fixed metadata);
@@ -35,6 +36,7 @@ pub mod cli;
 pub mod dest;
 pub mod direct;
 pub mod group;
+pub mod interrupt;
 pub mod journal;
 pub mod parquet;
 pub mod read;
