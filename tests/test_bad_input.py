@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import shardstream
+from conftest import SHARDSTREAM, Daemon
 
 
 def assert_still_serves(daemon, dataset) -> None:
@@ -282,6 +283,30 @@ def test_a_parquet_dataset_of_empty_files_names_them(daemon, tmp_path: Path) -> 
     # When the Loader is made: it was at the first batch, after len() had answered 0.
     with pytest.raises(ValueError, match=r"no samples: its 1 file holds none \(a\.parquet\)"):
         shardstream.Loader(str(tmp_path), batch_size=4, connect=daemon.addr)
+
+
+def test_a_parquet_file_without_rows_beside_others_is_named_once(tmp_path: Path) -> None:
+    """An empty file among others is left out: the daemon's log said so twice an open, and
+    `shardstream index`, which writes the manifest that lists it, said nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    pq.write_table(pa.table({"x": pa.array([], pa.int64())}), root / "a.parquet")
+    pq.write_table(pa.table({"x": pa.array([1, 2, 3], pa.int64())}), root / "b.parquet")
+    log = tmp_path / "daemon.log"
+    d = Daemon(tmp_path / "d", log=log).start()
+    try:
+        got = sum(len(b["x"]) for b in shardstream.Loader(str(root), batch_size=2, connect=d.addr))
+    finally:
+        assert d.stop() == 0
+    assert got == 3
+    warned = [line for line in log.read_text().splitlines() if "a.parquet" in line]
+    assert len(warned) == 1 and "without rows" in warned[0], warned
+
+    p = subprocess.run([SHARDSTREAM, "index", str(root)], capture_output=True, text=True, check=True)
+    assert "1 shard without samples, which contribute none: a.parquet" in p.stdout, p.stdout
 
 
 def test_a_tar_dataset_without_samples_is_refused_when_the_loader_is_made(daemon, dataset, tmp_path: Path) -> None:

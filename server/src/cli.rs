@@ -486,6 +486,16 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         m.fields.join(", "),
         summary.location
     )?;
+    let empty: Vec<&str> = m.shards.iter().filter(|s| s.samples == 0).map(|s| s.name.as_str()).collect();
+    if !empty.is_empty() {
+        // The daemon leaves them out with a warning in its log; the one who indexed reads it here.
+        let shown = empty.iter().take(5).copied().collect::<Vec<_>>().join(", ");
+        let more = if empty.len() > 5 { format!(" and {} more", empty.len() - 5) } else { String::new() };
+        outln!(
+            "{} without samples, which contribute none: {shown}{more}",
+            if empty.len() == 1 { "1 shard".to_string() } else { format!("{} shards", empty.len()) }
+        )?;
+    }
     if let Some(r) = summary.footer_reads {
         // Parquet is indexed from footers alone: say what that cost, per file.
         outln!(

@@ -141,9 +141,7 @@ impl Format {
                     offset: None,
                     reason: "is empty (0 bytes), not a Parquet file".into(),
                 })?;
-                if table.num_rows() == 0 {
-                    tracing::warn!(file = %file.name, "a Parquet file without rows: it contributes no samples");
-                }
+                // A file without rows is warned about once, where the dataset leaves it out.
                 Ok(ShardTable::Parquet(Arc::new(table)))
             }
         }

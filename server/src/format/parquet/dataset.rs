@@ -866,11 +866,8 @@ pub fn read_table(
         (Err(_), Some(e)) => return Err(e),
         (Err(e), None) => return Err(e.into_error(shown_as)),
     };
-    let table = ParquetTable::decode(&footer, len).map_err(|e| e.into_error(shown_as))?;
-    if table.num_rows() == 0 {
-        tracing::warn!(file = %shown_as, "a Parquet file without rows: it contributes no samples");
-    }
-    Ok(table)
+    // A file without rows is warned about once, where the dataset leaves it out.
+    ParquetTable::decode(&footer, len).map_err(|e| e.into_error(shown_as))
 }
 
 /// Reads and decodes the footer of a local file: its table, or `Ok(None)` for a 0-byte file
