@@ -127,10 +127,12 @@ def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(
 ) -> None:
     # A notebook rewrites its data file in place (pyarrow and tarfile truncate and write the same
     # inode: the directory's mtime does not move) and reads it again within the minute the daemon
-    # trusts an unchanged directory. The open that finds the shard changed fails naming it; the
-    # next one must list the dataset again and read the new rows, not fail for the rest of the
-    # minute. With cache="copy" the shards are read from the node cache's copies (and Parquet
-    # views from the row groups kept there), which must not stand in for a source that changed.
+    # trusts an unchanged directory. The open that reuses the listing looks at up to 8 of its
+    # shards first (this one among them), lists the dataset again and reads the new rows (it
+    # failed once, naming the shard, before that look; a shard it does not look at still does,
+    # tests/test_truncation.py). With cache="copy" the shards are read from the node cache's
+    # copies (and Parquet views from the row groups kept there), which must not stand in for a
+    # source that changed.
     import pyarrow as pa
     import pyarrow.parquet as pq
     import webdataset as wds
@@ -157,8 +159,6 @@ def test_a_shard_rewritten_in_place_is_read_anew_by_the_next_open(
     write(10)
     assert ids() == list(range(10))
     write(25)
-    with pytest.raises(shardstream.ShardError, match=r"a(-000000)?\.(parquet|tar).*changed.*again"):
-        ids()
     assert ids() == list(range(25))
 
 
