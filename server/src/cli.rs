@@ -477,10 +477,11 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         keys => format!("; partition keys: {}", keys.join(", ")),
     };
     outln!(
-        "indexed {} shard{}, {} samples, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
+        "indexed {} shard{}, {} sample{}, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
         m.shards.len(),
         if m.shards.len() == 1 { "" } else { "s" },
         m.total_samples,
+        if m.total_samples == 1 { "" } else { "s" },
         m.total_bytes as f64 / 1e6,
         m.total_bytes as f64 / 1e6 / secs.max(1e-9),
         m.fields.join(", "),
