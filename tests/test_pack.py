@@ -250,6 +250,32 @@ def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: P
     assert (other / "shard-000000.tar").read_bytes() != (clean / "shard-000000.tar").read_bytes()
 
 
+def test_a_pack_started_with_ctrl_c_ignored_goes_on_after_one(tmp_path: Path) -> None:
+    """A shell starts background jobs with SIGINT ignored (and `nohup` ignores SIGHUP): the
+    terminal's Ctrl-C must leave such a pack running, not end it through the handler that says
+    how to resume."""
+    src = tmp_path / "src"
+    make_tree(src, classes=10, per_class=150, max_bytes=3000)
+    out = tmp_path / "out"
+    journal = out / "_shardstream" / "pack-journal.jsonl"
+    proc = subprocess.Popen(
+        [SHARDSTREAM, "pack", str(src), "--output", str(out), "--samples-per-shard", "16", "--threads", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not journal.exists():
+        time.sleep(0.002)
+    assert proc.poll() is None, "pack finished before the signal; make the tree larger"
+    proc.send_signal(signal.SIGINT)
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "interrupted" not in err, err
+    assert (out / "manifest.json").exists() and "1500 samples" in stdout, stdout
+
+
 def test_bad_inputs_reported_skipped_or_fatal(tmp_path: Path) -> None:
     src = tmp_path / "src"
     make_tree(src, classes=2, per_class=5)

@@ -25,20 +25,30 @@ extern "C" fn on_signal(signal: libc::c_int) {
 }
 
 /// Installs the handler for SIGINT and SIGTERM, which writes `message` (a line of its own) to
-/// standard error and then lets the signal end the process.
+/// standard error and then lets the signal end the process. A signal ignored when the pack
+/// started stays ignored: a shell ignores SIGINT in the jobs it starts in the background, and
+/// `nohup` or a supervisor may ignore others, so that the terminal's Ctrl-C leaves them running.
 pub fn tell_on_interrupt(message: &str) -> std::io::Result<()> {
     // A second call keeps the first message: one pack per process.
     let _ = MESSAGE.set(format!("\n{message}\n").into_bytes().into_boxed_slice());
     for signal in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: a zeroed sigaction is valid (no flags, empty mask once sigemptyset runs), and
-        // the handler calls only async-signal-safe functions.
-        let installed = unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
-            libc::sigemptyset(&mut action.sa_mask);
-            libc::sigaction(signal, &action, std::ptr::null_mut())
+        // SAFETY: sigaction only reads `action` and writes `before`, both valid zeroed structs
+        // (a zeroed sigaction has no flags, and its mask is emptied before use); the handler
+        // calls only async-signal-safe functions.
+        let result = unsafe {
+            let mut before: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(signal, std::ptr::null(), &mut before) != 0 {
+                -1
+            } else if before.sa_sigaction == libc::SIG_IGN {
+                0
+            } else {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+                libc::sigemptyset(&mut action.sa_mask);
+                libc::sigaction(signal, &action, std::ptr::null_mut())
+            }
         };
-        if installed != 0 {
+        if result != 0 {
             return Err(std::io::Error::last_os_error());
         }
     }
