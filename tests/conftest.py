@@ -221,6 +221,13 @@ def within(deadline: float, f: Callable[[], object]) -> object:
     return out[0]
 
 
+def ctrl_c_as_at_a_terminal() -> None:
+    """A `preexec_fn` for a command a test sends Ctrl-C (SIGINT) as a terminal would: run from a
+    background job of a non-interactive shell (`make test &`), the suite and its children inherit
+    SIGINT ignored, and a command rightly keeps a signal ignored at its start."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Daemon:
     """`shardstream serve` as a real process. `args`: extra command-line options; `env`: extra
     environment (the S3 endpoint and credentials); `wrap`: a command to run it under; `binary`: another

@@ -19,7 +19,7 @@ import tlsutil
 from s3server import free_port
 
 import shardstream
-from conftest import BIG_SAMPLES, SHARDSTREAM, Daemon, wait_for, write_big
+from conftest import BIG_SAMPLES, SHARDSTREAM, Daemon, ctrl_c_as_at_a_terminal, wait_for, write_big
 
 
 def serve(tmp: Path, listen: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -451,7 +451,13 @@ def test_ctrl_c_stops_a_command_at_once(tmp_path: Path) -> None:
         "AWS_SECRET_ACCESS_KEY": "b",
         "AWS_REGION": "us-east-1",
     }
-    proc = subprocess.Popen([SHARDSTREAM, "index", "s3://bucket/x/"], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [SHARDSTREAM, "index", "s3://bucket/x/"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ctrl_c_as_at_a_terminal,
+    )
     time.sleep(1.5)
     assert proc.poll() is None
     t0 = time.monotonic()

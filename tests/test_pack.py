@@ -26,7 +26,7 @@ from s3server import S3Server
 from test_parquet import view_homes
 
 import shardstream
-from conftest import SHARDSTREAM, Daemon
+from conftest import SHARDSTREAM, Daemon, ctrl_c_as_at_a_terminal
 
 Samples = dict[str, dict[str, bytes]]
 
@@ -217,6 +217,7 @@ def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: P
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_as_at_a_terminal,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
