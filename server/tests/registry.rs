@@ -123,6 +123,23 @@ fn a_second_open_does_not_list_or_stat_every_shard() {
 }
 
 #[test]
+fn spellings_of_one_directory_share_one_dataset() {
+    // `status` listed each spelling a trainer had used as a dataset of its own, each with its
+    // own listing and index.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("shards");
+    write_shards(&data, 4, 3);
+    let reg = registry(tmp.path(), RegistryLimits::default());
+    let url = data.display().to_string();
+    let first = reg.open(&url, "").unwrap();
+    let parent = tmp.path().display().to_string();
+    for other in [format!("{url}/"), format!("{parent}//./shards"), format!("file://{url}")] {
+        assert!(Arc::ptr_eq(&first, &reg.open(&other, "").unwrap()), "{other}");
+    }
+    assert_eq!((reg.len(), reg.stats.builds.load(Relaxed)), (1, 1));
+}
+
+#[test]
 fn a_brace_pattern_stats_only_the_files_it_names() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");

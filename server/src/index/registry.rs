@@ -212,7 +212,9 @@ impl Registry {
         let requested = mode;
         let parsed = DatasetUrl::parse(url)?;
         let mode = CacheMode::resolve(mode, &parsed)?;
-        let key = (url.to_owned(), mode);
+        // Keyed by what the URL names, not how it is spelt: two spellings would hold two
+        // listings and indexes of one dataset, and decode its row groups twice.
+        let key = (parsed.identity(), mode);
         let (flight, existing) = {
             let mut g = self.lock();
             if let Some(f) = g.flights.get(&key).cloned() {
@@ -248,7 +250,7 @@ impl Registry {
         // flight ends.
         let mut leader = Leader { registry: self, key: Some(key), flight };
         let result = self.open_uncoalesced(url, &parsed, mode, existing, admit);
-        let key = leader.key.take().unwrap_or_else(|| (url.to_owned(), mode));
+        let key = leader.key.take().unwrap_or_else(|| (parsed.identity(), mode));
         let flight = leader.flight.clone();
         let shared = {
             let mut g = self.lock();

@@ -88,6 +88,23 @@ impl DatasetUrl {
         }
     }
 
+    /// One string for each dataset however its URL is spelt: `/data/ds`, `/data/ds/` and
+    /// `/data//./ds` are one directory to the file system (symlinks are not followed: another
+    /// path may be another dataset tomorrow), `s3://b/train` and `s3://b/train/` one prefix.
+    /// The daemon keeps one listing and index for them all.
+    pub fn identity(&self) -> String {
+        let base = match self {
+            DatasetUrl::Local { dir, .. } => dir_base(&dir.components().collect::<PathBuf>()),
+            DatasetUrl::S3 { .. } => self.base(),
+        };
+        match self.pick() {
+            Pick::All => base,
+            Pick::Every => format!("{base}\0every"),
+            Pick::Names(names) => format!("{base}\0names\0{}", names.join("\0")),
+            Pick::Glob(glob) => format!("{base}\0glob\0{}", glob.pattern()),
+        }
+    }
+
     pub fn pick(&self) -> &Pick {
         match self {
             DatasetUrl::Local { pick, .. } | DatasetUrl::S3 { pick, .. } => pick,
@@ -343,6 +360,28 @@ mod tests {
         for bad in ["s3://", "s3:///x", "s3://b/{a,b}/x.tar"] {
             assert!(DatasetUrl::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn spellings_of_one_dataset_have_one_identity() {
+        let id = |url: &str| DatasetUrl::parse(url).unwrap().identity();
+        for same in ["/nonexistent/d/ds/", "/nonexistent//d/./ds", "/nonexistent/d/ds//", "file:///nonexistent/d/ds"] {
+            assert_eq!(id(same), id("/nonexistent/d/ds"), "{same}");
+        }
+        assert_eq!(id("s3://b/train"), id("s3://b/train/"));
+        // What a URL picks is part of what it names; a `..` may lead elsewhere through a symlink.
+        let others = [
+            "/nonexistent/d/ds",
+            "/nonexistent/d/ds/../ds",
+            "/nonexistent/d/ds/t-{1..2}.tar",
+            "/nonexistent/d/ds/t-1.tar",
+            "/nonexistent/d/ds/t-*.tar",
+            "s3://b/train/",
+            "s3://b/train/t-1.tar",
+            "s3://c/train/",
+        ];
+        let ids: std::collections::HashSet<_> = others.iter().map(|u| id(u)).collect();
+        assert_eq!(ids.len(), others.len(), "{ids:?}");
     }
 
     #[test]
