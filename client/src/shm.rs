@@ -95,19 +95,12 @@ impl Mapping {
         let Some(f) = &self.file else { return Ok(()) };
         let shard_error = |reason: String| ClientError::Shard { shard: self.name.clone(), offset: None, reason };
         let meta = f.metadata().map_err(|e| shard_error(format!("cannot stat it: {e}")))?;
-        let now = (meta.len(), mtime_ns(&meta));
-        if now == self.unchanged {
-            return Ok(());
+        match wire::changed_while_read(self.unchanged, (meta.len(), wire::mtime_ns(&meta))) {
+            None => Ok(()),
+            Some(why) => {
+                Err(shard_error(format!("{why}; open the dataset again (a new Loader) to read it as it is now")))
+            }
         }
-        let what = if now.0 == self.unchanged.0 {
-            "its modification time moved".to_owned()
-        } else {
-            format!("it is {} bytes, {} when the daemon opened it", now.0, self.unchanged.0)
-        };
-        Err(shard_error(format!(
-            "changed while a stream read it ({what}): rewritten in place, so what was read may not be the samples \
-             it was indexed with; open the dataset again (a new Loader) to read it as it is now"
-        )))
     }
 
     /// Reads `buf.len()` bytes at `offset` of a shard that is read: a short read means the shard
@@ -161,12 +154,6 @@ fn advise_huge_folios(map: &Mmap) {
     let _ = map.advise(memmap2::Advice::HugePage);
     #[cfg(not(target_os = "linux"))]
     let _ = map;
-}
-
-/// A file's modification time in nanoseconds since the epoch, as the daemon records it.
-fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
-    use std::os::unix::fs::MetadataExt;
-    meta.mtime().saturating_mul(1_000_000_000).saturating_add(meta.mtime_nsec())
 }
 
 /// The path behind a received descriptor, for error messages (best effort).
@@ -699,7 +686,7 @@ impl Inner {
         let map = if len == 0 {
             Arc::new(Mapping { map: None, file: None, unchanged: (0, 0), name })
         } else if let Some(mtime) = in_place.filter(|_| !map_in_place()) {
-            let unchanged = (len, mtime.unwrap_or_else(|| mtime_ns(&meta)));
+            let unchanged = (len, mtime.unwrap_or_else(|| wire::mtime_ns(&meta)));
             Arc::new(Mapping { map: None, file: Some(file), unchanged, name })
         } else if arena {
             // A decoded row group's sealed segment: no later stream is sent it again, so it is
@@ -1083,7 +1070,7 @@ mod tests {
         let m = Mapping {
             map: None,
             file: Some(f.reopen().unwrap()),
-            unchanged: (4096, mtime_ns(&meta)),
+            unchanged: (4096, wire::mtime_ns(&meta)),
             name: f.path().display().to_string(),
         };
         let mut buf = [0u8; 100];

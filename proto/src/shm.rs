@@ -93,6 +93,32 @@ pub const SHARD_ARENA: u8 = 2;
 /// modification time as the daemon opened it (see the module docs).
 pub const SHARD_MTIME: u8 = 4;
 
+/// A file's modification time in nanoseconds since the epoch: what [`SHARD_MTIME`] carries, and
+/// what the daemon and the client compare a shard read in place against (one definition, so the
+/// daemon's record and the client's `fstat` agree to the nanosecond).
+pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
+    use std::os::unix::fs::MetadataExt;
+    meta.mtime().saturating_mul(1_000_000_000).saturating_add(meta.mtime_nsec())
+}
+
+/// Why a shard read in place is refused after a batch's reads, when its (length, modification
+/// time) `now` are not those it was `opened` with; None while unchanged. The daemon and the
+/// client (for the shards it reads itself) say it alike.
+pub fn changed_while_read(opened: (u64, i64), now: (u64, i64)) -> Option<String> {
+    if now == opened {
+        return None;
+    }
+    let what = if now.0 == opened.0 {
+        format!("its modification time moved, from {} ns to {} ns since the epoch", opened.1, now.1)
+    } else {
+        format!("it is {} bytes, {} when opened", now.0, opened.0)
+    };
+    Some(format!(
+        "changed while a stream read it ({what}): rewritten in place, so what was read may not be the samples \
+         it was indexed with"
+    ))
+}
+
 /// Error codes of ERROR frames.
 pub const ERR_UNKNOWN_SESSION: u64 = 1;
 pub const ERR_LAYOUT_VERSION: u64 = 2;

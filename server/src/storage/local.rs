@@ -277,9 +277,8 @@ fn shard_metadata(path: &Path, meta: std::io::Result<std::fs::Metadata>) -> Resu
     Ok(meta)
 }
 
-pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
-    meta.mtime().saturating_mul(1_000_000_000).saturating_add(meta.mtime_nsec())
-}
+/// A file's modification time in nanoseconds since the epoch (the side channel's definition).
+pub use shardstream_proto::shm::mtime_ns;
 
 /// An open shard file, read with positioned reads (safe to share between threads).
 #[derive(Debug)]
@@ -350,23 +349,10 @@ impl ShardFile {
     /// open descriptor, no path lookup.
     pub fn check_unchanged(&self) -> Result<()> {
         let now = self.file.metadata().map_err(|e| Error::io("cannot stat shard", &self.path, e))?;
-        let (len, mtime) = (now.len(), mtime_ns(&now));
-        if (len, mtime) == (self.len, self.mtime_ns) {
-            return Ok(());
+        match shardstream_proto::shm::changed_while_read((self.len, self.mtime_ns), (now.len(), mtime_ns(&now))) {
+            None => Ok(()),
+            Some(reason) => Err(Error::Shard { shard: self.name.clone(), offset: None, reason }),
         }
-        let what = if len == self.len {
-            format!("its modification time moved ({} ns after the open's)", mtime.saturating_sub(self.mtime_ns))
-        } else {
-            format!("it is {len} bytes, {} when opened", self.len)
-        };
-        Err(Error::Shard {
-            shard: self.name.clone(),
-            offset: None,
-            reason: format!(
-                "changed while a stream read it ({what}): rewritten in place, so what was read may not be the \
-                 samples it was indexed with"
-            ),
-        })
     }
 
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the shard was truncated
