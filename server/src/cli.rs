@@ -477,11 +477,9 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         keys => format!("; partition keys: {}", keys.join(", ")),
     };
     outln!(
-        "indexed {} shard{}, {} sample{}, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
-        m.shards.len(),
-        if m.shards.len() == 1 { "" } else { "s" },
-        m.total_samples,
-        if m.total_samples == 1 { "" } else { "s" },
+        "indexed {}, {}, {:.1} MB in {secs:.1} s ({:.0} MB/s); fields: {}{keys}; wrote {}",
+        crate::pack::count(m.shards.len() as u64, "shard"),
+        crate::pack::count(m.total_samples, "sample"),
         m.total_bytes as f64 / 1e6,
         m.total_bytes as f64 / 1e6 / secs.max(1e-9),
         m.fields.join(", "),
@@ -494,7 +492,7 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
         let more = if empty.len() > 5 { format!(" and {} more", empty.len() - 5) } else { String::new() };
         outln!(
             "{} without samples, which contribute none: {shown}{more}",
-            if empty.len() == 1 { "1 shard".to_string() } else { format!("{} shards", empty.len()) }
+            crate::pack::count(empty.len() as u64, "shard")
         )?;
     }
     if let Some(r) = summary.footer_reads {

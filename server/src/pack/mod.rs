@@ -265,7 +265,7 @@ pub trait PackProgress: Sync {
 impl PackProgress for () {}
 
 /// `"1 file"`, `"2 files"`.
-fn count(n: u64, what: &str) -> String {
+pub(crate) fn count(n: u64, what: &str) -> String {
     if n == 1 { format!("1 {what}") } else { format!("{n} {what}s") }
 }
 
