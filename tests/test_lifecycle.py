@@ -310,6 +310,11 @@ def test_the_directory_a_killed_trainers_embedded_server_left_goes_at_the_next_o
     elsewhere = tmp / "shardstream-elsewhere"
     elsewhere.mkdir()
     (elsewhere / "owner").write_text("1 1 pid:[1]\n")
+    # An owner file that does not read as one (not a pid): left alone, and no reason to fail
+    # the start (the int() of its pid was outside the guard).
+    garbled = tmp / "shardstream-garbled"
+    garbled.mkdir()
+    (garbled / "owner").write_text(f"x 1 {namespace}\n")
     r = subprocess.run(
         [sys.executable, "-c", "import sys, shardstream; shardstream.Loader(sys.argv[1], batch_size=4)", str(root)],
         capture_output=True,
@@ -319,7 +324,12 @@ def test_the_directory_a_killed_trainers_embedded_server_left_goes_at_the_next_o
     )
     assert r.returncode == 0, r.stderr
     # The killed one's and the stale one's went at that start; its own at its exit.
-    assert sorted(p.name for p in tmp.iterdir()) == ["shardstream-alive", "shardstream-elsewhere", "shardstream-other"]
+    assert sorted(p.name for p in tmp.iterdir()) == [
+        "shardstream-alive",
+        "shardstream-elsewhere",
+        "shardstream-garbled",
+        "shardstream-other",
+    ]
 
 
 def recv(sock: socket.socket, timeout: float = 20.0) -> str:

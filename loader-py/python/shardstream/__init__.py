@@ -89,9 +89,10 @@ def _sweep_embedded(parent: str) -> None:
                 continue
             with open(os.path.join(entry.path, _OWNER_FILE)) as f:
                 pid, start, owner_namespace = f.read().split()
-        except (OSError, ValueError):
+            owner = int(pid)
+        except (OSError, ValueError):  # not ours to judge: a file of another make, or cut short
             continue
-        if owner_namespace == namespace and _process_start(int(pid)) != start:
+        if owner_namespace == namespace and _process_start(owner) != start:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
