@@ -1253,6 +1253,24 @@ def test_a_corrupt_page_is_a_shard_error_and_no_garbage_rows(daemon, tmp_path: P
     assert len(got) <= 2000
 
 
+def test_a_corrupt_page_body_names_its_column(daemon, tmp_path: Path) -> None:
+    # The page headers are sound; the compressed values of column "s" in row group 2 are not.
+    # arrow-rs decodes the selected columns together and its codec's error names none of them.
+    path = tmp_path / "a.parquet"
+    table = pa.table({"id": pa.array(range(2000), pa.int64()), "s": [f"v{i}" * 5 for i in range(2000)]})
+    pq.write_table(table, path, row_group_size=500, use_dictionary=False, compression="snappy")
+    col = pq.ParquetFile(path).metadata.row_group(2).column(1)
+    end = col.data_page_offset + col.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[end - 60 : end - 20] = bytes(b ^ 0xA5 for b in data[end - 60 : end - 20])
+    path.write_bytes(bytes(data))
+    loader = shardstream.Loader(str(tmp_path), batch_size=100, shuffle=False, fields=["id", "s"], connect=daemon.addr)
+    with pytest.raises(shardstream.ShardError, match=r'a\.parquet.*row group 2.*column "s": ') as e:
+        for _ in loader:
+            pass
+    assert e.value.shard.endswith("a.parquet")
+
+
 def test_a_shard_error_in_dataloader_workers_reaches_the_trainer(daemon, tmp_path: Path) -> None:
     # torch pickles a worker's exception to the trainer; ShardError's module was '_native', which
     # no process can import: the pickling failed, the worker's error was dropped, and the epoch

@@ -221,28 +221,73 @@ pub fn decode_row_group(
         return arrange(&none);
     }
     check_pages(table, rg, proj, &chunks).map_err(bad)?;
-    let decoded = no_panic(
-        || {
-            let reader =
-                ParquetRecordBatchReaderBuilder::new_with_metadata(chunks, proj.reader_metadata(table).clone())
-                    .with_row_groups(vec![rg])
-                    .with_projection(proj.mask.clone())
-                    .with_batch_size(batch_rows)
-                    .build()
-                    .map_err(|e| bad(e.to_string()))?;
-            let schema = reader.schema();
-            let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| bad(e.to_string()))?;
-            match batches.len() {
-                1 => Ok(batches.into_iter().next().unwrap_or_else(|| RecordBatch::new_empty(schema))),
-                _ => arrow_select::concat::concat_batches(&schema, &batches).map_err(|e| bad(e.to_string())),
-            }
-        },
-        |msg| bad(format!("the decoder panicked: {msg}")),
-    )?;
+    let decoded = match decode_mask(table, rg, proj, proj.mask.clone(), chunks.clone(), batch_rows) {
+        Ok(decoded) => decoded,
+        // arrow-rs decodes the selected columns together and its errors (a codec's "corrupt
+        // input", a short page) do not say whose page it was: decoding each column alone, on
+        // this error path only, finds the one to name.
+        Err(reason) => return Err(bad(name_bad_column(table, rg, proj, &chunks, batch_rows).unwrap_or(reason))),
+    };
     if decoded.num_rows() as u64 != rows {
         return Err(bad(format!("decoded {} rows but the footer says {rows}", decoded.num_rows())));
     }
     arrange(&decoded)
+}
+
+/// Decodes row group `rg`'s columns in `mask` from `chunks` into one batch, in arrow-rs's order;
+/// an error (or a panic of the decoder) is its reason.
+fn decode_mask(
+    table: &ParquetTable,
+    rg: usize,
+    proj: &FileProjection,
+    mask: parquet::arrow::ProjectionMask,
+    chunks: ChunkSet,
+    batch_rows: usize,
+) -> Result<RecordBatch, String> {
+    let reason = |e: &dyn std::fmt::Display| e.to_string();
+    let decoded = no_panic(
+        || {
+            let decode = || -> Result<RecordBatch, String> {
+                let reader =
+                    ParquetRecordBatchReaderBuilder::new_with_metadata(chunks, proj.reader_metadata(table).clone())
+                        .with_row_groups(vec![rg])
+                        .with_projection(mask)
+                        .with_batch_size(batch_rows)
+                        .build()
+                        .map_err(|e| reason(&e))?;
+                let schema = reader.schema();
+                let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| reason(&e))?;
+                match batches.len() {
+                    1 => Ok(batches.into_iter().next().unwrap_or_else(|| RecordBatch::new_empty(schema))),
+                    _ => arrow_select::concat::concat_batches(&schema, &batches).map_err(|e| reason(&e)),
+                }
+            };
+            decode().map_err(|reason| ParquetError::BadData { row_group: rg, reason })
+        },
+        |msg| ParquetError::BadData { row_group: rg, reason: format!("the decoder panicked: {msg}") },
+    );
+    decoded.map_err(|e| match e {
+        ParquetError::BadData { reason, .. } => reason,
+        e => e.to_string(),
+    })
+}
+
+/// The first selected leaf column of row group `rg` that fails to decode alone, named with its
+/// error; `None` when each decodes alone (the columns disagree only together, say on row counts).
+fn name_bad_column(
+    table: &ParquetTable,
+    rg: usize,
+    proj: &FileProjection,
+    chunks: &ChunkSet,
+    batch_rows: usize,
+) -> Option<String> {
+    let schema = table.reader_metadata().parquet_schema();
+    (0..schema.num_columns()).filter(|&c| proj.mask.leaf_included(c)).find_map(|c| {
+        let alone = parquet::arrow::ProjectionMask::leaves(schema, [c]);
+        decode_mask(table, rg, proj, alone, chunks.clone(), batch_rows)
+            .err()
+            .map(|e| format!("column {}: {e}", schema.column(c).path()))
+    })
 }
 
 /// Checks the page headers of every selected column chunk of row group `rg` (see [`pages`]),
@@ -426,6 +471,28 @@ mod tests {
         // The decoder cannot read outside the set: an empty set fails cleanly.
         let e = decode_row_group(&t, 1, &fp, ChunkSet::default()).unwrap_err();
         assert!(matches!(e, ParquetError::BadData { row_group: 1, .. }), "{e}");
+    }
+
+    #[test]
+    fn a_corrupt_page_is_named_by_its_column() {
+        let mut bytes = testdata::mixed(2000, 500, testdata::Codec::Snappy);
+        let t = table(&bytes);
+        let caption = t.chunk_range(1, 2).unwrap();
+        // The end of the chunk's last data page: compressed values, past any page header.
+        for b in &mut bytes[caption.end as usize - 60..caption.end as usize - 20] {
+            *b ^= 0xA5;
+        }
+        let t = table(&bytes);
+        let sel = vec!["id".to_string(), "caption".to_string(), "label".to_string()];
+        let fp = Projection::new(t.schema(), &[], Some(&sel)).unwrap().for_file(&t, &[]).unwrap();
+        let e = read_row_group(&t, 1, &fp, reader(&bytes)).unwrap_err();
+        assert!(matches!(e, ParquetError::BadData { row_group: 1, .. }), "{e}");
+        assert!(e.to_string().contains("column \"caption\": "), "{e}");
+        // The other row groups, and the other columns of this one, still decode.
+        assert!(read_row_group(&t, 0, &fp, reader(&bytes)).is_ok());
+        let rest = vec!["id".to_string(), "label".to_string()];
+        let fp = Projection::new(t.schema(), &[], Some(&rest)).unwrap().for_file(&t, &[]).unwrap();
+        assert!(read_row_group(&t, 1, &fp, reader(&bytes)).is_ok());
     }
 
     /// The IPC stream `direct` writes for `rows` of one decoded row group.
