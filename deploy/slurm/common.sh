@@ -4,8 +4,11 @@
 # Slurm runs these hooks with no PATH, so every command here is an absolute path or a builtin.
 #
 # Site settings: shardstream.env next to slurm.conf (/etc/slurm/shardstream.env), a root-owned,
-# world-readable (0644: the TaskProlog runs as the job's user) file of VAR=value lines sourced by
-# the hooks. Recognised:
+# world-readable (0644: the TaskProlog runs as the job's user) file of VAR=value lines, read as
+# data, not run as shell (the Prolog runs as root): a value is the rest of its line, taken
+# literally (quotes around the whole of it are removed; no $ expansion), optionally after
+# `export `; blank lines and lines starting with # are skipped, any other line is logged and
+# skipped. Recognised:
 #   SHARDSTREAM_BIN            the daemon binary (default /usr/local/bin/shardstream)
 #   SHARDSTREAM_RUN_DIR        parent of the per-job socket directories (default
 #                              /run/shardstream-jobs)
@@ -42,17 +45,37 @@ ss_load_settings() {
   SHARDSTREAM_PREFETCH_WAIT=0
   local env_file
   env_file="$(ss_conf_dir)/shardstream.env"
-  if [ -r "$env_file" ]; then
-    set -a
-    # shellcheck source=/dev/null
-    . "$env_file"
-    set +a
-  fi
+  [ -r "$env_file" ] && ss_read_settings "$env_file"
   # Used in shell arithmetic, where "60s" or "08" is an error that would fail the hook (and a
   # failed Prolog drains the node): a value that is no plain number of seconds is logged and
   # the default used.
   ss_seconds SHARDSTREAM_START_TIMEOUT 60 "$env_file"
   ss_seconds SHARDSTREAM_PREFETCH_WAIT 0 "$env_file"
+}
+
+# ss_read_settings FILE: export each NAME=value line of FILE (see the top of this file).
+ss_read_settings() {
+  local file=$1 line name value n=0
+  while IFS= read -r line || [ -n "$line" ]; do
+    n=$((n + 1))
+    line=${line%$'\r'}
+    # Surrounding blanks go; a value's inner blanks stay.
+    line=${line#"${line%%[![:space:]]*}"}
+    line=${line%"${line##*[![:space:]]}"}
+    [[ -z $line || $line == '#'* ]] && continue
+    line=${line#export }
+    if ! [[ $line =~ ^([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]]; then
+      ss_log settings "line $n of $file is no NAME=value setting, skipped: $line"
+      continue
+    fi
+    name=${BASH_REMATCH[1]}
+    value=${BASH_REMATCH[2]}
+    if [[ ${#value} -ge 2 && ($value == \"*\" || $value == \'*\') ]]; then
+      value=${value:1:${#value}-2}
+    fi
+    printf -v "$name" '%s' "$value"
+    export "${name?}"
+  done <"$file"
 }
 
 # ss_seconds VAR DEFAULT FILE: VAR as a plain number of seconds, else DEFAULT (logged).
@@ -78,8 +101,12 @@ ss_job_paths() {
 ss_log() {
   local hook=$1
   shift
-  printf '%s %s job %s: %s\n' "$(/usr/bin/date -u +%FT%TZ)" "$hook" "${SLURM_JOB_ID:-?}" "$*" \
-    >>"$SHARDSTREAM_LOG_DIR/slurm-hooks.log" 2>/dev/null || true
+  # Owner-only when made here: the lines name users, sockets and datasets.
+  (
+    umask 077
+    printf '%s %s job %s: %s\n' "$(/usr/bin/date -u +%FT%TZ)" "$hook" "${SLURM_JOB_ID:-?}" "$*" \
+      >>"$SHARDSTREAM_LOG_DIR/slurm-hooks.log"
+  ) 2>/dev/null || true
 }
 
 # True when PID is alive, runs as UID, and its command line names this job's socket: the check

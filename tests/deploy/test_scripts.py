@@ -189,3 +189,93 @@ def test_task_prolog_stages_once_and_again_after_a_step_ended_its_staging(tmp_pa
     finally:
         (tmp_path / "hold").unlink(missing_ok=True)
         listener.close()
+
+
+def test_the_settings_file_is_read_as_lines_not_run_as_shell(tmp_path: Path) -> None:
+    """The hooks sourced shardstream.env as shell, as root in the Prolog: an unquoted
+    `SHARDSTREAM_SERVE_ARGS=--metrics-addr 127.0.0.1:19465` (documented as "VAR=value lines", the
+    options "split on spaces") ran `127.0.0.1:19465` as a command and left the options unset,
+    logged nowhere; `$(...)` in a value ran too."""
+    logs, marker = tmp_path / "log", tmp_path / "ran"
+    logs.mkdir()
+    lines = [
+        f"SHARDSTREAM_LOG_DIR={logs}",
+        "SHARDSTREAM_SERVE_ARGS=--metrics-addr 127.0.0.1:19465",
+        "# a comment, and a blank line",
+        "",
+        'export SHARDSTREAM_CACHE_SIZE="2 GiB"',
+        "  AWS_REGION='eu-west-1'  ",
+        f"SHARDSTREAM_BIN=$(touch {marker})",
+        "not a setting",
+    ]
+    (tmp_path / "shardstream.env").write_text("\n".join(lines) + "\n")
+    script = f". {DEPLOY / 'slurm' / 'common.sh'}; ss_load_settings; "
+    script += 'printf "%s\\n" "$SHARDSTREAM_SERVE_ARGS" "$SHARDSTREAM_CACHE_SIZE" "$SHARDSTREAM_BIN"; '
+    script += "/usr/bin/printenv AWS_REGION"
+    r = subprocess.run(
+        ["/bin/bash", "-c", script], env={"SLURM_CONF": str(tmp_path / "slurm.conf")}, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines() == [
+        "--metrics-addr 127.0.0.1:19465",
+        "2 GiB",
+        f"$(touch {marker})",
+        "eu-west-1",
+    ], r.stdout
+    assert not marker.exists(), "a value was run as a command"
+    log = (logs / "slurm-hooks.log").read_text()
+    assert "line 8 of" in log and "not a setting" in log, log
+
+
+def test_an_address_the_job_set_is_kept_and_said(tmp_path: Path) -> None:
+    """The TaskProlog exported the job's socket over a SHARDSTREAM_ADDR the job had set itself (the
+    no-admin recipe of example.sbatch, `SHARDSTREAM_ADDR=unix://$sock srun python train.py`): its
+    trainer silently used the Prolog's daemon, not the one it had started and staged. An address
+    of another job's daemon (a job submitted from inside another inherits its environment) is
+    stale, not a choice: the job's own replaces it."""
+    run = tmp_path / "run"
+    (tmp_path / "shardstream.env").write_text(f"SHARDSTREAM_LOG_DIR={tmp_path}\nSHARDSTREAM_RUN_DIR={run}\n")
+    own = f"unix://{run / 'job-7' / 'sock'}"
+    for inherited, out in [
+        (None, f"export SHARDSTREAM_ADDR={own}\n"),
+        (own, f"export SHARDSTREAM_ADDR={own}\n"),
+        (f"unix://{run / 'job-6' / 'sock'}", f"export SHARDSTREAM_ADDR={own}\n"),
+    ]:
+        env = {"SLURM_JOB_ID": "7"} | ({"SHARDSTREAM_ADDR": inherited} if inherited else {})
+        r = run_hook("task-prolog", tmp_path, env)
+        assert r.returncode == 0 and r.stdout == out, (inherited, r)
+    mine = "unix:///tmp/mine/sock"
+    r = run_hook("task-prolog", tmp_path, {"SLURM_JOB_ID": "7", "SHARDSTREAM_ADDR": mine})
+    assert r.returncode == 0 and "export" not in r.stdout, r
+    said = r.stdout.splitlines()
+    assert len(said) == 1 and said[0].startswith("print shardstream: ") and mine in said[0] and own in said[0], r
+
+
+def test_the_job_log_is_the_job_users_alone(tmp_path: Path) -> None:
+    """The daemon's job-$ID.log and the hooks' log were world-readable (0644), and a job-$ID.log
+    left by an earlier job of that id (ids repeat after a wrap or a reset of Slurm's state) was
+    handed to the new job's user with the old contents: another user's dataset URLs and errors."""
+    logs, run, cache = tmp_path / "log", tmp_path / "run", tmp_path / "cache"
+    logs.mkdir()
+    settings = [
+        f"SHARDSTREAM_LOG_DIR={logs}",
+        f"SHARDSTREAM_RUN_DIR={run}",
+        f"SHARDSTREAM_JOB_CACHE_DIR={cache}",
+        f"SHARDSTREAM_BIN={tmp_path / 'no-such-binary'}",
+        "SHARDSTREAM_START_TIMEOUT=5",
+    ]
+    (tmp_path / "shardstream.env").write_text("\n".join(settings) + "\n")
+    old = logs / "job-7.log"
+    old.write_text("OLD LOG OF ANOTHER USER\n")
+    old.chmod(0o644)
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_UID": "65534", "SLURM_JOB_GID": "65534", "SLURM_JOB_USER": "nobody"}
+    r = run_hook("prolog", tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    st = old.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (65534, 0o600), oct(st.st_mode)
+    assert "OLD LOG" not in old.read_text()
+    assert (logs / "slurm-hooks.log").stat().st_mode & 0o777 == 0o600
+    # The same job's Prolog again (a requeue): its log is kept and appended to.
+    old.write_text("THIS JOB'S FIRST RUN\n")
+    r = run_hook("prolog", tmp_path, env)
+    assert r.returncode == 0 and "THIS JOB'S FIRST RUN" in old.read_text(), r.stderr
