@@ -444,11 +444,12 @@ import shardstream
 
 url, addr, out = sys.argv[1:4]
 counts = {}
-for batch in shardstream.Loader(url, batch_size=16, seed=5, connect=addr):
+loader = shardstream.Loader(url, batch_size=16, seed=5, connect=addr)
+for batch in loader:
     for key in batch["__key__"]:
         counts[key] = counts.get(key, 0) + 1
 with open(f"{out}/result-{os.environ['SLURM_JOB_ID']}-{os.environ['SLURM_PROCID']}.json", "w") as f:
-    json.dump(counts, f)
+    json.dump({"address": loader.address, "counts": counts}, f)
 """
 
 
@@ -491,10 +492,10 @@ def test_no_admin_example_runs_one_daemon_per_node_that_drains(world: World) -> 
     script, n = re.subn(r"\bcache=\S*/(shardstream-)", rf"cache={nvme}/\1", recipe)
     assert n == 1, recipe
     script = script.replace("s3://my-bucket/datasets/laion-wds/", url)
-    script, n = re.subn(
-        r"\bpython train\.py .*", f'/usr/bin/python3 {trainer} {url} "unix://$sock" {world.out}', script
-    )
-    assert n == 1, recipe
+    # The trainer takes its address from SHARDSTREAM_ADDR, as the recipe's line sets it (connect="auto"),
+    # though the Prolog's TaskProlog hands every task the Prolog's daemon.
+    script, n = re.subn(r"\bpython train\.py .*", f"/usr/bin/python3 {trainer} {url} auto {world.out}", script)
+    assert n == 1 and "SHARDSTREAM_ADDR=unix://$sock srun /usr/bin/python3" in script, recipe
     env = {**world.s3.env(), "PATH": f"{world.bin.parent}:/usr/bin:/bin"}
     # The Prolog's dataset does not exist: its daemon stages nothing, and stays out of the way.
     job = submit(world, "s3://data/no-such-dataset/", url, step=script, tasks_per_node=2, env=env)
@@ -506,8 +507,10 @@ def test_no_admin_example_runs_one_daemon_per_node_that_drains(world: World) -> 
     assert "can't honor" not in out and "already listening" not in out, diag
     assert out.count("staged 8 of 8 shards") == 1, f"one prefetch per node\n{diag}"
     for task in range(2):
-        counts = json.loads((world.out / f"result-{job}-{task}.json").read_text())
-        assert counts == {k: 1 for k in world.samples}, f"task {task}: every sample once"
+        result = json.loads((world.out / f"result-{job}-{task}.json").read_text())
+        assert result["address"] == f"unix:///tmp/shardstream-{job}/sock", f"task {task}: the job's own daemon"
+        assert result["counts"] == {k: 1 for k in world.samples}, f"task {task}: every sample once"
+    assert out.count("shardstream: this task keeps SHARDSTREAM_ADDR=") == 2, f"said once a task\n{diag}"
     # The daemon drained: asked to once, no SIGKILL from srun, no task ended in error.
     assert out.count("shutdown requested, draining") == 1, diag
     assert len(re.findall(r"\bstopped$", out, re.MULTILINE)) == 1, f"the daemon did not exit cleanly\n{diag}"
