@@ -397,6 +397,41 @@ def test_a_refused_client_certificate_is_logged(tmp_path: Path, pki: Path, datas
     assert any(all(w in line for w in words) for line in text.splitlines()), text
 
 
+@pytest.mark.parametrize("case", ["cert without PEM", "key without a key", "key of another certificate"])
+def test_a_client_certificate_or_key_that_cannot_serve_is_a_value_error_naming_it(
+    tmp_path: Path, pki: Path, datasets, monkeypatch, case: str
+) -> None:
+    """A client certificate file holding no certificate was skipped: the client connected without
+    one and heard "peer sent no certificates", as if the daemon had sent none; a key file holding
+    no key, or the key of another certificate, failed every handshake. All three were a
+    ConnectionError naming no setting, which a loop retrying ConnectionError retries for good."""
+    a, _, _ = datasets
+    not_pem = tmp_path / "not-pem"
+    not_pem.write_text("a token, not a certificate\n")
+    cert, key = {
+        "cert without PEM": (not_pem, pki / "trainer.key"),
+        "key without a key": (pki / "trainer.pem", pki / "ca.pem"),
+        "key of another certificate": (pki / "trainer.pem", pki / "daemon.key"),
+    }[case]
+    log = tmp_path / "daemon.log"
+    args = ["--tls-cert", str(pki / "daemon.pem"), "--tls-key", str(pki / "daemon.key"),
+            "--tls-client-ca", str(pki / "ca.pem")]  # fmt: skip
+    monkeypatch.delenv("SHARDSTREAM_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("SHARDSTREAM_TLS_CA", str(pki / "ca.pem"))
+    monkeypatch.setenv("SHARDSTREAM_TLS_CLIENT_CERT", str(pki / "trainer.pem"))
+    monkeypatch.setenv("SHARDSTREAM_TLS_CLIENT_KEY", str(pki / "trainer.key"))
+    d = Daemon(tmp_path, args=args, addr=f"tls://127.0.0.1:{free_port()}", log=log).start()
+    try:
+        monkeypatch.setenv("SHARDSTREAM_TLS_CLIENT_CERT", str(cert))
+        monkeypatch.setenv("SHARDSTREAM_TLS_CLIENT_KEY", str(key))
+        with pytest.raises(ValueError) as e:
+            list(shardstream.Loader(str(a), batch_size=32, connect=d.addr))
+        setting = "SHARDSTREAM_TLS_CLIENT_CERT" if case == "cert without PEM" else "SHARDSTREAM_TLS_CLIENT_KEY"
+        assert setting in str(e.value) and str(key if "key" in case else cert) in str(e.value), e.value
+    finally:
+        d.stop()
+
+
 # One rank on the trainer's host: a torch DataLoader with 2 workers, each worker its own TLS
 # connection (made after fork, with the credentials the environment hands down).
 RANK = textwrap.dedent(

@@ -10,7 +10,7 @@
 //! A stream is drained by a background task into a small channel, so decoding the next batch
 //! overlaps with the consumer's work on the current one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -341,10 +341,9 @@ impl Credentials {
         let mut cfg = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)).domain_name(name);
         match (&self.tls_client_cert, &self.tls_client_key) {
             (Some(c), Some(k)) => {
-                cfg = cfg.identity(Identity::from_pem(
-                    read(c, "SHARDSTREAM_TLS_CLIENT_CERT")?,
-                    read(k, "SHARDSTREAM_TLS_CLIENT_KEY")?,
-                ));
+                let (cert, key) = (read(c, "SHARDSTREAM_TLS_CLIENT_CERT")?, read(k, "SHARDSTREAM_TLS_CLIENT_KEY")?);
+                check_identity(c, &cert, k, &key)?;
+                cfg = cfg.identity(Identity::from_pem(cert, key));
             }
             (None, None) => {}
             _ => {
@@ -355,6 +354,49 @@ impl Credentials {
         }
         Ok(cfg)
     }
+}
+
+/// Refuses a client certificate and key that cannot make a handshake, naming the file and its
+/// setting. Left to the handshake, a file holding no certificate was skipped (the daemon then
+/// refused "no certificates", as if it had sent none) and a bad key failed every connection: each
+/// a `ConnectionError` naming no setting, which a loop retrying `ConnectionError` retries for good.
+fn check_identity(cert_path: &Path, cert: &[u8], key_path: &Path, key: &[u8]) -> Result<(), ClientError> {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+    let chain = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ClientError::Credentials(format!("{} (SHARDSTREAM_TLS_CLIENT_CERT): {e}", cert_path.display())))?;
+    if chain.is_empty() {
+        return Err(ClientError::Credentials(format!(
+            "{} (SHARDSTREAM_TLS_CLIENT_CERT) holds no PEM certificate (no \"-----BEGIN CERTIFICATE-----\" line): \
+             give this client's certificate",
+            cert_path.display()
+        )));
+    }
+    let private = PrivateKeyDer::from_pem_slice(key).map_err(|e| {
+        ClientError::Credentials(format!(
+            "{} (SHARDSTREAM_TLS_CLIENT_KEY) holds no usable private key (PEM \"PRIVATE KEY\", \"RSA PRIVATE KEY\" \
+             or \"EC PRIVATE KEY\"): {e}",
+            key_path.display()
+        ))
+    })?;
+    // The same check rustls makes when the handshake would use them (the key's public half is the
+    // certificate's), made now.
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ClientError::Credentials(format!("TLS settings: {e}")))?
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_client_auth_cert(chain, private)
+        .map_err(|e| {
+            ClientError::Credentials(format!(
+                "{} (SHARDSTREAM_TLS_CLIENT_KEY) is not the key of the certificate {} \
+                 (SHARDSTREAM_TLS_CLIENT_CERT): {e}",
+                key_path.display(),
+                cert_path.display()
+            ))
+        })?;
+    Ok(())
 }
 
 /// What a PEM certificate begins with (a key, a token or a DER file has none).
