@@ -432,6 +432,31 @@ def test_a_client_certificate_or_key_that_cannot_serve_is_a_value_error_naming_i
         d.stop()
 
 
+def test_status_names_this_sides_mistakes_not_the_daemon(tmp_path: Path, pki: Path) -> None:
+    """`shardstream status`, the probe people debug a connection with, said "daemon at ... is not
+    serving" for a tls:// address without SHARDSTREAM_TLS_CA (the daemon was serving; the setting
+    was missing) and retried it for all of --wait, and a bare "transport error" for plaintext
+    spoken to the TLS port, which the Python client explains."""
+    d = Remote(Hosts(), tmp_path, tls_args(pki), ip="127.0.0.1").wait()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTREAM_")}
+    env.update({k: v for k, v in creds(pki).items() if v is not None})
+    try:
+        ok = subprocess.run([SHARDSTREAM, "status", "--connect", d.addr], env=env, capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stderr
+        no_ca = {k: v for k, v in env.items() if k != "SHARDSTREAM_TLS_CA"}
+        started = time.monotonic()
+        r = subprocess.run(
+            [SHARDSTREAM, "status", "--connect", d.addr, "--wait", "30"], env=no_ca, capture_output=True, text=True
+        )
+        assert r.returncode == 1 and "SHARDSTREAM_TLS_CA" in r.stderr and "not serving" not in r.stderr, r.stderr
+        assert time.monotonic() - started < 10, "a missing setting is not waited out"
+        plain = d.addr.replace("tls://", "tcp://")
+        r = subprocess.run([SHARDSTREAM, "status", "--connect", plain], env=no_ca, capture_output=True, text=True)
+        assert r.returncode == 1 and "is it a tls:// listener" in r.stderr, r.stderr
+    finally:
+        d.stop()
+
+
 # One rank on the trainer's host: a torch DataLoader with 2 workers, each worker its own TLS
 # connection (made after fork, with the credentials the environment hands down).
 RANK = textwrap.dedent(

@@ -671,7 +671,14 @@ fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<
             Ok(r) => break r,
             Err(e)
                 if std::time::Instant::now() >= until
-                    || matches!(e.downcast_ref(), Some(shardstream_client::ClientError::Refused { .. })) =>
+                    || matches!(
+                        e.downcast_ref(),
+                        Some(
+                            shardstream_client::ClientError::Refused { .. }
+                                | shardstream_client::ClientError::Credentials(_)
+                                | shardstream_client::ClientError::BadAddress(_)
+                        )
+                    ) =>
             {
                 return Err(e);
             }
@@ -686,13 +693,23 @@ fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<
 async fn status_once(addr: &Address, limit: Duration, timeout: f64) -> anyhow::Result<shardstream_proto::StatusReply> {
     tokio::time::timeout(limit, async {
         let mut client = shardstream_client::connect(addr).await.map_err(|e| match e {
-            e @ shardstream_client::ClientError::Refused { .. } => anyhow::Error::new(e),
+            // This side's own settings (a missing CA, a key not the certificate's): the daemon
+            // may be serving, and no wait changes them.
+            e @ (shardstream_client::ClientError::Refused { .. }
+            | shardstream_client::ClientError::Credentials(_)
+            | shardstream_client::ClientError::BadAddress(_)) => anyhow::Error::new(e),
             e => anyhow::anyhow!("daemon at {addr} is not serving: {e}"),
         })?;
-        let reply = client
-            .status(shardstream_proto::StatusRequest {})
-            .await
-            .map_err(|e| anyhow::anyhow!("daemon at {addr} did not answer: {}", e.message()))?;
+        let reply = client.status(shardstream_proto::StatusRequest {}).await.map_err(|s| {
+            // A peer that is no shardstream daemon (a tls:// listener spoken to in plaintext,
+            // another service) shows here: the client's own words for it, not a bare "transport error".
+            match client.first_answer(s) {
+                shardstream_client::ClientError::Status(s) => {
+                    anyhow::anyhow!("daemon at {addr} did not answer: {}", s.message())
+                }
+                e => anyhow::anyhow!("daemon at {addr} did not answer: {e}"),
+            }
+        })?;
         anyhow::Ok(reply.into_inner())
     })
     .await
