@@ -130,6 +130,23 @@ def test_dataloader_without_workers_keeps_the_views(daemon, dataset) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_dataloader_gets_bytes_not_lists_of_ints(daemon, dataset, workers: int) -> None:
+    # README: a plain torch DataLoader(ds, batch_size=None) works as shardstream.torch's does. In
+    # the trainer's process (num_workers=0) its default_convert took each memoryview for a
+    # sequence: every field came as a list of Python ints (a JPEG that PIL could not open, and
+    # ~200x slower). It gets bytes there now, as its workers always gave.
+    root, samples = dataset
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr, fields=["jpg", "cls"])
+    n = 0
+    for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers):
+        assert all(type(v) is bytes for v in batch["jpg"]), type(batch["jpg"][0])
+        assert list(batch["jpg"]) == [samples[k]["jpg"] for k in batch["__key__"]]
+        assert list(batch["cls"]) == [samples[k]["cls"] for k in batch["__key__"]]
+        n += len(batch["__key__"])
+    assert n == len(samples)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("batching", [{}, {"batch_size": 4}])
 def test_a_plain_dataloader_that_would_batch_the_batches_again_is_refused(
     daemon, dataset, workers: int, batching: dict[str, int]

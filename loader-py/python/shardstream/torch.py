@@ -308,7 +308,8 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
-        _refuse_batching_again(sys._getframe(1))
+        fetcher = _fetcher(sys._getframe(1))
+        _refuse_batching_again(fetcher)
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         transformed = self.transform is not None or self.batch_transform is not None
@@ -318,7 +319,10 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         adopt = memory is not None and not transformed and self._kwargs["collate"] == "stack" and not self._arrow
         # A worker without a transform pickles whole batches, which memoryviews cannot be: copy. With
         # one, the transform reads the views in place and only its result is pickled.
-        copy = info is not None and not transformed and not adopt
+        # So does a plain DataLoader's default_convert in the trainer's process (num_workers=0):
+        # it takes a memoryview for a sequence and would make each a list of Python ints.
+        converts_views = getattr(fetcher, "collate_fn", None) is torch.utils.data.default_convert
+        copy = (info is not None or converts_views) and not transformed and not adopt
         loader = Loader(self.url, copy=copy, _worker=(worker, num_workers), **self._kwargs)
         state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
         loader.load_state_dict(state)
@@ -359,31 +363,35 @@ def _spawning() -> Any:
     return context.get_spawning_popen()
 
 
-def _refuse_batching_again(frame: types.FrameType | None) -> None:
-    """A ``ValueError`` when a DataLoader that batches (its default ``batch_size=1``, any
-    ``batch_size`` or ``batch_sampler``) is asking for this dataset's items: it would wrap each
-    batch in another (a leading dimension of 1 on every tensor) or merge several, without a word.
-
-    The IterableDataset cannot see its DataLoader; the DataLoader's fetcher, which calls ``next``
-    on this generator from its ``fetch`` (in the trainer, or in each worker), can be seen on the
-    stack with its ``auto_collation``. Should torch move that, nothing is found and nothing is
-    refused (the documented ``batch_size=None`` is unaffected either way)."""
+def _fetcher(frame: types.FrameType | None) -> Any:
+    """The DataLoader fetcher iterating this dataset, or None. The IterableDataset cannot see its
+    DataLoader; the fetcher, which calls ``next`` on this generator from its ``fetch`` (in the
+    trainer, or in each worker), can be seen on the stack with its ``auto_collation`` and
+    ``collate_fn``. Should torch move that, nothing is found (and the documented
+    ``batch_size=None`` is unaffected)."""
     from torch.utils.data._utils.fetch import _IterableDatasetFetcher
 
     for _ in range(4):
         if frame is None:
-            return
+            return None
         fetcher = frame.f_locals.get("self")
         if isinstance(fetcher, _IterableDatasetFetcher):
-            if getattr(fetcher, "auto_collation", False):
-                raise ValueError(
-                    "shardstream.torch.IterableDataset yields whole batches (its batch_size); a "
-                    "torch DataLoader that batches (batch_size=1 by default, or a batch_size or "
-                    "batch_sampler) would batch them again: give the DataLoader batch_size=None, "
-                    "or use shardstream.torch.DataLoader, which does"
-                )
-            return
+            return fetcher
         frame = frame.f_back
+    return None
+
+
+def _refuse_batching_again(fetcher: Any) -> None:
+    """A ``ValueError`` when a DataLoader that batches (its default ``batch_size=1``, any
+    ``batch_size`` or ``batch_sampler``) is asking for this dataset's items: it would wrap each
+    batch in another (a leading dimension of 1 on every tensor) or merge several, without a word."""
+    if getattr(fetcher, "auto_collation", False):
+        raise ValueError(
+            "shardstream.torch.IterableDataset yields whole batches (its batch_size); a "
+            "torch DataLoader that batches (batch_size=1 by default, or a batch_size or "
+            "batch_sampler) would batch them again: give the DataLoader batch_size=None, "
+            "or use shardstream.torch.DataLoader, which does"
+        )
 
 
 def _convert(data: Any) -> Any:
