@@ -27,6 +27,17 @@ def test_missing_dataset(daemon, dataset, tmp_path: Path) -> None:
     assert_still_serves(daemon, dataset)
 
 
+@pytest.mark.parametrize("url", ["pipe:cat {root}/shard-000000.tar", "pipe:curl -s https://host/shard-000000.tar"])
+def test_a_webdataset_pipe_url_is_refused_saying_why(daemon, dataset, url: str) -> None:
+    # A pipe: URL without "://" was taken for a relative path: "dataset not found:
+    # /cwd/pipe:cat ...", which sent a user migrating from webdataset looking for a file.
+    root, _ = dataset
+    with pytest.raises(ValueError, match=r"pipe: URLs .* are not read.*s3://"):
+        shardstream.Loader(url.format(root=root), batch_size=8, connect=daemon.addr)
+    r = subprocess.run([SHARDSTREAM, "index", url.format(root=root)], capture_output=True, text=True)
+    assert r.returncode != 0 and "pipe: URLs" in r.stderr, r.stderr
+
+
 def test_an_unknown_field_is_refused_when_the_loader_is_made(daemon, dataset) -> None:
     """A typo in `fields` was accepted (len() answered) and refused at the first batch, inside a
     DataLoader worker of the first epoch; the README promises a ValueError when the Loader is

@@ -350,7 +350,8 @@ def _dataset_url(url: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> st
     text = os.fsdecode(os.fspath(url))
     if not text:
         raise ValueError("url is empty: give the dataset's directory, pattern or s3:// URL")
-    if "://" in text:
+    if "://" in text or text.startswith("pipe:"):
+        # A pipe: URL (webdataset's) as it is too: the daemon says why it does not read one.
         return text
     text = os.path.expanduser(text)
     # Joined, not normalised: `..` after a symlink is the kernel's to resolve, as for any path.

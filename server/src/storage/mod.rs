@@ -114,9 +114,9 @@ impl DatasetUrl {
 
 /// Whether `url` is a relative local path: not a URL (`s3://`, `file://`) and not starting at `/`.
 /// A daemon would resolve one in its own working directory, so clients make it absolute and the
-/// daemon refuses it.
+/// daemon refuses it. A `pipe:` URL is none (`DatasetUrl::parse` says why it is not read).
 pub fn is_relative_path(url: &str) -> bool {
-    !url.contains("://") && !url.starts_with('/')
+    !url.contains("://") && !url.starts_with('/') && !url.starts_with("pipe:")
 }
 
 /// A directory as the prefix a shard name is appended to (`/data/train/`).
@@ -173,6 +173,14 @@ impl DatasetUrl {
         let path = match url.strip_prefix("file://") {
             Some(p) if p.starts_with('/') => p,
             Some(p) => return Err(Error::invalid(format!("file URL must be absolute: file://{p}"))),
+            // webdataset's shell-command URLs: as a path, "not found" under the working directory.
+            None if url.starts_with("pipe:") => {
+                return Err(Error::invalid(format!(
+                    "pipe: URLs (a shell command's output, as webdataset reads) are not read: shardstream reads the \
+                     shards itself, from a local directory, a file:// or s3:// URL, or a brace pattern of shards \
+                     (/data/shard-{{000000..000099}}.tar): {url}"
+                )));
+            }
             None if url.contains("://") => {
                 return Err(Error::invalid(format!("unsupported dataset URL scheme: {url}")));
             }
@@ -318,6 +326,9 @@ mod tests {
         );
         assert!(DatasetUrl::parse("file://rel/x").is_err());
         assert!(DatasetUrl::parse("gs://b/x").is_err());
+        // webdataset's shell-command URLs were joined to the working directory: "not found".
+        let e = DatasetUrl::parse("pipe:curl -s https://host/shard-000000.tar").unwrap_err().to_string();
+        assert!(e.contains("pipe: URLs") && e.contains("s3://"), "{e}");
         // An existing shard file is a dataset of one; another file is refused by name; a
         // directory named like a shard is a directory.
         let tmp = tempfile::tempdir().unwrap();
