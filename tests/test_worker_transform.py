@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.utils.data
 
+import shardstream
 import shardstream.torch as sst
 from conftest import Daemon, mapped_memfds, write_token_blocks
 
@@ -127,6 +129,53 @@ def test_dataloader_without_workers_keeps_the_views(daemon, dataset) -> None:
         assert [bytes(v) for v in batch["jpg"]] == [samples[k]["jpg"] for k in batch["__key__"]]
         n += len(batch["__key__"])
     assert n == len(samples)
+
+
+@pytest.mark.parametrize("name", ["drop_last", "shuffle"])
+def test_batching_options_given_to_the_dataloader_name_the_dataset(daemon, dataset, name: str) -> None:
+    # torch's refusal said "batch_size=None option disables auto-batching and is mutually exclusive
+    # with drop_last", though the caller never gave batch_size.
+    root, _ = dataset
+    ds = sst.IterableDataset(str(root), batch_size=64, connect=daemon.addr, fields=["cls"])
+    with pytest.raises(ValueError, match=rf"{name} is the dataset's.*IterableDataset\(\.\.\., {name}=True\)"):
+        sst.DataLoader(ds, **{name: True})
+    sst.DataLoader(ds, **{name: False})  # the default, said: accepted
+
+
+@pytest.mark.parametrize("how", ["Loader", "DataLoader-0", "DataLoader-2", "plain-0"])
+def test_an_epoch_repeated_without_set_epoch_is_warned_once(daemon, dataset, how: str) -> None:
+    # webdataset reshuffles by itself each epoch; a loop ported from it without set_epoch trained
+    # every epoch in the same order, without a word.
+    root, _ = dataset
+    kwargs: dict[str, Any] = dict(batch_size=256, seed=3, connect=daemon.addr, fields=["cls"])
+    if how == "Loader":
+        it: Any = shardstream.Loader(str(root), **kwargs)
+        ds: Any = it
+    else:
+        ds = sst.IterableDataset(str(root), **kwargs)
+        workers = int(how[-1])
+        if how.startswith("plain"):
+            it = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        else:
+            it = sst.DataLoader(ds, num_workers=workers)
+
+    def epoch() -> list[str]:
+        return [k for b in it for k in b["__key__"]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in it:  # a break: this iteration did not finish the epoch, the next begins it
+            break
+        first = epoch()
+    with pytest.warns(UserWarning, match=r"epoch 0 again without set_epoch\(\), in the same order"):
+        assert epoch() == first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert epoch() == first  # once
+        ds.set_epoch(1)
+        assert epoch() != first
+        ds.set_epoch(1)  # the same epoch again, said: no warning
+        epoch()
 
 
 @pytest.mark.parametrize("workers", [0, 2])

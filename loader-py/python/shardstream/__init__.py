@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -341,6 +342,26 @@ def _stack_fields(batch: dict[str, Any]) -> None:
         batch[name] = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), record)
 
 
+def _warn_same_order(owner: Any, epoch: int, shuffle: bool, start: int) -> None:
+    """Warns, once per loader, when an iteration starts an epoch that the one before read to its
+    end with neither ``set_epoch`` nor ``load_state_dict`` between: it yields the same order again.
+    webdataset reshuffles by itself each epoch, and a training loop ported from it (or one that
+    forgot the call) trained every epoch in one order without a word. ``set_epoch`` with the same
+    epoch says the repeat is meant."""
+    if not shuffle or start != 0 or getattr(owner, "_finished_epoch", None) != epoch:
+        return
+    if getattr(owner, "_warned_same_order", False):
+        return
+    owner._warned_same_order = True
+    warnings.warn(
+        f"shardstream: epoch {epoch} again without set_epoch(), in the same order as the iteration before; "
+        "call set_epoch(epoch) at the start of each epoch for a new order (as with torch's DistributedSampler), "
+        "or set_epoch with the same epoch to repeat it on purpose",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def _dataset_url(url: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
     """A local path as the daemon must get it: absolute, from this process's working directory and
     home (a daemon has its own, and refuses relative paths). URLs (``s3://``, ``file://``) as given."""
@@ -576,6 +597,9 @@ class Loader:
                 raise ValueError('binary_views cannot be stacked (collate="stack"): its values are not contiguous')
         self.epoch = 0
         self._start_batch = 0  # where the next iteration starts (set by load_state_dict)
+        # The epoch the last iteration read to its end, until set_epoch or load_state_dict says
+        # which comes next (see _warn_same_order).
+        self._finished_epoch: int | None = None
         self._consumed = 0  # batches of the rank consumed in the current epoch
         self._stream: Any = None
         # Which iteration is the current one: an earlier one whose stream a later one closed
@@ -603,6 +627,7 @@ class Loader:
             self._start_batch = 0
             self._consumed = 0
         self.epoch = epoch
+        self._finished_epoch = None
 
     def _open_stream(self) -> Any:
         return self._conn.stream(
@@ -701,6 +726,7 @@ class Loader:
             self._consumed = self._start_batch
             self._start_batch = 0
             return
+        _warn_same_order(self, self.epoch, self.shuffle, self._start_batch)
         # Bound here: the generator's cleanup may run in the interpreter's teardown, after the
         # module's globals (``time``) are None.
         perf_counter = time.perf_counter
@@ -740,6 +766,7 @@ class Loader:
                 if batch is None:
                     if self._iterations != mine:
                         raise self._cut_short()
+                    self._finished_epoch = self.epoch
                     break
                 if self._first_batch_s is None:
                     self._first_batch_s = t1 - started
@@ -839,6 +866,7 @@ class Loader:
                 "epoch: it is not from this loader's state_dict()"
             )
         self.epoch = int(state["epoch"])
+        self._finished_epoch = None
         self._start_batch = consumed
         self._consumed = consumed
 

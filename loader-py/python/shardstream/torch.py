@@ -90,7 +90,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from . import Batch, Loader, _checked_epoch, _native, resolve_address
+from . import Batch, Loader, _checked_epoch, _native, _warn_same_order, resolve_address
 from ._batch_memory import BatchMemory, Pooled
 
 
@@ -259,6 +259,8 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         # so that set_epoch moves both: a count the DataLoader kept was the last epoch's until
         # its next iteration began.
         self._consumed = 0
+        # The epoch an iteration in this process last read to its end (see _warn_same_order).
+        self._finished_epoch: int | None = None
 
     @property
     def epoch(self) -> int:
@@ -306,12 +308,17 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
             self.start_batch = 0
             self._consumed = 0
         self.epoch = epoch
+        self._finished_epoch = None
 
     def __iter__(self) -> Iterator[Any]:
         fetcher = _fetcher(sys._getframe(1))
         _refuse_batching_again(fetcher)
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is None:
+            # In the trainer's process (no workers); a shardstream.torch.DataLoader with workers
+            # checks for itself, its workers' copies cannot tell.
+            _warn_same_order(self, self.epoch, bool(self._kwargs["shuffle"]), self.start_batch)
         transformed = self.transform is not None or self.batch_transform is not None
         memory = self._memory if info is not None or transformed else None
         # Stacked TAR fields in a worker are copied out of the ring by the batch memory (large
@@ -319,10 +326,12 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         adopt = memory is not None and not transformed and self._kwargs["collate"] == "stack" and not self._arrow
         # A worker without a transform pickles whole batches, which memoryviews cannot be: copy. With
         # one, the transform reads the views in place and only its result is pickled.
-        # So does a plain DataLoader's default_convert in the trainer's process (num_workers=0):
-        # it takes a memoryview for a sequence and would make each a list of Python ints.
-        converts_views = getattr(fetcher, "collate_fn", None) is torch.utils.data.default_convert
-        copy = (info is not None or converts_views) and not transformed and not adopt
+        copy = info is not None and not transformed and not adopt
+        # A plain DataLoader's default_convert in the trainer's process (num_workers=0) takes a
+        # memoryview for a sequence and would make each a list of Python ints: it gets bytes, as
+        # from its workers (tensors over the ring stay as they are).
+        views_to_bytes = not copy and not transformed and not adopt
+        views_to_bytes &= getattr(fetcher, "collate_fn", None) is torch.utils.data.default_convert
         loader = Loader(self.url, copy=copy, _worker=(worker, num_workers), **self._kwargs)
         state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
         loader.load_state_dict(state)
@@ -344,9 +353,23 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
                     batch.release(at_once=False)
                 yield pooled
                 del pooled
+            elif views_to_bytes:
+                yield _views_as_bytes(batch)
             else:
                 yield batch
             del batch  # not kept alive (with its lease) while the consumer holds the next one
+        if info is None:
+            self._finished_epoch = self.epoch
+
+
+def _views_as_bytes(batch: Any) -> Any:
+    """``batch`` with each list of memoryviews (TAR fields, binary columns) made a list of bytes."""
+    if not isinstance(batch, dict):
+        return batch
+    for name, values in batch.items():
+        if isinstance(values, list) and any(isinstance(v, memoryview) for v in values):
+            batch[name] = [bytes(v) if isinstance(v, memoryview) else v for v in values]
+    return batch
 
 
 def _shared_position() -> Any:
@@ -450,6 +473,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             raise TypeError("shardstream.torch.DataLoader needs a shardstream.torch.IterableDataset")
         if kwargs.pop("batch_size", None) is not None:
             raise ValueError("batch_size is set on the dataset; the DataLoader must use batch_size=None")
+        for name in ("drop_last", "shuffle"):
+            # torch's own refusals name batch_size=None, which the caller never gave.
+            if kwargs.get(name):
+                raise ValueError(
+                    f"{name} is the dataset's, which forms the batches: "
+                    f"shardstream.torch.IterableDataset(..., {name}=True), not the DataLoader's"
+                )
         if not kwargs.get("in_order", True):
             # state_dict() counts the batches yielded as a prefix of the rank's order: batches out
             # of order would resume with some repeated and others never seen.
@@ -499,6 +529,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     # iterator type: nothing calls the _BaseDataLoaderIter methods on a DataLoader's __iter__().
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self._ss_dataset
+        _warn_same_order(ds, ds.epoch, bool(ds._kwargs["shuffle"]), ds.start_batch)
         ds._consumed = ds.start_batch
         memory = ds._memory = self._start_memory()
         batches = super().__iter__()
@@ -517,6 +548,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                     memory.collect()
                     batch = memory.receive(batch)
                 yield batch
+            ds._finished_epoch = ds.epoch
         except ConnectionError:
             lost = True
             raise
@@ -547,6 +579,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         check.load_state_dict(state)
         check.close()
         ds.epoch = int(state["epoch"])
+        ds._finished_epoch = None
         # After the epoch's last batch: the epoch yields nothing more (as with Loader).
         ds.start_batch = min(int(state["batches_consumed"]), len(ds))
         ds._consumed = ds.start_batch
