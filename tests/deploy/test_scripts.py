@@ -103,7 +103,13 @@ def test_settings_that_are_no_number_of_seconds_are_logged_and_the_defaults_used
     assert r.stdout.split() == ["5", "0"], r.stdout + r.stderr
 
 
-def test_a_daemon_that_exits_at_start_is_not_also_logged_as_a_timeout(tmp_path: Path) -> None:
+# A job of user nobody whose daemon binary is missing: the Prolog runs up to the daemon's start.
+NOBODYS_JOB = {"SLURM_JOB_ID": "7", "SLURM_JOB_UID": "65534", "SLURM_JOB_GID": "65534", "SLURM_JOB_USER": "nobody"}
+
+
+def settings_without_a_daemon(tmp_path: Path) -> Path:
+    """shardstream.env beside tmp_path's slurm.conf, every directory under tmp_path, the daemon
+    binary missing; returns the log directory."""
     logs, run, cache = tmp_path / "log", tmp_path / "run", tmp_path / "cache"
     settings = [
         f"SHARDSTREAM_LOG_DIR={logs}",
@@ -113,8 +119,12 @@ def test_a_daemon_that_exits_at_start_is_not_also_logged_as_a_timeout(tmp_path: 
         "SHARDSTREAM_START_TIMEOUT=5",
     ]
     (tmp_path / "shardstream.env").write_text("\n".join(settings) + "\n")
-    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_UID": "65534", "SLURM_JOB_GID": "65534", "SLURM_JOB_USER": "nobody"}
-    r = run_hook("prolog", tmp_path, env)
+    return logs
+
+
+def test_a_daemon_that_exits_at_start_is_not_also_logged_as_a_timeout(tmp_path: Path) -> None:
+    logs = settings_without_a_daemon(tmp_path)
+    r = run_hook("prolog", tmp_path, NOBODYS_JOB)
     assert r.returncode == 0, r.stderr
     log = (logs / "slurm-hooks.log").read_text()
     assert "daemon exited at start-up" in log and "not serving after" not in log, log
@@ -255,21 +265,12 @@ def test_the_job_log_is_the_job_users_alone(tmp_path: Path) -> None:
     """The daemon's job-$ID.log and the hooks' log were world-readable (0644), and a job-$ID.log
     left by an earlier job of that id (ids repeat after a wrap or a reset of Slurm's state) was
     handed to the new job's user with the old contents: another user's dataset URLs and errors."""
-    logs, run, cache = tmp_path / "log", tmp_path / "run", tmp_path / "cache"
+    logs = settings_without_a_daemon(tmp_path)
     logs.mkdir()
-    settings = [
-        f"SHARDSTREAM_LOG_DIR={logs}",
-        f"SHARDSTREAM_RUN_DIR={run}",
-        f"SHARDSTREAM_JOB_CACHE_DIR={cache}",
-        f"SHARDSTREAM_BIN={tmp_path / 'no-such-binary'}",
-        "SHARDSTREAM_START_TIMEOUT=5",
-    ]
-    (tmp_path / "shardstream.env").write_text("\n".join(settings) + "\n")
     old = logs / "job-7.log"
     old.write_text("OLD LOG OF ANOTHER USER\n")
     old.chmod(0o644)
-    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_UID": "65534", "SLURM_JOB_GID": "65534", "SLURM_JOB_USER": "nobody"}
-    r = run_hook("prolog", tmp_path, env)
+    r = run_hook("prolog", tmp_path, NOBODYS_JOB)
     assert r.returncode == 0, r.stderr
     st = old.stat()
     assert (st.st_uid, st.st_mode & 0o777) == (65534, 0o600), oct(st.st_mode)
@@ -277,5 +278,5 @@ def test_the_job_log_is_the_job_users_alone(tmp_path: Path) -> None:
     assert (logs / "slurm-hooks.log").stat().st_mode & 0o777 == 0o600
     # The same job's Prolog again (a requeue): its log is kept and appended to.
     old.write_text("THIS JOB'S FIRST RUN\n")
-    r = run_hook("prolog", tmp_path, env)
+    r = run_hook("prolog", tmp_path, NOBODYS_JOB)
     assert r.returncode == 0 and "THIS JOB'S FIRST RUN" in old.read_text(), r.stderr
