@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,6 +131,26 @@ def test_webdataset_shards_of_two_splits_and_a_glob(daemon, tmp_path: Path) -> N
     assert (
         len([k for b in shardstream.Loader(str(plain), batch_size=8, connect=daemon.addr) for k in b["__key__"]]) == 3
     )
+
+
+def test_loose_files_and_whole_compressed_shards_point_at_the_fix(daemon, tmp_path: Path) -> None:
+    # A user arriving from a folder of samples (or a .tgz webdataset reads) got "the directory
+    # holds none", or "no valid TAR header at offset 0" for a .tgz a pattern picked.
+    loose = tmp_path / "loose"
+    (loose / "cats").mkdir(parents=True)
+    (loose / "cats" / "a.jpg").write_bytes(b"\xff\xd8\xff")
+    with pytest.raises(FileNotFoundError, match=r"holds none.*shardstream pack"):
+        shardstream.Loader(str(loose), connect=daemon.addr)
+    (loose / "b.jpg").write_bytes(b"\xff\xd8\xff")
+    with pytest.raises(FileNotFoundError, match=r"holds none.*shardstream pack"):
+        shardstream.Loader(str(loose), connect=daemon.addr)
+    tgz = tmp_path / "tgz"
+    tgz.mkdir()
+    (loose / "c.bin").write_bytes(os.urandom(4096))  # a real shard's size: past one TAR block compressed
+    with tarfile.open(tgz / "shard-0.tgz", "w:gz") as t:
+        t.add(loose / "c.bin", arcname="c.bin")
+    with pytest.raises(shardstream.ShardError, match=r"gzip-compressed.*uncompressed"):
+        shardstream.Loader(str(tgz / "shard-{0..0}.tgz"), connect=daemon.addr)
 
 
 def test_a_directory_whose_name_looks_like_a_glob_is_a_directory(daemon, tmp_path: Path) -> None:

@@ -124,6 +124,17 @@ pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[Stri
             names.join(", ")
         ));
     }
+    if unserved.most().is_none()
+        && unserved.parquet_named_otherwise == 0
+        && unserved.no_extension.0 == 0
+        && nested.is_empty()
+    {
+        // Loose samples (a folder of images, a directory per class) are what most users arrive with.
+        path.push_str(
+            "; a dataset is shards, WebDataset *.tar or *.parquet files: `shardstream pack DIR --output DEST` \
+             makes them of a tree of loose files",
+        );
+    }
     path.push(')');
     Error::NotFound { what, path }
 }

@@ -128,7 +128,7 @@ pub(super) fn next_entry(src: &mut impl Source, start: u64, shard_start: bool) -
         }
         if remaining < BLOCK {
             return Err(if shard_start && offset == 0 {
-                TarError::NotTar { offset }
+                TarError::NotTar { offset, compressed: None }
             } else {
                 TarError::Truncated { offset, what: "the data ends inside a header" }
             });
@@ -145,7 +145,9 @@ pub(super) fn next_entry(src: &mut impl Source, start: u64, shard_start: bool) -
             };
         }
         let header = parse_header(block, offset).map_err(|e| match e {
-            TarError::BadChecksum { offset: 0 } if shard_start => TarError::NotTar { offset: 0 },
+            TarError::BadChecksum { offset: 0 } if shard_start => {
+                TarError::NotTar { offset: 0, compressed: compressed_kind(block) }
+            }
             e => e,
         })?;
         // offset + BLOCK <= len: no overflow.
@@ -466,4 +468,17 @@ impl Source for PartsSource<'_, '_> {
         let len = range.end.saturating_sub(range.start);
         self.get(range.start, len).unwrap_or_default()
     }
+}
+
+/// What a file's first bytes say it is when they are a compressor's magic number: a TAR
+/// compressed whole (webdataset reads `.tar.gz`; the daemon reads members in place).
+fn compressed_kind(head: &[u8]) -> Option<&'static str> {
+    const MAGIC: [(&[u8], &str); 5] = [
+        (&[0x1f, 0x8b], "gzip"),
+        (&[0x28, 0xb5, 0x2f, 0xfd], "zstd"),
+        (b"BZh", "bzip2"),
+        (&[0xfd, b'7', b'z', b'X', b'Z', 0], "xz"),
+        (&[0x04, 0x22, 0x4d, 0x18], "lz4"),
+    ];
+    MAGIC.iter().find(|(magic, _)| head.starts_with(magic)).map(|(_, kind)| *kind)
 }

@@ -82,8 +82,15 @@ pub enum TarError {
         #[source]
         source: std::io::Error,
     },
-    #[error("not a TAR file: no valid TAR header at offset {offset}")]
-    NotTar { offset: u64 },
+    /// `compressed`: what the first bytes say the file is instead (gzip, zstd, ...), if anything.
+    #[error(
+        "not a TAR file: no valid TAR header at offset {offset}{}",
+        compressed.map(|kind| format!(
+            "; it is {kind}-compressed, a TAR compressed whole: shards are read in place, so store them \
+             uncompressed (e.g. gunzip, zstd -d)"
+        )).unwrap_or_default()
+    )]
+    NotTar { offset: u64, compressed: Option<&'static str> },
     #[error("truncated archive at offset {offset}: {what}")]
     Truncated { offset: u64, what: &'static str },
     #[error("bad header checksum at offset {offset}: the archive is corrupt")]
@@ -129,7 +136,7 @@ impl TarError {
     pub fn offset(&self) -> Option<u64> {
         match self {
             TarError::Io { offset, .. }
-            | TarError::NotTar { offset }
+            | TarError::NotTar { offset, .. }
             | TarError::Truncated { offset, .. }
             | TarError::BadChecksum { offset }
             | TarError::PastEnd { offset, .. }
@@ -154,7 +161,7 @@ impl TarError {
                 *end = end.saturating_add(base);
             }
             TarError::Io { offset, .. }
-            | TarError::NotTar { offset }
+            | TarError::NotTar { offset, .. }
             | TarError::Truncated { offset, .. }
             | TarError::BadChecksum { offset }
             | TarError::BadPax { offset, .. }

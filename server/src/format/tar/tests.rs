@@ -586,7 +586,7 @@ fn corrupt_headers() {
     // In the first header: not a TAR at all.
     let mut bad = bytes.clone();
     bad[0] ^= 0x55;
-    assert!(matches!(index(&bad), Err(TarError::NotTar { offset: 0 })));
+    assert!(matches!(index(&bad), Err(TarError::NotTar { offset: 0, .. })));
     // ... but inside a sample it is a bad checksum.
     assert!(matches!(parse_sample(&bad), Err(TarError::BadChecksum { offset: 0 })));
     // A size field that is not a number.
@@ -624,7 +624,7 @@ fn garbage_is_not_a_tar() {
     let garbage = b"definitely not a tar file".repeat(50);
     for bytes in [&garbage[..], &garbage[..10]] {
         let err = index(bytes).unwrap_err();
-        assert!(matches!(err, TarError::NotTar { offset: 0 }), "{err}");
+        assert!(matches!(err, TarError::NotTar { offset: 0, .. }), "{err}");
         assert!(err.to_string().starts_with("not a TAR file"), "{err}");
     }
 }
@@ -884,4 +884,24 @@ fn a_shard_whose_layout_would_be_mostly_empty_slots_has_none_and_parses_per_samp
     let shared: Vec<String> = (0..50).flat_map(|i| [format!("s{i:02}.cls"), format!("s{i:02}.jpg")]).collect();
     let members: Vec<(&str, &[u8])> = shared.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
     assert!(index(&archive(&members, Style::Gnu)).unwrap().layout.is_some());
+}
+
+#[test]
+fn a_shard_compressed_whole_says_so() {
+    // A .tgz picked by a pattern (or renamed .tar) said only "no valid TAR header at offset 0".
+    let body = b"x".repeat(600);
+    for (magic, kind) in [
+        (&[0x1f, 0x8b, 0x08][..], "gzip"),
+        (&[0x28, 0xb5, 0x2f, 0xfd][..], "zstd"),
+        (b"BZh9", "bzip2"),
+        (&[0xfd, b'7', b'z', b'X', b'Z', 0][..], "xz"),
+    ] {
+        let bytes = [magic, &body[..]].concat();
+        let err = index(&bytes).unwrap_err();
+        assert!(matches!(err, TarError::NotTar { offset: 0, .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains(&format!("{kind}-compressed")) && text.contains("uncompressed"), "{text}");
+    }
+    let err = index(&b"definitely not a tar file".repeat(50)).unwrap_err().to_string();
+    assert!(!err.contains("compressed"), "{err}");
 }
