@@ -495,6 +495,14 @@ fn index(url: &str, threads: Option<usize>) -> anyhow::Result<()> {
             crate::pack::count(empty.len() as u64, "shard")
         )?;
     }
+    if let Some((name, samples, split)) = summary.split_keys.first() {
+        // The daemon's log says it at each open that scans them; the one who indexed reads it here.
+        let others = match summary.split_keys.len() - 1 {
+            0 => String::new(),
+            n => format!(" ({} more like it)", crate::pack::count(n as u64, "shard")),
+        };
+        outln!("warning: shard {name}{others}: {}", crate::format::split_keys_message(split, *samples))?;
+    }
     if let Some(r) = summary.footer_reads {
         // Parquet is indexed from footers alone: say what that cost, per file.
         outln!(

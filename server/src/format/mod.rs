@@ -132,9 +132,9 @@ impl Format {
     pub fn index_shard(self, file: &ShardFile) -> Result<ShardTable> {
         match self {
             // Unbuffered: a buffer would read 8 KiB around every 512-byte header.
-            Format::WebDataset => {
-                tar::index_tar(&file.file, file.len).map(ShardTable::Tar).map_err(|e| shard_error(file, 0, e))
-            }
+            Format::WebDataset => tar::index_tar(&file.file, file.len)
+                .map(|ix| warned_if_split(file, ShardTable::Tar(ix)))
+                .map_err(|e| shard_error(file, 0, e)),
             Format::Parquet => {
                 let table = parquet::dataset::open_local(file)?.ok_or_else(|| Error::Shard {
                     shard: file.name.clone(),
@@ -156,7 +156,9 @@ impl Format {
                 // The file was `file.len` bytes when opened and a cache copy never changes; a
                 // shorter mapping would still end in a truncation error naming the shard.
                 let shard = bytes.get(..usize::try_from(file.len).unwrap_or(usize::MAX)).unwrap_or(bytes);
-                tar::index_tar_bytes(shard).map(ShardTable::Tar).map_err(|e| shard_error(file, 0, e))
+                tar::index_tar_bytes(shard)
+                    .map(|ix| warned_if_split(file, ShardTable::Tar(ix)))
+                    .map_err(|e| shard_error(file, 0, e))
             }
             Format::Parquet => self.index_shard(file),
         }
@@ -219,6 +221,38 @@ pub enum ShardTable {
     Tar(tar::TarIndex),
     /// A Parquet file's footer: rows are its samples (served as Arrow batches, not as byte runs).
     Parquet(Arc<parquet::ParquetTable>),
+}
+
+/// `table`, after a warning when its scan found samples whose files are not together (see
+/// [`tar::SplitKeys`]): served as webdataset serves them, a sample per run, but said. The first
+/// few shards of a process are named; a dataset written so has it in every shard.
+fn warned_if_split(file: &ShardFile, table: ShardTable) -> ShardTable {
+    static WARNED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    const NAMED: usize = 3;
+    if let Some(split) = table.split_keys() {
+        let n = WARNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n < NAMED {
+            tracing::warn!(
+                shard = %file.name,
+                "{}",
+                split_keys_message(split, table.num_samples())
+                    + if n + 1 == NAMED { " (further shards like this are not named)" } else { "" }
+            );
+        }
+    }
+    table
+}
+
+/// What [`tar::SplitKeys`] mean for a shard of `samples` samples, and the way out.
+pub fn split_keys_message(split: &tar::SplitKeys, samples: u64) -> String {
+    format!(
+        "{} of its {samples} samples repeat the key of an earlier one that is not next to them (first {:?}): \
+         a sample's files are not together in the archive (`tar cf` of a directory orders them as the file \
+         system lists them), so each run is a sample of its own, with the fields it lacks None; write the \
+         shards with `tar --sort=name` or `shardstream pack`",
+        split.count,
+        split.first.as_deref().unwrap_or_default()
+    )
 }
 
 /// Where one sample's fields landed in the caller's buffer.
@@ -302,6 +336,15 @@ impl ShardTable {
     pub fn prefetch(&self, i: u64) {
         if let (ShardTable::Tar(t), Ok(i)) = (self, usize::try_from(i)) {
             t.prefetch(i);
+        }
+    }
+
+    /// A TAR shard's samples whose key an earlier, not adjacent sample has (as its scan found
+    /// them; none from a sidecar).
+    pub fn split_keys(&self) -> Option<&tar::SplitKeys> {
+        match self {
+            ShardTable::Tar(t) if t.split_keys.count > 0 => Some(&t.split_keys),
+            _ => None,
         }
     }
 

@@ -224,7 +224,7 @@ pub fn decode(bytes: &[u8], expected_identity: &[u8]) -> Result<Option<TarIndex>
     if !r.0.is_empty() {
         return Err(SidecarError::Malformed { what: "trailing bytes after the boundaries" });
     }
-    Ok(Some(TarIndex { boundaries, fields, layout }))
+    Ok(Some(TarIndex { boundaries, fields, layout, split_keys: Default::default() }))
 }
 
 /// The layout section of a version 2 file.
@@ -274,7 +274,12 @@ mod tests {
     const ID: &[u8] = b"len=4096;crc32c=00000001";
 
     fn index(boundaries: Vec<u64>) -> TarIndex {
-        TarIndex { boundaries, fields: vec!["cls".into(), "jpg".into(), "seg.png".into()], layout: None }
+        TarIndex {
+            boundaries,
+            fields: vec!["cls".into(), "jpg".into(), "seg.png".into()],
+            layout: None,
+            split_keys: Default::default(),
+        }
     }
 
     /// A version 1 file whose body is `body` (after magic and version), with a valid CRC.
@@ -315,7 +320,8 @@ mod tests {
     #[test]
     fn empty_index_round_trips() {
         for boundaries in [vec![], vec![512]] {
-            let bytes = encode(ID, &TarIndex { boundaries, fields: vec![], layout: None });
+            let bytes =
+                encode(ID, &TarIndex { boundaries, fields: vec![], layout: None, split_keys: Default::default() });
             assert_eq!(decode(&bytes, ID).unwrap(), Some(TarIndex::default()));
         }
     }
@@ -323,8 +329,12 @@ mod tests {
     #[test]
     fn a_sidecar_of_more_fields_than_a_shard_may_have_is_malformed() {
         let fields = |n: usize| (0..n).map(|f| format!("f{f:04}")).collect::<Vec<_>>();
-        let most =
-            TarIndex { boundaries: vec![0, 512], fields: fields(crate::format::tar::MAX_SHARD_FIELDS), layout: None };
+        let most = TarIndex {
+            boundaries: vec![0, 512],
+            fields: fields(crate::format::tar::MAX_SHARD_FIELDS),
+            layout: None,
+            split_keys: Default::default(),
+        };
         assert!(decode(&encode(ID, &most), ID).unwrap().is_some());
         let more = TarIndex { fields: fields(crate::format::tar::MAX_SHARD_FIELDS + 1), ..most };
         assert!(matches!(decode(&encode(ID, &more), ID), Err(SidecarError::Malformed { .. })));
@@ -418,6 +428,7 @@ mod tests {
             boundaries: vec![0, 2048, 3072],
             fields: vec!["cls".into(), "jpg".into()],
             layout: Layout::from_words(2, 2, words),
+            split_keys: Default::default(),
         }
     }
 
@@ -478,7 +489,7 @@ mod tests {
             id in prop::collection::vec(any::<u8>(), 0..40),
         ) {
             let boundaries: Vec<u64> = deltas.iter().scan(0u64, |acc, d| { *acc += d; Some(*acc) }).collect();
-            let ix = TarIndex { boundaries, fields: fields.into_iter().collect(), layout: None };
+            let ix = TarIndex { boundaries, fields: fields.into_iter().collect(), layout: None, split_keys: Default::default() };
             prop_assert_eq!(decode(&encode(&id, &ix), &id).unwrap(), Some(ix));
         }
 

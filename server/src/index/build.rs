@@ -54,6 +54,8 @@ pub struct IndexSummary {
     pub footer_reads: Option<FooterReads>,
     /// A partitioned Parquet dataset's keys (columns its directories give), in order.
     pub partition_keys: Vec<String>,
+    /// TAR shards whose samples' files are not together (name, samples, what was found), by name.
+    pub split_keys: Vec<SplitShard>,
 }
 
 /// Reads of Parquet file bytes made by an index run: every one is a footer (tail) read.
@@ -173,6 +175,7 @@ pub fn index_dataset(
                 progress.shard_done(name, len);
                 Ok(r)
             })?;
+            let (done, split_keys) = split_apart(done);
             let manifest = assemble(format, done);
             manifest.write_atomic(&dir)?;
             Ok(IndexSummary {
@@ -180,6 +183,7 @@ pub fn index_dataset(
                 location: dir.join(MANIFEST_FILE).display().to_string(),
                 footer_reads: None,
                 partition_keys: Vec::new(),
+                split_keys,
             })
         }
         DatasetUrl::S3 { bucket, prefix, .. } => {
@@ -199,6 +203,7 @@ pub fn index_dataset(
                 progress.shard_done(name, *len);
                 r
             })?;
+            let (done, split_keys) = split_apart(done);
             let manifest = assemble(format, done);
             let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
             let key = format!("{prefix}{MANIFEST_FILE}");
@@ -208,6 +213,7 @@ pub fn index_dataset(
                 location: format!("s3://{bucket}/{key}"),
                 footer_reads: None,
                 partition_keys: Vec::new(),
+                split_keys,
             })
         }
     }
@@ -256,7 +262,13 @@ fn index_parquet(
             local::write_atomic(&dir.join(footers::NAME), &bundle)?;
             manifest.write_atomic(&dir)?;
             let location = dir.join(MANIFEST_FILE).display().to_string();
-            Ok(IndexSummary { manifest, location, footer_reads: Some(counter.total()), partition_keys })
+            Ok(IndexSummary {
+                manifest,
+                location,
+                footer_reads: Some(counter.total()),
+                partition_keys,
+                split_keys: Vec::new(),
+            })
         }
         DatasetUrl::S3 { bucket, prefix, .. } => {
             let store = s3.ok_or_else(|| Error::invalid(format!("{url}: no S3 connection")))?;
@@ -296,6 +308,7 @@ fn index_parquet(
                 location: format!("s3://{bucket}/{key}"),
                 footer_reads: Some(counter.total()),
                 partition_keys,
+                split_keys: Vec::new(),
             })
         }
     }
@@ -360,7 +373,7 @@ fn describe(
     crc: u32,
     shown_as: &str,
     put_sidecar: impl FnOnce(&str, &[u8]) -> Result<()>,
-) -> Result<(ManifestShard, Vec<String>)> {
+) -> Result<Described> {
     let file = ShardFile::open_as(path.to_owned(), len, shown_as.to_owned())?;
     let table = format.index_shard(&file)?;
     let identity = format!("len={len};crc32c={crc:08x}");
@@ -368,7 +381,29 @@ fn describe(
     put_sidecar(&sidecar_name, &table.encode_sidecar(identity.as_bytes()))?;
     let entry =
         entry(name, len, crc, table.num_samples(), Some(&sidecar_name), None).with_largest(table.largest_sample());
-    Ok((entry, table.fields().to_vec()))
+    Ok((entry, table.fields().to_vec(), table.split_keys().cloned()))
+}
+
+/// A shard's manifest entry, its fields, and what its scan found of samples apart.
+type Described = (ManifestShard, Vec<String>, Option<crate::format::tar::SplitKeys>);
+
+/// A shard with samples apart: its name, its samples, what its scan found.
+type SplitShard = (String, u64, crate::format::tar::SplitKeys);
+
+/// The manifest entries and fields of `done`, and its shards with samples apart, by name.
+fn split_apart(done: Vec<Described>) -> (Vec<(ManifestShard, Vec<String>)>, Vec<SplitShard>) {
+    let mut split = Vec::new();
+    let done = done
+        .into_iter()
+        .map(|(entry, fields, apart)| {
+            if let Some(apart) = apart {
+                split.push((entry.name.clone(), entry.samples, apart));
+            }
+            (entry, fields)
+        })
+        .collect();
+    split.sort_by(|a, b| a.0.cmp(&b.0));
+    (done, split)
 }
 
 /// A manifest entry whose sidecar, if any, is `sidecar_name` in the dataset's sidecar directory.

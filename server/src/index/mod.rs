@@ -1234,6 +1234,7 @@ mod golden {
                 boundaries,
                 fields: vec!["cls".into(), "jpg".into()],
                 layout: None,
+                split_keys: Default::default(),
             });
             content_digest(&file, &table).unwrap()
         };
@@ -1295,7 +1296,12 @@ mod tests {
         // 1 MiB tables: 100 of them would be 100 MiB.
         let table = || {
             let boundaries: Vec<u64> = (0..(1u64 << 17)).map(|i| i * 512).collect();
-            Arc::new(ShardTable::Tar(crate::format::tar::TarIndex { boundaries, fields: Vec::new(), layout: None }))
+            Arc::new(ShardTable::Tar(crate::format::tar::TarIndex {
+                boundaries,
+                fields: Vec::new(),
+                layout: None,
+                split_keys: Default::default(),
+            }))
         };
         for i in 0..100 {
             ds.insert_table(i, table());
@@ -1312,6 +1318,7 @@ mod tests {
                 boundaries: huge,
                 fields: Vec::new(),
                 layout: None,
+                split_keys: Default::default(),
             })),
         );
         assert_eq!(ds.resident().0, 1);

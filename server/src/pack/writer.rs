@@ -148,7 +148,12 @@ impl TarShard {
         // The scan must find the samples where the writer put them, or the shard gets no layout.
         let layout =
             self.scan.map(|s| s.finish()).filter(|ix| ix.boundaries == self.boundaries).and_then(|ix| ix.layout);
-        Ok((file, len, crc, TarIndex { boundaries: self.boundaries, fields: Vec::new(), layout }))
+        Ok((
+            file,
+            len,
+            crc,
+            TarIndex { boundaries: self.boundaries, fields: Vec::new(), layout, split_keys: Default::default() },
+        ))
     }
 }
 

@@ -195,6 +195,20 @@ pub struct TarIndex {
     pub fields: Vec<String>,
     /// Where each sample's key and fields lie, when the scan could record it (see [`layout`]).
     pub layout: Option<layout::Layout>,
+    /// Samples whose key an earlier, not adjacent sample of the shard has: found by a scan, not
+    /// kept in sidecars (the scan that wrote one has said so).
+    pub split_keys: SplitKeys,
+}
+
+/// Samples of a shard whose key came back after other keys: a sample's files that are not
+/// together in the archive (`tar cf` of a directory orders them as the file system lists them),
+/// each run served as a sample of its own, with the fields it lacks None, as webdataset does.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SplitKeys {
+    /// How many samples (runs) repeat an earlier key.
+    pub count: usize,
+    /// The first such key.
+    pub first: Option<String>,
 }
 
 impl TarIndex {

@@ -2,13 +2,14 @@
 //! records where each sample starts, giving a [`TarIndex`].
 
 use std::borrow::Cow;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
+use std::hash::{BuildHasher, RandomState};
 use std::io::{Read, Seek};
 
 use super::entry::*;
 use super::layout::LayoutBuilder;
 use super::naming::*;
-use super::{TarError, TarIndex};
+use super::{SplitKeys, TarError, TarIndex};
 
 /// The fields of the sample being indexed, in one reused string (no allocation per member).
 #[derive(Default)]
@@ -75,6 +76,11 @@ struct Scan {
     sample_fields: FieldList,
     layout: LayoutBuilder,
     end: u64,
+    /// Hashes of the keys of the samples so far (a sample is a run of members with one key; a
+    /// key that comes back after others is a sample whose files are not together).
+    keys_seen: HashSet<u64>,
+    hasher: RandomState,
+    split: SplitKeys,
 }
 
 impl Scan {
@@ -100,6 +106,10 @@ impl Scan {
             }
             let field = normalize_field(Cow::Borrowed(field));
             if self.boundaries.is_empty() || k != self.key {
+                if !self.keys_seen.insert(self.hasher.hash_one(k)) {
+                    self.split.count += 1;
+                    self.split.first.get_or_insert_with(|| k.to_owned());
+                }
                 self.boundaries.push(e.start);
                 self.key.clear();
                 self.key.push_str(k);
@@ -141,7 +151,7 @@ impl Scan {
         self.boundaries.shrink_to_fit();
         let fields: Vec<String> = self.fields.into_iter().collect();
         let layout = self.layout.finish(&fields);
-        TarIndex { boundaries: self.boundaries, fields, layout }
+        TarIndex { boundaries: self.boundaries, fields, layout, split_keys: self.split }
     }
 }
 

@@ -12,7 +12,12 @@ use super::*;
 
 #[test]
 fn largest_sample_is_the_first_of_the_largest() {
-    let index = |b: &[u64]| TarIndex { boundaries: b.to_vec(), fields: Vec::new(), layout: None };
+    let index = |b: &[u64]| TarIndex {
+        boundaries: b.to_vec(),
+        fields: Vec::new(),
+        layout: None,
+        split_keys: Default::default(),
+    };
     assert_eq!(index(&[]).largest_sample(), None);
     assert_eq!(index(&[512]).largest_sample(), None);
     assert_eq!(index(&[0, 1024, 3072, 4096, 6144]).largest_sample(), Some((1, 2048)));
@@ -529,8 +534,11 @@ fn empty_archives() {
     add_file(&mut b, Style::Ustar, "only/README", b"x");
     let bytes = b.into_inner().unwrap();
     assert_eq!(index(&bytes).unwrap(), TarIndex::default());
-    assert_eq!(TarIndex { boundaries: vec![512], fields: vec![], layout: None }.num_samples(), 0);
-    let ix = TarIndex { boundaries: vec![0, 1024, 512], fields: vec![], layout: None };
+    assert_eq!(
+        TarIndex { boundaries: vec![512], fields: vec![], layout: None, split_keys: Default::default() }.num_samples(),
+        0
+    );
+    let ix = TarIndex { boundaries: vec![0, 1024, 512], fields: vec![], layout: None, split_keys: Default::default() };
     assert!(!ix.fits_shard(4096) && TarIndex::default().fits_shard(0));
     assert!(index(&bytes).unwrap().fits_shard(bytes.len() as u64));
 }
@@ -904,4 +912,24 @@ fn a_shard_compressed_whole_says_so() {
     }
     let err = index(&b"definitely not a tar file".repeat(50)).unwrap_err().to_string();
     assert!(!err.contains("compressed"), "{err}");
+}
+
+#[test]
+fn keys_that_come_back_after_others_are_counted() {
+    // `tar cf` of a directory orders members as the file system lists them: a sample's files
+    // apart, each run then a sample of its own.
+    let shard = |names: &[&str]| {
+        let mut b = tar::Builder::new(Vec::new());
+        for n in names {
+            add_file(&mut b, Style::Ustar, n, b"x");
+        }
+        b.into_inner().unwrap()
+    };
+    let apart = index(&shard(&["d/a.jpg", "d/b.jpg", "d/a.cls", "d/c.jpg", "d/b.cls", "d/c.cls"])).unwrap();
+    assert_eq!(apart.num_samples(), 6);
+    assert_eq!(apart.split_keys, SplitKeys { count: 3, first: Some("d/a".into()) });
+    let together = index(&shard(&["d/a.cls", "d/a.jpg", "d/b.cls", "d/b.jpg"])).unwrap();
+    assert_eq!((together.num_samples(), together.split_keys), (2, SplitKeys::default()));
+    // The same walk from memory.
+    assert_eq!(index_tar_bytes(&shard(&["a.x", "b.x", "a.y"])).unwrap().split_keys.count, 1);
 }
