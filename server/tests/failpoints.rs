@@ -167,10 +167,20 @@ fn failpoint_sidecar_write_failure_keeps_the_old_sidecar() {
     let scenario = FailScenario::setup();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("a.tar.idx");
-    let old = TarIndex { boundaries: vec![0, 1024], fields: vec!["jpg".into()], layout: None };
+    let old = TarIndex {
+        boundaries: vec![0, 1024],
+        fields: vec!["jpg".into()],
+        layout: None,
+        split_keys: Default::default(),
+    };
     sidecar::write_atomic(&path, b"id", &old).unwrap();
     fail::cfg("sidecar-write", "return(ENOSPC)").unwrap();
-    let new = TarIndex { boundaries: vec![0, 512, 2048], fields: vec!["cls".into()], layout: None };
+    let new = TarIndex {
+        boundaries: vec![0, 512, 2048],
+        fields: vec!["cls".into()],
+        layout: None,
+        split_keys: Default::default(),
+    };
     let err = sidecar::write_atomic(&path, b"id", &new).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ENOSPC));
     assert_eq!(sidecar::read(&path, b"id").unwrap(), Some(old), "readers still see the complete old sidecar");
