@@ -677,17 +677,7 @@ fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<
     let reply = loop {
         match rt.block_on(status_once(&addr, limit, timeout)) {
             Ok(r) => break r,
-            Err(e)
-                if std::time::Instant::now() >= until
-                    || matches!(
-                        e.downcast_ref(),
-                        Some(
-                            shardstream_client::ClientError::Refused { .. }
-                                | shardstream_client::ClientError::Credentials(_)
-                                | shardstream_client::ClientError::BadAddress(_)
-                        )
-                    ) =>
-            {
+            Err(e) if std::time::Instant::now() >= until || e.downcast_ref().is_some_and(no_wait_changes) => {
                 return Err(e);
             }
             Err(_) => std::thread::sleep(Duration::from_millis(500)),
@@ -696,17 +686,24 @@ fn status(connect: &str, json: bool, timeout: f64, wait: f64) -> anyhow::Result<
     print_status(&addr, &reply, json)
 }
 
+/// A failure to connect that is this side's (a socket that refuses this user, a missing CA, a key
+/// not the certificate's, an address that does not parse): the daemon may well be serving, and
+/// no wait changes it, so `status --wait` says it at once, as it is.
+fn no_wait_changes(e: &shardstream_client::ClientError) -> bool {
+    use shardstream_client::ClientError;
+    matches!(e, ClientError::Refused { .. } | ClientError::Credentials(_) | ClientError::BadAddress(_))
+}
+
 /// One attempt: connect and ask, under one deadline (a daemon that accepts but hangs is not ready).
 /// A socket that refuses this user stays a `ClientError::Refused`: the one failure no wait changes.
 async fn status_once(addr: &Address, limit: Duration, timeout: f64) -> anyhow::Result<shardstream_proto::StatusReply> {
     tokio::time::timeout(limit, async {
-        let mut client = shardstream_client::connect(addr).await.map_err(|e| match e {
-            // This side's own settings (a missing CA, a key not the certificate's): the daemon
-            // may be serving, and no wait changes them.
-            e @ (shardstream_client::ClientError::Refused { .. }
-            | shardstream_client::ClientError::Credentials(_)
-            | shardstream_client::ClientError::BadAddress(_)) => anyhow::Error::new(e),
-            e => anyhow::anyhow!("daemon at {addr} is not serving: {e}"),
+        let mut client = shardstream_client::connect(addr).await.map_err(|e| {
+            if no_wait_changes(&e) {
+                anyhow::Error::new(e)
+            } else {
+                anyhow::anyhow!("daemon at {addr} is not serving: {e}")
+            }
         })?;
         let reply = client.status(shardstream_proto::StatusRequest {}).await.map_err(|s| {
             // A peer that is no shardstream daemon (a tls:// listener spoken to in plaintext,

@@ -348,9 +348,7 @@ def _warn_same_order(owner: Any, epoch: int, shuffle: bool, start: int) -> None:
     webdataset reshuffles by itself each epoch, and a training loop ported from it (or one that
     forgot the call) trained every epoch in one order without a word. ``set_epoch`` with the same
     epoch says the repeat is meant."""
-    if not shuffle or start != 0 or getattr(owner, "_finished_epoch", None) != epoch:
-        return
-    if getattr(owner, "_warned_same_order", False):
+    if not shuffle or start != 0 or owner._finished_epoch != epoch or owner._warned_same_order:
         return
     owner._warned_same_order = True
     warnings.warn(
@@ -600,6 +598,7 @@ class Loader:
         # The epoch the last iteration read to its end, until set_epoch or load_state_dict says
         # which comes next (see _warn_same_order).
         self._finished_epoch: int | None = None
+        self._warned_same_order = False
         self._consumed = 0  # batches of the rank consumed in the current epoch
         self._stream: Any = None
         # Which iteration is the current one: an earlier one whose stream a later one closed

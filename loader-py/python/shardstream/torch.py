@@ -261,6 +261,7 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         self._consumed = 0
         # The epoch an iteration in this process last read to its end (see _warn_same_order).
         self._finished_epoch: int | None = None
+        self._warned_same_order = False
 
     @property
     def epoch(self) -> int:

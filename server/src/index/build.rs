@@ -54,7 +54,7 @@ pub struct IndexSummary {
     pub footer_reads: Option<FooterReads>,
     /// A partitioned Parquet dataset's keys (columns its directories give), in order.
     pub partition_keys: Vec<String>,
-    /// TAR shards whose samples' files are not together (name, samples, what was found), by name.
+    /// TAR shards whose samples' files are not together (name, samples, what was found).
     pub split_keys: Vec<SplitShard>,
 }
 
@@ -390,7 +390,7 @@ type Described = (ManifestShard, Vec<String>, Option<crate::format::tar::SplitKe
 /// A shard with samples apart: its name, its samples, what its scan found.
 type SplitShard = (String, u64, crate::format::tar::SplitKeys);
 
-/// The manifest entries and fields of `done`, and its shards with samples apart, by name.
+/// The manifest entries and fields of `done`, and its shards with samples apart, in its order.
 fn split_apart(done: Vec<Described>) -> (Vec<(ManifestShard, Vec<String>)>, Vec<SplitShard>) {
     let mut split = Vec::new();
     let done = done
@@ -402,7 +402,6 @@ fn split_apart(done: Vec<Described>) -> (Vec<(ManifestShard, Vec<String>)>, Vec<
             (entry, fields)
         })
         .collect();
-    split.sort_by(|a, b| a.0.cmp(&b.0));
     (done, split)
 }
 

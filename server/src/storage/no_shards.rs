@@ -66,6 +66,11 @@ impl Unserved {
         )))
     }
 
+    /// True when the place holds nothing of what [`Unserved::note`] counts.
+    fn is_empty(&self) -> bool {
+        self.compressed.is_empty() && self.parquet_named_otherwise == 0 && self.no_extension.0 == 0
+    }
+
     /// The most common extension and its count.
     fn most(&self) -> Option<(&'static str, usize)> {
         self.compressed.iter().max_by_key(|(_, n)| **n).map(|(e, n)| (*e, *n))
@@ -124,11 +129,7 @@ pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[Stri
             names.join(", ")
         ));
     }
-    if unserved.most().is_none()
-        && unserved.parquet_named_otherwise == 0
-        && unserved.no_extension.0 == 0
-        && nested.is_empty()
-    {
+    if unserved.is_empty() && nested.is_empty() {
         // Loose samples (a folder of images, a directory per class) are what most users arrive with.
         path.push_str(
             "; a dataset is shards, WebDataset *.tar or *.parquet files: `shardstream pack DIR --output DEST` \

@@ -244,32 +244,21 @@ fn decode_mask(
     chunks: ChunkSet,
     batch_rows: usize,
 ) -> Result<RecordBatch, String> {
-    let reason = |e: &dyn std::fmt::Display| e.to_string();
-    let decoded = no_panic(
-        || {
-            let decode = || -> Result<RecordBatch, String> {
-                let reader =
-                    ParquetRecordBatchReaderBuilder::new_with_metadata(chunks, proj.reader_metadata(table).clone())
-                        .with_row_groups(vec![rg])
-                        .with_projection(mask)
-                        .with_batch_size(batch_rows)
-                        .build()
-                        .map_err(|e| reason(&e))?;
-                let schema = reader.schema();
-                let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| reason(&e))?;
-                match batches.len() {
-                    1 => Ok(batches.into_iter().next().unwrap_or_else(|| RecordBatch::new_empty(schema))),
-                    _ => arrow_select::concat::concat_batches(&schema, &batches).map_err(|e| reason(&e)),
-                }
-            };
-            decode().map_err(|reason| ParquetError::BadData { row_group: rg, reason })
-        },
-        |msg| ParquetError::BadData { row_group: rg, reason: format!("the decoder panicked: {msg}") },
-    );
-    decoded.map_err(|e| match e {
-        ParquetError::BadData { reason, .. } => reason,
-        e => e.to_string(),
+    crate::panics::catch(|| {
+        let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(chunks, proj.reader_metadata(table).clone())
+            .with_row_groups(vec![rg])
+            .with_projection(mask)
+            .with_batch_size(batch_rows)
+            .build()
+            .map_err(|e| e.to_string())?;
+        let schema = reader.schema();
+        let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+        match batches.len() {
+            1 => Ok(batches.into_iter().next().unwrap_or_else(|| RecordBatch::new_empty(schema))),
+            _ => arrow_select::concat::concat_batches(&schema, &batches).map_err(|e| e.to_string()),
+        }
     })
+    .unwrap_or_else(|caught| Err(format!("the decoder panicked: {caught}")))
 }
 
 /// The first selected leaf column of row group `rg` that fails to decode alone, named with its
