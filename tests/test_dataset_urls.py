@@ -416,6 +416,45 @@ def test_parquet_files_named_otherwise_are_named_in_the_error(
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
+def test_parquet_files_named_otherwise_beside_parquet_ones_are_refused_not_left_out(
+    daemon, s3, s3_daemon, tmp_path: Path, where: str
+) -> None:
+    # A directory written by two tools, `*.parquet` beside `*.pq`: the listing served the first
+    # and left out the others without a word (a third of the rows here).
+    root, url, addr = place(where, "pqbeside", tmp_path, daemon, s3, s3_daemon)
+    root.mkdir()
+    pq.write_table(pa.table({"id": [1, 2]}), root / "part-0.parquet")
+    pq.write_table(pa.table({"id": [3, 4]}), root / "part-1.parquet")
+    pq.write_table(pa.table({"id": [5, 6]}), root / "extra-0.pq")
+    with pytest.raises(
+        ValueError, match=r"1 file ending in \.pq or \.parq \(extra-0\.pq\) beside.*rename.*\*\.parquet"
+    ):
+        shardstream.Loader(url, connect=addr)
+    assert sorted(read_ids(f"{url.rstrip('/')}/part-*.parquet", addr)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_shard_extensions_in_capitals_are_shards(daemon, s3, s3_daemon, tmp_path: Path, where: str) -> None:
+    # Files copied from tools or file systems that name in capitals (`PART-0.PARQUET`,
+    # `SHARD.TAR`) were not shards: beside lower-case ones they were left out without a word,
+    # alone they made "holds none" of a directory full of them.
+    root, url, addr = place(where, "caps", tmp_path, daemon, s3, s3_daemon)
+    root.mkdir()
+    pq.write_table(pa.table({"id": [1, 2]}), root / "part-0.parquet")
+    pq.write_table(pa.table({"id": [3, 4]}), root / "PART-1.PARQUET")
+    pq.write_table(pa.table({"id": [5]}), root / "Part-2.Parquet")
+    assert sorted(read_ids(url, addr)) == [1, 2, 3, 4, 5]
+    assert sorted(read_ids(f"{url.rstrip('/')}/PART-1.PARQUET", addr)) == [3, 4]
+    tars, tar_url, _ = place(where, "capstar", tmp_path, daemon, s3, s3_daemon)
+    tars.mkdir()
+    for i, name in enumerate(["a.tar", "B.TAR"]):
+        with wds.TarWriter(str(tars / name)) as sink:
+            sink.write({"__key__": f"k{i}", "cls": str(i).encode()})
+    keys = [k for b in shardstream.Loader(tar_url, connect=addr) for k in b["__key__"]]
+    assert sorted(keys) == ["k0", "k1"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
 def test_files_without_an_extension_are_named_in_the_error(daemon, s3, s3_daemon, tmp_path: Path, where: str) -> None:
     # Hive names a table's data files `000000_0` (Hadoop jobs `part-00000`), Parquet or not, with no
     # extension; the listing goes by the extension, and "the directory holds none" did not say

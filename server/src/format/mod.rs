@@ -77,9 +77,10 @@ impl Format {
         })
     }
 
-    /// The format whose extension `file_name` has, if any.
+    /// The format whose extension `file_name` has, if any, in any case: files copied from tools
+    /// or file systems that name in capitals (`PART-0.PARQUET`) are shards like the others.
     pub fn of_file(file_name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|f| file_name.ends_with(f.extension()))
+        Self::ALL.into_iter().find(|f| ends_with_ignoring_case(file_name, f.extension()))
     }
 
     /// True when `file_name` is a shard of some format (what a listing keeps).
@@ -507,6 +508,12 @@ pub fn shard_error(file: &ShardFile, base: u64, e: tar::TarError) -> Error {
     Error::Shard { shard: file.name.clone(), offset: e.offset(), reason: e.to_string() }
 }
 
+/// True when `name` ends with `suffix`, ASCII letters compared without case.
+pub(crate) fn ends_with_ignoring_case(name: &str, suffix: &str) -> bool {
+    let (name, suffix) = (name.as_bytes(), suffix.as_bytes());
+    name.len() >= suffix.len() && name[name.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,6 +529,9 @@ mod tests {
         let err = Format::from_name("orc").unwrap_err().to_string();
         assert!(err.contains("\"orc\"") && err.contains("\"webdataset\"") && err.contains("\"parquet\""), "{err}");
         assert!(!Format::is_shard_name("manifest.json") && !Format::is_shard_name("a.tar.idx"));
+        assert_eq!(Format::of_file("PART-0.PARQUET"), Some(Format::Parquet));
+        assert_eq!(Format::of_file("Shard.Tar"), Some(Format::WebDataset));
+        assert!(!Format::is_shard_name("tar") && !Format::is_shard_name("é.ta"));
     }
 
     #[test]

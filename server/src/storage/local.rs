@@ -127,7 +127,7 @@ pub fn list_shards(dir: &Path, pick: &Pick) -> Result<Vec<ListedShard>> {
                 ));
             }
             if matches!(pick, Pick::All | Pick::Every)
-                && let Some(e) = unserved.compressed_beside(&super::dir_base(dir))
+                && let Some(e) = unserved.beside_shards(&super::dir_base(dir))
             {
                 return Err(e);
             }

@@ -16,6 +16,8 @@ pub struct Unserved {
     /// The first few of them by name.
     compressed_names: std::collections::BTreeSet<String>,
     parquet_named_otherwise: usize,
+    /// The first few of them by name.
+    parquet_names: std::collections::BTreeSet<String>,
     /// Files whose name has no extension at all (Hive's `000000_0`, Hadoop's `part-00000`):
     /// how many, and the first few by name.
     no_extension: (usize, std::collections::BTreeSet<String>),
@@ -26,44 +28,46 @@ impl Unserved {
     const PARQUET_OTHERWISE: [&'static str; 2] = [".pq", ".parq"];
 
     pub fn note(&mut self, name: &str) {
-        if let Some(ext) = Self::EXTENSIONS.iter().find(|e| name.ends_with(*e)) {
+        let ends = |e: &str| crate::format::ends_with_ignoring_case(name, e);
+        if let Some(ext) = Self::EXTENSIONS.iter().find(|e| ends(e)) {
             *self.compressed.entry(ext).or_default() += 1;
-            self.compressed_names.insert(name.to_owned());
-            if self.compressed_names.len() > SHOWN {
-                self.compressed_names.pop_last();
-            }
-        } else if Self::PARQUET_OTHERWISE.iter().any(|e| name.ends_with(e)) {
+            first_few(&mut self.compressed_names, name);
+        } else if Self::PARQUET_OTHERWISE.iter().any(|e| ends(e)) {
             self.parquet_named_otherwise += 1;
+            first_few(&mut self.parquet_names, name);
         } else if !name.contains('.') && !super::pick::is_hidden(name) {
             let (count, first) = &mut self.no_extension;
             *count += 1;
-            first.insert(name.to_owned());
-            if first.len() > SHOWN {
-                first.pop_last();
-            }
+            first_few(first, name);
         }
     }
 
-    /// The error for a place (`place` ends with '/') whose whole listing found `.tar` shards and,
-    /// beside them, shards compressed whole: serving the `.tar` ones alone would be part of the
-    /// dataset, without a word. None when it holds none of those.
-    pub fn compressed_beside(&self, place: &str) -> Option<Error> {
+    /// The error for a place (`place` ends with '/') whose whole listing found shards and, beside
+    /// them, shards compressed whole or Parquet files named otherwise: serving the shards alone
+    /// would be part of the dataset, without a word. None when it holds none of those.
+    pub fn beside_shards(&self, place: &str) -> Option<Error> {
         let n: usize = self.compressed.values().sum();
-        if n == 0 {
-            return None;
+        if n > 0 {
+            let exts: Vec<&str> = self.compressed.keys().copied().collect();
+            let (files, names) = (files(n), shown(&self.compressed_names, n));
+            return Some(Error::invalid(format!(
+                "{place} holds {files} ending in {} ({names}) beside the shards it serves: shards \
+                 compressed whole are not served (members are read in place), and serving the others \
+                 alone would be part of the dataset; store them uncompressed (e.g. gunzip, zstd -d), or \
+                 pick the uncompressed ones with a glob (e.g. {place}*.tar)",
+                exts.join(" or "),
+            )));
         }
-        let exts: Vec<&str> = self.compressed.keys().copied().collect();
-        let names: Vec<&str> = self.compressed_names.iter().map(String::as_str).collect();
-        let more = if n > names.len() { ", ..." } else { "" };
-        let files = files(n);
-        Some(Error::invalid(format!(
-            "{place} holds {files} ending in {} ({}{more}) beside the shards it serves: shards compressed \
-             whole are not served (members are read in place), and serving the others alone would be part \
-             of the dataset; store them uncompressed (e.g. gunzip, zstd -d), or pick the uncompressed ones \
-             with a glob (e.g. {place}*.tar)",
-            exts.join(" or "),
-            names.join(", ")
-        )))
+        let n = self.parquet_named_otherwise;
+        (n > 0).then(|| {
+            let (files, names) = (files(n), shown(&self.parquet_names, n));
+            Error::invalid(format!(
+                "{place} holds {files} ending in .pq or .parq ({names}) beside the shards it serves: \
+                 Parquet shards are found by their name, *.parquet, and serving the others alone would \
+                 be part of the dataset; rename them, or pick the others with a glob (e.g. \
+                 {place}*.parquet)"
+            ))
+        })
     }
 
     /// True when the place holds nothing of what [`Unserved::note`] counts.
@@ -79,6 +83,21 @@ impl Unserved {
 
 /// How many names an error shows of a kind.
 const SHOWN: usize = 4;
+
+/// Keeps `name` in `first` if it is among the first [`SHOWN`] by name.
+fn first_few(first: &mut std::collections::BTreeSet<String>, name: &str) {
+    first.insert(name.to_owned());
+    if first.len() > SHOWN {
+        first.pop_last();
+    }
+}
+
+/// The names kept of `n` files, and "..." when there are more.
+fn shown(first: &std::collections::BTreeSet<String>, n: usize) -> String {
+    let names: Vec<&str> = first.iter().map(String::as_str).collect();
+    let more = if n > names.len() { ", ..." } else { "" };
+    format!("{}{more}", names.join(", "))
+}
 
 /// "1 file", "3 files".
 fn files(n: usize) -> String {
@@ -108,13 +127,10 @@ pub fn no_shards(what: &'static str, place: String, holder: &str, nested: &[Stri
         ));
     }
     if let (n @ 1.., first) = &unserved.no_extension {
-        let files = files(*n);
-        let names: Vec<&str> = first.iter().map(String::as_str).collect();
-        let more = if *n > first.len() { ", ..." } else { "" };
+        let (files, names) = (files(*n), shown(first, *n));
         path.push_str(&format!(
-            "; it holds {files} without an extension ({}{more}), as Hive and Hadoop jobs name theirs: shards \
-             are found by their extension, *.tar or *.parquet, so rename them",
-            names.join(", ")
+            "; it holds {files} without an extension ({names}), as Hive and Hadoop jobs name theirs: shards \
+             are found by their extension, *.tar or *.parquet, so rename them"
         ));
     }
     if !nested.is_empty() {

@@ -435,7 +435,7 @@ fn shards_in_listing(
             if whole
                 && partitioned.is_none()
                 && !found.is_empty()
-                && let Some(e) = unserved.compressed_beside(&format!("s3://{bucket}/{prefix}"))
+                && let Some(e) = unserved.beside_shards(&format!("s3://{bucket}/{prefix}"))
             {
                 return Err(e);
             }
