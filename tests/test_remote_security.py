@@ -453,6 +453,11 @@ def test_status_names_this_sides_mistakes_not_the_daemon(tmp_path: Path, pki: Pa
         plain = d.addr.replace("tls://", "tcp://")
         r = subprocess.run([SHARDSTREAM, "status", "--connect", plain], env=no_ca, capture_output=True, text=True)
         assert r.returncode == 1 and "is it a tls:// listener" in r.stderr, r.stderr
+        # `prefetch` answered the same mistakes with tonic's bare "transport error".
+        for addr, said in [(plain, "is it a tls:// listener"), (d.addr, "SHARDSTREAM_TLS_CA")]:
+            cmd = [SHARDSTREAM, "prefetch", str(tmp_path), "--connect", addr]
+            r = subprocess.run(cmd, env=no_ca, capture_output=True, text=True, timeout=60)
+            assert r.returncode != 0 and said in r.stderr, (addr, r.stderr)
     finally:
         d.stop()
 

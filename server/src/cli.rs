@@ -602,7 +602,14 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
             }
         };
         let url = req.url.clone();
-        let mut stream = client.prefetch(req).await.map_err(refused)?.into_inner();
+        // A peer that is no shardstream daemon (a tls:// listener spoken to in plaintext) fails
+        // the first request at once: the client's words for it, not "stopped answering".
+        let first = client.clone();
+        let first = |s: tonic::Status| match shardstream_client::is_transport_failure(&s) {
+            true => anyhow::Error::new(first.first_answer(s)),
+            false => refused(s),
+        };
+        let mut stream = client.prefetch(req).await.map_err(first)?.into_inner();
         let mut bar: Option<indicatif::ProgressBar> = None;
         let mut indexing: Option<indicatif::ProgressBar> = None;
         let mut last = shardstream_proto::PrefetchProgress::default();

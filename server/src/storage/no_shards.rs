@@ -2,7 +2,8 @@
 //! saying what it holds instead: subdirectories with shards (a directory per split; `key=value`
 //! partitions are a dataset of their own, [`super::partitions`]), shards compressed whole, or
 //! Parquet files under another extension. "Holds none" alone sends the user looking for a wrong
-//! path.
+//! path. And the error for a place holding those files beside its shards, which would otherwise
+//! be served as part of the dataset without a word.
 
 use crate::Error;
 
