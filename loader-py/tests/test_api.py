@@ -68,6 +68,14 @@ def test_a_url_that_is_no_path_is_a_type_error(url) -> None:
         shardstream.Loader(url, connect="unix:///nonexistent/sock")
 
 
+@pytest.mark.parametrize("urls", [["/data/a-000000.tar", "/data/a-000001.tar"], ("s3://b/x.parquet",)])
+def test_a_list_of_shards_as_webdataset_takes_it_says_how_to_name_them(urls) -> None:
+    # `wds.WebDataset([...])` takes a list of shard URLs; a ported pipeline passing one was told
+    # only "not list".
+    with pytest.raises(TypeError, match=r"not (list|tuple): .*one dataset.*brace pattern.*\{000000\.\.000099\}"):
+        shardstream.Loader(urls, connect="unix:///nonexistent/sock")
+
+
 def test_a_bytes_or_pathlike_url_is_a_path_and_an_empty_one_is_refused(tmp_path) -> None:
     import pathlib
 

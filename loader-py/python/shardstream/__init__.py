@@ -365,7 +365,14 @@ def _dataset_url(url: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> st
     home (a daemon has its own, and refuses relative paths). URLs (``s3://``, ``file://``) as given."""
     if not isinstance(url, (str, bytes, os.PathLike)):
         # str() would make a path of anything: Loader(None) looked for "./None".
-        raise TypeError(f"url must be a path or URL (str, bytes or os.PathLike), not {type(url).__name__}")
+        hint = ""
+        if isinstance(url, (list, tuple)):
+            # webdataset takes a list of shard URLs; a Loader reads one dataset.
+            hint = (
+                ": a Loader reads one dataset, a directory, prefix or pattern: name its shards with a brace "
+                "pattern (train-{000000..000099}.tar, {a,b}.tar) or a glob (train-*.tar)"
+            )
+        raise TypeError(f"url must be a path or URL (str, bytes or os.PathLike), not {type(url).__name__}{hint}")
     text = os.fsdecode(os.fspath(url))
     if not text:
         raise ValueError("url is empty: give the dataset's directory, pattern or s3:// URL")
