@@ -244,11 +244,11 @@ pub fn load_sample<'a>(ctx: &ReadContext<'a>, sample: u32) -> Loaded<'a> {
                     buf.resize(hdr_at + ustar::header_len(name, len), 0);
                 }
                 let start = buf.len();
-                // One `pread` into the buffer's spare room, no zero fill first: fewer bytes when
-                // the file shrank since it was stat'ed, never more when it grew.
+                // One `pread` into the buffer's spare room, no zero fill first, that also tells a
+                // file that changed length since it was stat'ed.
                 let n = match usize::try_from(len)
                     .map_err(std::io::Error::other)
-                    .and_then(|len| crate::storage::local::pread_append(&file, &mut buf, len, 0))
+                    .and_then(|len| crate::storage::local::pread_append_stated(&file, &mut buf, len))
                 {
                     Ok(n) => n,
                     Err(e) => {
@@ -261,8 +261,23 @@ pub fn load_sample<'a>(ctx: &ReadContext<'a>, sample: u32) -> Loaded<'a> {
                         continue;
                     }
                 };
-                // A file that shrank since it was opened is packed as read; one that grew, as it
-                // was when opened.
+                // A file that changed length since it was opened (still being written, or cut)
+                // is no whole file: left out, as a streamed one is (`writer::copy_member`).
+                if n as u64 != len {
+                    let b = match n as u64 > len {
+                        true => super::writer::grew(path, len),
+                        false => BadInput::new(
+                            BadKind::Unreadable,
+                            path,
+                            format!("shrank from {len} to {n} bytes while being packed"),
+                        ),
+                    };
+                    if let Err(e) = ctx.reporter.bad(b) {
+                        return Loaded::Failed(e);
+                    }
+                    bad += 1;
+                    continue;
+                }
                 if ctx.layout == Layout::Tar {
                     let mut hdr = Vec::with_capacity(ustar::BLOCK);
                     ustar::write_header(&mut hdr, name, n as u64);
@@ -493,6 +508,18 @@ mod tests {
         let mut buf = b"x".to_vec();
         assert_eq!(read(0, &mut buf), 0);
         assert_eq!(buf, b"x");
+
+        // As stat'ed, the whole file; one byte more tells a file that grew, fewer one that shrank.
+        let stated = |len: usize| {
+            let mut buf = Vec::new();
+            let n = crate::storage::local::pread_append_stated(&file, &mut buf, len).unwrap();
+            assert_eq!(&buf[..], &data[..n]);
+            n
+        };
+        assert_eq!(stated(data.len()), data.len());
+        assert_eq!(stated(1000), 1001);
+        assert_eq!(stated(data.len() + 5000), data.len());
+        assert_eq!(stated(0), 1);
     }
 
     #[test]

@@ -157,12 +157,16 @@ impl TarShard {
     }
 }
 
-/// Copies a streamed member; the inner Err is a bad input (the file changed under us).
+/// Copies a streamed member; the inner Err is a bad input (the file changed under us). The last
+/// read asks for a byte past the member's stated end, so a file that grew since it was stat'ed
+/// (still being written: its first bytes are a cut file) is told by the reads the copy makes
+/// anyway, not by one more.
 fn copy_member(out: &mut CrcFile, st: &mut super::read::Streamed, chunk: &mut Vec<u8>) -> Result<Result<(), BadInput>> {
-    chunk.resize(COPY_CHUNK, 0);
+    chunk.resize(COPY_CHUNK + 1, 0);
     let mut left = st.len;
     while left > 0 {
-        let want = left.min(COPY_CHUNK as u64) as usize;
+        // Whole chunks until the last, which asks for one byte more.
+        let want = if left > COPY_CHUNK as u64 { COPY_CHUNK } else { left as usize + 1 };
         let n = match st.file.read(&mut chunk[..want]) {
             Ok(0) => {
                 return Ok(Err(BadInput::new(
@@ -171,6 +175,7 @@ fn copy_member(out: &mut CrcFile, st: &mut super::read::Streamed, chunk: &mut Ve
                     format!("shrank from {} to {} bytes while being packed", st.len, st.len - left),
                 )));
             }
+            Ok(n) if n as u64 > left => return Ok(Err(grew(st.path.as_str(), st.len))),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
@@ -181,6 +186,15 @@ fn copy_member(out: &mut CrcFile, st: &mut super::read::Streamed, chunk: &mut Ve
         left -= n as u64;
     }
     Ok(Ok(()))
+}
+
+/// The bad input of a file longer than it was when stat'ed.
+pub(super) fn grew(path: &str, len: u64) -> BadInput {
+    BadInput::new(
+        BadKind::Unreadable,
+        path,
+        format!("grew past {len} bytes while being packed (still being written? pack it once it is whole)"),
+    )
 }
 
 enum Shard<'a> {
@@ -447,6 +461,13 @@ mod tests {
         // Claims more bytes than the file holds: rolled back, reported, the shard stays valid.
         assert!(!shard.add(&mut streamed("c", &big_path, big.len() as u64 + 4096), &reporter).unwrap());
         assert_eq!(reporter.counts().get(&BadKind::Unreadable), Some(&1));
+        // Claims fewer (the file grew since it was stat'ed: still being written): its first bytes
+        // would be a cut file, so it is left out too, whether the claim ends inside a chunk or on
+        // a chunk's end.
+        for claim in [big.len() as u64 - 1, 2 * COPY_CHUNK as u64] {
+            assert!(!shard.add(&mut streamed("c", &big_path, claim), &reporter).unwrap(), "{claim}");
+        }
+        assert_eq!(reporter.counts().get(&BadKind::Unreadable), Some(&3));
         assert!(shard.add(&mut sample("d", b"last"), &reporter).unwrap());
         // Around the page cache means around it: not the fallback of a file system without O_DIRECT.
         assert_eq!(shard.out.is_direct(), route == WriteRoute::AroundPageCache, "route {route:?} not taken");

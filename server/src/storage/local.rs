@@ -414,6 +414,20 @@ impl ShardFile {
 /// read without a zero fill: the daemon's shard reads ([`ShardFile::read_append`]) and `pack`'s
 /// file reads (`pack::read`) both come here.
 pub fn pread_append(file: &File, buf: &mut impl Append, len: usize, offset: u64) -> std::io::Result<usize> {
+    pread_until(file, buf, len, offset, len)
+}
+
+/// [`pread_append`] of the whole of a file stat'ed at `len` bytes, asking for one byte more: the
+/// same `pread` tells a file that grew since (`len + 1` back: a file still being written), and a
+/// short read that reaches `len` is its end (a regular file's reads are short only there), not
+/// asked again. Fewer than `len` back: it shrank.
+pub fn pread_append_stated(file: &File, buf: &mut impl Append, len: usize) -> std::io::Result<usize> {
+    let more = len.checked_add(1).ok_or_else(|| std::io::Error::other("file length out of range"))?;
+    pread_until(file, buf, more, 0, len)
+}
+
+/// Reads up to `len` bytes as [`pread_append`] says, stopping early once `enough` are in.
+fn pread_until(file: &File, buf: &mut impl Append, len: usize, offset: u64, enough: usize) -> std::io::Result<usize> {
     use std::os::fd::AsRawFd;
     let spare = buf.spare(len).map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e.to_string()))?;
     let mut done = 0;
@@ -434,7 +448,12 @@ pub fn pread_append(file: &File, buf: &mut impl Append, len: usize, offset: u64)
                     return Err(e);
                 }
             }
-            n => done += n.unsigned_abs(),
+            n => {
+                done += n.unsigned_abs();
+                if done >= enough {
+                    break;
+                }
+            }
         }
     }
     // SAFETY: the loop above wrote the first `done` bytes at `spare` (`done <= len`), with no
