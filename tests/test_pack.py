@@ -425,6 +425,15 @@ def test_an_output_inside_src_that_holds_inputs_is_refused_not_left_out(tmp_path
         assert json.loads((src / "packed" / "manifest.json").read_text())["total_samples"] == 6
 
 
+def test_an_s3_source_is_said_to_be_no_local_directory(tmp_path: Path) -> None:
+    # `pack s3://bucket/prefix/ --output ...` said "path not found: s3://bucket/prefix/", as if
+    # the prefix were missing.
+    p = pack("s3://bkt/wds/", "--output", tmp_path / "out", check=False)
+    assert p.returncode != 0
+    assert "s3://bkt/wds/ is an S3 URL" in p.stderr and "local directory" in p.stderr, p.stderr
+    assert "not found" not in p.stderr, p.stderr
+
+
 def test_files_from_refuses_symlinked_directory_leaving_src(tmp_path: Path) -> None:
     # Issue #13 defect 7: `a` is a symlink to a directory outside SRC; `a/x.jpg` must be refused
     # (named in the error), and none of the outside bytes may end up in a shard.

@@ -361,6 +361,12 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
     opts.validate()?;
     dest::parse_dest(&opts.dest)?;
     let key_regex = opts.key_regex.as_deref().map(group::compile_key_regex).transpose()?;
+    if let Some(url) = opts.src.to_str().filter(|s| s.starts_with("s3://")) {
+        return Err(Error::invalid(format!(
+            "source {url} is an S3 URL: pack reads a local directory (or a file system mounted as one) and \
+             writes to a local directory or s3://; copy the objects down first (e.g. `aws s3 sync {url} DIR`)"
+        )));
+    }
     let src = std::fs::canonicalize(&opts.src).map_err(|e| Error::io("cannot open source directory", &opts.src, e))?;
     if !src.is_dir() {
         return Err(Error::invalid(format!("source {} is not a directory", opts.src.display())));
