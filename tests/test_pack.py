@@ -425,6 +425,20 @@ def test_an_output_inside_src_that_holds_inputs_is_refused_not_left_out(tmp_path
         assert json.loads((src / "packed" / "manifest.json").read_text())["total_samples"] == 6
 
 
+def test_many_bad_inputs_of_a_kind_are_named_by_the_first_few_and_counted(tmp_path: Path) -> None:
+    # `--label-from-dir` over a tree that has its `.cls` files already printed a line for each
+    # of them (50,000 in the trial), burying everything else the pack said.
+    src = tmp_path / "src"
+    make_tree(src, classes=2, per_class=40)
+    for jpg in src.rglob("*.jpg"):
+        jpg.with_suffix(".cls").write_text("7")
+    p = pack(src, "--output", tmp_path / "out", "--label-from-dir")
+    skipped = [line for line in p.stderr.splitlines() if "pack: skipped" in line]
+    assert len(skipped) == 20, p.stderr
+    assert "further duplicate key inputs are only counted" in p.stderr, p.stderr
+    assert "skipped 80 bad inputs (80 duplicate key)" in p.stdout + p.stderr, (p.stdout, p.stderr)
+
+
 def test_an_s3_source_is_said_to_be_no_local_directory(tmp_path: Path) -> None:
     # `pack s3://bucket/prefix/ --output ...` said "path not found: s3://bucket/prefix/", as if
     # the prefix were missing.

@@ -20,6 +20,10 @@ use crate::storage::s3_write::UploadOptions;
 const RATE_REFRESH: Duration = Duration::from_millis(250);
 /// Ignored files named individually on stderr; the rest are only counted.
 const IGNORED_SHOWN: u64 = 10;
+/// Bad inputs of each kind named individually on stderr (and samples left out with them); the
+/// rest are counted in the summary. A tree can hold thousands of one mistake, whose lines would
+/// bury everything else said.
+const BAD_SHOWN: u64 = 20;
 
 /// Arguments of `shardstream pack`.
 #[derive(Debug, Clone, clap::Args)]
@@ -184,6 +188,9 @@ struct Display {
     bytes: AtomicU64,
     shards: AtomicU64,
     ignored: AtomicU64,
+    /// Bad inputs said so far, by kind.
+    bad: Mutex<std::collections::BTreeMap<super::report::BadKind, u64>>,
+    left_out: AtomicU64,
     last_refresh: Mutex<Instant>,
 }
 
@@ -206,6 +213,8 @@ impl Display {
             bytes: AtomicU64::new(0),
             shards: AtomicU64::new(0),
             ignored: AtomicU64::new(0),
+            bad: Mutex::default(),
+            left_out: AtomicU64::new(0),
             last_refresh: Mutex::new(Instant::now()),
         }
     }
@@ -249,13 +258,35 @@ impl PackProgress for Display {
     }
 
     fn bad_input(&self, bad: &BadInput) {
-        self.bar.suspend(|| eprintln!("shardstream pack: skipped {bad}"));
+        let n = {
+            let mut said = self.bad.lock().unwrap_or_else(|p| p.into_inner());
+            let n = said.entry(bad.kind).or_default();
+            *n += 1;
+            *n
+        };
+        if n <= BAD_SHOWN {
+            self.bar.suspend(|| eprintln!("shardstream pack: skipped {bad}"));
+        } else if n == BAD_SHOWN + 1 {
+            let kind = bad.kind.describe();
+            self.bar.suspend(|| {
+                eprintln!(
+                    "shardstream pack: further {kind} inputs are only counted (the summary says how many; --strict \
+                     stops at the first bad input)"
+                )
+            });
+        }
     }
 
     fn sample_left_out(&self, key: &str, other_files: u64) {
-        if other_files > 0 {
+        if other_files == 0 {
+            return;
+        }
+        let n = self.left_out.fetch_add(1, Ordering::Relaxed);
+        if n < BAD_SHOWN {
             let files = if other_files == 1 { "1 other file".to_owned() } else { format!("{other_files} other files") };
             self.bar.suspend(|| eprintln!("shardstream pack: left out sample {key} ({files} not packed)"));
+        } else if n == BAD_SHOWN {
+            self.bar.suspend(|| eprintln!("shardstream pack: further samples left out are only counted"));
         }
     }
 
