@@ -609,6 +609,47 @@ def test_pack_parquet_to_s3_serves_views_from_the_node_cache_copies(tmp_path: Pa
         assert d.stop() == 0
 
 
+def test_a_killed_pack_to_s3_has_its_unfinished_uploads_aborted_by_the_next(tmp_path: Path, s3_tree) -> None:
+    # A pack killed mid-upload left its multipart uploads in the bucket (the trial: 6 uploads,
+    # ~300 MB of parts after two kills), and the resume that finished the dataset left them too:
+    # parts nothing lists and the store bills for. A server of its own: its uploads are this
+    # test's alone.
+    src, _, local = s3_tree
+    s3 = S3Server(tmp_path / "s3").start()
+    try:
+        s3.bucket("out")
+        env = s3_env(s3, tmp_path / "cache")
+
+        def unfinished() -> list[Path]:
+            return list(s3.root.glob(".upload-*.json"))
+
+        def sending() -> bool:
+            # A part on its way: the upload is past the pack's note of it (the microseconds
+            # between the server's answer and the note are the lifecycle rule's to catch).
+            return any(s3.root.glob(".upload_id-*.part-*"))
+
+        killed = 0
+        for _ in range(2):
+            proc = subprocess.Popen(
+                [SHARDSTREAM, "pack", str(src), "--output", "s3://out/wds/", *S3_OPTS, "--resume"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
+            )
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None and not sending():
+                time.sleep(0.001)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed += len(unfinished())
+        assert killed, "no pack was killed mid-upload; make the tree larger"
+        p = pack(src, "--output", "s3://out/wds/", *S3_OPTS, "--resume", env=env)
+        assert unfinished() == [], (p.stdout, p.stderr)
+        assert tree_bytes(s3.root / "out" / "wds") == tree_bytes(local)
+    finally:
+        s3.stop()
+
+
 @pytest.mark.parametrize("resume_on", ["this machine", "another machine"])
 def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree, resume_on: str) -> None:
     # Another machine has none of the pack's local state: only what the bucket holds.

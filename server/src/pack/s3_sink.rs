@@ -22,9 +22,10 @@
 //! done before every upload is.
 //!
 //! Each object appears whole or not at all (a PUT and a completed multipart upload are atomic in
-//! S3), so `has_shard` is a HEAD and a size comparison. A killed pack can leave an incomplete
-//! multipart upload behind (a failed one is aborted); a bucket lifecycle rule
-//! (AbortIncompleteMultipartUpload) reclaims those.
+//! S3), so `has_shard` is a HEAD and a size comparison. A failed multipart upload is aborted; a
+//! killed pack's unfinished ones are aborted by the next run on the same machine, which finds them
+//! in the pack's [`UploadLedger`]; a bucket lifecycle rule (AbortIncompleteMultipartUpload)
+//! reclaims those of a pack never run again there.
 
 use std::collections::{HashSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -40,11 +41,15 @@ use super::writer::FinishedShard;
 use crate::format::sidecar;
 use crate::index::manifest::{MANIFEST_FILE, Manifest, SIDECAR_DIR};
 use crate::storage::s3::S3Store;
-use crate::storage::s3_write::UploadOptions;
+use crate::storage::s3_write::{UploadLedger, UploadOptions};
 use crate::{Error, Result};
 
 /// Scratch directory for shards awaiting upload, inside the pack's local state directory.
 pub const SCRATCH_DIR: &str = "scratch";
+
+/// The file, beside [`SCRATCH_DIR`], of the multipart uploads the pack started
+/// ([`UploadLedger`]).
+pub const UPLOAD_LEDGER: &str = "multipart-uploads.jsonl";
 
 /// S3 rejects parts smaller than 5 MiB (all but the last) when the upload completes.
 pub const MIN_PART_SIZE: u64 = 5 << 20;
@@ -83,6 +88,7 @@ struct Target {
     prefix: String,
     upload: UploadOptions,
     buffers: Arc<Semaphore>,
+    ledger: UploadLedger,
 }
 
 impl Target {
@@ -97,7 +103,8 @@ impl Target {
     /// Uploads a shard, then its sidecar, then deletes its scratch file.
     async fn upload_shard(&self, job: Job) -> Result<()> {
         let key = self.key(&job.name);
-        self.store.upload_file(&self.bucket, &key, &job.scratch, job.len, self.upload, &self.buffers).await?;
+        let ledger = Some(&self.ledger);
+        self.store.upload_file(&self.bucket, &key, &job.scratch, job.len, self.upload, &self.buffers, ledger).await?;
         if let Some(bytes) = job.sidecar {
             let key = self.key(&sidecar_rel(&job.name));
             self.store.put(&self.bucket, &key, bytes).await?;
@@ -170,8 +177,15 @@ impl S3Sink {
         }
         std::fs::create_dir_all(scratch).map_err(|e| Error::io("cannot create scratch directory", scratch, e))?;
         let buffers = Arc::new(Semaphore::new(BUFFERS_IN_FLIGHT));
+        // Beside the scratch directory, in the pack's local state: a killed run's unfinished
+        // uploads are aborted by the next run here.
+        let ledger_path = scratch.with_file_name(UPLOAD_LEDGER);
+        let (ledger, aborted) = store.block_on(UploadLedger::open(&store, &ledger_path))?;
+        if aborted > 0 {
+            tracing::info!(aborted, "aborted the unfinished multipart uploads of an interrupted pack");
+        }
         Ok(Self {
-            target: Arc::new(Target { store, bucket, prefix, upload, buffers }),
+            target: Arc::new(Target { store, bucket, prefix, upload, buffers, ledger }),
             scratch: scratch.to_owned(),
             journal: journal.to_owned(),
             uploads: Mutex::new(VecDeque::new()),

@@ -93,6 +93,8 @@ impl S3Store {
     /// Uploads the first `len` bytes of the file at `path` as `bucket/key`: one PUT up to the
     /// multipart threshold, else a multipart upload with parts in parallel. Each buffer read from
     /// the file holds a permit of `buffers` until its request is done.
+    /// A multipart upload is noted in `ledger` once started.
+    #[allow(clippy::too_many_arguments)]
     pub async fn upload_file(
         &self,
         bucket: &str,
@@ -101,6 +103,7 @@ impl S3Store {
         len: u64,
         opts: UploadOptions,
         buffers: &Arc<Semaphore>,
+        ledger: Option<&UploadLedger>,
     ) -> Result<()> {
         let file = tokio::fs::File::open(path).await.map_err(|e| Error::io("cannot open", path, e))?;
         let file = Arc::new(file.into_std().await);
@@ -128,12 +131,22 @@ impl S3Store {
         let part_size = opts.part_size.max(len.div_ceil(MAX_PARTS)).max(1);
         let upload =
             Upload { bucket: bucket.to_owned(), key: key.to_owned(), url, upload_id, file, path: path.to_owned() };
+        if let Some(ledger) = ledger
+            && let Err(e) = ledger.started(&upload)
+        {
+            self.abort(&upload).await;
+            return Err(e);
+        }
         let result = match self.upload_parts(&upload, len, part_size, buffers).await {
             Ok(parts) => self.complete(&upload, parts).await,
             Err(e) => Err(e),
         };
         if result.is_err() {
             self.abort(&upload).await;
+        }
+        // Best effort: an end not noted is one abort that finds nothing, next time.
+        if let Some(Err(e)) = ledger.map(|l| l.ended(&upload)) {
+            tracing::warn!(object = %upload.url, error = %e, "cannot note the end of a multipart upload");
         }
         result
     }
@@ -249,6 +262,100 @@ impl S3Store {
         if let Err(e) = aborted {
             tracing::warn!(object = %up.url, error = %e, "cannot abort the failed multipart upload");
         }
+    }
+}
+
+/// The multipart uploads a process started, a JSON line each in a local file, so that the next
+/// process to open the file (a pack resumed on the same machine) aborts those a kill left
+/// unfinished: their parts stay in the bucket, which object listings do not show and the store
+/// bills for, until an abort or a lifecycle rule (AbortIncompleteMultipartUpload) drops them.
+pub struct UploadLedger {
+    path: PathBuf,
+    file: std::sync::Mutex<File>,
+}
+
+/// A line of an [`UploadLedger`].
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+enum Noted {
+    Started {
+        bucket: String,
+        key: String,
+        upload_id: String,
+    },
+    /// Completed or aborted: nothing left to abort.
+    Ended {
+        ended: String,
+    },
+}
+
+impl UploadLedger {
+    /// Opens the ledger at `path`: first aborts every upload an earlier process noted there as
+    /// started and not as ended, then starts it empty. Returns it and how many uploads were
+    /// aborted. Cleaning up is best effort: an abort that fails is logged and left to a
+    /// lifecycle rule, and a line that does not parse (a kill mid-write) is passed over.
+    pub async fn open(store: &S3Store, path: &Path) -> Result<(Self, usize)> {
+        let mut aborted = 0;
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                let mut unfinished = Vec::new();
+                for noted in text.lines().filter_map(|l| serde_json::from_str::<Noted>(l).ok()) {
+                    match noted {
+                        Noted::Started { bucket, key, upload_id } => unfinished.push((bucket, key, upload_id)),
+                        Noted::Ended { ended } => unfinished.retain(|(_, _, id)| *id != ended),
+                    }
+                }
+                for (bucket, key, upload_id) in unfinished {
+                    let url = format!("s3://{bucket}/{key}");
+                    let done = store
+                        .retrying(&url, "abort multipart upload", || async {
+                            store
+                                .client
+                                .abort_multipart_upload()
+                                .bucket(&bucket)
+                                .key(&key)
+                                .upload_id(&upload_id)
+                                .send()
+                                .await
+                                .map(drop)
+                                .map_err(|e| classify(&url, e))
+                        })
+                        .await;
+                    match done {
+                        Ok(()) => aborted += 1,
+                        // NoSuchUpload: it ended after all (the note of its end was not written).
+                        Err(Error::NotFound { .. }) => {}
+                        Err(e) => tracing::warn!(
+                            object = %url, upload_id, error = %e,
+                            "cannot abort an interrupted run's multipart upload (a lifecycle rule, \
+                             AbortIncompleteMultipartUpload, drops its parts)"
+                        ),
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("cannot read", path, e)),
+        }
+        let file = File::create(path).map_err(|e| Error::io("cannot create", path, e))?;
+        Ok((Self { path: path.to_owned(), file: std::sync::Mutex::new(file) }, aborted))
+    }
+
+    /// Notes a started upload, before its first part is sent.
+    fn started(&self, up: &Upload) -> Result<()> {
+        self.note(&Noted::Started { bucket: up.bucket.clone(), key: up.key.clone(), upload_id: up.upload_id.clone() })
+    }
+
+    /// Notes an upload completed or aborted.
+    fn ended(&self, up: &Upload) -> Result<()> {
+        self.note(&Noted::Ended { ended: up.upload_id.clone() })
+    }
+
+    fn note(&self, noted: &Noted) -> Result<()> {
+        use std::io::Write;
+        let line = serde_json::to_string(noted).map_err(|e| Error::Internal(format!("upload ledger line: {e}")))?;
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        // One write a line: a kill leaves whole lines and at most one torn last line.
+        file.write_all(format!("{line}\n").as_bytes()).map_err(|e| Error::io("cannot write", &self.path, e))
     }
 }
 
