@@ -207,6 +207,10 @@ pub(super) enum Failure {
     Permanent(Error),
 }
 
+/// Whose AWS settings an error points at: trainers never talk to S3 themselves.
+const WHOSE_CREDENTIALS: &str = "the process that reads or writes the bucket: the daemon's for a Loader or \
+     `shardstream prefetch`, the command's own for `shardstream pack` or `index`";
+
 /// Maps an SDK error for `url` to a retry decision or a crate error. The one place SDK errors
 /// are interpreted: status codes, not message texts, decide.
 pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
@@ -238,20 +242,18 @@ pub(super) fn classify<E: ProvideErrorMetadata + std::error::Error + Send + Sync
             path: url.to_owned(),
             reason: format!(
                 "no usable AWS credentials ({detail}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, \
-                 AWS_PROFILE, or give the node a role, in the environment of the process that reads the bucket \
-                 (the daemon's, for a Loader or `shardstream prefetch`)"
+                 AWS_PROFILE, or give the node a role, in the environment of {WHOSE_CREDENTIALS}"
             ),
         }),
         (SdkError::DispatchFailure(_), _) => Failure::Permanent(Error::invalid(format!(
             "{url}: the request could not be made: {detail} (check AWS_ENDPOINT_URL and the other AWS_* settings \
-             of the process that reads the bucket: the daemon's, for a Loader or `shardstream prefetch`)"
+             of {WHOSE_CREDENTIALS})"
         ))),
         (_, Some(404)) => Failure::Permanent(Error::NotFound { what: "S3 object", path: url.to_owned() }),
         (_, Some(401 | 403)) => Failure::Permanent(Error::PermissionDenied {
             path: url.to_owned(),
             reason: format!(
-                "{} (check the bucket policy, and the AWS_* credentials of the process that reads the bucket: \
-                 the daemon's, for a Loader or `shardstream prefetch`)",
+                "{} (check the bucket policy, and the AWS_* credentials of {WHOSE_CREDENTIALS})",
                 code.as_deref().unwrap_or("denied")
             ),
         }),
