@@ -238,6 +238,12 @@ def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: P
     # Without --resume, a different pack into it is refused; with it, the result is identical.
     p = pack(src, "--output", out, "--samples-per-shard", "9", check=False)
     assert p.returncode == 1 and "different dataset" in p.stderr and str(out) in p.stderr
+    # --resume over files that changed since says so, not only "a different dataset".
+    extra = next(src.rglob("*.jpg")).with_name("added.jpg")
+    extra.write_bytes(b"late")
+    p = pack(src, "--output", out, *common, "--resume", check=False)
+    assert p.returncode == 1 and "--resume" in p.stderr and "added, removed or renamed" in p.stderr, p.stderr
+    extra.unlink()
     p = pack(src, "--output", out, *common, "--resume")
     assert "kept from the interrupted run" in p.stdout
     assert tree_bytes(out) == tree_bytes(clean)

@@ -123,7 +123,9 @@ pub struct PackArgs {
     pub threads: usize,
 
     /// Continue an interrupted pack of the same input and options into DEST: complete shards are
-    /// kept, the rest is packed again; the result is the same as an uninterrupted run.
+    /// kept, the rest is packed again; the result is the same as an uninterrupted run. The same
+    /// input is the same file names: a file added, removed or renamed is refused, but the
+    /// contents of files already packed are not read again (change them, and pack anew).
     #[arg(long)]
     pub resume: bool,
 

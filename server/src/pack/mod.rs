@@ -413,6 +413,15 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
         // lock keeps every other out: an S3 prefix's journal of no shard may be another
         // machine's pack writing its first one.
         Some((prior, _)) if prior.shards.is_empty() && dest.locked_everywhere() && !dest.has_manifest()? => Vec::new(),
+        Some((_, journal_at)) if opts.resume && !dest.has_manifest()? => {
+            return Err(Error::invalid(format!(
+                "--resume: output {} holds an unfinished pack of other files or options than these (see \
+                 {journal_at}): a file added, removed or renamed in SRC since, or another option that shapes \
+                 shards, makes another dataset; run the interrupted command as it was, or remove the output \
+                 and pack anew",
+                dest.location(),
+            )));
+        }
         Some((_, journal_at)) => {
             let state = if dest.has_manifest()? { "a complete" } else { "an unfinished pack of a" };
             return Err(Error::invalid(format!(
