@@ -549,6 +549,9 @@ def test_pack_to_s3_holds_the_local_bytes_and_streams_back(tmp_path: Path, s3: S
     s3.bucket("out")
     p = pack(src, "--output", "s3://out/wds/", *S3_OPTS, env=env)
     assert "wrote s3://out/wds/manifest.json" in p.stdout, p.stdout
+    # The wait for the last uploads is said (the bar stood at 100% for most of a run of large
+    # shards), and without a terminal too.
+    assert re.search(r"all files read; waiting for \d+ shards? \(\d+ MB\) to reach s3://out/wds/", p.stderr), p.stderr
     # Objects are files of the server's directory: the bucket holds exactly the local pack's tree
     # (shards, sidecars, journal, manifest), byte for byte.
     expected = tree_bytes(local)

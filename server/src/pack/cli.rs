@@ -18,6 +18,8 @@ use crate::storage::s3_write::UploadOptions;
 
 /// How often the rate figures of the progress bar are recomputed.
 const RATE_REFRESH: Duration = Duration::from_millis(250);
+/// How often a pack without a terminal writes a line of progress.
+const LOG_EVERY: Duration = Duration::from_secs(30);
 /// Ignored files named individually on stderr; the rest are only counted.
 const IGNORED_SHOWN: u64 = 10;
 /// Bad inputs of each kind named individually on stderr (and samples left out with them); the
@@ -194,6 +196,11 @@ struct Display {
     bad: Mutex<std::collections::BTreeMap<super::report::BadKind, u64>>,
     left_out: AtomicU64,
     last_refresh: Mutex<Instant>,
+    /// Without a terminal (a batch job's log) the bar draws nothing: a line every
+    /// [`LOG_EVERY`] instead, the last one's time here.
+    logged: Option<Mutex<Instant>>,
+    /// Set once every file is read and the pack waits for its last uploads: the rates stop.
+    finishing: std::sync::atomic::AtomicBool,
 }
 
 impl Display {
@@ -218,6 +225,8 @@ impl Display {
             bad: Mutex::default(),
             left_out: AtomicU64::new(0),
             last_refresh: Mutex::new(Instant::now()),
+            logged: (!std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| Mutex::new(Instant::now())),
+            finishing: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -230,13 +239,30 @@ impl Display {
             }
             *last = now;
         }
+        if self.finishing.load(Ordering::Relaxed) {
+            return;
+        }
         let secs = now.duration_since(self.started).as_secs_f64().max(1e-9);
+        let (files, bytes) = (self.files.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed));
+        let shards = self.shards.load(Ordering::Relaxed);
         self.bar.set_message(format!(
-            "{:.0} files/s  {:.0} MB/s  {} shards",
-            self.files.load(Ordering::Relaxed) as f64 / secs,
-            self.bytes.load(Ordering::Relaxed) as f64 / 1e6 / secs,
-            self.shards.load(Ordering::Relaxed),
+            "{:.0} files/s  {:.0} MB/s  {shards} shards",
+            files as f64 / secs,
+            bytes as f64 / 1e6 / secs,
         ));
+        if let Some(logged) = &self.logged {
+            let mut last = logged.lock().unwrap_or_else(|p| p.into_inner());
+            if now.duration_since(*last) >= LOG_EVERY {
+                *last = now;
+                eprintln!(
+                    "shardstream pack: {}/{} files, {:.0} MB read, {shards} shards done, {:.0} s",
+                    self.bar.position(),
+                    self.bar.length().unwrap_or(0),
+                    bytes as f64 / 1e6,
+                    secs
+                );
+            }
+        }
     }
 }
 
@@ -257,6 +283,16 @@ impl PackProgress for Display {
 
     fn shard_done(&self, _name: &str, _bytes: u64) {
         self.shards.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn finishing(&self, shards: usize, bytes: u64, dest: &str) {
+        self.finishing.store(true, Ordering::Relaxed);
+        let what = super::count(shards as u64, "shard");
+        let line = format!("all files read; waiting for {what} ({:.0} MB) to reach {dest}", bytes as f64 / 1e6);
+        if self.logged.is_some() {
+            eprintln!("shardstream pack: {line}");
+        }
+        self.bar.set_message(line);
     }
 
     fn bad_input(&self, bad: &BadInput) {

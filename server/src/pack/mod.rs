@@ -249,6 +249,9 @@ pub trait PackProgress: Sync {
     fn sample_written(&self, _files: u64, _bytes: u64) {}
     /// A shard is durable.
     fn shard_done(&self, _name: &str, _bytes: u64) {}
+    /// Every shard is written; `shards` of them (`bytes`) are still on their way to `dest`
+    /// (uploads to S3), which the pack now waits for.
+    fn finishing(&self, _shards: usize, _bytes: u64, _dest: &str) {}
     /// A bad input was skipped (not called under `--strict`: it is the error then).
     fn bad_input(&self, _bad: &BadInput) {}
     /// A file that is not part of any sample.
@@ -544,6 +547,10 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
                 }
                 // The writer is done (or failed): what is in flight still becomes durable, so
                 // that a resumed pack keeps it.
+                if !pending.is_empty() {
+                    let bytes = pending.iter().map(|r| r.bytes).sum();
+                    progress.finishing(pending.len(), bytes, &sink_ref.describe());
+                }
                 let n = sink_ref.flush()?;
                 record(n, &mut pending)?;
                 Ok(done)
