@@ -235,7 +235,8 @@ impl Drop for Handshaking {
 }
 
 /// `tracing::warn!` when `$throttle` lets it through, with `suppressed`: how many it left out since
-/// the last (absent when none).
+/// the last (absent when none). For warnings a peer can cause at will: a line each would let it
+/// fill the daemon's log (and disk) as fast as it can send.
 macro_rules! throttled_warn {
     ($throttle:expr, $($arg:tt)+) => {
         if let Some(suppressed) = $throttle.admit() {
@@ -244,6 +245,7 @@ macro_rules! throttled_warn {
         }
     };
 }
+pub(crate) use throttled_warn;
 
 async fn accept_loop<L, IO, F, Fut>(
     listener: L,
@@ -378,7 +380,7 @@ impl AcceptFailure {
 
 /// Lets a kind of warning through at most once every [`WARN_EVERY`], counting those it holds back.
 #[derive(Default)]
-struct Throttle(Mutex<ThrottleState>);
+pub(crate) struct Throttle(Mutex<ThrottleState>);
 
 #[derive(Default)]
 struct ThrottleState {
@@ -388,7 +390,7 @@ struct ThrottleState {
 
 impl Throttle {
     /// `Some(n)`: log this one (n were held back since the last); `None`: hold it back.
-    fn admit(&self) -> Option<u64> {
+    pub(crate) fn admit(&self) -> Option<u64> {
         // A panic elsewhere cannot leave the state inconsistent: two plain fields.
         let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let now = std::time::Instant::now();

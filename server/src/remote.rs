@@ -295,17 +295,19 @@ pub struct RemoteClient {
 pub struct Authenticator {
     /// `None`: a Unix listener (SO_PEERCRED and the socket's mode apply instead).
     tcp: Option<Option<Arc<Tokens>>>,
+    /// The refusals' warning: a peer without a token sends as many requests as it likes.
+    refused_warn: Arc<crate::accept::Throttle>,
 }
 
 impl Authenticator {
     /// For a Unix listener.
     pub fn unix() -> Self {
-        Self { tcp: None }
+        Self { tcp: None, refused_warn: Arc::default() }
     }
 
     /// For a TCP listener; `tokens`: the token file, if one is required.
     pub fn tcp(tokens: Option<Arc<Tokens>>) -> Self {
-        Self { tcp: Some(tokens) }
+        Self { tcp: Some(tokens), refused_warn: Arc::default() }
     }
 }
 
@@ -334,7 +336,12 @@ impl tonic::service::Interceptor for Authenticator {
             }
             None => {
                 let peer = request.remote_addr().map(|a| a.to_string()).unwrap_or_else(|| "?".into());
-                tracing::warn!(%peer, presented = presented.is_some(), "request refused: missing or wrong bearer token");
+                crate::accept::throttled_warn!(
+                    self.refused_warn,
+                    %peer,
+                    presented = presented.is_some(),
+                    "request refused: missing or wrong bearer token"
+                );
                 Err(tonic::Status::unauthenticated(
                     "missing or wrong bearer token: this daemon requires one on TCP \
                      (set SHARDSTREAM_TOKEN_FILE to a file holding the token)",

@@ -121,6 +121,8 @@ pub struct Service {
     per_client: Arc<quota::StreamQuota>,
     /// Inline batch bytes queued for clients (`--inline-budget`).
     inline: Arc<inline_budget::InlineBudget>,
+    /// The allow list's refusals' warning: a client may ask for refused datasets at will.
+    refused_warn: Arc<crate::accept::Throttle>,
 }
 
 /// Streams a daemon serves at once by default: eight ranks of 64 DataLoader workers each, with
@@ -159,6 +161,7 @@ impl Service {
             per_client: Arc::default(),
             // Unbounded until the daemon sets its --inline-budget (`with_inline_budget`).
             inline: inline_budget::InlineBudget::new(u64::MAX),
+            refused_warn: Arc::default(),
         }
     }
 
@@ -214,7 +217,10 @@ impl Service {
         let Some((allow, who)) = self.requester(request) else { return Ok(Admission(None)) };
         let (list, asking, named) = (allow.clone(), who.clone(), url.to_owned());
         blocking(move || list.check_requester(&asking, &named)).await.map_err(|e| {
-            tracing::warn!(%who, url = ?url, "dataset refused by the allow list");
+            // At most a URL's first 256 characters: the request may carry megabytes of one.
+            let shown: String = url.chars().take(256).collect();
+            let cut = (shown.len() < url.len()).then_some(url.len());
+            crate::accept::throttled_warn!(self.refused_warn, %who, url = ?shown, url_bytes = cut, "dataset refused by the allow list");
             to_status(e)
         })?;
         Ok(Admission(Some((allow, who))))
