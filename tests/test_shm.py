@@ -335,6 +335,31 @@ def test_sigkilled_client_is_reclaimed(dataset, tmp_path) -> None:
         assert d.stop() == 0
 
 
+def test_ended_streams_a_client_keeps_attached_are_bounded_per_client(dataset, tmp_path) -> None:
+    """A client that ends its streams and keeps their side channels held a session each (a
+    thread, descriptors, leases) without bound: a trial's thousands took every descriptor of the
+    daemon and every other client hung. They count against --max-streams-per-client now."""
+    root, _ = dataset
+    d = Daemon(tmp_path, args=["--max-streams-per-client", "2"]).start()
+    try:
+        held = []
+        for seed in range(2):
+            it = iter(shardstream.Loader(str(root), batch_size=8, seed=seed, connect=d.addr))
+            held.append(next(it))  # a batch kept past the stream's end keeps its session
+            it.close()
+        assert wait_for(lambda: status(d.addr)["active_streams"] == 0)
+        with pytest.raises(shardstream.ShardstreamError, match=r"keeps 2 shared-memory streams that ended attached"):
+            next(iter(shardstream.Loader(str(root), batch_size=8, connect=d.addr)))
+        # Inline streams hold no session; and a batch let go of makes room.
+        assert next(iter(shardstream.Loader(str(root), batch_size=8, connect=d.addr, transport="inline")))
+        held.pop().release()
+        gc.collect()
+        assert wait_for(lambda: status(d.addr)["shm_sessions"] <= 1)
+        assert sum(len(b["__key__"]) for b in shardstream.Loader(str(root), batch_size=256, connect=d.addr)) > 0
+    finally:
+        assert d.stop() == 0
+
+
 def frame(version: int, kind: int, token: bytes = b"\0" * 16) -> bytes:
     return struct.pack("<IHHQQ", int.from_bytes(b"SSHM", "little"), version, kind, 0, 0) + token + b"\0" * 24
 

@@ -391,6 +391,7 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
         ring_slots: args.ring_slots,
         packed_budget: args.packed_budget.unwrap_or_else(crate::transport::budget::default_budget),
         ring_keep: Duration::from_secs_f64(args.ring_keep),
+        ended_per_client: args.max_streams_per_client.unwrap_or(args.max_streams),
     };
     config.rdma = args.rdma.then(|| args.rdma_provider.clone());
     config.rdma_budget = args.rdma_budget.unwrap_or_else(crate::transport::budget::default_budget);

@@ -30,7 +30,7 @@ pub enum Error {
     PermissionDenied { path: String, reason: String },
 
     /// The node cache (capacity or disk space) or the packed-ring budget cannot hold what a stream
-    /// needs.
+    /// needs, or a client keeps as many ended shared-memory streams as it may.
     #[error("{0}")]
     CacheFull(String),
 

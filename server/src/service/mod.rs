@@ -402,6 +402,10 @@ impl Shardstream for Service {
             ))
         })?;
         let client = Self::client_key(&request);
+        let uid = match client {
+            quota::ClientKey::Uid(uid) => Some(uid),
+            _ => None,
+        };
         let client_slot = self.per_client.acquire(client.clone()).map_err(|most| {
             Status::resource_exhausted(format!(
                 "the daemon serves one client at most {most} streams at once (--max-streams-per-client), and \
@@ -433,7 +437,7 @@ impl Shardstream for Service {
         let stopping = self.shutdown.clone();
         let cancelled = move || left.is_cancelled() || stopping.is_cancelled();
         let plan = blocking(move || {
-            let shared = stream_plan::Shared { uses: &uses, copies: &copy_plans };
+            let shared = stream_plan::Shared { uses: &uses, copies: &copy_plans, uid };
             plan_stream(ds, &req, hub.as_deref(), rdma.as_ref(), prefetch.as_ref(), shared, &cancelled)
         })
         .await

@@ -54,11 +54,14 @@ pub(super) struct StreamPlan {
 }
 
 /// What streams plan once for all of them: the rank futures the prefetcher follows (shared by a
-/// rank's workers), the column-chunk copies of a projection (shared by every stream reading it).
+/// rank's workers), the column-chunk copies of a projection (shared by every stream reading it);
+/// and who asks, which shared state counts.
 #[derive(Clone, Copy)]
 pub(super) struct Shared<'a> {
     pub uses: &'a uses::UsesCache,
     pub copies: &'a projected::CopyPlans,
+    /// The uid of a client on the Unix socket (shm sessions are counted per uid).
+    pub uid: Option<u32>,
 }
 
 pub(super) fn plan_stream(
@@ -235,7 +238,7 @@ pub(super) fn plan_stream(
     }
     let session = match (transport, shm) {
         (Transport::Shm, Some(hub)) => {
-            Some(hub.new_session(if packed { hub.config.ring_slots } else { hub.config.credits })?)
+            Some(hub.new_session(if packed { hub.config.ring_slots } else { hub.config.credits }, shared.uid)?)
         }
         _ => None,
     };

@@ -55,6 +55,11 @@ pub struct ShmConfig {
     pub packed_budget: u64,
     /// How long a stream's ring is kept for a next stream (`--ring-keep`; zero keeps none).
     pub ring_keep: Duration,
+    /// Sessions of ended streams one uid may keep attached (batches unreleased, or the side
+    /// channel left open) before its new shm streams are refused: `--max-streams-per-client`,
+    /// else `--max-streams`. Each holds a thread, descriptors, leases and maybe a ring; a client
+    /// that cancels its streams and keeps their side channels would otherwise hold without bound.
+    pub ended_per_client: usize,
 }
 
 impl Default for ShmConfig {
@@ -64,6 +69,7 @@ impl Default for ShmConfig {
             ring_slots: super::ring::RING_SLOTS,
             packed_budget: super::budget::default_budget(),
             ring_keep: super::ring_pool::DEFAULT_KEEP_FOR,
+            ended_per_client: crate::service::DEFAULT_MAX_STREAMS,
         }
     }
 }
@@ -145,6 +151,9 @@ struct SessionState {
     filling: u32,
     closed: bool,
     stream_done: bool,
+    /// Counted in the hub's `ended` for the session's uid: the stream is done, the side channel
+    /// still attached.
+    ended_counted: bool,
     /// Set by STREAM_END: the client will never receive batches from this index on, so the
     /// producer's later batches (already in flight) must not take leases.
     end_from: Option<u64>,
@@ -168,6 +177,8 @@ impl SessionState {
 pub struct Session {
     pub token: [u8; 16],
     pub credits: u32,
+    /// Who asked for the stream (the uid on the daemon's socket), when known.
+    uid: Option<u32>,
     state: Mutex<SessionState>,
     changed: Condvar,
     hub: Arc<HubShared>,
@@ -191,6 +202,8 @@ struct HubShared {
     /// Sessions with a side channel attached: counted here so that `status` takes no session's
     /// lock (a send under one may wait out [`SEND_TIMEOUT`] for a client that does not read).
     attached: AtomicUsize,
+    /// Per uid, sessions whose stream is done while their side channel is still attached.
+    ended: Mutex<HashMap<u32, usize>>,
 }
 
 /// The daemon's side-channel listener and all shm sessions.
@@ -232,6 +245,7 @@ impl ShmHub {
             rings_made: AtomicU64::new(0),
             rings_reused: AtomicU64::new(0),
             attached: AtomicUsize::new(0),
+            ended: Mutex::default(),
         };
         let hub = Arc::new(Self { socket, config, shared: Arc::new(shared) });
         let shared = hub.shared.clone();
@@ -243,13 +257,27 @@ impl ShmHub {
     }
 
     /// Creates a session for a new stream.
-    pub fn new_session(&self, credits: u32) -> Result<Arc<Session>> {
+    /// A session for a stream that `uid` asked for (None: not known). Refused while `uid`
+    /// keeps [`ShmConfig::ended_per_client`] sessions of ended streams attached.
+    pub fn new_session(&self, credits: u32, uid: Option<u32>) -> Result<Arc<Session>> {
+        if let Some(uid) = uid {
+            let ended = lock(&self.shared.ended).get(&uid).copied().unwrap_or(0);
+            if ended >= self.config.ended_per_client {
+                return Err(Error::CacheFull(format!(
+                    "uid {uid} keeps {ended} shared-memory streams that ended attached (their batches not \
+                     released, or their loaders not closed), the most one client may \
+                     (--max-streams-per-client, else --max-streams): drop the batches and loaders of finished \
+                     streams (close()) before starting more"
+                )));
+            }
+        }
         let mut token = [0u8; 16];
         rustix::rand::getrandom(&mut token, rustix::rand::GetRandomFlags::empty())
             .map_err(|e| Error::Unavailable(format!("no randomness for a session token: {e}")))?;
         let s = Arc::new(Session {
             token,
             credits: credits.max(1),
+            uid,
             state: Mutex::default(),
             changed: Condvar::new(),
             hub: self.shared.clone(),
@@ -516,7 +544,17 @@ impl Session {
         // user's next stream, unless a build still fills one of its slots.
         let rings = std::mem::take(&mut st.rings);
         let peer = st.peer.take();
+        let counted = std::mem::take(&mut st.ended_counted);
         drop(st);
+        if let (true, Some(uid)) = (counted, self.uid) {
+            let mut ended = lock(&self.hub.ended);
+            if let Some(n) = ended.get_mut(&uid) {
+                *n -= 1;
+                if *n == 0 {
+                    ended.remove(&uid);
+                }
+            }
+        }
         if let (Some(owner), Some(last)) = (peer, rings.into_iter().next_back())
             && let Ok(ring) = Arc::try_unwrap(last.ring)
         {
@@ -532,6 +570,14 @@ impl Session {
         let mut st = lock(&self.state);
         st.stream_done = true;
         let attached = st.sock.is_some();
+        if attached
+            && !st.ended_counted
+            && let Some(uid) = self.uid
+        {
+            // Under the session's lock, as `close` takes it back: counted once, uncounted once.
+            st.ended_counted = true;
+            *lock(&self.hub.ended).entry(uid).or_default() += 1;
+        }
         drop(st);
         if !attached {
             self.close();
@@ -1114,6 +1160,32 @@ mod tests {
     }
 
     #[test]
+    fn ended_streams_kept_attached_bound_a_uids_new_sessions() {
+        // A client that cancels each stream and keeps its side channel held a session (a
+        // thread, descriptors, leases) per stream without bound; thousands took every descriptor
+        // of the daemon.
+        let dir = tempfile::tempdir().unwrap();
+        let config = ShmConfig { ended_per_client: 2, ..ShmConfig::default() };
+        let hub = ShmHub::bind(dir.path().join("sock.shm"), config, Default::default()).unwrap();
+        let mut kept = Vec::new();
+        for _ in 0..2 {
+            let s = hub.new_session(2, Some(1000)).unwrap();
+            let sock = attach(&hub, &s, wire::HELLO_FORGETS);
+            s.stream_done();
+            kept.push(sock);
+        }
+        let err = hub.new_session(2, Some(1000)).unwrap_err();
+        assert!(matches!(err, Error::CacheFull(_)), "{err}");
+        assert!(err.to_string().contains("uid 1000 keeps 2 shared-memory streams that ended attached"), "{err}");
+        // Another uid, and a live stream's session of the same uid, are not counted.
+        let other = hub.new_session(2, Some(1001)).unwrap();
+        drop(other);
+        // The client lets one go: room again.
+        drop(kept.pop());
+        eventually(|| hub.new_session(2, Some(1000)).is_ok());
+    }
+
+    #[test]
     fn the_next_stream_of_a_process_gets_its_ring_back_and_kept_rings_give_way_to_the_budget() {
         let dir = tempfile::tempdir().unwrap();
         let (small, large) = (75 * PAGE, 100 * PAGE);
@@ -1122,7 +1194,7 @@ mod tests {
         let config = ShmConfig { packed_budget: MIN_PACKED_BUDGET, ..ShmConfig::default() };
         let hub = ShmHub::bind(dir.path().join("sock.shm"), config, Default::default()).unwrap();
 
-        let first = hub.new_session(2).unwrap();
+        let first = hub.new_session(2, None).unwrap();
         let sock = attach(&hub, &first, wire::HELLO_FORGETS);
         let id = fill_one(&first, 0, small - 100);
         assert_eq!(next_frame(&sock).kind, wire::KIND_RING_FD);
@@ -1132,7 +1204,7 @@ mod tests {
         assert_eq!(hub.kept_rings().1, ring_bytes);
         assert_eq!(hub.ring_bytes(), 0, "kept rings are not counted as in use");
 
-        let second = hub.new_session(2).unwrap();
+        let second = hub.new_session(2, None).unwrap();
         let sock = attach(&hub, &second, wire::HELLO_FORGETS);
         assert_eq!(fill_one(&second, 0, small), id, "the same ring, under its id");
         let f = next_frame(&sock);
@@ -1145,7 +1217,7 @@ mod tests {
 
         // A stream whose slots the kept ring cannot hold makes its own; the budget has room for
         // one ring only, so the kept one is dropped for it.
-        let third = hub.new_session(2).unwrap();
+        let third = hub.new_session(2, None).unwrap();
         let _sock = attach(&hub, &third, wire::HELLO_FORGETS);
         let bigger = fill_one(&third, 0, large);
         assert_ne!(bigger, id);
@@ -1158,7 +1230,7 @@ mod tests {
     fn a_bad_frame_is_answered_once_and_ends_the_session_and_counts_take_no_session_lock() {
         let dir = tempfile::tempdir().unwrap();
         let hub = default_hub(dir.path());
-        let session = hub.new_session(2).unwrap();
+        let session = hub.new_session(2, None).unwrap();
         let sock = attach(&hub, &session, wire::HELLO_FORGETS);
         assert_eq!(hub.counts().0, 1);
         // A send under the session's lock (to a client that does not read) holds it: counting
@@ -1184,7 +1256,7 @@ mod tests {
     fn ready_now_says_whether_wait_ready_would_wait_for_the_client() {
         let dir = tempfile::tempdir().unwrap();
         let hub = default_hub(dir.path());
-        let session = hub.new_session(2).unwrap();
+        let session = hub.new_session(2, None).unwrap();
         assert!(!session.ready_now(), "not attached yet");
         let _sock = attach(&hub, &session, wire::HELLO_FORGETS);
         assert!(session.ready_now());
@@ -1210,7 +1282,7 @@ mod tests {
         let shard = dir.path().join("copy.tar");
         std::fs::write(&shard, b"shard bytes").unwrap();
         let file = std::fs::File::open(&shard).unwrap();
-        let (told, untold) = (hub.new_session(4).unwrap(), hub.new_session(4).unwrap());
+        let (told, untold) = (hub.new_session(4, None).unwrap(), hub.new_session(4, None).unwrap());
         let (told_sock, untold_sock) = (attach(&hub, &told, wire::HELLO_FORGETS), attach(&hub, &untold, 0));
         for (s, sock) in [(&told, &told_sock), (&untold, &untold_sock)] {
             assert_eq!(s.slot_for(&shard, &file, 11, None).unwrap(), 0);
@@ -1242,7 +1314,7 @@ mod tests {
         for p in [&a, &b] {
             std::fs::write(p, b"shard").unwrap();
         }
-        let session = hub.new_session(4).unwrap();
+        let session = hub.new_session(4, None).unwrap();
         let sock = attach(&hub, &session, wire::HELLO_FORGETS);
         for p in [&a, &b] {
             session.slot_for(p, &std::fs::File::open(p).unwrap(), 5, Some(0)).unwrap();
@@ -1280,7 +1352,7 @@ mod tests {
         assert_eq!(named, [(0, wire::FORGET_EVICTED), (2, wire::FORGET_EVICTED)]);
 
         // A client that cannot be told keeps its slots.
-        let old = hub.new_session(4).unwrap();
+        let old = hub.new_session(4, None).unwrap();
         let old_sock = attach(&hub, &old, 0);
         assert_eq!(old.slot_for(&b, &std::fs::File::open(&b).unwrap(), 5, Some(0)).unwrap(), 0);
         let _ = pending(&old_sock);
@@ -1293,7 +1365,7 @@ mod tests {
     fn a_segment_is_sent_once_and_forgotten_as_evicted_once_let_go_and_released() {
         let dir = tempfile::tempdir().unwrap();
         let hub = default_hub(dir.path());
-        let session = hub.new_session(4).unwrap();
+        let session = hub.new_session(4, None).unwrap();
         let sock = attach(&hub, &session, wire::HELLO_FORGETS);
         let file = tempfile::tempfile().unwrap();
         file.set_len(10).unwrap();
