@@ -707,6 +707,11 @@ impl Drop for BatchStream {
         // keeps it out and uncounted.
         let pushed = self.handoff.close();
         self.task.abort();
+        if let Some(ring) = &self.rdma {
+            // A receive on the blocking pool (which an abort does not reach) holds the ring until
+            // it returns.
+            ring.abandon();
+        }
         if let Some(shm) = &self.shm {
             // Batches received but never handed out, and those still in flight, are released
             // now: only the ones the user holds keep their leases.

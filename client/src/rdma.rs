@@ -7,6 +7,7 @@
 //! worker creates its own after fork, never inheriting one. The receiver blocks in libfabric
 //! (`fi_cq_sread`), so every call runs on tokio's blocking pool.
 
+use std::mem::ManuallyDrop;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -74,13 +75,19 @@ pub fn warm_up() -> Result<(), ClientError> {
 
 /// One stream's registered ring.
 pub struct RdmaRing {
-    rx: Progressed<RingReceiver<()>>,
+    /// Taken by `Drop`, which hands it to a thread that quiesces it before it closes.
+    rx: ManuallyDrop<Progressed<RingReceiver<()>>>,
     pub provider: String,
     /// What the progress thread met, for the next `receive` to report.
     failed: Mutex<Option<shardstream_fabric::stream::StreamError>>,
     /// Batches of this stream still to arrive (set from the header): FINISHED goes to the
     /// daemon when the last arrives.
     remaining: std::sync::atomic::AtomicU64,
+    /// The stream was dropped (a loop left with `break`, or its end): a receive waiting for
+    /// bytes that will not come gives up instead of holding the ring for [`ARRIVAL_TIMEOUT`], and
+    /// the receiver drops the credits of batches let go of later instead of sending them (the
+    /// flag is the receiver's, [`RingReceiver::abandoned`]).
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Keeps the endpoint moving between batches (see [`RingReceiver::progress`]); ends with the
@@ -96,6 +103,56 @@ fn progress_loop(ring: std::sync::Weak<RdmaRing>) {
         if let Err(e) = res {
             *r.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
             return;
+        }
+    }
+}
+
+/// Held while an endpoint opens or closes: libfabric 1.17 crashed (SIGSEGV in `fi_close`) when
+/// one stream's endpoint closed while the next stream's opened.
+static ENDPOINT_LIFECYCLE: Mutex<()> = Mutex::new(());
+
+/// How long a closing ring's endpoint is kept moving once nothing more arrives, and at most.
+const QUIET_BEFORE_CLOSE: Duration = Duration::from_millis(300);
+const CLOSE_DRAIN_MAX: Duration = Duration::from_secs(2);
+
+impl Drop for RdmaRing {
+    fn drop(&mut self) {
+        // SAFETY: `rx` is taken once, here, and `self` is never used after `drop`.
+        let rx = unsafe { ManuallyDrop::take(&mut self.rx) };
+        // A stream left early (a `break`) closes while the daemon's writes may still be arriving:
+        // closing the endpoint then crashed libfabric 1.17's tcp;ofi_rxm in about one run of two
+        // (SIGSEGV inside fi_close). The endpoint is kept moving until nothing has arrived for a
+        // while, on a thread of its own: the last holder may be the trainer's thread.
+        // No credit is wanted any more.
+        self.abandoned.store(true, Ordering::Relaxed);
+        let quiesce = move || {
+            let mut r = rx.lock();
+            let (started, mut quiet) = (Instant::now(), Instant::now());
+            // Errors too are waited out: the daemon's end closing is one, and what it had in
+            // flight may still be arriving.
+            while started.elapsed() < CLOSE_DRAIN_MAX && quiet.elapsed() < QUIET_BEFORE_CLOSE {
+                if matches!(r.progress(Duration::from_millis(20)), Ok(true)) {
+                    quiet = Instant::now();
+                }
+            }
+            drop(r);
+            let _alone = ENDPOINT_LIFECYCLE.lock().unwrap_or_else(PoisonError::into_inner);
+            drop(rx);
+        };
+        let (tx, job) = std::sync::mpsc::sync_channel(1);
+        let spawned = std::thread::Builder::new().name("shardstream-rdma-close".into()).spawn(move || {
+            if let Ok(quiesce) = job.recv() {
+                let quiesce: Box<dyn FnOnce() + Send> = quiesce;
+                quiesce();
+            }
+        });
+        let quiesce: Box<dyn FnOnce() + Send> = Box::new(quiesce);
+        match spawned {
+            Ok(_) => {
+                let _ = tx.send(quiesce);
+            }
+            // No thread to be had: here, then.
+            Err(_) => quiesce(),
         }
     }
 }
@@ -124,11 +181,14 @@ impl RdmaRing {
                  at most); use smaller batches, or transport=\"shm\" on the same host"
             )));
         }
+        let alone = ENDPOINT_LIFECYCLE.lock().unwrap_or_else(PoisonError::into_inner);
         let ep = open_endpoint_toward(provider, 64, daemon).map_err(err)?;
         let rx =
             RingReceiver::new(ep, RDMA_SLOTS, usize::try_from(slot_bytes).map_err(err)?, first_batch).map_err(err)?;
+        drop(alone);
         let o = rx.offer().map_err(err)?;
         let wake = rx.waker();
+        let abandoned = rx.abandoned();
         let offer = RdmaOffer {
             address: o.name,
             ring_base: o.ring.base,
@@ -140,10 +200,11 @@ impl RdmaRing {
             fabric_settings: shardstream_fabric::settings().into_iter().collect(),
         };
         let ring = Arc::new(Self {
-            rx: Progressed::new(rx, move || wake.signal()),
+            rx: ManuallyDrop::new(Progressed::new(rx, move || wake.signal())),
             provider: o.provider,
             failed: Mutex::new(None),
             remaining: std::sync::atomic::AtomicU64::new(u64::MAX),
+            abandoned,
         });
         let weak = Arc::downgrade(&ring);
         std::thread::Builder::new()
@@ -162,6 +223,11 @@ impl RdmaRing {
     pub fn held(&self) -> (usize, u32) {
         let rx = self.lock();
         (rx.held(), rx.slots())
+    }
+
+    /// The stream is gone: receives waiting on it end.
+    pub fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Relaxed);
     }
 
     /// The daemon's endpoint and the stream's batch count, from the stream header.
@@ -213,6 +279,9 @@ impl RdmaRing {
         let ready = loop {
             if let Some(r) = rx.next(Duration::from_millis(200)).map_err(stream_err)? {
                 break r;
+            }
+            if self.abandoned.load(Ordering::Relaxed) {
+                return Err(ClientError::Disconnected(format!("rdma: the stream was closed before batch {batch}")));
             }
             if started.elapsed() > ARRIVAL_TIMEOUT {
                 return Err(ClientError::Disconnected(format!(

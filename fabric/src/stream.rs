@@ -121,6 +121,10 @@ pub struct RingReceiver<M> {
     returned: Arc<Mutex<Vec<(u32, u64)>>>,
     /// Completions read while a receive waited for room in the queue, handled by the next pump.
     backlog: Vec<Completion>,
+    /// Set (from any thread, [`Self::abandoned`]) once the stream is gone on this side: credits
+    /// are then dropped, not sent, as nobody waits for them. Sending them to a daemon that has
+    /// ended the stream waited out [`RELEASE_WAIT`] a credit, holding the ring all along.
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A delivered batch's bytes, read in place in the ring (no copy): the slot stays the client's
@@ -194,6 +198,7 @@ impl<M> RingReceiver<M> {
             sends_busy: [false; SEND_CONTEXTS],
             returned: Arc::default(),
             backlog: Vec::new(),
+            abandoned: Arc::default(),
         };
         for i in 0..rx_posts {
             me.post_rx(i)?;
@@ -355,10 +360,14 @@ impl<M> RingReceiver<M> {
 
     fn send_ctl(&mut self, slot: u32, batch: u64) -> StreamResult<()> {
         let Some(daemon) = self.daemon else { return Ok(()) };
+        let gone = |a: &std::sync::atomic::AtomicBool| a.load(std::sync::atomic::Ordering::Relaxed);
         // A daemon that died leaves sends that never complete and a provider that keeps saying
         // EAGAIN: without a deadline this loop would spin for ever instead of failing the stream.
         let deadline = Instant::now() + RELEASE_WAIT;
         let op = loop {
+            if gone(&self.abandoned) {
+                return Ok(());
+            }
             if let Some(i) = self.sends_busy.iter().position(|b| !*b) {
                 break i;
             }
@@ -374,6 +383,9 @@ impl<M> RingReceiver<M> {
         buf[4..8].fill(0);
         buf[8..16].copy_from_slice(&batch.to_le_bytes());
         while !self.ep.send(op, &self.msgs, op * RELEASE_BYTES, RELEASE_BYTES, daemon)? {
+            if gone(&self.abandoned) {
+                return Ok(());
+            }
             if Instant::now() >= deadline {
                 return Err(StreamError::CreditNotSent(RELEASE_WAIT));
             }
@@ -381,6 +393,13 @@ impl<M> RingReceiver<M> {
         }
         self.sends_busy[op] = true;
         Ok(())
+    }
+
+    /// The flag that, once set, makes this receiver drop credits instead of sending them (the
+    /// stream is gone on this side); shared so that it can be set without the receiver's lock,
+    /// which a thread returning a credit may hold for as long as [`RELEASE_WAIT`].
+    pub fn abandoned(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.abandoned.clone()
     }
 
     /// Slots delivered and not released yet (their views live, or their credits are queued).
