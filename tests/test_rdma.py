@@ -603,6 +603,31 @@ def test_an_rdma_stream_stalled_by_the_batches_its_process_holds_says_so(rdma_da
     assert sorted(keys) == sorted(samples)
 
 
+def test_batches_copied_out_of_their_rdma_slots_hold_none(rdma_daemon, dataset) -> None:
+    """The stall's warning says to make the Loader with copy=True; over rdma the batches it made
+    still held their ring slots (their bytes were copied, the native batch under them was kept),
+    so `list(loader)` stalled for good all the same."""
+    root, samples = dataset
+    code = """
+        import sys, warnings, shardstream
+        warnings.simplefilter("error")  # the stall's warning fails the run instead of waiting
+        loader = shardstream.Loader(
+            sys.argv[1], batch_size=50, seed=2, connect=sys.argv[2], transport="rdma", copy=True
+        )
+        batches = list(loader)
+        keys = [k for b in batches for k in b["__key__"]]
+        assert all(isinstance(v, bytes) for b in batches for v in b["cls"]), "copies"
+        print(len(keys), len(set(keys)))
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(root), rdma_daemon.addr],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.split() == [str(len(samples))] * 2, (out.stdout, out.stderr[-1500:])
+
+
 @pytest.mark.parametrize(
     ("transport", "auto_providers", "loads"),
     [("rdma", None, True), ("inline", None, False), ("auto", None, False), ("auto", "tcp", True)],

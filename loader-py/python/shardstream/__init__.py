@@ -780,7 +780,11 @@ class Loader:
                     outs = self._arrow_batches(batch)
                 else:
                     out = Batch(batch.to_dict(self.copy))
-                    out._native = batch
+                    # Copied out, a batch needs nothing of the native one, which holds its bytes:
+                    # over rdma a ring slot, which the daemon waits for (a shared-memory lease
+                    # went back in to_dict).
+                    if not (self.copy and not batch.packed):
+                        out._native = batch
                     if self.collate == "stack" and not batch.packed:
                         _stack_fields(out)
                     outs = [(batch.index, len(batch), out)]
