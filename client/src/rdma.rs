@@ -29,6 +29,16 @@ fn err(e: impl std::fmt::Display) -> ClientError {
     ClientError::Rdma(e.to_string())
 }
 
+/// An endpoint that cannot be opened: no route to the daemon's host is the network's state (a
+/// link down, a route not there yet), as a TCP connect that cannot be made is: a lost
+/// connection, which reconnect logic waits out; the rest are rdma errors.
+fn open_err(e: shardstream_fabric::Error) -> ClientError {
+    match e {
+        e @ shardstream_fabric::Error::NoRoute { .. } => ClientError::Disconnected(format!("rdma transport: {e}")),
+        e => err(e),
+    }
+}
+
 /// The daemon's end failing (killed, connection reset) is a lost connection, like gRPC's: the
 /// same stream may be resumed against a restarted daemon. Everything else is an rdma error.
 fn stream_err(e: shardstream_fabric::stream::StreamError) -> ClientError {
@@ -182,7 +192,7 @@ impl RdmaRing {
             )));
         }
         let alone = ENDPOINT_LIFECYCLE.lock().unwrap_or_else(PoisonError::into_inner);
-        let ep = open_endpoint_toward(provider, 64, daemon).map_err(err)?;
+        let ep = open_endpoint_toward(provider, 64, daemon).map_err(open_err)?;
         let rx =
             RingReceiver::new(ep, RDMA_SLOTS, usize::try_from(slot_bytes).map_err(err)?, first_batch).map_err(err)?;
         drop(alone);
@@ -322,4 +332,22 @@ pub fn auto_picks(provider: &str) -> bool {
     let core = shardstream_fabric::core_provider(provider);
     shardstream_fabric::auto_picks(provider, allowed.as_deref())
         && shardstream_fabric::forced_provider().is_none_or(|f| shardstream_fabric::core_provider(&f) == core)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_route_to_the_daemon_is_a_lost_connection() {
+        let no_route = shardstream_fabric::Error::NoRoute {
+            peer: std::net::Ipv4Addr::new(10, 231, 9, 1).into(),
+            source: std::io::Error::from_raw_os_error(libc::ENETUNREACH),
+        };
+        let e = open_err(no_route);
+        assert!(matches!(e, ClientError::Disconnected(_)), "{e:?}");
+        assert!(e.to_string().contains("no route from this host to 10.231.9.1"), "{e}");
+        let other = open_err(shardstream_fabric::Error::Unavailable("gone".into()));
+        assert!(matches!(other, ClientError::Rdma(_)), "{other:?}");
+    }
 }
