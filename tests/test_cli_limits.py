@@ -20,6 +20,9 @@ def test_size_and_count_flags_out_of_range_are_refused(tmp_path: Path) -> None:
         ([*serve, "--s3-concurrency", "0"], "--s3-concurrency must be from 1 to 256, not 0"),
         ([*serve, "--prefetch-parallel", "100000"], "--prefetch-parallel must be from 1 to 256, not 100000"),
         ([*serve, "--max-streams-per-client", "0"], "--max-streams-per-client must be from 1 to 16384, not 0"),
+        # Were accepted: every rdma stream then failed ("--rdma-budget is 0 MiB"), or rdma was
+        # silently not served.
+        ([*serve, "--rdma", "--rdma-budget", "0"], "--rdma-budget must be at least 1 MiB"),
         (["index", str(tmp_path), "--threads", "0"], "--threads must be from 1 to 1024, not 0"),
         (["prefetch", "s3://b/p/", "--shards", "0"], "--shards must be from 1 to"),
         # Was sent to the daemon and refused there, exit code 1.
@@ -33,6 +36,15 @@ def test_size_and_count_flags_out_of_range_are_refused(tmp_path: Path) -> None:
         assert needle in p.stderr, (args, p.stderr)
     # Nothing was started or created by a refused command line.
     assert not (tmp_path / "sock").exists() and not (tmp_path / "cache").exists() and not (tmp_path / "o").exists()
+
+
+def test_an_rdma_provider_without_rdma_is_refused(tmp_path: Path) -> None:
+    # Was ignored: the daemon started and served no rdma, as the operator had not asked.
+    env = {**os.environ, "SHARDSTREAM_RDMA_PROVIDER": "tcp"}
+    serve = [SHARDSTREAM, "serve", "--listen", f"unix://{tmp_path / 'sock'}", "--cache-dir", str(tmp_path / "c")]
+    p = subprocess.run(serve, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 1 and "rdma is not served without --rdma" in p.stderr, p.stderr
+    assert not (tmp_path / "sock").exists()
 
 
 def test_an_error_prints_each_cause_once(tmp_path: Path) -> None:

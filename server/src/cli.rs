@@ -162,7 +162,7 @@ pub struct ServeArgs {
     /// stream stages 4 of the client's ring slots (SHARDSTREAM_RDMA_SLOT_BYTES, 32 MiB by
     /// default) in memory registered with the NIC, which verbs and EFA pin. A stream that does not
     /// fit waits up to 10 s, then fails with RESOURCE_EXHAUSTED ("rdma staging budget exhausted").
-    #[arg(long, env = "SHARDSTREAM_RDMA_BUDGET", value_parser = crate::pack::cli::parse_size)]
+    #[arg(long, env = "SHARDSTREAM_RDMA_BUDGET", value_parser = limits::parse_rdma_budget)]
     pub rdma_budget: Option<u64>,
     /// Shared memory, view mode: unreleased batches one stream's client may hold before the
     /// daemon waits (each costs the daemon only its lease records).
@@ -373,6 +373,13 @@ fn serve(args: ServeArgs, allow: Vec<crate::access::AllowRule>) -> anyhow::Resul
         Ok(o) if o.before != o.now => tracing::info!(from = ?o.before, to = ?o.now, "open-file limit raised"),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit to its hard limit"),
+    }
+    if let (Some(provider), false) = (&args.rdma_provider, args.rdma) {
+        // Else rdma would silently not be served: the operator meant it.
+        anyhow::bail!(
+            "--rdma-provider {provider:?} (SHARDSTREAM_RDMA_PROVIDER) names the provider rdma streams use, but rdma is \
+             not served without --rdma (SHARDSTREAM_RDMA=1): add it, or drop the provider"
+        );
     }
     let listen: Address = args.listen.parse()?;
     let mut config = DaemonConfig::new(listen, args.cache_dir);

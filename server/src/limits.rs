@@ -119,6 +119,8 @@ pub const THREADS: CountLimit = CountLimit { flag: "--threads", min: 1, max: 102
 pub const CACHE_SIZE: SizeLimit = SizeLimit { flag: "--cache-size", min: MIB, max: 1 << 50, why: "" };
 pub const DECODED_BUDGET: SizeLimit =
     SizeLimit { flag: "--decoded-budget", min: MIB, max: 1 << 50, why: "memory for decoded Parquet row groups" };
+pub const RDMA_BUDGET: SizeLimit =
+    SizeLimit { flag: "--rdma-budget", min: MIB, max: 1 << 50, why: "staging memory for rdma streams" };
 pub const INLINE_BUDGET: SizeLimit =
     SizeLimit { flag: "--inline-budget", min: MIB, max: 1 << 50, why: "memory for inline batches queued for clients" };
 /// Seconds of consumption fetched ahead; a day is far past any useful horizon.
@@ -177,6 +179,9 @@ pub fn parse_decoded_budget(s: &str) -> Result<u64, String> {
 }
 pub fn parse_inline_budget(s: &str) -> Result<u64, String> {
     INLINE_BUDGET.parse(s)
+}
+pub fn parse_rdma_budget(s: &str) -> Result<u64, String> {
+    RDMA_BUDGET.parse(s)
 }
 pub fn parse_prefetch_horizon(s: &str) -> Result<f64, String> {
     let bad =
