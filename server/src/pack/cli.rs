@@ -75,7 +75,8 @@ pub struct PackArgs {
     pub format: ShardFormat,
 
     /// Largest shard, e.g. 512MiB, 1G, 2GB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB
-    /// powers of 1000). A sample larger than this gets a shard of its own. The 1 GiB default keeps a
+    /// powers of 1000). A sample larger than this gets a shard of its own. A Parquet shard counts its
+    /// values and keys: its footer and page index (~0.1%) come on top. The 1 GiB default keeps a
     /// multi-TB dataset to a few thousand shards read at full bandwidth, while a node cache still
     /// holds many and a re-packed or re-downloaded shard costs seconds.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = limits::parse_shard_size)]
@@ -111,7 +112,7 @@ pub struct PackArgs {
     #[arg(long, default_value_t = 0, requires = "shuffle")]
     pub seed: u64,
 
-    /// Rows per Parquet row group (--format parquet); a row group is also cut at 128 MiB.
+    /// Rows per Parquet row group (--format parquet); a row group also ends once past 128 MiB.
     #[arg(long, value_name = "ROWS", default_value_t = DEFAULT_ROW_GROUP_ROWS, value_parser = limits::parse_row_group_size)]
     pub row_group_size: usize,
 
