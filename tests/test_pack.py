@@ -708,4 +708,11 @@ def test_pack_to_s3_resumes_after_kill(tmp_path: Path, s3: S3Server, s3_tree, re
     else:
         p = pack(src, "--output", out, *S3_OPTS, "--resume", env=s3_env(s3, tmp_path / "elsewhere"), check=False)
         assert p.returncode == 0, p.stderr
+        # The first machine's own journal (2 shards) is behind the bucket's now: --resume there
+        # packed and uploaded again every shard the other machine had finished (same bytes).
+        shards = sorted(prefix.glob("shard-*.tar"))
+        stamps = {s.name: s.stat().st_mtime_ns for s in shards}
+        p = pack(src, "--output", out, *S3_OPTS, "--resume", env=env)
+        assert f"{len(shards)} shards kept from the interrupted run" in p.stdout, p.stdout
+        assert {s.name: s.stat().st_mtime_ns for s in shards} == stamps, "shards uploaded again"
     assert tree_bytes(prefix) == tree_bytes(local)

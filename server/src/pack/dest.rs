@@ -189,8 +189,12 @@ impl Destination {
         let Some(bytes) = store.block_on(store.get_small(bucket, &key))? else { return Ok(local) };
         let url = format!("s3://{bucket}/{key}");
         let remote = journal::parse(&bytes, &url)?;
+        // Of the same pack, the journal further along: another machine may have finished what
+        // this one's journal says it left (the bucket's copy lists only shards already there).
         Ok(match local {
-            Some((l, at)) if l.fingerprint == remote.fingerprint => Some((l, at)),
+            Some((l, at)) if l.fingerprint == remote.fingerprint && l.shards.len() >= remote.shards.len() => {
+                Some((l, at))
+            }
             _ => Some((remote, url)),
         })
     }
