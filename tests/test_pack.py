@@ -244,6 +244,13 @@ def test_shuffle_is_deterministic_and_resume_after_kill_is_identical(tmp_path: P
     p = pack(src, "--output", out, *common, "--resume", check=False)
     assert p.returncode == 1 and "--resume" in p.stderr and "added, removed or renamed" in p.stderr, p.stderr
     extra.unlink()
+    # Without --resume, the same pack starts over, and says what it packs again.
+    if stop == signal.SIGKILL:
+        again = tmp_path / "again"
+        shutil.copytree(out, again)
+        p = pack(src, "--output", again, *common)
+        assert "an interrupted run had finished packed again (--resume keeps them)" in p.stdout, p.stdout
+        assert tree_bytes(again) == tree_bytes(clean)
     p = pack(src, "--output", out, *common, "--resume")
     assert "kept from the interrupted run" in p.stdout
     assert tree_bytes(out) == tree_bytes(clean)

@@ -286,6 +286,9 @@ pub struct PackSummary {
     pub payload_bytes: u64,
     /// Shards kept from an interrupted run (`--resume`).
     pub resumed_shards: u64,
+    /// Shards an interrupted run of the same pack had finished, packed again for want of
+    /// `--resume` (said, so that the next interruption is resumed).
+    pub repacked_shards: u64,
     /// Files and payload bytes read by this run.
     pub files_read: u64,
     pub bytes_read: u64,
@@ -326,6 +329,12 @@ impl PackSummary {
         );
         if self.resumed_shards > 0 {
             s += &format!("; {} kept from the interrupted run", count(self.resumed_shards, "shard"));
+        }
+        if self.repacked_shards > 0 {
+            s += &format!(
+                "; {} an interrupted run had finished packed again (--resume keeps them)",
+                count(self.repacked_shards, "shard")
+            );
         }
         if self.bad_total() > 0 {
             let mut kinds: Vec<String> = self.bad_inputs.iter().map(|(k, n)| format!("{n} {}", k.describe())).collect();
@@ -403,11 +412,16 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
     let fingerprint = journal::fingerprint(&opts.shaping(), &catalog, &order);
 
     // 2. Whose DEST is this, and what of it is already done?
+    let mut repacked = 0;
     let kept: Vec<ShardRecord> = match dest.load_journal()? {
         Some((prior, _)) if prior.fingerprint == fingerprint => {
             if opts.resume {
                 prior.shards
             } else {
+                // A finished pack's journal lists every shard too: only an unfinished one's count.
+                if !dest.has_manifest()? {
+                    repacked = prior.shards.len() as u64;
+                }
                 Vec::new()
             }
         }
@@ -631,6 +645,7 @@ pub fn pack_with(opts: &PackOptions, s3: Option<&S3Store>, progress: &dyn PackPr
         files: all.iter().map(|r| r.files).sum(),
         payload_bytes: all.iter().map(|r| r.payload).sum(),
         resumed_shards: kept.len() as u64,
+        repacked_shards: repacked,
         files_read: stats.files,
         bytes_read: stats.payload,
         bad_inputs: reporter.counts(),
