@@ -161,6 +161,23 @@ Open (reported, not fixed here):
   inline for that reason.
 - A cache (or disk) smaller than a stream's working set (the shards its shuffle window pins,
   about 3 x window + 2) also waits 60 s before the named error, instead of failing at once.
+
+A review as a hostile client of a shared daemon (raw gRPC from `proto/`, the side channel by hand,
+an honest client alongside checking its epochs), 2026-12-07: no panic, no wrong or leaked sample.
+Fixed: a client that cancelled its shm streams and kept their side channels held a session each
+without bound (4,500 took every descriptor; `test_shm.py`, `test_ended_streams_a_client_keeps_...`);
+a warning line per refused request (allow list, missing token) let one client fill the log
+(`test_remote_security.py`, `test_refused_requests_do_not_flood_...`). Open:
+
+- Descriptors in flight in side channels a client never reads count against the daemon's uid
+  (the kernel charges SCM_RIGHTS in flight to the sender): 60 such sessions made other clients'
+  shm streams fail ("Too many references") and Status stall. Mend: stop sending descriptors to a
+  session whose socket holds more than a few unread frames (SIOCOUTQ), failing that stream.
+- `--inline-budget` does not bound what HTTP/2 send buffers hold for streams that do not read
+  (~8-13 MB each past the budget), and a sparse file's huge members are admitted a batch at a
+  time per stream (12 streams of 200 MiB samples: 10 GB).
+- A stream cancelled while it waits for node-cache room waits out its minute, holding its
+  `--max-streams` slot and its pins.
 """
 
 
