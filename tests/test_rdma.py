@@ -151,6 +151,28 @@ def test_a_batch_that_outgrows_its_ring_slot_is_refused_by_name(
     assert got["s00005"] == bytes([5]) * (400 << 10) and got["s00199"] == bytes([199]) * 512
 
 
+def test_samples_or_batches_too_large_for_the_slots_name_the_setting_that_mends_it(
+    rdma_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused when the stream opens, the messages named neither the sample nor the fix, and the
+    batch's named `rdma_slot_bytes`, a field of the wire no user sets."""
+    import webdataset as wds
+
+    root = tmp_path / "large"
+    root.mkdir()
+    with wds.TarWriter(str(root / "shard-000000.tar")) as w:
+        for i in range(40):
+            w.write({"__key__": f"s{i:05d}", "bin": bytes([i]) * (100 << 10)})
+    args = {"connect": rdma_daemon.addr, "transport": "rdma"}
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", "64KiB")
+    with pytest.raises(ValueError, match=r"shard-000000\.tar.*SHARDSTREAM_RDMA_SLOT_BYTES"):
+        next(iter(shardstream.Loader(str(root), batch_size=1, **args)))
+    monkeypatch.setenv("SHARDSTREAM_RDMA_SLOT_BYTES", "1MiB")
+    with pytest.raises(ValueError, match=r"SHARDSTREAM_RDMA_SLOT_BYTES.*batch_size") as e:
+        next(iter(shardstream.Loader(str(root), batch_size=32, **args)))
+    assert "rdma_slot_bytes" not in str(e.value)
+
+
 @pytest.mark.parametrize("slot_bytes", [(1 << 30) + 1, 1 << 62])
 def test_a_ring_slot_larger_than_a_daemon_stages_is_refused_by_name(
     rdma_daemon, dataset, monkeypatch: pytest.MonkeyPatch, slot_bytes: int

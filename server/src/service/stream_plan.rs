@@ -199,15 +199,18 @@ pub(super) fn plan_stream(
         if let Some(l) = ds.largest_sample
             && l.bytes > offer.slot_bytes
         {
+            let shard = ds.shards.get(l.shard).map_or("?", |s| s.name.as_str());
             return Err(Error::invalid(format!(
-                "transport \"rdma\": a sample of {} bytes does not fit the client's {}-byte ring slots",
-                l.bytes, offer.slot_bytes
+                "transport \"rdma\": sample {} of shard {shard} ({} bytes) does not fit the client's {}-byte ring \
+                 slots: set SHARDSTREAM_RDMA_SLOT_BYTES on the trainer to at least that (1 GiB at most), or use \
+                 transport=\"inline\"",
+                l.local, l.bytes, offer.slot_bytes
             )));
         }
         if batch.saturating_mul(avg) > offer.slot_bytes / 2 {
             return Err(Error::invalid(format!(
-                "transport \"rdma\": batches of {batch} x ~{avg} bytes need ring slots larger than the client's {} bytes \
-                 (rdma_slot_bytes)",
+                "transport \"rdma\": batches of {batch} x ~{avg} bytes need ring slots larger than the client's {} bytes: \
+                 raise SHARDSTREAM_RDMA_SLOT_BYTES on the trainer (twice a batch, 1 GiB at most) or lower batch_size",
                 offer.slot_bytes
             )));
         }
