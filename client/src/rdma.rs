@@ -22,6 +22,8 @@ use crate::ClientError;
 pub const RDMA_SLOTS: u32 = 4;
 /// Bytes per slot unless SHARDSTREAM_RDMA_SLOT_BYTES says otherwise: a slot holds one batch.
 pub const DEFAULT_SLOT_BYTES: u64 = 32 << 20;
+/// The least SHARDSTREAM_RDMA_SLOT_BYTES taken.
+pub const MIN_SLOT_BYTES: u64 = 64 << 10;
 /// How long a batch's bytes may lag its metadata before the stream fails.
 const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -176,19 +178,26 @@ impl RdmaRing {
         daemon: Option<std::net::IpAddr>,
         provider: Option<&str>,
     ) -> Result<(Arc<Self>, RdmaOffer), ClientError> {
+        // A setting of this process: what cannot be used is a ValueError (ClientError::Credentials).
+        let setting = |e: String| ClientError::Credentials(format!("SHARDSTREAM_RDMA_SLOT_BYTES: {e}"));
         let slot_bytes = std::env::var("SHARDSTREAM_RDMA_SLOT_BYTES")
             .ok()
-            .map(|v| {
-                shardstream_proto::size::parse_size(&v).map_err(|e| err(format!("SHARDSTREAM_RDMA_SLOT_BYTES: {e}")))
-            })
+            .map(|v| shardstream_proto::size::parse_size(&v).map_err(|e| setting(e.to_string())))
             .transpose()?
             .unwrap_or(DEFAULT_SLOT_BYTES);
         // Refused here, before a ring of 4 such slots is registered (a huge value overflowed the
-        // ring's size and panicked): no daemon would stage slots past this anyway.
+        // ring's size and panicked): no daemon would stage slots past this anyway. Below the
+        // least, a value was rounded up to a page without a word.
         if slot_bytes > MAX_SLOT_BYTES {
-            return Err(err(format!(
+            return Err(ClientError::Credentials(format!(
                 "SHARDSTREAM_RDMA_SLOT_BYTES={slot_bytes} is larger than a daemon stages ({MAX_SLOT_BYTES} bytes \
-                 at most); use smaller batches, or transport=\"shm\" on the same host"
+                 at most): set it to 1GiB or less"
+            )));
+        }
+        if slot_bytes < MIN_SLOT_BYTES {
+            return Err(ClientError::Credentials(format!(
+                "SHARDSTREAM_RDMA_SLOT_BYTES={slot_bytes} is smaller than a ring slot may be ({MIN_SLOT_BYTES} bytes \
+                 at least): a slot holds a whole batch"
             )));
         }
         let alone = ENDPOINT_LIFECYCLE.lock().unwrap_or_else(PoisonError::into_inner);
