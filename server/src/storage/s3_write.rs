@@ -246,22 +246,27 @@ impl S3Store {
     /// failed, and that error is the one to report; a lifecycle rule
     /// (AbortIncompleteMultipartUpload) catches what this cannot.
     async fn abort(&self, up: &Upload) {
-        let aborted = self
-            .retrying(&up.url, "abort multipart upload", || async {
-                self.client
-                    .abort_multipart_upload()
-                    .bucket(&up.bucket)
-                    .key(&up.key)
-                    .upload_id(&up.upload_id)
-                    .send()
-                    .await
-                    .map(drop)
-                    .map_err(|e| classify(&up.url, e))
-            })
-            .await;
-        if let Err(e) = aborted {
+        if let Err(e) = self.abort_upload(&up.bucket, &up.key, &up.upload_id).await {
             tracing::warn!(object = %up.url, error = %e, "cannot abort the failed multipart upload");
         }
+    }
+
+    /// AbortMultipartUpload, retried as every request is; an upload that is no more (completed,
+    /// or aborted already) is `Error::NotFound` (NoSuchUpload).
+    async fn abort_upload(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()> {
+        let url = format!("s3://{bucket}/{key}");
+        self.retrying(&url, "abort multipart upload", || async {
+            self.client
+                .abort_multipart_upload()
+                .bucket(bucket)
+                .key(key)
+                .upload_id(upload_id)
+                .send()
+                .await
+                .map(drop)
+                .map_err(|e| classify(&url, e))
+        })
+        .await
     }
 }
 
@@ -307,20 +312,7 @@ impl UploadLedger {
                 }
                 for (bucket, key, upload_id) in unfinished {
                     let url = format!("s3://{bucket}/{key}");
-                    let done = store
-                        .retrying(&url, "abort multipart upload", || async {
-                            store
-                                .client
-                                .abort_multipart_upload()
-                                .bucket(&bucket)
-                                .key(&key)
-                                .upload_id(&upload_id)
-                                .send()
-                                .await
-                                .map(drop)
-                                .map_err(|e| classify(&url, e))
-                        })
-                        .await;
+                    let done = store.abort_upload(&bucket, &key, &upload_id).await;
                     match done {
                         Ok(()) => aborted += 1,
                         // NoSuchUpload: it ended after all (the note of its end was not written).
