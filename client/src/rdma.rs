@@ -151,17 +151,16 @@ impl Drop for RdmaRing {
             let _alone = ENDPOINT_LIFECYCLE.lock().unwrap_or_else(PoisonError::into_inner);
             drop(rx);
         };
-        let (tx, job) = std::sync::mpsc::sync_channel(1);
+        // Handed over once the thread exists: a closure given to a spawn that fails is lost.
+        let (tx, job) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
         let spawned = std::thread::Builder::new().name("shardstream-rdma-close".into()).spawn(move || {
             if let Ok(quiesce) = job.recv() {
-                let quiesce: Box<dyn FnOnce() + Send> = quiesce;
                 quiesce();
             }
         });
-        let quiesce: Box<dyn FnOnce() + Send> = Box::new(quiesce);
         match spawned {
             Ok(_) => {
-                let _ = tx.send(quiesce);
+                let _ = tx.send(Box::new(quiesce));
             }
             // No thread to be had: here, then.
             Err(_) => quiesce(),
