@@ -639,10 +639,13 @@ def test_a_killed_pack_to_s3_has_its_unfinished_uploads_aborted_by_the_next(tmp_
         def unfinished() -> list[Path]:
             return list(s3.root.glob(".upload-*.json"))
 
-        def sending() -> bool:
-            # A part on its way: the upload is past the pack's note of it (the microseconds
-            # between the server's answer and the note are the lifecycle rule's to catch).
-            return any(s3.root.glob(".upload_id-*.part-*"))
+        def noted() -> bool:
+            # Every upload the server holds has a part on its way, so the pack has noted it (the
+            # microseconds between the server's answer and the note are the lifecycle rule's to
+            # catch, and not this test's).
+            started = {p.name[len(".upload-") : -len(".json")] for p in unfinished()}
+            sent = {p.name.split(".part-")[0][len(".upload_id-") :] for p in s3.root.glob(".upload_id-*.part-*")}
+            return bool(started) and started <= sent
 
         killed = 0
         for _ in range(2):
@@ -653,7 +656,15 @@ def test_a_killed_pack_to_s3_has_its_unfinished_uploads_aborted_by_the_next(tmp_
                 env=env,
             )
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None and not sending():
+            while time.monotonic() < deadline and proc.poll() is None:
+                if noted():
+                    # Frozen, then looked at again once what it had sent has landed: a kill
+                    # right after a look could fall between a new upload and its note.
+                    proc.send_signal(signal.SIGSTOP)
+                    time.sleep(0.05)
+                    if noted():
+                        break
+                    proc.send_signal(signal.SIGCONT)
                 time.sleep(0.001)
             proc.send_signal(signal.SIGKILL)
             proc.wait()

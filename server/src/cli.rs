@@ -611,11 +611,16 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
         };
         let url = req.url.clone();
         // A peer that is no shardstream daemon (a tls:// listener spoken to in plaintext) fails
-        // the first request at once: the client's words for it, not "stopped answering".
+        // the first request at once: the client's words for it, not "stopped answering". A ping
+        // left unanswered (a stopped or frozen daemon) is what `refused` says it is.
         let first = client.clone();
-        let first = |s: tonic::Status| match shardstream_client::is_transport_failure(&s) {
-            true => anyhow::Error::new(first.first_answer(s)),
-            false => refused(s),
+        let first = |s: tonic::Status| {
+            let unanswered =
+                std::error::Error::source(&s).is_some_and(|e| shardstream_client::error_chain(e).contains("timed out"));
+            match shardstream_client::is_transport_failure(&s) && !unanswered {
+                true => anyhow::Error::new(first.first_answer(s)),
+                false => refused(s),
+            }
         };
         let mut stream = client.prefetch(req).await.map_err(first)?.into_inner();
         let mut bar: Option<indicatif::ProgressBar> = None;
