@@ -783,7 +783,7 @@ class Loader:
                     # Copied out, a batch needs nothing of the native one, which holds its bytes:
                     # over rdma a ring slot, which the daemon waits for (a shared-memory lease
                     # went back in to_dict).
-                    if not (self.copy and not batch.packed):
+                    if not self.copy or batch.packed:
                         out._native = batch
                     if self.collate == "stack" and not batch.packed:
                         _stack_fields(out)

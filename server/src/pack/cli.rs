@@ -76,7 +76,7 @@ pub struct PackArgs {
 
     /// Largest shard, e.g. 512MiB, 1G, 2GB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB
     /// powers of 1000). A sample larger than this gets a shard of its own. A Parquet shard counts its
-    /// values and keys: its footer and page index (~0.1%) come on top. The 1 GiB default keeps a
+    /// values and keys: its footer and page index come on top. The 1 GiB default keeps a
     /// multi-TB dataset to a few thousand shards read at full bandwidth, while a node cache still
     /// holds many and a re-packed or re-downloaded shard costs seconds.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = limits::parse_shard_size)]
