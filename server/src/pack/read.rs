@@ -266,11 +266,7 @@ pub fn load_sample<'a>(ctx: &ReadContext<'a>, sample: u32) -> Loaded<'a> {
                 if n as u64 != len {
                     let b = match n as u64 > len {
                         true => super::writer::grew(path, len),
-                        false => BadInput::new(
-                            BadKind::Unreadable,
-                            path,
-                            format!("shrank from {len} to {n} bytes while being packed"),
-                        ),
+                        false => super::writer::shrank(path, len, n as u64),
                     };
                     if let Err(e) = ctx.reporter.bad(b) {
                         return Loaded::Failed(e);

@@ -169,11 +169,7 @@ fn copy_member(out: &mut CrcFile, st: &mut super::read::Streamed, chunk: &mut Ve
         let want = if left > COPY_CHUNK as u64 { COPY_CHUNK } else { left as usize + 1 };
         let n = match st.file.read(&mut chunk[..want]) {
             Ok(0) => {
-                return Ok(Err(BadInput::new(
-                    BadKind::Unreadable,
-                    st.path.as_str(),
-                    format!("shrank from {} to {} bytes while being packed", st.len, st.len - left),
-                )));
+                return Ok(Err(shrank(st.path.as_str(), st.len, st.len - left)));
             }
             Ok(n) if n as u64 > left => return Ok(Err(grew(st.path.as_str(), st.len))),
             Ok(n) => n,
@@ -195,6 +191,11 @@ pub(super) fn grew(path: &str, len: u64) -> BadInput {
         path,
         format!("grew past {len} bytes while being packed (still being written? pack it once it is whole)"),
     )
+}
+
+/// The bad input of a file shorter than it was when stat'ed.
+pub(super) fn shrank(path: &str, len: u64, now: u64) -> BadInput {
+    BadInput::new(BadKind::Unreadable, path, format!("shrank from {len} to {now} bytes while being packed"))
 }
 
 enum Shard<'a> {
