@@ -558,6 +558,51 @@ def test_a_stream_waiting_for_cache_room_ends_with_the_shutdown(tmp_path: Path) 
     assert d.proc.wait(timeout=30) == 0
 
 
+def test_a_stream_waiting_for_cache_room_lets_go_of_its_pins_when_its_client_leaves(tmp_path: Path) -> None:
+    """A stream waiting for room in a full node cache holds the shards it has pinned. Its trainer
+    killed, the wait went on for a minute (until no pin was let go of for that long) for a client
+    that was gone, and another job's stream could not get the room those pins held."""
+    import webdataset as wds
+
+    import shardstream
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    blob = bytes(range(256)) * 800  # 200 KiB
+    with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(40):
+            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    # Ten shards of ~800 KiB; the cache holds one.
+    d = Daemon(tmp_path / "d", args=["--cache-size", "1MiB"])
+    d.tmp.mkdir()
+    d.start()
+    waiting = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, shardstream\n"
+            "next(iter(shardstream.Loader(sys.argv[1], batch_size=16, connect=sys.argv[2], cache='copy')))",
+            str(root),
+            d.addr,
+        ],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        # Its first batch draws on four shards: it pins the one that fits and waits for room.
+        assert wait_for(lambda: d.status()["cache"]["used_bytes"] > 0, timeout=30), "no shard was fetched"
+        time.sleep(1)
+        assert waiting.poll() is None, "the first trainer was not left waiting for room"
+    finally:
+        waiting.kill()
+        waiting.wait()
+    started = time.monotonic()
+    it = iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr, cache="copy", shuffle_window=1))
+    assert len(next(it)["__key__"]) == 1
+    assert time.monotonic() - started < 20, "the gone trainer's stream kept its pin"
+    del it
+    d.stop()
+
+
 def test_unix_socket_connections_that_never_speak_are_closed_and_hold_no_stop(tmp_path: Path) -> None:
     """The Unix socket's connections were taken as they came: one that never sent the HTTP/2
     preface was held for good (a launcher connecting in a loop used up the daemon's open files for

@@ -678,7 +678,7 @@ impl Prefetcher {
             let fetching = key.clone();
             let spawned = spawn_fetch(move || {
                 // A prefetch never waits and never evicts a shard needed sooner than this one.
-                let want = Want { urgency: secs, wait: false, since: None, evict: true };
+                let want = Want { urgency: secs, wait: false, since: None, evict: true, ended: None };
                 let fetched = match &c.projected {
                     Some(p) => p.fetch(shard, want),
                     None => ds.fetch(shard, want).map(|pin| pin.is_some()),

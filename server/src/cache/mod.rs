@@ -279,9 +279,37 @@ impl Drop for Pin {
     }
 }
 
+/// Whether the stream a wait serves has ended (its client left, or the daemon stops). A stream
+/// waiting for room holds the pins of its shuffle window: waiting on for a client that is gone,
+/// it kept them from the streams that could use the room for a minute ([`SPACE_WAIT`]).
+#[derive(Clone, Copy)]
+pub struct Ended<'a>(pub &'a (dyn Fn() -> bool + Sync));
+
+impl std::fmt::Debug for Ended<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ended(..)")
+    }
+}
+
+/// An [`Ended`] owned, as a stream's working set keeps it.
+#[derive(Clone)]
+pub struct EndedBy(pub Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl EndedBy {
+    pub fn as_ended(&self) -> Ended<'_> {
+        Ended(&*self.0)
+    }
+}
+
+impl std::fmt::Debug for EndedBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EndedBy(..)")
+    }
+}
+
 /// How a caller wants to be served.
 #[derive(Debug, Clone, Copy)]
-pub struct Want {
+pub struct Want<'a> {
     /// Seconds until the shard is needed (0: a stream waits on it now).
     pub urgency: f64,
     /// Wait for another fill or for space (a stream), or give up at once (a prefetch).
@@ -292,12 +320,15 @@ pub struct Want {
     /// May evict other entries for it (as `urgency` and `wait` allow); without, it takes free
     /// room only, and gets `Ok(None)` at once when there is not enough of it.
     pub evict: bool,
+    /// A wait (for room, or for another caller's fill) gives up with [`Error::ClientGone`] once
+    /// this says its stream ended; a fill under way finishes.
+    pub ended: Option<Ended<'a>>,
 }
 
-impl Want {
-    pub const NOW: Want = Want { urgency: 0.0, wait: true, since: None, evict: true };
+impl Want<'_> {
+    pub const NOW: Want<'static> = Want { urgency: 0.0, wait: true, since: None, evict: true, ended: None };
     /// Staging: waits for another caller's fill of the same shard, evicts nothing.
-    pub const FREE_ROOM: Want = Want { evict: false, ..Want::NOW };
+    pub const FREE_ROOM: Want<'static> = Want { evict: false, ..Want::NOW };
 
     fn rights(&self) -> Rights {
         match (self.evict, self.wait) {
@@ -568,7 +599,7 @@ impl NodeCache {
         self.get_or_fill(
             key.into(),
             bytes,
-            Want { urgency: f64::MAX, wait: false, since: None, evict: true },
+            Want { urgency: f64::MAX, wait: false, since: None, evict: true, ended: None },
             false,
             fill,
         )
@@ -638,6 +669,12 @@ impl NodeCache {
                         return Err(Error::Unavailable(format!(
                             "daemon is shutting down (shard {key} was waiting for room in the node cache or for \
                              another stream's download of it)"
+                        )));
+                    }
+                    if waits && want.ended.is_some_and(|e| (e.0)()) {
+                        return Err(Error::ClientGone(format!(
+                            "the stream ended while shard {key} waited for room in the node cache or for another \
+                             stream's download of it"
                         )));
                     }
                     match begun {
@@ -1183,6 +1220,39 @@ mod tests {
     }
 
     #[test]
+    fn a_wait_for_room_or_for_another_fill_ends_with_its_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), Some(10), Policy::Lru).unwrap();
+        let _pinned = cache.get("pinned", 5, Want::NOW, &mut write(b"ppppp")).unwrap().unwrap();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let filler = fill_under_way(&cache, "slow", move || {
+            held.recv().ok();
+            Ok(b"sssss")
+        });
+        let gone = std::sync::atomic::AtomicBool::new(false);
+        let ended = || gone.load(Relaxed);
+        let want = Want { ended: Some(Ended(&ended)), ..Want::NOW };
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                gone.store(true, Relaxed);
+            });
+            let t0 = Instant::now();
+            // The cache is full of pins: a minute's wait (SPACE_WAIT) for its stream's client
+            // that left, holding that stream's pins all along.
+            let err = cache.get("late", 5, want, &mut |_, _| panic!("no room")).unwrap_err();
+            assert!(matches!(err, Error::ClientGone(_)), "{err}");
+            assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        });
+        let err = cache.get("slow", 5, want, &mut |_, _| panic!("filled twice")).unwrap_err();
+        assert!(matches!(err, Error::ClientGone(_)), "{err}");
+        assert!(err.to_string().contains("slow"), "{err}");
+        release.send(()).unwrap();
+        filler.join().unwrap().unwrap();
+        assert!(cache.is_ready("slow"), "another stream's fill is not its to stop");
+    }
+
+    #[test]
     fn free_room_takes_only_free_room_and_still_waits_for_a_fill_under_way() {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(10), Policy::Lru).unwrap();
@@ -1294,7 +1364,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cache = NodeCache::open(dir.path(), Some(5), Policy::Lru).unwrap();
         let _a = cache.get("a", 5, Want::NOW, &mut write(b"aaaaa")).unwrap().unwrap();
-        let later = Want { urgency: 1.0, wait: false, since: None, evict: true };
+        let later = Want { urgency: 1.0, wait: false, since: None, evict: true, ended: None };
         assert!(cache.get("b", 5, later, &mut write(b"bbbbb")).unwrap().is_none());
     }
 

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use crate::cache::download::{self, FetchSpec};
 use crate::cache::key::{CacheKey, KeyRef};
-use crate::cache::{NodeCache, Pin, Want};
+use crate::cache::{Ended, NodeCache, Pin, Want};
 use crate::format::{Format, ShardTable};
 use crate::storage::local::ShardFile;
 use crate::storage::s3::{S3Options, S3Store};
@@ -690,8 +690,8 @@ impl Dataset {
 
     /// Shard `i`'s copy, fetched now if it is not in the cache; `asked`: when the caller began
     /// asking for it (a fetch of it that fails after that is the caller's failure too).
-    fn fetch_now(&self, i: usize, asked: Instant) -> Result<Pin> {
-        let want = Want { since: Some(asked), ..Want::NOW };
+    fn fetch_now(&self, i: usize, asked: Instant, ended: Option<Ended<'_>>) -> Result<Pin> {
+        let want = Want { since: Some(asked), ended, ..Want::NOW };
         self.fetch(i, want)?.ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))
     }
 
@@ -734,14 +734,14 @@ impl Dataset {
     /// the cache directory, a truncation), and a copy kept in the table would fail every later
     /// stream. Dropped and fetched once more; a copy another stream still pins (it holds the file
     /// open) cannot be dropped, and `e` is the answer until it is let go of.
-    fn fetch_lost_copy(&self, i: usize, pin: Pin, e: Error, asked: Instant) -> Result<Pin> {
+    fn fetch_lost_copy(&self, i: usize, pin: Pin, e: Error, asked: Instant, ended: Option<Ended<'_>>) -> Result<Pin> {
         let Some(cache) = &self.backends.cache else { return Err(e) };
         let key = pin.key().to_owned();
         drop(pin);
         if !cache.drop_copy(&key, &format!("opening it failed: {e}")) {
             return Err(e);
         }
-        self.fetch_now(i, asked)
+        self.fetch_now(i, asked, ended)
     }
 
     fn drop_bad_copy(&self, pin: Option<Pin>, e: Error) -> Error {
@@ -813,11 +813,12 @@ impl Dataset {
     /// The shard's open file and member table, loading (and verifying, or fetching into the node
     /// cache) it on first use. Blocking: call from a blocking thread.
     pub fn shard(&self, i: usize) -> Result<Arc<ResidentShard>> {
-        self.shard_fetched(i).map(|(s, _)| s)
+        self.shard_fetched(i, None).map(|(s, _)| s)
     }
 
-    /// As [`shard`](Self::shard), and whether this call had to fetch or wait for the bytes.
-    pub fn shard_fetched(&self, i: usize) -> Result<(Arc<ResidentShard>, bool)> {
+    /// As [`shard`](Self::shard), and whether this call had to fetch or wait for the bytes; a
+    /// wait for room in the node cache gives up once `ended` says the caller's stream ended.
+    pub fn shard_fetched(&self, i: usize, ended: Option<Ended<'_>>) -> Result<(Arc<ResidentShard>, bool)> {
         if let Some(s) = self.open_shard(i) {
             return Ok((s, false));
         }
@@ -857,13 +858,13 @@ impl Dataset {
                     ShardSource::Local(path) => self.check_copy_source(i, path, meta)?,
                     ShardSource::S3 { .. } => None,
                 };
-                let mut pin = self.fetch_now(i, asked)?;
+                let mut pin = self.fetch_now(i, asked, ended)?;
                 // Opened first: checking a local copy's source below opens the copy too, and a
                 // copy gone would fail there without being fetched again.
                 let file = match ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url()) {
                     Ok(file) => file,
                     Err(e) if !pin.filled && matches!(e, Error::NotFound { .. } | Error::Shard { .. }) => {
-                        pin = self.fetch_lost_copy(i, pin, e, asked)?;
+                        pin = self.fetch_lost_copy(i, pin, e, asked, ended)?;
                         ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?
                     }
                     Err(e) => return Err(e),

@@ -11,6 +11,7 @@ use foldhash::HashMap;
 
 use super::{CacheMode, Dataset, ResidentShard};
 use crate::Result;
+use crate::cache::EndedBy;
 
 /// A stream's working set: the shards it used in its last batches, kept open (and pinned) so a
 /// windowed shuffle that hops between a dozen shards per batch opens each once, not per sample.
@@ -24,6 +25,8 @@ pub struct Working {
     /// built ahead of it that need the same shard fail with it too rather than fetch it again,
     /// each with the store's whole retry policy.
     failed: HashMap<usize, crate::Error>,
+    /// Whether the stream ended (its client left): its waits for room in the node cache end then.
+    ended: Option<EndedBy>,
 }
 
 /// Shards of one batch fetched at once when none of them is cached yet (a cold start): each is
@@ -35,8 +38,19 @@ const PRELOAD_THREADS: usize = 8;
 const WORKING_BATCHES: u64 = 2;
 
 impl Working {
+    /// The working set of a stream that `ended` says has ended once its client is gone.
+    pub fn until(ended: EndedBy) -> Self {
+        Self { ended: Some(ended), ..Self::default() }
+    }
+
+    /// What tells this set's stream ended, for its fetches made outside the set.
+    pub fn ended(&self) -> Option<EndedBy> {
+        self.ended.clone()
+    }
+
     pub fn get(&mut self, ds: &Dataset, i: usize) -> Result<&Arc<ResidentShard>> {
         let batch = self.batch;
+        let ended = self.ended.as_ref().map(EndedBy::as_ended);
         let entry = match self.shards.entry(i) {
             Entry::Occupied(held) => held.into_mut(),
             Entry::Vacant(slot) => {
@@ -45,7 +59,7 @@ impl Working {
                 }
                 let started = Instant::now();
                 // A fetch that fails was waited for too (the stream ends with its error).
-                let got = ds.shard_fetched(i);
+                let got = ds.shard_fetched(i, ended);
                 if got.as_ref().map_or(true, |&(_, fetched)| fetched) {
                     self.waited.add(started.elapsed());
                 }
@@ -91,8 +105,10 @@ impl Working {
         }
         let started = Instant::now();
         let failed = std::sync::Mutex::new(Vec::new());
+        let ended = self.ended.as_ref().map(EndedBy::as_ended);
         let got = crate::parallel::try_map(&missing, PRELOAD_THREADS, |&s| {
-            ds.shard_fetched(s).inspect_err(|e| failed.lock().unwrap_or_else(|p| p.into_inner()).push((s, e.again())))
+            ds.shard_fetched(s, ended)
+                .inspect_err(|e| failed.lock().unwrap_or_else(|p| p.into_inner()).push((s, e.again())))
         });
         self.waited.add(started.elapsed());
         self.failed.extend(failed.into_inner().unwrap_or_else(|p| p.into_inner()));

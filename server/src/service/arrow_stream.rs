@@ -107,7 +107,8 @@ pub(super) fn build_arrow_batch(
         // first batch over the 4-8 files of a shuffle window waited a round trip per footer and
         // per chunk); the others were verified before.
         let started = Instant::now();
-        let reader = pr.reader();
+        let ended = working.lock().unwrap_or_else(|p| p.into_inner()).ended();
+        let reader = pr.reader(ended);
         // Not the copies of row groups decoded already: a copy evicted since would be fetched
         // again only to be pinned. Their files' footers were checked before they were decoded;
         // a row group that leaves memory meanwhile is fetched by the decoder (`cached_copy`).
@@ -300,7 +301,7 @@ pub(super) struct SmallArrowStream {
 impl SmallArrowStream {
     pub(super) fn run(mut self, ranges: impl Iterator<Item = std::ops::Range<u64>>) {
         let mut ranges = ranges.peekable();
-        let working = Working::default();
+        let working = Working::until(self.core.ended_by());
         let waits = working.waits();
         let working = std::sync::Mutex::new(working);
         let mut ready: std::collections::VecDeque<ReadyBatch> = std::collections::VecDeque::new();

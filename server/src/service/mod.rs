@@ -642,8 +642,8 @@ async fn produce(plan: StreamPlan, tx: outbox::Outbox, metrics: Arc<Metrics>, sh
         run_on_own_thread(move || stream.run(batches)).await;
         return;
     }
+    let working = Working::until(core.ended_by());
     let StreamCore { dataset, session, sequence, tx, consumer, shutdown, .. } = core;
-    let working = Working::default();
     // Read without the set's lock, which a build ahead of a failed one may hold for as long as
     // storage keeps it waiting.
     let waits = working.waits();

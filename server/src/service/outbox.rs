@@ -208,6 +208,13 @@ impl Outbox {
         self.tx.is_closed()
     }
 
+    /// [`Self::is_closed`] for a stream's other parts (its working set): holds no sender, so
+    /// the client's stream still ends when the stream's outbox goes. Gone, the outbox is closed.
+    pub fn closed_probe(&self) -> impl Fn() -> bool + Send + Sync + 'static {
+        let weak = self.tx.downgrade();
+        move || weak.upgrade().is_none_or(|tx| tx.is_closed())
+    }
+
     pub async fn closed(&self) {
         self.tx.closed().await;
     }

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use crate::cache::key::{CacheKey, KeyRef};
-use crate::cache::{Pin, Want};
+use crate::cache::{EndedBy, Pin, Want};
 use crate::format::parquet::dataset::{BatchAssembler, CachedCopy, FileReader};
 use crate::format::parquet::projected::ProjectedFile;
 use crate::index::{CacheMode, Dataset};
@@ -320,9 +320,9 @@ impl ProjectedReads {
         self.ds.fetch_projected(copy.shard, &copy.pf, copy.key.key_ref(), want).map(|pin| pin.is_some())
     }
 
-    /// A reader for one batch.
-    pub fn reader(&self) -> ProjectedReader<'_> {
-        ProjectedReader { reads: self, open: Mutex::new(HashMap::new()), fetched: AtomicBool::new(false) }
+    /// A reader for one batch of a stream that `ended` says has ended once its client is gone.
+    pub fn reader(&self, ended: Option<EndedBy>) -> ProjectedReader<'_> {
+        ProjectedReader { reads: self, open: Mutex::new(HashMap::new()), fetched: AtomicBool::new(false), ended }
     }
 }
 
@@ -374,6 +374,7 @@ pub struct ProjectedReader<'a> {
     /// Copy -> its pin and the copy opened.
     open: Mutex<HashMap<usize, (Pin, File)>>,
     fetched: AtomicBool,
+    ended: Option<EndedBy>,
 }
 
 impl ProjectedReader<'_> {
@@ -392,6 +393,7 @@ impl ProjectedReader<'_> {
     /// Runs `f` on copy `c` (fetched and pinned on first use) and its pieces.
     fn with_copy<R>(&self, c: usize, then: impl FnOnce(&Arc<ProjectedFile>, &Pin, &File) -> Result<R>) -> Result<R> {
         let copy = self.reads.copy(c)?;
+        let ended = self.ended.as_ref().map(EndedBy::as_ended);
         {
             let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
             if let Some((pin, file)) = open.get(&c) {
@@ -401,7 +403,7 @@ impl ProjectedReader<'_> {
         let pin = self
             .reads
             .ds
-            .fetch_projected(copy.shard, &copy.pf, copy.key.key_ref(), Want::NOW)?
+            .fetch_projected(copy.shard, &copy.pf, copy.key.key_ref(), Want { ended, ..Want::NOW })?
             .ok_or_else(|| Error::Internal("a waiting fetch gave up".into()))?;
         if pin.filled {
             self.fetched.store(true, Relaxed);

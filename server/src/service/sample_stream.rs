@@ -31,7 +31,7 @@ impl SampleStream {
     pub(super) fn run(mut self, ranges: impl Iterator<Item = std::ops::Range<u64>>) {
         let mut ranges = ranges.peekable();
         let mut ready: std::collections::VecDeque<ReadyBatch> = std::collections::VecDeque::new();
-        let mut working = Working::default();
+        let mut working = Working::until(self.core.ended_by());
         // An inline batch holds its bytes: only shm descriptors are grouped.
         let grouped = self.core.session.is_some();
         let mut group: Vec<outbox::Message> = Vec::with_capacity(SMALL_GROUP);

@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::outbox;
 use crate::Error;
+use crate::cache::EndedBy;
 use crate::index::Dataset;
 use crate::metrics::Metrics;
 use crate::plan;
@@ -32,6 +33,14 @@ impl StreamCore {
     /// Whether a build should give up: the client left or the daemon shuts down.
     pub(super) fn cancelled(&self) -> bool {
         self.tx.is_closed() || self.shutdown.is_cancelled()
+    }
+
+    /// What tells the stream's working set that the stream ended ([`Self::cancelled`]), so
+    /// that a wait for room in the node cache does not keep the stream's pins for nobody.
+    pub(super) fn ended_by(&self) -> EndedBy {
+        let closed = self.tx.closed_probe();
+        let shutdown = self.shutdown.clone();
+        EndedBy(Arc::new(move || closed() || shutdown.is_cancelled()))
     }
 
     /// Sends what `group` holds first when the stream must end before its next batch (the
