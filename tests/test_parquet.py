@@ -2114,6 +2114,61 @@ def test_a_cache_smaller_than_an_s3_dataset_of_many_row_groups_serves_every_epoc
         assert d.stop() == 0
 
 
+def deleted_copies_mapped(pid: int, cache_dir: Path) -> dict[str, int]:
+    """The node-cache files process `pid` maps that are deleted: {path: bytes mapped}."""
+    held: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if str(cache_dir) in line and line.endswith("(deleted)"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            path = line.split(maxsplit=5)[5]
+            held[path] = held.get(path, 0) + hi - lo
+    return held
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_evicted_copies_are_not_held_by_the_row_groups_decoded_over_them(tmp_path: Path, views: bool) -> None:
+    """Values in uncompressed pages are served from the daemon's mapping of the file's node-cache
+    copy, and a decoded row group keeps that mapping. An evicted copy is unlinked, but the decoded
+    row groups over it (kept up to --decoded-budget, 1 GiB, for 10 minutes) held its blocks on
+    disk, outside the cache's accounting: 424 MB for a 120 MiB cache in a trial, a cache disk
+    filled, the capacity lowered for a disk the daemon had filled itself, and every job's stream
+    failing with "node cache ... is full"."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    rng = np.random.default_rng(5)
+    for k in range(12):
+        ids = np.arange(k * 400, (k + 1) * 400)
+        t = pa.table({"id": ids, "blob": pa.array([rng.bytes(5000) for _ in ids], pa.binary())})
+        pq.write_table(t, root / f"part-{k:02d}.parquet", row_group_size=100, compression="none")
+    cache = 12 << 20  # six of the twelve 2 MB files
+    d = Daemon(tmp_path / "d", args=["--cache-size", str(cache)])
+    d.tmp.mkdir()
+    d.start()
+    assert d.proc is not None
+    try:
+        for ep in range(2):
+            loader = shardstream.Loader(
+                str(root), batch_size=64, seed=3, cache="copy", shuffle_window=2, binary_views=views, connect=d.addr
+            )
+            loader.set_epoch(ep)
+            assert sorted(epoch_rows(loader)) == list(range(12 * 400)), ep
+            del loader
+        st = d.status()
+        assert st["cache"]["evictions"] > 0, st["cache"]
+        assert st["cache"]["used_bytes"] <= cache, st["cache"]
+        # The streams ended: nothing of theirs holds a copy the cache let go of.
+        held = [deleted_copies_mapped(d.proc.pid, d.cache_dir)]
+
+        def none_held() -> bool:
+            assert d.proc is not None
+            held[0] = deleted_copies_mapped(d.proc.pid, d.cache_dir)
+            return not held[0]
+
+        assert wait_for(none_held, timeout=10), f"{sum(held[0].values()) >> 20} MiB: {held[0]}"
+    finally:
+        assert d.stop() == 0
+
+
 def test_a_projection_larger_than_the_node_cache_fetches_each_row_group_once_an_epoch(tmp_path: Path, s3) -> None:
     """A node cache smaller than a projection's column chunks: a file's row groups are spread over
     the whole epoch by the shuffle, so a copy of the whole file's chunks was evicted between two

@@ -266,6 +266,13 @@ impl BoundDaemon {
         let cache = self.cache.clone();
         cache.set_keep_derived(cfg.keep_decoded);
         crate::format::parquet::decoded::shared().set_budget(cfg.decoded_budget);
+        // A copy the cache unlinks is not kept on disk by the row groups decoded over it.
+        cache.on_removed(|copy| {
+            let n = crate::format::parquet::decoded::shared().forget_copy(copy);
+            if n > 0 {
+                tracing::debug!(row_groups = n, "let go of the decoded row groups over an evicted node-cache copy");
+            }
+        });
         let prefetch = crate::prefetch::Prefetcher::start(cache.clone(), self.shm.clone(), cfg.prefetch.clone())?;
         // Decoded row groups no stream has used for a while go, so that an idle daemon does not
         // hold up to --decoded-budget for datasets served long ago (or deleted since).

@@ -242,6 +242,8 @@ pub struct NodeCache {
     /// fails with it rather than begin the same download again with the same retries (locked
     /// inside `table`'s lock).
     failures: Mutex<HashMap<String, (Instant, Error)>>,
+    /// Told the device and inode of each copy the cache unlinks ([`NodeCache::on_removed`]).
+    on_removed: std::sync::OnceLock<Box<Removed>>,
     /// The `flock` on [`LOCK_FILE`], released with the cache (and by the kernel at exit).
     _lock: File,
 }
@@ -251,6 +253,9 @@ impl std::fmt::Debug for NodeCache {
         f.debug_struct("NodeCache").field("dir", &self.dir).finish_non_exhaustive()
     }
 }
+
+/// What [`NodeCache::on_removed`] calls with a removed copy's device and inode.
+type Removed = dyn Fn((u64, u64)) + Send + Sync;
 
 /// A shard held in the cache for as long as the pin lives: it cannot be evicted meanwhile.
 #[derive(Debug)]
@@ -424,6 +429,7 @@ impl NodeCache {
             lowered_at: Mutex::new(None),
             space_failed_at: Mutex::new(None),
             failures: Mutex::new(HashMap::new()),
+            on_removed: std::sync::OnceLock::new(),
             _lock: lock,
         });
         cache.publish_gauges();
@@ -936,14 +942,34 @@ impl NodeCache {
         dropped
     }
 
+    /// Has `removed` told the device and inode of each copy the cache unlinks (evicted, or
+    /// dropped as not its shard), after the unlink. An unlinked file keeps its blocks for as
+    /// long as it is open or mapped anywhere: what the daemon itself keeps mapped of it (decoded
+    /// row groups over a Parquet copy) is let go of there, or the disk would hold it beyond
+    /// `--cache-size`. Set once; later calls are ignored.
+    pub fn on_removed(&self, removed: impl Fn((u64, u64)) + Send + Sync + 'static) {
+        if self.on_removed.set(Box::new(removed)).is_err() {
+            tracing::debug!("the node cache's removal hook was set already");
+        }
+    }
+
     fn remove_evicted(&self, evicted: &[String]) {
+        use std::os::unix::fs::MetadataExt;
         let ev = if evicted.is_empty() { None } else { Some(self.eviction()) };
         for k in evicted {
             let p = self.path_of(k);
-            if let Err(e) = std::fs::remove_file(&p)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                tracing::warn!(path = %p.display(), error = %e, "cannot delete evicted shard");
+            let identity = match self.on_removed.get() {
+                Some(_) => std::fs::symlink_metadata(&p).ok().map(|m| (m.dev(), m.ino())),
+                None => None,
+            };
+            match std::fs::remove_file(&p) {
+                Ok(()) => {
+                    if let (Some(removed), Some(id)) = (self.on_removed.get(), identity) {
+                        removed(id);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(path = %p.display(), error = %e, "cannot delete evicted shard"),
             }
             if let Some(ev) = &ev {
                 ev.evicted(k);

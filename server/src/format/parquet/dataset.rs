@@ -656,7 +656,7 @@ impl BatchAssembler {
 
     /// Row group `rg` of file `fi` as an earlier decode kept it on the node's disk (see
     /// [`super::kept`]), if there is one that loads. One that does not (damaged) is discarded.
-    fn kept(&self, fi: usize, rg: usize) -> Option<RecordBatch> {
+    fn kept(&self, fi: usize, rg: usize) -> Option<(RecordBatch, (u64, u64))> {
         let kept = self.kept.as_ref()?;
         let file = &self.dataset.files[fi];
         let opened = kept.open(file.index, rg)?;
@@ -668,7 +668,7 @@ impl BatchAssembler {
     /// from there (the file is its arena), when the node cache takes it. None when it does not
     /// (no room, or the disk failed): the caller serves the row group from memory then (for
     /// views, in a memfd arena), as without a cache.
-    fn keep(&self, fi: usize, rg: usize, batch: &RecordBatch) -> Option<RecordBatch> {
+    fn keep(&self, fi: usize, rg: usize, batch: &RecordBatch) -> Option<(RecordBatch, (u64, u64))> {
         let kept = self.kept.as_ref()?;
         let file = &self.dataset.files[fi];
         let opened = super::kept::keep_now(&**kept, file.index, rg, &file.name, batch)?;
@@ -712,8 +712,8 @@ impl BatchAssembler {
         let done: super::kept::Done = Box::new(move |opened| {
             let loaded =
                 opened.and_then(|f| super::kept::load_or_discard(&*discard, index, rg, &name, f, &schema, rows));
-            if let Some(b) = loaded {
-                cache.replace(&key, Arc::new(b));
+            if let Some((b, over)) = loaded {
+                cache.replace(&key, Arc::new(b), Some(over));
             }
             // Kept, or no room for it: either way not tried again by this stream.
             if let Some(s) = keeping.get(u) {
@@ -746,10 +746,10 @@ impl BatchAssembler {
         let (fi, rg) = self.dataset.unit(u).ok_or_else(|| Error::Internal(format!("no plan unit {u}")))?;
         let file = &self.dataset.files[fi];
         let key = self.key(fi, rg);
-        let batch = self.cache.get_or_decode_as(&key, self.outgrown.is_some(), || {
-            if let Some(batch) = self.kept(fi, rg) {
+        let batch = self.cache.get_or_decode_over(&key, self.outgrown.is_some(), || {
+            if let Some((batch, over)) = self.kept(fi, rg) {
                 self.settle(u);
-                return Ok(batch);
+                return Ok((batch, Some(over)));
             }
             let mut io_error = None;
             let mut copy = self.mapped_copy(fi, rg, files)?;
@@ -786,12 +786,12 @@ impl BatchAssembler {
             if let (Ok(batch), Some(m)) = (&decoded, &copy)
                 && let Some(over_file) = mapped::rebase(batch, m.arena()).map_err(|e| e.into_error(&file.name))?
             {
-                return Ok(over_file);
+                return Ok((over_file, Some(m.identity())));
             }
             match (decoded, io_error) {
                 (Ok(batch), _) if self.views => {
-                    if let Some(kept) = self.keep(fi, rg, &batch) {
-                        return Ok(kept);
+                    if let Some((kept, over)) = self.keep(fi, rg, &batch) {
+                        return Ok((kept, Some(over)));
                     }
                     // Not the file's fault: the segment is the daemon's (memory, descriptors).
                     let (batch, _) = super::arena::into_arena(batch, &file.name).map_err(|e| match e {
@@ -800,7 +800,7 @@ impl BatchAssembler {
                         }
                         e => Error::Unavailable(format!("Parquet file {}: a row group for binary_views: {e}", file.name)),
                     })?;
-                    Ok(batch)
+                    Ok((batch, None))
                 }
                 (Ok(batch), _) => {
                     // Decoded before and let go of: the budget cannot hold this projection, and
@@ -809,7 +809,7 @@ impl BatchAssembler {
                         tracing::debug!(file = %file.name, row_group = rg, "a row group decoded again: keeping this stream's row groups on disk");
                         self.spilling.store(true, Relaxed);
                     }
-                    Ok(batch)
+                    Ok((batch, None))
                 }
                 // The storage's own error (a truncated shard, a failing disk) says more.
                 (Err(_), Some(e)) => Err(e),

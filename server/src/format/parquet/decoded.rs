@@ -113,6 +113,9 @@ struct Entry {
     bytes: u64,
     last_use: u64,
     outgrown: bool,
+    /// The node-cache copy (device, inode) whose mapping the row group's values lie in, if any
+    /// (`super::mapped`): the entry goes when the copy does ([`DecodedCache::forget_copy`]).
+    over: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Default)]
@@ -203,8 +206,8 @@ impl DecodedCache {
     }
 
     /// Row group `key` as `batch` from now on (the same rows, held elsewhere: loaded from a kept
-    /// file), when the cache holds it; its place in the eviction order stays.
-    pub fn replace(&self, key: &RowGroupKey, batch: Arc<RecordBatch>) {
+    /// file, `over`), when the cache holds it; its place in the eviction order stays.
+    pub fn replace(&self, key: &RowGroupKey, batch: Arc<RecordBatch>, over: Option<(u64, u64)>) {
         let bytes = held_bytes(&batch);
         let mut guard = self.lock();
         let st = &mut *guard;
@@ -215,6 +218,7 @@ impl DecodedCache {
         }
         e.batch = batch;
         e.bytes = bytes;
+        e.over = over;
         st.evict_outgrown_to(0);
         st.evict_to(0);
         crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
@@ -262,6 +266,38 @@ impl DecodedCache {
         bytes
     }
 
+    /// Lets go of the row groups decoded over node-cache copy `copy` (device, inode), which the
+    /// node cache has just unlinked: kept, they would keep its blocks on disk beyond the node
+    /// cache's bound for as long as they stay (up to the budget, [`UNUSED_FOR`] when idle). A
+    /// later use decodes the row group from the copy fetched then, which costs only its page
+    /// headers; it is no sign that the budget is short ([`Self::decoded_before`]). Batches being
+    /// gathered keep theirs until they are sent. Returns the row groups let go of.
+    pub fn forget_copy(&self, copy: (u64, u64)) -> usize {
+        let mut st = self.lock();
+        if !st.map.values().any(|e| e.over == Some(copy)) {
+            return 0;
+        }
+        let keys: Vec<RowGroupKey> =
+            st.map.iter().filter(|(_, e)| e.over == Some(copy)).map(|(k, _)| k.clone()).collect();
+        // Dropped after the lock: the last of them unmaps the copy.
+        let mut gone = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Some(e) = st.map.remove(&key) {
+                st.lru.remove(&e.last_use);
+                st.stats.bytes -= e.bytes;
+                if e.outgrown {
+                    st.outgrown_lru.remove(&e.last_use);
+                    st.stats.outgrown_bytes -= e.bytes;
+                }
+                gone.push(e.batch);
+            }
+        }
+        st.stats.entries = st.map.len() as u64;
+        crate::metrics::parquet_decoded(st.stats.bytes, st.stats.budget);
+        drop(st);
+        gone.len()
+    }
+
     /// Bounds the cache at `budget` bytes from now on, evicting the least recently used row
     /// groups until it fits.
     pub fn set_budget(&self, budget: u64) {
@@ -298,6 +334,17 @@ impl DecodedCache {
         outgrown: bool,
         decode: impl FnOnce() -> Result<RecordBatch, E>,
     ) -> Result<Arc<RecordBatch>, E> {
+        self.get_or_decode_over(key, outgrown, || decode().map(|b| (b, None)))
+    }
+
+    /// [`Self::get_or_decode_as`] where `decode` also says which node-cache copy's mapping the
+    /// row group's values lie in, if any.
+    pub fn get_or_decode_over<E>(
+        &self,
+        key: &RowGroupKey,
+        outgrown: bool,
+        decode: impl FnOnce() -> Result<(RecordBatch, Option<(u64, u64)>), E>,
+    ) -> Result<Arc<RecordBatch>, E> {
         let mut st = self.lock();
         loop {
             if let Some(b) = st.touch(key) {
@@ -321,10 +368,11 @@ impl DecodedCache {
             }
         }
         let mark = Mark(self, key);
-        let batch = Arc::new(decode()?);
+        let (batch, over) = decode()?;
+        let batch = Arc::new(batch);
         // Measured before the lock: it walks every buffer of the row group.
         let bytes = held_bytes(&batch);
-        self.lock().insert(key.clone(), batch.clone(), bytes, outgrown);
+        self.lock().insert(key.clone(), batch.clone(), bytes, outgrown, over);
         drop(mark);
         Ok(batch)
     }
@@ -344,7 +392,14 @@ impl State {
         Some(e.batch.clone())
     }
 
-    fn insert(&mut self, key: RowGroupKey, batch: Arc<RecordBatch>, bytes: u64, outgrown: bool) {
+    fn insert(
+        &mut self,
+        key: RowGroupKey,
+        batch: Arc<RecordBatch>,
+        bytes: u64,
+        outgrown: bool,
+        over: Option<(u64, u64)>,
+    ) {
         if self.map.contains_key(&key) {
             return;
         }
@@ -362,7 +417,7 @@ impl State {
             self.outgrown_lru.insert(self.tick, key.clone());
             self.stats.outgrown_bytes += bytes;
         }
-        self.map.insert(key, Entry { batch, bytes, last_use: self.tick, outgrown });
+        self.map.insert(key, Entry { batch, bytes, last_use: self.tick, outgrown, over });
         self.stats.bytes += bytes;
         self.stats.entries = self.map.len() as u64;
         crate::metrics::parquet_decoded(self.stats.bytes, self.stats.budget);
@@ -594,12 +649,33 @@ mod tests {
         let cache = DecodedCache::new(1 << 30);
         cache.get_or_decode(&key(0), || Ok::<_, ()>(testdata::mixed_batch(0..100))).unwrap();
         let smaller = Arc::new(testdata::mixed_batch(0..10));
-        cache.replace(&key(0), smaller.clone());
+        cache.replace(&key(0), smaller.clone(), None);
         assert!(Arc::ptr_eq(&cache.get(&key(0)).unwrap(), &smaller));
         assert_eq!(cache.stats().bytes, held_bytes(&smaller));
-        cache.replace(&key(1), smaller);
+        cache.replace(&key(1), smaller, None);
         assert!(cache.get(&key(1)).is_none(), "not cached: not added");
         assert_eq!(cache.stats().entries, 1);
+    }
+
+    #[test]
+    fn the_row_groups_over_a_removed_copy_go_with_it_and_only_they() {
+        let cache = DecodedCache::new(1 << 30);
+        let (a, b) = ((1, 10), (1, 11));
+        let decode = |over| move || Ok::<_, ()>((testdata::mixed_batch(0..100), over));
+        for (rg, over) in [(0, Some(a)), (1, Some(a)), (2, Some(b)), (3, None)] {
+            cache.get_or_decode_over(&key(rg), false, decode(over)).unwrap();
+        }
+        let size = cache.stats().bytes / 4;
+        // Loaded from a kept file since: held over that file now, not over the copy.
+        cache.replace(&key(1), Arc::new(testdata::mixed_batch(0..100)), Some((1, 12)));
+        assert_eq!(cache.forget_copy(a), 1);
+        assert_eq!(cache.forget_copy(a), 0);
+        assert!(cache.get(&key(0)).is_none());
+        assert!(cache.get(&key(1)).is_some() && cache.get(&key(2)).is_some() && cache.get(&key(3)).is_some());
+        assert_eq!((cache.stats().entries, cache.stats().bytes, cache.stats().evictions), (3, 3 * size, 0));
+        assert!(!cache.decoded_before(&key(0)), "no sign of a budget too small");
+        assert_eq!(cache.forget_copy((1, 12)), 1);
+        assert_eq!(cache.stats().entries, 2);
     }
 
     #[test]

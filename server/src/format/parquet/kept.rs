@@ -89,8 +89,10 @@ pub fn keep_now<K: KeptRowGroups + ?Sized>(
     }
 }
 
-/// [`load`] of row group `rg` of file `file` (named `name`) from `opened`; one that does not load
-/// (damaged) is logged and discarded from `kept`, and the caller decodes the row group instead.
+/// [`load`] of row group `rg` of file `file` (named `name`) from `opened`, with the kept file's
+/// device and inode (what the decoded cache lets go of when the node cache evicts it); one that
+/// does not load (damaged) is logged and discarded from `kept`, and the caller decodes the row
+/// group instead.
 pub fn load_or_discard<K: KeptRowGroups + ?Sized>(
     kept: &K,
     file: usize,
@@ -99,9 +101,11 @@ pub fn load_or_discard<K: KeptRowGroups + ?Sized>(
     opened: File,
     schema: &SchemaRef,
     rows: usize,
-) -> Option<RecordBatch> {
-    match load(opened, name, schema, rows) {
-        Ok(batch) => Some(batch),
+) -> Option<(RecordBatch, (u64, u64))> {
+    use std::os::unix::fs::MetadataExt;
+    let identity = opened.metadata().map(|m| (m.dev(), m.ino())).map_err(|e| ipc("stat", e));
+    match identity.and_then(|id| load(opened, name, schema, rows).map(|b| (b, id))) {
+        Ok(loaded) => Some(loaded),
         Err(e) => {
             tracing::warn!(file = %name, row_group = rg, error = %e, "a kept row group did not load; deleted, decoded instead");
             kept.discard(file, rg);

@@ -48,6 +48,8 @@ type Live = HashMap<(u64, u64), Weak<Arena>>;
 #[derive(Debug)]
 pub struct MappedFile {
     arena: Arc<Arena>,
+    /// The copy's device and inode.
+    identity: (u64, u64),
     /// Where the file's bytes lie in the copy: None for a whole copy (offsets are the file's);
     /// the pieces for a compact copy of some column chunks.
     locate: Option<Arc<ProjectedFile>>,
@@ -78,13 +80,26 @@ impl MappedFile {
         file_len: u64,
         locate: Option<Arc<ProjectedFile>>,
     ) -> Result<Self, ParquetError> {
+        use std::os::unix::fs::MetadataExt;
+        let m =
+            copy.metadata().map_err(|e| ParquetError::Io(format!("cannot stat the node-cache copy of {name}: {e}")))?;
+        Self::map_identified(copy, (m.dev(), m.ino()), name, file_len, locate)
+    }
+
+    fn map_identified(
+        copy: std::fs::File,
+        identity: (u64, u64),
+        name: &str,
+        file_len: u64,
+        locate: Option<Arc<ProjectedFile>>,
+    ) -> Result<Self, ParquetError> {
         // SAFETY: a published node-cache file is immutable (filled under a temporary name and
         // renamed; evicted by unlink, never truncated or rewritten in place), so its pages stay
         // as mapped for as long as the mapping lives.
         let map = unsafe { memmap2::Mmap::map(&copy) }
             .map_err(|e| ParquetError::Io(format!("cannot map the node-cache copy of {name}: {e}")))?;
         let arena = Arena::register(copy, map, name, true);
-        Ok(Self { arena, locate, file_len })
+        Ok(Self { arena, identity, locate, file_len })
     }
 
     /// `copy` (device and inode `identity`) mapped: the mapping a live row group of the same
@@ -100,14 +115,19 @@ impl MappedFile {
     ) -> Result<Self, ParquetError> {
         let mut live = live().lock().unwrap_or_else(|p| p.into_inner());
         if let Some(arena) = live.get(&identity).and_then(Weak::upgrade) {
-            return Ok(Self { arena, locate, file_len });
+            return Ok(Self { arena, identity, locate, file_len });
         }
-        let m = Self::map(copy, name, file_len, locate)?;
+        let m = Self::map_identified(copy, identity, name, file_len, locate)?;
         if live.len() >= PRUNE_AT {
             live.retain(|_, a| a.strong_count() > 0);
         }
         live.insert(identity, Arc::downgrade(&m.arena));
         Ok(m)
+    }
+
+    /// The copy's device and inode.
+    pub fn identity(&self) -> (u64, u64) {
+        self.identity
     }
 
     pub fn arena(&self) -> &Arc<Arena> {
