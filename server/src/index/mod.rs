@@ -738,7 +738,17 @@ impl Dataset {
         let Some(cache) = &self.backends.cache else { return Err(e) };
         let key = pin.key().to_owned();
         drop(pin);
-        if !cache.drop_copy(&key, &format!("opening it failed: {e}")) {
+        // Cut short: the trainers that had it mapped (zero-copy), and a daemon serving a Parquet
+        // copy from its mapping, were killed by SIGBUS when they touched a page past the cut.
+        let hint = match e {
+            Error::Shard { .. } => {
+                "; a copy cut short while mapped kills the processes reading it (trainers, with zero-copy views; \
+                 this daemon, for a Parquet copy) with SIGBUS: clean a node cache up by deleting copies, never by \
+                 truncating them"
+            }
+            _ => "",
+        };
+        if !cache.drop_copy(&key, &format!("opening it failed: {e}{hint}")) {
             return Err(e);
         }
         self.fetch_now(i, asked, ended)
