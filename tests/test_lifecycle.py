@@ -178,6 +178,32 @@ def test_prefetch_gives_up_on_a_daemon_that_stops_answering(dataset, tmp_path: P
         assert d.stop() == 0
 
 
+def test_prefetch_says_a_daemon_killed_under_it_is_gone_not_silent(tmp_path: Path) -> None:
+    """A daemon killed (SIGKILL, OOM) during `prefetch` cut the connection at once, and prefetch
+    said "stopped answering (no reply to a ping within 20 s; stopped, frozen ...)" 1.5 s later:
+    an operator went looking for a frozen daemon."""
+    env = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens: the store is retried for ~20 s
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_REGION": "us-east-1",
+    }
+    log = tmp_path / "daemon.log"
+    d = Daemon(tmp_path, env=env, log=log).start()
+    staging = subprocess.Popen(
+        [SHARDSTREAM, "prefetch", "--connect", d.addr, "s3://bucket/staged/"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+    assert wait_for(lambda: "bucket/staged/" in log.read_text(), timeout=60)
+    d.kill()
+    _, err = staging.communicate(timeout=30)
+    assert staging.returncode == 1, err
+    assert "connection to the daemon" in err and "was lost" in err, err
+    assert "ping" not in err, err
+
+
 @pytest.mark.parametrize("scheme", ["tcp", "tls"])
 def test_a_remote_connect_to_a_frozen_daemon_is_a_connection_error_within_the_tcp_timeout(
     dataset, tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch

@@ -575,6 +575,13 @@ fn client_url(url: String) -> anyhow::Result<String> {
     Ok(absolute)
 }
 
+/// Whether `s` failed because a ping went unanswered (h2's "keep-alive timed out"; the kernel's
+/// "operation timed out"), not because the connection was cut or refused. By text: hyper keeps
+/// its keep-alive timeout error private, and `hyper::Error::is_timeout` is false for it.
+fn unanswered(s: &tonic::Status) -> bool {
+    std::error::Error::source(s).is_some_and(|e| shardstream_client::error_chain(e).contains("timed out"))
+}
+
 fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Duration) -> anyhow::Result<()> {
     let addr: Address = connect.parse()?;
     let what = match req.fields.as_slice() {
@@ -598,11 +605,18 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
             } else if !shardstream_client::is_transport_failure(&s) {
                 // The daemon's own answer (a store's failure, say), not the connection's.
                 anyhow::anyhow!("{}", s.message())
-            } else if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
+            } else if (s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown) && unanswered(&s) {
                 anyhow::anyhow!(
                     "the daemon at {addr} stopped answering (no reply to a ping within {} s; stopped, frozen or \
                      shutting down?): {}",
                     silence.as_secs_f64(),
+                    s.message()
+                )
+            } else if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
+                // Cut, not silent: the daemon exited (killed, out of memory) or its host went.
+                anyhow::anyhow!(
+                    "the connection to the daemon at {addr} was lost (did it exit or get killed? its log, or \
+                     `shardstream status`, says whether it runs): {}",
                     s.message()
                 )
             } else {
@@ -614,13 +628,9 @@ fn prefetch(connect: &str, req: shardstream_proto::PrefetchRequest, silence: Dur
         // the first request at once: the client's words for it, not "stopped answering". A ping
         // left unanswered (a stopped or frozen daemon) is what `refused` says it is.
         let first = client.clone();
-        let first = |s: tonic::Status| {
-            let unanswered =
-                std::error::Error::source(&s).is_some_and(|e| shardstream_client::error_chain(e).contains("timed out"));
-            match shardstream_client::is_transport_failure(&s) && !unanswered {
-                true => anyhow::Error::new(first.first_answer(s)),
-                false => refused(s),
-            }
+        let first = |s: tonic::Status| match shardstream_client::is_transport_failure(&s) && !unanswered(&s) {
+            true => anyhow::Error::new(first.first_answer(s)),
+            false => refused(s),
         };
         let mut stream = client.prefetch(req).await.map_err(first)?.into_inner();
         let mut bar: Option<indicatif::ProgressBar> = None;
