@@ -496,6 +496,12 @@ def test_a_disk_that_frees_up_gives_the_capacity_back(tmp_path: Path, s3: S3Serv
         assert epoch(d.addr, "s3://data/regain-small/", batch_size=1, shuffle_window=1) == small
         lowered = d.status()["cache"]["capacity_bytes"]
         assert lowered < 1 << 20, lowered
+        # Said as lowered, and why: "node cache 0.9 of 0.9 MB" alone read as a cache too small.
+        assert d.status()["cache"]["configured_capacity_bytes"] == 1 << 30
+        said = subprocess.run(
+            [SHARDSTREAM, "status", "--connect", d.addr], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        assert "lowered from 1073.7 MB: its file system is full" in said, said
         # The tmpfs is mounted in the daemon's own mount namespace: reach it through its root.
         assert d.proc is not None
         Path(f"/proc/{d.proc.pid}/root{ballast}").unlink()

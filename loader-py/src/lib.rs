@@ -160,6 +160,7 @@ impl Connection {
             if let Some(c) = r.cache {
                 let cache = PyDict::new(py);
                 cache.set_item("capacity_bytes", c.capacity_bytes)?;
+                cache.set_item("configured_capacity_bytes", c.configured_capacity_bytes)?;
                 cache.set_item("used_bytes", c.used_bytes)?;
                 cache.set_item("shards", c.shards)?;
                 cache.set_item("hits", c.hits)?;

@@ -770,7 +770,8 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             "bytes_served": reply.bytes_served, "read_wait_ms": reply.read_wait_ms,
             "cache_dir": reply.cache_dir, "datasets": datasets,
             "cache": reply.cache.as_ref().map(|c| serde_json::json!({
-                "capacity_bytes": c.capacity_bytes, "used_bytes": c.used_bytes, "shards": c.shards,
+                "capacity_bytes": c.capacity_bytes, "configured_capacity_bytes": c.configured_capacity_bytes,
+                "used_bytes": c.used_bytes, "shards": c.shards,
                 "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
                 "filled_bytes": c.filled_bytes, "high_water_bytes": c.high_water_bytes, "policy": c.policy,
                 "decoded_row_groups": c.decoded_row_groups, "decoded_bytes": c.decoded_bytes,
@@ -812,6 +813,12 @@ fn print_status(addr: &Address, reply: &shardstream_proto::StatusReply, json: bo
             c.misses,
             c.evictions
         )?;
+        if c.capacity_bytes < c.configured_capacity_bytes {
+            outln!(
+                "                lowered from {:.1} {unit}: its file system is full (it comes back as that frees)",
+                c.configured_capacity_bytes as f64 / scale
+            )?;
+        }
         if c.decoded_row_groups > 0 {
             outln!(
                 "                of which {:.1} {unit} in {} Parquet row groups kept decoded",

@@ -190,6 +190,8 @@ pub fn refuse_nested(cache_dir: &Path) -> Result<()> {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct CacheStats {
     pub capacity: u64,
+    /// The capacity asked for: `capacity` is lower while a full disk lowered it.
+    pub configured: u64,
     pub used: u64,
     /// Entries that are shard copies (or column-chunk copies), not derived ones.
     pub shards: u64,
@@ -522,6 +524,7 @@ impl NodeCache {
         let (derived, derived_bytes) = t.count_prefixed(DERIVED_PREFIX);
         CacheStats {
             capacity: t.capacity(),
+            configured: self.configured,
             used: t.used(),
             shards: (t.len() as u64).saturating_sub(derived),
             derived,
@@ -714,6 +717,20 @@ impl NodeCache {
                                 && !space_wait
                                     .spare(&mut self.space_failed_at.lock().unwrap_or_else(|p| p.into_inner()), now)
                             {
+                                if t.capacity() < self.configured && self.is_lowered() {
+                                    // The advice below would mislead: the size asked for fits.
+                                    return Err(Error::CacheFull(format!(
+                                        "node cache {} is full: its file system is full, so its capacity is lowered \
+                                         to {} of the {} bytes asked for (--cache-size), and {} of them are pinned \
+                                         by active streams or leased to clients; {needed} more are needed (only \
+                                         {evictable} could be freed). Free space on that file system (the capacity \
+                                         comes back as it frees), or run fewer jobs on this node",
+                                        self.dir.display(),
+                                        t.capacity(),
+                                        self.configured,
+                                        t.pinned_bytes(),
+                                    )));
+                                }
                                 return Err(Error::CacheFull(format!(
                                     "node cache {} is full: {} of {} bytes are pinned by active streams or leased \
                                      to clients and {needed} more are needed (only {evictable} could be freed). \

@@ -514,6 +514,7 @@ impl Shardstream for Service {
                 let s = c.stats();
                 CacheStatus {
                     capacity_bytes: s.capacity,
+                    configured_capacity_bytes: s.configured,
                     used_bytes: s.used,
                     shards: s.shards,
                     hits: s.hits,
