@@ -131,6 +131,24 @@ def test_dataloader_without_workers_keeps_the_views(daemon, dataset) -> None:
     assert n == len(samples)
 
 
+def test_dataloader_without_workers_gives_bytes_when_it_pins(daemon, dataset) -> None:
+    """torch's pin_memory (what DataLoader(pin_memory=True) applies to each batch where an
+    accelerator is) takes a memoryview for a sequence and rebuilt every field of a zero-copy batch
+    as a list of Python ints, one per byte, on every GPU machine. A pinning loader gets bytes."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    root, samples = dataset
+    n = 0
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr)
+    for batch in sst.DataLoader(ds, num_workers=0, pin_memory=True):
+        # What the pin step makes of it; here, with no accelerator, torch skips the step itself.
+        pinned = pin_memory(batch)
+        assert all(type(v) is bytes for v in pinned["jpg"]), type(pinned["jpg"][0])
+        assert list(pinned["jpg"]) == [samples[k]["jpg"] for k in batch["__key__"]]
+        n += len(batch["__key__"])
+    assert n == len(samples)
+
+
 @pytest.mark.parametrize("name", ["drop_last", "shuffle"])
 def test_batching_options_given_to_the_dataloader_name_the_dataset(daemon, dataset, name: str) -> None:
     # torch's refusal said "batch_size=None option disables auto-batching and is mutually exclusive

@@ -56,7 +56,10 @@ mapping is not seen), or build the DataLoader with ``reuse_batch_memory=False``.
 
 Without a transform, in worker processes fields arrive as ``bytes`` (batches cross a process
 boundary by pickling, which memoryviews cannot: every byte is copied twice, into the pickle and
-out of it); with ``num_workers=0`` they are zero-copy memoryviews.
+out of it); with ``num_workers=0`` they are zero-copy memoryviews, but ``bytes`` when the
+DataLoader pins (``pin_memory=True``: torch's ``pin_memory`` takes a memoryview for a sequence and
+would rebuild each as a list of Python ints). Lightning's device transfer fails on a memoryview
+likewise (and walks ``bytes`` a byte at a time): under it, yield a transform's tensors.
 
 With ``collate="stack"`` each field is one ``uint8`` tensor of shape ``(samples, record_bytes)``
 (``.view(torch.int32)`` etc. for typed records). With ``num_workers=0`` and shared memory it lies
@@ -262,6 +265,8 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         # The epoch an iteration in this process last read to its end (see _warn_same_order).
         self._finished_epoch: int | None = None
         self._warned_same_order = False
+        # Set by a shardstream.torch.DataLoader for each iteration: whether it pins its batches.
+        self._pinned = False
 
     @property
     def epoch(self) -> int:
@@ -331,8 +336,12 @@ class IterableDataset(torch.utils.data.IterableDataset[Any]):
         # A plain DataLoader's default_convert in the trainer's process (num_workers=0) takes a
         # memoryview for a sequence and would make each a list of Python ints: it gets bytes, as
         # from its workers (tensors over the ring stay as they are).
+        # So does torch's pin_memory (a DataLoader's pin_memory=True where an accelerator is), on
+        # every field of every batch.
         views_to_bytes = not copy and not transformed and not adopt
-        views_to_bytes &= getattr(fetcher, "collate_fn", None) is torch.utils.data.default_convert
+        views_to_bytes &= getattr(fetcher, "collate_fn", None) is torch.utils.data.default_convert or (
+            info is None and self._pinned
+        )
         loader = Loader(self.url, copy=copy, _worker=(worker, num_workers), **self._kwargs)
         state = dict(self._state_template, epoch=self.epoch, batches_consumed=self.start_batch)
         loader.load_state_dict(state)
@@ -532,6 +541,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         ds = self._ss_dataset
         _warn_same_order(ds, ds.epoch, bool(ds._kwargs["shuffle"]), ds.start_batch)
         ds._consumed = ds.start_batch
+        ds._pinned = bool(self.pin_memory)
         memory = ds._memory = self._start_memory()
         batches = super().__iter__()
         if memory is not None:
