@@ -329,13 +329,20 @@ def test_node_cache_copies_removed_or_truncated_by_another_hand_are_fetched_agai
         copies[3].unlink()
         with open(copies[5], "r+b") as f:
             f.truncate(1000)
+        if manifest:
+            # Written in place at its size: the copy's time moves, and the manifest's CRC tells
+            # (bytes changed in a copy were served as they were, epoch after epoch).
+            with open(copies[6], "r+b") as f:
+                f.seek(3000)
+                f.write(b"X" * 16)
         epoch(2)
         epoch(3)
         on_disk = sum(p.stat().st_size for p in (d.cache_dir / "shards").glob("*-train-*.tar"))
         assert d.status()["cache"]["used_bytes"] == on_disk
         assert d.stop() == 0
         said = log.read_text()
-        assert said.count("node-cache copy dropped, fetched again") == 3, "each said in the log"
+        assert said.count("node-cache copy dropped, fetched again") == 3 + manifest, "each said in the log"
+        assert said.count("written in place by another hand") == manifest, said
         # Cut short, it may have killed what mapped it: the log says so, and how to clean up.
         assert said.count("never by truncating them") == 1, said
     finally:

@@ -703,12 +703,14 @@ impl Dataset {
     /// it is made: the same time on both, one `stat` each, says the source is what was copied
     /// (whatever the clocks of the host that wrote it); another time has the source checked
     /// against the manifest as a shard read in place is (a `ShardError` when it no longer matches),
-    /// and then recorded on the copy. `stat`: the source's, when the caller just took it.
-    fn current_copy(&self, i: usize, path: &Path, stat: Option<std::fs::Metadata>, pin: Pin) -> Result<Pin> {
+    /// and so is the copy, whose time moves when another hand writes it in place (bytes changed
+    /// at its size were served as they were); then the source's time is recorded on the copy.
+    /// `stat`: the source's, when the caller just took it.
+    fn current_copy(&self, i: usize, path: &Path, stat: Option<std::fs::Metadata>, pin: Pin) -> Result<Current> {
         let meta = &self.shards[i];
         if meta.mtime_ns.is_some() || (meta.crc32c.is_none() && meta.footer_crc32c.is_none()) {
             // Listed with its time, the copy's key holds it; without a checksum nothing to check.
-            return Ok(pin);
+            return Ok(Current::Yes(pin));
         }
         let source = match stat {
             Some(m) => m.modified(),
@@ -719,14 +721,18 @@ impl Dataset {
         let recorded =
             copied.metadata().and_then(|m| m.modified()).map_err(|e| Error::io("cannot stat", pin.path(), e))?;
         if same_time(source, recorded) {
-            return Ok(pin);
+            return Ok(Current::Yes(pin));
         }
         verify_source(path, meta, None).map_err(|e| self.changed_if(e))?;
-        // The source holds the manifest's bytes, and so does the copy (checked when it was made).
+        match verify_source(pin.path(), meta, None) {
+            Ok(()) => {}
+            Err(e @ Error::Shard { .. }) => return Ok(Current::Unlike(pin, e)),
+            Err(e) => return Err(e),
+        }
         if let Err(e) = copied.set_modified(source) {
             tracing::warn!(copy = %pin.path().display(), error = %e, "cannot record its source's time on a node-cache copy");
         }
-        Ok(pin)
+        Ok(Current::Yes(pin))
     }
 
     /// Shard `i`'s copy again, for `pin`, a copy made before that opening found gone or not its
@@ -735,9 +741,6 @@ impl Dataset {
     /// stream. Dropped and fetched once more; a copy another stream still pins (it holds the file
     /// open) cannot be dropped, and `e` is the answer until it is let go of.
     fn fetch_lost_copy(&self, i: usize, pin: Pin, e: Error, asked: Instant, ended: Option<Ended<'_>>) -> Result<Pin> {
-        let Some(cache) = &self.backends.cache else { return Err(e) };
-        let key = pin.key().to_owned();
-        drop(pin);
         // Cut short: the trainers that had it mapped (zero-copy), and a daemon serving a Parquet
         // copy from its mapping, were killed by SIGBUS when they touched a page past the cut.
         let hint = match e {
@@ -748,7 +751,25 @@ impl Dataset {
             }
             _ => "",
         };
-        if !cache.drop_copy(&key, &format!("opening it failed: {e}{hint}")) {
+        let why = format!("opening it failed: {e}{hint}");
+        self.fetch_copy_again(i, pin, e, &why, asked, ended)
+    }
+
+    /// Shard `i`'s copy again, for `pin`, a copy found not to be the shard (`e`, said as `why`):
+    /// dropped, and fetched once more; one another stream pins cannot be, and `e` is the answer.
+    fn fetch_copy_again(
+        &self,
+        i: usize,
+        pin: Pin,
+        e: Error,
+        why: &str,
+        asked: Instant,
+        ended: Option<Ended<'_>>,
+    ) -> Result<Pin> {
+        let Some(cache) = &self.backends.cache else { return Err(e) };
+        let key = pin.key().to_owned();
+        drop(pin);
+        if !cache.drop_copy(&key, why) {
             return Err(e);
         }
         self.fetch_now(i, asked, ended)
@@ -871,7 +892,7 @@ impl Dataset {
                 let mut pin = self.fetch_now(i, asked, ended)?;
                 // Opened first: checking a local copy's source below opens the copy too, and a
                 // copy gone would fail there without being fetched again.
-                let file = match ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url()) {
+                let mut file = match ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url()) {
                     Ok(file) => file,
                     Err(e) if !pin.filled && matches!(e, Error::NotFound { .. } | Error::Shard { .. }) => {
                         pin = self.fetch_lost_copy(i, pin, e, asked, ended)?;
@@ -885,7 +906,18 @@ impl Dataset {
                     let (stat, opens) = checked.map_or((None, None), |(m, o)| (Some(m), Some(o)));
                     if !pin.filled && (stat.is_some() || !self.copy_current[i].load(Ordering::Acquire)) {
                         self.copy_current[i].store(false, Ordering::Release);
-                        pin = self.current_copy(i, path, stat, pin)?;
+                        pin = match self.current_copy(i, path, stat, pin)? {
+                            Current::Yes(pin) => pin,
+                            Current::Unlike(pin, e) => {
+                                let why = format!(
+                                    "its bytes are not the shard's (written in place by another hand since it was \
+                                     copied): {e}"
+                                );
+                                let pin = self.fetch_copy_again(i, pin, e, &why, asked, ended)?;
+                                file = ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?;
+                                pin
+                            }
+                        };
                     }
                     self.copy_current[i].store(true, Ordering::Release);
                     if let Some(opens) = opens {
@@ -1109,6 +1141,12 @@ fn same_time(source: std::time::SystemTime, recorded: std::time::SystemTime) -> 
 /// `e`, an error reading shard copy `pin` as its shard (its headers, its footer, its sample
 /// count): a shard error drops the copy, so that the next use fetches it again rather than failing
 /// on the same bytes for good (a copy damaged on disk after it was verified and published).
+/// What [`Dataset::current_copy`] found of a copy: current, or not the shard (and why).
+enum Current {
+    Yes(Pin),
+    Unlike(Pin, Error),
+}
+
 fn dropping_bad_copy(cache: &NodeCache, pin: Pin, e: Error) -> Error {
     if matches!(e, Error::Shard { .. }) {
         let key = pin.key().to_owned();
