@@ -735,9 +735,9 @@ impl NodeCache {
                                     "node cache {} is full: {} of {} bytes are pinned by active streams or leased \
                                      to clients and {needed} more are needed (only {evictable} could be freed). \
                                      Each stream keeps the shards of its shuffle window pinned (shuffle_window, \
-                                     8 by default, and those of the batches in flight), so a cache smaller than \
-                                     that many shards stalls even one stream: raise --cache-size, lower the \
-                                     loader's shuffle_window, or run fewer jobs on this node",
+                                     8 by default) and those its batches in flight still draw on, a few more, so \
+                                     a cache smaller than that many shards per stream stalls: raise --cache-size, \
+                                     lower the loader's shuffle_window, or run fewer jobs on this node",
                                     self.dir.display(),
                                     t.pinned_bytes(),
                                     t.capacity()
