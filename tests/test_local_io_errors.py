@@ -296,6 +296,51 @@ def test_a_node_cache_copy_damaged_on_disk_is_fetched_again_not_refused_for_good
         assert d.stop() == 0
 
 
+def test_a_directory_in_a_node_cache_copy_s_place_is_cleared_and_the_copy_fetched_again(tmp_path: Path) -> None:
+    """A directory left where a copy belongs (debris of a clean-up) failed every stream needing that
+    shard with "IsADirectoryError: cannot read shard <the cache's path>", and after a restart
+    (which skipped it silently) with "cannot publish cache file ...: Is a directory", for good.
+    An empty one is deleted, one with files moved aside, each said; the copy is fetched again."""
+    root = tmp_path / "ds"
+    samples = write_dataset(root, n=400, per_shard=50)
+    log = tmp_path / "daemon.log"
+    d = Daemon(tmp_path / "d", log=log).start()
+
+    def epoch(seed: int) -> None:
+        seen: list[str] = []
+        loader = shardstream.Loader(str(root), batch_size=40, seed=seed, cache="copy", connect=d.addr)
+        for batch in loader:
+            for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
+                assert bytes(jpg) == samples[key]["jpg"], key
+            seen.extend(batch["__key__"])
+        assert sorted(seen) == sorted(samples)
+
+    def replace_by_directory(copy: Path, with_file: bool) -> None:
+        copy.unlink()
+        copy.mkdir()
+        if with_file:
+            (copy / "notes.txt").write_text("someone's")
+
+    try:
+        epoch(1)
+        copies = sorted((d.cache_dir / "shards").glob("*-train-*.tar"))
+        replace_by_directory(copies[0], with_file=False)
+        replace_by_directory(copies[1], with_file=True)
+        epoch(2)
+        assert d.stop() == 0
+        replace_by_directory(copies[2], with_file=True)
+        d.start()
+        epoch(3)
+        assert all(c.is_file() for c in copies[:3]), copies[:3]
+        aside = sorted((d.cache_dir / "moved-aside").iterdir())
+        assert len(aside) == 2 and all((a / "notes.txt").read_text() == "someone's" for a in aside), aside
+        said = log.read_text()
+        assert said.count("a directory held a node-cache copy's place") == 3, said
+    finally:
+        if d.alive():
+            d.stop()
+
+
 @pytest.mark.parametrize("manifest", [False, True])
 def test_node_cache_copies_removed_or_truncated_by_another_hand_are_fetched_again(
     tmp_path: Path, manifest: bool

@@ -346,6 +346,34 @@ impl Want<'_> {
     }
 }
 
+/// Where [`clear_directory`] moves a directory it cannot delete, in the cache directory.
+pub const MOVED_ASIDE_DIR: &str = "moved-aside";
+
+/// A directory where a node-cache copy belongs (another hand's debris: the daemon makes none
+/// there) would fail every stream that needs that shard, the copy never published over it. An
+/// empty one is deleted; one with files is moved to [`MOVED_ASIDE_DIR`] in `cache_dir`, its
+/// contents left for whoever made it. Said in a warning either way.
+fn clear_directory(cache_dir: &Path, path: &Path) {
+    if std::fs::remove_dir(path).is_ok() {
+        tracing::warn!(path = %path.display(), "a directory held a node-cache copy's place: deleted (it was empty)");
+        return;
+    }
+    let aside = cache_dir.join(MOVED_ASIDE_DIR);
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let to =
+        aside.join(format!("{}.{stamp}", path.file_name().map_or_else(|| "entry".into(), |n| n.to_string_lossy())));
+    match std::fs::create_dir_all(&aside).and_then(|()| std::fs::rename(path, &to)) {
+        Ok(()) => tracing::warn!(
+            path = %path.display(), moved_to = %to.display(),
+            "a directory held a node-cache copy's place: moved aside, its files kept"
+        ),
+        Err(e) => tracing::warn!(
+            path = %path.display(), error = %e,
+            "a directory holds a node-cache copy's place and cannot be moved aside: that shard cannot be cached"
+        ),
+    }
+}
+
 /// How long a fill's failure is kept for the callers that waited on it.
 const FAILURE_KEPT: Duration = Duration::from_secs(60);
 
@@ -393,6 +421,8 @@ impl NodeCache {
             let meta = entry.metadata().map_err(|e| Error::io("cannot stat", &path, e))?;
             if meta.is_file() {
                 adopted.push((name, meta.len()));
+            } else if meta.is_dir() {
+                clear_directory(cache_dir, &path);
             }
         }
         let held: u64 = adopted.iter().map(|(_, b)| b).sum();
@@ -970,6 +1000,17 @@ impl NodeCache {
         }
     }
 
+    /// Clears the way for the copy `key` when a directory holds its place (see
+    /// [`clear_directory`]). One `lstat` per fill, beside a download.
+    fn clear_way(&self, key: &str) {
+        let p = self.path_of(key);
+        if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir())
+            && let Some(root) = self.dir.parent()
+        {
+            clear_directory(root, &p);
+        }
+    }
+
     fn remove_evicted(&self, evicted: &[String]) {
         use std::os::unix::fs::MetadataExt;
         let ev = if evicted.is_empty() { None } else { Some(self.eviction()) };
@@ -986,6 +1027,11 @@ impl NodeCache {
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(_) if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()) => {
+                    if let Some(root) = self.dir.parent() {
+                        clear_directory(root, &p);
+                    }
+                }
                 Err(e) => tracing::warn!(path = %p.display(), error = %e, "cannot delete evicted shard"),
             }
             if let Some(ev) = &ev {
@@ -999,6 +1045,7 @@ impl NodeCache {
     /// Writes one fill to a temporary file, syncs it (when `durable`) and renames it into place.
     fn fill_one(&self, key: &str, durable: bool, fill: &mut dyn FnMut(&Path, &File) -> Result<()>) -> Result<()> {
         let dest = self.path_of(key);
+        self.clear_way(key);
         // Dropped on any error below, which removes the temporary file.
         let tmp = AtomicFile::create(&dest).map_err(|e| Error::io("cannot create cache file", &dest, e))?;
         fill(tmp.temp_path(), tmp.file())?;

@@ -894,7 +894,10 @@ impl Dataset {
                 // copy gone would fail there without being fetched again.
                 let mut file = match ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url()) {
                     Ok(file) => file,
-                    Err(e) if !pin.filled && matches!(e, Error::NotFound { .. } | Error::Shard { .. }) => {
+                    Err(e)
+                        if !pin.filled
+                            && (matches!(e, Error::NotFound { .. } | Error::Shard { .. }) || is_a_directory(&e)) =>
+                    {
                         pin = self.fetch_lost_copy(i, pin, e, asked, ended)?;
                         ShardFile::open_as(pin.path().to_owned(), meta.len, meta.url())?
                     }
@@ -1141,6 +1144,11 @@ fn same_time(source: std::time::SystemTime, recorded: std::time::SystemTime) -> 
 /// `e`, an error reading shard copy `pin` as its shard (its headers, its footer, its sample
 /// count): a shard error drops the copy, so that the next use fetches it again rather than failing
 /// on the same bytes for good (a copy damaged on disk after it was verified and published).
+/// Whether `e` says a directory is where a file was asked for.
+fn is_a_directory(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::IsADirectory)
+}
+
 /// What [`Dataset::current_copy`] found of a copy: current, or not the shard (and why).
 enum Current {
     Yes(Pin),
