@@ -247,6 +247,28 @@ def test_numpy_integers_are_integers_and_numpy_floats_are_not(daemon, dataset) -
         loader.load_state_dict(dict(state, batches_consumed=np.float64(1)))
 
 
+def test_a_state_whose_integers_became_tensors_loads(daemon, dataset) -> None:
+    """Checkpoint helpers (torch.distributed.checkpoint, an all-reduce of the state) hand integers
+    back as 0-d tensors: such a state was refused as "saved with shuffle_window=tensor(0) but this
+    loader has 0; the order would differ", which it would not."""
+    import torch
+
+    root, _ = dataset
+    kw = dict(batch_size=64, seed=5, shuffle_window=0, connect=daemon.addr)
+    want = [k for b in shardstream.Loader(str(root), **kw) for k in b["__key__"]]
+    state = shardstream.Loader(str(root), **kw).state_dict()
+    as_tensors = {k: torch.tensor(v) if isinstance(v, (int, bool)) else v for k, v in state.items()}
+    as_tensors["batches_consumed"] = torch.tensor(2)
+    loader = shardstream.Loader(str(root), **kw)
+    loader.load_state_dict(as_tensors)
+    assert [k for b in loader for k in b["__key__"]] == want[128:]
+    # What would change the order is still refused, tensor or not.
+    with pytest.raises(ValueError, match="seed=6"):
+        loader.load_state_dict(dict(as_tensors, seed=torch.tensor(6)))
+    with pytest.raises(ValueError, match="batches_consumed must be an integer"):
+        loader.load_state_dict(dict(as_tensors, batches_consumed=torch.tensor(1.5)))
+
+
 def test_an_epoch_out_of_range_or_not_an_integer_is_refused_when_set(daemon, dataset) -> None:
     # set_epoch(-1) was taken, its iteration then failed with an OverflowError, and the loader's
     # own state_dict() could not be loaded back; 1.7 became epoch 1 without a word.

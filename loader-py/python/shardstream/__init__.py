@@ -188,6 +188,19 @@ def _checked_int(name: str, value: object, bits: int, low: int = 0, high: int | 
     return number
 
 
+def _as_plain_int(value: object) -> object:
+    """``value``, but an integer of another type (a 0-d tensor, a numpy scalar: what checkpoint
+    helpers make of a state's ints) as a Python int; a bool tensor as a bool."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return value
+    dtype = getattr(value, "dtype", None)
+    return bool(number) if dtype is not None and "bool" in str(dtype) else number
+
+
 def _checked_epoch(epoch: object) -> int:
     """An epoch as the plan takes it (a u64): refused when set, not as an ``OverflowError`` when
     the next iteration begins."""
@@ -846,6 +859,7 @@ class Loader:
         for key in ("epoch", "batches_consumed"):
             state[key] = _checked_int(f"the state's {key}", state[key], 64)
         for key in ("batch_size", "seed", "shuffle", "shuffle_window", "world_size", "drop_last", "rank"):
+            state[key] = _as_plain_int(state[key])
             saved, mine = state[key], getattr(self, key)
             if key == "shuffle_window":
                 # 0 is the daemon's default window: the same order as that window given.
