@@ -149,6 +149,29 @@ def test_dataloader_without_workers_gives_bytes_when_it_pins(daemon, dataset) ->
     assert n == len(samples)
 
 
+def test_a_second_iteration_of_a_dataloader_ends_the_first(daemon, dataset) -> None:
+    """Two live iterations of one shardstream.torch.DataLoader both counted into its one position:
+    after zip(dl, dl), state_dict() said 61 batches of a 31-batch epoch (a checkpoint that could
+    not be loaded); interleaved, a count neither iteration stood at. As with a Loader, a newer
+    iteration ends the older one, whose next batch raises."""
+    root, _ = dataset
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr)
+    dl = sst.DataLoader(ds, num_workers=0)
+    with pytest.raises(RuntimeError, match="a newer iteration"):
+        for _ in zip(dl, dl, strict=False):
+            pass
+    first = iter(dl)
+    next(first)
+    next(first)
+    second = iter(dl)
+    taken = [next(second)["__key__"] for _ in range(3)]
+    with pytest.raises(RuntimeError, match="a newer iteration"):
+        next(first)
+    assert dl.state_dict()["batches_consumed"] == 3
+    taken.extend(b["__key__"] for b in second)
+    assert dl.state_dict()["batches_consumed"] == len(taken) == len(ds)
+
+
 @pytest.mark.parametrize("name", ["drop_last", "shuffle"])
 def test_batching_options_given_to_the_dataloader_name_the_dataset(daemon, dataset, name: str) -> None:
     # torch's refusal said "batch_size=None option disables auto-batching and is mutually exclusive
@@ -194,6 +217,65 @@ def test_an_epoch_repeated_without_set_epoch_is_warned_once(daemon, dataset, how
         assert epoch() != first
         ds.set_epoch(1)  # the same epoch again, said: no warning
         epoch()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_taken_to_its_len_without_set_epoch_is_warned_too(daemon, dataset, workers: int) -> None:
+    """Lightning (and any loop bounded by len(dl)) takes an epoch's batches without asking for one
+    more, so the iteration never ended and the next epoch, without set_epoch(), repeated the order
+    with no warning: Lightning calls set_epoch on a DataLoader's sampler, not on its dataset."""
+    root, _ = dataset
+    ds = sst.IterableDataset(str(root), batch_size=256, seed=3, connect=daemon.addr, fields=["cls"])
+    dl = sst.DataLoader(ds, num_workers=workers)
+
+    def bounded() -> list[str]:
+        return [k for _, b in zip(range(len(dl)), dl, strict=False) for k in b["__key__"]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = bounded()
+    with pytest.warns(UserWarning, match=r"epoch 0 again without set_epoch\(\), in the same order"):
+        assert bounded() == first
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_set_epoch_on_the_dataloader_s_sampler_reaches_the_dataset(daemon, dataset, workers: int) -> None:
+    """Lightning's trainer calls set_epoch(epoch) on a DataLoader's sampler each epoch (as for a
+    DistributedSampler); a shardstream DataLoader's was torch's, without set_epoch, and every
+    epoch of a LightningModule repeated the first one's order."""
+    root, _ = dataset
+    ds = sst.IterableDataset(str(root), batch_size=256, seed=3, connect=daemon.addr, fields=["cls"])
+    dl = sst.DataLoader(ds, num_workers=workers)
+    orders = []
+    for epoch in range(2):
+        # What lightning.fabric.utilities.data._set_sampler_epoch does.
+        for obj in {id(s): s for s in (dl.sampler, getattr(dl.batch_sampler, "sampler", None)) if s}.values():
+            if callable(getattr(obj, "set_epoch", None)):
+                obj.set_epoch(epoch)
+        orders.append([k for b in dl for k in b["__key__"]])
+        assert ds.epoch == epoch
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
+
+
+def test_a_batch_moves_to_a_device_as_frameworks_move_one(daemon, dataset, tmp_path) -> None:
+    """Lightning's transfer_batch_to_device (and accelerate's send_to_device) call `to` on what has
+    one and otherwise rebuild collections item by item: a batch of zero-copy views failed with
+    "memoryview: a bytes-like object is required, not 'list'". A batch's `to` moves its tensors and
+    keeps its views (and their lease)."""
+    root, samples = dataset
+    ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr)
+    batch = next(iter(sst.DataLoader(ds, num_workers=0)))
+    moved = batch.to(torch.device("cpu"), non_blocking=True)
+    assert isinstance(moved, shardstream.Batch) and moved["__key__"] == batch["__key__"]
+    assert all(isinstance(v, memoryview) for v in moved["jpg"])
+    assert [bytes(v) for v in moved["jpg"]] == [samples[k]["jpg"] for k in moved["__key__"]]
+    # Stacked fields are tensors: moved as Tensor.to moves them.
+    records = write_token_blocks(tmp_path, 64, 256, per_shard=32, seed=5, label_mod=3)
+    stacked = sst.IterableDataset(str(tmp_path), batch_size=8, connect=daemon.addr, fields=["tok"], collate="stack")
+    b = next(iter(sst.DataLoader(stacked, num_workers=0)))
+    wide = b.to(torch.int32)
+    assert wide["tok"].dtype == torch.int32 and wide["tok"].shape == (8, 256)
+    assert [bytes(b["tok"][i].numpy()) for i in range(8)] == [records[k] for k in b["__key__"]]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -287,9 +287,33 @@ class Batch(dict[str, Any]):
         if native is not None:
             native.may_be_written()
 
+    def to(self, *args: Any, **kwargs: Any) -> Batch:
+        """The batch with its tensors (a field's, or in a field's list) moved as ``Tensor.to(*args,
+        **kwargs)`` moves them; memoryviews, strings and arrays stay as they are, holding the same
+        lease. Frameworks move a batch to its device by calling ``to`` where an object has one
+        (Lightning's ``transfer_batch_to_device``, accelerate's ``send_to_device``); without it
+        they rebuilt each memoryview as a sequence, which fails (``memoryview: a bytes-like object
+        is required, not 'list'``)."""
+
+        def moved(v: Any) -> Any:
+            if isinstance(v, list):
+                return [moved(x) for x in v] if any(_movable(x) for x in v) else v
+            return v.to(*args, **kwargs) if _movable(v) else v
+
+        out = Batch({k: moved(v) for k, v in self.items()})
+        native = getattr(self, "_native", None)
+        if native is not None:
+            out._native = native
+        return out
+
     def __reduce__(self) -> tuple[Any, ...]:
         # Crossing a process boundary (DataLoader workers) copies the data; the lease stays here.
         return (Batch, (dict(self),))
+
+
+def _movable(v: object) -> bool:
+    """Whether ``v`` is moved by ``Batch.to``: a tensor (anything but a container with ``to``)."""
+    return callable(getattr(v, "to", None)) and not isinstance(v, (dict, list, str, bytes, memoryview))
 
 
 #: Most batches of small rows one Arrow message may carry (the daemon caps it too): the record

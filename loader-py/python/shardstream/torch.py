@@ -58,8 +58,8 @@ Without a transform, in worker processes fields arrive as ``bytes`` (batches cro
 boundary by pickling, which memoryviews cannot: every byte is copied twice, into the pickle and
 out of it); with ``num_workers=0`` they are zero-copy memoryviews, but ``bytes`` when the
 DataLoader pins (``pin_memory=True``: torch's ``pin_memory`` takes a memoryview for a sequence and
-would rebuild each as a list of Python ints). Lightning's device transfer fails on a memoryview
-likewise (and walks ``bytes`` a byte at a time): under it, yield a transform's tensors.
+would rebuild each as a list of Python ints). A batch's ``to(...)`` moves its tensors and keeps
+its views: frameworks that move batches by calling ``to`` (Lightning, accelerate) take it.
 
 With ``collate="stack"`` each field is one ``uint8`` tensor of shape ``(samples, record_bytes)``
 (``.view(torch.int32)`` etc. for typed records). With ``num_workers=0`` and shared memory it lies
@@ -462,6 +462,18 @@ def _convert(data: Any) -> Any:
     return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
 
+class _EpochSampler(torch.utils.data.dataloader._InfiniteConstantSampler):
+    """The sampler torch gives a DataLoader over an iterable dataset, with the ``set_epoch`` that
+    frameworks call on a DataLoader's sampler each epoch, passed on to the dataset."""
+
+    def __init__(self, dataset: IterableDataset) -> None:
+        super().__init__()
+        self._dataset = dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        self._dataset.set_epoch(epoch)
+
+
 class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` over a shardstream :class:`IterableDataset` that counts the
     batches it yields, so ``state_dict()`` / ``load_state_dict()`` resume exactly (also in a new
@@ -499,7 +511,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             )
         kwargs.setdefault("collate_fn", _convert)
         super().__init__(dataset, batch_size=None, **kwargs)
+        # Where frameworks call set_epoch (Lightning's trainer, on a DataLoader's sampler, as for a
+        # DistributedSampler): without it every Lightning epoch repeated the first one's order.
+        # torch refuses a sampler for an iterable dataset and then guards the attribute; this one
+        # iterates as torch's own does.
+        object.__setattr__(self, "sampler", _EpochSampler(dataset))
         self._ss_dataset = dataset
+        # Iterations begun: only the latest one yields (see __iter__).
+        self._iterations = 0
         self._reuse_memory = bool(reuse_batch_memory) and self.collate_fn is _convert
         self._memory: BatchMemory | None = None
 
@@ -539,6 +558,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     # iterator type: nothing calls the _BaseDataLoaderIter methods on a DataLoader's __iter__().
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self._ss_dataset
+        # One iteration at a time, as a Loader: the dataset counts one position (state_dict()),
+        # which two live iterations (zip(dl, dl), a new iter(dl) beside an old one) both moved,
+        # to a count neither stood at, or past the epoch's batches.
+        self._iterations += 1
+        mine = self._iterations
         _warn_same_order(ds, ds.epoch, bool(ds._kwargs["shuffle"]), ds.start_batch)
         ds._consumed = ds.start_batch
         ds._pinned = bool(self.pin_memory)
@@ -551,7 +575,17 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         lost = False
         try:
             for batch in batches:
+                if self._iterations != mine:
+                    raise RuntimeError(
+                        "a newer iteration of this shardstream.torch.DataLoader began, which ends this one: "
+                        "iterate it once at a time (its state_dict() is one position), or make a DataLoader "
+                        "for each consumer"
+                    )
                 ds._consumed += 1
+                if ds._consumed == len(ds):
+                    # Its last batch: a loop bounded by len() (Lightning's) never asks past it,
+                    # and a next iteration without set_epoch() repeats the order unwarned.
+                    ds._finished_epoch = ds.epoch
                 if isinstance(batch, Pooled):
                     assert memory is not None
                     # The batch before this one is usually still held by the caller's loop
