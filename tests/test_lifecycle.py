@@ -21,6 +21,14 @@ from s3server import free_port
 import shardstream
 from conftest import BIG_SAMPLES, SHARDSTREAM, Daemon, ctrl_c_as_at_a_terminal, wait_for, write_big
 
+# An S3 endpoint where nothing listens: the store is retried for ~20 s before it fails.
+UNREACHABLE_STORE = {
+    "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+    "AWS_ACCESS_KEY_ID": "a",
+    "AWS_SECRET_ACCESS_KEY": "b",
+    "AWS_REGION": "us-east-1",
+}
+
 
 def serve(tmp: Path, listen: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [SHARDSTREAM, "serve", "--listen", f"unix://{listen}", "--cache-dir", str(tmp / "cache"), *args]
@@ -182,12 +190,7 @@ def test_prefetch_says_a_daemon_killed_under_it_is_gone_not_silent(tmp_path: Pat
     """A daemon killed (SIGKILL, OOM) during `prefetch` cut the connection at once, and prefetch
     said "stopped answering (no reply to a ping within 20 s; stopped, frozen ...)" 1.5 s later:
     an operator went looking for a frozen daemon."""
-    env = {
-        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens: the store is retried for ~20 s
-        "AWS_ACCESS_KEY_ID": "a",
-        "AWS_SECRET_ACCESS_KEY": "b",
-        "AWS_REGION": "us-east-1",
-    }
+    env = UNREACHABLE_STORE
     log = tmp_path / "daemon.log"
     d = Daemon(tmp_path, env=env, log=log).start()
     staging = subprocess.Popen(
@@ -480,13 +483,7 @@ def test_ctrl_c_stops_serve_as_sigterm_does(tmp_path: Path) -> None:
 def test_ctrl_c_stops_a_command_at_once(tmp_path: Path) -> None:
     # Python's SIGINT handler only sets a flag while native code runs: Ctrl-C did nothing to
     # `index` (or a long `pack`) until the command ended by itself, then printed a traceback.
-    env = {
-        **os.environ,
-        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens: retried for ~18 s
-        "AWS_ACCESS_KEY_ID": "a",
-        "AWS_SECRET_ACCESS_KEY": "b",
-        "AWS_REGION": "us-east-1",
-    }
+    env = {**os.environ, **UNREACHABLE_STORE}
     proc = subprocess.Popen(
         [SHARDSTREAM, "index", "s3://bucket/x/"],
         env=env,
@@ -539,15 +536,9 @@ def test_a_stream_ended_by_a_shutdown_says_so(tmp_path: Path, transport: str) ->
         assert d.proc.wait(timeout=30) == 0
 
 
-def test_a_stream_waiting_for_cache_room_ends_with_the_shutdown(tmp_path: Path) -> None:
-    """A stream whose shuffle window does not fit the node cache waits for room (until a minute
-    passes in which no pin is let go of). A SIGTERM did not end that wait: the drain ran out after
-    `--drain-timeout` and the client saw a broken connection instead of "daemon is shutting down"."""
-    import threading
-
+def ten_800k_shards(tmp_path: Path) -> Path:
+    """Ten TAR shards of four 200 KiB samples (~800 KiB each), in `tmp_path`/ds."""
     import webdataset as wds
-
-    import shardstream
 
     root = tmp_path / "ds"
     root.mkdir()
@@ -555,6 +546,18 @@ def test_a_stream_waiting_for_cache_room_ends_with_the_shutdown(tmp_path: Path) 
     with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=4, verbose=0) as sink:
         for i in range(40):
             sink.write({"__key__": f"{i:05d}", "bin": blob})
+    return root
+
+
+def test_a_stream_waiting_for_cache_room_ends_with_the_shutdown(tmp_path: Path) -> None:
+    """A stream whose shuffle window does not fit the node cache waits for room (until a minute
+    passes in which no pin is let go of). A SIGTERM did not end that wait: the drain ran out after
+    `--drain-timeout` and the client saw a broken connection instead of "daemon is shutting down"."""
+    import threading
+
+    import shardstream
+
+    root = ten_800k_shards(tmp_path)
     # Ten shards of ~800 KiB; the cache holds one, the stream's window is eight.
     d = Daemon(tmp_path / "d", args=["--cache-size", "1MiB", "--drain-timeout", "60"])
     d.tmp.mkdir()
@@ -588,16 +591,9 @@ def test_a_stream_waiting_for_cache_room_lets_go_of_its_pins_when_its_client_lea
     """A stream waiting for room in a full node cache holds the shards it has pinned. Its trainer
     killed, the wait went on for a minute (until no pin was let go of for that long) for a client
     that was gone, and another job's stream could not get the room those pins held."""
-    import webdataset as wds
-
     import shardstream
 
-    root = tmp_path / "ds"
-    root.mkdir()
-    blob = bytes(range(256)) * 800  # 200 KiB
-    with wds.ShardWriter(str(root / "s-%04d.tar"), maxcount=4, verbose=0) as sink:
-        for i in range(40):
-            sink.write({"__key__": f"{i:05d}", "bin": blob})
+    root = ten_800k_shards(tmp_path)
     # Ten shards of ~800 KiB; the cache holds one.
     d = Daemon(tmp_path / "d", args=["--cache-size", "1MiB"])
     d.tmp.mkdir()
@@ -683,12 +679,7 @@ def test_an_open_and_a_prefetch_under_way_end_with_the_shutdown(tmp_path: Path) 
     tls:// listener" and "stopped answering (no reply to a ping within 20 s)"."""
     import threading
 
-    env = {
-        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens: the store is retried for ~20 s
-        "AWS_ACCESS_KEY_ID": "a",
-        "AWS_SECRET_ACCESS_KEY": "b",
-        "AWS_REGION": "us-east-1",
-    }
+    env = UNREACHABLE_STORE
     log = tmp_path / "daemon.log"
     d = Daemon(tmp_path, env=env, log=log).start()
     assert d.proc is not None

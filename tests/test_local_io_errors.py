@@ -296,6 +296,16 @@ def test_a_node_cache_copy_damaged_on_disk_is_fetched_again_not_refused_for_good
         assert d.stop() == 0
 
 
+def copied_epoch(root: Path, samples: dict[str, dict[str, bytes]], addr: str, seed: int) -> None:
+    """An epoch of `root` through the node cache (cache="copy"): every sample once, as written."""
+    seen: list[str] = []
+    for batch in shardstream.Loader(str(root), batch_size=40, seed=seed, cache="copy", connect=addr):
+        for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
+            assert bytes(jpg) == samples[key]["jpg"], key
+        seen.extend(batch["__key__"])
+    assert sorted(seen) == sorted(samples)
+
+
 def test_a_directory_in_a_node_cache_copy_s_place_is_cleared_and_the_copy_fetched_again(tmp_path: Path) -> None:
     """A directory left where a copy belongs (debris of a clean-up) failed every stream needing that
     shard with "IsADirectoryError: cannot read shard <the cache's path>", and after a restart
@@ -307,13 +317,7 @@ def test_a_directory_in_a_node_cache_copy_s_place_is_cleared_and_the_copy_fetche
     d = Daemon(tmp_path / "d", log=log).start()
 
     def epoch(seed: int) -> None:
-        seen: list[str] = []
-        loader = shardstream.Loader(str(root), batch_size=40, seed=seed, cache="copy", connect=d.addr)
-        for batch in loader:
-            for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
-                assert bytes(jpg) == samples[key]["jpg"], key
-            seen.extend(batch["__key__"])
-        assert sorted(seen) == sorted(samples)
+        copied_epoch(root, samples, d.addr, seed)
 
     def replace_by_directory(copy: Path, with_file: bool) -> None:
         copy.unlink()
@@ -359,13 +363,7 @@ def test_node_cache_copies_removed_or_truncated_by_another_hand_are_fetched_agai
     try:
 
         def epoch(seed: int) -> None:
-            seen: list[str] = []
-            loader = shardstream.Loader(str(root), batch_size=40, seed=seed, cache="copy", connect=d.addr)
-            for batch in loader:
-                for key, jpg in zip(batch["__key__"], batch["jpg"], strict=True):
-                    assert bytes(jpg) == samples[key]["jpg"], key
-                seen.extend(batch["__key__"])
-            assert sorted(seen) == sorted(samples)
+            copied_epoch(root, samples, d.addr, seed)
 
         epoch(1)
         copies = sorted((d.cache_dir / "shards").glob("*-train-*.tar"))

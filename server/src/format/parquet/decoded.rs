@@ -249,12 +249,7 @@ impl DecodedCache {
                 break;
             }
             let Some((_, key)) = st.lru.pop_first() else { break };
-            if let Some(e) = st.map.remove(&key) {
-                st.stats.bytes -= e.bytes;
-                if e.outgrown {
-                    st.outgrown_lru.remove(&e.last_use);
-                    st.stats.outgrown_bytes -= e.bytes;
-                }
+            if let Some(e) = st.take(&key) {
                 released.push(e.batch);
             }
         }
@@ -282,13 +277,7 @@ impl DecodedCache {
         // Dropped after the lock: the last of them unmaps the copy.
         let mut gone = Vec::with_capacity(keys.len());
         for key in keys {
-            if let Some(e) = st.map.remove(&key) {
-                st.lru.remove(&e.last_use);
-                st.stats.bytes -= e.bytes;
-                if e.outgrown {
-                    st.outgrown_lru.remove(&e.last_use);
-                    st.stats.outgrown_bytes -= e.bytes;
-                }
+            if let Some(e) = st.take(&key) {
                 gone.push(e.batch);
             }
         }
@@ -450,13 +439,22 @@ impl State {
         self.stats.entries = self.map.len() as u64;
     }
 
-    /// Drops `key`, already out of the eviction order it was taken from, out of the other.
-    fn evict(&mut self, key: RowGroupKey) {
-        let Some(e) = self.map.remove(&key) else { return };
+    /// Takes `key`'s entry out of the map, both eviction orders and the byte counts.
+    fn take(&mut self, key: &RowGroupKey) -> Option<Entry> {
+        let e = self.map.remove(key)?;
+        self.lru.remove(&e.last_use);
         self.stats.bytes -= e.bytes;
         if e.outgrown {
             self.outgrown_lru.remove(&e.last_use);
             self.stats.outgrown_bytes -= e.bytes;
+        }
+        Some(e)
+    }
+
+    /// Drops `key`, out of the map and both eviction orders (whichever it was taken from).
+    fn evict(&mut self, key: RowGroupKey) {
+        if self.take(&key).is_none() {
+            return;
         }
         self.stats.evictions += 1;
         self.let_go_of(key);
