@@ -199,7 +199,12 @@ def test_prefetch_says_a_daemon_killed_under_it_is_gone_not_silent(tmp_path: Pat
         text=True,
         env={**os.environ, **env},
     )
-    assert wait_for(lambda: "bucket/staged/" in log.read_text(), timeout=60)
+    try:
+        assert wait_for(lambda: "bucket/staged/" in log.read_text(), timeout=60)
+    except BaseException:
+        staging.kill()
+        d.kill()
+        raise
     d.kill()
     _, err = staging.communicate(timeout=30)
     assert staging.returncode == 1, err
@@ -610,19 +615,21 @@ def test_a_stream_waiting_for_cache_room_lets_go_of_its_pins_when_its_client_lea
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
-        # Its first batch draws on four shards: it pins the one that fits and waits for room.
-        assert wait_for(lambda: d.status()["cache"]["used_bytes"] > 0, timeout=30), "no shard was fetched"
-        time.sleep(1)
-        assert waiting.poll() is None, "the first trainer was not left waiting for room"
+        try:
+            # Its first batch draws on four shards: it pins the one that fits and waits for room.
+            assert wait_for(lambda: d.status()["cache"]["used_bytes"] > 0, timeout=30), "no shard was fetched"
+            time.sleep(1)
+            assert waiting.poll() is None, "the first trainer was not left waiting for room"
+        finally:
+            waiting.kill()
+            waiting.wait()
+        started = time.monotonic()
+        it = iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr, cache="copy", shuffle_window=1))
+        assert len(next(it)["__key__"]) == 1
+        assert time.monotonic() - started < 20, "the gone trainer's stream kept its pin"
+        del it
     finally:
-        waiting.kill()
-        waiting.wait()
-    started = time.monotonic()
-    it = iter(shardstream.Loader(str(root), batch_size=1, connect=d.addr, cache="copy", shuffle_window=1))
-    assert len(next(it)["__key__"]) == 1
-    assert time.monotonic() - started < 20, "the gone trainer's stream kept its pin"
-    del it
-    d.stop()
+        d.stop()
 
 
 def test_unix_socket_connections_that_never_speak_are_closed_and_hold_no_stop(tmp_path: Path) -> None:
