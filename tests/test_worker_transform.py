@@ -149,14 +149,17 @@ def test_dataloader_without_workers_gives_bytes_when_it_pins(daemon, dataset) ->
     assert n == len(samples)
 
 
-def test_a_second_iteration_of_a_dataloader_ends_the_first(daemon, dataset) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_second_iteration_of_a_dataloader_ends_the_first(daemon, dataset, workers: int) -> None:
     """Two live iterations of one shardstream.torch.DataLoader both counted into its one position:
     after zip(dl, dl), state_dict() said 61 batches of a 31-batch epoch (a checkpoint that could
     not be loaded); interleaved, a count neither iteration stood at. As with a Loader, a newer
     iteration ends the older one, whose next batch raises."""
     root, _ = dataset
     ds = sst.IterableDataset(str(root), batch_size=64, seed=3, connect=daemon.addr)
-    dl = sst.DataLoader(ds, num_workers=0)
+    # Persistent workers serve every iteration from one torch iterator: the older iteration must
+    # not take the newer one's batch as it ends.
+    dl = sst.DataLoader(ds, num_workers=workers, persistent_workers=workers > 0)
     with pytest.raises(RuntimeError, match="a newer iteration"):
         for _ in zip(dl, dl, strict=False):
             pass

@@ -462,6 +462,10 @@ def _convert(data: Any) -> Any:
     return torch.utils.data.default_convert(data)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
 
+#: What ``next`` gives for a DataLoader iterator that has ended (None is a batch a transform may make).
+_END = object()
+
+
 class _EpochSampler(torch.utils.data.dataloader._InfiniteConstantSampler):
     """The sampler torch gives a DataLoader over an iterable dataset, with the ``set_epoch`` that
     frameworks call on a DataLoader's sampler each epoch, passed on to the dataset."""
@@ -574,13 +578,18 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             memory.collect()
         lost = False
         try:
-            for batch in batches:
+            while True:
+                # Checked before the next batch is taken: persistent workers serve every iteration
+                # from one torch iterator, and a batch taken here would be the newer one's.
                 if self._iterations != mine:
                     raise RuntimeError(
                         "a newer iteration of this shardstream.torch.DataLoader began, which ends this one: "
                         "iterate it once at a time (its state_dict() is one position), or make a DataLoader "
                         "for each consumer"
                     )
+                batch = next(batches, _END)
+                if batch is _END:
+                    break
                 ds._consumed += 1
                 if ds._consumed == len(ds):
                     # Its last batch: a loop bounded by len() (Lightning's) never asks past it,
