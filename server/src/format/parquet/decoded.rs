@@ -269,11 +269,11 @@ impl DecodedCache {
     /// gathered keep theirs until they are sent. Returns the row groups let go of.
     pub fn forget_copy(&self, copy: (u64, u64)) -> usize {
         let mut st = self.lock();
-        if !st.map.values().any(|e| e.over == Some(copy)) {
-            return 0;
-        }
         let keys: Vec<RowGroupKey> =
             st.map.iter().filter(|(_, e)| e.over == Some(copy)).map(|(k, _)| k.clone()).collect();
+        if keys.is_empty() {
+            return 0;
+        }
         // Dropped after the lock: the last of them unmaps the copy.
         let mut gone = Vec::with_capacity(keys.len());
         for key in keys {
